@@ -1,0 +1,23 @@
+"""GPT-2 (GPT2Model, GPT2LMHeadModel): Conv1D projections, fused q|k|v, tied wte/lm_head."""
+
+from qn_hf.plan import ModelPolicy
+
+POLICY = ModelPolicy(
+    model_type="gpt2",
+    layers="h",
+    tp_plan={
+        "wte": "vocab_embedding",
+        "h.*.attn.c_attn": "colwise_packed3",
+        "h.*.attn.c_proj": "rowwise",
+        "h.*.mlp.c_fc": "colwise",
+        "h.*.mlp.c_proj": "rowwise",
+    },
+    head_plan={"lm_head": "vocab_colwise"},
+    # GPT2Attention splits the fused output with split_size; on a rank it is this rank's q width.
+    attr_patches={"h.*.attn.split_size": "local_q_width"},
+    # Attention dropout acts on this rank's heads; the residual dropout inside attn is replicated.
+    tp_rng_regions=("h.*.attn",),
+    shared_rng_regions=("h.*.attn.resid_dropout",),
+    loss="causal_lm",
+    forward_kwargs={"use_cache": False},
+)

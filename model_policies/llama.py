@@ -1,0 +1,25 @@
+"""Llama (LlamaModel, LlamaForCausalLM): separate q/k/v with grouped-query attention, untied head."""
+
+from qn_hf.plan import ModelPolicy
+
+POLICY = ModelPolicy(
+    model_type="llama",
+    layers="layers",
+    tp_plan={
+        "embed_tokens": "vocab_embedding",
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise_kv",
+        "layers.*.self_attn.v_proj": "colwise_kv",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    },
+    head_plan={"lm_head": "vocab_colwise"},
+    # repeat_kv expands local KV heads to local query heads; replication changes that ratio.
+    attr_patches={"layers.*.self_attn.num_key_value_groups": "local_kv_groups"},
+    tp_rng_regions=("layers.*.self_attn",),
+    loss="causal_lm",
+    forward_kwargs={"use_cache": False},
+    num_kv_heads_key="num_key_value_heads",
+)

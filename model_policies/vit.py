@@ -1,0 +1,19 @@
+"""ViT (ViTModel, ViTForImageClassification): patch embedding and classifier stay replicated."""
+
+from qn_hf.plan import ModelPolicy
+
+POLICY = ModelPolicy(
+    model_type="vit",
+    layers="layers",
+    tp_plan={
+        "layers.*.attention.q_proj": "colwise",
+        "layers.*.attention.k_proj": "colwise",
+        "layers.*.attention.v_proj": "colwise",
+        "layers.*.attention.o_proj": "rowwise",
+        "layers.*.mlp.fc1": "colwise",
+        "layers.*.mlp.fc2": "rowwise",
+    },
+    head_plan={"classifier": "replicate"},
+    tp_rng_regions=("layers.*.attention",),
+    loss="classification",
+)

@@ -1,0 +1,11 @@
+"""qn_hf: 3D parallelism (data x tensor x pipeline) for unmodified Hugging Face models."""
+
+from .grad_norm import clip_grad_norm_
+from .mesh import ParallelDims
+from .parallel_model import ParallelModel
+from .parallelize import parallelize
+from .plan import ModelPolicy
+
+__version__ = "0.1.0"
+
+__all__ = ["ModelPolicy", "ParallelDims", "ParallelModel", "clip_grad_norm_", "parallelize", "__version__"]

@@ -1,0 +1,157 @@
+"""Collectives as autograd functions, and flat (coalesced) collectives on lists of tensors.
+
+Every function takes its process group explicitly; a group of one member makes each of them a no-op,
+so ``tp=1`` runs the same code without communication. The first docstring line of each autograd
+function states its forward and backward collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+
+def group_size(group: ProcessGroup) -> int:
+    return dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup) -> int:
+    return dist.get_rank(group)
+
+
+def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    if group_size(group) == 1:
+        return x
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _all_gather_last(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    n = group_size(group)
+    if n == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def _split_last(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    n = group_size(group)
+    if n == 1:
+        return x
+    if x.shape[-1] % n:
+        raise ValueError(f"last dim {x.shape[-1]} is not divisible by the group size {n}")
+    return x.chunk(n, dim=-1)[group_rank(group)].contiguous()
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Identity forward, all-reduce (sum) backward: enters a region whose ranks each use the full input."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_reduce(grad.clone(), ctx.group), None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    """All-reduce (sum) forward, identity backward: leaves a region of partial sums."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _GatherFromGroup(torch.autograd.Function):
+    """All-gather along the last dim forward, split (keep this rank's chunk) backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _all_gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _split_last(grad, ctx.group), None
+
+
+class _SplitToGroup(torch.autograd.Function):
+    """Split along the last dim (keep this rank's chunk) forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _split_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather_last(grad, ctx.group), None
+
+
+def copy_to_group(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
+    """Identity forward, all-reduce backward."""
+    return x if group_size(group) == 1 else _CopyToGroup.apply(x, group)
+
+
+def reduce_from_group(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
+    """All-reduce forward, identity backward."""
+    return x if group_size(group) == 1 else _ReduceFromGroup.apply(x, group)
+
+
+def gather_from_group(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
+    """All-gather on the last dim forward, split backward."""
+    return x if group_size(group) == 1 else _GatherFromGroup.apply(x, group)
+
+
+def split_to_group(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
+    """Split on the last dim forward, all-gather backward."""
+    return x if group_size(group) == 1 else _SplitToGroup.apply(x, group)
+
+
+def _flat_in_place(tensors: Sequence[torch.Tensor], collective: Callable[[torch.Tensor], object]) -> None:
+    """Run ``collective`` on one flat buffer per dtype and copy the result back into each tensor."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        collective(flat)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def flat_all_reduce_(tensors: Sequence[torch.Tensor], *, group: ProcessGroup) -> None:
+    """Sum each tensor across the group in place, one collective per dtype (not per tensor)."""
+    if group_size(group) > 1 and tensors:
+        _flat_in_place(tensors, lambda flat: dist.all_reduce(flat, group=group))
+
+
+def flat_broadcast_(tensors: Sequence[torch.Tensor], *, src_group_rank: int, group: ProcessGroup) -> None:
+    """Overwrite each tensor with the group member ``src_group_rank``'s copy, one collective per dtype."""
+    if group_size(group) > 1 and tensors:
+        src = dist.get_global_rank(group, src_group_rank)
+        _flat_in_place(tensors, lambda flat: dist.broadcast(flat, src=src, group=group))
+
+
+def all_gather_tensors(x: torch.Tensor, *, group: ProcessGroup) -> list[torch.Tensor]:
+    """Every member's copy of ``x`` (same shape on every member), in group-rank order."""
+    if group_size(group) == 1:
+        return [x]
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(group_size(group))]
+    dist.all_gather(parts, x, group=group)
+    return parts

@@ -1,0 +1,221 @@
+"""Tensor-parallel replacements for ``nn.Linear``, transformers' ``Conv1D`` and ``nn.Embedding``.
+
+Each layer is built from an existing module with ``from_module`` and keeps only this rank's shard;
+parameter names (``weight``, ``bias``) and the weight layout of the module it replaces are kept,
+so the model's parameter names stay the Hugging Face names. ``nn.Linear`` stores ``[out, in]``;
+``Conv1D`` stores ``[in, out]`` and computes ``x @ W + b``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+from transformers.pytorch_utils import Conv1D
+
+from .comm import copy_to_group, gather_from_group, reduce_from_group
+from .shard import ShardSpec
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    return isinstance(module, Conv1D)
+
+
+def _dims(module: nn.Module) -> tuple[int, int, int, int]:
+    """(in_features, out_features, weight dim of outputs, weight dim of inputs) of a Linear or Conv1D."""
+    if _is_conv1d(module):
+        return module.nx, module.nf, 1, 0
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features, 0, 1
+    raise TypeError(f"expected nn.Linear or transformers Conv1D, got {type(module).__name__}")
+
+
+def _frozen_like(new: nn.Module, old: nn.Module) -> nn.Module:
+    """Carry ``requires_grad=False`` (frozen weights) over from the module being replaced."""
+    for name, param in new.named_parameters(recurse=False):
+        param.requires_grad_(getattr(old, name).requires_grad)
+    return new
+
+
+def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv1d_layout: bool) -> torch.Tensor:
+    if not conv1d_layout:
+        return F.linear(x, weight, bias)
+    out = x.reshape(-1, x.shape[-1])
+    out = torch.addmm(bias, out, weight) if bias is not None else out @ weight
+    return out.view(*x.shape[:-1], weight.shape[1])
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output features split across tp: each rank computes ``x @ W_r (+ b_r)`` for its columns.
+
+    Input: the full activation, replicated on every tp rank (``copy_to_group``: identity forward,
+    all-reduce backward, because every rank's columns contribute to the input gradient).
+    Output: this rank's columns (``[..., out/tp]``), or all columns with ``gather_output=True``.
+
+    Example: ``ColumnParallelLinear.from_module(mlp.up_proj, spec=ShardSpec(dim=0, tp=2, size=128),
+    tp_rank=r, group=tp_group)`` keeps rows ``[64r, 64r+64)`` of ``up_proj.weight``.
+    """
+
+    def __init__(
+        self,
+        *,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: ProcessGroup,
+        weight_spec: ShardSpec,
+        conv1d_layout: bool,
+        gather_output: bool = False,
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = None if bias is None else nn.Parameter(bias)
+        self.group = group
+        self.weight_spec = weight_spec
+        self.conv1d_layout = conv1d_layout
+        self.gather_output = gather_output
+
+    @classmethod
+    def from_module(
+        cls, module: nn.Module, *, spec: ShardSpec, tp_rank: int, group: ProcessGroup, gather_output: bool = False
+    ) -> ColumnParallelLinear:
+        """``spec`` describes the output dimension (its ``dim`` is rewritten for the weight layout)."""
+        _, out_features, out_dim, _ = _dims(module)
+        if spec.size != out_features:
+            raise ValueError(f"spec size {spec.size} != out_features {out_features}")
+        weight_spec = replace(spec, dim=out_dim)
+        bias = None if module.bias is None else replace(spec, dim=0).shard(module.bias.data, tp_rank)
+        new = cls(
+            weight=weight_spec.shard(module.weight.data, tp_rank),
+            bias=bias,
+            group=group,
+            weight_spec=weight_spec,
+            conv1d_layout=_is_conv1d(module),
+            gather_output=gather_output,
+        )
+        return _frozen_like(new, module)
+
+    def shard_specs(self) -> dict[str, ShardSpec | None]:
+        bias_spec = replace(self.weight_spec, dim=0)
+        return {"weight": self.weight_spec, **({"bias": bias_spec} if self.bias is not None else {})}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _project(copy_to_group(x, group=self.group), self.weight, self.bias, self.conv1d_layout)
+        return gather_from_group(y, group=self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return f"local_weight={tuple(self.weight.shape)}, spec={self.weight_spec}"
+
+
+class RowParallelLinear(nn.Module):
+    """Input features split across tp: each rank computes ``x_r @ W_r``, summed by an all-reduce.
+
+    Input: this rank's slice of the features (the output of a ColumnParallelLinear or of attention
+    over this rank's heads). Output: the full activation on every rank (``reduce_from_group``:
+    all-reduce forward, identity backward). The bias is replicated and added once, after the sum.
+    """
+
+    def __init__(
+        self,
+        *,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: ProcessGroup,
+        weight_spec: ShardSpec,
+        conv1d_layout: bool,
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = None if bias is None else nn.Parameter(bias)
+        self.group = group
+        self.weight_spec = weight_spec
+        self.conv1d_layout = conv1d_layout
+
+    @classmethod
+    def from_module(cls, module: nn.Module, *, spec: ShardSpec, tp_rank: int, group: ProcessGroup) -> RowParallelLinear:
+        """``spec`` describes the input dimension (its ``dim`` is rewritten for the weight layout)."""
+        in_features, _, _, in_dim = _dims(module)
+        if spec.size != in_features:
+            raise ValueError(f"spec size {spec.size} != in_features {in_features}")
+        weight_spec = replace(spec, dim=in_dim)
+        new = cls(
+            weight=weight_spec.shard(module.weight.data, tp_rank),
+            bias=None if module.bias is None else module.bias.data.clone(),
+            group=group,
+            weight_spec=weight_spec,
+            conv1d_layout=_is_conv1d(module),
+        )
+        return _frozen_like(new, module)
+
+    def shard_specs(self) -> dict[str, ShardSpec | None]:
+        return {"weight": self.weight_spec, **({"bias": None} if self.bias is not None else {})}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_group(_project(x, self.weight, None, self.conv1d_layout), group=self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"local_weight={tuple(self.weight.shape)}, spec={self.weight_spec}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Vocabulary rows split across tp (padded so that tp divides them).
+
+    Each rank looks up the ids that fall in its row range, writes zeros for the others, and an
+    all-reduce (identity backward) assembles the full embedding on every rank.
+    """
+
+    def __init__(
+        self,
+        *,
+        weight: torch.Tensor,
+        group: ProcessGroup,
+        weight_spec: ShardSpec,
+        tp_rank: int,
+        padding_idx: int | None,
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.group = group
+        self.weight_spec = weight_spec
+        self.vocab_start, self.vocab_stop = weight_spec.local_range(tp_rank)
+        self.num_embeddings = weight.shape[0]
+        self.embedding_dim = weight.shape[1]
+        # HF keeps the padding row's gradient at zero; keep that for the rank that owns the row.
+        self.padding_idx = padding_idx
+        owns_padding = padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_stop
+        self.local_padding_idx = padding_idx - self.vocab_start if owns_padding else None
+
+    @classmethod
+    def from_module(
+        cls, module: nn.Embedding, *, spec: ShardSpec, tp_rank: int, group: ProcessGroup
+    ) -> VocabParallelEmbedding:
+        if not isinstance(module, nn.Embedding):
+            raise TypeError(f"vocab_embedding expects nn.Embedding, got {type(module).__name__}")
+        if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
+            raise ValueError("vocab-parallel embedding does not support max_norm, scale_grad_by_freq or sparse")
+        if spec.size != module.num_embeddings or spec.dim != 0:
+            raise ValueError(f"spec {spec} does not describe the rows of an embedding of {module.num_embeddings}")
+        new = cls(
+            weight=spec.shard(module.weight.data, tp_rank),
+            group=group,
+            weight_spec=spec,
+            tp_rank=tp_rank,
+            padding_idx=module.padding_idx,
+        )
+        return _frozen_like(new, module)
+
+    def shard_specs(self) -> dict[str, ShardSpec | None]:
+        return {"weight": self.weight_spec}
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_stop)
+        local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight, self.local_padding_idx)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_group(out, group=self.group)
+
+    def extra_repr(self) -> str:
+        return f"rows=[{self.vocab_start}, {self.vocab_stop}), dim={self.embedding_dim}, spec={self.weight_spec}"

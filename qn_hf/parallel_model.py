@@ -1,0 +1,198 @@
+"""``ParallelModel``: a sharded Hugging Face model and its training and evaluation steps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+from .batch import check_batch, split_microbatches
+from .comm import flat_all_reduce_, gather_from_group
+from .loss import IGNORE_INDEX, causal_lm_targets, count_targets, vocab_parallel_cross_entropy
+from .mesh import ParallelDims
+from .plan import TpPlan
+from .rng import RngStreams
+from .shard import ShardSpec
+from .tensor_parallel import VocabShard
+
+LossFn = Callable[[object, Mapping[str, torch.Tensor]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Groups:
+    """Process groups this rank belongs to. ``kv`` joins the tp ranks that hold the same replicated
+    KV-head shard (None when nothing is replicated that way)."""
+
+    dp: ProcessGroup
+    tp: ProcessGroup
+    pp: ProcessGroup
+    kv: ProcessGroup | None
+
+
+class ParallelModel:
+    """This rank's shard of a model, with ``train_step``/``eval_step`` over the whole mesh.
+
+    The wrapped Hugging Face model is ``module``; its parameter names are unchanged, so
+    ``named_parameters()`` yields HF names with local shards, ready for any ``torch.optim`` optimizer.
+    """
+
+    def __init__(
+        self,
+        *,
+        module: nn.Module,
+        mesh: DeviceMesh,
+        dims: ParallelDims,
+        groups: Groups,
+        plan: TpPlan,
+        specs: dict[str, ShardSpec | None],
+        vocab: VocabShard | None,
+        microbatches: int,
+        schedule: str,
+        device: torch.device,
+        rng: RngStreams,
+    ) -> None:
+        self.module = module
+        self.mesh = mesh
+        self.dims = dims
+        self.groups = groups
+        self.plan = plan
+        self.specs = specs
+        self.vocab = vocab
+        self.microbatches = microbatches
+        self.schedule = schedule
+        self.device = device
+        self.rng = rng
+        self.coords = {dim: mesh.get_local_rank(dim) for dim in ("dp", "pp", "tp")}
+
+    # -- the torch.nn.Module-like surface users expect -------------------------------------------
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.module.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters()
+
+    def train(self, mode: bool = True) -> ParallelModel:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> ParallelModel:
+        return self.train(False)
+
+    def __call__(self, **inputs: torch.Tensor):
+        """The HF forward on this rank's shard (vocab-parallel logits stay sharded; see ``full_logits``)."""
+        return self.module(**inputs, **self.plan.policy.forward_kwargs)
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """All vocabulary columns from vocab-sharded logits (autograd-aware; padding removed)."""
+        if self.vocab is None:
+            return logits
+        return gather_from_group(logits, group=self.groups.tp)[..., : self.vocab.size]
+
+    # -- steps -----------------------------------------------------------------------------------
+    def train_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn | None = None) -> torch.Tensor:
+        """Forward and backward over every microbatch, then gradient sync over tp replicas and dp.
+
+        Puts the model in training mode. Gradients accumulate into ``.grad`` (zero them between
+        steps, e.g. ``optimizer.zero_grad()``). Returns the mean loss over the global batch,
+        detached, identical on every rank.
+        """
+        self.module.train()
+        loss = self._run(batch, loss_fn, backward=True)
+        self._sync_grads()
+        return loss
+
+    @torch.no_grad()
+    def eval_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn | None = None) -> torch.Tensor:
+        """Forward only, in evaluation mode (restored afterwards); the same loss as ``train_step``."""
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            return self._run(batch, loss_fn, backward=False)
+        finally:
+            self.module.train(was_training)
+
+    def _run(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn | None, *, backward: bool) -> torch.Tensor:
+        builtin = loss_fn is None
+        if builtin and self.plan.loss is None:
+            raise ValueError(
+                f"{type(self.module).__name__} has no built-in loss (a base model); pass loss_fn=(outputs, batch) -> loss"
+            )
+        check_batch(batch, microbatches=self.microbatches, required=("labels",) if builtin else ())
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        # The HF loss is a mean over every target of the global batch: count them first (one tiny
+        # all-reduce over dp), then each microbatch contributes sum(its losses) / count exactly.
+        if builtin:
+            count = torch.tensor(
+                [count_targets(batch["labels"], causal=self.plan.loss == "causal_lm")], dtype=torch.float64, device=self.device
+            )
+            flat_all_reduce_([count], group=self.groups.dp)
+            scale = 1.0 / max(count.item(), 1.0)
+        else:
+            scale = 1.0 / (self.microbatches * self.dims.dp)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for micro in split_microbatches(batch, microbatches=self.microbatches):
+            inputs = {k: v for k, v in micro.items() if k != "labels"}
+            outputs = self(**inputs)
+            loss = self._builtin_loss_sum(outputs, micro["labels"]) if builtin else loss_fn(self._with_full_logits(outputs), micro)
+            loss = loss * scale
+            if backward:
+                loss.backward()
+            total += loss.detach().float()
+        flat_all_reduce_([total], group=self.groups.dp)
+        return total
+
+    def _builtin_loss_sum(self, outputs, labels: torch.Tensor) -> torch.Tensor:
+        logits = outputs.logits
+        if self.plan.loss == "causal_lm":
+            targets = causal_lm_targets(labels)
+            if self.vocab is None:
+                return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="sum")
+            losses = vocab_parallel_cross_entropy(
+                logits.flatten(0, -2), targets.flatten(), vocab_start=self.vocab.start, vocab_size=self.vocab.size, group=self.groups.tp
+            )
+            return losses.sum()
+        num_labels = logits.shape[-1]
+        if num_labels == 1 or getattr(self.module.config, "problem_type", None) in ("regression", "multi_label_classification"):
+            raise ValueError("the built-in classification loss is single-label cross-entropy; pass loss_fn for this problem_type")
+        return F.cross_entropy(logits.float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
+
+    def _with_full_logits(self, outputs):
+        if self.vocab is not None and getattr(outputs, "logits", None) is not None:
+            outputs.logits = self.full_logits(outputs.logits)
+        return outputs
+
+    def _sync_grads(self) -> None:
+        """Sum gradients over KV-head replicas, then over dp (the loss is already divided by the
+        global count, so a sum is the dp average the plain model would compute)."""
+        params = []
+        for _, p in self.named_parameters():
+            if p.requires_grad:
+                # Every rank must contribute the same buffers, so a parameter unused by this batch
+                # still takes part with a zero gradient.
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                params.append(p)
+        if self.groups.kv is not None:
+            replicated = [p.grad for name, p in self.named_parameters() if p.requires_grad and (s := self.specs.get(name)) and s.replicas > 1]
+            flat_all_reduce_(replicated, group=self.groups.kv)
+        flat_all_reduce_([p.grad for p in params], group=self.groups.dp)
+
+    # -- export ----------------------------------------------------------------------------------
+    def save_pretrained(self, path: str) -> None:
+        """Write a consolidated Hugging Face directory that ``from_pretrained`` loads unchanged."""
+        from .hf_export import save_pretrained
+
+        save_pretrained(self, path)
+
+
+def barrier(device: torch.device) -> None:
+    if device.type == "cuda":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()

@@ -1,0 +1,140 @@
+"""``parallelize``: validate, join the process group, build the mesh, shard, synchronize."""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .comm import flat_broadcast_
+from .mesh import ParallelDims, build_mesh, check_mesh, default_device, init_distributed, launched_world_size
+from .parallel_model import Groups, ParallelModel
+from .plan import ModelPolicy, TpPlan, build_tp_plan
+from .policies import resolve_policy
+from .rng import SHARED, TP_LOCAL, RngStreams, stream_seeds
+from .shard import ShardSpec
+from .tensor_parallel import apply_tp_plan
+
+SCHEDULES = ("1f1b", "gpipe")
+_MARK = "_qn_hf_parallelized"
+
+
+def parallelize(
+    model: nn.Module,
+    *,
+    dp: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    microbatches: int = 1,
+    schedule: str = "1f1b",
+    policy: ModelPolicy | None = None,
+    mesh: DeviceMesh | None = None,
+    device: torch.device | None = None,
+    seed: int | None = None,
+    timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+) -> ParallelModel:
+    """Shard ``model`` (in place) over a (dp, pp, tp) mesh and return its ``ParallelModel``.
+
+    Every check that can fail runs before the first collective, identically on every rank.
+    ``mesh`` reuses an existing ("dp", "pp", "tp") mesh; ``seed`` seeds dropout (default: rank 0's
+    ``torch.initial_seed()``, shared with all ranks); ``timeout`` bounds every collective when
+    this call creates the process group.
+    """
+    dims = ParallelDims(dp=dp, tp=tp, pp=pp)
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches={microbatches!r} must be a positive integer")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is unknown; use one of {SCHEDULES}")
+    if pp != 1:
+        raise ValueError(f"pp={pp}: this version of qn_hf has no pipeline parallelism yet; use pp=1")
+    if getattr(model, _MARK, False):
+        raise ValueError("this model is already parallelized; load a fresh copy to parallelize it again")
+    dims.check_world_size(launched_world_size())
+    plan = build_tp_plan(model, resolve_policy(model, policy), tp=tp)
+    _check_tensors(model)
+
+    device = device or default_device()
+    init_distributed(device=device, timeout=timeout)
+    dims.check_world_size(dist.get_world_size())
+    if mesh is None:
+        mesh = build_mesh(dims, device=device)
+    check_mesh(mesh, dims)
+    groups = Groups(
+        dp=mesh.get_group("dp"), tp=mesh.get_group("tp"), pp=mesh.get_group("pp"), kv=_kv_replica_group(mesh, plan, timeout)
+    )
+    coords = {d: mesh.get_local_rank(d) for d in ("dp", "pp", "tp")}
+
+    specs, vocab = apply_tp_plan(model, plan, tp_rank=coords["tp"], group=groups.tp)
+    model.to(device)
+    _synchronize_replicas(model, specs, groups)
+    rng = _install_rng_streams(model, plan, coords, device, seed)
+    setattr(model, _MARK, True)
+    return ParallelModel(
+        module=model,
+        mesh=mesh,
+        dims=dims,
+        groups=groups,
+        plan=plan,
+        specs=specs,
+        vocab=vocab,
+        microbatches=microbatches,
+        schedule=schedule,
+        device=device,
+        rng=rng,
+    )
+
+
+def _check_tensors(model: nn.Module) -> None:
+    devices = {t.device for t in model.parameters()} | {t.device for t in model.buffers()}
+    if any(d.type == "meta" for d in devices):
+        raise ValueError("the model has parameters on the meta device; load real weights before parallelize")
+    if len(devices) > 1:
+        raise ValueError(f"the model's tensors are spread over devices {sorted(map(str, devices))}; move it to one device first")
+
+
+def _kv_replica_group(mesh: DeviceMesh, plan: TpPlan, timeout: datetime.timedelta):
+    """Groups of consecutive tp ranks that hold the same KV heads; all ranks create all groups."""
+    replicas = plan.layout.kv_replicas
+    if replicas == 1 or not any(style == "colwise_kv" for _, style in plan.rules):
+        return None
+    mine = None
+    for tp_ranks in mesh.mesh.reshape(-1, plan.tp).tolist():
+        for i in range(0, plan.tp, replicas):
+            ranks = tp_ranks[i : i + replicas]
+            group = dist.new_group(ranks, timeout=timeout)
+            if dist.get_rank() in ranks:
+                mine = group
+    return mine
+
+
+def _synchronize_replicas(model: nn.Module, specs: dict[str, ShardSpec | None], groups: Groups) -> None:
+    """Make copies that must be equal exactly equal: what is replicated across tp (from tp rank 0),
+    KV-head replicas (from the first replica), and everything across dp (from dp rank 0)."""
+    named = dict(model.named_parameters())
+    tp_replicated = [p.data for n, p in named.items() if specs.get(n) is None]
+    kv_replicated = [p.data for n, p in named.items() if (s := specs.get(n)) is not None and s.replicas > 1]
+    with torch.no_grad():
+        flat_broadcast_(tp_replicated, src_group_rank=0, group=groups.tp)
+        if groups.kv is not None:
+            flat_broadcast_(kv_replicated, src_group_rank=0, group=groups.kv)
+        flat_broadcast_([p.data for p in named.values()], src_group_rank=0, group=groups.dp)
+
+
+def _install_rng_streams(
+    model: nn.Module, plan: TpPlan, coords: dict[str, int], device: torch.device, seed: int | None
+) -> RngStreams:
+    if seed is None:
+        shared = torch.tensor([torch.initial_seed() % (2**62)], dtype=torch.int64, device=device)
+        dist.broadcast(shared, src=0)
+        seed = int(shared.item())
+    streams = RngStreams(
+        device=device, seeds=stream_seeds(base_seed=seed, dp_rank=coords["dp"], tp_rank=coords["tp"], pp_rank=coords["pp"])
+    )
+    for name in plan.tp_rng_regions:
+        streams.hook_module(model.get_submodule(name), TP_LOCAL)
+    for name in plan.shared_rng_regions:
+        streams.hook_module(model.get_submodule(name), SHARED)
+    return streams

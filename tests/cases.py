@@ -1,0 +1,93 @@
+"""Code that runs inside test worlds (every rank), shared by several test files."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+import qn_hf
+from qn_hf.mesh import ParallelDims, build_mesh
+from tests.models import dp_slice, load, make_batch
+
+# One mesh per shape for the life of a worker: creating process groups is the slow part of a job.
+_MESHES: dict[tuple[int, int, int], DeviceMesh] = {}
+
+
+def mesh_for(dp: int, tp: int, pp: int = 1) -> DeviceMesh:
+    key = (dp, pp, tp)
+    if key not in _MESHES:
+        _MESHES[key] = build_mesh(ParallelDims(dp=dp, tp=tp, pp=pp), device=torch.device("cpu"))
+    return _MESHES[key]
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in batch.items() if k != "labels"}
+
+
+def reference_grad(ref_params: dict[str, torch.nn.Parameter], name: str, pm: qn_hf.ParallelModel) -> torch.Tensor:
+    """The reference gradient cut to this rank's shard (zero rows where the vocabulary is padded)."""
+    grad = ref_params[name].grad
+    spec = pm.specs.get(name)
+    return grad if spec is None else spec.shard(grad, pm.coords["tp"])
+
+
+def parity(*, kind: str, model_dir: str, out_dir: str, dp: int, tp: int, microbatches: int = 1,
+           padded: bool = False, per_rank: int = 2) -> dict:
+    """Forward, loss, every gradient, grad norm and weights after an AdamW step against the plain model."""
+    torch.manual_seed(0)
+    ref = load(kind, model_dir)
+    pm = qn_hf.parallelize(load(kind, model_dir), dp=dp, tp=tp, microbatches=microbatches, mesh=mesh_for(dp, tp))
+    full_numel = {n: p.numel() for n, p in ref.named_parameters()}
+
+    batch = make_batch(kind, size=dp * per_rank * microbatches, seed=7, padded=padded)
+    local = dp_slice(batch, dp=dp, dp_rank=pm.coords["dp"])
+
+    pm.eval()
+    with torch.no_grad():
+        logits = pm.full_logits(pm(**model_inputs(local)).logits)
+        ref.eval()
+        ref_logits = dp_slice({"x": ref(**model_inputs(batch)).logits}, dp=dp, dp_rank=pm.coords["dp"])["x"]
+    logit_err = (logits - ref_logits).abs().max().item()
+
+    loss = pm.train_step(local)
+    ref.train()
+    ref_loss = ref(**batch).loss
+    ref_loss.backward()
+    ref_params = dict(ref.named_parameters())
+    grad_err, worst = 0.0, ""
+    for name, p in pm.named_parameters():
+        err = (p.grad - reference_grad(ref_params, name, pm)).abs().max().item()
+        if err > grad_err:
+            grad_err, worst = err, name
+
+    norm = qn_hf.clip_grad_norm_(pm, 1e9)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
+
+    # SGD, not Adam: Adam turns float rounding in near-zero gradients into lr-sized steps
+    # (g/|g|), which would test rounding, not parallelism.
+    before = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    for params in (list(pm.parameters()), list(ref.parameters())):
+        torch.optim.SGD(params, lr=0.5).step()
+    pm.save_pretrained(out_dir)
+    reloaded = dict(load(kind, out_dir).named_parameters())
+    weight_err = max((reloaded[n] - p).abs().max().item() for n, p in ref.named_parameters())
+    weight_moved = max((before[n] - p).abs().max().item() for n, p in ref.named_parameters())
+
+    sharded = {n for n, s in pm.specs.items() if s is not None}
+    return {
+        "rank": dist.get_rank(),
+        "loss": loss.item(),
+        "ref_loss": ref_loss.item(),
+        "logit_err": logit_err,
+        "grad_err": grad_err,
+        "worst_grad": worst,
+        "norm": norm.item(),
+        "ref_norm": ref_norm.item(),
+        "weight_err": weight_err,
+        "weight_moved": weight_moved,
+        "local_sharded": sum(p.numel() for n, p in pm.named_parameters() if n in sharded),
+        "full_sharded": sum(full_numel[n] for n, _ in pm.named_parameters() if n in sharded),
+        "local_total": sum(p.numel() for p in pm.parameters()),
+        "full_total": sum(full_numel.values()),
+    }
