@@ -27,7 +27,8 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def reference_grad(ref_params: dict[str, torch.nn.Parameter], name: str, pm: qn_hf.ParallelModel) -> torch.Tensor:
     """The reference gradient cut to this rank's shard (zero rows where the vocabulary is padded)."""
-    grad = ref_params[name].grad
+    param = ref_params[name]
+    grad = param.grad if param.grad is not None else torch.zeros_like(param)  # unused: zero on our side
     spec = pm.specs.get(name)
     return grad if spec is None else spec.shard(grad, pm.coords["tp"])
 

@@ -85,10 +85,14 @@ class World:
             remaining = deadline - time.monotonic()
             if errors:  # the others may be blocked in a collective: give them a moment, no more
                 remaining = min(remaining, 5.0)
-            try:
-                rank, ok, value = self.results.get(timeout=max(remaining, 0.01))
-            except queue.Empty:
+            if remaining <= 0:
                 break
+            try:
+                rank, ok, value = self.results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                if any(not p.is_alive() for p in self.procs):  # a rank died without reporting
+                    break
+                continue
             (values if ok else errors)[rank] = value
         if errors or len(values) < self.size:
             self.close()

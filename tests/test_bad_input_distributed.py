@@ -1,0 +1,51 @@
+"""Bad configurations raise the same ValueError on every rank before any collective: the world
+stays usable afterwards (a rank stuck in a collective would make the next all-reduce time out)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+import qn_hf
+from tests.cases import mesh_for
+from tests.models import CONFIGS, load, make_batch
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def case_bad_configs(*, gpt2_dir: str) -> dict[str, str]:
+    odd_kv = LlamaConfig(**{**CONFIGS["llama"].to_dict(), "num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 24})
+    messages = {
+        "world size": _error(lambda: qn_hf.parallelize(load("gpt2", gpt2_dir), dp=1, tp=1)),
+        "schedule": _error(lambda: qn_hf.parallelize(load("gpt2", gpt2_dir), dp=2, tp=1, schedule="nope")),
+        "heads": _error(lambda: qn_hf.parallelize(GPT2LMHeadModel(GPT2Config(n_head=3, n_embd=24, n_layer=1)), tp=2)),
+        "kv heads": _error(lambda: qn_hf.parallelize(LlamaForCausalLM(odd_kv), tp=2)),
+    }
+    pm = qn_hf.parallelize(load("gpt2", gpt2_dir), tp=2, microbatches=2, mesh=mesh_for(1, 2))
+    batch = make_batch("gpt2", size=3, seed=0)
+    messages["microbatches"] = _error(lambda: pm.train_step(batch))
+    messages["labels"] = _error(lambda: pm.train_step({"input_ids": batch["input_ids"][:2]}))
+    alive = torch.ones(1)
+    dist.all_reduce(alive)
+    messages["world alive"] = str(int(alive.item()))
+    return messages
+
+
+def test_every_rank_raises_before_any_collective(worlds, model_dirs):
+    results = worlds.run(2, "tests.test_bad_input_distributed:case_bad_configs", gpt2_dir=model_dirs["gpt2"])
+    assert results[0] == results[1]
+    m = results[0]
+    assert "world size 2 != dp*tp*pp = 1*1*1 = 1" in m["world size"]
+    assert "schedule='nope' is unknown" in m["schedule"]
+    assert "tp=2 does not divide num_attention_heads=3; use a tp among [1, 3]" in m["heads"]
+    assert "tp=2 does not divide num_key_value_heads=3" in m["kv heads"]
+    assert "microbatches=2 does not divide the local batch size 3" in m["microbatches"]
+    assert "batch lacks ['labels']" in m["labels"]
+    assert m["world alive"] == "2"

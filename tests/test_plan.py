@@ -1,0 +1,138 @@
+"""Policy resolution and validation, on one process: every bad configuration is a ValueError that
+names the value and the fix, raised before any process group is touched."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch.distributed as dist
+from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+import qn_hf
+from qn_hf.plan import HeadLayout, ModelPolicy, build_tp_plan
+from qn_hf.policies import derive_policy, resolve_policy
+from tests.models import CONFIGS, auto_class
+
+
+def tiny(kind: str):
+    return auto_class(kind).from_config(CONFIGS[kind])
+
+
+@pytest.fixture(autouse=True)
+def no_process_group():
+    yield
+    assert not dist.is_initialized(), "validation must fail before any process group exists"
+
+
+def test_world_size_mismatch_names_the_numbers(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match=r"world size 4 != dp\*tp\*pp = 2\*1\*1 = 2"):
+        qn_hf.parallelize(tiny("gpt2"), dp=2)
+
+
+def test_tp_must_divide_heads():
+    with pytest.raises(ValueError, match=r"tp=3 does not divide num_attention_heads=4; use a tp among \[1, 2, 4\]"):
+        build_tp_plan(tiny("gpt2"), resolve_policy(tiny("gpt2"), None), tp=3)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv", "tp", "message"),
+    [
+        (12, 6, 4, r"tp=4 does not divide num_key_value_heads=6"),
+        (12, 4, 6, r"tp=6 exceeds num_key_value_heads=4 but is not a multiple of it"),
+    ],
+)
+def test_kv_heads_must_split_or_replicate_evenly(heads, kv, tp, message):
+    with pytest.raises(ValueError, match=message):
+        HeadLayout(heads=heads, kv_heads=kv, head_dim=4, tp=tp)
+
+
+def test_kv_replication_layout():
+    layout = HeadLayout(heads=8, kv_heads=2, head_dim=4, tp=4)
+    assert layout.kv_replicas == 2
+    assert [layout.value(v) for v in ("local_heads", "local_kv_heads", "local_kv_groups")] == [2, 1, 2]
+
+
+def test_unsupported_architecture_lists_what_is_supported():
+    model = BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64))
+    with pytest.raises(ValueError, match=r"unsupported architecture model_type='bert'.*\['gpt2', 'llama', 'vit'\].*policy=ModelPolicy"):
+        qn_hf.parallelize(model)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(tp=0), r"tp=0 must be a positive integer"),
+        (dict(microbatches=0), r"microbatches=0 must be a positive integer"),
+        (dict(schedule="zigzag"), r"schedule='zigzag' is unknown"),
+        (dict(pp=2), r"pp=2: this version of qn_hf has no pipeline parallelism yet"),
+    ],
+)
+def test_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        qn_hf.parallelize(tiny("gpt2"), **kwargs)
+
+
+def test_rule_matching_nothing_is_an_error():
+    policy = resolve_policy(tiny("gpt2"), None)
+    broken = dataclasses.replace(policy, tp_plan={**policy.tp_plan, "h.*.attn.q_proj": "colwise"})
+    with pytest.raises(ValueError, match=r"rule 'h.\*.attn.q_proj' matches no module"):
+        build_tp_plan(tiny("gpt2"), broken, tp=2)
+
+
+def test_linear_without_rule_inside_a_block_is_an_error():
+    policy = resolve_policy(tiny("llama"), None)
+    plan = {k: v for k, v in policy.tp_plan.items() if not k.endswith("up_proj")}
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.up_proj \(Linear\) inside a sharded block has no rule"):
+        build_tp_plan(tiny("llama"), dataclasses.replace(policy, tp_plan=plan), tp=2)
+
+
+def test_patched_attribute_must_exist():
+    policy = resolve_policy(tiny("gpt2"), None)
+    broken = dataclasses.replace(policy, attr_patches={"h.*.attn.num_groups": "local_heads"})
+    with pytest.raises(ValueError, match=r"transformer.h.0.attn has no attribute 'num_groups'"):
+        build_tp_plan(tiny("gpt2"), broken, tp=2)
+
+
+def test_unknown_style_is_rejected_when_the_policy_is_written():
+    with pytest.raises(ValueError, match=r"unknown style 'diagonal'"):
+        ModelPolicy(model_type="x", layers="h", tp_plan={"h.*.fc": "diagonal"})
+
+
+def test_policy_of_another_architecture_is_rejected():
+    with pytest.raises(ValueError, match=r"policy for 'gpt2' given a 'llama' model"):
+        build_tp_plan(tiny("llama"), resolve_policy(tiny("gpt2"), None), tp=1)
+
+
+def test_wrong_kv_width_is_caught():
+    config = LlamaConfig(**{**CONFIGS["llama"].to_dict(), "num_key_value_heads": 8})
+    policy = resolve_policy(tiny("llama"), None)
+    plan = build_tp_plan(LlamaForCausalLM(config), policy, tp=2)
+    assert plan.layout.kv_replicas == 1
+
+
+def test_builtin_policies_cover_task_and_base_models():
+    for kind in ("gpt2", "llama", "vit"):
+        model = tiny(kind)
+        plan = build_tp_plan(model, resolve_policy(model, None), tp=2)
+        assert plan.loss in ("causal_lm", "classification")
+        base_plan = build_tp_plan(model.base_model, resolve_policy(model.base_model, None), tp=2)
+        assert base_plan.loss is None and base_plan.base_prefix == ""
+
+
+def test_derived_policy_from_transformers_plan():
+    policy = derive_policy(tiny("mistral"))
+    assert policy.tp_plan["layers.*.self_attn.k_proj"] == "colwise_kv"
+    assert policy.tp_plan["layers.*.self_attn.q_proj"] == "colwise"
+    assert policy.tp_plan["embed_tokens"] == "vocab_embedding"
+    assert policy.head_plan == {"lm_head": "vocab_colwise"}
+    assert policy.attr_patches == {"layers.*.self_attn.num_key_value_groups": "local_kv_groups"}
+    build_tp_plan(tiny("mistral"), policy, tp=4)  # 2 KV heads replicated on pairs of ranks
+
+
+def test_gpt2_tied_head_is_planned_once_per_module():
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=50257, n_positions=8))
+    plan = build_tp_plan(model, resolve_policy(model, None), tp=4)
+    styles = dict(plan.rules)
+    assert styles["transformer.wte"] == "vocab_embedding" and styles["lm_head"] == "vocab_colwise"
