@@ -1,0 +1,31 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both create (or reuse) .venv,
+# install the pinned CPU torch first (a looser request would pull a multi-GB CUDA build), then
+# this project, then run.
+PYTHON ?= python3
+VENV ?= .venv
+NPROC ?= 4
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.qn_hf-installed
+
+.PHONY: demo test bench install clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(NPROC) scripts/demo.py --dp 2 --tp 2
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/tp_vs_dtensor.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache
