@@ -16,6 +16,8 @@ POLICY = ModelPolicy(
     # GPT2Attention splits the fused output with split_size; on a rank it is this rank's q width.
     attr_patches={"h.*.attn.split_size": "local_q_width"},
     # Attention dropout acts on this rank's heads; the residual dropout inside attn is replicated.
+    # Their hidden_states feed only column layers: one input-gradient all-reduce per module.
+    tp_entries=("h.*.attn", "h.*.mlp"),
     tp_rng_regions=("h.*.attn",),
     shared_rng_regions=("h.*.attn.resid_dropout",),
     loss="causal_lm",

@@ -18,6 +18,8 @@ POLICY = ModelPolicy(
     head_plan={"lm_head": "vocab_colwise"},
     # repeat_kv expands local KV heads to local query heads; replication changes that ratio.
     attr_patches={"layers.*.self_attn.num_key_value_groups": "local_kv_groups"},
+    # Their hidden_states feed only column layers: one input-gradient all-reduce per module.
+    tp_entries=("layers.*.self_attn", "layers.*.mlp"),
     tp_rng_regions=("layers.*.self_attn",),
     loss="causal_lm",
     forward_kwargs={"use_cache": False},

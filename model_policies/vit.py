@@ -14,6 +14,8 @@ POLICY = ModelPolicy(
         "layers.*.mlp.fc2": "rowwise",
     },
     head_plan={"classifier": "replicate"},
+    # Their hidden_states feed only column layers: one input-gradient all-reduce per module.
+    tp_entries=("layers.*.attention", "layers.*.mlp"),
     tp_rng_regions=("layers.*.attention",),
     loss="classification",
 )

@@ -52,7 +52,9 @@ class ColumnParallelLinear(nn.Module):
     """Output features split across tp: each rank computes ``x @ W_r (+ b_r)`` for its columns.
 
     Input: the full activation, replicated on every tp rank (``copy_to_group``: identity forward,
-    all-reduce backward, because every rank's columns contribute to the input gradient).
+    all-reduce backward, because every rank's columns contribute to the input gradient). With
+    ``copy_input=False`` the caller has already entered the region once for several layers that
+    share one input (q, k and v), so their input gradients are summed before a single all-reduce.
     Output: this rank's columns (``[..., out/tp]``), or all columns with ``gather_output=True``.
 
     Example: ``ColumnParallelLinear.from_module(mlp.up_proj, spec=ShardSpec(dim=0, tp=2, size=128),
@@ -68,6 +70,7 @@ class ColumnParallelLinear(nn.Module):
         weight_spec: ShardSpec,
         conv1d_layout: bool,
         gather_output: bool = False,
+        copy_input: bool = True,
     ) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight)
@@ -76,10 +79,18 @@ class ColumnParallelLinear(nn.Module):
         self.weight_spec = weight_spec
         self.conv1d_layout = conv1d_layout
         self.gather_output = gather_output
+        self.copy_input = copy_input
 
     @classmethod
     def from_module(
-        cls, module: nn.Module, *, spec: ShardSpec, tp_rank: int, group: ProcessGroup, gather_output: bool = False
+        cls,
+        module: nn.Module,
+        *,
+        spec: ShardSpec,
+        tp_rank: int,
+        group: ProcessGroup,
+        gather_output: bool = False,
+        copy_input: bool = True,
     ) -> ColumnParallelLinear:
         """``spec`` describes the output dimension (its ``dim`` is rewritten for the weight layout)."""
         _, out_features, out_dim, _ = _dims(module)
@@ -94,6 +105,7 @@ class ColumnParallelLinear(nn.Module):
             weight_spec=weight_spec,
             conv1d_layout=_is_conv1d(module),
             gather_output=gather_output,
+            copy_input=copy_input,
         )
         return _frozen_like(new, module)
 
@@ -102,7 +114,9 @@ class ColumnParallelLinear(nn.Module):
         return {"weight": self.weight_spec, **({"bias": bias_spec} if self.bias is not None else {})}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _project(copy_to_group(x, group=self.group), self.weight, self.bias, self.conv1d_layout)
+        if self.copy_input:
+            x = copy_to_group(x, group=self.group)
+        y = _project(x, self.weight, self.bias, self.conv1d_layout)
         return gather_from_group(y, group=self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:

@@ -7,11 +7,13 @@ Llama's ``num_key_value_groups``) are set to their per-rank values.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from .comm import copy_to_group
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, _dims
 from .plan import TpPlan, packed_parts
 from .shard import ShardSpec, padded
@@ -30,7 +32,21 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
-def _parallel_module(module: nn.Module, style: str, plan: TpPlan, tp_rank: int, group: ProcessGroup) -> nn.Module:
+def _enter_region_hook(group: ProcessGroup):
+    """Forward pre-hook: the module's first argument enters the tp region (all-reduce backward)."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        if args:
+            return (copy_to_group(args[0], group=group), *args[1:]), kwargs
+        name = next(iter(inspect.signature(module.forward).parameters))
+        return args, {**kwargs, name: copy_to_group(kwargs[name], group=group)}
+
+    return hook
+
+
+def _parallel_module(
+    module: nn.Module, style: str, plan: TpPlan, tp_rank: int, group: ProcessGroup, copy_input: bool
+) -> nn.Module:
     tp = plan.tp
     if style == "vocab_embedding":
         spec = ShardSpec(dim=0, tp=tp, size=module.num_embeddings, padded_size=padded(module.num_embeddings, tp))
@@ -44,7 +60,7 @@ def _parallel_module(module: nn.Module, style: str, plan: TpPlan, tp_rank: int, 
         spec = ShardSpec(dim=0, tp=tp, size=out_f, replicas=plan.layout.kv_replicas)
     else:
         spec = ShardSpec(dim=0, tp=tp, size=out_f, parts=packed_parts(style))
-    return ColumnParallelLinear.from_module(module, spec=spec, tp_rank=tp_rank, group=group)
+    return ColumnParallelLinear.from_module(module, spec=spec, tp_rank=tp_rank, group=group, copy_input=copy_input)
 
 
 def apply_tp_plan(
@@ -68,10 +84,13 @@ def apply_tp_plan(
     for name, style in plan.rules:
         if style == "replicate":
             continue
-        new = _parallel_module(model.get_submodule(name), style, plan, tp_rank, group)
+        entered = any(name.startswith(entry + ".") for entry in plan.tp_entries)
+        new = _parallel_module(model.get_submodule(name), style, plan, tp_rank, group, copy_input=not entered)
         _replace(model, name, new)
         if style == "vocab_colwise":
             vocab = VocabShard(start=new.weight_spec.local_range(tp_rank)[0], size=new.weight_spec.size)
+    for entry in plan.tp_entries:
+        model.get_submodule(entry).register_forward_pre_hook(_enter_region_hook(group), with_kwargs=True)
     for name, attr, value in plan.patches:
         setattr(model.get_submodule(name), attr, value)
     for owner, follower in ties:
