@@ -155,3 +155,11 @@ def all_gather_tensors(x: torch.Tensor, *, group: ProcessGroup) -> list[torch.Te
     parts = [torch.empty_like(x) for _ in range(group_size(group))]
     dist.all_gather(parts, x, group=group)
     return parts
+
+
+def barrier(device: torch.device) -> None:
+    """A world barrier that NCCL can run without guessing the device."""
+    if device.type == "cuda":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from .comm import all_gather_tensors
+from .comm import all_gather_tensors, barrier
 
 if TYPE_CHECKING:
     from .parallel_model import ParallelModel
@@ -32,8 +32,6 @@ def unique_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_pretrained(pm: ParallelModel, path: str) -> None:
-    from .parallel_model import barrier
-
     if pm.coords["dp"] == 0:
         full: dict[str, torch.Tensor] = {}
         for name, tensor in unique_state(pm.module).items():

@@ -48,7 +48,31 @@ def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, c
     return out.view(*x.shape[:-1], weight.shape[1])
 
 
-class ColumnParallelLinear(nn.Module):
+class _ShardedProjection(nn.Module):
+    """Shared state of the column and row layers: the local weight (and bias) in the layout of the
+    module they replace, the tp group, and the ShardSpec of the weight."""
+
+    def __init__(
+        self,
+        *,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: ProcessGroup,
+        weight_spec: ShardSpec,
+        conv1d_layout: bool,
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = None if bias is None else nn.Parameter(bias)
+        self.group = group
+        self.weight_spec = weight_spec
+        self.conv1d_layout = conv1d_layout
+
+    def extra_repr(self) -> str:
+        return f"local_weight={tuple(self.weight.shape)}, spec={self.weight_spec}"
+
+
+class ColumnParallelLinear(_ShardedProjection):
     """Output features split across tp: each rank computes ``x @ W_r (+ b_r)`` for its columns.
 
     Input: the full activation, replicated on every tp rank (``copy_to_group``: identity forward,
@@ -72,12 +96,7 @@ class ColumnParallelLinear(nn.Module):
         gather_output: bool = False,
         copy_input: bool = True,
     ) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight)
-        self.bias = None if bias is None else nn.Parameter(bias)
-        self.group = group
-        self.weight_spec = weight_spec
-        self.conv1d_layout = conv1d_layout
+        super().__init__(weight=weight, bias=bias, group=group, weight_spec=weight_spec, conv1d_layout=conv1d_layout)
         self.gather_output = gather_output
         self.copy_input = copy_input
 
@@ -119,33 +138,14 @@ class ColumnParallelLinear(nn.Module):
         y = _project(x, self.weight, self.bias, self.conv1d_layout)
         return gather_from_group(y, group=self.group) if self.gather_output else y
 
-    def extra_repr(self) -> str:
-        return f"local_weight={tuple(self.weight.shape)}, spec={self.weight_spec}"
 
-
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ShardedProjection):
     """Input features split across tp: each rank computes ``x_r @ W_r``, summed by an all-reduce.
 
     Input: this rank's slice of the features (the output of a ColumnParallelLinear or of attention
     over this rank's heads). Output: the full activation on every rank (``reduce_from_group``:
     all-reduce forward, identity backward). The bias is replicated and added once, after the sum.
     """
-
-    def __init__(
-        self,
-        *,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        group: ProcessGroup,
-        weight_spec: ShardSpec,
-        conv1d_layout: bool,
-    ) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight)
-        self.bias = None if bias is None else nn.Parameter(bias)
-        self.group = group
-        self.weight_spec = weight_spec
-        self.conv1d_layout = conv1d_layout
 
     @classmethod
     def from_module(cls, module: nn.Module, *, spec: ShardSpec, tp_rank: int, group: ProcessGroup) -> RowParallelLinear:
@@ -169,9 +169,6 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_from_group(_project(x, self.weight, None, self.conv1d_layout), group=self.group)
         return y if self.bias is None else y + self.bias
-
-    def extra_repr(self) -> str:
-        return f"local_weight={tuple(self.weight.shape)}, spec={self.weight_spec}"
 
 
 class VocabParallelEmbedding(nn.Module):

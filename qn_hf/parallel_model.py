@@ -6,7 +6,6 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
@@ -14,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .batch import check_batch, split_microbatches
 from .comm import flat_all_reduce_, gather_from_group
+from .hf_export import save_pretrained
 from .loss import IGNORE_INDEX, causal_lm_targets, count_targets, vocab_parallel_cross_entropy
 from .mesh import ParallelDims
 from .plan import TpPlan
@@ -124,6 +124,13 @@ class ParallelModel:
                 f"{type(self.module).__name__} has no built-in loss (a base model); pass loss_fn=(outputs, batch) -> loss"
             )
         check_batch(batch, microbatches=self.microbatches, required=("labels",) if builtin else ())
+        if builtin and self.plan.loss == "classification":
+            config = self.module.config
+            if config.num_labels == 1 or getattr(config, "problem_type", None) in ("regression", "multi_label_classification"):
+                raise ValueError(
+                    f"the built-in classification loss is single-label cross-entropy (num_labels={config.num_labels}, "
+                    f"problem_type={getattr(config, 'problem_type', None)!r}); pass loss_fn for this problem"
+                )
         batch = {k: v.to(self.device) for k, v in batch.items()}
         # The HF loss is a mean over every target of the global batch: count them first (one tiny
         # all-reduce over dp), then each microbatch contributes sum(its losses) / count exactly.
@@ -157,9 +164,6 @@ class ParallelModel:
                 logits.flatten(0, -2), targets.flatten(), vocab_start=self.vocab.start, vocab_size=self.vocab.size, group=self.groups.tp
             )
             return losses.sum()
-        num_labels = logits.shape[-1]
-        if num_labels == 1 or getattr(self.module.config, "problem_type", None) in ("regression", "multi_label_classification"):
-            raise ValueError("the built-in classification loss is single-label cross-entropy; pass loss_fn for this problem_type")
         return F.cross_entropy(logits.float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
 
     def _with_full_logits(self, outputs):
@@ -186,13 +190,4 @@ class ParallelModel:
     # -- export ----------------------------------------------------------------------------------
     def save_pretrained(self, path: str) -> None:
         """Write a consolidated Hugging Face directory that ``from_pretrained`` loads unchanged."""
-        from .hf_export import save_pretrained
-
         save_pretrained(self, path)
-
-
-def barrier(device: torch.device) -> None:
-    if device.type == "cuda":
-        dist.barrier(device_ids=[device.index])
-    else:
-        dist.barrier()
