@@ -1,0 +1,1 @@
+"""Pipeline parallelism: stage splitting (split.py), schedules as data (schedule.py), the P2P executor (runtime.py)."""
