@@ -22,4 +22,9 @@ POLICY = ModelPolicy(
     shared_rng_regions=("h.*.attn.resid_dropout",),
     loss="causal_lm",
     forward_kwargs={"use_cache": False},
+    # Pipeline: wte starts the first stage; GPT-2 always adds wpe(position_ids), so later stages
+    # get zeros there, and the embedding dropout runs once, on the first stage.
+    pp_entry="wte",
+    pp_first={"wpe": "zeros", "drop": "identity"},
+    pp_last={"ln_f": "identity"},
 )

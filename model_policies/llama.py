@@ -24,4 +24,7 @@ POLICY = ModelPolicy(
     loss="causal_lm",
     forward_kwargs={"use_cache": False},
     num_kv_heads_key="num_key_value_heads",
+    # Pipeline: the rotary embedding (buffers only) and the causal mask are rebuilt on every stage.
+    pp_entry="embed_tokens",
+    pp_last={"norm": "identity"},
 )

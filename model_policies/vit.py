@@ -18,4 +18,8 @@ POLICY = ModelPolicy(
     tp_entries=("layers.*.attention", "layers.*.mlp"),
     tp_rng_regions=("layers.*.attention",),
     loss="classification",
+    # Pipeline: ViTModel reads the patch projection's dtype before calling the embeddings.
+    pp_entry="embeddings",
+    pp_entry_reads=("patch_embeddings.projection.weight",),
+    pp_last={"layernorm": "identity", "pooler": "identity"},
 )

@@ -16,7 +16,10 @@ from .comm import flat_all_reduce_, gather_from_group
 from .hf_export import save_pretrained
 from .loss import IGNORE_INDEX, causal_lm_targets, count_targets, vocab_parallel_cross_entropy
 from .mesh import ParallelDims
-from .plan import TpPlan
+from .pipeline.runtime import Peers, StageExecutor
+from .pipeline.schedule import stage_actions
+from .pipeline.split import StageModules, StagePlan
+from .plan import TpPlan, base_model_and_prefix
 from .rng import RngStreams
 from .shard import ShardSpec
 from .tensor_parallel import VocabShard
@@ -27,12 +30,14 @@ LossFn = Callable[[object, Mapping[str, torch.Tensor]], torch.Tensor]
 @dataclass(frozen=True)
 class Groups:
     """Process groups this rank belongs to. ``kv`` joins the tp ranks that hold the same replicated
-    KV-head shard (None when nothing is replicated that way)."""
+    KV-head shard (None when nothing is replicated that way); ``tie`` joins the first and last
+    pipeline stage when they hold the two copies of a tied weight."""
 
     dp: ProcessGroup
     tp: ProcessGroup
     pp: ProcessGroup
     kv: ProcessGroup | None
+    tie: ProcessGroup | None  # first and last stage of this (dp, tp), holding a tied weight's copies
 
 
 class ParallelModel:
@@ -50,6 +55,9 @@ class ParallelModel:
         dims: ParallelDims,
         groups: Groups,
         plan: TpPlan,
+        stage_plan: StagePlan,
+        stage: StageModules,
+        peers: Peers,
         specs: dict[str, ShardSpec | None],
         vocab: VocabShard | None,
         microbatches: int,
@@ -62,6 +70,10 @@ class ParallelModel:
         self.dims = dims
         self.groups = groups
         self.plan = plan
+        self.stage_plan = stage_plan
+        self.stage = stage
+        self.executor = StageExecutor(peers=peers, device=device)
+        self.base_model = base_model_and_prefix(module)[0]
         self.specs = specs
         self.vocab = vocab
         self.microbatches = microbatches
@@ -85,7 +97,10 @@ class ParallelModel:
         return self.train(False)
 
     def __call__(self, **inputs: torch.Tensor):
-        """The HF forward on this rank's shard (vocab-parallel logits stay sharded; see ``full_logits``)."""
+        """The HF forward on this rank's shard (vocab-parallel logits stay sharded; see ``full_logits``).
+        With pipeline stages a forward spans ranks: use ``train_step``/``eval_step``."""
+        if self.stage.stages > 1:
+            raise ValueError(f"a forward call needs the whole pipeline (pp={self.stage.stages}); use eval_step or train_step")
         return self.module(**inputs, **self.plan.policy.forward_kwargs)
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
@@ -142,15 +157,34 @@ class ParallelModel:
             scale = 1.0 / max(count.item(), 1.0)
         else:
             scale = 1.0 / (self.microbatches * self.dims.dp)
+        micro = split_microbatches(batch, microbatches=self.microbatches)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for micro in split_microbatches(batch, microbatches=self.microbatches):
-            inputs = {k: v for k, v in micro.items() if k != "labels"}
-            outputs = self(**inputs)
-            loss = self._builtin_loss_sum(outputs, micro["labels"]) if builtin else loss_fn(self._with_full_logits(outputs), micro)
+
+        def forward(mb: int, received: torch.Tensor | None) -> torch.Tensor:
+            """One microbatch through this stage: the activation to send, or on the last stage the
+            microbatch's share of the global loss (what backward starts from)."""
+            nonlocal total
+            inputs = {k: v for k, v in micro[mb].items() if k != "labels"}
+            if self.stage.injector is not None:
+                self.stage.injector.pending = received
+            if not self.stage.is_last:
+                return self.base_model(**inputs, **self.plan.policy.forward_kwargs).last_hidden_state
+            outputs = self.module(**inputs, **self.plan.policy.forward_kwargs)
+            if builtin:
+                loss = self._builtin_loss_sum(outputs, micro[mb]["labels"])
+            else:
+                loss = loss_fn(self._with_full_logits(outputs), micro[mb])
             loss = loss * scale
-            if backward:
-                loss.backward()
             total += loss.detach().float()
+            return loss
+
+        actions = stage_actions(
+            stage=self.stage.stage, stages=self.stage.stages, microbatches=self.microbatches,
+            schedule=self.schedule, backward=backward,
+        )
+        self.executor.run(actions, forward)
+        # The last stage holds the loss: a sum over pp hands it to every stage, then over dp.
+        flat_all_reduce_([total], group=self.groups.pp)
         flat_all_reduce_([total], group=self.groups.dp)
         return total
 
@@ -185,6 +219,10 @@ class ParallelModel:
         if self.groups.kv is not None:
             replicated = [p.grad for name, p in self.named_parameters() if p.requires_grad and (s := self.specs.get(name)) and s.replicas > 1]
             flat_all_reduce_(replicated, group=self.groups.kv)
+        if self.groups.tie is not None:
+            local = dict(self.named_parameters())
+            tied = [local[n].grad for tie in self.stage_plan.ties for n in (tie.owner, tie.follower) if n in local]
+            flat_all_reduce_(tied, group=self.groups.tie)
         flat_all_reduce_([p.grad for p in params], group=self.groups.dp)
 
     # -- export ----------------------------------------------------------------------------------

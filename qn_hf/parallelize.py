@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -10,15 +11,17 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .comm import flat_broadcast_
+from .pipeline.schedule import SCHEDULES
 from .mesh import ParallelDims, build_mesh, check_mesh, default_device, init_distributed, launched_world_size
 from .parallel_model import Groups, ParallelModel
+from .pipeline.runtime import Peers
+from .pipeline.split import StagePlan, StandIn, apply_stage, build_stage_plan
 from .plan import ModelPolicy, TpPlan, build_tp_plan
 from .policies import resolve_policy
 from .rng import SHARED, TP_LOCAL, RngStreams, stream_seeds
 from .shard import ShardSpec
 from .tensor_parallel import apply_tp_plan
 
-SCHEDULES = ("1f1b", "gpipe")
 _MARK = "_qn_hf_parallelized"
 
 
@@ -31,6 +34,7 @@ def parallelize(
     microbatches: int = 1,
     schedule: str = "1f1b",
     policy: ModelPolicy | None = None,
+    layers_per_stage: Sequence[int] | None = None,
     mesh: DeviceMesh | None = None,
     device: torch.device | None = None,
     seed: int | None = None,
@@ -39,7 +43,8 @@ def parallelize(
     """Shard ``model`` (in place) over a (dp, pp, tp) mesh and return its ``ParallelModel``.
 
     Every check that can fail runs before the first collective, identically on every rank.
-    ``mesh`` reuses an existing ("dp", "pp", "tp") mesh; ``seed`` seeds dropout (default: rank 0's
+    ``layers_per_stage`` sets how many blocks each pipeline stage gets (default: as even as
+    possible, earlier stages taking the remainder). ``mesh`` reuses an existing ("dp", "pp", "tp") mesh; ``seed`` seeds dropout (default: rank 0's
     ``torch.initial_seed()``, shared with all ranks); ``timeout`` bounds every collective when
     this call creates the process group.
     """
@@ -48,12 +53,12 @@ def parallelize(
         raise ValueError(f"microbatches={microbatches!r} must be a positive integer")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is unknown; use one of {SCHEDULES}")
-    if pp != 1:
-        raise ValueError(f"pp={pp}: this version of qn_hf has no pipeline parallelism yet; use pp=1")
     if getattr(model, _MARK, False):
         raise ValueError("this model is already parallelized; load a fresh copy to parallelize it again")
     dims.check_world_size(launched_world_size())
-    plan = build_tp_plan(model, resolve_policy(model, policy), tp=tp)
+    policy = resolve_policy(model, policy)
+    plan = build_tp_plan(model, policy, tp=tp)
+    stage_plan = build_stage_plan(model, policy, stages=pp, layers_per_stage=layers_per_stage)
     _check_tensors(model)
 
     device = device or default_device()
@@ -63,13 +68,19 @@ def parallelize(
         mesh = build_mesh(dims, device=device)
     check_mesh(mesh, dims)
     groups = Groups(
-        dp=mesh.get_group("dp"), tp=mesh.get_group("tp"), pp=mesh.get_group("pp"), kv=_kv_replica_group(mesh, plan, timeout)
+        dp=mesh.get_group("dp"),
+        tp=mesh.get_group("tp"),
+        pp=mesh.get_group("pp"),
+        kv=_kv_replica_group(mesh, plan, timeout),
+        tie=_tie_group(mesh, stage_plan, timeout),
     )
     coords = {d: mesh.get_local_rank(d) for d in ("dp", "pp", "tp")}
 
+    stage = apply_stage(model, stage_plan, stage=coords["pp"])
+    plan = plan.only(lambda name: _on_this_stage(model, name))
     specs, vocab = apply_tp_plan(model, plan, tp_rank=coords["tp"], group=groups.tp)
     model.to(device)
-    _synchronize_replicas(model, specs, groups)
+    _synchronize_replicas(model, specs, groups, stage_plan)
     rng = _install_rng_streams(model, plan, coords, device, seed)
     setattr(model, _MARK, True)
     return ParallelModel(
@@ -78,6 +89,9 @@ def parallelize(
         dims=dims,
         groups=groups,
         plan=plan,
+        stage_plan=stage_plan,
+        stage=stage,
+        peers=_peers(mesh, coords),
         specs=specs,
         vocab=vocab,
         microbatches=microbatches,
@@ -110,16 +124,56 @@ def _kv_replica_group(mesh: DeviceMesh, plan: TpPlan, timeout: datetime.timedelt
     return mine
 
 
-def _synchronize_replicas(model: nn.Module, specs: dict[str, ShardSpec | None], groups: Groups) -> None:
+def _on_this_stage(model: nn.Module, name: str) -> bool:
+    """Whether the module ``name`` is real on this rank (not dropped, not a stage stand-in)."""
+    module = model
+    for part in name.split("."):
+        module = getattr(module, part, None)
+        if not isinstance(module, nn.Module) or isinstance(module, StandIn):
+            return False
+    return True
+
+
+def _tie_group(mesh: DeviceMesh, stage_plan: StagePlan, timeout: datetime.timedelta):
+    """For each (dp, tp): the first and last stage, which hold the two copies of a tied weight."""
+    if not stage_plan.ties:
+        return None
+    mine = None
+    grid = mesh.mesh  # [dp, pp, tp]
+    for d in range(grid.shape[0]):
+        for t in range(grid.shape[2]):
+            ranks = [int(grid[d, 0, t]), int(grid[d, -1, t])]
+            group = dist.new_group(ranks, timeout=timeout)
+            if dist.get_rank() in ranks:
+                mine = group
+    return mine
+
+
+def _peers(mesh: DeviceMesh, coords: dict[str, int]) -> Peers:
+    grid = mesh.mesh
+    d, p, t = coords["dp"], coords["pp"], coords["tp"]
+    return Peers(
+        prev=int(grid[d, p - 1, t]) if p > 0 else None,
+        next=int(grid[d, p + 1, t]) if p < grid.shape[1] - 1 else None,
+    )
+
+
+def _synchronize_replicas(
+    model: nn.Module, specs: dict[str, ShardSpec | None], groups: Groups, stage_plan: StagePlan
+) -> None:
     """Make copies that must be equal exactly equal: what is replicated across tp (from tp rank 0),
-    KV-head replicas (from the first replica), and everything across dp (from dp rank 0)."""
+    KV-head replicas (from the first replica), the last stage's copy of a tied weight (from the
+    first stage), and everything across dp (from dp rank 0)."""
     named = dict(model.named_parameters())
+    tied = [named[n].data for tie in stage_plan.ties for n in (tie.owner, tie.follower) if n in named]
     tp_replicated = [p.data for n, p in named.items() if specs.get(n) is None]
     kv_replicated = [p.data for n, p in named.items() if (s := specs.get(n)) is not None and s.replicas > 1]
     with torch.no_grad():
         flat_broadcast_(tp_replicated, src_group_rank=0, group=groups.tp)
         if groups.kv is not None:
             flat_broadcast_(kv_replicated, src_group_rank=0, group=groups.kv)
+        if groups.tie is not None:
+            flat_broadcast_(tied, src_group_rank=0, group=groups.tie)
         flat_broadcast_([p.data for p in named.values()], src_group_rank=0, group=groups.dp)
 
 

@@ -10,8 +10,8 @@ divides by tp. It only reads the model, so it runs on every rank before any proc
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 from transformers.pytorch_utils import Conv1D
@@ -39,6 +39,7 @@ def packed_parts(style: str) -> int:
 
 LAYOUT_VALUES = ("local_heads", "local_kv_heads", "local_kv_groups", "local_q_width")
 LOSSES = ("causal_lm", "classification")
+STANDINS = ("zeros", "identity")
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,14 @@ class ModelPolicy:
     ``tp_entries`` names modules (attention, MLP) whose first forward argument feeds only their
     column-parallel layers: the tensor enters the tp region once there, so the input gradient of
     q, k and v takes one all-reduce instead of three. Column layers outside entries enter alone.
+
+    Pipeline stages run the base model's own forward over their blocks. ``pp_entry`` is the module
+    that makes the first hidden state (the token or patch embedding): on later stages it is
+    replaced by a stand-in that returns the activation received from the previous stage, keeping
+    the attributes in ``pp_entry_reads`` that the forward reads from it. ``pp_first`` and
+    ``pp_last`` name the other modules that belong to the first or last stage only, with the stand-in
+    they get elsewhere: ``"zeros"`` (GPT-2's position embedding, added to the received activation)
+    or ``"identity"`` (dropout after the embedding, the final norm).
     """
 
     model_type: str
@@ -63,6 +72,10 @@ class ModelPolicy:
     loss: str | None = None
     forward_kwargs: Mapping[str, object] = field(default_factory=dict)
     num_kv_heads_key: str | None = None
+    pp_entry: str | None = None
+    pp_entry_reads: tuple[str, ...] = ()
+    pp_first: Mapping[str, str] = field(default_factory=dict)
+    pp_last: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for pattern, style in {**self.tp_plan, **self.head_plan}.items():
@@ -71,6 +84,9 @@ class ModelPolicy:
         for pattern, value in self.attr_patches.items():
             if value not in LAYOUT_VALUES:
                 raise ValueError(f"policy {self.model_type}: patch {pattern!r} has unknown value {value!r}; known: {LAYOUT_VALUES}")
+        for name, standin in {**self.pp_first, **self.pp_last}.items():
+            if standin not in STANDINS:
+                raise ValueError(f"policy {self.model_type}: stage stand-in {standin!r} for {name!r} is unknown; known: {STANDINS}")
         if self.loss is not None and self.loss not in LOSSES:
             raise ValueError(f"policy {self.model_type}: unknown loss {self.loss!r}; known: {LOSSES}")
 
@@ -137,6 +153,17 @@ class TpPlan:
     shared_rng_regions: tuple[str, ...]
     loss: str | None  # the built-in loss, None for a base model without a head
     base_prefix: str
+
+    def only(self, keep: Callable[[str], bool]) -> TpPlan:
+        """The plan restricted to the modules ``keep`` accepts (those of this pipeline stage)."""
+        return replace(
+            self,
+            rules=tuple(r for r in self.rules if keep(r[0])),
+            patches=tuple(p for p in self.patches if keep(p[0])),
+            tp_entries=tuple(n for n in self.tp_entries if keep(n)),
+            tp_rng_regions=tuple(n for n in self.tp_rng_regions if keep(n)),
+            shared_rng_regions=tuple(n for n in self.shared_rng_regions if keep(n)),
+        )
 
 
 def pattern_regex(pattern: str) -> re.Pattern[str]:

@@ -33,29 +33,35 @@ def reference_grad(ref_params: dict[str, torch.nn.Parameter], name: str, pm: qn_
     return grad if spec is None else spec.shard(grad, pm.coords["tp"])
 
 
-def parity(*, kind: str, model_dir: str, out_dir: str, dp: int, tp: int, microbatches: int = 1,
-           padded: bool = False, per_rank: int = 2) -> dict:
-    """Forward, loss, every gradient, grad norm and weights after an AdamW step against the plain model."""
+def parity(*, kind: str, model_dir: str, out_dir: str, dp: int, tp: int, pp: int = 1, microbatches: int = 1,
+           schedule: str = "1f1b", layers_per_stage: list[int] | None = None, padded: bool = False,
+           per_rank: int = 2) -> dict:
+    """Forward, loss, every gradient, grad norm and weights after an optimizer step against the plain model."""
     torch.manual_seed(0)
     ref = load(kind, model_dir)
-    pm = qn_hf.parallelize(load(kind, model_dir), dp=dp, tp=tp, microbatches=microbatches, mesh=mesh_for(dp, tp))
-    full_numel = {n: p.numel() for n, p in ref.named_parameters()}
+    pm = qn_hf.parallelize(load(kind, model_dir), dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
+                           layers_per_stage=layers_per_stage, mesh=mesh_for(dp, tp, pp))
+    full_numel = {n: p.numel() for n, p in ref.named_parameters(remove_duplicate=False)}
 
     batch = make_batch(kind, size=dp * per_rank * microbatches, seed=7, padded=padded)
     local = dp_slice(batch, dp=dp, dp_rank=pm.coords["dp"])
 
-    pm.eval()
+    ref.eval()
     with torch.no_grad():
-        logits = pm.full_logits(pm(**model_inputs(local)).logits)
-        ref.eval()
+        ref_eval = ref(**batch).loss.item()
         ref_logits = dp_slice({"x": ref(**model_inputs(batch)).logits}, dp=dp, dp_rank=pm.coords["dp"])["x"]
-    logit_err = (logits - ref_logits).abs().max().item()
+        logit_err = 0.0
+        if pp == 1:  # a forward call is one rank's; with stages it spans the pipeline
+            pm.eval()
+            logits = pm.full_logits(pm(**model_inputs(local)).logits)
+            logit_err = (logits - ref_logits).abs().max().item()
+    eval_loss = pm.eval_step(local).item()
 
     loss = pm.train_step(local)
     ref.train()
     ref_loss = ref(**batch).loss
     ref_loss.backward()
-    ref_params = dict(ref.named_parameters())
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))  # lm_head.weight too, when tied
     grad_err, worst = 0.0, ""
     for name, p in pm.named_parameters():
         err = (p.grad - reference_grad(ref_params, name, pm)).abs().max().item()
@@ -80,6 +86,8 @@ def parity(*, kind: str, model_dir: str, out_dir: str, dp: int, tp: int, microba
         "rank": dist.get_rank(),
         "loss": loss.item(),
         "ref_loss": ref_loss.item(),
+        "eval_loss": eval_loss,
+        "ref_eval_loss": ref_eval,
         "logit_err": logit_err,
         "grad_err": grad_err,
         "worst_grad": worst,
@@ -88,7 +96,7 @@ def parity(*, kind: str, model_dir: str, out_dir: str, dp: int, tp: int, microba
         "weight_err": weight_err,
         "weight_moved": weight_moved,
         "local_sharded": sum(p.numel() for n, p in pm.named_parameters() if n in sharded),
-        "full_sharded": sum(full_numel[n] for n, _ in pm.named_parameters() if n in sharded),
+        "full_sharded": sum(full_numel.get(n, 0) for n, _ in pm.named_parameters() if n in sharded),
         "local_total": sum(p.numel() for p in pm.parameters()),
         "full_total": sum(full_numel.values()),
     }

@@ -18,14 +18,15 @@ from transformers import (
 NO_DROPOUT_GPT2 = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 CONFIGS = {
-    # 4 heads: tp in {1, 2, 4}; vocab 99 is padded for tp 2 and 4; lm_head tied to wte.
-    "gpt2": GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=32, vocab_size=99, bos_token_id=0, eos_token_id=0,
+    # 4 heads: tp in {1, 2, 4}; vocab 99 is padded for tp 2 and 4; lm_head tied to wte;
+    # 5 blocks split unevenly over 2 or 4 stages.
+    "gpt2": GPT2Config(n_layer=5, n_embd=32, n_head=4, n_positions=32, vocab_size=99, bos_token_id=0, eos_token_id=0,
                        **NO_DROPOUT_GPT2),
     # 8 query heads over 2 KV heads: tp=2 splits the KV heads, tp=4 replicates each on 2 ranks.
-    "llama": LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+    "llama": LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=8,
                          num_key_value_heads=2, vocab_size=101, max_position_embeddings=64, pad_token_id=0,
                          bos_token_id=1, eos_token_id=2),
-    "vit": ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+    "vit": ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=4,
                      num_attention_heads=4, intermediate_size=64, num_labels=5, hidden_dropout_prob=0.0,
                      attention_probs_dropout_prob=0.0),
     # No policy file of ours: derived from transformers' base_model_tp_plan.

@@ -28,3 +28,30 @@ PARITY_CASES = [
     ("vit", 4, 2, 1, False),
     ("llama", 8, 1, 1, False),
 ]
+
+# (kind, dp, tp, pp, schedule, microbatches, layers_per_stage). GPT-2 has 5 blocks (uneven by
+# default), Llama and ViT 4; M covers 1, P, 2P and odd counts, including M < P.
+PIPELINE_CASES = [
+    ("gpt2", 1, 1, 2, "1f1b", 3, None),
+    ("gpt2", 1, 1, 2, "gpipe", 4, None),
+    ("gpt2", 1, 1, 4, "1f1b", 1, None),
+    ("gpt2", 1, 1, 4, "gpipe", 8, None),
+    ("gpt2", 1, 1, 4, "1f1b", 5, None),
+    ("llama", 1, 1, 2, "1f1b", 2, None),
+    ("llama", 1, 1, 2, "gpipe", 1, None),
+    ("llama", 1, 1, 2, "1f1b", 4, [3, 1]),
+    ("llama", 1, 1, 4, "1f1b", 3, None),
+    ("llama", 1, 1, 4, "gpipe", 4, None),
+    ("vit", 1, 1, 2, "1f1b", 4, None),
+    ("vit", 1, 1, 2, "gpipe", 3, [1, 3]),
+    ("vit", 1, 1, 4, "1f1b", 8, None),
+    ("vit", 1, 1, 4, "gpipe", 1, None),
+    # pp x tp = 2 x 2 (tied, vocab-padded embeddings across stages; GQA; ViT)
+    ("gpt2", 1, 2, 2, "1f1b", 4, None),
+    ("gpt2", 1, 2, 2, "gpipe", 3, None),
+    ("llama", 1, 2, 2, "1f1b", 2, None),
+    ("vit", 1, 2, 2, "gpipe", 2, None),
+    # with dp
+    ("gpt2", 2, 1, 2, "1f1b", 2, None),
+    ("llama", 2, 2, 2, "1f1b", 4, None),
+]

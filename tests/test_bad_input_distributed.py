@@ -32,6 +32,11 @@ def case_bad_configs(*, gpt2_dir: str) -> dict[str, str]:
     batch = make_batch("gpt2", size=3, seed=0)
     messages["microbatches"] = _error(lambda: pm.train_step(batch))
     messages["labels"] = _error(lambda: pm.train_step({"input_ids": batch["input_ids"][:2]}))
+    one_block = GPT2LMHeadModel(GPT2Config(n_head=4, n_embd=32, n_layer=1))
+    messages["pp too large"] = _error(lambda: qn_hf.parallelize(one_block, pp=2))
+    piped = qn_hf.parallelize(load("gpt2", gpt2_dir), pp=2, microbatches=2, mesh=mesh_for(1, 1, 2))
+    messages["pipeline microbatches"] = _error(lambda: piped.train_step(batch))
+    messages["pipeline forward call"] = _error(lambda: piped(input_ids=batch["input_ids"]))
     alive = torch.ones(1)
     dist.all_reduce(alive)
     messages["world alive"] = str(int(alive.item()))
@@ -48,4 +53,7 @@ def test_every_rank_raises_before_any_collective(worlds, model_dirs):
     assert "tp=2 does not divide num_key_value_heads=3" in m["kv heads"]
     assert "microbatches=2 does not divide the local batch size 3" in m["microbatches"]
     assert "batch lacks ['labels']" in m["labels"]
+    assert "pp=2 is larger than the number of blocks (1); use pp <= 1" in m["pp too large"]
+    assert "microbatches=2 does not divide the local batch size 3" in m["pipeline microbatches"]
+    assert "a forward call needs the whole pipeline (pp=2)" in m["pipeline forward call"]
     assert m["world alive"] == "2"

@@ -4,23 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from tests.shapes import PARITY_CASES
+from tests.shapes import PARITY_CASES, PIPELINE_CASES
 
 LOSS_RTOL = 1e-5
 GRAD_ATOL = 2e-6
 WEIGHT_ATOL = 2e-5
 
 
-@pytest.mark.parametrize(("kind", "dp", "tp", "microbatches", "padded"), PARITY_CASES)
-def test_matches_plain_model(worlds, model_dirs, tmp_path, kind, dp, tp, microbatches, padded):
-    results = worlds.run(
-        dp * tp, "tests.cases:parity", kind=kind, model_dir=model_dirs[kind], out_dir=str(tmp_path / "hf"),
-        dp=dp, tp=tp, microbatches=microbatches, padded=padded,
-    )
+def check(results: list[dict], *, tp: int) -> None:
     losses = {r["loss"] for r in results}
     assert len(losses) == 1, f"ranks disagree on the loss: {losses}"
     for r in results:
         assert abs(r["loss"] - r["ref_loss"]) <= LOSS_RTOL * abs(r["ref_loss"]), r
+        assert abs(r["eval_loss"] - r["ref_eval_loss"]) <= LOSS_RTOL * abs(r["ref_eval_loss"]), r
         assert r["logit_err"] < 1e-5, r
         assert r["grad_err"] < GRAD_ATOL, r
         assert abs(r["norm"] - r["ref_norm"]) <= 1e-5 * r["ref_norm"], r
@@ -28,3 +24,22 @@ def test_matches_plain_model(worlds, model_dirs, tmp_path, kind, dp, tp, microba
         # a rank holds 1/tp of every sharded tensor (up to vocabulary padding and replicated KV heads)
         assert r["local_sharded"] * tp >= r["full_sharded"], r
         assert r["local_sharded"] * tp <= r["full_sharded"] * 1.6, r
+
+
+@pytest.mark.parametrize(("kind", "dp", "tp", "microbatches", "padded"), PARITY_CASES)
+def test_tensor_and_data_parallel(worlds, model_dirs, tmp_path, kind, dp, tp, microbatches, padded):
+    results = worlds.run(
+        dp * tp, "tests.cases:parity", kind=kind, model_dir=model_dirs[kind], out_dir=str(tmp_path / "hf"),
+        dp=dp, tp=tp, microbatches=microbatches, padded=padded,
+    )
+    check(results, tp=tp)
+
+
+@pytest.mark.parametrize(("kind", "dp", "tp", "pp", "schedule", "microbatches", "layers_per_stage"), PIPELINE_CASES)
+def test_pipeline(worlds, model_dirs, tmp_path, kind, dp, tp, pp, schedule, microbatches, layers_per_stage):
+    results = worlds.run(
+        dp * tp * pp, "tests.cases:parity", kind=kind, model_dir=model_dirs[kind], out_dir=str(tmp_path / "hf"),
+        dp=dp, tp=tp, pp=pp, schedule=schedule, microbatches=microbatches, layers_per_stage=layers_per_stage,
+        padded=kind != "vit",
+    )
+    check(results, tp=tp)

@@ -66,10 +66,13 @@ def test_unsupported_architecture_lists_what_is_supported():
         (dict(tp=0), r"tp=0 must be a positive integer"),
         (dict(microbatches=0), r"microbatches=0 must be a positive integer"),
         (dict(schedule="zigzag"), r"schedule='zigzag' is unknown"),
-        (dict(pp=2), r"pp=2: this version of qn_hf has no pipeline parallelism yet"),
+        (dict(pp=6), r"pp=6 is larger than the number of blocks \(5\); use pp <= 5"),
+        (dict(pp=2, layers_per_stage=[3, 3]), r"layers_per_stage=\[3, 3\] must give each of the pp=2 stages at least one block and sum to the 5 blocks"),
+        (dict(pp=2, layers_per_stage=[5, 0]), r"layers_per_stage=\[5, 0\]"),
     ],
 )
-def test_bad_arguments(kwargs, message):
+def test_bad_arguments(kwargs, message, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", str(kwargs.get("pp", 1) * kwargs.get("tp", 1)))
     with pytest.raises(ValueError, match=message):
         qn_hf.parallelize(tiny("gpt2"), **kwargs)
 
@@ -136,3 +139,28 @@ def test_gpt2_tied_head_is_planned_once_per_module():
     plan = build_tp_plan(model, resolve_policy(model, None), tp=4)
     styles = dict(plan.rules)
     assert styles["transformer.wte"] == "vocab_embedding" and styles["lm_head"] == "vocab_colwise"
+
+
+def test_stage_plan_for_each_architecture():
+    from qn_hf.pipeline.split import PipelineTie, build_stage_plan
+
+    gpt2 = tiny("gpt2")
+    plan = build_stage_plan(gpt2, resolve_policy(gpt2, None), stages=2)
+    assert plan.layer_ranges == ((0, 3), (3, 5))  # 5 blocks: the remainder goes to earlier stages
+    assert plan.entry == "transformer.wte" and plan.heads == ("lm_head",)
+    assert plan.ties == (PipelineTie(owner="transformer.wte.weight", follower="lm_head.weight"),)
+    llama = tiny("llama")
+    plan = build_stage_plan(llama, resolve_policy(llama, None), stages=4)
+    assert plan.layer_ranges == ((0, 1), (1, 2), (2, 3), (3, 4)) and plan.ties == ()
+    vit = tiny("vit")
+    plan = build_stage_plan(vit, resolve_policy(vit, None), stages=2, layers_per_stage=[1, 3])
+    assert plan.layer_ranges == ((0, 1), (1, 4)) and plan.last_only == (("vit.layernorm", "identity"),)
+
+
+def test_parameter_outside_every_stage_is_an_error():
+    from qn_hf.pipeline.split import build_stage_plan
+
+    llama = tiny("llama")
+    policy = dataclasses.replace(resolve_policy(llama, None), pp_last={})
+    with pytest.raises(ValueError, match=r"parameter model.norm.weight belongs to no pipeline stage"):
+        build_stage_plan(llama, policy, stages=2)
