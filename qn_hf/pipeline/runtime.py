@@ -9,8 +9,9 @@ every microbatch of a step has the same shape, and the gradient has the activati
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,8 @@ from .schedule import Action
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _HEADER = 8  # room for [dtype, ndim, *shape]
+
+StageForward = Callable[[int, "torch.Tensor | None"], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,18 @@ def _tag(mb: int, kind: int) -> int:
     return 4 * mb + kind  # distinct per microbatch and direction (gloo matches on it; NCCL keeps order)
 
 
+@dataclass
+class _Step:
+    """What one step holds between actions; entries leave as soon as they are used."""
+
+    forward: StageForward
+    inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # received activations (autograd leaves)
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # what backward starts from
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)  # received output gradients
+    sends: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)  # buffer alive until sent
+    shape: tuple[torch.Size, torch.dtype] | None = None
+
+
 class StageExecutor:
     """Runs ``forward(mb, received) -> output`` and backward through the action list of one stage.
 
@@ -43,56 +58,59 @@ class StageExecutor:
     def __init__(self, *, peers: Peers, device: torch.device) -> None:
         self.peers = peers
         self.device = device
+        # Set to a list to record (op, mb, start, stop) in perf_counter seconds for every action:
+        # the measured timeline of a step (busy and idle time per stage).
+        self.events: list[tuple[str, int, float, float]] | None = None
 
-    def run(self, actions: list[Action], forward: Callable[[int, torch.Tensor | None], torch.Tensor]) -> None:
-        inputs: dict[int, torch.Tensor] = {}
-        outputs: dict[int, torch.Tensor] = {}
-        grads: dict[int, torch.Tensor] = {}
-        pending: list[dist.Work] = []
-        keep_alive: list[torch.Tensor] = []
-        shape: tuple[torch.Size, torch.dtype] | None = None
+    def run(self, actions: list[Action], forward: StageForward) -> None:
+        step = _Step(forward=forward)
         for action in actions:
-            mb = action.mb
-            if action.op == "recv_fwd":
-                if shape is None:
-                    shape = self._recv_header()
-                buf = torch.empty(shape[0], dtype=shape[1], device=self.device)
-                dist.irecv(buf, src=self.peers.prev, tag=_tag(mb, 1)).wait()
-                inputs[mb] = buf.requires_grad_(True)
-            elif action.op == "fwd":
-                # Without autograd (eval) nothing is kept for a backward: drop inputs as consumed.
-                received = inputs.get(mb) if torch.is_grad_enabled() else inputs.pop(mb, None)
-                outputs[mb] = forward(mb, received)
-            elif action.op == "send_fwd":
-                out = (outputs[mb] if torch.is_grad_enabled() else outputs.pop(mb)).detach().contiguous()
-                if mb == 0:
-                    pending.append(self._send_header(out))
-                pending.append(dist.isend(out, dst=self.peers.next, tag=_tag(mb, 1)))
-                keep_alive.append(out)
-            elif action.op == "recv_bwd":
-                buf = torch.empty_like(outputs[mb])
-                dist.irecv(buf, src=self.peers.next, tag=_tag(mb, 2)).wait()
-                grads[mb] = buf
-            elif action.op == "bwd":
-                out = outputs.pop(mb)
-                torch.autograd.backward(out, grad_tensors=grads.pop(mb, None))
-            elif action.op == "send_bwd":
-                grad = inputs.pop(mb).grad
-                pending.append(dist.isend(grad.contiguous(), dst=self.peers.prev, tag=_tag(mb, 2)))
-                keep_alive.append(grad)
-            else:
-                raise ValueError(f"unknown pipeline action {action}")
-        for work in pending:
+            start = time.perf_counter()
+            getattr(self, "_" + action.op)(step, action.mb)
+            if self.events is not None:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                self.events.append((action.op, action.mb, start, time.perf_counter()))
+        for work, _ in step.sends:
             work.wait()
 
-    def _send_header(self, out: torch.Tensor) -> dist.Work:
-        header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+    def _recv_fwd(self, step: _Step, mb: int) -> None:
+        if step.shape is None:
+            step.shape = self._recv_header()
+        buf = torch.empty(step.shape[0], dtype=step.shape[1], device=self.device)
+        dist.irecv(buf, src=self.peers.prev, tag=_tag(mb, 1)).wait()
+        step.inputs[mb] = buf.requires_grad_(torch.is_grad_enabled())
+
+    def _fwd(self, step: _Step, mb: int) -> None:
+        # Without autograd (eval) nothing is kept for a backward: inputs go as they are consumed.
+        received = step.inputs.get(mb) if torch.is_grad_enabled() else step.inputs.pop(mb, None)
+        step.outputs[mb] = step.forward(mb, received)
+
+    def _send_fwd(self, step: _Step, mb: int) -> None:
+        out = (step.outputs[mb] if torch.is_grad_enabled() else step.outputs.pop(mb)).detach().contiguous()
+        if mb == 0:
+            self._send_header(step, out)
+        step.sends.append((dist.isend(out, dst=self.peers.next, tag=_tag(mb, 1)), out))
+
+    def _recv_bwd(self, step: _Step, mb: int) -> None:
+        buf = torch.empty_like(step.outputs[mb])
+        dist.irecv(buf, src=self.peers.next, tag=_tag(mb, 2)).wait()
+        step.grads[mb] = buf
+
+    def _bwd(self, step: _Step, mb: int) -> None:
+        torch.autograd.backward(step.outputs.pop(mb), grad_tensors=step.grads.pop(mb, None))
+
+    def _send_bwd(self, step: _Step, mb: int) -> None:
+        grad = step.inputs.pop(mb).grad.contiguous()
+        step.sends.append((dist.isend(grad, dst=self.peers.prev, tag=_tag(mb, 2)), grad))
+
+    def _send_header(self, step: _Step, out: torch.Tensor) -> None:
         values = [_DTYPES.index(out.dtype), out.dim(), *out.shape]
         if len(values) > _HEADER:
             raise ValueError(f"activations of {out.dim()} dims are not supported")
+        header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
         header[: len(values)] = torch.tensor(values)
-        self._header = header  # kept alive until the send completes
-        return dist.isend(header, dst=self.peers.next, tag=_tag(0, 0))
+        step.sends.append((dist.isend(header, dst=self.peers.next, tag=_tag(0, 0)), header))
 
     def _recv_header(self) -> tuple[torch.Size, torch.dtype]:
         header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
