@@ -192,7 +192,8 @@ class ParallelModel:
         logits = outputs.logits
         if self.plan.loss == "causal_lm":
             targets = causal_lm_targets(labels)
-            if self.vocab is None:
+            if self.vocab is None or self.dims.tp == 1:  # the whole vocabulary is here: torch's fused kernel
+                logits = logits if self.vocab is None else logits[..., : self.vocab.size]
                 return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="sum")
             losses = vocab_parallel_cross_entropy(
                 logits.flatten(0, -2), targets.flatten(), vocab_start=self.vocab.start, vocab_size=self.vocab.size, group=self.groups.tp

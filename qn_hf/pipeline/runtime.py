@@ -45,6 +45,7 @@ class _Step:
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # what backward starts from
     grads: dict[int, torch.Tensor] = field(default_factory=dict)  # received output gradients
     sends: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)  # buffer alive until sent
+    posted: dict[Action, tuple[dist.Work, torch.Tensor]] = field(default_factory=dict)  # receives in flight
     shape: tuple[torch.Size, torch.dtype] | None = None
 
 
@@ -64,22 +65,44 @@ class StageExecutor:
 
     def run(self, actions: list[Action], forward: StageForward) -> None:
         step = _Step(forward=forward)
-        for action in actions:
+        for i, action in enumerate(actions):
             start = time.perf_counter()
             getattr(self, "_" + action.op)(step, action.mb)
             if self.events is not None:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 self.events.append((action.op, action.mb, start, time.perf_counter()))
+            self._post_next_receive(step, actions[i + 1 :])
         for work, _ in step.sends:
             work.wait()
+
+    def _post_next_receive(self, step: _Step, rest: list[Action]) -> None:
+        """Post the next receive as soon as its buffer's shape is known, so the transfer overlaps
+        the compute in between instead of starting when the schedule reaches it."""
+        upcoming = next((a for a in rest if a.op in ("recv_fwd", "recv_bwd")), None)
+        if upcoming is None or upcoming in step.posted:
+            return
+        if upcoming.op == "recv_fwd" and step.shape is not None:
+            buf = torch.empty(step.shape[0], dtype=step.shape[1], device=self.device)
+            step.posted[upcoming] = (dist.irecv(buf, src=self.peers.prev, tag=_tag(upcoming.mb, 1)), buf)
+        elif upcoming.op == "recv_bwd" and upcoming.mb in step.outputs:
+            buf = torch.empty_like(step.outputs[upcoming.mb])
+            step.posted[upcoming] = (dist.irecv(buf, src=self.peers.next, tag=_tag(upcoming.mb, 2)), buf)
+
+    def _received(self, step: _Step, action: Action, make: Callable[[], tuple[dist.Work, torch.Tensor]]) -> torch.Tensor:
+        work, buf = step.posted.pop(action, None) or make()
+        work.wait()
+        return buf
 
     def _recv_fwd(self, step: _Step, mb: int) -> None:
         if step.shape is None:
             step.shape = self._recv_header()
-        buf = torch.empty(step.shape[0], dtype=step.shape[1], device=self.device)
-        dist.irecv(buf, src=self.peers.prev, tag=_tag(mb, 1)).wait()
-        step.inputs[mb] = buf.requires_grad_(torch.is_grad_enabled())
+
+        def post():
+            buf = torch.empty(step.shape[0], dtype=step.shape[1], device=self.device)
+            return dist.irecv(buf, src=self.peers.prev, tag=_tag(mb, 1)), buf
+
+        step.inputs[mb] = self._received(step, Action("recv_fwd", mb), post).requires_grad_(torch.is_grad_enabled())
 
     def _fwd(self, step: _Step, mb: int) -> None:
         # Without autograd (eval) nothing is kept for a backward: inputs go as they are consumed.
@@ -93,9 +116,11 @@ class StageExecutor:
         step.sends.append((dist.isend(out, dst=self.peers.next, tag=_tag(mb, 1)), out))
 
     def _recv_bwd(self, step: _Step, mb: int) -> None:
-        buf = torch.empty_like(step.outputs[mb])
-        dist.irecv(buf, src=self.peers.next, tag=_tag(mb, 2)).wait()
-        step.grads[mb] = buf
+        def post():
+            buf = torch.empty_like(step.outputs[mb])
+            return dist.irecv(buf, src=self.peers.next, tag=_tag(mb, 2)), buf
+
+        step.grads[mb] = self._received(step, Action("recv_bwd", mb), post)
 
     def _bwd(self, step: _Step, mb: int) -> None:
         torch.autograd.backward(step.outputs.pop(mb), grad_tensors=step.grads.pop(mb, None))
