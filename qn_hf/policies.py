@@ -92,6 +92,11 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
         head_plan[_relative_name(model, output)] = "vocab_colwise"
         loss = "causal_lm"
 
+    # Pipeline cut points from transformers' pp plan: the entry is the input embedding; whatever
+    # comes after the blocks (the final norm) is last-stage only.
+    order = list(pp_plan)
+    after_layers = [n for n in order[order.index(layers) + 1 :] if isinstance(getattr(base, n, None), nn.Module)]
+
     attention = [p for p in rowwise_parents if any(hasattr(base.get_submodule(n), "num_key_value_groups")
                                                     for n in match_modules(base, p))]
     return ModelPolicy(
@@ -104,4 +109,6 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
         loss=loss,
         forward_kwargs={"use_cache": False},
         num_kv_heads_key=kv_key,
+        pp_entry=embeddings,
+        pp_last={n: "identity" for n in after_layers},
     )

@@ -54,4 +54,8 @@ PIPELINE_CASES = [
     # with dp
     ("gpt2", 2, 1, 2, "1f1b", 2, None),
     ("llama", 2, 2, 2, "1f1b", 4, None),
+    ("gpt2", 2, 2, 2, "1f1b", 2, None),
+    ("vit", 2, 2, 2, "gpipe", 2, None),
+    # a policy derived from transformers' base_model_tp_plan / base_model_pp_plan
+    ("mistral", 1, 2, 2, "1f1b", 2, None),
 ]
