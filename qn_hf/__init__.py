@@ -1,5 +1,6 @@
 """qn_hf: 3D parallelism (data x tensor x pipeline) for unmodified Hugging Face models."""
 
+from .comm_meter import CommMeter
 from .grad_norm import clip_grad_norm_
 from .mesh import ParallelDims
 from .parallel_model import ParallelModel
@@ -8,4 +9,4 @@ from .plan import ModelPolicy
 
 __version__ = "0.1.0"
 
-__all__ = ["ModelPolicy", "ParallelDims", "ParallelModel", "clip_grad_norm_", "parallelize", "__version__"]
+__all__ = ["CommMeter", "ModelPolicy", "ParallelDims", "ParallelModel", "clip_grad_norm_", "parallelize", "__version__"]

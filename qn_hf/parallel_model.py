@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .batch import check_batch, split_microbatches
 from .comm import flat_all_reduce_, gather_from_group
+from .data_parallel import GradBuckets
 from .hf_export import save_pretrained
 from .loss import IGNORE_INDEX, causal_lm_targets, count_targets, vocab_parallel_cross_entropy
 from .mesh import ParallelDims
@@ -64,6 +66,7 @@ class ParallelModel:
         schedule: str,
         device: torch.device,
         rng: RngStreams,
+        buckets: GradBuckets | None,
     ) -> None:
         self.module = module
         self.mesh = mesh
@@ -80,6 +83,8 @@ class ParallelModel:
         self.schedule = schedule
         self.device = device
         self.rng = rng
+        self.buckets = buckets
+        self._sync = True
         self.coords = {dim: mesh.get_local_rank(dim) for dim in ("dp", "pp", "tp")}
 
     # -- the torch.nn.Module-like surface users expect -------------------------------------------
@@ -115,12 +120,24 @@ class ParallelModel:
 
         Puts the model in training mode. Gradients accumulate into ``.grad`` (zero them between
         steps, e.g. ``optimizer.zero_grad()``). Returns the mean loss over the global batch,
-        detached, identical on every rank.
+        detached, identical on every rank. Inside ``no_sync()`` gradients are not synchronized.
         """
         self.module.train()
         loss = self._run(batch, loss_fn, backward=True)
-        self._sync_grads()
+        if self._sync:
+            self._sync_grads()
         return loss
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients over several ``train_step`` calls without synchronizing them; the
+        first ``train_step`` after the block synchronizes everything accumulated (as DDP's
+        ``no_sync``). The global loss is still returned, which takes two scalar all-reduces."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
 
     @torch.no_grad()
     def eval_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn | None = None) -> torch.Tensor:
@@ -182,7 +199,8 @@ class ParallelModel:
             stage=self.stage.stage, stages=self.stage.stages, microbatches=self.microbatches,
             schedule=self.schedule, backward=backward,
         )
-        self.executor.run(actions, forward)
+        arm = self.buckets.arm if backward and self._sync and self.buckets is not None else None
+        self.executor.run(actions, forward, before_last_backward=arm)
         # The last stage holds the loss: a sum over pp hands it to every stage, then over dp.
         flat_all_reduce_([total], group=self.groups.pp)
         flat_all_reduce_([total], group=self.groups.dp)
@@ -207,24 +225,22 @@ class ParallelModel:
         return outputs
 
     def _sync_grads(self) -> None:
-        """Sum gradients over KV-head replicas, then over dp (the loss is already divided by the
-        global count, so a sum is the dp average the plain model would compute)."""
-        params = []
-        for _, p in self.named_parameters():
-            if p.requires_grad:
-                # Every rank must contribute the same buffers, so a parameter unused by this batch
-                # still takes part with a zero gradient.
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                params.append(p)
+        """Finish the dp buckets (started during the last backward), then sum gradients over
+        KV-head replicas and tied copies. The loss is already divided by the global count, so the
+        dp sum is the average the plain model computes."""
+        if self.buckets is not None:
+            self.buckets.finish()
+        local = {name: p for name, p in self.named_parameters() if p.requires_grad}
+        for p in local.values():
+            # Every rank must contribute the same buffers: an unused parameter takes part with zeros.
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         if self.groups.kv is not None:
-            replicated = [p.grad for name, p in self.named_parameters() if p.requires_grad and (s := self.specs.get(name)) and s.replicas > 1]
+            replicated = [p.grad for name, p in local.items() if (s := self.specs.get(name)) is not None and s.replicas > 1]
             flat_all_reduce_(replicated, group=self.groups.kv)
         if self.groups.tie is not None:
-            local = dict(self.named_parameters())
             tied = [local[n].grad for tie in self.stage_plan.ties for n in (tie.owner, tie.follower) if n in local]
             flat_all_reduce_(tied, group=self.groups.tie)
-        flat_all_reduce_([p.grad for p in params], group=self.groups.dp)
 
     # -- export ----------------------------------------------------------------------------------
     def save_pretrained(self, path: str) -> None:

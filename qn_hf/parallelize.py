@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .comm import flat_broadcast_
+from .data_parallel import DEFAULT_BUCKET_MB, GradBuckets
 from .pipeline.schedule import SCHEDULES
 from .mesh import ParallelDims, build_mesh, check_mesh, default_device, init_distributed, launched_world_size
 from .parallel_model import Groups, ParallelModel
@@ -38,6 +39,7 @@ def parallelize(
     mesh: DeviceMesh | None = None,
     device: torch.device | None = None,
     seed: int | None = None,
+    bucket_mb: float = DEFAULT_BUCKET_MB,
     timeout: datetime.timedelta = datetime.timedelta(minutes=10),
 ) -> ParallelModel:
     """Shard ``model`` (in place) over a (dp, pp, tp) mesh and return its ``ParallelModel``.
@@ -45,12 +47,15 @@ def parallelize(
     Every check that can fail runs before the first collective, identically on every rank.
     ``layers_per_stage`` sets how many blocks each pipeline stage gets (default: as even as
     possible, earlier stages taking the remainder). ``mesh`` reuses an existing ("dp", "pp", "tp") mesh; ``seed`` seeds dropout (default: rank 0's
-    ``torch.initial_seed()``, shared with all ranks); ``timeout`` bounds every collective when
-    this call creates the process group.
+    ``torch.initial_seed()``, shared with all ranks); ``bucket_mb`` is the size of the gradient
+    buckets all-reduced over dp during backward; ``timeout`` bounds every collective when this call
+    creates the process group.
     """
     dims = ParallelDims(dp=dp, tp=tp, pp=pp)
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches={microbatches!r} must be a positive integer")
+    if not bucket_mb > 0:
+        raise ValueError(f"bucket_mb={bucket_mb!r} must be positive")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is unknown; use one of {SCHEDULES}")
     if getattr(model, _MARK, False):
@@ -98,6 +103,7 @@ def parallelize(
         schedule=schedule,
         device=device,
         rng=rng,
+        buckets=_grad_buckets(model, groups, dims, bucket_mb),
     )
 
 
@@ -122,6 +128,13 @@ def _kv_replica_group(mesh: DeviceMesh, plan: TpPlan, timeout: datetime.timedelt
             if dist.get_rank() in ranks:
                 mine = group
     return mine
+
+
+def _grad_buckets(model: nn.Module, groups: Groups, dims: ParallelDims, bucket_mb: float) -> GradBuckets | None:
+    if dims.dp == 1:
+        return None
+    params = [p for p in model.parameters() if p.requires_grad]
+    return GradBuckets(params, group=groups.dp, bucket_bytes=int(bucket_mb * 1024 * 1024))
 
 
 def _on_this_stage(model: nn.Module, name: str) -> bool:

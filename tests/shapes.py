@@ -59,3 +59,10 @@ PIPELINE_CASES = [
     # a policy derived from transformers' base_model_tp_plan / base_model_pp_plan
     ("mistral", 1, 2, 2, "1f1b", 2, None),
 ]
+
+# Data parallelism composed with the other two, (kind, dp, tp, pp, schedule, microbatches).
+DATA_PARALLEL_CASES = [
+    (kind, dp, tp, pp, schedule, m)
+    for kind in ("gpt2", "llama", "vit")
+    for dp, tp, pp, schedule, m in ((2, 2, 2, "1f1b", 2), (4, 1, 2, "1f1b", 3), (2, 1, 2, "gpipe", 2), (8, 1, 1, "1f1b", 1))
+]

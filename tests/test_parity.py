@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.shapes import PARITY_CASES, PIPELINE_CASES
+from tests.shapes import DATA_PARALLEL_CASES, PARITY_CASES, PIPELINE_CASES
 
 LOSS_RTOL = 1e-5
 GRAD_ATOL = 2e-6
@@ -41,5 +41,15 @@ def test_pipeline(worlds, model_dirs, tmp_path, kind, dp, tp, pp, schedule, micr
         dp * tp * pp, "tests.cases:parity", kind=kind, model_dir=model_dirs[kind], out_dir=str(tmp_path / "hf"),
         dp=dp, tp=tp, pp=pp, schedule=schedule, microbatches=microbatches, layers_per_stage=layers_per_stage,
         padded=kind != "vit",
+    )
+    check(results, tp=tp)
+
+
+@pytest.mark.parametrize(("kind", "dp", "tp", "pp", "schedule", "microbatches"), DATA_PARALLEL_CASES)
+def test_data_parallel_3d(worlds, model_dirs, tmp_path, kind, dp, tp, pp, schedule, microbatches):
+    results = worlds.run(
+        dp * tp * pp, "tests.cases:parity", kind=kind, model_dir=model_dirs[kind], out_dir=str(tmp_path / "hf"),
+        dp=dp, tp=tp, pp=pp, schedule=schedule, microbatches=microbatches, padded=kind != "vit",
+        bucket_mb=0.01,  # several buckets even for tiny models
     )
     check(results, tp=tp)

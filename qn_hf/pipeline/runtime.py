@@ -63,9 +63,16 @@ class StageExecutor:
         # the measured timeline of a step (busy and idle time per stage).
         self.events: list[tuple[str, int, float, float]] | None = None
 
-    def run(self, actions: list[Action], forward: StageForward) -> None:
+    def run(
+        self, actions: list[Action], forward: StageForward, *, before_last_backward: Callable[[], None] | None = None
+    ) -> None:
+        """Execute ``actions``; ``before_last_backward`` runs just before the stage's last backward
+        (when its gradients become final: the moment data-parallel buckets may start)."""
         step = _Step(forward=forward)
+        last_bwd = max((i for i, a in enumerate(actions) if a.op == "bwd"), default=None)
         for i, action in enumerate(actions):
+            if i == last_bwd and before_last_backward is not None:
+                before_last_backward()
             start = time.perf_counter()
             getattr(self, "_" + action.op)(step, action.mb)
             if self.events is not None:

@@ -1,0 +1,116 @@
+"""Data-parallel traffic per step, and gradient accumulation with ``no_sync``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import qn_hf
+from tests.cases import mesh_for, reference_grad
+from tests.models import dp_slice, load, make_batch
+
+BUCKET_MB = 0.02
+
+
+def case_dp_traffic(*, kind: str, model_dir: str, dp: int, tp: int, pp: int, microbatches: int) -> dict:
+    pm = qn_hf.parallelize(load(kind, model_dir), dp=dp, tp=tp, pp=pp, microbatches=microbatches,
+                           bucket_mb=BUCKET_MB, mesh=mesh_for(dp, tp, pp))
+    batch = dp_slice(make_batch(kind, size=dp * 2 * microbatches, seed=5), dp=dp, dp_rank=pm.coords["dp"])
+    pm.train_step(batch)  # warm-up: the first step binds gradients into the buckets
+    for p in pm.parameters():
+        p.grad = None  # as optimizer.zero_grad() does by default
+    pm.executor.events = []
+    with qn_hf.CommMeter(pm) as meter:
+        pm.train_step(batch)
+    last_bwd_start = max(start for op, _, start, _ in pm.executor.events if op == "bwd")
+    first_fwd_start = min(start for op, _, start, _ in pm.executor.events if op == "fwd")
+    dp_events = [e for e in meter.events if e.group == "dp"]
+    grads = [e for e in dp_events if e.numel > 1]
+    grad_bytes = sum(p.numel() * p.element_size() for p in pm.parameters() if p.requires_grad)
+    return {
+        "grad_bytes": grad_bytes,
+        "dp_grad_bytes": sum(e.nbytes for e in grads),
+        "dp_grad_calls": len(grads),
+        "max_calls": math.ceil(grad_bytes / (BUCKET_MB * 1024 * 1024)),
+        "dp_scalar_calls": len(dp_events) - len(grads),
+        "dp_during_early_microbatches": sum(first_fwd_start <= e.time < last_bwd_start for e in dp_events),
+        "dp_overlapped_with_last_backward": sum(e.time < pm.executor.events[-1][3] for e in grads),
+        "table": meter.table(),
+    }
+
+
+@pytest.mark.parametrize(("kind", "dp", "tp", "pp", "microbatches"), [
+    ("gpt2", 2, 1, 2, 3), ("llama", 2, 2, 1, 2), ("vit", 4, 1, 1, 2),
+])
+def test_dp_traffic_per_step(worlds, model_dirs, kind, dp, tp, pp, microbatches):
+    for rank, r in enumerate(worlds.run(dp * tp * pp, "tests.test_data_parallel:case_dp_traffic", kind=kind,
+                                        model_dir=model_dirs[kind], dp=dp, tp=tp, pp=pp, microbatches=microbatches)):
+        assert r["dp_grad_bytes"] == r["grad_bytes"], (rank, r)  # every local gradient byte, exactly once
+        assert 1 < r["dp_grad_calls"] <= r["max_calls"], (rank, r)
+        assert r["dp_scalar_calls"] == 2, (rank, r)  # the target count and the loss
+        assert r["dp_during_early_microbatches"] == 0, (rank, r)
+        # buckets start while the last backward runs, not after it
+        assert r["dp_overlapped_with_last_backward"] >= 1, (rank, r)
+
+
+def case_no_sync(*, kind: str, model_dir: str, dp: int, tp: int, pp: int) -> dict:
+    ref = load(kind, model_dir)
+    pm = qn_hf.parallelize(load(kind, model_dir), dp=dp, tp=tp, pp=pp, microbatches=2, bucket_mb=BUCKET_MB,
+                           mesh=mesh_for(dp, tp, pp))
+    batches = [make_batch(kind, size=4 * dp, seed=s) for s in (21, 22)]
+    with qn_hf.CommMeter(pm) as meter:
+        with pm.no_sync():
+            pm.train_step(dp_slice(batches[0], dp=dp, dp_rank=pm.coords["dp"]))
+    unsynced_dp = sum(e.numel > 1 for e in meter.events if e.group == "dp")
+    pm.train_step(dp_slice(batches[1], dp=dp, dp_rank=pm.coords["dp"]))
+    ref.train()
+    for batch in batches:
+        ref(**batch).loss.backward()
+    params = dict(ref.named_parameters(remove_duplicate=False))
+    err = max((p.grad - reference_grad(params, n, pm)).abs().max().item() for n, p in pm.named_parameters())
+    return {"grad_err": err, "unsynced_dp_grad_calls": unsynced_dp}
+
+
+@pytest.mark.parametrize(("kind", "dp", "tp", "pp"), [("gpt2", 2, 1, 2), ("llama", 2, 2, 1)])
+def test_no_sync_accumulates_over_steps(worlds, model_dirs, kind, dp, tp, pp):
+    for rank, r in enumerate(worlds.run(dp * tp * pp, "tests.test_data_parallel:case_no_sync", kind=kind,
+                                        model_dir=model_dirs[kind], dp=dp, tp=tp, pp=pp)):
+        assert r["unsynced_dp_grad_calls"] == 0, (rank, r)
+        assert r["grad_err"] < 2e-6, (rank, r)
+
+
+def case_copies_stay_equal(*, model_dir: str) -> dict:
+    """Three AdamW steps at (2, 2, 2) with dropout: every copy that must be equal stays bitwise equal."""
+    import torch.distributed as dist
+
+    from qn_hf.comm import all_gather_tensors
+
+    model = load("gpt2", model_dir, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    pm = qn_hf.parallelize(model, dp=2, tp=2, pp=2, microbatches=2, bucket_mb=BUCKET_MB, mesh=mesh_for(2, 2, 2))
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    for seed in range(3):
+        opt.zero_grad()
+        pm.train_step(dp_slice(make_batch("gpt2", size=8, seed=seed), dp=2, dp_rank=pm.coords["dp"]))
+        qn_hf.clip_grad_norm_(pm, 0.5)
+        opt.step()
+    params = dict(pm.named_parameters())
+    flat = torch.cat([p.detach().reshape(-1) for _, p in sorted(params.items())])
+    dp_copies = all_gather_tensors(flat, group=pm.groups.dp)
+    replicated = torch.cat([p.detach().reshape(-1) for n, p in sorted(params.items()) if pm.specs.get(n) is None])
+    tp_copies = all_gather_tensors(replicated, group=pm.groups.tp)
+    tied = params.get("transformer.wte.weight", params.get("lm_head.weight"))
+    tie_copies = all_gather_tensors(tied.detach(), group=pm.groups.tie)
+    return {
+        "rank": dist.get_rank(),
+        "dp replicas equal": all(torch.equal(dp_copies[0], c) for c in dp_copies),
+        "tp-replicated parameters equal": all(torch.equal(tp_copies[0], c) for c in tp_copies),
+        "tied wte / lm_head equal": torch.equal(tie_copies[0], tie_copies[1]),
+    }
+
+
+def test_copies_stay_equal(worlds, model_dirs):
+    for r in worlds.run(8, "tests.test_data_parallel:case_copies_stay_equal", model_dir=model_dirs["gpt2"]):
+        failed = [k for k, v in r.items() if v is False]
+        assert not failed, r
