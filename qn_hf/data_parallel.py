@@ -1,7 +1,7 @@
 """Data-parallel gradient buckets: all-reduce over dp overlapped with the backward pass.
 
-Each parameter's gradient lives in a slot of a flat bucket (one dtype per bucket, at least
-``bucket_bytes`` each but the last, filled in reverse registration order, which is roughly the order backward
+Each parameter's gradient lives in a slot of a flat bucket (one dtype per bucket, the fewest
+buckets of at most about ``bucket_bytes``, filled in reverse registration order, which is roughly the order backward
 produces gradients). A post-accumulate-grad hook marks a parameter ready; when every parameter of a
 bucket is ready, the bucket's all-reduce starts asynchronously while backward goes on. Buckets are
 launched strictly in index order, so every dp rank issues the same collectives in the same order.
@@ -13,6 +13,7 @@ what is left (parameters that got no gradient contribute zeros) and waits for ev
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -45,12 +46,15 @@ class GradBuckets:
         self._handles = []
         for dtype in dict.fromkeys(p.dtype for p in params):
             group_params = [p for p in reversed(params) if p.dtype == dtype]
-            # A bucket closes once it holds at least bucket_bytes, so a step takes at most
-            # ceil(gradient bytes / bucket_bytes) all-reduces per dtype.
+            # n = ceil(bytes / bucket_bytes) buckets of about equal size: a bucket closes once it
+            # holds bytes / n, so there are never more than n all-reduces per dtype, and the last
+            # bucket, whose all-reduce cannot overlap backward, is no bigger than it must be.
+            total = sum(p.numel() * p.element_size() for p in group_params)
+            target = total / math.ceil(total / bucket_bytes)
             chunks: list[list[nn.Parameter]] = [[]]
             size = 0
             for p in group_params:
-                if size >= bucket_bytes:
+                if size >= target:
                     chunks.append([])
                     size = 0
                 chunks[-1].append(p)

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from transformers.pytorch_utils import Conv1D
 
-from .comm import copy_to_group, gather_from_group, reduce_from_group
+from .comm import copy_to_group, gather_from_group, group_size, reduce_from_group
 from .shard import ShardSpec
 
 
@@ -167,6 +167,8 @@ class RowParallelLinear(_ShardedProjection):
         return {"weight": self.weight_spec, **({"bias": None} if self.bias is not None else {})}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if group_size(self.group) == 1:  # nothing to sum: keep the bias fused in the matmul
+            return _project(x, self.weight, self.bias, self.conv1d_layout)
         y = reduce_from_group(_project(x, self.weight, None, self.conv1d_layout), group=self.group)
         return y if self.bias is None else y + self.bias
 
@@ -222,6 +224,8 @@ class VocabParallelEmbedding(nn.Module):
         return {"weight": self.weight_spec}
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if group_size(self.group) == 1:  # the whole vocabulary is here
+            return F.embedding(input_ids, self.weight, self.local_padding_idx)
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_stop)
         local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight, self.local_padding_idx)
