@@ -3,7 +3,7 @@
 # this project, then run.
 PYTHON ?= python3
 VENV ?= .venv
-NPROC ?= 4
+NPROC ?= 8
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.qn_hf-installed
 
@@ -19,13 +19,16 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(NPROC) scripts/demo.py --dp 2 --tp 2
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(NPROC) scripts/demo.py --dp 2 --tp 2 --pp 2
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/tp_vs_dtensor.py
+	$(BIN)/python benchmarks/pipeline.py
+	$(BIN)/python benchmarks/data_parallel.py
+	$(BIN)/python benchmarks/data_parallel.py --mesh 2,2,2
 
 clean:
 	rm -rf $(VENV) .pytest_cache

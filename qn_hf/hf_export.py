@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from typing import TYPE_CHECKING
 
@@ -65,7 +66,17 @@ def save_pretrained(pm: ParallelModel, path: str) -> None:
         _write_config(pm.module, path)
         if stages > 1:
             _write_index(path, stages)
+        _remove_stale_weights(path, keep={stage_file(s, stages) for s in range(stages)} | ({INDEX} if stages > 1 else set()))
     barrier(pm.device)
+
+
+def _remove_stale_weights(path: str, *, keep: set[str]) -> None:
+    """Drop weight files an earlier save with another layout left behind: from_pretrained prefers
+    ``model.safetensors`` over an index, so a stale one would silently win."""
+    for name in os.listdir(path):
+        stale = name == "model.safetensors" or name == INDEX or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", name)
+        if stale and name not in keep:
+            os.unlink(os.path.join(path, name))
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], target: str) -> None:

@@ -1,6 +1,6 @@
-"""Demo: train a tiny GPT-2 with qn_hf on CPU processes and watch the loss fall.
+"""Demo: train a tiny GPT-2 with 3D parallelism on CPU processes and watch the loss fall.
 
-    torchrun --standalone --nproc-per-node 4 scripts/demo.py --dp 2 --tp 2
+    torchrun --standalone --nproc-per-node 8 scripts/demo.py --dp 2 --tp 2 --pp 2
 
 The model is built from a config (no download), written with ``save_pretrained`` and loaded back
 with ``from_pretrained`` as a user would. The corpus is this repository's own text, tokenized as
@@ -46,8 +46,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dp", type=int, default=2)
     parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--microbatches", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=8, help="global batch size (split over dp)")
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=16, help="global batch size (split over dp)")
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -63,13 +65,14 @@ def main() -> None:
     rank = dist.get_rank()
     if rank == 0:
         torch.manual_seed(0)
-        config = GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=args.seq, vocab_size=257,
+        config = GPT2Config(n_layer=4, n_embd=64, n_head=4, n_positions=args.seq, vocab_size=257,
                             bos_token_id=256, eos_token_id=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         GPT2LMHeadModel(config).save_pretrained(workdir / "init")
     dist.barrier()
 
     model = GPT2LMHeadModel.from_pretrained(workdir / "init")
-    pm = qn_hf.parallelize(model, dp=args.dp, tp=args.tp, microbatches=args.microbatches, seed=0)
+    pm = qn_hf.parallelize(model, dp=args.dp, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
+                           schedule=args.schedule, seed=0)
     opt = torch.optim.AdamW(pm.parameters(), lr=args.lr)
     local_batch = args.batch // args.dp
     data = batches(corpus_bytes(), batch=local_batch, seq=args.seq, seed=1000 + pm.coords["dp"])
@@ -97,6 +100,8 @@ def main() -> None:
         with torch.no_grad():
             plain = reloaded(**held_out_global).loss.item()
         say(rank, f"save_pretrained -> from_pretrained, one process, plain HF: held-out loss {plain:.4f}")
+        if abs(plain - last_eval) > 1e-4 * abs(last_eval):
+            raise SystemExit(f"the exported model disagrees with the parallel one: {plain:.6f} != {last_eval:.6f}")
     if last_eval >= first_eval:
         raise SystemExit(f"the loss did not fall: {first_eval:.4f} -> {last_eval:.4f}")
     dist.destroy_process_group()
