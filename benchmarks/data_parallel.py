@@ -14,17 +14,15 @@ printed but means little.
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import os
-import socket
 import statistics
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from world import run_world
 
 CONFIG = dict(n_layer=6, n_embd=384, n_head=6, n_positions=256, vocab_size=8192, bos_token_id=0, eos_token_id=0,
               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -121,18 +119,8 @@ def theory(r: dict, args: argparse.Namespace) -> dict[str, int]:
     return out
 
 
-def worker(rank: int, world: int, port: int, path: str, args: argparse.Namespace, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
-    out = three_d(rank, world, path, args) if args.mesh else ddp_vs_qn(rank, world, path, args)
-    if rank == 0:
-        results.put(out)
-    dist.destroy_process_group()
+def worker(rank: int, world: int, path: str, args: argparse.Namespace):
+    return three_d(rank, world, path, args) if args.mesh else ddp_vs_qn(rank, world, path, args)
 
 
 def main() -> None:
@@ -153,12 +141,7 @@ def main() -> None:
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(**CONFIG)).save_pretrained(path)
     world = math.prod(args.mesh) if args.mesh else args.dp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(worker, args=(world, port, path, args, results), nprocs=world, join=True)
-    out = results.get()
+    out = run_world(worker, world=world, extra=(path, args))
     cores = os.cpu_count()
     params = sum(p.numel() for p in GPT2LMHeadModel.from_pretrained(path).parameters())
     print(f"GPT-2 {CONFIG['n_layer']} layers, n_embd {CONFIG['n_embd']}, vocab {CONFIG['vocab_size']} ({params / 1e6:.1f}M params); "

@@ -16,9 +16,7 @@ split) with ``PipelineStage`` + ``Schedule1F1B``, so only the schedule runtime d
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -26,8 +24,8 @@ import weakref
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from world import run_world
 
 CONFIG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
               vocab_size=2048, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -158,14 +156,7 @@ def run_torch(pm, data, warmup: int, microbatches: int) -> dict:
     return {"steps_per_s": len(times) / sum(times), "peak_bytes": meter.peak}
 
 
-def worker(rank: int, pp: int, port: int, path: str, args: argparse.Namespace, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(pp), LOCAL_RANK=str(rank))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // pp))
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
+def worker(rank: int, pp: int, path: str, args: argparse.Namespace) -> list[dict] | None:
     data = make_batches(args.steps + 1, batch=args.batch, seq=args.seq)
     out: dict[str, list[dict]] = {"qn_hf 1f1b": [], "qn_hf gpipe": [], "torch Schedule1F1B": []}
     for _ in range(args.rounds):
@@ -176,9 +167,7 @@ def worker(rank: int, pp: int, port: int, path: str, args: argparse.Namespace, r
         out["torch Schedule1F1B"].append(run_torch(pm, data, warmup=1, microbatches=args.microbatches))
     gathered = [None] * pp
     dist.all_gather_object(gathered, out)
-    if rank == 0:
-        results.put(gathered)
-    dist.destroy_process_group()
+    return gathered if rank == 0 else None
 
 
 def main() -> None:
@@ -196,12 +185,7 @@ def main() -> None:
     path = tempfile.mkdtemp(prefix="qn_hf_pipe_")
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**CONFIG)).save_pretrained(path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(worker, args=(args.pp, port, path, args, results), nprocs=args.pp, join=True)
-    per_stage = results.get()
+    per_stage = run_world(worker, world=args.pp, extra=(path, args))
 
     P, M = args.pp, args.microbatches
     cores = os.cpu_count()

@@ -13,16 +13,14 @@ for HF's own loss. qn_hf keeps the logits vocab-sharded and uses its vocab-paral
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import socket
 import statistics
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from world import run_world
 
 CONFIG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
               vocab_size=2048, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -90,14 +88,7 @@ def time_variant(build, path: str, tp: int, data: list[dict[str, torch.Tensor]],
     return (len(data) - warmup) / elapsed, first_loss
 
 
-def worker(rank: int, tp: int, port: int, path: str, args: argparse.Namespace, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(tp), LOCAL_RANK=str(rank))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
+def worker(rank: int, tp: int, path: str, args: argparse.Namespace) -> tuple[dict, dict] | None:
     data = batches(args.steps + args.warmup, batch=args.batch, seq=args.seq, vocab=CONFIG["vocab_size"])
     rates: dict[str, list[float]] = {"qn_hf": [], "dtensor": []}
     losses: dict[str, float] = {}
@@ -106,9 +97,7 @@ def worker(rank: int, tp: int, port: int, path: str, args: argparse.Namespace, r
             rate, first = time_variant(build, path, tp, data, args.warmup)
             rates[name].append(rate)
             losses[name] = first
-    if rank == 0:
-        results.put((rates, losses))
-    dist.destroy_process_group()
+    return (rates, losses) if rank == 0 else None
 
 
 def plain_rate(path: str, args: argparse.Namespace) -> float:
@@ -142,12 +131,7 @@ def main() -> None:
     path = tempfile.mkdtemp(prefix="qn_hf_bench_")
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**CONFIG)).save_pretrained(path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(worker, args=(args.tp, port, path, args, results), nprocs=args.tp, join=True)
-    rates, losses = results.get()
+    rates, losses = run_world(worker, world=args.tp, extra=(path, args))
     plain = plain_rate(path, args)
 
     qn, dt = statistics.median(rates["qn_hf"]), statistics.median(rates["dtensor"])

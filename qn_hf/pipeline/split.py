@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..plan import ModelPolicy, base_model_and_prefix, match_modules
+from ..plan import ModelPolicy, base_model_and_prefix
 
 
 class StandIn(nn.Module):
