@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .batch import check_batch, split_microbatches
 from .comm import flat_all_reduce_, gather_from_group
 from .data_parallel import GradBuckets
+from .checkpoint import load_checkpoint, save_checkpoint
 from .hf_export import save_pretrained
 from .loss import IGNORE_INDEX, causal_lm_targets, count_targets, vocab_parallel_cross_entropy
 from .mesh import ParallelDims
@@ -246,3 +247,11 @@ class ParallelModel:
     def save_pretrained(self, path: str) -> None:
         """Write a consolidated Hugging Face directory that ``from_pretrained`` loads unchanged."""
         save_pretrained(self, path)
+
+    def save_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None, step: int | None = None) -> str:
+        """Sharded safetensors checkpoint (optimizer state included) that loads into any mesh."""
+        return save_checkpoint(self, path, optimizer=optimizer, step=step)
+
+    def load_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> dict:
+        """Load a checkpoint saved at any (dp, tp, pp); return its metadata (e.g. ``{"step": 1}``)."""
+        return load_checkpoint(self, path, optimizer=optimizer)

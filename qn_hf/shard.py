@@ -87,6 +87,24 @@ class ShardSpec:
         pieces = [s.narrow(self.dim, p * chunk_len, chunk_len) for p in range(self.parts) for s in distinct]
         return torch.cat(pieces, dim=self.dim).narrow(self.dim, 0, self.size)
 
+    def pieces(self, tp_rank: int) -> list[tuple[int, int, int]]:
+        """This rank's shard as contiguous ranges of the unpadded tensor along ``dim``:
+        ``(global_start, global_stop, local_start)``; one per packed part, padding left out."""
+        part_len = self.full_size // self.parts
+        chunk_len = part_len // self.chunks
+        k = self.chunk_index(tp_rank)
+        out = []
+        for p in range(self.parts):
+            start = p * part_len + k * chunk_len
+            stop = min(start + chunk_len, self.size)
+            if stop > start:
+                out.append((start, stop, p * chunk_len))
+        return out
+
+    def writes(self, tp_rank: int) -> bool:
+        """Whether this rank is the one of its replicas that saves the shard."""
+        return tp_rank % self.replicas == 0
+
     def norm_weight(self) -> float:
         """Share of this shard's squared norm that belongs to the global norm (replicas count once)."""
         return 1.0 / self.replicas

@@ -51,3 +51,22 @@ def test_bad_specs_are_rejected():
         ShardSpec(dim=0, tp=4, size=6)
     with pytest.raises(ValueError, match="expected size 8"):
         ShardSpec(dim=0, tp=2, size=8).shard(torch.zeros(6), 0)
+
+
+def test_pieces_tile_the_unpadded_tensor():
+    cases = [
+        ShardSpec(dim=1, tp=2, size=12, parts=3),
+        ShardSpec(dim=0, tp=4, size=8, replicas=2),
+        ShardSpec(dim=0, tp=4, size=99, padded_size=padded(99, 4)),
+        ShardSpec(dim=0, tp=1, size=5),
+    ]
+    for spec in cases:
+        full = torch.arange(float(spec.size * 2)).view(spec.size, 2) if spec.dim == 0 else torch.arange(float(spec.size * 2)).view(2, spec.size)
+        covered = []
+        for rank in range(spec.tp):
+            local = spec.shard(full, rank)
+            for start, stop, at in spec.pieces(rank):
+                assert torch.equal(local.narrow(spec.dim, at, stop - start), full.narrow(spec.dim, start, stop - start))
+                if spec.writes(rank):
+                    covered += range(start, stop)
+        assert sorted(covered) == list(range(spec.size))

@@ -1,0 +1,391 @@
+"""Sharded safetensors checkpoints in Hugging Face key space that load into any mesh.
+
+Layout of a checkpoint directory ``path``::
+
+    path/latest                      name of the current checkpoint (replaced atomically)
+    path/ckpt-000001/index.json      every tensor: HF name, global shape, dtype, and its pieces
+    path/ckpt-000001/shard-pp0-tp0.safetensors   what the rank at (pp=0, tp=0) of dp rank 0 holds
+
+A piece is a box of the *global, unpadded* tensor (start/stop per dimension) stored under one key
+of one file. Each distinct shard is written once: by dp rank 0, by the first of KV-head replicas,
+by tp rank 0 for replicated tensors, by the first stage for a weight tied across stages. Optimizer
+state tensors shaped like their parameter are stored exactly like it (``optimizer/<name>/<key>``).
+Loading computes the box each local shard covers (from its ``ShardSpec`` at the current mesh) and
+reads only the overlapping parts of the saved pieces, so tp, pp and dp may all change.
+
+A save writes ``ckpt-N.partial``, fsyncs every file, renames it to ``ckpt-N`` and only then points
+``latest`` at it: a crash at any moment leaves ``latest`` naming a whole checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .comm import barrier
+from .shard import ShardSpec
+
+if TYPE_CHECKING:
+    from .parallel_model import ParallelModel
+
+FORMAT = "qn_hf.checkpoint"
+VERSION = 1
+LATEST = "latest"
+INDEX = "index.json"
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
+           "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8, "bool": torch.bool}
+_MAX_ELEMENTS = 1 << 40
+Box = list[list[int]]  # [[start, stop], ...] per dimension
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, damaged, or does not fit the model."""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _fsync_file(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(obj: object, target: str) -> None:
+    tmp = target + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
+
+
+# -- what this rank holds, as boxes of global tensors ----------------------------------------------
+def _boxes(shape: torch.Size, spec: ShardSpec | None, tp_rank: int) -> list[tuple[Box, int]]:
+    """(global box, local offset along the split dim) for each contiguous piece of a local tensor."""
+    full = [[0, n] for n in shape]
+    if spec is None:
+        return [(full, 0)]
+    out = []
+    for start, stop, at in spec.pieces(tp_rank):
+        box = [list(r) for r in full]
+        box[spec.dim] = [start, stop]
+        out.append((box, at))
+    return out
+
+
+def _global_shape(local: torch.Tensor, spec: ShardSpec | None) -> list[int]:
+    shape = list(local.shape)
+    if spec is not None:
+        shape[spec.dim] = spec.size
+    return shape
+
+
+def _local_entries(pm: ParallelModel, optimizer: torch.optim.Optimizer | None):
+    """(saved name, local tensor, spec, writes) for every tensor this rank holds."""
+    followers = {tie.follower for tie in pm.stage_plan.ties}
+    tp_rank = pm.coords["tp"]
+    for name, p in pm.named_parameters():
+        if name in followers:
+            continue
+        spec = pm.specs.get(name)
+        writes = spec.writes(tp_rank) if spec is not None else tp_rank == 0
+        yield name, p.detach(), spec, writes
+        state = optimizer.state.get(p, {}) if optimizer is not None else {}
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                same = value.shape == p.shape
+                yield f"optimizer/{name}/{key}", value.detach(), spec if same else None, writes if same else tp_rank == 0
+
+
+# -- save ------------------------------------------------------------------------------------------
+def save_checkpoint(pm: ParallelModel, path: str, *, optimizer: torch.optim.Optimizer | None = None,
+                    step: int | None = None) -> str:
+    """Write a checkpoint of ``pm`` (and ``optimizer``) under ``path``; return its directory."""
+    from . import __version__
+
+    number = torch.zeros(1, dtype=torch.int64, device=pm.device)
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+        number[0] = _latest_number(path) + 1
+    dist.broadcast(number, src=0)
+    final = os.path.join(path, f"ckpt-{int(number.item()):06d}")
+    partial = final + ".partial"
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+    barrier(pm.device)
+
+    if pm.coords["dp"] == 0:
+        _write_shard(pm, optimizer, partial)
+    barrier(pm.device)
+    if dist.get_rank() == 0:
+        index = {
+            "format": FORMAT, "version": VERSION, "library_version": __version__, "step": step,
+            "mesh": {"dp": pm.dims.dp, "tp": pm.dims.tp, "pp": pm.dims.pp},
+            "config": pm.module.config.to_dict(), "tensors": {}, "optimizer": None,
+        }
+        for meta_name in sorted(n for n in os.listdir(partial) if n.endswith(".json")):
+            with open(os.path.join(partial, meta_name)) as f:
+                meta = json.load(f)
+            for name, entry in meta["tensors"].items():  # tp ranks each bring their pieces of a tensor
+                into = index["tensors"].setdefault(name, {**entry, "pieces": []})
+                into["pieces"] = into["pieces"] + entry["pieces"]
+            if meta["optimizer"] is not None:
+                index["optimizer"] = _merge_groups(index["optimizer"], meta["optimizer"])
+            os.unlink(os.path.join(partial, meta_name))
+        _write_json(index, os.path.join(partial, INDEX))
+        _fsync_dir(partial)
+        os.rename(partial, final)
+        _fsync_dir(path)
+        _write_json(os.path.basename(final), os.path.join(path, LATEST))
+        _fsync_dir(path)
+        for old in os.listdir(path):
+            if re.fullmatch(r"ckpt-\d{6}(\.partial)?", old) and old != os.path.basename(final):
+                shutil.rmtree(os.path.join(path, old), ignore_errors=True)
+    barrier(pm.device)
+    return final
+
+
+def _latest_number(path: str) -> int:
+    try:
+        with open(os.path.join(path, LATEST)) as f:
+            return int(json.load(f).removeprefix("ckpt-"))
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
+def _merge_groups(merged: list[dict] | None, groups: list[dict]) -> list[dict]:
+    if merged is None:
+        return groups
+    for into, extra in zip(merged, groups):
+        into["params"] = sorted(set(into["params"]) | set(extra["params"]))
+    return merged
+
+
+def _write_shard(pm: ParallelModel, optimizer: torch.optim.Optimizer | None, directory: str) -> None:
+    stem = f"shard-pp{pm.coords['pp']}-tp{pm.coords['tp']}"
+    file = stem + ".safetensors"
+    tensors: dict[str, torch.Tensor] = {}
+    entries: dict[str, dict] = {}
+    for name, value, spec, writes in _local_entries(pm, optimizer):
+        if not writes:
+            continue
+        pieces = []
+        for i, (box, at) in enumerate(_boxes(value.shape, spec, pm.coords["tp"])):
+            local = value if spec is None else value.narrow(spec.dim, at, box[spec.dim][1] - box[spec.dim][0])
+            key = f"{name}#{i}"
+            tensors[key] = local.to("cpu").contiguous()
+            pieces.append({"file": file, "key": key, "box": box})
+        entries[name] = {"shape": _global_shape(value, spec), "dtype": _dtype_name(value.dtype), "pieces": pieces}
+    groups = None
+    if optimizer is not None:
+        names = {id(p): n for n, p in pm.named_parameters()}
+        followers = {tie.follower for tie in pm.stage_plan.ties}
+        groups = []
+        for group in optimizer.param_groups:
+            hyper = {k: v for k, v in group.items() if k != "params" and isinstance(v, (int, float, bool, str, type(None), list, tuple))}
+            groups.append({**hyper, "params": sorted(names[id(p)] for p in group["params"] if names.get(id(p)) not in followers)})
+    save_file(tensors, os.path.join(directory, file), metadata={"format": "pt"})
+    _fsync_file(os.path.join(directory, file))
+    _write_json({"tensors": entries, "optimizer": groups}, os.path.join(directory, stem + ".json"))
+
+
+# -- load ------------------------------------------------------------------------------------------
+def checkpoint_dir(path: str) -> str:
+    """The directory of the current checkpoint under ``path`` (or ``path`` itself if it is one)."""
+    if os.path.isfile(os.path.join(path, INDEX)):
+        return path
+    try:
+        with open(os.path.join(path, LATEST)) as f:
+            name = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} holds no checkpoint (no {LATEST} and no {INDEX})") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{os.path.join(path, LATEST)} is unreadable: {e}") from None
+    if not isinstance(name, str) or not re.fullmatch(r"ckpt-\d{6}", name):
+        raise CheckpointError(f"{os.path.join(path, LATEST)} names {name!r}, not a checkpoint directory")
+    return os.path.join(path, name)
+
+
+def read_index(directory: str) -> dict:
+    """The validated index: names, dtypes, shapes, boxes that tile each tensor exactly once, and
+    file names that stay inside the directory."""
+    where = os.path.join(directory, INDEX)
+    try:
+        with open(where) as f:
+            index = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{where} is missing") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{where} is not valid JSON: {e}") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("version") != VERSION:
+        raise CheckpointError(f"{where} is not a {FORMAT} v{VERSION} index")
+    tensors = index.get("tensors")
+    if not isinstance(tensors, dict):
+        raise CheckpointError(f"{where}: 'tensors' must be a mapping")
+    for name, entry in tensors.items():
+        _check_entry(where, name, entry)
+    return index
+
+
+def _check_entry(where: str, name: str, entry: object) -> None:
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{where}: tensor {name!r}: {why}")
+
+    if not isinstance(entry, dict) or entry.get("dtype") not in _DTYPES:
+        raise bad(f"dtype must be one of {sorted(_DTYPES)}")
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        raise bad(f"shape {shape!r} is not a list of non-negative integers")
+    volume = 1
+    for n in shape:
+        volume *= n
+    if volume > _MAX_ELEMENTS:
+        raise bad(f"shape {shape} has more than 2**40 elements")
+    pieces = entry.get("pieces")
+    if not isinstance(pieces, list) or not pieces:
+        raise bad("no pieces")
+    covered = 0
+    boxes = []
+    for piece in pieces:
+        if not isinstance(piece, dict) or not isinstance(piece.get("key"), str):
+            raise bad(f"piece {piece!r} is malformed")
+        file = piece.get("file")
+        if not isinstance(file, str) or os.path.basename(file) != file or file in ("", ".", "..") or not file.endswith(".safetensors"):
+            raise bad(f"file {file!r} is not a .safetensors name inside the checkpoint directory")
+        box = piece.get("box")
+        if (not isinstance(box, list) or len(box) != len(shape)
+                or not all(isinstance(r, list) and len(r) == 2 and all(isinstance(v, int) for v in r) for r in box)
+                or not all(0 <= a <= b <= n for (a, b), n in zip(box, shape))):
+            raise bad(f"box {box!r} does not lie inside shape {shape}")
+        size = 1
+        for a, b in box:
+            size *= b - a
+        covered += size
+        boxes.append(box)
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            if all(max(x[0], y[0]) < min(x[1], y[1]) for x, y in zip(a, b)) and len(a) > 0:
+                raise bad(f"pieces {a} and {b} overlap")
+    if covered != volume:
+        raise bad(f"pieces cover {covered} of {volume} elements")
+
+
+def _read_box(directory: str, entry: dict, name: str, target_box: Box, out: torch.Tensor) -> None:
+    """Fill ``out`` (shaped like ``target_box``) from the saved pieces that overlap it."""
+    for piece in entry["pieces"]:
+        box = piece["box"]
+        overlap = [[max(a[0], b[0]), min(a[1], b[1])] for a, b in zip(box, target_box)]
+        if any(lo >= hi for lo, hi in overlap) and overlap:
+            continue
+        file = os.path.join(directory, piece["file"])
+        try:
+            with safe_open(file, framework="pt") as f:
+                sl = f.get_slice(piece["key"])
+                if list(sl.get_shape()) != [b - a for a, b in box]:
+                    raise CheckpointError(f"{file}: {piece['key']} has shape {sl.get_shape()}, the index says box {box}")
+                src = sl[tuple(slice(lo - a[0], hi - a[0]) for (lo, hi), a in zip(overlap, box))] if overlap else sl[...]
+        except CheckpointError:
+            raise
+        except FileNotFoundError:
+            raise CheckpointError(f"{file} (tensor {name}) is missing") from None
+        except Exception as e:  # safetensors raises its own errors for truncated or corrupt files
+            raise CheckpointError(f"{file} (tensor {name}) cannot be read: {e}") from None
+        dst = out
+        for d, ((lo, hi), t) in enumerate(zip(overlap, target_box)):
+            dst = dst.narrow(d, lo - t[0], hi - lo)
+        dst.copy_(src.to(out.dtype) if src.dtype != out.dtype else src)
+
+
+def _load_into(directory: str, index: dict, name: str, saved_name: str, local: torch.Tensor,
+               spec: ShardSpec | None, tp_rank: int) -> None:
+    entry = index["tensors"].get(saved_name)
+    if entry is None:
+        raise CheckpointError(f"{directory}: the checkpoint has no tensor {saved_name!r} (needed for {name}); "
+                              f"was it saved from another architecture?")
+    shape = _global_shape(local, spec)
+    if entry["shape"] != shape:
+        raise CheckpointError(f"{directory}: {saved_name} has shape {entry['shape']}, the model needs {shape}")
+    if _DTYPES[entry["dtype"]] != local.dtype:
+        raise CheckpointError(f"{directory}: {saved_name} is {entry['dtype']}, the model holds {_dtype_name(local.dtype)}")
+    buf = torch.zeros_like(local, device="cpu")  # padding rows stay zero
+    for box, at in _boxes(local.shape, spec, tp_rank):
+        part = buf if spec is None else buf.narrow(spec.dim, at, box[spec.dim][1] - box[spec.dim][0])
+        _read_box(directory, entry, saved_name, box, part)
+    with torch.no_grad():
+        local.copy_(buf)
+
+
+def load_checkpoint(pm: ParallelModel, path: str, *, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """Load a checkpoint saved at any mesh into ``pm`` (and ``optimizer``); return its metadata."""
+    directory = checkpoint_dir(path)
+    index = read_index(directory)
+    saved_type = index.get("config", {}).get("model_type")
+    if saved_type != pm.module.config.model_type:
+        raise CheckpointError(f"{directory} holds a {saved_type!r} model, this one is {pm.module.config.model_type!r}")
+    owner_of = {tie.follower: tie.owner for tie in pm.stage_plan.ties}
+    tp_rank = pm.coords["tp"]
+    params = dict(pm.named_parameters())
+    # Check the optimizer before touching anything, so a mismatch changes nothing.
+    if optimizer is not None:
+        _check_optimizer(directory, index, optimizer, params, owner_of)
+    for name, p in params.items():
+        _load_into(directory, index, name, owner_of.get(name, name), p.data, pm.specs.get(name), tp_rank)
+    if optimizer is not None:
+        _load_optimizer(directory, index, optimizer, params, owner_of, pm, tp_rank)
+    return {"step": index.get("step"), "mesh": index.get("mesh"), "library_version": index.get("library_version")}
+
+
+def _check_optimizer(directory, index, optimizer, params, owner_of) -> None:
+    saved = index.get("optimizer")
+    if not isinstance(saved, list):
+        raise CheckpointError(f"{directory} has no optimizer state; load without optimizer= or save with it")
+    if len(saved) != len(optimizer.param_groups):
+        raise CheckpointError(f"{directory}: the optimizer had {len(saved)} parameter groups, this one has "
+                              f"{len(optimizer.param_groups)}")
+    names = {id(p): n for n, p in params.items()}
+    for i, (group, saved_group) in enumerate(zip(optimizer.param_groups, saved)):
+        for p in group["params"]:
+            name = owner_of.get(names.get(id(p)), names.get(id(p)))
+            if name is None or name not in saved_group.get("params", []):
+                raise CheckpointError(f"{directory}: parameter {names.get(id(p), '?')} is in optimizer group {i} "
+                                      f"here but not in the saved group {i}")
+
+
+def _load_optimizer(directory, index, optimizer, params, owner_of, pm, tp_rank) -> None:
+    names = {id(p): n for n, p in params.items()}
+    for group, saved_group in zip(optimizer.param_groups, index["optimizer"]):
+        for key, value in saved_group.items():
+            if key != "params" and key in group:
+                group[key] = tuple(value) if isinstance(group[key], tuple) else value
+        for p in group["params"]:
+            name = names[id(p)]
+            saved = owner_of.get(name, name)
+            prefix = f"optimizer/{saved}/"
+            state = {}
+            for key in (k for k in index["tensors"] if k.startswith(prefix)):
+                entry = index["tensors"][key]
+                same = entry["shape"] == _global_shape(p, pm.specs.get(name))
+                spec = pm.specs.get(name) if same else None
+                local = torch.empty(p.shape if same else entry["shape"], dtype=_DTYPES[entry["dtype"]], device=p.device)
+                _load_into(directory, index, key, key, local, spec, tp_rank)
+                state[key[len(prefix):]] = local
+            if state:
+                optimizer.state[p] = state

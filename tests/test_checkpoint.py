@@ -1,0 +1,63 @@
+"""Sharded checkpoints: save at one mesh, resume at another, same weights as never stopping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qn_hf
+from tests.cases import mesh_for
+from tests.models import dp_slice, load, make_batch
+
+SAVED_AT = (2, 2, 2)
+RESUME_AT = [(1, 1, 1), (1, 2, 1), (1, 1, 2), (4, 1, 1), (1, 4, 2)]
+LR = 1e-3
+
+
+def _optimizer(pm):
+    return torch.optim.AdamW(pm.parameters(), lr=LR, weight_decay=0.01)
+
+
+def _step(pm, opt, kind: str, seed: int) -> float:
+    opt.zero_grad()
+    batch = dp_slice(make_batch(kind, size=8, seed=seed, padded=kind != "vit"), dp=pm.dims.dp, dp_rank=pm.coords["dp"])
+    loss = pm.train_step(batch)
+    opt.step()
+    return loss.item()
+
+
+def case_train_save_continue(*, kind: str, model_dir: str, ckpt: str, out: str) -> float:
+    dp, tp, pp = SAVED_AT
+    pm = qn_hf.parallelize(load(kind, model_dir), dp=dp, tp=tp, pp=pp, microbatches=2, mesh=mesh_for(dp, tp, pp))
+    opt = _optimizer(pm)
+    _step(pm, opt, kind, seed=1)
+    pm.save_checkpoint(ckpt, optimizer=opt, step=1)
+    loss = _step(pm, opt, kind, seed=2)
+    pm.save_pretrained(out)
+    return loss
+
+
+def case_resume(*, kind: str, model_dir: str, ckpt: str, out: str, dp: int, tp: int, pp: int) -> dict:
+    pm = qn_hf.parallelize(load(kind, model_dir), dp=dp, tp=tp, pp=pp, microbatches=2, mesh=mesh_for(dp, tp, pp))
+    opt = _optimizer(pm)
+    meta = pm.load_checkpoint(ckpt, optimizer=opt)
+    loss = _step(pm, opt, kind, seed=2)
+    pm.save_pretrained(out)
+    return {"meta": meta, "loss": loss}
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_resume_at_any_mesh(worlds, model_dirs, tmp_path, kind):
+    ckpt, uninterrupted = str(tmp_path / "ckpt"), str(tmp_path / "uninterrupted")
+    expected_loss = worlds.run(8, "tests.test_checkpoint:case_train_save_continue", kind=kind,
+                               model_dir=model_dirs[kind], ckpt=ckpt, out=uninterrupted)[0]
+    reference = dict(load(kind, uninterrupted).named_parameters())
+    for dp, tp, pp in RESUME_AT:
+        out = str(tmp_path / f"resumed-{dp}-{tp}-{pp}")
+        results = worlds.run(dp * tp * pp, "tests.test_checkpoint:case_resume", kind=kind, model_dir=model_dirs[kind],
+                             ckpt=ckpt, out=out, dp=dp, tp=tp, pp=pp)
+        assert results[0]["meta"]["step"] == 1 and results[0]["meta"]["mesh"] == {"dp": 2, "tp": 2, "pp": 2}
+        assert abs(results[0]["loss"] - expected_loss) <= 1e-5 * abs(expected_loss), (dp, tp, pp)
+        resumed = dict(load(kind, out).named_parameters())
+        err = max((resumed[n] - p).abs().max().item() for n, p in reference.items())
+        assert err < 2e-5, f"resumed at {(dp, tp, pp)}: max weight difference {err}"
