@@ -314,27 +314,59 @@ def _read_box(directory: str, entry: dict, name: str, target_box: Box, out: torc
         dst.copy_(src.to(out.dtype) if src.dtype != out.dtype else src)
 
 
-def _load_into(directory: str, index: dict, name: str, saved_name: str, local: torch.Tensor,
-               spec: ShardSpec | None, tp_rank: int) -> None:
+def _read_local(directory: str, index: dict, saved_name: str, like: torch.Tensor, spec: ShardSpec | None,
+                tp_rank: int, *, shape: list[int] | None = None) -> torch.Tensor:
+    """This rank's shard of ``saved_name``, read on the CPU, checked against the model's tensor."""
     entry = index["tensors"].get(saved_name)
     if entry is None:
-        raise CheckpointError(f"{directory}: the checkpoint has no tensor {saved_name!r} (needed for {name}); "
+        raise CheckpointError(f"{directory}: the checkpoint has no tensor {saved_name!r}; "
                               f"was it saved from another architecture?")
-    shape = _global_shape(local, spec)
-    if entry["shape"] != shape:
-        raise CheckpointError(f"{directory}: {saved_name} has shape {entry['shape']}, the model needs {shape}")
-    if _DTYPES[entry["dtype"]] != local.dtype:
-        raise CheckpointError(f"{directory}: {saved_name} is {entry['dtype']}, the model holds {_dtype_name(local.dtype)}")
-    buf = torch.zeros_like(local, device="cpu")  # padding rows stay zero
-    for box, at in _boxes(local.shape, spec, tp_rank):
+    local_shape = list(like.shape) if shape is None else shape
+    expected = _global_shape(torch.empty(local_shape, device="meta"), spec)
+    if entry["shape"] != expected:
+        raise CheckpointError(f"{directory}: {saved_name} has shape {entry['shape']}, the model needs {expected}")
+    if _DTYPES[entry["dtype"]] != like.dtype:
+        raise CheckpointError(f"{directory}: {saved_name} is {entry['dtype']}, the model holds {_dtype_name(like.dtype)}")
+    buf = torch.zeros(local_shape, dtype=like.dtype)  # padding rows stay zero
+    for box, at in _boxes(torch.Size(local_shape), spec, tp_rank):
         part = buf if spec is None else buf.narrow(spec.dim, at, box[spec.dim][1] - box[spec.dim][0])
         _read_box(directory, entry, saved_name, box, part)
-    with torch.no_grad():
-        local.copy_(buf)
+    return buf
 
 
 def load_checkpoint(pm: ParallelModel, path: str, *, optimizer: torch.optim.Optimizer | None = None) -> dict:
-    """Load a checkpoint saved at any mesh into ``pm`` (and ``optimizer``); return its metadata."""
+    """Load a checkpoint saved at any mesh into ``pm`` (and ``optimizer``); return its metadata.
+
+    Everything is read and checked first; if any rank finds a problem, every rank raises the same
+    ``CheckpointError`` (naming the rank, file and tensor) and nothing in the model or optimizer
+    has changed."""
+    error, loaded = None, None
+    try:
+        loaded = _read_all(pm, path, optimizer)
+    except CheckpointError as e:
+        error = str(e)
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, message = failed[0]
+        raise CheckpointError(f"rank {rank}: {message}" + (f" (and {len(failed) - 1} more ranks failed)" if len(failed) > 1 else ""))
+    index, tensors, states = loaded
+    params = dict(pm.named_parameters())
+    with torch.no_grad():
+        for name, value in tensors.items():
+            params[name].copy_(value)
+    if optimizer is not None:
+        for group, saved_group in zip(optimizer.param_groups, index["optimizer"]):
+            for key, value in saved_group.items():
+                if key != "params" and key in group:
+                    group[key] = tuple(value) if isinstance(group[key], tuple) else value
+        for p, state in states.items():
+            optimizer.state[p] = {k: v.to(p.device) for k, v in state.items()}
+    return {"step": index.get("step"), "mesh": index.get("mesh"), "library_version": index.get("library_version")}
+
+
+def _read_all(pm: ParallelModel, path: str, optimizer: torch.optim.Optimizer | None):
     directory = checkpoint_dir(path)
     index = read_index(directory)
     saved_type = index.get("config", {}).get("model_type")
@@ -343,14 +375,27 @@ def load_checkpoint(pm: ParallelModel, path: str, *, optimizer: torch.optim.Opti
     owner_of = {tie.follower: tie.owner for tie in pm.stage_plan.ties}
     tp_rank = pm.coords["tp"]
     params = dict(pm.named_parameters())
-    # Check the optimizer before touching anything, so a mismatch changes nothing.
+    tensors = {name: _read_local(directory, index, owner_of.get(name, name), p, pm.specs.get(name), tp_rank)
+               for name, p in params.items()}
+    states: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
     if optimizer is not None:
         _check_optimizer(directory, index, optimizer, params, owner_of)
-    for name, p in params.items():
-        _load_into(directory, index, name, owner_of.get(name, name), p.data, pm.specs.get(name), tp_rank)
-    if optimizer is not None:
-        _load_optimizer(directory, index, optimizer, params, owner_of, pm, tp_rank)
-    return {"step": index.get("step"), "mesh": index.get("mesh"), "library_version": index.get("library_version")}
+        names = {id(p): n for n, p in params.items()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                name = names[id(p)]
+                prefix = f"optimizer/{owner_of.get(name, name)}/"
+                spec = pm.specs.get(name)
+                state = {}
+                for key in (k for k in index["tensors"] if k.startswith(prefix)):
+                    entry = index["tensors"][key]
+                    like = torch.empty(0, dtype=_DTYPES[entry["dtype"]])
+                    same = entry["shape"] == _global_shape(p, spec)
+                    shape = list(p.shape) if same else entry["shape"]
+                    state[key[len(prefix):]] = _read_local(directory, index, key, like, spec if same else None, tp_rank, shape=shape)
+                if state:
+                    states[p] = state
+    return index, tensors, states
 
 
 def _check_optimizer(directory, index, optimizer, params, owner_of) -> None:
@@ -367,25 +412,3 @@ def _check_optimizer(directory, index, optimizer, params, owner_of) -> None:
             if name is None or name not in saved_group.get("params", []):
                 raise CheckpointError(f"{directory}: parameter {names.get(id(p), '?')} is in optimizer group {i} "
                                       f"here but not in the saved group {i}")
-
-
-def _load_optimizer(directory, index, optimizer, params, owner_of, pm, tp_rank) -> None:
-    names = {id(p): n for n, p in params.items()}
-    for group, saved_group in zip(optimizer.param_groups, index["optimizer"]):
-        for key, value in saved_group.items():
-            if key != "params" and key in group:
-                group[key] = tuple(value) if isinstance(group[key], tuple) else value
-        for p in group["params"]:
-            name = names[id(p)]
-            saved = owner_of.get(name, name)
-            prefix = f"optimizer/{saved}/"
-            state = {}
-            for key in (k for k in index["tensors"] if k.startswith(prefix)):
-                entry = index["tensors"][key]
-                same = entry["shape"] == _global_shape(p, pm.specs.get(name))
-                spec = pm.specs.get(name) if same else None
-                local = torch.empty(p.shape if same else entry["shape"], dtype=_DTYPES[entry["dtype"]], device=p.device)
-                _load_into(directory, index, key, key, local, spec, tp_rank)
-                state[key[len(prefix):]] = local
-            if state:
-                optimizer.state[p] = state

@@ -1,0 +1,51 @@
+"""Run as a script: save checkpoint step 1, then die by SIGKILL inside the save of step 2.
+
+    python tests/crash_during_save.py MODEL_DIR CKPT_DIR {shard,index,latest}
+"""
+
+import os
+import signal
+import sys
+
+import torch
+
+import qn_hf
+import qn_hf.checkpoint as checkpoint
+from tests.models import load, make_batch
+
+
+def main() -> None:
+    model_dir, ckpt, where = sys.argv[1:4]
+    pm = qn_hf.parallelize(load("gpt2", model_dir))
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    for step in (1, 2):
+        opt.zero_grad()
+        pm.train_step(make_batch("gpt2", size=2, seed=step))
+        opt.step()
+        if step == 2:
+            real_save, real_json = checkpoint.save_file, checkpoint._write_json
+
+            def dying_save(tensors, filename, metadata=None):
+                real_save(tensors, filename, metadata=metadata)
+                with open(filename, "r+b") as f:  # leave a torn file behind, then die
+                    f.truncate(os.path.getsize(filename) // 2)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            def dying_json(obj, target):
+                if target.endswith(where.replace("latest", checkpoint.LATEST).replace("index", checkpoint.INDEX)):
+                    with open(target + ".tmp", "w") as f:
+                        f.write('{"torn": ')
+                    os.kill(os.getpid(), signal.SIGKILL)
+                real_json(obj, target)
+
+            if where == "shard":
+                checkpoint.save_file = dying_save
+            else:
+                checkpoint._write_json = dying_json
+        pm.save_checkpoint(ckpt, optimizer=opt, step=step)
+        if step == 1:
+            pm.save_pretrained(ckpt + "-step1-hf")
+
+
+if __name__ == "__main__":
+    main()
