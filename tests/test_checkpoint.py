@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import qn_hf
+from qn_hf import convert
 from tests.cases import mesh_for
 from tests.models import dp_slice, load, make_batch
 
@@ -32,6 +35,7 @@ def case_train_save_continue(*, kind: str, model_dir: str, ckpt: str, out: str) 
     opt = _optimizer(pm)
     _step(pm, opt, kind, seed=1)
     pm.save_checkpoint(ckpt, optimizer=opt, step=1)
+    pm.save_pretrained(out + "-step1")  # what to-hf of the checkpoint must give
     loss = _step(pm, opt, kind, seed=2)
     pm.save_pretrained(out)
     return loss
@@ -52,12 +56,39 @@ def test_resume_at_any_mesh(worlds, model_dirs, tmp_path, kind):
     expected_loss = worlds.run(8, "tests.test_checkpoint:case_train_save_continue", kind=kind,
                                model_dir=model_dirs[kind], ckpt=ckpt, out=uninterrupted)[0]
     reference = dict(load(kind, uninterrupted).named_parameters())
-    for dp, tp, pp in RESUME_AT:
-        out = str(tmp_path / f"resumed-{dp}-{tp}-{pp}")
+
+    # to-hf: the sharded checkpoint becomes a HF directory equal to the gathered weights
+    assert convert.main(["to-hf", ckpt, str(tmp_path / "to-hf")]) == 0
+    exported, gathered = load(kind, str(tmp_path / "to-hf")), load(kind, uninterrupted + "-step1")
+    assert all(torch.equal(a, b) for a, b in zip(exported.state_dict().values(), gathered.state_dict().values()))
+    # reshard offline to (tp=4, pp=2); resuming from it must match too (optimizer state included)
+    assert convert.main(["reshard", ckpt, str(tmp_path / "resharded"), "--tp", "4", "--pp", "2"]) == 0
+
+    for dp, tp, pp, source in [(*mesh, ckpt) for mesh in RESUME_AT] + [(1, 4, 2, str(tmp_path / "resharded"))]:
+        out = str(tmp_path / f"resumed-{dp}-{tp}-{pp}-{os.path.basename(source)}")
         results = worlds.run(dp * tp * pp, "tests.test_checkpoint:case_resume", kind=kind, model_dir=model_dirs[kind],
-                             ckpt=ckpt, out=out, dp=dp, tp=tp, pp=pp)
-        assert results[0]["meta"]["step"] == 1 and results[0]["meta"]["mesh"] == {"dp": 2, "tp": 2, "pp": 2}
+                             ckpt=source, out=out, dp=dp, tp=tp, pp=pp)
+        assert results[0]["meta"]["step"] == 1
         assert abs(results[0]["loss"] - expected_loss) <= 1e-5 * abs(expected_loss), (dp, tp, pp)
         resumed = dict(load(kind, out).named_parameters())
         err = max((resumed[n] - p).abs().max().item() for n, p in reference.items())
         assert err < 2e-5, f"resumed at {(dp, tp, pp)}: max weight difference {err}"
+
+
+def case_start_from_converted(*, kind: str, model_dir: str, ckpt: str, out: str) -> None:
+    pm = qn_hf.parallelize(load(kind, model_dir), tp=2, pp=2, mesh=mesh_for(1, 2, 2))
+    with torch.no_grad():
+        for p in pm.parameters():
+            p.zero_()  # whatever is in the model must come from the checkpoint
+    assert pm.load_checkpoint(ckpt)["mesh"] == {"dp": 1, "tp": 2, "pp": 2}
+    pm.save_pretrained(out)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "vit"])
+def test_from_hf_then_load_equals_the_hf_model(worlds, model_dirs, tmp_path, kind):
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    assert convert.main(["from-hf", model_dirs[kind], ckpt, "--tp", "2", "--pp", "2"]) == 0
+    worlds.run(4, "tests.test_checkpoint:case_start_from_converted", kind=kind, model_dir=model_dirs[kind], ckpt=ckpt, out=out)
+    original, loaded = load(kind, model_dirs[kind]).state_dict(), load(kind, out).state_dict()
+    assert original.keys() == loaded.keys()
+    assert all(torch.equal(original[k], loaded[k]) for k in original)

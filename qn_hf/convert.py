@@ -1,0 +1,274 @@
+"""``qn-hf-convert``: between sharded qn_hf checkpoints and Hugging Face directories, in one process.
+
+Every command streams tensor by tensor (peak memory about the largest tensor, not the model): a
+Hugging Face directory is read as a checkpoint whose tensors are single whole pieces, each output
+tensor or shard piece is read from the overlapping source pieces and written with
+``write_streaming``. The layout of a target mesh comes from ``qn_hf.layout`` (the same policy and
+stage cut that ``parallelize`` applies), so no GPU and no process group are involved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+
+import torch
+import transformers
+from safetensors import safe_open
+from tqdm import tqdm
+
+from .checkpoint import (
+    _DTYPES,
+    FORMAT,
+    INDEX,
+    LATEST,
+    VERSION,
+    CheckpointError,
+    _boxes,
+    _check_entry,
+    _fsync_dir,
+    _read_box,
+    _write_json,
+    checkpoint_dir,
+    read_index,
+)
+from .layout import Layout, meta_model, model_layout
+from .safetensors_stream import write_streaming
+
+HF_INDEX = "model.safetensors.index.json"
+_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
+                       "I32": "int32", "U8": "uint8", "BOOL": "bool"}
+
+EXAMPLES = """examples:
+  qn-hf-convert from-hf ./gpt2-hf ./ckpt --tp 2 --pp 2     # start training at tp=2, pp=2 from a HF model
+  qn-hf-convert reshard ./ckpt ./ckpt-tp4 --tp 4 --pp 1    # resume the same run at another mesh
+  qn-hf-convert to-hf ./ckpt ./gpt2-trained                # back to AutoModel.from_pretrained
+"""
+
+
+def _key_renamer(config: transformers.PretrainedConfig):
+    """transformers 5 keeps some architectures on disk under older names (ViT's
+    ``encoder.layer.N.attention.attention.query``) and renames them while loading. Apply the same
+    renamings; a conversion that merges or splits tensors cannot be streamed and is refused."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, apply_converters, apply_renamings
+
+    transforms = get_model_conversion_mapping(meta_model(config))
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+
+    def rename(key: str) -> str:
+        if converters and apply_converters(key, converters)[1] is not None:
+            raise CheckpointError(f"{key}: this architecture converts tensors while loading; use from_pretrained + parallelize")
+        return apply_renamings(key, renamings)
+
+    return rename
+
+
+def read_hf_dir(hf_dir: str) -> tuple[dict, dict]:
+    """A Hugging Face directory as an index of whole-tensor pieces (under the names the model's
+    modules use), and its config dict."""
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        config = json.load(f)
+    rename = _key_renamer(_config(config))
+    if os.path.isfile(os.path.join(hf_dir, HF_INDEX)):
+        with open(os.path.join(hf_dir, HF_INDEX)) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{hf_dir} has neither model.safetensors nor {HF_INDEX}")
+    tensors: dict[str, dict] = {}
+    for file in files:
+        try:
+            with safe_open(os.path.join(hf_dir, file), framework="pt") as f:
+                for key in f.keys():
+                    sl = f.get_slice(key)
+                    shape = list(sl.get_shape())
+                    entry = {"shape": shape, "dtype": _SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype()),
+                             "pieces": [{"file": file, "key": key, "box": [[0, n] for n in shape]}]}
+                    _check_entry(os.path.join(hf_dir, file), key, entry)
+                    tensors[rename(key)] = entry
+        except (OSError, ValueError) as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"{os.path.join(hf_dir, file)} cannot be read: {e}") from None
+    return {"tensors": tensors}, config
+
+
+def _config(config: dict) -> transformers.PretrainedConfig:
+    config = dict(config)
+    return transformers.AutoConfig.for_model(config.pop("model_type"), **config)
+
+
+def _source_name(index: dict, name: str, prefixes: list[str]) -> str:
+    """HF files name base-model tensors with or without the task prefix (``transformer.``)."""
+    if name in index["tensors"]:
+        return name
+    for prefix in prefixes:
+        if prefix and name.startswith(prefix + ".") and name[len(prefix) + 1 :] in index["tensors"]:
+            return name[len(prefix) + 1 :]
+        if prefix and f"{prefix}.{name}" in index["tensors"]:
+            return f"{prefix}.{name}"
+    raise CheckpointError(f"the source has no tensor {name!r}")
+
+
+def write_checkpoint(src_dir: str, src: dict, layout: Layout, config: dict, out: str, *,
+                     step: int | None = None, optimizer: list[dict] | None = None) -> str:
+    """Write ``src`` (an index over ``src_dir``) as a checkpoint of ``layout`` under ``out``."""
+    from . import __version__
+
+    os.makedirs(out, exist_ok=True)
+    final = os.path.join(out, "ckpt-000001")
+    partial = final + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    prefixes = [config.get("base_model_prefix", ""), "transformer", "model", "vit"]
+    entries: dict[str, dict] = {}
+    work = []
+    for name, place in layout.tensors.items():
+        source = _source_name(src, name, prefixes)
+        work.append((name, source, place))
+        for key in sorted(k for k in src["tensors"] if k.startswith(f"optimizer/{source}/")):
+            state = src["tensors"][key]
+            same = tuple(state["shape"]) == place.shape
+            work.append((f"optimizer/{name}/{key.rsplit('/', 1)[1]}", key,
+                         place if same else type(place)(stage=place.stage, spec=None, shape=tuple(state["shape"]))))
+    total = sum(1 for _ in work) * layout.tp
+    with tqdm(total=total, desc=f"writing tp={layout.tp} pp={layout.pp}", unit="tensor", disable=None) as bar:
+        for stage in range(layout.pp):
+            for tp_rank in range(layout.tp):
+                file = f"shard-pp{stage}-tp{tp_rank}.safetensors"
+                plan = []
+                for name, source, place in work:
+                    bar.update(1)
+                    if place.stage != stage:
+                        continue
+                    writes = place.spec.writes(tp_rank) if place.spec is not None else tp_rank == 0
+                    if not writes:
+                        continue
+                    entry = src["tensors"][source]
+                    dtype = _DTYPES[entry["dtype"]]
+                    pieces = []
+                    for i, (box, _) in enumerate(_boxes(torch.Size(place.shape), place.spec, tp_rank)):
+                        key = f"{name}#{i}"
+                        plan.append((key, [b - a for a, b in box], dtype, source, box))
+                        pieces.append({"file": file, "key": key, "box": box})
+                    into = entries.setdefault(name, {"shape": list(place.shape), "dtype": entry["dtype"], "pieces": []})
+                    into["pieces"] += pieces  # each tp rank adds its pieces
+                by_key = {key: (source, box, shape, dtype) for key, shape, dtype, source, box in plan}
+
+                def produce(key: str) -> torch.Tensor:
+                    source, box, shape, dtype = by_key[key]
+                    buf = torch.empty(shape, dtype=dtype)
+                    _read_box(src_dir, src["tensors"][source], source, box, buf)
+                    return buf
+
+                write_streaming(os.path.join(partial, file), [(k, s, d) for k, s, d, _, _ in plan], produce)
+    index = {"format": FORMAT, "version": VERSION, "library_version": __version__, "step": step,
+             "mesh": {"dp": 1, "tp": layout.tp, "pp": layout.pp}, "config": config, "tensors": entries,
+             "optimizer": optimizer}
+    _write_json(index, os.path.join(partial, INDEX))
+    read_index(partial)  # what we wrote must pass our own validation
+    _fsync_dir(partial)
+    for old in os.listdir(out):
+        if re.fullmatch(r"ckpt-\d{6}", old):
+            shutil.rmtree(os.path.join(out, old))
+    os.rename(partial, final)
+    _write_json(os.path.basename(final), os.path.join(out, LATEST))
+    _fsync_dir(out)
+    return final
+
+
+def from_hf(hf_dir: str, out: str, *, tp: int, pp: int) -> str:
+    src, config = read_hf_dir(hf_dir)
+    return write_checkpoint(hf_dir, src, model_layout(_config(config), tp=tp, pp=pp), config, out)
+
+
+def reshard(ckpt: str, out: str, *, tp: int, pp: int) -> str:
+    directory = checkpoint_dir(ckpt)
+    index = read_index(directory)
+    layout = model_layout(_config(index["config"]), tp=tp, pp=pp)
+    return write_checkpoint(directory, index, layout, index["config"], out, step=index.get("step"),
+                            optimizer=index.get("optimizer"))
+
+
+def to_hf(ckpt: str, out: str, *, max_shard_bytes: int = 5 * 1024**3) -> None:
+    directory = checkpoint_dir(ckpt)
+    index = read_index(directory)
+    names = [n for n in index["tensors"] if not n.startswith("optimizer/")]
+    files: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        entry = index["tensors"][name]
+        nbytes = torch.Size(entry["shape"]).numel() * torch.empty(0, dtype=_DTYPES[entry["dtype"]]).element_size()
+        if files[-1] and size + nbytes > max_shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(name)
+        size += nbytes
+    os.makedirs(out, exist_ok=True)
+    _config(index["config"]).save_pretrained(out)
+    weight_map = {}
+    with tqdm(total=len(names), desc="to-hf", unit="tensor", disable=None) as bar:
+        for i, group in enumerate(files):
+            file = "model.safetensors" if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+
+            def produce(name: str) -> torch.Tensor:
+                entry = index["tensors"][name]
+                buf = torch.empty(entry["shape"], dtype=_DTYPES[entry["dtype"]])
+                _read_box(directory, entry, name, [[0, n] for n in entry["shape"]], buf)
+                bar.update(1)
+                return buf
+
+            write_streaming(os.path.join(out, file),
+                            [(n, index["tensors"][n]["shape"], _DTYPES[index["tensors"][n]["dtype"]]) for n in group], produce)
+            weight_map.update({n: file for n in group})
+    if len(files) > 1:
+        total = sum(torch.Size(index["tensors"][n]["shape"]).numel() * torch.empty(0, dtype=_DTYPES[index["tensors"][n]["dtype"]]).element_size() for n in names)
+        _write_json({"metadata": {"total_size": total}, "weight_map": weight_map}, os.path.join(out, HF_INDEX))
+
+
+def _size(text: str) -> int:
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?", text.strip(), re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 5GB or 500MiB")
+    units = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    return int(float(match.group(1)) * units[(match.group(2) or "").upper()])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="qn-hf-convert", description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("to-hf", help="sharded checkpoint -> Hugging Face directory", epilog=EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("ckpt")
+    p.add_argument("out")
+    p.add_argument("--max-shard-size", type=_size, default=_size("5GB"), help="largest output file (default 5GB)")
+    for name, what in (("from-hf", "Hugging Face directory -> sharded checkpoint"), ("reshard", "checkpoint -> checkpoint at another mesh")):
+        p = sub.add_parser(name, help=what, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("src")
+        p.add_argument("out")
+        p.add_argument("--tp", type=int, required=True)
+        p.add_argument("--pp", type=int, required=True)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "to-hf":
+            to_hf(args.ckpt, args.out, max_shard_bytes=args.max_shard_size)
+        elif args.command == "from-hf":
+            print(from_hf(args.src, args.out, tp=args.tp, pp=args.pp))
+        else:
+            print(reshard(args.src, args.out, tp=args.tp, pp=args.pp))
+    except (CheckpointError, ValueError, OSError) as e:
+        print(f"qn-hf-convert: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
