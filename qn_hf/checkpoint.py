@@ -288,8 +288,10 @@ def _check_entry(where: str, name: str, entry: object) -> None:
         raise bad(f"pieces cover {covered} of {volume} elements")
 
 
-def _read_box(directory: str, entry: dict, name: str, target_box: Box, out: torch.Tensor) -> None:
-    """Fill ``out`` (shaped like ``target_box``) from the saved pieces that overlap it."""
+def _read_box(directory: str, entry: dict, name: str, target_box: Box, out: torch.Tensor,
+              handles: dict[str, object] | None = None) -> None:
+    """Fill ``out`` (shaped like ``target_box``) from the saved pieces that overlap it. ``handles``
+    keeps files open across calls (a converter reads thousands of pieces from a few files)."""
     for piece in entry["pieces"]:
         box = piece["box"]
         overlap = [[max(a[0], b[0]), min(a[1], b[1])] for a, b in zip(box, target_box)]
@@ -297,11 +299,15 @@ def _read_box(directory: str, entry: dict, name: str, target_box: Box, out: torc
             continue
         file = os.path.join(directory, piece["file"])
         try:
-            with safe_open(file, framework="pt") as f:
-                sl = f.get_slice(piece["key"])
-                if list(sl.get_shape()) != [b - a for a, b in box]:
-                    raise CheckpointError(f"{file}: {piece['key']} has shape {sl.get_shape()}, the index says box {box}")
-                src = sl[tuple(slice(lo - a[0], hi - a[0]) for (lo, hi), a in zip(overlap, box))] if overlap else sl[...]
+            f = handles.get(file) if handles is not None else None
+            if f is None:
+                f = safe_open(file, framework="pt")
+                if handles is not None:
+                    handles[file] = f
+            sl = f.get_slice(piece["key"])
+            if list(sl.get_shape()) != [b - a for a, b in box]:
+                raise CheckpointError(f"{file}: {piece['key']} has shape {sl.get_shape()}, the index says box {box}")
+            src = sl[tuple(slice(lo - a[0], hi - a[0]) for (lo, hi), a in zip(overlap, box))] if overlap else sl[...]
         except CheckpointError:
             raise
         except FileNotFoundError:

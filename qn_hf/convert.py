@@ -165,7 +165,9 @@ def write_checkpoint(src_dir: str, src: dict, layout: Layout, config: dict, out:
                 def produce(key: str) -> torch.Tensor:
                     source, box, shape, dtype = by_key[key]
                     buf = torch.empty(shape, dtype=dtype)
-                    _read_box(src_dir, src["tensors"][source], source, box, buf)
+                    # Files stay open for one tensor only: a mapping kept open would count every
+                    # page read so far as resident memory.
+                    _read_box(src_dir, src["tensors"][source], source, box, buf, handles={})
                     return buf
 
                 write_streaming(os.path.join(partial, file), [(k, s, d) for k, s, d, _, _ in plan], produce)
@@ -221,7 +223,7 @@ def to_hf(ckpt: str, out: str, *, max_shard_bytes: int = 5 * 1024**3) -> None:
             def produce(name: str) -> torch.Tensor:
                 entry = index["tensors"][name]
                 buf = torch.empty(entry["shape"], dtype=_DTYPES[entry["dtype"]])
-                _read_box(directory, entry, name, [[0, n] for n in entry["shape"]], buf)
+                _read_box(directory, entry, name, [[0, n] for n in entry["shape"]], buf, handles={})
                 bar.update(1)
                 return buf
 

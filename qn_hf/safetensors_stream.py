@@ -38,7 +38,8 @@ def write_streaming(path: str, tensors: Sequence[tuple[str, list[int], torch.dty
             t = produce(name)
             if list(t.shape) != list(shape) or t.dtype != dtype:
                 raise ValueError(f"{name}: produced {tuple(t.shape)} {t.dtype}, announced {tuple(shape)} {dtype}")
-            f.write(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            f.write(memoryview(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()))  # no copy
+            del t
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
