@@ -341,7 +341,8 @@ def _read_local(directory: str, index: dict, saved_name: str, like: torch.Tensor
 
 
 def load_checkpoint(pm: ParallelModel, path: str, *, optimizer: torch.optim.Optimizer | None = None) -> dict:
-    """Load a checkpoint saved at any mesh into ``pm`` (and ``optimizer``); return its metadata.
+    """Load a checkpoint saved at any mesh, or a Hugging Face directory, into ``pm`` (and
+    ``optimizer``); return its metadata.
 
     Everything is read and checked first; if any rank finds a problem, every rank raises the same
     ``CheckpointError`` (naming the rank, file and tensor) and nothing in the model or optimizer
@@ -373,16 +374,31 @@ def load_checkpoint(pm: ParallelModel, path: str, *, optimizer: torch.optim.Opti
 
 
 def _read_all(pm: ParallelModel, path: str, optimizer: torch.optim.Optimizer | None):
-    directory = checkpoint_dir(path)
-    index = read_index(directory)
-    saved_type = index.get("config", {}).get("model_type")
+    from .hf_source import base_prefixes, is_hf_dir, read_hf_dir, source_name  # hf_source imports this module
+
+    if is_hf_dir(path):
+        if optimizer is not None:
+            raise CheckpointError(f"{path} is a Hugging Face directory: it holds no optimizer state")
+        directory = path
+        index, config = read_hf_dir(path)
+    else:
+        directory = checkpoint_dir(path)
+        index = read_index(directory)
+        config = index.get("config", {})
+    saved_type = config.get("model_type")
     if saved_type != pm.module.config.model_type:
         raise CheckpointError(f"{directory} holds a {saved_type!r} model, this one is {pm.module.config.model_type!r}")
     owner_of = {tie.follower: tie.owner for tie in pm.stage_plan.ties}
     tp_rank = pm.coords["tp"]
     params = dict(pm.named_parameters())
-    tensors = {name: _read_local(directory, index, owner_of.get(name, name), p, pm.specs.get(name), tp_rank)
-               for name, p in params.items()}
+    prefixes = base_prefixes(config)
+    tensors = {}
+    for name, p in params.items():
+        try:
+            saved = source_name(index, owner_of.get(name, name), prefixes)
+        except CheckpointError as e:
+            raise CheckpointError(f"{directory}: {e}") from None
+        tensors[name] = _read_local(directory, index, saved, p, pm.specs.get(name), tp_rank)
     states: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
     if optimizer is not None:
         _check_optimizer(directory, index, optimizer, params, owner_of)

@@ -10,15 +10,12 @@ stage cut that ``parallelize`` applies), so no GPU and no process group are invo
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
 import sys
 
 import torch
-import transformers
-from safetensors import safe_open
 from tqdm import tqdm
 
 from .checkpoint import (
@@ -29,92 +26,24 @@ from .checkpoint import (
     VERSION,
     CheckpointError,
     _boxes,
-    _check_entry,
     _fsync_dir,
     _read_box,
     _write_json,
     checkpoint_dir,
     read_index,
 )
-from .layout import Layout, meta_model, model_layout
+from .hf_source import config_from_dict as _config
+from .hf_source import base_prefixes, read_hf_dir, source_name
+from .layout import Layout, model_layout
 from .safetensors_stream import write_streaming
 
 HF_INDEX = "model.safetensors.index.json"
-_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
-                       "I32": "int32", "U8": "uint8", "BOOL": "bool"}
 
 EXAMPLES = """examples:
   qn-hf-convert from-hf ./gpt2-hf ./ckpt --tp 2 --pp 2     # start training at tp=2, pp=2 from a HF model
   qn-hf-convert reshard ./ckpt ./ckpt-tp4 --tp 4 --pp 1    # resume the same run at another mesh
   qn-hf-convert to-hf ./ckpt ./gpt2-trained                # back to AutoModel.from_pretrained
 """
-
-
-def _key_renamer(config: transformers.PretrainedConfig):
-    """transformers 5 keeps some architectures on disk under older names (ViT's
-    ``encoder.layer.N.attention.attention.query``) and renames them while loading. Apply the same
-    renamings; a conversion that merges or splits tensors cannot be streamed and is refused."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, apply_converters, apply_renamings
-
-    transforms = get_model_conversion_mapping(meta_model(config))
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-
-    def rename(key: str) -> str:
-        if converters and apply_converters(key, converters)[1] is not None:
-            raise CheckpointError(f"{key}: this architecture converts tensors while loading; use from_pretrained + parallelize")
-        return apply_renamings(key, renamings)
-
-    return rename
-
-
-def read_hf_dir(hf_dir: str) -> tuple[dict, dict]:
-    """A Hugging Face directory as an index of whole-tensor pieces (under the names the model's
-    modules use), and its config dict."""
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        config = json.load(f)
-    rename = _key_renamer(_config(config))
-    if os.path.isfile(os.path.join(hf_dir, HF_INDEX)):
-        with open(os.path.join(hf_dir, HF_INDEX)) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise CheckpointError(f"{hf_dir} has neither model.safetensors nor {HF_INDEX}")
-    tensors: dict[str, dict] = {}
-    for file in files:
-        try:
-            with safe_open(os.path.join(hf_dir, file), framework="pt") as f:
-                for key in f.keys():
-                    sl = f.get_slice(key)
-                    shape = list(sl.get_shape())
-                    entry = {"shape": shape, "dtype": _SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype()),
-                             "pieces": [{"file": file, "key": key, "box": [[0, n] for n in shape]}]}
-                    _check_entry(os.path.join(hf_dir, file), key, entry)
-                    tensors[rename(key)] = entry
-        except (OSError, ValueError) as e:
-            if isinstance(e, CheckpointError):
-                raise
-            raise CheckpointError(f"{os.path.join(hf_dir, file)} cannot be read: {e}") from None
-    return {"tensors": tensors}, config
-
-
-def _config(config: dict) -> transformers.PretrainedConfig:
-    config = dict(config)
-    return transformers.AutoConfig.for_model(config.pop("model_type"), **config)
-
-
-def _source_name(index: dict, name: str, prefixes: list[str]) -> str:
-    """HF files name base-model tensors with or without the task prefix (``transformer.``)."""
-    if name in index["tensors"]:
-        return name
-    for prefix in prefixes:
-        if prefix and name.startswith(prefix + ".") and name[len(prefix) + 1 :] in index["tensors"]:
-            return name[len(prefix) + 1 :]
-        if prefix and f"{prefix}.{name}" in index["tensors"]:
-            return f"{prefix}.{name}"
-    raise CheckpointError(f"the source has no tensor {name!r}")
 
 
 def write_checkpoint(src_dir: str, src: dict, layout: Layout, config: dict, out: str, *,
@@ -127,11 +56,11 @@ def write_checkpoint(src_dir: str, src: dict, layout: Layout, config: dict, out:
     partial = final + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
-    prefixes = [config.get("base_model_prefix", ""), "transformer", "model", "vit"]
+    prefixes = base_prefixes(config)
     entries: dict[str, dict] = {}
     work = []
     for name, place in layout.tensors.items():
-        source = _source_name(src, name, prefixes)
+        source = source_name(src, name, prefixes)
         work.append((name, source, place))
         for key in sorted(k for k in src["tensors"] if k.startswith(f"optimizer/{source}/")):
             state = src["tensors"][key]

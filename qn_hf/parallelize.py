@@ -40,6 +40,7 @@ def parallelize(
     device: torch.device | None = None,
     seed: int | None = None,
     bucket_mb: float = DEFAULT_BUCKET_MB,
+    checkpoint: str | None = None,
     timeout: datetime.timedelta = datetime.timedelta(minutes=10),
 ) -> ParallelModel:
     """Shard ``model`` (in place) over a (dp, pp, tp) mesh and return its ``ParallelModel``.
@@ -48,8 +49,10 @@ def parallelize(
     ``layers_per_stage`` sets how many blocks each pipeline stage gets (default: as even as
     possible, earlier stages taking the remainder). ``mesh`` reuses an existing ("dp", "pp", "tp") mesh; ``seed`` seeds dropout (default: rank 0's
     ``torch.initial_seed()``, shared with all ranks); ``bucket_mb`` is the size of the gradient
-    buckets all-reduced over dp during backward; ``timeout`` bounds every collective when this call
-    creates the process group.
+    buckets all-reduced over dp during backward; ``checkpoint`` (a Hugging Face directory or a qn_hf
+    checkpoint) supplies the weights: with a model built on the ``meta`` device, each rank
+    allocates and reads only its own shard, so no rank ever holds the whole model; ``timeout``
+    bounds every collective when this call creates the process group.
     """
     dims = ParallelDims(dp=dp, tp=tp, pp=pp)
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
@@ -64,7 +67,7 @@ def parallelize(
     policy = resolve_policy(model, policy)
     plan = build_tp_plan(model, policy, tp=tp)
     stage_plan = build_stage_plan(model, policy, stages=pp, layers_per_stage=layers_per_stage)
-    _check_tensors(model)
+    _check_tensors(model, checkpoint=checkpoint)
 
     device = device or default_device()
     init_distributed(device=device, timeout=timeout)
@@ -84,11 +87,15 @@ def parallelize(
     stage = apply_stage(model, stage_plan, stage=coords["pp"])
     plan = plan.only(lambda name: _on_this_stage(model, name))
     specs, vocab = apply_tp_plan(model, plan, tp_rank=coords["tp"], group=groups.tp)
-    model.to(device)
-    _synchronize_replicas(model, specs, groups, stage_plan)
+    if checkpoint is not None and any(p.is_meta for p in model.parameters()):
+        _materialize(model, device)
+    else:
+        model.to(device)
+    if checkpoint is None:  # loading gives every replica the same bytes anyway
+        _synchronize_replicas(model, specs, groups, stage_plan)
     rng = _install_rng_streams(model, plan, coords, device, seed)
     setattr(model, _MARK, True)
-    return ParallelModel(
+    pm = ParallelModel(
         module=model,
         mesh=mesh,
         dims=dims,
@@ -105,12 +112,18 @@ def parallelize(
         rng=rng,
         buckets=_grad_buckets(model, groups, dims, bucket_mb),
     )
+    if checkpoint is not None:
+        pm.load_checkpoint(checkpoint)
+    return pm
 
 
-def _check_tensors(model: nn.Module) -> None:
+def _check_tensors(model: nn.Module, *, checkpoint: str | None) -> None:
     devices = {t.device for t in model.parameters()} | {t.device for t in model.buffers()}
     if any(d.type == "meta" for d in devices):
-        raise ValueError("the model has parameters on the meta device; load real weights before parallelize")
+        if checkpoint is None:
+            raise ValueError("the model is on the meta device; pass checkpoint=<HF directory or qn_hf checkpoint> "
+                             "so each rank reads its shard, or load real weights first")
+        return
     if len(devices) > 1:
         raise ValueError(f"the model's tensors are spread over devices {sorted(map(str, devices))}; move it to one device first")
 
@@ -128,6 +141,19 @@ def _kv_replica_group(mesh: DeviceMesh, plan: TpPlan, timeout: datetime.timedelt
             if dist.get_rank() in ranks:
                 mine = group
     return mine
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate this rank's (already sharded) meta tensors; the checkpoint fills the parameters.
+    Non-persistent buffers (rotary frequencies) are in no checkpoint: HF's own init recomputes them."""
+    model.to_empty(device=device)
+    init = getattr(model, "_init_weights", None)
+    with torch.no_grad():
+        for module in model.modules():
+            if module._non_persistent_buffers_set and not isinstance(module, StandIn):
+                if init is None:
+                    raise ValueError(f"{type(module).__name__} has non-persistent buffers and the model no _init_weights")
+                init(module)
 
 
 def _grad_buckets(model: nn.Module, groups: Groups, dims: ParallelDims, bucket_mb: float) -> GradBuckets | None:
