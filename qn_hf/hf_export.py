@@ -1,8 +1,8 @@
 """Consolidating a ParallelModel into a Hugging Face directory.
 
 Only dp rank 0's ranks gather (dp replicas are identical). Within a pipeline stage the tp ranks
-gather each tensor in turn and the stage's tp rank 0 writes the stage's file; with one stage that is
-``model.safetensors``, with several ``model-0000k-of-0000P.safetensors`` plus the
+gather each tensor in turn and the stage's tp rank 0 streams it into the stage's files; a single
+file is ``model.safetensors``, several are ``model-pp<stage>-<k>.safetensors`` plus the
 ``model.safetensors.index.json`` HF reads, written by rank 0 from the files' headers. Every file is
 written beside its final name and renamed into place, so a crash never leaves a half-written file.
 A weight tied across stages is saved once, under the first stage's name, as HF saves it.
@@ -19,14 +19,16 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from .checkpoint import _global_shape
 from .comm import all_gather_tensors, barrier
+from .safetensors_stream import write_streaming
 
 if TYPE_CHECKING:
     from .parallel_model import ParallelModel
 
 INDEX = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
 
 def unique_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -40,33 +42,60 @@ def unique_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def stage_file(stage: int, stages: int) -> str:
-    return "model.safetensors" if stages == 1 else f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
+def _files(stage: int, stages: int, chunks: int) -> list[str]:
+    if stages == 1 and chunks == 1:
+        return ["model.safetensors"]
+    return [f"model-pp{stage:03d}-{k + 1:05d}.safetensors" for k in range(chunks)]
 
 
-def save_pretrained(pm: ParallelModel, path: str) -> None:
+def _chunks(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
+    chunks: list[list[str]] = [[]]
+    total = 0
+    for name, nbytes in sizes:
+        if chunks[-1] and total + nbytes > max_bytes:
+            chunks.append([])
+            total = 0
+        chunks[-1].append(name)
+        total += nbytes
+    return chunks
+
+
+def save_pretrained(pm: ParallelModel, path: str, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+    """Stream the model into HF files: within each stage the tp ranks gather one tensor at a time
+    and the stage's writer writes it straight to disk, so no rank holds more than one full tensor
+    beyond its shard. Files hold at most ``max_shard_bytes``; several files get an index."""
     stages = pm.dims.pp
     followers = {tie.follower for tie in pm.stage_plan.ties}
+    written: list[str] = []
     if pm.coords["dp"] == 0:
-        full: dict[str, torch.Tensor] = {}
-        for name, tensor in unique_state(pm.module).items():
-            if name in followers:
-                continue
-            spec = pm.specs.get(name)
-            value = tensor.detach()
-            if spec is not None:
-                value = spec.unshard(all_gather_tensors(value, group=pm.groups.tp))
+        state = {n: t.detach() for n, t in unique_state(pm.module).items() if n not in followers}
+        specs = {n: pm.specs.get(n) for n in state}
+        shapes = {n: _global_shape(t, specs[n]) for n, t in state.items()}
+        sizes = [(n, torch.Size(shapes[n]).numel() * t.element_size()) for n, t in state.items()]
+        chunks = _chunks(sizes, max_shard_bytes)
+        files = _files(pm.coords["pp"], stages, len(chunks))
+
+        def produce(name: str) -> torch.Tensor:
+            value, spec = state[name], specs[name]
+            return value if spec is None else spec.unshard(all_gather_tensors(value, group=pm.groups.tp))
+
+        for file, names in zip(files, chunks):
             if pm.coords["tp"] == 0:
-                full[name] = value.to("cpu").contiguous()
-        if pm.coords["tp"] == 0:
-            os.makedirs(path, exist_ok=True)
-            _atomic_save(full, os.path.join(path, stage_file(pm.coords["pp"], stages)))
-    barrier(pm.device)
+                os.makedirs(path, exist_ok=True)
+                write_streaming(os.path.join(path, file), [(n, shapes[n], state[n].dtype) for n in names], produce)
+                written.append(file)
+            else:  # the writer gathers in this order; take part in each gather
+                for n in names:
+                    if specs[n] is not None:
+                        produce(n)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, written)
     if dist.get_rank() == 0:
+        files = sorted(f for w in every for f in w)
         _write_config(pm.module, path)
-        if stages > 1:
-            _write_index(path, stages)
-        _remove_stale_weights(path, keep={stage_file(s, stages) for s in range(stages)} | ({INDEX} if stages > 1 else set()))
+        if files != ["model.safetensors"]:
+            _write_index(path, files)
+        _remove_stale_weights(path, keep=set(files) | ({INDEX} if files != ["model.safetensors"] else set()))
     barrier(pm.device)
 
 
@@ -74,29 +103,15 @@ def _remove_stale_weights(path: str, *, keep: set[str]) -> None:
     """Drop weight files an earlier save with another layout left behind: from_pretrained prefers
     ``model.safetensors`` over an index, so a stale one would silently win."""
     for name in os.listdir(path):
-        stale = name == "model.safetensors" or name == INDEX or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", name)
+        stale = name in ("model.safetensors", INDEX) or re.fullmatch(r"model-(\d{5}-of-\d{5}|pp\d{3}-\d{5})\.safetensors", name)
         if stale and name not in keep:
             os.unlink(os.path.join(path, name))
 
 
-def _atomic_save(tensors: dict[str, torch.Tensor], target: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix="." + os.path.basename(target) + ".")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={"format": "pt"})
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _write_index(path: str, stages: int) -> None:
+def _write_index(path: str, files: list[str]) -> None:
     weight_map: dict[str, str] = {}
     total = 0
-    for stage in range(stages):
-        name = stage_file(stage, stages)
+    for name in files:
         with safe_open(os.path.join(path, name), framework="pt") as f:
             for key in f.keys():
                 weight_map[key] = name

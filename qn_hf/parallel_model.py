@@ -16,7 +16,7 @@ from .batch import check_batch, split_microbatches
 from .comm import flat_all_reduce_, gather_from_group
 from .data_parallel import GradBuckets
 from .checkpoint import load_checkpoint, save_checkpoint
-from .hf_export import save_pretrained
+from .hf_export import DEFAULT_MAX_SHARD_BYTES, save_pretrained
 from .loss import IGNORE_INDEX, causal_lm_targets, count_targets, vocab_parallel_cross_entropy
 from .mesh import ParallelDims
 from .pipeline.runtime import Peers, StageExecutor
@@ -244,9 +244,10 @@ class ParallelModel:
             flat_all_reduce_(tied, group=self.groups.tie)
 
     # -- export ----------------------------------------------------------------------------------
-    def save_pretrained(self, path: str) -> None:
-        """Write a consolidated Hugging Face directory that ``from_pretrained`` loads unchanged."""
-        save_pretrained(self, path)
+    def save_pretrained(self, path: str, *, max_shard_size: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+        """Write a consolidated Hugging Face directory that ``from_pretrained`` loads unchanged
+        (streamed tensor by tensor; files of at most ``max_shard_size`` bytes)."""
+        save_pretrained(self, path, max_shard_bytes=max_shard_size)
 
     def save_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None, step: int | None = None) -> str:
         """Sharded safetensors checkpoint (optimizer state included) that loads into any mesh."""

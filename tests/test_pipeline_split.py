@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 
 import torch
@@ -51,7 +52,25 @@ def test_save_replaces_a_stale_layout(worlds, model_dirs, tmp_path):
     files = worlds.run(2, "tests.test_pipeline_split:case_save_replaces_other_layout", gpt2_dir=model_dirs["gpt2"],
                        out_dir=str(tmp_path / "out"))[0]
     assert "model.safetensors" not in files
-    assert {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"} <= set(files)
+    assert {"model-pp000-00001.safetensors", "model-pp001-00001.safetensors", "model.safetensors.index.json"} <= set(files)
     reloaded = load("gpt2", str(tmp_path / "out"))
     reference = load("gpt2", model_dirs["gpt2"])
     assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), reference.state_dict().values()))
+
+
+def case_small_files(*, gpt2_dir: str, out_dir: str) -> list[str]:
+    import os
+
+    pm = qn_hf.parallelize(load("gpt2", gpt2_dir), tp=2, mesh=mesh_for(1, 2))
+    pm.save_pretrained(out_dir, max_shard_size=40_000)
+    return sorted(os.listdir(out_dir))
+
+
+def test_save_pretrained_splits_files_by_size(worlds, model_dirs, tmp_path):
+    out = str(tmp_path / "out")
+    files = worlds.run(2, "tests.test_pipeline_split:case_small_files", gpt2_dir=model_dirs["gpt2"], out_dir=out)[0]
+    weights = [f for f in files if f.endswith(".safetensors")]
+    assert len(weights) > 2 and "model.safetensors.index.json" in files
+    assert all(os.path.getsize(os.path.join(out, f)) < 40_000 + 20_000 for f in weights)  # one tensor may overflow
+    reloaded, reference = load("gpt2", out).state_dict(), load("gpt2", model_dirs["gpt2"]).state_dict()
+    assert all(torch.equal(reloaded[k], reference[k]) for k in reference)
