@@ -96,6 +96,15 @@ def case_bad_checkpoints(*, gpt2_dir: str, llama_dir: str, root: str) -> dict[st
         messages["architecture"] = "no error"
     except CheckpointError as e:
         messages["architecture"] = str(e)
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    wider = GPT2LMHeadModel(GPT2Config(n_layer=5, n_embd=48, n_head=4, n_positions=32, vocab_size=99))
+    wide = qn_hf.parallelize(wider, tp=2, mesh=mesh_for(1, 2))
+    try:
+        wide.load_checkpoint(good)
+        messages["shape"] = "no error"
+    except CheckpointError as e:
+        messages["shape"] = str(e)
     two_groups = torch.optim.AdamW([{"params": list(pm.parameters())[:2]}, {"params": list(pm.parameters())[2:]}])
     try:
         pm.load_checkpoint(good, optimizer=two_groups)
@@ -117,4 +126,5 @@ def test_bad_checkpoints_fail_on_every_rank(worlds, model_dirs, tmp_path):
     assert "'../../outside.safetensors' is not a .safetensors name inside the checkpoint directory" in m["escape"]
     assert "holds a 'gpt2' model, this one is 'llama'" in m["architecture"]
     assert "the optimizer had 1 parameter groups, this one has 2" in m["optimizer"]
+    assert "transformer.wte.weight has shape [99, 32], the model needs [99, 48]" in m["shape"]
     assert m["unchanged"] == "True" and m["good step"] == "3"
