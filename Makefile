@@ -29,6 +29,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/pipeline.py
 	$(BIN)/python benchmarks/data_parallel.py
 	$(BIN)/python benchmarks/data_parallel.py --mesh 2,2,2
+	$(BIN)/python benchmarks/convert.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
