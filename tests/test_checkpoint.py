@@ -50,7 +50,7 @@ def case_resume(*, kind: str, model_dir: str, ckpt: str, out: str, dp: int, tp: 
     return {"meta": meta, "loss": loss}
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "vit"])
 def test_resume_at_any_mesh(worlds, model_dirs, tmp_path, kind):
     ckpt, uninterrupted = str(tmp_path / "ckpt"), str(tmp_path / "uninterrupted")
     expected_loss = worlds.run(8, "tests.test_checkpoint:case_train_save_continue", kind=kind,
