@@ -93,8 +93,7 @@ def three_d(rank: int, world: int, path: str, args: argparse.Namespace) -> dict 
         pm.train_step(data[0])
     local = {"coords": pm.coords, "table": meter.table(), "totals": meter.totals(), "rate": rate,
              "grad_bytes": sum(p.numel() * p.element_size() for p in pm.parameters()),
-             "layers": len(pm.stage_plan.layer_ranges[pm.coords["pp"]]) and
-             (pm.stage_plan.layer_ranges[pm.coords["pp"]][1] - pm.stage_plan.layer_ranges[pm.coords["pp"]][0])}
+             "layers": (lambda start, stop: stop - start)(*pm.stage_plan.layer_ranges[pm.coords["pp"]])}
     gathered = [None] * world
     dist.all_gather_object(gathered, local)
     return gathered if rank == 0 else None
@@ -108,14 +107,12 @@ def theory(r: dict, args: argparse.Namespace) -> dict[str, int]:
     floats per token. pp: each microbatch's activation forward and its gradient backward, per
     neighbouring stage."""
     dp, tp, pp = args.mesh
-    m = args.microbatches
     tokens = args.batch // dp * args.seq
     act = tokens * CONFIG["n_embd"] * 4
-    stage, first, last = r["coords"]["pp"], r["coords"]["pp"] == 0, r["coords"]["pp"] == pp - 1
+    first, last = r["coords"]["pp"] == 0, r["coords"]["pp"] == pp - 1
     out = {"dp": r["grad_bytes"] if dp > 1 else 0}
     out["tp"] = 0 if tp == 1 else 4 * r["layers"] * act + (act if first else 0) + ((act + 3 * tokens * 4) if last else 0)
     out["pp"] = 0 if pp == 1 else act * 2 * ((0 if first else 1) + (0 if last else 1))
-    del stage, m
     return out
 
 

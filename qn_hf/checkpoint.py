@@ -123,8 +123,8 @@ def save_checkpoint(pm: ParallelModel, path: str, *, optimizer: torch.optim.Opti
     number = torch.zeros(1, dtype=torch.int64, device=pm.device)
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
-        number[0] = _latest_number(path) + 1
-    dist.broadcast(number, src=0)
+        number[0] = int(os.path.basename(next_checkpoint_dir(path)).removeprefix("ckpt-"))
+    dist.broadcast(number, src=0)  # every rank writes into the directory rank 0 chose
     final = os.path.join(path, f"ckpt-{int(number.item()):06d}")
     partial = final + ".partial"
     if dist.get_rank() == 0:
@@ -151,16 +151,34 @@ def save_checkpoint(pm: ParallelModel, path: str, *, optimizer: torch.optim.Opti
                 index["optimizer"] = _merge_groups(index["optimizer"], meta["optimizer"])
             os.unlink(os.path.join(partial, meta_name))
         _write_json(index, os.path.join(partial, INDEX))
-        _fsync_dir(partial)
-        os.rename(partial, final)
-        _fsync_dir(path)
-        _write_json(os.path.basename(final), os.path.join(path, LATEST))
-        _fsync_dir(path)
-        for old in os.listdir(path):
-            if re.fullmatch(r"ckpt-\d{6}(\.partial)?", old) and old != os.path.basename(final):
-                shutil.rmtree(os.path.join(path, old), ignore_errors=True)
+        publish(partial, final)
     barrier(pm.device)
     return final
+
+
+def next_checkpoint_dir(path: str) -> str:
+    """``path/ckpt-N`` for the N after the current one (its ``.partial`` twin is written first)."""
+    return os.path.join(path, f"ckpt-{_latest_number(path) + 1:06d}")
+
+
+def publish(partial: str, final: str) -> None:
+    """Make a fully written ``partial`` directory the current checkpoint: fsync it, rename it to
+    ``final``, then atomically point ``latest`` at it, and only then remove older ones. A crash at
+    any point leaves ``latest`` naming a whole checkpoint."""
+    root = os.path.dirname(final)
+    _fsync_dir(partial)
+    os.rename(partial, final)
+    _fsync_dir(root)
+    _write_json(os.path.basename(final), os.path.join(root, LATEST))
+    _fsync_dir(root)
+    for old in os.listdir(root):
+        if re.fullmatch(r"ckpt-\d{6}(\.partial)?", old) and old != os.path.basename(final):
+            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+
+
+def entry_nbytes(entry: dict) -> int:
+    """Bytes of the whole tensor an index entry describes."""
+    return torch.Size(entry["shape"]).numel() * torch.empty(0, dtype=_DTYPES[entry["dtype"]]).element_size()
 
 
 def _latest_number(path: str) -> int:

@@ -22,14 +22,15 @@ from .checkpoint import (
     _DTYPES,
     FORMAT,
     INDEX,
-    LATEST,
     VERSION,
     CheckpointError,
     _boxes,
-    _fsync_dir,
     _read_box,
     _write_json,
     checkpoint_dir,
+    entry_nbytes,
+    next_checkpoint_dir,
+    publish,
     read_index,
 )
 from .hf_source import config_from_dict as _config
@@ -52,7 +53,7 @@ def write_checkpoint(src_dir: str, src: dict, layout: Layout, config: dict, out:
     from . import __version__
 
     os.makedirs(out, exist_ok=True)
-    final = os.path.join(out, "ckpt-000001")
+    final = next_checkpoint_dir(out)
     partial = final + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
@@ -105,13 +106,7 @@ def write_checkpoint(src_dir: str, src: dict, layout: Layout, config: dict, out:
              "optimizer": optimizer}
     _write_json(index, os.path.join(partial, INDEX))
     read_index(partial)  # what we wrote must pass our own validation
-    _fsync_dir(partial)
-    for old in os.listdir(out):
-        if re.fullmatch(r"ckpt-\d{6}", old):
-            shutil.rmtree(os.path.join(out, old))
-    os.rename(partial, final)
-    _write_json(os.path.basename(final), os.path.join(out, LATEST))
-    _fsync_dir(out)
+    publish(partial, final)
     return final
 
 
@@ -136,7 +131,7 @@ def to_hf(ckpt: str, out: str, *, max_shard_bytes: int = 5 * 1024**3) -> None:
     size = 0
     for name in names:
         entry = index["tensors"][name]
-        nbytes = torch.Size(entry["shape"]).numel() * torch.empty(0, dtype=_DTYPES[entry["dtype"]]).element_size()
+        nbytes = entry_nbytes(entry)
         if files[-1] and size + nbytes > max_shard_bytes:
             files.append([])
             size = 0
@@ -160,7 +155,7 @@ def to_hf(ckpt: str, out: str, *, max_shard_bytes: int = 5 * 1024**3) -> None:
                             [(n, index["tensors"][n]["shape"], _DTYPES[index["tensors"][n]["dtype"]]) for n in group], produce)
             weight_map.update({n: file for n in group})
     if len(files) > 1:
-        total = sum(torch.Size(index["tensors"][n]["shape"]).numel() * torch.empty(0, dtype=_DTYPES[index["tensors"][n]["dtype"]]).element_size() for n in names)
+        total = sum(entry_nbytes(index["tensors"][n]) for n in names)
         _write_json({"metadata": {"total_size": total}, "weight_map": weight_map}, os.path.join(out, HF_INDEX))
 
 

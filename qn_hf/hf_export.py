@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from .checkpoint import _global_shape
+from .checkpoint import _global_shape, entry_nbytes
+from .hf_source import SAFETENSORS_DTYPES
 from .comm import all_gather_tensors, barrier
 from .safetensors_stream import write_streaming
 
@@ -116,10 +117,7 @@ def _write_index(path: str, files: list[str]) -> None:
             for key in f.keys():
                 weight_map[key] = name
                 sl = f.get_slice(key)
-                numel = 1
-                for d in sl.get_shape():
-                    numel *= d
-                total += numel * _itemsize(sl.get_dtype())
+                total += entry_nbytes({"shape": list(sl.get_shape()), "dtype": SAFETENSORS_DTYPES[sl.get_dtype()]})
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     fd, tmp = tempfile.mkstemp(dir=path, prefix="." + INDEX + ".")
     with os.fdopen(fd, "w") as f:
@@ -127,10 +125,6 @@ def _write_index(path: str, files: list[str]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(path, INDEX))
-
-
-def _itemsize(safetensors_dtype: str) -> int:
-    return {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}[safetensors_dtype]
 
 
 def _write_config(module: torch.nn.Module, path: str) -> None:

@@ -18,7 +18,7 @@ from .checkpoint import CheckpointError, _check_entry
 from .layout import meta_model
 
 HF_INDEX = "model.safetensors.index.json"
-_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
+SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
                        "I32": "int32", "U8": "uint8", "BOOL": "bool"}
 
 
@@ -89,7 +89,7 @@ def read_hf_dir(hf_dir: str) -> tuple[dict, dict]:
                 for key in f.keys():
                     sl = f.get_slice(key)
                     shape = list(sl.get_shape())
-                    entry = {"shape": shape, "dtype": _SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype()),
+                    entry = {"shape": shape, "dtype": SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype()),
                              "pieces": [{"file": file, "key": key, "box": [[0, n] for n in shape]}]}
                     _check_entry(os.path.join(hf_dir, file), key, entry)
                     tensors[rename(key)] = entry
