@@ -7,7 +7,7 @@ NPROC ?= 8
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.qn_hf-installed
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench results install clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+# The README's results table: ViT/GPT-2/Llama at (2,2,2) on 8 processes beside 1-process baselines.
+results: $(STAMP)
+	$(BIN)/python scripts/results.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/tp_vs_dtensor.py

@@ -1,0 +1,204 @@
+"""``TrainConfig``: every option of the training scripts, from defaults, a YAML file and the CLI.
+
+Precedence is defaults < YAML < command line, and the YAML keys are exactly the option names with
+dashes as underscores (``mesh: [dp, tp, pp]``, ``schedule: 1f1b``, ``batch_size: 64`` ...), so a
+config file and a command line say the same things. The effective config is written next to the
+run's outputs, which makes every run reproducible from its own directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from .errors import UsageError
+
+TASKS = ("lm", "vit")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    task: str = "lm"
+    model: str = "tiny-gpt2"  # a local Hugging Face directory, or a preset name (see presets.py)
+    tokenizer: str | None = None  # LM: a tokenizer directory; default: the model's own, else bytes
+    data: tuple[str, ...] = ()  # files, directories or globs; empty: the task's offline default
+    text_column: str = "text"
+    image_column: str = "image"
+    label_column: str = "label"
+    val_fraction: float = 0.1
+    mesh: tuple[int, int, int] | None = None  # (dp, tp, pp); default: (world size, 1, 1)
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    batch_size: int = 32  # global: split over dp, then into microbatches
+    seq_len: int = 128
+    steps: int = 200
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0  # 0 disables clipping (the norm is still logged)
+    eval_every: int = 50
+    eval_batches: int = 0  # 0: the whole validation split
+    save_every: int = 0  # 0: only at the end (and at --stop-after)
+    stop_after: int | None = None  # stop (with a checkpoint) after this step, as if interrupted
+    resume: str | None = None  # "latest" (this output_dir's checkpoints) or a checkpoint path
+    output_dir: str = "runs/train"
+    export: bool = True  # save_pretrained the trained model into output_dir/model
+    seed: int = 0
+    timeline_step: int | None = None  # record this step's pipeline timeline; default 3 when pp > 1
+    timeout_s: float = 600.0  # bound on every collective: a dead rank fails the job, never hangs it
+    progress: bool = True
+
+    @property
+    def checkpoint_root(self) -> str:
+        return os.path.join(self.output_dir, "checkpoints")
+
+    def to_yaml_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["data"] = list(self.data)
+        out["mesh"] = list(self.mesh) if self.mesh is not None else None
+        return out
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_HELP = {
+    "model": "local Hugging Face model directory, or a preset: tiny-gpt2, tiny-llama, tiny-vit",
+    "tokenizer": "LM tokenizer directory (default: the model directory's tokenizer, else UTF-8 bytes)",
+    "data": "data files, directories or globs (LM: .txt/.parquet/.json[l]; ViT: an image folder or .parquet); "
+    "default: offline built-in data (LM: Python's reference manual text; ViT: scikit-learn digits)",
+    "mesh": "dp tp pp (world size must equal their product); default: all ranks data parallel",
+    "batch_size": "global batch size (examples per optimizer step, split over dp and microbatches)",
+    "seq_len": "LM tokens per example",
+    "min_lr_ratio": "cosine decay ends at lr * min_lr_ratio",
+    "grad_clip": "clip the global gradient norm to this (0: no clipping)",
+    "eval_batches": "validation batches per evaluation (0: the whole validation split)",
+    "save_every": "write a sharded checkpoint every N steps (0: only at the end)",
+    "stop_after": "stop after this step with a checkpoint, as if interrupted (the LR schedule still spans --steps)",
+    "resume": "resume from the latest checkpoint in --output-dir (flag alone) or from a checkpoint path",
+    "timeline_step": "record this step's pipeline timeline as timeline.png (default: step 3 when pp > 1; 0: never)",
+    "timeout_s": "seconds any collective may wait before the job fails",
+}
+
+
+def build_parser(*, task: str, description: str) -> argparse.ArgumentParser:
+    """A parser with one option per config field; unset options stay absent so YAML values win."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     argument_default=argparse.SUPPRESS)
+    parser.add_argument("--config", help="YAML file with any of the options below (command line wins)")
+    for name, f in _FIELDS.items():
+        if name == "task":
+            continue
+        flag = "--" + name.replace("_", "-")
+        kind = _kind(f)
+        helptext = _HELP.get(name, "")
+        if name == "mesh":
+            parser.add_argument(flag, type=int, nargs=3, metavar=("DP", "TP", "PP"), help=helptext)
+        elif name == "data":
+            parser.add_argument(flag, nargs="+", help=helptext)
+        elif name == "resume":
+            parser.add_argument(flag, nargs="?", const="latest", help=helptext)
+        elif kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=helptext)
+        else:
+            parser.add_argument(flag, type=kind, help=helptext or f"(default {f.default})")
+    parser.set_defaults(task=task)
+    return parser
+
+
+def load_config(args: argparse.Namespace, *, defaults: dict[str, Any] | None = None) -> TrainConfig:
+    """Merge script defaults, the YAML file named by ``--config`` and the command line."""
+    values: dict[str, Any] = dict(defaults or {})
+    cli = vars(args).copy()
+    path = cli.pop("config", None)
+    if path is not None:
+        values.update(read_yaml(path))
+    values.update(cli)
+    return make_config(values)
+
+
+def read_yaml(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            loaded = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise UsageError(f"config file {path} does not exist") from None
+    except yaml.YAMLError as e:
+        raise UsageError(f"config file {path} is not valid YAML: {e}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise UsageError(f"config file {path} must hold a mapping of option: value, got {type(loaded).__name__}")
+    unknown = sorted(set(loaded) - set(_FIELDS))
+    if unknown:
+        raise UsageError(f"config file {path}: unknown option(s) {unknown}; valid: {sorted(_FIELDS)}")
+    return loaded
+
+
+def make_config(values: dict[str, Any]) -> TrainConfig:
+    """Type-check and normalise raw values (from YAML or argparse) into a ``TrainConfig``."""
+    out: dict[str, Any] = {}
+    for name, value in values.items():
+        f = _FIELDS[name]
+        if value is None:
+            out[name] = None
+        elif name == "mesh":
+            out[name] = _mesh(value)
+        elif name == "data":
+            out[name] = (value,) if isinstance(value, str) else tuple(str(v) for v in value)
+        else:
+            kind = _kind(f)
+            if kind is bool and not isinstance(value, bool):
+                raise UsageError(f"{name} must be true or false, got {value!r}")
+            try:
+                out[name] = kind(value)
+            except (TypeError, ValueError):
+                raise UsageError(f"{name} must be a {kind.__name__}, got {value!r}") from None
+    cfg = TrainConfig(**out)
+    _check(cfg)
+    return cfg
+
+
+def _mesh(value: Any) -> tuple[int, int, int]:
+    if not isinstance(value, (list, tuple)) or len(value) != 3 or not all(isinstance(v, int) for v in value):
+        raise UsageError(f"mesh must be three integers [dp, tp, pp], got {value!r}")
+    return tuple(value)  # type: ignore[return-value]
+
+
+def _check(cfg: TrainConfig) -> None:
+    from ..pipeline.schedule import SCHEDULES
+
+    if cfg.task not in TASKS:
+        raise UsageError(f"task {cfg.task!r} is not one of {TASKS}")
+    if cfg.schedule not in SCHEDULES:
+        raise UsageError(f"schedule {cfg.schedule!r} is not one of {sorted(SCHEDULES)}")
+    positive = {"batch_size": cfg.batch_size, "steps": cfg.steps, "microbatches": cfg.microbatches, "seq_len": cfg.seq_len}
+    for name, value in positive.items():
+        if value < 1:
+            raise UsageError(f"{name} must be at least 1, got {value}")
+    if cfg.mesh is not None and min(cfg.mesh) < 1:
+        raise UsageError(f"mesh degrees must be at least 1, got {list(cfg.mesh)}")
+    if not 0.0 < cfg.val_fraction < 1.0:
+        raise UsageError(f"val_fraction must be between 0 and 1, got {cfg.val_fraction}")
+    if cfg.stop_after is not None and not 1 <= cfg.stop_after <= cfg.steps:
+        raise UsageError(f"stop_after={cfg.stop_after} must lie in 1..steps={cfg.steps}")
+    if cfg.lr <= 0 or cfg.warmup_steps < 0 or not 0.0 <= cfg.min_lr_ratio <= 1.0:
+        raise UsageError(f"need lr > 0, warmup_steps >= 0 and 0 <= min_lr_ratio <= 1; got lr={cfg.lr}, "
+                         f"warmup_steps={cfg.warmup_steps}, min_lr_ratio={cfg.min_lr_ratio}")
+
+
+def _kind(f: dataclasses.Field) -> type:
+    """The scalar type of a field from its annotation string (``int | None`` -> int)."""
+    base = str(f.type).split("|")[0].strip()
+    return {"int": int, "float": float, "str": str, "bool": bool}.get(base, str)
+
+
+def effective_yaml(cfg: TrainConfig) -> str:
+    return yaml.safe_dump(cfg.to_yaml_dict(), sort_keys=False)
+
+
+__all__ = ["TASKS", "TrainConfig", "build_parser", "effective_yaml", "load_config", "make_config"]

@@ -1,0 +1,238 @@
+"""The training loop shared by ``scripts/train_lm.py`` and ``scripts/train_vit.py``.
+
+Order of work, so that mistakes fail fast and together: every rank checks the options, paths and
+mesh against the launched world size (no communication yet); then the process group starts with
+a bounded timeout; rank 0 prepares the data first (``datasets`` caches it) while the others wait
+for its verdict; then the model is built (a preset from the seed on every rank, or a model
+directory on the ``meta`` device with each rank reading only its shard), parallelized, and trained.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint import CheckpointError, checkpoint_dir
+from ..grad_norm import clip_grad_norm_
+from ..mesh import default_device, init_distributed, launched_world_size
+from ..parallel_model import ParallelModel
+from ..parallelize import parallelize
+from .config import TrainConfig, effective_yaml
+from .errors import UsageError
+from .lr import warmup_cosine
+from .metrics import MetricsLog, Progress
+from .plots import loss_curve, pipeline_timeline
+from .sampler import GlobalBatches
+from .tasks import TASK_TYPES, model_directory
+
+T = TypeVar("T")
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Run (or resume) the configured training; return the summary (also in ``summary.json``)."""
+    task = TASK_TYPES[cfg.task]()
+    world = launched_world_size()
+    dp, tp, pp = cfg.mesh or (world, 1, 1)
+    _check_launch(cfg, world=world, dp=dp, tp=tp, pp=pp)
+    model_dir = model_directory(cfg.model)
+    task.check(cfg, model_dir)
+    _check_output_dir(cfg.output_dir)
+    resume_from = _resume_path(cfg)
+
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))  # no oversubscribed cores
+    device = default_device()
+    init_distributed(device=device, timeout=datetime.timedelta(seconds=cfg.timeout_s))
+    rank = dist.get_rank()
+    prepared = _rank0_first(lambda: task.prepare(cfg, model_dir))
+
+    model = _build_model(cfg, task=task, config=prepared.config, model_dir=model_dir)
+    try:
+        pm = parallelize(model, dp=dp, tp=tp, pp=pp, microbatches=cfg.microbatches, schedule=cfg.schedule,
+                         seed=cfg.seed, checkpoint=model_dir, timeout=datetime.timedelta(seconds=cfg.timeout_s))
+    except ValueError as e:  # a configuration the model cannot take (checked on every rank alike)
+        raise UsageError(str(e)) from None
+    optimizer = _adamw(pm, cfg)
+    start = 0
+    if resume_from is not None:
+        start = int(pm.load_checkpoint(resume_from, optimizer=optimizer).get("step") or 0)
+    if rank == 0:
+        with open(os.path.join(cfg.output_dir, "config.yaml"), "w") as f:
+            f.write(effective_yaml(cfg))
+
+    log = MetricsLog(os.path.join(cfg.output_dir, "metrics.jsonl"), active=rank == 0, resume_step=start)
+    progress = Progress(total=cfg.steps, initial=start, active=rank == 0, enabled=cfg.progress, unit_name=task.unit)
+    total_params = sum(p.numel() for p in model.parameters())  # this rank's shard
+    progress.say(f"mesh dp={dp} tp={tp} pp={pp} ({world} processes, {device.type}), schedule {cfg.schedule}, "
+                 f"{cfg.microbatches} microbatches; rank 0 holds {total_params:,} parameters")
+    progress.say(f"data: {prepared.description}")
+    if start:
+        progress.say(f"resumed from {resume_from} at step {start}")
+
+    sampler = GlobalBatches(examples=len(prepared.train), batch_size=cfg.batch_size, seed=cfg.seed)
+    timeline_step = cfg.timeline_step if cfg.timeline_step is not None else (min(3, cfg.steps) if pp > 1 else 0)
+    last = cfg.stop_after or cfg.steps
+    began, elapsed_before, record = time.perf_counter(), log.elapsed_before, {}
+    for step in range(start + 1, last + 1):
+        t0 = time.perf_counter()
+        lr = warmup_cosine(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        rows = sampler.local_indices(step, dp_rank=pm.coords["dp"], dp=dp)
+        batch = task.batch(prepared.train[rows])
+        optimizer.zero_grad(set_to_none=True)
+        if step == timeline_step:
+            loss = _recorded_step(pm, batch, path=os.path.join(cfg.output_dir, "timeline.png"), step=step, cfg=cfg)
+        else:
+            loss = pm.train_step(batch)
+        norm = clip_grad_norm_(pm, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        optimizer.step()
+        seconds = time.perf_counter() - t0
+        record = {"step": step, "loss": loss.item(), "lr": lr, "grad_norm": norm.item(), "step_time_s": seconds,
+                  task.unit: task.units(batch) * dp / seconds, "elapsed_s": elapsed_before + time.perf_counter() - began}
+        if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == last:
+            record.update(task.evaluate(pm, prepared.val, cfg=cfg))
+            progress.say("step {step}: ".format(**record) + ", ".join(
+                f"{k} {v:.4f}" for k, v in record.items() if k.startswith("val_")))
+        log.append(record)
+        progress.update(record)
+        if (cfg.save_every and step % cfg.save_every == 0) or step == last:
+            saved = pm.save_checkpoint(cfg.checkpoint_root, optimizer=optimizer, step=step)
+            progress.say(f"step {step}: checkpoint {saved}")
+    progress.close()
+
+    if cfg.export and last == cfg.steps and start < cfg.steps:
+        pm.save_pretrained(os.path.join(cfg.output_dir, "model"))
+    summary = _summary(cfg, log=log, record=record, world=world, stopped=last < cfg.steps)
+    if rank == 0:
+        if log.records:
+            loss_curve(os.path.join(cfg.output_dir, "loss.png"), runs=[(f"dp={dp} tp={tp} pp={pp}", log.records)],
+                       title=f"{cfg.model} ({cfg.task})")
+        with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        print(summary["line"], flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return summary
+
+
+def _check_launch(cfg: TrainConfig, *, world: int, dp: int, tp: int, pp: int) -> None:
+    if dp * tp * pp != world:
+        raise UsageError(f"mesh dp={dp} tp={tp} pp={pp} needs {dp * tp * pp} processes but {world} were launched; "
+                         f"launch {dp * tp * pp} (torchrun --nproc-per-node {dp * tp * pp} ...) or change --mesh")
+    if cfg.batch_size % (dp * cfg.microbatches):
+        raise UsageError(f"batch_size={cfg.batch_size} must be a multiple of dp*microbatches={dp * cfg.microbatches}")
+
+
+def _check_output_dir(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write-test-{os.environ.get('RANK', '0')}")
+        with open(probe, "w"):
+            pass
+        os.unlink(probe)
+    except OSError as e:
+        raise UsageError(f"output directory {path} is not writable: {e.strerror}") from None
+
+
+def _resume_path(cfg: TrainConfig) -> str | None:
+    """The checkpoint to resume from: ``latest`` under this run's checkpoints (none yet: start
+    fresh, so a preemptible job can always pass --resume), or an explicit path that must exist."""
+    if cfg.resume is None:
+        return None
+    if cfg.resume == "latest":
+        try:
+            return checkpoint_dir(cfg.checkpoint_root)
+        except CheckpointError:
+            return None
+    if not os.path.exists(cfg.resume):
+        raise UsageError(f"--resume {cfg.resume}: no such checkpoint")
+    return cfg.resume
+
+
+def _rank0_first(prepare: Callable[[], T]) -> T:
+    """Run ``prepare`` on rank 0, then (if it succeeded) everywhere else: ``datasets`` writes its
+    cache once, and a data error on rank 0 reaches every rank instead of leaving them waiting."""
+    result, error = None, [None]
+    if dist.get_rank() == 0:
+        try:
+            result = prepare()
+        except UsageError as e:
+            error = [str(e)]
+    dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise UsageError(error[0])
+    if dist.get_rank() != 0:
+        result = prepare()
+    return result  # type: ignore[return-value]
+
+
+def _build_model(cfg: TrainConfig, *, task: Any, config: Any, model_dir: str | None) -> torch.nn.Module:
+    if model_dir is not None:
+        # No weights in memory: parallelize materializes this rank's shard and reads only its slices.
+        with torch.device("meta"):
+            return task.auto_class.from_config(config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)  # the same initial weights on every rank and in the 1-process baseline
+        return task.auto_class.from_config(config)
+
+
+def _adamw(pm: ParallelModel, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW without weight decay on biases and norms (1-D tensors), as is usual for transformers."""
+    decay = [p for _, p in pm.named_parameters() if p.requires_grad and p.dim() >= 2]
+    keep = [p for _, p in pm.named_parameters() if p.requires_grad and p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": keep, "weight_decay": 0.0}],
+                             lr=cfg.lr)
+
+
+def _recorded_step(pm: ParallelModel, batch: dict[str, torch.Tensor], *, path: str, step: int, cfg: TrainConfig) -> torch.Tensor:
+    """One train step with the pipeline executor's timeline recorded on every rank, drawn by rank 0."""
+    dist.barrier()
+    pm.executor.events = []
+    t0 = time.perf_counter()
+    loss = pm.train_step(batch)
+    events = [(op, mb, a - t0, b - t0) for op, mb, a, b in pm.executor.events]
+    pm.executor.events = None
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (dict(pm.coords), events))
+    if dist.get_rank() == 0:
+        rows = [(f"stage {c['pp']} (dp {c['dp']}, tp {c['tp']})", evs)
+                for c, evs in sorted(gathered, key=lambda g: (g[0]["dp"], g[0]["tp"], g[0]["pp"]))
+                if c["dp"] == 0 and c["tp"] == 0]
+        pipeline_timeline(path, ranks=rows, title=f"step {step}: {cfg.schedule}, pp={pm.dims.pp}, "
+                                                    f"{cfg.microbatches} microbatches (measured)")
+    return loss
+
+
+def _summary(cfg: TrainConfig, *, log: MetricsLog, record: dict, world: int, stopped: bool) -> dict[str, Any]:
+    records = log.records
+    out: dict[str, Any] = {"steps": record.get("step", 0), "world_size": world, "stopped_early": stopped}
+    if records:
+        out["first_loss"] = records[0]["loss"]
+        out["final_loss"] = records[-1]["loss"]
+        evals = [r for r in records if "val_loss" in r]
+        if evals:
+            out.update({k: v for k, v in evals[-1].items() if k.startswith("val_")})
+        unit = next(k for k in records[-1] if k.endswith("_per_s"))
+        timed = records[1:] or records  # the first step includes warm-up allocations
+        out[unit] = sum(r[unit] for r in timed) / len(timed)
+        out["elapsed_s"] = records[-1]["elapsed_s"]
+    parts = [f"{'stopped' if stopped else 'done'}: step {out['steps']}/{cfg.steps}"]
+    if records:
+        parts.append(f"loss {out['first_loss']:.4f} -> {out['final_loss']:.4f}")
+        if "val_loss" in out:
+            parts.append(f"val loss {out['val_loss']:.4f}")
+        if "val_accuracy" in out:
+            parts.append(f"val accuracy {100 * out['val_accuracy']:.1f}%")
+        parts.append(f"{out[unit]:,.0f} {unit.replace('_per_s', '/s')}")
+        parts.append(f"{out['elapsed_s']:.1f} s")
+    parts.append(f"outputs in {cfg.output_dir}")
+    out["line"] = ", ".join(parts)
+    return out

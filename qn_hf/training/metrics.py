@@ -1,0 +1,68 @@
+"""Run outputs on rank 0: ``metrics.jsonl`` (one JSON object per step), a progress bar and lines.
+
+On resume the file keeps the records up to the checkpoint's step and continues from there, so the
+file always describes one run with no duplicated or abandoned steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from tqdm import tqdm
+
+
+def read_metrics(path: str) -> list[dict]:
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class MetricsLog:
+    def __init__(self, path: str, *, active: bool, resume_step: int) -> None:
+        self.path = path
+        self.active = active
+        self.records: list[dict] = []
+        if not active:
+            return
+        kept = [r for r in read_metrics(path) if r.get("step", 0) <= resume_step] if resume_step else []
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+        os.replace(tmp, path)
+        self.records = kept
+
+    @property
+    def elapsed_before(self) -> float:
+        return max((r.get("elapsed_s", 0.0) for r in self.records), default=0.0)
+
+    def append(self, record: dict) -> None:
+        if not self.active:
+            return
+        self.records.append(record)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+class Progress:
+    """A tqdm bar on rank 0 (or plain lines with ``enabled=False``); silent on other ranks."""
+
+    def __init__(self, *, total: int, initial: int, active: bool, enabled: bool, unit_name: str) -> None:
+        self.active = active
+        self.unit_name = unit_name
+        self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr,
+                        disable=not (active and enabled), mininterval=0.5)
+
+    def update(self, record: dict) -> None:
+        self.bar.set_postfix({"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.2e}",
+                              self.unit_name: f"{record[self.unit_name]:,.0f}"}, refresh=False)
+        self.bar.update(1)
+
+    def say(self, message: str) -> None:
+        if self.active:
+            self.bar.write(message, file=sys.stderr)
+
+    def close(self) -> None:
+        self.bar.close()

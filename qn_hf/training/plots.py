@@ -1,0 +1,70 @@
+"""PNG figures from a run's records: the loss curve and a pipeline timeline (Gantt chart).
+
+matplotlib is imported inside each function with the file-only Agg backend, so a training job
+never needs a display and the library does not import it unless a figure is drawn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def loss_curve(path: str, *, runs: Sequence[tuple[str, list[dict]]], title: str) -> None:
+    """Training loss per step (and validation loss/accuracy where recorded) for one or more runs."""
+    plt = _pyplot()
+    has_acc = any("val_accuracy" in r for _, records in runs for r in records)
+    fig, axes = plt.subplots(1, 2 if has_acc else 1, figsize=(11 if has_acc else 7, 4), squeeze=False)
+    ax = axes[0][0]
+    for i, (label, records) in enumerate(runs):
+        style = "-" if i == 0 else "--"
+        ax.plot([r["step"] for r in records], [r["loss"] for r in records], style, lw=1.2, label=f"{label} train")
+        evals = [r for r in records if "val_loss" in r]
+        if evals:
+            ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o" + style, ms=3, label=f"{label} validation")
+    ax.set(xlabel="step", ylabel="loss", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    if has_acc:
+        acc = axes[0][1]
+        for i, (label, records) in enumerate(runs):
+            evals = [r for r in records if "val_accuracy" in r]
+            acc.plot([r["step"] for r in evals], [100 * r["val_accuracy"] for r in evals], "o" + ("-" if i == 0 else "--"),
+                     ms=3, label=label)
+        acc.set(xlabel="step", ylabel="validation accuracy (%)", title="accuracy")
+        acc.grid(alpha=0.3)
+        acc.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def pipeline_timeline(path: str, *, ranks: Sequence[tuple[str, list[tuple[str, int, float, float]]]], title: str) -> None:
+    """One row per rank; a bar per forward/backward action labelled with its microbatch. Times are
+    seconds since the step started on that rank (after a barrier), so idle gaps are the bubble."""
+    plt = _pyplot()
+    colors = {"fwd": "#4C72B0", "bwd": "#DD8452"}
+    fig, ax = plt.subplots(figsize=(11, 0.45 * len(ranks) + 1.2))
+    for row, (_, events) in enumerate(ranks):
+        for op, mb, start, stop in events:
+            if op not in colors:
+                continue
+            ax.barh(row, (stop - start) * 1e3, left=start * 1e3, color=colors[op], edgecolor="white", height=0.8)
+            if (stop - start) * 1e3 > 0.02 * max(e[3] for _, evs in ranks for e in evs if evs) * 1e3:
+                ax.text((start + stop) / 2 * 1e3, row, str(mb), ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(range(len(ranks)), [label for label, _ in ranks], fontsize=8)
+    ax.invert_yaxis()
+    ax.set(xlabel="ms since the step started", title=title)
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()], labels=["forward", "backward"],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

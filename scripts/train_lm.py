@@ -1,0 +1,33 @@
+"""Train a causal language model (GPT-2, Llama, ...) with qn_hf's 3D parallelism.
+
+Run it under torchrun or accelerate; world size = dp * tp * pp:
+
+    torchrun --standalone --nproc-per-node 8 scripts/train_lm.py --model tiny-llama --mesh 2 2 2 --microbatches 4
+    accelerate launch --multi_gpu --num_processes 8 scripts/train_lm.py --config configs/llama_tiny.yaml
+    python scripts/train_lm.py --steps 50                  # one process, dp=tp=pp=1
+
+--model is a local Hugging Face directory (read shard by shard, never whole on one rank) or a
+preset (tiny-gpt2, tiny-llama). With no --data it trains offline on Python's reference manual.
+Outputs in --output-dir: metrics.jsonl, loss.png, timeline.png (pp > 1), checkpoints/, model/
+(a Hugging Face directory), summary.json, config.yaml (the effective options).
+"""
+
+from __future__ import annotations
+
+import transformers
+
+from qn_hf.training.config import build_parser, load_config
+from qn_hf.training.errors import run_cli
+from qn_hf.training.loop import train
+
+DEFAULTS = {"task": "lm", "model": "tiny-gpt2", "output_dir": "runs/lm", "val_fraction": 0.05}
+
+
+def main() -> None:
+    args = build_parser(task="lm", description=__doc__).parse_args()
+    transformers.logging.set_verbosity_error()
+    train(load_config(args, defaults=DEFAULTS))
+
+
+if __name__ == "__main__":
+    run_cli(main)

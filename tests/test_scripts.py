@@ -1,0 +1,127 @@
+"""The training scripts as users launch them: under torchrun and accelerate launch, several CPU
+processes, a loss that falls, and a resume that continues exactly where an uninterrupted run goes.
+
+Each script runs three times at one mesh: A trains 6 steps uninterrupted; B stops after step 3 with
+a checkpoint (as if killed); C resumes B's run directory. C's steps 4-6 must equal A's bit for bit
+(same mesh, same global batches, AdamW state restored, LR a function of the step). The launchers
+alternate so that each script runs under both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMON = ["--steps", "6", "--warmup-steps", "2", "--eval-every", "3", "--save-every", "3", "--lr", "3e-3", "--no-progress"]
+CASES = {
+    "train_lm.py": (["--model", "tiny-gpt2", "--mesh", "2", "1", "2", "--microbatches", "2", "--batch-size", "8",
+                     "--seq-len", "32", "--eval-batches", "2"], ("torchrun", "accelerate", "torchrun")),
+    "train_vit.py": (["--mesh", "1", "2", "2", "--microbatches", "2", "--batch-size", "16", "--eval-batches", "3"],
+                     ("accelerate", "torchrun", "accelerate")),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(launcher: str, script: str, args: list[str], *, nproc: int = 4, timeout: int = 300) -> subprocess.CompletedProcess:
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    elif launcher == "accelerate":
+        # What the README documents for CPU: --multi_gpu starts one gloo process per --num_processes.
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", str(_free_port())]
+    else:
+        cmd = [sys.executable]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([*cmd, str(ROOT / "scripts" / script), *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def ok(done: subprocess.CompletedProcess) -> None:
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+
+
+@pytest.mark.parametrize("script", sorted(CASES))
+def test_script_trains_and_resumes_exactly_under_both_launchers(tmp_path, script):
+    args, (first, second, third) = CASES[script]
+    a, b = tmp_path / "uninterrupted", tmp_path / "interrupted"
+    ok(launch(first, script, [*args, *COMMON, "--output-dir", str(a)]))
+    ok(launch(second, script, [*args, *COMMON, "--output-dir", str(b), "--stop-after", "3"]))
+    resumed = launch(third, script, [*args, *COMMON, "--output-dir", str(b), "--resume"])
+    ok(resumed)
+    assert "resumed from" in resumed.stderr and "step 3" in resumed.stderr
+
+    full, stopped_then_resumed = metrics(a), metrics(b)
+    assert [r["step"] for r in full] == [r["step"] for r in stopped_then_resumed] == list(range(1, 7))
+    assert full[-1]["loss"] < full[0]["loss"]
+    for x, y in zip(full, stopped_then_resumed):
+        assert x["loss"] == y["loss"] and x["grad_norm"] == y["grad_norm"], (x, y)
+    evals = [r for r in full if "val_loss" in r]
+    assert [r["step"] for r in evals] == [3, 6] and evals[-1]["val_loss"] < evals[0]["val_loss"]
+    if script == "train_vit.py":
+        assert all(0.0 <= r["val_accuracy"] <= 1.0 for r in evals)
+
+    for name in ("loss.png", "timeline.png", "summary.json", "config.yaml", "model/config.json"):
+        assert (a / name).is_file(), name
+    summary = json.loads((a / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["final_loss"] == full[-1]["loss"]
+    assert json.loads((b / "summary.json").read_text())["stopped_early"] is False  # C finished the run
+
+
+def _one_error_line(done: subprocess.CompletedProcess) -> str:
+    output = done.stdout + done.stderr
+    errors = [line for line in output.splitlines() if line.startswith("error")]
+    assert len(errors) == 1, output[-4000:]
+    # The launcher may print its own summary; nothing of ours may print a traceback.
+    assert "qn_hf/" not in output and 'scripts/train' not in output.replace("scripts/train_lm.py FAILED", ""), output[-4000:]
+    return errors[0]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data", "/nonexistent/corpus.txt"], "error: data path /nonexistent/corpus.txt does not exist"),
+    (["--model", "{empty}"], "has no config.json"),
+    (["--model", "gpt5-huge"], "is neither a directory with config.json nor a preset"),
+    (["--output-dir", "{file}/run"], "is not writable"),
+    (["--mesh", "1", "2", "1"], "mesh dp=1 tp=2 pp=1 needs 2 processes but 1 were launched"),
+    (["--batch-size", "6", "--microbatches", "4"], "batch_size=6 must be a multiple of dp*microbatches=4"),
+    (["--resume", "{empty}/nothing"], "no such checkpoint"),
+])
+def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path, args, message):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("not a directory")
+    args = [a.format(empty=tmp_path / "empty", file=tmp_path / "file") for a in args]
+    done = launch("python", "train_lm.py", [*args, "--output-dir", str(tmp_path / "out")] if "--output-dir" not in args else args)
+    assert done.returncode == 2
+    assert message in _one_error_line(done)
+
+
+def test_bad_mesh_under_torchrun_reports_once(tmp_path):
+    done = launch("torchrun", "train_lm.py", ["--mesh", "2", "2", "1", "--output-dir", str(tmp_path)], nproc=2)
+    assert done.returncode != 0
+    assert _one_error_line(done) == (
+        "error: mesh dp=2 tp=2 pp=1 needs 4 processes but 2 were launched; launch 4 (torchrun --nproc-per-node 4 ...) "
+        "or change --mesh"
+    )
+
+
+def test_mesh_the_model_cannot_take_reports_once(tmp_path):
+    # parallelize's own validation (tp must divide the heads) reaches the user as one line too.
+    done = launch("torchrun", "train_lm.py", ["--mesh", "1", "3", "1", "--output-dir", str(tmp_path)], nproc=3)
+    assert done.returncode != 0
+    assert "tp=3 does not divide" in _one_error_line(done)

@@ -1,0 +1,88 @@
+"""The training recipe's pure pieces: config merging, LR schedule, sampling and eval padding."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from qn_hf.training.config import build_parser, load_config, make_config
+from qn_hf.training.errors import UsageError
+from qn_hf.training.lr import warmup_cosine
+from qn_hf.training.sampler import GlobalBatches, eval_batches
+
+
+def test_yaml_then_command_line(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("mesh: [2, 2, 2]\nschedule: gpipe\nmicrobatches: 4\nlr: 3.0e-4\nsteps: 10\n")
+    args = build_parser(task="lm", description="").parse_args(["--config", str(path), "--steps", "20", "--no-export"])
+    cfg = load_config(args, defaults={"model": "tiny-llama", "steps": 5})
+    assert cfg.mesh == (2, 2, 2) and cfg.schedule == "gpipe" and cfg.microbatches == 4 and cfg.lr == 3e-4
+    assert cfg.steps == 20  # command line beats YAML beats script defaults
+    assert cfg.model == "tiny-llama" and cfg.export is False and cfg.task == "lm"
+
+
+def test_resume_flag_alone_means_latest():
+    parser = build_parser(task="lm", description="")
+    assert load_config(parser.parse_args(["--resume"])).resume == "latest"
+    assert load_config(parser.parse_args(["--resume", "ck/ckpt-000002"])).resume == "ck/ckpt-000002"
+    assert load_config(parser.parse_args([])).resume is None
+
+
+@pytest.mark.parametrize("text, message", [
+    ("mesh: [2, 2]\n", "mesh must be three integers"),
+    ("mesh_shape: [1, 1, 1]\n", "unknown option(s) ['mesh_shape']"),
+    ("schedule: zigzag\n", "schedule 'zigzag' is not one of"),
+    ("steps: ten\n", "steps must be a int"),
+    ("export: 1\n", "export must be true or false"),
+    ("- just\n- a list\n", "must hold a mapping"),
+    ("stop_after: 9\nsteps: 5\n", "stop_after=9 must lie in 1..steps=5"),
+])
+def test_bad_yaml_is_one_clear_error(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(UsageError) as info:
+        load_config(build_parser(task="lm", description="").parse_args(["--config", str(path)]))
+    assert message in str(info.value)
+
+
+def test_warmup_then_cosine_to_the_floor():
+    rates = [warmup_cosine(s, lr=1.0, warmup_steps=10, total_steps=110, min_lr_ratio=0.1) for s in range(1, 111)]
+    assert rates[:10] == pytest.approx([s / 10 for s in range(1, 11)])
+    assert all(a >= b for a, b in zip(rates[9:], rates[10:]))  # decays monotonically after warm-up
+    assert rates[-1] == pytest.approx(0.1)
+    assert rates[59] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))  # half way
+
+
+def test_global_batches_do_not_depend_on_the_mesh():
+    sampler = GlobalBatches(examples=103, batch_size=8, seed=3)
+    for step in (1, 12, 13, 40):  # 12 steps per epoch: 13 starts a new permutation
+        whole = sampler.global_indices(step)
+        assert len(set(whole)) == 8
+        for dp in (1, 2, 4, 8):
+            parts = [sampler.local_indices(step, dp_rank=r, dp=dp) for r in range(dp)]
+            assert sum(parts, []) == whole
+    first_epoch = sum((sampler.global_indices(s) for s in range(1, 13)), [])
+    assert len(set(first_epoch)) == 96  # no example twice within an epoch
+    assert sampler.global_indices(1) != sampler.global_indices(13)
+    assert GlobalBatches(examples=103, batch_size=8, seed=4).global_indices(1) != sampler.global_indices(1)
+
+
+def test_batch_larger_than_the_data_is_refused():
+    with pytest.raises(UsageError, match="batch_size=64 is larger than the training split"):
+        GlobalBatches(examples=10, batch_size=64, seed=0)
+
+
+def test_eval_batches_cover_every_example_once_and_pad_the_last():
+    batches = eval_batches(10, batch_size=4)
+    assert [real for _, real in batches] == [4, 4, 2]
+    assert all(len(rows) == 4 for rows, _ in batches)
+    assert sum((rows[:real] for rows, real in batches), []) == list(range(10))
+    assert len(eval_batches(10, batch_size=4, limit=2)) == 2
+
+
+def test_config_checks_values_from_any_source():
+    with pytest.raises(UsageError, match="val_fraction must be between 0 and 1"):
+        make_config({"val_fraction": 1.5})
+    with pytest.raises(UsageError, match="microbatches must be at least 1"):
+        make_config({"microbatches": 0})
