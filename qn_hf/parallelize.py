@@ -12,16 +12,15 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .comm import flat_broadcast_
 from .data_parallel import DEFAULT_BUCKET_MB, GradBuckets
-from .pipeline.schedule import SCHEDULES
 from .mesh import ParallelDims, build_mesh, check_mesh, default_device, init_distributed, launched_world_size
 from .parallel_model import Groups, ParallelModel
 from .pipeline.runtime import Peers
-from .pipeline.split import StagePlan, StandIn, apply_stage, build_stage_plan
-from .plan import ModelPolicy, TpPlan, build_tp_plan
-from .policies import resolve_policy
+from .pipeline.split import StagePlan, StandIn, apply_stage
+from .plan import ModelPolicy, TpPlan
 from .rng import SHARED, TP_LOCAL, RngStreams, stream_seeds
 from .shard import ShardSpec
 from .tensor_parallel import apply_tp_plan
+from .validate import check_parallel_config
 
 _MARK = "_qn_hf_parallelized"
 
@@ -54,19 +53,14 @@ def parallelize(
     allocates and reads only its own shard, so no rank ever holds the whole model; ``timeout``
     bounds every collective when this call creates the process group.
     """
-    dims = ParallelDims(dp=dp, tp=tp, pp=pp)
-    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-        raise ValueError(f"microbatches={microbatches!r} must be a positive integer")
-    if not bucket_mb > 0:
-        raise ValueError(f"bucket_mb={bucket_mb!r} must be positive")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r} is unknown; use one of {SCHEDULES}")
     if getattr(model, _MARK, False):
         raise ValueError("this model is already parallelized; load a fresh copy to parallelize it again")
+    checked = check_parallel_config(model, dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
+                                    policy=policy, layers_per_stage=layers_per_stage)
+    dims, plan, stage_plan = checked.dims, checked.tp_plan, checked.stage_plan
+    if not bucket_mb > 0:
+        raise ValueError(f"bucket_mb={bucket_mb!r} must be positive")
     dims.check_world_size(launched_world_size())
-    policy = resolve_policy(model, policy)
-    plan = build_tp_plan(model, policy, tp=tp)
-    stage_plan = build_stage_plan(model, policy, stages=pp, layers_per_stage=layers_per_stage)
     _check_tensors(model, checkpoint=checkpoint)
 
     device = device or default_device()

@@ -1,0 +1,186 @@
+"""qn-hf-plan: which (dp, tp, pp) fits, where the stages are cut, what each rank holds and sends.
+
+    qn-hf-plan MODEL --gpus 64 [--gpu-memory 80GiB] [--seq-len 4096] [--micro-batch-size 1]
+    qn-hf-plan MODEL --dp 1 --tp 8 --pp 8 [--microbatches 32]          # one mesh, per-stage detail
+    qn-hf-plan path/to/config.json --gpus 16 --json                     # machine-readable
+
+MODEL is a Hugging Face directory or a config.json. The model is built on the meta device (no
+weights, no GPU) and put through the checks, tp plan and stage cut ``parallelize`` uses, so a
+mesh the planner accepts trains and one it rejects fails with the same message. Memory is per
+rank: weights + gradients + AdamW state (fp32: 16 B per parameter; bf16 weights and gradients
+with fp32 master weights and moments: also 16 B), plus activations (what autograd saves per
+microbatch, assuming a fused attention kernel, times the microbatches 1F1B keeps in flight).
+Communication is per step and rank, by group. Step times come from the simple model in
+qn_hf/planner/cost.py (a stated FLOP rate and link bandwidths): use them to rank meshes, not to
+predict a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+
+import torch
+
+from ..mesh import ParallelDims
+from .cost import GIB, Hardware, links, step_time
+from .estimate import MeshEstimate, Planner
+from .search import Candidate, microbatches_for, search
+
+PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def parse_bytes(text: str) -> int:
+    match = re.fullmatch(r"\s*([\d.]+)\s*(GiB|GB|MiB|MB|TiB|TB)?\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 80GiB")
+    scale = {"GiB": GIB, "GB": 10**9, "MiB": 1024**2, "MB": 10**6, "TiB": 1024**4, "TB": 10**12, None: GIB}[match[2]]
+    return int(float(match[1]) * scale)
+
+
+def load_config(path: str):
+    from transformers import AutoConfig
+
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise SystemExit(f"error: {path} has no config.json")
+        return AutoConfig.from_pretrained(path)
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: {path} is neither a model directory nor a config.json")
+    with open(path) as f:
+        values = json.load(f)
+    if "model_type" not in values:
+        raise SystemExit(f"error: {path} has no model_type")
+    return AutoConfig.for_model(**values)
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:,.1f}"
+
+
+def mesh_report(est: MeshEstimate, hw: Hardware, *, dtype: str) -> str:
+    link = links(est, hw)
+    t = step_time(est, hw)
+    lines = [
+        f"mesh dp={est.dp} tp={est.tp} pp={est.pp} ({est.world_size} GPUs), {est.schedule}, {est.microbatches} microbatches "
+        f"of {est.micro_batch_size} x {est.seq_len} positions; {est.total_params:,} parameters",
+        f"bubble (pp-1)/(M+pp-1) = {est.bubble:.3f}; links: tp {link['tp']}, pp {link['pp']}, dp {link['dp']}",
+        "",
+        f"| stage | blocks | also holds | params / rank | weights GiB | grads GiB | AdamW{' + fp32 master' if dtype == 'bf16' else ''} GiB "
+        f"| activations / microbatch GiB | in flight | total GiB | tp GB/step | pp GB/step | dp GB/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in est.stages:
+        comm = {g: s.comm[g].nbytes / 1e9 if g in s.comm else 0.0 for g in ("tp", "pp", "dp")}
+        lines.append(
+            f"| {s.stage} | {s.blocks[0]}-{s.blocks[1] - 1} | {', '.join(s.modules) or '-'} | {s.params:,} "
+            f"| {gib(s.weight_bytes(dtype))} | {gib(s.grad_bytes(dtype))} | {gib(s.optimizer_bytes(dtype))} "
+            f"| {gib(s.activation_bytes_per_microbatch)} | {s.in_flight} | {gib(s.total_bytes(dtype))} "
+            f"| {comm['tp']:.2f} | {comm['pp']:.2f} | {comm['dp']:.2f} |"
+        )
+    fits = est.peak_bytes(dtype) <= hw.gpu_memory
+    lines += ["", f"peak {gib(est.peak_bytes(dtype))} GiB per GPU of {gib(hw.gpu_memory)} GiB: {'fits' if fits else 'DOES NOT FIT'}",
+              f"estimated step {t.seconds:.2f} s (compute+bubble {t.compute:.2f}, tp {t.tp:.2f}, pp {t.pp:.2f}, dp {t.dp:.2f}), "
+              f"{t.tokens_per_s:,.0f} tokens/s, {100 * t.utilization:.0f}% of the stated FLOP rate"]
+    return "\n".join(lines)
+
+
+def ranking_report(accepted: list[Candidate], rejected, *, hw: Hardware, top: int, dtype: str) -> str:
+    lines = [
+        f"| rank | dp | tp | pp | microbatches | bubble | peak GiB / GPU ({dtype}) | fits {gib(hw.gpu_memory)} GiB "
+        "| est. step s | tokens/s | tp GB | pp GB | dp GB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for i, c in enumerate(accepted[:top], 1):
+        e = c.estimate
+        worst = {g: max((s.comm[g].nbytes for s in e.stages if g in s.comm), default=0) / 1e9 for g in ("tp", "pp", "dp")}
+        lines.append(
+            f"| {i} | {e.dp} | {e.tp} | {e.pp} | {e.microbatches} | {e.bubble:.3f} | {gib(c.peak_bytes)} | {'yes' if c.fits else 'no'} "
+            f"| {c.time.seconds:.2f} | {c.time.tokens_per_s:,.0f} | {worst['tp']:.1f} | {worst['pp']:.1f} | {worst['dp']:.1f} |"
+        )
+    if len(accepted) > top:
+        lines.append(f"\n({len(accepted) - top} more valid meshes; --top N shows more)")
+    if rejected:
+        lines.append(f"\nrejected by parallelize's checks ({len(rejected)}):")
+        lines += [f"  dp={r.dp} tp={r.tp} pp={r.pp}: {r.reason}" for r in rejected]
+    return "\n".join(lines)
+
+
+def to_json(est: MeshEstimate, hw: Hardware, *, dtype: str) -> dict:
+    out = dataclasses.asdict(est)
+    out["step_time"] = dataclasses.asdict(step_time(est, hw))
+    out["peak_bytes"] = est.peak_bytes(dtype)
+    out["fits"] = out["peak_bytes"] <= hw.gpu_memory
+    out["links"] = links(est, hw)
+    for stage, s in zip(out["stages"], est.stages):
+        for what in ("weight", "grad", "optimizer", "state"):
+            stage[f"{what}_bytes"] = {p: getattr(s, f"{what}_bytes")(p) for p in ("fp32", "bf16")}
+        stage["activation_bytes"] = s.activation_bytes
+        stage["total_bytes"] = s.total_bytes(dtype)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="qn-hf-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", help="Hugging Face model directory or config.json")
+    parser.add_argument("--gpus", type=int, help="GPUs in the job (with --dp/--tp/--pp: must equal their product)")
+    parser.add_argument("--dp", type=int)
+    parser.add_argument("--tp", type=int)
+    parser.add_argument("--pp", type=int)
+    parser.add_argument("--gpu-memory", type=parse_bytes, default=80 * GIB, help="per GPU, e.g. 80GiB (default)")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's, at most 4096)")
+    parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--microbatches", type=int, default=None, help="per step (default: 4 per pipeline stage)")
+    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    parser.add_argument("--dtype", default="bf16", choices=sorted(PRECISIONS), help="training precision (default bf16)")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--tflops", type=float, default=Hardware.tflops, help="sustained TFLOP/s per GPU (default %(default)s)")
+    parser.add_argument("--nvlink-gbps", type=float, default=Hardware.nvlink_gbps, help="GB/s per GPU in a node")
+    parser.add_argument("--ib-gbps", type=float, default=Hardware.ib_gbps, help="GB/s per GPU across nodes")
+    parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    args = parser.parse_args(argv)
+
+    explicit = [args.dp, args.tp, args.pp]
+    if any(v is not None for v in explicit) and not all(v is not None for v in explicit):
+        parser.error("give all of --dp, --tp and --pp, or none (to enumerate meshes for --gpus)")
+    if args.gpus is None and args.dp is None:
+        parser.error("give --gpus N (to enumerate meshes) or --dp/--tp/--pp")
+    config = load_config(args.model)
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 4096
+    seq_len = args.seq_len or min(positions, 4096)
+    hw = Hardware(gpu_memory=args.gpu_memory, gpus_per_node=args.gpus_per_node, tflops=args.tflops,
+                  nvlink_gbps=args.nvlink_gbps, ib_gbps=args.ib_gbps)
+    planner = Planner(config, seq_len=seq_len, micro_batch_size=args.micro_batch_size, dtype=PRECISIONS[args.dtype])
+    try:
+        if args.dp is not None:
+            if args.gpus is not None:
+                ParallelDims(dp=args.dp, tp=args.tp, pp=args.pp).check_world_size(args.gpus)
+            est = planner.estimate(dp=args.dp, tp=args.tp, pp=args.pp, microbatches=microbatches_for(args.pp, args.microbatches),
+                                   schedule=args.schedule)
+            print(json.dumps(to_json(est, hw, dtype=args.dtype), indent=1) if args.json else mesh_report(est, hw, dtype=args.dtype))
+            return
+        accepted, rejected = search(planner, gpus=args.gpus, hw=hw, precision=args.dtype, microbatches=args.microbatches,
+                                    schedule=args.schedule)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if args.json:
+        print(json.dumps({"meshes": [{**to_json(c.estimate, hw, dtype=args.dtype), "rank": i}
+                                     for i, c in enumerate(accepted, 1)],
+                          "rejected": [dataclasses.asdict(r) for r in rejected]}, indent=1))
+        return
+    print(f"{config.model_type}: {planner.total_params:,} parameters, {args.gpus} GPUs, sequences of {seq_len}, "
+          f"micro-batch {args.micro_batch_size}, {args.dtype}")
+    print(ranking_report(accepted, rejected, hw=hw, top=args.top, dtype=args.dtype))
+    if accepted:
+        print("\nbest mesh in detail:\n")
+        best = accepted[0].estimate
+        print(mesh_report(best, hw, dtype=args.dtype))
+
+
+

@@ -1,0 +1,75 @@
+"""A deliberately simple step-time model for ranking meshes (not a performance prediction).
+
+For each pipeline stage, one microbatch costs
+
+    compute = (6 * matmul parameters on the rank + attention FLOPs / tp) * tokens / FLOP rate
+    tp      = 2 (tp-1)/tp * tp bytes per microbatch / tp link bandwidth     (ring all-reduce)
+    pp      = 2 * hidden-state bytes / pp link bandwidth          (activation forward, gradient back)
+
+and the pipeline takes (microbatches + pp - 1) times the slowest stage's microbatch (1F1B and
+GPipe have the same bubble). Data parallelism adds a ring all-reduce of the largest stage's
+gradients, 2 (dp-1)/dp * bytes / dp link bandwidth, assumed not overlapped with backward (qn_hf
+overlaps the last microbatch's backward, so this errs slow). A group's link is NVLink when all its
+ranks share a node (ranks are laid out dp, pp, tp with tp fastest) and InfiniBand otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .estimate import MeshEstimate
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpu_memory: int = 80 * GIB
+    gpus_per_node: int = 8
+    tflops: float = 400.0  # sustained dense FLOP/s per GPU, in TFLOP/s (bf16 on an H100 at ~40% of peak)
+    nvlink_gbps: float = 450.0  # GB/s per GPU inside a node
+    ib_gbps: float = 50.0  # GB/s per GPU across nodes (one 400 Gb/s NIC per GPU)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    seconds: float
+    compute: float  # pipeline compute including the bubble
+    tp: float
+    pp: float
+    dp: float
+    tokens_per_s: float
+    utilization: float  # model FLOPs per second / (GPUs * stated FLOP rate)
+
+
+def links(est: MeshEstimate, hw: Hardware) -> dict[str, str]:
+    """Which link each group uses."""
+    node = hw.gpus_per_node
+    return {"tp": "nvlink" if est.tp <= node else "ib",
+            "pp": "nvlink" if est.tp * est.pp <= node else "ib",
+            "dp": "nvlink" if est.world_size <= node else "ib"}
+
+
+def step_time(est: MeshEstimate, hw: Hardware) -> StepTime:
+    bandwidth = {"nvlink": hw.nvlink_gbps * 1e9, "ib": hw.ib_gbps * 1e9}
+    link = {g: bandwidth[kind] for g, kind in links(est, hw).items()}
+    rate = hw.tflops * 1e12
+    tokens = est.tokens_per_microbatch
+    slowest = compute_mb = tp_mb = pp_mb = 0.0
+    for s in est.stages:
+        layers = s.blocks[1] - s.blocks[0]
+        flops = (6 * (s.params - s.embedding_params) + est.attention_flops_per_token * layers / est.layers / est.tp) * tokens
+        c = flops / rate
+        tp_bytes = s.comm["tp"].nbytes / est.microbatches if "tp" in s.comm else 0
+        t = 2 * (est.tp - 1) / est.tp * tp_bytes / link["tp"]
+        p = 2 * est.boundary_bytes / link["pp"] if est.pp > 1 else 0.0  # the activation out, its gradient back
+        if c + t + p > slowest:
+            slowest, compute_mb, tp_mb, pp_mb = c + t + p, c, t, p
+    rounds = est.microbatches + est.pp - 1
+    grad_bytes = max(s.comm["dp"].nbytes for s in est.stages) if est.dp > 1 else 0
+    dp = 2 * (est.dp - 1) / est.dp * grad_bytes / link["dp"] if est.dp > 1 else 0.0
+    seconds = rounds * slowest + dp
+    global_tokens = tokens * est.microbatches * est.dp
+    return StepTime(seconds=seconds, compute=rounds * compute_mb, tp=rounds * tp_mb, pp=rounds * pp_mb, dp=dp,
+                    tokens_per_s=global_tokens / seconds,
+                    utilization=est.flops_per_step / seconds / (est.world_size * rate))

@@ -1,0 +1,43 @@
+"""The configuration checks ``parallelize`` and the planner share, so that what ``qn-hf-plan``
+accepts trains and what it rejects fails in ``parallelize`` with the same message.
+
+Everything here reads the model's structure only (it works on a ``meta``-device model) and needs
+no process group: mesh degrees, microbatches, schedule, the policy, head and KV-head divisibility,
+and the pipeline cut (pp no larger than the number of blocks, ``layers_per_stage`` summing up).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from .mesh import ParallelDims
+from .pipeline.schedule import SCHEDULES
+from .pipeline.split import StagePlan, build_stage_plan
+from .plan import ModelPolicy, TpPlan, build_tp_plan
+from .policies import resolve_policy
+
+
+@dataclass(frozen=True)
+class CheckedConfig:
+    dims: ParallelDims
+    policy: ModelPolicy
+    tp_plan: TpPlan
+    stage_plan: StagePlan
+
+
+def check_parallel_config(model: nn.Module, *, dp: int, tp: int, pp: int, microbatches: int, schedule: str,
+                          policy: ModelPolicy | None = None,
+                          layers_per_stage: Sequence[int] | None = None) -> CheckedConfig:
+    """Raise ``ValueError`` naming the value and the fix for anything ``model`` cannot take."""
+    dims = ParallelDims(dp=dp, tp=tp, pp=pp)
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches={microbatches!r} must be a positive integer")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is unknown; use one of {SCHEDULES}")
+    resolved = resolve_policy(model, policy)
+    tp_plan = build_tp_plan(model, resolved, tp=tp)
+    stage_plan = build_stage_plan(model, resolved, stages=pp, layers_per_stage=layers_per_stage)
+    return CheckedConfig(dims=dims, policy=resolved, tp_plan=tp_plan, stage_plan=stage_plan)

@@ -1,0 +1,170 @@
+"""The planner against the real thing: per-rank parameters and per-step traffic of ``parallelize``.
+
+Each case parallelizes a tiny model, runs one ``train_step`` under ``CommMeter`` on every rank, and
+compares with ``estimate_mesh`` for the same config and mesh: parameters exactly, bytes per group
+exactly, calls exactly (dp: at most the bucket bound).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from transformers import AutoConfig, GPT2Config, LlamaConfig, ViTConfig
+
+import qn_hf
+from qn_hf.layout import meta_model
+from qn_hf.plan import build_tp_plan
+from qn_hf.planner.cli import main
+from qn_hf.planner.estimate import Planner, estimate_mesh
+from qn_hf.policies import resolve_policy
+from tests.cases import mesh_for
+from tests.models import dp_slice, load, make_batch
+
+SEQ = 12  # make_batch's sequence length
+BUCKET_MB = 0.02
+
+
+def case_measure(*, kind: str, model_dir: str, dp: int, tp: int, pp: int, microbatches: int, schedule: str) -> dict:
+    pm = qn_hf.parallelize(load(kind, model_dir), dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
+                           bucket_mb=BUCKET_MB, mesh=mesh_for(dp, tp, pp))
+    batch = dp_slice(make_batch(kind, size=dp * 2 * microbatches, seed=5, seq=SEQ), dp=dp, dp_rank=pm.coords["dp"])
+    pm.train_step(batch)
+    for p in pm.parameters():
+        p.grad = None
+    with qn_hf.CommMeter(pm) as meter:
+        pm.train_step(batch)
+    groups: dict[str, list[int]] = {}
+    for (group, _), total in meter.totals().items():
+        acc = groups.setdefault(group, [0, 0])
+        acc[0] += total.calls
+        acc[1] += total.nbytes
+    return {"coords": pm.coords, "params": sum(p.numel() for p in pm.parameters()), "comm": groups}
+
+
+MESHES = [  # kind, dp, tp, pp, microbatches, schedule
+    ("gpt2", 2, 2, 2, 2, "1f1b"),  # tied embedding across stages, vocab padding (99 over tp=2)
+    ("gpt2", 1, 4, 1, 1, "1f1b"),
+    ("llama", 1, 4, 2, 3, "gpipe"),  # 2 KV heads over tp=4: replicated KV gradients
+    ("llama", 2, 2, 1, 2, "1f1b"),
+    ("vit", 2, 1, 2, 2, "1f1b"),
+    ("vit", 1, 2, 2, 4, "1f1b"),
+]
+
+
+@pytest.mark.parametrize(("kind", "dp", "tp", "pp", "microbatches", "schedule"), MESHES)
+def test_planner_matches_parallelize(worlds, model_dirs, kind, dp, tp, pp, microbatches, schedule):
+    config = AutoConfig.from_pretrained(model_dirs[kind])
+    plan = estimate_mesh(config, dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule, seq_len=SEQ,
+                         micro_batch_size=2, bucket_mb=BUCKET_MB, dtype=torch.float32)
+    measured = worlds.run(dp * tp * pp, "tests.test_planner:case_measure", kind=kind, model_dir=model_dirs[kind],
+                          dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule)
+    for rank, r in enumerate(measured):
+        stage = plan.stages[r["coords"]["pp"]]
+        assert stage.params == r["params"], (rank, stage.params, r["params"])
+        predicted = {g: [t.calls, t.nbytes] for g, t in stage.comm.items()}
+        assert set(predicted) == set(r["comm"]), (rank, predicted, r["comm"])
+        for group, (calls, nbytes) in r["comm"].items():
+            assert predicted[group][1] == nbytes, (rank, group, predicted[group], (calls, nbytes))
+            if group == "dp":
+                assert calls <= predicted[group][0], (rank, calls, predicted[group])
+            else:
+                assert predicted[group][0] == calls, (rank, group, predicted[group], (calls, nbytes))
+
+
+# Public shapes, written by hand (no hub access): the planner must handle them in seconds.
+PUBLIC = {
+    "llama-3-8b": LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                              num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                              tie_word_embeddings=False, architectures=["LlamaForCausalLM"]),
+    "llama-3-70b": LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                               num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                               tie_word_embeddings=False, architectures=["LlamaForCausalLM"]),
+    "gpt2-xl": GPT2Config(n_layer=48, n_embd=1600, n_head=25, n_positions=1024, vocab_size=50257,
+                          architectures=["GPT2LMHeadModel"]),
+    "vit-huge": ViTConfig(hidden_size=1280, num_hidden_layers=32, num_attention_heads=16, intermediate_size=5120,
+                          image_size=224, patch_size=14, num_labels=1000, architectures=["ViTForImageClassification"]),
+}
+
+
+@pytest.mark.parametrize(("name", "tp", "pp"), [("llama-3-70b", 8, 8), ("llama-3-8b", 8, 1), ("gpt2-xl", 5, 4),
+                                                ("vit-huge", 8, 2)])
+def test_public_configs_plan_in_seconds_and_conserve_parameters(name, tp, pp):
+    config = PUBLIC[name]
+    start = time.perf_counter()
+    planner = Planner(config, seq_len=2048, micro_batch_size=1, dtype=torch.bfloat16)
+    est = planner.estimate(dp=1, tp=tp, pp=pp, microbatches=4 * pp)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 60, f"{name}: {elapsed:.1f} s"
+    # Every parameter is on exactly one stage, split over tp or held whole by each tp rank (plus the
+    # copy of a weight tied across stages, and vocabulary padding).
+    whole = {n: p.numel() for n, p in meta_model(config).named_parameters()}
+    sharded, _ = planner._local_sizes(build_tp_plan(meta_model(config), resolve_policy(meta_model(config), None), tp=tp))
+    split = sum(whole[n] for n in whole if sharded[n] != whole[n])
+    replicated = sum(whole[n] for n in whole if sharded[n] == whole[n])
+    held = sum(s.params for s in est.stages)
+    tied = sum(sharded[t.owner] for t in _ties(config, pp))
+    padding = sum(sharded[n] * tp - whole[n] for n in whole if sharded[n] != whole[n])
+    assert held == (split + padding) // tp + replicated + tied
+    assert all(s.activation_bytes_per_microbatch > 0 and s.in_flight >= 1 for s in est.stages)
+
+
+def _ties(config, pp):
+    from qn_hf.pipeline.split import build_stage_plan
+
+    model = meta_model(config)
+    return build_stage_plan(model, resolve_policy(model, None), stages=pp).ties
+
+
+def test_llama_70b_at_tp8_pp8_holds_its_share_on_each_rank():
+    config = PUBLIC["llama-3-70b"]
+    est = estimate_mesh(config, dp=1, tp=8, pp=8, microbatches=32, seq_len=4096, micro_batch_size=1, dtype=torch.bfloat16)
+    h, inter, kv = 8192, 28672, 8 * 128
+    block = h * h * 2 + h * kv * 2 + 3 * h * inter  # q, o, k, v, gate, up, down
+    norms = 2 * h  # two RMSNorm weights per block, replicated on every tp rank
+    embedding = 128256 * h
+    assert est.total_params == 80 * (block + norms) + 2 * embedding + h
+    for s in est.stages:
+        blocks = s.blocks[1] - s.blocks[0]
+        expect = blocks * (block // 8 + norms) + (embedding // 8 if s.stage in (0, 7) else 0) + (h if s.stage == 7 else 0)
+        assert s.params == expect
+    # A middle stage: within 1% of (parameters outside the embedding and head) / (tp * pp) plus its norms.
+    body = est.total_params - 2 * embedding - h
+    middle = est.stages[3]
+    assert abs(middle.params - (body / 64 + 10 * norms)) / middle.params < 0.01
+
+
+def test_planner_rejects_with_parallelize_message():
+    config = PUBLIC["llama-3-8b"]
+    with pytest.raises(ValueError) as planned:
+        estimate_mesh(config, dp=1, tp=3, pp=1, microbatches=1, seq_len=128, micro_batch_size=1)
+    with pytest.raises(ValueError) as real:
+        qn_hf.parallelize(meta_model(config), tp=3)  # checks run before any process group is needed
+    assert str(planned.value) == str(real.value) and "tp=3" in str(planned.value)
+    with pytest.raises(ValueError) as planned:
+        estimate_mesh(config, dp=1, tp=1, pp=33, microbatches=33, seq_len=128, micro_batch_size=1)
+    with pytest.raises(ValueError) as real:
+        qn_hf.parallelize(meta_model(config), pp=33, microbatches=33)
+    assert str(planned.value) == str(real.value) and "pp=33" in str(planned.value)
+
+
+def test_cli_enumerates_ranks_and_explains_rejections(tmp_path, capsys):
+    PUBLIC["llama-3-8b"].save_pretrained(tmp_path)
+    main([str(tmp_path), "--gpus", "16", "--seq-len", "1024", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    meshes = [(m["dp"], m["tp"], m["pp"]) for m in out["meshes"]]
+    assert (2, 8, 1) in meshes and (1, 8, 2) in meshes and all(dp * tp * pp == 16 for dp, tp, pp in meshes)
+    assert all(tp <= 8 for _, tp, _ in meshes)
+    fits = [m["fits"] for m in out["meshes"]]
+    assert fits == sorted(fits, reverse=True)  # meshes that fit come first
+    speeds = [m["step_time"]["tokens_per_s"] for m in out["meshes"] if m["fits"]]
+    assert speeds == sorted(speeds, reverse=True)
+    assert not out["rejected"]  # 32 heads, 8 KV heads, 32 layers: every tp <= 8 and pp <= 16 works
+    main([str(tmp_path / "config.json"), "--dp", "1", "--tp", "8", "--pp", "2", "--gpu-memory", "40GiB", "--dtype", "fp32"])
+    table = capsys.readouterr().out
+    assert "| 0 | 0-15 | model.embed_tokens |" in table and "| 1 | 16-31 | lm_head |" in table
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--dp", "1", "--tp", "3", "--pp", "1"])
+    assert "tp=3" in capsys.readouterr().err
