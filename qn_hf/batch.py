@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 
 import torch
@@ -34,3 +35,50 @@ def split_microbatches(batch: Mapping[str, torch.Tensor], *, microbatches: int) 
     size = check_batch(batch, microbatches=microbatches)
     step = size // microbatches
     return [{k: v[i * step : (i + 1) * step] for k, v in batch.items()} for i in range(microbatches)]
+
+
+# Keys Hugging Face models take as token indices or masks: integers, never floats.
+INTEGER_KEYS = ("input_ids", "labels", "attention_mask", "token_type_ids", "position_ids")
+
+
+def check_model_inputs(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Module, loss: str | None) -> None:
+    """Check a batch against the model before anything is sent: the main input is there, keys are
+    forward arguments, index tensors are integers and images floating point, and shapes fit the
+    config (sequence length within the position table, image size and channels, label shapes).
+    Without this, each mistake surfaces as a shape error deep inside a forward on some ranks."""
+    main = getattr(model, "main_input_name", "input_ids")
+    if main not in batch and "inputs_embeds" not in batch:
+        raise ValueError(f"batch lacks {main!r}, the input of {type(model).__name__} (has {sorted(batch)})")
+    params = inspect.signature(model.forward).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        unknown = sorted(set(batch) - set(params))
+        if unknown:
+            raise ValueError(f"batch keys {unknown} are not arguments of {type(model).__name__}.forward")
+    for key in INTEGER_KEYS:
+        if key in batch and (batch[key].is_floating_point() or batch[key].is_complex()):
+            raise ValueError(f"batch[{key!r}] has dtype {batch[key].dtype}; it holds indices or a mask and must be "
+                             "an integer tensor (e.g. .long())")
+    config = model.config
+    if "pixel_values" in batch:
+        pixels = batch["pixel_values"]
+        if not pixels.is_floating_point():
+            raise ValueError(f"batch['pixel_values'] has dtype {pixels.dtype}; images must be floating point (e.g. .float())")
+        size, channels = getattr(config, "image_size", None), getattr(config, "num_channels", None)
+        if pixels.dim() != 4 or (channels and pixels.shape[1] != channels) or (size and tuple(pixels.shape[2:]) != (size, size)):
+            raise ValueError(f"batch['pixel_values'] has shape {tuple(pixels.shape)}; the model takes "
+                             f"(batch, {channels}, {size}, {size})")
+    if "input_ids" in batch:
+        ids = batch["input_ids"]
+        if ids.dim() != 2:
+            raise ValueError(f"batch['input_ids'] has shape {tuple(ids.shape)}; it must be (batch, sequence)")
+        positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+        if positions and ids.shape[1] > positions:
+            raise ValueError(f"sequence length {ids.shape[1]} exceeds the model's {positions} positions; cut the sequences")
+        for key in ("attention_mask", "token_type_ids", "position_ids"):
+            if key in batch and batch[key].shape != ids.shape:
+                raise ValueError(f"batch[{key!r}] has shape {tuple(batch[key].shape)}, input_ids {tuple(ids.shape)}")
+    if "labels" in batch and loss == "causal_lm" and "input_ids" in batch and batch["labels"].shape != batch["input_ids"].shape:
+        raise ValueError(f"batch['labels'] has shape {tuple(batch['labels'].shape)}; for a causal LM it must match "
+                         f"input_ids {tuple(batch['input_ids'].shape)} (the model shifts them)")
+    if "labels" in batch and loss == "classification" and batch["labels"].dim() != 1:
+        raise ValueError(f"batch['labels'] has shape {tuple(batch['labels'].shape)}; class labels are one per example")

@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import zlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,6 +44,7 @@ INDEX = "index.json"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
            "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8, "bool": torch.bool}
 _MAX_ELEMENTS = 1 << 40
+_MAX_INDEX_BYTES = 256 << 20  # a million tensors' entries fit in far less
 Box = list[list[int]]  # [[start, stop], ...] per dimension
 
 
@@ -139,7 +141,7 @@ def save_checkpoint(pm: ParallelModel, path: str, *, optimizer: torch.optim.Opti
         index = {
             "format": FORMAT, "version": VERSION, "library_version": __version__, "step": step,
             "mesh": {"dp": pm.dims.dp, "tp": pm.dims.tp, "pp": pm.dims.pp},
-            "config": pm.module.config.to_dict(), "tensors": {}, "optimizer": None,
+            "config": pm.module.config.to_dict(), "tensors": {}, "optimizer": None, "files": {},
         }
         for meta_name in sorted(n for n in os.listdir(partial) if n.endswith(".json")):
             with open(os.path.join(partial, meta_name)) as f:
@@ -149,6 +151,7 @@ def save_checkpoint(pm: ParallelModel, path: str, *, optimizer: torch.optim.Opti
                 into["pieces"] = into["pieces"] + entry["pieces"]
             if meta["optimizer"] is not None:
                 index["optimizer"] = _merge_groups(index["optimizer"], meta["optimizer"])
+            index["files"].update(meta.get("files", {}))
             os.unlink(os.path.join(partial, meta_name))
         _write_json(index, os.path.join(partial, INDEX))
         publish(partial, final)
@@ -174,6 +177,40 @@ def publish(partial: str, final: str) -> None:
     for old in os.listdir(root):
         if re.fullmatch(r"ckpt-\d{6}(\.partial)?", old) and old != os.path.basename(final):
             shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+
+
+def file_digest(path: str) -> dict[str, int]:
+    """Size and CRC-32 of a written file: what load checks, so flipped or missing bytes are caught
+    (safetensors checks its header, not the data)."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+    return {"bytes": size, "crc32": crc}
+
+
+class FileChecks:
+    """Verifies each checkpoint file against the index's digest the first time this rank reads
+    from it (only the files it reads, so a rank never scans the whole checkpoint)."""
+
+    def __init__(self, directory: str, digests: dict | None) -> None:
+        self.directory = directory
+        self.digests = digests or {}
+        self.done: set[str] = set()
+
+    def verify(self, file: str) -> None:
+        if file in self.done or file not in self.digests:
+            return
+        path = os.path.join(self.directory, file)
+        try:
+            actual = file_digest(path)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} is missing") from None
+        expected = self.digests[file]
+        if actual != expected:
+            raise CheckpointError(f"{path} is corrupt: {actual['bytes']:,} bytes with CRC-32 {actual['crc32']:#010x}, "
+                                  f"the index recorded {expected['bytes']:,} bytes with CRC-32 {expected['crc32']:#010x}")
+        self.done.add(file)
 
 
 def entry_nbytes(entry: dict) -> int:
@@ -222,7 +259,8 @@ def _write_shard(pm: ParallelModel, optimizer: torch.optim.Optimizer | None, dir
             groups.append({**hyper, "params": sorted(names[id(p)] for p in group["params"] if names.get(id(p)) not in followers)})
     save_file(tensors, os.path.join(directory, file), metadata={"format": "pt"})
     _fsync_file(os.path.join(directory, file))
-    _write_json({"tensors": entries, "optimizer": groups}, os.path.join(directory, stem + ".json"))
+    written = {file: file_digest(os.path.join(directory, file))}
+    _write_json({"tensors": entries, "optimizer": groups, "files": written}, os.path.join(directory, stem + ".json"))
 
 
 # -- load ------------------------------------------------------------------------------------------
@@ -247,12 +285,15 @@ def read_index(directory: str) -> dict:
     file names that stay inside the directory."""
     where = os.path.join(directory, INDEX)
     try:
+        size = os.path.getsize(where)
+        if size > _MAX_INDEX_BYTES:  # refuse before reading: a forged index must not exhaust memory
+            raise CheckpointError(f"{where} is {size:,} bytes, more than an index can be ({_MAX_INDEX_BYTES:,})")
         with open(where) as f:
             index = json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"{where} is missing") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{where} is not valid JSON: {e}") from None
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: absurdly nested JSON
+        raise CheckpointError(f"{where} is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("version") != VERSION:
         raise CheckpointError(f"{where} is not a {FORMAT} v{VERSION} index")
     tensors = index.get("tensors")
@@ -260,6 +301,13 @@ def read_index(directory: str) -> dict:
         raise CheckpointError(f"{where}: 'tensors' must be a mapping")
     for name, entry in tensors.items():
         _check_entry(where, name, entry)
+    files = index.get("files", {})
+    if not isinstance(files, dict) or not all(
+        isinstance(f, str) and os.path.basename(f) == f and isinstance(d, dict) and set(d) == {"bytes", "crc32"}
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in d.values())
+        for f, d in files.items()
+    ):
+        raise CheckpointError(f"{where}: 'files' must map file names to their bytes and crc32")
     return index
 
 
@@ -307,7 +355,7 @@ def _check_entry(where: str, name: str, entry: object) -> None:
 
 
 def _read_box(directory: str, entry: dict, name: str, target_box: Box, out: torch.Tensor,
-              handles: dict[str, object] | None = None) -> None:
+              handles: dict[str, object] | None = None, checks: FileChecks | None = None) -> None:
     """Fill ``out`` (shaped like ``target_box``) from the saved pieces that overlap it. ``handles``
     keeps files open across calls (a converter reads thousands of pieces from a few files)."""
     for piece in entry["pieces"]:
@@ -316,6 +364,8 @@ def _read_box(directory: str, entry: dict, name: str, target_box: Box, out: torc
         if any(lo >= hi for lo, hi in overlap) and overlap:
             continue
         file = os.path.join(directory, piece["file"])
+        if checks is not None:
+            checks.verify(piece["file"])
         try:
             f = handles.get(file) if handles is not None else None
             if f is None:
@@ -339,7 +389,7 @@ def _read_box(directory: str, entry: dict, name: str, target_box: Box, out: torc
 
 
 def _read_local(directory: str, index: dict, saved_name: str, like: torch.Tensor, spec: ShardSpec | None,
-                tp_rank: int, *, shape: list[int] | None = None) -> torch.Tensor:
+                tp_rank: int, *, shape: list[int] | None = None, checks: FileChecks | None = None) -> torch.Tensor:
     """This rank's shard of ``saved_name``, read on the CPU, checked against the model's tensor."""
     entry = index["tensors"].get(saved_name)
     if entry is None:
@@ -354,7 +404,7 @@ def _read_local(directory: str, index: dict, saved_name: str, like: torch.Tensor
     buf = torch.zeros(local_shape, dtype=like.dtype)  # padding rows stay zero
     for box, at in _boxes(torch.Size(local_shape), spec, tp_rank):
         part = buf if spec is None else buf.narrow(spec.dim, at, box[spec.dim][1] - box[spec.dim][0])
-        _read_box(directory, entry, saved_name, box, part)
+        _read_box(directory, entry, saved_name, box, part, checks=checks)
     return buf
 
 
@@ -403,6 +453,7 @@ def _read_all(pm: ParallelModel, path: str, optimizer: torch.optim.Optimizer | N
         directory = checkpoint_dir(path)
         index = read_index(directory)
         config = index.get("config", {})
+    checks = FileChecks(directory, index.get("files"))
     saved_type = config.get("model_type")
     if saved_type != pm.module.config.model_type:
         raise CheckpointError(f"{directory} holds a {saved_type!r} model, this one is {pm.module.config.model_type!r}")
@@ -416,7 +467,7 @@ def _read_all(pm: ParallelModel, path: str, optimizer: torch.optim.Optimizer | N
             saved = source_name(index, owner_of.get(name, name), prefixes)
         except CheckpointError as e:
             raise CheckpointError(f"{directory}: {e}") from None
-        tensors[name] = _read_local(directory, index, saved, p, pm.specs.get(name), tp_rank)
+        tensors[name] = _read_local(directory, index, saved, p, pm.specs.get(name), tp_rank, checks=checks)
     states: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
     if optimizer is not None:
         _check_optimizer(directory, index, optimizer, params, owner_of)
@@ -432,7 +483,8 @@ def _read_all(pm: ParallelModel, path: str, optimizer: torch.optim.Optimizer | N
                     like = torch.empty(0, dtype=_DTYPES[entry["dtype"]])
                     same = entry["shape"] == _global_shape(p, spec)
                     shape = list(p.shape) if same else entry["shape"]
-                    state[key[len(prefix):]] = _read_local(directory, index, key, like, spec if same else None, tp_rank, shape=shape)
+                    state[key[len(prefix):]] = _read_local(directory, index, key, like, spec if same else None, tp_rank,
+                                                           shape=shape, checks=checks)
                 if state:
                     states[p] = state
     return index, tensors, states

@@ -26,7 +26,9 @@ from .checkpoint import (
     CheckpointError,
     _boxes,
     _read_box,
+    FileChecks,
     _write_json,
+    file_digest,
     checkpoint_dir,
     entry_nbytes,
     next_checkpoint_dir,
@@ -59,6 +61,8 @@ def write_checkpoint(src_dir: str, src: dict, layout: Layout, config: dict, out:
     os.makedirs(partial)
     prefixes = base_prefixes(config)
     entries: dict[str, dict] = {}
+    digests: dict[str, dict[str, int]] = {}
+    src_checks = FileChecks(src_dir, src.get("files"))  # an HF source has no digests: nothing to check
     work = []
     for name, place in layout.tensors.items():
         source = source_name(src, name, prefixes)
@@ -97,13 +101,14 @@ def write_checkpoint(src_dir: str, src: dict, layout: Layout, config: dict, out:
                     buf = torch.empty(shape, dtype=dtype)
                     # Files stay open for one tensor only: a mapping kept open would count every
                     # page read so far as resident memory.
-                    _read_box(src_dir, src["tensors"][source], source, box, buf, handles={})
+                    _read_box(src_dir, src["tensors"][source], source, box, buf, handles={}, checks=src_checks)
                     return buf
 
                 write_streaming(os.path.join(partial, file), [(k, s, d) for k, s, d, _, _ in plan], produce)
+                digests[file] = file_digest(os.path.join(partial, file))
     index = {"format": FORMAT, "version": VERSION, "library_version": __version__, "step": step,
              "mesh": {"dp": 1, "tp": layout.tp, "pp": layout.pp}, "config": config, "tensors": entries,
-             "optimizer": optimizer}
+             "optimizer": optimizer, "files": digests}
     _write_json(index, os.path.join(partial, INDEX))
     read_index(partial)  # what we wrote must pass our own validation
     publish(partial, final)
@@ -126,6 +131,7 @@ def reshard(ckpt: str, out: str, *, tp: int, pp: int) -> str:
 def to_hf(ckpt: str, out: str, *, max_shard_bytes: int = 5 * 1024**3) -> None:
     directory = checkpoint_dir(ckpt)
     index = read_index(directory)
+    checks = FileChecks(directory, index.get("files"))
     names = [n for n in index["tensors"] if not n.startswith("optimizer/")]
     files: list[list[str]] = [[]]
     size = 0
@@ -147,7 +153,7 @@ def to_hf(ckpt: str, out: str, *, max_shard_bytes: int = 5 * 1024**3) -> None:
             def produce(name: str) -> torch.Tensor:
                 entry = index["tensors"][name]
                 buf = torch.empty(entry["shape"], dtype=_DTYPES[entry["dtype"]])
-                _read_box(directory, entry, name, [[0, n] for n in entry["shape"]], buf, handles={})
+                _read_box(directory, entry, name, [[0, n] for n in entry["shape"]], buf, handles={}, checks=checks)
                 bar.update(1)
                 return buf
 

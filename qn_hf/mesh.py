@@ -90,9 +90,22 @@ def init_distributed(*, device: torch.device, timeout: datetime.timedelta) -> No
     )
 
 
-def build_mesh(dims: ParallelDims, *, device: torch.device) -> DeviceMesh:
-    """A 3-D mesh over all ranks; every rank must call this (it creates the sub-groups)."""
-    return init_device_mesh(device.type, (dims.dp, dims.pp, dims.tp), mesh_dim_names=MESH_DIMS)
+def build_mesh(dims: ParallelDims, *, device: torch.device, timeout: datetime.timedelta | None = None) -> DeviceMesh:
+    """A 3-D mesh over all ranks; every rank must call this (it creates the sub-groups).
+
+    With ``timeout``, every dp/pp/tp group gets it: ``init_device_mesh`` would give its groups
+    torch's default (30 minutes for gloo) whatever the default group's timeout is, so a rank that
+    stops answering would hold the others in a tp all-reduce or a pipeline receive for half an hour.
+    """
+    if timeout is None:
+        return init_device_mesh(device.type, (dims.dp, dims.pp, dims.tp), mesh_dim_names=MESH_DIMS)
+    grid = torch.arange(dims.world_size).reshape(dims.dp, dims.pp, dims.tp)
+    groups = []
+    for d, size in enumerate(grid.shape):
+        ranks = grid.movedim(d, -1).reshape(-1, size).tolist()  # every group along dim d
+        mine, _ = dist.new_subgroups_by_enumeration(ranks, timeout=timeout)
+        groups.append(mine)
+    return DeviceMesh.from_group(groups, device.type, mesh=grid, mesh_dim_names=MESH_DIMS)
 
 
 def check_mesh(mesh: DeviceMesh, dims: ParallelDims) -> None:

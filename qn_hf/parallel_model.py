@@ -12,9 +12,10 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from .batch import check_batch, split_microbatches
+from .batch import check_batch, check_model_inputs, split_microbatches
 from .comm import flat_all_reduce_, gather_from_group
 from .data_parallel import GradBuckets
+from .failure import FailTogether
 from .checkpoint import load_checkpoint, save_checkpoint
 from .hf_export import DEFAULT_MAX_SHARD_BYTES, save_pretrained
 from .loss import IGNORE_INDEX, causal_lm_targets, count_targets, vocab_parallel_cross_entropy
@@ -86,6 +87,7 @@ class ParallelModel:
         self.rng = rng
         self.buckets = buckets
         self._sync = True
+        self.failures = FailTogether()
         self.coords = {dim: mesh.get_local_rank(dim) for dim in ("dp", "pp", "tp")}
 
     # -- the torch.nn.Module-like surface users expect -------------------------------------------
@@ -124,9 +126,10 @@ class ParallelModel:
         detached, identical on every rank. Inside ``no_sync()`` gradients are not synchronized.
         """
         self.module.train()
-        loss = self._run(batch, loss_fn, backward=True)
-        if self._sync:
-            self._sync_grads()
+        with self.failures.guard("train_step"):
+            loss = self._run(batch, loss_fn, backward=True)
+            if self._sync:
+                self._sync_grads()
         return loss
 
     @contextlib.contextmanager
@@ -146,7 +149,8 @@ class ParallelModel:
         was_training = self.module.training
         self.module.eval()
         try:
-            return self._run(batch, loss_fn, backward=False)
+            with self.failures.guard("eval_step"):
+                return self._run(batch, loss_fn, backward=False)
         finally:
             self.module.train(was_training)
 
@@ -157,6 +161,7 @@ class ParallelModel:
                 f"{type(self.module).__name__} has no built-in loss (a base model); pass loss_fn=(outputs, batch) -> loss"
             )
         check_batch(batch, microbatches=self.microbatches, required=("labels",) if builtin else ())
+        check_model_inputs(batch, model=self.module, loss=self.plan.loss)
         if builtin and self.plan.loss == "classification":
             config = self.module.config
             if config.num_labels == 1 or getattr(config, "problem_type", None) in ("regression", "multi_label_classification"):
@@ -247,12 +252,15 @@ class ParallelModel:
     def save_pretrained(self, path: str, *, max_shard_size: int = DEFAULT_MAX_SHARD_BYTES) -> None:
         """Write a consolidated Hugging Face directory that ``from_pretrained`` loads unchanged
         (streamed tensor by tensor; files of at most ``max_shard_size`` bytes)."""
-        save_pretrained(self, path, max_shard_bytes=max_shard_size)
+        with self.failures.guard("save_pretrained"):
+            save_pretrained(self, path, max_shard_bytes=max_shard_size)
 
     def save_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None, step: int | None = None) -> str:
         """Sharded safetensors checkpoint (optimizer state included) that loads into any mesh."""
-        return save_checkpoint(self, path, optimizer=optimizer, step=step)
+        with self.failures.guard("save_checkpoint"):
+            return save_checkpoint(self, path, optimizer=optimizer, step=step)
 
     def load_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> dict:
         """Load a checkpoint saved at any (dp, tp, pp); return its metadata (e.g. ``{"step": 1}``)."""
-        return load_checkpoint(self, path, optimizer=optimizer)
+        with self.failures.guard("load_checkpoint"):
+            return load_checkpoint(self, path, optimizer=optimizer)

@@ -67,7 +67,7 @@ def parallelize(
     init_distributed(device=device, timeout=timeout)
     dims.check_world_size(dist.get_world_size())
     if mesh is None:
-        mesh = build_mesh(dims, device=device)
+        mesh = build_mesh(dims, device=device, timeout=timeout)
     check_mesh(mesh, dims)
     groups = Groups(
         dp=mesh.get_group("dp"),
@@ -112,6 +112,15 @@ def parallelize(
 
 
 def _check_tensors(model: nn.Module, *, checkpoint: str | None) -> None:
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    if frozen:
+        # Gradient buckets, tied-weight and KV-replica sums and checkpoints assume every parameter
+        # has a gradient on every rank; partial freezing is not supported (yet), so say so now.
+        raise ValueError(f"{len(frozen)} parameter(s) have requires_grad=False (e.g. {frozen[:3]}); qn_hf trains "
+                         "every parameter: set requires_grad=True and leave them out of the optimizer instead")
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if len(dtypes) > 1:
+        raise ValueError(f"the model's parameters mix dtypes {sorted(map(str, dtypes))}; cast it to one, e.g. model.to(torch.bfloat16)")
     devices = {t.device for t in model.parameters()} | {t.device for t in model.buffers()}
     if any(d.type == "meta" for d in devices):
         if checkpoint is None:

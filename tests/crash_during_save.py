@@ -1,6 +1,10 @@
 """Run as a script: save checkpoint step 1, then die by SIGKILL inside the save of step 2.
 
-    python tests/crash_during_save.py MODEL_DIR CKPT_DIR {shard,index,latest}
+    python tests/crash_during_save.py MODEL_DIR CKPT_DIR {before,shard,index,latest,cleanup}
+
+before: as save_checkpoint starts; shard: inside the first shard file (left torn); index: inside the
+index; latest: inside the pointer; cleanup: after the new checkpoint is published, while the old
+one is being removed.
 """
 
 import os
@@ -38,8 +42,19 @@ def main() -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
                 real_json(obj, target)
 
-            if where == "shard":
+            real_rmtree = checkpoint.shutil.rmtree
+
+            def dying_rmtree(path, *args, **kwargs):
+                if os.path.basename(path) == "ckpt-000001":  # the old checkpoint, after the new one is live
+                    os.kill(os.getpid(), signal.SIGKILL)
+                real_rmtree(path, *args, **kwargs)
+
+            if where == "before":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif where == "shard":
                 checkpoint.save_file = dying_save
+            elif where == "cleanup":
+                checkpoint.shutil.rmtree = dying_rmtree
             else:
                 checkpoint._write_json = dying_json
         pm.save_checkpoint(ckpt, optimizer=opt, step=step)

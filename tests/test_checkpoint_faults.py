@@ -21,7 +21,7 @@ from tests.models import load
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("where", ["shard", "index", "latest"])
+@pytest.mark.parametrize("where", ["before", "shard", "index", "latest", "cleanup"])
 def test_sigkill_inside_save_leaves_previous_checkpoint(model_dirs, tmp_path, where):
     ckpt = str(tmp_path / "ckpt")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -30,6 +30,10 @@ def test_sigkill_inside_save_leaves_previous_checkpoint(model_dirs, tmp_path, wh
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "crash_during_save.py"), model_dirs["gpt2"], ckpt, where],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    if where == "cleanup":  # killed after the new checkpoint went live: it is the one loaded, whole
+        assert os.path.basename(checkpoint_dir(ckpt)) == "ckpt-000002"
+        assert _load_single(model_dirs["gpt2"], ckpt)[0]["step"] == 2
+        return
     assert os.path.basename(checkpoint_dir(ckpt)) == "ckpt-000001"
     meta, weights = _load_single(model_dirs["gpt2"], ckpt)
     assert meta["step"] == 1
@@ -72,6 +76,14 @@ def case_bad_checkpoints(*, gpt2_dir: str, llama_dir: str, root: str) -> dict[st
         with open(f, "r+b") as fh:
             fh.truncate(os.path.getsize(f) // 2)
 
+    def flip(d):  # one bit of tensor data: the safetensors header stays valid
+        f = os.path.join(d, "shard-pp0-tp1.safetensors")
+        with open(f, "r+b") as fh:
+            fh.seek(-3, os.SEEK_END)
+            byte = fh.read(1)
+            fh.seek(-3, os.SEEK_END)
+            fh.write(bytes([byte[0] ^ 0x10]))
+
     def escape(d):
         index = json.load(open(os.path.join(d, "index.json")))
         index["tensors"]["transformer.wte.weight"]["pieces"][0]["file"] = "../../outside.safetensors"
@@ -82,6 +94,7 @@ def case_bad_checkpoints(*, gpt2_dir: str, llama_dir: str, root: str) -> dict[st
     cases = {
         "missing": variant("missing", lambda d: os.unlink(os.path.join(d, "shard-pp0-tp1.safetensors"))),
         "truncated": variant("truncated", truncate),
+        "corrupt": variant("corrupt", flip),
         "escape": variant("escape", escape),
     }
     for name, path in cases.items():
@@ -122,7 +135,8 @@ def test_bad_checkpoints_fail_on_every_rank(worlds, model_dirs, tmp_path):
     assert results[0] == results[1]  # the same error on every rank
     m = results[0]
     assert "shard-pp0-tp1.safetensors" in m["missing"] and "is missing" in m["missing"] and m["missing"].startswith("rank 1:")
-    assert "shard-pp0-tp1.safetensors" in m["truncated"] and "cannot be read" in m["truncated"]
+    assert "shard-pp0-tp1.safetensors" in m["truncated"] and ("cannot be read" in m["truncated"] or "is corrupt" in m["truncated"])
+    assert "shard-pp0-tp1.safetensors is corrupt" in m["corrupt"] and "CRC-32" in m["corrupt"]
     assert "'../../outside.safetensors' is not a .safetensors name inside the checkpoint directory" in m["escape"]
     assert "holds a 'gpt2' model, this one is 'llama'" in m["architecture"]
     assert "the optimizer had 1 parameter groups, this one has 2" in m["optimizer"]

@@ -1,0 +1,35 @@
+"""A rank that raises does not leave the others waiting: they stop within the timeout and name it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("case, origin", [
+    ("train_step", "rank 1 failed in train_step: ValueError: boom on the last stage"),
+    ("save_checkpoint", "rank 1 failed in save_checkpoint: OSError: disk full on rank 1"),
+])
+def test_one_rank_raises_the_other_stops_within_the_timeout(tmp_path, case, origin):
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(ROOT / "tests" / "fail_together_job.py"), case, str(tmp_path / "ckpt")],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
+    )
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    by_rank = {r["rank"]: r for r in lines}
+    assert set(by_rank) == {0, 1}, done.stdout + done.stderr[-3000:]
+    failing, waiting = by_rank[1], by_rank[0]
+    assert origin.endswith(failing["message"]) and failing["type"] in ("ValueError", "OSError")
+    assert waiting["type"] == "PeerFailure"
+    assert waiting["message"] == f"rank 0 stopped in {case}: {origin}"
+    assert waiting["seconds"] < 4 + 10  # the 4 s timeout, not torch's default 30 minutes
+    if case == "save_checkpoint":
+        assert not (tmp_path / "ckpt" / "latest").exists()  # nothing half-written was published
