@@ -21,6 +21,15 @@ def mesh_for(dp: int, tp: int, pp: int = 1) -> DeviceMesh:
     return _MESHES[key]
 
 
+def error_message(fn) -> str:
+    """The message of the ValueError ``fn()`` raises, or "no error"."""
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in batch.items() if k != "labels"}
 

@@ -8,35 +8,27 @@ import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import qn_hf
-from tests.cases import mesh_for
+from tests.cases import error_message, mesh_for
 from tests.models import CONFIGS, load, make_batch
-
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return "no error"
 
 
 def case_bad_configs(*, gpt2_dir: str) -> dict[str, str]:
     odd_kv = LlamaConfig(**{**CONFIGS["llama"].to_dict(), "num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 24})
     messages = {
-        "world size": _error(lambda: qn_hf.parallelize(load("gpt2", gpt2_dir), dp=1, tp=1)),
-        "schedule": _error(lambda: qn_hf.parallelize(load("gpt2", gpt2_dir), dp=2, tp=1, schedule="nope")),
-        "heads": _error(lambda: qn_hf.parallelize(GPT2LMHeadModel(GPT2Config(n_head=3, n_embd=24, n_layer=1)), tp=2)),
-        "kv heads": _error(lambda: qn_hf.parallelize(LlamaForCausalLM(odd_kv), tp=2)),
+        "world size": error_message(lambda: qn_hf.parallelize(load("gpt2", gpt2_dir), dp=1, tp=1)),
+        "schedule": error_message(lambda: qn_hf.parallelize(load("gpt2", gpt2_dir), dp=2, tp=1, schedule="nope")),
+        "heads": error_message(lambda: qn_hf.parallelize(GPT2LMHeadModel(GPT2Config(n_head=3, n_embd=24, n_layer=1)), tp=2)),
+        "kv heads": error_message(lambda: qn_hf.parallelize(LlamaForCausalLM(odd_kv), tp=2)),
     }
     pm = qn_hf.parallelize(load("gpt2", gpt2_dir), tp=2, microbatches=2, mesh=mesh_for(1, 2))
     batch = make_batch("gpt2", size=3, seed=0)
-    messages["microbatches"] = _error(lambda: pm.train_step(batch))
-    messages["labels"] = _error(lambda: pm.train_step({"input_ids": batch["input_ids"][:2]}))
+    messages["microbatches"] = error_message(lambda: pm.train_step(batch))
+    messages["labels"] = error_message(lambda: pm.train_step({"input_ids": batch["input_ids"][:2]}))
     one_block = GPT2LMHeadModel(GPT2Config(n_head=4, n_embd=32, n_layer=1))
-    messages["pp too large"] = _error(lambda: qn_hf.parallelize(one_block, pp=2))
+    messages["pp too large"] = error_message(lambda: qn_hf.parallelize(one_block, pp=2))
     piped = qn_hf.parallelize(load("gpt2", gpt2_dir), pp=2, microbatches=2, mesh=mesh_for(1, 1, 2))
-    messages["pipeline microbatches"] = _error(lambda: piped.train_step(batch))
-    messages["pipeline forward call"] = _error(lambda: piped(input_ids=batch["input_ids"]))
+    messages["pipeline microbatches"] = error_message(lambda: piped.train_step(batch))
+    messages["pipeline forward call"] = error_message(lambda: piped(input_ids=batch["input_ids"]))
     alive = torch.ones(1)
     dist.all_reduce(alive)
     messages["world alive"] = str(int(alive.item()))

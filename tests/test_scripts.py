@@ -1,8 +1,9 @@
 """The training scripts as users launch them: under torchrun and accelerate launch, several CPU
 processes, a loss that falls, and a resume that continues exactly where an uninterrupted run goes.
 
-Each script runs three times at one mesh: A trains 6 steps uninterrupted; B stops after step 3 with
-a checkpoint (as if killed); C resumes B's run directory. C's steps 4-6 must equal A's bit for bit
+Each script runs three times at one mesh: A trains 6 steps uninterrupted; B is interrupted (the LM
+run by SIGKILL to the launcher and every rank once step 4 is logged, the ViT run by --stop-after 3);
+C resumes B's run directory from its step-3 checkpoint. C's steps 4-6 must equal A's bit for bit
 (same mesh, same global batches, AdamW state restored, LR a function of the step). The launchers
 alternate so that each script runs under both.
 """
@@ -11,20 +12,26 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMON = ["--steps", "6", "--warmup-steps", "2", "--eval-every", "3", "--save-every", "3", "--lr", "3e-3", "--no-progress"]
-CASES = {
+sys.path.insert(0, str(ROOT / "scripts"))
+from soak import kill_tree  # noqa: E402
+COMMON = ["--warmup-steps", "2", "--lr", "3e-3", "--no-progress"]
+CASES = {  # script: (arguments, steps, launchers of A, B, C, how B is interrupted)
     "train_lm.py": (["--model", "tiny-gpt2", "--mesh", "2", "1", "2", "--microbatches", "2", "--batch-size", "8",
-                     "--seq-len", "32", "--eval-batches", "2"], ("torchrun", "accelerate", "torchrun")),
-    "train_vit.py": (["--mesh", "1", "2", "2", "--microbatches", "2", "--batch-size", "16", "--eval-batches", "3"],
-                     ("accelerate", "torchrun", "accelerate")),
+                     "--seq-len", "32", "--eval-batches", "2", "--steps", "12", "--save-every", "4", "--eval-every", "6"],
+                    12, ("torchrun", "accelerate", "torchrun"), "sigkill"),
+    "train_vit.py": (["--mesh", "1", "2", "2", "--microbatches", "2", "--batch-size", "16", "--eval-batches", "3",
+                      "--steps", "6", "--save-every", "3", "--eval-every", "3"],
+                     6, ("accelerate", "torchrun", "accelerate"), "stop-after"),
 }
 
 
@@ -34,7 +41,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(launcher: str, script: str, args: list[str], *, nproc: int = 4, timeout: int = 300) -> subprocess.CompletedProcess:
+def command(launcher: str, script: str, args: list[str], *, nproc: int = 4) -> tuple[list[str], dict]:
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     elif launcher == "accelerate":
@@ -45,8 +52,29 @@ def launch(launcher: str, script: str, args: list[str], *, nproc: int = 4, timeo
     else:
         cmd = [sys.executable]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([*cmd, str(ROOT / "scripts" / script), *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return [*cmd, str(ROOT / "scripts" / script), *args], env
+
+
+def launch(launcher: str, script: str, args: list[str], *, nproc: int = 4, timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd, env = command(launcher, script, args, nproc=nproc)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def launch_and_kill(launcher: str, script: str, args: list[str], *, run_dir: Path, after_step: int, timeout: int = 300) -> None:
+    """Start a run and SIGKILL the launcher and every rank once ``after_step`` is logged, wherever
+    they are (the next step, an evaluation, a checkpoint write)."""
+    cmd, env = command(launcher, script, args)
+    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while job.poll() is None and time.monotonic() < deadline:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
+        if lines and json.loads(lines[-1])["step"] >= after_step:
+            break
+        time.sleep(0.02)
+    assert job.poll() is None, "the run ended before it could be killed"
+    kill_tree(job.pid)
+    job.wait()
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -59,28 +87,32 @@ def ok(done: subprocess.CompletedProcess) -> None:
 
 @pytest.mark.parametrize("script", sorted(CASES))
 def test_script_trains_and_resumes_exactly_under_both_launchers(tmp_path, script):
-    args, (first, second, third) = CASES[script]
+    args, steps, (first, second, third), interrupt = CASES[script]
     a, b = tmp_path / "uninterrupted", tmp_path / "interrupted"
     ok(launch(first, script, [*args, *COMMON, "--output-dir", str(a)]))
-    ok(launch(second, script, [*args, *COMMON, "--output-dir", str(b), "--stop-after", "3"]))
+    if interrupt == "sigkill":  # killed wherever it is after step 6: a later step, an eval or a checkpoint write
+        launch_and_kill(second, script, [*args, *COMMON, "--output-dir", str(b)], run_dir=b, after_step=6)
+    else:
+        ok(launch(second, script, [*args, *COMMON, "--output-dir", str(b), "--stop-after", "3"]))
     resumed = launch(third, script, [*args, *COMMON, "--output-dir", str(b), "--resume"])
     ok(resumed)
-    assert "resumed from" in resumed.stderr and "step 3" in resumed.stderr
+    resumed_at = int(re.search(r"resumed from \S+ at step (\d+)", resumed.stderr)[1])
+    assert resumed_at == 3 if interrupt == "stop-after" else resumed_at in (4, 8)
 
     full, stopped_then_resumed = metrics(a), metrics(b)
-    assert [r["step"] for r in full] == [r["step"] for r in stopped_then_resumed] == list(range(1, 7))
+    assert [r["step"] for r in full] == [r["step"] for r in stopped_then_resumed] == list(range(1, steps + 1))
     assert full[-1]["loss"] < full[0]["loss"]
     for x, y in zip(full, stopped_then_resumed):
         assert x["loss"] == y["loss"] and x["grad_norm"] == y["grad_norm"], (x, y)
     evals = [r for r in full if "val_loss" in r]
-    assert [r["step"] for r in evals] == [3, 6] and evals[-1]["val_loss"] < evals[0]["val_loss"]
+    assert [r["step"] for r in evals] == [steps // 2, steps] and evals[-1]["val_loss"] < evals[0]["val_loss"]
     if script == "train_vit.py":
         assert all(0.0 <= r["val_accuracy"] <= 1.0 for r in evals)
 
     for name in ("loss.png", "timeline.png", "summary.json", "config.yaml", "model/config.json"):
         assert (a / name).is_file(), name
     summary = json.loads((a / "summary.json").read_text())
-    assert summary["steps"] == 6 and summary["final_loss"] == full[-1]["loss"]
+    assert summary["steps"] == steps and summary["final_loss"] == full[-1]["loss"]
     assert json.loads((b / "summary.json").read_text())["stopped_early"] is False  # C finished the run
 
 

@@ -6,32 +6,24 @@ from __future__ import annotations
 import torch
 
 import qn_hf
-from tests.cases import mesh_for
+from tests.cases import error_message, mesh_for
 from tests.models import load, make_batch
-
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return "no error"
 
 
 def case_validation(*, gpt2_dir: str, vit_dir: str) -> dict:
     out: dict[str, str] = {}
     frozen = load("gpt2", gpt2_dir)
     frozen.transformer.wpe.weight.requires_grad_(False)
-    out["frozen"] = _error(lambda: qn_hf.parallelize(frozen, tp=2, mesh=mesh_for(1, 2)))
+    out["frozen"] = error_message(lambda: qn_hf.parallelize(frozen, tp=2, mesh=mesh_for(1, 2)))
     mixed = load("gpt2", gpt2_dir)
     mixed.lm_head.to(torch.float64)  # lm_head is tied to wte: make another module differ
     mixed.transformer.h[0].mlp.c_fc.to(torch.float64)
-    out["mixed dtypes"] = _error(lambda: qn_hf.parallelize(mixed, tp=2, mesh=mesh_for(1, 2)))
-    out["bad degree"] = _error(lambda: qn_hf.parallelize(load("gpt2", gpt2_dir), tp=0))
-    out["microbatches type"] = _error(lambda: qn_hf.parallelize(load("gpt2", gpt2_dir), tp=2, microbatches=1.5))
+    out["mixed dtypes"] = error_message(lambda: qn_hf.parallelize(mixed, tp=2, mesh=mesh_for(1, 2)))
+    out["bad degree"] = error_message(lambda: qn_hf.parallelize(load("gpt2", gpt2_dir), tp=0))
+    out["microbatches type"] = error_message(lambda: qn_hf.parallelize(load("gpt2", gpt2_dir), tp=2, microbatches=1.5))
     once = load("gpt2", gpt2_dir)
     qn_hf.parallelize(once, tp=2, mesh=mesh_for(1, 2))
-    out["twice"] = _error(lambda: qn_hf.parallelize(once, tp=2, mesh=mesh_for(1, 2)))
+    out["twice"] = error_message(lambda: qn_hf.parallelize(once, tp=2, mesh=mesh_for(1, 2)))
 
     pm = qn_hf.parallelize(load("gpt2", gpt2_dir), tp=2, microbatches=2, mesh=mesh_for(1, 2))
     good = make_batch("gpt2", size=4, seed=0)
@@ -47,14 +39,14 @@ def case_validation(*, gpt2_dir: str, vit_dir: str) -> dict:
     }
     with qn_hf.CommMeter(pm) as meter:
         for name, batch in bad_batches.items():
-            out[name] = _error(lambda: pm.train_step(batch))
-        out["eval float ids"] = _error(lambda: pm.eval_step({"input_ids": good["input_ids"].float(), "labels": good["labels"]}))
+            out[name] = error_message(lambda: pm.train_step(batch))
+        out["eval float ids"] = error_message(lambda: pm.eval_step({"input_ids": good["input_ids"].float(), "labels": good["labels"]}))
     vit = qn_hf.parallelize(load("vit", vit_dir), tp=2, mesh=mesh_for(1, 2))
     images = make_batch("vit", size=2, seed=0)
     with qn_hf.CommMeter(vit) as vit_meter:
-        out["int images"] = _error(lambda: vit.train_step({**images, "pixel_values": images["pixel_values"].long()}))
-        out["image size"] = _error(lambda: vit.train_step({**images, "pixel_values": images["pixel_values"][..., :8, :8]}))
-        out["label shape"] = _error(lambda: vit.train_step({**images, "labels": images["labels"][:, None]}))
+        out["int images"] = error_message(lambda: vit.train_step({**images, "pixel_values": images["pixel_values"].long()}))
+        out["image size"] = error_message(lambda: vit.train_step({**images, "pixel_values": images["pixel_values"][..., :8, :8]}))
+        out["label shape"] = error_message(lambda: vit.train_step({**images, "labels": images["labels"][:, None]}))
     out["events"] = str(len(meter.events) + len(vit_meter.events))
     out["good still trains"] = str(pm.train_step(good).item() > 0)
     return out
