@@ -365,7 +365,10 @@ def _read_box(directory: str, entry: dict, name: str, target_box: Box, out: torc
             continue
         file = os.path.join(directory, piece["file"])
         if checks is not None:
-            checks.verify(piece["file"])
+            try:
+                checks.verify(piece["file"])
+            except CheckpointError as e:
+                raise CheckpointError(f"{e} (reading {name})") from None
         try:
             f = handles.get(file) if handles is not None else None
             if f is None:

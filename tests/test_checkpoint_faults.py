@@ -136,7 +136,7 @@ def test_bad_checkpoints_fail_on_every_rank(worlds, model_dirs, tmp_path):
     m = results[0]
     assert "shard-pp0-tp1.safetensors" in m["missing"] and "is missing" in m["missing"] and m["missing"].startswith("rank 1:")
     assert "shard-pp0-tp1.safetensors" in m["truncated"] and ("cannot be read" in m["truncated"] or "is corrupt" in m["truncated"])
-    assert "shard-pp0-tp1.safetensors is corrupt" in m["corrupt"] and "CRC-32" in m["corrupt"]
+    assert "shard-pp0-tp1.safetensors is corrupt" in m["corrupt"] and "CRC-32" in m["corrupt"] and "(reading transformer." in m["corrupt"]
     assert "'../../outside.safetensors' is not a .safetensors name inside the checkpoint directory" in m["escape"]
     assert "holds a 'gpt2' model, this one is 'llama'" in m["architecture"]
     assert "the optimizer had 1 parameter groups, this one has 2" in m["optimizer"]
