@@ -37,14 +37,16 @@ def split_microbatches(batch: Mapping[str, torch.Tensor], *, microbatches: int) 
     return [{k: v[i * step : (i + 1) * step] for k, v in batch.items()} for i in range(microbatches)]
 
 
-# Keys Hugging Face models take as token indices or masks: integers, never floats.
-INTEGER_KEYS = ("input_ids", "labels", "attention_mask", "token_type_ids", "position_ids")
+# Keys Hugging Face models take as indices: integers, never floats (labels only for the built-in
+# losses: a user's loss_fn may take float or soft labels; masks may be float or 4-D).
+INTEGER_KEYS = ("input_ids", "token_type_ids", "position_ids")
 
 
 def check_model_inputs(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Module, loss: str | None) -> None:
     """Check a batch against the model before anything is sent: the main input is there, keys are
-    forward arguments, index tensors are integers and images floating point, and shapes fit the
-    config (sequence length within the position table, image size and channels, label shapes).
+    forward arguments (when the forward names them all), index tensors are integers and images
+    floating point, and shapes fit the config (sequence length within a learned position table,
+    image size and channels, label shapes for the built-in ``loss``; None: a user's loss_fn).
     Without this, each mistake surfaces as a shape error deep inside a forward on some ranks."""
     main = getattr(model, "main_input_name", "input_ids")
     if main not in batch and "inputs_embeds" not in batch:
@@ -54,7 +56,7 @@ def check_model_inputs(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Mod
         unknown = sorted(set(batch) - set(params))
         if unknown:
             raise ValueError(f"batch keys {unknown} are not arguments of {type(model).__name__}.forward")
-    for key in INTEGER_KEYS:
+    for key in INTEGER_KEYS + (("labels",) if loss else ()):
         if key in batch and (batch[key].is_floating_point() or batch[key].is_complex()):
             raise ValueError(f"batch[{key!r}] has dtype {batch[key].dtype}; it holds indices or a mask and must be "
                              "an integer tensor (e.g. .long())")
@@ -71,11 +73,11 @@ def check_model_inputs(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Mod
         ids = batch["input_ids"]
         if ids.dim() != 2:
             raise ValueError(f"batch['input_ids'] has shape {tuple(ids.shape)}; it must be (batch, sequence)")
-        positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+        positions = getattr(config, "n_positions", None)  # a learned position table (GPT-2); RoPE models have none
         if positions and ids.shape[1] > positions:
             raise ValueError(f"sequence length {ids.shape[1]} exceeds the model's {positions} positions; cut the sequences")
         for key in ("attention_mask", "token_type_ids", "position_ids"):
-            if key in batch and batch[key].shape != ids.shape:
+            if key in batch and batch[key].dim() == 2 and batch[key].shape != ids.shape:
                 raise ValueError(f"batch[{key!r}] has shape {tuple(batch[key].shape)}, input_ids {tuple(ids.shape)}")
     if "labels" in batch and loss == "causal_lm" and "input_ids" in batch and batch["labels"].shape != batch["input_ids"].shape:
         raise ValueError(f"batch['labels'] has shape {tuple(batch['labels'].shape)}; for a causal LM it must match "

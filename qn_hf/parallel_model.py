@@ -161,7 +161,7 @@ class ParallelModel:
                 f"{type(self.module).__name__} has no built-in loss (a base model); pass loss_fn=(outputs, batch) -> loss"
             )
         check_batch(batch, microbatches=self.microbatches, required=("labels",) if builtin else ())
-        check_model_inputs(batch, model=self.module, loss=self.plan.loss)
+        check_model_inputs(batch, model=self.module, loss=self.plan.loss if builtin else None)
         if builtin and self.plan.loss == "classification":
             config = self.module.config
             if config.num_labels == 1 or getattr(config, "problem_type", None) in ("regression", "multi_label_classification"):

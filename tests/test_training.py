@@ -37,6 +37,7 @@ def test_resume_flag_alone_means_latest():
     ("export: 1\n", "export must be true or false"),
     ("- just\n- a list\n", "must hold a mapping"),
     ("stop_after: 9\nsteps: 5\n", "stop_after=9 must lie in 1..steps=5"),
+    ("steps: null\n", "steps needs a value (got null)"),
 ])
 def test_bad_yaml_is_one_clear_error(tmp_path, text, message):
     path = tmp_path / "bad.yaml"
@@ -86,3 +87,16 @@ def test_config_checks_values_from_any_source():
         make_config({"val_fraction": 1.5})
     with pytest.raises(UsageError, match="microbatches must be at least 1"):
         make_config({"microbatches": 0})
+
+
+def test_resume_latest_starts_fresh_only_when_nothing_is_there(tmp_path):
+    from qn_hf.checkpoint import CheckpointError
+    from qn_hf.training.loop import _resume_path
+
+    cfg = make_config({"output_dir": str(tmp_path), "resume": "latest"})
+    assert _resume_path(cfg) is None  # no checkpoints yet: a fresh start
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "ckpt-000003").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text('"ckpt-0000')  # torn pointer
+    with pytest.raises(CheckpointError):
+        _resume_path(cfg)  # never start over on top of checkpoints that exist

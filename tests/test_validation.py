@@ -49,6 +49,9 @@ def case_validation(*, gpt2_dir: str, vit_dir: str) -> dict:
         out["label shape"] = error_message(lambda: vit.train_step({**images, "labels": images["labels"][:, None]}))
     out["events"] = str(len(meter.events) + len(vit_meter.events))
     out["good still trains"] = str(pm.train_step(good).item() > 0)
+    out["float mask"] = error_message(lambda: pm.train_step({**good, "attention_mask": torch.ones(4, 12)}))
+    soft = {"input_ids": good["input_ids"], "labels": good["labels"].float()}  # a user's loss takes any labels
+    out["float labels with loss_fn"] = error_message(lambda: pm.train_step(soft, loss_fn=lambda o, mb: o.logits.mean()))
     return out
 
 
@@ -79,3 +82,4 @@ def test_each_mistake_is_one_clear_error_before_any_communication(worlds, model_
             assert fragment in r[name], (name, r[name])
         assert r["events"] == "0"  # refused before sending anything
         assert r["good still trains"] == "True"
+        assert r["float mask"] == "no error" and r["float labels with loss_fn"] == "no error"

@@ -212,8 +212,8 @@ def estimate_mesh(config: PretrainedConfig, *, dp: int, tp: int, pp: int, microb
 def _padded_vocab(plan, model) -> int:
     for name, style in plan.rules:
         if style == "vocab_colwise":
-            weight = model.get_submodule(name).weight
-            return weight.shape[0] * plan.tp  # local rows * tp = the padded vocabulary
+            rows = model.get_submodule(name).weight.shape[0]  # the unsharded model's vocabulary
+            return -(-rows // plan.tp) * plan.tp  # padded to a multiple of tp, as the shards are
     return 0
 
 

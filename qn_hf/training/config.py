@@ -145,6 +145,8 @@ def make_config(values: dict[str, Any]) -> TrainConfig:
     for name, value in values.items():
         f = _FIELDS[name]
         if value is None:
+            if "None" not in str(f.type):
+                raise UsageError(f"{name} needs a value (got null)")
             out[name] = None
         elif name == "mesh":
             out[name] = _mesh(value)

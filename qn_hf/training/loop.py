@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import CheckpointError, checkpoint_dir
+from ..checkpoint import checkpoint_dir
 from ..grad_norm import clip_grad_norm_
 from ..mesh import default_device, init_distributed, launched_world_size
 from ..parallel_model import ParallelModel
@@ -148,10 +148,12 @@ def _resume_path(cfg: TrainConfig) -> str | None:
     if cfg.resume is None:
         return None
     if cfg.resume == "latest":
-        try:
-            return checkpoint_dir(cfg.checkpoint_root)
-        except CheckpointError:
+        root = cfg.checkpoint_root
+        if not os.path.isdir(root) or not any(n == "latest" or n.startswith("ckpt-") for n in os.listdir(root)):
             return None
+        # Something is there: a damaged pointer must stop the job, not start it over (the next
+        # save would then replace the checkpoints that are still good).
+        return checkpoint_dir(root)
     if not os.path.exists(cfg.resume):
         raise UsageError(f"--resume {cfg.resume}: no such checkpoint")
     return cfg.resume
@@ -166,6 +168,9 @@ def _rank0_first(prepare: Callable[[], T]) -> T:
             result = prepare()
         except UsageError as e:
             error = [str(e)]
+        except Exception as e:  # not a known mistake: tell the others, keep the traceback here
+            dist.broadcast_object_list([f"rank 0 failed to prepare the data: {type(e).__name__}: {e}"], src=0)
+            raise
     dist.broadcast_object_list(error, src=0)
     if error[0] is not None:
         raise UsageError(error[0])
