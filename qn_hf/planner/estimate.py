@@ -63,7 +63,7 @@ class StageEstimate:
     def state_bytes(self, precision: str) -> int:
         """Weights + gradients + AdamW state: fp32 (4+4+8 B per parameter), or bf16 weights and
         gradients with fp32 master weights and moments (2+2+4+8 B)."""
-        return self.params * {"fp32": 16, "bf16": 16}[precision]
+        return self.weight_bytes(precision) + self.grad_bytes(precision) + self.optimizer_bytes(precision)
 
     def weight_bytes(self, precision: str) -> int:
         return self.params * {"fp32": 4, "bf16": 2}[precision]
