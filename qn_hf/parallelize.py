@@ -112,12 +112,9 @@ def parallelize(
 
 
 def _check_tensors(model: nn.Module, *, checkpoint: str | None) -> None:
-    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-    if frozen:
-        # Gradient buckets, tied-weight and KV-replica sums and checkpoints assume every parameter
-        # has a gradient on every rank; partial freezing is not supported (yet), so say so now.
-        raise ValueError(f"{len(frozen)} parameter(s) have requires_grad=False (e.g. {frozen[:3]}); qn_hf trains "
-                         "every parameter: set requires_grad=True and leave them out of the optimizer instead")
+    # Frozen parameters (requires_grad=False: a PEFT base, MoE routing biases that transformers updates
+    # outside the optimizer) take no part in any gradient collective: buckets and sums take only the
+    # parameters that train, the same set on every rank of a group.
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if len(dtypes) > 1:
         raise ValueError(f"the model's parameters mix dtypes {sorted(map(str, dtypes))}; cast it to one, e.g. model.to(torch.bfloat16)")
@@ -153,7 +150,9 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
     init = getattr(model, "_init_weights", None)
     with torch.no_grad():
         for module in model.modules():
-            if module._non_persistent_buffers_set and not isinstance(module, StandIn):
+            if hasattr(module, "reset_buffers"):  # a parallel layer that keeps a replaced module's buffers
+                module.reset_buffers()
+            elif module._non_persistent_buffers_set and not isinstance(module, StandIn):
                 if init is None:
                     raise ValueError(f"{type(module).__name__} has non-persistent buffers and the model no _init_weights")
                 init(module)
