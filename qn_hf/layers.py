@@ -1,4 +1,4 @@
-"""Tensor-parallel replacements for ``nn.Linear``, transformers' ``Conv1D`` and ``nn.Embedding``.
+"""Tensor-parallel replacements for ``nn.Linear`` and transformers' ``Conv1D`` (exact types only).
 
 Each layer is built from an existing module with ``from_module`` and keeps only this rank's shard;
 parameter names (``weight``, ``bias``) and the weight layout of the module it replaces are kept,
@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from transformers.pytorch_utils import Conv1D
 
-from .comm import copy_to_group, gather_from_group, group_size, reduce_from_group
+from .comm import copy_to_group, gather_from_group, group_size, reduce_from_group, split_to_group
 from .shard import ShardSpec
 
 
@@ -143,12 +143,20 @@ class RowParallelLinear(_ShardedProjection):
     """Input features split across tp: each rank computes ``x_r @ W_r``, summed by an all-reduce.
 
     Input: this rank's slice of the features (the output of a ColumnParallelLinear or of attention
-    over this rank's heads). Output: the full activation on every rank (``reduce_from_group``:
-    all-reduce forward, identity backward). The bias is replicated and added once, after the sum.
+    over this rank's heads), or with ``split_input=True`` the full features, replicated, of which
+    this rank takes its slice (split forward, all-gather backward: each rank's slice of the input
+    gradient comes from its own weights). Output: the full activation on every rank
+    (``reduce_from_group``: all-reduce forward, identity backward). The bias is replicated and
+    added once, after the sum.
     """
 
+    def __init__(self, *, split_input: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.split_input = split_input
+
     @classmethod
-    def from_module(cls, module: nn.Module, *, spec: ShardSpec, tp_rank: int, group: ProcessGroup) -> RowParallelLinear:
+    def from_module(cls, module: nn.Module, *, spec: ShardSpec, tp_rank: int, group: ProcessGroup,
+                    split_input: bool = False) -> RowParallelLinear:
         """``spec`` describes the input dimension (its ``dim`` is rewritten for the weight layout)."""
         in_features, _, _, in_dim = _dims(module)
         if spec.size != in_features:
@@ -160,6 +168,7 @@ class RowParallelLinear(_ShardedProjection):
             group=group,
             weight_spec=weight_spec,
             conv1d_layout=_is_conv1d(module),
+            split_input=split_input,
         )
         return _frozen_like(new, module)
 
@@ -167,70 +176,9 @@ class RowParallelLinear(_ShardedProjection):
         return {"weight": self.weight_spec, **({"bias": None} if self.bias is not None else {})}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.split_input:
+            x = split_to_group(x, group=self.group)
         if group_size(self.group) == 1:  # nothing to sum: keep the bias fused in the matmul
             return _project(x, self.weight, self.bias, self.conv1d_layout)
         y = reduce_from_group(_project(x, self.weight, None, self.conv1d_layout), group=self.group)
         return y if self.bias is None else y + self.bias
-
-
-class VocabParallelEmbedding(nn.Module):
-    """Vocabulary rows split across tp (padded so that tp divides them).
-
-    Each rank looks up the ids that fall in its row range, writes zeros for the others, and an
-    all-reduce (identity backward) assembles the full embedding on every rank.
-    """
-
-    def __init__(
-        self,
-        *,
-        weight: torch.Tensor,
-        group: ProcessGroup,
-        weight_spec: ShardSpec,
-        tp_rank: int,
-        padding_idx: int | None,
-    ) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight)
-        self.group = group
-        self.weight_spec = weight_spec
-        self.vocab_start, self.vocab_stop = weight_spec.local_range(tp_rank)
-        self.num_embeddings = weight.shape[0]
-        self.embedding_dim = weight.shape[1]
-        # HF keeps the padding row's gradient at zero; keep that for the rank that owns the row.
-        self.padding_idx = padding_idx
-        owns_padding = padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_stop
-        self.local_padding_idx = padding_idx - self.vocab_start if owns_padding else None
-
-    @classmethod
-    def from_module(
-        cls, module: nn.Embedding, *, spec: ShardSpec, tp_rank: int, group: ProcessGroup
-    ) -> VocabParallelEmbedding:
-        if not isinstance(module, nn.Embedding):
-            raise TypeError(f"vocab_embedding expects nn.Embedding, got {type(module).__name__}")
-        if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
-            raise ValueError("vocab-parallel embedding does not support max_norm, scale_grad_by_freq or sparse")
-        if spec.size != module.num_embeddings or spec.dim != 0:
-            raise ValueError(f"spec {spec} does not describe the rows of an embedding of {module.num_embeddings}")
-        new = cls(
-            weight=spec.shard(module.weight.data, tp_rank),
-            group=group,
-            weight_spec=spec,
-            tp_rank=tp_rank,
-            padding_idx=module.padding_idx,
-        )
-        return _frozen_like(new, module)
-
-    def shard_specs(self) -> dict[str, ShardSpec | None]:
-        return {"weight": self.weight_spec}
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if group_size(self.group) == 1:  # the whole vocabulary is here
-            return F.embedding(input_ids, self.weight, self.local_padding_idx)
-        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_stop)
-        local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local_ids, self.weight, self.local_padding_idx)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_group(out, group=self.group)
-
-    def extra_repr(self) -> str:
-        return f"rows=[{self.vocab_start}, {self.vocab_stop}), dim={self.embedding_dim}, spec={self.weight_spec}"

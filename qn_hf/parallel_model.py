@@ -23,7 +23,9 @@ from .mesh import ParallelDims
 from .pipeline.runtime import Peers, StageExecutor
 from .pipeline.schedule import stage_actions
 from .pipeline.split import StageModules, StagePlan
-from .plan import TpPlan, base_model_and_prefix
+from .names import base_model_and_prefix
+from .plan import TpPlan
+from .replica_check import check_replicated_grads
 from .rng import RngStreams
 from .shard import ShardSpec
 from .tensor_parallel import VocabShard
@@ -77,6 +79,7 @@ class ParallelModel:
         self.plan = plan
         self.stage_plan = stage_plan
         self.stage = stage
+        self._replicas_checked = False
         self.executor = StageExecutor(peers=peers, device=device)
         self.base_model = base_model_and_prefix(module)[0]
         self.specs = specs
@@ -244,9 +247,17 @@ class ParallelModel:
         if self.groups.kv is not None:
             replicated = [p.grad for name, p in local.items() if (s := self.specs.get(name)) is not None and s.replicas > 1]
             flat_all_reduce_(replicated, group=self.groups.kv)
+        # Replicated parameters applied to this rank's heads only (per-head norms) hold this rank's
+        # share of their gradient: the sum over tp is the whole gradient, then equal on every rank.
+        partial = [local[n].grad for n in self.plan.grad_sum if n in local]
+        if partial:
+            flat_all_reduce_(partial, group=self.groups.tp)
         if self.groups.tie is not None:
             tied = [local[n].grad for tie in self.stage_plan.ties for n in (tie.owner, tie.follower) if n in local]
             flat_all_reduce_(tied, group=self.groups.tie)
+        if not self._replicas_checked:  # once: the dataflow that makes a gradient partial never changes
+            self._replicas_checked = True
+            check_replicated_grads({n: p.grad for n, p in local.items() if self.specs.get(n) is None}, group=self.groups.tp)
 
     # -- export ----------------------------------------------------------------------------------
     def save_pretrained(self, path: str, *, max_shard_size: int = DEFAULT_MAX_SHARD_BYTES) -> None:

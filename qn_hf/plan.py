@@ -9,35 +9,16 @@ divides by tp. It only reads the model, so it runs on every rank before any proc
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from torch import nn
-from transformers.pytorch_utils import Conv1D
 
-# Styles a rule can name. ``colwise_kv`` is colwise over key/value heads, replicated across
-# consecutive tp ranks when tp exceeds the number of KV heads; ``colwise_packedN`` splits each of
-# N fused outputs (GPT-2's q|k|v) separately; ``vocab_*`` pad the vocabulary to a multiple of tp.
-STYLES = (
-    "colwise",
-    "colwise_kv",
-    "colwise_packed2",
-    "colwise_packed3",
-    "rowwise",
-    "vocab_embedding",
-    "vocab_colwise",
-    "replicate",
-)
-# Values an attribute patch can take, computed from the head layout at the current tp.
+from .names import base_model_and_prefix, join, match_modules, match_parameters
+from .heads import LAYOUT_VALUES, HeadLayout, attention_layout, head_layout
+from .rules import check_rule, is_projection, split_kv_per_module
+from .styles import PARAM_STYLES, STYLES
 
-
-def packed_parts(style: str) -> int:
-    """Number of fused outputs a column style splits separately (``colwise_packed3`` -> 3)."""
-    return int(style.removeprefix("colwise_packed")) if style.startswith("colwise_packed") else 1
-
-
-LAYOUT_VALUES = ("local_heads", "local_kv_heads", "local_kv_groups", "local_q_width")
 LOSSES = ("causal_lm", "classification")
 STANDINS = ("zeros", "identity")
 
@@ -59,6 +40,13 @@ class ModelPolicy:
     ``pp_last`` name the other modules that belong to the first or last stage only, with the stand-in
     they get elsewhere: ``"zeros"`` (GPT-2's position embedding, added to the received activation)
     or ``"identity"`` (dropout after the embedding, the final norm).
+
+    ``attr_patches`` keys are a module pattern and an attribute path: ``layers.*.self_attn.num_heads``,
+    or through an object the module reads, ``layers.*.self_attn.config.num_attention_heads`` (the
+    module then gets its own copy of the config; other modules and saved configs keep the shared one).
+    ``transformers_plan`` reads the plan with transformers' conventions: a rule may match nothing
+    (an optional module) and a Linear inside a block that no rule names stays whole. ``tp_refusal`` is why this policy cannot shard
+    over tp (it still serves dp and pp).
     """
 
     model_type: str
@@ -76,6 +64,8 @@ class ModelPolicy:
     pp_entry_reads: tuple[str, ...] = ()
     pp_first: Mapping[str, str] = field(default_factory=dict)
     pp_last: Mapping[str, str] = field(default_factory=dict)
+    transformers_plan: bool = False
+    tp_refusal: str | None = None
 
     def __post_init__(self) -> None:
         for pattern, style in {**self.tp_plan, **self.head_plan}.items():
@@ -92,73 +82,28 @@ class ModelPolicy:
 
 
 @dataclass(frozen=True)
-class HeadLayout:
-    """Attention heads at a tensor-parallel degree; validates that they split (or replicate) evenly."""
-
-    heads: int
-    kv_heads: int
-    head_dim: int
-    tp: int
-
-    def __post_init__(self) -> None:
-        if self.heads % self.tp:
-            raise ValueError(
-                f"tp={self.tp} does not divide num_attention_heads={self.heads}; "
-                f"use a tp among {divisors(self.heads)}"
-            )
-        if self.heads % self.kv_heads:
-            raise ValueError(f"num_key_value_heads={self.kv_heads} does not divide num_attention_heads={self.heads}")
-        if self.tp <= self.kv_heads and self.kv_heads % self.tp:
-            raise ValueError(
-                f"tp={self.tp} does not divide num_key_value_heads={self.kv_heads}; use a tp that divides "
-                f"{self.kv_heads} or a multiple of it (KV heads are then replicated)"
-            )
-        if self.tp > self.kv_heads and self.tp % self.kv_heads:
-            raise ValueError(
-                f"tp={self.tp} exceeds num_key_value_heads={self.kv_heads} but is not a multiple of it, so KV "
-                f"heads cannot be replicated evenly; use a tp among {divisors(self.heads)} that divides or is a "
-                f"multiple of {self.kv_heads}"
-            )
-
-    @property
-    def kv_replicas(self) -> int:
-        return max(1, self.tp // self.kv_heads)
-
-    def value(self, name: str) -> int:
-        local_heads = self.heads // self.tp
-        local_kv = max(1, self.kv_heads // self.tp)
-        return {
-            "local_heads": local_heads,
-            "local_kv_heads": local_kv,
-            "local_kv_groups": local_heads // local_kv,
-            "local_q_width": local_heads * self.head_dim,
-        }[name]
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-@dataclass(frozen=True)
 class TpPlan:
     """A policy resolved against one model at one tp: concrete module names, no patterns."""
 
     policy: ModelPolicy
     tp: int
     layout: HeadLayout
-    rules: tuple[tuple[str, str], ...]  # (module name from the top model, style)
-    patches: tuple[tuple[str, str, int], ...]  # (module name, attribute, new value)
+    rules: tuple[tuple[str, str], ...]  # (module name from the top model, or parameter name for param_*, style)
+    patches: tuple[tuple[str, str, int], ...]  # (module name, attribute path, new value)
+    grad_sum: tuple[str, ...]  # replicated parameters whose gradients are summed over tp
     tp_entries: tuple[str, ...]
     tp_rng_regions: tuple[str, ...]
     shared_rng_regions: tuple[str, ...]
     loss: str | None  # the built-in loss, None for a base model without a head
     base_prefix: str
+    mla_rope_dim: int | None = None  # the rotary tail of MLA's kv_a projection (style mla_kv_a)
 
     def only(self, keep: Callable[[str], bool]) -> TpPlan:
         """The plan restricted to the modules ``keep`` accepts (those of this pipeline stage)."""
         return replace(
             self,
-            rules=tuple(r for r in self.rules if keep(r[0])),
+            rules=tuple(r for r in self.rules if keep(rule_module(*r))),
+            grad_sum=tuple(n for n in self.grad_sum if keep(n.rpartition(".")[0])),
             patches=tuple(p for p in self.patches if keep(p[0])),
             tp_entries=tuple(n for n in self.tp_entries if keep(n)),
             tp_rng_regions=tuple(n for n in self.tp_rng_regions if keep(n)),
@@ -166,121 +111,113 @@ class TpPlan:
         )
 
 
-def pattern_regex(pattern: str) -> re.Pattern[str]:
-    parts = [r"[^.]+" if p == "*" else re.escape(p) for p in pattern.split(".")]
-    return re.compile(r"\.".join(parts) + r"\Z")
+def rule_module(name: str, style: str) -> str:
+    """The module a rule acts on: itself, or for a parameter style the parameter's owner."""
+    return name.rpartition(".")[0] if style in PARAM_STYLES else name
 
 
-def match_modules(root: nn.Module, pattern: str) -> list[str]:
-    """Names of the modules under ``root`` that ``pattern`` matches (``*`` = one name component)."""
-    regex = pattern_regex(pattern)
-    return [name for name, _ in root.named_modules() if name and regex.match(name)]
-
-
-def base_model_and_prefix(model: nn.Module) -> tuple[nn.Module, str]:
-    """HF's base model and its attribute path in ``model`` ('' when ``model`` is the base model)."""
-    base = getattr(model, "base_model", model)
-    if base is model:
-        return model, ""
-    for name, module in model.named_modules():
-        if module is base:
-            return base, name
-    raise ValueError(f"{type(model).__name__}.base_model is not one of its submodules")
-
-
-def head_layout(config, *, tp: int, num_kv_heads_key: str | None) -> HeadLayout:
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, num_kv_heads_key, None) if num_kv_heads_key else None
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return HeadLayout(heads=heads, kv_heads=kv_heads or heads, head_dim=head_dim, tp=tp)
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _is_projection(module: nn.Module) -> bool:
-    return isinstance(module, (nn.Linear, Conv1D))
-
-
-def _check_rule(model: nn.Module, name: str, style: str, layout: HeadLayout, tp: int) -> None:
-    module = model.get_submodule(name)
-    if style == "replicate":
-        return
-    if style == "vocab_embedding":
-        if not isinstance(module, nn.Embedding):
-            raise ValueError(f"rule {style!r} on {name}: expected nn.Embedding, got {type(module).__name__}")
-        return
-    if not _is_projection(module):
-        raise ValueError(f"rule {style!r} on {name}: expected nn.Linear or Conv1D, got {type(module).__name__}")
-    if isinstance(module, Conv1D):
-        in_f, out_f = module.nx, module.nf
-    else:
-        in_f, out_f = module.in_features, module.out_features
-    if style == "rowwise":
-        if in_f % tp:
-            raise ValueError(f"tp={tp} does not divide in_features={in_f} of {name}")
-    elif style == "colwise_kv":
-        if out_f != layout.kv_heads * layout.head_dim:
-            raise ValueError(
-                f"{name} has {out_f} outputs, not num_key_value_heads*head_dim = {layout.kv_heads}*{layout.head_dim}"
-            )
-    elif style.startswith("colwise"):
-        parts = packed_parts(style)
-        if out_f % (parts * tp):
-            raise ValueError(f"tp={tp} does not divide the {parts} output part(s) of {name} (out_features={out_f})")
-
-
-def build_tp_plan(model: nn.Module, policy: ModelPolicy, *, tp: int) -> TpPlan:
-    """Resolve ``policy`` on ``model``; raise ``ValueError`` for anything that does not fit."""
-    config = model.config
-    if config.model_type != policy.model_type:
-        raise ValueError(f"policy for {policy.model_type!r} given a {config.model_type!r} model")
-    layout = head_layout(config, tp=tp, num_kv_heads_key=policy.num_kv_heads_key)
-    base, prefix = base_model_and_prefix(model)
+def _resolve_rules(model: nn.Module, policy: ModelPolicy, base: nn.Module, prefix: str) -> dict[str, str]:
     has_head = base is not model
-
     rules: dict[str, str] = {}
     for scope, plan, root_prefix in ((base, policy.tp_plan, prefix), (model, policy.head_plan if has_head else {}, "")):
         for pattern, style in plan.items():
-            names = match_modules(scope, pattern)
-            if not names:
+            names = match_parameters(scope, pattern) if style in PARAM_STYLES else match_modules(scope, pattern)
+            if not names and not policy.transformers_plan:  # transformers' plans name optional modules
                 raise ValueError(f"policy {policy.model_type}: rule {pattern!r} matches no module of {type(scope).__name__}")
             for name in names:
-                rules[_join(root_prefix, name)] = style
-    for name, style in rules.items():
-        _check_rule(model, name, style, layout, tp)
+                rules[join(root_prefix, name)] = style
+    return rules
 
+
+def _check_coverage(policy: ModelPolicy, base: nn.Module, prefix: str, rules: dict[str, str]) -> None:
+    """Every Linear inside a block has a rule; under transformers' convention an unnamed one stays whole."""
     blocks = match_modules(base, f"{policy.layers}.*")
     if not blocks:
         raise ValueError(f"policy {policy.model_type}: layers {policy.layers!r} has no blocks")
+    if policy.transformers_plan:
+        return
     for block in blocks:
         for sub, module in base.get_submodule(block).named_modules():
-            full = _join(prefix, f"{block}.{sub}" if sub else block)
-            if _is_projection(module) and full not in rules:
+            full = join(prefix, f"{block}.{sub}" if sub else block)
+            if is_projection(module) and full not in rules:
                 raise ValueError(
                     f"policy {policy.model_type}: {full} ({type(module).__name__}) inside a sharded block has no rule; "
                     f"add it to tp_plan (use 'replicate' to keep it whole)"
                 )
 
+
+def _has_path(obj: object, path: list[str]) -> bool:
+    for attr in path:
+        if not hasattr(obj, attr):
+            return False
+        obj = getattr(obj, attr)
+    return True
+
+
+def _resolve_patches(policy: ModelPolicy, base: nn.Module, prefix: str, layout: HeadLayout) -> list[tuple[str, str, int]]:
+    """(module, attribute path, value) for every patch; the module part is the longest prefix of the
+    key that names modules, the rest an attribute path that must exist on each of them."""
     patches: list[tuple[str, str, int]] = []
     for target, value in policy.attr_patches.items():
-        pattern, _, attr = target.rpartition(".")
-        names = match_modules(base, pattern)
-        if not names:
+        parts = target.split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            names = match_modules(base, ".".join(parts[:cut]))
+            if names:
+                path = parts[cut:]
+                break
+        else:
             raise ValueError(f"policy {policy.model_type}: patch {target!r} matches no module")
         for name in names:
-            if not hasattr(base.get_submodule(name), attr):
-                raise ValueError(f"policy {policy.model_type}: {_join(prefix, name)} has no attribute {attr!r} to patch")
-            patches.append((_join(prefix, name), attr, layout.value(value)))
+            obj = base.get_submodule(name)
+            if policy.transformers_plan and not _has_path(obj, path):
+                continue  # a layer of another kind (MiniMax's linear attention) reads no such value
+            for attr in path:
+                if not hasattr(obj, attr):
+                    raise ValueError(f"policy {policy.model_type}: {join(prefix, name)} has no attribute "
+                                     f"{'.'.join(path)!r} to patch")
+                obj = getattr(obj, attr)
+            patches.append((join(prefix, name), ".".join(path), attention_layout(base.get_submodule(name), layout).value(value)))
+    return patches
+
+
+def _grad_sum_params(model: nn.Module, rules: dict[str, str]) -> tuple[str, ...]:
+    """The parameters a ``replicate_grad_sum`` rule names: itself, or every parameter of its module."""
+    params = dict(model.named_parameters())
+    names: list[str] = []
+    for name, style in rules.items():
+        if style == "replicate_grad_sum":
+            names += [name] if name in params else [join(name, p) for p, _ in model.get_submodule(name).named_parameters()]
+    return tuple(names)
+
+
+def build_tp_plan(model: nn.Module, policy: ModelPolicy, *, tp: int) -> TpPlan:
+    """Resolve ``policy`` on ``model``; raise ``ValueError`` for anything that does not fit.
+
+    At tp=1 nothing is sharded, so no style is checked or applied: data and pipeline parallelism
+    never depend on what tensor parallelism would need."""
+    config = model.config
+    if config.model_type != policy.model_type:
+        raise ValueError(f"policy for {policy.model_type!r} given a {config.model_type!r} model")
+    if tp > 1 and policy.tp_refusal:
+        raise ValueError(f"tp={tp}: {policy.tp_refusal}; use tp=1 (data and pipeline parallelism still apply)")
+    layout = head_layout(config, tp=tp, num_kv_heads_key=policy.num_kv_heads_key)
+    base, prefix = base_model_and_prefix(model)
+
+    rules = _resolve_rules(model, policy, base, prefix)
+    _check_coverage(policy, base, prefix, rules)
+    patches = _resolve_patches(policy, base, prefix, layout)
+    if tp > 1:
+        rules = split_kv_per_module(model, rules, layout)
+        for name, style in rules.items():
+            check_rule(model, name, style, layout, tp)
 
     def regions(patterns: tuple[str, ...], what: str) -> tuple[str, ...]:
         found: list[str] = []
         for pattern in patterns:
             names = match_modules(base, pattern)
-            if not names:
+            if not names and not policy.transformers_plan:  # optional modules, as in its rules
                 raise ValueError(f"policy {policy.model_type}: {what} {pattern!r} matches no module")
-            found += [_join(prefix, n) for n in names]
+            found += [join(prefix, n) for n in names]
         return tuple(found)
 
     entries = regions(policy.tp_entries, "tp entry")
@@ -288,16 +225,19 @@ def build_tp_plan(model: nn.Module, policy: ModelPolicy, *, tp: int) -> TpPlan:
         inside = [n for n, style in rules.items() if n.startswith(entry + ".") and style.startswith("colwise")]
         if not inside:
             raise ValueError(f"policy {policy.model_type}: tp entry {entry} holds no column-parallel layer")
-
+    sharding = tp > 1
+    mla = any(style == "mla_kv_a" for style in rules.values())
     return TpPlan(
         policy=policy,
         tp=tp,
         layout=layout,
-        rules=tuple(rules.items()),
-        patches=tuple(patches),
-        tp_entries=entries,
+        rules=tuple(rules.items()) if sharding else (),
+        patches=tuple(patches) if sharding else (),
+        grad_sum=_grad_sum_params(model, rules) if sharding else (),
+        tp_entries=entries if sharding else (),
         tp_rng_regions=regions(policy.tp_rng_regions, "rng region"),
         shared_rng_regions=regions(policy.shared_rng_regions, "rng region"),
-        loss=policy.loss if has_head else None,
+        loss=policy.loss if base is not model else None,
         base_prefix=prefix,
+        mla_rope_dim=config.get_text_config().qk_rope_head_dim if mla and sharding else None,
     )

@@ -10,17 +10,25 @@ from __future__ import annotations
 
 from torch import nn
 
-from .plan import ModelPolicy, base_model_and_prefix, head_layout, match_modules
-
-# transformers' styles that map onto ours; "packed_colwise" is a fused gate|up projection.
-_HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "packed_colwise": "colwise_packed2",
-              "replicated_with_grad_allreduce": "replicate"}
+from .adapters import adapter_for
+from .heads import head_layout
+from .names import base_model_and_prefix, match_modules, match_parameters
+from .plan import ModelPolicy
+from .styles import HF_STYLES, PARAM_FORM
 
 
 def builtin_policies() -> dict[str, ModelPolicy]:
     from model_policies import POLICIES  # imported late: policy files import qn_hf.plan
 
     return dict(POLICIES)
+
+
+def plan_amendments(model_type: str) -> tuple[dict[str, str], str | None]:
+    """From ``model_policies.amendments``: the rules (transformers' style names) added to a model's tp
+    plan, and why tp is refused for it (None: it is not)."""
+    from model_policies import AMENDMENTS, REFUSALS
+
+    return dict(AMENDMENTS.get(model_type, {})), REFUSALS.get(model_type)
 
 
 def resolve_policy(model: nn.Module, policy: ModelPolicy | None) -> ModelPolicy:
@@ -48,57 +56,88 @@ def _relative_name(root: nn.Module, module: nn.Module) -> str | None:
     return None
 
 
+def _submodule(root: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return root.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def _translate(base: nn.Module, config, hf_plan: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """transformers' plan in our styles, and what cannot be translated (refused at tp > 1)."""
+    kv_key = "num_key_value_heads" if getattr(config, "num_key_value_heads", None) else None
+    layout = head_layout(config, tp=1, num_kv_heads_key=kv_key)
+    kv_width = layout.kv_heads * layout.head_dim
+    tp_plan: dict[str, str] = {}
+    problems: list[str] = []
+    for pattern, hf_style in hf_plan.items():
+        if hf_style not in HF_STYLES:
+            problems.append(f"style {hf_style!r} ({pattern})")
+            continue
+        style = HF_STYLES[hf_style]
+        if style is None:
+            continue
+        # transformers' forwards chunk a fused gate|up projection into halves, so each half is split
+        # on its own (a plain colwise split would give rank 0 both halves of the gate).
+        if style == "colwise" and pattern.endswith("gate_up_proj"):
+            style = "colwise_packed2"
+        modules = match_modules(base, pattern)
+        if not modules and match_parameters(base, pattern):  # the rule names a bare parameter
+            if style not in PARAM_FORM:
+                problems.append(f"style {hf_style!r} on the parameter {pattern}")
+                continue
+            style = PARAM_FORM[style]
+        first = base.get_submodule(modules[0]) if modules else None
+        # transformers shards k/v like q; ours must know they hold KV heads to replicate them.
+        if style == "colwise" and isinstance(first, nn.Linear) and layout.kv_heads < layout.heads and first.out_features == kv_width:
+            style = "colwise_kv"
+        tp_plan[pattern] = style
+    return tp_plan, problems
+
+
 def derive_policy(model: nn.Module) -> ModelPolicy | None:
-    """A policy from ``config.base_model_tp_plan`` and ``base_model_pp_plan``, or None without them."""
+    """A policy from ``config.base_model_tp_plan`` and ``base_model_pp_plan``, or None without them.
+
+    The plan keeps transformers' meaning: a rule may match nothing, and a Linear it does not name
+    stays whole. What cannot be translated makes the policy refuse tp > 1, never dp or pp."""
     config = model.config
     hf_plan = getattr(config, "base_model_tp_plan", None) or {}
     pp_plan = getattr(config, "base_model_pp_plan", None) or {}
     if not hf_plan:
         return None
+    added, refusal = plan_amendments(config.model_type)
+    hf_plan = {**hf_plan, **added}
     base, _ = base_model_and_prefix(model)
-    unknown = sorted({s for s in hf_plan.values() if s not in _HF_STYLES})
-    if unknown:
-        raise ValueError(
-            f"model_type={config.model_type!r}: its base_model_tp_plan uses styles {unknown} that qn_hf does not "
-            f"support (supported: {sorted(_HF_STYLES)}); pass policy=ModelPolicy(...)"
-        )
     layers = next((n for n in pp_plan if isinstance(getattr(base, n, None), nn.ModuleList)), None)
+    if layers is None:  # no pp plan: the first list of blocks the tp plan reaches into (HRM has two)
+        layers = next((prefix for p in hf_plan if (prefix := p.partition(".*.")[0]) != p
+                       and isinstance(_submodule(base, prefix), nn.ModuleList)), None)
     if layers is None:
-        raise ValueError(f"model_type={config.model_type!r}: no base_model_pp_plan entry names the list of blocks")
+        raise ValueError(f"model_type={config.model_type!r}: neither base_model_pp_plan nor base_model_tp_plan names "
+                         f"the list of blocks; pass policy=ModelPolicy(...)")
+    tp_plan, problems = _translate(base, config, hf_plan)
+    rowwise_parents = {p.rpartition(".")[0] for p, style in tp_plan.items() if style == "rowwise"}
 
-    kv_key = "num_key_value_heads" if getattr(config, "num_key_value_heads", None) else None
-    layout = head_layout(config, tp=1, num_kv_heads_key=kv_key)
-    kv_width = layout.kv_heads * layout.head_dim
-    tp_plan: dict[str, str] = {}
-    rowwise_parents: set[str] = set()
-    for pattern, hf_style in hf_plan.items():
-        style = _HF_STYLES[hf_style]
-        names = match_modules(base, pattern)
-        first = base.get_submodule(names[0]) if names else None
-        # transformers shards k/v like q; ours must know they hold KV heads to replicate them.
-        if style == "colwise" and isinstance(first, nn.Linear) and layout.kv_heads < layout.heads and first.out_features == kv_width:
-            style = "colwise_kv"
-        if style == "rowwise":
-            rowwise_parents.add(pattern.rpartition(".")[0])
-        tp_plan[pattern] = style
-
+    # The embedding and the LM head are sharded over the vocabulary when qn_hf reproduces their class
+    # exactly (qn_hf.adapters); anything else stays whole, which is always correct.
     embeddings = _relative_name(base, model.get_input_embeddings())
-    if embeddings is not None and isinstance(model.get_input_embeddings(), nn.Embedding):
+    if embeddings is not None and adapter_for(model.get_input_embeddings()) is not None:
         tp_plan.setdefault(embeddings, "vocab_embedding")
     head_plan: dict[str, str] = {}
     loss = None
     output = model.get_output_embeddings() if base is not model else None
     if isinstance(output, nn.Linear) and output.out_features == config.vocab_size:
-        head_plan[_relative_name(model, output)] = "vocab_colwise"
+        head_plan[_relative_name(model, output)] = "vocab_colwise" if type(output) is nn.Linear else "replicate"
         loss = "causal_lm"
 
     # Pipeline cut points from transformers' pp plan: the entry is the input embedding; whatever
-    # comes after the blocks (the final norm) is last-stage only.
+    # comes after the blocks (the final norm) is last-stage only. Without a pp plan, no pp.
     order = list(pp_plan)
-    after_layers = [n for n in order[order.index(layers) + 1 :] if isinstance(getattr(base, n, None), nn.Module)]
+    after_layers = [n for n in order[order.index(layers) + 1 :] if isinstance(getattr(base, n, None), nn.Module)] if layers in order else []
 
     attention = [p for p in rowwise_parents if any(hasattr(base.get_submodule(n), "num_key_value_groups")
                                                     for n in match_modules(base, p))]
+    kv_key = "num_key_value_heads" if getattr(config, "num_key_value_heads", None) else None
     return ModelPolicy(
         model_type=config.model_type,
         layers=layers,
@@ -109,6 +148,10 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
         loss=loss,
         forward_kwargs={"use_cache": False},
         num_kv_heads_key=kv_key,
-        pp_entry=embeddings,
+        pp_entry=embeddings if layers in order else None,
         pp_last={n: "identity" for n in after_layers},
+        transformers_plan=True,
+        tp_refusal=(f"transformers' tp plan for {config.model_type!r}: {refusal}" if refusal else
+                    f"transformers' tp plan for {config.model_type!r} uses {', '.join(problems)}, which qn_hf does not "
+                    f"support" if problems else None),
     )

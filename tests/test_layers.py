@@ -9,7 +9,8 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from qn_hf.comm import gather_from_group
-from qn_hf.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from qn_hf.embeddings import VocabParallelEmbedding
+from qn_hf.layers import ColumnParallelLinear, RowParallelLinear
 from qn_hf.loss import vocab_parallel_cross_entropy
 from qn_hf.shard import ShardSpec, padded
 

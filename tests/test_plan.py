@@ -10,7 +10,8 @@ import torch.distributed as dist
 from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import qn_hf
-from qn_hf.plan import HeadLayout, ModelPolicy, build_tp_plan
+from qn_hf.heads import HeadLayout
+from qn_hf.plan import ModelPolicy, build_tp_plan
 from qn_hf.policies import derive_policy, resolve_policy
 from tests.models import CONFIGS, auto_class
 

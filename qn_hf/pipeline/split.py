@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..plan import ModelPolicy, base_model_and_prefix
+from ..names import base_model_and_prefix
+from ..plan import ModelPolicy
 
 
 class StandIn(nn.Module):

@@ -1,0 +1,19 @@
+"""Where transformers' own tp plan for an architecture is incomplete or wrong (data only; read by
+``derive_policy``): rules added to it, and architectures whose plan cannot be made right with the
+styles qn_hf has, which then refuse tp > 1 (data and pipeline parallelism still apply).
+
+apertus: the MLP's xIELU activation (``act_fn``) has learnable scalars (``alpha_p``, ``alpha_n``)
+and runs on the column-parallel ``up_proj`` output, i.e. on this rank's share of the intermediate
+features: its gradient is partial per rank and must be summed over tp.
+"""
+
+AMENDMENTS: dict[str, dict[str, str]] = {
+    "apertus": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
+}
+
+# model_type -> why tensor parallelism is refused
+REFUSALS: dict[str, str] = {
+    "doge": "its plan splits the attention's dt_proj rowwise, so every rank gets the dynamic mask of all "
+            "KV heads while its attention holds only its own heads (the shapes no longer match); a correct "
+            "split would need dt_proj's output and the per-head A sharded by head, which no style expresses",
+}
