@@ -141,7 +141,7 @@ def save_checkpoint(pm: ParallelModel, path: str, *, optimizer: torch.optim.Opti
         index = {
             "format": FORMAT, "version": VERSION, "library_version": __version__, "step": step,
             "mesh": {"dp": pm.dims.dp, "tp": pm.dims.tp, "pp": pm.dims.pp},
-            "config": pm.module.config.to_dict(), "tensors": {}, "optimizer": None, "files": {},
+            "config": pm.config.to_dict(), "tensors": {}, "optimizer": None, "files": {},
         }
         for meta_name in sorted(n for n in os.listdir(partial) if n.endswith(".json")):
             with open(os.path.join(partial, meta_name)) as f:
@@ -458,8 +458,8 @@ def _read_all(pm: ParallelModel, path: str, optimizer: torch.optim.Optimizer | N
         config = index.get("config", {})
     checks = FileChecks(directory, index.get("files"))
     saved_type = config.get("model_type")
-    if saved_type != pm.module.config.model_type:
-        raise CheckpointError(f"{directory} holds a {saved_type!r} model, this one is {pm.module.config.model_type!r}")
+    if saved_type != pm.config.model_type:
+        raise CheckpointError(f"{directory} holds a {saved_type!r} model, this one is {pm.config.model_type!r}")
     owner_of = {tie.follower: tie.owner for tie in pm.stage_plan.ties}
     tp_rank = pm.coords["tp"]
     params = dict(pm.named_parameters())

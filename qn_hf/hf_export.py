@@ -93,7 +93,7 @@ def save_pretrained(pm: ParallelModel, path: str, *, max_shard_bytes: int = DEFA
     dist.all_gather_object(every, written)
     if dist.get_rank() == 0:
         files = sorted(f for w in every for f in w)
-        _write_config(pm.module, path)
+        _write_config(pm.module, pm.config, path)
         if files != ["model.safetensors"]:
             _write_index(path, files)
         _remove_stale_weights(path, keep=set(files) | ({INDEX} if files != ["model.safetensors"] else set()))
@@ -127,8 +127,8 @@ def _write_index(path: str, files: list[str]) -> None:
     os.replace(tmp, os.path.join(path, INDEX))
 
 
-def _write_config(module: torch.nn.Module, path: str) -> None:
-    module.config.save_pretrained(path)
+def _write_config(module: torch.nn.Module, config, path: str) -> None:
+    config.save_pretrained(path)
     generation_config = getattr(module, "generation_config", None)
     if generation_config is not None and getattr(module, "can_generate", lambda: False)():
         generation_config.save_pretrained(path)

@@ -166,7 +166,7 @@ class ParallelModel:
         check_batch(batch, microbatches=self.microbatches, required=("labels",) if builtin else ())
         check_model_inputs(batch, model=self.module, loss=self.plan.loss if builtin else None)
         if builtin and self.plan.loss == "classification":
-            config = self.module.config
+            config = self.config
             if config.num_labels == 1 or getattr(config, "problem_type", None) in ("regression", "multi_label_classification"):
                 raise ValueError(
                     f"the built-in classification loss is single-label cross-entropy (num_labels={config.num_labels}, "
@@ -258,6 +258,11 @@ class ParallelModel:
         if not self._replicas_checked:  # once: the dataflow that makes a gradient partial never changes
             self._replicas_checked = True
             check_replicated_grads({n: p.grad for n, p in local.items() if self.specs.get(n) is None}, group=self.groups.tp)
+
+    @property
+    def config(self):
+        """The whole model's Hugging Face config (a pipeline stage's modules may hold a cut copy)."""
+        return self.stage.config
 
     # -- export ----------------------------------------------------------------------------------
     def save_pretrained(self, path: str, *, max_shard_size: int = DEFAULT_MAX_SHARD_BYTES) -> None:

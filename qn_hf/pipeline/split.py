@@ -18,6 +18,7 @@ model in place.
 
 from __future__ import annotations
 
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from torch import nn
 
 from ..names import base_model_and_prefix
 from ..plan import ModelPolicy
+from .stage_config import slice_layer_lists
 
 
 class StandIn(nn.Module):
@@ -248,6 +250,7 @@ class StageModules:
     stage: int
     stages: int
     injector: Injector | None
+    config: object  # the whole model's config, as given: exports and checkpoints write this one
 
     @property
     def is_first(self) -> bool:
@@ -260,14 +263,17 @@ class StageModules:
 
 def apply_stage(model: nn.Module, plan: StagePlan, *, stage: int) -> StageModules:
     """Keep only ``stage``'s modules in ``model`` (in place); the others are freed."""
+    config = model.config
     if plan.stages == 1:
-        return StageModules(stage=0, stages=1, injector=None)
+        return StageModules(stage=0, stages=1, injector=None, config=config)
     layers = model.get_submodule(plan.layers)
     start, stop = plan.layer_ranges[stage]
     kept = nn.ModuleList()
     for i in range(start, stop):
         kept.add_module(str(i), layers[i])  # original index: parameter names stay the HF names
     _replace(model, plan.layers, kept)
+    parent = plan.layers.rpartition(".")[0]
+    slice_layer_lists(model.get_submodule(parent) if parent else model, start=start, stop=stop, total=len(layers))
 
     injector = None
     if stage > 0:
@@ -281,4 +287,4 @@ def apply_stage(model: nn.Module, plan: StagePlan, *, stage: int) -> StageModule
             _replace(model, name, _standin(kind, model.get_submodule(name)))
         for head in plan.heads:
             _replace(model, head, PassThrough())
-    return StageModules(stage=stage, stages=plan.stages, injector=injector)
+    return StageModules(stage=stage, stages=plan.stages, injector=injector, config=config)
