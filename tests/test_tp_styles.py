@@ -1,0 +1,98 @@
+"""Pieces of the tp styles that the model zoo exercises only as a whole: which embedding subclasses
+are reproduced, a user's policy patching a value inside the shared config, and the first step's
+refusal of a replicated parameter whose gradient is partial."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import CONFIG_MAPPING
+
+from qn_hf.adapters import adapter_for
+from qn_hf.check.shrink import shrink_config
+from qn_hf.plan import ModelPolicy
+
+
+class _Doubled(nn.Embedding):
+    def forward(self, input_ids):
+        return super().forward(input_ids) * 2  # not a behaviour qn_hf knows: must be refused
+
+
+class _Renamed(nn.Embedding):
+    """A subclass that changes nothing the lookup does."""
+
+    def extra_repr(self) -> str:
+        return "renamed"
+
+
+def _embedding_of(model_type: str) -> nn.Module:
+    from qn_hf.check.run import build
+
+    return build(shrink_config(CONFIG_MAPPING[model_type]()), seed=0).get_input_embeddings()
+
+
+def test_embedding_adapters():
+    assert adapter_for(nn.Embedding(5, 3)).behaviour == "plain"
+    assert adapter_for(_Renamed(5, 3)).behaviour == "plain"
+    assert adapter_for(_Doubled(5, 3)) is None
+    assert adapter_for(nn.Linear(3, 5)) is None
+    for model_type in ("gemma", "gemma2", "gemma3_text", "vaultgemma"):
+        assert adapter_for(_embedding_of(model_type)).behaviour == "scaled", model_type
+    assert adapter_for(_embedding_of("inkling_text")).behaviour == "normed"
+
+
+def _phi3_policy(**overrides) -> ModelPolicy:
+    """Phi-3 written by hand: fused q|k|v split per part, and the attention's own copy of the config
+    told its local head count (its forward reads ``self.config.num_attention_heads``)."""
+    fields = dict(
+        model_type="phi3", layers="layers",
+        tp_plan={"embed_tokens": "vocab_embedding", "layers.*.self_attn.qkv_proj": "colwise_packed3",
+                 "layers.*.self_attn.o_proj": "rowwise", "layers.*.mlp.gate_up_proj": "colwise_packed2",
+                 "layers.*.mlp.down_proj": "rowwise"},
+        head_plan={"lm_head": "vocab_colwise"},
+        attr_patches={"layers.*.self_attn.config.num_attention_heads": "local_heads",
+                      "layers.*.self_attn.num_key_value_heads": "local_kv_heads"},
+        tp_entries=("layers.*.self_attn", "layers.*.mlp"),
+        loss="causal_lm", forward_kwargs={"use_cache": False}, num_kv_heads_key="num_key_value_heads",
+        pp_entry="embed_tokens", pp_last={"norm": "identity"},
+    )
+    return ModelPolicy(**{**fields, **overrides})
+
+
+def _phi3_config() -> dict:
+    config = shrink_config(CONFIG_MAPPING["phi3"]())
+    config.num_key_value_heads = config.num_attention_heads  # equal q/k/v parts for colwise_packed3
+    return config.to_dict()
+
+
+def test_policy_patches_the_shared_config_per_module(worlds, tmp_path):
+    verdict = worlds.run(2, "tests.zoo_cases:custom_policy_step", config=_phi3_config(), policy=_phi3_policy(), tp=2,
+                         out_dir=str(tmp_path))[0]
+    assert verdict["verdict"] == "equal", verdict["reason"]
+    assert verdict["exported_config"]["num_attention_heads"] == 4  # the saved config keeps the full count
+
+
+def test_without_the_config_patch_the_forward_fails_clearly(worlds, tmp_path):
+    policy = _phi3_policy(attr_patches={"layers.*.self_attn.num_key_value_heads": "local_kv_heads"})
+    with pytest.raises(AssertionError, match="size|shape"):
+        worlds.run(2, "tests.zoo_cases:custom_policy_step", config=_phi3_config(), policy=policy, tp=2,
+                   out_dir=str(tmp_path))
+
+
+def test_partial_gradient_of_a_replicated_parameter_is_refused(worlds, tmp_path):
+    """Qwen3's plan without its replicated_with_grad_allreduce rules: the per-head norms see only
+    this rank's heads. The first step refuses, on every rank, naming them."""
+    from qn_hf.policies import derive_policy
+    from qn_hf.check.run import build
+
+    config = shrink_config(CONFIG_MAPPING["qwen3"]())
+    derived = derive_policy(build(config, seed=0))
+    plan = {k: v for k, v in derived.tp_plan.items() if v != "replicate_grad_sum"}
+    assert len(plan) < len(derived.tp_plan)
+    policy = ModelPolicy(**{**derived.__dict__, "tp_plan": plan})
+    verdicts = worlds.run(2, "tests.zoo_cases:custom_policy_step", config=config.to_dict(), policy=policy, tp=2,
+                          out_dir=str(tmp_path))
+    for verdict in verdicts:
+        assert verdict["verdict"] == "refused", verdict
+        assert "get a different gradient on each tp rank" in verdict["reason"] and "q_norm" in verdict["reason"]

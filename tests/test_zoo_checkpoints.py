@@ -1,0 +1,81 @@
+"""Checkpoints of zoo architectures move between meshes: MoE experts (3-D weights sharded on their
+intermediate dimension, frozen routing biases), MLA, a scaled embedding with per-layer attention
+kinds. Saved at (dp, tp, pp) = (1, 2, 2) after an AdamW step, resumed at other meshes (and from an
+offline reshard) the next step equals the uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import CONFIG_MAPPING
+
+import qn_hf
+from qn_hf import convert
+from qn_hf.check.run import build, model_class
+from qn_hf.check.shrink import shrink_config
+from tests.cases import mesh_for
+
+SAVED_AT = (1, 2, 2)
+RESUME_AT = [(2, 1, 1), (1, 2, 1), (1, 1, 2)]
+MODEL_TYPES = ["qwen3_moe", "deepseek_v3", "gemma3_text"]
+
+
+def _load(model_dir: str):
+    from transformers import AutoConfig
+
+    return model_class(AutoConfig.from_pretrained(model_dir)).from_pretrained(model_dir).float()
+
+
+def _step(pm, opt, seed: int) -> float:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 126, (8, 12), generator=gen)
+    rows = 8 // pm.dims.dp
+    local = ids[pm.coords["dp"] * rows : (pm.coords["dp"] + 1) * rows]
+    opt.zero_grad()
+    loss = pm.train_step({"input_ids": local, "labels": local.clone()})
+    opt.step()
+    return loss.item()
+
+
+def _parallel(model_dir: str, dp: int, tp: int, pp: int):
+    pm = qn_hf.parallelize(_load(model_dir), dp=dp, tp=tp, pp=pp, microbatches=2, mesh=mesh_for(dp, tp, pp))
+    trainable = [p for p in pm.parameters() if p.requires_grad]
+    return pm, torch.optim.AdamW(trainable, lr=1e-3, weight_decay=0.01)
+
+
+def case_train_save_continue(*, model_dir: str, ckpt: str, out: str) -> float:
+    pm, opt = _parallel(model_dir, *SAVED_AT)
+    _step(pm, opt, seed=1)
+    pm.save_checkpoint(ckpt, optimizer=opt, step=1)
+    loss = _step(pm, opt, seed=2)
+    pm.save_pretrained(out)
+    return loss
+
+
+def case_resume(*, model_dir: str, ckpt: str, out: str, dp: int, tp: int, pp: int) -> float:
+    pm, opt = _parallel(model_dir, dp, tp, pp)
+    assert pm.load_checkpoint(ckpt, optimizer=opt)["step"] == 1
+    loss = _step(pm, opt, seed=2)
+    pm.save_pretrained(out)
+    return loss
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_zoo_checkpoint_resumes_at_other_meshes(worlds, tmp_path, model_type):
+    model_dir = str(tmp_path / "model")
+    build(shrink_config(CONFIG_MAPPING[model_type]()), seed=0).save_pretrained(model_dir)
+    ckpt, uninterrupted = str(tmp_path / "ckpt"), str(tmp_path / "uninterrupted")
+    expected = worlds.run(4, "tests.test_zoo_checkpoints:case_train_save_continue", model_dir=model_dir, ckpt=ckpt,
+                          out=uninterrupted)[0]
+    reference = dict(_load(uninterrupted).named_parameters())
+    assert convert.main(["reshard", ckpt, str(tmp_path / "resharded"), "--tp", "1", "--pp", "2"]) == 0
+    for dp, tp, pp, source in [(*mesh, ckpt) for mesh in RESUME_AT] + [(1, 1, 2, str(tmp_path / "resharded"))]:
+        out = str(tmp_path / f"resumed-{dp}-{tp}-{pp}-{os.path.basename(source)}")
+        loss = worlds.run(dp * tp * pp, "tests.test_zoo_checkpoints:case_resume", model_dir=model_dir, ckpt=source,
+                          out=out, dp=dp, tp=tp, pp=pp)[0]
+        assert abs(loss - expected) <= 1e-5 * abs(expected), (dp, tp, pp, loss, expected)
+        resumed = dict(_load(out).named_parameters())
+        err = max((resumed[n] - p).abs().max().item() for n, p in reference.items())
+        assert err < 2e-5, f"resumed at {(dp, tp, pp)} from {os.path.basename(source)}: max weight difference {err}"

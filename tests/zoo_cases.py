@@ -1,0 +1,21 @@
+"""Model-zoo jobs run inside test worlds (every rank)."""
+
+from __future__ import annotations
+
+from qn_hf.check.run import one_step_parity
+from tests.cases import mesh_for
+
+
+def zoo_step(*, config: dict, dp: int, tp: int, pp: int) -> dict:
+    return one_step_parity(config=config, dp=dp, tp=tp, pp=pp, mesh=mesh_for(dp, tp, pp))
+
+
+def custom_policy_step(*, config: dict, policy, tp: int, out_dir: str) -> dict:
+    """One step with a user's own policy; also returns the exported config (rank 0)."""
+    import json
+    import os
+
+    verdict = one_step_parity(config=config, tp=tp, mesh=mesh_for(1, tp), out_dir=out_dir, policy=policy)
+    exported = os.path.join(out_dir, "config.json")
+    verdict["exported_config"] = json.load(open(exported)) if os.path.exists(exported) else None
+    return verdict
