@@ -1,0 +1,131 @@
+"""A shrunk random copy of an architecture: the same config class and model class, small widths.
+
+``shrink_config`` keeps every switch of the original config (attention kinds, norms, MoE routing,
+layer patterns, softcapping, scales) and replaces only sizes, so the shrunk model runs the same code
+paths as the full one, in seconds on a CPU. Every dropout is set to 0, so two runs of one step are
+comparable bit for bit up to float summation order. Used by ``qn-hf-check`` and the model-zoo test.
+"""
+
+from __future__ import annotations
+
+import math
+
+from transformers import PretrainedConfig
+
+# Widths small enough for CPU, divisible by tp in {1, 2, 4} and, for heads, still grouped (GQA).
+HIDDEN = 64
+HEADS = 4
+HEAD_DIM = 16
+LAYERS = 4
+VOCAB = 126  # not a multiple of 4: tp=4 pads the vocabulary
+EXPERTS = 4
+
+# size key -> value (applied only to keys the config has and that are set)
+_SIZES: dict[str, int] = {
+    "hidden_size": HIDDEN, "intermediate_size": 128, "num_attention_heads": HEADS, "num_attention_heads_per_layer": HEADS,
+    "intermediate_size_per_layer": 128, "head_dim": HEAD_DIM,
+    "num_hidden_layers": LAYERS, "vocab_size": VOCAB, "max_position_embeddings": 128,
+    # mixture of experts
+    "num_experts": EXPERTS, "num_local_experts": EXPERTS, "n_routed_experts": EXPERTS, "moe_num_experts": EXPERTS,
+    "num_experts_per_tok": 2, "num_experts_per_token": 2, "moe_topk": 2, "moe_k": 2,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "shared_experts_intermediate_size": 32,
+    "moe_shared_expert_intermediate_size": 32, "shared_intermediate_size": 32, "expert_ffn_hidden_size": 32,
+    "dense_intermediate_size": 128, "intermediate_size_mlp": 128, "ffn_hidden_size": 128,
+    "n_shared_experts": 1, "num_shared_experts": 1, "moe_num_shared_experts": 1,
+    "n_group": 1, "topk_group": 1, "num_expert_group": 1, "first_k_dense_replace": 1, "num_dense_layers": 1,
+    # multi-head latent attention
+    "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": HEAD_DIM,
+    "qk_head_dim": HEAD_DIM, "o_lora_rank": 16,
+    # sparse attention indexers, linear attention, state-space mixers
+    "index_n_heads": HEADS, "index_head_dim": HEAD_DIM, "index_topk": 8,
+    "linear_num_key_heads": HEADS, "linear_num_value_heads": HEADS, "linear_key_head_dim": HEAD_DIM,
+    "linear_value_head_dim": HEAD_DIM, "linear_num_heads": HEADS, "linear_head_dim": HEAD_DIM,
+    "mamba_n_heads": HEADS, "mamba_num_heads": HEADS, "mamba_d_head": HEAD_DIM, "mamba_head_dim": HEAD_DIM,
+    "mamba_d_state": 16, "ssm_state_size": 16, "mamba_n_groups": 1, "n_groups": 1, "mamba_chunk_size": 8,
+    "chunk_size": 8, "mamba_dt_rank": 8,
+    "swa_num_attention_heads": HEADS, "swa_head_dim": HEAD_DIM,
+    "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": VOCAB, "laurel_rank": 8,
+    "num_nextn_predict_layers": 0,
+}
+_TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def _is_dropout(key: str) -> bool:
+    return "dropout" in key or key.endswith("pdrop")
+
+
+def _resized_pattern(values: list, length: int) -> list:
+    """The first ``length`` entries of a per-layer list, with every kind it had still present
+    (the last entries are replaced by kinds the prefix lacks, in their original order)."""
+    out = [values[i % len(values)] for i in range(length)]
+    missing = [v for v in dict.fromkeys(values) if v not in out]
+    for i, v in enumerate(missing[: length - 1]):
+        out[length - 1 - i] = v
+    return out
+
+
+def _resize_rope(rope: dict, *, head_dim: int) -> dict:
+    """Per-frequency lists (longrope factors, mrope sections) sized for the new head dimension."""
+    rope = dict(rope)
+    half = head_dim // 2
+    for key in ("short_factor", "long_factor"):
+        if isinstance(rope.get(key), list):
+            rope[key] = [1.0] * half
+    if isinstance(rope.get("mrope_section"), list):
+        n = len(rope["mrope_section"])
+        rope["mrope_section"] = [half // n + (1 if i < half % n else 0) for i in range(n)]
+    if "original_max_position_embeddings" in rope:
+        rope["original_max_position_embeddings"] = 64
+    return rope
+
+
+def shrink_config(config: PretrainedConfig, *, layers: int = LAYERS) -> PretrainedConfig:
+    """A copy of ``config`` (same class) with small sizes, no dropout and token ids in the vocabulary."""
+    data = config.to_dict()
+    kv_ratio = 1
+    heads, kv = data.get("num_attention_heads"), data.get("num_key_value_heads")
+    if isinstance(heads, int) and isinstance(kv, int) and 0 < kv < heads:
+        kv_ratio = 2  # keep grouped-query attention grouped
+    new: dict = {}
+    layers_before = data.get("num_hidden_layers")
+    for key, value in data.items():
+        if key in _SIZES and (value is None or isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            new[key] = _SIZES[key]  # None too: some defaults leave a size for the checkpoint to fill
+        elif isinstance(value, list) and value and len(value) == layers_before:
+            # a per-layer list (layer kinds, per-layer heads or widths): same kinds, new length
+            per_layer = [_SIZES.get(key.removesuffix("_per_layer"), v) if isinstance(v, int) else v for v in value]
+            new[key] = _resized_pattern(per_layer, layers)
+        elif isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
+            new[key] = {k: v for k, v in value.items() if int(k) < layers}  # per-layer overrides by index
+        elif _is_dropout(key) and isinstance(value, (int, float)) and not isinstance(value, bool):
+            new[key] = 0.0
+    new["num_hidden_layers"] = layers
+    if "num_key_value_heads" in data:
+        new["num_key_value_heads"] = HEADS // kv_ratio
+    for key in ("linear_num_key_heads", "swa_num_key_value_heads", "index_n_heads"):
+        if isinstance(data.get(key), int):
+            new[key] = HEADS // kv_ratio if key != "index_n_heads" else HEADS
+    if isinstance(data.get("sliding_window"), int):
+        new["sliding_window"] = 8  # shorter than the test sequences: the window is exercised
+    if "qk_rope_head_dim" in data and "head_dim" in data:
+        new["head_dim"] = _SIZES["qk_rope_head_dim"]  # multi-head latent attention: head_dim is the rotary part
+    for key, value in _TOKEN_IDS.items():
+        if isinstance(data.get(key), int):
+            new[key] = value
+        elif isinstance(data.get(key), list):
+            new[key] = [value]
+    head_dim = new.get("head_dim") or HIDDEN // HEADS
+    for key in ("rope_parameters", "rope_scaling"):
+        if isinstance(data.get(key), dict):
+            new[key] = _resize_rope(data[key], head_dim=head_dim)
+    if "output_router_logits" in data:
+        new["output_router_logits"] = False
+    merged = {**data, **new}
+    for key in ("model_type", "transformers_version", "architectures"):
+        merged.pop(key, None)
+    shrunk = type(config)(**merged)
+    if getattr(config, "architectures", None):
+        shrunk.architectures = list(config.architectures)
+    return shrunk
+
+
