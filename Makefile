@@ -7,7 +7,7 @@ NPROC ?= 8
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.qn_hf-installed
 
-.PHONY: demo test bench results install clean
+.PHONY: demo test bench results install clean zoo-table
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+# Rerun the model zoo and rewrite tests/zoo_expected.json and the README's zoo table from the results.
+zoo-table: $(STAMP)
+	QN_HF_ZOO_UPDATE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/test_zoo.py
 
 # The README's results table: ViT/GPT-2/Llama at (2,2,2) on 8 processes beside 1-process baselines.
 results: $(STAMP)

@@ -13,7 +13,10 @@ AMENDMENTS: dict[str, dict[str, str]] = {
 
 # model_type -> why tensor parallelism is refused
 REFUSALS: dict[str, str] = {
-    "doge": "its plan splits the attention's dt_proj rowwise, so every rank gets the dynamic mask of all "
+    "doge": "it splits the attention's dt_proj rowwise, so every rank gets the dynamic mask of all "
             "KV heads while its attention holds only its own heads (the shapes no longer match); a correct "
             "split would need dt_proj's output and the per-head A sharded by head, which no style expresses",
+    "gemma3n_text": "its MLP's activation sparsity (activation_sparsity_pattern) keeps the gate activations above "
+                    "a threshold computed from their mean and standard deviation over the whole intermediate "
+                    "dimension, which the plan splits across ranks (each rank would use its own slice's statistics)",
 }

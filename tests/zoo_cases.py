@@ -19,3 +19,21 @@ def custom_policy_step(*, config: dict, policy, tp: int, out_dir: str) -> dict:
     exported = os.path.join(out_dir, "config.json")
     verdict["exported_config"] = json.load(open(exported)) if os.path.exists(exported) else None
     return verdict
+
+
+def router_logits_refusal(*, config: dict) -> str:
+    """A MoE model whose config asks for the routers' auxiliary loss: the built-in loss refuses."""
+    import torch
+    import transformers
+
+    import qn_hf
+    from qn_hf.check.run import build
+
+    model = build(transformers.AutoConfig.for_model(**{**config, "output_router_logits": True}), seed=0)
+    pm = qn_hf.parallelize(model, tp=2, mesh=mesh_for(1, 2))
+    ids = torch.randint(3, 100, (2, 8))
+    try:
+        pm.train_step({"input_ids": ids, "labels": ids})
+    except ValueError as e:
+        return str(e)
+    return "no error"

@@ -47,8 +47,13 @@ def model_class(config: transformers.PretrainedConfig) -> type:
 
 
 def build(config: transformers.PretrainedConfig, *, seed: int) -> torch.nn.Module:
+    """The causal LM of ``config`` with seeded random weights. A composite config (Llama 4's) gives
+    its text part, as ``AutoModelForCausalLM.from_config`` does."""
+    cls = model_class(config)
+    if not isinstance(config, cls.config_class):
+        config = config.get_text_config()
     torch.manual_seed(seed)
-    return model_class(config)(config).float()
+    return cls(config).float()
 
 
 def _batch(config, *, rows: int, seed: int) -> dict[str, torch.Tensor]:

@@ -8,8 +8,6 @@ comparable bit for bit up to float summation order. Used by ``qn-hf-check`` and 
 
 from __future__ import annotations
 
-import math
-
 from transformers import PretrainedConfig
 
 # Widths small enough for CPU, divisible by tp in {1, 2, 4} and, for heads, still grouped (GQA).
@@ -22,7 +20,8 @@ EXPERTS = 4
 
 # size key -> value (applied only to keys the config has and that are set)
 _SIZES: dict[str, int] = {
-    "hidden_size": HIDDEN, "intermediate_size": 128, "num_attention_heads": HEADS, "num_attention_heads_per_layer": HEADS,
+    "hidden_size": HIDDEN, "intermediate_size": 128, "num_attention_heads": HEADS,
+    "num_attention_heads_per_layer": HEADS,
     "intermediate_size_per_layer": 128, "head_dim": HEAD_DIM,
     "num_hidden_layers": LAYERS, "vocab_size": VOCAB, "max_position_embeddings": 128,
     # mixture of experts
@@ -44,14 +43,51 @@ _SIZES: dict[str, int] = {
     "mamba_d_state": 16, "ssm_state_size": 16, "mamba_n_groups": 1, "n_groups": 1, "mamba_chunk_size": 8,
     "chunk_size": 8, "mamba_dt_rank": 8,
     "swa_num_attention_heads": HEADS, "swa_head_dim": HEAD_DIM,
+    # Qwen 4's sparse attention indexer: left None by the default config (a None size is filled, which
+    # turns the indexed layers on); its own validation wants one kv head and budget % ratio == 0
+    "indexer_n_heads": HEADS, "indexer_kv_heads": 1, "indexer_head_dim": HEAD_DIM, "indexer_budget": 8,
+    "indexer_compress_ratio": 4,
+    "hc_lowrank": 16,  # hyper-connection mixer rank (320 would dominate the shrunk model)
     "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": VOCAB, "laurel_rank": 8,
     "num_nextn_predict_layers": 0,
 }
 _TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
+# Keys that count blocks the way num_hidden_layers does (an audio encoder's conformer blocks).
+_LAYER_COUNTS = ("num_hidden_layers", "num_blocks")
+_DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+
+# Values a default config leaves for a checkpoint to fill, that nothing in the config tells how to
+# fill, and without which its model cannot be built (model type -> values; a layer_types entry is a
+# pattern, repeated over the layers). Gaps a rule can fill are filled in ``_fill_gaps`` instead.
+_DEFAULT_GAPS: dict[str, dict] = {
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},  # the model reads layer_types[i]; None by default
+}
+
 
 def _is_dropout(key: str) -> bool:
     return "dropout" in key or key.endswith("pdrop")
+
+
+def _fill_gaps(data: dict) -> None:
+    """Fill, in place, what the default config leaves for a checkpoint and the model needs."""
+    for key, value in _DEFAULT_GAPS.get(data.get("model_type"), {}).items():
+        data[key] = _resized_pattern(value, data["num_hidden_layers"]) if key == "layer_types" else value
+    kinds = data.get("layer_types")
+    if data.get("rope_parameters") == {} and isinstance(kinds, list) and kinds:
+        # An empty rope dict beside layer kinds is a per-kind rope left empty (Cohere Compass reads
+        # rope_parameters[layer_type]): every kind gets the default rope.
+        data["rope_parameters"] = {kind: dict(_DEFAULT_ROPE) for kind in dict.fromkeys(kinds)}
+
+
+def _is_size(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _tied_to_hidden(key: str, value: object, hidden: object) -> bool:
+    """A channel width equal to the hidden size is tied to it (Phi-4's audio conformer convolutions
+    feed the hidden size), so it shrinks with it. Input channels (``num_channels``) are not."""
+    return "channel" in key and key != "num_channels" and _is_size(value) and value == hidden
 
 
 def _resized_pattern(values: list, length: int) -> list:
@@ -79,9 +115,36 @@ def _resize_rope(rope: dict, *, head_dim: int) -> dict:
     return rope
 
 
+def _kv_heads(values: dict) -> int:
+    """KV heads for the shrunk sizes: still grouped where the original was (GQA), else equal."""
+    heads, kv = values.get("num_attention_heads"), values.get("num_key_value_heads")
+    grouped = isinstance(heads, int) and isinstance(kv, int) and 0 < kv < heads
+    return HEADS // 2 if grouped else HEADS
+
+
+def _shrink_sizes(values: dict) -> dict:
+    """A per-layer-kind or per-layer-index override dict (``per_layer_config``) at the new sizes."""
+    out = {k: _SIZES[k] if k in _SIZES and isinstance(v, int) and not isinstance(v, bool) else v
+           for k, v in values.items()}
+    if "num_key_value_heads" in values:
+        out["num_key_value_heads"] = _kv_heads(values)
+    return out
+
+
+def _mla_head_dim(data: dict) -> int:
+    """Multi-head latent attention: head_dim is the rotary part where it was (DeepSeek), else the
+    whole query-key head (nope + rope, as Dots 3's sliding layers require)."""
+    return _SIZES["qk_rope_head_dim"] if data.get("head_dim") == data.get("qk_rope_head_dim") else \
+        _SIZES["qk_rope_head_dim"] + _SIZES["qk_nope_head_dim"]
+
+
 def shrink_config(config: PretrainedConfig, *, layers: int = LAYERS) -> PretrainedConfig:
-    """A copy of ``config`` (same class) with small sizes, no dropout and token ids in the vocabulary."""
+    """A copy of ``config`` (same class) with small sizes, no dropout and token ids in the vocabulary.
+    Sub-configs (a multimodal model's text, vision and audio parts) are shrunk the same way."""
     data = config.to_dict()
+    _fill_gaps(data)
+    subconfigs = {k: shrink_config(v, layers=layers).to_dict() for k, v in vars(config).items()
+                  if isinstance(v, PretrainedConfig)}
     kv_ratio = 1
     heads, kv = data.get("num_attention_heads"), data.get("num_key_value_heads")
     if isinstance(heads, int) and isinstance(kv, int) and 0 < kv < heads:
@@ -96,19 +159,36 @@ def shrink_config(config: PretrainedConfig, *, layers: int = LAYERS) -> Pretrain
             per_layer = [_SIZES.get(key.removesuffix("_per_layer"), v) if isinstance(v, int) else v for v in value]
             new[key] = _resized_pattern(per_layer, layers)
         elif isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
-            new[key] = {k: v for k, v in value.items() if int(k) < layers}  # per-layer overrides by index
+            # per-layer overrides by index
+            new[key] = {k: _shrink_sizes(v) if isinstance(v, dict) else v for k, v in value.items() if int(k) < layers}
+        elif (isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values())
+              and key not in subconfigs):
+            new[key] = {k: _shrink_sizes(v) for k, v in value.items()}  # per layer kind
         elif _is_dropout(key) and isinstance(value, (int, float)) and not isinstance(value, bool):
             new[key] = 0.0
-    new["num_hidden_layers"] = layers
+        elif _tied_to_hidden(key, value, data.get("hidden_size")):
+            new[key] = HIDDEN
+    # only the counts the config has (a sub-config without one, an audio encoder, must not gain one);
+    # read as attributes too: Longcat's num_hidden_layers is a property that sets num_layers
+    new.update({key: layers for key in _LAYER_COUNTS
+                if _is_size(data.get(key)) or _is_size(getattr(config, key, None))})
     if "num_key_value_heads" in data:
         new["num_key_value_heads"] = HEADS // kv_ratio
+    if isinstance(data.get("mamba_expand"), int) and "mamba_d_head" in data:
+        new["mamba_d_head"] = data["mamba_expand"] * HIDDEN // HEADS  # Mamba: heads * head dim = expand * hidden
+    if isinstance(data.get("num_kv_shared_layers"), int) and data["num_kv_shared_layers"] > 0 and "layer_types" in new:
+        # Gemma 3n: the last layers reuse the caches of earlier layers of their kind, so the first half
+        # holds every kind and the second half repeats it.
+        half = layers // 2
+        new["layer_types"] = _resized_pattern(data["layer_types"], half) * 2 + new["layer_types"][2 * half :]
+        new["num_kv_shared_layers"] = layers - half
     for key in ("linear_num_key_heads", "swa_num_key_value_heads", "index_n_heads"):
         if isinstance(data.get(key), int):
             new[key] = HEADS // kv_ratio if key != "index_n_heads" else HEADS
     if isinstance(data.get("sliding_window"), int):
         new["sliding_window"] = 8  # shorter than the test sequences: the window is exercised
     if "qk_rope_head_dim" in data and "head_dim" in data:
-        new["head_dim"] = _SIZES["qk_rope_head_dim"]  # multi-head latent attention: head_dim is the rotary part
+        new["head_dim"] = _mla_head_dim(data)
     for key, value in _TOKEN_IDS.items():
         if isinstance(data.get(key), int):
             new[key] = value
@@ -120,7 +200,7 @@ def shrink_config(config: PretrainedConfig, *, layers: int = LAYERS) -> Pretrain
             new[key] = _resize_rope(data[key], head_dim=head_dim)
     if "output_router_logits" in data:
         new["output_router_logits"] = False
-    merged = {**data, **new}
+    merged = {**data, **new, **subconfigs}
     for key in ("model_type", "transformers_version", "architectures"):
         merged.pop(key, None)
     shrunk = type(config)(**merged)

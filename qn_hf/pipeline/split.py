@@ -144,7 +144,10 @@ def build_stage_plan(
         raise ValueError(f"policy {policy.model_type}: layers {policy.layers!r} is not a ModuleList")
     ranges = split_layers(num_layers=len(layers), stages=stages, layers_per_stage=layers_per_stage)
     if stages > 1 and policy.pp_entry is None:
-        raise ValueError(f"policy {policy.model_type} has no pp_entry, so it cannot be split into pp={stages} stages")
+        why = (f"transformers declares no base_model_pp_plan for {policy.model_type!r}, so there are no known cut points"
+               if policy.transformers_plan else f"policy {policy.model_type} has no pp_entry")
+        raise ValueError(f"pp={stages}: {why}; use pp=1 (data and tensor parallelism still apply) or pass "
+                         f"policy=ModelPolicy(..., pp_entry=...)")
 
     def present(names: Sequence[str]) -> list[str]:
         # A stand-in target must exist, except an optional submodule the model leaves as None
@@ -184,7 +187,7 @@ def build_stage_plan(
         ties=(),
     )
     if stages > 1:
-        _check_assignment(model, plan)
+        _check_assignment(model, plan, policy)
     return StagePlan(**{**plan.__dict__, "ties": _cross_stage_ties(model, plan)})
 
 
@@ -202,17 +205,20 @@ def stage_of_module(plan: StagePlan, name: str) -> int | None:
     return None
 
 
-def _check_assignment(model: nn.Module, plan: StagePlan) -> None:
+def _check_assignment(model: nn.Module, plan: StagePlan, policy: ModelPolicy) -> None:
     """Parameters outside any stage's modules would be copied onto every stage; refuse them."""
     for name, _ in model.named_parameters():
         module = name.rpartition(".")[0]
         if stage_of_module(plan, module) is None:
-            raise ValueError(
-                f"parameter {name} belongs to no pipeline stage; name its module in the policy's pp_first or pp_last"
-            )
+            source = (f"transformers' base_model_pp_plan for {policy.model_type!r} does not place it (only the "
+                      f"embedding, the blocks and what follows them); " if policy.transformers_plan else "")
+            raise ValueError(f"parameter {name} belongs to no pipeline stage: {source}name its module in the "
+                             f"policy's pp_first or pp_last, or use pp=1")
 
 
 def _cross_stage_ties(model: nn.Module, plan: StagePlan) -> tuple[PipelineTie, ...]:
+    if plan.stages == 1:
+        return ()  # one stage holds every copy
     by_id: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(param), []).append(name)

@@ -1,0 +1,67 @@
+"""The model zoo: every causal-LM architecture transformers ships a tp plan for, shrunk to a tiny
+random model of its own config class, trains one step at tp=2 and pp=2 (tp=2 x pp=2 for a few)
+equal to the plain model, or is refused with its reason. Never silently different.
+
+The expected outcome of every model type at every mesh is data (``tests/zoo_expected.json``); the
+README table is rendered from it. ``make zoo-table`` reruns the zoo and rewrites both from the
+results (QN_HF_ZOO_UPDATE=1), so a change in what trains equal shows up in review.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from qn_hf.check.zoo import meshes_for, render_table, replace_table, zoo_model_types
+
+ROOT = Path(__file__).resolve().parent.parent
+EXPECTED_FILE = ROOT / "tests" / "zoo_expected.json"
+EXPECTED: dict[str, dict[str, str]] = json.loads(EXPECTED_FILE.read_text())
+UPDATE = os.environ.get("QN_HF_ZOO_UPDATE") == "1"
+CASES = [(model_type, mesh) for model_type in EXPECTED for mesh in meshes_for(model_type)]
+
+
+def _config(model_type: str) -> dict:
+    from transformers import CONFIG_MAPPING
+
+    from qn_hf.check.shrink import shrink_config
+
+    return shrink_config(CONFIG_MAPPING[model_type]()).to_dict()
+
+
+@pytest.fixture(scope="module")
+def observed():
+    """What this run saw; written back to the expectations and README under QN_HF_ZOO_UPDATE=1."""
+    seen: dict[str, dict[str, str]] = {}
+    yield seen
+    if UPDATE and seen:
+        merged = {m: {**EXPECTED.get(m, {}), **seen.get(m, {})} for m in sorted(set(EXPECTED) | set(seen))}
+        EXPECTED_FILE.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
+        readme = ROOT / "README.md"
+        readme.write_text(replace_table(readme.read_text(), render_table(merged)))
+
+
+@pytest.mark.parametrize(("model_type", "mesh"), CASES)
+def test_zoo(worlds, observed, model_type, mesh):
+    dp, tp, pp = meshes_for(model_type)[mesh]
+    verdict = worlds.run(dp * tp * pp, "tests.zoo_cases:zoo_step", config=_config(model_type), dp=dp, tp=tp, pp=pp)[0]
+    assert verdict["verdict"] != "different", (verdict["reason"], verdict["worst"][:5])
+    assert verdict["verdict"] == "refused" or verdict["moved"] > 1e-3, "the step moved no weight: it proves nothing"
+    outcome = "equal" if verdict["verdict"] == "equal" else f"refused: {verdict['reason']}"
+    observed.setdefault(model_type, {})[mesh] = outcome
+    if not UPDATE:
+        assert outcome == EXPECTED[model_type][mesh]
+
+
+@pytest.mark.skipif(UPDATE, reason="rewriting the expectations")
+def test_zoo_is_every_model_type_with_a_tp_plan():
+    assert sorted(EXPECTED) == zoo_model_types(), "transformers' zoo changed: run `make zoo-table`"
+
+
+@pytest.mark.skipif(UPDATE, reason="rewriting the expectations")
+def test_readme_table_is_rendered_from_the_zoo():
+    readme = (ROOT / "README.md").read_text()
+    assert replace_table(readme, render_table(EXPECTED)) == readme, "README's zoo table is stale: run `make zoo-table`"
