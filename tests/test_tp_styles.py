@@ -102,3 +102,12 @@ def test_router_aux_loss_is_refused_with_the_builtin_loss(worlds):
     config = shrink_config(CONFIG_MAPPING["mixtral"]()).to_dict()
     for message in worlds.run(2, "tests.zoo_cases:router_logits_refusal", config=config):
         assert message.startswith("config.output_router_logits=True"), message
+
+
+def test_the_parity_check_catches_a_wrong_split(worlds, tmp_path):
+    """The zoo's verdicts mean something: a fused gate|up split as one block (rank 0 would hold both
+    halves of the gate) trains differently, and one_step_parity says so."""
+    plan = {**_phi3_policy().tp_plan, "layers.*.mlp.gate_up_proj": "colwise"}
+    verdict = worlds.run(2, "tests.zoo_cases:custom_policy_step", config=_phi3_config(), policy=_phi3_policy(tp_plan=plan),
+                         tp=2, out_dir=str(tmp_path))[0]
+    assert verdict["verdict"] == "different", verdict

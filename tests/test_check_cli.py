@@ -1,0 +1,31 @@
+"""qn-hf-check end to end: a config file in, local gloo processes, a verdict and its exit status."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from transformers import CONFIG_MAPPING
+
+
+def _check(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "qn_hf.check.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=600)
+
+
+def test_full_size_config_is_equal_at_tp2_pp2(tmp_path):
+    CONFIG_MAPPING["qwen3"]().save_pretrained(tmp_path)  # the full-size default: only its shape is used
+    done = _check(str(tmp_path / "config.json"), "--tp", "2", "--pp", "2", "--top", "3")
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[1] == "EQUAL" and "worst |difference| per tensor" in done.stdout and len(lines) == 8, done.stdout
+
+
+def test_refused_and_bad_input_exit_2(tmp_path):
+    CONFIG_MAPPING["doge"]().save_pretrained(tmp_path)
+    done = _check(str(tmp_path), "--tp", "2")
+    assert done.returncode == 2 and "REFUSED: tp=2: transformers' tp plan for 'doge'" in done.stdout, done.stdout + done.stderr
+    missing = _check(str(tmp_path / "nothing-here"))
+    assert missing.returncode == 2 and "neither a model directory nor a config.json" in missing.stderr
