@@ -1,7 +1,8 @@
 """Checkpoints of zoo architectures move between meshes: MoE experts (3-D weights sharded on their
 intermediate dimension, frozen routing biases), MLA, a scaled embedding with per-layer attention
-kinds. Saved at (dp, tp, pp) = (1, 2, 2) after an AdamW step, resumed at other meshes (and from an
-offline reshard) the next step equals the uninterrupted run."""
+kinds. Saved at (dp, tp, pp) = (1, 2, 2) after an AdamW step, converted to a Hugging Face directory
+(equal to save_pretrained's), and resumed at other meshes (and from an offline reshard): the next
+step equals the uninterrupted run."""
 
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ def case_train_save_continue(*, model_dir: str, ckpt: str, out: str) -> float:
     pm, opt = _parallel(model_dir, *SAVED_AT)
     _step(pm, opt, seed=1)
     pm.save_checkpoint(ckpt, optimizer=opt, step=1)
+    pm.save_pretrained(out + "-step1")  # what qn-hf-convert to-hf of the checkpoint must give
     loss = _step(pm, opt, seed=2)
     pm.save_pretrained(out)
     return loss
@@ -70,6 +72,9 @@ def test_zoo_checkpoint_resumes_at_other_meshes(worlds, tmp_path, model_type):
     expected = worlds.run(4, "tests.test_zoo_checkpoints:case_train_save_continue", model_dir=model_dir, ckpt=ckpt,
                           out=uninterrupted)[0]
     reference = dict(_load(uninterrupted).named_parameters())
+    assert convert.main(["to-hf", ckpt, str(tmp_path / "to-hf")]) == 0
+    exported, gathered = _load(str(tmp_path / "to-hf")).state_dict(), _load(uninterrupted + "-step1").state_dict()
+    assert exported.keys() == gathered.keys() and all(torch.equal(exported[k], gathered[k]) for k in gathered)
     assert convert.main(["reshard", ckpt, str(tmp_path / "resharded"), "--tp", "1", "--pp", "2"]) == 0
     for dp, tp, pp, source in [(*mesh, ckpt) for mesh in RESUME_AT] + [(1, 1, 2, str(tmp_path / "resharded"))]:
         out = str(tmp_path / f"resumed-{dp}-{tp}-{pp}-{os.path.basename(source)}")
