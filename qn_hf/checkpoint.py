@@ -3,8 +3,11 @@
 Layout of a checkpoint directory ``path``::
 
     path/latest                      name of the current checkpoint (replaced atomically)
-    path/ckpt-000001/index.json      every tensor: HF name, global shape, dtype, and its pieces
-    path/ckpt-000001/shard-pp0-tp0.safetensors   what the rank at (pp=0, tp=0) of dp rank 0 holds
+    path/ckpt-000020/index.json      every tensor: HF name, global shape, dtype, and its pieces
+    path/ckpt-000020/shard-pp0-tp0.safetensors   what the rank at (pp=0, tp=0) of dp rank 0 holds
+
+A checkpoint is named by the training step it holds (``step=``; a save without one takes the number
+after the current checkpoint's, a second save of a step gets ``.1``).
 
 A piece is a box of the *global, unpadded* tensor (start/stop per dimension) stored under one key
 of one file. Each distinct shard is written once: by dp rank 0, by the first of KV-head replicas,
@@ -31,6 +34,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .atomic import give_plain_mode, write_text_atomic
 from .comm import barrier
 from .shard import ShardSpec
 
@@ -70,12 +74,7 @@ def _fsync_dir(path: str) -> None:
 
 
 def _write_json(obj: object, target: str) -> None:
-    tmp = target + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
+    write_text_atomic(target, json.dumps(obj, indent=1))
 
 
 # -- what this rank holds, as boxes of global tensors ----------------------------------------------
@@ -122,12 +121,14 @@ def save_checkpoint(pm: ParallelModel, path: str, *, optimizer: torch.optim.Opti
     """Write a checkpoint of ``pm`` (and ``optimizer``) under ``path``; return its directory."""
     from . import __version__
 
-    number = torch.zeros(1, dtype=torch.int64, device=pm.device)
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"step={step!r} must be a non-negative integer (the training step the checkpoint holds)")
+    chosen = torch.zeros(2, dtype=torch.int64, device=pm.device)
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
-        number[0] = int(os.path.basename(next_checkpoint_dir(path)).removeprefix("ckpt-"))
-    dist.broadcast(number, src=0)  # every rank writes into the directory rank 0 chose
-    final = os.path.join(path, f"ckpt-{int(number.item()):06d}")
+        chosen[0], chosen[1] = _parse_name(os.path.basename(next_checkpoint_dir(path, step=step)))
+    dist.broadcast(chosen, src=0)  # every rank writes into the directory rank 0 chose
+    final = os.path.join(path, _name(int(chosen[0]), int(chosen[1])))
     partial = final + ".partial"
     if dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
@@ -142,6 +143,7 @@ def save_checkpoint(pm: ParallelModel, path: str, *, optimizer: torch.optim.Opti
             "format": FORMAT, "version": VERSION, "library_version": __version__, "step": step,
             "mesh": {"dp": pm.dims.dp, "tp": pm.dims.tp, "pp": pm.dims.pp},
             "config": pm.config.to_dict(), "tensors": {}, "optimizer": None, "files": {},
+            "generation_config": generation_config_of(pm.module),
         }
         for meta_name in sorted(n for n in os.listdir(partial) if n.endswith(".json")):
             with open(os.path.join(partial, meta_name)) as f:
@@ -159,9 +161,30 @@ def save_checkpoint(pm: ParallelModel, path: str, *, optimizer: torch.optim.Opti
     return final
 
 
-def next_checkpoint_dir(path: str) -> str:
-    """``path/ckpt-N`` for the N after the current one (its ``.partial`` twin is written first)."""
-    return os.path.join(path, f"ckpt-{_latest_number(path) + 1:06d}")
+# ckpt-<step>, and ckpt-<step>.<k> for the k-th re-save of a step already on disk
+_CKPT = re.compile(r"ckpt-(\d{6,})(?:\.(\d+))?")
+
+
+def _name(step: int, again: int) -> str:
+    return f"ckpt-{step:06d}" + (f".{again}" if again else "")
+
+
+def _parse_name(name: str) -> tuple[int, int]:
+    match = _CKPT.fullmatch(name)
+    if match is None:
+        raise ValueError(f"{name!r} is not a checkpoint directory name")
+    return int(match[1]), int(match[2] or 0)
+
+
+def next_checkpoint_dir(path: str, *, step: int | None) -> str:
+    """``path/ckpt-<step>`` (its ``.partial`` twin is written first); a step already saved gets
+    ``.1``, ``.2``, ...; without a step, the number after the current checkpoint's."""
+    if step is None:
+        step = _latest_number(path) + 1
+    again = 0
+    while os.path.exists(os.path.join(path, _name(step, again))):
+        again += 1
+    return os.path.join(path, _name(step, again))
 
 
 def publish(partial: str, final: str) -> None:
@@ -175,7 +198,7 @@ def publish(partial: str, final: str) -> None:
     _write_json(os.path.basename(final), os.path.join(root, LATEST))
     _fsync_dir(root)
     for old in os.listdir(root):
-        if re.fullmatch(r"ckpt-\d{6}(\.partial)?", old) and old != os.path.basename(final):
+        if _CKPT.fullmatch(old.removesuffix(".partial")) and old != os.path.basename(final):
             shutil.rmtree(os.path.join(root, old), ignore_errors=True)
 
 
@@ -221,8 +244,8 @@ def entry_nbytes(entry: dict) -> int:
 def _latest_number(path: str) -> int:
     try:
         with open(os.path.join(path, LATEST)) as f:
-            return int(json.load(f).removeprefix("ckpt-"))
-    except (OSError, ValueError, AttributeError):
+            return _parse_name(json.load(f))[0]
+    except (OSError, ValueError, TypeError):
         return 0
 
 
@@ -258,9 +281,19 @@ def _write_shard(pm: ParallelModel, optimizer: torch.optim.Optimizer | None, dir
             hyper = {k: v for k, v in group.items() if k != "params" and isinstance(v, (int, float, bool, str, type(None), list, tuple))}
             groups.append({**hyper, "params": sorted(names[id(p)] for p in group["params"] if names.get(id(p)) not in followers)})
     save_file(tensors, os.path.join(directory, file), metadata={"format": "pt"})
+    give_plain_mode(os.path.join(directory, file))  # safetensors creates it owner-only
     _fsync_file(os.path.join(directory, file))
     written = {file: file_digest(os.path.join(directory, file))}
     _write_json({"tensors": entries, "optimizer": groups, "files": written}, os.path.join(directory, stem + ".json"))
+
+
+def generation_config_of(module: torch.nn.Module) -> dict | None:
+    """What ``save_pretrained`` writes as generation_config.json (for a model that generates), as a
+    dict for the index, so ``qn-hf-convert to-hf`` writes it too."""
+    generation_config = getattr(module, "generation_config", None)
+    if generation_config is None or not getattr(module, "can_generate", lambda: False)():
+        return None
+    return generation_config.to_dict()
 
 
 # -- load ------------------------------------------------------------------------------------------
@@ -275,7 +308,7 @@ def checkpoint_dir(path: str) -> str:
         raise CheckpointError(f"{path} holds no checkpoint (no {LATEST} and no {INDEX})") from None
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{os.path.join(path, LATEST)} is unreadable: {e}") from None
-    if not isinstance(name, str) or not re.fullmatch(r"ckpt-\d{6}", name):
+    if not isinstance(name, str) or not _CKPT.fullmatch(name):
         raise CheckpointError(f"{os.path.join(path, LATEST)} names {name!r}, not a checkpoint directory")
     return os.path.join(path, name)
 

@@ -10,6 +10,7 @@ stage cut that ``parallelize`` applies), so no GPU and no process group are invo
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -17,6 +18,8 @@ import sys
 
 import torch
 from tqdm import tqdm
+from transformers import GenerationConfig
+from transformers.utils import GENERATION_CONFIG_NAME as GENERATION_CONFIG
 
 from .checkpoint import (
     _DTYPES,
@@ -50,12 +53,13 @@ EXAMPLES = """examples:
 
 
 def write_checkpoint(src_dir: str, src: dict, layout: Layout, config: dict, out: str, *,
-                     step: int | None = None, optimizer: list[dict] | None = None) -> str:
+                     step: int | None = None, optimizer: list[dict] | None = None,
+                     generation_config: dict | None = None) -> str:
     """Write ``src`` (an index over ``src_dir``) as a checkpoint of ``layout`` under ``out``."""
     from . import __version__
 
     os.makedirs(out, exist_ok=True)
-    final = next_checkpoint_dir(out)
+    final = next_checkpoint_dir(out, step=step)
     partial = final + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
@@ -108,7 +112,7 @@ def write_checkpoint(src_dir: str, src: dict, layout: Layout, config: dict, out:
                 digests[file] = file_digest(os.path.join(partial, file))
     index = {"format": FORMAT, "version": VERSION, "library_version": __version__, "step": step,
              "mesh": {"dp": 1, "tp": layout.tp, "pp": layout.pp}, "config": config, "tensors": entries,
-             "optimizer": optimizer, "files": digests}
+             "optimizer": optimizer, "files": digests, "generation_config": generation_config}
     _write_json(index, os.path.join(partial, INDEX))
     read_index(partial)  # what we wrote must pass our own validation
     publish(partial, final)
@@ -117,7 +121,17 @@ def write_checkpoint(src_dir: str, src: dict, layout: Layout, config: dict, out:
 
 def from_hf(hf_dir: str, out: str, *, tp: int, pp: int) -> str:
     src, config = read_hf_dir(hf_dir)
-    return write_checkpoint(hf_dir, src, model_layout(_config(config), tp=tp, pp=pp), config, out)
+    # a Hugging Face model is where training starts: step 0
+    return write_checkpoint(hf_dir, src, model_layout(_config(config), tp=tp, pp=pp), config, out, step=0,
+                            generation_config=_read_generation_config(hf_dir))
+
+
+def _read_generation_config(hf_dir: str) -> dict | None:
+    path = os.path.join(hf_dir, GENERATION_CONFIG)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def reshard(ckpt: str, out: str, *, tp: int, pp: int) -> str:
@@ -125,7 +139,7 @@ def reshard(ckpt: str, out: str, *, tp: int, pp: int) -> str:
     index = read_index(directory)
     layout = model_layout(_config(index["config"]), tp=tp, pp=pp)
     return write_checkpoint(directory, index, layout, index["config"], out, step=index.get("step"),
-                            optimizer=index.get("optimizer"))
+                            optimizer=index.get("optimizer"), generation_config=index.get("generation_config"))
 
 
 def to_hf(ckpt: str, out: str, *, max_shard_bytes: int = 5 * 1024**3) -> None:
@@ -145,6 +159,8 @@ def to_hf(ckpt: str, out: str, *, max_shard_bytes: int = 5 * 1024**3) -> None:
         size += nbytes
     os.makedirs(out, exist_ok=True)
     _config(index["config"]).save_pretrained(out)
+    if index.get("generation_config") is not None:  # as save_pretrained writes it for a model that generates
+        GenerationConfig.from_dict(index["generation_config"]).save_pretrained(out)
     weight_map = {}
     with tqdm(total=len(names), desc="to-hf", unit="tensor", disable=None) as bar:
         for i, group in enumerate(files):
@@ -173,22 +189,27 @@ def _size(text: str) -> int:
     return int(float(match.group(1)) * units[(match.group(2) or "").upper()])
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qn-hf-convert", description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("to-hf", help="sharded checkpoint -> Hugging Face directory", epilog=EXAMPLES,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("ckpt")
-    p.add_argument("out")
+    p.add_argument("ckpt", help="a checkpoint directory (ckpt-<step>) or the directory holding them (its latest)")
+    p.add_argument("out", help="the Hugging Face directory to write (config, generation config, safetensors)")
     p.add_argument("--max-shard-size", type=_size, default=_size("5GB"), help="largest output file (default 5GB)")
     for name, what in (("from-hf", "Hugging Face directory -> sharded checkpoint"), ("reshard", "checkpoint -> checkpoint at another mesh")):
         p = sub.add_parser(name, help=what, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-        p.add_argument("src")
-        p.add_argument("out")
-        p.add_argument("--tp", type=int, required=True)
-        p.add_argument("--pp", type=int, required=True)
-    args = parser.parse_args(argv)
+        p.add_argument("src", help="a Hugging Face model directory" if name == "from-hf" else
+                       "a checkpoint directory (ckpt-<step>) or the directory holding them (its latest)")
+        p.add_argument("out", help="the directory to hold the new checkpoint (written as ckpt-<step>, then latest)")
+        p.add_argument("--tp", type=int, required=True, help="tensor-parallel degree the checkpoint is laid out for")
+        p.add_argument("--pp", type=int, required=True, help="pipeline stages the checkpoint is laid out for")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "to-hf":
             to_hf(args.ckpt, args.out, max_shard_bytes=args.max_shard_size)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,6 +20,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from .checkpoint import _global_shape, entry_nbytes
+from .atomic import write_text_atomic
 from .hf_source import SAFETENSORS_DTYPES
 from .comm import all_gather_tensors, barrier
 from .safetensors_stream import write_streaming
@@ -119,12 +119,7 @@ def _write_index(path: str, files: list[str]) -> None:
                 sl = f.get_slice(key)
                 total += entry_nbytes({"shape": list(sl.get_shape()), "dtype": SAFETENSORS_DTYPES[sl.get_dtype()]})
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    fd, tmp = tempfile.mkstemp(dir=path, prefix="." + INDEX + ".")
-    with os.fdopen(fd, "w") as f:
-        json.dump(index, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(path, INDEX))
+    write_text_atomic(os.path.join(path, INDEX), json.dumps(index, indent=2))
 
 
 def _write_config(module: torch.nn.Module, config, path: str) -> None:

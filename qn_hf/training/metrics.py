@@ -12,6 +12,8 @@ import sys
 
 from tqdm import tqdm
 
+from ..atomic import write_text_atomic
+
 
 def read_metrics(path: str) -> list[dict]:
     if not os.path.isfile(path):
@@ -28,10 +30,7 @@ class MetricsLog:
         if not active:
             return
         kept = [r for r in read_metrics(path) if r.get("step", 0) <= resume_step] if resume_step else []
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
-        os.replace(tmp, path)
+        write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
         self.records = kept
 
     @property
