@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -77,6 +78,10 @@ def parallelize(
         tie=_tie_group(mesh, stage_plan, timeout),
     )
     coords = {d: mesh.get_local_rank(d) for d in ("dp", "pp", "tp")}
+    if pp > 1 and microbatches < pp and dist.get_rank() == 0:
+        bubble = (pp - 1) / (microbatches + pp - 1)
+        warnings.warn(f"microbatches={microbatches} < pp={pp}: each stage idles {bubble:.0%} of a step (pipeline bubble "
+                      f"(pp-1)/(microbatches+pp-1)); use microbatches >= 2*pp={2 * pp} if the batch allows", stacklevel=2)
 
     stage = apply_stage(model, stage_plan, stage=coords["pp"])
     plan = plan.only(lambda name: _on_this_stage(model, name))

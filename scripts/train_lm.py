@@ -20,13 +20,11 @@ from qn_hf.training.config import build_parser, load_config
 from qn_hf.training.errors import run_cli
 from qn_hf.training.loop import train
 
-DEFAULTS = {"task": "lm", "model": "tiny-gpt2", "output_dir": "runs/lm", "val_fraction": 0.05}
-
 
 def main() -> None:
     args = build_parser(task="lm", description=__doc__).parse_args()
     transformers.logging.set_verbosity_error()
-    train(load_config(args, defaults=DEFAULTS))
+    train(load_config(args))
 
 
 if __name__ == "__main__":

@@ -19,14 +19,11 @@ from qn_hf.training.config import build_parser, load_config
 from qn_hf.training.errors import run_cli
 from qn_hf.training.loop import train
 
-DEFAULTS = {"task": "vit", "model": "tiny-vit", "output_dir": "runs/vit", "val_fraction": 0.2, "batch_size": 64,
-            "lr": 2e-3, "steps": 400, "weight_decay": 0.05, "warmup_steps": 25}
-
 
 def main() -> None:
     args = build_parser(task="vit", description=__doc__).parse_args()
     transformers.logging.set_verbosity_error()
-    train(load_config(args, defaults=DEFAULTS))
+    train(load_config(args))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_file_modes import unusual_modes
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 from soak import kill_tree  # noqa: E402
@@ -111,6 +113,7 @@ def test_script_trains_and_resumes_exactly_under_both_launchers(tmp_path, script
 
     for name in ("loss.png", "timeline.png", "summary.json", "config.yaml", "model/config.json"):
         assert (a / name).is_file(), name
+    assert unusual_modes(str(a)) == [] and unusual_modes(str(b)) == []  # readable by a server as any file
     summary = json.loads((a / "summary.json").read_text())
     assert summary["steps"] == steps and summary["final_loss"] == full[-1]["loss"]
     assert json.loads((b / "summary.json").read_text())["stopped_early"] is False  # C finished the run
@@ -159,3 +162,5 @@ def test_mesh_the_model_cannot_take_reports_once(tmp_path):
     done = launch("torchrun", "train_lm.py", ["--mesh", "1", "3", "1", "--output-dir", str(tmp_path)], nproc=3)
     assert done.returncode != 0
     assert "tp=3 does not divide" in _one_error_line(done)
+    output = done.stdout + done.stderr
+    assert output.count("tokenizing:   0%") == 1 and output.count("blocks of 128:   0%") == 1, output[-3000:]  # rank 0's

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -14,12 +15,35 @@ from qn_hf.training.sampler import GlobalBatches, eval_batches
 
 def test_yaml_then_command_line(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("mesh: [2, 2, 2]\nschedule: gpipe\nmicrobatches: 4\nlr: 3.0e-4\nsteps: 10\n")
+    path.write_text("mesh: [2, 2, 2]\nschedule: gpipe\nmicrobatches: 4\nlr: 3.0e-4\nsteps: 10\nmodel: tiny-llama\n")
     args = build_parser(task="lm", description="").parse_args(["--config", str(path), "--steps", "20", "--no-export"])
-    cfg = load_config(args, defaults={"model": "tiny-llama", "steps": 5})
+    cfg = load_config(args)
     assert cfg.mesh == (2, 2, 2) and cfg.schedule == "gpipe" and cfg.microbatches == 4 and cfg.lr == 3e-4
-    assert cfg.steps == 20  # command line beats YAML beats script defaults
+    assert cfg.steps == 20  # command line beats YAML beats the script's defaults
     assert cfg.model == "tiny-llama" and cfg.export is False and cfg.task == "lm"
+    assert cfg.output_dir == "runs/lm" and cfg.val_fraction == 0.05  # the LM script's own defaults
+
+
+@pytest.mark.parametrize("task", ["lm", "vit"])
+def test_help_shows_the_defaults_the_script_uses(task):
+    """Every default --help prints is the value a run without that option gets, and the model
+    option lists exactly the task's presets."""
+    parser = build_parser(task=task, description="")
+    cfg = load_config(parser.parse_args([]))
+    shown = 0
+    for action in parser._actions:  # argparse keeps no public list of options
+        if not action.option_strings or action.dest in ("help", "config"):
+            continue
+        match = re.search(r"\(default (.*)\)$", action.help or "")
+        if match:
+            shown += 1
+            assert match.group(1) == str(getattr(cfg, action.dest)), (action.dest, action.help)
+        else:
+            assert getattr(cfg, action.dest) in (None, ()), f"--{action.dest} shows no default"
+    assert shown > 20
+    model_help = next(a.help for a in parser._actions if a.dest == "model")
+    presets = {"lm": "tiny-gpt2, tiny-llama (default tiny-gpt2)", "vit": "tiny-vit (default tiny-vit)"}[task]
+    assert model_help.endswith("a preset: " + presets), model_help
 
 
 def test_resume_flag_alone_means_latest():
@@ -100,3 +124,25 @@ def test_resume_latest_starts_fresh_only_when_nothing_is_there(tmp_path):
     (tmp_path / "checkpoints" / "latest").write_text('"ckpt-0000')  # torn pointer
     with pytest.raises(CheckpointError):
         _resume_path(cfg)  # never start over on top of checkpoints that exist
+
+
+def test_default_microbatches_keep_the_pipeline_busy():
+    from qn_hf.training.config import default_microbatches
+
+    assert default_microbatches(batch_size=32, dp=2, pp=2) == 4  # 2*pp
+    assert default_microbatches(batch_size=10, dp=1, pp=4) == 5  # the largest divisor up to 2*pp
+    assert default_microbatches(batch_size=6, dp=1, pp=4) == 6
+    assert default_microbatches(batch_size=32, dp=4, pp=1) == 1  # no pipeline: no need
+    assert make_config({"task": "lm"}).microbatches is None  # resolved at launch, when the mesh is known
+
+
+def test_loss_plot_steps_are_whole_numbers():
+    import matplotlib.pyplot as plt
+
+    from qn_hf.training.plots import loss_figure
+
+    records = [{"step": s, "loss": 3.0 - 0.1 * s} for s in range(1, 9)] + [{"step": 8, "loss": 2.2, "val_loss": 2.3}]
+    fig = loss_figure(runs=[("run", records)], title="short run")
+    ticks = [t for t in fig.axes[0].get_xticks() if 1 <= t <= 8]
+    plt.close(fig)
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks

@@ -17,8 +17,16 @@ from typing import Any
 import yaml
 
 from .errors import UsageError
+from .presets import TASK_PRESETS
 
 TASKS = ("lm", "vit")
+# What each script uses where it differs from TrainConfig's defaults: the one source for the
+# scripts, their --help and load_config.
+TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "lm": {"model": "tiny-gpt2", "output_dir": "runs/lm", "val_fraction": 0.05},
+    "vit": {"model": "tiny-vit", "output_dir": "runs/vit", "val_fraction": 0.2, "batch_size": 64, "lr": 2e-3,
+            "steps": 400, "weight_decay": 0.05, "warmup_steps": 25},
+}
 
 
 @dataclass(frozen=True)
@@ -33,7 +41,7 @@ class TrainConfig:
     val_fraction: float = 0.1
     mesh: tuple[int, int, int] | None = None  # (dp, tp, pp); default: (world size, 1, 1)
     schedule: str = "1f1b"
-    microbatches: int = 1
+    microbatches: int | None = None  # default: default_microbatches(...)
     batch_size: int = 32  # global: split over dp, then into microbatches
     seq_len: int = 128
     steps: int = 200
@@ -67,11 +75,13 @@ class TrainConfig:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _HELP = {
-    "model": "local Hugging Face model directory, or a preset: tiny-gpt2, tiny-llama, tiny-vit",
+    "model": "local Hugging Face model directory, or a preset: {presets}",
     "tokenizer": "LM tokenizer directory (default: the model directory's tokenizer, else UTF-8 bytes)",
     "data": "data files, directories or globs (LM: .txt/.parquet/.json[l]; ViT: an image folder or .parquet); "
     "default: offline built-in data (LM: Python's reference manual text; ViT: scikit-learn digits)",
     "mesh": "dp tp pp (world size must equal their product); default: all ranks data parallel",
+    "microbatches": "microbatches per step and dp rank (default: 2*pp when the batch per dp rank divides by it, "
+    "else the largest number up to that which divides it; 1 without pipeline parallelism)",
     "batch_size": "global batch size (examples per optimizer step, split over dp and microbatches)",
     "seq_len": "LM tokens per example",
     "min_lr_ratio": "cosine decay ends at lr * min_lr_ratio",
@@ -90,12 +100,16 @@ def build_parser(*, task: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      argument_default=argparse.SUPPRESS)
     parser.add_argument("--config", help="YAML file with any of the options below (command line wins)")
+    defaults = task_defaults(task)
     for name, f in _FIELDS.items():
         if name == "task":
             continue
         flag = "--" + name.replace("_", "-")
         kind = _kind(f)
-        helptext = _HELP.get(name, "")
+        helptext = _HELP.get(name, "").format(presets=", ".join(TASK_PRESETS[task]))
+        default = defaults.get(name, f.default)
+        if default not in (None, ()):  # None and () mean "derived", which the help text explains
+            helptext = f"{helptext} (default {default})".lstrip()
         if name == "mesh":
             parser.add_argument(flag, type=int, nargs=3, metavar=("DP", "TP", "PP"), help=helptext)
         elif name == "data":
@@ -105,14 +119,28 @@ def build_parser(*, task: str, description: str) -> argparse.ArgumentParser:
         elif kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=helptext)
         else:
-            parser.add_argument(flag, type=kind, help=helptext or f"(default {f.default})")
+            parser.add_argument(flag, type=kind, help=helptext)
     parser.set_defaults(task=task)
     return parser
 
 
-def load_config(args: argparse.Namespace, *, defaults: dict[str, Any] | None = None) -> TrainConfig:
-    """Merge script defaults, the YAML file named by ``--config`` and the command line."""
-    values: dict[str, Any] = dict(defaults or {})
+def default_microbatches(*, batch_size: int, dp: int, pp: int) -> int:
+    """Enough microbatches to keep the pipeline's bubble small ((pp-1)/(M+pp-1) of a step): 2*pp when
+    the per-dp batch divides by it, else the largest number below that which divides it."""
+    if pp == 1 or batch_size % dp:
+        return 1
+    per_rank = batch_size // dp
+    return next(m for m in range(min(2 * pp, per_rank), 0, -1) if per_rank % m == 0)
+
+
+def task_defaults(task: str) -> dict[str, Any]:
+    """The values a script for ``task`` starts from, before YAML and the command line."""
+    return {"task": task, **TASK_DEFAULTS[task]}
+
+
+def load_config(args: argparse.Namespace) -> TrainConfig:
+    """Merge the task's defaults, the YAML file named by ``--config`` and the command line."""
+    values: dict[str, Any] = task_defaults(args.task)
     cli = vars(args).copy()
     path = cli.pop("config", None)
     if path is not None:
@@ -178,7 +206,8 @@ def _check(cfg: TrainConfig) -> None:
         raise UsageError(f"task {cfg.task!r} is not one of {TASKS}")
     if cfg.schedule not in SCHEDULES:
         raise UsageError(f"schedule {cfg.schedule!r} is not one of {sorted(SCHEDULES)}")
-    positive = {"batch_size": cfg.batch_size, "steps": cfg.steps, "microbatches": cfg.microbatches, "seq_len": cfg.seq_len}
+    positive = {"batch_size": cfg.batch_size, "steps": cfg.steps, "seq_len": cfg.seq_len,
+                **({"microbatches": cfg.microbatches} if cfg.microbatches is not None else {})}
     for name, value in positive.items():
         if value < 1:
             raise UsageError(f"{name} must be at least 1, got {value}")

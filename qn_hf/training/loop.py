@@ -9,6 +9,7 @@ directory on the ``meta`` device with each rank reading only its shard), paralle
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -16,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import datasets
 import torch
 import torch.distributed as dist
 
@@ -24,7 +26,7 @@ from ..grad_norm import clip_grad_norm_
 from ..mesh import default_device, init_distributed, launched_world_size
 from ..parallel_model import ParallelModel
 from ..parallelize import parallelize
-from .config import TrainConfig, effective_yaml
+from .config import TrainConfig, default_microbatches, effective_yaml
 from .errors import UsageError
 from .lr import warmup_cosine
 from .metrics import MetricsLog, Progress
@@ -40,6 +42,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     task = TASK_TYPES[cfg.task]()
     world = launched_world_size()
     dp, tp, pp = cfg.mesh or (world, 1, 1)
+    if cfg.microbatches is None:  # recorded in config.yaml as the value used
+        cfg = dataclasses.replace(cfg, microbatches=default_microbatches(batch_size=cfg.batch_size, dp=dp, pp=pp))
     _check_launch(cfg, world=world, dp=dp, tp=tp, pp=pp)
     model_dir = model_directory(cfg.model)
     task.check(cfg, model_dir)
@@ -51,6 +55,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     device = default_device()
     init_distributed(device=device, timeout=datetime.timedelta(seconds=cfg.timeout_s))
     rank = dist.get_rank()
+    if rank != 0:  # one set of progress bars (tokenizing, grouping) per job, drawn by rank 0
+        datasets.disable_progress_bars()
     prepared = _rank0_first(lambda: task.prepare(cfg, model_dir))
 
     model = _build_model(cfg, task=task, config=prepared.config, model_dir=model_dir)

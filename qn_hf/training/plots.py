@@ -21,6 +21,16 @@ def _pyplot():
 def loss_curve(path: str, *, runs: Sequence[tuple[str, list[dict]]], title: str) -> None:
     """Training loss per step (and validation loss/accuracy where recorded) for one or more runs."""
     plt = _pyplot()
+    fig = loss_figure(runs=runs, title=title)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def loss_figure(*, runs: Sequence[tuple[str, list[dict]]], title: str):
+    """The figure ``loss_curve`` saves (a matplotlib Figure; the caller closes it)."""
+    plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     has_acc = any("val_accuracy" in r for _, records in runs for r in records)
     fig, axes = plt.subplots(1, 2 if has_acc else 1, figsize=(11 if has_acc else 7, 4), squeeze=False)
     ax = axes[0][0]
@@ -31,6 +41,7 @@ def loss_curve(path: str, *, runs: Sequence[tuple[str, list[dict]]], title: str)
         if evals:
             ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o" + style, ms=3, label=f"{label} validation")
     ax.set(xlabel="step", ylabel="loss", title=title)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers, even on short runs
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     if has_acc:
@@ -40,11 +51,11 @@ def loss_curve(path: str, *, runs: Sequence[tuple[str, list[dict]]], title: str)
             acc.plot([r["step"] for r in evals], [100 * r["val_accuracy"] for r in evals], "o" + ("-" if i == 0 else "--"),
                      ms=3, label=label)
         acc.set(xlabel="step", ylabel="validation accuracy (%)", title="accuracy")
+        acc.xaxis.set_major_locator(MaxNLocator(integer=True))
         acc.grid(alpha=0.3)
         acc.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def pipeline_timeline(path: str, *, ranks: Sequence[tuple[str, list[tuple[str, int, float, float]]]], title: str) -> None:

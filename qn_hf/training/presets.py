@@ -11,6 +11,7 @@ from transformers import GPT2Config, LlamaConfig, PretrainedConfig, ViTConfig
 
 PRESETS = ("tiny-gpt2", "tiny-llama", "tiny-vit")
 LM_PRESETS = ("tiny-gpt2", "tiny-llama")
+TASK_PRESETS = {"lm": LM_PRESETS, "vit": ("tiny-vit",)}
 
 
 def lm_preset(name: str, *, vocab_size: int, seq_len: int, eos_token_id: int | None) -> PretrainedConfig:
