@@ -18,7 +18,9 @@ def check_batch(batch: Mapping[str, torch.Tensor], *, microbatches: int, require
         raise ValueError(f"batch values must be tensors; {not_tensors} are not")
     missing = [k for k in required if k not in batch]
     if missing:
-        raise ValueError(f"batch lacks {missing} (has {sorted(batch)})")
+        fix = (": the built-in loss needs them; for a causal LM pass labels=input_ids (qn_hf shifts them, as HF "
+               "does; -100 marks positions to ignore), or pass loss_fn=(outputs, batch) -> loss") if "labels" in missing else ""
+        raise ValueError(f"batch lacks {missing} (has {sorted(batch)}){fix}")
     sizes = {k: v.shape[0] if v.dim() else None for k, v in batch.items()}
     if len(set(sizes.values())) != 1 or None in sizes.values():
         raise ValueError(f"batch tensors must share their size along dim 0, got {sizes}")

@@ -44,7 +44,7 @@ def test_every_rank_raises_before_any_collective(worlds, model_dirs):
     assert "tp=2 does not divide num_attention_heads=3; use a tp among [1, 3]" in m["heads"]
     assert "tp=2 does not divide num_key_value_heads=3" in m["kv heads"]
     assert "microbatches=2 does not divide the local batch size 3" in m["microbatches"]
-    assert "batch lacks ['labels']" in m["labels"]
+    assert "batch lacks ['labels']" in m["labels"] and "labels=input_ids" in m["labels"] and "loss_fn" in m["labels"]
     assert "pp=2 is larger than the number of blocks (1); use pp <= 1" in m["pp too large"]
     assert "microbatches=2 does not divide the local batch size 3" in m["pipeline microbatches"]
     assert "a forward call needs the whole pipeline (pp=2)" in m["pipeline forward call"]
