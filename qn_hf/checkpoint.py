@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import zlib
 from typing import TYPE_CHECKING
@@ -35,6 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .atomic import give_plain_mode, write_text_atomic
+from .checkpoint_names import LATEST, checkpoint_name, is_checkpoint_name, next_checkpoint_dir, parse_name
 from .comm import barrier
 from .shard import ShardSpec
 
@@ -43,7 +43,6 @@ if TYPE_CHECKING:
 
 FORMAT = "qn_hf.checkpoint"
 VERSION = 1
-LATEST = "latest"
 INDEX = "index.json"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
            "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8, "bool": torch.bool}
@@ -126,9 +125,9 @@ def save_checkpoint(pm: ParallelModel, path: str, *, optimizer: torch.optim.Opti
     chosen = torch.zeros(2, dtype=torch.int64, device=pm.device)
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
-        chosen[0], chosen[1] = _parse_name(os.path.basename(next_checkpoint_dir(path, step=step)))
+        chosen[0], chosen[1] = parse_name(os.path.basename(next_checkpoint_dir(path, step=step)))
     dist.broadcast(chosen, src=0)  # every rank writes into the directory rank 0 chose
-    final = os.path.join(path, _name(int(chosen[0]), int(chosen[1])))
+    final = os.path.join(path, checkpoint_name(int(chosen[0]), int(chosen[1])))
     partial = final + ".partial"
     if dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
@@ -161,32 +160,6 @@ def save_checkpoint(pm: ParallelModel, path: str, *, optimizer: torch.optim.Opti
     return final
 
 
-# ckpt-<step>, and ckpt-<step>.<k> for the k-th re-save of a step already on disk
-_CKPT = re.compile(r"ckpt-(\d{6,})(?:\.(\d+))?")
-
-
-def _name(step: int, again: int) -> str:
-    return f"ckpt-{step:06d}" + (f".{again}" if again else "")
-
-
-def _parse_name(name: str) -> tuple[int, int]:
-    match = _CKPT.fullmatch(name)
-    if match is None:
-        raise ValueError(f"{name!r} is not a checkpoint directory name")
-    return int(match[1]), int(match[2] or 0)
-
-
-def next_checkpoint_dir(path: str, *, step: int | None) -> str:
-    """``path/ckpt-<step>`` (its ``.partial`` twin is written first); a step already saved gets
-    ``.1``, ``.2``, ...; without a step, the number after the current checkpoint's."""
-    if step is None:
-        step = _latest_number(path) + 1
-    again = 0
-    while os.path.exists(os.path.join(path, _name(step, again))):
-        again += 1
-    return os.path.join(path, _name(step, again))
-
-
 def publish(partial: str, final: str) -> None:
     """Make a fully written ``partial`` directory the current checkpoint: fsync it, rename it to
     ``final``, then atomically point ``latest`` at it, and only then remove older ones. A crash at
@@ -198,7 +171,7 @@ def publish(partial: str, final: str) -> None:
     _write_json(os.path.basename(final), os.path.join(root, LATEST))
     _fsync_dir(root)
     for old in os.listdir(root):
-        if _CKPT.fullmatch(old.removesuffix(".partial")) and old != os.path.basename(final):
+        if is_checkpoint_name(old.removesuffix(".partial")) and old != os.path.basename(final):
             shutil.rmtree(os.path.join(root, old), ignore_errors=True)
 
 
@@ -239,14 +212,6 @@ class FileChecks:
 def entry_nbytes(entry: dict) -> int:
     """Bytes of the whole tensor an index entry describes."""
     return torch.Size(entry["shape"]).numel() * torch.empty(0, dtype=_DTYPES[entry["dtype"]]).element_size()
-
-
-def _latest_number(path: str) -> int:
-    try:
-        with open(os.path.join(path, LATEST)) as f:
-            return _parse_name(json.load(f))[0]
-    except (OSError, ValueError, TypeError):
-        return 0
 
 
 def _merge_groups(merged: list[dict] | None, groups: list[dict]) -> list[dict]:
@@ -308,7 +273,7 @@ def checkpoint_dir(path: str) -> str:
         raise CheckpointError(f"{path} holds no checkpoint (no {LATEST} and no {INDEX})") from None
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{os.path.join(path, LATEST)} is unreadable: {e}") from None
-    if not isinstance(name, str) or not _CKPT.fullmatch(name):
+    if not isinstance(name, str) or not is_checkpoint_name(name):
         raise CheckpointError(f"{os.path.join(path, LATEST)} names {name!r}, not a checkpoint directory")
     return os.path.join(path, name)
 
