@@ -257,7 +257,8 @@ class ParallelModel:
             flat_all_reduce_(tied, group=self.groups.tie)
         if not self._replicas_checked:  # once: the dataflow that makes a gradient partial never changes
             self._replicas_checked = True
-            check_replicated_grads({n: p.grad for n, p in local.items() if self.specs.get(n) is None}, group=self.groups.tp)
+            check_replicated_grads({n: p.grad for n, p in local.items() if self.specs.get(n) is None}, group=self.groups.tp,
+                                   device=self.device)
 
     @property
     def config(self):

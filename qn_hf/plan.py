@@ -16,7 +16,7 @@ from torch import nn
 
 from .names import base_model_and_prefix, join, match_modules, match_parameters
 from .heads import LAYOUT_VALUES, HeadLayout, attention_layout, head_layout
-from .rules import check_rule, is_projection, split_kv_per_module
+from .rules import check_rule, check_ties, is_projection, split_kv_per_module
 from .styles import PARAM_STYLES, STYLES
 
 LOSSES = ("causal_lm", "classification")
@@ -121,7 +121,11 @@ def _resolve_rules(model: nn.Module, policy: ModelPolicy, base: nn.Module, prefi
     rules: dict[str, str] = {}
     for scope, plan, root_prefix in ((base, policy.tp_plan, prefix), (model, policy.head_plan if has_head else {}, "")):
         for pattern, style in plan.items():
-            names = match_parameters(scope, pattern) if style in PARAM_STYLES else match_modules(scope, pattern)
+            if style in PARAM_STYLES:
+                names = match_parameters(scope, pattern)
+            else:  # a whole-keeping rule may also name one parameter (a bare per-head weight)
+                names = match_modules(scope, pattern) or (
+                    match_parameters(scope, pattern) if style in ("replicate", "replicate_grad_sum") else [])
             if not names and not policy.transformers_plan:  # transformers' plans name optional modules
                 raise ValueError(f"policy {policy.model_type}: rule {pattern!r} matches no module of {type(scope).__name__}")
             for name in names:
@@ -208,6 +212,7 @@ def build_tp_plan(model: nn.Module, policy: ModelPolicy, *, tp: int) -> TpPlan:
     patches = _resolve_patches(policy, base, prefix, layout)
     if tp > 1:
         rules = split_kv_per_module(model, rules, layout)
+        check_ties(model, rules)
         for name, style in rules.items():
             check_rule(model, name, style, layout, tp)
 

@@ -27,6 +27,8 @@ def check_rule(model: nn.Module, name: str, style: str, layout: HeadLayout, tp: 
             raise ValueError(f"tp={tp} does not divide the {parts} part(s) of {name} along dim {dim} "
                              f"(shape {tuple(param.shape)}); use a tp that divides {param.shape[dim] // parts}")
         return
+    if style not in EMBEDDING_STYLES and style not in LINEAR_STYLES:
+        return  # kept whole, or hooks on an unchanged module: nothing to split
     module = model.get_submodule(name)
     if style in EMBEDDING_STYLES:
         if adapter_for(module) is None:
@@ -76,3 +78,21 @@ def split_kv_per_module(model: nn.Module, rules: dict[str, str], layout: HeadLay
                                  f"the config's {layout.kv_heads}; use a tp that divides {here.kv_heads}")
             out[name] = "colwise"
     return out
+
+
+# Styles that split a weight the same way: the padded vocabulary rows of an embedding and its head.
+_VOCAB_ROWS = ("vocab_embedding", "vocab_colwise")
+
+
+def check_ties(model: nn.Module, rules: dict[str, str]) -> None:
+    """Parameters tied by identity (an LM head sharing the embedding) must be split the same way,
+    or the swap would untie them (one side becomes a new sharded parameter)."""
+    by_id: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    for names in by_id.values():
+        styles = {rules.get(n, rules.get(n.rpartition(".")[0], "whole")) for n in names}
+        styles = {"vocabulary rows" if s in _VOCAB_ROWS else s for s in styles}
+        if len(names) > 1 and len(styles) > 1:
+            raise ValueError(f"tied parameters {names} would be split differently ({sorted(styles)}); give their "
+                             f"modules the same kind of rule (e.g. vocab_embedding with vocab_colwise) or keep both whole")

@@ -20,7 +20,7 @@ from .embeddings import ColumnParallelEmbedding, VocabParallelEmbedding
 from .layers import ColumnParallelLinear, RowParallelLinear, _dims
 from .plan import TpPlan
 from .shard import ShardSpec, padded
-from .styles import EMBEDDING_STYLES, LINEAR_STYLES, PARAM_STYLES, packed_parts, param_shard_dim
+from .styles import EMBEDDING_STYLES, HOOK_STYLES, LINEAR_STYLES, PARAM_STYLES, packed_parts, param_shard_dim
 from .tp_hooks import identity_expert_hooks, mla_kv_a_hooks, partial_sum_hooks
 
 
@@ -123,7 +123,9 @@ def apply_tp_plan(
     param_specs = {name: _shard_parameter(model, name, style, plan, tp_rank)
                    for name, style in plan.rules if style in PARAM_STYLES}
     for name, style in plan.rules:
-        module = model.get_submodule(name) if style not in PARAM_STYLES else None
+        if style not in HOOK_STYLES or style == "replicate_grad_sum":
+            continue  # no hook (replicate_grad_sum acts on gradients, in ParallelModel)
+        module = model.get_submodule(name)
         if style == "experts":
             partial_sum_hooks(module, group=group)
         elif style == "experts_identity":

@@ -48,10 +48,11 @@ def identity_expert_hooks(module: nn.Module, *, group: ProcessGroup) -> None:
     (exact for any tp, unlike dividing by tp). A product with 1 or 0 rather than a fresh zero tensor
     keeps the autograd graph the same on every rank, so backward issues its all-reduces in the
     same order everywhere."""
-    keep = 1.0 if group_rank(group) == 0 else 0.0
 
     def after(_module, _args, output):
-        return output * keep
+        # the rank is read when the module runs: the hook is also installed on meta-device models
+        # with no process group (checkpoint layouts, qn-hf-convert)
+        return output * (1.0 if group_rank(group) == 0 else 0.0)
 
     module.register_forward_hook(after)
 

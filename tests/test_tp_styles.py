@@ -111,3 +111,33 @@ def test_the_parity_check_catches_a_wrong_split(worlds, tmp_path):
     verdict = worlds.run(2, "tests.zoo_cases:custom_policy_step", config=_phi3_config(), policy=_phi3_policy(tp_plan=plan),
                          tp=2, out_dir=str(tmp_path))[0]
     assert verdict["verdict"] == "different", verdict
+
+
+def test_partial_gradient_on_one_stage_is_refused_on_every_rank(worlds):
+    """Only the second pipeline stage holds the un-summed per-head norms: the ranks of the first
+    stage must refuse with it, not wait for it until a timeout."""
+    from qn_hf.check.run import build
+    from qn_hf.policies import derive_policy
+
+    config = shrink_config(CONFIG_MAPPING["qwen3"]())
+    derived = derive_policy(build(config, seed=0))
+    plan = {k: v for k, v in derived.tp_plan.items() if v != "replicate_grad_sum"}
+    plan.update({f"layers.{i}.self_attn.{norm}": "replicate_grad_sum" for i in (0, 1) for norm in ("q_norm", "k_norm")})
+    policy = ModelPolicy(**{**derived.__dict__, "tp_plan": plan})
+    verdicts = worlds.run(4, "tests.zoo_cases:custom_policy_mesh_step", config=config.to_dict(), policy=policy, tp=2, pp=2)
+    for verdict in verdicts:
+        assert verdict["verdict"] == "refused" and "layers.2.self_attn.q_norm" in verdict["reason"], verdict
+
+
+def test_tied_weights_split_differently_are_refused():
+    from qn_hf.check.run import build
+    from qn_hf.plan import build_tp_plan
+    from qn_hf.policies import derive_policy
+
+    model = build(shrink_config(CONFIG_MAPPING["gemma"]()), seed=0)  # lm_head is tied to embed_tokens
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    derived = derive_policy(model)
+    policy = ModelPolicy(**{**derived.__dict__, "head_plan": {"lm_head": "replicate"}})
+    with pytest.raises(ValueError, match=r"tied parameters .*lm_head.weight.* would be split differently"):
+        build_tp_plan(model, policy, tp=2)
+    build_tp_plan(model, derived, tp=2)  # the derived policy splits both over the vocabulary

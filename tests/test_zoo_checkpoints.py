@@ -14,7 +14,7 @@ from transformers import CONFIG_MAPPING
 
 import qn_hf
 from qn_hf import convert
-from qn_hf.check.run import build, model_class
+from qn_hf.check.run import build, causal_lm_config, model_class
 from qn_hf.check.shrink import shrink_config
 from tests.cases import mesh_for
 
@@ -84,3 +84,23 @@ def test_zoo_checkpoint_resumes_at_other_meshes(worlds, tmp_path, model_type):
         resumed = dict(_load(out).named_parameters())
         err = max((resumed[n] - p).abs().max().item() for n, p in reference.items())
         assert err < 2e-5, f"resumed at {(dp, tp, pp)} from {os.path.basename(source)}: max weight difference {err}"
+
+
+def test_every_zoo_model_has_a_checkpoint_layout_where_it_trains_equal():
+    """qn-hf-convert (from-hf, reshard) lays a checkpoint out from a meta-device model with the same
+    policy and stage cut as parallelize: it must work for every model type and mesh the zoo finds
+    equal (LongCat-Flash's identity-expert hook once needed a process group here)."""
+    import json
+    from pathlib import Path
+
+    from qn_hf.layout import model_layout
+
+    expected = json.loads((Path(__file__).parent / "zoo_expected.json").read_text())
+    meshes = {"tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}
+    for model_type, outcomes in expected.items():
+        config = causal_lm_config(shrink_config(CONFIG_MAPPING[model_type]()))
+        for mesh, outcome in outcomes.items():
+            if outcome == "equal":
+                tp, pp = meshes[mesh]
+                layout = model_layout(config, tp=tp, pp=pp)
+                assert layout.tensors, (model_type, mesh)

@@ -37,3 +37,8 @@ def router_logits_refusal(*, config: dict) -> str:
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+def custom_policy_mesh_step(*, config: dict, policy, tp: int, pp: int) -> dict:
+    """One step with a user's own policy at (1, tp, pp)."""
+    return one_step_parity(config=config, tp=tp, pp=pp, mesh=mesh_for(1, tp, pp), policy=policy)

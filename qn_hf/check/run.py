@@ -46,14 +46,17 @@ def model_class(config: transformers.PretrainedConfig) -> type:
     return transformers.AutoModelForCausalLM._model_mapping[type(config)]
 
 
+def causal_lm_config(config: transformers.PretrainedConfig) -> transformers.PretrainedConfig:
+    """The config the causal LM is built from: a composite config (Llama 4's) gives its text part,
+    as ``AutoModelForCausalLM.from_config`` does."""
+    return config if isinstance(config, model_class(config).config_class) else config.get_text_config()
+
+
 def build(config: transformers.PretrainedConfig, *, seed: int) -> torch.nn.Module:
-    """The causal LM of ``config`` with seeded random weights. A composite config (Llama 4's) gives
-    its text part, as ``AutoModelForCausalLM.from_config`` does."""
-    cls = model_class(config)
-    if not isinstance(config, cls.config_class):
-        config = config.get_text_config()
+    """The causal LM of ``config`` with seeded random weights."""
+    config = causal_lm_config(config)
     torch.manual_seed(seed)
-    return cls(config).float()
+    return model_class(config)(config).float()
 
 
 def _batch(config, *, rows: int, seed: int) -> dict[str, torch.Tensor]:
