@@ -82,12 +82,16 @@ def init_distributed(*, device: torch.device, timeout: datetime.timedelta) -> No
     if "MASTER_ADDR" in os.environ and "RANK" in os.environ:
         dist.init_process_group(backend=backend, timeout=timeout)
         return
+    dist.init_process_group(
+        backend=backend, init_method=f"tcp://127.0.0.1:{free_local_port()}", rank=0, world_size=1, timeout=timeout
+    )
+
+
+def free_local_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a local process group's rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group(
-        backend=backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=timeout
-    )
+        return s.getsockname()[1]
 
 
 def build_mesh(dims: ParallelDims, *, device: torch.device, timeout: datetime.timedelta | None = None) -> DeviceMesh:

@@ -257,8 +257,7 @@ class ParallelModel:
             flat_all_reduce_(tied, group=self.groups.tie)
         if not self._replicas_checked:  # once: the dataflow that makes a gradient partial never changes
             self._replicas_checked = True
-            check_replicated_grads({n: p.grad for n, p in local.items() if self.specs.get(n) is None}, group=self.groups.tp,
-                                   device=self.device)
+            check_replicated_grads({n: p.grad for n, p in local.items() if self.specs.get(n) is None}, group=self.groups.tp)
 
     @property
     def config(self):

@@ -172,15 +172,13 @@ def _resolve_patches(policy: ModelPolicy, base: nn.Module, prefix: str, layout: 
         else:
             raise ValueError(f"policy {policy.model_type}: patch {target!r} matches no module")
         for name in names:
-            obj = base.get_submodule(name)
-            if policy.transformers_plan and not _has_path(obj, path):
-                continue  # a layer of another kind (MiniMax's linear attention) reads no such value
-            for attr in path:
-                if not hasattr(obj, attr):
-                    raise ValueError(f"policy {policy.model_type}: {join(prefix, name)} has no attribute "
-                                     f"{'.'.join(path)!r} to patch")
-                obj = getattr(obj, attr)
-            patches.append((join(prefix, name), ".".join(path), attention_layout(base.get_submodule(name), layout).value(value)))
+            module = base.get_submodule(name)
+            if not _has_path(module, path):
+                if policy.transformers_plan:
+                    continue  # a layer of another kind (MiniMax's linear attention) reads no such value
+                raise ValueError(f"policy {policy.model_type}: {join(prefix, name)} has no attribute "
+                                 f"{'.'.join(path)!r} to patch")
+            patches.append((join(prefix, name), ".".join(path), attention_layout(module, layout).value(value)))
     return patches
 
 

@@ -23,7 +23,7 @@ from torch.distributed import ProcessGroup
 REL_TOL = 1e-3
 
 
-def check_replicated_grads(grads: dict[str, torch.Tensor], *, group: ProcessGroup, device: torch.device) -> None:
+def check_replicated_grads(grads: dict[str, torch.Tensor], *, group: ProcessGroup) -> None:
     """Raise ``ValueError`` on every rank of the job if any gradient in ``grads`` (replicated
     parameters' synchronized gradients, the same names in the same order on every rank of the tp
     ``group``) differs between the ranks of ``group``. Every rank must call it (once)."""
@@ -31,7 +31,7 @@ def check_replicated_grads(grads: dict[str, torch.Tensor], *, group: ProcessGrou
         return
     bad: list[str] = []
     if grads:
-        sums = torch.stack([torch.stack([g.double().sum(), g.double().abs().sum()]) for g in grads.values()]).to(device)
+        sums = torch.stack([torch.stack([g.double().sum(), g.double().abs().sum()]) for g in grads.values()])
         high, low = sums.clone(), -sums
         dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
         dist.all_reduce(low, op=dist.ReduceOp.MAX, group=group)

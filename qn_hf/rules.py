@@ -40,8 +40,6 @@ def check_rule(model: nn.Module, name: str, style: str, layout: HeadLayout, tp: 
         if width is not None and width % tp:
             raise ValueError(f"tp={tp} does not divide embedding_dim={width} of {name}")
         return
-    if style not in LINEAR_STYLES:
-        return
     if type(module) not in (nn.Linear, Conv1D):
         raise ValueError(
             f"rule {style!r} on {name}: {type(module).__name__} is not exactly nn.Linear or Conv1D; qn_hf swaps exact "

@@ -126,12 +126,10 @@ def apply_tp_plan(
         if style not in HOOK_STYLES or style == "replicate_grad_sum":
             continue  # no hook (replicate_grad_sum acts on gradients, in ParallelModel)
         module = model.get_submodule(name)
-        if style == "experts":
+        if style in ("experts", "all_reduce"):
             partial_sum_hooks(module, group=group)
         elif style == "experts_identity":
             identity_expert_hooks(module, group=group)
-        elif style == "all_reduce":
-            partial_sum_hooks(module, group=group)
         elif style == "mla_kv_a":
             mla_kv_a_hooks(module, group=group, rope_dim=plan.mla_rope_dim)
     for entry in plan.tp_entries:

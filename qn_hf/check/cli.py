@@ -17,21 +17,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import sys
 import traceback
 
+from ..mesh import free_local_port
 from .run import LOSS_RTOL, WEIGHT_ATOL
 from .shrink import LAYERS, shrink_config
 
 EXIT = {"equal": 0, "different": 1, "refused": 2, "crashed": 3}
 RANK_TIMEOUT_S = 600  # a whole check of a shrunk model takes seconds; a stuck collective gives up
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, world: int, port: int, config: dict, mesh: dict, results) -> None:
@@ -42,13 +36,14 @@ def _rank(rank: int, world: int, port: int, config: dict, mesh: dict, results) -
     import torch.distributed as dist
     import transformers
 
+    from ..mesh import init_distributed
     from .run import one_step_parity
 
     torch.set_num_threads(1)  # ranks share the machine's cores: oversubscription only slows them
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     try:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S))
+        init_distributed(device=torch.device("cpu"), timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S))  # gloo
         verdict = one_step_parity(config=config, **mesh)
         results.put((rank, verdict))
     except BaseException:  # noqa: BLE001 - the parent reports it and stops the others
@@ -67,7 +62,7 @@ def run_check(config: dict, *, dp: int, tp: int, pp: int, microbatches: int | No
     world = dp * tp * pp
     results = ctx.Queue()
     mesh = {"dp": dp, "tp": tp, "pp": pp, "microbatches": microbatches}
-    port = _free_port()
+    port = free_local_port()
     procs = [ctx.Process(target=_rank, args=(r, world, port, config, mesh, results), daemon=True) for r in range(world)]
     for p in procs:
         p.start()

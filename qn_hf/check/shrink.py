@@ -145,14 +145,10 @@ def shrink_config(config: PretrainedConfig, *, layers: int = LAYERS) -> Pretrain
     _fill_gaps(data)
     subconfigs = {k: shrink_config(v, layers=layers).to_dict() for k, v in vars(config).items()
                   if isinstance(v, PretrainedConfig)}
-    kv_ratio = 1
-    heads, kv = data.get("num_attention_heads"), data.get("num_key_value_heads")
-    if isinstance(heads, int) and isinstance(kv, int) and 0 < kv < heads:
-        kv_ratio = 2  # keep grouped-query attention grouped
     new: dict = {}
     layers_before = data.get("num_hidden_layers")
     for key, value in data.items():
-        if key in _SIZES and (value is None or isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        if key in _SIZES and (value is None or _is_size(value)):
             new[key] = _SIZES[key]  # None too: some defaults leave a size for the checkpoint to fill
         elif isinstance(value, list) and value and len(value) == layers_before:
             # a per-layer list (layer kinds, per-layer heads or widths): same kinds, new length
@@ -173,7 +169,7 @@ def shrink_config(config: PretrainedConfig, *, layers: int = LAYERS) -> Pretrain
     new.update({key: layers for key in _LAYER_COUNTS
                 if _is_size(data.get(key)) or _is_size(getattr(config, key, None))})
     if "num_key_value_heads" in data:
-        new["num_key_value_heads"] = HEADS // kv_ratio
+        new["num_key_value_heads"] = _kv_heads(data)
     if isinstance(data.get("mamba_expand"), int) and "mamba_d_head" in data:
         new["mamba_d_head"] = data["mamba_expand"] * HIDDEN // HEADS  # Mamba: heads * head dim = expand * hidden
     if isinstance(data.get("num_kv_shared_layers"), int) and data["num_kv_shared_layers"] > 0 and "layer_types" in new:
@@ -184,7 +180,7 @@ def shrink_config(config: PretrainedConfig, *, layers: int = LAYERS) -> Pretrain
         new["num_kv_shared_layers"] = layers - half
     for key in ("linear_num_key_heads", "swa_num_key_value_heads", "index_n_heads"):
         if isinstance(data.get(key), int):
-            new[key] = HEADS // kv_ratio if key != "index_n_heads" else HEADS
+            new[key] = _kv_heads(data) if key != "index_n_heads" else HEADS
     if isinstance(data.get("sliding_window"), int):
         new["sliding_window"] = 8  # shorter than the test sequences: the window is exercised
     if "qk_rope_head_dim" in data and "head_dim" in data:
