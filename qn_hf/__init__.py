@@ -6,7 +6,6 @@ from .mesh import ParallelDims
 from .parallel_model import ParallelModel
 from .parallelize import parallelize
 from .plan import ModelPolicy
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = ["CommMeter", "ModelPolicy", "ParallelDims", "ParallelModel", "clip_grad_norm_", "parallelize", "__version__"]

@@ -1,4 +1,5 @@
-"""Parallel degrees, their validation, and the ("dp", "pp", "tp") device mesh.
+"""Parallel degrees, their validation, the ("dp", "pp", "tp") device mesh, and the one function that
+builds every process group a rank needs (``build_groups``).
 
 Validation here is pure arithmetic: it runs on every rank before any process group exists, so a bad
 configuration raises the same ``ValueError`` everywhere instead of hanging in a rendezvous.
@@ -13,7 +14,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .arguments import check_positive_int
 
 MESH_DIMS = ("dp", "pp", "tp")
 
@@ -28,9 +32,7 @@ class ParallelDims:
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+            check_positive_int(name, getattr(self, name))
 
     @property
     def world_size(self) -> int:
@@ -44,9 +46,6 @@ class ParallelDims:
                 f"or change dp/tp/pp so that their product is {world_size}"
             )
 
-    def coords(self, rank: int) -> dict[str, int]:
-        """Mesh coordinates of a global rank: tp varies fastest, then pp, then dp."""
-        return {"dp": rank // (self.pp * self.tp), "pp": (rank // self.tp) % self.pp, "tp": rank % self.tp}
 
 
 def launched_world_size() -> int:
@@ -119,3 +118,59 @@ def check_mesh(mesh: DeviceMesh, dims: ParallelDims) -> None:
     shape = tuple(mesh.mesh.shape)
     if shape != (dims.dp, dims.pp, dims.tp):
         raise ValueError(f"mesh shape {shape} does not match (dp, pp, tp) = {(dims.dp, dims.pp, dims.tp)}")
+
+
+@dataclass(frozen=True)
+class Groups:
+    """Every process group this rank belongs to, its mesh coordinates and its pipeline neighbours.
+
+    ``kv`` joins the tp ranks that hold the same replicated KV-head shard (None when nothing is
+    replicated that way); ``tie`` joins the first and last stage of this (dp, tp) when they hold the
+    two copies of a tied weight; ``prev``/``next`` are the global ranks of the neighbouring stages
+    with the same (dp, tp) (None at the ends)."""
+
+    mesh: DeviceMesh
+    coords: dict[str, int]  # {"dp": .., "pp": .., "tp": ..}: this rank's place on the mesh
+    dp: ProcessGroup
+    tp: ProcessGroup
+    pp: ProcessGroup
+    kv: ProcessGroup | None
+    tie: ProcessGroup | None
+    prev: int | None
+    next: int | None
+
+
+def build_groups(dims: ParallelDims, *, device: torch.device, timeout: datetime.timedelta,
+                 mesh: DeviceMesh | None = None, kv_replicas: int = 1, tied_stages: bool = False) -> Groups:
+    """Every group this rank needs, built in one place; every rank must call it with the same
+    arguments (``new_group`` is collective over the whole world, even for ranks outside a group).
+
+    ``mesh`` reuses a caller's ("dp", "pp", "tp") mesh; ``kv_replicas`` > 1 asks for the groups of
+    consecutive tp ranks that hold the same KV heads; ``tied_stages`` for the first-last stage
+    groups that sum a tied weight's gradients."""
+    if mesh is None:
+        mesh = build_mesh(dims, device=device, timeout=timeout)
+    check_mesh(mesh, dims)
+    coords = {d: mesh.get_local_rank(d) for d in MESH_DIMS}
+    grid = mesh.mesh  # [dp, pp, tp] global ranks
+    d, p, t = coords["dp"], coords["pp"], coords["tp"]
+    kv = _member_of([row[i : i + kv_replicas] for row in grid.reshape(-1, dims.tp).tolist()
+                     for i in range(0, dims.tp, kv_replicas)], timeout) if kv_replicas > 1 else None
+    tie = _member_of([[int(grid[a, 0, b]), int(grid[a, -1, b])] for a in range(dims.dp) for b in range(dims.tp)],
+                     timeout) if tied_stages else None
+    return Groups(
+        mesh=mesh, coords=coords, dp=mesh.get_group("dp"), tp=mesh.get_group("tp"), pp=mesh.get_group("pp"),
+        kv=kv, tie=tie,
+        prev=int(grid[d, p - 1, t]) if p > 0 else None,
+        next=int(grid[d, p + 1, t]) if p < dims.pp - 1 else None,
+    )
+
+
+def _member_of(all_ranks: list[list[int]], timeout: datetime.timedelta) -> ProcessGroup | None:
+    """Create every group in ``all_ranks`` (all ranks must) and return the one this rank is in."""
+    mine = None
+    for ranks in all_ranks:
+        group = dist.new_group(ranks, timeout=timeout)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine

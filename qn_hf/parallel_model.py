@@ -4,26 +4,26 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from .batch import check_batch, check_model_inputs, split_microbatches
+from .checkpoint.export import save_pretrained
+from .checkpoint.hf import DEFAULT_MAX_SHARD_BYTES
+from .checkpoint.load import load_checkpoint
+from .checkpoint.save import save_checkpoint
 from .comm import flat_all_reduce_, gather_from_group
 from .data_parallel import GradBuckets
 from .failure import FailTogether
-from .checkpoint import load_checkpoint, save_checkpoint
-from .hf_export import DEFAULT_MAX_SHARD_BYTES, save_pretrained
 from .loss import IGNORE_INDEX, causal_lm_targets, count_targets, vocab_parallel_cross_entropy
-from .mesh import ParallelDims
-from .pipeline.runtime import Peers, StageExecutor
-from .pipeline.schedule import stage_actions
-from .pipeline.split import StageModules, StagePlan
-from .names import base_model_and_prefix
+from .mesh import Groups, ParallelDims
+from .pipeline.runtime import StageExecutor
+from .pipeline.schedule import schedule_actions
+from .pipeline.stage import StageModules
+from .placement import ShardPlacement
 from .plan import TpPlan
 from .replica_check import check_replicated_grads
 from .rng import RngStreams
@@ -31,19 +31,6 @@ from .shard import ShardSpec
 from .tensor_parallel import VocabShard
 
 LossFn = Callable[[object, Mapping[str, torch.Tensor]], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Groups:
-    """Process groups this rank belongs to. ``kv`` joins the tp ranks that hold the same replicated
-    KV-head shard (None when nothing is replicated that way); ``tie`` joins the first and last
-    pipeline stage when they hold the two copies of a tied weight."""
-
-    dp: ProcessGroup
-    tp: ProcessGroup
-    pp: ProcessGroup
-    kv: ProcessGroup | None
-    tie: ProcessGroup | None  # first and last stage of this (dp, tp), holding a tied weight's copies
 
 
 class ParallelModel:
@@ -57,41 +44,54 @@ class ParallelModel:
         self,
         *,
         module: nn.Module,
-        mesh: DeviceMesh,
-        dims: ParallelDims,
-        groups: Groups,
+        placement: ShardPlacement,
         plan: TpPlan,
-        stage_plan: StagePlan,
         stage: StageModules,
-        peers: Peers,
-        specs: dict[str, ShardSpec | None],
+        executor: StageExecutor,
         vocab: VocabShard | None,
         microbatches: int,
         schedule: str,
-        device: torch.device,
         rng: RngStreams,
         buckets: GradBuckets | None,
     ) -> None:
         self.module = module
-        self.mesh = mesh
-        self.dims = dims
-        self.groups = groups
+        self.placement = placement
         self.plan = plan
-        self.stage_plan = stage_plan
         self.stage = stage
-        self._replicas_checked = False
-        self.executor = StageExecutor(peers=peers, device=device)
-        self.base_model = base_model_and_prefix(module)[0]
-        self.specs = specs
+        self.executor = executor
         self.vocab = vocab
         self.microbatches = microbatches
         self.schedule = schedule
-        self.device = device
         self.rng = rng
         self.buckets = buckets
-        self._sync = True
         self.failures = FailTogether()
-        self.coords = {dim: mesh.get_local_rank(dim) for dim in ("dp", "pp", "tp")}
+        self._sync = True
+        self._replicas_checked = False
+
+    # -- where this rank sits (read from the placement) ------------------------------------------
+    @property
+    def mesh(self) -> DeviceMesh:
+        return self.placement.groups.mesh
+
+    @property
+    def dims(self) -> ParallelDims:
+        return self.placement.dims
+
+    @property
+    def groups(self) -> Groups:
+        return self.placement.groups
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return self.placement.coords
+
+    @property
+    def specs(self) -> Mapping[str, ShardSpec | None]:
+        return self.placement.specs
+
+    @property
+    def device(self) -> torch.device:
+        return self.placement.device
 
     # -- the torch.nn.Module-like surface users expect -------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -191,11 +191,9 @@ class ParallelModel:
             microbatch's share of the global loss (what backward starts from)."""
             nonlocal total
             inputs = {k: v for k, v in micro[mb].items() if k != "labels"}
-            if self.stage.injector is not None:
-                self.stage.injector.pending = received
+            outputs = self.stage.forward(inputs, received, **self.plan.policy.forward_kwargs)
             if not self.stage.is_last:
-                return self.base_model(**inputs, **self.plan.policy.forward_kwargs).last_hidden_state
-            outputs = self.module(**inputs, **self.plan.policy.forward_kwargs)
+                return outputs
             if builtin:
                 loss = self._builtin_loss_sum(outputs, micro[mb]["labels"])
             else:
@@ -204,12 +202,10 @@ class ParallelModel:
             total += loss.detach().float()
             return loss
 
-        actions = stage_actions(
-            stage=self.stage.stage, stages=self.stage.stages, microbatches=self.microbatches,
-            schedule=self.schedule, backward=backward,
-        )
+        schedule = schedule_actions(stages=self.stage.stages, microbatches=self.microbatches, schedule=self.schedule,
+                                    backward=backward)
         arm = self.buckets.arm if backward and self._sync and self.buckets is not None else None
-        self.executor.run(actions, forward, before_last_backward=arm)
+        self.executor.run(schedule, forward, before_last_backward=arm)
         # The last stage holds the loss: a sum over pp hands it to every stage, then over dp.
         flat_all_reduce_([total], group=self.groups.pp)
         flat_all_reduce_([total], group=self.groups.dp)
@@ -253,7 +249,7 @@ class ParallelModel:
         if partial:
             flat_all_reduce_(partial, group=self.groups.tp)
         if self.groups.tie is not None:
-            tied = [local[n].grad for tie in self.stage_plan.ties for n in (tie.owner, tie.follower) if n in local]
+            tied = [local[n].grad for tie in self.placement.ties for n in (tie.owner, tie.follower) if n in local]
             flat_all_reduce_(tied, group=self.groups.tie)
         if not self._replicas_checked:  # once: the dataflow that makes a gradient partial never changes
             self._replicas_checked = True
@@ -269,14 +265,17 @@ class ParallelModel:
         """Write a consolidated Hugging Face directory that ``from_pretrained`` loads unchanged
         (streamed tensor by tensor; files of at most ``max_shard_size`` bytes)."""
         with self.failures.guard("save_pretrained"):
-            save_pretrained(self, path, max_shard_bytes=max_shard_size)
+            save_pretrained(self.module, path, placement=self.placement, config=self.config,
+                            max_shard_bytes=max_shard_size)
 
     def save_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None, step: int | None = None) -> str:
         """Sharded safetensors checkpoint (optimizer state included) that loads into any mesh."""
         with self.failures.guard("save_checkpoint"):
-            return save_checkpoint(self, path, optimizer=optimizer, step=step)
+            return save_checkpoint(self.module, path, placement=self.placement, config=self.config,
+                                   optimizer=optimizer, step=step)
 
     def load_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> dict:
         """Load a checkpoint saved at any (dp, tp, pp); return its metadata (e.g. ``{"step": 1}``)."""
         with self.failures.guard("load_checkpoint"):
-            return load_checkpoint(self, path, optimizer=optimizer)
+            return load_checkpoint(self.module, path, placement=self.placement, model_type=self.config.model_type,
+                                   optimizer=optimizer)

@@ -12,11 +12,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .comm import flat_broadcast_
-from .data_parallel import DEFAULT_BUCKET_MB, GradBuckets
-from .mesh import ParallelDims, build_mesh, check_mesh, default_device, init_distributed, launched_world_size
-from .parallel_model import Groups, ParallelModel
-from .pipeline.runtime import Peers
-from .pipeline.split import StagePlan, StandIn, apply_stage
+from .data_parallel import DEFAULT_BUCKET_MB, GradBuckets, bucket_size_bytes
+from .mesh import Groups, ParallelDims, build_groups, default_device, init_distributed, launched_world_size
+from .parallel_model import ParallelModel
+from .pipeline.runtime import Peers, StageExecutor
+from .pipeline.split import StagePlan
+from .pipeline.stage import apply_stage
+from .pipeline.standins import StandIn
+from .placement import ShardPlacement
 from .plan import ModelPolicy, TpPlan
 from .rng import SHARED, TP_LOCAL, RngStreams, stream_seeds
 from .shard import ShardSpec
@@ -57,27 +60,18 @@ def parallelize(
     if getattr(model, _MARK, False):
         raise ValueError("this model is already parallelized; load a fresh copy to parallelize it again")
     checked = check_parallel_config(model, dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
-                                    policy=policy, layers_per_stage=layers_per_stage)
+                                    policy=policy, layers_per_stage=layers_per_stage, bucket_mb=bucket_mb)
     dims, plan, stage_plan = checked.dims, checked.tp_plan, checked.stage_plan
-    if not bucket_mb > 0:
-        raise ValueError(f"bucket_mb={bucket_mb!r} must be positive")
     dims.check_world_size(launched_world_size())
     _check_tensors(model, checkpoint=checkpoint)
 
     device = device or default_device()
     init_distributed(device=device, timeout=timeout)
     dims.check_world_size(dist.get_world_size())
-    if mesh is None:
-        mesh = build_mesh(dims, device=device, timeout=timeout)
-    check_mesh(mesh, dims)
-    groups = Groups(
-        dp=mesh.get_group("dp"),
-        tp=mesh.get_group("tp"),
-        pp=mesh.get_group("pp"),
-        kv=_kv_replica_group(mesh, plan, timeout),
-        tie=_tie_group(mesh, stage_plan, timeout),
-    )
-    coords = {d: mesh.get_local_rank(d) for d in ("dp", "pp", "tp")}
+    kv_replicated = plan.layout.kv_replicas > 1 and any(style == "colwise_kv" for _, style in plan.rules)
+    groups = build_groups(dims, device=device, timeout=timeout, mesh=mesh,
+                          kv_replicas=plan.layout.kv_replicas if kv_replicated else 1, tied_stages=bool(stage_plan.ties))
+    coords = groups.coords
     if pp > 1 and microbatches < pp and dist.get_rank() == 0:
         bubble = (pp - 1) / (microbatches + pp - 1)
         warnings.warn(f"microbatches={microbatches} < pp={pp}: each stage idles {bubble:.0%} of a step (pipeline bubble "
@@ -94,20 +88,16 @@ def parallelize(
         _synchronize_replicas(model, specs, groups, stage_plan)
     rng = _install_rng_streams(model, plan, coords, device, seed)
     setattr(model, _MARK, True)
+    placement = ShardPlacement(dims=dims, groups=groups, specs=specs, ties=stage_plan.ties, device=device)
     pm = ParallelModel(
         module=model,
-        mesh=mesh,
-        dims=dims,
-        groups=groups,
+        placement=placement,
         plan=plan,
-        stage_plan=stage_plan,
         stage=stage,
-        peers=_peers(mesh, coords),
-        specs=specs,
+        executor=StageExecutor(stage=coords["pp"], peers=Peers(prev=groups.prev, next=groups.next), device=device),
         vocab=vocab,
         microbatches=microbatches,
         schedule=schedule,
-        device=device,
         rng=rng,
         buckets=_grad_buckets(model, groups, dims, bucket_mb),
     )
@@ -133,21 +123,6 @@ def _check_tensors(model: nn.Module, *, checkpoint: str | None) -> None:
         raise ValueError(f"the model's tensors are spread over devices {sorted(map(str, devices))}; move it to one device first")
 
 
-def _kv_replica_group(mesh: DeviceMesh, plan: TpPlan, timeout: datetime.timedelta):
-    """Groups of consecutive tp ranks that hold the same KV heads; all ranks create all groups."""
-    replicas = plan.layout.kv_replicas
-    if replicas == 1 or not any(style == "colwise_kv" for _, style in plan.rules):
-        return None
-    mine = None
-    for tp_ranks in mesh.mesh.reshape(-1, plan.tp).tolist():
-        for i in range(0, plan.tp, replicas):
-            ranks = tp_ranks[i : i + replicas]
-            group = dist.new_group(ranks, timeout=timeout)
-            if dist.get_rank() in ranks:
-                mine = group
-    return mine
-
-
 def _materialize(model: nn.Module, device: torch.device) -> None:
     """Allocate this rank's (already sharded) meta tensors; the checkpoint fills the parameters.
     Non-persistent buffers (rotary frequencies) are in no checkpoint: HF's own init recomputes them."""
@@ -167,7 +142,7 @@ def _grad_buckets(model: nn.Module, groups: Groups, dims: ParallelDims, bucket_m
     if dims.dp == 1:
         return None
     params = [p for p in model.parameters() if p.requires_grad]
-    return GradBuckets(params, group=groups.dp, bucket_bytes=int(bucket_mb * 1024 * 1024))
+    return GradBuckets(params, group=groups.dp, bucket_bytes=bucket_size_bytes(bucket_mb))
 
 
 def _on_this_stage(model: nn.Module, name: str) -> bool:
@@ -178,30 +153,6 @@ def _on_this_stage(model: nn.Module, name: str) -> bool:
         if not isinstance(module, nn.Module) or isinstance(module, StandIn):
             return False
     return True
-
-
-def _tie_group(mesh: DeviceMesh, stage_plan: StagePlan, timeout: datetime.timedelta):
-    """For each (dp, tp): the first and last stage, which hold the two copies of a tied weight."""
-    if not stage_plan.ties:
-        return None
-    mine = None
-    grid = mesh.mesh  # [dp, pp, tp]
-    for d in range(grid.shape[0]):
-        for t in range(grid.shape[2]):
-            ranks = [int(grid[d, 0, t]), int(grid[d, -1, t])]
-            group = dist.new_group(ranks, timeout=timeout)
-            if dist.get_rank() in ranks:
-                mine = group
-    return mine
-
-
-def _peers(mesh: DeviceMesh, coords: dict[str, int]) -> Peers:
-    grid = mesh.mesh
-    d, p, t = coords["dp"], coords["pp"], coords["tp"]
-    return Peers(
-        prev=int(grid[d, p - 1, t]) if p > 0 else None,
-        next=int(grid[d, p + 1, t]) if p < grid.shape[1] - 1 else None,
-    )
 
 
 def _synchronize_replicas(

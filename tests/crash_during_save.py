@@ -14,7 +14,10 @@ import sys
 import torch
 
 import qn_hf
-import qn_hf.checkpoint as checkpoint
+import qn_hf.checkpoint.files as files
+import qn_hf.checkpoint.save as save
+from qn_hf.checkpoint.format import INDEX
+from qn_hf.checkpoint.names import LATEST
 from tests.models import load, make_batch
 
 
@@ -27,7 +30,7 @@ def main() -> None:
         pm.train_step(make_batch("gpt2", size=2, seed=step))
         opt.step()
         if step == 2:
-            real_save, real_json = checkpoint.save_file, checkpoint._write_json
+            real_save, real_json = save.save_file, files.write_json
 
             def dying_save(tensors, filename, metadata=None):
                 real_save(tensors, filename, metadata=metadata)
@@ -36,13 +39,13 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
             def dying_json(obj, target):
-                if target.endswith(where.replace("latest", checkpoint.LATEST).replace("index", checkpoint.INDEX)):
+                if target.endswith(where.replace("latest", LATEST).replace("index", INDEX)):
                     with open(target + ".tmp", "w") as f:
                         f.write('{"torn": ')
                     os.kill(os.getpid(), signal.SIGKILL)
                 real_json(obj, target)
 
-            real_rmtree = checkpoint.shutil.rmtree
+            real_rmtree = files.shutil.rmtree
 
             def dying_rmtree(path, *args, **kwargs):
                 if os.path.basename(path) == "ckpt-000001":  # the old checkpoint, after the new one is live
@@ -52,11 +55,11 @@ def main() -> None:
             if where == "before":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif where == "shard":
-                checkpoint.save_file = dying_save
+                save.save_file = dying_save
             elif where == "cleanup":
-                checkpoint.shutil.rmtree = dying_rmtree
+                files.shutil.rmtree = dying_rmtree
             else:
-                checkpoint._write_json = dying_json
+                files.write_json = save.write_json = dying_json  # publish() and the index
         pm.save_checkpoint(ckpt, optimizer=opt, step=step)
         if step == 1:
             pm.save_pretrained(ckpt + "-step1-hf")

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import qn_hf
-import qn_hf.checkpoint
+import qn_hf.checkpoint.save
 
 TIMEOUT_S = 4
 
@@ -43,14 +43,14 @@ def main() -> None:
         attempt("train_step", lambda: pm.train_step(batch, loss_fn=broken_loss))
         return
 
-    real_write = qn_hf.checkpoint._write_shard
+    real_write = qn_hf.checkpoint.save.write_shard
 
     def write_or_fail(*args, **kwargs):
         if dist.get_rank() == 1:
             raise OSError("disk full on rank 1")
         return real_write(*args, **kwargs)
 
-    qn_hf.checkpoint._write_shard = write_or_fail
+    qn_hf.checkpoint.save.write_shard = write_or_fail
     attempt("save_checkpoint", lambda: pm.save_checkpoint(sys.argv[2], step=1))
 
 

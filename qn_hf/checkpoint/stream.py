@@ -15,8 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-          torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+from .format import safetensors_code
 
 
 def write_streaming(path: str, tensors: Sequence[tuple[str, list[int], torch.dtype]],
@@ -26,7 +25,7 @@ def write_streaming(path: str, tensors: Sequence[tuple[str, list[int], torch.dty
     offset = 0
     for name, shape, dtype in tensors:
         nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-        header[name] = {"dtype": _CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": safetensors_code(dtype), "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned

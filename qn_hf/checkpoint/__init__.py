@@ -1,0 +1,19 @@
+"""Sharded safetensors checkpoints in Hugging Face key space that load into any mesh, and Hugging Face
+directories in and out.
+
+Layout of a checkpoint directory ``path``::
+
+    path/latest                      name of the current checkpoint (replaced atomically)
+    path/ckpt-000020/index.json      every tensor: HF name, global shape, dtype, and its pieces
+    path/ckpt-000020/shard-pp0-tp0.safetensors   what the rank at (pp=0, tp=0) of dp rank 0 holds
+
+One concept per file: ``format`` (names, dtypes, boxes, which rank writes, index validation),
+``names`` (``ckpt-<step>`` directories and ``latest``), ``files`` (durable writes, digests,
+publishing), ``pieces`` (reading any box of a tensor), ``save`` and ``load`` (from and into a
+sharded model), ``hf`` (Hugging Face directories), ``export`` (``save_pretrained`` from the mesh),
+``stream`` (safetensors written one tensor at a time), ``convert`` (offline conversions).
+"""
+
+from .format import FORMAT, INDEX, VERSION, CheckpointError, checkpoint_dir, read_index
+
+__all__ = ["FORMAT", "INDEX", "VERSION", "CheckpointError", "checkpoint_dir", "read_index"]

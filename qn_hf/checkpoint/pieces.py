@@ -1,0 +1,70 @@
+"""Reading any box of a global tensor from the saved pieces that overlap it: how a rank gets its
+shard at another mesh, and how the converters assemble whole tensors or new shards."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from safetensors import safe_open
+
+from ..shard import ShardSpec
+from .files import FileChecks
+from .format import DTYPES, Box, CheckpointError, boxes, dtype_name, global_shape
+
+
+def read_box(directory: str, entry: dict, name: str, target_box: Box, out: torch.Tensor,
+             handles: dict[str, object] | None = None, checks: FileChecks | None = None) -> None:
+    """Fill ``out`` (shaped like ``target_box``) from the saved pieces that overlap it. ``handles``
+    keeps files open across calls (a converter reads thousands of pieces from a few files)."""
+    for piece in entry["pieces"]:
+        box = piece["box"]
+        overlap = [[max(a[0], b[0]), min(a[1], b[1])] for a, b in zip(box, target_box)]
+        if any(lo >= hi for lo, hi in overlap) and overlap:
+            continue
+        file = os.path.join(directory, piece["file"])
+        if checks is not None:
+            try:
+                checks.verify(piece["file"])
+            except CheckpointError as e:
+                raise CheckpointError(f"{e} (reading {name})") from None
+        try:
+            f = handles.get(file) if handles is not None else None
+            if f is None:
+                f = safe_open(file, framework="pt")
+                if handles is not None:
+                    handles[file] = f
+            sl = f.get_slice(piece["key"])
+            if list(sl.get_shape()) != [b - a for a, b in box]:
+                raise CheckpointError(f"{file}: {piece['key']} has shape {sl.get_shape()}, the index says box {box}")
+            src = sl[tuple(slice(lo - a[0], hi - a[0]) for (lo, hi), a in zip(overlap, box))] if overlap else sl[...]
+        except CheckpointError:
+            raise
+        except FileNotFoundError:
+            raise CheckpointError(f"{file} (tensor {name}) is missing") from None
+        except Exception as e:  # safetensors raises its own errors for truncated or corrupt files
+            raise CheckpointError(f"{file} (tensor {name}) cannot be read: {e}") from None
+        dst = out
+        for d, ((lo, hi), t) in enumerate(zip(overlap, target_box)):
+            dst = dst.narrow(d, lo - t[0], hi - lo)
+        dst.copy_(src.to(out.dtype) if src.dtype != out.dtype else src)
+
+
+def read_local(directory: str, index: dict, saved_name: str, like: torch.Tensor, spec: ShardSpec | None,
+               tp_rank: int, *, shape: list[int] | None = None, checks: FileChecks | None = None) -> torch.Tensor:
+    """This rank's shard of ``saved_name``, read on the CPU, checked against the model's tensor."""
+    entry = index["tensors"].get(saved_name)
+    if entry is None:
+        raise CheckpointError(f"{directory}: the checkpoint has no tensor {saved_name!r}; "
+                              f"was it saved from another architecture?")
+    local_shape = list(like.shape) if shape is None else shape
+    expected = global_shape(local_shape, spec)
+    if entry["shape"] != expected:
+        raise CheckpointError(f"{directory}: {saved_name} has shape {entry['shape']}, the model needs {expected}")
+    if DTYPES[entry["dtype"]] != like.dtype:
+        raise CheckpointError(f"{directory}: {saved_name} is {entry['dtype']}, the model holds {dtype_name(like.dtype)}")
+    buf = torch.zeros(local_shape, dtype=like.dtype)  # padding rows stay zero
+    for box, at in boxes(torch.Size(local_shape), spec, tp_rank):
+        part = buf if spec is None else buf.narrow(spec.dim, at, box[spec.dim][1] - box[spec.dim][0])
+        read_box(directory, entry, saved_name, box, part, checks=checks)
+    return buf

@@ -1,0 +1,55 @@
+"""How this rank's shard sits in the whole model: the one small value that everything downstream of
+sharding (checkpoints, the Hugging Face export, the global gradient norm, the communication meter)
+takes instead of the whole ``ParallelModel``.
+
+A parameter is named by its HF name. Its global tensor is cut over tp as its ``ShardSpec`` says (no
+spec: replicated over tp), lives on one pipeline stage, and is repeated on every dp rank. A weight
+tied across stages (GPT-2's ``wte``/``lm_head``) has two copies: the first stage's ``owner`` name is
+the one saved and counted, the last stage's ``follower`` copy is skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from .mesh import Groups, ParallelDims
+from .pipeline.split import PipelineTie
+from .shard import ShardSpec
+
+
+@dataclass(frozen=True, eq=False)
+class ShardPlacement:
+    dims: ParallelDims
+    groups: Groups
+    specs: Mapping[str, ShardSpec | None]  # by HF parameter name; absent or None: replicated over tp
+    ties: tuple[PipelineTie, ...]
+    device: torch.device
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return self.groups.coords
+
+    def spec(self, name: str) -> ShardSpec | None:
+        return self.specs.get(name)
+
+    def is_follower(self, name: str) -> bool:
+        """The last stage's copy of a weight tied across stages: saved and counted by its owner."""
+        return any(tie.follower == name for tie in self.ties)
+
+    def owner(self, name: str) -> str:
+        """The name a parameter is saved under: its own, or a tied copy's owner."""
+        return next((tie.owner for tie in self.ties if tie.follower == name), name)
+
+
+class Placed(Protocol):
+    """What the functions that take a ``ParallelModel`` read of it: its parameters and placement."""
+
+    @property
+    def placement(self) -> ShardPlacement: ...
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
