@@ -1,6 +1,6 @@
 """ViT (ViTModel, ViTForImageClassification): patch embedding and classifier stay replicated."""
 
-from qn_hf.plan import ModelPolicy
+from ..plan import ModelPolicy
 
 POLICY = ModelPolicy(
     model_type="vit",

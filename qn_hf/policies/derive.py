@@ -1,4 +1,4 @@
-"""Choosing a policy for a model: our own per-architecture files first, then transformers' plan.
+"""A policy derived from transformers' own plans (``base_model_tp_plan``, ``base_model_pp_plan``).
 
 Many architectures (Mistral, Qwen2, ...) ship a ``base_model_tp_plan`` in their config: pure data
 with ``colwise``/``rowwise`` styles. We translate it into a ``ModelPolicy``; the translation adds
@@ -10,43 +10,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from .adapters import adapter_for
-from .heads import head_layout
-from .names import base_model_and_prefix, match_modules, match_parameters
-from .plan import ModelPolicy
-from .styles import HF_STYLES, PARAM_FORM
-
-
-def builtin_policies() -> dict[str, ModelPolicy]:
-    from model_policies import POLICIES  # imported late: policy files import qn_hf.plan
-
-    return dict(POLICIES)
-
-
-def plan_amendments(model_type: str) -> tuple[dict[str, str], str | None]:
-    """From ``model_policies.amendments``: the rules (transformers' style names) added to a model's tp
-    plan, and why tp is refused for it (None: it is not)."""
-    from model_policies import AMENDMENTS, REFUSALS
-
-    return dict(AMENDMENTS.get(model_type, {})), REFUSALS.get(model_type)
-
-
-def resolve_policy(model: nn.Module, policy: ModelPolicy | None) -> ModelPolicy:
-    """The given policy, else ours for ``config.model_type``, else one derived from transformers' plan."""
-    if policy is not None:
-        return policy
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    builtin = builtin_policies()
-    if model_type in builtin:
-        return builtin[model_type]
-    derived = derive_policy(model)
-    if derived is not None:
-        return derived
-    raise ValueError(
-        f"unsupported architecture model_type={model_type!r} ({type(model).__name__}): qn_hf has policies for "
-        f"{sorted(builtin)} and derives one for any model whose config declares base_model_tp_plan "
-        f"(e.g. mistral, qwen2); pass policy=ModelPolicy(...) to parallelize it"
-    )
+from ..adapters import adapter_for
+from ..heads import head_layout
+from ..names import base_model_and_prefix, match_modules, match_parameters
+from ..plan import ModelPolicy
+from ..styles import HF_STYLES, PARAM_FORM
+from .amendments import AMENDMENTS, REFUSALS
 
 
 def _relative_name(root: nn.Module, module: nn.Module) -> str | None:
@@ -105,7 +74,8 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
     pp_plan = getattr(config, "base_model_pp_plan", None) or {}
     if not hf_plan:
         return None
-    added, refusal = plan_amendments(config.model_type)
+    # where transformers' plan is incomplete or wrong for this architecture (amendments.py)
+    added, refusal = AMENDMENTS.get(config.model_type, {}), REFUSALS.get(config.model_type)
     hf_plan = {**hf_plan, **added}
     base, _ = base_model_and_prefix(model)
     layers = next((n for n in pp_plan if isinstance(getattr(base, n, None), nn.ModuleList)), None)

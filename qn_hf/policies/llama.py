@@ -1,6 +1,6 @@
 """Llama (LlamaModel, LlamaForCausalLM): separate q/k/v with grouped-query attention, untied head."""
 
-from qn_hf.plan import ModelPolicy
+from ..plan import ModelPolicy
 
 POLICY = ModelPolicy(
     model_type="llama",

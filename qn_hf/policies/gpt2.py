@@ -1,6 +1,6 @@
 """GPT-2 (GPT2Model, GPT2LMHeadModel): Conv1D projections, fused q|k|v, tied wte/lm_head."""
 
-from qn_hf.plan import ModelPolicy
+from ..plan import ModelPolicy
 
 POLICY = ModelPolicy(
     model_type="gpt2",

@@ -1,0 +1,33 @@
+"""Policies: ours, one data-only file per architecture keyed by ``config.model_type`` (gpt2.py,
+llama.py, vit.py), and for every other model one derived from transformers' own plans (derive.py,
+with amendments.py fixing or refusing those plans where they are wrong). Policy files import only
+``qn_hf.plan``; nothing else in the library imports them but this module."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..plan import ModelPolicy
+from . import gpt2, llama, vit
+from .derive import derive_policy
+
+POLICIES: dict[str, ModelPolicy] = {p.model_type: p for p in (gpt2.POLICY, llama.POLICY, vit.POLICY)}
+
+__all__ = ["POLICIES", "derive_policy", "resolve_policy"]
+
+
+def resolve_policy(model: nn.Module, policy: ModelPolicy | None) -> ModelPolicy:
+    """The given policy, else ours for ``config.model_type``, else one derived from transformers' plan."""
+    if policy is not None:
+        return policy
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in POLICIES:
+        return POLICIES[model_type]
+    derived = derive_policy(model)
+    if derived is not None:
+        return derived
+    raise ValueError(
+        f"unsupported architecture model_type={model_type!r} ({type(model).__name__}): qn_hf has policies for "
+        f"{sorted(POLICIES)} and derives one for any model whose config declares base_model_tp_plan "
+        f"(e.g. mistral, qwen2); pass policy=ModelPolicy(...) to parallelize it"
+    )
