@@ -119,14 +119,9 @@ def run_torch(pm, data, warmup: int, microbatches: int) -> dict:
 
         def forward(self, x):
             # Stage 0 gets token ids; later stages get the activation and rebuild positions from its shape.
-            if stage.is_first:
-                ids = x
-            else:
-                stage.injector.pending = x
-                ids = torch.zeros(x.shape[:2], dtype=torch.long)
-            if stage.is_last:
-                return self.model(input_ids=ids, use_cache=False).logits
-            return pm.base_model(input_ids=ids, use_cache=False).last_hidden_state
+            ids = x if stage.is_first else torch.zeros(x.shape[:2], dtype=torch.long)
+            out = stage.forward({"input_ids": ids}, None if stage.is_first else x, use_cache=False)
+            return out.logits if stage.is_last else out
 
     def loss_fn(logits, labels):
         return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import os
 import weakref
@@ -9,8 +10,12 @@ import weakref
 import torch
 
 import qn_hf
+from qn_hf.pipeline.split import build_stage_plan
+from qn_hf.pipeline.stage import apply_stage
+from qn_hf.pipeline.standins import Injector, StandIn
+from qn_hf.policies import resolve_policy
 from tests.cases import mesh_for
-from tests.models import load
+from tests.models import CONFIGS, auto_class, load
 
 
 def case_stage_contents(*, gpt2_dir: str) -> dict:
@@ -74,3 +79,31 @@ def test_save_pretrained_splits_files_by_size(worlds, model_dirs, tmp_path):
     assert all(os.path.getsize(os.path.join(out, f)) < 40_000 + 20_000 for f in weights)  # one tensor may overflow
     reloaded, reference = load("gpt2", out).state_dict(), load("gpt2", model_dirs["gpt2"]).state_dict()
     assert all(torch.equal(reloaded[k], reference[k]) for k in reference)
+
+
+def test_stages_run_in_one_process_give_the_whole_model_logits():
+    torch.manual_seed(0)
+    model = auto_class("gpt2").from_config(CONFIGS["gpt2"]).eval()
+    plan = build_stage_plan(model, resolve_policy(model, None), stages=2)
+    first, last = (apply_stage(copy.deepcopy(model), plan, stage=s) for s in (0, 1))
+    assert (first.is_first, first.is_last, last.is_first, last.is_last) == (True, False, False, True)
+    assert first.injector is None and isinstance(last.injector, Injector) and last.plan is plan
+    assert last.base is last.model.transformer and isinstance(first.model.lm_head, StandIn)
+    inputs = {"input_ids": torch.randint(0, 99, (2, 7))}
+    with torch.no_grad():
+        sent = first.forward(inputs, None, use_cache=False)
+        outputs = last.forward(inputs, sent, use_cache=False)
+        expected = model(**inputs, use_cache=False).logits
+    assert sent.shape == (2, 7, 32)
+    torch.testing.assert_close(outputs.logits, expected)
+
+
+def test_one_stage_runs_the_whole_model():
+    model = auto_class("gpt2").from_config(CONFIGS["gpt2"]).eval()
+    plan = build_stage_plan(model, resolve_policy(model, None), stages=1)
+    stage = apply_stage(model, plan, stage=0)
+    assert (stage.model, stage.base, stage.injector, stage.is_first, stage.is_last) == (
+        model, model.transformer, None, True, True)
+    inputs = {"input_ids": torch.randint(0, 99, (1, 5))}
+    with torch.no_grad():
+        torch.testing.assert_close(stage.forward(inputs, None).logits, model(**inputs).logits)

@@ -1,1 +1,15 @@
-"""Pipeline parallelism: stage splitting (split.py), schedules as data (schedule.py), the P2P executor (runtime.py)."""
+"""Pipeline parallelism, one concept per file:
+
+* ``schedule.py``: schedules as pure data: the ``Op`` enum, ``Action``, each stage's ordered action
+  list for 1F1B or GPipe, the argument checks, a deadlock simulator and ``format_grid`` (a printable
+  step x stage table of a whole schedule);
+* ``split.py``: where a model is cut: ``StagePlan`` (blocks, entry, first/last-only modules, heads
+  and cross-stage ties per stage), built and validated by ``build_stage_plan`` without communicating;
+* ``stage.py``: what one rank's model becomes (``apply_stage`` -> ``StageModules``) and how that stage
+  runs a microbatch (``StageModules.forward``);
+* ``standins.py``: the parameter-free modules standing in for modules that live on another stage
+  (``PassThrough``, ``Zeros``, the entry's ``Injector``);
+* ``stage_config.py``: a stage's own config copy with per-layer lists cut to its blocks;
+* ``runtime.py``: ``StageExecutor``, which executes one stage's action list with point-to-point
+  sends and receives (``Peers``) and marks the failing action in the grid when one raises.
+"""

@@ -1,87 +1,20 @@
-"""Cutting a model into pipeline stages at the policy's cut points.
+"""Where a model is cut into pipeline stages: which blocks, entry, first-only and last-only modules
+and heads each stage holds, and which weights two stages share (``StagePlan``).
 
-Every stage runs the Hugging Face base model's own forward, so whatever a block needs besides the
-hidden state (causal mask, rotary embeddings, position ids) is rebuilt by HF's code on each stage.
-What differs per stage is which modules are real:
-
-* the blocks: each stage keeps its contiguous range (under their original indices, so parameter
-  names stay the HF names) and drops the rest;
-* the entry (token/patch embedding): real on the first stage; elsewhere an ``Injector`` that returns
-  the activation received from the previous stage;
-* first-only and last-only modules: real on their stage, a parameter-free stand-in elsewhere;
-* the task head (``lm_head``, ``classifier``): on the last stage only; earlier stages call the base
-  model and send its ``last_hidden_state``.
-
-``build_stage_plan`` validates everything and communicates nothing; ``apply_stage`` edits one rank's
-model in place.
+``build_stage_plan`` validates the cut for the policy's cut points and communicates nothing; it
+reads the model only, so it works on a ``meta``-device model (the planner's). Applying a plan to
+one rank's model is stage.py's ``apply_stage``.
 """
 
 from __future__ import annotations
 
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
-from ..names import base_model_and_prefix
+from ..names import base_model_and_prefix, join
 from ..plan import ModelPolicy
-from .stage_config import slice_layer_lists
-
-
-class StandIn(nn.Module):
-    """A module that lives on another stage, replaced here; holds no parameters."""
-
-
-class PassThrough(StandIn):
-    """Returns its first argument (a norm or dropout that runs on another stage)."""
-
-    def forward(self, x, *args, **kwargs):
-        return x
-
-
-class Zeros(StandIn):
-    """An embedding that contributes nothing here (GPT-2's ``wpe`` is added once, on stage 0)."""
-
-    def __init__(self, *, dim: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.dim, self.dtype = dim, dtype
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(*ids.shape, self.dim, dtype=self.dtype, device=ids.device)
-
-
-class Injector(StandIn):
-    """Stands for the entry module on later stages: returns the activation set in ``pending``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.pending: torch.Tensor | None = None
-
-    def forward(self, *args, **kwargs) -> torch.Tensor:
-        if self.pending is None:
-            raise RuntimeError("the pipeline entry was called without a received activation (or twice in one forward)")
-        out, self.pending = self.pending, None
-        return out
-
-
-def _mirror_reads(injector: Injector, entry: nn.Module, reads: Sequence[str]) -> None:
-    """Give the injector the attributes the base forward reads from the entry (e.g. a weight's
-    dtype), as empty non-persistent buffers on empty submodules: nothing is saved or trained."""
-    for path in reads:
-        *mods, attr = path.split(".")
-        src, dst = entry, injector
-        for m in mods:
-            src = getattr(src, m)
-            if not hasattr(dst, m):
-                dst.add_module(m, nn.Module())
-            dst = getattr(dst, m)
-        value = getattr(src, attr)
-        if isinstance(value, torch.Tensor):
-            dst.register_buffer(attr, torch.empty(0, dtype=value.dtype, device=value.device), persistent=False)
-        else:
-            setattr(dst, attr, value)
 
 
 @dataclass(frozen=True)
@@ -130,10 +63,6 @@ def split_layers(*, num_layers: int, stages: int, layers_per_stage: Sequence[int
     return tuple(bounds)
 
 
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
 def build_stage_plan(
     model: nn.Module, policy: ModelPolicy, *, stages: int, layers_per_stage: Sequence[int] | None = None
 ) -> StagePlan:
@@ -169,7 +98,7 @@ def build_stage_plan(
             obj = base.get_submodule(entry)
             for part in path.split("."):
                 if not hasattr(obj, part):
-                    raise ValueError(f"policy {policy.model_type}: {_join(entry, path)} (in pp_entry_reads) does not exist")
+                    raise ValueError(f"policy {policy.model_type}: {join(entry, path)} (in pp_entry_reads) does not exist")
                 obj = getattr(obj, part)
     first = [(n, policy.pp_first[n]) for n in present(list(policy.pp_first))]
     last = [(n, policy.pp_last[n]) for n in present(list(policy.pp_last))]
@@ -178,10 +107,10 @@ def build_stage_plan(
     plan = StagePlan(
         stages=stages,
         layer_ranges=ranges,
-        layers=_join(prefix, policy.layers),
-        entry=_join(prefix, entry) if entry else None,
-        first_only=tuple((_join(prefix, n), s) for n, s in first),
-        last_only=tuple((_join(prefix, n), s) for n, s in last),
+        layers=join(prefix, policy.layers),
+        entry=join(prefix, entry) if entry else None,
+        first_only=tuple((join(prefix, n), s) for n, s in first),
+        last_only=tuple((join(prefix, n), s) for n, s in last),
         heads=tuple(heads),
         entry_reads=policy.pp_entry_reads,
         ties=(),
@@ -234,63 +163,3 @@ def _cross_stage_ties(model: nn.Module, plan: StagePlan) -> tuple[PipelineTie, .
         owner, follower = sorted(names, key=lambda n: stage_of_module(plan, n.rpartition(".")[0]))
         ties.append(PipelineTie(owner=owner, follower=follower))
     return tuple(ties)
-
-
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, new)
-
-
-def _standin(kind: str, module: nn.Module) -> StandIn:
-    if kind == "zeros":
-        if not isinstance(module, nn.Embedding):
-            raise ValueError(f"the 'zeros' stand-in replaces an nn.Embedding, not {type(module).__name__}")
-        return Zeros(dim=module.embedding_dim, dtype=module.weight.dtype)
-    return PassThrough()
-
-
-@dataclass
-class StageModules:
-    """What one rank's model became: its stage and, past the first, the injector to feed."""
-
-    stage: int
-    stages: int
-    injector: Injector | None
-    config: object  # the whole model's config, as given: exports and checkpoints write this one
-
-    @property
-    def is_first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage == self.stages - 1
-
-
-def apply_stage(model: nn.Module, plan: StagePlan, *, stage: int) -> StageModules:
-    """Keep only ``stage``'s modules in ``model`` (in place); the others are freed."""
-    config = model.config
-    if plan.stages == 1:
-        return StageModules(stage=0, stages=1, injector=None, config=config)
-    layers = model.get_submodule(plan.layers)
-    start, stop = plan.layer_ranges[stage]
-    kept = nn.ModuleList()
-    for i in range(start, stop):
-        kept.add_module(str(i), layers[i])  # original index: parameter names stay the HF names
-    _replace(model, plan.layers, kept)
-    parent = plan.layers.rpartition(".")[0]
-    slice_layer_lists(model.get_submodule(parent) if parent else model, start=start, stop=stop, total=len(layers))
-
-    injector = None
-    if stage > 0:
-        injector = Injector()
-        _mirror_reads(injector, model.get_submodule(plan.entry), plan.entry_reads)
-        _replace(model, plan.entry, injector)
-        for name, kind in plan.first_only:
-            _replace(model, name, _standin(kind, model.get_submodule(name)))
-    if stage < plan.stages - 1:
-        for name, kind in plan.last_only:
-            _replace(model, name, _standin(kind, model.get_submodule(name)))
-        for head in plan.heads:
-            _replace(model, head, PassThrough())
-    return StageModules(stage=stage, stages=plan.stages, injector=injector, config=config)

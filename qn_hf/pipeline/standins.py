@@ -1,0 +1,77 @@
+"""Parameter-free modules that stand, on one pipeline stage, for modules that live on another.
+
+The base model's own forward runs on every stage; these keep it running where the real module is
+not here: a norm or head becomes a ``PassThrough``, GPT-2's position embedding ``Zeros`` (it is added
+once, on the first stage), and the entry (the token or patch embedding) an ``Injector`` that hands
+the forward the activation received from the previous stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+
+class StandIn(nn.Module):
+    """A module that lives on another stage, replaced here; holds no parameters."""
+
+
+class PassThrough(StandIn):
+    """Returns its first argument (a norm or dropout that runs on another stage)."""
+
+    def forward(self, x, *args, **kwargs):
+        return x
+
+
+class Zeros(StandIn):
+    """An embedding that contributes nothing here (GPT-2's ``wpe`` is added once, on stage 0)."""
+
+    def __init__(self, *, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dim, self.dtype = dim, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*ids.shape, self.dim, dtype=self.dtype, device=ids.device)
+
+
+class Injector(StandIn):
+    """Stands for the entry module on later stages: returns the activation set in ``pending``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending: torch.Tensor | None = None
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        if self.pending is None:
+            raise RuntimeError("the pipeline entry was called without a received activation (or twice in one forward)")
+        out, self.pending = self.pending, None
+        return out
+
+
+def standin_for(kind: str, module: nn.Module) -> StandIn:
+    """The stand-in a policy names for ``module`` (``"zeros"`` for an embedding, else pass-through)."""
+    if kind == "zeros":
+        if not isinstance(module, nn.Embedding):
+            raise ValueError(f"the 'zeros' stand-in replaces an nn.Embedding, not {type(module).__name__}")
+        return Zeros(dim=module.embedding_dim, dtype=module.weight.dtype)
+    return PassThrough()
+
+
+def mirror_reads(injector: Injector, entry: nn.Module, reads: Sequence[str]) -> None:
+    """Give the injector the attributes the base forward reads from the entry (e.g. a weight's
+    dtype), as empty non-persistent buffers on empty submodules: nothing is saved or trained."""
+    for path in reads:
+        *mods, attr = path.split(".")
+        src, dst = entry, injector
+        for m in mods:
+            src = getattr(src, m)
+            if not hasattr(dst, m):
+                dst.add_module(m, nn.Module())
+            dst = getattr(dst, m)
+        value = getattr(src, attr)
+        if isinstance(value, torch.Tensor):
+            dst.register_buffer(attr, torch.empty(0, dtype=value.dtype, device=value.device), persistent=False)
+        else:
+            setattr(dst, attr, value)
