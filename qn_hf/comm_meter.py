@@ -1,28 +1,59 @@
 """Counting the calls and bytes of every collective and point-to-point transfer, by group.
 
-A diagnostic for tests, benchmarks and the planner: inside ``with CommMeter(pm) as meter:`` the
-``torch.distributed`` functions qn_hf calls are wrapped to record each call (group name, operation,
-payload bytes, time), then restored. The payload is the tensor handed to the call (for an
-all-gather, this rank's contribution). Point-to-point transfers only run between pipeline stages
-and are counted on ``"pp"``.
+A diagnostic for tests, benchmarks and the planner: inside ``with CommMeter(pm) as meter:`` each
+communication this thread issues is recorded (group name, operation, payload bytes, time).
+
+Why a dispatch mode rather than wrapping ``torch.distributed`` functions: replacing module attributes
+changes them for every thread and library in the process. Every process-group call ends in a
+``c10d`` dispatcher op (``c10d.allreduce_``, ``c10d.send``, ...) that a ``TorchDispatchMode`` sees;
+the mode is on this thread's mode stack only, and the autograd engine carries it into backward, so
+gradient hooks and autograd Functions' backward are counted and other threads are not. Collectives
+torch runs internally (the all-gathers of ``dist.all_gather_object``) count as the c10d ops they are.
+Every op passes through Python while a meter is active: meter a step, do not time it.
+
+The payload is what this rank hands to the call: the tensor of an all-reduce, broadcast, send or
+receive; this rank's input of an all-gather or reduce-scatter; nothing for a barrier. Point-to-point
+transfers only run between pipeline stages and are counted on ``"pp"``.
 """
 
 from __future__ import annotations
 
-import functools
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.utils._python_dispatch import TorchDispatchMode
 
-if TYPE_CHECKING:
-    from .parallel_model import ParallelModel
+# c10d op name -> the torch.distributed name reported; an op not listed keeps its c10d name.
+_OPS = {
+    "allreduce_": "all_reduce", "broadcast_": "broadcast", "allgather_": "all_gather",
+    "_allgather_base_": "all_gather_into_tensor", "_reduce_scatter_base_": "reduce_scatter_tensor",
+    "barrier": "barrier", "send": "send", "recv_": "recv", "recv_any_source_": "recv",
+}
+_P2P = {"send", "recv_", "recv_any_source_"}
+_NO_PAYLOAD = {"barrier", "monitored_barrier_"}  # their tensor argument is a dummy the call makes
 
-_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "barrier")
-_P2P = ("isend", "irecv", "send", "recv")
+
+class _Groups(Protocol):  # properties, so that a frozen dataclass matches
+    @property
+    def dp(self) -> ProcessGroup: ...
+    @property
+    def tp(self) -> ProcessGroup: ...
+    @property
+    def pp(self) -> ProcessGroup: ...
+    @property
+    def kv(self) -> ProcessGroup | None: ...
+    @property
+    def tie(self) -> ProcessGroup | None: ...
+
+
+class HasGroups(Protocol):  # all the meter reads of a ParallelModel
+    @property
+    def groups(self) -> _Groups: ...
 
 
 @dataclass(frozen=True)
@@ -40,50 +71,75 @@ class CommTotal:
     nbytes: int
 
 
-def _payload(op: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
-    if op == "barrier":
-        return None
-    if op == "all_gather":
-        return args[1] if len(args) > 1 else kwargs["tensor"]
-    if op == "all_gather_into_tensor":
-        return args[1] if len(args) > 1 else kwargs["input_tensor"]
-    if op == "reduce_scatter_tensor":
-        return args[1] if len(args) > 1 else kwargs["input"]
-    return args[0] if args else kwargs.get("tensor")
+def _tensors(value: Any) -> list[torch.Tensor]:  # c10d ops take tensors, lists, lists of lists
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+class _Recorder(TorchDispatchMode):
+    """Passes every op through; reports each c10d op that takes a process group to the meter."""
+
+    def __init__(self, meter: CommMeter) -> None:
+        super().__init__()
+        self.meter = meter
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func.namespace == "c10d":
+            self.meter._record(func, args, kwargs or {})
+        return func(*args, **(kwargs or {}))
 
 
 class CommMeter:
-    """Records communication of ``pm``'s groups while active (not reentrant, one per process)."""
+    """Records the communication this thread (and its backward passes) issues while active.
 
-    def __init__(self, pm: ParallelModel) -> None:
-        named = {"dp": pm.groups.dp, "tp": pm.groups.tp, "pp": pm.groups.pp, "kv": pm.groups.kv, "tie": pm.groups.tie}
-        self._names = {id(g): n for n, g in named.items() if g is not None}
+    Not reentrant: one ``with`` at a time per meter (distinct meters may nest, each records it all).
+    """
+
+    def __init__(self, pm: HasGroups) -> None:
+        g = pm.groups
+        named = {"dp": g.dp, "tp": g.tp, "pp": g.pp, "kv": g.kv, "tie": g.tie}
+        # By name, as the dispatcher hands over a boxed group, not the Python object. A named group
+        # that is the default group (a mesh dim spanning the world) is reported by its name.
+        self._names = {group.group_name: n for n, group in named.items() if group is not None}
         self.events: list[CommEvent] = []
-        self._saved: dict[str, object] = {}
+        self._mode: _Recorder | None = None
 
-    def _wrap(self, op: str, fn):
-        @functools.wraps(fn)
-        def recorded(*args, **kwargs):
-            group = kwargs.get("group")
-            name = "pp" if op in _P2P else self._names.get(id(group), "world" if group is None else "other")
-            t = _payload(op, args, kwargs)
-            nbytes = 0 if t is None else t.numel() * t.element_size()
-            numel = 0 if t is None else t.numel()
-            self.events.append(CommEvent(group=name, op=op.lstrip("i"), nbytes=nbytes, numel=numel, time=time.perf_counter()))
-            return fn(*args, **kwargs)
+    def _record(self, func: Any, args: tuple, kwargs: dict) -> None:
+        schema = func._schema.arguments
+        values = {**{a.name: v for a, v in zip(schema, args)}, **kwargs}
+        boxed = [values.get(a.name) for a in schema if str(a.type).endswith("c10d.ProcessGroup")]
+        if not boxed:  # not a communication (e.g. c10d.check_for_nan)
+            return
+        op = func._opname
+        name = "pp" if op in _P2P else self._group_name(ProcessGroup.unbox(boxed[0]))
+        # This rank's input: the "input*" arguments of gathers/scatters, else the in-place "tensors".
+        inputs = [a.name for a in schema if a.name.startswith("input")]
+        inputs = inputs or [a.name for a in schema if a.name in ("tensors", "tensor")]
+        payload = [] if op in _NO_PAYLOAD else [t for n in inputs for t in _tensors(values.get(n))]
+        self.events.append(CommEvent(
+            group=name, op=_OPS.get(op, op), nbytes=sum(t.numel() * t.element_size() for t in payload),
+            numel=sum(t.numel() for t in payload), time=time.perf_counter(),
+        ))
 
-        return recorded
+    def _group_name(self, group: ProcessGroup) -> str:
+        world = dist.group.WORLD
+        is_world = world is not None and group.group_name == world.group_name
+        return self._names.get(group.group_name, "world" if is_world else "other")
 
     def __enter__(self) -> CommMeter:
-        for op in _COLLECTIVES + _P2P:
-            self._saved[op] = getattr(dist, op)
-            setattr(dist, op, self._wrap(op, self._saved[op]))
+        if self._mode is not None:
+            raise RuntimeError("this CommMeter is already active")
+        self._mode = _Recorder(self)
+        self._mode.__enter__()
         return self
 
-    def __exit__(self, *exc) -> None:
-        for op, fn in self._saved.items():
-            setattr(dist, op, fn)
-        self._saved.clear()
+    def __exit__(self, *exc: object) -> None:
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.__exit__(*exc)
 
     def totals(self) -> dict[tuple[str, str], CommTotal]:
         """(group, op) -> calls and bytes."""
