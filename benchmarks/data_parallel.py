@@ -93,7 +93,7 @@ def three_d(rank: int, world: int, path: str, args: argparse.Namespace) -> dict 
         pm.train_step(data[0])
     local = {"coords": pm.coords, "table": meter.table(), "totals": meter.totals(), "rate": rate,
              "grad_bytes": sum(p.numel() * p.element_size() for p in pm.parameters()),
-             "layers": (lambda start, stop: stop - start)(*pm.stage_plan.layer_ranges[pm.coords["pp"]])}
+             "layers": (lambda start, stop: stop - start)(*pm.stage.plan.layer_ranges[pm.coords["pp"]])}
     gathered = [None] * world
     dist.all_gather_object(gathered, local)
     return gathered if rank == 0 else None

@@ -24,6 +24,12 @@ from torch.distributed import ProcessGroup
 DEFAULT_BUCKET_MB = 25.0
 
 
+def bucket_size_bytes(bucket_mb: float) -> int:
+    """The bucket size in bytes for ``bucket_mb`` MiB (checked positive with the configuration); at
+    least one byte, so a tiny size means one parameter per bucket rather than a division by zero."""
+    return max(1, int(bucket_mb * 1024 * 1024))
+
+
 @dataclass
 class _Bucket:
     buffer: torch.Tensor
@@ -36,8 +42,6 @@ class GradBuckets:
     """Flat gradient buckets over ``params`` with asynchronous all-reduce (sum) over ``group``."""
 
     def __init__(self, params: list[nn.Parameter], *, group: ProcessGroup, bucket_bytes: int) -> None:
-        if bucket_bytes <= 0:
-            raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
         self.group = group
         self.armed = False
         self.buckets: list[_Bucket] = []
@@ -120,8 +124,3 @@ class GradBuckets:
         for bucket in self.buckets:
             bucket.work.wait()
         self.armed = False
-
-    def bind_all(self) -> None:
-        for bucket in self.buckets:
-            for p in bucket.params:
-                self.bind(p)

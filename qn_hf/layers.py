@@ -24,7 +24,7 @@ def _is_conv1d(module: nn.Module) -> bool:
     return isinstance(module, Conv1D)
 
 
-def _dims(module: nn.Module) -> tuple[int, int, int, int]:
+def linear_dims(module: nn.Module) -> tuple[int, int, int, int]:
     """(in_features, out_features, weight dim of outputs, weight dim of inputs) of a Linear or Conv1D."""
     if _is_conv1d(module):
         return module.nx, module.nf, 1, 0
@@ -112,7 +112,7 @@ class ColumnParallelLinear(_ShardedProjection):
         copy_input: bool = True,
     ) -> ColumnParallelLinear:
         """``spec`` describes the output dimension (its ``dim`` is rewritten for the weight layout)."""
-        _, out_features, out_dim, _ = _dims(module)
+        _, out_features, out_dim, _ = linear_dims(module)
         if spec.size != out_features:
             raise ValueError(f"spec size {spec.size} != out_features {out_features}")
         weight_spec = replace(spec, dim=out_dim)
@@ -158,7 +158,7 @@ class RowParallelLinear(_ShardedProjection):
     def from_module(cls, module: nn.Module, *, spec: ShardSpec, tp_rank: int, group: ProcessGroup,
                     split_input: bool = False) -> RowParallelLinear:
         """``spec`` describes the input dimension (its ``dim`` is rewritten for the weight layout)."""
-        in_features, _, _, in_dim = _dims(module)
+        in_features, _, _, in_dim = linear_dims(module)
         if spec.size != in_features:
             raise ValueError(f"spec size {spec.size} != in_features {in_features}")
         weight_spec = replace(spec, dim=in_dim)

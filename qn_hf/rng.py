@@ -61,26 +61,12 @@ class RngStreams:
         self._states[name] = _get_state(self.device)
         _set_state(self.device, self._states[self.current])
 
-    def region(self, name: str) -> _Region:
-        return _Region(self, name)
-
     def hook_module(self, module: nn.Module, name: str) -> list[RemovableHandle]:
         """Run ``module``'s forward inside stream ``name``."""
         return [
             module.register_forward_pre_hook(lambda *_: self.enter(name)),
             module.register_forward_hook(lambda *_: self.exit(), always_call=True),
         ]
-
-
-class _Region:
-    def __init__(self, streams: RngStreams, name: str) -> None:
-        self.streams, self.name = streams, name
-
-    def __enter__(self) -> None:
-        self.streams.enter(self.name)
-
-    def __exit__(self, *exc) -> None:
-        self.streams.exit()
 
 
 def stream_seeds(*, base_seed: int, dp_rank: int, tp_rank: int, pp_rank: int) -> dict[str, int]:

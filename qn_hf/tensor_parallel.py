@@ -17,7 +17,7 @@ from torch.distributed import ProcessGroup
 
 from .comm import copy_to_group
 from .embeddings import ColumnParallelEmbedding, VocabParallelEmbedding
-from .layers import ColumnParallelLinear, RowParallelLinear, _dims
+from .layers import ColumnParallelLinear, RowParallelLinear, linear_dims
 from .plan import TpPlan
 from .shard import ShardSpec, padded
 from .styles import EMBEDDING_STYLES, HOOK_STYLES, LINEAR_STYLES, PARAM_STYLES, packed_parts, param_shard_dim
@@ -58,7 +58,7 @@ def _parallel_leaf(module: nn.Module, style: str, plan: TpPlan, tp_rank: int, gr
     if style == "embedding_colwise":
         spec = ShardSpec(dim=1, tp=tp, size=module.embedding_dim)
         return ColumnParallelEmbedding.from_module(module, spec=spec, tp_rank=tp_rank, group=group)
-    in_f, out_f, _, _ = _dims(module)
+    in_f, out_f, _, _ = linear_dims(module)
     if style in ("rowwise", "rowwise_split"):
         return RowParallelLinear.from_module(module, spec=ShardSpec(dim=0, tp=tp, size=in_f), tp_rank=tp_rank,
                                              group=group, split_input=style == "rowwise_split")

@@ -2,8 +2,10 @@
 accepts trains and what it rejects fails in ``parallelize`` with the same message.
 
 Everything here reads the model's structure only (it works on a ``meta``-device model) and needs
-no process group: mesh degrees, microbatches, schedule, the policy, head and KV-head divisibility,
-and the pipeline cut (pp no larger than the number of blocks, ``layers_per_stage`` summing up).
+no process group: mesh degrees, microbatches, schedule, bucket size, the policy, head and KV-head
+divisibility, and the pipeline cut (pp no larger than the number of blocks, ``layers_per_stage``
+summing up). Each check itself has one home (``arguments``, ``ParallelDims``, ``check_schedule_args``,
+the plan builders); this is where ``parallelize`` and the planner call them all, in the same order.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .arguments import check_positive
+from .data_parallel import DEFAULT_BUCKET_MB
 from .mesh import ParallelDims
-from .pipeline.schedule import SCHEDULES
+from .pipeline.schedule import check_schedule_args
 from .pipeline.split import StagePlan, build_stage_plan
 from .plan import ModelPolicy, TpPlan, build_tp_plan
 from .policies import resolve_policy
@@ -30,13 +34,12 @@ class CheckedConfig:
 
 def check_parallel_config(model: nn.Module, *, dp: int, tp: int, pp: int, microbatches: int, schedule: str,
                           policy: ModelPolicy | None = None,
-                          layers_per_stage: Sequence[int] | None = None) -> CheckedConfig:
+                          layers_per_stage: Sequence[int] | None = None,
+                          bucket_mb: float = DEFAULT_BUCKET_MB) -> CheckedConfig:
     """Raise ``ValueError`` naming the value and the fix for anything ``model`` cannot take."""
     dims = ParallelDims(dp=dp, tp=tp, pp=pp)
-    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-        raise ValueError(f"microbatches={microbatches!r} must be a positive integer")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r} is unknown; use one of {SCHEDULES}")
+    check_schedule_args(stages=pp, microbatches=microbatches, schedule=schedule)
+    check_positive("bucket_mb", bucket_mb)
     resolved = resolve_policy(model, policy)
     tp_plan = build_tp_plan(model, resolved, tp=tp)
     stage_plan = build_stage_plan(model, resolved, stages=pp, layers_per_stage=layers_per_stage)

@@ -5,7 +5,6 @@ refusal of a replicated parameter whose gradient is partial."""
 from __future__ import annotations
 
 import pytest
-import torch
 from torch import nn
 from transformers import CONFIG_MAPPING
 

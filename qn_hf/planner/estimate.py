@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PretrainedConfig
 
-from ..data_parallel import DEFAULT_BUCKET_MB
+from ..data_parallel import DEFAULT_BUCKET_MB, bucket_size_bytes
 from ..layout import meta_model
-from ..pipeline.runtime import _HEADER
+from ..pipeline.runtime import HEADER_INTS
 from ..pipeline.schedule import peak_in_flight, stage_actions
 from ..pipeline.split import stage_of_module
 from ..plan import ModelPolicy
@@ -36,7 +36,7 @@ from ..tensor_parallel import apply_tp_plan
 from ..validate import check_parallel_config
 from .trace import Trace, example_inputs, trace_microbatch
 
-HEADER_BYTES = _HEADER * 8  # int64 values
+HEADER_BYTES = HEADER_INTS * 8  # int64 values
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ class Planner:
                  bucket_mb: float = DEFAULT_BUCKET_MB, layers_per_stage: list[int] | None = None) -> MeshEstimate:
         """Estimate one mesh; raises the ``ValueError`` ``parallelize`` would raise for it."""
         checked = check_parallel_config(self.model, dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
-                                        policy=self.policy, layers_per_stage=layers_per_stage)
+                                        policy=self.policy, layers_per_stage=layers_per_stage, bucket_mb=bucket_mb)
         plan, stage_plan = checked.tp_plan, checked.stage_plan
         if self._trace is None:
             inputs = example_inputs(self.model, micro_batch_size=self.micro_batch_size, seq_len=self.seq_len)
@@ -167,7 +167,7 @@ class Planner:
         stages = []
         for s in range(pp):
             comm = _traffic(s, dp=dp, tp=tp, pp=pp, microbatches=microbatches, plan=plan, trace=trace, elem=elem,
-                            stage_of=stage_of, grad_bytes=params[s] * elem, bucket_bytes=int(bucket_mb * 1024 * 1024),
+                            stage_of=stage_of, grad_bytes=params[s] * elem, bucket_bytes=bucket_size_bytes(bucket_mb),
                             kv_bytes=sum(local[n][1] * elem for n, spec in specs.items()
                                          if spec is not None and spec.replicas > 1 and local[n][0] == s),
                             tied_bytes=tied_bytes[s])

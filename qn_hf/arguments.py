@@ -1,0 +1,28 @@
+"""The one home of the plain argument checks (a positive integer, a name from a list, a positive
+size), so every caller raises the same ``ValueError`` naming the value, before any collective."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def check_positive_int(name: str, value: object, *, fix: str = "") -> None:
+    """``value`` must be an int >= 1 (``True`` is not a count)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer" + (f"; {fix}" if fix else ""))
+
+
+def check_non_negative_int(name: str, value: object, *, what: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}={value!r} must be a non-negative integer" + (f" ({what})" if what else ""))
+
+
+def check_choice(name: str, value: object, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is unknown; use one of {tuple(choices)}")
+
+
+def check_positive(name: str, value: object) -> None:
+    """A positive real number (a size in MiB, a rate)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name}={value!r} must be positive")
