@@ -1,0 +1,101 @@
+"""The shape of the package, checked from its source: no import cycle between qn_hf's modules (late
+and type-checking imports count too), no private name imported from another module, and no file
+longer than the house limit (300 lines in the checkpoint package, 400 elsewhere)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "qn_hf"
+LIMITS = {"checkpoint": 300}
+DEFAULT_LIMIT = 400
+
+
+def _modules() -> dict[str, tuple[Path, str]]:
+    """Dotted module name -> (file, the package its relative imports start from)."""
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+            out[".".join(parts)] = (path, ".".join(parts))
+        else:
+            out[".".join(parts)] = (path, ".".join(parts[:-1]))
+    return out
+
+
+def _imports(modules: dict[str, tuple[Path, str]]) -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    private = []
+    for name, (path, package) in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                for alias in node.names:
+                    dest = f"{target}.{alias.name}" if f"{target}.{alias.name}" in modules else target
+                    if dest in modules and dest != name:
+                        edges[name].add(dest)
+                        if alias.name.startswith("_") and not alias.name.startswith("__"):
+                            private.append((name, dest, alias.name))
+            elif isinstance(node, ast.Import):
+                edges[name].update(a.name for a in node.names if a.name in modules and a.name != name)
+    return edges, private
+
+
+def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle, as the list of modules along it, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(edges):
+        if start not in state and (found := visit(start)):
+            return found
+    return None
+
+
+def test_no_import_cycle():
+    edges, _ = _imports(_modules())
+    assert _cycle(edges) is None, " -> ".join(_cycle(edges))
+
+
+def test_no_private_name_imported_across_modules():
+    _, private = _imports(_modules())
+    assert private == [], private
+
+
+def test_finds_what_it_forbids():
+    # The checks above must be able to fail: a cycle and a private import, built by hand.
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+    edges, _ = _imports(_modules())
+    assert "qn_hf.parallel_model" in edges["qn_hf.parallelize"]  # the graph is read from the real files
+    assert "qn_hf.checkpoint.format" in edges["qn_hf.checkpoint.save"]
+
+
+def test_file_sizes():
+    too_long = []
+    for path in PACKAGE.rglob("*.py"):
+        folder = path.relative_to(PACKAGE).parts[0] if len(path.relative_to(PACKAGE).parts) > 1 else ""
+        limit = LIMITS.get(folder, DEFAULT_LIMIT)
+        lines = len(path.read_text().splitlines())
+        if lines > limit:
+            too_long.append((str(path.relative_to(ROOT)), lines, limit))
+    assert too_long == []
