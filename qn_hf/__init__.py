@@ -3,9 +3,11 @@
 from .comm_meter import CommMeter
 from .grad_norm import clip_grad_norm_
 from .mesh import ParallelDims
+from .optimizer import ParallelOptimizer, optimizer
 from .parallel_model import ParallelModel
 from .parallelize import parallelize
 from .plan import ModelPolicy
 from .version import __version__
 
-__all__ = ["CommMeter", "ModelPolicy", "ParallelDims", "ParallelModel", "clip_grad_norm_", "parallelize", "__version__"]
+__all__ = ["CommMeter", "ModelPolicy", "ParallelDims", "ParallelModel", "ParallelOptimizer", "clip_grad_norm_", "optimizer",
+           "parallelize", "__version__"]

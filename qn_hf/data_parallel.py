@@ -1,14 +1,22 @@
-"""Data-parallel gradient buckets: all-reduce over dp overlapped with the backward pass.
+"""Data-parallel gradient buckets: reduction over dp overlapped with the backward pass.
 
-Each parameter's gradient lives in a slot of a flat bucket (one dtype per bucket, the fewest
-buckets of at most about ``bucket_bytes``, filled in reverse registration order, which is roughly the order backward
-produces gradients). A post-accumulate-grad hook marks a parameter ready; when every parameter of a
-bucket is ready, the bucket's all-reduce starts asynchronously while backward goes on. Buckets are
-launched strictly in index order, so every dp rank issues the same collectives in the same order.
+Each parameter's gradient lives in a slot of a flat bucket (one gradient dtype per bucket, the
+fewest buckets of at most about ``bucket_bytes``, filled in reverse registration order, which is
+roughly the order backward produces gradients). A post-accumulate-grad hook marks a parameter
+ready; when every parameter of a bucket is ready, the bucket's reduction starts asynchronously
+while backward goes on. Buckets are launched strictly in index order, so every dp rank issues the
+same collectives in the same order.
 
 Only the backward of the step's last microbatch is *armed*: earlier microbatches only accumulate
 into the slots, so nothing crosses the dp group until the gradients are final. ``finish`` launches
 what is left (parameters that got no gradient contribute zeros) and waits for everything.
+
+Sharded (ZeRO-1, ``shard_over_dp``): every bucket is padded to a multiple of dp and cut into dp
+equal pieces; rank r owns piece r. The reduction is a reduce-scatter into the rank's own piece (in
+place), which moves (dp-1)/dp of the bucket instead of an all-reduce's 2(dp-1)/dp. The parameters
+become views of a flat weight buffer per bucket, so after the optimizer updated this rank's piece
+one in-place all-gather per bucket gives every rank every weight; it runs asynchronously and a
+module waits for its buckets only when its forward starts (``wait_weights``).
 """
 
 from __future__ import annotations
@@ -30,54 +38,115 @@ def bucket_size_bytes(bucket_mb: float) -> int:
     return max(1, int(bucket_mb * 1024 * 1024))
 
 
+def grad_dtype(p: nn.Parameter) -> torch.dtype:
+    """The dtype of ``p``'s gradient (float32 for a low-precision weight under mixed precision)."""
+    return p.grad_dtype or p.dtype
+
+
 @dataclass
 class _Bucket:
-    buffer: torch.Tensor
+    buffer: torch.Tensor  # gradients; sharded: padded to a multiple of the dp size
     params: list[nn.Parameter] = field(default_factory=list)
     ready: set[int] = field(default_factory=set)  # ids of ready params
     work: dist.Work | None = None
+    weights: torch.Tensor | None = None  # sharded: the parameters' flat storage
+    gather: dist.Work | None = None  # sharded: the pending all-gather of ``weights``
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of one parameter inside this rank's piece of a sharded bucket: the flat range
+    ``[start, stop)`` of the local parameter, and views of its gradient and weight there."""
+
+    param: nn.Parameter
+    start: int
+    stop: int
+    grad: torch.Tensor
+    weight: torch.Tensor
+    bucket: int
 
 
 class GradBuckets:
-    """Flat gradient buckets over ``params`` with asynchronous all-reduce (sum) over ``group``."""
+    """Flat gradient buckets over ``params`` with asynchronous reduction (sum) over ``group``."""
 
     def __init__(self, params: list[nn.Parameter], *, group: ProcessGroup, bucket_bytes: int) -> None:
         self.group = group
+        self.params = params
+        self.bucket_bytes = bucket_bytes
         self.armed = False
+        self.sharded = False
+        self.reduced = False  # sharded: the last step's gradients were reduce-scattered in place
         self.buckets: list[_Bucket] = []
         self._slot: dict[int, tuple[_Bucket, int]] = {}
         self._next = 0
-        self._handles = []
-        for dtype in dict.fromkeys(p.dtype for p in params):
-            group_params = [p for p in reversed(params) if p.dtype == dtype]
-            # n = ceil(bytes / bucket_bytes) buckets of about equal size: a bucket closes once it
-            # holds bytes / n, so there are never more than n all-reduces per dtype, and the last
-            # bucket, whose all-reduce cannot overlap backward, is no bigger than it must be.
-            total = sum(p.numel() * p.element_size() for p in group_params)
-            target = total / math.ceil(total / bucket_bytes)
-            chunks: list[list[nn.Parameter]] = [[]]
-            size = 0
-            for p in group_params:
-                if size >= target:
-                    chunks.append([])
-                    size = 0
-                chunks[-1].append(p)
-                size += p.numel() * p.element_size()
-            for chunk in chunks:
-                bucket = _Bucket(
-                    buffer=torch.zeros(sum(p.numel() for p in chunk), dtype=dtype, device=chunk[0].device), params=chunk
-                )
-                offset = 0
-                for p in chunk:
-                    self._slot[id(p)] = (bucket, offset)
-                    offset += p.numel()
-                self.buckets.append(bucket)
-        for p in params:
-            self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self._layout(params, separate=[])
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    def _layout(self, params: list[nn.Parameter], *, separate: list[nn.Parameter]) -> None:
+        """Cut ``params`` into buckets; ``separate`` parameters get buckets of their own, last, so
+        ranks whose other parameters differ (two pipeline stages sharing a tied weight) still lay
+        those out identically."""
+        pad = dist.get_world_size(self.group) if self.sharded else 1
+        self.buckets, self._slot = [], {}
+        apart = {id(p) for p in separate}
+        for chosen in ([p for p in params if id(p) not in apart], list(separate)):
+            for dtype in dict.fromkeys(grad_dtype(p) for p in chosen):
+                group_params = [p for p in reversed(chosen) if grad_dtype(p) == dtype]
+                # n = ceil(bytes / bucket_bytes) buckets of about equal size: a bucket closes once it
+                # holds bytes / n, so there are never more than n reductions per dtype, and the last
+                # bucket, whose reduction cannot overlap backward, is no bigger than it must be.
+                total = sum(p.numel() * p.element_size() for p in group_params)
+                target = total / max(1, math.ceil(total / self.bucket_bytes))
+                chunks: list[list[nn.Parameter]] = [[]]
+                size = 0
+                for p in group_params:
+                    if size >= target:
+                        chunks.append([])
+                        size = 0
+                    chunks[-1].append(p)
+                    size += p.numel() * p.element_size()
+                for chunk in chunks:
+                    numel = sum(p.numel() for p in chunk)
+                    bucket = _Bucket(buffer=torch.zeros(-(-numel // pad) * pad, dtype=dtype, device=chunk[0].device),
+                                     params=chunk)
+                    offset = 0
+                    for p in chunk:
+                        self._slot[id(p)] = (bucket, offset)
+                        offset += p.numel()
+                    self.buckets.append(bucket)
+
+    def shard_over_dp(self, *, separate: list[nn.Parameter], model: nn.Module) -> None:
+        """Switch to ZeRO-1: padded buckets, reduce-scatter, parameters viewing flat weight buffers.
+        Gradients accumulated so far move into the new buckets. Each module of ``model`` that holds
+        parameters waits for their buckets' all-gather when its forward starts."""
+        grads = {id(p): p.grad for p in self.params}
+        for p in self.params:
+            p.grad = None
+        self.sharded = True
+        self._layout(self.params, separate=separate)
+        with torch.no_grad():
+            for bucket in self.buckets:
+                bucket.weights = torch.zeros(bucket.buffer.numel(), dtype=bucket.params[0].dtype,
+                                             device=bucket.buffer.device)
+                for p in bucket.params:
+                    view = self._view(bucket.weights, p)
+                    view.copy_(p.data)
+                    p.data = view
+        for p in self.params:
+            if grads[id(p)] is not None:
+                p.grad = grads[id(p)]
+                self.bind(p)
+        for module in model.modules():
+            own = [p for p in module.parameters(recurse=False) if id(p) in self._slot]
+            if own:
+                self._handles.append(module.register_forward_pre_hook(lambda *_, own=own: self.wait_weights(own)))
+
+    def _view(self, flat: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
+        _, offset = self._slot[id(p)]
+        return flat[offset : offset + p.numel()].view_as(p)
 
     def view(self, p: nn.Parameter) -> torch.Tensor:
-        bucket, offset = self._slot[id(p)]
-        return bucket.buffer[offset : offset + p.numel()].view_as(p)
+        return self._view(self._slot[id(p)][0].buffer, p)
 
     def bind(self, p: nn.Parameter) -> None:
         """Make ``p.grad`` the bucket slot (copying a gradient autograd created elsewhere, e.g.
@@ -109,11 +178,17 @@ class GradBuckets:
             bucket = self.buckets[self._next]
             if only_full and len(bucket.ready) < len(bucket.params):
                 return
-            bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+            if self.sharded:
+                bucket.work = dist.reduce_scatter_single(self._piece(bucket.buffer), bucket.buffer, group=self.group,
+                                                         async_op=True)
+            else:
+                bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
             self._next += 1
 
     def finish(self) -> None:
-        """Launch the buckets not yet launched (unused parameters count as zero) and wait for all."""
+        """Launch the buckets not yet launched (unused parameters count as zero) and wait for all.
+        Sharded, only this rank's pieces hold the reduced gradients afterwards: ``.grad`` is cleared
+        (read them through ``pieces``) and the optimizer's ``zero_grad`` must run before the next step."""
         if not self.armed:
             return
         for bucket in self.buckets[self._next :]:
@@ -124,3 +199,47 @@ class GradBuckets:
         for bucket in self.buckets:
             bucket.work.wait()
         self.armed = False
+        if self.sharded:
+            self.reduced = True
+            for p in self.params:
+                p.grad = None
+
+    # -- sharded (ZeRO-1) ----------------------------------------------------------------------------
+    def _piece(self, flat: torch.Tensor) -> torch.Tensor:
+        size = flat.numel() // dist.get_world_size(self.group)
+        return flat[dist.get_rank(self.group) * size :][:size]
+
+    def pieces(self) -> list[Piece]:
+        """Every parameter's part of this rank's pieces, bucket by bucket."""
+        out = []
+        for i, bucket in enumerate(self.buckets):
+            size = bucket.buffer.numel() // dist.get_world_size(self.group)
+            lo = dist.get_rank(self.group) * size
+            for p in bucket.params:
+                _, offset = self._slot[id(p)]
+                start, stop = max(lo, offset), min(lo + size, offset + p.numel())
+                if start < stop:
+                    out.append(Piece(param=p, start=start - offset, stop=stop - offset, grad=bucket.buffer[start:stop],
+                                     weight=bucket.weights[start:stop], bucket=i))
+        return out
+
+    def zero_reduced(self) -> None:
+        """The optimizer's ``zero_grad``: the reduced pieces are consumed."""
+        for bucket in self.buckets:
+            self._piece(bucket.buffer).zero_()
+        self.reduced = False
+
+    def gather_weights(self) -> None:
+        """Start the all-gather of every bucket's weights (after the optimizer updated this rank's
+        pieces), the buckets the forward reaches first (the last ones) first."""
+        for bucket in reversed(self.buckets):
+            bucket.gather = dist.all_gather_single(bucket.weights, self._piece(bucket.weights), group=self.group,
+                                                        async_op=True)
+
+    def wait_weights(self, params: list[nn.Parameter] | None = None) -> None:
+        """Wait for the gathers holding ``params`` (all when None) to land."""
+        chosen = self.buckets if params is None else [self._slot[id(p)][0] for p in params if id(p) in self._slot]
+        for bucket in chosen:
+            if bucket.gather is not None:
+                bucket.gather.wait()
+                bucket.gather = None

@@ -17,7 +17,9 @@ def clip_grad_norm_(pm: Placed, max_norm: float, *, norm_type: float = 2.0) -> t
     A sharded parameter contributes its shard from each tp rank (KV-head replicas once); a
     parameter replicated across tp contributes once; each pipeline stage contributes its own
     parameters, a weight tied across stages once (from the first stage). dp replicas hold the same
-    synchronized gradients, so they are not summed. One all-reduce over tp, one over pp.
+    synchronized gradients, so they are not summed, unless each holds only its pieces of them
+    (``zero=True``): then the pieces are summed over dp too. One all-reduce over tp, one over pp
+    (and one over dp). Under mixed precision the gradients are the float32 ones the optimizer steps.
     """
     norm_type = float(norm_type)
     if norm_type not in (2.0, math.inf):
@@ -25,20 +27,19 @@ def clip_grad_norm_(pm: Placed, max_norm: float, *, norm_type: float = 2.0) -> t
     placement = pm.placement
     tp = placement.dims.tp
     grads, acc = [], torch.zeros((), dtype=torch.float64, device=placement.device)
-    for name, p in pm.named_parameters():
-        if p.grad is None:
-            continue
-        grads.append(p.grad)
+    for name, grad in pm.named_grads():
+        grads.append(grad)
         if placement.is_follower(name):
             continue
-        g = p.grad.detach().double()
+        g = grad.detach().double()
         if norm_type == math.inf:
             acc = torch.maximum(acc, g.abs().max())
         else:
             spec = placement.spec(name)
             acc += g.pow(2).sum() * (spec.norm_weight() if spec is not None else 1.0 / tp)
     op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-    for group, size in ((placement.groups.tp, tp), (placement.groups.pp, placement.dims.pp)):
+    dp = placement.dims.dp if pm.grads_split_over_dp else 1
+    for group, size in ((placement.groups.tp, tp), (placement.groups.pp, placement.dims.pp), (placement.groups.dp, dp)):
         if size > 1:
             dist.all_reduce(acc, op=op, group=group)
     total = acc if norm_type == math.inf else acc.sqrt()

@@ -17,6 +17,7 @@ from .checkpoint.load import load_checkpoint
 from .checkpoint.save import save_checkpoint
 from .comm import flat_all_reduce_, gather_from_group
 from .data_parallel import GradBuckets
+from .grad_sync import GradSync
 from .failure import FailTogether
 from .loss import IGNORE_INDEX, causal_lm_targets, count_targets, vocab_parallel_cross_entropy
 from .mesh import Groups, ParallelDims
@@ -25,7 +26,7 @@ from .pipeline.schedule import schedule_actions
 from .pipeline.stage import StageModules
 from .placement import ShardPlacement
 from .plan import TpPlan
-from .replica_check import check_replicated_grads
+from .precision import LossScaler
 from .rng import RngStreams
 from .shard import ShardSpec
 from .tensor_parallel import VocabShard
@@ -53,6 +54,8 @@ class ParallelModel:
         schedule: str,
         rng: RngStreams,
         buckets: GradBuckets | None,
+        precision: torch.dtype | None,
+        scaler: LossScaler | None,
     ) -> None:
         self.module = module
         self.placement = placement
@@ -64,9 +67,13 @@ class ParallelModel:
         self.schedule = schedule
         self.rng = rng
         self.buckets = buckets
+        self.precision = precision  # the compute dtype under mixed precision (None: the model's own)
+        self.scaler = scaler  # float16's loss scale
+        self.grads = GradSync(module=module, placement=placement, grad_sum=plan.grad_sum, buckets=buckets,
+                              scaler=scaler)
+        self.optimizer = None  # the qn_hf.optimizer built over this model, if any
         self.failures = FailTogether()
         self._sync = True
-        self._replicas_checked = False
 
     # -- where this rank sits (read from the placement) ------------------------------------------
     @property
@@ -95,10 +102,26 @@ class ParallelModel:
 
     # -- the torch.nn.Module-like surface users expect -------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:
+        self._weights_ready()
         return self.module.parameters()
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        self._weights_ready()
         return self.module.named_parameters()
+
+    def named_grads(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's synchronized gradients by HF name: ``.grad`` of each trainable parameter, or
+        under ``zero=True`` the flat pieces of them this dp rank owns (``grads_split_over_dp``)."""
+        return self.grads.named_grads()
+
+    @property
+    def grads_split_over_dp(self) -> bool:
+        return self.grads.sharded
+
+    def _weights_ready(self) -> None:
+        """ZeRO-1 gathers the updated weights asynchronously after a step: wait for all of them."""
+        if self.buckets is not None and self.buckets.sharded:
+            self.buckets.wait_weights()
 
     def train(self, mode: bool = True) -> ParallelModel:
         self.module.train(mode)
@@ -110,6 +133,7 @@ class ParallelModel:
     def __call__(self, **inputs: torch.Tensor):
         """The HF forward on this rank's shard (vocab-parallel logits stay sharded; see ``full_logits``).
         With pipeline stages a forward spans ranks: use ``train_step``/``eval_step``."""
+        self._weights_ready()
         if self.stage.stages > 1:
             raise ValueError(f"a forward call needs the whole pipeline (pp={self.stage.stages}); use eval_step or train_step")
         return self.module(**inputs, **self.plan.policy.forward_kwargs)
@@ -129,10 +153,18 @@ class ParallelModel:
         detached, identical on every rank. Inside ``no_sync()`` gradients are not synchronized.
         """
         self.module.train()
+        if self.precision is not None and self.optimizer is None:
+            raise ValueError(
+                f"mixed_precision keeps float32 gradients for the float32 master weights of qn_hf.optimizer: build the "
+                f"optimizer with qn_hf.optimizer(pm, torch.optim.AdamW, ...) before train_step (a torch optimizer over "
+                f"pm.parameters() would step the {self.precision} weights themselves)")
+        if self.buckets is not None and self.buckets.reduced:
+            raise ValueError("zero=True reduce-scatters gradients in place: call optimizer.zero_grad() after each "
+                             "optimizer.step() (accumulate over several train_step calls inside pm.no_sync())")
         with self.failures.guard("train_step"):
             loss = self._run(batch, loss_fn, backward=True)
             if self._sync:
-                self._sync_grads()
+                self.grads.sync()
         return loss
 
     @contextlib.contextmanager
@@ -150,6 +182,7 @@ class ParallelModel:
     def eval_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn | None = None) -> torch.Tensor:
         """Forward only, in evaluation mode (restored afterwards); the same loss as ``train_step``."""
         was_training = self.module.training
+        self._weights_ready()
         self.module.eval()
         try:
             with self.failures.guard("eval_step"):
@@ -200,7 +233,8 @@ class ParallelModel:
                 loss = loss_fn(self._with_full_logits(outputs), micro[mb])
             loss = loss * scale
             total += loss.detach().float()
-            return loss
+            # float16: backward starts from the scaled loss (GradSync unscales the gradients)
+            return loss * self.scaler.scale if self.scaler is not None and backward else loss
 
         schedule = schedule_actions(stages=self.stage.stages, microbatches=self.microbatches, schedule=self.schedule,
                                     backward=backward)
@@ -229,32 +263,6 @@ class ParallelModel:
             outputs.logits = self.full_logits(outputs.logits)
         return outputs
 
-    def _sync_grads(self) -> None:
-        """Finish the dp buckets (started during the last backward), then sum gradients over
-        KV-head replicas and tied copies. The loss is already divided by the global count, so the
-        dp sum is the average the plain model computes."""
-        if self.buckets is not None:
-            self.buckets.finish()
-        local = {name: p for name, p in self.named_parameters() if p.requires_grad}
-        for p in local.values():
-            # Every rank must contribute the same buffers: an unused parameter takes part with zeros.
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        if self.groups.kv is not None:
-            replicated = [p.grad for name, p in local.items() if (s := self.specs.get(name)) is not None and s.replicas > 1]
-            flat_all_reduce_(replicated, group=self.groups.kv)
-        # Replicated parameters applied to this rank's heads only (per-head norms) hold this rank's
-        # share of their gradient: the sum over tp is the whole gradient, then equal on every rank.
-        partial = [local[n].grad for n in self.plan.grad_sum if n in local]
-        if partial:
-            flat_all_reduce_(partial, group=self.groups.tp)
-        if self.groups.tie is not None:
-            tied = [local[n].grad for tie in self.placement.ties for n in (tie.owner, tie.follower) if n in local]
-            flat_all_reduce_(tied, group=self.groups.tie)
-        if not self._replicas_checked:  # once: the dataflow that makes a gradient partial never changes
-            self._replicas_checked = True
-            check_replicated_grads({n: p.grad for n, p in local.items() if self.specs.get(n) is None}, group=self.groups.tp)
-
     @property
     def config(self):
         """The whole model's Hugging Face config (a pipeline stage's modules may hold a cut copy)."""
@@ -264,18 +272,21 @@ class ParallelModel:
     def save_pretrained(self, path: str, *, max_shard_size: int = DEFAULT_MAX_SHARD_BYTES) -> None:
         """Write a consolidated Hugging Face directory that ``from_pretrained`` loads unchanged
         (streamed tensor by tensor; files of at most ``max_shard_size`` bytes)."""
+        self._weights_ready()
         with self.failures.guard("save_pretrained"):
             save_pretrained(self.module, path, placement=self.placement, config=self.config,
                             max_shard_bytes=max_shard_size)
 
     def save_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None, step: int | None = None) -> str:
         """Sharded safetensors checkpoint (optimizer state included) that loads into any mesh."""
+        self._weights_ready()
         with self.failures.guard("save_checkpoint"):
             return save_checkpoint(self.module, path, placement=self.placement, config=self.config,
                                    optimizer=optimizer, step=step)
 
     def load_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> dict:
         """Load a checkpoint saved at any (dp, tp, pp); return its metadata (e.g. ``{"step": 1}``)."""
+        self._weights_ready()
         with self.failures.guard("load_checkpoint"):
             return load_checkpoint(self.module, path, placement=self.placement, model_type=self.config.model_type,
-                                   optimizer=optimizer)
+                                   optimizer=optimizer, cast=self.precision is not None)

@@ -20,6 +20,8 @@ from .pipeline.split import StagePlan
 from .pipeline.stage import apply_stage
 from .pipeline.standins import StandIn
 from .placement import ShardPlacement
+from .precision import PRECISIONS, LossScaler, apply_mixed_precision
+from .recompute import apply_recompute
 from .plan import ModelPolicy, TpPlan
 from .rng import SHARED, TP_LOCAL, RngStreams, stream_seeds
 from .shard import ShardSpec
@@ -45,6 +47,8 @@ def parallelize(
     bucket_mb: float = DEFAULT_BUCKET_MB,
     checkpoint: str | None = None,
     timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+    mixed_precision: str | None = None,
+    recompute: str | None = None,
 ) -> ParallelModel:
     """Shard ``model`` (in place) over a (dp, pp, tp) mesh and return its ``ParallelModel``.
 
@@ -55,12 +59,16 @@ def parallelize(
     buckets all-reduced over dp during backward; ``checkpoint`` (a Hugging Face directory or a qn_hf
     checkpoint) supplies the weights: with a model built on the ``meta`` device, each rank
     allocates and reads only its own shard, so no rank ever holds the whole model; ``timeout``
-    bounds every collective when this call creates the process group.
+    bounds every collective when this call creates the process group. ``mixed_precision`` ("bf16" or
+    "fp16") computes in that dtype with float32 gradients and float32 master weights in
+    ``qn_hf.optimizer`` (precision.py); ``recompute`` ("full" or "selective") recomputes each block's
+    activations in backward (recompute.py).
     """
     if getattr(model, _MARK, False):
         raise ValueError("this model is already parallelized; load a fresh copy to parallelize it again")
     checked = check_parallel_config(model, dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
-                                    policy=policy, layers_per_stage=layers_per_stage, bucket_mb=bucket_mb)
+                                    policy=policy, layers_per_stage=layers_per_stage, bucket_mb=bucket_mb,
+                                    mixed_precision=mixed_precision, recompute=recompute)
     dims, plan, stage_plan = checked.dims, checked.tp_plan, checked.stage_plan
     dims.check_world_size(launched_world_size())
     _check_tensors(model, checkpoint=checkpoint)
@@ -68,6 +76,11 @@ def parallelize(
     device = device or default_device()
     init_distributed(device=device, timeout=timeout)
     dims.check_world_size(dist.get_world_size())
+    low = {p.dtype for p in model.parameters()} & {torch.bfloat16, torch.float16}
+    if low and mixed_precision is None and dist.get_rank() == 0:
+        warnings.warn(f"the model is in {low.pop()} and mixed_precision=None: it trains as is, with gradients and "
+                      f"optimizer moments in that dtype too; load it in float32 and pass mixed_precision='bf16' for "
+                      f"float32 master weights and moments", stacklevel=2)
     kv_replicated = plan.layout.kv_replicas > 1 and any(style == "colwise_kv" for _, style in plan.rules)
     groups = build_groups(dims, device=device, timeout=timeout, mesh=mesh,
                           kv_replicas=plan.layout.kv_replicas if kv_replicated else 1, tied_stages=bool(stage_plan.ties))
@@ -77,6 +90,9 @@ def parallelize(
         warnings.warn(f"microbatches={microbatches} < pp={pp}: each stage idles {bubble:.0%} of a step (pipeline bubble "
                       f"(pp-1)/(microbatches+pp-1)); use microbatches >= 2*pp={2 * pp} if the batch allows", stacklevel=2)
 
+    precision = PRECISIONS.get(mixed_precision)
+    if precision is not None:  # before the stage cut: stand-ins take their dtype from the modules they replace
+        apply_mixed_precision(model, precision)
     stage = apply_stage(model, stage_plan, stage=coords["pp"])
     plan = plan.only(lambda name: _on_this_stage(model, name))
     specs, vocab = apply_tp_plan(model, plan, tp_rank=coords["tp"], group=groups.tp)
@@ -84,9 +100,13 @@ def parallelize(
         _materialize(model, device)
     else:
         model.to(device)
+    if precision is not None:  # again: sharding and materializing made new parameters (float32 gradients)
+        apply_mixed_precision(model, precision)
     if checkpoint is None:  # loading gives every replica the same bytes anyway
         _synchronize_replicas(model, specs, groups, stage_plan)
     rng = _install_rng_streams(model, plan, coords, device, seed)
+    if recompute is not None:
+        apply_recompute(model, recompute=recompute, layers=stage_plan.layers, rng=rng)
     setattr(model, _MARK, True)
     placement = ShardPlacement(dims=dims, groups=groups, specs=specs, ties=stage_plan.ties, device=device)
     pm = ParallelModel(
@@ -100,6 +120,8 @@ def parallelize(
         schedule=schedule,
         rng=rng,
         buckets=_grad_buckets(model, groups, dims, bucket_mb),
+        precision=precision,
+        scaler=LossScaler() if mixed_precision == "fp16" else None,
     )
     if checkpoint is not None:
         pm.load_checkpoint(checkpoint)

@@ -47,9 +47,15 @@ class ShardPlacement:
 
 
 class Placed(Protocol):
-    """What the functions that take a ``ParallelModel`` read of it: its parameters and placement."""
+    """What the functions that take a ``ParallelModel`` read of it: its parameters, gradients and
+    placement."""
 
     @property
     def placement(self) -> ShardPlacement: ...
 
+    @property
+    def grads_split_over_dp(self) -> bool: ...
+
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
+
+    def named_grads(self) -> Iterator[tuple[str, torch.Tensor]]: ...

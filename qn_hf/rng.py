@@ -61,6 +61,14 @@ class RngStreams:
         self._states[name] = _get_state(self.device)
         _set_state(self.device, self._states[self.current])
 
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """The saved states of the streams not running now (the running one is the device's
+        generator, which torch's checkpoint saves and restores itself)."""
+        return dict(self._states)
+
+    def restore(self, snapshot: dict[str, torch.Tensor]) -> None:
+        self._states = {**self._states, **{k: v for k, v in snapshot.items() if k != self.current}}
+
     def hook_module(self, module: nn.Module, name: str) -> list[RemovableHandle]:
         """Run ``module``'s forward inside stream ``name``."""
         return [

@@ -15,13 +15,15 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .arguments import check_positive
+from .arguments import check_choice, check_positive
 from .data_parallel import DEFAULT_BUCKET_MB
 from .mesh import ParallelDims
 from .pipeline.schedule import check_schedule_args
 from .pipeline.split import StagePlan, build_stage_plan
 from .plan import ModelPolicy, TpPlan, build_tp_plan
 from .policies import resolve_policy
+from .precision import PRECISIONS
+from .recompute import check_recompute
 
 
 @dataclass(frozen=True)
@@ -35,12 +37,16 @@ class CheckedConfig:
 def check_parallel_config(model: nn.Module, *, dp: int, tp: int, pp: int, microbatches: int, schedule: str,
                           policy: ModelPolicy | None = None,
                           layers_per_stage: Sequence[int] | None = None,
-                          bucket_mb: float = DEFAULT_BUCKET_MB) -> CheckedConfig:
+                          bucket_mb: float = DEFAULT_BUCKET_MB, mixed_precision: str | None = None,
+                          recompute: str | None = None) -> CheckedConfig:
     """Raise ``ValueError`` naming the value and the fix for anything ``model`` cannot take."""
     dims = ParallelDims(dp=dp, tp=tp, pp=pp)
     check_schedule_args(stages=pp, microbatches=microbatches, schedule=schedule)
     check_positive("bucket_mb", bucket_mb)
+    if mixed_precision is not None:
+        check_choice("mixed_precision", mixed_precision, tuple(PRECISIONS))
     resolved = resolve_policy(model, policy)
     tp_plan = build_tp_plan(model, resolved, tp=tp)
     stage_plan = build_stage_plan(model, resolved, stages=pp, layers_per_stage=layers_per_stage)
+    check_recompute(model, recompute=recompute, layers=stage_plan.layers)
     return CheckedConfig(dims=dims, policy=resolved, tp_plan=tp_plan, stage_plan=stage_plan)

@@ -50,8 +50,10 @@ def dtype_of_code(code: str) -> str:
     return next((name for name, c in SAFETENSORS_CODES.items() if c == code), code)
 
 
-def shard_file(stage: int, tp_rank: int) -> str:
-    return f"shard-pp{stage}-tp{tp_rank}.safetensors"
+def shard_file(stage: int, tp_rank: int, dp_rank: int = 0) -> str:
+    """The file one rank writes: dp rank 0 for whole tensors; other dp ranks only their pieces of
+    sharded optimizer state (``zero=True``)."""
+    return f"shard-pp{stage}-tp{tp_rank}" + (f"-dp{dp_rank}" if dp_rank else "") + ".safetensors"
 
 
 def optimizer_key(param: str, key: str) -> str:
@@ -94,6 +96,34 @@ def boxes(shape: torch.Size, spec: ShardSpec | None, tp_rank: int) -> list[tuple
         box[spec.dim] = [start, stop]
         out.append((box, at))
     return out
+
+
+def flat_runs(shape: list[int] | torch.Size, start: int, stop: int) -> list[tuple[Box, int]]:
+    """The boxes of a tensor of ``shape`` that its flat (row-major) range ``[start, stop)`` covers,
+    each contiguous in memory, with the flat offset where each begins: how a ZeRO-1 piece of a
+    parameter is stored (at most two partial rows per dimension and one block of whole rows)."""
+    if start >= stop:
+        return []
+    if len(shape) == 0:
+        return [([], start)]
+    inner = 1
+    for n in shape[1:]:
+        inner *= n
+    first, last = start // inner, (stop - 1) // inner
+
+    def within(row: int, lo: int, hi: int) -> list[tuple[Box, int]]:
+        return [([[row, row + 1], *box], row * inner + at) for box, at in flat_runs(shape[1:], lo, hi)]
+
+    if first == last:
+        return within(first, start - first * inner, stop - first * inner)
+    full_from = first if start % inner == 0 else first + 1
+    full_to = last + 1 if stop % inner == 0 else last
+    runs = within(first, start - first * inner, inner) if full_from > first else []
+    if full_to > full_from:
+        runs.append(([[full_from, full_to], *([0, n] for n in shape[1:])], full_from * inner))
+    if full_to <= last:
+        runs += within(last, 0, stop - last * inner)
+    return runs
 
 
 def entry_nbytes(entry: dict) -> int:

@@ -16,17 +16,19 @@ from .files import FileChecks
 from .format import DTYPES, CheckpointError, checkpoint_dir, global_shape, optimizer_prefix, read_index, state_spec
 from .hf import base_prefixes, is_hf_dir, read_hf_dir, source_name
 from .pieces import read_local
+from .save import model_param_groups
 
 
 def load_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, model_type: str,
-                    optimizer: torch.optim.Optimizer | None = None) -> dict:
+                    optimizer: torch.optim.Optimizer | None = None, cast: bool = False) -> dict:
     """Load ``path`` into ``module``'s shard (and ``optimizer``); return the saved metadata.
+    ``cast`` (mixed precision): weights saved in another floating-point dtype are converted.
 
     If any rank finds a problem, every rank raises the same ``CheckpointError`` (naming the rank,
     file and tensor) and nothing in the model or optimizer has changed."""
     error, loaded = None, None
     try:
-        loaded = _read_all(module, path, placement, model_type, optimizer)
+        loaded = _read_all(module, path, placement, model_type, optimizer, cast)
     except CheckpointError as e:
         error = str(e)
     errors = [None] * dist.get_world_size()
@@ -37,21 +39,25 @@ def load_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
         raise CheckpointError(f"rank {rank}: {message}" + (f" (and {len(failed) - 1} more ranks failed)" if len(failed) > 1 else ""))
     index, tensors, states = loaded
     params = dict(module.named_parameters())
+    masters = {id(m.param): m for m in getattr(optimizer, "masters", ())}
     with torch.no_grad():
         for name, value in tensors.items():
             params[name].copy_(value)
+            m = masters.get(id(params[name]))
+            if m is not None and getattr(optimizer, "mixed", False):  # float32 masters from the float32 weights
+                m.tensor.copy_(_flat_part(value, m.start, m.tensor))
     if optimizer is not None:
         for group, saved_group in zip(optimizer.param_groups, index["optimizer"]):
             for key, value in saved_group.items():
                 if key != "params" and key in group:
                     group[key] = tuple(value) if isinstance(group[key], tuple) else value
-        for p, state in states.items():
-            optimizer.state[p] = {k: v.to(p.device) for k, v in state.items()}
+        for keyed, state in states.items():
+            optimizer.state[keyed] = {k: v.to(keyed.device) for k, v in state.items()}
     return {"step": index.get("step"), "mesh": index.get("mesh"), "library_version": index.get("library_version")}
 
 
 def _read_all(module: nn.Module, path: str, placement: ShardPlacement, model_type: str,
-              optimizer: torch.optim.Optimizer | None):
+              optimizer: torch.optim.Optimizer | None, cast: bool):
     if is_hf_dir(path):
         if optimizer is not None:
             raise CheckpointError(f"{path} is a Hugging Face directory: it holds no optimizer state")
@@ -68,19 +74,28 @@ def _read_all(module: nn.Module, path: str, placement: ShardPlacement, model_typ
     tp_rank = placement.coords["tp"]
     params = dict(module.named_parameters())
     prefixes = base_prefixes(config)
+    # Mixed precision: weights are read in float32 (the masters; the low-precision copies are cast).
+    read_as = torch.float32 if getattr(optimizer, "mixed", False) else None
     tensors = {}
     for name, p in params.items():
         try:
             saved = source_name(index, placement.owner(name), prefixes)
         except CheckpointError as e:
             raise CheckpointError(f"{directory}: {e}") from None
-        tensors[name] = read_local(directory, index, saved, p, placement.spec(name), tp_rank, checks=checks)
-    states: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+        like = p if read_as is None or not p.is_floating_point() else torch.empty(0, dtype=read_as)
+        tensors[name] = read_local(directory, index, saved, like, placement.spec(name), tp_rank, shape=list(p.shape),
+                                   checks=checks, cast=cast)
+    states: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
     if optimizer is not None:
         _check_optimizer(directory, index, optimizer, params, placement)
         names = {id(p): n for n, p in params.items()}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
+        masters = {id(m.param): m for m in getattr(optimizer, "masters", ())}
+        for params_of_group in model_param_groups(optimizer):
+            for p in params_of_group:
+                m = masters.get(id(p))
+                keyed = p if not hasattr(optimizer, "masters") else (m.tensor if m is not None else None)
+                if keyed is None:
+                    continue  # ZeRO-1: no part of this parameter is in this rank's pieces
                 name = names[id(p)]
                 prefix = optimizer_prefix(placement.owner(name))
                 spec = placement.spec(name)
@@ -91,11 +106,18 @@ def _read_all(module: nn.Module, path: str, placement: ShardPlacement, model_typ
                     param_shape = global_shape(p.shape, spec)
                     own = state_spec(entry["shape"], param_shape, spec)
                     shape = list(p.shape) if entry["shape"] == param_shape else entry["shape"]
-                    state[key[len(prefix):]] = read_local(directory, index, key, like, own, tp_rank, shape=shape,
-                                                          checks=checks)
+                    value = read_local(directory, index, key, like, own, tp_rank, shape=shape, checks=checks)
+                    state[key[len(prefix):]] = (_flat_part(value, m.start, keyed) if own is spec and m is not None
+                                                and entry["shape"] == param_shape else value)
                 if state:
-                    states[p] = state
+                    states[keyed] = state
     return index, tensors, states
+
+
+def _flat_part(value: torch.Tensor, start: int, like: torch.Tensor) -> torch.Tensor:
+    """The part of ``value`` (shaped like a whole local parameter) a master ``like`` covers: all of
+    it, or under ZeRO-1 the flat range from ``start``."""
+    return value.reshape(-1)[start : start + like.numel()].reshape(like.shape).clone()
 
 
 def _check_optimizer(directory: str, index: dict, optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter],
@@ -107,8 +129,8 @@ def _check_optimizer(directory: str, index: dict, optimizer: torch.optim.Optimiz
         raise CheckpointError(f"{directory}: the optimizer had {len(saved)} parameter groups, this one has "
                               f"{len(optimizer.param_groups)}")
     names = {id(p): n for n, p in params.items()}
-    for i, (group, saved_group) in enumerate(zip(optimizer.param_groups, saved)):
-        for p in group["params"]:
+    for i, (group, saved_group) in enumerate(zip(model_param_groups(optimizer), saved)):
+        for p in group:
             name = names.get(id(p))
             saved_name = placement.owner(name) if name is not None else None
             if saved_name is None or saved_name not in saved_group.get("params", []):

@@ -51,8 +51,11 @@ def read_box(directory: str, entry: dict, name: str, target_box: Box, out: torch
 
 
 def read_local(directory: str, index: dict, saved_name: str, like: torch.Tensor, spec: ShardSpec | None,
-               tp_rank: int, *, shape: list[int] | None = None, checks: FileChecks | None = None) -> torch.Tensor:
-    """This rank's shard of ``saved_name``, read on the CPU, checked against the model's tensor."""
+               tp_rank: int, *, shape: list[int] | None = None, checks: FileChecks | None = None,
+               cast: bool = False) -> torch.Tensor:
+    """This rank's shard of ``saved_name``, read on the CPU, checked against the model's tensor.
+    ``cast``: a floating-point tensor saved in another floating-point dtype is converted (mixed
+    precision reads float32 masters from a bfloat16 directory and the other way round)."""
     entry = index["tensors"].get(saved_name)
     if entry is None:
         raise CheckpointError(f"{directory}: the checkpoint has no tensor {saved_name!r}; "
@@ -61,7 +64,8 @@ def read_local(directory: str, index: dict, saved_name: str, like: torch.Tensor,
     expected = global_shape(local_shape, spec)
     if entry["shape"] != expected:
         raise CheckpointError(f"{directory}: {saved_name} has shape {entry['shape']}, the model needs {expected}")
-    if DTYPES[entry["dtype"]] != like.dtype:
+    saved = DTYPES[entry["dtype"]]
+    if saved != like.dtype and not (cast and saved.is_floating_point and like.dtype.is_floating_point):
         raise CheckpointError(f"{directory}: {saved_name} is {entry['dtype']}, the model holds {dtype_name(like.dtype)}")
     buf = torch.zeros(local_shape, dtype=like.dtype)  # padding rows stay zero
     for box, at in boxes(torch.Size(local_shape), spec, tp_rank):

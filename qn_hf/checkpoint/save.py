@@ -9,8 +9,10 @@ index. The directory is written as ``ckpt-N.partial`` and published only when wh
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -21,9 +23,10 @@ from ..arguments import check_non_negative_int
 from ..atomic import give_plain_mode
 from ..comm import barrier
 from ..placement import ShardPlacement
+from ..shard import ShardSpec
 from ..version import __version__
 from .files import file_digest, fsync_file, publish, write_json
-from .format import (INDEX, boxes, dtype_name, global_shape, new_index, optimizer_key, shard_file, state_spec,
+from .format import (INDEX, boxes, dtype_name, flat_runs, global_shape, new_index, optimizer_key, shard_file,
                      tp_writes)
 from .hf import generation_config_of
 from .names import checkpoint_name, next_checkpoint_dir, parse_name
@@ -47,7 +50,7 @@ def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
         os.makedirs(partial)
     barrier(placement.device)
 
-    if placement.coords["dp"] == 0:
+    if placement.coords["dp"] == 0 or getattr(optimizer, "zero", False):  # ZeRO-1: each dp rank its pieces
         write_shard(module, placement, optimizer, partial)
     barrier(placement.device)
     if dist.get_rank() == 0:
@@ -71,19 +74,57 @@ def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
     return final
 
 
+@dataclass(frozen=True)
+class LocalTensor:
+    """One tensor this rank holds (``values``), or under ``zero=True`` the flat range of it starting
+    at ``start`` (``values`` 1-D), of a local tensor shaped ``shape``."""
+
+    name: str  # the saved name
+    values: torch.Tensor
+    shape: list[int]
+    start: int
+    spec: ShardSpec | None
+    writes: bool
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and list(self.values.shape) == self.shape
+
+
 def local_entries(module: nn.Module, placement: ShardPlacement, optimizer: torch.optim.Optimizer | None):
-    """(saved name, local tensor, spec, whether this tp rank writes it) for every tensor here."""
-    tp_rank = placement.coords["tp"]
+    """Every tensor this rank writes or could write (``writes``): weights, then optimizer state.
+
+    Weights are the float32 masters under mixed precision; each distinct piece is written by one
+    rank (dp rank 0, or each dp rank for its ZeRO-1 pieces). A qn_hf optimizer keys its state by its
+    masters; a torch optimizer by the parameters themselves."""
+    tp_rank, dp_rank = placement.coords["tp"], placement.coords["dp"]
+    masters = {id(m.param): m for m in getattr(optimizer, "masters", ())}
+    ours = hasattr(optimizer, "masters")  # a qn_hf optimizer: its state is keyed by its masters
+    mixed, zero = getattr(optimizer, "mixed", False), getattr(optimizer, "zero", False)
+    stepped = {id(p) for params in model_param_groups(optimizer) for p in params} if optimizer is not None else set()
     for name, p in module.named_parameters():
         if placement.is_follower(name):
             continue
-        spec = placement.spec(name)
-        yield name, p.detach(), spec, tp_writes(spec, tp_rank)
-        state = optimizer.state.get(p, {}) if optimizer is not None else {}
+        spec, shape, m = placement.spec(name), list(p.shape), masters.get(id(p))
+        split = zero and id(p) in stepped  # its optimizer data lives in pieces over dp
+        once = tp_writes(spec, tp_rank) and dp_rank == 0
+        mine = tp_writes(spec, tp_rank) and (split or dp_rank == 0)  # this rank writes what it holds
+        if mixed and m is not None:
+            values = m.tensor.detach() if split else m.tensor.detach().reshape(shape)
+            yield LocalTensor(name, values, shape, m.start, spec, mine)
+        elif not (mixed and split):
+            yield LocalTensor(name, p.detach(), shape, 0, spec, once)
+        keyed = m.tensor if ours and m is not None else (p if not ours else None)
+        state = optimizer.state.get(keyed, {}) if keyed is not None else {}
         for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                own = state_spec(value.shape, p.shape, spec)
-                yield optimizer_key(name, key), value.detach(), own, tp_writes(own, tp_rank)
+            if not isinstance(value, torch.Tensor):
+                continue
+            if list(value.shape) == list(keyed.shape) and value.ndim > 0:  # shaped like its parameter
+                values = value.detach() if split else value.detach().reshape(shape)
+                yield LocalTensor(optimizer_key(name, key), values, shape, m.start if split else 0, spec, mine)
+            else:  # a scalar (Adam's step): one writer, the rank holding the parameter's first element
+                writes = tp_rank == 0 and (m.start == 0 if split else dp_rank == 0)
+                yield LocalTensor(optimizer_key(name, key), value.detach(), list(value.shape), 0, None, writes)
 
 
 def _merge_groups(merged: list[dict] | None, groups: list[dict]) -> list[dict]:
@@ -94,13 +135,19 @@ def _merge_groups(merged: list[dict] | None, groups: list[dict]) -> list[dict]:
     return merged
 
 
+def model_param_groups(optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
+    """The model parameters of each group: a qn_hf optimizer's groups hold its masters."""
+    groups = getattr(optimizer, "model_param_groups", None)
+    return groups if groups is not None else [g["params"] for g in optimizer.param_groups]
+
+
 def optimizer_groups(module: nn.Module, placement: ShardPlacement, optimizer: torch.optim.Optimizer) -> list[dict]:
     """Each parameter group's hyperparameters and the saved names of its parameters here."""
     names = {id(p): n for n, p in module.named_parameters()}
     groups = []
-    for group in optimizer.param_groups:
+    for group, params in zip(optimizer.param_groups, model_param_groups(optimizer)):
         hyper = {k: v for k, v in group.items() if k != "params" and isinstance(v, (int, float, bool, str, type(None), list, tuple))}
-        groups.append({**hyper, "params": sorted(names[id(p)] for p in group["params"]
+        groups.append({**hyper, "params": sorted(names[id(p)] for p in params
                                                  if not placement.is_follower(names.get(id(p))))})
     return groups
 
@@ -108,19 +155,20 @@ def optimizer_groups(module: nn.Module, placement: ShardPlacement, optimizer: to
 def write_shard(module: nn.Module, placement: ShardPlacement, optimizer: torch.optim.Optimizer | None,
                 directory: str) -> None:
     """This rank's file and the JSON of its entries (merged into the index by rank 0)."""
-    file = shard_file(placement.coords["pp"], placement.coords["tp"])
+    coords = placement.coords
+    file = shard_file(coords["pp"], coords["tp"], coords["dp"])
     tensors: dict[str, torch.Tensor] = {}
     entries: dict[str, dict] = {}
-    for name, value, spec, writes in local_entries(module, placement, optimizer):
-        if not writes:
+    for t in local_entries(module, placement, optimizer):
+        if not t.writes:
             continue
         pieces = []
-        for i, (box, at) in enumerate(boxes(value.shape, spec, placement.coords["tp"])):
-            local = value if spec is None else value.narrow(spec.dim, at, box[spec.dim][1] - box[spec.dim][0])
-            key = f"{name}#{i}"
+        for i, (box, local) in enumerate(_pieces(t, coords["tp"])):
+            key = f"{t.name}#{i}" if t.whole else f"{t.name}#dp{coords['dp']}.{i}"
             tensors[key] = local.to("cpu").contiguous()
             pieces.append({"file": file, "key": key, "box": box})
-        entries[name] = {"shape": global_shape(value.shape, spec), "dtype": dtype_name(value.dtype), "pieces": pieces}
+        entries[t.name] = {"shape": global_shape(t.shape, t.spec), "dtype": dtype_name(t.values.dtype),
+                           "pieces": pieces}
     groups = optimizer_groups(module, placement, optimizer) if optimizer is not None else None
     save_file(tensors, os.path.join(directory, file), metadata={"format": "pt"})
     give_plain_mode(os.path.join(directory, file))  # safetensors creates it owner-only
@@ -128,3 +176,27 @@ def write_shard(module: nn.Module, placement: ShardPlacement, optimizer: torch.o
     written = {file: file_digest(os.path.join(directory, file))}
     write_json({"tensors": entries, "optimizer": groups, "files": written},
                os.path.join(directory, file.removesuffix(".safetensors") + ".json"))
+
+
+def _pieces(t: LocalTensor, tp_rank: int) -> list[tuple[list[list[int]], torch.Tensor]]:
+    """(global box, its values) for each piece of ``t``: the tp shard's boxes of a whole tensor, or
+    for a flat range, its contiguous runs cut by those boxes."""
+    regions = boxes(torch.Size(t.shape), t.spec, tp_rank)
+    if t.whole:
+        return [(box, t.values if t.spec is None else t.values.narrow(t.spec.dim, at, box[t.spec.dim][1] - box[t.spec.dim][0]))
+                for box, at in regions]
+    out = []
+    for run, offset in flat_runs(t.shape, t.start, t.start + t.values.numel()):
+        values = t.values[offset - t.start :][: math.prod(b - a for a, b in run)].reshape([b - a for a, b in run])
+        if t.spec is None:
+            out.append((run, values))
+            continue
+        d = t.spec.dim
+        for box, at in regions:  # the local rows [at, at + n) along the split dim are the global box's
+            n = box[d][1] - box[d][0]
+            lo, hi = max(run[d][0], at), min(run[d][1], at + n)
+            if lo < hi:
+                global_box = [list(r) for r in run]
+                global_box[d] = [box[d][0] + lo - at, box[d][0] + hi - at]
+                out.append((global_box, values.narrow(d, lo - run[d][0], hi - lo)))
+    return out

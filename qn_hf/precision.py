@@ -1,0 +1,82 @@
+"""Mixed precision: low-precision weights and activations for compute, float32 for everything that
+accumulates (gradients, master weights, optimizer state), and loss scaling for float16.
+
+``apply_mixed_precision`` casts the floating-point parameters (not buffers: rotary frequencies and
+other buffers keep the precision HF computes them in) and sets each trainable parameter's
+``grad_dtype`` to float32, so autograd accumulates every microbatch's low-precision gradient into a
+float32 ``.grad``: the dp buckets, the tp/tie sums and ``clip_grad_norm_`` all see float32. The
+float32 master weights live in ``qn_hf.optimizer``.
+
+float16's narrow range needs the loss scaled before backward and the gradients unscaled after;
+``LossScaler`` does the dynamic scaling torch's ``GradScaler`` does: a step whose gradients hold an
+inf or NaN anywhere in the job is skipped and the scale halved; after ``growth_interval`` good steps
+the scale doubles. bfloat16 has float32's range and needs no scaling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
+GRAD_DTYPE = torch.float32
+
+
+def apply_mixed_precision(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast ``model``'s floating-point parameters to ``dtype`` in place; float32 gradients."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)
+            if p.requires_grad:
+                p.grad_dtype = GRAD_DTYPE
+
+
+@dataclass
+class LossScaler:
+    """Dynamic loss scale for float16 (the defaults of torch's ``GradScaler``)."""
+
+    scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    good_steps: int = 0
+    skipped_steps: int = 0
+    found_inf: bool = False  # the gradients of the last synchronized step overflowed
+
+    def unscale_(self, grads: list[torch.Tensor], *, device: torch.device) -> None:
+        """Divide ``grads`` by the scale and record whether any rank's gradients hold inf/NaN
+        (one all-reduce over the whole job, so every rank skips or steps together)."""
+        flag = torch.zeros((), dtype=torch.float32, device=device)
+        for g in grads:
+            if g.numel():
+                flag = torch.maximum(flag, (~torch.isfinite(g)).any().float())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.found_inf = bool(flag.item())
+        if grads:
+            torch._foreach_mul_(grads, 1.0 / self.scale)
+
+    def update(self) -> bool:
+        """After an optimizer step: whether the step was skipped; adjust the scale."""
+        skipped = self.found_inf
+        if skipped:
+            self.scale *= self.backoff_factor
+            self.good_steps = 0
+            self.skipped_steps += 1
+        else:
+            self.good_steps += 1
+            if self.good_steps == self.growth_interval:
+                self.scale *= self.growth_factor
+                self.good_steps = 0
+        self.found_inf = False
+        return skipped
+
+    def state(self) -> dict[str, float | int]:
+        return {"scale": self.scale, "good_steps": self.good_steps, "skipped_steps": self.skipped_steps}
+
+    def load_state(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self.good_steps = int(state["good_steps"])
+        self.skipped_steps = int(state["skipped_steps"])

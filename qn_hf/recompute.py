@@ -1,0 +1,94 @@
+"""Activation recomputation, through transformers' own per-block checkpointing hook.
+
+Every decoder/encoder block of a transformers 5 model is a ``GradientCheckpointingLayer``: when its
+``gradient_checkpointing`` flag is set (in training), its forward runs through the block's
+``_gradient_checkpointing_func``. qn_hf sets that function per block of this stage, so no forward is
+replaced:
+
+* ``"full"``: torch's non-reentrant checkpoint; only the block's inputs are kept, everything inside
+  is recomputed in backward (tensor-parallel collectives inside the block included).
+* ``"selective"``: the same, with a policy that keeps the outputs of matrix products (linear layers,
+  ``bmm``/``mm`` of eager attention, fused attention kernels) and recomputes the cheap elementwise
+  parts: norms, activations, softmax, dropout. The tensor-parallel all-reduces inside a block run
+  again too: qn_hf's collectives work in place (``dist.all_reduce`` on a clone), and a cached
+  output of an in-place op would hand the recomputation the unreduced clone.
+
+Dropout masks replay exactly: torch's checkpoint restores the default generator for the
+recomputation, and qn_hf's other random streams (rng.py) are rewound to where they stood when the
+block first ran, then put back, so the results equal the run without recomputation bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from .arguments import check_choice
+from .rng import RngStreams
+
+RECOMPUTE = ("full", "selective")
+
+_aten = torch.ops.aten
+# What selective recomputation keeps: the products that cost FLOPs.
+SAVED_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
+             _aten._scaled_dot_product_flash_attention_for_cpu.default,
+             _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
+             _aten._scaled_dot_product_cudnn_attention.default, _aten.convolution.default}
+
+
+def check_recompute(model: nn.Module, *, recompute: str | None, layers: str) -> None:
+    """``recompute`` is None or a known mode, and every block of ``model``'s ``layers`` list can
+    take it (raised before any collective)."""
+    if recompute is None:
+        return
+    check_choice("recompute", recompute, RECOMPUTE)
+    for block in model.get_submodule(layers):
+        if not isinstance(block, GradientCheckpointingLayer):
+            raise ValueError(f"recompute={recompute!r}: {type(block).__name__} (in {layers}) is not a transformers "
+                             f"GradientCheckpointingLayer, so its forward cannot be recomputed without replacing it; "
+                             f"use recompute=None")
+
+
+def apply_recompute(model: nn.Module, *, recompute: str, layers: str, rng: RngStreams) -> int:
+    """Turn recomputation on for every block of ``layers`` held on this stage; return how many."""
+    count = 0
+    for block in model.get_submodule(layers):
+        if isinstance(block, GradientCheckpointingLayer):  # not another stage's stand-in
+            block.gradient_checkpointing = True
+            block._gradient_checkpointing_func = functools.partial(_recompute_block, rng=rng,
+                                                                   selective=recompute == "selective")
+            count += 1
+    return count
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    if op in SAVED_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _recompute_block(function, *args, rng: RngStreams, selective: bool):
+    """torch's checkpoint of ``function``; the recomputation runs with qn_hf's streams rewound."""
+    first = rng.snapshot()
+    calls = 0
+
+    def run(*inputs):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return function(*inputs)
+        now = rng.snapshot()
+        rng.restore(first)
+        try:
+            return function(*inputs)
+        finally:  # the recomputation may stop early (torch stops once it has what backward needs)
+            rng.restore(now)
+
+    context = (functools.partial(create_selective_checkpoint_contexts, _selective_policy) if selective else
+               None)
+    kwargs = {"context_fn": context} if context is not None else {}
+    return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)

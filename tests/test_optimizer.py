@@ -1,0 +1,103 @@
+"""qn_hf.optimizer: ZeRO-1 equals the unsharded optimizer; its checkpoints reshard; misuse is refused."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import qn_hf
+from qn_hf.recompute import check_recompute
+from tests.models import load
+
+ZERO_CASES = [  # kind, dp, tp, pp, optimizer
+    ("gpt2", 2, 2, 2, "AdamW"),  # tied embedding across stages, vocab padding
+    ("llama", 2, 2, 1, "SGD"),  # SGD also against the plain model
+    ("gpt2", 2, 1, 2, "SGD"),
+    ("llama", 4, 1, 1, "AdamW"),
+]
+
+
+@pytest.mark.parametrize(("kind", "dp", "tp", "pp", "opt_name"), ZERO_CASES)
+def test_zero_equals_the_unsharded_optimizer(worlds, model_dirs, kind, dp, tp, pp, opt_name):
+    results = worlds.run(dp * tp * pp, "tests.optim_cases:zero_parity", kind=kind, model_dir=model_dirs[kind], dp=dp,
+                         tp=tp, pp=pp, microbatches=2, opt_name=opt_name)
+    for r in results:
+        assert r["losses"] == r["losses_unsharded"], r
+        assert r["weight_diff_unsharded"] <= 1e-7, r  # dp=2 and 4 sum in the same order: equal bit for bit
+        # 1/dp of the state (each bucket is padded to a multiple of dp)
+        assert r["state_bytes"] * dp <= r["state_bytes_unsharded"] + 64 * dp * 8, r
+        assert r["state_bytes"] * dp >= r["state_bytes_unsharded"], r
+        if opt_name == "SGD":
+            for loss, ref in zip(r["losses"], r["ref_losses"]):
+                assert abs(loss - ref) <= 1e-5 * abs(ref), r
+            assert r["weight_diff_ref"] < 2e-5, r
+
+
+@pytest.mark.parametrize(("kind", "precision"), [("gpt2", None), ("llama", "bf16")])
+def test_zero_checkpoint_resumes_at_other_meshes(worlds, model_dirs, tmp_path, kind, precision):
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "uninterrupted")
+    loss = worlds.run(4, "tests.optim_cases:save_and_continue", kind=kind, model_dir=model_dirs[kind], ckpt=ckpt,
+                      out=out, dp=2, tp=2, pp=1, zero=True, precision=precision)[0]
+    expected = dict(load(kind, out).named_parameters())
+    # bf16 weights after a step at another mesh differ by float rounding: one bf16 step at |w| < 0.125
+    tol = 2e-5 if precision is None else 2 ** -9
+    meshes = [(2, 2, 1, True), (4, 1, 1, True), (1, 2, 2, False)] + ([(2, 1, 2, None)] if precision is None else [])
+    for dp, tp, pp, zero in meshes:
+        resumed = str(tmp_path / f"resumed-{dp}-{tp}-{pp}-{zero}")
+        r = worlds.run(dp * tp * pp, "tests.optim_cases:resume", kind=kind, model_dir=model_dirs[kind], ckpt=ckpt,
+                       out=resumed, dp=dp, tp=tp, pp=pp, zero=zero, precision=precision)[0]
+        assert r["step"] == 2
+        assert abs(r["loss"] - loss) <= (1e-5 if precision is None else 1e-4) * loss, (dp, tp, pp, zero, r, loss)
+        got = dict(load(kind, resumed).named_parameters())
+        err = max((got[n].float() - p.float()).abs().max().item() for n, p in expected.items())
+        assert err <= (0.0 if (dp, tp, pp) == (2, 2, 1) else tol), (dp, tp, pp, zero, err)
+
+
+def test_misuse_is_refused(worlds, model_dirs):
+    r = worlds.run(2, "tests.optim_cases:bad_input", model_dir=model_dirs["llama"])[0]
+    assert "Adafactor is not one of them: use zero=False" in r["adafactor"], r
+    assert "Muon is not one of them" in r["muon"], r
+    assert "not a torch.optim.Optimizer subclass" in r["not_a_class"], r
+    assert "not a trainable parameter of this ParallelModel" in r["foreign"], r
+    assert "mixed_precision='fp8' is unknown; use one of ('bf16', 'fp16')" in r["precision"], r
+    assert "recompute='some' is unknown; use one of ('full', 'selective')" in r["recompute"], r
+    assert "already has a qn_hf.optimizer" in r["second"], r
+    assert "call optimizer.zero_grad() after each optimizer.step()" in r["no_zero_grad"], r
+    assert "build the optimizer with qn_hf.optimizer(pm, torch.optim.AdamW" in r["mixed_without_optimizer"], r
+
+
+def test_recompute_needs_checkpointable_blocks():
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match="Linear \\(in layers\\) is not a transformers GradientCheckpointingLayer"):
+        check_recompute(model, recompute="full", layers="layers")
+
+
+def test_one_process_api(model_dirs):
+    """zero=True at dp=1 says it is a no-op; LR schedulers drive the wrapped optimizer's groups;
+    state_dict round-trips; a bfloat16 model without mixed_precision trains as is, with a warning."""
+    pm = qn_hf.parallelize(load("llama", model_dirs["llama"]))
+    with pytest.warns(UserWarning, match="zero=True with dp=1 shards nothing"):
+        opt = qn_hf.optimizer(pm, torch.optim.AdamW, zero=True, lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+    from tests.models import make_batch
+    batch = make_batch("llama", size=2, seed=3)
+    pm.train_step(batch)
+    opt.step()
+    sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(5e-4)
+    assert opt.inner.param_groups[0]["lr"] == pytest.approx(5e-4)
+    assert set(opt.state_dict()) >= {"state", "param_groups", "qn_hf"}
+    saved = opt.state_dict()
+    opt.zero_grad()
+    pm.train_step(batch)
+    opt.load_state_dict(saved)
+    assert all(torch.equal(opt.state[p]["exp_avg"], s["exp_avg"]) for p, s in zip(opt.param_groups[0]["params"],
+                                                                                  saved["state"].values()))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qn_hf.parallelize(load("llama", model_dirs["llama"], dtype=torch.bfloat16))
+    assert any("trains as is" in str(w.message) for w in caught)
