@@ -1,6 +1,7 @@
 """Data parallelism: qn_hf's bucketed all-reduce against torch DDP, and a full 3D step's traffic.
 
     python benchmarks/data_parallel.py            # dp=2: qn_hf vs DistributedDataParallel
+    python benchmarks/data_parallel.py --zero     # dp=2: qn_hf ZeRO-1 (qn_hf.optimizer zero=True) vs DDP
     python benchmarks/data_parallel.py --mesh 2,2,2   # one (dp, tp, pp) run: traffic per group vs theory
 
 DDP comparison: the same GPT-2 (same weights, batches, AdamW, bucket size) on ``dp`` gloo ranks
@@ -37,8 +38,7 @@ def batches(n: int, *, batch: int, seq: int, seed: int) -> list[dict[str, torch.
     return out
 
 
-def timed(step, params, data, warmup: int) -> float:
-    opt = torch.optim.AdamW(params, lr=1e-4)
+def timed(step, opt, data, warmup: int) -> float:
     times = []
     for i, batch in enumerate(data):
         dist.barrier()
@@ -60,23 +60,36 @@ def ddp_vs_qn(rank: int, world: int, path: str, args: argparse.Namespace) -> dic
     data = batches(args.steps + 1, batch=args.batch // world, seq=args.seq, seed=100 + rank)
     rates: dict[str, list[float]] = {"qn_hf": [], "DDP": []}
     def run_qn() -> None:
-        nonlocal pm
+        nonlocal pm, opt
         pm = qn_hf.parallelize(GPT2LMHeadModel.from_pretrained(path), dp=world, bucket_mb=args.bucket_mb, seed=0)
-        rates["qn_hf"].append(timed(pm.train_step, list(pm.parameters()), data, warmup=1))
+        opt = (qn_hf.optimizer(pm, torch.optim.AdamW, zero=True, lr=1e-4) if args.zero
+               else torch.optim.AdamW(pm.parameters(), lr=1e-4))
+        rates["qn_hf"].append(timed(pm.train_step, opt, data, warmup=1))
 
     def run_ddp() -> None:
         ddp = DDP(GPT2LMHeadModel.from_pretrained(path).train(), bucket_cap_mb=args.bucket_mb)
-        rates["DDP"].append(timed(lambda b: ddp(**b).loss.backward(), list(ddp.parameters()), data, warmup=1))
+        rates["DDP"].append(timed(lambda b: ddp(**b).loss.backward(), torch.optim.AdamW(ddp.parameters(), lr=1e-4),
+                                  data, warmup=1))
 
-    pm = None
+    pm = opt = None
     for r in range(args.rounds):  # alternate which goes first, so neither always runs on a warmer machine
         for run in (run_qn, run_ddp) if r % 2 == 0 else (run_ddp, run_qn):
             run()
-    with qn_hf.CommMeter(pm) as meter:
+    opt.zero_grad()
+    with qn_hf.CommMeter(pm) as meter:  # one whole step: with zero=True the weights' all-gather is in opt.step
         pm.train_step(data[0])
+        opt.step()
     grad_bytes = sum(p.numel() * p.element_size() for p in pm.parameters())
-    return {"rates": rates, "table": meter.table(), "grad_bytes": grad_bytes,
-            "buckets": len(pm.buckets.buckets)} if rank == 0 else None
+    state_bytes = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                      if isinstance(t, torch.Tensor))
+    # CommMeter counts this rank's input to each call; a ring moves (n-1)/n of the whole tensor per
+    # rank for a reduce-scatter (input: whole) or an all-gather (input: 1/n), twice that for an all-reduce.
+    # One reduce (broadcast) per owner of a piece moves the same: its input is the piece.
+    ring = {"all_reduce": 2 * (world - 1) / world, "reduce_scatter_tensor": (world - 1) / world,
+            "all_gather_into_tensor": world - 1, "reduce": (world - 1) / world, "broadcast": (world - 1) / world}
+    dp_bytes = sum(t.nbytes * ring.get(op, 1.0) for (g, op), t in meter.totals().items() if g == "dp")
+    return {"rates": rates, "table": meter.table(), "grad_bytes": grad_bytes, "state_bytes": state_bytes,
+            "dp_bytes": dp_bytes, "buckets": len(pm.buckets.buckets)} if rank == 0 else None
 
 
 def three_d(rank: int, world: int, path: str, args: argparse.Namespace) -> dict | None:
@@ -88,7 +101,7 @@ def three_d(rank: int, world: int, path: str, args: argparse.Namespace) -> dict 
     pm = qn_hf.parallelize(GPT2LMHeadModel.from_pretrained(path), dp=dp, tp=tp, pp=pp, microbatches=args.microbatches,
                            bucket_mb=args.bucket_mb, seed=0)
     data = batches(args.steps + 1, batch=args.batch // dp, seq=args.seq, seed=100 + pm.coords["dp"])
-    rate = timed(pm.train_step, list(pm.parameters()), data, warmup=1)
+    rate = timed(pm.train_step, torch.optim.AdamW(pm.parameters(), lr=1e-4), data, warmup=1)
     with qn_hf.CommMeter(pm) as meter:
         pm.train_step(data[0])
     local = {"coords": pm.coords, "table": meter.table(), "totals": meter.totals(), "rate": rate,
@@ -130,6 +143,7 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--zero", action="store_true", help="qn_hf side uses qn_hf.optimizer(zero=True) (ZeRO-1)")
     args = parser.parse_args()
 
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -148,7 +162,11 @@ def main() -> None:
         print(f"bucket {args.bucket_mb} MB; gradient {out['grad_bytes'] / 2**20:.1f} MiB in {out['buckets']} buckets")
         print(f"qn_hf dp={world}: {qn:.3f} steps/s {[round(r, 3) for r in out['rates']['qn_hf']]}")
         print(f"DDP   dp={world}: {ddp:.3f} steps/s {[round(r, 3) for r in out['rates']['DDP']]}")
-        print(f"ratio qn_hf / DDP = {qn / ddp:.2f}x")
+        print(f"ratio qn_hf / DDP = {qn / ddp:.2f}x" + (" (qn_hf with zero=True)" if args.zero else ""))
+        ring = 2 * (world - 1) / world  # all-reduce, or reduce-scatter + all-gather
+        print(f"dp bytes per step per rank on a ring (rank 0, from CommMeter): {out['dp_bytes']:,.0f}; gradient bytes "
+              f"{out['grad_bytes']:,}; ratio {out['dp_bytes'] / out['grad_bytes']:.4f} (theory 2(N-1)/N = {ring:.4f})")
+        print(f"optimizer state on rank 0: {out['state_bytes']:,} B")
         print("one qn_hf step, rank 0:\n" + out["table"])
         return
     print(f"mesh (dp, tp, pp) = {args.mesh}, M = {args.microbatches}; train steps/s (oversubscribed): {out[0]['rate']:.3f}")

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 _OPS = {
     "allreduce_": "all_reduce", "broadcast_": "broadcast", "allgather_": "all_gather",
     "_allgather_base_": "all_gather_into_tensor", "_reduce_scatter_base_": "reduce_scatter_tensor",
-    "barrier": "barrier", "send": "send", "recv_": "recv", "recv_any_source_": "recv",
+    "barrier": "barrier", "send": "send", "recv_": "recv", "recv_any_source_": "recv", "reduce_": "reduce",
 }
 _P2P = {"send", "recv_", "recv_any_source_"}
 _NO_PAYLOAD = {"barrier", "monitored_barrier_"}  # their tensor argument is a dummy the call makes

@@ -29,7 +29,9 @@ from soak import kill_tree  # noqa: E402
 COMMON = ["--warmup-steps", "2", "--lr", "3e-3", "--no-progress"]
 CASES = {  # script: (arguments, steps, launchers of A, B, C, how B is interrupted)
     "train_lm.py": (["--model", "tiny-gpt2", "--mesh", "2", "1", "2", "--microbatches", "2", "--batch-size", "8",
-                     "--seq-len", "32", "--eval-batches", "2", "--steps", "12", "--save-every", "4", "--eval-every", "6"],
+                     "--seq-len", "32", "--eval-batches", "2", "--steps", "12", "--save-every", "4", "--eval-every", "6",
+                     # resumed bit for bit with bf16 compute, ZeRO-1 state in pieces and recomputation
+                     "--mixed-precision", "bf16", "--zero", "--recompute", "selective"],
                     12, ("torchrun", "accelerate", "torchrun"), "sigkill"),
     "train_vit.py": (["--mesh", "1", "2", "2", "--microbatches", "2", "--batch-size", "16", "--eval-batches", "3",
                       "--steps", "6", "--save-every", "3", "--eval-every", "3"],
@@ -132,6 +134,7 @@ def _one_error_line(done: subprocess.CompletedProcess) -> str:
 
 @pytest.mark.parametrize("args, message", [
     (["--data", "/nonexistent/corpus.txt"], "error: data path /nonexistent/corpus.txt does not exist"),
+    (["--mixed-precision", "fp8"], "error: mixed_precision 'fp8' is not one of ['bf16', 'fp16']"),
     (["--model", "{empty}"], "has no config.json"),
     (["--model", "gpt5-huge"], "is neither a directory with config.json nor a preset"),
     (["--output-dir", "{file}/run"], "is not writable"),

@@ -42,6 +42,9 @@ class TrainConfig:
     mesh: tuple[int, int, int] | None = None  # (dp, tp, pp); default: (world size, 1, 1)
     schedule: str = "1f1b"
     microbatches: int | None = None  # default: default_microbatches(...)
+    mixed_precision: str | None = None  # "bf16" or "fp16": see qn_hf.parallelize
+    zero: bool = False  # ZeRO-1: each dp rank keeps 1/dp of the optimizer state
+    recompute: str | None = None  # "full" or "selective" activation recomputation
     batch_size: int = 32  # global: split over dp, then into microbatches
     seq_len: int = 128
     steps: int = 200
@@ -82,6 +85,10 @@ _HELP = {
     "mesh": "dp tp pp (world size must equal their product); default: all ranks data parallel",
     "microbatches": "microbatches per step and dp rank (default: 2*pp when the batch per dp rank divides by it, "
     "else the largest number up to that which divides it; 1 without pipeline parallelism)",
+    "mixed_precision": "bf16 or fp16: low-precision compute, float32 gradients, master weights and AdamW moments "
+    "(default: the model's dtype)",
+    "zero": "ZeRO-1: each dp rank keeps 1/dp of the master weights and optimizer state",
+    "recompute": "full or selective: recompute each block's activations in backward (default: keep them)",
     "batch_size": "global batch size (examples per optimizer step, split over dp and microbatches)",
     "seq_len": "LM tokens per example",
     "min_lr_ratio": "cosine decay ends at lr * min_lr_ratio",
@@ -201,11 +208,17 @@ def _mesh(value: Any) -> tuple[int, int, int]:
 
 def _check(cfg: TrainConfig) -> None:
     from ..pipeline.schedule import SCHEDULES
+    from ..precision import PRECISIONS
+    from ..recompute import RECOMPUTE
 
     if cfg.task not in TASKS:
         raise UsageError(f"task {cfg.task!r} is not one of {TASKS}")
     if cfg.schedule not in SCHEDULES:
         raise UsageError(f"schedule {cfg.schedule!r} is not one of {sorted(SCHEDULES)}")
+    for name, value, choices in (("mixed_precision", cfg.mixed_precision, PRECISIONS),
+                                 ("recompute", cfg.recompute, RECOMPUTE)):
+        if value is not None and value not in choices:
+            raise UsageError(f"{name} {value!r} is not one of {sorted(choices)}")
     positive = {"batch_size": cfg.batch_size, "steps": cfg.steps, "seq_len": cfg.seq_len,
                 **({"microbatches": cfg.microbatches} if cfg.microbatches is not None else {})}
     for name, value in positive.items():

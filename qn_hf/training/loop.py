@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ..checkpoint import checkpoint_dir
 from ..grad_norm import clip_grad_norm_
 from ..mesh import default_device, init_distributed, launched_world_size
+from ..optimizer import optimizer
 from ..parallel_model import ParallelModel
 from ..parallelize import parallelize
 from .config import TrainConfig, default_microbatches, effective_yaml
@@ -62,7 +63,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     model = _build_model(cfg, task=task, config=prepared.config, model_dir=model_dir)
     try:
         pm = parallelize(model, dp=dp, tp=tp, pp=pp, microbatches=cfg.microbatches, schedule=cfg.schedule,
-                         seed=cfg.seed, checkpoint=model_dir, timeout=datetime.timedelta(seconds=cfg.timeout_s))
+                         seed=cfg.seed, checkpoint=model_dir, timeout=datetime.timedelta(seconds=cfg.timeout_s),
+                         mixed_precision=cfg.mixed_precision, recompute=cfg.recompute)
     except ValueError as e:  # a configuration the model cannot take (checked on every rank alike)
         raise UsageError(str(e)) from None
     optimizer = _adamw(pm, cfg)
@@ -103,6 +105,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         seconds = time.perf_counter() - t0
         record = {"step": step, "loss": loss.item(), "lr": lr, "grad_norm": norm.item(), "step_time_s": seconds,
                   task.unit: task.units(batch) * dp / seconds, "elapsed_s": elapsed_before + time.perf_counter() - began}
+        if pm.scaler is not None:  # fp16: steps skipped for overflowing gradients, and the loss scale
+            record.update(skipped_steps=optimizer.skipped_steps, loss_scale=pm.scaler.scale)
         if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == last:
             record.update(task.evaluate(pm, prepared.val, cfg=cfg))
             progress.say("step {step}: ".format(**record) + ", ".join(
@@ -196,11 +200,12 @@ def _build_model(cfg: TrainConfig, *, task: Any, config: Any, model_dir: str | N
 
 
 def _adamw(pm: ParallelModel, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW without weight decay on biases and norms (1-D tensors), as is usual for transformers."""
+    """AdamW without weight decay on biases and norms (1-D tensors), as is usual for transformers;
+    float32 masters under mixed precision, 1/dp of the state per rank with ``zero``."""
     decay = [p for _, p in pm.named_parameters() if p.requires_grad and p.dim() >= 2]
     keep = [p for _, p in pm.named_parameters() if p.requires_grad and p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": keep, "weight_decay": 0.0}],
-                             lr=cfg.lr)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": keep, "weight_decay": 0.0}]
+    return optimizer(pm, torch.optim.AdamW, zero=cfg.zero and pm.dims.dp > 1, param_groups=groups, lr=cfg.lr)
 
 
 def _recorded_step(pm: ParallelModel, batch: dict[str, torch.Tensor], *, path: str, step: int, cfg: TrainConfig) -> torch.Tensor:
