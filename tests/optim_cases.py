@@ -39,7 +39,7 @@ def train(pm, opt, *, kind: str, steps: int, microbatch_rows: int, clip: float |
 
 
 def zero_parity(*, kind: str, model_dir: str, dp: int, tp: int, pp: int, microbatches: int, opt_name: str,
-                steps: int = 3) -> dict:
+                steps: int = 3, schedule: str = "1f1b") -> dict:
     """zero=True against zero=False (the same optimizer over the same mesh) and, for SGD, against the
     plain model: losses and every local weight after ``steps`` steps with clipping."""
     cls = getattr(torch.optim, opt_name)
@@ -47,7 +47,8 @@ def zero_parity(*, kind: str, model_dir: str, dp: int, tp: int, pp: int, microba
     mesh = mesh_for(dp, tp, pp)
     results = {}
     for zero in (True, False):
-        pm = qn_hf.parallelize(load(kind, model_dir), dp=dp, tp=tp, pp=pp, microbatches=microbatches, mesh=mesh)
+        pm = qn_hf.parallelize(load(kind, model_dir), dp=dp, tp=tp, pp=pp, microbatches=microbatches, mesh=mesh,
+                               schedule=schedule)
         opt = qn_hf.optimizer(pm, cls, zero=zero, param_groups=groups_of(pm.named_parameters()), **kwargs)
         losses = train(pm, opt, kind=kind, steps=steps, microbatch_rows=2)
         state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
@@ -129,12 +130,12 @@ def reference_mixed(*, kind: str, model_dir: str, dtype: torch.dtype, rows: int,
 
 
 def mixed_parity(*, kind: str, model_dir: str, dp: int, tp: int, pp: int, microbatches: int, zero: bool,
-                 precision: str = "bf16", steps: int = 2, opt_name: str = "SGD") -> dict:
+                 precision: str = "bf16", steps: int = 2, opt_name: str = "SGD", schedule: str = "1f1b") -> dict:
     """Mixed precision at a mesh against the hand-made reference: losses, float32 masters (cut to this
     rank's shard), and what lives in which dtype."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     pm = qn_hf.parallelize(load(kind, model_dir), dp=dp, tp=tp, pp=pp, microbatches=microbatches,
-                           mesh=mesh_for(dp, tp, pp), mixed_precision=precision)
+                           mesh=mesh_for(dp, tp, pp), mixed_precision=precision, schedule=schedule)
     cls = getattr(torch.optim, opt_name)
     kwargs = {"lr": 0.1, "momentum": 0.9} if opt_name == "SGD" else {"lr": 1e-3}
     opt = qn_hf.optimizer(pm, cls, zero=zero, **kwargs)

@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import pytest
 
-MIXED_CASES = [  # kind, dp, tp, pp, microbatches, zero, precision
-    ("llama", 1, 1, 1, 1, False, "bf16"),
-    ("gpt2", 2, 2, 2, 2, True, "bf16"),  # tied embedding across stages
-    ("llama", 2, 2, 1, 2, True, "fp16"),
-    ("gpt2", 1, 2, 2, 2, False, "bf16"),
+MIXED_CASES = [  # kind, dp, tp, pp, microbatches, zero, precision, schedule
+    ("llama", 1, 1, 1, 1, False, "bf16", "1f1b"),
+    ("gpt2", 2, 2, 2, 2, True, "bf16", "1f1b"),  # tied embedding across stages
+    ("llama", 2, 2, 1, 2, True, "fp16", "1f1b"),
+    ("gpt2", 1, 2, 2, 2, False, "bf16", "gpipe"),
 ]
 
 
-@pytest.mark.parametrize(("kind", "dp", "tp", "pp", "microbatches", "zero", "precision"), MIXED_CASES)
+@pytest.mark.parametrize(("kind", "dp", "tp", "pp", "microbatches", "zero", "precision", "schedule"), MIXED_CASES)
 def test_mixed_precision_trains_like_the_plain_model_by_hand(worlds, model_dirs, kind, dp, tp, pp, microbatches, zero,
-                                                             precision):
+                                                             precision, schedule):
     """Against the plain model run the way mixed precision promises (weights cast for compute,
     float32 gradients, float32 masters): the same losses and masters up to low-precision rounding,
     which differs with the mesh (sums split over tp and microbatches round differently)."""
     results = worlds.run(dp * tp * pp, "tests.optim_cases:mixed_parity", kind=kind, model_dir=model_dirs[kind], dp=dp,
-                         tp=tp, pp=pp, microbatches=microbatches, zero=zero, precision=precision)
+                         tp=tp, pp=pp, microbatches=microbatches, zero=zero, precision=precision, schedule=schedule)
     low = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[precision]
     for r in results:
         assert r["param_dtypes"] == [low], r

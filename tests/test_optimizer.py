@@ -12,18 +12,18 @@ import qn_hf
 from qn_hf.recompute import check_recompute
 from tests.models import load
 
-ZERO_CASES = [  # kind, dp, tp, pp, optimizer
-    ("gpt2", 2, 2, 2, "AdamW"),  # tied embedding across stages, vocab padding
-    ("llama", 2, 2, 1, "SGD"),  # SGD also against the plain model
-    ("gpt2", 2, 1, 2, "SGD"),
-    ("llama", 4, 1, 1, "AdamW"),
+ZERO_CASES = [  # kind, dp, tp, pp, optimizer, schedule
+    ("gpt2", 2, 2, 2, "AdamW", "1f1b"),  # tied embedding across stages, vocab padding
+    ("llama", 2, 2, 1, "SGD", "1f1b"),  # SGD also against the plain model
+    ("gpt2", 2, 1, 2, "SGD", "gpipe"),
+    ("llama", 4, 1, 1, "AdamW", "1f1b"),
 ]
 
 
-@pytest.mark.parametrize(("kind", "dp", "tp", "pp", "opt_name"), ZERO_CASES)
-def test_zero_equals_the_unsharded_optimizer(worlds, model_dirs, kind, dp, tp, pp, opt_name):
+@pytest.mark.parametrize(("kind", "dp", "tp", "pp", "opt_name", "schedule"), ZERO_CASES)
+def test_zero_equals_the_unsharded_optimizer(worlds, model_dirs, kind, dp, tp, pp, opt_name, schedule):
     results = worlds.run(dp * tp * pp, "tests.optim_cases:zero_parity", kind=kind, model_dir=model_dirs[kind], dp=dp,
-                         tp=tp, pp=pp, microbatches=2, opt_name=opt_name)
+                         tp=tp, pp=pp, microbatches=2, opt_name=opt_name, schedule=schedule)
     for r in results:
         assert r["losses"] == r["losses_unsharded"], r
         assert r["weight_diff_unsharded"] <= 1e-7, r  # dp=2 and 4 sum in the same order: equal bit for bit
