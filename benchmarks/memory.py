@@ -10,7 +10,7 @@ float32 master copies (when they are copies, not views of the weights) and the t
 ``opt.state``.
 
 activations: GPT-2 small (12 layers, n_embd 768, vocab 50257) in one process, batch 1 x 1024 tokens,
-float32. ``LiveTensors`` (a dispatch mode) records every storage an op creates during the forward;
+float32. ``LiveAllocations`` (qn_hf/live_allocations.py) records every storage an op creates during the forward;
 what is still alive when the forward returns is what backward will read (activations, logits and
 loss): that is the activation memory. Step time is the median of timed ``train_step`` calls.
 """
@@ -23,37 +23,14 @@ import sys
 import time
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from world import run_world
+
+from qn_hf.live_allocations import LiveAllocations
 
 SMALL = dict(n_layer=6, n_embd=384, n_head=6, n_positions=256, vocab_size=8192, bos_token_id=0, eos_token_id=0,
              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 GPT2_SMALL = dict(n_layer=12, n_embd=768, n_head=12, n_positions=1024, vocab_size=50257, resid_pdrop=0.0,
                   embd_pdrop=0.0, attn_pdrop=0.0)
-
-
-class LiveTensors(TorchDispatchMode):
-    """The storages ops create while active, and how many of their bytes are still alive."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.created: dict[int, tuple[StorageWeakRef, int]] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                known = self.created.get(key)
-                if known is None or known[0].expired():  # a freed address may be reused
-                    self.created[key] = (StorageWeakRef(storage), storage.nbytes())
-        return out
-
-    def live_bytes(self) -> int:
-        return sum(n for ref, n in self.created.values() if not ref.expired())
 
 
 def _nbytes(tensors) -> int:
@@ -117,10 +94,10 @@ def activations(args: argparse.Namespace) -> None:
         torch.manual_seed(0)
         pm = qn_hf.parallelize(GPT2LMHeadModel(GPT2Config(**GPT2_SMALL)), seed=0, recompute=recompute)
         pm.train()
-        tracker = LiveTensors()
+        tracker = LiveAllocations()
         with tracker:
             out = pm(**batch)
-        live = tracker.live_bytes()
+        live = tracker.alive_bytes()
         out.loss.backward()
         del out
         times = []
@@ -135,7 +112,7 @@ def activations(args: argparse.Namespace) -> None:
               file=sys.stderr)
     base_live, base_time = rows[0][1], rows[0][2]
     print(f"GPT-2 12 layers, n_embd 768, one microbatch of 1 x {args.seq} tokens, float32, {torch.get_num_threads()} "
-          f"threads; activation memory = bytes alive after the forward (LiveTensors)")
+          f"threads; activation memory = bytes alive after the forward (LiveAllocations)")
     print(f"{'recompute':<11}{'activations MiB':>16}{'vs none':>9}{'s/step':>9}{'vs none':>9}")
     for mode, live, t in rows:
         print(f"{mode:<11}{live / 2**20:>16,.1f}{live / base_live:>9.2f}{t:>9.2f}{t / base_time:>9.2f}")

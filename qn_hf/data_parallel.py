@@ -22,6 +22,7 @@ module waits for its buckets only when its forward starts (``wait_weights``).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,25 @@ def bucket_size_bytes(bucket_mb: float) -> int:
     """The bucket size in bytes for ``bucket_mb`` MiB (checked positive with the configuration); at
     least one byte, so a tiny size means one parameter per bucket rather than a division by zero."""
     return max(1, int(bucket_mb * 1024 * 1024))
+
+
+def cut_into_buckets(nbytes: Sequence[int], *, bucket_bytes: int) -> list[list[int]]:
+    """Indices of tensors of ``nbytes`` each (one dtype, registration order) cut into buckets, filled
+    in reverse order (roughly the order backward produces gradients). n = ceil(total / bucket_bytes)
+    buckets of about equal size: a bucket closes once it holds total / n, so there are never more
+    than n reductions, and the last bucket, whose reduction cannot overlap backward, is no bigger than
+    it must be. The planner cuts with the same function."""
+    total = sum(nbytes)
+    target = total / max(1, math.ceil(total / bucket_bytes))
+    chunks: list[list[int]] = [[]]
+    size = 0
+    for i in reversed(range(len(nbytes))):
+        if size >= target:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(i)
+        size += nbytes[i]
+    return chunks
 
 
 def grad_dtype(p: nn.Parameter) -> torch.dtype:
@@ -102,21 +122,10 @@ class GradBuckets:
         apart = {id(p) for p in separate}
         for chosen in ([p for p in params if id(p) not in apart], list(separate)):
             for dtype in dict.fromkeys(grad_dtype(p) for p in chosen):
-                group_params = [p for p in reversed(chosen) if grad_dtype(p) == dtype]
-                # n = ceil(bytes / bucket_bytes) buckets of about equal size: a bucket closes once it
-                # holds bytes / n, so there are never more than n reductions per dtype, and the last
-                # bucket, whose reduction cannot overlap backward, is no bigger than it must be.
-                total = sum(p.numel() * p.element_size() for p in group_params)
-                target = total / max(1, math.ceil(total / self.bucket_bytes))
-                chunks: list[list[nn.Parameter]] = [[]]
-                size = 0
-                for p in group_params:
-                    if size >= target:
-                        chunks.append([])
-                        size = 0
-                    chunks[-1].append(p)
-                    size += p.numel() * p.element_size()
-                for chunk in chunks:
+                group_params = [p for p in chosen if grad_dtype(p) == dtype]
+                sizes = [p.numel() * dtype.itemsize for p in group_params]  # the gradients' bytes
+                for indices in cut_into_buckets(sizes, bucket_bytes=self.bucket_bytes):
+                    chunk = [group_params[i] for i in indices]
                     numel = sum(p.numel() for p in chunk)
                     bucket = _Bucket(buffer=torch.zeros(-(-numel // pad) * pad, dtype=dtype, device=chunk[0].device),
                                      params=chunk)

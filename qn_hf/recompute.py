@@ -59,19 +59,26 @@ def apply_recompute(model: nn.Module, *, recompute: str, layers: str, rng: RngSt
     for block in model.get_submodule(layers):
         if isinstance(block, GradientCheckpointingLayer):  # not another stage's stand-in
             block.gradient_checkpointing = True
-            block._gradient_checkpointing_func = functools.partial(_recompute_block, rng=rng,
-                                                                   selective=recompute == "selective")
+            block._gradient_checkpointing_func = functools.partial(_recompute_block, rng=rng, recompute=recompute)
             count += 1
     return count
 
 
-def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     if op in SAVED_OPS:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _recompute_block(function, *args, rng: RngStreams, selective: bool):
+def checkpoint_options(recompute: str) -> dict:
+    """torch's ``checkpoint`` arguments for a mode (the planner's trace checkpoints with them too)."""
+    options: dict = {"use_reentrant": False}
+    if recompute == "selective":
+        options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, selective_policy)
+    return options
+
+
+def _recompute_block(function, *args, rng: RngStreams, recompute: str):
     """torch's checkpoint of ``function``; the recomputation runs with qn_hf's streams rewound."""
     first = rng.snapshot()
     calls = 0
@@ -88,7 +95,4 @@ def _recompute_block(function, *args, rng: RngStreams, selective: bool):
         finally:  # the recomputation may stop early (torch stops once it has what backward needs)
             rng.restore(now)
 
-    context = (functools.partial(create_selective_checkpoint_contexts, _selective_policy) if selective else
-               None)
-    kwargs = {"context_fn": context} if context is not None else {}
-    return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+    return checkpoint(run, *args, preserve_rng_state=True, **checkpoint_options(recompute))

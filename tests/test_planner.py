@@ -168,3 +168,27 @@ def test_cli_enumerates_ranks_and_explains_rejections(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(tmp_path), "--dp", "1", "--tp", "3", "--pp", "1"])
     assert "tp=3" in capsys.readouterr().err
+
+
+def test_cli_training_flags(tmp_path, capsys):
+    """--dtype/--zero/--recompute reach the estimate: ZeRO shards the AdamW state over dp, recomputation
+    keeps fewer activations and repeats tp all-reduces, fp32 holds 16 B per parameter, mixed precision 18."""
+    PUBLIC["llama-3-8b"].save_pretrained(tmp_path)
+    runs = {}
+    for flags in ([], ["--zero"], ["--recompute", "full"], ["--recompute", "selective"], ["--dtype", "fp32"]):
+        main([str(tmp_path), "--dp", "4", "--tp", "2", "--pp", "1", "--seq-len", "1024", "--json", *flags])
+        runs[" ".join(flags)] = json.loads(capsys.readouterr().out)
+    plain, zero, full, selective, fp32 = (runs[k]["stages"][0] for k in runs)
+    params = plain["params"]
+    assert plain["weight_bytes"] == 2 * params and plain["grad_bytes"] == 4 * params
+    assert plain["optimizer_bytes"] >= 12 * params and fp32["optimizer_bytes"] >= 8 * params
+    assert fp32["state_bytes"] < 16.01 * params < plain["state_bytes"] < 18.01 * params
+    assert abs(zero["optimizer_bytes"] - plain["optimizer_bytes"] / 4) < 0.001 * plain["optimizer_bytes"]
+    assert zero["grad_bytes"] >= plain["grad_bytes"] and runs["--zero"]["zero"] is True
+    assert full["activation_bytes"] < selective["activation_bytes"] < plain["activation_bytes"]
+    assert full["comm"]["tp"]["nbytes"] > plain["comm"]["tp"]["nbytes"]  # recomputed all-reduces
+    assert fp32["comm"]["tp"]["nbytes"] > 1.9 * plain["comm"]["tp"]["nbytes"]  # float32 activations
+    # Enumerating meshes (tp=1 first) traces each tp on its own: tp>1 meshes carry tp traffic.
+    main([str(tmp_path), "--gpus", "4", "--seq-len", "1024", "--json"])
+    meshes = json.loads(capsys.readouterr().out)["meshes"]
+    assert all((m["stages"][0]["comm"].get("tp", {}).get("nbytes", 0) > 0) == (m["tp"] > 1) for m in meshes)

@@ -1,10 +1,12 @@
-"""Planning a mesh before launch (``qn-hf-plan``): per-rank memory, per-step communication, stage
-cuts and a ranking of the valid (dp, tp, pp), all from a ``meta``-device model and the same checks,
-plan and split ``parallelize`` uses."""
+"""Planning a mesh before launch (``qn-hf-plan``): per-rank memory (weights, gradients and AdamW
+state under mixed precision and ZeRO-1, activations under recomputation), per-step communication,
+stage cuts and a ranking of the valid (dp, tp, pp), all from a ``meta``-device model and the same
+checks, plan and split ``parallelize`` uses."""
 
 from .cost import Hardware, StepTime, step_time
 from .estimate import MeshEstimate, Planner, StageEstimate, estimate_mesh
+from .memory import RankState
 from .search import Candidate, Rejected, search
 
-__all__ = ["Candidate", "Hardware", "MeshEstimate", "Planner", "Rejected", "StageEstimate", "StepTime", "estimate_mesh",
-           "search", "step_time"]
+__all__ = ["Candidate", "Hardware", "MeshEstimate", "Planner", "RankState", "Rejected", "StageEstimate", "StepTime",
+           "estimate_mesh", "search", "step_time"]

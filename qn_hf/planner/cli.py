@@ -1,16 +1,20 @@
 """qn-hf-plan: which (dp, tp, pp) fits, where the stages are cut, what each rank holds and sends.
 
     qn-hf-plan MODEL --gpus 64 [--gpu-memory 80GiB] [--seq-len 4096] [--micro-batch-size 1]
+               [--dtype bf16|fp16|fp32] [--zero] [--recompute full|selective]
     qn-hf-plan MODEL --dp 1 --tp 8 --pp 8 [--microbatches 32]          # one mesh, per-stage detail
     qn-hf-plan path/to/config.json --gpus 16 --json                     # machine-readable
 
 MODEL is a Hugging Face directory or a config.json. The model is built on the meta device (no
 weights, no GPU) and put through the checks, tp plan and stage cut ``parallelize`` uses, so a
-mesh the planner accepts trains and one it rejects fails with the same message. Memory is per
-rank: weights + gradients + AdamW state (fp32: 16 B per parameter; bf16 weights and gradients
-with fp32 master weights and moments: also 16 B), plus activations (what autograd saves per
-microbatch, assuming a fused attention kernel, times the microbatches 1F1B keeps in flight).
-Communication is per step and rank, by group. Step times come from the simple model in
+mesh the planner accepts trains and one it rejects fails with the same message. The training
+settings are ``parallelize``'s and ``qn_hf.optimizer``'s: --dtype bf16 (default) or fp16 is
+mixed_precision (16-bit weights and activations, float32 gradients, float32 master weights and
+AdamW moments: 2+4+4+8 B per parameter), fp32 is none (4+4+8); --zero shards the master weights
+and moments over dp (ZeRO-1); --recompute recomputes each block's activations in backward.
+Memory is per rank: weights + gradients + AdamW state, plus activations (what one microbatch
+keeps for its backward, with a fused attention kernel and the recompute mode, times the
+microbatches the schedule keeps in flight). Communication is per step and rank, by group. Step times come from the simple model in
 qn_hf/planner/cost.py (a stated FLOP rate and link bandwidths): use them to rank meshes, not to
 predict a run.
 """
@@ -31,7 +35,7 @@ from .cost import GIB, Hardware, links, step_time
 from .estimate import MeshEstimate, Planner
 from .search import Candidate, microbatches_for, search
 
-PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
+MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": None}  # --dtype -> parallelize's mixed_precision
 
 
 def parse_bytes(text: str) -> int:
@@ -62,15 +66,23 @@ def gib(n: float) -> str:
     return f"{n / GIB:,.1f}"
 
 
-def mesh_report(est: MeshEstimate, hw: Hardware, *, dtype: str) -> str:
+def settings(*, mixed_precision: str | None, zero: bool, recompute: str | None) -> str:
+    """The training settings, in words."""
+    words = [mixed_precision or "fp32"] + (["ZeRO-1"] if zero else [])
+    return ", ".join(words + ([f"{recompute} recompute"] if recompute else []))
+
+
+def mesh_report(est: MeshEstimate, hw: Hardware) -> str:
     link = links(est, hw)
     t = step_time(est, hw)
+    master = " + fp32 master" if est.mixed_precision else ""
     lines = [
         f"mesh dp={est.dp} tp={est.tp} pp={est.pp} ({est.world_size} GPUs), {est.schedule}, {est.microbatches} microbatches "
-        f"of {est.micro_batch_size} x {est.seq_len} positions; {est.total_params:,} parameters",
+        f"of {est.micro_batch_size} x {est.seq_len} positions; {est.total_params:,} parameters; "
+        f"{settings(mixed_precision=est.mixed_precision, zero=est.zero, recompute=est.recompute)}",
         f"bubble (pp-1)/(M+pp-1) = {est.bubble:.3f}; links: tp {link['tp']}, pp {link['pp']}, dp {link['dp']}",
         "",
-        f"| stage | blocks | also holds | params / rank | weights GiB | grads GiB | AdamW{' + fp32 master' if dtype == 'bf16' else ''} GiB "
+        f"| stage | blocks | also holds | params / rank | weights GiB | grads GiB | AdamW{master} GiB "
         f"| activations / microbatch GiB | in flight | total GiB | tp GB/step | pp GB/step | dp GB/step |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -78,20 +90,20 @@ def mesh_report(est: MeshEstimate, hw: Hardware, *, dtype: str) -> str:
         comm = {g: s.comm[g].nbytes / 1e9 if g in s.comm else 0.0 for g in ("tp", "pp", "dp")}
         lines.append(
             f"| {s.stage} | {s.blocks[0]}-{s.blocks[1] - 1} | {', '.join(s.modules) or '-'} | {s.params:,} "
-            f"| {gib(s.weight_bytes(dtype))} | {gib(s.grad_bytes(dtype))} | {gib(s.optimizer_bytes(dtype))} "
-            f"| {gib(s.activation_bytes_per_microbatch)} | {s.in_flight} | {gib(s.total_bytes(dtype))} "
+            f"| {gib(s.weight_bytes)} | {gib(s.grad_bytes)} | {gib(s.optimizer_bytes)} "
+            f"| {gib(s.activation_bytes_per_microbatch)} | {s.in_flight} | {gib(s.total_bytes)} "
             f"| {comm['tp']:.2f} | {comm['pp']:.2f} | {comm['dp']:.2f} |"
         )
-    fits = est.peak_bytes(dtype) <= hw.gpu_memory
-    lines += ["", f"peak {gib(est.peak_bytes(dtype))} GiB per GPU of {gib(hw.gpu_memory)} GiB: {'fits' if fits else 'DOES NOT FIT'}",
+    fits = est.peak_bytes <= hw.gpu_memory
+    lines += ["", f"peak {gib(est.peak_bytes)} GiB per GPU of {gib(hw.gpu_memory)} GiB: {'fits' if fits else 'DOES NOT FIT'}",
               f"estimated step {t.seconds:.2f} s (compute+bubble {t.compute:.2f}, tp {t.tp:.2f}, pp {t.pp:.2f}, dp {t.dp:.2f}), "
               f"{t.tokens_per_s:,.0f} tokens/s, {100 * t.utilization:.0f}% of the stated FLOP rate"]
     return "\n".join(lines)
 
 
-def ranking_report(accepted: list[Candidate], rejected, *, hw: Hardware, top: int, dtype: str) -> str:
+def ranking_report(accepted: list[Candidate], rejected, *, hw: Hardware, top: int, label: str) -> str:
     lines = [
-        f"| rank | dp | tp | pp | microbatches | bubble | peak GiB / GPU ({dtype}) | fits {gib(hw.gpu_memory)} GiB "
+        f"| rank | dp | tp | pp | microbatches | bubble | peak GiB / GPU ({label}) | fits {gib(hw.gpu_memory)} GiB "
         "| est. step s | tokens/s | tp GB | pp GB | dp GB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -110,17 +122,15 @@ def ranking_report(accepted: list[Candidate], rejected, *, hw: Hardware, top: in
     return "\n".join(lines)
 
 
-def to_json(est: MeshEstimate, hw: Hardware, *, dtype: str) -> dict:
+def to_json(est: MeshEstimate, hw: Hardware) -> dict:
     out = dataclasses.asdict(est)
     out["step_time"] = dataclasses.asdict(step_time(est, hw))
-    out["peak_bytes"] = est.peak_bytes(dtype)
+    out["peak_bytes"] = est.peak_bytes
     out["fits"] = out["peak_bytes"] <= hw.gpu_memory
     out["links"] = links(est, hw)
     for stage, s in zip(out["stages"], est.stages):
-        for what in ("weight", "grad", "optimizer", "state"):
-            stage[f"{what}_bytes"] = {p: getattr(s, f"{what}_bytes")(p) for p in ("fp32", "bf16")}
-        stage["activation_bytes"] = s.activation_bytes
-        stage["total_bytes"] = s.total_bytes(dtype)
+        for what in ("weight", "grad", "optimizer", "state", "activation", "total"):
+            stage[f"{what}_bytes"] = getattr(s, f"{what}_bytes")
     return out
 
 
@@ -136,7 +146,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--microbatches", type=int, default=None, help="per step (default: 4 per pipeline stage)")
     parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
-    parser.add_argument("--dtype", default="bf16", choices=sorted(PRECISIONS), help="training precision (default bf16)")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(MIXED_PRECISION),
+                        help="bf16/fp16: mixed precision with float32 gradients and master weights; fp32: none (default bf16)")
+    parser.add_argument("--zero", action="store_true", help="shard master weights and AdamW moments over dp (ZeRO-1)")
+    parser.add_argument("--recompute", choices=["full", "selective"], default=None,
+                        help="recompute each block's activations in backward (default: keep them)")
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--tflops", type=float, default=Hardware.tflops, help="sustained TFLOP/s per GPU (default %(default)s)")
     parser.add_argument("--nvlink-gbps", type=float, default=Hardware.nvlink_gbps, help="GB/s per GPU in a node")
@@ -155,32 +169,31 @@ def main(argv: list[str] | None = None) -> None:
     seq_len = args.seq_len or min(positions, 4096)
     hw = Hardware(gpu_memory=args.gpu_memory, gpus_per_node=args.gpus_per_node, tflops=args.tflops,
                   nvlink_gbps=args.nvlink_gbps, ib_gbps=args.ib_gbps)
-    planner = Planner(config, seq_len=seq_len, micro_batch_size=args.micro_batch_size, dtype=PRECISIONS[args.dtype])
+    # The model is loaded in float32; mixed precision casts its parameters, as parallelize does.
+    planner = Planner(config, seq_len=seq_len, micro_batch_size=args.micro_batch_size, dtype=torch.float32)
+    training = dict(mixed_precision=MIXED_PRECISION[args.dtype], zero=args.zero, recompute=args.recompute)
     try:
         if args.dp is not None:
             if args.gpus is not None:
                 ParallelDims(dp=args.dp, tp=args.tp, pp=args.pp).check_world_size(args.gpus)
             est = planner.estimate(dp=args.dp, tp=args.tp, pp=args.pp, microbatches=microbatches_for(args.pp, args.microbatches),
-                                   schedule=args.schedule)
-            print(json.dumps(to_json(est, hw, dtype=args.dtype), indent=1) if args.json else mesh_report(est, hw, dtype=args.dtype))
+                                   schedule=args.schedule, **training)
+            print(json.dumps(to_json(est, hw), indent=1) if args.json else mesh_report(est, hw))
             return
-        accepted, rejected = search(planner, gpus=args.gpus, hw=hw, precision=args.dtype, microbatches=args.microbatches,
-                                    schedule=args.schedule)
+        accepted, rejected = search(planner, gpus=args.gpus, hw=hw, microbatches=args.microbatches, schedule=args.schedule,
+                                    **training)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     if args.json:
-        print(json.dumps({"meshes": [{**to_json(c.estimate, hw, dtype=args.dtype), "rank": i}
+        print(json.dumps({"meshes": [{**to_json(c.estimate, hw), "rank": i}
                                      for i, c in enumerate(accepted, 1)],
                           "rejected": [dataclasses.asdict(r) for r in rejected]}, indent=1))
         return
+    label = settings(**training)
     print(f"{config.model_type}: {planner.total_params:,} parameters, {args.gpus} GPUs, sequences of {seq_len}, "
-          f"micro-batch {args.micro_batch_size}, {args.dtype}")
-    print(ranking_report(accepted, rejected, hw=hw, top=args.top, dtype=args.dtype))
+          f"micro-batch {args.micro_batch_size}, {label}")
+    print(ranking_report(accepted, rejected, hw=hw, top=args.top, label=label))
     if accepted:
         print("\nbest mesh in detail:\n")
-        best = accepted[0].estimate
-        print(mesh_report(best, hw, dtype=args.dtype))
-
-
-
+        print(mesh_report(accepted[0].estimate, hw))

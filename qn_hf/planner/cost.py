@@ -3,14 +3,18 @@
 For each pipeline stage, one microbatch costs
 
     compute = (6 * matmul parameters on the rank + attention FLOPs / tp) * tokens / FLOP rate
+              (times 4/3 with full recomputation: the stage's forward runs twice; selective
+              recomputation only redoes elementwise work, counted as free)
     tp      = 2 (tp-1)/tp * tp bytes per microbatch / tp link bandwidth     (ring all-reduce)
     pp      = 2 * hidden-state bytes / pp link bandwidth          (activation forward, gradient back)
 
 and the pipeline takes (microbatches + pp - 1) times the slowest stage's microbatch (1F1B and
-GPipe have the same bubble). Data parallelism adds a ring all-reduce of the largest stage's
-gradients, 2 (dp-1)/dp * bytes / dp link bandwidth, assumed not overlapped with backward (qn_hf
-overlaps the last microbatch's backward, so this errs slow). A group's link is NVLink when all its
-ranks share a node (ranks are laid out dp, pp, tp with tp fastest) and InfiniBand otherwise.
+GPipe have the same bubble). Data parallelism adds, for the largest stage, a ring all-reduce of the
+gradients, 2 (dp-1)/dp * gradient bytes / dp link bandwidth, or with ZeRO a reduce-scatter of the
+gradients and an all-gather of the weights, (dp-1)/dp * (gradient + weight bytes) / bandwidth;
+assumed not overlapped with backward (qn_hf overlaps the last microbatch's backward, so this errs
+slow). A group's link is NVLink when all its ranks share a node (ranks are laid out dp, pp, tp with
+tp fastest) and InfiniBand otherwise.
 """
 
 from __future__ import annotations
@@ -59,15 +63,18 @@ def step_time(est: MeshEstimate, hw: Hardware) -> StepTime:
     for s in est.stages:
         layers = s.blocks[1] - s.blocks[0]
         flops = (6 * (s.params - s.embedding_params) + est.attention_flops_per_token * layers / est.layers / est.tp) * tokens
-        c = flops / rate
+        c = flops / rate * (4 / 3 if est.recompute == "full" else 1)
         tp_bytes = s.comm["tp"].nbytes / est.microbatches if "tp" in s.comm else 0
         t = 2 * (est.tp - 1) / est.tp * tp_bytes / link["tp"]
         p = 2 * est.boundary_bytes / link["pp"] if est.pp > 1 else 0.0  # the activation out, its gradient back
         if c + t + p > slowest:
             slowest, compute_mb, tp_mb, pp_mb = c + t + p, c, t, p
     rounds = est.microbatches + est.pp - 1
-    grad_bytes = max(s.comm["dp"].nbytes for s in est.stages) if est.dp > 1 else 0
-    dp = 2 * (est.dp - 1) / est.dp * grad_bytes / link["dp"] if est.dp > 1 else 0.0
+    dp = 0.0
+    if est.dp > 1:
+        ring = (est.dp - 1) / est.dp
+        moved = max(ring * (s.grad_bytes + s.weight_bytes) if est.zero else 2 * ring * s.grad_bytes for s in est.stages)
+        dp = moved / link["dp"]
     seconds = rounds * slowest + dp
     global_tokens = tokens * est.microbatches * est.dp
     return StepTime(seconds=seconds, compute=rounds * compute_mb, tp=rounds * tp_mb, pp=rounds * pp_mb, dp=dp,

@@ -2,25 +2,30 @@
 
 The checks, the tp plan, the stage cut and the sharding are the ones ``parallelize`` runs
 (``check_parallel_config``, ``apply_tp_plan``, ``stage_of_module``), applied to a model without
-weights, so the parameter counts are exactly what each rank holds. Communication follows what the
-runtime sends, per group and step (a tp rank of stage s; every tp and dp rank of a stage is alike):
+weights, so the parameter counts are exactly what each rank holds (a tp rank of stage s; every tp
+rank of a stage is alike, and so is every dp rank up to ZeRO's padding, given for dp rank 0).
 
-* tp: per microbatch, a forward all-reduce of each row-parallel output and vocab-parallel embedding
-  output, a backward all-reduce of the input of each tp entry (attention, MLP) and of each column
-  layer outside one (the vocab-parallel head), and the vocab-parallel loss's 3 floats per row.
-* pp: per microbatch, the hidden state forward and its gradient backward to each neighbour (both
-  directions counted on each rank), a 64-byte shape header per step, the 4-byte loss.
-* dp: every local gradient once (in at most ceil(bytes / bucket) all-reduces), the 8-byte target
-  count and the 4-byte loss. kv: replicated KV-head gradients when tp exceeds the KV heads.
-  tie: a weight tied across the first and last stage.
+What is modelled, per rank, for the settings ``parallelize`` and ``qn_hf.optimizer`` take
+(``mixed_precision`` None/"bf16"/"fp16", ``zero``, ``recompute`` None/"full"/"selective"):
 
-Activation memory is what autograd saves per microbatch (see ``trace.py``) times the microbatches
-the schedule keeps in flight, plus the float32 softmax the loss keeps for the logits.
+* weights, gradients and AdamW state (masters, moments, step counters), with ZeRO-1's sharding of
+  the state over dp by the buckets' own padding rule: see ``memory.py``;
+* activations: the bytes one microbatch keeps from its forward to its backward, measured on a
+  meta-device forward in the compute dtype with the blocks checkpointed as ``recompute`` sets them
+  (see ``trace.py``), plus on a later stage the activation it received, and on the last stage what
+  the loss keeps (its float32 softmax over this rank's vocabulary columns, the targets); times the
+  microbatches the schedule keeps in flight. What HF's forward rebuilds on every stage (rotary
+  tables, position ids, GPT-2's embedding sum) counts on every stage;
+* communication by group: see ``traffic.py`` (ZeRO's reduce-scatter and all-gather, recomputation's
+  repeated tp all-reduces, float16's overflow flag).
+
+Not modelled: temporary buffers that die inside a step (the peak of a backward, collective
+staging), allocator fragmentation, the CPU-side random states torch's checkpoint keeps; keys and
+values of KV heads replicated over tp (tp > KV heads) count as split over tp.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -28,22 +33,15 @@ from transformers import PretrainedConfig
 
 from ..data_parallel import DEFAULT_BUCKET_MB, bucket_size_bytes
 from ..layout import meta_model
-from ..pipeline.runtime import HEADER_INTS
 from ..pipeline.schedule import peak_in_flight, stage_actions
 from ..pipeline.split import stage_of_module
 from ..plan import ModelPolicy
+from ..precision import GRAD_DTYPE, PRECISIONS, apply_mixed_precision
 from ..tensor_parallel import apply_tp_plan
 from ..validate import check_parallel_config
+from .memory import RankState, bucket_layout, rank_state
 from .trace import Trace, example_inputs, trace_microbatch
-
-HEADER_BYTES = HEADER_INTS * 8  # int64 values
-
-
-@dataclass(frozen=True)
-class GroupTraffic:
-    calls: int
-    nbytes: int
-
+from .traffic import GroupTraffic, Mesh, stage_traffic
 
 @dataclass(frozen=True)
 class StageEstimate:
@@ -54,28 +52,33 @@ class StageEstimate:
     embedding_params: int  # of which embedding tables (looked up, no matmul FLOPs)
     activation_bytes_per_microbatch: int
     in_flight: int  # microbatches whose activations the schedule holds at once
+    state: RankState  # weights, gradients, optimizer state
     comm: dict[str, GroupTraffic] = field(default_factory=dict)  # per step, by group
 
     @property
     def activation_bytes(self) -> int:
         return self.activation_bytes_per_microbatch * self.in_flight
 
-    def state_bytes(self, precision: str) -> int:
-        """Weights + gradients + AdamW state: fp32 (4+4+8 B per parameter), or bf16 weights and
-        gradients with fp32 master weights and moments (2+2+4+8 B)."""
-        return self.weight_bytes(precision) + self.grad_bytes(precision) + self.optimizer_bytes(precision)
+    @property
+    def weight_bytes(self) -> int:
+        return self.state.weight_bytes
 
-    def weight_bytes(self, precision: str) -> int:
-        return self.params * {"fp32": 4, "bf16": 2}[precision]
+    @property
+    def grad_bytes(self) -> int:
+        return self.state.grad_bytes
 
-    def grad_bytes(self, precision: str) -> int:
-        return self.params * {"fp32": 4, "bf16": 2}[precision]
+    @property
+    def optimizer_bytes(self) -> int:
+        """AdamW's moments and step counters, plus the float32 masters under mixed precision."""
+        return self.state.optimizer_bytes
 
-    def optimizer_bytes(self, precision: str) -> int:
-        return self.params * {"fp32": 8, "bf16": 12}[precision]
+    @property
+    def state_bytes(self) -> int:
+        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
 
-    def total_bytes(self, precision: str) -> int:
-        return self.state_bytes(precision) + self.activation_bytes
+    @property
+    def total_bytes(self) -> int:
+        return self.state_bytes + self.activation_bytes
 
 
 @dataclass(frozen=True)
@@ -95,21 +98,27 @@ class MeshEstimate:
     attention_flops_per_token: int  # 12 * layers * hidden * positions (forward + backward)
     layers: int
     boundary_bytes: int  # one microbatch's hidden state between two stages
+    mixed_precision: str | None = None
+    zero: bool = False
+    recompute: str | None = None
 
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
 
-    def peak_bytes(self, precision: str) -> int:
-        return max(s.total_bytes(precision) for s in self.stages)
+    @property
+    def peak_bytes(self) -> int:
+        return max(s.total_bytes for s in self.stages)
 
 
 class Planner:
     """Estimates for one model config at one microbatch shape, over any number of meshes.
 
-    One pristine meta model serves every check (checks only read it), one traced forward serves
-    every mesh (shapes do not depend on the mesh), and one sharded meta model per tp gives the
-    local parameter sizes, so enumerating the meshes of a 70B model takes seconds.
+    One pristine meta model serves every check (checks only read it), one traced forward per tp,
+    compute dtype and recompute mode serves every mesh (shapes do not depend on the mesh), and one
+    sharded meta model per tp gives the local parameter sizes, so enumerating the meshes of a 70B
+    model takes seconds. ``dtype`` is the dtype the model is loaded in; ``mixed_precision`` (per
+    estimate) casts its parameters as ``parallelize`` does.
     """
 
     def __init__(self, config: PretrainedConfig, *, seq_len: int, micro_batch_size: int,
@@ -121,74 +130,114 @@ class Planner:
         self.policy = policy
         self.model = meta_model(config).to(dtype)
         self.total_params = sum(p.numel() for p in self.model.parameters())
-        self._trace: Trace | None = None
+        self._traces: dict[tuple[int, torch.dtype | None, str | None], Trace] = {}
         self._sharded: dict[int, tuple[dict[str, int], dict]] = {}
 
+    def _trace(self, plan, layers: str, *, precision: torch.dtype | None, recompute: str | None) -> Trace:
+        # Per tp too: which modules a trace watches and which bytes it counts as split come from the
+        # plan, and at tp=1 the plan shards nothing.
+        key = (plan.tp, precision, recompute)
+        if key not in self._traces:
+            model = self.model
+            if (precision, recompute) != (None, None):  # a model of its own: the pristine one serves the checks
+                model = meta_model(self.config).to(self.dtype)
+                if precision is not None:
+                    apply_mixed_precision(model, precision)
+            inputs = example_inputs(model, micro_batch_size=self.micro_batch_size, seq_len=self.seq_len)
+            self._traces[key] = trace_microbatch(model, plan, layers=layers, inputs=inputs, recompute=recompute)
+        return self._traces[key]
+
     def estimate(self, *, dp: int, tp: int, pp: int, microbatches: int, schedule: str = "1f1b",
-                 bucket_mb: float = DEFAULT_BUCKET_MB, layers_per_stage: list[int] | None = None) -> MeshEstimate:
-        """Estimate one mesh; raises the ``ValueError`` ``parallelize`` would raise for it."""
+                 bucket_mb: float = DEFAULT_BUCKET_MB, layers_per_stage: list[int] | None = None,
+                 mixed_precision: str | None = None, zero: bool = False, recompute: str | None = None,
+                 backend: str = "nccl") -> MeshEstimate:
+        """Estimate one mesh; raises the ``ValueError`` ``parallelize`` would raise for it.
+        ``mixed_precision`` and ``recompute`` as ``parallelize`` takes them, ``zero`` as
+        ``qn_hf.optimizer`` does (with dp=1 it shards nothing); ``backend`` is the process group's
+        (ZeRO's collectives differ on gloo, see traffic.py)."""
         checked = check_parallel_config(self.model, dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
-                                        policy=self.policy, layers_per_stage=layers_per_stage, bucket_mb=bucket_mb)
+                                        policy=self.policy, layers_per_stage=layers_per_stage, bucket_mb=bucket_mb,
+                                        mixed_precision=mixed_precision, recompute=recompute)
         plan, stage_plan = checked.tp_plan, checked.stage_plan
-        if self._trace is None:
-            inputs = example_inputs(self.model, micro_batch_size=self.micro_batch_size, seq_len=self.seq_len)
-            self._trace = trace_microbatch(self.model, plan, layers=stage_plan.layers, inputs=inputs)
-        trace = self._trace
+        zero = zero and dp > 1
+        precision = PRECISIONS.get(mixed_precision)
+        base = self._trace(plan, stage_plan.layers, precision=None, recompute=None)  # shapes, reruns
+        kept = self._trace(plan, stage_plan.layers, precision=precision, recompute=recompute).kept
         numels, specs = self._local_sizes(plan)
-        elem = torch.empty(0, dtype=self.dtype).element_size()
+        param_dtype = precision or self.dtype
+        param_elem = torch.empty(0, dtype=param_dtype).element_size()
+        grad_elem = torch.empty(0, dtype=GRAD_DTYPE if precision is not None else param_dtype).element_size()
 
         def stage_of(name: str) -> int:
             found = stage_of_module(stage_plan, name)
             return pp - 1 if name == "" else (0 if found is None else found)
 
         local = {name: (stage_of(name.rpartition(".")[0]), numel) for name, numel in numels.items()}
-        params, embedding = [0] * pp, [0] * pp
+        on_stage: list[list[tuple[str, int]]] = [[] for _ in range(pp)]  # in registration order
+        embedding = [0] * pp
         embeddings = {n for n, m in self.model.named_modules() if isinstance(m, torch.nn.Embedding)}
         for name, (stage, numel) in local.items():
-            params[stage] += numel
+            on_stage[stage].append((name, numel))
             if name.rpartition(".")[0] in embeddings:
                 embedding[stage] += numel
-        tied_bytes = [0] * pp
+        tied: list[dict[str, int]] = [{} for _ in range(pp)]
         for tie in stage_plan.ties:  # the follower stage holds its own copy of the owner's weight
             owner_stage, numel = local[tie.owner]
             follower_stage = stage_of(tie.follower.rpartition(".")[0])
             if follower_stage != owner_stage:
-                params[follower_stage] += numel
-                tied_bytes[owner_stage] += numel * elem
-                tied_bytes[follower_stage] += numel * elem
+                on_stage[follower_stage].append((tie.follower, numel))
+                tied[owner_stage][tie.owner] = tied[follower_stage][tie.follower] = numel
 
-        saved = [0.0] * pp
-        for owner, (whole, split) in trace.saved.items():
-            saved[stage_of(owner)] += whole + split / tp
-        vocab = _padded_vocab(plan, self.model)
-        if plan.loss == "causal_lm" and vocab:
-            saved[pp - 1] += trace.logits_rows * vocab / tp * 4  # the loss's float32 softmax
-
+        activations = self._activations(kept, base, plan=plan, stage_plan=stage_plan, tp=tp, pp=pp, act_elem=param_elem)
+        mesh = Mesh(dp=dp, tp=tp, pp=pp, microbatches=microbatches)
         stages = []
         for s in range(pp):
-            comm = _traffic(s, dp=dp, tp=tp, pp=pp, microbatches=microbatches, plan=plan, trace=trace, elem=elem,
-                            stage_of=stage_of, grad_bytes=params[s] * elem, bucket_bytes=bucket_size_bytes(bucket_mb),
-                            kv_bytes=sum(local[n][1] * elem for n, spec in specs.items()
-                                         if spec is not None and spec.replicas > 1 and local[n][0] == s),
-                            tied_bytes=tied_bytes[s])
+            buckets = bucket_layout(on_stage[s], elem=grad_elem, bucket_bytes=bucket_size_bytes(bucket_mb),
+                                    pad=dp if zero else 1, separate=frozenset(tied[s]) if zero else frozenset())
+            kv = {n: numel for n, numel in on_stage[s] if (spec := specs.get(n)) is not None and spec.replicas > 1}
+            comm = stage_traffic(s, mesh=mesh, plan=plan, trace=base, stage_of=stage_of, act_elem=param_elem,
+                                 param_elem=param_elem, grad_elem=grad_elem, buckets=buckets if dp > 1 else [],
+                                 zero=zero, kv=kv, tied=tied[s], recompute=recompute,
+                                 loss_scaling=mixed_precision == "fp16", backend=backend)
             actions = stage_actions(stage=s, stages=pp, microbatches=microbatches, schedule=schedule, backward=True)
             others = set(stage_plan.heads) if s == pp - 1 else set()
             if s == 0:
                 others |= {n for n, _ in stage_plan.first_only} | ({stage_plan.entry} if stage_plan.entry else set())
+            state = rank_state(on_stage[s], buckets=buckets, param_elem=param_elem, grad_elem=grad_elem,
+                               mixed=precision is not None, zero=zero, dp=dp)
             stages.append(StageEstimate(stage=s, blocks=stage_plan.layer_ranges[s], modules=tuple(sorted(others)),
-                                        params=params[s], embedding_params=embedding[s],
-                                        activation_bytes_per_microbatch=int(saved[s]),
-                                        in_flight=peak_in_flight(actions), comm=comm))
+                                        params=sum(n for _, n in on_stage[s]), embedding_params=embedding[s],
+                                        activation_bytes_per_microbatch=activations[s],
+                                        in_flight=peak_in_flight(actions), state=state, comm=comm))
         layers = len(self.model.get_submodule(stage_plan.layers))
-        positions = trace.tokens // self.micro_batch_size  # per example: seq_len, or patches + class token
+        positions = base.tokens // self.micro_batch_size  # per example: seq_len, or patches + class token
         per_token = 6 * self.total_params + 12 * layers * self.config.hidden_size * positions
         return MeshEstimate(dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
                             micro_batch_size=self.micro_batch_size, seq_len=positions,
-                            tokens_per_microbatch=trace.tokens, total_params=self.total_params, stages=tuple(stages),
+                            tokens_per_microbatch=base.tokens, total_params=self.total_params, stages=tuple(stages),
                             bubble=(pp - 1) / (microbatches + pp - 1),
-                            flops_per_step=float(per_token * trace.tokens * microbatches * dp),
+                            flops_per_step=float(per_token * base.tokens * microbatches * dp),
                             attention_flops_per_token=12 * layers * self.config.hidden_size * positions,
-                            layers=layers, boundary_bytes=trace.boundary_numel * elem)
+                            layers=layers, boundary_bytes=base.boundary_numel * param_elem,
+                            mixed_precision=mixed_precision, zero=zero, recompute=recompute)
+
+    def _activations(self, kept: dict[str, tuple[int, int]], base: Trace, *, plan, stage_plan, tp: int, pp: int,
+                     act_elem: int) -> list[int]:
+        """Bytes one microbatch keeps on each stage (see the module docstring)."""
+        out = [0.0] * pp
+        for owner, (whole, split) in kept.items():
+            found = pp - 1 if owner == "" else stage_of_module(stage_plan, owner)
+            for s in range(pp) if found is None else (found,):  # None: HF's forward runs it on every stage
+                out[s] += whole + split / tp
+        for s in range(1, pp):  # the received activation, held until its gradient is sent back
+            out[s] += base.boundary_numel * act_elem
+        if plan.loss == "causal_lm":
+            # The loss's float32 softmax over this rank's vocabulary columns and its int64 targets
+            # per row (vocab-parallel: two boolean masks too).
+            padded = _padded_vocab(plan, self.model)
+            columns = padded // tp if padded else _vocab(self.model)
+            out[pp - 1] += base.logits_rows * (columns * 4 + 8 + (2 if padded else 0))
+        return [int(x) for x in out]
 
     def _local_sizes(self, plan) -> tuple[dict[str, int], dict]:
         """Elements each parameter has on one tp rank (every tp rank holds the same sizes)."""
@@ -202,52 +251,24 @@ class Planner:
 def estimate_mesh(config: PretrainedConfig, *, dp: int, tp: int, pp: int, microbatches: int, seq_len: int,
                   micro_batch_size: int, schedule: str = "1f1b", dtype: torch.dtype = torch.float32,
                   bucket_mb: float = DEFAULT_BUCKET_MB, policy: ModelPolicy | None = None,
-                  layers_per_stage: list[int] | None = None) -> MeshEstimate:
+                  layers_per_stage: list[int] | None = None, mixed_precision: str | None = None,
+                  zero: bool = False, recompute: str | None = None, backend: str = "nccl") -> MeshEstimate:
     """Estimate one mesh (see ``Planner``); raises the ``ValueError`` ``parallelize`` would raise."""
     planner = Planner(config, seq_len=seq_len, micro_batch_size=micro_batch_size, dtype=dtype, policy=policy)
     return planner.estimate(dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule, bucket_mb=bucket_mb,
-                            layers_per_stage=layers_per_stage)
+                            layers_per_stage=layers_per_stage, mixed_precision=mixed_precision, zero=zero,
+                            recompute=recompute, backend=backend)
+
+
+def _vocab(model) -> int:
+    head = model.get_output_embeddings()
+    return head.weight.shape[0] if head is not None else 0
 
 
 def _padded_vocab(plan, model) -> int:
+    """The vocabulary padded to a multiple of tp when the head is vocab-parallel, else 0."""
     for name, style in plan.rules:
         if style == "vocab_colwise":
             rows = model.get_submodule(name).weight.shape[0]  # the unsharded model's vocabulary
             return -(-rows // plan.tp) * plan.tp  # padded to a multiple of tp, as the shards are
     return 0
-
-
-def _traffic(s: int, *, dp: int, tp: int, pp: int, microbatches: int, plan, trace: Trace, elem: int, stage_of,
-             grad_bytes: int, bucket_bytes: int, kv_bytes: int, tied_bytes: int) -> dict[str, GroupTraffic]:
-    out: dict[str, GroupTraffic] = {}
-    if tp > 1:
-        calls = nbytes = 0
-        entered = lambda name: any(name.startswith(e + ".") for e in plan.tp_entries)  # noqa: E731
-        for name, style in plan.rules:
-            if stage_of(name) != s or name not in trace.io:
-                continue
-            io = trace.io[name]
-            if style in ("rowwise", "vocab_embedding"):
-                calls, nbytes = calls + io.calls, nbytes + io.out_numel * elem
-            elif style.startswith("colwise") or style == "vocab_colwise":
-                if not entered(name):
-                    calls, nbytes = calls + io.calls, nbytes + io.in_numel * elem
-                if style == "vocab_colwise" and plan.loss == "causal_lm":
-                    calls, nbytes = calls + 2, nbytes + 3 * trace.logits_rows * 4
-        for name in plan.tp_entries:
-            if stage_of(name) == s and name in trace.io:
-                calls, nbytes = calls + trace.io[name].calls, nbytes + trace.io[name].in_numel * elem
-        out["tp"] = GroupTraffic(calls * microbatches, nbytes * microbatches)
-    if pp > 1:
-        neighbours = (s > 0) + (s < pp - 1)
-        act = trace.boundary_numel * elem
-        out["pp"] = GroupTraffic(2 * neighbours * microbatches + neighbours + 1,
-                                 2 * neighbours * microbatches * act + neighbours * HEADER_BYTES + 4)
-    if dp > 1:
-        scalars = (8 if plan.loss else 0) + 4
-        out["dp"] = GroupTraffic(math.ceil(grad_bytes / bucket_bytes) + (2 if plan.loss else 1), grad_bytes + scalars)
-    if kv_bytes:
-        out["kv"] = GroupTraffic(1, kv_bytes)
-    if tied_bytes:
-        out["tie"] = GroupTraffic(1, tied_bytes)
-    return out

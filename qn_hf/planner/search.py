@@ -46,20 +46,23 @@ def microbatches_for(pp: int, requested: int | None) -> int:
     return requested if requested is not None else 4 * pp
 
 
-def search(planner: Planner, *, gpus: int, hw: Hardware, precision: str, microbatches: int | None,
-           schedule: str) -> tuple[list[Candidate], list[Rejected]]:
+def search(planner: Planner, *, gpus: int, hw: Hardware, microbatches: int | None, schedule: str,
+           mixed_precision: str | None = None, zero: bool = False,
+           recompute: str | None = None) -> tuple[list[Candidate], list[Rejected]]:
+    """Every mesh for ``gpus``, estimated with the training settings given (as ``Planner.estimate``)."""
     accepted, rejected = [], []
     for dp, tp, pp in meshes(gpus, gpus_per_node=hw.gpus_per_node):
         try:
-            est = planner.estimate(dp=dp, tp=tp, pp=pp, microbatches=microbatches_for(pp, microbatches), schedule=schedule)
+            est = planner.estimate(dp=dp, tp=tp, pp=pp, microbatches=microbatches_for(pp, microbatches), schedule=schedule,
+                                   mixed_precision=mixed_precision, zero=zero, recompute=recompute)
         except ValueError as e:
             rejected.append(Rejected(dp=dp, tp=tp, pp=pp, reason=str(e)))
             continue
-        accepted.append(evaluate(est, hw=hw, precision=precision))
+        accepted.append(evaluate(est, hw=hw))
     accepted.sort(key=lambda c: (not c.fits, -c.time.tokens_per_s))
     return accepted, rejected
 
 
-def evaluate(est: MeshEstimate, *, hw: Hardware, precision: str) -> Candidate:
-    peak = est.peak_bytes(precision)
+def evaluate(est: MeshEstimate, *, hw: Hardware) -> Candidate:
+    peak = est.peak_bytes
     return Candidate(estimate=est, time=step_time(est, hw), peak_bytes=peak, fits=peak <= hw.gpu_memory)

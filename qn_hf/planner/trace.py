@@ -1,8 +1,20 @@
 """One microbatch through the unsharded model on the ``meta`` device, recording what the planner
 needs without computing anything: the input and output sizes of every module the tp plan touches
-(what its collectives carry), the hidden state passed between stages, and the bytes autograd saves
-for backward, attributed to the module that saved them (assuming a fused attention kernel, which
-keeps no query x key matrix).
+(what its collectives carry), the hidden state passed between stages, and the bytes the microbatch
+keeps for its backward, attributed to the module that allocated them.
+
+What a microbatch keeps is measured, not listed: every storage an op allocates during the forward
+is recorded (weakly) with the module running at the time, the outputs are dropped once the
+forward is over while their autograd graph is kept, and what is still alive is what backward will
+need. The same measure covers every way of keeping a tensor: autograd's saved tensors, torch's
+checkpoint holding a block's inputs (``recompute="full"``), selective recomputation's cache of
+matrix products (``recompute="selective"``, set up as ``qn_hf/recompute.py`` does), and a tensor
+two ops keep counts once.
+
+Attention runs as the fused kernel training uses (``scaled_dot_product_attention`` becomes the
+flash kernel, whose meta implementation gives the real shapes): it keeps q, k, v, the output and a
+float32 log-sum-exp per row, never the query x key matrix that meta tensors' unfused path would build.
+(A model configured for eager attention does keep its attention matrices, in training and here.)
 
 The forward is Hugging Face's own, so the shapes are the model's real ones (GQA, packed q|k|v,
 ViT's class token ...), for 70B-parameter configs in about a second.
@@ -10,13 +22,25 @@ ViT's class token ...), for 70B-parameter configs in about a second.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import gc
 from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import checkpoint
+from transformers.cache_utils import Cache
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..plan import TpPlan
+from ..recompute import checkpoint_options
 
 
 @dataclass(frozen=True)
@@ -30,9 +54,14 @@ class ModuleIO:
 class Trace:
     io: dict[str, ModuleIO]  # every tp-plan rule module and tp entry, by name in the top model
     boundary_numel: int  # elements of the hidden state one block hands to the next
-    saved: dict[str, tuple[int, int]]  # module -> (bytes saved whole on every tp rank, bytes split across tp)
+    kept: dict[str, tuple[int, int]]  # module -> (bytes kept whole on every tp rank, bytes split across tp)
     logits_rows: int  # rows of the output logits (tokens of a causal LM, images of a classifier)
     tokens: int  # positions per microbatch the blocks process
+    # Row-parallel layers inside a block whose forward all-reduce a recomputation of the block runs
+    # again: torch's checkpoint stops recomputing once the block's last saved tensor is back, so a
+    # row layer with nothing saved after it in its block (the MLP's, before the residual add) is not
+    # rerun. Empty for a trace with recomputation on (its blocks' saves are the checkpoint's).
+    rerun: frozenset[str]
 
 
 def example_inputs(model: nn.Module, *, micro_batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
@@ -44,14 +73,95 @@ def example_inputs(model: nn.Module, *, micro_batch_size: int, seq_len: int) -> 
     return {"input_ids": torch.empty(micro_batch_size, seq_len, dtype=torch.long, device="meta")}
 
 
-def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dict[str, torch.Tensor]) -> Trace:
+def _tensors(value) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor) and t.layout == torch.strided]
+
+
+class _Allocations(TorchDispatchMode):
+    """Every storage an op allocates while active, with the module that was running, held weakly.
+    A storage first met as an op's input existed before (a weight, the input ids) and never counts."""
+
+    def __init__(self, owner) -> None:
+        super().__init__()
+        self._owner = owner
+        self._known: dict[int, StorageWeakRef] = {}
+        self._allocated: list[tuple[StorageWeakRef, int, str]] = []
+
+    def _first_sight(self, t: torch.Tensor) -> StorageWeakRef | None:
+        ref = StorageWeakRef(t.untyped_storage())
+        known = self._known.get(ref.cdata)
+        if known is not None and not known.expired():
+            return None
+        self._known[ref.cdata] = ref  # a new storage (possibly at a freed one's address)
+        return ref
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in _tensors((args, kwargs)):
+            self._first_sight(t)
+        out = func(*args, **kwargs)
+        for t in _tensors(out):
+            ref = self._first_sight(t)
+            if ref is not None:
+                self._allocated.append((ref, t.untyped_storage().nbytes(), self._owner()))
+        return out
+
+    def alive(self) -> dict[str, int]:
+        """Bytes still alive, by the module that allocated them."""
+        out: dict[str, int] = defaultdict(int)
+        for ref, nbytes, owner in self._allocated:
+            if not ref.expired():
+                out[owner] += nbytes
+        return out
+
+
+def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    # The flash kernel takes fewer KV heads than query heads as they are (enable_gqa's meaning).
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+
+class _FusedAttention(TorchFunctionMode):
+    """``scaled_dot_product_attention`` as the fused kernel (see the module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention:
+            return _fused_attention(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def _checkpoint_blocks(model: nn.Module, *, layers: str, recompute: str | None) -> list[nn.Module]:
+    """Turn on transformers' per-block checkpointing as ``apply_recompute`` does (without random
+    streams: nothing on ``meta`` is random, and their states are host memory); the blocks set."""
+    if recompute is None:
+        return []
+    blocks = [b for b in model.get_submodule(layers) if isinstance(b, GradientCheckpointingLayer)]
+    for block in blocks:
+        block.gradient_checkpointing = True
+        block._gradient_checkpointing_func = functools.partial(checkpoint, preserve_rng_state=False,
+                                                               **checkpoint_options(recompute))
+    return blocks
+
+
+def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dict[str, torch.Tensor],
+                     recompute: str | None = None) -> Trace:
+    """Trace one microbatch through ``model`` (in training mode, its blocks checkpointed for the
+    forward when ``recompute`` is set; the model is left as it was)."""
     styles = dict(plan.rules)
     watched = set(styles) | set(plan.tp_entries)
+    rowwise = {name for name, style in styles.items() if style == "rowwise"}
     io: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
     stack: list[str] = []
     boundary = [0]
     handles = []
     block_names = {f"{layers}.{i}" for i in range(len(model.get_submodule(layers)))}
+    # Order of events inside each block: saves and row layers' outputs, for ``Trace.rerun``.
+    tick = [0]
+    last_save: dict[str, int] = {}
+    row_done: dict[str, tuple[str, int]] = {}
+
+    def block_of(names: list[str]) -> str | None:
+        return next((n for n in reversed(names) if n in block_names), None)
 
     def pre(name: str):
         def hook(module, args, kwargs):
@@ -60,6 +170,11 @@ def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dic
                 first = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
                 io[name][0] += 1
                 io[name][1] += first.numel()
+            if name in block_names:  # a cache would keep every block's keys and values (see below)
+                kwargs = {k: None if isinstance(v, Cache) else v for k, v in kwargs.items()}
+                return (tuple(None if isinstance(a, Cache) else a for a in args),
+                        {**kwargs, **({"use_cache": False} if "use_cache" in kwargs else {})})
+            return None
         return hook
 
     def post(name: str):
@@ -70,50 +185,64 @@ def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dic
                 io[name][2] += out.numel()
             if name in block_names and isinstance(out, torch.Tensor):
                 boundary[0] = out.numel()
+            if name in rowwise and (block := block_of(stack)) is not None:
+                tick[0] += 1
+                row_done[name] = (block, tick[0])
         return hook
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if (block := block_of(stack)) is not None:
+            tick[0] += 1
+            last_save[block] = tick[0]
+        return t
 
     for name, module in model.named_modules():
         handles.append(module.register_forward_pre_hook(pre(name), with_kwargs=True))
         handles.append(module.register_forward_hook(post(name), with_kwargs=True))
-
-    params = {id(p) for p in model.parameters()}
-    seen: dict[int, torch.Tensor] = {}  # kept alive so ids are not reused
-    saved: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        base = t._base if t._base is not None else t
-        if id(t) in seen or id(base) in params or id(t) in params:  # weights are not activations
-            return t
-        seen[id(t)] = t
-        owner = stack[-1] if stack else ""
-        if t.dim() >= 3 and t.shape[-1] == t.shape[-2] and _split_across_tp(owner, styles, plan):
-            # A (batch, heads, q, k) attention matrix: meta tensors take the unfused math path,
-            # while the fused kernels training uses (FlashAttention, SDPA) never store it.
-            return t
-        saved[owner][1 if _split_across_tp(owner, styles, plan) else 0] += t.numel() * t.element_size()
-        return t
-
+    blocks = _checkpoint_blocks(model, layers=layers, recompute=recompute)
+    allocations = _Allocations(lambda: stack[-1] if stack else "")
+    was_training = model.training
+    model.train()
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        # Inside checkpointed blocks the checkpoint's own hooks take the saves: only watch without.
+        saves = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if not blocks else contextlib.nullcontext()
+        with _FusedAttention(), allocations, saves:
             # With use_cache on, transformers skips a packed-sequence check that reads tensor values
-            # (impossible on meta); the cache holds no autograd state, so nothing else changes.
+            # (impossible on meta); the blocks get no cache (``pre``), so they run as in training.
             kwargs = {**plan.policy.forward_kwargs, **({"use_cache": True} if "use_cache" in plan.policy.forward_kwargs else {})}
             out = model(**inputs, **kwargs)
     finally:
         for h in handles:
             h.remove()
+        for block in blocks:
+            block.gradient_checkpointing = False
+        model.train(was_training)
     logits = getattr(out, "logits", None)
     rows = logits.shape[:-1].numel() if logits is not None else 0
+    # Keep the graph (what backward needs), drop the outputs themselves (logits nobody saved).
+    graph = [t.grad_fn for t in _tensors(out.to_tuple() if hasattr(out, "to_tuple") else out)]
+    del out, logits
+    gc.collect()  # an output caught in a reference cycle would stay alive and count
+    kept: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for owner, nbytes in allocations.alive().items():
+        kept[owner][1 if _split_across_tp(owner, styles, plan) else 0] += nbytes
+    del graph
     tokens = boundary[0] // model.config.hidden_size if boundary[0] else 0
+    rerun = frozenset(n for n, (block, t) in row_done.items() if last_save.get(block, 0) > t)
     return Trace(io={k: ModuleIO(*v) for k, v in io.items()}, boundary_numel=boundary[0],
-                 saved={k: (v[0], v[1]) for k, v in saved.items()}, logits_rows=rows, tokens=tokens)
+                 kept={k: (v[0], v[1]) for k, v in kept.items()}, logits_rows=rows, tokens=tokens, rerun=rerun)
 
 
 def _split_across_tp(name: str, styles: dict[str, str], plan: TpPlan) -> bool:
-    """Whether what ``name`` saves is sharded under tp: a row-parallel layer's input and anything
-    computed inside a tp entry or region between the column and row layers (attention heads, the
-    MLP's activation) are; a column layer's input, norms, residuals and embeddings are not."""
+    """Whether what ``name`` allocates is sharded under tp: a column layer's output and anything
+    computed inside a tp entry or region (attention heads, the MLP's activation) are; a row layer's
+    all-reduced output, replicated regions inside an entry (GPT-2's residual dropout), norms,
+    residuals and embeddings are not."""
+    def under(root: str) -> bool:
+        return name == root or name.startswith(root + ".")
+
     if name in styles:
-        return styles[name] == "rowwise"
-    regions = plan.tp_entries + plan.tp_rng_regions
-    return any(name == r or name.startswith(r + ".") for r in regions)
+        return styles[name].startswith("colwise") or styles[name] == "vocab_colwise"
+    if any(under(r) for r in plan.shared_rng_regions):
+        return False
+    return any(under(r) for r in plan.tp_entries + plan.tp_rng_regions)

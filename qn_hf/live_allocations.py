@@ -1,0 +1,50 @@
+"""Counting the memory an operation allocates and keeps, from the tensors themselves.
+
+``LiveAllocations`` is a dispatch mode: every storage an op creates while it is active is recorded
+(a storage an op only reads or writes in place existed before and is not counted), and
+``alive_bytes`` sums those still alive. Around a forward, what is alive when its backward starts is
+what the backward keeps: autograd's saved tensors, the inputs a checkpointed block holds, selective
+recomputation's cache, each storage once, whichever mechanism holds it. The planner's activation
+estimates and the memory benchmarks are checked with it; no allocator statistics, so it works on
+CPU as on GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+def _storages(values) -> list[torch.UntypedStorage]:
+    return [v.untyped_storage() for v in values if isinstance(v, torch.Tensor) and v.untyped_storage().nbytes()]
+
+
+class LiveAllocations(TorchDispatchMode):
+    """Storages allocated by ops while active, and how many of their bytes are still alive (a
+    freed address that is reused counts as the new storage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._old: dict[int, StorageWeakRef] = {}  # storages first seen as an input: they existed before
+        self._new: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def _alive(self, ptr: int) -> bool:
+        new = self._new.get(ptr)
+        old = self._old.get(ptr)
+        return (new is not None and not new[0].expired()) or (old is not None and not old.expired())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in _storages(tree_flatten((args, kwargs))[0]):
+            if not self._alive(t.data_ptr()):
+                self._old[t.data_ptr()] = StorageWeakRef(t)
+        out = func(*args, **kwargs)
+        for t in _storages(tree_flatten(out)[0]):
+            if not self._alive(t.data_ptr()):
+                self._new[t.data_ptr()] = (StorageWeakRef(t), t.nbytes())
+        return out
+
+    def alive_bytes(self) -> int:
+        return sum(n for ref, n in self._new.values() if not ref.expired())

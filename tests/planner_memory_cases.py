@@ -1,0 +1,113 @@
+"""Code that runs inside test worlds for tests/test_planner_memory.py: one real training run per mesh,
+with every per-rank byte count the planner estimates measured from the tensors themselves.
+
+Activations are measured as *live allocations*: a ``TorchDispatchMode`` is active around the forward
+of each microbatch on this stage (its loss included, on the last stage) and records every storage
+an op allocates there; the bytes of those storages still alive when the microbatch's backward
+starts are what it kept. Whatever keeps them (autograd's saved tensors, torch's checkpoint holding
+a block's inputs, selective recomputation's cache of matmul outputs, the executor holding the
+activation it sent) counts once per storage, and the measure needs no knowledge of which of those
+mechanisms is on. The activation this stage received is allocated before its forward and held
+until its backward, so it is added.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import AutoModelForCausalLM
+
+import qn_hf
+from qn_hf.live_allocations import LiveAllocations
+from tests.cases import mesh_for
+from tests.models import CONFIGS, dp_slice, make_batch
+
+# Big enough that activations and optimizer state dwarf constants (scalars, rng states): hidden 64,
+# sequences of 128; small enough for a 2-core machine. ``architectures`` makes the planner's meta
+# model the causal LM (without it, it builds the base model).
+SIZES = {
+    "gpt2": dict(n_embd=64, n_head=4, n_layer=4, n_positions=128, architectures=["GPT2LMHeadModel"]),
+    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=2, max_position_embeddings=128, architectures=["LlamaForCausalLM"]),
+}
+SEQ = 128
+ROWS = 2  # rows per microbatch
+BUCKET_MB = 0.1  # a few buckets per rank, so zero's per-bucket padding is exercised
+
+
+def config_for(kind: str):
+    config = copy.deepcopy(CONFIGS[kind])
+    config.update(SIZES[kind])
+    return config
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors``."""
+    seen = {}
+    for t in tensors:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _measure_forwards(pm, out: list[int]):
+    """Wrap this rank's executor so every microbatch's forward records into ``out`` the bytes it
+    keeps (the executor is the one place that sees a whole microbatch's forward, loss included).
+    They are read when the microbatch's backward starts (a hook on its output's node): what is
+    alive then is what backward needs, and a reference a collective's worker thread still holds for
+    a moment after the forward returned has been dropped by then."""
+    run = pm.executor.run
+
+    def measured_run(schedule, forward, **kwargs):
+        def measured(mb, received):
+            with LiveAllocations() as live:
+                result = forward(mb, received)
+            held = received.untyped_storage().nbytes() if received is not None else 0
+            result.grad_fn.register_prehook(lambda grads: out.append(live.alive_bytes() + held))
+            return result
+
+        return run(schedule, measured, **kwargs)
+
+    pm.executor.run = measured_run
+
+
+def measure(*, kind: str, dp: int, tp: int, pp: int, microbatches: int, mixed_precision: str | None, zero: bool,
+            recompute: str | None) -> dict:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config_for(kind))
+    pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, microbatches=microbatches, mesh=mesh_for(dp, tp, pp),
+                           bucket_mb=BUCKET_MB, mixed_precision=mixed_precision, recompute=recompute)
+    opt = qn_hf.optimizer(pm, torch.optim.AdamW, zero=zero, lr=1e-4)
+
+    def batch(step: int):
+        rows = make_batch(kind, size=dp * ROWS * microbatches, seed=step, seq=SEQ)
+        return dp_slice(rows, dp=dp, dp_rank=pm.coords["dp"])
+
+    for step in range(2):  # the optimizer state exists after a step that was not skipped (fp16)
+        opt.zero_grad()
+        pm.train_step(batch(step))
+        opt.step()
+    activations: list[int] = []
+    _measure_forwards(pm, activations)
+    opt.zero_grad()
+    with qn_hf.CommMeter(pm) as meter:
+        pm.train_step(batch(2))
+        grads = [p.grad for p in pm.parameters() if p.grad is not None]
+        if pm.buckets is not None:  # zero: the full-size buckets stay allocated while .grad is cleared
+            grads += [b.buffer for b in pm.buckets.buckets]
+        grad_bytes = _storage_bytes(grads)
+        opt.step()
+    weights = list(pm.parameters())
+    params = {t.untyped_storage().data_ptr() for t in weights}
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    masters = [m.tensor for m in opt.masters if m.tensor.untyped_storage().data_ptr() not in params]  # copies only
+    comm: dict[str, list[int]] = {}
+    for (group, _), total in meter.totals().items():
+        acc = comm.setdefault(group, [0, 0])
+        acc[0] += total.calls
+        acc[1] += total.nbytes
+    return {"coords": pm.coords, "params": sum(p.numel() for p in weights),
+            "weight_bytes": sum(p.numel() * p.element_size() for p in weights), "grad_bytes": grad_bytes,
+            "optimizer_bytes": _storage_bytes(state) + _storage_bytes(masters),
+            "activation_bytes": max(activations), "activations": activations, "comm": comm,
+            "comm_ops": {f"{g}:{op}": [t.calls, t.nbytes] for (g, op), t in meter.totals().items()}}
