@@ -245,3 +245,35 @@ def bad_input(*, model_dir: str) -> dict:
     mixed = qn_hf.parallelize(load("llama", model_dir), dp=2, mesh=mesh, mixed_precision="bf16")
     out["mixed_without_optimizer"] = error_message(lambda: mixed.train_step(batch))
     return out
+
+
+def one_process_api(*, model_dir: str) -> dict:
+    """zero=True at dp=1 says it is a no-op; LR schedulers drive the wrapped optimizer's groups;
+    state_dict round-trips; a bfloat16 model without mixed_precision trains as is, with a warning."""
+    import warnings
+    pm = qn_hf.parallelize(load("llama", model_dir), mesh=mesh_for(1, 1, 1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = qn_hf.optimizer(pm, torch.optim.AdamW, zero=True, lr=1e-3)
+    zero_warning = any("zero=True with dp=1 shards nothing" in str(w.message) for w in caught)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+    batch = make_batch("llama", size=2, seed=3)
+    pm.train_step(batch)
+    opt.step()
+    sched.step()
+    import copy
+    saved = copy.deepcopy(opt.state_dict())  # state_dict() hands out the live tensors
+    opt.zero_grad()
+    pm.train_step(batch)
+    opt.step()
+    moved = not all(torch.equal(opt.state[p]["exp_avg"], s["exp_avg"])
+                    for p, s in zip(opt.param_groups[0]["params"], saved["state"].values()))
+    opt.load_state_dict(saved)
+    restored = all(torch.equal(opt.state[p]["exp_avg"], s["exp_avg"])
+                   for p, s in zip(opt.param_groups[0]["params"], saved["state"].values()))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qn_hf.parallelize(load("llama", model_dir, dtype=torch.bfloat16), mesh=mesh_for(1, 1, 1))
+    return {"zero_warning": zero_warning, "lr": opt.param_groups[0]["lr"], "inner_lr": opt.inner.param_groups[0]["lr"],
+            "state_dict_keys": set(saved), "restored": restored and moved,
+            "bf16_warning": any("trains as is" in str(w.message) for w in caught)}

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
-import torch
 from torch import nn
 
-import qn_hf
 from qn_hf.recompute import check_recompute
 from tests.models import load
 
@@ -76,28 +72,8 @@ def test_recompute_needs_checkpointable_blocks():
         check_recompute(model, recompute="full", layers="layers")
 
 
-def test_one_process_api(model_dirs):
-    """zero=True at dp=1 says it is a no-op; LR schedulers drive the wrapped optimizer's groups;
-    state_dict round-trips; a bfloat16 model without mixed_precision trains as is, with a warning."""
-    pm = qn_hf.parallelize(load("llama", model_dirs["llama"]))
-    with pytest.warns(UserWarning, match="zero=True with dp=1 shards nothing"):
-        opt = qn_hf.optimizer(pm, torch.optim.AdamW, zero=True, lr=1e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
-    from tests.models import make_batch
-    batch = make_batch("llama", size=2, seed=3)
-    pm.train_step(batch)
-    opt.step()
-    sched.step()
-    assert opt.param_groups[0]["lr"] == pytest.approx(5e-4)
-    assert opt.inner.param_groups[0]["lr"] == pytest.approx(5e-4)
-    assert set(opt.state_dict()) >= {"state", "param_groups", "qn_hf"}
-    saved = opt.state_dict()
-    opt.zero_grad()
-    pm.train_step(batch)
-    opt.load_state_dict(saved)
-    assert all(torch.equal(opt.state[p]["exp_avg"], s["exp_avg"]) for p, s in zip(opt.param_groups[0]["params"],
-                                                                                  saved["state"].values()))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        qn_hf.parallelize(load("llama", model_dirs["llama"], dtype=torch.bfloat16))
-    assert any("trains as is" in str(w.message) for w in caught)
+def test_one_process_api(worlds, model_dirs):
+    r = worlds.run(1, "tests.optim_cases:one_process_api", model_dir=model_dirs["llama"])[0]
+    assert r["zero_warning"] and r["lr"] == pytest.approx(5e-4) and r["inner_lr"] == pytest.approx(5e-4), r
+    assert r["state_dict_keys"] >= {"state", "param_groups", "qn_hf"} and r["restored"], r
+    assert r["bf16_warning"], r

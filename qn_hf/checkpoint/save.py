@@ -114,7 +114,9 @@ def local_entries(module: nn.Module, placement: ShardPlacement, optimizer: torch
             yield LocalTensor(name, values, shape, m.start, spec, mine)
         elif not (mixed and split):
             yield LocalTensor(name, p.detach(), shape, 0, spec, once)
-        keyed = m.tensor if ours and m is not None else (p if not ours else None)
+        if optimizer is None:
+            continue
+        keyed = (m.tensor if m is not None else None) if ours else p
         state = optimizer.state.get(keyed, {}) if keyed is not None else {}
         for key, value in state.items():
             if not isinstance(value, torch.Tensor):
