@@ -100,6 +100,115 @@ class _SplitToGroup(torch.autograd.Function):
         return _all_gather_last(grad, ctx.group), None
 
 
+# Sequence parallelism moves activations of shape [batch, sequence, ...] between "whole on every tp
+# rank" and "this rank's contiguous slice of the sequence". The collectives run on the sequence dim
+# moved to the front, so every rank's slice is one contiguous block of the buffer; results are made
+# contiguous again in [batch, sequence, ...] order (a free view when the batch is 1), as pipeline
+# sends and HF's views expect.
+SEQ_DIM = 1
+
+
+def _gather_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    n = group_size(group)
+    front = x.movedim(SEQ_DIM, 0).contiguous()
+    out = front.new_empty((front.shape[0] * n, *front.shape[1:]))
+    dist.all_gather_single(out, front, group=group)
+    return out.movedim(0, SEQ_DIM).contiguous()
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    n = group_size(group)
+    front = x.movedim(SEQ_DIM, 0).contiguous()
+    out = front.new_empty((front.shape[0] // n, *front.shape[1:]))
+    dist.reduce_scatter_single(out, front, group=group)
+    return out.movedim(0, SEQ_DIM).contiguous()
+
+
+def _split_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return x.chunk(group_size(group), dim=SEQ_DIM)[group_rank(group)].contiguous()
+
+
+class _SplitSeq(torch.autograd.Function):
+    """Keep this rank's sequence slice forward, all-gather the slices backward: a replicated
+    activation enters the sequence-parallel region."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _split_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_seq(grad, ctx.group), None
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather the sequence forward, keep this rank's slice backward: leaves the
+    sequence-parallel region for consumers that each see the whole (replicated) sequence."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _split_seq(grad, ctx.group), None
+
+
+class _GatherSeqIntoRegion(torch.autograd.Function):
+    """All-gather the sequence forward, reduce-scatter backward: enters a tp region (column layers)
+    from the sequence-parallel region; each rank's input gradient is partial (its columns only)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter_seq(grad, ctx.group), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    """Reduce-scatter along the sequence forward, all-gather backward: leaves a tp region of partial
+    sums (a row layer) into the sequence-parallel region."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_seq(grad, ctx.group), None
+
+
+def all_gather_sequence(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
+    """The whole sequence from every rank's slice (no autograd)."""
+    return x if group_size(group) == 1 else _gather_seq(x, group)
+
+
+def split_sequence(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
+    """This rank's slice of the sequence forward, all-gather backward."""
+    return x if group_size(group) == 1 else _SplitSeq.apply(x, group)
+
+
+def gather_sequence(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
+    """All-gather the sequence forward, this rank's slice backward."""
+    return x if group_size(group) == 1 else _GatherSeq.apply(x, group)
+
+
+def gather_sequence_into_region(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
+    """All-gather the sequence forward, reduce-scatter backward."""
+    return x if group_size(group) == 1 else _GatherSeqIntoRegion.apply(x, group)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
+    """Reduce-scatter along the sequence forward, all-gather backward."""
+    return x if group_size(group) == 1 else _ReduceScatterSeq.apply(x, group)
+
+
 def copy_to_group(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
     """Identity forward, all-reduce backward."""
     return x if group_size(group) == 1 else _CopyToGroup.apply(x, group)

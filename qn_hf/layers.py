@@ -16,7 +16,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from transformers.pytorch_utils import Conv1D
 
-from .comm import copy_to_group, gather_from_group, group_size, reduce_from_group, split_to_group
+from .comm import (copy_to_group, gather_from_group, group_size, reduce_from_group, reduce_scatter_sequence,
+                   split_to_group)
 from .shard import ShardSpec
 
 
@@ -147,16 +148,20 @@ class RowParallelLinear(_ShardedProjection):
     this rank takes its slice (split forward, all-gather backward: each rank's slice of the input
     gradient comes from its own weights). Output: the full activation on every rank
     (``reduce_from_group``: all-reduce forward, identity backward). The bias is replicated and
-    added once, after the sum.
+    added once, after the sum. With ``sequence_parallel=True`` the sum is reduce-scattered along the
+    sequence instead (all-gather backward): each rank gets the whole sum for its slice of the
+    sequence, and the bias is added to that slice only (its gradient is then partial per rank and
+    summed over tp, ``sequence_parallel.py``).
     """
 
-    def __init__(self, *, split_input: bool = False, **kwargs) -> None:
+    def __init__(self, *, split_input: bool = False, sequence_parallel: bool = False, **kwargs) -> None:
         super().__init__(**kwargs)
         self.split_input = split_input
+        self.sequence_parallel = sequence_parallel
 
     @classmethod
     def from_module(cls, module: nn.Module, *, spec: ShardSpec, tp_rank: int, group: ProcessGroup,
-                    split_input: bool = False) -> RowParallelLinear:
+                    split_input: bool = False, sequence_parallel: bool = False) -> RowParallelLinear:
         """``spec`` describes the input dimension (its ``dim`` is rewritten for the weight layout)."""
         in_features, _, _, in_dim = linear_dims(module)
         if spec.size != in_features:
@@ -169,6 +174,7 @@ class RowParallelLinear(_ShardedProjection):
             weight_spec=weight_spec,
             conv1d_layout=_is_conv1d(module),
             split_input=split_input,
+            sequence_parallel=sequence_parallel,
         )
         return _frozen_like(new, module)
 
@@ -180,5 +186,9 @@ class RowParallelLinear(_ShardedProjection):
             x = split_to_group(x, group=self.group)
         if group_size(self.group) == 1:  # nothing to sum: keep the bias fused in the matmul
             return _project(x, self.weight, self.bias, self.conv1d_layout)
-        y = reduce_from_group(_project(x, self.weight, None, self.conv1d_layout), group=self.group)
+        partial = _project(x, self.weight, None, self.conv1d_layout)
+        if self.sequence_parallel:
+            y = reduce_scatter_sequence(partial, group=self.group)
+        else:
+            y = reduce_from_group(partial, group=self.group)
         return y if self.bias is None else y + self.bias

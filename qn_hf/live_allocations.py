@@ -23,12 +23,14 @@ def _storages(values) -> list[torch.UntypedStorage]:
 
 class LiveAllocations(TorchDispatchMode):
     """Storages allocated by ops while active, and how many of their bytes are still alive (a
-    freed address that is reused counts as the new storage)."""
+    freed address that is reused counts as the new storage). Each storage is filed under the
+    ``label`` set when it was made (hooks can set it around modules to attribute memory to them)."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.label = ""
         self._old: dict[int, StorageWeakRef] = {}  # storages first seen as an input: they existed before
-        self._new: dict[int, tuple[StorageWeakRef, int]] = {}
+        self._new: dict[int, tuple[StorageWeakRef, int, str]] = {}
 
     def _alive(self, ptr: int) -> bool:
         new = self._new.get(ptr)
@@ -43,8 +45,9 @@ class LiveAllocations(TorchDispatchMode):
         out = func(*args, **kwargs)
         for t in _storages(tree_flatten(out)[0]):
             if not self._alive(t.data_ptr()):
-                self._new[t.data_ptr()] = (StorageWeakRef(t), t.nbytes())
+                self._new[t.data_ptr()] = (StorageWeakRef(t), t.nbytes(), self.label)
         return out
 
-    def alive_bytes(self) -> int:
-        return sum(n for ref, n in self._new.values() if not ref.expired())
+    def alive_bytes(self, label: str | None = None) -> int:
+        """Bytes still alive of the storages made while active (only those filed under ``label``)."""
+        return sum(n for ref, n, made in self._new.values() if not ref.expired() and label in (None, made))

@@ -197,7 +197,8 @@ class ParallelModel:
                 f"{type(self.module).__name__} has no built-in loss (a base model); pass loss_fn=(outputs, batch) -> loss"
             )
         check_batch(batch, microbatches=self.microbatches, required=("labels",) if builtin else ())
-        check_model_inputs(batch, model=self.module, loss=self.plan.loss if builtin else None)
+        check_model_inputs(batch, model=self.module, loss=self.plan.loss if builtin else None,
+                           sequence_multiple=self.dims.tp if self.plan.sequence_parallel else 1)
         if builtin and self.plan.loss == "classification":
             config = self.config
             if config.num_labels == 1 or getattr(config, "problem_type", None) in ("regression", "multi_label_classification"):

@@ -22,6 +22,7 @@ from .pipeline.standins import StandIn
 from .placement import ShardPlacement
 from .precision import PRECISIONS, LossScaler, apply_mixed_precision
 from .recompute import apply_recompute
+from .sequence_parallel import apply_sequence_parallel, final_norm
 from .plan import ModelPolicy, TpPlan
 from .rng import SHARED, TP_LOCAL, RngStreams, stream_seeds
 from .shard import ShardSpec
@@ -49,6 +50,7 @@ def parallelize(
     timeout: datetime.timedelta = datetime.timedelta(minutes=10),
     mixed_precision: str | None = None,
     recompute: str | None = None,
+    sequence_parallel: bool = False,
 ) -> ParallelModel:
     """Shard ``model`` (in place) over a (dp, pp, tp) mesh and return its ``ParallelModel``.
 
@@ -62,13 +64,15 @@ def parallelize(
     bounds every collective when this call creates the process group. ``mixed_precision`` ("bf16" or
     "fp16") computes in that dtype with float32 gradients and float32 master weights in
     ``qn_hf.optimizer`` (precision.py); ``recompute`` ("full" or "selective") recomputes each block's
-    activations in backward (recompute.py).
+    activations in backward (recompute.py); ``sequence_parallel`` splits the activations between
+    tensor-parallel regions over the tp ranks along the sequence (sequence_parallel.py).
     """
     if getattr(model, _MARK, False):
         raise ValueError("this model is already parallelized; load a fresh copy to parallelize it again")
     checked = check_parallel_config(model, dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
                                     policy=policy, layers_per_stage=layers_per_stage, bucket_mb=bucket_mb,
-                                    mixed_precision=mixed_precision, recompute=recompute)
+                                    mixed_precision=mixed_precision, recompute=recompute,
+                                    sequence_parallel=sequence_parallel)
     dims, plan, stage_plan = checked.dims, checked.tp_plan, checked.stage_plan
     dims.check_world_size(launched_world_size())
     _check_tensors(model, checkpoint=checkpoint)
@@ -93,9 +97,13 @@ def parallelize(
     precision = PRECISIONS.get(mixed_precision)
     if precision is not None:  # before the stage cut: stand-ins take their dtype from the modules they replace
         apply_mixed_precision(model, precision)
+    final = final_norm(model, stage_plan) if coords["pp"] == pp - 1 else None
     stage = apply_stage(model, stage_plan, stage=coords["pp"])
     plan = plan.only(lambda name: _on_this_stage(model, name))
     specs, vocab = apply_tp_plan(model, plan, tp_rank=coords["tp"], group=groups.tp)
+    if plan.sequence_parallel:
+        apply_sequence_parallel(model, plan=plan, stage_plan=stage_plan, final=final, group=groups.tp,
+                                regather=recompute is None)
     if checkpoint is not None and any(p.is_meta for p in model.parameters()):
         _materialize(model, device)
     else:

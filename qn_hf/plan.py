@@ -97,6 +97,7 @@ class TpPlan:
     loss: str | None  # the built-in loss, None for a base model without a head
     base_prefix: str
     mla_rope_dim: int | None = None  # the rotary tail of MLA's kv_a projection (style mla_kv_a)
+    sequence_parallel: bool = False  # activations between tp regions split over the sequence (sequence_parallel.py)
 
     def only(self, keep: Callable[[str], bool]) -> TpPlan:
         """The plan restricted to the modules ``keep`` accepts (those of this pipeline stage)."""

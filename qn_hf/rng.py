@@ -61,13 +61,17 @@ class RngStreams:
         self._states[name] = _get_state(self.device)
         _set_state(self.device, self._states[self.current])
 
-    def snapshot(self) -> dict[str, torch.Tensor]:
-        """The saved states of the streams not running now (the running one is the device's
-        generator, which torch's checkpoint saves and restores itself)."""
-        return dict(self._states)
+    def snapshot(self) -> tuple[tuple[str, ...], dict[str, torch.Tensor]]:
+        """Which streams are running (the stack) and the saved states of the others. The running
+        stream's state is the device's generator, which torch's checkpoint saves and restores itself."""
+        return tuple(self._stack), dict(self._states)
 
-    def restore(self, snapshot: dict[str, torch.Tensor]) -> None:
-        self._states = {**self._states, **{k: v for k, v in snapshot.items() if k != self.current}}
+    def restore(self, snapshot: tuple[tuple[str, ...], dict[str, torch.Tensor]]) -> None:
+        """Put back a ``snapshot``: a recomputation then runs in the streams its block first ran in
+        (under sequence parallelism a whole block runs in the tp-local stream, entered by a hook
+        outside the recomputed forward) and draws what they drew."""
+        stack, states = snapshot
+        self._stack, self._states = list(stack), dict(states)
 
     def hook_module(self, module: nn.Module, name: str) -> list[RemovableHandle]:
         """Run ``module``'s forward inside stream ``name``."""

@@ -50,7 +50,7 @@ def _enter_region_hook(group: ProcessGroup):
 
 
 def _parallel_leaf(module: nn.Module, style: str, plan: TpPlan, tp_rank: int, group: ProcessGroup,
-                   copy_input: bool) -> nn.Module:
+                   entered: bool) -> nn.Module:
     tp = plan.tp
     if style == "vocab_embedding":
         spec = ShardSpec(dim=0, tp=tp, size=module.num_embeddings, padded_size=padded(module.num_embeddings, tp))
@@ -61,14 +61,15 @@ def _parallel_leaf(module: nn.Module, style: str, plan: TpPlan, tp_rank: int, gr
     in_f, out_f, _, _ = linear_dims(module)
     if style in ("rowwise", "rowwise_split"):
         return RowParallelLinear.from_module(module, spec=ShardSpec(dim=0, tp=tp, size=in_f), tp_rank=tp_rank,
-                                             group=group, split_input=style == "rowwise_split")
+                                             group=group, split_input=style == "rowwise_split",
+                                             sequence_parallel=plan.sequence_parallel and entered)
     if style == "vocab_colwise":
         spec = ShardSpec(dim=0, tp=tp, size=out_f, padded_size=padded(out_f, tp))
     elif style == "colwise_kv":
         spec = ShardSpec(dim=0, tp=tp, size=out_f, replicas=plan.layout.kv_replicas)
     else:
         spec = ShardSpec(dim=0, tp=tp, size=out_f, parts=packed_parts(style))
-    return ColumnParallelLinear.from_module(module, spec=spec, tp_rank=tp_rank, group=group, copy_input=copy_input,
+    return ColumnParallelLinear.from_module(module, spec=spec, tp_rank=tp_rank, group=group, copy_input=not entered,
                                             gather_output=style == "colwise_gather")
 
 
@@ -116,7 +117,7 @@ def apply_tp_plan(
     vocab: VocabShard | None = None
     for name, style in leaves:
         entered = any(name.startswith(entry + ".") for entry in plan.tp_entries)
-        new = _parallel_leaf(model.get_submodule(name), style, plan, tp_rank, group, copy_input=not entered)
+        new = _parallel_leaf(model.get_submodule(name), style, plan, tp_rank, group, entered=entered)
         _replace(model, name, new)
         if style == "vocab_colwise":
             vocab = VocabShard(start=new.weight_spec.local_range(tp_rank)[0], size=new.weight_spec.size)
@@ -132,7 +133,7 @@ def apply_tp_plan(
             identity_expert_hooks(module, group=group)
         elif style == "mla_kv_a":
             mla_kv_a_hooks(module, group=group, rope_dim=plan.mla_rope_dim)
-    for entry in plan.tp_entries:
+    for entry in plan.tp_entries if not plan.sequence_parallel else ():  # else sequence_parallel.py's gather
         model.get_submodule(entry).register_forward_pre_hook(_enter_region_hook(group), with_kwargs=True)
     for name, path, value in plan.patches:
         _patch(model.get_submodule(name), path, value)

@@ -24,6 +24,7 @@ from .plan import ModelPolicy, TpPlan, build_tp_plan
 from .policies import resolve_policy
 from .precision import PRECISIONS
 from .recompute import check_recompute
+from .sequence_parallel import sequence_parallel_plan
 
 
 @dataclass(frozen=True)
@@ -38,15 +39,19 @@ def check_parallel_config(model: nn.Module, *, dp: int, tp: int, pp: int, microb
                           policy: ModelPolicy | None = None,
                           layers_per_stage: Sequence[int] | None = None,
                           bucket_mb: float = DEFAULT_BUCKET_MB, mixed_precision: str | None = None,
-                          recompute: str | None = None) -> CheckedConfig:
+                          recompute: str | None = None, sequence_parallel: bool = False) -> CheckedConfig:
     """Raise ``ValueError`` naming the value and the fix for anything ``model`` cannot take."""
     dims = ParallelDims(dp=dp, tp=tp, pp=pp)
     check_schedule_args(stages=pp, microbatches=microbatches, schedule=schedule)
     check_positive("bucket_mb", bucket_mb)
+    if not isinstance(sequence_parallel, bool):
+        raise ValueError(f"sequence_parallel={sequence_parallel!r} must be True or False")
     if mixed_precision is not None:
         check_choice("mixed_precision", mixed_precision, tuple(PRECISIONS))
     resolved = resolve_policy(model, policy)
     tp_plan = build_tp_plan(model, resolved, tp=tp)
     stage_plan = build_stage_plan(model, resolved, stages=pp, layers_per_stage=layers_per_stage)
     check_recompute(model, recompute=recompute, layers=stage_plan.layers)
+    if sequence_parallel:
+        tp_plan = sequence_parallel_plan(model, tp_plan, stage_plan)
     return CheckedConfig(dims=dims, policy=resolved, tp_plan=tp_plan, stage_plan=stage_plan)

@@ -44,12 +44,13 @@ def reference_grad(ref_params: dict[str, torch.nn.Parameter], name: str, pm: qn_
 
 def parity(*, kind: str, model_dir: str, out_dir: str, dp: int, tp: int, pp: int = 1, microbatches: int = 1,
            schedule: str = "1f1b", layers_per_stage: list[int] | None = None, padded: bool = False,
-           per_rank: int = 2, bucket_mb: float = 25.0) -> dict:
+           per_rank: int = 2, bucket_mb: float = 25.0, sequence_parallel: bool = False) -> dict:
     """Forward, loss, every gradient, grad norm and weights after an optimizer step against the plain model."""
     torch.manual_seed(0)
     ref = load(kind, model_dir)
     pm = qn_hf.parallelize(load(kind, model_dir), dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
-                           layers_per_stage=layers_per_stage, bucket_mb=bucket_mb, mesh=mesh_for(dp, tp, pp))
+                           layers_per_stage=layers_per_stage, bucket_mb=bucket_mb, mesh=mesh_for(dp, tp, pp),
+                           sequence_parallel=sequence_parallel)
     full_numel = {n: p.numel() for n, p in ref.named_parameters(remove_duplicate=False)}
 
     batch = make_batch(kind, size=dp * per_rank * microbatches, seed=7, padded=padded)

@@ -12,6 +12,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
+    Qwen3Config,
     ViTConfig,
 )
 
@@ -36,6 +37,10 @@ CONFIGS = {
     "qwen2": Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=97, max_position_embeddings=64, bos_token_id=1,
                          eos_token_id=2),
+    # Per-head q/k norms whose gradients are summed over tp; derived policy.
+    "qwen3": Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, vocab_size=97, max_position_embeddings=64,
+                         bos_token_id=1, eos_token_id=2),
 }
 VISION = {"vit"}
 

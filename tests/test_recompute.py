@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import pytest
 
-RECOMPUTE_CASES = [  # kind, dp, tp, pp, mode
-    ("gpt2", 1, 2, 1, "full"),  # tp-local attention dropout and shared residual dropout
-    ("gpt2", 1, 2, 1, "selective"),
-    ("llama", 1, 2, 2, "selective"),
-    ("gpt2", 2, 1, 2, "full"),
-    ("vit", 1, 2, 1, "selective"),
+RECOMPUTE_CASES = [  # kind, dp, tp, pp, mode, sequence_parallel
+    ("gpt2", 1, 2, 1, "full", False),  # tp-local attention dropout and shared residual dropout
+    ("gpt2", 1, 2, 1, "selective", False),
+    ("llama", 1, 2, 2, "selective", False),
+    ("gpt2", 2, 1, 2, "full", False),
+    ("vit", 1, 2, 1, "selective", False),
+    ("gpt2", 1, 2, 1, "full", True),  # dropout on the sequence slices: tp-local stream, replayed
+    ("gpt2", 1, 2, 2, "selective", True),
 ]
 
 
-@pytest.mark.parametrize(("kind", "dp", "tp", "pp", "mode"), RECOMPUTE_CASES)
-def test_recompute_is_bit_for_bit(worlds, model_dirs, kind, dp, tp, pp, mode):
+@pytest.mark.parametrize(("kind", "dp", "tp", "pp", "mode", "sp"), RECOMPUTE_CASES)
+def test_recompute_is_bit_for_bit(worlds, model_dirs, kind, dp, tp, pp, mode, sp):
     results = worlds.run(dp * tp * pp, "tests.optim_cases:recompute_parity", kind=kind, model_dir=model_dirs[kind],
-                         dp=dp, tp=tp, pp=pp, microbatches=2, mode=mode)
+                         dp=dp, tp=tp, pp=pp, microbatches=2, mode=mode, sequence_parallel=sp)
     for r in results:
         assert r["losses"] == r["ref_losses"], r
         assert r["grads_equal"] and r["weights_equal"], r

@@ -16,6 +16,7 @@ from ..names import base_model_and_prefix, match_modules, match_parameters
 from ..plan import ModelPolicy
 from ..styles import HF_STYLES, PARAM_FORM
 from .amendments import AMENDMENTS, REFUSALS
+from .entries import derive_entries
 
 
 def _relative_name(root: nn.Module, module: nn.Module) -> str | None:
@@ -114,6 +115,8 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
         tp_plan=tp_plan,
         head_plan=head_plan,
         attr_patches={f"{p}.num_key_value_groups": "local_kv_groups" for p in attention},
+        tp_entries=derive_entries(base, sorted(rowwise_parents),
+                                  {p for p, style in tp_plan.items() if style.startswith("colwise")}),
         tp_rng_regions=tuple(sorted(rowwise_parents)),
         loss=loss,
         forward_kwargs={"use_cache": False},

@@ -1,0 +1,82 @@
+"""Finding the tp entries of a transformers plan: modules whose first argument feeds only column layers.
+
+A hand-written policy names its entries (``ModelPolicy.tp_entries``); transformers' plans do not. An
+entry lets the input of q, k and v take one all-reduce of its gradient instead of three, and it is
+where sequence parallelism gathers the sequence, so derived policies find them here. What makes a
+module an entry is how its ``forward`` uses its first argument, so that is read from the source:
+every use must be the argument of a call to one of its column-parallel submodules
+(``self.q_proj(hidden_states)``) or a read of its shape, dtype or device. Anything else (a
+replicated gate or router reading it, a helper function, a reassignment) means the argument has
+another consumer, whose input gradient would be summed over tp a second time: no entry then.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+
+from torch import nn
+
+from ..names import match_modules
+
+# Reading these from the argument does not consume its values.
+_METADATA = {"shape", "dtype", "device", "size", "dim", "ndim"}
+
+
+def _self_path(node: ast.AST) -> str | None:
+    """``self.a.b`` -> ``"a.b"``; None for anything that is not an attribute chain on ``self``."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name) and node.id == "self" and parts:
+        return ".".join(reversed(parts))
+    return None
+
+
+def _forward_tree(module: nn.Module) -> ast.FunctionDef | None:
+    try:
+        source = textwrap.dedent(inspect.getsource(type(module).forward))
+    except (OSError, TypeError):
+        return None
+    tree = ast.parse(source).body[0]
+    return tree if isinstance(tree, ast.FunctionDef) else None
+
+
+def feeds_only(module: nn.Module, columns: set[str]) -> bool:
+    """Whether ``module.forward`` uses its first argument only as an argument of calls to the
+    submodules named in ``columns`` (paths relative to ``module``) or for its metadata."""
+    tree = _forward_tree(module)
+    if tree is None or len(tree.args.args) < 2:
+        return False
+    arg = tree.args.args[1].arg
+    parents = {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
+    used = False
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Name) or node.id != arg:
+            continue
+        if not isinstance(node.ctx, ast.Load):
+            return False  # reassigned: later uses read something else
+        parent = parents.get(node)
+        if isinstance(parent, ast.Attribute) and parent.attr in _METADATA:
+            continue
+        if isinstance(parent, ast.Call) and node in parent.args and _self_path(parent.func) in columns:
+            used = True
+            continue
+        return False
+    return used
+
+
+def derive_entries(base: nn.Module, candidates: list[str], column_rules: set[str]) -> tuple[str, ...]:
+    """The candidate patterns (``layers.*.self_attn``) whose every matched module is an entry.
+
+    ``column_rules`` are the patterns of the column-parallel rules; a module's columns are the rules
+    directly under its pattern."""
+    entries = []
+    for pattern in candidates:
+        columns = {rule[len(pattern) + 1 :] for rule in column_rules if rule.startswith(pattern + ".")}
+        names = match_modules(base, pattern)
+        if columns and names and all(feeds_only(base.get_submodule(n), columns) for n in names):
+            entries.append(pattern)
+    return tuple(sorted(entries))

@@ -1,0 +1,83 @@
+"""Sequence parallelism (Megatron-SP) equals the plain model; what it cannot take is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_parity import check
+
+SP_CASES = [  # kind, dp, tp, pp, microbatches, padded
+    ("llama", 1, 2, 1, 1, False),
+    ("qwen3", 1, 2, 1, 1, False),
+    ("gpt2", 1, 2, 1, 1, False),
+    ("llama", 2, 2, 1, 2, True),
+    ("qwen3", 2, 2, 1, 1, True),
+    ("gpt2", 2, 2, 1, 1, True),
+    ("llama", 1, 2, 2, 2, True),
+    ("gpt2", 1, 2, 2, 2, False),
+]
+
+
+@pytest.mark.parametrize(("kind", "dp", "tp", "pp", "microbatches", "padded"), SP_CASES)
+def test_sequence_parallel_equals_plain_model(worlds, model_dirs, tmp_path, kind, dp, tp, pp, microbatches, padded):
+    results = worlds.run(
+        dp * tp * pp, "tests.cases:parity", kind=kind, model_dir=model_dirs[kind], out_dir=str(tmp_path / "hf"),
+        dp=dp, tp=tp, pp=pp, microbatches=microbatches, padded=padded, sequence_parallel=True,
+    )
+    check(results, tp=tp)
+
+
+def _meta_model(model_type: str, **overrides):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **{**SMALL, **overrides})
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=8, vocab_size=97, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def _error(model, **kwargs) -> str:
+    from qn_hf.validate import check_parallel_config
+
+    try:
+        check_parallel_config(model, dp=1, microbatches=1, schedule="1f1b", **{"tp": 2, "pp": 1, **kwargs})
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_sequence_parallel_needs_tp():
+    assert "sequence_parallel=True needs tp > 1" in _error(_meta_model("llama"), tp=1, sequence_parallel=True)
+    assert "must be True or False" in _error(_meta_model("llama"), sequence_parallel="yes")
+
+
+def test_sequence_parallel_refuses_what_might_mix_positions():
+    # MoE experts are not inside a tp entry (the router reads the hidden states too)
+    moe = _error(_meta_model("qwen3_moe", moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2),
+                 sequence_parallel=True)
+    assert "sequence_parallel=True (qwen3_moe)" in moe and "experts" in moe, moe
+    # a block module that is neither a tp entry nor a norm or dropout (a convolution over positions)
+    import torch
+
+    llama = _meta_model("llama")
+    with torch.device("meta"):
+        llama.model.layers[1].short_conv = torch.nn.Conv1d(32, 32, 3, padding=1)
+    message = _error(llama, sequence_parallel=True)
+    assert "model.layers.1.short_conv (Conv1d)" in message and "might mix positions" in message, message
+    assert _error(_meta_model("llama"), sequence_parallel=True) == "no error"
+
+
+def test_sequence_length_must_divide_by_tp():
+    import torch
+
+    from qn_hf.batch import check_model_inputs
+
+    model = _meta_model("llama")
+    batch = {"input_ids": torch.zeros(2, 13, dtype=torch.long), "labels": torch.zeros(2, 13, dtype=torch.long)}
+    with pytest.raises(ValueError, match="sequence length 13 is not divisible by tp=2"):
+        check_model_inputs(batch, model=model, loss="causal_lm", sequence_multiple=2)
+    check_model_inputs(batch, model=model, loss="causal_lm")
