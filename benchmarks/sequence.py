@@ -1,6 +1,8 @@
-"""Activation memory of long sequences: sequence parallelism at tp=2, counted from real tensors.
+"""Long sequences: sequence parallelism at tp=2 and context parallelism (ring attention) at cp = 1, 2, 4.
 
     python benchmarks/sequence.py sp          # one Llama microbatch at sequence 8,192, tp=2, SP off/on
+    python benchmarks/sequence.py cp          # the same microbatch at cp = 1, 2, 4: memory, ring bytes
+    python benchmarks/sequence.py ring        # ring attention alone at cp=4: timeline, balanced vs contiguous
 
 A tiny-width Llama (2 blocks, hidden 64, 4 heads over 2 KV heads, SDPA attention) runs one
 microbatch of 1 x 8,192 tokens, float32, on each tp rank. ``LiveAllocations`` records every
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 
 import torch
 from torch import nn
@@ -88,12 +91,125 @@ def sp(args: argparse.Namespace) -> None:
               f"{r['between'] / base['between']:>8.2f}   {traffic}")
 
 
+def cp_worker(rank: int, world: int, path: str, seq: int) -> dict:
+    from transformers import LlamaForCausalLM
+
+    import qn_hf
+
+    pm = qn_hf.parallelize(LlamaForCausalLM.from_pretrained(path), cp=world, seed=0)
+    ids = torch.randint(3, LLAMA["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids}
+    tracker = LiveAllocations()
+    # the activations one microbatch leaves for backward: measured at the first backward op of the step
+    alive: list[int] = []
+    handle = torch.autograd.graph.register_multi_grad_hook(
+        [p for p in pm.parameters() if p.requires_grad][-1:], lambda _: alive.append(tracker.alive_bytes()), mode="any")
+    with tracker:
+        pm.train_step(batch)
+    handle.remove()
+    with CommMeter(pm) as meter:
+        pm.train_step(batch)
+    sent = [e for e in meter.events if e.group == "cp" and e.op == "send"]
+    return {"alive": alive[0] if alive else tracker.alive_bytes(), "sends": len(sent),
+            "sent": sum(e.nbytes for e in sent)}
+
+
+def cp(args: argparse.Namespace) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tempfile.mkdtemp(prefix="qn_hf_cp_")
+    torch.manual_seed(0)
+    config = LlamaConfig(**LLAMA)
+    LlamaForCausalLM(config).save_pretrained(path)
+    head_dim = config.hidden_size // config.num_attention_heads
+    print(f"Llama 2 blocks, hidden 64, one microbatch of 1 x {args.seq} tokens, float32; cp=1 runs transformers' SDPA, "
+          f"cp>1 ring attention; activations = bytes alive when backward starts, rank 0 (LiveAllocations)")
+    print(f"{'cp':>3}{'activations MiB':>17}{'x cp':>8}{'cp sends':>10}{'sent MiB':>10}{'theory MiB':>12}")
+    for size in args.cps:
+        r = run_world(cp_worker, world=size, extra=(path, args.seq))
+        block = 2 * config.num_key_value_heads * (args.seq // size) * head_dim * 4  # k and v of one rank, float32
+        # per layer and step: forward (cp-1) blocks; backward (cp-1) blocks and cp gradient blocks
+        theory = config.num_hidden_layers * (2 * (size - 1) + size) * block if size > 1 else 0
+        print(f"{size:>3}{r['alive'] / 2**20:>17,.1f}{r['alive'] * size / 2**20:>8,.0f}{r['sends']:>10}"
+              f"{r['sent'] / 2**20:>10,.2f}{theory / 2**20:>12,.2f}")
+
+
+def ring_worker(rank: int, world: int, seq: int, balanced: bool, heads: int, head_dim: int) -> dict:
+    import torch.distributed as dist
+
+    from qn_hf.ring_attention import ChunkLayout, ring_attention
+
+    gen = torch.Generator().manual_seed(rank)
+    shape = (1, heads, seq // world, head_dim)
+    q, k, v = (torch.randn(shape, generator=gen, requires_grad=True) for _ in range(3))
+    ones = torch.ones(1, seq, dtype=torch.long)
+    layout = ChunkLayout(size=world, balanced=balanced)
+    for _ in range(2):  # warm-up, then the timed call
+        events: list = []
+        dist.barrier()
+        start = time.perf_counter()
+        out = ring_attention(q, k, v, documents=ones * 0, valid=ones, layout=layout, group=dist.group.WORLD,
+                             scaling=head_dim ** -0.5, events=events)
+        out.sum().backward()
+        total = time.perf_counter() - start
+    events = [(p, s, a - start, b - start, c - start) for p, s, a, b, c in events]
+    return {"rank": rank, "events": events, "total": total}
+
+
+def _gather_ranks(body, world: int, extra: tuple) -> list[dict]:
+    """Every rank's result (run_world returns rank 0's): rank 0 gathers them."""
+    return run_world(_all_ranks, world=world, extra=(body, extra))
+
+
+def _all_ranks(rank: int, world: int, body, extra: tuple) -> list[dict]:
+    import torch.distributed as dist
+
+    mine = body(rank, world, *extra)
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def ring(args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    world, heads, head_dim = 4, 4, 16
+    print(f"ring attention alone, cp={world}, 1 x {args.seq} tokens, {heads} heads of {head_dim}, forward + backward")
+    print(f"{'layout':<12}" + "".join(f"{'rank ' + str(r) + ' compute s':>18}" for r in range(world)) + f"{'max/mean':>10}")
+    runs = {}
+    for balanced in (True, False):
+        ranks = _gather_ranks(ring_worker, world, (args.seq, balanced, heads, head_dim))
+        compute = [sum(b - a for _, _, a, b, _ in r["events"]) for r in ranks]
+        runs[balanced] = ranks
+        print(f"{'balanced' if balanced else 'contiguous':<12}" + "".join(f"{c:>18.3f}" for c in compute)
+              + f"{max(compute) / (sum(compute) / world):>10.2f}")
+    ranks = runs[True]
+    fig, ax = plt.subplots(figsize=(10, 3))
+    for r in ranks:
+        for kind, step, started, computed, received in r["events"]:
+            color = "tab:blue" if kind == "forward" else "tab:green"
+            ax.broken_barh([(started, computed - started)], (r["rank"] - 0.4, 0.8), color=color)
+            ax.broken_barh([(computed, received - computed)], (r["rank"] - 0.4, 0.8), color="tab:red")
+    ax.set_yticks(range(world), [f"cp rank {r}" for r in range(world)])
+    ax.set_xlabel("seconds (blue: forward block compute, green: backward block compute, red: waiting for the ring)")
+    ax.set_title(f"ring attention, balanced layout, cp={world}, sequence {args.seq}")
+    fig.tight_layout()
+    fig.savefig(args.out)
+    waits = [sum(c - b for _, _, _, b, c in r["events"]) for r in ranks]
+    print(f"waiting for transfers after computing, per rank (s): {[round(w, 3) for w in waits]}; timeline {args.out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=("sp",))
+    parser.add_argument("part", choices=("sp", "cp", "ring"))
     parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--cps", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
+    parser.add_argument("--out", default="results/cp_ring_timeline.png")
     args = parser.parse_args()
-    sp(args)
+    {"sp": sp, "cp": cp, "ring": ring}[args.part](args)
 
 
 if __name__ == "__main__":

@@ -45,12 +45,12 @@ INTEGER_KEYS = ("input_ids", "token_type_ids", "position_ids")
 
 
 def check_model_inputs(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Module, loss: str | None,
-                       sequence_multiple: int = 1) -> None:
+                       sequence_split: tuple[int, str] = (1, "")) -> None:
     """Check a batch against the model before anything is sent: the main input is there, keys are
     forward arguments (when the forward names them all), index tensors are integers and images
     floating point, and shapes fit the config (sequence length within a learned position table,
     image size and channels, label shapes for the built-in ``loss``; None: a user's loss_fn), and a
-    sequence length that ``sequence_multiple`` divides (sequence parallelism splits it over tp).
+    sequence length that ``sequence_split`` (a multiple, and why) divides.
     Without this, each mistake surfaces as a shape error deep inside a forward on some ranks."""
     main = getattr(model, "main_input_name", "input_ids")
     if main not in batch and "inputs_embeds" not in batch:
@@ -82,10 +82,10 @@ def check_model_inputs(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Mod
         ids = batch["input_ids"]
         if ids.dim() != 2:
             raise ValueError(f"batch['input_ids'] has shape {tuple(ids.shape)}; it must be (batch, sequence)")
-        if ids.shape[1] % sequence_multiple:
-            raise ValueError(f"sequence length {ids.shape[1]} is not divisible by tp={sequence_multiple}, over which "
-                             f"sequence_parallel=True splits it; pad the sequences to a multiple of {sequence_multiple} "
-                             f"(attention_mask 0 and labels -100 on the padding)")
+        multiple, why = sequence_split
+        if ids.shape[1] % multiple:
+            raise ValueError(f"sequence length {ids.shape[1]} is not a multiple of {multiple} ({why}); pad the sequences "
+                             f"to a multiple of {multiple} (attention_mask 0 and labels -100 on the padding)")
         positions = getattr(config, "n_positions", None)  # a learned position table (GPT-2); RoPE models have none
         if positions and ids.shape[1] > positions:
             raise ValueError(f"sequence length {ids.shape[1]} exceeds the model's {positions} positions; cut the sequences")

@@ -13,7 +13,8 @@ Every op passes through Python while a meter is active: meter a step, do not tim
 
 The payload is what this rank hands to the call: the tensor of an all-reduce, broadcast, send or
 receive; this rank's input of an all-gather or reduce-scatter; nothing for a barrier. Point-to-point
-transfers only run between pipeline stages and are counted on ``"pp"``.
+transfers between pipeline stages are counted on ``"pp"``, those of ring attention on ``"cp"``; with
+cp > 1 gradients are reduced over ``"replicas"`` (the dp x cp ranks holding the same shard).
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ class _Groups(Protocol):  # properties, so that a frozen dataclass matches
     def tp(self) -> ProcessGroup: ...
     @property
     def pp(self) -> ProcessGroup: ...
+    @property
+    def cp(self) -> ProcessGroup | None: ...
+    @property
+    def replicas(self) -> ProcessGroup: ...
     @property
     def kv(self) -> ProcessGroup | None: ...
     @property
@@ -100,7 +105,8 @@ class CommMeter:
 
     def __init__(self, pm: HasGroups) -> None:
         g = pm.groups
-        named = {"dp": g.dp, "tp": g.tp, "pp": g.pp, "kv": g.kv, "tie": g.tie}
+        # "replicas" (dp x cp, where gradients are reduced under cp > 1) first: at cp=1 it is the dp group
+        named = {"replicas": g.replicas, "dp": g.dp, "tp": g.tp, "pp": g.pp, "cp": g.cp, "kv": g.kv, "tie": g.tie}
         # By name, as the dispatcher hands over a boxed group, not the Python object. A named group
         # that is the default group (a mesh dim spanning the world) is reported by its name.
         self._names = {group.group_name: n for n, group in named.items() if group is not None}
@@ -114,7 +120,9 @@ class CommMeter:
         if not boxed:  # not a communication (e.g. c10d.check_for_nan)
             return
         op = func._opname
-        name = "pp" if op in _P2P else self._group_name(ProcessGroup.unbox(boxed[0]))
+        name = self._group_name(ProcessGroup.unbox(boxed[0]))
+        if op in _P2P and name != "cp":  # pipeline transfers name their peers by global rank
+            name = "pp"
         # This rank's input: the "input*" arguments of gathers/scatters, else the in-place "tensors".
         inputs = [a.name for a in schema if a.name.startswith("input")]
         inputs = inputs or [a.name for a in schema if a.name in ("tensors", "tensor")]

@@ -38,8 +38,9 @@ def clip_grad_norm_(pm: Placed, max_norm: float, *, norm_type: float = 2.0) -> t
             spec = placement.spec(name)
             acc += g.pow(2).sum() * (spec.norm_weight() if spec is not None else 1.0 / tp)
     op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-    dp = placement.dims.dp if pm.grads_split_over_dp else 1
-    for group, size in ((placement.groups.tp, tp), (placement.groups.pp, placement.dims.pp), (placement.groups.dp, dp)):
+    replicas = placement.dims.replicas if pm.grads_split_over_dp else 1  # ZeRO pieces are split over dp x cp
+    for group, size in ((placement.groups.tp, tp), (placement.groups.pp, placement.dims.pp),
+                        (placement.groups.replicas, replicas)):
         if size > 1:
             dist.all_reduce(acc, op=op, group=group)
     total = acc if norm_type == math.inf else acc.sqrt()

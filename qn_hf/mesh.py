@@ -1,5 +1,6 @@
-"""Parallel degrees, their validation, the ("dp", "pp", "tp") device mesh, and the one function that
-builds every process group a rank needs (``build_groups``).
+"""Parallel degrees, their validation, the ("dp", "pp", "tp") device mesh (("dp", "pp", "cp", "tp")
+with context parallelism), and the one function that builds every process group a rank needs
+(``build_groups``).
 
 Validation here is pure arithmetic: it runs on every rank before any process group exists, so a bad
 configuration raises the same ``ValueError`` everywhere instead of hanging in a rendezvous.
@@ -20,30 +21,48 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from .arguments import check_positive_int
 
 MESH_DIMS = ("dp", "pp", "tp")
+MESH_DIMS_CP = ("dp", "pp", "cp", "tp")
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Degrees of data, pipeline and tensor parallelism; ``world_size == dp * pp * tp``."""
+    """Degrees of data, pipeline, context and tensor parallelism; ``world_size == dp * pp * cp * tp``."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp"):
+        for name in ("dp", "tp", "pp", "cp"):
             check_positive_int(name, getattr(self, name))
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The mesh's dim names: cp appears only when it is used, so 3-D meshes stay as they were."""
+        return MESH_DIMS_CP if self.cp > 1 else MESH_DIMS
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, name) for name in self.names)
+
+    @property
+    def replicas(self) -> int:
+        """How many ranks hold the same parameter shard (and sum its gradients): dp x cp."""
+        return self.dp * self.cp
 
     def check_world_size(self, world_size: int) -> None:
         if world_size != self.world_size:
+            order = ("dp", "tp", "pp", "cp") if self.cp > 1 else ("dp", "tp", "pp")
+            product, values = "*".join(order), "*".join(str(getattr(self, n)) for n in order)
             raise ValueError(
-                f"world size {world_size} != dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {self.world_size}; "
+                f"world size {world_size} != {product} = {values} = {self.world_size}; "
                 f"launch {self.world_size} processes (e.g. torchrun --nproc-per-node {self.world_size}) "
-                f"or change dp/tp/pp so that their product is {world_size}"
+                f"or change {'/'.join(order)} so that their product is {world_size}"
             )
 
 
@@ -94,46 +113,48 @@ def free_local_port() -> int:
 
 
 def build_mesh(dims: ParallelDims, *, device: torch.device, timeout: datetime.timedelta | None = None) -> DeviceMesh:
-    """A 3-D mesh over all ranks; every rank must call this (it creates the sub-groups).
+    """A 3-D (4-D with cp) mesh over all ranks; every rank must call this (it creates the sub-groups).
 
     With ``timeout``, every dp/pp/tp group gets it: ``init_device_mesh`` would give its groups
     torch's default (30 minutes for gloo) whatever the default group's timeout is, so a rank that
     stops answering would hold the others in a tp all-reduce or a pipeline receive for half an hour.
     """
     if timeout is None:
-        return init_device_mesh(device.type, (dims.dp, dims.pp, dims.tp), mesh_dim_names=MESH_DIMS)
-    grid = torch.arange(dims.world_size).reshape(dims.dp, dims.pp, dims.tp)
+        return init_device_mesh(device.type, dims.shape, mesh_dim_names=dims.names)
+    grid = torch.arange(dims.world_size).reshape(dims.shape)
     groups = []
     for d, size in enumerate(grid.shape):
         ranks = grid.movedim(d, -1).reshape(-1, size).tolist()  # every group along dim d
         mine, _ = dist.new_subgroups_by_enumeration(ranks, timeout=timeout)
         groups.append(mine)
-    return DeviceMesh.from_group(groups, device.type, mesh=grid, mesh_dim_names=MESH_DIMS)
+    return DeviceMesh.from_group(groups, device.type, mesh=grid, mesh_dim_names=dims.names)
 
 
 def check_mesh(mesh: DeviceMesh, dims: ParallelDims) -> None:
     """A caller-supplied mesh must have our dim names and the requested degrees."""
-    if mesh.mesh_dim_names != MESH_DIMS:
-        raise ValueError(f"mesh dims {mesh.mesh_dim_names} must be {MESH_DIMS}")
+    if mesh.mesh_dim_names != dims.names:
+        raise ValueError(f"mesh dims {mesh.mesh_dim_names} must be {dims.names}")
     shape = tuple(mesh.mesh.shape)
-    if shape != (dims.dp, dims.pp, dims.tp):
-        raise ValueError(f"mesh shape {shape} does not match (dp, pp, tp) = {(dims.dp, dims.pp, dims.tp)}")
+    if shape != dims.shape:
+        raise ValueError(f"mesh shape {shape} does not match {dims.names} = {dims.shape}")
 
 
 @dataclass(frozen=True)
 class Groups:
     """Every process group this rank belongs to, its mesh coordinates and its pipeline neighbours.
 
-    ``kv`` joins the tp ranks that hold the same replicated KV-head shard (None when nothing is
+    ``replicas`` is ``dp`` when cp=1. ``kv`` joins the tp ranks that hold the same replicated KV-head shard (None when nothing is
     replicated that way); ``tie`` joins the first and last stage of this (dp, tp) when they hold the
     two copies of a tied weight; ``prev``/``next`` are the global ranks of the neighbouring stages
     with the same (dp, tp) (None at the ends)."""
 
     mesh: DeviceMesh
-    coords: dict[str, int]  # {"dp": .., "pp": .., "tp": ..}: this rank's place on the mesh
+    coords: dict[str, int]  # {"dp": .., "pp": .., "cp": .., "tp": ..}: this rank's place on the mesh
     dp: ProcessGroup
     tp: ProcessGroup
     pp: ProcessGroup
+    cp: ProcessGroup | None  # the ranks that split one sequence (None when cp=1)
+    replicas: ProcessGroup  # dp x cp: the ranks holding the same shard, whose gradients are summed
     kv: ProcessGroup | None
     tie: ProcessGroup | None
     prev: int | None
@@ -151,18 +172,26 @@ def build_groups(dims: ParallelDims, *, device: torch.device, timeout: datetime.
     if mesh is None:
         mesh = build_mesh(dims, device=device, timeout=timeout)
     check_mesh(mesh, dims)
-    coords = {d: mesh.get_local_rank(d) for d in MESH_DIMS}
-    grid = mesh.mesh  # [dp, pp, tp] global ranks
-    d, p, t = coords["dp"], coords["pp"], coords["tp"]
+    coords = {d: mesh.get_local_rank(d) for d in dims.names}
+    coords.setdefault("cp", 0)
+    # [dp, pp, cp, tp] global ranks (cp of size 1 when absent), whatever the mesh's own layout
+    grid = mesh.mesh.reshape(dims.dp, dims.pp, dims.cp, dims.tp)
+    d, p, c, t = coords["dp"], coords["pp"], coords["cp"], coords["tp"]
     kv = _member_of([row[i : i + kv_replicas] for row in grid.reshape(-1, dims.tp).tolist()
                      for i in range(0, dims.tp, kv_replicas)], timeout) if kv_replicas > 1 else None
-    tie = _member_of([[int(grid[a, 0, b]), int(grid[a, -1, b])] for a in range(dims.dp) for b in range(dims.tp)],
-                     timeout) if tied_stages else None
+    tie = _member_of([[int(grid[a, 0, z, b]), int(grid[a, -1, z, b])] for a in range(dims.dp) for z in range(dims.cp)
+                      for b in range(dims.tp)], timeout) if tied_stages else None
+    if dims.cp > 1:
+        cp = mesh.get_group("cp")
+        replicas = _member_of([grid[:, q, :, b].reshape(-1).tolist() for q in range(dims.pp) for b in range(dims.tp)],
+                              timeout)
+    else:
+        cp, replicas = None, mesh.get_group("dp")
     return Groups(
         mesh=mesh, coords=coords, dp=mesh.get_group("dp"), tp=mesh.get_group("tp"), pp=mesh.get_group("pp"),
-        kv=kv, tie=tie,
-        prev=int(grid[d, p - 1, t]) if p > 0 else None,
-        next=int(grid[d, p + 1, t]) if p < dims.pp - 1 else None,
+        cp=cp, replicas=replicas, kv=kv, tie=tie,
+        prev=int(grid[d, p - 1, c, t]) if p > 0 else None,
+        next=int(grid[d, p + 1, c, t]) if p < dims.pp - 1 else None,
     )
 
 

@@ -73,8 +73,9 @@ class ParallelOptimizer(torch.optim.Optimizer):
         names = {id(p): n for n, p in pm.module.named_parameters()}
         groups = _groups(pm, param_groups, names)
         buckets: GradBuckets | None = pm.buckets
-        if zero and pm.dims.dp == 1:
-            warnings.warn("zero=True with dp=1 shards nothing: the optimizer keeps all of its state", stacklevel=3)
+        if zero and pm.dims.replicas == 1:
+            warnings.warn("zero=True with dp=1 shards nothing (with cp=1 no other rank holds the same weights): the "
+                          "optimizer keeps all of its state", stacklevel=3)
             zero = False
         self.pm, self.zero, self.mixed = pm, zero, pm.precision is not None
         if zero:

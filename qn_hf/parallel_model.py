@@ -16,6 +16,7 @@ from .checkpoint.hf import DEFAULT_MAX_SHARD_BYTES
 from .checkpoint.load import load_checkpoint
 from .checkpoint.save import save_checkpoint
 from .comm import flat_all_reduce_, gather_from_group
+from .context_parallel import CP_KEYS, shard_microbatch
 from .data_parallel import GradBuckets
 from .grad_sync import GradSync
 from .failure import FailTogether
@@ -28,6 +29,7 @@ from .placement import ShardPlacement
 from .plan import TpPlan
 from .precision import LossScaler
 from .rng import RngStreams
+from .ring_attention import ChunkLayout
 from .shard import ShardSpec
 from .tensor_parallel import VocabShard
 
@@ -56,6 +58,7 @@ class ParallelModel:
         buckets: GradBuckets | None,
         precision: torch.dtype | None,
         scaler: LossScaler | None,
+        chunks: ChunkLayout,
     ) -> None:
         self.module = module
         self.placement = placement
@@ -69,6 +72,7 @@ class ParallelModel:
         self.buckets = buckets
         self.precision = precision  # the compute dtype under mixed precision (None: the model's own)
         self.scaler = scaler  # float16's loss scale
+        self.chunks = chunks  # which parts of each sequence the cp ranks hold
         self.grads = GradSync(module=module, placement=placement, grad_sum=plan.grad_sum, buckets=buckets,
                               scaler=scaler)
         self.optimizer = None  # the qn_hf.optimizer built over this model, if any
@@ -197,8 +201,17 @@ class ParallelModel:
                 f"{type(self.module).__name__} has no built-in loss (a base model); pass loss_fn=(outputs, batch) -> loss"
             )
         check_batch(batch, microbatches=self.microbatches, required=("labels",) if builtin else ())
-        check_model_inputs(batch, model=self.module, loss=self.plan.loss if builtin else None,
-                           sequence_multiple=self.dims.tp if self.plan.sequence_parallel else 1)
+        cp = self.dims.cp
+        if cp > 1:
+            if not builtin:
+                raise ValueError(f"cp={cp}: each rank holds part of every sequence, so a loss_fn would see only those "
+                                 f"tokens; use the built-in loss (batch labels) or cp=1")
+            unknown = sorted(set(batch) - set(CP_KEYS))
+            if unknown:
+                raise ValueError(f"cp={cp}: batch keys {unknown} cannot be cut along the sequence; use only {CP_KEYS}")
+        split = (2 * cp, f"cp={cp} cuts it into 2*cp chunks") if cp > 1 else (
+            (self.dims.tp, f"sequence_parallel=True splits it over tp={self.dims.tp}") if self.plan.sequence_parallel else (1, ""))
+        check_model_inputs(batch, model=self.module, loss=self.plan.loss if builtin else None, sequence_split=split)
         if builtin and self.plan.loss == "classification":
             config = self.config
             if config.num_labels == 1 or getattr(config, "problem_type", None) in ("regression", "multi_label_classification"):
@@ -218,18 +231,23 @@ class ParallelModel:
         else:
             scale = 1.0 / (self.microbatches * self.dims.dp)
         micro = split_microbatches(batch, microbatches=self.microbatches)
+        if cp > 1:  # this rank's tokens of every sequence, with targets shifted on the whole sequence
+            micro = [shard_microbatch(m, layout=self.chunks, rank=self.coords["cp"]) for m in micro]
         total = torch.zeros((), dtype=torch.float32, device=self.device)
 
         def forward(mb: int, received: torch.Tensor | None) -> torch.Tensor:
             """One microbatch through this stage: the activation to send, or on the last stage the
             microbatch's share of the global loss (what backward starts from)."""
             nonlocal total
-            inputs = {k: v for k, v in micro[mb].items() if k != "labels"}
+            inputs = {k: v for k, v in micro[mb].items() if k not in ("labels", "targets")}
             outputs = self.stage.forward(inputs, received, **self.plan.policy.forward_kwargs)
             if not self.stage.is_last:
                 return outputs
             if builtin:
-                loss = self._builtin_loss_sum(outputs, micro[mb]["labels"])
+                targets = micro[mb].get("targets")
+                if targets is None:
+                    targets = causal_lm_targets(micro[mb]["labels"]) if self.plan.loss == "causal_lm" else micro[mb]["labels"]
+                loss = self._builtin_loss_sum(outputs, targets)
             else:
                 loss = loss_fn(self._with_full_logits(outputs), micro[mb])
             loss = loss * scale
@@ -241,15 +259,16 @@ class ParallelModel:
                                     backward=backward)
         arm = self.buckets.arm if backward and self._sync and self.buckets is not None else None
         self.executor.run(schedule, forward, before_last_backward=arm)
-        # The last stage holds the loss: a sum over pp hands it to every stage, then over dp.
+        # The last stage holds the loss: a sum over pp hands it to every stage, then over dp and cp
+        # (each cp rank holds the loss of its own tokens).
         flat_all_reduce_([total], group=self.groups.pp)
-        flat_all_reduce_([total], group=self.groups.dp)
+        flat_all_reduce_([total], group=self.groups.replicas)
         return total
 
-    def _builtin_loss_sum(self, outputs, labels: torch.Tensor) -> torch.Tensor:
+    def _builtin_loss_sum(self, outputs, targets: torch.Tensor) -> torch.Tensor:
+        """The summed loss of one microbatch; ``targets`` are the labels already shifted for a causal LM."""
         logits = outputs.logits
         if self.plan.loss == "causal_lm":
-            targets = causal_lm_targets(labels)
             if self.vocab is None or self.dims.tp == 1:  # the whole vocabulary is here: torch's fused kernel
                 logits = logits if self.vocab is None else logits[..., : self.vocab.size]
                 return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="sum")
@@ -257,7 +276,7 @@ class ParallelModel:
                 logits.flatten(0, -2), targets.flatten(), vocab_start=self.vocab.start, vocab_size=self.vocab.size, group=self.groups.tp
             )
             return losses.sum()
-        return F.cross_entropy(logits.float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
+        return F.cross_entropy(logits.float(), targets.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
 
     def _with_full_logits(self, outputs):
         if self.vocab is not None and getattr(outputs, "logits", None) is not None:

@@ -12,6 +12,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .comm import flat_broadcast_
+from .context_parallel import apply_context_parallel
+from .ring_attention import ChunkLayout
 from .data_parallel import DEFAULT_BUCKET_MB, GradBuckets, bucket_size_bytes
 from .mesh import Groups, ParallelDims, build_groups, default_device, init_distributed, launched_world_size
 from .parallel_model import ParallelModel
@@ -38,6 +40,7 @@ def parallelize(
     dp: int = 1,
     tp: int = 1,
     pp: int = 1,
+    cp: int = 1,
     microbatches: int = 1,
     schedule: str = "1f1b",
     policy: ModelPolicy | None = None,
@@ -52,7 +55,8 @@ def parallelize(
     recompute: str | None = None,
     sequence_parallel: bool = False,
 ) -> ParallelModel:
-    """Shard ``model`` (in place) over a (dp, pp, tp) mesh and return its ``ParallelModel``.
+    """Shard ``model`` (in place) over a (dp, pp, tp) mesh, or (dp, pp, cp, tp) with ``cp`` > 1, and
+    return its ``ParallelModel``.
 
     Every check that can fail runs before the first collective, identically on every rank.
     ``layers_per_stage`` sets how many blocks each pipeline stage gets (default: as even as
@@ -65,14 +69,15 @@ def parallelize(
     "fp16") computes in that dtype with float32 gradients and float32 master weights in
     ``qn_hf.optimizer`` (precision.py); ``recompute`` ("full" or "selective") recomputes each block's
     activations in backward (recompute.py); ``sequence_parallel`` splits the activations between
-    tensor-parallel regions over the tp ranks along the sequence (sequence_parallel.py).
+    tensor-parallel regions over the tp ranks along the sequence (sequence_parallel.py); ``cp`` splits
+    each sequence over that many ranks, with ring attention (context_parallel.py).
     """
     if getattr(model, _MARK, False):
         raise ValueError("this model is already parallelized; load a fresh copy to parallelize it again")
     checked = check_parallel_config(model, dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
                                     policy=policy, layers_per_stage=layers_per_stage, bucket_mb=bucket_mb,
                                     mixed_precision=mixed_precision, recompute=recompute,
-                                    sequence_parallel=sequence_parallel)
+                                    sequence_parallel=sequence_parallel, cp=cp)
     dims, plan, stage_plan = checked.dims, checked.tp_plan, checked.stage_plan
     dims.check_world_size(launched_world_size())
     _check_tensors(model, checkpoint=checkpoint)
@@ -94,6 +99,9 @@ def parallelize(
         warnings.warn(f"microbatches={microbatches} < pp={pp}: each stage idles {bubble:.0%} of a step (pipeline bubble "
                       f"(pp-1)/(microbatches+pp-1)); use microbatches >= 2*pp={2 * pp} if the batch allows", stacklevel=2)
 
+    chunks = ChunkLayout(size=cp)
+    if cp > 1:  # before the stage cut and the tp patches: their config copies take the attention choice
+        apply_context_parallel(model, group=groups.cp, layout=chunks)
     precision = PRECISIONS.get(mixed_precision)
     if precision is not None:  # before the stage cut: stand-ins take their dtype from the modules they replace
         apply_mixed_precision(model, precision)
@@ -112,11 +120,11 @@ def parallelize(
         apply_mixed_precision(model, precision)
     if checkpoint is None:  # loading gives every replica the same bytes anyway
         _synchronize_replicas(model, specs, groups, stage_plan)
-    rng = _install_rng_streams(model, plan, coords, device, seed)
+    placement = ShardPlacement(dims=dims, groups=groups, specs=specs, ties=stage_plan.ties, device=device)
+    rng = _install_rng_streams(model, plan, coords, device, seed, replica=placement.replica_rank)
     if recompute is not None:
         apply_recompute(model, recompute=recompute, layers=stage_plan.layers, rng=rng)
     setattr(model, _MARK, True)
-    placement = ShardPlacement(dims=dims, groups=groups, specs=specs, ties=stage_plan.ties, device=device)
     pm = ParallelModel(
         module=model,
         placement=placement,
@@ -130,6 +138,7 @@ def parallelize(
         buckets=_grad_buckets(model, groups, dims, bucket_mb),
         precision=precision,
         scaler=LossScaler() if mixed_precision == "fp16" else None,
+        chunks=chunks,
     )
     if checkpoint is not None:
         pm.load_checkpoint(checkpoint)
@@ -169,10 +178,12 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
 
 
 def _grad_buckets(model: nn.Module, groups: Groups, dims: ParallelDims, bucket_mb: float) -> GradBuckets | None:
-    if dims.dp == 1:
+    if dims.replicas == 1:
         return None
     params = [p for p in model.parameters() if p.requires_grad]
-    return GradBuckets(params, group=groups.dp, bucket_bytes=bucket_size_bytes(bucket_mb))
+    # cp ranks hold the same weights and see different tokens of the same sequences: their gradients
+    # are partial sums like those of dp ranks, so one reduction covers both.
+    return GradBuckets(params, group=groups.replicas, bucket_bytes=bucket_size_bytes(bucket_mb))
 
 
 def _on_this_stage(model: nn.Module, name: str) -> bool:
@@ -201,18 +212,19 @@ def _synchronize_replicas(
             flat_broadcast_(kv_replicated, src_group_rank=0, group=groups.kv)
         if groups.tie is not None:
             flat_broadcast_(tied, src_group_rank=0, group=groups.tie)
-        flat_broadcast_([p.data for p in named.values()], src_group_rank=0, group=groups.dp)
+        flat_broadcast_([p.data for p in named.values()], src_group_rank=0, group=groups.replicas)
 
 
 def _install_rng_streams(
-    model: nn.Module, plan: TpPlan, coords: dict[str, int], device: torch.device, seed: int | None
+    model: nn.Module, plan: TpPlan, coords: dict[str, int], device: torch.device, seed: int | None, *, replica: int
 ) -> RngStreams:
+    """Seeded per replica (dp x cp: different examples or tokens draw different masks), tp and pp."""
     if seed is None:
         shared = torch.tensor([torch.initial_seed() % (2**62)], dtype=torch.int64, device=device)
         dist.broadcast(shared, src=0)
         seed = int(shared.item())
     streams = RngStreams(
-        device=device, seeds=stream_seeds(base_seed=seed, dp_rank=coords["dp"], tp_rank=coords["tp"], pp_rank=coords["pp"])
+        device=device, seeds=stream_seeds(base_seed=seed, dp_rank=replica, tp_rank=coords["tp"], pp_rank=coords["pp"])
     )
     for name in plan.tp_rng_regions:
         streams.hook_module(model.get_submodule(name), TP_LOCAL)

@@ -3,7 +3,7 @@ sharding (checkpoints, the Hugging Face export, the global gradient norm, the co
 takes instead of the whole ``ParallelModel``.
 
 A parameter is named by its HF name. Its global tensor is cut over tp as its ``ShardSpec`` says (no
-spec: replicated over tp), lives on one pipeline stage, and is repeated on every dp rank. A weight
+spec: replicated over tp), lives on one pipeline stage, and is repeated on every dp (and cp) rank. A weight
 tied across stages (GPT-2's ``wte``/``lm_head``) has two copies: the first stage's ``owner`` name is
 the one saved and counted, the last stage's ``follower`` copy is skipped.
 """
@@ -33,6 +33,11 @@ class ShardPlacement:
     @property
     def coords(self) -> dict[str, int]:
         return self.groups.coords
+
+    @property
+    def replica_rank(self) -> int:
+        """This rank's place among the dp x cp ranks that hold the same shard (0 writes checkpoints)."""
+        return self.coords["dp"] * self.dims.cp + self.coords.get("cp", 0)
 
     def spec(self, name: str) -> ShardSpec | None:
         return self.specs.get(name)

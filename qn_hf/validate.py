@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from .arguments import check_choice, check_positive
+from .context_parallel import check_context_parallel
 from .data_parallel import DEFAULT_BUCKET_MB
 from .mesh import ParallelDims
 from .pipeline.schedule import check_schedule_args
@@ -39,9 +40,9 @@ def check_parallel_config(model: nn.Module, *, dp: int, tp: int, pp: int, microb
                           policy: ModelPolicy | None = None,
                           layers_per_stage: Sequence[int] | None = None,
                           bucket_mb: float = DEFAULT_BUCKET_MB, mixed_precision: str | None = None,
-                          recompute: str | None = None, sequence_parallel: bool = False) -> CheckedConfig:
+                          recompute: str | None = None, sequence_parallel: bool = False, cp: int = 1) -> CheckedConfig:
     """Raise ``ValueError`` naming the value and the fix for anything ``model`` cannot take."""
-    dims = ParallelDims(dp=dp, tp=tp, pp=pp)
+    dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp)
     check_schedule_args(stages=pp, microbatches=microbatches, schedule=schedule)
     check_positive("bucket_mb", bucket_mb)
     if not isinstance(sequence_parallel, bool):
@@ -52,6 +53,7 @@ def check_parallel_config(model: nn.Module, *, dp: int, tp: int, pp: int, microb
     tp_plan = build_tp_plan(model, resolved, tp=tp)
     stage_plan = build_stage_plan(model, resolved, stages=pp, layers_per_stage=layers_per_stage)
     check_recompute(model, recompute=recompute, layers=stage_plan.layers)
+    check_context_parallel(model, cp=cp, plan=tp_plan, sequence_parallel=sequence_parallel)
     if sequence_parallel:
         tp_plan = sequence_parallel_plan(model, tp_plan, stage_plan)
     return CheckedConfig(dims=dims, policy=resolved, tp_plan=tp_plan, stage_plan=stage_plan)

@@ -11,13 +11,13 @@ from qn_hf.mesh import ParallelDims, build_mesh
 from tests.models import dp_slice, load, make_batch
 
 # One mesh per shape for the life of a worker: creating process groups is the slow part of a job.
-_MESHES: dict[tuple[int, int, int], DeviceMesh] = {}
+_MESHES: dict[tuple[int, int, int, int], DeviceMesh] = {}
 
 
-def mesh_for(dp: int, tp: int, pp: int = 1) -> DeviceMesh:
-    key = (dp, pp, tp)
+def mesh_for(dp: int, tp: int, pp: int = 1, cp: int = 1) -> DeviceMesh:
+    key = (dp, pp, cp, tp)
     if key not in _MESHES:
-        _MESHES[key] = build_mesh(ParallelDims(dp=dp, tp=tp, pp=pp), device=torch.device("cpu"))
+        _MESHES[key] = build_mesh(ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp), device=torch.device("cpu"))
     return _MESHES[key]
 
 
@@ -44,24 +44,29 @@ def reference_grad(ref_params: dict[str, torch.nn.Parameter], name: str, pm: qn_
 
 def parity(*, kind: str, model_dir: str, out_dir: str, dp: int, tp: int, pp: int = 1, microbatches: int = 1,
            schedule: str = "1f1b", layers_per_stage: list[int] | None = None, padded: bool = False,
-           per_rank: int = 2, bucket_mb: float = 25.0, sequence_parallel: bool = False) -> dict:
+           per_rank: int = 2, bucket_mb: float = 25.0, sequence_parallel: bool = False, cp: int = 1,
+           packed: bool = False, seq: int = 12) -> dict:
     """Forward, loss, every gradient, grad norm and weights after an optimizer step against the plain model."""
     torch.manual_seed(0)
     ref = load(kind, model_dir)
-    pm = qn_hf.parallelize(load(kind, model_dir), dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
-                           layers_per_stage=layers_per_stage, bucket_mb=bucket_mb, mesh=mesh_for(dp, tp, pp),
-                           sequence_parallel=sequence_parallel)
+    pm = qn_hf.parallelize(load(kind, model_dir), dp=dp, tp=tp, pp=pp, cp=cp, microbatches=microbatches,
+                           schedule=schedule, layers_per_stage=layers_per_stage, bucket_mb=bucket_mb,
+                           mesh=mesh_for(dp, tp, pp, cp), sequence_parallel=sequence_parallel)
     full_numel = {n: p.numel() for n, p in ref.named_parameters(remove_duplicate=False)}
 
-    batch = make_batch(kind, size=dp * per_rank * microbatches, seed=7, padded=padded)
+    batch = make_batch(kind, size=dp * per_rank * microbatches, seed=7, padded=padded, packed=packed, seq=seq)
     local = dp_slice(batch, dp=dp, dp_rank=pm.coords["dp"])
 
+    if packed:  # transformers separates packed documents only without a cache (its training setting, as ours)
+        batch_for_ref = {**batch, "use_cache": False}
+    else:
+        batch_for_ref = batch
     ref.eval()
     with torch.no_grad():
-        ref_eval = ref(**batch).loss.item()
-        ref_logits = dp_slice({"x": ref(**model_inputs(batch)).logits}, dp=dp, dp_rank=pm.coords["dp"])["x"]
+        ref_eval = ref(**batch_for_ref).loss.item()
+        ref_logits = dp_slice({"x": ref(**model_inputs(batch_for_ref)).logits}, dp=dp, dp_rank=pm.coords["dp"])["x"]
         logit_err = 0.0
-        if pp == 1:  # a forward call is one rank's; with stages it spans the pipeline
+        if pp == 1 and cp == 1:  # a forward call is one rank's; with stages or cp it spans several
             pm.eval()
             logits = pm.full_logits(pm(**model_inputs(local)).logits)
             logit_err = (logits - ref_logits).abs().max().item()
@@ -69,7 +74,7 @@ def parity(*, kind: str, model_dir: str, out_dir: str, dp: int, tp: int, pp: int
 
     loss = pm.train_step(local)
     ref.train()
-    ref_loss = ref(**batch).loss
+    ref_loss = ref(**batch_for_ref).loss
     ref_loss.backward()
     ref_params = dict(ref.named_parameters(remove_duplicate=False))  # lm_head.weight too, when tied
     grad_err, worst = 0.0, ""
@@ -109,4 +114,20 @@ def parity(*, kind: str, model_dir: str, out_dir: str, dp: int, tp: int, pp: int
         "full_sharded": sum(full_numel.get(n, 0) for n, _ in pm.named_parameters() if n in sharded),
         "local_total": sum(p.numel() for p in pm.parameters()),
         "full_total": sum(full_numel.values()),
+    }
+
+
+def cp_batch_errors(*, model_dir: str) -> dict:
+    """Each batch mistake under cp=2 is one ValueError on every rank, raised before any collective."""
+    pm = qn_hf.parallelize(load("llama", model_dir), cp=2, mesh=mesh_for(1, 1, 1, 2))
+    # Mistral's layers pass config.sliding_window to the attention function
+    windowed = qn_hf.parallelize(load("mistral", model_dir.replace("llama", "mistral"), sliding_window=8), cp=2,
+                                 mesh=mesh_for(1, 1, 1, 2))
+    batch = make_batch("llama", size=2, seed=3, seq=14)
+    good = make_batch("llama", size=2, seed=3, seq=16)
+    return {
+        "odd": error_message(lambda: pm.train_step(batch)),
+        "loss_fn": error_message(lambda: pm.train_step(good, loss_fn=lambda out, b: out.logits.sum())),
+        "keys": error_message(lambda: pm.train_step({**good, "token_type_ids": good["input_ids"] * 0})),
+        "window": error_message(lambda: windowed.train_step(make_batch("mistral", size=2, seed=3, seq=16))),
     }

@@ -64,8 +64,10 @@ def load(kind: str, path: str, **overrides):
     return auto_class(kind).from_pretrained(path, **overrides)
 
 
-def make_batch(kind: str, *, size: int, seed: int, seq: int = 12, padded: bool = False) -> dict[str, torch.Tensor]:
-    """A global batch; ``padded`` right-pads some rows (attention_mask 0, labels -100)."""
+def make_batch(kind: str, *, size: int, seed: int, seq: int = 12, padded: bool = False,
+               packed: bool = False) -> dict[str, torch.Tensor]:
+    """A global batch; ``padded`` right-pads some rows (attention_mask 0, labels -100); ``packed``
+    puts two or three documents in each row (``position_ids`` restart at 0 where one begins)."""
     gen = torch.Generator().manual_seed(seed)
     config = CONFIGS[kind]
     if kind in VISION:
@@ -80,6 +82,13 @@ def make_batch(kind: str, *, size: int, seed: int, seq: int = 12, padded: bool =
         mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()
         batch["attention_mask"] = mask
         batch["labels"] = ids.masked_fill(mask == 0, -100)
+    if packed:
+        positions = torch.empty(size, seq, dtype=torch.long)
+        for row in range(size):
+            starts = sorted({0, *torch.randint(1, seq, (2,), generator=gen).tolist()})
+            for a, b in zip(starts, [*starts[1:], seq]):
+                positions[row, a:b] = torch.arange(b - a)
+        batch["position_ids"] = positions
     return batch
 
 

@@ -21,7 +21,8 @@ def _meter_target() -> SimpleNamespace:
         for name in ("dp", "tp", "pp", "tie", "other"):
             _GROUPS[name] = dist.new_group([0, 1])
     g = _GROUPS
-    return SimpleNamespace(groups=SimpleNamespace(dp=g["dp"], tp=g["tp"], pp=g["pp"], kv=None, tie=g["tie"]))
+    return SimpleNamespace(groups=SimpleNamespace(dp=g["dp"], tp=g["tp"], pp=g["pp"], kv=None, tie=g["tie"],
+                                                  cp=None, replicas=g["dp"]))
 
 
 def _rows(events) -> list[tuple]:

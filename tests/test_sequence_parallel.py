@@ -78,6 +78,6 @@ def test_sequence_length_must_divide_by_tp():
 
     model = _meta_model("llama")
     batch = {"input_ids": torch.zeros(2, 13, dtype=torch.long), "labels": torch.zeros(2, 13, dtype=torch.long)}
-    with pytest.raises(ValueError, match="sequence length 13 is not divisible by tp=2"):
-        check_model_inputs(batch, model=model, loss="causal_lm", sequence_multiple=2)
+    with pytest.raises(ValueError, match=r"sequence length 13 is not a multiple of 2 \(sequence_parallel"):
+        check_model_inputs(batch, model=model, loss="causal_lm", sequence_split=(2, "sequence_parallel=True splits it over tp=2"))
     check_model_inputs(batch, model=model, loss="causal_lm")

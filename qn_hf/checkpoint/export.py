@@ -40,7 +40,7 @@ def save_pretrained(module: nn.Module, path: str, *, placement: ShardPlacement, 
     beyond its shard. Files hold at most ``max_shard_bytes``; several files get an index."""
     coords = placement.coords
     written: list[str] = []
-    if coords["dp"] == 0:
+    if placement.replica_rank == 0:
         state = {n: t.detach() for n, t in unique_state(module).items() if not placement.is_follower(n)}
         specs = {n: placement.spec(n) for n in state}
         shapes = {n: global_shape(t.shape, specs[n]) for n, t in state.items()}

@@ -50,12 +50,13 @@ def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
         os.makedirs(partial)
     barrier(placement.device)
 
-    if placement.coords["dp"] == 0 or getattr(optimizer, "zero", False):  # ZeRO-1: each dp rank its pieces
+    if placement.replica_rank == 0 or getattr(optimizer, "zero", False):  # ZeRO-1: each replica its pieces
         write_shard(module, placement, optimizer, partial)
     barrier(placement.device)
     if dist.get_rank() == 0:
         dims = placement.dims
-        index = new_index(library_version=__version__, step=step, mesh={"dp": dims.dp, "tp": dims.tp, "pp": dims.pp},
+        index = new_index(library_version=__version__, step=step, mesh={"dp": dims.dp, "tp": dims.tp, "pp": dims.pp,
+                                                                         **({"cp": dims.cp} if dims.cp > 1 else {})},
                           config=config.to_dict(), tensors={}, optimizer=None, files={},
                           generation_config=generation_config_of(module))
         for meta_name in sorted(n for n in os.listdir(partial) if n.endswith(".json")):
@@ -97,7 +98,7 @@ def local_entries(module: nn.Module, placement: ShardPlacement, optimizer: torch
     Weights are the float32 masters under mixed precision; each distinct piece is written by one
     rank (dp rank 0, or each dp rank for its ZeRO-1 pieces). A qn_hf optimizer keys its state by its
     masters; a torch optimizer by the parameters themselves."""
-    tp_rank, dp_rank = placement.coords["tp"], placement.coords["dp"]
+    tp_rank, dp_rank = placement.coords["tp"], placement.replica_rank
     masters = {id(m.param): m for m in getattr(optimizer, "masters", ())}
     ours = hasattr(optimizer, "masters")  # a qn_hf optimizer: its state is keyed by its masters
     mixed, zero = getattr(optimizer, "mixed", False), getattr(optimizer, "zero", False)
@@ -158,7 +159,7 @@ def write_shard(module: nn.Module, placement: ShardPlacement, optimizer: torch.o
                 directory: str) -> None:
     """This rank's file and the JSON of its entries (merged into the index by rank 0)."""
     coords = placement.coords
-    file = shard_file(coords["pp"], coords["tp"], coords["dp"])
+    file = shard_file(coords["pp"], coords["tp"], placement.replica_rank)
     tensors: dict[str, torch.Tensor] = {}
     entries: dict[str, dict] = {}
     for t in local_entries(module, placement, optimizer):
@@ -166,7 +167,7 @@ def write_shard(module: nn.Module, placement: ShardPlacement, optimizer: torch.o
             continue
         pieces = []
         for i, (box, local) in enumerate(_pieces(t, coords["tp"])):
-            key = f"{t.name}#{i}" if t.whole else f"{t.name}#dp{coords['dp']}.{i}"
+            key = f"{t.name}#{i}" if t.whole else f"{t.name}#dp{placement.replica_rank}.{i}"
             tensors[key] = local.to("cpu").contiguous()
             pieces.append({"file": file, "key": key, "box": box})
         entries[t.name] = {"shape": global_shape(t.shape, t.spec), "dtype": dtype_name(t.values.dtype),

@@ -1,0 +1,150 @@
+"""Context parallelism (ring attention over cp ranks) equals the plain model; misuse is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_parity import check
+
+CP_CASES = [  # kind, dp, tp, pp, cp, microbatches, padded, packed
+    ("llama", 1, 1, 1, 2, 1, False, False),
+    ("qwen3", 1, 1, 1, 2, 1, False, False),
+    ("llama", 1, 1, 1, 4, 1, True, False),
+    ("qwen3", 1, 1, 1, 4, 1, False, True),
+    ("llama", 1, 1, 1, 2, 1, False, True),
+    ("llama", 1, 2, 1, 2, 1, True, False),
+    ("qwen3", 1, 2, 1, 2, 1, False, True),
+    ("llama", 1, 1, 2, 2, 2, True, False),
+    ("llama", 2, 1, 1, 2, 1, True, False),
+]
+
+
+@pytest.mark.parametrize(("kind", "dp", "tp", "pp", "cp", "microbatches", "padded", "packed"), CP_CASES)
+def test_context_parallel_equals_plain_model(worlds, model_dirs, tmp_path, kind, dp, tp, pp, cp, microbatches, padded,
+                                             packed):
+    results = worlds.run(
+        dp * tp * pp * cp, "tests.cases:parity", kind=kind, model_dir=model_dirs[kind], out_dir=str(tmp_path / "hf"),
+        dp=dp, tp=tp, pp=pp, cp=cp, microbatches=microbatches, padded=padded, packed=packed, seq=16,
+    )
+    check(results, tp=tp)
+
+
+PACKED_WITHOUT_CP = [  # the rest of the engine honours packed documents too (kind, tp, pp, microbatches)
+    ("llama", 2, 1, 1),
+    ("qwen3", 1, 2, 2),
+]
+
+
+@pytest.mark.parametrize(("kind", "tp", "pp", "microbatches"), PACKED_WITHOUT_CP)
+def test_packed_sequences_without_cp(worlds, model_dirs, tmp_path, kind, tp, pp, microbatches):
+    results = worlds.run(tp * pp, "tests.cases:parity", kind=kind, model_dir=model_dirs[kind],
+                         out_dir=str(tmp_path / "hf"), dp=1, tp=tp, pp=pp, microbatches=microbatches, packed=True, seq=16)
+    check(results, tp=tp)
+
+
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=8, vocab_size=97, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def _meta_model(model_type: str, **overrides):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **{**SMALL, **overrides})
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _error(model, **kwargs) -> str:
+    from qn_hf.validate import check_parallel_config
+
+    try:
+        check_parallel_config(model, dp=1, microbatches=1, schedule="1f1b", **{"tp": 1, "pp": 1, "cp": 2, **kwargs})
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_context_parallel_refusals():
+    assert _error(_meta_model("llama")) == "no error"
+    assert "cp=0 must be a positive integer" in _error(_meta_model("llama"), cp=0)
+    jamba = _error(_meta_model("jamba"))
+    assert "JambaForCausalLM does not run its attention through transformers' attention interface" in jamba, jamba
+    hybrid = _meta_model("llama")
+    hybrid.config.layer_types = ["linear_attention", "full_attention"]  # as hybrid models declare them
+    message = _error(hybrid)
+    assert "layers of kind ['linear_attention'] (config.layer_types)" in message, message
+    windowed = _meta_model("llama")
+    windowed.model.layers[1].self_attn.sliding_window = 4
+    window = _error(windowed)
+    assert "model.layers.1.self_attn uses a sliding window, which ring attention does not honour" in window, window
+    dropout = _error(_meta_model("llama", attention_dropout=0.1))
+    assert "attention_dropout=0.1: ring attention has no attention dropout" in dropout, dropout
+    both = _error(_meta_model("llama"), tp=2, sequence_parallel=True)
+    assert "sequence_parallel=True with cp > 1 is not supported yet" in both, both
+
+
+def test_context_parallel_batch_errors(worlds, model_dirs):
+    messages = worlds.run(2, "tests.cases:cp_batch_errors", model_dir=model_dirs["llama"])
+    for m in messages:
+        assert "sequence length 12 is not a multiple of 8 (cp=4" not in m["odd"]  # cp=2 here
+        assert "sequence length 14 is not a multiple of 4 (cp=2 cuts it into 2*cp chunks)" in m["odd"], m
+        assert "cp=2: each rank holds part of every sequence, so a loss_fn" in m["loss_fn"], m
+        assert "cp=2: batch keys ['token_type_ids'] cannot be cut along the sequence" in m["keys"], m
+        assert "attends within a sliding window of 8 tokens, shorter than the sequence (16)" in m["window"], m
+
+
+def case_cp_train_save_continue(*, model_dir: str, ckpt: str, out: str, zero: bool) -> float:
+    """(tp=2, cp=2): one AdamW step, a checkpoint, a second step; the weights after it."""
+    import torch
+
+    import qn_hf
+    from tests.cases import mesh_for
+    from tests.models import load, make_batch
+
+    pm = qn_hf.parallelize(load("llama", model_dir), tp=2, cp=2, mesh=mesh_for(1, 2, 1, 2))
+    opt = qn_hf.optimizer(pm, torch.optim.AdamW, zero=zero, lr=1e-3)
+    for seed in (1, 2):
+        opt.zero_grad()
+        loss = pm.train_step(make_batch("llama", size=2, seed=seed, seq=16, padded=True))
+        opt.step()
+        if seed == 1:
+            pm.save_checkpoint(ckpt, optimizer=opt, step=1)
+    pm.save_pretrained(out)
+    return loss.item()
+
+
+def case_cp_resume(*, model_dir: str, ckpt: str, out: str, dp: int, tp: int, cp: int) -> float:
+    import torch
+
+    import qn_hf
+    from tests.cases import mesh_for
+    from tests.models import dp_slice, load, make_batch
+
+    pm = qn_hf.parallelize(load("llama", model_dir), dp=dp, tp=tp, cp=cp, mesh=mesh_for(dp, tp, 1, cp))
+    opt = qn_hf.optimizer(pm, torch.optim.AdamW, lr=1e-3)
+    assert pm.load_checkpoint(ckpt, optimizer=opt)["step"] == 1
+    opt.zero_grad()
+    batch = dp_slice(make_batch("llama", size=2, seed=2, seq=16, padded=True), dp=dp, dp_rank=pm.coords["dp"])
+    loss = pm.train_step(batch)
+    opt.step()
+    pm.save_pretrained(out)
+    return loss.item()
+
+
+@pytest.mark.parametrize("zero", [False, True])
+def test_checkpoint_moves_between_cp_and_other_meshes(worlds, model_dirs, tmp_path, zero):
+    from tests.models import load
+
+    ckpt, uninterrupted = str(tmp_path / "ckpt"), str(tmp_path / "uninterrupted")
+    expected = worlds.run(4, "tests.test_context_parallel:case_cp_train_save_continue", model_dir=model_dirs["llama"],
+                          ckpt=ckpt, out=uninterrupted, zero=zero)[0]
+    reference = dict(load("llama", uninterrupted).named_parameters())
+    for dp, tp, cp in [(1, 1, 1), (2, 1, 1), (1, 1, 4)]:
+        out = str(tmp_path / f"resumed-{dp}-{tp}-{cp}")
+        loss = worlds.run(dp * tp * cp, "tests.test_context_parallel:case_cp_resume", model_dir=model_dirs["llama"],
+                          ckpt=ckpt, out=out, dp=dp, tp=tp, cp=cp)[0]
+        assert abs(loss - expected) <= 1e-5 * abs(expected), (dp, tp, cp, loss, expected)
+        resumed = dict(load("llama", out).named_parameters())
+        err = max((resumed[n] - p).abs().max().item() for n, p in reference.items())
+        assert err < 2e-5, f"resumed at dp={dp} tp={tp} cp={cp}: max weight difference {err}"
