@@ -24,7 +24,7 @@ from .pipeline.standins import StandIn
 from .placement import ShardPlacement
 from .precision import PRECISIONS, LossScaler, apply_mixed_precision
 from .recompute import apply_recompute
-from .sequence_parallel import apply_sequence_parallel, final_norm
+from .sequence_parallel import apply_sequence_parallel, final_norm, regathers
 from .plan import ModelPolicy, TpPlan
 from .rng import SHARED, TP_LOCAL, RngStreams, stream_seeds
 from .shard import ShardSpec
@@ -111,7 +111,7 @@ def parallelize(
     specs, vocab = apply_tp_plan(model, plan, tp_rank=coords["tp"], group=groups.tp)
     if plan.sequence_parallel:
         apply_sequence_parallel(model, plan=plan, stage_plan=stage_plan, final=final, group=groups.tp,
-                                regather=recompute is None)
+                                regather=regathers(recompute))
     if checkpoint is not None and any(p.is_meta for p in model.parameters()):
         _materialize(model, device)
     else:

@@ -116,14 +116,21 @@ def final_norm(model: nn.Module, stage_plan: StagePlan) -> str | None:
     return None
 
 
-def _first_argument(module: nn.Module, args: tuple, kwargs: dict) -> tuple[str | int, object]:
+def regathers(recompute: str | None) -> bool:
+    """Whether entries keep only their input's slice for backward and gather it again there: not under
+    recomputation, which keeps no block internals anyway (and would recompute the gather)."""
+    return recompute is None
+
+
+def first_argument(module: nn.Module, args: tuple, kwargs: dict) -> tuple[str | int, object]:
+    """A forward's first argument, passed by position (key 0) or by name (key: its name)."""
     if args:
         return 0, args[0]
     name = next(iter(inspect.signature(module.forward).parameters))
     return name, kwargs[name]
 
 
-def _with_first(args: tuple, kwargs: dict, key: str | int, value: object) -> tuple[tuple, dict]:
+def with_first(args: tuple, kwargs: dict, key: str | int, value: object) -> tuple[tuple, dict]:
     return ((value, *args[1:]), kwargs) if key == 0 else (args, {**kwargs, key: value})
 
 
@@ -165,13 +172,13 @@ def _entry_hooks(entry: nn.Module, *, group: ProcessGroup, regather: bool) -> No
     contexts: list[torch.autograd.graph.saved_tensors_hooks] = []
 
     def enter(module: nn.Module, args: tuple, kwargs: dict):
-        key, local = _first_argument(module, args, kwargs)
+        key, local = first_argument(module, args, kwargs)
         full = gather_sequence_into_region(local, group=group)
         if regather and torch.is_grad_enabled():
             kept = _Regathered(local, full, group)
             contexts.append(torch.autograd.graph.saved_tensors_hooks(kept.pack, kept.unpack))
             contexts[-1].__enter__()
-        return _with_first(args, kwargs, key, full)
+        return with_first(args, kwargs, key, full)
 
     def leave(*_):
         if contexts:
@@ -192,10 +199,10 @@ def apply_sequence_parallel(model: nn.Module, *, plan: TpPlan, stage_plan: Stage
         _entry_hooks(model.get_submodule(entry), group=group, regather=regather)
 
     def split(module: nn.Module, args: tuple, kwargs: dict):
-        key, hidden = _first_argument(module, args, kwargs)
+        key, hidden = first_argument(module, args, kwargs)
         if hidden.shape[1] % group_size(group):
             raise ValueError(f"sequence_parallel=True: sequence length {hidden.shape[1]} is not divisible by tp={group_size(group)}")
-        return _with_first(args, kwargs, key, split_sequence(hidden, group=group))
+        return with_first(args, kwargs, key, split_sequence(hidden, group=group))
 
     def gather(_module: nn.Module, _args: tuple, output):
         if isinstance(output, tuple):

@@ -2,7 +2,7 @@
 
 Each case parallelizes a tiny model, runs one ``train_step`` under ``CommMeter`` on every rank, and
 compares with ``estimate_mesh`` for the same config and mesh: parameters exactly, bytes per group
-exactly, calls exactly (dp: at most the bucket bound).
+exactly, calls exactly (dp: at most the bucket bound), and tp's calls and bytes per operation.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ SEQ = 12  # make_batch's sequence length
 BUCKET_MB = 0.02
 
 
-def case_measure(*, kind: str, model_dir: str, dp: int, tp: int, pp: int, microbatches: int, schedule: str) -> dict:
+def case_measure(*, kind: str, model_dir: str, dp: int, tp: int, pp: int, microbatches: int, schedule: str,
+                 sequence_parallel: bool = False) -> dict:
     pm = qn_hf.parallelize(load(kind, model_dir), dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
-                           bucket_mb=BUCKET_MB, mesh=mesh_for(dp, tp, pp))
+                           bucket_mb=BUCKET_MB, mesh=mesh_for(dp, tp, pp), sequence_parallel=sequence_parallel)
     batch = dp_slice(make_batch(kind, size=dp * 2 * microbatches, seed=5, seq=SEQ), dp=dp, dp_rank=pm.coords["dp"])
     pm.train_step(batch)
     for p in pm.parameters():
@@ -41,26 +42,30 @@ def case_measure(*, kind: str, model_dir: str, dp: int, tp: int, pp: int, microb
         acc = groups.setdefault(group, [0, 0])
         acc[0] += total.calls
         acc[1] += total.nbytes
-    return {"coords": pm.coords, "params": sum(p.numel() for p in pm.parameters()), "comm": groups}
+    ops = {op: [t.calls, t.nbytes] for (group, op), t in meter.totals().items() if group == "tp"}
+    return {"coords": pm.coords, "params": sum(p.numel() for p in pm.parameters()), "comm": groups, "tp_ops": ops}
 
 
-MESHES = [  # kind, dp, tp, pp, microbatches, schedule
-    ("gpt2", 2, 2, 2, 2, "1f1b"),  # tied embedding across stages, vocab padding (99 over tp=2)
-    ("gpt2", 1, 4, 1, 1, "1f1b"),
-    ("llama", 1, 4, 2, 3, "gpipe"),  # 2 KV heads over tp=4: replicated KV gradients
-    ("llama", 2, 2, 1, 2, "1f1b"),
-    ("vit", 2, 1, 2, 2, "1f1b"),
-    ("vit", 1, 2, 2, 4, "1f1b"),
+MESHES = [  # kind, dp, tp, pp, microbatches, schedule, sequence_parallel
+    ("gpt2", 2, 2, 2, 2, "1f1b", False),  # tied embedding across stages, vocab padding (99 over tp=2)
+    ("gpt2", 1, 4, 1, 1, "1f1b", False),
+    ("llama", 1, 4, 2, 3, "gpipe", False),  # 2 KV heads over tp=4: replicated KV gradients
+    ("llama", 2, 2, 1, 2, "1f1b", False),
+    ("vit", 2, 1, 2, 2, "1f1b", False),
+    ("vit", 1, 2, 2, 4, "1f1b", False),
+    ("gpt2", 1, 2, 2, 2, "gpipe", True),  # row biases and norms summed over tp, dropout on the slices
 ]
 
 
-@pytest.mark.parametrize(("kind", "dp", "tp", "pp", "microbatches", "schedule"), MESHES)
-def test_planner_matches_parallelize(worlds, model_dirs, kind, dp, tp, pp, microbatches, schedule):
+@pytest.mark.parametrize(("kind", "dp", "tp", "pp", "microbatches", "schedule", "sequence_parallel"), MESHES)
+def test_planner_matches_parallelize(worlds, model_dirs, kind, dp, tp, pp, microbatches, schedule, sequence_parallel):
     config = AutoConfig.from_pretrained(model_dirs[kind])
     plan = estimate_mesh(config, dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule, seq_len=SEQ,
-                         micro_batch_size=2, bucket_mb=BUCKET_MB, dtype=torch.float32)
+                         micro_batch_size=2, bucket_mb=BUCKET_MB, dtype=torch.float32,
+                         sequence_parallel=sequence_parallel)
     measured = worlds.run(dp * tp * pp, "tests.test_planner:case_measure", kind=kind, model_dir=model_dirs[kind],
-                          dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule)
+                          dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
+                          sequence_parallel=sequence_parallel)
     for rank, r in enumerate(measured):
         stage = plan.stages[r["coords"]["pp"]]
         assert stage.params == r["params"], (rank, stage.params, r["params"])
@@ -72,6 +77,8 @@ def test_planner_matches_parallelize(worlds, model_dirs, kind, dp, tp, pp, micro
                 assert calls <= predicted[group][0], (rank, calls, predicted[group])
             else:
                 assert predicted[group][0] == calls, (rank, group, predicted[group], (calls, nbytes))
+        tp_ops = {op: list(v) for op, v in stage.comm["tp"].ops.items()} if "tp" in stage.comm else {}
+        assert tp_ops == r["tp_ops"], (rank, tp_ops, r["tp_ops"])
 
 
 # Public shapes, written by hand (no hub access): the planner must handle them in seconds.
@@ -148,6 +155,13 @@ def test_planner_rejects_with_parallelize_message():
     with pytest.raises(ValueError) as real:
         qn_hf.parallelize(meta_model(config), pp=33, microbatches=33)
     assert str(planned.value) == str(real.value) and "pp=33" in str(planned.value)
+    with pytest.raises(ValueError) as planned:
+        estimate_mesh(config, dp=1, tp=1, pp=1, microbatches=1, seq_len=128, micro_batch_size=1, sequence_parallel=True)
+    with pytest.raises(ValueError) as real:
+        qn_hf.parallelize(meta_model(config), sequence_parallel=True)
+    assert str(planned.value) == str(real.value) and "tp > 1" in str(planned.value)
+    with pytest.raises(ValueError, match="sequence length 127 is not divisible by tp=2"):  # as train_step says
+        estimate_mesh(config, dp=1, tp=2, pp=1, microbatches=1, seq_len=127, micro_batch_size=1, sequence_parallel=True)
 
 
 def test_cli_enumerates_ranks_and_explains_rejections(tmp_path, capsys):
@@ -188,6 +202,15 @@ def test_cli_training_flags(tmp_path, capsys):
     assert full["activation_bytes"] < selective["activation_bytes"] < plain["activation_bytes"]
     assert full["comm"]["tp"]["nbytes"] > plain["comm"]["tp"]["nbytes"]  # recomputed all-reduces
     assert fp32["comm"]["tp"]["nbytes"] > 1.9 * plain["comm"]["tp"]["nbytes"]  # float32 activations
+    # Sequence parallelism: fewer activations kept for the same tp, the all-reduces inside the blocks
+    # become reduce-scatters and all-gathers.
+    main([str(tmp_path), "--dp", "4", "--tp", "2", "--pp", "1", "--seq-len", "1024", "--json", "--sequence-parallel"])
+    sp = json.loads(capsys.readouterr().out)
+    assert sp["sequence_parallel"] is True and plain["params"] == sp["stages"][0]["params"]
+    assert sp["stages"][0]["activation_bytes"] < 0.8 * plain["activation_bytes"]
+    assert {"all_gather_into_tensor", "reduce_scatter_tensor"} <= set(sp["stages"][0]["comm"]["tp"]["ops"])
+    main([str(tmp_path), "--gpus", "4", "--seq-len", "1024", "--sequence-parallel"])  # tp=1 rejected as parallelize does
+    assert "tp=1 pp=4: sequence_parallel=True needs tp > 1" in capsys.readouterr().out
     # Enumerating meshes (tp=1 first) traces each tp on its own: tp>1 meshes carry tp traffic.
     main([str(tmp_path), "--gpus", "4", "--seq-len", "1024", "--json"])
     meshes = json.loads(capsys.readouterr().out)["meshes"]

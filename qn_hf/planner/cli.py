@@ -1,7 +1,7 @@
 """qn-hf-plan: which (dp, tp, pp) fits, where the stages are cut, what each rank holds and sends.
 
     qn-hf-plan MODEL --gpus 64 [--gpu-memory 80GiB] [--seq-len 4096] [--micro-batch-size 1]
-               [--dtype bf16|fp16|fp32] [--zero] [--recompute full|selective]
+               [--dtype bf16|fp16|fp32] [--zero] [--recompute full|selective] [--sequence-parallel]
     qn-hf-plan MODEL --dp 1 --tp 8 --pp 8 [--microbatches 32]          # one mesh, per-stage detail
     qn-hf-plan path/to/config.json --gpus 16 --json                     # machine-readable
 
@@ -11,7 +11,9 @@ mesh the planner accepts trains and one it rejects fails with the same message. 
 settings are ``parallelize``'s and ``qn_hf.optimizer``'s: --dtype bf16 (default) or fp16 is
 mixed_precision (16-bit weights and activations, float32 gradients, float32 master weights and
 AdamW moments: 2+4+4+8 B per parameter), fp32 is none (4+4+8); --zero shards the master weights
-and moments over dp (ZeRO-1); --recompute recomputes each block's activations in backward.
+and moments over dp (ZeRO-1); --recompute recomputes each block's activations in backward;
+--sequence-parallel splits the activations between tensor-parallel regions over tp along the
+sequence (meshes with tp=1 are then rejected, as parallelize rejects them).
 Memory is per rank: weights + gradients + AdamW state, plus activations (what one microbatch
 keeps for its backward, with a fused attention kernel and the recompute mode, times the
 microbatches the schedule keeps in flight). Communication is per step and rank, by group. Step times come from the simple model in
@@ -66,10 +68,10 @@ def gib(n: float) -> str:
     return f"{n / GIB:,.1f}"
 
 
-def settings(*, mixed_precision: str | None, zero: bool, recompute: str | None) -> str:
+def settings(*, mixed_precision: str | None, zero: bool, recompute: str | None, sequence_parallel: bool = False) -> str:
     """The training settings, in words."""
-    words = [mixed_precision or "fp32"] + (["ZeRO-1"] if zero else [])
-    return ", ".join(words + ([f"{recompute} recompute"] if recompute else []))
+    words = [mixed_precision or "fp32"] + (["ZeRO-1"] if zero else []) + ([f"{recompute} recompute"] if recompute else [])
+    return ", ".join(words + (["sequence parallel"] if sequence_parallel else []))
 
 
 def mesh_report(est: MeshEstimate, hw: Hardware) -> str:
@@ -79,7 +81,7 @@ def mesh_report(est: MeshEstimate, hw: Hardware) -> str:
     lines = [
         f"mesh dp={est.dp} tp={est.tp} pp={est.pp} ({est.world_size} GPUs), {est.schedule}, {est.microbatches} microbatches "
         f"of {est.micro_batch_size} x {est.seq_len} positions; {est.total_params:,} parameters; "
-        f"{settings(mixed_precision=est.mixed_precision, zero=est.zero, recompute=est.recompute)}",
+        f"{settings(mixed_precision=est.mixed_precision, zero=est.zero, recompute=est.recompute, sequence_parallel=est.sequence_parallel)}",
         f"bubble (pp-1)/(M+pp-1) = {est.bubble:.3f}; links: tp {link['tp']}, pp {link['pp']}, dp {link['dp']}",
         "",
         f"| stage | blocks | also holds | params / rank | weights GiB | grads GiB | AdamW{master} GiB "
@@ -151,6 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--zero", action="store_true", help="shard master weights and AdamW moments over dp (ZeRO-1)")
     parser.add_argument("--recompute", choices=["full", "selective"], default=None,
                         help="recompute each block's activations in backward (default: keep them)")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="split the activations between tensor-parallel regions over tp (needs tp > 1)")
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--tflops", type=float, default=Hardware.tflops, help="sustained TFLOP/s per GPU (default %(default)s)")
     parser.add_argument("--nvlink-gbps", type=float, default=Hardware.nvlink_gbps, help="GB/s per GPU in a node")
@@ -171,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
                   nvlink_gbps=args.nvlink_gbps, ib_gbps=args.ib_gbps)
     # The model is loaded in float32; mixed precision casts its parameters, as parallelize does.
     planner = Planner(config, seq_len=seq_len, micro_batch_size=args.micro_batch_size, dtype=torch.float32)
-    training = dict(mixed_precision=MIXED_PRECISION[args.dtype], zero=args.zero, recompute=args.recompute)
+    training = dict(mixed_precision=MIXED_PRECISION[args.dtype], zero=args.zero, recompute=args.recompute,
+                    sequence_parallel=args.sequence_parallel)
     try:
         if args.dp is not None:
             if args.gpus is not None:

@@ -5,7 +5,9 @@ For each pipeline stage, one microbatch costs
     compute = (6 * matmul parameters on the rank + attention FLOPs / tp) * tokens / FLOP rate
               (times 4/3 with full recomputation: the stage's forward runs twice; selective
               recomputation only redoes elementwise work, counted as free)
-    tp      = 2 (tp-1)/tp * tp bytes per microbatch / tp link bandwidth     (ring all-reduce)
+    tp      = per microbatch, over the tp link bandwidth, a ring's bytes on the wire per byte of
+              payload (as CommMeter counts it): all-reduce 2 (tp-1)/tp, reduce-scatter (tp-1)/tp of
+              its whole input, all-gather (tp-1) times its slice
     pp      = 2 * hidden-state bytes / pp link bandwidth          (activation forward, gradient back)
 
 and the pipeline takes (microbatches + pp - 1) times the slowest stage's microbatch (1F1B and
@@ -46,6 +48,13 @@ class StepTime:
     utilization: float  # model FLOPs per second / (GPUs * stated FLOP rate)
 
 
+def _tp_wire_bytes(ops: dict[str, tuple[int, int]], *, tp: int) -> float:
+    """Bytes a ring moves for these payloads (sequence parallelism's reduce-scatter and all-gather
+    together move what the all-reduce they replace moves)."""
+    per_byte = {"all_reduce": 2 * (tp - 1) / tp, "reduce_scatter_tensor": (tp - 1) / tp, "all_gather_into_tensor": tp - 1}
+    return sum(per_byte.get(op, 2 * (tp - 1) / tp) * nbytes for op, (_, nbytes) in ops.items())
+
+
 def links(est: MeshEstimate, hw: Hardware) -> dict[str, str]:
     """Which link each group uses."""
     node = hw.gpus_per_node
@@ -64,8 +73,7 @@ def step_time(est: MeshEstimate, hw: Hardware) -> StepTime:
         layers = s.blocks[1] - s.blocks[0]
         flops = (6 * (s.params - s.embedding_params) + est.attention_flops_per_token * layers / est.layers / est.tp) * tokens
         c = flops / rate * (4 / 3 if est.recompute == "full" else 1)
-        tp_bytes = s.comm["tp"].nbytes / est.microbatches if "tp" in s.comm else 0
-        t = 2 * (est.tp - 1) / est.tp * tp_bytes / link["tp"]
+        t = _tp_wire_bytes(s.comm["tp"].ops, tp=est.tp) / est.microbatches / link["tp"] if "tp" in s.comm else 0.0
         p = 2 * est.boundary_bytes / link["pp"] if est.pp > 1 else 0.0  # the activation out, its gradient back
         if c + t + p > slowest:
             slowest, compute_mb, tp_mb, pp_mb = c + t + p, c, t, p

@@ -6,18 +6,21 @@ weights, so the parameter counts are exactly what each rank holds (a tp rank of 
 rank of a stage is alike, and so is every dp rank up to ZeRO's padding, given for dp rank 0).
 
 What is modelled, per rank, for the settings ``parallelize`` and ``qn_hf.optimizer`` take
-(``mixed_precision`` None/"bf16"/"fp16", ``zero``, ``recompute`` None/"full"/"selective"):
+(``mixed_precision`` None/"bf16"/"fp16", ``zero``, ``recompute`` None/"full"/"selective",
+``sequence_parallel``):
 
 * weights, gradients and AdamW state (masters, moments, step counters), with ZeRO-1's sharding of
   the state over dp by the buckets' own padding rule: see ``memory.py``;
 * activations: the bytes one microbatch keeps from its forward to its backward, measured on a
   meta-device forward in the compute dtype with the blocks checkpointed as ``recompute`` sets them
-  (see ``trace.py``), plus on a later stage the activation it received, and on the last stage what
-  the loss keeps (its float32 softmax over this rank's vocabulary columns, the targets); times the
-  microbatches the schedule keeps in flight. What HF's forward rebuilds on every stage (rotary
-  tables, position ids, GPT-2's embedding sum) counts on every stage;
+  (see ``trace.py``; with sequence parallelism, run as one tp rank runs it: ``sequence.py``), plus on
+  a later stage the activation it received, what a vocab-parallel embedding keeps (its ids shifted
+  into the shard, their mask), and on the last stage what the loss keeps (its float32 softmax over
+  this rank's vocabulary columns, the targets); times the microbatches the schedule keeps in
+  flight. What HF's forward rebuilds on every stage (rotary tables, position ids, GPT-2's embedding
+  sum) counts on every stage;
 * communication by group: see ``traffic.py`` (ZeRO's reduce-scatter and all-gather, recomputation's
-  repeated tp all-reduces, float16's overflow flag).
+  repeated tp collectives, sequence parallelism's, float16's overflow flag).
 
 Not modelled: temporary buffers that die inside a step (the peak of a backward, collective
 staging), allocator fragmentation, the CPU-side random states torch's checkpoint keeps; keys and
@@ -40,6 +43,7 @@ from ..precision import GRAD_DTYPE, PRECISIONS, apply_mixed_precision
 from ..tensor_parallel import apply_tp_plan
 from ..validate import check_parallel_config
 from .memory import RankState, bucket_layout, rank_state
+from .sequence import StageEdges, stage_edges
 from .trace import Trace, example_inputs, trace_microbatch
 from .traffic import GroupTraffic, Mesh, stage_traffic
 
@@ -101,6 +105,7 @@ class MeshEstimate:
     mixed_precision: str | None = None
     zero: bool = False
     recompute: str | None = None
+    sequence_parallel: bool = False
 
     @property
     def world_size(self) -> int:
@@ -115,7 +120,8 @@ class Planner:
     """Estimates for one model config at one microbatch shape, over any number of meshes.
 
     One pristine meta model serves every check (checks only read it), one traced forward per tp,
-    compute dtype and recompute mode serves every mesh (shapes do not depend on the mesh), and one
+    compute dtype and recompute mode serves every mesh (shapes do not depend on the mesh; with
+    sequence parallelism they depend on the stage cut too, so one per cut), and one
     sharded meta model per tp gives the local parameter sizes, so enumerating the meshes of a 70B
     model takes seconds. ``dtype`` is the dtype the model is loaded in; ``mixed_precision`` (per
     estimate) casts its parameters as ``parallelize`` does.
@@ -130,13 +136,14 @@ class Planner:
         self.policy = policy
         self.model = meta_model(config).to(dtype)
         self.total_params = sum(p.numel() for p in self.model.parameters())
-        self._traces: dict[tuple[int, torch.dtype | None, str | None], Trace] = {}
+        self._traces: dict[tuple[int, torch.dtype | None, str | None, StageEdges | None], Trace] = {}
         self._sharded: dict[int, tuple[dict[str, int], dict]] = {}
 
-    def _trace(self, plan, layers: str, *, precision: torch.dtype | None, recompute: str | None) -> Trace:
+    def _trace(self, plan, layers: str, *, precision: torch.dtype | None, recompute: str | None,
+               edges: StageEdges | None) -> Trace:
         # Per tp too: which modules a trace watches and which bytes it counts as split come from the
         # plan, and at tp=1 the plan shards nothing.
-        key = (plan.tp, precision, recompute)
+        key = (plan.tp, precision, recompute, edges)
         if key not in self._traces:
             model = self.model
             if (precision, recompute) != (None, None):  # a model of its own: the pristine one serves the checks
@@ -144,25 +151,30 @@ class Planner:
                 if precision is not None:
                     apply_mixed_precision(model, precision)
             inputs = example_inputs(model, micro_batch_size=self.micro_batch_size, seq_len=self.seq_len)
-            self._traces[key] = trace_microbatch(model, plan, layers=layers, inputs=inputs, recompute=recompute)
+            self._traces[key] = trace_microbatch(model, plan, layers=layers, inputs=inputs, recompute=recompute,
+                                                 edges=edges)
         return self._traces[key]
 
     def estimate(self, *, dp: int, tp: int, pp: int, microbatches: int, schedule: str = "1f1b",
                  bucket_mb: float = DEFAULT_BUCKET_MB, layers_per_stage: list[int] | None = None,
                  mixed_precision: str | None = None, zero: bool = False, recompute: str | None = None,
-                 backend: str = "nccl") -> MeshEstimate:
-        """Estimate one mesh; raises the ``ValueError`` ``parallelize`` would raise for it.
-        ``mixed_precision`` and ``recompute`` as ``parallelize`` takes them, ``zero`` as
-        ``qn_hf.optimizer`` does (with dp=1 it shards nothing); ``backend`` is the process group's
-        (ZeRO's collectives differ on gloo, see traffic.py)."""
+                 sequence_parallel: bool = False, backend: str = "nccl") -> MeshEstimate:
+        """Estimate one mesh; raises the ``ValueError`` ``parallelize`` (or, for a sequence length
+        that sequence parallelism cannot split, its forward) would raise for it.
+        ``mixed_precision``, ``recompute`` and ``sequence_parallel`` as ``parallelize`` takes them,
+        ``zero`` as ``qn_hf.optimizer`` does (with dp=1 it shards nothing); ``backend`` is the process
+        group's (ZeRO's collectives differ on gloo, see traffic.py)."""
         checked = check_parallel_config(self.model, dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
                                         policy=self.policy, layers_per_stage=layers_per_stage, bucket_mb=bucket_mb,
-                                        mixed_precision=mixed_precision, recompute=recompute)
+                                        mixed_precision=mixed_precision, recompute=recompute,
+                                        sequence_parallel=sequence_parallel)
         plan, stage_plan = checked.tp_plan, checked.stage_plan
+        # The trace splits the sequence as the stages do (raising, as they would, when tp does not divide it).
+        edges = stage_edges(self.model, stage_plan) if plan.sequence_parallel else None
         zero = zero and dp > 1
         precision = PRECISIONS.get(mixed_precision)
-        base = self._trace(plan, stage_plan.layers, precision=None, recompute=None)  # shapes, reruns
-        kept = self._trace(plan, stage_plan.layers, precision=precision, recompute=recompute).kept
+        base = self._trace(plan, stage_plan.layers, precision=None, recompute=None, edges=edges)  # shapes, reruns
+        kept = self._trace(plan, stage_plan.layers, precision=precision, recompute=recompute, edges=edges).kept
         numels, specs = self._local_sizes(plan)
         param_dtype = precision or self.dtype
         param_elem = torch.empty(0, dtype=param_dtype).element_size()
@@ -190,14 +202,16 @@ class Planner:
 
         activations = self._activations(kept, base, plan=plan, stage_plan=stage_plan, tp=tp, pp=pp, act_elem=param_elem)
         mesh = Mesh(dp=dp, tp=tp, pp=pp, microbatches=microbatches)
+        grad_sum = set(plan.grad_sum)
         stages = []
         for s in range(pp):
             buckets = bucket_layout(on_stage[s], elem=grad_elem, bucket_bytes=bucket_size_bytes(bucket_mb),
                                     pad=dp if zero else 1, separate=frozenset(tied[s]) if zero else frozenset())
             kv = {n: numel for n, numel in on_stage[s] if (spec := specs.get(n)) is not None and spec.replicas > 1}
+            summed = {n: numel for n, numel in on_stage[s] if n in grad_sum}
             comm = stage_traffic(s, mesh=mesh, plan=plan, trace=base, stage_of=stage_of, act_elem=param_elem,
                                  param_elem=param_elem, grad_elem=grad_elem, buckets=buckets if dp > 1 else [],
-                                 zero=zero, kv=kv, tied=tied[s], recompute=recompute,
+                                 zero=zero, kv=kv, tied=tied[s], grad_sum=summed, recompute=recompute,
                                  loss_scaling=mixed_precision == "fp16", backend=backend)
             actions = stage_actions(stage=s, stages=pp, microbatches=microbatches, schedule=schedule, backward=True)
             others = set(stage_plan.heads) if s == pp - 1 else set()
@@ -219,7 +233,8 @@ class Planner:
                             flops_per_step=float(per_token * base.tokens * microbatches * dp),
                             attention_flops_per_token=12 * layers * self.config.hidden_size * positions,
                             layers=layers, boundary_bytes=base.boundary_numel * param_elem,
-                            mixed_precision=mixed_precision, zero=zero, recompute=recompute)
+                            mixed_precision=mixed_precision, zero=zero, recompute=recompute,
+                            sequence_parallel=plan.sequence_parallel)
 
     def _activations(self, kept: dict[str, tuple[int, int]], base: Trace, *, plan, stage_plan, tp: int, pp: int,
                      act_elem: int) -> list[int]:
@@ -231,6 +246,9 @@ class Planner:
                 out[s] += whole + split / tp
         for s in range(1, pp):  # the received activation, held until its gradient is sent back
             out[s] += base.boundary_numel * act_elem
+        for name, style in plan.rules if tp > 1 else ():  # int64 ids shifted into the shard, a bool mask
+            if style == "vocab_embedding" and name in base.io:
+                out[stage_of_module(stage_plan, name) or 0] += base.io[name].in_numel * (8 + 1)
         if plan.loss == "causal_lm":
             # The loss's float32 softmax over this rank's vocabulary columns and its int64 targets
             # per row (vocab-parallel: two boolean masks too).
@@ -252,12 +270,13 @@ def estimate_mesh(config: PretrainedConfig, *, dp: int, tp: int, pp: int, microb
                   micro_batch_size: int, schedule: str = "1f1b", dtype: torch.dtype = torch.float32,
                   bucket_mb: float = DEFAULT_BUCKET_MB, policy: ModelPolicy | None = None,
                   layers_per_stage: list[int] | None = None, mixed_precision: str | None = None,
-                  zero: bool = False, recompute: str | None = None, backend: str = "nccl") -> MeshEstimate:
+                  zero: bool = False, recompute: str | None = None, sequence_parallel: bool = False,
+                  backend: str = "nccl") -> MeshEstimate:
     """Estimate one mesh (see ``Planner``); raises the ``ValueError`` ``parallelize`` would raise."""
     planner = Planner(config, seq_len=seq_len, micro_batch_size=micro_batch_size, dtype=dtype, policy=policy)
     return planner.estimate(dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule, bucket_mb=bucket_mb,
                             layers_per_stage=layers_per_stage, mixed_precision=mixed_precision, zero=zero,
-                            recompute=recompute, backend=backend)
+                            recompute=recompute, sequence_parallel=sequence_parallel, backend=backend)
 
 
 def _vocab(model) -> int:

@@ -47,14 +47,15 @@ def microbatches_for(pp: int, requested: int | None) -> int:
 
 
 def search(planner: Planner, *, gpus: int, hw: Hardware, microbatches: int | None, schedule: str,
-           mixed_precision: str | None = None, zero: bool = False,
-           recompute: str | None = None) -> tuple[list[Candidate], list[Rejected]]:
+           mixed_precision: str | None = None, zero: bool = False, recompute: str | None = None,
+           sequence_parallel: bool = False) -> tuple[list[Candidate], list[Rejected]]:
     """Every mesh for ``gpus``, estimated with the training settings given (as ``Planner.estimate``)."""
     accepted, rejected = [], []
     for dp, tp, pp in meshes(gpus, gpus_per_node=hw.gpus_per_node):
         try:
             est = planner.estimate(dp=dp, tp=tp, pp=pp, microbatches=microbatches_for(pp, microbatches), schedule=schedule,
-                                   mixed_precision=mixed_precision, zero=zero, recompute=recompute)
+                                   mixed_precision=mixed_precision, zero=zero, recompute=recompute,
+                                   sequence_parallel=sequence_parallel)
         except ValueError as e:
             rejected.append(Rejected(dp=dp, tp=tp, pp=pp, reason=str(e)))
             continue

@@ -17,7 +17,8 @@ float32 log-sum-exp per row, never the query x key matrix that meta tensors' unf
 (A model configured for eager attention does keep its attention matrices, in training and here.)
 
 The forward is Hugging Face's own, so the shapes are the model's real ones (GQA, packed q|k|v,
-ViT's class token ...), for 70B-parameter configs in about a second.
+ViT's class token ...), for 70B-parameter configs in about a second. With sequence parallelism
+the trace runs the model as one tp rank does, its collectives stood in for (``sequence.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import contextlib
 import functools
 import gc
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..plan import TpPlan
 from ..recompute import checkpoint_options
+from ..sequence_parallel import regathers
+from .sequence import SeqCollective, SequenceStandIns, StageEdges
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,8 @@ class Trace:
     # row layer with nothing saved after it in its block (the MLP's, before the residual add) is not
     # rerun. Empty for a trace with recomputation on (its blocks' saves are the checkpoint's).
     rerun: frozenset[str]
+    # Sequence parallelism's tp collectives, one microbatch's, in the order they ran (empty without).
+    sequence: tuple[SeqCollective, ...] = ()
 
 
 def example_inputs(model: nn.Module, *, micro_batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
@@ -83,9 +88,9 @@ class _Allocations(TorchDispatchMode):
 
     def __init__(self, owner) -> None:
         super().__init__()
-        self._owner = owner
+        self._owner = owner  # -> a key for the allocations made now
         self._known: dict[int, StorageWeakRef] = {}
-        self._allocated: list[tuple[StorageWeakRef, int, str]] = []
+        self._allocated: list[tuple[StorageWeakRef, int, object]] = []
 
     def _first_sight(self, t: torch.Tensor) -> StorageWeakRef | None:
         ref = StorageWeakRef(t.untyped_storage())
@@ -106,9 +111,9 @@ class _Allocations(TorchDispatchMode):
                 self._allocated.append((ref, t.untyped_storage().nbytes(), self._owner()))
         return out
 
-    def alive(self) -> dict[str, int]:
-        """Bytes still alive, by the module that allocated them."""
-        out: dict[str, int] = defaultdict(int)
+    def alive(self) -> dict[object, int]:
+        """Bytes still alive, by the owner key they were allocated under."""
+        out: dict[object, int] = defaultdict(int)
         for ref, nbytes, owner in self._allocated:
             if not ref.expired():
                 out[owner] += nbytes
@@ -144,9 +149,10 @@ def _checkpoint_blocks(model: nn.Module, *, layers: str, recompute: str | None) 
 
 
 def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dict[str, torch.Tensor],
-                     recompute: str | None = None) -> Trace:
+                     recompute: str | None = None, edges: StageEdges | None = None) -> Trace:
     """Trace one microbatch through ``model`` (in training mode, its blocks checkpointed for the
-    forward when ``recompute`` is set; the model is left as it was)."""
+    forward when ``recompute`` is set; the model is left as it was). ``edges``: the stage cut of a
+    sequence-parallel ``plan``, where each stage splits and gathers the sequence."""
     styles = dict(plan.rules)
     watched = set(styles) | set(plan.tp_entries)
     rowwise = {name for name, style in styles.items() if style == "rowwise"}
@@ -159,6 +165,7 @@ def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dic
     tick = [0]
     last_save: dict[str, int] = {}
     row_done: dict[str, tuple[str, int]] = {}
+    sequence: list[tuple[SeqCollective, str | None, int]] = []  # with the block it ran in, and when
 
     def block_of(names: list[str]) -> str | None:
         return next((n for n in reversed(names) if n in block_names), None)
@@ -190,6 +197,10 @@ def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dic
                 row_done[name] = (block, tick[0])
         return hook
 
+    def note(collective: SeqCollective) -> None:
+        tick[0] += 1
+        sequence.append((collective, block_of(stack) if collective.in_block_forward else None, tick[0]))
+
     def pack(t: torch.Tensor) -> torch.Tensor:
         if (block := block_of(stack)) is not None:
             tick[0] += 1
@@ -200,13 +211,18 @@ def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dic
         handles.append(module.register_forward_pre_hook(pre(name), with_kwargs=True))
         handles.append(module.register_forward_hook(post(name), with_kwargs=True))
     blocks = _checkpoint_blocks(model, layers=layers, recompute=recompute)
-    allocations = _Allocations(lambda: stack[-1] if stack else "")
+    # Registered after the trace's hooks, so that the module running is on ``stack`` for them too.
+    standins = None
+    if edges is not None:  # regathering as parallelize sets it: without recomputation
+        standins = SequenceStandIns(model, plan, edges, note=note, regather=regathers(recompute), on_save=pack)
+    # Owner: (module, inside a tp region) with sequence parallelism, (module, None) without.
+    allocations = _Allocations(lambda: (stack[-1] if stack else "", standins.region if standins else None))
     was_training = model.training
     model.train()
     try:
         # Inside checkpointed blocks the checkpoint's own hooks take the saves: only watch without.
         saves = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if not blocks else contextlib.nullcontext()
-        with _FusedAttention(), allocations, saves:
+        with _FusedAttention(), allocations, saves, standins or contextlib.nullcontext():
             # With use_cache on, transformers skips a packed-sequence check that reads tensor values
             # (impossible on meta); the blocks get no cache (``pre``), so they run as in training.
             kwargs = {**plan.policy.forward_kwargs, **({"use_cache": True} if "use_cache" in plan.policy.forward_kwargs else {})}
@@ -224,25 +240,33 @@ def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dic
     del out, logits
     gc.collect()  # an output caught in a reference cycle would stay alive and count
     kept: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for owner, nbytes in allocations.alive().items():
-        kept[owner][1 if _split_across_tp(owner, styles, plan) else 0] += nbytes
+    for (owner, region), nbytes in allocations.alive().items():
+        kept[owner][1 if _split_across_tp(owner, styles, plan, region=region) else 0] += nbytes
     del graph
+    if standins is not None:
+        standins.release()
+        boundary[0] = standins.whole_numel  # blocks' outputs are slices; the stages hand on the whole
     tokens = boundary[0] // model.config.hidden_size if boundary[0] else 0
     rerun = frozenset(n for n, (block, t) in row_done.items() if last_save.get(block, 0) > t)
+    reruns = tuple(replace(c, rerun=block is not None and last_save.get(block, 0) > t) for c, block, t in sequence)
     return Trace(io={k: ModuleIO(*v) for k, v in io.items()}, boundary_numel=boundary[0],
-                 kept={k: (v[0], v[1]) for k, v in kept.items()}, logits_rows=rows, tokens=tokens, rerun=rerun)
+                 kept={k: (v[0], v[1]) for k, v in kept.items()}, logits_rows=rows, tokens=tokens, rerun=rerun,
+                 sequence=reruns)
 
 
-def _split_across_tp(name: str, styles: dict[str, str], plan: TpPlan) -> bool:
+def _split_across_tp(name: str, styles: dict[str, str], plan: TpPlan, *, region: bool | None) -> bool:
     """Whether what ``name`` allocates is sharded under tp: a column layer's output and anything
     computed inside a tp entry or region (attention heads, the MLP's activation) are; a row layer's
     all-reduced output, replicated regions inside an entry (GPT-2's residual dropout), norms,
-    residuals and embeddings are not."""
+    residuals and embeddings are not. With sequence parallelism (``region`` not None) the trace's
+    tensors already have one rank's size outside the tp regions, and inside one hold every head."""
     def under(root: str) -> bool:
         return name == root or name.startswith(root + ".")
 
     if name in styles:
         return styles[name].startswith("colwise") or styles[name] == "vocab_colwise"
+    if region is not None:
+        return region
     if any(under(r) for r in plan.shared_rng_regions):
         return False
     return any(under(r) for r in plan.tp_entries + plan.tp_rng_regions)

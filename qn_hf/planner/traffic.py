@@ -2,11 +2,19 @@
 payload this rank hands to each call: an all-reduce's tensor, a reduce-scatter's whole input, an
 all-gather's own piece).
 
-* tp: per microbatch, a forward all-reduce of each row-parallel output and vocab-parallel embedding
-  output, a backward all-reduce of the input of each tp entry (attention, MLP) and of each column
-  layer outside one (the vocab-parallel head), and the vocab-parallel loss's 3 floats per row.
-  Recomputation (full or selective) runs a block's forward again in backward, and with it the
-  all-reduce of each row layer that has something saved after it in the block (``Trace.rerun``).
+* tp, by op: per microbatch, a forward all-reduce of each row-parallel output and vocab-parallel
+  embedding output, a backward all-reduce of the input of each tp entry (attention, MLP) and of each
+  column layer outside one (the vocab-parallel head), and the vocab-parallel loss's 3 floats per row
+  in two all-reduces. Recomputation (full or selective) runs a block's forward again in backward,
+  and with it the all-reduce of each row layer that has something saved after it in the block
+  (``Trace.rerun``). With sequence parallelism the entries and their row layers communicate as the
+  trace recorded instead (``Trace.sequence``: an entry all-gathers its input forward and
+  reduce-scatters its gradient, a row layer reduce-scatters forward and all-gathers backward, each
+  stage's first block all-gathers its input's gradient, its last block or the final norm all-gathers
+  its output; without recomputation each entry gathers its saved input again in backward),
+  recomputation repeating the forward ones run before the block's last save. Per step,
+  one flat all-reduce of the gradients summed over tp (``TpPlan.grad_sum``: per-head norms, and with
+  sequence parallelism the norms and row biases between the regions; under ZeRO this rank's pieces).
 * pp: per microbatch, the hidden state forward and its gradient backward to each neighbour (both
   directions counted on each rank), a 64-byte shape header per step, the 4-byte loss.
 * dp: without ZeRO, an all-reduce of every gradient bucket; with ZeRO, a reduce-scatter of every
@@ -22,8 +30,9 @@ all-gather's own piece).
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..pipeline.runtime import HEADER_INTS
 from ..plan import TpPlan
@@ -37,6 +46,7 @@ HEADER_BYTES = HEADER_INTS * 8  # int64 values
 class GroupTraffic:
     calls: int
     nbytes: int
+    ops: dict[str, tuple[int, int]] = field(default_factory=dict)  # op -> (calls, bytes); tp only, else empty
 
 
 @dataclass(frozen=True)
@@ -47,39 +57,70 @@ class Mesh:
     microbatches: int
 
 
+def _tp_microbatch(s: int, *, plan: TpPlan, trace: Trace, stage_of: Callable[[str], int], act_elem: int,
+                   recompute: str | None) -> dict[str, list[int]]:
+    """One microbatch's tp collectives on stage ``s``: op -> [calls, bytes]."""
+    ops: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+
+    def add(op: str, calls: int, nbytes: int) -> None:
+        ops[op][0] += calls
+        ops[op][1] += nbytes
+
+    sp = plan.sequence_parallel
+    entered = lambda name: any(name.startswith(e + ".") for e in plan.tp_entries)  # noqa: E731
+    for name, style in plan.rules:
+        if stage_of(name) != s or name not in trace.io:
+            continue
+        io = trace.io[name]
+        if style == "vocab_embedding" or (style == "rowwise" and not sp):  # sp: reduce-scattered (below)
+            add("all_reduce", io.calls, io.out_numel * act_elem)
+            if recompute is not None and name in trace.rerun:
+                add("all_reduce", io.calls, io.out_numel * act_elem)
+        elif style.startswith("colwise") or style == "vocab_colwise":
+            if not entered(name):
+                add("all_reduce", io.calls, io.in_numel * act_elem)
+            if style == "vocab_colwise" and plan.loss == "causal_lm":
+                add("all_reduce", 2, 3 * trace.logits_rows * 4)
+    for name in () if sp else plan.tp_entries:
+        if stage_of(name) == s and name in trace.io:
+            add("all_reduce", trace.io[name].calls, trace.io[name].in_numel * act_elem)
+    for c in trace.sequence:
+        if stage_of(c.module) == s and not (c.regather and recompute is not None):
+            for op, numel in filter(None, (c.forward, c.backward)):
+                add(op, 1, numel * act_elem)
+            if recompute is not None and c.rerun and c.forward is not None:
+                add(c.forward[0], 1, c.forward[1] * act_elem)
+    return ops
+
+
+def _group(ops: dict[str, list[int]] | dict[str, tuple[int, int]]) -> GroupTraffic:
+    return GroupTraffic(sum(c for c, _ in ops.values()), sum(b for _, b in ops.values()),
+                        {op: (c, b) for op, (c, b) in sorted(ops.items())})
+
+
 def stage_traffic(s: int, *, mesh: Mesh, plan: TpPlan, trace: Trace, stage_of: Callable[[str], int],
                   act_elem: int, param_elem: int, grad_elem: int, buckets: list[Bucket], zero: bool,
-                  kv: dict[str, int], tied: dict[str, int], recompute: str | None,
+                  kv: dict[str, int], tied: dict[str, int], grad_sum: dict[str, int], recompute: str | None,
                   loss_scaling: bool, backend: str = "nccl") -> dict[str, GroupTraffic]:
-    """``kv`` and ``tied``: this stage's replicated-KV and cross-stage-tied parameters -> elements."""
+    """``kv``, ``tied`` and ``grad_sum``: this stage's replicated-KV, cross-stage-tied and
+    summed-over-tp parameters -> elements."""
     dp, tp, pp, microbatches = mesh.dp, mesh.tp, mesh.pp, mesh.microbatches
     out: dict[str, GroupTraffic] = {}
+    pieces = owned(buckets, dp=dp) if zero else None
     if tp > 1:
-        calls = nbytes = 0
-        entered = lambda name: any(name.startswith(e + ".") for e in plan.tp_entries)  # noqa: E731
-        for name, style in plan.rules:
-            if stage_of(name) != s or name not in trace.io:
-                continue
-            io = trace.io[name]
-            if style in ("rowwise", "vocab_embedding"):
-                calls, nbytes = calls + io.calls, nbytes + io.out_numel * act_elem
-                if recompute is not None and name in trace.rerun:
-                    calls, nbytes = calls + io.calls, nbytes + io.out_numel * act_elem
-            elif style.startswith("colwise") or style == "vocab_colwise":
-                if not entered(name):
-                    calls, nbytes = calls + io.calls, nbytes + io.in_numel * act_elem
-                if style == "vocab_colwise" and plan.loss == "causal_lm":
-                    calls, nbytes = calls + 2, nbytes + 3 * trace.logits_rows * 4
-        for name in plan.tp_entries:
-            if stage_of(name) == s and name in trace.io:
-                calls, nbytes = calls + trace.io[name].calls, nbytes + trace.io[name].in_numel * act_elem
-        out["tp"] = GroupTraffic(calls * microbatches, nbytes * microbatches)
+        ops = {op: [c * microbatches, b * microbatches] for op, (c, b) in
+               _tp_microbatch(s, plan=plan, trace=trace, stage_of=stage_of, act_elem=act_elem,
+                              recompute=recompute).items()}
+        summed = sum(pieces.get(n, 0) for n in grad_sum) if pieces is not None else sum(grad_sum.values())
+        if summed:
+            calls, nbytes = ops.get("all_reduce", (0, 0))
+            ops["all_reduce"] = [calls + 1, nbytes + summed * grad_elem]
+        out["tp"] = _group(ops)
     if pp > 1:
         neighbours = (s > 0) + (s < pp - 1)
         act = trace.boundary_numel * act_elem
         out["pp"] = GroupTraffic(2 * neighbours * microbatches + neighbours + 1,
                                  2 * neighbours * microbatches * act + neighbours * HEADER_BYTES + 4)
-    pieces = owned(buckets, dp=dp) if zero else None
     if dp > 1:
         scalars = (8 if plan.loss else 0) + 4
         calls = 2 if plan.loss else 1
@@ -99,5 +140,9 @@ def stage_traffic(s: int, *, mesh: Mesh, plan: TpPlan, trace: Trace, stage_of: C
         spanning = [g for g, n in (("dp", dp), ("tp", tp), ("pp", pp)) if n == dp * tp * pp]
         group = spanning[-1] if spanning else "world"  # CommMeter names the default group by a dimension spanning it
         previous = out.get(group, GroupTraffic(0, 0))
-        out[group] = GroupTraffic(previous.calls + 1, previous.nbytes + 4)
+        if previous.ops:  # an all-reduce of the flag, in the op breakdown too
+            calls, nbytes = previous.ops.get("all_reduce", (0, 0))
+            out[group] = _group({**previous.ops, "all_reduce": (calls + 1, nbytes + 4)})
+        else:
+            out[group] = GroupTraffic(previous.calls + 1, previous.nbytes + 4)
     return out
