@@ -16,6 +16,7 @@ tp communication per step is counted by ``CommMeter`` (calls and payload bytes b
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 
@@ -176,16 +177,24 @@ def ring(args: argparse.Namespace) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from qn_hf.ring_attention import ChunkLayout
+
     world, heads, head_dim = 4, 4, 16
-    print(f"ring attention alone, cp={world}, 1 x {args.seq} tokens, {heads} heads of {head_dim}, forward + backward")
-    print(f"{'layout':<12}" + "".join(f"{'rank ' + str(r) + ' compute s':>18}" for r in range(world)) + f"{'max/mean':>10}")
+    print(f"ring attention alone, cp={world}, 1 x {args.seq} tokens, {heads} heads of {head_dim}, forward + backward; "
+          f"blocks = (query chunk, key chunk) pairs a rank computes per pass, the exact work; seconds measured with "
+          f"{world} ranks on {os.cpu_count()} cores")
+    print(f"{'layout':<12}{'blocks per rank':>18}{'max/mean':>10}" + "".join(f"{'rank ' + str(r) + ' s':>10}" for r in range(world))
+          + f"{'max/mean':>10}")
     runs = {}
     for balanced in (True, False):
+        layout = ChunkLayout(size=world, balanced=balanced)
+        blocks = [sum(kc <= qc for qc in layout.chunks(r) for o in range(world) for kc in layout.chunks(o))
+                  for r in range(world)]
         ranks = _gather_ranks(ring_worker, world, (args.seq, balanced, heads, head_dim))
         compute = [sum(b - a for _, _, a, b, _ in r["events"]) for r in ranks]
         runs[balanced] = ranks
-        print(f"{'balanced' if balanced else 'contiguous':<12}" + "".join(f"{c:>18.3f}" for c in compute)
-              + f"{max(compute) / (sum(compute) / world):>10.2f}")
+        print(f"{'balanced' if balanced else 'contiguous':<12}{str(blocks):>18}{max(blocks) / (sum(blocks) / world):>10.2f}"
+              + "".join(f"{c:>10.3f}" for c in compute) + f"{max(compute) / (sum(compute) / world):>10.2f}")
     ranks = runs[True]
     fig, ax = plt.subplots(figsize=(10, 3))
     for r in ranks:
