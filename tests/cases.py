@@ -130,4 +130,6 @@ def cp_batch_errors(*, model_dir: str) -> dict:
         "loss_fn": error_message(lambda: pm.train_step(good, loss_fn=lambda out, b: out.logits.sum())),
         "keys": error_message(lambda: pm.train_step({**good, "token_type_ids": good["input_ids"] * 0})),
         "window": error_message(lambda: windowed.train_step(make_batch("mistral", size=2, seed=3, seq=16))),
+        "mesh_dims": pm.mesh.mesh_dim_names,
+        "coords": pm.coords,
     }

@@ -92,6 +92,8 @@ def test_context_parallel_batch_errors(worlds, model_dirs):
         assert "cp=2: each rank holds part of every sequence, so a loss_fn" in m["loss_fn"], m
         assert "cp=2: batch keys ['token_type_ids'] cannot be cut along the sequence" in m["keys"], m
         assert "attends within a sliding window of 8 tokens, shorter than the sequence (16)" in m["window"], m
+        assert m["mesh_dims"] == ("dp", "pp", "cp", "tp"), m
+    assert [m["coords"]["cp"] for m in messages] == [0, 1]
 
 
 def case_cp_train_save_continue(*, model_dir: str, ckpt: str, out: str, zero: bool) -> float:
