@@ -128,60 +128,18 @@ def _split_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return x.chunk(group_size(group), dim=SEQ_DIM)[group_rank(group)].contiguous()
 
 
-class _SplitSeq(torch.autograd.Function):
-    """Keep this rank's sequence slice forward, all-gather the slices backward: a replicated
-    activation enters the sequence-parallel region."""
+class _SequenceCollective(torch.autograd.Function):
+    """``forward(x)`` forward and ``backward(grad)`` backward, both functions of (tensor, group) along
+    the sequence: the four sequence-parallel transitions are pairs of the three functions above."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _split_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _gather_seq(grad, ctx.group), None
-
-
-class _GatherSeq(torch.autograd.Function):
-    """All-gather the sequence forward, keep this rank's slice backward: leaves the
-    sequence-parallel region for consumers that each see the whole (replicated) sequence."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _gather_seq(x, group)
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, forward: Callable, backward: Callable) -> torch.Tensor:
+        ctx.group, ctx.backward_fn = group, backward
+        return forward(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _split_seq(grad, ctx.group), None
-
-
-class _GatherSeqIntoRegion(torch.autograd.Function):
-    """All-gather the sequence forward, reduce-scatter backward: enters a tp region (column layers)
-    from the sequence-parallel region; each rank's input gradient is partial (its columns only)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _gather_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _reduce_scatter_seq(grad, ctx.group), None
-
-
-class _ReduceScatterSeq(torch.autograd.Function):
-    """Reduce-scatter along the sequence forward, all-gather backward: leaves a tp region of partial
-    sums (a row layer) into the sequence-parallel region."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _reduce_scatter_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _gather_seq(grad, ctx.group), None
+        return ctx.backward_fn(grad, ctx.group), None, None, None
 
 
 def all_gather_sequence(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
@@ -190,23 +148,27 @@ def all_gather_sequence(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor
 
 
 def split_sequence(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
-    """This rank's slice of the sequence forward, all-gather backward."""
-    return x if group_size(group) == 1 else _SplitSeq.apply(x, group)
+    """This rank's slice of the sequence forward, all-gather backward: a replicated activation enters
+    the sequence-parallel region."""
+    return x if group_size(group) == 1 else _SequenceCollective.apply(x, group, _split_seq, _gather_seq)
 
 
 def gather_sequence(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
-    """All-gather the sequence forward, this rank's slice backward."""
-    return x if group_size(group) == 1 else _GatherSeq.apply(x, group)
+    """All-gather the sequence forward, this rank's slice backward: leaves the sequence-parallel region
+    for consumers that each see the whole (replicated) sequence."""
+    return x if group_size(group) == 1 else _SequenceCollective.apply(x, group, _gather_seq, _split_seq)
 
 
 def gather_sequence_into_region(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
-    """All-gather the sequence forward, reduce-scatter backward."""
-    return x if group_size(group) == 1 else _GatherSeqIntoRegion.apply(x, group)
+    """All-gather the sequence forward, reduce-scatter backward: enters a tp region (column layers) from
+    the sequence-parallel region; each rank's input gradient is partial (its columns only)."""
+    return x if group_size(group) == 1 else _SequenceCollective.apply(x, group, _gather_seq, _reduce_scatter_seq)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
-    """Reduce-scatter along the sequence forward, all-gather backward."""
-    return x if group_size(group) == 1 else _ReduceScatterSeq.apply(x, group)
+    """Reduce-scatter along the sequence forward, all-gather backward: leaves a tp region of partial sums
+    (a row layer) into the sequence-parallel region."""
+    return x if group_size(group) == 1 else _SequenceCollective.apply(x, group, _reduce_scatter_seq, _gather_seq)
 
 
 def copy_to_group(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
