@@ -44,6 +44,16 @@ def split_microbatches(batch: Mapping[str, torch.Tensor], *, microbatches: int) 
 INTEGER_KEYS = ("input_ids", "token_type_ids", "position_ids")
 
 
+def sequence_split(*, cp: int, tp: int, sequence_parallel: bool) -> tuple[int, str]:
+    """The multiple every sequence length must be, and why: cp cuts a sequence into 2*cp chunks,
+    sequence parallelism splits it over tp (the two are never combined)."""
+    if cp > 1:
+        return 2 * cp, f"cp={cp} cuts it into 2*cp chunks"
+    if sequence_parallel:
+        return tp, f"sequence_parallel=True splits it over tp={tp}"
+    return 1, ""
+
+
 def check_model_inputs(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Module, loss: str | None,
                        sequence_split: tuple[int, str] = (1, "")) -> None:
     """Check a batch against the model before anything is sent: the main input is there, keys are

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .batch import check_batch, check_model_inputs, split_microbatches
+from .batch import check_batch, check_model_inputs, sequence_split, split_microbatches
 from .checkpoint.export import save_pretrained
 from .checkpoint.hf import DEFAULT_MAX_SHARD_BYTES
 from .checkpoint.load import load_checkpoint
@@ -209,8 +209,7 @@ class ParallelModel:
             unknown = sorted(set(batch) - set(CP_KEYS))
             if unknown:
                 raise ValueError(f"cp={cp}: batch keys {unknown} cannot be cut along the sequence; use only {CP_KEYS}")
-        split = (2 * cp, f"cp={cp} cuts it into 2*cp chunks") if cp > 1 else (
-            (self.dims.tp, f"sequence_parallel=True splits it over tp={self.dims.tp}") if self.plan.sequence_parallel else (1, ""))
+        split = sequence_split(cp=cp, tp=self.dims.tp, sequence_parallel=self.plan.sequence_parallel)
         check_model_inputs(batch, model=self.module, loss=self.plan.loss if builtin else None, sequence_split=split)
         if builtin and self.plan.loss == "classification":
             config = self.config

@@ -65,7 +65,9 @@ def apply_recompute(model: nn.Module, *, recompute: str, layers: str, rng: RngSt
 
 
 def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    if op in SAVED_OPS:
+    # Products inside an autograd Function's forward (ring attention's blocks) run without grad mode:
+    # autograd never reads them, the Function saves what its own backward needs.
+    if op in SAVED_OPS and torch.is_grad_enabled():
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -72,10 +72,10 @@ def _measure_forwards(pm, out: list[int]):
 
 
 def measure(*, kind: str, dp: int, tp: int, pp: int, microbatches: int, mixed_precision: str | None, zero: bool,
-            recompute: str | None, sequence_parallel: bool = False) -> dict:
+            recompute: str | None, sequence_parallel: bool = False, cp: int = 1) -> dict:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config_for(kind))
-    pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, microbatches=microbatches, mesh=mesh_for(dp, tp, pp),
+    pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, cp=cp, microbatches=microbatches, mesh=mesh_for(dp, tp, pp, cp),
                            bucket_mb=BUCKET_MB, mixed_precision=mixed_precision, recompute=recompute,
                            sequence_parallel=sequence_parallel)
     opt = qn_hf.optimizer(pm, torch.optim.AdamW, zero=zero, lr=1e-4)

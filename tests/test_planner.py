@@ -160,13 +160,24 @@ def test_planner_rejects_with_parallelize_message():
     with pytest.raises(ValueError) as real:
         qn_hf.parallelize(meta_model(config), sequence_parallel=True)
     assert str(planned.value) == str(real.value) and "tp > 1" in str(planned.value)
-    with pytest.raises(ValueError, match="sequence length 127 is not divisible by tp=2"):  # as train_step says
+    # as train_step says
+    with pytest.raises(ValueError, match=r"sequence length 127 is not a multiple of 2 \(sequence_parallel=True splits it"):
         estimate_mesh(config, dp=1, tp=2, pp=1, microbatches=1, seq_len=127, micro_batch_size=1, sequence_parallel=True)
+    # Context parallelism: what ring attention cannot compute, and a length 2*cp does not divide.
+    for name, settings in (("gpt2-xl", {}), ("llama-3-8b", {"tp": 2, "sequence_parallel": True})):
+        with pytest.raises(ValueError) as planned:
+            estimate_mesh(PUBLIC[name], **{"dp": 1, "tp": 1, "pp": 1, **settings}, cp=2, microbatches=1, seq_len=128,
+                          micro_batch_size=1)
+        with pytest.raises(ValueError) as real:
+            qn_hf.parallelize(meta_model(PUBLIC[name]), cp=2, **settings)
+        assert str(planned.value) == str(real.value) and "cp=2" in str(planned.value)
+    with pytest.raises(ValueError, match=r"sequence length 100 is not a multiple of 8 \(cp=4 cuts it into 2\*cp chunks\)"):
+        estimate_mesh(config, dp=1, tp=1, pp=1, cp=4, microbatches=1, seq_len=100, micro_batch_size=1)
 
 
 def test_cli_enumerates_ranks_and_explains_rejections(tmp_path, capsys):
     PUBLIC["llama-3-8b"].save_pretrained(tmp_path)
-    main([str(tmp_path), "--gpus", "16", "--seq-len", "1024", "--json"])
+    main([str(tmp_path), "--gpus", "16", "--seq-len", "1024", "--json", "--cp", "1"])  # cp: see the test below
     out = json.loads(capsys.readouterr().out)
     meshes = [(m["dp"], m["tp"], m["pp"]) for m in out["meshes"]]
     assert (2, 8, 1) in meshes and (1, 8, 2) in meshes and all(dp * tp * pp == 16 for dp, tp, pp in meshes)
@@ -212,6 +223,49 @@ def test_cli_training_flags(tmp_path, capsys):
     main([str(tmp_path), "--gpus", "4", "--seq-len", "1024", "--sequence-parallel"])  # tp=1 rejected as parallelize does
     assert "tp=1 pp=4: sequence_parallel=True needs tp > 1" in capsys.readouterr().out
     # Enumerating meshes (tp=1 first) traces each tp on its own: tp>1 meshes carry tp traffic.
-    main([str(tmp_path), "--gpus", "4", "--seq-len", "1024", "--json"])
+    main([str(tmp_path), "--gpus", "4", "--seq-len", "1024", "--json", "--cp", "1"])
     meshes = json.loads(capsys.readouterr().out)["meshes"]
     assert all((m["stages"][0]["comm"].get("tp", {}).get("nbytes", 0) > 0) == (m["tp"] > 1) for m in meshes)
+
+
+def test_cli_plans_context_parallelism(tmp_path, capsys):
+    """--cp: each rank keeps about 1/cp of the activations, ZeRO's state is split over dp x cp, ring
+    attention's sends are counted on cp (per layer and microbatch: cp-1 key/value blocks forward,
+    cp-1 blocks and cp float32 gradient blocks backward) and the gradients go over dp x cp."""
+    config = LlamaConfig(**{**PUBLIC["llama-3-8b"].to_dict(), "num_hidden_layers": 4})
+    config.save_pretrained(tmp_path)
+    runs = {}
+    for cp in (1, 2):
+        main([str(tmp_path), "--dp", "2", "--tp", "2", "--pp", "1", "--cp", str(cp), "--seq-len", "1024", "--zero",
+              "--json"])
+        runs[cp] = json.loads(capsys.readouterr().out)
+    plain, ring = runs[1]["stages"][0], runs[2]["stages"][0]
+    assert runs[2]["cp"] == 2 and plain["params"] == ring["params"]
+    assert 0.45 < ring["activation_bytes"] / plain["activation_bytes"] < 0.55
+    assert abs(ring["optimizer_bytes"] - plain["optimizer_bytes"] / 2) < 0.001 * plain["optimizer_bytes"]
+    block = 2 * 1 * (8 // 2) * (1024 // 2) * 128  # stack([k, v]): this tp rank's 4 KV heads, 512 tokens
+    per_layer = (2 * 1 * block * 2 + 2 * block * 4)  # bf16 blocks forward and backward, float32 gradients
+    microbatches = runs[2]["microbatches"]
+    assert ring["comm"]["cp"]["ops"]["send"] == [4 * microbatches * 4, 4 * microbatches * per_layer]
+    assert ring["comm"]["cp"]["ops"]["recv"] == ring["comm"]["cp"]["ops"]["send"]
+    assert ring["comm"]["dp"]["nbytes"] == 8 and "replicas" not in plain["comm"]  # the target count only
+    # ZeRO over dp x cp = 4: the gradient buckets reduce-scattered, a quarter of the weights gathered, the loss
+    reduced = ring["grad_bytes"] + ring["weight_bytes"] / 4 + 4
+    assert abs(ring["comm"]["replicas"]["nbytes"] - reduced) < 0.001 * reduced
+    assert runs[2]["step_time"]["cp"] > 0 and runs[1]["step_time"]["cp"] == 0
+    main([str(tmp_path), "--dp", "1", "--tp", "2", "--pp", "1", "--cp", "2"])
+    assert "mesh dp=1 tp=2 pp=1 cp=2 (4 GPUs)" in capsys.readouterr().out
+    # Enumerating: cp among the divisors up to 8 with cp x tp inside a node; a length 2*cp does not
+    # divide is rejected as train_step rejects it.
+    main([str(tmp_path), "--gpus", "16", "--seq-len", "1000", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    meshes = [(m["dp"], m["tp"], m["pp"], m["cp"]) for m in out["meshes"]]
+    assert all(dp * tp * pp * cp == 16 and cp * tp <= 8 for dp, tp, pp, cp in meshes)
+    assert {cp for *_, cp in meshes} == {1, 2, 4} and (1, 1, 2, 8) not in meshes
+    too_short = [r for r in out["rejected"] if "sequence length" in r["reason"]]  # (the others: pp > 4 blocks)
+    assert {(r["tp"], r["cp"]) for r in too_short} == {(1, 8)}
+    assert all("sequence length 1000 is not a multiple of 16 (cp=8" in r["reason"] for r in too_short)
+    main([str(tmp_path), "--gpus", "8", "--seq-len", "1000", "--cp", "8"])
+    assert "dp=1 tp=1 pp=1 cp=8: sequence length 1000 is not a multiple of 16" in capsys.readouterr().out
+    main([str(tmp_path), "--gpus", "8", "--seq-len", "1024", "--cp", "4", "--json"])
+    assert {m["cp"] for m in json.loads(capsys.readouterr().out)["meshes"]} == {4}

@@ -1,13 +1,15 @@
 """The planner's per-rank memory against a real run: weights, gradients, optimizer state and
 activations measured from the tensors themselves (tests/planner_memory_cases.py says how), under
-mixed precision, ZeRO-1, both recompute modes and sequence parallelism, for GPT-2 and Llama.
+mixed precision, ZeRO-1, both recompute modes, sequence parallelism and context parallelism, for
+GPT-2 and Llama.
 
-Weights, gradients and optimizer state exactly on dp rank 0 (the rank the estimate describes;
-ZeRO's other ranks differ by their pieces' padding: within 5%), activations per microbatch within
-15%; the communication of the measured step (ZeRO's reduce-scatter and
-all-gather, recomputation's repeated tp collectives, sequence parallelism's all-gathers and
-reduce-scatters, float16's overflow flag) byte for byte and call for call, as ``CommMeter`` counts
-it, by group and, for tp, by operation.
+Weights, gradients and optimizer state exactly on dp (and cp) rank 0 (the rank the estimate
+describes; ZeRO's other ranks differ by their pieces' padding: within 5%), activations per
+microbatch within 15%; the communication of the measured step
+(ZeRO's reduce-scatter and all-gather, recomputation's repeated tp collectives and ring forwards,
+sequence parallelism's all-gathers and reduce-scatters, ring attention's sends and receives, the
+gradients over dp x cp, float16's overflow flag) byte for byte and call for call, as ``CommMeter``
+counts it, by group and, for tp and cp, by operation.
 """
 
 from __future__ import annotations
@@ -22,17 +24,23 @@ from tests.planner_memory_cases import BUCKET_MB, ROWS, SEQ, config_for
 STATE_TOLERANCE = 0.05
 ACTIVATION_TOLERANCE = 0.15
 
-RUNS = [  # kind, dp, tp, pp, microbatches, mixed_precision, zero, recompute, sequence_parallel
-    ("gpt2", 2, 1, 1, 1, None, True, None, False),  # ZeRO without mixed precision: the masters are the weights
-    ("gpt2", 1, 2, 2, 2, "bf16", False, "full", False),  # embedding tied across stages, vocab padding
-    ("gpt2", 2, 2, 1, 1, "bf16", True, "selective", False),
-    ("llama", 2, 1, 1, 1, "bf16", True, "full", False),
-    ("llama", 1, 2, 2, 2, None, False, "selective", False),
-    ("llama", 2, 2, 1, 1, "fp16", True, None, False),  # loss scaling's overflow flag over the whole job
+RUNS = [  # kind, dp, tp, pp, microbatches, mixed_precision, zero, recompute, sequence_parallel, cp
+    ("gpt2", 2, 1, 1, 1, None, True, None, False, 1),  # ZeRO without mixed precision: the masters are the weights
+    ("gpt2", 1, 2, 2, 2, "bf16", False, "full", False, 1),  # embedding tied across stages, vocab padding
+    ("gpt2", 2, 2, 1, 1, "bf16", True, "selective", False, 1),
+    ("llama", 2, 1, 1, 1, "bf16", True, "full", False, 1),
+    ("llama", 1, 2, 2, 2, None, False, "selective", False, 1),
+    ("llama", 2, 2, 1, 1, "fp16", True, None, False, 1),  # loss scaling's overflow flag over the whole job
     # Sequence parallelism: norms' gradients summed over tp, each stage's edges split and gather.
-    ("llama", 1, 2, 1, 1, None, False, None, True),
-    ("llama", 2, 2, 1, 2, "bf16", True, "full", True),
-    ("llama", 1, 2, 2, 2, "bf16", False, "selective", True),
+    ("llama", 1, 2, 1, 1, None, False, None, True, 1),
+    ("llama", 2, 2, 1, 2, "bf16", True, "full", True, 1),
+    ("llama", 1, 2, 2, 2, "bf16", False, "selective", True, 1),
+    # Context parallelism: ring attention's saved tensors and sends, gradients over dp x cp.
+    ("llama", 1, 1, 1, 2, None, False, None, False, 2),
+    ("llama", 1, 2, 1, 1, "bf16", False, None, False, 2),  # 16-bit k/v blocks, float32 gradient blocks
+    ("llama", 2, 1, 1, 1, "bf16", True, "full", False, 2),  # ZeRO's pieces 1/4; the ring forward again
+    ("llama", 1, 1, 2, 2, None, False, "selective", False, 2),  # the ring's products in the cache
+    ("llama", 1, 1, 1, 1, "fp16", True, None, False, 4),  # ZeRO at dp=1; the overflow flag over cp
 ]
 
 
@@ -42,15 +50,15 @@ def planner(kind: str) -> Planner:
 
 
 @pytest.mark.parametrize(("kind", "dp", "tp", "pp", "microbatches", "mixed_precision", "zero", "recompute",
-                          "sequence_parallel"), RUNS)
+                          "sequence_parallel", "cp"), RUNS)
 def test_planner_memory_matches_a_real_run(worlds, kind, dp, tp, pp, microbatches, mixed_precision, zero, recompute,
-                                           sequence_parallel):
+                                           sequence_parallel, cp):
     est = planner(kind).estimate(dp=dp, tp=tp, pp=pp, microbatches=microbatches, bucket_mb=BUCKET_MB,
                                  mixed_precision=mixed_precision, zero=zero, recompute=recompute,
-                                 sequence_parallel=sequence_parallel, backend="gloo")
-    measured = worlds.run(dp * tp * pp, "tests.planner_memory_cases:measure", kind=kind, dp=dp, tp=tp, pp=pp,
+                                 sequence_parallel=sequence_parallel, cp=cp, backend="gloo")
+    measured = worlds.run(dp * tp * pp * cp, "tests.planner_memory_cases:measure", kind=kind, dp=dp, tp=tp, pp=pp,
                           microbatches=microbatches, mixed_precision=mixed_precision, zero=zero, recompute=recompute,
-                          sequence_parallel=sequence_parallel)
+                          sequence_parallel=sequence_parallel, cp=cp)
     rows = []
     for r in measured:
         stage = est.stages[r["coords"]["pp"]]
@@ -62,16 +70,19 @@ def test_planner_memory_matches_a_real_run(worlds, kind, dp, tp, pp, microbatche
     for coords, values in rows:
         for what, (real, planned) in values.items():
             tolerance = ACTIVATION_TOLERANCE if what == "activation_bytes" else STATE_TOLERANCE
-            if what != "activation_bytes" and coords["dp"] == 0:  # the rank the estimate describes
+            first = coords["dp"] == 0 and coords.get("cp", 0) == 0  # replica 0: the rank the estimate describes
+            if what != "activation_bytes" and first:
                 tolerance = 0
             assert abs(planned - real) <= tolerance * real, f"{coords} {what}\n{table}"
     for r in measured:
         stage = est.stages[r["coords"]["pp"]]
         assert stage.params == r["params"], (r["coords"], stage.params, r["params"])
         predicted = {g: [t.calls, t.nbytes] for g, t in stage.comm.items()}
-        predicted.update({f"tp:{op}": list(v) for op, v in stage.comm["tp"].ops.items()} if "tp" in stage.comm else {})
-        real = {**r["comm"], **{k: v for k, v in r["comm_ops"].items() if k.startswith("tp:")}}
-        if zero and r["coords"]["dp"] > 0:
+        for group in ("tp", "cp"):
+            predicted.update({f"{group}:{op}": list(v) for op, v in stage.comm[group].ops.items()}
+                             if group in stage.comm else {})
+        real = {**r["comm"], **{k: v for k, v in r["comm_ops"].items() if k.startswith(("tp:", "cp:"))}}
+        if zero and (r["coords"]["dp"] > 0 or r["coords"].get("cp", 0) > 0):
             # Under ZeRO the gradients summed over tp are this rank's pieces of them: the estimate
             # gives dp rank 0's; another rank's pieces cover other elements of those parameters.
             for key in ("tp", "tp:all_reduce") if "tp" in predicted else ():

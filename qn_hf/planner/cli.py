@@ -1,8 +1,8 @@
-"""qn-hf-plan: which (dp, tp, pp) fits, where the stages are cut, what each rank holds and sends.
+"""qn-hf-plan: which (dp, tp, pp, cp) fits, where the stages are cut, what each rank holds and sends.
 
     qn-hf-plan MODEL --gpus 64 [--gpu-memory 80GiB] [--seq-len 4096] [--micro-batch-size 1]
-               [--dtype bf16|fp16|fp32] [--zero] [--recompute full|selective] [--sequence-parallel]
-    qn-hf-plan MODEL --dp 1 --tp 8 --pp 8 [--microbatches 32]          # one mesh, per-stage detail
+               [--dtype bf16|fp16|fp32] [--zero] [--recompute full|selective] [--sequence-parallel] [--cp N]
+    qn-hf-plan MODEL --dp 1 --tp 8 --pp 8 [--cp 2] [--microbatches 32]  # one mesh, per-stage detail
     qn-hf-plan path/to/config.json --gpus 16 --json                     # machine-readable
 
 MODEL is a Hugging Face directory or a config.json. The model is built on the meta device (no
@@ -13,10 +13,15 @@ mixed_precision (16-bit weights and activations, float32 gradients, float32 mast
 AdamW moments: 2+4+4+8 B per parameter), fp32 is none (4+4+8); --zero shards the master weights
 and moments over dp (ZeRO-1); --recompute recomputes each block's activations in backward;
 --sequence-parallel splits the activations between tensor-parallel regions over tp along the
-sequence (meshes with tp=1 are then rejected, as parallelize rejects them).
+sequence (meshes with tp=1 are then rejected, as parallelize rejects them); --cp is context
+parallelism (``parallelize(cp=N)``: each rank runs 1/cp of every sequence, ring attention between
+them, gradients and ZeRO's state over dp x cp). With --gpus the meshes take every cp that divides
+the GPUs left by tp, up to 8 (rings within a node or two), unless --cp fixes it; a sequence length
+that 2*cp does not divide is rejected, as train_step rejects it.
 Memory is per rank: weights + gradients + AdamW state, plus activations (what one microbatch
-keeps for its backward, with a fused attention kernel and the recompute mode, times the
-microbatches the schedule keeps in flight). Communication is per step and rank, by group. Step times come from the simple model in
+keeps for its backward, with a fused attention kernel, or ring attention under cp, and the recompute
+mode, times the microbatches the schedule keeps in flight). Communication is per step and rank, by
+group (the dp column: the gradients' reduction, over dp x cp). Step times come from the simple model in
 qn_hf/planner/cost.py (a stated FLOP rate and link bandwidths): use them to rank meshes, not to
 predict a run.
 """
@@ -79,48 +84,64 @@ def mesh_report(est: MeshEstimate, hw: Hardware) -> str:
     t = step_time(est, hw)
     master = " + fp32 master" if est.mixed_precision else ""
     lines = [
-        f"mesh dp={est.dp} tp={est.tp} pp={est.pp} ({est.world_size} GPUs), {est.schedule}, {est.microbatches} microbatches "
-        f"of {est.micro_batch_size} x {est.seq_len} positions; {est.total_params:,} parameters; "
+        f"mesh dp={est.dp} tp={est.tp} pp={est.pp} cp={est.cp} ({est.world_size} GPUs), {est.schedule}, "
+        f"{est.microbatches} microbatches of {est.micro_batch_size} x {est.seq_len} positions; "
+        f"{est.total_params:,} parameters; "
         f"{settings(mixed_precision=est.mixed_precision, zero=est.zero, recompute=est.recompute, sequence_parallel=est.sequence_parallel)}",
-        f"bubble (pp-1)/(M+pp-1) = {est.bubble:.3f}; links: tp {link['tp']}, pp {link['pp']}, dp {link['dp']}",
+        f"bubble (pp-1)/(M+pp-1) = {est.bubble:.3f}; links: tp {link['tp']}, cp {link['cp']}, pp {link['pp']}, "
+        f"dp {link['dp']}",
         "",
         f"| stage | blocks | also holds | params / rank | weights GiB | grads GiB | AdamW{master} GiB "
-        f"| activations / microbatch GiB | in flight | total GiB | tp GB/step | pp GB/step | dp GB/step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| activations / microbatch GiB | in flight | total GiB | tp GB/step | cp GB/step | pp GB/step | dp GB/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in est.stages:
-        comm = {g: s.comm[g].nbytes / 1e9 if g in s.comm else 0.0 for g in ("tp", "pp", "dp")}
+        comm = group_gb(s.comm)
         lines.append(
             f"| {s.stage} | {s.blocks[0]}-{s.blocks[1] - 1} | {', '.join(s.modules) or '-'} | {s.params:,} "
             f"| {gib(s.weight_bytes)} | {gib(s.grad_bytes)} | {gib(s.optimizer_bytes)} "
             f"| {gib(s.activation_bytes_per_microbatch)} | {s.in_flight} | {gib(s.total_bytes)} "
-            f"| {comm['tp']:.2f} | {comm['pp']:.2f} | {comm['dp']:.2f} |"
+            f"| {comm['tp']:.2f} | {comm['cp']:.2f} | {comm['pp']:.2f} | {comm['dp']:.2f} |"
         )
     fits = est.peak_bytes <= hw.gpu_memory
     lines += ["", f"peak {gib(est.peak_bytes)} GiB per GPU of {gib(hw.gpu_memory)} GiB: {'fits' if fits else 'DOES NOT FIT'}",
-              f"estimated step {t.seconds:.2f} s (compute+bubble {t.compute:.2f}, tp {t.tp:.2f}, pp {t.pp:.2f}, dp {t.dp:.2f}), "
-              f"{t.tokens_per_s:,.0f} tokens/s, {100 * t.utilization:.0f}% of the stated FLOP rate"]
+              f"estimated step {t.seconds:.2f} s (compute+bubble {t.compute:.2f}, tp {t.tp:.2f}, cp {t.cp:.2f}, "
+              f"pp {t.pp:.2f}, dp {t.dp:.2f}), {t.tokens_per_s:,.0f} tokens/s, {100 * t.utilization:.0f}% of the stated "
+              f"FLOP rate"]
     return "\n".join(lines)
+
+
+def group_gb(comm: dict) -> dict[str, float]:
+    """GB per step on tp, cp, pp and dp, where dp is the gradients' group: "dp" plus "replicas" (dp x cp)."""
+    gb = {g: comm[g].nbytes / 1e9 if g in comm else 0.0 for g in ("tp", "cp", "pp", "dp")}
+    gb["dp"] += comm["replicas"].nbytes / 1e9 if "replicas" in comm else 0.0
+    return gb
+
+
+def mesh_name(dp: int, tp: int, pp: int, cp: int) -> str:
+    return f"dp={dp} tp={tp} pp={pp}" + (f" cp={cp}" if cp > 1 else "")
 
 
 def ranking_report(accepted: list[Candidate], rejected, *, hw: Hardware, top: int, label: str) -> str:
     lines = [
-        f"| rank | dp | tp | pp | microbatches | bubble | peak GiB / GPU ({label}) | fits {gib(hw.gpu_memory)} GiB "
-        "| est. step s | tokens/s | tp GB | pp GB | dp GB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| rank | dp | tp | pp | cp | microbatches | bubble | peak GiB / GPU ({label}) | fits {gib(hw.gpu_memory)} GiB "
+        "| est. step s | tokens/s | tp GB | cp GB | pp GB | dp GB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for i, c in enumerate(accepted[:top], 1):
         e = c.estimate
-        worst = {g: max((s.comm[g].nbytes for s in e.stages if g in s.comm), default=0) / 1e9 for g in ("tp", "pp", "dp")}
+        per_stage = [group_gb(s.comm) for s in e.stages]
+        worst = {g: max(gb[g] for gb in per_stage) for g in ("tp", "cp", "pp", "dp")}
         lines.append(
-            f"| {i} | {e.dp} | {e.tp} | {e.pp} | {e.microbatches} | {e.bubble:.3f} | {gib(c.peak_bytes)} | {'yes' if c.fits else 'no'} "
-            f"| {c.time.seconds:.2f} | {c.time.tokens_per_s:,.0f} | {worst['tp']:.1f} | {worst['pp']:.1f} | {worst['dp']:.1f} |"
+            f"| {i} | {e.dp} | {e.tp} | {e.pp} | {e.cp} | {e.microbatches} | {e.bubble:.3f} | {gib(c.peak_bytes)} "
+            f"| {'yes' if c.fits else 'no'} | {c.time.seconds:.2f} | {c.time.tokens_per_s:,.0f} | {worst['tp']:.1f} "
+            f"| {worst['cp']:.1f} | {worst['pp']:.1f} | {worst['dp']:.1f} |"
         )
     if len(accepted) > top:
         lines.append(f"\n({len(accepted) - top} more valid meshes; --top N shows more)")
     if rejected:
         lines.append(f"\nrejected by parallelize's checks ({len(rejected)}):")
-        lines += [f"  dp={r.dp} tp={r.tp} pp={r.pp}: {r.reason}" for r in rejected]
+        lines += [f"  {mesh_name(r.dp, r.tp, r.pp, r.cp)}: {r.reason}" for r in rejected]
     return "\n".join(lines)
 
 
@@ -139,10 +160,13 @@ def to_json(est: MeshEstimate, hw: Hardware) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="qn-hf-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="Hugging Face model directory or config.json")
-    parser.add_argument("--gpus", type=int, help="GPUs in the job (with --dp/--tp/--pp: must equal their product)")
+    parser.add_argument("--gpus", type=int, help="GPUs in the job (with --dp/--tp/--pp/--cp: must equal their product)")
     parser.add_argument("--dp", type=int)
     parser.add_argument("--tp", type=int)
     parser.add_argument("--pp", type=int)
+    parser.add_argument("--cp", type=int, default=None,
+                        help="context parallelism: with --dp/--tp/--pp the mesh's (default 1); with --gpus alone, the "
+                             "only cp enumerated (default: every divisor up to 8)")
     parser.add_argument("--gpu-memory", type=parse_bytes, default=80 * GIB, help="per GPU, e.g. 80GiB (default)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's, at most 4096)")
     parser.add_argument("--micro-batch-size", type=int, default=1)
@@ -179,14 +203,16 @@ def main(argv: list[str] | None = None) -> None:
                     sequence_parallel=args.sequence_parallel)
     try:
         if args.dp is not None:
+            cp = args.cp or 1
             if args.gpus is not None:
-                ParallelDims(dp=args.dp, tp=args.tp, pp=args.pp).check_world_size(args.gpus)
-            est = planner.estimate(dp=args.dp, tp=args.tp, pp=args.pp, microbatches=microbatches_for(args.pp, args.microbatches),
-                                   schedule=args.schedule, **training)
+                ParallelDims(dp=args.dp, tp=args.tp, pp=args.pp, cp=cp).check_world_size(args.gpus)
+            est = planner.estimate(dp=args.dp, tp=args.tp, pp=args.pp, cp=cp,
+                                   microbatches=microbatches_for(args.pp, args.microbatches), schedule=args.schedule,
+                                   **training)
             print(json.dumps(to_json(est, hw), indent=1) if args.json else mesh_report(est, hw))
             return
         accepted, rejected = search(planner, gpus=args.gpus, hw=hw, microbatches=args.microbatches, schedule=args.schedule,
-                                    **training)
+                                    cp=args.cp, **training)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

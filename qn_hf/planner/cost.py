@@ -2,21 +2,27 @@
 
 For each pipeline stage, one microbatch costs
 
-    compute = (6 * matmul parameters on the rank + attention FLOPs / tp) * tokens / FLOP rate
+    compute = (6 * matmul parameters on the rank + attention FLOPs / tp) * tokens / cp / FLOP rate
               (times 4/3 with full recomputation: the stage's forward runs twice; selective
               recomputation only redoes elementwise work, counted as free)
     tp      = per microbatch, over the tp link bandwidth, a ring's bytes on the wire per byte of
               payload (as CommMeter counts it): all-reduce 2 (tp-1)/tp, reduce-scatter (tp-1)/tp of
               its whole input, all-gather (tp-1) times its slice
+    cp      = ring attention's bytes sent per microbatch (traffic.py: key/value blocks forward and
+              backward, float32 gradient blocks backward, the forward again under recomputation) /
+              cp link bandwidth; each rank sends and receives at once, so the sends set the time.
+              qn_hf posts each transfer before the attention of the block in hand and waits after
+              it, so a link faster than that attention hides the ring; counted as not hidden (slow)
     pp      = 2 * hidden-state bytes / pp link bandwidth          (activation forward, gradient back)
 
 and the pipeline takes (microbatches + pp - 1) times the slowest stage's microbatch (1F1B and
 GPipe have the same bubble). Data parallelism adds, for the largest stage, a ring all-reduce of the
-gradients, 2 (dp-1)/dp * gradient bytes / dp link bandwidth, or with ZeRO a reduce-scatter of the
-gradients and an all-gather of the weights, (dp-1)/dp * (gradient + weight bytes) / bandwidth;
-assumed not overlapped with backward (qn_hf overlaps the last microbatch's backward, so this errs
-slow). A group's link is NVLink when all its ranks share a node (ranks are laid out dp, pp, tp with
-tp fastest) and InfiniBand otherwise.
+gradients over the R = dp x cp replicas, 2 (R-1)/R * gradient bytes / link bandwidth, or with ZeRO
+a reduce-scatter of the gradients and an all-gather of the weights, (R-1)/R * (gradient + weight
+bytes) / bandwidth; assumed not overlapped with backward (qn_hf overlaps the last microbatch's
+backward, so this errs slow). A group's link is NVLink when all its ranks share a node (ranks are
+laid out dp, pp, cp, tp with tp fastest) and InfiniBand otherwise. Ring attention's own matrix
+products (float32, unfused) are counted at the stated rate like the rest: an optimistic figure.
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ class StepTime:
     compute: float  # pipeline compute including the bubble
     tp: float
     pp: float
-    dp: float
+    dp: float  # the gradients' reduction over dp x cp
+    cp: float  # ring attention
     tokens_per_s: float
     utilization: float  # model FLOPs per second / (GPUs * stated FLOP rate)
 
@@ -56,11 +63,11 @@ def _tp_wire_bytes(ops: dict[str, tuple[int, int]], *, tp: int) -> float:
 
 
 def links(est: MeshEstimate, hw: Hardware) -> dict[str, str]:
-    """Which link each group uses."""
+    """Which link each group uses ("dp": the gradients' group, dp x cp; the cp group alone at dp=1)."""
     node = hw.gpus_per_node
-    return {"tp": "nvlink" if est.tp <= node else "ib",
-            "pp": "nvlink" if est.tp * est.pp <= node else "ib",
-            "dp": "nvlink" if est.world_size <= node else "ib"}
+    span = {"tp": est.tp, "cp": est.cp * est.tp, "pp": est.pp * est.cp * est.tp,
+            "dp": est.world_size if est.dp > 1 else est.cp * est.tp}
+    return {group: "nvlink" if ranks <= node else "ib" for group, ranks in span.items()}
 
 
 def step_time(est: MeshEstimate, hw: Hardware) -> StepTime:
@@ -68,23 +75,24 @@ def step_time(est: MeshEstimate, hw: Hardware) -> StepTime:
     link = {g: bandwidth[kind] for g, kind in links(est, hw).items()}
     rate = hw.tflops * 1e12
     tokens = est.tokens_per_microbatch
-    slowest = compute_mb = tp_mb = pp_mb = 0.0
+    slowest = compute_mb = tp_mb = pp_mb = cp_mb = 0.0
     for s in est.stages:
         layers = s.blocks[1] - s.blocks[0]
         flops = (6 * (s.params - s.embedding_params) + est.attention_flops_per_token * layers / est.layers / est.tp) * tokens
-        c = flops / rate * (4 / 3 if est.recompute == "full" else 1)
+        c = flops / est.cp / rate * (4 / 3 if est.recompute == "full" else 1)
         t = _tp_wire_bytes(s.comm["tp"].ops, tp=est.tp) / est.microbatches / link["tp"] if "tp" in s.comm else 0.0
+        r = s.comm["cp"].ops.get("send", (0, 0))[1] / est.microbatches / link["cp"] if "cp" in s.comm else 0.0
         p = 2 * est.boundary_bytes / link["pp"] if est.pp > 1 else 0.0  # the activation out, its gradient back
-        if c + t + p > slowest:
-            slowest, compute_mb, tp_mb, pp_mb = c + t + p, c, t, p
+        if c + t + r + p > slowest:
+            slowest, compute_mb, tp_mb, cp_mb, pp_mb = c + t + r + p, c, t, r, p
     rounds = est.microbatches + est.pp - 1
     dp = 0.0
-    if est.dp > 1:
-        ring = (est.dp - 1) / est.dp
+    if est.replicas > 1:
+        ring = (est.replicas - 1) / est.replicas
         moved = max(ring * (s.grad_bytes + s.weight_bytes) if est.zero else 2 * ring * s.grad_bytes for s in est.stages)
         dp = moved / link["dp"]
     seconds = rounds * slowest + dp
     global_tokens = tokens * est.microbatches * est.dp
     return StepTime(seconds=seconds, compute=rounds * compute_mb, tp=rounds * tp_mb, pp=rounds * pp_mb, dp=dp,
-                    tokens_per_s=global_tokens / seconds,
+                    cp=rounds * cp_mb, tokens_per_s=global_tokens / seconds,
                     utilization=est.flops_per_step / seconds / (est.world_size * rate))

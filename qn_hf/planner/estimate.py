@@ -1,26 +1,26 @@
-"""Per-rank memory and per-step communication of one (dp, tp, pp), from a ``meta``-device model.
+"""Per-rank memory and per-step communication of one (dp, tp, pp, cp), from a ``meta``-device model.
 
 The checks, the tp plan, the stage cut and the sharding are the ones ``parallelize`` runs
 (``check_parallel_config``, ``apply_tp_plan``, ``stage_of_module``), applied to a model without
 weights, so the parameter counts are exactly what each rank holds (a tp rank of stage s; every tp
-rank of a stage is alike, and so is every dp rank up to ZeRO's padding, given for dp rank 0).
+rank of a stage is alike, and so is every dp and cp rank up to ZeRO's padding, given for dp = cp
+rank 0; with the balanced chunk layout every cp rank keeps and sends alike).
 
 What is modelled, per rank, for the settings ``parallelize`` and ``qn_hf.optimizer`` take
 (``mixed_precision`` None/"bf16"/"fp16", ``zero``, ``recompute`` None/"full"/"selective",
-``sequence_parallel``):
+``sequence_parallel``, ``cp``):
 
 * weights, gradients and AdamW state (masters, moments, step counters), with ZeRO-1's sharding of
-  the state over dp by the buckets' own padding rule: see ``memory.py``;
+  the state over the dp x cp replicas by the buckets' own padding rule: see ``memory.py``;
 * activations: the bytes one microbatch keeps from its forward to its backward, measured on a
   meta-device forward in the compute dtype with the blocks checkpointed as ``recompute`` sets them
-  (see ``trace.py``; with sequence parallelism, run as one tp rank runs it: ``sequence.py``), plus on
-  a later stage the activation it received, what a vocab-parallel embedding keeps (its ids shifted
-  into the shard, their mask), and on the last stage what the loss keeps (its float32 softmax over
-  this rank's vocabulary columns, the targets); times the microbatches the schedule keeps in
-  flight. What HF's forward rebuilds on every stage (rotary tables, position ids, GPT-2's embedding
-  sum) counts on every stage;
+  (see ``trace.py``; with sequence parallelism, run as one tp rank runs it: ``sequence.py``; with
+  context parallelism on one cp rank's tokens, ring attention's saved tensors included:
+  ``context.py``), with what the stages and the loss add (``activations.py``); times the
+  microbatches the schedule keeps in flight;
 * communication by group: see ``traffic.py`` (ZeRO's reduce-scatter and all-gather, recomputation's
-  repeated tp collectives, sequence parallelism's, float16's overflow flag).
+  repeated tp collectives, sequence parallelism's, ring attention's sends and receives, float16's
+  overflow flag).
 
 Not modelled: temporary buffers that die inside a step (the peak of a backward, collective
 staging), allocator fragmentation, the CPU-side random states torch's checkpoint keeps; keys and
@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PretrainedConfig
 
+from ..batch import check_model_inputs, sequence_split
 from ..data_parallel import DEFAULT_BUCKET_MB, bucket_size_bytes
 from ..layout import meta_model
 from ..pipeline.schedule import peak_in_flight, stage_actions
@@ -42,6 +43,8 @@ from ..plan import ModelPolicy
 from ..precision import GRAD_DTYPE, PRECISIONS, apply_mixed_precision
 from ..tensor_parallel import apply_tp_plan
 from ..validate import check_parallel_config
+from .activations import stage_activations
+from .context import cp_inputs
 from .memory import RankState, bucket_layout, rank_state
 from .sequence import StageEdges, stage_edges
 from .trace import Trace, example_inputs, trace_microbatch
@@ -94,22 +97,28 @@ class MeshEstimate:
     schedule: str
     micro_batch_size: int
     seq_len: int  # positions per example (patches + class token for ViT)
-    tokens_per_microbatch: int
+    tokens_per_microbatch: int  # of the whole microbatch (each cp rank runs 1/cp of them)
     total_params: int
     stages: tuple[StageEstimate, ...]
     bubble: float  # (pp - 1) / (microbatches + pp - 1)
     flops_per_step: float  # training FLOPs of the whole global batch (6 * params * tokens + attention)
     attention_flops_per_token: int  # 12 * layers * hidden * positions (forward + backward)
     layers: int
-    boundary_bytes: int  # one microbatch's hidden state between two stages
+    boundary_bytes: int  # one microbatch's hidden state between two stages (one cp rank's share)
     mixed_precision: str | None = None
     zero: bool = False
     recompute: str | None = None
     sequence_parallel: bool = False
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same shard, whose gradients are summed (and ZeRO's state split): dp x cp."""
+        return self.dp * self.cp
 
     @property
     def peak_bytes(self) -> int:
@@ -120,8 +129,8 @@ class Planner:
     """Estimates for one model config at one microbatch shape, over any number of meshes.
 
     One pristine meta model serves every check (checks only read it), one traced forward per tp,
-    compute dtype and recompute mode serves every mesh (shapes do not depend on the mesh; with
-    sequence parallelism they depend on the stage cut too, so one per cut), and one
+    compute dtype, recompute mode and cp serves every mesh (shapes do not depend on the rest of the
+    mesh; with sequence parallelism they depend on the stage cut too, so one per cut), and one
     sharded meta model per tp gives the local parameter sizes, so enumerating the meshes of a 70B
     model takes seconds. ``dtype`` is the dtype the model is loaded in; ``mixed_precision`` (per
     estimate) casts its parameters as ``parallelize`` does.
@@ -136,45 +145,52 @@ class Planner:
         self.policy = policy
         self.model = meta_model(config).to(dtype)
         self.total_params = sum(p.numel() for p in self.model.parameters())
-        self._traces: dict[tuple[int, torch.dtype | None, str | None, StageEdges | None], Trace] = {}
+        self._traces: dict[tuple[int, torch.dtype | None, str | None, StageEdges | None, int], Trace] = {}
         self._sharded: dict[int, tuple[dict[str, int], dict]] = {}
 
     def _trace(self, plan, layers: str, *, precision: torch.dtype | None, recompute: str | None,
-               edges: StageEdges | None) -> Trace:
+               edges: StageEdges | None, cp: int) -> Trace:
         # Per tp too: which modules a trace watches and which bytes it counts as split come from the
         # plan, and at tp=1 the plan shards nothing.
-        key = (plan.tp, precision, recompute, edges)
+        key = (plan.tp, precision, recompute, edges, cp)
         if key not in self._traces:
             model = self.model
-            if (precision, recompute) != (None, None):  # a model of its own: the pristine one serves the checks
+            if (precision, recompute, cp) != (None, None, 1):  # a model of its own: the pristine one serves the checks
                 model = meta_model(self.config).to(self.dtype)
                 if precision is not None:
                     apply_mixed_precision(model, precision)
-            inputs = example_inputs(model, micro_batch_size=self.micro_batch_size, seq_len=self.seq_len)
+            size = dict(micro_batch_size=self.micro_batch_size, seq_len=self.seq_len)
+            inputs = cp_inputs(**size, cp=cp) if cp > 1 else example_inputs(model, **size)
             self._traces[key] = trace_microbatch(model, plan, layers=layers, inputs=inputs, recompute=recompute,
-                                                 edges=edges)
+                                                 edges=edges, cp=cp)
         return self._traces[key]
 
     def estimate(self, *, dp: int, tp: int, pp: int, microbatches: int, schedule: str = "1f1b",
                  bucket_mb: float = DEFAULT_BUCKET_MB, layers_per_stage: list[int] | None = None,
                  mixed_precision: str | None = None, zero: bool = False, recompute: str | None = None,
-                 sequence_parallel: bool = False, backend: str = "nccl") -> MeshEstimate:
+                 sequence_parallel: bool = False, cp: int = 1, backend: str = "nccl") -> MeshEstimate:
         """Estimate one mesh; raises the ``ValueError`` ``parallelize`` (or, for a sequence length
-        that sequence parallelism cannot split, its forward) would raise for it.
-        ``mixed_precision``, ``recompute`` and ``sequence_parallel`` as ``parallelize`` takes them,
-        ``zero`` as ``qn_hf.optimizer`` does (with dp=1 it shards nothing); ``backend`` is the process
-        group's (ZeRO's collectives differ on gloo, see traffic.py)."""
+        that sequence or context parallelism cannot split, its step) would raise for it.
+        ``mixed_precision``, ``recompute``, ``sequence_parallel`` and ``cp`` as ``parallelize`` takes
+        them, ``zero`` as ``qn_hf.optimizer`` does (with dp x cp = 1 it shards nothing); ``backend`` is
+        the process group's (ZeRO's collectives differ on gloo, see traffic.py)."""
         checked = check_parallel_config(self.model, dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
                                         policy=self.policy, layers_per_stage=layers_per_stage, bucket_mb=bucket_mb,
                                         mixed_precision=mixed_precision, recompute=recompute,
-                                        sequence_parallel=sequence_parallel)
+                                        sequence_parallel=sequence_parallel, cp=cp)
         plan, stage_plan = checked.tp_plan, checked.stage_plan
+        split = sequence_split(cp=cp, tp=tp, sequence_parallel=plan.sequence_parallel)
+        if split[0] > 1:  # train_step's check of the batch, on a meta batch of this length
+            ids = torch.empty(self.micro_batch_size, self.seq_len, dtype=torch.long, device="meta")
+            check_model_inputs({"input_ids": ids}, model=self.model, loss=None, sequence_split=split)
         # The trace splits the sequence as the stages do (raising, as they would, when tp does not divide it).
         edges = stage_edges(self.model, stage_plan) if plan.sequence_parallel else None
-        zero = zero and dp > 1
+        replicas = dp * cp
+        zero = zero and replicas > 1
         precision = PRECISIONS.get(mixed_precision)
-        base = self._trace(plan, stage_plan.layers, precision=None, recompute=None, edges=edges)  # shapes, reruns
-        kept = self._trace(plan, stage_plan.layers, precision=precision, recompute=recompute, edges=edges).kept
+        traced = dict(edges=edges, cp=cp)
+        base = self._trace(plan, stage_plan.layers, precision=None, recompute=None, **traced)  # shapes, reruns
+        kept = self._trace(plan, stage_plan.layers, precision=precision, recompute=recompute, **traced).kept
         numels, specs = self._local_sizes(plan)
         param_dtype = precision or self.dtype
         param_elem = torch.empty(0, dtype=param_dtype).element_size()
@@ -200,17 +216,18 @@ class Planner:
                 on_stage[follower_stage].append((tie.follower, numel))
                 tied[owner_stage][tie.owner] = tied[follower_stage][tie.follower] = numel
 
-        activations = self._activations(kept, base, plan=plan, stage_plan=stage_plan, tp=tp, pp=pp, act_elem=param_elem)
-        mesh = Mesh(dp=dp, tp=tp, pp=pp, microbatches=microbatches)
+        activations = stage_activations(self.model, kept=kept, base=base, plan=plan, stage_plan=stage_plan,
+                                        act_elem=param_elem, cp=cp)
+        mesh = Mesh(dp=dp, tp=tp, pp=pp, microbatches=microbatches, cp=cp)
         grad_sum = set(plan.grad_sum)
         stages = []
         for s in range(pp):
             buckets = bucket_layout(on_stage[s], elem=grad_elem, bucket_bytes=bucket_size_bytes(bucket_mb),
-                                    pad=dp if zero else 1, separate=frozenset(tied[s]) if zero else frozenset())
+                                    pad=replicas if zero else 1, separate=frozenset(tied[s]) if zero else frozenset())
             kv = {n: numel for n, numel in on_stage[s] if (spec := specs.get(n)) is not None and spec.replicas > 1}
             summed = {n: numel for n, numel in on_stage[s] if n in grad_sum}
             comm = stage_traffic(s, mesh=mesh, plan=plan, trace=base, stage_of=stage_of, act_elem=param_elem,
-                                 param_elem=param_elem, grad_elem=grad_elem, buckets=buckets if dp > 1 else [],
+                                 param_elem=param_elem, grad_elem=grad_elem, buckets=buckets if replicas > 1 else [],
                                  zero=zero, kv=kv, tied=tied[s], grad_sum=summed, recompute=recompute,
                                  loss_scaling=mixed_precision == "fp16", backend=backend)
             actions = stage_actions(stage=s, stages=pp, microbatches=microbatches, schedule=schedule, backward=True)
@@ -218,44 +235,24 @@ class Planner:
             if s == 0:
                 others |= {n for n, _ in stage_plan.first_only} | ({stage_plan.entry} if stage_plan.entry else set())
             state = rank_state(on_stage[s], buckets=buckets, param_elem=param_elem, grad_elem=grad_elem,
-                               mixed=precision is not None, zero=zero, dp=dp)
+                               mixed=precision is not None, zero=zero, dp=replicas)
             stages.append(StageEstimate(stage=s, blocks=stage_plan.layer_ranges[s], modules=tuple(sorted(others)),
                                         params=sum(n for _, n in on_stage[s]), embedding_params=embedding[s],
                                         activation_bytes_per_microbatch=activations[s],
                                         in_flight=peak_in_flight(actions), state=state, comm=comm))
         layers = len(self.model.get_submodule(stage_plan.layers))
-        positions = base.tokens // self.micro_batch_size  # per example: seq_len, or patches + class token
+        tokens = base.tokens * cp  # the whole microbatch's
+        positions = tokens // self.micro_batch_size  # per example: seq_len, or patches + class token
         per_token = 6 * self.total_params + 12 * layers * self.config.hidden_size * positions
         return MeshEstimate(dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
                             micro_batch_size=self.micro_batch_size, seq_len=positions,
-                            tokens_per_microbatch=base.tokens, total_params=self.total_params, stages=tuple(stages),
+                            tokens_per_microbatch=tokens, total_params=self.total_params, stages=tuple(stages),
                             bubble=(pp - 1) / (microbatches + pp - 1),
-                            flops_per_step=float(per_token * base.tokens * microbatches * dp),
+                            flops_per_step=float(per_token * tokens * microbatches * dp),
                             attention_flops_per_token=12 * layers * self.config.hidden_size * positions,
                             layers=layers, boundary_bytes=base.boundary_numel * param_elem,
                             mixed_precision=mixed_precision, zero=zero, recompute=recompute,
-                            sequence_parallel=plan.sequence_parallel)
-
-    def _activations(self, kept: dict[str, tuple[int, int]], base: Trace, *, plan, stage_plan, tp: int, pp: int,
-                     act_elem: int) -> list[int]:
-        """Bytes one microbatch keeps on each stage (see the module docstring)."""
-        out = [0.0] * pp
-        for owner, (whole, split) in kept.items():
-            found = pp - 1 if owner == "" else stage_of_module(stage_plan, owner)
-            for s in range(pp) if found is None else (found,):  # None: HF's forward runs it on every stage
-                out[s] += whole + split / tp
-        for s in range(1, pp):  # the received activation, held until its gradient is sent back
-            out[s] += base.boundary_numel * act_elem
-        for name, style in plan.rules if tp > 1 else ():  # int64 ids shifted into the shard, a bool mask
-            if style == "vocab_embedding" and name in base.io:
-                out[stage_of_module(stage_plan, name) or 0] += base.io[name].in_numel * (8 + 1)
-        if plan.loss == "causal_lm":
-            # The loss's float32 softmax over this rank's vocabulary columns and its int64 targets
-            # per row (vocab-parallel: two boolean masks too).
-            padded = _padded_vocab(plan, self.model)
-            columns = padded // tp if padded else _vocab(self.model)
-            out[pp - 1] += base.logits_rows * (columns * 4 + 8 + (2 if padded else 0))
-        return [int(x) for x in out]
+                            sequence_parallel=plan.sequence_parallel, cp=cp)
 
     def _local_sizes(self, plan) -> tuple[dict[str, int], dict]:
         """Elements each parameter has on one tp rank (every tp rank holds the same sizes)."""
@@ -271,23 +268,10 @@ def estimate_mesh(config: PretrainedConfig, *, dp: int, tp: int, pp: int, microb
                   bucket_mb: float = DEFAULT_BUCKET_MB, policy: ModelPolicy | None = None,
                   layers_per_stage: list[int] | None = None, mixed_precision: str | None = None,
                   zero: bool = False, recompute: str | None = None, sequence_parallel: bool = False,
-                  backend: str = "nccl") -> MeshEstimate:
+                  cp: int = 1, backend: str = "nccl") -> MeshEstimate:
     """Estimate one mesh (see ``Planner``); raises the ``ValueError`` ``parallelize`` would raise."""
     planner = Planner(config, seq_len=seq_len, micro_batch_size=micro_batch_size, dtype=dtype, policy=policy)
     return planner.estimate(dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule, bucket_mb=bucket_mb,
                             layers_per_stage=layers_per_stage, mixed_precision=mixed_precision, zero=zero,
-                            recompute=recompute, sequence_parallel=sequence_parallel, backend=backend)
+                            recompute=recompute, sequence_parallel=sequence_parallel, cp=cp, backend=backend)
 
-
-def _vocab(model) -> int:
-    head = model.get_output_embeddings()
-    return head.weight.shape[0] if head is not None else 0
-
-
-def _padded_vocab(plan, model) -> int:
-    """The vocabulary padded to a multiple of tp when the head is vocab-parallel, else 0."""
-    for name, style in plan.rules:
-        if style == "vocab_colwise":
-            rows = model.get_submodule(name).weight.shape[0]  # the unsharded model's vocabulary
-            return -(-rows // plan.tp) * plan.tp  # padded to a multiple of tp, as the shards are
-    return 0

@@ -11,7 +11,8 @@ Per parameter element on the rank:
   per parameter (and 4 per tensor); float32: 4 + 4 + 8.
 
 ZeRO-1 (``zero=True``, dp > 1): the buckets are cut as ``GradBuckets`` cuts them (``bucket_layout``
-below calls the same ``cut_into_buckets``) and padded to a multiple of dp. The gradient
+below calls the same ``cut_into_buckets``) and padded to a multiple of dp (here and below, dp is
+every rank holding the same shard: dp x cp under context parallelism). The gradient
 buffers stay whole on every rank, padding included; masters, moments and step counters exist only
 for the parameter elements in this rank's piece of each bucket. Pieces differ by the padding only:
 the figures are dp rank 0's, the fullest.

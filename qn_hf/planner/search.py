@@ -1,9 +1,14 @@
-"""Every (dp, tp, pp) for a number of GPUs, checked as ``parallelize`` checks, estimated and ranked.
+"""Every (dp, tp, pp, cp) for a number of GPUs, checked as ``parallelize`` checks, estimated and ranked.
 
 Candidates keep tensor parallelism inside a node (tp divides the GPUs per node, or the whole world
-when it is smaller); each one goes through the same validation ``parallelize`` runs (heads and KV
-heads over tp, blocks over pp), and a rejected mesh keeps that exact message. Accepted meshes are
-ranked: those that fit the GPU memory first, then by estimated tokens per second.
+when it is smaller) and, unless ``cp`` fixes it, take context parallelism among the divisors of
+what is left up to ``max_cp`` (8) with its ring inside the node too (cp x tp ranks at most the GPUs
+per node; ranks are laid out dp, pp, cp, tp): ring attention sends a key/value block per layer and
+ring step, on the critical path unless the link outpaces attention. Each one goes through the same
+validation ``parallelize`` runs (heads and KV heads over tp, blocks over pp, what ring attention
+can compute) and ``train_step``'s check of the sequence length (2*cp chunks); a rejected mesh keeps
+that exact message. Accepted meshes are ranked: those that fit the GPU memory first, then by
+estimated tokens per second.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from dataclasses import dataclass
 
 from .cost import Hardware, StepTime, step_time
 from .estimate import MeshEstimate, Planner
+
+MAX_CP = 8
 
 
 @dataclass(frozen=True)
@@ -28,16 +35,23 @@ class Rejected:
     tp: int
     pp: int
     reason: str
+    cp: int = 1
 
 
-def meshes(gpus: int, *, gpus_per_node: int) -> list[tuple[int, int, int]]:
+def meshes(gpus: int, *, gpus_per_node: int, cp: int | None = None, max_cp: int = MAX_CP) -> list[tuple[int, int, int, int]]:
+    """(dp, tp, pp, cp) with dp * tp * pp * cp == gpus; ``cp`` None: every divisor up to ``max_cp``
+    whose ring stays in a node (see the module docstring)."""
     out = []
     for tp in range(1, gpus + 1):
         if gpus % tp or (gpus >= gpus_per_node and gpus_per_node % tp) or tp > gpus_per_node:
             continue
-        for pp in range(1, gpus // tp + 1):
-            if (gpus // tp) % pp == 0:
-                out.append((gpus // tp // pp, tp, pp))
+        rest = gpus // tp
+        for c in [cp] if cp is not None else range(1, min(rest, max_cp, max(1, gpus_per_node // tp)) + 1):
+            if rest % c:
+                continue
+            for pp in range(1, rest // c + 1):
+                if (rest // c) % pp == 0:
+                    out.append((rest // c // pp, tp, pp, c))
     return out
 
 
@@ -48,16 +62,18 @@ def microbatches_for(pp: int, requested: int | None) -> int:
 
 def search(planner: Planner, *, gpus: int, hw: Hardware, microbatches: int | None, schedule: str,
            mixed_precision: str | None = None, zero: bool = False, recompute: str | None = None,
-           sequence_parallel: bool = False) -> tuple[list[Candidate], list[Rejected]]:
-    """Every mesh for ``gpus``, estimated with the training settings given (as ``Planner.estimate``)."""
+           sequence_parallel: bool = False, cp: int | None = None,
+           max_cp: int = MAX_CP) -> tuple[list[Candidate], list[Rejected]]:
+    """Every mesh for ``gpus`` (``cp`` and ``max_cp`` as ``meshes`` takes them), estimated with the
+    training settings given (as ``Planner.estimate``)."""
     accepted, rejected = [], []
-    for dp, tp, pp in meshes(gpus, gpus_per_node=hw.gpus_per_node):
+    for dp, tp, pp, c in meshes(gpus, gpus_per_node=hw.gpus_per_node, cp=cp, max_cp=max_cp):
         try:
-            est = planner.estimate(dp=dp, tp=tp, pp=pp, microbatches=microbatches_for(pp, microbatches), schedule=schedule,
-                                   mixed_precision=mixed_precision, zero=zero, recompute=recompute,
+            est = planner.estimate(dp=dp, tp=tp, pp=pp, cp=c, microbatches=microbatches_for(pp, microbatches),
+                                   schedule=schedule, mixed_precision=mixed_precision, zero=zero, recompute=recompute,
                                    sequence_parallel=sequence_parallel)
         except ValueError as e:
-            rejected.append(Rejected(dp=dp, tp=tp, pp=pp, reason=str(e)))
+            rejected.append(Rejected(dp=dp, tp=tp, pp=pp, cp=c, reason=str(e)))
             continue
         accepted.append(evaluate(est, hw=hw))
     accepted.sort(key=lambda c: (not c.fits, -c.time.tokens_per_s))

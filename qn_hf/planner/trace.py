@@ -18,7 +18,8 @@ float32 log-sum-exp per row, never the query x key matrix that meta tensors' unf
 
 The forward is Hugging Face's own, so the shapes are the model's real ones (GQA, packed q|k|v,
 ViT's class token ...), for 70B-parameter configs in about a second. With sequence parallelism
-the trace runs the model as one tp rank does, its collectives stood in for (``sequence.py``).
+the trace runs the model as one tp rank does, its collectives stood in for (``sequence.py``); with
+context parallelism on one cp rank's tokens, ring attention stood in for (``context.py``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from ..plan import TpPlan
 from ..recompute import checkpoint_options
 from ..sequence_parallel import regathers
+from .context import RingCall, RingStandIn
 from .sequence import SeqCollective, SequenceStandIns, StageEdges
 
 
@@ -59,7 +61,7 @@ class Trace:
     boundary_numel: int  # elements of the hidden state one block hands to the next
     kept: dict[str, tuple[int, int]]  # module -> (bytes kept whole on every tp rank, bytes split across tp)
     logits_rows: int  # rows of the output logits (tokens of a causal LM, images of a classifier)
-    tokens: int  # positions per microbatch the blocks process
+    tokens: int  # positions per microbatch the blocks process (on one cp rank)
     # Row-parallel layers inside a block whose forward all-reduce a recomputation of the block runs
     # again: torch's checkpoint stops recomputing once the block's last saved tensor is back, so a
     # row layer with nothing saved after it in its block (the MLP's, before the residual add) is not
@@ -67,6 +69,8 @@ class Trace:
     rerun: frozenset[str]
     # Sequence parallelism's tp collectives, one microbatch's, in the order they ran (empty without).
     sequence: tuple[SeqCollective, ...] = ()
+    # Ring attention's calls under context parallelism, one microbatch's, in order (empty without).
+    ring: tuple[RingCall, ...] = ()
 
 
 def example_inputs(model: nn.Module, *, micro_batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
@@ -149,10 +153,11 @@ def _checkpoint_blocks(model: nn.Module, *, layers: str, recompute: str | None) 
 
 
 def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dict[str, torch.Tensor],
-                     recompute: str | None = None, edges: StageEdges | None = None) -> Trace:
+                     recompute: str | None = None, edges: StageEdges | None = None, cp: int = 1) -> Trace:
     """Trace one microbatch through ``model`` (in training mode, its blocks checkpointed for the
     forward when ``recompute`` is set; the model is left as it was). ``edges``: the stage cut of a
-    sequence-parallel ``plan``, where each stage splits and gathers the sequence."""
+    sequence-parallel ``plan``, where each stage splits and gathers the sequence. ``cp`` > 1:
+    ``inputs`` are one cp rank's (``context.cp_inputs``) and attention is ring attention's stand-in."""
     styles = dict(plan.rules)
     watched = set(styles) | set(plan.tp_entries)
     rowwise = {name for name, style in styles.items() if style == "rowwise"}
@@ -166,6 +171,7 @@ def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dic
     last_save: dict[str, int] = {}
     row_done: dict[str, tuple[str, int]] = {}
     sequence: list[tuple[SeqCollective, str | None, int]] = []  # with the block it ran in, and when
+    ring: list[tuple[RingCall, str | None, int]] = []
 
     def block_of(names: list[str]) -> str | None:
         return next((n for n in reversed(names) if n in block_names), None)
@@ -201,6 +207,10 @@ def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dic
         tick[0] += 1
         sequence.append((collective, block_of(stack) if collective.in_block_forward else None, tick[0]))
 
+    def note_ring(call: RingCall) -> None:
+        tick[0] += 1
+        ring.append((replace(call, module=stack[-1] if stack else ""), block_of(stack), tick[0]))
+
     def pack(t: torch.Tensor) -> torch.Tensor:
         if (block := block_of(stack)) is not None:
             tick[0] += 1
@@ -215,6 +225,7 @@ def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dic
     standins = None
     if edges is not None:  # regathering as parallelize sets it: without recomputation
         standins = SequenceStandIns(model, plan, edges, note=note, regather=regathers(recompute), on_save=pack)
+    ring_standin = RingStandIn(model, cp=cp, note=note_ring) if cp > 1 else contextlib.nullcontext()
     # Owner: (module, inside a tp region) with sequence parallelism, (module, None) without.
     allocations = _Allocations(lambda: (stack[-1] if stack else "", standins.region if standins else None))
     was_training = model.training
@@ -222,7 +233,7 @@ def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dic
     try:
         # Inside checkpointed blocks the checkpoint's own hooks take the saves: only watch without.
         saves = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if not blocks else contextlib.nullcontext()
-        with _FusedAttention(), allocations, saves, standins or contextlib.nullcontext():
+        with _FusedAttention(), ring_standin, allocations, saves, standins or contextlib.nullcontext():
             # With use_cache on, transformers skips a packed-sequence check that reads tensor values
             # (impossible on meta); the blocks get no cache (``pre``), so they run as in training.
             kwargs = {**plan.policy.forward_kwargs, **({"use_cache": True} if "use_cache" in plan.policy.forward_kwargs else {})}
@@ -249,9 +260,10 @@ def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dic
     tokens = boundary[0] // model.config.hidden_size if boundary[0] else 0
     rerun = frozenset(n for n, (block, t) in row_done.items() if last_save.get(block, 0) > t)
     reruns = tuple(replace(c, rerun=block is not None and last_save.get(block, 0) > t) for c, block, t in sequence)
+    rings = tuple(replace(c, rerun=block is not None and last_save.get(block, 0) > t) for c, block, t in ring)
     return Trace(io={k: ModuleIO(*v) for k, v in io.items()}, boundary_numel=boundary[0],
                  kept={k: (v[0], v[1]) for k, v in kept.items()}, logits_rows=rows, tokens=tokens, rerun=rerun,
-                 sequence=reruns)
+                 sequence=reruns, ring=rings)
 
 
 def _split_across_tp(name: str, styles: dict[str, str], plan: TpPlan, *, region: bool | None) -> bool:

@@ -22,6 +22,9 @@ all-gather's own piece).
   weight bucket (this rank's piece, parameter dtype); then the 8-byte target count and 4-byte loss.
   On gloo ZeRO's two are issued as one reduce and one broadcast per dp rank's piece
   (data_parallel.py), so each bucket takes 2 dp calls carrying the whole padded buffers.
+  With cp > 1 the buckets and the loss go over "replicas" (the dp x cp ranks holding the same
+  shard; ZeRO's pieces are 1/(dp x cp) of a bucket) and only the target count over dp.
+* cp: ring attention's sends and receives (``context.ring_ops``), by op.
 * kv: replicated KV-head gradients when tp exceeds the KV heads; tie: a weight tied across the first
   and last stage (gradient dtype; under ZeRO only this rank's piece of them).
 * float16's loss scaling: a 4-byte overflow flag over the whole job ("world", or the mesh dimension
@@ -36,6 +39,7 @@ from dataclasses import dataclass, field
 
 from ..pipeline.runtime import HEADER_INTS
 from ..plan import TpPlan
+from .context import ring_ops
 from .memory import Bucket, owned
 from .trace import Trace
 
@@ -46,7 +50,7 @@ HEADER_BYTES = HEADER_INTS * 8  # int64 values
 class GroupTraffic:
     calls: int
     nbytes: int
-    ops: dict[str, tuple[int, int]] = field(default_factory=dict)  # op -> (calls, bytes); tp only, else empty
+    ops: dict[str, tuple[int, int]] = field(default_factory=dict)  # op -> (calls, bytes); tp and cp only, else empty
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,7 @@ class Mesh:
     tp: int
     pp: int
     microbatches: int
+    cp: int = 1
 
 
 def _tp_microbatch(s: int, *, plan: TpPlan, trace: Trace, stage_of: Callable[[str], int], act_elem: int,
@@ -104,9 +109,10 @@ def stage_traffic(s: int, *, mesh: Mesh, plan: TpPlan, trace: Trace, stage_of: C
                   loss_scaling: bool, backend: str = "nccl") -> dict[str, GroupTraffic]:
     """``kv``, ``tied`` and ``grad_sum``: this stage's replicated-KV, cross-stage-tied and
     summed-over-tp parameters -> elements."""
-    dp, tp, pp, microbatches = mesh.dp, mesh.tp, mesh.pp, mesh.microbatches
+    dp, tp, pp, cp, microbatches = mesh.dp, mesh.tp, mesh.pp, mesh.cp, mesh.microbatches
+    replicas = dp * cp
     out: dict[str, GroupTraffic] = {}
-    pieces = owned(buckets, dp=dp) if zero else None
+    pieces = owned(buckets, dp=replicas) if zero else None
     if tp > 1:
         ops = {op: [c * microbatches, b * microbatches] for op, (c, b) in
                _tp_microbatch(s, plan=plan, trace=trace, stage_of=stage_of, act_elem=act_elem,
@@ -121,23 +127,28 @@ def stage_traffic(s: int, *, mesh: Mesh, plan: TpPlan, trace: Trace, stage_of: C
         act = trace.boundary_numel * act_elem
         out["pp"] = GroupTraffic(2 * neighbours * microbatches + neighbours + 1,
                                  2 * neighbours * microbatches * act + neighbours * HEADER_BYTES + 4)
-    if dp > 1:
-        scalars = (8 if plan.loss else 0) + 4
-        calls = 2 if plan.loss else 1
+    if cp > 1:
+        ring = ring_ops(trace.ring, cp=cp, tp=tp, act_elem=act_elem, recompute=recompute,
+                        on_stage=lambda name: stage_of(name) == s)
+        if ring:
+            out["cp"] = _group({op: (c * microbatches, b * microbatches) for op, (c, b) in ring.items()})
+    if replicas > 1:  # the gradient buckets, then the 4-byte loss
         if zero and backend == "gloo":
-            out["dp"] = GroupTraffic(2 * dp * len(buckets) + calls,
-                                     sum(b.padded * (grad_elem + param_elem) for b in buckets) + scalars)
+            calls, nbytes = 2 * replicas * len(buckets), sum(b.padded * (grad_elem + param_elem) for b in buckets)
         elif zero:
-            out["dp"] = GroupTraffic(2 * len(buckets) + calls,
-                                     sum(b.padded * grad_elem + b.piece(dp) * param_elem for b in buckets) + scalars)
+            calls, nbytes = 2 * len(buckets), sum(b.padded * grad_elem + b.piece(replicas) * param_elem for b in buckets)
         else:
-            out["dp"] = GroupTraffic(len(buckets) + calls, sum(b.padded for b in buckets) * grad_elem + scalars)
+            calls, nbytes = len(buckets), sum(b.padded for b in buckets) * grad_elem
+        out["replicas" if cp > 1 else "dp"] = GroupTraffic(calls + 1, nbytes + 4)
+    if dp > 1 and plan.loss:  # the 8-byte target count
+        previous = out.get("dp", GroupTraffic(0, 0))
+        out["dp"] = GroupTraffic(previous.calls + 1, previous.nbytes + 8)
     for group, params in (("kv", kv), ("tie", tied)):
         numel = sum(pieces.get(n, 0) for n in params) if pieces is not None else sum(params.values())
         if numel:
             out[group] = GroupTraffic(1, numel * grad_elem)
     if loss_scaling:
-        spanning = [g for g, n in (("dp", dp), ("tp", tp), ("pp", pp)) if n == dp * tp * pp]
+        spanning = [g for g, n in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)) if n == replicas * tp * pp]
         group = spanning[-1] if spanning else "world"  # CommMeter names the default group by a dimension spanning it
         previous = out.get(group, GroupTraffic(0, 0))
         if previous.ops:  # an all-reduce of the flag, in the op breakdown too
