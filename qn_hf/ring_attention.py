@@ -16,7 +16,8 @@ Like flash attention, the forward keeps only this rank's queries, keys, values, 
 log-sum-exp of each query row; the backward goes around the ring again, recomputes each block's
 probabilities from them, adds its query gradient locally and the block's key and value gradients to
 an accumulator that travels with the block, so that after a full circle each rank receives the
-gradients of its own keys and values from every rank's queries. Memory per rank is therefore
+gradients of its own keys and values from every rank's queries. A block's accumulator travels while
+the next rank computes its own share of that block, so both directions of the ring overlap compute. Memory per rank is therefore
 proportional to sequence/cp (no sequence x sequence term), and the bytes on cp per attention call are
 (cp-1) key/value blocks forward and cp blocks with their gradients backward.
 """
@@ -125,7 +126,9 @@ class _RingAttention(torch.autograd.Function):
         delta = (go * out).sum(dim=-1)  # the softmax backward's row term, sum_j p_ij dp_ij
         grad_q = torch.zeros_like(qf)
         block = torch.stack([k, v])
-        grads = torch.zeros(block.shape, dtype=torch.float32, device=block.device)  # travels with the block
+        # The accumulator of the block in hand arrives from the previous rank while this rank computes
+        # its own contribution (kept apart in ``mine``), and is sent on right after the two are added.
+        grads, grad_works = torch.zeros(block.shape, dtype=torch.float32, device=block.device), []
         for step in range(size):
             incoming, works = _exchange(block, group) if step < size - 1 else (None, [])
             started = time.perf_counter()
@@ -139,15 +142,17 @@ class _RingAttention(torch.autograd.Function):
                 grad_q[:, :, qs] += grad_scores @ kf[:, :, ks]
                 grad_k[:, :, ks] += grad_scores.transpose(-1, -2) @ qf[:, :, qs]
             b, h, s, d = grad_k.shape  # each KV head's gradient is the sum over the query heads it served
-            grads[0] += grad_k.view(b, h // groups, groups, s, d).sum(dim=2)
-            grads[1] += grad_v.view(b, h // groups, groups, s, d).sum(dim=2)
-            # the accumulator goes on with the block; after the last step it returns to the block's owner
+            mine = torch.stack([grad_k.view(b, h // groups, groups, s, d).sum(dim=2),
+                                grad_v.view(b, h // groups, groups, s, d).sum(dim=2)])
             computed = time.perf_counter()
-            grads, grad_works = _exchange(grads, group)
-            _wait(works + grad_works)
+            _wait(grad_works)  # the accumulator of this block, from the previous rank
+            # it goes on with the block; after the last step it returns to the block's owner
+            grads, grad_works = _exchange(grads + mine, group)
+            _wait(works)
             if ctx.events is not None:
                 ctx.events.append(("backward", step, started, computed, time.perf_counter()))
             block = incoming if incoming is not None else block
+        _wait(grad_works)
         # the scores were taken from the scaled queries: the query gradient takes the scale once more,
         # the key gradient (accumulated from scaled queries) already has it
         return (grad_q * scaling).to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None, None, None
