@@ -54,6 +54,14 @@ def sequence_split(*, cp: int, tp: int, sequence_parallel: bool) -> tuple[int, s
     return 1, ""
 
 
+def check_sequence_length(length: int, split: tuple[int, str]) -> None:
+    """``length`` must be a multiple of ``split``'s multiple (``sequence_split``)."""
+    multiple, why = split
+    if length % multiple:
+        raise ValueError(f"sequence length {length} is not a multiple of {multiple} ({why}); pad the sequences "
+                         f"to a multiple of {multiple} (attention_mask 0 and labels -100 on the padding)")
+
+
 def check_model_inputs(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Module, loss: str | None,
                        sequence_split: tuple[int, str] = (1, "")) -> None:
     """Check a batch against the model before anything is sent: the main input is there, keys are
@@ -92,10 +100,7 @@ def check_model_inputs(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Mod
         ids = batch["input_ids"]
         if ids.dim() != 2:
             raise ValueError(f"batch['input_ids'] has shape {tuple(ids.shape)}; it must be (batch, sequence)")
-        multiple, why = sequence_split
-        if ids.shape[1] % multiple:
-            raise ValueError(f"sequence length {ids.shape[1]} is not a multiple of {multiple} ({why}); pad the sequences "
-                             f"to a multiple of {multiple} (attention_mask 0 and labels -100 on the padding)")
+        check_sequence_length(ids.shape[1], sequence_split)
         positions = getattr(config, "n_positions", None)  # a learned position table (GPT-2); RoPE models have none
         if positions and ids.shape[1] > positions:
             raise ValueError(f"sequence length {ids.shape[1]} exceeds the model's {positions} positions; cut the sequences")

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from .batch import check_sequence_length, sequence_split
 from .comm import all_gather_sequence, gather_sequence, gather_sequence_into_region, group_size, split_sequence
 from .names import join
 from .pipeline.split import StagePlan
@@ -200,8 +201,8 @@ def apply_sequence_parallel(model: nn.Module, *, plan: TpPlan, stage_plan: Stage
 
     def split(module: nn.Module, args: tuple, kwargs: dict):
         key, hidden = first_argument(module, args, kwargs)
-        if hidden.shape[1] % group_size(group):
-            raise ValueError(f"sequence_parallel=True: sequence length {hidden.shape[1]} is not divisible by tp={group_size(group)}")
+        # train_step checked the batch already; this covers direct calls and inputs_embeds
+        check_sequence_length(hidden.shape[1], sequence_split(cp=1, tp=group_size(group), sequence_parallel=True))
         return with_first(args, kwargs, key, split_sequence(hidden, group=group))
 
     def gather(_module: nn.Module, _args: tuple, output):

@@ -9,7 +9,6 @@ or a value inside a module's own copy of the config) set to their per-rank value
 from __future__ import annotations
 
 import copy
-import inspect
 from dataclasses import dataclass
 
 from torch import nn
@@ -19,6 +18,7 @@ from .comm import copy_to_group
 from .embeddings import ColumnParallelEmbedding, VocabParallelEmbedding
 from .layers import ColumnParallelLinear, RowParallelLinear, linear_dims
 from .plan import TpPlan
+from .sequence_parallel import first_argument, with_first
 from .shard import ShardSpec, padded
 from .styles import EMBEDDING_STYLES, HOOK_STYLES, LINEAR_STYLES, PARAM_STYLES, packed_parts, param_shard_dim
 from .tp_hooks import identity_expert_hooks, mla_kv_a_hooks, partial_sum_hooks
@@ -41,10 +41,8 @@ def _enter_region_hook(group: ProcessGroup):
     """Forward pre-hook: the module's first argument enters the tp region (all-reduce backward)."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict):
-        if args:
-            return (copy_to_group(args[0], group=group), *args[1:]), kwargs
-        name = next(iter(inspect.signature(module.forward).parameters))
-        return args, {**kwargs, name: copy_to_group(kwargs[name], group=group)}
+        key, value = first_argument(module, args, kwargs)
+        return with_first(args, kwargs, key, copy_to_group(value, group=group))
 
     return hook
 

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..batch import check_sequence_length, sequence_split
 from ..names import join
 from ..pipeline.split import StagePlan
 from ..plan import TpPlan
@@ -155,8 +156,7 @@ class SequenceStandIns:
         def hook(module: nn.Module, args: tuple, kwargs: dict):
             key, x = first_argument(module, args, kwargs)
             tp = self.plan.tp
-            if x.shape[SEQ_DIM] % tp:
-                raise ValueError(f"sequence_parallel=True: sequence length {x.shape[SEQ_DIM]} is not divisible by tp={tp}")
+            check_sequence_length(x.shape[SEQ_DIM], sequence_split(cp=1, tp=tp, sequence_parallel=True))
             self.whole_numel = x.numel()
             piece = x.chunk(tp, dim=SEQ_DIM)[0].contiguous()
             self.note(SeqCollective(name, None, (GATHER, piece.numel()), in_block_forward=False))
