@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 from transformers import AttentionInterface
+from transformers.masking_utils import find_packed_sequence_indices
 
 from .loss import causal_lm_targets
 from .plan import TpPlan
@@ -106,14 +107,12 @@ def apply_context_parallel(model: nn.Module, *, group: ProcessGroup, layout: Chu
 
 
 def documents_of(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Each token's document, as transformers decides it (packed sequences only without a mask)."""
+    """Each token's document, by transformers' own rule and function (packed sequences are looked for
+    only without an attention mask)."""
     ids = batch["input_ids"]
     positions = batch.get("position_ids")
-    if positions is None or "attention_mask" in batch:
-        return torch.zeros_like(ids)
-    positions = positions.expand_as(ids)
-    steps = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1)
-    return (steps != 1).long().cumsum(-1)
+    packed = None if positions is None or "attention_mask" in batch else find_packed_sequence_indices(positions.expand_as(ids))
+    return torch.zeros_like(ids) if packed is None else packed.long()
 
 
 def shard_microbatch(micro: Mapping[str, torch.Tensor], *, layout: ChunkLayout, rank: int) -> dict[str, torch.Tensor]:

@@ -78,6 +78,11 @@ def _pairs(layout: ChunkLayout, rank: int, owner: int, documents: torch.Tensor, 
             yield slice(qi * chunk, (qi + 1) * chunk), slice(ki * chunk, (ki + 1) * chunk), visible[:, None]
 
 
+def _scores(qf: torch.Tensor, kf: torch.Tensor, qs: slice, ks: slice, visible: torch.Tensor) -> torch.Tensor:
+    """The (scaled) scores of one query part against one key part, -inf where a key is not visible."""
+    return (qf[:, :, qs] @ kf[:, :, ks].transpose(-1, -2)).masked_fill(~visible, float("-inf"))
+
+
 class _RingAttention(torch.autograd.Function):
     """Forward: online-softmax over the ring; backward: the ring again with recomputed probabilities."""
 
@@ -96,7 +101,7 @@ class _RingAttention(torch.autograd.Function):
             started = time.perf_counter()
             kf, vf = (t.float().repeat_interleave(groups, dim=1) for t in block)  # GQA: a KV head serves its group
             for qs, ks, visible in _pairs(layout, rank, (rank - step) % size, documents, valid, chunk):
-                scores = (qf[:, :, qs] @ kf[:, :, ks].transpose(-1, -2)).masked_fill(~visible, float("-inf"))
+                scores = _scores(qf, kf, qs, ks, visible)
                 new_top = torch.maximum(top[:, :, qs], scores.amax(dim=-1))
                 safe = new_top.masked_fill(new_top == float("-inf"), 0.0)  # rows with no visible key yet
                 weights = (scores - safe.unsqueeze(-1)).exp()
@@ -135,7 +140,7 @@ class _RingAttention(torch.autograd.Function):
             kf, vf = (t.float().repeat_interleave(groups, dim=1) for t in block)
             grad_k, grad_v = torch.zeros_like(kf), torch.zeros_like(vf)
             for qs, ks, visible in _pairs(layout, rank, (rank - step) % size, documents, valid, chunk):
-                scores = (qf[:, :, qs] @ kf[:, :, ks].transpose(-1, -2)).masked_fill(~visible, float("-inf"))
+                scores = _scores(qf, kf, qs, ks, visible)
                 probs = (scores - lse[:, :, qs].unsqueeze(-1)).exp()
                 grad_v[:, :, ks] += probs.transpose(-1, -2) @ go[:, :, qs]
                 grad_scores = probs * (go[:, :, qs] @ vf[:, :, ks].transpose(-1, -2) - delta[:, :, qs].unsqueeze(-1))
