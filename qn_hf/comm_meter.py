@@ -14,7 +14,9 @@ Every op passes through Python while a meter is active: meter a step, do not tim
 The payload is what this rank hands to the call: the tensor of an all-reduce, broadcast, send or
 receive; this rank's input of an all-gather or reduce-scatter; nothing for a barrier. Point-to-point
 transfers between pipeline stages are counted on ``"pp"``, those of ring attention on ``"cp"``; with
-cp > 1 gradients are reduced over ``"replicas"`` (the dp x cp ranks holding the same shard).
+cp > 1 gradients are reduced over ``"replicas"`` (the dp x cp ranks holding the same shard). Expert
+parallelism's all-to-alls are on ``"ep"`` (the payload is this rank's whole input, the rows it keeps
+included) and the experts' gradient sums on ``"experts"``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ _OPS = {
     "allreduce_": "all_reduce", "broadcast_": "broadcast", "allgather_": "all_gather",
     "_allgather_base_": "all_gather_into_tensor", "_reduce_scatter_base_": "reduce_scatter_tensor",
     "barrier": "barrier", "send": "send", "recv_": "recv", "recv_any_source_": "recv", "reduce_": "reduce",
+    "alltoall_base_": "all_to_all_single",
 }
 _P2P = {"send", "recv_", "recv_any_source_"}
 _NO_PAYLOAD = {"barrier", "monitored_barrier_"}  # their tensor argument is a dummy the call makes
@@ -54,6 +57,10 @@ class _Groups(Protocol):  # properties, so that a frozen dataclass matches
     def kv(self) -> ProcessGroup | None: ...
     @property
     def tie(self) -> ProcessGroup | None: ...
+    @property
+    def ep(self) -> ProcessGroup | None: ...
+    @property
+    def experts(self) -> ProcessGroup | None: ...
 
 
 class HasGroups(Protocol):  # all the meter reads of a ParallelModel
@@ -106,7 +113,8 @@ class CommMeter:
     def __init__(self, pm: HasGroups) -> None:
         g = pm.groups
         # "replicas" (dp x cp, where gradients are reduced under cp > 1) first: at cp=1 it is the dp group
-        named = {"replicas": g.replicas, "dp": g.dp, "tp": g.tp, "pp": g.pp, "cp": g.cp, "kv": g.kv, "tie": g.tie}
+        named = {"replicas": g.replicas, "dp": g.dp, "tp": g.tp, "pp": g.pp, "cp": g.cp, "kv": g.kv, "tie": g.tie,
+                 "ep": g.ep, "experts": g.experts}
         # By name, as the dispatcher hands over a boxed group, not the Python object. A named group
         # that is the default group (a mesh dim spanning the world) is reported by its name.
         self._names = {group.group_name: n for n, group in named.items() if group is not None}

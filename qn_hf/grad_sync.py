@@ -1,7 +1,8 @@
 """Gradient synchronization after a step's backward, in one place.
 
 1. dp: the buckets' reductions (started during backward) finish. Unsharded, every rank then holds
-   the dp-summed gradient in ``.grad``; sharded (ZeRO-1), each rank holds its pieces only.
+   the dp-summed gradient in ``.grad``; sharded (ZeRO-1), each rank holds its pieces only. Experts
+   sharded over ep have buckets of their own, summed over the ranks holding the same experts.
 2. KV-head replicas: ranks holding copies of the same KV heads sum their gradients (each copy saw
    the queries of its own rank's heads only).
 3. Replicated parameters applied to this rank's heads only (per-head norms) hold this rank's share
@@ -32,11 +33,13 @@ from .replica_check import check_replicated_grads
 
 class GradSync:
     def __init__(self, *, module: nn.Module, placement: ShardPlacement, grad_sum: tuple[str, ...],
-                 buckets: GradBuckets | None, scaler: LossScaler | None) -> None:
+                 buckets: GradBuckets | None, expert_buckets: GradBuckets | None,
+                 scaler: LossScaler | None) -> None:
         self.module = module
         self.placement = placement
         self.grad_sum = grad_sum
         self.buckets = buckets
+        self.expert_buckets = expert_buckets
         self.scaler = scaler
         self._replicas_checked = False
 
@@ -57,9 +60,16 @@ class GradSync:
             if p.requires_grad and p.grad is not None:
                 yield name, p.grad
 
+    def arm(self) -> None:
+        """The next backward is the last of the step: every bucket launches as it fills."""
+        for buckets in (self.buckets, self.expert_buckets):
+            if buckets is not None:
+                buckets.arm()
+
     def sync(self) -> None:
-        if self.buckets is not None:
-            self.buckets.finish()
+        for buckets in (self.buckets, self.expert_buckets):
+            if buckets is not None:
+                buckets.finish()
         if not self.sharded:  # every rank must contribute the same buffers: an unused parameter sends zeros
             for p in self.module.parameters():
                 if p.requires_grad and p.grad is None:

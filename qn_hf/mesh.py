@@ -26,16 +26,33 @@ MESH_DIMS_CP = ("dp", "pp", "cp", "tp")
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Degrees of data, pipeline, context and tensor parallelism; ``world_size == dp * pp * cp * tp``."""
+    """Degrees of data, pipeline, context and tensor parallelism; ``world_size == dp * pp * cp * tp``.
+
+    ``ep`` is not a mesh dim: experts are sharded over ``ep`` of the dp x tp ranks of a stage
+    (``expert_groups``), so it must divide dp * tp and leaves the world size unchanged."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "cp"):
+        for name in ("dp", "tp", "pp", "cp", "ep"):
             check_positive_int(name, getattr(self, name))
+        if self.ep > 1:
+            if (self.dp * self.tp) % self.ep:
+                raise ValueError(f"ep={self.ep} must divide dp*tp = {self.dp}*{self.tp} = {self.dp * self.tp}: the "
+                                 f"experts are sharded over ranks of the dp x tp grid of a stage; choose ep among the "
+                                 f"divisors of {self.dp * self.tp}")
+            if self.ep % self.tp and self.tp % self.ep:
+                raise ValueError(f"ep={self.ep} and tp={self.tp}: one must divide the other, so that an ep group "
+                                 f"holds whole tp groups or lies inside one; choose ep a multiple or a divisor of tp")
+
+    @property
+    def expert_replicas(self) -> int:
+        """How many ranks of a stage hold the same experts (and sum their gradients): dp * tp / ep."""
+        return self.dp * self.tp // self.ep
 
     @property
     def world_size(self) -> int:
@@ -143,7 +160,9 @@ def check_mesh(mesh: DeviceMesh, dims: ParallelDims) -> None:
 class Groups:
     """Every process group this rank belongs to, its mesh coordinates and its pipeline neighbours.
 
-    ``replicas`` is ``dp`` when cp=1. ``kv`` joins the tp ranks that hold the same replicated KV-head shard (None when nothing is
+    ``replicas`` is ``dp`` when cp=1. ``ep`` joins the ranks that share out one model's experts and
+    ``experts`` those holding the same experts (both None when ep=1; ``experts`` also when only one rank
+    holds each expert block). ``kv`` joins the tp ranks that hold the same replicated KV-head shard (None when nothing is
     replicated that way); ``tie`` joins the first and last stage of this (dp, tp) when they hold the
     two copies of a tied weight; ``prev``/``next`` are the global ranks of the neighbouring stages
     with the same (dp, tp) (None at the ends)."""
@@ -155,6 +174,8 @@ class Groups:
     pp: ProcessGroup
     cp: ProcessGroup | None  # the ranks that split one sequence (None when cp=1)
     replicas: ProcessGroup  # dp x cp: the ranks holding the same shard, whose gradients are summed
+    ep: ProcessGroup | None
+    experts: ProcessGroup | None
     kv: ProcessGroup | None
     tie: ProcessGroup | None
     prev: int | None
@@ -187,12 +208,35 @@ def build_groups(dims: ParallelDims, *, device: torch.device, timeout: datetime.
                               timeout)
     else:
         cp, replicas = None, mesh.get_group("dp")
+    ep = experts = None
+    if dims.ep > 1:
+        blocks, members = expert_groups(grid, dims)
+        ep, experts = _member_of(blocks, timeout), _member_of(members, timeout)
+        flat = d * dims.tp + t  # this rank's place in its stage's dp x tp grid
+        coords["ep"], coords["expert_replica"] = flat % dims.ep, flat // dims.ep
+        experts = experts if dims.expert_replicas > 1 else None
     return Groups(
         mesh=mesh, coords=coords, dp=mesh.get_group("dp"), tp=mesh.get_group("tp"), pp=mesh.get_group("pp"),
-        cp=cp, replicas=replicas, kv=kv, tie=tie,
+        cp=cp, replicas=replicas, ep=ep, experts=experts, kv=kv, tie=tie,
         prev=int(grid[d, p - 1, c, t]) if p > 0 else None,
         next=int(grid[d, p + 1, c, t]) if p < dims.pp - 1 else None,
     )
+
+
+def expert_groups(grid: torch.Tensor, dims: ParallelDims) -> tuple[list[list[int]], list[list[int]]]:
+    """The ep groups and the expert-replica groups of every stage (and cp rank), from the
+    [dp, pp, cp, tp] grid of global ranks. A stage's dp x tp ranks in (dp, tp) order are cut into
+    blocks of ``ep`` consecutive ranks (whole tp groups, or parts of one): each block shares out the
+    experts, member i holding expert block i; the ranks at the same place i of every block hold the
+    same experts."""
+    blocks, members = [], []
+    for p in range(dims.pp):
+        for c in range(dims.cp):
+            flat = grid[:, p, c, :].reshape(-1).tolist()
+            stage_blocks = [flat[i : i + dims.ep] for i in range(0, len(flat), dims.ep)]
+            blocks += stage_blocks
+            members += [[block[i] for block in stage_blocks] for i in range(dims.ep)]
+    return blocks, members
 
 
 def _member_of(all_ranks: list[list[int]], timeout: datetime.timedelta) -> ProcessGroup | None:

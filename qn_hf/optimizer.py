@@ -73,6 +73,9 @@ class ParallelOptimizer(torch.optim.Optimizer):
         names = {id(p): n for n, p in pm.module.named_parameters()}
         groups = _groups(pm, param_groups, names)
         buckets: GradBuckets | None = pm.buckets
+        if zero and pm.dims.ep > 1:
+            raise ValueError(f"zero=True with ep={pm.dims.ep} is not supported yet (the experts' optimizer state would "
+                             f"need its own sharding over the ranks holding the same experts); use zero=False")
         if zero and pm.dims.replicas == 1:
             warnings.warn("zero=True with dp=1 shards nothing (with cp=1 no other rank holds the same weights): the "
                           "optimizer keeps all of its state", stacklevel=3)

@@ -56,6 +56,7 @@ class ParallelModel:
         schedule: str,
         rng: RngStreams,
         buckets: GradBuckets | None,
+        expert_buckets: GradBuckets | None,
         precision: torch.dtype | None,
         scaler: LossScaler | None,
         chunks: ChunkLayout,
@@ -74,7 +75,7 @@ class ParallelModel:
         self.scaler = scaler  # float16's loss scale
         self.chunks = chunks  # which parts of each sequence the cp ranks hold
         self.grads = GradSync(module=module, placement=placement, grad_sum=plan.grad_sum, buckets=buckets,
-                              scaler=scaler)
+                              expert_buckets=expert_buckets, scaler=scaler)
         self.optimizer = None  # the qn_hf.optimizer built over this model, if any
         self.failures = FailTogether()
         self._sync = True
@@ -256,7 +257,7 @@ class ParallelModel:
 
         schedule = schedule_actions(stages=self.stage.stages, microbatches=self.microbatches, schedule=self.schedule,
                                     backward=backward)
-        arm = self.buckets.arm if backward and self._sync and self.buckets is not None else None
+        arm = self.grads.arm if backward and self._sync else None
         self.executor.run(schedule, forward, before_last_backward=arm)
         # The last stage holds the loss: a sum over pp hands it to every stage, then over dp and cp
         # (each cp rank holds the loss of its own tokens).

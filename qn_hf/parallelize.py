@@ -13,9 +13,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .comm import flat_broadcast_
 from .context_parallel import apply_context_parallel
+from .expert_dispatch import ExpertRoute
+from .expert_parallel import apply_expert_parallel, experts_modules
 from .ring_attention import ChunkLayout
 from .data_parallel import DEFAULT_BUCKET_MB, GradBuckets, bucket_size_bytes
-from .mesh import Groups, ParallelDims, build_groups, default_device, init_distributed, launched_world_size
+from .mesh import Groups, build_groups, default_device, init_distributed, launched_world_size
 from .parallel_model import ParallelModel
 from .pipeline.runtime import Peers, StageExecutor
 from .pipeline.split import StagePlan
@@ -41,6 +43,7 @@ def parallelize(
     tp: int = 1,
     pp: int = 1,
     cp: int = 1,
+    ep: int = 1,
     microbatches: int = 1,
     schedule: str = "1f1b",
     policy: ModelPolicy | None = None,
@@ -70,14 +73,16 @@ def parallelize(
     ``qn_hf.optimizer`` (precision.py); ``recompute`` ("full" or "selective") recomputes each block's
     activations in backward (recompute.py); ``sequence_parallel`` splits the activations between
     tensor-parallel regions over the tp ranks along the sequence (sequence_parallel.py); ``cp`` splits
-    each sequence over that many ranks, with ring attention (context_parallel.py).
+    each sequence over that many ranks, with ring attention (context_parallel.py); ``ep`` shards the
+    experts of MoE layers over that many of a stage's dp x tp ranks, tokens travelling to them
+    (expert_parallel.py).
     """
     if getattr(model, _MARK, False):
         raise ValueError("this model is already parallelized; load a fresh copy to parallelize it again")
     checked = check_parallel_config(model, dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
                                     policy=policy, layers_per_stage=layers_per_stage, bucket_mb=bucket_mb,
                                     mixed_precision=mixed_precision, recompute=recompute,
-                                    sequence_parallel=sequence_parallel, cp=cp)
+                                    sequence_parallel=sequence_parallel, cp=cp, ep=ep)
     dims, plan, stage_plan = checked.dims, checked.tp_plan, checked.stage_plan
     dims.check_world_size(launched_world_size())
     _check_tensors(model, checkpoint=checkpoint)
@@ -105,10 +110,16 @@ def parallelize(
     precision = PRECISIONS.get(mixed_precision)
     if precision is not None:  # before the stage cut: stand-ins take their dtype from the modules they replace
         apply_mixed_precision(model, precision)
+    expert_specs = {}
+    if ep > 1:  # before the stage cut, as cp: the stages' config copies take the experts choice
+        experts = next(iter(experts_modules(model).values())).num_experts
+        route = ExpertRoute(experts=experts, ep=ep, group=groups.ep, tp=groups.tp)
+        expert_specs = apply_expert_parallel(model, route=route, ep_rank=coords["ep"])
     final = final_norm(model, stage_plan) if coords["pp"] == pp - 1 else None
     stage = apply_stage(model, stage_plan, stage=coords["pp"])
     plan = plan.only(lambda name: _on_this_stage(model, name))
     specs, vocab = apply_tp_plan(model, plan, tp_rank=coords["tp"], group=groups.tp)
+    specs.update({n: s for n, s in expert_specs.items() if n in specs})  # this stage's experts
     if plan.sequence_parallel:
         apply_sequence_parallel(model, plan=plan, stage_plan=stage_plan, final=final, group=groups.tp,
                                 regather=regathers(recompute))
@@ -135,7 +146,8 @@ def parallelize(
         microbatches=microbatches,
         schedule=schedule,
         rng=rng,
-        buckets=_grad_buckets(model, groups, dims, bucket_mb),
+        buckets=_grad_buckets(model, groups.replicas, dims.replicas, bucket_mb, experts=False, specs=specs),
+        expert_buckets=_grad_buckets(model, groups.experts, dims.expert_replicas, bucket_mb, experts=True, specs=specs),
         precision=precision,
         scaler=LossScaler() if mixed_precision == "fp16" else None,
         chunks=chunks,
@@ -177,13 +189,20 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
                 init(module)
 
 
-def _grad_buckets(model: nn.Module, groups: Groups, dims: ParallelDims, bucket_mb: float) -> GradBuckets | None:
-    if dims.replicas == 1:
+def _grad_buckets(model: nn.Module, group: dist.ProcessGroup | None, size: int, bucket_mb: float, *, experts: bool,
+                  specs: dict[str, ShardSpec | None]) -> GradBuckets | None:
+    """The buckets of the parameters summed over ``group``: the ep-sharded experts over the ranks
+    holding the same experts (``experts``), everything else over dp x cp. cp ranks hold the same
+    weights and see different tokens of the same sequences: their gradients are partial sums like
+    those of dp ranks, so one reduction covers both."""
+    if size == 1:
         return None
-    params = [p for p in model.parameters() if p.requires_grad]
-    # cp ranks hold the same weights and see different tokens of the same sequences: their gradients
-    # are partial sums like those of dp ranks, so one reduction covers both.
-    return GradBuckets(params, group=groups.replicas, bucket_bytes=bucket_size_bytes(bucket_mb))
+    params = [p for n, p in model.named_parameters() if p.requires_grad and _is_expert(specs.get(n)) == experts]
+    return GradBuckets(params, group=group, bucket_bytes=bucket_size_bytes(bucket_mb)) if params else None
+
+
+def _is_expert(spec: ShardSpec | None) -> bool:
+    return spec is not None and spec.axis == "ep"
 
 
 def _on_this_stage(model: nn.Module, name: str) -> bool:
@@ -201,18 +220,23 @@ def _synchronize_replicas(
 ) -> None:
     """Make copies that must be equal exactly equal: what is replicated across tp (from tp rank 0),
     KV-head replicas (from the first replica), the last stage's copy of a tied weight (from the
-    first stage), and everything across dp (from dp rank 0)."""
+    first stage), everything else across dp (from dp rank 0), and ep-sharded experts across the
+    ranks holding the same block."""
     named = dict(model.named_parameters())
     tied = [named[n].data for tie in stage_plan.ties for n in (tie.owner, tie.follower) if n in named]
     tp_replicated = [p.data for n, p in named.items() if specs.get(n) is None]
     kv_replicated = [p.data for n, p in named.items() if (s := specs.get(n)) is not None and s.replicas > 1]
+    experts = [p.data for n, p in named.items() if _is_expert(specs.get(n))]
     with torch.no_grad():
         flat_broadcast_(tp_replicated, src_group_rank=0, group=groups.tp)
         if groups.kv is not None:
             flat_broadcast_(kv_replicated, src_group_rank=0, group=groups.kv)
         if groups.tie is not None:
             flat_broadcast_(tied, src_group_rank=0, group=groups.tie)
-        flat_broadcast_([p.data for p in named.values()], src_group_rank=0, group=groups.replicas)
+        flat_broadcast_([p.data for n, p in named.items() if not _is_expert(specs.get(n))], src_group_rank=0,
+                        group=groups.replicas)
+        if groups.experts is not None:  # the ranks holding the same experts (dp x tp / ep of them)
+            flat_broadcast_(experts, src_group_rank=0, group=groups.experts)
 
 
 def _install_rng_streams(

@@ -3,7 +3,9 @@ sharding (checkpoints, the Hugging Face export, the global gradient norm, the co
 takes instead of the whole ``ParallelModel``.
 
 A parameter is named by its HF name. Its global tensor is cut over tp as its ``ShardSpec`` says (no
-spec: replicated over tp), lives on one pipeline stage, and is repeated on every dp (and cp) rank. A weight
+spec: replicated over tp), lives on one pipeline stage, and is repeated on every dp (and cp) rank;
+MoE experts under expert parallelism are cut over the ep group instead and repeated on the
+``expert_replicas`` ranks holding the same block. A weight
 tied across stages (GPT-2's ``wte``/``lm_head``) has two copies: the first stage's ``owner`` name is
 the one saved and counted, the last stage's ``follower`` copy is skipped.
 """
@@ -41,6 +43,19 @@ class ShardPlacement:
 
     def spec(self, name: str) -> ShardSpec | None:
         return self.specs.get(name)
+
+    def shard_rank(self, spec: ShardSpec | None) -> int:
+        """This rank's index among the ranks ``spec`` splits a tensor over (its tp rank, or for
+        experts its place in the ep group)."""
+        return self.coords["ep"] if spec is not None and spec.axis == "ep" else self.coords["tp"]
+
+    def writes(self, spec: ShardSpec | None) -> bool:
+        """Whether this rank is the one of the ranks holding this exact shard that saves it: dp (x cp)
+        rank 0 and, over tp, the first of KV-head replicas (tp rank 0 for a tensor replicated over
+        tp); for experts, the first of the ranks holding the same expert block."""
+        if spec is not None and spec.axis == "ep":
+            return self.coords["expert_replica"] == 0
+        return self.replica_rank == 0 and (spec.writes(self.coords["tp"]) if spec is not None else self.coords["tp"] == 0)
 
     def is_follower(self, name: str) -> bool:
         """The last stage's copy of a weight tied across stages: saved and counted by its owner."""

@@ -10,6 +10,10 @@ putting the shards back together (``save_pretrained``, later checkpoints). It co
   same chunk, so each rank has the KV heads its query heads need;
 
 plus padding: a vocabulary of 50257 rows is zero-padded to ``padded_size`` so that it divides.
+
+``axis`` names whose ranks hold the chunks: the tp ranks, or for MoE experts under expert
+parallelism (``axis="ep"``) the members of the ep group, each holding a contiguous block of experts
+along dim 0; ``tp`` is then the number of blocks. Everything below takes that axis's rank.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class ShardSpec:
     parts: int = 1
     replicas: int = 1
     padded_size: int | None = None
+    axis: str = "tp"
 
     def __post_init__(self) -> None:
         if self.tp % self.replicas:

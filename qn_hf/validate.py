@@ -17,6 +17,7 @@ from torch import nn
 
 from .arguments import check_choice, check_positive
 from .context_parallel import check_context_parallel
+from .expert_parallel import check_expert_parallel, expert_parallel_plan
 from .data_parallel import DEFAULT_BUCKET_MB
 from .mesh import ParallelDims
 from .pipeline.schedule import check_schedule_args
@@ -40,9 +41,10 @@ def check_parallel_config(model: nn.Module, *, dp: int, tp: int, pp: int, microb
                           policy: ModelPolicy | None = None,
                           layers_per_stage: Sequence[int] | None = None,
                           bucket_mb: float = DEFAULT_BUCKET_MB, mixed_precision: str | None = None,
-                          recompute: str | None = None, sequence_parallel: bool = False, cp: int = 1) -> CheckedConfig:
+                          recompute: str | None = None, sequence_parallel: bool = False, cp: int = 1,
+                          ep: int = 1) -> CheckedConfig:
     """Raise ``ValueError`` naming the value and the fix for anything ``model`` cannot take."""
-    dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp)
+    dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
     check_schedule_args(stages=pp, microbatches=microbatches, schedule=schedule)
     check_positive("bucket_mb", bucket_mb)
     if not isinstance(sequence_parallel, bool):
@@ -54,6 +56,8 @@ def check_parallel_config(model: nn.Module, *, dp: int, tp: int, pp: int, microb
     stage_plan = build_stage_plan(model, resolved, stages=pp, layers_per_stage=layers_per_stage)
     check_recompute(model, recompute=recompute, layers=stage_plan.layers)
     check_context_parallel(model, cp=cp, plan=tp_plan, sequence_parallel=sequence_parallel)
+    check_expert_parallel(model, dims=dims, plan=tp_plan, sequence_parallel=sequence_parallel)
+    tp_plan = expert_parallel_plan(model, tp_plan, ep=ep)
     if sequence_parallel:
         tp_plan = sequence_parallel_plan(model, tp_plan, stage_plan)
     return CheckedConfig(dims=dims, policy=resolved, tp_plan=tp_plan, stage_plan=stage_plan)

@@ -1,6 +1,7 @@
 """Consolidating the sharded model into a Hugging Face directory, from every rank of the mesh.
 
-Only dp rank 0's ranks gather (dp replicas are identical). Within a pipeline stage the tp ranks
+Only dp rank 0's ranks gather (dp replicas are identical), with, under expert parallelism, the
+other ranks of their ep groups for the experts. Within a pipeline stage the tp ranks
 gather each tensor in turn and the stage's tp rank 0 streams it into the stage's files; a single
 file is ``model.safetensors``, several are ``model-pp<stage>-<k>.safetensors`` plus the
 ``model.safetensors.index.json`` HF reads, written by rank 0 from the files' headers. Every file is
@@ -40,21 +41,24 @@ def save_pretrained(module: nn.Module, path: str, *, placement: ShardPlacement, 
     beyond its shard. Files hold at most ``max_shard_bytes``; several files get an index."""
     coords = placement.coords
     written: list[str] = []
+    state = {n: t.detach() for n, t in unique_state(module).items() if not placement.is_follower(n)}
+    specs = {n: placement.spec(n) for n in state}
+    shapes = {n: global_shape(t.shape, specs[n]) for n, t in state.items()}
+    sizes = [(n, torch.Size(shapes[n]).numel() * t.element_size()) for n, t in state.items()]
+    chunks = split_by_size(sizes, max_shard_bytes)
+    if placement.dims.pp == 1 and len(chunks) == 1:
+        files = [HF_WEIGHTS]
+    else:
+        files = [stage_weights_file(coords["pp"], k) for k in range(len(chunks))]
+
+    def produce(name: str) -> torch.Tensor:
+        value, spec = state[name], specs[name]
+        if spec is None:
+            return value
+        group = placement.groups.ep if spec.axis == "ep" else placement.groups.tp
+        return spec.unshard(all_gather_tensors(value, group=group))
+
     if placement.replica_rank == 0:
-        state = {n: t.detach() for n, t in unique_state(module).items() if not placement.is_follower(n)}
-        specs = {n: placement.spec(n) for n in state}
-        shapes = {n: global_shape(t.shape, specs[n]) for n, t in state.items()}
-        sizes = [(n, torch.Size(shapes[n]).numel() * t.element_size()) for n, t in state.items()]
-        chunks = split_by_size(sizes, max_shard_bytes)
-        if placement.dims.pp == 1 and len(chunks) == 1:
-            files = [HF_WEIGHTS]
-        else:
-            files = [stage_weights_file(coords["pp"], k) for k in range(len(chunks))]
-
-        def produce(name: str) -> torch.Tensor:
-            value, spec = state[name], specs[name]
-            return value if spec is None else spec.unshard(all_gather_tensors(value, group=placement.groups.tp))
-
         for file, names in zip(files, chunks):
             if coords["tp"] == 0:
                 os.makedirs(path, exist_ok=True)
@@ -64,6 +68,10 @@ def save_pretrained(module: nn.Module, path: str, *, placement: ShardPlacement, 
                 for n in names:
                     if specs[n] is not None:
                         produce(n)
+    elif coords.get("expert_replica") == 0:  # other dp ranks sharing out the writers' experts (ep > tp)
+        for n in (n for names in chunks for n in names):
+            if specs[n] is not None and specs[n].axis == "ep":
+                produce(n)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, written)
     if dist.get_rank() == 0:

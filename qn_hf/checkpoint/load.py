@@ -71,7 +71,6 @@ def _read_all(module: nn.Module, path: str, placement: ShardPlacement, model_typ
     saved_type = config.get("model_type")
     if saved_type != model_type:
         raise CheckpointError(f"{directory} holds a {saved_type!r} model, this one is {model_type!r}")
-    tp_rank = placement.coords["tp"]
     params = dict(module.named_parameters())
     prefixes = base_prefixes(config)
     # Mixed precision: weights are read in float32 (the masters; the low-precision copies are cast).
@@ -83,7 +82,8 @@ def _read_all(module: nn.Module, path: str, placement: ShardPlacement, model_typ
         except CheckpointError as e:
             raise CheckpointError(f"{directory}: {e}") from None
         like = p if read_as is None or not p.is_floating_point() else torch.empty(0, dtype=read_as)
-        tensors[name] = read_local(directory, index, saved, like, placement.spec(name), tp_rank, shape=list(p.shape),
+        tensors[name] = read_local(directory, index, saved, like, placement.spec(name),
+                                   placement.shard_rank(placement.spec(name)), shape=list(p.shape),
                                    checks=checks, cast=cast)
     states: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
     if optimizer is not None:
@@ -106,7 +106,8 @@ def _read_all(module: nn.Module, path: str, placement: ShardPlacement, model_typ
                     param_shape = global_shape(p.shape, spec)
                     own = state_spec(entry["shape"], param_shape, spec)
                     shape = list(p.shape) if entry["shape"] == param_shape else entry["shape"]
-                    value = read_local(directory, index, key, like, own, tp_rank, shape=shape, checks=checks)
+                    value = read_local(directory, index, key, like, own, placement.shard_rank(own), shape=shape,
+                                       checks=checks)
                     state[key[len(prefix):]] = (_flat_part(value, m.start, keyed) if own is spec and m is not None
                                                 and entry["shape"] == param_shape else value)
                 if state:

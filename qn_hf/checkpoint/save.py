@@ -1,7 +1,8 @@
 """Saving a sharded checkpoint from every rank of the mesh.
 
 Each distinct shard is written once: by dp rank 0, by the first of KV-head replicas, by tp rank 0
-for a tensor replicated over tp, by the first stage for a weight tied across stages. Every writing
+for a tensor replicated over tp, by the first stage for a weight tied across stages, by the first
+of the ranks holding the same experts for an ep-sharded experts block. Every writing
 rank writes its own safetensors file and a small JSON of its entries; rank 0 merges those into the
 index. The directory is written as ``ckpt-N.partial`` and published only when whole.
 """
@@ -50,13 +51,15 @@ def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
         os.makedirs(partial)
     barrier(placement.device)
 
-    if placement.replica_rank == 0 or getattr(optimizer, "zero", False):  # ZeRO-1: each replica its pieces
+    # ZeRO-1: each replica writes its pieces; ep: the first holder of each expert block its block
+    if placement.replica_rank == 0 or getattr(optimizer, "zero", False) or placement.coords.get("expert_replica") == 0:
         write_shard(module, placement, optimizer, partial)
     barrier(placement.device)
     if dist.get_rank() == 0:
         dims = placement.dims
         index = new_index(library_version=__version__, step=step, mesh={"dp": dims.dp, "tp": dims.tp, "pp": dims.pp,
-                                                                         **({"cp": dims.cp} if dims.cp > 1 else {})},
+                                                                         **({"cp": dims.cp} if dims.cp > 1 else {}),
+                                                                         **({"ep": dims.ep} if dims.ep > 1 else {})},
                           config=config.to_dict(), tensors={}, optimizer=None, files={},
                           generation_config=generation_config_of(module))
         for meta_name in sorted(n for n in os.listdir(partial) if n.endswith(".json")):
@@ -108,8 +111,8 @@ def local_entries(module: nn.Module, placement: ShardPlacement, optimizer: torch
             continue
         spec, shape, m = placement.spec(name), list(p.shape), masters.get(id(p))
         split = zero and id(p) in stepped  # its optimizer data lives in pieces over dp
-        once = tp_writes(spec, tp_rank) and dp_rank == 0
-        mine = tp_writes(spec, tp_rank) and (split or dp_rank == 0)  # this rank writes what it holds
+        once = placement.writes(spec)
+        mine = once or (split and tp_writes(spec, tp_rank))  # this rank writes what it holds
         if mixed and m is not None:
             values = m.tensor.detach() if split else m.tensor.detach().reshape(shape)
             yield LocalTensor(name, values, shape, m.start, spec, mine)
@@ -166,7 +169,7 @@ def write_shard(module: nn.Module, placement: ShardPlacement, optimizer: torch.o
         if not t.writes:
             continue
         pieces = []
-        for i, (box, local) in enumerate(_pieces(t, coords["tp"])):
+        for i, (box, local) in enumerate(_pieces(t, placement.shard_rank(t.spec))):
             key = f"{t.name}#{i}" if t.whole else f"{t.name}#dp{placement.replica_rank}.{i}"
             tensors[key] = local.to("cpu").contiguous()
             pieces.append({"file": file, "key": key, "box": box})
@@ -181,10 +184,10 @@ def write_shard(module: nn.Module, placement: ShardPlacement, optimizer: torch.o
                os.path.join(directory, file.removesuffix(".safetensors") + ".json"))
 
 
-def _pieces(t: LocalTensor, tp_rank: int) -> list[tuple[list[list[int]], torch.Tensor]]:
-    """(global box, its values) for each piece of ``t``: the tp shard's boxes of a whole tensor, or
+def _pieces(t: LocalTensor, shard_rank: int) -> list[tuple[list[list[int]], torch.Tensor]]:
+    """(global box, its values) for each piece of ``t``: the shard's boxes of a whole tensor, or
     for a flat range, its contiguous runs cut by those boxes."""
-    regions = boxes(torch.Size(t.shape), t.spec, tp_rank)
+    regions = boxes(torch.Size(t.shape), t.spec, shard_rank)
     if t.whole:
         return [(box, t.values if t.spec is None else t.values.narrow(t.spec.dim, at, box[t.spec.dim][1] - box[t.spec.dim][0]))
                 for box, at in regions]

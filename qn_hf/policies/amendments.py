@@ -7,6 +7,14 @@ and runs on the column-parallel ``up_proj`` output, i.e. on this rank's share of
 features: its gradient is partial per rank and must be summed over tp.
 """
 
+# model_type -> the pipeline plan transformers does not declare (its ``base_model_pp_plan`` form):
+# OLMoE's base model is Llama's (embedding, blocks, final norm) with MoE blocks.
+PP_PLANS: dict[str, dict[str, tuple[list[str], list[str]]]] = {
+    "olmoe": {"embed_tokens": (["input_ids"], ["inputs_embeds"]),
+              "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+              "norm": (["hidden_states"], ["hidden_states"])},
+}
+
 AMENDMENTS: dict[str, dict[str, str]] = {
     "apertus": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
 }

@@ -15,7 +15,7 @@ from ..heads import head_layout
 from ..names import base_model_and_prefix, match_modules, match_parameters
 from ..plan import ModelPolicy
 from ..styles import HF_STYLES, PARAM_FORM
-from .amendments import AMENDMENTS, REFUSALS
+from .amendments import AMENDMENTS, PP_PLANS, REFUSALS
 from .entries import derive_entries
 
 
@@ -72,7 +72,7 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
     stays whole. What cannot be translated makes the policy refuse tp > 1, never dp or pp."""
     config = model.config
     hf_plan = getattr(config, "base_model_tp_plan", None) or {}
-    pp_plan = getattr(config, "base_model_pp_plan", None) or {}
+    pp_plan = getattr(config, "base_model_pp_plan", None) or PP_PLANS.get(config.model_type, {})
     if not hf_plan:
         return None
     # where transformers' plan is incomplete or wrong for this architecture (amendments.py)

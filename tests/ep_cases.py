@@ -1,0 +1,139 @@
+"""Code that runs inside test worlds for expert parallelism (every rank)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from transformers import CONFIG_MAPPING
+
+import qn_hf
+from qn_hf.check.run import build, model_class
+from qn_hf.check.shrink import shrink_config
+from qn_hf.expert_parallel import experts_modules
+from tests.cases import mesh_for
+
+SEQ = 12
+ROWS = 2  # per dp rank and microbatch
+
+
+def moe_config(model_type: str, **overrides):
+    config = shrink_config(CONFIG_MAPPING[model_type]())
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def _skew(model: torch.nn.Module, skew: str) -> None:
+    """Routing far from even: ``empty_rank`` sends every token to experts 0 and 1 (DeepSeek's
+    selection bias), so at ep=2 the second rank receives nothing; ``uneven`` adds one direction u to
+    every token embedding and makes each router score mostly (2, 1, 0, -1) times u, so experts 0
+    and 1 take most tokens and expert 3 few or none."""
+    gen = torch.Generator().manual_seed(5)
+    u = torch.randn(model.config.hidden_size, generator=gen)
+    with torch.no_grad():
+        if skew == "uneven":
+            model.get_input_embeddings().weight.add_(u)
+        for name, module in model.named_modules():
+            if skew == "empty_rank" and hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.copy_(torch.tensor([8.0, 8.0, -8.0, -8.0]))
+            if skew == "uneven" and name.endswith("mlp.gate"):
+                scores = torch.outer(torch.tensor([2.0, 1.0, 0.0, -1.0]), u / u.norm())
+                module.weight.copy_(scores * 4 + module.weight * 0.1)
+
+
+def _expert_counts(model: torch.nn.Module) -> list[int]:
+    """A hook on every experts module of the plain model: tokens routed to each expert (all layers)."""
+    counts = torch.zeros(next(iter(experts_modules(model).values())).num_experts, dtype=torch.int64)
+
+    def count(_module, args):
+        counts.add_(torch.bincount(args[1].reshape(-1), minlength=counts.numel()))
+
+    for module in experts_modules(model).values():
+        module.register_forward_pre_hook(count)
+    return counts
+
+
+def ep_parity(*, model_type: str, out_dir: str, dp: int, tp: int, pp: int, ep: int, microbatches: int = 1,
+              skew: str | None = None, overrides: dict | None = None) -> dict:
+    """One SGD step at (dp, tp, pp, ep) against the plain model: loss, every gradient, the grad norm,
+    and every weight after the step read back through ``save_pretrained``."""
+    config = moe_config(model_type, **(overrides or {}))
+    model = build(config, seed=0)
+    if skew:
+        _skew(model, skew)
+    ref = copy.deepcopy(model)
+    counts = _expert_counts(ref)
+    pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches, mesh=mesh_for(dp, tp, pp))
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, config.vocab_size, (dp * ROWS * microbatches, SEQ), generator=gen)
+    rows = ids.shape[0] // dp
+    local = ids[pm.coords["dp"] * rows : (pm.coords["dp"] + 1) * rows]
+    loss = pm.train_step({"input_ids": local, "labels": local.clone()}).item()
+    ref.train()
+    ref_loss = ref(input_ids=ids, labels=ids, use_cache=False).loss
+    ref_loss.backward()
+
+    ref_params = dict(ref.named_parameters())
+    grad_err, worst = 0.0, ""
+    for name, p in pm.named_parameters():
+        ref_grad = ref_params[name].grad
+        ref_grad = torch.zeros_like(ref_params[name]) if ref_grad is None else ref_grad
+        spec = pm.specs.get(name)
+        expected = ref_grad if spec is None else spec.shard(ref_grad, pm.placement.shard_rank(spec))
+        err = (p.grad - expected).abs().max().item()
+        if err > grad_err:
+            grad_err, worst = err, name
+    norm = qn_hf.clip_grad_norm_(pm, 1e9).item()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9).item()
+
+    before = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    for params in (list(pm.parameters()), list(ref.parameters())):
+        torch.optim.SGD(params, lr=1.0).step()
+    pm.save_pretrained(out_dir)
+    dist.barrier()
+    weight_err = moved = 0.0
+    if dist.get_rank() == 0:
+        reloaded = dict(model_class(config).from_pretrained(out_dir).named_parameters())
+        weight_err = max((reloaded[n] - p).abs().max().item() for n, p in ref.named_parameters())
+        moved = max((before[n] - p).abs().max().item() for n, p in ref.named_parameters())
+    experts = [n for n, s in pm.specs.items() if s is not None and s.axis == "ep"]
+    params = dict(pm.named_parameters())
+    return {
+        "loss": loss, "ref_loss": ref_loss.item(), "grad_err": grad_err, "worst_grad": worst, "norm": norm,
+        "ref_norm": ref_norm, "weight_err": weight_err, "moved": moved, "expert_counts": counts.tolist(),
+        "expert_params": len(experts),
+        "expert_rows": sorted({params[n].shape[0] for n in experts}),
+    }
+
+
+def _train(pm, opt, step: int) -> float:
+    gen = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(3, pm.config.vocab_size, (8, SEQ), generator=gen)
+    rows = 8 // pm.dims.dp
+    local = ids[pm.coords["dp"] * rows : (pm.coords["dp"] + 1) * rows]
+    opt.zero_grad()
+    loss = pm.train_step({"input_ids": local, "labels": local.clone()})
+    opt.step()
+    return loss.item()
+
+
+def ep_checkpoint_run(*, model_dir: str, dp: int, tp: int, pp: int, ep: int, load: str | None, steps: list[int],
+                      save: str | None, export: str) -> list[float]:
+    """Load ``load`` (a checkpoint saved at any mesh), run ``steps``, export after each (``export-N``)
+    and save a checkpoint after the first when asked."""
+    from transformers import AutoConfig
+
+    model = model_class(AutoConfig.from_pretrained(model_dir)).from_pretrained(model_dir).float()
+    pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, ep=ep, microbatches=max(pp, 1), mesh=mesh_for(dp, tp, pp))
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.01)
+    if load is not None:
+        assert pm.load_checkpoint(load, optimizer=opt)["step"] == steps[0] - 1
+    losses = []
+    for i, step in enumerate(steps):
+        losses.append(_train(pm, opt, step))
+        pm.save_pretrained(f"{export}-{step}")
+        if i == 0 and save is not None:
+            pm.save_checkpoint(save, optimizer=opt, step=step)
+    return losses

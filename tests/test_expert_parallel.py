@@ -1,0 +1,122 @@
+"""Expert parallelism (``ep``) equals the plain model; its checkpoints move between ep degrees; misuse
+is refused before any communication."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qn_hf import convert
+from qn_hf.check.run import build, model_class
+from tests.cases import error_message
+from tests.ep_cases import moe_config
+
+LOSS_RTOL = 1e-5
+WEIGHT_ATOL = 2e-5
+
+EP_CASES = [  # model type, dp, tp, pp, ep, microbatches
+    ("mixtral", 2, 1, 1, 2, 1),
+    ("qwen3_moe", 2, 1, 1, 2, 1),
+    ("olmoe", 2, 1, 1, 2, 1),
+    ("deepseek_v3", 2, 1, 1, 2, 1),
+    ("mixtral", 2, 2, 1, 4, 1),
+    ("qwen3_moe", 2, 2, 1, 4, 1),
+    ("olmoe", 2, 2, 1, 4, 1),
+    ("deepseek_v3", 2, 2, 1, 4, 1),
+    ("mixtral", 2, 1, 2, 2, 2),
+    ("qwen3_moe", 2, 1, 2, 2, 2),
+    ("olmoe", 2, 1, 2, 2, 2),
+    ("deepseek_v3", 2, 1, 2, 2, 2),
+    ("qwen3_moe", 1, 2, 1, 2, 1),  # the ep group is the tp group: tokens split over tp, experts over tp
+    ("deepseek_v3", 1, 4, 1, 2, 1),  # ep inside tp: two ranks hold each expert block
+    ("qwen2_moe", 2, 1, 1, 2, 1),  # a shared expert with its sigmoid gate
+]
+
+
+def _check(results: list[dict], *, ep: int) -> None:
+    first = results[0]
+    for r in results:
+        assert abs(r["loss"] - r["ref_loss"]) <= LOSS_RTOL * abs(r["ref_loss"]), r
+        assert r["grad_err"] < 2e-6, r
+        assert abs(r["norm"] - r["ref_norm"]) <= 1e-5 * r["ref_norm"], r
+        assert r["expert_params"] > 0 and r["expert_rows"] == [first["expert_counts"].__len__() // ep], r
+    assert first["weight_err"] <= WEIGHT_ATOL and first["moved"] > 1e-3, first
+
+
+@pytest.mark.parametrize(("model_type", "dp", "tp", "pp", "ep", "microbatches"), EP_CASES)
+def test_expert_parallel_equals_plain_model(worlds, tmp_path, model_type, dp, tp, pp, ep, microbatches):
+    results = worlds.run(dp * tp * pp, "tests.ep_cases:ep_parity", model_type=model_type, out_dir=str(tmp_path / "hf"),
+                         dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches)
+    _check(results, ep=ep)
+
+
+@pytest.mark.parametrize(("model_type", "skew", "dp", "tp", "ep"), [
+    ("deepseek_v3", "empty_rank", 2, 1, 2),
+    ("mixtral", "uneven", 1, 2, 2),
+])
+def test_expert_parallel_with_skewed_routing(worlds, tmp_path, model_type, skew, dp, tp, ep):
+    results = worlds.run(dp * tp, "tests.ep_cases:ep_parity", model_type=model_type, out_dir=str(tmp_path / "hf"),
+                         dp=dp, tp=tp, pp=1, ep=ep, skew=skew)
+    _check(results, ep=ep)
+    counts = results[0]["expert_counts"]
+    if skew == "empty_rank":  # every token at experts 0 and 1: the second ep rank received no rows
+        assert counts[2] == counts[3] == 0 and counts[0] > 0, counts
+    else:
+        assert max(counts) >= 4 * max(min(counts), 1), counts
+
+
+def test_expert_parallel_checkpoints_move_between_ep_degrees(worlds, tmp_path):
+    """Saved at ep=2 (dp=2), resumed at ep=4 (dp x tp = 2 x 2) and saved again, resumed at ep=1: each
+    next step equals the uninterrupted ep=2 run; qn-hf-convert to-hf equals save_pretrained."""
+    model_dir = str(tmp_path / "model")
+    config = moe_config("qwen3_moe")
+    build(config, seed=0).save_pretrained(model_dir)
+    first, second = str(tmp_path / "ckpt-ep2"), str(tmp_path / "ckpt-ep4")
+    plain = str(tmp_path / "uninterrupted")
+    expected = worlds.run(2, "tests.ep_cases:ep_checkpoint_run", model_dir=model_dir, dp=2, tp=1, pp=1, ep=2,
+                          load=None, steps=[1, 2, 3], save=first, export=plain)[0]
+    assert convert.main(["to-hf", first, str(tmp_path / "to-hf")]) == 0
+    exported = model_class(config).from_pretrained(str(tmp_path / "to-hf")).state_dict()
+    gathered = model_class(config).from_pretrained(plain + "-1").state_dict()
+    assert exported.keys() == gathered.keys() and all(torch.equal(exported[k], gathered[k]) for k in gathered)
+    runs = [((2, 2, 1, 4), first, [2, 3], second), ((1, 1, 1, 1), second, [3], None), ((1, 1, 2, 1), first, [2], None)]
+    for (dp, tp, pp, ep), source, steps, save in runs:
+        out = str(tmp_path / f"resumed-{dp}{tp}{pp}{ep}")
+        losses = worlds.run(dp * tp * pp, "tests.ep_cases:ep_checkpoint_run", model_dir=model_dir, dp=dp, tp=tp, pp=pp,
+                            ep=ep, load=source, steps=steps, save=save, export=out)[0]
+        for step, loss in zip(steps, losses):
+            assert abs(loss - expected[step - 1]) <= LOSS_RTOL * abs(expected[step - 1]), (dp, tp, pp, ep, step)
+            resumed = dict(model_class(config).from_pretrained(f"{out}-{step}").named_parameters())
+            reference = dict(model_class(config).from_pretrained(f"{plain}-{step}").named_parameters())
+            err = max((resumed[n] - p).abs().max().item() for n, p in reference.items())
+            assert err < WEIGHT_ATOL, f"resumed at {(dp, tp, pp, ep)}, step {step}: max weight difference {err}"
+
+
+def _meta(model_type: str, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    config = moe_config(model_type, **overrides)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _refusal(model, **kwargs) -> str:
+    from qn_hf.validate import check_parallel_config
+
+    return error_message(lambda: check_parallel_config(model, microbatches=1, schedule="1f1b",
+                                                       **{"dp": 2, "tp": 1, "pp": 1, "ep": 2, **kwargs}))
+
+
+def test_expert_parallel_refusals():
+    assert _refusal(_meta("mixtral")) == "no error"
+    assert "ep=3 must divide dp*tp = 2*2 = 4" in _refusal(_meta("mixtral"), tp=2, ep=3)
+    assert "ep=4 and tp=" not in _refusal(_meta("mixtral"), dp=2, tp=2, ep=4)
+    assert "ep=2 and tp=3" in _refusal(_meta("mixtral"), dp=2, tp=3, ep=2)
+    message = _refusal(_meta("mixtral", num_local_experts=6), dp=4, ep=4)
+    assert "ep=4 must divide the 6 experts of model.layers.0.mlp.experts" in message, message
+    dense = _refusal(_meta("llama"))
+    assert "ep=2: llama has no mixture-of-experts layers; use ep=1" in dense, dense
+    unfused = _refusal(_meta("llama4_text"))
+    assert "Llama4TextExperts) are not transformers' fused experts form" in unfused, unfused
+    assert "ep=2 with cp=2 is not supported" in _refusal(_meta("mixtral"), cp=2)
+    assert "ep=0 must be a positive integer" in _refusal(_meta("mixtral"), ep=0)
