@@ -68,7 +68,7 @@ def _gather_rows(x: torch.Tensor, sizes: list[int], group: ProcessGroup) -> torc
     most = max(sizes)
     padded = torch.cat([x, x.new_zeros((most - x.shape[0], *x.shape[1:]))]) if x.shape[0] < most else x.contiguous()
     out = x.new_empty((most * len(sizes), *x.shape[1:]))
-    dist.all_gather_into_tensor(out, padded, group=group)
+    dist.all_gather_single(out, padded, group=group)
     return torch.cat([part[:n] for part, n in zip(out.split(most), sizes)])
 
 

@@ -137,3 +137,30 @@ def ep_checkpoint_run(*, model_dir: str, dp: int, tp: int, pp: int, ep: int, loa
         if i == 0 and save is not None:
             pm.save_checkpoint(save, optimizer=opt, step=step)
     return losses
+
+
+def ep_meta_load(*, model_dir: str, dp: int, tp: int, ep: int) -> dict:
+    """A meta-device model reads its experts from a Hugging Face directory in per-expert layout
+    (what transformers' save_pretrained writes by default) at (dp, tp, ep): the first step equals
+    the plain model loaded with from_pretrained."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    ref = model_class(config).from_pretrained(model_dir).float()
+    with torch.device("meta"):
+        model = model_class(config)(config)
+    pm = qn_hf.parallelize(model, dp=dp, tp=tp, ep=ep, checkpoint=model_dir, mesh=mesh_for(dp, tp, 1))
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, config.vocab_size, (dp * ROWS, SEQ), generator=gen)
+    local = ids[pm.coords["dp"] * ROWS : (pm.coords["dp"] + 1) * ROWS]
+    loss = pm.train_step({"input_ids": local, "labels": local.clone()}).item()
+    ref_loss = ref(input_ids=ids, labels=ids, use_cache=False).loss
+    ref_loss.backward()
+    ref_params = dict(ref.named_parameters())
+    err = 0.0
+    for name, p in pm.named_parameters():
+        spec = pm.specs.get(name)
+        full = ref_params[name]
+        expected = full if spec is None else spec.shard(full.detach(), pm.placement.shard_rank(spec))
+        err = max(err, (p.detach() - expected).abs().max().item())
+    return {"loss": loss, "ref_loss": ref_loss.item(), "weight_err": err}

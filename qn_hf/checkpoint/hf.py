@@ -3,8 +3,11 @@ whole-tensor piece per tensor), and the names, index and configs ``from_pretrain
 
 Tensors are read under the names the model's modules use: transformers 5 keeps some architectures
 on disk under older names (ViT's ``encoder.layer.N.attention.attention.query``) and renames them
-while loading; the same renamings are applied here. A conversion that merges or splits tensors
-cannot be read piecewise and is refused with a clear error.
+while loading; the same renamings are applied here. Per-expert tensors (Mixtral's ``experts.J.w1``/``w3``/
+``w2``, the Qwen family's ``experts.J.gate_proj``/``up_proj``/``down_proj``), which transformers stacks
+into fused experts tensors, are read as pieces of those (a rank under expert parallelism reads only its
+experts' files). Any other conversion that merges or splits tensors cannot be read piecewise and is
+refused with a clear error.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
 
 import torch
 import transformers
@@ -79,8 +83,32 @@ def source_name(index: dict, name: str, prefixes: list[str]) -> str:
     raise CheckpointError(f"the source has no tensor {name!r}; was it saved from another architecture?")
 
 
+@dataclass(frozen=True)
+class ExpertPart:
+    """A per-expert tensor on disk (Mixtral's ``experts.3.w1.weight``) that transformers 5 merges into
+    a fused experts tensor while loading: expert ``expert`` of source pattern ``part`` of ``parts``."""
+
+    target: str
+    part: int
+    parts: int
+    expert: int
+
+
+def _merges_experts(converter) -> bool:
+    """transformers' experts merge: the experts stacked along dim 0 (``MergeModulelist(dim=0)``), and
+    with several source patterns (gate, up) those concatenated along dim 1 in pattern order."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    ops = converter.operations
+    stacked = len(ops) >= 1 and isinstance(ops[0], MergeModulelist) and ops[0].dim == 0
+    joined = len(ops) == 1 or (len(ops) == 2 and isinstance(ops[1], Concatenate) and ops[1].dim == 1)
+    return (stacked and joined and len(converter.target_patterns) == 1
+            and all(p.count("*") == 1 for p in converter.source_patterns))
+
+
 def _key_renamer(config: transformers.PretrainedConfig):
-    """transformers' load-time renamings for this architecture, as a function of one key."""
+    """transformers' load-time renamings for this architecture, as a function of one key: the new
+    name, or for a per-expert tensor its place in the fused experts tensor."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, apply_converters, apply_renamings
 
@@ -88,17 +116,43 @@ def _key_renamer(config: transformers.PretrainedConfig):
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
 
-    def rename(key: str) -> str:
-        if converters and apply_converters(key, converters)[1] is not None:
+    def rename(key: str) -> str | ExpertPart:
+        key = apply_renamings(key, renamings)
+        target, pattern = apply_converters(key, converters) if converters else (key, None)
+        if pattern is None:
+            return key
+        converter = next(c for c in converters if pattern in c.source_patterns)
+        if not _merges_experts(converter):
             raise CheckpointError(f"{key}: this architecture converts tensors while loading; use from_pretrained + parallelize")
-        return apply_renamings(key, renamings)
+        expert = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), key)
+        return ExpertPart(target=target, part=converter.source_patterns.index(pattern),
+                          parts=len(converter.source_patterns), expert=int(expert.group(1)))
 
     return rename
 
 
+def _fused_entries(parts: list[tuple[ExpertPart, dict]]) -> dict[str, dict]:
+    """Per-expert pieces as pieces of their fused tensors ``[experts, parts x rows, ...]``: each is the
+    box of one expert and one part, stored without the experts dim (``lead`` 1)."""
+    fused: dict[str, dict] = {}
+    for where, piece in parts:
+        shape = [b for _, b in piece["box"]]
+        entry = fused.setdefault(where.target, {"rows": shape[0], "rest": shape[1:], "dtype": piece["dtype"],
+                                                "experts": 0, "parts": where.parts, "pieces": []})
+        if shape != [entry["rows"], *entry["rest"]] or piece["dtype"] != entry["dtype"]:
+            raise CheckpointError(f"{piece['key']}: shape {shape} {piece['dtype']} differs from the other experts of "
+                                  f"{where.target}")
+        rows = entry["rows"]
+        box = [[where.expert, where.expert + 1], [where.part * rows, (where.part + 1) * rows], *[[0, n] for n in shape[1:]]]
+        entry["pieces"].append({"file": piece["file"], "key": piece["key"], "box": box, "lead": 1})
+        entry["experts"] = max(entry["experts"], where.expert + 1)
+    return {target: {"shape": [e["experts"], e["parts"] * e["rows"], *e["rest"]], "dtype": e["dtype"],
+                     "pieces": e["pieces"]} for target, e in fused.items()}
+
+
 def read_hf_dir(hf_dir: str) -> tuple[dict, dict]:
     """A Hugging Face directory as an index of whole-tensor pieces (under the names the model's
-    modules use), and its config dict."""
+    modules use; per-expert tensors as pieces of the fused experts tensors), and its config dict."""
     with open(os.path.join(hf_dir, "config.json")) as f:
         config = json.load(f)
     rename = _key_renamer(config_from_dict(config))
@@ -110,6 +164,7 @@ def read_hf_dir(hf_dir: str) -> tuple[dict, dict]:
     else:
         raise CheckpointError(f"{hf_dir} has neither {HF_WEIGHTS} nor {HF_INDEX}")
     tensors: dict[str, dict] = {}
+    parts: list[tuple[ExpertPart, dict]] = []
     for file in files:
         try:
             with safe_open(os.path.join(hf_dir, file), framework="pt") as f:
@@ -119,11 +174,18 @@ def read_hf_dir(hf_dir: str) -> tuple[dict, dict]:
                     entry = {"shape": shape, "dtype": dtype_of_code(sl.get_dtype()),
                              "pieces": [{"file": file, "key": key, "box": [[0, n] for n in shape]}]}
                     check_entry(os.path.join(hf_dir, file), key, entry)
-                    tensors[rename(key)] = entry
+                    name = rename(key)
+                    if isinstance(name, ExpertPart):
+                        parts.append((name, {**entry["pieces"][0], "dtype": entry["dtype"]}))
+                    else:
+                        tensors[name] = entry
         except (OSError, ValueError) as e:
             if isinstance(e, CheckpointError):
                 raise
             raise CheckpointError(f"{os.path.join(hf_dir, file)} cannot be read: {e}") from None
+    for name, entry in _fused_entries(parts).items():
+        check_entry(hf_dir, name, entry)  # every expert of every part present, once
+        tensors[name] = entry
     return {"tensors": tensors}, config
 
 

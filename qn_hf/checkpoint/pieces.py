@@ -35,9 +35,12 @@ def read_box(directory: str, entry: dict, name: str, target_box: Box, out: torch
                 if handles is not None:
                     handles[file] = f
             sl = f.get_slice(piece["key"])
-            if list(sl.get_shape()) != [b - a for a, b in box]:
+            lead = piece.get("lead", 0)  # leading dims of extent 1 the stored tensor leaves out (one expert)
+            if list(sl.get_shape()) != [b - a for a, b in box[lead:]] or any(b - a != 1 for a, b in box[:lead]):
                 raise CheckpointError(f"{file}: {piece['key']} has shape {sl.get_shape()}, the index says box {box}")
-            src = sl[tuple(slice(lo - a[0], hi - a[0]) for (lo, hi), a in zip(overlap, box))] if overlap else sl[...]
+            src = sl[tuple(slice(lo - a[0], hi - a[0]) for (lo, hi), a in zip(overlap[lead:], box[lead:]))] \
+                if overlap[lead:] else sl[...]
+            src = src.reshape([hi - lo for lo, hi in overlap]) if lead else src
         except CheckpointError:
             raise
         except FileNotFoundError:
