@@ -83,11 +83,6 @@ def check_model_inputs(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Mod
             raise ValueError(f"batch[{key!r}] has dtype {batch[key].dtype}; it holds indices or a mask and must be "
                              "an integer tensor (e.g. .long())")
     config = model.config
-    if loss and getattr(config, "output_router_logits", False):
-        raise ValueError(
-            "config.output_router_logits=True: transformers then adds the routers' load-balancing loss "
-            "(router_aux_loss_coef x aux loss) to the loss, which qn_hf's built-in loss does not compute, so training "
-            "would differ from the plain model; set model.config.output_router_logits = False before parallelize")
     if "pixel_values" in batch:
         pixels = batch["pixel_values"]
         if not pixels.is_floating_point():

@@ -30,6 +30,7 @@ from .plan import TpPlan
 from .precision import LossScaler
 from .rng import RngStreams
 from .ring_attention import ChunkLayout
+from .router_loss import adds_router_loss, check_router_loss, router_loss
 from .shard import ShardSpec
 from .tensor_parallel import VocabShard
 
@@ -212,6 +213,9 @@ class ParallelModel:
                 raise ValueError(f"cp={cp}: batch keys {unknown} cannot be cut along the sequence; use only {CP_KEYS}")
         split = sequence_split(cp=cp, tp=self.dims.tp, sequence_parallel=self.plan.sequence_parallel)
         check_model_inputs(batch, model=self.module, loss=self.plan.loss if builtin else None, sequence_split=split)
+        router = builtin and adds_router_loss(self.module)
+        if router:
+            check_router_loss(self.module, pp=self.dims.pp, cp=cp, microbatches=self.microbatches)
         if builtin and self.plan.loss == "classification":
             config = self.config
             if config.num_labels == 1 or getattr(config, "problem_type", None) in ("regression", "multi_label_classification"):
@@ -251,6 +255,8 @@ class ParallelModel:
             else:
                 loss = loss_fn(self._with_full_logits(outputs), micro[mb])
             loss = loss * scale
+            if router:  # transformers' load-balancing term, this dp rank's share (router_loss.py)
+                loss = loss + router_loss(outputs, micro[mb].get("attention_mask"), model=self.module, group=self.groups.dp)
             total += loss.detach().float()
             # float16: backward starts from the scaled loss (GradSync unscales the gradients)
             return loss * self.scaler.scale if self.scaler is not None and backward else loss

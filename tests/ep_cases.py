@@ -56,9 +56,10 @@ def _expert_counts(model: torch.nn.Module) -> list[int]:
 
 
 def ep_parity(*, model_type: str, out_dir: str, dp: int, tp: int, pp: int, ep: int, microbatches: int = 1,
-              skew: str | None = None, overrides: dict | None = None) -> dict:
+              skew: str | None = None, overrides: dict | None = None, padded: bool = False) -> dict:
     """One SGD step at (dp, tp, pp, ep) against the plain model: loss, every gradient, the grad norm,
-    and every weight after the step read back through ``save_pretrained``."""
+    and every weight after the step read back through ``save_pretrained``. ``padded``: every other
+    row ends in padding (attention_mask 0, labels -100)."""
     config = moe_config(model_type, **(overrides or {}))
     model = build(config, seed=0)
     if skew:
@@ -68,11 +69,16 @@ def ep_parity(*, model_type: str, out_dir: str, dp: int, tp: int, pp: int, ep: i
     pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches, mesh=mesh_for(dp, tp, pp))
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, config.vocab_size, (dp * ROWS * microbatches, SEQ), generator=gen)
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    if padded:
+        batch["attention_mask"] = torch.ones_like(ids)
+        batch["attention_mask"][::2, -5:] = 0
+        batch["labels"][batch["attention_mask"] == 0] = -100
     rows = ids.shape[0] // dp
-    local = ids[pm.coords["dp"] * rows : (pm.coords["dp"] + 1) * rows]
-    loss = pm.train_step({"input_ids": local, "labels": local.clone()}).item()
+    local = {k: v[pm.coords["dp"] * rows : (pm.coords["dp"] + 1) * rows] for k, v in batch.items()}
+    loss = pm.train_step(local).item()
     ref.train()
-    ref_loss = ref(input_ids=ids, labels=ids, use_cache=False).loss
+    ref_loss = ref(**batch, use_cache=False).loss
     ref_loss.backward()
 
     ref_params = dict(ref.named_parameters())

@@ -65,6 +65,20 @@ def test_expert_parallel_with_skewed_routing(worlds, tmp_path, model_type, skew,
         assert max(counts) >= 4 * max(min(counts), 1), counts
 
 
+@pytest.mark.parametrize(("model_type", "dp", "tp", "ep", "padded"), [
+    ("mixtral", 2, 1, 2, True),
+    ("qwen3_moe", 2, 2, 4, False),
+    ("olmoe", 2, 1, 2, True),
+])
+def test_router_aux_loss_equals_plain_model(worlds, tmp_path, model_type, dp, tp, ep, padded):
+    """output_router_logits=True: transformers' load-balancing term, pooled over every layer and the
+    whole batch (dp ranks included, padding left out), is in the loss and its gradient."""
+    overrides = {"output_router_logits": True, "router_aux_loss_coef": 0.5}  # large: a wrong term shows
+    results = worlds.run(dp * tp, "tests.ep_cases:ep_parity", model_type=model_type, out_dir=str(tmp_path / "hf"),
+                         dp=dp, tp=tp, pp=1, ep=ep, overrides=overrides, padded=padded)
+    _check(results, ep=ep)
+
+
 def test_expert_parallel_checkpoints_move_between_ep_degrees(worlds, tmp_path):
     """Saved at ep=2 (dp=2), resumed at ep=4 (dp x tp = 2 x 2) and saved again, resumed at ep=1: each
     next step equals the uninterrupted ep=2 run; qn-hf-convert to-hf equals save_pretrained."""

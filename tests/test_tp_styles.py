@@ -97,10 +97,10 @@ def test_partial_gradient_of_a_replicated_parameter_is_refused(worlds, tmp_path)
         assert "get a different gradient on each tp rank" in verdict["reason"] and "q_norm" in verdict["reason"]
 
 
-def test_router_aux_loss_is_refused_with_the_builtin_loss(worlds):
+def test_router_aux_loss_is_refused_with_microbatches(worlds):
     config = shrink_config(CONFIG_MAPPING["mixtral"]()).to_dict()
     for message in worlds.run(2, "tests.zoo_cases:router_logits_refusal", config=config):
-        assert message.startswith("config.output_router_logits=True"), message
+        assert message.startswith("config.output_router_logits=True with microbatches=2"), message
 
 
 def test_the_parity_check_catches_a_wrong_split(worlds, tmp_path):

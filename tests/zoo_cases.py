@@ -22,7 +22,8 @@ def custom_policy_step(*, config: dict, policy, tp: int, out_dir: str) -> dict:
 
 
 def router_logits_refusal(*, config: dict) -> str:
-    """A MoE model whose config asks for the routers' auxiliary loss: the built-in loss refuses."""
+    """A MoE model whose config asks for the routers' auxiliary loss, with microbatches (whose pools
+    are not the batch's): the built-in loss refuses."""
     import torch
     import transformers
 
@@ -30,7 +31,7 @@ def router_logits_refusal(*, config: dict) -> str:
     from qn_hf.check.run import build
 
     model = build(transformers.AutoConfig.for_model(**{**config, "output_router_logits": True}), seed=0)
-    pm = qn_hf.parallelize(model, tp=2, mesh=mesh_for(1, 2))
+    pm = qn_hf.parallelize(model, tp=2, microbatches=2, mesh=mesh_for(1, 2))
     ids = torch.randint(3, 100, (2, 8))
     try:
         pm.train_step({"input_ids": ids, "labels": ids})
