@@ -56,7 +56,8 @@ def _expert_counts(model: torch.nn.Module) -> list[int]:
 
 
 def ep_parity(*, model_type: str, out_dir: str, dp: int, tp: int, pp: int, ep: int, microbatches: int = 1,
-              skew: str | None = None, overrides: dict | None = None, padded: bool = False) -> dict:
+              skew: str | None = None, overrides: dict | None = None, padded: bool = False,
+              recompute: str | None = None) -> dict:
     """One SGD step at (dp, tp, pp, ep) against the plain model: loss, every gradient, the grad norm,
     and every weight after the step read back through ``save_pretrained``. ``padded``: every other
     row ends in padding (attention_mask 0, labels -100)."""
@@ -66,7 +67,8 @@ def ep_parity(*, model_type: str, out_dir: str, dp: int, tp: int, pp: int, ep: i
         _skew(model, skew)
     ref = copy.deepcopy(model)
     counts = _expert_counts(ref)
-    pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches, mesh=mesh_for(dp, tp, pp))
+    pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches, mesh=mesh_for(dp, tp, pp),
+                           recompute=recompute)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, config.vocab_size, (dp * ROWS * microbatches, SEQ), generator=gen)
     batch = {"input_ids": ids, "labels": ids.clone()}
@@ -170,3 +172,22 @@ def ep_meta_load(*, model_dir: str, dp: int, tp: int, ep: int) -> dict:
         expected = full if spec is None else spec.shard(full.detach(), pm.placement.shard_rank(spec))
         err = max(err, (p.detach() - expected).abs().max().item())
     return {"loss": loss, "ref_loss": ref_loss.item(), "weight_err": err}
+
+
+def ep_bf16_losses(*, model_type: str, ep: int) -> dict:
+    """Three AdamW steps in bf16 with float32 masters at dp=2 and ``ep``: the losses, and the dtypes
+    of the experts' gradients and masters."""
+    model = build(moe_config(model_type), seed=0)
+    pm = qn_hf.parallelize(model, dp=2, ep=ep, mixed_precision="bf16", mesh=mesh_for(2, 1, 1))
+    opt = qn_hf.optimizer(pm, torch.optim.AdamW, lr=1e-3)
+    ids = torch.randint(3, 100, (4, SEQ), generator=torch.Generator().manual_seed(0))
+    local = ids[pm.coords["dp"] * 2 : (pm.coords["dp"] + 1) * 2]
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        losses.append(pm.train_step({"input_ids": local, "labels": local.clone()}).item())
+        opt.step()
+    experts = {n for n, s in pm.specs.items() if s is not None and s.axis == "ep"}
+    dtypes = {str(p.grad_dtype) for n, p in pm.named_parameters() if n in experts}
+    masters = {str(m.tensor.dtype) for m in opt.masters if m.name in experts}
+    return {"losses": losses, "grad_dtypes": sorted(dtypes), "master_dtypes": sorted(masters)}

@@ -79,6 +79,18 @@ def test_router_aux_loss_equals_plain_model(worlds, tmp_path, model_type, dp, tp
     _check(results, ep=ep)
 
 
+@pytest.mark.parametrize(("model_type", "dp", "tp", "pp", "ep", "recompute"), [
+    ("qwen3_moe", 2, 1, 1, 2, "full"),
+    ("deepseek_v3", 2, 2, 1, 4, "selective"),
+    ("mixtral", 2, 1, 2, 2, "selective"),
+])
+def test_expert_parallel_with_recomputation(worlds, tmp_path, model_type, dp, tp, pp, ep, recompute):
+    """Recomputing a block in backward runs its all-to-alls again, on every rank of the ep group alike."""
+    results = worlds.run(dp * tp * pp, "tests.ep_cases:ep_parity", model_type=model_type, out_dir=str(tmp_path / "hf"),
+                         dp=dp, tp=tp, pp=pp, ep=ep, microbatches=max(pp, 1), recompute=recompute)
+    _check(results, ep=ep)
+
+
 def test_expert_parallel_checkpoints_move_between_ep_degrees(worlds, tmp_path):
     """Saved at ep=2 (dp=2), resumed at ep=4 (dp x tp = 2 x 2) and saved again, resumed at ep=1: each
     next step equals the uninterrupted ep=2 run; qn-hf-convert to-hf equals save_pretrained."""
@@ -149,3 +161,14 @@ def test_meta_model_reads_per_expert_hf_layout(worlds, tmp_path, model_type, dp,
         assert any(".experts.0." in k for k in f.keys()), "transformers saved fused experts: nothing to test"
     for r in worlds.run(dp * tp, "tests.ep_cases:ep_meta_load", model_dir=model_dir, dp=dp, tp=tp, ep=ep):
         assert r["weight_err"] == 0.0 and abs(r["loss"] - r["ref_loss"]) <= LOSS_RTOL * r["ref_loss"], r
+
+
+def test_expert_parallel_in_bf16_trains_like_replicated_experts(worlds):
+    """bf16 compute with float32 gradients and masters: three AdamW steps at ep=2 follow the same
+    losses as the same dp=2 run with every expert on every rank (bf16 rounding apart)."""
+    sharded = worlds.run(2, "tests.ep_cases:ep_bf16_losses", model_type="mixtral", ep=2)[0]
+    replicated = worlds.run(2, "tests.ep_cases:ep_bf16_losses", model_type="mixtral", ep=1)[0]
+    assert sharded["grad_dtypes"] == sharded["master_dtypes"] == ["torch.float32"], sharded
+    for a, b in zip(sharded["losses"], replicated["losses"]):
+        assert abs(a - b) <= 2e-3 * abs(b), (sharded, replicated)
+    assert sharded["losses"][-1] < sharded["losses"][0] - 0.05, sharded
