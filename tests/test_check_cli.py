@@ -29,3 +29,12 @@ def test_refused_and_bad_input_exit_2(tmp_path):
     assert done.returncode == 2 and "REFUSED: tp=2: transformers' tp plan for 'doge'" in done.stdout, done.stdout + done.stderr
     missing = _check(str(tmp_path / "nothing-here"))
     assert missing.returncode == 2 and "neither a model directory nor a config.json" in missing.stderr
+
+
+def test_moe_config_with_expert_parallelism(tmp_path):
+    CONFIG_MAPPING["qwen3_moe"]().save_pretrained(tmp_path)
+    done = _check(str(tmp_path), "--dp", "2", "--ep", "2", "--top", "3")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "at dp=2 tp=1 pp=1 ep=2 on 2 CPU process(es)" in done.stdout and done.stdout.splitlines()[1] == "EQUAL", done.stdout
+    refused = _check(str(tmp_path), "--dp", "2", "--ep", "4")
+    assert refused.returncode == 2 and "REFUSED: ep=4 must divide dp*tp = 2*1 = 2" in refused.stdout, refused.stdout

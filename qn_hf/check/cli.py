@@ -1,6 +1,6 @@
 """qn-hf-check: prove that a model trains the same under qn_hf at a mesh, before the big run.
 
-    qn-hf-check MODEL [--dp D] [--tp T] [--pp P] [--microbatches M] [--layers L]
+    qn-hf-check MODEL [--dp D] [--tp T] [--pp P] [--ep E] [--microbatches M] [--layers L]
 
 MODEL is a Hugging Face directory or a config.json (only the config is read: a full-size config is
 fine). A shrunk random copy of its exact architecture (same config class and model class, every
@@ -53,15 +53,16 @@ def _rank(rank: int, world: int, port: int, config: dict, mesh: dict, results) -
             dist.destroy_process_group()
 
 
-def run_check(config: dict, *, dp: int, tp: int, pp: int, microbatches: int | None) -> dict:
-    """Spawn dp*tp*pp ranks and return rank 0's verdict (or the first crash)."""
+def run_check(config: dict, *, dp: int, tp: int, pp: int, microbatches: int | None, ep: int = 1) -> dict:
+    """Spawn dp*tp*pp ranks and return rank 0's verdict (or the first crash); ``ep`` shards MoE experts
+    over ranks of those (it adds none)."""
     import multiprocessing as mp
     import queue
 
     ctx = mp.get_context("spawn")
     world = dp * tp * pp
     results = ctx.Queue()
-    mesh = {"dp": dp, "tp": tp, "pp": pp, "microbatches": microbatches}
+    mesh = {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "microbatches": microbatches}
     port = free_local_port()
     procs = [ctx.Process(target=_rank, args=(r, world, port, config, mesh, results), daemon=True) for r in range(world)]
     for p in procs:
@@ -100,13 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qn-hf-check", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="Hugging Face model directory or config.json")
-    for dim in ("dp", "tp", "pp"):
+    for dim in ("dp", "tp", "pp", "ep"):
         parser.add_argument(f"--{dim}", type=int, default=1, help=f"{dim} degree (default 1)")
     parser.add_argument("--microbatches", type=int, default=None, help="per step (default: pp)")
     parser.add_argument("--layers", type=int, default=LAYERS, help=f"layers of the shrunk copy (default {LAYERS})")
     parser.add_argument("--top", type=int, default=20, help="tensors to list, worst first (default 20)")
     args = parser.parse_args(argv)
-    for name in ("dp", "tp", "pp", "layers", "top"):
+    for name in ("dp", "tp", "pp", "ep", "layers", "top"):
         if getattr(args, name) < 1:
             parser.error(f"--{name}={getattr(args, name)} must be at least 1")
     from ..planner.cli import load_config
@@ -117,9 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qn-hf-check: {e}", file=sys.stderr)
         return EXIT["refused"]
     shrunk = shrink_config(config, layers=args.layers).to_dict()
-    print(f"{config.model_type}: shrunk copy with {args.layers} layers at dp={args.dp} tp={args.tp} pp={args.pp} "
+    experts = f" ep={args.ep}" if args.ep > 1 else ""
+    print(f"{config.model_type}: shrunk copy with {args.layers} layers at dp={args.dp} tp={args.tp} pp={args.pp}{experts} "
           f"on {args.dp * args.tp * args.pp} CPU process(es), against the plain model", flush=True)
-    verdict = run_check(shrunk, dp=args.dp, tp=args.tp, pp=args.pp, microbatches=args.microbatches)
+    verdict = run_check(shrunk, dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, microbatches=args.microbatches)
     print(_report(verdict, top=args.top))
     return EXIT[verdict["verdict"]]
 

@@ -82,7 +82,7 @@ def _compare(pm, ref: torch.nn.Module, config, out_dir: str) -> list[tuple[str, 
 
 
 def one_step_parity(*, config: dict, dp: int = 1, tp: int = 1, pp: int = 1, microbatches: int | None = None,
-                    seed: int = 0, mesh=None, out_dir: str | None = None, policy=None) -> dict:
+                    seed: int = 0, mesh=None, out_dir: str | None = None, policy=None, ep: int = 1) -> dict:
     """Run on every rank. ``config`` is ``PretrainedConfig.to_dict()`` output, ``policy`` an optional
     ``ModelPolicy`` (default: qn_hf's choice); returns a ``Verdict`` as a dict on rank 0 (the others
     return theirs without the weight comparison)."""
@@ -93,7 +93,7 @@ def one_step_parity(*, config: dict, dp: int = 1, tp: int = 1, pp: int = 1, micr
     model = build(config_obj, seed=seed)
     ref = copy.deepcopy(model)
     try:
-        pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, microbatches=microbatches, mesh=mesh, policy=policy)
+        pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches, mesh=mesh, policy=policy)
     except ValueError as e:  # raised identically on every rank, before any collective
         return asdict(Verdict(verdict="refused", reason=str(e)))
     batch = _batch(config_obj, rows=dp * ROWS_PER_MICROBATCH * microbatches, seed=seed + 1)
