@@ -42,6 +42,19 @@ def reference_grad(ref_params: dict[str, torch.nn.Parameter], name: str, pm: qn_
     return grad if spec is None else spec.shard(grad, pm.coords["tp"])
 
 
+def optimizer_step(pm: qn_hf.ParallelModel, opt, *, seed: int) -> float:
+    """One step on 8 random sequences of 12 tokens (seeded, the same global batch at every mesh), this
+    dp rank's rows."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, pm.config.vocab_size, (8, 12), generator=gen)
+    rows = 8 // pm.dims.dp
+    local = ids[pm.coords["dp"] * rows : (pm.coords["dp"] + 1) * rows]
+    opt.zero_grad()
+    loss = pm.train_step({"input_ids": local, "labels": local.clone()})
+    opt.step()
+    return loss.item()
+
+
 def parity(*, kind: str, model_dir: str, out_dir: str, dp: int, tp: int, pp: int = 1, microbatches: int = 1,
            schedule: str = "1f1b", layers_per_stage: list[int] | None = None, padded: bool = False,
            per_rank: int = 2, bucket_mb: float = 25.0, sequence_parallel: bool = False, cp: int = 1,

@@ -12,7 +12,7 @@ import qn_hf
 from qn_hf.check.run import build, model_class
 from qn_hf.check.shrink import shrink_config
 from qn_hf.expert_parallel import experts_modules
-from tests.cases import mesh_for
+from tests.cases import mesh_for, optimizer_step
 
 SEQ = 12
 ROWS = 2  # per dp rank and microbatch
@@ -116,17 +116,6 @@ def ep_parity(*, model_type: str, out_dir: str, dp: int, tp: int, pp: int, ep: i
     }
 
 
-def _train(pm, opt, step: int) -> float:
-    gen = torch.Generator().manual_seed(100 + step)
-    ids = torch.randint(3, pm.config.vocab_size, (8, SEQ), generator=gen)
-    rows = 8 // pm.dims.dp
-    local = ids[pm.coords["dp"] * rows : (pm.coords["dp"] + 1) * rows]
-    opt.zero_grad()
-    loss = pm.train_step({"input_ids": local, "labels": local.clone()})
-    opt.step()
-    return loss.item()
-
-
 def ep_checkpoint_run(*, model_dir: str, dp: int, tp: int, pp: int, ep: int, load: str | None, steps: list[int],
                       save: str | None, export: str) -> list[float]:
     """Load ``load`` (a checkpoint saved at any mesh), run ``steps``, export after each (``export-N``)
@@ -140,7 +129,7 @@ def ep_checkpoint_run(*, model_dir: str, dp: int, tp: int, pp: int, ep: int, loa
         assert pm.load_checkpoint(load, optimizer=opt)["step"] == steps[0] - 1
     losses = []
     for i, step in enumerate(steps):
-        losses.append(_train(pm, opt, step))
+        losses.append(optimizer_step(pm, opt, seed=100 + step))
         pm.save_pretrained(f"{export}-{step}")
         if i == 0 and save is not None:
             pm.save_checkpoint(save, optimizer=opt, step=step)

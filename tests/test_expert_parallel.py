@@ -14,19 +14,9 @@ from tests.ep_cases import moe_config
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 2e-5
 
-EP_CASES = [  # model type, dp, tp, pp, ep, microbatches
-    ("mixtral", 2, 1, 1, 2, 1),
-    ("qwen3_moe", 2, 1, 1, 2, 1),
-    ("olmoe", 2, 1, 1, 2, 1),
-    ("deepseek_v3", 2, 1, 1, 2, 1),
-    ("mixtral", 2, 2, 1, 4, 1),
-    ("qwen3_moe", 2, 2, 1, 4, 1),
-    ("olmoe", 2, 2, 1, 4, 1),
-    ("deepseek_v3", 2, 2, 1, 4, 1),
-    ("mixtral", 2, 1, 2, 2, 2),
-    ("qwen3_moe", 2, 1, 2, 2, 2),
-    ("olmoe", 2, 1, 2, 2, 2),
-    ("deepseek_v3", 2, 1, 2, 2, 2),
+MOE_MODELS = ("mixtral", "qwen3_moe", "olmoe", "deepseek_v3")
+MESHES = [(2, 1, 1, 2, 1), (2, 2, 1, 4, 1), (2, 1, 2, 2, 2)]  # dp, tp, pp, ep, microbatches
+EP_CASES = [(model_type, *mesh) for mesh in MESHES for model_type in MOE_MODELS] + [
     ("qwen3_moe", 1, 2, 1, 2, 1),  # the ep group is the tp group: tokens split over tp, experts over tp
     ("deepseek_v3", 1, 4, 1, 2, 1),  # ep inside tp: two ranks hold each expert block
     ("qwen2_moe", 2, 1, 1, 2, 1),  # a shared expert with its sigmoid gate

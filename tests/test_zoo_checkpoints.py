@@ -16,7 +16,7 @@ import qn_hf
 from qn_hf import convert
 from qn_hf.check.run import build, causal_lm_config, model_class
 from qn_hf.check.shrink import shrink_config
-from tests.cases import mesh_for
+from tests.cases import mesh_for, optimizer_step
 
 SAVED_AT = (1, 2, 2)
 RESUME_AT = [(2, 1, 1), (1, 2, 1), (1, 1, 2)]
@@ -29,17 +29,6 @@ def _load(model_dir: str):
     return model_class(AutoConfig.from_pretrained(model_dir)).from_pretrained(model_dir).float()
 
 
-def _step(pm, opt, seed: int) -> float:
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 126, (8, 12), generator=gen)
-    rows = 8 // pm.dims.dp
-    local = ids[pm.coords["dp"] * rows : (pm.coords["dp"] + 1) * rows]
-    opt.zero_grad()
-    loss = pm.train_step({"input_ids": local, "labels": local.clone()})
-    opt.step()
-    return loss.item()
-
-
 def _parallel(model_dir: str, dp: int, tp: int, pp: int):
     pm = qn_hf.parallelize(_load(model_dir), dp=dp, tp=tp, pp=pp, microbatches=2, mesh=mesh_for(dp, tp, pp))
     trainable = [p for p in pm.parameters() if p.requires_grad]
@@ -48,10 +37,10 @@ def _parallel(model_dir: str, dp: int, tp: int, pp: int):
 
 def case_train_save_continue(*, model_dir: str, ckpt: str, out: str) -> float:
     pm, opt = _parallel(model_dir, *SAVED_AT)
-    _step(pm, opt, seed=1)
+    optimizer_step(pm, opt, seed=1)
     pm.save_checkpoint(ckpt, optimizer=opt, step=1)
     pm.save_pretrained(out + "-step1")  # what qn-hf-convert to-hf of the checkpoint must give
-    loss = _step(pm, opt, seed=2)
+    loss = optimizer_step(pm, opt, seed=2)
     pm.save_pretrained(out)
     return loss
 
@@ -59,7 +48,7 @@ def case_train_save_continue(*, model_dir: str, ckpt: str, out: str) -> float:
 def case_resume(*, model_dir: str, ckpt: str, out: str, dp: int, tp: int, pp: int) -> float:
     pm, opt = _parallel(model_dir, dp, tp, pp)
     assert pm.load_checkpoint(ckpt, optimizer=opt)["step"] == 1
-    loss = _step(pm, opt, seed=2)
+    loss = optimizer_step(pm, opt, seed=2)
     pm.save_pretrained(out)
     return loss
 
