@@ -18,11 +18,11 @@ _GROUPS: dict[str, object] = {}
 def _meter_target() -> SimpleNamespace:
     """An object exposing ``.groups`` like a ParallelModel, with distinct groups over both ranks."""
     if not _GROUPS:  # new_group is collective: every rank creates them, once per worker
-        for name in ("dp", "tp", "pp", "tie", "other"):
+        for name in ("dp", "tp", "pp", "tie", "ep", "other"):
             _GROUPS[name] = dist.new_group([0, 1])
     g = _GROUPS
     return SimpleNamespace(groups=SimpleNamespace(dp=g["dp"], tp=g["tp"], pp=g["pp"], kv=None, tie=g["tie"],
-                                                  cp=None, replicas=g["dp"]))
+                                                  cp=None, replicas=g["dp"], ep=g["ep"], experts=None))
 
 
 def _rows(events) -> list[tuple]:
@@ -66,7 +66,9 @@ def case_ops() -> dict:
         dist.barrier()
         dist.barrier(group=g["other"])
         dist.all_reduce(torch.ones(2, dtype=torch.float64))  # default group
-        dist.all_to_all_single(torch.empty(4), torch.ones(4), group=g["other"])  # not mapped: keeps its c10d name
+        dist.all_to_all_single(torch.empty(4), torch.ones(4), group=g["ep"])  # expert parallelism's token exchange
+        gathered = [torch.empty(2), torch.empty(2)] if rank == 0 else None
+        dist.gather(torch.ones(2), gather_list=gathered, dst=0, group=g["other"])  # not mapped: keeps its c10d name
         # point-to-point on the default group: still "pp"
         if rank == 0:
             dist.send(torch.ones(6, dtype=torch.float64), dst=1)
@@ -125,7 +127,8 @@ def test_counts_each_op_by_group_forward_and_backward(worlds):
             ("world", "barrier", 0, 0),
             ("other", "barrier", 0, 0),
             ("world", "all_reduce", 16, 2),
-            ("other", "alltoall_base_", 16, 4),
+            ("ep", "all_to_all_single", 16, 4),
+            ("other", "gather_", 8, 2),
             ("pp", p2p, 48, 6),  # on the default group
             ("pp", p2p, 8, 2),  # isend / irecv
         ], (rank, r["forward"])
