@@ -9,6 +9,12 @@ a block's inputs, selective recomputation's cache of matmul outputs, the executo
 activation it sent) counts once per storage, and the measure needs no knowledge of which of those
 mechanisms is on. The activation this stage received is allocated before its forward and held
 until its backward, so it is added.
+
+Under expert parallelism what a rank keeps depends on the rows the router sends it; the planner
+estimates it at uniform routing. These runs force uniform routing (``_uniform_routing``): every
+experts call gets token t's k-th choice = (t*K + k) mod E, so each rank's (token, choice) pairs
+spread evenly over the experts (T_local * K divisible by E) and each rank receives exactly as many
+rows as it sends. The model's own router still runs and keeps what it keeps.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from transformers import AutoModelForCausalLM
 
 import qn_hf
 from qn_hf.live_allocations import LiveAllocations
+from qn_hf.expert_parallel import experts_modules
 from tests.cases import mesh_for
+from tests.ep_cases import moe_config
 from tests.models import CONFIGS, dp_slice, make_batch
 
 # Big enough that activations and optimizer state dwarf constants (scalars, rng states): hidden 64,
@@ -36,10 +44,32 @@ ROWS = 2  # rows per microbatch
 BUCKET_MB = 0.1  # a few buckets per rank, so zero's per-bucket padding is exercised
 
 
+MOE = "qwen3_moe"  # shrunk (hidden 64, 4 layers of 4 experts, top-2, vocabulary 126)
+
+
 def config_for(kind: str):
+    if kind == MOE:
+        return moe_config(MOE, architectures=["Qwen3MoeForCausalLM"])
     config = copy.deepcopy(CONFIGS[kind])
     config.update(SIZES[kind])
     return config
+
+
+def _batch(kind: str, *, size: int, seed: int) -> dict[str, torch.Tensor]:
+    if kind != MOE:
+        return make_batch(kind, size=size, seed=seed, seq=SEQ)
+    ids = torch.randint(3, config_for(kind).vocab_size, (size, SEQ), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _uniform_routing(model: torch.nn.Module, experts: int) -> None:
+    """Every experts call routes token t's k-th choice to expert (t*K + k) mod E (module docstring)."""
+    def route(_module, args):
+        hidden, index, weights = args
+        return hidden, torch.arange(index.numel(), device=index.device).view(index.shape) % experts, weights
+
+    for module in experts_modules(model).values():
+        module.register_forward_pre_hook(route)
 
 
 def _storage_bytes(tensors) -> int:
@@ -72,16 +102,21 @@ def _measure_forwards(pm, out: list[int]):
 
 
 def measure(*, kind: str, dp: int, tp: int, pp: int, microbatches: int, mixed_precision: str | None, zero: bool,
-            recompute: str | None, sequence_parallel: bool = False, cp: int = 1) -> dict:
+            recompute: str | None, sequence_parallel: bool = False, cp: int = 1, ep: int = 1,
+            natural_routing: bool = False) -> dict:
+    """One run's measured bytes; under ep with uniform routing unless ``natural_routing``."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config_for(kind))
-    pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, cp=cp, microbatches=microbatches, mesh=mesh_for(dp, tp, pp, cp),
-                           bucket_mb=BUCKET_MB, mixed_precision=mixed_precision, recompute=recompute,
-                           sequence_parallel=sequence_parallel)
+    config = config_for(kind)
+    model = AutoModelForCausalLM.from_config(config)
+    pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, microbatches=microbatches,
+                           mesh=mesh_for(dp, tp, pp, cp), bucket_mb=BUCKET_MB, mixed_precision=mixed_precision,
+                           recompute=recompute, sequence_parallel=sequence_parallel)
+    if ep > 1 and not natural_routing:
+        _uniform_routing(pm.module, config.num_experts)
     opt = qn_hf.optimizer(pm, torch.optim.AdamW, zero=zero, lr=1e-4)
 
     def batch(step: int):
-        rows = make_batch(kind, size=dp * ROWS * microbatches, seed=step, seq=SEQ)
+        rows = _batch(kind, size=dp * ROWS * microbatches, seed=step)
         return dp_slice(rows, dp=dp, dp_rank=pm.coords["dp"])
 
     for step in range(2):  # the optimizer state exists after a step that was not skipped (fp16)

@@ -3,6 +3,8 @@
 Each case parallelizes a tiny model, runs one ``train_step`` under ``CommMeter`` on every rank, and
 compares with ``estimate_mesh`` for the same config and mesh: parameters exactly, bytes per group
 exactly, calls exactly (dp: at most the bucket bound), and tp's calls and bytes per operation.
+Expert parallelism (a shrunk Qwen3-MoE with its own routing): the same, per operation on tp and ep,
+except that the all-to-alls' bytes are compared summed over each ep group (ep times the estimate).
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import torch
 from transformers import AutoConfig, GPT2Config, LlamaConfig, ViTConfig
 
 import qn_hf
+from qn_hf.check.run import build
 from qn_hf.layout import meta_model
 from qn_hf.plan import build_tp_plan
 from qn_hf.planner.cli import main
 from qn_hf.planner.estimate import Planner, estimate_mesh
 from qn_hf.policies import resolve_policy
 from tests.cases import mesh_for
+from tests.ep_cases import moe_config
 from tests.models import dp_slice, load, make_batch
 
 SEQ = 12  # make_batch's sequence length
@@ -269,3 +273,104 @@ def test_cli_plans_context_parallelism(tmp_path, capsys):
     assert "dp=1 tp=1 pp=1 cp=8: sequence length 1000 is not a multiple of 16" in capsys.readouterr().out
     main([str(tmp_path), "--gpus", "8", "--seq-len", "1024", "--cp", "4", "--json"])
     assert {m["cp"] for m in json.loads(capsys.readouterr().out)["meshes"]} == {4}
+
+
+# Expert parallelism with the model's own routing: every rank's calls and bytes as planned, except the
+# all-to-alls' bytes, which follow the router; summed over an ep group they do not (what one member
+# sends, another receives), so that sum is ep times the planner's uniform-routing figure.
+MOE_MESHES = [  # dp, tp, pp, ep, microbatches
+    (2, 1, 1, 2, 1),
+    (2, 2, 1, 4, 1),  # tokens split over tp: the tp all-gathers of the split
+    (2, 1, 2, 2, 2),
+    (2, 2, 1, 2, 1),  # the ep group inside tp; the experts' gradient buckets over the 2 ranks holding them
+]
+
+
+def moe_measure(*, dp: int, tp: int, pp: int, ep: int, microbatches: int) -> dict:
+    config = moe_config("qwen3_moe")
+    pm = qn_hf.parallelize(build(config, seed=0), dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches,
+                           bucket_mb=BUCKET_MB, mesh=mesh_for(dp, tp, pp))
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, config.vocab_size, (dp * 2 * microbatches, SEQ), generator=gen)
+    batch = dp_slice({"input_ids": ids, "labels": ids.clone()}, dp=dp, dp_rank=pm.coords["dp"])
+    pm.train_step(batch)
+    for p in pm.parameters():
+        p.grad = None
+    with qn_hf.CommMeter(pm) as meter:
+        pm.train_step(batch)
+    return {"coords": pm.coords, "params": sum(p.numel() for p in pm.parameters()),
+            "ops": {f"{g}:{op}": [t.calls, t.nbytes] for (g, op), t in meter.totals().items()}}
+
+
+@pytest.mark.parametrize(("dp", "tp", "pp", "ep", "microbatches"), MOE_MESHES)
+def test_planner_matches_expert_parallel_traffic(worlds, dp, tp, pp, ep, microbatches):
+    config = moe_config("qwen3_moe", architectures=["Qwen3MoeForCausalLM"])
+    plan = estimate_mesh(config, dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches, seq_len=SEQ,
+                         micro_batch_size=2, bucket_mb=BUCKET_MB, backend="gloo")
+    measured = worlds.run(dp * tp * pp, "tests.test_planner:moe_measure", dp=dp, tp=tp, pp=pp, ep=ep,
+                          microbatches=microbatches)
+    a2a = "ep:all_to_all_single"
+    group_sums: dict[tuple[int, int], list[int]] = {}  # (stage, ep group) -> [bytes measured, planned]
+    for r in measured:
+        stage = plan.stages[r["coords"]["pp"]]
+        assert stage.params == r["params"], (r["coords"], stage.params, r["params"])
+        predicted = {g: [t.calls, t.nbytes] for g, t in stage.comm.items()}
+        predicted.update({f"{g}:{op}": list(v) for g in ("tp", "ep") if g in stage.comm
+                          for op, v in stage.comm[g].ops.items()})
+        real = {f"{g}:{op}": v for g, op, v in ((*k.split(":"), v) for k, v in r["ops"].items()) if g in ("tp", "ep")}
+        for key, (calls, nbytes) in r["ops"].items():
+            total = real.setdefault(key.partition(":")[0], [0, 0])
+            total[0] += calls
+            total[1] += nbytes
+        acc = group_sums.setdefault((r["coords"]["pp"], r["coords"]["expert_replica"]), [0, 0])
+        acc[0] += real[a2a][1]
+        acc[1] += predicted[a2a][1]
+        shift = real[a2a][1] - predicted[a2a][1]  # per rank the all-to-alls' bytes follow the router
+        predicted[a2a][1] += shift
+        predicted["ep"][1] += shift
+        assert predicted == real, (r["coords"], predicted, real)
+    assert len(group_sums) == pp * dp * tp // ep
+    assert all(real_sum == planned for real_sum, planned in group_sums.values()), group_sums
+
+
+def test_planner_refuses_expert_parallelism_as_parallelize_does():
+    """Refusals with parallelize's message: ep not dividing dp*tp, ep and tp neither dividing the
+    other, ep not dividing the experts, ep with cp or sequence parallelism, a dense model; ZeRO
+    with ep with qn_hf.optimizer's."""
+    moe = moe_config("qwen3_moe", architectures=["Qwen3MoeForCausalLM"])
+    cases = [(moe, dict(dp=2, tp=2, ep=3)), (moe, dict(dp=2, tp=3, ep=2)), (moe, dict(dp=8, ep=8)),
+             (moe, dict(dp=2, ep=2, cp=2)), (moe, dict(tp=2, ep=2, sequence_parallel=True)),
+             (PUBLIC["llama-3-8b"], dict(dp=2, ep=2))]
+    for config, mesh in cases:
+        mesh = {"dp": 1, "tp": 1, "pp": 1, **mesh}
+        with pytest.raises(ValueError) as planned:
+            estimate_mesh(config, **mesh, microbatches=1, seq_len=128, micro_batch_size=1)
+        with pytest.raises(ValueError) as real:
+            qn_hf.parallelize(meta_model(config), **mesh)  # checks run before any process group is needed
+        assert str(planned.value) == str(real.value) and f"ep={mesh['ep']}" in str(planned.value), mesh
+    with pytest.raises(ValueError, match=r"zero=True with ep=2 is not supported yet"):
+        estimate_mesh(moe, dp=2, tp=1, pp=1, ep=2, zero=True, microbatches=1, seq_len=128, micro_batch_size=1)
+
+
+def test_cli_plans_expert_parallelism(tmp_path, capsys):
+    """--ep: the experts' weights, gradients and AdamW state 1/ep per rank, their gradients over the
+    ranks holding the same experts, all-to-alls on ep per MoE layer and microbatch (5 calls: counts
+    and token rows forward, rows back; the rows' gradients back); with --gpus every mesh takes ep."""
+    config = moe_config("qwen3_moe", architectures=["Qwen3MoeForCausalLM"])
+    config.save_pretrained(tmp_path)
+    runs = {}
+    for ep in (1, 2):
+        main([str(tmp_path), "--dp", "2", "--tp", "2", "--pp", "1", "--ep", str(ep), "--seq-len", "128", "--json"])
+        runs[ep] = json.loads(capsys.readouterr().out)
+    plain, ep2 = runs[1]["stages"][0], runs[2]["stages"][0]
+    experts = 4 * (4 * 64 * 64 + 4 * 64 * 32) // 2  # 4 layers' gate_up [4, 64, 64], down [4, 64, 32]: halved
+    assert runs[2]["ep"] == 2 and ep2["expert_params"] == plain["expert_params"] == experts
+    assert ep2["comm"]["ep"]["calls"] == 5 * 4 * runs[2]["microbatches"]
+    assert ep2["comm"]["experts"]["nbytes"] == ep2["expert_grad_bytes"] == experts * 4  # float32 gradients
+    assert runs[2]["step_time"]["ep"] > 0 and runs[1]["step_time"]["ep"] == 0
+    main([str(tmp_path), "--dp", "2", "--tp", "1", "--pp", "1", "--ep", "2"])
+    assert "mesh dp=2 tp=1 pp=1 cp=1 ep=2 (2 GPUs)" in capsys.readouterr().out
+    main([str(tmp_path), "--gpus", "4", "--ep", "4", "--seq-len", "128", "--json"])  # cp=1 with ep
+    out = json.loads(capsys.readouterr().out)
+    assert {(m["dp"], m["tp"]) for m in out["meshes"]} == {(4, 1), (2, 2), (1, 4)}
+    assert all(r["ep"] == 4 and "ep=4 must divide dp*tp" in r["reason"] for r in out["rejected"])

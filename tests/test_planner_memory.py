@@ -1,15 +1,20 @@
 """The planner's per-rank memory against a real run: weights, gradients, optimizer state and
 activations measured from the tensors themselves (tests/planner_memory_cases.py says how), under
-mixed precision, ZeRO-1, both recompute modes, sequence parallelism and context parallelism, for
-GPT-2 and Llama.
+mixed precision, ZeRO-1, both recompute modes, sequence parallelism, context parallelism and expert
+parallelism, for GPT-2, Llama and a shrunk Qwen3-MoE (whose runs force uniform routing, the
+routing the planner prices).
 
 Weights, gradients and optimizer state exactly on dp (and cp) rank 0 (the rank the estimate
 describes; ZeRO's other ranks differ by their pieces' padding: within 5%), activations per
-microbatch within 15%; the communication of the measured step
+microbatch within 15% (0.1% under ep: with the routing forced uniform only a few scalars differ;
+with the model's own routing a rank's activations move with the rows it receives, the
+all-to-alls' bytes too, which test_planner.py checks summed over each ep group instead); the
+communication of the measured step
 (ZeRO's reduce-scatter and all-gather, recomputation's repeated tp collectives and ring forwards,
-sequence parallelism's all-gathers and reduce-scatters, ring attention's sends and receives, the
-gradients over dp x cp, float16's overflow flag) byte for byte and call for call, as ``CommMeter``
-counts it, by group and, for tp and cp, by operation.
+sequence parallelism's all-gathers and reduce-scatters, ring attention's sends and receives, expert
+parallelism's all-to-alls and token gathers, the experts' own gradient buckets, the gradients over
+dp x cp, float16's overflow flag) byte for byte and call for call, as ``CommMeter`` counts it, by
+group and, for tp, cp and ep, by operation.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import functools
 import pytest
 
 from qn_hf.planner.estimate import Planner
-from tests.planner_memory_cases import BUCKET_MB, ROWS, SEQ, config_for
+from tests.planner_memory_cases import BUCKET_MB, MOE, ROWS, SEQ, config_for
 
 STATE_TOLERANCE = 0.05
 ACTIVATION_TOLERANCE = 0.15
@@ -53,12 +58,31 @@ def planner(kind: str) -> Planner:
                           "sequence_parallel", "cp"), RUNS)
 def test_planner_memory_matches_a_real_run(worlds, kind, dp, tp, pp, microbatches, mixed_precision, zero, recompute,
                                            sequence_parallel, cp):
-    est = planner(kind).estimate(dp=dp, tp=tp, pp=pp, microbatches=microbatches, bucket_mb=BUCKET_MB,
-                                 mixed_precision=mixed_precision, zero=zero, recompute=recompute,
-                                 sequence_parallel=sequence_parallel, cp=cp, backend="gloo")
-    measured = worlds.run(dp * tp * pp * cp, "tests.planner_memory_cases:measure", kind=kind, dp=dp, tp=tp, pp=pp,
-                          microbatches=microbatches, mixed_precision=mixed_precision, zero=zero, recompute=recompute,
-                          sequence_parallel=sequence_parallel, cp=cp)
+    settings = dict(dp=dp, tp=tp, pp=pp, microbatches=microbatches, mixed_precision=mixed_precision, zero=zero,
+                    recompute=recompute, sequence_parallel=sequence_parallel, cp=cp)
+    _compare(worlds, kind, settings)
+
+
+EP_RUNS = [  # dp, tp, pp, ep, microbatches, mixed_precision, recompute
+    (2, 1, 1, 2, 1, None, None),  # each rank holds 2 of the 4 experts; no other rank holds the same
+    (2, 2, 1, 4, 1, "bf16", None),  # tokens split over tp, gathered again; 16-bit all-to-alls
+    (2, 1, 2, 2, 2, None, "full"),  # per stage; recomputation repeats the dispatch's forward all-to-alls
+    (2, 2, 1, 2, 1, None, None),  # the ep group is the tp group: experts' gradients summed over dp, in own buckets
+]
+EP_ACTIVATION_TOLERANCE = 0.001  # routing forced uniform: the planner's routing, so only bytes apart
+
+
+@pytest.mark.parametrize(("dp", "tp", "pp", "ep", "microbatches", "mixed_precision", "recompute"), EP_RUNS)
+def test_planner_memory_matches_an_expert_parallel_run(worlds, dp, tp, pp, ep, microbatches, mixed_precision,
+                                                       recompute):
+    _compare(worlds, MOE, dict(dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches, mixed_precision=mixed_precision,
+                               zero=False, recompute=recompute), activation_tolerance=EP_ACTIVATION_TOLERANCE)
+
+
+def _compare(worlds, kind: str, settings: dict, *, activation_tolerance: float = ACTIVATION_TOLERANCE) -> None:
+    est = planner(kind).estimate(bucket_mb=BUCKET_MB, backend="gloo", **settings)
+    world = settings["dp"] * settings["tp"] * settings["pp"] * settings.get("cp", 1)
+    measured = worlds.run(world, "tests.planner_memory_cases:measure", kind=kind, **settings)
     rows = []
     for r in measured:
         stage = est.stages[r["coords"]["pp"]]
@@ -69,7 +93,7 @@ def test_planner_memory_matches_a_real_run(worlds, kind, dp, tp, pp, microbatche
                       for c, v in rows)
     for coords, values in rows:
         for what, (real, planned) in values.items():
-            tolerance = ACTIVATION_TOLERANCE if what == "activation_bytes" else STATE_TOLERANCE
+            tolerance = activation_tolerance if what == "activation_bytes" else STATE_TOLERANCE
             first = coords["dp"] == 0 and coords.get("cp", 0) == 0  # replica 0: the rank the estimate describes
             if what != "activation_bytes" and first:
                 tolerance = 0
@@ -78,11 +102,11 @@ def test_planner_memory_matches_a_real_run(worlds, kind, dp, tp, pp, microbatche
         stage = est.stages[r["coords"]["pp"]]
         assert stage.params == r["params"], (r["coords"], stage.params, r["params"])
         predicted = {g: [t.calls, t.nbytes] for g, t in stage.comm.items()}
-        for group in ("tp", "cp"):
+        for group in ("tp", "cp", "ep"):
             predicted.update({f"{group}:{op}": list(v) for op, v in stage.comm[group].ops.items()}
                              if group in stage.comm else {})
-        real = {**r["comm"], **{k: v for k, v in r["comm_ops"].items() if k.startswith(("tp:", "cp:"))}}
-        if zero and (r["coords"]["dp"] > 0 or r["coords"].get("cp", 0) > 0):
+        real = {**r["comm"], **{k: v for k, v in r["comm_ops"].items() if k.startswith(("tp:", "cp:", "ep:"))}}
+        if settings["zero"] and (r["coords"]["dp"] > 0 or r["coords"].get("cp", 0) > 0):
             # Under ZeRO the gradients summed over tp are this rank's pieces of them: the estimate
             # gives dp rank 0's; another rank's pieces cover other elements of those parameters.
             for key in ("tp", "tp:all_reduce") if "tp" in predicted else ():

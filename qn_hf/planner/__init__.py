@@ -1,7 +1,8 @@
 """Planning a mesh before launch (``qn-hf-plan``): per-rank memory (weights, gradients and AdamW
 state under mixed precision and ZeRO-1, activations under recomputation, sequence and context
-parallelism), per-step communication, stage cuts and a ranking of the valid (dp, tp, pp, cp), all
-from a ``meta``-device model and the same checks, plan and split ``parallelize`` uses."""
+parallelism), per-step communication (expert parallelism's all-to-alls included), stage cuts and
+a ranking of the valid (dp, tp, pp, cp) at a given ep, all from a ``meta``-device model and the same
+checks, plan and split ``parallelize`` uses."""
 
 from .cost import Hardware, StepTime, step_time
 from .estimate import MeshEstimate, Planner, StageEstimate, estimate_mesh

@@ -2,7 +2,8 @@
 
     qn-hf-plan MODEL --gpus 64 [--gpu-memory 80GiB] [--seq-len 4096] [--micro-batch-size 1]
                [--dtype bf16|fp16|fp32] [--zero] [--recompute full|selective] [--sequence-parallel] [--cp N]
-    qn-hf-plan MODEL --dp 1 --tp 8 --pp 8 [--cp 2] [--microbatches 32]  # one mesh, per-stage detail
+               [--ep N]
+    qn-hf-plan MODEL --dp 1 --tp 8 --pp 8 [--cp 2] [--ep 8] [--microbatches 32]  # one mesh, per-stage detail
     qn-hf-plan path/to/config.json --gpus 16 --json                     # machine-readable
 
 MODEL is a Hugging Face directory or a config.json. The model is built on the meta device (no
@@ -17,7 +18,11 @@ sequence (meshes with tp=1 are then rejected, as parallelize rejects them); --cp
 parallelism (``parallelize(cp=N)``: each rank runs 1/cp of every sequence, ring attention between
 them, gradients and ZeRO's state over dp x cp). With --gpus the meshes take every cp that divides
 the GPUs left by tp, up to 8 (rings within a node or two), unless --cp fixes it; a sequence length
-that 2*cp does not divide is rejected, as train_step rejects it.
+that 2*cp does not divide is rejected, as train_step rejects it. --ep is expert parallelism
+(``parallelize(ep=N)``: a MoE model's fused experts split over ep of each stage's dp x tp ranks,
+tokens sent to them by all-to-all, priced at uniform routing; the experts' gradients summed over
+the dp x tp / ep ranks holding the same experts); with --gpus every mesh takes it (and cp=1 unless
+--cp is given), and those whose dp x tp it does not divide are rejected.
 Memory is per rank: weights + gradients + AdamW state, plus activations (what one microbatch
 keeps for its backward, with a fused attention kernel, or ring attention under cp, and the recompute
 mode, times the microbatches the schedule keeps in flight). Communication is per step and rank, by
@@ -83,17 +88,19 @@ def mesh_report(est: MeshEstimate, hw: Hardware) -> str:
     link = links(est, hw)
     t = step_time(est, hw)
     master = " + fp32 master" if est.mixed_precision else ""
+    ep = est.ep > 1  # an ep column and link only then: dense-model reports stay as they were
     lines = [
-        f"mesh dp={est.dp} tp={est.tp} pp={est.pp} cp={est.cp} ({est.world_size} GPUs), {est.schedule}, "
-        f"{est.microbatches} microbatches of {est.micro_batch_size} x {est.seq_len} positions; "
+        f"mesh dp={est.dp} tp={est.tp} pp={est.pp} cp={est.cp}{f' ep={est.ep}' if ep else ''} "
+        f"({est.world_size} GPUs), {est.schedule}, {est.microbatches} microbatches of {est.micro_batch_size} x {est.seq_len} positions; "
         f"{est.total_params:,} parameters; "
         f"{settings(mixed_precision=est.mixed_precision, zero=est.zero, recompute=est.recompute, sequence_parallel=est.sequence_parallel)}",
         f"bubble (pp-1)/(M+pp-1) = {est.bubble:.3f}; links: tp {link['tp']}, cp {link['cp']}, pp {link['pp']}, "
-        f"dp {link['dp']}",
+        f"dp {link['dp']}" + (f", ep {link['ep']}, experts {link['experts']}" if ep else ""),
         "",
         f"| stage | blocks | also holds | params / rank | weights GiB | grads GiB | AdamW{master} GiB "
-        f"| activations / microbatch GiB | in flight | total GiB | tp GB/step | cp GB/step | pp GB/step | dp GB/step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| activations / microbatch GiB | in flight | total GiB | tp GB/step | cp GB/step | pp GB/step | dp GB/step |"
+        + (" ep GB/step |" if ep else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if ep else ""),
     ]
     for s in est.stages:
         comm = group_gb(s.comm)
@@ -102,46 +109,50 @@ def mesh_report(est: MeshEstimate, hw: Hardware) -> str:
             f"| {gib(s.weight_bytes)} | {gib(s.grad_bytes)} | {gib(s.optimizer_bytes)} "
             f"| {gib(s.activation_bytes_per_microbatch)} | {s.in_flight} | {gib(s.total_bytes)} "
             f"| {comm['tp']:.2f} | {comm['cp']:.2f} | {comm['pp']:.2f} | {comm['dp']:.2f} |"
+            + (f" {comm['ep']:.2f} |" if ep else "")
         )
     fits = est.peak_bytes <= hw.gpu_memory
     lines += ["", f"peak {gib(est.peak_bytes)} GiB per GPU of {gib(hw.gpu_memory)} GiB: {'fits' if fits else 'DOES NOT FIT'}",
               f"estimated step {t.seconds:.2f} s (compute+bubble {t.compute:.2f}, tp {t.tp:.2f}, cp {t.cp:.2f}, "
-              f"pp {t.pp:.2f}, dp {t.dp:.2f}), {t.tokens_per_s:,.0f} tokens/s, {100 * t.utilization:.0f}% of the stated "
+              f"pp {t.pp:.2f}, dp {t.dp:.2f}{f', ep {t.ep:.2f}' if ep else ''}), {t.tokens_per_s:,.0f} tokens/s, "
+              f"{100 * t.utilization:.0f}% of the stated "
               f"FLOP rate"]
     return "\n".join(lines)
 
 
 def group_gb(comm: dict) -> dict[str, float]:
-    """GB per step on tp, cp, pp and dp, where dp is the gradients' group: "dp" plus "replicas" (dp x cp)."""
-    gb = {g: comm[g].nbytes / 1e9 if g in comm else 0.0 for g in ("tp", "cp", "pp", "dp")}
-    gb["dp"] += comm["replicas"].nbytes / 1e9 if "replicas" in comm else 0.0
+    """GB per step on tp, cp, pp, dp and ep, where dp is the gradients' reductions: "dp" plus
+    "replicas" (dp x cp) plus "experts" (the ep-sharded experts' own group)."""
+    gb = {g: comm[g].nbytes / 1e9 if g in comm else 0.0 for g in ("tp", "cp", "pp", "dp", "ep")}
+    gb["dp"] += sum(comm[g].nbytes / 1e9 for g in ("replicas", "experts") if g in comm)
     return gb
 
 
-def mesh_name(dp: int, tp: int, pp: int, cp: int) -> str:
-    return f"dp={dp} tp={tp} pp={pp}" + (f" cp={cp}" if cp > 1 else "")
+def mesh_name(dp: int, tp: int, pp: int, cp: int, ep: int = 1) -> str:
+    return f"dp={dp} tp={tp} pp={pp}" + (f" cp={cp}" if cp > 1 else "") + (f" ep={ep}" if ep > 1 else "")
 
 
-def ranking_report(accepted: list[Candidate], rejected, *, hw: Hardware, top: int, label: str) -> str:
+def ranking_report(accepted: list[Candidate], rejected, *, hw: Hardware, top: int, label: str, ep: int = 1) -> str:
     lines = [
         f"| rank | dp | tp | pp | cp | microbatches | bubble | peak GiB / GPU ({label}) | fits {gib(hw.gpu_memory)} GiB "
-        "| est. step s | tokens/s | tp GB | cp GB | pp GB | dp GB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| est. step s | tokens/s | tp GB | cp GB | pp GB | dp GB |" + (" ep GB |" if ep > 1 else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if ep > 1 else ""),
     ]
     for i, c in enumerate(accepted[:top], 1):
         e = c.estimate
         per_stage = [group_gb(s.comm) for s in e.stages]
-        worst = {g: max(gb[g] for gb in per_stage) for g in ("tp", "cp", "pp", "dp")}
+        worst = {g: max(gb[g] for gb in per_stage) for g in ("tp", "cp", "pp", "dp", "ep")}
         lines.append(
             f"| {i} | {e.dp} | {e.tp} | {e.pp} | {e.cp} | {e.microbatches} | {e.bubble:.3f} | {gib(c.peak_bytes)} "
             f"| {'yes' if c.fits else 'no'} | {c.time.seconds:.2f} | {c.time.tokens_per_s:,.0f} | {worst['tp']:.1f} "
             f"| {worst['cp']:.1f} | {worst['pp']:.1f} | {worst['dp']:.1f} |"
+            + (f" {worst['ep']:.1f} |" if ep > 1 else "")
         )
     if len(accepted) > top:
         lines.append(f"\n({len(accepted) - top} more valid meshes; --top N shows more)")
     if rejected:
         lines.append(f"\nrejected by parallelize's checks ({len(rejected)}):")
-        lines += [f"  {mesh_name(r.dp, r.tp, r.pp, r.cp)}: {r.reason}" for r in rejected]
+        lines += [f"  {mesh_name(r.dp, r.tp, r.pp, r.cp, r.ep)}: {r.reason}" for r in rejected]
     return "\n".join(lines)
 
 
@@ -167,6 +178,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cp", type=int, default=None,
                         help="context parallelism: with --dp/--tp/--pp the mesh's (default 1); with --gpus alone, the "
                              "only cp enumerated (default: every divisor up to 8)")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert parallelism: a MoE model's experts over ep of a stage's dp x tp ranks (default 1)")
     parser.add_argument("--gpu-memory", type=parse_bytes, default=80 * GIB, help="per GPU, e.g. 80GiB (default)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's, at most 4096)")
     parser.add_argument("--micro-batch-size", type=int, default=1)
@@ -205,14 +218,14 @@ def main(argv: list[str] | None = None) -> None:
         if args.dp is not None:
             cp = args.cp or 1
             if args.gpus is not None:
-                ParallelDims(dp=args.dp, tp=args.tp, pp=args.pp, cp=cp).check_world_size(args.gpus)
-            est = planner.estimate(dp=args.dp, tp=args.tp, pp=args.pp, cp=cp,
+                ParallelDims(dp=args.dp, tp=args.tp, pp=args.pp, cp=cp, ep=args.ep).check_world_size(args.gpus)
+            est = planner.estimate(dp=args.dp, tp=args.tp, pp=args.pp, cp=cp, ep=args.ep,
                                    microbatches=microbatches_for(args.pp, args.microbatches), schedule=args.schedule,
                                    **training)
             print(json.dumps(to_json(est, hw), indent=1) if args.json else mesh_report(est, hw))
             return
         accepted, rejected = search(planner, gpus=args.gpus, hw=hw, microbatches=args.microbatches, schedule=args.schedule,
-                                    cp=args.cp, **training)
+                                    cp=args.cp, ep=args.ep, **training)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -223,8 +236,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     label = settings(**training)
     print(f"{config.model_type}: {planner.total_params:,} parameters, {args.gpus} GPUs, sequences of {seq_len}, "
-          f"micro-batch {args.micro_batch_size}, {label}")
-    print(ranking_report(accepted, rejected, hw=hw, top=args.top, label=label))
+          f"micro-batch {args.micro_batch_size}, {label}" + (f", ep={args.ep}" if args.ep > 1 else ""))
+    print(ranking_report(accepted, rejected, hw=hw, top=args.top, label=label, ep=args.ep))
     if accepted:
         print("\nbest mesh in detail:\n")
         print(mesh_report(accepted[0].estimate, hw))

@@ -4,7 +4,8 @@ For each pipeline stage, one microbatch costs
 
     compute = (6 * matmul parameters on the rank + attention FLOPs / tp) * tokens / cp / FLOP rate
               (times 4/3 with full recomputation: the stage's forward runs twice; selective
-              recomputation only redoes elementwise work, counted as free)
+              recomputation only redoes elementwise work, counted as free); routed experts'
+              parameters count at ``MeshEstimate.expert_flop_share`` (K of E experts per token)
     tp      = per microbatch, over the tp link bandwidth, a ring's bytes on the wire per byte of
               payload (as CommMeter counts it): all-reduce 2 (tp-1)/tp, reduce-scatter (tp-1)/tp of
               its whole input, all-gather (tp-1) times its slice
@@ -14,14 +15,19 @@ For each pipeline stage, one microbatch costs
               qn_hf posts each transfer before the attention of the block in hand and waits after
               it, so a link faster than that attention hides the ring; counted as not hidden (slow)
     pp      = 2 * hidden-state bytes / pp link bandwidth          (activation forward, gradient back)
+    ep      = expert parallelism's all-to-all payload per microbatch (traffic.py, at uniform routing)
+              * (ep-1)/ep (the share that leaves the rank) / ep link bandwidth; it sits between the
+              router and the experts, on the critical path
 
 and the pipeline takes (microbatches + pp - 1) times the slowest stage's microbatch (1F1B and
 GPipe have the same bubble). Data parallelism adds, for the largest stage, a ring all-reduce of the
 gradients over the R = dp x cp replicas, 2 (R-1)/R * gradient bytes / link bandwidth, or with ZeRO
 a reduce-scatter of the gradients and an all-gather of the weights, (R-1)/R * (gradient + weight
-bytes) / bandwidth; assumed not overlapped with backward (qn_hf overlaps the last microbatch's
-backward, so this errs slow). A group's link is NVLink when all its ranks share a node (ranks are
-laid out dp, pp, cp, tp with tp fastest) and InfiniBand otherwise. Ring attention's own matrix
+bytes) / bandwidth; under ep the experts' gradients are all-reduced over their own X = dp x tp / ep
+ranks instead, 2 (X-1)/X * their bytes / that group's link; assumed not overlapped with backward
+(qn_hf overlaps the last microbatch's backward, so this errs slow). A group's link is NVLink when
+all its ranks share a node (ranks are laid out dp, pp, cp, tp with tp fastest; an ep group is ep
+consecutive ranks of a stage's dp x tp grid) and InfiniBand otherwise. Ring attention's own matrix
 products (float32, unfused) are counted at the stated rate like the rest: an optimistic figure.
 """
 
@@ -53,6 +59,7 @@ class StepTime:
     cp: float  # ring attention
     tokens_per_s: float
     utilization: float  # model FLOPs per second / (GPUs * stated FLOP rate)
+    ep: float = 0.0  # expert parallelism's all-to-alls
 
 
 def _tp_wire_bytes(ops: dict[str, tuple[int, int]], *, tp: int) -> float:
@@ -63,10 +70,14 @@ def _tp_wire_bytes(ops: dict[str, tuple[int, int]], *, tp: int) -> float:
 
 
 def links(est: MeshEstimate, hw: Hardware) -> dict[str, str]:
-    """Which link each group uses ("dp": the gradients' group, dp x cp; the cp group alone at dp=1)."""
+    """Which link each group uses ("dp": the gradients' group, dp x cp; the cp group alone at dp=1;
+    "experts": the ranks holding the same experts, across dp rows unless dp=1)."""
     node = hw.gpus_per_node
-    span = {"tp": est.tp, "cp": est.cp * est.tp, "pp": est.pp * est.cp * est.tp,
-            "dp": est.world_size if est.dp > 1 else est.cp * est.tp}
+    stage = est.pp * est.cp * est.tp  # ranks from one dp row to the next
+    span = {"tp": est.tp, "cp": est.cp * est.tp, "pp": stage,
+            "dp": est.world_size if est.dp > 1 else est.cp * est.tp,
+            "ep": est.ep if est.ep <= est.tp else est.ep // est.tp * stage,
+            "experts": est.world_size if est.dp > 1 else est.tp}
     return {group: "nvlink" if ranks <= node else "ib" for group, ranks in span.items()}
 
 
@@ -75,24 +86,30 @@ def step_time(est: MeshEstimate, hw: Hardware) -> StepTime:
     link = {g: bandwidth[kind] for g, kind in links(est, hw).items()}
     rate = hw.tflops * 1e12
     tokens = est.tokens_per_microbatch
-    slowest = compute_mb = tp_mb = pp_mb = cp_mb = 0.0
+    slowest = compute_mb = tp_mb = pp_mb = cp_mb = ep_mb = 0.0
     for s in est.stages:
         layers = s.blocks[1] - s.blocks[0]
-        flops = (6 * (s.params - s.embedding_params) + est.attention_flops_per_token * layers / est.layers / est.tp) * tokens
+        matmul = s.params - s.embedding_params - s.expert_params * (1 - est.expert_flop_share)
+        flops = (6 * matmul + est.attention_flops_per_token * layers / est.layers / est.tp) * tokens
         c = flops / est.cp / rate * (4 / 3 if est.recompute == "full" else 1)
         t = _tp_wire_bytes(s.comm["tp"].ops, tp=est.tp) / est.microbatches / link["tp"] if "tp" in s.comm else 0.0
         r = s.comm["cp"].ops.get("send", (0, 0))[1] / est.microbatches / link["cp"] if "cp" in s.comm else 0.0
         p = 2 * est.boundary_bytes / link["pp"] if est.pp > 1 else 0.0  # the activation out, its gradient back
-        if c + t + r + p > slowest:
-            slowest, compute_mb, tp_mb, cp_mb, pp_mb = c + t + r + p, c, t, r, p
+        e = s.comm["ep"].nbytes * (est.ep - 1) / est.ep / est.microbatches / link["ep"] if "ep" in s.comm else 0.0
+        if c + t + r + p + e > slowest:
+            slowest, compute_mb, tp_mb, cp_mb, pp_mb, ep_mb = c + t + r + p + e, c, t, r, p, e
     rounds = est.microbatches + est.pp - 1
     dp = 0.0
     if est.replicas > 1:
         ring = (est.replicas - 1) / est.replicas
-        moved = max(ring * (s.grad_bytes + s.weight_bytes) if est.zero else 2 * ring * s.grad_bytes for s in est.stages)
+        moved = max(ring * (s.grad_bytes + s.weight_bytes) if est.zero else 2 * ring * (s.grad_bytes - s.expert_grad_bytes)
+                    for s in est.stages)
         dp = moved / link["dp"]
+    if est.ep > 1 and est.expert_replicas > 1:
+        ring = (est.expert_replicas - 1) / est.expert_replicas
+        dp += max(2 * ring * s.expert_grad_bytes for s in est.stages) / link["experts"]
     seconds = rounds * slowest + dp
     global_tokens = tokens * est.microbatches * est.dp
     return StepTime(seconds=seconds, compute=rounds * compute_mb, tp=rounds * tp_mb, pp=rounds * pp_mb, dp=dp,
                     cp=rounds * cp_mb, tokens_per_s=global_tokens / seconds,
-                    utilization=est.flops_per_step / seconds / (est.world_size * rate))
+                    utilization=est.flops_per_step / seconds / (est.world_size * rate), ep=rounds * ep_mb)

@@ -1,35 +1,40 @@
-"""Per-rank memory and per-step communication of one (dp, tp, pp, cp), from a ``meta``-device model.
+"""Per-rank memory and per-step communication of one (dp, tp, pp, cp, ep), from a ``meta``-device model.
 
 The checks, the tp plan, the stage cut and the sharding are the ones ``parallelize`` runs
 (``check_parallel_config``, ``apply_tp_plan``, ``stage_of_module``), applied to a model without
 weights, so the parameter counts are exactly what each rank holds (a tp rank of stage s; every tp
 rank of a stage is alike, and so is every dp and cp rank up to ZeRO's padding, given for dp = cp
-rank 0; with the balanced chunk layout every cp rank keeps and sends alike).
+rank 0; with the balanced chunk layout every cp rank keeps and sends alike; under ep the figures are
+tp rank 0's, the largest token share, at uniform routing: see ``experts.py``).
 
 What is modelled, per rank, for the settings ``parallelize`` and ``qn_hf.optimizer`` take
 (``mixed_precision`` None/"bf16"/"fp16", ``zero``, ``recompute`` None/"full"/"selective",
-``sequence_parallel``, ``cp``):
+``sequence_parallel``, ``cp``, ``ep``):
 
 * weights, gradients and AdamW state (masters, moments, step counters), with ZeRO-1's sharding of
-  the state over the dp x cp replicas by the buckets' own padding rule: see ``memory.py``;
+  the state over the dp x cp replicas by the buckets' own padding rule: see ``memory.py``; the
+  fused MoE experts' parameters 1/ep each under ep, in gradient buckets of their own;
 * activations: the bytes one microbatch keeps from its forward to its backward, measured on a
   meta-device forward in the compute dtype with the blocks checkpointed as ``recompute`` sets them
   (see ``trace.py``; with sequence parallelism, run as one tp rank runs it: ``sequence.py``; with
   context parallelism on one cp rank's tokens, ring attention's saved tensors included:
-  ``context.py``), with what the stages and the loss add (``activations.py``); times the
-  microbatches the schedule keeps in flight;
+  ``context.py``; with expert parallelism one rank's dispatch at uniform routing: ``experts.py``),
+  with what the stages and the loss add (``activations.py``); times the microbatches the schedule
+  keeps in flight;
 * communication by group: see ``traffic.py`` (ZeRO's reduce-scatter and all-gather, recomputation's
-  repeated tp collectives, sequence parallelism's, ring attention's sends and receives, float16's
-  overflow flag).
+  repeated tp collectives, sequence parallelism's, ring attention's sends and receives, expert
+  parallelism's all-to-alls and token gathers, float16's overflow flag).
 
 Not modelled: temporary buffers that die inside a step (the peak of a backward, collective
 staging), allocator fragmentation, the CPU-side random states torch's checkpoint keeps; keys and
-values of KV heads replicated over tp (tp > KV heads) count as split over tp.
+values of KV heads replicated over tp (tp > KV heads) count as split over tp; routing imbalance
+under ep (a rank receiving more rows than it sends keeps and sends more: the figures are the
+uniform-routing ones, which an ep group's total all-to-all bytes always equal).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import PretrainedConfig
@@ -40,12 +45,14 @@ from ..layout import meta_model
 from ..pipeline.schedule import peak_in_flight, stage_actions
 from ..pipeline.split import stage_of_module
 from ..plan import ModelPolicy
+from ..optimizer import check_zero_with_ep
 from ..precision import GRAD_DTYPE, PRECISIONS, apply_mixed_precision
-from ..tensor_parallel import apply_tp_plan
 from ..validate import check_parallel_config
 from .activations import stage_activations
 from .context import cp_inputs
+from .experts import expert_parameters
 from .memory import RankState, bucket_layout, rank_state
+from .params import local_sizes, stage_params
 from .sequence import StageEdges, stage_edges
 from .trace import Trace, example_inputs, trace_microbatch
 from .traffic import GroupTraffic, Mesh, stage_traffic
@@ -61,6 +68,8 @@ class StageEstimate:
     in_flight: int  # microbatches whose activations the schedule holds at once
     state: RankState  # weights, gradients, optimizer state
     comm: dict[str, GroupTraffic] = field(default_factory=dict)  # per step, by group
+    expert_params: int = 0  # of which routed experts' (fused experts modules; E/ep experts under ep)
+    expert_grad_bytes: int = 0  # their gradients under ep (summed over "experts", not dp)
 
     @property
     def activation_bytes(self) -> int:
@@ -110,6 +119,15 @@ class MeshEstimate:
     recompute: str | None = None
     sequence_parallel: bool = False
     cp: int = 1
+    ep: int = 1
+    # Per token, the share of this rank's routed-expert weights whose matmuls it runs: K/E, and
+    # K*ep/(E*tp) under ep (a tp rank sends 1/tp of the tokens, to E/ep experts held whole); 1: dense.
+    expert_flop_share: float = 1.0
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks of a stage holding the same experts (summing their gradients): dp x tp / ep."""
+        return self.dp * self.tp // self.ep
 
     @property
     def world_size(self) -> int:
@@ -130,10 +148,10 @@ class Planner:
 
     One pristine meta model serves every check (checks only read it), one traced forward per tp,
     compute dtype, recompute mode and cp serves every mesh (shapes do not depend on the rest of the
-    mesh; with sequence parallelism they depend on the stage cut too, so one per cut), and one
-    sharded meta model per tp gives the local parameter sizes, so enumerating the meshes of a 70B
-    model takes seconds. ``dtype`` is the dtype the model is loaded in; ``mixed_precision`` (per
-    estimate) casts its parameters as ``parallelize`` does.
+    mesh; with sequence parallelism they depend on the stage cut too, so one per cut; under ep one
+    per ep), and one sharded meta model per (tp, ep) gives the local parameter sizes (``params.py``),
+    so enumerating the meshes of a 70B model takes seconds. ``dtype`` is the dtype the model is
+    loaded in; ``mixed_precision`` (per estimate) casts its parameters as ``parallelize`` does.
     """
 
     def __init__(self, config: PretrainedConfig, *, seq_len: int, micro_batch_size: int,
@@ -145,14 +163,15 @@ class Planner:
         self.policy = policy
         self.model = meta_model(config).to(dtype)
         self.total_params = sum(p.numel() for p in self.model.parameters())
-        self._traces: dict[tuple[int, torch.dtype | None, str | None, StageEdges | None, int], Trace] = {}
-        self._sharded: dict[int, tuple[dict[str, int], dict]] = {}
+        self._traces: dict[tuple[int, torch.dtype | None, str | None, StageEdges | None, int, int], Trace] = {}
+        self._sharded: dict[tuple[int, int], tuple[dict[str, int], dict]] = {}
+        self._experts = expert_parameters(self.model)
 
     def _trace(self, plan, layers: str, *, precision: torch.dtype | None, recompute: str | None,
-               edges: StageEdges | None, cp: int) -> Trace:
+               edges: StageEdges | None, cp: int, ep: int) -> Trace:
         # Per tp too: which modules a trace watches and which bytes it counts as split come from the
         # plan, and at tp=1 the plan shards nothing.
-        key = (plan.tp, precision, recompute, edges, cp)
+        key = (plan.tp, precision, recompute, edges, cp, ep)
         if key not in self._traces:
             model = self.model
             if (precision, recompute, cp) != (None, None, 1):  # a model of its own: the pristine one serves the checks
@@ -162,22 +181,24 @@ class Planner:
             size = dict(micro_batch_size=self.micro_batch_size, seq_len=self.seq_len)
             inputs = cp_inputs(**size, cp=cp) if cp > 1 else example_inputs(model, **size)
             self._traces[key] = trace_microbatch(model, plan, layers=layers, inputs=inputs, recompute=recompute,
-                                                 edges=edges, cp=cp)
+                                                 edges=edges, cp=cp, ep=ep)
         return self._traces[key]
 
     def estimate(self, *, dp: int, tp: int, pp: int, microbatches: int, schedule: str = "1f1b",
                  bucket_mb: float = DEFAULT_BUCKET_MB, layers_per_stage: list[int] | None = None,
                  mixed_precision: str | None = None, zero: bool = False, recompute: str | None = None,
-                 sequence_parallel: bool = False, cp: int = 1, backend: str = "nccl") -> MeshEstimate:
+                 sequence_parallel: bool = False, cp: int = 1, ep: int = 1, backend: str = "nccl") -> MeshEstimate:
         """Estimate one mesh; raises the ``ValueError`` ``parallelize`` (or, for a sequence length
-        that sequence or context parallelism cannot split, its step) would raise for it.
-        ``mixed_precision``, ``recompute``, ``sequence_parallel`` and ``cp`` as ``parallelize`` takes
-        them, ``zero`` as ``qn_hf.optimizer`` does (with dp x cp = 1 it shards nothing); ``backend`` is
-        the process group's (ZeRO's collectives differ on gloo, see traffic.py)."""
+        that sequence or context parallelism cannot split, its step; for ZeRO under ep,
+        ``qn_hf.optimizer``) would raise for it. ``mixed_precision``, ``recompute``,
+        ``sequence_parallel``, ``cp`` and ``ep`` as ``parallelize`` takes them, ``zero`` as
+        ``qn_hf.optimizer`` does (with dp x cp = 1 it shards nothing); ``backend`` is the process
+        group's (ZeRO's collectives differ on gloo, see traffic.py)."""
         checked = check_parallel_config(self.model, dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
                                         policy=self.policy, layers_per_stage=layers_per_stage, bucket_mb=bucket_mb,
                                         mixed_precision=mixed_precision, recompute=recompute,
-                                        sequence_parallel=sequence_parallel, cp=cp)
+                                        sequence_parallel=sequence_parallel, cp=cp, ep=ep)
+        check_zero_with_ep(zero=zero, ep=ep)
         plan, stage_plan = checked.tp_plan, checked.stage_plan
         split = sequence_split(cp=cp, tp=tp, sequence_parallel=plan.sequence_parallel)
         if split[0] > 1:  # train_step's check of the batch, on a meta batch of this length
@@ -188,10 +209,14 @@ class Planner:
         replicas = dp * cp
         zero = zero and replicas > 1
         precision = PRECISIONS.get(mixed_precision)
-        traced = dict(edges=edges, cp=cp)
+        traced = dict(edges=edges, cp=cp, ep=ep)
         base = self._trace(plan, stage_plan.layers, precision=None, recompute=None, **traced)  # shapes, reruns
-        kept = self._trace(plan, stage_plan.layers, precision=precision, recompute=recompute, **traced).kept
-        numels, specs = self._local_sizes(plan)
+        compute = self._trace(plan, stage_plan.layers, precision=precision, recompute=recompute, **traced)
+        kept = compute.kept
+        # the dispatch's sizes in the compute dtype, its reruns from the trace without recomputation
+        experts_calls = tuple(replace(c, rerun=b.rerun, gather_rerun=b.gather_rerun)
+                              for c, b in zip(compute.experts, base.experts))
+        numels, specs = self._local_sizes(plan, ep)
         param_dtype = precision or self.dtype
         param_elem = torch.empty(0, dtype=param_dtype).element_size()
         grad_elem = torch.empty(0, dtype=GRAD_DTYPE if precision is not None else param_dtype).element_size()
@@ -200,36 +225,28 @@ class Planner:
             found = stage_of_module(stage_plan, name)
             return pp - 1 if name == "" else (0 if found is None else found)
 
-        local = {name: (stage_of(name.rpartition(".")[0]), numel) for name, numel in numels.items()}
-        on_stage: list[list[tuple[str, int]]] = [[] for _ in range(pp)]  # in registration order
-        embedding = [0] * pp
-        embeddings = {n for n, m in self.model.named_modules() if isinstance(m, torch.nn.Embedding)}
-        for name, (stage, numel) in local.items():
-            on_stage[stage].append((name, numel))
-            if name.rpartition(".")[0] in embeddings:
-                embedding[stage] += numel
-        tied: list[dict[str, int]] = [{} for _ in range(pp)]
-        for tie in stage_plan.ties:  # the follower stage holds its own copy of the owner's weight
-            owner_stage, numel = local[tie.owner]
-            follower_stage = stage_of(tie.follower.rpartition(".")[0])
-            if follower_stage != owner_stage:
-                on_stage[follower_stage].append((tie.follower, numel))
-                tied[owner_stage][tie.owner] = tied[follower_stage][tie.follower] = numel
+        placed = stage_params(self.model, numels, stage_plan=stage_plan, stage_of=stage_of)
+        on_stage, embedding, tied = [list(h) for h in placed.held], placed.embedding, placed.tied
 
         activations = stage_activations(self.model, kept=kept, base=base, plan=plan, stage_plan=stage_plan,
                                         act_elem=param_elem, cp=cp)
-        mesh = Mesh(dp=dp, tp=tp, pp=pp, microbatches=microbatches, cp=cp)
+        mesh = Mesh(dp=dp, tp=tp, pp=pp, microbatches=microbatches, cp=cp, ep=ep)
         grad_sum = set(plan.grad_sum)
+        sharded = self._experts if ep > 1 else frozenset()  # in buckets of their own, over "experts"
         stages = []
         for s in range(pp):
-            buckets = bucket_layout(on_stage[s], elem=grad_elem, bucket_bytes=bucket_size_bytes(bucket_mb),
+            dense = [p for p in on_stage[s] if p[0] not in sharded]
+            buckets = bucket_layout(dense, elem=grad_elem, bucket_bytes=bucket_size_bytes(bucket_mb),
                                     pad=replicas if zero else 1, separate=frozenset(tied[s]) if zero else frozenset())
+            experts = [p for p in on_stage[s] if p[0] in sharded]
+            expert_buckets = bucket_layout(experts, elem=grad_elem, bucket_bytes=bucket_size_bytes(bucket_mb), pad=1)
             kv = {n: numel for n, numel in on_stage[s] if (spec := specs.get(n)) is not None and spec.replicas > 1}
             summed = {n: numel for n, numel in on_stage[s] if n in grad_sum}
             comm = stage_traffic(s, mesh=mesh, plan=plan, trace=base, stage_of=stage_of, act_elem=param_elem,
                                  param_elem=param_elem, grad_elem=grad_elem, buckets=buckets if replicas > 1 else [],
                                  zero=zero, kv=kv, tied=tied[s], grad_sum=summed, recompute=recompute,
-                                 loss_scaling=mixed_precision == "fp16", backend=backend)
+                                 loss_scaling=mixed_precision == "fp16", backend=backend, experts=experts_calls,
+                                 expert_buckets=expert_buckets if dp * tp > ep else [])
             actions = stage_actions(stage=s, stages=pp, microbatches=microbatches, schedule=schedule, backward=True)
             others = set(stage_plan.heads) if s == pp - 1 else set()
             if s == 0:
@@ -239,11 +256,16 @@ class Planner:
             stages.append(StageEstimate(stage=s, blocks=stage_plan.layer_ranges[s], modules=tuple(sorted(others)),
                                         params=sum(n for _, n in on_stage[s]), embedding_params=embedding[s],
                                         activation_bytes_per_microbatch=activations[s],
-                                        in_flight=peak_in_flight(actions), state=state, comm=comm))
+                                        in_flight=peak_in_flight(actions), state=state, comm=comm,
+                                        expert_params=sum(n for name, n in on_stage[s] if name in self._experts),
+                                        expert_grad_bytes=sum(n for _, n in experts) * grad_elem))
         layers = len(self.model.get_submodule(stage_plan.layers))
         tokens = base.tokens * cp  # the whole microbatch's
         positions = tokens // self.micro_batch_size  # per example: seq_len, or patches + class token
-        per_token = 6 * self.total_params + 12 * layers * self.config.hidden_size * positions
+        # a token runs through K of each MoE layer's E routed experts
+        active = base.experts[0].top_k / base.experts[0].experts if base.experts else 1.0
+        routed = sum(p.numel() for n, p in self.model.named_parameters() if n in self._experts)
+        per_token = 6 * (self.total_params - routed * (1 - active)) + 12 * layers * self.config.hidden_size * positions
         return MeshEstimate(dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
                             micro_batch_size=self.micro_batch_size, seq_len=positions,
                             tokens_per_microbatch=tokens, total_params=self.total_params, stages=tuple(stages),
@@ -252,15 +274,14 @@ class Planner:
                             attention_flops_per_token=12 * layers * self.config.hidden_size * positions,
                             layers=layers, boundary_bytes=base.boundary_numel * param_elem,
                             mixed_precision=mixed_precision, zero=zero, recompute=recompute,
-                            sequence_parallel=plan.sequence_parallel, cp=cp)
+                            sequence_parallel=plan.sequence_parallel, cp=cp, ep=ep,
+                            expert_flop_share=active * (ep / tp if ep > 1 else 1))
 
-    def _local_sizes(self, plan) -> tuple[dict[str, int], dict]:
-        """Elements each parameter has on one tp rank (every tp rank holds the same sizes)."""
-        if plan.tp not in self._sharded:
-            sharded = meta_model(self.config).to(self.dtype)
-            specs, _ = apply_tp_plan(sharded, plan, tp_rank=0, group=None)  # meta: shapes only, no communication
-            self._sharded[plan.tp] = ({n: p.numel() for n, p in sharded.named_parameters()}, specs)
-        return self._sharded[plan.tp]
+    def _local_sizes(self, plan, ep: int = 1) -> tuple[dict[str, int], dict]:
+        if (plan.tp, ep) not in self._sharded:
+            self._sharded[(plan.tp, ep)] = local_sizes(self.config, dtype=self.dtype, plan=plan, ep=ep,
+                                                       experts=self._experts)
+        return self._sharded[(plan.tp, ep)]
 
 
 def estimate_mesh(config: PretrainedConfig, *, dp: int, tp: int, pp: int, microbatches: int, seq_len: int,
@@ -268,10 +289,10 @@ def estimate_mesh(config: PretrainedConfig, *, dp: int, tp: int, pp: int, microb
                   bucket_mb: float = DEFAULT_BUCKET_MB, policy: ModelPolicy | None = None,
                   layers_per_stage: list[int] | None = None, mixed_precision: str | None = None,
                   zero: bool = False, recompute: str | None = None, sequence_parallel: bool = False,
-                  cp: int = 1, backend: str = "nccl") -> MeshEstimate:
+                  cp: int = 1, ep: int = 1, backend: str = "nccl") -> MeshEstimate:
     """Estimate one mesh (see ``Planner``); raises the ``ValueError`` ``parallelize`` would raise."""
     planner = Planner(config, seq_len=seq_len, micro_batch_size=micro_batch_size, dtype=dtype, policy=policy)
     return planner.estimate(dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule, bucket_mb=bucket_mb,
                             layers_per_stage=layers_per_stage, mixed_precision=mixed_precision, zero=zero,
-                            recompute=recompute, sequence_parallel=sequence_parallel, cp=cp, backend=backend)
+                            recompute=recompute, sequence_parallel=sequence_parallel, cp=cp, ep=ep, backend=backend)
 

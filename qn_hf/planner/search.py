@@ -7,8 +7,10 @@ per node; ranks are laid out dp, pp, cp, tp): ring attention sends a key/value b
 ring step, on the critical path unless the link outpaces attention. Each one goes through the same
 validation ``parallelize`` runs (heads and KV heads over tp, blocks over pp, what ring attention
 can compute) and ``train_step``'s check of the sequence length (2*cp chunks); a rejected mesh keeps
-that exact message. Accepted meshes are ranked: those that fit the GPU memory first, then by
-estimated tokens per second.
+that exact message. Expert parallelism is not enumerated: ``ep`` is given and every mesh takes it
+(those whose dp x tp it does not divide are rejected with ``parallelize``'s message); with ep > 1
+cp is 1 unless given (``parallelize`` refuses both at once). Accepted
+meshes are ranked: those that fit the GPU memory first, then by estimated tokens per second.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class Rejected:
     pp: int
     reason: str
     cp: int = 1
+    ep: int = 1
 
 
 def meshes(gpus: int, *, gpus_per_node: int, cp: int | None = None, max_cp: int = MAX_CP) -> list[tuple[int, int, int, int]]:
@@ -62,18 +65,19 @@ def microbatches_for(pp: int, requested: int | None) -> int:
 
 def search(planner: Planner, *, gpus: int, hw: Hardware, microbatches: int | None, schedule: str,
            mixed_precision: str | None = None, zero: bool = False, recompute: str | None = None,
-           sequence_parallel: bool = False, cp: int | None = None,
-           max_cp: int = MAX_CP) -> tuple[list[Candidate], list[Rejected]]:
+           sequence_parallel: bool = False, cp: int | None = None, max_cp: int = MAX_CP,
+           ep: int = 1) -> tuple[list[Candidate], list[Rejected]]:
     """Every mesh for ``gpus`` (``cp`` and ``max_cp`` as ``meshes`` takes them), estimated with the
-    training settings given (as ``Planner.estimate``)."""
+    training settings given and ``ep`` (as ``Planner.estimate``)."""
     accepted, rejected = [], []
+    cp = 1 if cp is None and ep > 1 else cp
     for dp, tp, pp, c in meshes(gpus, gpus_per_node=hw.gpus_per_node, cp=cp, max_cp=max_cp):
         try:
             est = planner.estimate(dp=dp, tp=tp, pp=pp, cp=c, microbatches=microbatches_for(pp, microbatches),
                                    schedule=schedule, mixed_precision=mixed_precision, zero=zero, recompute=recompute,
-                                   sequence_parallel=sequence_parallel)
+                                   sequence_parallel=sequence_parallel, ep=ep)
         except ValueError as e:
-            rejected.append(Rejected(dp=dp, tp=tp, pp=pp, cp=c, reason=str(e)))
+            rejected.append(Rejected(dp=dp, tp=tp, pp=pp, cp=c, ep=ep, reason=str(e)))
             continue
         accepted.append(evaluate(est, hw=hw))
     accepted.sort(key=lambda c: (not c.fits, -c.time.tokens_per_s))

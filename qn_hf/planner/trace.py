@@ -11,15 +11,14 @@ checkpoint holding a block's inputs (``recompute="full"``), selective recomputat
 matrix products (``recompute="selective"``, set up as ``qn_hf/recompute.py`` does), and a tensor
 two ops keep counts once.
 
-Attention runs as the fused kernel training uses (``scaled_dot_product_attention`` becomes the
-flash kernel, whose meta implementation gives the real shapes): it keeps q, k, v, the output and a
-float32 log-sum-exp per row, never the query x key matrix that meta tensors' unfused path would build.
-(A model configured for eager attention does keep its attention matrices, in training and here.)
+Attention and MoE experts' grouped matmuls run as the kernels training runs (``kernels.py``). (A
+model configured for eager attention does keep its attention matrices, in training and here.)
 
 The forward is Hugging Face's own, so the shapes are the model's real ones (GQA, packed q|k|v,
 ViT's class token ...), for 70B-parameter configs in about a second. With sequence parallelism
 the trace runs the model as one tp rank does, its collectives stood in for (``sequence.py``); with
-context parallelism on one cp rank's tokens, ring attention stood in for (``context.py``).
+context parallelism on one cp rank's tokens, ring attention stood in for (``context.py``); with
+expert parallelism one rank's token dispatch stood in for (``experts.py``).
 """
 
 from __future__ import annotations
@@ -31,20 +30,21 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from ..expert_parallel import experts_modules
 from ..plan import TpPlan
 from ..recompute import checkpoint_options
 from ..sequence_parallel import regathers
 from .context import RingCall, RingStandIn
+from .experts import ExpertCall, ExpertsStandIn, moe_regions
+from .kernels import TrainingKernels
 from .sequence import SeqCollective, SequenceStandIns, StageEdges
 
 
@@ -71,6 +71,8 @@ class Trace:
     sequence: tuple[SeqCollective, ...] = ()
     # Ring attention's calls under context parallelism, one microbatch's, in order (empty without).
     ring: tuple[RingCall, ...] = ()
+    # Every fused experts call, one microbatch's, in order (empty for a dense model).
+    experts: tuple[ExpertCall, ...] = ()
 
 
 def example_inputs(model: nn.Module, *, micro_batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
@@ -124,21 +126,6 @@ class _Allocations(TorchDispatchMode):
         return out
 
 
-def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    # The flash kernel takes fewer KV heads than query heads as they are (enable_gqa's meaning).
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
-
-
-class _FusedAttention(TorchFunctionMode):
-    """``scaled_dot_product_attention`` as the fused kernel (see the module docstring)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is F.scaled_dot_product_attention:
-            return _fused_attention(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
-
-
 def _checkpoint_blocks(model: nn.Module, *, layers: str, recompute: str | None) -> list[nn.Module]:
     """Turn on transformers' per-block checkpointing as ``apply_recompute`` does (without random
     streams: nothing on ``meta`` is random, and their states are host memory); the blocks set."""
@@ -153,11 +140,13 @@ def _checkpoint_blocks(model: nn.Module, *, layers: str, recompute: str | None) 
 
 
 def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dict[str, torch.Tensor],
-                     recompute: str | None = None, edges: StageEdges | None = None, cp: int = 1) -> Trace:
+                     recompute: str | None = None, edges: StageEdges | None = None, cp: int = 1,
+                     ep: int = 1) -> Trace:
     """Trace one microbatch through ``model`` (in training mode, its blocks checkpointed for the
     forward when ``recompute`` is set; the model is left as it was). ``edges``: the stage cut of a
     sequence-parallel ``plan``, where each stage splits and gathers the sequence. ``cp`` > 1:
-    ``inputs`` are one cp rank's (``context.cp_inputs``) and attention is ring attention's stand-in."""
+    ``inputs`` are one cp rank's (``context.cp_inputs``) and attention is ring attention's stand-in.
+    ``ep`` > 1: the experts' dispatch is expert parallelism's stand-in (one rank's, over ``plan.tp``)."""
     styles = dict(plan.rules)
     watched = set(styles) | set(plan.tp_entries)
     rowwise = {name for name, style in styles.items() if style == "rowwise"}
@@ -172,6 +161,7 @@ def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dic
     row_done: dict[str, tuple[str, int]] = {}
     sequence: list[tuple[SeqCollective, str | None, int]] = []  # with the block it ran in, and when
     ring: list[tuple[RingCall, str | None, int]] = []
+    experts: list[list] = []  # [call, block, tick of its all-to-alls, tick of its tp gather]
 
     def block_of(names: list[str]) -> str | None:
         return next((n for n in reversed(names) if n in block_names), None)
@@ -211,6 +201,13 @@ def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dic
         tick[0] += 1
         ring.append((replace(call, module=stack[-1] if stack else ""), block_of(stack), tick[0]))
 
+    def note_experts(call: ExpertCall, gather: bool) -> None:
+        tick[0] += 1
+        if gather:
+            experts[-1][3] = tick[0]
+        else:
+            experts.append([replace(call, module=stack[-1] if stack else ""), block_of(stack), tick[0], tick[0]])
+
     def pack(t: torch.Tensor) -> torch.Tensor:
         if (block := block_of(stack)) is not None:
             tick[0] += 1
@@ -226,14 +223,20 @@ def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dic
     if edges is not None:  # regathering as parallelize sets it: without recomputation
         standins = SequenceStandIns(model, plan, edges, note=note, regather=regathers(recompute), on_save=pack)
     ring_standin = RingStandIn(model, cp=cp, note=note_ring) if cp > 1 else contextlib.nullcontext()
-    # Owner: (module, inside a tp region) with sequence parallelism, (module, None) without.
-    allocations = _Allocations(lambda: (stack[-1] if stack else "", standins.region if standins else None))
+    moe = ExpertsStandIn(model, ep=ep, tp=plan.tp, note=note_experts) if experts_modules(model) else None
+
+    def split_now() -> bool | None:  # allocations are split over tp: None when the module's rule says
+        return standins.region if standins else (False if moe is not None and moe.inside else None)
+
+    # Owner: (module, split_now()); the ep stand-in's tensors already have one tp rank's size.
+    allocations = _Allocations(lambda: (stack[-1] if stack else "", split_now()))
     was_training = model.training
     model.train()
     try:
         # Inside checkpointed blocks the checkpoint's own hooks take the saves: only watch without.
         saves = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if not blocks else contextlib.nullcontext()
-        with _FusedAttention(), ring_standin, allocations, saves, standins or contextlib.nullcontext():
+        with (TrainingKernels(), ring_standin, moe or contextlib.nullcontext(), allocations, saves,
+              standins or contextlib.nullcontext()):
             # With use_cache on, transformers skips a packed-sequence check that reads tensor values
             # (impossible on meta); the blocks get no cache (``pre``), so they run as in training.
             kwargs = {**plan.policy.forward_kwargs, **({"use_cache": True} if "use_cache" in plan.policy.forward_kwargs else {})}
@@ -251,8 +254,9 @@ def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dic
     del out, logits
     gc.collect()  # an output caught in a reference cycle would stay alive and count
     kept: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    whole = moe_regions(model, plan) if ep > 1 else frozenset()
     for (owner, region), nbytes in allocations.alive().items():
-        kept[owner][1 if _split_across_tp(owner, styles, plan, region=region) else 0] += nbytes
+        kept[owner][1 if _split_across_tp(owner, styles, plan, region=region, whole=whole) else 0] += nbytes
     del graph
     if standins is not None:
         standins.release()
@@ -261,24 +265,30 @@ def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dic
     rerun = frozenset(n for n, (block, t) in row_done.items() if last_save.get(block, 0) > t)
     reruns = tuple(replace(c, rerun=block is not None and last_save.get(block, 0) > t) for c, block, t in sequence)
     rings = tuple(replace(c, rerun=block is not None and last_save.get(block, 0) > t) for c, block, t in ring)
+    moes = tuple(replace(c, rerun=block is not None and last_save.get(block, 0) > t,
+                         gather_rerun=block is not None and last_save.get(block, 0) > g) for c, block, t, g in experts)
     return Trace(io={k: ModuleIO(*v) for k, v in io.items()}, boundary_numel=boundary[0],
                  kept={k: (v[0], v[1]) for k, v in kept.items()}, logits_rows=rows, tokens=tokens, rerun=rerun,
-                 sequence=reruns, ring=rings)
+                 sequence=reruns, ring=rings, experts=moes)
 
 
-def _split_across_tp(name: str, styles: dict[str, str], plan: TpPlan, *, region: bool | None) -> bool:
+def _split_across_tp(name: str, styles: dict[str, str], plan: TpPlan, *, region: bool | None,
+                     whole: frozenset[str]) -> bool:
     """Whether what ``name`` allocates is sharded under tp: a column layer's output and anything
-    computed inside a tp entry or region (attention heads, the MLP's activation) are; a row layer's
+    computed inside a tp entry or region (attention heads, the MLP's activation, a whole-kept module
+    there such as Qwen3's per-head norms, which see this rank's heads) are; a row layer's
     all-reduced output, replicated regions inside an entry (GPT-2's residual dropout), norms,
-    residuals and embeddings are not. With sequence parallelism (``region`` not None) the trace's
-    tensors already have one rank's size outside the tp regions, and inside one hold every head."""
+    residuals, embeddings and, under ep, the ``whole`` regions holding experts are not. With
+    sequence parallelism, or inside the ep stand-in (``region`` not None), the trace's tensors
+    already have one rank's size outside the tp regions, and inside one hold every head."""
     def under(root: str) -> bool:
         return name == root or name.startswith(root + ".")
 
-    if name in styles:
-        return styles[name].startswith("colwise") or styles[name] == "vocab_colwise"
+    style = styles.get(name)
+    if style is not None and not style.startswith("replicate"):  # replicate: as where it sits
+        return style.startswith("colwise") or style == "vocab_colwise"
     if region is not None:
         return region
     if any(under(r) for r in plan.shared_rng_regions):
         return False
-    return any(under(r) for r in plan.tp_entries + plan.tp_rng_regions)
+    return any(under(r) for r in plan.tp_entries + plan.tp_rng_regions if r not in whole)

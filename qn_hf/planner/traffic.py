@@ -25,6 +25,11 @@ all-gather's own piece).
   With cp > 1 the buckets and the loss go over "replicas" (the dp x cp ranks holding the same
   shard; ZeRO's pieces are 1/(dp x cp) of a bucket) and only the target count over dp.
 * cp: ring attention's sends and receives (``context.ring_ops``), by op.
+* ep (expert parallelism), per microbatch and MoE layer on the stage: ``all_to_all_single`` of the
+  expert counts and of the token rows there and back forward, the rows' gradients back and there
+  backward, priced at uniform routing, and with tp > 1 the tp all-gathers of the token split
+  (``experts.expert_ops``), by op. experts: the ep-sharded experts' gradient buckets, all-reduced
+  over the ranks holding the same experts (dp x tp / ep of them) instead of dp.
 * kv: replicated KV-head gradients when tp exceeds the KV heads; tie: a weight tied across the first
   and last stage (gradient dtype; under ZeRO only this rank's piece of them).
 * float16's loss scaling: a 4-byte overflow flag over the whole job ("world", or the mesh dimension
@@ -34,12 +39,13 @@ all-gather's own piece).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..pipeline.runtime import HEADER_INTS
 from ..plan import TpPlan
 from .context import ring_ops
+from .experts import ExpertCall, expert_ops
 from .memory import Bucket, owned
 from .trace import Trace
 
@@ -50,7 +56,7 @@ HEADER_BYTES = HEADER_INTS * 8  # int64 values
 class GroupTraffic:
     calls: int
     nbytes: int
-    ops: dict[str, tuple[int, int]] = field(default_factory=dict)  # op -> (calls, bytes); tp and cp only, else empty
+    ops: dict[str, tuple[int, int]] = field(default_factory=dict)  # op -> (calls, bytes); tp, cp, ep only, else empty
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,7 @@ class Mesh:
     pp: int
     microbatches: int
     cp: int = 1
+    ep: int = 1
 
 
 def _tp_microbatch(s: int, *, plan: TpPlan, trace: Trace, stage_of: Callable[[str], int], act_elem: int,
@@ -106,17 +113,21 @@ def _group(ops: dict[str, list[int]] | dict[str, tuple[int, int]]) -> GroupTraff
 def stage_traffic(s: int, *, mesh: Mesh, plan: TpPlan, trace: Trace, stage_of: Callable[[str], int],
                   act_elem: int, param_elem: int, grad_elem: int, buckets: list[Bucket], zero: bool,
                   kv: dict[str, int], tied: dict[str, int], grad_sum: dict[str, int], recompute: str | None,
-                  loss_scaling: bool, backend: str = "nccl") -> dict[str, GroupTraffic]:
+                  loss_scaling: bool, backend: str = "nccl", experts: tuple[ExpertCall, ...] = (),
+                  expert_buckets: Sequence[Bucket] = ()) -> dict[str, GroupTraffic]:
     """``kv``, ``tied`` and ``grad_sum``: this stage's replicated-KV, cross-stage-tied and
-    summed-over-tp parameters -> elements."""
+    summed-over-tp parameters -> elements; ``experts``: the trace's experts calls (in the compute
+    dtype), ``expert_buckets``: the buckets summed over "experts" (none when one rank holds each)."""
     dp, tp, pp, cp, microbatches = mesh.dp, mesh.tp, mesh.pp, mesh.cp, mesh.microbatches
     replicas = dp * cp
     out: dict[str, GroupTraffic] = {}
     pieces = owned(buckets, dp=replicas) if zero else None
+    dispatch = expert_ops(experts, ep=mesh.ep, tp=tp, recompute=recompute, on_stage=lambda name: stage_of(name) == s)
     if tp > 1:
-        ops = {op: [c * microbatches, b * microbatches] for op, (c, b) in
-               _tp_microbatch(s, plan=plan, trace=trace, stage_of=stage_of, act_elem=act_elem,
-                              recompute=recompute).items()}
+        ops = _tp_microbatch(s, plan=plan, trace=trace, stage_of=stage_of, act_elem=act_elem, recompute=recompute)
+        for op, (c, b) in dispatch.get("tp", {}).items():
+            ops[op] = [ops[op][0] + c, ops[op][1] + b]
+        ops = {op: [c * microbatches, b * microbatches] for op, (c, b) in ops.items()}
         summed = sum(pieces.get(n, 0) for n in grad_sum) if pieces is not None else sum(grad_sum.values())
         if summed:
             calls, nbytes = ops.get("all_reduce", (0, 0))
@@ -132,6 +143,10 @@ def stage_traffic(s: int, *, mesh: Mesh, plan: TpPlan, trace: Trace, stage_of: C
                         on_stage=lambda name: stage_of(name) == s)
         if ring:
             out["cp"] = _group({op: (c * microbatches, b * microbatches) for op, (c, b) in ring.items()})
+    if "ep" in dispatch:
+        out["ep"] = _group({op: (c * microbatches, b * microbatches) for op, (c, b) in dispatch["ep"].items()})
+    if expert_buckets:
+        out["experts"] = GroupTraffic(len(expert_buckets), sum(b.padded for b in expert_buckets) * grad_elem)
     if replicas > 1:  # the gradient buckets, then the 4-byte loss
         if zero and backend == "gloo":
             calls, nbytes = 2 * replicas * len(buckets), sum(b.padded * (grad_elem + param_elem) for b in buckets)

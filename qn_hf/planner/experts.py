@@ -1,0 +1,196 @@
+"""Mixture-of-experts layers in the planner's meta trace: expert parallelism's dispatch stood in
+for, and its traffic. (The experts' grouped matmuls run on meta as ``kernels.py`` runs them.)
+
+Dispatch. ``ExpertsStandIn`` registers a function in transformers' experts registry and selects
+it, as ``apply_expert_parallel`` selects the real dispatch (``expert_dispatch.py``). At ep=1 it
+only reports each call and runs the implementation that ran before. At ep > 1 it runs, op for op,
+what the real dispatch runs on one rank, with every collective replaced by a new tensor of the size
+it returns under *uniform routing*: every rank's ``T_local * K`` (token, choice) pairs spread
+evenly over the ep members, so each rank receives ``R = T_local * K`` rows and runs its
+``E / ep`` experts on them (``num_experts`` is set to that around the call, as on a real rank).
+With tp > 1 it keeps tp rank 0's ``row_split`` share (the largest) and allocates the gathered
+``[T, H]`` output. Like the real collectives the stand-ins keep nothing for backward, so what
+stays alive is what a rank keeps: the sort's indices, the local experts' saved tensors, the
+returned rows and the routing weights for the weighted sum. A real run's routing is uneven: a rank
+keeps more or less with the rows it receives; the estimate is the uniform figure (the tests force
+uniform routing to check it exactly, see tests/planner_memory_cases.py).
+
+Traffic (``expert_ops``), per MoE call of one microbatch on one rank, as ``CommMeter`` counts it:
+on "ep", ``all_to_all_single`` forward of the int64 counts (E elements), of this rank's
+``T_local * K`` token rows and of the ``R`` rows back, and backward the reverse of the two row
+exchanges (``R`` and ``T_local * K`` rows of gradient); recomputation repeats the forward three
+when the block saves something after them (``ExpertCall.rerun``). With tp > 1 on "tp":
+``all_gather_into_tensor`` forward of the outputs (padded to the largest share, repeated when
+recomputed), backward of the split's gradients (hidden states and routing weights, padded).
+Per rank ``R`` follows the router; summed over an ep group it does not (every row sent in the group
+is received in it), so ep times the estimate is the group's exact total.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..expert_parallel import experts_modules
+from ..plan import TpPlan
+from ..token_exchange import row_split
+
+A2A, GATHER = "all_to_all_single", "all_gather_into_tensor"  # as CommMeter names them
+COUNT_ELEM = 8  # the per-expert counts travel as int64
+_names = itertools.count()
+
+
+@dataclass(frozen=True)
+class ExpertCall:
+    """One call of a fused experts module in one microbatch, as the unsharded model makes it."""
+
+    module: str  # the experts module; its stage is this module's
+    tokens: int  # T: rows of hidden states the call receives (the same on every tp rank)
+    top_k: int  # K: experts per token
+    experts: int  # E: routed experts of the module
+    hidden: int  # H
+    hidden_elem: int  # bytes per element of the hidden states (and of their gradients)
+    weights_elem: int  # of the routing weights; 0 when they need no gradient
+    rerun: bool = False  # recomputation runs the dispatch's all-to-alls again (set by the trace)
+    gather_rerun: bool = False  # and the tp gather of the outputs (set by the trace)
+
+    def local_tokens(self, tp: int) -> int:
+        """T_local: tp rank 0's share (the largest), which every tp rank's gathers are padded to."""
+        return row_split(self.tokens, tp)[0]
+
+
+class _Moved(torch.autograd.Function):
+    """A collective's result: ``rows`` new rows shaped like ``x``'s; keeps nothing (no backward run)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, rows: int) -> torch.Tensor:
+        return x.new_empty((rows, *x.shape[1:]))
+
+    @staticmethod
+    def backward(ctx, grad):  # pragma: no cover - the trace runs no backward
+        raise NotImplementedError("the planner's dispatch stand-in has no backward")
+
+
+def moe_regions(model: nn.Module, plan: TpPlan) -> frozenset[str]:
+    """The tp entries and regions that hold a fused experts module. Under ep nothing in them is
+    split over tp (the router runs on every token of every tp rank, the experts are ep's) except
+    in the tp-sharded modules inside them, which are entries or regions of their own."""
+    experts = tuple(experts_modules(model))
+    return frozenset(r for r in (*plan.tp_entries, *plan.tp_rng_regions)
+                     if any(e.startswith(r + ".") for e in experts))
+
+
+def expert_parameters(model: nn.Module) -> frozenset[str]:
+    """Names of the parameters ep shards (every parameter of a fused experts module)."""
+    return frozenset(f"{name}.{p}" for name, module in experts_modules(model).items()
+                     for p, _ in module.named_parameters(recurse=False))
+
+
+class ExpertsStandIn:
+    """While entered, ``model``'s fused experts run through the stand-in (see the module
+    docstring). ``note(call, gather)`` receives every call (its ``module`` left for the caller,
+    which knows what is running) once its all-to-alls ran (``gather`` False; at ep=1, when it
+    starts) and with tp > 1 again after the tp gather of its outputs (``gather`` True), so that
+    the trace can tell which of them a recomputation repeats. ``inside``: whether the stand-in is
+    allocating (tensors of one tp rank's size)."""
+
+    def __init__(self, model: nn.Module, *, ep: int, tp: int, note: Callable[[ExpertCall, bool], None]) -> None:
+        self.model, self.ep, self.tp, self.note = model, ep, tp, note
+        self.inside = False
+        self._previous: str | None = None
+        self._name = ""
+        self._local: Callable | None = None
+
+    def _forward(self, module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        call = ExpertCall(module="", tokens=hidden_states.shape[0], top_k=top_k_index.shape[-1],
+                          experts=module.num_experts, hidden=hidden_states.shape[-1],
+                          hidden_elem=hidden_states.element_size(),
+                          weights_elem=top_k_weights.element_size() if top_k_weights.requires_grad else 0)
+        if self.ep == 1:
+            self.note(call, False)
+            return self._local(module, hidden_states, top_k_index, top_k_weights)
+        self.inside = True
+        try:
+            sizes = row_split(hidden_states.shape[0], self.tp)
+            # split_rows: tp rank 0's rows, a view (its backward all-gathers the gradient)
+            hidden, index, weights = (t.split(sizes)[0].contiguous() if self.tp > 1 else t
+                                      for t in (hidden_states, top_k_index, top_k_weights))
+            out = self._exchange(module, hidden, index, weights, exchanged=lambda: self.note(call, False))
+            if self.tp > 1:  # gather_rows: the whole [T, H] on every tp rank
+                out = _Moved.apply(out, hidden_states.shape[0])
+                self.note(call, True)
+            return out
+        finally:
+            self.inside = False
+
+    def _exchange(self, module: nn.Module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                  exchanged: Callable[[], None]) -> torch.Tensor:
+        # expert_dispatch's exchange, op for op; the counts (bincount, their all-to-all) die at once
+        # and the received rows' local expert ids are not kept either: both are left out.
+        tokens, k = index.shape
+        order = torch.argsort(index.reshape(-1), stable=True)
+        rows = _Moved.apply(hidden[order // k], tokens * k)  # uniform routing: R = T_local * K received
+        local_ids = torch.zeros((rows.shape[0], 1), dtype=torch.long, device=rows.device)
+        unit = torch.ones((rows.shape[0], 1), dtype=hidden.dtype, device=hidden.device)
+        experts = module.num_experts
+        module.num_experts = experts // self.ep  # as apply_expert_parallel leaves it on a real rank
+        try:
+            done = self._local(module, rows, local_ids, unit)
+        finally:
+            module.num_experts = experts
+        back = _Moved.apply(done, tokens * k)
+        exchanged()  # before the weighted sum's save: a recomputation that reaches it reruns the three
+        in_pair_order = back.index_select(0, torch.argsort(order))
+        weighted = in_pair_order.view(tokens, k, -1) * weights[..., None]
+        return weighted.sum(1).to(hidden.dtype)
+
+    def __enter__(self) -> ExpertsStandIn:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+        first = next(iter(experts_modules(self.model).values()))
+        self._previous = first.config._experts_implementation
+        self._local = ALL_EXPERTS_FUNCTIONS.get_interface(self._previous, type(first).forward.__wrapped__)
+        # In the registry instance's own mapping, which ``__exit__`` can empty again (``register``
+        # writes the class-wide one, for good).
+        self._name = f"qn_hf_plan_experts_{next(_names)}"
+        ALL_EXPERTS_FUNCTIONS[self._name] = self._forward
+        self.model.set_experts_implementation(self._name)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+        if self._previous is not None:
+            self.model.set_experts_implementation(self._previous)
+            del ALL_EXPERTS_FUNCTIONS[self._name]
+
+
+def expert_ops(calls: tuple[ExpertCall, ...], *, ep: int, tp: int, recompute: str | None,
+               on_stage: Callable[[str], bool]) -> dict[str, dict[str, list[int]]]:
+    """One microbatch's dispatch traffic on a stage: group -> op -> [calls, bytes] (none at ep=1)."""
+    out: dict[str, dict[str, list[int]]] = {}
+
+    def add(group: str, op: str, count: int, nbytes: int) -> None:
+        acc = out.setdefault(group, {}).setdefault(op, [0, 0])
+        acc[0] += count
+        acc[1] += nbytes
+
+    for call in calls if ep > 1 else ():
+        if not on_stage(call.module):
+            continue
+        rows = call.local_tokens(tp) * call.top_k  # sent, and received under uniform routing
+        row_bytes = rows * call.hidden * call.hidden_elem
+        forwards = 2 if recompute is not None and call.rerun else 1
+        add("ep", A2A, 3 * forwards + 2, forwards * (call.experts * COUNT_ELEM + 2 * row_bytes) + 2 * row_bytes)
+        if tp > 1:
+            padded = call.local_tokens(tp) * call.hidden * call.hidden_elem
+            gathers = 2 if recompute is not None and call.gather_rerun else 1
+            add("tp", GATHER, gathers + 1, gathers * padded + padded)  # outputs; the hidden states' gradient
+            if call.weights_elem:  # the routing weights' gradient
+                add("tp", GATHER, 1, call.local_tokens(tp) * call.top_k * call.weights_elem)
+    return out

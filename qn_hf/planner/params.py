@@ -1,0 +1,55 @@
+"""Which parameters one rank of each pipeline stage holds, and how many elements of each: the tp
+plan's shards (applied to a meta model, as ``parallelize`` applies them), ep's block of E/ep rows
+of every fused experts tensor, and a later stage's own copy of a weight tied across stages."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from ..layout import meta_model
+from ..pipeline.split import StagePlan
+from ..tensor_parallel import apply_tp_plan
+
+
+def local_sizes(config: PretrainedConfig, *, dtype: torch.dtype, plan, ep: int,
+                experts: frozenset[str]) -> tuple[dict[str, int], dict]:
+    """Elements of each parameter on one tp rank (every tp rank holds the same sizes) and the tp
+    specs; under ep the experts' tp rules are gone from ``plan`` and a rank holds 1/ep of each of
+    the ``experts`` tensors (their dim 0)."""
+    sharded = meta_model(config).to(dtype)
+    specs, _ = apply_tp_plan(sharded, plan, tp_rank=0, group=None)  # meta: shapes only, no communication
+    return {n: p.numel() // ep if n in experts else p.numel() for n, p in sharded.named_parameters()}, specs
+
+
+@dataclass(frozen=True)
+class StageParams:
+    held: tuple[tuple[tuple[str, int], ...], ...]  # per stage: (name, elements) in registration order
+    embedding: tuple[int, ...]  # per stage: elements of embedding tables (no matmul FLOPs)
+    tied: tuple[dict[str, int], ...]  # per stage: its copy of a weight tied across stages -> elements
+
+
+def stage_params(model: nn.Module, numels: dict[str, int], *, stage_plan: StagePlan,
+                 stage_of: Callable[[str], int]) -> StageParams:
+    """``numels`` (``local_sizes``) placed on the stages of ``stage_plan``; ``model`` the meta model."""
+    pp = stage_plan.stages
+    local = {name: (stage_of(name.rpartition(".")[0]), numel) for name, numel in numels.items()}
+    held: list[list[tuple[str, int]]] = [[] for _ in range(pp)]
+    embedding = [0] * pp
+    embeddings = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)}
+    for name, (stage, numel) in local.items():
+        held[stage].append((name, numel))
+        if name.rpartition(".")[0] in embeddings:
+            embedding[stage] += numel
+    tied: list[dict[str, int]] = [{} for _ in range(pp)]
+    for tie in stage_plan.ties:  # the follower stage holds its own copy of the owner's weight
+        owner_stage, numel = local[tie.owner]
+        follower_stage = stage_of(tie.follower.rpartition(".")[0])
+        if follower_stage != owner_stage:
+            held[follower_stage].append((tie.follower, numel))
+            tied[owner_stage][tie.owner] = tied[follower_stage][tie.follower] = numel
+    return StageParams(held=tuple(map(tuple, held)), embedding=tuple(embedding), tied=tuple(tied))
