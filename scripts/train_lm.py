@@ -5,9 +5,11 @@ Run it under torchrun or accelerate; world size = dp * tp * pp:
     torchrun --standalone --nproc-per-node 8 scripts/train_lm.py --model tiny-llama --mesh 2 2 2 --microbatches 4
     accelerate launch --multi_gpu --num_processes 8 scripts/train_lm.py --config configs/llama_tiny.yaml
     python scripts/train_lm.py --steps 50                  # one process, dp=tp=pp=1
+    torchrun --standalone --nproc-per-node 2 scripts/train_lm.py --model tiny-qwen3-moe --mesh 2 1 1 --ep 2
 
 --model is a local Hugging Face directory (read shard by shard, never whole on one rank) or a
-preset (tiny-gpt2, tiny-llama). With no --data it trains offline on Python's reference manual.
+preset (tiny-gpt2, tiny-llama, tiny-qwen3-moe: a mixture of experts, whose
+experts --ep shards). With no --data it trains offline on Python's reference manual.
 Outputs in --output-dir: metrics.jsonl, loss.png, timeline.png (pp > 1), checkpoints/, model/
 (a Hugging Face directory), summary.json, config.yaml (the effective options).
 """

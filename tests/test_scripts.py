@@ -167,3 +167,19 @@ def test_mesh_the_model_cannot_take_reports_once(tmp_path):
     assert "tp=3 does not divide" in _one_error_line(done)
     output = done.stdout + done.stderr
     assert output.count("tokenizing:   0%") == 1 and output.count("blocks of 128:   0%") == 1, output[-3000:]  # rank 0's
+
+
+def test_lm_script_trains_the_moe_preset_with_expert_parallelism(tmp_path):
+    """tiny-qwen3-moe at dp=2 ep=2: each rank holds 4 of the 8 experts of every layer, the loss falls,
+    and the exported model holds all 8 again (save_pretrained gathers them over ep)."""
+    from safetensors import safe_open
+
+    done = launch("torchrun", "train_lm.py", ["--model", "tiny-qwen3-moe", "--mesh", "2", "1", "1", "--ep", "2",
+                                              "--steps", "3", "--batch-size", "4", "--seq-len", "32", "--eval-every", "0",
+                                              "--eval-batches", "1", *COMMON, "--output-dir", str(tmp_path)], nproc=2)
+    ok(done)
+    assert "mesh dp=2 tp=1 pp=1 ep=2" in done.stderr
+    records = metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3] and records[-1]["loss"] < records[0]["loss"]
+    with safe_open(str(tmp_path / "model" / "model.safetensors"), "pt") as f:
+        assert f.get_slice("model.layers.0.mlp.experts.gate_up_proj").get_shape()[0] == 8

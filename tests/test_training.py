@@ -42,7 +42,7 @@ def test_help_shows_the_defaults_the_script_uses(task):
             assert getattr(cfg, action.dest) in (None, ()), f"--{action.dest} shows no default"
     assert shown > 20
     model_help = next(a.help for a in parser._actions if a.dest == "model")
-    presets = {"lm": "tiny-gpt2, tiny-llama (default tiny-gpt2)", "vit": "tiny-vit (default tiny-vit)"}[task]
+    presets = {"lm": "tiny-gpt2, tiny-llama, tiny-qwen3-moe (default tiny-gpt2)", "vit": "tiny-vit (default tiny-vit)"}[task]
     assert model_help.endswith("a preset: " + presets), model_help
 
 

@@ -40,6 +40,7 @@ class TrainConfig:
     label_column: str = "label"
     val_fraction: float = 0.1
     mesh: tuple[int, int, int] | None = None  # (dp, tp, pp); default: (world size, 1, 1)
+    ep: int = 1  # expert parallelism: MoE experts sharded over ep of a stage's dp x tp ranks
     schedule: str = "1f1b"
     microbatches: int | None = None  # default: default_microbatches(...)
     mixed_precision: str | None = None  # "bf16" or "fp16": see qn_hf.parallelize
@@ -83,6 +84,8 @@ _HELP = {
     "data": "data files, directories or globs (LM: .txt/.parquet/.json[l]; ViT: an image folder or .parquet); "
     "default: offline built-in data (LM: Python's reference manual text; ViT: scikit-learn digits)",
     "mesh": "dp tp pp (world size must equal their product); default: all ranks data parallel",
+    "ep": "expert parallelism: shard each MoE layer's experts over this many of a stage's dp x tp ranks (ep must "
+    "divide dp*tp and the number of experts); 1: experts replicated over dp, split over tp",
     "microbatches": "microbatches per step and dp rank (default: 2*pp when the batch per dp rank divides by it, "
     "else the largest number up to that which divides it; 1 without pipeline parallelism)",
     "mixed_precision": "bf16 or fp16: low-precision compute, float32 gradients, master weights and AdamW moments "
@@ -219,7 +222,7 @@ def _check(cfg: TrainConfig) -> None:
                                  ("recompute", cfg.recompute, RECOMPUTE)):
         if value is not None and value not in choices:
             raise UsageError(f"{name} {value!r} is not one of {sorted(choices)}")
-    positive = {"batch_size": cfg.batch_size, "steps": cfg.steps, "seq_len": cfg.seq_len,
+    positive = {"batch_size": cfg.batch_size, "steps": cfg.steps, "seq_len": cfg.seq_len, "ep": cfg.ep,
                 **({"microbatches": cfg.microbatches} if cfg.microbatches is not None else {})}
     for name, value in positive.items():
         if value < 1:

@@ -62,7 +62,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     model = _build_model(cfg, task=task, config=prepared.config, model_dir=model_dir)
     try:
-        pm = parallelize(model, dp=dp, tp=tp, pp=pp, microbatches=cfg.microbatches, schedule=cfg.schedule,
+        pm = parallelize(model, dp=dp, tp=tp, pp=pp, ep=cfg.ep, microbatches=cfg.microbatches, schedule=cfg.schedule,
                          seed=cfg.seed, checkpoint=model_dir, timeout=datetime.timedelta(seconds=cfg.timeout_s),
                          mixed_precision=cfg.mixed_precision, recompute=cfg.recompute)
     except ValueError as e:  # a configuration the model cannot take (checked on every rank alike)
@@ -78,7 +78,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     log = MetricsLog(os.path.join(cfg.output_dir, "metrics.jsonl"), active=rank == 0, resume_step=start)
     progress = Progress(total=cfg.steps, initial=start, active=rank == 0, enabled=cfg.progress, unit_name=task.unit)
     total_params = sum(p.numel() for p in model.parameters())  # this rank's shard
-    progress.say(f"mesh dp={dp} tp={tp} pp={pp} ({world} processes, {device.type}), schedule {cfg.schedule}, "
+    experts = f" ep={cfg.ep}" if cfg.ep > 1 else ""
+    progress.say(f"mesh dp={dp} tp={tp} pp={pp}{experts} ({world} processes, {device.type}), schedule {cfg.schedule}, "
                  f"{cfg.microbatches} microbatches; rank 0 holds {total_params:,} parameters")
     progress.say(f"data: {prepared.description}")
     if start:

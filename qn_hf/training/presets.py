@@ -7,10 +7,10 @@ the data (vocabulary, image shape, classes), so each preset is a function of the
 
 from __future__ import annotations
 
-from transformers import GPT2Config, LlamaConfig, PretrainedConfig, ViTConfig
+from transformers import GPT2Config, LlamaConfig, PretrainedConfig, Qwen3MoeConfig, ViTConfig
 
-PRESETS = ("tiny-gpt2", "tiny-llama", "tiny-vit")
-LM_PRESETS = ("tiny-gpt2", "tiny-llama")
+PRESETS = ("tiny-gpt2", "tiny-llama", "tiny-qwen3-moe", "tiny-vit")
+LM_PRESETS = ("tiny-gpt2", "tiny-llama", "tiny-qwen3-moe")
 TASK_PRESETS = {"lm": LM_PRESETS, "vit": ("tiny-vit",)}
 
 
@@ -25,6 +25,16 @@ def lm_preset(name: str, *, vocab_size: int, seq_len: int, eos_token_id: int | N
         return LlamaConfig(
             num_hidden_layers=4, hidden_size=128, intermediate_size=256, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=seq_len, vocab_size=vocab_size,
+            bos_token_id=eos_token_id, eos_token_id=eos_token_id, tie_word_embeddings=False,
+        )
+    if name == "tiny-qwen3-moe":
+        # tiny-llama's attention with a mixture of experts in every block: 8 experts of width 128, 2 per
+        # token, the top-2 weights renormalised as in Qwen3-30B-A3B (which has 128 experts, 8 per token).
+        # No load-balancing loss (output_router_logits=False): qn_hf's loss does not compute it.
+        return Qwen3MoeConfig(
+            num_hidden_layers=4, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+            intermediate_size=256, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
+            norm_topk_prob=True, output_router_logits=False, max_position_embeddings=seq_len, vocab_size=vocab_size,
             bos_token_id=eos_token_id, eos_token_id=eos_token_id, tie_word_embeddings=False,
         )
     raise ValueError(f"{name!r} is not a language-model preset; choose one of {LM_PRESETS}")
