@@ -30,7 +30,8 @@ def lm_preset(name: str, *, vocab_size: int, seq_len: int, eos_token_id: int | N
     if name == "tiny-qwen3-moe":
         # tiny-llama's attention with a mixture of experts in every block: 8 experts of width 128, 2 per
         # token, the top-2 weights renormalised as in Qwen3-30B-A3B (which has 128 experts, 8 per token).
-        # No load-balancing loss (output_router_logits=False): qn_hf's loss does not compute it.
+        # No load-balancing loss (output_router_logits=False): qn_hf adds it only where its pool over the
+        # whole batch is exact, with pp=1 and one microbatch (router_loss.py), which the recipes rarely use.
         return Qwen3MoeConfig(
             num_hidden_layers=4, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
             intermediate_size=256, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
