@@ -79,5 +79,5 @@ def _exchange(module, route: ExpertRoute, local_forward: Callable, hidden: torch
         done = done + rows.sum() * 0
     back = all_to_all_rows(done, out_rows=send_rows, in_rows=recv_rows, group=route.group)
     in_pair_order = back.index_select(0, torch.argsort(order))
-    weighted = in_pair_order.view(tokens, k, -1) * weights[..., None]
+    weighted = in_pair_order.view(tokens, k, hidden.shape[-1]) * weights[..., None]  # -1 fails on 0 tokens
     return weighted.sum(1).to(hidden.dtype)

@@ -69,6 +69,13 @@ def test_router_aux_loss_equals_plain_model(worlds, tmp_path, model_type, dp, tp
     _check(results, ep=ep)
 
 
+def test_expert_parallel_with_fewer_tokens_than_tp_ranks(worlds, tmp_path):
+    """3 tokens over tp=4: the last tp rank's share is empty; it still takes part in every exchange."""
+    results = worlds.run(4, "tests.ep_cases:ep_parity", model_type="mixtral", out_dir=str(tmp_path / "hf"), dp=1, tp=4,
+                         pp=1, ep=2, per_rank=1, seq=3)
+    _check(results, ep=2)
+
+
 @pytest.mark.parametrize(("model_type", "dp", "tp", "pp", "ep", "recompute"), [
     ("qwen3_moe", 2, 1, 1, 2, "full"),
     ("deepseek_v3", 2, 2, 1, 4, "selective"),
