@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .placement import Placed
+from .shard import over_experts
 
 
 def clip_grad_norm_(pm: Placed, max_norm: float, *, norm_type: float = 2.0) -> torch.Tensor:
@@ -36,7 +37,7 @@ def clip_grad_norm_(pm: Placed, max_norm: float, *, norm_type: float = 2.0) -> t
             continue
         g = grad.detach().double()
         spec = placement.spec(name)
-        slot = int(spec is not None and spec.axis == "ep")
+        slot = int(over_experts(spec))
         if norm_type == math.inf:
             acc[slot] = torch.maximum(acc[slot], g.abs().max())
         else:

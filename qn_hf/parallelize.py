@@ -29,7 +29,7 @@ from .recompute import apply_recompute
 from .sequence_parallel import apply_sequence_parallel, final_norm, regathers
 from .plan import ModelPolicy, TpPlan
 from .rng import SHARED, TP_LOCAL, RngStreams, stream_seeds
-from .shard import ShardSpec
+from .shard import ShardSpec, over_experts
 from .tensor_parallel import apply_tp_plan
 from .validate import check_parallel_config
 
@@ -197,12 +197,9 @@ def _grad_buckets(model: nn.Module, group: dist.ProcessGroup | None, size: int, 
     those of dp ranks, so one reduction covers both."""
     if size == 1:
         return None
-    params = [p for n, p in model.named_parameters() if p.requires_grad and _is_expert(specs.get(n)) == experts]
+    params = [p for n, p in model.named_parameters() if p.requires_grad and over_experts(specs.get(n)) == experts]
     return GradBuckets(params, group=group, bucket_bytes=bucket_size_bytes(bucket_mb)) if params else None
 
-
-def _is_expert(spec: ShardSpec | None) -> bool:
-    return spec is not None and spec.axis == "ep"
 
 
 def _on_this_stage(model: nn.Module, name: str) -> bool:
@@ -226,14 +223,14 @@ def _synchronize_replicas(
     tied = [named[n].data for tie in stage_plan.ties for n in (tie.owner, tie.follower) if n in named]
     tp_replicated = [p.data for n, p in named.items() if specs.get(n) is None]
     kv_replicated = [p.data for n, p in named.items() if (s := specs.get(n)) is not None and s.replicas > 1]
-    experts = [p.data for n, p in named.items() if _is_expert(specs.get(n))]
+    experts = [p.data for n, p in named.items() if over_experts(specs.get(n))]
     with torch.no_grad():
         flat_broadcast_(tp_replicated, src_group_rank=0, group=groups.tp)
         if groups.kv is not None:
             flat_broadcast_(kv_replicated, src_group_rank=0, group=groups.kv)
         if groups.tie is not None:
             flat_broadcast_(tied, src_group_rank=0, group=groups.tie)
-        flat_broadcast_([p.data for n, p in named.items() if not _is_expert(specs.get(n))], src_group_rank=0,
+        flat_broadcast_([p.data for n, p in named.items() if not over_experts(specs.get(n))], src_group_rank=0,
                         group=groups.replicas)
         if groups.experts is not None:  # the ranks holding the same experts (dp x tp / ep of them)
             flat_broadcast_(experts, src_group_rank=0, group=groups.experts)

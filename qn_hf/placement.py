@@ -21,7 +21,7 @@ from torch import nn
 
 from .mesh import Groups, ParallelDims
 from .pipeline.split import PipelineTie
-from .shard import ShardSpec
+from .shard import ShardSpec, over_experts
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,13 +47,13 @@ class ShardPlacement:
     def shard_rank(self, spec: ShardSpec | None) -> int:
         """This rank's index among the ranks ``spec`` splits a tensor over (its tp rank, or for
         experts its place in the ep group)."""
-        return self.coords["ep"] if spec is not None and spec.axis == "ep" else self.coords["tp"]
+        return self.coords["ep"] if over_experts(spec) else self.coords["tp"]
 
     def writes(self, spec: ShardSpec | None) -> bool:
         """Whether this rank is the one of the ranks holding this exact shard that saves it: dp (x cp)
         rank 0 and, over tp, the first of KV-head replicas (tp rank 0 for a tensor replicated over
         tp); for experts, the first of the ranks holding the same expert block."""
-        if spec is not None and spec.axis == "ep":
+        if over_experts(spec):
             return self.coords["expert_replica"] == 0
         return self.replica_rank == 0 and (spec.writes(self.coords["tp"]) if spec is not None else self.coords["tp"] == 0)
 

@@ -35,9 +35,8 @@ def adds_router_loss(model: torch.nn.Module) -> bool:
 
 
 def check_router_loss(model: torch.nn.Module, *, pp: int, cp: int, microbatches: int) -> None:
-    """Raise ``ValueError`` (before any collective of the step) where the term cannot be equal."""
-    if not adds_router_loss(model):
-        return
+    """Raise ``ValueError`` (before any collective of the step) where the term cannot be equal; for a
+    model that ``adds_router_loss``."""
     fix = "or set model.config.output_router_logits = False"
     source = inspect.getsource(type(model).forward)
     if "self.router_aux_loss_coef * aux_loss" not in source or not hasattr(model, "num_experts_per_tok"):

@@ -115,5 +115,10 @@ class ShardSpec:
         return 1.0 / self.replicas
 
 
+def over_experts(spec: ShardSpec | None) -> bool:
+    """Whether ``spec`` cuts a tensor into expert blocks over the ep group (not over tp)."""
+    return spec is not None and spec.axis == "ep"
+
+
 def padded(size: int, multiple: int) -> int:
     return -(-size // multiple) * multiple

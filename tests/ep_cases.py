@@ -12,6 +12,7 @@ import qn_hf
 from qn_hf.check.run import build, model_class
 from qn_hf.check.shrink import shrink_config
 from qn_hf.expert_parallel import experts_modules
+from qn_hf.shard import over_experts
 from tests.cases import mesh_for, optimizer_step
 
 SEQ = 12
@@ -106,7 +107,7 @@ def ep_parity(*, model_type: str, out_dir: str, dp: int, tp: int, pp: int, ep: i
         reloaded = dict(model_class(config).from_pretrained(out_dir).named_parameters())
         weight_err = max((reloaded[n] - p).abs().max().item() for n, p in ref.named_parameters())
         moved = max((before[n] - p).abs().max().item() for n, p in ref.named_parameters())
-    experts = [n for n, s in pm.specs.items() if s is not None and s.axis == "ep"]
+    experts = [n for n, s in pm.specs.items() if over_experts(s)]
     params = dict(pm.named_parameters())
     return {
         "loss": loss, "ref_loss": ref_loss.item(), "grad_err": grad_err, "worst_grad": worst, "norm": norm,
@@ -176,7 +177,7 @@ def ep_bf16_losses(*, model_type: str, ep: int) -> dict:
         opt.zero_grad()
         losses.append(pm.train_step({"input_ids": local, "labels": local.clone()}).item())
         opt.step()
-    experts = {n for n, s in pm.specs.items() if s is not None and s.axis == "ep"}
+    experts = {n for n, s in pm.specs.items() if over_experts(s)}
     dtypes = {str(p.grad_dtype) for n, p in pm.named_parameters() if n in experts}
     masters = {str(m.tensor.dtype) for m in opt.masters if m.name in experts}
     return {"losses": losses, "grad_dtypes": sorted(dtypes), "master_dtypes": sorted(masters)}

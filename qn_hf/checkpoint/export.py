@@ -19,6 +19,7 @@ from torch import nn
 
 from ..comm import all_gather_tensors, barrier
 from ..placement import ShardPlacement
+from ..shard import over_experts
 from .format import global_shape
 from .hf import HF_WEIGHTS, finish_weights, generation_config_of, split_by_size, stage_weights_file, write_configs
 from .stream import write_streaming
@@ -55,7 +56,7 @@ def save_pretrained(module: nn.Module, path: str, *, placement: ShardPlacement, 
         value, spec = state[name], specs[name]
         if spec is None:
             return value
-        group = placement.groups.ep if spec.axis == "ep" else placement.groups.tp
+        group = placement.groups.ep if over_experts(spec) else placement.groups.tp
         return spec.unshard(all_gather_tensors(value, group=group))
 
     if placement.replica_rank == 0:
@@ -70,7 +71,7 @@ def save_pretrained(module: nn.Module, path: str, *, placement: ShardPlacement, 
                         produce(n)
     elif coords.get("expert_replica") == 0:  # other dp ranks sharing out the writers' experts (ep > tp)
         for n in (n for names in chunks for n in names):
-            if specs[n] is not None and specs[n].axis == "ep":
+            if over_experts(specs[n]):
                 produce(n)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, written)
