@@ -1,12 +1,39 @@
-"""Pipeline schedules as pure data: (stages, microbatches, schedule) -> each stage's ordered actions.
+"""Pipeline schedules as pure data: (stages, microbatches, schedule, virtual_stages) -> each rank's
+ordered actions.
 
-Nothing here communicates. The runtime only executes these lists, and tests check them without any
-process: forward before backward, warm-up counts, how many microbatches hold activations at once,
-and that the lists cannot deadlock when sends are asynchronous and receives block.
+Nothing here communicates. The runtime only executes these lists; ``schedule_check.py`` proves them
+without any process (no deadlock, FIFO order on every link, peaks, a timed bubble). This file holds
+the vocabulary (``Op``, ``Action``, ``chunk_of``, ``rank_of_chunk``), the argument checks and the
+allowed-microbatch rule, the four generators, what the runtime asks of a list (``final_actions``,
+``deferred``), ``peak_in_flight`` and ``format_grid``.
 
-An action is ``(op, mb)``. ``FWD``/``BWD`` compute; ``RECV_FWD`` receives microbatch ``mb``'s input
-activation from the previous stage and ``SEND_FWD`` passes its output on; ``RECV_BWD`` receives the
-gradient of its output from the next stage and ``SEND_BWD`` passes the gradient of its input back.
+Schedules (``SCHEDULES``), for pp ranks and M microbatches:
+
+* ``gpipe``: every forward, then every backward.
+* ``1f1b``: rank r runs ``min(pp-1-r, M)`` warm-up forwards, then one forward and one backward
+  alternately, then drains the backwards; it holds at most ``min(pp-r, M)`` microbatches.
+* ``interleaved_1f1b``: the model is cut into pp*V chunks and rank r holds chunks r, r+pp, r+2pp ...
+  (V = ``virtual_stages`` >= 2); activations travel around the ranks as a ring. Microbatches run in
+  ``max(1, M // pp)`` rounds of equal size (other M are refused, naming the nearest allowed ones).
+  The k-th forward of a rank runs local chunk ``(k // per_round) % V`` on the next microbatch of that
+  round (depth first); backwards visit the chunks in reverse in the same way; warm-up is
+  ``min(V*M, (V-1)*per_round + 2*(pp-1-r))`` forwards, then 1F1B pairs, then drain.
+* ``zb_h1`` (zero bubble, Qi et al. 2024): 1F1B whose backward is split into B (input gradients,
+  which the previous rank waits for) and W (weight gradients, which nobody waits for). Rank r runs
+  no W after its first r backwards and one W after each later one, then the leftover W's: the W's
+  fill 1F1B's drain bubble, so with equal F, B, W costs the bubble is (pp-1)/(3M+pp-1) for M >= pp
+  (1F1B's is (pp-1)/(M+pp-1)). F->B peaks are 1F1B's; rank r also keeps up to r W stashes more.
+
+An action is ``Action(op, mb, chunk=None)``. ``FWD``/``BWD``/``WGT`` compute; ``RECV_FWD`` receives
+the chunk's input activation, ``SEND_FWD`` passes its output on, ``RECV_BWD`` receives the gradient
+of its output and ``SEND_BWD`` passes the gradient of its input back. A ``BWD`` whose (chunk, mb) has
+a ``WGT`` in the same list computes only the input gradient and the gradients of parameters that
+are not deferred (``deferred``); the ``WGT`` computes the deferred weight gradients. ``chunk`` is the
+global chunk index 0..pp*V-1, filled in interleaved lists only; None means the rank's only chunk
+(chunk == stage). An action prints as ``F3`` (forward of microbatch 3) when its chunk is None and as
+``2:F3`` (chunk 2) when set. A receive of chunk c comes from the send of chunk c-1 (activation) or
+c+1 (gradient) on rank ``rank_of_chunk``.
+
 ``format_grid`` prints a whole schedule as a step x stage table, e.g. pp=2, 2 microbatches, 1F1B::
 
     step  stage 0  stage 1
@@ -17,7 +44,8 @@ gradient of its output from the next stage and ``SEND_BWD`` passes the gradient 
        4  rB0     >rF1<
        ...
 
-(``>rF1<`` marks a cell: the action that failed, or where a deadlocked stage waits.)
+(``>rF1<`` marks a cell: the action that failed, or where a deadlocked stage waits.) The grid of
+interleaved_1f1b at pp=2, V=2, M=4 is written out in tests/test_schedule.py.
 """
 
 from __future__ import annotations
@@ -28,7 +56,7 @@ from dataclasses import dataclass
 
 from ..arguments import check_choice, check_positive_int
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zb_h1")
 
 
 class Op(str, enum.Enum):
@@ -41,27 +69,31 @@ class Op(str, enum.Enum):
     SEND_FWD = "send_fwd"
     RECV_BWD = "recv_bwd"
     SEND_BWD = "send_bwd"
+    WGT = "wgt"  # the deferred weight-gradient pass of a microbatch (zb_h1)
 
     def __str__(self) -> str:
         return self.value  # messages and f-strings keep showing "fwd", not "Op.FWD"
 
     @property
     def short(self) -> str:
-        """The compact form used in grids: F, B, rF, sF, rB, sB."""
+        """The compact form used in grids: F, B, rF, sF, rB, sB, W."""
         return _SHORT[self]
 
 
-_SHORT = {Op.FWD: "F", Op.BWD: "B", Op.RECV_FWD: "rF", Op.SEND_FWD: "sF", Op.RECV_BWD: "rB", Op.SEND_BWD: "sB"}
-# Which op on the neighbour produces what a receive waits for, and in which direction it lives.
-_MATCH = {Op.RECV_FWD: (Op.SEND_FWD, -1), Op.RECV_BWD: (Op.SEND_BWD, +1)}
+_SHORT = {
+    Op.FWD: "F", Op.BWD: "B", Op.RECV_FWD: "rF", Op.SEND_FWD: "sF", Op.RECV_BWD: "rB", Op.SEND_BWD: "sB",
+    Op.WGT: "W",
+}
+COMPUTE_OPS = frozenset({Op.FWD, Op.BWD, Op.WGT})
 
 
 @dataclass(frozen=True)
 class Action:
-    """One op on one microbatch; prints compactly as ``F3`` (forward of microbatch 3), ``rB0`` ..."""
+    """One op on one microbatch of one chunk; prints as ``F3`` (chunk None) or ``2:F3`` (chunk 2)."""
 
     op: Op
     mb: int
+    chunk: int | None = None
 
     def __post_init__(self) -> None:
         # Accept the op's string value too (``Action("fwd", 0)``), so equality and hashing only
@@ -69,62 +101,190 @@ class Action:
         object.__setattr__(self, "op", Op(self.op))
 
     def __repr__(self) -> str:
-        return f"{self.op.short}{self.mb}"
+        text = f"{self.op.short}{self.mb}"
+        return text if self.chunk is None else f"{self.chunk}:{text}"
 
 
-def check_schedule_args(*, stages: int, microbatches: int, schedule: str) -> None:
-    """The one home of the schedule-name and stage/microbatch-count checks."""
+def chunk_of(action: Action, *, stage: int) -> int:
+    """The global chunk an action runs on: its own ``chunk``, or the stage's only chunk."""
+    return stage if action.chunk is None else action.chunk
+
+
+def rank_of_chunk(chunk: int, *, stages: int) -> int:
+    """Chunks are dealt round-robin: rank r holds chunks r, r+pp, r+2pp ..."""
+    return chunk % stages
+
+
+def chunks_of(*, stage: int, stages: int, virtual_stages: int = 1) -> range:
+    """The global chunks rank ``stage`` holds, in model order."""
+    return range(stage, stages * virtual_stages, stages)
+
+
+def _rounds(*, stages: int, microbatches: int) -> int:
+    # torch's and Megatron's interleaving: rounds of at least pp microbatches, so a round's first
+    # backward reaches rank 0 only after that rank has run all its chunks' forwards of the round.
+    return max(1, microbatches // stages)
+
+
+def microbatches_allowed(*, schedule: str, stages: int, microbatches: int) -> bool:
+    """Whether ``schedule`` can run ``microbatches`` at pp=``stages``: interleaved_1f1b runs them in
+    ``max(1, M // pp)`` rounds of equal size, so M must divide into them; every other schedule takes any M."""
+    if schedule != "interleaved_1f1b":
+        return True
+    return microbatches % _rounds(stages=stages, microbatches=microbatches) == 0
+
+
+def nearest_allowed_microbatches(*, schedule: str, stages: int, microbatches: int) -> tuple[int | None, int]:
+    """The largest allowed count below ``microbatches`` (None if none) and the smallest above it."""
+    below = next((m for m in range(microbatches - 1, 0, -1)
+                  if microbatches_allowed(schedule=schedule, stages=stages, microbatches=m)), None)
+    above = microbatches + 1  # terminates: every multiple of pp is allowed
+    while not microbatches_allowed(schedule=schedule, stages=stages, microbatches=above):
+        above += 1
+    return below, above
+
+
+def check_schedule_args(*, stages: int, microbatches: int, schedule: str, virtual_stages: int = 1) -> None:
+    """The one home of the schedule-name, stage, microbatch and virtual-stage checks."""
     check_choice("schedule", schedule, SCHEDULES)
     check_positive_int("stages", stages)
     check_positive_int("microbatches", microbatches)
+    check_positive_int("virtual_stages", virtual_stages)
+    if schedule != "interleaved_1f1b":
+        if virtual_stages > 1:
+            raise ValueError(f"virtual_stages={virtual_stages} needs schedule='interleaved_1f1b' (schedule="
+                             f"{schedule!r} runs one chunk per rank); use virtual_stages=1 or 'interleaved_1f1b'")
+        return
+    if stages < 2:
+        raise ValueError(f"schedule='interleaved_1f1b' needs pp >= 2, got pp={stages}; use '1f1b' at pp=1")
+    if virtual_stages < 2:
+        raise ValueError("schedule='interleaved_1f1b' needs virtual_stages >= 2, got 1; "
+                         "virtual_stages=1 is schedule='1f1b'")
+    if not microbatches_allowed(schedule=schedule, stages=stages, microbatches=microbatches):
+        below, above = nearest_allowed_microbatches(schedule=schedule, stages=stages, microbatches=microbatches)
+        rounds = _rounds(stages=stages, microbatches=microbatches)
+        raise ValueError(
+            f"microbatches={microbatches} is not allowed for interleaved_1f1b at pp={stages} (microbatches "
+            f"run in max(1, M // pp) = {rounds} rounds of equal size): use {below} or {above}"
+        )
 
 
-def _forward(stage: int, stages: int, mb: int) -> list[Action]:
-    return ([Action(Op.RECV_FWD, mb)] if stage > 0 else []) + [Action(Op.FWD, mb)] + (
-        [Action(Op.SEND_FWD, mb)] if stage < stages - 1 else []
+def warmup_forwards(*, stage: int, stages: int, microbatches: int, virtual_stages: int = 1) -> int:
+    """Forwards a stage runs before its first forward/backward pair: 1F1B's (and zb_h1's) at
+    ``virtual_stages=1``, interleaved_1f1b's above (counted in chunk forwards)."""
+    if virtual_stages == 1:
+        return min(stages - stage - 1, microbatches)
+    per_round = microbatches // _rounds(stages=stages, microbatches=microbatches)
+    return min(virtual_stages * microbatches, (virtual_stages - 1) * per_round + 2 * (stages - 1 - stage))
+
+
+def _forward(*, mb: int, index: int, last: int, chunk: int | None) -> list[Action]:
+    """A forward wrapped in its receive and send; ``index`` is the position (stage or chunk) in
+    the pipeline and ``last`` the last position, where nothing is received or sent."""
+    return ([Action(Op.RECV_FWD, mb, chunk)] if index > 0 else []) + [Action(Op.FWD, mb, chunk)] + (
+        [Action(Op.SEND_FWD, mb, chunk)] if index < last else []
     )
 
 
-def _backward(stage: int, stages: int, mb: int) -> list[Action]:
-    return ([Action(Op.RECV_BWD, mb)] if stage < stages - 1 else []) + [Action(Op.BWD, mb)] + (
-        [Action(Op.SEND_BWD, mb)] if stage > 0 else []
+def _backward(*, mb: int, index: int, last: int, chunk: int | None) -> list[Action]:
+    return ([Action(Op.RECV_BWD, mb, chunk)] if index < last else []) + [Action(Op.BWD, mb, chunk)] + (
+        [Action(Op.SEND_BWD, mb, chunk)] if index > 0 else []
     )
 
 
-def warmup_forwards(*, stage: int, stages: int, microbatches: int) -> int:
-    """Forwards a 1F1B stage runs before its first backward (besides the one it pairs with it)."""
-    return min(stages - stage - 1, microbatches)
+def _pairs(*, count: int, warm: int) -> list[tuple[str, int]]:
+    """1F1B's order over a rank's ``count`` forwards and ``count`` backwards, as ("f"|"b", index):
+    ``warm`` forwards, then one forward and one backward alternately, then the remaining backwards."""
+    order = [("f", k) for k in range(warm)]
+    for i in range(count - warm):
+        order += [("f", warm + i), ("b", i)]
+    return order + [("b", i) for i in range(count - warm, count)]
 
 
-def stage_actions(*, stage: int, stages: int, microbatches: int, schedule: str, backward: bool = True) -> list[Action]:
-    """The ordered actions of one stage. ``backward=False`` gives the forward-only (eval) list."""
-    check_schedule_args(stages=stages, microbatches=microbatches, schedule=schedule)
+def _interleaved(*, stage: int, stages: int, microbatches: int, virtual_stages: int,
+                 backward: bool) -> list[Action]:
+    pp, v_count, last = stages, virtual_stages, stages * virtual_stages - 1
+    per_round = microbatches // _rounds(stages=pp, microbatches=microbatches)
+
+    def key(k: int, *, reverse: bool) -> tuple[int, int]:
+        # The k-th forward (backward) of this rank: round k // (per_round*V), local chunk
+        # (k // per_round) % V (reversed for backwards), microbatch k % per_round of the round.
+        local = (k // per_round) % v_count
+        local = v_count - 1 - local if reverse else local
+        return local * pp + stage, (k // (per_round * v_count)) * per_round + k % per_round
+
+    count = v_count * microbatches
+    fwd = [_forward(mb=mb, index=c, last=last, chunk=c) for c, mb in (key(k, reverse=False) for k in range(count))]
+    if not backward:
+        return [a for f in fwd for a in f]
+    bwd = [_backward(mb=mb, index=c, last=last, chunk=c) for c, mb in (key(k, reverse=True) for k in range(count))]
+    warm = warmup_forwards(stage=stage, stages=pp, microbatches=microbatches, virtual_stages=v_count)
+    return [a for kind, i in _pairs(count=count, warm=warm) for a in (fwd if kind == "f" else bwd)[i]]
+
+
+def stage_actions(*, stage: int, stages: int, microbatches: int, schedule: str, virtual_stages: int = 1,
+                  backward: bool = True) -> list[Action]:
+    """The ordered actions of one rank. ``backward=False`` gives the forward-only (eval) list: the
+    train list's forward-side actions in the same order."""
+    check_schedule_args(stages=stages, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages)
     if not 0 <= stage < stages:
         raise ValueError(f"stage={stage} is outside 0..{stages - 1}")
-    fwd = [_forward(stage, stages, mb) for mb in range(microbatches)]
-    bwd = [_backward(stage, stages, mb) for mb in range(microbatches)]
+    if schedule == "interleaved_1f1b":
+        return _interleaved(stage=stage, stages=stages, microbatches=microbatches, virtual_stages=virtual_stages,
+                            backward=backward)
+    fwd = [_forward(mb=mb, index=stage, last=stages - 1, chunk=None) for mb in range(microbatches)]
+    bwd = [_backward(mb=mb, index=stage, last=stages - 1, chunk=None) for mb in range(microbatches)]
     if not backward:
         return [a for f in fwd for a in f]
     if schedule == "gpipe":
         return [a for f in fwd for a in f] + [a for b in bwd for a in b]
-    # 1F1B: fill the pipe, then alternate one forward and one backward, then drain.
     warm = warmup_forwards(stage=stage, stages=stages, microbatches=microbatches)
-    order: list[list[Action]] = fwd[:warm]
-    for i in range(microbatches - warm):
-        order += [fwd[warm + i], bwd[i]]
-    order += bwd[microbatches - warm :]
-    return [a for group in order for a in group]
+    order = _pairs(count=microbatches, warm=warm)
+    if schedule == "1f1b":
+        return [a for kind, i in order for a in (fwd if kind == "f" else bwd)[i]]
+    # zb_h1: W's wait in microbatch order. Rank r skips a W after its first r backwards: those W's
+    # run later, where 1F1B's rank r would idle waiting for a gradient, and at the end, where the
+    # ranks before it still drain their backwards.
+    out: list[Action] = []
+    done_w = 0
+    for kind, i in order:
+        out += (fwd if kind == "f" else bwd)[i]
+        if kind == "b" and i >= stage:
+            out.append(Action(Op.WGT, done_w))
+            done_w += 1
+    return out + [Action(Op.WGT, mb) for mb in range(done_w, microbatches)]
 
 
-def schedule_actions(*, stages: int, microbatches: int, schedule: str, backward: bool = True) -> list[list[Action]]:
+def schedule_actions(*, stages: int, microbatches: int, schedule: str, virtual_stages: int = 1,
+                     backward: bool = True) -> list[list[Action]]:
+    """Every rank's list, rank by rank."""
     return [
-        stage_actions(stage=s, stages=stages, microbatches=microbatches, schedule=schedule, backward=backward)
+        stage_actions(stage=s, stages=stages, microbatches=microbatches, schedule=schedule,
+                      virtual_stages=virtual_stages, backward=backward)
         for s in range(stages)
     ]
 
 
+def final_actions(actions: list[Action], *, stage: int) -> dict[tuple[int, str], int]:
+    """For each chunk of the rank: ``(chunk, "b")`` -> index of its last BWD and, if it has W's,
+    ``(chunk, "w")`` -> index of its last WGT. After these a chunk's gradients are final (the
+    non-deferred ones after "b", the deferred ones after "w"), so the runtime arms the
+    data-parallel buckets just before them."""
+    out: dict[tuple[int, str], int] = {}
+    for i, a in enumerate(actions):
+        if a.op is Op.BWD or a.op is Op.WGT:
+            out[(chunk_of(a, stage=stage), "b" if a.op is Op.BWD else "w")] = i  # later ones overwrite
+    return out
+
+
+def deferred(actions: list[Action]) -> set[tuple[int | None, int]]:
+    """The ``(action.chunk, action.mb)`` whose BWD defers its weight gradients to a WGT in this list
+    (chunk as written in the actions: None in one-chunk lists)."""
+    return {(a.chunk, a.mb) for a in actions if a.op is Op.WGT}
+
+
 def peak_in_flight(actions: list[Action]) -> int:
-    """Most microbatches whose forward ran and whose backward has not (activations held)."""
+    """Most (chunk, microbatch)es whose forward ran and whose backward has not (activations held)."""
     alive, peak = 0, 0
     for a in actions:
         alive += {Op.FWD: 1, Op.BWD: -1}.get(a.op, 0)
@@ -156,30 +316,3 @@ def format_grid(
         row = (col[i] if i < len(col) else "" for col in cells)
         lines.append(" ".join([str(i).rjust(step_width), *(c.ljust(w) for c, w in zip(row, widths))]))
     return "\n".join(line.rstrip() for line in lines)
-
-
-def simulate(all_actions: list[list[Action]]) -> list[tuple[int, Action]]:
-    """Execute every stage's list with asynchronous sends and blocking receives; return the global
-    order of execution, or raise ``RuntimeError`` naming the stuck actions on a deadlock."""
-    done: list[set[Action]] = [set() for _ in all_actions]
-    pos = [0] * len(all_actions)
-    trace: list[tuple[int, Action]] = []
-    while any(p < len(acts) for p, acts in zip(pos, all_actions)):
-        progressed = False
-        for s, acts in enumerate(all_actions):
-            while pos[s] < len(acts):
-                action = acts[pos[s]]
-                if action.op in _MATCH:
-                    send_op, direction = _MATCH[action.op]
-                    peer = s + direction
-                    if Action(send_op, action.mb) not in done[peer]:
-                        break
-                done[s].add(action)
-                trace.append((s, action))
-                pos[s] += 1
-                progressed = True
-        if not progressed:
-            stuck = {s: acts[pos[s]] for s, acts in enumerate(all_actions) if pos[s] < len(acts)}
-            grid = format_grid(all_actions, marks=[(s, pos[s]) for s in stuck])
-            raise RuntimeError(f"pipeline schedule deadlocks; stages wait at {stuck}:\n{grid}")
-    return trace
