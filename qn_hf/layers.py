@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 from transformers.pytorch_utils import Conv1D
@@ -19,6 +18,7 @@ from transformers.pytorch_utils import Conv1D
 from .comm import (copy_to_group, gather_from_group, group_size, reduce_from_group, reduce_scatter_sequence,
                    split_to_group)
 from .shard import ShardSpec
+from .weight_grad import DefersWeightGrad, project
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -41,17 +41,10 @@ def _frozen_like(new: nn.Module, old: nn.Module) -> nn.Module:
     return new
 
 
-def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv1d_layout: bool) -> torch.Tensor:
-    if not conv1d_layout:
-        return F.linear(x, weight, bias)
-    out = x.reshape(-1, x.shape[-1])
-    out = torch.addmm(bias, out, weight) if bias is not None else out @ weight
-    return out.view(*x.shape[:-1], weight.shape[1])
-
-
-class _ShardedProjection(nn.Module):
+class _ShardedProjection(DefersWeightGrad, nn.Module):
     """Shared state of the column and row layers: the local weight (and bias) in the layout of the
-    module they replace, the tp group, and the ShardSpec of the weight."""
+    module they replace, the tp group, and the ShardSpec of the weight. Their one matrix product
+    (``project``) defers its weight gradient once ``make_deferrable`` gave the layer a queue (ZB-H1)."""
 
     def __init__(
         self,
@@ -136,7 +129,7 @@ class ColumnParallelLinear(_ShardedProjection):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.copy_input:
             x = copy_to_group(x, group=self.group)
-        y = _project(x, self.weight, self.bias, self.conv1d_layout)
+        y = project(x, self.weight, self.bias, conv1d_layout=self.conv1d_layout, queue=self.weight_grad_queue)
         return gather_from_group(y, group=self.group) if self.gather_output else y
 
 
@@ -181,12 +174,16 @@ class RowParallelLinear(_ShardedProjection):
     def shard_specs(self) -> dict[str, ShardSpec | None]:
         return {"weight": self.weight_spec, **({"bias": None} if self.bias is not None else {})}
 
+    def deferrable_parameters(self) -> list[str]:
+        # With tp > 1 the bias is added after the sum, outside the product: its gradient comes in B.
+        return super().deferrable_parameters() if group_size(self.group) == 1 else ["weight"]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.split_input:
             x = split_to_group(x, group=self.group)
         if group_size(self.group) == 1:  # nothing to sum: keep the bias fused in the matmul
-            return _project(x, self.weight, self.bias, self.conv1d_layout)
-        partial = _project(x, self.weight, None, self.conv1d_layout)
+            return project(x, self.weight, self.bias, conv1d_layout=self.conv1d_layout, queue=self.weight_grad_queue)
+        partial = project(x, self.weight, None, conv1d_layout=self.conv1d_layout, queue=self.weight_grad_queue)
         if self.sequence_parallel:
             y = reduce_scatter_sequence(partial, group=self.group)
         else:
