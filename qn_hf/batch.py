@@ -10,7 +10,7 @@ import torch
 
 def check_batch(batch: Mapping[str, torch.Tensor], *, microbatches: int, required: tuple[str, ...] = ()) -> int:
     """Return the batch size after checking that the batch is a dict of tensors of one size along
-    dim 0 that ``microbatches`` divides, holding every key in ``required``."""
+    dim 0, at least ``microbatches`` rows (every microbatch gets one), holding every key in ``required``."""
     if not isinstance(batch, Mapping) or not batch:
         raise ValueError(f"batch must be a non-empty dict of tensors, got {type(batch).__name__}")
     not_tensors = sorted(k for k, v in batch.items() if not isinstance(v, torch.Tensor))
@@ -25,18 +25,26 @@ def check_batch(batch: Mapping[str, torch.Tensor], *, microbatches: int, require
     if len(set(sizes.values())) != 1 or None in sizes.values():
         raise ValueError(f"batch tensors must share their size along dim 0, got {sizes}")
     size = next(iter(sizes.values()))
-    if size % microbatches:
+    if size < microbatches:
         raise ValueError(
-            f"microbatches={microbatches} does not divide the local batch size {size}; "
-            f"use a batch size that is a multiple of {microbatches}"
+            f"microbatches={microbatches} is more than the local batch size {size}: a microbatch would be empty; "
+            f"use microbatches <= {size} or a larger batch"
         )
     return size
 
 
+def microbatch_rows(size: int, *, microbatches: int) -> list[int]:
+    """Rows of each microbatch of a local batch of ``size`` (``torch.tensor_split``: the first
+    ``size % microbatches`` take one row more). Every pipeline stage computes this from the batch it
+    was given, so receive buffers are sized without sending a shape per microbatch."""
+    return [size // microbatches + (1 if i < size % microbatches else 0) for i in range(microbatches)]
+
+
 def split_microbatches(batch: Mapping[str, torch.Tensor], *, microbatches: int) -> list[dict[str, torch.Tensor]]:
-    size = check_batch(batch, microbatches=microbatches)
-    step = size // microbatches
-    return [{k: v[i * step : (i + 1) * step] for k, v in batch.items()} for i in range(microbatches)]
+    """``torch.tensor_split`` of every tensor along dim 0 (the sizes of ``microbatch_rows``)."""
+    check_batch(batch, microbatches=microbatches)
+    parts = {k: torch.tensor_split(v, microbatches) for k, v in batch.items()}
+    return [{k: p[i] for k, p in parts.items()} for i in range(microbatches)]
 
 
 # Keys Hugging Face models take as indices: integers, never floats (labels only for the built-in

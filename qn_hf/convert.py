@@ -16,6 +16,7 @@ from .checkpoint.format import CheckpointError
 EXAMPLES = """examples:
   qn-hf-convert from-hf ./gpt2-hf ./ckpt --tp 2 --pp 2     # start training at tp=2, pp=2 from a HF model
   qn-hf-convert reshard ./ckpt ./ckpt-tp4 --tp 4 --pp 1    # resume the same run at another mesh
+  qn-hf-convert reshard ./ckpt ./ckpt-v2 --tp 1 --pp 2 --virtual-stages 2  # files laid out for interleaved 1F1B
   qn-hf-convert to-hf ./ckpt ./gpt2-trained                # back to AutoModel.from_pretrained
 """
 
@@ -44,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("out", help="the directory to hold the new checkpoint (written as ckpt-<step>, then latest)")
         p.add_argument("--tp", type=int, required=True, help="tensor-parallel degree the checkpoint is laid out for")
         p.add_argument("--pp", type=int, required=True, help="pipeline stages the checkpoint is laid out for")
+        p.add_argument("--virtual-stages", type=int, default=1,
+                       help="chunks per pipeline stage (interleaved_1f1b) the files are laid out for (default 1)")
     return parser
 
 
@@ -53,9 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "to-hf":
             to_hf(args.ckpt, args.out, max_shard_bytes=args.max_shard_size)
         elif args.command == "from-hf":
-            print(from_hf(args.src, args.out, tp=args.tp, pp=args.pp))
+            print(from_hf(args.src, args.out, tp=args.tp, pp=args.pp, virtual_stages=args.virtual_stages))
         else:
-            print(reshard(args.src, args.out, tp=args.tp, pp=args.pp))
+            print(reshard(args.src, args.out, tp=args.tp, pp=args.pp, virtual_stages=args.virtual_stages))
     except (CheckpointError, ValueError, OSError) as e:
         print(f"qn-hf-convert: error: {e}", file=sys.stderr)
         return 2

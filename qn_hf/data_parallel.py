@@ -7,8 +7,10 @@ ready; when every parameter of a bucket is ready, the bucket's reduction starts 
 while backward goes on. Buckets are launched strictly in index order, so every dp rank issues the
 same collectives in the same order.
 
-Only the backward of the step's last microbatch is *armed*: earlier microbatches only accumulate
-into the slots, so nothing crosses the dp group until the gradients are final. ``finish`` launches
+Only a parameter's last gradient contribution of the step is *armed* (the last microbatch's
+backward; with pipeline chunks, each chunk's last backward, or its last deferred weight pass):
+earlier contributions only accumulate into the slots, so nothing crosses the dp group until the
+gradients are final. ``finish`` launches
 what is left (parameters that got no gradient contribute zeros) and waits for everything.
 
 Sharded (ZeRO-1, ``shard_over_dp``): every bucket is padded to a multiple of dp and cut into dp
@@ -22,7 +24,7 @@ module waits for its buckets only when its forward starts (``wait_weights``).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -105,6 +107,7 @@ class GradBuckets:
         self.params = params
         self.bucket_bytes = bucket_bytes
         self.armed = False
+        self._final: set[int] = set()  # ids of the armed parameters: their next gradient is final
         self.sharded = False
         self.reduced = False  # sharded: the last step's gradients were reduce-scattered in place
         self.buckets: list[_Bucket] = []
@@ -178,17 +181,22 @@ class GradBuckets:
             slot.copy_(p.grad)
         p.grad = slot
 
-    def arm(self) -> None:
-        """The next backward is the last of the step: launch buckets as they fill."""
-        self.armed = True
-        self._next = 0
-        for bucket in self.buckets:
-            bucket.ready.clear()
-            bucket.work = None
+    def arm(self, params: Iterable[nn.Parameter] | None = None) -> None:
+        """The gradients of ``params`` (default: every parameter) become final with their next
+        accumulation: launch buckets as they fill. The first call of a step resets the buckets;
+        later calls add parameters (a pipeline chunk's, once its last backward is next)."""
+        if not self.armed:
+            self.armed = True
+            self._next = 0
+            self._final.clear()
+            for bucket in self.buckets:
+                bucket.ready.clear()
+                bucket.work = None
+        self._final.update(id(p) for p in (self.params if params is None else params))
 
     def _on_grad(self, p: nn.Parameter) -> None:
         self.bind(p)
-        if self.armed:
+        if self.armed and id(p) in self._final:
             bucket, _ = self._slot[id(p)]
             bucket.ready.add(id(p))
             self._launch_in_order(only_full=True)

@@ -19,7 +19,7 @@ divided by the global target count, so the dp sum is the average the plain model
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -60,11 +60,12 @@ class GradSync:
             if p.requires_grad and p.grad is not None:
                 yield name, p.grad
 
-    def arm(self) -> None:
-        """The next backward is the last of the step: every bucket launches as it fills."""
+    def arm(self, params: Iterable[nn.Parameter] | None = None) -> None:
+        """The next gradient of ``params`` (default: all) is final: buckets launch as they fill."""
+        params = None if params is None else list(params)
         for buckets in (self.buckets, self.expert_buckets):
             if buckets is not None:
-                buckets.arm()
+                buckets.arm(params)
 
     def sync(self) -> None:
         for buckets in (self.buckets, self.expert_buckets):

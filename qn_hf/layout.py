@@ -32,6 +32,7 @@ class Layout:
     pp: int
     tensors: dict[str, Place]
     ties: tuple[PipelineTie, ...]
+    virtual_stages: int = 1
 
 
 def meta_model(config: transformers.PretrainedConfig) -> torch.nn.Module:
@@ -43,11 +44,11 @@ def meta_model(config: transformers.PretrainedConfig) -> torch.nn.Module:
 
 
 def model_layout(config: transformers.PretrainedConfig, *, tp: int, pp: int, policy: ModelPolicy | None = None,
-                 layers_per_stage: list[int] | None = None) -> Layout:
+                 layers_per_stage: list[int] | None = None, virtual_stages: int = 1) -> Layout:
     model = meta_model(config)
     policy = resolve_policy(model, policy)
     plan = build_tp_plan(model, policy, tp=tp)
-    stage_plan = build_stage_plan(model, policy, stages=pp, layers_per_stage=layers_per_stage)
+    stage_plan = build_stage_plan(model, policy, stages=pp, layers_per_stage=layers_per_stage, virtual=virtual_stages)
     specs, _ = apply_tp_plan(model, plan, tp_rank=0, group=None)  # meta tensors: shapes only
     tensors = {}
     for name, p in model.named_parameters():
@@ -57,4 +58,4 @@ def model_layout(config: transformers.PretrainedConfig, *, tp: int, pp: int, pol
             shape[spec.dim] = spec.size
         stage = stage_of_module(stage_plan, name.rpartition(".")[0])
         tensors[name] = Place(stage=0 if stage is None else stage, spec=spec, shape=tuple(shape))
-    return Layout(tp=tp, pp=pp, tensors=tensors, ties=stage_plan.ties)
+    return Layout(tp=tp, pp=pp, tensors=tensors, ties=stage_plan.ties, virtual_stages=virtual_stages)

@@ -165,7 +165,8 @@ class Groups:
     holds each expert block). ``kv`` joins the tp ranks that hold the same replicated KV-head shard (None when nothing is
     replicated that way); ``tie`` joins the first and last stage of this (dp, tp) when they hold the
     two copies of a tied weight; ``prev``/``next`` are the global ranks of the neighbouring stages
-    with the same (dp, tp) (None at the ends)."""
+    with the same (dp, tp), around a ring (the last stage's next is the first, which interleaved
+    schedules use; None without a pipeline)."""
 
     mesh: DeviceMesh
     coords: dict[str, int]  # {"dp": .., "pp": .., "cp": .., "tp": ..}: this rank's place on the mesh
@@ -218,8 +219,8 @@ def build_groups(dims: ParallelDims, *, device: torch.device, timeout: datetime.
     return Groups(
         mesh=mesh, coords=coords, dp=mesh.get_group("dp"), tp=mesh.get_group("tp"), pp=mesh.get_group("pp"),
         cp=cp, replicas=replicas, ep=ep, experts=experts, kv=kv, tie=tie,
-        prev=int(grid[d, p - 1, c, t]) if p > 0 else None,
-        next=int(grid[d, p + 1, c, t]) if p < dims.pp - 1 else None,
+        prev=int(grid[d, (p - 1) % dims.pp, c, t]) if dims.pp > 1 else None,
+        next=int(grid[d, (p + 1) % dims.pp, c, t]) if dims.pp > 1 else None,
     )
 
 

@@ -24,6 +24,7 @@ from .loss import IGNORE_INDEX, causal_lm_targets, count_targets, vocab_parallel
 from .mesh import Groups, ParallelDims
 from .pipeline.runtime import StageExecutor
 from .pipeline.schedule import schedule_actions
+from .pipeline.split import chunk_of_module
 from .pipeline.stage import StageModules
 from .placement import ShardPlacement
 from .plan import TpPlan
@@ -61,6 +62,7 @@ class ParallelModel:
         precision: torch.dtype | None,
         scaler: LossScaler | None,
         chunks: ChunkLayout,
+        deferred: frozenset[str] = frozenset(),
     ) -> None:
         self.module = module
         self.placement = placement
@@ -77,6 +79,9 @@ class ParallelModel:
         self.chunks = chunks  # which parts of each sequence the cp ranks hold
         self.grads = GradSync(module=module, placement=placement, grad_sum=plan.grad_sum, buckets=buckets,
                               expert_buckets=expert_buckets, scaler=scaler)
+        # (chunk, "b" | "w") -> the parameters whose gradients are final after that chunk's last
+        # backward ("b") or last deferred weight pass ("w"): the moment their dp buckets may start
+        self._final_params = _final_params(module, stage, deferred)
         self.optimizer = None  # the qn_hf.optimizer built over this model, if any
         self.failures = FailTogether()
         self._sync = True
@@ -231,21 +236,26 @@ class ParallelModel:
                 [count_targets(batch["labels"], causal=self.plan.loss == "causal_lm")], dtype=torch.float64, device=self.device
             )
             flat_all_reduce_([count], group=self.groups.dp)
-            scale = 1.0 / max(count.item(), 1.0)
-        else:
-            scale = 1.0 / (self.microbatches * self.dims.dp)
+            scales = [1.0 / max(count.item(), 1.0)] * self.microbatches
         micro = split_microbatches(batch, microbatches=self.microbatches)
+        if not builtin:
+            # A loss_fn returns its microbatch's mean: weighted by its rows over the global batch's
+            # rows (one tiny all-reduce over dp), the sum is the mean over every example, also when
+            # the microbatches or the dp ranks' batches differ in size.
+            rows = torch.tensor([float(len(next(iter(batch.values()))))], dtype=torch.float64, device=self.device)
+            flat_all_reduce_([rows], group=self.groups.dp)
+            scales = [len(next(iter(m.values()))) / rows.item() for m in micro]
         if cp > 1:  # this rank's tokens of every sequence, with targets shifted on the whole sequence
             micro = [shard_microbatch(m, layout=self.chunks, rank=self.coords["cp"]) for m in micro]
         total = torch.zeros((), dtype=torch.float32, device=self.device)
 
-        def forward(mb: int, received: torch.Tensor | None) -> torch.Tensor:
-            """One microbatch through this stage: the activation to send, or on the last stage the
-            microbatch's share of the global loss (what backward starts from)."""
+        def forward(chunk: int, mb: int, received: torch.Tensor | None) -> torch.Tensor:
+            """One microbatch through one of this stage's chunks: the activation to send, or on the
+            last chunk the microbatch's share of the global loss (what backward starts from)."""
             nonlocal total
             inputs = {k: v for k, v in micro[mb].items() if k not in ("labels", "targets")}
-            outputs = self.stage.forward(inputs, received, **self.plan.policy.forward_kwargs)
-            if not self.stage.is_last:
+            outputs = self.stage.forward(inputs, received, chunk=chunk, **self.plan.policy.forward_kwargs)
+            if not self.stage.is_last_chunk(chunk):
                 return outputs
             if builtin:
                 targets = micro[mb].get("targets")
@@ -254,7 +264,7 @@ class ParallelModel:
                 loss = self._builtin_loss_sum(outputs, targets)
             else:
                 loss = loss_fn(self._with_full_logits(outputs), micro[mb])
-            loss = loss * scale
+            loss = loss * scales[mb]
             if router:  # transformers' load-balancing term, this dp rank's share (router_loss.py)
                 loss = loss + router_loss(outputs, micro[mb].get("attention_mask"), model=self.module, group=self.groups.dp)
             total += loss.detach().float()
@@ -262,9 +272,13 @@ class ParallelModel:
             return loss * self.scaler.scale if self.scaler is not None and backward else loss
 
         schedule = schedule_actions(stages=self.stage.stages, microbatches=self.microbatches, schedule=self.schedule,
-                                    backward=backward)
-        arm = self.grads.arm if backward and self._sync else None
-        self.executor.run(schedule, forward, before_last_backward=arm)
+                                    virtual_stages=self.stage.plan.virtual, backward=backward)
+        on_final = None
+        if backward and self._sync:
+            def on_final(chunk: int, kind: str) -> None:
+                self.grads.arm(self._final_params.get((chunk, kind), []))
+        rows = [len(next(iter(m.values()))) for m in micro]
+        self.executor.run(schedule, forward, rows=rows, on_final=on_final)
         # The last stage holds the loss: a sum over pp hands it to every stage, then over dp and cp
         # (each cp rank holds the loss of its own tokens).
         flat_all_reduce_([total], group=self.groups.pp)
@@ -308,7 +322,7 @@ class ParallelModel:
         self._weights_ready()
         with self.failures.guard("save_checkpoint"):
             return save_checkpoint(self.module, path, placement=self.placement, config=self.config,
-                                   optimizer=optimizer, step=step)
+                                   optimizer=optimizer, step=step, virtual_stages=self.stage.plan.virtual)
 
     def load_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> dict:
         """Load a checkpoint saved at any (dp, tp, pp); return its metadata (e.g. ``{"step": 1}``)."""
@@ -316,3 +330,15 @@ class ParallelModel:
         with self.failures.guard("load_checkpoint"):
             return load_checkpoint(self.module, path, placement=self.placement, model_type=self.config.model_type,
                                    optimizer=optimizer, cast=self.precision is not None)
+
+
+def _final_params(module: nn.Module, stage: StageModules, deferred: frozenset[str]) -> dict[tuple[int, str], list[nn.Parameter]]:
+    """Each trainable parameter under (its chunk, "w" if its weight gradient is ``deferred`` else "b").
+    A parameter outside every chunk (only possible without a pipeline) counts with the first."""
+    finals: dict[tuple[int, str], list[nn.Parameter]] = {}
+    for name, param in module.named_parameters():
+        if param.requires_grad:
+            chunk = chunk_of_module(stage.plan, name.rpartition(".")[0])
+            key = (stage.chunks[0] if chunk is None else chunk, "w" if name in deferred else "b")
+            finals.setdefault(key, []).append(param)
+    return finals

@@ -31,6 +31,7 @@ from .plan import ModelPolicy, TpPlan
 from .rng import SHARED, TP_LOCAL, RngStreams, stream_seeds
 from .shard import ShardSpec, over_experts
 from .tensor_parallel import apply_tp_plan
+from .weight_grad import WeightGradQueue, make_deferrable
 from .validate import check_parallel_config
 
 _MARK = "_qn_hf_parallelized"
@@ -46,6 +47,7 @@ def parallelize(
     ep: int = 1,
     microbatches: int = 1,
     schedule: str = "1f1b",
+    virtual_stages: int = 1,
     policy: ModelPolicy | None = None,
     layers_per_stage: Sequence[int] | None = None,
     mesh: DeviceMesh | None = None,
@@ -63,7 +65,9 @@ def parallelize(
 
     Every check that can fail runs before the first collective, identically on every rank.
     ``layers_per_stage`` sets how many blocks each pipeline stage gets (default: as even as
-    possible, earlier stages taking the remainder). ``mesh`` reuses an existing ("dp", "pp", "tp") mesh; ``seed`` seeds dropout (default: rank 0's
+    possible, earlier stages taking the remainder); with ``schedule="interleaved_1f1b"`` the model is
+    cut into pp x ``virtual_stages`` chunks, rank r running chunks r, r+pp, ..., and
+    ``layers_per_stage`` has one entry per chunk. ``mesh`` reuses an existing ("dp", "pp", "tp") mesh; ``seed`` seeds dropout (default: rank 0's
     ``torch.initial_seed()``, shared with all ranks); ``bucket_mb`` is the size of the gradient
     buckets all-reduced over dp during backward; ``checkpoint`` (a Hugging Face directory or a qn_hf
     checkpoint) supplies the weights: with a model built on the ``meta`` device, each rank
@@ -80,7 +84,7 @@ def parallelize(
     if getattr(model, _MARK, False):
         raise ValueError("this model is already parallelized; load a fresh copy to parallelize it again")
     checked = check_parallel_config(model, dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
-                                    policy=policy, layers_per_stage=layers_per_stage, bucket_mb=bucket_mb,
+                                    virtual_stages=virtual_stages, policy=policy, layers_per_stage=layers_per_stage, bucket_mb=bucket_mb,
                                     mixed_precision=mixed_precision, recompute=recompute,
                                     sequence_parallel=sequence_parallel, cp=cp, ep=ep)
     dims, plan, stage_plan = checked.dims, checked.tp_plan, checked.stage_plan
@@ -99,7 +103,7 @@ def parallelize(
     groups = build_groups(dims, device=device, timeout=timeout, mesh=mesh,
                           kv_replicas=plan.layout.kv_replicas if kv_replicated else 1, tied_stages=bool(stage_plan.ties))
     coords = groups.coords
-    if pp > 1 and microbatches < pp and dist.get_rank() == 0:
+    if pp > 1 and microbatches < pp and schedule in ("1f1b", "gpipe") and dist.get_rank() == 0:
         bubble = (pp - 1) / (microbatches + pp - 1)
         warnings.warn(f"microbatches={microbatches} < pp={pp}: each stage idles {bubble:.0%} of a step (pipeline bubble "
                       f"(pp-1)/(microbatches+pp-1)); use microbatches >= 2*pp={2 * pp} if the batch allows", stacklevel=2)
@@ -121,7 +125,7 @@ def parallelize(
     specs, vocab = apply_tp_plan(model, plan, tp_rank=coords["tp"], group=groups.tp)
     specs.update({n: s for n, s in expert_specs.items() if n in specs})  # this stage's experts
     if plan.sequence_parallel:
-        apply_sequence_parallel(model, plan=plan, stage_plan=stage_plan, final=final, group=groups.tp,
+        apply_sequence_parallel(model, plan=plan, stage_plan=stage_plan, stage=coords["pp"], final=final, group=groups.tp,
                                 regather=regathers(recompute))
     if checkpoint is not None and any(p.is_meta for p in model.parameters()):
         _materialize(model, device)
@@ -135,13 +139,18 @@ def parallelize(
     rng = _install_rng_streams(model, plan, coords, device, seed, replica=placement.replica_rank)
     if recompute is not None:
         apply_recompute(model, recompute=recompute, layers=stage_plan.layers, rng=rng)
+    weights, deferred = None, []
+    if schedule == "zb_h1":  # split backward: linear layers queue their weight gradients for the W passes
+        weights = WeightGradQueue()
+        deferred = make_deferrable(model, queue=weights, skip=stage_plan.heads)
     setattr(model, _MARK, True)
     pm = ParallelModel(
         module=model,
         placement=placement,
         plan=plan,
         stage=stage,
-        executor=StageExecutor(stage=coords["pp"], peers=Peers(prev=groups.prev, next=groups.next), device=device),
+        executor=StageExecutor(stage=coords["pp"], peers=Peers(prev=groups.prev, next=groups.next), device=device,
+                               chunks=stage_plan.chunks, weights=weights),
         vocab=vocab,
         microbatches=microbatches,
         schedule=schedule,
@@ -151,6 +160,7 @@ def parallelize(
         precision=precision,
         scaler=LossScaler() if mixed_precision == "fp16" else None,
         chunks=chunks,
+        deferred=frozenset(deferred),
     )
     if checkpoint is not None:
         pm.load_checkpoint(checkpoint)

@@ -189,13 +189,14 @@ def _entry_hooks(entry: nn.Module, *, group: ProcessGroup, regather: bool) -> No
     entry.register_forward_hook(leave, always_call=True)
 
 
-def apply_sequence_parallel(model: nn.Module, *, plan: TpPlan, stage_plan: StagePlan, final: str | None,
+def apply_sequence_parallel(model: nn.Module, *, plan: TpPlan, stage_plan: StagePlan, stage: int, final: str | None,
                             group: ProcessGroup, regather: bool) -> None:
-    """Hook this stage's tp entries (gather the sequence), its first block (take the sequence slice)
-    and its last block, or ``final`` (the final norm, on the last stage), to gather it again.
+    """Hook this stage's tp entries (gather the sequence), the first block of each of its chunks
+    (take the sequence slice) and each chunk's last block, or ``final`` (the final norm, after the
+    last chunk), to gather it again: what travels between chunks is the whole sequence.
     ``regather`` keeps the entries' saved inputs as slices (off under recomputation, which keeps no
     block internals anyway)."""
-    blocks = list(model.get_submodule(stage_plan.layers))
+    layers = model.get_submodule(stage_plan.layers)
     for entry in plan.tp_entries:
         _entry_hooks(model.get_submodule(entry), group=group, regather=regather)
 
@@ -210,5 +211,8 @@ def apply_sequence_parallel(model: nn.Module, *, plan: TpPlan, stage_plan: Stage
             return (gather_sequence(output[0], group=group), *output[1:])
         return gather_sequence(output, group=group)
 
-    blocks[0].register_forward_pre_hook(split, with_kwargs=True)
-    (model.get_submodule(final) if final is not None else blocks[-1]).register_forward_hook(gather)
+    for chunk in stage_plan.chunks_of(stage):
+        start, stop = stage_plan.layer_ranges[chunk]
+        layers._modules[str(start)].register_forward_pre_hook(split, with_kwargs=True)
+        last = final if final is not None and chunk == stage_plan.chunks - 1 else None
+        (model.get_submodule(last) if last is not None else layers._modules[str(stop - 1)]).register_forward_hook(gather)

@@ -38,14 +38,15 @@ class CheckedConfig:
 
 
 def check_parallel_config(model: nn.Module, *, dp: int, tp: int, pp: int, microbatches: int, schedule: str,
-                          policy: ModelPolicy | None = None,
+                          virtual_stages: int = 1, policy: ModelPolicy | None = None,
                           layers_per_stage: Sequence[int] | None = None,
                           bucket_mb: float = DEFAULT_BUCKET_MB, mixed_precision: str | None = None,
                           recompute: str | None = None, sequence_parallel: bool = False, cp: int = 1,
                           ep: int = 1) -> CheckedConfig:
     """Raise ``ValueError`` naming the value and the fix for anything ``model`` cannot take."""
     dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
-    check_schedule_args(stages=pp, microbatches=microbatches, schedule=schedule)
+    check_schedule_args(stages=pp, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages)
+    _check_schedule_composition(schedule, sequence_parallel=sequence_parallel, cp=cp, ep=ep)
     check_positive("bucket_mb", bucket_mb)
     if not isinstance(sequence_parallel, bool):
         raise ValueError(f"sequence_parallel={sequence_parallel!r} must be True or False")
@@ -53,7 +54,8 @@ def check_parallel_config(model: nn.Module, *, dp: int, tp: int, pp: int, microb
         check_choice("mixed_precision", mixed_precision, tuple(PRECISIONS))
     resolved = resolve_policy(model, policy)
     tp_plan = build_tp_plan(model, resolved, tp=tp)
-    stage_plan = build_stage_plan(model, resolved, stages=pp, layers_per_stage=layers_per_stage)
+    stage_plan = build_stage_plan(model, resolved, stages=pp, layers_per_stage=layers_per_stage,
+                                  virtual=virtual_stages)
     check_recompute(model, recompute=recompute, layers=stage_plan.layers)
     check_context_parallel(model, cp=cp, plan=tp_plan, sequence_parallel=sequence_parallel)
     check_expert_parallel(model, dims=dims, plan=tp_plan, sequence_parallel=sequence_parallel)
@@ -61,3 +63,16 @@ def check_parallel_config(model: nn.Module, *, dp: int, tp: int, pp: int, microb
     if sequence_parallel:
         tp_plan = sequence_parallel_plan(model, tp_plan, stage_plan)
     return CheckedConfig(dims=dims, policy=resolved, tp_plan=tp_plan, stage_plan=stage_plan)
+
+
+def _check_schedule_composition(schedule: str, *, sequence_parallel: bool, cp: int, ep: int) -> None:
+    """The features interleaved 1F1B and ZB-H1 are not yet built or tested with."""
+    if schedule not in ("interleaved_1f1b", "zb_h1"):
+        return
+    if schedule == "zb_h1" and sequence_parallel:
+        raise ValueError("schedule='zb_h1' with sequence_parallel=True is not supported yet: a deferred weight "
+                         "gradient would keep the whole gathered input of each layer until its weight pass, which "
+                         "sequence parallelism exists to avoid; use schedule='1f1b' or 'interleaved_1f1b' with it")
+    for name, used in ((f"cp={cp}", cp > 1), (f"ep={ep}", ep > 1)):
+        if used:
+            raise ValueError(f"schedule={schedule!r} with {name} is not supported yet; use schedule='1f1b' with it")

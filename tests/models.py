@@ -42,6 +42,9 @@ CONFIGS = {
                          num_key_value_heads=2, head_dim=8, vocab_size=97, max_position_embeddings=64,
                          bos_token_id=1, eos_token_id=2),
 }
+# 8 blocks: pp x virtual_stages up to 8 chunks (interleaved schedules).
+CONFIGS["gpt2_deep"] = GPT2Config(**{**CONFIGS["gpt2"].to_dict(), "n_layer": 8})
+CONFIGS["llama_deep"] = LlamaConfig(**{**CONFIGS["llama"].to_dict(), "num_hidden_layers": 8})
 VISION = {"vit"}
 
 

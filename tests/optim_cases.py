@@ -81,14 +81,17 @@ DROPOUT = {"gpt2": dict(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1), "llama
 
 
 def recompute_parity(*, kind: str, model_dir: str, dp: int, tp: int, pp: int, microbatches: int, mode: str,
-                     steps: int = 2, sequence_parallel: bool = False, cp: int = 1) -> dict:
+                     steps: int = 2, sequence_parallel: bool = False, cp: int = 1, schedule: str = "1f1b",
+                     virtual_stages: int = 1) -> dict:
     """With dropout on, recomputation ``mode`` against none: losses, gradients and weights bit for bit."""
     mesh = mesh_for(dp, tp, pp, cp)
-    dropout = DROPOUT[kind] if cp == 1 else {}  # ring attention has no attention dropout (refused)
+    # ring attention has no attention dropout (refused)
+    dropout = DROPOUT[kind.removesuffix("_deep")] if cp == 1 else {}
     runs = {}
     for recompute in (mode, None):
         pm = qn_hf.parallelize(load(kind, model_dir, **dropout), dp=dp, tp=tp, pp=pp, cp=cp, microbatches=microbatches,
-                               mesh=mesh, seed=5, recompute=recompute, sequence_parallel=sequence_parallel)
+                               mesh=mesh, seed=5, recompute=recompute, sequence_parallel=sequence_parallel,
+                               schedule=schedule, virtual_stages=virtual_stages)
         opt = qn_hf.optimizer(pm, torch.optim.SGD, lr=0.1)
         losses = train(pm, opt, kind=kind, steps=steps, microbatch_rows=2, clip=None)
         batch = make_batch(kind, size=dp * 2 * microbatches, seed=999, padded=kind != "vit", seq=16)

@@ -89,9 +89,9 @@ def _measure_forwards(pm, out: list[int]):
     run = pm.executor.run
 
     def measured_run(schedule, forward, **kwargs):
-        def measured(mb, received):
+        def measured(chunk, mb, received):
             with LiveAllocations() as live:
-                result = forward(mb, received)
+                result = forward(chunk, mb, received)
             held = received.untyped_storage().nbytes() if received is not None else 0
             result.grad_fn.register_prehook(lambda grads: out.append(live.alive_bytes() + held))
             return result

@@ -66,3 +66,30 @@ DATA_PARALLEL_CASES = [
     for kind in ("gpt2", "llama", "vit")
     for dp, tp, pp, schedule, m in ((2, 2, 2, "1f1b", 2), (4, 1, 2, "1f1b", 3), (2, 1, 2, "gpipe", 2), (8, 1, 1, "1f1b", 1))
 ]
+
+# (kind, dp, tp, pp, schedule, virtual_stages, microbatches, layers_per_stage, rows per dp rank).
+# 8 blocks over pp x V chunks; GPT-2's embedding is tied across the first and the last chunk.
+# Interleaved M: pp, 2pp and odd counts the rounds rule allows (any M < 2pp); rows not divisible
+# by M give microbatches of different sizes.
+SCHEDULE_CASES = [
+    ("llama_deep", 1, 1, 2, "interleaved_1f1b", 2, 2, None, None),
+    ("gpt2_deep", 1, 1, 2, "interleaved_1f1b", 2, 4, None, None),
+    ("gpt2_deep", 1, 1, 2, "interleaved_1f1b", 2, 3, None, 7),
+    ("llama_deep", 1, 1, 2, "interleaved_1f1b", 4, 4, None, None),
+    ("llama_deep", 1, 1, 2, "interleaved_1f1b", 2, 4, [3, 1, 2, 2], None),
+    ("llama_deep", 1, 1, 4, "interleaved_1f1b", 2, 4, None, None),
+    ("gpt2_deep", 1, 1, 4, "interleaved_1f1b", 2, 8, None, None),
+    ("llama_deep", 1, 1, 4, "interleaved_1f1b", 2, 5, None, None),
+    ("gpt2_deep", 1, 2, 2, "interleaved_1f1b", 2, 4, None, None),
+    ("llama_deep", 1, 2, 2, "interleaved_1f1b", 2, 2, None, None),
+    ("gpt2_deep", 2, 1, 2, "interleaved_1f1b", 2, 4, None, None),
+    ("llama_deep", 2, 1, 2, "interleaved_1f1b", 2, 3, None, None),
+    ("llama_deep", 2, 1, 2, "zb_h1", 1, 4, None, None),
+    ("gpt2_deep", 2, 1, 2, "zb_h1", 1, 3, None, 5),
+    ("llama_deep", 2, 1, 4, "zb_h1", 1, 4, None, None),
+    ("gpt2_deep", 2, 1, 4, "zb_h1", 1, 8, None, None),
+    ("gpt2_deep", 1, 2, 2, "zb_h1", 1, 4, None, None),
+    ("llama", 1, 1, 1, "zb_h1", 1, 2, None, None),
+    ("llama", 1, 1, 2, "1f1b", 1, 2, None, 5),
+    ("gpt2", 2, 1, 1, "1f1b", 1, 2, None, 3),
+]

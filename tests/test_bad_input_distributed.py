@@ -20,13 +20,24 @@ def case_bad_configs(*, gpt2_dir: str) -> dict[str, str]:
         "heads": error_message(lambda: qn_hf.parallelize(GPT2LMHeadModel(GPT2Config(n_head=3, n_embd=24, n_layer=1)), tp=2)),
         "kv heads": error_message(lambda: qn_hf.parallelize(LlamaForCausalLM(odd_kv), tp=2)),
     }
-    pm = qn_hf.parallelize(load("gpt2", gpt2_dir), tp=2, microbatches=2, mesh=mesh_for(1, 2))
+    pm = qn_hf.parallelize(load("gpt2", gpt2_dir), tp=2, microbatches=4, mesh=mesh_for(1, 2))
     batch = make_batch("gpt2", size=3, seed=0)
     messages["microbatches"] = error_message(lambda: pm.train_step(batch))
+    eight = GPT2LMHeadModel(GPT2Config(n_head=4, n_embd=32, n_layer=8))
+    messages["chunks too many"] = error_message(lambda: qn_hf.parallelize(
+        load("gpt2", gpt2_dir), pp=2, microbatches=2, schedule="interleaved_1f1b", virtual_stages=3))
+    messages["interleaved M"] = error_message(lambda: qn_hf.parallelize(
+        eight, pp=2, microbatches=5 * 2 + 1, schedule="interleaved_1f1b", virtual_stages=2))
+    messages["virtual with 1f1b"] = error_message(lambda: qn_hf.parallelize(eight, pp=2, microbatches=2,
+                                                                            virtual_stages=2))
+    messages["interleaved pp=1"] = error_message(lambda: qn_hf.parallelize(
+        eight, dp=2, microbatches=2, schedule="interleaved_1f1b", virtual_stages=2))
+    messages["zb sequence parallel"] = error_message(lambda: qn_hf.parallelize(
+        eight, tp=2, pp=2, microbatches=2, schedule="zb_h1", sequence_parallel=True))
     messages["labels"] = error_message(lambda: pm.train_step({"input_ids": batch["input_ids"][:2]}))
     one_block = GPT2LMHeadModel(GPT2Config(n_head=4, n_embd=32, n_layer=1))
     messages["pp too large"] = error_message(lambda: qn_hf.parallelize(one_block, pp=2))
-    piped = qn_hf.parallelize(load("gpt2", gpt2_dir), pp=2, microbatches=2, mesh=mesh_for(1, 1, 2))
+    piped = qn_hf.parallelize(load("gpt2", gpt2_dir), pp=2, microbatches=4, mesh=mesh_for(1, 1, 2))
     messages["pipeline microbatches"] = error_message(lambda: piped.train_step(batch))
     messages["pipeline forward call"] = error_message(lambda: piped(input_ids=batch["input_ids"]))
     alive = torch.ones(1)
@@ -41,11 +52,18 @@ def test_every_rank_raises_before_any_collective(worlds, model_dirs):
     m = results[0]
     assert "world size 2 != dp*tp*pp = 1*1*1 = 1" in m["world size"]
     assert "schedule='nope' is unknown" in m["schedule"]
+    assert all(name in m["schedule"] for name in ("1f1b", "gpipe", "interleaved_1f1b", "zb_h1")), m["schedule"]
     assert "tp=2 does not divide num_attention_heads=3; use a tp among [1, 3]" in m["heads"]
     assert "tp=2 does not divide num_key_value_heads=3" in m["kv heads"]
-    assert "microbatches=2 does not divide the local batch size 3" in m["microbatches"]
+    assert "microbatches=4 is more than the local batch size 3" in m["microbatches"]
     assert "batch lacks ['labels']" in m["labels"] and "labels=input_ids" in m["labels"] and "loss_fn" in m["labels"]
     assert "pp=2 is larger than the number of blocks (1); use pp <= 1" in m["pp too large"]
-    assert "microbatches=2 does not divide the local batch size 3" in m["pipeline microbatches"]
+    assert "microbatches=4 is more than the local batch size 3" in m["pipeline microbatches"]
+    assert "pp=2 x virtual_stages=3 = 6 chunks is larger than the number of blocks (5)" in m["chunks too many"]
+    assert "microbatches=11 is not allowed for interleaved_1f1b at pp=2" in m["interleaved M"], m["interleaved M"]
+    assert "use 10 or 12" in m["interleaved M"], m["interleaved M"]
+    assert "virtual_stages=2" in m["virtual with 1f1b"] and "interleaved_1f1b" in m["virtual with 1f1b"]
+    assert "'1f1b'" in m["interleaved pp=1"], m["interleaved pp=1"]
+    assert "schedule='zb_h1' with sequence_parallel=True is not supported" in m["zb sequence parallel"]
     assert "a forward call needs the whole pipeline (pp=2)" in m["pipeline forward call"]
     assert m["world alive"] == "2"

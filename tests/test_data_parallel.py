@@ -14,9 +14,10 @@ from tests.models import dp_slice, load, make_batch
 BUCKET_MB = 0.02
 
 
-def case_dp_traffic(*, kind: str, model_dir: str, dp: int, tp: int, pp: int, microbatches: int) -> dict:
-    pm = qn_hf.parallelize(load(kind, model_dir), dp=dp, tp=tp, pp=pp, microbatches=microbatches,
-                           bucket_mb=BUCKET_MB, mesh=mesh_for(dp, tp, pp))
+def case_dp_traffic(*, kind: str, model_dir: str, dp: int, tp: int, pp: int, microbatches: int,
+                    schedule: str = "1f1b", virtual_stages: int = 1) -> dict:
+    pm = qn_hf.parallelize(load(kind, model_dir), dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
+                           virtual_stages=virtual_stages, bucket_mb=BUCKET_MB, mesh=mesh_for(dp, tp, pp))
     batch = dp_slice(make_batch(kind, size=dp * 2 * microbatches, seed=5), dp=dp, dp_rank=pm.coords["dp"])
     pm.train_step(batch)  # warm-up: the first step binds gradients into the buckets
     for p in pm.parameters():
@@ -24,8 +25,12 @@ def case_dp_traffic(*, kind: str, model_dir: str, dp: int, tp: int, pp: int, mic
     pm.executor.events = []
     with qn_hf.CommMeter(pm) as meter:
         pm.train_step(batch)
-    last_bwd_start = max(start for op, _, start, _ in pm.executor.events if op == "bwd")
-    first_fwd_start = min(start for op, _, start, _ in pm.executor.events if op == "fwd")
+    events = pm.executor.events
+    # a chunk's gradients are final from its last backward on (and its last weight pass under
+    # zb_h1): nothing may cross dp before the earliest of those
+    last_bwd = {e.chunk: e.start for e in events if e.op == "bwd"}
+    first_final_start = min(last_bwd.values())
+    first_fwd_start = min(e.start for e in events if e.op == "fwd")
     dp_events = [e for e in meter.events if e.group == "dp"]
     grads = [e for e in dp_events if e.numel > 1]
     grad_bytes = sum(p.numel() * p.element_size() for p in pm.parameters() if p.requires_grad)
@@ -35,18 +40,22 @@ def case_dp_traffic(*, kind: str, model_dir: str, dp: int, tp: int, pp: int, mic
         "dp_grad_calls": len(grads),
         "max_calls": math.ceil(grad_bytes / (BUCKET_MB * 1024 * 1024)),
         "dp_scalar_calls": len(dp_events) - len(grads),
-        "dp_during_early_microbatches": sum(first_fwd_start <= e.time < last_bwd_start for e in dp_events),
-        "dp_overlapped_with_last_backward": sum(e.time < pm.executor.events[-1][3] for e in grads),
+        "dp_during_early_microbatches": sum(first_fwd_start <= e.time < first_final_start for e in dp_events),
+        "dp_overlapped_with_last_backward": sum(e.time < events[-1].stop for e in grads),
         "table": meter.table(),
     }
 
 
-@pytest.mark.parametrize(("kind", "dp", "tp", "pp", "microbatches"), [
-    ("gpt2", 2, 1, 2, 3), ("llama", 2, 2, 1, 2), ("vit", 4, 1, 1, 2),
+@pytest.mark.parametrize(("kind", "dp", "tp", "pp", "microbatches", "schedule", "virtual_stages"), [
+    ("gpt2", 2, 1, 2, 3, "1f1b", 1), ("llama", 2, 2, 1, 2, "1f1b", 1), ("vit", 4, 1, 1, 2, "1f1b", 1),
+    ("gpt2_deep", 2, 1, 2, 4, "interleaved_1f1b", 2), ("llama_deep", 2, 1, 2, 4, "zb_h1", 1),
 ])
-def test_dp_traffic_per_step(worlds, model_dirs, kind, dp, tp, pp, microbatches):
+def test_dp_traffic_per_step(worlds, model_dirs, kind, dp, tp, pp, microbatches, schedule, virtual_stages):
+    """Every gradient byte crosses dp once, in buckets launched once gradients are final (a chunk's
+    last backward, or under zb_h1 its last weight pass) and before the step's last action ends."""
     for rank, r in enumerate(worlds.run(dp * tp * pp, "tests.test_data_parallel:case_dp_traffic", kind=kind,
-                                        model_dir=model_dirs[kind], dp=dp, tp=tp, pp=pp, microbatches=microbatches)):
+                                        model_dir=model_dirs[kind], dp=dp, tp=tp, pp=pp, microbatches=microbatches,
+                                        schedule=schedule, virtual_stages=virtual_stages)):
         assert r["dp_grad_bytes"] == r["grad_bytes"], (rank, r)  # every local gradient byte, exactly once
         assert 1 < r["dp_grad_calls"] <= r["max_calls"], (rank, r)
         assert r["dp_scalar_calls"] == 2, (rank, r)  # the target count and the loss
@@ -55,10 +64,11 @@ def test_dp_traffic_per_step(worlds, model_dirs, kind, dp, tp, pp, microbatches)
         assert r["dp_overlapped_with_last_backward"] >= 1, (rank, r)
 
 
-def case_no_sync(*, kind: str, model_dir: str, dp: int, tp: int, pp: int) -> dict:
+def case_no_sync(*, kind: str, model_dir: str, dp: int, tp: int, pp: int, schedule: str = "1f1b",
+                 virtual_stages: int = 1) -> dict:
     ref = load(kind, model_dir)
     pm = qn_hf.parallelize(load(kind, model_dir), dp=dp, tp=tp, pp=pp, microbatches=2, bucket_mb=BUCKET_MB,
-                           mesh=mesh_for(dp, tp, pp))
+                           mesh=mesh_for(dp, tp, pp), schedule=schedule, virtual_stages=virtual_stages)
     batches = [make_batch(kind, size=4 * dp, seed=s) for s in (21, 22)]
     with qn_hf.CommMeter(pm) as meter:
         with pm.no_sync():
@@ -73,10 +83,14 @@ def case_no_sync(*, kind: str, model_dir: str, dp: int, tp: int, pp: int) -> dic
     return {"grad_err": err, "unsynced_dp_grad_calls": unsynced_dp}
 
 
-@pytest.mark.parametrize(("kind", "dp", "tp", "pp"), [("gpt2", 2, 1, 2), ("llama", 2, 2, 1)])
-def test_no_sync_accumulates_over_steps(worlds, model_dirs, kind, dp, tp, pp):
+@pytest.mark.parametrize(("kind", "dp", "tp", "pp", "schedule", "virtual_stages"), [
+    ("gpt2", 2, 1, 2, "1f1b", 1), ("llama", 2, 2, 1, "1f1b", 1),
+    ("gpt2_deep", 2, 1, 2, "interleaved_1f1b", 2), ("llama_deep", 2, 1, 2, "zb_h1", 1),
+])
+def test_no_sync_accumulates_over_steps(worlds, model_dirs, kind, dp, tp, pp, schedule, virtual_stages):
     for rank, r in enumerate(worlds.run(dp * tp * pp, "tests.test_data_parallel:case_no_sync", kind=kind,
-                                        model_dir=model_dirs[kind], dp=dp, tp=tp, pp=pp)):
+                                        model_dir=model_dirs[kind], dp=dp, tp=tp, pp=pp, schedule=schedule,
+                                        virtual_stages=virtual_stages)):
         assert r["unsynced_dp_grad_calls"] == 0, (rank, r)
         assert r["grad_err"] < 2e-6, (rank, r)
 

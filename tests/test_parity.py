@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.shapes import DATA_PARALLEL_CASES, PARITY_CASES, PIPELINE_CASES
+from tests.shapes import DATA_PARALLEL_CASES, PARITY_CASES, PIPELINE_CASES, SCHEDULE_CASES
 
 LOSS_RTOL = 1e-5
 GRAD_ATOL = 2e-6
@@ -51,5 +51,18 @@ def test_data_parallel_3d(worlds, model_dirs, tmp_path, kind, dp, tp, pp, schedu
         dp * tp * pp, "tests.cases:parity", kind=kind, model_dir=model_dirs[kind], out_dir=str(tmp_path / "hf"),
         dp=dp, tp=tp, pp=pp, schedule=schedule, microbatches=microbatches, padded=kind != "vit",
         bucket_mb=0.01,  # several buckets even for tiny models
+    )
+    check(results, tp=tp)
+
+
+@pytest.mark.parametrize(("kind", "dp", "tp", "pp", "schedule", "virtual_stages", "microbatches", "layers_per_stage",
+                          "rows"), SCHEDULE_CASES)
+def test_schedules(worlds, model_dirs, tmp_path, kind, dp, tp, pp, schedule, virtual_stages, microbatches,
+                   layers_per_stage, rows):
+    """Interleaved 1F1B, ZB-H1 and microbatches of different sizes (``tensor_split``)."""
+    results = worlds.run(
+        dp * tp * pp, "tests.cases:parity", kind=kind, model_dir=model_dirs[kind], out_dir=str(tmp_path / "hf"),
+        dp=dp, tp=tp, pp=pp, schedule=schedule, virtual_stages=virtual_stages, microbatches=microbatches,
+        layers_per_stage=layers_per_stage, rows=rows, padded=True, bucket_mb=0.01,
     )
     check(results, tp=tp)

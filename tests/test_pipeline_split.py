@@ -16,6 +16,7 @@ from qn_hf.pipeline.standins import Injector, StandIn
 from qn_hf.policies import resolve_policy
 from tests.cases import mesh_for
 from tests.models import CONFIGS, auto_class, load
+from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config
 
 
 def case_stage_contents(*, gpt2_dir: str) -> dict:
@@ -107,3 +108,36 @@ def test_one_stage_runs_the_whole_model():
     inputs = {"input_ids": torch.randint(0, 99, (1, 5))}
     with torch.no_grad():
         torch.testing.assert_close(stage.forward(inputs, None).logits, model(**inputs).logits)
+
+
+def _chunks_in_one_process(model, *, stages: int, virtual: int, inputs: dict) -> torch.Tensor:
+    """Run every chunk in model order on its rank's model, passing activations by hand."""
+    plan = build_stage_plan(model, resolve_policy(model, None), stages=stages, virtual=virtual)
+    ranks = [apply_stage(copy.deepcopy(model), plan, stage=s) for s in range(stages)]
+    sent = None
+    for chunk in range(plan.chunks):
+        sent = ranks[plan.rank_of_chunk(chunk)].forward(inputs, sent, chunk=chunk, use_cache=False)
+    return ranks, sent.logits
+
+
+def test_interleaved_chunks_give_the_whole_model_logits():
+    """pp=2 x 2 chunks of an 8-block GPT-2 (learned positions added once, on chunk 0; ln_f real on
+    the last chunk only although rank 1 also runs chunk 1) and Gemma 3 (per-layer ``layer_types``
+    cut per chunk: sliding and full attention layers keep their own masks)."""
+    torch.manual_seed(0)
+    gpt2 = auto_class("gpt2").from_config(GPT2Config(**{**CONFIGS["gpt2"].to_dict(), "n_layer": 8})).eval()
+    inputs = {"input_ids": torch.randint(0, 99, (2, 7))}
+    with torch.no_grad():
+        ranks, logits = _chunks_in_one_process(gpt2, stages=2, virtual=2, inputs=inputs)
+        torch.testing.assert_close(logits, gpt2(**inputs, use_cache=False).logits)
+    assert [r.chunks for r in ranks] == [(0, 2), (1, 3)]
+    assert sorted(int(k) for k in ranks[0].model.transformer.h._modules) == [0, 1, 4, 5]
+    assert not isinstance(ranks[0].model.transformer.wte, StandIn) and isinstance(ranks[0].model.lm_head, StandIn)
+    assert not isinstance(ranks[1].model.transformer.ln_f, StandIn)  # the rank's view: its real modules
+    gemma = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "gemma3_text", hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, vocab_size=99, sliding_window=3, sliding_window_pattern=2)).eval()
+    ids = {"input_ids": torch.randint(0, 99, (2, 9))}
+    with torch.no_grad():
+        _, logits = _chunks_in_one_process(gemma, stages=2, virtual=2, inputs=ids)
+        torch.testing.assert_close(logits, gemma(**ids, use_cache=False).logits)

@@ -24,3 +24,18 @@ def test_recompute_is_bit_for_bit(worlds, model_dirs, kind, dp, tp, pp, mode, sp
     for r in results:
         assert r["losses"] == r["ref_losses"], r
         assert r["grads_equal"] and r["weights_equal"], r
+
+
+@pytest.mark.parametrize(("kind", "tp", "schedule", "virtual_stages", "mode"), [
+    ("gpt2_deep", 1, "interleaved_1f1b", 2, "full"),
+    ("llama_deep", 2, "interleaved_1f1b", 2, "selective"),
+    ("gpt2_deep", 1, "zb_h1", 1, "full"),  # the weight passes read the inputs the recomputation saved
+    ("llama_deep", 2, "zb_h1", 1, "selective"),
+])
+def test_recompute_with_new_schedules(worlds, model_dirs, kind, tp, schedule, virtual_stages, mode):
+    results = worlds.run(2 * tp, "tests.optim_cases:recompute_parity", kind=kind, model_dir=model_dirs[kind],
+                         dp=1, tp=tp, pp=2, microbatches=2, mode=mode, schedule=schedule,
+                         virtual_stages=virtual_stages)
+    for r in results:
+        assert r["losses"] == r["ref_losses"], r
+        assert r["grads_equal"] and r["weights_equal"], r

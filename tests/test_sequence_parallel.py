@@ -18,6 +18,18 @@ SP_CASES = [  # kind, dp, tp, pp, microbatches, padded
 ]
 
 
+@pytest.mark.parametrize("kind", ["llama_deep", "gpt2_deep"])
+def test_sequence_parallel_with_interleaved_chunks(worlds, model_dirs, tmp_path, kind):
+    """tp=2 x pp=2 x 2 chunks: each chunk takes its slice at its first block and gathers after its
+    last (or after the final norm, on the last chunk)."""
+    results = worlds.run(
+        4, "tests.cases:parity", kind=kind, model_dir=model_dirs[kind], out_dir=str(tmp_path / "hf"),
+        dp=1, tp=2, pp=2, microbatches=2, padded=True, sequence_parallel=True, schedule="interleaved_1f1b",
+        virtual_stages=2,
+    )
+    check(results, tp=2)
+
+
 @pytest.mark.parametrize(("kind", "dp", "tp", "pp", "microbatches", "padded"), SP_CASES)
 def test_sequence_parallel_equals_plain_model(worlds, model_dirs, tmp_path, kind, dp, tp, pp, microbatches, padded):
     results = worlds.run(

@@ -84,7 +84,8 @@ def write_checkpoint(src_dir: str, src: dict, layout: Layout, config: dict, out:
 
                 write_streaming(os.path.join(partial, file), [(k, s, d) for k, s, d, _, _ in plan], produce)
                 digests[file] = file_digest(os.path.join(partial, file))
-    index = new_index(library_version=__version__, step=step, mesh={"dp": 1, "tp": layout.tp, "pp": layout.pp},
+    virtual = {"virtual_stages": layout.virtual_stages} if layout.virtual_stages > 1 else {}
+    index = new_index(library_version=__version__, step=step, mesh={"dp": 1, "tp": layout.tp, "pp": layout.pp, **virtual},
                       config=config, tensors=entries, optimizer=optimizer, files=digests,
                       generation_config=generation_config)
     write_json(index, os.path.join(partial, INDEX))
@@ -93,17 +94,19 @@ def write_checkpoint(src_dir: str, src: dict, layout: Layout, config: dict, out:
     return final
 
 
-def from_hf(hf_dir: str, out: str, *, tp: int, pp: int) -> str:
+def from_hf(hf_dir: str, out: str, *, tp: int, pp: int, virtual_stages: int = 1) -> str:
+    """A checkpoint laid out as a run at (tp, pp) with ``virtual_stages`` chunks per rank saves one
+    (each rank's file holds its chunks' tensors); any run loads it, by name."""
     src, config = read_hf_dir(hf_dir)
+    layout = model_layout(config_from_dict(config), tp=tp, pp=pp, virtual_stages=virtual_stages)
     # a Hugging Face model is where training starts: step 0
-    return write_checkpoint(hf_dir, src, model_layout(config_from_dict(config), tp=tp, pp=pp), config, out, step=0,
-                            generation_config=read_generation_config(hf_dir))
+    return write_checkpoint(hf_dir, src, layout, config, out, step=0, generation_config=read_generation_config(hf_dir))
 
 
-def reshard(ckpt: str, out: str, *, tp: int, pp: int) -> str:
+def reshard(ckpt: str, out: str, *, tp: int, pp: int, virtual_stages: int = 1) -> str:
     directory = checkpoint_dir(ckpt)
     index = read_index(directory)
-    layout = model_layout(config_from_dict(index["config"]), tp=tp, pp=pp)
+    layout = model_layout(config_from_dict(index["config"]), tp=tp, pp=pp, virtual_stages=virtual_stages)
     return write_checkpoint(directory, index, layout, index["config"], out, step=index.get("step"),
                             optimizer=index.get("optimizer"), generation_config=index.get("generation_config"))
 

@@ -34,9 +34,11 @@ from .names import checkpoint_name, next_checkpoint_dir, parse_name
 
 
 def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, config,
-                    optimizer: torch.optim.Optimizer | None = None, step: int | None = None) -> str:
+                    optimizer: torch.optim.Optimizer | None = None, step: int | None = None,
+                    virtual_stages: int = 1) -> str:
     """Write a checkpoint of ``module``'s shard on every rank (and ``optimizer``'s state) under
-    ``path``; return its directory. ``config`` is the whole model's config."""
+    ``path``; return its directory. ``config`` is the whole model's config; ``virtual_stages`` is
+    recorded in the index's mesh (informational: files are per pp rank and loading goes by name)."""
     if step is not None:
         check_non_negative_int("step", step, what="the training step the checkpoint holds")
     chosen = torch.zeros(2, dtype=torch.int64, device=placement.device)
@@ -59,7 +61,9 @@ def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
         dims = placement.dims
         index = new_index(library_version=__version__, step=step, mesh={"dp": dims.dp, "tp": dims.tp, "pp": dims.pp,
                                                                          **({"cp": dims.cp} if dims.cp > 1 else {}),
-                                                                         **({"ep": dims.ep} if dims.ep > 1 else {})},
+                                                                         **({"ep": dims.ep} if dims.ep > 1 else {}),
+                                                                         **({"virtual_stages": virtual_stages}
+                                                                            if virtual_stages > 1 else {})},
                           config=config.to_dict(), tensors={}, optimizer=None, files={},
                           generation_config=generation_config_of(module))
         for meta_name in sorted(n for n in os.listdir(partial) if n.endswith(".json")):

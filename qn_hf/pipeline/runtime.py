@@ -1,42 +1,67 @@
 """Executing one stage's action list with point-to-point sends and receives.
 
 Sends are asynchronous (``isend``) and waited for at the end of the step, so a stage only ever
-blocks on a receive; the schedule tests prove the lists cannot deadlock under exactly that rule.
-Each rank talks to the rank with the same (dp, tp) coordinates on the neighbouring stage.
-The shape of the activations is sent once per step (a small int64 header before microbatch 0):
-every microbatch of a step has the same shape, and the gradient has the activation's shape.
-An action that raises gets the step x stage grid of the whole schedule attached as a note, with
-the failing cell marked, so a failure on one rank says where in the pipeline it happened.
+blocks on a receive; the schedule checks prove the lists cannot deadlock under exactly that rule,
+and that every directed link carries its messages in the order the receiver expects them (NCCL
+ignores tags). Each rank talks to the ranks with the same (dp, tp) coordinates on the neighbouring
+stages; with virtual stages the last stage's next is the first (a ring).
+
+Work is keyed by ``(chunk, microbatch)``. A rank sends the dtype and trailing shape of its
+activations once per step (a small int64 header before its first send); the rows of microbatch
+``mb`` are ``rows[mb]``, which every rank computes from its own copy of the batch, so microbatches
+of different sizes (``torch.tensor_split``) need no header of their own. A gradient has its
+activation's shape. An action that raises gets the step x stage grid of the whole schedule
+attached as a note, with the failing cell marked, so a failure on one rank says where in the
+pipeline it happened.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
 
-from .schedule import Action, Op, format_grid
+from .schedule import Action, Op, chunk_of, deferred, final_actions, format_grid
 
 # The activation header's dtype codes (a dtype's position is its code on the wire; not a file format).
 _WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 HEADER_INTS = 8  # int64 values sent once per step: room for [dtype, ndim, *shape]
 
-StageForward = Callable[[int, "torch.Tensor | None"], torch.Tensor]
+# forward(chunk, mb, received) -> the activation to send, or on the last chunk the microbatch's loss
+StageForward = Callable[[int, int, "torch.Tensor | None"], torch.Tensor]
+Key = tuple[int, int]  # (chunk, microbatch)
+
+
+class WeightGrads(Protocol):
+    """The deferred weight-gradient work of split backward passes (``qn_hf.weight_grad``)."""
+
+    open: object
+
+    def run(self, key: Key) -> None: ...
+
+    def pending(self) -> list: ...
+
+
+class StageEvent(NamedTuple):
+    """One executed action and when it ran (``time.perf_counter`` seconds)."""
+
+    op: Op
+    chunk: int
+    mb: int
+    start: float
+    stop: float
 
 
 @dataclass(frozen=True)
 class Peers:
-    """Global ranks of the previous and next stage (None at the ends)."""
+    """Global ranks of the previous and next stage (None when there is no pipeline)."""
 
     prev: int | None
     next: int | None
-
-
-def _tag(mb: int, kind: int) -> int:
-    return 4 * mb + kind  # distinct per microbatch and direction (gloo matches on it; NCCL keeps order)
 
 
 @dataclass
@@ -44,62 +69,81 @@ class _Step:
     """What one step holds between actions; entries leave as soon as they are used."""
 
     forward: StageForward
-    inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # received activations (autograd leaves)
-    outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # what backward starts from
-    grads: dict[int, torch.Tensor] = field(default_factory=dict)  # received output gradients
+    rows: Sequence[int]
+    inputs: dict[Key, torch.Tensor] = field(default_factory=dict)  # received activations (autograd leaves)
+    outputs: dict[Key, torch.Tensor] = field(default_factory=dict)  # what backward starts from
+    grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # received output gradients
     sends: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)  # buffer alive until sent
-    posted: dict[Action, tuple[dist.Work, torch.Tensor]] = field(default_factory=dict)  # receives in flight
-    shape: tuple[torch.Size, torch.dtype] | None = None
+    posted: dict[Key, tuple[dist.Work, torch.Tensor]] = field(default_factory=dict)  # receives in flight
+    trailing: tuple[tuple[int, ...], torch.dtype] | None = None  # received activations: shape past dim 0, dtype
+    header_sent: bool = False
+    deferred: frozenset[Key] = frozenset()  # backward passes whose weight gradients come in a WGT
 
 
 class StageExecutor:
-    """Runs ``forward(mb, received) -> output`` and backward through the action list of one stage.
+    """Runs ``forward(chunk, mb, received) -> output`` and backward through the action list of one
+    stage. ``received`` is None on chunk 0. ``chunks`` is the number of chunks of the whole model
+    (pp x virtual stages), which makes every (chunk, microbatch, kind) its own message tag."""
 
-    On the last stage ``forward`` returns the (scaled) loss of the microbatch; elsewhere the
-    activation to send. ``received`` is None on the first stage.
-    """
-
-    def __init__(self, *, stage: int, peers: Peers, device: torch.device) -> None:
+    def __init__(self, *, stage: int, peers: Peers, device: torch.device, chunks: int = 1,
+                 weights: WeightGrads | None = None) -> None:
         self.stage = stage
         self.peers = peers
         self.device = device
-        # Set to a list to record (op, mb, start, stop) in perf_counter seconds for every action:
-        # the measured timeline of a step (busy and idle time per stage).
-        self.events: list[tuple[Op, int, float, float]] | None = None
+        self.chunks = max(chunks, 1)
+        self.weights = weights
+        # Set to a list to record a StageEvent for every action: the measured timeline of a step
+        # (busy and idle time per stage).
+        self.events: list[StageEvent] | None = None
         # One handler per op, spelled out: what the executor can run is visible in one place.
-        self._ops: dict[Op, Callable[[_Step, int], None]] = {
+        self._ops: dict[Op, Callable[[_Step, Key], None]] = {
             Op.RECV_FWD: self._recv_fwd,
             Op.FWD: self._fwd,
             Op.SEND_FWD: self._send_fwd,
             Op.RECV_BWD: self._recv_bwd,
             Op.BWD: self._bwd,
             Op.SEND_BWD: self._send_bwd,
+            Op.WGT: self._wgt,
         }
+
+    def _tag(self, key: Key, kind: int) -> int:
+        # distinct per receiving chunk, microbatch and kind (0 header, 1 activation, 2 gradient):
+        # gloo matches on it; NCCL keeps the order, which the schedule check proves is the
+        # receiver's order
+        chunk, mb = key
+        return 4 * (mb * self.chunks + chunk) + kind
 
     def run(
         self,
         schedule: list[list[Action]],
         forward: StageForward,
         *,
-        before_last_backward: Callable[[], None] | None = None,
+        rows: Sequence[int],
+        on_final: Callable[[int, str], None] | None = None,
     ) -> None:
         """Execute this stage's list, ``schedule[self.stage]`` (``schedule`` holds every stage's, for
-        the grid a failure prints); ``before_last_backward`` runs just before the stage's last
-        backward (when its gradients become final: the moment data-parallel buckets may start)."""
+        the grid a failure prints). ``rows[mb]`` is microbatch ``mb``'s size along dim 0.
+        ``on_final(chunk, kind)`` runs just before the action after which a chunk's gradients are
+        final: its last backward (kind ``"b"``) and, when weight gradients are deferred, its last
+        weight pass (``"w"``); the moment data-parallel buckets may start."""
         actions = schedule[self.stage]
-        step = _Step(forward=forward)
-        last_bwd = max((i for i, a in enumerate(actions) if a.op == Op.BWD), default=None)
-        for i, action in enumerate(actions):
-            if i == last_bwd and before_last_backward is not None:
-                before_last_backward()
+        keys = [(chunk_of(a, stage=self.stage), a.mb) for a in actions]
+        step = _Step(forward=forward, rows=rows, deferred=frozenset(
+            (self.stage if c is None else c, mb) for c, mb in deferred(actions)))
+        if step.deferred and self.weights is None:
+            raise ValueError("this schedule defers weight gradients, but the stage has no weight-gradient queue")
+        finals = {i: key for key, i in final_actions(actions, stage=self.stage).items()}
+        for i, (action, key) in enumerate(zip(actions, keys)):
+            if on_final is not None and i in finals:
+                on_final(*finals[i])
             try:
                 start = time.perf_counter()
-                self._ops[action.op](step, action.mb)
+                self._ops[action.op](step, key)
                 if self.events is not None:
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
-                    self.events.append((action.op, action.mb, start, time.perf_counter()))
-                self._post_next_receive(step, actions[i + 1 :])
+                    self.events.append(StageEvent(action.op, key[0], key[1], start, time.perf_counter()))
+                self._post_next_receive(step, actions[i + 1 :], keys[i + 1 :])
             except Exception as exc:
                 # Same type and message; the note shows where in the whole pipeline this rank was.
                 exc.add_note(f"pipeline stage {self.stage} failed at step {i} ({action!r}) of this schedule:\n"
@@ -107,59 +151,74 @@ class StageExecutor:
                 raise
         for work, _ in step.sends:
             work.wait()
+        if self.weights is not None and self.weights.pending():
+            raise RuntimeError(f"deferred weight gradients of {self.weights.pending()} never ran: the schedule "
+                               f"lacks their weight passes")
 
-    def _post_next_receive(self, step: _Step, rest: list[Action]) -> None:
+    def _post_next_receive(self, step: _Step, rest: list[Action], keys: list[Key]) -> None:
         """Post the next receive as soon as its buffer's shape is known, so the transfer overlaps
-        the compute in between instead of starting when the schedule reaches it."""
-        upcoming = next((a for a in rest if a.op in (Op.RECV_FWD, Op.RECV_BWD)), None)
-        if upcoming is None or upcoming in step.posted:
+        the compute in between instead of starting when the schedule reaches it. Only the next
+        one: receives are posted in list order, the order the schedule check proves."""
+        upcoming = next(((a, k) for a, k in zip(rest, keys) if a.op in (Op.RECV_FWD, Op.RECV_BWD)), None)
+        if upcoming is None or upcoming[1] in step.posted:
             return
-        if upcoming.op == Op.RECV_FWD and step.shape is not None:
-            buf = torch.empty(step.shape[0], dtype=step.shape[1], device=self.device)
-            step.posted[upcoming] = (dist.irecv(buf, src=self.peers.prev, tag=_tag(upcoming.mb, 1)), buf)
-        elif upcoming.op == Op.RECV_BWD and upcoming.mb in step.outputs:
-            buf = torch.empty_like(step.outputs[upcoming.mb])
-            step.posted[upcoming] = (dist.irecv(buf, src=self.peers.next, tag=_tag(upcoming.mb, 2)), buf)
+        action, key = upcoming
+        if action.op == Op.RECV_FWD and step.trailing is not None:
+            step.posted[key] = self._post_activation(step, key)
+        elif action.op == Op.RECV_BWD and key in step.outputs:
+            step.posted[key] = self._post_gradient(step, key)
 
-    def _received(self, step: _Step, action: Action, make: Callable[[], tuple[dist.Work, torch.Tensor]]) -> torch.Tensor:
-        work, buf = step.posted.pop(action, None) or make()
+    def _post_activation(self, step: _Step, key: Key) -> tuple[dist.Work, torch.Tensor]:
+        shape, dtype = step.trailing
+        buf = torch.empty((step.rows[key[1]], *shape), dtype=dtype, device=self.device)
+        return dist.irecv(buf, src=self.peers.prev, tag=self._tag(key, 1)), buf
+
+    def _post_gradient(self, step: _Step, key: Key) -> tuple[dist.Work, torch.Tensor]:
+        buf = torch.empty_like(step.outputs[key])
+        return dist.irecv(buf, src=self.peers.next, tag=self._tag(key, 2)), buf
+
+    def _received(self, step: _Step, key: Key, post: Callable[[_Step, Key], tuple[dist.Work, torch.Tensor]]) -> torch.Tensor:
+        work, buf = step.posted.pop(key, None) or post(step, key)
         work.wait()
         return buf
 
-    def _recv_fwd(self, step: _Step, mb: int) -> None:
-        if step.shape is None:
-            step.shape = self._recv_header()
+    def _recv_fwd(self, step: _Step, key: Key) -> None:
+        if step.trailing is None:
+            step.trailing = self._recv_header()
+        step.inputs[key] = self._received(step, key, self._post_activation).requires_grad_(torch.is_grad_enabled())
 
-        def post():
-            buf = torch.empty(step.shape[0], dtype=step.shape[1], device=self.device)
-            return dist.irecv(buf, src=self.peers.prev, tag=_tag(mb, 1)), buf
-
-        step.inputs[mb] = self._received(step, Action(Op.RECV_FWD, mb), post).requires_grad_(torch.is_grad_enabled())
-
-    def _fwd(self, step: _Step, mb: int) -> None:
+    def _fwd(self, step: _Step, key: Key) -> None:
         # Without autograd (eval) nothing is kept for a backward: inputs go as they are consumed.
-        received = step.inputs.get(mb) if torch.is_grad_enabled() else step.inputs.pop(mb, None)
-        step.outputs[mb] = step.forward(mb, received)
+        received = step.inputs.get(key) if torch.is_grad_enabled() else step.inputs.pop(key, None)
+        step.outputs[key] = step.forward(key[0], key[1], received)
 
-    def _send_fwd(self, step: _Step, mb: int) -> None:
-        out = (step.outputs[mb] if torch.is_grad_enabled() else step.outputs.pop(mb)).detach().contiguous()
-        if mb == 0:
+    def _send_fwd(self, step: _Step, key: Key) -> None:
+        out = (step.outputs[key] if torch.is_grad_enabled() else step.outputs.pop(key)).detach().contiguous()
+        if not step.header_sent:
             self._send_header(step, out)
-        step.sends.append((dist.isend(out, dst=self.peers.next, tag=_tag(mb, 1)), out))
+        # tagged with the receiving chunk's key, as its receive is
+        step.sends.append((dist.isend(out, dst=self.peers.next, tag=self._tag((key[0] + 1, key[1]), 1)), out))
 
-    def _recv_bwd(self, step: _Step, mb: int) -> None:
-        def post():
-            buf = torch.empty_like(step.outputs[mb])
-            return dist.irecv(buf, src=self.peers.next, tag=_tag(mb, 2)), buf
+    def _recv_bwd(self, step: _Step, key: Key) -> None:
+        step.grads[key] = self._received(step, key, self._post_gradient)
 
-        step.grads[mb] = self._received(step, Action(Op.RECV_BWD, mb), post)
+    def _bwd(self, step: _Step, key: Key) -> None:
+        output, grad = step.outputs.pop(key), step.grads.pop(key, None)
+        if key not in step.deferred:
+            torch.autograd.backward(output, grad_tensors=grad)
+            return
+        self.weights.open = key  # the deferring layers queue their weight gradients under this key
+        try:
+            torch.autograd.backward(output, grad_tensors=grad)
+        finally:
+            self.weights.open = None
 
-    def _bwd(self, step: _Step, mb: int) -> None:
-        torch.autograd.backward(step.outputs.pop(mb), grad_tensors=step.grads.pop(mb, None))
+    def _wgt(self, step: _Step, key: Key) -> None:
+        self.weights.run(key)
 
-    def _send_bwd(self, step: _Step, mb: int) -> None:
-        grad = step.inputs.pop(mb).grad.contiguous()
-        step.sends.append((dist.isend(grad, dst=self.peers.prev, tag=_tag(mb, 2)), grad))
+    def _send_bwd(self, step: _Step, key: Key) -> None:
+        grad = step.inputs.pop(key).grad.contiguous()
+        step.sends.append((dist.isend(grad, dst=self.peers.prev, tag=self._tag((key[0] - 1, key[1]), 2)), grad))
 
     def _send_header(self, step: _Step, out: torch.Tensor) -> None:
         values = [_WIRE_DTYPES.index(out.dtype), out.dim(), *out.shape]
@@ -167,10 +226,11 @@ class StageExecutor:
             raise ValueError(f"activations of {out.dim()} dims are not supported")
         header = torch.zeros(HEADER_INTS, dtype=torch.int64, device=self.device)
         header[: len(values)] = torch.tensor(values)
-        step.sends.append((dist.isend(header, dst=self.peers.next, tag=_tag(0, 0)), header))
+        step.sends.append((dist.isend(header, dst=self.peers.next, tag=0), header))
+        step.header_sent = True
 
-    def _recv_header(self) -> tuple[torch.Size, torch.dtype]:
+    def _recv_header(self) -> tuple[tuple[int, ...], torch.dtype]:
         header = torch.empty(HEADER_INTS, dtype=torch.int64, device=self.device)
-        dist.irecv(header, src=self.peers.prev, tag=_tag(0, 0)).wait()
+        dist.irecv(header, src=self.peers.prev, tag=0).wait()
         values = header.tolist()
-        return torch.Size(values[2 : 2 + values[1]]), _WIRE_DTYPES[values[0]]
+        return tuple(values[3 : 2 + values[1]]), _WIRE_DTYPES[values[0]]

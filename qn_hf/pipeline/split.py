@@ -28,8 +28,13 @@ class PipelineTie:
 
 @dataclass(frozen=True)
 class StagePlan:
+    """The cut of a model into ``stages`` (pp ranks) x ``virtual`` chunks. Chunk c holds the blocks
+    ``layer_ranges[c]`` and lives on rank ``c % stages`` (interleaved schedules: rank r runs chunks
+    r, r+pp, ...); with ``virtual=1`` a chunk is a stage. The entry and first-only modules belong to
+    chunk 0, the last-only modules and heads to the last chunk."""
+
     stages: int
-    layer_ranges: tuple[tuple[int, int], ...]  # [start, stop) of the blocks on each stage
+    layer_ranges: tuple[tuple[int, int], ...]  # [start, stop) of the blocks of each chunk, in chunk order
     layers: str  # ModuleList path from the top model
     entry: str | None  # paths from the top model
     first_only: tuple[tuple[str, str], ...]  # (module, stand-in)
@@ -37,25 +42,44 @@ class StagePlan:
     heads: tuple[str, ...]
     entry_reads: tuple[str, ...]
     ties: tuple[PipelineTie, ...]
+    virtual: int = 1  # chunks per rank
+
+    @property
+    def chunks(self) -> int:
+        return self.stages * self.virtual
+
+    def rank_of_chunk(self, chunk: int) -> int:
+        return chunk % self.stages
+
+    def chunks_of(self, stage: int) -> tuple[int, ...]:
+        """The chunks rank ``stage`` runs, in model order."""
+        return tuple(range(stage, self.chunks, self.stages))
+
+    def chunk_of_layer(self, index: int) -> int:
+        return next(c for c, (a, b) in enumerate(self.layer_ranges) if a <= index < b)
 
     def stage_of_layer(self, index: int) -> int:
-        return next(s for s, (a, b) in enumerate(self.layer_ranges) if a <= index < b)
+        return self.rank_of_chunk(self.chunk_of_layer(index))
 
 
-def split_layers(*, num_layers: int, stages: int, layers_per_stage: Sequence[int] | None = None) -> tuple[tuple[int, int], ...]:
-    """Contiguous block ranges per stage: as even as possible (earlier stages take the remainder),
-    or exactly ``layers_per_stage``."""
-    if stages > num_layers:
-        raise ValueError(f"pp={stages} is larger than the number of blocks ({num_layers}); use pp <= {num_layers}")
+def split_layers(*, num_layers: int, stages: int, layers_per_stage: Sequence[int] | None = None,
+                 virtual: int = 1) -> tuple[tuple[int, int], ...]:
+    """Contiguous block ranges per chunk (``stages`` x ``virtual`` of them, in model order): as even
+    as possible (earlier chunks take the remainder), or exactly ``layers_per_stage`` (one entry per
+    chunk)."""
+    chunks = stages * virtual
+    what = f"pp={stages}" if virtual == 1 else f"pp={stages} x virtual_stages={virtual} = {chunks} chunks"
+    if chunks > num_layers:
+        fix = f"use pp <= {num_layers}" if virtual == 1 else f"use pp x virtual_stages <= {num_layers}"
+        raise ValueError(f"{what} is larger than the number of blocks ({num_layers}); {fix}")
     if layers_per_stage is None:
-        sizes = [num_layers // stages + (1 if s < num_layers % stages else 0) for s in range(stages)]
+        sizes = [num_layers // chunks + (1 if s < num_layers % chunks else 0) for s in range(chunks)]
     else:
         sizes = list(layers_per_stage)
-        if len(sizes) != stages or any(not isinstance(n, int) or n < 1 for n in sizes) or sum(sizes) != num_layers:
-            raise ValueError(
-                f"layers_per_stage={sizes} must give each of the pp={stages} stages at least one block and sum to "
-                f"the {num_layers} blocks"
-            )
+        if len(sizes) != chunks or any(not isinstance(n, int) or n < 1 for n in sizes) or sum(sizes) != num_layers:
+            each = f"each of the pp={stages} stages" if virtual == 1 else f"each of the {what}"
+            raise ValueError(f"layers_per_stage={sizes} must give {each} at least one block and sum to the "
+                             f"{num_layers} blocks")
     bounds, start = [], 0
     for n in sizes:
         bounds.append((start, start + n))
@@ -64,14 +88,16 @@ def split_layers(*, num_layers: int, stages: int, layers_per_stage: Sequence[int
 
 
 def build_stage_plan(
-    model: nn.Module, policy: ModelPolicy, *, stages: int, layers_per_stage: Sequence[int] | None = None
+    model: nn.Module, policy: ModelPolicy, *, stages: int, layers_per_stage: Sequence[int] | None = None,
+    virtual: int = 1,
 ) -> StagePlan:
-    """Validate the cut for ``stages`` stages (pure: reads the model, communicates nothing)."""
+    """Validate the cut for ``stages`` stages of ``virtual`` chunks each (pure: reads the model,
+    communicates nothing)."""
     base, prefix = base_model_and_prefix(model)
     layers = base.get_submodule(policy.layers)
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(f"policy {policy.model_type}: layers {policy.layers!r} is not a ModuleList")
-    ranges = split_layers(num_layers=len(layers), stages=stages, layers_per_stage=layers_per_stage)
+    ranges = split_layers(num_layers=len(layers), stages=stages, layers_per_stage=layers_per_stage, virtual=virtual)
     if stages > 1 and policy.pp_entry is None:
         why = (f"transformers declares no base_model_pp_plan for {policy.model_type!r}, so there are no known cut points"
                if policy.transformers_plan else f"policy {policy.model_type} has no pp_entry")
@@ -114,24 +140,31 @@ def build_stage_plan(
         heads=tuple(heads),
         entry_reads=policy.pp_entry_reads,
         ties=(),
+        virtual=virtual,
     )
     if stages > 1:
         _check_assignment(model, plan, policy)
     return StagePlan(**{**plan.__dict__, "ties": _cross_stage_ties(model, plan)})
 
 
-def stage_of_module(plan: StagePlan, name: str) -> int | None:
-    """The stage a module (by its path in the top model) lives on; None: every stage."""
+def chunk_of_module(plan: StagePlan, name: str) -> int | None:
+    """The chunk a module (by its path in the top model) belongs to; None: every chunk."""
     def under(root: str) -> bool:
         return name == root or name.startswith(root + ".")
 
     if plan.entry and under(plan.entry) or any(under(n) for n, _ in plan.first_only):
         return 0
     if any(under(n) for n, _ in plan.last_only) or any(under(h) for h in plan.heads):
-        return plan.stages - 1
+        return plan.chunks - 1
     if under(plan.layers) and name != plan.layers:
-        return plan.stage_of_layer(int(name[len(plan.layers) + 1 :].split(".")[0]))
+        return plan.chunk_of_layer(int(name[len(plan.layers) + 1 :].split(".")[0]))
     return None
+
+
+def stage_of_module(plan: StagePlan, name: str) -> int | None:
+    """The stage (pp rank) a module lives on; None: every stage."""
+    chunk = chunk_of_module(plan, name)
+    return None if chunk is None else plan.rank_of_chunk(chunk)
 
 
 def _check_assignment(model: nn.Module, plan: StagePlan, policy: ModelPolicy) -> None:

@@ -4,8 +4,8 @@ Every stage runs the Hugging Face base model's own forward, so whatever a block 
 hidden state (causal mask, rotary embeddings, position ids) is rebuilt by HF's code on each stage.
 What differs per stage is which modules are real:
 
-* the blocks: each stage keeps its contiguous range (under their original indices, so parameter
-  names stay the HF names) and drops the rest;
+* the blocks: each stage keeps the contiguous ranges of its chunks (under their original indices,
+  so parameter names stay the HF names) and drops the rest;
 * the entry (token/patch embedding): real on the first stage; elsewhere an ``Injector`` that returns
   the activation received from the previous stage;
 * first-only and last-only modules: real on their stage, a parameter-free stand-in elsewhere;
@@ -14,34 +14,51 @@ What differs per stage is which modules are real:
 
 ``apply_stage`` edits one rank's model in place (from a ``StagePlan``, see split.py) and returns
 the ``StageModules`` whose ``forward`` runs a microbatch through whatever the stage kept.
+
+With virtual stages a rank runs several chunks (interleaved schedules): its model holds the union
+of their blocks, with the real entry and first-only modules on rank 0 and the real last-only
+modules and heads on the last rank. A chunk's forward installs that chunk's view for its duration
+(its blocks, its cut config, and the stand-in or real module at each entry, first-only, last-only
+and head path) and restores the rank's view afterwards: a handful of ``setattr``. Outside a forward
+the model is the rank's whole shard, which is what optimizers, buckets and checkpoints see.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from ..names import base_model_and_prefix
 from .split import StagePlan
-from .stage_config import slice_layer_lists
+from .stage_config import cut_layer_lists
 from .standins import Injector, PassThrough, mirror_reads, standin_for
 
 
 @dataclass(kw_only=True)
 class StageModules:
-    """What one rank's model became: its stage, the modules it runs and, past the first, the
+    """What one rank's model became: its stage, the modules it runs and, past the first chunk, the
     injector that feeds it the received activation."""
 
     stage: int
     stages: int
     injector: Injector | None
     config: object  # the whole model's config, as given: exports and checkpoints write this one
-    model: nn.Module  # the whole (cut) HF model: its head runs on the last stage
-    base: nn.Module  # its HF base model: what earlier stages run
+    model: nn.Module  # the whole (cut) HF model: its head runs on the last chunk
+    base: nn.Module  # its HF base model: what earlier chunks run
     plan: StagePlan
+    # chunk -> the stand-ins to set while that chunk runs, as (holder, attribute, stand-in), for the
+    # entry/first/last/head paths whose real module belongs to another chunk; empty with one chunk
+    # per rank, whose view is the model as it stands
+    views: dict[int, tuple[tuple[nn.Module, str, nn.Module], ...]] = field(default_factory=dict)
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        """This rank's chunks, in model order (just its stage when virtual=1)."""
+        return self.plan.chunks_of(self.stage)
 
     @property
     def is_first(self) -> bool:
@@ -51,21 +68,61 @@ class StageModules:
     def is_last(self) -> bool:
         return self.stage == self.stages - 1
 
-    def forward(self, inputs: Mapping[str, torch.Tensor], received: torch.Tensor | None, **kwargs):
-        """One microbatch through this stage. ``received`` (None on the first stage) enters through
-        the injector. A non-last stage returns the activation to send (the base model's
-        ``last_hidden_state``: no head runs before the last stage); the last stage returns the HF
-        model's outputs, for the loss. ``kwargs`` go to the HF forward as they are."""
-        if self.injector is not None:
-            self.injector.pending = received
-        if not self.is_last:
-            return self.base(**inputs, **kwargs).last_hidden_state
-        return self.model(**inputs, **kwargs)
+    def is_last_chunk(self, chunk: int) -> bool:
+        return chunk == self.plan.chunks - 1
+
+    @contextlib.contextmanager
+    def _view(self, chunk: int) -> Iterator[None]:
+        """Install ``chunk``'s view. The blocks and the loop's config are taken from the model as it
+        is now (whatever replaced modules inside the blocks, or the config, after the cut), and real
+        modules are never held here: the rank's view keeps them, a chunk only masks some."""
+        if chunk not in self.views:
+            yield
+            return
+        layers_holder, layers_name = _holder(self.model, self.plan.layers)
+        union = getattr(layers_holder, layers_name)
+        loop = layers_holder
+        start, stop = self.plan.layer_ranges[chunk]
+        blocks = nn.ModuleList()
+        for i in range(start, stop):
+            blocks.add_module(str(i), union._modules[str(i)])  # by name: the union skips indices
+        shared = getattr(loop, "config", None)
+        total = self.plan.layer_ranges[-1][1]
+        swaps = [(layers_holder, layers_name, blocks), *self.views[chunk]]
+        if shared is not None:
+            swaps.append((loop, "config", cut_layer_lists(shared, start=start, stop=stop, total=total)))
+        saved = [getattr(holder, name) for holder, name, _ in swaps]
+        try:
+            for holder, name, value in swaps:
+                setattr(holder, name, value)
+            yield
+        finally:
+            for (holder, name, _), value in zip(swaps, saved):
+                setattr(holder, name, value)
+
+    def forward(self, inputs: Mapping[str, torch.Tensor], received: torch.Tensor | None, *, chunk: int | None = None,
+                **kwargs):
+        """One microbatch through ``chunk`` (default: this rank's only chunk). ``received`` (None on
+        chunk 0) enters through the injector. A non-last chunk returns the activation to send (the
+        base model's ``last_hidden_state``: no head runs before the last chunk); the last chunk
+        returns the HF model's outputs, for the loss. ``kwargs`` go to the HF forward as they are."""
+        chunk = self.stage if chunk is None else chunk
+        with self._view(chunk):
+            if self.injector is not None:
+                self.injector.pending = received if chunk > 0 else None
+            if not self.is_last_chunk(chunk):
+                return self.base(**inputs, **kwargs).last_hidden_state
+            return self.model(**inputs, **kwargs)
+
+
+def _holder(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    parent, _, child = name.rpartition(".")
+    return (model.get_submodule(parent) if parent else model), child
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, new)
+    holder, child = _holder(model, name)
+    setattr(holder, child, new)
 
 
 def apply_stage(model: nn.Module, plan: StagePlan, *, stage: int) -> StageModules:
@@ -75,25 +132,42 @@ def apply_stage(model: nn.Module, plan: StagePlan, *, stage: int) -> StageModule
     if plan.stages == 1:
         return StageModules(stage=0, stages=1, injector=None, config=config, model=model, base=base, plan=plan)
     layers = model.get_submodule(plan.layers)
-    start, stop = plan.layer_ranges[stage]
+    chunks = plan.chunks_of(stage)
     kept = nn.ModuleList()
-    for i in range(start, stop):
-        kept.add_module(str(i), layers[i])  # original index: parameter names stay the HF names
+    for chunk in chunks:
+        for i in range(*plan.layer_ranges[chunk]):
+            kept.add_module(str(i), layers[i])  # original index: parameter names stay the HF names
     _replace(model, plan.layers, kept)
-    parent = plan.layers.rpartition(".")[0]
-    slice_layer_lists(model.get_submodule(parent) if parent else model, start=start, stop=stop, total=len(layers))
+    if len(chunks) == 1:  # with several chunks, each forward cuts the config for its chunk (_view)
+        loop_holder = _holder(model, plan.layers)[0]
+        start, stop = plan.layer_ranges[stage]
+        if getattr(loop_holder, "config", None) is not None:
+            loop_holder.config = cut_layer_lists(loop_holder.config, start=start, stop=stop, total=len(layers))
 
-    injector = None
-    if stage > 0:
-        injector = Injector()
-        mirror_reads(injector, model.get_submodule(plan.entry), plan.entry_reads)
-        _replace(model, plan.entry, injector)
-        for name, kind in plan.first_only:
-            _replace(model, name, standin_for(kind, model.get_submodule(name)))
-    if stage < plan.stages - 1:
-        for name, kind in plan.last_only:
-            _replace(model, name, standin_for(kind, model.get_submodule(name)))
-        for head in plan.heads:
-            _replace(model, head, PassThrough())
+    # Each entry, first-only, last-only and head path is real in one chunk (the first or the last)
+    # and a parameter-free stand-in in every other. A rank that holds that chunk keeps the real
+    # module; the others free it.
+    owners = {path: 0 for path in [plan.entry, *(n for n, _ in plan.first_only)]}
+    owners.update({path: plan.chunks - 1 for path in [*(n for n, _ in plan.last_only), *plan.heads]})
+    kinds = dict(plan.first_only) | dict(plan.last_only)
+    injector: Injector | None = None
+    standins: dict[str, nn.Module] = {}
+    for path, owner in owners.items():
+        if all(chunk == owner for chunk in chunks):
+            continue  # this rank runs only the real module
+        module = model.get_submodule(path)
+        if path == plan.entry:
+            injector = Injector()
+            mirror_reads(injector, module, plan.entry_reads)
+            standins[path] = injector
+        else:
+            standins[path] = PassThrough() if path in plan.heads else standin_for(kinds[path], module)
+        if owner not in chunks:
+            _replace(model, path, standins[path])  # the real module lives on another rank: freed here
+    views: dict[int, tuple[tuple[nn.Module, str, nn.Module], ...]] = {}
+    if len(chunks) > 1:
+        for chunk in chunks:
+            views[chunk] = tuple((*_holder(model, path), standin) for path, standin in standins.items()
+                                 if chunk != owners[path] and owners[path] in chunks)
     return StageModules(stage=stage, stages=plan.stages, injector=injector, config=config, model=model, base=base,
-                        plan=plan)
+                        plan=plan, views=views)

@@ -1,23 +1,24 @@
-"""A pipeline stage's own view of the per-layer lists in the config."""
+"""A pipeline chunk's own view of the per-layer lists in the config."""
 
 from __future__ import annotations
 
 import copy
 
-from torch import nn
 
+def cut_layer_lists(config: object | None, *, start: int, stop: int, total: int) -> object | None:
+    """The config the module that loops over the blocks should read for blocks ``[start, stop)``.
 
-def slice_layer_lists(holder: nn.Module, *, start: int, stop: int, total: int) -> None:
-    """The module that loops over the blocks reads per-layer config lists by the loop's index
-    (``self.config.layer_types[i]`` picks each layer's mask in Gemma 3, Cohere 2, OLMo 3, ...): it
-    gets its own config copy with those lists cut to this stage's layers. The blocks keep the
-    shared config (they read it by their own, global ``layer_idx``), and so do exports."""
-    config = getattr(holder, "config", None)
+    That module reads per-layer config lists by the loop's index (``self.config.layer_types[i]``
+    picks each layer's mask in Gemma 3, Cohere 2, OLMo 3, ...): it gets its own config copy with
+    those lists cut to this chunk's layers. The blocks keep the shared config (they read it by
+    their own, global ``layer_idx``), and so do exports. Returns ``config`` itself when it holds no
+    per-layer list."""
     if config is None:
-        return
+        return None
     per_layer = {k: v for k, v in vars(config).items() if isinstance(v, (list, tuple)) and len(v) == total}
-    if per_layer:
-        own = copy.copy(config)
-        for key, value in per_layer.items():
-            setattr(own, key, value[start:stop])
-        holder.config = own
+    if not per_layer:
+        return config
+    own = copy.copy(config)
+    for key, value in per_layer.items():
+        setattr(own, key, value[start:stop])
+    return own

@@ -215,7 +215,7 @@ def _recorded_step(pm: ParallelModel, batch: dict[str, torch.Tensor], *, path: s
     pm.executor.events = []
     t0 = time.perf_counter()
     loss = pm.train_step(batch)
-    events = [(op, mb, a - t0, b - t0) for op, mb, a, b in pm.executor.events]
+    events = [(str(e.op), e.chunk, e.mb, e.start - t0, e.stop - t0) for e in pm.executor.events]
     pm.executor.events = None
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (dict(pm.coords), events))
@@ -223,7 +223,8 @@ def _recorded_step(pm: ParallelModel, batch: dict[str, torch.Tensor], *, path: s
         rows = [(f"stage {c['pp']} (dp {c['dp']}, tp {c['tp']})", evs)
                 for c, evs in sorted(gathered, key=lambda g: (g[0]["dp"], g[0]["tp"], g[0]["pp"]))
                 if c["dp"] == 0 and c["tp"] == 0]
-        pipeline_timeline(path, ranks=rows, title=f"step {step}: {cfg.schedule}, pp={pm.dims.pp}, "
+        virtual = f" x {pm.stage.plan.virtual} chunks" if pm.stage.plan.virtual > 1 else ""
+        pipeline_timeline(path, ranks=rows, title=f"step {step}: {cfg.schedule}, pp={pm.dims.pp}{virtual}, "
                                                     f"{cfg.microbatches} microbatches (measured)")
     return loss
 

@@ -58,23 +58,29 @@ def loss_figure(*, runs: Sequence[tuple[str, list[dict]]], title: str):
     return fig
 
 
-def pipeline_timeline(path: str, *, ranks: Sequence[tuple[str, list[tuple[str, int, float, float]]]], title: str) -> None:
-    """One row per rank; a bar per forward/backward action labelled with its microbatch. Times are
-    seconds since the step started on that rank (after a barrier), so idle gaps are the bubble."""
+def pipeline_timeline(path: str, *, ranks: Sequence[tuple[str, list[tuple[str, int, int, float, float]]]],
+                      title: str) -> None:
+    """One row per rank; a bar per forward, backward and deferred weight-gradient action labelled
+    with its microbatch (``chunk:mb`` when the rank runs several chunks). Events are (op, chunk, mb,
+    start, stop); times are seconds since the step started on that rank (after a barrier), so idle
+    gaps are the bubble."""
     plt = _pyplot()
-    colors = {"fwd": "#4C72B0", "bwd": "#DD8452"}
+    colors = {"fwd": "#4C72B0", "bwd": "#DD8452", "wgt": "#55A868"}
     fig, ax = plt.subplots(figsize=(11, 0.45 * len(ranks) + 1.2))
+    longest = max((e[4] for _, evs in ranks for e in evs), default=0.0)
     for row, (_, events) in enumerate(ranks):
-        for op, mb, start, stop in events:
+        several = len({chunk for _, chunk, _, _, _ in events}) > 1
+        for op, chunk, mb, start, stop in events:
             if op not in colors:
                 continue
             ax.barh(row, (stop - start) * 1e3, left=start * 1e3, color=colors[op], edgecolor="white", height=0.8)
-            if (stop - start) * 1e3 > 0.02 * max(e[3] for _, evs in ranks for e in evs if evs) * 1e3:
-                ax.text((start + stop) / 2 * 1e3, row, str(mb), ha="center", va="center", fontsize=7, color="white")
+            if stop - start > 0.02 * longest:
+                label = f"{chunk}:{mb}" if several else str(mb)
+                ax.text((start + stop) / 2 * 1e3, row, label, ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(len(ranks)), [label for label, _ in ranks], fontsize=8)
     ax.invert_yaxis()
     ax.set(xlabel="ms since the step started", title=title)
-    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()], labels=["forward", "backward"],
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()], labels=["forward", "backward", "weight gradient"],
               loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
