@@ -82,6 +82,7 @@ class ParallelModel:
         # (chunk, "b" | "w") -> the parameters whose gradients are final after that chunk's last
         # backward ("b") or last deferred weight pass ("w"): the moment their dp buckets may start
         self._final_params = _final_params(module, stage, deferred)
+        self.deferred = deferred  # names of the parameters whose gradients come in W passes (zb_h1)
         self.optimizer = None  # the qn_hf.optimizer built over this model, if any
         self.failures = FailTogether()
         self._sync = True

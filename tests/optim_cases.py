@@ -38,6 +38,11 @@ def train(pm, opt, *, kind: str, steps: int, microbatch_rows: int, clip: float |
     return losses
 
 
+def virtual_for(schedule: str) -> int:
+    """Chunks per rank in these cases: two under interleaved 1F1B (the 4-block models at pp=2)."""
+    return 2 if schedule == "interleaved_1f1b" else 1
+
+
 def zero_parity(*, kind: str, model_dir: str, dp: int, tp: int, pp: int, microbatches: int, opt_name: str,
                 steps: int = 3, schedule: str = "1f1b") -> dict:
     """zero=True against zero=False (the same optimizer over the same mesh) and, for SGD, against the
@@ -48,7 +53,7 @@ def zero_parity(*, kind: str, model_dir: str, dp: int, tp: int, pp: int, microba
     results = {}
     for zero in (True, False):
         pm = qn_hf.parallelize(load(kind, model_dir), dp=dp, tp=tp, pp=pp, microbatches=microbatches, mesh=mesh,
-                               schedule=schedule)
+                               schedule=schedule, virtual_stages=virtual_for(schedule))
         opt = qn_hf.optimizer(pm, cls, zero=zero, param_groups=groups_of(pm.named_parameters()), **kwargs)
         losses = train(pm, opt, kind=kind, steps=steps, microbatch_rows=2)
         state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
@@ -139,7 +144,8 @@ def mixed_parity(*, kind: str, model_dir: str, dp: int, tp: int, pp: int, microb
     rank's shard), and what lives in which dtype."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     pm = qn_hf.parallelize(load(kind, model_dir), dp=dp, tp=tp, pp=pp, microbatches=microbatches,
-                           mesh=mesh_for(dp, tp, pp), mixed_precision=precision, schedule=schedule)
+                           mesh=mesh_for(dp, tp, pp), mixed_precision=precision, schedule=schedule,
+                           virtual_stages=virtual_for(schedule))
     cls = getattr(torch.optim, opt_name)
     kwargs = {"lr": 0.1, "momentum": 0.9} if opt_name == "SGD" else {"lr": 1e-3}
     opt = qn_hf.optimizer(pm, cls, zero=zero, **kwargs)

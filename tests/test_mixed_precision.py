@@ -9,6 +9,8 @@ MIXED_CASES = [  # kind, dp, tp, pp, microbatches, zero, precision, schedule
     ("gpt2", 2, 2, 2, 2, True, "bf16", "1f1b"),  # tied embedding across stages
     ("llama", 2, 2, 1, 2, True, "fp16", "1f1b"),
     ("gpt2", 1, 2, 2, 2, False, "bf16", "gpipe"),
+    ("llama", 2, 1, 2, 2, True, "bf16", "zb_h1"),  # float32 gradients delivered by the weight passes
+    ("gpt2", 1, 2, 2, 2, False, "bf16", "interleaved_1f1b"),
 ]
 
 

@@ -13,6 +13,8 @@ ZERO_CASES = [  # kind, dp, tp, pp, optimizer, schedule
     ("llama", 2, 2, 1, "SGD", "1f1b"),  # SGD also against the plain model
     ("gpt2", 2, 1, 2, "SGD", "gpipe"),
     ("llama", 4, 1, 1, "AdamW", "1f1b"),
+    ("gpt2", 2, 1, 2, "SGD", "zb_h1"),  # pieces bound by the weight passes; against the plain model
+    ("llama", 2, 1, 2, "AdamW", "interleaved_1f1b"),
 ]
 
 
