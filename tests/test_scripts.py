@@ -30,11 +30,13 @@ COMMON = ["--warmup-steps", "2", "--lr", "3e-3", "--no-progress"]
 CASES = {  # script: (arguments, steps, launchers of A, B, C, how B is interrupted)
     "train_lm.py": (["--model", "tiny-gpt2", "--mesh", "2", "1", "2", "--microbatches", "2", "--batch-size", "8",
                      "--seq-len", "32", "--eval-batches", "2", "--steps", "12", "--save-every", "4", "--eval-every", "6",
-                     # resumed bit for bit with bf16 compute, ZeRO-1 state in pieces and recomputation
-                     "--mixed-precision", "bf16", "--zero", "--recompute", "selective"],
+                     # resumed bit for bit with bf16 compute, ZeRO-1 state in pieces, recomputation and
+                     # the zero-bubble schedule's deferred weight gradients
+                     "--mixed-precision", "bf16", "--zero", "--recompute", "selective", "--schedule", "zb_h1"],
                     12, ("torchrun", "accelerate", "torchrun"), "sigkill"),
     "train_vit.py": (["--mesh", "1", "2", "2", "--microbatches", "2", "--batch-size", "16", "--eval-batches", "3",
-                      "--steps", "6", "--save-every", "3", "--eval-every", "3"],
+                      "--steps", "6", "--save-every", "3", "--eval-every", "3",
+                      "--schedule", "interleaved_1f1b", "--virtual-stages", "2"],  # 4 blocks in 2 x 2 chunks
                      6, ("accelerate", "torchrun", "accelerate"), "stop-after"),
 }
 

@@ -42,6 +42,7 @@ class TrainConfig:
     mesh: tuple[int, int, int] | None = None  # (dp, tp, pp); default: (world size, 1, 1)
     ep: int = 1  # expert parallelism: MoE experts sharded over ep of a stage's dp x tp ranks
     schedule: str = "1f1b"
+    virtual_stages: int = 1  # chunks per pipeline stage under schedule interleaved_1f1b
     microbatches: int | None = None  # default: default_microbatches(...)
     mixed_precision: str | None = None  # "bf16" or "fp16": see qn_hf.parallelize
     zero: bool = False  # ZeRO-1: each dp rank keeps 1/dp of the optimizer state
@@ -86,6 +87,9 @@ _HELP = {
     "mesh": "dp tp pp (world size must equal their product); default: all ranks data parallel",
     "ep": "expert parallelism: shard each MoE layer's experts over this many of a stage's dp x tp ranks (ep must "
     "divide dp*tp and the number of experts); 1: experts replicated over dp, split over tp",
+    "schedule": "pipeline schedule: 1f1b, gpipe, interleaved_1f1b (with --virtual-stages) or zb_h1",
+    "virtual_stages": "chunks per pipeline stage for schedule interleaved_1f1b (the model is cut into pp x this "
+    "many chunks, rank r running chunks r, r+pp, ...)",
     "microbatches": "microbatches per step and dp rank (default: 2*pp when the batch per dp rank divides by it, "
     "else the largest number up to that which divides it; 1 without pipeline parallelism)",
     "mixed_precision": "bf16 or fp16: low-precision compute, float32 gradients, master weights and AdamW moments "
@@ -223,6 +227,7 @@ def _check(cfg: TrainConfig) -> None:
         if value is not None and value not in choices:
             raise UsageError(f"{name} {value!r} is not one of {sorted(choices)}")
     positive = {"batch_size": cfg.batch_size, "steps": cfg.steps, "seq_len": cfg.seq_len, "ep": cfg.ep,
+                "virtual_stages": cfg.virtual_stages,
                 **({"microbatches": cfg.microbatches} if cfg.microbatches is not None else {})}
     for name, value in positive.items():
         if value < 1:

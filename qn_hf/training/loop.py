@@ -63,7 +63,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     model = _build_model(cfg, task=task, config=prepared.config, model_dir=model_dir)
     try:
         pm = parallelize(model, dp=dp, tp=tp, pp=pp, ep=cfg.ep, microbatches=cfg.microbatches, schedule=cfg.schedule,
-                         seed=cfg.seed, checkpoint=model_dir, timeout=datetime.timedelta(seconds=cfg.timeout_s),
+                         virtual_stages=cfg.virtual_stages, seed=cfg.seed, checkpoint=model_dir, timeout=datetime.timedelta(seconds=cfg.timeout_s),
                          mixed_precision=cfg.mixed_precision, recompute=cfg.recompute)
     except ValueError as e:  # a configuration the model cannot take (checked on every rank alike)
         raise UsageError(str(e)) from None
@@ -79,7 +79,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     progress = Progress(total=cfg.steps, initial=start, active=rank == 0, enabled=cfg.progress, unit_name=task.unit)
     total_params = sum(p.numel() for p in model.parameters())  # this rank's shard
     experts = f" ep={cfg.ep}" if cfg.ep > 1 else ""
-    progress.say(f"mesh dp={dp} tp={tp} pp={pp}{experts} ({world} processes, {device.type}), schedule {cfg.schedule}, "
+    chunks = f" x {cfg.virtual_stages} chunks" if cfg.virtual_stages > 1 else ""
+    progress.say(f"mesh dp={dp} tp={tp} pp={pp}{experts} ({world} processes, {device.type}), schedule {cfg.schedule}{chunks}, "
                  f"{cfg.microbatches} microbatches; rank 0 holds {total_params:,} parameters")
     progress.say(f"data: {prepared.description}")
     if start:
