@@ -149,3 +149,26 @@ def cp_batch_errors(*, model_dir: str) -> dict:
         "mesh_dims": pm.mesh.mesh_dim_names,
         "coords": pm.coords,
     }
+
+
+def uneven_loss_fn(*, model_dir: str, dp: int, pp: int, microbatches: int, rows: list[int]) -> dict:
+    """A user loss_fn (a microbatch's mean) over dp ranks holding ``rows[dp_rank]`` examples each, cut
+    into microbatches of different sizes: the step's loss and gradients are the plain model's mean
+    over all the examples."""
+    import torch.nn.functional as F
+
+    def loss_fn(outputs, batch):
+        logits = outputs.logits[:, :-1].float()
+        return F.cross_entropy(logits.flatten(0, 1), batch["labels"][:, 1:].flatten())
+
+    ref = load("llama", model_dir)
+    pm = qn_hf.parallelize(load("llama", model_dir), dp=dp, pp=pp, microbatches=microbatches, mesh=mesh_for(dp, 1, pp))
+    batch = make_batch("llama", size=sum(rows), seed=11)
+    start = sum(rows[: pm.coords["dp"]])
+    local = {k: v[start : start + rows[pm.coords["dp"]]] for k, v in batch.items()}
+    loss = pm.train_step(local, loss_fn=loss_fn)
+    ref_loss = loss_fn(ref(input_ids=batch["input_ids"]), batch)
+    ref_loss.backward()
+    params = dict(ref.named_parameters())
+    err = max((p.grad - reference_grad(params, n, pm)).abs().max().item() for n, p in pm.named_parameters())
+    return {"loss": loss.item(), "ref_loss": ref_loss.item(), "grad_err": err}

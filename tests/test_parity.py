@@ -66,3 +66,12 @@ def test_schedules(worlds, model_dirs, tmp_path, kind, dp, tp, pp, schedule, vir
         layers_per_stage=layers_per_stage, rows=rows, padded=True, bucket_mb=0.01,
     )
     check(results, tp=tp)
+
+
+def test_loss_fn_with_microbatches_and_dp_batches_of_different_sizes(worlds, model_dirs):
+    """dp rank 0 holds 3 examples (microbatches of 2 and 1), rank 1 holds 2 (1 and 1): each
+    microbatch's mean is weighted by its rows over the 5, as the plain model's mean is."""
+    for r in worlds.run(4, "tests.cases:uneven_loss_fn", model_dir=model_dirs["llama"], dp=2, pp=2,
+                        microbatches=2, rows=[3, 2]):
+        assert abs(r["loss"] - r["ref_loss"]) <= LOSS_RTOL * abs(r["ref_loss"]), r
+        assert r["grad_err"] < GRAD_ATOL, r
