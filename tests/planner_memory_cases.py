@@ -103,14 +103,15 @@ def _measure_forwards(pm, out: list[int]):
 
 def measure(*, kind: str, dp: int, tp: int, pp: int, microbatches: int, mixed_precision: str | None, zero: bool,
             recompute: str | None, sequence_parallel: bool = False, cp: int = 1, ep: int = 1,
-            natural_routing: bool = False) -> dict:
+            natural_routing: bool = False, schedule: str = "1f1b", virtual_stages: int = 1) -> dict:
     """One run's measured bytes; under ep with uniform routing unless ``natural_routing``."""
     torch.manual_seed(0)
     config = config_for(kind)
     model = AutoModelForCausalLM.from_config(config)
     pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, microbatches=microbatches,
                            mesh=mesh_for(dp, tp, pp, cp), bucket_mb=BUCKET_MB, mixed_precision=mixed_precision,
-                           recompute=recompute, sequence_parallel=sequence_parallel)
+                           recompute=recompute, sequence_parallel=sequence_parallel, schedule=schedule,
+                           virtual_stages=virtual_stages)
     if ep > 1 and not natural_routing:
         _uniform_routing(pm.module, config.num_experts)
     opt = qn_hf.optimizer(pm, torch.optim.AdamW, zero=zero, lr=1e-4)

@@ -374,3 +374,4 @@ def test_cli_plans_expert_parallelism(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert {(m["dp"], m["tp"]) for m in out["meshes"]} == {(4, 1), (2, 2), (1, 4)}
     assert all(r["ep"] == 4 and "ep=4 must divide dp*tp" in r["reason"] for r in out["rejected"])
+

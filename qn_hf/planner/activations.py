@@ -1,45 +1,69 @@
-"""The bytes one microbatch keeps on each pipeline stage, from a meta trace (``trace.py``).
+"""The bytes one microbatch keeps on each pipeline chunk, from a meta trace (``trace.py``); with one
+chunk per rank (``virtual_stages=1``) a chunk is a stage.
 
-Per stage: what the trace measured alive for the modules on it (split over tp where the plan
-splits it; what HF's forward rebuilds on every stage, such as rotary tables and position ids,
-counts on every stage), plus on a later stage the activation it received (held until its gradient
+Per chunk: what the trace measured alive for the modules in it (split over tp where the plan
+splits it; what HF's forward rebuilds on every chunk, such as rotary tables and position ids,
+counts on every chunk), plus on a later chunk the activation it received (held until its gradient
 is sent back), what a vocab-parallel embedding keeps (its ids shifted into the shard, their mask),
-and on the last stage what a causal LM's loss keeps: its float32 softmax over this rank's
+and on the last chunk what a causal LM's loss keeps: its float32 softmax over this rank's
 vocabulary columns and int64 targets per row when they are made inside the microbatch's forward.
 They are at cp=1 (the step shifts the labels there) and with a vocab-parallel head (which shifts
 them into its shard, with two boolean masks); under cp the step shifts them with its other
 inputs before the forward, and a step's inputs, like the batch itself, are not counted.
+
+``weight_stash``: under zb_h1 a microbatch's B leaves, until its W, each deferred linear's input and
+output gradient (``qn_hf.weight_grad``), at their tp shard: a column layer's output gradient and a
+row layer's input are split; an input a sibling layer took too is kept once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from torch import nn
 
-from ..pipeline.split import StagePlan, stage_of_module
+from ..pipeline.split import StagePlan, chunk_of_module
 from ..plan import TpPlan
 from .trace import Trace
 
 
-def stage_activations(model: nn.Module, *, kept: dict[str, tuple[int, int]], base: Trace, plan: TpPlan,
+def chunk_activations(model: nn.Module, *, kept: dict[str, tuple[int, int]], base: Trace, plan: TpPlan,
                       stage_plan: StagePlan, act_elem: int, cp: int) -> list[int]:
-    """Bytes one microbatch keeps on each stage; ``kept`` is the trace's (in the compute dtype and
-    recompute mode), ``base`` gives the shapes; ``model`` the unsharded (meta) model."""
-    tp, pp = plan.tp, stage_plan.stages
-    out = [0.0] * pp
+    """Bytes one microbatch keeps on each chunk (``stage_plan.chunks`` of them, in chunk order);
+    ``kept`` is the trace's (in the compute dtype and recompute mode), ``base`` gives the shapes;
+    ``model`` the unsharded (meta) model."""
+    tp, chunks = plan.tp, stage_plan.chunks
+    out = [0.0] * chunks
     for owner, (whole, split) in kept.items():
-        found = pp - 1 if owner == "" else stage_of_module(stage_plan, owner)
-        for s in range(pp) if found is None else (found,):  # None: HF's forward runs it on every stage
-            out[s] += whole + split / tp
-    for s in range(1, pp):
-        out[s] += base.boundary_numel * act_elem
+        found = chunks - 1 if owner == "" else chunk_of_module(stage_plan, owner)
+        for c in range(chunks) if found is None else (found,):  # None: HF's forward runs it on every chunk
+            out[c] += whole + split / tp
+    for c in range(1, chunks):
+        out[c] += base.boundary_numel * act_elem
     for name, style in plan.rules if tp > 1 else ():  # int64 ids shifted into the shard, a bool mask
         if style == "vocab_embedding" and name in base.io:
-            out[stage_of_module(stage_plan, name) or 0] += base.io[name].in_numel * (8 + 1)
+            out[chunk_of_module(stage_plan, name) or 0] += base.io[name].in_numel * (8 + 1)
     if plan.loss == "causal_lm":
         padded = padded_vocab(plan, model)
         columns = padded // tp if padded else vocab(model)
         targets = 8 if cp == 1 or padded else 0
-        out[pp - 1] += base.logits_rows * (columns * 4 + targets + (2 if padded else 0))
+        out[chunks - 1] += base.logits_rows * (columns * 4 + targets + (2 if padded else 0))
+    return [int(x) for x in out]
+
+
+def weight_stash(deferred: Iterable[str], *, base: Trace, plan: TpPlan, stage_plan: StagePlan,
+                 act_elem: int) -> list[int]:
+    """Bytes of zb_h1's W stash one microbatch keeps on each chunk from its B to its W; ``deferred``:
+    the linear modules whose weight gradients W computes."""
+    styles = dict(plan.rules)
+    out = [0.0] * stage_plan.chunks
+    for name in deferred:
+        if name not in base.io:  # never called in the forward: nothing to keep
+            continue
+        io, style = base.io[name], styles.get(name, "")
+        x = 0 if name in base.repeated_inputs else io.in_numel / (plan.tp if style.startswith("rowwise") else 1)
+        grad = io.out_numel / (plan.tp if style.startswith("colwise") else 1)
+        out[chunk_of_module(stage_plan, name) or 0] += (x + grad) * act_elem
     return [int(x) for x in out]
 
 

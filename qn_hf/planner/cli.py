@@ -2,7 +2,7 @@
 
     qn-hf-plan MODEL --gpus 64 [--gpu-memory 80GiB] [--seq-len 4096] [--micro-batch-size 1]
                [--dtype bf16|fp16|fp32] [--zero] [--recompute full|selective] [--sequence-parallel] [--cp N]
-               [--ep N]
+               [--ep N] [--schedule 1f1b|gpipe|interleaved_1f1b|zb_h1] [--virtual-stages V]
     qn-hf-plan MODEL --dp 1 --tp 8 --pp 8 [--cp 2] [--ep 8] [--microbatches 32]  # one mesh, per-stage detail
     qn-hf-plan path/to/config.json --gpus 16 --json                     # machine-readable
 
@@ -22,13 +22,18 @@ that 2*cp does not divide is rejected, as train_step rejects it. --ep is expert 
 (``parallelize(ep=N)``: a MoE model's fused experts split over ep of each stage's dp x tp ranks,
 tokens sent to them by all-to-all, priced at uniform routing; the experts' gradients summed over
 the dp x tp / ep ranks holding the same experts); with --gpus every mesh takes it (and cp=1 unless
---cp is given), and those whose dp x tp it does not divide are rejected.
+--cp is given), and those whose dp x tp it does not divide are rejected. --schedule and
+--virtual-stages are ``parallelize``'s: interleaved_1f1b runs V chunks per rank (a rank's blocks are
+then listed per chunk), zb_h1 splits the backward and defers the linear layers' weight gradients;
+the default microbatch count (4 per stage) is raised to the next one the schedule allows.
 Memory is per rank: weights + gradients + AdamW state, plus activations (what one microbatch
 keeps for its backward, with a fused attention kernel, or ring attention under cp, and the recompute
-mode, times the microbatches the schedule keeps in flight). Communication is per step and rank, by
-group (the dp column: the gradients' reduction, over dp x cp). Step times come from the simple model in
-qn_hf/planner/cost.py (a stated FLOP rate and link bandwidths): use them to rank meshes, not to
-predict a run.
+mode, per chunk, at the most the schedule's action list holds at once, zb_h1's stash of the deferred
+layers' inputs and output gradients included). The bubble is the schedule's own, timed on its action
+lists with per-op costs (forward, backward, weight gradients) from the FLOPs. Communication is per
+step and rank, by group (the dp column: the gradients' reduction, over dp x cp). Step times come
+from the simple model in qn_hf/planner/cost.py (a stated FLOP rate and link bandwidths): use them
+to rank meshes, not to predict a run.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import sys
 import torch
 
 from ..mesh import ParallelDims
+from ..pipeline.schedule import SCHEDULES
 from .cost import GIB, Hardware, links, step_time
 from .estimate import MeshEstimate, Planner
 from .search import Candidate, microbatches_for, search
@@ -89,25 +95,31 @@ def mesh_report(est: MeshEstimate, hw: Hardware) -> str:
     t = step_time(est, hw)
     master = " + fp32 master" if est.mixed_precision else ""
     ep = est.ep > 1  # an ep column and link only then: dense-model reports stay as they were
+    stash = est.schedule == "zb_h1"  # a W stash column only then
     lines = [
         f"mesh dp={est.dp} tp={est.tp} pp={est.pp} cp={est.cp}{f' ep={est.ep}' if ep else ''} "
-        f"({est.world_size} GPUs), {est.schedule}, {est.microbatches} microbatches of {est.micro_batch_size} x {est.seq_len} positions; "
-        f"{est.total_params:,} parameters; "
+        f"({est.world_size} GPUs), {schedule_name(est)}, {est.microbatches} microbatches of {est.micro_batch_size} x "
+        f"{est.seq_len} positions; {est.total_params:,} parameters; "
         f"{settings(mixed_precision=est.mixed_precision, zero=est.zero, recompute=est.recompute, sequence_parallel=est.sequence_parallel)}",
-        f"bubble (pp-1)/(M+pp-1) = {est.bubble:.3f}; links: tp {link['tp']}, cp {link['cp']}, pp {link['pp']}, "
+        f"bubble of {est.schedule} {est.bubble:.3f} (its action lists timed with per-op costs from FLOPs); "
+        f"links: tp {link['tp']}, cp {link['cp']}, pp {link['pp']}, "
         f"dp {link['dp']}" + (f", ep {link['ep']}, experts {link['experts']}" if ep else ""),
         "",
         f"| stage | blocks | also holds | params / rank | weights GiB | grads GiB | AdamW{master} GiB "
-        f"| activations / microbatch GiB | in flight | total GiB | tp GB/step | cp GB/step | pp GB/step | dp GB/step |"
+        f"| activations / microbatch GiB |{' W stash / microbatch GiB |' if stash else ''} in flight "
+        f"| peak activations GiB | total GiB | tp GB/step | cp GB/step | pp GB/step | dp GB/step |"
         + (" ep GB/step |" if ep else ""),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if ep else ""),
+        "|---" * (15 + stash + ep) + "|",
     ]
     for s in est.stages:
         comm = group_gb(s.comm)
+        blocks = ", ".join(f"{first}-{last - 1}" for first, last in s.chunks)
         lines.append(
-            f"| {s.stage} | {s.blocks[0]}-{s.blocks[1] - 1} | {', '.join(s.modules) or '-'} | {s.params:,} "
+            f"| {s.stage} | {blocks} | {', '.join(s.modules) or '-'} | {s.params:,} "
             f"| {gib(s.weight_bytes)} | {gib(s.grad_bytes)} | {gib(s.optimizer_bytes)} "
-            f"| {gib(s.activation_bytes_per_microbatch)} | {s.in_flight} | {gib(s.total_bytes)} "
+            f"| {gib(s.activation_bytes_per_microbatch)} |"
+            + (f" {gib(s.weight_stash_bytes_per_microbatch)} |" if stash else "")
+            + f" {s.in_flight} | {gib(s.activation_bytes)} | {gib(s.total_bytes)} "
             f"| {comm['tp']:.2f} | {comm['cp']:.2f} | {comm['pp']:.2f} | {comm['dp']:.2f} |"
             + (f" {comm['ep']:.2f} |" if ep else "")
         )
@@ -118,6 +130,10 @@ def mesh_report(est: MeshEstimate, hw: Hardware) -> str:
               f"{100 * t.utilization:.0f}% of the stated "
               f"FLOP rate"]
     return "\n".join(lines)
+
+
+def schedule_name(est: MeshEstimate) -> str:
+    return est.schedule + (f" x{est.virtual_stages} virtual stages" if est.virtual_stages > 1 else "")
 
 
 def group_gb(comm: dict) -> dict[str, float]:
@@ -163,6 +179,8 @@ def to_json(est: MeshEstimate, hw: Hardware) -> dict:
     out["fits"] = out["peak_bytes"] <= hw.gpu_memory
     out["links"] = links(est, hw)
     for stage, s in zip(out["stages"], est.stages):
+        if len(s.chunks) == 1:
+            stage["blocks"] = s.blocks
         for what in ("weight", "grad", "optimizer", "state", "activation", "total"):
             stage[f"{what}_bytes"] = getattr(s, f"{what}_bytes")
     return out
@@ -184,7 +202,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's, at most 4096)")
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--microbatches", type=int, default=None, help="per step (default: 4 per pipeline stage)")
-    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
+    parser.add_argument("--virtual-stages", type=int, default=1,
+                        help="chunks per pipeline rank (interleaved_1f1b needs 2 or more; default 1)")
     parser.add_argument("--dtype", default="bf16", choices=sorted(MIXED_PRECISION),
                         help="bf16/fp16: mixed precision with float32 gradients and master weights; fp32: none (default bf16)")
     parser.add_argument("--zero", action="store_true", help="shard master weights and AdamW moments over dp (ZeRO-1)")
@@ -220,12 +240,12 @@ def main(argv: list[str] | None = None) -> None:
             if args.gpus is not None:
                 ParallelDims(dp=args.dp, tp=args.tp, pp=args.pp, cp=cp, ep=args.ep).check_world_size(args.gpus)
             est = planner.estimate(dp=args.dp, tp=args.tp, pp=args.pp, cp=cp, ep=args.ep,
-                                   microbatches=microbatches_for(args.pp, args.microbatches), schedule=args.schedule,
-                                   **training)
+                                   microbatches=microbatches_for(args.pp, args.microbatches, schedule=args.schedule),
+                                   schedule=args.schedule, virtual_stages=args.virtual_stages, **training)
             print(json.dumps(to_json(est, hw), indent=1) if args.json else mesh_report(est, hw))
             return
         accepted, rejected = search(planner, gpus=args.gpus, hw=hw, microbatches=args.microbatches, schedule=args.schedule,
-                                    cp=args.cp, ep=args.ep, **training)
+                                    virtual_stages=args.virtual_stages, cp=args.cp, ep=args.ep, **training)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -3,9 +3,10 @@
 For each pipeline stage, one microbatch costs
 
     compute = (6 * matmul parameters on the rank + attention FLOPs / tp) * tokens / cp / FLOP rate
-              (times 4/3 with full recomputation: the stage's forward runs twice; selective
-              recomputation only redoes elementwise work, counted as free); routed experts'
-              parameters count at ``MeshEstimate.expert_flop_share`` (K of E experts per token)
+              (``StageEstimate.flops_per_microbatch`` / cp / FLOP rate; times 4/3 with full
+              recomputation: the stage's forward runs twice; selective recomputation only redoes
+              elementwise work, counted as free); routed experts' parameters count at
+              ``MeshEstimate.expert_flop_share`` (K of E experts per token)
     tp      = per microbatch, over the tp link bandwidth, a ring's bytes on the wire per byte of
               payload (as CommMeter counts it): all-reduce 2 (tp-1)/tp, reduce-scatter (tp-1)/tp of
               its whole input, all-gather (tp-1) times its slice
@@ -19,16 +20,22 @@ For each pipeline stage, one microbatch costs
               * (ep-1)/ep (the share that leaves the rank) / ep link bandwidth; it sits between the
               router and the experts, on the critical path
 
-and the pipeline takes (microbatches + pp - 1) times the slowest stage's microbatch (1F1B and
-GPipe have the same bubble). Data parallelism adds, for the largest stage, a ring all-reduce of the
-gradients over the R = dp x cp replicas, 2 (R-1)/R * gradient bytes / link bandwidth, or with ZeRO
-a reduce-scatter of the gradients and an all-gather of the weights, (R-1)/R * (gradient + weight
-bytes) / bandwidth; under ep the experts' gradients are all-reduced over their own X = dp x tp / ep
-ranks instead, 2 (X-1)/X * their bytes / that group's link; assumed not overlapped with backward
-(qn_hf overlaps the last microbatch's backward, so this errs slow). A group's link is NVLink when
-all its ranks share a node (ranks are laid out dp, pp, cp, tp with tp fastest; an ep group is ep
-consecutive ranks of a stage's dp x tp grid) and InfiniBand otherwise. Ring attention's own matrix
-products (float32, unfused) are counted at the stated rate like the rest: an optimistic figure.
+(with V chunks per rank, interleaved_1f1b, the pp term V times: each chunk sends and receives), and
+the pipeline takes the schedule's own time: every rank's action list timed
+(``schedule_check.timed``) with the slowest stage's microbatch cut into per-op costs F, B and
+zb_h1's W, an even share per chunk (``schedules.op_costs``: the forward a third of the compute, the
+backward the rest plus the forward again under full recomputation, W the deferred linears' weight
+gradients taken out of B, communication half with F and half with B); for 1F1B and GPipe that is
+(microbatches + pp - 1) times the slowest stage's microbatch, as it always was. Data parallelism
+adds, for the largest stage, a ring all-reduce of the gradients over the R = dp x cp replicas, 2
+(R-1)/R * gradient bytes / link bandwidth, or with ZeRO a reduce-scatter of the gradients and an
+all-gather of the weights, (R-1)/R * (gradient + weight bytes) / bandwidth; under ep the experts'
+gradients are all-reduced over their own X = dp x tp / ep ranks instead, 2 (X-1)/X * their bytes /
+that group's link; assumed not overlapped with backward (qn_hf overlaps the last microbatch's
+backward, so this errs slow). A group's link is NVLink when all its ranks share a node (ranks are
+laid out dp, pp, cp, tp with tp fastest; an ep group is ep consecutive ranks of a stage's dp x tp
+grid) and InfiniBand otherwise. Ring attention's own matrix products (float32, unfused) are counted
+at the stated rate like the rest: an optimistic figure.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .estimate import MeshEstimate
+from .schedules import op_costs, pipeline_timing
 
 GIB = 1024**3
 
@@ -87,18 +95,23 @@ def step_time(est: MeshEstimate, hw: Hardware) -> StepTime:
     rate = hw.tflops * 1e12
     tokens = est.tokens_per_microbatch
     slowest = compute_mb = tp_mb = pp_mb = cp_mb = ep_mb = 0.0
+    costs = {}
     for s in est.stages:
-        layers = s.blocks[1] - s.blocks[0]
-        matmul = s.params - s.embedding_params - s.expert_params * (1 - est.expert_flop_share)
-        flops = (6 * matmul + est.attention_flops_per_token * layers / est.layers / est.tp) * tokens
-        c = flops / est.cp / rate * (4 / 3 if est.recompute == "full" else 1)
+        plain = s.flops_per_microbatch / est.cp / rate  # forward and backward, without recomputation
+        c = plain * (4 / 3 if est.recompute == "full" else 1)
         t = _tp_wire_bytes(s.comm["tp"].ops, tp=est.tp) / est.microbatches / link["tp"] if "tp" in s.comm else 0.0
         r = s.comm["cp"].ops.get("send", (0, 0))[1] / est.microbatches / link["cp"] if "cp" in s.comm else 0.0
-        p = 2 * est.boundary_bytes / link["pp"] if est.pp > 1 else 0.0  # the activation out, its gradient back
+        # the activation out, its gradient back, per chunk
+        p = 2 * est.virtual_stages * est.boundary_bytes / link["pp"] if est.pp > 1 else 0.0
         e = s.comm["ep"].nbytes * (est.ep - 1) / est.ep / est.microbatches / link["ep"] if "ep" in s.comm else 0.0
         if c + t + r + p + e > slowest:
             slowest, compute_mb, tp_mb, cp_mb, pp_mb, ep_mb = c + t + r + p + e, c, t, r, p, e
-    rounds = est.microbatches + est.pp - 1
+            costs = op_costs(compute=plain, weight=s.weight_grad_flops_per_microbatch / est.cp / rate,
+                             comm=t + r + p + e, recompute=est.recompute, schedule=est.schedule,
+                             virtual_stages=est.virtual_stages)
+    timing = pipeline_timing(stages=est.pp, microbatches=est.microbatches, schedule=est.schedule,
+                             virtual_stages=est.virtual_stages, costs=costs)
+    rounds = timing.makespan / slowest  # slowest microbatches' worth: M + pp - 1 for 1F1B
     dp = 0.0
     if est.replicas > 1:
         ring = (est.replicas - 1) / est.replicas

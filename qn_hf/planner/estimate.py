@@ -19,8 +19,11 @@ What is modelled, per rank, for the settings ``parallelize`` and ``qn_hf.optimiz
   (see ``trace.py``; with sequence parallelism, run as one tp rank runs it: ``sequence.py``; with
   context parallelism on one cp rank's tokens, ring attention's saved tensors included:
   ``context.py``; with expert parallelism one rank's dispatch at uniform routing: ``experts.py``),
-  with what the stages and the loss add (``activations.py``); times the microbatches the schedule
-  keeps in flight;
+  with what the stages and the loss add (``activations.py``), per chunk of the model; a rank's peak
+  over its schedule's action list (``schedules.py``: per chunk, the bytes times the microbatches
+  alive from forward to backward, plus zb_h1's W stash from backward to W);
+* the schedule's bubble (``schedule`` and ``virtual_stages`` as ``parallelize`` takes them), timed
+  on the action lists with per-op costs from the FLOPs of the slowest rank (``schedules.py``);
 * communication by group: see ``traffic.py`` (ZeRO's reduce-scatter and all-gather, recomputation's
   repeated tp collectives, sequence parallelism's, ring attention's sends and receives, expert
   parallelism's all-to-alls and token gathers, float16's overflow flag).
@@ -42,17 +45,19 @@ from transformers import PretrainedConfig
 from ..batch import check_model_inputs, sequence_split
 from ..data_parallel import DEFAULT_BUCKET_MB, bucket_size_bytes
 from ..layout import meta_model
-from ..pipeline.schedule import peak_in_flight, stage_actions
+from ..pipeline.schedule_check import peaks
 from ..pipeline.split import stage_of_module
 from ..plan import ModelPolicy
 from ..optimizer import check_zero_with_ep
 from ..precision import GRAD_DTYPE, PRECISIONS, apply_mixed_precision
 from ..validate import check_parallel_config
-from .activations import stage_activations
+from ..weight_grad import WeightGradQueue, make_deferrable
+from .activations import chunk_activations, weight_stash
 from .context import cp_inputs
 from .experts import expert_parameters
 from .memory import RankState, bucket_layout, rank_state
 from .params import local_sizes, stage_params
+from .schedules import bubble, op_costs, peak_activation_bytes, pipeline_timing, rank_actions
 from .sequence import StageEdges, stage_edges
 from .trace import Trace, example_inputs, trace_microbatch
 from .traffic import GroupTraffic, Mesh, stage_traffic
@@ -60,20 +65,29 @@ from .traffic import GroupTraffic, Mesh, stage_traffic
 @dataclass(frozen=True)
 class StageEstimate:
     stage: int
-    blocks: tuple[int, int]  # [first, last) block indices
+    chunks: tuple[tuple[int, int], ...]  # [first, last) block indices of each chunk this rank runs, in model order
     modules: tuple[str, ...]  # modules other than blocks on this stage (embeddings, head)
     params: int  # elements this rank holds
     embedding_params: int  # of which embedding tables (looked up, no matmul FLOPs)
-    activation_bytes_per_microbatch: int
-    in_flight: int  # microbatches whose activations the schedule holds at once
+    activation_bytes_per_microbatch: int  # one microbatch through every chunk of this rank
+    in_flight: int  # most (chunk, microbatch)es whose activations the schedule holds at once
+    activation_bytes: int  # the peak over the schedule: activations and zb_h1's W stash (schedules.py)
     state: RankState  # weights, gradients, optimizer state
     comm: dict[str, GroupTraffic] = field(default_factory=dict)  # per step, by group
     expert_params: int = 0  # of which routed experts' (fused experts modules; E/ep experts under ep)
     expert_grad_bytes: int = 0  # their gradients under ep (summed over "experts", not dp)
+    weight_stash_bytes_per_microbatch: int = 0  # zb_h1: what one microbatch keeps from its B to its W
+    chunk_activation_bytes: tuple[int, ...] = ()  # one microbatch's, per chunk of this rank (in ``chunks`` order)
+    in_flight_w: int = 0  # most (chunk, microbatch)es from forward to their last gradient pass (W under zb_h1)
+    flops_per_microbatch: float = 0.0  # forward and backward of one whole microbatch here (no recomputation)
+    weight_grad_flops_per_microbatch: float = 0.0  # of which zb_h1's W (the deferred linears' weight gradients)
 
     @property
-    def activation_bytes(self) -> int:
-        return self.activation_bytes_per_microbatch * self.in_flight
+    def blocks(self) -> tuple[int, int]:
+        """[first, last) block indices of the rank's only chunk (``chunks`` for interleaved schedules)."""
+        if len(self.chunks) != 1:
+            raise ValueError(f"stage {self.stage} runs {len(self.chunks)} chunks {self.chunks}; read .chunks")
+        return self.chunks[0]
 
     @property
     def weight_bytes(self) -> int:
@@ -109,7 +123,7 @@ class MeshEstimate:
     tokens_per_microbatch: int  # of the whole microbatch (each cp rank runs 1/cp of them)
     total_params: int
     stages: tuple[StageEstimate, ...]
-    bubble: float  # (pp - 1) / (microbatches + pp - 1)
+    bubble: float  # the schedule's idle fraction, timed from FLOPs (schedules.py)
     flops_per_step: float  # training FLOPs of the whole global batch (6 * params * tokens + attention)
     attention_flops_per_token: int  # 12 * layers * hidden * positions (forward + backward)
     layers: int
@@ -123,6 +137,7 @@ class MeshEstimate:
     # Per token, the share of this rank's routed-expert weights whose matmuls it runs: K/E, and
     # K*ep/(E*tp) under ep (a tp rank sends 1/tp of the tokens, to E/ep experts held whole); 1: dense.
     expert_flop_share: float = 1.0
+    virtual_stages: int = 1  # chunks per rank (interleaved_1f1b)
 
     @property
     def expert_replicas(self) -> int:
@@ -166,6 +181,7 @@ class Planner:
         self._traces: dict[tuple[int, torch.dtype | None, str | None, StageEdges | None, int, int], Trace] = {}
         self._sharded: dict[tuple[int, int], tuple[dict[str, int], dict]] = {}
         self._experts = expert_parameters(self.model)
+        self._deferrable: frozenset[str] | None = None
 
     def _trace(self, plan, layers: str, *, precision: torch.dtype | None, recompute: str | None,
                edges: StageEdges | None, cp: int, ep: int) -> Trace:
@@ -187,15 +203,17 @@ class Planner:
     def estimate(self, *, dp: int, tp: int, pp: int, microbatches: int, schedule: str = "1f1b",
                  bucket_mb: float = DEFAULT_BUCKET_MB, layers_per_stage: list[int] | None = None,
                  mixed_precision: str | None = None, zero: bool = False, recompute: str | None = None,
-                 sequence_parallel: bool = False, cp: int = 1, ep: int = 1, backend: str = "nccl") -> MeshEstimate:
+                 sequence_parallel: bool = False, cp: int = 1, ep: int = 1, backend: str = "nccl",
+                 virtual_stages: int = 1) -> MeshEstimate:
         """Estimate one mesh; raises the ``ValueError`` ``parallelize`` (or, for a sequence length
         that sequence or context parallelism cannot split, its step; for ZeRO under ep,
-        ``qn_hf.optimizer``) would raise for it. ``mixed_precision``, ``recompute``,
-        ``sequence_parallel``, ``cp`` and ``ep`` as ``parallelize`` takes them, ``zero`` as
-        ``qn_hf.optimizer`` does (with dp x cp = 1 it shards nothing); ``backend`` is the process
+        ``qn_hf.optimizer``) would raise for it. ``schedule``, ``virtual_stages``, ``mixed_precision``,
+        ``recompute``, ``sequence_parallel``, ``cp`` and ``ep`` as ``parallelize`` takes them, ``zero``
+        as ``qn_hf.optimizer`` does (with dp x cp = 1 it shards nothing); ``backend`` is the process
         group's (ZeRO's collectives differ on gloo, see traffic.py)."""
         checked = check_parallel_config(self.model, dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
-                                        policy=self.policy, layers_per_stage=layers_per_stage, bucket_mb=bucket_mb,
+                                        virtual_stages=virtual_stages, policy=self.policy,
+                                        layers_per_stage=layers_per_stage, bucket_mb=bucket_mb,
                                         mixed_precision=mixed_precision, recompute=recompute,
                                         sequence_parallel=sequence_parallel, cp=cp, ep=ep)
         check_zero_with_ep(zero=zero, ep=ep)
@@ -228,9 +246,19 @@ class Planner:
         placed = stage_params(self.model, numels, stage_plan=stage_plan, stage_of=stage_of)
         on_stage, embedding, tied = [list(h) for h in placed.held], placed.embedding, placed.tied
 
-        activations = stage_activations(self.model, kept=kept, base=base, plan=plan, stage_plan=stage_plan,
+        activations = chunk_activations(self.model, kept=kept, base=base, plan=plan, stage_plan=stage_plan,
                                         act_elem=param_elem, cp=cp)
-        mesh = Mesh(dp=dp, tp=tp, pp=pp, microbatches=microbatches, cp=cp, ep=ep)
+        deferred = self._deferred(stage_plan.heads) if schedule == "zb_h1" else frozenset()
+        stash = weight_stash(deferred, base=base, plan=plan, stage_plan=stage_plan, act_elem=param_elem)
+        lists = rank_actions(stages=pp, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages)
+        mesh = Mesh(dp=dp, tp=tp, pp=pp, microbatches=microbatches, cp=cp, ep=ep, virtual_stages=virtual_stages)
+        layers = len(self.model.get_submodule(stage_plan.layers))
+        tokens = base.tokens * cp  # the whole microbatch's
+        positions = tokens // self.micro_batch_size  # per example: seq_len, or patches + class token
+        attention_per_token = 12 * layers * self.config.hidden_size * positions  # forward + backward
+        # a token runs through K of each MoE layer's E routed experts
+        active = base.experts[0].top_k / base.experts[0].experts if base.experts else 1.0
+        expert_flop_share = active * (ep / tp if ep > 1 else 1)
         grad_sum = set(plan.grad_sum)
         sharded = self._experts if ep > 1 else frozenset()  # in buckets of their own, over "experts"
         stages = []
@@ -247,35 +275,57 @@ class Planner:
                                  zero=zero, kv=kv, tied=tied[s], grad_sum=summed, recompute=recompute,
                                  loss_scaling=mixed_precision == "fp16", backend=backend, experts=experts_calls,
                                  expert_buckets=expert_buckets if dp * tp > ep else [])
-            actions = stage_actions(stage=s, stages=pp, microbatches=microbatches, schedule=schedule, backward=True)
             others = set(stage_plan.heads) if s == pp - 1 else set()
             if s == 0:
                 others |= {n for n, _ in stage_plan.first_only} | ({stage_plan.entry} if stage_plan.entry else set())
             state = rank_state(on_stage[s], buckets=buckets, param_elem=param_elem, grad_elem=grad_elem,
                                mixed=precision is not None, zero=zero, dp=replicas)
-            stages.append(StageEstimate(stage=s, blocks=stage_plan.layer_ranges[s], modules=tuple(sorted(others)),
-                                        params=sum(n for _, n in on_stage[s]), embedding_params=embedding[s],
-                                        activation_bytes_per_microbatch=activations[s],
-                                        in_flight=peak_in_flight(actions), state=state, comm=comm,
-                                        expert_params=sum(n for name, n in on_stage[s] if name in self._experts),
-                                        expert_grad_bytes=sum(n for _, n in experts) * grad_elem))
-        layers = len(self.model.get_submodule(stage_plan.layers))
-        tokens = base.tokens * cp  # the whole microbatch's
-        positions = tokens // self.micro_batch_size  # per example: seq_len, or patches + class token
-        # a token runs through K of each MoE layer's E routed experts
-        active = base.experts[0].top_k / base.experts[0].experts if base.experts else 1.0
+            chunks = stage_plan.chunks_of(s)
+            ranges = tuple(stage_plan.layer_ranges[c] for c in chunks)
+            expert_params = sum(n for name, n in on_stage[s] if name in self._experts)
+            params = sum(n for _, n in on_stage[s])
+            # 6 FLOPs per matmul parameter and token (embedding lookups none, routed experts their active share)
+            matmul = params - embedding[s] - expert_params * (1 - expert_flop_share)
+            blocks = sum(b - a for a, b in ranges)
+            flops = (6 * matmul + attention_per_token * blocks / layers / tp) * tokens
+            # W: each deferred weight's gradient, 2 FLOPs per element and token
+            weight_flops = 2 * sum(n for name, n in on_stage[s] if name.rpartition(".")[0] in deferred
+                                   and name.endswith(".weight")) * tokens
+            held = peaks(list(lists[s]))
+            stages.append(StageEstimate(
+                stage=s, chunks=ranges, modules=tuple(sorted(others)), params=params, embedding_params=embedding[s],
+                activation_bytes_per_microbatch=sum(activations[c] for c in chunks), in_flight=held.f_to_b,
+                activation_bytes=peak_activation_bytes(lists[s], stage=s, kept=activations, stash=stash),
+                state=state, comm=comm, expert_params=expert_params,
+                expert_grad_bytes=sum(n for _, n in experts) * grad_elem,
+                weight_stash_bytes_per_microbatch=sum(stash[c] for c in chunks), in_flight_w=held.f_to_w,
+                chunk_activation_bytes=tuple(activations[c] for c in chunks),
+                flops_per_microbatch=flops, weight_grad_flops_per_microbatch=weight_flops))
+        slowest = max(stages, key=lambda e: e.flops_per_microbatch)
+        costs = op_costs(compute=slowest.flops_per_microbatch, weight=slowest.weight_grad_flops_per_microbatch,
+                         comm=0.0, recompute=recompute, schedule=schedule, virtual_stages=virtual_stages)
+        timing = pipeline_timing(stages=pp, microbatches=microbatches, schedule=schedule,
+                                 virtual_stages=virtual_stages, costs=costs)
         routed = sum(p.numel() for n, p in self.model.named_parameters() if n in self._experts)
-        per_token = 6 * (self.total_params - routed * (1 - active)) + 12 * layers * self.config.hidden_size * positions
+        per_token = 6 * (self.total_params - routed * (1 - active)) + attention_per_token
         return MeshEstimate(dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
                             micro_batch_size=self.micro_batch_size, seq_len=positions,
                             tokens_per_microbatch=tokens, total_params=self.total_params, stages=tuple(stages),
-                            bubble=(pp - 1) / (microbatches + pp - 1),
-                            flops_per_step=float(per_token * tokens * microbatches * dp),
-                            attention_flops_per_token=12 * layers * self.config.hidden_size * positions,
+                            bubble=bubble(timing), flops_per_step=float(per_token * tokens * microbatches * dp),
+                            attention_flops_per_token=attention_per_token,
                             layers=layers, boundary_bytes=base.boundary_numel * param_elem,
                             mixed_precision=mixed_precision, zero=zero, recompute=recompute,
                             sequence_parallel=plan.sequence_parallel, cp=cp, ep=ep,
-                            expert_flop_share=active * (ep / tp if ep > 1 else 1))
+                            expert_flop_share=expert_flop_share, virtual_stages=virtual_stages)
+
+    def _deferred(self, heads: tuple[str, ...]) -> frozenset[str]:
+        """The linear modules whose weight gradients zb_h1 defers to W: those ``parallelize`` hands to
+        ``make_deferrable`` (on a meta model of its own, whose layers it swaps)."""
+        if self._deferrable is None:
+            model = meta_model(self.config).to(self.dtype)
+            names = make_deferrable(model, queue=WeightGradQueue(), skip=heads)
+            self._deferrable = frozenset(n.rpartition(".")[0] for n in names)
+        return self._deferrable
 
     def _local_sizes(self, plan, ep: int = 1) -> tuple[dict[str, int], dict]:
         if (plan.tp, ep) not in self._sharded:
@@ -289,10 +339,11 @@ def estimate_mesh(config: PretrainedConfig, *, dp: int, tp: int, pp: int, microb
                   bucket_mb: float = DEFAULT_BUCKET_MB, policy: ModelPolicy | None = None,
                   layers_per_stage: list[int] | None = None, mixed_precision: str | None = None,
                   zero: bool = False, recompute: str | None = None, sequence_parallel: bool = False,
-                  cp: int = 1, ep: int = 1, backend: str = "nccl") -> MeshEstimate:
+                  cp: int = 1, ep: int = 1, backend: str = "nccl", virtual_stages: int = 1) -> MeshEstimate:
     """Estimate one mesh (see ``Planner``); raises the ``ValueError`` ``parallelize`` would raise."""
     planner = Planner(config, seq_len=seq_len, micro_batch_size=micro_batch_size, dtype=dtype, policy=policy)
     return planner.estimate(dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule, bucket_mb=bucket_mb,
                             layers_per_stage=layers_per_stage, mixed_precision=mixed_precision, zero=zero,
-                            recompute=recompute, sequence_parallel=sequence_parallel, cp=cp, ep=ep, backend=backend)
+                            recompute=recompute, sequence_parallel=sequence_parallel, cp=cp, ep=ep, backend=backend,
+                            virtual_stages=virtual_stages)
 

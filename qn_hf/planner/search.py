@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..pipeline.schedule import microbatches_allowed
 from .cost import Hardware, StepTime, step_time
 from .estimate import MeshEstimate, Planner
 
@@ -58,24 +59,32 @@ def meshes(gpus: int, *, gpus_per_node: int, cp: int | None = None, max_cp: int 
     return out
 
 
-def microbatches_for(pp: int, requested: int | None) -> int:
-    """Microbatches per step: as requested, else 4 per stage (bubble (pp-1)/(5pp-1) < 20%)."""
-    return requested if requested is not None else 4 * pp
+def microbatches_for(pp: int, requested: int | None, *, schedule: str = "1f1b") -> int:
+    """Microbatches per step: as requested (an M the schedule refuses is refused with its message),
+    else the first M from 4 per stage that the schedule allows (1F1B's bubble (pp-1)/(5pp-1) < 20%)."""
+    if requested is not None:
+        return requested
+    m = 4 * pp
+    while not microbatches_allowed(schedule=schedule, stages=pp, microbatches=m):
+        m += 1
+    return m
 
 
 def search(planner: Planner, *, gpus: int, hw: Hardware, microbatches: int | None, schedule: str,
            mixed_precision: str | None = None, zero: bool = False, recompute: str | None = None,
            sequence_parallel: bool = False, cp: int | None = None, max_cp: int = MAX_CP,
-           ep: int = 1) -> tuple[list[Candidate], list[Rejected]]:
+           ep: int = 1, virtual_stages: int = 1) -> tuple[list[Candidate], list[Rejected]]:
     """Every mesh for ``gpus`` (``cp`` and ``max_cp`` as ``meshes`` takes them), estimated with the
-    training settings given and ``ep`` (as ``Planner.estimate``)."""
+    training settings, ``ep``, ``schedule`` and ``virtual_stages`` given (as ``Planner.estimate``;
+    interleaved_1f1b refuses pp=1 meshes with its message)."""
     accepted, rejected = [], []
     cp = 1 if cp is None and ep > 1 else cp
     for dp, tp, pp, c in meshes(gpus, gpus_per_node=hw.gpus_per_node, cp=cp, max_cp=max_cp):
         try:
-            est = planner.estimate(dp=dp, tp=tp, pp=pp, cp=c, microbatches=microbatches_for(pp, microbatches),
-                                   schedule=schedule, mixed_precision=mixed_precision, zero=zero, recompute=recompute,
-                                   sequence_parallel=sequence_parallel, ep=ep)
+            est = planner.estimate(dp=dp, tp=tp, pp=pp, cp=c,
+                                   microbatches=microbatches_for(pp, microbatches, schedule=schedule),
+                                   schedule=schedule, virtual_stages=virtual_stages, mixed_precision=mixed_precision,
+                                   zero=zero, recompute=recompute, sequence_parallel=sequence_parallel, ep=ep)
         except ValueError as e:
             rejected.append(Rejected(dp=dp, tp=tp, pp=pp, cp=c, ep=ep, reason=str(e)))
             continue

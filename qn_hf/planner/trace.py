@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.pytorch_utils import Conv1D
 
 from ..expert_parallel import experts_modules
 from ..plan import TpPlan
@@ -57,7 +58,7 @@ class ModuleIO:
 
 @dataclass(frozen=True)
 class Trace:
-    io: dict[str, ModuleIO]  # every tp-plan rule module and tp entry, by name in the top model
+    io: dict[str, ModuleIO]  # every tp-plan rule module, tp entry and linear layer, by name in the top model
     boundary_numel: int  # elements of the hidden state one block hands to the next
     kept: dict[str, tuple[int, int]]  # module -> (bytes kept whole on every tp rank, bytes split across tp)
     logits_rows: int  # rows of the output logits (tokens of a causal LM, images of a classifier)
@@ -73,6 +74,9 @@ class Trace:
     ring: tuple[RingCall, ...] = ()
     # Every fused experts call, one microbatch's, in order (empty for a dense model).
     experts: tuple[ExpertCall, ...] = ()
+    # Linear layers whose input is the very tensor a sibling (same parent module) took before them:
+    # q, k and v of one norm output, gate and up. What keeps their inputs (zb_h1's W stash) keeps it once.
+    repeated_inputs: frozenset[str] = frozenset()
 
 
 def example_inputs(model: nn.Module, *, micro_batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
@@ -148,7 +152,12 @@ def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dic
     ``inputs`` are one cp rank's (``context.cp_inputs``) and attention is ring attention's stand-in.
     ``ep`` > 1: the experts' dispatch is expert parallelism's stand-in (one rank's, over ``plan.tp``)."""
     styles = dict(plan.rules)
-    watched = set(styles) | set(plan.tp_entries)
+    # Exact nn.Linear and Conv1D are what zb_h1 can defer (``weight_grad.make_deferrable``): the
+    # estimate sizes its stash from their inputs and outputs.
+    linears = {n for n, m in model.named_modules() if type(m) in (nn.Linear, Conv1D)}
+    watched = set(styles) | set(plan.tp_entries) | linears
+    seen_inputs: dict[str, list[StorageWeakRef]] = defaultdict(list)  # parent module -> its linears' inputs
+    repeated: set[str] = set()
     rowwise = {name for name, style in styles.items() if style == "rowwise"}
     io: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
     stack: list[str] = []
@@ -173,6 +182,12 @@ def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dic
                 first = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
                 io[name][0] += 1
                 io[name][1] += first.numel()
+                if name in linears:
+                    ref, parent = StorageWeakRef(first.untyped_storage()), name.rpartition(".")[0]
+                    if any(r.cdata == ref.cdata and not r.expired() for r in seen_inputs[parent]):
+                        repeated.add(name)
+                    else:
+                        seen_inputs[parent].append(ref)
             if name in block_names:  # a cache would keep every block's keys and values (see below)
                 kwargs = {k: None if isinstance(v, Cache) else v for k, v in kwargs.items()}
                 return (tuple(None if isinstance(a, Cache) else a for a in args),
@@ -269,7 +284,7 @@ def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dic
                          gather_rerun=block is not None and last_save.get(block, 0) > g) for c, block, t, g in experts)
     return Trace(io={k: ModuleIO(*v) for k, v in io.items()}, boundary_numel=boundary[0],
                  kept={k: (v[0], v[1]) for k, v in kept.items()}, logits_rows=rows, tokens=tokens, rerun=rerun,
-                 sequence=reruns, ring=rings, experts=moes)
+                 sequence=reruns, ring=rings, experts=moes, repeated_inputs=frozenset(repeated))
 
 
 def _split_across_tp(name: str, styles: dict[str, str], plan: TpPlan, *, region: bool | None,

@@ -16,7 +16,9 @@ all-gather's own piece).
   one flat all-reduce of the gradients summed over tp (``TpPlan.grad_sum``: per-head norms, and with
   sequence parallelism the norms and row biases between the regions; under ZeRO this rank's pieces).
 * pp: per microbatch, the hidden state forward and its gradient backward to each neighbour (both
-  directions counted on each rank), a 64-byte shape header per step, the 4-byte loss.
+  directions counted on each rank), a 64-byte shape header per step, the 4-byte loss. With V chunks
+  per rank (interleaved_1f1b) each chunk has its own neighbours around the ring of ranks (chunk c
+  receives from c-1, sends to c+1); a rank still sends and receives one header per step.
 * dp: without ZeRO, an all-reduce of every gradient bucket; with ZeRO, a reduce-scatter of every
   bucket (the padded buffer, gradient dtype) and, after the optimizer step, an all-gather of every
   weight bucket (this rank's piece, parameter dtype); then the 8-byte target count and 4-byte loss.
@@ -67,6 +69,7 @@ class Mesh:
     microbatches: int
     cp: int = 1
     ep: int = 1
+    virtual_stages: int = 1
 
 
 def _tp_microbatch(s: int, *, plan: TpPlan, trace: Trace, stage_of: Callable[[str], int], act_elem: int,
@@ -134,10 +137,13 @@ def stage_traffic(s: int, *, mesh: Mesh, plan: TpPlan, trace: Trace, stage_of: C
             ops["all_reduce"] = [calls + 1, nbytes + summed * grad_elem]
         out["tp"] = _group(ops)
     if pp > 1:
-        neighbours = (s > 0) + (s < pp - 1)
+        last = pp * mesh.virtual_stages - 1
+        chunks = range(s, last + 1, pp)
+        edges = sum((c > 0) + (c < last) for c in chunks)  # per microbatch: an activation and a gradient each
+        headers = any(c < last for c in chunks) + any(c > 0 for c in chunks)  # sent, received
         act = trace.boundary_numel * act_elem
-        out["pp"] = GroupTraffic(2 * neighbours * microbatches + neighbours + 1,
-                                 2 * neighbours * microbatches * act + neighbours * HEADER_BYTES + 4)
+        out["pp"] = GroupTraffic(2 * edges * microbatches + headers + 1,
+                                 2 * edges * microbatches * act + headers * HEADER_BYTES + 4)
     if cp > 1:
         ring = ring_ops(trace.ring, cp=cp, tp=tp, act_elem=act_elem, recompute=recompute,
                         on_stage=lambda name: stage_of(name) == s)
