@@ -81,16 +81,16 @@ class StageModules:
             return
         layers_holder, layers_name = _holder(self.model, self.plan.layers)
         union = getattr(layers_holder, layers_name)
-        loop = layers_holder
         start, stop = self.plan.layer_ranges[chunk]
         blocks = nn.ModuleList()
         for i in range(start, stop):
-            blocks.add_module(str(i), union._modules[str(i)])  # by name: the union skips indices
-        shared = getattr(loop, "config", None)
+            blocks.add_module(str(i), getattr(union, str(i)))  # by name: the union's indices have gaps
+        # the module holding the blocks loops over them and reads per-layer config lists by index
+        shared = getattr(layers_holder, "config", None)
         total = self.plan.layer_ranges[-1][1]
         swaps = [(layers_holder, layers_name, blocks), *self.views[chunk]]
         if shared is not None:
-            swaps.append((loop, "config", cut_layer_lists(shared, start=start, stop=stop, total=total)))
+            swaps.append((layers_holder, "config", cut_layer_lists(shared, start=start, stop=stop, total=total)))
         saved = [getattr(holder, name) for holder, name, _ in swaps]
         try:
             for holder, name, value in swaps:
