@@ -98,8 +98,8 @@ def run_qn(pm, data, warmup: int) -> dict:
         elapsed = time.perf_counter() - start
         if i >= warmup:
             events = pm.executor.events
-            busy = sum(stop - begin for op, _, begin, stop in events if op in ("fwd", "bwd"))
-            span = events[-1][3] - events[0][2]
+            busy = sum(e.stop - e.start for e in events if e.op in ("fwd", "bwd"))
+            span = events[-1].stop - events[0].start
             bubbles.append(1 - busy / span)
             times.append(elapsed)
     pm.executor.events = None

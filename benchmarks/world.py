@@ -40,5 +40,13 @@ def run_world(body: Callable, *, world: int, extra: tuple = ()) -> object:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_entry, args=(body, world, port, extra, results), nprocs=world, join=True)
-    return results.get()
+    context = mp.spawn(_entry, args=(body, world, port, extra, results), nprocs=world, join=False)
+    # Read while the ranks run: a result larger than the pipe's buffer blocks rank 0 in put() until
+    # it is read. join() raises if a rank failed.
+    out = None
+    while True:
+        if not results.empty():
+            out = results.get()
+        if context.join(timeout=0.5):
+            break
+    return results.get() if out is None else out
