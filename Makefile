@@ -7,7 +7,7 @@ NPROC ?= 8
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.qn_hf-installed
 
-.PHONY: demo test bench results install clean zoo-table
+.PHONY: demo test test-all bench results install clean zoo-table
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,7 +21,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(NPROC) scripts/demo.py --dp 2 --tp 2 --pp 2
 
+# The CI-sized suite (about 25 minutes on 2 cores); test-all adds the tests marked long.
 test: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not long"
+
+test-all: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
 # Rerun the model zoo and rewrite tests/zoo_expected.json and the README's zoo table from the results.

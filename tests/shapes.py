@@ -93,3 +93,12 @@ SCHEDULE_CASES = [
     ("llama", 1, 1, 2, "1f1b", 1, 2, None, 5),
     ("gpt2", 2, 1, 1, "1f1b", 1, 2, None, 3),
 ]
+# The rest of the grid (M = pp for GPT-2, M = 2pp for Llama at pp=4, odd M for GPT-2 at pp=4): `make test-all`.
+SCHEDULE_CASES_LONG = [
+    ("gpt2_deep", 1, 1, 2, "interleaved_1f1b", 2, 2, None, None),
+    ("gpt2_deep", 1, 1, 4, "interleaved_1f1b", 2, 4, None, None),
+    ("gpt2_deep", 1, 1, 4, "interleaved_1f1b", 2, 5, None, None),
+    ("llama_deep", 1, 1, 4, "interleaved_1f1b", 2, 8, None, None),
+    ("llama_deep", 2, 2, 2, "interleaved_1f1b", 2, 4, None, None),
+    ("gpt2_deep", 2, 2, 2, "zb_h1", 1, 4, None, None),
+]

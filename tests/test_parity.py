@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.shapes import DATA_PARALLEL_CASES, PARITY_CASES, PIPELINE_CASES, SCHEDULE_CASES
+from tests.shapes import DATA_PARALLEL_CASES, PARITY_CASES, PIPELINE_CASES, SCHEDULE_CASES, SCHEDULE_CASES_LONG
 
 LOSS_RTOL = 1e-5
 GRAD_ATOL = 2e-6
@@ -56,7 +56,7 @@ def test_data_parallel_3d(worlds, model_dirs, tmp_path, kind, dp, tp, pp, schedu
 
 
 @pytest.mark.parametrize(("kind", "dp", "tp", "pp", "schedule", "virtual_stages", "microbatches", "layers_per_stage",
-                          "rows"), SCHEDULE_CASES)
+                          "rows"), SCHEDULE_CASES + [pytest.param(*c, marks=pytest.mark.long) for c in SCHEDULE_CASES_LONG])
 def test_schedules(worlds, model_dirs, tmp_path, kind, dp, tp, pp, schedule, virtual_stages, microbatches,
                    layers_per_stage, rows):
     """Interleaved 1F1B, ZB-H1 and microbatches of different sizes (``tensor_split``)."""

@@ -91,7 +91,9 @@ def ok(done: subprocess.CompletedProcess) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
 
 
-@pytest.mark.parametrize("script", sorted(CASES))
+# The ViT run (accelerate, --stop-after, images, interleaved 1F1B) takes 5 minutes here: `make test-all`.
+@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.long) if s == "train_vit.py" else s
+                                    for s in sorted(CASES)])
 def test_script_trains_and_resumes_exactly_under_both_launchers(tmp_path, script):
     args, steps, (first, second, third), interrupt = CASES[script]
     a, b = tmp_path / "uninterrupted", tmp_path / "interrupted"
@@ -134,15 +136,19 @@ def _one_error_line(done: subprocess.CompletedProcess) -> str:
     return errors[0]
 
 
+# Each case starts a Python process (about 13 s here); the CI-sized suite keeps three kinds of
+# mistake (data, model, mesh), `make test-all` runs every one.
 @pytest.mark.parametrize("args, message", [
     (["--data", "/nonexistent/corpus.txt"], "error: data path /nonexistent/corpus.txt does not exist"),
-    (["--mixed-precision", "fp8"], "error: mixed_precision 'fp8' is not one of ['bf16', 'fp16']"),
-    (["--model", "{empty}"], "has no config.json"),
+    pytest.param(["--mixed-precision", "fp8"], "error: mixed_precision 'fp8' is not one of ['bf16', 'fp16']",
+                 marks=pytest.mark.long),
+    pytest.param(["--model", "{empty}"], "has no config.json", marks=pytest.mark.long),
     (["--model", "gpt5-huge"], "is neither a directory with config.json nor a preset"),
-    (["--output-dir", "{file}/run"], "is not writable"),
+    pytest.param(["--output-dir", "{file}/run"], "is not writable", marks=pytest.mark.long),
     (["--mesh", "1", "2", "1"], "mesh dp=1 tp=2 pp=1 needs 2 processes but 1 were launched"),
-    (["--batch-size", "6", "--microbatches", "4"], "batch_size=6 must be a multiple of dp*microbatches=4"),
-    (["--resume", "{empty}/nothing"], "no such checkpoint"),
+    pytest.param(["--batch-size", "6", "--microbatches", "4"], "batch_size=6 must be a multiple of dp*microbatches=4",
+                 marks=pytest.mark.long),
+    pytest.param(["--resume", "{empty}/nothing"], "no such checkpoint", marks=pytest.mark.long),
 ])
 def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path, args, message):
     (tmp_path / "empty").mkdir()
@@ -162,6 +168,7 @@ def test_bad_mesh_under_torchrun_reports_once(tmp_path):
     )
 
 
+@pytest.mark.long  # as test_bad_mesh_under_torchrun_reports_once, for a model's refusal (42 s here)
 def test_mesh_the_model_cannot_take_reports_once(tmp_path):
     # parallelize's own validation (tp must divide the heads) reaches the user as one line too.
     done = launch("torchrun", "train_lm.py", ["--mesh", "1", "3", "1", "--output-dir", str(tmp_path)], nproc=3)
