@@ -64,11 +64,11 @@ class _Token:
     pass
 
 
-def make_batches(n: int, *, batch: int, seq: int) -> list[dict[str, torch.Tensor]]:
+def make_batches(n: int, *, batch: int, seq: int, vocab: int = CONFIG["vocab_size"]) -> list[dict[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(0)
     out = []
     for _ in range(n):
-        ids = torch.randint(3, CONFIG["vocab_size"], (batch, seq), generator=gen)
+        ids = torch.randint(3, vocab, (batch, seq), generator=gen)
         out.append({"input_ids": ids, "labels": ids})
     return out
 

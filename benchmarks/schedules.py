@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from pipeline import CONFIG as PIPELINE_CONFIG
+from pipeline import make_batches as pipeline_batches
 from world import run_world
 
 CONFIG = dict(PIPELINE_CONFIG, vocab_size=256)
@@ -51,15 +52,6 @@ VARIANTS = {"1f1b": ("1f1b", 1), "interleaved_1f1b": ("interleaved_1f1b", 2), "z
 COMPUTE = ("fwd", "bwd", "wgt")
 PNG = {"1f1b": "timeline_1f1b_balanced.png", "interleaved_1f1b": "timeline_interleaved.png",
        "zb_h1": "timeline_zb_h1.png"}
-
-
-def make_batches(n: int, *, batch: int, seq: int) -> list[dict[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(3, CONFIG["vocab_size"], (batch, seq), generator=gen)
-        out.append({"input_ids": ids, "labels": ids})
-    return out
 
 
 def build(path: str, *, pp: int, microbatches: int, variant: str):
@@ -233,7 +225,7 @@ def run_torch(pm, data, *, warmup: int, microbatches: int, zero_bubble: bool) ->
 def worker(rank: int, pp: int, path: str, args: argparse.Namespace) -> str | None:
     torch.set_num_threads(1)
     M = args.microbatches
-    data = make_batches(args.steps + 1, batch=args.batch, seq=args.seq)
+    data = pipeline_batches(args.steps + 1, batch=args.batch, seq=args.seq, vocab=CONFIG["vocab_size"])
     out: dict[str, list[dict]] = defaultdict(list)
     for _ in range(args.rounds):
         if args.command == "bubble":
