@@ -171,6 +171,9 @@ def test_executor_runs_chunks_and_deferred_weight_passes():
         def pending(self):
             return []
 
+        def clear(self):
+            seen.append("cleared")
+
     queue = Queue()
     weight = torch.ones(2, requires_grad=True)
     held = {}
@@ -432,3 +435,28 @@ def test_format_grid_of_zb_h1_on_two_ranks():
         "  13  B2       W1",
         "  14  W2       W2",
     ]
+
+
+def test_a_failed_step_drops_its_queued_weight_passes():
+    schedule = [[Action("fwd", 0), Action("bwd", 0), Action("wgt", 0)]]
+    seen: list[str] = []
+
+    class Queue:
+        open = None
+
+        def run(self, key):
+            seen.append("run")
+
+        def pending(self):
+            return []
+
+        def clear(self):
+            seen.append("cleared")
+
+    def forward(chunk: int, mb: int, received: torch.Tensor | None) -> torch.Tensor:
+        raise ValueError("broken forward")
+
+    executor = StageExecutor(stage=0, peers=Peers(prev=None, next=None), device=torch.device("cpu"), weights=Queue())
+    with pytest.raises(ValueError, match="broken forward"):
+        executor.run(schedule, forward, rows=[1])
+    assert seen == ["cleared"]

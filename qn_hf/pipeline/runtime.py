@@ -45,6 +45,8 @@ class WeightGrads(Protocol):
 
     def pending(self) -> list: ...
 
+    def clear(self) -> None: ...
+
 
 class StageEvent(NamedTuple):
     """One executed action and when it ran (``time.perf_counter`` seconds)."""
@@ -145,6 +147,8 @@ class StageExecutor:
                     self.events.append(StageEvent(action.op, key[0], key[1], start, time.perf_counter()))
                 self._post_next_receive(step, actions[i + 1 :], keys[i + 1 :])
             except Exception as exc:
+                if self.weights is not None:  # a failed step's queued weight passes must not reach the next
+                    self.weights.clear()
                 # Same type and message; the note shows where in the whole pipeline this rank was.
                 exc.add_note(f"pipeline stage {self.stage} failed at step {i} ({action!r}) of this schedule:\n"
                              + format_grid(schedule, mark=(self.stage, i)))
