@@ -194,6 +194,12 @@ class GradBuckets:
                 bucket.work = None
         self._final.update(id(p) for p in (self.params if params is None else params))
 
+    def disarm(self) -> None:
+        """Forget a step that failed after arming (its armed parameters and launch position), so the
+        next step's early microbatches only accumulate; in-flight reductions are dropped with it."""
+        self.armed = False
+        self._final.clear()
+
     def _on_grad(self, p: nn.Parameter) -> None:
         self.bind(p)
         if self.armed and id(p) in self._final:

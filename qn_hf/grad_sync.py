@@ -67,6 +67,12 @@ class GradSync:
             if buckets is not None:
                 buckets.arm(params)
 
+    def disarm(self) -> None:
+        """Before a step: nothing is armed (a failed step may have left buckets armed)."""
+        for buckets in (self.buckets, self.expert_buckets):
+            if buckets is not None:
+                buckets.disarm()
+
     def sync(self) -> None:
         for buckets in (self.buckets, self.expert_buckets):
             if buckets is not None:

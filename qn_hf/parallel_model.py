@@ -275,6 +275,8 @@ class ParallelModel:
         schedule = schedule_actions(stages=self.stage.stages, microbatches=self.microbatches, schedule=self.schedule,
                                     virtual_stages=self.stage.plan.virtual, backward=backward)
         on_final = None
+        if backward:
+            self.grads.disarm()
         if backward and self._sync:
             def on_final(chunk: int, kind: str) -> None:
                 self.grads.arm(self._final_params.get((chunk, kind), []))

@@ -213,6 +213,6 @@ def apply_sequence_parallel(model: nn.Module, *, plan: TpPlan, stage_plan: Stage
 
     for chunk in stage_plan.chunks_of(stage):
         start, stop = stage_plan.layer_ranges[chunk]
-        layers._modules[str(start)].register_forward_pre_hook(split, with_kwargs=True)
+        getattr(layers, str(start)).register_forward_pre_hook(split, with_kwargs=True)
         last = final if final is not None and chunk == stage_plan.chunks - 1 else None
-        (model.get_submodule(last) if last is not None else layers._modules[str(stop - 1)]).register_forward_hook(gather)
+        (model.get_submodule(last) if last is not None else getattr(layers, str(stop - 1))).register_forward_hook(gather)

@@ -150,3 +150,11 @@ def test_resume_across_virtual_stages(worlds, model_dirs, tmp_path):
         resumed = dict(load("gpt2_deep", out).named_parameters())
         err = max((resumed[n] - p).abs().max().item() for n, p in reference.items())
         assert err < 2e-5, f"resumed at pp={pp} x {virtual}: max weight difference {err}"
+
+
+def test_converter_refuses_chunks_a_run_would_refuse(model_dirs, tmp_path, capsys):
+    ckpt = convert.from_hf(model_dirs["gpt2_deep"], str(tmp_path / "ckpt"), tp=1, pp=2)
+    for pp, virtual, message in [(1, 2, "needs pp >= 2"), (2, 0, "virtual_stages")]:
+        assert convert.main(["reshard", ckpt, str(tmp_path / "out"), "--tp", "1", "--pp", str(pp),
+                             "--virtual-stages", str(virtual)]) == 2
+        assert message in capsys.readouterr().err

@@ -128,3 +128,32 @@ def test_copies_stay_equal(worlds, model_dirs):
     for r in worlds.run(8, "tests.test_data_parallel:case_copies_stay_equal", model_dir=model_dirs["gpt2"]):
         failed = [k for k, v in r.items() if v is False]
         assert not failed, r
+
+
+def case_disarm() -> dict:
+    """A step that failed after arming its buckets (one parameter's gradient arrived, the other's
+    never did), then a clean step of two microbatches: nothing is reduced before the last one."""
+    import torch.distributed as dist
+
+    from qn_hf.data_parallel import GradBuckets
+
+    a, b = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
+    buckets = GradBuckets([a, b], group=dist.group.WORLD, bucket_bytes=16)  # one parameter per bucket
+    buckets.arm()
+    (a * 1.0).sum().backward()  # the failed step's last backward, cut short
+    a.grad = b.grad = None
+    buckets.disarm()  # what train_step does before each step
+    (a * 1.0).sum().backward()  # microbatch 0: not final
+    (b * 1.0).sum().backward()
+    early = sum(bucket.work is not None for bucket in buckets.buckets)
+    buckets.arm()  # the last microbatch
+    (a * 10.0).sum().backward()
+    (b * 10.0).sum().backward()
+    buckets.finish()
+    return {"launched_early": early, "grads": [a.grad.tolist(), b.grad.tolist()]}
+
+
+def test_a_failed_step_leaves_no_bucket_armed(worlds):
+    result = worlds.run(1, "tests.test_data_parallel:case_disarm")[0]
+    assert result["launched_early"] == 0, result  # a partial sum would have crossed dp
+    assert result["grads"] == [[11.0] * 4] * 2, result

@@ -189,7 +189,8 @@ def test_executor_runs_chunks_and_deferred_weight_passes():
     executor = StageExecutor(stage=0, peers=Peers(prev=None, next=None), device=torch.device("cpu"), chunks=2,
                              weights=queue)
     executor.run(schedule, forward, rows=[1], on_final=lambda chunk, kind: seen.append(f"final {chunk}{kind}"))
-    assert seen == ["final 1b", "B open=None", "final 0b", "B open=(0, 0)", "final 0w", "W(0, 0)"]
+    # the queue is cleared first: nothing of an interrupted step joins this one
+    assert seen == ["cleared", "final 1b", "B open=None", "final 0b", "B open=(0, 0)", "final 0w", "W(0, 0)"]
     assert weight.grad.tolist() == [3.0, 3.0]
 
 
@@ -459,4 +460,43 @@ def test_a_failed_step_drops_its_queued_weight_passes():
     executor = StageExecutor(stage=0, peers=Peers(prev=None, next=None), device=torch.device("cpu"), weights=Queue())
     with pytest.raises(ValueError, match="broken forward"):
         executor.run(schedule, forward, rows=[1])
-    assert seen == ["cleared"]
+    assert seen == ["cleared", "cleared"]  # at the start, and after the failure
+
+
+def test_an_interrupted_zb_step_leaves_nothing_for_the_next():
+    """Ctrl-C inside a backward of a zb_h1 step, zero_grad, a clean step: the gradients are the
+    plain model's (the interrupted step's queued weight passes are dropped)."""
+    from torch import nn
+
+    from qn_hf.weight_grad import WeightGradQueue, make_deferrable
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    ref.load_state_dict(model.state_dict())
+    queue = WeightGradQueue()
+    assert make_deferrable(model, queue=queue)
+    executor = StageExecutor(stage=0, peers=Peers(prev=None, next=None), device=torch.device("cpu"), weights=queue)
+    xs = torch.randn(2, 3, 4)
+    interrupt = {"on": True}
+
+    def interrupted(_grad):
+        raise KeyboardInterrupt
+
+    def forward(chunk: int, mb: int, received: torch.Tensor | None) -> torch.Tensor:
+        hidden = model[0](xs[mb])
+        if interrupt["on"] and mb == 1:
+            hidden.register_hook(interrupted)
+        return model[2](model[1](hidden)).sum()
+
+    schedule = schedule_actions(stages=1, microbatches=2, schedule="zb_h1")
+    with pytest.raises(KeyboardInterrupt):
+        executor.run(schedule, forward, rows=[3, 3])
+    assert queue.pending() == []
+    model.zero_grad(set_to_none=True)
+    interrupt["on"] = False
+    executor.run(schedule, forward, rows=[3, 3])
+    for mb in range(2):
+        ref(xs[mb]).sum().backward()
+    for mine, theirs in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(mine.grad, theirs.grad)

@@ -130,15 +130,20 @@ class StageExecutor:
         weight pass (``"w"``); the moment data-parallel buckets may start."""
         actions = schedule[self.stage]
         keys = [(chunk_of(a, stage=self.stage), a.mb) for a in actions]
+        if any(chunk >= self.chunks for chunk, _ in keys):
+            raise ValueError(f"the schedule runs chunk {max(c for c, _ in keys)} but this executor was built for "
+                             f"{self.chunks} chunks (message tags would collide)")
         step = _Step(forward=forward, rows=rows, deferred=frozenset(
             (self.stage if c is None else c, mb) for c, mb in deferred(actions)))
         if step.deferred and self.weights is None:
             raise ValueError("this schedule defers weight gradients, but the stage has no weight-gradient queue")
         finals = {i: key for key, i in final_actions(actions, stage=self.stage).items()}
+        if self.weights is not None:
+            self.weights.clear()  # nothing from an interrupted step may join this one's weight passes
         for i, (action, key) in enumerate(zip(actions, keys)):
-            if on_final is not None and i in finals:
-                on_final(*finals[i])
             try:
+                if on_final is not None and i in finals:
+                    on_final(*finals[i])
                 start = time.perf_counter()
                 self._ops[action.op](step, key)
                 if self.events is not None:
@@ -146,8 +151,8 @@ class StageExecutor:
                         torch.cuda.synchronize(self.device)
                     self.events.append(StageEvent(action.op, key[0], key[1], start, time.perf_counter()))
                 self._post_next_receive(step, actions[i + 1 :], keys[i + 1 :])
-            except Exception as exc:
-                if self.weights is not None:  # a failed step's queued weight passes must not reach the next
+            except BaseException as exc:  # KeyboardInterrupt too: the queue must not keep this step's work
+                if self.weights is not None:
                     self.weights.clear()
                 # Same type and message; the note shows where in the whole pipeline this rank was.
                 exc.add_note(f"pipeline stage {self.stage} failed at step {i} ({action!r}) of this schedule:\n"
@@ -156,8 +161,9 @@ class StageExecutor:
         for work, _ in step.sends:
             work.wait()
         if self.weights is not None and self.weights.pending():
-            raise RuntimeError(f"deferred weight gradients of {self.weights.pending()} never ran: the schedule "
-                               f"lacks their weight passes")
+            stale = self.weights.pending()
+            self.weights.clear()
+            raise RuntimeError(f"deferred weight gradients of {stale} never ran: the schedule lacks their weight passes")
 
     def _post_next_receive(self, step: _Step, rest: list[Action], keys: list[Key]) -> None:
         """Post the next receive as soon as its buffer's shape is known, so the transfer overlaps
@@ -188,7 +194,10 @@ class StageExecutor:
 
     def _recv_fwd(self, step: _Step, key: Key) -> None:
         if step.trailing is None:
-            step.trailing = self._recv_header()
+            rows, step.trailing = self._recv_header()
+            if rows != step.rows[key[1]]:  # every rank must cut the same batch the same way
+                raise RuntimeError(f"the previous stage sent microbatch {key[1]} with {rows} rows, this stage expects "
+                                   f"{step.rows[key[1]]}: every stage of a replica must get the same batch")
         step.inputs[key] = self._received(step, key, self._post_activation).requires_grad_(torch.is_grad_enabled())
 
     def _fwd(self, step: _Step, key: Key) -> None:
@@ -233,8 +242,9 @@ class StageExecutor:
         step.sends.append((dist.isend(header, dst=self.peers.next, tag=0), header))
         step.header_sent = True
 
-    def _recv_header(self) -> tuple[tuple[int, ...], torch.dtype]:
+    def _recv_header(self) -> tuple[int, tuple[tuple[int, ...], torch.dtype]]:
+        """Rows of the first activation, and the trailing shape and dtype of every activation."""
         header = torch.empty(HEADER_INTS, dtype=torch.int64, device=self.device)
         dist.irecv(header, src=self.peers.prev, tag=0).wait()
         values = header.tolist()
-        return tuple(values[3 : 2 + values[1]]), _WIRE_DTYPES[values[0]]
+        return values[2], (tuple(values[3 : 2 + values[1]]), _WIRE_DTYPES[values[0]])

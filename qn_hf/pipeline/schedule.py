@@ -115,9 +115,9 @@ def rank_of_chunk(chunk: int, *, stages: int) -> int:
     return chunk % stages
 
 
-def chunks_of(*, stage: int, stages: int, virtual_stages: int = 1) -> range:
+def chunks_of(*, stage: int, stages: int, virtual_stages: int = 1) -> tuple[int, ...]:
     """The global chunks rank ``stage`` holds, in model order."""
-    return range(stage, stages * virtual_stages, stages)
+    return tuple(range(stage, stages * virtual_stages, stages))
 
 
 def _rounds(*, stages: int, microbatches: int) -> int:

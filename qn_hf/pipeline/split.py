@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..names import base_model_and_prefix, join
+from ..arguments import check_positive_int
 from ..plan import ModelPolicy
+from .schedule import chunks_of, rank_of_chunk
 
 
 @dataclass(frozen=True)
@@ -49,17 +51,14 @@ class StagePlan:
         return self.stages * self.virtual
 
     def rank_of_chunk(self, chunk: int) -> int:
-        return chunk % self.stages
+        return rank_of_chunk(chunk, stages=self.stages)
 
     def chunks_of(self, stage: int) -> tuple[int, ...]:
         """The chunks rank ``stage`` runs, in model order."""
-        return tuple(range(stage, self.chunks, self.stages))
+        return chunks_of(stage=stage, stages=self.stages, virtual_stages=self.virtual)
 
     def chunk_of_layer(self, index: int) -> int:
         return next(c for c, (a, b) in enumerate(self.layer_ranges) if a <= index < b)
-
-    def stage_of_layer(self, index: int) -> int:
-        return self.rank_of_chunk(self.chunk_of_layer(index))
 
 
 def split_layers(*, num_layers: int, stages: int, layers_per_stage: Sequence[int] | None = None,
@@ -67,6 +66,7 @@ def split_layers(*, num_layers: int, stages: int, layers_per_stage: Sequence[int
     """Contiguous block ranges per chunk (``stages`` x ``virtual`` of them, in model order): as even
     as possible (earlier chunks take the remainder), or exactly ``layers_per_stage`` (one entry per
     chunk)."""
+    check_positive_int("virtual_stages", virtual)
     chunks = stages * virtual
     what = f"pp={stages}" if virtual == 1 else f"pp={stages} x virtual_stages={virtual} = {chunks} chunks"
     if chunks > num_layers:
