@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .batch import check_batch, check_model_inputs, sequence_split, split_microbatches
+from .batch import check_batch, check_model_inputs, microbatch_rows, sequence_split, split_microbatches
 from .checkpoint.export import save_pretrained
 from .checkpoint.hf import DEFAULT_MAX_SHARD_BYTES
 from .checkpoint.load import load_checkpoint
@@ -208,7 +208,7 @@ class ParallelModel:
             raise ValueError(
                 f"{type(self.module).__name__} has no built-in loss (a base model); pass loss_fn=(outputs, batch) -> loss"
             )
-        check_batch(batch, microbatches=self.microbatches, required=("labels",) if builtin else ())
+        size = check_batch(batch, microbatches=self.microbatches, required=("labels",) if builtin else ())
         cp = self.dims.cp
         if cp > 1:
             if not builtin:
@@ -239,13 +239,14 @@ class ParallelModel:
             flat_all_reduce_([count], group=self.groups.dp)
             scales = [1.0 / max(count.item(), 1.0)] * self.microbatches
         micro = split_microbatches(batch, microbatches=self.microbatches)
+        rows = microbatch_rows(size, microbatches=self.microbatches)  # the sizes tensor_split gave them
         if not builtin:
             # A loss_fn returns its microbatch's mean: weighted by its rows over the global batch's
             # rows (one tiny all-reduce over dp), the sum is the mean over every example, also when
             # the microbatches or the dp ranks' batches differ in size.
-            rows = torch.tensor([float(len(next(iter(batch.values()))))], dtype=torch.float64, device=self.device)
-            flat_all_reduce_([rows], group=self.groups.dp)
-            scales = [len(next(iter(m.values()))) / rows.item() for m in micro]
+            global_rows = torch.tensor([float(size)], dtype=torch.float64, device=self.device)
+            flat_all_reduce_([global_rows], group=self.groups.dp)
+            scales = [n / global_rows.item() for n in rows]
         if cp > 1:  # this rank's tokens of every sequence, with targets shifted on the whole sequence
             micro = [shard_microbatch(m, layout=self.chunks, rank=self.coords["cp"]) for m in micro]
         total = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -280,7 +281,6 @@ class ParallelModel:
         if backward and self._sync:
             def on_final(chunk: int, kind: str) -> None:
                 self.grads.arm(self._final_params.get((chunk, kind), []))
-        rows = [len(next(iter(m.values()))) for m in micro]
         self.executor.run(schedule, forward, rows=rows, on_final=on_final)
         # The last stage holds the loss: a sum over pp hands it to every stage, then over dp and cp
         # (each cp rank holds the loss of its own tokens).

@@ -25,7 +25,7 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.distributed as dist
 
-from .schedule import Action, Op, chunk_of, deferred, final_actions, format_grid
+from .schedule import Action, Op, chunk_of, final_actions, format_grid
 
 # The activation header's dtype codes (a dtype's position is its code on the wire; not a file format).
 _WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -133,8 +133,8 @@ class StageExecutor:
         if any(chunk >= self.chunks for chunk, _ in keys):
             raise ValueError(f"the schedule runs chunk {max(c for c, _ in keys)} but this executor was built for "
                              f"{self.chunks} chunks (message tags would collide)")
-        step = _Step(forward=forward, rows=rows, deferred=frozenset(
-            (self.stage if c is None else c, mb) for c, mb in deferred(actions)))
+        step = _Step(forward=forward, rows=rows,
+                     deferred=frozenset(key for a, key in zip(actions, keys) if a.op is Op.WGT))
         if step.deferred and self.weights is None:
             raise ValueError("this schedule defers weight gradients, but the stage has no weight-gradient queue")
         finals = {i: key for key, i in final_actions(actions, stage=self.stage).items()}
