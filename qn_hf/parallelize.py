@@ -15,6 +15,7 @@ from .comm import flat_broadcast_
 from .context_parallel import apply_context_parallel
 from .expert_dispatch import ExpertRoute
 from .expert_parallel import apply_expert_parallel, experts_modules
+from .lora import unwrap_peft
 from .ring_attention import ChunkLayout
 from .data_parallel import DEFAULT_BUCKET_MB, GradBuckets, bucket_size_bytes
 from .mesh import Groups, build_groups, default_device, init_distributed, launched_world_size
@@ -83,6 +84,10 @@ def parallelize(
     """
     if getattr(model, _MARK, False):
         raise ValueError("this model is already parallelized; load a fresh copy to parallelize it again")
+    model, adapter = unwrap_peft(model)  # a PEFT model: the HF model inside, LoRA layers in place
+    if adapter is not None and checkpoint is not None:
+        raise ValueError("checkpoint= with a PEFT model is not supported: its names are those of the LoRA-wrapped "
+                         "model; load the base with from_pretrained, wrap it with get_peft_model, then parallelize")
     checked = check_parallel_config(model, dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
                                     virtual_stages=virtual_stages, policy=policy, layers_per_stage=layers_per_stage, bucket_mb=bucket_mb,
                                     mixed_precision=mixed_precision, recompute=recompute,
@@ -161,6 +166,7 @@ def parallelize(
         scaler=LossScaler() if mixed_precision == "fp16" else None,
         chunks=chunks,
         deferred=frozenset(deferred),
+        adapter=adapter,
     )
     if checkpoint is not None:
         pm.load_checkpoint(checkpoint)

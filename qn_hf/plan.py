@@ -16,6 +16,7 @@ from torch import nn
 
 from .names import base_model_and_prefix, join, match_modules, match_parameters
 from .heads import LAYOUT_VALUES, HeadLayout, attention_layout, head_layout
+from .lora import is_lora_layer, lora_rules
 from .rules import check_rule, check_ties, is_projection, split_kv_per_module
 from .styles import PARAM_STYLES, STYLES
 
@@ -134,16 +135,20 @@ def _resolve_rules(model: nn.Module, policy: ModelPolicy, base: nn.Module, prefi
     return rules
 
 
-def _check_coverage(policy: ModelPolicy, base: nn.Module, prefix: str, rules: dict[str, str]) -> None:
+def _check_coverage(policy: ModelPolicy, model: nn.Module, base: nn.Module, prefix: str, rules: dict[str, str]) -> None:
     """Every Linear inside a block has a rule; under transformers' convention an unnamed one stays whole."""
     blocks = match_modules(base, f"{policy.layers}.*")
     if not blocks:
         raise ValueError(f"policy {policy.model_type}: layers {policy.layers!r} has no blocks")
     if policy.transformers_plan:
         return
+    wrapped = tuple(name + "." for name, style in rules.items()
+                    if style not in PARAM_STYLES and is_lora_layer(model.get_submodule(name)))
     for block in blocks:
         for sub, module in base.get_submodule(block).named_modules():
             full = join(prefix, f"{block}.{sub}" if sub else block)
+            if full.startswith(wrapped):  # the leaves of a LoRA layer follow its rule (lora.py)
+                continue
             if is_projection(module) and full not in rules:
                 raise ValueError(
                     f"policy {policy.model_type}: {full} ({type(module).__name__}) inside a sharded block has no rule; "
@@ -207,11 +212,13 @@ def build_tp_plan(model: nn.Module, policy: ModelPolicy, *, tp: int) -> TpPlan:
     base, prefix = base_model_and_prefix(model)
 
     rules = _resolve_rules(model, policy, base, prefix)
-    _check_coverage(policy, base, prefix, rules)
+    _check_coverage(policy, model, base, prefix, rules)
     patches = _resolve_patches(policy, base, prefix, layout)
+    lora_entries: list[str] = []
     if tp > 1:
         rules = split_kv_per_module(model, rules, layout)
         check_ties(model, rules)
+        rules, lora_entries = lora_rules(model, rules, tp=tp)
         for name, style in rules.items():
             check_rule(model, name, style, layout, tp)
 
@@ -225,6 +232,7 @@ def build_tp_plan(model: nn.Module, policy: ModelPolicy, *, tp: int) -> TpPlan:
         return tuple(found)
 
     entries = regions(policy.tp_entries, "tp entry")
+    entries += tuple(n for n in lora_entries if not any(n.startswith(e + ".") for e in entries))
     for entry in entries:
         inside = [n for n, style in rules.items() if n.startswith(entry + ".") and style.startswith("colwise")]
         if not inside:

@@ -45,7 +45,7 @@ from .styles import EMBEDDING_STYLES
 # Rules outside the blocks that leave whole activations whole (the head gets the gathered output).
 _OUTSIDE_BLOCKS = {*EMBEDDING_STYLES, "vocab_colwise", "replicate", "replicate_grad_sum"}
 _INSIDE_ENTRIES = {"colwise", "colwise_kv", "colwise_packed2", "colwise_packed3", "rowwise", "replicate",
-                   "replicate_grad_sum"}
+                   "replicate_grad_sum", "replicate_after_row"}
 
 
 def position_wise(module: nn.Module) -> bool:
@@ -99,6 +99,9 @@ def sequence_parallel_plan(model: nn.Module, plan: TpPlan, stage_plan: StagePlan
         sums += [join(final, p) for p, _ in model.get_submodule(final).named_parameters()]
     sums += [join(n, "bias") for n, style in plan.rules
              if style == "rowwise" and getattr(model.get_submodule(n), "bias", None) is not None]
+    # a layer on a row layer's reduce-scattered output sees this rank's positions only (LoRA's B)
+    sums += [join(n, p) for n, style in plan.rules if style == "replicate_after_row"
+             for p, _ in model.get_submodule(n).named_parameters()]
     return replace(
         plan,
         sequence_parallel=True,

@@ -45,6 +45,8 @@ HOOK_STYLES = {
                 "so it enters the tp region (gradient all-reduced)",
     "replicate_grad_sum": "replicated parameters that see only this rank's heads (per-head norms): "
                           "their gradients are summed over tp",
+    "replicate_after_row": "a whole layer fed by a row layer's sum (LoRA's B under a row-split A): whole "
+                           "gradients, summed over tp only with sequence parallelism (each rank's slice)",
 }
 STYLES = (*LINEAR_STYLES, *EMBEDDING_STYLES, *PARAM_STYLES, *HOOK_STYLES, "replicate")
 

@@ -122,8 +122,8 @@ def apply_tp_plan(
     param_specs = {name: _shard_parameter(model, name, style, plan, tp_rank)
                    for name, style in plan.rules if style in PARAM_STYLES}
     for name, style in plan.rules:
-        if style not in HOOK_STYLES or style == "replicate_grad_sum":
-            continue  # no hook (replicate_grad_sum acts on gradients, in ParallelModel)
+        if style not in HOOK_STYLES or style in ("replicate_grad_sum", "replicate_after_row"):
+            continue  # no hook: these act on gradients (GradSync)
         module = model.get_submodule(name)
         if style in ("experts", "all_reduce"):
             partial_sum_hooks(module, group=group)

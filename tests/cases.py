@@ -42,6 +42,13 @@ def reference_grad(ref_params: dict[str, torch.nn.Parameter], name: str, pm: qn_
     return grad if spec is None else spec.shard(grad, pm.coords["tp"])
 
 
+def freeze(model: torch.nn.Module, prefixes: tuple[str, ...]) -> torch.nn.Module:
+    for name, p in model.named_parameters():
+        if name.startswith(tuple(prefixes)):
+            p.requires_grad_(False)
+    return model
+
+
 def optimizer_step(pm: qn_hf.ParallelModel, opt, *, seed: int) -> float:
     """One step on 8 random sequences of 12 tokens (seeded, the same global batch at every mesh), this
     dp rank's rows."""
@@ -58,13 +65,15 @@ def optimizer_step(pm: qn_hf.ParallelModel, opt, *, seed: int) -> float:
 def parity(*, kind: str, model_dir: str, out_dir: str, dp: int, tp: int, pp: int = 1, microbatches: int = 1,
            schedule: str = "1f1b", layers_per_stage: list[int] | None = None, padded: bool = False,
            per_rank: int = 2, bucket_mb: float = 25.0, sequence_parallel: bool = False, cp: int = 1,
-           packed: bool = False, seq: int = 12, virtual_stages: int = 1, rows: int | None = None) -> dict:
+           packed: bool = False, seq: int = 12, virtual_stages: int = 1, rows: int | None = None,
+           frozen: tuple[str, ...] = ()) -> dict:
     """Forward, loss, every gradient, grad norm and weights after an optimizer step against the plain model.
     ``rows`` (default ``per_rank * microbatches``) is each dp rank's batch size, which the
-    microbatches need not divide."""
+    microbatches need not divide. Parameters under the ``frozen`` prefixes get ``requires_grad=False``
+    in both models."""
     torch.manual_seed(0)
-    ref = load(kind, model_dir)
-    pm = qn_hf.parallelize(load(kind, model_dir), dp=dp, tp=tp, pp=pp, cp=cp, microbatches=microbatches,
+    ref, model = freeze(load(kind, model_dir), frozen), freeze(load(kind, model_dir), frozen)
+    pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, cp=cp, microbatches=microbatches,
                            schedule=schedule, layers_per_stage=layers_per_stage, bucket_mb=bucket_mb,
                            mesh=mesh_for(dp, tp, pp, cp), sequence_parallel=sequence_parallel,
                            virtual_stages=virtual_stages)
@@ -94,7 +103,10 @@ def parity(*, kind: str, model_dir: str, out_dir: str, dp: int, tp: int, pp: int
     ref_loss.backward()
     ref_params = dict(ref.named_parameters(remove_duplicate=False))  # lm_head.weight too, when tied
     grad_err, worst = 0.0, ""
+    frozen_with_grad = [n for n, p in pm.named_parameters() if not p.requires_grad and p.grad is not None]
     for name, p in pm.named_parameters():
+        if not p.requires_grad:
+            continue
         err = (p.grad - reference_grad(ref_params, name, pm)).abs().max().item()
         if err > grad_err:
             grad_err, worst = err, name
@@ -129,6 +141,11 @@ def parity(*, kind: str, model_dir: str, out_dir: str, dp: int, tp: int, pp: int
         "local_sharded": sum(p.numel() for n, p in pm.named_parameters() if n in sharded),
         "full_sharded": sum(full_numel.get(n, 0) for n, _ in pm.named_parameters() if n in sharded),
         "local_total": sum(p.numel() for p in pm.parameters()),
+        "frozen_with_grad": frozen_with_grad,
+        "frozen_here": sum(not p.requires_grad for p in pm.parameters()),
+        # what dp reduces: the trainable parameters only (None without dp)
+        "bucketed": None if pm.buckets is None else sum(p.numel() for p in pm.buckets.params),
+        "trainable": sum(p.numel() for p in pm.parameters() if p.requires_grad),
         "full_total": sum(full_numel.values()),
     }
 

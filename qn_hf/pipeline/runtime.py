@@ -217,6 +217,10 @@ class StageExecutor:
 
     def _bwd(self, step: _Step, key: Key) -> None:
         output, grad = step.outputs.pop(key), step.grads.pop(key, None)
+        if not output.requires_grad:
+            # Nothing before this point trains (a frozen embedding and frozen first blocks): no
+            # graph to walk. The stage still sends an input gradient (zeros) if it has an input.
+            return
         if key not in step.deferred:
             torch.autograd.backward(output, grad_tensors=grad)
             return
@@ -230,7 +234,10 @@ class StageExecutor:
         self.weights.run(key)
 
     def _send_bwd(self, step: _Step, key: Key) -> None:
-        grad = step.inputs.pop(key).grad.contiguous()
+        received = step.inputs.pop(key)
+        # None when the output did not depend on the input through autograd; the previous stage
+        # still waits for a gradient, and zeros are what it is.
+        grad = (received.grad if received.grad is not None else torch.zeros_like(received)).contiguous()
         step.sends.append((dist.isend(grad, dst=self.peers.prev, tag=self._tag((key[0] - 1, key[1]), 2)), grad))
 
     def _send_header(self, step: _Step, out: torch.Tensor) -> None:

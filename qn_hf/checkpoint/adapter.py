@@ -1,0 +1,79 @@
+"""A PEFT model's adapter directory, written from the sharded model.
+
+The adapter is small (LoRA's A and B per target), so it is assembled whole on rank 0: within each
+stage the tp ranks of dp replica 0 gather every adapter tensor; the stage's tp rank 0 lets peft pick
+and name the adapter's entries from that state dict (``get_peft_model_state_dict``, which finds
+them by walking the LoRA layers, so each stage must do it on its own layers) and hands them to rank
+0, which writes ``adapter_model.safetensors`` and ``adapter_config.json`` as
+``PeftModel.save_pretrained`` does. Each file is written beside its final name and renamed into
+place, so a crash never leaves a half-written file.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+
+from ..atomic import give_plain_mode
+from ..comm import all_gather_tensors, barrier
+from ..lora import Adapter
+from ..placement import ShardPlacement
+from .export import unique_state
+
+# The HF model inside a PEFT model: PeftModel.base_model (the tuner) .model (the HF model).
+_PEFT_PREFIX = "base_model.model."
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def _adapter_names(state: dict[str, torch.Tensor], adapter: Adapter) -> list[str]:
+    """A superset of what peft keeps: LoRA tensors, and biases when the config trains them."""
+    bias = getattr(adapter.peft_model.peft_config[adapter.name], "bias", "none")
+    return [n for n in state if "lora_" in n or (bias != "none" and n.endswith(".bias"))]
+
+
+def save_adapter(module: nn.Module, path: str, *, placement: ShardPlacement, adapter: Adapter) -> None:
+    """Every rank calls this; rank 0 writes ``path`` (a subdirectory named after a non-default
+    adapter, as peft does)."""
+    from peft import get_peft_model_state_dict
+
+    coords = placement.coords
+    state = {n: t.detach() for n, t in unique_state(module).items() if not placement.is_follower(n)}
+    full: dict[str, torch.Tensor] = {}
+    if placement.replica_rank == 0:
+        for name in _adapter_names(state, adapter):  # the same order on every tp rank of the stage
+            spec = placement.spec(name)
+            value = state[name] if spec is None else spec.unshard(all_gather_tensors(state[name], group=placement.groups.tp))
+            full[_PEFT_PREFIX + name] = value.cpu().contiguous()
+    mine: dict[str, torch.Tensor] = {}
+    if placement.replica_rank == 0 and coords["tp"] == 0:
+        mine = get_peft_model_state_dict(adapter.peft_model, state_dict=full, adapter_name=adapter.name,
+                                         save_embedding_layers=False)
+    parts: list[dict[str, torch.Tensor]] | None = [{} for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
+    dist.gather_object(mine, parts, dst=0)
+    if dist.get_rank() == 0:
+        _write(path, adapter, {n: t for part in parts for n, t in part.items()})
+    barrier(placement.device)
+
+
+def _write(path: str, adapter: Adapter, state: dict[str, torch.Tensor]) -> None:
+    target = path if adapter.name == "default" else os.path.join(path, adapter.name)
+    os.makedirs(target, exist_ok=True)
+    weights = os.path.join(target, ADAPTER_WEIGHTS)
+    save_file(state, weights + ".tmp", metadata={"format": "pt"})
+    give_plain_mode(weights + ".tmp")
+    os.replace(weights + ".tmp", weights)
+    config = adapter.peft_model.peft_config[adapter.name]
+    training, config.inference_mode = config.inference_mode, True  # as PeftModel.save_pretrained saves it
+    try:
+        staging = os.path.join(target, ".adapter_config.tmp")
+        os.makedirs(staging, exist_ok=True)
+        config.save_pretrained(staging)
+        os.replace(os.path.join(staging, ADAPTER_CONFIG), os.path.join(target, ADAPTER_CONFIG))
+        os.rmdir(staging)
+    finally:
+        config.inference_mode = training

@@ -1,0 +1,93 @@
+"""World jobs for PEFT/LoRA and frozen parameters: one step against peft in one process."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import qn_hf
+from tests.cases import mesh_for, reference_grad
+from tests.models import dp_slice, load, make_batch
+
+
+def lora_model(kind: str, model_dir: str, *, targets: list[str], use_dora: bool = False, r: int = 4):
+    """peft's LoRA with random A and B (``init_lora_weights=False``: B = 0 would give A no gradient)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(11)
+    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, lora_dropout=0.0, init_lora_weights=False,
+                        use_dora=use_dora)
+    return get_peft_model(load(kind, model_dir), config)
+
+
+def lora_parity(*, kind: str, model_dir: str, out_dir: str, targets: list[str], dp: int = 1, tp: int = 1, pp: int = 1,
+                microbatches: int = 1, schedule: str = "1f1b", sequence_parallel: bool = False,
+                use_dora: bool = False, zero: bool = False) -> dict:
+    """One SGD step of LoRA: loss, every adapter gradient, the adapter written by save_pretrained and
+    loaded by ``PeftModel.from_pretrained``, the merged model, and base weights untouched."""
+    from peft import PeftModel
+
+    ref = lora_model(kind, model_dir, targets=targets, use_dora=use_dora)
+    pm = qn_hf.parallelize(lora_model(kind, model_dir, targets=targets, use_dora=use_dora), dp=dp, tp=tp, pp=pp,
+                           microbatches=microbatches, schedule=schedule, mesh=mesh_for(dp, tp, pp),
+                           sequence_parallel=sequence_parallel, bucket_mb=0.001)
+    batch = make_batch(kind, size=dp * 2 * microbatches, seed=7, padded=True)
+    local = dp_slice(batch, dp=dp, dp_rank=pm.coords["dp"])
+    before = {n: p.detach().clone() for n, p in pm.named_parameters()}
+    ref_before = {n: p.detach().clone() for n, p in ref.named_parameters() if "lora_" in n}
+    opt = qn_hf.optimizer(pm, torch.optim.SGD, zero=zero, lr=0.5)
+    loss = pm.train_step(local)
+    ref_loss = ref(**batch).loss
+    ref_loss.backward()
+
+    ref_params = dict(ref.get_base_model().named_parameters())
+    grad_err, frozen_with_grad, trained = 0.0, [], 0
+    for name, p in pm.named_parameters():
+        if not p.requires_grad:
+            if p.grad is not None:
+                frozen_with_grad.append(name)
+            continue
+        trained += 1
+        if not pm.grads_split_over_dp:
+            grad_err = max(grad_err, (p.grad - reference_grad(ref_params, name, pm)).abs().max().item())
+    opt.step()
+    torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.5).step()
+    base_moved = max((p - before[n]).abs().max().item() for n, p in pm.named_parameters() if not p.requires_grad)
+    pm.save_pretrained(out_dir)
+
+    loaded = PeftModel.from_pretrained(load(kind, model_dir), out_dir)
+    got = dict(loaded.named_parameters())
+    lora_err = max((got[n] - p).abs().max().item() for n, p in ref.named_parameters() if "lora_" in n)
+    lora_moved = max((p - ref_before[n]).abs().max().item() for n, p in ref.named_parameters() if "lora_" in n)
+    merged = dict(loaded.merge_and_unload().named_parameters())
+    ref_merged = dict(ref.merge_and_unload().named_parameters())
+    merged_err = max((merged[n] - p).abs().max().item() for n, p in ref_merged.items())
+    return {
+        "rank": dist.get_rank(), "loss": loss.item(), "ref_loss": ref_loss.item(), "grad_err": grad_err,
+        "frozen_with_grad": frozen_with_grad, "trained": trained, "base_moved": base_moved,
+        "lora_err": lora_err, "lora_moved": lora_moved, "merged_err": merged_err,
+        "lora_saved": sum("lora_" in n for n in got), "lora_ref": sum("lora_" in n for n in ref_params),
+    }
+
+
+def peft_error(*, kind: str, model_dir: str, method: str, tp: int = 1, targets: list[str] | None = None) -> str:
+    """The ValueError parallelize raises for a PEFT model it does not support (no collective runs)."""
+    import peft
+
+    model = load(kind, model_dir)
+    if method == "prefix":
+        wrapped = peft.get_peft_model(model, peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    elif method == "ia3":
+        wrapped = peft.get_peft_model(model, peft.IA3Config(task_type="CAUSAL_LM", target_modules=targets,
+                                                            feedforward_modules=[]))
+    elif method == "dora":
+        wrapped = lora_model(kind, model_dir, targets=targets, use_dora=True)
+    elif method == "lora_head":
+        wrapped = lora_model(kind, model_dir, targets=targets)
+    else:
+        raise AssertionError(method)
+    try:
+        qn_hf.parallelize(wrapped, tp=tp, mesh=mesh_for(1, tp))
+    except ValueError as e:
+        return str(e)
+    return "no error"

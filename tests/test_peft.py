@@ -1,0 +1,61 @@
+"""PEFT LoRA under tensor, pipeline and data parallelism equals peft in one process."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("peft")
+
+LOSS_RTOL = 1e-5
+GRAD_ATOL = 2e-6
+LORA_ATOL = 5e-5
+
+LLAMA_TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
+# (kind, dp, tp, pp, microbatches, schedule, sequence_parallel, zero, targets)
+LORA_CASES = [
+    ("llama", 1, 2, 1, 1, "1f1b", False, False, LLAMA_TARGETS),
+    ("llama", 1, 1, 2, 2, "1f1b", False, False, LLAMA_TARGETS),
+    ("llama", 1, 2, 2, 2, "1f1b", False, False, LLAMA_TARGETS),
+    ("llama", 2, 2, 1, 1, "1f1b", True, False, LLAMA_TARGETS),  # sequence parallel: B's gradient summed
+    ("llama", 2, 1, 2, 2, "zb_h1", False, True, LLAMA_TARGETS),  # deferred LoRA weight passes, ZeRO-1
+    ("llama", 1, 2, 1, 1, "1f1b", False, False, ["k_proj", "gate_proj", "up_proj"]),  # KV heads, MLP columns
+    ("gpt2", 1, 2, 2, 2, "1f1b", False, False, ["c_attn", "c_proj", "c_fc"]),  # Conv1D, fused q|k|v
+]
+
+
+@pytest.mark.parametrize(("kind", "dp", "tp", "pp", "microbatches", "schedule", "sp", "zero", "targets"), LORA_CASES)
+def test_lora_equals_peft(worlds, model_dirs, tmp_path, kind, dp, tp, pp, microbatches, schedule, sp, zero, targets):
+    results = worlds.run(dp * tp * pp, "tests.peft_cases:lora_parity", kind=kind, model_dir=model_dirs[kind],
+                         out_dir=str(tmp_path / "adapter"), targets=targets, dp=dp, tp=tp, pp=pp,
+                         microbatches=microbatches, schedule=schedule, sequence_parallel=sp, zero=zero)
+    assert len({r["loss"] for r in results}) == 1
+    for r in results:
+        assert abs(r["loss"] - r["ref_loss"]) <= LOSS_RTOL * abs(r["ref_loss"]), r
+        assert r["grad_err"] < GRAD_ATOL, r
+        assert r["frozen_with_grad"] == [], r  # no gradient buffer for a frozen base weight
+        assert r["trained"] > 0, r
+        assert r["base_moved"] == 0.0, r
+        assert r["lora_err"] < LORA_ATOL < r["lora_moved"], r
+        assert r["merged_err"] < LORA_ATOL, r
+        assert r["lora_saved"] == r["lora_ref"], r
+
+
+def test_dora_without_tp(worlds, model_dirs, tmp_path):
+    """DoRA's magnitude vector needs the norm of the whole weight: it runs where nothing is split."""
+    results = worlds.run(2, "tests.peft_cases:lora_parity", kind="llama", model_dir=model_dirs["llama"],
+                         out_dir=str(tmp_path / "adapter"), targets=LLAMA_TARGETS, pp=2, microbatches=2, use_dora=True)
+    for r in results:
+        assert abs(r["loss"] - r["ref_loss"]) <= LOSS_RTOL * abs(r["ref_loss"]), r
+        assert r["grad_err"] < GRAD_ATOL and r["lora_err"] < LORA_ATOL and r["merged_err"] < LORA_ATOL, r
+
+
+@pytest.mark.parametrize(("method", "tp", "targets", "expected"), [
+    ("prefix", 1, None, "PEFT method PREFIX_TUNING is not supported"),
+    ("ia3", 1, ["q_proj", "v_proj"], "PEFT method IA3 is not supported"),
+    ("dora", 2, ["q_proj"], "is not supported with tp=2"),
+    ("lora_head", 2, ["lm_head"], "LoRA on lm_head (style 'vocab_colwise') is not supported with tp=2"),
+])
+def test_unsupported_peft_refused_on_every_rank(worlds, model_dirs, method, tp, targets, expected):
+    for message in worlds.run(2, "tests.peft_cases:peft_error", kind="llama", model_dir=model_dirs["llama"],
+                              method=method, tp=tp, targets=targets):
+        assert expected in message, message
