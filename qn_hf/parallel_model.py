@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .batch import check_batch, check_model_inputs, microbatch_rows, sequence_split, split_microbatches
+from .checkpoint.adapter import save_adapter
 from .checkpoint.export import save_pretrained
 from .checkpoint.hf import DEFAULT_MAX_SHARD_BYTES
 from .checkpoint.load import load_checkpoint
@@ -20,6 +21,7 @@ from .context_parallel import CP_KEYS, shard_microbatch
 from .data_parallel import GradBuckets
 from .grad_sync import GradSync
 from .failure import FailTogether
+from .lora import Adapter
 from .loss import IGNORE_INDEX, causal_lm_targets, count_targets, vocab_parallel_cross_entropy
 from .mesh import Groups, ParallelDims
 from .pipeline.runtime import StageExecutor
@@ -63,8 +65,10 @@ class ParallelModel:
         scaler: LossScaler | None,
         chunks: ChunkLayout,
         deferred: frozenset[str] = frozenset(),
+        adapter: Adapter | None = None,
     ) -> None:
         self.module = module
+        self.adapter = adapter  # the PEFT model ``module`` came from: save_pretrained writes its adapter
         self.placement = placement
         self.plan = plan
         self.stage = stage
@@ -314,9 +318,13 @@ class ParallelModel:
     # -- export ----------------------------------------------------------------------------------
     def save_pretrained(self, path: str, *, max_shard_size: int = DEFAULT_MAX_SHARD_BYTES) -> None:
         """Write a consolidated Hugging Face directory that ``from_pretrained`` loads unchanged
-        (streamed tensor by tensor; files of at most ``max_shard_size`` bytes)."""
+        (streamed tensor by tensor; files of at most ``max_shard_size`` bytes); for a PEFT model, the
+        adapter directory that ``PeftModel.from_pretrained(base, path)`` loads."""
         self._weights_ready()
         with self.failures.guard("save_pretrained"):
+            if self.adapter is not None:
+                save_adapter(self.module, path, placement=self.placement, adapter=self.adapter)
+                return
             save_pretrained(self.module, path, placement=self.placement, config=self.config,
                             max_shard_bytes=max_shard_size)
 
