@@ -91,3 +91,25 @@ def peft_error(*, kind: str, model_dir: str, method: str, tp: int = 1, targets: 
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+def lora_steps(*, model_dir: str, ckpt: str, out: str, dp: int = 1, tp: int = 1, pp: int = 1, steps: int = 2,
+               resume: bool = False) -> dict:
+    """AdamW steps of LoRA on Llama; the first run saves a checkpoint after step 1, a resumed run
+    loads it (at its own mesh) and runs the rest. The adapter goes to ``out``."""
+    pm = qn_hf.parallelize(lora_model("llama", model_dir, targets=["q_proj", "v_proj", "o_proj", "down_proj"]), dp=dp,
+                           tp=tp, pp=pp, microbatches=2 if pp > 1 else 1, mesh=mesh_for(dp, tp, pp))
+    opt = qn_hf.optimizer(pm, torch.optim.AdamW, lr=1e-2)
+    first = 1
+    if resume:
+        first = pm.load_checkpoint(ckpt, optimizer=opt)["step"] + 1
+    losses = []
+    for step in range(first, steps + 1):
+        batch = make_batch("llama", size=4, seed=100 + step)
+        opt.zero_grad()
+        losses.append(pm.train_step(dp_slice(batch, dp=dp, dp_rank=pm.coords["dp"])).item())
+        opt.step()
+        if step == 1 and not resume:
+            pm.save_checkpoint(ckpt, optimizer=opt, step=1)
+    pm.save_pretrained(out)
+    return {"losses": losses, "trainable": sorted(n for n, p in pm.named_parameters() if p.requires_grad)}
