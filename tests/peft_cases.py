@@ -22,7 +22,7 @@ def lora_model(kind: str, model_dir: str, *, targets: list[str], use_dora: bool 
 
 def lora_parity(*, kind: str, model_dir: str, out_dir: str, targets: list[str], dp: int = 1, tp: int = 1, pp: int = 1,
                 microbatches: int = 1, schedule: str = "1f1b", sequence_parallel: bool = False,
-                use_dora: bool = False, zero: bool = False) -> dict:
+                use_dora: bool = False, zero: bool = False, recompute: str | None = None) -> dict:
     """One SGD step of LoRA: loss, every adapter gradient, the adapter written by save_pretrained and
     loaded by ``PeftModel.from_pretrained``, the merged model, and base weights untouched."""
     from peft import PeftModel
@@ -30,7 +30,7 @@ def lora_parity(*, kind: str, model_dir: str, out_dir: str, targets: list[str], 
     ref = lora_model(kind, model_dir, targets=targets, use_dora=use_dora)
     pm = qn_hf.parallelize(lora_model(kind, model_dir, targets=targets, use_dora=use_dora), dp=dp, tp=tp, pp=pp,
                            microbatches=microbatches, schedule=schedule, mesh=mesh_for(dp, tp, pp),
-                           sequence_parallel=sequence_parallel, bucket_mb=0.001)
+                           sequence_parallel=sequence_parallel, bucket_mb=0.001, recompute=recompute)
     batch = make_batch(kind, size=dp * 2 * microbatches, seed=7, padded=True)
     local = dp_slice(batch, dp=dp, dp_rank=pm.coords["dp"])
     before = {n: p.detach().clone() for n, p in pm.named_parameters()}
@@ -113,3 +113,21 @@ def lora_steps(*, model_dir: str, ckpt: str, out: str, dp: int = 1, tp: int = 1,
             pm.save_checkpoint(ckpt, optimizer=opt, step=1)
     pm.save_pretrained(out)
     return {"losses": losses, "trainable": sorted(n for n, p in pm.named_parameters() if p.requires_grad)}
+
+
+def lora_bf16(*, model_dir: str, tp: int, pp: int) -> dict:
+    """LoRA under mixed_precision="bf16": float32 masters for the adapter only, none for the frozen base."""
+    pm = qn_hf.parallelize(lora_model("llama", model_dir, targets=["q_proj", "v_proj", "o_proj", "down_proj"]), tp=tp,
+                           pp=pp, microbatches=2, mesh=mesh_for(1, tp, pp), mixed_precision="bf16")
+    opt = qn_hf.optimizer(pm, torch.optim.AdamW, lr=1e-3)
+    batch = make_batch("llama", size=4, seed=7)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        losses.append(pm.train_step(batch).item())
+        opt.step()
+    ref = lora_model("llama", model_dir, targets=["q_proj", "v_proj", "o_proj", "down_proj"])
+    masters = sum(m.tensor.numel() for m in opt.masters)
+    return {"losses": losses, "ref_loss": ref(**batch).loss.item(), "masters": masters,
+            "trainable": sum(p.numel() for p in pm.parameters() if p.requires_grad),
+            "dtypes": sorted({str(p.dtype) for p in pm.parameters()})}

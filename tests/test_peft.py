@@ -23,11 +23,15 @@ LORA_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("kind", "dp", "tp", "pp", "microbatches", "schedule", "sp", "zero", "targets"), LORA_CASES)
-def test_lora_equals_peft(worlds, model_dirs, tmp_path, kind, dp, tp, pp, microbatches, schedule, sp, zero, targets):
+@pytest.mark.parametrize(("kind", "dp", "tp", "pp", "microbatches", "schedule", "sp", "zero", "targets", "recompute"),
+                         [(*c, None) for c in LORA_CASES] + [("llama", 1, 2, 2, 2, "1f1b", False, False, LLAMA_TARGETS,
+                                                              "selective")])
+def test_lora_equals_peft(worlds, model_dirs, tmp_path, kind, dp, tp, pp, microbatches, schedule, sp, zero, targets,
+                          recompute):
     results = worlds.run(dp * tp * pp, "tests.peft_cases:lora_parity", kind=kind, model_dir=model_dirs[kind],
                          out_dir=str(tmp_path / "adapter"), targets=targets, dp=dp, tp=tp, pp=pp,
-                         microbatches=microbatches, schedule=schedule, sequence_parallel=sp, zero=zero)
+                         microbatches=microbatches, schedule=schedule, sequence_parallel=sp, zero=zero,
+                         recompute=recompute)
     assert len({r["loss"] for r in results}) == 1
     for r in results:
         assert abs(r["loss"] - r["ref_loss"]) <= LOSS_RTOL * abs(r["ref_loss"]), r
@@ -79,3 +83,11 @@ def test_lora_checkpoint_resumes_at_another_mesh(worlds, model_dirs, tmp_path):
         assert resumed.keys() == reference.keys()
         err = max((resumed[n] - t).abs().max().item() for n, t in reference.items())
         assert err < 5e-5, (dp, pp, err)
+
+
+def test_lora_bf16_keeps_masters_for_the_adapter_only(worlds, model_dirs):
+    for r in worlds.run(4, "tests.peft_cases:lora_bf16", model_dir=model_dirs["llama"], tp=2, pp=2):
+        assert r["dtypes"] == ["torch.bfloat16"], r
+        assert r["masters"] == r["trainable"] > 0, r  # no float32 copy of the frozen base
+        assert abs(r["losses"][0] - r["ref_loss"]) <= 2e-2 * r["ref_loss"], r
+        assert r["losses"][2] < r["losses"][0], r
