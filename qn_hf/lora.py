@@ -93,12 +93,20 @@ def unwrap_peft(model: nn.Module) -> tuple[nn.Module, Adapter | None]:
     return inner, Adapter(peft_model=model, name=name)
 
 
-def lora_rules(model: nn.Module, rules: dict[str, str], *, tp: int) -> tuple[dict[str, str], list[str]]:
-    """``rules`` with each rule on a LoRA layer carried to its leaves, and the LoRA layers under a
-    column style that are not inside a tp entry (their input must enter the tp region at the LoRA
-    layer, since ``lora_A`` sees it beside the base layer)."""
+@dataclass(frozen=True)
+class LoraLeaves:
+    """What ``lora_rules`` derives from the rules on LoRA layers."""
+
+    rules: dict[str, str]  # every rule, those on LoRA layers carried to their leaves
+    entries: list[str]  # LoRA layers under a column style whose input must enter the tp region there
+    shared_dropout: list[str]  # dropout on a whole, replicated input: the same mask on every tp rank
+    local_dropout: list[str]  # dropout on this rank's slice of the features: its own mask
+
+
+def lora_rules(model: nn.Module, rules: dict[str, str], *, tp: int, sequence_parallel: bool) -> LoraLeaves:
+    """``rules`` with each rule on a LoRA layer carried to its leaves (module docstring)."""
     out: dict[str, str] = {}
-    entries: list[str] = []
+    leaves = LoraLeaves(rules=out, entries=[], shared_dropout=[], local_dropout=[])
     for name, style in rules.items():
         module = model.get_submodule(name) if style not in PARAM_STYLES else None
         if module is None or not is_lora_layer(module):
@@ -110,18 +118,25 @@ def lora_rules(model: nn.Module, rules: dict[str, str], *, tp: int) -> tuple[dic
                 raise ValueError(f"LoRA variant {variants} (use_dora=True?) on {name} is not supported with tp={tp}: its "
                                  f"norm spans the split weight; use tp=1 (dp and pp work) or plain LoRA")
         adapters = list(module.lora_A)
+        dropouts = [f"{name}.lora_dropout.{a}" for a in adapters if isinstance(module.lora_dropout[a], nn.Dropout)]
+        if dropouts and sequence_parallel and style != "replicate":
+            raise ValueError(f"lora_dropout > 0 on {name} with sequence_parallel=True is not supported: the input of a "
+                             f"column target is gathered inside a block whose dropout runs tp-local; use "
+                             f"lora_dropout=0 or sequence_parallel=False")
         out[f"{name}.base_layer"] = style
         if style == "replicate":
             out.update({f"{name}.{part}.{a}": "replicate" for a in adapters for part in ("lora_A", "lora_B")})
         elif style in _COLUMN:
             out.update({f"{name}.lora_A.{a}": "replicate_grad_sum" for a in adapters})
             out.update({f"{name}.lora_B.{a}": style for a in adapters})
-            entries.append(name)
+            leaves.entries.append(name)
+            leaves.shared_dropout.extend(dropouts)  # x is whole on every rank: one mask, as in one process
         elif style in _ROW:
             out.update({f"{name}.lora_A.{a}": style for a in adapters})
             out.update({f"{name}.lora_B.{a}": "replicate_after_row" for a in adapters})
+            leaves.local_dropout.extend(dropouts)  # each rank masks its own slice of the features
         else:
             raise ValueError(f"LoRA on {name} (style {style!r}) is not supported with tp={tp}: qn_hf shards LoRA under "
                              f"column and row styles {_COLUMN + _ROW}; remove {name.rpartition('.')[2]!r} from "
                              f"target_modules or use tp=1")
-    return out, entries
+    return leaves

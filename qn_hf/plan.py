@@ -16,7 +16,7 @@ from torch import nn
 
 from .names import base_model_and_prefix, join, match_modules, match_parameters
 from .heads import LAYOUT_VALUES, HeadLayout, attention_layout, head_layout
-from .lora import is_lora_layer, lora_rules
+from .lora import LoraLeaves, is_lora_layer, lora_rules
 from .rules import check_rule, check_ties, is_projection, split_kv_per_module
 from .styles import PARAM_STYLES, STYLES
 
@@ -198,7 +198,7 @@ def _grad_sum_params(model: nn.Module, rules: dict[str, str]) -> tuple[str, ...]
     return tuple(names)
 
 
-def build_tp_plan(model: nn.Module, policy: ModelPolicy, *, tp: int) -> TpPlan:
+def build_tp_plan(model: nn.Module, policy: ModelPolicy, *, tp: int, sequence_parallel: bool = False) -> TpPlan:
     """Resolve ``policy`` on ``model``; raise ``ValueError`` for anything that does not fit.
 
     At tp=1 nothing is sharded, so no style is checked or applied: data and pipeline parallelism
@@ -214,11 +214,12 @@ def build_tp_plan(model: nn.Module, policy: ModelPolicy, *, tp: int) -> TpPlan:
     rules = _resolve_rules(model, policy, base, prefix)
     _check_coverage(policy, model, base, prefix, rules)
     patches = _resolve_patches(policy, base, prefix, layout)
-    lora_entries: list[str] = []
+    lora = LoraLeaves(rules=rules, entries=[], shared_dropout=[], local_dropout=[])
     if tp > 1:
         rules = split_kv_per_module(model, rules, layout)
         check_ties(model, rules)
-        rules, lora_entries = lora_rules(model, rules, tp=tp)
+        lora = lora_rules(model, rules, tp=tp, sequence_parallel=sequence_parallel)
+        rules = lora.rules
         for name, style in rules.items():
             check_rule(model, name, style, layout, tp)
 
@@ -232,7 +233,7 @@ def build_tp_plan(model: nn.Module, policy: ModelPolicy, *, tp: int) -> TpPlan:
         return tuple(found)
 
     entries = regions(policy.tp_entries, "tp entry")
-    entries += tuple(n for n in lora_entries if not any(n.startswith(e + ".") for e in entries))
+    entries += tuple(n for n in lora.entries if not any(n.startswith(e + ".") for e in entries))
     for entry in entries:
         inside = [n for n, style in rules.items() if n.startswith(entry + ".") and style.startswith("colwise")]
         if not inside:
@@ -247,8 +248,8 @@ def build_tp_plan(model: nn.Module, policy: ModelPolicy, *, tp: int) -> TpPlan:
         patches=tuple(patches) if sharding else (),
         grad_sum=_grad_sum_params(model, rules) if sharding else (),
         tp_entries=entries if sharding else (),
-        tp_rng_regions=regions(policy.tp_rng_regions, "rng region"),
-        shared_rng_regions=regions(policy.shared_rng_regions, "rng region"),
+        tp_rng_regions=regions(policy.tp_rng_regions, "rng region") + tuple(lora.local_dropout),
+        shared_rng_regions=regions(policy.shared_rng_regions, "rng region") + tuple(lora.shared_dropout),
         loss=policy.loss if base is not model else None,
         base_prefix=prefix,
         mla_rope_dim=config.get_text_config().qk_rope_head_dim if mla and sharding else None,

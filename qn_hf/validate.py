@@ -53,7 +53,7 @@ def check_parallel_config(model: nn.Module, *, dp: int, tp: int, pp: int, microb
     if mixed_precision is not None:
         check_choice("mixed_precision", mixed_precision, tuple(PRECISIONS))
     resolved = resolve_policy(model, policy)
-    tp_plan = build_tp_plan(model, resolved, tp=tp)
+    tp_plan = build_tp_plan(model, resolved, tp=tp, sequence_parallel=sequence_parallel)
     stage_plan = build_stage_plan(model, resolved, stages=pp, layers_per_stage=layers_per_stage,
                                   virtual=virtual_stages)
     check_recompute(model, recompute=recompute, layers=stage_plan.layers)

@@ -10,12 +10,13 @@ from tests.cases import mesh_for, reference_grad
 from tests.models import dp_slice, load, make_batch
 
 
-def lora_model(kind: str, model_dir: str, *, targets: list[str], use_dora: bool = False, r: int = 4):
+def lora_model(kind: str, model_dir: str, *, targets: list[str], use_dora: bool = False, r: int = 4,
+               dropout: float = 0.0):
     """peft's LoRA with random A and B (``init_lora_weights=False``: B = 0 would give A no gradient)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(11)
-    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, lora_dropout=0.0, init_lora_weights=False,
+    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, lora_dropout=dropout, init_lora_weights=False,
                         use_dora=use_dora)
     return get_peft_model(load(kind, model_dir), config)
 
@@ -84,10 +85,12 @@ def peft_error(*, kind: str, model_dir: str, method: str, tp: int = 1, targets: 
         wrapped = lora_model(kind, model_dir, targets=targets, use_dora=True)
     elif method == "lora_head":
         wrapped = lora_model(kind, model_dir, targets=targets)
+    elif method == "dropout_sp":
+        wrapped = lora_model(kind, model_dir, targets=targets, dropout=0.1)
     else:
         raise AssertionError(method)
     try:
-        qn_hf.parallelize(wrapped, tp=tp, mesh=mesh_for(1, tp))
+        qn_hf.parallelize(wrapped, tp=tp, mesh=mesh_for(1, tp), sequence_parallel=method == "dropout_sp")
     except ValueError as e:
         return str(e)
     return "no error"
@@ -131,3 +134,22 @@ def lora_bf16(*, model_dir: str, tp: int, pp: int) -> dict:
     return {"losses": losses, "ref_loss": ref(**batch).loss.item(), "masters": masters,
             "trainable": sum(p.numel() for p in pm.parameters() if p.requires_grad),
             "dtypes": sorted({str(p.dtype) for p in pm.parameters()})}
+
+
+def lora_dropout_masks(*, model_dir: str) -> dict:
+    """lora_dropout=0.5 at tp=2: a column target's dropout sees the whole input on every rank and
+    must draw the same mask there; a row target's sees this rank's slice and must draw its own."""
+    pm = qn_hf.parallelize(lora_model("llama", model_dir, targets=["q_proj", "down_proj"], dropout=0.5), tp=2,
+                           mesh=mesh_for(1, 2))
+    masks: dict[str, torch.Tensor] = {}
+    for name, module in pm.module.named_modules():
+        if name.endswith("lora_dropout.default"):
+            module.register_forward_hook(lambda m, args, out, name=name: masks.__setitem__(name, out == 0))
+    pm.train()
+    pm(input_ids=make_batch("llama", size=2, seed=3)["input_ids"])
+    same = {}
+    for name, mask in masks.items():
+        other = [torch.zeros_like(mask, dtype=torch.uint8) for _ in range(2)]
+        dist.all_gather(other, mask.to(torch.uint8), group=pm.groups.tp)
+        same[name] = bool(torch.equal(other[0], other[1]))
+    return same

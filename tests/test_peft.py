@@ -58,6 +58,7 @@ def test_dora_without_tp(worlds, model_dirs, tmp_path):
     ("ia3", 1, ["q_proj", "v_proj"], "PEFT method IA3 is not supported"),
     ("dora", 2, ["q_proj"], "is not supported with tp=2"),
     ("lora_head", 2, ["lm_head"], "LoRA on lm_head (style 'vocab_colwise') is not supported with tp=2"),
+    ("dropout_sp", 2, ["q_proj"], "lora_dropout > 0 on model.layers.0.self_attn.q_proj with sequence_parallel=True"),
 ])
 def test_unsupported_peft_refused_on_every_rank(worlds, model_dirs, method, tp, targets, expected):
     for message in worlds.run(2, "tests.peft_cases:peft_error", kind="llama", model_dir=model_dirs["llama"],
@@ -91,3 +92,10 @@ def test_lora_bf16_keeps_masters_for_the_adapter_only(worlds, model_dirs):
         assert r["masters"] == r["trainable"] > 0, r  # no float32 copy of the frozen base
         assert abs(r["losses"][0] - r["ref_loss"]) <= 2e-2 * r["ref_loss"], r
         assert r["losses"][2] < r["losses"][0], r
+
+
+def test_lora_dropout_masks_follow_the_input_layout(worlds, model_dirs):
+    for same in worlds.run(2, "tests.peft_cases:lora_dropout_masks", model_dir=model_dirs["llama"]):
+        assert len(same) == 8, same
+        for name, equal in same.items():
+            assert equal == ("q_proj" in name), (name, same)  # column: one mask; row: one per slice
