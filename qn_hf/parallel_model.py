@@ -21,6 +21,8 @@ from .context_parallel import CP_KEYS, shard_microbatch
 from .data_parallel import GradBuckets
 from .grad_sync import GradSync
 from .failure import FailTogether
+from .full_state import full_state_dict
+from .generation import parallel_generate
 from .lora import Adapter
 from .loss import IGNORE_INDEX, causal_lm_targets, count_targets, vocab_parallel_cross_entropy
 from .mesh import Groups, ParallelDims
@@ -314,6 +316,27 @@ class ParallelModel:
     def config(self):
         """The whole model's Hugging Face config (a pipeline stage's modules may hold a cut copy)."""
         return self.stage.config
+
+    @property
+    def generation_config(self):
+        """The module's Hugging Face generation config (``generate``'s defaults, as on the plain model)."""
+        return self.module.generation_config
+
+    def state_dict(self, *, max_bytes: int | None = None) -> dict[str, torch.Tensor]:
+        """The unsharded model's state dict (HF names, whole CPU tensors) on every rank; collective.
+        Refused above ``max_bytes`` (default: half the free host memory per rank): see full_state.py."""
+        self._weights_ready()
+        with self.failures.guard("state_dict"):
+            return full_state_dict(self.module, placement=self.placement, max_bytes=max_bytes)
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **generate_kwargs):
+        """HF's ``generate``, equal to the plain model's; every rank of a dp replica passes the same
+        inputs. KV cache at pp=1; at pp>1 each token re-runs the pipeline without one (generation.py)."""
+        self._weights_ready()
+        with self.failures.guard("generate"):
+            return parallel_generate(self.module, input_ids, attention_mask, stage=self.stage, placement=self.placement,
+                                     full_logits=self.full_logits if self.vocab is not None else None,
+                                     sequence_parallel=self.plan.sequence_parallel, generate_kwargs=generate_kwargs)
 
     # -- export ----------------------------------------------------------------------------------
     def save_pretrained(self, path: str, *, max_shard_size: int = DEFAULT_MAX_SHARD_BYTES) -> None:

@@ -21,15 +21,16 @@ from torch.utils.hooks import RemovableHandle
 SHARED, TP_LOCAL = "shared", "tp_local"
 
 
-def _get_state(device: torch.device) -> torch.Tensor:
+def device_rng_state(device: torch.device) -> torch.Tensor:
+    """The state of ``device``'s default generator (what dropout and sampling draw from)."""
     return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
 
 
-def _set_state(device: torch.device, state: torch.Tensor) -> None:
+def set_device_rng_state(device: torch.device, state: torch.Tensor) -> None:
     if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
+        torch.cuda.set_rng_state(state.cpu(), device)
     else:
-        torch.set_rng_state(state)
+        torch.set_rng_state(state.cpu())
 
 
 def _state_for_seed(device: torch.device, seed: int) -> torch.Tensor:
@@ -45,21 +46,21 @@ class RngStreams:
         self.device = device
         self._states = {name: _state_for_seed(device, seed) for name, seed in seeds.items()}
         self._stack: list[str] = [SHARED]
-        _set_state(device, self._states[SHARED])
+        set_device_rng_state(device, self._states[SHARED])
 
     @property
     def current(self) -> str:
         return self._stack[-1]
 
     def enter(self, name: str) -> None:
-        self._states[self.current] = _get_state(self.device)
-        _set_state(self.device, self._states[name])
+        self._states[self.current] = device_rng_state(self.device)
+        set_device_rng_state(self.device, self._states[name])
         self._stack.append(name)
 
     def exit(self) -> None:
         name = self._stack.pop()
-        self._states[name] = _get_state(self.device)
-        _set_state(self.device, self._states[self.current])
+        self._states[name] = device_rng_state(self.device)
+        set_device_rng_state(self.device, self._states[self.current])
 
     def snapshot(self) -> tuple[tuple[str, ...], dict[str, torch.Tensor]]:
         """Which streams are running (the stack) and the saved states of the others. The running

@@ -26,10 +26,9 @@ import torch
 import torch.distributed as dist
 
 from .schedule import Action, Op, chunk_of, final_actions, format_grid
+from .wire import empty_header, header_of, read_header
 
 # The activation header's dtype codes (a dtype's position is its code on the wire; not a file format).
-_WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-HEADER_INTS = 8  # int64 values sent once per step: room for [dtype, ndim, *shape]
 
 # forward(chunk, mb, received) -> the activation to send, or on the last chunk the microbatch's loss
 StageForward = Callable[[int, int, "torch.Tensor | None"], torch.Tensor]
@@ -241,17 +240,13 @@ class StageExecutor:
         step.sends.append((dist.isend(grad, dst=self.peers.prev, tag=self._tag((key[0] - 1, key[1]), 2)), grad))
 
     def _send_header(self, step: _Step, out: torch.Tensor) -> None:
-        values = [_WIRE_DTYPES.index(out.dtype), out.dim(), *out.shape]
-        if len(values) > HEADER_INTS:
-            raise ValueError(f"activations of {out.dim()} dims are not supported")
-        header = torch.zeros(HEADER_INTS, dtype=torch.int64, device=self.device)
-        header[: len(values)] = torch.tensor(values)
+        header = header_of(out)  # once per step and link
         step.sends.append((dist.isend(header, dst=self.peers.next, tag=0), header))
         step.header_sent = True
 
     def _recv_header(self) -> tuple[int, tuple[tuple[int, ...], torch.dtype]]:
         """Rows of the first activation, and the trailing shape and dtype of every activation."""
-        header = torch.empty(HEADER_INTS, dtype=torch.int64, device=self.device)
+        header = empty_header(self.device)
         dist.irecv(header, src=self.peers.prev, tag=0).wait()
-        values = header.tolist()
-        return values[2], (tuple(values[3 : 2 + values[1]]), _WIRE_DTYPES[values[0]])
+        shape, dtype = read_header(header)
+        return shape[0], (shape[1:], dtype)

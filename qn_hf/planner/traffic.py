@@ -44,7 +44,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ..pipeline.runtime import HEADER_INTS
+from ..pipeline.wire import HEADER_INTS
 from ..plan import TpPlan
 from .context import ring_ops
 from .experts import ExpertCall, expert_ops

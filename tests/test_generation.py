@@ -1,0 +1,54 @@
+"""``pm.generate`` and ``pm.state_dict()`` equal the plain Hugging Face model's, at every mesh shape."""
+
+from __future__ import annotations
+
+import pytest
+
+KINDS = ["gpt2", "llama"]  # tied head and vocabulary 99 (padded at tp=2); GQA and vocabulary 101
+MESHES = [(1, 2, 1), (1, 1, 2), (1, 2, 2), (2, 1, 2)]  # (dp, tp, pp)
+
+
+@pytest.mark.parametrize(("dp", "tp", "pp"), MESHES, ids=[f"dp{d}-tp{t}-pp{p}" for d, t, p in MESHES])
+def test_generate_equals_plain_model(worlds, model_dirs, dp, tp, pp):
+    """Greedy token for token (a left-padded batch with attention_mask, one prompt without), sampling
+    with the same seed, the logits HF's processors see (whole vocabulary); every rank of a replica
+    returns the same, each dp replica its own prompts' result; the train/eval mode is given back."""
+    results = worlds.run(dp * tp * pp, "tests.generation_cases:generation", model_dirs=model_dirs, kinds=KINDS,
+                         dp=dp, tp=tp, pp=pp)
+    for kind in KINDS:
+        per_replica: dict[int, dict] = {}
+        for r in results:
+            got = r[kind]
+            for case in ("greedy", "single", "sampled"):
+                ours, ref = got[case]
+                assert ours == ref, (kind, case, r["rank"], ours, ref)
+            assert got["logit_err"] < 1e-4, (kind, r["rank"], got["logit_err"])
+            assert got["vocab"] == {"gpt2": 99, "llama": 101}[kind]
+            assert got["training"] and got["generation_config"] and got["generator"], (kind, r["rank"], got)
+            assert per_replica.setdefault(got["dp"], got) == got, (kind, "ranks of a replica disagree")
+        if dp > 1:
+            assert per_replica[0]["greedy"] != per_replica[1]["greedy"], "the replicas were given different prompts"
+
+
+def test_state_dict_equals_plain_model(worlds, model_dirs):
+    """tp=2 x pp=2: every rank holds the plain model's state dict exactly (names, order, dtypes, values,
+    the tied head as one tensor), and a tiny max_bytes is refused on every rank, pointing at save_pretrained."""
+    for r in worlds.run(4, "tests.generation_cases:full_state", model_dirs=model_dirs, kinds=KINDS, dp=1, tp=2, pp=2):
+        for kind in KINDS:
+            got = r[kind]
+            assert not got["missing"] and not got["unexpected"] and not got["different"], (kind, r["rank"], got)
+            assert got["keys"], (kind, "order differs from the plain model's")
+            assert got["devices"] == ["cpu"]
+            assert got["tied"] == (kind == "gpt2"), (kind, got["tied"])
+            assert "GiB" in got["refused"] and "save_pretrained" in got["refused"] and "max_bytes=1000" in got["refused"]
+
+
+def test_generate_refusals(worlds, model_dirs):
+    results = worlds.run(2, "tests.generation_cases:refusals", model_dirs=model_dirs)
+    for r in results:
+        assert "cp=2" in r["cp"] and "cp=1" in r["cp"], r["cp"]
+        assert "sequence_parallel=False" in r["sequence_parallel"], r["sequence_parallel"]
+        assert "virtual_stages=1" in r["virtual"], r["virtual"]
+        assert "use_cache" in r["use_cache"], r["use_cache"]
+        assert "output_hidden_states" in r["hidden_states"], r["hidden_states"]
+        assert "cannot generate" in r["vit"], r["vit"]
