@@ -54,6 +54,11 @@ def lora_parity(*, kind: str, model_dir: str, out_dir: str, targets: list[str], 
     opt.step()
     torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.5).step()
     base_moved = max((p - before[n]).abs().max().item() for n, p in pm.named_parameters() if not p.requires_grad)
+    generated = None
+    if not sequence_parallel:  # evaluation samples from the trained adapter, as peft's model gives them
+        prompt = batch["input_ids"][:2, :5]
+        generated = (pm.generate(prompt, max_new_tokens=4, do_sample=False).tolist()
+                     == ref.generate(input_ids=prompt, max_new_tokens=4, do_sample=False).tolist())
     pm.save_pretrained(out_dir)
 
     loaded = PeftModel.from_pretrained(load(kind, model_dir), out_dir)
@@ -66,7 +71,7 @@ def lora_parity(*, kind: str, model_dir: str, out_dir: str, targets: list[str], 
     return {
         "rank": dist.get_rank(), "loss": loss.item(), "ref_loss": ref_loss.item(), "grad_err": grad_err,
         "frozen_with_grad": frozen_with_grad, "trained": trained, "base_moved": base_moved,
-        "lora_err": lora_err, "lora_moved": lora_moved, "merged_err": merged_err,
+        "lora_err": lora_err, "lora_moved": lora_moved, "merged_err": merged_err, "generated": generated,
         "lora_saved": sum("lora_" in n for n in got), "lora_ref": sum("lora_" in n for n in ref_params),
     }
 

@@ -42,6 +42,7 @@ def test_lora_equals_peft(worlds, model_dirs, tmp_path, kind, dp, tp, pp, microb
         assert r["lora_err"] < LORA_ATOL < r["lora_moved"], r
         assert r["merged_err"] < LORA_ATOL, r
         assert r["lora_saved"] == r["lora_ref"], r
+        assert r["generated"] is (None if sp else True), r  # pm.generate equals peft's generate
 
 
 def test_dora_without_tp(worlds, model_dirs, tmp_path):
