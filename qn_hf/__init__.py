@@ -9,5 +9,16 @@ from .parallelize import parallelize
 from .plan import ModelPolicy
 from .version import __version__
 
-__all__ = ["CommMeter", "ModelPolicy", "ParallelDims", "ParallelModel", "ParallelOptimizer", "clip_grad_norm_", "optimizer",
-           "parallelize", "__version__"]
+__all__ = ["CommMeter", "ModelPolicy", "ParallelDims", "ParallelModel", "ParallelOptimizer", "ParallelTrainerMixin",
+           "Trainer", "clip_grad_norm_", "optimizer", "parallelize", "__version__"]
+
+_TRAINER = ("Trainer", "ParallelTrainerMixin")
+
+
+def __getattr__(name: str):
+    # transformers.Trainer pulls in accelerate (an extra): import it only when qn_hf.Trainer is asked for
+    if name in _TRAINER:
+        from . import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'qn_hf' has no attribute {name!r}")

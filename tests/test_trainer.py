@@ -1,0 +1,185 @@
+"""``qn_hf.Trainer`` equals ``transformers.Trainer`` in one process: the logged loss, gradient norm and LR at every
+step of 12 AdamW steps with linear warm-up, the evaluation loss, and the model ``save_model`` writes; a checkpoint
+resumes at another mesh; and arguments that conflict with the mesh are refused on every rank."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.models import load
+from tests.trainer_cases import reference
+
+LOSS_RTOL = 1e-4
+WEIGHT_ATOL = 1e-4
+
+pytest.importorskip("accelerate")
+
+
+@pytest.fixture(scope="module")
+def references(model_dirs, tmp_path_factory):
+    """One-process runs at the global batch sizes (this test process has no process group)."""
+    root = tmp_path_factory.mktemp("reference")
+    common = dict(model_dir=model_dirs["llama"], batch=4)
+    return {
+        "plain": reference(**common, out_dir=str(root / "plain"), accumulation=1, max_grad_norm=1.0, eval_steps=6),
+        # clipping at 0.2 engages on every step (the norms start above 1)
+        "accumulated": reference(**common, out_dir=str(root / "accumulated"), accumulation=2, max_grad_norm=0.2),
+        "lora": reference(**common, out_dir=str(root / "lora"), accumulation=1, max_grad_norm=1.0, lora=True),
+    }
+
+
+def close(ours: list[float], theirs: list[float], rtol: float = LOSS_RTOL) -> float:
+    assert len(ours) == len(theirs), (ours, theirs)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(ours, theirs))
+    assert worst <= rtol, (worst, ours, theirs)
+    return worst
+
+
+def same_weights(ours_dir: str, theirs_dir: str) -> None:
+    ours, theirs = load("llama", ours_dir).state_dict(), load("llama", theirs_dir).state_dict()
+    assert ours.keys() == theirs.keys()
+    worst = max((ours[k] - theirs[k]).abs().max().item() for k in ours)
+    assert worst <= WEIGHT_ATOL, worst
+
+
+def check_run(results: list[dict], ref: dict) -> dict:
+    """Every step's logged loss, gradient norm and LR, and the final evaluation, against the reference."""
+    run = results[0]
+    assert all(r["loss"] == run["loss"] for r in results)  # the global loss, identical on every rank
+    assert run["step"] == list(range(1, 13))
+    worst = {"loss": close(run["loss"], ref["loss"]), "grad_norm": close(run["grad_norm"], ref["grad_norm"]),
+             "eval": close([run["final_eval"]], [ref["final_eval"]])}
+    assert run["lr"] == pytest.approx(ref["lr"], rel=1e-9)
+    print("worst relative differences:", worst)
+    return worst
+
+
+def test_trainer_tp_pp_equals_one_process(worlds, model_dirs, references, tmp_path):
+    """(dp, tp, pp) = (1, 2, 2), evaluation every 6 steps and at the end."""
+    ref = references["plain"]
+    results = worlds.run(4, "tests.trainer_cases:parallel_train", model_dir=model_dirs["llama"], out_dir=str(tmp_path),
+                         dp=1, tp=2, pp=2, microbatches=2, batch=4, accumulation=1, max_grad_norm=1.0, eval_steps=6)
+    check_run(results, ref)
+    close(results[0]["eval_loss"], ref["eval_loss"])
+    assert len(ref["eval_loss"]) == 2
+    same_weights(str(tmp_path / "model"), references["plain"]["model_dir"])
+
+
+def test_trainer_accumulation_clipping_checkpoint_and_resume_at_another_mesh(worlds, model_dirs, references, tmp_path):
+    """(2, 1, 2) with 2 accumulation steps (4 microbatches per train_step), clipping and ZeRO-1, checkpoints at steps
+    6 and 12; then the step-6 checkpoint resumed at (1, 2, 2) continues as the uninterrupted run."""
+    ref = references["accumulated"]
+    first = tmp_path / "first"
+    results = worlds.run(4, "tests.trainer_cases:parallel_train", model_dir=model_dirs["llama"], out_dir=str(first),
+                         dp=2, tp=1, pp=2, microbatches=2, batch=2, accumulation=2, max_grad_norm=0.2, save_steps=6,
+                         zero=True)
+    check_run(results, ref)
+    assert results[0]["total_batch"] == 8
+    assert all(n > 0.2 for n in ref["grad_norm"])  # clipping engaged at every step
+    same_weights(str(first / "model"), references["accumulated"]["model_dir"])
+    assert sorted(p.name for p in first.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-6"]
+
+    again = tmp_path / "again"
+    resumed = worlds.run(4, "tests.trainer_cases:parallel_train", model_dir=model_dirs["llama"], out_dir=str(again),
+                         dp=1, tp=2, pp=2, microbatches=2, batch=4, accumulation=2, max_grad_norm=0.2,
+                         resume=str(first / "checkpoint-6"))
+    check_run(resumed, ref)  # steps 1-6 from the checkpoint's trainer_state.json, 7-12 trained after the resume
+    same_weights(str(again / "model"), references["accumulated"]["model_dir"])
+
+
+def test_trainer_refuses_conflicting_arguments_on_every_rank(worlds, model_dirs, tmp_path):
+    results = worlds.run(4, "tests.trainer_cases:bad_inputs", model_dir=model_dirs["llama"], out_dir=str(tmp_path))
+    assert all(r == results[0] for r in results), results
+    messages = results[0]
+    assert "parallel=dict(dp=1, tp=1, pp=2) needs 2 processes but 4 were launched" in messages["world"]
+    assert "gradient_checkpointing=True" in messages["checkpointing"]
+    assert "parallel=dict(recompute='full')" in messages["checkpointing"]
+    assert "bf16=True" in messages["bf16"] and "mixed_precision='bf16'" in messages["bf16"]
+    assert "not this rank's shards" in messages["optimizer"] and "optimizer_cls_and_kwargs" in messages["optimizer"]
+
+
+@pytest.mark.parametrize(("parallel", "overrides", "expected"), [
+    (dict(dp=2, zero=True, shards=2), {}, "parallel= has unknown keys ['shards']"),
+    (dict(microbatches=4), {}, "per_device_train_batch_size=2 is less than parallel microbatches=4"),
+    (dict(), {"fsdp": "full_shard"}, "fsdp='full_shard'"),
+    (dict(), {"label_smoothing_factor": 0.1}, "label_smoothing_factor=0.1"),
+    (dict(), {"train_sampling_strategy": "group_by_length"}, "train_sampling_strategy='group_by_length'"),
+    (dict(), {"fp16": True}, "parallel=dict(mixed_precision='fp16')"),
+])
+def test_trainer_argument_checks(tmp_path, parallel, overrides, expected):
+    """The checks are pure functions of the arguments, run before any collective."""
+    from qn_hf.trainer_args import check_training_args, trainer_mesh
+    from tests.trainer_cases import training_args
+
+    args = training_args(str(tmp_path), batch=2, eval_batch=2, accumulation=1, max_grad_norm=1.0)
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    with pytest.raises(ValueError) as error:
+        check_training_args(args, mesh=trainer_mesh(parallel, args=args), world_size=1)
+    assert expected in str(error.value)
+
+
+def test_trainer_import_is_lazy():
+    import subprocess
+    import sys
+
+    code = "import sys, qn_hf; assert 'transformers.trainer' not in sys.modules; assert qn_hf.Trainer.__mro__[2].__name__ == 'Trainer'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_microbatches_per_step(tmp_path):
+    from qn_hf.trainer_args import trainer_mesh
+    from tests.trainer_cases import training_args
+
+    args = training_args(str(tmp_path), batch=4, eval_batch=2, accumulation=3, max_grad_norm=1.0)
+    mesh = trainer_mesh(dict(pp=2, microbatches=2), args=args)
+    assert mesh.parallelize["microbatches"] == 6 and mesh.parallelize["seed"] == args.seed
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+def test_trainer_script_under_both_launchers(tmp_path, launcher):
+    """scripts/train_trainer.py at (dp, tp, pp) = (2, 1, 2) on 4 processes: the loss falls, checkpoints are in the
+    sharded format, and the model directory loads with from_pretrained."""
+    import re
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_scripts import launch, ok
+
+    done = launch(launcher, "train_trainer.py", ["--steps", "6", "--save-steps", "3", "--output-dir", str(tmp_path)])
+    ok(done)
+    line = re.search(r"done: mesh dp=2 tp=1 pp=2, 6 steps, loss (\S+) -> (\S+),", done.stdout)
+    assert line is not None and float(line[2]) < float(line[1]), done.stdout[-2000:]
+    assert (tmp_path / "checkpoint-3" / "sharded" / "latest").is_file()
+    assert (tmp_path / "checkpoint-6" / "scheduler.pt").is_file()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    assert model.config.model_type == "llama"
+
+
+def test_trl_sft_trainer_through_the_mixin(worlds, tmp_path):
+    """class ParallelSFT(qn_hf.ParallelTrainerMixin, trl.SFTTrainer) at (dp, tp, pp) = (2, 1, 2) equals TRL's
+    SFTTrainer in one process (its default NLL loss; the collator pads each batch itself)."""
+    pytest.importorskip("trl")
+    from tests.trainer_cases import sft
+
+    ref = sft(out_dir=str(tmp_path / "reference"))
+    results = worlds.run(4, "tests.trainer_cases:sft", out_dir=str(tmp_path / "parallel"),
+                         parallel=dict(dp=2, tp=1, pp=2, microbatches=2))
+    assert all(r == results[0] for r in results)
+    print("worst relative difference (TRL):", close(results[0], ref))
+
+
+def test_trainer_with_lora_writes_the_adapter(worlds, model_dirs, references, tmp_path):
+    """A PEFT LoRA model at (1, 2, 2): the logged losses of transformers.Trainer with peft in one
+    process, and save_model writes the adapter directory with its tensors (1e-4)."""
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    ref = references["lora"]
+    results = worlds.run(4, "tests.trainer_cases:parallel_train", model_dir=model_dirs["llama"], out_dir=str(tmp_path),
+                         dp=1, tp=2, pp=2, microbatches=2, batch=4, accumulation=1, max_grad_norm=1.0, lora=True)
+    check_run(results, ref)
+    ours = load_file(str(tmp_path / "model" / "adapter_model.safetensors"))
+    theirs = load_file(ref["model_dir"] + "/adapter_model.safetensors")
+    assert ours.keys() == theirs.keys() and len(ours) == 4 * 4 * 2  # layers x targets x (A, B)
+    assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) <= WEIGHT_ATOL
