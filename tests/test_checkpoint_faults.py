@@ -21,7 +21,9 @@ from tests.models import load
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("where", ["before", "shard", "index", "latest", "cleanup"])
+# A kill while shards or the index are written stays in the CI-sized suite; the other three points are `long`.
+@pytest.mark.parametrize("where", [pytest.param(w, marks=pytest.mark.long) if w in ("before", "latest", "cleanup") else w
+                                   for w in ["before", "shard", "index", "latest", "cleanup"]])
 def test_sigkill_inside_save_leaves_previous_checkpoint(model_dirs, tmp_path, where):
     ckpt = str(tmp_path / "ckpt")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
