@@ -100,6 +100,14 @@ def check_generate(module: nn.Module, *, stage: StageModules, placement: ShardPl
     if sequence_parallel:
         raise ValueError("generate with sequence_parallel=True: a one-token decoding step cannot be split over the tp "
                          "ranks; parallelize with sequence_parallel=False for generation")
+    config = generate_kwargs.get("generation_config") or getattr(module, "generation_config", None)
+    clocked = generate_kwargs.get("max_time", getattr(config, "max_time", None)) is not None
+    if (dims.tp > 1 or stage.stages > 1) and (clocked or generate_kwargs.get("stopping_criteria")):
+        # every rank of a replica must run the same number of steps (each step is collectives); a clock or a
+        # user criterion is evaluated by each rank on its own and may stop one rank before the others
+        raise ValueError(f"generate at tp={dims.tp}, pp={stage.stages} with max_time or stopping_criteria: each rank "
+                         f"would decide on its own when to stop and the others would wait for it; use max_new_tokens "
+                         f"(and eos_token_id / stop_strings), which every rank decides alike")
     if stage.stages == 1:
         return
     if stage.plan.virtual > 1:
@@ -108,7 +116,6 @@ def check_generate(module: nn.Module, *, stage: StageModules, placement: ShardPl
     if generate_kwargs.get("use_cache"):
         raise ValueError(f"use_cache=True at pp={stage.stages}: each stage would cache only its own blocks; pp>1 "
                          f"generates without a cache (each token re-runs the sequence), leave use_cache unset")
-    config = generate_kwargs.get("generation_config") or getattr(module, "generation_config", None)
     wanted = [k for k in PER_LAYER_OUTPUTS if generate_kwargs.get(k, getattr(config, k, False))]
     wanted += [k for k in PP_REFUSED if generate_kwargs.get(k) is not None]
     if wanted:

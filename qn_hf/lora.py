@@ -29,12 +29,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .styles import PARAM_STYLES
+from .styles import COLUMN_STYLES, PARAM_STYLES, ROW_STYLES
 
-# Linear styles whose weight is split along its outputs / inputs (not the vocabulary head: its logits
-# stay split for the loss, and a LoRA head is rare enough to refuse).
-_COLUMN = ("colwise", "colwise_kv", "colwise_packed2", "colwise_packed3", "colwise_gather")
-_ROW = ("rowwise", "rowwise_split")
 
 
 @dataclass(frozen=True)
@@ -126,17 +122,19 @@ def lora_rules(model: nn.Module, rules: dict[str, str], *, tp: int, sequence_par
         out[f"{name}.base_layer"] = style
         if style == "replicate":
             out.update({f"{name}.{part}.{a}": "replicate" for a in adapters for part in ("lora_A", "lora_B")})
-        elif style in _COLUMN:
+        elif style in COLUMN_STYLES:
             out.update({f"{name}.lora_A.{a}": "replicate_grad_sum" for a in adapters})
             out.update({f"{name}.lora_B.{a}": style for a in adapters})
             leaves.entries.append(name)
             leaves.shared_dropout.extend(dropouts)  # x is whole on every rank: one mask, as in one process
-        elif style in _ROW:
+        elif style in ROW_STYLES:
             out.update({f"{name}.lora_A.{a}": style for a in adapters})
             out.update({f"{name}.lora_B.{a}": "replicate_after_row" for a in adapters})
-            leaves.local_dropout.extend(dropouts)  # each rank masks its own slice of the features
+            # the features are split (rowwise: the input is this rank's slice; rowwise_split: the whole input,
+            # of which lora_A keeps this rank's slice after the mask): independent masks per slice
+            leaves.local_dropout.extend(dropouts)
         else:
             raise ValueError(f"LoRA on {name} (style {style!r}) is not supported with tp={tp}: qn_hf shards LoRA under "
-                             f"column and row styles {_COLUMN + _ROW}; remove {name.rpartition('.')[2]!r} from "
+                             f"column and row styles {COLUMN_STYLES + ROW_STYLES}; remove {name.rpartition('.')[2]!r} from "
                              f"target_modules or use tp=1")
     return leaves

@@ -22,6 +22,9 @@ LINEAR_STYLES = {
     "rowwise_split": "rowwise on a full (replicated) input: this rank's slice is taken first",
     "vocab_colwise": "LM head: vocabulary columns split (padded); the logits stay sharded for the loss",
 }
+# The linear styles that split a weight along its outputs / its inputs (the vocabulary head aside).
+COLUMN_STYLES = ("colwise", "colwise_kv", "colwise_packed2", "colwise_packed3", "colwise_gather")
+ROW_STYLES = ("rowwise", "rowwise_split")
 # Leaf swaps of an nn.Embedding.
 EMBEDDING_STYLES = {
     "vocab_embedding": "rows of the vocabulary split (padded); lookups summed by an all-reduce",

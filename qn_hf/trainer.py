@@ -42,8 +42,9 @@ from .mesh import launched_world_size
 from .optimizer import optimizer
 from .parallel_model import ParallelModel
 from .parallelize import parallelize
-from .trainer_args import check_trainer_inputs, check_training_args, check_user_optimizer, trainer_mesh
-from .trainer_data import count_items, dp_rows, merge_batches, one_process_loader, rows_of
+from .rng import device_rng_state, set_device_rng_state
+from .trainer_args import TrainerMesh, check_trainer_inputs, check_training_args, check_user_optimizer, trainer_mesh
+from .trainer_data import count_items, dp_rows, merge_batches, one_process_loader, rows_of, user_loss
 
 SHARDED = "sharded"  # the sub-directory of checkpoint-N holding pm.save_checkpoint's format
 
@@ -76,6 +77,10 @@ class ParallelTrainerMixin:
         if isinstance(model, ParallelModel):
             if parallel is not None:
                 raise ValueError("model= is already a ParallelModel: leave parallel= out (its mesh is fixed)")
+            dims = model.dims
+            fixed = TrainerMesh(parallelize=dict(dp=dims.dp, tp=dims.tp, pp=dims.pp, cp=dims.cp), zero=False)
+            check_training_args(args, mesh=fixed, world_size=dims.world_size,
+                                compute_loss_func=kwargs.get("compute_loss_func"))
             pm, self._zero = model, False
         else:
             mesh = trainer_mesh(parallel, args=args)
@@ -85,7 +90,11 @@ class ParallelTrainerMixin:
         self.pm = pm
         self._window: list[Mapping] = []  # the accumulation batches of the current optimizer step
         hf_model = pm.adapter.peft_model if pm.adapter is not None else pm.module
+        # Trainer's constructor seeds the device generator with args.seed on every rank; that generator is
+        # qn_hf's shared dropout stream, seeded per dp replica and stage (rng.py): keep ours.
+        streams = device_rng_state(pm.device)
         super().__init__(hf_model, args, *rest, **kwargs)
+        set_device_rng_state(pm.device, streams)
         if self.args.n_gpu > 1:
             raise ValueError(f"this process sees {self.args.n_gpu} GPUs and Trainer would use torch DataParallel; "
                              f"launch one process per GPU (torchrun --nproc-per-node N)")
@@ -154,20 +163,11 @@ class ParallelTrainerMixin:
         return dp_rows(batch, dp=self.pm.dims.dp, dp_rank=self.pm.coords["dp"], multiple=self.pm.microbatches)
 
     def _loss_fn(self, batch: Mapping[str, torch.Tensor], num_items: torch.Tensor | None):
-        """None (the built-in loss), or ``compute_loss_func`` as ``pm.train_step``'s ``loss_fn``: train_step weighs a
-        loss_fn by its microbatch's share of the global rows, which this undoes, so the step's loss is the sum of
-        ``compute_loss_func(outputs, labels, num_items_in_batch)`` over the microbatches, as one process sums it
-        over the accumulation batches."""
-        func = self.compute_loss_func
-        if func is None:
+        """None (the built-in loss), or ``compute_loss_func`` as ``pm.train_step``'s ``loss_fn`` (trainer_data.py)."""
+        if self.compute_loss_func is None:
             return None
-        dp, micro = self.pm.dims.dp, self.pm.microbatches
-        padded_rows = -(-rows_of(batch) // (dp * micro)) * dp * micro  # dp_rows' padded global batch
-
-        def loss_fn(outputs, mb: Mapping[str, torch.Tensor]) -> torch.Tensor:
-            return func(outputs, mb.get("labels"), num_items_in_batch=num_items) * (padded_rows / rows_of(mb))
-
-        return loss_fn
+        return user_loss(self.compute_loss_func, batch=batch, num_items=num_items, dp=self.pm.dims.dp,
+                         microbatches=self.pm.microbatches)
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         if self._created_lr_scheduler:  # a second train() gets a fresh schedule, as in Trainer
@@ -223,12 +223,15 @@ class ParallelTrainerMixin:
         total, rows = 0.0, 0
         for inputs in dataloader:
             batch = merge_batches([inputs])
-            if "labels" in batch:
+            if "labels" in batch:  # as one process: batches without labels give no loss
                 loss_fn = self._loss_fn(batch, count_items([batch], shifts_labels=self._loss_shifts_labels))
                 total += self.pm.eval_step(self._rows(batch), loss_fn=loss_fn).item() * rows_of(batch)
-            rows += rows_of(batch)
+                rows += rows_of(batch)
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
         metrics = {f"{metric_key_prefix}_loss": total / rows} if rows else {}
+        if description == "Prediction":
+            raise ValueError("predict() returns predictions, which stay on the last pipeline stage split over tp; "
+                             "use evaluate() for the loss, or save_model(dir) and predict with the plain model")
         samples = len(dataloader.dataset) if has_length(getattr(dataloader, "dataset", None)) else rows
         return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=samples)
 
@@ -249,6 +252,14 @@ class ParallelTrainerMixin:
             if tokenizer is not None:
                 tokenizer.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        # Python's and numpy's states as Trainer restores them, not the device generator (qn_hf's shared dropout
+        # stream): process k saved the stream of its coordinates at the saving mesh, so at another mesh the tp ranks
+        # of a replica would differ. Dropout streams go on from this run's seeds (other masks than uninterrupted).
+        streams = device_rng_state(self.pm.device)
+        super()._load_rng_state(checkpoint)
+        set_device_rng_state(self.pm.device, streams)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         # the optimizer state is in the sharded checkpoint save_model wrote; the scheduler is the same on every rank

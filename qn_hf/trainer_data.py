@@ -13,7 +13,8 @@ from accelerate.data_loader import prepare_data_loader
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from transformers.trainer_utils import seed_worker
 
-IGNORE_INDEX = -100
+from .loss import IGNORE_INDEX
+
 # The value a right-padded position takes per key; any other key that differs in length cannot be merged.
 PAD_VALUES = {"labels": IGNORE_INDEX, "shift_labels": IGNORE_INDEX, "attention_mask": 0, "input_ids": 0,
               "token_type_ids": 0, "position_ids": 0}
@@ -96,3 +97,17 @@ def count_items(batches: Sequence[Mapping], *, shifts_labels: bool) -> torch.Ten
     labels = [b["shift_labels"] if "shift_labels" in b else b["labels"][..., 1:] if shifts_labels else b["labels"]
               for b in batches]
     return sum(label.ne(IGNORE_INDEX).sum() for label in labels)
+
+
+def user_loss(func: Callable, *, batch: Mapping[str, torch.Tensor], num_items: torch.Tensor | None, dp: int,
+              microbatches: int) -> Callable:
+    """``compute_loss_func`` as ``pm.train_step``'s ``loss_fn``. train_step weighs a loss_fn by its microbatch's
+    share of the global rows, which this undoes, so the step's loss is the sum of
+    ``func(outputs, labels, num_items_in_batch)`` over the microbatches, as one process sums it over the
+    accumulation batches."""
+    padded_rows = -(-rows_of(batch) // (dp * microbatches)) * dp * microbatches  # dp_rows' padded global batch
+
+    def loss_fn(outputs, mb: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return func(outputs, mb.get("labels"), num_items_in_batch=num_items) * (padded_rows / rows_of(mb))
+
+    return loss_fn

@@ -118,4 +118,7 @@ def refusals(*, model_dirs: dict[str, str]) -> dict:
         "hidden_states": error_message(lambda: pipeline.generate(ids, max_new_tokens=2, output_hidden_states=True,
                                                                  return_dict_in_generate=True)),
         "vit": error_message(lambda: vit.generate(ids, max_new_tokens=2)),
+        # a clock read by each rank on its own could stop one rank of the replica before the others
+        "max_time": error_message(lambda: pipeline.generate(ids, max_new_tokens=2, max_time=5.0)),
+        "tp_max_time": error_message(lambda: sp.generate(ids, max_new_tokens=2, max_time=5.0)),
     }

@@ -96,6 +96,18 @@ def test_trainer_refuses_conflicting_arguments_on_every_rank(worlds, model_dirs,
     assert "parallel=dict(recompute='full')" in messages["checkpointing"]
     assert "bf16=True" in messages["bf16"] and "mixed_precision='bf16'" in messages["bf16"]
     assert "not this rank's shards" in messages["optimizer"] and "optimizer_cls_and_kwargs" in messages["optimizer"]
+    assert "label_smoothing_factor=0.1" in messages["parallel_model"]  # checked for a ParallelModel too
+    assert "use evaluate()" in messages["predict"]
+
+
+def test_trainer_keeps_the_dropout_streams_of_each_replica(worlds, model_dirs, tmp_path):
+    """Trainer seeds the device generator with args.seed on every rank, and restores each process's saved state
+    on resume; qn_hf's shared stream must stay one per dp replica, equal over tp."""
+    results = worlds.run(4, "tests.trainer_cases:dropout_streams", model_dir=model_dirs["llama"], out_dir=str(tmp_path))
+    for key in ("built", "resumed"):
+        by_replica = {dp: {r[key] for r in results if r["dp"] == dp} for dp in (0, 1)}
+        assert all(len(states) == 1 for states in by_replica.values()), (key, by_replica)  # equal over tp
+        assert by_replica[0] != by_replica[1], (key, by_replica)  # different across dp
 
 
 @pytest.mark.parametrize(("parallel", "overrides", "expected"), [

@@ -109,8 +109,19 @@ def bad_inputs(*, model_dir: str, out_dir: str) -> dict[str, str]:
         qn_hf.Trainer(model=model, args=args, train_dataset=token_dataset(8, seed=1), optimizers=(opt, None),
                       parallel=dict(tp=2, pp=2, mesh=mesh_for(1, 2, 2)))
 
+    def given_parallel_model():
+        pm = qn_hf.parallelize(load("llama", model_dir), tp=2, pp=2, microbatches=2, mesh=mesh_for(1, 2, 2))
+        args = training_args(out_dir, batch=2, eval_batch=2, accumulation=1, max_grad_norm=1.0)
+        args.label_smoothing_factor = 0.1
+        qn_hf.Trainer(model=pm, args=args, train_dataset=token_dataset(8, seed=1))
+
+    def predict():
+        make().predict(token_dataset(4, seed=3))
+
     return {
         "world": error_message(lambda: make(parallel=dict(dp=1, tp=1, pp=2))),
+        "parallel_model": error_message(given_parallel_model),
+        "predict": error_message(predict),
         "checkpointing": error_message(lambda: make(gradient_checkpointing=True)),
         "bf16": error_message(lambda: make(bf16=True)),
         "optimizer": error_message(stale_optimizer),
@@ -144,3 +155,22 @@ def sft(*, out_dir: str, parallel: dict | None = None) -> list[float]:
                               parallel={**parallel, "mesh": mesh_for(parallel["dp"], parallel["tp"], parallel["pp"])})
     trainer.train()
     return [r["loss"] for r in trainer.state.log_history if "loss" in r]
+
+
+def dropout_streams(*, model_dir: str, out_dir: str) -> dict:
+    """The device generator (qn_hf's shared dropout stream) after the Trainer is built and after a
+    checkpoint is resumed: Trainer seeds it with args.seed on every rank; qn_hf's differs per dp replica."""
+    import hashlib
+
+    import qn_hf
+
+    def digest() -> str:
+        return hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest()[:12]
+
+    args = training_args(out_dir, batch=2, eval_batch=2, accumulation=1, max_grad_norm=1.0, steps=2, save_steps=1)
+    trainer = qn_hf.Trainer(model=load("llama", model_dir), args=args, train_dataset=token_dataset(8, seed=1),
+                            parallel=dict(dp=2, tp=2, mesh=mesh_for(2, 2)))
+    built = digest()
+    trainer.train()
+    trainer._load_rng_state(f"{out_dir}/checkpoint-1")
+    return {"dp": trainer.pm.coords["dp"], "built": built, "resumed": digest()}

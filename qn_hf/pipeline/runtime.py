@@ -28,8 +28,6 @@ import torch.distributed as dist
 from .schedule import Action, Op, chunk_of, final_actions, format_grid
 from .wire import empty_header, header_of, read_header
 
-# The activation header's dtype codes (a dtype's position is its code on the wire; not a file format).
-
 # forward(chunk, mb, received) -> the activation to send, or on the last chunk the microbatch's loss
 StageForward = Callable[[int, int, "torch.Tensor | None"], torch.Tensor]
 Key = tuple[int, int]  # (chunk, microbatch)
