@@ -17,21 +17,11 @@ import argparse
 import tempfile
 
 import torch
-from world import run_world
+from world import run_world, storage_bytes
 
 CONFIG = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
               num_key_value_heads=8, vocab_size=8192, max_position_embeddings=256)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def _nbytes(tensors) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        key = t.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
 
 
 def worker(rank: int, world: int, path: str, lora: bool, dp: int, tp: int, rank_r: int) -> dict:
@@ -55,8 +45,8 @@ def worker(rank: int, world: int, path: str, lora: bool, dp: int, tp: int, rank_
     grads = [b.buffer for b in pm.buckets.buckets] if pm.buckets is not None else [p.grad for p in trainable]
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     reduced = sum(t.nbytes for (group, _), t in meter.totals().items() if group in ("dp", "replicas"))
-    return {"weights": _nbytes(params), "trainable": sum(p.numel() for p in trainable), "grads": _nbytes(grads),
-            "state": _nbytes(state), "dp_bytes": reduced}
+    return {"weights": storage_bytes(params), "trainable": sum(p.numel() for p in trainable), "grads": storage_bytes(grads),
+            "state": storage_bytes(state), "dp_bytes": reduced}
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ import sys
 import time
 
 import torch
-from world import run_world
+from world import run_world, storage_bytes
 
 from qn_hf.live_allocations import LiveAllocations
 
@@ -31,16 +31,6 @@ SMALL = dict(n_layer=6, n_embd=384, n_head=6, n_positions=256, vocab_size=8192, 
              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 GPT2_SMALL = dict(n_layer=12, n_embd=768, n_head=12, n_positions=1024, vocab_size=50257, resid_pdrop=0.0,
                   embd_pdrop=0.0, attn_pdrop=0.0)
-
-
-def _nbytes(tensors) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        key = t.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
 
 
 def state_worker(rank: int, world: int, path: str, zero: bool, precision: str | None) -> dict:
@@ -58,7 +48,7 @@ def state_worker(rank: int, world: int, path: str, zero: bool, precision: str | 
     weights = {p.untyped_storage().data_ptr() for p in params}
     masters = [m.tensor for m in opt.masters if m.tensor.untyped_storage().data_ptr() not in weights]
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    return {"weights": _nbytes(params), "grads": _nbytes(grads), "masters": _nbytes(masters), "state": _nbytes(state)}
+    return {"weights": storage_bytes(params), "grads": storage_bytes(grads), "masters": storage_bytes(masters), "state": storage_bytes(state)}
 
 
 def state(args: argparse.Namespace) -> None:

@@ -50,3 +50,14 @@ def run_world(body: Callable, *, world: int, extra: tuple = ()) -> object:
         if context.join(timeout=0.5):
             break
     return results.get() if out is None else out
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer counted once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
