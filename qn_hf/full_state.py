@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import all_gather_tensors, group_size
+from .checkpoint.format import global_shape
+from .comm import group_size
 from .placement import ShardPlacement
-from .shard import over_experts
 
 HOST_FRACTION = 0.5  # share of the available host memory the default bound lets the copies take
 FALLBACK_HOST_BYTES = 4 * 2**30  # where the available host memory cannot be read
@@ -71,7 +71,7 @@ def full_state_dict(module: nn.Module, *, placement: ShardPlacement, max_bytes: 
     for stage, (name, shape, dtype, alias) in order:
         if alias is not None:
             continue
-        whole = _whole(local[name], name, placement) if stage == groups.coords["pp"] else None
+        whole = placement.whole(name, local[name].detach()) if stage == groups.coords["pp"] else None
         if group_size(groups.pp) > 1:
             whole = _broadcast(whole, shape=shape, dtype=dtype, src=stage, placement=placement)
         values[name] = whole.to("cpu", copy=True)
@@ -108,20 +108,8 @@ def _entries(local: dict[str, torch.Tensor], placement: ShardPlacement) -> list[
     for name, tensor in local.items():
         first = first_name.setdefault(id(tensor), name)
         alias = first if first != name else (placement.owner(name) if placement.is_follower(name) else None)
-        shape = list(tensor.shape)
-        spec = placement.spec(name)
-        if spec is not None:
-            shape[spec.dim] = spec.size
-        out.append((name, tuple(shape), tensor.dtype, alias))
+        out.append((name, tuple(global_shape(tensor.shape, placement.spec(name))), tensor.dtype, alias))
     return out
-
-
-def _whole(tensor: torch.Tensor, name: str, placement: ShardPlacement) -> torch.Tensor:
-    spec, tensor = placement.spec(name), tensor.detach()
-    if spec is None:
-        return tensor
-    group = placement.groups.ep if over_experts(spec) else placement.groups.tp
-    return spec.unshard(all_gather_tensors(tensor, group=group))
 
 
 def _broadcast(tensor: torch.Tensor | None, *, shape: tuple[int, ...], dtype: torch.dtype, src: int,

@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from .comm import all_gather_tensors
 from .mesh import Groups, ParallelDims
 from .pipeline.split import PipelineTie
 from .shard import ShardSpec, over_experts
@@ -56,6 +57,15 @@ class ShardPlacement:
         if over_experts(spec):
             return self.coords["expert_replica"] == 0
         return self.replica_rank == 0 and (spec.writes(self.coords["tp"]) if spec is not None else self.coords["tp"] == 0)
+
+    def whole(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of ``name`` made whole: gathered over the ranks its spec splits it
+        over (tp, or the ep group for experts). A collective for those ranks; a replicated tensor
+        comes back as it is."""
+        spec = self.spec(name)
+        if spec is None:
+            return tensor
+        return spec.unshard(all_gather_tensors(tensor, group=self.groups.ep if over_experts(spec) else self.groups.tp))
 
     def is_follower(self, name: str) -> bool:
         """The last stage's copy of a weight tied across stages: saved and counted by its owner."""

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..atomic import give_plain_mode
-from ..comm import all_gather_tensors, barrier
+from ..comm import barrier
 from ..lora import Adapter
 from ..placement import ShardPlacement
 from .export import unique_state
@@ -46,9 +46,7 @@ def save_adapter(module: nn.Module, path: str, *, placement: ShardPlacement, ada
     full: dict[str, torch.Tensor] = {}
     if placement.replica_rank == 0:
         for name in _adapter_names(state, adapter):  # the same order on every tp rank of the stage
-            spec = placement.spec(name)
-            value = state[name] if spec is None else spec.unshard(all_gather_tensors(state[name], group=placement.groups.tp))
-            full[_PEFT_PREFIX + name] = value.cpu().contiguous()
+            full[_PEFT_PREFIX + name] = placement.whole(name, state[name]).cpu().contiguous()
     mine: dict[str, torch.Tensor] = {}
     if placement.replica_rank == 0 and coords["tp"] == 0:
         mine = get_peft_model_state_dict(adapter.peft_model, state_dict=full, adapter_name=adapter.name,

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import all_gather_tensors, barrier
+from ..comm import barrier
 from ..placement import ShardPlacement
 from ..shard import over_experts
 from .format import global_shape
@@ -53,11 +53,7 @@ def save_pretrained(module: nn.Module, path: str, *, placement: ShardPlacement, 
         files = [stage_weights_file(coords["pp"], k) for k in range(len(chunks))]
 
     def produce(name: str) -> torch.Tensor:
-        value, spec = state[name], specs[name]
-        if spec is None:
-            return value
-        group = placement.groups.ep if over_experts(spec) else placement.groups.tp
-        return spec.unshard(all_gather_tensors(value, group=group))
+        return placement.whole(name, state[name])
 
     if placement.replica_rank == 0:
         for file, names in zip(files, chunks):
