@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .rules import is_projection
 from .styles import COLUMN_STYLES, PARAM_STYLES, ROW_STYLES
-
 
 
 @dataclass(frozen=True)
@@ -82,8 +82,7 @@ def unwrap_peft(model: nn.Module) -> tuple[nn.Module, Adapter | None]:
                          f"in a plain model, or leave modules_to_save empty")
     inner = model.get_base_model()
     for module_name, module in inner.named_modules():
-        if is_lora_layer(module) and not isinstance(getattr(module, "base_layer", None), nn.Linear) \
-                and type(module.base_layer).__name__ != "Conv1D":
+        if is_lora_layer(module) and not is_projection(module.base_layer):
             raise ValueError(f"LoRA on {module_name} ({type(module.base_layer).__name__}) is not supported: qn_hf "
                              f"shards LoRA on linear layers; remove it from target_modules")
     return inner, Adapter(peft_model=model, name=name)

@@ -13,7 +13,7 @@ from accelerate.data_loader import prepare_data_loader
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from transformers.trainer_utils import seed_worker
 
-from .loss import IGNORE_INDEX
+from .loss import IGNORE_INDEX, count_targets
 
 # The value a right-padded position takes per key; any other key that differs in length cannot be merged.
 PAD_VALUES = {"labels": IGNORE_INDEX, "shift_labels": IGNORE_INDEX, "attention_mask": 0, "input_ids": 0,
@@ -94,9 +94,8 @@ def count_items(batches: Sequence[Mapping], *, shifts_labels: bool) -> torch.Ten
     shift for a causal LM), here without any gather since every rank holds the whole global batch."""
     if not batches or "labels" not in batches[0]:
         return None
-    labels = [b["shift_labels"] if "shift_labels" in b else b["labels"][..., 1:] if shifts_labels else b["labels"]
-              for b in batches]
-    return sum(label.ne(IGNORE_INDEX).sum() for label in labels)
+    return torch.tensor(sum(count_targets(b["shift_labels"], causal=False) if "shift_labels" in b
+                            else count_targets(b["labels"], causal=shifts_labels) for b in batches))
 
 
 def user_loss(func: Callable, *, batch: Mapping[str, torch.Tensor], num_items: torch.Tensor | None, dp: int,
