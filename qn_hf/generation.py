@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm import flat_broadcast_
+from .pipeline.p2p import Link
 from .pipeline.stage import StageModules
 from .pipeline.wire import empty_header, header_of, read_header
 from .placement import ShardPlacement
@@ -130,12 +131,12 @@ def _pipeline_hooks(module: nn.Module, *, stage: StageModules, placement: ShardP
     handles = []
     if not stage.is_first:
         def receive(_module, _args):
-            stage.injector.pending = _recv(src=groups.prev, device=device)
+            stage.injector.pending = _recv(groups.peers.from_prev, device=device)
 
         handles.append(stage.base.register_forward_pre_hook(receive))
     if not stage.is_last:
         def send(_module, _args, output):
-            _send(output[0], dst=groups.next)  # the base model's last_hidden_state, as a training step sends
+            _send(output[0], groups.peers.to_next)  # the base model's last_hidden_state, as a training step sends
 
         handles.append(stage.base.register_forward_hook(send))
 
@@ -155,18 +156,20 @@ def _with_logits(output, logits: torch.Tensor):
     return output
 
 
-def _send(x: torch.Tensor, *, dst: int) -> None:
+def _send(x: torch.Tensor, link: Link) -> None:
+    """The header, then ``x``, on the training pipeline's own link to the next stage (p2p.py)."""
     x = x.detach().contiguous()
-    dist.send(header_of(x), dst=dst)
-    dist.send(x, dst=dst)
+    header = header_of(x)
+    for work in (link.send(header, tag=0), link.send(x, tag=1)):
+        work.wait()
 
 
-def _recv(*, src: int, device: torch.device) -> torch.Tensor:
+def _recv(link: Link, *, device: torch.device) -> torch.Tensor:
     header = empty_header(device)
-    dist.recv(header, src=src)
-    shape, dtype = read_header(header)
+    link.recv(header, tag=0).wait()
+    shape, dtype = read_header(header)  # a host read: the sequence grows by a token per call
     x = torch.empty(shape, dtype=dtype, device=device)
-    dist.recv(x, src=src)
+    link.recv(x, tag=1).wait()
     return x
 
 

@@ -19,6 +19,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .arguments import check_positive_int
+from .pipeline.p2p import Link, Peers, directed_pairs
 
 MESH_DIMS = ("dp", "pp", "tp")
 MESH_DIMS_CP = ("dp", "pp", "cp", "tp")
@@ -164,9 +165,9 @@ class Groups:
     ``experts`` those holding the same experts (both None when ep=1; ``experts`` also when only one rank
     holds each expert block). ``kv`` joins the tp ranks that hold the same replicated KV-head shard (None when nothing is
     replicated that way); ``tie`` joins the first and last stage of this (dp, tp) when they hold the
-    two copies of a tied weight; ``prev``/``next`` are the global ranks of the neighbouring stages
-    with the same (dp, tp), around a ring (the last stage's next is the first, which interleaved
-    schedules use; None without a pipeline)."""
+    two copies of a tied weight; ``peers`` names the neighbouring stages with the same (dp, cp, tp),
+    around a ring (the last stage's next is the first, which interleaved schedules use), with one
+    two-rank group per direction of each link (``pipeline/p2p.py`` says why)."""
 
     mesh: DeviceMesh
     coords: dict[str, int]  # {"dp": .., "pp": .., "cp": .., "tp": ..}: this rank's place on the mesh
@@ -179,8 +180,15 @@ class Groups:
     experts: ProcessGroup | None
     kv: ProcessGroup | None
     tie: ProcessGroup | None
-    prev: int | None
-    next: int | None
+    peers: Peers
+
+    @property
+    def prev(self) -> int | None:
+        return self.peers.prev
+
+    @property
+    def next(self) -> int | None:
+        return self.peers.next
 
 
 def build_groups(dims: ParallelDims, *, device: torch.device, timeout: datetime.timedelta,
@@ -198,7 +206,7 @@ def build_groups(dims: ParallelDims, *, device: torch.device, timeout: datetime.
     coords.setdefault("cp", 0)
     # [dp, pp, cp, tp] global ranks (cp of size 1 when absent), whatever the mesh's own layout
     grid = mesh.mesh.reshape(dims.dp, dims.pp, dims.cp, dims.tp)
-    d, p, c, t = coords["dp"], coords["pp"], coords["cp"], coords["tp"]
+    d, t = coords["dp"], coords["tp"]
     kv = _member_of([row[i : i + kv_replicas] for row in grid.reshape(-1, dims.tp).tolist()
                      for i in range(0, dims.tp, kv_replicas)], timeout) if kv_replicas > 1 else None
     tie = _member_of([[int(grid[a, 0, z, b]), int(grid[a, -1, z, b])] for a in range(dims.dp) for z in range(dims.cp)
@@ -218,10 +226,27 @@ def build_groups(dims: ParallelDims, *, device: torch.device, timeout: datetime.
         experts = experts if dims.expert_replicas > 1 else None
     return Groups(
         mesh=mesh, coords=coords, dp=mesh.get_group("dp"), tp=mesh.get_group("tp"), pp=mesh.get_group("pp"),
-        cp=cp, replicas=replicas, ep=ep, experts=experts, kv=kv, tie=tie,
-        prev=int(grid[d, (p - 1) % dims.pp, c, t]) if dims.pp > 1 else None,
-        next=int(grid[d, (p + 1) % dims.pp, c, t]) if dims.pp > 1 else None,
+        cp=cp, replicas=replicas, ep=ep, experts=experts, kv=kv, tie=tie, peers=_pipeline_peers(grid, coords, timeout),
     )
+
+
+def _pipeline_peers(grid: torch.Tensor, coords: dict[str, int], timeout: datetime.timedelta) -> Peers:
+    """This rank's neighbouring stages and one two-rank group per direction of every link (created
+    by every rank, in the same order, as ``new_group`` requires)."""
+    dp, pp, cp, tp = grid.shape
+    if pp == 1:
+        return Peers(prev=None, next=None)
+    rings = [grid[a, :, z, b].tolist() for a in range(dp) for z in range(cp) for b in range(tp)]
+    me = dist.get_rank()
+    links: dict[tuple[int, int], ProcessGroup] = {}
+    for src, dst in directed_pairs(rings):
+        group = dist.new_group([src, dst], timeout=timeout)
+        if me in (src, dst):
+            links[src, dst] = group
+    d, p, c, t = coords["dp"], coords["pp"], coords["cp"], coords["tp"]
+    prev, next_ = int(grid[d, (p - 1) % pp, c, t]), int(grid[d, (p + 1) % pp, c, t])
+    return Peers(prev=prev, next=next_, to_next=Link(next_, links[me, next_]), from_prev=Link(prev, links[prev, me]),
+                 to_prev=Link(prev, links[me, prev]), from_next=Link(next_, links[next_, me]))
 
 
 def expert_groups(grid: torch.Tensor, dims: ParallelDims) -> tuple[list[list[int]], list[list[int]]]:

@@ -20,7 +20,7 @@ from .ring_attention import ChunkLayout
 from .data_parallel import DEFAULT_BUCKET_MB, GradBuckets, bucket_size_bytes
 from .mesh import Groups, build_groups, default_device, init_distributed, launched_world_size
 from .parallel_model import ParallelModel
-from .pipeline.runtime import Peers, StageExecutor
+from .pipeline.runtime import StageExecutor
 from .pipeline.split import StagePlan
 from .pipeline.stage import apply_stage
 from .pipeline.standins import StandIn
@@ -154,7 +154,7 @@ def parallelize(
         placement=placement,
         plan=plan,
         stage=stage,
-        executor=StageExecutor(stage=coords["pp"], peers=Peers(prev=groups.prev, next=groups.next), device=device,
+        executor=StageExecutor(stage=coords["pp"], peers=groups.peers, device=device,
                                chunks=stage_plan.chunks, weights=weights),
         vocab=vocab,
         microbatches=microbatches,

@@ -11,5 +11,10 @@
   (``PassThrough``, ``Zeros``, the entry's ``Injector``);
 * ``stage_config.py``: a stage's own config copy with per-layer lists cut to its blocks;
 * ``runtime.py``: ``StageExecutor``, which executes one stage's action list with point-to-point
-  sends and receives (``Peers``) and marks the failing action in the grid when one raises.
+  sends and receives and marks the failing action in the grid when one raises;
+* ``p2p.py``: the links between neighbouring stages (``Peers``, ``Link``), one communicator per
+  direction, and why;
+* ``schedule_check.py``: schedules proven as data (deadlock, FIFO links, order, timing, peaks);
+  ``nccl_replay.py``: recorded calls replayed under NCCL's stream semantics;
+* ``wire.py``: the header that announces a tensor's shape and dtype.
 """

@@ -1,32 +1,45 @@
 """Executing one stage's action list with point-to-point sends and receives.
 
-Sends are asynchronous (``isend``) and waited for at the end of the step, so a stage only ever
-blocks on a receive; the schedule checks prove the lists cannot deadlock under exactly that rule,
-and that every directed link carries its messages in the order the receiver expects them (NCCL
-ignores tags). Each rank talks to the ranks with the same (dp, tp) coordinates on the neighbouring
-stages; with virtual stages the last stage's next is the first (a ring).
+Sends are asynchronous and receives are posted ahead: right after each action the next receive in
+the list is posted if its buffer's shape is known, so its transfer overlaps the compute in between.
+Every message travels on the communicator of its own direction (``p2p.py``): under NCCL a posted
+receive then holds up only later receives of the same direction, never a send. The schedule checks
+prove the lists cannot deadlock when a stage blocks only on its receives, and that every directed
+link carries its messages in the order the receiver expects them (NCCL ignores tags); the recorded
+calls of real steps are also replayed through a model of NCCL's streams (``nccl_replay.py``). Each
+rank talks to the ranks with the same (dp, cp, tp) coordinates on the neighbouring stages; with
+virtual stages the last stage's next is the first (a ring).
 
-Work is keyed by ``(chunk, microbatch)``. A rank sends the dtype and trailing shape of its
-activations once per step (a small int64 header before its first send); the rows of microbatch
-``mb`` are ``rows[mb]``, which every rank computes from its own copy of the batch, so microbatches
-of different sizes (``torch.tensor_split``) need no header of their own. A gradient has its
-activation's shape. An action that raises gets the step x stage grid of the whole schedule
-attached as a note, with the failing cell marked, so a failure on one rank says where in the
-pipeline it happened.
+Work is keyed by ``(chunk, microbatch)``. A rank announces the dtype and trailing shape of its
+activations with a small int64 header before its first send of a batch shape; the receiver reads
+it on the host (the one host synchronization of the pipeline) and keeps it under the caller's
+``shape_key``, so later steps with batches of that shape exchange no header at all. The rows of
+microbatch ``mb`` are ``rows[mb]``, which every rank computes from its own copy of the batch, so
+microbatches of different sizes (``torch.tensor_split``) need no header of their own. A gradient
+has its activation's shape.
+
+Memory: a sent tensor is held only until its transfer completes (checked at every action), not to
+the end of the step, so 1F1B's bound on live activations holds for send buffers too.
+
+An action that raises gets the step x stage grid of the whole schedule attached as a note, with the
+failing cell marked, so a failure on one rank says where in the pipeline it happened.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
 
+from .p2p import Link, Peers
 from .schedule import Action, Op, chunk_of, final_actions, format_grid
 from .wire import empty_header, header_of, read_header
+
+__all__ = ["Peers", "StageEvent", "StageExecutor", "StageForward", "WeightGrads"]
 
 # forward(chunk, mb, received) -> the activation to send, or on the last chunk the microbatch's loss
 StageForward = Callable[[int, int, "torch.Tensor | None"], torch.Tensor]
@@ -55,14 +68,6 @@ class StageEvent(NamedTuple):
     stop: float
 
 
-@dataclass(frozen=True)
-class Peers:
-    """Global ranks of the previous and next stage (None when there is no pipeline)."""
-
-    prev: int | None
-    next: int | None
-
-
 @dataclass
 class _Step:
     """What one step holds between actions; entries leave as soon as they are used."""
@@ -76,6 +81,7 @@ class _Step:
     posted: dict[Key, tuple[dist.Work, torch.Tensor]] = field(default_factory=dict)  # receives in flight
     trailing: tuple[tuple[int, ...], torch.dtype] | None = None  # received activations: shape past dim 0, dtype
     header_sent: bool = False
+    shape_key: Hashable | None = None
     deferred: frozenset[Key] = frozenset()  # backward passes whose weight gradients come in a WGT
 
 
@@ -94,6 +100,11 @@ class StageExecutor:
         # Set to a list to record a StageEvent for every action: the measured timeline of a step
         # (busy and idle time per stage).
         self.events: list[StageEvent] | None = None
+        # shape_key -> the trailing shape and dtype of received activations, and the keys whose
+        # header this rank has sent: every rank sees the same sequence of batch shapes, so both
+        # ends of a link agree on which steps carry a header
+        self._received_shapes: dict[Hashable, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._announced: set[Hashable] = set()
         # One handler per op, spelled out: what the executor can run is visible in one place.
         self._ops: dict[Op, Callable[[_Step, Key], None]] = {
             Op.RECV_FWD: self._recv_fwd,
@@ -119,19 +130,25 @@ class StageExecutor:
         *,
         rows: Sequence[int],
         on_final: Callable[[int, str], None] | None = None,
+        shape_key: Hashable | None = None,
     ) -> None:
         """Execute this stage's list, ``schedule[self.stage]`` (``schedule`` holds every stage's, for
         the grid a failure prints). ``rows[mb]`` is microbatch ``mb``'s size along dim 0.
         ``on_final(chunk, kind)`` runs just before the action after which a chunk's gradients are
         final: its last backward (kind ``"b"``) and, when weight gradients are deferred, its last
-        weight pass (``"w"``); the moment data-parallel buckets may start."""
+        weight pass (``"w"``); the moment data-parallel buckets may start. ``shape_key`` (hashable)
+        names the batch's shapes: with it, the activation header is exchanged once per key instead
+        of once per step (every rank of the pipeline must pass the same key for the same shapes)."""
         actions = schedule[self.stage]
         keys = [(chunk_of(a, stage=self.stage), a.mb) for a in actions]
         if any(chunk >= self.chunks for chunk, _ in keys):
             raise ValueError(f"the schedule runs chunk {max(c for c, _ in keys)} but this executor was built for "
                              f"{self.chunks} chunks (message tags would collide)")
-        step = _Step(forward=forward, rows=rows,
+        step = _Step(forward=forward, rows=rows, shape_key=shape_key,
                      deferred=frozenset(key for a, key in zip(actions, keys) if a.op is Op.WGT))
+        if shape_key is not None:
+            step.trailing = self._received_shapes.get(shape_key)
+            step.header_sent = shape_key in self._announced
         if step.deferred and self.weights is None:
             raise ValueError("this schedule defers weight gradients, but the stage has no weight-gradient queue")
         finals = {i: key for key, i in final_actions(actions, stage=self.stage).items()}
@@ -148,6 +165,7 @@ class StageExecutor:
                         torch.cuda.synchronize(self.device)
                     self.events.append(StageEvent(action.op, key[0], key[1], start, time.perf_counter()))
                 self._post_next_receive(step, actions[i + 1 :], keys[i + 1 :])
+                step.sends = [(work, buf) for work, buf in step.sends if not work.is_completed()]
             except BaseException as exc:  # KeyboardInterrupt too: the queue must not keep this step's work
                 if self.weights is not None:
                     self.weights.clear()
@@ -178,11 +196,11 @@ class StageExecutor:
     def _post_activation(self, step: _Step, key: Key) -> tuple[dist.Work, torch.Tensor]:
         shape, dtype = step.trailing
         buf = torch.empty((step.rows[key[1]], *shape), dtype=dtype, device=self.device)
-        return dist.irecv(buf, src=self.peers.prev, tag=self._tag(key, 1)), buf
+        return self._link("from_prev").recv(buf, tag=self._tag(key, 1)), buf
 
     def _post_gradient(self, step: _Step, key: Key) -> tuple[dist.Work, torch.Tensor]:
         buf = torch.empty_like(step.outputs[key])
-        return dist.irecv(buf, src=self.peers.next, tag=self._tag(key, 2)), buf
+        return self._link("from_next").recv(buf, tag=self._tag(key, 2)), buf
 
     def _received(self, step: _Step, key: Key, post: Callable[[_Step, Key], tuple[dist.Work, torch.Tensor]]) -> torch.Tensor:
         work, buf = step.posted.pop(key, None) or post(step, key)
@@ -191,7 +209,7 @@ class StageExecutor:
 
     def _recv_fwd(self, step: _Step, key: Key) -> None:
         if step.trailing is None:
-            rows, step.trailing = self._recv_header()
+            rows, step.trailing = self._recv_header(step)
             if rows != step.rows[key[1]]:  # every rank must cut the same batch the same way
                 raise RuntimeError(f"the previous stage sent microbatch {key[1]} with {rows} rows, this stage expects "
                                    f"{step.rows[key[1]]}: every stage of a replica must get the same batch")
@@ -207,7 +225,7 @@ class StageExecutor:
         if not step.header_sent:
             self._send_header(step, out)
         # tagged with the receiving chunk's key, as its receive is
-        step.sends.append((dist.isend(out, dst=self.peers.next, tag=self._tag((key[0] + 1, key[1]), 1)), out))
+        step.sends.append((self._link("to_next").send(out, tag=self._tag((key[0] + 1, key[1]), 1)), out))
 
     def _recv_bwd(self, step: _Step, key: Key) -> None:
         step.grads[key] = self._received(step, key, self._post_gradient)
@@ -235,16 +253,28 @@ class StageExecutor:
         # None when the output did not depend on the input through autograd; the previous stage
         # still waits for a gradient, and zeros are what it is.
         grad = (received.grad if received.grad is not None else torch.zeros_like(received)).contiguous()
-        step.sends.append((dist.isend(grad, dst=self.peers.prev, tag=self._tag((key[0] - 1, key[1]), 2)), grad))
+        step.sends.append((self._link("to_prev").send(grad, tag=self._tag((key[0] - 1, key[1]), 2)), grad))
 
     def _send_header(self, step: _Step, out: torch.Tensor) -> None:
-        header = header_of(out)  # once per step and link
-        step.sends.append((dist.isend(header, dst=self.peers.next, tag=0), header))
+        header = header_of(out)  # once per link and batch shape (``shape_key``), else once per step
+        step.sends.append((self._link("to_next").send(header, tag=0), header))
         step.header_sent = True
+        if step.shape_key is not None:
+            self._announced.add(step.shape_key)
 
-    def _recv_header(self) -> tuple[int, tuple[tuple[int, ...], torch.dtype]]:
+    def _recv_header(self, step: _Step) -> tuple[int, tuple[tuple[int, ...], torch.dtype]]:
         """Rows of the first activation, and the trailing shape and dtype of every activation."""
         header = empty_header(self.device)
-        dist.irecv(header, src=self.peers.prev, tag=0).wait()
-        shape, dtype = read_header(header)
-        return shape[0], (shape[1:], dtype)
+        self._link("from_prev").recv(header, tag=0).wait()
+        shape, dtype = read_header(header)  # reads on the host: waits for the header to arrive
+        trailing = (shape[1:], dtype)
+        if step.shape_key is not None:
+            self._received_shapes[step.shape_key] = trailing
+        return shape[0], trailing
+
+    def _link(self, name: str) -> Link:
+        link = getattr(self.peers, name)
+        if link is None:
+            raise RuntimeError(f"pipeline stage {self.stage} has no {name} link: the schedule sends or receives past "
+                               f"an end of the pipeline")
+        return link

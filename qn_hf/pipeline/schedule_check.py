@@ -9,6 +9,11 @@
 * ``peaks``: per rank list, the most (chunk, mb)es alive from forward to backward (activations) and
   from forward to the weight pass (activations plus the W stash of zb_h1).
 
+These checks model gloo: sends never block and messages match by tag. ``nccl_replay.py`` replays the
+recorded calls of real steps under NCCL's rules instead (one FIFO stream per communicator, sends and
+receives that block until matched, host reads that wait for the device); the tests run it for every
+schedule.
+
 Peers come from chunks: a receive of chunk c comes from chunk c-1 (activation) or c+1 (gradient)
 on ``rank_of_chunk``, so interleaved lists run around a ring (rank pp-1 sends chunk pp-1's output to
 rank 0). In one-chunk lists the chunk is the stage and the peers are the neighbours.
