@@ -8,17 +8,31 @@ records "rank r failed in <what>: <error>" in the process group's key-value stor
 wins) before re-raising; a rank whose communication then fails reads the record and raises
 ``PeerFailure`` with it, chained to its own timeout. So the original error is reported once, by
 the rank that had it, and the others say whom they were waiting for.
+
+NCCL is different: a collective that never completes does not raise in Python. The host has
+usually run ahead (kernels are queued, not run) and blocks wherever it next reads device data,
+often in the user's own code; NCCL's watchdog then ends the process when the group's timeout
+expires (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, which ``init_distributed`` turns on when it creates the
+group, as torchrun does), with its own "Watchdog caught collective operation timeout" message. So
+that the cause appears there too, a watcher thread per rank polls the store once a second and prints
+the first failure another rank recorded (one line on stderr, once) while this rank waits; it
+changes nothing else. Under torchrun the agent stops every rank as soon as the failing one exits.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
+import threading
+import time
+import weakref
 from collections.abc import Iterator
 
 import torch.distributed as dist
 
 FAILURE_KEY = "qn_hf/first_failure"
 _COMM_ERRORS = ("timed out", "timeout", "connection closed", "connection reset", "pair closure", "broken pipe")
+WATCH_INTERVAL_S = 1.0
 
 
 class PeerFailure(RuntimeError):
@@ -47,12 +61,15 @@ class FailTogether:
 
     def __init__(self) -> None:
         self.operation = 0
+        self.failed: set[int] = set()  # operations this rank raised in itself
+        self._watcher: threading.Thread | None = None
 
     @contextlib.contextmanager
     def guard(self, what: str) -> Iterator[None]:
         """Run a communicating operation (``what`` names it in messages) under the rules above."""
         self.operation += 1
         number = self.operation
+        self._watch()
         try:
             yield
         except PeerFailure:
@@ -67,8 +84,41 @@ class FailTogether:
                     if origin is not None and not origin.startswith(f"rank {rank} "):
                         raise PeerFailure(f"rank {rank} stopped in {what}: {origin}") from e
                 raise
+            self.failed.add(number)
             _record(number, f"rank {rank} failed in {what}: {type(e).__name__}: {e}")
             raise
+
+    def _watch(self) -> None:
+        """Start the watcher thread once (a daemon: it never keeps a finished process alive)."""
+        if self._watcher is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self._watcher = threading.Thread(target=_watch_loop, args=(weakref.ref(self), dist.get_rank()), daemon=True,
+                                             name="qn_hf-fail-together")
+            self._watcher.start()
+
+
+def _watch_loop(owner: weakref.ref, rank: int) -> None:
+    """Print the first failure another rank recorded for the owner's current (or previous) operation,
+    once it has stood for a whole interval without this rank failing in it too (the same error raised
+    on every rank, e.g. a refused batch, is each rank's own and not printed). Ends with its owner
+    (held weakly, so a dropped model does not leave a thread behind) or the process group."""
+    seen: dict[int, str] = {}
+    while True:
+        time.sleep(WATCH_INTERVAL_S)
+        watched = owner()
+        if watched is None or not dist.is_initialized():
+            return
+        current, failed = watched.operation, set(watched.failed)
+        del watched
+        for n in (current, current - 1):
+            origin = _read(n)
+            if origin is None or origin.startswith(f"rank {rank} ") or n in failed:
+                continue
+            if seen.get(n) == origin:
+                print(f"qn_hf: rank {rank} is waiting on a rank that failed: {origin}. It stops when the "
+                      f"communication timeout expires (under NCCL, the watchdog then ends the process).",
+                      file=sys.stderr, flush=True)
+                return
+            seen[n] = origin
 
 
 def _read(number: int) -> str | None:

@@ -108,19 +108,26 @@ def init_distributed(*, device: torch.device, timeout: datetime.timedelta) -> No
 
     Under torchrun/accelerate the rendezvous comes from the environment. A lone process with no
     launcher environment gets a private one-rank group on a free local port, so ``dp=tp=pp=1``
-    works in a notebook too.
+    works in a notebook too. On CUDA the device becomes this process's current one in either case.
     """
-    if dist.is_initialized():
-        return
+    # Every rank's current CUDA device must be its own before anything communicates: NCCL object
+    # collectives and barriers run on the current device, which is cuda:0 on every rank otherwise.
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    backend = backend_for(device)
-    if "MASTER_ADDR" in os.environ and "RANK" in os.environ:
-        dist.init_process_group(backend=backend, timeout=timeout)
+    if dist.is_initialized():
         return
-    dist.init_process_group(
-        backend=backend, init_method=f"tcp://127.0.0.1:{free_local_port()}", rank=0, world_size=1, timeout=timeout
-    )
+    backend = backend_for(device)
+    if backend == "nccl":
+        # A rank blocked on a dead peer is ended by NCCL's watchdog when the group's timeout expires
+        # (failure.py); torchrun sets the same, a plain launch would leave it to torch's default.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    # device_id binds the group to this rank's GPU at creation (eager NCCL init, no device guessing)
+    bound = {"device_id": device} if device.type == "cuda" else {}
+    if "MASTER_ADDR" in os.environ and "RANK" in os.environ:
+        dist.init_process_group(backend=backend, timeout=timeout, **bound)
+        return
+    dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_local_port()}", rank=0, world_size=1,
+                            timeout=timeout, **bound)
 
 
 def free_local_port() -> int:

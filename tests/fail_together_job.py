@@ -1,6 +1,8 @@
 """Run under torchrun with 2 processes (pp=2): rank 1 raises inside ``train_step`` or inside
 ``save_checkpoint`` (argv[1]); every rank prints one JSON line saying what it raised and after how
-long. One case per launch: after a timeout, gloo closes the pairs involved, and the job is over."""
+long. One case per launch: after a timeout, gloo closes the pairs involved, and the job is over.
+``train_step_then_linger``: rank 1 stays alive after raising, so rank 0 waits for the timeout (a
+closed connection would release it at once), as a rank blocked under NCCL does."""
 
 from __future__ import annotations
 
@@ -39,8 +41,10 @@ def main() -> None:
     def broken_loss(outputs, mb):
         raise ValueError("boom on the last stage")
 
-    if sys.argv[1] == "train_step":
+    if sys.argv[1] in ("train_step", "train_step_then_linger"):
         attempt("train_step", lambda: pm.train_step(batch, loss_fn=broken_loss))
+        if sys.argv[1] == "train_step_then_linger" and dist.get_rank() == 1:
+            time.sleep(3 * TIMEOUT_S)  # alive, so rank 0 is not released by a closed connection
         return
 
     real_write = qn_hf.checkpoint.save.write_shard

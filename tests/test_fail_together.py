@@ -33,3 +33,19 @@ def test_one_rank_raises_the_other_stops_within_the_timeout(tmp_path, case, orig
     assert waiting["seconds"] < 4 + 10  # the 4 s timeout, not torch's default 30 minutes
     if case == "save_checkpoint":
         assert not (tmp_path / "ckpt" / "latest").exists()  # nothing half-written was published
+
+
+def test_a_rank_left_waiting_names_the_failure_while_it_waits(tmp_path):
+    """The failing rank stays alive, so the other waits for the whole timeout: the watcher prints the
+    recorded failure on its stderr during that wait (under NCCL, where the watchdog ends a blocked
+    process instead of raising, this line is how the waiting ranks name the cause)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(ROOT / "tests" / "fail_together_job.py"), "train_step_then_linger", str(tmp_path / "ckpt")],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
+    )
+    by_rank = {r["rank"]: r for r in (json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))}
+    assert by_rank[0]["type"] == "PeerFailure" and by_rank[0]["seconds"] >= 3, done.stdout + done.stderr[-3000:]
+    origin = "rank 1 failed in train_step: ValueError: boom on the last stage"
+    assert f"qn_hf: rank 0 is waiting on a rank that failed: {origin}." in done.stderr, done.stderr[-3000:]
+    assert "qn_hf: rank 1 is waiting" not in done.stderr  # the failing rank does not report itself
