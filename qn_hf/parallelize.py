@@ -27,7 +27,7 @@ from .pipeline.standins import StandIn
 from .placement import ShardPlacement
 from .precision import PRECISIONS, LossScaler, apply_mixed_precision
 from .recompute import apply_recompute
-from .sequence_parallel import apply_sequence_parallel, final_norm, regathers
+from .sequence_parallel import apply_sequence_parallel, final_norm, regathers, sequence_wire
 from .plan import ModelPolicy, TpPlan
 from .rng import SHARED, TP_LOCAL, RngStreams, stream_seeds
 from .shard import ShardSpec, over_experts
@@ -132,6 +132,7 @@ def parallelize(
     if plan.sequence_parallel:
         apply_sequence_parallel(model, plan=plan, stage_plan=stage_plan, stage=coords["pp"], final=final, group=groups.tp,
                                 regather=regathers(recompute))
+        stage.wire = sequence_wire(groups.tp)
     if checkpoint is not None and any(p.is_meta for p in model.parameters()):
         _materialize(model, device)
     else:

@@ -11,10 +11,18 @@ sequence parallelism each tp rank keeps only its contiguous slice of the sequenc
 * each stage's first block takes its slice of the incoming (whole) hidden states, and the last
   block's output, or on the last stage the final norm's output, is all-gathered again. The model's
   own forward therefore builds its masks and rotary tables for the whole sequence, before the
-  first block, and the head, the loss and the next pipeline stage see whole activations.
+  first block, and whatever it does after the blocks (GPT-2 reshapes to the input's shape), the
+  head and the loss see whole activations.
+* between pipeline stages only this rank's slice travels (``sequence_wire``): the sender cuts it out
+  of the gathered output (its gradient flows back through the gather's backward, a local split, so
+  nothing more is communicated), the receiver all-gathers the slices of its tp group into the whole
+  sequence its model's forward expects. That moves (tp-1)/tp of the pipeline bytes onto one more
+  all-gather inside the tp group, typically the faster links (within a node, where pipeline
+  neighbours are often on other nodes).
 
 Inside a block the bytes on tp equal the all-reduce version (an all-reduce is a reduce-scatter plus
-an all-gather); the two edges add one all-gather of the hidden states each per microbatch and stage.
+an all-gather); the two edges add one all-gather of the hidden states each per microbatch and stage,
+and a received activation one more.
 
 Replicated parameters that now see only this rank's slice of the sequence get their gradients summed
 over tp: the norms between the regions (each rank's gradient covers its tokens only), the final
@@ -36,9 +44,11 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from .batch import check_sequence_length, sequence_split
-from .comm import all_gather_sequence, gather_sequence, gather_sequence_into_region, group_size, split_sequence
+from .comm import (all_gather_sequence, gather_sequence, gather_sequence_into_region, group_rank, group_size,
+                   split_sequence)
 from .names import join
 from .pipeline.split import StagePlan
+from .pipeline.stage import Wire
 from .plan import TpPlan, rule_module
 from .styles import EMBEDDING_STYLES
 
@@ -219,3 +229,18 @@ def apply_sequence_parallel(model: nn.Module, *, plan: TpPlan, stage_plan: Stage
         getattr(layers, str(start)).register_forward_pre_hook(split, with_kwargs=True)
         last = final if final is not None and chunk == stage_plan.chunks - 1 else None
         (model.get_submodule(last) if last is not None else getattr(layers, str(stop - 1))).register_forward_hook(gather)
+
+
+def sequence_wire(group: ProcessGroup) -> Wire:
+    """Activations between stages as this tp rank's contiguous slice of the sequence: sent as the
+    slice of the gathered output (backward: zeros elsewhere, which the gather's backward, a local
+    split, drops), received and all-gathered over tp (backward: this rank's slice of the gradient)."""
+    size = group_size(group)
+
+    def out(x: torch.Tensor) -> torch.Tensor:
+        return x.chunk(size, dim=1)[group_rank(group)]
+
+    def into(x: torch.Tensor) -> torch.Tensor:
+        return gather_sequence(x, group=group)
+
+    return Wire(out=out, into=into)

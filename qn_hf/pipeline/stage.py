@@ -26,7 +26,7 @@ the model is the rank's whole shard, which is what optimizers, buckets and check
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +36,21 @@ from ..names import base_model_and_prefix
 from .split import StagePlan
 from .stage_config import cut_layer_lists
 from .standins import Injector, PassThrough, mirror_reads, standin_for
+
+
+def _unchanged(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+@dataclass(frozen=True)
+class Wire:
+    """How an activation crosses a stage boundary: ``out`` turns a chunk's output into what is sent,
+    ``into`` turns what was received into the next chunk's entry activation. Both are the identity
+    unless a feature keeps activations in another layout between stages: sequence parallelism sends
+    each tp rank's slice of the sequence (``sequence_parallel.sequence_wire``)."""
+
+    out: Callable[[torch.Tensor], torch.Tensor] = _unchanged
+    into: Callable[[torch.Tensor], torch.Tensor] = _unchanged
 
 
 @dataclass(kw_only=True)
@@ -54,6 +69,7 @@ class StageModules:
     # entry/first/last/head paths whose real module belongs to another chunk; empty with one chunk
     # per rank, whose view is the model as it stands
     views: dict[int, tuple[tuple[nn.Module, str, nn.Module], ...]] = field(default_factory=dict)
+    wire: Wire = field(default_factory=Wire)
 
     @property
     def chunks(self) -> tuple[int, ...]:
@@ -109,9 +125,9 @@ class StageModules:
         chunk = self.stage if chunk is None else chunk
         with self._view(chunk):
             if self.injector is not None:
-                self.injector.pending = received if chunk > 0 else None
+                self.injector.pending = self.wire.into(received) if chunk > 0 else None
             if not self.is_last_chunk(chunk):
-                return self.base(**inputs, **kwargs).last_hidden_state
+                return self.wire.out(self.base(**inputs, **kwargs).last_hidden_state)
             return self.model(**inputs, **kwargs)
 
 

@@ -49,6 +49,7 @@ from ..plan import TpPlan
 from .context import ring_ops
 from .experts import ExpertCall, expert_ops
 from .memory import Bucket, owned
+from .sequence import GATHER
 from .trace import Trace
 
 HEADER_BYTES = HEADER_INTS * 8  # int64 values
@@ -126,8 +127,16 @@ def stage_traffic(s: int, *, mesh: Mesh, plan: TpPlan, trace: Trace, stage_of: C
     out: dict[str, GroupTraffic] = {}
     pieces = owned(buckets, dp=replicas) if zero else None
     dispatch = expert_ops(experts, ep=mesh.ep, tp=tp, recompute=recompute, on_stage=lambda name: stage_of(name) == s)
+    last = pp * mesh.virtual_stages - 1
+    chunks = range(s, last + 1, pp)
+    # sequence parallelism sends each tp rank's slice between stages; the receiver gathers them
+    wire = tp if plan.sequence_parallel else 1
     if tp > 1:
         ops = _tp_microbatch(s, plan=plan, trace=trace, stage_of=stage_of, act_elem=act_elem, recompute=recompute)
+        received = sum(c > 0 for c in chunks) if wire > 1 else 0
+        if received:
+            calls, nbytes = ops[GATHER]
+            ops[GATHER] = [calls + received, nbytes + received * trace.boundary_numel // wire * act_elem]
         for op, (c, b) in dispatch.get("tp", {}).items():
             ops[op] = [ops[op][0] + c, ops[op][1] + b]
         ops = {op: [c * microbatches, b * microbatches] for op, (c, b) in ops.items()}
@@ -137,11 +146,9 @@ def stage_traffic(s: int, *, mesh: Mesh, plan: TpPlan, trace: Trace, stage_of: C
             ops["all_reduce"] = [calls + 1, nbytes + summed * grad_elem]
         out["tp"] = _group(ops)
     if pp > 1:
-        last = pp * mesh.virtual_stages - 1
-        chunks = range(s, last + 1, pp)
         edges = sum((c > 0) + (c < last) for c in chunks)  # per microbatch: an activation and a gradient each
         headers = any(c < last for c in chunks) + any(c > 0 for c in chunks)  # sent, received
-        act = trace.boundary_numel * act_elem
+        act = trace.boundary_numel // wire * act_elem
         out["pp"] = GroupTraffic(2 * edges * microbatches + headers + 1,
                                  2 * edges * microbatches * act + headers * HEADER_BYTES + 4)
     if cp > 1:
