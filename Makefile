@@ -7,7 +7,7 @@ NPROC ?= 8
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.qn_hf-installed
 
-.PHONY: demo test test-all bench results install clean zoo-table
+.PHONY: demo test test-all bench results install clean zoo-table gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ zoo-table: $(STAMP)
 # The README's results table: ViT/GPT-2/Llama at (2,2,2) on 8 processes beside 1-process baselines.
 results: $(STAMP)
 	$(BIN)/python scripts/results.py
+
+# On a GPU machine: parity at every mesh that fits its GPUs (NCCL), host syncs per step, and a bf16
+# throughput benchmark against the plain model, as one table. Without GPUs: the same on small gloo worlds.
+gpu-check: $(STAMP)
+	$(BIN)/python scripts/gpu_check.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/tp_vs_dtensor.py
