@@ -7,30 +7,44 @@ there to measure the difference. Keys and values travel around the ring: at step
 holds the block of rank ``r - i``, sends it on to ``r + 1`` and receives the next from ``r - 1``
 while it computes (the transfer is posted before the block's attention and waited for after it).
 
-Each (query chunk, key chunk) pair is skipped when every key comes after every query, causal on
-the diagonal and fully visible below it; within it the documents of a packed sequence and the
-padding of the keys are masked. Blocks are merged with the online softmax (running maximum, sum
-and weighted values in float32), as flash attention merges tiles, so the result is exact.
+Each ring step is one call of torch's fused attention, which returns the block's output and the
+log-sum-exp of each query row: ``_scaled_dot_product_flash_attention_for_cpu`` on CPU; on CUDA
+flash attention for 16-bit blocks without a mask, memory-efficient attention (with an additive
+bias) otherwise. Which rows and columns the call covers follows from the global positions alone
+(``ring_block``): every key before every query needs no mask, the rank's own block (the same
+positions on both sides) is the kernel's causal mask, anything else an explicit one. Documents of
+a packed sequence and padded keys add an explicit mask to every block, and only then (the own
+block keeps the kernel's causal flag too, so that the kernel skips the tiles above the diagonal). Blocks are
+merged by log-sum-exp in float32 (``out = out * e^(lse - new) + out_i * e^(lse_i - new)``), as flash
+attention merges tiles, so the result is exact. Grouped-query attention runs unexpanded where the
+kernel allows it (CPU, CUDA flash); CUDA's memory-efficient kernel needs as many KV heads as query
+heads, so they are expanded for it.
 
-Like flash attention, the forward keeps only this rank's queries, keys, values, output and the
-log-sum-exp of each query row; the backward goes around the ring again, recomputes each block's
-probabilities from them, adds its query gradient locally and the block's key and value gradients to
-an accumulator that travels with the block, so that after a full circle each rank receives the
+Like flash attention, the forward keeps only this rank's queries, keys, values, output (in their
+dtype) and the float32 log-sum-exp of each query row; the backward goes around the ring again and
+calls the kernel's backward with the global output and log-sum-exp, which recomputes the block's
+share of the probabilities and gives exactly that block's share of the query, key and value
+gradients. The query gradient adds up locally in float32, the key and value gradients in a float32
+accumulator that travels with the block, so that after a full circle each rank receives the
 gradients of its own keys and values from every rank's queries. A block's accumulator travels while
-the next rank computes its own share of that block, so both directions of the ring overlap compute. Memory per rank is therefore
-proportional to sequence/cp (no sequence x sequence term), and the bytes on cp per attention call are
-(cp-1) key/value blocks forward and cp blocks with their gradients backward.
+the next rank computes its own share of that block, so both directions of the ring overlap compute.
+Memory per rank is therefore linear in sequence/cp, except the masks of masked blocks, built per
+block and step and dropped after it ([b, 1, rows, columns] in the query's dtype); the bytes on cp
+per attention call are (cp-1) key/value blocks forward and cp blocks with their gradients backward.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+_aten = torch.ops.aten
+_NEG_INF = float("-inf")
 
 
 @dataclass(frozen=True)
@@ -43,10 +57,129 @@ class ChunkLayout:
     def chunks(self, rank: int) -> tuple[int, int]:
         return (rank, 2 * self.size - 1 - rank) if self.balanced else (2 * rank, 2 * rank + 1)
 
-    def positions(self, rank: int, length: int) -> torch.Tensor:
+    def positions(self, rank: int, length: int, *, device: torch.device | str | None = None) -> torch.Tensor:
         """The indices into the whole sequence (of ``length``) of the tokens ``rank`` holds, in order."""
         chunk = length // (2 * self.size)
-        return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in self.chunks(rank)])
+        return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in self.chunks(rank)])
+
+
+@dataclass(frozen=True)
+class RingBlock:
+    """The one kernel call of a ring step: this rank's query rows against the held block's key rows."""
+
+    queries: slice
+    keys: slice
+    full: bool  # every key comes before every query: no causal mask
+    causal: bool  # the same positions on both sides, increasing: the kernel's causal mask is the global one
+
+
+def ring_block(layout: ChunkLayout, *, rank: int, owner: int, chunk: int) -> RingBlock | None:
+    """What ``rank``'s queries compute against ``owner``'s keys under the causal mask, or None when
+    every key comes after every query. The rows and columns are those of the chunk pairs with a
+    visible key; the causal staircase makes them one rectangle."""
+    mine, theirs = layout.chunks(rank), layout.chunks(owner)
+    pairs = [(qi, ki) for qi, qc in enumerate(mine) for ki, kc in enumerate(theirs) if kc <= qc]
+    if not pairs:
+        return None
+    q0, q1 = min(p[0] for p in pairs), max(p[0] for p in pairs) + 1
+    k0, k1 = min(p[1] for p in pairs), max(p[1] for p in pairs) + 1
+    return RingBlock(queries=slice(q0 * chunk, q1 * chunk), keys=slice(k0 * chunk, k1 * chunk),
+                     full=max(theirs[k0:k1]) < min(mine[q0:q1]), causal=mine[q0:q1] == theirs[k0:k1])
+
+
+def needs_mask(*, documents: torch.Tensor, valid: torch.Tensor) -> bool:
+    """Whether any sequence of the batch packs several documents or has padding (one host sync)."""
+    return bool(((documents != documents[:, :1]).any() | (valid == 0).any()).item())
+
+
+def _mask(plan: RingBlock, *, layout: ChunkLayout, rank: int, owner: int, documents: torch.Tensor,
+          valid: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(additive mask [b, 1, rows, columns] with -inf where a key is hidden, whether each query row
+    [b, rows] sees any key): causal by global position, within a document, valid keys only."""
+    length, device = documents.shape[1], documents.device
+    at_q = layout.positions(rank, length, device=device)[plan.queries]
+    at_k = layout.positions(owner, length, device=device)[plan.keys]
+    # [b, rows, columns], narrowed in place: one quadratic boolean besides the mask, not one per term
+    visible = documents[:, at_q, None] == documents[:, None, at_k]
+    visible &= valid[:, None, at_k].bool()
+    if not plan.full:
+        visible &= at_k[None, None, :] <= at_q[None, :, None]
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(visible.logical_not(), _NEG_INF)
+    return mask[:, None], visible.any(dim=-1)
+
+
+# The fused kernels: forward(q, k, v, causal, mask, scale) -> (out, lse [b, h, rows] float32) and
+# backward(grad_out, q, k, v, out, lse, causal, mask, scale) -> (dq, dk, dv), k/v with their own heads.
+Forward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+Backward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _cpu_forward(q, k, v, causal, mask, scale):
+    return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+
+
+def _cpu_backward(grad_out, q, k, v, out, lse, causal, mask, scale):
+    return _aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal,
+                                                                      attn_mask=mask, scale=scale)
+
+
+def _flash_forward(q, k, v, causal, mask, scale):
+    out, lse, *_ = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    return out, lse
+
+
+def _flash_backward(grad_out, q, k, v, out, lse, causal, mask, scale):
+    # the random state is read only with dropout, which ring attention never applies
+    seed = torch.empty(2, dtype=torch.uint64, device=q.device)
+    offset = torch.empty((), dtype=torch.uint64, device=q.device)
+    return _aten._scaled_dot_product_flash_attention_backward(grad_out, q, k, v, out, lse, None, None, q.shape[2],
+                                                              k.shape[2], 0.0, causal, seed, offset, scale=scale)
+
+
+def _bias(mask: torch.Tensor | None, heads: int) -> torch.Tensor | None:
+    """The mask as the efficient kernel takes it: every head (a stride-0 view) and rows aligned to
+    16 elements, as torch's own SDPA prepares it."""
+    if mask is None:
+        return None
+    b, _, rows, cols = mask.shape
+    if cols % 16:
+        mask = torch.nn.functional.pad(mask, (0, 16 - cols % 16))[..., :cols]
+    return mask.expand(b, heads, rows, cols)
+
+
+def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    return t.repeat_interleave(heads // t.shape[1], dim=1) if t.shape[1] != heads else t
+
+
+def _efficient_forward(q, k, v, causal, mask, scale):
+    heads = q.shape[1]
+    out, lse, *_ = _aten._scaled_dot_product_efficient_attention(q, _heads(k, heads), _heads(v, heads),
+                                                                 _bias(mask, heads), True, 0.0, causal, scale=scale)
+    return out, lse[:, :, :q.shape[2]]  # the kernel pads its rows to a multiple of 32
+
+
+def _efficient_backward(grad_out, q, k, v, out, lse, causal, mask, scale):
+    heads, kv_heads, rows = q.shape[1], k.shape[1], q.shape[2]
+    padded = lse.new_zeros(*lse.shape[:2], -(-rows // 32) * 32)  # the layout the forward gave
+    padded[:, :, :rows] = lse
+    seed = torch.empty((), dtype=torch.long, device=q.device)  # read only with dropout
+    dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+        grad_out, q, _heads(k, heads), _heads(v, heads), _bias(mask, heads), out, padded, seed, seed, 0.0,
+        [True, True, True, False], causal, scale=scale)
+    if kv_heads != heads:  # each KV head's gradient is the sum over the query heads it served
+        dk, dv = (g.unflatten(1, (kv_heads, heads // kv_heads)).sum(dim=2) for g in (dk, dv))
+    return dq, dk, dv
+
+
+def kernels(query: torch.Tensor, *, masked: bool) -> tuple[Forward, Backward]:
+    """The fused attention (forward, backward) for a block of ``query``'s device and dtype."""
+    if query.device.type == "cpu":
+        return _cpu_forward, _cpu_backward
+    if query.device.type == "cuda":
+        if not masked and query.dtype in (torch.float16, torch.bfloat16):
+            return _flash_forward, _flash_backward
+        return _efficient_forward, _efficient_backward
+    raise ValueError(f"ring attention has no fused attention kernel for {query.device.type} tensors")
 
 
 def _exchange(send: torch.Tensor, group: ProcessGroup) -> tuple[torch.Tensor, list]:
@@ -63,114 +196,108 @@ def _wait(works: list) -> None:
         work.wait()
 
 
-def _pairs(layout: ChunkLayout, rank: int, owner: int, documents: torch.Tensor, valid: torch.Tensor, chunk: int):
-    """(query part, key part, visible [b, chunk, chunk]) of every pair of this rank's query chunks and
-    ``owner``'s key chunks that has a visible key; the others are skipped."""
-    docs = documents.unfold(1, chunk, chunk)  # [b, 2*cp, chunk]
-    keep = valid.bool().unfold(1, chunk, chunk)
-    for qi, qc in enumerate(layout.chunks(rank)):
-        for ki, kc in enumerate(layout.chunks(owner)):
-            if kc > qc:
-                continue  # every key comes after every query
-            visible = (docs[:, qc, :, None] == docs[:, kc, None, :]) & keep[:, kc, None, :]
-            if kc == qc:
-                visible = visible & torch.ones(chunk, chunk, dtype=torch.bool, device=visible.device).tril()
-            yield slice(qi * chunk, (qi + 1) * chunk), slice(ki * chunk, (ki + 1) * chunk), visible[:, None]
-
-
-def _scores(qf: torch.Tensor, kf: torch.Tensor, qs: slice, ks: slice, visible: torch.Tensor) -> torch.Tensor:
-    """The (scaled) scores of one query part against one key part, -inf where a key is not visible."""
-    return (qf[:, :, qs] @ kf[:, :, ks].transpose(-1, -2)).masked_fill(~visible, float("-inf"))
+def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor,
+           seen: torch.Tensor | None) -> None:
+    """Fold one block's output and log-sum-exp into the running ones (views into the call's)."""
+    if seen is not None:  # a row that sees no key of this block: the kernel's output and lse mean nothing
+        block_lse = block_lse.masked_fill(~seen[:, None], _NEG_INF)
+        block_out = block_out.masked_fill(~seen[:, None, :, None], 0.0)
+    new = torch.logaddexp(lse, block_lse)
+    safe = new.masked_fill(new == _NEG_INF, 0.0)  # rows with no visible key yet: both weights 0
+    out.mul_((lse - safe).exp().unsqueeze(-1)).add_(block_out * (block_lse - safe).exp().unsqueeze(-1))
+    lse.copy_(new)
 
 
 class _RingAttention(torch.autograd.Function):
-    """Forward: online-softmax over the ring; backward: the ring again with recomputed probabilities."""
+    """Forward: fused attention per ring step, merged by log-sum-exp; backward: the ring again, fused backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, documents, valid, layout: ChunkLayout, group: ProcessGroup, scaling: float,
-                events: list | None):
-        rank, size = dist.get_rank(group), layout.size
-        chunk, groups = q.shape[2] // 2, q.shape[1] // k.shape[1]
-        qf = q.float() * scaling
-        top = qf.new_full(qf.shape[:3], float("-inf"))
-        total = qf.new_zeros(qf.shape[:3])
-        acc = qf.new_zeros(qf.shape)
+                masked: bool, events: list | None):
+        rank, size, chunk = dist.get_rank(group), layout.size, q.shape[2] // 2
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], _NEG_INF, dtype=torch.float32, device=q.device)
         block = torch.stack([k, v])  # travels the ring as one tensor
         for step in range(size):
             incoming, works = _exchange(block, group) if step < size - 1 else (None, [])
             started = time.perf_counter()
-            kf, vf = (t.float().repeat_interleave(groups, dim=1) for t in block)  # GQA: a KV head serves its group
-            for qs, ks, visible in _pairs(layout, rank, (rank - step) % size, documents, valid, chunk):
-                scores = _scores(qf, kf, qs, ks, visible)
-                new_top = torch.maximum(top[:, :, qs], scores.amax(dim=-1))
-                safe = new_top.masked_fill(new_top == float("-inf"), 0.0)  # rows with no visible key yet
-                weights = (scores - safe.unsqueeze(-1)).exp()
-                decay = (top[:, :, qs] - safe).exp()
-                total[:, :, qs] = total[:, :, qs] * decay + weights.sum(dim=-1)
-                acc[:, :, qs] = acc[:, :, qs] * decay.unsqueeze(-1) + weights @ vf[:, :, ks]
-                top[:, :, qs] = new_top
+            owner = (rank - step) % size
+            plan = ring_block(layout, rank=rank, owner=owner, chunk=chunk)
+            if plan is not None:
+                mask, seen = (_mask(plan, layout=layout, rank=rank, owner=owner, documents=documents, valid=valid,
+                                    dtype=q.dtype) if masked or not (plan.full or plan.causal) else (None, None))
+                attend, _ = kernels(q, masked=mask is not None)
+                rows, cols = plan.queries, plan.keys
+                block_out, block_lse = attend(q[:, :, rows], block[0][:, :, cols], block[1][:, :, cols],
+                                              plan.causal, mask, scaling)
+                _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse, seen)
             computed = time.perf_counter()
             _wait(works)
             if events is not None:
                 events.append(("forward", step, started, computed, time.perf_counter()))
             block = incoming if incoming is not None else block
-        seen = total > 0  # a query with no visible key (padding) gets zeros, and no gradient
-        out = acc / total.clamp_min(torch.finfo(total.dtype).tiny).unsqueeze(-1)
-        lse = torch.where(seen, top + total.clamp_min(torch.finfo(total.dtype).tiny).log(), float("inf"))
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, documents, valid, out, lse)
-        ctx.layout, ctx.group, ctx.scaling, ctx.events = layout, group, scaling, events
-        return out.to(q.dtype)
+        ctx.layout, ctx.group, ctx.scaling, ctx.masked, ctx.events = layout, group, scaling, masked, events
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, documents, valid, out, lse = ctx.saved_tensors
-        layout, group, scaling = ctx.layout, ctx.group, ctx.scaling
-        rank, size = dist.get_rank(group), layout.size
-        chunk, groups = q.shape[2] // 2, q.shape[1] // k.shape[1]
-        qf, go = q.float() * scaling, grad_out.float()
-        delta = (go * out).sum(dim=-1)  # the softmax backward's row term, sum_j p_ij dp_ij
-        grad_q = torch.zeros_like(qf)
+        layout, group, scaling, masked = ctx.layout, ctx.group, ctx.scaling, ctx.masked
+        rank, size, chunk = dist.get_rank(group), layout.size, q.shape[2] // 2
+        # A query that sees no key anywhere (padding) got zeros: no gradient, whatever arrives for it,
+        # and a finite lse so that the kernel's exp(score - lse) is 0 rather than NaN.
+        seen = lse > _NEG_INF
+        grad_out = grad_out.masked_fill(~seen.unsqueeze(-1), 0.0) if masked else grad_out
+        lse = lse.masked_fill(~seen, 0.0)
+        grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         block = torch.stack([k, v])
         # The accumulator of the block in hand arrives from the previous rank while this rank computes
-        # its own contribution (kept apart in ``mine``), and is sent on right after the two are added.
+        # its own share of that block, added right after it arrives and sent on.
         grads, grad_works = torch.zeros(block.shape, dtype=torch.float32, device=block.device), []
         for step in range(size):
             incoming, works = _exchange(block, group) if step < size - 1 else (None, [])
             started = time.perf_counter()
-            kf, vf = (t.float().repeat_interleave(groups, dim=1) for t in block)
-            grad_k, grad_v = torch.zeros_like(kf), torch.zeros_like(vf)
-            for qs, ks, visible in _pairs(layout, rank, (rank - step) % size, documents, valid, chunk):
-                scores = _scores(qf, kf, qs, ks, visible)
-                probs = (scores - lse[:, :, qs].unsqueeze(-1)).exp()
-                grad_v[:, :, ks] += probs.transpose(-1, -2) @ go[:, :, qs]
-                grad_scores = probs * (go[:, :, qs] @ vf[:, :, ks].transpose(-1, -2) - delta[:, :, qs].unsqueeze(-1))
-                grad_q[:, :, qs] += grad_scores @ kf[:, :, ks]
-                grad_k[:, :, ks] += grad_scores.transpose(-1, -2) @ qf[:, :, qs]
-            b, h, s, d = grad_k.shape  # each KV head's gradient is the sum over the query heads it served
-            mine = torch.stack([grad_k.view(b, h // groups, groups, s, d).sum(dim=2),
-                                grad_v.view(b, h // groups, groups, s, d).sum(dim=2)])
+            owner = (rank - step) % size
+            plan = ring_block(layout, rank=rank, owner=owner, chunk=chunk)
+            if plan is not None:
+                mask = (_mask(plan, layout=layout, rank=rank, owner=owner, documents=documents, valid=valid,
+                              dtype=q.dtype)[0] if masked or not (plan.full or plan.causal) else None)
+                _, attend_backward = kernels(q, masked=mask is not None)
+                rows, cols = plan.queries, plan.keys
+                grad_q_i, grad_k_i, grad_v_i = attend_backward(
+                    grad_out[:, :, rows], q[:, :, rows], block[0][:, :, cols], block[1][:, :, cols], out[:, :, rows],
+                    lse[:, :, rows].contiguous(), plan.causal, mask, scaling)
+                grad_q[:, :, rows] += grad_q_i
             computed = time.perf_counter()
             _wait(grad_works)  # the accumulator of this block, from the previous rank
+            if plan is not None:
+                grads[0][:, :, cols] += grad_k_i
+                grads[1][:, :, cols] += grad_v_i
             # it goes on with the block; after the last step it returns to the block's owner
-            grads, grad_works = _exchange(grads + mine, group)
+            grads, grad_works = _exchange(grads, group)
             _wait(works)
             if ctx.events is not None:
                 ctx.events.append(("backward", step, started, computed, time.perf_counter()))
             block = incoming if incoming is not None else block
         _wait(grad_works)
-        # the scores were taken from the scaled queries: the query gradient takes the scale once more,
-        # the key gradient (accumulated from scaled queries) already has it
-        return (grad_q * scaling).to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None, None, None
+        return (grad_q.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None, None, None,
+                None)
 
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, documents: torch.Tensor,
                    valid: torch.Tensor, layout: ChunkLayout, group: ProcessGroup, scaling: float,
-                   events: list | None = None) -> torch.Tensor:
+                   masked: bool | None = None, events: list | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence's keys.
 
     ``query`` is [b, heads, s, d] and ``key``/``value`` [b, kv_heads, s, d] for this rank's
     ``s = 2 * chunk`` tokens (``layout``); ``documents`` and ``valid`` are [b, sequence] for the whole
-    sequence (document index of each token, and whether it may be attended to). Returns
-    [b, heads, s, d] in the query's dtype. ``events`` (a list) receives one
-    ``(pass, step, started, computed, received)`` time record per ring step, for a timeline."""
-    return _RingAttention.apply(query, key, value, documents, valid, layout, group, scaling, events)
+    sequence (document index of each token, and whether it may be attended to). ``masked`` says
+    whether the batch has several documents in a sequence or padding (``needs_mask``; looked up here,
+    one host sync, when None). Returns [b, heads, s, d] in the query's dtype. ``events`` (a list)
+    receives one ``(pass, step, started, computed, received)`` time record per ring step, for a
+    timeline."""
+    if masked is None:
+        masked = needs_mask(documents=documents, valid=valid)
+    return _RingAttention.apply(query, key, value, documents, valid, layout, group, scaling, masked, events)
