@@ -12,7 +12,10 @@ ring-attention function under a name of this model's own and selects it with
 ``set_attn_implementation``, so no forward is replaced. What the function needs about the whole
 sequence travels as the ``attention_mask``: a prepared 4-D tensor ``[b, 1, 2, sequence]`` of
 (document index, may be attended to) per token, which transformers passes through to the attention
-function untouched (a 4-D mask is taken as already built). Documents follow transformers' own rule:
+function untouched (a 4-D mask is taken as already built). When no sequence of the microbatch packs
+several documents or has padding (decided once per microbatch, one host read, in
+``shard_microbatch``), the tensor is ``[b, 1, 1, sequence]`` instead and the ring builds no masks:
+its size, not its values, tells every layer's attention call, so none of them reads device data. Documents follow transformers' own rule:
 without an attention mask, a ``position_ids`` step other than +1 starts a new packed sequence; with
 one, its zeros are padding.
 """
@@ -31,7 +34,7 @@ from transformers.masking_utils import find_packed_sequence_indices
 
 from .loss import causal_lm_targets
 from .plan import TpPlan
-from .ring_attention import ChunkLayout, ring_attention
+from .ring_attention import ChunkLayout, needs_mask, ring_attention
 
 # Batch keys a context-parallel step knows how to cut along the sequence.
 CP_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
@@ -81,7 +84,7 @@ def apply_context_parallel(model: nn.Module, *, group: ProcessGroup, layout: Chu
     def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                   sliding_window: int | None = None, **kwargs):
-        if attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[2] != 2:
+        if attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[2] not in (1, 2):
             raise ValueError("cp > 1: the model was called without qn_hf's context-parallel batch; use "
                              "pm.train_step or pm.eval_step")
         if dropout:
@@ -95,8 +98,11 @@ def apply_context_parallel(model: nn.Module, *, group: ProcessGroup, layout: Chu
             if kwargs.get(extra) is not None:
                 raise ValueError(f"cp > 1: {type(module).__name__} passes {extra!r} to attention, which ring attention "
                                  f"does not compute; use cp=1")
-        out = ring_attention(query, key, value, documents=attention_mask[:, 0, 0], valid=attention_mask[:, 0, 1],
-                             layout=layout, group=group, scaling=scaling or 1.0 / math.sqrt(query.shape[-1]))
+        masked = attention_mask.shape[2] == 2  # (documents, valid); else one document, nothing padded
+        valid = attention_mask[:, 0, -1]
+        out = ring_attention(query, key, value, documents=attention_mask[:, 0, 0] if masked else torch.zeros_like(valid),
+                             valid=valid, layout=layout, group=group, masked=masked,
+                             scaling=scaling or 1.0 / math.sqrt(query.shape[-1]))
         return out.transpose(1, 2).contiguous(), None
 
     # transformers' registry is global; the name is this model's own, so models never share state
@@ -123,7 +129,9 @@ def shard_microbatch(micro: Mapping[str, torch.Tensor], *, layout: ChunkLayout, 
     positions = micro.get("position_ids")
     positions = (torch.arange(length, device=ids.device).expand_as(ids) if positions is None
                  else positions.expand_as(ids))
-    valid = micro.get("attention_mask", torch.ones_like(ids))
-    meta = torch.stack([documents_of(micro), valid.long()], dim=1).unsqueeze(1)  # [b, 1, 2, sequence]
+    valid = micro.get("attention_mask", torch.ones_like(ids)).long()
+    documents = documents_of(micro)
+    masked = needs_mask(documents=documents, valid=valid)  # the microbatch's one host read, not one per layer
+    meta = (torch.stack([documents, valid], dim=1) if masked else valid[:, None]).unsqueeze(1)  # [b, 1, 2 or 1, seq]
     return {"input_ids": ids[:, keep], "position_ids": positions[:, keep], "attention_mask": meta,
             "targets": causal_lm_targets(micro["labels"])[:, keep]}

@@ -7,12 +7,10 @@ the ``[b, 1, 2, sequence]`` document/padding tensor that travels as the ``attent
 runs the unsharded model on exactly those meta inputs, so everything outside attention has one cp
 rank's size, and selects a stand-in for ring attention through transformers' attention interface,
 as ``apply_context_parallel`` selects the real one. The stand-in keeps what ``_RingAttention``
-keeps for backward: this rank's q, k and v (model dtype), its output in float32 (the same tensor
-the call returns when the model runs in float32, a 16-bit copy otherwise) and a float32
-log-sum-exp per query row (the document/padding slices it also keeps are views of the input).
-It also multiplies the query and key chunks of every visible (query chunk, key chunk) pair, as
-the ring's forward does, so that selective recomputation's cache of matrix products keeps what it
-keeps in training; without it those products die with the call.
+keeps for backward: this rank's q, k and v (model dtype), its output (the tensor the call returns,
+in the model's dtype) and a float32 log-sum-exp per query row (the document/padding slices it also
+keeps are views of the input). The ring's fused kernels run inside the autograd Function, without
+grad mode, so selective recomputation caches none of their outputs, and neither does the stand-in.
 
 Each call is reported (``RingCall``) with its keys' shape; ``ring_ops`` turns the calls into the
 sends and receives ``CommMeter`` counts on ``"cp"``: per call, forward ``cp - 1`` key/value blocks
@@ -24,7 +22,6 @@ forward again (``RingCall.rerun``, set by the trace as for tp's row layers).
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,7 +29,6 @@ import torch
 from torch import nn
 from transformers import AttentionInterface
 
-from ..ring_attention import ChunkLayout
 
 GRAD_ELEM = 4  # the backward's gradient accumulator travels in float32
 _names = itertools.count()
@@ -60,33 +56,15 @@ def cp_inputs(*, micro_batch_size: int, seq_len: int, cp: int) -> dict[str, torc
             "attention_mask": torch.empty(micro_batch_size, 1, 2, seq_len, dtype=torch.long, device="meta")}
 
 
-def _visible_pairs(layout: ChunkLayout, rank: int) -> list[tuple[int, int]]:
-    """(query part, key part) of every chunk pair ``rank`` computes around the ring: a key chunk
-    is skipped when all its keys come after the query chunk's queries (ring_attention's rule)."""
-    pairs = []
-    for step in range(layout.size):
-        owner = (rank - step) % layout.size
-        for qi, qc in enumerate(layout.chunks(rank)):
-            pairs += [(qi, ki) for ki, kc in enumerate(layout.chunks(owner)) if kc <= qc]
-    return pairs
-
-
 class _RingStandIn(torch.autograd.Function):
     """Forward: what ring attention allocates and keeps, on meta tensors; no backward (not run)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, documents, valid, pairs: list[tuple[int, int]]):
-        chunk, groups = q.shape[2] // 2, q.shape[1] // k.shape[1]
-        qf = q.float() * (1.0 / math.sqrt(q.shape[-1]))
-        kf, vf = (t.float().repeat_interleave(groups, dim=1) for t in (k, v))
-        for qi, ki in pairs:
-            qs, ks = slice(qi * chunk, (qi + 1) * chunk), slice(ki * chunk, (ki + 1) * chunk)
-            scores = qf[:, :, qs] @ kf[:, :, ks].transpose(-1, -2)
-            scores @ vf[:, :, ks]  # noqa: B018 - the product selective recomputation caches
-        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    def forward(ctx, q, k, v, documents, valid):
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         ctx.save_for_backward(q, k, v, documents, valid, out, lse)
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):  # pragma: no cover - the trace runs no backward
@@ -100,14 +78,13 @@ class RingStandIn:
 
     def __init__(self, model: nn.Module, *, cp: int, note: Callable[[RingCall], None]) -> None:
         self.model, self.note = model, note
-        self.pairs = _visible_pairs(ChunkLayout(size=cp), rank=0)  # balanced: every rank has as many
         self._previous: str | None = None
 
     def _attention(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                    **kwargs):
         self.note(RingCall(module="", kv_heads=key.shape[1], block_numel=2 * key.numel()))
-        out = _RingStandIn.apply(query, key, value, attention_mask[:, 0, 0], attention_mask[:, 0, 1], self.pairs)
+        out = _RingStandIn.apply(query, key, value, attention_mask[:, 0, 0], attention_mask[:, 0, -1])
         return out.transpose(1, 2).contiguous(), None
 
     def __enter__(self) -> RingStandIn:
