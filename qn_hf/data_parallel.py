@@ -112,6 +112,9 @@ class GradBuckets:
         self.reduced = False  # sharded: the last step's gradients were reduce-scattered in place
         self.buckets: list[_Bucket] = []
         self._slot: dict[int, tuple[_Bucket, int]] = {}
+        # per parameter, its gradient slot as a view (made once: binding runs for every gradient)
+        self._views: dict[int, torch.Tensor] = {}
+        self._pieces: list[Piece] | None = None  # sharded: this rank's pieces, once laid out
         self._next = 0
         self._layout(params, separate=[])
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
@@ -137,6 +140,8 @@ class GradBuckets:
                         self._slot[id(p)] = (bucket, offset)
                         offset += p.numel()
                     self.buckets.append(bucket)
+        self._views = {id(p): self._view(self._slot[id(p)][0].buffer, p) for p in params}
+        self._pieces = None
 
     def shard_over_dp(self, *, separate: list[nn.Parameter], model: nn.Module) -> None:
         """Switch to ZeRO-1: padded buckets, reduce-scatter, parameters viewing flat weight buffers.
@@ -169,12 +174,14 @@ class GradBuckets:
         return flat[offset : offset + p.numel()].view_as(p)
 
     def view(self, p: nn.Parameter) -> torch.Tensor:
-        return self._view(self._slot[id(p)][0].buffer, p)
+        return self._views[id(p)]
 
     def bind(self, p: nn.Parameter) -> None:
         """Make ``p.grad`` the bucket slot (copying a gradient autograd created elsewhere, e.g.
         after ``zero_grad(set_to_none=True)``); later accumulation then lands in the bucket."""
         slot = self.view(p)
+        if p.grad is slot:  # accumulated in place into the slot
+            return
         if p.grad is None:
             slot.zero_()
         elif p.grad.data_ptr() != slot.data_ptr():
@@ -243,7 +250,13 @@ class GradBuckets:
         return flat[dist.get_rank(self.group) * size :][:size]
 
     def pieces(self) -> list[Piece]:
-        """Every parameter's part of this rank's pieces, bucket by bucket."""
+        """Every parameter's part of this rank's pieces, bucket by bucket (fixed once sharded: made
+        once, then read at every step's sync and clip)."""
+        if self._pieces is None:
+            self._pieces = self._make_pieces()
+        return self._pieces
+
+    def _make_pieces(self) -> list[Piece]:
         out = []
         for i, bucket in enumerate(self.buckets):
             size = bucket.buffer.numel() // dist.get_world_size(self.group)

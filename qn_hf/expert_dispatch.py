@@ -67,12 +67,14 @@ def _exchange(module, route: ExpertRoute, local_forward: Callable, hidden: torch
     tokens, k = index.shape
     pairs = index.reshape(-1)
     order = torch.argsort(pairs, stable=True)  # (token, choice) pairs grouped by expert, hence by owner
-    counts = torch.bincount(pairs, minlength=route.experts).view(route.ep, route.local)
+    counts = _expert_counts(pairs[order], route.experts).view(route.ep, route.local)
     received = exchange_counts(counts, group=route.group)  # [source member, local expert]
-    send_rows = counts.sum(1).tolist()  # one host sync: the all-to-all needs its splits
-    recv_rows = received.sum(1).tolist()
+    # The call's one host sync: the uneven all-to-alls need their splits on the host, both read at once
+    splits = torch.cat([counts.sum(1), received.sum(1)]).tolist()
+    send_rows, recv_rows = splits[: route.ep], splits[route.ep :]
     rows = all_to_all_rows(hidden[order // k], out_rows=recv_rows, in_rows=send_rows, group=route.group)
-    local_ids = torch.arange(route.local, device=pairs.device).repeat(route.ep).repeat_interleave(received.reshape(-1))
+    local_ids = torch.arange(route.local, device=pairs.device).repeat(route.ep).repeat_interleave(
+        received.reshape(-1), output_size=sum(recv_rows))  # a known size: no sync to sum the repeats
     unit = torch.ones((rows.shape[0], 1), dtype=hidden.dtype, device=hidden.device)
     done = local_forward(module, rows, local_ids[:, None], unit)
     if rows.requires_grad and not done.requires_grad:  # no rows here: keep backward's all-to-alls paired
@@ -81,3 +83,10 @@ def _exchange(module, route: ExpertRoute, local_forward: Callable, hidden: torch
     in_pair_order = back.index_select(0, torch.argsort(order))
     weighted = in_pair_order.view(tokens, k, hidden.shape[-1]) * weights[..., None]  # -1 fails on 0 tokens
     return weighted.sum(1).to(hidden.dtype)
+
+
+def _expert_counts(sorted_ids: torch.Tensor, experts: int) -> torch.Tensor:
+    """Pairs per expert from the sorted expert ids, on the device: the bounds of each expert's run.
+    ``torch.bincount`` would read the largest id back to the host to size its output."""
+    bounds = torch.searchsorted(sorted_ids, torch.arange(experts + 1, dtype=sorted_ids.dtype, device=sorted_ids.device))
+    return bounds.diff()

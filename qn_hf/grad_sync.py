@@ -42,6 +42,8 @@ class GradSync:
         self.expert_buckets = expert_buckets
         self.scaler = scaler
         self._replicas_checked = False
+        # sharded: the pieces and the HF name of each one's parameter, made once per layout
+        self._piece_names: tuple[list, list[str]] | None = None
 
     @property
     def sharded(self) -> bool:
@@ -52,9 +54,11 @@ class GradSync:
         """This rank's gradients by HF name: whole ``.grad`` tensors, or, sharded, the flat pieces
         this rank owns."""
         if self.sharded:
-            names = {id(p): n for n, p in self.module.named_parameters()}
-            for piece in self.buckets.pieces():
-                yield names[id(piece.param)], piece.grad
+            pieces = self.buckets.pieces()
+            if self._piece_names is None or self._piece_names[0] is not pieces:  # once per layout of the pieces
+                names = {id(p): n for n, p in self.module.named_parameters()}
+                self._piece_names = (pieces, [names[id(piece.param)] for piece in pieces])
+            yield from zip(self._piece_names[1], (piece.grad for piece in pieces))
             return
         for name, p in self.module.named_parameters():
             if p.requires_grad and p.grad is not None:

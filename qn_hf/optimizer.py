@@ -134,9 +134,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
             for m in self.masters:
                 m.tensor.grad = m.grad()
         self.inner.step()
-        if self.mixed:
-            for m in self.masters:
-                (m.param.data.view(-1) if m.piece is None else m.piece.weight).copy_(m.tensor.view(-1))
+        self._copy_masters_to_params()
         if self.zero:
             self.pm.buckets.gather_weights()
         if scaler is not None:
@@ -179,12 +177,17 @@ class ParallelOptimizer(torch.optim.Optimizer):
                     m.tensor.copy_(value)
                 self.write_params()
 
+    def _copy_masters_to_params(self) -> None:
+        """Mixed precision: cast every master into its low-precision weight, one fused copy (a
+        kernel per weight on a device otherwise)."""
+        if self.mixed and self.masters:
+            torch._foreach_copy_([m.param.data.view(-1) if m.piece is None else m.piece.weight for m in self.masters],
+                                 [m.tensor.view(-1) for m in self.masters])
+
     @torch.no_grad()
     def write_params(self) -> None:
         """Make the model's parameters what the masters say (after loading masters)."""
-        if self.mixed:
-            for m in self.masters:
-                (m.param.data.view(-1) if m.piece is None else m.piece.weight).copy_(m.tensor.view(-1))
+        self._copy_masters_to_params()
         if self.zero:
             self.pm.buckets.gather_weights()
             self.pm.buckets.wait_weights()

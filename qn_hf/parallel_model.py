@@ -24,7 +24,7 @@ from .failure import FailTogether
 from .full_state import full_state_dict
 from .generation import parallel_generate
 from .lora import Adapter
-from .loss import IGNORE_INDEX, causal_lm_targets, count_targets, vocab_parallel_cross_entropy
+from .loss import IGNORE_INDEX, causal_lm_targets, vocab_parallel_cross_entropy
 from .mesh import Groups, ParallelDims
 from .pipeline.runtime import StageExecutor
 from .pipeline.schedule import schedule_actions
@@ -238,21 +238,23 @@ class ParallelModel:
         batch = {k: v.to(self.device) for k, v in batch.items()}
         # The HF loss is a mean over every target of the global batch: count them first (one tiny
         # all-reduce over dp), then each microbatch contributes sum(its losses) / count exactly.
+        # The scales stay on the device (float64, as the Python floats they replace): reading the
+        # count back would make the host wait for the device at the start of every step.
         if builtin:
-            count = torch.tensor(
-                [count_targets(batch["labels"], causal=self.plan.loss == "causal_lm")], dtype=torch.float64, device=self.device
-            )
+            targets = causal_lm_targets(batch["labels"]) if self.plan.loss == "causal_lm" else batch["labels"]
+            count = (targets != IGNORE_INDEX).sum(dtype=torch.float64).reshape(1)
             flat_all_reduce_([count], group=self.groups.dp)
-            scales = [1.0 / max(count.item(), 1.0)] * self.microbatches
+            scales = [torch.ones_like(count).div_(count.clamp(min=1.0))[0]] * self.microbatches
         micro = split_microbatches(batch, microbatches=self.microbatches)
         rows = microbatch_rows(size, microbatches=self.microbatches)  # the sizes tensor_split gave them
         if not builtin:
             # A loss_fn returns its microbatch's mean: weighted by its rows over the global batch's
             # rows (one tiny all-reduce over dp), the sum is the mean over every example, also when
-            # the microbatches or the dp ranks' batches differ in size.
-            global_rows = torch.tensor([float(size)], dtype=torch.float64, device=self.device)
+            # the microbatches or the dp ranks' batches differ in size. torch.full, not torch.tensor:
+            # a fill on the device rather than a copy from the host.
+            global_rows = torch.full((1,), float(size), dtype=torch.float64, device=self.device)
             flat_all_reduce_([global_rows], group=self.groups.dp)
-            scales = [n / global_rows.item() for n in rows]
+            scales = [torch.full_like(global_rows, float(n)).div_(global_rows)[0] for n in rows]
         if cp > 1:  # this rank's tokens of every sequence, with targets shifted on the whole sequence
             micro = [shard_microbatch(m, layout=self.chunks, rank=self.coords["cp"]) for m in micro]
         total = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -272,7 +274,9 @@ class ParallelModel:
                 loss = self._builtin_loss_sum(outputs, targets)
             else:
                 loss = loss_fn(self._with_full_logits(outputs), micro[mb])
-            loss = loss * scales[mb]
+            # As a Python float scale did: the product in float32 (float64 for a float64 loss), in the loss's dtype
+            opmath = torch.float64 if loss.dtype == torch.float64 else torch.float32
+            loss = (loss.to(opmath) * scales[mb].to(opmath)).to(loss.dtype)
             if router:  # transformers' load-balancing term, this dp rank's share (router_loss.py)
                 loss = loss + router_loss(outputs, micro[mb].get("attention_mask"), model=self.module, group=self.groups.dp)
             total += loss.detach().float()

@@ -15,7 +15,7 @@ the scale doubles. bfloat16 has float32's range and needs no scaling.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -44,19 +44,31 @@ class LossScaler:
     growth_interval: int = 2000
     good_steps: int = 0
     skipped_steps: int = 0
-    found_inf: bool = False  # the gradients of the last synchronized step overflowed
+    # whether the last synchronized step's gradients overflowed: a device flag until first read
+    _overflow: torch.Tensor | bool = field(default=False, init=False, repr=False)
 
     def unscale_(self, grads: list[torch.Tensor], *, device: torch.device) -> None:
         """Divide ``grads`` by the scale and record whether any rank's gradients hold inf/NaN
-        (one all-reduce over the whole job, so every rank skips or steps together)."""
-        flag = torch.zeros((), dtype=torch.float32, device=device)
+        (one all-reduce over the whole job, so every rank skips or steps together). As GradScaler:
+        one fused check-and-unscale per dtype, the flag left on the device."""
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        inverse = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=device)  # a fill, no copy
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for g in grads:
-            if g.numel():
-                flag = torch.maximum(flag, (~torch.isfinite(g)).any().float())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        self.found_inf = bool(flag.item())
-        if grads:
-            torch._foreach_mul_(grads, 1.0 / self.scale)
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for tensors in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inverse)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        self._overflow = found
+
+    @property
+    def found_inf(self) -> bool:
+        """Whether the gradients of the last synchronized step overflowed on any rank. Reading it is
+        the one host sync of a float16 step (GradScaler's ``step`` has the same): the optimizer reads
+        it in ``step``, after the clip's work is queued, rather than at the end of backward."""
+        if isinstance(self._overflow, torch.Tensor):
+            self._overflow = bool(self._overflow.item())
+        return self._overflow
 
     def update(self) -> bool:
         """After an optimizer step: whether the step was skipped; adjust the scale."""
@@ -70,7 +82,7 @@ class LossScaler:
             if self.good_steps == self.growth_interval:
                 self.scale *= self.growth_factor
                 self.good_steps = 0
-        self.found_inf = False
+        self._overflow = False
         return skipped
 
     def state(self) -> dict[str, float | int]:

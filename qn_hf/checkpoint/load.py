@@ -51,9 +51,23 @@ def load_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
             for key, value in saved_group.items():
                 if key != "params" and key in group:
                     group[key] = tuple(value) if isinstance(group[key], tuple) else value
+        group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
         for keyed, state in states.items():
-            optimizer.state[keyed] = {k: v.to(keyed.device) for k, v in state.items()}
+            optimizer.state[keyed] = {k: placed_state(k, v, param=keyed, group=group_of[id(keyed)])
+                                      for k, v in state.items()}
     return {"step": index.get("step"), "mesh": index.get("mesh"), "library_version": index.get("library_version")}
+
+
+def placed_state(key: str, value: torch.Tensor, *, param: torch.Tensor, group: dict) -> torch.Tensor:
+    """Where ``torch.optim.Optimizer.load_state_dict`` puts an optimizer state tensor: on the
+    parameter's device, except the ``step`` counters, which stay on the host unless the group is
+    fused or capturable (then float32 on the device). Torch's Adam reads a host counter without
+    waiting for the device; one on a GPU would cost two host syncs per parameter and step."""
+    if key == "step":
+        if group.get("fused") or group.get("capturable"):
+            return value.to(dtype=torch.float32, device=param.device)
+        return value
+    return value.to(param.device)
 
 
 def _read_all(module: nn.Module, path: str, placement: ShardPlacement, model_type: str,
