@@ -291,7 +291,10 @@ class ParallelModel:
         if backward and self._sync:
             def on_final(chunk: int, kind: str) -> None:
                 self.grads.arm(self._final_params.get((chunk, kind), []))
-        self.executor.run(schedule, forward, rows=rows, on_final=on_final)
+        # what fixes the activations' shapes between stages: the activation header is exchanged once
+        # per such key (the first step of each batch shape), not every step
+        shape_key = tuple((k, tuple(v.shape[1:]), v.dtype) for k, v in sorted(micro[0].items()))
+        self.executor.run(schedule, forward, rows=rows, on_final=on_final, shape_key=shape_key)
         # The last stage holds the loss: a sum over pp hands it to every stage, then over dp and cp
         # (each cp rank holds the loss of its own tokens).
         flat_all_reduce_([total], group=self.groups.pp)

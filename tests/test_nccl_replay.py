@@ -120,3 +120,9 @@ def test_the_pipeline_completes_under_nccl(worlds, model_dirs, kind, pp, schedul
         calls = _calls([r[name] for r in results])
         assert any(c.kind in (SEND, RECV) for rank in calls for c in rank), f"{name}: no transfer was recorded"
         replay(calls)
+    # the shape header travels with the first step of a batch shape only: a steady step reads nothing
+    # on the host (the first one does, on every stage that receives)
+    steady = _calls([r["train_steady"] for r in results])
+    assert not [c for rank in steady for c in rank if c.what == SYNC], "a steady training step reads device data"
+    first = _calls([r["train_first"] for r in results])
+    assert all(any(c.what == SYNC for c in rank) for rank in first[1:])

@@ -16,9 +16,10 @@ all-gather's own piece).
   one flat all-reduce of the gradients summed over tp (``TpPlan.grad_sum``: per-head norms, and with
   sequence parallelism the norms and row biases between the regions; under ZeRO this rank's pieces).
 * pp: per microbatch, the hidden state forward and its gradient backward to each neighbour (both
-  directions counted on each rank), a 64-byte shape header per step, the 4-byte loss. With V chunks
-  per rank (interleaved_1f1b) each chunk has its own neighbours around the ring of ranks (chunk c
-  receives from c-1, sends to c+1); a rank still sends and receives one header per step.
+  directions counted on each rank; with sequence parallelism this tp rank's slice of the sequence,
+  all-gathered over tp by the receiver), the 4-byte loss. A steady step: the 64-byte shape header
+  goes only with the first step of a batch shape. With V chunks per rank (interleaved_1f1b) each
+  chunk has its own neighbours around the ring of ranks (chunk c receives from c-1, sends to c+1).
 * dp: without ZeRO, an all-reduce of every gradient bucket; with ZeRO, a reduce-scatter of every
   bucket (the padded buffer, gradient dtype) and, after the optimizer step, an all-gather of every
   weight bucket (this rank's piece, parameter dtype); then the 8-byte target count and 4-byte loss.
@@ -44,7 +45,6 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ..pipeline.wire import HEADER_INTS
 from ..plan import TpPlan
 from .context import ring_ops
 from .experts import ExpertCall, expert_ops
@@ -52,7 +52,6 @@ from .memory import Bucket, owned
 from .sequence import GATHER
 from .trace import Trace
 
-HEADER_BYTES = HEADER_INTS * 8  # int64 values
 
 
 @dataclass(frozen=True)
@@ -147,10 +146,9 @@ def stage_traffic(s: int, *, mesh: Mesh, plan: TpPlan, trace: Trace, stage_of: C
         out["tp"] = _group(ops)
     if pp > 1:
         edges = sum((c > 0) + (c < last) for c in chunks)  # per microbatch: an activation and a gradient each
-        headers = any(c < last for c in chunks) + any(c > 0 for c in chunks)  # sent, received
+        # a steady step: the activation header went with the first step of this batch shape (runtime.py)
         act = trace.boundary_numel // wire * act_elem
-        out["pp"] = GroupTraffic(2 * edges * microbatches + headers + 1,
-                                 2 * edges * microbatches * act + headers * HEADER_BYTES + 4)
+        out["pp"] = GroupTraffic(2 * edges * microbatches + 1, 2 * edges * microbatches * act + 4)
     if cp > 1:
         ring = ring_ops(trace.ring, cp=cp, tp=tp, act_elem=act_elem, recompute=recompute,
                         on_stage=lambda name: stage_of(name) == s)
