@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import inspect
+import zlib
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from .loss import IGNORE_INDEX
 
 
 def check_batch(batch: Mapping[str, torch.Tensor], *, microbatches: int, required: tuple[str, ...] = ()) -> int:
@@ -115,3 +120,72 @@ def check_model_inputs(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Mod
                          f"input_ids {tuple(batch['input_ids'].shape)} (the model shifts them)")
     if "labels" in batch and loss == "classification" and batch["labels"].dim() != 1:
         raise ValueError(f"batch['labels'] has shape {tuple(batch['labels'].shape)}; class labels are one per example")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None)
+    if vocab and "input_ids" in batch:
+        check_index_range("input_ids", batch["input_ids"], size=vocab, what="the vocabulary")
+    if "labels" in batch and loss == "causal_lm" and vocab:
+        check_index_range("labels", batch["labels"], size=vocab, what="the vocabulary", ignored=IGNORE_INDEX)
+    if "labels" in batch and loss == "classification" and getattr(config, "num_labels", None):
+        check_index_range("labels", batch["labels"], size=config.num_labels, what="the classes", ignored=IGNORE_INDEX)
+
+
+def check_index_range(key: str, values: torch.Tensor, *, size: int, what: str, ignored: int | None = None) -> None:
+    """Every index in ``values`` lies in [0, size) (or is ``ignored``), as the plain model's
+    embedding and cross-entropy demand: a vocab-parallel layer would instead mask an index outside
+    every rank's range and train on zeros. A CPU batch is checked here (``IndexError``, as the plain
+    model raises); a batch already on an accelerator by a device-side assertion, as the plain model's
+    kernels do, so the host never waits for the device."""
+    if values.device.type == "meta" or values.numel() == 0:
+        return
+    inside = (values >= 0) & (values < size)
+    if ignored is not None:
+        inside |= values == ignored
+    if values.device.type != "cpu":
+        torch._assert_async(inside.all(), f"batch[{key!r}] holds an index outside {what} [0, {size})")
+        return
+    if not bool(inside.all()):
+        bad = values[~inside][0].item()
+        raise IndexError(f"batch[{key!r}] holds {bad}, outside {what} [0, {size})"
+                         + (f" (and is not the ignored {ignored})" if ignored is not None else "")
+                         + "; the plain model raises on it too")
+
+
+# Words that name a batch's layout in its signature (sorted keys, shapes, dtypes); compared, never read back.
+_SIGNATURE = 4  # floats per rank: layout digest, rows, integer contents, floating contents
+
+
+def batch_signature(batch: Mapping[str, torch.Tensor], *, device: torch.device) -> torch.Tensor:
+    """``[_SIGNATURE]`` float64 on ``device``: what two ranks given the same batch agree on exactly:
+    a digest of its keys, shapes and dtypes, its rows, and position-weighted sums of its contents
+    (integers wrap in int64; the same values summed in the same order give the same float64)."""
+    layout = repr(sorted((k, tuple(v.shape), str(v.dtype)) for k, v in batch.items()))
+    ints = torch.zeros((), dtype=torch.int64, device=device)
+    floats = torch.zeros((), dtype=torch.float64, device=device)
+    for _, v in sorted(batch.items()):
+        flat = v.reshape(-1).to(device)
+        weights = torch.arange(flat.numel(), device=device) % 65521 + 1
+        if flat.is_floating_point():
+            floats += (flat.double() * weights).sum()
+        else:
+            ints += (flat.long() * weights).sum()
+    head = torch.tensor([float(zlib.crc32(layout.encode())), float(next(iter(batch.values())).shape[0])],
+                        dtype=torch.float64, device=device)
+    return torch.cat([head, (ints % 2**52).double().reshape(1), floats.reshape(1)])
+
+
+def check_same_batch(signature: torch.Tensor, *, replica: int, replicas: int, group: ProcessGroup | None = None) -> None:
+    """Every rank of a data-parallel replica was given the same batch (tp ranks, pipeline stages and
+    cp ranks take one dict per replica): one all-reduce over ``group`` (default: the world) of every
+    replica's signature range, read on the host once, so every rank of the world raises together.
+    Meant for the first step (and every step when asked): ranks given different batches would train
+    silently wrong, or, with different sequence lengths, abort inside a collective."""
+    rows = torch.full((replicas, 2, signature.numel()), -float("inf"), dtype=torch.float64, device=signature.device)
+    rows[replica, 0], rows[replica, 1] = signature, -signature  # max and -min over the replica's ranks
+    dist.all_reduce(rows, op=dist.ReduceOp.MAX, group=group)
+    differ = (rows[:, 0] != -rows[:, 1]).any(dim=1).tolist()
+    if any(differ):
+        which = [r for r, d in enumerate(differ) if d]
+        raise ValueError(f"the ranks of data-parallel replica(s) {which} were given different batches: every tp rank, "
+                         f"pipeline stage and cp rank of a replica must get the same dict (same keys, shapes and "
+                         f"contents; slice a global batch by pm.coords['dp'] only)")

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .batch import check_batch, check_model_inputs, microbatch_rows, sequence_split, split_microbatches
+from .batch import (batch_signature, check_batch, check_model_inputs, check_same_batch, microbatch_rows, sequence_split,
+                    split_microbatches)
 from .checkpoint.adapter import save_adapter
 from .checkpoint.export import save_pretrained
 from .checkpoint.hf import DEFAULT_MAX_SHARD_BYTES
@@ -92,6 +93,10 @@ class ParallelModel:
         self.optimizer = None  # the qn_hf.optimizer built over this model, if any
         self.failures = FailTogether()
         self._sync = True
+        # The first step proves that every rank of a dp replica was given the same batch (one small
+        # all-reduce over the world and one host read); True: every step does (a debugging aid).
+        self.check_every_batch = False
+        self._batch_checked = False
 
     # -- where this rank sits (read from the placement) ------------------------------------------
     @property
@@ -236,6 +241,10 @@ class ParallelModel:
                     f"problem_type={getattr(config, 'problem_type', None)!r}); pass loss_fn for this problem"
                 )
         batch = {k: v.to(self.device) for k, v in batch.items()}
+        if self.dims.world_size > self.dims.dp and (self.check_every_batch or not self._batch_checked):
+            check_same_batch(batch_signature(batch, device=self.device), replica=self.coords["dp"],
+                             replicas=self.dims.dp)
+            self._batch_checked = True
         # The HF loss is a mean over every target of the global batch: count them first (one tiny
         # all-reduce over dp), then each microbatch contributes sum(its losses) / count exactly.
         # The scales stay on the device (float64, as the Python floats they replace): reading the

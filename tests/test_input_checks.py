@@ -1,0 +1,91 @@
+"""Inputs that the plain model refuses, or that would train silently wrong, are refused on every rank:
+token ids and labels outside the vocabulary at tp > 1 (a vocab-parallel layer would mask them), and
+ranks of one replica given different batches (different contents train wrong; different sequence
+lengths would abort inside a collective)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import qn_hf
+from tests.cases import mesh_for
+from tests.models import CONFIGS, load, make_batch
+
+
+def _outcome(fn) -> str:
+    try:
+        fn()
+    except (ValueError, IndexError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def case_index_range(*, model_dir: str, tp: int) -> dict[str, str]:
+    pm = qn_hf.parallelize(load("llama", model_dir), tp=tp, mesh=mesh_for(1, tp))
+    vocab = CONFIGS["llama"].vocab_size
+    batch = make_batch("llama", size=2, seed=0)
+    outcomes = {}
+    too_big = {**batch, "input_ids": batch["input_ids"].clone()}
+    too_big["input_ids"][1, 3] = vocab
+    outcomes["id"] = _outcome(lambda: pm.train_step(too_big))
+    negative = {**batch, "labels": batch["labels"].clone()}
+    negative["labels"][0, 5] = -7
+    outcomes["label"] = _outcome(lambda: pm.train_step(negative))
+    ignored = {**batch, "labels": batch["labels"].clone()}
+    ignored["labels"][0, :4] = -100  # the ignore index is not out of range
+    outcomes["ignored"] = _outcome(lambda: pm.train_step(ignored))
+    alive = torch.ones(1)
+    dist.all_reduce(alive)
+    outcomes["world alive"] = str(int(alive.item()))
+    return outcomes
+
+
+def test_out_of_range_ids_and_labels_raise_like_the_plain_model(worlds, model_dirs):
+    plain = load("llama", model_dirs["llama"])
+    batch = make_batch("llama", size=2, seed=0)
+    batch["input_ids"][1, 3] = CONFIGS["llama"].vocab_size
+    try:
+        plain(**batch)
+        raised = False
+    except IndexError:
+        raised = True
+    assert raised  # what the plain model does, and so must every rank
+    for tp in (1, 2):
+        results = worlds.run(tp, "tests.test_input_checks:case_index_range", model_dir=model_dirs["llama"], tp=tp)
+        assert all(r == results[0] for r in results)
+        m = results[0]
+        assert m["id"].startswith("IndexError: batch['input_ids'] holds 101, outside the vocabulary [0, 101)"), m
+        assert m["label"].startswith("IndexError: batch['labels'] holds -7, outside the vocabulary [0, 101)"), m
+        assert m["ignored"] == "no error" and m["world alive"] == str(tp), m
+
+
+def case_different_batches(*, model_dir: str, tp: int, pp: int, how: str) -> dict[str, str]:
+    pm = qn_hf.parallelize(load("llama", model_dir), tp=tp, pp=pp, microbatches=2, mesh=mesh_for(1, tp, pp))
+    batch = make_batch("llama", size=4, seed=0, seq=12)
+    if dist.get_rank() == 1:
+        if how == "contents":
+            batch["input_ids"][0, 0] += 1
+        elif how == "length":
+            batch = make_batch("llama", size=4, seed=0, seq=10)
+    outcomes = {"first": _outcome(lambda: pm.train_step(batch))}
+    same = make_batch("llama", size=4, seed=1)
+    outcomes["same"] = _outcome(lambda: pm.train_step(same))
+    later = make_batch("llama", size=4, seed=2)
+    if dist.get_rank() == 1:
+        later["labels"][1, 1] = 5 if later["labels"][1, 1] != 5 else 6
+    outcomes["later, unchecked"] = _outcome(lambda: pm.train_step(later))  # the default checks the first step only
+    pm.check_every_batch = True
+    outcomes["later, checked"] = _outcome(lambda: pm.train_step(later))
+    return outcomes
+
+
+def test_ranks_of_a_replica_given_different_batches_are_refused(worlds, model_dirs):
+    for tp, pp, how in ((2, 1, "contents"), (2, 1, "length"), (1, 2, "contents")):
+        results = worlds.run(tp * pp, "tests.test_input_checks:case_different_batches", model_dir=model_dirs["llama"],
+                             tp=tp, pp=pp, how=how)
+        assert results[0] == results[1], results
+        m = results[0]
+        assert m["first"].startswith("ValueError: the ranks of data-parallel replica(s) [0] were given different batches"), m
+        assert m["same"] == "no error", m
+        assert m["later, checked"].startswith("ValueError: the ranks of data-parallel replica(s) [0]"), m
