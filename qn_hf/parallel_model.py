@@ -379,7 +379,7 @@ class ParallelModel:
         self._weights_ready()
         with self.failures.guard("load_checkpoint"):
             return load_checkpoint(self.module, path, placement=self.placement, model_type=self.config.model_type,
-                                   optimizer=optimizer, cast=self.precision is not None)
+                                   optimizer=optimizer, cast=self.precision is not None, config=self.config.to_dict())
 
 
 def _final_params(module: nn.Module, stage: StageModules, deferred: frozenset[str]) -> dict[tuple[int, str], list[nn.Parameter]]:

@@ -19,16 +19,53 @@ from .pieces import read_local
 from .save import model_param_groups
 
 
+# Config entries that say nothing about what a checkpoint's tensors mean: bookkeeping, runtime
+# switches, token ids, label names, initialisation, the loss's problem type. Dropout probabilities
+# (any key naming dropout or a drop probability) may change between runs too.
+NOT_ARCHITECTURE = frozenset({
+    "_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype", "use_cache",
+    "output_attentions", "output_hidden_states", "return_dict", "torchscript", "id2label", "label2id",
+    "problem_type", "initializer_range", "initializer_factor", "chunk_size_feed_forward", "tokenizer_class",
+    "task_specific_params", "prefix", "finetuning_task", "pretraining_tp", "_attn_implementation",
+    "_attn_implementation_internal", "_experts_implementation", "base_model_tp_plan", "base_model_pp_plan",
+})
+
+
+def _free_to_differ(key: str) -> bool:
+    return key in NOT_ARCHITECTURE or key.endswith(("token_id", "token_ids")) or "dropout" in key or "pdrop" in key \
+        or key.endswith("_prob")
+
+
+def config_differences(saved: dict, current: dict, *, path: str = "") -> list[str]:
+    """``key: saved X, this model Y`` for every architecture entry both configs hold with different
+    values (nested configs by their dotted path). Keys only one side holds are left alone: a newer
+    transformers writes defaults an older one did not."""
+    out = []
+    for key in sorted(set(saved) & set(current)):
+        if _free_to_differ(key):
+            continue
+        a, b = saved[key], current[key]
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_differences(a, b, path=f"{path}{key}.")
+        elif a != b and not (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and list(a) == list(b)):
+            out.append(f"{path}{key}: saved {a!r}, this model {b!r}")
+    return out
+
+
 def load_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, model_type: str,
-                    optimizer: torch.optim.Optimizer | None = None, cast: bool = False) -> dict:
+                    optimizer: torch.optim.Optimizer | None = None, cast: bool = False,
+                    config: dict | None = None) -> dict:
     """Load ``path`` into ``module``'s shard (and ``optimizer``); return the saved metadata.
     ``cast`` (mixed precision): weights saved in another floating-point dtype are converted.
+    ``config`` (the model's whole config, as a dict): the saved one must agree with it on every
+    architecture entry (``config_differences``), or tensors of the same shapes would load into a
+    model that reads them differently (other head counts, another norm epsilon, untied embeddings).
 
     If any rank finds a problem, every rank raises the same ``CheckpointError`` (naming the rank,
     file and tensor) and nothing in the model or optimizer has changed."""
     error, loaded = None, None
     try:
-        loaded = _read_all(module, path, placement, model_type, optimizer, cast)
+        loaded = _read_all(module, path, placement, model_type, optimizer, cast, config)
     except CheckpointError as e:
         error = str(e)
     errors = [None] * dist.get_world_size()
@@ -71,7 +108,7 @@ def placed_state(key: str, value: torch.Tensor, *, param: torch.Tensor, group: d
 
 
 def _read_all(module: nn.Module, path: str, placement: ShardPlacement, model_type: str,
-              optimizer: torch.optim.Optimizer | None, cast: bool):
+              optimizer: torch.optim.Optimizer | None, cast: bool, current: dict | None):
     if is_hf_dir(path):
         if optimizer is not None:
             raise CheckpointError(f"{path} is a Hugging Face directory: it holds no optimizer state")
@@ -85,6 +122,11 @@ def _read_all(module: nn.Module, path: str, placement: ShardPlacement, model_typ
     saved_type = config.get("model_type")
     if saved_type != model_type:
         raise CheckpointError(f"{directory} holds a {saved_type!r} model, this one is {model_type!r}")
+    differences = config_differences(config, current) if current is not None else []
+    if differences:
+        raise CheckpointError(f"{directory} was saved from a model with another configuration: "
+                              + "; ".join(differences) + "; build the model from the checkpoint's config.json (or "
+                              "its index's config) to resume it")
     params = dict(module.named_parameters())
     prefixes = base_prefixes(config)
     # Mixed precision: weights are read in float32 (the masters; the low-precision copies are cast).
