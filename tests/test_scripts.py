@@ -192,3 +192,31 @@ def test_lm_script_trains_the_moe_preset_with_expert_parallelism(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3] and records[-1]["loss"] < records[0]["loss"]
     with safe_open(str(tmp_path / "model" / "model.safetensors"), "pt") as f:
         assert f.get_slice("model.layers.0.mlp.experts.gate_up_proj").get_shape()[0] == 8
+
+
+def test_a_diverging_run_stops_before_it_writes_a_bad_checkpoint(tmp_path):
+    """A learning rate far too large: the run stops at the first non-finite loss or gradient norm with
+    one error line, before any update or checkpoint of that step, so the newest checkpoint is the last
+    good state; metrics.jsonl stays strict JSON (null, not NaN)."""
+    from safetensors.torch import load_file
+
+    done = launch("python", "train_lm.py", ["--model", "tiny-gpt2", "--steps", "30", "--save-every", "1",
+                                            "--lr", "1e12", "--grad-clip", "0", "--warmup-steps", "0", "--batch-size", "4",
+                                            "--seq-len", "32", "--eval-every", "0", "--no-progress",
+                                            "--output-dir", str(tmp_path)])
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-3000:]
+    line = _one_error_line(done)
+    assert "training diverged" in line and "no update and no checkpoint were made" in line, line
+
+    def strict(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    records = [json.loads(x, parse_constant=strict) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    bad = records[-1]
+    assert bad.get("diverged") is True and (bad["loss"] is None or bad["grad_norm"] is None), bad
+    checkpoints = tmp_path / "checkpoints"
+    newest = checkpoints / json.loads((checkpoints / "latest").read_text())
+    step = json.loads((newest / "index.json").read_text())["step"]
+    assert step == bad["step"] - 1, (step, bad)
+    for file in newest.glob("*.safetensors"):
+        assert all(t.isfinite().all() for t in load_file(str(file)).values() if t.is_floating_point()), file

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -103,9 +104,18 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         else:
             loss = pm.train_step(batch)
         norm = clip_grad_norm_(pm, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        loss_value, norm_value = loss.item(), norm.item()  # the same on every rank
+        if not math.isfinite(loss_value) or (pm.scaler is None and not math.isfinite(norm_value)):
+            # Diverged: no optimizer step and no checkpoint, so the last good checkpoint stays the
+            # newest; float16 skips a step whose gradients overflowed (the loss scale shrinks) instead.
+            log.append({"step": step, "loss": loss_value, "lr": lr, "grad_norm": norm_value, "diverged": True})
+            raise UsageError(f"step {step}: the loss is {loss_value} and the gradient norm {norm_value}: training "
+                             f"diverged; no update and no checkpoint were made at this step, so the newest checkpoint "
+                             f"in {cfg.checkpoint_root} is the last good state; resume from it with a lower --lr "
+                             f"(or --grad-clip)")
         optimizer.step()
         seconds = time.perf_counter() - t0
-        record = {"step": step, "loss": loss.item(), "lr": lr, "grad_norm": norm.item(), "step_time_s": seconds,
+        record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": norm_value, "step_time_s": seconds,
                   task.unit: task.units(batch) * dp / seconds, "elapsed_s": elapsed_before + time.perf_counter() - began}
         if pm.scaler is not None:  # fp16: steps skipped for overflowing gradients, and the loss scale
             record.update(skipped_steps=optimizer.skipped_steps, loss_scale=pm.scaler.scale)

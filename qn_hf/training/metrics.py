@@ -1,18 +1,26 @@
 """Run outputs on rank 0: ``metrics.jsonl`` (one JSON object per step), a progress bar and lines.
 
 On resume the file keeps the records up to the checkpoint's step and continues from there, so the
-file always describes one run with no duplicated or abandoned steps.
+file always describes one run with no duplicated or abandoned steps. Every line is strict JSON: a
+value that is not a finite number (a diverged loss) is written as null, never as a bare NaN.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 
 from tqdm import tqdm
 
 from ..atomic import write_text_atomic
+
+
+def to_json_line(record: dict) -> str:
+    """``record`` as one line of strict JSON: NaN and infinities become null."""
+    finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+    return json.dumps(finite, allow_nan=False) + "\n"
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -30,7 +38,7 @@ class MetricsLog:
         if not active:
             return
         kept = [r for r in read_metrics(path) if r.get("step", 0) <= resume_step] if resume_step else []
-        write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
+        write_text_atomic(path, "".join(to_json_line(r) for r in kept))
         self.records = kept
 
     @property
@@ -42,7 +50,7 @@ class MetricsLog:
             return
         self.records.append(record)
         with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(to_json_line(record))
 
 
 class Progress:
