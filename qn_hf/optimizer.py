@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .data_parallel import GradBuckets, Piece
@@ -74,7 +75,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
     ``state`` are the wrapped optimizer's, so LR schedulers and ``opt.state`` work as usual."""
 
     def __init__(self, pm, optimizer_class: type, *, zero: bool, param_groups: Iterable[dict] | None,
-                 **kwargs) -> None:
+                 skip_nonfinite: bool = False, **kwargs) -> None:
         check_optimizer_class(optimizer_class, zero=zero)
         if getattr(pm, "optimizer", None) is not None:
             raise ValueError("this ParallelModel already has a qn_hf.optimizer; build one optimizer per model")
@@ -87,6 +88,8 @@ class ParallelOptimizer(torch.optim.Optimizer):
                           "optimizer keeps all of its state", stacklevel=3)
             zero = False
         self.pm, self.zero, self.mixed = pm, zero, pm.precision is not None
+        self.skip_nonfinite = skip_nonfinite
+        self._skipped_nonfinite = 0
         if zero:
             named = dict(pm.module.named_parameters())
             tied = [named[n] for tie in pm.placement.ties for n in (tie.owner, tie.follower) if n in named]
@@ -117,8 +120,25 @@ class ParallelOptimizer(torch.optim.Optimizer):
 
     @property
     def skipped_steps(self) -> int:
-        """Steps skipped because float16 gradients overflowed (0 without loss scaling)."""
-        return self.pm.scaler.skipped_steps if self.pm.scaler is not None else 0
+        """Steps skipped because some rank's gradients held inf or NaN: float16's overflows, and with
+        ``skip_nonfinite`` any precision's."""
+        return (self.pm.scaler.skipped_steps if self.pm.scaler is not None else 0) + self._skipped_nonfinite
+
+    def _nonfinite(self) -> bool:
+        """Whether any rank's gradients of this step hold inf or NaN: one fused check per dtype, one
+        all-reduce over the job and one host read (the price of ``skip_nonfinite``, as of fp16's check)."""
+        device = self.pm.device
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        unit = torch.ones(1, dtype=torch.float32, device=device)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for m in self.masters:
+            grad = m.grad()
+            if grad is not None:
+                by_dtype.setdefault(grad.dtype, []).append(grad)
+        for grads in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, unit)  # x 1: checks only
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        return bool(found.item())
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -129,6 +149,9 @@ class ParallelOptimizer(torch.optim.Optimizer):
         scaler = self.pm.scaler
         if scaler is not None and scaler.found_inf:
             scaler.update()  # skip: some rank's float16 gradients overflowed; the scale shrinks
+            return loss
+        if self.skip_nonfinite and scaler is None and self._nonfinite():
+            self._skipped_nonfinite += 1  # the weights and the optimizer state stay as they were
             return loss
         if self.mixed or self.zero:
             for m in self.masters:
@@ -221,9 +244,12 @@ def _groups(pm, param_groups: Iterable[dict] | None, names: dict[int, str]) -> l
 
 
 def optimizer(pm, optimizer_class: type, *, zero: bool = False, param_groups: Iterable[dict] | None = None,
-              **kwargs) -> ParallelOptimizer:
+              skip_nonfinite: bool = False, **kwargs) -> ParallelOptimizer:
     """A torch optimizer over ``pm``'s trainable parameters (or ``param_groups`` of them, as a torch
     optimizer's first argument takes them), holding float32 master weights under ``mixed_precision``;
-    ``zero=True`` keeps only this dp rank's 1/dp of the masters and state (ZeRO-1). ``kwargs`` go to
-    ``optimizer_class`` (``lr=``, ``weight_decay=``, ...)."""
-    return ParallelOptimizer(pm, optimizer_class, zero=zero, param_groups=param_groups, **kwargs)
+    ``zero=True`` keeps only this dp rank's 1/dp of the masters and state (ZeRO-1).
+    ``skip_nonfinite=True`` skips (on every rank) a step whose gradients hold inf or NaN anywhere in
+    the job, as float16's loss scaling does, counting it in ``skipped_steps``; it costs one small
+    all-reduce and one host read per step. ``kwargs`` go to ``optimizer_class`` (``lr=``, ...)."""
+    return ParallelOptimizer(pm, optimizer_class, zero=zero, param_groups=param_groups, skip_nonfinite=skip_nonfinite,
+                             **kwargs)

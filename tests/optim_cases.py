@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 import qn_hf
 from tests.cases import mesh_for
@@ -287,3 +288,30 @@ def one_process_api(*, model_dir: str) -> dict:
     return {"zero_warning": zero_warning, "lr": opt.param_groups[0]["lr"], "inner_lr": opt.inner.param_groups[0]["lr"],
             "state_dict_keys": set(saved), "restored": restored and moved,
             "bf16_warning": any("trains as is" in str(w.message) for w in caught)}
+
+
+def skip_nonfinite_case(*, kind: str, model_dir: str, dp: int, tp: int, zero: bool) -> dict:
+    """One step with a NaN planted in one rank's gradients (skipped on every rank: weights and state
+    unchanged), then a clean step (taken)."""
+    import qn_hf
+    from tests.cases import mesh_for
+    from tests.models import dp_slice, load, make_batch
+
+    torch.manual_seed(0)
+    pm = qn_hf.parallelize(load(kind, model_dir), dp=dp, tp=tp, mesh=mesh_for(dp, tp))
+    opt = qn_hf.optimizer(pm, torch.optim.AdamW, zero=zero, skip_nonfinite=True, lr=1e-2)
+    batch = dp_slice(make_batch(kind, size=2 * dp, seed=1), dp=dp, dp_rank=pm.coords["dp"])
+    before = {n: p.detach().clone() for n, p in pm.named_parameters()}
+    pm.train_step(batch)
+    if dist.get_rank() == dp * tp - 1:  # one rank's gradient only
+        grad = next(g for _, g in pm.named_grads())
+        grad.view(-1)[0] = float("nan")
+    opt.step()
+    unchanged = all(torch.equal(before[n], p) for n, p in pm.named_parameters())
+    skipped, state = opt.skipped_steps, len(opt.state)
+    opt.zero_grad()
+    pm.train_step(batch)
+    opt.step()
+    moved = any(not torch.equal(before[n], p) for n, p in pm.named_parameters())
+    return {"unchanged": unchanged, "skipped": skipped, "state_after_skip": state, "moved": moved,
+            "skipped_after": opt.skipped_steps}

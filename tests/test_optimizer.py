@@ -79,3 +79,12 @@ def test_one_process_api(worlds, model_dirs):
     assert r["zero_warning"] and r["lr"] == pytest.approx(5e-4) and r["inner_lr"] == pytest.approx(5e-4), r
     assert r["state_dict_keys"] >= {"state", "param_groups", "qn_hf"} and r["restored"], r
     assert r["bf16_warning"], r
+
+
+@pytest.mark.parametrize(("dp", "tp", "zero"), [(2, 1, False), (2, 1, True), (1, 2, False)])
+def test_skip_nonfinite_skips_on_every_rank(worlds, model_dirs, dp, tp, zero):
+    """A NaN in one rank's gradients: every rank skips the step (weights and optimizer state as they
+    were), counted in skipped_steps; the next finite step is taken."""
+    for r in worlds.run(dp * tp, "tests.optim_cases:skip_nonfinite_case", kind="llama", model_dir=model_dirs["llama"],
+                        dp=dp, tp=tp, zero=zero):
+        assert r == {"unchanged": True, "skipped": 1, "state_after_skip": 0, "moved": True, "skipped_after": 1}, r
