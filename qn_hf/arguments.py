@@ -3,7 +3,9 @@ size), so every caller raises the same ``ValueError`` naming the value, before a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import difflib
+import inspect
+from collections.abc import Callable, Sequence
 
 
 def check_positive_int(name: str, value: object, *, fix: str = "") -> None:
@@ -26,3 +28,14 @@ def check_positive(name: str, value: object) -> None:
     """A positive real number (a size in MiB, a rate)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{name}={value!r} must be positive")
+
+
+def unknown_keywords(given: dict, function: Callable) -> str:
+    """The message for keywords ``function`` does not take, with the close matches it does."""
+    known = [n for n, p in inspect.signature(function).parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    parts = []
+    for name in sorted(given):
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        parts.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return (f"{function.__name__}() got unexpected keyword argument{'s' if len(parts) > 1 else ''} {', '.join(parts)}; "
+            f"it takes {', '.join(known)}")

@@ -22,6 +22,7 @@ changes nothing else. Under torchrun the agent stops every rank as soon as the f
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 import time
@@ -140,3 +141,39 @@ def _record(number: int, message: str) -> None:
         store.compare_set(f"{FAILURE_KEY}/{number}", "", message)  # only the first failure of this operation
     except (RuntimeError, ValueError):
         pass
+
+
+def refused_on_every_rank(error: BaseException) -> BaseException:
+    """Mark ``error`` as a refusal every rank raises alike before any communication (a configuration
+    parallelize refuses): it is still raised everywhere, so nothing waits, but a rank other than 0
+    that lets it end the process prints one line instead of its traceback, since rank 0 prints the
+    same error in full. Returns ``error``."""
+    rank = int(os.environ.get("RANK", "0")) if not (dist.is_available() and dist.is_initialized()) else dist.get_rank()
+    if rank != 0:
+        error.qn_hf_same_as_rank_0 = rank  # read by the hook below, and only for this exception
+        if not isinstance(sys.excepthook, _OneLine):
+            sys.excepthook = _OneLine(sys.excepthook)
+    return error
+
+
+class _OneLine:
+    """``sys.excepthook`` for errors ``refused_on_every_rank`` marked; anything else goes to the hook
+    that was there before."""
+
+    def __init__(self, previous) -> None:
+        self.previous = previous
+
+    def __call__(self, kind, value, tb) -> None:
+        rank = getattr(value, "qn_hf_same_as_rank_0", None)
+        if rank is None:
+            self.previous(kind, value, tb)
+            return
+        first = str(value).splitlines()[0] if str(value) else ""
+        print(f"[rank {rank}] {kind.__name__}: {first} (raised on every rank alike; rank 0 shows the traceback)",
+              file=sys.stderr, flush=True)
+        # Let rank 0 exit first: a launcher that stops the job when one rank fails (torchrun,
+        # accelerate) then names rank 0, with its traceback, as the first failure.
+        time.sleep(REPORT_GRACE_S)
+
+
+REPORT_GRACE_S = 10.0

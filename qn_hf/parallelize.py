@@ -34,6 +34,8 @@ from .shard import ShardSpec, over_experts
 from .tensor_parallel import apply_tp_plan
 from .weight_grad import WeightGradQueue, make_deferrable
 from .validate import check_parallel_config
+from .failure import refused_on_every_rank
+from .arguments import unknown_keywords
 
 _MARK = "_qn_hf_parallelized"
 
@@ -60,6 +62,7 @@ def parallelize(
     mixed_precision: str | None = None,
     recompute: str | None = None,
     sequence_parallel: bool = False,
+    **unknown: object,
 ) -> ParallelModel:
     """Shard ``model`` (in place) over a (dp, pp, tp) mesh, or (dp, pp, cp, tp) with ``cp`` > 1, and
     return its ``ParallelModel``.
@@ -82,6 +85,23 @@ def parallelize(
     experts of MoE layers over that many of a stage's dp x tp ranks, tokens travelling to them
     (expert_parallel.py).
     """
+    if unknown:  # Python's own TypeError would not say which keyword was meant
+        raise refused_on_every_rank(TypeError(unknown_keywords(unknown, parallelize)))
+    try:
+        return _parallelize(model, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, microbatches=microbatches, schedule=schedule,
+                            virtual_stages=virtual_stages, policy=policy, layers_per_stage=layers_per_stage, mesh=mesh,
+                            device=device, seed=seed, bucket_mb=bucket_mb, checkpoint=checkpoint, timeout=timeout,
+                            mixed_precision=mixed_precision, recompute=recompute, sequence_parallel=sequence_parallel)
+    except ValueError as e:  # every refusal is raised alike on every rank, before any collective
+        refused_on_every_rank(e)
+        raise
+
+
+def _parallelize(model: nn.Module, *, dp: int, tp: int, pp: int, cp: int, ep: int, microbatches: int, schedule: str,
+                 virtual_stages: int, policy: ModelPolicy | None, layers_per_stage: Sequence[int] | None,
+                 mesh: DeviceMesh | None, device: torch.device | None, seed: int | None, bucket_mb: float,
+                 checkpoint: str | None, timeout: datetime.timedelta, mixed_precision: str | None,
+                 recompute: str | None, sequence_parallel: bool) -> ParallelModel:
     if getattr(model, _MARK, False):
         raise ValueError("this model is already parallelized; load a fresh copy to parallelize it again")
     model, adapter = unwrap_peft(model)  # a PEFT model: the HF model inside, LoRA layers in place
