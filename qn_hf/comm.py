@@ -3,6 +3,15 @@
 Every function takes its process group explicitly; a group of one member makes each of them a no-op,
 so ``tp=1`` runs the same code without communication. The first docstring line of each autograd
 function states its forward and backward collective.
+
+Inside the autograd functions the collectives are torch's functional collectives
+(``torch.ops._c10d_functional``: a new output tensor, then ``wait_tensor``), not ``dist.*`` on a
+buffer: ``torch.compile`` traces them into a block's graph (inductor then reuses buffers where it
+can prove them dead), and selective recomputation can keep their outputs, which the output of an
+in-place collective cannot be (recompute.py). The one copy an out-of-place collective costs is
+skipped in eager where it is provably safe: the forward all-reduce of an intermediate result
+(``_ReduceFromGroup``) overwrites its input when no dispatch mode (selective recomputation's cache)
+can be holding it.
 """
 
 from __future__ import annotations
@@ -12,6 +21,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+_functional = torch.ops._c10d_functional
 
 
 def group_size(group: ProcessGroup) -> int:
@@ -23,21 +35,28 @@ def group_rank(group: ProcessGroup) -> int:
 
 
 def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    if group_size(group) == 1:
-        return x
-    x = x.contiguous()
-    dist.all_reduce(x, group=group)
-    return x
+    """The sum over the group, in a new tensor."""
+    return _functional.wait_tensor(_functional.all_reduce(x, "sum", group.group_name))
+
+
+def _gather_front(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """The members' ``x`` concatenated along dim 0, in group-rank order, in a new tensor."""
+    gathered = _functional.all_gather_into_tensor(x.contiguous(), group_size(group), group.group_name)
+    return _functional.wait_tensor(gathered)
+
+
+def _reduce_scatter_front(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """This member's block of dim 0 of the sum over the group, in a new tensor."""
+    return _functional.wait_tensor(
+        _functional.reduce_scatter_tensor(x.contiguous(), "sum", group_size(group), group.group_name))
 
 
 def _all_gather_last(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     n = group_size(group)
     if n == 1:
         return x
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(n)]
-    dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, dim=-1)
+    stacked = _gather_front(x, group).view(n, *x.shape)  # member-major
+    return stacked.movedim(0, -2).reshape(*x.shape[:-1], n * x.shape[-1])
 
 
 def _split_last(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -47,6 +66,20 @@ def _split_last(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     if x.shape[-1] % n:
         raise ValueError(f"last dim {x.shape[-1]} is not divisible by the group size {n}")
     return x.chunk(n, dim=-1)[group_rank(group)].contiguous()
+
+
+def _overwritable(x: torch.Tensor) -> bool:
+    """Whether an eager all-reduce may write the sum into ``x`` itself rather than into a new tensor.
+
+    Only for an intermediate result (a leaf is the caller's), contiguous (what the collective writes),
+    outside ``torch.compile`` (inductor reuses buffers itself, on what it proves dead), and with no
+    dispatch mode on this thread: selective recomputation's cache is one, and it may hold ``x`` (a
+    matrix product's output) to hand to the recomputation unreduced. The callers pass a tensor
+    nothing else reads afterwards (a row layer's partial product, a masked embedding lookup, a
+    partial-sum module's output); a tensor autograd saved would fail its version check loudly."""
+    if torch.compiler.is_compiling():
+        return False
+    return x.grad_fn is not None and x.is_contiguous() and not _get_current_dispatch_mode_stack()
 
 
 class _CopyToGroup(torch.autograd.Function):
@@ -59,7 +92,9 @@ class _CopyToGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _all_reduce(grad.clone(), ctx.group), None
+        # Out of place: autograd may hand the same gradient tensor to another branch as well (an add's
+        # backward passes its gradient to both inputs).
+        return _all_reduce(grad, ctx.group), None
 
 
 class _ReduceFromGroup(torch.autograd.Function):
@@ -67,7 +102,11 @@ class _ReduceFromGroup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        return _all_reduce(x.clone(), group)
+        if _overwritable(x):
+            ctx.mark_dirty(x)
+            dist.all_reduce(x, group=group)
+            return x
+        return _all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -109,19 +148,11 @@ SEQ_DIM = 1
 
 
 def _gather_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    n = group_size(group)
-    front = x.movedim(SEQ_DIM, 0).contiguous()
-    out = front.new_empty((front.shape[0] * n, *front.shape[1:]))
-    dist.all_gather_single(out, front, group=group)
-    return out.movedim(0, SEQ_DIM).contiguous()
+    return _gather_front(x.movedim(SEQ_DIM, 0), group).movedim(0, SEQ_DIM).contiguous()
 
 
 def _reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    n = group_size(group)
-    front = x.movedim(SEQ_DIM, 0).contiguous()
-    out = front.new_empty((front.shape[0] // n, *front.shape[1:]))
-    dist.reduce_scatter_single(out, front, group=group)
-    return out.movedim(0, SEQ_DIM).contiguous()
+    return _reduce_scatter_front(x.movedim(SEQ_DIM, 0), group).movedim(0, SEQ_DIM).contiguous()
 
 
 def _split_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -177,7 +208,8 @@ def copy_to_group(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
 
 
 def reduce_from_group(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
-    """All-reduce forward, identity backward."""
+    """All-reduce forward, identity backward. In eager ``x`` may be overwritten with the sum (see
+    ``_overwritable``): pass a result nothing else reads afterwards."""
     return x if group_size(group) == 1 else _ReduceFromGroup.apply(x, group)
 
 

@@ -37,7 +37,12 @@ _OPS = {
     "_allgather_base_": "all_gather_into_tensor", "_reduce_scatter_base_": "reduce_scatter_tensor",
     "barrier": "barrier", "send": "send", "recv_": "recv", "recv_any_source_": "recv", "reduce_": "reduce",
     "alltoall_base_": "all_to_all_single",
+    # torch's functional collectives (torch.ops._c10d_functional: comm.py's, and what torch.compile runs)
+    "all_reduce_": "all_reduce", "all_gather_into_tensor_out": "all_gather_into_tensor",
 }
+# Namespaces of the ops that communicate: c10d's, and the functional collectives', which call c10d's
+# below the dispatch mode (so these are seen instead, not as well).
+_NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autograd"}
 _P2P = {"send", "recv_", "recv_any_source_"}
 _NO_PAYLOAD = {"barrier", "monitored_barrier_"}  # their tensor argument is a dummy the call makes
 
@@ -99,7 +104,7 @@ class _Recorder(TorchDispatchMode):
         self.meter = meter
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func.namespace == "c10d":
+        if func.namespace in _NAMESPACES:
             self.meter._record(func, args, kwargs or {})
         return func(*args, **(kwargs or {}))
 
@@ -125,10 +130,13 @@ class CommMeter:
         schema = func._schema.arguments
         values = {**{a.name: v for a, v in zip(schema, args)}, **kwargs}
         boxed = [values.get(a.name) for a in schema if str(a.type).endswith("c10d.ProcessGroup")]
-        if not boxed:  # not a communication (e.g. c10d.check_for_nan)
+        if boxed:
+            name = self._group_name(ProcessGroup.unbox(boxed[0]).group_name)
+        elif isinstance(values.get("group_name"), str):  # a functional collective names its group
+            name = self._group_name(values["group_name"])
+        else:  # not a communication (c10d.check_for_nan, _c10d_functional.wait_tensor)
             return
         op = func._opname
-        name = self._group_name(ProcessGroup.unbox(boxed[0]))
         if op in _P2P and name != "cp":  # pipeline transfers name their peers by global rank
             name = "pp"
         # This rank's input: the "input*" arguments of gathers/scatters, else the in-place "tensors".
@@ -140,10 +148,10 @@ class CommMeter:
             numel=sum(t.numel() for t in payload), time=time.perf_counter(),
         ))
 
-    def _group_name(self, group: ProcessGroup) -> str:
+    def _group_name(self, group_name: str) -> str:
         world = dist.group.WORLD
-        is_world = world is not None and group.group_name == world.group_name
-        return self._names.get(group.group_name, "world" if is_world else "other")
+        is_world = world is not None and group_name == world.group_name
+        return self._names.get(group_name, "world" if is_world else "other")
 
     def __enter__(self) -> CommMeter:
         if self._mode is not None:

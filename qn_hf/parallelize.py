@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .comm import flat_broadcast_
+from .compile import apply_compile
 from .context_parallel import apply_context_parallel
 from .expert_dispatch import ExpertRoute
 from .expert_parallel import apply_expert_parallel, experts_modules
@@ -62,6 +63,7 @@ def parallelize(
     mixed_precision: str | None = None,
     recompute: str | None = None,
     sequence_parallel: bool = False,
+    compile: bool = False,
     **unknown: object,
 ) -> ParallelModel:
     """Shard ``model`` (in place) over a (dp, pp, tp) mesh, or (dp, pp, cp, tp) with ``cp`` > 1, and
@@ -83,7 +85,8 @@ def parallelize(
     tensor-parallel regions over the tp ranks along the sequence (sequence_parallel.py); ``cp`` splits
     each sequence over that many ranks, with ring attention (context_parallel.py); ``ep`` shards the
     experts of MoE layers over that many of a stage's dp x tp ranks, tokens travelling to them
-    (expert_parallel.py).
+    (expert_parallel.py); ``compile`` compiles each block of this stage in place with ``torch.compile``
+    (inductor), the collectives inside traced as functional collectives (compile.py).
     """
     if unknown:  # Python's own TypeError would not say which keyword was meant
         raise refused_on_every_rank(TypeError(unknown_keywords(unknown, parallelize)))
@@ -91,7 +94,8 @@ def parallelize(
         return _parallelize(model, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, microbatches=microbatches, schedule=schedule,
                             virtual_stages=virtual_stages, policy=policy, layers_per_stage=layers_per_stage, mesh=mesh,
                             device=device, seed=seed, bucket_mb=bucket_mb, checkpoint=checkpoint, timeout=timeout,
-                            mixed_precision=mixed_precision, recompute=recompute, sequence_parallel=sequence_parallel)
+                            mixed_precision=mixed_precision, recompute=recompute, sequence_parallel=sequence_parallel,
+                            compile=compile)
     except ValueError as e:  # every refusal is raised alike on every rank, before any collective
         refused_on_every_rank(e)
         raise
@@ -101,7 +105,7 @@ def _parallelize(model: nn.Module, *, dp: int, tp: int, pp: int, cp: int, ep: in
                  virtual_stages: int, policy: ModelPolicy | None, layers_per_stage: Sequence[int] | None,
                  mesh: DeviceMesh | None, device: torch.device | None, seed: int | None, bucket_mb: float,
                  checkpoint: str | None, timeout: datetime.timedelta, mixed_precision: str | None,
-                 recompute: str | None, sequence_parallel: bool) -> ParallelModel:
+                 recompute: str | None, sequence_parallel: bool, compile: bool) -> ParallelModel:
     if getattr(model, _MARK, False):
         raise ValueError("this model is already parallelized; load a fresh copy to parallelize it again")
     model, adapter = unwrap_peft(model)  # a PEFT model: the HF model inside, LoRA layers in place
@@ -111,7 +115,7 @@ def _parallelize(model: nn.Module, *, dp: int, tp: int, pp: int, cp: int, ep: in
     checked = check_parallel_config(model, dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
                                     virtual_stages=virtual_stages, policy=policy, layers_per_stage=layers_per_stage, bucket_mb=bucket_mb,
                                     mixed_precision=mixed_precision, recompute=recompute,
-                                    sequence_parallel=sequence_parallel, cp=cp, ep=ep)
+                                    sequence_parallel=sequence_parallel, cp=cp, ep=ep, compile=compile)
     dims, plan, stage_plan = checked.dims, checked.tp_plan, checked.stage_plan
     dims.check_world_size(launched_world_size())
     _check_tensors(model, checkpoint=checkpoint)
@@ -151,7 +155,7 @@ def _parallelize(model: nn.Module, *, dp: int, tp: int, pp: int, cp: int, ep: in
     specs.update({n: s for n, s in expert_specs.items() if n in specs})  # this stage's experts
     if plan.sequence_parallel:
         apply_sequence_parallel(model, plan=plan, stage_plan=stage_plan, stage=coords["pp"], final=final, group=groups.tp,
-                                regather=regathers(recompute))
+                                regather=regathers(recompute) and not compile)
         stage.wire = sequence_wire(groups.tp)
     if checkpoint is not None and any(p.is_meta for p in model.parameters()):
         _materialize(model, device)
@@ -169,6 +173,8 @@ def _parallelize(model: nn.Module, *, dp: int, tp: int, pp: int, cp: int, ep: in
     if schedule == "zb_h1":  # split backward: linear layers queue their weight gradients for the W passes
         weights = WeightGradQueue()
         deferred = make_deferrable(model, queue=weights, skip=stage_plan.heads)
+    if compile:  # after every hook and recomputation is in place; each block compiles at its first call
+        apply_compile(model, layers=stage_plan.layers)
     setattr(model, _MARK, True)
     pm = ParallelModel(
         module=model,

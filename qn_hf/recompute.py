@@ -8,10 +8,13 @@ replaced:
 * ``"full"``: torch's non-reentrant checkpoint; only the block's inputs are kept, everything inside
   is recomputed in backward (tensor-parallel collectives inside the block included).
 * ``"selective"``: the same, with a policy that keeps the outputs of matrix products (linear layers,
-  ``bmm``/``mm`` of eager attention, fused attention kernels) and recomputes the cheap elementwise
-  parts: norms, activations, softmax, dropout. The tensor-parallel all-reduces inside a block run
-  again too: qn_hf's collectives work in place (``dist.all_reduce`` on a clone), and a cached
-  output of an in-place op would hand the recomputation the unreduced clone.
+  ``bmm``/``mm`` of eager attention, fused attention kernels) and of the tensor-parallel collectives
+  (the all-reduces, and under sequence parallelism the all-gathers and reduce-scatters, inside a
+  block), and recomputes the cheap elementwise parts: norms, activations, softmax, dropout. So the
+  recomputation does no communication: comm.py's collectives are functional (a new output tensor,
+  which the cache can hand back; the output of an in-place collective could not be, the recomputed
+  buffer would stay unreduced). Each kept collective output is one more activation per layer (under
+  sequence parallelism an entry's gathered input is the whole sequence).
 
 Dropout masks replay exactly: torch's checkpoint restores the default generator for the
 recomputation, and qn_hf's other random streams (rng.py) are rewound to where they stood when the
@@ -38,6 +41,10 @@ SAVED_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.bad
              _aten._scaled_dot_product_flash_attention_for_cpu.default,
              _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
              _aten._scaled_dot_product_cudnn_attention.default, _aten.convolution.default}
+_functional = torch.ops._c10d_functional
+# ... and the collectives that cost communication (comm.py's, out of place).
+SAVED_COLLECTIVES = {_functional.all_reduce.default, _functional.all_gather_into_tensor.default,
+                     _functional.reduce_scatter_tensor.default}
 
 
 def check_recompute(model: nn.Module, *, recompute: str | None, layers: str) -> None:
@@ -65,6 +72,10 @@ def apply_recompute(model: nn.Module, *, recompute: str, layers: str, rng: RngSt
 
 
 def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    # tp collectives run inside autograd Functions' forwards (no grad mode) and are kept all the same:
+    # the recomputation needs their outputs, and would otherwise communicate to get them again.
+    if op in SAVED_COLLECTIVES:
+        return CheckpointPolicy.MUST_SAVE
     # Products inside an autograd Function's forward (ring attention's blocks) run without grad mode:
     # autograd never reads them, the Function saves what its own backward needs.
     if op in SAVED_OPS and torch.is_grad_enabled():

@@ -37,13 +37,15 @@ from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import EvalLoopOutput, has_length
 
 from .checkpoint import checkpoint_dir, read_index
+from .compile import is_compiled
 from .grad_norm import clip_grad_norm_
 from .mesh import launched_world_size
 from .optimizer import optimizer
 from .parallel_model import ParallelModel
 from .parallelize import parallelize
 from .rng import device_rng_state, set_device_rng_state
-from .trainer_args import TrainerMesh, check_trainer_inputs, check_training_args, check_user_optimizer, trainer_mesh
+from .trainer_args import (TrainerMesh, check_compiled, check_trainer_inputs, check_training_args, check_user_optimizer,
+                           trainer_mesh)
 from .trainer_data import count_items, dp_rows, merge_batches, one_process_loader, rows_of, user_loss
 
 SHARDED = "sharded"  # the sub-directory of checkpoint-N holding pm.save_checkpoint's format
@@ -62,9 +64,10 @@ class ParallelTrainerMixin:
     Not supported, each refused with a ``ValueError`` naming the fix (reasons in trainer_args.py): DeepSpeed, FSDP,
     ``parallelism_config``; ``gradient_checkpointing`` (-> ``parallel=dict(recompute="full")``); ``fp16``/``bf16``
     (-> ``parallel=dict(mixed_precision=)``); ``compute_metrics`` and predicted logits (they stay on the last stage);
-    ``label_smoothing_factor``; ``model_init``; ``auto_find_batch_size``; ``torch_compile``; Liger; NEFTune;
-    ``group_by_length``; ``push_to_hub``; an optimizer over the unsharded model. A ``compute_loss`` override is not
-    called for training (the built-in loss, or ``compute_loss_func``, is).
+    ``label_smoothing_factor``; ``model_init``; ``auto_find_batch_size``; a ``torch_compile_backend`` other than
+    inductor and ``torch_compile_mode`` (``torch_compile=True`` compiles each block, as ``parallel=dict(compile=True)``
+    does); Liger; NEFTune; ``group_by_length``; ``push_to_hub``; an optimizer over the unsharded model. A
+    ``compute_loss`` override is not called for training (the built-in loss, or ``compute_loss_func``, is).
     """
 
     def __init__(self, model=None, args=None, *rest, parallel: Mapping[str, Any] | None = None, **kwargs) -> None:
@@ -81,6 +84,7 @@ class ParallelTrainerMixin:
             fixed = TrainerMesh(parallelize=dict(dp=dims.dp, tp=dims.tp, pp=dims.pp, cp=dims.cp), zero=False)
             check_training_args(args, mesh=fixed, world_size=dims.world_size,
                                 compute_loss_func=kwargs.get("compute_loss_func"))
+            check_compiled(args, compiled=is_compiled(model.module, layers=model.stage.plan.layers))
             pm, self._zero = model, False
         else:
             mesh = trainer_mesh(parallel, args=args)

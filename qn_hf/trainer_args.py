@@ -7,11 +7,13 @@ Not supported (each refused with a ``ValueError`` before training): DeepSpeed, F
 ``fp16``/``bf16`` flags (use ``parallel=dict(mixed_precision=)``: accelerate's autocast keeps no float32 masters);
 ``compute_metrics``/``preprocess_logits_for_metrics`` and predictions from ``predict`` (the logits stay on the last
 stage, split over tp); ``label_smoothing_factor`` (use ``compute_loss_func``); ``model_init`` and
-``auto_find_batch_size`` (the model is parallelized once); ``torch_compile``, Liger kernels and NEFTune (they replace
-or hook forwards qn_hf drives); ``group_by_length`` sampling; ``push_to_hub``; an optimizer built over the
-unsharded model. A ``compute_loss`` override is not called for training (TRL's token accuracy and entropy metrics
-are not logged): the loss is the built-in one, or ``compute_loss_func`` summed over rows and normalised by
-``num_items_in_batch``. With fp16 an overflow skips the optimizer step, but the LR scheduler still steps.
+``auto_find_batch_size`` (the model is parallelized once); Liger kernels and NEFTune (they replace or hook forwards
+qn_hf drives); ``torch_compile_backend`` other than inductor and ``torch_compile_mode`` (``torch_compile=True``
+compiles each block with inductor's defaults: ``parallelize(compile=True)``, qn_hf/compile.py); ``group_by_length``
+sampling; ``push_to_hub``; an optimizer built over the unsharded model. A ``compute_loss`` override is not called
+for training (TRL's token accuracy and entropy metrics are not logged): the loss is the built-in one, or
+``compute_loss_func`` summed over rows and normalised by ``num_items_in_batch``. With fp16 an overflow skips the
+optimizer step, but the LR scheduler still steps.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from .optimizer import ParallelOptimizer
 from .parallelize import parallelize
 
 # parallelize's keywords, plus the optimizer's ZeRO-1 switch (qn_hf.optimizer(zero=...)), which the Trainer builds.
-PARALLEL_KEYS = tuple(name for name in inspect.signature(parallelize).parameters if name != "model") + ("zero",)
+PARALLEL_KEYS = tuple(name for name, p in inspect.signature(parallelize).parameters.items()
+                      if p.kind is inspect.Parameter.KEYWORD_ONLY) + ("zero",)
 SAMPLING = ("random", "sequential")  # samplers rebuilt exactly as one process draws them (trainer_data.py)
 
 
@@ -61,6 +64,11 @@ def trainer_mesh(parallel: Mapping[str, Any] | None, *, args) -> TrainerMesh:
         raise ValueError(f"per_device_train_batch_size={batch} is less than parallel microbatches={micro}: each "
                          f"accumulation batch of a dp replica is cut into microbatches; use microbatches <= {batch}")
     parallel["microbatches"] = micro * args.gradient_accumulation_steps
+    if getattr(args, "torch_compile", False):  # accelerate never gets the model: qn_hf compiles its blocks
+        if parallel.get("compile", True) is not True:
+            raise ValueError(f"torch_compile=True with parallel compile={parallel['compile']!r}: set one of them "
+                             f"(parallel=dict(compile=True) is what torch_compile=True asks for)")
+        parallel["compile"] = True
     parallel.setdefault("seed", args.seed)  # dropout streams follow the run's seed, as in one process
     return TrainerMesh(parallelize=parallel, zero=zero)
 
@@ -99,8 +107,13 @@ def _conflicts(args, *, mesh: TrainerMesh, compute_loss_func: Any):
     if args.label_smoothing_factor:
         yield (f"label_smoothing_factor={args.label_smoothing_factor}: the built-in parallel loss is plain "
                f"cross-entropy; pass compute_loss_func= for a smoothed loss")
-    if getattr(args, "torch_compile", False):
-        yield "torch_compile=True is not applied by qn_hf.Trainer (the model is never handed to accelerate); remove it"
+    backend = getattr(args, "torch_compile_backend", None)
+    if getattr(args, "torch_compile", False) and backend not in (None, "inductor"):
+        yield (f"torch_compile_backend={backend!r}: qn_hf compiles each block with inductor "
+               f"(parallelize(compile=True)); unset it or set it to 'inductor'")
+    if getattr(args, "torch_compile_mode", None) is not None:
+        yield (f"torch_compile_mode={args.torch_compile_mode!r}: qn_hf compiles each block in inductor's default mode "
+               f"(parallelize(compile=True)); unset it")
     if getattr(args, "use_liger_kernel", False):
         yield "use_liger_kernel=True replaces Hugging Face forwards and losses, which qn_hf drives; remove it"
     if getattr(args, "neftune_noise_alpha", None) is not None:
@@ -116,6 +129,13 @@ def _conflicts(args, *, mesh: TrainerMesh, compute_loss_func: Any):
     if compute_loss_func is not None and mesh.parallelize.get("cp", 1) > 1:
         yield (f"compute_loss_func with cp={mesh.parallelize['cp']}: each rank holds part of every sequence; use the "
                f"built-in loss (labels) or cp=1")
+
+
+def check_compiled(args, *, compiled: bool) -> None:
+    """``torch_compile=True`` with a ``ParallelModel`` given as ``model=``: its blocks must be compiled already."""
+    if getattr(args, "torch_compile", False) and not compiled:
+        raise ValueError("torch_compile=True but model= is a ParallelModel whose blocks are not compiled: build it "
+                         "with qn_hf.parallelize(..., compile=True), or set torch_compile=False")
 
 
 def check_trainer_inputs(*, model: Any, model_init: Any, compute_metrics: Any, preprocess_logits_for_metrics: Any,

@@ -2,8 +2,8 @@
 accepts trains and what it rejects fails in ``parallelize`` with the same message.
 
 Everything here reads the model's structure only (it works on a ``meta``-device model) and needs
-no process group: mesh degrees, microbatches, schedule, bucket size, the policy, head and KV-head
-divisibility, and the pipeline cut (pp no larger than the number of blocks, ``layers_per_stage``
+no process group: mesh degrees, microbatches, schedule, what compiles, bucket size, the policy, head
+and KV-head divisibility, and the pipeline cut (pp no larger than the number of blocks, ``layers_per_stage``
 summing up). Each check itself has one home (``arguments``, ``ParallelDims``, ``check_schedule_args``,
 the plan builders); this is where ``parallelize`` and the planner call them all, in the same order.
 """
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from .arguments import check_choice, check_positive
+from .compile import check_compile
 from .context_parallel import check_context_parallel
 from .expert_parallel import check_expert_parallel, expert_parallel_plan
 from .data_parallel import DEFAULT_BUCKET_MB
@@ -42,11 +43,12 @@ def check_parallel_config(model: nn.Module, *, dp: int, tp: int, pp: int, microb
                           layers_per_stage: Sequence[int] | None = None,
                           bucket_mb: float = DEFAULT_BUCKET_MB, mixed_precision: str | None = None,
                           recompute: str | None = None, sequence_parallel: bool = False, cp: int = 1,
-                          ep: int = 1) -> CheckedConfig:
+                          ep: int = 1, compile: bool = False) -> CheckedConfig:
     """Raise ``ValueError`` naming the value and the fix for anything ``model`` cannot take."""
     dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
     check_schedule_args(stages=pp, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages)
     _check_schedule_composition(schedule, sequence_parallel=sequence_parallel, cp=cp, ep=ep)
+    check_compile(model, compile=compile, schedule=schedule, cp=cp, ep=ep)
     check_positive("bucket_mb", bucket_mb)
     if not isinstance(sequence_parallel, bool):
         raise ValueError(f"sequence_parallel={sequence_parallel!r} must be True or False")

@@ -52,3 +52,82 @@ def test_primitives(worlds):
     for rank, results in enumerate(worlds.run(2, "tests.test_comm:case_primitives")):
         failed = [name for name, ok in results.items() if not ok]
         assert not failed, f"rank {rank}: {failed}"
+
+
+def case_copies() -> dict[str, bool]:
+    """Where the eager all-reduces write: into an intermediate result itself (no copy) when nothing can hold it,
+    into a new tensor otherwise; and a backward never writes into the gradient autograd hands it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):  # as selective recomputation's cache is, around the forward
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    group = dist.group.WORLD
+    rank, n = dist.get_rank(), dist.get_world_size()
+    total = float(sum(range(1, n + 1)))
+    results = {}
+
+    leaf = torch.full((2, 3), float(rank + 1), requires_grad=True)
+    partial = leaf * 1.0
+    y = reduce_from_group(partial, group=group)
+    results["intermediate reduced in place"] = y.data_ptr() == partial.data_ptr() and bool((y == total).all())
+    y.sum().backward()
+    results["in place: backward is identity"] = torch.equal(leaf.grad, torch.ones(2, 3))
+
+    partial = leaf.detach().clone().requires_grad_(True) * 1.0
+    with Passthrough():
+        y = reduce_from_group(partial, group=group)
+    kept = bool((partial == rank + 1).all())
+    fresh = y.data_ptr() != partial.data_ptr()
+    results["under a dispatch mode: a new tensor"] = fresh and kept and bool((y == total).all())
+    y = reduce_from_group(leaf, group=group)
+    results["a leaf is not written"] = bool((leaf == rank + 1).all()) and bool((y == total).all())
+
+    # s = p + copy(q): add's backward hands the same gradient tensor to p and to the copy's backward
+    p = torch.zeros(2, 3, requires_grad=True)
+    q = torch.zeros(2, 3, requires_grad=True)
+    ((p + copy_to_group(q, group=group)) * (rank + 1)).sum().backward()
+    results["shared gradient left alone"] = torch.equal(p.grad, torch.full((2, 3), float(rank + 1)))
+    results["copy backward sums"] = torch.equal(q.grad, torch.full((2, 3), total))
+    return results
+
+
+def test_copies(worlds):
+    for rank, results in enumerate(worlds.run(2, "tests.test_comm:case_copies")):
+        failed = [name for name, ok in results.items() if not ok]
+        assert not failed, f"rank {rank}: {failed}"
+
+
+def case_compiled() -> dict:
+    """The tp region functions traced whole by torch.compile (inductor, one graph: fullgraph=True), forward and
+    backward, equal to eager."""
+    from qn_hf.comm import gather_sequence_into_region, reduce_scatter_sequence
+
+    group = dist.group.WORLD
+    rank = dist.get_rank()
+
+    def region(x: torch.Tensor, w: torch.Tensor, sequence: bool) -> torch.Tensor:
+        if sequence:  # [batch, sequence slice, features]: gather, column product, reduce-scatter
+            return reduce_scatter_sequence(gather_sequence_into_region(x, group=group) @ w, group=group).relu()
+        return reduce_from_group(copy_to_group(x, group=group) @ w, group=group).relu()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(region, fullgraph=True)
+    out = {}
+    for sequence in (False, True):
+        gen = torch.Generator().manual_seed(rank)
+        x0, w0 = torch.randn(2, 4, 8, generator=gen), torch.randn(8, 8, generator=gen)
+        runs = []
+        for fn in (region, compiled):
+            x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+            y = fn(x, w, sequence)
+            (y * torch.arange(y.numel()).view_as(y)).sum().backward()
+            runs.append((y.detach(), x.grad, w.grad))
+        out[sequence] = max((a - b).abs().max().item() for a, b in zip(*runs))
+    return out
+
+
+def test_compiled_collectives(worlds):
+    for errors in worlds.run(2, "tests.test_comm:case_compiled"):
+        assert all(err < 1e-5 for err in errors.values()), errors

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 RECOMPUTE_CASES = [  # kind, dp, tp, pp, mode, sequence_parallel, cp
     ("gpt2", 1, 2, 1, "full", False, 1),  # tp-local attention dropout and shared residual dropout
@@ -39,3 +40,46 @@ def test_recompute_with_new_schedules(worlds, model_dirs, kind, tp, schedule, vi
     for r in results:
         assert r["losses"] == r["ref_losses"], r
         assert r["grads_equal"] and r["weights_equal"], r
+
+
+def case_tp_traffic(*, kind: str, model_dir: str, tp: int, sequence_parallel: bool) -> dict:
+    """tp calls and bytes of one metered train_step, per recomputation mode (the same batch each)."""
+    import qn_hf
+    from tests.cases import mesh_for
+    from tests.models import load, make_batch
+
+    out = {"blocks": load(kind, model_dir).config.num_hidden_layers}
+    for mode in (None, "selective", "full"):
+        pm = qn_hf.parallelize(load(kind, model_dir), tp=tp, mesh=mesh_for(1, tp), recompute=mode,
+                               sequence_parallel=sequence_parallel)
+        with qn_hf.CommMeter(pm) as meter:
+            loss = pm.train_step(make_batch(kind, size=2, seed=4, seq=16))
+        tp_ops = {op: (t.calls, t.nbytes) for (group, op), t in meter.totals().items() if group == "tp"}
+        out[str(mode)] = {"ops": tp_ops, "loss": loss.item(),
+                          "grads": {n: p.grad.clone() for n, p in pm.named_parameters()}}
+    return out
+
+
+@pytest.mark.parametrize(("kind", "sp"), [("llama", False), ("gpt2", True)])
+def test_selective_recompute_does_not_communicate_again(worlds, model_dirs, kind, sp):
+    """The policy keeps the tp collectives' outputs: a selective step moves the tp bytes of a step
+    without recomputation (full recomputation repeats the forward's collectives), same gradients.
+    Under sequence parallelism a step without recomputation gathers each entry's input once more in
+    backward (it kept only the slice), which recomputation never does: there selective moves no more
+    than it, op by op."""
+    for r in worlds.run(2, "tests.test_recompute:case_tp_traffic", kind=kind, model_dir=model_dirs[kind], tp=2,
+                        sequence_parallel=sp):
+        plain, selective, full = r["None"], r["selective"], r["full"]
+        # each block: two row layers sum forward, two tp entries sum their input gradients backward
+        in_blocks = plain["ops"].get("reduce_scatter_tensor" if sp else "all_reduce", (0, 0))[0]
+        assert in_blocks >= 4 * r["blocks"], plain["ops"]
+        assert set(selective["ops"]) == set(plain["ops"]), (selective["ops"], plain["ops"])
+        if sp:
+            assert all(c <= plain["ops"][op][0] and b <= plain["ops"][op][1]
+                       for op, (c, b) in selective["ops"].items()), (selective["ops"], plain["ops"])
+        else:
+            assert selective["ops"] == plain["ops"], (selective["ops"], plain["ops"])
+        assert sum(b for _, b in full["ops"].values()) > sum(b for _, b in selective["ops"].values()), full["ops"]
+        for run in (selective, full):
+            assert run["loss"] == plain["loss"]
+            assert all(torch.equal(run["grads"][n], g) for n, g in plain["grads"].items())

@@ -51,6 +51,24 @@ def chunk_activations(model: nn.Module, *, kept: dict[str, tuple[int, int]], bas
     return [int(x) for x in out]
 
 
+def kept_collectives(*, base: Trace, plan: TpPlan, stage_plan: StagePlan, act_elem: int) -> list[int]:
+    """Bytes of the tp collectives' outputs inside the blocks that selective recomputation keeps, per chunk
+    (recompute.py): each row layer's all-reduced output (whole), or under sequence parallelism its
+    reduce-scattered slice and each tp entry's gathered input (the whole sequence)."""
+    out = [0.0] * stage_plan.chunks
+    if plan.tp == 1:
+        return [0] * stage_plan.chunks
+    inside = lambda name: name.startswith(stage_plan.layers + ".")  # noqa: E731
+    for name, style in plan.rules:
+        if style == "rowwise" and name in base.io and inside(name):
+            share = plan.tp if plan.sequence_parallel else 1
+            out[chunk_of_module(stage_plan, name) or 0] += base.io[name].out_numel / share * act_elem
+    for entry in plan.tp_entries if plan.sequence_parallel else ():
+        if entry in base.io and inside(entry):
+            out[chunk_of_module(stage_plan, entry) or 0] += base.io[entry].in_numel * plan.tp * act_elem
+    return [int(x) for x in out]
+
+
 def weight_stash(deferred: Iterable[str], *, base: Trace, plan: TpPlan, stage_plan: StagePlan,
                  act_elem: int) -> list[int]:
     """Bytes of zb_h1's W stash one microbatch keeps on each chunk from its B to its W; ``deferred``:

@@ -52,7 +52,7 @@ from ..optimizer import check_zero_with_ep
 from ..precision import GRAD_DTYPE, PRECISIONS, apply_mixed_precision
 from ..validate import check_parallel_config
 from ..weight_grad import WeightGradQueue, make_deferrable
-from .activations import chunk_activations, weight_stash
+from .activations import chunk_activations, kept_collectives, weight_stash
 from .context import cp_inputs
 from .experts import expert_parameters
 from .memory import RankState, bucket_layout, rank_state
@@ -248,6 +248,9 @@ class Planner:
 
         activations = chunk_activations(self.model, kept=kept, base=base, plan=plan, stage_plan=stage_plan,
                                         act_elem=param_elem, cp=cp)
+        if recompute == "selective":
+            collectives = kept_collectives(base=base, plan=plan, stage_plan=stage_plan, act_elem=param_elem)
+            activations = [a + k for a, k in zip(activations, collectives)]
         deferred = self._deferred(stage_plan.heads) if schedule == "zb_h1" else frozenset()
         stash = weight_stash(deferred, base=base, plan=plan, stage_plan=stage_plan, act_elem=param_elem)
         lists = rank_actions(stages=pp, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages)

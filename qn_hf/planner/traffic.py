@@ -5,14 +5,14 @@ all-gather's own piece).
 * tp, by op: per microbatch, a forward all-reduce of each row-parallel output and vocab-parallel
   embedding output, a backward all-reduce of the input of each tp entry (attention, MLP) and of each
   column layer outside one (the vocab-parallel head), and the vocab-parallel loss's 3 floats per row
-  in two all-reduces. Recomputation (full or selective) runs a block's forward again in backward,
-  and with it the all-reduce of each row layer that has something saved after it in the block
-  (``Trace.rerun``). With sequence parallelism the entries and their row layers communicate as the
+  in two all-reduces. Full recomputation runs a block's forward again in backward, and with it the
+  all-reduce of each row layer that has something saved after it in the block (``Trace.rerun``);
+  selective recomputation keeps the collectives' outputs (recompute.py) and communicates nothing again. With sequence parallelism the entries and their row layers communicate as the
   trace recorded instead (``Trace.sequence``: an entry all-gathers its input forward and
   reduce-scatters its gradient, a row layer reduce-scatters forward and all-gathers backward, each
   stage's first block all-gathers its input's gradient, its last block or the final norm all-gathers
   its output; without recomputation each entry gathers its saved input again in backward),
-  recomputation repeating the forward ones run before the block's last save. Per step,
+  full recomputation repeating the forward ones run before the block's last save. Per step,
   one flat all-reduce of the gradients summed over tp (``TpPlan.grad_sum``: per-head norms, and with
   sequence parallelism the norms and row biases between the regions; under ZeRO this rank's pieces).
 * pp: per microbatch, the hidden state forward and its gradient backward to each neighbour (both
@@ -89,7 +89,7 @@ def _tp_microbatch(s: int, *, plan: TpPlan, trace: Trace, stage_of: Callable[[st
         io = trace.io[name]
         if style == "vocab_embedding" or (style == "rowwise" and not sp):  # sp: reduce-scattered (below)
             add("all_reduce", io.calls, io.out_numel * act_elem)
-            if recompute is not None and name in trace.rerun:
+            if recompute == "full" and name in trace.rerun:  # selective keeps the sum (recompute.py)
                 add("all_reduce", io.calls, io.out_numel * act_elem)
         elif style.startswith("colwise") or style == "vocab_colwise":
             if not entered(name):
@@ -103,7 +103,7 @@ def _tp_microbatch(s: int, *, plan: TpPlan, trace: Trace, stage_of: Callable[[st
         if stage_of(c.module) == s and not (c.regather and recompute is not None):
             for op, numel in filter(None, (c.forward, c.backward)):
                 add(op, 1, numel * act_elem)
-            if recompute is not None and c.rerun and c.forward is not None:
+            if recompute == "full" and c.rerun and c.forward is not None:
                 add(c.forward[0], 1, c.forward[1] * act_elem)
     return ops
 
