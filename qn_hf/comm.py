@@ -223,28 +223,56 @@ def split_to_group(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
     return x if group_size(group) == 1 else _SplitToGroup.apply(x, group)
 
 
+# Flat collectives copy many small tensors into one buffer (one call instead of hundreds), but a
+# buffer of a whole stage's weights would double their memory (the replicas' broadcast at start-up).
+# Runs are cut at this size, and a tensor that fills a run by itself is sent in place, uncopied.
+FLAT_BYTES = 64 * 2**20
+
+
+def flat_runs(nbytes: Sequence[int]) -> list[list[int]]:
+    """Indices of tensors of ``nbytes`` each (one dtype, in order) cut into consecutive runs of at
+    most ``FLAT_BYTES`` (a larger tensor alone in its run): one collective per run. The planner
+    counts calls with this too."""
+    runs: list[list[int]] = []
+    size = FLAT_BYTES
+    for i, n in enumerate(nbytes):
+        if size + n > FLAT_BYTES:
+            runs.append([])
+            size = 0
+        runs[-1].append(i)
+        size += n
+    return runs
+
+
 def _flat_in_place(tensors: Sequence[torch.Tensor], collective: Callable[[torch.Tensor], object]) -> None:
-    """Run ``collective`` on one flat buffer per dtype and copy the result back into each tensor."""
+    """Run ``collective`` on flat buffers (per dtype, ``flat_runs``) and copy the results back into
+    each tensor; a run of one contiguous tensor runs on the tensor itself."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     for same in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in same])
-        collective(flat)
-        offset = 0
-        for t in same:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
+        for run in flat_runs([t.numel() * t.element_size() for t in same]):
+            if len(run) == 1 and same[run[0]].is_contiguous():
+                collective(same[run[0]])
+                continue
+            flat = torch.cat([same[i].reshape(-1) for i in run])
+            collective(flat)
+            offset = 0
+            for i in run:
+                t = same[i]
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
 
 
 def flat_all_reduce_(tensors: Sequence[torch.Tensor], *, group: ProcessGroup) -> None:
-    """Sum each tensor across the group in place, one collective per dtype (not per tensor)."""
+    """Sum each tensor across the group in place, one collective per dtype and ``flat_runs`` run."""
     if group_size(group) > 1 and tensors:
         _flat_in_place(tensors, lambda flat: dist.all_reduce(flat, group=group))
 
 
 def flat_broadcast_(tensors: Sequence[torch.Tensor], *, src_group_rank: int, group: ProcessGroup) -> None:
-    """Overwrite each tensor with the group member ``src_group_rank``'s copy, one collective per dtype."""
+    """Overwrite each tensor with the group member ``src_group_rank``'s copy, one collective per dtype and
+    ``flat_runs`` run (so the transient copy is at most ``FLAT_BYTES``, not the tensors' total)."""
     if group_size(group) > 1 and tensors:
         src = dist.get_global_rank(group, src_group_rank)
         _flat_in_place(tensors, lambda flat: dist.broadcast(flat, src=src, group=group))

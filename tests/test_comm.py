@@ -131,3 +131,27 @@ def case_compiled() -> dict:
 def test_compiled_collectives(worlds):
     for errors in worlds.run(2, "tests.test_comm:case_compiled"):
         assert all(err < 1e-5 for err in errors.values()), errors
+
+
+def test_flat_collectives_bound_their_buffers():
+    """Many small tensors share a buffer; runs stop at FLAT_BYTES, and a tensor as large as a run is
+    handed to the collective itself, uncopied (the start-up broadcast of a whole stage would otherwise
+    hold the stage twice)."""
+    import torch
+
+    from qn_hf import comm
+
+    mib = 2**20
+    assert comm.flat_runs([mib] * 3) == [[0, 1, 2]]
+    assert comm.flat_runs([40 * mib, 40 * mib, mib, 200 * mib, mib]) == [[0], [1, 2], [3], [4]]
+    big, small = torch.ones(comm.FLAT_BYTES // 4 + 1), [torch.full((3,), float(i)) for i in range(4)]
+    seen = []
+
+    def double(flat: torch.Tensor) -> None:
+        seen.append((flat.data_ptr(), flat.numel()))
+        flat.mul_(2)
+
+    comm._flat_in_place([small[0], big, *small[1:]], double)
+    assert (big.data_ptr(), big.numel()) in seen and len(seen) == 3  # small[0] | big alone | small[1:]
+    assert torch.equal(big, torch.full_like(big, 2.0))
+    assert all(torch.equal(t, torch.full((3,), 2.0 * i)) for i, t in enumerate(small))

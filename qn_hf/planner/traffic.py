@@ -45,6 +45,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from ..comm import flat_runs
 from ..plan import TpPlan
 from .context import ring_ops
 from .experts import ExpertCall, expert_ops
@@ -108,6 +109,13 @@ def _tp_microbatch(s: int, *, plan: TpPlan, trace: Trace, stage_of: Callable[[st
     return ops
 
 
+def _summed(params: dict[str, int], pieces: dict[str, int] | None) -> list[int]:
+    """Elements of each tensor a flat all-reduce sums (a parameter's, or under ZeRO this rank's piece
+    of it), those with any, in order."""
+    numels = [pieces.get(n, 0) for n in params] if pieces is not None else list(params.values())
+    return [n for n in numels if n]
+
+
 def _group(ops: dict[str, list[int]] | dict[str, tuple[int, int]]) -> GroupTraffic:
     return GroupTraffic(sum(c for c, _ in ops.values()), sum(b for _, b in ops.values()),
                         {op: (c, b) for op, (c, b) in sorted(ops.items())})
@@ -139,10 +147,11 @@ def stage_traffic(s: int, *, mesh: Mesh, plan: TpPlan, trace: Trace, stage_of: C
         for op, (c, b) in dispatch.get("tp", {}).items():
             ops[op] = [ops[op][0] + c, ops[op][1] + b]
         ops = {op: [c * microbatches, b * microbatches] for op, (c, b) in ops.items()}
-        summed = sum(pieces.get(n, 0) for n in grad_sum) if pieces is not None else sum(grad_sum.values())
+        summed = _summed(grad_sum, pieces)
         if summed:
             calls, nbytes = ops.get("all_reduce", (0, 0))
-            ops["all_reduce"] = [calls + 1, nbytes + summed * grad_elem]
+            ops["all_reduce"] = [calls + len(flat_runs([n * grad_elem for n in summed])),
+                                 nbytes + sum(summed) * grad_elem]
         out["tp"] = _group(ops)
     if pp > 1:
         edges = sum((c > 0) + (c < last) for c in chunks)  # per microbatch: an activation and a gradient each
@@ -170,9 +179,9 @@ def stage_traffic(s: int, *, mesh: Mesh, plan: TpPlan, trace: Trace, stage_of: C
         previous = out.get("dp", GroupTraffic(0, 0))
         out["dp"] = GroupTraffic(previous.calls + 1, previous.nbytes + 8)
     for group, params in (("kv", kv), ("tie", tied)):
-        numel = sum(pieces.get(n, 0) for n in params) if pieces is not None else sum(params.values())
-        if numel:
-            out[group] = GroupTraffic(1, numel * grad_elem)
+        numels = _summed(params, pieces)
+        if numels:
+            out[group] = GroupTraffic(len(flat_runs([n * grad_elem for n in numels])), sum(numels) * grad_elem)
     if loss_scaling:
         spanning = [g for g, n in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)) if n == replicas * tp * pp]
         group = spanning[-1] if spanning else "world"  # CommMeter names the default group by a dimension spanning it
