@@ -54,7 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "to-hf":
-            to_hf(args.ckpt, args.out, max_shard_bytes=args.max_shard_size)
+            left_out = to_hf(args.ckpt, args.out, max_shard_bytes=args.max_shard_size)
+            if left_out:  # a converter never writes fewer tensors than it read without saying so
+                print(f"qn-hf-convert: note: {args.out} holds the weights only; the checkpoint's optimizer state "
+                      f"({len(left_out)} tensors) was left out (reshard keeps it)", file=sys.stderr)
         elif args.command == "from-hf":
             print(from_hf(args.src, args.out, tp=args.tp, pp=args.pp, virtual_stages=args.virtual_stages))
         else:

@@ -51,3 +51,5 @@ def test_exports_and_checkpoints_are_readable_like_any_file(worlds, model_dirs, 
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
     for root in ("hf", "ckpt", "to-hf", "from-hf"):
         assert unusual_modes(str(tmp_path / root)) == [], root
+    # exports are staged inside the output directory and moved into place: nothing of the staging is left
+    assert sorted(os.listdir(tmp_path / "to-hf")) == ["config.json", "generation_config.json", "model.safetensors"]

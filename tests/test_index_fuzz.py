@@ -11,7 +11,7 @@ import tempfile
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from qn_hf.checkpoint import FORMAT, INDEX, VERSION, CheckpointError, read_index
@@ -42,7 +42,7 @@ def _write(directory: str, payload: bytes) -> None:
 
 
 def _index(tensors) -> dict:
-    return {"format": FORMAT, "version": VERSION, "step": 1, "tensors": tensors}
+    return {"format": FORMAT, "version": VERSION, "step": 1, "config": {"model_type": "gpt2"}, "tensors": tensors}
 
 
 @SETTINGS
@@ -117,6 +117,41 @@ def test_accepted_exactly_when_the_pieces_tile(case):
     for box in boxes:
         cover[tuple(slice(a, b) for a, b in box)] += 1
     entry = {"dtype": "float32", "shape": shape,
+             "pieces": [{"file": f"p{i}.safetensors", "key": "t", "box": box} for i, box in enumerate(boxes)]}
+    with tempfile.TemporaryDirectory() as d:
+        _write(d, json.dumps(_index({"t": entry})).encode())
+        if (cover == 1).all():
+            assert read_index(d)["tensors"]["t"]["shape"] == shape
+        else:
+            with pytest.raises(CheckpointError, match="overlap|cover"):
+                read_index(d)
+
+
+@st.composite
+def boxes_in(draw):
+    """A shape of up to three dimensions and up to six boxes inside it, anywhere (most do not tile)."""
+    shape = draw(st.lists(st.integers(min_value=1, max_value=4), min_size=1, max_size=3))
+    out = []
+    for _ in range(draw(st.integers(min_value=1, max_value=6))):
+        box = []
+        for n in shape:
+            a = draw(st.integers(min_value=0, max_value=n))
+            box.append([a, draw(st.integers(min_value=a, max_value=n))])
+        out.append(box)
+    return shape, out
+
+
+@SETTINGS
+@given(case=boxes_in() | tilings())
+@example(case=([2, 2], [[[0, 2], [0, 1]], [[0, 1], [0, 2]]]))  # as many elements as the shape: one twice, one never
+@example(case=([3, 2, 2], [[[0, 3], [0, 2], [0, 1]], [[0, 2], [0, 2], [1, 2]], [[2, 3], [0, 2], [1, 2]]]))  # a tiling
+def test_multi_dimensional_pieces_are_accepted_exactly_when_they_tile(case):
+    """The linear-time tiling check (signed corners) agrees with counting every element's cover."""
+    shape, boxes = case
+    cover = np.zeros(shape, dtype=np.int64)
+    for box in boxes:
+        cover[tuple(slice(a, b) for a, b in box)] += 1
+    entry = {"dtype": "uint8", "shape": shape,
              "pieces": [{"file": f"p{i}.safetensors", "key": "t", "box": box} for i, box in enumerate(boxes)]}
     with tempfile.TemporaryDirectory() as d:
         _write(d, json.dumps(_index({"t": entry})).encode())

@@ -5,8 +5,9 @@ stage the tp ranks of dp replica 0 gather every adapter tensor; the stage's tp r
 and name the adapter's entries from that state dict (``get_peft_model_state_dict``, which finds
 them by walking the LoRA layers, so each stage must do it on its own layers) and hands them to rank
 0, which writes ``adapter_model.safetensors`` and ``adapter_config.json`` as
-``PeftModel.save_pretrained`` does. Each file is written beside its final name and renamed into
-place, so a crash never leaves a half-written file.
+``PeftModel.save_pretrained`` does. Each file is written beside its final name, as a new file or in a
+new directory (never through a link left there), and renamed into place, so a crash never leaves a
+half-written file.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import os
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
+from safetensors.torch import save
 from torch import nn
 
-from ..atomic import give_plain_mode
+from ..atomic import fresh_dir, write_bytes_atomic
 from ..comm import barrier
 from ..lora import Adapter
 from ..placement import ShardPlacement
@@ -61,15 +62,13 @@ def save_adapter(module: nn.Module, path: str, *, placement: ShardPlacement, ada
 def _write(path: str, adapter: Adapter, state: dict[str, torch.Tensor]) -> None:
     target = path if adapter.name == "default" else os.path.join(path, adapter.name)
     os.makedirs(target, exist_ok=True)
-    weights = os.path.join(target, ADAPTER_WEIGHTS)
-    save_file(state, weights + ".tmp", metadata={"format": "pt"})
-    give_plain_mode(weights + ".tmp")
-    os.replace(weights + ".tmp", weights)
+    # in memory at once: an adapter is small (LoRA's A and B)
+    write_bytes_atomic(os.path.join(target, ADAPTER_WEIGHTS), save(state, metadata={"format": "pt"}))
     config = adapter.peft_model.peft_config[adapter.name]
     training, config.inference_mode = config.inference_mode, True  # as PeftModel.save_pretrained saves it
     try:
         staging = os.path.join(target, ".adapter_config.tmp")
-        os.makedirs(staging, exist_ok=True)
+        fresh_dir(staging)
         config.save_pretrained(staging)
         os.replace(os.path.join(staging, ADAPTER_CONFIG), os.path.join(target, ADAPTER_CONFIG))
         os.rmdir(staging)

@@ -1,59 +1,163 @@
 """Offline conversions between sharded checkpoints and Hugging Face directories, in one process.
 
-Every conversion streams tensor by tensor (peak memory about the largest tensor, not the model): a
-Hugging Face directory is read as a checkpoint whose tensors are single whole pieces, each output
-tensor or shard piece is read from the overlapping source pieces and written with
-``write_streaming``. The layout of a target mesh comes from ``qn_hf.layout`` (the same policy and
-stage cut that ``parallelize`` applies), so no GPU and no process group are involved.
+Every conversion streams (peak memory a bounded chunk of one tensor, not the model): a Hugging Face
+directory is read as a checkpoint whose tensors are single whole pieces, each output tensor or shard
+piece is read in chunks from the overlapping source pieces and written with ``write_streaming``. The
+layout of a target mesh comes from ``qn_hf.layout`` (the same policy and stage cut that
+``parallelize`` applies), so no GPU and no process group are involved.
+
+A conversion keeps every tensor it reads, at the shape the config gives it, or refuses: the model
+class is the one the source records (``architectures``), else the one class of its model type whose
+tensors are exactly the source's; only ``to-hf`` leaves something out, the optimizer state, and says so.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
+from collections.abc import Callable
 
 import torch
 from tqdm import tqdm
 
-from ..layout import Layout, Place, model_layout
+from ..atomic import fresh_dir, remove_entry
+from ..layout import Layout, Place, candidate_classes, meta_model, model_layout, named_class
 from ..version import __version__
-from .files import FileChecks, file_digest, publish, write_json
-from .format import (DTYPES, INDEX, OPTIMIZER, boxes, checkpoint_dir, entry_nbytes, new_index, optimizer_key,
-                     optimizer_prefix, read_index, shard_file, state_spec, tp_writes)
-from .hf import (HF_WEIGHTS, DEFAULT_MAX_SHARD_BYTES, base_prefixes, config_from_dict, finish_weights,
-                 numbered_weights_file, read_generation_config, read_hf_dir, source_name, split_by_size, write_configs)
+from .export import begin_export, finish_export, numbered_weights_file, split_by_size
+from .files import PARTIAL, FileChecks, file_digest, publish, write_json
+from .format import (DTYPES, INDEX, OPTIMIZER, CheckpointError, boxes, checkpoint_dir, entry_nbytes, new_index,
+                     optimizer_key, read_index, shard_file, state_spec, tp_writes)
+from .hf import (HF_WEIGHTS, DEFAULT_MAX_SHARD_BYTES, base_prefixes, config_from_dict, hf_tensors, key_renamer,
+                 read_generation_config, read_headers, read_hf_config, read_hf_dir, source_name, weight_files,
+                 with_architecture)
 from .names import next_checkpoint_dir
-from .pieces import read_box
+from .pieces import read_chunks
 from .stream import write_streaming
 
 
-def _work(src: dict, layout: Layout, prefixes: list[str]) -> list[tuple[str, str, Place]]:
-    """(name to write, name in the source, where it goes) for every tensor and optimizer state."""
-    work = []
+def _fit(model: torch.nn.Module, names: set[str], prefixes: list[str]) -> tuple[int, list[str], list[str]]:
+    """How a class fits a source's tensor names: (names it finds verbatim, its tensors the source
+    lacks, source tensors it would leave unread)."""
+    verbatim, missing, used = 0, [], set()
+    own = {n for n, _ in model.named_parameters()}
+    for name, _ in model.named_parameters(remove_duplicate=False):  # a tied alias the source holds is used too
+        try:
+            source = source_name({"tensors": names}, name, prefixes)
+        except CheckpointError:
+            if name in own:
+                missing.append(name)
+            continue
+        used.add(source)
+        verbatim += source == name
+    return verbatim, missing, sorted(names - used)
+
+
+def model_class(config: dict, names_for: Callable[[torch.nn.Module], set[str]], *, where: str) -> type:
+    """The class the config names, else the one class of its model type whose tensors are exactly
+    the source's (``names_for(model)``: the source's tensor names as that model reads them); of
+    several, the one that finds the most under their own names (a tied head adds no tensor)."""
+    built = config_from_dict(config)
+    named = named_class(built)
+    if named is not None:
+        return named
+    fits, near = [], []
+    for cls in candidate_classes(built):
+        try:
+            model = meta_model(built, cls=cls)
+        except Exception:  # an auto mapping may list a class of another family this config cannot build
+            continue
+        verbatim, missing, extra = _fit(model, names_for(model), [model.base_model_prefix, *base_prefixes(config)])
+        fit = (verbatim, -len(missing) - len(extra), cls, missing, extra)
+        (fits if not missing and not extra else near).append(fit)
+    fits.sort(key=lambda f: -f[0])
+    if fits and (len(fits) == 1 or fits[0][0] > fits[1][0]):
+        return fits[0][2]
+    hint = f'add "architectures": ["<class>"] to its config (one of {[c.__name__ for c in candidate_classes(built)]})'
+    if fits:
+        raise CheckpointError(f"{where}: its config records no model class and several fit its tensors "
+                              f"({', '.join(f[2].__name__ for f in fits)}); {hint}")
+    best = max(near, key=lambda f: f[1], default=None)
+    detail = (f"; the closest, {best[2].__name__}, would lack {best[3][:3]} and leave out {best[4][:3]}"
+              if best else "")
+    raise CheckpointError(f"{where}: its config records no model class and no {config['model_type']!r} class has "
+                          f"exactly its tensors{detail}; {hint}")
+
+
+def _work(src: dict, layout: Layout, prefixes: list[str], *, where: str,
+          optimizer: bool) -> list[tuple[str, str, Place]]:
+    """(name to write, name in the source, where it goes) for every tensor and (with ``optimizer``) its
+    optimizer state. Every source tensor must be used, at the shape the config gives it."""
+    work, used = [], set()
+    states: dict[str, list[str]] = {}  # the optimizer state saved for each tensor, found in one pass
+    for key in sorted(k for k in src["tensors"] if k.startswith(OPTIMIZER)):
+        states.setdefault(key[len(OPTIMIZER):].rpartition("/")[0], []).append(key)
     for name, place in layout.tensors.items():
-        source = source_name(src, name, prefixes)
+        try:
+            source = source_name(src, name, prefixes)
+        except CheckpointError as e:
+            raise CheckpointError(f"{where}: {e}") from None
+        if src["tensors"][source]["shape"] != list(place.shape):
+            raise CheckpointError(f"{where}: {source} has shape {src['tensors'][source]['shape']}, the config "
+                                  f"({layout.model_class}) gives {name} the shape {list(place.shape)}")
         work.append((name, source, place))
-        for key in sorted(k for k in src["tensors"] if k.startswith(optimizer_prefix(source))):
+        used.add(source)
+        for key in states.get(source, []):
             shape = tuple(src["tensors"][key]["shape"])
             spec = state_spec(shape, place.shape, place.spec)
-            work.append((optimizer_key(name, key.rsplit("/", 1)[1]), key,
-                         place if spec is not None else Place(stage=place.stage, spec=None, shape=shape)))
+            used.add(key)
+            if optimizer:
+                work.append((optimizer_key(name, key.rsplit("/", 1)[1]), key,
+                             place if spec is not None else Place(stage=place.stage, spec=None, shape=shape)))
+    aliases = {source_name(src, a, prefixes) for a in layout.aliases if _has(src, a, prefixes)}
+    left = sorted(set(src["tensors"]) - used - aliases)
+    if left:
+        raise CheckpointError(f"{where}: the model ({layout.model_class}) has no place for {len(left)} of its "
+                              f"tensors ({', '.join(left[:4])}{', ...' if len(left) > 4 else ''}); was it saved from "
+                              f"another architecture? Its config's \"architectures\" names the class to build")
     return work
 
 
-def write_checkpoint(src_dir: str, src: dict, layout: Layout, config: dict, out: str, *,
+def _has(src: dict, name: str, prefixes: list[str]) -> bool:
+    try:
+        source_name(src, name, prefixes)
+    except CheckpointError:
+        return False
+    return True
+
+
+def write_checkpoint(src_dir: str, src: dict, layout: Layout, config: dict, out: str, *, where: str,
                      step: int | None = None, optimizer: list[dict] | None = None,
                      generation_config: dict | None = None) -> str:
     """Write ``src`` (an index over ``src_dir``) as a checkpoint of ``layout`` under ``out``."""
+    work = _work(src, layout, base_prefixes(config), where=where, optimizer=True)
     os.makedirs(out, exist_ok=True)
     final = next_checkpoint_dir(out, step=step)
-    partial = final + ".partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    os.makedirs(partial)
+    partial = final + PARTIAL
+    fresh_dir(partial)
+    try:
+        entries, digests = _write_shards(src_dir, src, layout, work, partial)
+        renamed = {source: name for name, source, _ in work}
+        groups = ([{**g, "params": sorted(renamed.get(p, p) for p in g["params"])} for g in optimizer]
+                  if optimizer else optimizer)
+        virtual = {"virtual_stages": layout.virtual_stages} if layout.virtual_stages > 1 else {}
+        index = new_index(library_version=__version__, step=step,
+                          mesh={"dp": 1, "tp": layout.tp, "pp": layout.pp, **virtual},
+                          config={**config, "architectures": [layout.model_class]}, tensors=entries, optimizer=groups,
+                          files=digests, generation_config=generation_config)
+        write_json(index, os.path.join(partial, INDEX))
+        read_index(partial)  # what we wrote must pass our own validation
+    except BaseException:
+        remove_entry(partial)  # what was written so far: it may be as large as the model
+        raise
+    publish(partial, final)
+    return final
+
+
+def _write_shards(src_dir: str, src: dict, layout: Layout, work: list[tuple[str, str, Place]],
+                  partial: str) -> tuple[dict[str, dict], dict[str, dict[str, int]]]:
+    """Every (stage, tp rank)'s file: the index entries of what they hold, and their digests."""
     entries: dict[str, dict] = {}
     digests: dict[str, dict[str, int]] = {}
     src_checks = FileChecks(src_dir, src.get("files"))  # an HF source has no digests: nothing to check
-    work = _work(src, layout, base_prefixes(config))
     with tqdm(total=len(work) * layout.tp, desc=f"writing tp={layout.tp} pp={layout.pp}", unit="tensor",
               disable=None) as bar:
         for stage in range(layout.pp):
@@ -72,66 +176,81 @@ def write_checkpoint(src_dir: str, src: dict, layout: Layout, config: dict, out:
                         pieces.append({"file": file, "key": key, "box": box})
                     into = entries.setdefault(name, {"shape": list(place.shape), "dtype": entry["dtype"], "pieces": []})
                     into["pieces"] += pieces  # each tp rank adds its pieces
-                by_key = {key: (source, box, shape, dtype) for key, shape, dtype, source, box in plan}
+                by_key = {key: (source, box) for key, _, _, source, box in plan}
 
-                def produce(key: str) -> torch.Tensor:
-                    source, box, shape, dtype = by_key[key]
-                    buf = torch.empty(shape, dtype=dtype)
-                    # Files stay open for one tensor only: a mapping kept open would count every
-                    # page read so far as resident memory.
-                    read_box(src_dir, src["tensors"][source], source, box, buf, handles={}, checks=src_checks)
-                    return buf
+                def produce(key: str):
+                    source, box = by_key[key]
+                    return read_chunks(src_dir, src["tensors"][source], source, box, checks=src_checks)
 
                 write_streaming(os.path.join(partial, file), [(k, s, d) for k, s, d, _, _ in plan], produce)
                 digests[file] = file_digest(os.path.join(partial, file))
-    virtual = {"virtual_stages": layout.virtual_stages} if layout.virtual_stages > 1 else {}
-    index = new_index(library_version=__version__, step=step, mesh={"dp": 1, "tp": layout.tp, "pp": layout.pp, **virtual},
-                      config=config, tensors=entries, optimizer=optimizer, files=digests,
-                      generation_config=generation_config)
-    write_json(index, os.path.join(partial, INDEX))
-    read_index(partial)  # what we wrote must pass our own validation
-    publish(partial, final)
-    return final
+    return entries, digests
 
 
 def from_hf(hf_dir: str, out: str, *, tp: int, pp: int, virtual_stages: int = 1) -> str:
     """A checkpoint laid out as a run at (tp, pp) with ``virtual_stages`` chunks per rank saves one
     (each rank's file holds its chunks' tensors); any run loads it, by name."""
-    src, config = read_hf_dir(hf_dir)
-    layout = model_layout(config_from_dict(config), tp=tp, pp=pp, virtual_stages=virtual_stages)
+    config = read_hf_config(hf_dir)
+    headers = read_headers(hf_dir, weight_files(hf_dir))
+    cls = model_class(config, lambda model: set(hf_tensors(headers, key_renamer(model), where=hf_dir)), where=hf_dir)
+    src, _ = read_hf_dir(hf_dir, model_class=cls)
+    layout = model_layout(config_from_dict(config), tp=tp, pp=pp, virtual_stages=virtual_stages, cls=cls)
     # a Hugging Face model is where training starts: step 0
-    return write_checkpoint(hf_dir, src, layout, config, out, step=0, generation_config=read_generation_config(hf_dir))
+    return write_checkpoint(hf_dir, src, layout, config, out, where=hf_dir, step=0,
+                            generation_config=read_generation_config(hf_dir))
+
+
+def _checkpoint_layout(directory: str, index: dict, *, tp: int, pp: int, virtual_stages: int) -> Layout:
+    weights = {n for n in index["tensors"] if not n.startswith(OPTIMIZER)}
+    cls = model_class(index["config"], lambda model: weights, where=directory)
+    return model_layout(config_from_dict(index["config"]), tp=tp, pp=pp, virtual_stages=virtual_stages, cls=cls)
 
 
 def reshard(ckpt: str, out: str, *, tp: int, pp: int, virtual_stages: int = 1) -> str:
     directory = checkpoint_dir(ckpt)
     index = read_index(directory)
-    layout = model_layout(config_from_dict(index["config"]), tp=tp, pp=pp, virtual_stages=virtual_stages)
-    return write_checkpoint(directory, index, layout, index["config"], out, step=index.get("step"),
+    layout = _checkpoint_layout(directory, index, tp=tp, pp=pp, virtual_stages=virtual_stages)
+    return write_checkpoint(directory, index, layout, index["config"], out, where=directory, step=index.get("step"),
                             optimizer=index.get("optimizer"), generation_config=index.get("generation_config"))
 
 
-def to_hf(ckpt: str, out: str, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+def to_hf(ckpt: str, out: str, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
+    """Export the checkpoint's weights as a Hugging Face directory; return the names of what a HF
+    directory cannot hold and was left out (the optimizer state)."""
     directory = checkpoint_dir(ckpt)
     index = read_index(directory)
+    layout = _checkpoint_layout(directory, index, tp=1, pp=1, virtual_stages=1)
+    work = _work(index, layout, base_prefixes(index["config"]), where=directory, optimizer=False)
     checks = FileChecks(directory, index.get("files"))
-    names = [n for n in index["tensors"] if not n.startswith(OPTIMIZER)]
-    groups = split_by_size([(n, entry_nbytes(index["tensors"][n])) for n in names], max_shard_bytes)
-    os.makedirs(out, exist_ok=True)
-    write_configs(out, config_from_dict(index["config"]), index.get("generation_config"))
+    sizes = [(name, entry_nbytes(index["tensors"][source])) for name, source, _ in work]
+    groups = split_by_size(sizes, max_shard_bytes)
+    sources = {name: source for name, source, _ in work}
+    staging = begin_export(out)
+    try:
+        files = _write_weights(directory, index, staging, groups, sources, checks=checks)
+    except BaseException:
+        remove_entry(staging)  # what was written so far: it may be as large as the model
+        raise
+    finish_export(staging, out, config=with_architecture(config_from_dict(index["config"]), layout.model_class),
+                  generation_config=index.get("generation_config"), files=files)
+    return sorted(n for n in index["tensors"] if n.startswith(OPTIMIZER))
+
+
+def _write_weights(directory: str, index: dict, staging: str, groups: list[list[str]], sources: dict[str, str], *,
+                   checks: FileChecks) -> list[str]:
+    """Each group of tensors (by the names they are written under) into one weights file."""
     files = []
-    with tqdm(total=len(names), desc="to-hf", unit="tensor", disable=None) as bar:
+    with tqdm(total=sum(map(len, groups)), desc="to-hf", unit="tensor", disable=None) as bar:
         for i, group in enumerate(groups):
             file = HF_WEIGHTS if len(groups) == 1 else numbered_weights_file(i, len(groups))
 
-            def produce(name: str) -> torch.Tensor:
-                entry = index["tensors"][name]
-                buf = torch.empty(entry["shape"], dtype=DTYPES[entry["dtype"]])
-                read_box(directory, entry, name, [[0, n] for n in entry["shape"]], buf, handles={}, checks=checks)
+            def produce(name: str):
                 bar.update(1)
-                return buf
+                entry = index["tensors"][sources[name]]
+                return read_chunks(directory, entry, sources[name], [[0, n] for n in entry["shape"]], checks=checks)
 
-            write_streaming(os.path.join(out, file),
-                            [(n, index["tensors"][n]["shape"], DTYPES[index["tensors"][n]["dtype"]]) for n in group], produce)
+            entries = [(n, index["tensors"][sources[n]]["shape"], DTYPES[index["tensors"][sources[n]]["dtype"]])
+                       for n in group]
+            write_streaming(os.path.join(staging, file), entries, produce)
             files.append(file)
-    finish_weights(out, files)
+    return files

@@ -9,9 +9,13 @@ import os
 import shutil
 import zlib
 
-from ..atomic import write_text_atomic
+from ..arguments import check_positive_int
+from ..atomic import remove_entry, write_text_atomic
 from .format import CheckpointError
-from .names import LATEST, is_checkpoint_name
+from .names import LATEST, is_checkpoint_name, parse_name, read_latest
+
+PARTIAL = ".partial"  # a checkpoint being written: ``ckpt-<step>.partial`` until it is whole
+REMOVING = ".removing"  # a checkpoint being deleted by ``prune``: out of the checkpoint names first
 
 
 def fsync_file(path: str) -> None:
@@ -32,18 +36,48 @@ def write_json(obj: object, target: str) -> None:
 
 
 def publish(partial: str, final: str) -> None:
-    """Make a fully written ``partial`` directory the current checkpoint: fsync it, rename it to
-    ``final``, then atomically point ``latest`` at it, and only then remove older ones. A crash at
-    any point leaves ``latest`` naming a whole checkpoint."""
+    """Make a fully written ``partial`` directory the checkpoint ``final``: fsync it, rename it, then
+    atomically point ``latest`` at it. A crash at any point leaves ``latest`` naming a whole
+    checkpoint. Nothing else under the directory is touched, older or newer: removing checkpoints
+    is ``prune``'s, and only when asked."""
     root = os.path.dirname(final)
     fsync_dir(partial)
     os.rename(partial, final)
     fsync_dir(root)
     write_json(os.path.basename(final), os.path.join(root, LATEST))
     fsync_dir(root)
-    for old in os.listdir(root):
-        if is_checkpoint_name(old.removesuffix(".partial")) and old != os.path.basename(final):
-            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+
+
+def prune(root: str, *, keep_last: int) -> list[str]:
+    """Remove the checkpoints under ``root`` older than its ``keep_last`` newest (by step, then
+    re-save), never the one ``latest`` names, with the leftovers of interrupted saves older than
+    those kept (a newer ``.partial`` may be a save still being written); return the names removed.
+    Each is renamed out of the checkpoint names before it is deleted, so a crash midway never leaves
+    a half-deleted directory that looks like a checkpoint."""
+    check_positive_int("keep_last", keep_last, fix="how many of the newest checkpoints to keep")
+    names = sorted(os.listdir(root))
+    done = sorted((parse_name(n), n) for n in names if is_checkpoint_name(n))
+    kept = {n for _, n in done[-keep_last:]} | {read_latest(root)}
+    oldest = done[-keep_last:][0][0] if done else None
+    removed = []
+    for name in names:
+        stem = name.removesuffix(PARTIAL).removesuffix(REMOVING)
+        if name in kept or not is_checkpoint_name(stem):
+            continue
+        if name.endswith(PARTIAL) and (oldest is None or parse_name(stem) >= oldest):
+            continue
+        doomed = os.path.join(root, stem + REMOVING)
+        if name != stem + REMOVING:
+            remove_entry(doomed)
+            os.rename(os.path.join(root, name), doomed)
+        if os.path.isdir(doomed) and not os.path.islink(doomed):
+            shutil.rmtree(doomed)
+        else:
+            os.unlink(doomed)  # a link by a checkpoint's name: the link goes, never what it points to
+        removed.append(name)
+    if removed:
+        fsync_dir(root)
+    return removed
 
 
 def file_digest(path: str) -> dict[str, int]:

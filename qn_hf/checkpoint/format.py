@@ -10,7 +10,9 @@ one file. The pieces of a tensor tile it exactly once.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 
 import torch
@@ -28,6 +30,7 @@ SAFETENSORS_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "fl
                      "int32": "I32", "uint8": "U8", "bool": "BOOL"}
 MAX_ELEMENTS = 1 << 40
 MAX_INDEX_BYTES = 256 << 20  # a million tensors' entries fit in far less
+MAX_CORNERS = 1 << 24  # pieces x 2**(dimensions they cut): ZeRO over 1024 ranks at tp 8 needs 2**17
 OPTIMIZER = "optimizer/"
 Box = list[list[int]]  # [[start, stop], ...] per dimension
 
@@ -98,34 +101,6 @@ def boxes(shape: torch.Size, spec: ShardSpec | None, tp_rank: int) -> list[tuple
     return out
 
 
-def flat_runs(shape: list[int] | torch.Size, start: int, stop: int) -> list[tuple[Box, int]]:
-    """The boxes of a tensor of ``shape`` that its flat (row-major) range ``[start, stop)`` covers,
-    each contiguous in memory, with the flat offset where each begins: how a ZeRO-1 piece of a
-    parameter is stored (at most two partial rows per dimension and one block of whole rows)."""
-    if start >= stop:
-        return []
-    if len(shape) == 0:
-        return [([], start)]
-    inner = 1
-    for n in shape[1:]:
-        inner *= n
-    first, last = start // inner, (stop - 1) // inner
-
-    def within(row: int, lo: int, hi: int) -> list[tuple[Box, int]]:
-        return [([[row, row + 1], *box], row * inner + at) for box, at in flat_runs(shape[1:], lo, hi)]
-
-    if first == last:
-        return within(first, start - first * inner, stop - first * inner)
-    full_from = first if start % inner == 0 else first + 1
-    full_to = last + 1 if stop % inner == 0 else last
-    runs = within(first, start - first * inner, inner) if full_from > first else []
-    if full_to > full_from:
-        runs.append(([[full_from, full_to], *([0, n] for n in shape[1:])], full_from * inner))
-    if full_to <= last:
-        runs += within(last, 0, stop - last * inner)
-    return runs
-
-
 def entry_nbytes(entry: dict) -> int:
     """Bytes of the whole tensor an index entry describes."""
     return torch.Size(entry["shape"]).numel() * torch.empty(0, dtype=DTYPES[entry["dtype"]]).element_size()
@@ -143,47 +118,80 @@ def checkpoint_dir(path: str) -> str:
     """The directory of the current checkpoint under ``path`` (or ``path`` itself if it is one)."""
     if os.path.isfile(os.path.join(path, INDEX)):
         return path
-    try:
-        with open(os.path.join(path, LATEST)) as f:
-            name = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} holds no checkpoint (no {LATEST} and no {INDEX})") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{os.path.join(path, LATEST)} is unreadable: {e}") from None
+    if not os.path.lexists(os.path.join(path, LATEST)):
+        raise CheckpointError(f"{path} holds no checkpoint (no {LATEST} and no {INDEX})")
+    name = read_json(os.path.join(path, LATEST))  # bounded: a planted huge pointer is refused unread
     if not isinstance(name, str) or not is_checkpoint_name(name):
         raise CheckpointError(f"{os.path.join(path, LATEST)} names {name!r}, not a checkpoint directory")
     return os.path.join(path, name)
 
 
-def read_index(directory: str) -> dict:
-    """The validated index: names, dtypes, shapes, boxes that tile each tensor exactly once, and
-    file names that stay inside the directory."""
-    where = os.path.join(directory, INDEX)
+def read_json(path: str) -> object:
+    """A JSON file's value; any file too large to be one of ours, or unreadable, is a ``CheckpointError``."""
     try:
-        size = os.path.getsize(where)
-        if size > MAX_INDEX_BYTES:  # refuse before reading: a forged index must not exhaust memory
-            raise CheckpointError(f"{where} is {size:,} bytes, more than an index can be ({MAX_INDEX_BYTES:,})")
-        with open(where) as f:
-            index = json.load(f)
+        size = os.path.getsize(path)
+        if size > MAX_INDEX_BYTES:  # refuse before reading: a forged file must not exhaust memory
+            raise CheckpointError(f"{path} is {size:,} bytes, more than an index can be ({MAX_INDEX_BYTES:,})")
+        with open(path, "rb") as f:
+            return json.loads(f.read())
     except FileNotFoundError:
-        raise CheckpointError(f"{where} is missing") from None
+        raise CheckpointError(f"{path} is missing") from None
     except (OSError, ValueError, RecursionError) as e:  # RecursionError: absurdly nested JSON
-        raise CheckpointError(f"{where} is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
+        raise CheckpointError(f"{path} is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def read_index(directory: str) -> dict:
+    """The validated index: its fields' types, names, dtypes, shapes, boxes that tile each tensor
+    exactly once, file names that stay inside the directory, optimizer state that belongs to a
+    tensor and is no larger than it, and no file asked to hold more bytes than it has."""
+    where = os.path.join(directory, INDEX)
+    index = read_json(where)
     if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("version") != VERSION:
         raise CheckpointError(f"{where} is not a {FORMAT} v{VERSION} index")
-    tensors = index.get("tensors")
-    if not isinstance(tensors, dict):
-        raise CheckpointError(f"{where}: 'tensors' must be a mapping")
+    _check_fields(where, index)
+    tensors = index["tensors"]
     for name, entry in tensors.items():
         check_entry(where, name, entry)
-    files = index.get("files", {})
-    if not isinstance(files, dict) or not all(
-        isinstance(f, str) and os.path.basename(f) == f and isinstance(d, dict) and set(d) == {"bytes", "crc32"}
-        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in d.values())
-        for f, d in files.items()
-    ):
-        raise CheckpointError(f"{where}: 'files' must map file names to their bytes and crc32")
+    for name, entry in tensors.items():
+        if name.startswith(OPTIMIZER):
+            _check_state(where, name, entry, tensors)
+    _check_file_sizes(directory, tensors, index.get("files") or {})
     return index
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_fields(where: str, index: dict) -> None:
+    """Every field but the tensors' entries: the types a reader relies on."""
+    def need(ok: bool, field: str, what: str) -> None:
+        if not ok:
+            raise CheckpointError(f"{where}: {field!r} is {str(index.get(field))[:80]!r}; it must be {what}")
+
+    need(isinstance(index.get("tensors"), dict), "tensors", "a mapping from tensor names to entries")
+    need(index.get("step") is None or _count(index["step"]), "step", "a non-negative integer or null")
+    config = index.get("config")
+    need(isinstance(config, dict) and isinstance(config.get("model_type"), str), "config",
+         "the model's config, a mapping with its model_type")
+    mesh = index.get("mesh", {})
+    need(isinstance(mesh, dict) and all(_count(v) for v in mesh.values()), "mesh", "a mapping to mesh sizes")
+    need(index.get("generation_config") is None or isinstance(index["generation_config"], dict), "generation_config",
+         "a mapping or null")
+    need(index.get("library_version") is None or isinstance(index["library_version"], str), "library_version",
+         "a string")
+    groups = index.get("optimizer")
+    scalar = (type(None), bool, int, float, str)
+    need(groups is None or (isinstance(groups, list) and all(
+        isinstance(g, dict) and isinstance(g.get("params"), list) and all(isinstance(p, str) for p in g["params"])
+        and all(isinstance(v, scalar) or (isinstance(v, list) and all(isinstance(x, scalar) for x in v))
+                for k, v in g.items() if k != "params") for g in groups)),
+         "optimizer", "null or a list of parameter groups: plain hyperparameters and the names of their 'params'")
+    files = index.get("files", {})
+    need(isinstance(files, dict) and all(
+        os.path.basename(f) == f and isinstance(d, dict) and set(d) == {"bytes", "crc32"}
+        and all(_count(v) for v in d.values())
+        for f, d in files.items()), "files", "a mapping from file names to their bytes and crc32")
 
 
 def check_entry(where: str, name: str, entry: object) -> None:
@@ -194,37 +202,85 @@ def check_entry(where: str, name: str, entry: object) -> None:
     if not isinstance(entry, dict) or entry.get("dtype") not in DTYPES:
         raise bad(f"dtype must be one of {sorted(DTYPES)}")
     shape = entry.get("shape")
-    if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+    if not isinstance(shape, list) or not all(_count(n) for n in shape):
         raise bad(f"shape {shape!r} is not a list of non-negative integers")
-    volume = 1
-    for n in shape:
-        volume *= n
-    if volume > MAX_ELEMENTS:
+    if math.prod(shape) > MAX_ELEMENTS:
         raise bad(f"shape {shape} has more than 2**40 elements")
     pieces = entry.get("pieces")
     if not isinstance(pieces, list) or not pieces:
         raise bad("no pieces")
-    covered = 0
-    seen = []
     for piece in pieces:
-        if not isinstance(piece, dict) or not isinstance(piece.get("key"), str):
-            raise bad(f"piece {piece!r} is malformed")
+        if (not isinstance(piece, dict) or not isinstance(piece.get("key"), str)
+                or not _count(piece.get("lead", 0)) or piece.get("lead", 0) > len(shape)):
+            raise bad(f"piece {str(piece)[:200]} is malformed")
         file = piece.get("file")
         if not isinstance(file, str) or os.path.basename(file) != file or file in ("", ".", "..") or not file.endswith(".safetensors"):
             raise bad(f"file {file!r} is not a .safetensors name inside the checkpoint directory")
         box = piece.get("box")
         if (not isinstance(box, list) or len(box) != len(shape)
-                or not all(isinstance(r, list) and len(r) == 2 and all(isinstance(v, int) for v in r) for r in box)
-                or not all(0 <= a <= b <= n for (a, b), n in zip(box, shape))):
-            raise bad(f"box {box!r} does not lie inside shape {shape}")
-        size = 1
-        for a, b in box:
-            size *= b - a
-        covered += size
-        seen.append(box)
-    for i, a in enumerate(seen):
-        for b in seen[i + 1 :]:
-            if all(max(x[0], y[0]) < min(x[1], y[1]) for x, y in zip(a, b)) and len(a) > 0:
-                raise bad(f"pieces {a} and {b} overlap")
+                or not all(isinstance(r, list) and len(r) == 2 and all(_count(v) for v in r) for r in box)
+                or not all(a <= b <= n for (a, b), n in zip(box, shape))):
+            raise bad(f"box {str(box)[:200]} does not lie inside shape {shape}")
+    boxes_ = [piece["box"] for piece in pieces]
+    covered, volume = sum(math.prod(b - a for a, b in box) for box in boxes_), math.prod(shape)
     if covered != volume:
         raise bad(f"pieces cover {covered} of {volume} elements")
+    split = [d for d in range(len(shape)) if any(box[d] != [0, shape[d]] for box in boxes_)]
+    if len(boxes_) << len(split) > MAX_CORNERS:
+        raise bad(f"{len(boxes_)} pieces cut along {len(split)} dimensions; more than a checkpoint ever needs")
+    if _corners(boxes_, split) != _corners([[[0, n] for n in shape]], split):
+        raise bad(f"pieces overlap: they add up to its {volume} elements but cover some twice and others never")
+
+
+def _corners(boxes_: list[Box], split: list[int]) -> dict[tuple[int, ...], int]:
+    """The boxes' signed corners, summed: a box's indicator is the alternating sum of the orthants
+    above its 2**d corners, so boxes tile a shape exactly once if and only if their corners add up
+    to the shape's own. Linear in the pieces (comparing every pair is quadratic: 10k pieces took
+    minutes). Dimensions in which every box spans the whole shape (not in ``split``) contribute the
+    same factor to every box and are left out."""
+    total: dict[tuple[int, ...], int] = {}
+    for box in boxes_:
+        if any(a == b for a, b in box):
+            continue  # an empty box covers nothing
+        for corner in itertools.product(*[((box[d][0], 1), (box[d][1], -1)) for d in split]):
+            point = tuple(c for c, _ in corner)
+            total[point] = total.get(point, 0) + math.prod(sign for _, sign in corner)
+    return {p: v for p, v in total.items() if v}
+
+
+def _check_state(where: str, name: str, entry: dict, tensors: dict) -> None:
+    """Optimizer state belongs to a tensor of the checkpoint and is shaped like it, or smaller (a step
+    counter, a factored second moment): a reader allocates it, so it must not be arbitrarily large."""
+    param, _, key = name[len(OPTIMIZER):].rpartition("/")
+    if not key or param.startswith(OPTIMIZER) or param not in tensors:
+        raise CheckpointError(f"{where}: optimizer state {name!r} belongs to no tensor of the checkpoint "
+                              f"(saved names are {OPTIMIZER}<tensor>/<state>)")
+    own = tensors[param]["shape"]
+    if entry["shape"] != own and math.prod(entry["shape"]) > max(1, math.prod(own)):
+        raise CheckpointError(f"{where}: optimizer state {name!r} has shape {entry['shape']}, larger than its "
+                              f"tensor's {own}")
+
+
+def _check_file_sizes(directory: str, tensors: dict, files: dict) -> None:
+    """Each file holds at least the bytes the index places in it: checked before anything is allocated
+    or read, so an index cannot make a reader allocate more than the checkpoint's files hold."""
+    need: dict[str, int] = {}
+    for entry in tensors.values():
+        itemsize = DTYPES[entry["dtype"]].itemsize
+        for piece in entry["pieces"]:
+            need[piece["file"]] = need.get(piece["file"], 0) + itemsize * math.prod(b - a for a, b in piece["box"])
+    for file, nbytes in need.items():
+        path = os.path.join(directory, file)
+        recorded = files.get(file, {}).get("bytes")
+        if recorded is not None and nbytes > recorded:
+            raise CheckpointError(f"{path}: the index places {nbytes:,} bytes of tensors in it but records it as "
+                                  f"{recorded:,} bytes")
+        try:
+            actual = os.path.getsize(path)
+        except FileNotFoundError:
+            continue  # reported by the rank that reads from it, naming the tensor
+        except OSError as e:
+            raise CheckpointError(f"{path} cannot be read: {e}") from None
+        if nbytes > actual:
+            raise CheckpointError(f"{path} is corrupt: the index places {nbytes:,} bytes of tensors in it, "
+                                  f"the file has {actual:,}")

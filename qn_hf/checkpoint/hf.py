@@ -1,5 +1,5 @@
-"""Hugging Face model directories, read and written: a directory read as a checkpoint (one
-whole-tensor piece per tensor), and the names, index and configs ``from_pretrained`` expects.
+"""Hugging Face model directories read as checkpoints (one whole-tensor piece per tensor), and
+what a checkpoint records of the model class and configs that ``from_pretrained`` expects.
 
 Tensors are read under the names the model's modules use: transformers 5 keeps some architectures
 on disk under older names (ViT's ``encoder.layer.N.attention.attention.query``) and renames them
@@ -7,63 +7,67 @@ while loading; the same renamings are applied here. Per-expert tensors (Mixtral'
 ``w2``, the Qwen family's ``experts.J.gate_proj``/``up_proj``/``down_proj``), which transformers stacks
 into fused experts tensors, are read as pieces of those (a rank under expert parallelism reads only its
 experts' files). Any other conversion that merges or splits tensors cannot be read piecewise and is
-refused with a clear error.
+refused with a clear error. Every file is read as untrusted: a malformed one is a ``CheckpointError``.
 """
 
 from __future__ import annotations
 
-import json
+import copy
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import transformers
-from safetensors import safe_open
-from transformers import GenerationConfig
+from safetensors import SafetensorError, safe_open
 
-from ..atomic import write_text_atomic
 from ..layout import meta_model
-from .format import CheckpointError, check_entry, dtype_of_code, entry_nbytes
+from .format import CheckpointError, check_entry, dtype_of_code, read_json
 
+HF_CONFIG = "config.json"
 HF_INDEX = "model.safetensors.index.json"
 HF_WEIGHTS = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
-# Weight files of several-file layouts: ours per pipeline stage, and transformers' own numbering.
-_SHARDED_WEIGHTS = re.compile(r"model-(\d{5}-of-\d{5}|pp\d{3}-\d{5})\.safetensors")
-
-
-def stage_weights_file(stage: int, part: int) -> str:
-    """The ``part``-th (0-based) file of a pipeline stage's weights in a several-file export."""
-    return f"model-pp{stage:03d}-{part + 1:05d}.safetensors"
-
-
-def numbered_weights_file(part: int, parts: int) -> str:
-    return f"model-{part + 1:05d}-of-{parts:05d}.safetensors"
-
-
-def split_by_size(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
-    """Names in order, grouped into files of at most ``max_bytes`` (a larger tensor gets its own)."""
-    chunks: list[list[str]] = [[]]
-    total = 0
-    for name, nbytes in sizes:
-        if chunks[-1] and total + nbytes > max_bytes:
-            chunks.append([])
-            total = 0
-        chunks[-1].append(name)
-        total += nbytes
-    return chunks
 
 
 def is_hf_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "config.json")) and (
+    return os.path.isfile(os.path.join(path, HF_CONFIG)) and (
         os.path.isfile(os.path.join(path, HF_WEIGHTS)) or os.path.isfile(os.path.join(path, HF_INDEX))
     )
 
 
 def config_from_dict(config: dict) -> transformers.PretrainedConfig:
+    """The config a dict describes (``config.json``'s, or an index's), or a ``CheckpointError``."""
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise CheckpointError(f"the config {str(config)[:100]!r} is not a mapping with a model_type")
     config = dict(config)
-    return transformers.AutoConfig.for_model(config.pop("model_type"), **config)
+    model_type = config.pop("model_type")
+    try:
+        return transformers.AutoConfig.for_model(model_type, **config)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:  # unknown model_type, fields of wrong types
+        raise CheckpointError(f"a {model_type!r} config cannot be built from these fields: {type(e).__name__}: "
+                              f"{str(e)[:200]}") from None
+
+
+def hf_class_name(module: torch.nn.Module) -> str:
+    """The transformers class a model is (the nearest one it derives from, for a user's subclass):
+    what ``architectures`` records so that a converter builds the same class."""
+    return next((c.__name__ for c in type(module).__mro__ if getattr(transformers, c.__name__, None) is c),
+                type(module).__name__)
+
+
+def recorded_config(config: transformers.PretrainedConfig, module: torch.nn.Module) -> dict:
+    """The config a checkpoint records: with the model's class in ``architectures`` (a model built
+    with ``from_config`` has none, and a converter would not know it has a head)."""
+    return {**config.to_dict(), "architectures": [hf_class_name(module)]}
+
+
+def with_architecture(config: transformers.PretrainedConfig, name: str) -> transformers.PretrainedConfig:
+    """A copy of ``config`` naming the class ``name`` in ``architectures``, as ``save_pretrained`` writes it."""
+    config = copy.deepcopy(config)
+    config.architectures = [name]
+    return config
 
 
 def base_prefixes(config: dict) -> list[str]:
@@ -106,13 +110,13 @@ def _merges_experts(converter) -> bool:
             and all(p.count("*") == 1 for p in converter.source_patterns))
 
 
-def _key_renamer(config: transformers.PretrainedConfig):
-    """transformers' load-time renamings for this architecture, as a function of one key: the new
+def key_renamer(model: torch.nn.Module) -> Callable[[str], str | ExpertPart]:
+    """transformers' load-time renamings for this model's class, as a function of one key: the new
     name, or for a per-expert tensor its place in the fused experts tensor."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, apply_converters, apply_renamings
 
-    transforms = get_model_conversion_mapping(meta_model(config))
+    transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
 
@@ -150,51 +154,88 @@ def _fused_entries(parts: list[tuple[ExpertPart, dict]]) -> dict[str, dict]:
                      "pieces": e["pieces"]} for target, e in fused.items()}
 
 
-def read_hf_dir(hf_dir: str) -> tuple[dict, dict]:
-    """A Hugging Face directory as an index of whole-tensor pieces (under the names the model's
-    modules use; per-expert tensors as pieces of the fused experts tensors), and its config dict."""
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        config = json.load(f)
-    rename = _key_renamer(config_from_dict(config))
-    if os.path.isfile(os.path.join(hf_dir, HF_INDEX)):
-        with open(os.path.join(hf_dir, HF_INDEX)) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.isfile(os.path.join(hf_dir, HF_WEIGHTS)):
-        files = [HF_WEIGHTS]
-    else:
-        raise CheckpointError(f"{hf_dir} has neither {HF_WEIGHTS} nor {HF_INDEX}")
-    tensors: dict[str, dict] = {}
-    parts: list[tuple[ExpertPart, dict]] = []
+def read_hf_config(hf_dir: str) -> dict:
+    config = read_json(os.path.join(hf_dir, HF_CONFIG))
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise CheckpointError(f"{os.path.join(hf_dir, HF_CONFIG)} is not a model config (a mapping with a model_type)")
+    return config
+
+
+def weight_files(hf_dir: str) -> list[str]:
+    """The weight files of a HF directory: those its index maps tensors to, or ``model.safetensors``."""
+    where = os.path.join(hf_dir, HF_INDEX)
+    if not os.path.isfile(where):
+        if not os.path.isfile(os.path.join(hf_dir, HF_WEIGHTS)):
+            raise CheckpointError(f"{hf_dir} has neither {HF_WEIGHTS} nor {HF_INDEX}")
+        return [HF_WEIGHTS]
+    weight_map = read_json(where)
+    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{where}: 'weight_map' must map tensor names to weight files")
+    for file in weight_map.values():
+        if not isinstance(file, str) or os.path.basename(file) != file or not file.endswith(".safetensors"):
+            raise CheckpointError(f"{where}: weight file {str(file)[:200]!r} is not a .safetensors name inside "
+                                  f"{hf_dir}")
+    return sorted(set(weight_map.values()))
+
+
+def read_headers(hf_dir: str, files: list[str]) -> list[tuple[str, dict]]:
+    """(key, whole-tensor entry) for every tensor of the weight files, from their headers."""
+    out = []
     for file in files:
+        path = os.path.join(hf_dir, file)
         try:
-            with safe_open(os.path.join(hf_dir, file), framework="pt") as f:
+            with safe_open(path, framework="pt") as f:
                 for key in f.keys():
                     sl = f.get_slice(key)
                     shape = list(sl.get_shape())
                     entry = {"shape": shape, "dtype": dtype_of_code(sl.get_dtype()),
                              "pieces": [{"file": file, "key": key, "box": [[0, n] for n in shape]}]}
-                    check_entry(os.path.join(hf_dir, file), key, entry)
-                    name = rename(key)
-                    if isinstance(name, ExpertPart):
-                        parts.append((name, {**entry["pieces"][0], "dtype": entry["dtype"]}))
-                    else:
-                        tensors[name] = entry
-        except (OSError, ValueError) as e:
+                    check_entry(path, key, entry)
+                    out.append((key, entry))
+        except (OSError, ValueError, SafetensorError) as e:
             if isinstance(e, CheckpointError):
                 raise
-            raise CheckpointError(f"{os.path.join(hf_dir, file)} cannot be read: {e}") from None
+            raise CheckpointError(f"{path} cannot be read: {type(e).__name__}: {str(e)[:200]}") from None
+    return out
+
+
+def hf_tensors(headers: list[tuple[str, dict]], rename: Callable[[str], str | ExpertPart], *,
+               where: str) -> dict[str, dict]:
+    """The entries under the names the model's modules use (per-expert tensors as pieces of the
+    fused experts tensors)."""
+    tensors: dict[str, dict] = {}
+    parts: list[tuple[ExpertPart, dict]] = []
+    for key, entry in headers:
+        name = rename(key)
+        if isinstance(name, ExpertPart):
+            parts.append((name, {**entry["pieces"][0], "dtype": entry["dtype"]}))
+        elif name in tensors:
+            raise CheckpointError(f"{where}: two weight files hold {name!r}")
+        else:
+            tensors[name] = entry
     for name, entry in _fused_entries(parts).items():
-        check_entry(hf_dir, name, entry)  # every expert of every part present, once
+        check_entry(where, name, entry)  # every expert of every part present, once
         tensors[name] = entry
-    return {"tensors": tensors}, config
+    return tensors
+
+
+def read_hf_dir(hf_dir: str, *, model_class: type | None = None) -> tuple[dict, dict]:
+    """A Hugging Face directory as an index of whole-tensor pieces under the names ``model_class``'s
+    modules use (by default the class its config names, else its base model), and its config dict."""
+    config = read_hf_config(hf_dir)
+    rename = key_renamer(meta_model(config_from_dict(config), cls=model_class))
+    return {"tensors": hf_tensors(read_headers(hf_dir, weight_files(hf_dir)), rename, where=hf_dir)}, config
 
 
 def read_generation_config(hf_dir: str) -> dict | None:
     path = os.path.join(hf_dir, transformers.utils.GENERATION_CONFIG_NAME)
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    config = read_json(path)
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} is not a generation config (a mapping)")
+    return config
 
 
 def generation_config_of(module: torch.nn.Module) -> dict | None:
@@ -204,37 +245,3 @@ def generation_config_of(module: torch.nn.Module) -> dict | None:
     if generation_config is None or not getattr(module, "can_generate", lambda: False)():
         return None
     return generation_config.to_dict()
-
-
-def write_configs(path: str, config: transformers.PretrainedConfig, generation_config: dict | None) -> None:
-    config.save_pretrained(path)
-    if generation_config is not None:
-        GenerationConfig.from_dict(generation_config).save_pretrained(path)
-
-
-def write_index(path: str, files: list[str]) -> None:
-    """``model.safetensors.index.json`` for weight files already written, from their headers."""
-    weight_map: dict[str, str] = {}
-    total = 0
-    for name in files:
-        with safe_open(os.path.join(path, name), framework="pt") as f:
-            for key in f.keys():
-                weight_map[key] = name
-                sl = f.get_slice(key)
-                total += entry_nbytes({"shape": list(sl.get_shape()), "dtype": dtype_of_code(sl.get_dtype())})
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    write_text_atomic(os.path.join(path, HF_INDEX), json.dumps(index, indent=2))
-
-
-def finish_weights(path: str, files: list[str]) -> None:
-    """The index for several files (none for one ``model.safetensors``), and no stale weight files
-    of an earlier save with another layout: from_pretrained prefers ``model.safetensors`` over an
-    index, so a stale one would silently win."""
-    single = files == [HF_WEIGHTS]
-    if not single:
-        write_index(path, files)
-    keep = set(files) | (set() if single else {HF_INDEX})
-    for name in os.listdir(path):
-        stale = name in (HF_WEIGHTS, HF_INDEX) or _SHARDED_WEIGHTS.fullmatch(name)
-        if stale and name not in keep:
-            os.unlink(os.path.join(path, name))

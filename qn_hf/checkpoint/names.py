@@ -8,11 +8,14 @@ import json
 import os
 import re
 
+from ..arguments import check_non_negative_int
+
 LATEST = "latest"
-_NAME = re.compile(r"ckpt-(\d{6,})(?:\.(\d+))?")
+_NAME = re.compile(r"ckpt-([0-9]{6,})(?:\.([0-9]+))?")
 
 
 def checkpoint_name(step: int, again: int = 0) -> str:
+    check_non_negative_int("step", step, what="the training step a checkpoint directory is named after")
     return f"ckpt-{step:06d}" + (f".{again}" if again else "")
 
 
@@ -28,12 +31,19 @@ def parse_name(name: str) -> tuple[int, int]:
     return int(match[1]), int(match[2] or 0)
 
 
-def _latest_step(path: str) -> int:
+def read_latest(path: str) -> str | None:
+    """The checkpoint directory name ``latest`` under ``path`` holds, or None (none, or unreadable)."""
     try:
         with open(os.path.join(path, LATEST)) as f:
-            return parse_name(json.load(f))[0]
-    except (OSError, ValueError, TypeError):
-        return 0
+            name = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return name if isinstance(name, str) and is_checkpoint_name(name) else None
+
+
+def _latest_step(path: str) -> int:
+    name = read_latest(path)
+    return 0 if name is None else parse_name(name)[0]
 
 
 def next_checkpoint_dir(path: str, *, step: int | None) -> str:
@@ -42,6 +52,6 @@ def next_checkpoint_dir(path: str, *, step: int | None) -> str:
     if step is None:
         step = _latest_step(path) + 1
     again = 0
-    while os.path.exists(os.path.join(path, checkpoint_name(step, again))):
+    while os.path.lexists(os.path.join(path, checkpoint_name(step, again))):  # a dangling link holds the name too
         again += 1
     return os.path.join(path, checkpoint_name(step, again))

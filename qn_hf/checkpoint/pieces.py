@@ -1,16 +1,21 @@
 """Reading any box of a global tensor from the saved pieces that overlap it: how a rank gets its
-shard at another mesh, and how the converters assemble whole tensors or new shards."""
+shard at another mesh, and how the converters assemble whole tensors or new shards, in chunks of
+bounded size whatever the size the index declares."""
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Iterator
 
 import torch
 from safetensors import safe_open
 
 from ..shard import ShardSpec
 from .files import FileChecks
-from .format import DTYPES, Box, CheckpointError, boxes, dtype_name, global_shape
+from .format import DTYPES, Box, CheckpointError, boxes, dtype_name, global_shape, safetensors_code
+
+CHUNK_BYTES = 64 << 20  # what a converter holds of one tensor at a time
 
 
 def read_box(directory: str, entry: dict, name: str, target_box: Box, out: torch.Tensor,
@@ -35,6 +40,9 @@ def read_box(directory: str, entry: dict, name: str, target_box: Box, out: torch
                 if handles is not None:
                     handles[file] = f
             sl = f.get_slice(piece["key"])
+            if sl.get_dtype() != safetensors_code(DTYPES[entry["dtype"]]):  # else values would be read as another type
+                raise CheckpointError(f"{file}: {piece['key']} is stored as {sl.get_dtype()}, "
+                                      f"the index says {entry['dtype']}")
             lead = piece.get("lead", 0)  # leading dims of extent 1 the stored tensor leaves out (one expert)
             if list(sl.get_shape()) != [b - a for a, b in box[lead:]] or any(b - a != 1 for a, b in box[:lead]):
                 raise CheckpointError(f"{file}: {piece['key']} has shape {sl.get_shape()}, the index says box {box}")
@@ -51,6 +59,51 @@ def read_box(directory: str, entry: dict, name: str, target_box: Box, out: torch
         for d, ((lo, hi), t) in enumerate(zip(overlap, target_box)):
             dst = dst.narrow(d, lo - t[0], hi - lo)
         dst.copy_(src.to(out.dtype) if src.dtype != out.dtype else src)
+
+
+def read_chunks(directory: str, entry: dict, name: str, box: Box, *,
+                checks: FileChecks | None = None) -> Iterator[torch.Tensor]:
+    """``box`` of the tensor ``name`` in consecutive row-major chunks of at most ``CHUNK_BYTES``, so
+    a converter's memory stays bounded whatever size the index declares."""
+    dtype = DTYPES[entry["dtype"]]
+    shape = [b - a for a, b in box]
+    numel, step = math.prod(shape), max(1, CHUNK_BYTES // dtype.itemsize)
+    for start in range(0, numel, step):
+        for run, _ in flat_runs(shape, start, min(start + step, numel)):
+            part = [[a + lo, a + hi] for (a, _), (lo, hi) in zip(box, run)]
+            buf = torch.empty([hi - lo for lo, hi in run], dtype=dtype)
+            # Files stay open for one chunk only: a mapping kept open would count every page read so
+            # far as resident memory.
+            read_box(directory, entry, name, part, buf, handles={}, checks=checks)
+            yield buf
+
+
+def flat_runs(shape: list[int] | torch.Size, start: int, stop: int) -> list[tuple[Box, int]]:
+    """The boxes of a tensor of ``shape`` that its flat (row-major) range ``[start, stop)`` covers,
+    each contiguous in memory, with the flat offset where each begins: how a ZeRO-1 piece of a
+    parameter is stored (at most two partial rows per dimension and one block of whole rows)."""
+    if start >= stop:
+        return []
+    if len(shape) == 0:
+        return [([], start)]
+    inner = 1
+    for n in shape[1:]:
+        inner *= n
+    first, last = start // inner, (stop - 1) // inner
+
+    def within(row: int, lo: int, hi: int) -> list[tuple[Box, int]]:
+        return [([[row, row + 1], *box], row * inner + at) for box, at in flat_runs(shape[1:], lo, hi)]
+
+    if first == last:
+        return within(first, start - first * inner, stop - first * inner)
+    full_from = first if start % inner == 0 else first + 1
+    full_to = last + 1 if stop % inner == 0 else last
+    runs = within(first, start - first * inner, inner) if full_from > first else []
+    if full_to > full_from:
+        runs.append(([[full_from, full_to], *([0, n] for n in shape[1:])], full_from * inner))
+    if full_to <= last:
+        runs += within(last, 0, stop - last * inner)
+    return runs
 
 
 def read_local(directory: str, index: dict, saved_name: str, like: torch.Tensor, spec: ShardSpec | None,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 from dataclasses import dataclass
 
 import torch
@@ -20,37 +19,41 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
-from ..arguments import check_non_negative_int
-from ..atomic import give_plain_mode
+from ..arguments import check_non_negative_int, check_positive_int
+from ..atomic import fresh_dir, give_plain_mode
 from ..comm import barrier
 from ..placement import ShardPlacement
 from ..shard import ShardSpec
 from ..version import __version__
-from .files import file_digest, fsync_file, publish, write_json
-from .format import (INDEX, boxes, dtype_name, flat_runs, global_shape, new_index, optimizer_key, shard_file,
+from .files import PARTIAL, file_digest, fsync_file, prune, publish, write_json
+from .format import (INDEX, boxes, dtype_name, global_shape, new_index, optimizer_key, shard_file,
                      tp_writes)
-from .hf import generation_config_of
+from .hf import generation_config_of, recorded_config
 from .names import checkpoint_name, next_checkpoint_dir, parse_name
+from .pieces import flat_runs
 
 
 def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, config,
                     optimizer: torch.optim.Optimizer | None = None, step: int | None = None,
-                    virtual_stages: int = 1) -> str:
+                    virtual_stages: int = 1, keep_last: int | None = None) -> str:
     """Write a checkpoint of ``module``'s shard on every rank (and ``optimizer``'s state) under
     ``path``; return its directory. ``config`` is the whole model's config; ``virtual_stages`` is
-    recorded in the index's mesh (informational: files are per pp rank and loading goes by name)."""
+    recorded in the index's mesh (informational: files are per pp rank and loading goes by name).
+    Other checkpoints under ``path`` stay, unless ``keep_last`` asks to remove all but the newest
+    ``keep_last`` once this one is published (``prune``)."""
     if step is not None:
         check_non_negative_int("step", step, what="the training step the checkpoint holds")
+    if keep_last is not None:
+        check_positive_int("keep_last", keep_last, fix="how many of the newest checkpoints to keep")
     chosen = torch.zeros(2, dtype=torch.int64, device=placement.device)
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
         chosen[0], chosen[1] = parse_name(os.path.basename(next_checkpoint_dir(path, step=step)))
     dist.broadcast(chosen, src=0)  # every rank writes into the directory rank 0 chose
     final = os.path.join(path, checkpoint_name(int(chosen[0]), int(chosen[1])))
-    partial = final + ".partial"
+    partial = final + PARTIAL
     if dist.get_rank() == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
+        fresh_dir(partial)
     barrier(placement.device)
 
     # ZeRO-1: each replica writes its pieces; ep: the first holder of each expert block its block
@@ -64,7 +67,7 @@ def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
                                                                          **({"ep": dims.ep} if dims.ep > 1 else {}),
                                                                          **({"virtual_stages": virtual_stages}
                                                                             if virtual_stages > 1 else {})},
-                          config=config.to_dict(), tensors={}, optimizer=None, files={},
+                          config=recorded_config(config, module), tensors={}, optimizer=None, files={},
                           generation_config=generation_config_of(module))
         for meta_name in sorted(n for n in os.listdir(partial) if n.endswith(".json")):
             with open(os.path.join(partial, meta_name)) as f:
@@ -78,6 +81,8 @@ def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
             os.unlink(os.path.join(partial, meta_name))
         write_json(index, os.path.join(partial, INDEX))
         publish(partial, final)
+        if keep_last is not None:
+            prune(path, keep_last=keep_last)
     barrier(placement.device)
     return final
 
