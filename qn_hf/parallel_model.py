@@ -16,7 +16,7 @@ from .checkpoint.adapter import save_adapter
 from .checkpoint.export import save_pretrained
 from .checkpoint.hf import DEFAULT_MAX_SHARD_BYTES
 from .checkpoint.load import load_checkpoint
-from .checkpoint.save import save_checkpoint
+from .checkpoint.save import DEFAULT_KEEP_LAST, save_checkpoint
 from .comm import flat_all_reduce_, gather_from_group
 from .context_parallel import CP_KEYS, shard_microbatch
 from .data_parallel import GradBuckets
@@ -367,12 +367,16 @@ class ParallelModel:
             save_pretrained(self.module, path, placement=self.placement, config=self.config,
                             max_shard_bytes=max_shard_size)
 
-    def save_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None, step: int | None = None) -> str:
-        """Sharded safetensors checkpoint (optimizer state included) that loads into any mesh."""
+    def save_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None, step: int | None = None,
+                        *, keep_last: int | None = DEFAULT_KEEP_LAST) -> str:
+        """Sharded safetensors checkpoint (optimizer state included) that loads into any mesh, written
+        as ``path/ckpt-<step>`` and made ``latest``. Afterwards only the newest ``keep_last`` checkpoints
+        under ``path`` are kept (and whatever ``latest`` names); ``None`` removes none."""
         self._weights_ready()
         with self.failures.guard("save_checkpoint"):
             return save_checkpoint(self.module, path, placement=self.placement, config=self.config,
-                                   optimizer=optimizer, step=step, virtual_stages=self.stage.plan.virtual)
+                                   optimizer=optimizer, step=step, virtual_stages=self.stage.plan.virtual,
+                                   keep_last=keep_last)
 
     def load_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> dict:
         """Load a checkpoint saved at any (dp, tp, pp); return its metadata (e.g. ``{"step": 1}``)."""

@@ -1,10 +1,10 @@
 """Run as a script: save checkpoint step 1, then die by SIGKILL inside the save of step 2.
 
-    python tests/crash_during_save.py MODEL_DIR CKPT_DIR {before,shard,index,latest,cleanup}
+    python tests/crash_during_save.py MODEL_DIR CKPT_DIR {before,shard,index,latest}
 
 before: as save_checkpoint starts; shard: inside the first shard file (left torn); index: inside the
-index; latest: inside the pointer; cleanup: after the new checkpoint is published, while the old
-one is being removed.
+index; latest: inside the pointer. (Saving removes no other checkpoint; a kill while older ones are
+pruned is tests/test_checkpoint_safety.py's.)
 """
 
 import os
@@ -45,19 +45,10 @@ def main() -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
                 real_json(obj, target)
 
-            real_rmtree = files.shutil.rmtree
-
-            def dying_rmtree(path, *args, **kwargs):
-                if os.path.basename(path) == "ckpt-000001":  # the old checkpoint, after the new one is live
-                    os.kill(os.getpid(), signal.SIGKILL)
-                real_rmtree(path, *args, **kwargs)
-
             if where == "before":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif where == "shard":
                 save.save_file = dying_save
-            elif where == "cleanup":
-                files.shutil.rmtree = dying_rmtree
             else:
                 files.write_json = save.write_json = dying_json  # publish() and the index
         pm.save_checkpoint(ckpt, optimizer=opt, step=step)

@@ -27,8 +27,8 @@ def test_checkpoints_are_named_by_their_step(worlds, model_dirs, tmp_path):
     names = worlds.run(2, "tests.test_checkpoint_names:case_saves", model_dir=model_dirs["gpt2"], ckpt=ckpt)[0]
     assert names[:4] == ["ckpt-000020", "ckpt-000020.1", "ckpt-000021", "ckpt-000030"], names
     assert names[4].startswith("step=-1 must be a non-negative integer"), names[3]
-    # saving never removes a checkpoint it did not write (retention is an explicit keep_last)
-    assert sorted(os.listdir(ckpt)) == ["ckpt-000020", "ckpt-000020.1", "ckpt-000021", "ckpt-000030", "latest"]
+    # the default retention (keep_last=3) keeps the newest three; older ones only are removed
+    assert sorted(os.listdir(ckpt)) == ["ckpt-000020.1", "ckpt-000021", "ckpt-000030", "latest"]
 
     assert convert.main(["reshard", ckpt, str(tmp_path / "resharded"), "--tp", "1", "--pp", "1"]) == 0
     resharded = checkpoint_dir(str(tmp_path / "resharded"))

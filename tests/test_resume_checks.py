@@ -1,6 +1,7 @@
 """Resuming checks what it resumes into: a model whose configuration differs from the saved one in
 anything that changes what the tensors mean (fewer layers, other head counts, another norm epsilon,
-tying), and an optimizer of another class, are refused with the difference named, nothing loaded."""
+tying), and an optimizer of another class (SGD would take AdamW's lr and weight decay), are refused
+with the difference named, nothing loaded."""
 
 from __future__ import annotations
 
@@ -44,6 +45,9 @@ def case_resume_checks(*, path: str) -> dict[str, str]:
         out[name + " unchanged"] = str(all(torch.equal(before[n], p) for n, p in other.named_parameters()))
     same = qn_hf.parallelize(_model(attention_dropout=0.0, use_cache=False), mesh=mesh_for(1, 1))
     out["harmless"] = _refusal(lambda: same.load_checkpoint(path))
+    for kind in (torch.optim.SGD, torch.optim.AdamW):
+        other = qn_hf.parallelize(_model(), mesh=mesh_for(1, 1))
+        out[kind.__name__] = _refusal(lambda: other.load_checkpoint(path, optimizer=qn_hf.optimizer(other, kind, lr=0.5)))
     return out
 
 
@@ -55,6 +59,8 @@ def test_resume_refuses_another_architecture(worlds, tmp_path):
     assert "tie_word_embeddings: saved False, this model True" in m["tying"], m
     assert all(m[k + " unchanged"] == "True" for k in ("layers", "eps", "heads", "tying")), m
     assert m["harmless"] == "no error", m
+    assert "the optimizer state was saved from AdamW, this optimizer is SGD" in m["SGD"], m
+    assert m["AdamW"] == "no error", m
 
 
 def test_config_differences_ignores_what_does_not_change_the_tensors():

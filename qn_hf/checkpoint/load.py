@@ -16,7 +16,7 @@ from .files import FileChecks
 from .format import DTYPES, CheckpointError, checkpoint_dir, global_shape, optimizer_prefix, read_index, state_spec
 from .hf import base_prefixes, is_hf_dir, read_hf_dir, source_name
 from .pieces import read_local
-from .save import model_param_groups
+from .save import OPTIMIZER_CLASS, model_param_groups, optimizer_class_name
 
 
 # Config entries that say nothing about what a checkpoint's tensors mean: bookkeeping, runtime
@@ -86,7 +86,7 @@ def load_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
     if optimizer is not None:
         for group, saved_group in zip(optimizer.param_groups, index["optimizer"]):
             for key, value in saved_group.items():
-                if key != "params" and key in group:
+                if key not in ("params", OPTIMIZER_CLASS) and key in group:
                     group[key] = tuple(value) if isinstance(group[key], tuple) else value
         group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
         for keyed, state in states.items():
@@ -186,6 +186,12 @@ def _check_optimizer(directory: str, index: dict, optimizer: torch.optim.Optimiz
         raise CheckpointError(f"{directory}: the optimizer had {len(saved)} parameter groups, this one has "
                               f"{len(optimizer.param_groups)}")
     names = {id(p): n for n, p in params.items()}
+    kind = optimizer_class_name(optimizer)
+    recorded = {g.get(OPTIMIZER_CLASS) for g in saved} - {None}  # absent: saved before classes were recorded
+    if recorded and recorded != {kind}:
+        raise CheckpointError(f"{directory}: the optimizer state was saved from {', '.join(sorted(recorded))}, this "
+                              f"optimizer is {kind}; its state and hyperparameters would mean other things: build a "
+                              f"{next(iter(sorted(recorded)))} to resume, or load without optimizer= to start it afresh")
     for i, (group, saved_group) in enumerate(zip(model_param_groups(optimizer), saved)):
         for p in group:
             name = names.get(id(p))

@@ -162,9 +162,23 @@ def optimizer_groups(module: nn.Module, placement: ShardPlacement, optimizer: to
     groups = []
     for group, params in zip(optimizer.param_groups, model_param_groups(optimizer)):
         hyper = {k: v for k, v in group.items() if k != "params" and isinstance(v, (int, float, bool, str, type(None), list, tuple))}
-        groups.append({**hyper, "params": sorted(names[id(p)] for p in params
-                                                 if not placement.is_follower(names.get(id(p))))})
+        groups.append({**hyper, OPTIMIZER_CLASS: optimizer_class_name(optimizer),
+                       "params": sorted(names[id(p)] for p in params if not placement.is_follower(names.get(id(p))))})
     return groups
+
+
+# Checkpoints a run keeps by default: the newest and two before it, so a save that turns out bad
+# (a diverged run) never takes the last good state with it.
+DEFAULT_KEEP_LAST = 3
+
+# Recorded with each saved parameter group: a resume into another optimizer class is refused (its
+# state keys and hyperparameters mean other things: SGD would take AdamW's lr and weight decay).
+OPTIMIZER_CLASS = "optimizer_class"
+
+
+def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
+    """The torch optimizer that steps: a qn_hf optimizer's inner one, or the optimizer itself."""
+    return type(getattr(optimizer, "inner", optimizer)).__name__
 
 
 def write_shard(module: nn.Module, placement: ShardPlacement, optimizer: torch.optim.Optimizer | None,

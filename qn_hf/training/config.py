@@ -58,6 +58,7 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 0  # 0: the whole validation split
     save_every: int = 0  # 0: only at the end (and at --stop-after)
+    keep_last: int = 3  # checkpoints kept: the newest N (a bad save never takes the last good state)
     stop_after: int | None = None  # stop (with a checkpoint) after this step, as if interrupted
     resume: str | None = None  # "latest" (this output_dir's checkpoints) or a checkpoint path
     output_dir: str = "runs/train"
@@ -102,6 +103,7 @@ _HELP = {
     "grad_clip": "clip the global gradient norm to this (0: no clipping)",
     "eval_batches": "validation batches per evaluation (0: the whole validation split)",
     "save_every": "write a sharded checkpoint every N steps (0: only at the end)",
+    "keep_last": "keep the newest N checkpoints, removing older ones after each save",
     "stop_after": "stop after this step with a checkpoint, as if interrupted (the LR schedule still spans --steps)",
     "resume": "resume from the latest checkpoint in --output-dir (flag alone) or from a checkpoint path",
     "timeline_step": "record this step's pipeline timeline as timeline.png (default: step 3 when pp > 1; 0: never)",
@@ -227,7 +229,7 @@ def _check(cfg: TrainConfig) -> None:
         if value is not None and value not in choices:
             raise UsageError(f"{name} {value!r} is not one of {sorted(choices)}")
     positive = {"batch_size": cfg.batch_size, "steps": cfg.steps, "seq_len": cfg.seq_len, "ep": cfg.ep,
-                "virtual_stages": cfg.virtual_stages,
+                "virtual_stages": cfg.virtual_stages, "keep_last": cfg.keep_last,
                 **({"microbatches": cfg.microbatches} if cfg.microbatches is not None else {})}
     for name, value in positive.items():
         if value < 1:

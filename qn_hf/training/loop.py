@@ -126,7 +126,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         log.append(record)
         progress.update(record)
         if (cfg.save_every and step % cfg.save_every == 0) or step == last:
-            saved = pm.save_checkpoint(cfg.checkpoint_root, optimizer=optimizer, step=step)
+            saved = pm.save_checkpoint(cfg.checkpoint_root, optimizer=optimizer, step=step, keep_last=cfg.keep_last)
             progress.say(f"step {step}: checkpoint {saved}")
     progress.close()
 
