@@ -138,14 +138,18 @@ def check_index_range(key: str, values: torch.Tensor, *, size: int, what: str, i
     kernels do, so the host never waits for the device."""
     if values.device.type == "meta" or values.numel() == 0:
         return
-    inside = (values >= 0) & (values < size)
-    if ignored is not None:
-        inside |= values == ignored
     if values.device.type != "cpu":
+        inside = (values >= 0) & (values < size)
+        if ignored is not None:
+            inside |= values == ignored
         torch._assert_async(inside.all(), f"batch[{key!r}] holds an index outside {what} [0, {size})")
         return
-    if not bool(inside.all()):
-        bad = values[~inside][0].item()
+    host = values.detach().numpy()  # the caller's host tensor, read where it is (no device involved)
+    inside = (host >= 0) & (host < size)
+    if ignored is not None:
+        inside |= host == ignored
+    if not inside.all():
+        bad = int(host[~inside][0])
         raise IndexError(f"batch[{key!r}] holds {bad}, outside {what} [0, {size})"
                          + (f" (and is not the ignored {ignored})" if ignored is not None else "")
                          + "; the plain model raises on it too")
