@@ -63,6 +63,7 @@ class FailTogether:
     def __init__(self) -> None:
         self.operation = 0
         self.failed: set[int] = set()  # operations this rank raised in itself
+        self.last_active = time.monotonic()  # when an operation last started or ended
         self._watcher: threading.Thread | None = None
 
     @contextlib.contextmanager
@@ -70,6 +71,7 @@ class FailTogether:
         """Run a communicating operation (``what`` names it in messages) under the rules above."""
         self.operation += 1
         number = self.operation
+        self.last_active = time.monotonic()
         self._watch()
         try:
             yield
@@ -88,25 +90,34 @@ class FailTogether:
             self.failed.add(number)
             _record(number, f"rank {rank} failed in {what}: {type(e).__name__}: {e}")
             raise
+        finally:
+            self.last_active = time.monotonic()
 
     def _watch(self) -> None:
-        """Start the watcher thread once (a daemon: it never keeps a finished process alive)."""
-        if self._watcher is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        """Start the watcher thread unless it runs (a daemon: it never keeps a finished process alive)."""
+        running = self._watcher is not None and self._watcher.is_alive()
+        if not running and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self._watcher = threading.Thread(target=_watch_loop, args=(weakref.ref(self), dist.get_rank()), daemon=True,
                                              name="qn_hf-fail-together")
             self._watcher.start()
+
+
+# The watcher stops once its model has started or finished no operation for this long (the next
+# operation starts it again): a model left idle (a script that made several, a test world) keeps no
+# thread polling the store. The wait covers the time an NCCL host runs ahead of its device.
+WATCH_IDLE_S = 30.0
 
 
 def _watch_loop(owner: weakref.ref, rank: int) -> None:
     """Print the first failure another rank recorded for the owner's current (or previous) operation,
     once it has stood for a whole interval without this rank failing in it too (the same error raised
     on every rank, e.g. a refused batch, is each rank's own and not printed). Ends with its owner
-    (held weakly, so a dropped model does not leave a thread behind) or the process group."""
+    (held weakly), the process group, or ``WATCH_IDLE_S`` without an operation."""
     seen: dict[int, str] = {}
     while True:
         time.sleep(WATCH_INTERVAL_S)
         watched = owner()
-        if watched is None or not dist.is_initialized():
+        if watched is None or not dist.is_initialized() or time.monotonic() - watched.last_active > WATCH_IDLE_S:
             return
         current, failed = watched.operation, set(watched.failed)
         del watched
