@@ -158,3 +158,43 @@ def lora_dropout_masks(*, model_dir: str) -> dict:
         dist.all_gather(other, mask.to(torch.uint8), group=pm.groups.tp)
         same[name] = bool(torch.equal(other[0], other[1]))
     return same
+
+
+def adapter_files(*, kind: str, model_dir: str, ref_dir: str, out_dir: str, tp: int, task_type: str | None) -> dict:
+    """The adapter directory qn_hf writes at tp against the one peft writes in one process, and what
+    every loader peft and transformers document makes of qn_hf's."""
+    import json
+    import os
+
+    from peft import AutoPeftModelForCausalLM, LoraConfig, PeftModel, get_peft_model
+
+    def wrapped():
+        torch.manual_seed(11)
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                            task_type=task_type)
+        return get_peft_model(load(kind, model_dir), config)
+
+    ref = wrapped()
+    pm = qn_hf.parallelize(wrapped(), tp=tp, mesh=mesh_for(1, tp))
+    pm.save_pretrained(out_dir)
+    if dist.get_rank() != 0:
+        return {}
+    ref.save_pretrained(ref_dir)
+    ours, theirs = (json.load(open(os.path.join(d, "adapter_config.json"))) for d in (out_dir, ref_dir))
+    expected = {n: p for n, p in ref.named_parameters() if "lora_" in n}
+    loaded = {
+        "PeftModel.from_pretrained": PeftModel.from_pretrained(load(kind, model_dir), out_dir),
+        "AutoPeftModelForCausalLM": AutoPeftModelForCausalLM.from_pretrained(out_dir),
+    }
+    base = load(kind, model_dir)
+    base.load_adapter(out_dir)  # transformers' own PEFT integration
+    loaded["load_adapter"] = base
+    errors = {}
+    for how, model in loaded.items():
+        got = {n.replace(".default", ""): p for n, p in model.named_parameters() if "lora_" in n}
+        want = {n.replace(".default", ""): p for n, p in expected.items()}
+        common = {n.removeprefix("base_model.model.") for n in want} & {n.removeprefix("base_model.model.") for n in got}
+        strip = {n.removeprefix("base_model.model."): p for n, p in got.items()}
+        errors[how] = (len(common) == len(want) and
+                       max((strip[n] - want["base_model.model." + n]).abs().max().item() for n in common))
+    return {"ours": ours, "theirs": theirs, "errors": errors}

@@ -100,3 +100,16 @@ def test_lora_dropout_masks_follow_the_input_layout(worlds, model_dirs):
         assert len(same) == 8, same
         for name, equal in same.items():
             assert equal == ("q_proj" in name), (name, same)  # column: one mask; row: one per slice
+
+
+@pytest.mark.parametrize("task_type", [None, "CAUSAL_LM"])
+def test_the_adapter_directory_is_what_peft_writes(worlds, model_dirs, tmp_path, task_type):
+    """adapter_config.json field for field as peft's own save_pretrained writes it (with no task type,
+    the base class that AutoPeftModelForCausalLM needs), and every documented loader reads the adapter."""
+    r = worlds.run(2, "tests.peft_cases:adapter_files", kind="llama", model_dir=model_dirs["llama"],
+                   ref_dir=str(tmp_path / "peft"), out_dir=str(tmp_path / "ours"), tp=2, task_type=task_type)[0]
+    assert r["ours"] == r["theirs"], (r["ours"], r["theirs"])
+    if task_type is None:
+        assert r["ours"]["auto_mapping"]["base_model_class"] == "LlamaForCausalLM"
+    for how, err in r["errors"].items():
+        assert err is not False and err < 1e-6, (how, err)

@@ -65,11 +65,20 @@ def _write(path: str, adapter: Adapter, state: dict[str, torch.Tensor]) -> None:
     # in memory at once: an adapter is small (LoRA's A and B)
     write_bytes_atomic(os.path.join(target, ADAPTER_WEIGHTS), save(state, metadata={"format": "pt"}))
     config = adapter.peft_model.peft_config[adapter.name]
+    # What PeftModel.save_pretrained writes, field for field: the base model's path when none is set
+    # (peft keeps it on the config), and without a task type the base class, which
+    # AutoPeftModelForCausalLM needs to know what to build.
+    base = adapter.peft_model.base_model.model
+    if config.base_model_name_or_path is None:
+        config.base_model_name_or_path = base.__dict__.get("name_or_path", None) or None
+    auto_mapping = None
+    if config.task_type is None:
+        auto_mapping = {"base_model_class": type(base).__name__, "parent_library": type(base).__module__}
     training, config.inference_mode = config.inference_mode, True  # as PeftModel.save_pretrained saves it
     try:
         staging = os.path.join(target, ".adapter_config.tmp")
         fresh_dir(staging)
-        config.save_pretrained(staging)
+        config.save_pretrained(staging, auto_mapping_dict=auto_mapping)
         os.replace(os.path.join(staging, ADAPTER_CONFIG), os.path.join(target, ADAPTER_CONFIG))
         os.rmdir(staging)
     finally:
