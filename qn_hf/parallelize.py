@@ -19,7 +19,7 @@ from .expert_parallel import apply_expert_parallel, experts_modules
 from .lora import unwrap_peft
 from .ring_attention import ChunkLayout
 from .data_parallel import DEFAULT_BUCKET_MB, GradBuckets, bucket_size_bytes
-from .mesh import Groups, build_groups, default_device, init_distributed, launched_world_size
+from .mesh import Groups, ParallelDims, build_groups, default_device, init_distributed, launched_world_size
 from .parallel_model import ParallelModel
 from .pipeline.runtime import StageExecutor
 from .pipeline.split import StagePlan
@@ -112,6 +112,9 @@ def _parallelize(model: nn.Module, *, dp: int, tp: int, pp: int, cp: int, ep: in
     if adapter is not None and checkpoint is not None:
         raise ValueError("checkpoint= with a PEFT model is not supported: its names are those of the LoRA-wrapped "
                          "model; load the base with from_pretrained, wrap it with get_peft_model, then parallelize")
+    # The launch first: with the wrong number of processes every other message would name the wrong fix
+    # (ep must divide dp*tp, ... of degrees the user did not mean).
+    ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp).check_world_size(launched_world_size())
     checked = check_parallel_config(model, dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
                                     virtual_stages=virtual_stages, policy=policy, layers_per_stage=layers_per_stage, bucket_mb=bucket_mb,
                                     mixed_precision=mixed_precision, recompute=recompute,

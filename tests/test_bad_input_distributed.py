@@ -8,6 +8,7 @@ import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import qn_hf
+from qn_hf.validate import check_parallel_config
 from tests.cases import error_message, mesh_for
 from tests.models import CONFIGS, load, make_batch
 
@@ -16,6 +17,8 @@ def case_bad_configs(*, gpt2_dir: str) -> dict[str, str]:
     odd_kv = LlamaConfig(**{**CONFIGS["llama"].to_dict(), "num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 24})
     messages = {
         "world size": error_message(lambda: qn_hf.parallelize(load("gpt2", gpt2_dir), dp=1, tp=1)),
+        # the wrong launch is named first, not a consequence of it (ep must divide dp*tp=1)
+        "world size before ep": error_message(lambda: qn_hf.parallelize(load("gpt2", gpt2_dir), ep=2)),
         "schedule": error_message(lambda: qn_hf.parallelize(load("gpt2", gpt2_dir), dp=2, tp=1, schedule="nope")),
         "heads": error_message(lambda: qn_hf.parallelize(GPT2LMHeadModel(GPT2Config(n_head=3, n_embd=24, n_layer=1)), tp=2)),
         "kv heads": error_message(lambda: qn_hf.parallelize(LlamaForCausalLM(odd_kv), tp=2)),
@@ -32,8 +35,9 @@ def case_bad_configs(*, gpt2_dir: str) -> dict[str, str]:
                                                                             virtual_stages=2))
     messages["interleaved pp=1"] = error_message(lambda: qn_hf.parallelize(
         eight, dp=2, microbatches=2, schedule="interleaved_1f1b", virtual_stages=2))
-    messages["zb sequence parallel"] = error_message(lambda: qn_hf.parallelize(
-        eight, tp=2, pp=2, microbatches=2, schedule="zb_h1", sequence_parallel=True))
+    # a mesh of 4 ranks (the world of 2 would be refused first): the configuration check on its own
+    messages["zb sequence parallel"] = error_message(lambda: check_parallel_config(
+        eight, dp=1, tp=2, pp=2, microbatches=2, schedule="zb_h1", sequence_parallel=True))
     messages["labels"] = error_message(lambda: pm.train_step({"input_ids": batch["input_ids"][:2]}))
     one_block = GPT2LMHeadModel(GPT2Config(n_head=4, n_embd=32, n_layer=1))
     messages["pp too large"] = error_message(lambda: qn_hf.parallelize(one_block, pp=2))
@@ -51,6 +55,7 @@ def test_every_rank_raises_before_any_collective(worlds, model_dirs):
     assert results[0] == results[1]
     m = results[0]
     assert "world size 2 != dp*tp*pp = 1*1*1 = 1" in m["world size"]
+    assert m["world size before ep"].startswith("world size 2 != dp*tp*pp = 1*1*1 = 1"), m["world size before ep"]
     assert "schedule='nope' is unknown" in m["schedule"]
     assert all(name in m["schedule"] for name in ("1f1b", "gpipe", "interleaved_1f1b", "zb_h1")), m["schedule"]
     assert "tp=2 does not divide num_attention_heads=3; use a tp among [1, 3]" in m["heads"]
