@@ -18,6 +18,7 @@ EXAMPLES = """examples:
   qn-hf-convert reshard ./ckpt ./ckpt-tp4 --tp 4 --pp 1    # resume the same run at another mesh
   qn-hf-convert reshard ./ckpt ./ckpt-v2 --tp 1 --pp 2 --virtual-stages 2  # files laid out for interleaved 1F1B
   qn-hf-convert to-hf ./ckpt ./gpt2-trained                # back to AutoModel.from_pretrained
+  qn-hf-convert to-hf ./ckpt ./gpt2-trained --overwrite    # replace an earlier export
 """
 
 
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("ckpt", help="a checkpoint directory (ckpt-<step>) or the directory holding them (its latest)")
     p.add_argument("out", help="the Hugging Face directory to write (config, generation config, safetensors)")
     p.add_argument("--max-shard-size", type=_size, default=_size("5GB"), help="largest output file (default 5GB)")
+    p.add_argument("--overwrite", action="store_true", help="replace the model files of a non-empty OUT")
     for name, what in (("from-hf", "Hugging Face directory -> sharded checkpoint"), ("reshard", "checkpoint -> checkpoint at another mesh")):
         p = sub.add_parser(name, help=what, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("src", help="a Hugging Face model directory" if name == "from-hf" else
@@ -54,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "to-hf":
-            left_out = to_hf(args.ckpt, args.out, max_shard_bytes=args.max_shard_size)
+            left_out = to_hf(args.ckpt, args.out, max_shard_bytes=args.max_shard_size, overwrite=args.overwrite)
+            print(args.out)  # as from-hf and reshard print what they wrote
             if left_out:  # a converter never writes fewer tensors than it read without saying so
                 print(f"qn-hf-convert: note: {args.out} holds the weights only; the checkpoint's optimizer state "
                       f"({len(left_out)} tensors) was left out (reshard keeps it)", file=sys.stderr)

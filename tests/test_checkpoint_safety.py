@@ -183,7 +183,7 @@ def test_conversions_never_write_through_a_planted_link(tmp_path):
               resharded / "ckpt-000000.partial": tmp_path / "elsewhere"}
     for link, target in plants.items():
         os.symlink(target, link)
-    assert convert.main(["to-hf", str(ckpt), str(out)]) == 0
+    assert convert.main(["to-hf", str(ckpt), str(out), "--overwrite"]) == 0
     assert convert.main(["reshard", str(ckpt), str(resharded), "--tp", "2", "--pp", "1"]) == 0
     assert all((tmp_path / v).read_bytes() == VICTIM for v in ("v1", "v2", "v3")) and os.listdir(tmp_path / "elsewhere") == []
     assert not (out / "config.json").is_symlink() and LlamaForCausalLM.from_pretrained(out) is not None
@@ -198,7 +198,7 @@ def test_a_failed_to_hf_leaves_the_previous_export(tmp_path, capsys):
     assert convert.main(["to-hf", ckpt, str(out)]) == 0
     before = {name: (out / name).read_bytes() for name in os.listdir(out)}
     os.unlink(os.path.join(checkpoint_dir(other), "shard-pp0-tp0.safetensors"))
-    assert convert.main(["to-hf", other, str(out)]) == 2
+    assert convert.main(["to-hf", other, str(out), "--overwrite"]) == 2
     assert "shard-pp0-tp0.safetensors is missing" in capsys.readouterr().err
     assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before  # no staging left either
 
@@ -279,7 +279,7 @@ def test_to_hf_memory_is_bounded_whatever_the_index_declares(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     rss = [subprocess.run([sys.executable, "-c", peak, *args], env=env, capture_output=True, text=True, timeout=300)
            for args in ([], ["to-hf", ckpt, str(tmp_path / "out")])]
-    (_, baseline), (rc, used) = (map(int, r.stdout.split()) for r in rss)
+    (_, baseline), (rc, used) = (map(int, r.stdout.split()[-2:]) for r in rss)  # to-hf prints its path first
     assert rc == 0, rss[1].stderr[-2000:]
     assert used - baseline < 200, f"to-hf of a 256 MiB tensor held {used - baseline} MiB"  # before: 492; after: 114
 
@@ -355,3 +355,19 @@ def test_malformed_hf_directories_are_one_line_errors(tmp_path, damage, message)
     damage(hf)
     rc, err = _run("from-hf", str(hf), str(tmp_path / "ckpt"), "--tp", "1", "--pp", "1")
     assert rc == 2 and message in err and err.count("\n") == 0 and "Traceback" not in err, err
+
+
+def test_to_hf_refuses_a_non_empty_directory_unless_told_and_says_what_it_wrote(tmp_path, capsys):
+    ckpt, out = str(tmp_path / "ckpt"), tmp_path / "out"
+    assert convert.main(["from-hf", str(_hf_dir(tmp_path / "hf", "llama")), ckpt, "--tp", "1", "--pp", "1"]) == 0
+    capsys.readouterr()
+    assert convert.main(["to-hf", ckpt, str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)  # as from-hf and reshard, the path it wrote
+    (out / "notes.txt").write_text("mine")
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    assert convert.main(["to-hf", ckpt, str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "is not empty" in err and "--overwrite" in err, err
+    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
+    assert convert.main(["to-hf", ckpt, str(out), "--overwrite"]) == 0
+    assert (out / "notes.txt").read_text() == "mine" and LlamaForCausalLM.from_pretrained(out) is not None

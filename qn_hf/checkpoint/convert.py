@@ -22,7 +22,7 @@ from tqdm import tqdm
 from ..atomic import fresh_dir, remove_entry
 from ..layout import Layout, Place, candidate_classes, meta_model, model_layout, named_class
 from ..version import __version__
-from .export import begin_export, finish_export, numbered_weights_file, split_by_size
+from .export import STAGING, begin_export, finish_export, numbered_weights_file, split_by_size
 from .files import PARTIAL, FileChecks, file_digest, publish, write_json
 from .format import (DTYPES, INDEX, OPTIMIZER, CheckpointError, boxes, checkpoint_dir, entry_nbytes, new_index,
                      optimizer_key, read_index, shard_file, state_spec, tp_writes)
@@ -214,9 +214,13 @@ def reshard(ckpt: str, out: str, *, tp: int, pp: int, virtual_stages: int = 1) -
                             optimizer=index.get("optimizer"), generation_config=index.get("generation_config"))
 
 
-def to_hf(ckpt: str, out: str, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
+def to_hf(ckpt: str, out: str, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False) -> list[str]:
     """Export the checkpoint's weights as a Hugging Face directory; return the names of what a HF
-    directory cannot hold and was left out (the optimizer state)."""
+    directory cannot hold and was left out (the optimizer state). An ``out`` that holds anything
+    (but an earlier failed export's staging) is refused unless ``overwrite``, as HF's tools do."""
+    if not overwrite and os.path.isdir(out) and any(entry != STAGING for entry in os.listdir(out)):
+        raise CheckpointError(f"{out} is not empty; choose a new directory, or pass --overwrite to replace the model "
+                              f"files it holds")
     directory = checkpoint_dir(ckpt)
     index = read_index(directory)
     layout = _checkpoint_layout(directory, index, tp=1, pp=1, virtual_stages=1)
