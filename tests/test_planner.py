@@ -199,6 +199,28 @@ def test_cli_enumerates_ranks_and_explains_rejections(tmp_path, capsys):
     assert "tp=3" in capsys.readouterr().err
 
 
+def test_cli_fixes_a_global_batch_and_searches_what_is_not_given(tmp_path, capsys):
+    """--global-batch ranks only meshes that train exactly that many sequences (each row and JSON entry
+    says so); degrees given with --gpus are kept and the others searched; a mesh whose dp does not
+    divide the batch is rejected, saying why."""
+    PUBLIC["llama-3-8b"].save_pretrained(tmp_path)
+    main([str(tmp_path), "--gpus", "16", "--seq-len", "1024", "--global-batch", "24", "--cp", "1", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["meshes"] and {m["global_batch"] for m in out["meshes"]} == {24}
+    assert all(m["dp"] * m["microbatches"] == 24 for m in out["meshes"])
+    assert any("global batch of 24 sequences is not a whole number of microbatches of dp=16" in r["reason"]
+               for r in out["rejected"])
+    main([str(tmp_path), "--gpus", "16", "--tp", "4", "--pp", "2", "--seq-len", "1024", "--cp", "1", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert [(m["dp"], m["tp"], m["pp"]) for m in out["meshes"]] == [(2, 4, 2)]
+    main([str(tmp_path), "--gpus", "16", "--seq-len", "1024", "--cp", "1"])
+    table = capsys.readouterr().out
+    assert "| global batch |" in table and "train different global batches" in table and "payload" in table
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--tp", "8", "--pp", "8"])
+    assert "give --gpus N" in capsys.readouterr().err
+
+
 def test_cli_training_flags(tmp_path, capsys):
     """--dtype/--zero/--recompute reach the estimate: ZeRO shards the AdamW state over dp, recomputation
     keeps fewer activations and repeats tp all-reduces, fp32 holds 16 B per parameter, mixed precision 18."""

@@ -1,10 +1,16 @@
 """qn-hf-plan: which (dp, tp, pp, cp) fits, where the stages are cut, what each rank holds and sends.
 
-    qn-hf-plan MODEL --gpus 64 [--gpu-memory 80GiB] [--seq-len 4096] [--micro-batch-size 1]
+    qn-hf-plan MODEL --gpus 64 [--global-batch 256] [--gpu-memory 80GiB] [--seq-len 4096] [--micro-batch-size 1]
                [--dtype bf16|fp16|fp32] [--zero] [--recompute full|selective] [--sequence-parallel] [--cp N]
                [--ep N] [--schedule 1f1b|gpipe|interleaved_1f1b|zb_h1] [--virtual-stages V]
+    qn-hf-plan MODEL --gpus 64 --tp 8 --pp 8 --global-batch 512         # the other degrees searched
     qn-hf-plan MODEL --dp 1 --tp 8 --pp 8 [--cp 2] [--ep 8] [--microbatches 32]  # one mesh, per-stage detail
     qn-hf-plan path/to/config.json --gpus 16 --json                     # machine-readable
+
+--global-batch B ranks only meshes that train exactly B sequences per step (each mesh's microbatches
+are B / (dp x micro-batch size); one that this does not divide is rejected, saying so), and every row
+and JSON entry shows the global batch it trains. Degrees given with --gpus (--dp, --tp, --pp, --cp)
+are kept and the rest searched.
 
 MODEL is a Hugging Face directory or a config.json. The model is built on the meta device (no
 weights, no GPU) and put through the checks, tp plan and stage cut ``parallelize`` uses, so a
@@ -99,7 +105,7 @@ def mesh_report(est: MeshEstimate, hw: Hardware) -> str:
     lines = [
         f"mesh dp={est.dp} tp={est.tp} pp={est.pp} cp={est.cp}{f' ep={est.ep}' if ep else ''} "
         f"({est.world_size} GPUs), {schedule_name(est)}, {est.microbatches} microbatches of {est.micro_batch_size} x "
-        f"{est.seq_len} positions; {est.total_params:,} parameters; "
+        f"{est.seq_len} positions (a global batch of {est.global_batch} sequences); {est.total_params:,} parameters; "
         f"{settings(mixed_precision=est.mixed_precision, zero=est.zero, recompute=est.recompute, sequence_parallel=est.sequence_parallel)}",
         f"bubble of {est.schedule} {est.bubble:.3f} (its action lists timed with per-op costs from FLOPs); "
         f"links: tp {link['tp']}, cp {link['cp']}, pp {link['pp']}, "
@@ -107,7 +113,7 @@ def mesh_report(est: MeshEstimate, hw: Hardware) -> str:
         "",
         f"| stage | blocks | also holds | params / rank | weights GiB | grads GiB | AdamW{master} GiB "
         f"| activations / microbatch GiB |{' W stash / microbatch GiB |' if stash else ''} in flight "
-        f"| peak activations GiB | total GiB | tp GB/step | cp GB/step | pp GB/step | dp GB/step |"
+        f"| peak activations GiB | total GiB | tp GB/step | cp GB/step | pp GB/step | dp GB/step (payload) |"
         + (" ep GB/step |" if ep else ""),
         "|---" * (15 + stash + ep) + "|",
     ]
@@ -150,20 +156,29 @@ def mesh_name(dp: int, tp: int, pp: int, cp: int, ep: int = 1) -> str:
 
 def ranking_report(accepted: list[Candidate], rejected, *, hw: Hardware, top: int, label: str, ep: int = 1) -> str:
     lines = [
-        f"| rank | dp | tp | pp | cp | microbatches | bubble | peak GiB / GPU ({label}) | fits {gib(hw.gpu_memory)} GiB "
-        "| est. step s | tokens/s | tp GB | cp GB | pp GB | dp GB |" + (" ep GB |" if ep > 1 else ""),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if ep > 1 else ""),
+        f"| rank | dp | tp | pp | cp | microbatches | global batch | bubble | peak GiB / GPU ({label}) "
+        f"| fits {gib(hw.gpu_memory)} GiB | est. step s | tokens/s | tp GB | cp GB | pp GB | dp GB |"
+        + (" ep GB |" if ep > 1 else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if ep > 1 else ""),
     ]
     for i, c in enumerate(accepted[:top], 1):
         e = c.estimate
         per_stage = [group_gb(s.comm) for s in e.stages]
         worst = {g: max(gb[g] for gb in per_stage) for g in ("tp", "cp", "pp", "dp", "ep")}
         lines.append(
-            f"| {i} | {e.dp} | {e.tp} | {e.pp} | {e.cp} | {e.microbatches} | {e.bubble:.3f} | {gib(c.peak_bytes)} "
+            f"| {i} | {e.dp} | {e.tp} | {e.pp} | {e.cp} | {e.microbatches} | {e.global_batch} | {e.bubble:.3f} "
+            f"| {gib(c.peak_bytes)} "
             f"| {'yes' if c.fits else 'no'} | {c.time.seconds:.2f} | {c.time.tokens_per_s:,.0f} | {worst['tp']:.1f} "
             f"| {worst['cp']:.1f} | {worst['pp']:.1f} | {worst['dp']:.1f} |"
             + (f" {worst['ep']:.1f} |" if ep > 1 else "")
         )
+    lines.append("\nGB columns: per step and GPU (the busiest stage), the payload this rank hands to the group's "
+                 "collectives and sends (dp: its gradient buckets); a ring all-reduce puts 2(N-1)/N of its payload "
+                 "on the wire.")
+    batches = sorted({c.estimate.global_batch for c in accepted[:top]})
+    if len(batches) > 1:
+        lines.append(f"These meshes train different global batches ({', '.join(map(str, batches))} sequences per "
+                     f"step), so their tokens/s compare different runs: --global-batch B ranks meshes that train B.")
     if len(accepted) > top:
         lines.append(f"\n({len(accepted) - top} more valid meshes; --top N shows more)")
     if rejected:
@@ -178,6 +193,7 @@ def to_json(est: MeshEstimate, hw: Hardware) -> dict:
     out["peak_bytes"] = est.peak_bytes
     out["fits"] = out["peak_bytes"] <= hw.gpu_memory
     out["links"] = links(est, hw)
+    out["global_batch"] = est.global_batch
     for stage, s in zip(out["stages"], est.stages):
         if len(s.chunks) == 1:
             stage["blocks"] = s.blocks
@@ -202,6 +218,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's, at most 4096)")
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--microbatches", type=int, default=None, help="per step (default: 4 per pipeline stage)")
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help="sequences per optimizer step: rank only meshes that train exactly this many (their "
+                             "microbatches follow: global batch / (dp x micro-batch size))")
     parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     parser.add_argument("--virtual-stages", type=int, default=1,
                         help="chunks per pipeline rank (interleaved_1f1b needs 2 or more; default 1)")
@@ -220,11 +239,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     args = parser.parse_args(argv)
 
-    explicit = [args.dp, args.tp, args.pp]
-    if any(v is not None for v in explicit) and not all(v is not None for v in explicit):
-        parser.error("give all of --dp, --tp and --pp, or none (to enumerate meshes for --gpus)")
-    if args.gpus is None and args.dp is None:
-        parser.error("give --gpus N (to enumerate meshes) or --dp/--tp/--pp")
+    explicit = {name: getattr(args, name) for name in ("dp", "tp", "pp") if getattr(args, name) is not None}
+    whole_mesh = len(explicit) == 3
+    if args.gpus is None and not whole_mesh:
+        parser.error("give --gpus N (every mesh for N GPUs, keeping any of --dp/--tp/--pp/--cp given) or all of "
+                     "--dp, --tp and --pp")
+    if args.microbatches is not None and args.global_batch is not None:
+        parser.error("give --microbatches or --global-batch, not both (the global batch fixes the microbatches)")
+    for name in ("gpus", "global_batch", *explicit):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')}={value} must be at least 1")
     config = load_config(args.model)
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 4096
     seq_len = args.seq_len or min(positions, 4096)
@@ -235,17 +260,19 @@ def main(argv: list[str] | None = None) -> None:
     training = dict(mixed_precision=MIXED_PRECISION[args.dtype], zero=args.zero, recompute=args.recompute,
                     sequence_parallel=args.sequence_parallel)
     try:
-        if args.dp is not None:
+        if whole_mesh:
             cp = args.cp or 1
             if args.gpus is not None:
                 ParallelDims(dp=args.dp, tp=args.tp, pp=args.pp, cp=cp, ep=args.ep).check_world_size(args.gpus)
-            est = planner.estimate(dp=args.dp, tp=args.tp, pp=args.pp, cp=cp, ep=args.ep,
-                                   microbatches=microbatches_for(args.pp, args.microbatches, schedule=args.schedule),
+            microbatches = microbatches_for(args.pp, args.microbatches, schedule=args.schedule, dp=args.dp,
+                                            global_batch=args.global_batch, micro_batch_size=args.micro_batch_size)
+            est = planner.estimate(dp=args.dp, tp=args.tp, pp=args.pp, cp=cp, ep=args.ep, microbatches=microbatches,
                                    schedule=args.schedule, virtual_stages=args.virtual_stages, **training)
             print(json.dumps(to_json(est, hw), indent=1) if args.json else mesh_report(est, hw))
             return
         accepted, rejected = search(planner, gpus=args.gpus, hw=hw, microbatches=args.microbatches, schedule=args.schedule,
-                                    virtual_stages=args.virtual_stages, cp=args.cp, ep=args.ep, **training)
+                                    virtual_stages=args.virtual_stages, cp=args.cp, ep=args.ep,
+                                    global_batch=args.global_batch, fixed=explicit, **training)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -255,8 +282,10 @@ def main(argv: list[str] | None = None) -> None:
                           "rejected": [dataclasses.asdict(r) for r in rejected]}, indent=1))
         return
     label = settings(**training)
-    print(f"{config.model_type}: {planner.total_params:,} parameters, {args.gpus} GPUs, sequences of {seq_len}, "
-          f"micro-batch {args.micro_batch_size}, {label}" + (f", ep={args.ep}" if args.ep > 1 else ""))
+    kept = "".join(f", {k}={v}" for k, v in explicit.items())
+    batch = f", global batch {args.global_batch}" if args.global_batch else ""
+    print(f"{config.model_type}: {planner.total_params:,} parameters, {args.gpus} GPUs{kept}, sequences of {seq_len}, "
+          f"micro-batch {args.micro_batch_size}{batch}, {label}" + (f", ep={args.ep}" if args.ep > 1 else ""))
     print(ranking_report(accepted, rejected, hw=hw, top=args.top, label=label, ep=args.ep))
     if accepted:
         print("\nbest mesh in detail:\n")

@@ -149,6 +149,12 @@ class MeshEstimate:
         return self.dp * self.tp * self.pp * self.cp
 
     @property
+    def global_batch(self) -> int:
+        """Sequences one step trains: dp replicas x microbatches x micro-batch size (cp splits each
+        sequence, it adds none)."""
+        return self.dp * self.microbatches * self.micro_batch_size
+
+    @property
     def replicas(self) -> int:
         """Ranks holding the same shard, whose gradients are summed (and ZeRO's state split): dp x cp."""
         return self.dp * self.cp

@@ -59,11 +59,20 @@ def meshes(gpus: int, *, gpus_per_node: int, cp: int | None = None, max_cp: int 
     return out
 
 
-def microbatches_for(pp: int, requested: int | None, *, schedule: str = "1f1b") -> int:
-    """Microbatches per step: as requested (an M the schedule refuses is refused with its message),
-    else the first M from 4 per stage that the schedule allows (1F1B's bubble (pp-1)/(5pp-1) < 20%)."""
+def microbatches_for(pp: int, requested: int | None, *, schedule: str = "1f1b", dp: int = 1,
+                     global_batch: int | None = None, micro_batch_size: int = 1) -> int:
+    """Microbatches per step: as requested (an M the schedule refuses is refused with its message);
+    with a ``global_batch``, what trains exactly that many sequences at this dp (``ValueError`` when
+    dp x micro-batch size does not divide it); else the first M from 4 per stage that the schedule
+    allows (1F1B's bubble (pp-1)/(5pp-1) < 20%)."""
     if requested is not None:
         return requested
+    if global_batch is not None:
+        per = dp * micro_batch_size
+        if global_batch % per:
+            raise ValueError(f"the global batch of {global_batch} sequences is not a whole number of microbatches "
+                             f"of dp={dp} x micro-batch {micro_batch_size} = {per} sequences")
+        return global_batch // per
     m = 4 * pp
     while not microbatches_allowed(schedule=schedule, stages=pp, microbatches=m):
         m += 1
@@ -73,16 +82,24 @@ def microbatches_for(pp: int, requested: int | None, *, schedule: str = "1f1b") 
 def search(planner: Planner, *, gpus: int, hw: Hardware, microbatches: int | None, schedule: str,
            mixed_precision: str | None = None, zero: bool = False, recompute: str | None = None,
            sequence_parallel: bool = False, cp: int | None = None, max_cp: int = MAX_CP,
-           ep: int = 1, virtual_stages: int = 1) -> tuple[list[Candidate], list[Rejected]]:
-    """Every mesh for ``gpus`` (``cp`` and ``max_cp`` as ``meshes`` takes them), estimated with the
-    training settings, ``ep``, ``schedule`` and ``virtual_stages`` given (as ``Planner.estimate``;
-    interleaved_1f1b refuses pp=1 meshes with its message)."""
+           ep: int = 1, virtual_stages: int = 1, global_batch: int | None = None,
+           fixed: dict[str, int] | None = None) -> tuple[list[Candidate], list[Rejected]]:
+    """Every mesh for ``gpus`` (``cp`` and ``max_cp`` as ``meshes`` takes them; ``fixed`` degrees, e.g.
+    ``{"tp": 8}``, kept), estimated with the training settings, ``ep``, ``schedule`` and
+    ``virtual_stages`` given (as ``Planner.estimate``; interleaved_1f1b refuses pp=1 meshes with its
+    message). With ``global_batch`` every mesh trains exactly that many sequences per step (its
+    microbatches follow from dp); a mesh that cannot is rejected, saying why."""
     accepted, rejected = [], []
     cp = 1 if cp is None and ep > 1 else cp
+    fixed = fixed or {}
     for dp, tp, pp, c in meshes(gpus, gpus_per_node=hw.gpus_per_node, cp=cp, max_cp=max_cp):
+        if any({"dp": dp, "tp": tp, "pp": pp, "cp": c}[k] != v for k, v in fixed.items()):
+            continue
         try:
             est = planner.estimate(dp=dp, tp=tp, pp=pp, cp=c,
-                                   microbatches=microbatches_for(pp, microbatches, schedule=schedule),
+                                   microbatches=microbatches_for(pp, microbatches, schedule=schedule, dp=dp,
+                                                                 global_batch=global_batch,
+                                                                 micro_batch_size=planner.micro_batch_size),
                                    schedule=schedule, virtual_stages=virtual_stages, mixed_precision=mixed_precision,
                                    zero=zero, recompute=recompute, sequence_parallel=sequence_parallel, ep=ep)
         except ValueError as e:
