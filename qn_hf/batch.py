@@ -38,6 +38,26 @@ def check_batch(batch: Mapping[str, torch.Tensor], *, microbatches: int, require
     return size
 
 
+def dp_rows(batch: Mapping[str, torch.Tensor], *, dp: int, dp_rank: int, multiple: int) -> dict[str, torch.Tensor]:
+    """dp rank ``dp_rank``'s contiguous rows of the global ``batch``, after padding it to a multiple of
+    ``dp * multiple`` rows (every microbatch of every replica gets a row) with copies of row 0 whose labels are all
+    -100: they add no target, so the loss and gradients are those of the real rows."""
+    rows = next(iter(batch.values())).shape[0]
+    target = -(-rows // (dp * multiple)) * dp * multiple
+    if target != rows:
+        if "labels" not in batch:
+            raise ValueError(f"a batch of {rows} rows must be padded to {target} (dp={dp} x {multiple} microbatches) "
+                             f"with rows that carry no loss, which needs a 'labels' key; make the dataset a multiple "
+                             f"of the global batch or set dataloader_drop_last=True")
+        pad = {k: v[:1].expand(target - rows, *v.shape[1:]) for k, v in batch.items()}
+        pad["labels"] = torch.full_like(pad["labels"], IGNORE_INDEX)
+        if "shift_labels" in pad:
+            pad["shift_labels"] = torch.full_like(pad["shift_labels"], IGNORE_INDEX)
+        batch = {k: torch.cat([v, pad[k]]) for k, v in batch.items()}
+    per = target // dp
+    return {k: v[dp_rank * per:(dp_rank + 1) * per] for k, v in batch.items()}
+
+
 def microbatch_rows(size: int, *, microbatches: int) -> list[int]:
     """Rows of each microbatch of a local batch of ``size`` (``torch.tensor_split``: the first
     ``size % microbatches`` take one row more). Every pipeline stage computes this from the batch it

@@ -32,6 +32,7 @@ from torch.distributed import ProcessGroup
 from transformers import AttentionInterface
 from transformers.masking_utils import find_packed_sequence_indices
 
+from .comm import all_gather_tensors
 from .loss import causal_lm_targets
 from .plan import TpPlan
 from .ring_attention import ChunkLayout, needs_mask, ring_attention
@@ -135,3 +136,15 @@ def shard_microbatch(micro: Mapping[str, torch.Tensor], *, layout: ChunkLayout, 
     meta = (torch.stack([documents, valid], dim=1) if masked else valid[:, None]).unsqueeze(1)  # [b, 1, 2 or 1, seq]
     return {"input_ids": ids[:, keep], "position_ids": positions[:, keep], "attention_mask": meta,
             "targets": causal_lm_targets(micro["labels"])[:, keep]}
+
+
+def gather_sequence_positions(x: torch.Tensor, *, layout: ChunkLayout, group: ProcessGroup) -> torch.Tensor:
+    """The whole sequence (dim 1, in order) from every cp rank's ``x`` of its ``layout`` chunks: one
+    all-gather, then each rank's tokens put back at their positions (no autograd)."""
+    size = layout.size
+    parts = all_gather_tensors(x.contiguous(), group=group)
+    length = x.shape[1] * size
+    whole = x.new_empty((x.shape[0], length, *x.shape[2:]))
+    for rank, part in enumerate(parts):
+        whole[:, layout.positions(rank, length, device=x.device)] = part
+    return whole

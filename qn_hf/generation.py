@@ -43,7 +43,7 @@ from torch import nn
 from .comm import flat_broadcast_
 from .pipeline.p2p import Link
 from .pipeline.stage import StageModules
-from .pipeline.wire import empty_header, header_of, read_header
+from .pipeline.wire import broadcast_announced, empty_header, header_of, read_header
 from .placement import ShardPlacement
 from .rng import device_rng_state, set_device_rng_state
 
@@ -145,7 +145,7 @@ def _pipeline_hooks(module: nn.Module, *, stage: StageModules, placement: ShardP
         if stage.is_last:  # only the last position is read; gather the vocabulary of that one
             last = output.logits[:, -1:]
             last = (full_logits(last) if full_logits is not None else last).float()
-        return _with_logits(output, _broadcast(last, src=stage.stages - 1, group=groups.pp, device=device))
+        return _with_logits(output, broadcast_announced(last, src=stage.stages - 1, group=groups.pp, device=device))
 
     handles.append(module.register_forward_hook(share_logits))
     return handles
@@ -170,19 +170,6 @@ def _recv(link: Link, *, device: torch.device) -> torch.Tensor:
     shape, dtype = read_header(header)  # a host read: the sequence grows by a token per call
     x = torch.empty(shape, dtype=dtype, device=device)
     link.recv(x, tag=1).wait()
-    return x
-
-
-def _broadcast(x: torch.Tensor | None, *, src: int, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
-    """Group member ``src``'s ``x`` (None elsewhere) on every member."""
-    source = dist.get_global_rank(group, src)
-    header = header_of(x) if x is not None else empty_header(device)
-    dist.broadcast(header, src=source, group=group)
-    if x is None:
-        shape, dtype = read_header(header)
-        x = torch.empty(shape, dtype=dtype, device=device)
-    x = x.contiguous()
-    dist.broadcast(x, src=source, group=group)
     return x
 
 

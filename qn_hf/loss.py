@@ -87,3 +87,17 @@ def causal_lm_targets(labels: torch.Tensor) -> torch.Tensor:
 def count_targets(labels: torch.Tensor, *, causal: bool) -> int:
     targets = causal_lm_targets(labels) if causal else labels
     return int((targets != IGNORE_INDEX).sum())
+
+
+def summed_loss(logits: torch.Tensor, targets: torch.Tensor, *, kind: str, vocab: tuple[int, int] | None,
+                group: ProcessGroup) -> torch.Tensor:
+    """The built-in loss of one microbatch, summed over its targets (``targets``: a causal LM's labels
+    already shifted). ``vocab`` = (start, size) of this rank's columns when the head is vocab-parallel
+    over ``group``, None when the logits hold the whole vocabulary (padding columns past its size are cut)."""
+    if kind == "causal_lm":
+        start, size = vocab if vocab is not None else (0, logits.shape[-1])
+        if vocab is None or group_size(group) == 1:  # the whole vocabulary is here: torch's fused kernel
+            return F.cross_entropy(logits[..., :size].flatten(0, -2).float(), targets.flatten(), reduction="sum")
+        return vocab_parallel_cross_entropy(logits.flatten(0, -2), targets.flatten(), vocab_start=start,
+                                            vocab_size=size, group=group).sum()
+    return F.cross_entropy(logits.float(), targets.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)

@@ -6,12 +6,11 @@ import contextlib
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .batch import (batch_signature, check_batch, check_model_inputs, check_same_batch, microbatch_rows, sequence_split,
-                    split_microbatches)
+from .batch import (batch_signature, check_batch, check_model_inputs, check_same_batch, dp_rows, microbatch_rows,
+                    sequence_split, split_microbatches)
 from .checkpoint.adapter import save_adapter
 from .checkpoint.export import save_pretrained
 from .checkpoint.hf import DEFAULT_MAX_SHARD_BYTES
@@ -24,12 +23,13 @@ from .grad_sync import GradSync
 from .failure import FailTogether
 from .full_state import full_state_dict
 from .generation import parallel_generate
+from .logits import LogitsFn, collect_logits
 from .lora import Adapter
-from .loss import IGNORE_INDEX, causal_lm_targets, vocab_parallel_cross_entropy
+from .loss import IGNORE_INDEX, causal_lm_targets, summed_loss
 from .mesh import Groups, ParallelDims
 from .pipeline.runtime import StageExecutor
 from .pipeline.schedule import schedule_actions
-from .pipeline.split import chunk_of_module
+from .pipeline.split import params_by_final_pass
 from .pipeline.stage import StageModules
 from .placement import ShardPlacement
 from .plan import TpPlan
@@ -88,7 +88,7 @@ class ParallelModel:
                               expert_buckets=expert_buckets, scaler=scaler)
         # (chunk, "b" | "w") -> the parameters whose gradients are final after that chunk's last
         # backward ("b") or last deferred weight pass ("w"): the moment their dp buckets may start
-        self._final_params = _final_params(module, stage, deferred)
+        self._final_params = params_by_final_pass(module, stage.plan, chunks=stage.chunks, deferred=deferred)
         self.deferred = deferred  # names of the parameters whose gradients come in W passes (zb_h1)
         self.optimizer = None  # the qn_hf.optimizer built over this model, if any
         self.failures = FailTogether()
@@ -213,6 +213,26 @@ class ParallelModel:
         finally:
             self.module.train(was_training)
 
+    def local_batch(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This dp replica's contiguous rows of a *global* batch (the same dict on every rank), padded
+        first, if ``dp * microbatches`` does not divide it, with rows that carry no loss (``batch.dp_rows``)."""
+        return dp_rows(batch, dp=self.dims.dp, dp_rank=self.coords["dp"], multiple=self.microbatches)
+
+    @torch.no_grad()
+    def logits(self, batch: Mapping[str, torch.Tensor], *, reduce: LogitsFn | None = None,
+               broadcast: bool = True) -> torch.Tensor | None:
+        """This dp rank's batch's whole logits at any mesh (or ``reduce(logits, microbatch)`` of each
+        microbatch's), on every rank of the replica (``broadcast=False``: the last stage's only; None
+        elsewhere). Evaluation mode, restored afterwards; logits.py says how."""
+        was_training = self.module.training
+        self._weights_ready()
+        self.module.eval()
+        try:
+            with self.failures.guard("logits"):
+                return collect_logits(self, batch, reduce=reduce, broadcast=broadcast)
+        finally:
+            self.module.train(was_training)
+
     def _run(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn | None, *, backward: bool) -> torch.Tensor:
         builtin = loss_fn is None
         if builtin and self.plan.loss is None:
@@ -280,7 +300,8 @@ class ParallelModel:
                 targets = micro[mb].get("targets")
                 if targets is None:
                     targets = causal_lm_targets(micro[mb]["labels"]) if self.plan.loss == "causal_lm" else micro[mb]["labels"]
-                loss = self._builtin_loss_sum(outputs, targets)
+                loss = summed_loss(outputs.logits, targets, kind=self.plan.loss, group=self.groups.tp,
+                                   vocab=None if self.vocab is None else (self.vocab.start, self.vocab.size))
             else:
                 loss = loss_fn(self._with_full_logits(outputs), micro[mb])
             # As a Python float scale did: the product in float32 (float64 for a float64 loss), in the loss's dtype
@@ -309,19 +330,6 @@ class ParallelModel:
         flat_all_reduce_([total], group=self.groups.pp)
         flat_all_reduce_([total], group=self.groups.replicas)
         return total
-
-    def _builtin_loss_sum(self, outputs, targets: torch.Tensor) -> torch.Tensor:
-        """The summed loss of one microbatch; ``targets`` are the labels already shifted for a causal LM."""
-        logits = outputs.logits
-        if self.plan.loss == "causal_lm":
-            if self.vocab is None or self.dims.tp == 1:  # the whole vocabulary is here: torch's fused kernel
-                logits = logits if self.vocab is None else logits[..., : self.vocab.size]
-                return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="sum")
-            losses = vocab_parallel_cross_entropy(
-                logits.flatten(0, -2), targets.flatten(), vocab_start=self.vocab.start, vocab_size=self.vocab.size, group=self.groups.tp
-            )
-            return losses.sum()
-        return F.cross_entropy(logits.float(), targets.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
 
     def _with_full_logits(self, outputs):
         if self.vocab is not None and getattr(outputs, "logits", None) is not None:
@@ -384,15 +392,3 @@ class ParallelModel:
         with self.failures.guard("load_checkpoint"):
             return load_checkpoint(self.module, path, placement=self.placement, model_type=self.config.model_type,
                                    optimizer=optimizer, cast=self.precision is not None, config=self.config.to_dict())
-
-
-def _final_params(module: nn.Module, stage: StageModules, deferred: frozenset[str]) -> dict[tuple[int, str], list[nn.Parameter]]:
-    """Each trainable parameter under (its chunk, "w" if its weight gradient is ``deferred`` else "b").
-    A parameter outside every chunk (only possible without a pipeline) counts with the first."""
-    finals: dict[tuple[int, str], list[nn.Parameter]] = {}
-    for name, param in module.named_parameters():
-        if param.requires_grad:
-            chunk = chunk_of_module(stage.plan, name.rpartition(".")[0])
-            key = (stage.chunks[0] if chunk is None else chunk, "w" if name in deferred else "b")
-            finals.setdefault(key, []).append(param)
-    return finals

@@ -46,7 +46,8 @@ from .parallelize import parallelize
 from .rng import device_rng_state, set_device_rng_state
 from .trainer_args import (TrainerMesh, check_compiled, check_trainer_inputs, check_training_args, check_user_optimizer,
                            trainer_mesh)
-from .trainer_data import count_items, dp_rows, merge_batches, one_process_loader, rows_of, user_loss
+from .batch import dp_rows
+from .trainer_data import count_items, merge_batches, one_process_loader, rows_of, user_loss
 
 SHARDED = "sharded"  # the sub-directory of checkpoint-N holding pm.save_checkpoint's format
 

@@ -196,3 +196,18 @@ def _cross_stage_ties(model: nn.Module, plan: StagePlan) -> tuple[PipelineTie, .
         owner, follower = sorted(names, key=lambda n: stage_of_module(plan, n.rpartition(".")[0]))
         ties.append(PipelineTie(owner=owner, follower=follower))
     return tuple(ties)
+
+
+def params_by_final_pass(module: nn.Module, plan: StagePlan, *, chunks: tuple[int, ...],
+                         deferred: frozenset[str]) -> dict[tuple[int, str], list[nn.Parameter]]:
+    """Each trainable parameter of ``module`` (a rank holding ``chunks``) under (its chunk, "w" if its
+    weight gradient is ``deferred`` to a W pass else "b"): after that chunk's last pass of that kind
+    its gradient is final. A parameter outside every chunk (only without a pipeline) counts with the
+    first chunk."""
+    finals: dict[tuple[int, str], list[nn.Parameter]] = {}
+    for name, param in module.named_parameters():
+        if param.requires_grad:
+            chunk = chunk_of_module(plan, name.rpartition(".")[0])
+            key = (chunks[0] if chunk is None else chunk, "w" if name in deferred else "b")
+            finals.setdefault(key, []).append(param)
+    return finals
