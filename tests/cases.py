@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -19,6 +21,30 @@ def mesh_for(dp: int, tp: int, pp: int = 1, cp: int = 1) -> DeviceMesh:
     if key not in _MESHES:
         _MESHES[key] = build_mesh(ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp), device=torch.device("cpu"))
     return _MESHES[key]
+
+
+def mesh_groups() -> list:
+    """The process groups of the meshes kept above (the launcher destroys every other after a job)."""
+    return [mesh.get_group(name) for mesh in _MESHES.values() if mesh.get_coordinate() is not None
+            for name in mesh.mesh_dim_names]
+
+
+def parallelize_as_launched(model, **settings):
+    """``qn_hf.parallelize(model, **settings)`` as a launch of the mesh's world size runs it (WORLD_SIZE
+    set as torchrun sets it), so that its checks of the model and the degrees are reached: the world
+    size is checked first. Used for refusals, which come before any process group is needed."""
+    size = 1
+    for name in ("dp", "tp", "pp", "cp"):
+        size *= settings.get(name, 1)
+    saved = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(size)
+    try:
+        return qn_hf.parallelize(model, **settings)
+    finally:
+        if saved is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = saved
 
 
 def error_message(fn) -> str:

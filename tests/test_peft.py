@@ -7,7 +7,10 @@ import pytest
 pytest.importorskip("peft")
 
 LOSS_RTOL = 1e-5
-GRAD_ATOL = 2e-6
+# float32 sums in another order (tp's partial products, the pipeline's microbatches): GPT-2's fused
+# q|k|v Conv1D at tp=2 x pp=2 measures 2.6e-6 here (the same on the code of several sessions ago), a
+# weight difference of 1.3e-6 after the step at lr 0.5, inside the 2e-5 every parity test allows.
+GRAD_ATOL = 4e-6
 LORA_ATOL = 5e-5
 
 LLAMA_TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]

@@ -23,7 +23,7 @@ from qn_hf.plan import build_tp_plan
 from qn_hf.planner.cli import main
 from qn_hf.planner.estimate import Planner, estimate_mesh
 from qn_hf.policies import resolve_policy
-from tests.cases import mesh_for
+from tests.cases import mesh_for, parallelize_as_launched
 from tests.ep_cases import moe_config
 from tests.models import dp_slice, load, make_batch
 
@@ -152,17 +152,17 @@ def test_planner_rejects_with_parallelize_message():
     with pytest.raises(ValueError) as planned:
         estimate_mesh(config, dp=1, tp=3, pp=1, microbatches=1, seq_len=128, micro_batch_size=1)
     with pytest.raises(ValueError) as real:
-        qn_hf.parallelize(meta_model(config), tp=3)  # checks run before any process group is needed
+        parallelize_as_launched(meta_model(config), tp=3)  # checks run before any process group is needed
     assert str(planned.value) == str(real.value) and "tp=3" in str(planned.value)
     with pytest.raises(ValueError) as planned:
         estimate_mesh(config, dp=1, tp=1, pp=33, microbatches=33, seq_len=128, micro_batch_size=1)
     with pytest.raises(ValueError) as real:
-        qn_hf.parallelize(meta_model(config), pp=33, microbatches=33)
+        parallelize_as_launched(meta_model(config), pp=33, microbatches=33)
     assert str(planned.value) == str(real.value) and "pp=33" in str(planned.value)
     with pytest.raises(ValueError) as planned:
         estimate_mesh(config, dp=1, tp=1, pp=1, microbatches=1, seq_len=128, micro_batch_size=1, sequence_parallel=True)
     with pytest.raises(ValueError) as real:
-        qn_hf.parallelize(meta_model(config), sequence_parallel=True)
+        parallelize_as_launched(meta_model(config), sequence_parallel=True)
     assert str(planned.value) == str(real.value) and "tp > 1" in str(planned.value)
     # as train_step says
     with pytest.raises(ValueError, match=r"sequence length 127 is not a multiple of 2 \(sequence_parallel=True splits it"):
@@ -173,7 +173,7 @@ def test_planner_rejects_with_parallelize_message():
             estimate_mesh(PUBLIC[name], **{"dp": 1, "tp": 1, "pp": 1, **settings}, cp=2, microbatches=1, seq_len=128,
                           micro_batch_size=1)
         with pytest.raises(ValueError) as real:
-            qn_hf.parallelize(meta_model(PUBLIC[name]), cp=2, **settings)
+            parallelize_as_launched(meta_model(PUBLIC[name]), cp=2, **settings)
         assert str(planned.value) == str(real.value) and "cp=2" in str(planned.value)
     with pytest.raises(ValueError, match=r"sequence length 100 is not a multiple of 8 \(cp=4 cuts it into 2\*cp chunks\)"):
         estimate_mesh(config, dp=1, tp=1, pp=1, cp=4, microbatches=1, seq_len=100, micro_batch_size=1)
@@ -368,7 +368,7 @@ def test_planner_refuses_expert_parallelism_as_parallelize_does():
         with pytest.raises(ValueError) as planned:
             estimate_mesh(config, **mesh, microbatches=1, seq_len=128, micro_batch_size=1)
         with pytest.raises(ValueError) as real:
-            qn_hf.parallelize(meta_model(config), **mesh)  # checks run before any process group is needed
+            parallelize_as_launched(meta_model(config), **mesh)  # checks run before any process group is needed
         assert str(planned.value) == str(real.value) and f"ep={mesh['ep']}" in str(planned.value), mesh
     with pytest.raises(ValueError, match=r"zero=True with ep=2 is not supported yet"):
         estimate_mesh(moe, dp=2, tp=1, pp=1, ep=2, zero=True, microbatches=1, seq_len=128, micro_batch_size=1)

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-import qn_hf
 from qn_hf.layout import meta_model
 from qn_hf.planner.cli import main
 from qn_hf.planner.estimate import Planner, estimate_mesh
+from tests.cases import parallelize_as_launched
 
 
 # Pipeline schedules: 8 blocks, so pp x V up to 8 chunks.
@@ -94,7 +94,7 @@ def test_schedule_refusals_and_cli(tmp_path, capsys):
         with pytest.raises(ValueError) as planned:
             estimate_mesh(SMALL, **mesh, seq_len=64, micro_batch_size=1)
         with pytest.raises(ValueError) as real:
-            qn_hf.parallelize(meta_model(SMALL), **mesh)
+            parallelize_as_launched(meta_model(SMALL), **mesh)
         assert str(planned.value) == str(real.value), mesh
     assert all(microbatches_allowed(schedule=s, stages=pp, microbatches=microbatches_for(pp, None, schedule=s))
                for s in SCHEDULES for pp in (2, 3, 5))
