@@ -6,11 +6,12 @@ from .mesh import ParallelDims
 from .optimizer import ParallelOptimizer, optimizer
 from .parallel_model import ParallelModel
 from .parallelize import parallelize
+from .pipeline.schedule import Schedule
 from .plan import ModelPolicy
 from .version import __version__
 
 __all__ = ["CommMeter", "ModelPolicy", "ParallelDims", "ParallelModel", "ParallelOptimizer", "ParallelTrainerMixin",
-           "Trainer", "clip_grad_norm_", "optimizer", "parallelize", "__version__"]
+           "Schedule", "Trainer", "clip_grad_norm_", "optimizer", "parallelize", "__version__"]
 
 _TRAINER = ("Trainer", "ParallelTrainerMixin")
 

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from .expert_parallel import experts_modules
+from .pipeline.schedule import as_schedule
 from .pipeline.standins import StandIn
 
 
@@ -56,7 +57,7 @@ def check_compile(model: nn.Module, *, compile: bool, schedule: str, cp: int, ep
         raise ValueError(f"compile={compile!r} must be True or False")
     if not compile:
         return
-    if schedule == "zb_h1":
+    if as_schedule(schedule).split_backward:
         raise ValueError("compile=True with schedule='zb_h1' is not supported: its linear layers queue their weight "
                          "gradients from a hook on their autograd node, which torch.compile cannot trace; use "
                          "schedule='1f1b' (or 'gpipe', 'interleaved_1f1b') with compile=True, or compile=False")

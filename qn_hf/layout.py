@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-from .pipeline.schedule import check_schedule_args
+from .pipeline.schedule import Schedule, check_schedule_args
 from .pipeline.split import PipelineTie, build_stage_plan, stage_of_module
 from .plan import ModelPolicy, build_tp_plan
 from .policies import resolve_policy
@@ -80,7 +80,7 @@ def model_layout(config: transformers.PretrainedConfig, *, tp: int, pp: int, pol
     policy = resolve_policy(model, policy)
     plan = build_tp_plan(model, policy, tp=tp)
     if virtual_stages != 1:  # chunks exist only under interleaved 1F1B: the same checks as a run's
-        check_schedule_args(stages=pp, microbatches=pp, schedule="interleaved_1f1b", virtual_stages=virtual_stages)
+        check_schedule_args(stages=pp, microbatches=pp, schedule=Schedule.INTERLEAVED_1F1B, virtual_stages=virtual_stages)
     stage_plan = build_stage_plan(model, policy, stages=pp, layers_per_stage=layers_per_stage, virtual=virtual_stages)
     specs, _ = apply_tp_plan(model, plan, tp_rank=0, group=None)  # meta tensors: shapes only
     tensors = {}

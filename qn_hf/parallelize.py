@@ -24,6 +24,7 @@ from .parallel_model import ParallelModel
 from .pipeline.runtime import StageExecutor
 from .pipeline.split import StagePlan
 from .pipeline.stage import apply_stage
+from .pipeline.schedule import as_schedule
 from .pipeline.standins import StandIn
 from .placement import ShardPlacement
 from .precision import PRECISIONS, LossScaler, apply_mixed_precision
@@ -135,7 +136,7 @@ def _parallelize(model: nn.Module, *, dp: int, tp: int, pp: int, cp: int, ep: in
     groups = build_groups(dims, device=device, timeout=timeout, mesh=mesh,
                           kv_replicas=plan.layout.kv_replicas if kv_replicated else 1, tied_stages=bool(stage_plan.ties))
     coords = groups.coords
-    if pp > 1 and microbatches < pp and schedule in ("1f1b", "gpipe") and dist.get_rank() == 0:
+    if pp > 1 and microbatches < pp and as_schedule(schedule).idle_below_pp and dist.get_rank() == 0:
         bubble = (pp - 1) / (microbatches + pp - 1)
         warnings.warn(f"microbatches={microbatches} < pp={pp}: each stage idles {bubble:.0%} of a step (pipeline bubble "
                       f"(pp-1)/(microbatches+pp-1)); use microbatches >= 2*pp={2 * pp} if the batch allows", stacklevel=2)
@@ -173,7 +174,7 @@ def _parallelize(model: nn.Module, *, dp: int, tp: int, pp: int, cp: int, ep: in
     if recompute is not None:
         apply_recompute(model, recompute=recompute, layers=stage_plan.layers, rng=rng)
     weights, deferred = None, []
-    if schedule == "zb_h1":  # split backward: linear layers queue their weight gradients for the W passes
+    if as_schedule(schedule).split_backward:  # split backward: linear layers queue their weight gradients for the W passes
         weights = WeightGradQueue()
         deferred = make_deferrable(model, queue=weights, skip=stage_plan.heads)
     if compile:  # after every hook and recomputation is in place; each block compiles at its first call

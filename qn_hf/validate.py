@@ -21,7 +21,7 @@ from .context_parallel import check_context_parallel
 from .expert_parallel import check_expert_parallel, expert_parallel_plan
 from .data_parallel import DEFAULT_BUCKET_MB
 from .mesh import ParallelDims
-from .pipeline.schedule import check_schedule_args
+from .pipeline.schedule import as_schedule, check_schedule_args
 from .pipeline.split import StagePlan, build_stage_plan
 from .plan import ModelPolicy, TpPlan, build_tp_plan
 from .policies import resolve_policy
@@ -69,9 +69,10 @@ def check_parallel_config(model: nn.Module, *, dp: int, tp: int, pp: int, microb
 
 def _check_schedule_composition(schedule: str, *, sequence_parallel: bool, cp: int, ep: int) -> None:
     """The features interleaved 1F1B and ZB-H1 are not yet built or tested with."""
-    if schedule not in ("interleaved_1f1b", "zb_h1"):
+    kind = as_schedule(schedule)
+    if not (kind.chunks or kind.split_backward):
         return
-    if schedule == "zb_h1" and sequence_parallel:
+    if kind.split_backward and sequence_parallel:
         raise ValueError("schedule='zb_h1' with sequence_parallel=True is not supported yet: a deferred weight "
                          "gradient would keep the whole gathered input of each layer until its weight pass, which "
                          "sequence parallelism exists to avoid; use schedule='1f1b' or 'interleaved_1f1b' with it")

@@ -500,3 +500,23 @@ def test_an_interrupted_zb_step_leaves_nothing_for_the_next():
         ref(xs[mb]).sum().backward()
     for mine, theirs in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(mine.grad, theirs.grad)
+
+
+def test_schedules_are_an_enum_that_knows_what_each_can_do():
+    """``qn_hf.Schedule``: each member equals parallelize's string for it (either is accepted), quotes
+    that string in messages, and carries its capabilities as data instead of name comparisons."""
+    import qn_hf
+    from qn_hf.pipeline.schedule import SCHEDULES, Schedule, as_schedule
+
+    assert SCHEDULES == ("1f1b", "gpipe", "interleaved_1f1b", "zb_h1") and qn_hf.Schedule is Schedule
+    assert [as_schedule(name) for name in SCHEDULES] == list(Schedule) and as_schedule(Schedule.GPIPE) is Schedule.GPIPE
+    assert Schedule.ZB_H1 == "zb_h1" and f"{Schedule.ZB_H1!r} {Schedule.ZB_H1}" == "'zb_h1' zb_h1"
+    assert [s.value for s in Schedule if s.chunks] == ["interleaved_1f1b"]
+    assert [s.value for s in Schedule if s.split_backward] == ["zb_h1"]
+    assert [s.value for s in Schedule if s.idle_below_pp] == ["1f1b", "gpipe"]
+    with pytest.raises(ValueError, match="schedule='zb-h1'.*one of"):
+        as_schedule("zb-h1")
+    for schedule in Schedule:  # the member and its string give the same lists
+        args = dict(stages=2, microbatches=4, virtual_stages=2 if schedule.chunks else 1)
+        assert stage_actions(stage=1, schedule=schedule, **args) == stage_actions(stage=1, schedule=schedule.value,
+                                                                                  **args)

@@ -56,7 +56,44 @@ from dataclasses import dataclass
 
 from ..arguments import check_choice, check_positive_int
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zb_h1")
+class Schedule(str, enum.Enum):
+    """The four schedules, each knowing what it can do. The values are ``parallelize``'s
+    ``schedule=`` strings, and a member equals its string, so callers may pass either."""
+
+    ONE_F_ONE_B = "1f1b"
+    GPIPE = "gpipe"
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+    ZB_H1 = "zb_h1"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)  # messages quote the string a user wrote: schedule='zb_h1'
+
+    @property
+    def chunks(self) -> bool:
+        """Runs several model chunks per rank (``virtual_stages`` > 1)."""
+        return self is Schedule.INTERLEAVED_1F1B
+
+    @property
+    def split_backward(self) -> bool:
+        """Splits each backward into B (input gradients) and a deferred W (weight gradients)."""
+        return self is Schedule.ZB_H1
+
+    @property
+    def idle_below_pp(self) -> bool:
+        """Fewer microbatches than stages leave most of each stage's step idle (nothing fills it)."""
+        return self in (Schedule.ONE_F_ONE_B, Schedule.GPIPE)
+
+
+SCHEDULES = tuple(s.value for s in Schedule)
+
+
+def as_schedule(name: str | Schedule) -> Schedule:
+    """``name`` as a ``Schedule``, refused with the list of names when it is none of them."""
+    check_choice("schedule", name, SCHEDULES)
+    return Schedule(name)
 
 
 class Op(str, enum.Enum):
@@ -129,7 +166,7 @@ def _rounds(*, stages: int, microbatches: int) -> int:
 def microbatches_allowed(*, schedule: str, stages: int, microbatches: int) -> bool:
     """Whether ``schedule`` can run ``microbatches`` at pp=``stages``: interleaved_1f1b runs them in
     ``max(1, M // pp)`` rounds of equal size, so M must divide into them; every other schedule takes any M."""
-    if schedule != "interleaved_1f1b":
+    if not as_schedule(schedule).chunks:
         return True
     return microbatches % _rounds(stages=stages, microbatches=microbatches) == 0
 
@@ -146,11 +183,11 @@ def nearest_allowed_microbatches(*, schedule: str, stages: int, microbatches: in
 
 def check_schedule_args(*, stages: int, microbatches: int, schedule: str, virtual_stages: int = 1) -> None:
     """The one home of the schedule-name, stage, microbatch and virtual-stage checks."""
-    check_choice("schedule", schedule, SCHEDULES)
+    kind = as_schedule(schedule)
     check_positive_int("stages", stages)
     check_positive_int("microbatches", microbatches)
     check_positive_int("virtual_stages", virtual_stages)
-    if schedule != "interleaved_1f1b":
+    if not kind.chunks:
         if virtual_stages > 1:
             raise ValueError(f"virtual_stages={virtual_stages} needs schedule='interleaved_1f1b' (schedule="
                              f"{schedule!r} runs one chunk per rank); use virtual_stages=1 or 'interleaved_1f1b'")
@@ -229,18 +266,19 @@ def stage_actions(*, stage: int, stages: int, microbatches: int, schedule: str, 
     check_schedule_args(stages=stages, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages)
     if not 0 <= stage < stages:
         raise ValueError(f"stage={stage} is outside 0..{stages - 1}")
-    if schedule == "interleaved_1f1b":
+    kind = Schedule(schedule)
+    if kind.chunks:
         return _interleaved(stage=stage, stages=stages, microbatches=microbatches, virtual_stages=virtual_stages,
                             backward=backward)
     fwd = [_forward(mb=mb, index=stage, last=stages - 1, chunk=None) for mb in range(microbatches)]
     bwd = [_backward(mb=mb, index=stage, last=stages - 1, chunk=None) for mb in range(microbatches)]
     if not backward:
         return [a for f in fwd for a in f]
-    if schedule == "gpipe":
+    if kind is Schedule.GPIPE:
         return [a for f in fwd for a in f] + [a for b in bwd for a in b]
     warm = warmup_forwards(stage=stage, stages=stages, microbatches=microbatches)
     order = _pairs(count=microbatches, warm=warm)
-    if schedule == "1f1b":
+    if kind is Schedule.ONE_F_ONE_B:
         return [a for kind, i in order for a in (fwd if kind == "f" else bwd)[i]]
     # zb_h1: W's wait in microbatch order. Rank r skips a W after its first r backwards: those W's
     # run later, where 1F1B's rank r would idle waiting for a gradient, and at the end, where the

@@ -54,7 +54,7 @@ import sys
 import torch
 
 from ..mesh import ParallelDims
-from ..pipeline.schedule import SCHEDULES
+from ..pipeline.schedule import SCHEDULES, as_schedule
 from .cost import GIB, Hardware, links, step_time
 from .estimate import MeshEstimate, Planner
 from .search import Candidate, microbatches_for, search
@@ -101,7 +101,7 @@ def mesh_report(est: MeshEstimate, hw: Hardware) -> str:
     t = step_time(est, hw)
     master = " + fp32 master" if est.mixed_precision else ""
     ep = est.ep > 1  # an ep column and link only then: dense-model reports stay as they were
-    stash = est.schedule == "zb_h1"  # a W stash column only then
+    stash = as_schedule(est.schedule).split_backward  # a W stash column only then
     lines = [
         f"mesh dp={est.dp} tp={est.tp} pp={est.pp} cp={est.cp}{f' ep={est.ep}' if ep else ''} "
         f"({est.world_size} GPUs), {schedule_name(est)}, {est.microbatches} microbatches of {est.micro_batch_size} x "

@@ -45,6 +45,7 @@ from transformers import PretrainedConfig
 from ..batch import check_model_inputs, sequence_split
 from ..data_parallel import DEFAULT_BUCKET_MB, bucket_size_bytes
 from ..layout import meta_model
+from ..pipeline.schedule import as_schedule
 from ..pipeline.schedule_check import peaks
 from ..pipeline.split import stage_of_module
 from ..plan import ModelPolicy
@@ -257,7 +258,7 @@ class Planner:
         if recompute == "selective":
             collectives = kept_collectives(base=base, plan=plan, stage_plan=stage_plan, act_elem=param_elem)
             activations = [a + k for a, k in zip(activations, collectives)]
-        deferred = self._deferred(stage_plan.heads) if schedule == "zb_h1" else frozenset()
+        deferred = self._deferred(stage_plan.heads) if as_schedule(schedule).split_backward else frozenset()
         stash = weight_stash(deferred, base=base, plan=plan, stage_plan=stage_plan, act_elem=param_elem)
         lists = rank_actions(stages=pp, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages)
         mesh = Mesh(dp=dp, tp=tp, pp=pp, microbatches=microbatches, cp=cp, ep=ep, virtual_stages=virtual_stages)

@@ -31,7 +31,7 @@ import functools
 from collections import Counter
 from collections.abc import Sequence
 
-from ..pipeline.schedule import Action, Op, chunk_of, deferred, schedule_actions
+from ..pipeline.schedule import Action, Op, as_schedule, chunk_of, deferred, schedule_actions
 from ..pipeline.schedule_check import Timing, timed
 
 
@@ -73,7 +73,7 @@ def op_costs(*, compute: float, weight: float, comm: float, recompute: str | Non
     ``compute``, ``weight`` and ``comm`` (FLOPs, or seconds)."""
     forward = compute / 3 + comm / 2
     backward = 2 * compute / 3 + comm / 2 + (compute / 3 if recompute == "full" else 0.0)
-    split = weight if schedule == "zb_h1" else 0.0
+    split = weight if as_schedule(schedule).split_backward else 0.0
     costs = {Op.FWD: forward, Op.BWD: backward - split, Op.WGT: split}
     return {op: cost / virtual_stages for op, cost in costs.items()}
 
