@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .loss import IGNORE_INDEX
+from .loss import IGNORE_INDEX, LossKind
 
 
 def check_batch(batch: Mapping[str, torch.Tensor], *, microbatches: int, required: tuple[str, ...] = ()) -> int:
@@ -95,7 +95,7 @@ def check_sequence_length(length: int, split: tuple[int, str]) -> None:
                          f"to a multiple of {multiple} (attention_mask 0 and labels -100 on the padding)")
 
 
-def check_model_inputs(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Module, loss: str | None,
+def check_model_inputs(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Module, loss: LossKind | str | None,
                        sequence_split: tuple[int, str] = (1, "")) -> None:
     """Check a batch against the model before anything is sent: the main input is there, keys are
     forward arguments (when the forward names them all), index tensors are integers and images
@@ -103,6 +103,7 @@ def check_model_inputs(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Mod
     image size and channels, label shapes for the built-in ``loss``; None: a user's loss_fn), and a
     sequence length that ``sequence_split`` (a multiple, and why) divides.
     Without this, each mistake surfaces as a shape error deep inside a forward on some ranks."""
+    loss = None if loss is None else LossKind(loss)
     main = getattr(model, "main_input_name", "input_ids")
     if main not in batch and "inputs_embeds" not in batch:
         raise ValueError(f"batch lacks {main!r}, the input of {type(model).__name__} (has {sorted(batch)})")
@@ -135,18 +136,18 @@ def check_model_inputs(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Mod
         for key in ("attention_mask", "token_type_ids", "position_ids"):
             if key in batch and batch[key].dim() == 2 and batch[key].shape != ids.shape:
                 raise ValueError(f"batch[{key!r}] has shape {tuple(batch[key].shape)}, input_ids {tuple(ids.shape)}")
-    if "labels" in batch and loss == "causal_lm" and "input_ids" in batch and batch["labels"].shape != batch["input_ids"].shape:
+    if "labels" in batch and loss is LossKind.CAUSAL_LM and "input_ids" in batch and batch["labels"].shape != batch["input_ids"].shape:
         raise ValueError(f"batch['labels'] has shape {tuple(batch['labels'].shape)}; for a causal LM it must match "
                          f"input_ids {tuple(batch['input_ids'].shape)} (the model shifts them)")
-    if "labels" in batch and loss == "classification" and batch["labels"].dim() != 1:
+    if "labels" in batch and loss is LossKind.CLASSIFICATION and batch["labels"].dim() != 1:
         raise ValueError(f"batch['labels'] has shape {tuple(batch['labels'].shape)}; class labels are one per example")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     vocab = getattr(text, "vocab_size", None)
     if vocab and "input_ids" in batch:
         check_index_range("input_ids", batch["input_ids"], size=vocab, what="the vocabulary")
-    if "labels" in batch and loss == "causal_lm" and vocab:
+    if "labels" in batch and loss is LossKind.CAUSAL_LM and vocab:
         check_index_range("labels", batch["labels"], size=vocab, what="the vocabulary", ignored=IGNORE_INDEX)
-    if "labels" in batch and loss == "classification" and getattr(config, "num_labels", None):
+    if "labels" in batch and loss is LossKind.CLASSIFICATION and getattr(config, "num_labels", None):
         check_index_range("labels", batch["labels"], size=config.num_labels, what="the classes", ignored=IGNORE_INDEX)
 
 

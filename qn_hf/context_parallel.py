@@ -34,7 +34,7 @@ from transformers.masking_utils import find_packed_sequence_indices
 
 from .comm import all_gather_tensors
 from .loss import causal_lm_targets
-from .plan import TpPlan
+from .plan import LossKind, TpPlan
 from .ring_attention import ChunkLayout, needs_mask, ring_attention
 
 # Batch keys a context-parallel step knows how to cut along the sequence.
@@ -50,7 +50,7 @@ def check_context_parallel(model: nn.Module, *, cp: int, plan: TpPlan, sequence_
     if not getattr(type(model), "_supports_attention_backend", False):
         raise ValueError(f"{name}: {type(model).__name__} does not run its attention through transformers' attention "
                          f"interface, so qn_hf cannot put ring attention in; use cp=1")
-    if plan.loss != "causal_lm":
+    if plan.loss is not LossKind.CAUSAL_LM:
         raise ValueError(f"{name}: context parallelism needs a causal LM with its built-in loss (the loss counts targets "
                          f"across the cp ranks); use cp=1")
     if sequence_parallel:

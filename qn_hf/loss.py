@@ -7,6 +7,8 @@ returns its *sum* and the caller divides by the global number of targets, counte
 
 from __future__ import annotations
 
+import enum
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -62,6 +64,28 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.in_dtype), None, None, None, None, None
 
 
+class LossKind(str, enum.Enum):
+    """The built-in losses a policy names. A member equals its string (policies written with
+    ``loss="causal_lm"`` keep working; ``ModelPolicy`` stores the member)."""
+
+    CAUSAL_LM = "causal_lm"  # next-token cross-entropy over the vocabulary, labels per position
+    CLASSIFICATION = "classification"  # one label per sequence (ViT, sequence classification)
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    @property
+    def shifted(self) -> bool:
+        """Position t predicts label t+1 (HF's shift), so targets are the labels moved by one."""
+        return self is LossKind.CAUSAL_LM
+
+
+LOSSES = tuple(k.value for k in LossKind)
+
+
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -89,12 +113,12 @@ def count_targets(labels: torch.Tensor, *, causal: bool) -> int:
     return int((targets != IGNORE_INDEX).sum())
 
 
-def summed_loss(logits: torch.Tensor, targets: torch.Tensor, *, kind: str, vocab: tuple[int, int] | None,
+def summed_loss(logits: torch.Tensor, targets: torch.Tensor, *, kind: LossKind, vocab: tuple[int, int] | None,
                 group: ProcessGroup) -> torch.Tensor:
     """The built-in loss of one microbatch, summed over its targets (``targets``: a causal LM's labels
     already shifted). ``vocab`` = (start, size) of this rank's columns when the head is vocab-parallel
     over ``group``, None when the logits hold the whole vocabulary (padding columns past its size are cut)."""
-    if kind == "causal_lm":
+    if kind.shifted:
         start, size = vocab if vocab is not None else (0, logits.shape[-1])
         if vocab is None or group_size(group) == 1:  # the whole vocabulary is here: torch's fused kernel
             return F.cross_entropy(logits[..., :size].flatten(0, -2).float(), targets.flatten(), reduction="sum")

@@ -32,7 +32,7 @@ from .pipeline.schedule import schedule_actions
 from .pipeline.split import params_by_final_pass
 from .pipeline.stage import StageModules
 from .placement import ShardPlacement
-from .plan import TpPlan
+from .plan import LossKind, TpPlan
 from .precision import LossScaler
 from .rng import RngStreams
 from .ring_attention import ChunkLayout
@@ -253,7 +253,7 @@ class ParallelModel:
         router = builtin and adds_router_loss(self.module)
         if router:
             check_router_loss(self.module, pp=self.dims.pp, cp=cp, microbatches=self.microbatches)
-        if builtin and self.plan.loss == "classification":
+        if builtin and self.plan.loss is LossKind.CLASSIFICATION:
             config = self.config
             if config.num_labels == 1 or getattr(config, "problem_type", None) in ("regression", "multi_label_classification"):
                 raise ValueError(
@@ -270,7 +270,7 @@ class ParallelModel:
         # The scales stay on the device (float64, as the Python floats they replace): reading the
         # count back would make the host wait for the device at the start of every step.
         if builtin:
-            targets = causal_lm_targets(batch["labels"]) if self.plan.loss == "causal_lm" else batch["labels"]
+            targets = causal_lm_targets(batch["labels"]) if self.plan.loss.shifted else batch["labels"]
             count = (targets != IGNORE_INDEX).sum(dtype=torch.float64).reshape(1)
             flat_all_reduce_([count], group=self.groups.dp)
             scales = [torch.ones_like(count).div_(count.clamp(min=1.0))[0]] * self.microbatches
@@ -299,7 +299,7 @@ class ParallelModel:
             if builtin:
                 targets = micro[mb].get("targets")
                 if targets is None:
-                    targets = causal_lm_targets(micro[mb]["labels"]) if self.plan.loss == "causal_lm" else micro[mb]["labels"]
+                    targets = causal_lm_targets(micro[mb]["labels"]) if self.plan.loss.shifted else micro[mb]["labels"]
                 loss = summed_loss(outputs.logits, targets, kind=self.plan.loss, group=self.groups.tp,
                                    vocab=None if self.vocab is None else (self.vocab.start, self.vocab.size))
             else:

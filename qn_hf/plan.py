@@ -14,13 +14,13 @@ from dataclasses import dataclass, field, replace
 
 from torch import nn
 
+from .loss import LOSSES, LossKind
 from .names import base_model_and_prefix, join, match_modules, match_parameters
 from .heads import LAYOUT_VALUES, HeadLayout, attention_layout, head_layout
 from .lora import LoraLeaves, is_lora_layer, lora_rules
 from .rules import check_rule, check_ties, is_projection, split_kv_per_module
 from .styles import PARAM_STYLES, STYLES
 
-LOSSES = ("causal_lm", "classification")
 STANDINS = ("zeros", "identity")
 
 
@@ -58,7 +58,7 @@ class ModelPolicy:
     tp_entries: tuple[str, ...] = ()
     tp_rng_regions: tuple[str, ...] = ()
     shared_rng_regions: tuple[str, ...] = ()
-    loss: str | None = None
+    loss: LossKind | str | None = None
     forward_kwargs: Mapping[str, object] = field(default_factory=dict)
     num_kv_heads_key: str | None = None
     pp_entry: str | None = None
@@ -80,6 +80,8 @@ class ModelPolicy:
                 raise ValueError(f"policy {self.model_type}: stage stand-in {standin!r} for {name!r} is unknown; known: {STANDINS}")
         if self.loss is not None and self.loss not in LOSSES:
             raise ValueError(f"policy {self.model_type}: unknown loss {self.loss!r}; known: {LOSSES}")
+        if self.loss is not None:
+            object.__setattr__(self, "loss", LossKind(self.loss))  # frozen: set once, here
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,7 @@ class TpPlan:
     tp_entries: tuple[str, ...]
     tp_rng_regions: tuple[str, ...]
     shared_rng_regions: tuple[str, ...]
-    loss: str | None  # the built-in loss, None for a base model without a head
+    loss: LossKind | None  # the built-in loss, None for a base model without a head
     base_prefix: str
     mla_rope_dim: int | None = None  # the rotary tail of MLA's kv_a projection (style mla_kv_a)
     sequence_parallel: bool = False  # activations between tp regions split over the sequence (sequence_parallel.py)

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from torch import nn
 
 from ..pipeline.split import StagePlan, chunk_of_module
-from ..plan import TpPlan
+from ..plan import LossKind, TpPlan
 from .trace import Trace
 
 
@@ -43,7 +43,7 @@ def chunk_activations(model: nn.Module, *, kept: dict[str, tuple[int, int]], bas
     for name, style in plan.rules if tp > 1 else ():  # int64 ids shifted into the shard, a bool mask
         if style == "vocab_embedding" and name in base.io:
             out[chunk_of_module(stage_plan, name) or 0] += base.io[name].in_numel * (8 + 1)
-    if plan.loss == "causal_lm":
+    if plan.loss is LossKind.CAUSAL_LM:
         padded = padded_vocab(plan, model)
         columns = padded // tp if padded else vocab(model)
         targets = 8 if cp == 1 or padded else 0

@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..comm import flat_runs
-from ..plan import TpPlan
+from ..plan import LossKind, TpPlan
 from .context import ring_ops
 from .experts import ExpertCall, expert_ops
 from .memory import Bucket, owned
@@ -95,7 +95,7 @@ def _tp_microbatch(s: int, *, plan: TpPlan, trace: Trace, stage_of: Callable[[st
         elif style.startswith("colwise") or style == "vocab_colwise":
             if not entered(name):
                 add("all_reduce", io.calls, io.in_numel * act_elem)
-            if style == "vocab_colwise" and plan.loss == "causal_lm":
+            if style == "vocab_colwise" and plan.loss is LossKind.CAUSAL_LM:
                 add("all_reduce", 2, 3 * trace.logits_rows * 4)
     for name in () if sp else plan.tp_entries:
         if stage_of(name) == s and name in trace.io:

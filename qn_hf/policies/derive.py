@@ -13,7 +13,7 @@ from torch import nn
 from ..adapters import adapter_for
 from ..heads import head_layout
 from ..names import base_model_and_prefix, match_modules, match_parameters
-from ..plan import ModelPolicy
+from ..plan import LossKind, ModelPolicy
 from ..styles import HF_STYLES, PARAM_FORM
 from .amendments import AMENDMENTS, PP_PLANS, REFUSALS
 from .entries import derive_entries
@@ -99,7 +99,7 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
     output = model.get_output_embeddings() if base is not model else None
     if isinstance(output, nn.Linear) and output.out_features == config.vocab_size:
         head_plan[_relative_name(model, output)] = "vocab_colwise" if type(output) is nn.Linear else "replicate"
-        loss = "causal_lm"
+        loss = LossKind.CAUSAL_LM
 
     # Pipeline cut points from transformers' pp plan: the entry is the input embedding; whatever
     # comes after the blocks (the final norm) is last-stage only. Without a pp plan, no pp.

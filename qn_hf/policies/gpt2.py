@@ -1,6 +1,6 @@
 """GPT-2 (GPT2Model, GPT2LMHeadModel): Conv1D projections, fused q|k|v, tied wte/lm_head."""
 
-from ..plan import ModelPolicy
+from ..plan import LossKind, ModelPolicy
 
 POLICY = ModelPolicy(
     model_type="gpt2",
@@ -20,7 +20,7 @@ POLICY = ModelPolicy(
     tp_entries=("h.*.attn", "h.*.mlp"),
     tp_rng_regions=("h.*.attn",),
     shared_rng_regions=("h.*.attn.resid_dropout",),
-    loss="causal_lm",
+    loss=LossKind.CAUSAL_LM,
     forward_kwargs={"use_cache": False},
     # Pipeline: wte starts the first stage; GPT-2 always adds wpe(position_ids), so later stages
     # get zeros there, and the embedding dropout runs once, on the first stage.

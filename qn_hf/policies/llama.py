@@ -1,6 +1,6 @@
 """Llama (LlamaModel, LlamaForCausalLM): separate q/k/v with grouped-query attention, untied head."""
 
-from ..plan import ModelPolicy
+from ..plan import LossKind, ModelPolicy
 
 POLICY = ModelPolicy(
     model_type="llama",
@@ -21,7 +21,7 @@ POLICY = ModelPolicy(
     # Their hidden_states feed only column layers: one input-gradient all-reduce per module.
     tp_entries=("layers.*.self_attn", "layers.*.mlp"),
     tp_rng_regions=("layers.*.self_attn",),
-    loss="causal_lm",
+    loss=LossKind.CAUSAL_LM,
     forward_kwargs={"use_cache": False},
     num_kv_heads_key="num_key_value_heads",
     # Pipeline: the rotary embedding (buffers only) and the causal mask are rebuilt on every stage.

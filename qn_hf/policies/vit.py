@@ -1,6 +1,6 @@
 """ViT (ViTModel, ViTForImageClassification): patch embedding and classifier stay replicated."""
 
-from ..plan import ModelPolicy
+from ..plan import LossKind, ModelPolicy
 
 POLICY = ModelPolicy(
     model_type="vit",
@@ -17,7 +17,7 @@ POLICY = ModelPolicy(
     # Their hidden_states feed only column layers: one input-gradient all-reduce per module.
     tp_entries=("layers.*.attention", "layers.*.mlp"),
     tp_rng_regions=("layers.*.attention",),
-    loss="classification",
+    loss=LossKind.CLASSIFICATION,
     # Pipeline: ViTModel reads the patch projection's dtype before calling the embeddings.
     pp_entry="embeddings",
     pp_entry_reads=("patch_embeddings.projection.weight",),
