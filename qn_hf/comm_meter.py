@@ -21,6 +21,7 @@ included) and the experts' gradient sums on ``"experts"``.
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -31,14 +32,39 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# c10d op name -> the torch.distributed name reported; an op not listed keeps its c10d name.
+
+
+class Collective(str, enum.Enum):
+    """The operations the meter reports, named as the ``torch.distributed`` functions are; the
+    planner counts its estimates under the same members, so the two compare key for key. A member
+    equals (and hashes as) its string."""
+
+    ALL_REDUCE = "all_reduce"
+    BROADCAST = "broadcast"
+    ALL_GATHER = "all_gather"
+    ALL_GATHER_INTO_TENSOR = "all_gather_into_tensor"
+    REDUCE_SCATTER_TENSOR = "reduce_scatter_tensor"
+    ALL_TO_ALL_SINGLE = "all_to_all_single"
+    REDUCE = "reduce"
+    BARRIER = "barrier"
+    SEND = "send"
+    RECV = "recv"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+# c10d op name -> the operation reported; an op not listed keeps its c10d name.
 _OPS = {
-    "allreduce_": "all_reduce", "broadcast_": "broadcast", "allgather_": "all_gather",
-    "_allgather_base_": "all_gather_into_tensor", "_reduce_scatter_base_": "reduce_scatter_tensor",
-    "barrier": "barrier", "send": "send", "recv_": "recv", "recv_any_source_": "recv", "reduce_": "reduce",
-    "alltoall_base_": "all_to_all_single",
+    "allreduce_": Collective.ALL_REDUCE, "broadcast_": Collective.BROADCAST, "allgather_": Collective.ALL_GATHER,
+    "_allgather_base_": Collective.ALL_GATHER_INTO_TENSOR, "_reduce_scatter_base_": Collective.REDUCE_SCATTER_TENSOR,
+    "barrier": Collective.BARRIER, "send": Collective.SEND, "recv_": Collective.RECV, "recv_any_source_": Collective.RECV,
+    "reduce_": Collective.REDUCE, "alltoall_base_": Collective.ALL_TO_ALL_SINGLE,
     # torch's functional collectives (torch.ops._c10d_functional: comm.py's, and what torch.compile runs)
-    "all_reduce_": "all_reduce", "all_gather_into_tensor_out": "all_gather_into_tensor",
+    "all_reduce_": Collective.ALL_REDUCE, "all_gather_into_tensor_out": Collective.ALL_GATHER_INTO_TENSOR,
 }
 # Namespaces of the ops that communicate: c10d's, and the functional collectives', which call c10d's
 # below the dispatch mode (so these are seen instead, not as well).
@@ -76,7 +102,7 @@ class HasGroups(Protocol):  # all the meter reads of a ParallelModel
 @dataclass(frozen=True)
 class CommEvent:
     group: str
-    op: str
+    op: Collective | str  # a c10d op the meter does not name keeps its own name
     nbytes: int
     numel: int
     time: float

@@ -34,7 +34,8 @@ from transformers.masking_utils import find_packed_sequence_indices
 
 from .comm import all_gather_tensors
 from .loss import causal_lm_targets
-from .plan import LossKind, TpPlan
+from .loss import LossKind
+from .plan import TpPlan
 from .ring_attention import ChunkLayout, needs_mask, ring_attention
 
 # Batch keys a context-parallel step knows how to cut along the sequence.

@@ -25,14 +25,14 @@ from .full_state import full_state_dict
 from .generation import parallel_generate
 from .logits import LogitsFn, collect_logits
 from .lora import Adapter
-from .loss import IGNORE_INDEX, causal_lm_targets, summed_loss
+from .loss import IGNORE_INDEX, LossKind, causal_lm_targets, summed_loss
 from .mesh import Groups, ParallelDims
 from .pipeline.runtime import StageExecutor
 from .pipeline.schedule import schedule_actions
 from .pipeline.split import params_by_final_pass
 from .pipeline.stage import StageModules
 from .placement import ShardPlacement
-from .plan import LossKind, TpPlan
+from .plan import TpPlan
 from .precision import LossScaler
 from .rng import RngStreams
 from .ring_attention import ChunkLayout

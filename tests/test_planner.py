@@ -397,3 +397,17 @@ def test_cli_plans_expert_parallelism(tmp_path, capsys):
     assert {(m["dp"], m["tp"]) for m in out["meshes"]} == {(4, 1), (2, 2), (1, 4)}
     assert all(r["ep"] == 4 and "ep=4 must divide dp*tp" in r["reason"] for r in out["rejected"])
 
+
+
+def test_planner_counts_collectives_under_the_meters_names():
+    """Every operation the planner estimates is a ``Collective``, the enum ``CommMeter`` reports
+    under, so an estimate and a metered step compare key for key (no names copied as strings)."""
+    from qn_hf.comm_meter import Collective
+
+    config = LlamaConfig(**{**PUBLIC["llama-3-8b"].to_dict(), "num_hidden_layers": 4})
+    est = estimate_mesh(config, dp=1, tp=2, pp=2, microbatches=2, seq_len=128, micro_batch_size=1,
+                        sequence_parallel=True)
+    ops = [op for stage in est.stages for traffic in stage.comm.values() for op in traffic.ops]
+    assert ops and all(isinstance(op, Collective) for op in ops), ops
+    assert {Collective.ALL_GATHER_INTO_TENSOR, Collective.REDUCE_SCATTER_TENSOR} <= set(ops)
+    assert Collective("all_reduce") is Collective.ALL_REDUCE and {Collective.SEND: 1}["send"] == 1

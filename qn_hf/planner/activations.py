@@ -23,7 +23,8 @@ from collections.abc import Iterable
 from torch import nn
 
 from ..pipeline.split import StagePlan, chunk_of_module
-from ..plan import LossKind, TpPlan
+from ..loss import LossKind
+from ..plan import TpPlan
 from .trace import Trace
 
 

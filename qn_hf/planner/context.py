@@ -29,6 +29,8 @@ import torch
 from torch import nn
 from transformers import AttentionInterface
 
+from ..comm_meter import Collective
+
 
 GRAD_ELEM = 4  # the backward's gradient accumulator travels in float32
 _names = itertools.count()
@@ -100,9 +102,9 @@ class RingStandIn:
 
 
 def ring_ops(calls: tuple[RingCall, ...], *, cp: int, tp: int, act_elem: int, recompute: str | None,
-             on_stage: Callable[[str], bool]) -> dict[str, list[int]]:
+             on_stage: Callable[[str], bool]) -> dict[Collective, list[int]]:
     """One microbatch's ring traffic on a stage: op -> [calls, bytes], as ``CommMeter`` counts it."""
-    ops = {"send": [0, 0], "recv": [0, 0]}
+    ops = {Collective.SEND: [0, 0], Collective.RECV: [0, 0]}
     for call in calls:
         if not on_stage(call.module):
             continue
@@ -112,4 +114,4 @@ def ring_ops(calls: tuple[RingCall, ...], *, cp: int, tp: int, act_elem: int, re
         for op in ops.values():
             op[0] += sum(n for n, _ in transfers)
             op[1] += sum(n * nbytes for n, nbytes in transfers)
-    return ops if ops["send"][0] else {}
+    return ops if ops[Collective.SEND][0] else {}

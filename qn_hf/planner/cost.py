@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..comm_meter import Collective
 from .estimate import MeshEstimate
 from .schedules import op_costs, pipeline_timing
 
@@ -70,10 +71,11 @@ class StepTime:
     ep: float = 0.0  # expert parallelism's all-to-alls
 
 
-def _tp_wire_bytes(ops: dict[str, tuple[int, int]], *, tp: int) -> float:
+def _tp_wire_bytes(ops: dict[Collective, tuple[int, int]], *, tp: int) -> float:
     """Bytes a ring moves for these payloads (sequence parallelism's reduce-scatter and all-gather
     together move what the all-reduce they replace moves)."""
-    per_byte = {"all_reduce": 2 * (tp - 1) / tp, "reduce_scatter_tensor": (tp - 1) / tp, "all_gather_into_tensor": tp - 1}
+    per_byte = {Collective.ALL_REDUCE: 2 * (tp - 1) / tp, Collective.REDUCE_SCATTER_TENSOR: (tp - 1) / tp,
+                Collective.ALL_GATHER_INTO_TENSOR: tp - 1}
     return sum(per_byte.get(op, 2 * (tp - 1) / tp) * nbytes for op, (_, nbytes) in ops.items())
 
 
@@ -100,7 +102,7 @@ def step_time(est: MeshEstimate, hw: Hardware) -> StepTime:
         plain = s.flops_per_microbatch / est.cp / rate  # forward and backward, without recomputation
         c = plain * (4 / 3 if est.recompute == "full" else 1)
         t = _tp_wire_bytes(s.comm["tp"].ops, tp=est.tp) / est.microbatches / link["tp"] if "tp" in s.comm else 0.0
-        r = s.comm["cp"].ops.get("send", (0, 0))[1] / est.microbatches / link["cp"] if "cp" in s.comm else 0.0
+        r = s.comm["cp"].ops.get(Collective.SEND, (0, 0))[1] / est.microbatches / link["cp"] if "cp" in s.comm else 0.0
         # the activation out, its gradient back, per chunk
         p = 2 * est.virtual_stages * est.boundary_bytes / link["pp"] if est.pp > 1 else 0.0
         e = s.comm["ep"].nbytes * (est.ep - 1) / est.ep / est.microbatches / link["ep"] if "ep" in s.comm else 0.0

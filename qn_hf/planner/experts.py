@@ -35,11 +35,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..comm_meter import Collective
 from ..expert_parallel import experts_modules
 from ..plan import TpPlan
 from ..token_exchange import row_split
 
-A2A, GATHER = "all_to_all_single", "all_gather_into_tensor"  # as CommMeter names them
+A2A, GATHER = Collective.ALL_TO_ALL_SINGLE, Collective.ALL_GATHER_INTO_TENSOR
 COUNT_ELEM = 8  # the per-expert counts travel as int64
 _names = itertools.count()
 
@@ -171,9 +172,9 @@ class ExpertsStandIn:
 
 
 def expert_ops(calls: tuple[ExpertCall, ...], *, ep: int, tp: int, recompute: str | None,
-               on_stage: Callable[[str], bool]) -> dict[str, dict[str, list[int]]]:
+               on_stage: Callable[[str], bool]) -> dict[str, dict[Collective, list[int]]]:
     """One microbatch's dispatch traffic on a stage: group -> op -> [calls, bytes] (none at ep=1)."""
-    out: dict[str, dict[str, list[int]]] = {}
+    out: dict[str, dict[Collective, list[int]]] = {}
 
     def add(group: str, op: str, count: int, nbytes: int) -> None:
         acc = out.setdefault(group, {}).setdefault(op, [0, 0])

@@ -39,12 +39,13 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..batch import check_sequence_length, sequence_split
+from ..comm_meter import Collective
 from ..names import join
 from ..pipeline.split import StagePlan
 from ..plan import TpPlan
 from ..sequence_parallel import final_norm, first_argument, with_first
 
-GATHER, SCATTER = "all_gather_into_tensor", "reduce_scatter_tensor"  # as CommMeter names them
+GATHER, SCATTER = Collective.ALL_GATHER_INTO_TENSOR, Collective.REDUCE_SCATTER_TENSOR
 SEQ_DIM = 1
 
 

@@ -46,7 +46,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..comm import flat_runs
-from ..plan import LossKind, TpPlan
+from ..comm_meter import Collective
+from ..loss import LossKind
+from ..plan import TpPlan
 from .context import ring_ops
 from .experts import ExpertCall, expert_ops
 from .memory import Bucket, owned
@@ -59,7 +61,7 @@ from .trace import Trace
 class GroupTraffic:
     calls: int
     nbytes: int
-    ops: dict[str, tuple[int, int]] = field(default_factory=dict)  # op -> (calls, bytes); tp, cp, ep only, else empty
+    ops: dict[Collective, tuple[int, int]] = field(default_factory=dict)  # op -> (calls, bytes); tp, cp, ep only, else empty
 
 
 @dataclass(frozen=True)
@@ -74,9 +76,9 @@ class Mesh:
 
 
 def _tp_microbatch(s: int, *, plan: TpPlan, trace: Trace, stage_of: Callable[[str], int], act_elem: int,
-                   recompute: str | None) -> dict[str, list[int]]:
+                   recompute: str | None) -> dict[Collective, list[int]]:
     """One microbatch's tp collectives on stage ``s``: op -> [calls, bytes]."""
-    ops: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    ops: dict[Collective, list[int]] = defaultdict(lambda: [0, 0])
 
     def add(op: str, calls: int, nbytes: int) -> None:
         ops[op][0] += calls
@@ -89,17 +91,17 @@ def _tp_microbatch(s: int, *, plan: TpPlan, trace: Trace, stage_of: Callable[[st
             continue
         io = trace.io[name]
         if style == "vocab_embedding" or (style == "rowwise" and not sp):  # sp: reduce-scattered (below)
-            add("all_reduce", io.calls, io.out_numel * act_elem)
+            add(Collective.ALL_REDUCE, io.calls, io.out_numel * act_elem)
             if recompute == "full" and name in trace.rerun:  # selective keeps the sum (recompute.py)
-                add("all_reduce", io.calls, io.out_numel * act_elem)
+                add(Collective.ALL_REDUCE, io.calls, io.out_numel * act_elem)
         elif style.startswith("colwise") or style == "vocab_colwise":
             if not entered(name):
-                add("all_reduce", io.calls, io.in_numel * act_elem)
+                add(Collective.ALL_REDUCE, io.calls, io.in_numel * act_elem)
             if style == "vocab_colwise" and plan.loss is LossKind.CAUSAL_LM:
-                add("all_reduce", 2, 3 * trace.logits_rows * 4)
+                add(Collective.ALL_REDUCE, 2, 3 * trace.logits_rows * 4)
     for name in () if sp else plan.tp_entries:
         if stage_of(name) == s and name in trace.io:
-            add("all_reduce", trace.io[name].calls, trace.io[name].in_numel * act_elem)
+            add(Collective.ALL_REDUCE, trace.io[name].calls, trace.io[name].in_numel * act_elem)
     for c in trace.sequence:
         if stage_of(c.module) == s and not (c.regather and recompute is not None):
             for op, numel in filter(None, (c.forward, c.backward)):
@@ -116,7 +118,7 @@ def _summed(params: dict[str, int], pieces: dict[str, int] | None) -> list[int]:
     return [n for n in numels if n]
 
 
-def _group(ops: dict[str, list[int]] | dict[str, tuple[int, int]]) -> GroupTraffic:
+def _group(ops: dict[Collective, list[int]] | dict[Collective, tuple[int, int]]) -> GroupTraffic:
     return GroupTraffic(sum(c for c, _ in ops.values()), sum(b for _, b in ops.values()),
                         {op: (c, b) for op, (c, b) in sorted(ops.items())})
 
@@ -149,8 +151,8 @@ def stage_traffic(s: int, *, mesh: Mesh, plan: TpPlan, trace: Trace, stage_of: C
         ops = {op: [c * microbatches, b * microbatches] for op, (c, b) in ops.items()}
         summed = _summed(grad_sum, pieces)
         if summed:
-            calls, nbytes = ops.get("all_reduce", (0, 0))
-            ops["all_reduce"] = [calls + len(flat_runs([n * grad_elem for n in summed])),
+            calls, nbytes = ops.get(Collective.ALL_REDUCE, (0, 0))
+            ops[Collective.ALL_REDUCE] = [calls + len(flat_runs([n * grad_elem for n in summed])),
                                  nbytes + sum(summed) * grad_elem]
         out["tp"] = _group(ops)
     if pp > 1:
@@ -187,8 +189,8 @@ def stage_traffic(s: int, *, mesh: Mesh, plan: TpPlan, trace: Trace, stage_of: C
         group = spanning[-1] if spanning else "world"  # CommMeter names the default group by a dimension spanning it
         previous = out.get(group, GroupTraffic(0, 0))
         if previous.ops:  # an all-reduce of the flag, in the op breakdown too
-            calls, nbytes = previous.ops.get("all_reduce", (0, 0))
-            out[group] = _group({**previous.ops, "all_reduce": (calls + 1, nbytes + 4)})
+            calls, nbytes = previous.ops.get(Collective.ALL_REDUCE, (0, 0))
+            out[group] = _group({**previous.ops, Collective.ALL_REDUCE: (calls + 1, nbytes + 4)})
         else:
             out[group] = GroupTraffic(previous.calls + 1, previous.nbytes + 4)
     return out

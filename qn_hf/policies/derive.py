@@ -13,7 +13,8 @@ from torch import nn
 from ..adapters import adapter_for
 from ..heads import head_layout
 from ..names import base_model_and_prefix, match_modules, match_parameters
-from ..plan import LossKind, ModelPolicy
+from ..loss import LossKind
+from ..plan import ModelPolicy
 from ..styles import HF_STYLES, PARAM_FORM
 from .amendments import AMENDMENTS, PP_PLANS, REFUSALS
 from .entries import derive_entries

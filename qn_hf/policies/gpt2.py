@@ -1,6 +1,7 @@
 """GPT-2 (GPT2Model, GPT2LMHeadModel): Conv1D projections, fused q|k|v, tied wte/lm_head."""
 
-from ..plan import LossKind, ModelPolicy
+from ..loss import LossKind
+from ..plan import ModelPolicy
 
 POLICY = ModelPolicy(
     model_type="gpt2",

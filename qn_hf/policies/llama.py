@@ -1,6 +1,7 @@
 """Llama (LlamaModel, LlamaForCausalLM): separate q/k/v with grouped-query attention, untied head."""
 
-from ..plan import LossKind, ModelPolicy
+from ..loss import LossKind
+from ..plan import ModelPolicy
 
 POLICY = ModelPolicy(
     model_type="llama",

@@ -1,6 +1,7 @@
 """ViT (ViTModel, ViTForImageClassification): patch embedding and classifier stay replicated."""
 
-from ..plan import LossKind, ModelPolicy
+from ..loss import LossKind
+from ..plan import ModelPolicy
 
 POLICY = ModelPolicy(
     model_type="vit",
