@@ -20,6 +20,8 @@ rows as it sends. The model's own router still runs and keeps what it keeps.
 from __future__ import annotations
 
 import copy
+import gc
+import time
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -80,6 +82,23 @@ def _storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
+def _settled(live: LiveAllocations) -> int:
+    """``live.alive_bytes()`` once nothing outside backward's needs still holds a storage: a gloo
+    collective's work object can keep its input and output (expert parallelism's all-to-all rows)
+    for a moment after the forward used them, until its worker thread lets go or a collection frees
+    it. Under a loaded machine that moment once reached the backward (256 KiB more on one rank of
+    many), so read until two reads 20 ms apart agree, for at most a second."""
+    gc.collect()
+    last = live.alive_bytes()
+    for _ in range(50):
+        time.sleep(0.02)
+        now = live.alive_bytes()
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 def _measure_forwards(pm, out: list[int]):
     """Wrap this rank's executor so every microbatch's forward records into ``out`` the bytes it
     keeps (the executor is the one place that sees a whole microbatch's forward, loss included).
@@ -93,7 +112,7 @@ def _measure_forwards(pm, out: list[int]):
             with LiveAllocations() as live:
                 result = forward(chunk, mb, received)
             held = received.untyped_storage().nbytes() if received is not None else 0
-            result.grad_fn.register_prehook(lambda grads: out.append(live.alive_bytes() + held))
+            result.grad_fn.register_prehook(lambda grads: out.append(_settled(live) + held))
             return result
 
         return run(schedule, measured, **kwargs)
