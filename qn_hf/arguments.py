@@ -4,8 +4,25 @@ size), so every caller raises the same ``ValueError`` naming the value, before a
 from __future__ import annotations
 
 import difflib
+import enum
 import inspect
 from collections.abc import Callable, Sequence
+
+
+class Choice(str, enum.Enum):
+    """A closed set of names an argument takes (a schedule, a loss kind, a collective). A member
+    equals and hashes as its string, so callers may pass either and dictionaries keyed either way
+    agree; it prints, and messages quote it, as that string (``schedule='zb_h1'``)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        return tuple(member.value for member in cls)
 
 
 def check_positive_int(name: str, value: object, *, fix: str = "") -> None:

@@ -21,7 +21,6 @@ included) and the experts' gradient sums on ``"experts"``.
 
 from __future__ import annotations
 
-import enum
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -32,9 +31,10 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .arguments import Choice
 
 
-class Collective(str, enum.Enum):
+class Collective(Choice):
     """The operations the meter reports, named as the ``torch.distributed`` functions are; the
     planner counts its estimates under the same members, so the two compare key for key. A member
     equals (and hashes as) its string."""
@@ -49,12 +49,6 @@ class Collective(str, enum.Enum):
     BARRIER = "barrier"
     SEND = "send"
     RECV = "recv"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __repr__(self) -> str:
-        return repr(self.value)
 
 
 # c10d op name -> the operation reported; an op not listed keeps its c10d name.

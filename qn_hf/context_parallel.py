@@ -33,8 +33,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import find_packed_sequence_indices
 
 from .comm import all_gather_tensors
-from .loss import causal_lm_targets
-from .loss import LossKind
+from .loss import LossKind, causal_lm_targets
 from .plan import TpPlan
 from .ring_attention import ChunkLayout, needs_mask, ring_attention
 

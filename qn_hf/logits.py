@@ -67,4 +67,3 @@ def collect_logits(pm, batch: Mapping[str, torch.Tensor], *, reduce: LogitsFn | 
         return result if pm.stage.is_last else None
     return broadcast_announced(result if pm.stage.is_last else None, src=pm.stage.stages - 1,
                                group=pm.groups.pp, device=pm.device)
-

@@ -7,13 +7,12 @@ returns its *sum* and the caller divides by the global number of targets, counte
 
 from __future__ import annotations
 
-import enum
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
+from .arguments import Choice
 from .comm import group_size
 
 IGNORE_INDEX = -100
@@ -64,18 +63,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.in_dtype), None, None, None, None, None
 
 
-class LossKind(str, enum.Enum):
+class LossKind(Choice):
     """The built-in losses a policy names. A member equals its string (policies written with
     ``loss="causal_lm"`` keep working; ``ModelPolicy`` stores the member)."""
 
     CAUSAL_LM = "causal_lm"  # next-token cross-entropy over the vocabulary, labels per position
     CLASSIFICATION = "classification"  # one label per sequence (ViT, sequence classification)
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __repr__(self) -> str:
-        return repr(self.value)
 
     @property
     def shifted(self) -> bool:
@@ -83,7 +76,7 @@ class LossKind(str, enum.Enum):
         return self is LossKind.CAUSAL_LM
 
 
-LOSSES = tuple(k.value for k in LossKind)
+LOSSES = LossKind.values()
 
 
 def vocab_parallel_cross_entropy(

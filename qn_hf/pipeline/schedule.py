@@ -54,9 +54,9 @@ import enum
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from ..arguments import check_choice, check_positive_int
+from ..arguments import Choice, check_choice, check_positive_int
 
-class Schedule(str, enum.Enum):
+class Schedule(Choice):
     """The four schedules, each knowing what it can do. The values are ``parallelize``'s
     ``schedule=`` strings, and a member equals its string, so callers may pass either."""
 
@@ -64,12 +64,6 @@ class Schedule(str, enum.Enum):
     GPIPE = "gpipe"
     INTERLEAVED_1F1B = "interleaved_1f1b"
     ZB_H1 = "zb_h1"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __repr__(self) -> str:
-        return repr(self.value)  # messages quote the string a user wrote: schedule='zb_h1'
 
     @property
     def chunks(self) -> bool:
@@ -87,7 +81,7 @@ class Schedule(str, enum.Enum):
         return self in (Schedule.ONE_F_ONE_B, Schedule.GPIPE)
 
 
-SCHEDULES = tuple(s.value for s in Schedule)
+SCHEDULES = Schedule.values()
 
 
 def as_schedule(name: str | Schedule) -> Schedule:

@@ -176,7 +176,7 @@ def expert_ops(calls: tuple[ExpertCall, ...], *, ep: int, tp: int, recompute: st
     """One microbatch's dispatch traffic on a stage: group -> op -> [calls, bytes] (none at ep=1)."""
     out: dict[str, dict[Collective, list[int]]] = {}
 
-    def add(group: str, op: str, count: int, nbytes: int) -> None:
+    def add(group: str, op: Collective, count: int, nbytes: int) -> None:
         acc = out.setdefault(group, {}).setdefault(op, [0, 0])
         acc[0] += count
         acc[1] += nbytes

@@ -80,7 +80,7 @@ def _tp_microbatch(s: int, *, plan: TpPlan, trace: Trace, stage_of: Callable[[st
     """One microbatch's tp collectives on stage ``s``: op -> [calls, bytes]."""
     ops: dict[Collective, list[int]] = defaultdict(lambda: [0, 0])
 
-    def add(op: str, calls: int, nbytes: int) -> None:
+    def add(op: Collective, calls: int, nbytes: int) -> None:
         ops[op][0] += calls
         ops[op][1] += nbytes
 
@@ -153,7 +153,7 @@ def stage_traffic(s: int, *, mesh: Mesh, plan: TpPlan, trace: Trace, stage_of: C
         if summed:
             calls, nbytes = ops.get(Collective.ALL_REDUCE, (0, 0))
             ops[Collective.ALL_REDUCE] = [calls + len(flat_runs([n * grad_elem for n in summed])),
-                                 nbytes + sum(summed) * grad_elem]
+                                          nbytes + sum(summed) * grad_elem]
         out["tp"] = _group(ops)
     if pp > 1:
         edges = sum((c > 0) + (c < last) for c in chunks)  # per microbatch: an activation and a gradient each
