@@ -39,7 +39,7 @@ def _parallelize(model, *, compile: bool, **kwargs):
 
     if "compile" in inspect.signature(qn_hf.parallelize).parameters:
         return qn_hf.parallelize(model, compile=compile, **kwargs)
-    from qn_hf.compile import apply_compile
+    from qn_hf.step.compile import apply_compile
 
     pm = qn_hf.parallelize(model, **kwargs)  # until parallelize takes compile=: the same pass, by hand
     if compile:

@@ -22,7 +22,7 @@ from world import run_world
 def route_counter(pm, *, experts: int) -> list[torch.Tensor]:
     """One ``[experts]`` count per experts module of the (token, expert) pairs its forward sees, by a
     forward pre-hook: the router's choices in global expert ids, before any dispatch."""
-    from qn_hf.expert_parallel import experts_modules
+    from qn_hf.expert_parallel.apply import experts_modules
 
     counts = []
     for module in experts_modules(pm.module).values():

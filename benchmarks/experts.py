@@ -83,7 +83,7 @@ def _experts_clock(pm) -> list[float]:
     """Seconds spent inside the experts modules' forward (summed over layers; under ep the dispatch
     and its all-to-alls, under expert-TP the output all-reduce included), appended per call; two
     clock reads per layer, cheap enough for timed steps."""
-    from qn_hf.expert_parallel import experts_modules
+    from qn_hf.expert_parallel.apply import experts_modules
 
     spent: list[float] = []
     started: list[float] = []
@@ -95,7 +95,7 @@ def _experts_clock(pm) -> list[float]:
 
 def compare_worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     import qn_hf
-    from qn_hf.expert_parallel import experts_modules
+    from qn_hf.expert_parallel.apply import experts_modules
 
     data = _batches(args.warmup + args.steps, rows=args.rows, seq=args.seq)
     runs = {}

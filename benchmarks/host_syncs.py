@@ -219,7 +219,7 @@ def train_one_step(pm, opt, *, seed: int) -> None:
 
 def count_steady_step(feature: str, *, world: int, tmp: str) -> dict:
     """The counts of one steady-state step of ``feature`` on this rank (after two warm-up steps)."""
-    from qn_hf.expert_parallel import experts_modules
+    from qn_hf.expert_parallel.apply import experts_modules
 
     pm, opt, placed = setup_feature(feature, world, tmp)
     for seed in (1, 2):

@@ -25,7 +25,7 @@ import time
 import torch
 from world import run_world, storage_bytes
 
-from qn_hf.live_allocations import LiveAllocations
+from qn_hf.memory.live_allocations import LiveAllocations
 
 SMALL = dict(n_layer=6, n_embd=384, n_head=6, n_positions=256, vocab_size=8192, bos_token_id=0, eos_token_id=0,
              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)

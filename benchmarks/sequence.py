@@ -25,8 +25,8 @@ from torch import nn
 from world import run_world
 
 from qn_hf.comm_meter import CommMeter
-from qn_hf.live_allocations import LiveAllocations
-from qn_hf.sequence_parallel import position_wise
+from qn_hf.memory.live_allocations import LiveAllocations
+from qn_hf.tensor_parallel.sequence_parallel import position_wise
 
 LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=128, max_position_embeddings=16384, bos_token_id=1, eos_token_id=2)
@@ -138,7 +138,7 @@ def cp(args: argparse.Namespace) -> None:
 def ring_worker(rank: int, world: int, seq: int, balanced: bool, heads: int, head_dim: int) -> dict:
     import torch.distributed as dist
 
-    from qn_hf.ring_attention import ChunkLayout, ring_attention
+    from qn_hf.context_parallel.ring_attention import ChunkLayout, ring_attention
 
     gen = torch.Generator().manual_seed(rank)
     shape = (1, heads, seq // world, head_dim)
@@ -177,7 +177,7 @@ def ring(args: argparse.Namespace) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from qn_hf.ring_attention import ChunkLayout
+    from qn_hf.context_parallel.ring_attention import ChunkLayout
 
     world, heads, head_dim = 4, 4, 16
     print(f"ring attention alone, cp={world}, 1 x {args.seq} tokens, {heads} heads of {head_dim}, forward + backward; "

@@ -1,13 +1,13 @@
 """qn_hf: 3D parallelism (data x tensor x pipeline) for unmodified Hugging Face models."""
 
 from .comm_meter import CommMeter
-from .grad_norm import clip_grad_norm_
+from .data_parallel.grad_norm import clip_grad_norm_
 from .mesh import ParallelDims
-from .optimizer import ParallelOptimizer, optimizer
+from .data_parallel.optimizer import ParallelOptimizer, optimizer
 from .parallel_model import ParallelModel
 from .parallelize import parallelize
 from .pipeline.schedule import Schedule
-from .plan import ModelPolicy
+from .tensor_parallel.plan import ModelPolicy
 from .version import __version__
 
 __all__ = ["CommMeter", "ModelPolicy", "ParallelDims", "ParallelModel", "ParallelOptimizer", "ParallelTrainerMixin",
@@ -19,7 +19,7 @@ _TRAINER = ("Trainer", "ParallelTrainerMixin")
 def __getattr__(name: str):
     # transformers.Trainer pulls in accelerate (an extra): import it only when qn_hf.Trainer is asked for
     if name in _TRAINER:
-        from . import trainer
+        from .integrations.hf_trainer import trainer
 
         return getattr(trainer, name)
     raise AttributeError(f"module 'qn_hf' has no attribute {name!r}")

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .batch import (batch_signature, check_batch, check_model_inputs, check_same_batch, dp_rows, microbatch_rows,
+from .step.batch import (batch_signature, check_batch, check_model_inputs, check_same_batch, dp_rows, microbatch_rows,
                     sequence_split, split_microbatches)
 from .checkpoint.adapter import save_adapter
 from .checkpoint.export import save_pretrained
@@ -17,28 +17,28 @@ from .checkpoint.hf import DEFAULT_MAX_SHARD_BYTES
 from .checkpoint.load import load_checkpoint
 from .checkpoint.save import DEFAULT_KEEP_LAST, save_checkpoint
 from .comm import flat_all_reduce_, gather_from_group
-from .context_parallel import CP_KEYS, shard_microbatch
-from .data_parallel import GradBuckets
-from .grad_sync import GradSync
+from .context_parallel.apply import CP_KEYS, shard_microbatch
+from .data_parallel.buckets import GradBuckets
+from .data_parallel.grad_sync import GradSync
 from .failure import FailTogether
-from .full_state import full_state_dict
-from .generation import parallel_generate
-from .logits import LogitsFn, collect_logits
-from .lora import Adapter
-from .loss import IGNORE_INDEX, LossKind, causal_lm_targets, summed_loss
+from .checkpoint.full_state import full_state_dict
+from .step.generation import parallel_generate
+from .step.logits import LogitsFn, collect_logits
+from .peft.lora import Adapter
+from .step.loss import IGNORE_INDEX, LossKind, causal_lm_targets, summed_loss
 from .mesh import Groups, ParallelDims
 from .pipeline.runtime import StageExecutor
 from .pipeline.schedule import schedule_actions
 from .pipeline.split import params_by_final_pass
 from .pipeline.stage import StageModules
 from .placement import ShardPlacement
-from .plan import TpPlan
-from .precision import LossScaler
-from .rng import RngStreams
-from .ring_attention import ChunkLayout
-from .router_loss import adds_router_loss, check_router_loss, router_loss
-from .shard import ShardSpec
-from .tensor_parallel import VocabShard
+from .tensor_parallel.plan import TpPlan
+from .data_parallel.precision import LossScaler
+from .tensor_parallel.rng import RngStreams
+from .context_parallel.ring_attention import ChunkLayout
+from .expert_parallel.router_loss import adds_router_loss, check_router_loss, router_loss
+from .tensor_parallel.shard import ShardSpec
+from .tensor_parallel.apply import VocabShard
 
 LossFn = Callable[[object, Mapping[str, torch.Tensor]], torch.Tensor]
 

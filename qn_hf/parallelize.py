@@ -12,13 +12,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .comm import flat_broadcast_
-from .compile import apply_compile
-from .context_parallel import apply_context_parallel
-from .expert_dispatch import ExpertRoute
-from .expert_parallel import apply_expert_parallel, experts_modules
-from .lora import unwrap_peft
-from .ring_attention import ChunkLayout
-from .data_parallel import DEFAULT_BUCKET_MB, GradBuckets, bucket_size_bytes
+from .step.compile import apply_compile
+from .context_parallel.apply import apply_context_parallel
+from .expert_parallel.dispatch import ExpertRoute
+from .expert_parallel.apply import apply_expert_parallel, experts_modules
+from .peft.lora import unwrap_peft
+from .context_parallel.ring_attention import ChunkLayout
+from .data_parallel.buckets import DEFAULT_BUCKET_MB, GradBuckets, bucket_size_bytes
 from .mesh import Groups, ParallelDims, build_groups, default_device, init_distributed, launched_world_size
 from .parallel_model import ParallelModel
 from .pipeline.runtime import StageExecutor
@@ -27,15 +27,15 @@ from .pipeline.stage import apply_stage
 from .pipeline.schedule import as_schedule
 from .pipeline.standins import StandIn
 from .placement import ShardPlacement
-from .precision import PRECISIONS, LossScaler, apply_mixed_precision
-from .recompute import apply_recompute
-from .sequence_parallel import apply_sequence_parallel, final_norm, regathers, sequence_wire
-from .plan import ModelPolicy, TpPlan
-from .rng import SHARED, TP_LOCAL, RngStreams, stream_seeds
-from .shard import ShardSpec, over_experts
-from .tensor_parallel import apply_tp_plan
-from .weight_grad import WeightGradQueue, make_deferrable
-from .validate import check_parallel_config
+from .data_parallel.precision import PRECISIONS, LossScaler, apply_mixed_precision
+from .memory.recompute import apply_recompute
+from .tensor_parallel.sequence_parallel import apply_sequence_parallel, final_norm, regathers, sequence_wire
+from .tensor_parallel.plan import ModelPolicy, TpPlan
+from .tensor_parallel.rng import SHARED, TP_LOCAL, RngStreams, stream_seeds
+from .tensor_parallel.shard import ShardSpec, over_experts
+from .tensor_parallel.apply import apply_tp_plan
+from .pipeline.weight_grad import WeightGradQueue, make_deferrable
+from .config.validate import check_parallel_config
 from .failure import refused_on_every_rank
 from .arguments import unknown_keywords
 

@@ -22,7 +22,7 @@ from torch import nn
 from .comm import all_gather_tensors
 from .mesh import Groups, ParallelDims
 from .pipeline.split import PipelineTie
-from .shard import ShardSpec, over_experts
+from .tensor_parallel.shard import ShardSpec, over_experts
 
 
 @dataclass(frozen=True, eq=False)

@@ -11,8 +11,8 @@ from transformers import CONFIG_MAPPING
 import qn_hf
 from qn_hf.check.run import build, model_class
 from qn_hf.check.shrink import shrink_config
-from qn_hf.expert_parallel import experts_modules
-from qn_hf.shard import over_experts
+from qn_hf.expert_parallel.apply import experts_modules
+from qn_hf.tensor_parallel.shard import over_experts
 from tests.cases import mesh_for, optimizer_step
 
 SEQ = 12

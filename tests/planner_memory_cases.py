@@ -27,8 +27,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import qn_hf
-from qn_hf.live_allocations import LiveAllocations
-from qn_hf.expert_parallel import experts_modules
+from qn_hf.memory.live_allocations import LiveAllocations
+from qn_hf.expert_parallel.apply import experts_modules
 from tests.cases import mesh_for
 from tests.ep_cases import moe_config
 from tests.models import CONFIGS, dp_slice, make_batch

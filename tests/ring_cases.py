@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from qn_hf.ring_attention import ChunkLayout, ring_attention
+from qn_hf.context_parallel.ring_attention import ChunkLayout, ring_attention
 
 
 @dataclass(frozen=True)

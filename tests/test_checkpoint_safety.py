@@ -204,7 +204,7 @@ def test_a_failed_to_hf_leaves_the_previous_export(tmp_path, capsys):
 
 
 def test_atomic_writes_replace_links_instead_of_following_them(tmp_path):
-    from qn_hf.atomic import write_text_atomic
+    from qn_hf.checkpoint.atomic import write_text_atomic
 
     target = _victim(tmp_path / "victim")
     os.symlink(target, tmp_path / "latest")

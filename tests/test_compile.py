@@ -6,7 +6,7 @@ compiled code, and which graph breaks split them. Compiling on two cores is slow
 meshes, the rest is marked long.
 
 ``qn_hf.parallelize(..., compile=True)`` is the API; until parallelize takes that keyword, ``_parallelize`` calls
-it without and compiles the blocks itself with ``qn_hf.compile.apply_compile`` (the same pass).
+it without and compiles the blocks itself with ``qn_hf.step.compile.apply_compile`` (the same pass).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import qn_hf
-from qn_hf.compile import apply_compile, is_compiled
+from qn_hf.step.compile import apply_compile, is_compiled
 from tests.cases import error_message, mesh_for
 from tests.models import dp_slice, load, make_batch
 from tests.optim_cases import shard_of
@@ -225,7 +225,7 @@ _SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_att
 ])
 def test_refused_combinations(kind, kwargs, expected):
     """Refused before any collective, by the check parallelize and the planner share."""
-    from qn_hf.validate import check_parallel_config
+    from qn_hf.config.validate import check_parallel_config
 
     config = {"dp": 1, "tp": 1, "pp": 1, "microbatches": 1, "schedule": "1f1b", "compile": True, **kwargs}
     message = error_message(lambda: check_parallel_config(_meta(kind), **config))
@@ -234,7 +234,7 @@ def test_refused_combinations(kind, kwargs, expected):
 
 
 def test_expert_parallel_is_refused():
-    from qn_hf.compile import check_compile
+    from qn_hf.step.compile import check_compile
 
     assert "compile=True with ep=2 is not supported" in error_message(
         lambda: check_compile(_meta("llama"), compile=True, schedule="1f1b", cp=1, ep=2))
@@ -244,7 +244,7 @@ def test_expert_parallel_is_refused():
 def test_trainer_torch_compile_arguments(tmp_path):
     """TrainingArguments(torch_compile=True) asks parallelize to compile the blocks; what it cannot honour is
     refused (pure checks, before any collective)."""
-    from qn_hf.trainer_args import check_compiled, check_training_args, trainer_mesh
+    from qn_hf.integrations.hf_trainer.args import check_compiled, check_training_args, trainer_mesh
     from tests.trainer_cases import training_args
 
     args = training_args(str(tmp_path), batch=2, eval_batch=2, accumulation=1, max_grad_norm=1.0)

@@ -135,7 +135,7 @@ def case_disarm() -> dict:
     never did), then a clean step of two microbatches: nothing is reduced before the last one."""
     import torch.distributed as dist
 
-    from qn_hf.data_parallel import GradBuckets
+    from qn_hf.data_parallel.buckets import GradBuckets
 
     a, b = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
     buckets = GradBuckets([a, b], group=dist.group.WORLD, bucket_bytes=16)  # one parameter per bucket

@@ -9,10 +9,10 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from qn_hf.comm import gather_from_group
-from qn_hf.embeddings import VocabParallelEmbedding
-from qn_hf.layers import ColumnParallelLinear, RowParallelLinear
-from qn_hf.loss import vocab_parallel_cross_entropy
-from qn_hf.shard import ShardSpec, padded
+from qn_hf.tensor_parallel.embeddings import VocabParallelEmbedding
+from qn_hf.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from qn_hf.step.loss import vocab_parallel_cross_entropy
+from qn_hf.tensor_parallel.shard import ShardSpec, padded
 
 
 def _grads_match(parallel: nn.Module, reference: nn.Module, rank: int) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from qn_hf.recompute import check_recompute
+from qn_hf.memory.recompute import check_recompute
 from tests.models import load
 
 ZERO_CASES = [  # kind, dp, tp, pp, optimizer, schedule

@@ -10,8 +10,8 @@ import torch.distributed as dist
 from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import qn_hf
-from qn_hf.heads import HeadLayout
-from qn_hf.plan import ModelPolicy, build_tp_plan
+from qn_hf.tensor_parallel.heads import HeadLayout
+from qn_hf.tensor_parallel.plan import ModelPolicy, build_tp_plan
 from qn_hf.policies import derive_policy, resolve_policy
 from tests.models import CONFIGS, auto_class
 
@@ -170,8 +170,8 @@ def test_parameter_outside_every_stage_is_an_error():
 def test_loss_kind_is_an_enum_and_policies_keep_accepting_strings():
     """``ModelPolicy(loss="causal_lm")`` stores ``LossKind.CAUSAL_LM`` (a member equals its string); the
     kind knows whether its targets are the labels shifted by one; an unknown kind is refused by name."""
-    from qn_hf.loss import LOSSES, LossKind
-    from qn_hf.plan import ModelPolicy
+    from qn_hf.step.loss import LOSSES, LossKind
+    from qn_hf.tensor_parallel.plan import ModelPolicy
 
     policy = ModelPolicy(model_type="x", layers="layers", tp_plan={}, loss="causal_lm")
     assert policy.loss is LossKind.CAUSAL_LM and policy.loss == "causal_lm" and f"{policy.loss!r}" == "'causal_lm'"

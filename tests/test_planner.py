@@ -18,8 +18,8 @@ from transformers import AutoConfig, GPT2Config, LlamaConfig, ViTConfig
 
 import qn_hf
 from qn_hf.check.run import build
-from qn_hf.layout import meta_model
-from qn_hf.plan import build_tp_plan
+from qn_hf.checkpoint.layout import meta_model
+from qn_hf.tensor_parallel.plan import build_tp_plan
 from qn_hf.planner.cli import main
 from qn_hf.planner.estimate import Planner, estimate_mesh
 from qn_hf.policies import resolve_policy

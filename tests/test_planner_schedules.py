@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from qn_hf.layout import meta_model
+from qn_hf.checkpoint.layout import meta_model
 from qn_hf.planner.cli import main
 from qn_hf.planner.estimate import Planner, estimate_mesh
 from tests.cases import parallelize_as_launched

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qn_hf.ring_attention import ChunkLayout, kernels, needs_mask, ring_block
+from qn_hf.context_parallel.ring_attention import ChunkLayout, kernels, needs_mask, ring_block
 from tests.ring_cases import StridedLayout, batch_meta
 
 FLOAT32 = 2e-5  # the project's gradient tolerance, relative to the largest reference value

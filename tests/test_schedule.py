@@ -468,7 +468,7 @@ def test_an_interrupted_zb_step_leaves_nothing_for_the_next():
     plain model's (the interrupted step's queued weight passes are dropped)."""
     from torch import nn
 
-    from qn_hf.weight_grad import WeightGradQueue, make_deferrable
+    from qn_hf.pipeline.weight_grad import WeightGradQueue, make_deferrable
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))

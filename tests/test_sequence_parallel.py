@@ -53,7 +53,7 @@ SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atte
 
 
 def _error(model, **kwargs) -> str:
-    from qn_hf.validate import check_parallel_config
+    from qn_hf.config.validate import check_parallel_config
 
     try:
         check_parallel_config(model, dp=1, microbatches=1, schedule="1f1b", **{"tp": 2, "pp": 1, **kwargs})
@@ -86,7 +86,7 @@ def test_sequence_parallel_refuses_what_might_mix_positions():
 def test_sequence_length_must_divide_by_tp():
     import torch
 
-    from qn_hf.batch import check_model_inputs
+    from qn_hf.step.batch import check_model_inputs
 
     model = _meta_model("llama")
     batch = {"input_ids": torch.zeros(2, 13, dtype=torch.long), "labels": torch.zeros(2, 13, dtype=torch.long)}

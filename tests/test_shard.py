@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from qn_hf.shard import ShardSpec, padded
+from qn_hf.tensor_parallel.shard import ShardSpec, padded
 
 
 def roundtrip(spec: ShardSpec, full: torch.Tensor) -> list[torch.Tensor]:

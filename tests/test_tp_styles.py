@@ -8,9 +8,9 @@ import pytest
 from torch import nn
 from transformers import CONFIG_MAPPING
 
-from qn_hf.adapters import adapter_for
+from qn_hf.tensor_parallel.embedding_types import adapter_for
 from qn_hf.check.shrink import shrink_config
-from qn_hf.plan import ModelPolicy
+from qn_hf.tensor_parallel.plan import ModelPolicy
 
 
 class _Doubled(nn.Embedding):
@@ -130,7 +130,7 @@ def test_partial_gradient_on_one_stage_is_refused_on_every_rank(worlds):
 
 def test_tied_weights_split_differently_are_refused():
     from qn_hf.check.run import build
-    from qn_hf.plan import build_tp_plan
+    from qn_hf.tensor_parallel.plan import build_tp_plan
     from qn_hf.policies import derive_policy
 
     model = build(shrink_config(CONFIG_MAPPING["gemma"]()), seed=0)  # lm_head is tied to embed_tokens

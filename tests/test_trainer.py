@@ -120,7 +120,7 @@ def test_trainer_keeps_the_dropout_streams_of_each_replica(worlds, model_dirs, t
 ])
 def test_trainer_argument_checks(tmp_path, parallel, overrides, expected):
     """The checks are pure functions of the arguments, run before any collective."""
-    from qn_hf.trainer_args import check_training_args, trainer_mesh
+    from qn_hf.integrations.hf_trainer.args import check_training_args, trainer_mesh
     from tests.trainer_cases import training_args
 
     args = training_args(str(tmp_path), batch=2, eval_batch=2, accumulation=1, max_grad_norm=1.0)
@@ -140,7 +140,7 @@ def test_trainer_import_is_lazy():
 
 
 def test_microbatches_per_step(tmp_path):
-    from qn_hf.trainer_args import trainer_mesh
+    from qn_hf.integrations.hf_trainer.args import trainer_mesh
     from tests.trainer_cases import training_args
 
     args = training_args(str(tmp_path), batch=4, eval_batch=2, accumulation=3, max_grad_norm=1.0)

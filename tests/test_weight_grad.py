@@ -13,11 +13,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 
-from qn_hf.layers import ColumnParallelLinear, RowParallelLinear
-from qn_hf.recompute import apply_recompute, checkpoint_options
-from qn_hf.rng import RngStreams, stream_seeds
-from qn_hf.shard import ShardSpec
-from qn_hf.weight_grad import DeferrableConv1D, DeferrableLinear, WeightGradQueue, make_deferrable
+from qn_hf.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from qn_hf.memory.recompute import apply_recompute, checkpoint_options
+from qn_hf.tensor_parallel.rng import RngStreams, stream_seeds
+from qn_hf.tensor_parallel.shard import ShardSpec
+from qn_hf.pipeline.weight_grad import DeferrableConv1D, DeferrableLinear, WeightGradQueue, make_deferrable
 
 KEY = (0, 0)
 

@@ -82,7 +82,7 @@ def test_every_zoo_model_has_a_checkpoint_layout_where_it_trains_equal():
     import json
     from pathlib import Path
 
-    from qn_hf.layout import model_layout
+    from qn_hf.checkpoint.layout import model_layout
 
     expected = json.loads((Path(__file__).parent / "zoo_expected.json").read_text())
     meshes = {"tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}

@@ -19,9 +19,9 @@ import torch.distributed as dist
 from safetensors.torch import save
 from torch import nn
 
-from ..atomic import fresh_dir, write_bytes_atomic
+from .atomic import fresh_dir, write_bytes_atomic
 from ..comm import barrier
-from ..lora import Adapter
+from ..peft.lora import Adapter
 from ..placement import ShardPlacement
 from .export import unique_state
 

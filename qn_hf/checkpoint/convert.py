@@ -3,7 +3,7 @@
 Every conversion streams (peak memory a bounded chunk of one tensor, not the model): a Hugging Face
 directory is read as a checkpoint whose tensors are single whole pieces, each output tensor or shard
 piece is read in chunks from the overlapping source pieces and written with ``write_streaming``. The
-layout of a target mesh comes from ``qn_hf.layout`` (the same policy and stage cut that
+layout of a target mesh comes from ``qn_hf.checkpoint.layout`` (the same policy and stage cut that
 ``parallelize`` applies), so no GPU and no process group are involved.
 
 A conversion keeps every tensor it reads, at the shape the config gives it, or refuses: the model
@@ -19,8 +19,8 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
-from ..atomic import fresh_dir, remove_entry
-from ..layout import Layout, Place, candidate_classes, meta_model, model_layout, named_class
+from .atomic import fresh_dir, remove_entry
+from .layout import Layout, Place, candidate_classes, meta_model, model_layout, named_class
 from ..version import __version__
 from .export import STAGING, begin_export, finish_export, numbered_weights_file, split_by_size
 from .files import PARTIAL, FileChecks, file_digest, publish, write_json

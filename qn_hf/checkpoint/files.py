@@ -10,7 +10,7 @@ import shutil
 import zlib
 
 from ..arguments import check_positive_int
-from ..atomic import remove_entry, write_text_atomic
+from .atomic import remove_entry, write_text_atomic
 from .format import CheckpointError
 from .names import LATEST, is_checkpoint_name, parse_name, read_latest
 

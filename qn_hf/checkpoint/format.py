@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from ..shard import ShardSpec
+from ..tensor_parallel.shard import ShardSpec
 from .names import LATEST, is_checkpoint_name
 
 FORMAT = "qn_hf.checkpoint"

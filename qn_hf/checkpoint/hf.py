@@ -22,7 +22,7 @@ import torch
 import transformers
 from safetensors import SafetensorError, safe_open
 
-from ..layout import meta_model
+from .layout import meta_model
 from .format import CheckpointError, check_entry, dtype_of_code, read_json
 
 HF_CONFIG = "config.json"

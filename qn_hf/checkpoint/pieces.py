@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import torch
 from safetensors import safe_open
 
-from ..shard import ShardSpec
+from ..tensor_parallel.shard import ShardSpec
 from .files import FileChecks
 from .format import DTYPES, Box, CheckpointError, boxes, dtype_name, global_shape, safetensors_code
 

@@ -20,10 +20,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..arguments import check_non_negative_int, check_positive_int
-from ..atomic import fresh_dir, give_plain_mode
+from .atomic import fresh_dir, give_plain_mode
 from ..comm import barrier
 from ..placement import ShardPlacement
-from ..shard import ShardSpec
+from ..tensor_parallel.shard import ShardSpec
 from ..version import __version__
 from .files import PARTIAL, file_digest, fsync_file, prune, publish, write_json
 from .format import (INDEX, boxes, dtype_name, global_shape, new_index, optimizer_key, shard_file,

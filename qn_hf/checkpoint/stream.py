@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from ..atomic import TMP, create_new
+from .atomic import TMP, create_new
 from .format import safetensors_code
 
 

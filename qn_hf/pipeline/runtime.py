@@ -47,7 +47,7 @@ Key = tuple[int, int]  # (chunk, microbatch)
 
 
 class WeightGrads(Protocol):
-    """The deferred weight-gradient work of split backward passes (``qn_hf.weight_grad``)."""
+    """The deferred weight-gradient work of split backward passes (``qn_hf.pipeline.weight_grad``)."""
 
     open: object
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..names import base_model_and_prefix, join
+from ..tensor_parallel.patterns import base_model_and_prefix, join
 from ..arguments import check_positive_int
-from ..plan import ModelPolicy
+from ..tensor_parallel.plan import ModelPolicy
 from .schedule import chunks_of, rank_of_chunk
 
 

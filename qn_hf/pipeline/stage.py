@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..names import base_model_and_prefix
+from ..tensor_parallel.patterns import base_model_and_prefix
 from .split import StagePlan
 from .stage_config import cut_layer_lists
 from .standins import Injector, PassThrough, mirror_reads, standin_for

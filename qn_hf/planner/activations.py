@@ -12,7 +12,7 @@ them into its shard, with two boolean masks); under cp the step shifts them with
 inputs before the forward, and a step's inputs, like the batch itself, are not counted.
 
 ``weight_stash``: under zb_h1 a microbatch's B leaves, until its W, each deferred linear's input and
-output gradient (``qn_hf.weight_grad``), at their tp shard: a column layer's output gradient and a
+output gradient (``qn_hf.pipeline.weight_grad``), at their tp shard: a column layer's output gradient and a
 row layer's input are split; an input a sibling layer took too is kept once.
 """
 
@@ -23,8 +23,8 @@ from collections.abc import Iterable
 from torch import nn
 
 from ..pipeline.split import StagePlan, chunk_of_module
-from ..loss import LossKind
-from ..plan import TpPlan
+from ..step.loss import LossKind
+from ..tensor_parallel.plan import TpPlan
 from .trace import Trace
 
 

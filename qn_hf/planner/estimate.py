@@ -42,17 +42,17 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers import PretrainedConfig
 
-from ..batch import check_model_inputs, sequence_split
-from ..data_parallel import DEFAULT_BUCKET_MB, bucket_size_bytes
-from ..layout import meta_model
+from ..step.batch import check_model_inputs, sequence_split
+from ..data_parallel.buckets import DEFAULT_BUCKET_MB, bucket_size_bytes
+from ..checkpoint.layout import meta_model
 from ..pipeline.schedule import as_schedule
 from ..pipeline.schedule_check import peaks
 from ..pipeline.split import stage_of_module
-from ..plan import ModelPolicy
-from ..optimizer import check_zero_with_ep
-from ..precision import GRAD_DTYPE, PRECISIONS, apply_mixed_precision
-from ..validate import check_parallel_config
-from ..weight_grad import WeightGradQueue, make_deferrable
+from ..tensor_parallel.plan import ModelPolicy
+from ..data_parallel.optimizer import check_zero_with_ep
+from ..data_parallel.precision import GRAD_DTYPE, PRECISIONS, apply_mixed_precision
+from ..config.validate import check_parallel_config
+from ..pipeline.weight_grad import WeightGradQueue, make_deferrable
 from .activations import chunk_activations, kept_collectives, weight_stash
 from .context import cp_inputs
 from .experts import expert_parameters

@@ -36,9 +36,9 @@ import torch
 from torch import nn
 
 from ..comm_meter import Collective
-from ..expert_parallel import experts_modules
-from ..plan import TpPlan
-from ..token_exchange import row_split
+from ..expert_parallel.apply import experts_modules
+from ..tensor_parallel.plan import TpPlan
+from ..expert_parallel.token_exchange import row_split
 
 A2A, GATHER = Collective.ALL_TO_ALL_SINGLE, Collective.ALL_GATHER_INTO_TENSOR
 COUNT_ELEM = 8  # the per-expert counts travel as int64

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..data_parallel import cut_into_buckets
+from ..data_parallel.buckets import cut_into_buckets
 
 MASTER_ELEM = 4  # float32 master weights and moments under mixed precision
 STEP_BYTES = 4  # AdamW's float32 step counter, one per tensor it steps

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from ..layout import meta_model
+from ..checkpoint.layout import meta_model
 from ..pipeline.split import StagePlan
-from ..tensor_parallel import apply_tp_plan
+from ..tensor_parallel.apply import apply_tp_plan
 
 
 def local_sizes(config: PretrainedConfig, *, dtype: torch.dtype, plan, ep: int,

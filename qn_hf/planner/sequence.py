@@ -38,12 +38,12 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..batch import check_sequence_length, sequence_split
+from ..step.batch import check_sequence_length, sequence_split
 from ..comm_meter import Collective
-from ..names import join
+from ..tensor_parallel.patterns import join
 from ..pipeline.split import StagePlan
-from ..plan import TpPlan
-from ..sequence_parallel import final_norm, first_argument, with_first
+from ..tensor_parallel.plan import TpPlan
+from ..tensor_parallel.sequence_parallel import final_norm, first_argument, with_first
 
 GATHER, SCATTER = Collective.ALL_GATHER_INTO_TENSOR, Collective.REDUCE_SCATTER_TENSOR
 SEQ_DIM = 1

@@ -39,10 +39,10 @@ from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.pytorch_utils import Conv1D
 
-from ..expert_parallel import experts_modules
-from ..plan import TpPlan
-from ..recompute import checkpoint_options
-from ..sequence_parallel import regathers
+from ..expert_parallel.apply import experts_modules
+from ..tensor_parallel.plan import TpPlan
+from ..memory.recompute import checkpoint_options
+from ..tensor_parallel.sequence_parallel import regathers
 from .context import RingCall, RingStandIn
 from .experts import ExpertCall, ExpertsStandIn, moe_regions
 from .kernels import TrainingKernels

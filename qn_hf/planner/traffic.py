@@ -47,8 +47,8 @@ from dataclasses import dataclass, field
 
 from ..comm import flat_runs
 from ..comm_meter import Collective
-from ..loss import LossKind
-from ..plan import TpPlan
+from ..step.loss import LossKind
+from ..tensor_parallel.plan import TpPlan
 from .context import ring_ops
 from .experts import ExpertCall, expert_ops
 from .memory import Bucket, owned

@@ -1,13 +1,13 @@
 """Policies: ours, one data-only file per architecture keyed by ``config.model_type`` (gpt2.py,
 llama.py, vit.py), and for every other model one derived from transformers' own plans (derive.py,
 with amendments.py fixing or refusing those plans where they are wrong). Policy files import only
-``qn_hf.plan``; nothing else in the library imports them but this module."""
+``qn_hf.tensor_parallel.plan``; nothing else in the library imports them but this module."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from ..plan import ModelPolicy
+from ..tensor_parallel.plan import ModelPolicy
 from . import gpt2, llama, vit
 from .derive import derive_policy
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..adapters import adapter_for
-from ..heads import head_layout
-from ..names import base_model_and_prefix, match_modules, match_parameters
-from ..loss import LossKind
-from ..plan import ModelPolicy
-from ..styles import HF_STYLES, PARAM_FORM
+from ..tensor_parallel.embedding_types import adapter_for
+from ..tensor_parallel.heads import head_layout
+from ..tensor_parallel.patterns import base_model_and_prefix, match_modules, match_parameters
+from ..step.loss import LossKind
+from ..tensor_parallel.plan import ModelPolicy
+from ..tensor_parallel.styles import HF_STYLES, PARAM_FORM
 from .amendments import AMENDMENTS, PP_PLANS, REFUSALS
 from .entries import derive_entries
 
@@ -91,7 +91,7 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
     rowwise_parents = {p.rpartition(".")[0] for p, style in tp_plan.items() if style == "rowwise"}
 
     # The embedding and the LM head are sharded over the vocabulary when qn_hf reproduces their class
-    # exactly (qn_hf.adapters); anything else stays whole, which is always correct.
+    # exactly (qn_hf.tensor_parallel.embedding_types); anything else stays whole, which is always correct.
     embeddings = _relative_name(base, model.get_input_embeddings())
     if embeddings is not None and adapter_for(model.get_input_embeddings()) is not None:
         tp_plan.setdefault(embeddings, "vocab_embedding")

@@ -1,7 +1,7 @@
 """Llama (LlamaModel, LlamaForCausalLM): separate q/k/v with grouped-query attention, untied head."""
 
-from ..loss import LossKind
-from ..plan import ModelPolicy
+from ..step.loss import LossKind
+from ..tensor_parallel.plan import ModelPolicy
 
 POLICY = ModelPolicy(
     model_type="llama",

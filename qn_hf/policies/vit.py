@@ -1,7 +1,7 @@
 """ViT (ViTModel, ViTForImageClassification): patch embedding and classifier stay replicated."""
 
-from ..loss import LossKind
-from ..plan import ModelPolicy
+from ..step.loss import LossKind
+from ..tensor_parallel.plan import ModelPolicy
 
 POLICY = ModelPolicy(
     model_type="vit",

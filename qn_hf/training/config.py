@@ -217,8 +217,8 @@ def _mesh(value: Any) -> tuple[int, int, int]:
 
 def _check(cfg: TrainConfig) -> None:
     from ..pipeline.schedule import SCHEDULES
-    from ..precision import PRECISIONS
-    from ..recompute import RECOMPUTE
+    from ..data_parallel.precision import PRECISIONS
+    from ..memory.recompute import RECOMPUTE
 
     if cfg.task not in TASKS:
         raise UsageError(f"task {cfg.task!r} is not one of {TASKS}")

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import checkpoint_dir
-from ..grad_norm import clip_grad_norm_
+from ..data_parallel.grad_norm import clip_grad_norm_
 from ..mesh import default_device, init_distributed, launched_world_size
-from ..optimizer import optimizer
+from ..data_parallel.optimizer import optimizer
 from ..parallel_model import ParallelModel
 from ..parallelize import parallelize
 from .config import TrainConfig, default_microbatches, effective_yaml

@@ -14,7 +14,7 @@ import sys
 
 from tqdm import tqdm
 
-from ..atomic import write_text_atomic
+from ..checkpoint.atomic import write_text_atomic
 
 
 def to_json_line(record: dict) -> str:

@@ -13,7 +13,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageClassification, PretrainedConfig
 
-from ..loss import IGNORE_INDEX
+from ..step.loss import IGNORE_INDEX
 from ..parallel_model import ParallelModel
 from .config import TrainConfig
 from .data_images import DIGITS_CHANNELS, DIGITS_SIZE, check_image_data, load_image_data

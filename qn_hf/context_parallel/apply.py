@@ -1,0 +1,150 @@
+"""Context parallelism: the sequence split over cp ranks, attention through transformers' interface.
+
+``train_step`` still takes this dp rank's whole sequences. Each microbatch is cut along the sequence
+(``shard_microbatch``): rank ``r`` of the cp group keeps the tokens of its two chunks
+(``ring_attention.ChunkLayout``), their global ``position_ids`` (RoPE and learned positions see the
+true positions) and their targets, shifted on the whole sequence first (a chunk's last token
+predicts the first token of the next chunk, which another rank holds). Every module but attention
+acts token by token, so the model's own forward runs unchanged on the slice.
+
+Attention goes through transformers' attention interface: ``apply_context_parallel`` registers a
+ring-attention function under a name of this model's own and selects it with
+``set_attn_implementation``, so no forward is replaced. What the function needs about the whole
+sequence travels as the ``attention_mask``: a prepared 4-D tensor ``[b, 1, 2, sequence]`` of
+(document index, may be attended to) per token, which transformers passes through to the attention
+function untouched (a 4-D mask is taken as already built). When no sequence of the microbatch packs
+several documents or has padding (decided once per microbatch, one host read, in
+``shard_microbatch``), the tensor is ``[b, 1, 1, sequence]`` instead and the ring builds no masks:
+its size, not its values, tells every layer's attention call, so none of them reads device data. Documents follow transformers' own rule:
+without an attention mask, a ``position_ids`` step other than +1 starts a new packed sequence; with
+one, its zeros are padding.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+from transformers import AttentionInterface
+from transformers.masking_utils import find_packed_sequence_indices
+
+from ..comm import all_gather_tensors
+from ..step.loss import LossKind, causal_lm_targets
+from ..tensor_parallel.plan import TpPlan
+from .ring_attention import ChunkLayout, needs_mask, ring_attention
+
+# Batch keys a context-parallel step knows how to cut along the sequence.
+CP_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
+_names = itertools.count()
+
+
+def check_context_parallel(model: nn.Module, *, cp: int, plan: TpPlan, sequence_parallel: bool) -> None:
+    """Refuse (before any communication) what ring attention cannot compute exactly."""
+    if cp == 1:
+        return
+    name = f"cp={cp} ({model.config.model_type})"
+    if not getattr(type(model), "_supports_attention_backend", False):
+        raise ValueError(f"{name}: {type(model).__name__} does not run its attention through transformers' attention "
+                         f"interface, so qn_hf cannot put ring attention in; use cp=1")
+    if plan.loss is not LossKind.CAUSAL_LM:
+        raise ValueError(f"{name}: context parallelism needs a causal LM with its built-in loss (the loss counts targets "
+                         f"across the cp ranks); use cp=1")
+    if sequence_parallel:
+        raise ValueError(f"{name}: sequence_parallel=True with cp > 1 is not supported yet; use one of them")
+    config = model.config.get_text_config()
+    for key in ("attention_dropout", "attn_pdrop"):
+        if getattr(config, key, 0.0):
+            raise ValueError(f"{name}: {key}={getattr(config, key)}: ring attention has no attention dropout; set "
+                             f"config.{key} = 0.0 or use cp=1")
+    for key in ("attn_logit_softcapping", "attention_chunk_size"):
+        if getattr(config, key, None):
+            raise ValueError(f"{name}: {key}={getattr(config, key)} is not supported by ring attention; use cp=1")
+    # Ring attention covers attention; a block that mixes positions any other way (state-space or
+    # convolution layers of hybrid models) would see only this rank's tokens.
+    kinds = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention"})
+    if kinds:
+        raise ValueError(f"{name}: layers of kind {kinds} (config.layer_types) mix positions outside attention or in a "
+                         f"window; ring attention covers full attention only; use cp=1")
+    for module_name, module in model.named_modules():
+        if isinstance(module, (nn.Conv1d, nn.Conv2d)):
+            raise ValueError(f"{name}: {module_name} ({type(module).__name__}) may mix positions outside attention; use cp=1")
+        if getattr(module, "sliding_window", None) or hasattr(module, "sinks"):
+            what = "a sliding window" if getattr(module, "sliding_window", None) else "attention sinks"
+            raise ValueError(f"{name}: {module_name} uses {what}, which ring attention does not honour; use cp=1")
+        if hasattr(module, "is_causal") and hasattr(module, "scaling") and not module.is_causal:
+            raise ValueError(f"{name}: {module_name} is not causal; ring attention here is causal only; use cp=1")
+
+
+def apply_context_parallel(model: nn.Module, *, group: ProcessGroup, layout: ChunkLayout) -> str:
+    """Register ring attention over ``group`` for this model and select it; return its name."""
+
+    def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                  sliding_window: int | None = None, **kwargs):
+        if attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[2] not in (1, 2):
+            raise ValueError("cp > 1: the model was called without qn_hf's context-parallel batch; use "
+                             "pm.train_step or pm.eval_step")
+        if dropout:
+            raise ValueError(f"cp > 1: attention dropout {dropout} is not supported by ring attention")
+        length = attention_mask.shape[-1]
+        if sliding_window is not None and sliding_window < length:  # a window as long as the sequence is no window
+            raise ValueError(f"cp > 1: {type(module).__name__} attends within a sliding window of {sliding_window} tokens, "
+                             f"shorter than the sequence ({length}); ring attention does not honour windows; use cp=1 "
+                             f"or sequences of at most {sliding_window} tokens")
+        for extra in ("softcap", "s_aux", "sinks"):
+            if kwargs.get(extra) is not None:
+                raise ValueError(f"cp > 1: {type(module).__name__} passes {extra!r} to attention, which ring attention "
+                                 f"does not compute; use cp=1")
+        masked = attention_mask.shape[2] == 2  # (documents, valid); else one document, nothing padded
+        valid = attention_mask[:, 0, -1]
+        out = ring_attention(query, key, value, documents=attention_mask[:, 0, 0] if masked else torch.zeros_like(valid),
+                             valid=valid, layout=layout, group=group, masked=masked,
+                             scaling=scaling or 1.0 / math.sqrt(query.shape[-1]))
+        return out.transpose(1, 2).contiguous(), None
+
+    # transformers' registry is global; the name is this model's own, so models never share state
+    name = f"qn_hf_ring_{next(_names)}"
+    AttentionInterface.register(name, attention)
+    model.set_attn_implementation(name)
+    return name
+
+
+def documents_of(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Each token's document, by transformers' own rule and function (packed sequences are looked for
+    only without an attention mask)."""
+    ids = batch["input_ids"]
+    positions = batch.get("position_ids")
+    packed = None if positions is None or "attention_mask" in batch else find_packed_sequence_indices(positions.expand_as(ids))
+    return torch.zeros_like(ids) if packed is None else packed.long()
+
+
+def shard_microbatch(micro: Mapping[str, torch.Tensor], *, layout: ChunkLayout, rank: int) -> dict[str, torch.Tensor]:
+    """This cp rank's model inputs and its ``targets`` (already shifted) from a microbatch of whole sequences."""
+    ids = micro["input_ids"]
+    length = ids.shape[1]
+    keep = layout.positions(rank, length).to(ids.device)
+    positions = micro.get("position_ids")
+    positions = (torch.arange(length, device=ids.device).expand_as(ids) if positions is None
+                 else positions.expand_as(ids))
+    valid = micro.get("attention_mask", torch.ones_like(ids)).long()
+    documents = documents_of(micro)
+    masked = needs_mask(documents=documents, valid=valid)  # the microbatch's one host read, not one per layer
+    meta = (torch.stack([documents, valid], dim=1) if masked else valid[:, None]).unsqueeze(1)  # [b, 1, 2 or 1, seq]
+    return {"input_ids": ids[:, keep], "position_ids": positions[:, keep], "attention_mask": meta,
+            "targets": causal_lm_targets(micro["labels"])[:, keep]}
+
+
+def gather_sequence_positions(x: torch.Tensor, *, layout: ChunkLayout, group: ProcessGroup) -> torch.Tensor:
+    """The whole sequence (dim 1, in order) from every cp rank's ``x`` of its ``layout`` chunks: one
+    all-gather, then each rank's tokens put back at their positions (no autograd)."""
+    size = layout.size
+    parts = all_gather_tensors(x.contiguous(), group=group)
+    length = x.shape[1] * size
+    whole = x.new_empty((x.shape[0], length, *x.shape[2:]))
+    for rank, part in enumerate(parts):
+        whole[:, layout.positions(rank, length, device=x.device)] = part
+    return whole

@@ -1,0 +1,103 @@
+"""Gradient synchronization after a step's backward, in one place.
+
+1. dp: the buckets' reductions (started during backward) finish. Unsharded, every rank then holds
+   the dp-summed gradient in ``.grad``; sharded (ZeRO-1), each rank holds its pieces only. Experts
+   sharded over ep have buckets of their own, summed over the ranks holding the same experts.
+2. KV-head replicas: ranks holding copies of the same KV heads sum their gradients (each copy saw
+   the queries of its own rank's heads only).
+3. Replicated parameters applied to this rank's heads only (per-head norms) hold this rank's share
+   of their gradient: the sum over tp is the whole gradient, then equal on every rank.
+4. A weight tied across the first and last stage: both copies' gradients summed over the pair.
+5. Once, the proof that every other replicated gradient agrees over tp (replica_check.py).
+6. float16: unscale, and record whether any rank overflowed.
+
+The sums of 2-4 are linear, so they commute with the dp sum and work on the sharded pieces too:
+every tp rank lays its buckets out identically (same shapes), and tied weights sit in buckets of
+their own, so a piece covers the same elements on every rank of those groups. The loss is already
+divided by the global target count, so the dp sum is the average the plain model computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from ..comm import flat_all_reduce_
+from .buckets import GradBuckets, grad_dtype
+from ..placement import ShardPlacement
+from .precision import LossScaler
+from ..tensor_parallel.replica_check import check_replicated_grads
+
+
+class GradSync:
+    def __init__(self, *, module: nn.Module, placement: ShardPlacement, grad_sum: tuple[str, ...],
+                 buckets: GradBuckets | None, expert_buckets: GradBuckets | None,
+                 scaler: LossScaler | None) -> None:
+        self.module = module
+        self.placement = placement
+        self.grad_sum = grad_sum
+        self.buckets = buckets
+        self.expert_buckets = expert_buckets
+        self.scaler = scaler
+        self._replicas_checked = False
+        # sharded: the pieces and the HF name of each one's parameter, made once per layout
+        self._piece_names: tuple[list, list[str]] | None = None
+
+    @property
+    def sharded(self) -> bool:
+        """Whether each dp rank holds only its pieces of the gradients (ZeRO-1)."""
+        return self.buckets is not None and self.buckets.sharded
+
+    def named_grads(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's gradients by HF name: whole ``.grad`` tensors, or, sharded, the flat pieces
+        this rank owns."""
+        if self.sharded:
+            pieces = self.buckets.pieces()
+            if self._piece_names is None or self._piece_names[0] is not pieces:  # once per layout of the pieces
+                names = {id(p): n for n, p in self.module.named_parameters()}
+                self._piece_names = (pieces, [names[id(piece.param)] for piece in pieces])
+            yield from zip(self._piece_names[1], (piece.grad for piece in pieces))
+            return
+        for name, p in self.module.named_parameters():
+            if p.requires_grad and p.grad is not None:
+                yield name, p.grad
+
+    def arm(self, params: Iterable[nn.Parameter] | None = None) -> None:
+        """The next gradient of ``params`` (default: all) is final: buckets launch as they fill."""
+        params = None if params is None else list(params)
+        for buckets in (self.buckets, self.expert_buckets):
+            if buckets is not None:
+                buckets.arm(params)
+
+    def disarm(self) -> None:
+        """Before a step: nothing is armed (a failed step may have left buckets armed)."""
+        for buckets in (self.buckets, self.expert_buckets):
+            if buckets is not None:
+                buckets.disarm()
+
+    def sync(self) -> None:
+        for buckets in (self.buckets, self.expert_buckets):
+            if buckets is not None:
+                buckets.finish()
+        if not self.sharded:  # every rank must contribute the same buffers: an unused parameter sends zeros
+            for p in self.module.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p, dtype=grad_dtype(p))
+        grads = dict(self.named_grads())
+        groups, specs = self.placement.groups, self.placement.specs
+        if groups.kv is not None:
+            flat_all_reduce_([g for n, g in grads.items() if (s := specs.get(n)) is not None and s.replicas > 1],
+                             group=groups.kv)
+        partial = [grads[n] for n in self.grad_sum if n in grads]
+        if partial:
+            flat_all_reduce_(partial, group=groups.tp)
+        if groups.tie is not None:
+            tied = [grads[n] for tie in self.placement.ties for n in (tie.owner, tie.follower) if n in grads]
+            flat_all_reduce_(tied, group=groups.tie)
+        if not self._replicas_checked:  # once: the dataflow that makes a gradient partial never changes
+            self._replicas_checked = True
+            check_replicated_grads({n: g for n, g in grads.items() if specs.get(n) is None}, group=groups.tp)
+        if self.scaler is not None:
+            self.scaler.unscale_(list(grads.values()), device=self.placement.device)

@@ -1,0 +1,255 @@
+"""``qn_hf.optimizer``: a torch optimizer over this rank's shard that holds the float32 master
+weights under mixed precision and, with ``zero=True`` (ZeRO-1), only this dp rank's 1/dp of them.
+
+Which tensors the wrapped optimizer steps (its ``param_groups`` hold these "masters"):
+
+* plain: the model's parameters themselves; the optimizer is the one a user would build.
+* mixed precision: a float32 copy of each parameter; its gradient is the parameter's float32
+  ``.grad`` (see precision.py); after the step the copy is cast back into the parameter.
+* ZeRO-1: for every parameter, the part of it in this rank's pieces of the dp buckets, as a flat
+  1-D tensor (a float32 copy under mixed precision, else a view of the flat weight buffer itself);
+  its gradient is the reduce-scattered piece. After the step the pieces are written into the weight
+  buffers and all-gathered (see data_parallel.py). Stepping a flat slice is exact only for an
+  optimizer that treats every element on its own, so only those classes are accepted.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .buckets import GradBuckets, Piece
+
+# torch optimizers whose update of an element reads only that element's gradient and state (and
+# scalars): a flat slice of a parameter steps exactly as the whole parameter would. Adafactor
+# (factored moments of matrices), Muon (orthogonalised matrices), LBFGS (whole-vector line search)
+# and SparseAdam are not among them.
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.Adagrad,
+               torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam, torch.optim.ASGD,
+               torch.optim.Rprop)
+
+
+@dataclass(frozen=True)
+class Master:
+    """One tensor the wrapped optimizer steps: all of parameter ``name`` (``piece`` None) or the
+    flat range ``[piece.start, piece.stop)`` of it."""
+
+    name: str
+    param: nn.Parameter
+    tensor: torch.Tensor
+    piece: Piece | None
+
+    @property
+    def start(self) -> int:
+        return 0 if self.piece is None else self.piece.start
+
+    def grad(self) -> torch.Tensor | None:
+        return self.param.grad if self.piece is None else self.piece.grad
+
+
+def check_optimizer_class(optimizer_class: type, *, zero: bool) -> None:
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise ValueError(f"optimizer_class={optimizer_class!r} is not a torch.optim.Optimizer subclass")
+    if zero and optimizer_class not in ELEMENTWISE:
+        raise ValueError(
+            f"zero=True shards every parameter into flat slices, which is exact only for optimizers that update each "
+            f"element on its own ({', '.join(c.__name__ for c in ELEMENTWISE)}); {optimizer_class.__name__} is not "
+            f"one of them: use zero=False")
+
+
+def check_zero_with_ep(*, zero: bool, ep: int) -> None:
+    """ZeRO-1 shards the state of parameters every dp rank holds; the experts under ep are not those
+    (the planner refuses with the same message)."""
+    if zero and ep > 1:
+        raise ValueError(f"zero=True with ep={ep} is not supported yet (the experts' optimizer state would "
+                         f"need its own sharding over the ranks holding the same experts); use zero=False")
+
+
+class ParallelOptimizer(torch.optim.Optimizer):
+    """``optimizer_class`` over this rank's masters (see the module docstring); ``param_groups`` and
+    ``state`` are the wrapped optimizer's, so LR schedulers and ``opt.state`` work as usual."""
+
+    def __init__(self, pm, optimizer_class: type, *, zero: bool, param_groups: Iterable[dict] | None,
+                 skip_nonfinite: bool = False, **kwargs) -> None:
+        check_optimizer_class(optimizer_class, zero=zero)
+        if getattr(pm, "optimizer", None) is not None:
+            raise ValueError("this ParallelModel already has a qn_hf.optimizer; build one optimizer per model")
+        names = {id(p): n for n, p in pm.module.named_parameters()}
+        groups = _groups(pm, param_groups, names)
+        buckets: GradBuckets | None = pm.buckets
+        check_zero_with_ep(zero=zero, ep=pm.dims.ep)
+        if zero and pm.dims.replicas == 1:
+            warnings.warn("zero=True with dp=1 shards nothing (with cp=1 no other rank holds the same weights): the "
+                          "optimizer keeps all of its state", stacklevel=3)
+            zero = False
+        self.pm, self.zero, self.mixed = pm, zero, pm.precision is not None
+        self.skip_nonfinite = skip_nonfinite
+        self._skipped_nonfinite = 0
+        if zero:
+            named = dict(pm.module.named_parameters())
+            tied = [named[n] for tie in pm.placement.ties for n in (tie.owner, tie.follower) if n in named]
+            buckets.shard_over_dp(separate=tied, model=pm.module)
+            pieces = {id(piece.param): piece for piece in buckets.pieces()}
+        self.masters: list[Master] = []
+        self.model_param_groups = [list(g["params"]) for g in groups]  # checkpoints name groups by these
+        inner_groups = []
+        for group in groups:
+            tensors = []
+            for p in group["params"]:
+                piece = pieces.get(id(p)) if zero else None
+                if zero and piece is None:
+                    continue  # no part of this parameter is in this rank's pieces
+                if piece is not None:
+                    tensor = piece.weight.detach().float().clone() if self.mixed else piece.weight
+                else:
+                    tensor = p.detach().float().clone() if self.mixed else p
+                master = Master(name=names[id(p)], param=p, tensor=_leaf(tensor, p), piece=piece)
+                self.masters.append(master)
+                tensors.append(master.tensor)
+            inner_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": tensors})
+        self.inner = optimizer_class(inner_groups, **kwargs)
+        super().__init__([{"params": list(g["params"])} for g in self.inner.param_groups], self.inner.defaults)
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+        pm.optimizer = self
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped because some rank's gradients held inf or NaN: float16's overflows, and with
+        ``skip_nonfinite`` any precision's."""
+        return (self.pm.scaler.skipped_steps if self.pm.scaler is not None else 0) + self._skipped_nonfinite
+
+    def _nonfinite(self) -> bool:
+        """Whether any rank's gradients of this step hold inf or NaN: one fused check per dtype, one
+        all-reduce over the job and one host read (the price of ``skip_nonfinite``, as of fp16's check)."""
+        device = self.pm.device
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        unit = torch.ones(1, dtype=torch.float32, device=device)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for m in self.masters:
+            grad = m.grad()
+            if grad is not None:
+                by_dtype.setdefault(grad.dtype, []).append(grad)
+        for grads in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, unit)  # x 1: checks only
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        return bool(found.item())
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        scaler = self.pm.scaler
+        if scaler is not None and scaler.found_inf:
+            scaler.update()  # skip: some rank's float16 gradients overflowed; the scale shrinks
+            return loss
+        if self.skip_nonfinite and scaler is None and self._nonfinite():
+            self._skipped_nonfinite += 1  # the weights and the optimizer state stay as they were
+            return loss
+        if self.mixed or self.zero:
+            for m in self.masters:
+                m.tensor.grad = m.grad()
+        self.inner.step()
+        self._copy_masters_to_params()
+        if self.zero:
+            self.pm.buckets.gather_weights()
+        if scaler is not None:
+            scaler.update()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.pm.module.parameters():
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+        if self.mixed or self.zero:
+            for m in self.masters:
+                m.tensor.grad = None
+        if self.zero:
+            self.pm.buckets.zero_reduced()
+
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's state dict, plus the masters under mixed precision. It loads back
+        at the same mesh only; ``pm.save_checkpoint(path, optimizer=opt)`` moves across meshes."""
+        saved = self.inner.state_dict()
+        saved["qn_hf"] = {"masters": [m.tensor.detach().clone() for m in self.masters] if self.mixed else None,
+                          "layout": [(m.name, m.start, m.tensor.numel()) for m in self.masters]}
+        return saved
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("qn_hf", None)
+        layout = [(m.name, m.start, m.tensor.numel()) for m in self.masters]
+        if extra is None or [tuple(x) for x in extra["layout"]] != layout:
+            raise ValueError("this optimizer state dict was saved at another mesh or with other zero/mixed_precision "
+                             "settings; use pm.save_checkpoint/load_checkpoint(optimizer=) to move between meshes")
+        self.inner.load_state_dict(state_dict)
+        self.state = self.inner.state
+        if self.mixed and extra["masters"] is not None:
+            with torch.no_grad():
+                for m, value in zip(self.masters, extra["masters"]):
+                    m.tensor.copy_(value)
+                self.write_params()
+
+    def _copy_masters_to_params(self) -> None:
+        """Mixed precision: cast every master into its low-precision weight, one fused copy (a
+        kernel per weight on a device otherwise)."""
+        if self.mixed and self.masters:
+            torch._foreach_copy_([m.param.data.view(-1) if m.piece is None else m.piece.weight for m in self.masters],
+                                 [m.tensor.view(-1) for m in self.masters])
+
+    @torch.no_grad()
+    def write_params(self) -> None:
+        """Make the model's parameters what the masters say (after loading masters)."""
+        self._copy_masters_to_params()
+        if self.zero:
+            self.pm.buckets.gather_weights()
+            self.pm.buckets.wait_weights()
+
+
+def _leaf(tensor: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
+    """A tensor the optimizer may step: the parameter itself, or a new leaf aliasing ``tensor``."""
+    return tensor if tensor is p else nn.Parameter(tensor, requires_grad=p.requires_grad)
+
+
+def _groups(pm, param_groups: Iterable[dict] | None, names: dict[int, str]) -> list[dict]:
+    """The parameter groups over ``pm``'s trainable parameters (all in one group by default)."""
+    trainable = [p for p in pm.module.parameters() if p.requires_grad]
+    if param_groups is None:
+        return [{"params": trainable}]
+    groups, seen = [], set()
+    allowed = {id(p) for p in trainable}
+    for i, group in enumerate(param_groups):
+        if not isinstance(group, dict) or "params" not in group:
+            raise ValueError(f"param_groups[{i}] must be a dict with 'params' (as torch optimizers take)")
+        params = list(group["params"])
+        for p in params:
+            if id(p) not in allowed:
+                raise ValueError(f"param_groups[{i}] holds a tensor that is not a trainable parameter of this "
+                                 f"ParallelModel ({names.get(id(p), 'unknown')}); take them from pm.named_parameters()")
+            if id(p) in seen:
+                raise ValueError(f"parameter {names[id(p)]} is in two param_groups")
+            seen.add(id(p))
+        groups.append({**group, "params": params})
+    return groups
+
+
+def optimizer(pm, optimizer_class: type, *, zero: bool = False, param_groups: Iterable[dict] | None = None,
+              skip_nonfinite: bool = False, **kwargs) -> ParallelOptimizer:
+    """A torch optimizer over ``pm``'s trainable parameters (or ``param_groups`` of them, as a torch
+    optimizer's first argument takes them), holding float32 master weights under ``mixed_precision``;
+    ``zero=True`` keeps only this dp rank's 1/dp of the masters and state (ZeRO-1).
+    ``skip_nonfinite=True`` skips (on every rank) a step whose gradients hold inf or NaN anywhere in
+    the job, as float16's loss scaling does, counting it in ``skipped_steps``; it costs one small
+    all-reduce and one host read per step. ``kwargs`` go to ``optimizer_class`` (``lr=``, ...)."""
+    return ParallelOptimizer(pm, optimizer_class, zero=zero, param_groups=param_groups, skip_nonfinite=skip_nonfinite,
+                             **kwargs)

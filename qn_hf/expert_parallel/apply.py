@@ -1,0 +1,120 @@
+"""Expert parallelism (``parallelize(..., ep=N)``): each of N ranks of a stage's dp x tp grid holds a
+contiguous block of every MoE layer's experts, whole, and tokens travel to them (expert_dispatch.py).
+
+What is sharded is transformers' fused experts module: a module decorated with
+``@use_experts_implementation`` whose every parameter stacks the experts along dim 0
+(``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``, biases where the architecture has them), called
+as ``experts(hidden [T, H], top_k_index [T, K], top_k_weights [T, K])``. Its forward stays
+transformers': the dispatch is registered in transformers' experts registry under a name of this
+model's own and selected with ``set_experts_implementation``, and the module's ``num_experts`` is set
+to the local count, so the implementation that ran before (eager or grouped_mm) computes the local
+experts. Routers, shared experts and dense layers keep their tp rules; the experts' own tp rules
+(expert-TP) give way to ep.
+
+Gradients: a token's contribution to an expert's weights is computed on the expert's owner, so the
+owner's gradient is the sum over the tokens of its whole ep group; the ranks holding the same block
+(``expert_replicas`` of them, ``Groups.experts``) sum theirs, like dp ranks. Nothing else changes.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .dispatch import ExpertRoute, expert_parallel_forward
+from ..mesh import ParallelDims
+from ..tensor_parallel.plan import TpPlan
+from ..tensor_parallel.shard import ShardSpec
+
+# config keys that count a model's routed experts (transformers' names differ by architecture)
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_SHARED = ("shared_expert", "shared_experts")
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """transformers' fused experts form: decorated by ``use_experts_implementation`` (which gives it
+    ``_is_expert_parallel``) and every parameter stacked over ``num_experts`` along dim 0."""
+    count = getattr(module, "num_experts", None)
+    params = list(module.parameters(recurse=False))
+    return (hasattr(module, "_is_expert_parallel") and isinstance(count, int) and bool(params)
+            and all(p.dim() >= 2 and p.shape[0] == count for p in params))
+
+
+def experts_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The fused experts modules of ``model`` by name."""
+    return {name: m for name, m in model.named_modules() if is_fused_experts(m)}
+
+
+def _unfused_experts(model: nn.Module) -> list[str]:
+    """Modules that hold routed experts in another form (a ModuleList of MLPs, a custom class)."""
+    found = []
+    for name, module in model.named_modules():
+        leaf = name.rpartition(".")[2]
+        if leaf == "experts" and not is_fused_experts(module):
+            found.append(f"{name} ({type(module).__name__})")
+    return found
+
+
+def check_expert_parallel(model: nn.Module, *, dims: ParallelDims, plan: TpPlan, sequence_parallel: bool) -> None:
+    """Raise ``ValueError`` (every rank, no communication) for what ep cannot shard."""
+    if dims.ep == 1:
+        return
+    model_type = model.config.model_type
+    unfused = _unfused_experts(model)
+    if unfused:
+        raise ValueError(f"ep={dims.ep}: {model_type}'s experts {unfused[0]} are not transformers' fused experts form "
+                         f"(one module with 3-D gate_up_proj/down_proj, @use_experts_implementation), which expert "
+                         f"parallelism shards; use ep=1 (tp shards its experts)")
+    found = experts_modules(model)
+    if not found:
+        counts = {k: getattr(model.config.get_text_config(), k, None) for k in _EXPERT_COUNTS}
+        why = "has no mixture-of-experts layers" if not any(counts.values()) else "has no fused experts module"
+        raise ValueError(f"ep={dims.ep}: {model_type} {why}; use ep=1")
+    sizes = {module.num_experts for module in found.values()}
+    if len(sizes) > 1:
+        raise ValueError(f"ep={dims.ep}: {model_type}'s MoE layers have different numbers of experts {sorted(sizes)}; "
+                         f"use ep=1")
+    for name, module in found.items():
+        if module.num_experts % dims.ep:
+            raise ValueError(f"ep={dims.ep} must divide the {module.num_experts} experts of {name}; choose ep among "
+                             f"the divisors of {module.num_experts} that divide dp*tp")
+    if dims.cp > 1:
+        raise ValueError(f"ep={dims.ep} with cp={dims.cp} is not supported; use cp=1")
+    if sequence_parallel:
+        raise ValueError(f"ep={dims.ep} with sequence_parallel=True is not supported; use one of them")
+    identity = [n for n, style in plan.policy.tp_plan.items() if style == "experts_identity"]
+    if identity:
+        raise ValueError(f"ep={dims.ep}: {model_type} routes tokens to identity experts ({identity[0]}) outside "
+                         f"the experts' weights; use ep=1")
+
+
+def expert_parallel_plan(model: nn.Module, plan: TpPlan, *, ep: int) -> TpPlan:
+    """``plan`` without the tp rules of the experts modules and their parameters (ep shards them)."""
+    if ep == 1:
+        return plan
+    names = tuple(experts_modules(model))
+    return plan.only(lambda module: not any(module == n or module.startswith(n + ".") for n in names))
+
+
+def apply_expert_parallel(model: nn.Module, *, route: ExpertRoute, ep_rank: int) -> dict[str, ShardSpec]:
+    """Keep this rank's block of every experts module's experts and route the model's experts
+    calls through the ep dispatch; return the specs of the sharded parameters by name."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+
+    found = experts_modules(model)
+    specs: dict[str, ShardSpec] = {}
+    for name, module in found.items():
+        start = ep_rank * route.local
+        for pname, param in list(module.named_parameters(recurse=False)):
+            shard = nn.Parameter(param.data[start : start + route.local].clone(), requires_grad=param.requires_grad)
+            setattr(module, pname, shard)
+            specs[f"{name}.{pname}"] = ShardSpec(dim=0, tp=route.ep, size=route.experts, axis="ep")
+        module.num_experts = route.local
+    first = next(iter(found.values()))
+    previous = first.config._experts_implementation
+    local = ALL_EXPERTS_FUNCTIONS.get_interface(previous, type(first).forward.__wrapped__)
+    # The registry is process-wide: a name of this model's own keeps two models (with different
+    # groups) apart, as ring attention's registration does.
+    key = f"qn_hf_ep_{id(model):x}"
+    ExpertsInterface.register(key, expert_parallel_forward(route, local))
+    model.set_experts_implementation(key)
+    return specs

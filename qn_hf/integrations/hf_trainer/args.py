@@ -1,0 +1,174 @@
+"""What ``qn_hf.Trainer`` accepts: its ``parallel=`` keywords, and the ``TrainingArguments`` that would fight the
+mesh. Every check is a pure function of the arguments and the launcher's world size, so each rank raises the same
+``ValueError`` (naming the value and the fix) before any collective or any training step.
+
+Not supported (each refused with a ``ValueError`` before training): DeepSpeed, FSDP, accelerate's
+``parallelism_config`` (qn_hf is the parallelism); ``gradient_checkpointing`` (use ``parallel=dict(recompute=)``);
+``fp16``/``bf16`` flags (use ``parallel=dict(mixed_precision=)``: accelerate's autocast keeps no float32 masters);
+``compute_metrics``/``preprocess_logits_for_metrics`` and predictions from ``predict`` (the logits stay on the last
+stage, split over tp); ``label_smoothing_factor`` (use ``compute_loss_func``); ``model_init`` and
+``auto_find_batch_size`` (the model is parallelized once); Liger kernels and NEFTune (they replace or hook forwards
+qn_hf drives); ``torch_compile_backend`` other than inductor and ``torch_compile_mode`` (``torch_compile=True``
+compiles each block with inductor's defaults: ``parallelize(compile=True)``, qn_hf/compile.py); ``group_by_length``
+sampling; ``push_to_hub``; an optimizer built over the unsharded model. A ``compute_loss`` override is not called
+for training (TRL's token accuracy and entropy metrics are not logged): the loss is the built-in one, or
+``compute_loss_func`` summed over rows and normalised by ``num_items_in_batch``. With fp16 an overflow skips the
+optimizer step, but the LR scheduler still steps.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ...data_parallel.optimizer import ParallelOptimizer
+from ...parallelize import parallelize
+
+# parallelize's keywords, plus the optimizer's ZeRO-1 switch (qn_hf.optimizer(zero=...)), which the Trainer builds.
+PARALLEL_KEYS = tuple(name for name, p in inspect.signature(parallelize).parameters.items()
+                      if p.kind is inspect.Parameter.KEYWORD_ONLY) + ("zero",)
+SAMPLING = ("random", "sequential")  # samplers rebuilt exactly as one process draws them (trainer_data.py)
+
+
+@dataclass(frozen=True)
+class TrainerMesh:
+    """The resolved ``parallel=`` options: ``parallelize`` keywords (``microbatches`` is per optimizer step: the
+    per-accumulation-batch count times ``gradient_accumulation_steps``) and ZeRO-1 for the optimizer."""
+
+    parallelize: dict[str, Any]
+    zero: bool
+
+    @property
+    def world_size(self) -> int:
+        kw = self.parallelize
+        return kw.get("dp", 1) * kw.get("tp", 1) * kw.get("pp", 1) * kw.get("cp", 1)
+
+
+def trainer_mesh(parallel: Mapping[str, Any] | None, *, args) -> TrainerMesh:
+    """Check ``parallel`` and turn it into ``TrainerMesh``. ``microbatches`` counts the microbatches of one
+    accumulation batch of a dp replica (``per_device_train_batch_size`` rows); the accumulation batches of one
+    optimizer step run in one ``train_step``, so the model is parallelized with microbatches x accumulation steps."""
+    parallel = dict(parallel or {})
+    unknown = sorted(set(parallel) - set(PARALLEL_KEYS))
+    if unknown:
+        raise ValueError(f"parallel= has unknown keys {unknown}; the accepted keys are {list(PARALLEL_KEYS)}")
+    zero = bool(parallel.pop("zero", False))
+    micro = parallel.get("microbatches", 1)
+    if not isinstance(micro, int) or isinstance(micro, bool) or micro < 1:
+        raise ValueError(f"parallel microbatches={micro!r} must be a positive integer")
+    batch = args.per_device_train_batch_size
+    if batch < micro:
+        raise ValueError(f"per_device_train_batch_size={batch} is less than parallel microbatches={micro}: each "
+                         f"accumulation batch of a dp replica is cut into microbatches; use microbatches <= {batch}")
+    parallel["microbatches"] = micro * args.gradient_accumulation_steps
+    if getattr(args, "torch_compile", False):  # accelerate never gets the model: qn_hf compiles its blocks
+        if parallel.get("compile", True) is not True:
+            raise ValueError(f"torch_compile=True with parallel compile={parallel['compile']!r}: set one of them "
+                             f"(parallel=dict(compile=True) is what torch_compile=True asks for)")
+        parallel["compile"] = True
+    parallel.setdefault("seed", args.seed)  # dropout streams follow the run's seed, as in one process
+    return TrainerMesh(parallelize=parallel, zero=zero)
+
+
+def check_training_args(args, *, mesh: TrainerMesh, world_size: int, compute_loss_func: Any = None) -> None:
+    """Refuse the ``TrainingArguments`` (and launcher settings) that conflict with the mesh."""
+    if mesh.world_size != world_size:
+        kw = mesh.parallelize
+        dims = ", ".join(f"{k}={kw[k]}" for k in ("dp", "tp", "pp", "cp") if k in kw) or "dp=1"
+        raise ValueError(f"parallel=dict({dims}) needs {mesh.world_size} processes but {world_size} were launched; "
+                         f"launch {mesh.world_size} (torchrun --nproc-per-node {mesh.world_size} ...) or change "
+                         f"parallel= so that dp*tp*pp*cp = {world_size}")
+    for message in _conflicts(args, mesh=mesh, compute_loss_func=compute_loss_func):
+        raise ValueError(message)
+
+
+def _conflicts(args, *, mesh: TrainerMesh, compute_loss_func: Any):
+    """Each conflicting setting, as the message that names it and the fix (first one raised)."""
+    if getattr(args, "deepspeed", None) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        yield ("deepspeed is set: qn_hf shards the model itself over dp x tp x pp, and DeepSpeed would wrap and "
+               "re-shard it; remove the DeepSpeed config (parallel=dict(zero=True) shards the optimizer state)")
+    if getattr(args, "fsdp", None) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        yield (f"fsdp={getattr(args, 'fsdp', None)!r} (or an accelerate FSDP config): FSDP would wrap the already "
+               f"sharded model; remove it (parallel=dict(zero=True) shards the optimizer state over dp)")
+    if getattr(args, "parallelism_config", None) is not None:
+        yield "parallelism_config is set: the mesh comes from parallel=dict(dp=, tp=, pp=, cp=); remove it"
+    if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
+        yield ("gradient_checkpointing=True: HF's checkpointing wraps layers the pipeline stages drive; use "
+               "parallel=dict(recompute='full') (or 'selective'), which gives the same results")
+    for flag in ("bf16", "fp16", "bf16_full_eval", "fp16_full_eval"):
+        if getattr(args, flag, False):
+            dtype = flag[:4]
+            yield (f"{flag}=True: accelerate's autocast would run without float32 master weights; set {flag}=False "
+                   f"and pass parallel=dict(mixed_precision='{dtype}') (low-precision compute, float32 masters and "
+                   f"gradient reduction)")
+    if args.label_smoothing_factor:
+        yield (f"label_smoothing_factor={args.label_smoothing_factor}: the built-in parallel loss is plain "
+               f"cross-entropy; pass compute_loss_func= for a smoothed loss")
+    backend = getattr(args, "torch_compile_backend", None)
+    if getattr(args, "torch_compile", False) and backend not in (None, "inductor"):
+        yield (f"torch_compile_backend={backend!r}: qn_hf compiles each block with inductor "
+               f"(parallelize(compile=True)); unset it or set it to 'inductor'")
+    if getattr(args, "torch_compile_mode", None) is not None:
+        yield (f"torch_compile_mode={args.torch_compile_mode!r}: qn_hf compiles each block in inductor's default mode "
+               f"(parallelize(compile=True)); unset it")
+    if getattr(args, "use_liger_kernel", False):
+        yield "use_liger_kernel=True replaces Hugging Face forwards and losses, which qn_hf drives; remove it"
+    if getattr(args, "neftune_noise_alpha", None) is not None:
+        yield (f"neftune_noise_alpha={args.neftune_noise_alpha}: NEFTune's embedding hook does not see the "
+               f"vocabulary-parallel embedding's layout; remove it")
+    if args.auto_find_batch_size:
+        yield "auto_find_batch_size=True retries by rebuilding the model's wrapping; set per_device_train_batch_size"
+    if args.train_sampling_strategy not in SAMPLING:
+        yield (f"train_sampling_strategy={args.train_sampling_strategy!r}: only {list(SAMPLING)} are rebuilt exactly "
+               f"as one process draws them")
+    if args.push_to_hub:
+        yield "push_to_hub=True is not supported; save_model(dir) writes an HF directory to push with huggingface_hub"
+    if compute_loss_func is not None and mesh.parallelize.get("cp", 1) > 1:
+        yield (f"compute_loss_func with cp={mesh.parallelize['cp']}: each rank holds part of every sequence; use the "
+               f"built-in loss (labels) or cp=1")
+
+
+def check_compiled(args, *, compiled: bool) -> None:
+    """``torch_compile=True`` with a ``ParallelModel`` given as ``model=``: its blocks must be compiled already."""
+    if getattr(args, "torch_compile", False) and not compiled:
+        raise ValueError("torch_compile=True but model= is a ParallelModel whose blocks are not compiled: build it "
+                         "with qn_hf.parallelize(..., compile=True), or set torch_compile=False")
+
+
+def check_trainer_inputs(*, model: Any, model_init: Any, compute_metrics: Any, preprocess_logits_for_metrics: Any,
+                         peft_config: Any = None) -> None:
+    """Refuse the ``Trainer`` arguments that need something the pipeline does not hand back."""
+    if model_init is not None or model is None:
+        raise ValueError("model_init= is not supported (the model is parallelized once, at construction): pass "
+                         "model= (a Hugging Face or PEFT model)")
+    if compute_metrics is not None or preprocess_logits_for_metrics is not None:
+        raise ValueError("compute_metrics/preprocess_logits_for_metrics need the logits, which stay on the last "
+                         "pipeline stage, split over tp: evaluation reports the loss only; remove them")
+    if peft_config is not None:
+        raise ValueError("peft_config= would wrap the model after it is parallelized; wrap it first "
+                         "(model = peft.get_peft_model(model, config)) and pass that model")
+
+
+def check_user_optimizer(opt: Any, *, pm: Any, zero: bool) -> None:
+    """An ``optimizers=(opt, sched)`` optimizer must step this rank's shards (one built before parallelizing holds
+    the unsharded weights), and be a ``qn_hf.optimizer`` where only that can step (float32 masters, ZeRO-1)."""
+    if opt is None:
+        return
+    if isinstance(opt, ParallelOptimizer):
+        if opt.pm is not pm:
+            raise ValueError("optimizers= holds a qn_hf.optimizer of another ParallelModel; build it over trainer.pm")
+        return
+    ours = {id(p) for p in pm.module.parameters()}
+    tensors = [p for group in opt.param_groups for p in group["params"]]
+    stale = sum(id(p) not in ours for p in tensors)
+    name = type(opt).__name__
+    if stale:
+        raise ValueError(f"optimizers=({name}, ...) steps tensors that are not this rank's shards of the parallelized "
+                         f"model (it was built before parallelizing: {len(tensors)} tensors); pass "
+                         f"optimizer_cls_and_kwargs=({name}, {{...}}) instead")
+    if pm.precision is not None or zero:
+        raise ValueError(f"mixed_precision/zero keep float32 masters or shards that only qn_hf.optimizer steps; pass "
+                         f"optimizer_cls_and_kwargs=({name}, {{...}}) instead of optimizers=")

@@ -1,0 +1,139 @@
+"""PEFT LoRA models: what is accepted, and how a LoRA layer is sharded under its base layer's style.
+
+``peft.get_peft_model`` wraps each target (``q_proj``) in a LoRA layer holding the original as
+``base_layer`` and two small ``nn.Linear``s per adapter, ``lora_A`` (r x in) and ``lora_B`` (out x r);
+its forward adds ``lora_B(lora_A(dropout(x))) * scaling`` to ``base_layer(x)``. qn_hf parallelizes
+the HF model inside (``get_base_model()``), with LoRA layers in place, and never replaces their
+forward: the rule a policy gives the target is carried to the three leaves.
+
+* **column styles** (output features split): ``base_layer`` and ``lora_B`` are split the same way
+  (each rank computes its columns of both terms); ``lora_A`` is replicated and sees the whole input,
+  which is in the tp region (the target or a module around it is a tp entry, whose input gradient
+  is all-reduced). Its gradient ``(B_r^T g_r) x^T`` covers only this rank's columns of ``lora_B``,
+  so it is summed over tp (``replicate_grad_sum``).
+* **row styles** (input features split, output summed): ``base_layer`` and ``lora_A`` are split the
+  same way, so ``lora_A`` sums its partial products over tp (a rank-r all-reduce, or a
+  reduce-scatter along the sequence with sequence parallelism); ``lora_B`` is replicated on the
+  whole sum (``replicate_after_row``). Its gradient is then whole on every rank, except with
+  sequence parallelism, where each rank sees its slice of the sequence and the gradients are summed.
+* ``replicate``: everything stays whole.
+
+Other styles (embeddings, the vocabulary head, experts) under a LoRA layer, LoRA variants (DoRA) at
+tp > 1, and other PEFT methods are refused.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..tensor_parallel.rules import is_projection
+from ..tensor_parallel.styles import COLUMN_STYLES, PARAM_STYLES, ROW_STYLES
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """The PEFT model a ParallelModel was built from, for saving its adapter directory."""
+
+    peft_model: nn.Module
+    name: str  # the adapter ("default")
+
+
+def _lora_layer_type() -> type | None:
+    # peft is imported only by a user who built a PEFT model; without it in sys.modules no module
+    # of the model can be a LoRA layer, and qn_hf does not import it.
+    peft = sys.modules.get("peft")
+    if peft is None:
+        return None
+    from peft.tuners.lora import LoraLayer
+
+    return LoraLayer
+
+
+def is_lora_layer(module: nn.Module) -> bool:
+    kind = _lora_layer_type()
+    return kind is not None and isinstance(module, kind)
+
+
+def unwrap_peft(model: nn.Module) -> tuple[nn.Module, Adapter | None]:
+    """The HF model to parallelize and, for a PEFT model, its adapter; refuse what is not supported
+    (on every rank, before any collective)."""
+    peft = sys.modules.get("peft")
+    if peft is None or not isinstance(model, peft.PeftModel):
+        if _lora_layer_type() is not None and any(is_lora_layer(m) for m in model.modules()):
+            raise ValueError("the model holds LoRA layers but is not a PeftModel (inject_adapter_in_model?); pass the "
+                             "model get_peft_model returned, so that save_pretrained can write its adapter")
+        return model, None
+    names = list(model.peft_config)
+    if len(names) != 1:
+        raise ValueError(f"the PEFT model has {len(names)} adapters {names}; qn_hf trains one: delete the others "
+                         f"(model.delete_adapter(name)) before parallelize")
+    name = names[0]
+    config = model.peft_config[name]
+    kind = getattr(config.peft_type, "value", str(config.peft_type))
+    if kind != "LORA":
+        raise ValueError(f"PEFT method {kind} is not supported: qn_hf parallelizes LoRA adapters (LoraConfig); "
+                         f"{kind} changes the model in ways its tensor and pipeline splits do not reproduce")
+    if getattr(config, "modules_to_save", None):
+        raise ValueError(f"LoraConfig(modules_to_save={config.modules_to_save}) is not supported: the wrapped copies "
+                         f"would need their own sharding rules; train those modules by leaving them unfrozen "
+                         f"in a plain model, or leave modules_to_save empty")
+    inner = model.get_base_model()
+    for module_name, module in inner.named_modules():
+        if is_lora_layer(module) and not is_projection(module.base_layer):
+            raise ValueError(f"LoRA on {module_name} ({type(module.base_layer).__name__}) is not supported: qn_hf "
+                             f"shards LoRA on linear layers; remove it from target_modules")
+    return inner, Adapter(peft_model=model, name=name)
+
+
+@dataclass(frozen=True)
+class LoraLeaves:
+    """What ``lora_rules`` derives from the rules on LoRA layers."""
+
+    rules: dict[str, str]  # every rule, those on LoRA layers carried to their leaves
+    entries: list[str]  # LoRA layers under a column style whose input must enter the tp region there
+    shared_dropout: list[str]  # dropout on a whole, replicated input: the same mask on every tp rank
+    local_dropout: list[str]  # dropout on this rank's slice of the features: its own mask
+
+
+def lora_rules(model: nn.Module, rules: dict[str, str], *, tp: int, sequence_parallel: bool) -> LoraLeaves:
+    """``rules`` with each rule on a LoRA layer carried to its leaves (module docstring)."""
+    out: dict[str, str] = {}
+    leaves = LoraLeaves(rules=out, entries=[], shared_dropout=[], local_dropout=[])
+    for name, style in rules.items():
+        module = model.get_submodule(name) if style not in PARAM_STYLES else None
+        if module is None or not is_lora_layer(module):
+            out[name] = style
+            continue
+        if module.lora_variant:
+            variants = sorted(type(v).__name__ for v in module.lora_variant.values())
+            if tp > 1:
+                raise ValueError(f"LoRA variant {variants} (use_dora=True?) on {name} is not supported with tp={tp}: its "
+                                 f"norm spans the split weight; use tp=1 (dp and pp work) or plain LoRA")
+        adapters = list(module.lora_A)
+        dropouts = [f"{name}.lora_dropout.{a}" for a in adapters if isinstance(module.lora_dropout[a], nn.Dropout)]
+        if dropouts and sequence_parallel and style != "replicate":
+            raise ValueError(f"lora_dropout > 0 on {name} with sequence_parallel=True is not supported: the input of a "
+                             f"column target is gathered inside a block whose dropout runs tp-local; use "
+                             f"lora_dropout=0 or sequence_parallel=False")
+        out[f"{name}.base_layer"] = style
+        if style == "replicate":
+            out.update({f"{name}.{part}.{a}": "replicate" for a in adapters for part in ("lora_A", "lora_B")})
+        elif style in COLUMN_STYLES:
+            out.update({f"{name}.lora_A.{a}": "replicate_grad_sum" for a in adapters})
+            out.update({f"{name}.lora_B.{a}": style for a in adapters})
+            leaves.entries.append(name)
+            leaves.shared_dropout.extend(dropouts)  # x is whole on every rank: one mask, as in one process
+        elif style in ROW_STYLES:
+            out.update({f"{name}.lora_A.{a}": style for a in adapters})
+            out.update({f"{name}.lora_B.{a}": "replicate_after_row" for a in adapters})
+            # the features are split (rowwise: the input is this rank's slice; rowwise_split: the whole input,
+            # of which lora_A keeps this rank's slice after the mask): independent masks per slice
+            leaves.local_dropout.extend(dropouts)
+        else:
+            raise ValueError(f"LoRA on {name} (style {style!r}) is not supported with tp={tp}: qn_hf shards LoRA under "
+                             f"column and row styles {COLUMN_STYLES + ROW_STYLES}; remove {name.rpartition('.')[2]!r} from "
+                             f"target_modules or use tp=1")
+    return leaves

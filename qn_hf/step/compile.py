@@ -1,0 +1,109 @@
+"""Per-block ``torch.compile`` (inductor): each block of this stage compiled in place, equal to eager.
+
+``apply_compile`` compiles every block of the stage's ``layers`` list in place, as torchtitan compiles each
+TransformerBlock (``nn.Module.compile``): the module object, its parameter names, its hooks and everything
+qn_hf set on it stay, so checkpoints, optimizers, the pipeline stage and the dp buckets see the same model;
+only the block's call runs compiled code. The model's forward outside the blocks (embeddings, masks, rotary
+tables, head, loss), the pipeline schedule and the dp gradient buckets (post-accumulate-grad hooks, which
+autograd fires after the compiled backward) stay eager.
+
+What a compiled block traces into its graphs, forward and backward:
+
+* the tp collectives of its layers and tp entries: comm.py's autograd Functions run torch's functional
+  collectives, which inductor lowers to collectives on buffers it owns (reused where it proves them dead);
+* its hooks: sequence parallelism's gathers at the tp entries and its split and gather at a chunk's first
+  and last block (functional collectives too), ZeRO-1's per-module waits for the weight gathers (nothing
+  to wait for by then: ``train_step`` waits for them all before the forward). The entries'
+  regathering (keeping only the slice of their input for backward, through saved-tensor hooks keyed on
+  storages) cannot be traced: under ``compile`` the entries keep the gathered input, as under recomputation;
+* peft's adapter layers on the blocks' linear layers (LoRA is tested).
+
+What splits a block's graph (a graph break: the pieces compile separately, the hook runs eagerly between
+them): the random-stream hooks (rng.py) that enter and leave each tp region (the attention module) swap the
+device generator's state, which dynamo does not trace. A block compiles as the part before its attention,
+the attention, and the rest; dropout inside each piece draws from the stream its hooks set, as in eager
+(from inductor's generator, seeded from that stream: the masks are not eager's bit for bit).
+
+Recomputation: torch's checkpoint turns dynamo off for everything it calls, so a block whose forward
+transformers checkpoints keeps its checkpoint (recompute.py's, with the random streams rewound) eager, around
+a compiled forward, which the recomputation runs again whole (in evaluation nothing is checkpointed and
+such a block runs eagerly): under ``compile`` ``"selective"`` recomputes like ``"full"`` (its policy names
+operators that the compiled code does not call, inductor's kernels do the work), collectives included.
+The dropout-free blocks of most models would let dynamo trace the checkpoint and apply the policy inside
+the graph, if the random streams' hooks were not there (rng.py).
+
+Refused (``check_compile``, raised before any collective): ZB-H1, whose linear layers queue their weight
+gradients from a hook on their autograd node and compute them in a nested backward; context parallelism,
+whose ring attention moves blocks between ranks with point-to-point transfers inside an autograd Function;
+expert parallelism and mixture-of-experts blocks, whose token dispatch has data-dependent shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..expert_parallel.apply import experts_modules
+from ..pipeline.schedule import as_schedule
+from ..pipeline.standins import StandIn
+
+
+def check_compile(model: nn.Module, *, compile: bool, schedule: str, cp: int, ep: int) -> None:
+    """``compile`` is a bool, and what it is combined with can be compiled per block."""
+    if not isinstance(compile, bool):
+        raise ValueError(f"compile={compile!r} must be True or False")
+    if not compile:
+        return
+    if as_schedule(schedule).split_backward:
+        raise ValueError("compile=True with schedule='zb_h1' is not supported: its linear layers queue their weight "
+                         "gradients from a hook on their autograd node, which torch.compile cannot trace; use "
+                         "schedule='1f1b' (or 'gpipe', 'interleaved_1f1b') with compile=True, or compile=False")
+    if cp > 1:
+        raise ValueError(f"compile=True with cp={cp} is not supported: ring attention passes key/value blocks between "
+                         f"ranks with point-to-point transfers inside an autograd Function, which torch.compile cannot "
+                         f"trace; use cp=1 with compile=True, or compile=False")
+    if ep > 1 or experts_modules(model):
+        what = f"ep={ep}" if ep > 1 else "a mixture-of-experts model"
+        raise ValueError(f"compile=True with {what} is not supported: routing tokens to experts gives each expert a "
+                         f"number of tokens known only at run time (data-dependent shapes), which splits and "
+                         f"recompiles each block's graph; use compile=False")
+
+
+def stage_blocks(model: nn.Module, *, layers: str) -> list[nn.Module]:
+    """The blocks of ``layers`` held on this stage (another stage's are stand-ins)."""
+    return [block for block in model.get_submodule(layers) if not isinstance(block, StandIn)]
+
+
+def apply_compile(model: nn.Module, *, layers: str) -> int:
+    """Compile every block of ``layers`` held on this stage in place (inductor); return how many.
+    Compilation happens at each block's first call. Run it after ``apply_recompute``."""
+    blocks = stage_blocks(model, layers=layers)
+    for block in blocks:
+        checkpoint_fn = getattr(block, "_gradient_checkpointing_func", None)
+        if getattr(block, "gradient_checkpointing", False) and checkpoint_fn is not None:
+            # torch's checkpoint turns dynamo off for everything it calls: in a compiled block call it
+            # would run the whole block eagerly. The checkpoint stays eager, around a compiled forward.
+            block._gradient_checkpointing_func = functools.partial(_checkpoint_compiled, checkpoint_fn)
+        else:
+            block.compile()
+    return len(blocks)
+
+
+def _checkpoint_compiled(checkpoint_fn: Callable, function: Callable, *args):
+    """``checkpoint_fn`` (recompute.py's) of the compiled ``function`` (transformers' block forward, its
+    keyword arguments bound). The compiled code is cached on the forward's code: one per block class."""
+    return checkpoint_fn(torch.compile(function), *args)
+
+
+def is_compiled(model: nn.Module, *, layers: str) -> bool:
+    """Whether ``apply_compile`` compiled this stage's blocks."""
+    def compiled(block: nn.Module) -> bool:
+        fn = getattr(block, "_gradient_checkpointing_func", None)
+        wrapped = isinstance(fn, functools.partial) and fn.func is _checkpoint_compiled
+        return wrapped or getattr(block, "_compiled_call_impl", None) is not None
+
+    blocks = stage_blocks(model, layers=layers)
+    return bool(blocks) and all(compiled(block) for block in blocks)

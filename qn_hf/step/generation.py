@@ -1,0 +1,183 @@
+"""``pm.generate``: Hugging Face's own generation loop, run identically on every rank of a dp replica.
+
+Every rank of a replica (its tp x pp ranks) calls ``module.generate`` with the same inputs, so every
+rank runs the same loop (greedy, sampling, its logits processors and stopping criteria, all HF's);
+what differs by mesh is only how one forward call of that loop reaches the whole model. Hooks do
+that, for the duration of the call; no forward is replaced.
+
+* pp=1: the module holds every block and HF's loop runs with its KV cache, as on one device. At tp>1
+  the head computes this rank's columns of the (padded) vocabulary: a forward hook on the module
+  gathers the columns over tp and cuts the padding, so the logits processors see the whole
+  vocabulary, identical on every tp rank.
+* pp>1: one forward call runs the stages in turn over the whole sequence so far, without a cache. A
+  pre-hook on a later stage's base model receives the previous stage's hidden states into the
+  pipeline entry (``Injector``); a hook on a non-last stage's base model sends its output on; the
+  last stage's last-position logits (whole vocabulary, float32) are broadcast over the pp group and
+  become every stage's ``outputs.logits``. No cache, because each stage's cache would hold only its
+  own blocks while HF reads sequence lengths from layer 0's. The cost: token t re-runs the t tokens
+  before it, O(n^2) work in the generated length instead of O(n) -- fine for evaluation samples,
+  not for serving (``save_pretrained`` and a serving engine are for that).
+
+Sampling: HF draws with ``torch.multinomial`` from the device's default generator. Before the loop
+every rank of the replica adopts the generator state of the replica's first rank (tp 0 of stage 0),
+so all draw the same tokens from the same probabilities, and that rank draws exactly what the plain
+model draws given the same state. Afterwards the first stage's ranks keep the advanced state (as the
+plain model's generator advances; equal across tp, as qn_hf's shared dropout stream must be); later
+stages get their own back, which ``rng.py`` keeps distinct per stage.
+
+Refused (``ValueError`` naming the fix): cp>1 (ring attention expects each rank's part of a
+sequence), ep>1 (experts exchange tokens with ranks of other dp replicas, whose loops differ in
+length), sequence_parallel (a one-token step cannot be split over tp), and at pp>1: virtual stages
+(a rank's blocks are not one contiguous forward), ``use_cache=True``, ``inputs_embeds``,
+``past_key_values`` and per-layer outputs (attentions, hidden states: each stage has only its own).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm import flat_broadcast_
+from ..pipeline.p2p import Link
+from ..pipeline.stage import StageModules
+from ..pipeline.wire import broadcast_announced, empty_header, header_of, read_header
+from ..placement import ShardPlacement
+from ..tensor_parallel.rng import device_rng_state, set_device_rng_state
+
+PP_REFUSED = ("inputs_embeds", "past_key_values")
+PER_LAYER_OUTPUTS = ("output_attentions", "output_hidden_states")
+
+
+def parallel_generate(module: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *,
+                      stage: StageModules, placement: ShardPlacement,
+                      full_logits: Callable[[torch.Tensor], torch.Tensor] | None, sequence_parallel: bool,
+                      generate_kwargs: Mapping[str, object]):
+    """``module.generate(input_ids, attention_mask=..., **generate_kwargs)`` over the replica: every
+    rank returns what the plain model's ``generate`` returns. ``full_logits`` gathers vocab-sharded
+    logits (None when the vocabulary is not sharded). Runs in evaluation mode, restoring the mode."""
+    check_generate(module, stage=stage, placement=placement, sequence_parallel=sequence_parallel,
+                   generate_kwargs=generate_kwargs)
+    device, pp_rank = placement.device, placement.coords["pp"]
+    kwargs = dict(generate_kwargs)
+    if stage.stages > 1:
+        kwargs["use_cache"] = False
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask.to(device)
+    was_training = module.training
+    own_state = device_rng_state(device)
+    handles = []
+    module.eval()
+    try:
+        _share_generator(placement)
+        if stage.stages > 1:
+            handles = _pipeline_hooks(module, stage=stage, placement=placement, full_logits=full_logits)
+        elif full_logits is not None:
+            handles = [module.register_forward_hook(lambda _m, _a, out: _with_logits(out, full_logits(out.logits)))]
+        return module.generate(input_ids.to(device), **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+        module.train(was_training)
+        if pp_rank != 0:
+            set_device_rng_state(device, own_state)
+
+
+def check_generate(module: nn.Module, *, stage: StageModules, placement: ShardPlacement, sequence_parallel: bool,
+                   generate_kwargs: Mapping[str, object]) -> None:
+    """Every refusal, raised before any communication (the same on every rank of a replica)."""
+    dims = placement.dims
+    if not getattr(module, "can_generate", lambda: False)():
+        raise ValueError(f"{type(module).__name__} cannot generate (no language-model head with a generation mixin)")
+    if dims.cp > 1:
+        raise ValueError(f"generate at cp={dims.cp}: ring attention expects each rank's part of every sequence; "
+                         f"parallelize a copy with cp=1 for generation, or save_pretrained and generate with the plain model")
+    if dims.ep > 1:
+        raise ValueError(f"generate at ep={dims.ep}: experts exchange tokens with ranks of other dp replicas, whose "
+                         f"generation loops differ in length; parallelize with ep=1 for generation, or save_pretrained "
+                         f"and generate with the plain model")
+    if sequence_parallel:
+        raise ValueError("generate with sequence_parallel=True: a one-token decoding step cannot be split over the tp "
+                         "ranks; parallelize with sequence_parallel=False for generation")
+    config = generate_kwargs.get("generation_config") or getattr(module, "generation_config", None)
+    clocked = generate_kwargs.get("max_time", getattr(config, "max_time", None)) is not None
+    if (dims.tp > 1 or stage.stages > 1) and (clocked or generate_kwargs.get("stopping_criteria")):
+        # every rank of a replica must run the same number of steps (each step is collectives); a clock or a
+        # user criterion is evaluated by each rank on its own and may stop one rank before the others
+        raise ValueError(f"generate at tp={dims.tp}, pp={stage.stages} with max_time or stopping_criteria: each rank "
+                         f"would decide on its own when to stop and the others would wait for it; use max_new_tokens "
+                         f"(and eos_token_id / stop_strings), which every rank decides alike")
+    if stage.stages == 1:
+        return
+    if stage.plan.virtual > 1:
+        raise ValueError(f"generate at pp={stage.stages} with virtual_stages={stage.plan.virtual}: a rank's blocks are "
+                         f"not one contiguous forward; parallelize with virtual_stages=1 for generation")
+    if generate_kwargs.get("use_cache"):
+        raise ValueError(f"use_cache=True at pp={stage.stages}: each stage would cache only its own blocks; pp>1 "
+                         f"generates without a cache (each token re-runs the sequence), leave use_cache unset")
+    wanted = [k for k in PER_LAYER_OUTPUTS if generate_kwargs.get(k, getattr(config, k, False))]
+    wanted += [k for k in PP_REFUSED if generate_kwargs.get(k) is not None]
+    if wanted:
+        raise ValueError(f"generate at pp={stage.stages} does not support {wanted}: each stage holds only its own "
+                         f"layers; pass input_ids (and attention_mask) only")
+
+
+def _pipeline_hooks(module: nn.Module, *, stage: StageModules, placement: ShardPlacement,
+                    full_logits: Callable[[torch.Tensor], torch.Tensor] | None) -> list:
+    """The hooks that make one forward call of ``module`` on every stage one pass through the pipeline."""
+    groups, device = placement.groups, placement.device
+    handles = []
+    if not stage.is_first:
+        def receive(_module, _args):
+            stage.injector.pending = _recv(groups.peers.from_prev, device=device)
+
+        handles.append(stage.base.register_forward_pre_hook(receive))
+    if not stage.is_last:
+        def send(_module, _args, output):
+            _send(output[0], groups.peers.to_next)  # the base model's last_hidden_state, as a training step sends
+
+        handles.append(stage.base.register_forward_hook(send))
+
+    def share_logits(_module, _args, output):
+        last = None
+        if stage.is_last:  # only the last position is read; gather the vocabulary of that one
+            last = output.logits[:, -1:]
+            last = (full_logits(last) if full_logits is not None else last).float()
+        return _with_logits(output, broadcast_announced(last, src=stage.stages - 1, group=groups.pp, device=device))
+
+    handles.append(module.register_forward_hook(share_logits))
+    return handles
+
+
+def _with_logits(output, logits: torch.Tensor):
+    output.logits = logits
+    return output
+
+
+def _send(x: torch.Tensor, link: Link) -> None:
+    """The header, then ``x``, on the training pipeline's own link to the next stage (p2p.py)."""
+    x = x.detach().contiguous()
+    header = header_of(x)
+    for work in (link.send(header, tag=0), link.send(x, tag=1)):
+        work.wait()
+
+
+def _recv(link: Link, *, device: torch.device) -> torch.Tensor:
+    header = empty_header(device)
+    link.recv(header, tag=0).wait()
+    shape, dtype = read_header(header)  # a host read: the sequence grows by a token per call
+    x = torch.empty(shape, dtype=dtype, device=device)
+    link.recv(x, tag=1).wait()
+    return x
+
+
+def _share_generator(placement: ShardPlacement) -> None:
+    """The replica's first rank's generator state on every rank of the replica: over tp within each
+    stage, then over pp from the first stage (the device's tensor: NCCL broadcasts no host tensor)."""
+    device, groups = placement.device, placement.groups
+    state = device_rng_state(device).to(device)
+    flat_broadcast_([state], src_group_rank=0, group=groups.tp)
+    flat_broadcast_([state], src_group_rank=0, group=groups.pp)
+    set_device_rng_state(device, state)

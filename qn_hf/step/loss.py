@@ -1,0 +1,120 @@
+"""Losses computed on tensor-parallel outputs, as sums over targets so microbatches add up exactly.
+
+Hugging Face averages the loss over the non-ignored targets of the whole batch. Splitting that
+batch into microbatches and dp ranks keeps the exact same value and gradients if every piece
+returns its *sum* and the caller divides by the global number of targets, counted up front.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+
+from ..arguments import Choice
+from ..comm import group_size
+
+IGNORE_INDEX = -100
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over vocab-sharded logits: all-reduce max and sums forward, local backward.
+
+    Forward needs two collectives over tp: the max (for stability) and, stacked together, the sum of
+    exponentials and the target's logit. The gradient ``softmax - onehot`` is local to each shard.
+    Padding columns past the true vocabulary are excluded from the softmax.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start: int, vocab_size: int, group: ProcessGroup, ignore_index: int):
+        ctx.in_dtype = logits.dtype
+        logits = logits.float()
+        n_local = logits.shape[-1]
+        valid_cols = max(0, min(n_local, vocab_size - vocab_start))
+        if valid_cols < n_local:
+            logits = logits.clone()
+            logits[..., valid_cols:] = float("-inf")
+        distributed = group_size(group) > 1
+        row_max = logits.max(dim=-1).values
+        if distributed:
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - row_max.unsqueeze(-1)
+        exp = shifted.exp()
+        ignored = targets == ignore_index
+        local_t = targets - vocab_start
+        here = (local_t >= 0) & (local_t < valid_cols) & ~ignored
+        local_t = local_t.masked_fill(~here, 0)
+        target_logit = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~here, 0.0)
+        sums = torch.stack([exp.sum(dim=-1), target_logit])
+        if distributed:
+            dist.all_reduce(sums, group=group)
+        sum_exp, target_logit = sums[0], sums[1]
+        loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_t, here, ignored)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_t, here, ignored = ctx.saved_tensors
+        grad = softmax
+        grad.scatter_add_(-1, local_t.unsqueeze(-1), -here.to(grad.dtype).unsqueeze(-1))
+        grad.mul_((grad_loss * (~ignored).to(grad.dtype)).unsqueeze(-1))
+        return grad.to(ctx.in_dtype), None, None, None, None, None
+
+
+class LossKind(Choice):
+    """The built-in losses a policy names. A member equals its string (policies written with
+    ``loss="causal_lm"`` keep working; ``ModelPolicy`` stores the member)."""
+
+    CAUSAL_LM = "causal_lm"  # next-token cross-entropy over the vocabulary, labels per position
+    CLASSIFICATION = "classification"  # one label per sequence (ViT, sequence classification)
+
+    @property
+    def shifted(self) -> bool:
+        """Position t predicts label t+1 (HF's shift), so targets are the labels moved by one."""
+        return self is LossKind.CAUSAL_LM
+
+
+LOSSES = LossKind.values()
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    vocab_start: int,
+    vocab_size: int,
+    group: ProcessGroup,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """Per-target float32 loss (0 where ``targets == ignore_index``) from this rank's columns of the logits.
+
+    ``logits[..., j]`` is the logit of token ``vocab_start + j``; columns at or past ``vocab_size``
+    are padding and never win probability mass.
+    """
+    return _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, vocab_size, group, ignore_index)
+
+
+def causal_lm_targets(labels: torch.Tensor) -> torch.Tensor:
+    """HF's shift: position t predicts label t+1; the last position predicts nothing."""
+    return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def count_targets(labels: torch.Tensor, *, causal: bool) -> int:
+    targets = causal_lm_targets(labels) if causal else labels
+    return int((targets != IGNORE_INDEX).sum())
+
+
+def summed_loss(logits: torch.Tensor, targets: torch.Tensor, *, kind: LossKind, vocab: tuple[int, int] | None,
+                group: ProcessGroup) -> torch.Tensor:
+    """The built-in loss of one microbatch, summed over its targets (``targets``: a causal LM's labels
+    already shifted). ``vocab`` = (start, size) of this rank's columns when the head is vocab-parallel
+    over ``group``, None when the logits hold the whole vocabulary (padding columns past its size are cut)."""
+    if kind.shifted:
+        start, size = vocab if vocab is not None else (0, logits.shape[-1])
+        if vocab is None or group_size(group) == 1:  # the whole vocabulary is here: torch's fused kernel
+            return F.cross_entropy(logits[..., :size].flatten(0, -2).float(), targets.flatten(), reduction="sum")
+        return vocab_parallel_cross_entropy(logits.flatten(0, -2), targets.flatten(), vocab_start=start,
+                                            vocab_size=size, group=group).sum()
+    return F.cross_entropy(logits.float(), targets.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)

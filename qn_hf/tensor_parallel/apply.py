@@ -1,0 +1,150 @@
+"""Applying a resolved ``TpPlan``: swap leaves, shard bare parameters, hook modules, patch attributes.
+
+Nothing here replaces a Hugging Face ``forward``: only exact leaves (Linear, Conv1D, Embedding, or
+an embedding subclass with an adapter) are swapped, bare parameters replaced by their slice, and
+the integers a forward reads to reshape (GPT-2's ``split_size``, Llama's ``num_key_value_groups``,
+or a value inside a module's own copy of the config) set to their per-rank values.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from ..comm import copy_to_group
+from .embeddings import ColumnParallelEmbedding, VocabParallelEmbedding
+from .layers import ColumnParallelLinear, RowParallelLinear, linear_dims
+from .plan import TpPlan
+from .sequence_parallel import first_argument, with_first
+from .shard import ShardSpec, padded
+from .styles import EMBEDDING_STYLES, HOOK_STYLES, LINEAR_STYLES, PARAM_STYLES, packed_parts, param_shard_dim
+from .hooks import identity_expert_hooks, mla_kv_a_hooks, partial_sum_hooks
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """Where this rank's logits columns sit in the vocabulary (for the vocab-parallel loss)."""
+
+    start: int
+    size: int
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+def _enter_region_hook(group: ProcessGroup):
+    """Forward pre-hook: the module's first argument enters the tp region (all-reduce backward)."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        key, value = first_argument(module, args, kwargs)
+        return with_first(args, kwargs, key, copy_to_group(value, group=group))
+
+    return hook
+
+
+def _parallel_leaf(module: nn.Module, style: str, plan: TpPlan, tp_rank: int, group: ProcessGroup,
+                   entered: bool) -> nn.Module:
+    tp = plan.tp
+    if style == "vocab_embedding":
+        spec = ShardSpec(dim=0, tp=tp, size=module.num_embeddings, padded_size=padded(module.num_embeddings, tp))
+        return VocabParallelEmbedding.from_module(module, spec=spec, tp_rank=tp_rank, group=group)
+    if style == "embedding_colwise":
+        spec = ShardSpec(dim=1, tp=tp, size=module.embedding_dim)
+        return ColumnParallelEmbedding.from_module(module, spec=spec, tp_rank=tp_rank, group=group)
+    in_f, out_f, _, _ = linear_dims(module)
+    if style in ("rowwise", "rowwise_split"):
+        return RowParallelLinear.from_module(module, spec=ShardSpec(dim=0, tp=tp, size=in_f), tp_rank=tp_rank,
+                                             group=group, split_input=style == "rowwise_split",
+                                             sequence_parallel=plan.sequence_parallel and entered)
+    if style == "vocab_colwise":
+        spec = ShardSpec(dim=0, tp=tp, size=out_f, padded_size=padded(out_f, tp))
+    elif style == "colwise_kv":
+        spec = ShardSpec(dim=0, tp=tp, size=out_f, replicas=plan.layout.kv_replicas)
+    else:
+        spec = ShardSpec(dim=0, tp=tp, size=out_f, parts=packed_parts(style))
+    return ColumnParallelLinear.from_module(module, spec=spec, tp_rank=tp_rank, group=group, copy_input=not entered,
+                                            gather_output=style == "colwise_gather")
+
+
+def _shard_parameter(model: nn.Module, name: str, style: str, plan: TpPlan, tp_rank: int) -> ShardSpec | None:
+    """Replace the bare parameter ``name`` by this rank's slice; its module runs unchanged on it."""
+    owner_name, _, pname = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    param = getattr(owner, pname)
+    dim = param_shard_dim(style, param.dim())
+    if dim is None:
+        return None
+    spec = ShardSpec(dim=dim, tp=plan.tp, size=param.shape[dim], parts=packed_parts(style))
+    setattr(owner, pname, nn.Parameter(spec.shard(param.data, tp_rank), requires_grad=param.requires_grad))
+    return spec
+
+
+def _patch(module: nn.Module, path: str, value: int) -> None:
+    """Set ``module.<path>``; an object on the way (a config shared by every module) is copied for
+    this module first, so no other module and no saved config sees the per-rank value."""
+    *objects, attr = path.split(".")
+    holder = module
+    for part in objects:
+        own = copy.copy(getattr(holder, part))
+        setattr(holder, part, own)
+        holder = own
+    setattr(holder, attr, value)
+
+
+def apply_tp_plan(
+    model: nn.Module, plan: TpPlan, *, tp_rank: int, group: ProcessGroup
+) -> tuple[dict[str, ShardSpec | None], VocabShard | None]:
+    """Shard ``model`` in place; return every parameter's ``ShardSpec`` (None: replicated across tp)
+    by its Hugging Face name, and the vocabulary shard of the output head if it has one."""
+    leaves = [(n, s) for n, s in plan.rules if s in LINEAR_STYLES or s in EMBEDDING_STYLES]
+    # Ties (GPT-2's lm_head.weight is wte.weight) are found by identity before anything is swapped
+    # and restored on the new shards afterwards.
+    owner_of: dict[int, str] = {}
+    ties: list[tuple[str, str]] = []
+    for name, _ in leaves:
+        weight = model.get_submodule(name).weight
+        if id(weight) in owner_of:
+            ties.append((owner_of[id(weight)], name))
+        owner_of.setdefault(id(weight), name)
+
+    vocab: VocabShard | None = None
+    for name, style in leaves:
+        entered = any(name.startswith(entry + ".") for entry in plan.tp_entries)
+        new = _parallel_leaf(model.get_submodule(name), style, plan, tp_rank, group, entered=entered)
+        _replace(model, name, new)
+        if style == "vocab_colwise":
+            vocab = VocabShard(start=new.weight_spec.local_range(tp_rank)[0], size=new.weight_spec.size)
+    param_specs = {name: _shard_parameter(model, name, style, plan, tp_rank)
+                   for name, style in plan.rules if style in PARAM_STYLES}
+    for name, style in plan.rules:
+        if style not in HOOK_STYLES or style in ("replicate_grad_sum", "replicate_after_row"):
+            continue  # no hook: these act on gradients (GradSync)
+        module = model.get_submodule(name)
+        if style in ("experts", "all_reduce"):
+            partial_sum_hooks(module, group=group)
+        elif style == "experts_identity":
+            identity_expert_hooks(module, group=group)
+        elif style == "mla_kv_a":
+            mla_kv_a_hooks(module, group=group, rope_dim=plan.mla_rope_dim)
+    for entry in plan.tp_entries if not plan.sequence_parallel else ():  # else sequence_parallel.py's gather
+        model.get_submodule(entry).register_forward_pre_hook(_enter_region_hook(group), with_kwargs=True)
+    for name, path, value in plan.patches:
+        _patch(model.get_submodule(name), path, value)
+    for owner, follower in ties:
+        source, target = model.get_submodule(owner), model.get_submodule(follower)
+        if source.weight.shape != target.weight.shape or source.weight_spec != target.weight_spec:
+            raise ValueError(f"tied weights {owner} and {follower} are sharded differently")
+        target.weight = source.weight
+
+    specs: dict[str, ShardSpec | None] = {}
+    for module_name, module in model.named_modules():
+        local = module.shard_specs() if hasattr(module, "shard_specs") else {}
+        for pname, _ in module.named_parameters(recurse=False):
+            full = f"{module_name}.{pname}" if module_name else pname
+            specs[full] = local.get(pname, param_specs.get(full))
+    return specs, vocab

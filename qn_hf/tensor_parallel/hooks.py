@@ -1,0 +1,69 @@
+"""Styles carried out by hooks on an unchanged module: communication at its input or output.
+
+Each hook says which activations are partial (a sum over tp ranks) or used on this rank's share
+only, and where the sum happens; forward and backward are those of the comm op named.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from ..comm import copy_to_group, group_rank, reduce_from_group
+
+
+def _enter_all(value, group: ProcessGroup):
+    """Floating-point tensors enter the tp region (identity forward, all-reduce backward); others pass."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return copy_to_group(value, group=group)
+    return value
+
+
+def partial_sum_hooks(module: nn.Module, *, group: ProcessGroup) -> None:
+    """A module whose parameters are tp slices (MoE experts holding a slice of every expert's
+    intermediate features, Inkling's shared experts): styles ``experts`` and ``all_reduce``.
+
+    Input: the hidden states and any float weights (routing weights, gammas) are full on every rank,
+    and each rank uses them for its slice only, so all of them enter the tp region (their gradients,
+    partial per rank, are summed in backward; the router upstream then sees its full gradient).
+    Integer inputs (routing indices) pass unchanged. Output: a partial sum over tp ranks, so it is
+    all-reduced (identity backward)."""
+
+    def before(_module, args, kwargs):
+        return tuple(_enter_all(a, group) for a in args), {k: _enter_all(v, group) for k, v in kwargs.items()}
+
+    def after(_module, _args, output):
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"{type(module).__name__} returned {type(output).__name__}; a partial-sum module must return a tensor")
+        return reduce_from_group(output, group=group)
+
+    module.register_forward_pre_hook(before, with_kwargs=True)
+    module.register_forward_hook(after)
+
+
+def identity_expert_hooks(module: nn.Module, *, group: ProcessGroup) -> None:
+    """An identity expert inside sharded experts returns its full input on every rank, but the
+    experts' output is summed over tp: only tp rank 0 contributes it, the others contribute zeros
+    (exact for any tp, unlike dividing by tp). A product with 1 or 0 rather than a fresh zero tensor
+    keeps the autograd graph the same on every rank, so backward issues its all-reduces in the
+    same order everywhere."""
+
+    def after(_module, _args, output):
+        # the rank is read when the module runs: the hook is also installed on meta-device models
+        # with no process group (checkpoint layouts, qn-hf-convert)
+        return output * (1.0 if group_rank(group) == 0 else 0.0)
+
+    module.register_forward_hook(after)
+
+
+def mla_kv_a_hooks(module: nn.Module, *, group: ProcessGroup, rope_dim: int) -> None:
+    """MLA's replicated ``kv_a_proj_with_mqa`` outputs ``[k_pass | k_rot]``. ``k_pass`` goes through
+    ``kv_b_proj`` (colwise: it enters the tp region there), but ``k_rot`` is used directly by this
+    rank's heads, so its gradient is partial: it enters the tp region here (all-reduce backward)."""
+
+    def after(_module, _args, output):
+        passed, rot = output.split([output.shape[-1] - rope_dim, rope_dim], dim=-1)
+        return torch.cat([passed, copy_to_group(rot, group=group)], dim=-1)
+
+    module.register_forward_hook(after)

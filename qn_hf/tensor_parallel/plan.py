@@ -1,0 +1,258 @@
+"""Policies (data) and their resolution against a concrete model (validation, no communication).
+
+A ``ModelPolicy`` names Hugging Face modules with wildcard patterns (``h.*.attn.c_attn``; ``*`` is
+one path component) and says how each is parallelized. ``build_tp_plan`` matches it against a model
+and checks everything that could otherwise fail later, inside a collective: every rule matches,
+every Linear inside a block has a rule, every patched attribute exists, and every sharded size
+divides by tp. It only reads the model, so it runs on every rank before any process group exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+
+from torch import nn
+
+from ..step.loss import LOSSES, LossKind
+from .patterns import base_model_and_prefix, join, match_modules, match_parameters
+from .heads import LAYOUT_VALUES, HeadLayout, attention_layout, head_layout
+from ..peft.lora import LoraLeaves, is_lora_layer, lora_rules
+from .rules import check_rule, check_ties, is_projection, split_kv_per_module
+from .styles import PARAM_STYLES, STYLES
+
+STANDINS = ("zeros", "identity")
+
+
+@dataclass(frozen=True)
+class ModelPolicy:
+    """How to parallelize one architecture. Patterns in ``tp_plan``, ``layers``, ``attr_patches`` and
+    the rng regions are relative to the base model (``model.base_model``); ``head_plan`` patterns
+    are relative to the task model and apply only when it has that head.
+
+    ``tp_entries`` names modules (attention, MLP) whose first forward argument feeds only their
+    column-parallel layers: the tensor enters the tp region once there, so the input gradient of
+    q, k and v takes one all-reduce instead of three. Column layers outside entries enter alone.
+
+    Pipeline stages run the base model's own forward over their blocks. ``pp_entry`` is the module
+    that makes the first hidden state (the token or patch embedding): on later stages it is
+    replaced by a stand-in that returns the activation received from the previous stage, keeping
+    the attributes in ``pp_entry_reads`` that the forward reads from it. ``pp_first`` and
+    ``pp_last`` name the other modules that belong to the first or last stage only, with the stand-in
+    they get elsewhere: ``"zeros"`` (GPT-2's position embedding, added to the received activation)
+    or ``"identity"`` (dropout after the embedding, the final norm).
+
+    ``attr_patches`` keys are a module pattern and an attribute path: ``layers.*.self_attn.num_heads``,
+    or through an object the module reads, ``layers.*.self_attn.config.num_attention_heads`` (the
+    module then gets its own copy of the config; other modules and saved configs keep the shared one).
+    ``transformers_plan`` reads the plan with transformers' conventions: a rule may match nothing
+    (an optional module) and a Linear inside a block that no rule names stays whole. ``tp_refusal`` is why this policy cannot shard
+    over tp (it still serves dp and pp).
+    """
+
+    model_type: str
+    layers: str
+    tp_plan: Mapping[str, str]
+    head_plan: Mapping[str, str] = field(default_factory=dict)
+    attr_patches: Mapping[str, str] = field(default_factory=dict)
+    tp_entries: tuple[str, ...] = ()
+    tp_rng_regions: tuple[str, ...] = ()
+    shared_rng_regions: tuple[str, ...] = ()
+    loss: LossKind | str | None = None
+    forward_kwargs: Mapping[str, object] = field(default_factory=dict)
+    num_kv_heads_key: str | None = None
+    pp_entry: str | None = None
+    pp_entry_reads: tuple[str, ...] = ()
+    pp_first: Mapping[str, str] = field(default_factory=dict)
+    pp_last: Mapping[str, str] = field(default_factory=dict)
+    transformers_plan: bool = False
+    tp_refusal: str | None = None
+
+    def __post_init__(self) -> None:
+        for pattern, style in {**self.tp_plan, **self.head_plan}.items():
+            if style not in STYLES:
+                raise ValueError(f"policy {self.model_type}: rule {pattern!r} has unknown style {style!r}; known: {STYLES}")
+        for pattern, value in self.attr_patches.items():
+            if value not in LAYOUT_VALUES:
+                raise ValueError(f"policy {self.model_type}: patch {pattern!r} has unknown value {value!r}; known: {LAYOUT_VALUES}")
+        for name, standin in {**self.pp_first, **self.pp_last}.items():
+            if standin not in STANDINS:
+                raise ValueError(f"policy {self.model_type}: stage stand-in {standin!r} for {name!r} is unknown; known: {STANDINS}")
+        if self.loss is not None and self.loss not in LOSSES:
+            raise ValueError(f"policy {self.model_type}: unknown loss {self.loss!r}; known: {LOSSES}")
+        if self.loss is not None:
+            object.__setattr__(self, "loss", LossKind(self.loss))  # frozen: set once, here
+
+
+@dataclass(frozen=True)
+class TpPlan:
+    """A policy resolved against one model at one tp: concrete module names, no patterns."""
+
+    policy: ModelPolicy
+    tp: int
+    layout: HeadLayout
+    rules: tuple[tuple[str, str], ...]  # (module name from the top model, or parameter name for param_*, style)
+    patches: tuple[tuple[str, str, int], ...]  # (module name, attribute path, new value)
+    grad_sum: tuple[str, ...]  # replicated parameters whose gradients are summed over tp
+    tp_entries: tuple[str, ...]
+    tp_rng_regions: tuple[str, ...]
+    shared_rng_regions: tuple[str, ...]
+    loss: LossKind | None  # the built-in loss, None for a base model without a head
+    base_prefix: str
+    mla_rope_dim: int | None = None  # the rotary tail of MLA's kv_a projection (style mla_kv_a)
+    sequence_parallel: bool = False  # activations between tp regions split over the sequence (sequence_parallel.py)
+
+    def only(self, keep: Callable[[str], bool]) -> TpPlan:
+        """The plan restricted to the modules ``keep`` accepts (those of this pipeline stage)."""
+        return replace(
+            self,
+            rules=tuple(r for r in self.rules if keep(rule_module(*r))),
+            grad_sum=tuple(n for n in self.grad_sum if keep(n.rpartition(".")[0])),
+            patches=tuple(p for p in self.patches if keep(p[0])),
+            tp_entries=tuple(n for n in self.tp_entries if keep(n)),
+            tp_rng_regions=tuple(n for n in self.tp_rng_regions if keep(n)),
+            shared_rng_regions=tuple(n for n in self.shared_rng_regions if keep(n)),
+        )
+
+
+def rule_module(name: str, style: str) -> str:
+    """The module a rule acts on: itself, or for a parameter style the parameter's owner."""
+    return name.rpartition(".")[0] if style in PARAM_STYLES else name
+
+
+def _resolve_rules(model: nn.Module, policy: ModelPolicy, base: nn.Module, prefix: str) -> dict[str, str]:
+    has_head = base is not model
+    rules: dict[str, str] = {}
+    for scope, plan, root_prefix in ((base, policy.tp_plan, prefix), (model, policy.head_plan if has_head else {}, "")):
+        for pattern, style in plan.items():
+            if style in PARAM_STYLES:
+                names = match_parameters(scope, pattern)
+            else:  # a whole-keeping rule may also name one parameter (a bare per-head weight)
+                names = match_modules(scope, pattern) or (
+                    match_parameters(scope, pattern) if style in ("replicate", "replicate_grad_sum") else [])
+            if not names and not policy.transformers_plan:  # transformers' plans name optional modules
+                raise ValueError(f"policy {policy.model_type}: rule {pattern!r} matches no module of {type(scope).__name__}")
+            for name in names:
+                rules[join(root_prefix, name)] = style
+    return rules
+
+
+def _check_coverage(policy: ModelPolicy, model: nn.Module, base: nn.Module, prefix: str, rules: dict[str, str]) -> None:
+    """Every Linear inside a block has a rule; under transformers' convention an unnamed one stays whole."""
+    blocks = match_modules(base, f"{policy.layers}.*")
+    if not blocks:
+        raise ValueError(f"policy {policy.model_type}: layers {policy.layers!r} has no blocks")
+    if policy.transformers_plan:
+        return
+    wrapped = tuple(name + "." for name, style in rules.items()
+                    if style not in PARAM_STYLES and is_lora_layer(model.get_submodule(name)))
+    for block in blocks:
+        for sub, module in base.get_submodule(block).named_modules():
+            full = join(prefix, f"{block}.{sub}" if sub else block)
+            if full.startswith(wrapped):  # the leaves of a LoRA layer follow its rule (lora.py)
+                continue
+            if is_projection(module) and full not in rules:
+                raise ValueError(
+                    f"policy {policy.model_type}: {full} ({type(module).__name__}) inside a sharded block has no rule; "
+                    f"add it to tp_plan (use 'replicate' to keep it whole)"
+                )
+
+
+def _has_path(obj: object, path: list[str]) -> bool:
+    for attr in path:
+        if not hasattr(obj, attr):
+            return False
+        obj = getattr(obj, attr)
+    return True
+
+
+def _resolve_patches(policy: ModelPolicy, base: nn.Module, prefix: str, layout: HeadLayout) -> list[tuple[str, str, int]]:
+    """(module, attribute path, value) for every patch; the module part is the longest prefix of the
+    key that names modules, the rest an attribute path that must exist on each of them."""
+    patches: list[tuple[str, str, int]] = []
+    for target, value in policy.attr_patches.items():
+        parts = target.split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            names = match_modules(base, ".".join(parts[:cut]))
+            if names:
+                path = parts[cut:]
+                break
+        else:
+            raise ValueError(f"policy {policy.model_type}: patch {target!r} matches no module")
+        for name in names:
+            module = base.get_submodule(name)
+            if not _has_path(module, path):
+                if policy.transformers_plan:
+                    continue  # a layer of another kind (MiniMax's linear attention) reads no such value
+                raise ValueError(f"policy {policy.model_type}: {join(prefix, name)} has no attribute "
+                                 f"{'.'.join(path)!r} to patch")
+            patches.append((join(prefix, name), ".".join(path), attention_layout(module, layout).value(value)))
+    return patches
+
+
+def _grad_sum_params(model: nn.Module, rules: dict[str, str]) -> tuple[str, ...]:
+    """The parameters a ``replicate_grad_sum`` rule names: itself, or every parameter of its module."""
+    params = dict(model.named_parameters())
+    names: list[str] = []
+    for name, style in rules.items():
+        if style == "replicate_grad_sum":
+            names += [name] if name in params else [join(name, p) for p, _ in model.get_submodule(name).named_parameters()]
+    return tuple(names)
+
+
+def build_tp_plan(model: nn.Module, policy: ModelPolicy, *, tp: int, sequence_parallel: bool = False) -> TpPlan:
+    """Resolve ``policy`` on ``model``; raise ``ValueError`` for anything that does not fit.
+
+    At tp=1 nothing is sharded, so no style is checked or applied: data and pipeline parallelism
+    never depend on what tensor parallelism would need."""
+    config = model.config
+    if config.model_type != policy.model_type:
+        raise ValueError(f"policy for {policy.model_type!r} given a {config.model_type!r} model")
+    if tp > 1 and policy.tp_refusal:
+        raise ValueError(f"tp={tp}: {policy.tp_refusal}; use tp=1 (data and pipeline parallelism still apply)")
+    layout = head_layout(config, tp=tp, num_kv_heads_key=policy.num_kv_heads_key)
+    base, prefix = base_model_and_prefix(model)
+
+    rules = _resolve_rules(model, policy, base, prefix)
+    _check_coverage(policy, model, base, prefix, rules)
+    patches = _resolve_patches(policy, base, prefix, layout)
+    lora = LoraLeaves(rules=rules, entries=[], shared_dropout=[], local_dropout=[])
+    if tp > 1:
+        rules = split_kv_per_module(model, rules, layout)
+        check_ties(model, rules)
+        lora = lora_rules(model, rules, tp=tp, sequence_parallel=sequence_parallel)
+        rules = lora.rules
+        for name, style in rules.items():
+            check_rule(model, name, style, layout, tp)
+
+    def regions(patterns: tuple[str, ...], what: str) -> tuple[str, ...]:
+        found: list[str] = []
+        for pattern in patterns:
+            names = match_modules(base, pattern)
+            if not names and not policy.transformers_plan:  # optional modules, as in its rules
+                raise ValueError(f"policy {policy.model_type}: {what} {pattern!r} matches no module")
+            found += [join(prefix, n) for n in names]
+        return tuple(found)
+
+    entries = regions(policy.tp_entries, "tp entry")
+    entries += tuple(n for n in lora.entries if not any(n.startswith(e + ".") for e in entries))
+    for entry in entries:
+        inside = [n for n, style in rules.items() if n.startswith(entry + ".") and style.startswith("colwise")]
+        if not inside:
+            raise ValueError(f"policy {policy.model_type}: tp entry {entry} holds no column-parallel layer")
+    sharding = tp > 1
+    mla = any(style == "mla_kv_a" for style in rules.values())
+    return TpPlan(
+        policy=policy,
+        tp=tp,
+        layout=layout,
+        rules=tuple(rules.items()) if sharding else (),
+        patches=tuple(patches) if sharding else (),
+        grad_sum=_grad_sum_params(model, rules) if sharding else (),
+        tp_entries=entries if sharding else (),
+        tp_rng_regions=regions(policy.tp_rng_regions, "rng region") + tuple(lora.local_dropout),
+        shared_rng_regions=regions(policy.shared_rng_regions, "rng region") + tuple(lora.shared_dropout),
+        loss=policy.loss if base is not model else None,
+        base_prefix=prefix,
+        mla_rope_dim=config.get_text_config().qk_rope_head_dim if mla and sharding else None,
+    )

@@ -1,0 +1,96 @@
+"""A policy rule against the module it names: the exact type its style reproduces, sizes tp divides,
+and the KV heads each attention module really holds. Reads the model only (no communication).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from .embedding_types import adapter_for
+from .heads import HeadLayout, attention_layout
+from .styles import EMBEDDING_STYLES, LINEAR_STYLES, PARAM_STYLES, packed_parts, param_shard_dim
+
+
+def is_projection(module: nn.Module) -> bool:
+    return isinstance(module, (nn.Linear, Conv1D))
+
+
+def check_rule(model: nn.Module, name: str, style: str, layout: HeadLayout, tp: int) -> None:
+    """A rule's module has the exact type its style reproduces, and tp divides what it splits."""
+    if style in PARAM_STYLES:
+        owner, _, pname = name.rpartition(".")
+        param = getattr(model.get_submodule(owner), pname)
+        dim = param_shard_dim(style, param.dim())
+        parts = packed_parts(style)
+        if dim is not None and param.shape[dim] % (parts * tp):
+            raise ValueError(f"tp={tp} does not divide the {parts} part(s) of {name} along dim {dim} "
+                             f"(shape {tuple(param.shape)}); use a tp that divides {param.shape[dim] // parts}")
+        return
+    if style not in EMBEDDING_STYLES and style not in LINEAR_STYLES:
+        return  # kept whole, or hooks on an unchanged module: nothing to split
+    module = model.get_submodule(name)
+    if style in EMBEDDING_STYLES:
+        if adapter_for(module) is None:
+            raise ValueError(
+                f"rule {style!r} on {name}: {type(module).__name__} is not nn.Embedding nor a subclass whose forward "
+                f"qn_hf reproduces (qn_hf.tensor_parallel.embedding_types); swapping it would drop what it adds. Keep it whole with "
+                f"'replicate' in a policy, or use tp=1")
+        width = module.embedding_dim if style == "embedding_colwise" else None
+        if width is not None and width % tp:
+            raise ValueError(f"tp={tp} does not divide embedding_dim={width} of {name}")
+        return
+    if type(module) not in (nn.Linear, Conv1D):
+        raise ValueError(
+            f"rule {style!r} on {name}: {type(module).__name__} is not exactly nn.Linear or Conv1D; qn_hf swaps exact "
+            f"types only, so that nothing a subclass adds is lost. Keep it whole with 'replicate' in a policy, or use tp=1")
+    if isinstance(module, Conv1D):
+        in_f, out_f = module.nx, module.nf
+    else:
+        in_f, out_f = module.in_features, module.out_features
+    if style.startswith("rowwise"):
+        if in_f % tp:
+            raise ValueError(f"tp={tp} does not divide in_features={in_f} of {name}")
+    elif style == "colwise_kv":
+        if out_f != layout.kv_heads * layout.head_dim:
+            raise ValueError(
+                f"{name} has {out_f} outputs, not num_key_value_heads*head_dim = {layout.kv_heads}*{layout.head_dim}"
+            )
+    elif style.startswith("colwise"):
+        parts = packed_parts(style)
+        if out_f % (parts * tp):
+            raise ValueError(f"tp={tp} does not divide the {parts} output part(s) of {name} (out_features={out_f})")
+
+
+def split_kv_per_module(model: nn.Module, rules: dict[str, str], layout: HeadLayout) -> dict[str, str]:
+    """``colwise_kv`` stays where the attention holds the config's KV heads; where it holds its own
+    number (``attention_layout``) and tp divides it, a plain column split keeps whole heads."""
+    out = dict(rules)
+    for name, style in rules.items():
+        if style != "colwise_kv":
+            continue
+        here = attention_layout(model.get_submodule(name.rpartition(".")[0]), layout)
+        if here.kv_heads != layout.kv_heads:
+            if here.kv_replicas > 1:
+                raise ValueError(f"tp={layout.tp} exceeds the {here.kv_heads} KV heads of {name.rpartition('.')[0]}, unlike "
+                                 f"the config's {layout.kv_heads}; use a tp that divides {here.kv_heads}")
+            out[name] = "colwise"
+    return out
+
+
+# Styles that split a weight the same way: the padded vocabulary rows of an embedding and its head.
+_VOCAB_ROWS = ("vocab_embedding", "vocab_colwise")
+
+
+def check_ties(model: nn.Module, rules: dict[str, str]) -> None:
+    """Parameters tied by identity (an LM head sharing the embedding) must be split the same way,
+    or the swap would untie them (one side becomes a new sharded parameter)."""
+    by_id: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    for names in by_id.values():
+        styles = {rules.get(n, rules.get(n.rpartition(".")[0], "whole")) for n in names}
+        styles = {"vocabulary rows" if s in _VOCAB_ROWS else s for s in styles}
+        if len(names) > 1 and len(styles) > 1:
+            raise ValueError(f"tied parameters {names} would be split differently ({sorted(styles)}); give their "
+                             f"modules the same kind of rule (e.g. vocab_embedding with vocab_colwise) or keep both whole")

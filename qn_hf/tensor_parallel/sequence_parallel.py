@@ -1,0 +1,246 @@
+"""Sequence parallelism inside tensor parallelism (Megatron-SP): checks, the plan change, the hooks.
+
+Between tensor-parallel regions a block's activations are whole on every tp rank: the norms, the
+residual adds and dropout there repeat the same work tp times and keep tp copies alive. Under
+sequence parallelism each tp rank keeps only its contiguous slice of the sequence there:
+
+* a tp entry (the attention or MLP module, whose first argument feeds only column layers) all-gathers
+  the sequence on the way in (reduce-scatter of the input gradient, where the plain tp entry
+  all-reduces it);
+* its row layer reduce-scatters along the sequence where it all-reduced (all-gather backward);
+* each stage's first block takes its slice of the incoming (whole) hidden states, and the last
+  block's output, or on the last stage the final norm's output, is all-gathered again. The model's
+  own forward therefore builds its masks and rotary tables for the whole sequence, before the
+  first block, and whatever it does after the blocks (GPT-2 reshapes to the input's shape), the
+  head and the loss see whole activations.
+* between pipeline stages only this rank's slice travels (``sequence_wire``): the sender cuts it out
+  of the gathered output (its gradient flows back through the gather's backward, a local split, so
+  nothing more is communicated), the receiver all-gathers the slices of its tp group into the whole
+  sequence its model's forward expects. That moves (tp-1)/tp of the pipeline bytes onto one more
+  all-gather inside the tp group, typically the faster links (within a node, where pipeline
+  neighbours are often on other nodes).
+
+Inside a block the bytes on tp equal the all-reduce version (an all-reduce is a reduce-scatter plus
+an all-gather); the two edges add one all-gather of the hidden states each per microbatch and stage,
+and a received activation one more.
+
+Replicated parameters that now see only this rank's slice of the sequence get their gradients summed
+over tp: the norms between the regions (each rank's gradient covers its tokens only), the final
+norm (likewise), and the row layers' biases (added to this rank's slice of the sum). Dropout there
+draws from the tp-local random stream: the ranks hold different tokens, so equal masks would
+correlate token i with token i + sequence/tp.
+
+Only blocks whose modules outside the tp entries act position by position (norms, dropout) are
+accepted: anything else might mix positions across the split and is refused by name.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import replace
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from ..step.batch import check_sequence_length, sequence_split
+from ..comm import (all_gather_sequence, gather_sequence, gather_sequence_into_region, group_rank, group_size,
+                   split_sequence)
+from .patterns import join
+from ..pipeline.split import StagePlan
+from ..pipeline.stage import Wire
+from .plan import TpPlan, rule_module
+from .styles import EMBEDDING_STYLES
+
+# Rules outside the blocks that leave whole activations whole (the head gets the gathered output).
+_OUTSIDE_BLOCKS = {*EMBEDDING_STYLES, "vocab_colwise", "replicate", "replicate_grad_sum"}
+_INSIDE_ENTRIES = {"colwise", "colwise_kv", "colwise_packed2", "colwise_packed3", "rowwise", "replicate",
+                   "replicate_grad_sum", "replicate_after_row"}
+
+
+def position_wise(module: nn.Module) -> bool:
+    """A module that acts on each position alone: dropout, identity, or a norm over the features."""
+    if isinstance(module, (nn.Dropout, nn.Identity, nn.LayerNorm, nn.RMSNorm)):
+        return True
+    name = type(module).__name__
+    return name.endswith(("RMSNorm", "LayerNorm")) and all(p.dim() == 1 for p in module.parameters())
+
+
+def _inside(name: str, entries: tuple[str, ...]) -> bool:
+    return any(name == e or name.startswith(e + ".") for e in entries)
+
+
+def sequence_parallel_plan(model: nn.Module, plan: TpPlan, stage_plan: StagePlan) -> TpPlan:
+    """``plan`` with sequence parallelism on, after checking ``model`` can take it (no communication)."""
+    if plan.tp == 1:
+        raise ValueError("sequence_parallel=True needs tp > 1: it splits the activations between tensor-parallel "
+                         "regions over the tp ranks; use tp >= 2 or sequence_parallel=False")
+    layers, entries = stage_plan.layers, plan.tp_entries
+    why = f"sequence_parallel=True ({plan.policy.model_type})"
+    for name, style in plan.rules:
+        module = rule_module(name, style)
+        if not module.startswith(layers + "."):
+            if style not in _OUTSIDE_BLOCKS:
+                raise ValueError(f"{why}: {name} ({style}) outside the blocks is not supported; use sequence_parallel=False")
+        elif not _inside(module, entries):
+            raise ValueError(f"{why}: {name} ({style}) is not inside a tp entry (a module whose first argument feeds "
+                             f"only column layers), so its input cannot be gathered there; use sequence_parallel=False")
+        elif style not in _INSIDE_ENTRIES:
+            raise ValueError(f"{why}: style {style!r} ({name}) is not supported with sequence parallelism; "
+                             f"use sequence_parallel=False")
+    for entry in entries:
+        if not any(style == "rowwise" and n.startswith(entry + ".") for n, style in plan.rules):
+            raise ValueError(f"{why}: tp entry {entry} has no rowwise layer to reduce-scatter its output; "
+                             f"use sequence_parallel=False")
+    blocks = [join(layers, str(i)) for i in range(len(model.get_submodule(layers)))]
+    sums: list[str] = []
+    for block in blocks:
+        for child, module in model.get_submodule(block).named_children():
+            full = join(block, child)
+            if full in entries:
+                continue
+            if not position_wise(module):
+                raise ValueError(f"{why}: {full} ({type(module).__name__}) runs between the tp regions, on this rank's "
+                                 f"slice of the sequence, and is not a norm or dropout, so it might mix positions; "
+                                 f"use sequence_parallel=False")
+            sums += [join(full, p) for p, _ in module.named_parameters()]
+    final = final_norm(model, stage_plan)
+    if final is not None:
+        sums += [join(final, p) for p, _ in model.get_submodule(final).named_parameters()]
+    sums += [join(n, "bias") for n, style in plan.rules
+             if style == "rowwise" and getattr(model.get_submodule(n), "bias", None) is not None]
+    # a layer on a row layer's reduce-scattered output sees this rank's positions only (LoRA's B)
+    sums += [join(n, p) for n, style in plan.rules if style == "replicate_after_row"
+             for p, _ in model.get_submodule(n).named_parameters()]
+    return replace(
+        plan,
+        sequence_parallel=True,
+        grad_sum=tuple(dict.fromkeys((*plan.grad_sum, *sums))),
+        tp_rng_regions=tuple(dict.fromkeys((*plan.tp_rng_regions, *blocks))),
+        shared_rng_regions=tuple(n for n in plan.shared_rng_regions if not n.startswith(layers + ".")),
+    )
+
+
+def final_norm(model: nn.Module, stage_plan: StagePlan) -> str | None:
+    """The norm after the blocks (last stage only), whose output is gathered; None: there is none,
+    and the last block's output is gathered instead."""
+    for name, _ in stage_plan.last_only:
+        if position_wise(model.get_submodule(name)) and not isinstance(model.get_submodule(name), nn.Identity):
+            return name
+    return None
+
+
+def regathers(recompute: str | None) -> bool:
+    """Whether entries keep only their input's slice for backward and gather it again there: not under
+    recomputation, which keeps no block internals anyway (and would recompute the gather)."""
+    return recompute is None
+
+
+def first_argument(module: nn.Module, args: tuple, kwargs: dict) -> tuple[str | int, object]:
+    """A forward's first argument, passed by position (key 0) or by name (key: its name)."""
+    if args:
+        return 0, args[0]
+    name = next(iter(inspect.signature(module.forward).parameters))
+    return name, kwargs[name]
+
+
+def with_first(args: tuple, kwargs: dict, key: str | int, value: object) -> tuple[tuple, dict]:
+    return ((value, *args[1:]), kwargs) if key == 0 else (args, {**kwargs, key: value})
+
+
+class _Regathered:
+    """The gathered input of one entry call, as autograd keeps it: this rank's slice only, gathered
+    again when backward first unpacks it and dropped after the last unpack."""
+
+    def __init__(self, local: torch.Tensor, full: torch.Tensor, group: ProcessGroup) -> None:
+        self.local, self.group = local.detach(), group
+        self.storage = full.untyped_storage().data_ptr()
+        self.full: torch.Tensor | None = None
+        self.pending = 0
+
+    def pack(self, saved: torch.Tensor):
+        if saved.untyped_storage().data_ptr() != self.storage:
+            return saved
+        self.pending += 1
+        return self, saved.size(), saved.stride(), saved.storage_offset()
+
+    def unpack(self, packed):
+        if not isinstance(packed, tuple):
+            return packed
+        _, size, stride, offset = packed
+        if self.full is None:
+            with torch.no_grad():
+                self.full = all_gather_sequence(self.local, group=self.group)
+        view = self.full.as_strided(size, stride, offset)
+        self.pending -= 1
+        if self.pending <= 0:
+            self.full = None
+        return view
+
+
+def _entry_hooks(entry: nn.Module, *, group: ProcessGroup, regather: bool) -> None:
+    """The entry's first argument (this rank's sequence slice) is gathered on the way in, with a
+    reduce-scatter of its gradient. With ``regather``, what the entry's layers save of the gathered
+    input for their weight gradients is kept as the slice and gathered again in backward (as
+    Megatron does): one more all-gather per entry and microbatch, and the saved input shrinks by tp."""
+    contexts: list[torch.autograd.graph.saved_tensors_hooks] = []
+
+    def enter(module: nn.Module, args: tuple, kwargs: dict):
+        key, local = first_argument(module, args, kwargs)
+        full = gather_sequence_into_region(local, group=group)
+        if regather and torch.is_grad_enabled():
+            kept = _Regathered(local, full, group)
+            contexts.append(torch.autograd.graph.saved_tensors_hooks(kept.pack, kept.unpack))
+            contexts[-1].__enter__()
+        return with_first(args, kwargs, key, full)
+
+    def leave(*_):
+        if contexts:
+            contexts.pop().__exit__(None, None, None)
+
+    entry.register_forward_pre_hook(enter, with_kwargs=True)
+    entry.register_forward_hook(leave, always_call=True)
+
+
+def apply_sequence_parallel(model: nn.Module, *, plan: TpPlan, stage_plan: StagePlan, stage: int, final: str | None,
+                            group: ProcessGroup, regather: bool) -> None:
+    """Hook this stage's tp entries (gather the sequence), the first block of each of its chunks
+    (take the sequence slice) and each chunk's last block, or ``final`` (the final norm, after the
+    last chunk), to gather it again: what travels between chunks is the whole sequence.
+    ``regather`` keeps the entries' saved inputs as slices (off under recomputation, which keeps no
+    block internals anyway)."""
+    layers = model.get_submodule(stage_plan.layers)
+    for entry in plan.tp_entries:
+        _entry_hooks(model.get_submodule(entry), group=group, regather=regather)
+
+    def split(module: nn.Module, args: tuple, kwargs: dict):
+        key, hidden = first_argument(module, args, kwargs)
+        # train_step checked the batch already; this covers direct calls and inputs_embeds
+        check_sequence_length(hidden.shape[1], sequence_split(cp=1, tp=group_size(group), sequence_parallel=True))
+        return with_first(args, kwargs, key, split_sequence(hidden, group=group))
+
+    def gather(_module: nn.Module, _args: tuple, output):
+        if isinstance(output, tuple):
+            return (gather_sequence(output[0], group=group), *output[1:])
+        return gather_sequence(output, group=group)
+
+    for chunk in stage_plan.chunks_of(stage):
+        start, stop = stage_plan.layer_ranges[chunk]
+        getattr(layers, str(start)).register_forward_pre_hook(split, with_kwargs=True)
+        last = final if final is not None and chunk == stage_plan.chunks - 1 else None
+        (model.get_submodule(last) if last is not None else getattr(layers, str(stop - 1))).register_forward_hook(gather)
+
+
+def sequence_wire(group: ProcessGroup) -> Wire:
+    """Activations between stages as this tp rank's contiguous slice of the sequence: sent as the
+    slice of the gathered output (backward: zeros elsewhere, which the gather's backward, a local
+    split, drops), received and all-gathered over tp (backward: this rank's slice of the gradient)."""
+    size = group_size(group)
+
+    def out(x: torch.Tensor) -> torch.Tensor:
+        return x.chunk(size, dim=1)[group_rank(group)]
+
+    def into(x: torch.Tensor) -> torch.Tensor:
+        return gather_sequence(x, group=group)
+
+    return Wire(out=out, into=into)
