@@ -38,6 +38,7 @@ from .pipeline.weight_grad import WeightGradQueue, make_deferrable
 from .config.validate import check_parallel_config
 from .failure import refused_on_every_rank
 from .arguments import unknown_keywords
+from .tensor_parallel.styles import Style
 
 _MARK = "_qn_hf_parallelized"
 
@@ -132,7 +133,7 @@ def _parallelize(model: nn.Module, *, dp: int, tp: int, pp: int, cp: int, ep: in
         warnings.warn(f"the model is in {low.pop()} and mixed_precision=None: it trains as is, with gradients and "
                       f"optimizer moments in that dtype too; load it in float32 and pass mixed_precision='bf16' for "
                       f"float32 master weights and moments", stacklevel=2)
-    kv_replicated = plan.layout.kv_replicas > 1 and any(style == "colwise_kv" for _, style in plan.rules)
+    kv_replicated = plan.layout.kv_replicas > 1 and any(style == Style.COLWISE_KV for _, style in plan.rules)
     groups = build_groups(dims, device=device, timeout=timeout, mesh=mesh,
                           kv_replicas=plan.layout.kv_replicas if kv_replicated else 1, tied_stages=bool(stage_plan.ties))
     coords = groups.coords

@@ -24,6 +24,7 @@ from .dispatch import ExpertRoute, expert_parallel_forward
 from ..mesh import ParallelDims
 from ..tensor_parallel.plan import TpPlan
 from ..tensor_parallel.shard import ShardSpec
+from ..tensor_parallel.styles import Style
 
 # config keys that count a model's routed experts (transformers' names differ by architecture)
 _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -81,7 +82,7 @@ def check_expert_parallel(model: nn.Module, *, dims: ParallelDims, plan: TpPlan,
         raise ValueError(f"ep={dims.ep} with cp={dims.cp} is not supported; use cp=1")
     if sequence_parallel:
         raise ValueError(f"ep={dims.ep} with sequence_parallel=True is not supported; use one of them")
-    identity = [n for n, style in plan.policy.tp_plan.items() if style == "experts_identity"]
+    identity = [n for n, style in plan.policy.tp_plan.items() if style == Style.EXPERTS_IDENTITY]
     if identity:
         raise ValueError(f"ep={dims.ep}: {model_type} routes tokens to identity experts ({identity[0]}) outside "
                          f"the experts' weights; use ep=1")

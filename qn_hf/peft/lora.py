@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..tensor_parallel.rules import is_projection
-from ..tensor_parallel.styles import COLUMN_STYLES, PARAM_STYLES, ROW_STYLES
+from ..tensor_parallel.styles import COLUMN_STYLES, PARAM_STYLES, ROW_STYLES, Style
 
 
 @dataclass(frozen=True)
@@ -98,9 +98,9 @@ class LoraLeaves:
     local_dropout: list[str]  # dropout on this rank's slice of the features: its own mask
 
 
-def lora_rules(model: nn.Module, rules: dict[str, str], *, tp: int, sequence_parallel: bool) -> LoraLeaves:
+def lora_rules(model: nn.Module, rules: dict[str, Style], *, tp: int, sequence_parallel: bool) -> LoraLeaves:
     """``rules`` with each rule on a LoRA layer carried to its leaves (module docstring)."""
-    out: dict[str, str] = {}
+    out: dict[str, Style] = {}
     leaves = LoraLeaves(rules=out, entries=[], shared_dropout=[], local_dropout=[])
     for name, style in rules.items():
         module = model.get_submodule(name) if style not in PARAM_STYLES else None
@@ -114,21 +114,21 @@ def lora_rules(model: nn.Module, rules: dict[str, str], *, tp: int, sequence_par
                                  f"norm spans the split weight; use tp=1 (dp and pp work) or plain LoRA")
         adapters = list(module.lora_A)
         dropouts = [f"{name}.lora_dropout.{a}" for a in adapters if isinstance(module.lora_dropout[a], nn.Dropout)]
-        if dropouts and sequence_parallel and style != "replicate":
+        if dropouts and sequence_parallel and style != Style.REPLICATE:
             raise ValueError(f"lora_dropout > 0 on {name} with sequence_parallel=True is not supported: the input of a "
                              f"column target is gathered inside a block whose dropout runs tp-local; use "
                              f"lora_dropout=0 or sequence_parallel=False")
         out[f"{name}.base_layer"] = style
-        if style == "replicate":
-            out.update({f"{name}.{part}.{a}": "replicate" for a in adapters for part in ("lora_A", "lora_B")})
+        if style == Style.REPLICATE:
+            out.update({f"{name}.{part}.{a}": Style.REPLICATE for a in adapters for part in ("lora_A", "lora_B")})
         elif style in COLUMN_STYLES:
-            out.update({f"{name}.lora_A.{a}": "replicate_grad_sum" for a in adapters})
+            out.update({f"{name}.lora_A.{a}": Style.REPLICATE_GRAD_SUM for a in adapters})
             out.update({f"{name}.lora_B.{a}": style for a in adapters})
             leaves.entries.append(name)
             leaves.shared_dropout.extend(dropouts)  # x is whole on every rank: one mask, as in one process
         elif style in ROW_STYLES:
             out.update({f"{name}.lora_A.{a}": style for a in adapters})
-            out.update({f"{name}.lora_B.{a}": "replicate_after_row" for a in adapters})
+            out.update({f"{name}.lora_B.{a}": Style.REPLICATE_AFTER_ROW for a in adapters})
             # the features are split (rowwise: the input is this rank's slice; rowwise_split: the whole input,
             # of which lora_A keeps this rank's slice after the mask): independent masks per slice
             leaves.local_dropout.extend(dropouts)

@@ -26,6 +26,7 @@ from ..pipeline.split import StagePlan, chunk_of_module
 from ..step.loss import LossKind
 from ..tensor_parallel.plan import TpPlan
 from .trace import Trace
+from ..tensor_parallel.styles import COLUMN_STYLES, ROW_STYLES, Style
 
 
 def chunk_activations(model: nn.Module, *, kept: dict[str, tuple[int, int]], base: Trace, plan: TpPlan,
@@ -42,7 +43,7 @@ def chunk_activations(model: nn.Module, *, kept: dict[str, tuple[int, int]], bas
     for c in range(1, chunks):
         out[c] += base.boundary_numel * act_elem
     for name, style in plan.rules if tp > 1 else ():  # int64 ids shifted into the shard, a bool mask
-        if style == "vocab_embedding" and name in base.io:
+        if style == Style.VOCAB_EMBEDDING and name in base.io:
             out[chunk_of_module(stage_plan, name) or 0] += base.io[name].in_numel * (8 + 1)
     if plan.loss is LossKind.CAUSAL_LM:
         padded = padded_vocab(plan, model)
@@ -61,7 +62,7 @@ def kept_collectives(*, base: Trace, plan: TpPlan, stage_plan: StagePlan, act_el
         return [0] * stage_plan.chunks
     inside = lambda name: name.startswith(stage_plan.layers + ".")  # noqa: E731
     for name, style in plan.rules:
-        if style == "rowwise" and name in base.io and inside(name):
+        if style == Style.ROWWISE and name in base.io and inside(name):
             share = plan.tp if plan.sequence_parallel else 1
             out[chunk_of_module(stage_plan, name) or 0] += base.io[name].out_numel / share * act_elem
     for entry in plan.tp_entries if plan.sequence_parallel else ():
@@ -79,9 +80,9 @@ def weight_stash(deferred: Iterable[str], *, base: Trace, plan: TpPlan, stage_pl
     for name in deferred:
         if name not in base.io:  # never called in the forward: nothing to keep
             continue
-        io, style = base.io[name], styles.get(name, "")
-        x = 0 if name in base.repeated_inputs else io.in_numel / (plan.tp if style.startswith("rowwise") else 1)
-        grad = io.out_numel / (plan.tp if style.startswith("colwise") else 1)
+        io, style = base.io[name], styles.get(name)
+        x = 0 if name in base.repeated_inputs else io.in_numel / (plan.tp if style in ROW_STYLES else 1)
+        grad = io.out_numel / (plan.tp if style in COLUMN_STYLES else 1)
         out[chunk_of_module(stage_plan, name) or 0] += (x + grad) * act_elem
     return [int(x) for x in out]
 
@@ -94,7 +95,7 @@ def vocab(model: nn.Module) -> int:
 def padded_vocab(plan: TpPlan, model: nn.Module) -> int:
     """The vocabulary padded to a multiple of tp when the head is vocab-parallel, else 0."""
     for name, style in plan.rules:
-        if style == "vocab_colwise":
+        if style == Style.VOCAB_COLWISE:
             rows = model.get_submodule(name).weight.shape[0]  # the unsharded model's vocabulary
             return -(-rows // plan.tp) * plan.tp  # padded to a multiple of tp, as the shards are
     return 0

@@ -44,6 +44,7 @@ from ..tensor_parallel.patterns import join
 from ..pipeline.split import StagePlan
 from ..tensor_parallel.plan import TpPlan
 from ..tensor_parallel.sequence_parallel import final_norm, first_argument, with_first
+from ..tensor_parallel.styles import Style
 
 GATHER, SCATTER = Collective.ALL_GATHER_INTO_TENSOR, Collective.REDUCE_SCATTER_TENSOR
 SEQ_DIM = 1
@@ -182,7 +183,7 @@ class SequenceStandIns:
             self._handles.append(module.register_forward_pre_hook(self._enter(entry), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._leave_entry(entry), prepend=True, always_call=True))
         for name, style in plan.rules:  # row layers inside an entry reduce-scatter (tensor_parallel.py)
-            if style == "rowwise" and any(name.startswith(e + ".") for e in entries):
+            if style == Style.ROWWISE and any(name.startswith(e + ".") for e in entries):
                 self._handles.append(model.get_submodule(name).register_forward_hook(self._scatter(name), prepend=True))
         for name in self.edges.splits:
             self._handles.append(model.get_submodule(name).register_forward_pre_hook(self._split(name), with_kwargs=True))

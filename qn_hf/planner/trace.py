@@ -47,6 +47,7 @@ from .context import RingCall, RingStandIn
 from .experts import ExpertCall, ExpertsStandIn, moe_regions
 from .kernels import TrainingKernels
 from .sequence import SeqCollective, SequenceStandIns, StageEdges
+from ..tensor_parallel.styles import COLUMN_STYLES, WHOLE_STYLES, Style
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,7 @@ def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dic
     watched = set(styles) | set(plan.tp_entries) | linears
     seen_inputs: dict[str, list[StorageWeakRef]] = defaultdict(list)  # parent module -> its linears' inputs
     repeated: set[str] = set()
-    rowwise = {name for name, style in styles.items() if style == "rowwise"}
+    rowwise = {name for name, style in styles.items() if style == Style.ROWWISE}
     io: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
     stack: list[str] = []
     boundary = [0]
@@ -287,7 +288,7 @@ def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dic
                  sequence=reruns, ring=rings, experts=moes, repeated_inputs=frozenset(repeated))
 
 
-def _split_across_tp(name: str, styles: dict[str, str], plan: TpPlan, *, region: bool | None,
+def _split_across_tp(name: str, styles: dict[str, Style], plan: TpPlan, *, region: bool | None,
                      whole: frozenset[str]) -> bool:
     """Whether what ``name`` allocates is sharded under tp: a column layer's output and anything
     computed inside a tp entry or region (attention heads, the MLP's activation, a whole-kept module
@@ -300,8 +301,8 @@ def _split_across_tp(name: str, styles: dict[str, str], plan: TpPlan, *, region:
         return name == root or name.startswith(root + ".")
 
     style = styles.get(name)
-    if style is not None and not style.startswith("replicate"):  # replicate: as where it sits
-        return style.startswith("colwise") or style == "vocab_colwise"
+    if style is not None and style not in WHOLE_STYLES:  # replicate: as where it sits
+        return style in COLUMN_STYLES or style == Style.VOCAB_COLWISE
     if region is not None:
         return region
     if any(under(r) for r in plan.shared_rng_regions):

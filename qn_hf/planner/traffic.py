@@ -54,6 +54,7 @@ from .experts import ExpertCall, expert_ops
 from .memory import Bucket, owned
 from .sequence import GATHER
 from .trace import Trace
+from ..tensor_parallel.styles import Style
 
 
 
@@ -90,14 +91,14 @@ def _tp_microbatch(s: int, *, plan: TpPlan, trace: Trace, stage_of: Callable[[st
         if stage_of(name) != s or name not in trace.io:
             continue
         io = trace.io[name]
-        if style == "vocab_embedding" or (style == "rowwise" and not sp):  # sp: reduce-scattered (below)
+        if style == Style.VOCAB_EMBEDDING or (style == Style.ROWWISE and not sp):  # sp: reduce-scattered (below)
             add(Collective.ALL_REDUCE, io.calls, io.out_numel * act_elem)
             if recompute == "full" and name in trace.rerun:  # selective keeps the sum (recompute.py)
                 add(Collective.ALL_REDUCE, io.calls, io.out_numel * act_elem)
-        elif style.startswith("colwise") or style == "vocab_colwise":
+        elif style.startswith(Style.COLWISE) or style == Style.VOCAB_COLWISE:
             if not entered(name):
                 add(Collective.ALL_REDUCE, io.calls, io.in_numel * act_elem)
-            if style == "vocab_colwise" and plan.loss is LossKind.CAUSAL_LM:
+            if style == Style.VOCAB_COLWISE and plan.loss is LossKind.CAUSAL_LM:
                 add(Collective.ALL_REDUCE, 2, 3 * trace.logits_rows * 4)
     for name in () if sp else plan.tp_entries:
         if stage_of(name) == s and name in trace.io:

@@ -15,7 +15,7 @@ from ..tensor_parallel.heads import head_layout
 from ..tensor_parallel.patterns import base_model_and_prefix, match_modules, match_parameters
 from ..step.loss import LossKind
 from ..tensor_parallel.plan import ModelPolicy
-from ..tensor_parallel.styles import HF_STYLES, PARAM_FORM
+from ..tensor_parallel.styles import COLUMN_STYLES, HF_STYLES, PARAM_FORM, Style
 from .amendments import AMENDMENTS, PP_PLANS, REFUSALS
 from .entries import derive_entries
 
@@ -39,7 +39,7 @@ def _translate(base: nn.Module, config, hf_plan: dict[str, str]) -> tuple[dict[s
     kv_key = "num_key_value_heads" if getattr(config, "num_key_value_heads", None) else None
     layout = head_layout(config, tp=1, num_kv_heads_key=kv_key)
     kv_width = layout.kv_heads * layout.head_dim
-    tp_plan: dict[str, str] = {}
+    tp_plan: dict[str, Style] = {}
     problems: list[str] = []
     for pattern, hf_style in hf_plan.items():
         if hf_style not in HF_STYLES:
@@ -50,8 +50,8 @@ def _translate(base: nn.Module, config, hf_plan: dict[str, str]) -> tuple[dict[s
             continue
         # transformers' forwards chunk a fused gate|up projection into halves, so each half is split
         # on its own (a plain colwise split would give rank 0 both halves of the gate).
-        if style == "colwise" and pattern.endswith("gate_up_proj"):
-            style = "colwise_packed2"
+        if style == Style.COLWISE and pattern.endswith("gate_up_proj"):
+            style = Style.COLWISE_PACKED2
         modules = match_modules(base, pattern)
         if not modules and match_parameters(base, pattern):  # the rule names a bare parameter
             if style not in PARAM_FORM:
@@ -60,8 +60,8 @@ def _translate(base: nn.Module, config, hf_plan: dict[str, str]) -> tuple[dict[s
             style = PARAM_FORM[style]
         first = base.get_submodule(modules[0]) if modules else None
         # transformers shards k/v like q; ours must know they hold KV heads to replicate them.
-        if style == "colwise" and isinstance(first, nn.Linear) and layout.kv_heads < layout.heads and first.out_features == kv_width:
-            style = "colwise_kv"
+        if style == Style.COLWISE and isinstance(first, nn.Linear) and layout.kv_heads < layout.heads and first.out_features == kv_width:
+            style = Style.COLWISE_KV
         tp_plan[pattern] = style
     return tp_plan, problems
 
@@ -88,18 +88,18 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
         raise ValueError(f"model_type={config.model_type!r}: neither base_model_pp_plan nor base_model_tp_plan names "
                          f"the list of blocks; pass policy=ModelPolicy(...)")
     tp_plan, problems = _translate(base, config, hf_plan)
-    rowwise_parents = {p.rpartition(".")[0] for p, style in tp_plan.items() if style == "rowwise"}
+    rowwise_parents = {p.rpartition(".")[0] for p, style in tp_plan.items() if style == Style.ROWWISE}
 
     # The embedding and the LM head are sharded over the vocabulary when qn_hf reproduces their class
     # exactly (qn_hf.tensor_parallel.embedding_types); anything else stays whole, which is always correct.
     embeddings = _relative_name(base, model.get_input_embeddings())
     if embeddings is not None and adapter_for(model.get_input_embeddings()) is not None:
-        tp_plan.setdefault(embeddings, "vocab_embedding")
-    head_plan: dict[str, str] = {}
+        tp_plan.setdefault(embeddings, Style.VOCAB_EMBEDDING)
+    head_plan: dict[str, Style] = {}
     loss = None
     output = model.get_output_embeddings() if base is not model else None
     if isinstance(output, nn.Linear) and output.out_features == config.vocab_size:
-        head_plan[_relative_name(model, output)] = "vocab_colwise" if type(output) is nn.Linear else "replicate"
+        head_plan[_relative_name(model, output)] = Style.VOCAB_COLWISE if type(output) is nn.Linear else Style.REPLICATE
         loss = LossKind.CAUSAL_LM
 
     # Pipeline cut points from transformers' pp plan: the entry is the input embedding; whatever
@@ -117,7 +117,7 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
         head_plan=head_plan,
         attr_patches={f"{p}.num_key_value_groups": "local_kv_groups" for p in attention},
         tp_entries=derive_entries(base, sorted(rowwise_parents),
-                                  {p for p, style in tp_plan.items() if style.startswith("colwise")}),
+                                  {p for p, style in tp_plan.items() if style in COLUMN_STYLES}),
         tp_rng_regions=tuple(sorted(rowwise_parents)),
         loss=loss,
         forward_kwargs={"use_cache": False},

@@ -20,7 +20,7 @@ from .layers import ColumnParallelLinear, RowParallelLinear, linear_dims
 from .plan import TpPlan
 from .sequence_parallel import first_argument, with_first
 from .shard import ShardSpec, padded
-from .styles import EMBEDDING_STYLES, HOOK_STYLES, LINEAR_STYLES, PARAM_STYLES, packed_parts, param_shard_dim
+from .styles import EMBEDDING_STYLES, HOOK_STYLES, LINEAR_STYLES, PARAM_STYLES, packed_parts, param_shard_dim, Style
 from .hooks import identity_expert_hooks, mla_kv_a_hooks, partial_sum_hooks
 
 
@@ -47,31 +47,31 @@ def _enter_region_hook(group: ProcessGroup):
     return hook
 
 
-def _parallel_leaf(module: nn.Module, style: str, plan: TpPlan, tp_rank: int, group: ProcessGroup,
+def _parallel_leaf(module: nn.Module, style: Style, plan: TpPlan, tp_rank: int, group: ProcessGroup,
                    entered: bool) -> nn.Module:
     tp = plan.tp
-    if style == "vocab_embedding":
+    if style == Style.VOCAB_EMBEDDING:
         spec = ShardSpec(dim=0, tp=tp, size=module.num_embeddings, padded_size=padded(module.num_embeddings, tp))
         return VocabParallelEmbedding.from_module(module, spec=spec, tp_rank=tp_rank, group=group)
-    if style == "embedding_colwise":
+    if style == Style.EMBEDDING_COLWISE:
         spec = ShardSpec(dim=1, tp=tp, size=module.embedding_dim)
         return ColumnParallelEmbedding.from_module(module, spec=spec, tp_rank=tp_rank, group=group)
     in_f, out_f, _, _ = linear_dims(module)
-    if style in ("rowwise", "rowwise_split"):
+    if style in (Style.ROWWISE, Style.ROWWISE_SPLIT):
         return RowParallelLinear.from_module(module, spec=ShardSpec(dim=0, tp=tp, size=in_f), tp_rank=tp_rank,
-                                             group=group, split_input=style == "rowwise_split",
+                                             group=group, split_input=style == Style.ROWWISE_SPLIT,
                                              sequence_parallel=plan.sequence_parallel and entered)
-    if style == "vocab_colwise":
+    if style == Style.VOCAB_COLWISE:
         spec = ShardSpec(dim=0, tp=tp, size=out_f, padded_size=padded(out_f, tp))
-    elif style == "colwise_kv":
+    elif style == Style.COLWISE_KV:
         spec = ShardSpec(dim=0, tp=tp, size=out_f, replicas=plan.layout.kv_replicas)
     else:
         spec = ShardSpec(dim=0, tp=tp, size=out_f, parts=packed_parts(style))
     return ColumnParallelLinear.from_module(module, spec=spec, tp_rank=tp_rank, group=group, copy_input=not entered,
-                                            gather_output=style == "colwise_gather")
+                                            gather_output=style == Style.COLWISE_GATHER)
 
 
-def _shard_parameter(model: nn.Module, name: str, style: str, plan: TpPlan, tp_rank: int) -> ShardSpec | None:
+def _shard_parameter(model: nn.Module, name: str, style: Style, plan: TpPlan, tp_rank: int) -> ShardSpec | None:
     """Replace the bare parameter ``name`` by this rank's slice; its module runs unchanged on it."""
     owner_name, _, pname = name.rpartition(".")
     owner = model.get_submodule(owner_name)
@@ -117,19 +117,19 @@ def apply_tp_plan(
         entered = any(name.startswith(entry + ".") for entry in plan.tp_entries)
         new = _parallel_leaf(model.get_submodule(name), style, plan, tp_rank, group, entered=entered)
         _replace(model, name, new)
-        if style == "vocab_colwise":
+        if style == Style.VOCAB_COLWISE:
             vocab = VocabShard(start=new.weight_spec.local_range(tp_rank)[0], size=new.weight_spec.size)
     param_specs = {name: _shard_parameter(model, name, style, plan, tp_rank)
                    for name, style in plan.rules if style in PARAM_STYLES}
     for name, style in plan.rules:
-        if style not in HOOK_STYLES or style in ("replicate_grad_sum", "replicate_after_row"):
+        if style not in HOOK_STYLES or style in (Style.REPLICATE_GRAD_SUM, Style.REPLICATE_AFTER_ROW):
             continue  # no hook: these act on gradients (GradSync)
         module = model.get_submodule(name)
-        if style in ("experts", "all_reduce"):
+        if style in (Style.EXPERTS, Style.ALL_REDUCE):
             partial_sum_hooks(module, group=group)
-        elif style == "experts_identity":
+        elif style == Style.EXPERTS_IDENTITY:
             identity_expert_hooks(module, group=group)
-        elif style == "mla_kv_a":
+        elif style == Style.MLA_KV_A:
             mla_kv_a_hooks(module, group=group, rope_dim=plan.mla_rope_dim)
     for entry in plan.tp_entries if not plan.sequence_parallel else ():  # else sequence_parallel.py's gather
         model.get_submodule(entry).register_forward_pre_hook(_enter_region_hook(group), with_kwargs=True)

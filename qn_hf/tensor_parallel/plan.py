@@ -19,7 +19,7 @@ from .patterns import base_model_and_prefix, join, match_modules, match_paramete
 from .heads import LAYOUT_VALUES, HeadLayout, attention_layout, head_layout
 from ..peft.lora import LoraLeaves, is_lora_layer, lora_rules
 from .rules import check_rule, check_ties, is_projection, split_kv_per_module
-from .styles import PARAM_STYLES, STYLES
+from .styles import COLUMN_STYLES, PARAM_STYLES, STYLES, Style
 
 STANDINS = ("zeros", "identity")
 
@@ -52,8 +52,8 @@ class ModelPolicy:
 
     model_type: str
     layers: str
-    tp_plan: Mapping[str, str]
-    head_plan: Mapping[str, str] = field(default_factory=dict)
+    tp_plan: Mapping[str, Style | str]
+    head_plan: Mapping[str, Style | str] = field(default_factory=dict)
     attr_patches: Mapping[str, str] = field(default_factory=dict)
     tp_entries: tuple[str, ...] = ()
     tp_rng_regions: tuple[str, ...] = ()
@@ -72,6 +72,9 @@ class ModelPolicy:
         for pattern, style in {**self.tp_plan, **self.head_plan}.items():
             if style not in STYLES:
                 raise ValueError(f"policy {self.model_type}: rule {pattern!r} has unknown style {style!r}; known: {STYLES}")
+        # frozen: the rules' styles become members once, here (a policy may spell them as strings)
+        object.__setattr__(self, "tp_plan", {p: Style(s) for p, s in self.tp_plan.items()})
+        object.__setattr__(self, "head_plan", {p: Style(s) for p, s in self.head_plan.items()})
         for pattern, value in self.attr_patches.items():
             if value not in LAYOUT_VALUES:
                 raise ValueError(f"policy {self.model_type}: patch {pattern!r} has unknown value {value!r}; known: {LAYOUT_VALUES}")
@@ -91,7 +94,7 @@ class TpPlan:
     policy: ModelPolicy
     tp: int
     layout: HeadLayout
-    rules: tuple[tuple[str, str], ...]  # (module name from the top model, or parameter name for param_*, style)
+    rules: tuple[tuple[str, Style], ...]  # (module name from the top model, or parameter name for param_*, style)
     patches: tuple[tuple[str, str, int], ...]  # (module name, attribute path, new value)
     grad_sum: tuple[str, ...]  # replicated parameters whose gradients are summed over tp
     tp_entries: tuple[str, ...]
@@ -115,21 +118,21 @@ class TpPlan:
         )
 
 
-def rule_module(name: str, style: str) -> str:
+def rule_module(name: str, style: Style) -> str:
     """The module a rule acts on: itself, or for a parameter style the parameter's owner."""
     return name.rpartition(".")[0] if style in PARAM_STYLES else name
 
 
 def _resolve_rules(model: nn.Module, policy: ModelPolicy, base: nn.Module, prefix: str) -> dict[str, str]:
     has_head = base is not model
-    rules: dict[str, str] = {}
+    rules: dict[str, Style] = {}
     for scope, plan, root_prefix in ((base, policy.tp_plan, prefix), (model, policy.head_plan if has_head else {}, "")):
         for pattern, style in plan.items():
             if style in PARAM_STYLES:
                 names = match_parameters(scope, pattern)
             else:  # a whole-keeping rule may also name one parameter (a bare per-head weight)
                 names = match_modules(scope, pattern) or (
-                    match_parameters(scope, pattern) if style in ("replicate", "replicate_grad_sum") else [])
+                    match_parameters(scope, pattern) if style in (Style.REPLICATE, Style.REPLICATE_GRAD_SUM) else [])
             if not names and not policy.transformers_plan:  # transformers' plans name optional modules
                 raise ValueError(f"policy {policy.model_type}: rule {pattern!r} matches no module of {type(scope).__name__}")
             for name in names:
@@ -137,7 +140,7 @@ def _resolve_rules(model: nn.Module, policy: ModelPolicy, base: nn.Module, prefi
     return rules
 
 
-def _check_coverage(policy: ModelPolicy, model: nn.Module, base: nn.Module, prefix: str, rules: dict[str, str]) -> None:
+def _check_coverage(policy: ModelPolicy, model: nn.Module, base: nn.Module, prefix: str, rules: dict[str, Style]) -> None:
     """Every Linear inside a block has a rule; under transformers' convention an unnamed one stays whole."""
     blocks = match_modules(base, f"{policy.layers}.*")
     if not blocks:
@@ -190,12 +193,12 @@ def _resolve_patches(policy: ModelPolicy, base: nn.Module, prefix: str, layout: 
     return patches
 
 
-def _grad_sum_params(model: nn.Module, rules: dict[str, str]) -> tuple[str, ...]:
+def _grad_sum_params(model: nn.Module, rules: dict[str, Style]) -> tuple[str, ...]:
     """The parameters a ``replicate_grad_sum`` rule names: itself, or every parameter of its module."""
     params = dict(model.named_parameters())
     names: list[str] = []
     for name, style in rules.items():
-        if style == "replicate_grad_sum":
+        if style == Style.REPLICATE_GRAD_SUM:
             names += [name] if name in params else [join(name, p) for p, _ in model.get_submodule(name).named_parameters()]
     return tuple(names)
 
@@ -237,11 +240,11 @@ def build_tp_plan(model: nn.Module, policy: ModelPolicy, *, tp: int, sequence_pa
     entries = regions(policy.tp_entries, "tp entry")
     entries += tuple(n for n in lora.entries if not any(n.startswith(e + ".") for e in entries))
     for entry in entries:
-        inside = [n for n, style in rules.items() if n.startswith(entry + ".") and style.startswith("colwise")]
+        inside = [n for n, style in rules.items() if n.startswith(entry + ".") and style in COLUMN_STYLES]
         if not inside:
             raise ValueError(f"policy {policy.model_type}: tp entry {entry} holds no column-parallel layer")
     sharding = tp > 1
-    mla = any(style == "mla_kv_a" for style in rules.values())
+    mla = any(style == Style.MLA_KV_A for style in rules.values())
     return TpPlan(
         policy=policy,
         tp=tp,

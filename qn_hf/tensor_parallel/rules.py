@@ -9,14 +9,14 @@ from transformers.pytorch_utils import Conv1D
 
 from .embedding_types import adapter_for
 from .heads import HeadLayout, attention_layout
-from .styles import EMBEDDING_STYLES, LINEAR_STYLES, PARAM_STYLES, packed_parts, param_shard_dim
+from .styles import EMBEDDING_STYLES, LINEAR_STYLES, PARAM_STYLES, packed_parts, param_shard_dim, Style
 
 
 def is_projection(module: nn.Module) -> bool:
     return isinstance(module, (nn.Linear, Conv1D))
 
 
-def check_rule(model: nn.Module, name: str, style: str, layout: HeadLayout, tp: int) -> None:
+def check_rule(model: nn.Module, name: str, style: Style, layout: HeadLayout, tp: int) -> None:
     """A rule's module has the exact type its style reproduces, and tp divides what it splits."""
     if style in PARAM_STYLES:
         owner, _, pname = name.rpartition(".")
@@ -36,7 +36,7 @@ def check_rule(model: nn.Module, name: str, style: str, layout: HeadLayout, tp: 
                 f"rule {style!r} on {name}: {type(module).__name__} is not nn.Embedding nor a subclass whose forward "
                 f"qn_hf reproduces (qn_hf.tensor_parallel.embedding_types); swapping it would drop what it adds. Keep it whole with "
                 f"'replicate' in a policy, or use tp=1")
-        width = module.embedding_dim if style == "embedding_colwise" else None
+        width = module.embedding_dim if style == Style.EMBEDDING_COLWISE else None
         if width is not None and width % tp:
             raise ValueError(f"tp={tp} does not divide embedding_dim={width} of {name}")
         return
@@ -51,7 +51,7 @@ def check_rule(model: nn.Module, name: str, style: str, layout: HeadLayout, tp: 
     if style.startswith("rowwise"):
         if in_f % tp:
             raise ValueError(f"tp={tp} does not divide in_features={in_f} of {name}")
-    elif style == "colwise_kv":
+    elif style == Style.COLWISE_KV:
         if out_f != layout.kv_heads * layout.head_dim:
             raise ValueError(
                 f"{name} has {out_f} outputs, not num_key_value_heads*head_dim = {layout.kv_heads}*{layout.head_dim}"
@@ -67,7 +67,7 @@ def split_kv_per_module(model: nn.Module, rules: dict[str, str], layout: HeadLay
     number (``attention_layout``) and tp divides it, a plain column split keeps whole heads."""
     out = dict(rules)
     for name, style in rules.items():
-        if style != "colwise_kv":
+        if style != Style.COLWISE_KV:
             continue
         here = attention_layout(model.get_submodule(name.rpartition(".")[0]), layout)
         if here.kv_heads != layout.kv_heads:

@@ -50,7 +50,7 @@ from .patterns import join
 from ..pipeline.split import StagePlan
 from ..pipeline.stage import Wire
 from .plan import TpPlan, rule_module
-from .styles import EMBEDDING_STYLES
+from .styles import EMBEDDING_STYLES, Style
 
 # Rules outside the blocks that leave whole activations whole (the head gets the gathered output).
 _OUTSIDE_BLOCKS = {*EMBEDDING_STYLES, "vocab_colwise", "replicate", "replicate_grad_sum"}
@@ -89,7 +89,7 @@ def sequence_parallel_plan(model: nn.Module, plan: TpPlan, stage_plan: StagePlan
             raise ValueError(f"{why}: style {style!r} ({name}) is not supported with sequence parallelism; "
                              f"use sequence_parallel=False")
     for entry in entries:
-        if not any(style == "rowwise" and n.startswith(entry + ".") for n, style in plan.rules):
+        if not any(style == Style.ROWWISE and n.startswith(entry + ".") for n, style in plan.rules):
             raise ValueError(f"{why}: tp entry {entry} has no rowwise layer to reduce-scatter its output; "
                              f"use sequence_parallel=False")
     blocks = [join(layers, str(i)) for i in range(len(model.get_submodule(layers)))]
@@ -108,9 +108,9 @@ def sequence_parallel_plan(model: nn.Module, plan: TpPlan, stage_plan: StagePlan
     if final is not None:
         sums += [join(final, p) for p, _ in model.get_submodule(final).named_parameters()]
     sums += [join(n, "bias") for n, style in plan.rules
-             if style == "rowwise" and getattr(model.get_submodule(n), "bias", None) is not None]
+             if style == Style.ROWWISE and getattr(model.get_submodule(n), "bias", None) is not None]
     # a layer on a row layer's reduce-scattered output sees this rank's positions only (LoRA's B)
-    sums += [join(n, p) for n, style in plan.rules if style == "replicate_after_row"
+    sums += [join(n, p) for n, style in plan.rules if style == Style.REPLICATE_AFTER_ROW
              for p, _ in model.get_submodule(n).named_parameters()]
     return replace(
         plan,
