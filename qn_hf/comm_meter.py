@@ -32,6 +32,7 @@ from torch.distributed import ProcessGroup
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .arguments import Choice
+from .mesh import Axis
 
 
 class Collective(Choice):
@@ -157,8 +158,8 @@ class CommMeter:
         else:  # not a communication (c10d.check_for_nan, _c10d_functional.wait_tensor)
             return
         op = func._opname
-        if op in _P2P and name != "cp":  # pipeline transfers name their peers by global rank
-            name = "pp"
+        if op in _P2P and name != Axis.CP:  # pipeline transfers name their peers by global rank
+            name = Axis.PP.value
         # This rank's input: the "input*" arguments of gathers/scatters, else the in-place "tensors".
         inputs = [a.name for a in schema if a.name.startswith("input")]
         inputs = inputs or [a.name for a in schema if a.name in ("tensors", "tensor")]

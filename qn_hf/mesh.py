@@ -11,18 +11,63 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .arguments import check_positive_int
+from .arguments import Choice, check_positive_int
 from .pipeline.p2p import Link, Peers, directed_pairs
 
-MESH_DIMS = ("dp", "pp", "tp")
-MESH_DIMS_CP = ("dp", "pp", "cp", "tp")
+
+
+class Axis(Choice):
+    """A parallel dimension. dp, pp, cp and tp are the device mesh's dims; ep is carved out of a
+    stage's dp x tp grid (``expert_groups``), so it is an axis of the coordinates, not of the mesh."""
+
+    DP = "dp"
+    PP = "pp"
+    CP = "cp"
+    TP = "tp"
+    EP = "ep"
+
+
+MESH_DIMS = (Axis.DP, Axis.PP, Axis.TP)
+MESH_DIMS_CP = (Axis.DP, Axis.PP, Axis.CP, Axis.TP)
+
+
+@dataclass(frozen=True)
+class Coords(Mapping):
+    """This rank's place on the mesh, one field per axis. ``ep`` (its block of experts) and
+    ``expert_replica`` (which copy of that block) are None without expert parallelism; ``cp`` is 0
+    without context parallelism. It also reads as the mapping ``pm.coords`` always was
+    (``pm.coords.dp``, ``dict(pm.coords)``), holding the axes in use."""
+
+    dp: int
+    pp: int
+    cp: int
+    tp: int
+    ep: int | None = None
+    expert_replica: int | None = None
+
+    def __getitem__(self, key: str) -> int:
+        value = getattr(self, key, None) if key in self._names() else None
+        if value is None:
+            raise KeyError(key)
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name in self._names() if getattr(self, name) is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    @classmethod
+    def _names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
 
 
 @dataclass(frozen=True)
@@ -39,8 +84,8 @@ class ParallelDims:
     ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "cp", "ep"):
-            check_positive_int(name, getattr(self, name))
+        for axis in (Axis.DP, Axis.TP, Axis.PP, Axis.CP, Axis.EP):
+            check_positive_int(axis.value, getattr(self, axis))
         if self.ep > 1:
             if (self.dp * self.tp) % self.ep:
                 raise ValueError(f"ep={self.ep} must divide dp*tp = {self.dp}*{self.tp} = {self.dp * self.tp}: the "
@@ -61,8 +106,9 @@ class ParallelDims:
 
     @property
     def names(self) -> tuple[str, ...]:
-        """The mesh's dim names: cp appears only when it is used, so 3-D meshes stay as they were."""
-        return MESH_DIMS_CP if self.cp > 1 else MESH_DIMS
+        """The mesh's dim names (plain strings, as DeviceMesh keeps them): cp appears only when it is
+        used, so 3-D meshes stay as they were."""
+        return tuple(axis.value for axis in (MESH_DIMS_CP if self.cp > 1 else MESH_DIMS))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -75,7 +121,7 @@ class ParallelDims:
 
     def check_world_size(self, world_size: int) -> None:
         if world_size != self.world_size:
-            order = ("dp", "tp", "pp", "cp") if self.cp > 1 else ("dp", "tp", "pp")
+            order = (Axis.DP, Axis.TP, Axis.PP, Axis.CP) if self.cp > 1 else (Axis.DP, Axis.TP, Axis.PP)
             product, values = "*".join(order), "*".join(str(getattr(self, n)) for n in order)
             raise ValueError(
                 f"world size {world_size} != {product} = {values} = {self.world_size}; "
@@ -177,7 +223,7 @@ class Groups:
     two-rank group per direction of each link (``pipeline/p2p.py`` says why)."""
 
     mesh: DeviceMesh
-    coords: dict[str, int]  # {"dp": .., "pp": .., "cp": .., "tp": ..}: this rank's place on the mesh
+    coords: Coords  # this rank's place on the mesh
     dp: ProcessGroup
     tp: ProcessGroup
     pp: ProcessGroup
@@ -209,35 +255,36 @@ def build_groups(dims: ParallelDims, *, device: torch.device, timeout: datetime.
     if mesh is None:
         mesh = build_mesh(dims, device=device, timeout=timeout)
     check_mesh(mesh, dims)
-    coords = {d: mesh.get_local_rank(d) for d in dims.names}
-    coords.setdefault("cp", 0)
+    on_mesh = {d: mesh.get_local_rank(d) for d in dims.names}
     # [dp, pp, cp, tp] global ranks (cp of size 1 when absent), whatever the mesh's own layout
     grid = mesh.mesh.reshape(dims.dp, dims.pp, dims.cp, dims.tp)
-    d, t = coords["dp"], coords["tp"]
+    d, t = on_mesh[Axis.DP], on_mesh[Axis.TP]
+    coords = Coords(dp=d, pp=on_mesh[Axis.PP], cp=on_mesh.get(Axis.CP, 0), tp=t)
     kv = _member_of([row[i : i + kv_replicas] for row in grid.reshape(-1, dims.tp).tolist()
                      for i in range(0, dims.tp, kv_replicas)], timeout) if kv_replicas > 1 else None
     tie = _member_of([[int(grid[a, 0, z, b]), int(grid[a, -1, z, b])] for a in range(dims.dp) for z in range(dims.cp)
                       for b in range(dims.tp)], timeout) if tied_stages else None
     if dims.cp > 1:
-        cp = mesh.get_group("cp")
+        cp = mesh.get_group(Axis.CP.value)
         replicas = _member_of([grid[:, q, :, b].reshape(-1).tolist() for q in range(dims.pp) for b in range(dims.tp)],
                               timeout)
     else:
-        cp, replicas = None, mesh.get_group("dp")
+        cp, replicas = None, mesh.get_group(Axis.DP.value)
     ep = experts = None
     if dims.ep > 1:
         blocks, members = expert_groups(grid, dims)
         ep, experts = _member_of(blocks, timeout), _member_of(members, timeout)
         flat = d * dims.tp + t  # this rank's place in its stage's dp x tp grid
-        coords["ep"], coords["expert_replica"] = flat % dims.ep, flat // dims.ep
+        coords = Coords(dp=d, pp=coords.pp, cp=coords.cp, tp=t, ep=flat % dims.ep, expert_replica=flat // dims.ep)
         experts = experts if dims.expert_replicas > 1 else None
     return Groups(
-        mesh=mesh, coords=coords, dp=mesh.get_group("dp"), tp=mesh.get_group("tp"), pp=mesh.get_group("pp"),
+        mesh=mesh, coords=coords, dp=mesh.get_group(Axis.DP.value), tp=mesh.get_group(Axis.TP.value),
+        pp=mesh.get_group(Axis.PP.value),
         cp=cp, replicas=replicas, ep=ep, experts=experts, kv=kv, tie=tie, peers=_pipeline_peers(grid, coords, timeout),
     )
 
 
-def _pipeline_peers(grid: torch.Tensor, coords: dict[str, int], timeout: datetime.timedelta) -> Peers:
+def _pipeline_peers(grid: torch.Tensor, coords: Coords, timeout: datetime.timedelta) -> Peers:
     """This rank's neighbouring stages and one two-rank group per direction of every link (created
     by every rank, in the same order, as ``new_group`` requires)."""
     dp, pp, cp, tp = grid.shape
@@ -250,7 +297,7 @@ def _pipeline_peers(grid: torch.Tensor, coords: dict[str, int], timeout: datetim
         group = dist.new_group([src, dst], timeout=timeout)
         if me in (src, dst):
             links[src, dst] = group
-    d, p, c, t = coords["dp"], coords["pp"], coords["cp"], coords["tp"]
+    d, p, c, t = coords.dp, coords.pp, coords.cp, coords.tp
     prev, next_ = int(grid[d, (p - 1) % pp, c, t]), int(grid[d, (p + 1) % pp, c, t])
     return Peers(prev=prev, next=next_, to_next=Link(next_, links[me, next_]), from_prev=Link(prev, links[prev, me]),
                  to_prev=Link(prev, links[me, prev]), from_next=Link(next_, links[next_, me]))

@@ -26,7 +26,7 @@ from .step.generation import parallel_generate
 from .step.logits import LogitsFn, collect_logits
 from .peft.lora import Adapter
 from .step.loss import IGNORE_INDEX, LossKind, causal_lm_targets, summed_loss
-from .mesh import Groups, ParallelDims
+from .mesh import Coords, Groups, ParallelDims
 from .pipeline.runtime import StageExecutor
 from .pipeline.schedule import schedule_actions
 from .pipeline.split import params_by_final_pass
@@ -112,7 +112,7 @@ class ParallelModel:
         return self.placement.groups
 
     @property
-    def coords(self) -> dict[str, int]:
+    def coords(self) -> Coords:
         return self.placement.coords
 
     @property
@@ -216,7 +216,7 @@ class ParallelModel:
     def local_batch(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This dp replica's contiguous rows of a *global* batch (the same dict on every rank), padded
         first, if ``dp * microbatches`` does not divide it, with rows that carry no loss (``batch.dp_rows``)."""
-        return dp_rows(batch, dp=self.dims.dp, dp_rank=self.coords["dp"], multiple=self.microbatches)
+        return dp_rows(batch, dp=self.dims.dp, dp_rank=self.coords.dp, multiple=self.microbatches)
 
     @torch.no_grad()
     def logits(self, batch: Mapping[str, torch.Tensor], *, reduce: LogitsFn | None = None,
@@ -262,7 +262,7 @@ class ParallelModel:
                 )
         batch = {k: v.to(self.device) for k, v in batch.items()}
         if self.dims.world_size > self.dims.dp and (self.check_every_batch or not self._batch_checked):
-            check_same_batch(batch_signature(batch, device=self.device), replica=self.coords["dp"],
+            check_same_batch(batch_signature(batch, device=self.device), replica=self.coords.dp,
                              replicas=self.dims.dp)
             self._batch_checked = True
         # The HF loss is a mean over every target of the global batch: count them first (one tiny
@@ -285,7 +285,7 @@ class ParallelModel:
             flat_all_reduce_([global_rows], group=self.groups.dp)
             scales = [torch.full_like(global_rows, float(n)).div_(global_rows)[0] for n in rows]
         if cp > 1:  # this rank's tokens of every sequence, with targets shifted on the whole sequence
-            micro = [shard_microbatch(m, layout=self.chunks, rank=self.coords["cp"]) for m in micro]
+            micro = [shard_microbatch(m, layout=self.chunks, rank=self.coords.cp) for m in micro]
         total = torch.zeros((), dtype=torch.float32, device=self.device)
 
         def forward(chunk: int, mb: int, received: torch.Tensor | None) -> torch.Tensor:

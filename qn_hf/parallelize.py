@@ -19,7 +19,7 @@ from .expert_parallel.apply import apply_expert_parallel, experts_modules
 from .peft.lora import unwrap_peft
 from .context_parallel.ring_attention import ChunkLayout
 from .data_parallel.buckets import DEFAULT_BUCKET_MB, GradBuckets, bucket_size_bytes
-from .mesh import Groups, ParallelDims, build_groups, default_device, init_distributed, launched_world_size
+from .mesh import Coords, Groups, ParallelDims, build_groups, default_device, init_distributed, launched_world_size
 from .parallel_model import ParallelModel
 from .pipeline.runtime import StageExecutor
 from .pipeline.split import StagePlan
@@ -152,14 +152,14 @@ def _parallelize(model: nn.Module, *, dp: int, tp: int, pp: int, cp: int, ep: in
     if ep > 1:  # before the stage cut, as cp: the stages' config copies take the experts choice
         experts = next(iter(experts_modules(model).values())).num_experts
         route = ExpertRoute(experts=experts, ep=ep, group=groups.ep, tp=groups.tp)
-        expert_specs = apply_expert_parallel(model, route=route, ep_rank=coords["ep"])
-    final = final_norm(model, stage_plan) if coords["pp"] == pp - 1 else None
-    stage = apply_stage(model, stage_plan, stage=coords["pp"])
+        expert_specs = apply_expert_parallel(model, route=route, ep_rank=coords.ep)
+    final = final_norm(model, stage_plan) if coords.pp == pp - 1 else None
+    stage = apply_stage(model, stage_plan, stage=coords.pp)
     plan = plan.only(lambda name: _on_this_stage(model, name))
-    specs, vocab = apply_tp_plan(model, plan, tp_rank=coords["tp"], group=groups.tp)
+    specs, vocab = apply_tp_plan(model, plan, tp_rank=coords.tp, group=groups.tp)
     specs.update({n: s for n, s in expert_specs.items() if n in specs})  # this stage's experts
     if plan.sequence_parallel:
-        apply_sequence_parallel(model, plan=plan, stage_plan=stage_plan, stage=coords["pp"], final=final, group=groups.tp,
+        apply_sequence_parallel(model, plan=plan, stage_plan=stage_plan, stage=coords.pp, final=final, group=groups.tp,
                                 regather=regathers(recompute) and not compile)
         stage.wire = sequence_wire(groups.tp)
     if checkpoint is not None and any(p.is_meta for p in model.parameters()):
@@ -186,7 +186,7 @@ def _parallelize(model: nn.Module, *, dp: int, tp: int, pp: int, cp: int, ep: in
         placement=placement,
         plan=plan,
         stage=stage,
-        executor=StageExecutor(stage=coords["pp"], peers=groups.peers, device=device,
+        executor=StageExecutor(stage=coords.pp, peers=groups.peers, device=device,
                                chunks=stage_plan.chunks, weights=weights),
         vocab=vocab,
         microbatches=microbatches,
@@ -285,7 +285,7 @@ def _synchronize_replicas(
 
 
 def _install_rng_streams(
-    model: nn.Module, plan: TpPlan, coords: dict[str, int], device: torch.device, seed: int | None, *, replica: int
+    model: nn.Module, plan: TpPlan, coords: Coords, device: torch.device, seed: int | None, *, replica: int
 ) -> RngStreams:
     """Seeded per replica (dp x cp: different examples or tokens draw different masks), tp and pp."""
     if seed is None:
@@ -293,7 +293,7 @@ def _install_rng_streams(
         dist.broadcast(shared, src=0)
         seed = int(shared.item())
     streams = RngStreams(
-        device=device, seeds=stream_seeds(base_seed=seed, dp_rank=replica, tp_rank=coords["tp"], pp_rank=coords["pp"])
+        device=device, seeds=stream_seeds(base_seed=seed, dp_rank=replica, tp_rank=coords.tp, pp_rank=coords.pp)
     )
     for name in plan.tp_rng_regions:
         streams.hook_module(model.get_submodule(name), TP_LOCAL)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .comm import all_gather_tensors
-from .mesh import Groups, ParallelDims
+from .mesh import Coords, Groups, ParallelDims
 from .pipeline.split import PipelineTie
 from .tensor_parallel.shard import ShardSpec, over_experts
 
@@ -34,13 +34,13 @@ class ShardPlacement:
     device: torch.device
 
     @property
-    def coords(self) -> dict[str, int]:
+    def coords(self) -> Coords:
         return self.groups.coords
 
     @property
     def replica_rank(self) -> int:
         """This rank's place among the dp x cp ranks that hold the same shard (0 writes checkpoints)."""
-        return self.coords["dp"] * self.dims.cp + self.coords.get("cp", 0)
+        return self.coords.dp * self.dims.cp + self.coords.cp
 
     def spec(self, name: str) -> ShardSpec | None:
         return self.specs.get(name)
@@ -48,15 +48,15 @@ class ShardPlacement:
     def shard_rank(self, spec: ShardSpec | None) -> int:
         """This rank's index among the ranks ``spec`` splits a tensor over (its tp rank, or for
         experts its place in the ep group)."""
-        return self.coords["ep"] if over_experts(spec) else self.coords["tp"]
+        return self.coords.ep if over_experts(spec) else self.coords.tp
 
     def writes(self, spec: ShardSpec | None) -> bool:
         """Whether this rank is the one of the ranks holding this exact shard that saves it: dp (x cp)
         rank 0 and, over tp, the first of KV-head replicas (tp rank 0 for a tensor replicated over
         tp); for experts, the first of the ranks holding the same expert block."""
         if over_experts(spec):
-            return self.coords["expert_replica"] == 0
-        return self.replica_rank == 0 and (spec.writes(self.coords["tp"]) if spec is not None else self.coords["tp"] == 0)
+            return self.coords.expert_replica == 0
+        return self.replica_rank == 0 and (spec.writes(self.coords.tp) if spec is not None else self.coords.tp == 0)
 
     def whole(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's shard of ``name`` made whole: gathered over the ranks its spec splits it

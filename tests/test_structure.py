@@ -99,3 +99,52 @@ def test_file_sizes():
         if lines > limit:
             too_long.append((str(path.relative_to(ROOT)), lines, limit))
     assert too_long == []
+
+
+ROOT_MODULES = 12
+
+
+def test_package_root_keeps_only_entry_points_and_shared_modules():
+    # Each concept has its folder (README "Layout"); the root keeps the entry points and what every
+    # folder shares (mesh, comm, placement, arguments, failure, version).
+    root = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(root) <= ROOT_MODULES, root
+
+
+def _names_of_choices() -> dict[str, str]:
+    """Every spelling of a style, schedule, mesh axis or loss kind -> which enum it belongs to."""
+    from qn_hf.mesh import Axis
+    from qn_hf.pipeline.schedule import Schedule
+    from qn_hf.step.loss import LossKind
+    from qn_hf.tensor_parallel.styles import Style
+
+    return {value: enum.__name__ for enum in (Style, Schedule, Axis, LossKind) for value in enum.values()}
+
+
+def _string_comparisons(source: str, names: dict[str, str]) -> list[tuple[int, str]]:
+    """(line, literal) of every comparison (==, !=, in, not in) against one of ``names`` spelled out."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        for side in (node.left, *node.comparators):
+            elements = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+            found += [(node.lineno, e.value) for e in elements
+                      if isinstance(e, ast.Constant) and isinstance(e.value, str) and e.value in names]
+    return found
+
+
+def test_no_module_compares_a_choice_against_a_string_literal():
+    # Styles, schedules, axes and loss kinds are enums (qn_hf.arguments.Choice); code compares members,
+    # so a misspelling is an AttributeError at import, not a branch that silently never runs.
+    names = _names_of_choices()
+    found = [(str(path.relative_to(ROOT)), line, f"{literal!r} ({names[literal]})")
+             for path in PACKAGE.rglob("*.py") for line, literal in _string_comparisons(path.read_text(), names)]
+    assert found == []
+
+
+def test_the_string_comparison_check_can_fail():
+    names = _names_of_choices()
+    assert _string_comparisons('if style == "colwise": pass\nif s in ("x", "zb_h1"): pass', names) == [
+        (1, "colwise"), (2, "zb_h1")]
+    assert _string_comparisons("if style == Style.COLWISE: pass", names) == []

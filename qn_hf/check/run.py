@@ -98,7 +98,7 @@ def one_step_parity(*, config: dict, dp: int = 1, tp: int = 1, pp: int = 1, micr
         return asdict(Verdict(verdict="refused", reason=str(e)))
     batch = _batch(config_obj, rows=dp * ROWS_PER_MICROBATCH * microbatches, seed=seed + 1)
     rows = batch["input_ids"].shape[0] // dp
-    local = {k: v[pm.coords["dp"] * rows : (pm.coords["dp"] + 1) * rows] for k, v in batch.items()}
+    local = {k: v[pm.coords.dp * rows : (pm.coords.dp + 1) * rows] for k, v in batch.items()}
 
     try:
         loss = pm.train_step(local).item()

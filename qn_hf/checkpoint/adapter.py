@@ -49,7 +49,7 @@ def save_adapter(module: nn.Module, path: str, *, placement: ShardPlacement, ada
         for name in _adapter_names(state, adapter):  # the same order on every tp rank of the stage
             full[_PEFT_PREFIX + name] = placement.whole(name, state[name]).cpu().contiguous()
     mine: dict[str, torch.Tensor] = {}
-    if placement.replica_rank == 0 and coords["tp"] == 0:
+    if placement.replica_rank == 0 and coords.tp == 0:
         mine = get_peft_model_state_dict(adapter.peft_model, state_dict=full, adapter_name=adapter.name,
                                          save_embedding_layers=False)
     parts: list[dict[str, torch.Tensor]] | None = [{} for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None

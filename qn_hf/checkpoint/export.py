@@ -155,14 +155,14 @@ def save_pretrained(module: nn.Module, path: str, *, placement: ShardPlacement, 
     if placement.dims.pp == 1 and len(chunks) == 1:
         files = [HF_WEIGHTS]
     else:
-        files = [stage_weights_file(coords["pp"], k) for k in range(len(chunks))]
+        files = [stage_weights_file(coords.pp, k) for k in range(len(chunks))]
 
     def produce(name: str) -> torch.Tensor:
         return placement.whole(name, state[name])
 
     if placement.replica_rank == 0:
         for file, names in zip(files, chunks):
-            if coords["tp"] == 0:
+            if coords.tp == 0:
                 write_streaming(os.path.join(staging, file), [(n, shapes[n], state[n].dtype) for n in names],
                                 lambda n: [produce(n)])
                 written.append(file)
@@ -170,7 +170,7 @@ def save_pretrained(module: nn.Module, path: str, *, placement: ShardPlacement, 
                 for n in names:
                     if specs[n] is not None:
                         produce(n)
-    elif coords.get("expert_replica") == 0:  # other dp ranks sharing out the writers' experts (ep > tp)
+    elif coords.expert_replica == 0:  # other dp ranks sharing out the writers' experts (ep > tp)
         for n in (n for names in chunks for n in names):
             if over_experts(specs[n]):
                 produce(n)

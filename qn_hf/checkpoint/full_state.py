@@ -71,7 +71,7 @@ def full_state_dict(module: nn.Module, *, placement: ShardPlacement, max_bytes: 
     for stage, (name, shape, dtype, alias) in order:
         if alias is not None:
             continue
-        whole = placement.whole(name, local[name].detach()) if stage == groups.coords["pp"] else None
+        whole = placement.whole(name, local[name].detach()) if stage == groups.coords.pp else None
         if group_size(groups.pp) > 1:
             whole = _broadcast(whole, shape=shape, dtype=dtype, src=stage, placement=placement)
         values[name] = whole.to("cpu", copy=True)

@@ -57,7 +57,7 @@ def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
     barrier(placement.device)
 
     # ZeRO-1: each replica writes its pieces; ep: the first holder of each expert block its block
-    if placement.replica_rank == 0 or getattr(optimizer, "zero", False) or placement.coords.get("expert_replica") == 0:
+    if placement.replica_rank == 0 or getattr(optimizer, "zero", False) or placement.coords.expert_replica == 0:
         write_shard(module, placement, optimizer, partial)
     barrier(placement.device)
     if dist.get_rank() == 0:
@@ -110,7 +110,7 @@ def local_entries(module: nn.Module, placement: ShardPlacement, optimizer: torch
     Weights are the float32 masters under mixed precision; each distinct piece is written by one
     rank (dp rank 0, or each dp rank for its ZeRO-1 pieces). A qn_hf optimizer keys its state by its
     masters; a torch optimizer by the parameters themselves."""
-    tp_rank, dp_rank = placement.coords["tp"], placement.replica_rank
+    tp_rank, dp_rank = placement.coords.tp, placement.replica_rank
     masters = {id(m.param): m for m in getattr(optimizer, "masters", ())}
     ours = hasattr(optimizer, "masters")  # a qn_hf optimizer: its state is keyed by its masters
     mixed, zero = getattr(optimizer, "mixed", False), getattr(optimizer, "zero", False)
@@ -185,7 +185,7 @@ def write_shard(module: nn.Module, placement: ShardPlacement, optimizer: torch.o
                 directory: str) -> None:
     """This rank's file and the JSON of its entries (merged into the index by rank 0)."""
     coords = placement.coords
-    file = shard_file(coords["pp"], coords["tp"], placement.replica_rank)
+    file = shard_file(coords.pp, coords.tp, placement.replica_rank)
     tensors: dict[str, torch.Tensor] = {}
     entries: dict[str, dict] = {}
     for t in local_entries(module, placement, optimizer):

@@ -21,10 +21,14 @@ from __future__ import annotations
 from torch import nn
 
 from .dispatch import ExpertRoute, expert_parallel_forward
-from ..mesh import ParallelDims
+from ..mesh import Axis, ParallelDims
 from ..tensor_parallel.plan import TpPlan
 from ..tensor_parallel.shard import ShardSpec
 from ..tensor_parallel.styles import Style
+
+# transformers' name for the module holding an MoE layer's routed experts (a module name, not the
+# tensor-parallel style of the same spelling).
+EXPERTS_MODULE = "experts"
 
 # config keys that count a model's routed experts (transformers' names differ by architecture)
 _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -49,8 +53,7 @@ def _unfused_experts(model: nn.Module) -> list[str]:
     """Modules that hold routed experts in another form (a ModuleList of MLPs, a custom class)."""
     found = []
     for name, module in model.named_modules():
-        leaf = name.rpartition(".")[2]
-        if leaf == "experts" and not is_fused_experts(module):
+        if name.rpartition(".")[2] == EXPERTS_MODULE and not is_fused_experts(module):
             found.append(f"{name} ({type(module).__name__})")
     return found
 
@@ -108,7 +111,7 @@ def apply_expert_parallel(model: nn.Module, *, route: ExpertRoute, ep_rank: int)
         for pname, param in list(module.named_parameters(recurse=False)):
             shard = nn.Parameter(param.data[start : start + route.local].clone(), requires_grad=param.requires_grad)
             setattr(module, pname, shard)
-            specs[f"{name}.{pname}"] = ShardSpec(dim=0, tp=route.ep, size=route.experts, axis="ep")
+            specs[f"{name}.{pname}"] = ShardSpec(dim=0, tp=route.ep, size=route.experts, axis=Axis.EP)
         module.num_experts = route.local
     first = next(iter(found.values()))
     previous = first.config._experts_implementation

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from ..comm_meter import Collective
 from .estimate import MeshEstimate
 from .schedules import op_costs, pipeline_timing
+from ..mesh import Axis
 
 GIB = 1024**3
 
@@ -101,11 +102,11 @@ def step_time(est: MeshEstimate, hw: Hardware) -> StepTime:
     for s in est.stages:
         plain = s.flops_per_microbatch / est.cp / rate  # forward and backward, without recomputation
         c = plain * (4 / 3 if est.recompute == "full" else 1)
-        t = _tp_wire_bytes(s.comm["tp"].ops, tp=est.tp) / est.microbatches / link["tp"] if "tp" in s.comm else 0.0
-        r = s.comm["cp"].ops.get(Collective.SEND, (0, 0))[1] / est.microbatches / link["cp"] if "cp" in s.comm else 0.0
+        t = _tp_wire_bytes(s.comm["tp"].ops, tp=est.tp) / est.microbatches / link["tp"] if Axis.TP in s.comm else 0.0
+        r = s.comm["cp"].ops.get(Collective.SEND, (0, 0))[1] / est.microbatches / link["cp"] if Axis.CP in s.comm else 0.0
         # the activation out, its gradient back, per chunk
         p = 2 * est.virtual_stages * est.boundary_bytes / link["pp"] if est.pp > 1 else 0.0
-        e = s.comm["ep"].nbytes * (est.ep - 1) / est.ep / est.microbatches / link["ep"] if "ep" in s.comm else 0.0
+        e = s.comm["ep"].nbytes * (est.ep - 1) / est.ep / est.microbatches / link["ep"] if Axis.EP in s.comm else 0.0
         if c + t + r + p + e > slowest:
             slowest, compute_mb, tp_mb, cp_mb, pp_mb, ep_mb = c + t + r + p + e, c, t, r, p, e
             costs = op_costs(compute=plain, weight=s.weight_grad_flops_per_microbatch / est.cp / rate,

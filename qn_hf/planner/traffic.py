@@ -55,6 +55,7 @@ from .memory import Bucket, owned
 from .sequence import GATHER
 from .trace import Trace
 from ..tensor_parallel.styles import Style
+from ..mesh import Axis
 
 
 
@@ -166,8 +167,8 @@ def stage_traffic(s: int, *, mesh: Mesh, plan: TpPlan, trace: Trace, stage_of: C
                         on_stage=lambda name: stage_of(name) == s)
         if ring:
             out["cp"] = _group({op: (c * microbatches, b * microbatches) for op, (c, b) in ring.items()})
-    if "ep" in dispatch:
-        out["ep"] = _group({op: (c * microbatches, b * microbatches) for op, (c, b) in dispatch["ep"].items()})
+    if Axis.EP in dispatch:
+        out[Axis.EP] = _group({op: (c * microbatches, b * microbatches) for op, (c, b) in dispatch[Axis.EP].items()})
     if expert_buckets:
         out["experts"] = GroupTraffic(len(expert_buckets), sum(b.padded for b in expert_buckets) * grad_elem)
     if replicas > 1:  # the gradient buckets, then the 4-byte loss

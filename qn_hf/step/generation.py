@@ -60,7 +60,7 @@ def parallel_generate(module: nn.Module, input_ids: torch.Tensor, attention_mask
     logits (None when the vocabulary is not sharded). Runs in evaluation mode, restoring the mode."""
     check_generate(module, stage=stage, placement=placement, sequence_parallel=sequence_parallel,
                    generate_kwargs=generate_kwargs)
-    device, pp_rank = placement.device, placement.coords["pp"]
+    device, pp_rank = placement.device, placement.coords.pp
     kwargs = dict(generate_kwargs)
     if stage.stages > 1:
         kwargs["use_cache"] = False

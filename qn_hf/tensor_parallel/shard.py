@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..mesh import Axis
+
 
 @dataclass(frozen=True)
 class ShardSpec:
@@ -33,9 +35,10 @@ class ShardSpec:
     parts: int = 1
     replicas: int = 1
     padded_size: int | None = None
-    axis: str = "tp"
+    axis: Axis = Axis.TP
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "axis", Axis(self.axis))  # frozen: a spelled-out "ep" becomes the member once
         if self.tp % self.replicas:
             raise ValueError(f"replicas={self.replicas} must divide tp={self.tp}")
         if self.parts > 1 and self.padded_size not in (None, self.size):
@@ -117,7 +120,7 @@ class ShardSpec:
 
 def over_experts(spec: ShardSpec | None) -> bool:
     """Whether ``spec`` cuts a tensor into expert blocks over the ep group (not over tp)."""
-    return spec is not None and spec.axis == "ep"
+    return spec is not None and spec.axis is Axis.EP
 
 
 def padded(size: int, multiple: int) -> int:

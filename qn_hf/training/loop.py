@@ -96,7 +96,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         lr = warmup_cosine(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        rows = sampler.local_indices(step, dp_rank=pm.coords["dp"], dp=dp)
+        rows = sampler.local_indices(step, dp_rank=pm.coords.dp, dp=dp)
         batch = task.batch(prepared.train[rows])
         optimizer.zero_grad(set_to_none=True)
         if step == timeline_step:

@@ -128,7 +128,7 @@ TASK_TYPES = {"lm": LmTask, "vit": VitTask}
 def _evaluate(pm: ParallelModel, val: Dataset, *, cfg: TrainConfig, task: Any, count_correct: bool) -> tuple[float, float]:
     """Mean validation loss over every example (padding rows masked) and, for classification, the
     fraction classified correctly. Every dp rank evaluates its slice of each global batch."""
-    dp, rank = pm.dims.dp, pm.coords["dp"]
+    dp, rank = pm.dims.dp, pm.coords.dp
     per = cfg.batch_size // dp
     loss_sum = correct = seen = 0.0
     for rows, real in eval_batches(len(val), batch_size=cfg.batch_size, limit=cfg.eval_batches):

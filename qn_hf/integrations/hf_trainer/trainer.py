@@ -165,7 +165,7 @@ class ParallelTrainerMixin:
         return loss.to(self.args.device)
 
     def _rows(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return dp_rows(batch, dp=self.pm.dims.dp, dp_rank=self.pm.coords["dp"], multiple=self.pm.microbatches)
+        return dp_rows(batch, dp=self.pm.dims.dp, dp_rank=self.pm.coords.dp, multiple=self.pm.microbatches)
 
     def _loss_fn(self, batch: Mapping[str, torch.Tensor], num_items: torch.Tensor | None):
         """None (the built-in loss), or ``compute_loss_func`` as ``pm.train_step``'s ``loss_fn`` (trainer_data.py)."""
