@@ -7,7 +7,7 @@ NPROC ?= 8
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.qn_hf-installed
 
-.PHONY: demo test test-all bench results install clean zoo-table gpu-check
+.PHONY: demo test test-all bench results install clean zoo-table composition-table gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+# Print the README's composition table from qn_hf/config/composition.py (test_composition checks they agree).
+composition-table: $(STAMP)
+	$(BIN)/python -c "from qn_hf.config.composition import markdown; print(markdown(), end='')"
 
 # Rerun the model zoo and rewrite tests/zoo_expected.json and the README's zoo table from the results.
 zoo-table: $(STAMP)

@@ -6,12 +6,15 @@ import contextlib
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .step.batch import (batch_signature, check_batch, check_model_inputs, check_same_batch, dp_rows, microbatch_rows,
                     sequence_split, split_microbatches)
 from .checkpoint.adapter import save_adapter
+from .config.composition import Feature, check_and_warn
+from .config.parallel_config import ParallelConfig
 from .checkpoint.export import save_pretrained
 from .checkpoint.hf import DEFAULT_MAX_SHARD_BYTES
 from .checkpoint.load import load_checkpoint
@@ -69,8 +72,14 @@ class ParallelModel:
         chunks: ChunkLayout,
         deferred: frozenset[str] = frozenset(),
         adapter: Adapter | None = None,
+        parallel_config: ParallelConfig | None = None,
     ) -> None:
         self.module = module
+        self.parallel_config = parallel_config  # how it was parallelized (parallelize's keywords as one value)
+        # the composition table's features this model uses (composition.py), LoRA included
+        self.features = (parallel_config.features if parallel_config else frozenset()) | (
+            {Feature.LORA} if adapter is not None else set())
+        self._warned: set[frozenset[Feature]] = set()  # the untested pairs a warning has named
         self.adapter = adapter  # the PEFT model ``module`` came from: save_pretrained writes its adapter
         self.placement = placement
         self.plan = plan
@@ -99,29 +108,12 @@ class ParallelModel:
         self._batch_checked = False
 
     # -- where this rank sits (read from the placement) ------------------------------------------
-    @property
-    def mesh(self) -> DeviceMesh:
-        return self.placement.groups.mesh
-
-    @property
-    def dims(self) -> ParallelDims:
-        return self.placement.dims
-
-    @property
-    def groups(self) -> Groups:
-        return self.placement.groups
-
-    @property
-    def coords(self) -> Coords:
-        return self.placement.coords
-
-    @property
-    def specs(self) -> Mapping[str, ShardSpec | None]:
-        return self.placement.specs
-
-    @property
-    def device(self) -> torch.device:
-        return self.placement.device
+    mesh: DeviceMesh = property(lambda self: self.placement.groups.mesh)
+    dims: ParallelDims = property(lambda self: self.placement.dims)
+    groups: Groups = property(lambda self: self.placement.groups)
+    coords: Coords = property(lambda self: self.placement.coords)  # one field per axis; reads as a mapping too
+    specs: Mapping[str, ShardSpec | None] = property(lambda self: self.placement.specs)
+    device: torch.device = property(lambda self: self.placement.device)
 
     # -- the torch.nn.Module-like surface users expect -------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -353,14 +345,22 @@ class ParallelModel:
         with self.failures.guard("state_dict"):
             return full_state_dict(self.module, placement=self.placement, max_bytes=max_bytes)
 
+    def check_composes_with(self, *features: Feature) -> None:
+        """Raise the composition table's refusal of ``features`` with this model's, before any
+        collective; warn (rank 0, once per combination) about pairs no test compares yet."""
+        values = self.parallel_config.values(model_type=self.config.model_type) if self.parallel_config else {}
+        check_and_warn(self.features | set(features), values, warned=self._warned,
+                       rank=dist.get_rank() if dist.is_initialized() else 0)
+
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **generate_kwargs):
         """HF's ``generate``, equal to the plain model's; every rank of a dp replica passes the same
         inputs. KV cache at pp=1; at pp>1 each token re-runs the pipeline without one (generation.py)."""
         self._weights_ready()
+        self.check_composes_with(Feature.GENERATE)
         with self.failures.guard("generate"):
             return parallel_generate(self.module, input_ids, attention_mask, stage=self.stage, placement=self.placement,
                                      full_logits=self.full_logits if self.vocab is not None else None,
-                                     sequence_parallel=self.plan.sequence_parallel, generate_kwargs=generate_kwargs)
+                                     generate_kwargs=generate_kwargs)
 
     # -- export ----------------------------------------------------------------------------------
     def save_pretrained(self, path: str, *, max_shard_size: int = DEFAULT_MAX_SHARD_BYTES) -> None:

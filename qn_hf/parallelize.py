@@ -35,6 +35,8 @@ from .tensor_parallel.rng import SHARED, TP_LOCAL, RngStreams, stream_seeds
 from .tensor_parallel.shard import ShardSpec, over_experts
 from .tensor_parallel.apply import apply_tp_plan
 from .pipeline.weight_grad import WeightGradQueue, make_deferrable
+from .config.composition import Feature
+from .config.parallel_config import ParallelConfig
 from .config.validate import check_parallel_config
 from .failure import refused_on_every_rank
 from .arguments import unknown_keywords
@@ -117,10 +119,13 @@ def _parallelize(model: nn.Module, *, dp: int, tp: int, pp: int, cp: int, ep: in
     # The launch first: with the wrong number of processes every other message would name the wrong fix
     # (ep must divide dp*tp, ... of degrees the user did not mean).
     ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp).check_world_size(launched_world_size())
-    checked = check_parallel_config(model, dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
-                                    virtual_stages=virtual_stages, policy=policy, layers_per_stage=layers_per_stage, bucket_mb=bucket_mb,
-                                    mixed_precision=mixed_precision, recompute=recompute,
-                                    sequence_parallel=sequence_parallel, cp=cp, ep=ep, compile=compile)
+    config = ParallelConfig.from_keywords(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, microbatches=microbatches,
+                                          schedule=schedule, virtual_stages=virtual_stages,
+                                          layers_per_stage=layers_per_stage, bucket_mb=bucket_mb,
+                                          mixed_precision=mixed_precision, recompute=recompute,
+                                          sequence_parallel=sequence_parallel, compile=compile)
+    features = config.features | ({Feature.LORA} if adapter is not None else set())
+    checked = check_parallel_config(model, config, policy=policy, extra=features - config.features)
     dims, plan, stage_plan = checked.dims, checked.tp_plan, checked.stage_plan
     dims.check_world_size(launched_world_size())
     _check_tensors(model, checkpoint=checkpoint)
@@ -199,7 +204,9 @@ def _parallelize(model: nn.Module, *, dp: int, tp: int, pp: int, cp: int, ep: in
         chunks=chunks,
         deferred=frozenset(deferred),
         adapter=adapter,
+        parallel_config=config,
     )
+    pm.check_composes_with()  # refused above already; this warns (rank 0) about pairs no test compares yet
     if checkpoint is not None:
         pm.load_checkpoint(checkpoint)
     return pm

@@ -42,7 +42,7 @@ CP_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 _names = itertools.count()
 
 
-def check_context_parallel(model: nn.Module, *, cp: int, plan: TpPlan, sequence_parallel: bool) -> None:
+def check_context_parallel(model: nn.Module, *, cp: int, plan: TpPlan) -> None:
     """Refuse (before any communication) what ring attention cannot compute exactly."""
     if cp == 1:
         return
@@ -53,8 +53,6 @@ def check_context_parallel(model: nn.Module, *, cp: int, plan: TpPlan, sequence_
     if plan.loss is not LossKind.CAUSAL_LM:
         raise ValueError(f"{name}: context parallelism needs a causal LM with its built-in loss (the loss counts targets "
                          f"across the cp ranks); use cp=1")
-    if sequence_parallel:
-        raise ValueError(f"{name}: sequence_parallel=True with cp > 1 is not supported yet; use one of them")
     config = model.config.get_text_config()
     for key in ("attention_dropout", "attn_pdrop"):
         if getattr(config, key, 0.0):

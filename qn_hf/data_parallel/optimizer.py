@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..config.composition import Feature
 from .buckets import GradBuckets, Piece
 
 # torch optimizers whose update of an element reads only that element's gradient and state (and
@@ -62,14 +63,6 @@ def check_optimizer_class(optimizer_class: type, *, zero: bool) -> None:
             f"one of them: use zero=False")
 
 
-def check_zero_with_ep(*, zero: bool, ep: int) -> None:
-    """ZeRO-1 shards the state of parameters every dp rank holds; the experts under ep are not those
-    (the planner refuses with the same message)."""
-    if zero and ep > 1:
-        raise ValueError(f"zero=True with ep={ep} is not supported yet (the experts' optimizer state would "
-                         f"need its own sharding over the ranks holding the same experts); use zero=False")
-
-
 class ParallelOptimizer(torch.optim.Optimizer):
     """``optimizer_class`` over this rank's masters (see the module docstring); ``param_groups`` and
     ``state`` are the wrapped optimizer's, so LR schedulers and ``opt.state`` work as usual."""
@@ -82,7 +75,8 @@ class ParallelOptimizer(torch.optim.Optimizer):
         names = {id(p): n for n, p in pm.module.named_parameters()}
         groups = _groups(pm, param_groups, names)
         buckets: GradBuckets | None = pm.buckets
-        check_zero_with_ep(zero=zero, ep=pm.dims.ep)
+        if zero:
+            pm.check_composes_with(Feature.ZERO)  # the table's refusal (ep), or its warning for untested pairs
         if zero and pm.dims.replicas == 1:
             warnings.warn("zero=True with dp=1 shards nothing (with cp=1 no other rank holds the same weights): the "
                           "optimizer keeps all of its state", stacklevel=3)

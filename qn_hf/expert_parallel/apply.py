@@ -58,7 +58,7 @@ def _unfused_experts(model: nn.Module) -> list[str]:
     return found
 
 
-def check_expert_parallel(model: nn.Module, *, dims: ParallelDims, plan: TpPlan, sequence_parallel: bool) -> None:
+def check_expert_parallel(model: nn.Module, *, dims: ParallelDims, plan: TpPlan) -> None:
     """Raise ``ValueError`` (every rank, no communication) for what ep cannot shard."""
     if dims.ep == 1:
         return
@@ -81,10 +81,6 @@ def check_expert_parallel(model: nn.Module, *, dims: ParallelDims, plan: TpPlan,
         if module.num_experts % dims.ep:
             raise ValueError(f"ep={dims.ep} must divide the {module.num_experts} experts of {name}; choose ep among "
                              f"the divisors of {module.num_experts} that divide dp*tp")
-    if dims.cp > 1:
-        raise ValueError(f"ep={dims.ep} with cp={dims.cp} is not supported; use cp=1")
-    if sequence_parallel:
-        raise ValueError(f"ep={dims.ep} with sequence_parallel=True is not supported; use one of them")
     identity = [n for n, style in plan.policy.tp_plan.items() if style == Style.EXPERTS_IDENTITY]
     if identity:
         raise ValueError(f"ep={dims.ep}: {model_type} routes tokens to identity experts ({identity[0]}) outside "

@@ -49,8 +49,9 @@ from ..pipeline.schedule import as_schedule
 from ..pipeline.schedule_check import peaks
 from ..pipeline.split import stage_of_module
 from ..tensor_parallel.plan import ModelPolicy
-from ..data_parallel.optimizer import check_zero_with_ep
 from ..data_parallel.precision import GRAD_DTYPE, PRECISIONS, apply_mixed_precision
+from ..config.composition import Feature
+from ..config.parallel_config import ParallelConfig
 from ..config.validate import check_parallel_config
 from ..pipeline.weight_grad import WeightGradQueue, make_deferrable
 from .activations import chunk_activations, kept_collectives, weight_stash
@@ -218,12 +219,13 @@ class Planner:
         ``recompute``, ``sequence_parallel``, ``cp`` and ``ep`` as ``parallelize`` takes them, ``zero``
         as ``qn_hf.optimizer`` does (with dp x cp = 1 it shards nothing); ``backend`` is the process
         group's (ZeRO's collectives differ on gloo, see traffic.py)."""
-        checked = check_parallel_config(self.model, dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
-                                        virtual_stages=virtual_stages, policy=self.policy,
-                                        layers_per_stage=layers_per_stage, bucket_mb=bucket_mb,
-                                        mixed_precision=mixed_precision, recompute=recompute,
-                                        sequence_parallel=sequence_parallel, cp=cp, ep=ep)
-        check_zero_with_ep(zero=zero, ep=ep)
+        config = ParallelConfig.from_keywords(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, microbatches=microbatches,
+                                              schedule=schedule, virtual_stages=virtual_stages,
+                                              layers_per_stage=layers_per_stage, bucket_mb=bucket_mb,
+                                              mixed_precision=mixed_precision, recompute=recompute,
+                                              sequence_parallel=sequence_parallel)
+        checked = check_parallel_config(self.model, config, policy=self.policy,
+                                        extra=frozenset({Feature.ZERO}) if zero else frozenset())
         plan, stage_plan = checked.tp_plan, checked.stage_plan
         split = sequence_split(cp=cp, tp=tp, sequence_parallel=plan.sequence_parallel)
         if split[0] > 1:  # train_step's check of the batch, on a meta batch of this length

@@ -46,6 +46,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..config.composition import EXPERTS_RECOMPILE, Feature, check_composition
 from ..expert_parallel.apply import experts_modules
 from ..pipeline.schedule import as_schedule
 from ..pipeline.standins import StandIn
@@ -57,19 +58,11 @@ def check_compile(model: nn.Module, *, compile: bool, schedule: str, cp: int, ep
         raise ValueError(f"compile={compile!r} must be True or False")
     if not compile:
         return
-    if as_schedule(schedule).split_backward:
-        raise ValueError("compile=True with schedule='zb_h1' is not supported: its linear layers queue their weight "
-                         "gradients from a hook on their autograd node, which torch.compile cannot trace; use "
-                         "schedule='1f1b' (or 'gpipe', 'interleaved_1f1b') with compile=True, or compile=False")
-    if cp > 1:
-        raise ValueError(f"compile=True with cp={cp} is not supported: ring attention passes key/value blocks between "
-                         f"ranks with point-to-point transfers inside an autograd Function, which torch.compile cannot "
-                         f"trace; use cp=1 with compile=True, or compile=False")
-    if ep > 1 or experts_modules(model):
-        what = f"ep={ep}" if ep > 1 else "a mixture-of-experts model"
-        raise ValueError(f"compile=True with {what} is not supported: routing tokens to experts gives each expert a "
-                         f"number of tokens known only at run time (data-dependent shapes), which splits and "
-                         f"recompiles each block's graph; use compile=False")
+    used = {Feature.COMPILE, Feature.for_schedule(as_schedule(schedule))}
+    used |= {f for f, n in ((Feature.CP, cp), (Feature.EP, ep)) if n > 1}
+    check_composition(used, {"cp": cp, "ep": ep, "schedule": as_schedule(schedule)})
+    if experts_modules(model):  # at ep=1 too: a refusal of the model, with the table's reason for ep
+        raise ValueError(f"compile=True with a mixture-of-experts model is not supported: {EXPERTS_RECOMPILE}")
 
 
 def stage_blocks(model: nn.Module, *, layers: str) -> list[nn.Module]:

@@ -53,13 +53,12 @@ PER_LAYER_OUTPUTS = ("output_attentions", "output_hidden_states")
 
 def parallel_generate(module: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *,
                       stage: StageModules, placement: ShardPlacement,
-                      full_logits: Callable[[torch.Tensor], torch.Tensor] | None, sequence_parallel: bool,
+                      full_logits: Callable[[torch.Tensor], torch.Tensor] | None,
                       generate_kwargs: Mapping[str, object]):
     """``module.generate(input_ids, attention_mask=..., **generate_kwargs)`` over the replica: every
     rank returns what the plain model's ``generate`` returns. ``full_logits`` gathers vocab-sharded
     logits (None when the vocabulary is not sharded). Runs in evaluation mode, restoring the mode."""
-    check_generate(module, stage=stage, placement=placement, sequence_parallel=sequence_parallel,
-                   generate_kwargs=generate_kwargs)
+    check_generate(module, stage=stage, placement=placement, generate_kwargs=generate_kwargs)
     device, pp_rank = placement.device, placement.coords.pp
     kwargs = dict(generate_kwargs)
     if stage.stages > 1:
@@ -85,22 +84,13 @@ def parallel_generate(module: nn.Module, input_ids: torch.Tensor, attention_mask
             set_device_rng_state(device, own_state)
 
 
-def check_generate(module: nn.Module, *, stage: StageModules, placement: ShardPlacement, sequence_parallel: bool,
+def check_generate(module: nn.Module, *, stage: StageModules, placement: ShardPlacement,
                    generate_kwargs: Mapping[str, object]) -> None:
-    """Every refusal, raised before any communication (the same on every rank of a replica)."""
+    """Every refusal of the model or of the call, raised before any communication (the same on every
+    rank of a replica); generate with cp, ep, sp or interleaved chunks is the composition table's."""
     dims = placement.dims
     if not getattr(module, "can_generate", lambda: False)():
         raise ValueError(f"{type(module).__name__} cannot generate (no language-model head with a generation mixin)")
-    if dims.cp > 1:
-        raise ValueError(f"generate at cp={dims.cp}: ring attention expects each rank's part of every sequence; "
-                         f"parallelize a copy with cp=1 for generation, or save_pretrained and generate with the plain model")
-    if dims.ep > 1:
-        raise ValueError(f"generate at ep={dims.ep}: experts exchange tokens with ranks of other dp replicas, whose "
-                         f"generation loops differ in length; parallelize with ep=1 for generation, or save_pretrained "
-                         f"and generate with the plain model")
-    if sequence_parallel:
-        raise ValueError("generate with sequence_parallel=True: a one-token decoding step cannot be split over the tp "
-                         "ranks; parallelize with sequence_parallel=False for generation")
     config = generate_kwargs.get("generation_config") or getattr(module, "generation_config", None)
     clocked = generate_kwargs.get("max_time", getattr(config, "max_time", None)) is not None
     if (dims.tp > 1 or stage.stages > 1) and (clocked or generate_kwargs.get("stopping_criteria")):
@@ -111,9 +101,6 @@ def check_generate(module: nn.Module, *, stage: StageModules, placement: ShardPl
                          f"(and eos_token_id / stop_strings), which every rank decides alike")
     if stage.stages == 1:
         return
-    if stage.plan.virtual > 1:
-        raise ValueError(f"generate at pp={stage.stages} with virtual_stages={stage.plan.virtual}: a rank's blocks are "
-                         f"not one contiguous forward; parallelize with virtual_stages=1 for generation")
     if generate_kwargs.get("use_cache"):
         raise ValueError(f"use_cache=True at pp={stage.stages}: each stage would cache only its own blocks; pp>1 "
                          f"generates without a cache (each token re-runs the sequence), leave use_cache unset")

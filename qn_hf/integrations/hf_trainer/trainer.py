@@ -44,6 +44,7 @@ from ...data_parallel.optimizer import optimizer
 from ...parallel_model import ParallelModel
 from ...parallelize import parallelize
 from ...tensor_parallel.rng import device_rng_state, set_device_rng_state
+from ...config.composition import Feature
 from .args import (TrainerMesh, check_compiled, check_trainer_inputs, check_training_args, check_user_optimizer,
                            trainer_mesh)
 from ...step.batch import dp_rows
@@ -93,6 +94,8 @@ class ParallelTrainerMixin:
                                 compute_loss_func=kwargs.get("compute_loss_func"))
             pm, self._zero = parallelize(model, **mesh.parallelize), mesh.zero
         self.pm = pm
+        # the table's refusals and warnings for the Trainer (and ZeRO, which its optimizer will shard) with the mesh
+        pm.check_composes_with(Feature.TRAINER, *([Feature.ZERO] if self._zero and pm.dims.replicas > 1 else []))
         self._window: list[Mapping] = []  # the accumulation batches of the current optimizer step
         hf_model = pm.adapter.peft_model if pm.adapter is not None else pm.module
         # Trainer's constructor seeds the device generator with args.seed on every rank; that generator is

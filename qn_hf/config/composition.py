@@ -1,0 +1,326 @@
+"""What composes with what: one row of data per pair of features, and the one function that refuses.
+
+Every pair of the features below is a row: it composes (and the test that compares it with the plain
+model, or with a configuration that is itself compared with it, is named), it runs but no test
+compares it yet (a warning says so), it is refused (the reason and what to use instead), or the two
+cannot both be set. ``check_composition`` raises every refusal of a combination, with its message,
+before any collective; ``parallelize``, ``qn_hf.optimizer``, ``pm.generate``, ``qn_hf.Trainer``,
+``qn-hf-plan`` and ``qn-hf-check`` all call it. The README's table is ``markdown()``'s output
+(tests/test_composition.py checks both, and that every named test exists).
+
+Refusals that depend on the model rather than on a pair of features (cp on a model with sliding
+windows, compile on any MoE model, LoRA variants at tp > 1, ...) stay with the feature's own checks.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from ..arguments import Choice
+
+
+class Feature(Choice):
+    TP = "tp"
+    SP = "sp"
+    CP = "cp"
+    PP_1F1B = "pp 1f1b"
+    PP_GPIPE = "pp gpipe"
+    PP_INTERLEAVED = "pp interleaved_1f1b"
+    PP_ZB_H1 = "pp zb_h1"
+    EP = "ep"
+    DP = "dp"
+    ZERO = "zero"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    RECOMPUTE = "recompute"
+    LORA = "lora"
+    GENERATE = "generate"
+    TRAINER = "trainer"
+    COMPILE = "compile"
+
+    @classmethod
+    def for_schedule(cls, schedule: str) -> Feature:
+        return cls(f"pp {schedule}")
+
+
+class Status(enum.Enum):
+    PLAIN = "composes: compared with the plain model"
+    EQUIVALENT = "composes: compared with a configuration that is compared with the plain model"
+    RUNS = "runs in a test, not compared numerically yet"
+    UNTESTED = "not refused, not tested yet"
+    REFUSED = "refused"
+    EXCLUSIVE = "cannot both be set"
+
+    @property
+    def composes(self) -> bool:
+        return self in (Status.PLAIN, Status.EQUIVALENT)
+
+
+@dataclass(frozen=True)
+class Row:
+    first: Feature
+    second: Feature
+    status: Status
+    test: str = ""  # tests/<file>.py::<function>[<id>] for PLAIN, EQUIVALENT and RUNS
+    message: str = ""  # REFUSED: the refusal, formatted with the run's values; EXCLUSIVE: why
+
+    @property
+    def pair(self) -> frozenset[Feature]:
+        return frozenset((self.first, self.second))
+
+
+F, S = Feature, Status
+_MP = "tests/test_mixed_precision.py::test_mixed_precision_trains_like_the_plain_model_by_hand"
+_LORA = "tests/test_peft.py::test_lora_equals_peft"
+_EP = "tests/test_expert_parallel.py::test_expert_parallel_equals_plain_model"
+_EP_RC = "tests/test_expert_parallel.py::test_expert_parallel_with_recomputation"
+_SP = "tests/test_sequence_parallel.py::test_sequence_parallel_equals_plain_model"
+_CP = "tests/test_context_parallel.py::test_context_parallel_equals_plain_model"
+_ZERO = "tests/test_optimizer.py::test_zero_equals_the_unsharded_optimizer"
+_GEN = "tests/test_generation.py::test_generate_equals_plain_model"
+_MEM = "tests/test_planner_memory.py::test_planner_memory_matches_a_real_run"
+_COMPILED = "tests/test_compile.py::test_compiled_meshes"  # a long test (make test-all)
+_TRAINER_RESUME = "tests/test_trainer.py::test_trainer_accumulation_clipping_checkpoint_and_resume_at_another_mesh"
+_RC = "tests/test_recompute.py::test_recompute_is_bit_for_bit"
+_RC_SCHEDULES = "tests/test_recompute.py::test_recompute_with_new_schedules"
+
+# Also the reason check_compile gives for a mixture-of-experts model at ep=1 (a refusal of the model).
+EXPERTS_RECOMPILE = ("routing tokens to experts gives each expert a number of tokens known only at run time "
+                     "(data-dependent shapes), which splits and recompiles each block's graph; use compile=False")
+
+# Refused pairs first, in the order their messages win when a configuration hits several.
+ROWS: tuple[Row, ...] = (
+    Row(F.PP_ZB_H1, F.SP, S.REFUSED, message=(
+        "schedule='zb_h1' with sequence_parallel=True is not supported yet: a deferred weight gradient would keep "
+        "the whole gathered input of each layer until its weight pass, which sequence parallelism exists to avoid; "
+        "use schedule='1f1b' or 'interleaved_1f1b' with it")),
+    Row(F.PP_INTERLEAVED, F.CP, S.REFUSED,
+        message="schedule={schedule!r} with cp={cp} is not supported yet; use schedule='1f1b' with it"),
+    Row(F.PP_ZB_H1, F.CP, S.REFUSED,
+        message="schedule={schedule!r} with cp={cp} is not supported yet; use schedule='1f1b' with it"),
+    Row(F.PP_INTERLEAVED, F.EP, S.REFUSED,
+        message="schedule={schedule!r} with ep={ep} is not supported yet; use schedule='1f1b' with it"),
+    Row(F.PP_ZB_H1, F.EP, S.REFUSED,
+        message="schedule={schedule!r} with ep={ep} is not supported yet; use schedule='1f1b' with it"),
+    Row(F.COMPILE, F.PP_ZB_H1, S.REFUSED, message=(
+        "compile=True with schedule='zb_h1' is not supported: its linear layers queue their weight gradients from a "
+        "hook on their autograd node, which torch.compile cannot trace; use schedule='1f1b' (or 'gpipe', "
+        "'interleaved_1f1b') with compile=True, or compile=False")),
+    Row(F.COMPILE, F.CP, S.REFUSED, message=(
+        "compile=True with cp={cp} is not supported: ring attention passes key/value blocks between ranks with "
+        "point-to-point transfers inside an autograd Function, which torch.compile cannot trace; use cp=1 with "
+        "compile=True, or compile=False")),
+    Row(F.COMPILE, F.EP, S.REFUSED, message="compile=True with ep={ep} is not supported: " + EXPERTS_RECOMPILE),
+    Row(F.SP, F.CP, S.REFUSED,
+        message="cp={cp} ({model_type}): sequence_parallel=True with cp > 1 is not supported yet; use one of them"),
+    Row(F.EP, F.CP, S.REFUSED, message="ep={ep} with cp={cp} is not supported; use cp=1"),
+    Row(F.EP, F.SP, S.REFUSED, message="ep={ep} with sequence_parallel=True is not supported; use one of them"),
+    Row(F.ZERO, F.EP, S.REFUSED, message=(
+        "zero=True with ep={ep} is not supported yet (the experts' optimizer state would need its own sharding over "
+        "the ranks holding the same experts); use zero=False")),
+    Row(F.GENERATE, F.CP, S.REFUSED, message=(
+        "generate at cp={cp}: ring attention expects each rank's part of every sequence; parallelize a copy with "
+        "cp=1 for generation, or save_pretrained and generate with the plain model")),
+    Row(F.GENERATE, F.EP, S.REFUSED, message=(
+        "generate at ep={ep}: experts exchange tokens with ranks of other dp replicas, whose generation loops differ "
+        "in length; parallelize with ep=1 for generation, or save_pretrained and generate with the plain model")),
+    Row(F.GENERATE, F.SP, S.REFUSED, message=(
+        "generate with sequence_parallel=True: a one-token decoding step cannot be split over the tp ranks; "
+        "parallelize with sequence_parallel=False for generation")),
+    Row(F.GENERATE, F.PP_INTERLEAVED, S.REFUSED, message=(
+        "generate at pp={pp} with virtual_stages={virtual_stages}: a rank's blocks are not one contiguous forward; "
+        "parallelize with virtual_stages=1 for generation")),
+    # One schedule and one mixed_precision per run; the Trainer evaluates and predicts, it never generates.
+    *(Row(a, b, S.EXCLUSIVE, message="one schedule per run")
+      for a, b in itertools.combinations((F.PP_1F1B, F.PP_GPIPE, F.PP_INTERLEAVED, F.PP_ZB_H1), 2)),
+    Row(F.BF16, F.FP16, S.EXCLUSIVE, message="one mixed_precision per run"),
+    Row(F.GENERATE, F.TRAINER, S.EXCLUSIVE, message="the Trainer never generates (predict() is refused)"),
+    # tp
+    Row(F.TP, F.SP, S.PLAIN, f"{_SP}[llama-1-2-1-1-False]"),
+    Row(F.TP, F.CP, S.PLAIN, f"{_CP}[llama-1-2-1-2-1-True-False]"),
+    Row(F.TP, F.PP_1F1B, S.PLAIN, "tests/test_parity.py::test_pipeline[llama-1-2-2-1f1b-2-None]"),
+    Row(F.TP, F.PP_GPIPE, S.PLAIN, "tests/test_parity.py::test_pipeline[gpt2-1-2-2-gpipe-3-None]"),
+    Row(F.TP, F.PP_INTERLEAVED, S.PLAIN,
+        "tests/test_parity.py::test_schedules[gpt2_deep-1-2-2-interleaved_1f1b-2-4-None-None]"),
+    Row(F.TP, F.PP_ZB_H1, S.PLAIN, "tests/test_parity.py::test_schedules[gpt2_deep-1-2-2-zb_h1-1-4-None-None]"),
+    Row(F.TP, F.EP, S.PLAIN, f"{_EP}[mixtral-2-2-1-4-1]"),
+    Row(F.TP, F.DP, S.PLAIN, "tests/test_parity.py::test_tensor_and_data_parallel[llama-2-2-1-False]"),
+    Row(F.TP, F.ZERO, S.PLAIN, f"{_ZERO}[llama-2-2-1-SGD-1f1b]"),
+    Row(F.TP, F.BF16, S.PLAIN, f"{_MP}[gpt2-1-2-2-2-False-bf16-gpipe]"),
+    Row(F.TP, F.FP16, S.PLAIN, f"{_MP}[llama-2-2-1-2-True-fp16-1f1b]"),
+    Row(F.TP, F.RECOMPUTE, S.PLAIN, f"{_EP_RC}[deepseek_v3-2-2-1-4-selective]"),
+    Row(F.TP, F.LORA, S.PLAIN, f"{_LORA}[llama-1-2-1-1-1f1b-False-False-targets0-None]"),
+    Row(F.TP, F.GENERATE, S.PLAIN, f"{_GEN}[dp1-tp2-pp1]"),
+    Row(F.TP, F.TRAINER, S.PLAIN, "tests/test_trainer.py::test_trainer_tp_pp_equals_one_process"),
+    Row(F.TP, F.COMPILE, S.PLAIN, "tests/test_compile.py::test_compiled_tensor_parallel"),
+    # sp
+    Row(F.SP, F.PP_1F1B, S.PLAIN, f"{_SP}[llama-1-2-2-2-True]"),
+    Row(F.SP, F.PP_GPIPE, S.RUNS, "tests/test_logits.py::test_logits_equal_the_plain_model[llama-1-2-2-1-2-gpipe-1-True]"),
+    Row(F.SP, F.PP_INTERLEAVED, S.PLAIN,
+        "tests/test_sequence_parallel.py::test_sequence_parallel_with_interleaved_chunks[llama_deep]"),
+    Row(F.SP, F.DP, S.PLAIN, f"{_SP}[llama-2-2-1-2-True]"),
+    Row(F.SP, F.ZERO, S.RUNS, f"{_MEM}[llama-2-2-1-2-bf16-True-full-True-1]"),
+    Row(F.SP, F.BF16, S.RUNS, f"{_MEM}[llama-2-2-1-2-bf16-True-full-True-1]"),
+    Row(F.SP, F.FP16, S.UNTESTED),
+    Row(F.SP, F.RECOMPUTE, S.EQUIVALENT, f"{_RC}[gpt2-1-2-1-full-True-1]"),
+    Row(F.SP, F.LORA, S.PLAIN, f"{_LORA}[llama-2-2-1-1-1f1b-True-False-targets3-None]"),
+    Row(F.SP, F.TRAINER, S.UNTESTED),
+    Row(F.SP, F.COMPILE, S.PLAIN, f"{_COMPILED}[llama-2-dp=1-tp=2-sequence_parallel=True]"),
+    # cp
+    Row(F.CP, F.PP_1F1B, S.PLAIN, f"{_CP}[llama-1-1-2-2-2-True-False]"),
+    Row(F.CP, F.PP_GPIPE, S.UNTESTED),
+    Row(F.CP, F.DP, S.PLAIN, f"{_CP}[llama-2-1-1-2-1-True-False]"),
+    Row(F.CP, F.ZERO, S.EQUIVALENT, "tests/test_context_parallel.py::test_checkpoint_moves_between_cp_and_other_meshes[True]"),
+    Row(F.CP, F.BF16, S.RUNS, f"{_MEM}[llama-1-2-1-1-bf16-False-None-False-2]"),
+    Row(F.CP, F.FP16, S.RUNS, f"{_MEM}[llama-1-1-1-1-fp16-True-None-False-4]"),
+    Row(F.CP, F.RECOMPUTE, S.EQUIVALENT, f"{_RC}[llama-1-1-1-full-False-2]"),
+    Row(F.CP, F.LORA, S.UNTESTED),
+    Row(F.CP, F.TRAINER, S.UNTESTED),
+    # the schedules
+    Row(F.PP_1F1B, F.EP, S.PLAIN, f"{_EP}[mixtral-2-1-2-2-2]"),
+    Row(F.PP_1F1B, F.DP, S.PLAIN, "tests/test_parity.py::test_data_parallel_3d[gpt2-4-1-2-1f1b-3]"),
+    Row(F.PP_1F1B, F.ZERO, S.PLAIN, f"{_MP}[gpt2-2-2-2-2-True-bf16-1f1b]"),
+    Row(F.PP_1F1B, F.BF16, S.PLAIN, f"{_MP}[gpt2-2-2-2-2-True-bf16-1f1b]"),
+    Row(F.PP_1F1B, F.FP16, S.UNTESTED),
+    Row(F.PP_1F1B, F.RECOMPUTE, S.PLAIN, f"{_EP_RC}[mixtral-2-1-2-2-selective]"),
+    Row(F.PP_1F1B, F.LORA, S.PLAIN, f"{_LORA}[llama-1-1-2-2-1f1b-False-False-targets1-None]"),
+    Row(F.PP_1F1B, F.GENERATE, S.PLAIN, f"{_GEN}[dp1-tp1-pp2]"),
+    Row(F.PP_1F1B, F.TRAINER, S.PLAIN, "tests/test_trainer.py::test_trainer_tp_pp_equals_one_process"),
+    Row(F.PP_1F1B, F.COMPILE, S.PLAIN, "tests/test_compile.py::test_compiled_data_and_pipeline_parallel"),
+    Row(F.PP_GPIPE, F.EP, S.UNTESTED),
+    Row(F.PP_GPIPE, F.DP, S.PLAIN, "tests/test_parity.py::test_data_parallel_3d[gpt2-2-1-2-gpipe-2]"),
+    Row(F.PP_GPIPE, F.ZERO, S.PLAIN, f"{_ZERO}[gpt2-2-1-2-SGD-gpipe]"),
+    Row(F.PP_GPIPE, F.BF16, S.PLAIN, f"{_MP}[gpt2-1-2-2-2-False-bf16-gpipe]"),
+    Row(F.PP_GPIPE, F.FP16, S.UNTESTED),
+    Row(F.PP_GPIPE, F.RECOMPUTE, S.UNTESTED),
+    Row(F.PP_GPIPE, F.LORA, S.UNTESTED),
+    Row(F.PP_GPIPE, F.GENERATE, S.RUNS, "tests/test_nccl_replay.py::test_the_pipeline_completes_under_nccl[llama-2-gpipe-2-1]"),
+    Row(F.PP_GPIPE, F.TRAINER, S.UNTESTED),
+    Row(F.PP_GPIPE, F.COMPILE, S.PLAIN, f"{_COMPILED}[gpt2-4-dp=1-tp=2-pp=2-microbatches=2-schedule=gpipe]"),
+    Row(F.PP_INTERLEAVED, F.DP, S.PLAIN,
+        "tests/test_parity.py::test_schedules[gpt2_deep-2-1-2-interleaved_1f1b-2-4-None-None]"),
+    Row(F.PP_INTERLEAVED, F.ZERO, S.EQUIVALENT, f"{_ZERO}[llama-2-1-2-AdamW-interleaved_1f1b]"),
+    Row(F.PP_INTERLEAVED, F.BF16, S.PLAIN, f"{_MP}[gpt2-1-2-2-2-False-bf16-interleaved_1f1b]"),
+    Row(F.PP_INTERLEAVED, F.FP16, S.UNTESTED),
+    Row(F.PP_INTERLEAVED, F.RECOMPUTE, S.EQUIVALENT, f"{_RC_SCHEDULES}[gpt2_deep-1-interleaved_1f1b-2-full]"),
+    Row(F.PP_INTERLEAVED, F.LORA, S.UNTESTED),
+    Row(F.PP_INTERLEAVED, F.TRAINER, S.UNTESTED),
+    Row(F.PP_INTERLEAVED, F.COMPILE, S.PLAIN,
+        f"{_COMPILED}[llama_deep-2-dp=1-tp=1-pp=2-microbatches=2-schedule=interleaved_1f1b-virtual_stages=2]"),
+    Row(F.PP_ZB_H1, F.DP, S.PLAIN, "tests/test_parity.py::test_schedules[llama_deep-2-1-2-zb_h1-1-4-None-None]"),
+    Row(F.PP_ZB_H1, F.ZERO, S.PLAIN, f"{_ZERO}[gpt2-2-1-2-SGD-zb_h1]"),
+    Row(F.PP_ZB_H1, F.BF16, S.PLAIN, f"{_MP}[llama-2-1-2-2-True-bf16-zb_h1]"),
+    Row(F.PP_ZB_H1, F.FP16, S.UNTESTED),
+    Row(F.PP_ZB_H1, F.RECOMPUTE, S.EQUIVALENT, f"{_RC_SCHEDULES}[gpt2_deep-1-zb_h1-1-full]"),
+    Row(F.PP_ZB_H1, F.LORA, S.PLAIN, f"{_LORA}[llama-2-1-2-2-zb_h1-False-True-targets4-None]"),
+    Row(F.PP_ZB_H1, F.GENERATE, S.PLAIN, f"{_LORA}[llama-2-1-2-2-zb_h1-False-True-targets4-None]"),
+    Row(F.PP_ZB_H1, F.TRAINER, S.UNTESTED),
+    # ep
+    Row(F.EP, F.DP, S.PLAIN, f"{_EP}[mixtral-2-1-1-2-1]"),
+    Row(F.EP, F.BF16, S.EQUIVALENT,
+        "tests/test_expert_parallel.py::test_expert_parallel_in_bf16_trains_like_replicated_experts"),
+    Row(F.EP, F.FP16, S.UNTESTED),
+    Row(F.EP, F.RECOMPUTE, S.PLAIN, f"{_EP_RC}[qwen3_moe-2-1-1-2-full]"),
+    Row(F.EP, F.LORA, S.UNTESTED),
+    Row(F.EP, F.TRAINER, S.UNTESTED),
+    # dp
+    Row(F.DP, F.ZERO, S.PLAIN, f"{_ZERO}[llama-2-2-1-SGD-1f1b]"),
+    Row(F.DP, F.BF16, S.PLAIN, f"{_MP}[gpt2-2-2-2-2-True-bf16-1f1b]"),
+    Row(F.DP, F.FP16, S.PLAIN, f"{_MP}[llama-2-2-1-2-True-fp16-1f1b]"),
+    Row(F.DP, F.RECOMPUTE, S.PLAIN, f"{_EP_RC}[qwen3_moe-2-1-1-2-full]"),
+    Row(F.DP, F.LORA, S.PLAIN, f"{_LORA}[llama-2-2-1-1-1f1b-True-False-targets3-None]"),
+    Row(F.DP, F.GENERATE, S.PLAIN, f"{_GEN}[dp2-tp1-pp2]"),
+    Row(F.DP, F.TRAINER, S.PLAIN, _TRAINER_RESUME),
+    Row(F.DP, F.COMPILE, S.PLAIN, "tests/test_compile.py::test_compiled_data_and_pipeline_parallel"),
+    # zero
+    Row(F.ZERO, F.BF16, S.PLAIN, f"{_MP}[gpt2-2-2-2-2-True-bf16-1f1b]"),
+    Row(F.ZERO, F.FP16, S.PLAIN, f"{_MP}[llama-2-2-1-2-True-fp16-1f1b]"),
+    Row(F.ZERO, F.RECOMPUTE, S.RUNS, f"{_MEM}[llama-2-1-1-1-bf16-True-full-False-1]"),
+    Row(F.ZERO, F.LORA, S.PLAIN, f"{_LORA}[llama-2-1-2-2-zb_h1-False-True-targets4-None]"),
+    Row(F.ZERO, F.GENERATE, S.PLAIN, f"{_LORA}[llama-2-1-2-2-zb_h1-False-True-targets4-None]"),
+    Row(F.ZERO, F.TRAINER, S.PLAIN, _TRAINER_RESUME),
+    Row(F.ZERO, F.COMPILE, S.PLAIN, f"{_COMPILED}[llama-2-dp=2-tp=1-zero=True]"),
+    # precision
+    Row(F.BF16, F.RECOMPUTE, S.RUNS, f"{_MEM}[gpt2-1-2-2-2-bf16-False-full-False-1]"),
+    Row(F.BF16, F.LORA, S.PLAIN, "tests/test_peft.py::test_lora_bf16_keeps_masters_for_the_adapter_only"),
+    Row(F.BF16, F.GENERATE, S.UNTESTED),
+    Row(F.BF16, F.TRAINER, S.UNTESTED),
+    Row(F.BF16, F.COMPILE, S.EQUIVALENT, "tests/test_compile.py::test_compiled_mixed_precision"),
+    Row(F.FP16, F.RECOMPUTE, S.UNTESTED),
+    Row(F.FP16, F.LORA, S.UNTESTED),
+    Row(F.FP16, F.GENERATE, S.UNTESTED),
+    Row(F.FP16, F.TRAINER, S.UNTESTED),
+    Row(F.FP16, F.COMPILE, S.UNTESTED),
+    # recompute, LoRA, generate, Trainer, compile
+    Row(F.RECOMPUTE, F.LORA, S.PLAIN, f"{_LORA}[llama-1-2-2-2-1f1b-False-False-targets7-selective]"),
+    Row(F.RECOMPUTE, F.GENERATE, S.PLAIN, f"{_LORA}[llama-1-2-2-2-1f1b-False-False-targets7-selective]"),
+    Row(F.RECOMPUTE, F.TRAINER, S.UNTESTED),
+    Row(F.RECOMPUTE, F.COMPILE, S.PLAIN, f"{_COMPILED}[llama-2-dp=1-tp=2-recompute=selective]"),
+    Row(F.LORA, F.GENERATE, S.PLAIN, f"{_LORA}[llama-1-2-1-1-1f1b-False-False-targets0-None]"),
+    Row(F.LORA, F.TRAINER, S.PLAIN, "tests/test_trainer.py::test_trainer_with_lora_writes_the_adapter"),
+    Row(F.LORA, F.COMPILE, S.EQUIVALENT, "tests/test_compile.py::test_compiled_lora"),
+    Row(F.GENERATE, F.COMPILE, S.UNTESTED),
+    Row(F.TRAINER, F.COMPILE, S.EQUIVALENT, "tests/test_compile.py::test_trainer_with_torch_compile"),
+)
+TABLE: dict[frozenset[Feature], Row] = {row.pair: row for row in ROWS}
+
+
+def check_composition(features: Iterable[Feature], values: Mapping[str, object] | None = None) -> list[Row]:
+    """Raise the ``ValueError`` of the first refused pair among ``features`` (table order), its
+    message formatted with ``values`` (cp, ep, pp, schedule, virtual_stages, model_type as the run has
+    them); otherwise return the pairs no test compares yet, for the caller to warn about once."""
+    used = frozenset(features)
+    hits = [row for row in ROWS if row.pair <= used]
+    for row in hits:
+        if row.status is Status.REFUSED:
+            raise ValueError(row.message.format(**(values or {})))
+    return [row for row in hits if row.status in (Status.RUNS, Status.UNTESTED)]
+
+
+def check_and_warn(features: Iterable[Feature], values: Mapping[str, object], *, warned: set[frozenset[Feature]],
+                   rank: int) -> None:
+    """``check_composition``, then one warning on rank 0 naming the untested pairs not in ``warned``
+    (which it extends), so a run hears about each once."""
+    fresh = [row for row in check_composition(features, values) if row.pair not in warned]
+    if fresh and rank == 0:
+        pairs = ", ".join(f"{row.first} x {row.second}" for row in fresh)
+        warnings.warn(f"no test compares {pairs} with the plain model yet: it runs, but check its loss against a "
+                      f"smaller run (the README's composition table lists what is tested)", stacklevel=4)
+    warned |= {row.pair for row in fresh}
+
+
+class _Placeholder(str):
+    def __repr__(self) -> str:
+        return self
+
+
+class _Placeholders(dict):
+    """Formats a message's values as their names (``cp=<cp>``) for the README."""
+
+    def __missing__(self, key: str) -> str:
+        return _Placeholder(f"<{key}>")
+
+
+_SYMBOL = {S.PLAIN: "✓", S.EQUIVALENT: "≈", S.RUNS: "r", S.UNTESTED: "·", S.REFUSED: "✗", S.EXCLUSIVE: "—"}
+
+
+def markdown() -> str:
+    """The README's composition table: a matrix of the pairs, then each refusal's reason."""
+    order = list(Feature)
+    lines = ["| | " + " | ".join(f.value.removeprefix("pp ") if f.value.startswith("pp ") else f.value
+                                   for f in order) + " |",
+             "|---" * (len(order) + 1) + "|"]
+    for a in order:
+        cells = ["" if a is b else _SYMBOL[TABLE[frozenset((a, b))].status] for b in order]
+        lines.append(f"| **{a.value}** | " + " | ".join(cells) + " |")
+    lines += ["", "✓ compared with the plain model, ≈ compared with a configuration that is, r runs in a test "
+                  "without a numerical comparison, · not tested yet (a warning says so), ✗ refused, — cannot both "
+                  "be set. Refused:", ""]
+    for row in ROWS:
+        if row.status is Status.REFUSED:
+            lines.append(f"- {row.first} x {row.second}: " + row.message.format_map(_Placeholders()))
+    return "\n".join(lines) + "\n"

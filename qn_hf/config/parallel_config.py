@@ -1,0 +1,90 @@
+"""``ParallelConfig``: how a model is parallelized, as one frozen value built and checked once.
+
+``parallelize``'s keywords (fixed by the API), ``qn_hf.Trainer``'s ``parallel=``, the planner's
+meshes and the training scripts' YAML all become this value through ``ParallelConfig.from_keywords``,
+so each option is checked in one place, with one message, before any collective; every check and
+apply pass after that reads it instead of a list of loose keywords. What it holds says how the model
+is cut and computed; where it runs (the process group's timeout, the device, a caller's mesh) and
+what it starts from (the checkpoint, the dropout seed) stay ``parallelize``'s own arguments.
+
+The checks that need the model (the composition table, whose messages name the model type; heads,
+the policy, the pipeline cut) are ``validate.check_parallel_config``'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+from ..arguments import check_choice, check_positive
+from ..data_parallel.buckets import DEFAULT_BUCKET_MB
+from ..data_parallel.precision import PRECISIONS
+from ..memory.recompute import RECOMPUTE
+from ..mesh import ParallelDims
+from ..pipeline.schedule import Schedule, as_schedule, check_schedule_args
+from .composition import Feature
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    dims: ParallelDims
+    microbatches: int = 1
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    virtual_stages: int = 1
+    layers_per_stage: tuple[int, ...] | None = None
+    bucket_mb: float = DEFAULT_BUCKET_MB
+    mixed_precision: str | None = None
+    recompute: str | None = None
+    sequence_parallel: bool = False
+    compile: bool = False
+
+    @classmethod
+    def from_keywords(cls, *, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                      microbatches: int = 1, schedule: str | Schedule = Schedule.ONE_F_ONE_B,
+                      virtual_stages: int = 1, layers_per_stage: Sequence[int] | None = None,
+                      bucket_mb: float = DEFAULT_BUCKET_MB, mixed_precision: str | None = None,
+                      recompute: str | None = None, sequence_parallel: bool = False,
+                      compile: bool = False) -> ParallelConfig:
+        """The value ``parallelize``'s keywords describe, or the ``ValueError`` naming the first one
+        that is wrong and its fix (the same on every rank: nothing here communicates)."""
+        dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+        check_schedule_args(stages=pp, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages)
+        check_positive("bucket_mb", bucket_mb)
+        for name, value in (("sequence_parallel", sequence_parallel), ("compile", compile)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r} must be True or False")
+        if mixed_precision is not None:
+            check_choice("mixed_precision", mixed_precision, tuple(PRECISIONS))
+        if recompute is not None:
+            check_choice("recompute", recompute, RECOMPUTE)
+        config = cls(dims=dims, microbatches=microbatches, schedule=as_schedule(schedule),
+                     virtual_stages=virtual_stages,
+                     layers_per_stage=None if layers_per_stage is None else tuple(layers_per_stage),
+                     bucket_mb=bucket_mb, mixed_precision=mixed_precision, recompute=recompute,
+                     sequence_parallel=sequence_parallel, compile=compile)
+        return config
+
+    def keywords(self) -> dict[str, object]:
+        """The ``parallelize`` keywords that build this value again."""
+        dims = {f.name: getattr(self.dims, f.name) for f in fields(self.dims)}
+        rest = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "dims"}
+        return {**dims, **rest}
+
+    def values(self, *, model_type: str | None = None) -> dict[str, object]:
+        """What the composition table's messages name: the degrees, the schedule, the model type."""
+        d = self.dims
+        return {"dp": d.dp, "tp": d.tp, "pp": d.pp, "cp": d.cp, "ep": d.ep, "schedule": self.schedule,
+                "virtual_stages": self.virtual_stages, "model_type": model_type}
+
+    @property
+    def features(self) -> frozenset[Feature]:
+        """The features of the composition table this configuration uses (``composition.py``)."""
+        d = self.dims
+        used = {Feature.DP: d.dp > 1, Feature.TP: d.tp > 1, Feature.CP: d.cp > 1, Feature.EP: d.ep > 1,
+                Feature.SP: self.sequence_parallel, Feature.COMPILE: self.compile,
+                Feature.RECOMPUTE: self.recompute is not None,
+                Feature.BF16: self.mixed_precision == "bf16", Feature.FP16: self.mixed_precision == "fp16"}
+        found = {feature for feature, on in used.items() if on}
+        if d.pp > 1 or self.schedule.chunks or self.schedule.split_backward:
+            found.add(Feature.for_schedule(self.schedule))
+        return frozenset(found)
