@@ -7,7 +7,7 @@ NPROC ?= 8
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.qn_hf-installed
 
-.PHONY: demo test test-all bench results install clean zoo-table composition-table gpu-check
+.PHONY: demo test test-unit test-all bench results install clean zoo-table composition-table gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ demo: $(STAMP)
 # tests marked long (4 minutes more).
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not long"
+
+# The unit tier: every test that starts no process (schedules, shards, plans, the planner, the
+# package's structure, the composition table), about a minute.
+test-unit: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "unit and not long"
 
 test-all: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q

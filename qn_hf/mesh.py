@@ -234,6 +234,7 @@ class Groups:
     kv: ProcessGroup | None
     tie: ProcessGroup | None
     peers: Peers
+    owned: tuple[ProcessGroup, ...] = ()  # the groups build_groups created (a caller's mesh and the world not)
 
     @property
     def prev(self) -> int | None:
@@ -242,6 +243,14 @@ class Groups:
     @property
     def next(self) -> int | None:
         return self.peers.next
+
+    def release(self) -> None:
+        """Destroy the groups ``build_groups`` created (each gloo group keeps threads, one a TCP loop,
+        and NCCL communicators hold device memory until destroyed). Every rank calls it together; the
+        barrier first, so that no rank destroys a group another may still be receiving on."""
+        dist.barrier()
+        for group in self.owned:
+            dist.destroy_process_group(group)
 
 
 def build_groups(dims: ParallelDims, *, device: torch.device, timeout: datetime.timedelta,
@@ -252,8 +261,10 @@ def build_groups(dims: ParallelDims, *, device: torch.device, timeout: datetime.
     ``mesh`` reuses a caller's ("dp", "pp", "tp") mesh; ``kv_replicas`` > 1 asks for the groups of
     consecutive tp ranks that hold the same KV heads; ``tied_stages`` for the first-last stage
     groups that sum a tied weight's gradients."""
+    owned: list[ProcessGroup] = []
     if mesh is None:
         mesh = build_mesh(dims, device=device, timeout=timeout)
+        owned += [mesh.get_group(name) for name in dims.names]
     check_mesh(mesh, dims)
     on_mesh = {d: mesh.get_local_rank(d) for d in dims.names}
     # [dp, pp, cp, tp] global ranks (cp of size 1 when absent), whatever the mesh's own layout
@@ -261,30 +272,32 @@ def build_groups(dims: ParallelDims, *, device: torch.device, timeout: datetime.
     d, t = on_mesh[Axis.DP], on_mesh[Axis.TP]
     coords = Coords(dp=d, pp=on_mesh[Axis.PP], cp=on_mesh.get(Axis.CP, 0), tp=t)
     kv = _member_of([row[i : i + kv_replicas] for row in grid.reshape(-1, dims.tp).tolist()
-                     for i in range(0, dims.tp, kv_replicas)], timeout) if kv_replicas > 1 else None
+                     for i in range(0, dims.tp, kv_replicas)], timeout, owned) if kv_replicas > 1 else None
     tie = _member_of([[int(grid[a, 0, z, b]), int(grid[a, -1, z, b])] for a in range(dims.dp) for z in range(dims.cp)
-                      for b in range(dims.tp)], timeout) if tied_stages else None
+                      for b in range(dims.tp)], timeout, owned) if tied_stages else None
     if dims.cp > 1:
         cp = mesh.get_group(Axis.CP.value)
         replicas = _member_of([grid[:, q, :, b].reshape(-1).tolist() for q in range(dims.pp) for b in range(dims.tp)],
-                              timeout)
+                              timeout, owned)
     else:
         cp, replicas = None, mesh.get_group(Axis.DP.value)
     ep = experts = None
     if dims.ep > 1:
         blocks, members = expert_groups(grid, dims)
-        ep, experts = _member_of(blocks, timeout), _member_of(members, timeout)
+        ep, experts = _member_of(blocks, timeout, owned), _member_of(members, timeout, owned)
         flat = d * dims.tp + t  # this rank's place in its stage's dp x tp grid
         coords = Coords(dp=d, pp=coords.pp, cp=coords.cp, tp=t, ep=flat % dims.ep, expert_replica=flat // dims.ep)
         experts = experts if dims.expert_replicas > 1 else None
     return Groups(
         mesh=mesh, coords=coords, dp=mesh.get_group(Axis.DP.value), tp=mesh.get_group(Axis.TP.value),
         pp=mesh.get_group(Axis.PP.value),
-        cp=cp, replicas=replicas, ep=ep, experts=experts, kv=kv, tie=tie, peers=_pipeline_peers(grid, coords, timeout),
+        cp=cp, replicas=replicas, ep=ep, experts=experts, kv=kv, tie=tie, peers=_pipeline_peers(grid, coords, timeout, owned),
+        owned=tuple(dict.fromkeys(g for g in owned if g is not dist.GroupMember.WORLD)),
     )
 
 
-def _pipeline_peers(grid: torch.Tensor, coords: Coords, timeout: datetime.timedelta) -> Peers:
+def _pipeline_peers(grid: torch.Tensor, coords: Coords, timeout: datetime.timedelta,
+                    owned: list[ProcessGroup]) -> Peers:
     """This rank's neighbouring stages and one two-rank group per direction of every link (created
     by every rank, in the same order, as ``new_group`` requires)."""
     dp, pp, cp, tp = grid.shape
@@ -297,6 +310,7 @@ def _pipeline_peers(grid: torch.Tensor, coords: Coords, timeout: datetime.timede
         group = dist.new_group([src, dst], timeout=timeout)
         if me in (src, dst):
             links[src, dst] = group
+            owned.append(group)
     d, p, c, t = coords.dp, coords.pp, coords.cp, coords.tp
     prev, next_ = int(grid[d, (p - 1) % pp, c, t]), int(grid[d, (p + 1) % pp, c, t])
     return Peers(prev=prev, next=next_, to_next=Link(next_, links[me, next_]), from_prev=Link(prev, links[prev, me]),
@@ -319,11 +333,14 @@ def expert_groups(grid: torch.Tensor, dims: ParallelDims) -> tuple[list[list[int
     return blocks, members
 
 
-def _member_of(all_ranks: list[list[int]], timeout: datetime.timedelta) -> ProcessGroup | None:
-    """Create every group in ``all_ranks`` (all ranks must) and return the one this rank is in."""
+def _member_of(all_ranks: list[list[int]], timeout: datetime.timedelta,
+               owned: list[ProcessGroup]) -> ProcessGroup | None:
+    """Create every group in ``all_ranks`` (all ranks must) and return the one this rank is in (also
+    added to ``owned``)."""
     mine = None
     for ranks in all_ranks:
         group = dist.new_group(ranks, timeout=timeout)
         if dist.get_rank() in ranks:
             mine = group
+            owned.append(group)
     return mine

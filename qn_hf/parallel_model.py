@@ -106,6 +106,13 @@ class ParallelModel:
         # all-reduce over the world and one host read); True: every step does (a debugging aid).
         self.check_every_batch = False
         self._batch_checked = False
+        self.closed = False
+
+    def close(self) -> None:
+        """Release (every rank) the process groups parallelize made: not the world's, not a mesh= given."""
+        self._weights_ready()
+        self.placement.groups.release()
+        self.closed = True
 
     # -- where this rank sits (read from the placement) ------------------------------------------
     mesh: DeviceMesh = property(lambda self: self.placement.groups.mesh)
@@ -135,6 +142,9 @@ class ParallelModel:
 
     def _weights_ready(self) -> None:
         """ZeRO-1 gathers the updated weights asynchronously after a step: wait for all of them."""
+        if self.closed:
+            raise ValueError("this ParallelModel was closed (pm.close() released its process groups); parallelize a "
+                             "fresh copy of the model")
         if self.buckets is not None and self.buckets.sharded:
             self.buckets.wait_weights()
 
@@ -161,13 +171,12 @@ class ParallelModel:
 
     # -- steps -----------------------------------------------------------------------------------
     def train_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn | None = None) -> torch.Tensor:
-        """Forward and backward over every microbatch, then gradient sync over tp replicas and dp.
-
-        Puts the model in training mode. Gradients accumulate into ``.grad`` (zero them between
-        steps, e.g. ``optimizer.zero_grad()``). Returns the mean loss over the global batch,
-        detached, identical on every rank. Inside ``no_sync()`` gradients are not synchronized.
-        """
+        """Forward and backward over every microbatch in training mode, then every gradient sum; gradients
+        accumulate into ``.grad`` (zero them between steps), except inside ``no_sync()`` unsynchronized.
+        Returns the mean loss over the global batch, detached, identical on every rank."""
         self.module.train()
+        if self.closed:
+            self._weights_ready()  # raises: the groups are gone
         if self.precision is not None and self.optimizer is None:
             raise ValueError(
                 f"mixed_precision keeps float32 gradients for the float32 master weights of qn_hf.optimizer: build the "
@@ -228,9 +237,8 @@ class ParallelModel:
     def _run(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn | None, *, backward: bool) -> torch.Tensor:
         builtin = loss_fn is None
         if builtin and self.plan.loss is None:
-            raise ValueError(
-                f"{type(self.module).__name__} has no built-in loss (a base model); pass loss_fn=(outputs, batch) -> loss"
-            )
+            raise ValueError(f"{type(self.module).__name__} has no built-in loss (a base model); pass "
+                             f"loss_fn=(outputs, batch) -> loss")
         size = check_batch(batch, microbatches=self.microbatches, required=("labels",) if builtin else ())
         cp = self.dims.cp
         if cp > 1:
@@ -248,10 +256,9 @@ class ParallelModel:
         if builtin and self.plan.loss is LossKind.CLASSIFICATION:
             config = self.config
             if config.num_labels == 1 or getattr(config, "problem_type", None) in ("regression", "multi_label_classification"):
-                raise ValueError(
-                    f"the built-in classification loss is single-label cross-entropy (num_labels={config.num_labels}, "
-                    f"problem_type={getattr(config, 'problem_type', None)!r}); pass loss_fn for this problem"
-                )
+                raise ValueError(f"the built-in classification loss is single-label cross-entropy (num_labels="
+                                 f"{config.num_labels}, problem_type={getattr(config, 'problem_type', None)!r}); pass "
+                                 f"loss_fn for this problem")
         batch = {k: v.to(self.device) for k, v in batch.items()}
         if self.dims.world_size > self.dims.dp and (self.check_every_batch or not self._batch_checked):
             check_same_batch(batch_signature(batch, device=self.device), replica=self.coords.dp,
@@ -346,8 +353,7 @@ class ParallelModel:
             return full_state_dict(self.module, placement=self.placement, max_bytes=max_bytes)
 
     def check_composes_with(self, *features: Feature) -> None:
-        """Raise the composition table's refusal of ``features`` with this model's, before any
-        collective; warn (rank 0, once per combination) about pairs no test compares yet."""
+        """The composition table's refusal of ``features`` with this model's, or its warning (rank 0, once)."""
         values = self.parallel_config.values(model_type=self.config.model_type) if self.parallel_config else {}
         check_and_warn(self.features | set(features), values, warned=self._warned,
                        rank=dist.get_rank() if dist.is_initialized() else 0)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import datetime
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .comm import flat_broadcast_
 from .step.compile import apply_compile
 from .context_parallel.apply import apply_context_parallel
 from .expert_parallel.dispatch import ExpertRoute
@@ -23,17 +23,17 @@ from .mesh import Coords, Groups, ParallelDims, build_groups, default_device, in
 from .parallel_model import ParallelModel
 from .pipeline.runtime import StageExecutor
 from .pipeline.split import StagePlan
-from .pipeline.stage import apply_stage
+from .pipeline.stage import StageModules, apply_stage
 from .pipeline.schedule import as_schedule
 from .pipeline.standins import StandIn
-from .placement import ShardPlacement
+from .placement import Copies, ShardPlacement
 from .data_parallel.precision import PRECISIONS, LossScaler, apply_mixed_precision
 from .memory.recompute import apply_recompute
 from .tensor_parallel.sequence_parallel import apply_sequence_parallel, final_norm, regathers, sequence_wire
 from .tensor_parallel.plan import ModelPolicy, TpPlan
 from .tensor_parallel.rng import SHARED, TP_LOCAL, RngStreams, stream_seeds
-from .tensor_parallel.shard import ShardSpec, over_experts
-from .tensor_parallel.apply import apply_tp_plan
+from .tensor_parallel.shard import ShardSpec
+from .tensor_parallel.apply import VocabShard, apply_tp_plan
 from .pipeline.weight_grad import WeightGradQueue, make_deferrable
 from .config.composition import Feature
 from .config.parallel_config import ParallelConfig
@@ -147,62 +147,30 @@ def _parallelize(model: nn.Module, *, dp: int, tp: int, pp: int, cp: int, ep: in
         warnings.warn(f"microbatches={microbatches} < pp={pp}: each stage idles {bubble:.0%} of a step (pipeline bubble "
                       f"(pp-1)/(microbatches+pp-1)); use microbatches >= 2*pp={2 * pp} if the batch allows", stacklevel=2)
 
-    chunks = ChunkLayout(size=cp)
-    if cp > 1:  # before the stage cut and the tp patches: their config copies take the attention choice
-        apply_context_parallel(model, group=groups.cp, layout=chunks)
-    precision = PRECISIONS.get(mixed_precision)
-    if precision is not None:  # before the stage cut: stand-ins take their dtype from the modules they replace
-        apply_mixed_precision(model, precision)
-    expert_specs = {}
-    if ep > 1:  # before the stage cut, as cp: the stages' config copies take the experts choice
-        experts = next(iter(experts_modules(model).values())).num_experts
-        route = ExpertRoute(experts=experts, ep=ep, group=groups.ep, tp=groups.tp)
-        expert_specs = apply_expert_parallel(model, route=route, ep_rank=coords.ep)
-    final = final_norm(model, stage_plan) if coords.pp == pp - 1 else None
-    stage = apply_stage(model, stage_plan, stage=coords.pp)
-    plan = plan.only(lambda name: _on_this_stage(model, name))
-    specs, vocab = apply_tp_plan(model, plan, tp_rank=coords.tp, group=groups.tp)
-    specs.update({n: s for n, s in expert_specs.items() if n in specs})  # this stage's experts
-    if plan.sequence_parallel:
-        apply_sequence_parallel(model, plan=plan, stage_plan=stage_plan, stage=coords.pp, final=final, group=groups.tp,
-                                regather=regathers(recompute) and not compile)
-        stage.wire = sequence_wire(groups.tp)
-    if checkpoint is not None and any(p.is_meta for p in model.parameters()):
-        _materialize(model, device)
-    else:
-        model.to(device)
-    if precision is not None:  # again: sharding and materializing made new parameters (float32 gradients)
-        apply_mixed_precision(model, precision)
-    if checkpoint is None:  # loading gives every replica the same bytes anyway
-        _synchronize_replicas(model, specs, groups, stage_plan)
-    placement = ShardPlacement(dims=dims, groups=groups, specs=specs, ties=stage_plan.ties, device=device)
-    rng = _install_rng_streams(model, plan, coords, device, seed, replica=placement.replica_rank)
-    if recompute is not None:
-        apply_recompute(model, recompute=recompute, layers=stage_plan.layers, rng=rng)
-    weights, deferred = None, []
-    if as_schedule(schedule).split_backward:  # split backward: linear layers queue their weight gradients for the W passes
-        weights = WeightGradQueue()
-        deferred = make_deferrable(model, queue=weights, skip=stage_plan.heads)
-    if compile:  # after every hook and recomputation is in place; each block compiles at its first call
-        apply_compile(model, layers=stage_plan.layers)
+    build = Build(model=model, config=config, plan=plan, stage_plan=stage_plan, groups=groups, device=device,
+                  checkpoint=checkpoint, seed=seed, chunks=ChunkLayout(size=cp),
+                  precision=PRECISIONS.get(mixed_precision))
+    for step in PASSES:
+        if step.applies(build):
+            step.run(build)
     setattr(model, _MARK, True)
     pm = ParallelModel(
         module=model,
-        placement=placement,
-        plan=plan,
-        stage=stage,
+        placement=build.placement,
+        plan=build.plan,
+        stage=build.stage,
         executor=StageExecutor(stage=coords.pp, peers=groups.peers, device=device,
-                               chunks=stage_plan.chunks, weights=weights),
-        vocab=vocab,
+                               chunks=stage_plan.chunks, weights=build.weights),
+        vocab=build.vocab,
         microbatches=microbatches,
         schedule=schedule,
-        rng=rng,
-        buckets=_grad_buckets(model, groups.replicas, dims.replicas, bucket_mb, experts=False, specs=specs),
-        expert_buckets=_grad_buckets(model, groups.experts, dims.expert_replicas, bucket_mb, experts=True, specs=specs),
-        precision=precision,
+        rng=build.rng,
+        buckets=_grad_buckets(model, build.placement, bucket_mb, experts=False),
+        expert_buckets=_grad_buckets(model, build.placement, bucket_mb, experts=True),
+        precision=build.precision,
         scaler=LossScaler() if mixed_precision == "fp16" else None,
-        chunks=chunks,
-        deferred=frozenset(deferred),
+        chunks=build.chunks,
+        deferred=frozenset(build.deferred),
         adapter=adapter,
         parallel_config=config,
     )
@@ -210,6 +178,144 @@ def _parallelize(model: nn.Module, *, dp: int, tp: int, pp: int, cp: int, ep: in
     if checkpoint is not None:
         pm.load_checkpoint(checkpoint)
     return pm
+
+
+@dataclass
+class Build:
+    """What the passes share: the model they change in place, what they start from (the first block
+    of fields) and what earlier passes made for later ones (the second)."""
+
+    model: nn.Module
+    config: ParallelConfig
+    plan: TpPlan
+    stage_plan: StagePlan
+    groups: Groups
+    device: torch.device
+    checkpoint: str | None
+    seed: int | None
+    chunks: ChunkLayout
+    precision: torch.dtype | None
+    expert_specs: dict[str, ShardSpec] = field(default_factory=dict)
+    final: nn.Module | None = None  # the last stage's final norm (sequence parallelism gathers after it)
+    stage: StageModules | None = None
+    specs: dict[str, ShardSpec | None] = field(default_factory=dict)
+    vocab: VocabShard | None = None
+    placement: ShardPlacement | None = None
+    rng: RngStreams | None = None
+    weights: WeightGradQueue | None = None
+    deferred: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One in-place change of the model: when it applies, what it reads and makes (``Build`` fields),
+    and why it runs where it does in ``PASSES``."""
+
+    name: str
+    applies: Callable[[Build], bool]
+    run: Callable[[Build], None]
+    needs: tuple[str, ...]
+    makes: tuple[str, ...]
+    why_here: str
+
+
+def _context_parallel(b: Build) -> None:
+    apply_context_parallel(b.model, group=b.groups.cp, layout=b.chunks)
+
+
+def _cast(b: Build) -> None:
+    apply_mixed_precision(b.model, b.precision)
+
+
+def _expert_parallel(b: Build) -> None:
+    experts = next(iter(experts_modules(b.model).values())).num_experts
+    route = ExpertRoute(experts=experts, ep=b.config.dims.ep, group=b.groups.ep, tp=b.groups.tp)
+    b.expert_specs = apply_expert_parallel(b.model, route=route, ep_rank=b.groups.coords.ep)
+
+
+def _stage_cut(b: Build) -> None:
+    last = b.groups.coords.pp == b.config.dims.pp - 1
+    b.final = final_norm(b.model, b.stage_plan) if last else None
+    b.stage = apply_stage(b.model, b.stage_plan, stage=b.groups.coords.pp)
+    b.plan = b.plan.only(lambda name: _on_this_stage(b.model, name))
+
+
+def _tensor_parallel(b: Build) -> None:
+    b.specs, b.vocab = apply_tp_plan(b.model, b.plan, tp_rank=b.groups.coords.tp, group=b.groups.tp)
+    b.specs.update({n: s for n, s in b.expert_specs.items() if n in b.specs})  # this stage's experts
+    b.placement = ShardPlacement(dims=b.config.dims, groups=b.groups, specs=b.specs, ties=b.stage_plan.ties,
+                                 device=b.device)
+
+
+def _sequence_parallel(b: Build) -> None:
+    apply_sequence_parallel(b.model, plan=b.plan, stage_plan=b.stage_plan, stage=b.groups.coords.pp, final=b.final,
+                            group=b.groups.tp, regather=regathers(b.config.recompute) and not b.config.compile)
+    b.stage.wire = sequence_wire(b.groups.tp)
+
+
+def _place_on_device(b: Build) -> None:
+    if b.checkpoint is not None and any(p.is_meta for p in b.model.parameters()):
+        _materialize(b.model, b.device)
+    else:
+        b.model.to(b.device)
+
+
+def _synchronize(b: Build) -> None:
+    b.placement.synchronize(b.model)
+
+
+def _dropout_streams(b: Build) -> None:
+    b.rng = _install_rng_streams(b.model, b.plan, b.groups.coords, b.device, b.seed, replica=b.placement.replica_rank)
+
+
+def _recompute(b: Build) -> None:
+    apply_recompute(b.model, recompute=b.config.recompute, layers=b.stage_plan.layers, rng=b.rng)
+
+
+def _split_backward(b: Build) -> None:
+    b.weights = WeightGradQueue()
+    b.deferred = make_deferrable(b.model, queue=b.weights, skip=b.stage_plan.heads)
+
+
+def _compile(b: Build) -> None:
+    apply_compile(b.model, layers=b.stage_plan.layers)
+
+
+def _always(b: Build) -> bool:
+    return True
+
+
+# The order is the code: ``tests/test_structure.py`` checks that every field a pass needs is one
+# parallelize starts from or one an earlier pass makes.
+PASSES: tuple[Pass, ...] = (
+    Pass("context parallel", lambda b: b.config.dims.cp > 1, _context_parallel, ("model", "groups", "chunks"), (),
+         "before the stage cut and the tp patches: their config copies take the attention choice"),
+    Pass("cast", lambda b: b.precision is not None, _cast, ("model", "precision"), (),
+         "before the stage cut: stand-ins take their dtype from the modules they replace"),
+    Pass("expert parallel", lambda b: b.config.dims.ep > 1, _expert_parallel, ("model", "groups"), ("expert_specs",),
+         "before the stage cut, as cp: the stages' config copies take the experts choice"),
+    Pass("stage cut", _always, _stage_cut, ("model", "stage_plan", "plan", "groups"), ("final", "stage", "plan"),
+         "before tp: only this stage's modules are sharded; the final norm is found on the whole model"),
+    Pass("tensor parallel", _always, _tensor_parallel, ("model", "plan", "groups", "expert_specs", "stage_plan"),
+         ("specs", "vocab", "placement"), "after the cut, before anything that asks where a shard sits"),
+    Pass("sequence parallel", lambda b: b.plan.sequence_parallel, _sequence_parallel,
+         ("model", "plan", "stage_plan", "final", "stage", "groups"), (),
+         "after tp: its hooks sit on the parallel layers and the blocks between them"),
+    Pass("place on device", _always, _place_on_device, ("model", "checkpoint", "device"), (),
+         "after every shard: each rank allocates only its own (a meta model is materialized here)"),
+    Pass("cast new parameters", lambda b: b.precision is not None, _cast, ("model", "precision"), (),
+         "again: sharding and materializing made new parameters (float32 gradients)"),
+    Pass("synchronize replicas", lambda b: b.checkpoint is None, _synchronize, ("model", "placement"), (),
+         "on the device, after the last new parameter; loading a checkpoint gives every replica the same bytes"),
+    Pass("dropout streams", _always, _dropout_streams, ("model", "plan", "groups", "seed", "device", "placement"),
+         ("rng",), "after the shards exist; the streams are seeded per replica, which the placement says"),
+    Pass("recompute", lambda b: b.config.recompute is not None, _recompute, ("model", "stage_plan", "rng"), (),
+         "after the dropout streams: a recomputed block replays their state"),
+    Pass("split backward", lambda b: b.config.schedule.split_backward, _split_backward, ("model", "stage_plan"),
+         ("weights", "deferred"), "zb_h1: after the layers are final, they queue their weight gradients for the W passes"),
+    Pass("compile", lambda b: b.config.compile, _compile, ("model", "stage_plan"), (),
+         "last: after every hook and recomputation is in place; each block compiles at its first call"),
+)
 
 
 def _check_tensors(model: nn.Module, *, checkpoint: str | None) -> None:
@@ -244,17 +350,19 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
                 init(module)
 
 
-def _grad_buckets(model: nn.Module, group: dist.ProcessGroup | None, size: int, bucket_mb: float, *, experts: bool,
-                  specs: dict[str, ShardSpec | None]) -> GradBuckets | None:
-    """The buckets of the parameters summed over ``group``: the ep-sharded experts over the ranks
-    holding the same experts (``experts``), everything else over dp x cp. cp ranks hold the same
-    weights and see different tokens of the same sequences: their gradients are partial sums like
-    those of dp ranks, so one reduction covers both."""
+def _grad_buckets(model: nn.Module, placement: ShardPlacement, bucket_mb: float, *,
+                  experts: bool) -> GradBuckets | None:
+    """The buckets of the parameters summed over the ranks that hold the same copy: the ep-sharded
+    experts over the expert replicas (``experts``), everything else over dp x cp. cp ranks hold the
+    same weights and see different tokens of the same sequences: their gradients are partial sums
+    like those of dp ranks, so one reduction covers both."""
+    group, size = ((placement.groups.experts, placement.dims.expert_replicas) if experts
+                   else (placement.groups.replicas, placement.dims.replicas))
     if size == 1:
         return None
-    params = [p for n, p in model.named_parameters() if p.requires_grad and over_experts(specs.get(n)) == experts]
+    params = [p for n, p in model.named_parameters()
+              if p.requires_grad and (placement.copies(n) is Copies.EXPERTS) == experts]
     return GradBuckets(params, group=group, bucket_bytes=bucket_size_bytes(bucket_mb)) if params else None
-
 
 
 def _on_this_stage(model: nn.Module, name: str) -> bool:
@@ -265,30 +373,6 @@ def _on_this_stage(model: nn.Module, name: str) -> bool:
         if not isinstance(module, nn.Module) or isinstance(module, StandIn):
             return False
     return True
-
-
-def _synchronize_replicas(
-    model: nn.Module, specs: dict[str, ShardSpec | None], groups: Groups, stage_plan: StagePlan
-) -> None:
-    """Make copies that must be equal exactly equal: what is replicated across tp (from tp rank 0),
-    KV-head replicas (from the first replica), the last stage's copy of a tied weight (from the
-    first stage), everything else across dp (from dp rank 0), and ep-sharded experts across the
-    ranks holding the same block."""
-    named = dict(model.named_parameters())
-    tied = [named[n].data for tie in stage_plan.ties for n in (tie.owner, tie.follower) if n in named]
-    tp_replicated = [p.data for n, p in named.items() if specs.get(n) is None]
-    kv_replicated = [p.data for n, p in named.items() if (s := specs.get(n)) is not None and s.replicas > 1]
-    experts = [p.data for n, p in named.items() if over_experts(specs.get(n))]
-    with torch.no_grad():
-        flat_broadcast_(tp_replicated, src_group_rank=0, group=groups.tp)
-        if groups.kv is not None:
-            flat_broadcast_(kv_replicated, src_group_rank=0, group=groups.kv)
-        if groups.tie is not None:
-            flat_broadcast_(tied, src_group_rank=0, group=groups.tie)
-        flat_broadcast_([p.data for n, p in named.items() if not over_experts(specs.get(n))], src_group_rank=0,
-                        group=groups.replicas)
-        if groups.experts is not None:  # the ranks holding the same experts (dp x tp / ep of them)
-            flat_broadcast_(experts, src_group_rank=0, group=groups.experts)
 
 
 def _install_rng_streams(

@@ -12,6 +12,7 @@ the one saved and counted, the last stage's ``follower`` copy is skipped.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -19,10 +20,20 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from .comm import all_gather_tensors
+from .comm import all_gather_tensors, flat_broadcast_
 from .mesh import Coords, Groups, ParallelDims
 from .pipeline.split import PipelineTie
 from .tensor_parallel.shard import ShardSpec, over_experts
+
+
+class Copies(enum.Enum):
+    """Which ranks besides dp x cp hold the same copy of a parameter: the one classification the
+    broadcast at start, the gradient buckets and sums, the gradient norm and the checkpoint writers ask for."""
+
+    TP_REPLICATED = "the whole tensor on every tp rank (no spec)"
+    KV_REPLICA = "the same KV-head shard on consecutive tp ranks (spec.replicas > 1)"
+    SHARDED = "this tp rank's own shard"
+    EXPERTS = "a block of experts over the ep group, repeated on the expert replicas instead of dp x cp"
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,6 +55,41 @@ class ShardPlacement:
 
     def spec(self, name: str) -> ShardSpec | None:
         return self.specs.get(name)
+
+    def copies(self, name: str) -> Copies:
+        spec = self.spec(name)
+        if spec is None:
+            return Copies.TP_REPLICATED
+        if over_experts(spec):
+            return Copies.EXPERTS
+        return Copies.KV_REPLICA if spec.replicas > 1 else Copies.SHARDED
+
+    def is_tied(self, name: str) -> bool:
+        """Either copy of a weight tied across the first and last stage (summed and kept equal over the pair)."""
+        return any(name in (tie.owner, tie.follower) for tie in self.ties)
+
+    def synchronize(self, model: nn.Module) -> None:
+        """Make copies that must be equal exactly equal: what is replicated across tp (from tp rank 0),
+        KV-head replicas (from the first replica), the last stage's copy of a tied weight (from the
+        first stage), everything else across dp x cp (from its first rank), and ep-sharded experts
+        across the ranks holding the same block."""
+        named = {n: p.data for n, p in model.named_parameters()}
+        kinds = {n: self.copies(n) for n in named}
+        groups = self.groups
+        with torch.no_grad():
+            flat_broadcast_([p for n, p in named.items() if kinds[n] is Copies.TP_REPLICATED], src_group_rank=0,
+                            group=groups.tp)
+            if groups.kv is not None:
+                flat_broadcast_([p for n, p in named.items() if kinds[n] is Copies.KV_REPLICA], src_group_rank=0,
+                                group=groups.kv)
+            if groups.tie is not None:
+                tied = [named[n] for tie in self.ties for n in (tie.owner, tie.follower) if n in named]
+                flat_broadcast_(tied, src_group_rank=0, group=groups.tie)
+            flat_broadcast_([p for n, p in named.items() if kinds[n] is not Copies.EXPERTS], src_group_rank=0,
+                            group=groups.replicas)
+            if groups.experts is not None:  # the ranks holding the same experts (dp x tp / ep of them)
+                flat_broadcast_([p for n, p in named.items() if kinds[n] is Copies.EXPERTS], src_group_rank=0,
+                                group=groups.experts)
 
     def shard_rank(self, spec: ShardSpec | None) -> int:
         """This rank's index among the ranks ``spec`` splits a tensor over (its tp rank, or for

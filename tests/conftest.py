@@ -23,3 +23,17 @@ def worlds():
 def model_dirs(tmp_path_factory):
     """Tiny GPT-2, Llama (GQA) and ViT checkpoints written once with ``save_pretrained``."""
     return save_tiny_models(tmp_path_factory.mktemp("models"))
+
+
+# Modules whose tests start processes of their own (scripts, command lines, crashes on purpose).
+_OWN_PROCESSES = {"test_scripts", "test_check_cli", "test_checkpoint_safety", "test_checkpoint_faults", "test_gpu_check",
+                  "test_fail_together", "test_host_syncs", "test_trainer", "test_user_errors"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """The unit tier (``make test-unit``, ``-m unit``): every test that starts no process, neither a
+    gloo world (the ``worlds`` fixture) nor a command line; it runs in about a minute."""
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2] if item.module is not None else ""
+        if "worlds" not in getattr(item, "fixturenames", ()) and module not in _OWN_PROCESSES:
+            item.add_marker(pytest.mark.unit)

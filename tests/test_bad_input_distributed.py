@@ -51,7 +51,7 @@ def case_bad_configs(*, gpt2_dir: str) -> dict[str, str]:
 
 
 def test_every_rank_raises_before_any_collective(worlds, model_dirs):
-    results = worlds.run(2, "tests.test_bad_input_distributed:case_bad_configs", gpt2_dir=model_dirs["gpt2"])
+    results = worlds.run(2, case_bad_configs, gpt2_dir=model_dirs["gpt2"])
     assert results[0] == results[1]
     m = results[0]
     assert "world size 2 != dp*tp*pp = 1*1*1 = 1" in m["world size"]

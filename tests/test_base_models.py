@@ -42,7 +42,7 @@ def case_user_loss(*, kind: str, model_dir: str, base: bool, dp: int, tp: int) -
     ("gpt2", True, 1, 2), ("llama", True, 1, 2), ("vit", True, 2, 2), ("gpt2", False, 2, 2),
 ])
 def test_user_loss_matches_plain_model(worlds, model_dirs, kind, base, dp, tp):
-    for rank, r in enumerate(worlds.run(dp * tp, "tests.test_base_models:case_user_loss", kind=kind,
+    for rank, r in enumerate(worlds.run(dp * tp, case_user_loss, kind=kind,
                                         model_dir=model_dirs[kind], base=base, dp=dp, tp=tp)):
         assert r["loss_err"] < 1e-5 and r["eval_err"] < 1e-5 and r["grad_err"] < 2e-6, (rank, r)
 
@@ -57,5 +57,5 @@ def case_base_model_needs_loss_fn(*, model_dir: str) -> str:
 
 
 def test_base_model_without_loss_fn_is_an_error(worlds, model_dirs):
-    for message in worlds.run(2, "tests.test_base_models:case_base_model_needs_loss_fn", model_dir=model_dirs["gpt2"]):
+    for message in worlds.run(2, case_base_model_needs_loss_fn, model_dir=model_dirs["gpt2"]):
         assert "GPT2Model has no built-in loss" in message

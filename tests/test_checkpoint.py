@@ -54,7 +54,7 @@ def case_resume(*, kind: str, model_dir: str, ckpt: str, out: str, dp: int, tp: 
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "vit"])
 def test_resume_at_any_mesh(worlds, model_dirs, tmp_path, kind):
     ckpt, uninterrupted = str(tmp_path / "ckpt"), str(tmp_path / "uninterrupted")
-    expected_loss = worlds.run(8, "tests.test_checkpoint:case_train_save_continue", kind=kind,
+    expected_loss = worlds.run(8, case_train_save_continue, kind=kind,
                                model_dir=model_dirs[kind], ckpt=ckpt, out=uninterrupted)[0]
     reference = dict(load(kind, uninterrupted).named_parameters())
 
@@ -67,7 +67,7 @@ def test_resume_at_any_mesh(worlds, model_dirs, tmp_path, kind):
 
     for dp, tp, pp, source in [(*mesh, ckpt) for mesh in RESUME_AT] + [(1, 4, 2, str(tmp_path / "resharded"))]:
         out = str(tmp_path / f"resumed-{dp}-{tp}-{pp}-{os.path.basename(source)}")
-        results = worlds.run(dp * tp * pp, "tests.test_checkpoint:case_resume", kind=kind, model_dir=model_dirs[kind],
+        results = worlds.run(dp * tp * pp, case_resume, kind=kind, model_dir=model_dirs[kind],
                              ckpt=source, out=out, dp=dp, tp=tp, pp=pp)
         assert results[0]["meta"]["step"] == 1
         assert abs(results[0]["loss"] - expected_loss) <= 1e-5 * abs(expected_loss), (dp, tp, pp)
@@ -89,7 +89,7 @@ def case_start_from_converted(*, kind: str, model_dir: str, ckpt: str, out: str)
 def test_from_hf_then_load_equals_the_hf_model(worlds, model_dirs, tmp_path, kind):
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
     assert convert.main(["from-hf", model_dirs[kind], ckpt, "--tp", "2", "--pp", "2"]) == 0
-    worlds.run(4, "tests.test_checkpoint:case_start_from_converted", kind=kind, model_dir=model_dirs[kind], ckpt=ckpt, out=out)
+    worlds.run(4, case_start_from_converted, kind=kind, model_dir=model_dirs[kind], ckpt=ckpt, out=out)
     original, loaded = load(kind, model_dirs[kind]).state_dict(), load(kind, out).state_dict()
     assert original.keys() == loaded.keys()
     assert all(torch.equal(original[k], loaded[k]) for k in original)
@@ -128,19 +128,19 @@ def test_resume_across_virtual_stages(worlds, model_dirs, tmp_path):
     uninterrupted run. The index records the chunks; an offline reshard lays files out for them."""
     model_dir, ckpt = model_dirs["gpt2_deep"], str(tmp_path / "ckpt")
     uninterrupted = str(tmp_path / "uninterrupted")
-    expected = worlds.run(2, "tests.test_checkpoint:case_chunks_save", model_dir=model_dir, ckpt=ckpt,
+    expected = worlds.run(2, case_chunks_save, model_dir=model_dir, ckpt=ckpt,
                           out=uninterrupted, pp=2, virtual=2, steps=2)[0][1]
     reference = dict(load("gpt2_deep", uninterrupted).named_parameters())
     index = read_index(checkpoint_dir(ckpt))
     assert index["mesh"] == {"dp": 1, "tp": 1, "pp": 2, "virtual_stages": 2}
     plain = str(tmp_path / "ckpt-pp4")
-    worlds.run(4, "tests.test_checkpoint:case_chunks_save", model_dir=model_dir, ckpt=plain,
+    worlds.run(4, case_chunks_save, model_dir=model_dir, ckpt=plain,
                out=str(tmp_path / "unused"), pp=4, virtual=1, steps=1)
     assert convert.main(["reshard", ckpt, str(tmp_path / "resharded"), "--tp", "1", "--pp", "2",
                          "--virtual-stages", "4"]) == 0
     for pp, virtual, source in [(4, 1, ckpt), (1, 1, ckpt), (2, 4, str(tmp_path / "resharded")), (2, 2, plain)]:
         out = str(tmp_path / f"resumed-{pp}-{virtual}-{os.path.basename(source)}")
-        result = worlds.run(pp, "tests.test_checkpoint:case_chunks_resume", model_dir=model_dir, ckpt=source, out=out,
+        result = worlds.run(pp, case_chunks_resume, model_dir=model_dir, ckpt=source, out=out,
                             pp=pp, virtual=virtual)[0]
         assert result["meta"]["step"] == 1
         if source == plain:  # its first step ran 1F1B at pp=4 on the same batch: equal up to AdamW's

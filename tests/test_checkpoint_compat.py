@@ -41,7 +41,7 @@ def case_resume(*, dp: int, tp: int, pp: int, out: str) -> dict:
 @pytest.mark.parametrize(("dp", "tp", "pp"), [(1, 1, 1), (2, 2, 1), (1, 1, 2)])
 def test_v1_checkpoint_loads_and_resumes(worlds, tmp_path, dp, tp, pp):
     out = str(tmp_path / "run")
-    metas = worlds.run(dp * tp * pp, "tests.test_checkpoint_compat:case_resume", dp=dp, tp=tp, pp=pp, out=out)
+    metas = worlds.run(dp * tp * pp, case_resume, dp=dp, tp=tp, pp=pp, out=out)
     assert all(m == {"step": 1, "mesh": {"dp": 1, "tp": 2, "pp": 2}} for m in metas), metas
     saved, loaded = _weights(str(DATA / "hf")), _weights(out + "-loaded")
     for name, value in saved.items():

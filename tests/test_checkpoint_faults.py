@@ -136,7 +136,7 @@ def case_bad_checkpoints(*, gpt2_dir: str, llama_dir: str, root: str) -> dict[st
 
 
 def test_bad_checkpoints_fail_on_every_rank(worlds, model_dirs, tmp_path):
-    results = worlds.run(2, "tests.test_checkpoint_faults:case_bad_checkpoints", gpt2_dir=model_dirs["gpt2"],
+    results = worlds.run(2, case_bad_checkpoints, gpt2_dir=model_dirs["gpt2"],
                          llama_dir=model_dirs["llama"], root=str(tmp_path))
     assert results[0] == results[1]  # the same error on every rank
     m = results[0]

@@ -24,7 +24,7 @@ def case_saves(*, model_dir: str, ckpt: str) -> list[str]:
 
 def test_checkpoints_are_named_by_their_step(worlds, model_dirs, tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    names = worlds.run(2, "tests.test_checkpoint_names:case_saves", model_dir=model_dirs["gpt2"], ckpt=ckpt)[0]
+    names = worlds.run(2, case_saves, model_dir=model_dirs["gpt2"], ckpt=ckpt)[0]
     assert names[:4] == ["ckpt-000020", "ckpt-000020.1", "ckpt-000021", "ckpt-000030"], names
     assert names[4].startswith("step=-1 must be a non-negative integer"), names[3]
     # the default retention (keep_last=3) keeps the newest three; older ones only are removed

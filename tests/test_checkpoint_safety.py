@@ -235,7 +235,7 @@ def case_save_into_planted_links(*, root: str) -> list[bool]:
 
 
 def test_saves_never_write_through_a_planted_link_and_record_the_class(worlds, tmp_path):
-    assert worlds.run(2, "tests.test_checkpoint_safety:case_save_into_planted_links", root=str(tmp_path))[0] == [True, True]
+    assert worlds.run(2, case_save_into_planted_links, root=str(tmp_path))[0] == [True, True]
     assert json.loads((tmp_path / "export" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     assert _index(str(tmp_path / "ckpt"))["config"]["architectures"] == ["LlamaForCausalLM"]
     assert convert.main(["reshard", str(tmp_path / "ckpt"), str(tmp_path / "r"), "--tp", "1", "--pp", "1"]) == 0
@@ -253,7 +253,7 @@ def case_keep_last(*, ckpt: str) -> list[str]:
 
 
 def test_save_checkpoint_prunes_only_when_asked(worlds, tmp_path):
-    left = worlds.run(2, "tests.test_checkpoint_safety:case_keep_last", ckpt=str(tmp_path / "ckpt"))[0]
+    left = worlds.run(2, case_keep_last, ckpt=str(tmp_path / "ckpt"))[0]
     assert left == ["ckpt-000002", "ckpt-000003", "latest"]
 
 

@@ -49,7 +49,7 @@ def case_primitives() -> dict[str, bool]:
 
 
 def test_primitives(worlds):
-    for rank, results in enumerate(worlds.run(2, "tests.test_comm:case_primitives")):
+    for rank, results in enumerate(worlds.run(2, case_primitives)):
         failed = [name for name, ok in results.items() if not ok]
         assert not failed, f"rank {rank}: {failed}"
 
@@ -94,7 +94,7 @@ def case_copies() -> dict[str, bool]:
 
 
 def test_copies(worlds):
-    for rank, results in enumerate(worlds.run(2, "tests.test_comm:case_copies")):
+    for rank, results in enumerate(worlds.run(2, case_copies)):
         failed = [name for name, ok in results.items() if not ok]
         assert not failed, f"rank {rank}: {failed}"
 
@@ -129,7 +129,7 @@ def case_compiled() -> dict:
 
 
 def test_compiled_collectives(worlds):
-    for errors in worlds.run(2, "tests.test_comm:case_compiled"):
+    for errors in worlds.run(2, case_compiled):
         assert all(err < 1e-5 for err in errors.values()), errors
 
 

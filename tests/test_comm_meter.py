@@ -113,7 +113,7 @@ def case_ops() -> dict:
 
 
 def test_counts_each_op_by_group_forward_and_backward(worlds):
-    results = worlds.run(2, "tests.test_comm_meter:case_ops")
+    results = worlds.run(2, case_ops)
     for rank, r in enumerate(results):
         assert r["same all_reduce"] and r["same send"] and r["same after"], r  # nothing patched
         assert r["all_reduce value"] == [3.0] * 5 and r["all_gather value"] == [[0.0] * 4, [1.0] * 4]
@@ -152,6 +152,6 @@ def case_object_collective() -> dict:
 
 
 def test_object_collective_is_seen_as_its_tensor_collectives(worlds):
-    for r in worlds.run(2, "tests.test_comm_meter:case_object_collective"):
+    for r in worlds.run(2, case_object_collective):
         assert r["gathered"] == [{"rank": 0}, {"rank": 1}]
         assert r["ops"] == [("world", "all_gather")], r

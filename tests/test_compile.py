@@ -95,13 +95,13 @@ def check(results: list[dict]) -> None:
 
 
 def test_compiled_tensor_parallel(worlds, model_dirs):
-    results = worlds.run(2, "tests.test_compile:compiled_parity", kind="llama", model_dir=model_dirs["llama"],
+    results = worlds.run(2, compiled_parity, kind="llama", model_dir=model_dirs["llama"],
                          dp=1, tp=2)
     check(results)
 
 
 def test_compiled_data_and_pipeline_parallel(worlds, model_dirs):
-    results = worlds.run(4, "tests.test_compile:compiled_parity", kind="gpt2", model_dir=model_dirs["gpt2"],
+    results = worlds.run(4, compiled_parity, kind="gpt2", model_dir=model_dirs["gpt2"],
                          dp=2, tp=1, pp=2, microbatches=2)
     check(results)
 
@@ -123,7 +123,7 @@ LONG_CASES = [  # (kind, world size, compiled_parity's mesh and options)
 @pytest.mark.parametrize(("kind", "world", "options"), LONG_CASES, ids=lambda v: str(v) if not isinstance(v, dict) else
                          "-".join(f"{k}={x}" for k, x in v.items()))
 def test_compiled_meshes(worlds, model_dirs, kind, world, options):
-    results = worlds.run(world, "tests.test_compile:compiled_parity", kind=kind, model_dir=model_dirs[kind], **options)
+    results = worlds.run(world, compiled_parity, kind=kind, model_dir=model_dirs[kind], **options)
     check(results)
 
 
@@ -160,7 +160,7 @@ def compiled_mixed(*, kind: str, model_dir: str, tp: int, precision: str, steps:
 
 @pytest.mark.long
 def test_compiled_mixed_precision(worlds, model_dirs):
-    for r in worlds.run(2, "tests.test_compile:compiled_mixed", kind="llama", model_dir=model_dirs["llama"], tp=2,
+    for r in worlds.run(2, compiled_mixed, kind="llama", model_dir=model_dirs["llama"], tp=2,
                         precision="bf16"):
         assert r["dtypes"] == ["torch.bfloat16"] and r["compiled"] and r["graphs"] > 0, r
         for loss, eager in zip(r["losses"], r["eager_losses"]):
@@ -199,7 +199,7 @@ def compiled_lora(*, model_dir: str, tp: int, steps: int = 2) -> dict:
 @pytest.mark.long
 def test_compiled_lora(worlds, model_dirs):
     pytest.importorskip("peft")
-    for r in worlds.run(2, "tests.test_compile:compiled_lora", model_dir=model_dirs["llama"], tp=2):
+    for r in worlds.run(2, compiled_lora, model_dir=model_dirs["llama"], tp=2):
         assert r["trainable"] > 0 and r["graphs"] > 0 and set(r["breaks"]) <= set(RNG_BREAKS), r
         for loss, ref in zip(r["losses"], r["ref_losses"]):
             assert abs(loss - ref) <= LOSS_RTOL * abs(ref), r
@@ -284,6 +284,6 @@ def compiled_trainer(*, model_dir: str, out_dir: str, tp: int, compile: bool) ->
 @pytest.mark.skipif(not KEYWORD, reason="the Trainer compiles through parallelize(compile=True)")
 def test_trainer_with_torch_compile(worlds, model_dirs, tmp_path):
     pytest.importorskip("accelerate")
-    runs = {c: worlds.run(2, "tests.test_compile:compiled_trainer", model_dir=model_dirs["llama"],
+    runs = {c: worlds.run(2, compiled_trainer, model_dir=model_dirs["llama"],
                           out_dir=str(tmp_path / str(c)), tp=2, compile=c)[0] for c in (True, False)}
     assert len(runs[True]) == 4 and runs[True] == pytest.approx(runs[False], rel=LOSS_RTOL), runs

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.test_parity import check
+from tests import cases
 
 CP_CASES = [  # kind, dp, tp, pp, cp, microbatches, padded, packed
     ("llama", 1, 1, 1, 2, 1, False, False),
@@ -23,7 +24,7 @@ CP_CASES = [  # kind, dp, tp, pp, cp, microbatches, padded, packed
 def test_context_parallel_equals_plain_model(worlds, model_dirs, tmp_path, kind, dp, tp, pp, cp, microbatches, padded,
                                              packed):
     results = worlds.run(
-        dp * tp * pp * cp, "tests.cases:parity", kind=kind, model_dir=model_dirs[kind], out_dir=str(tmp_path / "hf"),
+        dp * tp * pp * cp, cases.parity, kind=kind, model_dir=model_dirs[kind], out_dir=str(tmp_path / "hf"),
         dp=dp, tp=tp, pp=pp, cp=cp, microbatches=microbatches, padded=padded, packed=packed, seq=16,
     )
     check(results, tp=tp)
@@ -37,7 +38,7 @@ PACKED_WITHOUT_CP = [  # the rest of the engine honours packed documents too (ki
 
 @pytest.mark.parametrize(("kind", "tp", "pp", "microbatches"), PACKED_WITHOUT_CP)
 def test_packed_sequences_without_cp(worlds, model_dirs, tmp_path, kind, tp, pp, microbatches):
-    results = worlds.run(tp * pp, "tests.cases:parity", kind=kind, model_dir=model_dirs[kind],
+    results = worlds.run(tp * pp, cases.parity, kind=kind, model_dir=model_dirs[kind],
                          out_dir=str(tmp_path / "hf"), dp=1, tp=tp, pp=pp, microbatches=microbatches, packed=True, seq=16)
     check(results, tp=tp)
 
@@ -85,7 +86,7 @@ def test_context_parallel_refusals():
 
 
 def test_context_parallel_batch_errors(worlds, model_dirs):
-    messages = worlds.run(2, "tests.cases:cp_batch_errors", model_dir=model_dirs["llama"])
+    messages = worlds.run(2, cases.cp_batch_errors, model_dir=model_dirs["llama"])
     for m in messages:
         assert "sequence length 12 is not a multiple of 8 (cp=4" not in m["odd"]  # cp=2 here
         assert "sequence length 14 is not a multiple of 4 (cp=2 cuts it into 2*cp chunks)" in m["odd"], m
@@ -139,12 +140,12 @@ def test_checkpoint_moves_between_cp_and_other_meshes(worlds, model_dirs, tmp_pa
     from tests.models import load
 
     ckpt, uninterrupted = str(tmp_path / "ckpt"), str(tmp_path / "uninterrupted")
-    expected = worlds.run(4, "tests.test_context_parallel:case_cp_train_save_continue", model_dir=model_dirs["llama"],
+    expected = worlds.run(4, case_cp_train_save_continue, model_dir=model_dirs["llama"],
                           ckpt=ckpt, out=uninterrupted, zero=zero)[0]
     reference = dict(load("llama", uninterrupted).named_parameters())
     for dp, tp, cp in [(1, 1, 1), (2, 1, 1), (1, 1, 4)]:
         out = str(tmp_path / f"resumed-{dp}-{tp}-{cp}")
-        loss = worlds.run(dp * tp * cp, "tests.test_context_parallel:case_cp_resume", model_dir=model_dirs["llama"],
+        loss = worlds.run(dp * tp * cp, case_cp_resume, model_dir=model_dirs["llama"],
                           ckpt=ckpt, out=out, dp=dp, tp=tp, cp=cp)[0]
         assert abs(loss - expected) <= 1e-5 * abs(expected), (dp, tp, cp, loss, expected)
         resumed = dict(load("llama", out).named_parameters())

@@ -53,7 +53,7 @@ def case_dp_traffic(*, kind: str, model_dir: str, dp: int, tp: int, pp: int, mic
 def test_dp_traffic_per_step(worlds, model_dirs, kind, dp, tp, pp, microbatches, schedule, virtual_stages):
     """Every gradient byte crosses dp once, in buckets launched once gradients are final (a chunk's
     last backward, or under zb_h1 its last weight pass) and before the step's last action ends."""
-    for rank, r in enumerate(worlds.run(dp * tp * pp, "tests.test_data_parallel:case_dp_traffic", kind=kind,
+    for rank, r in enumerate(worlds.run(dp * tp * pp, case_dp_traffic, kind=kind,
                                         model_dir=model_dirs[kind], dp=dp, tp=tp, pp=pp, microbatches=microbatches,
                                         schedule=schedule, virtual_stages=virtual_stages)):
         assert r["dp_grad_bytes"] == r["grad_bytes"], (rank, r)  # every local gradient byte, exactly once
@@ -88,7 +88,7 @@ def case_no_sync(*, kind: str, model_dir: str, dp: int, tp: int, pp: int, schedu
     ("gpt2_deep", 2, 1, 2, "interleaved_1f1b", 2), ("llama_deep", 2, 1, 2, "zb_h1", 1),
 ])
 def test_no_sync_accumulates_over_steps(worlds, model_dirs, kind, dp, tp, pp, schedule, virtual_stages):
-    for rank, r in enumerate(worlds.run(dp * tp * pp, "tests.test_data_parallel:case_no_sync", kind=kind,
+    for rank, r in enumerate(worlds.run(dp * tp * pp, case_no_sync, kind=kind,
                                         model_dir=model_dirs[kind], dp=dp, tp=tp, pp=pp, schedule=schedule,
                                         virtual_stages=virtual_stages)):
         assert r["unsynced_dp_grad_calls"] == 0, (rank, r)
@@ -125,7 +125,7 @@ def case_copies_stay_equal(*, model_dir: str) -> dict:
 
 
 def test_copies_stay_equal(worlds, model_dirs):
-    for r in worlds.run(8, "tests.test_data_parallel:case_copies_stay_equal", model_dir=model_dirs["gpt2"]):
+    for r in worlds.run(8, case_copies_stay_equal, model_dir=model_dirs["gpt2"]):
         failed = [k for k, v in r.items() if v is False]
         assert not failed, r
 
@@ -154,6 +154,6 @@ def case_disarm() -> dict:
 
 
 def test_a_failed_step_leaves_no_bucket_armed(worlds):
-    result = worlds.run(1, "tests.test_data_parallel:case_disarm")[0]
+    result = worlds.run(1, case_disarm)[0]
     assert result["launched_early"] == 0, result  # a partial sum would have crossed dp
     assert result["grads"] == [[11.0] * 4] * 2, result

@@ -34,7 +34,7 @@ def case_same_seed_twice(*, model_dir: str) -> list[list[float]]:
 
 
 def test_same_seed_same_mesh_is_bit_identical(worlds, model_dirs):
-    for first, second in worlds.run(4, "tests.test_determinism:case_same_seed_twice", model_dir=model_dirs["gpt2"]):
+    for first, second in worlds.run(4, case_same_seed_twice, model_dir=model_dirs["gpt2"]):
         assert first == second  # exact float equality, dropout included
         assert len(set(first)) == len(first)
 
@@ -62,7 +62,7 @@ def _plain(model_dir: str) -> list[float]:
 def test_fifty_steps_at_any_mesh_follow_the_plain_model(worlds, model_dirs, dp, tp, pp):
     plain = _plain(model_dirs["gpt2"])
     assert plain[-1] < plain[0]
-    runs = worlds.run(dp * tp * pp, "tests.test_determinism:case_trajectory", model_dir=model_dirs["gpt2"], dp=dp, tp=tp, pp=pp)
+    runs = worlds.run(dp * tp * pp, case_trajectory, model_dir=model_dirs["gpt2"], dp=dp, tp=tp, pp=pp)
     for losses in runs:
         assert losses == runs[0]  # every rank reports the same global loss
         worst = max(abs(a - b) / abs(b) for a, b in zip(losses, plain))

@@ -44,6 +44,6 @@ def case_dropout_streams(*, gpt2_dir: str) -> dict[str, bool]:
 
 
 def test_dropout_streams(worlds, model_dirs):
-    for rank, results in enumerate(worlds.run(4, "tests.test_dropout:case_dropout_streams", gpt2_dir=model_dirs["gpt2"])):
+    for rank, results in enumerate(worlds.run(4, case_dropout_streams, gpt2_dir=model_dirs["gpt2"])):
         failed = [name for name, ok in results.items() if not ok]
         assert not failed, f"rank {rank}: {failed}"

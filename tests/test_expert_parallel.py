@@ -10,6 +10,7 @@ from qn_hf import convert
 from qn_hf.check.run import build, model_class
 from tests.cases import error_message
 from tests.ep_cases import moe_config
+from tests import ep_cases
 
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 2e-5
@@ -35,7 +36,7 @@ def _check(results: list[dict], *, ep: int) -> None:
 
 @pytest.mark.parametrize(("model_type", "dp", "tp", "pp", "ep", "microbatches"), EP_CASES)
 def test_expert_parallel_equals_plain_model(worlds, tmp_path, model_type, dp, tp, pp, ep, microbatches):
-    results = worlds.run(dp * tp * pp, "tests.ep_cases:ep_parity", model_type=model_type, out_dir=str(tmp_path / "hf"),
+    results = worlds.run(dp * tp * pp, ep_cases.ep_parity, model_type=model_type, out_dir=str(tmp_path / "hf"),
                          dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches)
     _check(results, ep=ep)
 
@@ -45,7 +46,7 @@ def test_expert_parallel_equals_plain_model(worlds, tmp_path, model_type, dp, tp
     ("mixtral", "uneven", 1, 2, 2),
 ])
 def test_expert_parallel_with_skewed_routing(worlds, tmp_path, model_type, skew, dp, tp, ep):
-    results = worlds.run(dp * tp, "tests.ep_cases:ep_parity", model_type=model_type, out_dir=str(tmp_path / "hf"),
+    results = worlds.run(dp * tp, ep_cases.ep_parity, model_type=model_type, out_dir=str(tmp_path / "hf"),
                          dp=dp, tp=tp, pp=1, ep=ep, skew=skew)
     _check(results, ep=ep)
     counts = results[0]["expert_counts"]
@@ -64,14 +65,14 @@ def test_router_aux_loss_equals_plain_model(worlds, tmp_path, model_type, dp, tp
     """output_router_logits=True: transformers' load-balancing term, pooled over every layer and the
     whole batch (dp ranks included, padding left out), is in the loss and its gradient."""
     overrides = {"output_router_logits": True, "router_aux_loss_coef": 0.5}  # large: a wrong term shows
-    results = worlds.run(dp * tp, "tests.ep_cases:ep_parity", model_type=model_type, out_dir=str(tmp_path / "hf"),
+    results = worlds.run(dp * tp, ep_cases.ep_parity, model_type=model_type, out_dir=str(tmp_path / "hf"),
                          dp=dp, tp=tp, pp=1, ep=ep, overrides=overrides, padded=padded)
     _check(results, ep=ep)
 
 
 def test_expert_parallel_with_fewer_tokens_than_tp_ranks(worlds, tmp_path):
     """3 tokens over tp=4: the last tp rank's share is empty; it still takes part in every exchange."""
-    results = worlds.run(4, "tests.ep_cases:ep_parity", model_type="mixtral", out_dir=str(tmp_path / "hf"), dp=1, tp=4,
+    results = worlds.run(4, ep_cases.ep_parity, model_type="mixtral", out_dir=str(tmp_path / "hf"), dp=1, tp=4,
                          pp=1, ep=2, per_rank=1, seq=3)
     _check(results, ep=2)
 
@@ -83,7 +84,7 @@ def test_expert_parallel_with_fewer_tokens_than_tp_ranks(worlds, tmp_path):
 ])
 def test_expert_parallel_with_recomputation(worlds, tmp_path, model_type, dp, tp, pp, ep, recompute):
     """Recomputing a block in backward runs its all-to-alls again, on every rank of the ep group alike."""
-    results = worlds.run(dp * tp * pp, "tests.ep_cases:ep_parity", model_type=model_type, out_dir=str(tmp_path / "hf"),
+    results = worlds.run(dp * tp * pp, ep_cases.ep_parity, model_type=model_type, out_dir=str(tmp_path / "hf"),
                          dp=dp, tp=tp, pp=pp, ep=ep, microbatches=max(pp, 1), recompute=recompute)
     _check(results, ep=ep)
 
@@ -96,7 +97,7 @@ def test_expert_parallel_checkpoints_move_between_ep_degrees(worlds, tmp_path):
     build(config, seed=0).save_pretrained(model_dir)
     first, second = str(tmp_path / "ckpt-ep2"), str(tmp_path / "ckpt-ep4")
     plain = str(tmp_path / "uninterrupted")
-    expected = worlds.run(2, "tests.ep_cases:ep_checkpoint_run", model_dir=model_dir, dp=2, tp=1, pp=1, ep=2,
+    expected = worlds.run(2, ep_cases.ep_checkpoint_run, model_dir=model_dir, dp=2, tp=1, pp=1, ep=2,
                           load=None, steps=[1, 2, 3], save=first, export=plain)[0]
     assert convert.main(["to-hf", first, str(tmp_path / "to-hf")]) == 0
     exported = model_class(config).from_pretrained(str(tmp_path / "to-hf")).state_dict()
@@ -105,7 +106,7 @@ def test_expert_parallel_checkpoints_move_between_ep_degrees(worlds, tmp_path):
     runs = [((2, 2, 1, 4), first, [2, 3], second), ((1, 1, 1, 1), second, [3], None), ((1, 1, 2, 1), first, [2], None)]
     for (dp, tp, pp, ep), source, steps, save in runs:
         out = str(tmp_path / f"resumed-{dp}{tp}{pp}{ep}")
-        losses = worlds.run(dp * tp * pp, "tests.ep_cases:ep_checkpoint_run", model_dir=model_dir, dp=dp, tp=tp, pp=pp,
+        losses = worlds.run(dp * tp * pp, ep_cases.ep_checkpoint_run, model_dir=model_dir, dp=dp, tp=tp, pp=pp,
                             ep=ep, load=source, steps=steps, save=save, export=out)[0]
         for step, loss in zip(steps, losses):
             assert abs(loss - expected[step - 1]) <= LOSS_RTOL * abs(expected[step - 1]), (dp, tp, pp, ep, step)
@@ -156,15 +157,15 @@ def test_meta_model_reads_per_expert_hf_layout(worlds, tmp_path, model_type, dp,
     build(moe_config(model_type), seed=0).save_pretrained(model_dir)
     with safe_open(f"{model_dir}/model.safetensors", "pt") as f:
         assert any(".experts.0." in k for k in f.keys()), "transformers saved fused experts: nothing to test"
-    for r in worlds.run(dp * tp, "tests.ep_cases:ep_meta_load", model_dir=model_dir, dp=dp, tp=tp, ep=ep):
+    for r in worlds.run(dp * tp, ep_cases.ep_meta_load, model_dir=model_dir, dp=dp, tp=tp, ep=ep):
         assert r["weight_err"] == 0.0 and abs(r["loss"] - r["ref_loss"]) <= LOSS_RTOL * r["ref_loss"], r
 
 
 def test_expert_parallel_in_bf16_trains_like_replicated_experts(worlds):
     """bf16 compute with float32 gradients and masters: three AdamW steps at ep=2 follow the same
     losses as the same dp=2 run with every expert on every rank (bf16 rounding apart)."""
-    sharded = worlds.run(2, "tests.ep_cases:ep_bf16_losses", model_type="mixtral", ep=2)[0]
-    replicated = worlds.run(2, "tests.ep_cases:ep_bf16_losses", model_type="mixtral", ep=1)[0]
+    sharded = worlds.run(2, ep_cases.ep_bf16_losses, model_type="mixtral", ep=2)[0]
+    replicated = worlds.run(2, ep_cases.ep_bf16_losses, model_type="mixtral", ep=1)[0]
     assert sharded["grad_dtypes"] == sharded["master_dtypes"] == ["torch.float32"], sharded
     for a, b in zip(sharded["losses"], replicated["losses"]):
         assert abs(a - b) <= 2e-3 * abs(b), (sharded, replicated)

@@ -42,7 +42,7 @@ def unusual_modes(root: str) -> list[str]:
 
 def test_exports_and_checkpoints_are_readable_like_any_file(worlds, model_dirs, tmp_path):
     out, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
-    worlds.run(2, "tests.test_file_modes:case_save_everything", model_dir=model_dirs["gpt2"], out=out, ckpt=ckpt)
+    worlds.run(2, case_save_everything, model_dir=model_dirs["gpt2"], out=out, ckpt=ckpt)
     assert convert.main(["to-hf", ckpt, str(tmp_path / "to-hf")]) == 0
     assert convert.main(["from-hf", out, str(tmp_path / "from-hf"), "--tp", "1", "--pp", "1"]) == 0
     # to-hf writes the generation config save_pretrained writes (GPT-2 generates)

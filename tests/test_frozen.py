@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.test_parity import check
+from tests import cases
 
 EMBED_AND_FIRST_HALF = ("model.embed_tokens", "model.layers.0.", "model.layers.1.")
 # (kind, dp, tp, pp, schedule, virtual_stages, microbatches, frozen)
@@ -25,7 +26,7 @@ FROZEN_CASES = [
                          FROZEN_CASES)
 def test_frozen_parameters(worlds, model_dirs, tmp_path, kind, dp, tp, pp, schedule, virtual_stages, microbatches,
                            frozen):
-    results = worlds.run(dp * tp * pp, "tests.cases:parity", kind=kind, model_dir=model_dirs[kind],
+    results = worlds.run(dp * tp * pp, cases.parity, kind=kind, model_dir=model_dirs[kind],
                          out_dir=str(tmp_path / "hf"), dp=dp, tp=tp, pp=pp, schedule=schedule,
                          virtual_stages=virtual_stages, microbatches=microbatches, padded=True, bucket_mb=0.01,
                          frozen=frozen)

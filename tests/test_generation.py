@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from tests import generation_cases
 
 KINDS = ["gpt2", "llama"]  # tied head and vocabulary 99 (padded at tp=2); GQA and vocabulary 101
 MESHES = [(1, 2, 1), (1, 1, 2), (1, 2, 2), (2, 1, 2)]  # (dp, tp, pp)
@@ -13,7 +14,7 @@ def test_generate_equals_plain_model(worlds, model_dirs, dp, tp, pp):
     """Greedy token for token (a left-padded batch with attention_mask, one prompt without), sampling
     with the same seed, the logits HF's processors see (whole vocabulary); every rank of a replica
     returns the same, each dp replica its own prompts' result; the train/eval mode is given back."""
-    results = worlds.run(dp * tp * pp, "tests.generation_cases:generation", model_dirs=model_dirs, kinds=KINDS,
+    results = worlds.run(dp * tp * pp, generation_cases.generation, model_dirs=model_dirs, kinds=KINDS,
                          dp=dp, tp=tp, pp=pp)
     for kind in KINDS:
         per_replica: dict[int, dict] = {}
@@ -33,7 +34,7 @@ def test_generate_equals_plain_model(worlds, model_dirs, dp, tp, pp):
 def test_state_dict_equals_plain_model(worlds, model_dirs):
     """tp=2 x pp=2: every rank holds the plain model's state dict exactly (names, order, dtypes, values,
     the tied head as one tensor), and a tiny max_bytes is refused on every rank, pointing at save_pretrained."""
-    for r in worlds.run(4, "tests.generation_cases:full_state", model_dirs=model_dirs, kinds=KINDS, dp=1, tp=2, pp=2):
+    for r in worlds.run(4, generation_cases.full_state, model_dirs=model_dirs, kinds=KINDS, dp=1, tp=2, pp=2):
         for kind in KINDS:
             got = r[kind]
             assert not got["missing"] and not got["unexpected"] and not got["different"], (kind, r["rank"], got)
@@ -44,7 +45,7 @@ def test_state_dict_equals_plain_model(worlds, model_dirs):
 
 
 def test_generate_refusals(worlds, model_dirs):
-    results = worlds.run(2, "tests.generation_cases:refusals", model_dirs=model_dirs)
+    results = worlds.run(2, generation_cases.refusals, model_dirs=model_dirs)
     for r in results:
         assert "cp=2" in r["cp"] and "cp=1" in r["cp"], r["cp"]
         assert "sequence_parallel=False" in r["sequence_parallel"], r["sequence_parallel"]

@@ -48,7 +48,7 @@ ALLOWED = {"dp": 0, "tp": 0, "bf16_zero": 0, "resume": 0, "fp16": 1, "pp": 0}
 
 @pytest.mark.parametrize("feature", ["dp", "tp", "pp", "ep", "fp16", "bf16_zero", "resume"])
 def test_steady_step_syncs(worlds, tmp_path, feature):
-    results = worlds.run(2, "tests.test_host_syncs:steady_syncs", feature=feature, tmp=str(tmp_path / "ckpt"))
+    results = worlds.run(2, steady_syncs, feature=feature, tmp=str(tmp_path / "ckpt"))
     for r in results:
         allowed = r["moe_calls"] if feature == "ep" else ALLOWED[feature]
         assert r["qn_hf"] <= allowed, r
@@ -133,7 +133,7 @@ def clip_parity(*, kind: str, model_dir: str, dp: int, tp: int, pp: int, zero: b
     ("gpt2", 2, 1, 1, True, 2.0),  # ZeRO-1 pieces summed over dp
 ])
 def test_clip_equals_torch_without_copying_gradients(worlds, model_dirs, kind, dp, tp, pp, zero, norm_type):
-    results = worlds.run(dp * tp * pp, "tests.test_host_syncs:clip_parity", kind=kind, model_dir=model_dirs[kind],
+    results = worlds.run(dp * tp * pp, clip_parity, kind=kind, model_dir=model_dirs[kind],
                          dp=dp, tp=tp, pp=pp, zero=zero, norm_type=norm_type)
     for r in results:
         assert abs(r["norm"] - r["ref_norm"]) <= 1e-5 * r["ref_norm"], r

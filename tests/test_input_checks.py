@@ -52,7 +52,7 @@ def test_out_of_range_ids_and_labels_raise_like_the_plain_model(worlds, model_di
         raised = True
     assert raised  # what the plain model does, and so must every rank
     for tp in (1, 2):
-        results = worlds.run(tp, "tests.test_input_checks:case_index_range", model_dir=model_dirs["llama"], tp=tp)
+        results = worlds.run(tp, case_index_range, model_dir=model_dirs["llama"], tp=tp)
         assert all(r == results[0] for r in results)
         m = results[0]
         assert m["id"].startswith("IndexError: batch['input_ids'] holds 101, outside the vocabulary [0, 101)"), m
@@ -82,7 +82,7 @@ def case_different_batches(*, model_dir: str, tp: int, pp: int, how: str) -> dic
 
 def test_ranks_of_a_replica_given_different_batches_are_refused(worlds, model_dirs):
     for tp, pp, how in ((2, 1, "contents"), (2, 1, "length"), (1, 2, "contents")):
-        results = worlds.run(tp * pp, "tests.test_input_checks:case_different_batches", model_dir=model_dirs["llama"],
+        results = worlds.run(tp * pp, case_different_batches, model_dir=model_dirs["llama"],
                              tp=tp, pp=pp, how=how)
         assert results[0] == results[1], results
         m = results[0]

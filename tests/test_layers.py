@@ -105,16 +105,16 @@ def _check(results: list[dict[str, float]], tol: float = 1e-6) -> None:
 
 
 def test_linear_and_conv1d_tp2(worlds):
-    _check(worlds.run(2, "tests.test_layers:case_linear_and_conv1d"))
+    _check(worlds.run(2, case_linear_and_conv1d))
 
 
 def test_linear_and_conv1d_tp4(worlds):
-    _check(worlds.run(4, "tests.test_layers:case_linear_and_conv1d"))
+    _check(worlds.run(4, case_linear_and_conv1d))
 
 
 def test_vocab_embedding_and_loss_tp2(worlds):
-    _check(worlds.run(2, "tests.test_layers:case_vocab_embedding_and_loss"))
+    _check(worlds.run(2, case_vocab_embedding_and_loss))
 
 
 def test_vocab_embedding_and_loss_tp4(worlds):
-    _check(worlds.run(4, "tests.test_layers:case_vocab_embedding_and_loss"))
+    _check(worlds.run(4, case_vocab_embedding_and_loss))

@@ -50,7 +50,7 @@ LOGITS_CASES = [  # kind, dp, tp, pp, cp, microbatches, schedule, virtual_stages
                          LOGITS_CASES)
 def test_logits_equal_the_plain_model(worlds, model_dirs, kind, dp, tp, pp, cp, microbatches, schedule,
                                       virtual_stages, sp):
-    results = worlds.run(dp * tp * pp * cp, "tests.test_logits:logits_case", kind=kind, model_dir=model_dirs[kind],
+    results = worlds.run(dp * tp * pp * cp, logits_case, kind=kind, model_dir=model_dirs[kind],
                          dp=dp, tp=tp, pp=pp, cp=cp, microbatches=microbatches, schedule=schedule,
                          virtual_stages=virtual_stages, sequence_parallel=sp)
     for r in results:
@@ -73,6 +73,6 @@ def local_batch_case(*, model_dir: str, dp: int, microbatches: int, rows: int) -
 def test_local_batch_cuts_a_global_batch_for_this_replica(worlds, model_dirs):
     """5 rows over dp=2 x 2 microbatches: padded to 8 with rows that carry no loss, 4 per replica; the
     step's loss is the plain model's on the 5 real rows."""
-    for r in worlds.run(2, "tests.test_logits:local_batch_case", model_dir=model_dirs["llama"], dp=2,
+    for r in worlds.run(2, local_batch_case, model_dir=model_dirs["llama"], dp=2,
                         microbatches=2, rows=5):
         assert r["rows"] == 4 and abs(r["loss"] - r["ref_loss"]) <= 1e-5 * abs(r["ref_loss"]), r

@@ -36,7 +36,7 @@ def test_meta_model_from_checkpoint(worlds, model_dirs, tmp_path, kind, tp, pp, 
         checkpoint = str(tmp_path / "ckpt")
         assert convert.main(["from-hf", model_dirs[kind], checkpoint, "--tp", "2", "--pp", "1"]) == 0
     out = str(tmp_path / "out")
-    for r in worlds.run(tp * pp, "tests.test_meta_init:case_meta", kind=kind, model_dir=model_dirs[kind],
+    for r in worlds.run(tp * pp, case_meta, kind=kind, model_dir=model_dirs[kind],
                         checkpoint=checkpoint, out=out, tp=tp, pp=pp):
         assert r["on_meta"] == [], r
         assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * abs(r["ref_loss"]), r

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from tests import optim_cases
 
 MIXED_CASES = [  # kind, dp, tp, pp, microbatches, zero, precision, schedule
     ("llama", 1, 1, 1, 1, False, "bf16", "1f1b"),
@@ -20,7 +21,7 @@ def test_mixed_precision_trains_like_the_plain_model_by_hand(worlds, model_dirs,
     """Against the plain model run the way mixed precision promises (weights cast for compute,
     float32 gradients, float32 masters): the same losses and masters up to low-precision rounding,
     which differs with the mesh (sums split over tp and microbatches round differently)."""
-    results = worlds.run(dp * tp * pp, "tests.optim_cases:mixed_parity", kind=kind, model_dir=model_dirs[kind], dp=dp,
+    results = worlds.run(dp * tp * pp, optim_cases.mixed_parity, kind=kind, model_dir=model_dirs[kind], dp=dp,
                          tp=tp, pp=pp, microbatches=microbatches, zero=zero, precision=precision, schedule=schedule)
     low = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[precision]
     for r in results:
@@ -35,6 +36,6 @@ def test_mixed_precision_trains_like_the_plain_model_by_hand(worlds, model_dirs,
 
 @pytest.mark.parametrize("dp", [1, 2])
 def test_fp16_overflow_skips_the_step_everywhere(worlds, model_dirs, dp):
-    for r in worlds.run(dp, "tests.optim_cases:fp16_overflow", kind="llama", model_dir=model_dirs["llama"], dp=dp):
+    for r in worlds.run(dp, optim_cases.fp16_overflow, kind="llama", model_dir=model_dirs["llama"], dp=dp):
         assert r["unchanged"] and r["skipped"] == 1 and r["scale"] == 2.0**39, r
         assert r["moved"] and r["skipped_after"] == 1, r

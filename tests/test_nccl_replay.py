@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from qn_hf.pipeline.nccl_replay import COLLECTIVE, POST, RECV, SEND, SYNC, WAIT, Call, NcclDeadlock, replay
+from tests import nccl_trace_cases
 
 LEGACY = Path(__file__).parent / "data" / "nccl_traces_c73aed4.json"
 
@@ -113,7 +114,7 @@ PIPELINES = [  # (kind, pp, schedule, microbatches, virtual_stages)
 def test_the_pipeline_completes_under_nccl(worlds, model_dirs, kind, pp, schedule, microbatches, virtual_stages):
     """Every rank's calls of real steps (recorded under gloo) complete under the NCCL model: the first
     training step (with the shape header), a steady one, evaluation and generation."""
-    results = worlds.run(pp, "tests.nccl_trace_cases:record_pipeline", kind=kind, model_dir=model_dirs[kind], pp=pp,
+    results = worlds.run(pp, nccl_trace_cases.record_pipeline, kind=kind, model_dir=model_dirs[kind], pp=pp,
                          schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
                          generate=virtual_stages == 1)
     for name in results[0]:

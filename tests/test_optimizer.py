@@ -7,6 +7,7 @@ from torch import nn
 
 from qn_hf.memory.recompute import check_recompute
 from tests.models import load
+from tests import optim_cases
 
 ZERO_CASES = [  # kind, dp, tp, pp, optimizer, schedule
     ("gpt2", 2, 2, 2, "AdamW", "1f1b"),  # tied embedding across stages, vocab padding
@@ -20,7 +21,7 @@ ZERO_CASES = [  # kind, dp, tp, pp, optimizer, schedule
 
 @pytest.mark.parametrize(("kind", "dp", "tp", "pp", "opt_name", "schedule"), ZERO_CASES)
 def test_zero_equals_the_unsharded_optimizer(worlds, model_dirs, kind, dp, tp, pp, opt_name, schedule):
-    results = worlds.run(dp * tp * pp, "tests.optim_cases:zero_parity", kind=kind, model_dir=model_dirs[kind], dp=dp,
+    results = worlds.run(dp * tp * pp, optim_cases.zero_parity, kind=kind, model_dir=model_dirs[kind], dp=dp,
                          tp=tp, pp=pp, microbatches=2, opt_name=opt_name, schedule=schedule)
     for r in results:
         assert r["losses"] == r["losses_unsharded"], r
@@ -37,7 +38,7 @@ def test_zero_equals_the_unsharded_optimizer(worlds, model_dirs, kind, dp, tp, p
 @pytest.mark.parametrize(("kind", "precision"), [("gpt2", None), ("llama", "bf16")])
 def test_zero_checkpoint_resumes_at_other_meshes(worlds, model_dirs, tmp_path, kind, precision):
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "uninterrupted")
-    loss = worlds.run(4, "tests.optim_cases:save_and_continue", kind=kind, model_dir=model_dirs[kind], ckpt=ckpt,
+    loss = worlds.run(4, optim_cases.save_and_continue, kind=kind, model_dir=model_dirs[kind], ckpt=ckpt,
                       out=out, dp=2, tp=2, pp=1, zero=True, precision=precision)[0]
     expected = dict(load(kind, out).named_parameters())
     # bf16 weights after a step at another mesh differ by float rounding: one bf16 step at |w| < 0.125
@@ -45,7 +46,7 @@ def test_zero_checkpoint_resumes_at_other_meshes(worlds, model_dirs, tmp_path, k
     meshes = [(2, 2, 1, True), (4, 1, 1, True), (1, 2, 2, False)] + ([(2, 1, 2, None)] if precision is None else [])
     for dp, tp, pp, zero in meshes:
         resumed = str(tmp_path / f"resumed-{dp}-{tp}-{pp}-{zero}")
-        r = worlds.run(dp * tp * pp, "tests.optim_cases:resume", kind=kind, model_dir=model_dirs[kind], ckpt=ckpt,
+        r = worlds.run(dp * tp * pp, optim_cases.resume, kind=kind, model_dir=model_dirs[kind], ckpt=ckpt,
                        out=resumed, dp=dp, tp=tp, pp=pp, zero=zero, precision=precision)[0]
         assert r["step"] == 2
         assert abs(r["loss"] - loss) <= (1e-5 if precision is None else 1e-4) * loss, (dp, tp, pp, zero, r, loss)
@@ -55,7 +56,7 @@ def test_zero_checkpoint_resumes_at_other_meshes(worlds, model_dirs, tmp_path, k
 
 
 def test_misuse_is_refused(worlds, model_dirs):
-    r = worlds.run(2, "tests.optim_cases:bad_input", model_dir=model_dirs["llama"])[0]
+    r = worlds.run(2, optim_cases.bad_input, model_dir=model_dirs["llama"])[0]
     assert "Adafactor is not one of them: use zero=False" in r["adafactor"], r
     assert "Muon is not one of them" in r["muon"], r
     assert "not a torch.optim.Optimizer subclass" in r["not_a_class"], r
@@ -75,7 +76,7 @@ def test_recompute_needs_checkpointable_blocks():
 
 
 def test_one_process_api(worlds, model_dirs):
-    r = worlds.run(1, "tests.optim_cases:one_process_api", model_dir=model_dirs["llama"])[0]
+    r = worlds.run(1, optim_cases.one_process_api, model_dir=model_dirs["llama"])[0]
     assert r["zero_warning"] and r["lr"] == pytest.approx(5e-4) and r["inner_lr"] == pytest.approx(5e-4), r
     assert r["state_dict_keys"] >= {"state", "param_groups", "qn_hf"} and r["restored"], r
     assert r["bf16_warning"], r
@@ -85,6 +86,6 @@ def test_one_process_api(worlds, model_dirs):
 def test_skip_nonfinite_skips_on_every_rank(worlds, model_dirs, dp, tp, zero):
     """A NaN in one rank's gradients: every rank skips the step (weights and optimizer state as they
     were), counted in skipped_steps; the next finite step is taken."""
-    for r in worlds.run(dp * tp, "tests.optim_cases:skip_nonfinite_case", kind="llama", model_dir=model_dirs["llama"],
+    for r in worlds.run(dp * tp, optim_cases.skip_nonfinite_case, kind="llama", model_dir=model_dirs["llama"],
                         dp=dp, tp=tp, zero=zero):
         assert r == {"unchanged": True, "skipped": 1, "state_after_skip": 0, "moved": True, "skipped_after": 1}, r

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.shapes import DATA_PARALLEL_CASES, PARITY_CASES, PIPELINE_CASES, SCHEDULE_CASES, SCHEDULE_CASES_LONG
+from tests import cases
 
 LOSS_RTOL = 1e-5
 GRAD_ATOL = 2e-6
@@ -29,7 +30,7 @@ def check(results: list[dict], *, tp: int) -> None:
 @pytest.mark.parametrize(("kind", "dp", "tp", "microbatches", "padded"), PARITY_CASES)
 def test_tensor_and_data_parallel(worlds, model_dirs, tmp_path, kind, dp, tp, microbatches, padded):
     results = worlds.run(
-        dp * tp, "tests.cases:parity", kind=kind, model_dir=model_dirs[kind], out_dir=str(tmp_path / "hf"),
+        dp * tp, cases.parity, kind=kind, model_dir=model_dirs[kind], out_dir=str(tmp_path / "hf"),
         dp=dp, tp=tp, microbatches=microbatches, padded=padded,
     )
     check(results, tp=tp)
@@ -38,7 +39,7 @@ def test_tensor_and_data_parallel(worlds, model_dirs, tmp_path, kind, dp, tp, mi
 @pytest.mark.parametrize(("kind", "dp", "tp", "pp", "schedule", "microbatches", "layers_per_stage"), PIPELINE_CASES)
 def test_pipeline(worlds, model_dirs, tmp_path, kind, dp, tp, pp, schedule, microbatches, layers_per_stage):
     results = worlds.run(
-        dp * tp * pp, "tests.cases:parity", kind=kind, model_dir=model_dirs[kind], out_dir=str(tmp_path / "hf"),
+        dp * tp * pp, cases.parity, kind=kind, model_dir=model_dirs[kind], out_dir=str(tmp_path / "hf"),
         dp=dp, tp=tp, pp=pp, schedule=schedule, microbatches=microbatches, layers_per_stage=layers_per_stage,
         padded=kind != "vit",
     )
@@ -48,7 +49,7 @@ def test_pipeline(worlds, model_dirs, tmp_path, kind, dp, tp, pp, schedule, micr
 @pytest.mark.parametrize(("kind", "dp", "tp", "pp", "schedule", "microbatches"), DATA_PARALLEL_CASES)
 def test_data_parallel_3d(worlds, model_dirs, tmp_path, kind, dp, tp, pp, schedule, microbatches):
     results = worlds.run(
-        dp * tp * pp, "tests.cases:parity", kind=kind, model_dir=model_dirs[kind], out_dir=str(tmp_path / "hf"),
+        dp * tp * pp, cases.parity, kind=kind, model_dir=model_dirs[kind], out_dir=str(tmp_path / "hf"),
         dp=dp, tp=tp, pp=pp, schedule=schedule, microbatches=microbatches, padded=kind != "vit",
         bucket_mb=0.01,  # several buckets even for tiny models
     )
@@ -61,7 +62,7 @@ def test_schedules(worlds, model_dirs, tmp_path, kind, dp, tp, pp, schedule, vir
                    layers_per_stage, rows):
     """Interleaved 1F1B, ZB-H1 and microbatches of different sizes (``tensor_split``)."""
     results = worlds.run(
-        dp * tp * pp, "tests.cases:parity", kind=kind, model_dir=model_dirs[kind], out_dir=str(tmp_path / "hf"),
+        dp * tp * pp, cases.parity, kind=kind, model_dir=model_dirs[kind], out_dir=str(tmp_path / "hf"),
         dp=dp, tp=tp, pp=pp, schedule=schedule, virtual_stages=virtual_stages, microbatches=microbatches,
         layers_per_stage=layers_per_stage, rows=rows, padded=True, bucket_mb=0.01,
     )
@@ -71,7 +72,7 @@ def test_schedules(worlds, model_dirs, tmp_path, kind, dp, tp, pp, schedule, vir
 def test_loss_fn_with_microbatches_and_dp_batches_of_different_sizes(worlds, model_dirs):
     """dp rank 0 holds 3 examples (microbatches of 2 and 1), rank 1 holds 2 (1 and 1): each
     microbatch's mean is weighted by its rows over the 5, as the plain model's mean is."""
-    for r in worlds.run(4, "tests.cases:uneven_loss_fn", model_dir=model_dirs["llama"], dp=2, pp=2,
+    for r in worlds.run(4, cases.uneven_loss_fn, model_dir=model_dirs["llama"], dp=2, pp=2,
                         microbatches=2, rows=[3, 2]):
         assert abs(r["loss"] - r["ref_loss"]) <= LOSS_RTOL * abs(r["ref_loss"]), r
         assert r["grad_err"] < GRAD_ATOL, r

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from tests import peft_cases
 
 pytest.importorskip("peft")
 
@@ -31,7 +32,7 @@ LORA_CASES = [
                                                               "selective")])
 def test_lora_equals_peft(worlds, model_dirs, tmp_path, kind, dp, tp, pp, microbatches, schedule, sp, zero, targets,
                           recompute):
-    results = worlds.run(dp * tp * pp, "tests.peft_cases:lora_parity", kind=kind, model_dir=model_dirs[kind],
+    results = worlds.run(dp * tp * pp, peft_cases.lora_parity, kind=kind, model_dir=model_dirs[kind],
                          out_dir=str(tmp_path / "adapter"), targets=targets, dp=dp, tp=tp, pp=pp,
                          microbatches=microbatches, schedule=schedule, sequence_parallel=sp, zero=zero,
                          recompute=recompute)
@@ -50,7 +51,7 @@ def test_lora_equals_peft(worlds, model_dirs, tmp_path, kind, dp, tp, pp, microb
 
 def test_dora_without_tp(worlds, model_dirs, tmp_path):
     """DoRA's magnitude vector needs the norm of the whole weight: it runs where nothing is split."""
-    results = worlds.run(2, "tests.peft_cases:lora_parity", kind="llama", model_dir=model_dirs["llama"],
+    results = worlds.run(2, peft_cases.lora_parity, kind="llama", model_dir=model_dirs["llama"],
                          out_dir=str(tmp_path / "adapter"), targets=LLAMA_TARGETS, pp=2, microbatches=2, use_dora=True)
     for r in results:
         assert abs(r["loss"] - r["ref_loss"]) <= LOSS_RTOL * abs(r["ref_loss"]), r
@@ -65,7 +66,7 @@ def test_dora_without_tp(worlds, model_dirs, tmp_path):
     ("dropout_sp", 2, ["q_proj"], "lora_dropout > 0 on model.layers.0.self_attn.q_proj with sequence_parallel=True"),
 ])
 def test_unsupported_peft_refused_on_every_rank(worlds, model_dirs, method, tp, targets, expected):
-    for message in worlds.run(2, "tests.peft_cases:peft_error", kind="llama", model_dir=model_dirs["llama"],
+    for message in worlds.run(2, peft_cases.peft_error, kind="llama", model_dir=model_dirs["llama"],
                               method=method, tp=tp, targets=targets):
         assert expected in message, message
 
@@ -76,12 +77,12 @@ def test_lora_checkpoint_resumes_at_another_mesh(worlds, model_dirs, tmp_path):
     from safetensors.torch import load_file
 
     ckpt, whole = str(tmp_path / "ckpt"), str(tmp_path / "whole")
-    expected = worlds.run(4, "tests.peft_cases:lora_steps", model_dir=model_dirs["llama"], ckpt=ckpt, out=whole,
+    expected = worlds.run(4, peft_cases.lora_steps, model_dir=model_dirs["llama"], ckpt=ckpt, out=whole,
                           tp=2, pp=2)[0]["losses"]
     reference = load_file(f"{whole}/adapter_model.safetensors")
     for dp, pp in [(2, 1), (1, 2)]:
         out = str(tmp_path / f"resumed-{dp}-{pp}")
-        got = worlds.run(dp * pp, "tests.peft_cases:lora_steps", model_dir=model_dirs["llama"], ckpt=ckpt, out=out,
+        got = worlds.run(dp * pp, peft_cases.lora_steps, model_dir=model_dirs["llama"], ckpt=ckpt, out=out,
                          dp=dp, pp=pp, resume=True)[0]["losses"]
         assert len(got) == 1 and abs(got[0] - expected[1]) <= 1e-5 * abs(expected[1]), (dp, pp, got, expected)
         resumed = load_file(f"{out}/adapter_model.safetensors")
@@ -91,7 +92,7 @@ def test_lora_checkpoint_resumes_at_another_mesh(worlds, model_dirs, tmp_path):
 
 
 def test_lora_bf16_keeps_masters_for_the_adapter_only(worlds, model_dirs):
-    for r in worlds.run(4, "tests.peft_cases:lora_bf16", model_dir=model_dirs["llama"], tp=2, pp=2):
+    for r in worlds.run(4, peft_cases.lora_bf16, model_dir=model_dirs["llama"], tp=2, pp=2):
         assert r["dtypes"] == ["torch.bfloat16"], r
         assert r["masters"] == r["trainable"] > 0, r  # no float32 copy of the frozen base
         assert abs(r["losses"][0] - r["ref_loss"]) <= 2e-2 * r["ref_loss"], r
@@ -99,7 +100,7 @@ def test_lora_bf16_keeps_masters_for_the_adapter_only(worlds, model_dirs):
 
 
 def test_lora_dropout_masks_follow_the_input_layout(worlds, model_dirs):
-    for same in worlds.run(2, "tests.peft_cases:lora_dropout_masks", model_dir=model_dirs["llama"]):
+    for same in worlds.run(2, peft_cases.lora_dropout_masks, model_dir=model_dirs["llama"]):
         assert len(same) == 8, same
         for name, equal in same.items():
             assert equal == ("q_proj" in name), (name, same)  # column: one mask; row: one per slice
@@ -109,7 +110,7 @@ def test_lora_dropout_masks_follow_the_input_layout(worlds, model_dirs):
 def test_the_adapter_directory_is_what_peft_writes(worlds, model_dirs, tmp_path, task_type):
     """adapter_config.json field for field as peft's own save_pretrained writes it (with no task type,
     the base class that AutoPeftModelForCausalLM needs), and every documented loader reads the adapter."""
-    r = worlds.run(2, "tests.peft_cases:adapter_files", kind="llama", model_dir=model_dirs["llama"],
+    r = worlds.run(2, peft_cases.adapter_files, kind="llama", model_dir=model_dirs["llama"],
                    ref_dir=str(tmp_path / "peft"), out_dir=str(tmp_path / "ours"), tp=2, task_type=task_type)[0]
     assert r["ours"] == r["theirs"], (r["ours"], r["theirs"])
     if task_type is None:

@@ -32,7 +32,7 @@ def case_stage_contents(*, gpt2_dir: str) -> dict:
 
 
 def test_each_stage_keeps_only_its_modules(worlds, model_dirs):
-    first, last = worlds.run(2, "tests.test_pipeline_split:case_stage_contents", gpt2_dir=model_dirs["gpt2"])
+    first, last = worlds.run(2, case_stage_contents, gpt2_dir=model_dirs["gpt2"])
     assert first["names"] == ["transformer.h.0", "transformer.h.1", "transformer.h.2", "transformer.wpe", "transformer.wte"]
     assert last["names"] == ["lm_head", "transformer.h.3", "transformer.h.4", "transformer.ln_f"]
     assert first["blocks alive"] == [True, True, True, False, False]
@@ -55,7 +55,7 @@ def case_save_replaces_other_layout(*, gpt2_dir: str, out_dir: str) -> list[str]
 
 
 def test_save_replaces_a_stale_layout(worlds, model_dirs, tmp_path):
-    files = worlds.run(2, "tests.test_pipeline_split:case_save_replaces_other_layout", gpt2_dir=model_dirs["gpt2"],
+    files = worlds.run(2, case_save_replaces_other_layout, gpt2_dir=model_dirs["gpt2"],
                        out_dir=str(tmp_path / "out"))[0]
     assert "model.safetensors" not in files
     assert {"model-pp000-00001.safetensors", "model-pp001-00001.safetensors", "model.safetensors.index.json"} <= set(files)
@@ -74,7 +74,7 @@ def case_small_files(*, gpt2_dir: str, out_dir: str) -> list[str]:
 
 def test_save_pretrained_splits_files_by_size(worlds, model_dirs, tmp_path):
     out = str(tmp_path / "out")
-    files = worlds.run(2, "tests.test_pipeline_split:case_small_files", gpt2_dir=model_dirs["gpt2"], out_dir=out)[0]
+    files = worlds.run(2, case_small_files, gpt2_dir=model_dirs["gpt2"], out_dir=out)[0]
     weights = [f for f in files if f.endswith(".safetensors")]
     assert len(weights) > 2 and "model.safetensors.index.json" in files
     assert all(os.path.getsize(os.path.join(out, f)) < 40_000 + 20_000 for f in weights)  # one tensor may overflow

@@ -17,9 +17,9 @@ def case_parallelize_warnings(*, model_dir: str, microbatches: int) -> list[str]
 
 
 def test_too_few_microbatches_warn_once_on_rank_0(worlds, model_dirs):
-    few = worlds.run(2, "tests.test_pipeline_warning:case_parallelize_warnings", model_dir=model_dirs["gpt2"], microbatches=1)
+    few = worlds.run(2, case_parallelize_warnings, model_dir=model_dirs["gpt2"], microbatches=1)
     assert len(few[0]) == 1 and few[1] == [], few
     assert few[0][0].startswith("microbatches=1 < pp=2: each stage idles 50% of a step"), few[0]
-    enough = worlds.run(2, "tests.test_pipeline_warning:case_parallelize_warnings", model_dir=model_dirs["gpt2"],
+    enough = worlds.run(2, case_parallelize_warnings, model_dir=model_dirs["gpt2"],
                         microbatches=4)
     assert enough == [[], []]

@@ -67,7 +67,7 @@ def test_planner_matches_parallelize(worlds, model_dirs, kind, dp, tp, pp, micro
     plan = estimate_mesh(config, dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule, seq_len=SEQ,
                          micro_batch_size=2, bucket_mb=BUCKET_MB, dtype=torch.float32,
                          sequence_parallel=sequence_parallel)
-    measured = worlds.run(dp * tp * pp, "tests.test_planner:case_measure", kind=kind, model_dir=model_dirs[kind],
+    measured = worlds.run(dp * tp * pp, case_measure, kind=kind, model_dir=model_dirs[kind],
                           dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
                           sequence_parallel=sequence_parallel)
     for rank, r in enumerate(measured):
@@ -329,7 +329,7 @@ def test_planner_matches_expert_parallel_traffic(worlds, dp, tp, pp, ep, microba
     config = moe_config("qwen3_moe", architectures=["Qwen3MoeForCausalLM"])
     plan = estimate_mesh(config, dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches, seq_len=SEQ,
                          micro_batch_size=2, bucket_mb=BUCKET_MB, backend="gloo")
-    measured = worlds.run(dp * tp * pp, "tests.test_planner:moe_measure", dp=dp, tp=tp, pp=pp, ep=ep,
+    measured = worlds.run(dp * tp * pp, moe_measure, dp=dp, tp=tp, pp=pp, ep=ep,
                           microbatches=microbatches)
     a2a = "ep:all_to_all_single"
     group_sums: dict[tuple[int, int], list[int]] = {}  # (stage, ep group) -> [bytes measured, planned]

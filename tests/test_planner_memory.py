@@ -25,6 +25,7 @@ import pytest
 
 from qn_hf.planner.estimate import Planner
 from tests.planner_memory_cases import BUCKET_MB, MOE, ROWS, SEQ, config_for
+from tests import planner_memory_cases
 
 STATE_TOLERANCE = 0.05
 ACTIVATION_TOLERANCE = 0.15
@@ -92,7 +93,7 @@ def test_planner_memory_matches_a_run_per_schedule(worlds, schedule, virtual_sta
 def _compare(worlds, kind: str, settings: dict, *, activation_tolerance: float = ACTIVATION_TOLERANCE) -> None:
     est = planner(kind).estimate(bucket_mb=BUCKET_MB, backend="gloo", **settings)
     world = settings["dp"] * settings["tp"] * settings["pp"] * settings.get("cp", 1)
-    measured = worlds.run(world, "tests.planner_memory_cases:measure", kind=kind, **settings)
+    measured = worlds.run(world, planner_memory_cases.measure, kind=kind, **settings)
     rows = []
     for r in measured:
         stage = est.stages[r["coords"]["pp"]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests import optim_cases
 
 RECOMPUTE_CASES = [  # kind, dp, tp, pp, mode, sequence_parallel, cp
     ("gpt2", 1, 2, 1, "full", False, 1),  # tp-local attention dropout and shared residual dropout
@@ -20,7 +21,7 @@ RECOMPUTE_CASES = [  # kind, dp, tp, pp, mode, sequence_parallel, cp
 
 @pytest.mark.parametrize(("kind", "dp", "tp", "pp", "mode", "sp", "cp"), RECOMPUTE_CASES)
 def test_recompute_is_bit_for_bit(worlds, model_dirs, kind, dp, tp, pp, mode, sp, cp):
-    results = worlds.run(dp * tp * pp * cp, "tests.optim_cases:recompute_parity", kind=kind, model_dir=model_dirs[kind],
+    results = worlds.run(dp * tp * pp * cp, optim_cases.recompute_parity, kind=kind, model_dir=model_dirs[kind],
                          dp=dp, tp=tp, pp=pp, microbatches=2, mode=mode, sequence_parallel=sp, cp=cp)
     for r in results:
         assert r["losses"] == r["ref_losses"], r
@@ -34,7 +35,7 @@ def test_recompute_is_bit_for_bit(worlds, model_dirs, kind, dp, tp, pp, mode, sp
     ("llama_deep", 2, "zb_h1", 1, "selective"),
 ])
 def test_recompute_with_new_schedules(worlds, model_dirs, kind, tp, schedule, virtual_stages, mode):
-    results = worlds.run(2 * tp, "tests.optim_cases:recompute_parity", kind=kind, model_dir=model_dirs[kind],
+    results = worlds.run(2 * tp, optim_cases.recompute_parity, kind=kind, model_dir=model_dirs[kind],
                          dp=1, tp=tp, pp=2, microbatches=2, mode=mode, schedule=schedule,
                          virtual_stages=virtual_stages)
     for r in results:
@@ -67,7 +68,7 @@ def test_selective_recompute_does_not_communicate_again(worlds, model_dirs, kind
     Under sequence parallelism a step without recomputation gathers each entry's input once more in
     backward (it kept only the slice), which recomputation never does: there selective moves no more
     than it, op by op."""
-    for r in worlds.run(2, "tests.test_recompute:case_tp_traffic", kind=kind, model_dir=model_dirs[kind], tp=2,
+    for r in worlds.run(2, case_tp_traffic, kind=kind, model_dir=model_dirs[kind], tp=2,
                         sequence_parallel=sp):
         plain, selective, full = r["None"], r["selective"], r["full"]
         # each block: two row layers sum forward, two tp entries sum their input gradients backward

@@ -52,7 +52,7 @@ def case_resume_checks(*, path: str) -> dict[str, str]:
 
 
 def test_resume_refuses_another_architecture(worlds, tmp_path):
-    m = worlds.run(1, "tests.test_resume_checks:case_resume_checks", path=str(tmp_path / "ckpt"))[0]
+    m = worlds.run(1, case_resume_checks, path=str(tmp_path / "ckpt"))[0]
     assert "num_hidden_layers: saved 4, this model 2" in m["layers"], m
     assert "rms_norm_eps: saved 1e-06, this model 0.001" in m["eps"], m
     assert "num_attention_heads: saved 8, this model 4" in m["heads"] and "num_key_value_heads" in m["heads"], m

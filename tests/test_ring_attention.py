@@ -9,6 +9,7 @@ import torch
 
 from qn_hf.context_parallel.ring_attention import ChunkLayout, kernels, needs_mask, ring_block
 from tests.ring_cases import StridedLayout, batch_meta
+from tests import ring_cases
 
 FLOAT32 = 2e-5  # the project's gradient tolerance, relative to the largest reference value
 # bfloat16 inputs: the kernel rounds its block outputs and probabilities to bfloat16 (8 bits of
@@ -34,7 +35,7 @@ CASES = [  # cp, layout, heads, kv_heads, dtype, packed, padded, force_mask
 
 @pytest.mark.parametrize(("cp", "layout", "heads", "kv_heads", "dtype", "packed", "padded", "force_mask"), CASES)
 def test_ring_attention_equals_plain_attention(worlds, cp, layout, heads, kv_heads, dtype, packed, padded, force_mask):
-    results = worlds.run(cp, "tests.ring_cases:ring_parity", layout=layout, heads=heads, kv_heads=kv_heads,
+    results = worlds.run(cp, ring_cases.ring_parity, layout=layout, heads=heads, kv_heads=kv_heads,
                          dtype=dtype, packed=packed, padded=padded, force_mask=force_mask)
     tolerance = FLOAT32 if dtype == "float32" else BFLOAT16
     for rank, r in enumerate(results):

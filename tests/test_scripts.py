@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from tests.test_file_modes import unusual_modes
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 from soak import kill_tree  # noqa: E402
+from qn_hf.mesh import free_local_port
 COMMON = ["--warmup-steps", "2", "--lr", "3e-3", "--no-progress"]
 CASES = {  # script: (arguments, steps, launchers of A, B, C, how B is interrupted)
     "train_lm.py": (["--model", "tiny-gpt2", "--mesh", "2", "1", "2", "--microbatches", "2", "--batch-size", "8",
@@ -41,12 +41,6 @@ CASES = {  # script: (arguments, steps, launchers of A, B, C, how B is interrupt
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def command(launcher: str, script: str, args: list[str], *, nproc: int = 4) -> tuple[list[str], dict]:
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
@@ -54,7 +48,7 @@ def command(launcher: str, script: str, args: list[str], *, nproc: int = 4) -> t
         # What the README documents for CPU: --multi_gpu starts one gloo process per --num_processes.
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_port", str(_free_port())]
+               "--main_process_port", str(free_local_port())]
     else:
         cmd = [sys.executable]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.test_parity import check
+from tests import cases
 
 SP_CASES = [  # kind, dp, tp, pp, microbatches, padded
     ("llama", 1, 2, 1, 1, False),
@@ -23,7 +24,7 @@ def test_sequence_parallel_with_interleaved_chunks(worlds, model_dirs, tmp_path,
     """tp=2 x pp=2 x 2 chunks: each chunk takes its slice at its first block and gathers after its
     last (or after the final norm, on the last chunk)."""
     results = worlds.run(
-        4, "tests.cases:parity", kind=kind, model_dir=model_dirs[kind], out_dir=str(tmp_path / "hf"),
+        4, cases.parity, kind=kind, model_dir=model_dirs[kind], out_dir=str(tmp_path / "hf"),
         dp=1, tp=2, pp=2, microbatches=2, padded=True, sequence_parallel=True, schedule="interleaved_1f1b",
         virtual_stages=2,
     )
@@ -33,7 +34,7 @@ def test_sequence_parallel_with_interleaved_chunks(worlds, model_dirs, tmp_path,
 @pytest.mark.parametrize(("kind", "dp", "tp", "pp", "microbatches", "padded"), SP_CASES)
 def test_sequence_parallel_equals_plain_model(worlds, model_dirs, tmp_path, kind, dp, tp, pp, microbatches, padded):
     results = worlds.run(
-        dp * tp * pp, "tests.cases:parity", kind=kind, model_dir=model_dirs[kind], out_dir=str(tmp_path / "hf"),
+        dp * tp * pp, cases.parity, kind=kind, model_dir=model_dirs[kind], out_dir=str(tmp_path / "hf"),
         dp=dp, tp=tp, pp=pp, microbatches=microbatches, padded=padded, sequence_parallel=True,
     )
     check(results, tp=tp)

@@ -148,3 +148,27 @@ def test_the_string_comparison_check_can_fail():
     assert _string_comparisons('if style == "colwise": pass\nif s in ("x", "zb_h1"): pass', names) == [
         (1, "colwise"), (2, "zb_h1")]
     assert _string_comparisons("if style == Style.COLWISE: pass", names) == []
+
+
+def _pass_order_problems(passes, initial: set[str]) -> list[str]:
+    """Each pass's needs that neither parallelize starts from nor an earlier pass makes."""
+    made, problems = set(initial), []
+    for step in passes:
+        problems += [f"{step.name} needs {field!r} before anything makes it" for field in step.needs if field not in made]
+        made |= set(step.makes)
+    return problems
+
+
+def test_parallelize_passes_run_after_what_they_need():
+    import dataclasses
+
+    from qn_hf.parallelize import PASSES, Build, Pass
+
+    fields = {f.name: f for f in dataclasses.fields(Build)}
+    initial = {n for n, f in fields.items() if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    assert all(field in fields for step in PASSES for field in (*step.needs, *step.makes))
+    assert _pass_order_problems(PASSES, initial) == []
+    assert len({step.name for step in PASSES}) == len(PASSES)
+    # the check can fail: the dropout streams moved before the placement exists
+    moved = sorted(PASSES, key=lambda step: step.name != "dropout streams")
+    assert _pass_order_problems(moved, initial) and isinstance(moved[0], Pass)

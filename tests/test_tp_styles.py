@@ -11,6 +11,7 @@ from transformers import CONFIG_MAPPING
 from qn_hf.tensor_parallel.embedding_types import adapter_for
 from qn_hf.check.shrink import shrink_config
 from qn_hf.tensor_parallel.plan import ModelPolicy
+from tests import zoo_cases
 
 
 class _Doubled(nn.Embedding):
@@ -66,7 +67,7 @@ def _phi3_config() -> dict:
 
 
 def test_policy_patches_the_shared_config_per_module(worlds, tmp_path):
-    verdict = worlds.run(2, "tests.zoo_cases:custom_policy_step", config=_phi3_config(), policy=_phi3_policy(), tp=2,
+    verdict = worlds.run(2, zoo_cases.custom_policy_step, config=_phi3_config(), policy=_phi3_policy(), tp=2,
                          out_dir=str(tmp_path))[0]
     assert verdict["verdict"] == "equal", verdict["reason"]
     assert verdict["exported_config"]["num_attention_heads"] == 4  # the saved config keeps the full count
@@ -75,7 +76,7 @@ def test_policy_patches_the_shared_config_per_module(worlds, tmp_path):
 def test_without_the_config_patch_the_forward_fails_clearly(worlds, tmp_path):
     policy = _phi3_policy(attr_patches={"layers.*.self_attn.num_key_value_heads": "local_kv_heads"})
     with pytest.raises(AssertionError, match="size|shape"):
-        worlds.run(2, "tests.zoo_cases:custom_policy_step", config=_phi3_config(), policy=policy, tp=2,
+        worlds.run(2, zoo_cases.custom_policy_step, config=_phi3_config(), policy=policy, tp=2,
                    out_dir=str(tmp_path))
 
 
@@ -90,7 +91,7 @@ def test_partial_gradient_of_a_replicated_parameter_is_refused(worlds, tmp_path)
     plan = {k: v for k, v in derived.tp_plan.items() if v != "replicate_grad_sum"}
     assert len(plan) < len(derived.tp_plan)
     policy = ModelPolicy(**{**derived.__dict__, "tp_plan": plan})
-    verdicts = worlds.run(2, "tests.zoo_cases:custom_policy_step", config=config.to_dict(), policy=policy, tp=2,
+    verdicts = worlds.run(2, zoo_cases.custom_policy_step, config=config.to_dict(), policy=policy, tp=2,
                           out_dir=str(tmp_path))
     for verdict in verdicts:
         assert verdict["verdict"] == "refused", verdict
@@ -99,7 +100,7 @@ def test_partial_gradient_of_a_replicated_parameter_is_refused(worlds, tmp_path)
 
 def test_router_aux_loss_is_refused_with_microbatches(worlds):
     config = shrink_config(CONFIG_MAPPING["mixtral"]()).to_dict()
-    for message in worlds.run(2, "tests.zoo_cases:router_logits_refusal", config=config):
+    for message in worlds.run(2, zoo_cases.router_logits_refusal, config=config):
         assert message.startswith("config.output_router_logits=True with microbatches=2"), message
 
 
@@ -107,7 +108,7 @@ def test_the_parity_check_catches_a_wrong_split(worlds, tmp_path):
     """The zoo's verdicts mean something: a fused gate|up split as one block (rank 0 would hold both
     halves of the gate) trains differently, and one_step_parity says so."""
     plan = {**_phi3_policy().tp_plan, "layers.*.mlp.gate_up_proj": "colwise"}
-    verdict = worlds.run(2, "tests.zoo_cases:custom_policy_step", config=_phi3_config(), policy=_phi3_policy(tp_plan=plan),
+    verdict = worlds.run(2, zoo_cases.custom_policy_step, config=_phi3_config(), policy=_phi3_policy(tp_plan=plan),
                          tp=2, out_dir=str(tmp_path))[0]
     assert verdict["verdict"] == "different", verdict
 
@@ -123,7 +124,7 @@ def test_partial_gradient_on_one_stage_is_refused_on_every_rank(worlds):
     plan = {k: v for k, v in derived.tp_plan.items() if v != "replicate_grad_sum"}
     plan.update({f"layers.{i}.self_attn.{norm}": "replicate_grad_sum" for i in (0, 1) for norm in ("q_norm", "k_norm")})
     policy = ModelPolicy(**{**derived.__dict__, "tp_plan": plan})
-    verdicts = worlds.run(4, "tests.zoo_cases:custom_policy_mesh_step", config=config.to_dict(), policy=policy, tp=2, pp=2)
+    verdicts = worlds.run(4, zoo_cases.custom_policy_mesh_step, config=config.to_dict(), policy=policy, tp=2, pp=2)
     for verdict in verdicts:
         assert verdict["verdict"] == "refused" and "layers.2.self_attn.q_norm" in verdict["reason"], verdict
 

@@ -8,6 +8,7 @@ import pytest
 
 from tests.models import load
 from tests.trainer_cases import reference
+from tests import trainer_cases
 
 LOSS_RTOL = 1e-4
 WEIGHT_ATOL = 1e-4
@@ -57,7 +58,7 @@ def check_run(results: list[dict], ref: dict) -> dict:
 def test_trainer_tp_pp_equals_one_process(worlds, model_dirs, references, tmp_path):
     """(dp, tp, pp) = (1, 2, 2), evaluation every 6 steps and at the end."""
     ref = references["plain"]
-    results = worlds.run(4, "tests.trainer_cases:parallel_train", model_dir=model_dirs["llama"], out_dir=str(tmp_path),
+    results = worlds.run(4, trainer_cases.parallel_train, model_dir=model_dirs["llama"], out_dir=str(tmp_path),
                          dp=1, tp=2, pp=2, microbatches=2, batch=4, accumulation=1, max_grad_norm=1.0, eval_steps=6)
     check_run(results, ref)
     close(results[0]["eval_loss"], ref["eval_loss"])
@@ -70,7 +71,7 @@ def test_trainer_accumulation_clipping_checkpoint_and_resume_at_another_mesh(wor
     6 and 12; then the step-6 checkpoint resumed at (1, 2, 2) continues as the uninterrupted run."""
     ref = references["accumulated"]
     first = tmp_path / "first"
-    results = worlds.run(4, "tests.trainer_cases:parallel_train", model_dir=model_dirs["llama"], out_dir=str(first),
+    results = worlds.run(4, trainer_cases.parallel_train, model_dir=model_dirs["llama"], out_dir=str(first),
                          dp=2, tp=1, pp=2, microbatches=2, batch=2, accumulation=2, max_grad_norm=0.2, save_steps=6,
                          zero=True)
     check_run(results, ref)
@@ -80,7 +81,7 @@ def test_trainer_accumulation_clipping_checkpoint_and_resume_at_another_mesh(wor
     assert sorted(p.name for p in first.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-6"]
 
     again = tmp_path / "again"
-    resumed = worlds.run(4, "tests.trainer_cases:parallel_train", model_dir=model_dirs["llama"], out_dir=str(again),
+    resumed = worlds.run(4, trainer_cases.parallel_train, model_dir=model_dirs["llama"], out_dir=str(again),
                          dp=1, tp=2, pp=2, microbatches=2, batch=4, accumulation=2, max_grad_norm=0.2,
                          resume=str(first / "checkpoint-6"))
     check_run(resumed, ref)  # steps 1-6 from the checkpoint's trainer_state.json, 7-12 trained after the resume
@@ -88,7 +89,7 @@ def test_trainer_accumulation_clipping_checkpoint_and_resume_at_another_mesh(wor
 
 
 def test_trainer_refuses_conflicting_arguments_on_every_rank(worlds, model_dirs, tmp_path):
-    results = worlds.run(4, "tests.trainer_cases:bad_inputs", model_dir=model_dirs["llama"], out_dir=str(tmp_path))
+    results = worlds.run(4, trainer_cases.bad_inputs, model_dir=model_dirs["llama"], out_dir=str(tmp_path))
     assert all(r == results[0] for r in results), results
     messages = results[0]
     assert "parallel=dict(dp=1, tp=1, pp=2) needs 2 processes but 4 were launched" in messages["world"]
@@ -103,7 +104,7 @@ def test_trainer_refuses_conflicting_arguments_on_every_rank(worlds, model_dirs,
 def test_trainer_keeps_the_dropout_streams_of_each_replica(worlds, model_dirs, tmp_path):
     """Trainer seeds the device generator with args.seed on every rank, and restores each process's saved state
     on resume; qn_hf's shared stream must stay one per dp replica, equal over tp."""
-    results = worlds.run(4, "tests.trainer_cases:dropout_streams", model_dir=model_dirs["llama"], out_dir=str(tmp_path))
+    results = worlds.run(4, trainer_cases.dropout_streams, model_dir=model_dirs["llama"], out_dir=str(tmp_path))
     for key in ("built", "resumed"):
         by_replica = {dp: {r[key] for r in results if r["dp"] == dp} for dp in (0, 1)}
         assert all(len(states) == 1 for states in by_replica.values()), (key, by_replica)  # equal over tp
@@ -175,7 +176,7 @@ def test_trl_sft_trainer_through_the_mixin(worlds, tmp_path):
     from tests.trainer_cases import sft
 
     ref = sft(out_dir=str(tmp_path / "reference"))
-    results = worlds.run(4, "tests.trainer_cases:sft", out_dir=str(tmp_path / "parallel"),
+    results = worlds.run(4, trainer_cases.sft, out_dir=str(tmp_path / "parallel"),
                          parallel=dict(dp=2, tp=1, pp=2, microbatches=2))
     assert all(r == results[0] for r in results)
     print("worst relative difference (TRL):", close(results[0], ref))
@@ -188,7 +189,7 @@ def test_trainer_with_lora_writes_the_adapter(worlds, model_dirs, references, tm
     from safetensors.torch import load_file
 
     ref = references["lora"]
-    results = worlds.run(4, "tests.trainer_cases:parallel_train", model_dir=model_dirs["llama"], out_dir=str(tmp_path),
+    results = worlds.run(4, trainer_cases.parallel_train, model_dir=model_dirs["llama"], out_dir=str(tmp_path),
                          dp=1, tp=2, pp=2, microbatches=2, batch=4, accumulation=1, max_grad_norm=1.0, lora=True)
     check_run(results, ref)
     ours = load_file(str(tmp_path / "model" / "adapter_model.safetensors"))

@@ -11,7 +11,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import qn_hf

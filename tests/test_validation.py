@@ -73,7 +73,7 @@ EXPECTED = {
 
 
 def test_each_mistake_is_one_clear_error_before_any_communication(worlds, model_dirs):
-    for r in worlds.run(2, "tests.test_validation:case_validation", gpt2_dir=model_dirs["gpt2"], vit_dir=model_dirs["vit"]):
+    for r in worlds.run(2, case_validation, gpt2_dir=model_dirs["gpt2"], vit_dir=model_dirs["vit"]):
         for name, fragment in EXPECTED.items():
             assert fragment in r[name], (name, r[name])
         assert r["events"] == "0"  # refused before sending anything

@@ -323,7 +323,7 @@ def case_tp2() -> dict[str, object]:
 
 
 def test_tp2(worlds):
-    for result in worlds.run(2, "tests.test_weight_grad:case_tp2"):
+    for result in worlds.run(2, case_tp2):
         assert result["names"] == ["0.weight", "0.bias", "2.weight"]
         assert result["grads in B"] == ["2.bias"]
         assert max(result["errors"].values()) < 1e-6, result["errors"]

@@ -34,7 +34,7 @@ def case_where_gradients_arrive(*, model_dir: str, tp: int) -> dict:
 
 def test_weight_gradients_arrive_in_the_weight_passes(worlds, model_dirs):
     for tp in (1, 2):
-        for r in worlds.run(2 * tp, "tests.test_zero_bubble:case_where_gradients_arrive",
+        for r in worlds.run(2 * tp, case_where_gradients_arrive,
                             model_dir=model_dirs["llama_deep"], tp=tp):
             assert r["deferred"] > 0 and r["w_passes"] == 4, r
             # deferred weights only in W, the rest (norms, embedding, head, row biases) only in B

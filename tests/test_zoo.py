@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from qn_hf.check.zoo import meshes_for, render_table, replace_table, zoo_model_types
+from tests import zoo_cases
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPECTED_FILE = ROOT / "tests" / "zoo_expected.json"
@@ -47,7 +48,7 @@ def observed():
 @pytest.mark.parametrize(("model_type", "mesh"), CASES)
 def test_zoo(worlds, observed, model_type, mesh):
     dp, tp, pp = meshes_for(model_type)[mesh]
-    verdict = worlds.run(dp * tp * pp, "tests.zoo_cases:zoo_step", config=_config(model_type), dp=dp, tp=tp, pp=pp)[0]
+    verdict = worlds.run(dp * tp * pp, zoo_cases.zoo_step, config=_config(model_type), dp=dp, tp=tp, pp=pp)[0]
     assert verdict["verdict"] != "different", (verdict["reason"], verdict["worst"][:5])
     assert verdict["verdict"] == "refused" or verdict["moved"] > 1e-3, "the step moved no weight: it proves nothing"
     outcome = "equal" if verdict["verdict"] == "equal" else f"refused: {verdict['reason']}"

@@ -58,7 +58,7 @@ def test_zoo_checkpoint_resumes_at_other_meshes(worlds, tmp_path, model_type):
     model_dir = str(tmp_path / "model")
     build(shrink_config(CONFIG_MAPPING[model_type]()), seed=0).save_pretrained(model_dir)
     ckpt, uninterrupted = str(tmp_path / "ckpt"), str(tmp_path / "uninterrupted")
-    expected = worlds.run(4, "tests.test_zoo_checkpoints:case_train_save_continue", model_dir=model_dir, ckpt=ckpt,
+    expected = worlds.run(4, case_train_save_continue, model_dir=model_dir, ckpt=ckpt,
                           out=uninterrupted)[0]
     reference = dict(_load(uninterrupted).named_parameters())
     assert convert.main(["to-hf", ckpt, str(tmp_path / "to-hf")]) == 0
@@ -67,7 +67,7 @@ def test_zoo_checkpoint_resumes_at_other_meshes(worlds, tmp_path, model_type):
     assert convert.main(["reshard", ckpt, str(tmp_path / "resharded"), "--tp", "1", "--pp", "2"]) == 0
     for dp, tp, pp, source in [(*mesh, ckpt) for mesh in RESUME_AT] + [(1, 1, 2, str(tmp_path / "resharded"))]:
         out = str(tmp_path / f"resumed-{dp}-{tp}-{pp}-{os.path.basename(source)}")
-        loss = worlds.run(dp * tp * pp, "tests.test_zoo_checkpoints:case_resume", model_dir=model_dir, ckpt=source,
+        loss = worlds.run(dp * tp * pp, case_resume, model_dir=model_dir, ckpt=source,
                           out=out, dp=dp, tp=tp, pp=pp)[0]
         assert abs(loss - expected) <= 1e-5 * abs(expected), (dp, tp, pp, loss, expected)
         resumed = dict(_load(out).named_parameters())

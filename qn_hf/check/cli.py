@@ -15,74 +15,27 @@ or the input is bad), 3 a rank crashed or timed out.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import sys
-import traceback
 
-from ..mesh import free_local_port
-from .run import LOSS_RTOL, WEIGHT_ATOL
+from ..local_world import LocalWorld, WorldFailure
+from .run import LOSS_RTOL, WEIGHT_ATOL, one_step_parity
 from .shrink import LAYERS, shrink_config
 
 EXIT = {"equal": 0, "different": 1, "refused": 2, "crashed": 3}
 RANK_TIMEOUT_S = 600  # a whole check of a shrunk model takes seconds; a stuck collective gives up
 
 
-def _rank(rank: int, world: int, port: int, config: dict, mesh: dict, results) -> None:
-    """One process of the check (spawned): join the gloo world, run the step, report."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    import torch
-    import torch.distributed as dist
-    import transformers
-
-    from ..mesh import init_distributed
-    from .run import one_step_parity
-
-    torch.set_num_threads(1)  # ranks share the machine's cores: oversubscription only slows them
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    try:
-        init_distributed(device=torch.device("cpu"), timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S))  # gloo
-        verdict = one_step_parity(config=config, **mesh)
-        results.put((rank, verdict))
-    except BaseException:  # noqa: BLE001 - the parent reports it and stops the others
-        results.put((rank, {"verdict": "crashed", "reason": traceback.format_exc()}))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def run_check(config: dict, *, dp: int, tp: int, pp: int, microbatches: int | None, ep: int = 1) -> dict:
-    """Spawn dp*tp*pp ranks and return rank 0's verdict (or the first crash); ``ep`` shards MoE experts
+    """Run the step on dp*tp*pp local ranks (qn_hf's launcher, ``local_world``) and return rank 0's
+    verdict, or the failure of the first rank that crashed or timed out; ``ep`` shards MoE experts
     over ranks of those (it adds none)."""
-    import multiprocessing as mp
-    import queue
-
-    ctx = mp.get_context("spawn")
-    world = dp * tp * pp
-    results = ctx.Queue()
     mesh = {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "microbatches": microbatches}
-    port = free_local_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, config, mesh, results), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    verdicts: dict[int, dict] = {}
-    try:
-        while len(verdicts) < world:
-            try:
-                rank, verdict = results.get(timeout=RANK_TIMEOUT_S + 60)
-            except queue.Empty:
-                return {"verdict": "crashed", "reason": f"no result within {RANK_TIMEOUT_S + 60} s"}
-            if verdict["verdict"] == "crashed":
-                return {**verdict, "reason": f"rank {rank} failed:\n{verdict['reason']}"}
-            verdicts[rank] = verdict
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
-    return verdicts[0]
+    # ranks share the machine's cores: one thread each, as oversubscription only slows them
+    with LocalWorld(dp * tp * pp, threads=1, collective_timeout=RANK_TIMEOUT_S) as world:
+        try:
+            return world.run(one_step_parity, timeout=RANK_TIMEOUT_S + 60, config=config, **mesh)[0]
+        except WorldFailure as failure:
+            return {"verdict": "crashed", "reason": str(failure)}
 
 
 def _report(verdict: dict, *, top: int) -> str:

@@ -7,8 +7,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..placement import Placed
-from ..tensor_parallel.shard import over_experts
+from ..placement import Copies, Placed
 
 
 def clip_grad_norm_(pm: Placed, max_norm: float, *, norm_type: float = 2.0) -> torch.Tensor:
@@ -42,7 +41,7 @@ def clip_grad_norm_(pm: Placed, max_norm: float, *, norm_type: float = 2.0) -> t
             continue
         spec = placement.spec(name)
         weight = spec.norm_weight() if spec is not None else 1.0 / tp
-        parts.setdefault((int(over_experts(spec)), weight, grad.dtype), []).append(grad.detach())
+        parts.setdefault((int(placement.copies(name) is Copies.EXPERTS), weight, grad.dtype), []).append(grad.detach())
     acc = torch.zeros(2, dtype=torch.float64, device=placement.device)
     for (slot, weight, dtype), tensors in parts.items():
         wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None  # low-precision gradients

@@ -26,7 +26,7 @@ from torch import nn
 
 from ..comm import flat_all_reduce_
 from .buckets import GradBuckets, grad_dtype
-from ..placement import ShardPlacement
+from ..placement import Copies, ShardPlacement
 from .precision import LossScaler
 from ..tensor_parallel.replica_check import check_replicated_grads
 
@@ -86,10 +86,9 @@ class GradSync:
                 if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p, dtype=grad_dtype(p))
         grads = dict(self.named_grads())
-        groups, specs = self.placement.groups, self.placement.specs
+        groups, copies = self.placement.groups, self.placement.copies
         if groups.kv is not None:
-            flat_all_reduce_([g for n, g in grads.items() if (s := specs.get(n)) is not None and s.replicas > 1],
-                             group=groups.kv)
+            flat_all_reduce_([g for n, g in grads.items() if copies(n) is Copies.KV_REPLICA], group=groups.kv)
         partial = [grads[n] for n in self.grad_sum if n in grads]
         if partial:
             flat_all_reduce_(partial, group=groups.tp)
@@ -98,6 +97,7 @@ class GradSync:
             flat_all_reduce_(tied, group=groups.tie)
         if not self._replicas_checked:  # once: the dataflow that makes a gradient partial never changes
             self._replicas_checked = True
-            check_replicated_grads({n: g for n, g in grads.items() if specs.get(n) is None}, group=groups.tp)
+            check_replicated_grads({n: g for n, g in grads.items() if copies(n) is Copies.TP_REPLICATED},
+                                   group=groups.tp)
         if self.scaler is not None:
             self.scaler.unscale_(list(grads.values()), device=self.placement.device)

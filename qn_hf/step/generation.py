@@ -37,7 +37,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..comm import flat_broadcast_
