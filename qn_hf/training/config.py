@@ -12,12 +12,15 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from .errors import UsageError
 from .presets import TASK_PRESETS
+
+if TYPE_CHECKING:
+    from ..config.parallel_config import ParallelConfig
 
 TASKS = ("lm", "vit")
 # What each script uses where it differs from TrainConfig's defaults: the one source for the
@@ -67,6 +70,15 @@ class TrainConfig:
     timeline_step: int | None = None  # record this step's pipeline timeline; default 3 when pp > 1
     timeout_s: float = 600.0  # bound on every collective: a dead rank fails the job, never hangs it
     progress: bool = True
+
+    def parallel_config(self, *, dp: int, tp: int, pp: int) -> ParallelConfig:
+        """How the run parallelizes its model, as the one value ``parallelize`` checks (its ValueError
+        names the option and the fix)."""
+        from ..config.parallel_config import ParallelConfig  # the library, only when a run starts
+
+        return ParallelConfig.from_keywords(dp=dp, tp=tp, pp=pp, ep=self.ep, microbatches=self.microbatches,
+                                            schedule=self.schedule, virtual_stages=self.virtual_stages,
+                                            mixed_precision=self.mixed_precision, recompute=self.recompute)
 
     @property
     def checkpoint_root(self) -> str:

@@ -63,9 +63,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     model = _build_model(cfg, task=task, config=prepared.config, model_dir=model_dir)
     try:
-        pm = parallelize(model, dp=dp, tp=tp, pp=pp, ep=cfg.ep, microbatches=cfg.microbatches, schedule=cfg.schedule,
-                         virtual_stages=cfg.virtual_stages, seed=cfg.seed, checkpoint=model_dir, timeout=datetime.timedelta(seconds=cfg.timeout_s),
-                         mixed_precision=cfg.mixed_precision, recompute=cfg.recompute)
+        parallel = cfg.parallel_config(dp=dp, tp=tp, pp=pp)
+        pm = parallelize(model, **parallel.keywords(), seed=cfg.seed, checkpoint=model_dir,
+                         timeout=datetime.timedelta(seconds=cfg.timeout_s))
     except ValueError as e:  # a configuration the model cannot take (checked on every rank alike)
         raise UsageError(str(e)) from None
     optimizer = _adamw(pm, cfg)

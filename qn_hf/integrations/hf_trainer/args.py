@@ -25,11 +25,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...data_parallel.optimizer import ParallelOptimizer
+from ...config.parallel_config import ParallelConfig
 from ...parallelize import parallelize
 
 # parallelize's keywords, plus the optimizer's ZeRO-1 switch (qn_hf.optimizer(zero=...)), which the Trainer builds.
 PARALLEL_KEYS = tuple(name for name, p in inspect.signature(parallelize).parameters.items()
                       if p.kind is inspect.Parameter.KEYWORD_ONLY) + ("zero",)
+# the keywords that say how to parallelize (ParallelConfig's); the rest say where (seed, mesh, device, ...)
+CONFIG_KEYS = tuple(inspect.signature(ParallelConfig.from_keywords).parameters)
 SAMPLING = ("random", "sequential")  # samplers rebuilt exactly as one process draws them (trainer_data.py)
 
 
@@ -40,11 +43,11 @@ class TrainerMesh:
 
     parallelize: dict[str, Any]
     zero: bool
+    config: ParallelConfig  # the options checked once, as parallelize will check them
 
     @property
     def world_size(self) -> int:
-        kw = self.parallelize
-        return kw.get("dp", 1) * kw.get("tp", 1) * kw.get("pp", 1) * kw.get("cp", 1)
+        return self.config.dims.world_size
 
 
 def trainer_mesh(parallel: Mapping[str, Any] | None, *, args) -> TrainerMesh:
@@ -70,7 +73,8 @@ def trainer_mesh(parallel: Mapping[str, Any] | None, *, args) -> TrainerMesh:
                              f"(parallel=dict(compile=True) is what torch_compile=True asks for)")
         parallel["compile"] = True
     parallel.setdefault("seed", args.seed)  # dropout streams follow the run's seed, as in one process
-    return TrainerMesh(parallelize=parallel, zero=zero)
+    config = ParallelConfig.from_keywords(**{k: v for k, v in parallel.items() if k in CONFIG_KEYS})
+    return TrainerMesh(parallelize=parallel, zero=zero, config=config)
 
 
 def check_training_args(args, *, mesh: TrainerMesh, world_size: int, compute_loss_func: Any = None) -> None:

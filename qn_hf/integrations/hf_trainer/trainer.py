@@ -83,7 +83,8 @@ class ParallelTrainerMixin:
             if parallel is not None:
                 raise ValueError("model= is already a ParallelModel: leave parallel= out (its mesh is fixed)")
             dims = model.dims
-            fixed = TrainerMesh(parallelize=dict(dp=dims.dp, tp=dims.tp, pp=dims.pp, cp=dims.cp), zero=False)
+            fixed = TrainerMesh(parallelize=dict(dp=dims.dp, tp=dims.tp, pp=dims.pp, cp=dims.cp), zero=False,
+                                config=model.parallel_config)
             check_training_args(args, mesh=fixed, world_size=dims.world_size,
                                 compute_loss_func=kwargs.get("compute_loss_func"))
             check_compiled(args, compiled=is_compiled(model.module, layers=model.stage.plan.layers))
