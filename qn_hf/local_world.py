@@ -28,6 +28,7 @@ from .mesh import free_local_port
 
 JOB_TIMEOUT_S = 180.0
 COLLECTIVE_TIMEOUT_S = 120.0
+PARENT_POLL_S = 5.0  # how often an idle rank checks that its launcher still lives
 
 
 class WorldFailure(AssertionError):
@@ -51,8 +52,14 @@ def _worker(rank: int, size: int, port: int, jobs, results, path: list[str], thr
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=collective_timeout))
+    parent = os.getppid()
     while True:
-        job = jobs.get()
+        try:
+            job = jobs.get(timeout=PARENT_POLL_S)
+        except queue.Empty:
+            if os.getppid() != parent:  # the launcher died without closing the world (killed): so do we
+                os._exit(1)
+            continue
         if job is None:
             break
         function, kwargs = job

@@ -11,7 +11,9 @@ One concept per file: ``format`` (names, dtypes, boxes, which rank writes, index
 ``names`` (``ckpt-<step>`` directories and ``latest``), ``files`` (durable writes, digests,
 publishing), ``pieces`` (reading any box of a tensor), ``save`` and ``load`` (from and into a
 sharded model), ``hf`` (Hugging Face directories), ``export`` (``save_pretrained`` from the mesh),
-``stream`` (safetensors written one tensor at a time), ``convert`` (offline conversions).
+``stream`` (safetensors written one tensor at a time), ``convert`` (offline conversions), ``layout``
+(where every tensor goes at a mesh, from the config alone), ``full_state`` (``pm.state_dict()``),
+``atomic`` (whole-or-nothing files).
 """
 
 from .format import FORMAT, INDEX, VERSION, CheckpointError, checkpoint_dir, read_index

@@ -1,7 +1,8 @@
 """Pipeline parallelism, one concept per file:
 
-* ``schedule.py``: schedules as pure data: the ``Op`` enum, ``Action``, each stage's ordered action
-  list for 1F1B or GPipe, the argument checks, a deadlock simulator and ``format_grid`` (a printable
+* ``schedule.py``: schedules as pure data: the ``Schedule`` enum (1F1B, GPipe, interleaved 1F1B,
+  ZB-H1, each knowing what it can do), the ``Op`` enum, ``Action``, each stage's ordered action list,
+  the argument checks, a deadlock simulator and ``format_grid`` (a printable
   step x stage table of a whole schedule);
 * ``split.py``: where a model is cut: ``StagePlan`` (blocks, entry, first/last-only modules, heads
   and cross-stage ties per stage), built and validated by ``build_stage_plan`` without communicating;
@@ -16,5 +17,7 @@
   direction, and why;
 * ``schedule_check.py``: schedules proven as data (deadlock, FIFO links, order, timing, peaks);
   ``nccl_replay.py``: recorded calls replayed under NCCL's stream semantics;
-* ``wire.py``: the header that announces a tensor's shape and dtype.
+* ``wire.py``: the header that announces a tensor's shape and dtype;
+* ``weight_grad.py``: ZB-H1's split backward: linear layers queue their input and output gradient in
+  B, and the deferred W passes accumulate the weight gradients.
 """
