@@ -69,7 +69,7 @@ class ParallelModel:
         expert_buckets: GradBuckets | None,
         precision: torch.dtype | None,
         scaler: LossScaler | None,
-        chunks: ChunkLayout,
+        cp_layout: ChunkLayout,
         deferred: frozenset[str] = frozenset(),
         adapter: Adapter | None = None,
         parallel_config: ParallelConfig | None = None,
@@ -92,7 +92,7 @@ class ParallelModel:
         self.buckets = buckets
         self.precision = precision  # the compute dtype under mixed precision (None: the model's own)
         self.scaler = scaler  # float16's loss scale
-        self.chunks = chunks  # which parts of each sequence the cp ranks hold
+        self.cp_layout = cp_layout  # which chunks of each sequence the cp ranks hold
         self.grads = GradSync(module=module, placement=placement, grad_sum=plan.grad_sum, buckets=buckets,
                               expert_buckets=expert_buckets, scaler=scaler)
         # (chunk, "b" | "w") -> the parameters whose gradients are final after that chunk's last
@@ -284,7 +284,7 @@ class ParallelModel:
             flat_all_reduce_([global_rows], group=self.groups.dp)
             scales = [torch.full_like(global_rows, float(n)).div_(global_rows)[0] for n in rows]
         if cp > 1:  # this rank's tokens of every sequence, with targets shifted on the whole sequence
-            micro = [shard_microbatch(m, layout=self.chunks, rank=self.coords.cp) for m in micro]
+            micro = [shard_microbatch(m, layout=self.cp_layout, rank=self.coords.cp) for m in micro]
         total = torch.zeros((), dtype=torch.float32, device=self.device)
 
         def forward(chunk: int, mb: int, received: torch.Tensor | None) -> torch.Tensor:

@@ -148,7 +148,7 @@ def _parallelize(model: nn.Module, *, dp: int, tp: int, pp: int, cp: int, ep: in
                       f"(pp-1)/(microbatches+pp-1)); use microbatches >= 2*pp={2 * pp} if the batch allows", stacklevel=2)
 
     build = Build(model=model, config=config, plan=plan, stage_plan=stage_plan, groups=groups, device=device,
-                  checkpoint=checkpoint, seed=seed, chunks=ChunkLayout(size=cp),
+                  checkpoint=checkpoint, seed=seed, cp_layout=ChunkLayout(size=cp),
                   precision=PRECISIONS.get(mixed_precision))
     for step in PASSES:
         if step.applies(build):
@@ -169,7 +169,7 @@ def _parallelize(model: nn.Module, *, dp: int, tp: int, pp: int, cp: int, ep: in
         expert_buckets=_grad_buckets(model, build.placement, bucket_mb, experts=True),
         precision=build.precision,
         scaler=LossScaler() if mixed_precision == "fp16" else None,
-        chunks=build.chunks,
+        cp_layout=build.cp_layout,
         deferred=frozenset(build.deferred),
         adapter=adapter,
         parallel_config=config,
@@ -193,7 +193,7 @@ class Build:
     device: torch.device
     checkpoint: str | None
     seed: int | None
-    chunks: ChunkLayout
+    cp_layout: ChunkLayout  # which chunks of each sequence the cp ranks hold (not pipeline chunks)
     precision: torch.dtype | None
     expert_specs: dict[str, ShardSpec] = field(default_factory=dict)
     final: nn.Module | None = None  # the last stage's final norm (sequence parallelism gathers after it)
@@ -220,7 +220,7 @@ class Pass:
 
 
 def _context_parallel(b: Build) -> None:
-    apply_context_parallel(b.model, group=b.groups.cp, layout=b.chunks)
+    apply_context_parallel(b.model, group=b.groups.cp, layout=b.cp_layout)
 
 
 def _cast(b: Build) -> None:
@@ -288,7 +288,7 @@ def _always(b: Build) -> bool:
 # The order is the code: ``tests/test_structure.py`` checks that every field a pass needs is one
 # parallelize starts from or one an earlier pass makes.
 PASSES: tuple[Pass, ...] = (
-    Pass("context parallel", lambda b: b.config.dims.cp > 1, _context_parallel, ("model", "groups", "chunks"), (),
+    Pass("context parallel", lambda b: b.config.dims.cp > 1, _context_parallel, ("model", "groups", "cp_layout"), (),
          "before the stage cut and the tp patches: their config copies take the attention choice"),
     Pass("cast", lambda b: b.precision is not None, _cast, ("model", "precision"), (),
          "before the stage cut: stand-ins take their dtype from the modules they replace"),

@@ -39,7 +39,7 @@ def collect_logits(pm, batch: Mapping[str, torch.Tensor], *, reduce: LogitsFn | 
     check_model_inputs(batch, model=pm.module, loss=None, sequence_split=split)
     whole = split_microbatches({k: v.to(pm.device) for k, v in batch.items()}, microbatches=pm.microbatches)
     if cp > 1:  # the labels are not needed: shard_microbatch shifts them, so give it any
-        micro = [shard_microbatch({**m, "labels": m["input_ids"]}, layout=pm.chunks, rank=pm.coords.cp)
+        micro = [shard_microbatch({**m, "labels": m["input_ids"]}, layout=pm.cp_layout, rank=pm.coords.cp)
                  for m in whole]
     else:
         micro = whole
@@ -52,7 +52,7 @@ def collect_logits(pm, batch: Mapping[str, torch.Tensor], *, reduce: LogitsFn | 
             return outputs
         logits = pm.full_logits(outputs.logits)
         if cp > 1:
-            logits = gather_sequence_positions(logits, layout=pm.chunks, group=pm.groups.cp)
+            logits = gather_sequence_positions(logits, layout=pm.cp_layout, group=pm.groups.cp)
         collected[mb] = logits if reduce is None else reduce(logits, whole[mb])
         return logits.new_zeros(())
 

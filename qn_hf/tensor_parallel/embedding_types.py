@@ -26,7 +26,7 @@ _BEHAVIOURS = {
 
 
 @dataclass(frozen=True)
-class Adapter:
+class EmbeddingAdapter:
     """What a vocabulary-parallel embedding must add to reproduce ``cls``."""
 
     behaviour: str  # "plain", "scaled" or "normed"
@@ -44,12 +44,12 @@ def _body(fn) -> str:
     return "\n".join(body)
 
 
-def adapter_for(module: nn.Module) -> Adapter | None:
+def adapter_for(module: nn.Module) -> EmbeddingAdapter | None:
     """The adapter that reproduces ``module`` (an ``nn.Embedding``), or None when none does."""
     if not isinstance(module, nn.Embedding):
         return None
     owner = next(c for c in type(module).__mro__ if "forward" in c.__dict__)  # whose forward runs
     if owner is nn.Embedding:
-        return Adapter(behaviour="plain")
+        return EmbeddingAdapter(behaviour="plain")
     behaviour = _BEHAVIOURS.get(_body(owner.forward))
-    return None if behaviour is None else Adapter(behaviour=behaviour)
+    return None if behaviour is None else EmbeddingAdapter(behaviour=behaviour)

@@ -13,12 +13,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from .embedding_types import Adapter, adapter_for
+from .embedding_types import EmbeddingAdapter, adapter_for
 from ..comm import gather_from_group, group_size, reduce_from_group
 from .shard import ShardSpec
 
 
-def _checked_adapter(module: nn.Module) -> Adapter:
+def _checked_adapter(module: nn.Module) -> EmbeddingAdapter:
     adapter = adapter_for(module)
     if adapter is None:
         raise TypeError(f"{type(module).__name__} is not an nn.Embedding whose forward qn_hf can reproduce")
