@@ -32,8 +32,10 @@ _OWN_PROCESSES = {"test_scripts", "test_check_cli", "test_checkpoint_safety", "t
 
 def pytest_collection_modifyitems(config, items):
     """The unit tier (``make test-unit``, ``-m unit``): every test that starts no process, neither a
-    gloo world (the ``worlds`` fixture) nor a command line; it runs in about a minute."""
+    gloo world (the ``worlds`` fixture) nor a command line, and is not a command line's end-to-end run
+    (``*cli*``: the planner's searches take seconds each); it runs in about a minute."""
     for item in items:
         module = item.module.__name__.rpartition(".")[2] if item.module is not None else ""
-        if "worlds" not in getattr(item, "fixturenames", ()) and module not in _OWN_PROCESSES:
+        if ("worlds" not in getattr(item, "fixturenames", ()) and module not in _OWN_PROCESSES
+                and "cli" not in item.name):
             item.add_marker(pytest.mark.unit)
