@@ -122,16 +122,21 @@ def _names_of_choices() -> dict[str, str]:
 
 
 def _string_comparisons(source: str, names: dict[str, str]) -> list[tuple[int, str]]:
-    """(line, literal) of every comparison (==, !=, in, not in) against one of ``names`` spelled out."""
+    """(line, literal) of every comparison (==, !=, in, not in) against one of ``names`` spelled out,
+    and of every tuple, list or set that spells out two or more of them (a membership contract)."""
     found = []
     for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            spelled = [(node.lineno, e.value) for e in node.elts
+                       if isinstance(e, ast.Constant) and isinstance(e.value, str) and e.value in names]
+            found += spelled if len(spelled) > 1 else []
         if not isinstance(node, ast.Compare):
             continue
         for side in (node.left, *node.comparators):
             elements = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
             found += [(node.lineno, e.value) for e in elements
                       if isinstance(e, ast.Constant) and isinstance(e.value, str) and e.value in names]
-    return found
+    return sorted(set(found))
 
 
 def test_no_module_compares_a_choice_against_a_string_literal():
@@ -148,6 +153,8 @@ def test_the_string_comparison_check_can_fail():
     assert _string_comparisons('if style == "colwise": pass\nif s in ("x", "zb_h1"): pass', names) == [
         (1, "colwise"), (2, "zb_h1")]
     assert _string_comparisons("if style == Style.COLWISE: pass", names) == []
+    assert _string_comparisons('ROWS = ("vocab_embedding", "vocab_colwise")\nx = ("layers", "dp")', names) == [
+        (1, "vocab_colwise"), (1, "vocab_embedding")]
 
 
 def _pass_order_problems(passes, initial: set[str]) -> list[str]:

@@ -20,6 +20,7 @@ import sys
 from ..local_world import LocalWorld, WorldFailure
 from .run import LOSS_RTOL, WEIGHT_ATOL, one_step_parity
 from .shrink import LAYERS, shrink_config
+from ..mesh import Axis
 
 EXIT = {"equal": 0, "different": 1, "refused": 2, "crashed": 3}
 RANK_TIMEOUT_S = 600  # a whole check of a shrunk model takes seconds; a stuck collective gives up
@@ -54,13 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qn-hf-check", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="Hugging Face model directory or config.json")
-    for dim in ("dp", "tp", "pp", "ep"):
+    for dim in (Axis.DP, Axis.TP, Axis.PP, Axis.EP):
         parser.add_argument(f"--{dim}", type=int, default=1, help=f"{dim} degree (default 1)")
     parser.add_argument("--microbatches", type=int, default=None, help="per step (default: pp)")
     parser.add_argument("--layers", type=int, default=LAYERS, help=f"layers of the shrunk copy (default {LAYERS})")
     parser.add_argument("--top", type=int, default=20, help="tensors to list, worst first (default 20)")
     args = parser.parse_args(argv)
-    for name in ("dp", "tp", "pp", "ep", "layers", "top"):
+    for name in (Axis.DP, Axis.TP, Axis.PP, Axis.EP, "layers", "top"):
         if getattr(args, name) < 1:
             parser.error(f"--{name}={getattr(args, name)} must be at least 1")
     from ..planner.cli import load_config

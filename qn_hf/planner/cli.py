@@ -53,7 +53,7 @@ import sys
 
 import torch
 
-from ..mesh import ParallelDims
+from ..mesh import Axis, ParallelDims
 from ..pipeline.schedule import SCHEDULES, as_schedule
 from .cost import GIB, Hardware, links, step_time
 from .estimate import MeshEstimate, Planner
@@ -145,7 +145,7 @@ def schedule_name(est: MeshEstimate) -> str:
 def group_gb(comm: dict) -> dict[str, float]:
     """GB per step on tp, cp, pp, dp and ep, where dp is the gradients' reductions: "dp" plus
     "replicas" (dp x cp) plus "experts" (the ep-sharded experts' own group)."""
-    gb = {g: comm[g].nbytes / 1e9 if g in comm else 0.0 for g in ("tp", "cp", "pp", "dp", "ep")}
+    gb = {g: comm[g].nbytes / 1e9 if g in comm else 0.0 for g in (Axis.TP, Axis.CP, Axis.PP, Axis.DP, Axis.EP)}
     gb["dp"] += sum(comm[g].nbytes / 1e9 for g in ("replicas", "experts") if g in comm)
     return gb
 
@@ -164,7 +164,7 @@ def ranking_report(accepted: list[Candidate], rejected, *, hw: Hardware, top: in
     for i, c in enumerate(accepted[:top], 1):
         e = c.estimate
         per_stage = [group_gb(s.comm) for s in e.stages]
-        worst = {g: max(gb[g] for gb in per_stage) for g in ("tp", "cp", "pp", "dp", "ep")}
+        worst = {g: max(gb[g] for gb in per_stage) for g in (Axis.TP, Axis.CP, Axis.PP, Axis.DP, Axis.EP)}
         lines.append(
             f"| {i} | {e.dp} | {e.tp} | {e.pp} | {e.cp} | {e.microbatches} | {e.global_batch} | {e.bubble:.3f} "
             f"| {gib(c.peak_bytes)} "
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     args = parser.parse_args(argv)
 
-    explicit = {name: getattr(args, name) for name in ("dp", "tp", "pp") if getattr(args, name) is not None}
+    explicit = {name: getattr(args, name) for name in (Axis.DP, Axis.TP, Axis.PP) if getattr(args, name) is not None}
     whole_mesh = len(explicit) == 3
     if args.gpus is None and not whole_mesh:
         parser.error("give --gpus N (every mesh for N GPUs, keeping any of --dp/--tp/--pp/--cp given) or all of "

@@ -79,7 +79,7 @@ def split_kv_per_module(model: nn.Module, rules: dict[str, str], layout: HeadLay
 
 
 # Styles that split a weight the same way: the padded vocabulary rows of an embedding and its head.
-_VOCAB_ROWS = ("vocab_embedding", "vocab_colwise")
+_VOCAB_ROWS = (Style.VOCAB_EMBEDDING, Style.VOCAB_COLWISE)
 
 
 def check_ties(model: nn.Module, rules: dict[str, str]) -> None:

@@ -53,9 +53,9 @@ from .plan import TpPlan, rule_module
 from .styles import EMBEDDING_STYLES, Style
 
 # Rules outside the blocks that leave whole activations whole (the head gets the gathered output).
-_OUTSIDE_BLOCKS = {*EMBEDDING_STYLES, "vocab_colwise", "replicate", "replicate_grad_sum"}
-_INSIDE_ENTRIES = {"colwise", "colwise_kv", "colwise_packed2", "colwise_packed3", "rowwise", "replicate",
-                   "replicate_grad_sum", "replicate_after_row"}
+_OUTSIDE_BLOCKS = {*EMBEDDING_STYLES, Style.VOCAB_COLWISE, Style.REPLICATE, Style.REPLICATE_GRAD_SUM}
+_INSIDE_ENTRIES = {Style.COLWISE, Style.COLWISE_KV, Style.COLWISE_PACKED2, Style.COLWISE_PACKED3, Style.ROWWISE,
+                   Style.REPLICATE, Style.REPLICATE_GRAD_SUM, Style.REPLICATE_AFTER_ROW}
 
 
 def position_wise(module: nn.Module) -> bool:

@@ -27,6 +27,7 @@ from typing import Any
 from ...data_parallel.optimizer import ParallelOptimizer
 from ...config.parallel_config import ParallelConfig
 from ...parallelize import parallelize
+from ...mesh import Axis
 
 # parallelize's keywords, plus the optimizer's ZeRO-1 switch (qn_hf.optimizer(zero=...)), which the Trainer builds.
 PARALLEL_KEYS = tuple(name for name, p in inspect.signature(parallelize).parameters.items()
@@ -81,7 +82,7 @@ def check_training_args(args, *, mesh: TrainerMesh, world_size: int, compute_los
     """Refuse the ``TrainingArguments`` (and launcher settings) that conflict with the mesh."""
     if mesh.world_size != world_size:
         kw = mesh.parallelize
-        dims = ", ".join(f"{k}={kw[k]}" for k in ("dp", "tp", "pp", "cp") if k in kw) or "dp=1"
+        dims = ", ".join(f"{k}={kw[k]}" for k in (Axis.DP, Axis.TP, Axis.PP, Axis.CP) if k in kw) or "dp=1"
         raise ValueError(f"parallel=dict({dims}) needs {mesh.world_size} processes but {world_size} were launched; "
                          f"launch {mesh.world_size} (torchrun --nproc-per-node {mesh.world_size} ...) or change "
                          f"parallel= so that dp*tp*pp*cp = {world_size}")
