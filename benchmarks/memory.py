@@ -10,7 +10,7 @@ float32 master copies (when they are copies, not views of the weights) and the t
 ``opt.state``.
 
 activations: GPT-2 small (12 layers, n_embd 768, vocab 50257) in one process, batch 1 x 1024 tokens,
-float32. ``LiveAllocations`` (qn_hf/live_allocations.py) records every storage an op creates during the forward;
+float32. ``LiveAllocations`` (qn_hf/memory/live_allocations.py) records every storage an op creates during the forward;
 what is still alive when the forward returns is what backward will read (activations, logits and
 loss): that is the activation memory. Step time is the median of timed ``train_step`` calls.
 """

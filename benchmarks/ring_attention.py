@@ -3,7 +3,7 @@
     python benchmarks/ring_attention.py --before /work/before      # cp=2, 1 x 8,192 tokens
     python benchmarks/ring_attention.py --before /work/before --documents 4 --rounds 3
 
-Each variant is a checkout's ``qn_hf/ring_attention.py`` (``--before`` a pristine copy, ``--after``
+Each variant is a checkout's ``qn_hf/context_parallel/ring_attention.py`` (``--before`` a pristine copy, ``--after``
 this one by default), loaded from its file in a fresh world of ``--cp`` gloo ranks, one thread per
 rank; the variants alternate (before, after, before, after, ...) so that a change in the machine's
 load falls on both. A step is one call of ``ring_attention`` forward and its backward, float32,

@@ -10,38 +10,39 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .step.batch import (batch_signature, check_batch, check_model_inputs, check_same_batch, dp_rows, microbatch_rows,
-                    sequence_split, split_microbatches)
 from .checkpoint.adapter import save_adapter
-from .config.composition import Feature, check_and_warn
-from .config.parallel_config import ParallelConfig
 from .checkpoint.export import save_pretrained
+from .checkpoint.full_state import full_state_dict
 from .checkpoint.hf import DEFAULT_MAX_SHARD_BYTES
 from .checkpoint.load import load_checkpoint
 from .checkpoint.save import DEFAULT_KEEP_LAST, save_checkpoint
 from .comm import flat_all_reduce_, gather_from_group
+from .config.composition import Feature, check_and_warn
+from .config.parallel_config import ParallelConfig
 from .context_parallel.apply import CP_KEYS, shard_microbatch
+from .context_parallel.ring_attention import ChunkLayout
 from .data_parallel.buckets import GradBuckets
 from .data_parallel.grad_sync import GradSync
+from .data_parallel.precision import LossScaler
+from .expert_parallel.router_loss import adds_router_loss, check_router_loss, router_loss
 from .failure import FailTogether
-from .checkpoint.full_state import full_state_dict
-from .step.generation import parallel_generate
-from .step.logits import LogitsFn, collect_logits
-from .peft.lora import Adapter
-from .step.loss import IGNORE_INDEX, LossKind, causal_lm_targets, summed_loss
 from .mesh import Coords, Groups, ParallelDims
+from .peft.lora import Adapter
 from .pipeline.runtime import StageExecutor
 from .pipeline.schedule import schedule_actions
 from .pipeline.split import params_by_final_pass
 from .pipeline.stage import StageModules
 from .placement import ShardPlacement
-from .tensor_parallel.plan import TpPlan
-from .data_parallel.precision import LossScaler
-from .tensor_parallel.rng import RngStreams
-from .context_parallel.ring_attention import ChunkLayout
-from .expert_parallel.router_loss import adds_router_loss, check_router_loss, router_loss
-from .tensor_parallel.shard import ShardSpec
+from .step.batch import (batch_signature, check_batch, check_model_inputs, check_same_batch, dp_rows, microbatch_rows,
+                         sequence_split, split_microbatches)
+from .step.generation import parallel_generate
+from .step.logits import LogitsFn, collect_logits
+from .step.loss import IGNORE_INDEX, LossKind, causal_lm_targets, summed_loss
 from .tensor_parallel.apply import VocabShard
+from .tensor_parallel.plan import TpPlan
+from .tensor_parallel.rng import RngStreams
+from .tensor_parallel.sequence_parallel import SequenceParallelSwitch
+from .tensor_parallel.shard import ShardSpec
 
 LossFn = Callable[[object, Mapping[str, torch.Tensor]], torch.Tensor]
 
@@ -73,6 +74,7 @@ class ParallelModel:
         deferred: frozenset[str] = frozenset(),
         adapter: Adapter | None = None,
         parallel_config: ParallelConfig | None = None,
+        sequence_parallel_switch: SequenceParallelSwitch | None = None,
     ) -> None:
         self.module = module
         self.parallel_config = parallel_config  # how it was parallelized (parallelize's keywords as one value)
@@ -95,8 +97,7 @@ class ParallelModel:
         self.cp_layout = cp_layout  # which chunks of each sequence the cp ranks hold
         self.grads = GradSync(module=module, placement=placement, grad_sum=plan.grad_sum, buckets=buckets,
                               expert_buckets=expert_buckets, scaler=scaler)
-        # (chunk, "b" | "w") -> the parameters whose gradients are final after that chunk's last
-        # backward ("b") or last deferred weight pass ("w"): the moment their dp buckets may start
+        # (chunk, "b" | "w") -> the parameters final after its last backward or W pass: their buckets may start
         self._final_params = params_by_final_pass(module, stage.plan, chunks=stage.chunks, deferred=deferred)
         self.deferred = deferred  # names of the parameters whose gradients come in W passes (zb_h1)
         self.optimizer = None  # the qn_hf.optimizer built over this model, if any
@@ -107,6 +108,7 @@ class ParallelModel:
         self.check_every_batch = False
         self._batch_checked = False
         self.closed = False
+        self.sp_switch = sequence_parallel_switch  # sequence parallelism, off while generating
 
     def close(self) -> None:
         """Release (every rank) the process groups parallelize made: not the world's, not a mesh= given."""
@@ -132,8 +134,7 @@ class ParallelModel:
         return self.module.named_parameters()
 
     def named_grads(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """This rank's synchronized gradients by HF name: ``.grad`` of each trainable parameter, or
-        under ``zero=True`` the flat pieces of them this dp rank owns (``grads_split_over_dp``)."""
+        """Synchronized gradients by HF name: ``.grad``, or under ZeRO the flat pieces this dp rank owns."""
         return self.grads.named_grads()
 
     @property
@@ -193,9 +194,8 @@ class ParallelModel:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients over several ``train_step`` calls without synchronizing them; the
-        first ``train_step`` after the block synchronizes everything accumulated (as DDP's
-        ``no_sync``). The global loss is still returned, which takes two scalar all-reduces."""
+        """Accumulate gradients over several ``train_step`` calls unsynchronized, as DDP's ``no_sync``: the
+        first ``train_step`` after the block syncs it all (the loss still takes two scalar all-reduces)."""
         previous, self._sync = self._sync, False
         try:
             yield
@@ -363,7 +363,7 @@ class ParallelModel:
         inputs. KV cache at pp=1; at pp>1 each token re-runs the pipeline without one (generation.py)."""
         self._weights_ready()
         self.check_composes_with(Feature.GENERATE)
-        with self.failures.guard("generate"):
+        with self.failures.guard("generate"), self.sp_switch.off() if self.sp_switch else contextlib.nullcontext():
             return parallel_generate(self.module, input_ids, attention_mask, stage=self.stage, placement=self.placement,
                                      full_logits=self.full_logits if self.vocab is not None else None,
                                      generate_kwargs=generate_kwargs)

@@ -29,7 +29,8 @@ from .pipeline.standins import StandIn
 from .placement import Copies, ShardPlacement
 from .data_parallel.precision import PRECISIONS, LossScaler, apply_mixed_precision
 from .memory.recompute import apply_recompute
-from .tensor_parallel.sequence_parallel import apply_sequence_parallel, final_norm, regathers, sequence_wire
+from .tensor_parallel.sequence_parallel import (SequenceParallelSwitch, apply_sequence_parallel, final_norm, regathers,
+                                                sequence_wire)
 from .tensor_parallel.plan import ModelPolicy, TpPlan
 from .tensor_parallel.rng import SHARED, TP_LOCAL, RngStreams, stream_seeds
 from .tensor_parallel.shard import ShardSpec
@@ -84,13 +85,13 @@ def parallelize(
     allocates and reads only its own shard, so no rank ever holds the whole model; ``timeout``
     bounds every collective when this call creates the process group. ``mixed_precision`` ("bf16" or
     "fp16") computes in that dtype with float32 gradients and float32 master weights in
-    ``qn_hf.optimizer`` (precision.py); ``recompute`` ("full" or "selective") recomputes each block's
-    activations in backward (recompute.py); ``sequence_parallel`` splits the activations between
-    tensor-parallel regions over the tp ranks along the sequence (sequence_parallel.py); ``cp`` splits
-    each sequence over that many ranks, with ring attention (context_parallel.py); ``ep`` shards the
+    ``qn_hf.optimizer`` (data_parallel/precision.py); ``recompute`` ("full" or "selective") recomputes each block's
+    activations in backward (memory/recompute.py); ``sequence_parallel`` splits the activations between
+    tensor-parallel regions over the tp ranks along the sequence (tensor_parallel/sequence_parallel.py); ``cp`` splits
+    each sequence over that many ranks, with ring attention (context_parallel/); ``ep`` shards the
     experts of MoE layers over that many of a stage's dp x tp ranks, tokens travelling to them
-    (expert_parallel.py); ``compile`` compiles each block of this stage in place with ``torch.compile``
-    (inductor), the collectives inside traced as functional collectives (compile.py).
+    (expert_parallel/); ``compile`` compiles each block of this stage in place with ``torch.compile``
+    (inductor), the collectives inside traced as functional collectives (step/compile.py).
     """
     if unknown:  # Python's own TypeError would not say which keyword was meant
         raise refused_on_every_rank(TypeError(unknown_keywords(unknown, parallelize)))
@@ -173,6 +174,7 @@ def _parallelize(model: nn.Module, *, dp: int, tp: int, pp: int, cp: int, ep: in
         deferred=frozenset(build.deferred),
         adapter=adapter,
         parallel_config=config,
+        sequence_parallel_switch=build.sp_switch,
     )
     pm.check_composes_with()  # refused above already; this warns (rank 0) about pairs no test compares yet
     if checkpoint is not None:
@@ -204,6 +206,7 @@ class Build:
     rng: RngStreams | None = None
     weights: WeightGradQueue | None = None
     deferred: list[str] = field(default_factory=list)
+    sp_switch: SequenceParallelSwitch | None = None
 
 
 @dataclass(frozen=True)
@@ -248,8 +251,9 @@ def _tensor_parallel(b: Build) -> None:
 
 
 def _sequence_parallel(b: Build) -> None:
-    apply_sequence_parallel(b.model, plan=b.plan, stage_plan=b.stage_plan, stage=b.groups.coords.pp, final=b.final,
-                            group=b.groups.tp, regather=regathers(b.config.recompute) and not b.config.compile)
+    b.sp_switch = apply_sequence_parallel(b.model, plan=b.plan, stage_plan=b.stage_plan, stage=b.groups.coords.pp,
+                                          final=b.final, group=b.groups.tp,
+                                          regather=regathers(b.config.recompute) and not b.config.compile)
     b.stage.wire = sequence_wire(b.groups.tp)
 
 
@@ -299,7 +303,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("tensor parallel", _always, _tensor_parallel, ("model", "plan", "groups", "expert_specs", "stage_plan"),
          ("specs", "vocab", "placement"), "after the cut, before anything that asks where a shard sits"),
     Pass("sequence parallel", lambda b: b.plan.sequence_parallel, _sequence_parallel,
-         ("model", "plan", "stage_plan", "final", "stage", "groups"), (),
+         ("model", "plan", "stage_plan", "final", "stage", "groups"), ("sp_switch",),
          "after tp: its hooks sit on the parallel layers and the blocks between them"),
     Pass("place on device", _always, _place_on_device, ("model", "checkpoint", "device"), (),
          "after every shard: each rank allocates only its own (a meta model is materialized here)"),

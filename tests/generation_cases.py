@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import qn_hf
 from tests.cases import error_message, mesh_for
-from tests.models import CONFIGS, load
+from tests.models import CONFIGS, load, make_batch
 
 NEW_TOKENS = 6
 SEED = 1234
@@ -32,7 +32,8 @@ def _pad_id(kind: str) -> int:
     return config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
 
 
-def generation(*, model_dirs: dict[str, str], kinds: list[str], dp: int, tp: int, pp: int) -> dict:
+def generation(*, model_dirs: dict[str, str], kinds: list[str], dp: int, tp: int, pp: int,
+               sequence_parallel: bool = False) -> dict:
     """Greedy (left-padded batch with attention_mask, and one prompt without a mask) and sampling
     (top_k, temperature; ranks other than the replica's first seeded differently, so equality shows the
     generator is shared), each replica on its own prompts; the sequences and the reference's."""
@@ -40,7 +41,7 @@ def generation(*, model_dirs: dict[str, str], kinds: list[str], dp: int, tp: int
     for kind in kinds:
         ref = load(kind, model_dirs[kind]).eval()
         pm = qn_hf.parallelize(load(kind, model_dirs[kind]), dp=dp, tp=tp, pp=pp, mesh=mesh_for(dp, tp, pp),
-                               microbatches=2 * pp)
+                               microbatches=2 * pp, sequence_parallel=sequence_parallel)
         pm.train()  # generate runs in eval mode and must give this back
         ids, mask = _prompts(kind, seed=100 + pm.coords["dp"])
         common = dict(max_new_tokens=NEW_TOKENS, pad_token_id=_pad_id(kind))
@@ -65,7 +66,13 @@ def generation(*, model_dirs: dict[str, str], kinds: list[str], dp: int, tp: int
                                  return_dict_in_generate=True, **common).logits
             ref_scores = ref.generate(ids, attention_mask=mask, do_sample=False, output_logits=True,
                                       return_dict_in_generate=True, **common).logits
+        # after generating, the model trains as before: sequence parallelism back on, the loss the plain model's
+        batch = make_batch(kind, size=2 * pp * dp, seed=5)
+        loss_after = pm.eval_step(pm.local_batch(batch)).item()
+        ref_after = ref(**batch).loss.item()
         out[kind] = {
+            "sp_on_after": pm.sp_switch.on if sequence_parallel else True,
+            "loss_after": (loss_after, ref_after),
             "dp": pm.coords["dp"],
             **{name: (a.tolist(), b.tolist()) for name, (a, b) in results.items()},
             "logit_err": max((a - b).abs().max().item() for a, b in zip(scores, ref_scores)),
@@ -112,7 +119,6 @@ def refusals(*, model_dirs: dict[str, str]) -> dict:
     vit = qn_hf.parallelize(load("vit", model_dirs["vit"]), tp=2, mesh=mesh_for(1, 2))
     return {
         "cp": error_message(lambda: cp.generate(ids, max_new_tokens=2)),
-        "sequence_parallel": error_message(lambda: sp.generate(ids, max_new_tokens=2)),
         "virtual": error_message(lambda: virtual.generate(ids, max_new_tokens=2)),
         "use_cache": error_message(lambda: pipeline.generate(ids, max_new_tokens=2, use_cache=True)),
         "hidden_states": error_message(lambda: pipeline.generate(ids, max_new_tokens=2, output_hidden_states=True,

@@ -24,7 +24,7 @@ from tests.optim_cases import shard_of
 from tests.test_parity import LOSS_RTOL, WEIGHT_ATOL
 
 KEYWORD = "compile" in inspect.signature(qn_hf.parallelize).parameters
-# dynamo cannot trace the random streams' generator swaps at the tp regions' edges (qn_hf/compile.py)
+# dynamo cannot trace the random streams' generator swaps at the tp regions' edges (qn_hf/step/compile.py)
 RNG_BREAKS = ("get_rng_state", "set_rng_state")
 
 

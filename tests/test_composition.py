@@ -86,7 +86,7 @@ def _refused(first: Feature, second: Feature) -> str:
                           micro_batch_size=2, zero=True)
         return str(caught.value)
     assert first is Feature.GENERATE, (first, second)  # pm.generate: the model's features plus generate
-    keywords = {Feature.CP: dict(cp=2), Feature.EP: dict(dp=2, ep=2), Feature.SP: dict(tp=2, sequence_parallel=True),
+    keywords = {Feature.CP: dict(cp=2), Feature.EP: dict(dp=2, ep=2),
                 Feature.PP_INTERLEAVED: dict(pp=2, microbatches=2, schedule="interleaved_1f1b", virtual_stages=2)}
     config = ParallelConfig.from_keywords(**keywords[second])
     stand_in = SimpleNamespace(parallel_config=config, features=config.features, _warned=set(),

@@ -6,16 +6,20 @@ import pytest
 from tests import generation_cases
 
 KINDS = ["gpt2", "llama"]  # tied head and vocabulary 99 (padded at tp=2); GQA and vocabulary 101
-MESHES = [(1, 2, 1), (1, 1, 2), (1, 2, 2), (2, 1, 2)]  # (dp, tp, pp)
+MESHES = [(1, 2, 1, False), (1, 1, 2, False), (1, 2, 2, False), (2, 1, 2, False),  # (dp, tp, pp, sp)
+          (1, 2, 1, True), (1, 2, 2, True)]
 
 
-@pytest.mark.parametrize(("dp", "tp", "pp"), MESHES, ids=[f"dp{d}-tp{t}-pp{p}" for d, t, p in MESHES])
-def test_generate_equals_plain_model(worlds, model_dirs, dp, tp, pp):
+@pytest.mark.parametrize(("dp", "tp", "pp", "sp"), MESHES,
+                         ids=[f"dp{d}-tp{t}-pp{p}" + ("-sp" if s else "") for d, t, p, s in MESHES])
+def test_generate_equals_plain_model(worlds, model_dirs, dp, tp, pp, sp):
     """Greedy token for token (a left-padded batch with attention_mask, one prompt without), sampling
     with the same seed, the logits HF's processors see (whole vocabulary); every rank of a replica
-    returns the same, each dp replica its own prompts' result; the train/eval mode is given back."""
+    returns the same, each dp replica its own prompts' result; the train/eval mode is given back.
+    With sequence parallelism (``-sp``) generation runs with it switched off (one-token steps cannot
+    be split over tp), and the model still trains with it afterwards (``trained_after``)."""
     results = worlds.run(dp * tp * pp, generation_cases.generation, model_dirs=model_dirs, kinds=KINDS,
-                         dp=dp, tp=tp, pp=pp)
+                         dp=dp, tp=tp, pp=pp, sequence_parallel=sp)
     for kind in KINDS:
         per_replica: dict[int, dict] = {}
         for r in results:
@@ -24,6 +28,9 @@ def test_generate_equals_plain_model(worlds, model_dirs, dp, tp, pp):
                 ours, ref = got[case]
                 assert ours == ref, (kind, case, r["rank"], ours, ref)
             assert got["logit_err"] < 1e-4, (kind, r["rank"], got["logit_err"])
+            assert got["sp_on_after"], (kind, r["rank"], "sequence parallelism was left off after generate")
+            ours, ref = got["loss_after"]
+            assert abs(ours - ref) <= 1e-5 * abs(ref), (kind, r["rank"], ours, ref)
             assert got["vocab"] == {"gpt2": 99, "llama": 101}[kind]
             assert got["training"] and got["generation_config"] and got["generator"], (kind, r["rank"], got)
             assert per_replica.setdefault(got["dp"], got) == got, (kind, "ranks of a replica disagree")
@@ -48,7 +55,6 @@ def test_generate_refusals(worlds, model_dirs):
     results = worlds.run(2, generation_cases.refusals, model_dirs=model_dirs)
     for r in results:
         assert "cp=2" in r["cp"] and "cp=1" in r["cp"], r["cp"]
-        assert "sequence_parallel=False" in r["sequence_parallel"], r["sequence_parallel"]
         assert "virtual_stages=1" in r["virtual"], r["virtual"]
         assert "use_cache" in r["use_cache"], r["use_cache"]
         assert "output_hidden_states" in r["hidden_states"], r["hidden_states"]

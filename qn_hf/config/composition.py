@@ -128,9 +128,6 @@ ROWS: tuple[Row, ...] = (
     Row(F.GENERATE, F.EP, S.REFUSED, message=(
         "generate at ep={ep}: experts exchange tokens with ranks of other dp replicas, whose generation loops differ "
         "in length; parallelize with ep=1 for generation, or save_pretrained and generate with the plain model")),
-    Row(F.GENERATE, F.SP, S.REFUSED, message=(
-        "generate with sequence_parallel=True: a one-token decoding step cannot be split over the tp ranks; "
-        "parallelize with sequence_parallel=False for generation")),
     Row(F.GENERATE, F.PP_INTERLEAVED, S.REFUSED, message=(
         "generate at pp={pp} with virtual_stages={virtual_stages}: a rank's blocks are not one contiguous forward; "
         "parallelize with virtual_stages=1 for generation")),
@@ -169,6 +166,8 @@ ROWS: tuple[Row, ...] = (
     Row(F.SP, F.RECOMPUTE, S.EQUIVALENT, f"{_RC}[gpt2-1-2-1-full-True-1]"),
     Row(F.SP, F.LORA, S.PLAIN, f"{_LORA}[llama-2-2-1-1-1f1b-True-False-targets3-None]"),
     Row(F.SP, F.TRAINER, S.UNTESTED),
+    # generate switches sequence parallelism off: a one-token step cannot be split over the tp ranks
+    Row(F.SP, F.GENERATE, S.PLAIN, f"{_GEN}[dp1-tp2-pp2-sp]"),
     Row(F.SP, F.COMPILE, S.PLAIN, f"{_COMPILED}[llama-2-dp=1-tp=2-sequence_parallel=True]"),
     # cp
     Row(F.CP, F.PP_1F1B, S.PLAIN, f"{_CP}[llama-1-1-2-2-2-True-False]"),

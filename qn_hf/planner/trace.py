@@ -8,7 +8,7 @@ is recorded (weakly) with the module running at the time, the outputs are droppe
 forward is over while their autograd graph is kept, and what is still alive is what backward will
 need. The same measure covers every way of keeping a tensor: autograd's saved tensors, torch's
 checkpoint holding a block's inputs (``recompute="full"``), selective recomputation's cache of
-matrix products (``recompute="selective"``, set up as ``qn_hf/recompute.py`` does), and a tensor
+matrix products (``recompute="selective"``, set up as ``qn_hf/memory/recompute.py`` does), and a tensor
 two ops keep counts once.
 
 Attention and MoE experts' grouped matmuls run as the kernels training runs (``kernels.py``). (A

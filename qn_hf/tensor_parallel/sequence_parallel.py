@@ -36,7 +36,9 @@ accepted: anything else might mix positions across the split and is refused by n
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
@@ -49,6 +51,7 @@ from ..comm import (all_gather_sequence, gather_sequence, gather_sequence_into_r
 from .patterns import join
 from ..pipeline.split import StagePlan
 from ..pipeline.stage import Wire
+from .layers import RowParallelLinear
 from .plan import TpPlan, rule_module
 from .styles import EMBEDDING_STYLES, Style
 
@@ -178,7 +181,30 @@ class _Regathered:
         return view
 
 
-def _entry_hooks(entry: nn.Module, *, group: ProcessGroup, regather: bool) -> None:
+class SequenceParallelSwitch:
+    """Sequence parallelism on (training, evaluation, logits) or off (``generate``). A decoding step
+    feeds one token, which cannot be split over the tp ranks; with the switch off every hook below
+    passes its input through and the row layers all-reduce instead of reduce-scattering, which is
+    plain tensor parallelism: the same weights, the same sums, whole activations between the regions."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.on = True
+        self._rows = [m for m in model.modules() if isinstance(m, RowParallelLinear) and m.sequence_parallel]
+
+    @contextlib.contextmanager
+    def off(self) -> Iterator[None]:
+        self.on = False
+        for row in self._rows:
+            row.sequence_parallel = False
+        try:
+            yield
+        finally:
+            self.on = True
+            for row in self._rows:
+                row.sequence_parallel = True
+
+
+def _entry_hooks(entry: nn.Module, *, group: ProcessGroup, regather: bool, switch: SequenceParallelSwitch) -> None:
     """The entry's first argument (this rank's sequence slice) is gathered on the way in, with a
     reduce-scatter of its gradient. With ``regather``, what the entry's layers save of the gathered
     input for their weight gradients is kept as the slice and gathered again in backward (as
@@ -186,6 +212,8 @@ def _entry_hooks(entry: nn.Module, *, group: ProcessGroup, regather: bool) -> No
     contexts: list[torch.autograd.graph.saved_tensors_hooks] = []
 
     def enter(module: nn.Module, args: tuple, kwargs: dict):
+        if not switch.on:
+            return None
         key, local = first_argument(module, args, kwargs)
         full = gather_sequence_into_region(local, group=group)
         if regather and torch.is_grad_enabled():
@@ -203,23 +231,28 @@ def _entry_hooks(entry: nn.Module, *, group: ProcessGroup, regather: bool) -> No
 
 
 def apply_sequence_parallel(model: nn.Module, *, plan: TpPlan, stage_plan: StagePlan, stage: int, final: str | None,
-                            group: ProcessGroup, regather: bool) -> None:
+                            group: ProcessGroup, regather: bool) -> SequenceParallelSwitch:
     """Hook this stage's tp entries (gather the sequence), the first block of each of its chunks
     (take the sequence slice) and each chunk's last block, or ``final`` (the final norm, after the
     last chunk), to gather it again: what travels between chunks is the whole sequence.
     ``regather`` keeps the entries' saved inputs as slices (off under recomputation, which keeps no
-    block internals anyway)."""
+    block internals anyway). Returns the switch that turns all of it off (``generate``)."""
     layers = model.get_submodule(stage_plan.layers)
+    switch = SequenceParallelSwitch(model)
     for entry in plan.tp_entries:
-        _entry_hooks(model.get_submodule(entry), group=group, regather=regather)
+        _entry_hooks(model.get_submodule(entry), group=group, regather=regather, switch=switch)
 
     def split(module: nn.Module, args: tuple, kwargs: dict):
+        if not switch.on:
+            return None
         key, hidden = first_argument(module, args, kwargs)
         # train_step checked the batch already; this covers direct calls and inputs_embeds
         check_sequence_length(hidden.shape[1], sequence_split(cp=1, tp=group_size(group), sequence_parallel=True))
         return with_first(args, kwargs, key, split_sequence(hidden, group=group))
 
     def gather(_module: nn.Module, _args: tuple, output):
+        if not switch.on:
+            return None
         if isinstance(output, tuple):
             return (gather_sequence(output[0], group=group), *output[1:])
         return gather_sequence(output, group=group)
@@ -229,6 +262,7 @@ def apply_sequence_parallel(model: nn.Module, *, plan: TpPlan, stage_plan: Stage
         getattr(layers, str(start)).register_forward_pre_hook(split, with_kwargs=True)
         last = final if final is not None and chunk == stage_plan.chunks - 1 else None
         (model.get_submodule(last) if last is not None else getattr(layers, str(stop - 1))).register_forward_hook(gather)
+    return switch
 
 
 def sequence_wire(group: ProcessGroup) -> Wire:

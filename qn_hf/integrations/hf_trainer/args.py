@@ -9,7 +9,7 @@ Not supported (each refused with a ``ValueError`` before training): DeepSpeed, F
 stage, split over tp); ``label_smoothing_factor`` (use ``compute_loss_func``); ``model_init`` and
 ``auto_find_batch_size`` (the model is parallelized once); Liger kernels and NEFTune (they replace or hook forwards
 qn_hf drives); ``torch_compile_backend`` other than inductor and ``torch_compile_mode`` (``torch_compile=True``
-compiles each block with inductor's defaults: ``parallelize(compile=True)``, qn_hf/compile.py); ``group_by_length``
+compiles each block with inductor's defaults: ``parallelize(compile=True)``, qn_hf/step/compile.py); ``group_by_length``
 sampling; ``push_to_hub``; an optimizer built over the unsharded model. A ``compute_loss`` override is not called
 for training (TRL's token accuracy and entropy metrics are not logged): the loss is the built-in one, or
 ``compute_loss_func`` summed over rows and normalised by ``num_items_in_batch``. With fp16 an overflow skips the
