@@ -12,6 +12,12 @@ MIXED_CASES = [  # kind, dp, tp, pp, microbatches, zero, precision, schedule
     ("gpt2", 1, 2, 2, 2, False, "bf16", "gpipe"),
     ("llama", 2, 1, 2, 2, True, "bf16", "zb_h1"),  # float32 gradients delivered by the weight passes
     ("gpt2", 1, 2, 2, 2, False, "bf16", "interleaved_1f1b"),
+    # float16 (loss scaling, the skip of a step with an overflow) through each schedule: the composition
+    # table's fp16 x pp rows; `long`, as more of what the rows above cover (make test-all)
+    pytest.param("llama", 1, 1, 2, 2, False, "fp16", "1f1b", marks=pytest.mark.long),
+    pytest.param("gpt2", 1, 2, 2, 2, False, "fp16", "gpipe", marks=pytest.mark.long),
+    pytest.param("llama", 2, 1, 2, 2, True, "fp16", "zb_h1", marks=pytest.mark.long),
+    pytest.param("gpt2", 1, 2, 2, 2, False, "fp16", "interleaved_1f1b", marks=pytest.mark.long),
 ]
 
 

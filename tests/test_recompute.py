@@ -33,6 +33,7 @@ def test_recompute_is_bit_for_bit(worlds, model_dirs, kind, dp, tp, pp, mode, sp
     ("llama_deep", 2, "interleaved_1f1b", 2, "selective"),
     ("gpt2_deep", 1, "zb_h1", 1, "full"),  # the weight passes read the inputs the recomputation saved
     ("llama_deep", 2, "zb_h1", 1, "selective"),
+    pytest.param("gpt2_deep", 2, "gpipe", 1, "full", marks=pytest.mark.long),  # the table's gpipe x recompute
 ])
 def test_recompute_with_new_schedules(worlds, model_dirs, kind, tp, schedule, virtual_stages, mode):
     results = worlds.run(2 * tp, optim_cases.recompute_parity, kind=kind, model_dir=model_dirs[kind],
