@@ -29,6 +29,29 @@ def test_mixed_precision_trains_like_the_plain_model_by_hand(worlds, model_dirs,
     which differs with the mesh (sums split over tp and microbatches round differently)."""
     results = worlds.run(dp * tp * pp, optim_cases.mixed_parity, kind=kind, model_dir=model_dirs[kind], dp=dp,
                          tp=tp, pp=pp, microbatches=microbatches, zero=zero, precision=precision, schedule=schedule)
+    _check_mixed(results, precision)
+
+
+COMPOSED_CASES = [  # kind, dp, tp, pp, zero, precision, recompute, sequence_parallel: the composition table's rows
+    ("llama", 2, 2, 1, True, "bf16", None, True),  # sp x bf16, sp x ZeRO
+    ("llama", 1, 2, 1, False, "fp16", None, True),  # sp x fp16
+    ("llama", 2, 1, 1, True, "fp16", "full", False),  # fp16 x recompute, ZeRO x recompute
+    ("gpt2", 1, 2, 2, False, "bf16", "selective", False),  # bf16 x recompute
+]
+
+
+@pytest.mark.long
+@pytest.mark.parametrize(("kind", "dp", "tp", "pp", "zero", "precision", "recompute", "sp"), COMPOSED_CASES)
+def test_mixed_precision_composes_with_sequence_parallelism_and_recomputation(worlds, model_dirs, kind, dp, tp, pp,
+                                                                               zero, precision, recompute, sp):
+    """The same comparison with sequence parallelism or recomputation on (two microbatches)."""
+    results = worlds.run(dp * tp * pp, optim_cases.mixed_parity, kind=kind, model_dir=model_dirs[kind], dp=dp,
+                         tp=tp, pp=pp, microbatches=2, zero=zero, precision=precision, recompute=recompute,
+                         sequence_parallel=sp)
+    _check_mixed(results, precision)
+
+
+def _check_mixed(results: list[dict], precision: str) -> None:
     low = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[precision]
     for r in results:
         assert r["param_dtypes"] == [low], r

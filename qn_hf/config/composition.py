@@ -83,6 +83,7 @@ _CP = "tests/test_context_parallel.py::test_context_parallel_equals_plain_model"
 _ZERO = "tests/test_optimizer.py::test_zero_equals_the_unsharded_optimizer"
 _GEN = "tests/test_generation.py::test_generate_equals_plain_model"
 _MEM = "tests/test_planner_memory.py::test_planner_memory_matches_a_real_run"
+_MPC = "tests/test_mixed_precision.py::test_mixed_precision_composes_with_sequence_parallelism_and_recomputation"
 _COMPILED = "tests/test_compile.py::test_compiled_meshes"  # a long test (make test-all)
 _TRAINER_RESUME = "tests/test_trainer.py::test_trainer_accumulation_clipping_checkpoint_and_resume_at_another_mesh"
 _RC = "tests/test_recompute.py::test_recompute_is_bit_for_bit"
@@ -160,9 +161,9 @@ ROWS: tuple[Row, ...] = (
     Row(F.SP, F.PP_INTERLEAVED, S.PLAIN,
         "tests/test_sequence_parallel.py::test_sequence_parallel_with_interleaved_chunks[llama_deep]"),
     Row(F.SP, F.DP, S.PLAIN, f"{_SP}[llama-2-2-1-2-True]"),
-    Row(F.SP, F.ZERO, S.RUNS, f"{_MEM}[llama-2-2-1-2-bf16-True-full-True-1]"),
-    Row(F.SP, F.BF16, S.RUNS, f"{_MEM}[llama-2-2-1-2-bf16-True-full-True-1]"),
-    Row(F.SP, F.FP16, S.UNTESTED),
+    Row(F.SP, F.ZERO, S.PLAIN, f"{_MPC}[llama-2-2-1-True-bf16-None-True]"),
+    Row(F.SP, F.BF16, S.PLAIN, f"{_MPC}[llama-2-2-1-True-bf16-None-True]"),
+    Row(F.SP, F.FP16, S.PLAIN, f"{_MPC}[llama-1-2-1-False-fp16-None-True]"),
     Row(F.SP, F.RECOMPUTE, S.EQUIVALENT, f"{_RC}[gpt2-1-2-1-full-True-1]"),
     Row(F.SP, F.LORA, S.PLAIN, f"{_LORA}[llama-2-2-1-1-1f1b-True-False-targets3-None]"),
     Row(F.SP, F.TRAINER, S.UNTESTED),
@@ -238,18 +239,18 @@ ROWS: tuple[Row, ...] = (
     # zero
     Row(F.ZERO, F.BF16, S.PLAIN, f"{_MP}[gpt2-2-2-2-2-True-bf16-1f1b]"),
     Row(F.ZERO, F.FP16, S.PLAIN, f"{_MP}[llama-2-2-1-2-True-fp16-1f1b]"),
-    Row(F.ZERO, F.RECOMPUTE, S.RUNS, f"{_MEM}[llama-2-1-1-1-bf16-True-full-False-1]"),
+    Row(F.ZERO, F.RECOMPUTE, S.PLAIN, f"{_MPC}[llama-2-1-1-True-fp16-full-False]"),
     Row(F.ZERO, F.LORA, S.PLAIN, f"{_LORA}[llama-2-1-2-2-zb_h1-False-True-targets4-None]"),
     Row(F.ZERO, F.GENERATE, S.PLAIN, f"{_LORA}[llama-2-1-2-2-zb_h1-False-True-targets4-None]"),
     Row(F.ZERO, F.TRAINER, S.PLAIN, _TRAINER_RESUME),
     Row(F.ZERO, F.COMPILE, S.PLAIN, f"{_COMPILED}[llama-2-dp=2-tp=1-zero=True]"),
     # precision
-    Row(F.BF16, F.RECOMPUTE, S.RUNS, f"{_MEM}[gpt2-1-2-2-2-bf16-False-full-False-1]"),
+    Row(F.BF16, F.RECOMPUTE, S.PLAIN, f"{_MPC}[gpt2-1-2-2-False-bf16-selective-False]"),
     Row(F.BF16, F.LORA, S.PLAIN, "tests/test_peft.py::test_lora_bf16_keeps_masters_for_the_adapter_only"),
     Row(F.BF16, F.GENERATE, S.UNTESTED),
     Row(F.BF16, F.TRAINER, S.UNTESTED),
     Row(F.BF16, F.COMPILE, S.EQUIVALENT, "tests/test_compile.py::test_compiled_mixed_precision"),
-    Row(F.FP16, F.RECOMPUTE, S.UNTESTED),
+    Row(F.FP16, F.RECOMPUTE, S.PLAIN, f"{_MPC}[llama-2-1-1-True-fp16-full-False]"),
     Row(F.FP16, F.LORA, S.UNTESTED),
     Row(F.FP16, F.GENERATE, S.UNTESTED),
     Row(F.FP16, F.TRAINER, S.UNTESTED),
