@@ -87,6 +87,7 @@ _MPC = "tests/test_mixed_precision.py::test_mixed_precision_composes_with_sequen
 _COMPILED = "tests/test_compile.py::test_compiled_meshes"  # a long test (make test-all)
 _TRAINER_RESUME = "tests/test_trainer.py::test_trainer_accumulation_clipping_checkpoint_and_resume_at_another_mesh"
 _RC = "tests/test_recompute.py::test_recompute_is_bit_for_bit"
+_TRAINER = "tests/test_trainer.py::test_trainer_composes_with_schedules_recompute_and_sp"
 _RC_SCHEDULES = "tests/test_recompute.py::test_recompute_with_new_schedules"
 
 # Also the reason check_compile gives for a mixture-of-experts model at ep=1 (a refusal of the model).
@@ -166,7 +167,7 @@ ROWS: tuple[Row, ...] = (
     Row(F.SP, F.FP16, S.PLAIN, f"{_MPC}[llama-1-2-1-False-fp16-None-True]"),
     Row(F.SP, F.RECOMPUTE, S.EQUIVALENT, f"{_RC}[gpt2-1-2-1-full-True-1]"),
     Row(F.SP, F.LORA, S.PLAIN, f"{_LORA}[llama-2-2-1-1-1f1b-True-False-targets3-None]"),
-    Row(F.SP, F.TRAINER, S.UNTESTED),
+    Row(F.SP, F.TRAINER, S.PLAIN, f"{_TRAINER}[sequence_parallel=True]"),
     # generate switches sequence parallelism off: a one-token step cannot be split over the tp ranks
     Row(F.SP, F.GENERATE, S.PLAIN, f"{_GEN}[dp1-tp2-pp2-sp]"),
     Row(F.SP, F.COMPILE, S.PLAIN, f"{_COMPILED}[llama-2-dp=1-tp=2-sequence_parallel=True]"),
@@ -199,7 +200,7 @@ ROWS: tuple[Row, ...] = (
     Row(F.PP_GPIPE, F.RECOMPUTE, S.EQUIVALENT, f"{_RC_SCHEDULES}[gpt2_deep-2-gpipe-1-full]"),
     Row(F.PP_GPIPE, F.LORA, S.UNTESTED),
     Row(F.PP_GPIPE, F.GENERATE, S.RUNS, "tests/test_nccl_replay.py::test_the_pipeline_completes_under_nccl[llama-2-gpipe-2-1]"),
-    Row(F.PP_GPIPE, F.TRAINER, S.UNTESTED),
+    Row(F.PP_GPIPE, F.TRAINER, S.PLAIN, f"{_TRAINER}[schedule=gpipe]"),
     Row(F.PP_GPIPE, F.COMPILE, S.PLAIN, f"{_COMPILED}[gpt2-4-dp=1-tp=2-pp=2-microbatches=2-schedule=gpipe]"),
     Row(F.PP_INTERLEAVED, F.DP, S.PLAIN,
         "tests/test_parity.py::test_schedules[gpt2_deep-2-1-2-interleaved_1f1b-2-4-None-None]"),
@@ -218,7 +219,7 @@ ROWS: tuple[Row, ...] = (
     Row(F.PP_ZB_H1, F.RECOMPUTE, S.EQUIVALENT, f"{_RC_SCHEDULES}[gpt2_deep-1-zb_h1-1-full]"),
     Row(F.PP_ZB_H1, F.LORA, S.PLAIN, f"{_LORA}[llama-2-1-2-2-zb_h1-False-True-targets4-None]"),
     Row(F.PP_ZB_H1, F.GENERATE, S.PLAIN, f"{_LORA}[llama-2-1-2-2-zb_h1-False-True-targets4-None]"),
-    Row(F.PP_ZB_H1, F.TRAINER, S.UNTESTED),
+    Row(F.PP_ZB_H1, F.TRAINER, S.PLAIN, f"{_TRAINER}[schedule=zb_h1]"),
     # ep
     Row(F.EP, F.DP, S.PLAIN, f"{_EP}[mixtral-2-1-1-2-1]"),
     Row(F.EP, F.BF16, S.EQUIVALENT,
@@ -258,7 +259,7 @@ ROWS: tuple[Row, ...] = (
     # recompute, LoRA, generate, Trainer, compile
     Row(F.RECOMPUTE, F.LORA, S.PLAIN, f"{_LORA}[llama-1-2-2-2-1f1b-False-False-targets7-selective]"),
     Row(F.RECOMPUTE, F.GENERATE, S.PLAIN, f"{_LORA}[llama-1-2-2-2-1f1b-False-False-targets7-selective]"),
-    Row(F.RECOMPUTE, F.TRAINER, S.UNTESTED),
+    Row(F.RECOMPUTE, F.TRAINER, S.PLAIN, f"{_TRAINER}[recompute=full]"),
     Row(F.RECOMPUTE, F.COMPILE, S.PLAIN, f"{_COMPILED}[llama-2-dp=1-tp=2-recompute=selective]"),
     Row(F.LORA, F.GENERATE, S.PLAIN, f"{_LORA}[llama-1-2-1-1-1f1b-False-False-targets0-None]"),
     Row(F.LORA, F.TRAINER, S.PLAIN, "tests/test_trainer.py::test_trainer_with_lora_writes_the_adapter"),
