@@ -31,7 +31,8 @@ def lora_parity(*, kind: str, model_dir: str, out_dir: str, targets: list[str], 
     ref = lora_model(kind, model_dir, targets=targets, use_dora=use_dora)
     pm = qn_hf.parallelize(lora_model(kind, model_dir, targets=targets, use_dora=use_dora), dp=dp, tp=tp, pp=pp,
                            microbatches=microbatches, schedule=schedule, mesh=mesh_for(dp, tp, pp),
-                           sequence_parallel=sequence_parallel, bucket_mb=0.001, recompute=recompute)
+                           sequence_parallel=sequence_parallel, bucket_mb=0.001, recompute=recompute,
+                           virtual_stages=2 if schedule == "interleaved_1f1b" else 1)
     batch = make_batch(kind, size=dp * 2 * microbatches, seed=7, padded=True)
     local = dp_slice(batch, dp=dp, dp_rank=pm.coords["dp"])
     before = {n: p.detach().clone() for n, p in pm.named_parameters()}
@@ -55,7 +56,7 @@ def lora_parity(*, kind: str, model_dir: str, out_dir: str, targets: list[str], 
     torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.5).step()
     base_moved = max((p - before[n]).abs().max().item() for n, p in pm.named_parameters() if not p.requires_grad)
     generated = None
-    if not sequence_parallel:  # evaluation samples from the trained adapter, as peft's model gives them
+    if schedule != "interleaved_1f1b":  # evaluation samples from the trained adapter, as peft's model gives them
         prompt = batch["input_ids"][:2, :5]
         generated = (pm.generate(prompt, max_new_tokens=4, do_sample=False).tolist()
                      == ref.generate(input_ids=prompt, max_new_tokens=4, do_sample=False).tolist())

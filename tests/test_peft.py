@@ -29,7 +29,11 @@ LORA_CASES = [
 
 @pytest.mark.parametrize(("kind", "dp", "tp", "pp", "microbatches", "schedule", "sp", "zero", "targets", "recompute"),
                          [(*c, None) for c in LORA_CASES] + [("llama", 1, 2, 2, 2, "1f1b", False, False, LLAMA_TARGETS,
-                                                              "selective")])
+                                                              "selective")] + [  # the table's LoRA x schedule rows
+                             pytest.param("llama", 1, 2, 2, 2, "gpipe", False, False, LLAMA_TARGETS, None,
+                                          marks=pytest.mark.long),
+                             pytest.param("llama_deep", 1, 1, 2, 2, "interleaved_1f1b", False, False, LLAMA_TARGETS,
+                                          None, marks=pytest.mark.long)])
 def test_lora_equals_peft(worlds, model_dirs, tmp_path, kind, dp, tp, pp, microbatches, schedule, sp, zero, targets,
                           recompute):
     results = worlds.run(dp * tp * pp, peft_cases.lora_parity, kind=kind, model_dir=model_dirs[kind],
@@ -46,7 +50,8 @@ def test_lora_equals_peft(worlds, model_dirs, tmp_path, kind, dp, tp, pp, microb
         assert r["lora_err"] < LORA_ATOL < r["lora_moved"], r
         assert r["merged_err"] < LORA_ATOL, r
         assert r["lora_saved"] == r["lora_ref"], r
-        assert r["generated"] is (None if sp else True), r  # pm.generate equals peft's generate
+        # pm.generate equals peft's generate (with sp too; generate at virtual stages is refused)
+        assert r["generated"] is (None if schedule == "interleaved_1f1b" else True), r
 
 
 def test_dora_without_tp(worlds, model_dirs, tmp_path):
