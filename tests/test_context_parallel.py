@@ -30,6 +30,14 @@ def test_context_parallel_equals_plain_model(worlds, model_dirs, tmp_path, kind,
     check(results, tp=tp)
 
 
+@pytest.mark.long
+def test_context_parallel_with_gpipe_equals_plain_model(worlds, model_dirs, tmp_path):
+    """The composition table's cp x gpipe row: pp=2 with GPipe and cp=2, padded rows."""
+    results = worlds.run(4, cases.parity, kind="llama", model_dir=model_dirs["llama"], out_dir=str(tmp_path / "hf"),
+                         dp=1, tp=1, pp=2, cp=2, microbatches=2, schedule="gpipe", padded=True, seq=16)
+    check(results, tp=1)
+
+
 PACKED_WITHOUT_CP = [  # the rest of the engine honours packed documents too (kind, tp, pp, microbatches)
     ("llama", 2, 1, 1),
     ("qwen3", 1, 2, 2),

@@ -41,6 +41,14 @@ def test_expert_parallel_equals_plain_model(worlds, tmp_path, model_type, dp, tp
     _check(results, ep=ep)
 
 
+@pytest.mark.long
+def test_expert_parallel_with_gpipe_equals_plain_model(worlds, tmp_path):
+    """The composition table's ep x gpipe row: dp=2 x pp=2 with GPipe, experts over ep=2."""
+    results = worlds.run(4, ep_cases.ep_parity, model_type="mixtral", out_dir=str(tmp_path / "hf"), dp=2, tp=1, pp=2,
+                         ep=2, microbatches=2, schedule="gpipe")
+    _check(results, ep=2)
+
+
 @pytest.mark.parametrize(("model_type", "skew", "dp", "tp", "ep"), [
     ("deepseek_v3", "empty_rank", 2, 1, 2),
     ("mixtral", "uneven", 1, 2, 2),

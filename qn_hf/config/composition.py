@@ -173,7 +173,7 @@ ROWS: tuple[Row, ...] = (
     Row(F.SP, F.COMPILE, S.PLAIN, f"{_COMPILED}[llama-2-dp=1-tp=2-sequence_parallel=True]"),
     # cp
     Row(F.CP, F.PP_1F1B, S.PLAIN, f"{_CP}[llama-1-1-2-2-2-True-False]"),
-    Row(F.CP, F.PP_GPIPE, S.UNTESTED),
+    Row(F.CP, F.PP_GPIPE, S.PLAIN, "tests/test_context_parallel.py::test_context_parallel_with_gpipe_equals_plain_model"),
     Row(F.CP, F.DP, S.PLAIN, f"{_CP}[llama-2-1-1-2-1-True-False]"),
     Row(F.CP, F.ZERO, S.EQUIVALENT, "tests/test_context_parallel.py::test_checkpoint_moves_between_cp_and_other_meshes[True]"),
     Row(F.CP, F.BF16, S.RUNS, f"{_MEM}[llama-1-2-1-1-bf16-False-None-False-2]"),
@@ -192,7 +192,7 @@ ROWS: tuple[Row, ...] = (
     Row(F.PP_1F1B, F.GENERATE, S.PLAIN, f"{_GEN}[dp1-tp1-pp2]"),
     Row(F.PP_1F1B, F.TRAINER, S.PLAIN, "tests/test_trainer.py::test_trainer_tp_pp_equals_one_process"),
     Row(F.PP_1F1B, F.COMPILE, S.PLAIN, "tests/test_compile.py::test_compiled_data_and_pipeline_parallel"),
-    Row(F.PP_GPIPE, F.EP, S.UNTESTED),
+    Row(F.PP_GPIPE, F.EP, S.PLAIN, "tests/test_expert_parallel.py::test_expert_parallel_with_gpipe_equals_plain_model"),
     Row(F.PP_GPIPE, F.DP, S.PLAIN, "tests/test_parity.py::test_data_parallel_3d[gpt2-2-1-2-gpipe-2]"),
     Row(F.PP_GPIPE, F.ZERO, S.PLAIN, f"{_ZERO}[gpt2-2-1-2-SGD-gpipe]"),
     Row(F.PP_GPIPE, F.BF16, S.PLAIN, f"{_MP}[gpt2-1-2-2-2-False-bf16-gpipe]"),
