@@ -38,16 +38,19 @@ COMPOSED_CASES = [  # kind, dp, tp, pp, zero, precision, recompute, sequence_par
     ("llama", 2, 1, 1, True, "fp16", "full", False),  # fp16 x recompute, ZeRO x recompute
     ("gpt2", 1, 2, 2, False, "bf16", "selective", False),  # bf16 x recompute
 ]
+CP_CASES = [("llama", 1, 1, 1, True, "bf16", None, False), ("llama", 1, 1, 1, True, "fp16", None, False)]  # cp=2
 
 
 @pytest.mark.long
-@pytest.mark.parametrize(("kind", "dp", "tp", "pp", "zero", "precision", "recompute", "sp"), COMPOSED_CASES)
+@pytest.mark.parametrize(("kind", "dp", "tp", "pp", "zero", "precision", "recompute", "sp", "cp"),
+                         [(*c, 1) for c in COMPOSED_CASES] + [(*c, 2) for c in CP_CASES])
 def test_mixed_precision_composes_with_sequence_parallelism_and_recomputation(worlds, model_dirs, kind, dp, tp, pp,
-                                                                               zero, precision, recompute, sp):
-    """The same comparison with sequence parallelism or recomputation on (two microbatches)."""
-    results = worlds.run(dp * tp * pp, optim_cases.mixed_parity, kind=kind, model_dir=model_dirs[kind], dp=dp,
+                                                                               zero, precision, recompute, sp, cp):
+    """The same comparison with sequence parallelism, recomputation or context parallelism on (two
+    microbatches; ZeRO at cp=2 shards over the dp x cp ranks that hold the same weights)."""
+    results = worlds.run(dp * tp * pp * cp, optim_cases.mixed_parity, kind=kind, model_dir=model_dirs[kind], dp=dp,
                          tp=tp, pp=pp, microbatches=2, zero=zero, precision=precision, recompute=recompute,
-                         sequence_parallel=sp)
+                         sequence_parallel=sp, cp=cp)
     _check_mixed(results, precision)
 
 
