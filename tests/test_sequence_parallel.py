@@ -40,6 +40,14 @@ def test_sequence_parallel_equals_plain_model(worlds, model_dirs, tmp_path, kind
     check(results, tp=tp)
 
 
+@pytest.mark.long
+def test_sequence_parallel_with_gpipe_equals_plain_model(worlds, model_dirs, tmp_path):
+    """The composition table's sp x gpipe row: tp=2 x pp=2 with GPipe, padded rows."""
+    results = worlds.run(4, cases.parity, kind="gpt2", model_dir=model_dirs["gpt2"], out_dir=str(tmp_path / "hf"),
+                         dp=1, tp=2, pp=2, microbatches=2, padded=True, sequence_parallel=True, schedule="gpipe")
+    check(results, tp=2)
+
+
 def _meta_model(model_type: str, **overrides):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM

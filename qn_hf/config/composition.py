@@ -158,7 +158,7 @@ ROWS: tuple[Row, ...] = (
     Row(F.TP, F.COMPILE, S.PLAIN, "tests/test_compile.py::test_compiled_tensor_parallel"),
     # sp
     Row(F.SP, F.PP_1F1B, S.PLAIN, f"{_SP}[llama-1-2-2-2-True]"),
-    Row(F.SP, F.PP_GPIPE, S.RUNS, "tests/test_logits.py::test_logits_equal_the_plain_model[llama-1-2-2-1-2-gpipe-1-True]"),
+    Row(F.SP, F.PP_GPIPE, S.PLAIN, "tests/test_sequence_parallel.py::test_sequence_parallel_with_gpipe_equals_plain_model"),
     Row(F.SP, F.PP_INTERLEAVED, S.PLAIN,
         "tests/test_sequence_parallel.py::test_sequence_parallel_with_interleaved_chunks[llama_deep]"),
     Row(F.SP, F.DP, S.PLAIN, f"{_SP}[llama-2-2-1-2-True]"),
