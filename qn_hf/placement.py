@@ -64,10 +64,6 @@ class ShardPlacement:
             return Copies.EXPERTS
         return Copies.KV_REPLICA if spec.replicas > 1 else Copies.SHARDED
 
-    def is_tied(self, name: str) -> bool:
-        """Either copy of a weight tied across the first and last stage (summed and kept equal over the pair)."""
-        return any(name in (tie.owner, tie.follower) for tie in self.ties)
-
     def synchronize(self, model: nn.Module) -> None:
         """Make copies that must be equal exactly equal: what is replicated across tp (from tp rank 0),
         KV-head replicas (from the first replica), the last stage's copy of a tied weight (from the

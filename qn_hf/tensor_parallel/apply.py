@@ -20,7 +20,8 @@ from .layers import ColumnParallelLinear, RowParallelLinear, linear_dims
 from .plan import TpPlan
 from .sequence_parallel import first_argument, with_first
 from .shard import ShardSpec, padded
-from .styles import EMBEDDING_STYLES, HOOK_STYLES, LINEAR_STYLES, PARAM_STYLES, packed_parts, param_shard_dim, Style
+from .styles import (EMBEDDING_STYLES, HOOK_STYLES, LINEAR_STYLES, PARAM_STYLES, REPLICATED_SUMMED, Style, packed_parts,
+                     param_shard_dim)
 from .hooks import identity_expert_hooks, mla_kv_a_hooks, partial_sum_hooks
 
 
@@ -122,7 +123,7 @@ def apply_tp_plan(
     param_specs = {name: _shard_parameter(model, name, style, plan, tp_rank)
                    for name, style in plan.rules if style in PARAM_STYLES}
     for name, style in plan.rules:
-        if style not in HOOK_STYLES or style in (Style.REPLICATE_GRAD_SUM, Style.REPLICATE_AFTER_ROW):
+        if style not in HOOK_STYLES or style in REPLICATED_SUMMED:
             continue  # no hook: these act on gradients (GradSync)
         module = model.get_submodule(name)
         if style in (Style.EXPERTS, Style.ALL_REDUCE):
