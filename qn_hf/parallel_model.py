@@ -137,17 +137,15 @@ class ParallelModel:
         """Synchronized gradients by HF name: ``.grad``, or under ZeRO the flat pieces this dp rank owns."""
         return self.grads.named_grads()
 
-    @property
-    def grads_split_over_dp(self) -> bool:
-        return self.grads.sharded
+    grads_split_over_dp: bool = property(lambda self: self.grads.dense_sharded)  # ZeRO-1's pieces over dp x cp
+    expert_grads_split: bool = property(lambda self: self.grads.experts_sharded)  # ... over the expert replicas
 
     def _weights_ready(self) -> None:
         """ZeRO-1 gathers the updated weights asynchronously after a step: wait for all of them."""
         if self.closed:
             raise ValueError("this ParallelModel was closed (pm.close() released its process groups); parallelize a "
                              "fresh copy of the model")
-        if self.buckets is not None and self.buckets.sharded:
-            self.buckets.wait_weights()
+        self.grads.wait_weights()
 
     def train(self, mode: bool = True) -> ParallelModel:
         self.module.train(mode)
@@ -183,7 +181,7 @@ class ParallelModel:
                 f"mixed_precision keeps float32 gradients for the float32 master weights of qn_hf.optimizer: build the "
                 f"optimizer with qn_hf.optimizer(pm, torch.optim.AdamW, ...) before train_step (a torch optimizer over "
                 f"pm.parameters() would step the {self.precision} weights themselves)")
-        if self.buckets is not None and self.buckets.reduced:
+        if self.grads.reduced:
             raise ValueError("zero=True reduce-scatters gradients in place: call optimizer.zero_grad() after each "
                              "optimizer.step() (accumulate over several train_step calls inside pm.no_sync())")
         with self.failures.guard("train_step"):

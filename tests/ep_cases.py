@@ -58,7 +58,8 @@ def _expert_counts(model: torch.nn.Module) -> list[int]:
 
 def ep_parity(*, model_type: str, out_dir: str, dp: int, tp: int, pp: int, ep: int, microbatches: int = 1,
               skew: str | None = None, overrides: dict | None = None, padded: bool = False,
-              recompute: str | None = None, per_rank: int = ROWS, seq: int = SEQ, schedule: str = "1f1b") -> dict:
+              recompute: str | None = None, per_rank: int = ROWS, seq: int = SEQ, schedule: str = "1f1b",
+              virtual_stages: int = 1) -> dict:
     """One SGD step at (dp, tp, pp, ep) against the plain model: loss, every gradient, the grad norm,
     and every weight after the step read back through ``save_pretrained``. ``padded``: every other
     row ends in padding (attention_mask 0, labels -100)."""
@@ -69,7 +70,7 @@ def ep_parity(*, model_type: str, out_dir: str, dp: int, tp: int, pp: int, ep: i
     ref = copy.deepcopy(model)
     counts = _expert_counts(ref)
     pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches, mesh=mesh_for(dp, tp, pp),
-                           recompute=recompute, schedule=schedule)
+                           recompute=recompute, schedule=schedule, virtual_stages=virtual_stages)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, config.vocab_size, (dp * per_rank * microbatches, seq), generator=gen)
     batch = {"input_ids": ids, "labels": ids.clone()}
@@ -118,14 +119,17 @@ def ep_parity(*, model_type: str, out_dir: str, dp: int, tp: int, pp: int, ep: i
 
 
 def ep_checkpoint_run(*, model_dir: str, dp: int, tp: int, pp: int, ep: int, load: str | None, steps: list[int],
-                      save: str | None, export: str) -> list[float]:
+                      save: str | None, export: str, zero: bool | None = None) -> list[float]:
     """Load ``load`` (a checkpoint saved at any mesh), run ``steps``, export after each (``export-N``)
-    and save a checkpoint after the first when asked."""
+    and save a checkpoint after the first when asked. ``zero``: a ``qn_hf.optimizer`` with it (None:
+    torch's AdamW over the parameters)."""
     from transformers import AutoConfig
 
     model = model_class(AutoConfig.from_pretrained(model_dir)).from_pretrained(model_dir).float()
     pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, ep=ep, microbatches=max(pp, 1), mesh=mesh_for(dp, tp, pp))
-    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.01)
+    kwargs = dict(lr=1e-3, weight_decay=0.01)
+    opt = (torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], **kwargs) if zero is None
+           else qn_hf.optimizer(pm, torch.optim.AdamW, zero=zero, **kwargs))
     if load is not None:
         assert pm.load_checkpoint(load, optimizer=opt)["step"] == steps[0] - 1
     losses = []
@@ -181,3 +185,66 @@ def ep_bf16_losses(*, model_type: str, ep: int) -> dict:
     dtypes = {str(p.grad_dtype) for n, p in pm.named_parameters() if n in experts}
     masters = {str(m.tensor.dtype) for m in opt.masters if m.name in experts}
     return {"losses": losses, "grad_dtypes": sorted(dtypes), "master_dtypes": sorted(masters)}
+
+
+def ep_zero_parity(*, model_type: str, dp: int, tp: int, pp: int, ep: int, precision: str | None = None,
+                   steps: int = 2, recompute: str | None = None, schedule: str = "1f1b",
+                   virtual_stages: int = 1) -> dict:
+    """``steps`` AdamW steps with clipping and ZeRO-1 at (dp, tp, pp, ep) against the same steps in
+    one process (float32: torch's AdamW on the plain model; ``precision``: the same mesh without
+    ZeRO): every loss and every local weight, and the bytes of the experts' optimizer state against
+    the experts' local elements."""
+    microbatches = max(pp * virtual_stages, 1)
+    model = build(moe_config(model_type), seed=0)
+    ref = copy.deepcopy(model)
+    kwargs = dict(lr=1e-3, weight_decay=0.01)
+    mesh = mesh_for(dp, tp, pp)
+    gen = torch.Generator().manual_seed(7)
+    batches = [torch.randint(3, model.config.vocab_size, (dp * ROWS * microbatches, SEQ), generator=gen)
+               for _ in range(steps)]
+    runs = {}
+    for zero in ((True, False) if precision else (True,)):
+        pm = qn_hf.parallelize(copy.deepcopy(model), dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches,
+                               mesh=mesh, mixed_precision=precision, recompute=recompute, schedule=schedule,
+                               virtual_stages=virtual_stages)
+        opt = qn_hf.optimizer(pm, torch.optim.AdamW, zero=zero, **kwargs)
+        losses, norms = [], []
+        rows = batches[0].shape[0] // dp
+        for ids in batches:
+            local = ids[pm.coords["dp"] * rows : (pm.coords["dp"] + 1) * rows]
+            opt.zero_grad()
+            losses.append(pm.train_step({"input_ids": local, "labels": local.clone()}).item())
+            norms.append(qn_hf.clip_grad_norm_(pm, 1.0).item())
+            opt.step()
+        weights = {n: p.detach().float().clone() for n, p in pm.named_parameters()}
+        experts = {n for n, s in pm.specs.items() if over_experts(s)}
+        state = sum(t.numel() * t.element_size() for m in opt.masters if m.name in experts
+                    for t in opt.state[m.tensor].values() if isinstance(t, torch.Tensor) and t.ndim > 0)
+        local_elements = sum(p.numel() for n, p in pm.named_parameters() if n in experts)
+        runs[zero] = (losses, norms, weights, state, local_elements)
+        pm.close()
+    losses, norms, weights, state, local_elements = runs[True]
+    out = {"losses": losses, "norms": norms, "expert_state_bytes": state, "expert_elements": local_elements,
+           "expert_replicas": dp * tp // ep}
+    if precision:  # against the unsharded optimizer at the same mesh
+        ref_losses, ref_norms, ref_weights = runs[False][:3]
+        out["weight_err"] = max((weights[n] - w).abs().max().item() for n, w in ref_weights.items())
+    else:  # against the plain model in one process
+        ref_opt = torch.optim.AdamW(ref.parameters(), **kwargs)
+        ref_losses, ref_norms = [], []
+        for ids in batches:
+            ref_opt.zero_grad()
+            loss = ref(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item())
+            ref_opt.step()
+            ref_losses.append(loss.item())
+        named = dict(ref.named_parameters())
+        out["weight_err"] = max((w - _shard(pm, n, named[n].detach())).abs().max().item() for n, w in weights.items())
+    out["ref_losses"], out["ref_norms"] = ref_losses, ref_norms
+    return out
+
+
+def _shard(pm, name: str, full: torch.Tensor) -> torch.Tensor:
+    spec = pm.specs.get(name)
+    return full if spec is None else spec.shard(full, pm.placement.shard_rank(spec))

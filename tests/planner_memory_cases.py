@@ -149,8 +149,8 @@ def measure(*, kind: str, dp: int, tp: int, pp: int, microbatches: int, mixed_pr
     with qn_hf.CommMeter(pm) as meter:
         pm.train_step(batch(2))
         grads = [p.grad for p in pm.parameters() if p.grad is not None]
-        if pm.buckets is not None:  # zero: the full-size buckets stay allocated while .grad is cleared
-            grads += [b.buffer for b in pm.buckets.buckets]
+        for buckets in pm.grads.bucket_sets:  # zero: the full-size buckets stay allocated while .grad is cleared
+            grads += [b.buffer for b in buckets.buckets]
         grad_bytes = _storage_bytes(grads)
         opt.step()
     weights = list(pm.parameters())

@@ -55,13 +55,6 @@ def test_every_named_test_exists():
 
 # One configuration per refused pair of parallelize's own features, on a dense or an MoE model.
 REFUSED_CONFIGS = {
-    (Feature.PP_ZB_H1, Feature.SP): ("llama", dict(tp=2, pp=2, microbatches=2, schedule="zb_h1", sequence_parallel=True)),
-    (Feature.PP_INTERLEAVED, Feature.CP): ("llama", dict(pp=2, cp=2, microbatches=2, schedule="interleaved_1f1b",
-                                                         virtual_stages=2)),
-    (Feature.PP_ZB_H1, Feature.CP): ("llama", dict(pp=2, cp=2, microbatches=2, schedule="zb_h1")),
-    (Feature.PP_INTERLEAVED, Feature.EP): ("qwen3_moe", dict(dp=2, pp=2, ep=2, microbatches=2,
-                                                             schedule="interleaved_1f1b", virtual_stages=2)),
-    (Feature.PP_ZB_H1, Feature.EP): ("qwen3_moe", dict(dp=2, pp=2, ep=2, microbatches=2, schedule="zb_h1")),
     (Feature.COMPILE, Feature.PP_ZB_H1): ("llama", dict(pp=2, microbatches=2, schedule="zb_h1", compile=True)),
     (Feature.COMPILE, Feature.CP): ("llama", dict(cp=2, compile=True)),
     (Feature.COMPILE, Feature.EP): ("qwen3_moe", dict(dp=2, ep=2, compile=True)),
@@ -127,8 +120,8 @@ def test_refusal_messages_live_only_in_the_table():
     repeated = [(str(path.relative_to(ROOT)), part) for path in (ROOT / "qn_hf").rglob("*.py")
                 if path.name != "composition.py" for text in _string_constants(path) for part in parts if part in text]
     assert repeated == []
-    # ... and the check finds one: the zb_h1 x sp refusal raised where it used to be, split over two literals
-    message = TABLE[frozenset((Feature.PP_ZB_H1, Feature.SP))].message
+    # ... and the check finds one: the compile x cp refusal raised elsewhere, split over two literals
+    message = TABLE[frozenset((Feature.COMPILE, Feature.CP))].message
     old = f"raise ValueError({message[:60]!r}\n    {message[60:]!r})"
     assert any(part in node.value for part in parts for node in ast.walk(ast.parse(old))
                if isinstance(node, ast.Constant) and isinstance(node.value, str))

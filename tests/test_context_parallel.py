@@ -159,3 +159,15 @@ def test_checkpoint_moves_between_cp_and_other_meshes(worlds, model_dirs, tmp_pa
         resumed = dict(load("llama", out).named_parameters())
         err = max((resumed[n] - p).abs().max().item() for n, p in reference.items())
         assert err < 2e-5, f"resumed at dp={dp} tp={tp} cp={cp}: max weight difference {err}"
+
+
+@pytest.mark.parametrize(("schedule", "virtual_stages", "microbatches"), [("interleaved_1f1b", 2, 2), ("zb_h1", 1, 2)])
+def test_context_parallel_with_schedules_equals_plain_model(worlds, model_dirs, tmp_path, schedule, virtual_stages,
+                                                            microbatches):
+    """The composition table's cp x interleaved_1f1b and cp x zb_h1 rows: pp=2 x cp=2 with padded
+    rows; ring attention's sends run on the cp group while the schedule's run on pp, each group's
+    in the same order on every rank of it."""
+    results = worlds.run(4, cases.parity, kind="llama", model_dir=model_dirs["llama"], out_dir=str(tmp_path / "hf"),
+                         dp=1, tp=1, pp=2, cp=2, microbatches=microbatches, schedule=schedule,
+                         virtual_stages=virtual_stages, padded=True, seq=16)
+    check(results, tp=1)

@@ -178,3 +178,58 @@ def test_expert_parallel_in_bf16_trains_like_replicated_experts(worlds):
     for a, b in zip(sharded["losses"], replicated["losses"]):
         assert abs(a - b) <= 2e-3 * abs(b), (sharded, replicated)
     assert sharded["losses"][-1] < sharded["losses"][0] - 0.05, sharded
+
+
+@pytest.mark.parametrize(("model_type", "dp", "tp", "pp", "ep", "precision"), [
+    ("qwen3_moe", 2, 2, 1, 2, None),  # experts' state split over their 2 holders, the rest over dp=2
+    ("mixtral", 1, 4, 1, 2, None),  # dp=1: only the experts have replicas to shard over
+    ("deepseek_v3", 2, 1, 1, 2, None),  # one holder per expert block: experts keep whole masters
+    ("qwen3_moe", 2, 2, 1, 2, "bf16"),
+])
+def test_expert_parallel_with_zero_equals_plain_model(worlds, model_type, dp, tp, pp, ep, precision):
+    """ZeRO-1 with ep: the experts' masters and AdamW state are split over the ranks holding the same
+    expert block (dp x tp / ep of them), the rest over dp; two AdamW steps with clipping equal the
+    plain model (float32) or the unsharded optimizer at the same mesh (bf16)."""
+    results = worlds.run(dp * tp * pp, ep_cases.ep_zero_parity, model_type=model_type, dp=dp, tp=tp, pp=pp, ep=ep,
+                         precision=precision)
+    for r in results:
+        for loss, ref in zip(r["losses"], r["ref_losses"]):
+            assert abs(loss - ref) <= LOSS_RTOL * abs(ref), r
+        for norm, ref in zip(r["norms"], r["ref_norms"]):
+            assert abs(norm - ref) <= 1e-5 * ref, r
+        assert r["weight_err"] <= (WEIGHT_ATOL if precision is None else 1e-7), r
+        full = 2 * 4 * r["expert_elements"]  # exp_avg and exp_avg_sq, float32
+        share = r["expert_replicas"]
+        assert full <= r["expert_state_bytes"] * share <= full + 2 * 4 * share * 64, r  # 1/share, padding aside
+
+
+def test_expert_parallel_zero_checkpoints_move_between_meshes(worlds, tmp_path):
+    """ZeRO-1 with ep: saved at dp=2 x tp=2 x ep=2 (expert state in halves over the two holders of
+    each block), resumed at tp=4 x ep=2, at dp=2 x ep=2 (one holder per block) and at ep=1 with
+    torch's AdamW: each next step equals the uninterrupted run."""
+    model_dir = str(tmp_path / "model")
+    config = moe_config("qwen3_moe")
+    build(config, seed=0).save_pretrained(model_dir)
+    ckpt, plain = str(tmp_path / "ckpt"), str(tmp_path / "uninterrupted")
+    expected = worlds.run(4, ep_cases.ep_checkpoint_run, model_dir=model_dir, dp=2, tp=2, pp=1, ep=2, load=None,
+                          steps=[1, 2, 3], save=ckpt, export=plain, zero=True)[0]
+    for dp, tp, ep, zero in [(1, 4, 2, True), (2, 1, 2, True), (1, 1, 1, None)]:
+        out = str(tmp_path / f"resumed-{dp}{tp}{ep}")
+        losses = worlds.run(dp * tp, ep_cases.ep_checkpoint_run, model_dir=model_dir, dp=dp, tp=tp, pp=1, ep=ep,
+                            load=ckpt, steps=[2, 3], save=None, export=out, zero=zero)[0]
+        for step, loss in zip([2, 3], losses):
+            assert abs(loss - expected[step - 1]) <= LOSS_RTOL * abs(expected[step - 1]), (dp, tp, ep, step)
+            resumed = dict(model_class(config).from_pretrained(f"{out}-{step}").named_parameters())
+            reference = dict(model_class(config).from_pretrained(f"{plain}-{step}").named_parameters())
+            err = max((resumed[n] - p).abs().max().item() for n, p in reference.items())
+            assert err < WEIGHT_ATOL, f"resumed at {(dp, tp, ep)}, step {step}: max weight difference {err}"
+
+
+@pytest.mark.parametrize(("schedule", "virtual_stages"), [("interleaved_1f1b", 2), ("zb_h1", 1)])
+def test_expert_parallel_with_schedules_equals_plain_model(worlds, tmp_path, schedule, virtual_stages):
+    """The composition table's ep x interleaved_1f1b and ep x zb_h1 rows: dp=2 x pp=2, experts over
+    ep=2. Every rank of an ep group runs the same chunks in the same order, so their all-to-alls
+    pair up; the experts' fused weights are not deferred linears, their gradients come in B."""
+    results = worlds.run(4, ep_cases.ep_parity, model_type="qwen3_moe", out_dir=str(tmp_path / "hf"), dp=2, tp=1,
+                         pp=2, ep=2, microbatches=2, schedule=schedule, virtual_stages=virtual_stages)
+    _check(results, ep=2)

@@ -64,20 +64,24 @@ def test_planner_memory_matches_a_real_run(worlds, kind, dp, tp, pp, microbatche
     _compare(worlds, kind, settings)
 
 
-EP_RUNS = [  # dp, tp, pp, ep, microbatches, mixed_precision, recompute
-    (2, 1, 1, 2, 1, None, None),  # each rank holds 2 of the 4 experts; no other rank holds the same
-    (2, 2, 1, 4, 1, "bf16", None),  # tokens split over tp, gathered again; 16-bit all-to-alls
-    (2, 1, 2, 2, 2, None, "full"),  # per stage; recomputation repeats the dispatch's forward all-to-alls
-    (2, 2, 1, 2, 1, None, None),  # the ep group is the tp group: experts' gradients summed over dp, in own buckets
+EP_RUNS = [  # dp, tp, pp, ep, microbatches, mixed_precision, recompute, zero
+    (2, 1, 1, 2, 1, None, None, False),  # each rank holds 2 of the 4 experts; no other rank holds the same
+    (2, 2, 1, 4, 1, "bf16", None, False),  # tokens split over tp, gathered again; 16-bit all-to-alls
+    (2, 1, 2, 2, 2, None, "full", False),  # per stage; recomputation repeats the dispatch's forward all-to-alls
+    (2, 2, 1, 2, 1, None, None, False),  # the ep group is the tp group: experts' gradients summed over dp, in own buckets
+    # ZeRO-1: the experts' buckets split over the 2 ranks holding each block, the rest over dp
+    (2, 2, 1, 2, 1, "bf16", None, True),
+    (2, 1, 2, 2, 2, None, None, True),  # per stage
+    (2, 1, 1, 2, 1, "bf16", "full", True),  # one holder per block: the experts keep whole state
 ]
 EP_ACTIVATION_TOLERANCE = 0.001  # routing forced uniform: the planner's routing, so only bytes apart
 
 
-@pytest.mark.parametrize(("dp", "tp", "pp", "ep", "microbatches", "mixed_precision", "recompute"), EP_RUNS)
+@pytest.mark.parametrize(("dp", "tp", "pp", "ep", "microbatches", "mixed_precision", "recompute", "zero"), EP_RUNS)
 def test_planner_memory_matches_an_expert_parallel_run(worlds, dp, tp, pp, ep, microbatches, mixed_precision,
-                                                       recompute):
+                                                       recompute, zero):
     _compare(worlds, MOE, dict(dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches, mixed_precision=mixed_precision,
-                               zero=False, recompute=recompute), activation_tolerance=EP_ACTIVATION_TOLERANCE)
+                               zero=zero, recompute=recompute), activation_tolerance=EP_ACTIVATION_TOLERANCE)
 
 
 @pytest.mark.parametrize(("schedule", "virtual_stages"), [("interleaved_1f1b", 2), ("zb_h1", 1)])
@@ -105,7 +109,8 @@ def _compare(worlds, kind: str, settings: dict, *, activation_tolerance: float =
     for coords, values in rows:
         for what, (real, planned) in values.items():
             tolerance = activation_tolerance if what == "activation_bytes" else STATE_TOLERANCE
-            first = coords["dp"] == 0 and coords.get("cp", 0) == 0  # replica 0: the rank the estimate describes
+            # replica 0 (of the experts too): the rank the estimate describes
+            first = coords["dp"] == 0 and coords.get("cp", 0) == 0 and not coords.get("expert_replica")
             if what != "activation_bytes" and first:
                 tolerance = 0
             assert abs(planned - real) <= tolerance * real, f"{coords} {what}\n{table}"

@@ -102,3 +102,11 @@ def test_sequence_length_must_divide_by_tp():
     with pytest.raises(ValueError, match=r"sequence length 13 is not a multiple of 2 \(sequence_parallel"):
         check_model_inputs(batch, model=model, loss="causal_lm", sequence_split=(2, "sequence_parallel=True splits it over tp=2"))
     check_model_inputs(batch, model=model, loss="causal_lm")
+
+
+def test_sequence_parallel_with_zero_bubble_equals_plain_model(worlds, model_dirs, tmp_path):
+    """The composition table's sp x zb_h1 row: tp=2 x pp=2, padded rows. A deferred weight pass of a
+    column-parallel linear reads the input sequence parallelism gathered for its forward."""
+    results = worlds.run(4, cases.parity, kind="llama", model_dir=model_dirs["llama"], out_dir=str(tmp_path / "hf"),
+                         dp=1, tp=2, pp=2, microbatches=2, padded=True, sequence_parallel=True, schedule="zb_h1")
+    check(results, tp=2)

@@ -57,7 +57,7 @@ def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
     barrier(placement.device)
 
     # ZeRO-1: each replica writes its pieces; ep: the first holder of each expert block its block
-    if placement.replica_rank == 0 or getattr(optimizer, "zero", False) or placement.coords.expert_replica == 0:
+    if placement.replica_rank == 0 or getattr(optimizer, "split_params", None) or placement.coords.expert_replica == 0:
         write_shard(module, placement, optimizer, partial)
     barrier(placement.device)
     if dist.get_rank() == 0:
@@ -110,18 +110,18 @@ def local_entries(module: nn.Module, placement: ShardPlacement, optimizer: torch
     Weights are the float32 masters under mixed precision; each distinct piece is written by one
     rank (dp rank 0, or each dp rank for its ZeRO-1 pieces). A qn_hf optimizer keys its state by its
     masters; a torch optimizer by the parameters themselves."""
-    tp_rank, dp_rank = placement.coords.tp, placement.replica_rank
     masters = {id(m.param): m for m in getattr(optimizer, "masters", ())}
     ours = hasattr(optimizer, "masters")  # a qn_hf optimizer: its state is keyed by its masters
-    mixed, zero = getattr(optimizer, "mixed", False), getattr(optimizer, "zero", False)
-    stepped = {id(p) for params in model_param_groups(optimizer) for p in params} if optimizer is not None else set()
+    mixed = getattr(optimizer, "mixed", False)
+    # ZeRO-1: the parameters whose optimizer data lives in pieces over the ranks holding them
+    split_params = getattr(optimizer, "split_params", frozenset())
     for name, p in module.named_parameters():
         if placement.is_follower(name):
             continue
         spec, shape, m = placement.spec(name), list(p.shape), masters.get(id(p))
-        split = zero and id(p) in stepped  # its optimizer data lives in pieces over dp
+        split = id(p) in split_params
         once = placement.writes(spec)
-        mine = once or (split and tp_writes(spec, tp_rank))  # this rank writes what it holds
+        mine = once or (split and tp_writes(spec, placement.shard_rank(spec)))  # this rank writes what it holds
         if mixed and m is not None:
             values = m.tensor.detach() if split else m.tensor.detach().reshape(shape)
             yield LocalTensor(name, values, shape, m.start, spec, mine)
@@ -138,7 +138,8 @@ def local_entries(module: nn.Module, placement: ShardPlacement, optimizer: torch
                 values = value.detach() if split else value.detach().reshape(shape)
                 yield LocalTensor(optimizer_key(name, key), values, shape, m.start if split else 0, spec, mine)
             else:  # a scalar (Adam's step): one writer, the rank holding the parameter's first element
-                writes = tp_rank == 0 and (m.start == 0 if split else dp_rank == 0)
+                first_shard = placement.shard_rank(spec) == 0  # tp rank 0, or for experts the first block's holders
+                writes = first_shard and (m.start == 0 if split else placement.writes(spec))
                 yield LocalTensor(optimizer_key(name, key), value.detach(), list(value.shape), 0, None, writes)
 
 

@@ -80,6 +80,10 @@ _EP = "tests/test_expert_parallel.py::test_expert_parallel_equals_plain_model"
 _EP_RC = "tests/test_expert_parallel.py::test_expert_parallel_with_recomputation"
 _SP = "tests/test_sequence_parallel.py::test_sequence_parallel_equals_plain_model"
 _CP = "tests/test_context_parallel.py::test_context_parallel_equals_plain_model"
+_CP_SCHEDULES = "tests/test_context_parallel.py::test_context_parallel_with_schedules_equals_plain_model"
+_EP_SCHEDULES = "tests/test_expert_parallel.py::test_expert_parallel_with_schedules_equals_plain_model"
+_SP_ZB = "tests/test_sequence_parallel.py::test_sequence_parallel_with_zero_bubble_equals_plain_model"
+_EP_ZERO = "tests/test_expert_parallel.py::test_expert_parallel_with_zero_equals_plain_model"
 _ZERO = "tests/test_optimizer.py::test_zero_equals_the_unsharded_optimizer"
 _GEN = "tests/test_generation.py::test_generate_equals_plain_model"
 _MEM = "tests/test_planner_memory.py::test_planner_memory_matches_a_real_run"
@@ -96,18 +100,6 @@ EXPERTS_RECOMPILE = ("routing tokens to experts gives each expert a number of to
 
 # Refused pairs first, in the order their messages win when a configuration hits several.
 ROWS: tuple[Row, ...] = (
-    Row(F.PP_ZB_H1, F.SP, S.REFUSED, message=(
-        "schedule='zb_h1' with sequence_parallel=True is not supported yet: a deferred weight gradient would keep "
-        "the whole gathered input of each layer until its weight pass, which sequence parallelism exists to avoid; "
-        "use schedule='1f1b' or 'interleaved_1f1b' with it")),
-    Row(F.PP_INTERLEAVED, F.CP, S.REFUSED,
-        message="schedule={schedule!r} with cp={cp} is not supported yet; use schedule='1f1b' with it"),
-    Row(F.PP_ZB_H1, F.CP, S.REFUSED,
-        message="schedule={schedule!r} with cp={cp} is not supported yet; use schedule='1f1b' with it"),
-    Row(F.PP_INTERLEAVED, F.EP, S.REFUSED,
-        message="schedule={schedule!r} with ep={ep} is not supported yet; use schedule='1f1b' with it"),
-    Row(F.PP_ZB_H1, F.EP, S.REFUSED,
-        message="schedule={schedule!r} with ep={ep} is not supported yet; use schedule='1f1b' with it"),
     Row(F.COMPILE, F.PP_ZB_H1, S.REFUSED, message=(
         "compile=True with schedule='zb_h1' is not supported: its linear layers queue their weight gradients from a "
         "hook on their autograd node, which torch.compile cannot trace; use schedule='1f1b' (or 'gpipe', "
@@ -121,9 +113,7 @@ ROWS: tuple[Row, ...] = (
         message="cp={cp} ({model_type}): sequence_parallel=True with cp > 1 is not supported yet; use one of them"),
     Row(F.EP, F.CP, S.REFUSED, message="ep={ep} with cp={cp} is not supported; use cp=1"),
     Row(F.EP, F.SP, S.REFUSED, message="ep={ep} with sequence_parallel=True is not supported; use one of them"),
-    Row(F.ZERO, F.EP, S.REFUSED, message=(
-        "zero=True with ep={ep} is not supported yet (the experts' optimizer state would need its own sharding over "
-        "the ranks holding the same experts); use zero=False")),
+    Row(F.ZERO, F.EP, S.PLAIN, f"{_EP_ZERO}[qwen3_moe-2-2-1-2-None]"),
     Row(F.GENERATE, F.CP, S.REFUSED, message=(
         "generate at cp={cp}: ring attention expects each rank's part of every sequence; parallelize a copy with "
         "cp=1 for generation, or save_pretrained and generate with the plain model")),
@@ -202,6 +192,8 @@ ROWS: tuple[Row, ...] = (
     Row(F.PP_GPIPE, F.GENERATE, S.PLAIN, f"{_LORA}[llama-1-2-2-2-gpipe-False-False-targets8-None-1]"),  # generate equals peft's after a gpipe step
     Row(F.PP_GPIPE, F.TRAINER, S.PLAIN, f"{_TRAINER}[schedule=gpipe]"),
     Row(F.PP_GPIPE, F.COMPILE, S.PLAIN, f"{_COMPILED}[gpt2-4-dp=1-tp=2-pp=2-microbatches=2-schedule=gpipe]"),
+    Row(F.PP_INTERLEAVED, F.CP, S.PLAIN, f"{_CP_SCHEDULES}[interleaved_1f1b-2-2]"),
+    Row(F.PP_INTERLEAVED, F.EP, S.PLAIN, f"{_EP_SCHEDULES}[interleaved_1f1b-2]"),
     Row(F.PP_INTERLEAVED, F.DP, S.PLAIN,
         "tests/test_parity.py::test_schedules[gpt2_deep-2-1-2-interleaved_1f1b-2-4-None-None]"),
     Row(F.PP_INTERLEAVED, F.ZERO, S.EQUIVALENT, f"{_ZERO}[llama-2-1-2-AdamW-interleaved_1f1b]"),
@@ -212,6 +204,10 @@ ROWS: tuple[Row, ...] = (
     Row(F.PP_INTERLEAVED, F.TRAINER, S.UNTESTED),
     Row(F.PP_INTERLEAVED, F.COMPILE, S.PLAIN,
         f"{_COMPILED}[llama_deep-2-dp=1-tp=1-pp=2-microbatches=2-schedule=interleaved_1f1b-virtual_stages=2]"),
+    # a deferred W of a column layer reads the input sp gathered for its forward (held from B to W)
+    Row(F.PP_ZB_H1, F.SP, S.PLAIN, _SP_ZB),
+    Row(F.PP_ZB_H1, F.CP, S.PLAIN, f"{_CP_SCHEDULES}[zb_h1-1-2]"),
+    Row(F.PP_ZB_H1, F.EP, S.PLAIN, f"{_EP_SCHEDULES}[zb_h1-1]"),
     Row(F.PP_ZB_H1, F.DP, S.PLAIN, "tests/test_parity.py::test_schedules[llama_deep-2-1-2-zb_h1-1-4-None-None]"),
     Row(F.PP_ZB_H1, F.ZERO, S.PLAIN, f"{_ZERO}[gpt2-2-1-2-SGD-zb_h1]"),
     Row(F.PP_ZB_H1, F.BF16, S.PLAIN, f"{_MP}[llama-2-1-2-2-True-bf16-zb_h1]"),

@@ -19,8 +19,9 @@ def clip_grad_norm_(pm: Placed, max_norm: float, *, norm_type: float = 2.0) -> t
     parameters, a weight tied across stages once (from the first stage). dp replicas hold the same
     synchronized gradients, so they are not summed, unless each holds only its pieces of them
     (``zero=True``): then the pieces are summed over dp too. Experts sharded over ep contribute their
-    block from each member of the ep group, once. One all-reduce over tp, one over pp (and one over
-    dp, one over ep). Under mixed precision the gradients are the float32 ones the optimizer steps.
+    block from each member of the ep group, once (under ZeRO-1 as pieces, summed over the ranks holding
+    that block too). One all-reduce over tp, one over pp (and one over dp, one over ep, one over the
+    expert replicas). Under mixed precision the gradients are the float32 ones the optimizer steps.
 
     As ``torch.nn.utils.clip_grad_norm_``: per-tensor norms from ``torch._foreach_norm`` (no copy
     of any gradient), and the gradients multiplied by ``min(1, max_norm / (norm + 1e-6))`` kept on
@@ -51,11 +52,13 @@ def clip_grad_norm_(pm: Placed, max_norm: float, *, norm_type: float = 2.0) -> t
         else:
             acc[slot] += norms.square().sum() * weight
     op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-    replicas = placement.dims.replicas if pm.grads_split_over_dp else 1  # ZeRO pieces are split over dp x cp
-    groups = placement.groups
+    dims, groups = placement.dims, placement.groups
+    replicas = dims.replicas if pm.grads_split_over_dp else 1  # ZeRO pieces are split over dp x cp
+    expert_replicas = dims.expert_replicas if pm.expert_grads_split else 1  # ... and over an expert block's holders
     main, experts = acc[:1].clone(), acc[1:].clone()
     for part, group, size in ((main, groups.tp, tp), (main, groups.replicas, replicas),
-                              (experts, groups.ep, placement.dims.ep)):  # ep members hold distinct experts
+                              (experts, groups.ep, dims.ep),  # ep members hold distinct experts
+                              (experts, groups.experts, expert_replicas)):
         if size > 1:
             dist.all_reduce(part, op=op, group=group)
     acc = torch.cat([main, experts]) if groups.ep is not None else main

@@ -2,7 +2,9 @@
 
 1. dp: the buckets' reductions (started during backward) finish. Unsharded, every rank then holds
    the dp-summed gradient in ``.grad``; sharded (ZeRO-1), each rank holds its pieces only. Experts
-   sharded over ep have buckets of their own, summed over the ranks holding the same experts.
+   sharded over ep have buckets of their own, summed over the ranks holding the same experts (the
+   expert replicas), and under ZeRO-1 sharded over those ranks: an expert block's optimizer state is
+   split among the ranks that hold that block, not over dp.
 2. KV-head replicas: ranks holding copies of the same KV heads sum their gradients (each copy saw
    the queries of its own rank's heads only).
 3. Replicated parameters applied to this rank's heads only (per-head norms) hold this rank's share
@@ -25,7 +27,7 @@ import torch
 from torch import nn
 
 from ..comm import flat_all_reduce_
-from .buckets import GradBuckets, grad_dtype
+from .buckets import GradBuckets, Piece, grad_dtype
 from ..placement import Copies, ShardPlacement
 from .precision import LossScaler
 from ..tensor_parallel.replica_check import check_replicated_grads
@@ -42,49 +44,96 @@ class GradSync:
         self.expert_buckets = expert_buckets
         self.scaler = scaler
         self._replicas_checked = False
-        # sharded: the pieces and the HF name of each one's parameter, made once per layout
-        self._piece_names: tuple[list, list[str]] | None = None
+        # sharded: the layout (ids of the sets' piece lists), each piece's HF name, the split parameters
+        self._piece_names: tuple[tuple[int, ...], list[str], frozenset[int]] | None = None
+
+    @property
+    def bucket_sets(self) -> tuple[GradBuckets, ...]:
+        """The bucket sets that exist: over dp x cp, and over the expert replicas."""
+        return tuple(b for b in (self.buckets, self.expert_buckets) if b is not None)
 
     @property
     def sharded(self) -> bool:
-        """Whether each dp rank holds only its pieces of the gradients (ZeRO-1)."""
+        """Whether some gradients are held only as this rank's pieces (ZeRO-1)."""
+        return any(b.sharded for b in self.bucket_sets)
+
+    @property
+    def dense_sharded(self) -> bool:
+        """Whether the gradients summed over dp x cp are held as pieces (ZeRO-1)."""
         return self.buckets is not None and self.buckets.sharded
 
+    @property
+    def experts_sharded(self) -> bool:
+        """Whether the ep-sharded experts' gradients are held as pieces over their expert replicas."""
+        return self.expert_buckets is not None and self.expert_buckets.sharded
+
+    @property
+    def reduced(self) -> bool:
+        """Sharded: the last step's gradients were reduce-scattered in place and not yet consumed."""
+        return any(b.reduced for b in self.bucket_sets)
+
+    def shard(self, *, separate: list[nn.Parameter]) -> None:
+        """ZeRO-1: shard every bucket set over its own group (``separate``: weights tied across stages,
+        in buckets of their own)."""
+        for buckets in self.bucket_sets:
+            buckets.shard_over_dp(separate=separate, model=self.module)
+
+    def split_params(self) -> frozenset[int]:
+        """Ids of the parameters whose gradients (and optimizer data) live in pieces over their group."""
+        return frozenset(id(p) for b in self.bucket_sets if b.sharded for p in b.params)
+
+    def pieces(self) -> list[Piece]:
+        """This rank's pieces of every sharded bucket set, in a fixed order."""
+        return [piece for b in self.bucket_sets if b.sharded for piece in b.pieces()]
+
+    def gather_weights(self) -> None:
+        for buckets in self.bucket_sets:
+            if buckets.sharded:
+                buckets.gather_weights()
+
+    def wait_weights(self) -> None:
+        for buckets in self.bucket_sets:
+            if buckets.sharded:
+                buckets.wait_weights()
+
+    def zero_reduced(self) -> None:
+        for buckets in self.bucket_sets:
+            if buckets.sharded:
+                buckets.zero_reduced()
+
     def named_grads(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """This rank's gradients by HF name: whole ``.grad`` tensors, or, sharded, the flat pieces
-        this rank owns."""
+        """This rank's gradients by HF name: whole ``.grad`` tensors, and, sharded, the flat pieces
+        this rank owns of the parameters in sharded buckets."""
         if self.sharded:
-            pieces = self.buckets.pieces()
-            if self._piece_names is None or self._piece_names[0] is not pieces:  # once per layout of the pieces
+            layout = tuple(id(b.pieces()) for b in self.bucket_sets if b.sharded)  # each set's pieces, made once
+            if self._piece_names is None or self._piece_names[0] != layout:
                 names = {id(p): n for n, p in self.module.named_parameters()}
-                self._piece_names = (pieces, [names[id(piece.param)] for piece in pieces])
-            yield from zip(self._piece_names[1], (piece.grad for piece in pieces))
-            return
+                self._piece_names = (layout, [names[id(piece.param)] for piece in self.pieces()], self.split_params())
+            yield from zip(self._piece_names[1], (piece.grad for piece in self.pieces()))
+        split = self._piece_names[2] if self.sharded else frozenset()
         for name, p in self.module.named_parameters():
-            if p.requires_grad and p.grad is not None:
+            if p.requires_grad and p.grad is not None and id(p) not in split:
                 yield name, p.grad
 
     def arm(self, params: Iterable[nn.Parameter] | None = None) -> None:
         """The next gradient of ``params`` (default: all) is final: buckets launch as they fill."""
         params = None if params is None else list(params)
-        for buckets in (self.buckets, self.expert_buckets):
-            if buckets is not None:
-                buckets.arm(params)
+        for buckets in self.bucket_sets:
+            buckets.arm(params)
 
     def disarm(self) -> None:
         """Before a step: nothing is armed (a failed step may have left buckets armed)."""
-        for buckets in (self.buckets, self.expert_buckets):
-            if buckets is not None:
-                buckets.disarm()
+        for buckets in self.bucket_sets:
+            buckets.disarm()
 
     def sync(self) -> None:
-        for buckets in (self.buckets, self.expert_buckets):
-            if buckets is not None:
-                buckets.finish()
-        if not self.sharded:  # every rank must contribute the same buffers: an unused parameter sends zeros
-            for p in self.module.parameters():
-                if p.requires_grad and p.grad is None:
-                    p.grad = torch.zeros_like(p, dtype=grad_dtype(p))
+        for buckets in self.bucket_sets:
+            buckets.finish()
+        # every rank must contribute the same buffers: an unused parameter sends zeros (pieces always exist)
+        split = self.split_params() if self.sharded else frozenset()
+        for p in self.module.parameters():
+            if p.requires_grad and p.grad is None and id(p) not in split:
+                p.grad = torch.zeros_like(p, dtype=grad_dtype(p))
         grads = dict(self.named_grads())
         groups, copies = self.placement.groups, self.placement.copies
         if groups.kv is not None:

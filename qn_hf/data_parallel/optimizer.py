@@ -6,10 +6,13 @@ Which tensors the wrapped optimizer steps (its ``param_groups`` hold these "mast
 * plain: the model's parameters themselves; the optimizer is the one a user would build.
 * mixed precision: a float32 copy of each parameter; its gradient is the parameter's float32
   ``.grad`` (see precision.py); after the step the copy is cast back into the parameter.
-* ZeRO-1: for every parameter, the part of it in this rank's pieces of the dp buckets, as a flat
-  1-D tensor (a float32 copy under mixed precision, else a view of the flat weight buffer itself);
-  its gradient is the reduce-scattered piece. After the step the pieces are written into the weight
-  buffers and all-gathered (see data_parallel.py). Stepping a flat slice is exact only for an
+* ZeRO-1: for every parameter held by several ranks, the part of it in this rank's pieces of its
+  buckets, as a flat 1-D tensor (a float32 copy under mixed precision, else a view of the flat
+  weight buffer itself); its gradient is the reduce-scattered piece. After the step the pieces are
+  written into the weight buffers and all-gathered (see buckets.py). The dp x cp buckets are split
+  over dp x cp; the ep-sharded experts' buckets over the ranks holding the same expert block (the
+  expert replicas), so each block's state is split among its holders. A parameter no other rank
+  holds (experts when ep = dp x tp) keeps a whole master. Stepping a flat slice is exact only for an
   optimizer that treats every element on its own, so only those classes are accepted.
 """
 
@@ -24,7 +27,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config.composition import Feature
-from .buckets import GradBuckets, Piece
+from .buckets import Piece
+from .grad_sync import GradSync
 
 # torch optimizers whose update of an element reads only that element's gradient and state (and
 # scalars): a flat slice of a parameter steps exactly as the whole parameter would. Adafactor
@@ -74,12 +78,12 @@ class ParallelOptimizer(torch.optim.Optimizer):
             raise ValueError("this ParallelModel already has a qn_hf.optimizer; build one optimizer per model")
         names = {id(p): n for n, p in pm.module.named_parameters()}
         groups = _groups(pm, param_groups, names)
-        buckets: GradBuckets | None = pm.buckets
+        grads: GradSync = pm.grads
         if zero:
-            pm.check_composes_with(Feature.ZERO)  # the table's refusal (ep), or its warning for untested pairs
-        if zero and pm.dims.replicas == 1:
-            warnings.warn("zero=True with dp=1 shards nothing (with cp=1 no other rank holds the same weights): the "
-                          "optimizer keeps all of its state", stacklevel=3)
+            pm.check_composes_with(Feature.ZERO)  # the table's refusal, or its warning for untested pairs
+        if zero and not grads.bucket_sets:
+            warnings.warn("zero=True with dp=1 shards nothing (with cp=1 no other rank holds the same weights, and "
+                          "no two ranks hold the same experts): the optimizer keeps all of its state", stacklevel=3)
             zero = False
         self.pm, self.zero, self.mixed = pm, zero, pm.precision is not None
         self.skip_nonfinite = skip_nonfinite
@@ -87,8 +91,10 @@ class ParallelOptimizer(torch.optim.Optimizer):
         if zero:
             named = dict(pm.module.named_parameters())
             tied = [named[n] for tie in pm.placement.ties for n in (tie.owner, tie.follower) if n in named]
-            buckets.shard_over_dp(separate=tied, model=pm.module)
-            pieces = {id(piece.param): piece for piece in buckets.pieces()}
+            grads.shard(separate=tied)
+            pieces = {id(piece.param): piece for piece in grads.pieces()}
+        # ids of the parameters whose optimizer data lives in pieces (checkpoints write those per rank)
+        self.split_params = grads.split_params() if zero else frozenset()
         self.masters: list[Master] = []
         self.model_param_groups = [list(g["params"]) for g in groups]  # checkpoints name groups by these
         inner_groups = []
@@ -96,7 +102,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
             tensors = []
             for p in group["params"]:
                 piece = pieces.get(id(p)) if zero else None
-                if zero and piece is None:
+                if piece is None and id(p) in self.split_params:
                     continue  # no part of this parameter is in this rank's pieces
                 if piece is not None:
                     tensor = piece.weight.detach().float().clone() if self.mixed else piece.weight
@@ -153,7 +159,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
         self.inner.step()
         self._copy_masters_to_params()
         if self.zero:
-            self.pm.buckets.gather_weights()
+            self.pm.grads.gather_weights()
         if scaler is not None:
             scaler.update()
         return loss
@@ -169,7 +175,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
             for m in self.masters:
                 m.tensor.grad = None
         if self.zero:
-            self.pm.buckets.zero_reduced()
+            self.pm.grads.zero_reduced()
 
     def state_dict(self) -> dict:
         """The wrapped optimizer's state dict, plus the masters under mixed precision. It loads back
@@ -206,8 +212,8 @@ class ParallelOptimizer(torch.optim.Optimizer):
         """Make the model's parameters what the masters say (after loading masters)."""
         self._copy_masters_to_params()
         if self.zero:
-            self.pm.buckets.gather_weights()
-            self.pm.buckets.wait_weights()
+            self.pm.grads.gather_weights()
+            self.pm.grads.wait_weights()
 
 
 def _leaf(tensor: torch.Tensor, p: nn.Parameter) -> torch.Tensor:

@@ -116,14 +116,22 @@ def step_time(est: MeshEstimate, hw: Hardware) -> StepTime:
                              virtual_stages=est.virtual_stages, costs=costs)
     rounds = timing.makespan / slowest  # slowest microbatches' worth: M + pp - 1 for 1F1B
     dp = 0.0
+
+    def moved(ranks: int, grad_bytes: int, weight_bytes: int) -> float:
+        """Bytes a rank moves reducing ``grad_bytes`` over ``ranks``: an all-reduce's 2(n-1)/n, or
+        ZeRO-1's reduce-scatter of them and all-gather of the weights, (n-1)/n each."""
+        ring = (ranks - 1) / ranks
+        return ring * (grad_bytes + weight_bytes) if est.zero else 2 * ring * grad_bytes
+
+    def expert_weight_bytes(s) -> int:  # the ep-sharded experts' weights (in buckets of their own)
+        return s.expert_params * s.weight_bytes // s.params if est.ep > 1 and s.params else 0
+
     if est.replicas > 1:
-        ring = (est.replicas - 1) / est.replicas
-        moved = max(ring * (s.grad_bytes + s.weight_bytes) if est.zero else 2 * ring * (s.grad_bytes - s.expert_grad_bytes)
-                    for s in est.stages)
-        dp = moved / link["dp"]
+        dp = max(moved(est.replicas, s.grad_bytes - s.expert_grad_bytes, s.weight_bytes - expert_weight_bytes(s))
+                 for s in est.stages) / link["dp"]
     if est.ep > 1 and est.expert_replicas > 1:
-        ring = (est.expert_replicas - 1) / est.expert_replicas
-        dp += max(2 * ring * s.expert_grad_bytes for s in est.stages) / link["experts"]
+        dp += max(moved(est.expert_replicas, s.expert_grad_bytes, expert_weight_bytes(s))
+                  for s in est.stages) / link["experts"]
     seconds = rounds * slowest + dp
     global_tokens = tokens * est.microbatches * est.dp
     return StepTime(seconds=seconds, compute=rounds * compute_mb, tp=rounds * tp_mb, pp=rounds * pp_mb, dp=dp,

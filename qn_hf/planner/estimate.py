@@ -234,6 +234,8 @@ class Planner:
         # The trace splits the sequence as the stages do (raising, as they would, when tp does not divide it).
         edges = stage_edges(self.model, stage_plan) if plan.sequence_parallel else None
         replicas = dp * cp
+        expert_replicas = dp * tp // ep
+        zero_experts = zero and ep > 1 and expert_replicas > 1  # the experts' buckets split over their holders
         zero = zero and replicas > 1
         precision = PRECISIONS.get(mixed_precision)
         traced = dict(edges=edges, cp=cp, ep=ep)
@@ -279,19 +281,23 @@ class Planner:
             buckets = bucket_layout(dense, elem=grad_elem, bucket_bytes=bucket_size_bytes(bucket_mb),
                                     pad=replicas if zero else 1, separate=frozenset(tied[s]) if zero else frozenset())
             experts = [p for p in on_stage[s] if p[0] in sharded]
-            expert_buckets = bucket_layout(experts, elem=grad_elem, bucket_bytes=bucket_size_bytes(bucket_mb), pad=1)
+            expert_buckets = bucket_layout(experts, elem=grad_elem, bucket_bytes=bucket_size_bytes(bucket_mb),
+                                           pad=expert_replicas if zero_experts else 1)
             kv = {n: numel for n, numel in on_stage[s] if (spec := specs.get(n)) is not None and spec.replicas > 1}
             summed = {n: numel for n, numel in on_stage[s] if n in grad_sum}
             comm = stage_traffic(s, mesh=mesh, plan=plan, trace=base, stage_of=stage_of, act_elem=param_elem,
                                  param_elem=param_elem, grad_elem=grad_elem, buckets=buckets if replicas > 1 else [],
                                  zero=zero, kv=kv, tied=tied[s], grad_sum=summed, recompute=recompute,
                                  loss_scaling=mixed_precision == "fp16", backend=backend, experts=experts_calls,
-                                 expert_buckets=expert_buckets if dp * tp > ep else [])
+                                 expert_buckets=expert_buckets if expert_replicas > 1 else [],
+                                 zero_experts=zero_experts)
             others = set(stage_plan.heads) if s == pp - 1 else set()
             if s == 0:
                 others |= {n for n, _ in stage_plan.first_only} | ({stage_plan.entry} if stage_plan.entry else set())
-            state = rank_state(on_stage[s], buckets=buckets, param_elem=param_elem, grad_elem=grad_elem,
-                               mixed=precision is not None, zero=zero, dp=replicas)
+            zero_sets = ([(buckets, replicas)] if zero else []) + (
+                [(expert_buckets, expert_replicas)] if zero_experts else [])
+            state = rank_state(on_stage[s], sharded=zero_sets, param_elem=param_elem, grad_elem=grad_elem,
+                               mixed=precision is not None)
             chunks = stage_plan.chunks_of(s)
             ranges = tuple(stage_plan.layer_ranges[c] for c in chunks)
             expert_params = sum(n for name, n in on_stage[s] if name in self._experts)
@@ -326,7 +332,7 @@ class Planner:
                             bubble=bubble(timing), flops_per_step=float(per_token * tokens * microbatches * dp),
                             attention_flops_per_token=attention_per_token,
                             layers=layers, boundary_bytes=base.boundary_numel * param_elem,
-                            mixed_precision=mixed_precision, zero=zero, recompute=recompute,
+                            mixed_precision=mixed_precision, zero=zero or zero_experts, recompute=recompute,
                             sequence_parallel=plan.sequence_parallel, cp=cp, ep=ep,
                             expert_flop_share=expert_flop_share, virtual_stages=virtual_stages)
 

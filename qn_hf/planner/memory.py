@@ -12,10 +12,11 @@ Per parameter element on the rank:
 
 ZeRO-1 (``zero=True``, dp > 1): the buckets are cut as ``GradBuckets`` cuts them (``bucket_layout``
 below calls the same ``cut_into_buckets``) and padded to a multiple of dp (here and below, dp is
-every rank holding the same shard: dp x cp under context parallelism). The gradient
+every rank holding the same shard: dp x cp under context parallelism; for the ep-sharded experts'
+own buckets, the expert replicas holding the same block). The gradient
 buffers stay whole on every rank, padding included; masters, moments and step counters exist only
 for the parameter elements in this rank's piece of each bucket. Pieces differ by the padding only:
-the figures are dp rank 0's, the fullest.
+the figures are dp rank 0's (expert replica 0's), the fullest.
 """
 
 from __future__ import annotations
@@ -79,17 +80,20 @@ class RankState:
         return self.master_bytes + self.moment_bytes + self.step_bytes
 
 
-def rank_state(params: list[tuple[str, int]], *, buckets: list[Bucket], param_elem: int, grad_elem: int,
-               mixed: bool, zero: bool, dp: int) -> RankState:
-    """Bytes of one rank's weights, gradients and AdamW state; ``buckets`` as ``bucket_layout``
-    cut them (only read with ``zero``)."""
+def rank_state(params: list[tuple[str, int]], *, sharded: list[tuple[list[Bucket], int]], param_elem: int,
+               grad_elem: int, mixed: bool) -> RankState:
+    """Bytes of one rank's weights, gradients and AdamW state. ``sharded``: ZeRO-1's bucket sets as
+    ``bucket_layout`` cut them, each with the number of ranks it is split over (the dp x cp buckets
+    over dp x cp, the ep-sharded experts' over their expert replicas); a parameter in none of them
+    keeps its whole gradient and state."""
     numel = sum(n for _, n in params)
-    if zero:
-        mine = owned(buckets, dp=dp)
-        stepped, tensors = sum(mine.values()), len(mine)
-        grads = sum(b.padded for b in buckets)
-    else:
-        stepped, tensors, grads = numel, len(params), numel
+    split = {name for buckets, _ in sharded for b in buckets for name, _ in b.params}
+    whole = [(name, n) for name, n in params if name not in split]
+    stepped, tensors, grads = sum(n for _, n in whole), len(whole), sum(n for _, n in whole)
+    for buckets, ranks in sharded:
+        mine = owned(buckets, dp=ranks)
+        stepped, tensors = stepped + sum(mine.values()), tensors + len(mine)
+        grads += sum(b.padded for b in buckets)
     master_elem = MASTER_ELEM if mixed else param_elem
     return RankState(weight_bytes=numel * param_elem, grad_bytes=grads * grad_elem,
                      master_bytes=stepped * MASTER_ELEM if mixed else 0, moment_bytes=2 * stepped * master_elem,

@@ -125,14 +125,27 @@ def _group(ops: dict[Collective, list[int]] | dict[Collective, tuple[int, int]])
                         {op: (c, b) for op, (c, b) in sorted(ops.items())})
 
 
+def bucket_traffic(buckets: Sequence[Bucket], *, ranks: int, zero: bool, backend: str, grad_elem: int,
+                   param_elem: int) -> tuple[int, int]:
+    """Calls and bytes (as ``CommMeter`` counts them) of one step's reduction of ``buckets`` over
+    ``ranks``: an all-reduce per bucket; under ZeRO-1 a reduce-scatter and an all-gather of the
+    weights per bucket, which gloo runs as one reduce and one broadcast per piece (buckets.py)."""
+    if zero and backend == "gloo":
+        return 2 * ranks * len(buckets), sum(b.padded * (grad_elem + param_elem) for b in buckets)
+    if zero:
+        return 2 * len(buckets), sum(b.padded * grad_elem + b.piece(ranks) * param_elem for b in buckets)
+    return len(buckets), sum(b.padded for b in buckets) * grad_elem
+
+
 def stage_traffic(s: int, *, mesh: Mesh, plan: TpPlan, trace: Trace, stage_of: Callable[[str], int],
                   act_elem: int, param_elem: int, grad_elem: int, buckets: list[Bucket], zero: bool,
                   kv: dict[str, int], tied: dict[str, int], grad_sum: dict[str, int], recompute: str | None,
                   loss_scaling: bool, backend: str = "nccl", experts: tuple[ExpertCall, ...] = (),
-                  expert_buckets: Sequence[Bucket] = ()) -> dict[str, GroupTraffic]:
+                  expert_buckets: Sequence[Bucket] = (), zero_experts: bool = False) -> dict[str, GroupTraffic]:
     """``kv``, ``tied`` and ``grad_sum``: this stage's replicated-KV, cross-stage-tied and
     summed-over-tp parameters -> elements; ``experts``: the trace's experts calls (in the compute
-    dtype), ``expert_buckets``: the buckets summed over "experts" (none when one rank holds each)."""
+    dtype), ``expert_buckets``: the buckets summed over "experts" (none when one rank holds each),
+    sharded over those ranks under ``zero_experts``."""
     dp, tp, pp, cp, microbatches = mesh.dp, mesh.tp, mesh.pp, mesh.cp, mesh.microbatches
     replicas = dp * cp
     out: dict[str, GroupTraffic] = {}
@@ -170,14 +183,12 @@ def stage_traffic(s: int, *, mesh: Mesh, plan: TpPlan, trace: Trace, stage_of: C
     if Axis.EP in dispatch:
         out[Axis.EP] = _group({op: (c * microbatches, b * microbatches) for op, (c, b) in dispatch[Axis.EP].items()})
     if expert_buckets:
-        out["experts"] = GroupTraffic(len(expert_buckets), sum(b.padded for b in expert_buckets) * grad_elem)
+        calls, nbytes = bucket_traffic(expert_buckets, ranks=mesh.dp * tp // mesh.ep, zero=zero_experts,
+                                       backend=backend, grad_elem=grad_elem, param_elem=param_elem)
+        out["experts"] = GroupTraffic(calls, nbytes)
     if replicas > 1:  # the gradient buckets, then the 4-byte loss
-        if zero and backend == "gloo":
-            calls, nbytes = 2 * replicas * len(buckets), sum(b.padded * (grad_elem + param_elem) for b in buckets)
-        elif zero:
-            calls, nbytes = 2 * len(buckets), sum(b.padded * grad_elem + b.piece(replicas) * param_elem for b in buckets)
-        else:
-            calls, nbytes = len(buckets), sum(b.padded for b in buckets) * grad_elem
+        calls, nbytes = bucket_traffic(buckets, ranks=replicas, zero=zero, backend=backend, grad_elem=grad_elem,
+                                       param_elem=param_elem)
         out["replicas" if cp > 1 else "dp"] = GroupTraffic(calls + 1, nbytes + 4)
     if dp > 1 and plan.loss:  # the 8-byte target count
         previous = out.get("dp", GroupTraffic(0, 0))
