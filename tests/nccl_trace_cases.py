@@ -30,3 +30,22 @@ def record_pipeline(*, kind: str, model_dir: str, pp: int, schedule: str, microb
             pm.generate(batch["input_ids"][:1, :4], max_new_tokens=3, do_sample=False)
         traces["generate"] = [call.to_json() for call in recorder.calls]
     return traces
+
+
+def record_expert_pipeline(*, pp: int, dp: int, ep: int, schedule: str, microbatches: int,
+                           virtual_stages: int = 1) -> dict[str, list[dict]]:
+    """Two training steps of a shrunk Qwen3-MoE at dp x pp with experts over ep: each MoE call's
+    all-to-alls on the ep group interleave with the schedule's transfers on pp."""
+    from qn_hf.check.run import build
+    from tests.ep_cases import moe_config
+
+    pm = qn_hf.parallelize(build(moe_config("qwen3_moe"), seed=0), dp=dp, pp=pp, ep=ep, schedule=schedule,
+                           microbatches=microbatches, virtual_stages=virtual_stages, mesh=mesh_for(dp, 1, pp))
+    ids = torch.randint(3, 100, (2 * microbatches, 12), generator=torch.Generator().manual_seed(pm.coords["dp"]))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    traces = {}
+    for name in ("train_first", "train_steady"):
+        with CallRecorder() as recorder:
+            pm.train_step(batch)
+        traces[name] = [call.to_json() for call in recorder.calls]
+    return traces

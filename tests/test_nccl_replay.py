@@ -127,3 +127,16 @@ def test_the_pipeline_completes_under_nccl(worlds, model_dirs, kind, pp, schedul
     assert not [c for rank in steady for c in rank if c.what == SYNC], "a steady training step reads device data"
     first = _calls([r["train_first"] for r in results])
     assert all(any(c.what == SYNC for c in rank) for rank in first[1:])
+
+
+@pytest.mark.parametrize(("schedule", "microbatches", "virtual_stages"),
+                         [("1f1b", 2, 1), ("interleaved_1f1b", 2, 2), ("zb_h1", 2, 1)])
+def test_expert_parallel_pipeline_completes_under_nccl(worlds, schedule, microbatches, virtual_stages):
+    """dp=2 x pp=2 with experts over ep=2: the dispatch's all-to-alls (and the host read of their
+    splits, one per MoE call) between the schedule's transfers complete under the NCCL model."""
+    results = worlds.run(4, nccl_trace_cases.record_expert_pipeline, pp=2, dp=2, ep=2, schedule=schedule,
+                         microbatches=microbatches, virtual_stages=virtual_stages)
+    for name in results[0]:
+        calls = _calls([r[name] for r in results])
+        assert any(c.kind == COLLECTIVE and c.label.startswith("all_to_all") for rank in calls for c in rank), name
+        replay(calls)
