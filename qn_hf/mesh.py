@@ -97,8 +97,9 @@ class ParallelDims:
 
     @property
     def expert_replicas(self) -> int:
-        """How many ranks of a stage hold the same experts (and sum their gradients): dp * tp / ep."""
-        return self.dp * self.tp // self.ep
+        """How many ranks of a stage hold the same experts (and sum their gradients): dp * tp / ep in
+        each cp rank's grid, times cp (every cp rank holds the same experts and routes its own tokens)."""
+        return self.dp * self.tp // self.ep * self.cp
 
     @property
     def world_size(self) -> int:
@@ -286,7 +287,9 @@ def build_groups(dims: ParallelDims, *, device: torch.device, timeout: datetime.
         blocks, members = expert_groups(grid, dims)
         ep, experts = _member_of(blocks, timeout, owned), _member_of(members, timeout, owned)
         flat = d * dims.tp + t  # this rank's place in its stage's dp x tp grid
-        coords = Coords(dp=d, pp=coords.pp, cp=coords.cp, tp=t, ep=flat % dims.ep, expert_replica=flat // dims.ep)
+        per_grid = dims.dp * dims.tp // dims.ep  # holders of a block in one cp rank's grid
+        coords = Coords(dp=d, pp=coords.pp, cp=coords.cp, tp=t, ep=flat % dims.ep,
+                        expert_replica=coords.cp * per_grid + flat // dims.ep)
         experts = experts if dims.expert_replicas > 1 else None
     return Groups(
         mesh=mesh, coords=coords, dp=mesh.get_group(Axis.DP.value), tp=mesh.get_group(Axis.TP.value),
@@ -318,18 +321,20 @@ def _pipeline_peers(grid: torch.Tensor, coords: Coords, timeout: datetime.timede
 
 
 def expert_groups(grid: torch.Tensor, dims: ParallelDims) -> tuple[list[list[int]], list[list[int]]]:
-    """The ep groups and the expert-replica groups of every stage (and cp rank), from the
-    [dp, pp, cp, tp] grid of global ranks. A stage's dp x tp ranks in (dp, tp) order are cut into
-    blocks of ``ep`` consecutive ranks (whole tp groups, or parts of one): each block shares out the
-    experts, member i holding expert block i; the ranks at the same place i of every block hold the
-    same experts."""
+    """The ep groups and the expert-replica groups of every stage, from the [dp, pp, cp, tp] grid of
+    global ranks. Each cp rank's dp x tp ranks of a stage, in (dp, tp) order, are cut into blocks of
+    ``ep`` consecutive ranks (whole tp groups, or parts of one): each block shares out the experts,
+    member i holding expert block i, and exchanges the tokens of its cp rank's part of the sequences.
+    The ranks at the same place i of every block of every cp rank hold the same experts: they sum
+    their gradients (cp ranks see other tokens of the same sequences, as dp ranks see other rows)."""
     blocks, members = [], []
     for p in range(dims.pp):
+        stage_blocks = []
         for c in range(dims.cp):
             flat = grid[:, p, c, :].reshape(-1).tolist()
-            stage_blocks = [flat[i : i + dims.ep] for i in range(0, len(flat), dims.ep)]
-            blocks += stage_blocks
-            members += [[block[i] for block in stage_blocks] for i in range(dims.ep)]
+            stage_blocks += [flat[i : i + dims.ep] for i in range(0, len(flat), dims.ep)]
+        blocks += stage_blocks
+        members += [[block[i] for block in stage_blocks] for i in range(dims.ep)]
     return blocks, members
 
 

@@ -19,12 +19,12 @@ from .checkpoint.save import DEFAULT_KEEP_LAST, save_checkpoint
 from .comm import flat_all_reduce_, gather_from_group
 from .config.composition import Feature, check_and_warn
 from .config.parallel_config import ParallelConfig
-from .context_parallel.apply import CP_KEYS, shard_microbatch
+from .context_parallel.apply import CP_KEYS, LOCAL_VALID, LOSS_KEYS, shard_microbatch
 from .context_parallel.ring_attention import ChunkLayout
 from .data_parallel.buckets import GradBuckets
 from .data_parallel.grad_sync import GradSync
 from .data_parallel.precision import LossScaler
-from .expert_parallel.router_loss import adds_router_loss, check_router_loss, router_loss
+from .expert_parallel.router_loss import RouterLogits, adds_router_loss, router_loss
 from .failure import FailTogether
 from .mesh import Coords, Groups, ParallelDims
 from .peft.lora import Adapter
@@ -248,9 +248,8 @@ class ParallelModel:
                 raise ValueError(f"cp={cp}: batch keys {unknown} cannot be cut along the sequence; use only {CP_KEYS}")
         split = sequence_split(cp=cp, tp=self.dims.tp, sequence_parallel=self.plan.sequence_parallel)
         check_model_inputs(batch, model=self.module, loss=self.plan.loss if builtin else None, sequence_split=split)
-        router = builtin and adds_router_loss(self.module)
-        if router:
-            check_router_loss(self.module, pp=self.dims.pp, cp=cp, microbatches=self.microbatches)
+        routers = (RouterLogits(self.module, pp=self.dims.pp, microbatches=self.microbatches)
+                   if builtin and adds_router_loss(self.module) else None)  # checks the term can be equal
         if builtin and self.plan.loss is LossKind.CLASSIFICATION:
             config = self.config
             if config.num_labels == 1 or getattr(config, "problem_type", None) in ("regression", "multi_label_classification"):
@@ -289,8 +288,10 @@ class ParallelModel:
             """One microbatch through one of this stage's chunks: the activation to send, or on the
             last chunk the microbatch's share of the global loss (what backward starts from)."""
             nonlocal total
-            inputs = {k: v for k, v in micro[mb].items() if k not in ("labels", "targets")}
-            outputs = self.stage.forward(inputs, received, chunk=chunk, **self.plan.policy.forward_kwargs)
+            inputs = {k: v for k, v in micro[mb].items() if k not in LOSS_KEYS}
+            with routers or contextlib.nullcontext():  # the router loss reads the logits (router_loss.py)
+                outputs = self.stage.forward(inputs, received, chunk=chunk, **self.plan.policy.forward_kwargs,
+                                             **(routers.forward_kwargs if routers else {}))
             if not self.stage.is_last_chunk(chunk):
                 return outputs
             if builtin:
@@ -304,8 +305,9 @@ class ParallelModel:
             # As a Python float scale did: the product in float32 (float64 for a float64 loss), in the loss's dtype
             opmath = torch.float64 if loss.dtype == torch.float64 else torch.float32
             loss = (loss.to(opmath) * scales[mb].to(opmath)).to(loss.dtype)
-            if router:  # transformers' load-balancing term, this dp rank's share (router_loss.py)
-                loss = loss + router_loss(outputs, micro[mb].get("attention_mask"), model=self.module, group=self.groups.dp)
+            if routers:  # transformers' load-balancing term, this rank's share (router_loss.py)
+                valid = micro[mb].get(LOCAL_VALID, micro[mb].get("attention_mask"))
+                loss = loss + router_loss(routers.logits, valid, model=self.module, group=self.groups.replicas)
             total += loss.detach().float()
             # float16: backward starts from the scaled loss (GradSync unscales the gradients)
             return loss * self.scaler.scale if self.scaler is not None and backward else loss

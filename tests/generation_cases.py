@@ -3,6 +3,8 @@ the plain Hugging Face model built from the same weights."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 
@@ -128,3 +130,24 @@ def refusals(*, model_dirs: dict[str, str]) -> dict:
         "max_time": error_message(lambda: pipeline.generate(ids, max_new_tokens=2, max_time=5.0)),
         "tp_max_time": error_message(lambda: sp.generate(ids, max_new_tokens=2, max_time=5.0)),
     }
+
+
+def ep_generation(*, dp: int, pp: int, ep: int) -> dict:
+    """Greedy generation of a shrunk Qwen3-MoE at dp x pp with experts over ep, each dp replica with
+    its own prompts and its own ``max_new_tokens`` (so the replicas' loops differ in length): the
+    sequences and the plain model's."""
+    from qn_hf.check.run import build
+    from tests.ep_cases import moe_config
+
+    model = build(moe_config("qwen3_moe"), seed=0)
+    ref = copy.deepcopy(model).eval()
+    pm = qn_hf.parallelize(model, dp=dp, pp=pp, ep=ep, microbatches=pp, mesh=mesh_for(dp, 1, pp))
+    replica = pm.coords["dp"]
+    gen = torch.Generator().manual_seed(40 + replica)
+    ids = torch.randint(3, model.config.vocab_size, (2, 5 + replica), generator=gen)
+    common = dict(max_new_tokens=3 + 3 * replica, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ours = pm.generate(ids, **common)
+        theirs = ref.generate(ids, **common)
+    refused = error_message(lambda: pm.generate(ids, synced_gpus=False, **common))
+    return {"dp": replica, "ours": ours.tolist(), "theirs": theirs.tolist(), "refused": refused}

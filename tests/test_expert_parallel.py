@@ -150,7 +150,7 @@ def test_expert_parallel_refusals():
     assert "ep=2: llama has no mixture-of-experts layers; use ep=1" in dense, dense
     unfused = _refusal(_meta("llama4_text"))
     assert "Llama4TextExperts) are not transformers' fused experts form" in unfused, unfused
-    assert "ep=2 with cp=2 is not supported" in _refusal(_meta("mixtral"), cp=2)
+    assert _refusal(_meta("mixtral"), cp=2) == "no error"  # ep x cp composes
     assert "ep=0 must be a positive integer" in _refusal(_meta("mixtral"), ep=0)
 
 
@@ -233,3 +233,18 @@ def test_expert_parallel_with_schedules_equals_plain_model(worlds, tmp_path, sch
     results = worlds.run(4, ep_cases.ep_parity, model_type="qwen3_moe", out_dir=str(tmp_path / "hf"), dp=2, tp=1,
                          pp=2, ep=2, microbatches=2, schedule=schedule, virtual_stages=virtual_stages)
     _check(results, ep=2)
+
+
+@pytest.mark.parametrize(("model_type", "dp", "tp", "cp", "ep", "router_loss"), [
+    ("qwen3_moe", 2, 1, 2, 2, True),  # each cp rank's grid shares out the experts; the router loss pools dp x cp
+    ("mixtral", 1, 2, 2, 2, False),  # the ep group is the tp group of each cp rank
+])
+def test_expert_parallel_with_context_parallel_equals_plain_model(worlds, tmp_path, model_type, dp, tp, cp, ep,
+                                                                  router_loss):
+    """ep x cp: every cp rank routes the tokens of its chunks of the sequences to the ep group of its
+    own dp x tp grid; the ranks holding the same experts in every cp rank sum their gradients, and
+    the load-balancing term counts every real token of the batch once (padded rows)."""
+    overrides = {"output_router_logits": True, "router_aux_loss_coef": 0.5} if router_loss else {}
+    results = worlds.run(dp * tp * cp, ep_cases.ep_parity, model_type=model_type, out_dir=str(tmp_path / "hf"),
+                         dp=dp, tp=tp, pp=1, ep=ep, cp=cp, overrides=overrides, padded=router_loss)
+    _check(results, ep=ep)

@@ -61,3 +61,15 @@ def test_generate_refusals(worlds, model_dirs):
         assert "cannot generate" in r["vit"], r["vit"]
         assert "max_time or stopping_criteria" in r["max_time"] and "max_new_tokens" in r["max_time"], r["max_time"]
         assert "sequence_parallel=False" in r["tp_max_time"] or "max_time" in r["tp_max_time"], r["tp_max_time"]
+
+
+@pytest.mark.parametrize(("dp", "pp"), [(2, 1), (2, 2)], ids=["dp2-pp1", "dp2-pp2"])
+def test_generate_with_expert_parallelism_equals_plain_model(worlds, dp, pp):
+    """ep=2 over two dp replicas generating different prompts for different lengths (3 and 6 new
+    tokens): HF's synced_gpus keeps the replica that finished calling the forward, so the experts'
+    all-to-alls pair up; each replica's tokens are the plain model's."""
+    results = worlds.run(dp * pp, generation_cases.ep_generation, dp=dp, pp=pp, ep=2)
+    for r in results:
+        assert r["ours"] == r["theirs"], r
+        assert "synced_gpus=False" in r["refused"] and "leave synced_gpus unset" in r["refused"], r["refused"]
+    assert {len(r["ours"][0]) for r in results} == {5 + 3, 6 + 6}

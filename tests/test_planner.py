@@ -357,11 +357,11 @@ def test_planner_matches_expert_parallel_traffic(worlds, dp, tp, pp, ep, microba
 
 def test_planner_refuses_expert_parallelism_as_parallelize_does():
     """Refusals with parallelize's message: ep not dividing dp*tp, ep and tp neither dividing the
-    other, ep not dividing the experts, ep with cp or sequence parallelism, a dense model; ZeRO
+    other, ep not dividing the experts, ep with sequence parallelism, a dense model; ZeRO
     with ep is planned."""
     moe = moe_config("qwen3_moe", architectures=["Qwen3MoeForCausalLM"])
     cases = [(moe, dict(dp=2, tp=2, ep=3)), (moe, dict(dp=2, tp=3, ep=2)), (moe, dict(dp=8, ep=8)),
-             (moe, dict(dp=2, ep=2, cp=2)), (moe, dict(tp=2, ep=2, sequence_parallel=True)),
+             (moe, dict(tp=2, ep=2, sequence_parallel=True)),
              (PUBLIC["llama-3-8b"], dict(dp=2, ep=2))]
     for config, mesh in cases:
         mesh = {"dp": 1, "tp": 1, "pp": 1, **mesh}

@@ -83,6 +83,8 @@ _CP = "tests/test_context_parallel.py::test_context_parallel_equals_plain_model"
 _CP_SCHEDULES = "tests/test_context_parallel.py::test_context_parallel_with_schedules_equals_plain_model"
 _EP_SCHEDULES = "tests/test_expert_parallel.py::test_expert_parallel_with_schedules_equals_plain_model"
 _SP_ZB = "tests/test_sequence_parallel.py::test_sequence_parallel_with_zero_bubble_equals_plain_model"
+_EP_CP = "tests/test_expert_parallel.py::test_expert_parallel_with_context_parallel_equals_plain_model"
+_EP_GEN = "tests/test_generation.py::test_generate_with_expert_parallelism_equals_plain_model"
 _EP_ZERO = "tests/test_expert_parallel.py::test_expert_parallel_with_zero_equals_plain_model"
 _ZERO = "tests/test_optimizer.py::test_zero_equals_the_unsharded_optimizer"
 _GEN = "tests/test_generation.py::test_generate_equals_plain_model"
@@ -111,15 +113,13 @@ ROWS: tuple[Row, ...] = (
     Row(F.COMPILE, F.EP, S.REFUSED, message="compile=True with ep={ep} is not supported: " + EXPERTS_RECOMPILE),
     Row(F.SP, F.CP, S.REFUSED,
         message="cp={cp} ({model_type}): sequence_parallel=True with cp > 1 is not supported yet; use one of them"),
-    Row(F.EP, F.CP, S.REFUSED, message="ep={ep} with cp={cp} is not supported; use cp=1"),
     Row(F.EP, F.SP, S.REFUSED, message="ep={ep} with sequence_parallel=True is not supported; use one of them"),
     Row(F.ZERO, F.EP, S.PLAIN, f"{_EP_ZERO}[qwen3_moe-2-2-1-2-None]"),
     Row(F.GENERATE, F.CP, S.REFUSED, message=(
         "generate at cp={cp}: ring attention expects each rank's part of every sequence; parallelize a copy with "
         "cp=1 for generation, or save_pretrained and generate with the plain model")),
-    Row(F.GENERATE, F.EP, S.REFUSED, message=(
-        "generate at ep={ep}: experts exchange tokens with ranks of other dp replicas, whose generation loops differ "
-        "in length; parallelize with ep=1 for generation, or save_pretrained and generate with the plain model")),
+    # HF's synced_gpus: every rank calls the forward until all replicas' loops have finished
+    Row(F.GENERATE, F.EP, S.PLAIN, f"{_EP_GEN}[dp2-pp1]"),
     Row(F.GENERATE, F.PP_INTERLEAVED, S.REFUSED, message=(
         "generate at pp={pp} with virtual_stages={virtual_stages}: a rank's blocks are not one contiguous forward; "
         "parallelize with virtual_stages=1 for generation")),
@@ -171,6 +171,8 @@ ROWS: tuple[Row, ...] = (
     Row(F.CP, F.RECOMPUTE, S.EQUIVALENT, f"{_RC}[llama-1-1-1-full-False-2]"),
     Row(F.CP, F.LORA, S.PLAIN, f"{_LORA}[llama-1-2-1-1-1f1b-False-True-targets10-None-2]"),
     Row(F.CP, F.TRAINER, S.UNTESTED),
+    # every cp rank routes its own tokens within its grid's ep group; the experts' gradients sum over cp too
+    Row(F.CP, F.EP, S.PLAIN, f"{_EP_CP}[qwen3_moe-2-1-2-2-True]"),
     # the schedules
     Row(F.PP_1F1B, F.EP, S.PLAIN, f"{_EP}[mixtral-2-1-2-2-2]"),
     Row(F.PP_1F1B, F.DP, S.PLAIN, "tests/test_parity.py::test_data_parallel_3d[gpt2-4-1-2-1f1b-3]"),

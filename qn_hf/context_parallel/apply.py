@@ -39,6 +39,11 @@ from .ring_attention import ChunkLayout, needs_mask, ring_attention
 
 # Batch keys a context-parallel step knows how to cut along the sequence.
 CP_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
+# The key of a cp rank's microbatch that marks its real tokens [rows, tokens]: read by the router
+# loss, never given to the model.
+LOCAL_VALID = "local_valid"
+# Keys of a (cp rank's) microbatch that feed the loss, not the model.
+LOSS_KEYS = ("labels", "targets", LOCAL_VALID)
 _names = itertools.count()
 
 
@@ -121,7 +126,9 @@ def documents_of(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
 
 
 def shard_microbatch(micro: Mapping[str, torch.Tensor], *, layout: ChunkLayout, rank: int) -> dict[str, torch.Tensor]:
-    """This cp rank's model inputs and its ``targets`` (already shifted) from a microbatch of whole sequences."""
+    """This cp rank's model inputs, its ``targets`` (already shifted) and which of its tokens are real
+    (``LOCAL_VALID``: the attention mask becomes ring attention's layout) from a microbatch of whole
+    sequences."""
     ids = micro["input_ids"]
     length = ids.shape[1]
     keep = layout.positions(rank, length).to(ids.device)
@@ -133,7 +140,7 @@ def shard_microbatch(micro: Mapping[str, torch.Tensor], *, layout: ChunkLayout, 
     masked = needs_mask(documents=documents, valid=valid)  # the microbatch's one host read, not one per layer
     meta = (torch.stack([documents, valid], dim=1) if masked else valid[:, None]).unsqueeze(1)  # [b, 1, 2 or 1, seq]
     return {"input_ids": ids[:, keep], "position_ids": positions[:, keep], "attention_mask": meta,
-            "targets": causal_lm_targets(micro["labels"])[:, keep]}
+            "targets": causal_lm_targets(micro["labels"])[:, keep], LOCAL_VALID: valid[:, keep]}
 
 
 def gather_sequence_positions(x: torch.Tensor, *, layout: ChunkLayout, group: ProcessGroup) -> torch.Tensor:

@@ -143,8 +143,8 @@ class MeshEstimate:
 
     @property
     def expert_replicas(self) -> int:
-        """Ranks of a stage holding the same experts (summing their gradients): dp x tp / ep."""
-        return self.dp * self.tp // self.ep
+        """Ranks of a stage holding the same experts (summing their gradients): dp x tp / ep x cp."""
+        return self.dp * self.tp // self.ep * self.cp
 
     @property
     def world_size(self) -> int:
@@ -234,7 +234,7 @@ class Planner:
         # The trace splits the sequence as the stages do (raising, as they would, when tp does not divide it).
         edges = stage_edges(self.model, stage_plan) if plan.sequence_parallel else None
         replicas = dp * cp
-        expert_replicas = dp * tp // ep
+        expert_replicas = dp * tp // ep * cp  # every cp rank holds the same experts
         zero_experts = zero and ep > 1 and expert_replicas > 1  # the experts' buckets split over their holders
         zero = zero and replicas > 1
         precision = PRECISIONS.get(mixed_precision)

@@ -183,7 +183,7 @@ def stage_traffic(s: int, *, mesh: Mesh, plan: TpPlan, trace: Trace, stage_of: C
     if Axis.EP in dispatch:
         out[Axis.EP] = _group({op: (c * microbatches, b * microbatches) for op, (c, b) in dispatch[Axis.EP].items()})
     if expert_buckets:
-        calls, nbytes = bucket_traffic(expert_buckets, ranks=mesh.dp * tp // mesh.ep, zero=zero_experts,
+        calls, nbytes = bucket_traffic(expert_buckets, ranks=mesh.dp * tp // mesh.ep * cp, zero=zero_experts,
                                        backend=backend, grad_elem=grad_elem, param_elem=param_elem)
         out["experts"] = GroupTraffic(calls, nbytes)
     if replicas > 1:  # the gradient buckets, then the 4-byte loss

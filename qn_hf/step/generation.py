@@ -25,9 +25,17 @@ model draws given the same state. Afterwards the first stage's ranks keep the ad
 plain model's generator advances; equal across tp, as qn_hf's shared dropout stream must be); later
 stages get their own back, which ``rng.py`` keeps distinct per stage.
 
+ep>1: experts exchange tokens with ranks of other dp replicas, whose loops may differ in length
+(other prompts, another ``max_new_tokens``, an early end of sequence). HF's own ``synced_gpus``
+(made for ZeRO-3, where every forward gathers weights from every rank) keeps every rank of the job
+calling the forward until all have finished: one flag all-reduce over the job and one host read per
+token. A rank that finished runs forwards whose outputs HF discards; the all-to-alls pair up.
+
+Sequence parallelism is switched off for the call (``SequenceParallelSwitch``): a one-token step
+cannot be split over tp.
+
 Refused (``ValueError`` naming the fix): cp>1 (ring attention expects each rank's part of a
-sequence), ep>1 (experts exchange tokens with ranks of other dp replicas, whose loops differ in
-length), sequence_parallel (a one-token step cannot be split over tp), and at pp>1: virtual stages
+sequence), ep>1 with ``synced_gpus=False``, and at pp>1: virtual stages
 (a rank's blocks are not one contiguous forward), ``use_cache=True``, ``inputs_embeds``,
 ``past_key_values`` and per-layer outputs (attentions, hidden states: each stage has only its own).
 """
@@ -60,6 +68,8 @@ def parallel_generate(module: nn.Module, input_ids: torch.Tensor, attention_mask
     check_generate(module, stage=stage, placement=placement, generate_kwargs=generate_kwargs)
     device, pp_rank = placement.device, placement.coords.pp
     kwargs = dict(generate_kwargs)
+    if placement.dims.ep > 1:  # every rank calls the forward until all have finished (module docstring)
+        kwargs["synced_gpus"] = True
     if stage.stages > 1:
         kwargs["use_cache"] = False
     if attention_mask is not None:
@@ -98,6 +108,9 @@ def check_generate(module: nn.Module, *, stage: StageModules, placement: ShardPl
         raise ValueError(f"generate at tp={dims.tp}, pp={stage.stages} with max_time or stopping_criteria: each rank "
                          f"would decide on its own when to stop and the others would wait for it; use max_new_tokens "
                          f"(and eos_token_id / stop_strings), which every rank decides alike")
+    if dims.ep > 1 and generate_kwargs.get("synced_gpus") is False:
+        raise ValueError(f"generate at ep={dims.ep} with synced_gpus=False: the experts exchange tokens with ranks of "
+                         f"other dp replicas, which would wait for a rank that stopped; leave synced_gpus unset")
     if stage.stages == 1:
         return
     if generate_kwargs.get("use_cache"):

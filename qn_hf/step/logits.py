@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from .batch import check_batch, check_model_inputs, microbatch_rows, sequence_split, split_microbatches
-from ..context_parallel.apply import CP_KEYS, gather_sequence_positions, shard_microbatch
+from ..context_parallel.apply import CP_KEYS, LOSS_KEYS, gather_sequence_positions, shard_microbatch
 from ..pipeline.schedule import schedule_actions
 from ..pipeline.wire import broadcast_announced
 
@@ -46,7 +46,7 @@ def collect_logits(pm, batch: Mapping[str, torch.Tensor], *, reduce: LogitsFn | 
     collected: dict[int, torch.Tensor] = {}
 
     def forward(chunk: int, mb: int, received: torch.Tensor | None) -> torch.Tensor:
-        inputs = {k: v for k, v in micro[mb].items() if k not in ("labels", "targets")}
+        inputs = {k: v for k, v in micro[mb].items() if k not in LOSS_KEYS}
         outputs = pm.stage.forward(inputs, received, chunk=chunk, **pm.plan.policy.forward_kwargs)
         if not pm.stage.is_last_chunk(chunk):
             return outputs
