@@ -120,14 +120,16 @@ def ep_parity(*, model_type: str, out_dir: str, dp: int, tp: int, pp: int, ep: i
 
 
 def ep_checkpoint_run(*, model_dir: str, dp: int, tp: int, pp: int, ep: int, load: str | None, steps: list[int],
-                      save: str | None, export: str, zero: bool | None = None) -> list[float]:
+                      save: str | None, export: str, zero: bool | None = None, schedule: str = "1f1b",
+                      virtual_stages: int = 1, precision: str | None = None) -> list[float]:
     """Load ``load`` (a checkpoint saved at any mesh), run ``steps``, export after each (``export-N``)
     and save a checkpoint after the first when asked. ``zero``: a ``qn_hf.optimizer`` with it (None:
     torch's AdamW over the parameters)."""
     from transformers import AutoConfig
 
     model = model_class(AutoConfig.from_pretrained(model_dir)).from_pretrained(model_dir).float()
-    pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, ep=ep, microbatches=max(pp, 1), mesh=mesh_for(dp, tp, pp))
+    pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, ep=ep, microbatches=max(pp, 1), mesh=mesh_for(dp, tp, pp),
+                           schedule=schedule, virtual_stages=virtual_stages, mixed_precision=precision)
     kwargs = dict(lr=1e-3, weight_decay=0.01)
     opt = (torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], **kwargs) if zero is None
            else qn_hf.optimizer(pm, torch.optim.AdamW, zero=zero, **kwargs))

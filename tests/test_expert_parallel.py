@@ -14,6 +14,10 @@ from tests import ep_cases
 
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 2e-5
+# bf16 weights against the unsharded optimizer: the clipping norm is summed from ZeRO's pieces in
+# another order, which can move a float32 master by its last bit and flip a bf16 rounding: one bf16
+# step at |w| < 0.125 (the losses and norms stay equal)
+BF16_WEIGHT_ATOL = 2**-9
 
 MOE_MODELS = ("mixtral", "qwen3_moe", "olmoe", "deepseek_v3")
 MESHES = [(2, 1, 1, 2, 1), (2, 2, 1, 4, 1), (2, 1, 2, 2, 2)]  # dp, tp, pp, ep, microbatches
@@ -197,7 +201,7 @@ def test_expert_parallel_with_zero_equals_plain_model(worlds, model_type, dp, tp
             assert abs(loss - ref) <= LOSS_RTOL * abs(ref), r
         for norm, ref in zip(r["norms"], r["ref_norms"]):
             assert abs(norm - ref) <= 1e-5 * ref, r
-        assert r["weight_err"] <= (WEIGHT_ATOL if precision is None else 1e-7), r
+        assert r["weight_err"] <= (WEIGHT_ATOL if precision is None else BF16_WEIGHT_ATOL), r
         full = 2 * 4 * r["expert_elements"]  # exp_avg and exp_avg_sq, float32
         share = r["expert_replicas"]
         assert full <= r["expert_state_bytes"] * share <= full + 2 * 4 * share * 64, r  # 1/share, padding aside
