@@ -35,7 +35,7 @@ def _pad_id(kind: str) -> int:
 
 
 def generation(*, model_dirs: dict[str, str], kinds: list[str], dp: int, tp: int, pp: int,
-               sequence_parallel: bool = False) -> dict:
+               sequence_parallel: bool = False, virtual_stages: int = 1) -> dict:
     """Greedy (left-padded batch with attention_mask, and one prompt without a mask) and sampling
     (top_k, temperature; ranks other than the replica's first seeded differently, so equality shows the
     generator is shared), each replica on its own prompts; the sequences and the reference's."""
@@ -43,7 +43,9 @@ def generation(*, model_dirs: dict[str, str], kinds: list[str], dp: int, tp: int
     for kind in kinds:
         ref = load(kind, model_dirs[kind]).eval()
         pm = qn_hf.parallelize(load(kind, model_dirs[kind]), dp=dp, tp=tp, pp=pp, mesh=mesh_for(dp, tp, pp),
-                               microbatches=2 * pp, sequence_parallel=sequence_parallel)
+                               microbatches=2 * pp, sequence_parallel=sequence_parallel,
+                               schedule="interleaved_1f1b" if virtual_stages > 1 else "1f1b",
+                               virtual_stages=virtual_stages)
         pm.train()  # generate runs in eval mode and must give this back
         ids, mask = _prompts(kind, seed=100 + pm.coords["dp"])
         common = dict(max_new_tokens=NEW_TOKENS, pad_token_id=_pad_id(kind))
@@ -115,13 +117,10 @@ def refusals(*, model_dirs: dict[str, str]) -> dict:
     path = model_dirs["llama"]
     cp = qn_hf.parallelize(load("llama", path), cp=2, mesh=mesh_for(1, 1, 1, 2))
     sp = qn_hf.parallelize(load("llama", path), tp=2, sequence_parallel=True, mesh=mesh_for(1, 2))
-    virtual = qn_hf.parallelize(load("llama", path), pp=2, virtual_stages=2, schedule="interleaved_1f1b",
-                                microbatches=2, mesh=mesh_for(1, 1, 2))
     pipeline = qn_hf.parallelize(load("llama", path), pp=2, microbatches=4, mesh=mesh_for(1, 1, 2))
     vit = qn_hf.parallelize(load("vit", model_dirs["vit"]), tp=2, mesh=mesh_for(1, 2))
     return {
         "cp": error_message(lambda: cp.generate(ids, max_new_tokens=2)),
-        "virtual": error_message(lambda: virtual.generate(ids, max_new_tokens=2)),
         "use_cache": error_message(lambda: pipeline.generate(ids, max_new_tokens=2, use_cache=True)),
         "hidden_states": error_message(lambda: pipeline.generate(ids, max_new_tokens=2, output_hidden_states=True,
                                                                  return_dict_in_generate=True)),

@@ -120,9 +120,6 @@ ROWS: tuple[Row, ...] = (
         "cp=1 for generation, or save_pretrained and generate with the plain model")),
     # HF's synced_gpus: every rank calls the forward until all replicas' loops have finished
     Row(F.GENERATE, F.EP, S.PLAIN, f"{_EP_GEN}[dp2-pp1]"),
-    Row(F.GENERATE, F.PP_INTERLEAVED, S.REFUSED, message=(
-        "generate at pp={pp} with virtual_stages={virtual_stages}: a rank's blocks are not one contiguous forward; "
-        "parallelize with virtual_stages=1 for generation")),
     # One schedule and one mixed_precision per run; the Trainer evaluates and predicts, it never generates.
     *(Row(a, b, S.EXCLUSIVE, message="one schedule per run")
       for a, b in itertools.combinations((F.PP_1F1B, F.PP_GPIPE, F.PP_INTERLEAVED, F.PP_ZB_H1), 2)),
@@ -204,6 +201,8 @@ ROWS: tuple[Row, ...] = (
     Row(F.PP_INTERLEAVED, F.RECOMPUTE, S.EQUIVALENT, f"{_RC_SCHEDULES}[gpt2_deep-1-interleaved_1f1b-2-full]"),
     Row(F.PP_INTERLEAVED, F.LORA, S.PLAIN, f"{_LORA}[llama_deep-1-1-2-2-interleaved_1f1b-False-False-targets9-None-1]"),
     Row(F.PP_INTERLEAVED, F.TRAINER, S.UNTESTED),
+    # each generated token's forward goes round the ring of stages once per chunk
+    Row(F.PP_INTERLEAVED, F.GENERATE, S.PLAIN, "tests/test_generation.py::test_generate_equals_plain_model[dp1-tp1-pp2-v2]"),
     Row(F.PP_INTERLEAVED, F.COMPILE, S.PLAIN,
         f"{_COMPILED}[llama_deep-2-dp=1-tp=1-pp=2-microbatches=2-schedule=interleaved_1f1b-virtual_stages=2]"),
     # a deferred W of a column layer reads the input sp gathered for its forward (held from B to W)

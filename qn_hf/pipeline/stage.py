@@ -88,7 +88,7 @@ class StageModules:
         return chunk == self.plan.chunks - 1
 
     @contextlib.contextmanager
-    def _view(self, chunk: int) -> Iterator[None]:
+    def view(self, chunk: int) -> Iterator[None]:
         """Install ``chunk``'s view. The blocks and the loop's config are taken from the model as it
         is now (whatever replaced modules inside the blocks, or the config, after the cut), and real
         modules are never held here: the rank's view keeps them, a chunk only masks some."""
@@ -123,7 +123,7 @@ class StageModules:
         base model's ``last_hidden_state``: no head runs before the last chunk); the last chunk
         returns the HF model's outputs, for the loss. ``kwargs`` go to the HF forward as they are."""
         chunk = self.stage if chunk is None else chunk
-        with self._view(chunk):
+        with self.view(chunk):
             if self.injector is not None:
                 self.injector.pending = self.wire.into(received) if chunk > 0 else None
             if not self.is_last_chunk(chunk):

@@ -13,7 +13,9 @@ that, for the duration of the call; no forward is replaced.
   pre-hook on a later stage's base model receives the previous stage's hidden states into the
   pipeline entry (``Injector``); a hook on a non-last stage's base model sends its output on; the
   last stage's last-position logits (whole vocabulary, float32) are broadcast over the pp group and
-  become every stage's ``outputs.logits``. No cache, because each stage's cache would hold only its
+  become every stage's ``outputs.logits``. With virtual stages a rank runs each of its chunks in
+  turn within the one forward call, so the hidden states go round the ring of stages once per
+  chunk (``_pipeline_hooks``). No cache, because each stage's cache would hold only its
   own blocks while HF reads sequence lengths from layer 0's. The cost: token t re-runs the t tokens
   before it, O(n^2) work in the generated length instead of O(n) -- fine for evaluation samples,
   not for serving (``save_pretrained`` and a serving engine are for that).
@@ -35,13 +37,13 @@ Sequence parallelism is switched off for the call (``SequenceParallelSwitch``): 
 cannot be split over tp.
 
 Refused (``ValueError`` naming the fix): cp>1 (ring attention expects each rank's part of a
-sequence), ep>1 with ``synced_gpus=False``, and at pp>1: virtual stages
-(a rank's blocks are not one contiguous forward), ``use_cache=True``, ``inputs_embeds``,
+sequence), ep>1 with ``synced_gpus=False``, and at pp>1: ``use_cache=True``, ``inputs_embeds``,
 ``past_key_values`` and per-layer outputs (attentions, hidden states: each stage has only its own).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 
 import torch
@@ -125,19 +127,47 @@ def check_generate(module: nn.Module, *, stage: StageModules, placement: ShardPl
 
 def _pipeline_hooks(module: nn.Module, *, stage: StageModules, placement: ShardPlacement,
                     full_logits: Callable[[torch.Tensor], torch.Tensor] | None) -> list:
-    """The hooks that make one forward call of ``module`` on every stage one pass through the pipeline."""
+    """The hooks that make one forward call of ``module`` on every rank one pass through the pipeline:
+    through each of this rank's chunks in turn (one, or ``virtual_stages`` of them, interleaved with
+    the other ranks' around the ring of stages). HF calls the base model once; its pre-hook installs
+    the first chunk's view (and receives into the pipeline entry), its hook sends that chunk's output
+    on and runs the base model again for each further chunk, in that chunk's view, returning the
+    last one's output: the head runs on it, as a training step's last chunk does."""
     groups, device = placement.groups, placement.device
-    handles = []
-    if not stage.is_first:
-        def receive(_module, _args):
+    chunks = stage.chunks
+    views = contextlib.ExitStack()
+    again = [False]  # inside the hook's own further calls: their hooks stand aside
+
+    def enter(chunk: int) -> None:
+        views.enter_context(stage.view(chunk))
+        if chunk > 0:
             stage.injector.pending = _recv(groups.peers.from_prev, device=device)
 
-        handles.append(stage.base.register_forward_pre_hook(receive))
-    if not stage.is_last:
-        def send(_module, _args, output):
+    def leave(chunk: int, output) -> None:
+        if not stage.is_last_chunk(chunk):
             _send(output[0], groups.peers.to_next)  # the base model's last_hidden_state, as a training step sends
+        views.close()
 
-        handles.append(stage.base.register_forward_hook(send))
+    def before(_module, _args, _kwargs):
+        if not again[0]:
+            enter(chunks[0])
+
+    def after(base, args, kwargs, output):
+        if again[0]:
+            return output
+        leave(chunks[0], output)
+        for chunk in chunks[1:]:
+            enter(chunk)
+            again[0] = True
+            try:
+                output = base(*args, **kwargs)
+            finally:
+                again[0] = False
+            leave(chunk, output)
+        return output
+
+    handles = [stage.base.register_forward_pre_hook(before, with_kwargs=True),
+               stage.base.register_forward_hook(after, with_kwargs=True)]
 
     def share_logits(_module, _args, output):
         last = None
