@@ -19,7 +19,7 @@ from .checkpoint.save import DEFAULT_KEEP_LAST, save_checkpoint
 from .comm import flat_all_reduce_, gather_from_group
 from .config.composition import Feature, check_and_warn
 from .config.parallel_config import ParallelConfig
-from .context_parallel.apply import CP_KEYS, LOCAL_VALID, LOSS_KEYS, shard_microbatch
+from .context_parallel.apply import CP_KEYS, LOCAL_VALID, LOSS_KEYS, shard_microbatch, whole_sequence_logits
 from .context_parallel.ring_attention import ChunkLayout
 from .data_parallel.buckets import GradBuckets
 from .data_parallel.grad_sync import GradSync
@@ -240,9 +240,6 @@ class ParallelModel:
         size = check_batch(batch, microbatches=self.microbatches, required=("labels",) if builtin else ())
         cp = self.dims.cp
         if cp > 1:
-            if not builtin:
-                raise ValueError(f"cp={cp}: each rank holds part of every sequence, so a loss_fn would see only those "
-                                 f"tokens; use the built-in loss (batch labels) or cp=1")
             unknown = sorted(set(batch) - set(CP_KEYS))
             if unknown:
                 raise ValueError(f"cp={cp}: batch keys {unknown} cannot be cut along the sequence; use only {CP_KEYS}")
@@ -275,11 +272,11 @@ class ParallelModel:
         if not builtin:
             # A loss_fn returns its microbatch's mean: weighted by its rows over the global batch's
             # rows (one tiny all-reduce over dp), the sum is the mean over every example, also when
-            # the microbatches or the dp ranks' batches differ in size. torch.full, not torch.tensor:
-            # a fill on the device rather than a copy from the host.
+            # the microbatches or the dp ranks' batches differ in size (torch.full: a fill on the device).
             global_rows = torch.full((1,), float(size), dtype=torch.float64, device=self.device)
             flat_all_reduce_([global_rows], group=self.groups.dp)
             scales = [torch.full_like(global_rows, float(n)).div_(global_rows)[0] for n in rows]
+        whole = micro  # a loss_fn sees whole sequences (whole_sequence_logits)
         if cp > 1:  # this rank's tokens of every sequence, with targets shifted on the whole sequence
             micro = [shard_microbatch(m, layout=self.cp_layout, rank=self.coords.cp) for m in micro]
         total = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -300,6 +297,9 @@ class ParallelModel:
                     targets = causal_lm_targets(micro[mb]["labels"]) if self.plan.loss.shifted else micro[mb]["labels"]
                 loss = summed_loss(outputs.logits, targets, kind=self.plan.loss, group=self.groups.tp,
                                    vocab=None if self.vocab is None else (self.vocab.start, self.vocab.size))
+            elif cp > 1:  # the same loss of the whole sequences on every cp rank, 1/cp of it each (context_parallel/apply.py)
+                loss = loss_fn(whole_sequence_logits(self._with_full_logits(outputs), layout=self.cp_layout,
+                                                     group=self.groups.cp), whole[mb]) / cp
             else:
                 loss = loss_fn(self._with_full_logits(outputs), micro[mb])
             # As a Python float scale did: the product in float32 (float64 for a float64 loss), in the loss's dtype
@@ -326,8 +326,8 @@ class ParallelModel:
         self.executor.run(schedule, forward, rows=rows, on_final=on_final, shape_key=shape_key)
         # The last stage holds the loss: a sum over pp hands it to every stage, then over dp and cp
         # (each cp rank holds the loss of its own tokens).
-        flat_all_reduce_([total], group=self.groups.pp)
-        flat_all_reduce_([total], group=self.groups.replicas)
+        for group in (self.groups.pp, self.groups.replicas):
+            flat_all_reduce_([total], group=group)
         return total
 
     def _with_full_logits(self, outputs):

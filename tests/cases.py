@@ -186,7 +186,6 @@ def cp_batch_errors(*, model_dir: str) -> dict:
     good = make_batch("llama", size=2, seed=3, seq=16)
     return {
         "odd": error_message(lambda: pm.train_step(batch)),
-        "loss_fn": error_message(lambda: pm.train_step(good, loss_fn=lambda out, b: out.logits.sum())),
         "keys": error_message(lambda: pm.train_step({**good, "token_type_ids": good["input_ids"] * 0})),
         "window": error_message(lambda: windowed.train_step(make_batch("mistral", size=2, seed=3, seq=16))),
         "mesh_dims": pm.mesh.mesh_dim_names,
@@ -194,10 +193,11 @@ def cp_batch_errors(*, model_dir: str) -> dict:
     }
 
 
-def uneven_loss_fn(*, model_dir: str, dp: int, pp: int, microbatches: int, rows: list[int]) -> dict:
+def uneven_loss_fn(*, model_dir: str, dp: int, pp: int, microbatches: int, rows: list[int], tp: int = 1,
+                   cp: int = 1) -> dict:
     """A user loss_fn (a microbatch's mean) over dp ranks holding ``rows[dp_rank]`` examples each, cut
     into microbatches of different sizes: the step's loss and gradients are the plain model's mean
-    over all the examples."""
+    over all the examples. Under cp the loss_fn sees whole sequences."""
     import torch.nn.functional as F
 
     def loss_fn(outputs, batch):
@@ -205,12 +205,13 @@ def uneven_loss_fn(*, model_dir: str, dp: int, pp: int, microbatches: int, rows:
         return F.cross_entropy(logits.flatten(0, 1), batch["labels"][:, 1:].flatten())
 
     ref = load("llama", model_dir)
-    pm = qn_hf.parallelize(load("llama", model_dir), dp=dp, pp=pp, microbatches=microbatches, mesh=mesh_for(dp, 1, pp))
-    batch = make_batch("llama", size=sum(rows), seed=11)
+    pm = qn_hf.parallelize(load("llama", model_dir), dp=dp, tp=tp, pp=pp, cp=cp, microbatches=microbatches,
+                           mesh=mesh_for(dp, tp, pp, cp))
+    batch = make_batch("llama", size=sum(rows), seed=11, seq=16 if cp > 1 else 12)
     start = sum(rows[: pm.coords["dp"]])
     local = {k: v[start : start + rows[pm.coords["dp"]]] for k, v in batch.items()}
     loss = pm.train_step(local, loss_fn=loss_fn)
-    ref_loss = loss_fn(ref(input_ids=batch["input_ids"]), batch)
+    ref_loss = loss_fn(ref(**{k: v for k, v in batch.items() if k != "labels"}), batch)
     ref_loss.backward()
     params = dict(ref.named_parameters())
     err = max((p.grad - reference_grad(params, n, pm)).abs().max().item() for n, p in pm.named_parameters())

@@ -27,6 +27,7 @@ import math
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from transformers import AttentionInterface
@@ -126,7 +127,8 @@ def documents_of(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
 
 
 def shard_microbatch(micro: Mapping[str, torch.Tensor], *, layout: ChunkLayout, rank: int) -> dict[str, torch.Tensor]:
-    """This cp rank's model inputs, its ``targets`` (already shifted) and which of its tokens are real
+    """This cp rank's model inputs, its ``targets`` (already shifted; from the input ids when the batch
+    has no labels, for a ``loss_fn`` or logits, which do not read them) and which of its tokens are real
     (``LOCAL_VALID``: the attention mask becomes ring attention's layout) from a microbatch of whole
     sequences."""
     ids = micro["input_ids"]
@@ -140,7 +142,7 @@ def shard_microbatch(micro: Mapping[str, torch.Tensor], *, layout: ChunkLayout, 
     masked = needs_mask(documents=documents, valid=valid)  # the microbatch's one host read, not one per layer
     meta = (torch.stack([documents, valid], dim=1) if masked else valid[:, None]).unsqueeze(1)  # [b, 1, 2 or 1, seq]
     return {"input_ids": ids[:, keep], "position_ids": positions[:, keep], "attention_mask": meta,
-            "targets": causal_lm_targets(micro["labels"])[:, keep], LOCAL_VALID: valid[:, keep]}
+            "targets": causal_lm_targets(micro.get("labels", ids))[:, keep], LOCAL_VALID: valid[:, keep]}
 
 
 def gather_sequence_positions(x: torch.Tensor, *, layout: ChunkLayout, group: ProcessGroup) -> torch.Tensor:
@@ -153,3 +155,32 @@ def gather_sequence_positions(x: torch.Tensor, *, layout: ChunkLayout, group: Pr
     for rank, part in enumerate(parts):
         whole[:, layout.positions(rank, length, device=x.device)] = part
     return whole
+
+
+class _GatherPositions(torch.autograd.Function):
+    """``gather_sequence_positions`` with a backward: every cp rank computes the same function of the
+    whole sequences, so the gradient of this rank's positions is the sum of every rank's gradient
+    there, one reduce-scatter of the whole gradient (laid out rank by rank)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layout: ChunkLayout, group: ProcessGroup) -> torch.Tensor:
+        ctx.layout, ctx.group = layout, group
+        return gather_sequence_positions(x, layout=layout, group=group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        length = grad.shape[1]
+        parts = [grad[:, ctx.layout.positions(r, length, device=grad.device)] for r in range(ctx.layout.size)]
+        out = torch.empty_like(parts[0])
+        dist.reduce_scatter_tensor(out, torch.cat(parts), group=ctx.group)
+        return out, None, None
+
+
+def whole_sequence_logits(outputs, *, layout: ChunkLayout, group: ProcessGroup):
+    """``outputs`` with the logits of whole sequences (in order) on every cp rank, for a ``loss_fn``:
+    it then computes on every cp rank the loss it computes without cp, each rank taking 1/cp of it
+    (the caller's division), and backward hands each rank the gradient of its own positions. Every
+    rank holds the whole ``[rows, sequence, vocabulary]`` logits for the loss: the memory cp saves
+    elsewhere is spent once here, which a per-token loss (the built-in one) does not need."""
+    outputs.logits = _GatherPositions.apply(outputs.logits, layout, group)
+    return outputs

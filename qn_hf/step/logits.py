@@ -38,9 +38,8 @@ def collect_logits(pm, batch: Mapping[str, torch.Tensor], *, reduce: LogitsFn | 
     split = sequence_split(cp=cp, tp=pm.dims.tp, sequence_parallel=pm.plan.sequence_parallel)
     check_model_inputs(batch, model=pm.module, loss=None, sequence_split=split)
     whole = split_microbatches({k: v.to(pm.device) for k, v in batch.items()}, microbatches=pm.microbatches)
-    if cp > 1:  # the labels are not needed: shard_microbatch shifts them, so give it any
-        micro = [shard_microbatch({**m, "labels": m["input_ids"]}, layout=pm.cp_layout, rank=pm.coords.cp)
-                 for m in whole]
+    if cp > 1:  # the labels are not needed (shard_microbatch shifts the ids when there are none)
+        micro = [shard_microbatch(m, layout=pm.cp_layout, rank=pm.coords.cp) for m in whole]
     else:
         micro = whole
     collected: dict[int, torch.Tensor] = {}
