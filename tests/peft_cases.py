@@ -91,12 +91,10 @@ def peft_error(*, kind: str, model_dir: str, method: str, tp: int = 1, targets: 
         wrapped = lora_model(kind, model_dir, targets=targets, use_dora=True)
     elif method == "lora_head":
         wrapped = lora_model(kind, model_dir, targets=targets)
-    elif method == "dropout_sp":
-        wrapped = lora_model(kind, model_dir, targets=targets, dropout=0.1)
     else:
         raise AssertionError(method)
     try:
-        qn_hf.parallelize(wrapped, tp=tp, mesh=mesh_for(1, tp), sequence_parallel=method == "dropout_sp")
+        qn_hf.parallelize(wrapped, tp=tp, mesh=mesh_for(1, tp))
     except ValueError as e:
         return str(e)
     return "no error"
@@ -199,3 +197,31 @@ def adapter_files(*, kind: str, model_dir: str, ref_dir: str, out_dir: str, tp: 
         errors[how] = (len(common) == len(want) and
                        max((strip[n] - want["base_model.model." + n]).abs().max().item() for n in common))
     return {"ours": ours, "theirs": theirs, "errors": errors}
+
+
+def lora_dropout_runs(*, model_dir: str, targets: list[str]) -> dict:
+    """LoRA with lora_dropout=0.1 at tp=2, with and without sequence parallelism (same seed): two SGD
+    steps' losses and the adapter's gradients, and whether each column target's dropout mask was the
+    same on both tp ranks (its input is whole on every rank)."""
+    from qn_hf.comm import all_gather_tensors
+
+    runs = {}
+    for sp in (True, False):
+        pm = qn_hf.parallelize(lora_model("llama", model_dir, targets=targets, dropout=0.1), tp=2, seed=7,
+                               sequence_parallel=sp, mesh=mesh_for(1, 2))
+        masks: list[torch.Tensor] = []
+        q_dropout = pm.module.get_submodule("model.layers.0.self_attn.q_proj.lora_dropout.default")
+        q_dropout.register_forward_hook(lambda _m, args, out: masks.append((out == 0) & (args[0] != 0)))
+        opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.5)
+        losses = []
+        for step in range(2):
+            opt.zero_grad()
+            losses.append(pm.train_step(make_batch("llama", size=2, seed=20 + step, seq=16)).item())
+            grads = {n: p.grad.clone() for n, p in pm.named_parameters() if p.requires_grad}
+            opt.step()
+        mask = masks[0].float()
+        gathered = all_gather_tensors(mask, group=pm.groups.tp)
+        runs[sp] = (losses, grads, torch.equal(gathered[0], gathered[1]), mask.mean().item())
+    (losses, grads, same_mask, dropped), (ref_losses, ref_grads, _, _) = runs[True], runs[False]
+    return {"losses": losses, "ref_losses": ref_losses, "same_mask_over_tp": same_mask, "dropped": dropped,
+            "grad_err": max((grads[n] - g).abs().max().item() for n, g in ref_grads.items())}

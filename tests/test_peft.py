@@ -57,10 +57,14 @@ def test_lora_equals_peft(worlds, model_dirs, tmp_path, kind, dp, tp, pp, microb
         assert r["generated"] is (None if schedule == "interleaved_1f1b" or cp > 1 else True), r
 
 
-def test_dora_without_tp(worlds, model_dirs, tmp_path):
-    """DoRA's magnitude vector needs the norm of the whole weight: it runs where nothing is split."""
-    results = worlds.run(2, peft_cases.lora_parity, kind="llama", model_dir=model_dirs["llama"],
-                         out_dir=str(tmp_path / "adapter"), targets=LLAMA_TARGETS, pp=2, microbatches=2, use_dora=True)
+@pytest.mark.parametrize(("tp", "pp", "targets"), [(1, 2, LLAMA_TARGETS), (2, 1, ["q_proj", "gate_proj", "up_proj"])])
+def test_dora_equals_peft(worlds, model_dirs, tmp_path, tp, pp, targets):
+    """DoRA scales each output by its magnitude over the norm of its row of the weight: at tp=1 on
+    every target; at tp=2 on column layers, where a rank holds whole rows and the magnitudes of its
+    outputs (row layers are refused: test_unsupported_peft_refused_on_every_rank)."""
+    results = worlds.run(tp * pp, peft_cases.lora_parity, kind="llama", model_dir=model_dirs["llama"],
+                         out_dir=str(tmp_path / "adapter"), targets=targets, tp=tp, pp=pp, microbatches=pp,
+                         use_dora=True)
     for r in results:
         assert abs(r["loss"] - r["ref_loss"]) <= LOSS_RTOL * abs(r["ref_loss"]), r
         assert r["grad_err"] < GRAD_ATOL and r["lora_err"] < LORA_ATOL and r["merged_err"] < LORA_ATOL, r
@@ -69,9 +73,9 @@ def test_dora_without_tp(worlds, model_dirs, tmp_path):
 @pytest.mark.parametrize(("method", "tp", "targets", "expected"), [
     ("prefix", 1, None, "PEFT method PREFIX_TUNING is not supported"),
     ("ia3", 1, ["q_proj", "v_proj"], "PEFT method IA3 is not supported"),
-    ("dora", 2, ["q_proj"], "is not supported with tp=2"),
+    ("dora", 2, ["o_proj"], "DoRA (use_dora=True) on model.layers.0.self_attn.o_proj (style 'rowwise') is not "
+                            "supported with tp=2: each output's norm spans the input features"),
     ("lora_head", 2, ["lm_head"], "LoRA on lm_head (style 'vocab_colwise') is not supported with tp=2"),
-    ("dropout_sp", 2, ["q_proj"], "lora_dropout > 0 on model.layers.0.self_attn.q_proj with sequence_parallel=True"),
 ])
 def test_unsupported_peft_refused_on_every_rank(worlds, model_dirs, method, tp, targets, expected):
     for message in worlds.run(2, peft_cases.peft_error, kind="llama", model_dir=model_dirs["llama"],
@@ -125,3 +129,16 @@ def test_the_adapter_directory_is_what_peft_writes(worlds, model_dirs, tmp_path,
         assert r["ours"]["auto_mapping"]["base_model_class"] == "LlamaForCausalLM"
     for how, err in r["errors"].items():
         assert err is not False and err < 1e-6, (how, err)
+
+
+def test_lora_dropout_with_sequence_parallelism(worlds, model_dirs):
+    """lora_dropout=0.1 on column and row targets at tp=2 with sequence parallelism: a column target's
+    dropout acts on the input its tp entry gathered, whole on every rank, and draws one mask from the
+    shared stream (the same on both tp ranks); a row target's acts on this rank's features, its own.
+    The same seed without sequence parallelism draws the same masks: the losses and the adapter's
+    gradients of two steps agree."""
+    for r in worlds.run(2, peft_cases.lora_dropout_runs, model_dir=model_dirs["llama"], targets=LLAMA_TARGETS):
+        assert r["same_mask_over_tp"] and 0.03 < r["dropped"] < 0.2, r
+        for loss, ref in zip(r["losses"], r["ref_losses"]):
+            assert abs(loss - ref) <= LOSS_RTOL * abs(ref), r
+        assert r["grad_err"] < GRAD_ATOL, r

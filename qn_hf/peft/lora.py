@@ -18,8 +18,10 @@ forward: the rule a policy gives the target is carried to the three leaves.
   sequence parallelism, where each rank sees its slice of the sequence and the gradients are summed.
 * ``replicate``: everything stays whole.
 
-Other styles (embeddings, the vocabulary head, experts) under a LoRA layer, LoRA variants (DoRA) at
-tp > 1, and other PEFT methods are refused.
+* DoRA: at tp > 1 on column layers, its magnitude vector split like the outputs (``_check_dora``).
+
+Other styles (embeddings, the vocabulary head, experts) under a LoRA layer, DoRA on row layers at
+tp > 1, other LoRA variants at tp > 1, and other PEFT methods are refused.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..tensor_parallel.rules import is_projection
-from ..tensor_parallel.styles import COLUMN_STYLES, PARAM_STYLES, ROW_STYLES, Style
+from ..tensor_parallel.styles import COLUMN_STYLES, PARAM_FORM, PARAM_STYLES, ROW_STYLES, Style
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ class LoraLeaves:
     local_dropout: list[str]  # dropout on this rank's slice of the features: its own mask
 
 
-def lora_rules(model: nn.Module, rules: dict[str, Style], *, tp: int, sequence_parallel: bool) -> LoraLeaves:
+def lora_rules(model: nn.Module, rules: dict[str, Style], *, tp: int) -> LoraLeaves:
     """``rules`` with each rule on a LoRA layer carried to its leaves (module docstring)."""
     out: dict[str, Style] = {}
     leaves = LoraLeaves(rules=out, entries=[], shared_dropout=[], local_dropout=[])
@@ -107,17 +109,12 @@ def lora_rules(model: nn.Module, rules: dict[str, Style], *, tp: int, sequence_p
         if module is None or not is_lora_layer(module):
             out[name] = style
             continue
-        if module.lora_variant:
-            variants = sorted(type(v).__name__ for v in module.lora_variant.values())
-            if tp > 1:
-                raise ValueError(f"LoRA variant {variants} (use_dora=True?) on {name} is not supported with tp={tp}: its "
-                                 f"norm spans the split weight; use tp=1 (dp and pp work) or plain LoRA")
         adapters = list(module.lora_A)
+        if module.lora_variant and tp > 1:
+            _check_dora(module, name, style, tp=tp)
+            magnitude = PARAM_FORM.get(style, Style.REPLICATE)  # the outputs' split, or whole under replicate
+            out.update({f"{name}.lora_magnitude_vector.{a}.weight": magnitude for a in adapters})
         dropouts = [f"{name}.lora_dropout.{a}" for a in adapters if isinstance(module.lora_dropout[a], nn.Dropout)]
-        if dropouts and sequence_parallel and style != Style.REPLICATE:
-            raise ValueError(f"lora_dropout > 0 on {name} with sequence_parallel=True is not supported: the input of a "
-                             f"column target is gathered inside a block whose dropout runs tp-local; use "
-                             f"lora_dropout=0 or sequence_parallel=False")
         out[f"{name}.base_layer"] = style
         if style == Style.REPLICATE:
             out.update({f"{name}.{part}.{a}": Style.REPLICATE for a in adapters for part in ("lora_A", "lora_B")})
@@ -137,3 +134,24 @@ def lora_rules(model: nn.Module, rules: dict[str, Style], *, tp: int, sequence_p
                              f"column and row styles {COLUMN_STYLES + ROW_STYLES}; remove {name.rpartition('.')[2]!r} from "
                              f"target_modules or use tp=1")
     return leaves
+
+
+def _check_dora(module: nn.Module, name: str, style: Style, *, tp: int) -> None:
+    """DoRA (``use_dora=True``) at tp > 1: peft's forward scales each output feature by
+    ``magnitude / ||W + s B A||`` over that output's row of inputs. Under a column style a rank holds
+    whole rows (its outputs' weights, lora_B's rows, the magnitudes split alike), so the norms are
+    local and exact. Under a row style every row is split over tp and the norm would need a sum over
+    tp inside peft's forward, which qn_hf does not replace: refused, as are q|k|v fused, gathered and
+    KV-head columns (the magnitude vector's split does not follow them) and other LoRA variants."""
+    from peft.tuners.lora.variants import DoraLinearVariant  # peft is imported: the model holds LoRA layers
+
+    variants = sorted(type(v).__name__ for v in module.lora_variant.values())
+    if not all(isinstance(v, DoraLinearVariant) for v in module.lora_variant.values()):
+        raise ValueError(f"LoRA variant {variants} on {name} is not supported with tp={tp}; use tp=1 (dp and pp work) "
+                         f"or plain LoRA")
+    if style not in (Style.COLWISE, Style.COLWISE_PACKED2, Style.REPLICATE):
+        why = ("each output's norm spans the input features, which this style splits over tp"
+               if style in ROW_STYLES else "its outputs are fused three ways, gathered, or KV heads that may be "
+               "replicated over tp, which the magnitude vector's split does not follow")
+        raise ValueError(f"DoRA (use_dora=True) on {name} (style {style!r}) is not supported with tp={tp}: {why}; "
+                         f"use DoRA on plain column layers only (q_proj, gate_proj, up_proj), plain LoRA here, or tp=1")

@@ -104,6 +104,9 @@ class TpPlan:
     base_prefix: str
     mla_rope_dim: int | None = None  # the rotary tail of MLA's kv_a projection (style mla_kv_a)
     sequence_parallel: bool = False  # activations between tp regions split over the sequence (sequence_parallel.py)
+    # shared regions whose input is whole on every tp rank even under sequence parallelism (a column
+    # LoRA target's dropout on the input its tp entry gathered): they keep the shared stream there
+    whole_input_rng_regions: tuple[str, ...] = ()
 
     def only(self, keep: Callable[[str], bool]) -> TpPlan:
         """The plan restricted to the modules ``keep`` accepts (those of this pipeline stage)."""
@@ -115,6 +118,7 @@ class TpPlan:
             tp_entries=tuple(n for n in self.tp_entries if keep(n)),
             tp_rng_regions=tuple(n for n in self.tp_rng_regions if keep(n)),
             shared_rng_regions=tuple(n for n in self.shared_rng_regions if keep(n)),
+            whole_input_rng_regions=tuple(n for n in self.whole_input_rng_regions if keep(n)),
         )
 
 
@@ -223,7 +227,7 @@ def build_tp_plan(model: nn.Module, policy: ModelPolicy, *, tp: int, sequence_pa
     if tp > 1:
         rules = split_kv_per_module(model, rules, layout)
         check_ties(model, rules)
-        lora = lora_rules(model, rules, tp=tp, sequence_parallel=sequence_parallel)
+        lora = lora_rules(model, rules, tp=tp)
         rules = lora.rules
         for name, style in rules.items():
             check_rule(model, name, style, layout, tp)
@@ -255,6 +259,7 @@ def build_tp_plan(model: nn.Module, policy: ModelPolicy, *, tp: int, sequence_pa
         tp_entries=entries if sharding else (),
         tp_rng_regions=regions(policy.tp_rng_regions, "rng region") + tuple(lora.local_dropout),
         shared_rng_regions=regions(policy.shared_rng_regions, "rng region") + tuple(lora.shared_dropout),
+        whole_input_rng_regions=tuple(lora.shared_dropout),
         loss=policy.loss if base is not model else None,
         base_prefix=prefix,
         mla_rope_dim=config.get_text_config().qk_rope_head_dim if mla and sharding else None,

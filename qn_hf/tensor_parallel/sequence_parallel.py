@@ -120,7 +120,10 @@ def sequence_parallel_plan(model: nn.Module, plan: TpPlan, stage_plan: StagePlan
         sequence_parallel=True,
         grad_sum=tuple(dict.fromkeys((*plan.grad_sum, *sums))),
         tp_rng_regions=tuple(dict.fromkeys((*plan.tp_rng_regions, *blocks))),
-        shared_rng_regions=tuple(n for n in plan.shared_rng_regions if not n.startswith(layers + ".")),
+        # inside the blocks activations are slices (or head shards): their own masks, except on inputs
+        # an entry gathered whole (a LoRA column target's dropout: one mask, as in one process)
+        shared_rng_regions=tuple(n for n in plan.shared_rng_regions
+                                 if not n.startswith(layers + ".") or n in plan.whole_input_rng_regions),
     )
 
 
