@@ -47,6 +47,9 @@ RUNS = [  # kind, dp, tp, pp, microbatches, mixed_precision, zero, recompute, se
     ("llama", 2, 1, 1, 1, "bf16", True, "full", False, 2),  # ZeRO's pieces 1/4; the ring forward again
     ("llama", 1, 1, 2, 2, None, False, "selective", False, 2),  # the ring's products in the cache
     ("llama", 1, 1, 1, 1, "fp16", True, None, False, 4),  # ZeRO at dp=1; the overflow flag over cp
+    # cp x sp: each cp rank's part of the sequence split again over tp between the tp regions
+    ("llama", 1, 2, 1, 1, None, False, None, True, 2),
+    ("llama", 1, 2, 2, 2, "bf16", False, "selective", True, 2),
 ]
 
 

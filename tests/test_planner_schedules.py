@@ -87,7 +87,7 @@ def test_schedule_refusals_and_cli(tmp_path, capsys):
     from qn_hf.pipeline.schedule import SCHEDULES, microbatches_allowed
     from qn_hf.planner.search import microbatches_for
 
-    for mesh in (dict(tp=2, cp=2, sequence_parallel=True), dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2,
+    for mesh in (dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2,
                  microbatches=5), dict(pp=2, schedule="1f1b", virtual_stages=2, microbatches=2)):
         mesh = {"dp": 1, "tp": 1, "pp": 1, "microbatches": 1, **mesh}
         with pytest.raises(ValueError) as planned:

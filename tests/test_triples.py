@@ -2,9 +2,8 @@
 the plain model (or, under bf16, to the same run without the sharding under test), with full and
 selective recomputation, and checkpoints saved at one such mesh resumed at another.
 
-dp x tp(sp) x pp(interleaved) x cp is tested without sp: sequence parallelism with cp is refused
-(the composition table says why); tp x pp(interleaved) x cp runs here at dp=1 (8 ranks; dp adds
-nothing the pairs do not test: its buckets sum over dp x cp, as test_context_parallel's dp=2 run)."""
+dp x tp(sp) x pp(interleaved) x cp runs here at dp=1 (8 ranks; dp adds nothing the pairs do not
+test: its buckets sum over dp x cp, as test_context_parallel's dp=2 run)."""
 
 from __future__ import annotations
 
@@ -19,12 +18,12 @@ RECOMPUTE = [None, pytest.param("full", marks=pytest.mark.long), pytest.param("s
 
 
 @pytest.mark.parametrize("recompute", RECOMPUTE)
-def test_tp_pp_interleaved_cp_equals_plain_model(worlds, model_dirs, tmp_path, recompute):
-    """tp=2 x pp=2 (interleaved, 2 chunks per rank) x cp=2: ring attention inside each chunk, vocab
-    and heads over tp, padded rows."""
+def test_tp_sp_pp_interleaved_cp_equals_plain_model(worlds, model_dirs, tmp_path, recompute):
+    """tp=2 with sequence parallelism x pp=2 (interleaved, 2 chunks per rank) x cp=2: ring attention
+    inside each chunk on the part sp gathered, vocab and heads over tp, padded rows."""
     results = worlds.run(8, cases.parity, kind="llama", model_dir=model_dirs["llama"], out_dir=str(tmp_path / "hf"),
                          dp=1, tp=2, pp=2, cp=2, microbatches=2, schedule="interleaved_1f1b", virtual_stages=2,
-                         padded=True, seq=16, recompute=recompute)
+                         padded=True, seq=16, recompute=recompute, sequence_parallel=True)
     check(results, tp=2)
 
 

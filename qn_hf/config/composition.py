@@ -85,6 +85,7 @@ _EP_SCHEDULES = "tests/test_expert_parallel.py::test_expert_parallel_with_schedu
 _SP_ZB = "tests/test_sequence_parallel.py::test_sequence_parallel_with_zero_bubble_equals_plain_model"
 _EP_CP = "tests/test_expert_parallel.py::test_expert_parallel_with_context_parallel_equals_plain_model"
 _EP_GEN = "tests/test_generation.py::test_generate_with_expert_parallelism_equals_plain_model"
+_CP_SP = "tests/test_context_parallel.py::test_context_parallel_with_sequence_parallelism_equals_plain_model"
 _EP_ZERO = "tests/test_expert_parallel.py::test_expert_parallel_with_zero_equals_plain_model"
 _ZERO = "tests/test_optimizer.py::test_zero_equals_the_unsharded_optimizer"
 _GEN = "tests/test_generation.py::test_generate_equals_plain_model"
@@ -111,8 +112,6 @@ ROWS: tuple[Row, ...] = (
         "point-to-point transfers inside an autograd Function, which torch.compile cannot trace; use cp=1 with "
         "compile=True, or compile=False")),
     Row(F.COMPILE, F.EP, S.REFUSED, message="compile=True with ep={ep} is not supported: " + EXPERTS_RECOMPILE),
-    Row(F.SP, F.CP, S.REFUSED,
-        message="cp={cp} ({model_type}): sequence_parallel=True with cp > 1 is not supported yet; use one of them"),
     Row(F.EP, F.SP, S.REFUSED, message="ep={ep} with sequence_parallel=True is not supported; use one of them"),
     Row(F.ZERO, F.EP, S.PLAIN, f"{_EP_ZERO}[qwen3_moe-2-2-1-2-None]"),
     Row(F.GENERATE, F.CP, S.REFUSED, message=(
@@ -159,6 +158,8 @@ ROWS: tuple[Row, ...] = (
     Row(F.SP, F.GENERATE, S.PLAIN, f"{_GEN}[dp1-tp2-pp2-sp]"),
     Row(F.SP, F.COMPILE, S.PLAIN, f"{_COMPILED}[llama-2-dp=1-tp=2-sequence_parallel=True]"),
     # cp
+    # slices of slices: each cp rank's two chunks split again over tp between the tp regions
+    Row(F.SP, F.CP, S.PLAIN, f"{_CP_SP}[llama-1-2-1-1]"),
     Row(F.CP, F.PP_1F1B, S.PLAIN, f"{_CP}[llama-1-1-2-2-2-True-False]"),
     Row(F.CP, F.PP_GPIPE, S.PLAIN, "tests/test_context_parallel.py::test_context_parallel_with_gpipe_equals_plain_model"),
     Row(F.CP, F.DP, S.PLAIN, f"{_CP}[llama-2-1-1-2-1-True-False]"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import inspect
 import zlib
 from collections.abc import Mapping
@@ -79,7 +81,10 @@ INTEGER_KEYS = ("input_ids", "token_type_ids", "position_ids")
 
 def sequence_split(*, cp: int, tp: int, sequence_parallel: bool) -> tuple[int, str]:
     """The multiple every sequence length must be, and why: cp cuts a sequence into 2*cp chunks,
-    sequence parallelism splits it over tp (the two are never combined)."""
+    sequence parallelism splits it (under cp: each cp rank's two chunks, L/cp tokens) over tp."""
+    if cp > 1 and sequence_parallel:
+        return cp * math.lcm(2, tp), (f"cp={cp} cuts it into 2*cp chunks and sequence_parallel=True splits each cp "
+                                      f"rank's part over tp={tp}")
     if cp > 1:
         return 2 * cp, f"cp={cp} cuts it into 2*cp chunks"
     if sequence_parallel:

@@ -32,6 +32,14 @@ correlate token i with token i + sequence/tp.
 
 Only blocks whose modules outside the tp entries act position by position (norms, dropout) are
 accepted: anything else might mix positions across the split and is refused by name.
+
+With context parallelism the layout has two levels. The "sequence" this module splits is the cp
+rank's part of it: two chunks of the 2*cp (``ChunkLayout``), L/cp tokens, concatenated, each with its
+true ``position_ids``. Between the tp regions a tp rank holds the contiguous L/(cp*tp) tokens
+``[t * L/(cp*tp), (t+1) * L/(cp*tp))`` of that part (they may straddle the two chunks: nothing here
+reads positions); an entry gathers the part back over tp, and inside it ring attention exchanges
+key/value blocks over cp. So every length must be a multiple of cp * lcm(2, tp) (``sequence_split``).
+Gradients: the norms' over tp (the slices), everything over dp x cp (the chunks), independently.
 """
 
 from __future__ import annotations
