@@ -24,7 +24,7 @@ from .context_parallel.ring_attention import ChunkLayout
 from .data_parallel.buckets import GradBuckets
 from .data_parallel.grad_sync import GradSync
 from .data_parallel.precision import LossScaler
-from .expert_parallel.router_loss import RouterLogits, adds_router_loss, router_loss
+from .expert_parallel.router_loss import RouterLogits, adds_router_loss
 from .failure import FailTogether
 from .mesh import Coords, Groups, ParallelDims
 from .peft.lora import Adapter
@@ -245,7 +245,8 @@ class ParallelModel:
                 raise ValueError(f"cp={cp}: batch keys {unknown} cannot be cut along the sequence; use only {CP_KEYS}")
         split = sequence_split(cp=cp, tp=self.dims.tp, sequence_parallel=self.plan.sequence_parallel)
         check_model_inputs(batch, model=self.module, loss=self.plan.loss if builtin else None, sequence_split=split)
-        routers = (RouterLogits(self.module, pp=self.dims.pp, microbatches=self.microbatches)
+        routers = (RouterLogits(self.module, pp=self.dims.pp, microbatches=self.microbatches, replicas=self.groups.replicas,
+                                sequence=self.groups.tp if self.sp_switch is not None and self.sp_switch.on else None)
                    if builtin and adds_router_loss(self.module) else None)  # checks the term can be equal
         if builtin and self.plan.loss is LossKind.CLASSIFICATION:
             config = self.config
@@ -306,8 +307,7 @@ class ParallelModel:
             opmath = torch.float64 if loss.dtype == torch.float64 else torch.float32
             loss = (loss.to(opmath) * scales[mb].to(opmath)).to(loss.dtype)
             if routers:  # transformers' load-balancing term, this rank's share (router_loss.py)
-                valid = micro[mb].get(LOCAL_VALID, micro[mb].get("attention_mask"))
-                loss = loss + router_loss(routers.logits, valid, model=self.module, group=self.groups.replicas)
+                loss = loss + routers.loss(micro[mb].get(LOCAL_VALID, micro[mb].get("attention_mask")))
             total += loss.detach().float()
             # float16: backward starts from the scaled loss (GradSync unscales the gradients)
             return loss * self.scaler.scale if self.scaler is not None and backward else loss

@@ -232,7 +232,10 @@ def _cast(b: Build) -> None:
 
 def _expert_parallel(b: Build) -> None:
     experts = next(iter(experts_modules(b.model).values())).num_experts
-    route = ExpertRoute(experts=experts, ep=b.config.dims.ep, group=b.groups.ep, tp=b.groups.tp)
+    # Under sequence parallelism the MoE blocks run on this rank's slice of the sequence, except while
+    # the switch (made by the later sequence parallel pass) is off for generate.
+    split = (lambda: b.sp_switch.on) if b.plan.sequence_parallel else None
+    route = ExpertRoute(experts=experts, ep=b.config.dims.ep, group=b.groups.ep, tp=b.groups.tp, tokens_split=split)
     b.expert_specs = apply_expert_parallel(b.model, route=route, ep_rank=b.groups.coords.ep)
 
 

@@ -59,7 +59,7 @@ def _expert_counts(model: torch.nn.Module) -> list[int]:
 def ep_parity(*, model_type: str, out_dir: str, dp: int, tp: int, pp: int, ep: int, microbatches: int = 1,
               skew: str | None = None, overrides: dict | None = None, padded: bool = False,
               recompute: str | None = None, per_rank: int = ROWS, seq: int = SEQ, schedule: str = "1f1b",
-              virtual_stages: int = 1, cp: int = 1) -> dict:
+              virtual_stages: int = 1, cp: int = 1, sequence_parallel: bool = False) -> dict:
     """One SGD step at (dp, tp, pp, ep) against the plain model: loss, every gradient, the grad norm,
     and every weight after the step read back through ``save_pretrained``. ``padded``: every other
     row ends in padding (attention_mask 0, labels -100)."""
@@ -71,7 +71,7 @@ def ep_parity(*, model_type: str, out_dir: str, dp: int, tp: int, pp: int, ep: i
     counts = _expert_counts(ref)
     pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, microbatches=microbatches,
                            mesh=mesh_for(dp, tp, pp, cp), recompute=recompute, schedule=schedule,
-                           virtual_stages=virtual_stages)
+                           virtual_stages=virtual_stages, sequence_parallel=sequence_parallel)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, config.vocab_size, (dp * per_rank * microbatches, seq), generator=gen)
     batch = {"input_ids": ids, "labels": ids.clone()}

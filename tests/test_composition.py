@@ -58,7 +58,6 @@ REFUSED_CONFIGS = {
     (Feature.COMPILE, Feature.PP_ZB_H1): ("llama", dict(pp=2, microbatches=2, schedule="zb_h1", compile=True)),
     (Feature.COMPILE, Feature.CP): ("llama", dict(cp=2, compile=True)),
     (Feature.COMPILE, Feature.EP): ("qwen3_moe", dict(dp=2, ep=2, compile=True)),
-    (Feature.EP, Feature.SP): ("qwen3_moe", dict(tp=2, ep=2, sequence_parallel=True)),
 }
 
 

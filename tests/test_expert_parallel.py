@@ -252,3 +252,21 @@ def test_expert_parallel_with_context_parallel_equals_plain_model(worlds, tmp_pa
     results = worlds.run(dp * tp * cp, ep_cases.ep_parity, model_type=model_type, out_dir=str(tmp_path / "hf"),
                          dp=dp, tp=tp, pp=1, ep=ep, cp=cp, overrides=overrides, padded=router_loss)
     _check(results, ep=ep)
+
+
+@pytest.mark.parametrize(("model_type", "dp", "tp", "cp", "ep", "router_loss"), [
+    ("qwen3_moe", 1, 2, 1, 2, False),  # the ep group is the tp group: each rank routes its own slice
+    ("mixtral", 2, 2, 1, 4, True),  # ep over dp x tp; the load-balancing term pools dp x tp slices
+    ("qwen2_moe", 2, 2, 1, 2, False),  # a shared expert (replicated) on the slice, its gradient summed over tp
+    ("qwen3_moe", 1, 2, 2, 2, True),  # cp x sp x ep: slices of cp's chunks routed
+])
+def test_expert_parallel_with_sequence_parallelism_equals_plain_model(worlds, tmp_path, model_type, dp, tp, cp, ep,
+                                                                       router_loss):
+    """ep x sp: the MoE block runs on this rank's slice of the sequence; its router (and a shared
+    expert) see those tokens only (gradients summed over tp), and the dispatch sends them as they are,
+    without sharing tokens out over tp or gathering them back. Padded rows with the router loss."""
+    overrides = {"output_router_logits": True, "router_aux_loss_coef": 0.5} if router_loss else {}
+    results = worlds.run(dp * tp * cp, ep_cases.ep_parity, model_type=model_type, out_dir=str(tmp_path / "hf"),
+                         dp=dp, tp=tp, pp=1, ep=ep, cp=cp, overrides=overrides, padded=router_loss,
+                         sequence_parallel=True)
+    _check(results, ep=ep)

@@ -168,7 +168,7 @@ def test_planner_rejects_with_parallelize_message():
     with pytest.raises(ValueError, match=r"sequence length 127 is not a multiple of 2 \(sequence_parallel=True splits it"):
         estimate_mesh(config, dp=1, tp=2, pp=1, microbatches=1, seq_len=127, micro_batch_size=1, sequence_parallel=True)
     # Context parallelism: what ring attention cannot compute, and a length 2*cp does not divide.
-    for name, settings in (("gpt2-xl", {}), ("llama-3-8b", {"tp": 2, "sequence_parallel": True})):
+    for name, settings in (("gpt2-xl", {}),):
         with pytest.raises(ValueError) as planned:
             estimate_mesh(PUBLIC[name], **{"dp": 1, "tp": 1, "pp": 1, **settings}, cp=2, microbatches=1, seq_len=128,
                           micro_batch_size=1)
@@ -177,6 +177,11 @@ def test_planner_rejects_with_parallelize_message():
         assert str(planned.value) == str(real.value) and "cp=2" in str(planned.value)
     with pytest.raises(ValueError, match=r"sequence length 100 is not a multiple of 8 \(cp=4 cuts it into 2\*cp chunks\)"):
         estimate_mesh(config, dp=1, tp=1, pp=1, cp=4, microbatches=1, seq_len=100, micro_batch_size=1)
+    # cp x sp: each cp rank's part split again over tp
+    with pytest.raises(ValueError, match=r"sequence length 132 is not a multiple of 8 \(cp=2 cuts it into 2\*cp chunks "
+                                         r"and sequence_parallel=True splits each cp rank's part over tp=4\)"):
+        estimate_mesh(PUBLIC["llama-3-8b"], dp=1, tp=4, pp=1, cp=2, microbatches=1, seq_len=132, micro_batch_size=1,
+                      sequence_parallel=True)
 
 
 def test_cli_enumerates_ranks_and_explains_rejections(tmp_path, capsys):
@@ -357,11 +362,10 @@ def test_planner_matches_expert_parallel_traffic(worlds, dp, tp, pp, ep, microba
 
 def test_planner_refuses_expert_parallelism_as_parallelize_does():
     """Refusals with parallelize's message: ep not dividing dp*tp, ep and tp neither dividing the
-    other, ep not dividing the experts, ep with sequence parallelism, a dense model; ZeRO
+    other, ep not dividing the experts, a dense model; ZeRO
     with ep is planned."""
     moe = moe_config("qwen3_moe", architectures=["Qwen3MoeForCausalLM"])
     cases = [(moe, dict(dp=2, tp=2, ep=3)), (moe, dict(dp=2, tp=3, ep=2)), (moe, dict(dp=8, ep=8)),
-             (moe, dict(tp=2, ep=2, sequence_parallel=True)),
              (PUBLIC["llama-3-8b"], dict(dp=2, ep=2))]
     for config, mesh in cases:
         mesh = {"dp": 1, "tp": 1, "pp": 1, **mesh}

@@ -92,6 +92,13 @@ def test_planner_memory_matches_an_expert_parallel_run(worlds, dp, tp, pp, ep, m
                                zero=zero, recompute=recompute), activation_tolerance=EP_ACTIVATION_TOLERANCE)
 
 
+@pytest.mark.parametrize(("dp", "tp", "ep"), [(1, 2, 2), (2, 2, 4)])
+def test_planner_memory_matches_an_expert_and_sequence_parallel_run(worlds, dp, tp, ep):
+    """ep x sp: each tp rank routes its slice of the sequence; no tp gathers around the dispatch."""
+    _compare(worlds, MOE, dict(dp=dp, tp=tp, pp=1, ep=ep, microbatches=1, mixed_precision=None, zero=False,
+                               recompute=None, sequence_parallel=True), activation_tolerance=EP_ACTIVATION_TOLERANCE)
+
+
 @pytest.mark.parametrize(("dp", "tp", "cp", "ep", "zero"), EP_CP_RUNS)
 def test_planner_memory_matches_an_expert_and_context_parallel_run(worlds, dp, tp, cp, ep, zero):
     # 8 KiB apart at 2-3 MiB (0.3-0.4%): what the ep runs plan exactly plus what the cp runs do not (ACTIVATION_TOLERANCE)

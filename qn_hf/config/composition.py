@@ -86,6 +86,7 @@ _SP_ZB = "tests/test_sequence_parallel.py::test_sequence_parallel_with_zero_bubb
 _EP_CP = "tests/test_expert_parallel.py::test_expert_parallel_with_context_parallel_equals_plain_model"
 _EP_GEN = "tests/test_generation.py::test_generate_with_expert_parallelism_equals_plain_model"
 _CP_SP = "tests/test_context_parallel.py::test_context_parallel_with_sequence_parallelism_equals_plain_model"
+_EP_SP = "tests/test_expert_parallel.py::test_expert_parallel_with_sequence_parallelism_equals_plain_model"
 _EP_ZERO = "tests/test_expert_parallel.py::test_expert_parallel_with_zero_equals_plain_model"
 _ZERO = "tests/test_optimizer.py::test_zero_equals_the_unsharded_optimizer"
 _GEN = "tests/test_generation.py::test_generate_equals_plain_model"
@@ -112,7 +113,6 @@ ROWS: tuple[Row, ...] = (
         "point-to-point transfers inside an autograd Function, which torch.compile cannot trace; use cp=1 with "
         "compile=True, or compile=False")),
     Row(F.COMPILE, F.EP, S.REFUSED, message="compile=True with ep={ep} is not supported: " + EXPERTS_RECOMPILE),
-    Row(F.EP, F.SP, S.REFUSED, message="ep={ep} with sequence_parallel=True is not supported; use one of them"),
     Row(F.ZERO, F.EP, S.PLAIN, f"{_EP_ZERO}[qwen3_moe-2-2-1-2-None]"),
     Row(F.GENERATE, F.CP, S.REFUSED, message=(
         "generate at cp={cp}: ring attention expects each rank's part of every sequence; parallelize a copy with "
@@ -219,6 +219,8 @@ ROWS: tuple[Row, ...] = (
     Row(F.PP_ZB_H1, F.GENERATE, S.PLAIN, f"{_LORA}[llama-2-1-2-2-zb_h1-False-True-targets4-None-1]"),
     Row(F.PP_ZB_H1, F.TRAINER, S.PLAIN, f"{_TRAINER}[schedule=zb_h1]"),
     # ep
+    # the MoE block runs on this rank's slice of the sequence: its tokens are distinct, nothing is shared out over tp
+    Row(F.EP, F.SP, S.PLAIN, f"{_EP_SP}[qwen3_moe-1-2-1-2-False]"),
     Row(F.EP, F.DP, S.PLAIN, f"{_EP}[mixtral-2-1-1-2-1]"),
     Row(F.EP, F.BF16, S.EQUIVALENT,
         "tests/test_expert_parallel.py::test_expert_parallel_in_bf16_trains_like_replicated_experts"),

@@ -118,3 +118,16 @@ def apply_expert_parallel(model: nn.Module, *, route: ExpertRoute, ep_rank: int)
     ExpertsInterface.register(key, expert_parallel_forward(route, local))
     model.set_experts_implementation(key)
     return specs
+
+
+def token_wise_blocks(model: nn.Module, plan: TpPlan) -> dict[str, frozenset[str]]:
+    """The MoE blocks (parents of fused experts modules) that act token by token under ep: nothing in
+    them is split over tp (no rule inside; a shared expert with tp rules keeps the block out), so with
+    sequence parallelism they run on this rank's slice of the sequence, each with the names of its
+    ep-sharded parameters."""
+    out = {}
+    for name, module in experts_modules(model).items():
+        block = name.rpartition(".")[0]
+        if not any(rule == block or rule.startswith(block + ".") for rule, _ in plan.rules):
+            out[block] = frozenset(f"{name}.{p}" for p, _ in module.named_parameters())
+    return out

@@ -7,7 +7,9 @@ the routers' choices ``top_k_index [T, K]`` and their weights ``top_k_weights [T
 shared experts and residual stay in the untouched block forward around it. Per call:
 
 1. with tp > 1 the tp ranks hold the same tokens: each keeps its ``row_split`` share (the gradients
-   of the shared inputs are gathered back in backward) so every token travels once;
+   of the shared inputs are gathered back in backward) so every token travels once. Under sequence
+   parallelism they hold different tokens already (their slices of the sequence): nothing is
+   shared out, and step 5 is skipped (the block's output stays this rank's slice);
 2. the (token, choice) pairs are sorted by expert; per-expert counts go to every member of the ep
    group with one all-to-all, then the tokens with a second (uneven splits);
 3. the received rows run through this rank's experts with the module's previous implementation
@@ -41,6 +43,9 @@ class ExpertRoute:
     ep: int
     group: ProcessGroup
     tp: ProcessGroup
+    # whether the tp ranks already hold different tokens (sequence parallelism on: the block runs on
+    # this rank's slice of the sequence); None or False: they hold the same tokens and share them out
+    tokens_split: Callable[[], bool] | None = None
 
     @property
     def local(self) -> int:
@@ -52,6 +57,8 @@ def expert_parallel_forward(route: ExpertRoute, local_forward: Callable) -> Call
     implementation that ran the experts before (it sees the module's local experts only)."""
 
     def forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if route.tokens_split is not None and route.tokens_split():  # a slice of the sequence: distinct already
+            return _exchange(module, route, local_forward, hidden_states, top_k_index, top_k_weights)
         rows = hidden_states.shape[0]
         hidden = split_rows(hidden_states, group=route.tp)
         index = split_rows(top_k_index, group=route.tp)

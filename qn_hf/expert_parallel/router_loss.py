@@ -8,8 +8,9 @@ pairs that picked expert e and ``P_e`` the mean router probability of e, over al
 ``router_aux_loss_coef`` times it to the mean cross-entropy. The counts behind ``f`` are not
 differentiable, so the gradient reaches the routers through ``P`` only.
 
-Here each dp rank holds part of the rows, and under cp each cp rank part of every row's tokens: the
-counts and token totals are summed over dp x cp first (one small all-reduce per step, detached),
+Here each dp rank holds part of the rows, under cp each cp rank part of every row's tokens, and
+under sequence parallelism (with ep) each tp rank a slice of those: the counts and token totals are
+summed over dp x cp (x tp) first (one small all-reduce per step, detached),
 and each rank adds ``coef * E * sum_e f_e * (its probability sum of e) / tokens``; the dp x cp sum
 of those is the plain model's term, and so is the sum of their gradients. Nothing in the term
 depends on a token's neighbours, so a cp rank's tokens (whichever chunks it holds) count like any
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
-from ..comm import flat_all_reduce_
+from ..comm import flat_all_reduce_, group_rank, group_size
 
 
 def adds_router_loss(model: torch.nn.Module) -> bool:
@@ -55,9 +56,11 @@ class RouterLogits:
     # what the forward is called with while recording: no term of transformers' own
     forward_kwargs = {"output_router_logits": False}
 
-    def __init__(self, model: torch.nn.Module, *, pp: int, microbatches: int) -> None:
+    def __init__(self, model: torch.nn.Module, *, pp: int, microbatches: int, replicas: ProcessGroup,
+                 sequence: ProcessGroup | None) -> None:
         check_router_loss(model, pp=pp, microbatches=microbatches)
         recorder = _router_recorder(model)
+        self.model, self.replicas, self.sequence = model, replicas, sequence
         self.modules = [m for m in model.modules() if isinstance(m, recorder.target_class)]
         self.index = recorder.index
         self.logits: list[torch.Tensor] = []
@@ -73,6 +76,21 @@ class RouterLogits:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+    def loss(self, valid: torch.Tensor | None) -> torch.Tensor:
+        """This rank's share of the term from the logits recorded. The routers saw this rank's tokens:
+        its rows (dp), its chunks (cp: ``valid`` is theirs) and, with ``sequence`` (the tp group under
+        sequence parallelism, on), its contiguous slice of those over tp."""
+        if self.sequence is None:
+            return router_loss(self.logits, valid, model=self.model, groups=[self.replicas])
+        if valid is not None:
+            valid = valid.chunk(group_size(self.sequence), dim=1)[group_rank(self.sequence)]
+        share = router_loss(self.logits, valid, model=self.model, groups=[self.replicas, self.sequence])
+        # The tp ranks' shares differ (their tokens do) while the rest of the loss is the same on each:
+        # the value is the sum of the shares (so the reported loss is whole), the gradient this rank's.
+        whole = share.detach().clone()
+        flat_all_reduce_([whole], group=self.sequence)
+        return share + (whole - share.detach())
 
 
 def check_router_loss(model: torch.nn.Module, *, pp: int, microbatches: int) -> None:
@@ -92,10 +110,11 @@ def check_router_loss(model: torch.nn.Module, *, pp: int, microbatches: int) -> 
 
 
 def router_loss(router_logits: list[torch.Tensor], valid: torch.Tensor | None, *, model: torch.nn.Module,
-                group: ProcessGroup) -> torch.Tensor:
+                groups: list[ProcessGroup]) -> torch.Tensor:
     """This rank's share of ``router_aux_loss_coef x`` the load-balancing loss of the whole batch, from
     every layer's ``router_logits`` [rows x tokens, experts]: ``valid`` [rows, tokens] marks this
-    rank's real tokens (None: all), ``group`` joins the ranks holding the batch's other tokens (dp x cp)."""
+    rank's real tokens (None: all), ``groups`` join the ranks holding the batch's other tokens (dp x
+    cp, and tp under sequence parallelism)."""
     experts, top_k = model.num_experts, model.num_experts_per_tok
     logits = torch.cat(list(router_logits), dim=0)  # [layers x rows, experts]
     layers = len(router_logits)
@@ -107,7 +126,8 @@ def router_loss(router_logits: list[torch.Tensor], valid: torch.Tensor | None, *
         weight = valid.reshape(-1).to(probs.dtype).repeat(layers)
     counts = (chosen * weight[:, None, None]).sum(0)  # [top_k, experts]
     pooled = torch.cat([counts.reshape(-1), weight.sum()[None]]).detach()
-    flat_all_reduce_([pooled], group=group)
+    for group in groups:
+        flat_all_reduce_([pooled], group=group)
     counts, rows = pooled[:-1].view_as(counts), pooled[-1]
     prob_sum = (probs * weight[:, None]).sum(0)
     loss = torch.sum(counts / rows * (prob_sum / rows)[None]) * experts

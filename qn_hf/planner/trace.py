@@ -239,7 +239,9 @@ def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dic
     if edges is not None:  # regathering as parallelize sets it: without recomputation
         standins = SequenceStandIns(model, plan, edges, note=note, regather=regathers(recompute), on_save=pack)
     ring_standin = RingStandIn(model, cp=cp, note=note_ring) if cp > 1 else contextlib.nullcontext()
-    moe = ExpertsStandIn(model, ep=ep, tp=plan.tp, note=note_experts) if experts_modules(model) else None
+    # under sequence parallelism a tp rank routes its own slice: nothing is shared out over tp (dispatch.py)
+    moe = (ExpertsStandIn(model, ep=ep, tp=1 if plan.sequence_parallel else plan.tp, note=note_experts)
+           if experts_modules(model) else None)
 
     def split_now() -> bool | None:  # allocations are split over tp: None when the module's rule says
         return standins.region if standins else (False if moe is not None and moe.inside else None)

@@ -150,7 +150,9 @@ def stage_traffic(s: int, *, mesh: Mesh, plan: TpPlan, trace: Trace, stage_of: C
     replicas = dp * cp
     out: dict[str, GroupTraffic] = {}
     pieces = owned(buckets, dp=replicas) if zero else None
-    dispatch = expert_ops(experts, ep=mesh.ep, tp=tp, recompute=recompute, on_stage=lambda name: stage_of(name) == s)
+    # under sequence parallelism each tp rank dispatches its own slice: no tp sharing out (dispatch.py)
+    dispatch = expert_ops(experts, ep=mesh.ep, tp=1 if plan.sequence_parallel else tp, recompute=recompute,
+                          on_stage=lambda name: stage_of(name) == s)
     last = pp * mesh.virtual_stages - 1
     chunks = range(s, last + 1, pp)
     # sequence parallelism sends each tp rank's slice between stages; the receiver gathers them

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 
 import torch
@@ -81,8 +81,13 @@ def _inside(name: str, entries: tuple[str, ...]) -> bool:
     return any(name == e or name.startswith(e + ".") for e in entries)
 
 
-def sequence_parallel_plan(model: nn.Module, plan: TpPlan, stage_plan: StagePlan) -> TpPlan:
-    """``plan`` with sequence parallelism on, after checking ``model`` can take it (no communication)."""
+def sequence_parallel_plan(model: nn.Module, plan: TpPlan, stage_plan: StagePlan, *,
+                           token_wise: Mapping[str, frozenset[str]] | None = None) -> TpPlan:
+    """``plan`` with sequence parallelism on, after checking ``model`` can take it (no communication).
+    ``token_wise``: block children that act token by token though they are no norm (an MoE block
+    whose experts ep shards: its router and its dispatch take this rank's tokens as they are), each
+    with its parameters that are not replicated over tp (the experts', summed over their holders)."""
+    token_wise = token_wise or {}
     if plan.tp == 1:
         raise ValueError("sequence_parallel=True needs tp > 1: it splits the activations between tensor-parallel "
                          "regions over the tp ranks; use tp >= 2 or sequence_parallel=False")
@@ -109,6 +114,9 @@ def sequence_parallel_plan(model: nn.Module, plan: TpPlan, stage_plan: StagePlan
         for child, module in model.get_submodule(block).named_children():
             full = join(block, child)
             if full in entries:
+                continue
+            if full in token_wise:  # its replicated parameters (the router) see this rank's tokens only
+                sums += [join(full, p) for p, _ in module.named_parameters() if join(full, p) not in token_wise[full]]
                 continue
             if not position_wise(module):
                 raise ValueError(f"{why}: {full} ({type(module).__name__}) runs between the tp regions, on this rank's "
