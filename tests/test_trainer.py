@@ -68,14 +68,18 @@ def test_trainer_tp_pp_equals_one_process(worlds, model_dirs, references, tmp_pa
 
 @pytest.mark.long
 @pytest.mark.parametrize("extra", [dict(schedule="gpipe"), dict(schedule="zb_h1"), dict(recompute="full"),
-                                   dict(sequence_parallel=True)], ids=lambda e: "-".join(f"{k}={v}" for k, v in e.items()))
+                                   dict(sequence_parallel=True),
+                                   dict(schedule="interleaved_1f1b", virtual_stages=2), dict(cp=2)],
+                         ids=lambda e: "-".join(f"{k}={v}" for k, v in e.items()))
 def test_trainer_composes_with_schedules_recompute_and_sp(worlds, model_dirs, references, tmp_path, extra):
-    """(1, 2, 2) as above with another schedule, recomputation or sequence parallelism in ``parallel=``: the
-    composition table's Trainer rows."""
+    """(1, 2, 2) as above with another schedule, recomputation, sequence parallelism or cp=2 (8 ranks)
+    in ``parallel=``: the composition table's Trainer rows."""
     ref = references["plain"]
-    results = worlds.run(4, trainer_cases.parallel_train, model_dir=model_dirs["llama"], out_dir=str(tmp_path),
+    extra = dict(extra)
+    cp = extra.pop("cp", 1)
+    results = worlds.run(4 * cp, trainer_cases.parallel_train, model_dir=model_dirs["llama"], out_dir=str(tmp_path),
                          dp=1, tp=2, pp=2, microbatches=2, batch=4, accumulation=1, max_grad_norm=1.0, eval_steps=6,
-                         extra=extra)
+                         extra=extra, cp=cp)
     check_run(results, ref)
     close(results[0]["eval_loss"], ref["eval_loss"])
     same_weights(str(tmp_path / "model"), references["plain"]["model_dir"])

@@ -73,9 +73,9 @@ def reference(*, model_dir: str, out_dir: str, batch: int, accumulation: int, ma
 def parallel_train(*, model_dir: str, out_dir: str, dp: int, tp: int, pp: int, microbatches: int, batch: int,
                    accumulation: int, max_grad_norm: float, save_steps: int = 0, eval_steps: int = 0,
                    resume: str | None = None, zero: bool = False, lora: bool = False,
-                   extra: dict | None = None) -> dict:
-    """``qn_hf.Trainer`` at (dp, tp, pp): per-device batch ``batch`` (global ``batch * dp``); ``extra``: more
-    ``parallel=`` keywords (a schedule, recompute, sequence_parallel)."""
+                   extra: dict | None = None, cp: int = 1) -> dict:
+    """``qn_hf.Trainer`` at (dp, tp, pp, cp): per-device batch ``batch`` (global ``batch * dp``); ``extra``:
+    more ``parallel=`` keywords (a schedule, recompute, sequence_parallel)."""
     import qn_hf
 
     args = training_args(out_dir, batch=batch, eval_batch=4 // dp, accumulation=accumulation,
@@ -83,8 +83,8 @@ def parallel_train(*, model_dir: str, out_dir: str, dp: int, tp: int, pp: int, m
     trainer = qn_hf.Trainer(model=model_for(model_dir, lora=lora), args=args,
                             train_dataset=token_dataset(TRAIN_ROWS, seed=1),
                             eval_dataset=token_dataset(EVAL_ROWS, seed=2),
-                            parallel=dict(dp=dp, tp=tp, pp=pp, microbatches=microbatches, zero=zero,
-                                          mesh=mesh_for(dp, tp, pp), **(extra or {})))
+                            parallel=dict(dp=dp, tp=tp, pp=pp, microbatches=microbatches, zero=zero, cp=cp,
+                                          mesh=mesh_for(dp, tp, pp, cp), **(extra or {})))
     trainer.train(resume_from_checkpoint=resume)
     out = history(trainer.state)
     out["final_eval"] = trainer.evaluate()["eval_loss"]

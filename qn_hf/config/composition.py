@@ -168,7 +168,7 @@ ROWS: tuple[Row, ...] = (
     Row(F.CP, F.FP16, S.PLAIN, f"{_MPC}[llama-1-1-1-True-fp16-None-False-2]"),
     Row(F.CP, F.RECOMPUTE, S.EQUIVALENT, f"{_RC}[llama-1-1-1-full-False-2]"),
     Row(F.CP, F.LORA, S.PLAIN, f"{_LORA}[llama-1-2-1-1-1f1b-False-True-targets10-None-2]"),
-    Row(F.CP, F.TRAINER, S.UNTESTED),
+    Row(F.CP, F.TRAINER, S.PLAIN, f"{_TRAINER}[cp=2]"),
     # every cp rank routes its own tokens within its grid's ep group; the experts' gradients sum over cp too
     Row(F.CP, F.EP, S.PLAIN, f"{_EP_CP}[qwen3_moe-2-1-2-2-True]"),
     # the schedules
@@ -201,7 +201,7 @@ ROWS: tuple[Row, ...] = (
     Row(F.PP_INTERLEAVED, F.FP16, S.PLAIN, f"{_MP}[gpt2-1-2-2-2-False-fp16-interleaved_1f1b]"),
     Row(F.PP_INTERLEAVED, F.RECOMPUTE, S.EQUIVALENT, f"{_RC_SCHEDULES}[gpt2_deep-1-interleaved_1f1b-2-full]"),
     Row(F.PP_INTERLEAVED, F.LORA, S.PLAIN, f"{_LORA}[llama_deep-1-1-2-2-interleaved_1f1b-False-False-targets9-None-1]"),
-    Row(F.PP_INTERLEAVED, F.TRAINER, S.UNTESTED),
+    Row(F.PP_INTERLEAVED, F.TRAINER, S.PLAIN, f"{_TRAINER}[schedule=interleaved_1f1b-virtual_stages=2]"),
     # each generated token's forward goes round the ring of stages once per chunk
     Row(F.PP_INTERLEAVED, F.GENERATE, S.PLAIN, "tests/test_generation.py::test_generate_equals_plain_model[dp1-tp1-pp2-v2]"),
     Row(F.PP_INTERLEAVED, F.COMPILE, S.PLAIN,
