@@ -171,11 +171,11 @@ def ep_meta_load(*, model_dir: str, dp: int, tp: int, ep: int) -> dict:
     return {"loss": loss, "ref_loss": ref_loss.item(), "weight_err": err}
 
 
-def ep_bf16_losses(*, model_type: str, ep: int) -> dict:
-    """Three AdamW steps in bf16 with float32 masters at dp=2 and ``ep``: the losses, and the dtypes
-    of the experts' gradients and masters."""
+def ep_bf16_losses(*, model_type: str, ep: int, precision: str = "bf16") -> dict:
+    """Three AdamW steps in bf16 (or fp16, loss-scaled) with float32 masters at dp=2 and ``ep``: the
+    losses, and the dtypes of the experts' gradients and masters."""
     model = build(moe_config(model_type), seed=0)
-    pm = qn_hf.parallelize(model, dp=2, ep=ep, mixed_precision="bf16", mesh=mesh_for(2, 1, 1))
+    pm = qn_hf.parallelize(model, dp=2, ep=ep, mixed_precision=precision, mesh=mesh_for(2, 1, 1))
     opt = qn_hf.optimizer(pm, torch.optim.AdamW, lr=1e-3)
     ids = torch.randint(3, 100, (4, SEQ), generator=torch.Generator().manual_seed(0))
     local = ids[pm.coords["dp"] * 2 : (pm.coords["dp"] + 1) * 2]
@@ -251,3 +251,25 @@ def ep_zero_parity(*, model_type: str, dp: int, tp: int, pp: int, ep: int, preci
 def _shard(pm, name: str, full: torch.Tensor) -> torch.Tensor:
     spec = pm.specs.get(name)
     return full if spec is None else spec.shard(full, pm.placement.shard_rank(spec))
+
+
+def ep_lora_parity(*, model_type: str, dp: int, tp: int, ep: int, targets: list[str]) -> dict:
+    """peft LoRA on an MoE model's attention with experts over ep (the base frozen, experts too): one
+    step's loss and every adapter gradient against peft in one process."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(11)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    wrapped = get_peft_model(build(moe_config(model_type), seed=0), config)
+    ref = copy.deepcopy(wrapped)
+    pm = qn_hf.parallelize(wrapped, dp=dp, tp=tp, ep=ep, mesh=mesh_for(dp, tp, 1))
+    ids = torch.randint(3, 100, (dp * ROWS, SEQ), generator=torch.Generator().manual_seed(4))
+    local = ids[pm.coords["dp"] * ROWS : (pm.coords["dp"] + 1) * ROWS]
+    loss = pm.train_step({"input_ids": local, "labels": local.clone()}).item()
+    ref_loss = ref(input_ids=ids, labels=ids, use_cache=False).loss
+    ref_loss.backward()
+    ref_params = {n.removeprefix("base_model.model."): p for n, p in ref.named_parameters()}
+    trained = [(n, p) for n, p in pm.named_parameters() if p.requires_grad]
+    err = max((p.grad - _shard(pm, n, ref_params[n].grad)).abs().max().item() for n, p in trained)
+    return {"loss": loss, "ref_loss": ref_loss.item(), "grad_err": err, "trained": len(trained),
+            "experts_frozen": all(not p.requires_grad for n, p in pm.named_parameters() if ".experts." in n)}

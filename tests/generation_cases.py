@@ -151,3 +151,22 @@ def ep_generation(*, dp: int, pp: int, ep: int, tp: int = 1, sequence_parallel: 
         theirs = ref.generate(ids, **common)
     refused = error_message(lambda: pm.generate(ids, synced_gpus=False, **common))
     return {"dp": replica, "ours": ours.tolist(), "theirs": theirs.tolist(), "refused": refused}
+
+
+def mixed_generation(*, model_dirs: dict[str, str], precision: str, pp: int) -> dict:
+    """Greedy generation under ``mixed_precision`` at pp: the tokens and the greedy scores of the plain
+    model with its parameters cast to that dtype (what mixed precision computes with)."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    ref = load("llama", model_dirs["llama"]).eval()
+    for p in ref.parameters():
+        p.data = p.data.to(dtype)
+    pm = qn_hf.parallelize(load("llama", model_dirs["llama"]), pp=pp, microbatches=pp, mesh=mesh_for(1, 1, pp),
+                           mixed_precision=precision)
+    ids, mask = _prompts("llama", seed=100)
+    common = dict(max_new_tokens=NEW_TOKENS, pad_token_id=_pad_id("llama"), do_sample=False, output_logits=True,
+                  return_dict_in_generate=True)
+    with torch.no_grad():
+        ours = pm.generate(ids, attention_mask=mask, **common)
+        theirs = ref.generate(ids, attention_mask=mask, **common)
+    return {"ours": ours.sequences.tolist(), "theirs": theirs.sequences.tolist(),
+            "logit_err": max((a.float() - b.float()).abs().max().item() for a, b in zip(ours.logits, theirs.logits))}

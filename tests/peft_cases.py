@@ -122,10 +122,11 @@ def lora_steps(*, model_dir: str, ckpt: str, out: str, dp: int = 1, tp: int = 1,
     return {"losses": losses, "trainable": sorted(n for n, p in pm.named_parameters() if p.requires_grad)}
 
 
-def lora_bf16(*, model_dir: str, tp: int, pp: int) -> dict:
-    """LoRA under mixed_precision="bf16": float32 masters for the adapter only, none for the frozen base."""
+def lora_bf16(*, model_dir: str, tp: int, pp: int, precision: str = "bf16") -> dict:
+    """LoRA under mixed_precision="bf16" (or "fp16", loss-scaled): float32 masters for the adapter only,
+    none for the frozen base."""
     pm = qn_hf.parallelize(lora_model("llama", model_dir, targets=["q_proj", "v_proj", "o_proj", "down_proj"]), tp=tp,
-                           pp=pp, microbatches=2, mesh=mesh_for(1, tp, pp), mixed_precision="bf16")
+                           pp=pp, microbatches=2, mesh=mesh_for(1, tp, pp), mixed_precision=precision)
     opt = qn_hf.optimizer(pm, torch.optim.AdamW, lr=1e-3)
     batch = make_batch("llama", size=4, seed=7)
     losses = []

@@ -159,10 +159,12 @@ def compiled_mixed(*, kind: str, model_dir: str, tp: int, precision: str, steps:
 
 
 @pytest.mark.long
-def test_compiled_mixed_precision(worlds, model_dirs):
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_compiled_mixed_precision(worlds, model_dirs, precision):
     for r in worlds.run(2, compiled_mixed, kind="llama", model_dir=model_dirs["llama"], tp=2,
-                        precision="bf16"):
-        assert r["dtypes"] == ["torch.bfloat16"] and r["compiled"] and r["graphs"] > 0, r
+                        precision=precision):
+        dtype = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[precision]
+        assert r["dtypes"] == [dtype] and r["compiled"] and r["graphs"] > 0, r
         for loss, eager in zip(r["losses"], r["eager_losses"]):
             assert abs(loss - eager) <= 1e-2 * abs(eager), r  # bfloat16 keeps 8 bits of mantissa
         # the mixed-precision tests bound eager against the hand-made reference by 2% of the distance moved; two
@@ -287,3 +289,24 @@ def test_trainer_with_torch_compile(worlds, model_dirs, tmp_path):
     runs = {c: worlds.run(2, compiled_trainer, model_dir=model_dirs["llama"],
                           out_dir=str(tmp_path / str(c)), tp=2, compile=c)[0] for c in (True, False)}
     assert len(runs[True]) == 4 and runs[True] == pytest.approx(runs[False], rel=LOSS_RTOL), runs
+
+
+def compiled_generate(*, model_dir: str, tp: int, pp: int) -> dict:
+    """Greedy generation with compiled blocks (a KV cache at pp=1, the whole sequence per token at pp=2):
+    the tokens of the plain model's generate."""
+    torch._dynamo.reset()
+    ref = load("llama", model_dir).eval()
+    pm = _parallelize(load("llama", model_dir), compile=True, tp=tp, pp=pp, microbatches=pp, mesh=mesh_for(1, tp, pp))
+    ids = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(3))
+    common = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ours, theirs = pm.generate(ids, **common), ref.generate(ids, **common)
+    return {"ours": ours.tolist(), "theirs": theirs.tolist(), "compiled": is_compiled(pm.module, layers=pm.stage.plan.layers)}
+
+
+@pytest.mark.long
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_compiled_generate_equals_plain_model(worlds, model_dirs, tp, pp):
+    """The composition table's generate x compile row: greedy tokens of compiled blocks equal the plain model's."""
+    for r in worlds.run(tp * pp, compiled_generate, model_dir=model_dirs["llama"], tp=tp, pp=pp):
+        assert r["compiled"] and r["ours"] == r["theirs"], r

@@ -173,11 +173,12 @@ def test_meta_model_reads_per_expert_hf_layout(worlds, tmp_path, model_type, dp,
         assert r["weight_err"] == 0.0 and abs(r["loss"] - r["ref_loss"]) <= LOSS_RTOL * r["ref_loss"], r
 
 
-def test_expert_parallel_in_bf16_trains_like_replicated_experts(worlds):
-    """bf16 compute with float32 gradients and masters: three AdamW steps at ep=2 follow the same
-    losses as the same dp=2 run with every expert on every rank (bf16 rounding apart)."""
-    sharded = worlds.run(2, ep_cases.ep_bf16_losses, model_type="mixtral", ep=2)[0]
-    replicated = worlds.run(2, ep_cases.ep_bf16_losses, model_type="mixtral", ep=1)[0]
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_expert_parallel_in_bf16_trains_like_replicated_experts(worlds, precision):
+    """bf16 (fp16, loss-scaled) compute with float32 gradients and masters: three AdamW steps at ep=2
+    follow the same losses as the same dp=2 run with every expert on every rank (rounding apart)."""
+    sharded = worlds.run(2, ep_cases.ep_bf16_losses, model_type="mixtral", ep=2, precision=precision)[0]
+    replicated = worlds.run(2, ep_cases.ep_bf16_losses, model_type="mixtral", ep=1, precision=precision)[0]
     assert sharded["grad_dtypes"] == sharded["master_dtypes"] == ["torch.float32"], sharded
     for a, b in zip(sharded["losses"], replicated["losses"]):
         assert abs(a - b) <= 2e-3 * abs(b), (sharded, replicated)
@@ -270,3 +271,13 @@ def test_expert_parallel_with_sequence_parallelism_equals_plain_model(worlds, tm
                          dp=dp, tp=tp, pp=1, ep=ep, cp=cp, overrides=overrides, padded=router_loss,
                          sequence_parallel=True)
     _check(results, ep=ep)
+
+
+@pytest.mark.parametrize(("model_type", "dp", "tp", "ep"), [("qwen3_moe", 2, 1, 2), ("mixtral", 1, 2, 2)])
+def test_lora_with_expert_parallelism_equals_peft(worlds, model_type, dp, tp, ep):
+    """The composition table's ep x lora row: peft LoRA on the attention of an MoE model whose frozen
+    experts ep shards; loss and every adapter gradient equal peft's in one process."""
+    for r in worlds.run(dp * tp, ep_cases.ep_lora_parity, model_type=model_type, dp=dp, tp=tp, ep=ep,
+                        targets=["q_proj", "v_proj", "o_proj"]):
+        assert abs(r["loss"] - r["ref_loss"]) <= LOSS_RTOL * abs(r["ref_loss"]), r
+        assert r["grad_err"] < 2e-6 and r["trained"] > 0 and r["experts_frozen"], r

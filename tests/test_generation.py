@@ -77,3 +77,12 @@ def test_generate_with_expert_parallelism_equals_plain_model(worlds, dp, pp, tp,
         assert r["ours"] == r["theirs"], r
         assert "synced_gpus=False" in r["refused"] and "leave synced_gpus unset" in r["refused"], r["refused"]
     assert {len(r["ours"][0]) for r in results} == ({5 + 3, 6 + 6} if dp == 2 else {5 + 3})
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_generate_in_mixed_precision_equals_plain_model(worlds, model_dirs, precision):
+    """generate under mixed_precision at pp=2: the plain model with its parameters in that dtype,
+    token for token, the same greedy scores."""
+    for r in worlds.run(2, generation_cases.mixed_generation, model_dirs=model_dirs, precision=precision, pp=2):
+        assert r["ours"] == r["theirs"], r
+        assert r["logit_err"] == 0.0, r

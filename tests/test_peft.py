@@ -103,9 +103,10 @@ def test_lora_checkpoint_resumes_at_another_mesh(worlds, model_dirs, tmp_path):
         assert err < 5e-5, (dp, pp, err)
 
 
-def test_lora_bf16_keeps_masters_for_the_adapter_only(worlds, model_dirs):
-    for r in worlds.run(4, peft_cases.lora_bf16, model_dir=model_dirs["llama"], tp=2, pp=2):
-        assert r["dtypes"] == ["torch.bfloat16"], r
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_lora_bf16_keeps_masters_for_the_adapter_only(worlds, model_dirs, precision):
+    for r in worlds.run(4, peft_cases.lora_bf16, model_dir=model_dirs["llama"], tp=2, pp=2, precision=precision):
+        assert r["dtypes"] == [{"bf16": "torch.bfloat16", "fp16": "torch.float16"}[precision]], r
         assert r["masters"] == r["trainable"] > 0, r  # no float32 copy of the frozen base
         assert abs(r["losses"][0] - r["ref_loss"]) <= 2e-2 * r["ref_loss"], r
         assert r["losses"][2] < r["losses"][0], r

@@ -87,6 +87,7 @@ _EP_CP = "tests/test_expert_parallel.py::test_expert_parallel_with_context_paral
 _EP_GEN = "tests/test_generation.py::test_generate_with_expert_parallelism_equals_plain_model"
 _CP_SP = "tests/test_context_parallel.py::test_context_parallel_with_sequence_parallelism_equals_plain_model"
 _EP_SP = "tests/test_expert_parallel.py::test_expert_parallel_with_sequence_parallelism_equals_plain_model"
+_GEN_MP = "tests/test_generation.py::test_generate_in_mixed_precision_equals_plain_model"
 _EP_ZERO = "tests/test_expert_parallel.py::test_expert_parallel_with_zero_equals_plain_model"
 _ZERO = "tests/test_optimizer.py::test_zero_equals_the_unsharded_optimizer"
 _GEN = "tests/test_generation.py::test_generate_equals_plain_model"
@@ -224,9 +225,9 @@ ROWS: tuple[Row, ...] = (
     Row(F.EP, F.DP, S.PLAIN, f"{_EP}[mixtral-2-1-1-2-1]"),
     Row(F.EP, F.BF16, S.EQUIVALENT,
         "tests/test_expert_parallel.py::test_expert_parallel_in_bf16_trains_like_replicated_experts"),
-    Row(F.EP, F.FP16, S.UNTESTED),
+    Row(F.EP, F.FP16, S.EQUIVALENT, "tests/test_expert_parallel.py::test_expert_parallel_in_bf16_trains_like_replicated_experts[fp16]"),
     Row(F.EP, F.RECOMPUTE, S.PLAIN, f"{_EP_RC}[qwen3_moe-2-1-1-2-full]"),
-    Row(F.EP, F.LORA, S.UNTESTED),
+    Row(F.EP, F.LORA, S.PLAIN, "tests/test_expert_parallel.py::test_lora_with_expert_parallelism_equals_peft[qwen3_moe-2-1-2]"),
     Row(F.EP, F.TRAINER, S.UNTESTED),
     # dp
     Row(F.DP, F.ZERO, S.PLAIN, f"{_ZERO}[llama-2-2-1-SGD-1f1b]"),
@@ -248,14 +249,14 @@ ROWS: tuple[Row, ...] = (
     # precision
     Row(F.BF16, F.RECOMPUTE, S.PLAIN, f"{_MPC}[gpt2-1-2-2-False-bf16-selective-False-1]"),
     Row(F.BF16, F.LORA, S.PLAIN, "tests/test_peft.py::test_lora_bf16_keeps_masters_for_the_adapter_only"),
-    Row(F.BF16, F.GENERATE, S.UNTESTED),
+    Row(F.BF16, F.GENERATE, S.PLAIN, f"{_GEN_MP}[bf16]"),
     Row(F.BF16, F.TRAINER, S.UNTESTED),
     Row(F.BF16, F.COMPILE, S.EQUIVALENT, "tests/test_compile.py::test_compiled_mixed_precision"),
     Row(F.FP16, F.RECOMPUTE, S.PLAIN, f"{_MPC}[llama-2-1-1-True-fp16-full-False-1]"),
-    Row(F.FP16, F.LORA, S.UNTESTED),
-    Row(F.FP16, F.GENERATE, S.UNTESTED),
+    Row(F.FP16, F.LORA, S.PLAIN, "tests/test_peft.py::test_lora_bf16_keeps_masters_for_the_adapter_only[fp16]"),
+    Row(F.FP16, F.GENERATE, S.PLAIN, f"{_GEN_MP}[fp16]"),
     Row(F.FP16, F.TRAINER, S.UNTESTED),
-    Row(F.FP16, F.COMPILE, S.UNTESTED),
+    Row(F.FP16, F.COMPILE, S.EQUIVALENT, "tests/test_compile.py::test_compiled_mixed_precision[fp16]"),
     # recompute, LoRA, generate, Trainer, compile
     Row(F.RECOMPUTE, F.LORA, S.PLAIN, f"{_LORA}[llama-1-2-2-2-1f1b-False-False-targets7-selective-1]"),
     Row(F.RECOMPUTE, F.GENERATE, S.PLAIN, f"{_LORA}[llama-1-2-2-2-1f1b-False-False-targets7-selective-1]"),
@@ -264,7 +265,7 @@ ROWS: tuple[Row, ...] = (
     Row(F.LORA, F.GENERATE, S.PLAIN, f"{_LORA}[llama-1-2-1-1-1f1b-False-False-targets0-None-1]"),
     Row(F.LORA, F.TRAINER, S.PLAIN, "tests/test_trainer.py::test_trainer_with_lora_writes_the_adapter"),
     Row(F.LORA, F.COMPILE, S.EQUIVALENT, "tests/test_compile.py::test_compiled_lora"),
-    Row(F.GENERATE, F.COMPILE, S.UNTESTED),
+    Row(F.GENERATE, F.COMPILE, S.PLAIN, "tests/test_compile.py::test_compiled_generate_equals_plain_model[2-1]"),
     Row(F.TRAINER, F.COMPILE, S.EQUIVALENT, "tests/test_compile.py::test_trainer_with_torch_compile"),
 )
 TABLE: dict[frozenset[Feature], Row] = {row.pair: row for row in ROWS}
