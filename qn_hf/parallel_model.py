@@ -19,7 +19,7 @@ from .checkpoint.save import DEFAULT_KEEP_LAST, save_checkpoint
 from .comm import flat_all_reduce_, gather_from_group
 from .config.composition import Feature, check_and_warn
 from .config.parallel_config import ParallelConfig
-from .context_parallel.apply import CP_KEYS, LOCAL_VALID, LOSS_KEYS, shard_microbatch, whole_sequence_logits
+from .context_parallel.apply import CP_KEYS, LOCAL_VALID, LOSS_KEYS, RingSwitch, shard_microbatch, whole_sequence_logits
 from .context_parallel.ring_attention import ChunkLayout
 from .data_parallel.buckets import GradBuckets
 from .data_parallel.grad_sync import GradSync
@@ -35,7 +35,7 @@ from .pipeline.stage import StageModules
 from .placement import ShardPlacement
 from .step.batch import (batch_signature, check_batch, check_model_inputs, check_same_batch, dp_rows, microbatch_rows,
                          sequence_split, split_microbatches)
-from .step.generation import parallel_generate
+from .step.generation import parallel_generate, switched_off
 from .step.logits import LogitsFn, collect_logits
 from .step.loss import IGNORE_INDEX, LossKind, causal_lm_targets, summed_loss
 from .tensor_parallel.apply import VocabShard
@@ -75,6 +75,7 @@ class ParallelModel:
         adapter: Adapter | None = None,
         parallel_config: ParallelConfig | None = None,
         sequence_parallel_switch: SequenceParallelSwitch | None = None,
+        ring_switch: RingSwitch | None = None,
     ) -> None:
         self.module = module
         self.parallel_config = parallel_config  # how it was parallelized (parallelize's keywords as one value)
@@ -101,14 +102,13 @@ class ParallelModel:
         self._final_params = params_by_final_pass(module, stage.plan, chunks=stage.chunks, deferred=deferred)
         self.deferred = deferred  # names of the parameters whose gradients come in W passes (zb_h1)
         self.optimizer = None  # the qn_hf.optimizer built over this model, if any
-        self.failures = FailTogether()
-        self._sync = True
+        self.failures, self._sync = FailTogether(), True
         # The first step proves that every rank of a dp replica was given the same batch (one small
         # all-reduce over the world and one host read); True: every step does (a debugging aid).
         self.check_every_batch = False
         self._batch_checked = False
         self.closed = False
-        self.sp_switch = sequence_parallel_switch  # sequence parallelism, off while generating
+        self.sp_switch, self.ring_switch = sequence_parallel_switch, ring_switch  # sp and cp, off while generating
 
     def close(self) -> None:
         """Release (every rank) the process groups parallelize made: not the world's, not a mesh= given."""
@@ -363,7 +363,7 @@ class ParallelModel:
         inputs. KV cache at pp=1; at pp>1 each token re-runs the pipeline without one (generation.py)."""
         self._weights_ready()
         self.check_composes_with(Feature.GENERATE)
-        with self.failures.guard("generate"), self.sp_switch.off() if self.sp_switch else contextlib.nullcontext():
+        with self.failures.guard("generate"), switched_off(self.sp_switch, self.ring_switch):
             return parallel_generate(self.module, input_ids, attention_mask, stage=self.stage, placement=self.placement,
                                      full_logits=self.full_logits if self.vocab is not None else None,
                                      generate_kwargs=generate_kwargs)

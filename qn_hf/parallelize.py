@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .step.compile import apply_compile
-from .context_parallel.apply import apply_context_parallel
+from .context_parallel.apply import RingSwitch, apply_context_parallel
 from .expert_parallel.dispatch import ExpertRoute
 from .expert_parallel.apply import apply_expert_parallel, experts_modules
 from .peft.lora import unwrap_peft
@@ -174,7 +174,7 @@ def _parallelize(model: nn.Module, *, dp: int, tp: int, pp: int, cp: int, ep: in
         deferred=frozenset(build.deferred),
         adapter=adapter,
         parallel_config=config,
-        sequence_parallel_switch=build.sp_switch,
+        sequence_parallel_switch=build.sp_switch, ring_switch=build.ring_switch,
     )
     pm.check_composes_with()  # refused above already; this warns (rank 0) about pairs no test compares yet
     if checkpoint is not None:
@@ -207,6 +207,7 @@ class Build:
     weights: WeightGradQueue | None = None
     deferred: list[str] = field(default_factory=list)
     sp_switch: SequenceParallelSwitch | None = None
+    ring_switch: RingSwitch | None = None
 
 
 @dataclass(frozen=True)
@@ -223,7 +224,7 @@ class Pass:
 
 
 def _context_parallel(b: Build) -> None:
-    apply_context_parallel(b.model, group=b.groups.cp, layout=b.cp_layout)
+    b.ring_switch = apply_context_parallel(b.model, group=b.groups.cp, layout=b.cp_layout)
 
 
 def _cast(b: Build) -> None:
@@ -232,8 +233,7 @@ def _cast(b: Build) -> None:
 
 def _expert_parallel(b: Build) -> None:
     experts = next(iter(experts_modules(b.model).values())).num_experts
-    # Under sequence parallelism the MoE blocks run on this rank's slice of the sequence, except while
-    # the switch (made by the later sequence parallel pass) is off for generate.
+    # under sp the MoE blocks take this rank's slice, except while generate turns off the (later-made) switch
     split = (lambda: b.sp_switch.on) if b.plan.sequence_parallel else None
     route = ExpertRoute(experts=experts, ep=b.config.dims.ep, group=b.groups.ep, tp=b.groups.tp, tokens_split=split)
     b.expert_specs = apply_expert_parallel(b.model, route=route, ep_rank=b.groups.coords.ep)
@@ -295,7 +295,7 @@ def _always(b: Build) -> bool:
 # The order is the code: ``tests/test_structure.py`` checks that every field a pass needs is one
 # parallelize starts from or one an earlier pass makes.
 PASSES: tuple[Pass, ...] = (
-    Pass("context parallel", lambda b: b.config.dims.cp > 1, _context_parallel, ("model", "groups", "cp_layout"), (),
+    Pass("context parallel", lambda b: b.config.dims.cp > 1, _context_parallel, ("model", "groups", "cp_layout"), ("ring_switch",),
          "before the stage cut and the tp patches: their config copies take the attention choice"),
     Pass("cast", lambda b: b.precision is not None, _cast, ("model", "precision"), (),
          "before the stage cut: stand-ins take their dtype from the modules they replace"),

@@ -35,14 +35,14 @@ def _pad_id(kind: str) -> int:
 
 
 def generation(*, model_dirs: dict[str, str], kinds: list[str], dp: int, tp: int, pp: int,
-               sequence_parallel: bool = False, virtual_stages: int = 1) -> dict:
+               sequence_parallel: bool = False, virtual_stages: int = 1, cp: int = 1) -> dict:
     """Greedy (left-padded batch with attention_mask, and one prompt without a mask) and sampling
     (top_k, temperature; ranks other than the replica's first seeded differently, so equality shows the
     generator is shared), each replica on its own prompts; the sequences and the reference's."""
     out: dict = {"rank": dist.get_rank()}
     for kind in kinds:
         ref = load(kind, model_dirs[kind]).eval()
-        pm = qn_hf.parallelize(load(kind, model_dirs[kind]), dp=dp, tp=tp, pp=pp, mesh=mesh_for(dp, tp, pp),
+        pm = qn_hf.parallelize(load(kind, model_dirs[kind]), dp=dp, tp=tp, pp=pp, cp=cp, mesh=mesh_for(dp, tp, pp, cp),
                                microbatches=2 * pp, sequence_parallel=sequence_parallel,
                                schedule="interleaved_1f1b" if virtual_stages > 1 else "1f1b",
                                virtual_stages=virtual_stages)
@@ -115,12 +115,10 @@ def refusals(*, model_dirs: dict[str, str]) -> dict:
     """What generate refuses, with the fix in the message (a 2-rank world)."""
     ids = torch.arange(3, 8)[None]
     path = model_dirs["llama"]
-    cp = qn_hf.parallelize(load("llama", path), cp=2, mesh=mesh_for(1, 1, 1, 2))
     sp = qn_hf.parallelize(load("llama", path), tp=2, sequence_parallel=True, mesh=mesh_for(1, 2))
     pipeline = qn_hf.parallelize(load("llama", path), pp=2, microbatches=4, mesh=mesh_for(1, 1, 2))
     vit = qn_hf.parallelize(load("vit", model_dirs["vit"]), tp=2, mesh=mesh_for(1, 2))
     return {
-        "cp": error_message(lambda: cp.generate(ids, max_new_tokens=2)),
         "use_cache": error_message(lambda: pipeline.generate(ids, max_new_tokens=2, use_cache=True)),
         "hidden_states": error_message(lambda: pipeline.generate(ids, max_new_tokens=2, output_hidden_states=True,
                                                                  return_dict_in_generate=True)),

@@ -115,9 +115,8 @@ ROWS: tuple[Row, ...] = (
         "compile=True, or compile=False")),
     Row(F.COMPILE, F.EP, S.REFUSED, message="compile=True with ep={ep} is not supported: " + EXPERTS_RECOMPILE),
     Row(F.ZERO, F.EP, S.PLAIN, f"{_EP_ZERO}[qwen3_moe-2-2-1-2-None]"),
-    Row(F.GENERATE, F.CP, S.REFUSED, message=(
-        "generate at cp={cp}: ring attention expects each rank's part of every sequence; parallelize a copy with "
-        "cp=1 for generation, or save_pretrained and generate with the plain model")),
+    # ring attention switched off: every cp rank holds the whole model and runs the loop on whole sequences
+    Row(F.GENERATE, F.CP, S.PLAIN, "tests/test_generation.py::test_generate_equals_plain_model[dp1-tp1-pp2-cp2]"),
     # HF's synced_gpus: every rank calls the forward until all replicas' loops have finished
     Row(F.GENERATE, F.EP, S.PLAIN, f"{_EP_GEN}[dp2-pp1]"),
     # One schedule and one mixed_precision per run; the Trainer evaluates and predicts, it never generates.

@@ -22,9 +22,10 @@ one, its zeros are padding.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -83,8 +84,29 @@ def check_context_parallel(model: nn.Module, *, cp: int, plan: TpPlan) -> None:
             raise ValueError(f"{name}: {module_name} is not causal; ring attention here is causal only; use cp=1")
 
 
-def apply_context_parallel(model: nn.Module, *, group: ProcessGroup, layout: ChunkLayout) -> str:
-    """Register ring attention over ``group`` for this model and select it; return its name."""
+class RingSwitch:
+    """Ring attention on (training, evaluation, logits) or off (``generate``). Every cp rank holds the
+    whole model (cp splits sequences, not weights), so with the switch off each cp rank runs the
+    attention that ran before on whole sequences, as the tp ranks of a replica each run the
+    generation loop: a decoding step's one token cannot be split into 2*cp chunks."""
+
+    def __init__(self, model: nn.Module, *, ring: str, previous: str) -> None:
+        self.model, self.ring, self.previous = model, ring, previous
+        self.on = True
+
+    @contextlib.contextmanager
+    def off(self) -> Iterator[None]:
+        self.on = False
+        self.model.set_attn_implementation(self.previous)
+        try:
+            yield
+        finally:
+            self.on = True
+            self.model.set_attn_implementation(self.ring)
+
+
+def apply_context_parallel(model: nn.Module, *, group: ProcessGroup, layout: ChunkLayout) -> RingSwitch:
+    """Register ring attention over ``group`` for this model and select it; return its switch."""
 
     def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
@@ -112,9 +134,10 @@ def apply_context_parallel(model: nn.Module, *, group: ProcessGroup, layout: Chu
 
     # transformers' registry is global; the name is this model's own, so models never share state
     name = f"qn_hf_ring_{next(_names)}"
+    previous = model.config._attn_implementation
     AttentionInterface.register(name, attention)
     model.set_attn_implementation(name)
-    return name
+    return RingSwitch(model, ring=name, previous=previous)
 
 
 def documents_of(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -36,15 +36,18 @@ token. A rank that finished runs forwards whose outputs HF discards; the all-to-
 Sequence parallelism is switched off for the call (``SequenceParallelSwitch``): a one-token step
 cannot be split over tp.
 
-Refused (``ValueError`` naming the fix): cp>1 (ring attention expects each rank's part of a
-sequence), ep>1 with ``synced_gpus=False``, and at pp>1: ``use_cache=True``, ``inputs_embeds``,
+Context parallelism is switched off for the call too (``RingSwitch``): every cp rank holds the whole
+model, so each runs the loop on whole sequences with the attention that ran before ring attention
+(one token cannot be cut into 2*cp chunks), as the tp ranks of a replica each run it.
+
+Refused (``ValueError`` naming the fix): ep>1 with ``synced_gpus=False``, and at pp>1: ``use_cache=True``, ``inputs_embeds``,
 ``past_key_values`` and per-layer outputs (attentions, hidden states: each stage has only its own).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -58,6 +61,16 @@ from ..tensor_parallel.rng import device_rng_state, set_device_rng_state
 
 PP_REFUSED = ("inputs_embeds", "past_key_values")
 PER_LAYER_OUTPUTS = ("output_attentions", "output_hidden_states")
+
+
+@contextlib.contextmanager
+def switched_off(*switches) -> Iterator[None]:
+    """Each of ``switches`` that exists (sequence parallelism's, ring attention's) off for the call."""
+    with contextlib.ExitStack() as stack:
+        for switch in switches:
+            if switch is not None:
+                stack.enter_context(switch.off())
+        yield
 
 
 def parallel_generate(module: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *,
@@ -207,6 +220,7 @@ def _share_generator(placement: ShardPlacement) -> None:
     stage, then over pp from the first stage (the device's tensor: NCCL broadcasts no host tensor)."""
     device, groups = placement.device, placement.groups
     state = device_rng_state(device).to(device)
-    flat_broadcast_([state], src_group_rank=0, group=groups.tp)
-    flat_broadcast_([state], src_group_rank=0, group=groups.pp)
+    for group in (groups.tp, groups.cp, groups.pp):  # cp ranks each run the loop too, on whole sequences
+        if group is not None:
+            flat_broadcast_([state], src_group_rank=0, group=group)
     set_device_rng_state(device, state)
