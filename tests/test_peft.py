@@ -143,3 +143,18 @@ def test_lora_dropout_with_sequence_parallelism(worlds, model_dirs):
         for loss, ref in zip(r["losses"], r["ref_losses"]):
             assert abs(loss - ref) <= LOSS_RTOL * abs(ref), r
         assert r["grad_err"] < GRAD_ATOL, r
+
+
+def test_lora_on_fused_expert_parameters_is_refused():
+    """peft's target_parameters on fused experts (ParamWrapper): refused by name, with what to do instead."""
+    from peft import LoraConfig, get_peft_model
+
+    from qn_hf.check.run import build
+    from qn_hf.peft.lora import unwrap_peft
+    from tests.ep_cases import moe_config
+
+    config = LoraConfig(r=4, target_parameters=["mlp.experts.gate_up_proj"], target_modules=[])
+    wrapped = get_peft_model(build(moe_config("qwen3_moe"), seed=0), config)
+    with pytest.raises(ValueError, match=r"LoRA on the fused expert parameters of model.layers.0.mlp.experts "
+                                         r"\(target_parameters=.*\) is not supported.*target_modules"):
+        unwrap_peft(wrapped)

@@ -84,6 +84,14 @@ def unwrap_peft(model: nn.Module) -> tuple[nn.Module, Adapter | None]:
                          f"in a plain model, or leave modules_to_save empty")
     inner = model.get_base_model()
     for module_name, module in inner.named_modules():
+        if is_lora_layer(module) and getattr(config, "target_parameters", None) and hasattr(module, "parameter_name"):
+            # peft's ParamWrapper: LoRA factors of every expert stacked ([E*r, in] and [out, r*E]) and the
+            # weight re-parametrized during the call; sharding them over ep (B's columns interleave the
+            # experts) and over expert-TP is not built yet
+            raise ValueError(f"LoRA on the fused expert parameters of {module_name} "
+                             f"(target_parameters={config.target_parameters}) is not supported: qn_hf shards LoRA on "
+                             f"linear layers; target the attention, shared-expert or dense projections "
+                             f"(target_modules), or train the experts themselves (leave them unfrozen)")
         if is_lora_layer(module) and not is_projection(module.base_layer):
             raise ValueError(f"LoRA on {module_name} ({type(module.base_layer).__name__}) is not supported: qn_hf "
                              f"shards LoRA on linear layers; remove it from target_modules")
