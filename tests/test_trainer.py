@@ -85,6 +85,22 @@ def test_trainer_composes_with_schedules_recompute_and_sp(worlds, model_dirs, re
     same_weights(str(tmp_path / "model"), references["plain"]["model_dir"])
 
 
+@pytest.mark.long
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_trainer_in_mixed_precision_follows_the_plain_run(worlds, model_dirs, references, tmp_path, precision):
+    """(1, 2, 2) with parallel=dict(mixed_precision=...): low-precision compute, float32 masters in
+    qn_hf.optimizer (fp16 loss-scaled): 12 steps' losses and the final evaluation within 2% of the
+    float32 plain Trainer run (bf16 keeps 8 bits of mantissa), no step skipped."""
+    ref = references["plain"]
+    results = worlds.run(4, trainer_cases.parallel_train, model_dir=model_dirs["llama"], out_dir=str(tmp_path),
+                         dp=1, tp=2, pp=2, microbatches=2, batch=4, accumulation=1, max_grad_norm=1.0,
+                         extra=dict(mixed_precision=precision))
+    run = results[0]
+    assert run["step"] == list(range(1, 13)), run
+    close(run["loss"], ref["loss"], rtol=2e-2)
+    close([run["final_eval"]], [ref["final_eval"]], rtol=2e-2)
+
+
 def test_trainer_accumulation_clipping_checkpoint_and_resume_at_another_mesh(worlds, model_dirs, references, tmp_path):
     """(2, 1, 2) with 2 accumulation steps (4 microbatches per train_step), clipping and ZeRO-1, checkpoints at steps
     6 and 12; then the step-6 checkpoint resumed at (1, 2, 2) continues as the uninterrupted run."""

@@ -88,6 +88,7 @@ _EP_GEN = "tests/test_generation.py::test_generate_with_expert_parallelism_equal
 _CP_SP = "tests/test_context_parallel.py::test_context_parallel_with_sequence_parallelism_equals_plain_model"
 _EP_SP = "tests/test_expert_parallel.py::test_expert_parallel_with_sequence_parallelism_equals_plain_model"
 _GEN_MP = "tests/test_generation.py::test_generate_in_mixed_precision_equals_plain_model"
+_TRAINER_MP = "tests/test_trainer.py::test_trainer_in_mixed_precision_follows_the_plain_run"
 _EP_ZERO = "tests/test_expert_parallel.py::test_expert_parallel_with_zero_equals_plain_model"
 _ZERO = "tests/test_optimizer.py::test_zero_equals_the_unsharded_optimizer"
 _GEN = "tests/test_generation.py::test_generate_equals_plain_model"
@@ -249,12 +250,12 @@ ROWS: tuple[Row, ...] = (
     Row(F.BF16, F.RECOMPUTE, S.PLAIN, f"{_MPC}[gpt2-1-2-2-False-bf16-selective-False-1]"),
     Row(F.BF16, F.LORA, S.PLAIN, "tests/test_peft.py::test_lora_bf16_keeps_masters_for_the_adapter_only"),
     Row(F.BF16, F.GENERATE, S.PLAIN, f"{_GEN_MP}[bf16]"),
-    Row(F.BF16, F.TRAINER, S.UNTESTED),
+    Row(F.BF16, F.TRAINER, S.PLAIN, f"{_TRAINER_MP}[bf16]"),
     Row(F.BF16, F.COMPILE, S.EQUIVALENT, "tests/test_compile.py::test_compiled_mixed_precision"),
     Row(F.FP16, F.RECOMPUTE, S.PLAIN, f"{_MPC}[llama-2-1-1-True-fp16-full-False-1]"),
     Row(F.FP16, F.LORA, S.PLAIN, "tests/test_peft.py::test_lora_bf16_keeps_masters_for_the_adapter_only[fp16]"),
     Row(F.FP16, F.GENERATE, S.PLAIN, f"{_GEN_MP}[fp16]"),
-    Row(F.FP16, F.TRAINER, S.UNTESTED),
+    Row(F.FP16, F.TRAINER, S.PLAIN, f"{_TRAINER_MP}[fp16]"),
     Row(F.FP16, F.COMPILE, S.EQUIVALENT, "tests/test_compile.py::test_compiled_mixed_precision[fp16]"),
     # recompute, LoRA, generate, Trainer, compile
     Row(F.RECOMPUTE, F.LORA, S.PLAIN, f"{_LORA}[llama-1-2-2-2-1f1b-False-False-targets7-selective-1]"),
