@@ -101,6 +101,22 @@ def test_trainer_in_mixed_precision_follows_the_plain_run(worlds, model_dirs, re
     close([run["final_eval"]], [ref["final_eval"]], rtol=2e-2)
 
 
+@pytest.mark.long
+def test_trainer_with_expert_parallelism_equals_one_process(worlds, tmp_path):
+    """A shrunk Qwen3-MoE at dp=2 with its experts over ep=2: 12 steps' losses, gradient norms and the
+    final evaluation equal transformers' Trainer in one process."""
+    from qn_hf.check.run import build
+    from tests.ep_cases import moe_config
+
+    model_dir = str(tmp_path / "moe")
+    build(moe_config("qwen3_moe"), seed=0).save_pretrained(model_dir)
+    ref = trainer_cases.reference(model_dir=model_dir, out_dir=str(tmp_path / "reference"), batch=4, accumulation=1,
+                                  max_grad_norm=1.0)
+    results = worlds.run(2, trainer_cases.parallel_train, model_dir=model_dir, out_dir=str(tmp_path / "ep"), dp=2,
+                         tp=1, pp=1, microbatches=1, batch=2, accumulation=1, max_grad_norm=1.0, extra=dict(ep=2))
+    check_run(results, ref)
+
+
 def test_trainer_accumulation_clipping_checkpoint_and_resume_at_another_mesh(worlds, model_dirs, references, tmp_path):
     """(2, 1, 2) with 2 accumulation steps (4 microbatches per train_step), clipping and ZeRO-1, checkpoints at steps
     6 and 12; then the step-6 checkpoint resumed at (1, 2, 2) continues as the uninterrupted run."""

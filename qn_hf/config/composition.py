@@ -228,7 +228,7 @@ ROWS: tuple[Row, ...] = (
     Row(F.EP, F.FP16, S.EQUIVALENT, "tests/test_expert_parallel.py::test_expert_parallel_in_bf16_trains_like_replicated_experts[fp16]"),
     Row(F.EP, F.RECOMPUTE, S.PLAIN, f"{_EP_RC}[qwen3_moe-2-1-1-2-full]"),
     Row(F.EP, F.LORA, S.PLAIN, "tests/test_expert_parallel.py::test_lora_with_expert_parallelism_equals_peft[qwen3_moe-2-1-2]"),
-    Row(F.EP, F.TRAINER, S.UNTESTED),
+    Row(F.EP, F.TRAINER, S.PLAIN, "tests/test_trainer.py::test_trainer_with_expert_parallelism_equals_one_process"),
     # dp
     Row(F.DP, F.ZERO, S.PLAIN, f"{_ZERO}[llama-2-2-1-SGD-1f1b]"),
     Row(F.DP, F.BF16, S.PLAIN, f"{_MP}[gpt2-2-2-2-2-True-bf16-1f1b]"),
