@@ -8,13 +8,14 @@ from tests import generation_cases
 KINDS = ["gpt2", "llama"]  # tied head and vocabulary 99 (padded at tp=2); GQA and vocabulary 101
 MESHES = [(1, 2, 1, False, 1, 1), (1, 1, 2, False, 1, 1), (1, 2, 2, False, 1, 1),  # (dp, tp, pp, sp, V, cp)
           (2, 1, 2, False, 1, 1), (1, 2, 1, True, 1, 1), (1, 2, 2, True, 1, 1),
-          (1, 1, 2, False, 2, 1), (1, 2, 2, True, 2, 1),  # two chunks per rank: each forward goes round the ring twice
-          (1, 1, 2, False, 1, 2), (1, 2, 1, True, 1, 2)]  # ring attention off: each cp rank runs the loop whole
+          (1, 1, 2, False, 2, 1), pytest.param(1, 2, 2, True, 2, 1, marks=pytest.mark.long),  # two chunks per rank
+          (1, 1, 2, False, 1, 2), pytest.param(1, 2, 1, True, 1, 2, marks=pytest.mark.long)]  # ring attention off
 
 
 @pytest.mark.parametrize(("dp", "tp", "pp", "sp", "virtual", "cp"), MESHES,
                          ids=[f"dp{d}-tp{t}-pp{p}" + ("-sp" if s else "") + (f"-v{v}" if v > 1 else "")
-                              + (f"-cp{c}" if c > 1 else "") for d, t, p, s, v, c in MESHES])
+                              + (f"-cp{c}" if c > 1 else "")
+                              for d, t, p, s, v, c in (getattr(m, "values", m) for m in MESHES)])
 def test_generate_equals_plain_model(worlds, model_dirs, dp, tp, pp, sp, virtual, cp):
     """Greedy token for token (a left-padded batch with attention_mask, one prompt without), sampling
     with the same seed, the logits HF's processors see (whole vocabulary); every rank of a replica

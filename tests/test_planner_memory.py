@@ -74,12 +74,12 @@ EP_RUNS = [  # dp, tp, pp, ep, microbatches, mixed_precision, recompute, zero
     (2, 2, 1, 2, 1, None, None, False),  # the ep group is the tp group: experts' gradients summed over dp, in own buckets
     # ZeRO-1: the experts' buckets split over the 2 ranks holding each block, the rest over dp
     (2, 2, 1, 2, 1, "bf16", None, True),
-    (2, 1, 2, 2, 2, None, None, True),  # per stage
+    pytest.param(2, 1, 2, 2, 2, None, None, True, marks=pytest.mark.long),  # per stage
     (2, 1, 1, 2, 1, "bf16", "full", True),  # one holder per block: the experts keep whole state
 ]
 EP_CP_ACTIVATION_TOLERANCE = 0.01
 EP_CP_RUNS = [  # dp, tp, cp, ep, zero: each cp rank's grid shares out the experts; their gradients sum over cp too
-    (2, 1, 2, 2, False),
+    pytest.param(2, 1, 2, 2, False, marks=pytest.mark.long),
     (1, 2, 2, 2, True),  # the two cp ranks holding each block split its state
 ]
 EP_ACTIVATION_TOLERANCE = 0.001  # routing forced uniform: the planner's routing, so only bytes apart
@@ -92,7 +92,7 @@ def test_planner_memory_matches_an_expert_parallel_run(worlds, dp, tp, pp, ep, m
                                zero=zero, recompute=recompute), activation_tolerance=EP_ACTIVATION_TOLERANCE)
 
 
-@pytest.mark.parametrize(("dp", "tp", "ep"), [(1, 2, 2), (2, 2, 4)])
+@pytest.mark.parametrize(("dp", "tp", "ep"), [(1, 2, 2), pytest.param(2, 2, 4, marks=pytest.mark.long)])
 def test_planner_memory_matches_an_expert_and_sequence_parallel_run(worlds, dp, tp, ep):
     """ep x sp: each tp rank routes its slice of the sequence; no tp gathers around the dispatch."""
     _compare(worlds, MOE, dict(dp=dp, tp=tp, pp=1, ep=ep, microbatches=1, mixed_precision=None, zero=False,

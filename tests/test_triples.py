@@ -35,6 +35,7 @@ def test_dp_pp_zero_bubble_ep_zero_equals_plain_model(worlds, recompute):
         _check_steps(r, weight_atol=WEIGHT_ATOL)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("schedule", ["zb_h1", "interleaved_1f1b"])
 def test_dp_pp_ep_zero_bf16_equals_the_unsharded_optimizer(worlds, schedule):
     """dp=2 x pp=2 x ep=2 with ZeRO-1 and bf16 (float32 masters), full recomputation: equal to the
