@@ -78,38 +78,41 @@ class GradSync:
         for buckets in self.bucket_sets:
             buckets.shard_over_dp(separate=separate, model=self.module)
 
+    @property
+    def sharded_sets(self) -> tuple[GradBuckets, ...]:
+        """The bucket sets held as this rank's pieces (ZeRO-1)."""
+        return tuple(b for b in self.bucket_sets if b.sharded)
+
     def split_params(self) -> frozenset[int]:
         """Ids of the parameters whose gradients (and optimizer data) live in pieces over their group."""
-        return frozenset(id(p) for b in self.bucket_sets if b.sharded for p in b.params)
+        return frozenset(id(p) for b in self.sharded_sets for p in b.params)
 
     def pieces(self) -> list[Piece]:
         """This rank's pieces of every sharded bucket set, in a fixed order."""
-        return [piece for b in self.bucket_sets if b.sharded for piece in b.pieces()]
+        return [piece for b in self.sharded_sets for piece in b.pieces()]
 
     def gather_weights(self) -> None:
-        for buckets in self.bucket_sets:
-            if buckets.sharded:
-                buckets.gather_weights()
+        for buckets in self.sharded_sets:
+            buckets.gather_weights()
 
     def wait_weights(self) -> None:
-        for buckets in self.bucket_sets:
-            if buckets.sharded:
-                buckets.wait_weights()
+        for buckets in self.sharded_sets:
+            buckets.wait_weights()
 
     def zero_reduced(self) -> None:
-        for buckets in self.bucket_sets:
-            if buckets.sharded:
-                buckets.zero_reduced()
+        for buckets in self.sharded_sets:
+            buckets.zero_reduced()
 
     def named_grads(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's gradients by HF name: whole ``.grad`` tensors, and, sharded, the flat pieces
         this rank owns of the parameters in sharded buckets."""
         if self.sharded:
-            layout = tuple(id(b.pieces()) for b in self.bucket_sets if b.sharded)  # each set's pieces, made once
+            pieces = self.pieces()
+            layout = tuple(id(b.pieces()) for b in self.sharded_sets)  # each set's pieces, made once
             if self._piece_names is None or self._piece_names[0] != layout:
                 names = {id(p): n for n, p in self.module.named_parameters()}
-                self._piece_names = (layout, [names[id(piece.param)] for piece in self.pieces()], self.split_params())
-            yield from zip(self._piece_names[1], (piece.grad for piece in self.pieces()))
+                self._piece_names = (layout, [names[id(piece.param)] for piece in pieces], self.split_params())
+            yield from zip(self._piece_names[1], (piece.grad for piece in pieces))
         split = self._piece_names[2] if self.sharded else frozenset()
         for name, p in self.module.named_parameters():
             if p.requires_grad and p.grad is not None and id(p) not in split:
