@@ -116,16 +116,26 @@ def test_expert_parallel_checkpoints_move_between_ep_degrees(worlds, tmp_path):
     gathered = model_class(config).from_pretrained(plain + "-1").state_dict()
     assert exported.keys() == gathered.keys() and all(torch.equal(exported[k], gathered[k]) for k in gathered)
     runs = [((2, 2, 1, 4), first, [2, 3], second), ((1, 1, 1, 1), second, [3], None), ((1, 1, 2, 1), first, [2], None)]
-    for (dp, tp, pp, ep), source, steps, save in runs:
-        out = str(tmp_path / f"resumed-{dp}{tp}{pp}{ep}")
-        losses = worlds.run(dp * tp * pp, ep_cases.ep_checkpoint_run, model_dir=model_dir, dp=dp, tp=tp, pp=pp,
-                            ep=ep, load=source, steps=steps, save=save, export=out)[0]
-        for step, loss in zip(steps, losses):
-            assert abs(loss - expected[step - 1]) <= LOSS_RTOL * abs(expected[step - 1]), (dp, tp, pp, ep, step)
-            resumed = dict(model_class(config).from_pretrained(f"{out}-{step}").named_parameters())
-            reference = dict(model_class(config).from_pretrained(f"{plain}-{step}").named_parameters())
-            err = max((resumed[n] - p).abs().max().item() for n, p in reference.items())
-            assert err < WEIGHT_ATOL, f"resumed at {(dp, tp, pp, ep)}, step {step}: max weight difference {err}"
+    for mesh, source, steps, save in runs:
+        assert_resumes_like(worlds, tmp_path, config, model_dir=model_dir, plain=plain, expected=expected, mesh=mesh,
+                            source=source, steps=steps, save=save)
+
+
+def assert_resumes_like(worlds, tmp_path, config, *, model_dir: str, plain: str, expected: list[float],
+                        mesh: tuple[int, int, int, int], source: str, steps: list[int], save: str | None = None,
+                        zero: bool | None = None) -> None:
+    """``source`` resumed at ``mesh`` (dp, tp, pp, ep) runs ``steps`` (``ep_checkpoint_run``): each step's
+    loss and exported weights equal the uninterrupted run's (``expected`` losses, ``plain``'s exports)."""
+    dp, tp, pp, ep = mesh
+    out = str(tmp_path / f"resumed-{dp}{tp}{pp}{ep}")
+    losses = worlds.run(dp * tp * pp, ep_cases.ep_checkpoint_run, model_dir=model_dir, dp=dp, tp=tp, pp=pp, ep=ep,
+                        load=source, steps=steps, save=save, export=out, zero=zero)[0]
+    for step, loss in zip(steps, losses):
+        assert abs(loss - expected[step - 1]) <= LOSS_RTOL * abs(expected[step - 1]), (mesh, step)
+        resumed = dict(model_class(config).from_pretrained(f"{out}-{step}").named_parameters())
+        reference = dict(model_class(config).from_pretrained(f"{plain}-{step}").named_parameters())
+        err = max((resumed[n] - p).abs().max().item() for n, p in reference.items())
+        assert err < WEIGHT_ATOL, f"resumed at {mesh}, step {step}: max weight difference {err}"
 
 
 def _meta(model_type: str, **overrides):
@@ -218,16 +228,9 @@ def test_expert_parallel_zero_checkpoints_move_between_meshes(worlds, tmp_path):
     ckpt, plain = str(tmp_path / "ckpt"), str(tmp_path / "uninterrupted")
     expected = worlds.run(4, ep_cases.ep_checkpoint_run, model_dir=model_dir, dp=2, tp=2, pp=1, ep=2, load=None,
                           steps=[1, 2, 3], save=ckpt, export=plain, zero=True)[0]
-    for dp, tp, ep, zero in [(1, 4, 2, True), (2, 1, 2, True), (1, 1, 1, None)]:
-        out = str(tmp_path / f"resumed-{dp}{tp}{ep}")
-        losses = worlds.run(dp * tp, ep_cases.ep_checkpoint_run, model_dir=model_dir, dp=dp, tp=tp, pp=1, ep=ep,
-                            load=ckpt, steps=[2, 3], save=None, export=out, zero=zero)[0]
-        for step, loss in zip([2, 3], losses):
-            assert abs(loss - expected[step - 1]) <= LOSS_RTOL * abs(expected[step - 1]), (dp, tp, ep, step)
-            resumed = dict(model_class(config).from_pretrained(f"{out}-{step}").named_parameters())
-            reference = dict(model_class(config).from_pretrained(f"{plain}-{step}").named_parameters())
-            err = max((resumed[n] - p).abs().max().item() for n, p in reference.items())
-            assert err < WEIGHT_ATOL, f"resumed at {(dp, tp, ep)}, step {step}: max weight difference {err}"
+    for mesh, zero in [((1, 4, 1, 2), True), ((2, 1, 1, 2), True), ((1, 1, 1, 1), None)]:
+        assert_resumes_like(worlds, tmp_path, config, model_dir=model_dir, plain=plain, expected=expected, mesh=mesh,
+                            source=ckpt, steps=[2, 3], zero=zero)
 
 
 @pytest.mark.parametrize(("schedule", "virtual_stages"), [("interleaved_1f1b", 2), ("zb_h1", 1)])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests import cases, ep_cases
-from tests.test_expert_parallel import BF16_WEIGHT_ATOL, LOSS_RTOL, WEIGHT_ATOL, _check
+from tests.test_expert_parallel import BF16_WEIGHT_ATOL, LOSS_RTOL, WEIGHT_ATOL, _check, assert_resumes_like
 from tests.test_parity import check
 
 # without recomputation in make test; both recompute modes under make test-all (the long marker)
@@ -58,7 +58,7 @@ def test_dp_tp_ep_cp_equals_plain_model(worlds, tmp_path, recompute):
 def test_composed_checkpoint_moves_between_meshes(worlds, tmp_path):
     """Saved at dp=2 x pp=2 (interleaved) x ep=2 with ZeRO-1, resumed at dp=2 x tp=2 x ep=2 with ZeRO-1
     and at one rank with torch's AdamW: each next step equals the uninterrupted run."""
-    from qn_hf.check.run import build, model_class
+    from qn_hf.check.run import build
 
     model_dir = str(tmp_path / "model")
     config = ep_cases.moe_config("qwen3_moe")
@@ -67,16 +67,9 @@ def test_composed_checkpoint_moves_between_meshes(worlds, tmp_path):
     expected = worlds.run(4, ep_cases.ep_checkpoint_run, model_dir=model_dir, dp=2, tp=1, pp=2, ep=2, load=None,
                           steps=[1, 2, 3], save=ckpt, export=plain, zero=True, schedule="interleaved_1f1b",
                           virtual_stages=2)[0]
-    for dp, tp, ep, zero in [(2, 2, 2, True), (1, 1, 1, None)]:
-        out = str(tmp_path / f"resumed-{dp}{tp}{ep}")
-        losses = worlds.run(dp * tp, ep_cases.ep_checkpoint_run, model_dir=model_dir, dp=dp, tp=tp, pp=1, ep=ep,
-                            load=ckpt, steps=[2, 3], save=None, export=out, zero=zero)[0]
-        for step, loss in zip([2, 3], losses):
-            assert abs(loss - expected[step - 1]) <= LOSS_RTOL * abs(expected[step - 1]), (dp, tp, ep, step)
-            resumed = dict(model_class(config).from_pretrained(f"{out}-{step}").named_parameters())
-            reference = dict(model_class(config).from_pretrained(f"{plain}-{step}").named_parameters())
-            err = max((resumed[n] - p).abs().max().item() for n, p in reference.items())
-            assert err < WEIGHT_ATOL, f"resumed at {(dp, tp, ep)}, step {step}: max weight difference {err}"
+    for mesh, zero in [((2, 2, 1, 2), True), ((1, 1, 1, 1), None)]:
+        assert_resumes_like(worlds, tmp_path, config, model_dir=model_dir, plain=plain, expected=expected, mesh=mesh,
+                            source=ckpt, steps=[2, 3], zero=zero)
 
 
 def _check_steps(r: dict, *, weight_atol: float) -> None:
