@@ -20,19 +20,33 @@ forward: the rule a policy gives the target is carried to the three leaves.
 
 * DoRA: at tp > 1 on column layers, its magnitude vector split like the outputs (``_check_dora``).
 
-Other styles (embeddings, the vocabulary head, experts) under a LoRA layer, DoRA on row layers at
-tp > 1, other LoRA variants at tp > 1, and other PEFT methods are refused.
+LoRA on a bare parameter (``LoraConfig(target_parameters=...)``, peft's ``ParamWrapper``; in practice
+the fused 3-D expert weights ``gate_up_proj [E, out, in]``) adds ``scaling * B_e A_e`` to each
+expert's weight while the module runs (a parametrization), with every expert's factors stacked:
+``lora_A [E*r, in]`` (expert-major rows) and ``lora_B [out, r*E]`` (column ``k*E + e``). peft inserts
+the wrapper where the module was, so the module moves to ``<name>.base_layer`` (once per targeted
+parameter); rules and names see through it (``without_wrappers``). Under a parameter's rule the
+factor on the split side is split alike and the other one, whole on every rank, sees only this
+rank's part of the weight's gradient, so it is summed over tp (``_param_lora_rules``); ep cuts both
+into expert blocks (``qn_hf.expert_parallel.apply``).
+
+Other styles (embeddings, the vocabulary head) under a LoRA layer, ``target_parameters`` on a
+swapped linear layer's weight at tp > 1, DoRA on row layers at tp > 1, other LoRA variants at
+tp > 1, and other PEFT methods are refused.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
 
 from ..tensor_parallel.rules import is_projection
-from ..tensor_parallel.styles import COLUMN_STYLES, PARAM_FORM, PARAM_STYLES, ROW_STYLES, Style
+from ..tensor_parallel.styles import (COLUMN_STYLES, HOOK_STYLES, PARAM_FORM, PARAM_STYLES, ROW_STYLES, Split, Style,
+                                      param_shard_dim)
 
 
 @dataclass(frozen=True)
@@ -57,6 +71,70 @@ def _lora_layer_type() -> type | None:
 def is_lora_layer(module: nn.Module) -> bool:
     kind = _lora_layer_type()
     return kind is not None and isinstance(module, kind)
+
+
+def is_param_wrapper(module: nn.Module) -> bool:
+    """peft's LoRA on one bare parameter (``target_parameters``): its ``parameter_name`` names it."""
+    return is_lora_layer(module) and hasattr(module, "parameter_name")
+
+
+def lora_layer_names(model: nn.Module) -> frozenset[str]:
+    return frozenset(name for name, module in model.named_modules() if is_lora_layer(module))
+
+
+def without_wrappers(name: str, wrappers: frozenset[str]) -> str:
+    """``name`` as the model had it before peft: without the ``base_layer`` each LoRA layer in
+    ``wrappers`` (``lora_layer_names``) inserted below itself."""
+    path, kept = "", []
+    for part in name.split("."):
+        if not (part == "base_layer" and path in wrappers):
+            kept.append(part)
+        path = f"{path}.{part}" if path else part
+    return ".".join(kept)
+
+
+def names_before_peft(model: nn.Module) -> Callable[[str], str] | None:
+    """What turns a name under ``model`` into the name it had before peft wrapped its modules
+    (``without_wrappers``); None when nothing is wrapped."""
+    wrappers = lora_layer_names(model)
+    return functools.partial(without_wrappers, wrappers=wrappers) if wrappers else None
+
+
+@dataclass(frozen=True)
+class ParamLora:
+    """peft's LoRA on one bare parameter (a ``ParamWrapper``; module docstring)."""
+
+    wrapper: str  # the wrapper's module name
+    param: str  # the adapted parameter's name (below every wrapper's base_layer)
+    out_dim: int  # the parameter's dims that hold the LoRA's outputs and inputs
+    in_dim: int
+    adapters: tuple[str, ...]
+
+    def factor(self, part: str, adapter: str) -> str:
+        """The weight of ``lora_A`` or ``lora_B`` of ``adapter``."""
+        return f"{self.wrapper}.{part}.{adapter}.weight"
+
+
+def param_loras(model: nn.Module) -> dict[str, ParamLora]:
+    """Every ``ParamWrapper`` of ``model``, by the name of the parameter it adapts."""
+    out = {}
+    for name, module in model.named_modules():
+        if not is_param_wrapper(module):
+            continue
+        inner, path = module, name
+        while is_lora_layer(inner):
+            inner, path = inner.base_layer, f"{path}.base_layer"
+        ndim = getattr(inner, module.parameter_name).dim()
+        # peft reads a 3-D parameter as [E, out, in] unless the module says ``is_transposed``
+        # ([E, in, out]); a 2-D one as a Linear weight [out, in] (ParamWrapper.update_layer)
+        if ndim == 3:
+            out_dim, in_dim = (2, 1) if getattr(inner, "is_transposed", False) else (1, 2)
+        else:
+            out_dim, in_dim = 0, 1
+        out[f"{path}.{module.parameter_name}"] = ParamLora(wrapper=name, param=f"{path}.{module.parameter_name}",
+                                                           out_dim=out_dim, in_dim=in_dim,
+                                                           adapters=tuple(module.lora_A))
+    return out
 
 
 def unwrap_peft(model: nn.Module) -> tuple[nn.Module, Adapter | None]:
@@ -84,15 +162,7 @@ def unwrap_peft(model: nn.Module) -> tuple[nn.Module, Adapter | None]:
                          f"in a plain model, or leave modules_to_save empty")
     inner = model.get_base_model()
     for module_name, module in inner.named_modules():
-        if is_lora_layer(module) and getattr(config, "target_parameters", None) and hasattr(module, "parameter_name"):
-            # peft's ParamWrapper: LoRA factors of every expert stacked ([E*r, in] and [out, r*E]) and the
-            # weight re-parametrized during the call; sharding them over ep (B's columns interleave the
-            # experts) and over expert-TP is not built yet
-            raise ValueError(f"LoRA on the fused expert parameters of {module_name} "
-                             f"(target_parameters={config.target_parameters}) is not supported: qn_hf shards LoRA on "
-                             f"linear layers; target the attention, shared-expert or dense projections "
-                             f"(target_modules), or train the experts themselves (leave them unfrozen)")
-        if is_lora_layer(module) and not is_projection(module.base_layer):
+        if is_lora_layer(module) and not is_param_wrapper(module) and not is_projection(module.base_layer):
             raise ValueError(f"LoRA on {module_name} ({type(module.base_layer).__name__}) is not supported: qn_hf "
                              f"shards LoRA on linear layers; remove it from target_modules")
     return inner, Adapter(peft_model=model, name=name)
@@ -112,11 +182,23 @@ def lora_rules(model: nn.Module, rules: dict[str, Style], *, tp: int) -> LoraLea
     """``rules`` with each rule on a LoRA layer carried to its leaves (module docstring)."""
     out: dict[str, Style] = {}
     leaves = LoraLeaves(rules=out, entries=[], shared_dropout=[], local_dropout=[])
+    on_params = param_loras(model)
     for name, style in rules.items():
         module = model.get_submodule(name) if style not in PARAM_STYLES else None
+        if module is None and name in on_params:
+            out[name] = style
+            out.update(_param_lora_rules(model, on_params[name], style))
+            continue
         if module is None or not is_lora_layer(module):
             out[name] = style
             continue
+        if is_param_wrapper(module):
+            if style in HOOK_STYLES or style == Style.REPLICATE:  # the wrapper passes the module's arguments on
+                out[name] = style
+                continue
+            raise ValueError(f"LoRA on a parameter of {name} (target_parameters, style {style!r}) is not supported "
+                             f"with tp={tp}: its factors would need the layer's split; target the layer itself "
+                             f"(target_modules) or use tp=1")
         adapters = list(module.lora_A)
         if module.lora_variant and tp > 1:
             _check_dora(module, name, style, tp=tp)
@@ -142,6 +224,33 @@ def lora_rules(model: nn.Module, rules: dict[str, Style], *, tp: int) -> LoraLea
                              f"column and row styles {COLUMN_STYLES + ROW_STYLES}; remove {name.rpartition('.')[2]!r} from "
                              f"target_modules or use tp=1")
     return leaves
+
+
+# The style that splits a 2-D LoRA factor like its parameter: B's rows where the parameter's outputs
+# are split, A's columns where its inputs are, in as many fused parts.
+_FACTOR_STYLES = {(Split.COLUMN, 1): Style.PARAM_COLWISE, (Split.COLUMN, 2): Style.PARAM_PACKED_COLWISE,
+                  (Split.ROW, 1): Style.PARAM_ROWWISE, (Split.ROW, 2): Style.PARAM_PACKED_ROWWISE}
+
+
+def _param_lora_rules(model: nn.Module, lora: ParamLora, style: Style) -> dict[str, Style]:
+    """The rules of a ``ParamWrapper``'s factors under its parameter's rule: the factor on the split
+    side is cut alike, so ``B_r A`` (or ``B A_r``) is exactly this rank's part of the delta; the other
+    factor is whole and its gradient (``B_r^T dW_r``, or ``dW_r A_r^T``) covers only this rank's part
+    of the weight, so it is summed over tp."""
+    owner, _, pname = lora.param.rpartition(".")
+    dim = param_shard_dim(style, getattr(model.get_submodule(owner), pname).dim())
+    if dim is None:
+        return {}  # the parameter stays whole, and so do its factors and their gradients
+    if dim not in (lora.out_dim, lora.in_dim):
+        raise ValueError(f"LoRA on {lora.param} (style {style!r}) is not supported: the style splits dim {dim}, "
+                         f"neither the LoRA's outputs (dim {lora.out_dim}) nor its inputs (dim {lora.in_dim})")
+    split, whole, side = ("lora_B", "lora_A", Split.COLUMN) if dim == lora.out_dim else ("lora_A", "lora_B", Split.ROW)
+    factor = _FACTOR_STYLES.get((side, style.parts))
+    if factor is None:
+        raise ValueError(f"LoRA on {lora.param} (style {style!r}, {style.parts} fused parts) is not supported")
+    rules = {lora.factor(split, a): factor for a in lora.adapters}
+    rules.update({lora.factor(whole, a): Style.REPLICATE_GRAD_SUM for a in lora.adapters})
+    return rules
 
 
 def _check_dora(module: nn.Module, name: str, style: Style, *, tp: int) -> None:

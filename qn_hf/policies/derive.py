@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..peft.lora import names_before_peft
 from ..tensor_parallel.embedding_types import adapter_for
 from ..tensor_parallel.heads import head_layout
 from ..tensor_parallel.patterns import base_model_and_prefix, match_modules, match_parameters
@@ -41,6 +42,7 @@ def _translate(base: nn.Module, config, hf_plan: dict[str, str]) -> tuple[dict[s
     kv_width = layout.kv_heads * layout.head_dim
     tp_plan: dict[str, Style] = {}
     problems: list[str] = []
+    rename = names_before_peft(base)  # a parameter peft wrapped (target_parameters) keeps its name for the plan
     for pattern, hf_style in hf_plan.items():
         if hf_style not in HF_STYLES:
             problems.append(f"style {hf_style!r} ({pattern})")
@@ -53,7 +55,7 @@ def _translate(base: nn.Module, config, hf_plan: dict[str, str]) -> tuple[dict[s
         if style == Style.COLWISE and pattern.endswith("gate_up_proj"):
             style = Style.COLWISE_PACKED2
         modules = match_modules(base, pattern)
-        if not modules and match_parameters(base, pattern):  # the rule names a bare parameter
+        if not modules and match_parameters(base, pattern, rename=rename):  # the rule names a bare parameter
             if style not in PARAM_FORM:
                 problems.append(f"style {hf_style!r} on the parameter {pattern}")
                 continue

@@ -4,6 +4,7 @@ component) and where the base model sits in a task model."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from torch import nn
 from transformers import PreTrainedModel
@@ -20,10 +21,11 @@ def match_modules(root: nn.Module, pattern: str) -> list[str]:
     return [name for name, _ in root.named_modules() if name and regex.match(name)]
 
 
-def match_parameters(root: nn.Module, pattern: str) -> list[str]:
-    """Names of the parameters under ``root`` that ``pattern`` matches."""
+def match_parameters(root: nn.Module, pattern: str, *, rename: Callable[[str], str] | None = None) -> list[str]:
+    """Names of the parameters under ``root`` that ``pattern`` matches (on ``rename(name)``, the
+    name as the pattern knows it, when given)."""
     regex = pattern_regex(pattern)
-    return [name for name, _ in root.named_parameters() if regex.match(name)]
+    return [name for name, _ in root.named_parameters() if regex.match(rename(name) if rename else name)]
 
 
 def base_model_and_prefix(model: nn.Module) -> tuple[nn.Module, str]:

@@ -17,7 +17,7 @@ from torch import nn
 from ..step.loss import LOSSES, LossKind
 from .patterns import base_model_and_prefix, join, match_modules, match_parameters
 from .heads import LAYOUT_VALUES, HeadLayout, attention_layout, head_layout
-from ..peft.lora import LoraLeaves, is_lora_layer, lora_rules
+from ..peft.lora import LoraLeaves, is_lora_layer, is_param_wrapper, lora_rules, names_before_peft
 from .rules import check_rule, check_ties, is_projection, split_kv_per_module
 from .styles import COLUMN_STYLES, PARAM_STYLES, STYLES, Style
 
@@ -131,12 +131,13 @@ def _resolve_rules(model: nn.Module, policy: ModelPolicy, base: nn.Module, prefi
     has_head = base is not model
     rules: dict[str, Style] = {}
     for scope, plan, root_prefix in ((base, policy.tp_plan, prefix), (model, policy.head_plan if has_head else {}, "")):
+        rename = names_before_peft(scope)  # a parameter rule names it as before peft wrapped its module
         for pattern, style in plan.items():
             if style in PARAM_STYLES:
-                names = match_parameters(scope, pattern)
+                names = match_parameters(scope, pattern, rename=rename)
             else:  # a whole-keeping rule may also name one parameter (a bare per-head weight)
-                names = match_modules(scope, pattern) or (
-                    match_parameters(scope, pattern) if style in (Style.REPLICATE, Style.REPLICATE_GRAD_SUM) else [])
+                names = match_modules(scope, pattern) or (match_parameters(scope, pattern, rename=rename)
+                                                          if style in (Style.REPLICATE, Style.REPLICATE_GRAD_SUM) else [])
             if not names and not policy.transformers_plan:  # transformers' plans name optional modules
                 raise ValueError(f"policy {policy.model_type}: rule {pattern!r} matches no module of {type(scope).__name__}")
             for name in names:
@@ -153,6 +154,8 @@ def _check_coverage(policy: ModelPolicy, model: nn.Module, base: nn.Module, pref
         return
     wrapped = tuple(name + "." for name, style in rules.items()
                     if style not in PARAM_STYLES and is_lora_layer(model.get_submodule(name)))
+    # a wrapped parameter's factors follow its rule (lora.py)
+    wrapped += tuple(name + "." for name, module in model.named_modules() if is_param_wrapper(module))
     for block in blocks:
         for sub, module in base.get_submodule(block).named_modules():
             full = join(prefix, f"{block}.{sub}" if sub else block)
