@@ -1,7 +1,8 @@
 """A PEFT model's adapter directory, written from the sharded model.
 
 The adapter is small (LoRA's A and B per target), so it is assembled whole on rank 0: within each
-stage the tp ranks of dp replica 0 gather every adapter tensor; the stage's tp rank 0 lets peft pick
+stage the tp ranks of dp replica 0 gather every adapter tensor (the ep group, every rank of it, the
+factors of LoRA on experts); the stage's tp rank 0 lets peft pick
 and name the adapter's entries from that state dict (``get_peft_model_state_dict``, which finds
 them by walking the LoRA layers, so each stage must do it on its own layers) and hands them to rank
 0, which writes ``adapter_model.safetensors`` and ``adapter_config.json`` as
@@ -23,6 +24,7 @@ from .atomic import fresh_dir, write_bytes_atomic
 from ..comm import barrier
 from ..peft.lora import Adapter
 from ..placement import ShardPlacement
+from ..tensor_parallel.shard import over_experts
 from .export import unique_state
 
 # The HF model inside a PEFT model: PeftModel.base_model (the tuner) .model (the HF model).
@@ -44,10 +46,16 @@ def save_adapter(module: nn.Module, path: str, *, placement: ShardPlacement, ada
 
     coords = placement.coords
     state = {n: t.detach() for n, t in unique_state(module).items() if not placement.is_follower(n)}
+    names = _adapter_names(state, adapter)  # the same order on every rank of the stage
+    # LoRA factors of experts (ep) are gathered over the ep group, which spans dp x tp: every rank
+    # takes part; the rest over tp, by the ranks of dp (x cp) replica 0 only
+    experts = [n for n in names if over_experts(placement.spec(n))]
+    whole = {n: placement.whole(n, state[n]) for n in experts}
     full: dict[str, torch.Tensor] = {}
     if placement.replica_rank == 0:
-        for name in _adapter_names(state, adapter):  # the same order on every tp rank of the stage
-            full[_PEFT_PREFIX + name] = placement.whole(name, state[name]).cpu().contiguous()
+        for name in names:
+            tensor = whole[name] if name in whole else placement.whole(name, state[name])
+            full[_PEFT_PREFIX + name] = tensor.cpu().contiguous()
     mine: dict[str, torch.Tensor] = {}
     if placement.replica_rank == 0 and coords.tp == 0:
         mine = get_peft_model_state_dict(adapter.peft_model, state_dict=full, adapter_name=adapter.name,

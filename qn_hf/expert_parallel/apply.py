@@ -11,6 +11,12 @@ to the local count, so the implementation that ran before (eager or grouped_mm) 
 experts. Routers, shared experts and dense layers keep their tp rules; the experts' own tp rules
 (expert-TP) give way to ep.
 
+LoRA on the experts' weights (peft's ``target_parameters``) wraps the module, which moves below the
+wrapper (``<name>.base_layer``); the wrapper stands where the module was (``experts_roots``). Each
+expert's factors sit in its block's rows of ``lora_A [E*r, in]`` and columns ``k*E + e`` of
+``lora_B [out, r*E]``: both are cut into the same expert blocks (``_expert_lora_specs``) and the
+wrapper's ``num_experts`` set to the local count, so peft's delta is each local expert's own.
+
 Gradients: a token's contribution to an expert's weights is computed on the expert's owner, so the
 owner's gradient is the sum over the tokens of its whole ep group; the ranks holding the same block
 (``expert_replicas`` of them, ``Groups.experts``) sum theirs, like dp ranks. Nothing else changes.
@@ -22,6 +28,7 @@ from torch import nn
 
 from .dispatch import ExpertRoute, expert_parallel_forward
 from ..mesh import Axis, ParallelDims
+from ..peft.lora import ParamLora, is_lora_layer, lora_layer_names, param_loras, without_wrappers
 from ..tensor_parallel.plan import TpPlan
 from ..tensor_parallel.shard import ShardSpec
 from ..tensor_parallel.styles import Style
@@ -49,10 +56,28 @@ def experts_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if is_fused_experts(m)}
 
 
+def experts_roots(model: nn.Module) -> dict[str, nn.Module]:
+    """The fused experts modules by the name of what stands in their place: the module's own name,
+    or for experts under LoRA wrappers (module docstring) the outermost wrapper's."""
+    wrappers = lora_layer_names(model)
+    return {without_wrappers(name, wrappers): module for name, module in experts_modules(model).items()}
+
+
+def expert_parameter_names(model: nn.Module) -> frozenset[str]:
+    """Names of the parameters ep cuts into expert blocks: every parameter of a fused experts module
+    and the LoRA factors of those parameters."""
+    loras = param_loras(model)
+    names = {f"{name}.{p}" for name, module in experts_modules(model).items() for p, _ in module.named_parameters()}
+    return frozenset(names | {lora.factor(part, a) for n in names if (lora := loras.get(n)) is not None
+                              for a in lora.adapters for part in ("lora_A", "lora_B")})
+
+
 def _unfused_experts(model: nn.Module) -> list[str]:
     """Modules that hold routed experts in another form (a ModuleList of MLPs, a custom class)."""
     found = []
     for name, module in model.named_modules():
+        if is_lora_layer(module):
+            continue  # a LoRA wrapper stands where the experts were; the module itself is checked below it
         if name.rpartition(".")[2] == EXPERTS_MODULE and not is_fused_experts(module):
             found.append(f"{name} ({type(module).__name__})")
     return found
@@ -91,7 +116,7 @@ def expert_parallel_plan(model: nn.Module, plan: TpPlan, *, ep: int) -> TpPlan:
     """``plan`` without the tp rules of the experts modules and their parameters (ep shards them)."""
     if ep == 1:
         return plan
-    names = tuple(experts_modules(model))
+    names = tuple(experts_roots(model))  # LoRA factors and a hook rule on a wrapper go too
     return plan.only(lambda module: not any(module == n or module.startswith(n + ".") for n in names))
 
 
@@ -101,13 +126,16 @@ def apply_expert_parallel(model: nn.Module, *, route: ExpertRoute, ep_rank: int)
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
 
     found = experts_modules(model)
+    loras = param_loras(model)
     specs: dict[str, ShardSpec] = {}
     for name, module in found.items():
-        start = ep_rank * route.local
         for pname, param in list(module.named_parameters(recurse=False)):
-            shard = nn.Parameter(param.data[start : start + route.local].clone(), requires_grad=param.requires_grad)
-            setattr(module, pname, shard)
-            specs[f"{name}.{pname}"] = ShardSpec(dim=0, tp=route.ep, size=route.experts, axis=Axis.EP)
+            spec = ShardSpec(dim=0, tp=route.ep, size=route.experts, axis=Axis.EP)
+            setattr(module, pname, nn.Parameter(spec.shard(param.data, ep_rank), requires_grad=param.requires_grad))
+            specs[f"{name}.{pname}"] = spec
+            lora = loras.get(f"{name}.{pname}")
+            if lora is not None:
+                specs.update(_shard_expert_lora(model, lora, route=route, ep_rank=ep_rank))
         module.num_experts = route.local
     first = next(iter(found.values()))
     previous = first.config._experts_implementation
@@ -120,14 +148,33 @@ def apply_expert_parallel(model: nn.Module, *, route: ExpertRoute, ep_rank: int)
     return specs
 
 
+def _shard_expert_lora(model: nn.Module, lora: ParamLora, *, route: ExpertRoute, ep_rank: int) -> dict[str, ShardSpec]:
+    """Keep this rank's experts' rows of ``lora_A`` ([E*r, in], expert-major: one contiguous block)
+    and columns of ``lora_B`` ([out, r*E], column ``k*E + e``: r parts of E columns, each cut into
+    the same blocks), and make the wrapper read them as ``route.local`` experts."""
+    wrapper = model.get_submodule(lora.wrapper)
+    specs = {}
+    for adapter in lora.adapters:
+        r = wrapper.r[adapter]
+        for part, spec in (("lora_A", ShardSpec(dim=0, tp=route.ep, size=route.experts * r, axis=Axis.EP)),
+                           ("lora_B", ShardSpec(dim=1, tp=route.ep, size=r * route.experts, parts=r, axis=Axis.EP))):
+            linear = getattr(wrapper, part)[adapter]
+            linear.weight = nn.Parameter(spec.shard(linear.weight.data, ep_rank),
+                                         requires_grad=linear.weight.requires_grad)
+            specs[lora.factor(part, adapter)] = spec
+    wrapper.num_experts = route.local
+    return specs
+
+
 def token_wise_blocks(model: nn.Module, plan: TpPlan) -> dict[str, frozenset[str]]:
     """The MoE blocks (parents of fused experts modules) that act token by token under ep: nothing in
     them is split over tp (no rule inside; a shared expert with tp rules keeps the block out), so with
     sequence parallelism they run on this rank's slice of the sequence, each with the names of its
     ep-sharded parameters."""
     out = {}
-    for name, module in experts_modules(model).items():
+    sharded = expert_parameter_names(model)
+    for name in experts_roots(model):
         block = name.rpartition(".")[0]
         if not any(rule == block or rule.startswith(block + ".") for rule, _ in plan.rules):
-            out[block] = frozenset(f"{name}.{p}" for p, _ in module.named_parameters())
+            out[block] = frozenset(n for n in sharded if n.startswith(name + "."))
     return out

@@ -50,13 +50,13 @@ from ..pipeline.schedule_check import peaks
 from ..pipeline.split import stage_of_module
 from ..tensor_parallel.plan import ModelPolicy
 from ..data_parallel.precision import GRAD_DTYPE, PRECISIONS, apply_mixed_precision
+from ..expert_parallel.apply import expert_parameter_names
 from ..config.composition import Feature
 from ..config.parallel_config import ParallelConfig
 from ..config.validate import check_parallel_config
 from ..pipeline.weight_grad import WeightGradQueue, make_deferrable
 from .activations import chunk_activations, kept_collectives, weight_stash
 from .context import cp_inputs
-from .experts import expert_parameters
 from .memory import RankState, bucket_layout, rank_state
 from .params import local_sizes, stage_params
 from .schedules import bubble, op_costs, peak_activation_bytes, pipeline_timing, rank_actions
@@ -188,7 +188,7 @@ class Planner:
         self.total_params = sum(p.numel() for p in self.model.parameters())
         self._traces: dict[tuple[int, torch.dtype | None, str | None, StageEdges | None, int, int], Trace] = {}
         self._sharded: dict[tuple[int, int], tuple[dict[str, int], dict]] = {}
-        self._experts = expert_parameters(self.model)
+        self._experts = expert_parameter_names(self.model)
         self._deferrable: frozenset[str] | None = None
 
     def _trace(self, plan, layers: str, *, precision: torch.dtype | None, recompute: str | None,

@@ -85,12 +85,6 @@ def moe_regions(model: nn.Module, plan: TpPlan) -> frozenset[str]:
                      if any(e.startswith(r + ".") for e in experts))
 
 
-def expert_parameters(model: nn.Module) -> frozenset[str]:
-    """Names of the parameters ep shards (every parameter of a fused experts module)."""
-    return frozenset(f"{name}.{p}" for name, module in experts_modules(model).items()
-                     for p, _ in module.named_parameters(recurse=False))
-
-
 class ExpertsStandIn:
     """While entered, ``model``'s fused experts run through the stand-in (see the module
     docstring). ``note(call, gather)`` receives every call (its ``module`` left for the caller,
