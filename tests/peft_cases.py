@@ -100,19 +100,22 @@ def peft_error(*, kind: str, model_dir: str, method: str, tp: int = 1, targets: 
     return "no error"
 
 
-def lora_steps(*, model_dir: str, ckpt: str, out: str, dp: int = 1, tp: int = 1, pp: int = 1, steps: int = 2,
-               resume: bool = False) -> dict:
-    """AdamW steps of LoRA on Llama; the first run saves a checkpoint after step 1, a resumed run
-    loads it (at its own mesh) and runs the rest. The adapter goes to ``out``."""
-    pm = qn_hf.parallelize(lora_model("llama", model_dir, targets=["q_proj", "v_proj", "o_proj", "down_proj"]), dp=dp,
-                           tp=tp, pp=pp, microbatches=2 if pp > 1 else 1, mesh=mesh_for(dp, tp, pp))
+def lora_steps(*, model_dir: str | None, ckpt: str, out: str, dp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1,
+               steps: int = 2, resume: bool = False, experts: str | None = None) -> dict:
+    """AdamW steps of LoRA on Llama (or with ``experts``, the MoE model of that type with LoRA on its
+    fused experts); the first run saves a checkpoint after step 1, a resumed run loads it (at its own
+    mesh) and runs the rest. The adapter goes to ``out``."""
+    model = (expert_lora_model(experts) if experts else
+             lora_model("llama", model_dir, targets=["q_proj", "v_proj", "o_proj", "down_proj"]))
+    pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, ep=ep, microbatches=2 if pp > 1 else 1,
+                           mesh=mesh_for(dp, tp, pp))
     opt = qn_hf.optimizer(pm, torch.optim.AdamW, lr=1e-2)
     first = 1
     if resume:
         first = pm.load_checkpoint(ckpt, optimizer=opt)["step"] + 1
     losses = []
     for step in range(first, steps + 1):
-        batch = make_batch("llama", size=4, seed=100 + step)
+        batch = make_batch("llama", size=4, seed=100 + step)  # token ids below every vocabulary here
         opt.zero_grad()
         losses.append(pm.train_step(dp_slice(batch, dp=dp, dp_rank=pm.coords["dp"])).item())
         opt.step()
@@ -226,3 +229,80 @@ def lora_dropout_runs(*, model_dir: str, targets: list[str]) -> dict:
     (losses, grads, same_mask, dropped), (ref_losses, ref_grads, _, _) = runs[True], runs[False]
     return {"losses": losses, "ref_losses": ref_losses, "same_mask_over_tp": same_mask, "dropped": dropped,
             "grad_err": max((grads[n] - g).abs().max().item() for n, g in ref_grads.items())}
+
+
+EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def expert_lora_model(model_type: str):
+    """peft's LoRA on the fused expert weights (``target_parameters``, stacked factors of every expert)
+    and on q/v, random A and B, on the shrunk MoE model of the ep tests."""
+    from peft import LoraConfig, get_peft_model
+
+    from qn_hf.check.run import build
+    from tests.ep_cases import moe_config
+
+    model = build(moe_config(model_type), seed=0)
+    torch.manual_seed(11)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], target_parameters=EXPERT_TARGETS,
+                        init_lora_weights=False)
+    return get_peft_model(model, config)
+
+
+def expert_lora_parity(*, model_type: str, out_dir: str, dp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1,
+                       cp: int = 1, microbatches: int = 1, sequence_parallel: bool = False, zero: bool = False,
+                       schedule: str = "1f1b") -> dict:
+    """One SGD step of LoRA on the experts against peft in one process: loss, every adapter gradient
+    (cut as this rank holds it), the adapter written by save_pretrained and read by
+    ``PeftModel.from_pretrained``, its merge, and generate."""
+    from peft import PeftModel
+
+    from qn_hf.check.run import build
+    from tests.ep_cases import moe_config
+
+    ref = expert_lora_model(model_type)
+    pm = qn_hf.parallelize(expert_lora_model(model_type), dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, microbatches=microbatches,
+                           schedule=schedule, virtual_stages=2 if schedule == "interleaved_1f1b" else 1,
+                           sequence_parallel=sequence_parallel, mesh=mesh_for(dp, tp, pp, cp), bucket_mb=0.001)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, ref.config.vocab_size, (dp * 2 * microbatches, 16), generator=gen)
+    batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+    batch["attention_mask"][::2, -5:] = 0
+    batch["labels"][batch["attention_mask"] == 0] = -100
+    local = dp_slice(batch, dp=dp, dp_rank=pm.coords["dp"])
+    opt = qn_hf.optimizer(pm, torch.optim.SGD, zero=zero, lr=0.5)
+    loss = pm.train_step(local)
+    ref_loss = ref(**batch, use_cache=False).loss
+    ref_loss.backward()
+
+    ref_params = dict(ref.get_base_model().named_parameters())
+    grad_err, worst, trained = 0.0, "", []
+    for name, p in pm.named_parameters():
+        if not p.requires_grad:
+            continue
+        trained.append(name)
+        spec = pm.specs.get(name)
+        full = ref_params[name].grad
+        expected = full if spec is None else spec.shard(full, pm.placement.shard_rank(spec))
+        if not pm.grads_split_over_dp and (err := (p.grad - expected).abs().max().item()) > grad_err:
+            grad_err, worst = err, name
+    opt.step()
+    torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.5).step()
+    generated = None
+    if schedule != "interleaved_1f1b" and cp == 1:
+        prompt = batch["input_ids"][:2, :5]
+        generated = (pm.generate(prompt, max_new_tokens=4, do_sample=False).tolist()
+                     == ref.generate(input_ids=prompt, max_new_tokens=4, do_sample=False).tolist())
+    pm.save_pretrained(out_dir)
+    dist.barrier()
+    loaded = PeftModel.from_pretrained(build(moe_config(model_type), seed=0), out_dir)
+    got = dict(loaded.named_parameters())
+    lora = {n: p for n, p in ref.named_parameters() if "lora_" in n}
+    lora_err = max((got[n] - p).abs().max().item() for n, p in lora.items())
+    merged = dict(loaded.merge_and_unload().named_parameters())
+    merged_err = max((merged[n] - p).abs().max().item() for n, p in ref.merge_and_unload().named_parameters())
+    experts = [n for n in trained if ".mlp.experts." in n]
+    return {"loss": loss.item(), "ref_loss": ref_loss.item(), "grad_err": grad_err, "worst": worst,
+            "expert_factors": len(experts), "lora_err": lora_err, "merged_err": merged_err, "generated": generated,
+            "lora_saved": sum("lora_" in n for n in got), "lora_ref": len(lora),
+            "expert_shapes": sorted({tuple(dict(pm.named_parameters())[n].shape) for n in experts})}

@@ -83,24 +83,32 @@ def test_unsupported_peft_refused_on_every_rank(worlds, model_dirs, method, tp, 
         assert expected in message, message
 
 
-def test_lora_checkpoint_resumes_at_another_mesh(worlds, model_dirs, tmp_path):
-    """A LoRA run saved at tp=2 x pp=2 (AdamW) resumes at dp=2 and at pp=2: the next step's loss
-    and the adapter equal the uninterrupted run's."""
+@pytest.mark.parametrize(("experts", "saved", "resumed"), [
+    (None, dict(tp=2, pp=2), [dict(dp=2), dict(pp=2)]),
+    # LoRA on the fused experts: factors cut into expert blocks, then split over tp, then whole
+    ("qwen3_moe", dict(dp=2, ep=2), [dict(tp=2), dict(tp=2, ep=2), dict()]),
+])
+def test_lora_checkpoint_resumes_at_another_mesh(worlds, model_dirs, tmp_path, experts, saved, resumed):
+    """A LoRA run saved at one mesh (AdamW) resumes at others: the next step's loss and the adapter
+    equal the uninterrupted run's."""
     from safetensors.torch import load_file
 
+    def size(mesh: dict) -> int:
+        return mesh.get("dp", 1) * mesh.get("tp", 1) * mesh.get("pp", 1)
+
     ckpt, whole = str(tmp_path / "ckpt"), str(tmp_path / "whole")
-    expected = worlds.run(4, peft_cases.lora_steps, model_dir=model_dirs["llama"], ckpt=ckpt, out=whole,
-                          tp=2, pp=2)[0]["losses"]
+    expected = worlds.run(size(saved), peft_cases.lora_steps, model_dir=model_dirs["llama"], ckpt=ckpt, out=whole,
+                          experts=experts, **saved)[0]["losses"]
     reference = load_file(f"{whole}/adapter_model.safetensors")
-    for dp, pp in [(2, 1), (1, 2)]:
-        out = str(tmp_path / f"resumed-{dp}-{pp}")
-        got = worlds.run(dp * pp, peft_cases.lora_steps, model_dir=model_dirs["llama"], ckpt=ckpt, out=out,
-                         dp=dp, pp=pp, resume=True)[0]["losses"]
-        assert len(got) == 1 and abs(got[0] - expected[1]) <= 1e-5 * abs(expected[1]), (dp, pp, got, expected)
-        resumed = load_file(f"{out}/adapter_model.safetensors")
-        assert resumed.keys() == reference.keys()
-        err = max((resumed[n] - t).abs().max().item() for n, t in reference.items())
-        assert err < 5e-5, (dp, pp, err)
+    for i, mesh in enumerate(resumed):
+        out = str(tmp_path / f"resumed-{i}")
+        got = worlds.run(size(mesh), peft_cases.lora_steps, model_dir=model_dirs["llama"], ckpt=ckpt, out=out,
+                         resume=True, experts=experts, **mesh)[0]["losses"]
+        assert len(got) == 1 and abs(got[0] - expected[1]) <= 1e-5 * abs(expected[1]), (mesh, got, expected)
+        loaded = load_file(f"{out}/adapter_model.safetensors")
+        assert loaded.keys() == reference.keys()
+        err = max((loaded[n] - t).abs().max().item() for n, t in reference.items())
+        assert err < 5e-5, (mesh, err)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -145,16 +153,50 @@ def test_lora_dropout_with_sequence_parallelism(worlds, model_dirs):
         assert r["grad_err"] < GRAD_ATOL, r
 
 
-def test_lora_on_fused_expert_parameters_is_refused():
-    """peft's target_parameters on fused experts (ParamWrapper): refused by name, with what to do instead."""
+# (model_type, dp, tp, pp, ep, cp, microbatches, sequence_parallel, zero, schedule)
+EXPERT_LORA_CASES = [
+    ("qwen3_moe", 2, 1, 1, 1, 1, 1, False, False, "1f1b"),  # whole experts, dp
+    ("qwen3_moe", 1, 2, 1, 1, 1, 1, False, False, "1f1b"),  # expert-TP: B's rows (gate|up) / A's columns split
+    ("qwen3_moe", 2, 1, 1, 2, 1, 1, False, False, "1f1b"),  # ep: both factors cut into expert blocks
+    ("mixtral", 2, 2, 1, 2, 1, 1, False, True, "1f1b"),  # ep within dp x tp, ZeRO-1 over the 2 expert replicas
+    ("qwen3_moe", 1, 2, 1, 2, 1, 1, True, False, "1f1b"),  # ep x sp: token-wise MoE block
+    ("qwen3_moe", 1, 2, 2, 1, 1, 2, False, False, "1f1b"),  # expert-TP x pp
+    ("qwen3_moe", 1, 1, 2, 1, 1, 4, False, False, "interleaved_1f1b"),
+    ("qwen3_moe", 2, 1, 2, 2, 1, 2, False, True, "zb_h1"),  # deferred weight passes, ZeRO-1 over the expert replicas
+    ("qwen3_moe", 2, 1, 1, 2, 2, 1, False, False, "1f1b"),  # ep x cp
+]
+
+
+@pytest.mark.parametrize(("model_type", "dp", "tp", "pp", "ep", "cp", "microbatches", "sp", "zero", "schedule"),
+                         EXPERT_LORA_CASES)
+def test_lora_on_fused_experts_equals_peft(worlds, tmp_path, model_type, dp, tp, pp, ep, cp, microbatches, sp, zero,
+                                           schedule):
+    """peft's target_parameters on the 3-D expert weights: the factors split like the weight (tp),
+    cut into the experts' blocks (ep), and one SGD step equals peft in one process."""
+    results = worlds.run(dp * tp * pp * cp, peft_cases.expert_lora_parity, model_type=model_type,
+                         out_dir=str(tmp_path / "adapter"), dp=dp, tp=tp, pp=pp, ep=ep, cp=cp,
+                         microbatches=microbatches, sequence_parallel=sp, zero=zero, schedule=schedule)
+    for r in results:
+        assert abs(r["loss"] - r["ref_loss"]) <= LOSS_RTOL * abs(r["ref_loss"]), r
+        assert r["grad_err"] < GRAD_ATOL, r
+        assert r["expert_factors"] > 0 and r["lora_saved"] == r["lora_ref"], r
+        assert r["lora_err"] < LORA_ATOL and r["merged_err"] < LORA_ATOL, r
+        assert r["generated"] is (None if schedule == "interleaved_1f1b" or cp > 1 else True), r
+
+
+def test_lora_on_a_linear_weight_by_target_parameters_is_refused_at_tp():
+    """peft's target_parameters on a linear layer's weight: the layer's swap would not carry its rule
+    to the wrapper's factors; refused by name before any collective (target_modules serves)."""
     from peft import LoraConfig, get_peft_model
 
     from qn_hf.check.run import build
+    from qn_hf.config.validate import check_parallel_config
     from qn_hf.peft.lora import unwrap_peft
     from tests.ep_cases import moe_config
 
-    config = LoraConfig(r=4, target_parameters=["mlp.experts.gate_up_proj"], target_modules=[])
-    wrapped = get_peft_model(build(moe_config("qwen3_moe"), seed=0), config)
-    with pytest.raises(ValueError, match=r"LoRA on the fused expert parameters of model.layers.0.mlp.experts "
-                                         r"\(target_parameters=.*\) is not supported.*target_modules"):
-        unwrap_peft(wrapped)
+    config = LoraConfig(r=4, target_parameters=["self_attn.q_proj.weight"], target_modules=[])
+    inner, _ = unwrap_peft(get_peft_model(build(moe_config("qwen3_moe"), seed=0), config))
+    check_parallel_config(inner, dp=2)  # nothing is split: accepted
+    with pytest.raises(ValueError, match=r"LoRA on a parameter of model.layers.0.self_attn.q_proj \(target_parameters, "
+                                         r"style 'colwise'\) is not supported with tp=2.*target_modules"):
+        check_parallel_config(inner, tp=2)

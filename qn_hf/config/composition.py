@@ -227,7 +227,9 @@ ROWS: tuple[Row, ...] = (
         "tests/test_expert_parallel.py::test_expert_parallel_in_bf16_trains_like_replicated_experts"),
     Row(F.EP, F.FP16, S.EQUIVALENT, "tests/test_expert_parallel.py::test_expert_parallel_in_bf16_trains_like_replicated_experts[fp16]"),
     Row(F.EP, F.RECOMPUTE, S.PLAIN, f"{_EP_RC}[qwen3_moe-2-1-1-2-full]"),
-    Row(F.EP, F.LORA, S.PLAIN, "tests/test_expert_parallel.py::test_lora_with_expert_parallelism_equals_peft[qwen3_moe-2-1-2]"),
+    # LoRA on the attention and on the fused experts' weights, whose factors ep cuts into expert blocks
+    Row(F.EP, F.LORA, S.PLAIN,
+        "tests/test_peft.py::test_lora_on_fused_experts_equals_peft[qwen3_moe-2-1-1-2-1-1-False-False-1f1b]"),
     Row(F.EP, F.TRAINER, S.PLAIN, "tests/test_trainer.py::test_trainer_with_expert_parallelism_equals_one_process"),
     # dp
     Row(F.DP, F.ZERO, S.PLAIN, f"{_ZERO}[llama-2-2-1-SGD-1f1b]"),
