@@ -33,39 +33,70 @@ CASES = [  # cp, layout, heads, kv_heads, dtype, packed, padded, force_mask
 ]
 
 
-@pytest.mark.parametrize(("cp", "layout", "heads", "kv_heads", "dtype", "packed", "padded", "force_mask"), CASES)
-def test_ring_attention_equals_plain_attention(worlds, cp, layout, heads, kv_heads, dtype, packed, padded, force_mask):
+# sliding windows (transformers' key > query - window) shorter than a chunk (8 tokens at cp=2, 4 at
+# cp=4), across chunk borders, and longer than the sequence; Gemma 2's logit softcapping, alone and
+# with a window, with packing and padding
+WINDOWED = [  # cp, layout, heads, kv_heads, dtype, packed, padded, window, softcap
+    (2, "balanced", 4, 2, "float32", False, False, 3, None),
+    (2, "balanced", 4, 2, "float32", True, True, 11, None),
+    (2, "contiguous", 4, 2, "float32", False, True, 9, None),
+    (4, "balanced", 4, 2, "float32", False, False, 6, None),
+    (4, "balanced", 4, 1, "float32", True, True, 13, None),
+    (4, "strided", 4, 2, "float32", False, False, 5, None),
+    (2, "balanced", 4, 2, "float32", False, False, 40, None),
+    (2, "balanced", 4, 2, "float32", False, False, None, 0.5),
+    (2, "balanced", 4, 2, "float32", True, True, 7, 0.5),
+    (4, "contiguous", 4, 2, "float32", False, True, None, 0.5),
+    (2, "balanced", 4, 2, "bfloat16", True, True, 7, 0.5),
+]
+# gpt-oss's attention sinks: with a window, packed and padded (rows that see no key get zeros)
+SINKS = [(2, "balanced", 4, 2, "float32", False, False, None), (2, "balanced", 4, 2, "float32", True, True, 7),
+         (4, "contiguous", 4, 1, "float32", False, True, 5)]
+
+
+@pytest.mark.parametrize(("cp", "layout", "heads", "kv_heads", "dtype", "packed", "padded", "force_mask", "window",
+                          "softcap", "sinks"),
+                         [(*c, None, None, False) for c in CASES] + [(*c[:7], False, *c[7:], False) for c in WINDOWED]
+                         + [(*c[:7], False, c[7], None, True) for c in SINKS])
+def test_ring_attention_equals_plain_attention(worlds, cp, layout, heads, kv_heads, dtype, packed, padded, force_mask,
+                                               window, softcap, sinks):
     results = worlds.run(cp, ring_cases.ring_parity, layout=layout, heads=heads, kv_heads=kv_heads,
-                         dtype=dtype, packed=packed, padded=padded, force_mask=force_mask)
+                         dtype=dtype, packed=packed, padded=padded, force_mask=force_mask, window=window,
+                         softcap=softcap, sinks=sinks)
     tolerance = FLOAT32 if dtype == "float32" else BFLOAT16
     for rank, r in enumerate(results):
         for what in ("out", "q", "k", "v"):
             assert r[what] <= tolerance, (rank, what, r)
         assert r["unseen exactly zero"], (rank, r)
+        assert (r["sinks"] is None) is not sinks and (not sinks or r["sinks"] <= tolerance), (rank, r)
     if padded:  # left padding: some queries see no key at all, and they were checked
         assert sum(r["unseen rows"] for r in results) > 0
 
 
-def _visible(layout: ChunkLayout, rank: int, owner: int, chunk: int) -> set[tuple[int, int]]:
-    """(local query, local key) pairs with the key at or before the query, from global positions."""
+def _visible(layout: ChunkLayout, rank: int, owner: int, chunk: int, window: int | None = None) -> set[tuple[int, int]]:
+    """(local query, local key) pairs with the key at or before the query (and within the window),
+    from global positions."""
     length = 2 * layout.size * chunk
     at_q, at_k = layout.positions(rank, length).tolist(), layout.positions(owner, length).tolist()
-    return {(i, j) for i, p in enumerate(at_q) for j, s in enumerate(at_k) if s <= p}
+    return {(i, j) for i, p in enumerate(at_q) for j, s in enumerate(at_k)
+            if s <= p and (window is None or s > p - window)}
 
 
+@pytest.mark.parametrize("window", [None, 1, 2, 3, 4, 7, 100])
 @pytest.mark.parametrize("make", [lambda n: ChunkLayout(size=n), lambda n: ChunkLayout(size=n, balanced=False),
                                   lambda n: StridedLayout(size=n)], ids=["balanced", "contiguous", "strided"])
-def test_ring_block_covers_exactly_the_causal_pairs(make):
+def test_ring_block_covers_exactly_the_causal_pairs(make, window):
     chunk = 3
     for size in range(1, 6):
         layout = make(size)
         for rank in range(size):
             for owner in range(size):
-                want = _visible(layout, rank, owner, chunk)
-                plan = ring_block(layout, rank=rank, owner=owner, chunk=chunk)
+                want = _visible(layout, rank, owner, chunk, window)
+                plan = ring_block(layout, rank=rank, owner=owner, chunk=chunk, window=window)
                 if plan is None:
                     assert want == set(), (size, rank, owner)
                     continue
+                assert want, (size, rank, owner, window)  # a block no query sees is skipped, no kernel call
                 rows, cols = range(2 * chunk)[plan.queries], range(2 * chunk)[plan.keys]
                 assert {(i, j) for i, j in want if i not in rows or j not in cols} == set()  # nothing left out
                 rect = {(i, j) for i in rows for j in cols}
@@ -73,6 +104,8 @@ def test_ring_block_covers_exactly_the_causal_pairs(make):
                     assert rect == want, (size, rank, owner)
                 if plan.causal:  # the kernel's causal mask: key index (in the call) <= query index
                     assert {(i, j) for i, j in rect if j - cols.start <= i - rows.start} == want, (size, rank, owner)
+        if window is not None:
+            continue
         plans = [ring_block(layout, rank=r, owner=o, chunk=chunk) for r in range(size) for o in range(size)]
         explicit = [p for p in plans if p is not None and not (p.full or p.causal)]
         # the two real layouts never need a mask without documents or padding; the strided one does

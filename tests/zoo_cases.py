@@ -6,8 +6,9 @@ from qn_hf.check.run import one_step_parity
 from tests.cases import mesh_for
 
 
-def zoo_step(*, config: dict, dp: int, tp: int, pp: int) -> dict:
-    return one_step_parity(config=config, dp=dp, tp=tp, pp=pp, mesh=mesh_for(dp, tp, pp))
+def zoo_step(*, config: dict, mesh) -> dict:
+    """One step at a ``ZooMesh`` column against the plain model."""
+    return one_step_parity(config=config, mesh=mesh_for(mesh.dp, mesh.tp, mesh.pp, mesh.cp), **mesh.parity_kwargs())
 
 
 def custom_policy_step(*, config: dict, policy, tp: int, out_dir: str) -> dict:
@@ -43,3 +44,12 @@ def router_logits_refusal(*, config: dict) -> str:
 def custom_policy_mesh_step(*, config: dict, policy, tp: int, pp: int) -> dict:
     """One step with a user's own policy at (1, tp, pp)."""
     return one_step_parity(config=config, tp=tp, pp=pp, mesh=mesh_for(1, tp, pp), policy=policy)
+
+
+def gpt_oss_cp_step(*, config: dict, cp: int) -> dict:
+    """gpt-oss (attention sinks, sliding windows, MoE) has no tp plan in transformers; a user's
+    policy with no tp rules parallelizes it over cp."""
+    from qn_hf.tensor_parallel.plan import ModelPolicy
+
+    policy = ModelPolicy(model_type="gpt_oss", layers="layers", tp_plan={}, transformers_plan=True, loss="causal_lm")
+    return one_step_parity(config=config, cp=cp, mesh=mesh_for(1, 1, 1, cp), policy=policy)

@@ -39,6 +39,9 @@ from ..step.loss import LossKind, causal_lm_targets
 from ..tensor_parallel.plan import TpPlan
 from .ring_attention import ChunkLayout, needs_mask, ring_attention
 
+# transformers' layer kinds (config.layer_types) whose attention the ring computes exactly: full
+# causal, and causal within the sliding window the layer passes to the attention function.
+RING_LAYER_TYPES = ("full_attention", "sliding_attention")
 # Batch keys a context-parallel step knows how to cut along the sequence.
 CP_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 # The key of a cp rank's microbatch that marks its real tokens [rows, tokens]: read by the router
@@ -65,21 +68,18 @@ def check_context_parallel(model: nn.Module, *, cp: int, plan: TpPlan) -> None:
         if getattr(config, key, 0.0):
             raise ValueError(f"{name}: {key}={getattr(config, key)}: ring attention has no attention dropout; set "
                              f"config.{key} = 0.0 or use cp=1")
-    for key in ("attn_logit_softcapping", "attention_chunk_size"):
-        if getattr(config, key, None):
-            raise ValueError(f"{name}: {key}={getattr(config, key)} is not supported by ring attention; use cp=1")
-    # Ring attention covers attention; a block that mixes positions any other way (state-space or
-    # convolution layers of hybrid models) would see only this rank's tokens.
-    kinds = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention"})
+    if getattr(config, "attention_chunk_size", None):
+        raise ValueError(f"{name}: attention_chunk_size={config.attention_chunk_size} (chunked attention) is not "
+                         f"supported by ring attention; use cp=1")
+    # Ring attention covers attention, full or in a sliding window; a block that mixes positions any
+    # other way (state-space or convolution layers of hybrid models) would see only this rank's tokens.
+    kinds = sorted(set(getattr(config, "layer_types", None) or ()) - set(RING_LAYER_TYPES))
     if kinds:
-        raise ValueError(f"{name}: layers of kind {kinds} (config.layer_types) mix positions outside attention or in a "
-                         f"window; ring attention covers full attention only; use cp=1")
+        raise ValueError(f"{name}: layers of kind {kinds} (config.layer_types) mix positions outside attention or in "
+                         f"chunks; ring attention covers {RING_LAYER_TYPES}; use cp=1")
     for module_name, module in model.named_modules():
         if isinstance(module, (nn.Conv1d, nn.Conv2d)):
             raise ValueError(f"{name}: {module_name} ({type(module).__name__}) may mix positions outside attention; use cp=1")
-        if getattr(module, "sliding_window", None) or hasattr(module, "sinks"):
-            what = "a sliding window" if getattr(module, "sliding_window", None) else "attention sinks"
-            raise ValueError(f"{name}: {module_name} uses {what}, which ring attention does not honour; use cp=1")
         if hasattr(module, "is_causal") and hasattr(module, "scaling") and not module.is_causal:
             raise ValueError(f"{name}: {module_name} is not causal; ring attention here is causal only; use cp=1")
 
@@ -116,20 +116,14 @@ def apply_context_parallel(model: nn.Module, *, group: ProcessGroup, layout: Chu
                              "pm.train_step or pm.eval_step")
         if dropout:
             raise ValueError(f"cp > 1: attention dropout {dropout} is not supported by ring attention")
-        length = attention_mask.shape[-1]
-        if sliding_window is not None and sliding_window < length:  # a window as long as the sequence is no window
-            raise ValueError(f"cp > 1: {type(module).__name__} attends within a sliding window of {sliding_window} tokens, "
-                             f"shorter than the sequence ({length}); ring attention does not honour windows; use cp=1 "
-                             f"or sequences of at most {sliding_window} tokens")
-        for extra in ("softcap", "s_aux", "sinks"):
-            if kwargs.get(extra) is not None:
-                raise ValueError(f"cp > 1: {type(module).__name__} passes {extra!r} to attention, which ring attention "
-                                 f"does not compute; use cp=1")
         masked = attention_mask.shape[2] == 2  # (documents, valid); else one document, nothing padded
         valid = attention_mask[:, 0, -1]
+        # the layer's own window (transformers passes None on full-attention layers), Gemma 2's logit
+        # softcapping and gpt-oss's attention sinks (``s_aux``), all computed by the ring exactly
         out = ring_attention(query, key, value, documents=attention_mask[:, 0, 0] if masked else torch.zeros_like(valid),
                              valid=valid, layout=layout, group=group, masked=masked,
-                             scaling=scaling or 1.0 / math.sqrt(query.shape[-1]))
+                             scaling=scaling or 1.0 / math.sqrt(query.shape[-1]), window=sliding_window,
+                             softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
         return out.transpose(1, 2).contiguous(), None
 
     # transformers' registry is global; the name is this model's own, so models never share state

@@ -35,6 +35,7 @@ per attention call are (cp-1) key/value blocks forward and cp blocks with their 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,18 +74,33 @@ class RingBlock:
     causal: bool  # the same positions on both sides, increasing: the kernel's causal mask is the global one
 
 
-def ring_block(layout: ChunkLayout, *, rank: int, owner: int, chunk: int) -> RingBlock | None:
-    """What ``rank``'s queries compute against ``owner``'s keys under the causal mask, or None when
-    every key comes after every query. The rows and columns are those of the chunk pairs with a
-    visible key; the causal staircase makes them one rectangle."""
+def ring_block(layout: ChunkLayout, *, rank: int, owner: int, chunk: int, window: int | None = None) -> RingBlock | None:
+    """What ``rank``'s queries compute against ``owner``'s keys under the causal mask (and, with a
+    sliding ``window``, transformers' ``key > query - window``), or None when no query sees any key
+    of the block: with a window, a block wholly before every query's window is skipped, no kernel
+    call. The rows and columns are those of the chunk pairs with a visible key (one rectangle: the
+    pairs of two chunks each). The rectangle needs no mask when every key in it is visible to every
+    query; the kernel's causal flag serves when both sides hold the same positions and the window
+    cuts nothing in it."""
     mine, theirs = layout.chunks(rank), layout.chunks(owner)
-    pairs = [(qi, ki) for qi, qc in enumerate(mine) for ki, kc in enumerate(theirs) if kc <= qc]
+    reach = float("inf") if window is None else window  # visible: 0 <= query - key < reach
+
+    def nearest(qc: int, kc: int) -> int:  # the smallest query - key distance of a chunk pair
+        return (qc - kc - 1) * chunk + 1 if kc < qc else 0
+
+    def farthest(qc: int, kc: int) -> int:
+        return (qc - kc + 1) * chunk - 1
+
+    pairs = [(qi, ki) for qi, qc in enumerate(mine) for ki, kc in enumerate(theirs)
+             if kc <= qc and nearest(qc, kc) < reach]
     if not pairs:
         return None
     q0, q1 = min(p[0] for p in pairs), max(p[0] for p in pairs) + 1
     k0, k1 = min(p[1] for p in pairs), max(p[1] for p in pairs) + 1
+    rect = [(qc, kc) for qc in mine[q0:q1] for kc in theirs[k0:k1]]
     return RingBlock(queries=slice(q0 * chunk, q1 * chunk), keys=slice(k0 * chunk, k1 * chunk),
-                     full=max(theirs[k0:k1]) < min(mine[q0:q1]), causal=mine[q0:q1] == theirs[k0:k1])
+                     full=all(kc < qc and farthest(qc, kc) < reach for qc, kc in rect),
+                     causal=mine[q0:q1] == theirs[k0:k1] and all(farthest(qc, kc) < reach for qc, kc in rect if kc <= qc))
 
 
 def needs_mask(*, documents: torch.Tensor, valid: torch.Tensor) -> bool:
@@ -93,9 +109,10 @@ def needs_mask(*, documents: torch.Tensor, valid: torch.Tensor) -> bool:
 
 
 def _mask(plan: RingBlock, *, layout: ChunkLayout, rank: int, owner: int, documents: torch.Tensor,
-          valid: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+          valid: torch.Tensor, dtype: torch.dtype, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(additive mask [b, 1, rows, columns] with -inf where a key is hidden, whether each query row
-    [b, rows] sees any key): causal by global position, within a document, valid keys only."""
+    [b, rows] sees any key): causal by global position, within the window, within a document, valid
+    keys only."""
     length, device = documents.shape[1], documents.device
     at_q = layout.positions(rank, length, device=device)[plan.queries]
     at_k = layout.positions(owner, length, device=device)[plan.keys]
@@ -104,6 +121,8 @@ def _mask(plan: RingBlock, *, layout: ChunkLayout, rank: int, owner: int, docume
     visible &= valid[:, None, at_k].bool()
     if not plan.full:
         visible &= at_k[None, None, :] <= at_q[None, :, None]
+        if window is not None:
+            visible &= at_k[None, None, :] > at_q[None, :, None] - window
     mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(visible.logical_not(), _NEG_INF)
     return mask[:, None], visible.any(dim=-1)
 
@@ -171,8 +190,52 @@ def _efficient_backward(grad_out, q, k, v, out, lse, causal, mask, scale):
     return dq, dk, dv
 
 
-def kernels(query: torch.Tensor, *, masked: bool) -> tuple[Forward, Backward]:
-    """The fused attention (forward, backward) for a block of ``query``'s device and dtype."""
+def _capped_scores(q, k, causal, mask, scale, cap):
+    """(softcapped scores with the masks applied [b, h, rows, cols], tanh of the raw scores over
+    ``cap``), in float32; k/v expanded to the query heads."""
+    raw = torch.matmul(q.float(), _heads(k, q.shape[1]).float().transpose(-1, -2)) * scale
+    tanh = torch.tanh(raw / cap)
+    scores = tanh * cap
+    if causal:  # the same positions on both sides: the upper triangle is the future
+        rows, cols = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(rows, cols, dtype=torch.bool, device=q.device).triu(1), _NEG_INF)
+    if mask is not None:
+        scores = scores + mask.float()
+    return scores, tanh
+
+
+def _softcap_forward(q, k, v, causal, mask, scale, *, cap):
+    scores, _ = _capped_scores(q, k, causal, mask, scale, cap)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = (scores - lse.masked_fill(lse == _NEG_INF, 0.0).unsqueeze(-1)).exp()  # rows with no key: all 0
+    return torch.matmul(probs, _heads(v, q.shape[1]).float()).to(q.dtype), lse
+
+
+def _softcap_backward(grad_out, q, k, v, out, lse, causal, mask, scale, *, cap):
+    """Flash attention's backward with the global ``lse`` and output, through ``cap * tanh(s / cap)``."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    scores, tanh = _capped_scores(q, k, causal, mask, scale, cap)
+    probs = (scores - lse.unsqueeze(-1)).exp()
+    grad_out = grad_out.float()
+    grad_v = torch.matmul(probs.transpose(-1, -2), grad_out)
+    grad_p = torch.matmul(grad_out, _heads(v, heads).float().transpose(-1, -2))
+    delta = (grad_out * out.float()).sum(dim=-1, keepdim=True)
+    grad_s = probs * (grad_p - delta) * (1 - tanh * tanh) * scale  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
+    grad_q = torch.matmul(grad_s, _heads(k, heads).float())
+    grad_k = torch.matmul(grad_s.transpose(-1, -2), q.float())
+    if kv_heads != heads:  # each KV head's gradient is the sum over the query heads it served
+        grad_k, grad_v = (g.unflatten(1, (kv_heads, heads // kv_heads)).sum(dim=2) for g in (grad_k, grad_v))
+    return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
+
+
+def kernels(query: torch.Tensor, *, masked: bool, softcap: float | None = None) -> tuple[Forward, Backward]:
+    """The fused attention (forward, backward) for a block of ``query``'s device and dtype. With
+    ``softcap`` (Gemma 2's ``cap * tanh(scores / cap)`` before the softmax) no fused kernel of torch
+    computes it, on CPU or CUDA (flex attention's score_mod does, but returns no backward from a
+    given global log-sum-exp, which the ring's merge needs): the block is computed from its float32
+    scores, [b, heads, rows, columns] for the block's one call."""
+    if softcap is not None:
+        return (functools.partial(_softcap_forward, cap=softcap), functools.partial(_softcap_backward, cap=softcap))
     if query.device.type == "cpu":
         return _cpu_forward, _cpu_backward
     if query.device.type == "cuda":
@@ -212,8 +275,8 @@ class _RingAttention(torch.autograd.Function):
     """Forward: fused attention per ring step, merged by log-sum-exp; backward: the ring again, fused backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, documents, valid, layout: ChunkLayout, group: ProcessGroup, scaling: float,
-                masked: bool, events: list | None):
+    def forward(ctx, q, k, v, sinks, documents, valid, layout: ChunkLayout, group: ProcessGroup, scaling: float,
+                masked: bool, events: list | None, window: int | None, softcap: float | None):
         rank, size, chunk = dist.get_rank(group), layout.size, q.shape[2] // 2
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], _NEG_INF, dtype=torch.float32, device=q.device)
@@ -222,11 +285,12 @@ class _RingAttention(torch.autograd.Function):
             incoming, works = _exchange(block, group) if step < size - 1 else (None, [])
             started = time.perf_counter()
             owner = (rank - step) % size
-            plan = ring_block(layout, rank=rank, owner=owner, chunk=chunk)
+            plan = ring_block(layout, rank=rank, owner=owner, chunk=chunk, window=window)
             if plan is not None:
                 mask, seen = (_mask(plan, layout=layout, rank=rank, owner=owner, documents=documents, valid=valid,
-                                    dtype=q.dtype) if masked or not (plan.full or plan.causal) else (None, None))
-                attend, _ = kernels(q, masked=mask is not None)
+                                    dtype=q.dtype, window=window) if masked or not (plan.full or plan.causal)
+                              else (None, None))
+                attend, _ = kernels(q, masked=mask is not None, softcap=softcap)
                 rows, cols = plan.queries, plan.keys
                 block_out, block_lse = attend(q[:, :, rows], block[0][:, :, cols], block[1][:, :, cols],
                                               plan.causal, mask, scaling)
@@ -236,21 +300,30 @@ class _RingAttention(torch.autograd.Function):
             if events is not None:
                 events.append(("forward", step, started, computed, time.perf_counter()))
             block = incoming if incoming is not None else block
+        if sinks is not None:  # one more logit per head in every row's softmax, with no value: it only scales
+            total = torch.logaddexp(lse, sinks.float()[None, :, None])
+            out.mul_((lse - total).exp().unsqueeze(-1))
+            lse = total
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, documents, valid, out, lse)
+        ctx.save_for_backward(q, k, v, sinks, documents, valid, out, lse)
         ctx.layout, ctx.group, ctx.scaling, ctx.masked, ctx.events = layout, group, scaling, masked, events
+        ctx.window, ctx.softcap = window, softcap
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, documents, valid, out, lse = ctx.saved_tensors
-        layout, group, scaling, masked = ctx.layout, ctx.group, ctx.scaling, ctx.masked
+        q, k, v, sinks, documents, valid, out, lse = ctx.saved_tensors
+        layout, group, scaling, masked, window = ctx.layout, ctx.group, ctx.scaling, ctx.masked, ctx.window
         rank, size, chunk = dist.get_rank(group), layout.size, q.shape[2] // 2
         # A query that sees no key anywhere (padding) got zeros: no gradient, whatever arrives for it,
         # and a finite lse so that the kernel's exp(score - lse) is 0 rather than NaN.
         seen = lse > _NEG_INF
         grad_out = grad_out.masked_fill(~seen.unsqueeze(-1), 0.0) if masked else grad_out
         lse = lse.masked_fill(~seen, 0.0)
+        grad_sinks = None
+        if sinks is not None:  # the sink's probability times (its value's product with dO, 0, minus rowsum(dO * O))
+            delta = (grad_out.float() * out.float()).sum(dim=-1)
+            grad_sinks = -((sinks.float()[None, :, None] - lse).exp() * delta).sum(dim=(0, 2)).to(sinks.dtype)
         grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         block = torch.stack([k, v])
         # The accumulator of the block in hand arrives from the previous rank while this rank computes
@@ -260,11 +333,11 @@ class _RingAttention(torch.autograd.Function):
             incoming, works = _exchange(block, group) if step < size - 1 else (None, [])
             started = time.perf_counter()
             owner = (rank - step) % size
-            plan = ring_block(layout, rank=rank, owner=owner, chunk=chunk)
+            plan = ring_block(layout, rank=rank, owner=owner, chunk=chunk, window=window)
             if plan is not None:
                 mask = (_mask(plan, layout=layout, rank=rank, owner=owner, documents=documents, valid=valid,
-                              dtype=q.dtype)[0] if masked or not (plan.full or plan.causal) else None)
-                _, attend_backward = kernels(q, masked=mask is not None)
+                              dtype=q.dtype, window=window)[0] if masked or not (plan.full or plan.causal) else None)
+                _, attend_backward = kernels(q, masked=mask is not None, softcap=ctx.softcap)
                 rows, cols = plan.queries, plan.keys
                 grad_q_i, grad_k_i, grad_v_i = attend_backward(
                     grad_out[:, :, rows], q[:, :, rows], block[0][:, :, cols], block[1][:, :, cols], out[:, :, rows],
@@ -282,22 +355,27 @@ class _RingAttention(torch.autograd.Function):
                 ctx.events.append(("backward", step, started, computed, time.perf_counter()))
             block = incoming if incoming is not None else block
         _wait(grad_works)
-        return (grad_q.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None, None, None,
-                None)
+        return (grad_q.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), grad_sinks, None, None, None, None,
+                None, None, None, None, None)
 
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, documents: torch.Tensor,
                    valid: torch.Tensor, layout: ChunkLayout, group: ProcessGroup, scaling: float,
-                   masked: bool | None = None, events: list | None = None) -> torch.Tensor:
+                   masked: bool | None = None, events: list | None = None, window: int | None = None,
+                   softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence's keys.
 
     ``query`` is [b, heads, s, d] and ``key``/``value`` [b, kv_heads, s, d] for this rank's
     ``s = 2 * chunk`` tokens (``layout``); ``documents`` and ``valid`` are [b, sequence] for the whole
     sequence (document index of each token, and whether it may be attended to). ``masked`` says
     whether the batch has several documents in a sequence or padding (``needs_mask``; looked up here,
-    one host sync, when None). Returns [b, heads, s, d] in the query's dtype. ``events`` (a list)
-    receives one ``(pass, step, started, computed, received)`` time record per ring step, for a
-    timeline."""
+    one host sync, when None). ``window``: a sliding window (key > query - window, transformers'
+    rule); ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the softmax;
+    ``sinks`` [heads] (gpt-oss): one more logit per head in every query's softmax, attached to no
+    value (its gradient is this rank's queries' share; the sum over cp is the data-parallel one). Returns
+    [b, heads, s, d] in the query's dtype. ``events`` (a list) receives one ``(pass, step, started,
+    computed, received)`` time record per ring step, for a timeline."""
     if masked is None:
         masked = needs_mask(documents=documents, valid=valid)
-    return _RingAttention.apply(query, key, value, documents, valid, layout, group, scaling, masked, events)
+    return _RingAttention.apply(query, key, value, sinks, documents, valid, layout, group, scaling, masked, events,
+                                window, softcap)
