@@ -91,6 +91,9 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
                          f"the list of blocks; pass policy=ModelPolicy(...)")
     tp_plan, problems = _translate(base, config, hf_plan)
     rowwise_parents = {p.rpartition(".")[0] for p, style in tp_plan.items() if style == Style.ROWWISE}
+    # a module ending in a row layer on a gathered input (colwise_gather, then rowwise_split) may be an
+    # entry too; its activations are whole between the two, so it is no tp-local rng region
+    row_parents = rowwise_parents | {p.rpartition(".")[0] for p, style in tp_plan.items() if style == Style.ROWWISE_SPLIT}
 
     # The embedding and the LM head are sharded over the vocabulary when qn_hf reproduces their class
     # exactly (qn_hf.tensor_parallel.embedding_types); anything else stays whole, which is always correct.
@@ -118,7 +121,7 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
         tp_plan=tp_plan,
         head_plan=head_plan,
         attr_patches={f"{p}.num_key_value_groups": "local_kv_groups" for p in attention},
-        tp_entries=derive_entries(base, sorted(rowwise_parents),
+        tp_entries=derive_entries(base, sorted(row_parents),
                                   {p for p, style in tp_plan.items() if style in COLUMN_STYLES}),
         tp_rng_regions=tuple(sorted(rowwise_parents)),
         loss=loss,

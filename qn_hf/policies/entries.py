@@ -6,8 +6,12 @@ where sequence parallelism gathers the sequence, so derived policies find them h
 module an entry is how its ``forward`` uses its first argument, so that is read from the source:
 every use must be the argument of a call to one of its column-parallel submodules
 (``self.q_proj(hidden_states)``) or a read of its shape, dtype or device. Anything else (a
-replicated gate or router reading it, a helper function, a reassignment) means the argument has
-another consumer, whose input gradient would be summed over tp a second time: no entry then.
+replicated gate or router reading it, a helper function) means the argument has another consumer,
+whose input gradient would be summed over tp a second time: no entry then. A statement of the
+forward's own body that assigns the name anew (``hidden_states = self.fc1(hidden_states)``, as
+MLPs write it) ends the argument's life: what the name holds after it is not the argument, so later
+uses do not count; an assignment anywhere else (inside a branch or loop) is refused, since which
+uses then read the argument depends on the path taken.
 """
 
 from __future__ import annotations
@@ -53,18 +57,26 @@ def feeds_only(module: nn.Module, columns: set[str]) -> bool:
     arg = tree.args.args[1].arg
     parents = {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
     used = False
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.Name) or node.id != arg:
-            continue
-        if not isinstance(node.ctx, ast.Load):
-            return False  # reassigned: later uses read something else
-        parent = parents.get(node)
-        if isinstance(parent, ast.Attribute) and parent.attr in _METADATA:
-            continue
-        if isinstance(parent, ast.Call) and node in parent.args and _self_path(parent.func) in columns:
-            used = True
-            continue
-        return False
+    for statement in tree.body:
+        rebinds = isinstance(statement, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == arg for t in statement.targets)
+        # a top-level ``arg = ...``: its value side still reads the argument, its target is the end
+        for node in ast.walk(statement.value if rebinds else statement):
+            if not isinstance(node, ast.Name) or node.id != arg:
+                continue
+            if not isinstance(node.ctx, ast.Load):
+                return False  # assigned inside a branch, loop or unpacking: which value a use reads depends
+            parent = parents.get(node)
+            if isinstance(parent, ast.Attribute) and parent.attr in _METADATA:
+                continue
+            if isinstance(parent, ast.Call) and node in parent.args and _self_path(parent.func) in columns:
+                used = True
+                continue
+            return False
+        if rebinds:
+            if any(not (isinstance(t, ast.Name) and t.id == arg) for t in statement.targets):
+                return False
+            break
     return used
 
 

@@ -65,8 +65,12 @@ from .styles import EMBEDDING_STYLES, Style
 
 # Rules outside the blocks that leave whole activations whole (the head gets the gathered output).
 _OUTSIDE_BLOCKS = {*EMBEDDING_STYLES, Style.VOCAB_COLWISE, Style.REPLICATE, Style.REPLICATE_GRAD_SUM}
-_INSIDE_ENTRIES = {Style.COLWISE, Style.COLWISE_KV, Style.COLWISE_PACKED2, Style.COLWISE_PACKED3, Style.ROWWISE,
-                   Style.REPLICATE, Style.REPLICATE_GRAD_SUM, Style.REPLICATE_AFTER_ROW}
+# colwise_gather and rowwise_split too (Phi-3's q|k|v, GLM's gate|up): the entry gathers the sequence
+# before the column layer, and the row layer reduce-scatters what it would all-reduce
+_INSIDE_ENTRIES = {Style.COLWISE, Style.COLWISE_KV, Style.COLWISE_PACKED2, Style.COLWISE_PACKED3, Style.COLWISE_GATHER,
+                   Style.ROWWISE, Style.ROWWISE_SPLIT, Style.REPLICATE, Style.REPLICATE_GRAD_SUM,
+                   Style.REPLICATE_AFTER_ROW}
+_ROWS = (Style.ROWWISE, Style.ROWWISE_SPLIT)
 
 
 def position_wise(module: nn.Module) -> bool:
@@ -105,7 +109,7 @@ def sequence_parallel_plan(model: nn.Module, plan: TpPlan, stage_plan: StagePlan
             raise ValueError(f"{why}: style {style!r} ({name}) is not supported with sequence parallelism; "
                              f"use sequence_parallel=False")
     for entry in entries:
-        if not any(style == Style.ROWWISE and n.startswith(entry + ".") for n, style in plan.rules):
+        if not any(style in _ROWS and n.startswith(entry + ".") for n, style in plan.rules):
             raise ValueError(f"{why}: tp entry {entry} has no rowwise layer to reduce-scatter its output; "
                              f"use sequence_parallel=False")
     blocks = [join(layers, str(i)) for i in range(len(model.get_submodule(layers)))]
@@ -127,7 +131,7 @@ def sequence_parallel_plan(model: nn.Module, plan: TpPlan, stage_plan: StagePlan
     if final is not None:
         sums += [join(final, p) for p, _ in model.get_submodule(final).named_parameters()]
     sums += [join(n, "bias") for n, style in plan.rules
-             if style == Style.ROWWISE and getattr(model.get_submodule(n), "bias", None) is not None]
+             if style in _ROWS and getattr(model.get_submodule(n), "bias", None) is not None]
     # a layer on a row layer's reduce-scattered output sees this rank's positions only (LoRA's B)
     sums += [join(n, p) for n, style in plan.rules if style == Style.REPLICATE_AFTER_ROW
              for p, _ in model.get_submodule(n).named_parameters()]
