@@ -8,17 +8,19 @@ attribute that ``repeat_kv`` reads) from the model's own structure.
 
 from __future__ import annotations
 
+import ast
 from torch import nn
 
 from ..peft.lora import names_before_peft
 from ..tensor_parallel.embedding_types import adapter_for
+from ..tensor_parallel.sequence_parallel import position_wise
 from ..tensor_parallel.heads import head_layout
 from ..tensor_parallel.patterns import base_model_and_prefix, match_modules, match_parameters
 from ..step.loss import LossKind
 from ..tensor_parallel.plan import ModelPolicy
 from ..tensor_parallel.styles import COLUMN_STYLES, HF_STYLES, PARAM_FORM, Style
-from .amendments import AMENDMENTS, PP_PLANS, REFUSALS
-from .entries import derive_entries
+from .amendments import AMENDMENTS, PP_PLANS, PP_REFUSALS, REFUSALS
+from .entries import derive_entries, forward_tree, self_path
 
 
 def _relative_name(root: nn.Module, module: nn.Module) -> str | None:
@@ -68,6 +70,63 @@ def _translate(base: nn.Module, config, hf_plan: dict[str, str]) -> tuple[dict[s
     return tp_plan, problems
 
 
+def _self_references(tree: ast.FunctionDef) -> dict[str, list[tuple[int, str]]]:
+    """Every ``self.<child>...`` the forward reads: child -> [(line, the rest of the path, "" if none)],
+    the outermost chain of each (``self.embed_tokens.weight.device`` once, as "weight.device")."""
+    parents = {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
+    found: dict[str, list[tuple[int, str]]] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or isinstance(parents.get(node), ast.Attribute):
+            continue
+        path = self_path(node)
+        if path is not None:
+            head, _, rest = path.partition(".")
+            found.setdefault(head, []).append((node.lineno, rest))
+    return found
+
+
+def derived_pp_cut(base: nn.Module, *, layers: str, embeddings: str | None) -> tuple[list[str], tuple[str, ...]]:
+    """What a pp plan would list for a base model transformers gives none (the embedding, the blocks,
+    the final norm), and what the base forward reads off the embedding besides calling it (a
+    weight's device: ``pp_entry_reads``), or ([], ()) where the model does not say it plainly.
+
+    Plain means, read from the base forward's source and its children: the input embedding is a
+    child; every child registered after the blocks is a norm over the features that the forward
+    uses only after its last mention of the blocks (the final norm: last stage only), or a
+    parameter-free rotary embedding (it builds the position tables every stage's blocks need).
+    NanoChat's norm also runs before the blocks: refused, as is anything whose place the source
+    does not tell."""
+    children = [name for name, _ in base.named_children()]
+    tree = forward_tree(base)
+    if tree is None or embeddings is None or embeddings not in children or layers not in children:
+        return [], ()
+    uses = _self_references(tree)
+    if not uses.get(layers):
+        return [], ()
+    last_block_use = max(line for line, _ in uses[layers])
+    after = []
+    for name in children[children.index(layers) + 1 :]:
+        module = getattr(base, name)
+        if position_wise(module) and not isinstance(module, (nn.Dropout, nn.Identity)):
+            if not uses.get(name) or min(line for line, _ in uses[name]) <= last_block_use:
+                return [], ()
+            after.append(name)
+        elif list(module.parameters()) or not all(type(m).__name__.endswith("RotaryEmbedding")
+                                                  for m in module.modules() if not isinstance(m, (nn.ModuleDict, nn.ModuleList))):
+            return [], ()  # rotary embeddings, or a list of them per layer kind (GraniteMoE-SWA): every stage
+    reads = set()
+    for _, rest in uses.get(embeddings, []):
+        holder, kept = getattr(base, embeddings), []
+        for attr in rest.split(".") if rest else []:
+            kept.append(attr)
+            holder = getattr(holder, attr, None)
+            if not isinstance(holder, nn.Module):
+                break  # a tensor or a plain value: the stand-in mirrors it
+        if kept and not isinstance(holder, nn.Module) and not callable(holder):
+            reads.add(".".join(kept))
+    return [embeddings, layers, *after], tuple(sorted(reads))
+
+
 def derive_policy(model: nn.Module) -> ModelPolicy | None:
     """A policy from ``config.base_model_tp_plan`` and ``base_model_pp_plan``, or None without them.
 
@@ -80,6 +139,7 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
         return None
     # where transformers' plan is incomplete or wrong for this architecture (amendments.py)
     added, refusal = AMENDMENTS.get(config.model_type, {}), REFUSALS.get(config.model_type)
+    pp_refusal = PP_REFUSALS.get(config.model_type)
     hf_plan = {**hf_plan, **added}
     base, _ = base_model_and_prefix(model)
     layers = next((n for n in pp_plan if isinstance(getattr(base, n, None), nn.ModuleList)), None)
@@ -108,8 +168,11 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
         loss = LossKind.CAUSAL_LM
 
     # Pipeline cut points from transformers' pp plan: the entry is the input embedding; whatever
-    # comes after the blocks (the final norm) is last-stage only. Without a pp plan, no pp.
-    order = list(pp_plan)
+    # comes after the blocks (the final norm) is last-stage only. Without a pp plan, from the order
+    # the base model registers its children in, where that order says no less (derived_pp_order).
+    order, entry_reads = list(pp_plan), ()
+    if not order:
+        order, entry_reads = derived_pp_cut(base, layers=layers, embeddings=embeddings)
     after_layers = [n for n in order[order.index(layers) + 1 :] if isinstance(getattr(base, n, None), nn.Module)] if layers in order else []
 
     attention = [p for p in rowwise_parents if any(hasattr(base.get_submodule(n), "num_key_value_groups")
@@ -128,8 +191,10 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
         forward_kwargs={"use_cache": False},
         num_kv_heads_key=kv_key,
         pp_entry=embeddings if layers in order else None,
+        pp_entry_reads=entry_reads,
         pp_last={n: "identity" for n in after_layers},
         transformers_plan=True,
+        pp_refusal=f"{config.model_type}: {pp_refusal}" if pp_refusal else None,
         tp_refusal=(f"transformers' tp plan for {config.model_type!r}: {refusal}" if refusal else
                     f"transformers' tp plan for {config.model_type!r} uses {', '.join(problems)}, which qn_hf does not "
                     f"support" if problems else None),

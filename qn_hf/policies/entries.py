@@ -28,7 +28,7 @@ from ..tensor_parallel.patterns import match_modules
 _METADATA = {"shape", "dtype", "device", "size", "dim", "ndim"}
 
 
-def _self_path(node: ast.AST) -> str | None:
+def self_path(node: ast.AST) -> str | None:
     """``self.a.b`` -> ``"a.b"``; None for anything that is not an attribute chain on ``self``."""
     parts = []
     while isinstance(node, ast.Attribute):
@@ -39,7 +39,7 @@ def _self_path(node: ast.AST) -> str | None:
     return None
 
 
-def _forward_tree(module: nn.Module) -> ast.FunctionDef | None:
+def forward_tree(module: nn.Module) -> ast.FunctionDef | None:
     try:
         source = textwrap.dedent(inspect.getsource(type(module).forward))
     except (OSError, TypeError):
@@ -51,7 +51,7 @@ def _forward_tree(module: nn.Module) -> ast.FunctionDef | None:
 def feeds_only(module: nn.Module, columns: set[str]) -> bool:
     """Whether ``module.forward`` uses its first argument only as an argument of calls to the
     submodules named in ``columns`` (paths relative to ``module``) or for its metadata."""
-    tree = _forward_tree(module)
+    tree = forward_tree(module)
     if tree is None or len(tree.args.args) < 2:
         return False
     arg = tree.args.args[1].arg
@@ -69,7 +69,7 @@ def feeds_only(module: nn.Module, columns: set[str]) -> bool:
             parent = parents.get(node)
             if isinstance(parent, ast.Attribute) and parent.attr in _METADATA:
                 continue
-            if isinstance(parent, ast.Call) and node in parent.args and _self_path(parent.func) in columns:
+            if isinstance(parent, ast.Call) and node in parent.args and self_path(parent.func) in columns:
                 used = True
                 continue
             return False
