@@ -7,7 +7,7 @@ NPROC ?= 8
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.qn_hf-installed
 
-.PHONY: demo test test-unit test-all bench results install clean zoo-table composition-table gpu-check
+.PHONY: demo test test-unit test-all bench results install clean zoo-table zoo-sweep composition-table gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ test-all: $(STAMP)
 # Print the README's composition table from qn_hf/config/composition.py (test_composition checks they agree).
 composition-table: $(STAMP)
 	$(BIN)/python -c "from qn_hf.config.composition import markdown; print(markdown(), end='')"
+
+# The zoo's full sweep: every type at the sp, cp2, ep2, tp2ep2 and pp2v2 columns (make test runs
+# them for a few types only; test-all runs them too).
+zoo-sweep: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m long tests/test_zoo.py
 
 # Rerun the model zoo and rewrite tests/zoo_expected.json and the README's zoo table from the results.
 zoo-table: $(STAMP)

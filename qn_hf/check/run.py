@@ -82,18 +82,21 @@ def _compare(pm, ref: torch.nn.Module, config, out_dir: str) -> list[tuple[str, 
 
 
 def one_step_parity(*, config: dict, dp: int = 1, tp: int = 1, pp: int = 1, microbatches: int | None = None,
-                    seed: int = 0, mesh=None, out_dir: str | None = None, policy=None, ep: int = 1) -> dict:
+                    seed: int = 0, mesh=None, out_dir: str | None = None, policy=None, ep: int = 1, cp: int = 1,
+                    sequence_parallel: bool = False, virtual_stages: int = 1) -> dict:
     """Run on every rank. ``config`` is ``PretrainedConfig.to_dict()`` output, ``policy`` an optional
     ``ModelPolicy`` (default: qn_hf's choice); returns a ``Verdict`` as a dict on rank 0 (the others
-    return theirs without the weight comparison)."""
+    return theirs without the weight comparison). ``virtual_stages`` > 1 runs interleaved 1F1B."""
     import qn_hf  # late: qn_hf.check is imported by the CLI before any process group exists
 
     config_obj = transformers.AutoConfig.for_model(**config)
-    microbatches = microbatches or max(1, pp)
+    microbatches = microbatches or max(1, pp * virtual_stages)
     model = build(config_obj, seed=seed)
     ref = copy.deepcopy(model)
     try:
-        pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches, mesh=mesh, policy=policy)
+        pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, microbatches=microbatches, mesh=mesh,
+                               policy=policy, sequence_parallel=sequence_parallel, virtual_stages=virtual_stages,
+                               schedule="interleaved_1f1b" if virtual_stages > 1 else "1f1b")
     except ValueError as e:  # raised identically on every rank, before any collective
         return asdict(Verdict(verdict="refused", reason=str(e)))
     batch = _batch(config_obj, rows=dp * ROWS_PER_MICROBATCH * microbatches, seed=seed + 1)

@@ -7,11 +7,46 @@ The table is written from the zoo test's own results (``make zoo-table``), never
 from __future__ import annotations
 
 import re
+from dataclasses import asdict, dataclass
 
-# The meshes every zoo model is checked at (name -> (dp, tp, pp)); MESH_FEW only for ZOO_FEW.
-MESHES = {"tp2": (1, 2, 1), "pp2": (1, 1, 2)}
-MESH_FEW = {"tp2pp2": (1, 2, 2)}
-ZOO_FEW = ("qwen3", "gemma3_text", "mixtral", "deepseek_v3", "phi3", "olmo3", "qwen3_next", "qwen3_moe")
+
+@dataclass(frozen=True)
+class ZooMesh:
+    """One column of the zoo: the mesh and features a model trains one step at. ``moe``: the column
+    applies to mixture-of-experts types only (the cell of any other type stays empty)."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    virtual_stages: int = 1
+    moe: bool = False
+
+    @property
+    def size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def parity_kwargs(self) -> dict:
+        """The keywords of ``one_step_parity`` (without the mesh object)."""
+        return {k: v for k, v in asdict(self).items() if k != "moe"}
+
+
+# Every model type at MESHES in ``make test``; MESH_FEW and the SWEEP columns there for ZOO_FEW
+# only, and for every type under ``make zoo-sweep`` (tests marked long).
+MESHES = {"tp2": ZooMesh(tp=2), "pp2": ZooMesh(pp=2)}
+MESH_FEW = {"tp2pp2": ZooMesh(tp=2, pp=2)}
+SWEEP = {
+    "sp": ZooMesh(tp=2, sequence_parallel=True),
+    "cp2": ZooMesh(cp=2),
+    "ep2": ZooMesh(dp=2, ep=2, moe=True),
+    "tp2ep2": ZooMesh(tp=2, ep=2, moe=True),
+    "pp2v2": ZooMesh(pp=2, virtual_stages=2),
+}
+COLUMNS = {**MESHES, **MESH_FEW, **SWEEP}
+ZOO_FEW = ("qwen3", "gemma3_text", "mixtral", "deepseek_v3", "phi3", "olmo3", "qwen3_next", "qwen3_moe", "gemma2",
+           "ministral")
 TABLE_START, TABLE_END = "<!-- zoo-table:start -->", "<!-- zoo-table:end -->"
 REASON_CHARS = 150  # a refusal's reason in the table is cut here (the test checks the whole text)
 
@@ -40,8 +75,24 @@ def has_pp_plan(model_type: str) -> bool:
     return bool(getattr(CONFIG_MAPPING[model_type](), "base_model_pp_plan", None))
 
 
-def meshes_for(model_type: str) -> dict[str, tuple[int, int, int]]:
-    return {**MESHES, **(MESH_FEW if model_type in ZOO_FEW else {})}
+def is_moe(model_type: str) -> bool:
+    """Whether the type's default config counts routed experts."""
+    from transformers import CONFIG_MAPPING
+
+    from ..expert_parallel.apply import counts_experts
+
+    return counts_experts(CONFIG_MAPPING[model_type]())
+
+
+def meshes_for(model_type: str, *, sweep: bool = True) -> dict[str, ZooMesh]:
+    """The columns a type is checked at: MESHES always; MESH_FEW for ZOO_FEW; the SWEEP columns (MoE
+    ones for MoE types only) for ZOO_FEW, or for every type with ``sweep``."""
+    few = model_type in ZOO_FEW
+    out = {**MESHES, **(MESH_FEW if few else {})}
+    if few or sweep:
+        moe = is_moe(model_type)
+        out.update({name: mesh for name, mesh in SWEEP.items() if moe or not mesh.moe})
+    return out
 
 
 def _cell(result: str | None) -> str:
@@ -56,7 +107,7 @@ def _cell(result: str | None) -> str:
 
 def render_table(results: dict[str, dict[str, str]]) -> str:
     """Markdown: one row per model type, one column per mesh; counts first."""
-    columns = [*MESHES, *MESH_FEW]
+    columns = list(COLUMNS)
     lines = []
     for mesh in columns:
         cells = [r[mesh] for r in results.values() if mesh in r]

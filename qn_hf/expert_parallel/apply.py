@@ -42,6 +42,12 @@ _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_n
 _SHARED = ("shared_expert", "shared_experts")
 
 
+def counts_experts(config) -> bool:
+    """Whether a (text) config counts routed experts: a mixture-of-experts architecture."""
+    text = config.get_text_config()
+    return any(isinstance(getattr(text, key, None), int) and getattr(text, key) > 1 for key in _EXPERT_COUNTS)
+
+
 def is_fused_experts(module: nn.Module) -> bool:
     """transformers' fused experts form: decorated by ``use_experts_implementation`` (which gives it
     ``_is_expert_parallel``) and every parameter stacked over ``num_experts`` along dim 0."""
