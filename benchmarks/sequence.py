@@ -3,6 +3,7 @@
     python benchmarks/sequence.py sp          # one Llama microbatch at sequence 8,192, tp=2, SP off/on
     python benchmarks/sequence.py cp          # the same microbatch at cp = 1, 2, 4: memory, ring bytes
     python benchmarks/sequence.py ring        # ring attention alone at cp=4: timeline, balanced vs contiguous
+    python benchmarks/sequence.py window      # ring attention in a sliding window at cp=4 vs full causal
 
 A tiny-width Llama (2 blocks, hidden 64, 4 heads over 2 KV heads, SDPA attention) runs one
 microbatch of 1 x 8,192 tokens, float32, on each tp rank. ``LiveAllocations`` records every
@@ -135,7 +136,8 @@ def cp(args: argparse.Namespace) -> None:
               f"{r['sent'] / 2**20:>10,.2f}{theory / 2**20:>12,.2f}")
 
 
-def ring_worker(rank: int, world: int, seq: int, balanced: bool, heads: int, head_dim: int) -> dict:
+def ring_worker(rank: int, world: int, seq: int, balanced: bool, heads: int, head_dim: int,
+                window: int | None = None) -> dict:
     import torch.distributed as dist
 
     from qn_hf.context_parallel.ring_attention import ChunkLayout, ring_attention
@@ -150,7 +152,7 @@ def ring_worker(rank: int, world: int, seq: int, balanced: bool, heads: int, hea
         dist.barrier()
         start = time.perf_counter()
         out = ring_attention(q, k, v, documents=ones * 0, valid=ones, layout=layout, group=dist.group.WORLD,
-                             scaling=head_dim ** -0.5, events=events)
+                             scaling=head_dim ** -0.5, events=events, window=window)
         out.sum().backward()
         total = time.perf_counter() - start
     events = [(p, s, a - start, b - start, c - start) for p, s, a, b, c in events]
@@ -211,14 +213,47 @@ def ring(args: argparse.Namespace) -> None:
     print(f"waiting for transfers after computing, per rank (s): {[round(w, 3) for w in waits]}; timeline {args.out}")
 
 
+def window(args: argparse.Namespace) -> None:
+    """A sliding window of ``--window`` tokens: which (query rows x key columns) each rank computes per
+    pass against the pairs its queries really see (each query sees min(position + 1, window) keys),
+    both layouts, and the measured forward + backward time against full causal attention."""
+    from qn_hf.context_parallel.ring_attention import ChunkLayout, ring_block
+
+    world, heads, head_dim, seq, w = 4, 4, 16, args.seq, args.window
+    chunk = seq // (2 * world)
+    print(f"ring attention, cp={world}, 1 x {seq} tokens, {heads} heads of {head_dim}, window {w}; per rank and pass: "
+          f"kernel calls, query x key elements computed (the calls' rectangles) and visible (exact: "
+          f"sum of min(p + 1, window) over its queries), forward + backward seconds ({world} ranks, {os.cpu_count()} cores)")
+    print(f"{'layout':<12}{'window':>8}{'calls':>16}{'computed (M)':>30}{'visible (M)':>30}{'max/mean':>10}"
+          f"{'seconds':>30}{'max/mean':>10}")
+    for balanced in (True, False):
+        layout = ChunkLayout(size=world, balanced=balanced)
+        for size in (w, None):
+            calls, computed, visible = [], [], []
+            for r in range(world):
+                plans = [ring_block(layout, rank=r, owner=o, chunk=chunk, window=size) for o in range(world)]
+                plans = [p for p in plans if p is not None]
+                calls.append(len(plans))
+                computed.append(sum((p.queries.stop - p.queries.start) * (p.keys.stop - p.keys.start) for p in plans))
+                at = layout.positions(r, seq)
+                visible.append(int((at + 1).clamp(max=size or seq).sum()))
+            ranks = _gather_ranks(ring_worker, world, (seq, balanced, heads, head_dim, size))
+            seconds = [r["total"] for r in ranks]
+            print(f"{'balanced' if balanced else 'contiguous':<12}{str(size):>8}{str(calls):>16}"
+                  f"{str([round(c / 1e6, 2) for c in computed]):>30}{str([round(v / 1e6, 2) for v in visible]):>30}"
+                  f"{max(computed) / (sum(computed) / world):>10.2f}{str([round(t, 3) for t in seconds]):>30}"
+                  f"{max(seconds) / (sum(seconds) / world):>10.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=("sp", "cp", "ring"))
+    parser.add_argument("part", choices=("sp", "cp", "ring", "window"))
+    parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--cps", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
     parser.add_argument("--out", default="results/cp_ring_timeline.png")
     args = parser.parse_args()
-    {"sp": sp, "cp": cp, "ring": ring}[args.part](args)
+    {"sp": sp, "cp": cp, "ring": ring, "window": window}[args.part](args)
 
 
 if __name__ == "__main__":

@@ -33,8 +33,9 @@ class ZooMesh:
         return {k: v for k, v in asdict(self).items() if k != "moe"}
 
 
-# Every model type at MESHES in ``make test``; MESH_FEW and the SWEEP columns there for ZOO_FEW
-# only, and for every type under ``make zoo-sweep`` (tests marked long).
+# Every model type at MESHES in ``make test``; MESH_FEW there for ZOO_FEW, the SWEEP columns for
+# SWEEP_FEW (a sliding-window + softcapped type, a windowed one, a fused-q|k|v one, an MoE one); the
+# rest under ``make zoo-sweep`` (tests marked long).
 MESHES = {"tp2": ZooMesh(tp=2), "pp2": ZooMesh(pp=2)}
 MESH_FEW = {"tp2pp2": ZooMesh(tp=2, pp=2)}
 SWEEP = {
@@ -45,8 +46,8 @@ SWEEP = {
     "pp2v2": ZooMesh(pp=2, virtual_stages=2),
 }
 COLUMNS = {**MESHES, **MESH_FEW, **SWEEP}
-ZOO_FEW = ("qwen3", "gemma3_text", "mixtral", "deepseek_v3", "phi3", "olmo3", "qwen3_next", "qwen3_moe", "gemma2",
-           "ministral")
+ZOO_FEW = ("qwen3", "gemma3_text", "mixtral", "deepseek_v3", "phi3", "olmo3", "qwen3_next", "qwen3_moe")
+SWEEP_FEW = ("gemma2", "ministral", "phi3", "qwen3_moe")
 TABLE_START, TABLE_END = "<!-- zoo-table:start -->", "<!-- zoo-table:end -->"
 REASON_CHARS = 150  # a refusal's reason in the table is cut here (the test checks the whole text)
 
@@ -86,10 +87,9 @@ def is_moe(model_type: str) -> bool:
 
 def meshes_for(model_type: str, *, sweep: bool = True) -> dict[str, ZooMesh]:
     """The columns a type is checked at: MESHES always; MESH_FEW for ZOO_FEW; the SWEEP columns (MoE
-    ones for MoE types only) for ZOO_FEW, or for every type with ``sweep``."""
-    few = model_type in ZOO_FEW
-    out = {**MESHES, **(MESH_FEW if few else {})}
-    if few or sweep:
+    ones for MoE types only) for SWEEP_FEW, or for every type with ``sweep``."""
+    out = {**MESHES, **(MESH_FEW if model_type in ZOO_FEW else {})}
+    if model_type in SWEEP_FEW or sweep:
         moe = is_moe(model_type)
         out.update({name: mesh for name, mesh in SWEEP.items() if moe or not mesh.moe})
     return out
