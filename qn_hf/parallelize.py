@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .step.compile import apply_compile
 from .context_parallel.apply import RingSwitch, apply_context_parallel
 from .expert_parallel.dispatch import ExpertRoute
-from .expert_parallel.apply import apply_expert_parallel, experts_modules
+from .expert_parallel.apply import apply_expert_parallel, sharded_experts
 from .peft.lora import unwrap_peft
 from .context_parallel.ring_attention import ChunkLayout
 from .data_parallel.buckets import DEFAULT_BUCKET_MB, GradBuckets, bucket_size_bytes
@@ -232,7 +232,7 @@ def _cast(b: Build) -> None:
 
 
 def _expert_parallel(b: Build) -> None:
-    experts = next(iter(experts_modules(b.model).values())).num_experts
+    experts = next(iter(sharded_experts(b.model).values())).num_experts
     # under sp the MoE blocks take this rank's slice, except while generate turns off the (later-made) switch
     split = (lambda: b.sp_switch.on) if b.plan.sequence_parallel else None
     route = ExpertRoute(experts=experts, ep=b.config.dims.ep, group=b.groups.ep, tp=b.groups.tp, tokens_split=split)

@@ -273,3 +273,30 @@ def ep_lora_parity(*, model_type: str, dp: int, tp: int, ep: int, targets: list[
     err = max((p.grad - _shard(pm, n, ref_params[n].grad)).abs().max().item() for n, p in trained)
     return {"loss": loss, "ref_loss": ref_loss.item(), "grad_err": err, "trained": len(trained),
             "experts_frozen": all(not p.requires_grad for n, p in pm.named_parameters() if ".experts." in n)}
+
+
+def stacked_ep_parity(*, model_type: str, dp: int, tp: int, ep: int) -> dict:
+    """One SGD step of a model whose experts take every token once per expert (Llama 4) at (dp, tp,
+    ep) against the plain model: loss, every gradient cut as this rank holds it, and the local experts."""
+    from qn_hf.expert_parallel.apply import sharded_experts
+
+    config = moe_config(model_type)
+    model = build(config, seed=0)
+    ref = copy.deepcopy(model)
+    pm = qn_hf.parallelize(model, dp=dp, tp=tp, ep=ep, mesh=mesh_for(dp, tp, 1))
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, config.get_text_config().vocab_size, (dp * ROWS, SEQ), generator=gen)
+    local = ids[pm.coords["dp"] * ROWS : (pm.coords["dp"] + 1) * ROWS]
+    loss = pm.train_step({"input_ids": local, "labels": local.clone()}).item()
+    ref_loss = ref(input_ids=ids, labels=ids, use_cache=False).loss
+    ref_loss.backward()
+    ref_params = dict(ref.named_parameters())
+    grad_err = 0.0
+    for name, p in pm.named_parameters():
+        spec = pm.specs.get(name)
+        full = ref_params[name].grad
+        expected = full if spec is None else spec.shard(full, pm.placement.shard_rank(spec))
+        grad_err = max(grad_err, (p.grad - expected).abs().max().item())
+    return {"loss": loss, "ref_loss": ref_loss.item(), "grad_err": grad_err,
+            "local_experts": sorted({m.gate_up_proj.shape[0] for m in sharded_experts(pm.module).values()}),
+            "experts": next(iter(sharded_experts(ref).values())).num_experts}

@@ -378,6 +378,11 @@ def test_planner_refuses_expert_parallelism_as_parallelize_does():
     sharded, whole = (estimate_mesh(moe, dp=2, tp=2, pp=1, ep=2, zero=zero, microbatches=1, seq_len=128,
                                     micro_batch_size=1).stages[0].optimizer_bytes for zero in (True, False))
     assert abs(sharded - whole / 2) <= 0.02 * whole, (sharded, whole)
+    # Llama 4's experts (every token once per expert): parallelize shards them, the planner says it
+    # does not trace their dispatch rather than guess
+    llama4 = moe_config("llama4_text")
+    with pytest.raises(ValueError, match=r"ep=2: the planner models the dispatch of transformers' fused experts only"):
+        estimate_mesh(llama4, dp=2, tp=1, pp=1, ep=2, microbatches=1, seq_len=16, micro_batch_size=1)
 
 
 def test_cli_plans_expert_parallelism(tmp_path, capsys):

@@ -1,7 +1,8 @@
 """Expert parallelism (``parallelize(..., ep=N)``): each of N ranks of a stage's dp x tp grid holds a
 contiguous block of every MoE layer's experts, whole, and tokens travel to them (expert_dispatch.py).
 
-What is sharded is transformers' fused experts module: a module decorated with
+What is sharded is transformers' fused experts module (or experts stacked the same way that take
+every token once per expert, Llama 4's: ``stacked.py``): a module decorated with
 ``@use_experts_implementation`` whose every parameter stacks the experts along dim 0
 (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``, biases where the architecture has them), called
 as ``experts(hidden [T, H], top_k_index [T, K], top_k_weights [T, K])``. Its forward stays
@@ -27,6 +28,7 @@ from __future__ import annotations
 from torch import nn
 
 from .dispatch import ExpertRoute, expert_parallel_forward
+from .stacked import is_stacked_experts, stacked_expert_hooks
 from ..mesh import Axis, ParallelDims
 from ..peft.lora import ParamLora, is_lora_layer, lora_layer_names, param_loras, without_wrappers
 from ..tensor_parallel.plan import TpPlan
@@ -62,18 +64,23 @@ def experts_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if is_fused_experts(m)}
 
 
+def sharded_experts(model: nn.Module) -> dict[str, nn.Module]:
+    """Every experts module ep shards by name: fused ones and stacked ones (``stacked.py``)."""
+    return {name: m for name, m in model.named_modules() if is_fused_experts(m) or is_stacked_experts(m)}
+
+
 def experts_roots(model: nn.Module) -> dict[str, nn.Module]:
-    """The fused experts modules by the name of what stands in their place: the module's own name,
+    """The experts modules ep shards by the name of what stands in their place: the module's own name,
     or for experts under LoRA wrappers (module docstring) the outermost wrapper's."""
     wrappers = lora_layer_names(model)
-    return {without_wrappers(name, wrappers): module for name, module in experts_modules(model).items()}
+    return {without_wrappers(name, wrappers): module for name, module in sharded_experts(model).items()}
 
 
 def expert_parameter_names(model: nn.Module) -> frozenset[str]:
     """Names of the parameters ep cuts into expert blocks: every parameter of a fused experts module
     and the LoRA factors of those parameters."""
     loras = param_loras(model)
-    names = {f"{name}.{p}" for name, module in experts_modules(model).items() for p, _ in module.named_parameters()}
+    names = {f"{name}.{p}" for name, module in sharded_experts(model).items() for p, _ in module.named_parameters()}
     return frozenset(names | {lora.factor(part, a) for n in names if (lora := loras.get(n)) is not None
                               for a in lora.adapters for part in ("lora_A", "lora_B")})
 
@@ -84,7 +91,7 @@ def _unfused_experts(model: nn.Module) -> list[str]:
     for name, module in model.named_modules():
         if is_lora_layer(module):
             continue  # a LoRA wrapper stands where the experts were; the module itself is checked below it
-        if name.rpartition(".")[2] == EXPERTS_MODULE and not is_fused_experts(module):
+        if name.rpartition(".")[2] == EXPERTS_MODULE and not (is_fused_experts(module) or is_stacked_experts(module)):
             found.append(f"{name} ({type(module).__name__})")
     return found
 
@@ -96,10 +103,11 @@ def check_expert_parallel(model: nn.Module, *, dims: ParallelDims, plan: TpPlan)
     model_type = model.config.model_type
     unfused = _unfused_experts(model)
     if unfused:
-        raise ValueError(f"ep={dims.ep}: {model_type}'s experts {unfused[0]} are not transformers' fused experts form "
-                         f"(one module with 3-D gate_up_proj/down_proj, @use_experts_implementation), which expert "
-                         f"parallelism shards; use ep=1 (tp shards its experts)")
-    found = experts_modules(model)
+        raise ValueError(f"ep={dims.ep}: {model_type}'s experts {unfused[0]} are neither transformers' fused experts "
+                         f"form (one module with 3-D gate_up_proj/down_proj, @use_experts_implementation) nor experts "
+                         f"stacked on dim 0 called with every expert's rows (Llama 4), which expert parallelism "
+                         f"shards; use ep=1 (tp shards its experts)")
+    found = sharded_experts(model)
     if not found:
         counts = {k: getattr(model.config.get_text_config(), k, None) for k in _EXPERT_COUNTS}
         why = "has no mixture-of-experts layers" if not any(counts.values()) else "has no fused experts module"
@@ -131,7 +139,7 @@ def apply_expert_parallel(model: nn.Module, *, route: ExpertRoute, ep_rank: int)
     calls through the ep dispatch; return the specs of the sharded parameters by name."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
 
-    found = experts_modules(model)
+    found = sharded_experts(model)
     loras = param_loras(model)
     specs: dict[str, ShardSpec] = {}
     for name, module in found.items():
@@ -143,7 +151,12 @@ def apply_expert_parallel(model: nn.Module, *, route: ExpertRoute, ep_rank: int)
             if lora is not None:
                 specs.update(_shard_expert_lora(model, lora, route=route, ep_rank=ep_rank))
         module.num_experts = route.local
-    first = next(iter(found.values()))
+        if is_stacked_experts(module):
+            stacked_expert_hooks(module, route=route)
+    fused = experts_modules(model)
+    if not fused:
+        return specs
+    first = next(iter(fused.values()))
     previous = first.config._experts_implementation
     local = ALL_EXPERTS_FUNCTIONS.get_interface(previous, type(first).forward.__wrapped__)
     # The registry is process-wide: a name of this model's own keeps two models (with different

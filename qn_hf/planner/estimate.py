@@ -50,7 +50,7 @@ from ..pipeline.schedule_check import peaks
 from ..pipeline.split import stage_of_module
 from ..tensor_parallel.plan import ModelPolicy
 from ..data_parallel.precision import GRAD_DTYPE, PRECISIONS, apply_mixed_precision
-from ..expert_parallel.apply import expert_parameter_names
+from ..expert_parallel.apply import expert_parameter_names, experts_modules, sharded_experts
 from ..config.composition import Feature
 from ..config.parallel_config import ParallelConfig
 from ..config.validate import check_parallel_config
@@ -227,6 +227,10 @@ class Planner:
         checked = check_parallel_config(self.model, config, policy=self.policy,
                                         extra=frozenset({Feature.ZERO}) if zero else frozenset())
         plan, stage_plan = checked.tp_plan, checked.stage_plan
+        if ep > 1 and len(sharded_experts(self.model)) != len(experts_modules(self.model)):
+            raise ValueError(f"ep={ep}: the planner models the dispatch of transformers' fused experts only; "
+                             f"{self.config.model_type}'s experts take every token once per expert (Llama 4's form), "
+                             f"whose all-to-alls it does not trace; plan at ep=1 or measure a run")
         split = sequence_split(cp=cp, tp=tp, sequence_parallel=plan.sequence_parallel)
         if split[0] > 1:  # train_step's check of the batch, on a meta batch of this length
             ids = torch.empty(self.micro_batch_size, self.seq_len, dtype=torch.long, device="meta")
