@@ -52,11 +52,27 @@ def causal_lm_config(config: transformers.PretrainedConfig) -> transformers.Pret
     return config if isinstance(config, model_class(config).config_class) else config.get_text_config()
 
 
+# Modules (by class name) that draw random numbers in training besides dropout: PhiMoE's router
+# samples its experts (sparsemixer). No split of the batch (dp, cp, ep) or of the layers (pp) draws
+# the numbers one process draws, any more than dropout masks, so the check runs them as in
+# evaluation on both sides (their deterministic top-k), as it runs dropout at 0.
+SAMPLES_IN_TRAINING = ("PhimoeTopKRouter",)
+
+
+def _sample_as_in_evaluation(module: torch.nn.Module, *_) -> None:
+    module.training = False  # before each call: train() sets it back
+
+
 def build(config: transformers.PretrainedConfig, *, seed: int) -> torch.nn.Module:
-    """The causal LM of ``config`` with seeded random weights."""
+    """The causal LM of ``config`` with seeded random weights (modules that sample in training run
+    as in evaluation: ``SAMPLES_IN_TRAINING``)."""
     config = causal_lm_config(config)
     torch.manual_seed(seed)
-    return model_class(config)(config).float()
+    model = model_class(config)(config).float()
+    for module in model.modules():
+        if type(module).__name__ in SAMPLES_IN_TRAINING:
+            module.register_forward_pre_hook(_sample_as_in_evaluation)
+    return model
 
 
 def _batch(config, *, rows: int, seed: int) -> dict[str, torch.Tensor]:

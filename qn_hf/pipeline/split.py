@@ -98,8 +98,6 @@ def build_stage_plan(
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(f"policy {policy.model_type}: layers {policy.layers!r} is not a ModuleList")
     ranges = split_layers(num_layers=len(layers), stages=stages, layers_per_stage=layers_per_stage, virtual=virtual)
-    if stages > 1 and policy.pp_refusal:
-        raise ValueError(f"pp={stages}: {policy.pp_refusal}; use pp=1 (data and tensor parallelism still apply)")
     if stages > 1 and policy.pp_entry is None:
         why = (f"transformers declares no base_model_pp_plan for {policy.model_type!r} and its base model's forward does "
                f"not show the cut points plainly (the embedding, the blocks, then only a final norm)"

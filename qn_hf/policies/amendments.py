@@ -19,12 +19,6 @@ AMENDMENTS: dict[str, dict[str, str]] = {
     "apertus": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
 }
 
-# model_type -> why pipeline parallelism is refused
-PP_REFUSALS: dict[str, str] = {
-    "phimoe": "its router samples experts at random in training (sparsemixer), so a later stage draws from another "
-              "point of the random stream than the same layers in one process: not comparable with the plain model",
-}
-
 # model_type -> why tensor parallelism is refused
 REFUSALS: dict[str, str] = {
     "doge": "it splits the attention's dt_proj rowwise, so every rank gets the dynamic mask of all "

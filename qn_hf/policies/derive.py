@@ -19,7 +19,7 @@ from ..tensor_parallel.patterns import base_model_and_prefix, match_modules, mat
 from ..step.loss import LossKind
 from ..tensor_parallel.plan import ModelPolicy
 from ..tensor_parallel.styles import COLUMN_STYLES, HF_STYLES, PARAM_FORM, Style
-from .amendments import AMENDMENTS, PP_PLANS, PP_REFUSALS, REFUSALS
+from .amendments import AMENDMENTS, PP_PLANS, REFUSALS
 from .entries import derive_entries, forward_tree, self_path
 
 
@@ -139,7 +139,6 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
         return None
     # where transformers' plan is incomplete or wrong for this architecture (amendments.py)
     added, refusal = AMENDMENTS.get(config.model_type, {}), REFUSALS.get(config.model_type)
-    pp_refusal = PP_REFUSALS.get(config.model_type)
     hf_plan = {**hf_plan, **added}
     base, _ = base_model_and_prefix(model)
     layers = next((n for n in pp_plan if isinstance(getattr(base, n, None), nn.ModuleList)), None)
@@ -194,7 +193,6 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
         pp_entry_reads=entry_reads,
         pp_last={n: "identity" for n in after_layers},
         transformers_plan=True,
-        pp_refusal=f"{config.model_type}: {pp_refusal}" if pp_refusal else None,
         tp_refusal=(f"transformers' tp plan for {config.model_type!r}: {refusal}" if refusal else
                     f"transformers' tp plan for {config.model_type!r} uses {', '.join(problems)}, which qn_hf does not "
                     f"support" if problems else None),

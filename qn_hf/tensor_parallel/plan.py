@@ -47,7 +47,7 @@ class ModelPolicy:
     module then gets its own copy of the config; other modules and saved configs keep the shared one).
     ``transformers_plan`` reads the plan with transformers' conventions: a rule may match nothing
     (an optional module) and a Linear inside a block that no rule names stays whole. ``tp_refusal`` is why this policy cannot shard
-    over tp (it still serves dp and pp), ``pp_refusal`` why it cannot cut the model into stages.
+    over tp (it still serves dp and pp).
     """
 
     model_type: str
@@ -67,7 +67,6 @@ class ModelPolicy:
     pp_last: Mapping[str, str] = field(default_factory=dict)
     transformers_plan: bool = False
     tp_refusal: str | None = None
-    pp_refusal: str | None = None
 
     def __post_init__(self) -> None:
         for pattern, style in {**self.tp_plan, **self.head_plan}.items():
