@@ -217,7 +217,7 @@ def window(args: argparse.Namespace) -> None:
     """A sliding window of ``--window`` tokens: which (query rows x key columns) each rank computes per
     pass against the pairs its queries really see (each query sees min(position + 1, window) keys),
     both layouts, and the measured forward + backward time against full causal attention."""
-    from qn_hf.context_parallel.ring_attention import ChunkLayout, ring_block
+    from qn_hf.context_parallel.ring_attention import ChunkLayout, ring_blocks
 
     world, heads, head_dim, seq, w = 4, 4, 16, args.seq, args.window
     chunk = seq // (2 * world)
@@ -231,8 +231,7 @@ def window(args: argparse.Namespace) -> None:
         for size in (w, None):
             calls, computed, visible = [], [], []
             for r in range(world):
-                plans = [ring_block(layout, rank=r, owner=o, chunk=chunk, window=size) for o in range(world)]
-                plans = [p for p in plans if p is not None]
+                plans = [p for o in range(world) for p in ring_blocks(layout, rank=r, owner=o, chunk=chunk, window=size)]
                 calls.append(len(plans))
                 computed.append(sum((p.queries.stop - p.queries.start) * (p.keys.stop - p.keys.start) for p in plans))
                 at = layout.positions(r, seq)

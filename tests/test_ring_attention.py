@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qn_hf.context_parallel.ring_attention import ChunkLayout, kernels, needs_mask, ring_block
+from qn_hf.context_parallel.ring_attention import ChunkLayout, kernels, needs_mask, ring_block, ring_blocks
 from tests.ring_cases import StridedLayout, batch_meta
 from tests import ring_cases
 
@@ -105,6 +105,7 @@ def test_ring_block_covers_exactly_the_causal_pairs(make, window):
                 if plan.causal:  # the kernel's causal mask: key index (in the call) <= query index
                     assert {(i, j) for i, j in rect if j - cols.start <= i - rows.start} == want, (size, rank, owner)
         if window is not None:
+            _check_window_calls(layout, size, chunk, window)
             continue
         plans = [ring_block(layout, rank=r, owner=o, chunk=chunk) for r in range(size) for o in range(size)]
         explicit = [p for p in plans if p is not None and not (p.full or p.causal)]
@@ -161,3 +162,23 @@ def kernels_for_cuda(q: torch.Tensor, *, masked: bool):
         dtype = q.dtype
 
     return kernels(OnCuda, masked=masked)
+
+
+def _check_window_calls(layout: ChunkLayout, size: int, chunk: int, window: int) -> None:
+    """``ring_blocks`` with a window: one call per chunk pair with a visible key, together exactly the
+    visible pairs; no mask only where every pair in the call is visible, the causal flag only where
+    it is the whole of them."""
+    for rank in range(size):
+        for owner in range(size):
+            want = _visible(layout, rank, owner, chunk, window)
+            covered = set()
+            for plan in ring_blocks(layout, rank=rank, owner=owner, chunk=chunk, window=window):
+                rows, cols = range(2 * chunk)[plan.queries], range(2 * chunk)[plan.keys]
+                rect = {(i, j) for i in rows for j in cols}
+                assert rect & want, (size, rank, owner, window)  # no call for a pair no query sees
+                covered |= rect & want
+                if plan.full:
+                    assert rect <= want, (size, rank, owner, window)
+                if plan.causal:
+                    assert {(i, j) for i, j in rect if j - cols.start <= i - rows.start} == rect & want
+            assert covered == want, (size, rank, owner, window)

@@ -74,6 +74,15 @@ class RingBlock:
     causal: bool  # the same positions on both sides, increasing: the kernel's causal mask is the global one
 
 
+def _nearest(qc: int, kc: int, chunk: int) -> int:
+    """The smallest query - key distance between query chunk ``qc`` and key chunk ``kc <= qc``."""
+    return (qc - kc - 1) * chunk + 1 if kc < qc else 0
+
+
+def _farthest(qc: int, kc: int, chunk: int) -> int:
+    return (qc - kc + 1) * chunk - 1
+
+
 def ring_block(layout: ChunkLayout, *, rank: int, owner: int, chunk: int, window: int | None = None) -> RingBlock | None:
     """What ``rank``'s queries compute against ``owner``'s keys under the causal mask (and, with a
     sliding ``window``, transformers' ``key > query - window``), or None when no query sees any key
@@ -84,23 +93,37 @@ def ring_block(layout: ChunkLayout, *, rank: int, owner: int, chunk: int, window
     cuts nothing in it."""
     mine, theirs = layout.chunks(rank), layout.chunks(owner)
     reach = float("inf") if window is None else window  # visible: 0 <= query - key < reach
-
-    def nearest(qc: int, kc: int) -> int:  # the smallest query - key distance of a chunk pair
-        return (qc - kc - 1) * chunk + 1 if kc < qc else 0
-
-    def farthest(qc: int, kc: int) -> int:
-        return (qc - kc + 1) * chunk - 1
-
     pairs = [(qi, ki) for qi, qc in enumerate(mine) for ki, kc in enumerate(theirs)
-             if kc <= qc and nearest(qc, kc) < reach]
+             if kc <= qc and _nearest(qc, kc, chunk) < reach]
     if not pairs:
         return None
     q0, q1 = min(p[0] for p in pairs), max(p[0] for p in pairs) + 1
     k0, k1 = min(p[1] for p in pairs), max(p[1] for p in pairs) + 1
     rect = [(qc, kc) for qc in mine[q0:q1] for kc in theirs[k0:k1]]
     return RingBlock(queries=slice(q0 * chunk, q1 * chunk), keys=slice(k0 * chunk, k1 * chunk),
-                     full=all(kc < qc and farthest(qc, kc) < reach for qc, kc in rect),
-                     causal=mine[q0:q1] == theirs[k0:k1] and all(farthest(qc, kc) < reach for qc, kc in rect if kc <= qc))
+                     full=all(kc < qc and _farthest(qc, kc, chunk) < reach for qc, kc in rect),
+                     causal=mine[q0:q1] == theirs[k0:k1] and all(_farthest(qc, kc, chunk) < reach
+                                                                 for qc, kc in rect if kc <= qc))
+
+
+def ring_blocks(layout: ChunkLayout, *, rank: int, owner: int, chunk: int, window: int | None = None) -> list[RingBlock]:
+    """The kernel calls of one ring step: under the causal mask alone ``ring_block``'s one rectangle
+    (or none). With a sliding window one call per chunk pair that has a visible key: a rectangle
+    over two chunks would compute the pairs the window hides as well, and mask all of them; per pair,
+    a chunk pair wholly inside every window needs no mask, the diagonal pair the kernel's causal flag
+    (when the window is at least a chunk), and only the pairs at the window's edge a mask."""
+    if window is None:
+        block = ring_block(layout, rank=rank, owner=owner, chunk=chunk)
+        return [] if block is None else [block]
+    blocks = []
+    for qi, qc in enumerate(layout.chunks(rank)):
+        for ki, kc in enumerate(layout.chunks(owner)):
+            if kc > qc or _nearest(qc, kc, chunk) >= window:
+                continue
+            inside = _farthest(qc, kc, chunk) < window  # every key of the pair within every query's window
+            blocks.append(RingBlock(queries=slice(qi * chunk, (qi + 1) * chunk), keys=slice(ki * chunk, (ki + 1) * chunk),
+                                    full=kc < qc and inside, causal=kc == qc and inside))
+    return blocks
 
 
 def needs_mask(*, documents: torch.Tensor, valid: torch.Tensor) -> bool:
@@ -285,8 +308,7 @@ class _RingAttention(torch.autograd.Function):
             incoming, works = _exchange(block, group) if step < size - 1 else (None, [])
             started = time.perf_counter()
             owner = (rank - step) % size
-            plan = ring_block(layout, rank=rank, owner=owner, chunk=chunk, window=window)
-            if plan is not None:
+            for plan in ring_blocks(layout, rank=rank, owner=owner, chunk=chunk, window=window):
                 mask, seen = (_mask(plan, layout=layout, rank=rank, owner=owner, documents=documents, valid=valid,
                                     dtype=q.dtype, window=window) if masked or not (plan.full or plan.causal)
                               else (None, None))
@@ -333,8 +355,8 @@ class _RingAttention(torch.autograd.Function):
             incoming, works = _exchange(block, group) if step < size - 1 else (None, [])
             started = time.perf_counter()
             owner = (rank - step) % size
-            plan = ring_block(layout, rank=rank, owner=owner, chunk=chunk, window=window)
-            if plan is not None:
+            shares = []
+            for plan in ring_blocks(layout, rank=rank, owner=owner, chunk=chunk, window=window):
                 mask = (_mask(plan, layout=layout, rank=rank, owner=owner, documents=documents, valid=valid,
                               dtype=q.dtype, window=window)[0] if masked or not (plan.full or plan.causal) else None)
                 _, attend_backward = kernels(q, masked=mask is not None, softcap=ctx.softcap)
@@ -343,9 +365,10 @@ class _RingAttention(torch.autograd.Function):
                     grad_out[:, :, rows], q[:, :, rows], block[0][:, :, cols], block[1][:, :, cols], out[:, :, rows],
                     lse[:, :, rows].contiguous(), plan.causal, mask, scaling)
                 grad_q[:, :, rows] += grad_q_i
+                shares.append((cols, grad_k_i, grad_v_i))
             computed = time.perf_counter()
             _wait(grad_works)  # the accumulator of this block, from the previous rank
-            if plan is not None:
+            for cols, grad_k_i, grad_v_i in shares:
                 grads[0][:, :, cols] += grad_k_i
                 grads[1][:, :, cols] += grad_v_i
             # it goes on with the block; after the last step it returns to the block's owner
