@@ -202,6 +202,23 @@ def reduce_scatter_sequence(x: torch.Tensor, *, group: ProcessGroup) -> torch.Te
     return x if group_size(group) == 1 else _SequenceCollective.apply(x, group, _reduce_scatter_seq, _gather_seq)
 
 
+def gather_rows_into_region(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
+    """All-gather rows (dim 0) forward, reduce-scatter backward: the tokens of every member's slice
+    of the sequence, flattened to rows (an MoE experts call), enter a tp region of partial sums. An
+    integer tensor (routing indices) is gathered with no autograd."""
+    if group_size(group) == 1:
+        return x
+    if not x.is_floating_point():
+        return _gather_front(x, group)
+    return _SequenceCollective.apply(x, group, _gather_front, _reduce_scatter_front)
+
+
+def reduce_scatter_rows(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
+    """Reduce-scatter rows (dim 0) forward, all-gather backward: a partial sum over tp of every
+    member's rows returns to each member as the sum of its own rows."""
+    return x if group_size(group) == 1 else _SequenceCollective.apply(x, group, _reduce_scatter_front, _gather_front)
+
+
 def copy_to_group(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
     """Identity forward, all-reduce backward."""
     return x if group_size(group) == 1 else _CopyToGroup.apply(x, group)

@@ -162,8 +162,12 @@ def test_expert_parallel_refusals():
     assert "ep=4 must divide the 6 experts of model.layers.0.mlp.experts" in message, message
     dense = _refusal(_meta("llama"))
     assert "ep=2: llama has no mixture-of-experts layers; use ep=1" in dense, dense
-    unfused = _refusal(_meta("llama4_text"))
-    assert "Llama4TextExperts) are not transformers' fused experts form" in unfused, unfused
+    assert _refusal(_meta("llama4_text")) == "no error"  # experts stacked on dim 0 (stacked.py)
+    odd = _meta("mixtral")
+    odd.model.layers[0].mlp.experts = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(4)])
+    unfused = _refusal(odd)
+    assert "experts model.layers.0.mlp.experts (ModuleList) are neither transformers' fused experts form" in unfused, \
+        unfused
     assert _refusal(_meta("mixtral"), cp=2) == "no error"  # ep x cp composes
     assert "ep=0 must be a positive integer" in _refusal(_meta("mixtral"), ep=0)
 

@@ -77,10 +77,15 @@ def test_sequence_parallel_needs_tp():
 
 
 def test_sequence_parallel_refuses_what_might_mix_positions():
-    # MoE experts are not inside a tp entry (the router reads the hidden states too)
+    # an MoE block whose only tp rules are its experts' runs on the slice, its experts gathering the
+    # rows (the zoo's sp column checks it against the plain model); one whose shared expert has tp
+    # rules of its own is no such block, and its experts are in no entry
     moe = _error(_meta_model("qwen3_moe", moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2),
                  sequence_parallel=True)
-    assert "sequence_parallel=True (qwen3_moe)" in moe and "experts" in moe, moe
+    assert moe == "no error", moe
+    shared = _error(_meta_model("deepseek_v3", moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                                n_group=1, topk_group=1, first_k_dense_replace=0), sequence_parallel=True)
+    assert "sequence_parallel=True (deepseek_v3)" in shared and "experts" in shared, shared
     # a block module that is neither a tp entry nor a norm or dropout (a convolution over positions)
     import torch
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..context_parallel.apply import check_context_parallel
-from ..expert_parallel.apply import check_expert_parallel, expert_parallel_plan, token_wise_blocks
+from ..expert_parallel.apply import check_expert_parallel, expert_parallel_plan, expert_tp_blocks, token_wise_blocks
 from ..memory.recompute import check_recompute
 from ..mesh import ParallelDims
 from ..pipeline.split import StagePlan, build_stage_plan
@@ -60,7 +60,7 @@ def check_parallel_config(model: nn.Module, config: ParallelConfig | None = None
     check_context_parallel(model, cp=dims.cp, plan=tp_plan)
     check_expert_parallel(model, dims=dims, plan=tp_plan)
     tp_plan = expert_parallel_plan(model, tp_plan, ep=dims.ep)
-    if config.sequence_parallel:  # under ep, MoE blocks route this rank's tokens as they are
+    if config.sequence_parallel:  # MoE blocks route this rank's tokens: as they are (ep), or gathered (expert-TP)
         tp_plan = sequence_parallel_plan(model, tp_plan, stage_plan,
-                                         token_wise=token_wise_blocks(model, tp_plan) if dims.ep > 1 else None)
+                                         token_wise=(token_wise_blocks if dims.ep > 1 else expert_tp_blocks)(model, tp_plan))
     return CheckedConfig(config=config, policy=resolved, tp_plan=tp_plan, stage_plan=stage_plan)

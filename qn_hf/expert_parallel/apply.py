@@ -185,6 +185,20 @@ def _shard_expert_lora(model: nn.Module, lora: ParamLora, *, route: ExpertRoute,
     return specs
 
 
+def expert_tp_blocks(model: nn.Module, plan: TpPlan) -> dict[str, frozenset[str]]:
+    """At ep=1, the MoE blocks whose only tp rules are their experts' (style experts on the experts
+    module, its sliced parameters): with sequence parallelism they run on this rank's slice of the
+    sequence, the router on this rank's tokens, the experts on every rank's rows (gathered at their
+    call); each with the names of the experts' parameters (split over tp, not replicated)."""
+    out = {}
+    for name, module in sharded_experts(model).items():
+        block = name.rpartition(".")[0]
+        inside = [(rule, style) for rule, style in plan.rules if rule == block or rule.startswith(block + ".")]
+        if (name, Style.EXPERTS) in inside and all(rule == name or rule.startswith(name + ".") for rule, _ in inside):
+            out[block] = frozenset(f"{name}.{p}" for p, _ in module.named_parameters())
+    return out
+
+
 def token_wise_blocks(model: nn.Module, plan: TpPlan) -> dict[str, frozenset[str]]:
     """The MoE blocks (parents of fused experts modules) that act token by token under ep: nothing in
     them is split over tp (no rule inside; a shared expert with tp rules keeps the block out), so with

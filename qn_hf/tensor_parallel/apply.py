@@ -126,6 +126,8 @@ def apply_tp_plan(
         if style not in HOOK_STYLES or style in REPLICATED_SUMMED:
             continue  # no hook: these act on gradients (GradSync)
         module = model.get_submodule(name)
+        if name in plan.sequence_experts:
+            continue  # their hooks gather rows while sequence parallelism is on: sequence_parallel.py
         if style in (Style.EXPERTS, Style.ALL_REDUCE):
             partial_sum_hooks(module, group=group)
         elif style == Style.EXPERTS_IDENTITY:

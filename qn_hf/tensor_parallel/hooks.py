@@ -6,11 +6,13 @@ only, and where the sum happens; forward and backward are those of the comm op n
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from ..comm import copy_to_group, group_rank, reduce_from_group
+from ..comm import copy_to_group, gather_rows_into_region, group_rank, reduce_from_group, reduce_scatter_rows
 
 
 def _enter_all(value, group: ProcessGroup):
@@ -20,7 +22,7 @@ def _enter_all(value, group: ProcessGroup):
     return value
 
 
-def partial_sum_hooks(module: nn.Module, *, group: ProcessGroup) -> None:
+def partial_sum_hooks(module: nn.Module, *, group: ProcessGroup, rows_split: Callable[[], bool] | None = None) -> None:
     """A module whose parameters are tp slices (MoE experts holding a slice of every expert's
     intermediate features, Inkling's shared experts): styles ``experts`` and ``all_reduce``.
 
@@ -28,15 +30,26 @@ def partial_sum_hooks(module: nn.Module, *, group: ProcessGroup) -> None:
     and each rank uses them for its slice only, so all of them enter the tp region (their gradients,
     partial per rank, are summed in backward; the router upstream then sees its full gradient).
     Integer inputs (routing indices) pass unchanged. Output: a partial sum over tp ranks, so it is
-    all-reduced (identity backward)."""
+    all-reduced (identity backward).
+
+    ``rows_split`` (sequence parallelism, an MoE block that runs on this rank's slice of the
+    sequence): while it returns True every tensor input holds this rank's tokens as rows, so the
+    rows of every rank are gathered (reduce-scatter backward of the float ones: each rank's part of
+    their gradient is partial) and the partial output is reduce-scattered back to each rank's rows,
+    where it would have been all-reduced: the bytes of the all-reduce, split in its two halves."""
+
+    def rows() -> bool:
+        return rows_split is not None and rows_split()
 
     def before(_module, args, kwargs):
-        return tuple(_enter_all(a, group) for a in args), {k: _enter_all(v, group) for k, v in kwargs.items()}
+        enter = ((lambda v: gather_rows_into_region(v, group=group) if isinstance(v, torch.Tensor) else v)
+                 if rows() else (lambda v: _enter_all(v, group)))
+        return tuple(enter(a) for a in args), {k: enter(v) for k, v in kwargs.items()}
 
     def after(_module, _args, output):
         if not isinstance(output, torch.Tensor):
             raise TypeError(f"{type(module).__name__} returned {type(output).__name__}; a partial-sum module must return a tensor")
-        return reduce_from_group(output, group=group)
+        return reduce_scatter_rows(output, group=group) if rows() else reduce_from_group(output, group=group)
 
     module.register_forward_pre_hook(before, with_kwargs=True)
     module.register_forward_hook(after)

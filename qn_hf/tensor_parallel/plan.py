@@ -107,6 +107,9 @@ class TpPlan:
     # shared regions whose input is whole on every tp rank even under sequence parallelism (a column
     # LoRA target's dropout on the input its tp entry gathered): they keep the shared stream there
     whole_input_rng_regions: tuple[str, ...] = ()
+    # under sequence parallelism, experts modules (style experts) in MoE blocks that run on this rank's
+    # slice: they gather every rank's rows and reduce-scatter their partial output (hooks.py)
+    sequence_experts: tuple[str, ...] = ()
 
     def only(self, keep: Callable[[str], bool]) -> TpPlan:
         """The plan restricted to the modules ``keep`` accepts (those of this pipeline stage)."""
@@ -119,6 +122,7 @@ class TpPlan:
             tp_rng_regions=tuple(n for n in self.tp_rng_regions if keep(n)),
             shared_rng_regions=tuple(n for n in self.shared_rng_regions if keep(n)),
             whole_input_rng_regions=tuple(n for n in self.whole_input_rng_regions if keep(n)),
+            sequence_experts=tuple(n for n in self.sequence_experts if keep(n)),
         )
 
 

@@ -59,9 +59,10 @@ from ..comm import (all_gather_sequence, gather_sequence, gather_sequence_into_r
 from .patterns import join
 from ..pipeline.split import StagePlan
 from ..pipeline.stage import Wire
+from .hooks import partial_sum_hooks
 from .layers import RowParallelLinear
 from .plan import TpPlan, rule_module
-from .styles import EMBEDDING_STYLES, Style
+from .styles import EMBEDDING_STYLES, PARAM_STYLES, Style
 
 # Rules outside the blocks that leave whole activations whole (the head gets the gathered output).
 _OUTSIDE_BLOCKS = {*EMBEDDING_STYLES, Style.VOCAB_COLWISE, Style.REPLICATE, Style.REPLICATE_GRAD_SUM}
@@ -71,6 +72,8 @@ _INSIDE_ENTRIES = {Style.COLWISE, Style.COLWISE_KV, Style.COLWISE_PACKED2, Style
                    Style.ROWWISE, Style.ROWWISE_SPLIT, Style.REPLICATE, Style.REPLICATE_GRAD_SUM,
                    Style.REPLICATE_AFTER_ROW}
 _ROWS = (Style.ROWWISE, Style.ROWWISE_SPLIT)
+# expert-TP: the experts module's hook and its sliced parameters
+_EXPERT_TP = (Style.EXPERTS, *PARAM_STYLES)
 
 
 def position_wise(module: nn.Module) -> bool:
@@ -89,8 +92,10 @@ def sequence_parallel_plan(model: nn.Module, plan: TpPlan, stage_plan: StagePlan
                            token_wise: Mapping[str, frozenset[str]] | None = None) -> TpPlan:
     """``plan`` with sequence parallelism on, after checking ``model`` can take it (no communication).
     ``token_wise``: block children that act token by token though they are no norm (an MoE block
-    whose experts ep shards: its router and its dispatch take this rank's tokens as they are), each
-    with its parameters that are not replicated over tp (the experts', summed over their holders)."""
+    whose experts ep shards: its router and its dispatch take this rank's tokens as they are; or
+    whose only tp rules are its experts' at ep=1: the router takes this rank's tokens and the experts
+    gather every rank's rows, ``sequence_experts``), each with its parameters that are not replicated
+    over tp (the experts', summed over their holders or split over tp)."""
     token_wise = token_wise or {}
     if plan.tp == 1:
         raise ValueError("sequence_parallel=True needs tp > 1: it splits the activations between tensor-parallel "
@@ -102,6 +107,8 @@ def sequence_parallel_plan(model: nn.Module, plan: TpPlan, stage_plan: StagePlan
         if not module.startswith(layers + "."):
             if style not in _OUTSIDE_BLOCKS:
                 raise ValueError(f"{why}: {name} ({style}) outside the blocks is not supported; use sequence_parallel=False")
+        elif _inside(module, tuple(token_wise)) and style in _EXPERT_TP:
+            continue  # the experts of a token-wise MoE block: their call gathers the rows
         elif not _inside(module, entries):
             raise ValueError(f"{why}: {name} ({style}) is not inside a tp entry (a module whose first argument feeds "
                              f"only column layers), so its input cannot be gathered there; use sequence_parallel=False")
@@ -144,6 +151,7 @@ def sequence_parallel_plan(model: nn.Module, plan: TpPlan, stage_plan: StagePlan
         # an entry gathered whole (a LoRA column target's dropout: one mask, as in one process)
         shared_rng_regions=tuple(n for n in plan.shared_rng_regions
                                  if not n.startswith(layers + ".") or n in plan.whole_input_rng_regions),
+        sequence_experts=tuple(n for n, style in plan.rules if style == Style.EXPERTS and _inside(n, tuple(token_wise))),
     )
 
 
@@ -264,6 +272,8 @@ def apply_sequence_parallel(model: nn.Module, *, plan: TpPlan, stage_plan: Stage
     switch = SequenceParallelSwitch(model)
     for entry in plan.tp_entries:
         _entry_hooks(model.get_submodule(entry), group=group, regather=regather, switch=switch)
+    for experts in plan.sequence_experts:
+        partial_sum_hooks(model.get_submodule(experts), group=group, rows_split=lambda: switch.on)
 
     def split(module: nn.Module, args: tuple, kwargs: dict):
         if not switch.on:
