@@ -99,7 +99,8 @@ def test_context_parallel_batch_errors(worlds, model_dirs):
         assert "sequence length 12 is not a multiple of 8 (cp=4" not in m["odd"]  # cp=2 here
         assert "sequence length 14 is not a multiple of 4 (cp=2 cuts it into 2*cp chunks)" in m["odd"], m
         assert "cp=2: batch keys ['token_type_ids'] cannot be cut along the sequence" in m["keys"], m
-        assert "attends within a sliding window of 8 tokens, shorter than the sequence (16)" in m["window"], m
+        loss, ref_loss = m["window"]  # a window of 8 on 16 tokens at cp=2: computed, not refused
+        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), m
         assert m["mesh_dims"] == ("dp", "pp", "cp", "tp"), m
     assert [m["coords"]["cp"] for m in messages] == [0, 1]
 
