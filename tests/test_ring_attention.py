@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qn_hf.context_parallel.ring_attention import ChunkLayout, kernels, needs_mask, ring_block, ring_blocks
+from qn_hf.context_parallel.kernels import kernels
+from qn_hf.context_parallel.ring_attention import ChunkLayout, needs_mask, ring_block, ring_blocks
 from tests.ring_cases import StridedLayout, batch_meta
 from tests import ring_cases
 

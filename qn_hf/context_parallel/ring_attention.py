@@ -7,7 +7,7 @@ there to measure the difference. Keys and values travel around the ring: at step
 holds the block of rank ``r - i``, sends it on to ``r + 1`` and receives the next from ``r - 1``
 while it computes (the transfer is posted before the block's attention and waited for after it).
 
-Each ring step is one call of torch's fused attention, which returns the block's output and the
+Each ring step is one call of torch's fused attention (``kernels.py``), which returns the block's output and the
 log-sum-exp of each query row: ``_scaled_dot_product_flash_attention_for_cpu`` on CPU; on CUDA
 flash attention for 16-bit blocks without a mask, memory-efficient attention (with an additive
 bias) otherwise. Which rows and columns the call covers follows from the global positions alone
@@ -35,17 +35,15 @@ per attention call are (cp-1) key/value blocks forward and cp blocks with their 
 
 from __future__ import annotations
 
-import functools
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-_aten = torch.ops.aten
-_NEG_INF = float("-inf")
+from .kernels import NEG_INF, kernels
+
 
 
 @dataclass(frozen=True)
@@ -146,126 +144,8 @@ def _mask(plan: RingBlock, *, layout: ChunkLayout, rank: int, owner: int, docume
         visible &= at_k[None, None, :] <= at_q[None, :, None]
         if window is not None:
             visible &= at_k[None, None, :] > at_q[None, :, None] - window
-    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(visible.logical_not(), _NEG_INF)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(visible.logical_not(), NEG_INF)
     return mask[:, None], visible.any(dim=-1)
-
-
-# The fused kernels: forward(q, k, v, causal, mask, scale) -> (out, lse [b, h, rows] float32) and
-# backward(grad_out, q, k, v, out, lse, causal, mask, scale) -> (dq, dk, dv), k/v with their own heads.
-Forward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-Backward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-
-
-def _cpu_forward(q, k, v, causal, mask, scale):
-    return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
-
-
-def _cpu_backward(grad_out, q, k, v, out, lse, causal, mask, scale):
-    return _aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal,
-                                                                      attn_mask=mask, scale=scale)
-
-
-def _flash_forward(q, k, v, causal, mask, scale):
-    out, lse, *_ = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
-    return out, lse
-
-
-def _flash_backward(grad_out, q, k, v, out, lse, causal, mask, scale):
-    # the random state is read only with dropout, which ring attention never applies
-    seed = torch.empty(2, dtype=torch.uint64, device=q.device)
-    offset = torch.empty((), dtype=torch.uint64, device=q.device)
-    return _aten._scaled_dot_product_flash_attention_backward(grad_out, q, k, v, out, lse, None, None, q.shape[2],
-                                                              k.shape[2], 0.0, causal, seed, offset, scale=scale)
-
-
-def _bias(mask: torch.Tensor | None, heads: int) -> torch.Tensor | None:
-    """The mask as the efficient kernel takes it: every head (a stride-0 view) and rows aligned to
-    16 elements, as torch's own SDPA prepares it."""
-    if mask is None:
-        return None
-    b, _, rows, cols = mask.shape
-    if cols % 16:
-        mask = torch.nn.functional.pad(mask, (0, 16 - cols % 16))[..., :cols]
-    return mask.expand(b, heads, rows, cols)
-
-
-def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
-    return t.repeat_interleave(heads // t.shape[1], dim=1) if t.shape[1] != heads else t
-
-
-def _efficient_forward(q, k, v, causal, mask, scale):
-    heads = q.shape[1]
-    out, lse, *_ = _aten._scaled_dot_product_efficient_attention(q, _heads(k, heads), _heads(v, heads),
-                                                                 _bias(mask, heads), True, 0.0, causal, scale=scale)
-    return out, lse[:, :, :q.shape[2]]  # the kernel pads its rows to a multiple of 32
-
-
-def _efficient_backward(grad_out, q, k, v, out, lse, causal, mask, scale):
-    heads, kv_heads, rows = q.shape[1], k.shape[1], q.shape[2]
-    padded = lse.new_zeros(*lse.shape[:2], -(-rows // 32) * 32)  # the layout the forward gave
-    padded[:, :, :rows] = lse
-    seed = torch.empty((), dtype=torch.long, device=q.device)  # read only with dropout
-    dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-        grad_out, q, _heads(k, heads), _heads(v, heads), _bias(mask, heads), out, padded, seed, seed, 0.0,
-        [True, True, True, False], causal, scale=scale)
-    if kv_heads != heads:  # each KV head's gradient is the sum over the query heads it served
-        dk, dv = (g.unflatten(1, (kv_heads, heads // kv_heads)).sum(dim=2) for g in (dk, dv))
-    return dq, dk, dv
-
-
-def _capped_scores(q, k, causal, mask, scale, cap):
-    """(softcapped scores with the masks applied [b, h, rows, cols], tanh of the raw scores over
-    ``cap``), in float32; k/v expanded to the query heads."""
-    raw = torch.matmul(q.float(), _heads(k, q.shape[1]).float().transpose(-1, -2)) * scale
-    tanh = torch.tanh(raw / cap)
-    scores = tanh * cap
-    if causal:  # the same positions on both sides: the upper triangle is the future
-        rows, cols = scores.shape[-2:]
-        scores = scores.masked_fill(torch.ones(rows, cols, dtype=torch.bool, device=q.device).triu(1), _NEG_INF)
-    if mask is not None:
-        scores = scores + mask.float()
-    return scores, tanh
-
-
-def _softcap_forward(q, k, v, causal, mask, scale, *, cap):
-    scores, _ = _capped_scores(q, k, causal, mask, scale, cap)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = (scores - lse.masked_fill(lse == _NEG_INF, 0.0).unsqueeze(-1)).exp()  # rows with no key: all 0
-    return torch.matmul(probs, _heads(v, q.shape[1]).float()).to(q.dtype), lse
-
-
-def _softcap_backward(grad_out, q, k, v, out, lse, causal, mask, scale, *, cap):
-    """Flash attention's backward with the global ``lse`` and output, through ``cap * tanh(s / cap)``."""
-    heads, kv_heads = q.shape[1], k.shape[1]
-    scores, tanh = _capped_scores(q, k, causal, mask, scale, cap)
-    probs = (scores - lse.unsqueeze(-1)).exp()
-    grad_out = grad_out.float()
-    grad_v = torch.matmul(probs.transpose(-1, -2), grad_out)
-    grad_p = torch.matmul(grad_out, _heads(v, heads).float().transpose(-1, -2))
-    delta = (grad_out * out.float()).sum(dim=-1, keepdim=True)
-    grad_s = probs * (grad_p - delta) * (1 - tanh * tanh) * scale  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
-    grad_q = torch.matmul(grad_s, _heads(k, heads).float())
-    grad_k = torch.matmul(grad_s.transpose(-1, -2), q.float())
-    if kv_heads != heads:  # each KV head's gradient is the sum over the query heads it served
-        grad_k, grad_v = (g.unflatten(1, (kv_heads, heads // kv_heads)).sum(dim=2) for g in (grad_k, grad_v))
-    return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
-
-
-def kernels(query: torch.Tensor, *, masked: bool, softcap: float | None = None) -> tuple[Forward, Backward]:
-    """The fused attention (forward, backward) for a block of ``query``'s device and dtype. With
-    ``softcap`` (Gemma 2's ``cap * tanh(scores / cap)`` before the softmax) no fused kernel of torch
-    computes it, on CPU or CUDA (flex attention's score_mod does, but returns no backward from a
-    given global log-sum-exp, which the ring's merge needs): the block is computed from its float32
-    scores, [b, heads, rows, columns] for the block's one call."""
-    if softcap is not None:
-        return (functools.partial(_softcap_forward, cap=softcap), functools.partial(_softcap_backward, cap=softcap))
-    if query.device.type == "cpu":
-        return _cpu_forward, _cpu_backward
-    if query.device.type == "cuda":
-        if not masked and query.dtype in (torch.float16, torch.bfloat16):
-            return _flash_forward, _flash_backward
-        return _efficient_forward, _efficient_backward
-    raise ValueError(f"ring attention has no fused attention kernel for {query.device.type} tensors")
 
 
 def _exchange(send: torch.Tensor, group: ProcessGroup) -> tuple[torch.Tensor, list]:
@@ -286,10 +166,10 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
            seen: torch.Tensor | None) -> None:
     """Fold one block's output and log-sum-exp into the running ones (views into the call's)."""
     if seen is not None:  # a row that sees no key of this block: the kernel's output and lse mean nothing
-        block_lse = block_lse.masked_fill(~seen[:, None], _NEG_INF)
+        block_lse = block_lse.masked_fill(~seen[:, None], NEG_INF)
         block_out = block_out.masked_fill(~seen[:, None, :, None], 0.0)
     new = torch.logaddexp(lse, block_lse)
-    safe = new.masked_fill(new == _NEG_INF, 0.0)  # rows with no visible key yet: both weights 0
+    safe = new.masked_fill(new == NEG_INF, 0.0)  # rows with no visible key yet: both weights 0
     out.mul_((lse - safe).exp().unsqueeze(-1)).add_(block_out * (block_lse - safe).exp().unsqueeze(-1))
     lse.copy_(new)
 
@@ -302,7 +182,7 @@ class _RingAttention(torch.autograd.Function):
                 masked: bool, events: list | None, window: int | None, softcap: float | None):
         rank, size, chunk = dist.get_rank(group), layout.size, q.shape[2] // 2
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:3], _NEG_INF, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], NEG_INF, dtype=torch.float32, device=q.device)
         block = torch.stack([k, v])  # travels the ring as one tensor
         for step in range(size):
             incoming, works = _exchange(block, group) if step < size - 1 else (None, [])
@@ -339,7 +219,7 @@ class _RingAttention(torch.autograd.Function):
         rank, size, chunk = dist.get_rank(group), layout.size, q.shape[2] // 2
         # A query that sees no key anywhere (padding) got zeros: no gradient, whatever arrives for it,
         # and a finite lse so that the kernel's exp(score - lse) is 0 rather than NaN.
-        seen = lse > _NEG_INF
+        seen = lse > NEG_INF
         grad_out = grad_out.masked_fill(~seen.unsqueeze(-1), 0.0) if masked else grad_out
         lse = lse.masked_fill(~seen, 0.0)
         grad_sinks = None
