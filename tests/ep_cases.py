@@ -91,9 +91,7 @@ def ep_parity(*, model_type: str, out_dir: str, dp: int, tp: int, pp: int, ep: i
     for name, p in pm.named_parameters():
         ref_grad = ref_params[name].grad
         ref_grad = torch.zeros_like(ref_params[name]) if ref_grad is None else ref_grad
-        spec = pm.specs.get(name)
-        expected = ref_grad if spec is None else spec.shard(ref_grad, pm.placement.shard_rank(spec))
-        err = (p.grad - expected).abs().max().item()
+        err = (p.grad - _as_held(pm, name, ref_grad)).abs().max().item()
         if err > grad_err:
             grad_err, worst = err, name
     norm = qn_hf.clip_grad_norm_(pm, 1e9).item()
@@ -155,20 +153,29 @@ def ep_meta_load(*, model_dir: str, dp: int, tp: int, ep: int) -> dict:
     with torch.device("meta"):
         model = model_class(config)(config)
     pm = qn_hf.parallelize(model, dp=dp, tp=tp, ep=ep, checkpoint=model_dir, mesh=mesh_for(dp, tp, 1))
-    gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(3, config.vocab_size, (dp * ROWS, SEQ), generator=gen)
+    loss, ref_loss = _step_both(pm, ref, vocab=config.vocab_size, seed=3)
+    ref_params = dict(ref.named_parameters())
+    err = max((p.detach() - _as_held(pm, name, ref_params[name].detach())).abs().max().item()
+              for name, p in pm.named_parameters())
+    return {"loss": loss, "ref_loss": ref_loss, "weight_err": err}
+
+
+def _step_both(pm, ref: torch.nn.Module, *, vocab: int, seed: int) -> tuple[float, float]:
+    """One ``train_step`` on this dp rank's ``ROWS`` of a seeded random global batch, and the plain
+    model's loss on the whole batch with its backward: (loss, reference loss)."""
+    dp = pm.dims.dp
+    ids = torch.randint(3, vocab, (dp * ROWS, SEQ), generator=torch.Generator().manual_seed(seed))
     local = ids[pm.coords["dp"] * ROWS : (pm.coords["dp"] + 1) * ROWS]
     loss = pm.train_step({"input_ids": local, "labels": local.clone()}).item()
     ref_loss = ref(input_ids=ids, labels=ids, use_cache=False).loss
     ref_loss.backward()
-    ref_params = dict(ref.named_parameters())
-    err = 0.0
-    for name, p in pm.named_parameters():
-        spec = pm.specs.get(name)
-        full = ref_params[name]
-        expected = full if spec is None else spec.shard(full.detach(), pm.placement.shard_rank(spec))
-        err = max(err, (p.detach() - expected).abs().max().item())
-    return {"loss": loss, "ref_loss": ref_loss.item(), "weight_err": err}
+    return loss, ref_loss.item()
+
+
+def _as_held(pm, name: str, full: torch.Tensor) -> torch.Tensor:
+    """``full`` (a tensor of the plain model) cut as this rank holds parameter ``name``."""
+    spec = pm.specs.get(name)
+    return full if spec is None else spec.shard(full, pm.placement.shard_rank(spec))
 
 
 def ep_bf16_losses(*, model_type: str, ep: int, precision: str = "bf16") -> dict:
@@ -284,19 +291,10 @@ def stacked_ep_parity(*, model_type: str, dp: int, tp: int, ep: int) -> dict:
     model = build(config, seed=0)
     ref = copy.deepcopy(model)
     pm = qn_hf.parallelize(model, dp=dp, tp=tp, ep=ep, mesh=mesh_for(dp, tp, 1))
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, config.get_text_config().vocab_size, (dp * ROWS, SEQ), generator=gen)
-    local = ids[pm.coords["dp"] * ROWS : (pm.coords["dp"] + 1) * ROWS]
-    loss = pm.train_step({"input_ids": local, "labels": local.clone()}).item()
-    ref_loss = ref(input_ids=ids, labels=ids, use_cache=False).loss
-    ref_loss.backward()
+    loss, ref_loss = _step_both(pm, ref, vocab=config.get_text_config().vocab_size, seed=1)
     ref_params = dict(ref.named_parameters())
-    grad_err = 0.0
-    for name, p in pm.named_parameters():
-        spec = pm.specs.get(name)
-        full = ref_params[name].grad
-        expected = full if spec is None else spec.shard(full, pm.placement.shard_rank(spec))
-        grad_err = max(grad_err, (p.grad - expected).abs().max().item())
-    return {"loss": loss, "ref_loss": ref_loss.item(), "grad_err": grad_err,
+    grad_err = max((p.grad - _as_held(pm, name, ref_params[name].grad)).abs().max().item()
+                   for name, p in pm.named_parameters())
+    return {"loss": loss, "ref_loss": ref_loss, "grad_err": grad_err,
             "local_experts": sorted({m.gate_up_proj.shape[0] for m in sharded_experts(pm.module).values()}),
             "experts": next(iter(sharded_experts(ref).values())).num_experts}
