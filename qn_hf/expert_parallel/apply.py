@@ -15,7 +15,7 @@ experts. Routers, shared experts and dense layers keep their tp rules; the exper
 LoRA on the experts' weights (peft's ``target_parameters``) wraps the module, which moves below the
 wrapper (``<name>.base_layer``); the wrapper stands where the module was (``experts_roots``). Each
 expert's factors sit in its block's rows of ``lora_A [E*r, in]`` and columns ``k*E + e`` of
-``lora_B [out, r*E]``: both are cut into the same expert blocks (``_expert_lora_specs``) and the
+``lora_B [out, r*E]``: both are cut into the same expert blocks (``_shard_expert_lora``) and the
 wrapper's ``num_experts`` set to the local count, so peft's delta is each local expert's own.
 
 Gradients: a token's contribution to an expert's weights is computed on the expert's owner, so the
