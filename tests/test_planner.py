@@ -381,7 +381,8 @@ def test_planner_refuses_expert_parallelism_as_parallelize_does():
     # Llama 4's experts (every token once per expert): parallelize shards them, the planner says it
     # does not trace their dispatch rather than guess
     # sequence parallelism at ep=1 (the experts gather rows at their call) is not traced either
-    with pytest.raises(ValueError, match=r"sequence_parallel=True at ep=1 on qwen3_moe: the planner does not trace"):
+    with pytest.raises(ValueError, match=r"sequence_parallel=True on qwen3_moe: the planner does not trace the experts' "
+                                         r"row gathers at ep=1"):
         estimate_mesh(moe, dp=1, tp=2, pp=1, sequence_parallel=True, microbatches=1, seq_len=16, micro_batch_size=1)
     llama4 = moe_config("llama4_text")
     with pytest.raises(ValueError, match=r"ep=2: the planner models the dispatch of transformers' fused experts only"):

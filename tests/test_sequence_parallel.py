@@ -76,25 +76,71 @@ def test_sequence_parallel_needs_tp():
     assert "must be True or False" in _error(_meta_model("llama"), sequence_parallel="yes")
 
 
-def test_sequence_parallel_refuses_what_might_mix_positions():
-    # an MoE block whose only tp rules are its experts' runs on the slice, its experts gathering the
-    # rows (the zoo's sp column checks it against the plain model); one whose shared expert has tp
-    # rules of its own is no such block, and its experts are in no entry
-    moe = _error(_meta_model("qwen3_moe", moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2),
-                 sequence_parallel=True)
-    assert moe == "no error", moe
-    shared = _error(_meta_model("deepseek_v3", moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
-                                n_group=1, topk_group=1, first_k_dense_replace=0), sequence_parallel=True)
-    assert "sequence_parallel=True (deepseek_v3)" in shared and "experts" in shared, shared
-    # a block module that is neither a tp entry nor a norm or dropout (a convolution over positions)
+def _sp_plan(model):
+    from qn_hf.config.validate import check_parallel_config
+
+    return check_parallel_config(model, dp=1, tp=2, pp=1, microbatches=1, schedule="1f1b",
+                                 sequence_parallel=True).tp_plan
+
+
+def test_sequence_parallel_runs_what_may_mix_positions_whole():
+    """Block children that are no tp entry, norm or dropout become whole regions (gathered in, cut
+    out); an MoE block whose only tp rules are its experts' stays token-wise on the slice."""
+    moe = _sp_plan(_meta_model("qwen3_moe", moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2))
+    assert moe.sequence_experts and not any(r.endswith(".mlp") for r in moe.whole_regions), moe.whole_regions
+    # DeepSeek-V3: MLA attention (q_a_proj reads the input beside the columns) and an MoE block with a
+    # tp-split shared expert are whole regions; the first dense layer's MLP is an entry of its own
+    deepseek = _sp_plan(_meta_model("deepseek_v3", moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                                    n_group=1, topk_group=1, first_k_dense_replace=1))
+    assert deepseek.whole_regions == ("model.layers.0.self_attn", "model.layers.1.self_attn", "model.layers.1.mlp")
+    assert "model.layers.0.mlp" in deepseek.tp_entries
+    assert "model.layers.1.mlp.shared_experts" not in deepseek.tp_entries  # a plain tp entry inside its region
+    # nothing in a whole region is summed over tp: its activations and gradients are whole there
+    assert not [n for n in deepseek.grad_sum if n.startswith(deepseek.whole_regions)], deepseek.grad_sum
     import torch
 
     llama = _meta_model("llama")
     with torch.device("meta"):
         llama.model.layers[1].short_conv = torch.nn.Conv1d(32, 32, 3, padding=1)
-    message = _error(llama, sequence_parallel=True)
-    assert "model.layers.1.short_conv (Conv1d)" in message and "might mix positions" in message, message
-    assert _error(_meta_model("llama"), sequence_parallel=True) == "no error"
+    assert "model.layers.1.short_conv" in _sp_plan(llama).whole_regions
+    assert not _sp_plan(_meta_model("llama")).whole_regions
+
+
+def test_sequence_parallel_refuses_block_inputs_it_cannot_place():
+    """A block input beside the hidden states that is neither known to be whole for every block nor
+    a per-position input it can split (DeepSeek-V4's token ids, which its MoE routes by) is refused
+    before anything runs."""
+    message = _error(_meta_model("deepseek_v4", moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                                 q_lora_rank=16, o_lora_rank=16, o_groups=2), sequence_parallel=True)
+    assert "DeepseekV4DecoderLayer.forward takes input_ids beside the hidden states" in message, message
+
+
+# model type, mesh: whole regions composed with pp, dp, cp and recompute; Gemma 4's per-layer
+# inputs split at every block; Llama 4's MoE block returning flat token rows; HY-V4's tuples of
+# per-position outputs and the hyper-connection head after the blocks
+WHOLE_REGION_CASES = [
+    ("deepseek_v3", dict(tp=2, pp=2, sequence_parallel=True)),
+    ("deepseek_v3", dict(tp=2, sequence_parallel=True, recompute="full")),
+    ("minicpm3", dict(dp=2, tp=2, sequence_parallel=True)),
+    ("granitemoe", dict(tp=2, cp=2, sequence_parallel=True)),
+    ("jamba", dict(tp=2, sequence_parallel=True)),
+    ("gemma4_text", dict(dp=2, tp=2, sequence_parallel=True)),
+    ("llama4_text", dict(tp=2, sequence_parallel=True)),
+    ("hy_v4", dict(tp=2, sequence_parallel=True)),
+]
+
+
+@pytest.mark.parametrize(("model_type", "mesh"), WHOLE_REGION_CASES, ids=lambda v: v if isinstance(v, str) else
+                         "-".join(f"{k}{v}" for k, v in v.items() if k != "sequence_parallel"))
+def test_whole_regions_equal_plain_model(worlds, model_type, mesh):
+    from qn_hf.check.zoo import ZooMesh
+    from tests import zoo_cases
+    from tests.test_zoo import _config
+
+    column = ZooMesh(**mesh)
+    verdict = worlds.run(column.size, zoo_cases.zoo_step, config=_config(model_type), mesh=column)[0]
+    assert verdict["verdict"] == "equal", (verdict["reason"], verdict["worst"][:5])
+    assert verdict["moved"] > 1e-3
 
 
 def test_sequence_length_must_divide_by_tp():

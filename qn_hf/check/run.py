@@ -99,7 +99,7 @@ def _compare(pm, ref: torch.nn.Module, config, out_dir: str) -> list[tuple[str, 
 
 def one_step_parity(*, config: dict, dp: int = 1, tp: int = 1, pp: int = 1, microbatches: int | None = None,
                     seed: int = 0, mesh=None, out_dir: str | None = None, policy=None, ep: int = 1, cp: int = 1,
-                    sequence_parallel: bool = False, virtual_stages: int = 1) -> dict:
+                    sequence_parallel: bool = False, virtual_stages: int = 1, recompute: str | None = None) -> dict:
     """Run on every rank. ``config`` is ``PretrainedConfig.to_dict()`` output, ``policy`` an optional
     ``ModelPolicy`` (default: qn_hf's choice); returns a ``Verdict`` as a dict on rank 0 (the others
     return theirs without the weight comparison). ``virtual_stages`` > 1 runs interleaved 1F1B."""
@@ -112,6 +112,7 @@ def one_step_parity(*, config: dict, dp: int = 1, tp: int = 1, pp: int = 1, micr
     try:
         pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, microbatches=microbatches, mesh=mesh,
                                policy=policy, sequence_parallel=sequence_parallel, virtual_stages=virtual_stages,
+                               recompute=recompute,
                                schedule="interleaved_1f1b" if virtual_stages > 1 else "1f1b")
     except ValueError as e:  # raised identically on every rank, before any collective
         return asdict(Verdict(verdict="refused", reason=str(e)))

@@ -22,6 +22,7 @@ class ZooMesh:
     ep: int = 1
     sequence_parallel: bool = False
     virtual_stages: int = 1
+    recompute: str | None = None
     moe: bool = False
 
     @property

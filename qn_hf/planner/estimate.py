@@ -227,10 +227,13 @@ class Planner:
         checked = check_parallel_config(self.model, config, policy=self.policy,
                                         extra=frozenset({Feature.ZERO}) if zero else frozenset())
         plan, stage_plan = checked.tp_plan, checked.stage_plan
-        if plan.sequence_experts:
-            raise ValueError(f"sequence_parallel=True at ep=1 on {self.config.model_type}: the planner does not trace the "
-                             f"experts' row gathers (each MoE block's experts gather every tp rank's tokens); plan "
-                             f"without sequence_parallel, with ep > 1, or measure a run")
+        untraced = ("the experts' row gathers at ep=1 (each MoE block's experts gather every tp rank's tokens)"
+                    if plan.sequence_experts else
+                    f"the whole regions (block children that run on the gathered sequence: "
+                    f"{', '.join(plan.whole_regions[:2])}, ...)" if plan.whole_regions else None)
+        if untraced:
+            raise ValueError(f"sequence_parallel=True on {self.config.model_type}: the planner does not trace "
+                             f"{untraced}; plan without sequence_parallel, or measure a run")
         if ep > 1 and len(sharded_experts(self.model)) != len(experts_modules(self.model)):
             raise ValueError(f"ep={ep}: the planner models the dispatch of transformers' fused experts only; "
                              f"{self.config.model_type}'s experts take every token once per expert (Llama 4's form), "

@@ -81,7 +81,9 @@ def feeds_only(module: nn.Module, columns: set[str]) -> bool:
 
 
 def derive_entries(base: nn.Module, candidates: list[str], column_rules: set[str]) -> tuple[str, ...]:
-    """The candidate patterns (``layers.*.self_attn``) whose every matched module is an entry.
+    """The candidate patterns (``layers.*.self_attn``) whose every matched module is an entry, and
+    where only some are (DeepSeek's ``layers.*.mlp`` is a dense MLP in the first layers and an MoE
+    block, which is none, after them) the names of those that are.
 
     ``column_rules`` are the patterns of the column-parallel rules; a module's columns are the rules
     directly under its pattern."""
@@ -89,6 +91,6 @@ def derive_entries(base: nn.Module, candidates: list[str], column_rules: set[str
     for pattern in candidates:
         columns = {rule[len(pattern) + 1 :] for rule in column_rules if rule.startswith(pattern + ".")}
         names = match_modules(base, pattern)
-        if columns and names and all(feeds_only(base.get_submodule(n), columns) for n in names):
-            entries.append(pattern)
+        found = [n for n in names if columns and feeds_only(base.get_submodule(n), columns)]
+        entries += [pattern] if found and found == names else found
     return tuple(sorted(entries))

@@ -110,6 +110,9 @@ class TpPlan:
     # under sequence parallelism, experts modules (style experts) in MoE blocks that run on this rank's
     # slice: they gather every rank's rows and reduce-scatter their partial output (hooks.py)
     sequence_experts: tuple[str, ...] = ()
+    # under sequence parallelism, block children that run on the whole sequence exactly as under plain
+    # tp (they mix positions and are no tp entry): gathered on the way in, this rank's slice taken out
+    whole_regions: tuple[str, ...] = ()
 
     def only(self, keep: Callable[[str], bool]) -> TpPlan:
         """The plan restricted to the modules ``keep`` accepts (those of this pipeline stage)."""
@@ -123,6 +126,7 @@ class TpPlan:
             shared_rng_regions=tuple(n for n in self.shared_rng_regions if keep(n)),
             whole_input_rng_regions=tuple(n for n in self.whole_input_rng_regions if keep(n)),
             sequence_experts=tuple(n for n in self.sequence_experts if keep(n)),
+            whole_regions=tuple(n for n in self.whole_regions if keep(n)),
         )
 
 

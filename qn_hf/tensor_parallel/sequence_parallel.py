@@ -30,8 +30,13 @@ norm (likewise), and the row layers' biases (added to this rank's slice of the s
 draws from the tp-local random stream: the ranks hold different tokens, so equal masks would
 correlate token i with token i + sequence/tp.
 
-Only blocks whose modules outside the tp entries act position by position (norms, dropout) are
-accepted: anything else might mix positions across the split and is refused by name.
+A block child outside the tp entries that may mix positions (neither a norm, dropout nor an
+activation: MLA attention, whose low-rank ``q_a_proj`` reads the input beside the columns; a Mamba
+or linear-attention mixer; an MoE block with a tp-split shared expert) is a whole region: it gathers
+the sequence on the way in and keeps this rank's slice of its output, and inside runs exactly as
+under plain tp (whole activations, whole gradients; tp entries in it are plain tp entries). It
+saves nothing by sequence parallelism and repeats its replicated work on every tp rank, as plain tp
+does; the blocks around it keep the savings.
 
 With context parallelism the layout has two levels. The "sequence" this module splits is the cp
 rank's part of it: two chunks of the 2*cp (``ChunkLayout``), L/cp tokens, concatenated, each with its
@@ -68,17 +73,37 @@ from .styles import EMBEDDING_STYLES, PARAM_STYLES, Style
 _OUTSIDE_BLOCKS = {*EMBEDDING_STYLES, Style.VOCAB_COLWISE, Style.REPLICATE, Style.REPLICATE_GRAD_SUM}
 # colwise_gather and rowwise_split too (Phi-3's q|k|v, GLM's gate|up): the entry gathers the sequence
 # before the column layer, and the row layer reduce-scatters what it would all-reduce
+# param_colwise too: a per-head parameter (attention sinks, a gate's bias) split like the heads that
+# read it, on the whole sequence the entry gathered, as under plain tp
 _INSIDE_ENTRIES = {Style.COLWISE, Style.COLWISE_KV, Style.COLWISE_PACKED2, Style.COLWISE_PACKED3, Style.COLWISE_GATHER,
                    Style.ROWWISE, Style.ROWWISE_SPLIT, Style.REPLICATE, Style.REPLICATE_GRAD_SUM,
-                   Style.REPLICATE_AFTER_ROW}
+                   Style.REPLICATE_AFTER_ROW, Style.PARAM_COLWISE}
 _ROWS = (Style.ROWWISE, Style.ROWWISE_SPLIT)
+# What a block's forward may take beside its hidden states and leave whole for every block: masks,
+# positions and rotary tables, caches and flags, read only where the sequence is whole (the tp entries
+# and the whole regions gather it) or not per position (found on the zoo's blocks; any other name is
+# refused, since a per-position input next to the block's slice would not match it)
+_WHOLE_BLOCK_INPUTS = frozenset({
+    "attention_mask", "position_ids", "position_embeddings", "cache_position", "past_key_values", "past_key_value",
+    "layer_past", "use_cache", "output_attentions", "output_router_logits", "attention_scaling", "shared_kv_states",
+    "prev_topk_indices", "conv_mask",
+    # cross-attention's encoder sequence, which is not this one (None in a causal LM: GPT-2's block)
+    "encoder_hidden_states", "encoder_attention_mask", "head_mask"})
+# ... and what it takes per position next to its hidden states, split like them at every block (the
+# base model passes it whole to each): Gemma 3n's and Gemma 4's per-layer inputs
+_PER_POSITION_BLOCK_INPUTS = frozenset({"per_layer_input"})
+# where elementwise activation functions live (Gemma 4 calls its block-level act_fn between the regions)
+_ACTIVATION_MODULES = ("torch.nn.modules.activation", "transformers.activations")
 # expert-TP: the experts module's hook and its sliced parameters
 _EXPERT_TP = (Style.EXPERTS, *PARAM_STYLES)
 
 
 def position_wise(module: nn.Module) -> bool:
-    """A module that acts on each position alone: dropout, identity, or a norm over the features."""
+    """A module that acts on each position alone: dropout, identity, a norm over the features, or a
+    parameter-free activation function (torch's or transformers')."""
     if isinstance(module, (nn.Dropout, nn.Identity, nn.LayerNorm, nn.RMSNorm)):
+        return True
+    if not list(module.parameters()) and (type(module).__module__ in _ACTIVATION_MODULES):
         return True
     name = type(module).__name__
     return name.endswith(("RMSNorm", "LayerNorm")) and all(p.dim() == 1 for p in module.parameters())
@@ -100,13 +125,45 @@ def sequence_parallel_plan(model: nn.Module, plan: TpPlan, stage_plan: StagePlan
     if plan.tp == 1:
         raise ValueError("sequence_parallel=True needs tp > 1: it splits the activations between tensor-parallel "
                          "regions over the tp ranks; use tp >= 2 or sequence_parallel=False")
-    layers, entries = stage_plan.layers, plan.tp_entries
+    layers = stage_plan.layers
     why = f"sequence_parallel=True ({plan.policy.model_type})"
+    blocks = [join(layers, str(i)) for i in range(len(model.get_submodule(layers)))]
+    for block in {type(model.get_submodule(b)) for b in blocks}:
+        extra = [n for n, p in list(inspect.signature(block.forward).parameters.items())[2:]
+                 if n not in _WHOLE_BLOCK_INPUTS | _PER_POSITION_BLOCK_INPUTS and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if extra:
+            raise ValueError(f"{why}: {block.__name__}.forward takes {', '.join(extra)} beside the hidden states: "
+                             f"an input for the whole sequence next to the block's slice of it, which qn_hf cannot "
+                             f"tell is safe to leave whole or to split (DeepSeek-V4's token ids for hash routing, "
+                             f"Inkling 2's block states); use sequence_parallel=False")
+    # What runs between the tp entries, child by child of each block: norms and dropout on this rank's
+    # slice; token-wise MoE blocks on this rank's tokens; anything else (attention or a mixer that is
+    # no entry, an MoE block with a tp-split shared expert) as a whole region (``whole_region_hooks``).
+    sums: list[str] = []
+    whole: list[str] = []
+    for block in blocks:
+        # the block's own parameters (Doge's residual scales) act on its slice, as its residual adds do
+        sums += [join(block, p) for p, _ in model.get_submodule(block).named_parameters(recurse=False)]
+        for full, module in _called_children(model.get_submodule(block), block):
+            if full in plan.tp_entries:
+                continue
+            if full in token_wise:  # its replicated parameters (the router) see this rank's tokens only
+                sums += [join(full, p) for p, _ in module.named_parameters() if join(full, p) not in token_wise[full]]
+            elif position_wise(module):
+                sums += [join(full, p) for p, _ in module.named_parameters()]
+            else:
+                whole.append(full)
+    regions = tuple(whole)
+    # an entry inside a whole region takes its input whole there: a plain tp entry (its columns copy
+    # the input into the tp region one by one), not one that gathers the sequence
+    entries = tuple(e for e in plan.tp_entries if not _inside(e, regions))
     for name, style in plan.rules:
         module = rule_module(name, style)
         if not module.startswith(layers + "."):
             if style not in _OUTSIDE_BLOCKS:
                 raise ValueError(f"{why}: {name} ({style}) outside the blocks is not supported; use sequence_parallel=False")
+        elif _inside(module, regions):
+            continue  # plain tp there, every style as without sequence parallelism
         elif _inside(module, tuple(token_wise)) and style in _EXPERT_TP:
             continue  # the experts of a token-wise MoE block: their call gathers the rows
         elif not _inside(module, entries):
@@ -119,45 +176,52 @@ def sequence_parallel_plan(model: nn.Module, plan: TpPlan, stage_plan: StagePlan
         if not any(style in _ROWS and n.startswith(entry + ".") for n, style in plan.rules):
             raise ValueError(f"{why}: tp entry {entry} has no rowwise layer to reduce-scatter its output; "
                              f"use sequence_parallel=False")
-    blocks = [join(layers, str(i)) for i in range(len(model.get_submodule(layers)))]
-    sums: list[str] = []
-    for block in blocks:
-        for child, module in model.get_submodule(block).named_children():
-            full = join(block, child)
-            if full in entries:
-                continue
-            if full in token_wise:  # its replicated parameters (the router) see this rank's tokens only
-                sums += [join(full, p) for p, _ in module.named_parameters() if join(full, p) not in token_wise[full]]
-                continue
-            if not position_wise(module):
-                raise ValueError(f"{why}: {full} ({type(module).__name__}) runs between the tp regions, on this rank's "
-                                 f"slice of the sequence, and is not a norm or dropout, so it might mix positions; "
-                                 f"use sequence_parallel=False")
-            sums += [join(full, p) for p, _ in module.named_parameters()]
     final = final_norm(model, stage_plan)
     if final is not None:
         sums += [join(final, p) for p, _ in model.get_submodule(final).named_parameters()]
+    # a row layer's bias is added to this rank's slice of the sum (whole inside a whole region)
     sums += [join(n, "bias") for n, style in plan.rules
-             if style in _ROWS and getattr(model.get_submodule(n), "bias", None) is not None]
+             if style in _ROWS and getattr(model.get_submodule(n), "bias", None) is not None and not _inside(n, regions)]
     # a layer on a row layer's reduce-scattered output sees this rank's positions only (LoRA's B)
-    sums += [join(n, p) for n, style in plan.rules if style == Style.REPLICATE_AFTER_ROW
+    sums += [join(n, p) for n, style in plan.rules if style == Style.REPLICATE_AFTER_ROW and not _inside(n, regions)
              for p, _ in model.get_submodule(n).named_parameters()]
     return replace(
         plan,
         sequence_parallel=True,
+        tp_entries=entries,
         grad_sum=tuple(dict.fromkeys((*plan.grad_sum, *sums))),
         tp_rng_regions=tuple(dict.fromkeys((*plan.tp_rng_regions, *blocks))),
         # inside the blocks activations are slices (or head shards): their own masks, except on inputs
-        # an entry gathered whole (a LoRA column target's dropout: one mask, as in one process)
-        shared_rng_regions=tuple(n for n in plan.shared_rng_regions
-                                 if not n.startswith(layers + ".") or n in plan.whole_input_rng_regions),
+        # an entry gathered whole (a LoRA column target's dropout: one mask, as in one process) and in
+        # whole regions, which draw as under plain tp: the shared stream on whole activations, the
+        # tp-local one where plain tp has it (a region that is itself a tp rng region: its heads)
+        shared_rng_regions=tuple(dict.fromkeys(
+            [n for n in plan.shared_rng_regions
+             if not n.startswith(layers + ".") or n in plan.whole_input_rng_regions or _inside(n, regions)]
+            + [r for r in regions if r not in plan.tp_rng_regions])),
         sequence_experts=tuple(n for n, style in plan.rules if style == Style.EXPERTS and _inside(n, tuple(token_wise))),
+        whole_regions=regions,
     )
+
+
+def _called_children(module: nn.Module, name: str) -> Iterator[tuple[str, nn.Module]]:
+    """The children a block's forward calls: those of a container (LongCat's two attentions in a
+    ModuleList) in its place, since a container's own hooks never run."""
+    for child, sub in module.named_children():
+        if isinstance(sub, (nn.ModuleList, nn.ModuleDict)):
+            yield from _called_children(sub, join(name, child))
+        else:
+            yield join(name, child), sub
 
 
 def final_norm(model: nn.Module, stage_plan: StagePlan) -> str | None:
     """The norm after the blocks (last stage only), whose output is gathered; None: there is none,
     and the last block's output is gathered instead."""
+    base = stage_plan.layers.rpartition(".")[0]
+    placed = {stage_plan.layers, stage_plan.entry, *(n for n, _ in stage_plan.first_only + stage_plan.last_only)}
+    for child, module in (model.get_submodule(base) if base else model).named_children():
+        if join(base, child) not in placed and any(True for _ in module.parameters()):
+            return None  # something the plan does not place may run before the norm (HY-V4's hc_head)
     for name, _ in stage_plan.last_only:
         if position_wise(model.get_submodule(name)) and not isinstance(model.get_submodule(name), nn.Identity):
             return name
@@ -261,6 +325,59 @@ def _entry_hooks(entry: nn.Module, *, group: ProcessGroup, regather: bool, switc
     entry.register_forward_hook(leave, always_call=True)
 
 
+def _whole_region_hooks(region: nn.Module, *, name: str, group: ProcessGroup, switch: SequenceParallelSwitch) -> None:
+    """A block child that may mix positions and is no tp entry (MLA attention, whose low-rank q_a
+    reads the input beside the columns; a Mamba mixer; an MoE block with a tp-split shared expert)
+    runs exactly as under plain tp: its first argument is all-gathered (backward: this rank's slice
+    of the input gradient, which is whole and equal on every rank there, as plain tp keeps it), and
+    this rank's slice of its output is taken (backward: all-gather of the slices' gradients). The
+    region repeats its work on every tp rank, as plain tp does; its parameters' gradients are whole.
+
+    Per-position tensors beside them travel the same way: every output shaped like the whole
+    sequence is cut (HY-V4's hyper-connection returns its weights and its mix, its attention the
+    top-k indices the next layer's reads), and every other input shaped like this rank's slice
+    ``[batch, slice, ...]`` is gathered (those indices, as the next region receives them)."""
+
+    def enter(module: nn.Module, args: tuple, kwargs: dict):
+        if not switch.on:
+            return None
+        key, local = first_argument(module, args, kwargs)
+        batch, part = local.shape[:2]
+
+        def whole(value):
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and part > 1 and value.shape[:2] == (batch, part):
+                return gather_sequence(value, group=group)
+            return value
+
+        args, kwargs = tuple(whole(a) for a in args), {k: whole(v) for k, v in kwargs.items()}
+        return with_first(args, kwargs, key, gather_sequence(local, group=group))
+
+    def leave(_module: nn.Module, args: tuple, kwargs: dict, output):
+        if not switch.on:
+            return None
+        batch, full = first_argument(_module, args, kwargs)[1].shape[:2]
+
+        def cut(value, *, first: bool):
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (batch, full):
+                return split_sequence(value, group=group)
+            if first and isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[0] == batch * full:
+                # token rows, batch-major (Llama 4's MoE block returns them flattened; the block reshapes)
+                return split_sequence(value.reshape(batch, full, -1), group=group).flatten(0, 1)
+            if first:
+                raise ValueError(f"sequence_parallel=True: {name} ({type(region).__name__}) runs on the whole "
+                                 f"sequence and must return it first ([{batch}, {full}, ...] or [{batch * full}, ...]);"
+                                 f" it returned {tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}"
+                                 f"; use sequence_parallel=False")
+            return value
+
+        if isinstance(output, tuple):
+            return (cut(output[0], first=True), *(cut(o, first=False) for o in output[1:]))
+        return cut(output, first=True)
+
+    region.register_forward_pre_hook(enter, with_kwargs=True)
+    region.register_forward_hook(leave, with_kwargs=True)
+
+
 def apply_sequence_parallel(model: nn.Module, *, plan: TpPlan, stage_plan: StagePlan, stage: int, final: str | None,
                             group: ProcessGroup, regather: bool) -> SequenceParallelSwitch:
     """Hook this stage's tp entries (gather the sequence), the first block of each of its chunks
@@ -274,6 +391,8 @@ def apply_sequence_parallel(model: nn.Module, *, plan: TpPlan, stage_plan: Stage
         _entry_hooks(model.get_submodule(entry), group=group, regather=regather, switch=switch)
     for experts in plan.sequence_experts:
         partial_sum_hooks(model.get_submodule(experts), group=group, rows_split=lambda: switch.on)
+    for region in plan.whole_regions:
+        _whole_region_hooks(model.get_submodule(region), name=region, group=group, switch=switch)
 
     def split(module: nn.Module, args: tuple, kwargs: dict):
         if not switch.on:
@@ -290,9 +409,22 @@ def apply_sequence_parallel(model: nn.Module, *, plan: TpPlan, stage_plan: Stage
             return (gather_sequence(output[0], group=group), *output[1:])
         return gather_sequence(output, group=group)
 
+    def split_per_position(module: nn.Module, args: tuple, kwargs: dict):
+        if not switch.on:
+            return None
+        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+        for name in _PER_POSITION_BLOCK_INPUTS & set(bound.arguments):
+            if isinstance(bound.arguments[name], torch.Tensor):
+                bound.arguments[name] = split_sequence(bound.arguments[name], group=group)
+        return bound.args, bound.kwargs
+
     for chunk in stage_plan.chunks_of(stage):
         start, stop = stage_plan.layer_ranges[chunk]
         getattr(layers, str(start)).register_forward_pre_hook(split, with_kwargs=True)
+        for index in range(start, stop):
+            block = getattr(layers, str(index))
+            if _PER_POSITION_BLOCK_INPUTS & set(inspect.signature(block.forward).parameters):
+                block.register_forward_pre_hook(split_per_position, with_kwargs=True)
         last = final if final is not None and chunk == stage_plan.chunks - 1 else None
         (model.get_submodule(last) if last is not None else getattr(layers, str(stop - 1))).register_forward_hook(gather)
     return switch
