@@ -135,6 +135,31 @@ def test_derived_policy_from_transformers_plan():
     build_tp_plan(tiny("mistral"), policy, tp=4)  # 2 KV heads replicated on pairs of ranks
 
 
+def test_derived_pipeline_entry_takes_in_what_extends_the_embedding():
+    """Phi-4-multimodal's base forward runs ``embed_tokens_extend`` (image and audio) on the token
+    embedding before the blocks, a child transformers' pp plan does not place: it becomes the entry
+    (later stages receive its output) and the token embedding a first-stage module (zeros elsewhere).
+    A child used after the blocks only (DeepSeek-V4's hyper-connection head) stays unplaced, so pp
+    refuses the model, because its forward also expands the entry's output into streams before the
+    blocks, which a later stage would do to the activation it receives."""
+    import torch
+    from transformers import AutoModelForCausalLM, CONFIG_MAPPING
+
+    from qn_hf.check.shrink import shrink_config
+    from qn_hf.pipeline.split import build_stage_plan
+
+    def meta(model_type):
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(shrink_config(CONFIG_MAPPING[model_type]()))
+
+    phi4 = derive_policy(meta("phi4_multimodal"))
+    assert phi4.pp_entry == "embed_tokens_extend" and dict(phi4.pp_first) == {"embed_tokens": "zeros"}
+    assert derive_policy(meta("llama")).pp_entry == "embed_tokens"
+    deepseek = meta("deepseek_v4")
+    with pytest.raises(ValueError, match=r"parameter model.hc_head.hc_fn belongs to no pipeline stage"):
+        build_stage_plan(deepseek, derive_policy(deepseek), stages=2)
+
+
 def test_gpt2_tied_head_is_planned_once_per_module():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=50257, n_positions=8))
     plan = build_tp_plan(model, resolve_policy(model, None), tp=4)

@@ -127,6 +127,40 @@ def derived_pp_cut(base: nn.Module, *, layers: str, embeddings: str | None) -> t
     return [embeddings, layers, *after], tuple(sorted(reads))
 
 
+def entry_extension(base: nn.Module, *, layers: str, entry: str, placed: set[str]) -> str | None:
+    """A child with parameters that transformers' pp plan does not place and that extends the entry,
+    or None: the base forward uses it once, before the blocks, as ``x = self.<it>(..., x, ...)`` on the
+    entry's output ``x = self.<entry>(...)`` (Phi-4-multimodal's image and audio embedding). It
+    becomes the entry (later stages receive its output) and the entry first-stage only.
+
+    Children used only after the blocks (DeepSeek-V4's and HY-V4's hyper-connection head) stay
+    unplaced: those models also turn the entry's output into the blocks' input before the blocks
+    (the streams' expansion), which a later stage would apply to the activation it receives."""
+    tree = forward_tree(base)
+    if tree is None:
+        return None
+    uses = _self_references(tree)
+    if not uses.get(layers):
+        return None
+    first_block = min(line for line, _ in uses[layers])
+    calls: dict[str, list[ast.Assign]] = {}  # self.<child>(...) assigned to one name
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and isinstance(node.value, ast.Call) and (path := self_path(node.value.func)) is not None):
+            calls.setdefault(path, []).append(node)
+    entry_out = {a.targets[0].id for a in calls.get(entry, [])}
+    found = []
+    for name, module in base.named_children():
+        if name in placed or not any(True for _ in module.parameters()) or len(uses.get(name, [])) != 1:
+            continue
+        if uses[name][0][0] < first_block and any(
+                a.targets[0].id in entry_out and any(isinstance(v, ast.Name) and v.id == a.targets[0].id
+                                                     for v in a.value.args)
+                for a in calls.get(name, [])):
+            found.append(name)
+    return found[0] if len(found) == 1 else None
+
+
 def derive_policy(model: nn.Module) -> ModelPolicy | None:
     """A policy from ``config.base_model_tp_plan`` and ``base_model_pp_plan``, or None without them.
 
@@ -173,6 +207,10 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
     if not order:
         order, entry_reads = derived_pp_cut(base, layers=layers, embeddings=embeddings)
     after_layers = [n for n in order[order.index(layers) + 1 :] if isinstance(getattr(base, n, None), nn.Module)] if layers in order else []
+    entry, first = (embeddings if layers in order else None), {}
+    extension = entry and entry_extension(base, layers=layers, entry=entry, placed=set(order))
+    if extension and isinstance(getattr(base, entry), nn.Embedding):  # its stand-in: zeros of its shape
+        entry, first = extension, {embeddings: "zeros"}
 
     attention = [p for p in rowwise_parents if any(hasattr(base.get_submodule(n), "num_key_value_groups")
                                                     for n in match_modules(base, p))]
@@ -189,8 +227,9 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
         loss=loss,
         forward_kwargs={"use_cache": False},
         num_kv_heads_key=kv_key,
-        pp_entry=embeddings if layers in order else None,
+        pp_entry=entry,
         pp_entry_reads=entry_reads,
+        pp_first=first,
         pp_last={n: "identity" for n in after_layers},
         transformers_plan=True,
         tp_refusal=(f"transformers' tp plan for {config.model_type!r}: {refusal}" if refusal else
