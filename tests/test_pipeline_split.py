@@ -7,6 +7,7 @@ import gc
 import os
 import weakref
 
+import pytest
 import torch
 
 import qn_hf
@@ -141,3 +142,52 @@ def test_interleaved_chunks_give_the_whole_model_logits():
     with torch.no_grad():
         _, logits = _chunks_in_one_process(gemma, stages=2, virtual=2, inputs=ids)
         torch.testing.assert_close(logits, gemma(**ids, use_cache=False).logits)
+
+
+# model type, config overrides, mesh: base forwards that turn the embedding into the blocks' input
+# before the blocks. Granite multiplies it (embedding_multiplier; 1.0 in the default config, where a
+# second multiplication on a later stage went unseen: 12.0 here, as in Granite 3), DeepSeek-V4
+# expands it into hyper-connection streams (and its hc_head runs after the blocks, on the last
+# stage), NanoChat normalizes it with the parameter-free norm it also applies after the blocks.
+RECEIVE_AT_BLOCKS_CASES = [
+    ("granite", {"embedding_multiplier": 12.0}, dict(pp=2)),
+    ("granite", {"embedding_multiplier": 12.0}, dict(tp=2, pp=2, sequence_parallel=True)),
+    ("deepseek_v4", {}, dict(pp=2)),
+    ("nanochat", {}, dict(pp=2, virtual_stages=2)),
+]
+
+
+@pytest.mark.parametrize(("model_type", "overrides", "mesh"), RECEIVE_AT_BLOCKS_CASES,
+                         ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{x}" for k, x in v.items()))
+def test_stages_receive_at_their_blocks_where_the_forward_transforms_the_embedding(worlds, model_type, overrides, mesh):
+    from qn_hf.check.zoo import ZooMesh
+    from tests import zoo_cases
+    from tests.test_zoo import _config
+
+    column = ZooMesh(**mesh)
+    verdict = worlds.run(column.size, zoo_cases.zoo_step, config={**_config(model_type), **overrides}, mesh=column)[0]
+    assert verdict["verdict"] == "equal", (verdict["reason"], verdict["worst"][:5])
+    assert verdict["moved"] > 1e-3
+
+
+def test_which_stages_receive_at_their_blocks_is_read_from_the_forward():
+    """Llama's blocks take the embedding as it is (the entry's stand-in hands over the received
+    activation); Granite's take it multiplied, DeepSeek-V4's expanded (their stages receive at the
+    blocks); HY-V4 hands each block the previous block's top-k indices, which no stage boundary
+    carries: refused before anything runs."""
+    from transformers import CONFIG_MAPPING
+
+    from qn_hf.check.shrink import shrink_config
+    from qn_hf.policies.derive import derive_policy
+
+    def meta(model_type):
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(shrink_config(CONFIG_MAPPING[model_type]()))
+
+    assert not derive_policy(meta("llama")).pp_receive_at_blocks
+    assert derive_policy(meta("granite")).pp_receive_at_blocks
+    deepseek = derive_policy(meta("deepseek_v4"))
+    assert deepseek.pp_receive_at_blocks and "hc_head" in deepseek.pp_last
+    hy = meta("hy_v4")
+    with pytest.raises(ValueError, match=r"pp=2 \(hy_v4\): its base forward hands each block topk_indices"):
+        build_stage_plan(hy, derive_policy(hy), stages=2)

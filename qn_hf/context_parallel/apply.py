@@ -35,6 +35,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import find_packed_sequence_indices
 
 from ..comm import all_gather_tensors
+from ..policies.amendments import CP_REFUSALS
 from ..step.loss import LossKind, causal_lm_targets
 from ..tensor_parallel.plan import TpPlan
 from .ring_attention import ChunkLayout, needs_mask, ring_attention
@@ -57,6 +58,8 @@ def check_context_parallel(model: nn.Module, *, cp: int, plan: TpPlan) -> None:
     if cp == 1:
         return
     name = f"cp={cp} ({model.config.model_type})"
+    if model.config.model_type in CP_REFUSALS:
+        raise ValueError(f"{name}: {CP_REFUSALS[model.config.model_type]}; use cp=1")
     if not getattr(type(model), "_supports_attention_backend", False):
         raise ValueError(f"{name}: {type(model).__name__} does not run its attention through transformers' attention "
                          f"interface, so qn_hf cannot put ring attention in; use cp=1")

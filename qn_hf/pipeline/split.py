@@ -45,6 +45,9 @@ class StagePlan:
     entry_reads: tuple[str, ...]
     ties: tuple[PipelineTie, ...]
     virtual: int = 1  # chunks per rank
+    # the received activation enters at each chunk's first block; the entry gives zeros on later
+    # stages (ModelPolicy.pp_receive_at_blocks)
+    receive_at_blocks: bool = False
 
     @property
     def chunks(self) -> int:
@@ -98,6 +101,8 @@ def build_stage_plan(
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(f"policy {policy.model_type}: layers {policy.layers!r} is not a ModuleList")
     ranges = split_layers(num_layers=len(layers), stages=stages, layers_per_stage=layers_per_stage, virtual=virtual)
+    if stages > 1 and policy.pp_refusal:
+        raise ValueError(f"pp={stages} ({policy.model_type}): {policy.pp_refusal}; use pp=1")
     if stages > 1 and policy.pp_entry is None:
         why = (f"transformers declares no base_model_pp_plan for {policy.model_type!r} and its base model's forward does "
                f"not show the cut points plainly (the embedding, the blocks, then only a final norm)"
@@ -121,6 +126,9 @@ def build_stage_plan(
     entry = policy.pp_entry
     if entry is not None:
         present([entry])
+        if policy.pp_receive_at_blocks and not isinstance(base.get_submodule(entry), nn.Embedding):
+            raise ValueError(f"policy {policy.model_type}: pp_receive_at_blocks needs an nn.Embedding entry (later "
+                             f"stages give zeros of its shape), not {type(base.get_submodule(entry)).__name__}")
         for path in policy.pp_entry_reads:
             obj = base.get_submodule(entry)
             for part in path.split("."):
@@ -142,6 +150,7 @@ def build_stage_plan(
         entry_reads=policy.pp_entry_reads,
         ties=(),
         virtual=virtual,
+        receive_at_blocks=policy.pp_receive_at_blocks,
     )
     if stages > 1:
         _check_assignment(model, plan, policy)

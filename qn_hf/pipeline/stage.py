@@ -7,7 +7,11 @@ What differs per stage is which modules are real:
 * the blocks: each stage keeps the contiguous ranges of its chunks (under their original indices,
   so parameter names stay the HF names) and drops the rest;
 * the entry (token/patch embedding): real on the first stage; elsewhere an ``Injector`` that returns
-  the activation received from the previous stage;
+  the activation received from the previous stage. Where the base forward makes the blocks' input
+  out of the embedding (``StagePlan.receive_at_blocks``: Granite's multiplier, DeepSeek-V4's
+  streams, NanoChat's norm), it would do that again to what a later stage receives: there the entry
+  gives zeros, the received activation replaces the first argument of the chunk's first block, and
+  a chunk sends its last block's output rather than the base model's;
 * first-only and last-only modules: real on their stage, a parameter-free stand-in elsewhere;
 * the task head (``lm_head``, ``classifier``): on the last stage only; earlier stages call the base
   model and send its ``last_hidden_state``.
@@ -127,8 +131,26 @@ class StageModules:
             if self.injector is not None:
                 self.injector.pending = self.wire.into(received) if chunk > 0 else None
             if not self.is_last_chunk(chunk):
+                if self.plan.receive_at_blocks:
+                    return self.wire.out(self._last_block_output(chunk, inputs, kwargs))
                 return self.wire.out(self.base(**inputs, **kwargs).last_hidden_state)
             return self.model(**inputs, **kwargs)
+
+    def _last_block_output(self, chunk: int, inputs: Mapping[str, torch.Tensor], kwargs: dict) -> torch.Tensor:
+        """What a chunk sends when activations enter at the blocks: its last block's output (a
+        hyper-connection model's streams), not the base model's, which runs whatever follows the
+        blocks on it (NanoChat's final norm is real on every stage: it holds no parameters). The hook
+        is added for this call only, so it runs after every hook installed at parallelize time
+        (sequence parallelism's gather of the whole sequence)."""
+        captured: list[torch.Tensor] = []
+        last = getattr(self.model.get_submodule(self.plan.layers), str(self.plan.layer_ranges[chunk][1] - 1))
+        handle = last.register_forward_hook(
+            lambda _m, _a, out: captured.append(out[0] if isinstance(out, tuple) else out))
+        try:
+            self.base(**inputs, **kwargs)
+        finally:
+            handle.remove()
+        return captured[-1]
 
 
 def _holder(model: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -174,12 +196,19 @@ def apply_stage(model: nn.Module, plan: StagePlan, *, stage: int) -> StageModule
         module = model.get_submodule(path)
         if path == plan.entry:
             injector = Injector()
-            mirror_reads(injector, module, plan.entry_reads)
-            standins[path] = injector
+            # receiving at the blocks, the entry gives zeros of its shape for the forward to work on
+            standins[path] = standin_for("zeros", module) if plan.receive_at_blocks else injector
+            mirror_reads(standins[path], module, plan.entry_reads)
         else:
             standins[path] = PassThrough() if path in plan.heads else standin_for(kinds[path], module)
         if owner not in chunks:
             _replace(model, path, standins[path])  # the real module lives on another rank: freed here
+    if plan.receive_at_blocks and injector is not None:
+        for chunk in chunks:
+            if chunk > 0:
+                layers_kept = model.get_submodule(plan.layers)
+                getattr(layers_kept, str(plan.layer_ranges[chunk][0])).register_forward_pre_hook(
+                    injector.into_block, with_kwargs=True)
     views: dict[int, tuple[tuple[nn.Module, str, nn.Module], ...]] = {}
     if len(chunks) > 1:
         for chunk in chunks:

@@ -8,6 +8,7 @@ the forward the activation received from the previous stage.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -48,6 +49,18 @@ class Injector(StandIn):
             raise RuntimeError("the pipeline entry was called without a received activation (or twice in one forward)")
         out, self.pending = self.pending, None
         return out
+
+    def into_block(self, block: nn.Module, args: tuple, kwargs: dict):
+        """Forward pre-hook of a chunk's first block (``receive_at_blocks``): its hidden states, the
+        first argument by position or by name, become the received activation. A block called with
+        nothing pending (the model's first chunk, on the first stage) runs as it is."""
+        if self.pending is None:
+            return None
+        received, self.pending = self.pending, None
+        if args:
+            return (received, *args[1:]), kwargs
+        name = next(iter(inspect.signature(block.forward).parameters))
+        return args, {**kwargs, name: received}
 
 
 def standin_for(kind: str, module: nn.Module) -> StandIn:

@@ -28,3 +28,12 @@ REFUSALS: dict[str, str] = {
                     "a threshold computed from their mean and standard deviation over the whole intermediate "
                     "dimension, which the plan splits across ranks (each rank would use its own slice's statistics)",
 }
+
+# model_type -> why context parallelism is refused, where the checks that read the config and the
+# modules cannot see it
+CP_REFUSALS: dict[str, str] = {
+    "doge": "its attention adds a learned per-key dynamic mask (from dt_proj and A; past keep_window_size only the "
+            "top-k keys) to the attention mask before "
+            "the attention function, so ring attention would receive Doge's mask in place of the context-parallel "
+            "batch's, and the ring has no per-key bias",
+}

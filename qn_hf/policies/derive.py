@@ -94,8 +94,10 @@ def derived_pp_cut(base: nn.Module, *, layers: str, embeddings: str | None) -> t
     child; every child registered after the blocks is a norm over the features that the forward
     uses only after its last mention of the blocks (the final norm: last stage only), or a
     parameter-free rotary embedding (it builds the position tables every stage's blocks need).
-    NanoChat's norm also runs before the blocks: refused, as is anything whose place the source
-    does not tell."""
+    A parameter-free norm that also runs before the blocks (NanoChat's) is left unplaced, real on
+    every stage: the stages then receive at their blocks (``blocks_take_entry_output`` sees the
+    norm on the blocks' input). With parameters it is refused, as is anything whose place the
+    source does not tell."""
     children = [name for name, _ in base.named_children()]
     tree = forward_tree(base)
     if tree is None or embeddings is None or embeddings not in children or layers not in children:
@@ -108,8 +110,12 @@ def derived_pp_cut(base: nn.Module, *, layers: str, embeddings: str | None) -> t
     for name in children[children.index(layers) + 1 :]:
         module = getattr(base, name)
         if position_wise(module) and not isinstance(module, (nn.Dropout, nn.Identity)):
-            if not uses.get(name) or min(line for line, _ in uses[name]) <= last_block_use:
+            if not uses.get(name):
                 return [], ()
+            if min(line for line, _ in uses[name]) <= last_block_use:
+                if list(module.parameters()):
+                    return [], ()
+                continue  # NanoChat's norm, also before the blocks: no parameters, real on every stage
             after.append(name)
         elif list(module.parameters()) or not all(type(m).__name__.endswith("RotaryEmbedding")
                                                   for m in module.modules() if not isinstance(m, (nn.ModuleDict, nn.ModuleList))):
@@ -127,15 +133,87 @@ def derived_pp_cut(base: nn.Module, *, layers: str, embeddings: str | None) -> t
     return [embeddings, layers, *after], tuple(sorted(reads))
 
 
+def _block_call(tree: ast.FunctionDef, layers: str) -> tuple[ast.For, ast.Call] | None:
+    """The base forward's one loop over ``self.<layers>`` and its one call of a block, or None."""
+    loops = [n for n in ast.walk(tree) if isinstance(n, ast.For)
+             and any(self_path(a) == layers for a in ast.walk(n.iter) if isinstance(a, ast.Attribute))]
+    if len(loops) != 1:
+        return None
+    blocks = {n.id for n in ast.walk(loops[0].target) if isinstance(n, ast.Name)}
+    calls = [n for n in ast.walk(loops[0]) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+             and n.func.id in blocks]
+    return (loops[0], calls[0]) if len(calls) == 1 else None
+
+
+def carried_between_blocks(base: nn.Module, *, layers: str) -> list[str]:
+    """What a block hands the next one besides the hidden states, read from the base forward:
+    ``hidden_states, topk = layer(..., prev_topk=topk)`` (HY-V4's shared top-k indices). A pipeline
+    sends the hidden states only, so a stage's first block would miss it."""
+    tree = forward_tree(base)
+    found = _block_call(tree, layers) if tree is not None else None
+    if found is None:
+        return []
+    loop, call = found
+    results = [n for n in ast.walk(loop) if isinstance(n, ast.Assign) and n.value is call
+               and isinstance(n.targets[0], ast.Tuple)]
+    names = {e.id for r in results for e in r.targets[0].elts[1:] if isinstance(e, ast.Name)}
+    read = {n.id for n in ast.walk(call) if isinstance(n, ast.Name)}
+    return sorted(names & read)
+
+
+def blocks_take_entry_output(base: nn.Module, *, layers: str, entries: set[str]) -> bool | None:
+    """Whether the blocks' first argument is the entry's output as it is, read from the base forward:
+    every assignment to the name the block call passes, and to the names it was copied from, is
+    a call of an entry (the embedding, or what extends it) or a plain copy (``hidden_states = inputs_embeds``). False: the forward turns
+    the embedding into the blocks' input first (DeepSeek-V4 expands it into hyper-connection
+    streams, NanoChat normalizes it), so later stages must receive at the blocks. None: the source
+    does not say (no loop over the blocks, a block input that is not a name)."""
+    tree = forward_tree(base)
+    found = _block_call(tree, layers) if tree is not None else None
+    if found is None or not found[1].args or not isinstance(found[1].args[0], ast.Name):
+        return None
+    loop, call = found
+    assigned: dict[str, list[ast.expr]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and node.lineno < loop.lineno:
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    assigned.setdefault(target.id, []).append(node.value)
+    seen, todo = set(), [call.args[0].id]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for value in assigned.get(name, []):
+            if isinstance(value, ast.Call) and self_path(value.func) in entries:
+                continue
+            if not isinstance(value, ast.Name):
+                return False
+            todo.append(value.id)
+    return True
+
+
+def after_blocks(base: nn.Module, *, layers: str, placed: set[str]) -> list[str]:
+    """Children with parameters the pp plan does not place that the base forward uses only after its
+    last mention of the blocks (DeepSeek-V4's and HY-V4's hyper-connection head): last stage."""
+    tree = forward_tree(base)
+    uses = _self_references(tree) if tree is not None else {}
+    if not uses.get(layers):
+        return []
+    last_block = max(line for line, _ in uses[layers])
+    return [name for name, module in base.named_children()
+            if name not in placed and any(True for _ in module.parameters()) and uses.get(name)
+            and min(line for line, _ in uses[name]) > last_block]
+
+
 def entry_extension(base: nn.Module, *, layers: str, entry: str, placed: set[str]) -> str | None:
     """A child with parameters that transformers' pp plan does not place and that extends the entry,
     or None: the base forward uses it once, before the blocks, as ``x = self.<it>(..., x, ...)`` on the
     entry's output ``x = self.<entry>(...)`` (Phi-4-multimodal's image and audio embedding). It
     becomes the entry (later stages receive its output) and the entry first-stage only.
 
-    Children used only after the blocks (DeepSeek-V4's and HY-V4's hyper-connection head) stay
-    unplaced: those models also turn the entry's output into the blocks' input before the blocks
-    (the streams' expansion), which a later stage would apply to the activation it receives."""
+    """
     tree = forward_tree(base)
     if tree is None:
         return None
@@ -207,10 +285,17 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
     if not order:
         order, entry_reads = derived_pp_cut(base, layers=layers, embeddings=embeddings)
     after_layers = [n for n in order[order.index(layers) + 1 :] if isinstance(getattr(base, n, None), nn.Module)] if layers in order else []
-    entry, first = (embeddings if layers in order else None), {}
-    extension = entry and entry_extension(base, layers=layers, entry=entry, placed=set(order))
-    if extension and isinstance(getattr(base, entry), nn.Embedding):  # its stand-in: zeros of its shape
-        entry, first = extension, {embeddings: "zeros"}
+    entry, first, receive_at_blocks = (embeddings if layers in order else None), {}, False
+    if entry is not None:
+        extension = entry_extension(base, layers=layers, entry=entry, placed=set(order))
+        if extension and isinstance(getattr(base, entry), nn.Embedding):  # its stand-in: zeros of its shape
+            entry, first = extension, {embeddings: "zeros"}
+        # a forward that makes the blocks' input out of the embedding (a multiplier, dropout, streams)
+        # would do it again, on a later stage, to what that stage receives
+        receive_at_blocks = blocks_take_entry_output(base, layers=layers, entries={entry, embeddings}) is False
+        if receive_at_blocks:  # what follows the blocks then runs on the last stage only (HY-V4's hc_head)
+            after_layers += after_blocks(base, layers=layers, placed=set(order))
+    carried = carried_between_blocks(base, layers=layers)
 
     attention = [p for p in rowwise_parents if any(hasattr(base.get_submodule(n), "num_key_value_groups")
                                                     for n in match_modules(base, p))]
@@ -231,6 +316,9 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
         pp_entry_reads=entry_reads,
         pp_first=first,
         pp_last={n: "identity" for n in after_layers},
+        pp_receive_at_blocks=receive_at_blocks,
+        pp_refusal=(f"its base forward hands each block {', '.join(carried)} from the block before besides the "
+                    f"hidden states, which a pipeline does not send between stages" if carried else None),
         transformers_plan=True,
         tp_refusal=(f"transformers' tp plan for {config.model_type!r}: {refusal}" if refusal else
                     f"transformers' tp plan for {config.model_type!r} uses {', '.join(problems)}, which qn_hf does not "

@@ -40,14 +40,18 @@ class ModelPolicy:
     the attributes in ``pp_entry_reads`` that the forward reads from it. ``pp_first`` and
     ``pp_last`` name the other modules that belong to the first or last stage only, with the stand-in
     they get elsewhere: ``"zeros"`` (GPT-2's position embedding, added to the received activation)
-    or ``"identity"`` (dropout after the embedding, the final norm).
+    or ``"identity"`` (dropout after the embedding, the final norm). With ``pp_receive_at_blocks``
+    the received activation enters at each chunk's first block instead, and the entry (an
+    ``nn.Embedding``) gives zeros on later stages: for base models that turn the embedding into the
+    blocks' input before the blocks (DeepSeek-V4 expands it into hyper-connection streams, NanoChat
+    normalizes it), which a later stage must not do again to what it receives.
 
     ``attr_patches`` keys are a module pattern and an attribute path: ``layers.*.self_attn.num_heads``,
     or through an object the module reads, ``layers.*.self_attn.config.num_attention_heads`` (the
     module then gets its own copy of the config; other modules and saved configs keep the shared one).
     ``transformers_plan`` reads the plan with transformers' conventions: a rule may match nothing
     (an optional module) and a Linear inside a block that no rule names stays whole. ``tp_refusal`` is why this policy cannot shard
-    over tp (it still serves dp and pp).
+    over tp (it still serves dp and pp), ``pp_refusal`` why it cannot cut the model into pipeline stages.
     """
 
     model_type: str
@@ -65,8 +69,10 @@ class ModelPolicy:
     pp_entry_reads: tuple[str, ...] = ()
     pp_first: Mapping[str, str] = field(default_factory=dict)
     pp_last: Mapping[str, str] = field(default_factory=dict)
+    pp_receive_at_blocks: bool = False
     transformers_plan: bool = False
     tp_refusal: str | None = None
+    pp_refusal: str | None = None
 
     def __post_init__(self) -> None:
         for pattern, style in {**self.tp_plan, **self.head_plan}.items():
