@@ -52,6 +52,12 @@ _SIZES: dict[str, int] = {
     "num_nextn_predict_layers": 0,
 }
 _TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+# Scalar multipliers that default to 1.0 (Granite's muP scalars, AFMoE's routing scale) get another
+# value: at 1.0 applying one twice, or on the wrong side of a stage or tp boundary, changes nothing,
+# and the zoo would call equal what a real checkpoint (Granite 3: embedding_multiplier=12) trains
+# differently. Not a power of two, so no rounding hides a repeat.
+_MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling", "route_scale")
+MULTIPLIER = 1.37
 
 # Keys that count blocks the way num_hidden_layers does (an audio encoder's conformer blocks).
 _LAYER_COUNTS = ("num_hidden_layers", "num_blocks")
@@ -160,6 +166,8 @@ def shrink_config(config: PretrainedConfig, *, layers: int = LAYERS) -> Pretrain
         elif (isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values())
               and key not in subconfigs):
             new[key] = {k: _shrink_sizes(v) for k, v in value.items()}  # per layer kind
+        elif key in _MULTIPLIERS and value == 1.0 and not isinstance(value, bool):
+            new[key] = MULTIPLIER
         elif _is_dropout(key) and isinstance(value, (int, float)) and not isinstance(value, bool):
             new[key] = 0.0
         elif _tied_to_hidden(key, value, data.get("hidden_size")):

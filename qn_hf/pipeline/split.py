@@ -101,8 +101,6 @@ def build_stage_plan(
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(f"policy {policy.model_type}: layers {policy.layers!r} is not a ModuleList")
     ranges = split_layers(num_layers=len(layers), stages=stages, layers_per_stage=layers_per_stage, virtual=virtual)
-    if stages > 1 and policy.pp_refusal:
-        raise ValueError(f"pp={stages} ({policy.model_type}): {policy.pp_refusal}; use pp=1")
     if stages > 1 and policy.pp_entry is None:
         why = (f"transformers declares no base_model_pp_plan for {policy.model_type!r} and its base model's forward does "
                f"not show the cut points plainly (the embedding, the blocks, then only a final norm)"
@@ -154,6 +152,7 @@ def build_stage_plan(
     )
     if stages > 1:
         _check_assignment(model, plan, policy)
+        _check_carried(model, plan, policy)
     return StagePlan(**{**plan.__dict__, "ties": _cross_stage_ties(model, plan)})
 
 
@@ -186,6 +185,26 @@ def _check_assignment(model: nn.Module, plan: StagePlan, policy: ModelPolicy) ->
                       f"embedding, the blocks and what follows them); " if policy.transformers_plan else "")
             raise ValueError(f"parameter {name} belongs to no pipeline stage: {source}name its module in the "
                              f"policy's pp_first or pp_last, or use pp=1")
+
+
+def _check_carried(model: nn.Module, plan: StagePlan, policy: ModelPolicy) -> None:
+    """What a block hands the next one besides the hidden states (``policy.pp_carried``) does not
+    cross a stage boundary: each later chunk's first block must make it anew, as the config's
+    per-layer kinds tell (``policy.pp_carried_reuse``); refuse any other cut."""
+    if not policy.pp_carried:
+        return
+    config = model.config.get_text_config()
+    key, reuse = policy.pp_carried_reuse or (None, None)
+    if not isinstance(getattr(config, key or "", None), list):
+        key = None
+    starts = [start for start, _ in plan.layer_ranges[1:]]
+    reusing = [i for i in starts if key is None or getattr(config, key)[i] == reuse]
+    if reusing:
+        kinds = f" ({key}[{reusing[0]}] = {reuse!r})" if key else ""
+        raise ValueError(f"pp={plan.stages} ({policy.model_type}): its base forward hands each block "
+                         f"{', '.join(policy.pp_carried)} from the block before besides the hidden states, and block "
+                         f"{reusing[0]}, the first of a chunk, reuses it{kinds}, but a pipeline sends only the hidden "
+                         f"states between stages; cut where a block makes it anew (layers_per_stage) or use pp=1")
 
 
 def _cross_stage_ties(model: nn.Module, plan: StagePlan) -> tuple[PipelineTie, ...]:

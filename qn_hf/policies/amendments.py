@@ -37,3 +37,7 @@ CP_REFUSALS: dict[str, str] = {
             "the attention function, so ring attention would receive Doge's mask in place of the context-parallel "
             "batch's, and the ring has no per-key bias",
 }
+
+# config key -> the per-layer kind that reuses what the block before handed over (ModelPolicy.pp_carried):
+# a DSA layer of kind "shared" takes the previous layer's top-k indices, a "full" one selects its own
+CARRIED_REUSED_BY: dict[str, str] = {"indexer_types": "shared"}

@@ -19,7 +19,7 @@ from ..tensor_parallel.patterns import base_model_and_prefix, match_modules, mat
 from ..step.loss import LossKind
 from ..tensor_parallel.plan import ModelPolicy
 from ..tensor_parallel.styles import COLUMN_STYLES, HF_STYLES, PARAM_FORM, Style
-from .amendments import AMENDMENTS, PP_PLANS, REFUSALS
+from .amendments import AMENDMENTS, CARRIED_REUSED_BY, PP_PLANS, REFUSALS
 from .entries import derive_entries, forward_tree, self_path
 
 
@@ -317,8 +317,9 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
         pp_first=first,
         pp_last={n: "identity" for n in after_layers},
         pp_receive_at_blocks=receive_at_blocks,
-        pp_refusal=(f"its base forward hands each block {', '.join(carried)} from the block before besides the "
-                    f"hidden states, which a pipeline does not send between stages" if carried else None),
+        pp_carried=tuple(carried),
+        pp_carried_reuse=next(((k, v) for k, v in CARRIED_REUSED_BY.items() if isinstance(getattr(config, k, None), list)),
+                              None) if carried else None,
         transformers_plan=True,
         tp_refusal=(f"transformers' tp plan for {config.model_type!r}: {refusal}" if refusal else
                     f"transformers' tp plan for {config.model_type!r} uses {', '.join(problems)}, which qn_hf does not "

@@ -51,7 +51,10 @@ class ModelPolicy:
     module then gets its own copy of the config; other modules and saved configs keep the shared one).
     ``transformers_plan`` reads the plan with transformers' conventions: a rule may match nothing
     (an optional module) and a Linear inside a block that no rule names stays whole. ``tp_refusal`` is why this policy cannot shard
-    over tp (it still serves dp and pp), ``pp_refusal`` why it cannot cut the model into pipeline stages.
+    over tp (it still serves dp and pp). ``pp_carried`` names what the base forward hands each block from
+    the block before besides the hidden states (HY-V4's top-k indices): no stage boundary carries
+    it, so a cut is refused unless every later chunk's first block makes it anew, as
+    ``pp_carried_reuse`` tells: the config's list of per-layer kinds and the kind that reuses it.
     """
 
     model_type: str
@@ -72,7 +75,8 @@ class ModelPolicy:
     pp_receive_at_blocks: bool = False
     transformers_plan: bool = False
     tp_refusal: str | None = None
-    pp_refusal: str | None = None
+    pp_carried: tuple[str, ...] = ()
+    pp_carried_reuse: tuple[str, str] | None = None  # (config list of per-layer kinds, the kind that reuses it)
 
     def __post_init__(self) -> None:
         for pattern, style in {**self.tp_plan, **self.head_plan}.items():
