@@ -216,12 +216,13 @@ def _called_children(module: nn.Module, name: str) -> Iterator[tuple[str, nn.Mod
 
 def final_norm(model: nn.Module, stage_plan: StagePlan) -> str | None:
     """The norm after the blocks (last stage only), whose output is gathered; None: there is none,
-    and the last block's output is gathered instead."""
+    or something else after the blocks may mix positions or hold parameters (HY-V4's hc_head,
+    placed last or not placed at all), and the last block's output is gathered instead."""
     base = stage_plan.layers.rpartition(".")[0]
-    placed = {stage_plan.layers, stage_plan.entry, *(n for n, _ in stage_plan.first_only + stage_plan.last_only)}
+    placed = {stage_plan.layers, stage_plan.entry, *(n for n, _ in stage_plan.first_only)}
     for child, module in (model.get_submodule(base) if base else model).named_children():
-        if join(base, child) not in placed and any(True for _ in module.parameters()):
-            return None  # something the plan does not place may run before the norm (HY-V4's hc_head)
+        if join(base, child) not in placed and any(True for _ in module.parameters()) and not position_wise(module):
+            return None
     for name, _ in stage_plan.last_only:
         if position_wise(model.get_submodule(name)) and not isinstance(model.get_submodule(name), nn.Identity):
             return name
