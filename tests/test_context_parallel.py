@@ -88,6 +88,15 @@ def test_context_parallel_refusals():
     assert _error(windowed) == "no error"
     message = _error(_meta_model("llama", attention_chunk_size=8))
     assert "attention_chunk_size=8 (chunked attention) is not supported by ring attention" in message, message
+    # Llama 4 without chunks still counts its temperature positions over the tokens a rank holds
+    llama4 = _error(_meta_model("llama4_text", attention_chunk_size=None, intermediate_size_mlp=64, num_local_experts=2,
+                                no_rope_layers=[1, 0], layer_types=["full_attention"] * 2))
+    assert "attn_temperature_tuning=True scales the queries of the layers without RoPE" in llama4, llama4
+    assert _error(_meta_model("llama4_text", attention_chunk_size=None, intermediate_size_mlp=64, num_local_experts=2,
+                              no_rope_layers=[1, 0], layer_types=["full_attention"] * 2,
+                              attn_temperature_tuning=False)) == "no error"
+    doge = _error(_meta_model("doge"))
+    assert "cp=2 (doge): its attention adds a learned per-key dynamic mask" in doge, doge
     dropout = _error(_meta_model("llama", attention_dropout=0.1))
     assert "attention_dropout=0.1: ring attention has no attention dropout" in dropout, dropout
     assert _error(_meta_model("llama"), tp=2, sequence_parallel=True) == "no error"  # cp x sp composes

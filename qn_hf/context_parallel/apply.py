@@ -74,6 +74,13 @@ def check_context_parallel(model: nn.Module, *, cp: int, plan: TpPlan) -> None:
     if getattr(config, "attention_chunk_size", None):
         raise ValueError(f"{name}: attention_chunk_size={config.attention_chunk_size} (chunked attention) is not "
                          f"supported by ring attention; use cp=1")
+    if getattr(config, "attn_temperature_tuning", False) and not all(getattr(config, "no_rope_layers", None) or [1]):
+        # Llama 4: the layers without RoPE scale their queries by a function of the position that the
+        # attention computes as arange(length of its input), the local chunks' length under cp: wrong
+        # from position floor_scale on, so no short test would show it
+        raise ValueError(f"{name}: attn_temperature_tuning=True scales the queries of the layers without RoPE by "
+                         f"positions the attention counts itself over the tokens it holds, which under cp are "
+                         f"not the sequence's; set config.attn_temperature_tuning = False or use cp=1")
     # Ring attention covers attention, full or in a sliding window; a block that mixes positions any
     # other way (state-space or convolution layers of hybrid models) would see only this rank's tokens.
     kinds = sorted(set(getattr(config, "layer_types", None) or ()) - set(RING_LAYER_TYPES))
