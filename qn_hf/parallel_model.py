@@ -41,7 +41,7 @@ from .step.loss import IGNORE_INDEX, LossKind, causal_lm_targets, summed_loss
 from .tensor_parallel.apply import VocabShard
 from .tensor_parallel.plan import TpPlan
 from .tensor_parallel.rng import RngStreams
-from .tensor_parallel.sequence_parallel import SequenceParallelSwitch
+from .tensor_parallel.sequence_hooks import SequenceParallelSwitch
 from .tensor_parallel.shard import ShardSpec
 
 LossFn = Callable[[object, Mapping[str, torch.Tensor]], torch.Tensor]

@@ -29,8 +29,8 @@ from .pipeline.standins import StandIn
 from .placement import Copies, ShardPlacement
 from .data_parallel.precision import PRECISIONS, LossScaler, apply_mixed_precision
 from .memory.recompute import apply_recompute
-from .tensor_parallel.sequence_parallel import (SequenceParallelSwitch, apply_sequence_parallel, final_norm, regathers,
-                                                sequence_wire)
+from .tensor_parallel.sequence_hooks import SequenceParallelSwitch, apply_sequence_parallel, sequence_wire
+from .tensor_parallel.sequence_parallel import final_norm, regathers
 from .tensor_parallel.plan import ModelPolicy, TpPlan
 from .tensor_parallel.rng import SHARED, TP_LOCAL, RngStreams, stream_seeds
 from .tensor_parallel.shard import ShardSpec

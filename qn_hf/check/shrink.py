@@ -176,6 +176,11 @@ def shrink_config(config: PretrainedConfig, *, layers: int = LAYERS) -> Pretrain
     # read as attributes too: Longcat's num_hidden_layers is a property that sets num_layers
     new.update({key: layers for key in _LAYER_COUNTS
                 if _is_size(data.get(key)) or _is_size(getattr(config, key, None))})
+    if "num_hidden_layers" not in data and _is_size(data.get("num_layers")):
+        # the stored count is of blocks and num_hidden_layers a property over it (LongCat: two attention
+        # sublayers a block): 4 blocks, as every other type gets
+        new.pop("num_hidden_layers", None)
+        new["num_layers"] = layers
     if "num_key_value_heads" in data:
         new["num_key_value_heads"] = _kv_heads(data)
     if isinstance(data.get("mamba_expand"), int) and "mamba_d_head" in data:

@@ -51,7 +51,7 @@ class Wire:
     """How an activation crosses a stage boundary: ``out`` turns a chunk's output into what is sent,
     ``into`` turns what was received into the next chunk's entry activation. Both are the identity
     unless a feature keeps activations in another layout between stages: sequence parallelism sends
-    each tp rank's slice of the sequence (``sequence_parallel.sequence_wire``)."""
+    each tp rank's slice of the sequence (``sequence_hooks.sequence_wire``)."""
 
     out: Callable[[torch.Tensor], torch.Tensor] = _unchanged
     into: Callable[[torch.Tensor], torch.Tensor] = _unchanged

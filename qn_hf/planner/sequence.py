@@ -1,4 +1,4 @@
-"""Sequence parallelism in the planner's meta trace: the hooks of ``qn_hf/tensor_parallel/sequence_parallel.py`` and
+"""Sequence parallelism in the planner's meta trace: the hooks of ``qn_hf/tensor_parallel/sequence_hooks.py`` and
 ``qn_hf/tensor_parallel/apply.py`` at the same places, with shape-only stand-ins for their collectives.
 
 The trace runs the unsharded model; with sequence parallelism on, it runs it as one tp rank sees the

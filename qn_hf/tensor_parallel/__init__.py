@@ -10,7 +10,8 @@
   ``Embedding`` replacements, and the embedding subclasses they reproduce;
 * ``hooks.py``: styles carried out by hooks on an unchanged module;
 * ``apply.py``: applying a resolved plan to a model;
-* ``sequence_parallel.py``: the sequence split between tp regions;
+* ``sequence_parallel.py``: the sequence split between tp regions, its checks and plan change;
+  ``sequence_hooks.py``: the hooks that carry it out;
 * ``replica_check.py``: the first step's proof that replicated gradients agree over tp;
 * ``rng.py``: the two random streams that make dropout right under tp.
 """

@@ -127,14 +127,14 @@ def apply_tp_plan(
             continue  # no hook: these act on gradients (GradSync)
         module = model.get_submodule(name)
         if name in plan.sequence_experts:
-            continue  # their hooks gather rows while sequence parallelism is on: sequence_parallel.py
+            continue  # their hooks gather rows while sequence parallelism is on: sequence_hooks.py
         if style in (Style.EXPERTS, Style.ALL_REDUCE):
             partial_sum_hooks(module, group=group)
         elif style == Style.EXPERTS_IDENTITY:
             identity_expert_hooks(module, group=group)
         elif style == Style.MLA_KV_A:
             mla_kv_a_hooks(module, group=group, rope_dim=plan.mla_rope_dim)
-    for entry in plan.tp_entries if not plan.sequence_parallel else ():  # else sequence_parallel.py's gather
+    for entry in plan.tp_entries if not plan.sequence_parallel else ():  # else sequence_hooks.py's gather
         model.get_submodule(entry).register_forward_pre_hook(_enter_region_hook(group), with_kwargs=True)
     for name, path, value in plan.patches:
         _patch(model.get_submodule(name), path, value)
