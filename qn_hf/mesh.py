@@ -75,17 +75,25 @@ class ParallelDims:
     """Degrees of data, pipeline, context and tensor parallelism; ``world_size == dp * pp * cp * tp``.
 
     ``ep`` is not a mesh dim: experts are sharded over ``ep`` of the dp x tp ranks of a stage
-    (``expert_groups``), so it must divide dp * tp and leaves the world size unchanged."""
+    (``expert_groups``), so it must divide dp * tp and leaves the world size unchanged. Nor is
+    ``dp_shard``: the dp ranks form dp/dp_shard groups of dp_shard consecutive ones, each group
+    sharding the weights (``data_parallel/sharded.py``), so it must divide dp."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    dp_shard: int = 1
 
     def __post_init__(self) -> None:
         for axis in (Axis.DP, Axis.TP, Axis.PP, Axis.CP, Axis.EP):
             check_positive_int(axis.value, getattr(self, axis))
+        check_positive_int("dp_shard", self.dp_shard)
+        if self.dp % self.dp_shard:
+            divisors = [d for d in range(1, self.dp + 1) if self.dp % d == 0]
+            raise ValueError(f"dp_shard={self.dp_shard} must divide dp={self.dp}: the dp ranks form dp/dp_shard groups "
+                             f"that each shard the weights over dp_shard ranks; choose dp_shard among {divisors}")
         if self.ep > 1:
             if (self.dp * self.tp) % self.ep:
                 raise ValueError(f"ep={self.ep} must divide dp*tp = {self.dp}*{self.tp} = {self.dp * self.tp}: the "
@@ -104,6 +112,12 @@ class ParallelDims:
     @property
     def world_size(self) -> int:
         return self.dp * self.pp * self.cp * self.tp
+
+    @property
+    def dp_replicate(self) -> int:
+        """How many groups of ``dp_shard`` ranks hold the same sharded weights (hybrid sharding: their
+        gradients are all-reduced across the groups)."""
+        return self.dp // self.dp_shard
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -236,6 +250,8 @@ class Groups:
     tie: ProcessGroup | None
     peers: Peers
     owned: tuple[ProcessGroup, ...] = ()  # the groups build_groups created (a caller's mesh and the world not)
+    dp_shard: ProcessGroup | None = None  # the dp_shard ranks that shard one copy of the weights (None at dp_shard=1)
+    shard_mesh: DeviceMesh | None = None  # FSDP's mesh: ("dp_shard",), or ("dp_replicate", "dp_shard") to hybrid-shard
 
     @property
     def prev(self) -> int | None:
@@ -291,12 +307,38 @@ def build_groups(dims: ParallelDims, *, device: torch.device, timeout: datetime.
         coords = Coords(dp=d, pp=coords.pp, cp=coords.cp, tp=t, ep=flat % dims.ep,
                         expert_replica=coords.cp * per_grid + flat // dims.ep)
         experts = experts if dims.expert_replicas > 1 else None
+    dp_shard, shard_mesh = _shard_groups(grid, coords, dims, device, timeout, owned) if dims.dp_shard > 1 else (None, None)
     return Groups(
         mesh=mesh, coords=coords, dp=mesh.get_group(Axis.DP.value), tp=mesh.get_group(Axis.TP.value),
         pp=mesh.get_group(Axis.PP.value),
         cp=cp, replicas=replicas, ep=ep, experts=experts, kv=kv, tie=tie, peers=_pipeline_peers(grid, coords, timeout, owned),
         owned=tuple(dict.fromkeys(g for g in owned if g is not dist.GroupMember.WORLD)),
+        dp_shard=dp_shard, shard_mesh=shard_mesh,
     )
+
+
+SHARD_MESH_DIMS = ("dp_replicate", "dp_shard")
+
+
+def _shard_groups(grid: torch.Tensor, coords: Coords, dims: ParallelDims, device: torch.device,
+                  timeout: datetime.timedelta, owned: list[ProcessGroup]) -> tuple[ProcessGroup, DeviceMesh]:
+    """The dp_shard group of this rank (dp_shard consecutive dp ranks with its pp, cp and tp) and the
+    mesh FSDP takes: 1-D over that group, or 2-D (replicate, shard) when dp_shard < dp, its replicate
+    dim joining the ranks at the same place of every group. Built from groups made here, as
+    ``build_mesh`` does, so that they carry the job's timeout."""
+    pp, cp, tp = dims.pp, dims.cp, dims.tp
+    rows = [grid[:, p, c, t].reshape(dims.dp_replicate, dims.dp_shard) for p in range(pp) for c in range(cp)
+            for t in range(tp)]
+    shard = _member_of([row[r].tolist() for row in rows for r in range(dims.dp_replicate)], timeout, owned)
+    mine = grid[:, coords.pp, coords.cp, coords.tp].reshape(dims.dp_replicate, dims.dp_shard)
+    # DeviceMesh equality ignores its process groups, and DTensor's caches are keyed by it: a later
+    # mesh of the same ranks (after pm.close() destroyed these groups) would be handed the destroyed
+    # groups. The dim names carry the group's name to keep each incarnation distinct.
+    names = tuple(f"{dim}.{shard.group_name}" for dim in SHARD_MESH_DIMS)
+    if dims.dp_replicate == 1:
+        return shard, DeviceMesh.from_group(shard, device.type, mesh=mine[0], mesh_dim_names=names[1:])
+    replicate = _member_of([row[:, s].tolist() for row in rows for s in range(dims.dp_shard)], timeout, owned)
+    return shard, DeviceMesh.from_group([replicate, shard], device.type, mesh=mine, mesh_dim_names=names)
 
 
 def _pipeline_peers(grid: torch.Tensor, coords: Coords, timeout: datetime.timedelta,

@@ -24,6 +24,7 @@ from .context_parallel.ring_attention import ChunkLayout
 from .data_parallel.buckets import GradBuckets
 from .data_parallel.grad_sync import GradSync
 from .data_parallel.precision import LossScaler
+from .data_parallel.sharded import ShardedParameters, check_checkpoint
 from .expert_parallel.router_loss import RouterLogits, adds_router_loss
 from .failure import FailTogether
 from .mesh import Coords, Groups, ParallelDims
@@ -37,7 +38,7 @@ from .step.batch import (batch_signature, check_batch, check_model_inputs, check
                          sequence_split, split_microbatches)
 from .step.generation import parallel_generate, switched_off
 from .step.logits import LogitsFn, collect_logits
-from .step.loss import IGNORE_INDEX, LossKind, causal_lm_targets, summed_loss
+from .step.loss import IGNORE_INDEX, causal_lm_targets, check_builtin_loss, summed_loss
 from .tensor_parallel.apply import VocabShard
 from .tensor_parallel.plan import TpPlan
 from .tensor_parallel.rng import RngStreams
@@ -76,6 +77,7 @@ class ParallelModel:
         parallel_config: ParallelConfig | None = None,
         sequence_parallel_switch: SequenceParallelSwitch | None = None,
         ring_switch: RingSwitch | None = None,
+        sharded: ShardedParameters | None = None,
     ) -> None:
         self.module = module
         self.parallel_config = parallel_config  # how it was parallelized (parallelize's keywords as one value)
@@ -109,6 +111,7 @@ class ParallelModel:
         self._batch_checked = False
         self.closed = False
         self.sp_switch, self.ring_switch = sequence_parallel_switch, ring_switch  # sp and cp, off while generating
+        self.sharded = sharded  # dp_shard > 1: FSDP's groups (data_parallel/sharded.py)
 
     def close(self) -> None:
         """Release (every rank) the process groups parallelize made: not the world's, not a mesh= given."""
@@ -176,7 +179,7 @@ class ParallelModel:
         self.module.train()
         if self.closed:
             self._weights_ready()  # raises: the groups are gone
-        if self.precision is not None and self.optimizer is None:
+        if self.precision is not None and self.optimizer is None and self.sharded is None:
             raise ValueError(
                 f"mixed_precision keeps float32 gradients for the float32 master weights of qn_hf.optimizer: build the "
                 f"optimizer with qn_hf.optimizer(pm, torch.optim.AdamW, ...) before train_step (a torch optimizer over "
@@ -184,6 +187,8 @@ class ParallelModel:
         if self.grads.reduced:
             raise ValueError("zero=True reduce-scatters gradients in place: call optimizer.zero_grad() after each "
                              "optimizer.step() (accumulate over several train_step calls inside pm.no_sync())")
+        if self.sharded is not None:
+            self.sharded.set_gradient_sync(self._sync)
         with self.failures.guard("train_step"):
             loss = self._run(batch, loss_fn, backward=True)
             if self._sync:
@@ -248,12 +253,8 @@ class ParallelModel:
         routers = (RouterLogits(self.module, pp=self.dims.pp, microbatches=self.microbatches, replicas=self.groups.replicas,
                                 sequence=self.groups.tp if self.sp_switch is not None and self.sp_switch.on else None)
                    if builtin and adds_router_loss(self.module) else None)  # checks the term can be equal
-        if builtin and self.plan.loss is LossKind.CLASSIFICATION:
-            config = self.config
-            if config.num_labels == 1 or getattr(config, "problem_type", None) in ("regression", "multi_label_classification"):
-                raise ValueError(f"the built-in classification loss is single-label cross-entropy (num_labels="
-                                 f"{config.num_labels}, problem_type={getattr(config, 'problem_type', None)!r}); pass "
-                                 f"loss_fn for this problem")
+        if builtin:
+            check_builtin_loss(self.plan.loss, self.config)
         batch = {k: v.to(self.device) for k, v in batch.items()}
         if self.dims.world_size > self.dims.dp and (self.check_every_batch or not self._batch_checked):
             check_same_batch(batch_signature(batch, device=self.device), replica=self.coords.dp,
@@ -335,15 +336,10 @@ class ParallelModel:
             outputs.logits = self.full_logits(outputs.logits)
         return outputs
 
-    @property
-    def config(self):
-        """The whole model's Hugging Face config (a pipeline stage's modules may hold a cut copy)."""
-        return self.stage.config
-
-    @property
-    def generation_config(self):
-        """The module's Hugging Face generation config (``generate``'s defaults, as on the plain model)."""
-        return self.module.generation_config
+    # the whole model's Hugging Face config (a pipeline stage's modules may hold a cut copy), and the
+    # module's generation config (generate's defaults, as on the plain model)
+    config = property(lambda self: self.stage.config)
+    generation_config = property(lambda self: self.module.generation_config)
 
     def state_dict(self, *, max_bytes: int | None = None) -> dict[str, torch.Tensor]:
         """The unsharded model's state dict (HF names, whole CPU tensors) on every rank; collective.
@@ -387,6 +383,7 @@ class ParallelModel:
         as ``path/ckpt-<step>`` and made ``latest``. Afterwards only the newest ``keep_last`` checkpoints
         under ``path`` are kept (and whatever ``latest`` names); ``None`` removes none."""
         self._weights_ready()
+        check_checkpoint(self.sharded, "save_checkpoint")
         with self.failures.guard("save_checkpoint"):
             return save_checkpoint(self.module, path, placement=self.placement, config=self.config,
                                    optimizer=optimizer, step=step, virtual_stages=self.stage.plan.virtual,
@@ -395,6 +392,7 @@ class ParallelModel:
     def load_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> dict:
         """Load a checkpoint saved at any (dp, tp, pp); return its metadata (e.g. ``{"step": 1}``)."""
         self._weights_ready()
+        check_checkpoint(self.sharded, "load_checkpoint")
         with self.failures.guard("load_checkpoint"):
             return load_checkpoint(self.module, path, placement=self.placement, model_type=self.config.model_type,
                                    optimizer=optimizer, cast=self.precision is not None, config=self.config.to_dict())

@@ -18,7 +18,9 @@ from .expert_parallel.dispatch import ExpertRoute
 from .expert_parallel.apply import apply_expert_parallel, sharded_experts
 from .peft.lora import unwrap_peft
 from .context_parallel.ring_attention import ChunkLayout
-from .data_parallel.buckets import DEFAULT_BUCKET_MB, GradBuckets, bucket_size_bytes
+from .data_parallel.buckets import DEFAULT_BUCKET_MB
+from .data_parallel.grad_sync import grad_buckets
+from .data_parallel.sharded import ShardedParameters
 from .mesh import Coords, Groups, ParallelDims, build_groups, default_device, init_distributed, launched_world_size
 from .parallel_model import ParallelModel
 from .pipeline.runtime import StageExecutor
@@ -26,7 +28,7 @@ from .pipeline.split import StagePlan
 from .pipeline.stage import StageModules, apply_stage
 from .pipeline.schedule import as_schedule
 from .pipeline.standins import StandIn
-from .placement import Copies, ShardPlacement
+from .placement import ShardPlacement, materialize
 from .data_parallel.precision import PRECISIONS, LossScaler, apply_mixed_precision
 from .memory.recompute import apply_recompute
 from .tensor_parallel.sequence_hooks import SequenceParallelSwitch, apply_sequence_parallel, sequence_wire
@@ -69,6 +71,7 @@ def parallelize(
     recompute: str | None = None,
     sequence_parallel: bool = False,
     compile: bool = False,
+    dp_shard: int = 1,
     **unknown: object,
 ) -> ParallelModel:
     """Shard ``model`` (in place) over a (dp, pp, tp) mesh, or (dp, pp, cp, tp) with ``cp`` > 1, and
@@ -91,7 +94,9 @@ def parallelize(
     each sequence over that many ranks, with ring attention (context_parallel/); ``ep`` shards the
     experts of MoE layers over that many of a stage's dp x tp ranks, tokens travelling to them
     (expert_parallel/); ``compile`` compiles each block of this stage in place with ``torch.compile``
-    (inductor), the collectives inside traced as functional collectives (step/compile.py).
+    (inductor), the collectives inside traced as functional collectives (step/compile.py); ``dp_shard``
+    shards weights, gradients and optimizer state over groups of that many dp ranks with torch's
+    ``fully_shard`` (data_parallel/sharded.py).
     """
     if unknown:  # Python's own TypeError would not say which keyword was meant
         raise refused_on_every_rank(TypeError(unknown_keywords(unknown, parallelize)))
@@ -100,7 +105,7 @@ def parallelize(
                             virtual_stages=virtual_stages, policy=policy, layers_per_stage=layers_per_stage, mesh=mesh,
                             device=device, seed=seed, bucket_mb=bucket_mb, checkpoint=checkpoint, timeout=timeout,
                             mixed_precision=mixed_precision, recompute=recompute, sequence_parallel=sequence_parallel,
-                            compile=compile)
+                            compile=compile, dp_shard=dp_shard)
     except ValueError as e:  # every refusal is raised alike on every rank, before any collective
         refused_on_every_rank(e)
         raise
@@ -110,21 +115,24 @@ def _parallelize(model: nn.Module, *, dp: int, tp: int, pp: int, cp: int, ep: in
                  virtual_stages: int, policy: ModelPolicy | None, layers_per_stage: Sequence[int] | None,
                  mesh: DeviceMesh | None, device: torch.device | None, seed: int | None, bucket_mb: float,
                  checkpoint: str | None, timeout: datetime.timedelta, mixed_precision: str | None,
-                 recompute: str | None, sequence_parallel: bool, compile: bool) -> ParallelModel:
+                 recompute: str | None, sequence_parallel: bool, compile: bool, dp_shard: int) -> ParallelModel:
     if getattr(model, _MARK, False):
         raise ValueError("this model is already parallelized; load a fresh copy to parallelize it again")
     model, adapter = unwrap_peft(model)  # a PEFT model: the HF model inside, LoRA layers in place
+    if checkpoint is not None and dp_shard > 1:
+        raise ValueError(f"checkpoint= with dp_shard={dp_shard} is not supported yet; load the model with "
+                         f"from_pretrained, then parallelize it")
     if adapter is not None and checkpoint is not None:
         raise ValueError("checkpoint= with a PEFT model is not supported: its names are those of the LoRA-wrapped "
                          "model; load the base with from_pretrained, wrap it with get_peft_model, then parallelize")
     # The launch first: with the wrong number of processes every other message would name the wrong fix
     # (ep must divide dp*tp, ... of degrees the user did not mean).
-    ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp).check_world_size(launched_world_size())
+    ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, dp_shard=dp_shard).check_world_size(launched_world_size())
     config = ParallelConfig.from_keywords(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, microbatches=microbatches,
                                           schedule=schedule, virtual_stages=virtual_stages,
                                           layers_per_stage=layers_per_stage, bucket_mb=bucket_mb,
                                           mixed_precision=mixed_precision, recompute=recompute,
-                                          sequence_parallel=sequence_parallel, compile=compile)
+                                          sequence_parallel=sequence_parallel, compile=compile, dp_shard=dp_shard)
     features = config.features | ({Feature.LORA} if adapter is not None else set())
     checked = check_parallel_config(model, config, policy=policy, extra=features - config.features)
     dims, plan, stage_plan = checked.dims, checked.tp_plan, checked.stage_plan
@@ -166,15 +174,15 @@ def _parallelize(model: nn.Module, *, dp: int, tp: int, pp: int, cp: int, ep: in
         microbatches=microbatches,
         schedule=schedule,
         rng=build.rng,
-        buckets=_grad_buckets(model, build.placement, bucket_mb, experts=False),
-        expert_buckets=_grad_buckets(model, build.placement, bucket_mb, experts=True),
+        buckets=grad_buckets(model, build.placement, bucket_mb, experts=False),
+        expert_buckets=grad_buckets(model, build.placement, bucket_mb, experts=True),
         precision=build.precision,
         scaler=LossScaler() if mixed_precision == "fp16" else None,
         cp_layout=build.cp_layout,
         deferred=frozenset(build.deferred),
         adapter=adapter,
         parallel_config=config,
-        sequence_parallel_switch=build.sp_switch, ring_switch=build.ring_switch,
+        sequence_parallel_switch=build.sp_switch, ring_switch=build.ring_switch, sharded=build.sharded,
     )
     pm.check_composes_with()  # refused above already; this warns (rank 0) about pairs no test compares yet
     if checkpoint is not None:
@@ -208,6 +216,7 @@ class Build:
     deferred: list[str] = field(default_factory=list)
     sp_switch: SequenceParallelSwitch | None = None
     ring_switch: RingSwitch | None = None
+    sharded: ShardedParameters | None = None
 
 
 @dataclass(frozen=True)
@@ -262,7 +271,7 @@ def _sequence_parallel(b: Build) -> None:
 
 def _place_on_device(b: Build) -> None:
     if b.checkpoint is not None and any(p.is_meta for p in b.model.parameters()):
-        _materialize(b.model, b.device)
+        materialize(b.model, b.device)
     else:
         b.model.to(b.device)
 
@@ -284,6 +293,16 @@ def _split_backward(b: Build) -> None:
     b.deferred = make_deferrable(b.model, queue=b.weights, skip=b.stage_plan.heads)
 
 
+def _shard_data_parallel(b: Build) -> None:
+    blocks = list(b.model.get_submodule(b.stage_plan.layers))
+    b.sharded = ShardedParameters(b.model, mesh=b.groups.shard_mesh, blocks=blocks, compute_dtype=b.precision)
+
+
+def _cast_here(b: Build) -> bool:
+    """Mixed precision casts the model itself, unless FSDP casts as it gathers (dp_shard)."""
+    return b.precision is not None and b.config.dims.dp_shard == 1
+
+
 def _compile(b: Build) -> None:
     apply_compile(b.model, layers=b.stage_plan.layers)
 
@@ -297,7 +316,7 @@ def _always(b: Build) -> bool:
 PASSES: tuple[Pass, ...] = (
     Pass("context parallel", lambda b: b.config.dims.cp > 1, _context_parallel, ("model", "groups", "cp_layout"), ("ring_switch",),
          "before the stage cut and the tp patches: their config copies take the attention choice"),
-    Pass("cast", lambda b: b.precision is not None, _cast, ("model", "precision"), (),
+    Pass("cast", _cast_here, _cast, ("model", "precision"), (),
          "before the stage cut: stand-ins take their dtype from the modules they replace"),
     Pass("expert parallel", lambda b: b.config.dims.ep > 1, _expert_parallel, ("model", "groups"), ("expert_specs",),
          "before the stage cut, as cp: the stages' config copies take the experts choice"),
@@ -310,7 +329,7 @@ PASSES: tuple[Pass, ...] = (
          "after tp: its hooks sit on the parallel layers and the blocks between them"),
     Pass("place on device", _always, _place_on_device, ("model", "checkpoint", "device"), (),
          "after every shard: each rank allocates only its own (a meta model is materialized here)"),
-    Pass("cast new parameters", lambda b: b.precision is not None, _cast, ("model", "precision"), (),
+    Pass("cast new parameters", _cast_here, _cast, ("model", "precision"), (),
          "again: sharding and materializing made new parameters (float32 gradients)"),
     Pass("synchronize replicas", lambda b: b.checkpoint is None, _synchronize, ("model", "placement"), (),
          "on the device, after the last new parameter; loading a checkpoint gives every replica the same bytes"),
@@ -318,6 +337,10 @@ PASSES: tuple[Pass, ...] = (
          ("rng",), "after the shards exist; the streams are seeded per replica, which the placement says"),
     Pass("recompute", lambda b: b.config.recompute is not None, _recompute, ("model", "stage_plan", "rng"), (),
          "after the dropout streams: a recomputed block replays their state"),
+    Pass("shard data parallel", lambda b: b.config.dims.dp_shard > 1, _shard_data_parallel,
+         ("model", "groups", "stage_plan", "precision"), ("sharded",),
+         "after every hook on the blocks (recomputation's included) and the replicas' synchronized weights: "
+         "FSDP shards what is final"),
     Pass("split backward", lambda b: b.config.schedule.split_backward, _split_backward, ("model", "stage_plan"),
          ("weights", "deferred"), "zb_h1: after the layers are final, they queue their weight gradients for the W passes"),
     Pass("compile", lambda b: b.config.compile, _compile, ("model", "stage_plan"), (),
@@ -340,36 +363,6 @@ def _check_tensors(model: nn.Module, *, checkpoint: str | None) -> None:
         return
     if len(devices) > 1:
         raise ValueError(f"the model's tensors are spread over devices {sorted(map(str, devices))}; move it to one device first")
-
-
-def _materialize(model: nn.Module, device: torch.device) -> None:
-    """Allocate this rank's (already sharded) meta tensors; the checkpoint fills the parameters.
-    Non-persistent buffers (rotary frequencies) are in no checkpoint: HF's own init recomputes them."""
-    model.to_empty(device=device)
-    init = getattr(model, "_init_weights", None)
-    with torch.no_grad():
-        for module in model.modules():
-            if hasattr(module, "reset_buffers"):  # a parallel layer that keeps a replaced module's buffers
-                module.reset_buffers()
-            elif module._non_persistent_buffers_set and not isinstance(module, StandIn):
-                if init is None:
-                    raise ValueError(f"{type(module).__name__} has non-persistent buffers and the model no _init_weights")
-                init(module)
-
-
-def _grad_buckets(model: nn.Module, placement: ShardPlacement, bucket_mb: float, *,
-                  experts: bool) -> GradBuckets | None:
-    """The buckets of the parameters summed over the ranks that hold the same copy: the ep-sharded
-    experts over the expert replicas (``experts``), everything else over dp x cp. cp ranks hold the
-    same weights and see different tokens of the same sequences: their gradients are partial sums
-    like those of dp ranks, so one reduction covers both."""
-    group, size = ((placement.groups.experts, placement.dims.expert_replicas) if experts
-                   else (placement.groups.replicas, placement.dims.replicas))
-    if size == 1:
-        return None
-    params = [p for n, p in model.named_parameters()
-              if p.requires_grad and (placement.copies(n) is Copies.EXPERTS) == experts]
-    return GradBuckets(params, group=group, bucket_bytes=bucket_size_bytes(bucket_mb)) if params else None
 
 
 def _on_this_stage(model: nn.Module, name: str) -> bool:

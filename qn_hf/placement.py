@@ -23,6 +23,7 @@ from torch import nn
 from .comm import all_gather_tensors, flat_broadcast_
 from .mesh import Coords, Groups, ParallelDims
 from .pipeline.split import PipelineTie
+from .pipeline.standins import StandIn
 from .tensor_parallel.shard import ShardSpec, over_experts
 
 
@@ -134,3 +135,18 @@ class Placed(Protocol):
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
 
     def named_grads(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate this rank's (already sharded) meta tensors; the checkpoint fills the parameters.
+    Non-persistent buffers (rotary frequencies) are in no checkpoint: HF's own init recomputes them."""
+    model.to_empty(device=device)
+    init = getattr(model, "_init_weights", None)
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "reset_buffers"):  # a parallel layer that keeps a replaced module's buffers
+                module.reset_buffers()
+            elif module._non_persistent_buffers_set and not isinstance(module, StandIn):
+                if init is None:
+                    raise ValueError(f"{type(module).__name__} has non-persistent buffers and the model no _init_weights")
+                init(module)

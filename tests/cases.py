@@ -7,6 +7,7 @@ import os
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 import qn_hf
 from qn_hf.mesh import ParallelDims, build_mesh
@@ -68,6 +69,11 @@ def reference_grad(ref_params: dict[str, torch.nn.Parameter], name: str, pm: qn_
     return grad if spec is None else spec.shard(grad, pm.coords["tp"])
 
 
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A dp_shard-sharded tensor gathered (collective: every rank, in the same order), else as it is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def freeze(model: torch.nn.Module, prefixes: tuple[str, ...]) -> torch.nn.Module:
     for name, p in model.named_parameters():
         if name.startswith(tuple(prefixes)):
@@ -92,7 +98,7 @@ def parity(*, kind: str, model_dir: str, out_dir: str, dp: int, tp: int, pp: int
            schedule: str = "1f1b", layers_per_stage: list[int] | None = None, padded: bool = False,
            per_rank: int = 2, bucket_mb: float = 25.0, sequence_parallel: bool = False, cp: int = 1,
            packed: bool = False, seq: int = 12, virtual_stages: int = 1, rows: int | None = None,
-           frozen: tuple[str, ...] = (), recompute: str | None = None) -> dict:
+           frozen: tuple[str, ...] = (), recompute: str | None = None, dp_shard: int = 1) -> dict:
     """Forward, loss, every gradient, grad norm and weights after an optimizer step against the plain model.
     ``rows`` (default ``per_rank * microbatches``) is each dp rank's batch size, which the
     microbatches need not divide. Parameters under the ``frozen`` prefixes get ``requires_grad=False``
@@ -102,7 +108,7 @@ def parity(*, kind: str, model_dir: str, out_dir: str, dp: int, tp: int, pp: int
     pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, cp=cp, microbatches=microbatches,
                            schedule=schedule, layers_per_stage=layers_per_stage, bucket_mb=bucket_mb,
                            mesh=mesh_for(dp, tp, pp, cp), sequence_parallel=sequence_parallel,
-                           virtual_stages=virtual_stages, recompute=recompute)
+                           virtual_stages=virtual_stages, recompute=recompute, dp_shard=dp_shard)
     full_numel = {n: p.numel() for n, p in ref.named_parameters(remove_duplicate=False)}
 
     batch = make_batch(kind, size=dp * (rows or per_rank * microbatches), seed=7, padded=padded, packed=packed, seq=seq)
@@ -133,7 +139,7 @@ def parity(*, kind: str, model_dir: str, out_dir: str, dp: int, tp: int, pp: int
     for name, p in pm.named_parameters():
         if not p.requires_grad:
             continue
-        err = (p.grad - reference_grad(ref_params, name, pm)).abs().max().item()
+        err = (whole(p.grad) - reference_grad(ref_params, name, pm)).abs().max().item()
         if err > grad_err:
             grad_err, worst = err, name
 
@@ -167,6 +173,8 @@ def parity(*, kind: str, model_dir: str, out_dir: str, dp: int, tp: int, pp: int
         "local_sharded": sum(p.numel() for n, p in pm.named_parameters() if n in sharded),
         "full_sharded": sum(full_numel.get(n, 0) for n, _ in pm.named_parameters() if n in sharded),
         "local_total": sum(p.numel() for p in pm.parameters()),
+        # what this rank stores: dp_shard keeps its rows of each tensor (DTensor.numel() is the whole's)
+        "stored": sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in pm.parameters()),
         "frozen_with_grad": frozen_with_grad,
         "frozen_here": sum(not p.requires_grad for p in pm.parameters()),
         # what dp reduces: the trainable parameters only (None without dp)
@@ -219,3 +227,13 @@ def uneven_loss_fn(*, model_dir: str, dp: int, pp: int, microbatches: int, rows:
     params = dict(ref.named_parameters())
     err = max((p.grad - reference_grad(params, n, pm)).abs().max().item() for n, p in pm.named_parameters())
     return {"loss": loss.item(), "ref_loss": ref_loss.item(), "grad_err": err}
+
+
+def mixed_precision_steps(*, model_dir: str, precision: str, dp: int, dp_shard: int, steps: int) -> dict:
+    """``steps`` AdamW steps of Llama under ``mixed_precision`` (the same global batches at any dp):
+    the losses, and the dtypes of the parameters the optimizer sees."""
+    pm = qn_hf.parallelize(load("llama", model_dir), dp=dp, dp_shard=dp_shard, mixed_precision=precision,
+                           mesh=mesh_for(dp, 1))
+    opt = qn_hf.optimizer(pm, torch.optim.AdamW, lr=3e-3)
+    losses = [optimizer_step(pm, opt, seed=step % 2) for step in range(steps)]  # two batches, learnt
+    return {"losses": losses, "dtypes": sorted({str(p.dtype) for p in pm.parameters()})}

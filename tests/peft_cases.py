@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import qn_hf
-from tests.cases import mesh_for, reference_grad
+from tests.cases import mesh_for, reference_grad, whole
 from tests.models import dp_slice, load, make_batch
 
 
@@ -23,7 +23,8 @@ def lora_model(kind: str, model_dir: str, *, targets: list[str], use_dora: bool 
 
 def lora_parity(*, kind: str, model_dir: str, out_dir: str, targets: list[str], dp: int = 1, tp: int = 1, pp: int = 1,
                 microbatches: int = 1, schedule: str = "1f1b", sequence_parallel: bool = False,
-                use_dora: bool = False, zero: bool = False, recompute: str | None = None, cp: int = 1) -> dict:
+                use_dora: bool = False, zero: bool = False, recompute: str | None = None, cp: int = 1,
+                dp_shard: int = 1) -> dict:
     """One SGD step of LoRA: loss, every adapter gradient, the adapter written by save_pretrained and
     loaded by ``PeftModel.from_pretrained``, the merged model, and base weights untouched."""
     from peft import PeftModel
@@ -32,10 +33,10 @@ def lora_parity(*, kind: str, model_dir: str, out_dir: str, targets: list[str], 
     pm = qn_hf.parallelize(lora_model(kind, model_dir, targets=targets, use_dora=use_dora), dp=dp, tp=tp, pp=pp,
                            microbatches=microbatches, schedule=schedule, mesh=mesh_for(dp, tp, pp, cp),
                            sequence_parallel=sequence_parallel, bucket_mb=0.001, recompute=recompute,
-                           virtual_stages=2 if schedule == "interleaved_1f1b" else 1, cp=cp)
+                           virtual_stages=2 if schedule == "interleaved_1f1b" else 1, cp=cp, dp_shard=dp_shard)
     batch = make_batch(kind, size=dp * 2 * microbatches, seed=7, padded=True)
     local = dp_slice(batch, dp=dp, dp_rank=pm.coords["dp"])
-    before = {n: p.detach().clone() for n, p in pm.named_parameters()}
+    before = {n: whole(p.detach()).clone() for n, p in pm.named_parameters()}
     ref_before = {n: p.detach().clone() for n, p in ref.named_parameters() if "lora_" in n}
     opt = qn_hf.optimizer(pm, torch.optim.SGD, zero=zero, lr=0.5)
     loss = pm.train_step(local)
@@ -51,10 +52,11 @@ def lora_parity(*, kind: str, model_dir: str, out_dir: str, targets: list[str], 
             continue
         trained += 1
         if not pm.grads_split_over_dp:
-            grad_err = max(grad_err, (p.grad - reference_grad(ref_params, name, pm)).abs().max().item())
+            grad_err = max(grad_err, (whole(p.grad) - reference_grad(ref_params, name, pm)).abs().max().item())
     opt.step()
     torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.5).step()
-    base_moved = max((p - before[n]).abs().max().item() for n, p in pm.named_parameters() if not p.requires_grad)
+    base_moved = max((whole(p.detach()) - before[n]).abs().max().item() for n, p in pm.named_parameters()
+                     if not p.requires_grad)
     generated = None
     if schedule != "interleaved_1f1b" and cp == 1:  # evaluation samples from the trained adapter, as peft's model gives them
         prompt = batch["input_ids"][:2, :5]

@@ -28,6 +28,7 @@ from transformers import GenerationConfig
 
 from .atomic import fresh_dir, write_text_atomic
 from ..comm import barrier
+from ..data_parallel.sharded import gathered_state
 from ..placement import ShardPlacement
 from ..tensor_parallel.shard import over_experts
 from .files import fsync_dir, fsync_file
@@ -127,10 +128,11 @@ def finish_export(staging: str, path: str, *, config: transformers.PretrainedCon
 
 
 def unique_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict with tied tensors kept once, under their first name (as HF saves them)."""
+    """The state dict with tied tensors kept once, under their first name (as HF saves them), each
+    whole over dp_shard (collective over those ranks)."""
     seen: set[int] = set()
     out: dict[str, torch.Tensor] = {}
-    for name, tensor in module.state_dict(keep_vars=True).items():
+    for name, tensor in gathered_state(module.state_dict(keep_vars=True)).items():
         if id(tensor) not in seen:
             seen.add(id(tensor))
             out[name] = tensor

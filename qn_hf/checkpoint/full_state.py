@@ -30,6 +30,7 @@ from torch import nn
 
 from .format import global_shape
 from ..comm import group_size
+from ..data_parallel.sharded import gathered_state
 from ..placement import ShardPlacement
 
 HOST_FRACTION = 0.5  # share of the available host memory the default bound lets the copies take
@@ -44,7 +45,7 @@ def full_state_dict(module: nn.Module, *, placement: ShardPlacement, max_bytes: 
     change it). Raises ``ValueError`` on every rank when it would exceed ``max_bytes`` (default:
     ``default_max_bytes()``, the smallest over the ranks)."""
     groups = placement.groups
-    local = module.state_dict(keep_vars=True)  # the parameters themselves: ties show as one object
+    local = gathered_state(module.state_dict(keep_vars=True))  # the parameters: ties show as one object
     stages: list[list[Entry]] = [[] for _ in range(group_size(groups.pp))]
     dist.all_gather_object(stages, _entries(local, placement), group=groups.pp)
 

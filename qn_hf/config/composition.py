@@ -33,6 +33,7 @@ class Feature(Choice):
     PP_ZB_H1 = "pp zb_h1"
     EP = "ep"
     DP = "dp"
+    DP_SHARD = "dp_shard"
     ZERO = "zero"
     BF16 = "bf16"
     FP16 = "fp16"
@@ -99,6 +100,10 @@ _TRAINER_RESUME = "tests/test_trainer.py::test_trainer_accumulation_clipping_che
 _RC = "tests/test_recompute.py::test_recompute_is_bit_for_bit"
 _TRAINER = "tests/test_trainer.py::test_trainer_composes_with_schedules_recompute_and_sp"
 _RC_SCHEDULES = "tests/test_recompute.py::test_recompute_with_new_schedules"
+_FSDP = "tests/test_sharded_data_parallel.py::test_sharded_data_parallel_equals_plain_model"
+_FSDP_MP = "tests/test_sharded_data_parallel.py::test_sharded_data_parallel_in_mixed_precision_trains_like_one_process"
+_FSDP_LORA = "tests/test_sharded_data_parallel.py::test_sharded_data_parallel_with_lora_equals_peft"
+_FSDP_GEN = _FSDP_LORA  # generate after the LoRA step gives peft's tokens
 
 # Also the reason check_compile gives for a mixture-of-experts model at ep=1 (a refusal of the model).
 EXPERTS_RECOMPILE = ("routing tokens to experts gives each expert a number of tokens known only at run time "
@@ -115,6 +120,28 @@ ROWS: tuple[Row, ...] = (
         "point-to-point transfers inside an autograd Function, which torch.compile cannot trace; use cp=1 with "
         "compile=True, or compile=False")),
     Row(F.COMPILE, F.EP, S.REFUSED, message="compile=True with ep={ep} is not supported: " + EXPERTS_RECOMPILE),
+    # dp_shard (sharded data parallelism, data_parallel/sharded.py): what is not built on FSDP2 yet
+    *(Row(F.DP_SHARD, schedule, S.REFUSED, message=(
+        f"dp_shard={{dp_shard}} with pp={{pp}} is not supported yet: FSDP's groups would gather and reduce per "
+        f"microbatch of every stage, and stages hand over activations that the pipeline's tied and stand-in modules "
+        f"read whole; use pp=1 with dp_shard, or dp_shard=1 and qn_hf.optimizer(pm, ..., zero=True) with pp"))
+      for schedule in (F.PP_1F1B, F.PP_GPIPE, F.PP_INTERLEAVED, F.PP_ZB_H1)),
+    Row(F.DP_SHARD, F.CP, S.REFUSED, message=(
+        "dp_shard={dp_shard} with cp={cp} is not supported yet: the weights would be sharded over dp x cp as "
+        "torchtitan does, which dp_shard's groups (dp ranks only) do not form; use cp=1 with dp_shard, or dp_shard=1 "
+        "and zero=True with cp")),
+    Row(F.DP_SHARD, F.EP, S.REFUSED, message=(
+        "dp_shard={dp_shard} with ep={ep} is not supported yet: the experts would be sharded over the ranks holding "
+        "the same experts, a group FSDP is not given yet; use ep=1 with dp_shard, or dp_shard=1 and zero=True with ep")),
+    Row(F.DP_SHARD, F.ZERO, S.REFUSED, message=(
+        "zero=True with dp_shard={dp_shard}: dp_shard already shards the optimizer state, the master weights, the "
+        "gradients and the weights over its dp_shard ranks; leave zero=False (dp_shard=dp shards over every dp rank)")),
+    Row(F.DP_SHARD, F.COMPILE, S.REFUSED, message=(
+        "compile=True with dp_shard={dp_shard} is not supported yet: no test compiles FSDP's gathered blocks here; "
+        "use compile=False with dp_shard, or dp_shard=1 with compile=True")),
+    Row(F.DP_SHARD, F.TRAINER, S.REFUSED, message=(
+        "qn_hf.Trainer with dp_shard={dp_shard} is not supported yet: it saves resumable checkpoints, which do not "
+        "take dp_shard's row shards yet; use dp_shard=1 (with zero=True) under qn_hf.Trainer")),
     Row(F.ZERO, F.EP, S.PLAIN, f"{_EP_ZERO}[qwen3_moe-2-2-1-2-None]"),
     # ring attention switched off: every cp rank holds the whole model and runs the loop on whole sequences
     Row(F.GENERATE, F.CP, S.PLAIN, "tests/test_generation.py::test_generate_equals_plain_model[dp1-tp1-pp2-cp2]"),
@@ -231,6 +258,16 @@ ROWS: tuple[Row, ...] = (
     Row(F.EP, F.LORA, S.PLAIN,
         "tests/test_peft.py::test_lora_on_fused_experts_equals_peft[qwen3_moe-2-1-1-2-1-1-False-False-1f1b]"),
     Row(F.EP, F.TRAINER, S.PLAIN, "tests/test_trainer.py::test_trainer_with_expert_parallelism_equals_one_process"),
+    # dp_shard
+    Row(F.DP_SHARD, F.DP, S.PLAIN, f"{_FSDP}[llama-dp4-shard2-tp1]"),
+    Row(F.DP_SHARD, F.TP, S.PLAIN, f"{_FSDP}[gpt2-dp2-shard2-tp2]"),
+    Row(F.DP_SHARD, F.SP, S.PLAIN, f"{_FSDP}[llama-dp2-shard2-tp2-sp]"),
+    Row(F.DP_SHARD, F.RECOMPUTE, S.PLAIN, f"{_FSDP}[gpt2-dp2-shard2-tp1-full]"),
+    # FSDP's own mixed precision: float32 sharded parameters (the masters), gathered in the compute dtype
+    Row(F.DP_SHARD, F.BF16, S.EQUIVALENT, f"{_FSDP_MP}[bf16]"),
+    Row(F.DP_SHARD, F.FP16, S.EQUIVALENT, f"{_FSDP_MP}[fp16]"),
+    Row(F.DP_SHARD, F.LORA, S.PLAIN, _FSDP_LORA),
+    Row(F.DP_SHARD, F.GENERATE, S.PLAIN, _FSDP_GEN),
     # dp
     Row(F.DP, F.ZERO, S.PLAIN, f"{_ZERO}[llama-2-2-1-SGD-1f1b]"),
     Row(F.DP, F.BF16, S.PLAIN, f"{_MP}[gpt2-2-2-2-2-True-bf16-1f1b]"),

@@ -44,10 +44,10 @@ class ParallelConfig:
                       virtual_stages: int = 1, layers_per_stage: Sequence[int] | None = None,
                       bucket_mb: float = DEFAULT_BUCKET_MB, mixed_precision: str | None = None,
                       recompute: str | None = None, sequence_parallel: bool = False,
-                      compile: bool = False) -> ParallelConfig:
+                      compile: bool = False, dp_shard: int = 1) -> ParallelConfig:
         """The value ``parallelize``'s keywords describe, or the ``ValueError`` naming the first one
         that is wrong and its fix (the same on every rank: nothing here communicates)."""
-        dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+        dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_shard=dp_shard)
         check_schedule_args(stages=pp, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages)
         check_positive("bucket_mb", bucket_mb)
         for name, value in (("sequence_parallel", sequence_parallel), ("compile", compile)):
@@ -73,14 +73,15 @@ class ParallelConfig:
     def values(self, *, model_type: str | None = None) -> dict[str, object]:
         """What the composition table's messages name: the degrees, the schedule, the model type."""
         d = self.dims
-        return {"dp": d.dp, "tp": d.tp, "pp": d.pp, "cp": d.cp, "ep": d.ep, "schedule": self.schedule,
+        return {"dp": d.dp, "tp": d.tp, "pp": d.pp, "cp": d.cp, "ep": d.ep, "dp_shard": d.dp_shard,
+                "schedule": self.schedule,
                 "virtual_stages": self.virtual_stages, "model_type": model_type}
 
     @property
     def features(self) -> frozenset[Feature]:
         """The features of the composition table this configuration uses (``composition.py``)."""
         d = self.dims
-        used = {Feature.DP: d.dp > 1, Feature.TP: d.tp > 1, Feature.CP: d.cp > 1, Feature.EP: d.ep > 1,
+        used = {Feature.DP: d.dp > 1, Feature.DP_SHARD: d.dp_shard > 1, Feature.TP: d.tp > 1, Feature.CP: d.cp > 1, Feature.EP: d.ep > 1,
                 Feature.SP: self.sequence_parallel, Feature.COMPILE: self.compile,
                 Feature.RECOMPUTE: self.recompute is not None,
                 Feature.BF16: self.mixed_precision == "bf16", Feature.FP16: self.mixed_precision == "fp16"}

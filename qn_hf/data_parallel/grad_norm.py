@@ -18,7 +18,8 @@ def clip_grad_norm_(pm: Placed, max_norm: float, *, norm_type: float = 2.0) -> t
     parameter replicated across tp contributes once; each pipeline stage contributes its own
     parameters, a weight tied across stages once (from the first stage). dp replicas hold the same
     synchronized gradients, so they are not summed, unless each holds only its pieces of them
-    (``zero=True``): then the pieces are summed over dp too. Experts sharded over ep contribute their
+    (``zero=True``): then the pieces are summed over dp too; with ``dp_shard`` each rank of a group
+    holds its rows of every gradient: summed over that group (not across the groups, which agree). Experts sharded over ep contribute their
     block from each member of the ep group, once (under ZeRO-1 as pieces, summed over the ranks holding
     that block too). One all-reduce over tp, one over pp (and one over dp, one over ep, one over the
     expert replicas). Under mixed precision the gradients are the float32 ones the optimizer steps.
@@ -57,6 +58,7 @@ def clip_grad_norm_(pm: Placed, max_norm: float, *, norm_type: float = 2.0) -> t
     expert_replicas = dims.expert_replicas if pm.expert_grads_split else 1  # ... and over an expert block's holders
     main, experts = acc[:1].clone(), acc[1:].clone()
     for part, group, size in ((main, groups.tp, tp), (main, groups.replicas, replicas),
+                              (main, groups.dp_shard, dims.dp_shard),  # FSDP's rows of each gradient
                               (experts, groups.ep, dims.ep),  # ep members hold distinct experts
                               (experts, groups.experts, expert_replicas)):
         if size > 1:

@@ -27,9 +27,10 @@ import torch
 from torch import nn
 
 from ..comm import flat_all_reduce_
-from .buckets import GradBuckets, Piece, grad_dtype
+from .buckets import GradBuckets, Piece, bucket_size_bytes, grad_dtype
 from ..placement import Copies, ShardPlacement
 from .precision import LossScaler
+from .sharded import local
 from ..tensor_parallel.replica_check import check_replicated_grads
 
 
@@ -116,7 +117,7 @@ class GradSync:
         split = self._piece_names[2] if self.sharded else frozenset()
         for name, p in self.module.named_parameters():
             if p.requires_grad and p.grad is not None and id(p) not in split:
-                yield name, p.grad
+                yield name, local(p.grad)  # dp_shard: this rank's rows of the summed gradient
 
     def arm(self, params: Iterable[nn.Parameter] | None = None) -> None:
         """The next gradient of ``params`` (default: all) is final: buckets launch as they fill."""
@@ -153,3 +154,18 @@ class GradSync:
                                    group=groups.tp)
         if self.scaler is not None:
             self.scaler.unscale_(list(grads.values()), device=self.placement.device)
+
+
+def grad_buckets(model: nn.Module, placement: ShardPlacement, bucket_mb: float, *,
+                 experts: bool) -> GradBuckets | None:
+    """The buckets of the parameters summed over the ranks that hold the same copy: the ep-sharded
+    experts over the expert replicas (``experts``), everything else over dp x cp. cp ranks hold the
+    same weights and see different tokens of the same sequences: their gradients are partial sums
+    like those of dp ranks, so one reduction covers both."""
+    group, size = ((placement.groups.experts, placement.dims.expert_replicas) if experts
+                   else (placement.groups.replicas, placement.dims.replicas))
+    if size == 1 or (not experts and placement.dims.dp_shard > 1):  # dp_shard: FSDP reduces (sharded.py)
+        return None
+    params = [p for n, p in model.named_parameters()
+              if p.requires_grad and (placement.copies(n) is Copies.EXPERTS) == experts]
+    return GradBuckets(params, group=group, bucket_bytes=bucket_size_bytes(bucket_mb)) if params else None

@@ -85,7 +85,8 @@ class ParallelOptimizer(torch.optim.Optimizer):
             warnings.warn("zero=True with dp=1 shards nothing (with cp=1 no other rank holds the same weights, and "
                           "no two ranks hold the same experts): the optimizer keeps all of its state", stacklevel=3)
             zero = False
-        self.pm, self.zero, self.mixed = pm, zero, pm.precision is not None
+        # dp_shard: FSDP keeps the sharded parameters in float32 itself (they are the masters)
+        self.pm, self.zero, self.mixed = pm, zero, pm.precision is not None and pm.sharded is None
         self.skip_nonfinite = skip_nonfinite
         self._skipped_nonfinite = 0
         if zero:

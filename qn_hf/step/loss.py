@@ -118,3 +118,12 @@ def summed_loss(logits: torch.Tensor, targets: torch.Tensor, *, kind: LossKind, 
         return vocab_parallel_cross_entropy(logits.flatten(0, -2), targets.flatten(), vocab_start=start,
                                             vocab_size=size, group=group).sum()
     return F.cross_entropy(logits.float(), targets.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
+
+
+def check_builtin_loss(kind: LossKind, config) -> None:
+    """The built-in classification loss is single-label cross-entropy: refuse the problems it is not."""
+    problem = getattr(config, "problem_type", None)
+    if kind is LossKind.CLASSIFICATION and (config.num_labels == 1
+                                            or problem in ("regression", "multi_label_classification")):
+        raise ValueError(f"the built-in classification loss is single-label cross-entropy (num_labels="
+                         f"{config.num_labels}, problem_type={problem!r}); pass loss_fn for this problem")

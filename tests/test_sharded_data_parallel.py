@@ -1,0 +1,69 @@
+"""Sharded data parallelism (``dp_shard``: FSDP2's ``fully_shard`` over groups of dp ranks, hybrid
+across the groups) equals the plain Hugging Face model: loss, every gradient, the gradient norm and
+every weight after one SGD step, alone and composed with tp, sp and recomputation."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import cases, peft_cases
+from tests.test_parity import GRAD_ATOL, LOSS_RTOL, check
+from tests.test_peft import LLAMA_TARGETS, LORA_ATOL
+
+# (kind, dp, dp_shard, tp, sequence_parallel, recompute)
+SHARDED_CASES = [
+    ("llama", 2, 2, 1, False, None),
+    ("llama", 4, 4, 1, False, None),
+    ("llama", 4, 2, 1, False, None),  # hybrid: two groups of two, all-reduced across
+    ("gpt2", 2, 2, 2, False, None),
+    ("llama", 2, 2, 2, True, None),
+    ("gpt2", 2, 2, 1, False, "full"),
+]
+
+
+def _ids(case) -> str:
+    kind, dp, dp_shard, tp, sp, recompute = case
+    return f"{kind}-dp{dp}-shard{dp_shard}-tp{tp}" + ("-sp" if sp else "") + (f"-{recompute}" if recompute else "")
+
+
+@pytest.mark.parametrize("case", SHARDED_CASES + [pytest.param(("llama", 8, 8, 1, False, None), marks=pytest.mark.long)],
+                         ids=_ids)
+def test_sharded_data_parallel_equals_plain_model(worlds, model_dirs, tmp_path, case):
+    kind, dp, dp_shard, tp, sp, recompute = case
+    results = worlds.run(dp * tp, cases.parity, kind=kind, model_dir=model_dirs[kind], out_dir=str(tmp_path / "hf"),
+                         dp=dp, tp=tp, dp_shard=dp_shard, sequence_parallel=sp, recompute=recompute, padded=kind != "vit")
+    check(results, tp=tp)
+    for r in results:  # each rank stores its rows of every tensor: 1/dp_shard (rows do not split evenly)
+        assert r["stored"] * dp_shard <= r["local_total"] * 1.25, r
+        assert r["stored"] * dp_shard >= r["local_total"] * 0.75, r
+
+
+@pytest.mark.parametrize("precision", ["bf16", pytest.param("fp16", marks=pytest.mark.long)])
+def test_sharded_data_parallel_in_mixed_precision_trains_like_one_process(worlds, model_dirs, precision):
+    """30 AdamW steps in bf16 (fp16) at dp=4 with hybrid sharding (two groups of two) follow one
+    process's mixed-precision run (itself compared with the plain model by hand) within 1%: FSDP
+    keeps float32 shards as the masters and computes in the low precision, as qn_hf's own masters do."""
+    kw = dict(model_dir=model_dirs["llama"], precision=precision, steps=30)
+    [one] = worlds.run(1, cases.mixed_precision_steps, dp=1, dp_shard=1, **kw)
+    sharded = worlds.run(4, cases.mixed_precision_steps, dp=4, dp_shard=2, **kw)
+    assert sharded[0]["dtypes"] == ["torch.float32"], sharded[0]["dtypes"]  # the sharded parameters are the masters
+    assert one["losses"][-1] < one["losses"][0] * 0.9, one["losses"]  # it learns
+    for r in sharded:
+        assert r["losses"] == sharded[0]["losses"]
+        for ours, theirs in zip(r["losses"], one["losses"]):
+            assert abs(ours - theirs) <= 0.01 * abs(theirs), (r["losses"], one["losses"])
+
+
+def test_sharded_data_parallel_with_lora_equals_peft(worlds, model_dirs, tmp_path):
+    """LoRA on a dp_shard=2 model: the frozen base sharded, the adapters trained, equal to peft's one
+    process; generate after the step gives peft's tokens, save_pretrained peft's adapter."""
+    results = worlds.run(2, peft_cases.lora_parity, kind="llama", model_dir=model_dirs["llama"],
+                         out_dir=str(tmp_path / "adapter"), targets=LLAMA_TARGETS, dp=2, dp_shard=2)
+    assert len({r["loss"] for r in results}) == 1
+    for r in results:
+        assert abs(r["loss"] - r["ref_loss"]) <= LOSS_RTOL * abs(r["ref_loss"]), r
+        assert r["grad_err"] < GRAD_ATOL, r
+        assert r["frozen_with_grad"] == [] and r["trained"] > 0 and r["base_moved"] == 0.0, r
+        assert r["lora_err"] < LORA_ATOL < r["lora_moved"], r
+        assert r["merged_err"] < LORA_ATOL, r
+        assert r["generated"] is True, r
