@@ -237,3 +237,23 @@ def mixed_precision_steps(*, model_dir: str, precision: str, dp: int, dp_shard: 
     opt = qn_hf.optimizer(pm, torch.optim.AdamW, lr=3e-3)
     losses = [optimizer_step(pm, opt, seed=step % 2) for step in range(steps)]  # two batches, learnt
     return {"losses": losses, "dtypes": sorted({str(p.dtype) for p in pm.parameters()})}
+
+
+def accumulation(*, kind: str, model_dir: str, dp: int, dp_shard: int) -> dict:
+    """Two train_steps, the first inside ``pm.no_sync()``: the gradients are those of the two global
+    batches' mean losses summed, as the plain model's two backward passes accumulate them. Then the
+    resharding checkpoint's refusals (every rank, before any collective)."""
+    torch.manual_seed(0)
+    ref, pm = load(kind, model_dir), qn_hf.parallelize(load(kind, model_dir), dp=dp, dp_shard=dp_shard,
+                                                       mesh=mesh_for(dp, 1))
+    batches = [make_batch(kind, size=dp * 2, seed=seed) for seed in (3, 4)]
+    with pm.no_sync():
+        pm.train_step(dp_slice(batches[0], dp=dp, dp_rank=pm.coords["dp"]))
+    deferred = all(p.grad is None for p in pm.parameters())  # nothing reduced into the shards yet
+    pm.train_step(dp_slice(batches[1], dp=dp, dp_rank=pm.coords["dp"]))
+    for batch in batches:
+        ref(**batch).loss.backward()
+    refs = dict(ref.named_parameters())
+    return {"deferred": deferred, "save_refused": error_message(lambda: pm.save_checkpoint(model_dir + "-never")),
+            "load_refused": error_message(lambda: pm.load_checkpoint(model_dir)),
+            "grad_err": max((whole(p.grad) - refs[n].grad).abs().max().item() for n, p in pm.named_parameters())}
