@@ -24,7 +24,7 @@ from .context_parallel.ring_attention import ChunkLayout
 from .data_parallel.buckets import GradBuckets
 from .data_parallel.grad_sync import GradSync
 from .data_parallel.precision import LossScaler
-from .data_parallel.sharded import ShardedParameters, check_checkpoint
+from .data_parallel.sharded import ShardedParameters
 from .expert_parallel.router_loss import RouterLogits, adds_router_loss
 from .failure import FailTogether
 from .mesh import Coords, Groups, ParallelDims
@@ -383,7 +383,6 @@ class ParallelModel:
         as ``path/ckpt-<step>`` and made ``latest``. Afterwards only the newest ``keep_last`` checkpoints
         under ``path`` are kept (and whatever ``latest`` names); ``None`` removes none."""
         self._weights_ready()
-        check_checkpoint(self.sharded, "save_checkpoint")
         with self.failures.guard("save_checkpoint"):
             return save_checkpoint(self.module, path, placement=self.placement, config=self.config,
                                    optimizer=optimizer, step=step, virtual_stages=self.stage.plan.virtual,
@@ -392,7 +391,6 @@ class ParallelModel:
     def load_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> dict:
         """Load a checkpoint saved at any (dp, tp, pp); return its metadata (e.g. ``{"step": 1}``)."""
         self._weights_ready()
-        check_checkpoint(self.sharded, "load_checkpoint")
         with self.failures.guard("load_checkpoint"):
             return load_checkpoint(self.module, path, placement=self.placement, model_type=self.config.model_type,
                                    optimizer=optimizer, cast=self.precision is not None, config=self.config.to_dict())

@@ -119,9 +119,6 @@ def _parallelize(model: nn.Module, *, dp: int, tp: int, pp: int, cp: int, ep: in
     if getattr(model, _MARK, False):
         raise ValueError("this model is already parallelized; load a fresh copy to parallelize it again")
     model, adapter = unwrap_peft(model)  # a PEFT model: the HF model inside, LoRA layers in place
-    if checkpoint is not None and dp_shard > 1:
-        raise ValueError(f"checkpoint= with dp_shard={dp_shard} is not supported yet; load the model with "
-                         f"from_pretrained, then parallelize it")
     if adapter is not None and checkpoint is not None:
         raise ValueError("checkpoint= with a PEFT model is not supported: its names are those of the LoRA-wrapped "
                          "model; load the base with from_pretrained, wrap it with get_peft_model, then parallelize")

@@ -189,10 +189,10 @@ def train_from(pm, opt, *, kind: str, first: int, steps: int) -> list[float]:
 
 
 def save_and_continue(*, kind: str, model_dir: str, ckpt: str, out: str, dp: int, tp: int, pp: int, zero: bool,
-                      precision: str | None) -> float:
+                      precision: str | None, dp_shard: int = 1) -> float:
     """Two steps, a checkpoint with the optimizer, a third step, the weights after it exported."""
     pm = qn_hf.parallelize(load(kind, model_dir), dp=dp, tp=tp, pp=pp, microbatches=2, mesh=mesh_for(dp, tp, pp),
-                           mixed_precision=precision)
+                           mixed_precision=precision, dp_shard=dp_shard)
     opt = qn_hf.optimizer(pm, torch.optim.AdamW, zero=zero, param_groups=groups_of(pm.named_parameters()), lr=1e-3)
     train_from(pm, opt, kind=kind, first=0, steps=2)
     pm.save_checkpoint(ckpt, optimizer=opt, step=2)
@@ -202,10 +202,10 @@ def save_and_continue(*, kind: str, model_dir: str, ckpt: str, out: str, dp: int
 
 
 def resume(*, kind: str, model_dir: str, ckpt: str, out: str, dp: int, tp: int, pp: int, zero: bool | None,
-           precision: str | None) -> dict:
+           precision: str | None, dp_shard: int = 1) -> dict:
     """Load at another mesh (``zero=None``: a plain torch AdamW over pm.parameters()) and take the third step."""
     pm = qn_hf.parallelize(load(kind, model_dir), dp=dp, tp=tp, pp=pp, microbatches=2, mesh=mesh_for(dp, tp, pp),
-                           mixed_precision=precision)
+                           mixed_precision=precision, dp_shard=dp_shard)
     if zero is None:
         opt = torch.optim.AdamW(groups_of(pm.named_parameters()), lr=1e-3)
     else:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests import cases, peft_cases
+from tests import cases, optim_cases, peft_cases
+from tests.models import load
 from tests.test_parity import GRAD_ATOL, LOSS_RTOL, check
 from tests.test_peft import LLAMA_TARGETS, LORA_ATOL
 
@@ -70,10 +71,39 @@ def test_sharded_data_parallel_with_lora_equals_peft(worlds, model_dirs, tmp_pat
 
 
 def test_sharded_data_parallel_accumulates_inside_no_sync(worlds, model_dirs):
-    """``pm.no_sync()`` keeps FSDP's gradients unreduced; the next step reduces both batches' at once.
-    The resharding checkpoints refuse dp_shard (save_pretrained writes its weights: the parity tests)."""
+    """``pm.no_sync()`` keeps FSDP's gradients unreduced; the next step reduces both batches' at once."""
     for r in worlds.run(2, cases.accumulation, kind="llama", model_dir=model_dirs["llama"], dp=2, dp_shard=2):
         assert r["grad_err"] < GRAD_ATOL, r
         assert r["deferred"], r
-        for what in ("save", "load"):
-            assert f"{what}_checkpoint at dp_shard=2 is not supported yet" in r[f"{what}_refused"], r
+
+
+def _resume_everywhere(worlds, model_dirs, tmp_path, *, saved_at: tuple[int, int, int], meshes) -> None:
+    """Two AdamW steps at ``saved_at`` (dp, tp, dp_shard), a checkpoint with the optimizer, a third
+    step; each of ``meshes`` loads the checkpoint and takes the third step: the same loss and weights."""
+    dp, tp, dp_shard = saved_at
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "uninterrupted")
+    common = dict(kind="llama", model_dir=model_dirs["llama"], ckpt=ckpt, pp=1, precision=None)
+    loss = worlds.run(dp * tp, optim_cases.save_and_continue, out=out, dp=dp, tp=tp, zero=False, dp_shard=dp_shard,
+                      **common)[0]
+    expected = dict(load("llama", out).named_parameters())
+    for dp, tp, dp_shard, zero in meshes:
+        resumed = str(tmp_path / f"resumed-{dp}-{tp}-{dp_shard}-{zero}")
+        r = worlds.run(dp * tp, optim_cases.resume, out=resumed, dp=dp, tp=tp, zero=zero, dp_shard=dp_shard,
+                       **common)[0]
+        assert r["step"] == 2
+        assert abs(r["loss"] - loss) <= 1e-5 * loss, (dp, tp, dp_shard, zero, r, loss)
+        got = dict(load("llama", resumed).named_parameters())
+        err = max((got[n] - p).abs().max().item() for n, p in expected.items())
+        assert err <= 2e-5, (dp, tp, dp_shard, zero, err)
+
+
+def test_sharded_checkpoint_resumes_at_other_meshes(worlds, model_dirs, tmp_path):
+    """Saved at dp_shard=2 (each rank writes its rows and their AdamW moments, as ZeRO-1's pieces):
+    resumed at the same mesh, at tp=2, at dp=2 with ZeRO-1 and hybrid at dp=4 x dp_shard=2."""
+    _resume_everywhere(worlds, model_dirs, tmp_path, saved_at=(2, 1, 2),
+                       meshes=[(2, 1, 2, False), (1, 2, 1, False), (2, 1, 1, True), (4, 1, 2, False)])
+
+
+def test_checkpoint_resumes_into_dp_shard(worlds, model_dirs, tmp_path):
+    """And back: saved at tp=2, resumed at dp_shard=2 (each rank keeps its rows of what it reads)."""
+    _resume_everywhere(worlds, model_dirs, tmp_path, saved_at=(1, 2, 1), meshes=[(2, 1, 2, False)])

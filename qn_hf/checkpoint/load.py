@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..data_parallel.sharded import local, row_range, sharded_like
 from ..placement import ShardPlacement
 from .files import FileChecks
 from .format import DTYPES, CheckpointError, checkpoint_dir, global_shape, optimizer_prefix, read_index, state_spec
@@ -79,7 +80,7 @@ def load_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
     masters = {id(m.param): m for m in getattr(optimizer, "masters", ())}
     with torch.no_grad():
         for name, value in tensors.items():
-            params[name].copy_(value)
+            local(params[name]).copy_(value)  # dp_shard: value is this rank's rows already
             m = masters.get(id(params[name]))
             if m is not None and getattr(optimizer, "mixed", False):  # float32 masters from the float32 weights
                 m.tensor.copy_(_flat_part(value, m.start, m.tensor))
@@ -90,8 +91,9 @@ def load_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
                     group[key] = tuple(value) if isinstance(group[key], tuple) else value
         group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
         for keyed, state in states.items():
-            optimizer.state[keyed] = {k: placed_state(k, v, param=keyed, group=group_of[id(keyed)])
-                                      for k, v in state.items()}
+            placed = {k: placed_state(k, v, param=keyed, group=group_of[id(keyed)]) for k, v in state.items()}
+            # dp_shard: the moments become this rank's rows of the whole, as its parameter holds them
+            optimizer.state[keyed] = {k: sharded_like(v, keyed) if v.ndim > 0 else v for k, v in placed.items()}
     return {"step": index.get("step"), "mesh": index.get("mesh"), "library_version": index.get("library_version")}
 
 
@@ -138,9 +140,10 @@ def _read_all(module: nn.Module, path: str, placement: ShardPlacement, model_typ
         except CheckpointError as e:
             raise CheckpointError(f"{directory}: {e}") from None
         like = p if read_as is None or not p.is_floating_point() else torch.empty(0, dtype=read_as)
-        tensors[name] = read_local(directory, index, saved, like, placement.spec(name),
-                                   placement.shard_rank(placement.spec(name)), shape=list(p.shape),
-                                   checks=checks, cast=cast)
+        whole = read_local(directory, index, saved, like, placement.spec(name),
+                           placement.shard_rank(placement.spec(name)), shape=list(p.shape), checks=checks, cast=cast)
+        rows = row_range(p)  # dp_shard: keep this rank's rows only
+        tensors[name] = whole if rows is None else whole.narrow(0, *rows).clone()
     states: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
     if optimizer is not None:
         _check_optimizer(directory, index, optimizer, params, placement)

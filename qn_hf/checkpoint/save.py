@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ from torch import nn
 from ..arguments import check_non_negative_int, check_positive_int
 from .atomic import fresh_dir, give_plain_mode
 from ..comm import barrier
+from ..data_parallel.sharded import local, row_range
 from ..placement import ShardPlacement
 from ..tensor_parallel.shard import ShardSpec
 from ..version import __version__
@@ -57,7 +59,9 @@ def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
     barrier(placement.device)
 
     # ZeRO-1: each replica writes its pieces; ep: the first holder of each expert block its block
-    if placement.replica_rank == 0 or getattr(optimizer, "split_params", None) or placement.coords.expert_replica == 0:
+    # dp_shard: the ranks of the first group write their rows
+    if (placement.replica_rank == 0 or getattr(optimizer, "split_params", None) or placement.coords.expert_replica == 0
+            or placement.coords.dp < placement.dims.dp_shard):
         write_shard(module, placement, optimizer, partial)
     barrier(placement.device)
     if dist.get_rank() == 0:
@@ -65,6 +69,8 @@ def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
         index = new_index(library_version=__version__, step=step, mesh={"dp": dims.dp, "tp": dims.tp, "pp": dims.pp,
                                                                          **({"cp": dims.cp} if dims.cp > 1 else {}),
                                                                          **({"ep": dims.ep} if dims.ep > 1 else {}),
+                                                                         **({"dp_shard": dims.dp_shard}
+                                                                            if dims.dp_shard > 1 else {}),
                                                                          **({"virtual_stages": virtual_stages}
                                                                             if virtual_stages > 1 else {})},
                           config=recorded_config(config, module), tensors={}, optimizer=None, files={},
@@ -118,6 +124,10 @@ def local_entries(module: nn.Module, placement: ShardPlacement, optimizer: torch
     for name, p in module.named_parameters():
         if placement.is_follower(name):
             continue
+        rows = row_range(p)
+        if rows is not None:  # dp_shard: this rank's rows, a flat range, and its optimizer state's
+            yield from _row_entries(name, p, rows, placement, optimizer.state.get(p, {}) if optimizer else {})
+            continue
         spec, shape, m = placement.spec(name), list(p.shape), masters.get(id(p))
         split = id(p) in split_params
         once = placement.writes(spec)
@@ -141,6 +151,24 @@ def local_entries(module: nn.Module, placement: ShardPlacement, optimizer: torch
                 first_shard = placement.shard_rank(spec) == 0  # tp rank 0, or for experts the first block's holders
                 writes = first_shard and (m.start == 0 if split else placement.writes(spec))
                 yield LocalTensor(optimizer_key(name, key), value.detach(), list(value.shape), 0, None, writes)
+
+
+def _row_entries(name: str, p: torch.Tensor, rows: tuple[int, int], placement: ShardPlacement,
+                 state: dict) -> Iterator[LocalTensor]:
+    """A dp_shard parameter (float32: it is the master) and its state, as this rank's flat range of
+    its local tensor; the ranks of the first dp_shard group write them (the other groups hold the same)."""
+    spec, shape = placement.spec(name), list(p.shape)
+    first, count = rows
+    start = first * math.prod(shape[1:])
+    mine = (placement.coords.dp < placement.dims.dp_shard and count > 0
+            and tp_writes(spec, placement.shard_rank(spec)))
+    yield LocalTensor(name, local(p.detach()).reshape(-1), shape, start, spec, mine)
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and list(value.shape) == shape and value.ndim > 0:
+            yield LocalTensor(optimizer_key(name, key), local(value.detach()).reshape(-1), shape, start, spec, mine)
+        elif isinstance(value, torch.Tensor):  # a scalar (Adam's step): the rank holding the first row
+            yield LocalTensor(optimizer_key(name, key), local(value.detach()), list(value.shape), 0, None,
+                              mine and first == 0 and placement.shard_rank(spec) == 0)
 
 
 def _merge_groups(merged: list[dict] | None, groups: list[dict]) -> list[dict]:

@@ -140,8 +140,9 @@ ROWS: tuple[Row, ...] = (
         "compile=True with dp_shard={dp_shard} is not supported yet: no test compiles FSDP's gathered blocks here; "
         "use compile=False with dp_shard, or dp_shard=1 with compile=True")),
     Row(F.DP_SHARD, F.TRAINER, S.REFUSED, message=(
-        "qn_hf.Trainer with dp_shard={dp_shard} is not supported yet: it saves resumable checkpoints, which do not "
-        "take dp_shard's row shards yet; use dp_shard=1 (with zero=True) under qn_hf.Trainer")),
+        "qn_hf.Trainer with dp_shard={dp_shard} is not supported yet: no test compares its steps, accumulation and "
+        "resumption under dp_shard with transformers' Trainer yet; use dp_shard=1 (with zero=True) under qn_hf.Trainer, "
+        "or drive pm.train_step yourself")),
     Row(F.ZERO, F.EP, S.PLAIN, f"{_EP_ZERO}[qwen3_moe-2-2-1-2-None]"),
     # ring attention switched off: every cp rank holds the whole model and runs the loop on whole sequences
     Row(F.GENERATE, F.CP, S.PLAIN, "tests/test_generation.py::test_generate_equals_plain_model[dp1-tp1-pp2-cp2]"),

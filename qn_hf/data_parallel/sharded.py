@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 class ShardedParameters:
@@ -70,10 +70,26 @@ def gathered_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: whole[id(tensor)] for name, tensor in state.items()}
 
 
-def check_checkpoint(sharded: ShardedParameters | None, what: str) -> None:
-    """Refused alike on every rank, before any collective: the resharding checkpoint reads and writes
-    whole tp shards and ZeRO-1's flat pieces, not FSDP's row shards yet."""
-    if sharded is not None:
-        raise ValueError(f"{what} at dp_shard={sharded.mesh.size(-1)} is not supported yet; pm.save_pretrained writes "
-                         f"the weights (a Hugging Face directory), or train with dp_shard=1 and "
-                         f"qn_hf.optimizer(pm, ..., zero=True) for resumable checkpoints")
+def row_range(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """For a dp_shard-sharded tensor: the first of this rank's rows along dim 0 and how many it holds
+    (torch.chunk's split, which FSDP's Shard(0) follows: ceil(n / S) rows per rank, the last ranks
+    fewer or none); None for a tensor held whole. Its rows are a flat range of the whole tensor,
+    which is how the checkpoint writes them (as it writes ZeRO-1's pieces)."""
+    if not isinstance(tensor, DTensor):
+        return None
+    mesh, n = tensor.device_mesh, tensor.shape[0]
+    size, rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
+    per = -(-n // size)
+    first = min(rank * per, n)
+    rows = tensor.to_local().shape[0]
+    if rows != min(per, n - first):
+        raise RuntimeError(f"a dp_shard shard of {rows} rows where torch.chunk gives {min(per, n - first)} of {n}")
+    return first, rows
+
+
+def sharded_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``value`` (whole, on every rank) as ``like`` holds it: this rank's rows of it as a DTensor
+    when ``like`` is dp_shard-sharded (no transfer: every rank has the value), else as it is."""
+    if not isinstance(like, DTensor):
+        return value
+    return distribute_tensor(value.to(like.device), like.device_mesh, like.placements, src_data_rank=None)

@@ -1,0 +1,152 @@
+"""Sharded data parallelism (``dp_shard``) against ZeRO-1 and against FSDP2 applied as accelerate
+applies it: bytes per rank counted from real tensors, and step time, at dp=4 in one run.
+
+    python benchmarks/sharded.py [--rounds 3] [--steps 4]
+
+A 6-layer Llama (hidden 384, vocab 8192, 16.9M parameters) trains with AdamW in bf16 (float32
+masters) on 4 gloo ranks, one intra-op thread each. Each rank sums the storages of its parameters,
+its gradients (``.grad`` or the dp buckets), the float32 master copies that are copies, and the
+tensors in ``opt.state``, after one step:
+
+* qn_hf dp_shard=1 with ``zero=True`` (ZeRO-1): bf16 weights and float32 gradients whole, masters
+  and moments 1/dp: theory 2 + 4 + 12/dp bytes per parameter;
+* qn_hf dp_shard=2 and 4: float32 shards that are the masters, float32 gradient shards and moments,
+  all 1/dp_shard: theory 16/dp_shard bytes per parameter (plus one gathered block while it runs);
+* "accelerate": the plain model with ``fully_shard`` on each decoder layer and then on the root,
+  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)`` (what accelerate's FSDP2 plugin
+  does with ``mixed_precision="bf16"``), torch's AdamW over the DTensor parameters, the loss averaged
+  over the ranks by FSDP.
+
+Step time: the median of ``--steps`` timed steps after a warm-up, qn_hf at dp_shard=4 and the
+accelerate-style model alternating ``--rounds`` times; the ratio qn_hf / accelerate (>1: slower).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+from torch.distributed.tensor import DTensor
+from world import run_world, storage_bytes
+
+CONFIG = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6,
+              num_key_value_heads=6, vocab_size=8192, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+ROWS, SEQ = 2, 128  # per rank
+
+
+def _local(tensors) -> list[torch.Tensor]:
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+
+
+def _batch(rank: int, step: int) -> dict:
+    ids = torch.randint(3, CONFIG["vocab_size"], (ROWS, SEQ), generator=torch.Generator().manual_seed(rank * 1000 + step))
+    return {"input_ids": ids, "labels": ids}
+
+
+def _qn_hf(path: str, world: int, dp_shard: int):
+    from transformers import AutoModelForCausalLM
+
+    import qn_hf
+
+    pm = qn_hf.parallelize(AutoModelForCausalLM.from_pretrained(path), dp=world, dp_shard=dp_shard,
+                           mixed_precision="bf16", seed=0)
+    opt = qn_hf.optimizer(pm, torch.optim.AdamW, zero=dp_shard == 1, lr=1e-4)
+
+    def step(rank: int, n: int) -> None:
+        opt.zero_grad()
+        pm.train_step(_batch(rank, n))
+        opt.step()
+
+    def grads() -> list[torch.Tensor]:
+        if pm.buckets is not None:
+            return [b.buffer for b in pm.buckets.buckets]
+        return _local(p.grad for p in pm.parameters() if p.grad is not None)
+
+    return step, list(pm.parameters()), grads, opt, opt.masters
+
+
+def _accelerate(path: str, world: int):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(rank: int, n: int) -> None:
+        opt.zero_grad()
+        model(**_batch(rank, n)).loss.backward()
+        opt.step()
+
+    def grads() -> list[torch.Tensor]:
+        return _local(p.grad for p in model.parameters() if p.grad is not None)
+
+    return step, list(model.parameters()), grads, opt, []
+
+
+def _build(kind: str, path: str, world: int):
+    return _accelerate(path, world) if kind == "accelerate" else _qn_hf(path, world, int(kind.split("=")[1]))
+
+
+def bytes_worker(rank: int, world: int, path: str, kind: str) -> dict:
+    step, params, grads, opt, masters = _build(kind, path, world)
+    step(rank, 0)
+    weights = {t.untyped_storage().data_ptr() for t in _local(params)}
+    copies = [t for t in _local(m.tensor for m in masters) if t.untyped_storage().data_ptr() not in weights]
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+    return {"params": sum(p.numel() for p in params), "weights": storage_bytes(_local(params)),
+            "grads": storage_bytes(grads()), "masters": storage_bytes(copies), "state": storage_bytes(_local(state))}
+
+
+def time_worker(rank: int, world: int, path: str, kind: str, steps: int) -> float:
+    step, *_ = _build(kind, path, world)
+    step(rank, 0)  # warm-up
+    times = []
+    for n in range(steps):
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        step(rank, n + 1)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = tempfile.mkdtemp(prefix="qn_hf_sharded_")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **CONFIG)).save_pretrained(path)
+    world = 4
+    kinds = ["dp_shard=1", "dp_shard=2", "dp_shard=4", "accelerate"]
+    theory = {"dp_shard=1": 2 + 4 + 12 / world, "dp_shard=2": 16 / 2, "dp_shard=4": 16 / 4, "accelerate": 16 / world}
+    print(f"bytes per rank at dp={world}, bf16 + AdamW (float32 masters and moments), counted from real tensors:")
+    print("| run | weights | gradients | master copies | optimizer state | total | bytes/param | theory |")
+    print("|---|---|---|---|---|---|---|---|")
+    for kind in kinds:
+        r = run_world(bytes_worker, world=world, extra=(path, kind))
+        total = r["weights"] + r["grads"] + r["masters"] + r["state"]
+        label = ("qn_hf " + kind + (" (ZeRO-1)" if kind == "dp_shard=1" else "")) if kind != "accelerate" else \
+            "fully_shard as accelerate applies it"
+        print(f"| {label} | {r['weights']:,} | {r['grads']:,} | {r['masters']:,} | {r['state']:,} | {total:,} | "
+              f"{total / r['params']:.2f} | {theory[kind]:.2f} |")
+    ours, theirs = [], []
+    for _ in range(args.rounds):
+        ours.append(run_world(time_worker, world=world, extra=(path, "dp_shard=4", args.steps)))
+        theirs.append(run_world(time_worker, world=world, extra=(path, "accelerate", args.steps)))
+    a, b = statistics.median(ours), statistics.median(theirs)
+    print(f"step time at dp=4 (median of {args.rounds} alternating rounds of {args.steps} steps): qn_hf dp_shard=4 "
+          f"{a * 1e3:.1f} ms, accelerate-style fully_shard {b * 1e3:.1f} ms, ratio qn_hf/accelerate {a / b:.3f}")
+
+
+if __name__ == "__main__":
+    main()
