@@ -250,7 +250,7 @@ class Groups:
     tie: ProcessGroup | None
     peers: Peers
     owned: tuple[ProcessGroup, ...] = ()  # the groups build_groups created (a caller's mesh and the world not)
-    dp_shard: ProcessGroup | None = None  # the dp_shard ranks that shard one copy of the weights (None at dp_shard=1)
+    dp_shard: ProcessGroup | None = None  # the dp_shard (x cp) ranks that shard one copy of the weights (None at dp_shard=1)
     shard_mesh: DeviceMesh | None = None  # FSDP's mesh: ("dp_shard",), or ("dp_replicate", "dp_shard") to hybrid-shard
 
     @property
@@ -322,22 +322,23 @@ SHARD_MESH_DIMS = ("dp_replicate", "dp_shard")
 
 def _shard_groups(grid: torch.Tensor, coords: Coords, dims: ParallelDims, device: torch.device,
                   timeout: datetime.timedelta, owned: list[ProcessGroup]) -> tuple[ProcessGroup, DeviceMesh]:
-    """The dp_shard group of this rank (dp_shard consecutive dp ranks with its pp, cp and tp) and the
-    mesh FSDP takes: 1-D over that group, or 2-D (replicate, shard) when dp_shard < dp, its replicate
-    dim joining the ranks at the same place of every group. Built from groups made here, as
-    ``build_mesh`` does, so that they carry the job's timeout."""
-    pp, cp, tp = dims.pp, dims.cp, dims.tp
-    rows = [grid[:, p, c, t].reshape(dims.dp_replicate, dims.dp_shard) for p in range(pp) for c in range(cp)
-            for t in range(tp)]
+    """The dp_shard group of this rank and the mesh FSDP takes: 1-D over that group, or 2-D
+    (replicate, shard) when dp_shard < dp, its replicate dim joining the ranks at the same place of
+    every group. A group is dp_shard consecutive dp ranks with this rank's pp and tp, and every cp
+    rank of theirs: cp ranks hold the same weights and sum their gradients as dp ranks do, so the
+    weights are sharded over dp_shard x cp (as torchtitan shards over dp x cp). Built from groups made
+    here, as ``build_mesh`` does, so that they carry the job's timeout."""
+    pp, tp, width = dims.pp, dims.tp, dims.dp_shard * dims.cp
+    rows = [grid[:, p, :, t].reshape(dims.dp_replicate, width) for p in range(pp) for t in range(tp)]
     shard = _member_of([row[r].tolist() for row in rows for r in range(dims.dp_replicate)], timeout, owned)
-    mine = grid[:, coords.pp, coords.cp, coords.tp].reshape(dims.dp_replicate, dims.dp_shard)
+    mine = grid[:, coords.pp, :, coords.tp].reshape(dims.dp_replicate, width)
     # DeviceMesh equality ignores its process groups, and DTensor's caches are keyed by it: a later
     # mesh of the same ranks (after pm.close() destroyed these groups) would be handed the destroyed
     # groups. The dim names carry the group's name to keep each incarnation distinct.
     names = tuple(f"{dim}.{shard.group_name}" for dim in SHARD_MESH_DIMS)
     if dims.dp_replicate == 1:
         return shard, DeviceMesh.from_group(shard, device.type, mesh=mine[0], mesh_dim_names=names[1:])
-    replicate = _member_of([row[:, s].tolist() for row in rows for s in range(dims.dp_shard)], timeout, owned)
+    replicate = _member_of([row[:, s].tolist() for row in rows for s in range(width)], timeout, owned)
     return shard, DeviceMesh.from_group([replicate, shard], device.type, mesh=mine, mesh_dim_names=names)
 
 

@@ -11,32 +11,35 @@ from tests.models import load
 from tests.test_parity import GRAD_ATOL, LOSS_RTOL, check
 from tests.test_peft import LLAMA_TARGETS, LORA_ATOL
 
-# (kind, dp, dp_shard, tp, sequence_parallel, recompute)
+# (kind, dp, dp_shard, tp, sequence_parallel, recompute, cp)
 SHARDED_CASES = [
-    ("llama", 2, 2, 1, False, None),
-    ("llama", 4, 4, 1, False, None),
-    ("llama", 4, 2, 1, False, None),  # hybrid: two groups of two, all-reduced across
-    ("gpt2", 2, 2, 2, False, None),
-    ("llama", 2, 2, 2, True, None),
-    ("gpt2", 2, 2, 1, False, "full"),
+    ("llama", 2, 2, 1, False, None, 1),
+    ("llama", 4, 4, 1, False, None, 1),
+    ("llama", 4, 2, 1, False, None, 1),  # hybrid: two groups of two, all-reduced across
+    ("gpt2", 2, 2, 2, False, None, 1),
+    ("llama", 2, 2, 2, True, None, 1),
+    ("gpt2", 2, 2, 1, False, "full", 1),
+    ("llama", 2, 2, 1, False, None, 2),  # sharded over dp_shard x cp = 4 ranks
 ]
 
 
 def _ids(case) -> str:
-    kind, dp, dp_shard, tp, sp, recompute = case
-    return f"{kind}-dp{dp}-shard{dp_shard}-tp{tp}" + ("-sp" if sp else "") + (f"-{recompute}" if recompute else "")
+    kind, dp, dp_shard, tp, sp, recompute, cp = case
+    return (f"{kind}-dp{dp}-shard{dp_shard}-tp{tp}" + ("-sp" if sp else "") + (f"-{recompute}" if recompute else "")
+            + (f"-cp{cp}" if cp > 1 else ""))
 
 
-@pytest.mark.parametrize("case", SHARDED_CASES + [pytest.param(("llama", 8, 8, 1, False, None), marks=pytest.mark.long)],
-                         ids=_ids)
+@pytest.mark.parametrize("case", SHARDED_CASES + [pytest.param(("llama", 8, 8, 1, False, None, 1),
+                                                               marks=pytest.mark.long)], ids=_ids)
 def test_sharded_data_parallel_equals_plain_model(worlds, model_dirs, tmp_path, case):
-    kind, dp, dp_shard, tp, sp, recompute = case
-    results = worlds.run(dp * tp, cases.parity, kind=kind, model_dir=model_dirs[kind], out_dir=str(tmp_path / "hf"),
-                         dp=dp, tp=tp, dp_shard=dp_shard, sequence_parallel=sp, recompute=recompute, padded=kind != "vit")
+    kind, dp, dp_shard, tp, sp, recompute, cp = case
+    results = worlds.run(dp * tp * cp, cases.parity, kind=kind, model_dir=model_dirs[kind],
+                         out_dir=str(tmp_path / "hf"), dp=dp, tp=tp, cp=cp, dp_shard=dp_shard, sequence_parallel=sp,
+                         recompute=recompute, padded=kind != "vit", seq=16 if cp > 1 else 12)
     check(results, tp=tp)
-    for r in results:  # each rank stores its rows of every tensor: 1/dp_shard (rows do not split evenly)
-        assert r["stored"] * dp_shard <= r["local_total"] * 1.25, r
-        assert r["stored"] * dp_shard >= r["local_total"] * 0.75, r
+    for r in results:  # each rank stores its rows of every tensor: 1/(dp_shard x cp) (rows do not split evenly)
+        assert r["stored"] * dp_shard * cp <= r["local_total"] * 1.25, r
+        assert r["stored"] * dp_shard * cp >= r["local_total"] * 0.75, r
 
 
 @pytest.mark.parametrize("precision", ["bf16", pytest.param("fp16", marks=pytest.mark.long)])

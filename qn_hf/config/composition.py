@@ -126,10 +126,6 @@ ROWS: tuple[Row, ...] = (
         f"microbatch of every stage, and stages hand over activations that the pipeline's tied and stand-in modules "
         f"read whole; use pp=1 with dp_shard, or dp_shard=1 and qn_hf.optimizer(pm, ..., zero=True) with pp"))
       for schedule in (F.PP_1F1B, F.PP_GPIPE, F.PP_INTERLEAVED, F.PP_ZB_H1)),
-    Row(F.DP_SHARD, F.CP, S.REFUSED, message=(
-        "dp_shard={dp_shard} with cp={cp} is not supported yet: the weights would be sharded over dp x cp as "
-        "torchtitan does, which dp_shard's groups (dp ranks only) do not form; use cp=1 with dp_shard, or dp_shard=1 "
-        "and zero=True with cp")),
     Row(F.DP_SHARD, F.EP, S.REFUSED, message=(
         "dp_shard={dp_shard} with ep={ep} is not supported yet: the experts would be sharded over the ranks holding "
         "the same experts, a group FSDP is not given yet; use ep=1 with dp_shard, or dp_shard=1 and zero=True with ep")),
@@ -264,6 +260,8 @@ ROWS: tuple[Row, ...] = (
     Row(F.DP_SHARD, F.TP, S.PLAIN, f"{_FSDP}[gpt2-dp2-shard2-tp2]"),
     Row(F.DP_SHARD, F.SP, S.PLAIN, f"{_FSDP}[llama-dp2-shard2-tp2-sp]"),
     Row(F.DP_SHARD, F.RECOMPUTE, S.PLAIN, f"{_FSDP}[gpt2-dp2-shard2-tp1-full]"),
+    # cp ranks hold the same weights and sum their gradients as dp ranks do: sharded over dp_shard x cp
+    Row(F.DP_SHARD, F.CP, S.PLAIN, f"{_FSDP}[llama-dp2-shard2-tp1-cp2]"),
     # FSDP's own mixed precision: float32 sharded parameters (the masters), gathered in the compute dtype
     Row(F.DP_SHARD, F.BF16, S.EQUIVALENT, f"{_FSDP_MP}[bf16]"),
     Row(F.DP_SHARD, F.FP16, S.EQUIVALENT, f"{_FSDP_MP}[fp16]"),
