@@ -252,6 +252,7 @@ class Groups:
     owned: tuple[ProcessGroup, ...] = ()  # the groups build_groups created (a caller's mesh and the world not)
     dp_shard: ProcessGroup | None = None  # the dp_shard (x cp) ranks that shard one copy of the weights (None at dp_shard=1)
     shard_mesh: DeviceMesh | None = None  # FSDP's mesh: ("dp_shard",), or ("dp_replicate", "dp_shard") to hybrid-shard
+    expert_shard_mesh: DeviceMesh | None = None  # FSDP's mesh for the experts: their replicas (dp_shard > 1, ep > 1)
 
     @property
     def prev(self) -> int | None:
@@ -308,33 +309,38 @@ def build_groups(dims: ParallelDims, *, device: torch.device, timeout: datetime.
                         expert_replica=coords.cp * per_grid + flat // dims.ep)
         experts = experts if dims.expert_replicas > 1 else None
     dp_shard, shard_mesh = _shard_groups(grid, coords, dims, device, timeout, owned) if dims.dp_shard > 1 else (None, None)
+    expert_shard_mesh = (_one_dim_mesh(experts, "expert_replicas", device)
+                         if dims.dp_shard > 1 and experts is not None else None)
     return Groups(
         mesh=mesh, coords=coords, dp=mesh.get_group(Axis.DP.value), tp=mesh.get_group(Axis.TP.value),
         pp=mesh.get_group(Axis.PP.value),
         cp=cp, replicas=replicas, ep=ep, experts=experts, kv=kv, tie=tie, peers=_pipeline_peers(grid, coords, timeout, owned),
         owned=tuple(dict.fromkeys(g for g in owned if g is not dist.GroupMember.WORLD)),
-        dp_shard=dp_shard, shard_mesh=shard_mesh,
+        dp_shard=dp_shard, shard_mesh=shard_mesh, expert_shard_mesh=expert_shard_mesh,
     )
 
 
 SHARD_MESH_DIMS = ("dp_replicate", "dp_shard")
 
 
+def _one_dim_mesh(group: ProcessGroup, name: str, device: torch.device) -> DeviceMesh:
+    """A 1-D mesh over ``group`` (named after it: see ``_shard_groups``)."""
+    ranks = torch.tensor(dist.get_process_group_ranks(group))
+    return DeviceMesh.from_group(group, device.type, mesh=ranks, mesh_dim_names=(f"{name}.{group.group_name}",))
+
+
 def _shard_groups(grid: torch.Tensor, coords: Coords, dims: ParallelDims, device: torch.device,
                   timeout: datetime.timedelta, owned: list[ProcessGroup]) -> tuple[ProcessGroup, DeviceMesh]:
-    """The dp_shard group of this rank and the mesh FSDP takes: 1-D over that group, or 2-D
-    (replicate, shard) when dp_shard < dp, its replicate dim joining the ranks at the same place of
-    every group. A group is dp_shard consecutive dp ranks with this rank's pp and tp, and every cp
-    rank of theirs: cp ranks hold the same weights and sum their gradients as dp ranks do, so the
-    weights are sharded over dp_shard x cp (as torchtitan shards over dp x cp). Built from groups made
-    here, as ``build_mesh`` does, so that they carry the job's timeout."""
+    """This rank's dp_shard group (dp_shard consecutive dp ranks with its pp and tp, and all their cp
+    ranks: cp ranks hold the same weights and sum gradients as dp ranks do, so the weights are sharded
+    over dp_shard x cp, as torchtitan does) and FSDP's mesh: 1-D over it, or 2-D (replicate, shard)
+    when dp_shard < dp. Made of groups built here, as ``build_mesh``'s, with the job's timeout."""
     pp, tp, width = dims.pp, dims.tp, dims.dp_shard * dims.cp
     rows = [grid[:, p, :, t].reshape(dims.dp_replicate, width) for p in range(pp) for t in range(tp)]
     shard = _member_of([row[r].tolist() for row in rows for r in range(dims.dp_replicate)], timeout, owned)
     mine = grid[:, coords.pp, :, coords.tp].reshape(dims.dp_replicate, width)
-    # DeviceMesh equality ignores its process groups, and DTensor's caches are keyed by it: a later
-    # mesh of the same ranks (after pm.close() destroyed these groups) would be handed the destroyed
-    # groups. The dim names carry the group's name to keep each incarnation distinct.
+    # DeviceMesh equality ignores its groups and DTensor's caches are keyed by it: a later mesh of the same
+    # ranks (after pm.close() destroyed these groups) would get the dead groups. Group names keep them apart.
     names = tuple(f"{dim}.{shard.group_name}" for dim in SHARD_MESH_DIMS)
     if dims.dp_replicate == 1:
         return shard, DeviceMesh.from_group(shard, device.type, mesh=mine[0], mesh_dim_names=names[1:])

@@ -141,7 +141,8 @@ class ParallelModel:
         return self.grads.named_grads()
 
     grads_split_over_dp: bool = property(lambda self: self.grads.dense_sharded)  # ZeRO-1's pieces over dp x cp
-    expert_grads_split: bool = property(lambda self: self.grads.experts_sharded)  # ... over the expert replicas
+    expert_grads_split: bool = property(  # ... over the expert replicas (ZeRO-1's pieces, or dp_shard's rows)
+        lambda self: self.grads.experts_sharded or (self.sharded is not None and self.sharded.experts_sharded))
 
     def _weights_ready(self) -> None:
         """ZeRO-1 gathers the updated weights asynchronously after a step: wait for all of them."""

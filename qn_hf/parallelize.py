@@ -292,7 +292,9 @@ def _split_backward(b: Build) -> None:
 
 def _shard_data_parallel(b: Build) -> None:
     blocks = list(b.model.get_submodule(b.stage_plan.layers))
-    b.sharded = ShardedParameters(b.model, mesh=b.groups.shard_mesh, blocks=blocks, compute_dtype=b.precision)
+    experts = list(sharded_experts(b.model).values()) if b.config.dims.ep > 1 else []
+    b.sharded = ShardedParameters(b.model, mesh=b.groups.shard_mesh, blocks=blocks, compute_dtype=b.precision,
+                                  experts=experts, expert_mesh=b.groups.expert_shard_mesh)
 
 
 def _cast_here(b: Build) -> bool:

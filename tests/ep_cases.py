@@ -13,7 +13,7 @@ from qn_hf.check.run import build, model_class
 from qn_hf.check.shrink import shrink_config
 from qn_hf.expert_parallel.apply import experts_modules
 from qn_hf.tensor_parallel.shard import over_experts
-from tests.cases import mesh_for, optimizer_step
+from tests.cases import mesh_for, optimizer_step, whole
 
 SEQ = 12
 ROWS = 2  # per dp rank and microbatch
@@ -59,7 +59,7 @@ def _expert_counts(model: torch.nn.Module) -> list[int]:
 def ep_parity(*, model_type: str, out_dir: str, dp: int, tp: int, pp: int, ep: int, microbatches: int = 1,
               skew: str | None = None, overrides: dict | None = None, padded: bool = False,
               recompute: str | None = None, per_rank: int = ROWS, seq: int = SEQ, schedule: str = "1f1b",
-              virtual_stages: int = 1, cp: int = 1, sequence_parallel: bool = False) -> dict:
+              virtual_stages: int = 1, cp: int = 1, sequence_parallel: bool = False, dp_shard: int = 1) -> dict:
     """One SGD step at (dp, tp, pp, ep) against the plain model: loss, every gradient, the grad norm,
     and every weight after the step read back through ``save_pretrained``. ``padded``: every other
     row ends in padding (attention_mask 0, labels -100)."""
@@ -71,7 +71,7 @@ def ep_parity(*, model_type: str, out_dir: str, dp: int, tp: int, pp: int, ep: i
     counts = _expert_counts(ref)
     pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, microbatches=microbatches,
                            mesh=mesh_for(dp, tp, pp, cp), recompute=recompute, schedule=schedule,
-                           virtual_stages=virtual_stages, sequence_parallel=sequence_parallel)
+                           virtual_stages=virtual_stages, sequence_parallel=sequence_parallel, dp_shard=dp_shard)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, config.vocab_size, (dp * per_rank * microbatches, seq), generator=gen)
     batch = {"input_ids": ids, "labels": ids.clone()}
@@ -91,7 +91,7 @@ def ep_parity(*, model_type: str, out_dir: str, dp: int, tp: int, pp: int, ep: i
     for name, p in pm.named_parameters():
         ref_grad = ref_params[name].grad
         ref_grad = torch.zeros_like(ref_params[name]) if ref_grad is None else ref_grad
-        err = (p.grad - _as_held(pm, name, ref_grad)).abs().max().item()
+        err = (whole(p.grad) - _as_held(pm, name, ref_grad)).abs().max().item()
         if err > grad_err:
             grad_err, worst = err, name
     norm = qn_hf.clip_grad_norm_(pm, 1e9).item()
@@ -119,7 +119,7 @@ def ep_parity(*, model_type: str, out_dir: str, dp: int, tp: int, pp: int, ep: i
 
 def ep_checkpoint_run(*, model_dir: str, dp: int, tp: int, pp: int, ep: int, load: str | None, steps: list[int],
                       save: str | None, export: str, zero: bool | None = None, schedule: str = "1f1b",
-                      virtual_stages: int = 1, precision: str | None = None) -> list[float]:
+                      virtual_stages: int = 1, precision: str | None = None, dp_shard: int = 1) -> list[float]:
     """Load ``load`` (a checkpoint saved at any mesh), run ``steps``, export after each (``export-N``)
     and save a checkpoint after the first when asked. ``zero``: a ``qn_hf.optimizer`` with it (None:
     torch's AdamW over the parameters)."""
@@ -127,7 +127,8 @@ def ep_checkpoint_run(*, model_dir: str, dp: int, tp: int, pp: int, ep: int, loa
 
     model = model_class(AutoConfig.from_pretrained(model_dir)).from_pretrained(model_dir).float()
     pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, ep=ep, microbatches=max(pp, 1), mesh=mesh_for(dp, tp, pp),
-                           schedule=schedule, virtual_stages=virtual_stages, mixed_precision=precision)
+                           schedule=schedule, virtual_stages=virtual_stages, mixed_precision=precision,
+                           dp_shard=dp_shard)
     kwargs = dict(lr=1e-3, weight_decay=0.01)
     opt = (torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], **kwargs) if zero is None
            else qn_hf.optimizer(pm, torch.optim.AdamW, zero=zero, **kwargs))

@@ -60,7 +60,6 @@ REFUSED_CONFIGS = {
     (Feature.DP_SHARD, Feature.PP_INTERLEAVED): ("llama", dict(dp=2, dp_shard=2, pp=2, microbatches=2,
                                                                schedule="interleaved_1f1b", virtual_stages=2)),
     (Feature.DP_SHARD, Feature.PP_ZB_H1): ("llama", dict(dp=2, dp_shard=2, pp=2, microbatches=2, schedule="zb_h1")),
-    (Feature.DP_SHARD, Feature.EP): ("qwen3_moe", dict(dp=2, dp_shard=2, ep=2)),
     (Feature.DP_SHARD, Feature.ZERO): ("llama", dict(dp=2, dp_shard=2, extra=frozenset({Feature.ZERO}))),
     (Feature.DP_SHARD, Feature.COMPILE): ("llama", dict(dp=2, dp_shard=2, compile=True)),
     (Feature.DP_SHARD, Feature.TRAINER): ("llama", dict(dp=2, dp_shard=2, extra=frozenset({Feature.TRAINER}))),

@@ -110,3 +110,41 @@ def test_sharded_checkpoint_resumes_at_other_meshes(worlds, model_dirs, tmp_path
 def test_checkpoint_resumes_into_dp_shard(worlds, model_dirs, tmp_path):
     """And back: saved at tp=2, resumed at dp_shard=2 (each rank keeps its rows of what it reads)."""
     _resume_everywhere(worlds, model_dirs, tmp_path, saved_at=(1, 2, 1), meshes=[(2, 1, 2, False)])
+
+
+@pytest.mark.parametrize(("dp", "dp_shard", "tp", "ep"), [(4, 2, 1, 2), (2, 2, 2, 2)],
+                         ids=["dp4-shard2-ep2", "dp2-shard2-tp2-ep2"])
+def test_sharded_data_parallel_with_expert_parallelism_equals_plain_model(worlds, tmp_path, dp, dp_shard, tp, ep):
+    """Experts sharded over ep get FSDP groups of their own over the ranks holding the same experts
+    (their gradients summed there, as without dp_shard); the rest is sharded over dp_shard."""
+    from tests.ep_cases import ep_parity
+    from tests.test_expert_parallel import _check
+
+    results = worlds.run(dp * tp, ep_parity, model_type="qwen3_moe", out_dir=str(tmp_path / "hf"), dp=dp, tp=tp, pp=1,
+                         ep=ep, dp_shard=dp_shard)
+    _check(results, ep=ep)
+
+
+def test_sharded_expert_checkpoint_resumes_at_other_meshes(worlds, tmp_path):
+    """Saved at dp=4 x dp_shard=2 with ep=2 (the experts' rows written by each holder of a block, the
+    rest by the first group) and resumed at ep=2 without dp_shard and at dp_shard=2 x ep=2 on two
+    ranks: each step's loss and weights are the uninterrupted run's."""
+    from tests import ep_cases
+    from tests.test_expert_parallel import WEIGHT_ATOL
+
+    config = ep_cases.moe_config("qwen3_moe")
+    model_dir, ckpt, plain = str(tmp_path / "model"), str(tmp_path / "ckpt"), str(tmp_path / "uninterrupted")
+    ep_cases.build(config, seed=0).save_pretrained(model_dir)
+    common = dict(model_dir=model_dir, tp=1, pp=1, ep=2)
+    expected = worlds.run(4, ep_cases.ep_checkpoint_run, dp=4, dp_shard=2, load=None, steps=[1, 2], save=ckpt,
+                          export=plain, **common)[0]
+    model_class = ep_cases.model_class(config)
+    for dp, dp_shard in [(2, 1), (2, 2)]:
+        out = str(tmp_path / f"resumed-{dp}-{dp_shard}")
+        [loss] = worlds.run(dp, ep_cases.ep_checkpoint_run, dp=dp, dp_shard=dp_shard, load=ckpt, steps=[2], save=None,
+                            export=out, **common)[0]
+        assert abs(loss - expected[1]) <= LOSS_RTOL * abs(expected[1]), (dp, dp_shard, loss, expected)
+        resumed = dict(model_class.from_pretrained(f"{out}-2").named_parameters())
+        reference = dict(model_class.from_pretrained(f"{plain}-2").named_parameters())
+        err = max((resumed[n] - p).abs().max().item() for n, p in reference.items())
+        assert err < WEIGHT_ATOL, (dp, dp_shard, err)

@@ -23,7 +23,7 @@ from torch import nn
 from ..arguments import check_non_negative_int, check_positive_int
 from .atomic import fresh_dir, give_plain_mode
 from ..comm import barrier
-from ..data_parallel.sharded import local, row_range
+from ..data_parallel.sharded import local, row_range, writes_rows
 from ..placement import ShardPlacement
 from ..tensor_parallel.shard import ShardSpec
 from ..version import __version__
@@ -59,9 +59,9 @@ def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
     barrier(placement.device)
 
     # ZeRO-1: each replica writes its pieces; ep: the first holder of each expert block its block
-    # dp_shard: the ranks of the first group write their rows
+    # dp_shard: the ranks of the first group write their rows (and every holder of an expert block its own)
     if (placement.replica_rank == 0 or getattr(optimizer, "split_params", None) or placement.coords.expert_replica == 0
-            or placement.coords.dp < placement.dims.dp_shard):
+            or placement.dims.dp_shard > 1):
         write_shard(module, placement, optimizer, partial)
     barrier(placement.device)
     if dist.get_rank() == 0:
@@ -156,12 +156,11 @@ def local_entries(module: nn.Module, placement: ShardPlacement, optimizer: torch
 def _row_entries(name: str, p: torch.Tensor, rows: tuple[int, int], placement: ShardPlacement,
                  state: dict) -> Iterator[LocalTensor]:
     """A dp_shard parameter (float32: it is the master) and its state, as this rank's flat range of
-    its local tensor; the ranks of the first dp_shard group write them (the other groups hold the same)."""
+    its local tensor; the ranks of the first group along its mesh write them (the others hold the same)."""
     spec, shape = placement.spec(name), list(p.shape)
     first, count = rows
     start = first * math.prod(shape[1:])
-    mine = (placement.coords.dp < placement.dims.dp_shard and count > 0
-            and tp_writes(spec, placement.shard_rank(spec)))
+    mine = writes_rows(p) and count > 0 and tp_writes(spec, placement.shard_rank(spec))
     yield LocalTensor(name, local(p.detach()).reshape(-1), shape, start, spec, mine)
     for key, value in state.items():
         if isinstance(value, torch.Tensor) and list(value.shape) == shape and value.ndim > 0:

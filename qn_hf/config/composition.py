@@ -126,9 +126,6 @@ ROWS: tuple[Row, ...] = (
         f"microbatch of every stage, and stages hand over activations that the pipeline's tied and stand-in modules "
         f"read whole; use pp=1 with dp_shard, or dp_shard=1 and qn_hf.optimizer(pm, ..., zero=True) with pp"))
       for schedule in (F.PP_1F1B, F.PP_GPIPE, F.PP_INTERLEAVED, F.PP_ZB_H1)),
-    Row(F.DP_SHARD, F.EP, S.REFUSED, message=(
-        "dp_shard={dp_shard} with ep={ep} is not supported yet: the experts would be sharded over the ranks holding "
-        "the same experts, a group FSDP is not given yet; use ep=1 with dp_shard, or dp_shard=1 and zero=True with ep")),
     Row(F.DP_SHARD, F.ZERO, S.REFUSED, message=(
         "zero=True with dp_shard={dp_shard}: dp_shard already shards the optimizer state, the master weights, the "
         "gradients and the weights over its dp_shard ranks; leave zero=False (dp_shard=dp shards over every dp rank)")),
@@ -262,6 +259,9 @@ ROWS: tuple[Row, ...] = (
     Row(F.DP_SHARD, F.RECOMPUTE, S.PLAIN, f"{_FSDP}[gpt2-dp2-shard2-tp1-full]"),
     # cp ranks hold the same weights and sum their gradients as dp ranks do: sharded over dp_shard x cp
     Row(F.DP_SHARD, F.CP, S.PLAIN, f"{_FSDP}[llama-dp2-shard2-tp1-cp2]"),
+    # the experts in FSDP groups of their own over the ranks holding the same experts
+    Row(F.DP_SHARD, F.EP, S.PLAIN,
+        "tests/test_sharded_data_parallel.py::test_sharded_data_parallel_with_expert_parallelism_equals_plain_model"),
     # FSDP's own mixed precision: float32 sharded parameters (the masters), gathered in the compute dtype
     Row(F.DP_SHARD, F.BF16, S.EQUIVALENT, f"{_FSDP_MP}[bf16]"),
     Row(F.DP_SHARD, F.FP16, S.EQUIVALENT, f"{_FSDP_MP}[fp16]"),

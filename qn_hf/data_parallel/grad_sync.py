@@ -164,7 +164,7 @@ def grad_buckets(model: nn.Module, placement: ShardPlacement, bucket_mb: float, 
     like those of dp ranks, so one reduction covers both."""
     group, size = ((placement.groups.experts, placement.dims.expert_replicas) if experts
                    else (placement.groups.replicas, placement.dims.replicas))
-    if size == 1 or (not experts and placement.dims.dp_shard > 1):  # dp_shard: FSDP reduces (sharded.py)
+    if size == 1 or placement.dims.dp_shard > 1:  # dp_shard: FSDP reduces (sharded.py), the experts' too
         return None
     params = [p for n, p in model.named_parameters()
               if p.requires_grad and (placement.copies(n) is Copies.EXPERTS) == experts]

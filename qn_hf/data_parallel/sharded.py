@@ -32,13 +32,25 @@ class ShardedParameters:
     """The FSDP groups of one rank's model: applied once, then gradient sync switched per step."""
 
     def __init__(self, model: nn.Module, *, mesh: DeviceMesh, blocks: list[nn.Module],
-                 compute_dtype: torch.dtype | None) -> None:
+                 compute_dtype: torch.dtype | None, experts: list[nn.Module] = (),
+                 expert_mesh: DeviceMesh | None = None) -> None:
+        """``experts``: the modules expert parallelism sharded over ep. Their weights differ between ep
+        ranks, so they get groups of their own over ``expert_mesh`` (the ranks holding the same experts,
+        as their gradients are summed today), first, before the blocks that hold them; without such
+        ranks (each expert block held once) FSDP leaves them alone."""
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32 if compute_dtype else None)
+        ignored = None
+        for module in experts:
+            if expert_mesh is not None:
+                fully_shard(module, mesh=expert_mesh, mp_policy=policy)
+        if experts and expert_mesh is None:
+            ignored = {p for module in experts for p in module.parameters()}
         for block in blocks:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+            fully_shard(block, mesh=mesh, mp_policy=policy, ignored_params=ignored)
+        fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored)
         self.model = model
         self.mesh = mesh
+        self.experts_sharded = bool(experts) and expert_mesh is not None
         self.units: list[FSDPModule] = [m for m in model.modules() if isinstance(m, FSDPModule)]
         for unit in self.units:  # every group: the factor is per group, not inherited from the root
             unit.set_gradient_divide_factor(1.0)
@@ -85,6 +97,13 @@ def row_range(tensor: torch.Tensor) -> tuple[int, int] | None:
     if rows != min(per, n - first):
         raise RuntimeError(f"a dp_shard shard of {rows} rows where torch.chunk gives {min(per, n - first)} of {n}")
     return first, rows
+
+
+def writes_rows(tensor: torch.Tensor) -> bool:
+    """Whether this rank's rows of a dp_shard-sharded tensor are the ones a checkpoint takes: those of
+    the first group along a hybrid mesh's replicate dim (the other groups hold the same rows)."""
+    mesh = tensor.device_mesh
+    return mesh.ndim == 1 or mesh.get_local_rank(0) == 0
 
 
 def sharded_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
