@@ -66,6 +66,18 @@ def test_trainer_tp_pp_equals_one_process(worlds, model_dirs, references, tmp_pa
     same_weights(str(tmp_path / "model"), references["plain"]["model_dir"])
 
 
+def test_trainer_with_sharded_data_parallelism_equals_one_process(worlds, model_dirs, references, tmp_path):
+    """dp=2 x dp_shard=2 in ``parallel=`` (FSDP2 groups; clipping over the rows each rank holds): the
+    composition table's Trainer x dp_shard row."""
+    ref = references["plain"]
+    results = worlds.run(2, trainer_cases.parallel_train, model_dir=model_dirs["llama"], out_dir=str(tmp_path),
+                         dp=2, tp=1, pp=1, microbatches=1, batch=2, accumulation=1, max_grad_norm=1.0, eval_steps=6,
+                         extra=dict(dp_shard=2))
+    check_run(results, ref)
+    close(results[0]["eval_loss"], ref["eval_loss"])
+    same_weights(str(tmp_path / "model"), references["plain"]["model_dir"])
+
+
 @pytest.mark.long
 @pytest.mark.parametrize("extra", [dict(schedule="gpipe"), dict(schedule="zb_h1"), dict(recompute="full"),
                                    dict(sequence_parallel=True),

@@ -132,10 +132,6 @@ ROWS: tuple[Row, ...] = (
     Row(F.DP_SHARD, F.COMPILE, S.REFUSED, message=(
         "compile=True with dp_shard={dp_shard} is not supported yet: no test compiles FSDP's gathered blocks here; "
         "use compile=False with dp_shard, or dp_shard=1 with compile=True")),
-    Row(F.DP_SHARD, F.TRAINER, S.REFUSED, message=(
-        "qn_hf.Trainer with dp_shard={dp_shard} is not supported yet: no test compares its steps, accumulation and "
-        "resumption under dp_shard with transformers' Trainer yet; use dp_shard=1 (with zero=True) under qn_hf.Trainer, "
-        "or drive pm.train_step yourself")),
     Row(F.ZERO, F.EP, S.PLAIN, f"{_EP_ZERO}[qwen3_moe-2-2-1-2-None]"),
     # ring attention switched off: every cp rank holds the whole model and runs the loop on whole sequences
     Row(F.GENERATE, F.CP, S.PLAIN, "tests/test_generation.py::test_generate_equals_plain_model[dp1-tp1-pp2-cp2]"),
@@ -267,6 +263,8 @@ ROWS: tuple[Row, ...] = (
     Row(F.DP_SHARD, F.FP16, S.EQUIVALENT, f"{_FSDP_MP}[fp16]"),
     Row(F.DP_SHARD, F.LORA, S.PLAIN, _FSDP_LORA),
     Row(F.DP_SHARD, F.GENERATE, S.PLAIN, _FSDP_GEN),
+    Row(F.DP_SHARD, F.TRAINER, S.PLAIN,
+        "tests/test_trainer.py::test_trainer_with_sharded_data_parallelism_equals_one_process"),
     # dp
     Row(F.DP, F.ZERO, S.PLAIN, f"{_ZERO}[llama-2-2-1-SGD-1f1b]"),
     Row(F.DP, F.BF16, S.PLAIN, f"{_MP}[gpt2-2-2-2-2-True-bf16-1f1b]"),
