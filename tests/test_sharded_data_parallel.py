@@ -14,12 +14,16 @@ from tests.test_peft import LLAMA_TARGETS, LORA_ATOL
 # (kind, dp, dp_shard, tp, sequence_parallel, recompute, cp)
 SHARDED_CASES = [
     ("llama", 2, 2, 1, False, None, 1),
-    ("llama", 4, 4, 1, False, None, 1),
     ("llama", 4, 2, 1, False, None, 1),  # hybrid: two groups of two, all-reduced across
-    ("gpt2", 2, 2, 2, False, None, 1),
     ("llama", 2, 2, 2, True, None, 1),
-    ("gpt2", 2, 2, 1, False, "full", 1),
     ("llama", 2, 2, 1, False, None, 2),  # sharded over dp_shard x cp = 4 ranks
+]
+# under make test-all
+SHARDED_CASES_LONG = [
+    ("llama", 4, 4, 1, False, None, 1),
+    ("gpt2", 2, 2, 2, False, None, 1),
+    ("gpt2", 2, 2, 1, False, "full", 1),
+    ("llama", 8, 8, 1, False, None, 1),
 ]
 
 
@@ -29,8 +33,8 @@ def _ids(case) -> str:
             + (f"-cp{cp}" if cp > 1 else ""))
 
 
-@pytest.mark.parametrize("case", SHARDED_CASES + [pytest.param(("llama", 8, 8, 1, False, None, 1),
-                                                               marks=pytest.mark.long)], ids=_ids)
+@pytest.mark.parametrize("case", SHARDED_CASES + [pytest.param(c, marks=pytest.mark.long) for c in SHARDED_CASES_LONG],
+                         ids=_ids)
 def test_sharded_data_parallel_equals_plain_model(worlds, model_dirs, tmp_path, case):
     kind, dp, dp_shard, tp, sp, recompute, cp = case
     results = worlds.run(dp * tp * cp, cases.parity, kind=kind, model_dir=model_dirs[kind],
@@ -42,7 +46,8 @@ def test_sharded_data_parallel_equals_plain_model(worlds, model_dirs, tmp_path, 
         assert r["stored"] * dp_shard * cp >= r["local_total"] * 0.75, r
 
 
-@pytest.mark.parametrize("precision", ["bf16", pytest.param("fp16", marks=pytest.mark.long)])
+@pytest.mark.long
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_sharded_data_parallel_in_mixed_precision_trains_like_one_process(worlds, model_dirs, precision):
     """30 AdamW steps in bf16 (fp16) at dp=4 with hybrid sharding (two groups of two) follow one
     process's mixed-precision run (itself compared with the plain model by hand) within 1%: FSDP
@@ -107,12 +112,14 @@ def test_sharded_checkpoint_resumes_at_other_meshes(worlds, model_dirs, tmp_path
                        meshes=[(2, 1, 2, False), (1, 2, 1, False), (2, 1, 1, True), (4, 1, 2, False)])
 
 
+@pytest.mark.long
 def test_checkpoint_resumes_into_dp_shard(worlds, model_dirs, tmp_path):
     """And back: saved at tp=2, resumed at dp_shard=2 (each rank keeps its rows of what it reads)."""
     _resume_everywhere(worlds, model_dirs, tmp_path, saved_at=(1, 2, 1), meshes=[(2, 1, 2, False)])
 
 
-@pytest.mark.parametrize(("dp", "dp_shard", "tp", "ep"), [(4, 2, 1, 2), (2, 2, 2, 2)],
+@pytest.mark.parametrize(("dp", "dp_shard", "tp", "ep"),
+                         [(4, 2, 1, 2), pytest.param(2, 2, 2, 2, marks=pytest.mark.long)],
                          ids=["dp4-shard2-ep2", "dp2-shard2-tp2-ep2"])
 def test_sharded_data_parallel_with_expert_parallelism_equals_plain_model(worlds, tmp_path, dp, dp_shard, tp, ep):
     """Experts sharded over ep get FSDP groups of their own over the ranks holding the same experts
@@ -125,6 +132,7 @@ def test_sharded_data_parallel_with_expert_parallelism_equals_plain_model(worlds
     _check(results, ep=ep)
 
 
+@pytest.mark.long
 def test_sharded_expert_checkpoint_resumes_at_other_meshes(worlds, tmp_path):
     """Saved at dp=4 x dp_shard=2 with ep=2 (the experts' rows written by each holder of a block, the
     rest by the first group) and resumed at ep=2 without dp_shard and at dp_shard=2 x ep=2 on two
