@@ -40,10 +40,10 @@ class ShardedParameters:
         ranks (each expert block held once) FSDP leaves them alone."""
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32 if compute_dtype else None)
         ignored = None
-        for module in experts:
-            if expert_mesh is not None:
+        if expert_mesh is not None:
+            for module in experts:
                 fully_shard(module, mesh=expert_mesh, mp_policy=policy)
-        if experts and expert_mesh is None:
+        elif experts:
             ignored = {p for module in experts for p in module.parameters()}
         for block in blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy, ignored_params=ignored)
@@ -66,7 +66,6 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a sharded tensor (a view: in-place changes reach the DTensor), or the
     tensor itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
 
 
 @torch.no_grad()
