@@ -77,8 +77,12 @@ def _error(model, **kwargs) -> str:
 def test_context_parallel_refusals():
     assert _error(_meta_model("llama")) == "no error"
     assert "cp=0 must be a positive integer" in _error(_meta_model("llama"), cp=0)
-    jamba = _error(_meta_model("jamba"))
-    assert "JambaForCausalLM does not run its attention through transformers' attention interface" in jamba, jamba
+    jamba = _error(_meta_model("jamba"))  # what mixes positions is named first, whatever else is missing
+    assert "layers of kind ['linear_attention'] (config.layer_types) mix positions outside attention" in jamba, jamba
+    opaque = _meta_model("llama")  # an attention of its own, not through the interface
+    opaque.__class__ = type("OpaqueForCausalLM", (type(opaque),), {"_supports_attention_backend": False})
+    message = _error(opaque)
+    assert "OpaqueForCausalLM does not run its attention through transformers' attention interface" in message, message
     hybrid = _meta_model("llama")
     hybrid.config.layer_types = ["linear_attention", "full_attention"]  # as hybrid models declare them
     message = _error(hybrid)

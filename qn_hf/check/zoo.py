@@ -106,14 +106,35 @@ def _cell(result: str | None) -> str:
     return "refused: " + reason.replace("|", "\\|").replace("\n", " ")
 
 
+def not_applicable(mesh: str, outcome: str) -> str | None:
+    """Why a refused cell says the architecture lacks what the column splits, rather than a limit of
+    qn_hf (None otherwise): a column inside tensor parallelism (sp, tp2ep2, tp2pp2) where tp itself is
+    refused, and context parallelism where layers mix positions outside softmax attention (recurrent,
+    convolution or indexer layers), which no ring over attention can split."""
+    from ..context_parallel.apply import POSITION_MIXING
+
+    column = COLUMNS[mesh]
+    reason = outcome.removeprefix("refused: ")
+    if column != COLUMNS["tp2"] and column.tp > 1 and reason.startswith(f"tp={column.tp}:"):
+        return "tp itself refused"
+    if column.cp > 1 and POSITION_MIXING in reason:
+        return "layers that mix positions outside attention"
+    return None
+
+
 def render_table(results: dict[str, dict[str, str]]) -> str:
-    """Markdown: one row per model type, one column per mesh; counts first."""
+    """Markdown: one row per model type, one column per mesh; counts first, each column's share equal
+    of the types it applies to (``not_applicable``)."""
     columns = list(COLUMNS)
     lines = []
     for mesh in columns:
         cells = [r[mesh] for r in results.values() if mesh in r]
         equal = sum(c == "equal" for c in cells)
-        lines.append(f"- {mesh}: {equal} equal, {len(cells) - equal} refused, 0 different (of {len(cells)})")
+        apart = [why for c in cells if c != "equal" and (why := not_applicable(mesh, c))]
+        applies = len(cells) - len(apart)
+        share = f"{equal} equal of the {applies} it applies to ({100 * equal / applies:.0f}%)" if applies else "0 equal"
+        besides = f", {len(apart)} not applicable ({', '.join(sorted(set(apart)))})" if apart else ""
+        lines.append(f"- {mesh}: {share}, {applies - equal} refused{besides}, 0 different (of {len(cells)})")
     lines += ["", "| model type | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for model_type, row in sorted(results.items()):
         lines.append(f"| {model_type} | " + " | ".join(_cell(row.get(m)) for m in columns) + " |")

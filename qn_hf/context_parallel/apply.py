@@ -43,6 +43,9 @@ from .ring_attention import ChunkLayout, needs_mask, ring_attention
 # transformers' layer kinds (config.layer_types) whose attention the ring computes exactly: full
 # causal, and causal within the sliding window the layer passes to the attention function.
 RING_LAYER_TYPES = ("full_attention", "sliding_attention")
+# Why cp does not apply to a model whose layer kinds say it mixes positions another way (the zoo
+# table counts such types apart from refusals).
+POSITION_MIXING = "mix positions outside attention or in chunks"
 # Batch keys a context-parallel step knows how to cut along the sequence.
 CP_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 # The key of a cp rank's microbatch that marks its real tokens [rows, tokens]: read by the router
@@ -60,13 +63,20 @@ def check_context_parallel(model: nn.Module, *, cp: int, plan: TpPlan) -> None:
     name = f"cp={cp} ({model.config.model_type})"
     if model.config.model_type in CP_REFUSALS:
         raise ValueError(f"{name}: {CP_REFUSALS[model.config.model_type]}; use cp=1")
+    config = model.config.get_text_config()
+    # Ring attention covers attention, full or in a sliding window; a block that mixes positions any
+    # other way (state-space or convolution layers of hybrid models) would see only this rank's tokens.
+    # First: it says why cp cannot apply, whatever else the model's attention lacks
+    kinds = sorted(set(getattr(config, "layer_types", None) or ()) - set(RING_LAYER_TYPES))
+    if kinds:
+        raise ValueError(f"{name}: layers of kind {kinds} (config.layer_types) {POSITION_MIXING}; ring attention covers "
+                         f"{RING_LAYER_TYPES}; use cp=1")
     if not getattr(type(model), "_supports_attention_backend", False):
         raise ValueError(f"{name}: {type(model).__name__} does not run its attention through transformers' attention "
                          f"interface, so qn_hf cannot put ring attention in; use cp=1")
     if plan.loss is not LossKind.CAUSAL_LM:
         raise ValueError(f"{name}: context parallelism needs a causal LM with its built-in loss (the loss counts targets "
                          f"across the cp ranks); use cp=1")
-    config = model.config.get_text_config()
     for key in ("attention_dropout", "attn_pdrop"):
         if getattr(config, key, 0.0):
             raise ValueError(f"{name}: {key}={getattr(config, key)}: ring attention has no attention dropout; set "
@@ -81,12 +91,6 @@ def check_context_parallel(model: nn.Module, *, cp: int, plan: TpPlan) -> None:
         raise ValueError(f"{name}: attn_temperature_tuning=True scales the queries of the layers without RoPE by "
                          f"positions the attention counts itself over the tokens it holds, which under cp are "
                          f"not the sequence's; set config.attn_temperature_tuning = False or use cp=1")
-    # Ring attention covers attention, full or in a sliding window; a block that mixes positions any
-    # other way (state-space or convolution layers of hybrid models) would see only this rank's tokens.
-    kinds = sorted(set(getattr(config, "layer_types", None) or ()) - set(RING_LAYER_TYPES))
-    if kinds:
-        raise ValueError(f"{name}: layers of kind {kinds} (config.layer_types) mix positions outside attention or in "
-                         f"chunks; ring attention covers {RING_LAYER_TYPES}; use cp=1")
     for module_name, module in model.named_modules():
         if isinstance(module, (nn.Conv1d, nn.Conv2d)):
             raise ValueError(f"{name}: {module_name} ({type(module).__name__}) may mix positions outside attention; use cp=1")
