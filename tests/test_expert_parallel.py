@@ -299,3 +299,20 @@ def test_stacked_experts_under_expert_parallelism_equal_plain_model(worlds, dp, 
         assert abs(r["loss"] - r["ref_loss"]) <= LOSS_RTOL * abs(r["ref_loss"]), r
         assert r["grad_err"] < 2e-6, r
         assert r["local_experts"] == [r["experts"] // 2], r
+
+
+@pytest.mark.parametrize("mesh", ["ep2", "pp2"])
+def test_gemma4_with_its_moe_block(worlds, mesh):
+    """Gemma 4 with its MoE block switched on (off in the default config, so the zoo's gemma4_text has
+    no experts): one SGD step at dp=2 x ep=2 equal to the plain model (a run on transformers' own tiny
+    Gemma 4 was reported to end one rank with status 1 and no message), and at pp=2, where every stage
+    also holds the per-layer embeddings."""
+    from transformers import AutoConfig
+
+    from qn_hf.check.shrink import shrink_config
+    from qn_hf.check.zoo import COLUMNS
+    from tests import zoo_cases
+
+    config = shrink_config(AutoConfig.for_model("gemma4_text", enable_moe_block=True, num_experts=4, top_k_experts=2))
+    verdict = worlds.run(COLUMNS[mesh].size, zoo_cases.zoo_step, config=config.to_dict(), mesh=COLUMNS[mesh])[0]
+    assert verdict["verdict"] == "equal" and verdict["moved"] > 1e-3, verdict
