@@ -24,7 +24,7 @@ from .data_parallel.sharded import ShardedParameters
 from .mesh import Coords, Groups, ParallelDims, build_groups, default_device, init_distributed, launched_world_size
 from .parallel_model import ParallelModel
 from .pipeline.runtime import StageExecutor
-from .pipeline.split import StagePlan
+from .pipeline.split import StagePlan, on_every_stage
 from .pipeline.stage import StageModules, apply_stage
 from .pipeline.schedule import as_schedule
 from .pipeline.standins import StandIn
@@ -256,7 +256,9 @@ def _tensor_parallel(b: Build) -> None:
     b.specs, b.vocab = apply_tp_plan(b.model, b.plan, tp_rank=b.groups.coords.tp, group=b.groups.tp)
     b.specs.update({n: s for n, s in b.expert_specs.items() if n in b.specs})  # this stage's experts
     b.placement = ShardPlacement(dims=b.config.dims, groups=b.groups, specs=b.specs, ties=b.stage_plan.ties,
-                                 device=b.device)
+                                 device=b.device,
+                                 every_stage=frozenset(n for n, _ in b.model.named_parameters()
+                                                       if on_every_stage(b.stage_plan, n.rpartition(".")[0])))
 
 
 def _sequence_parallel(b: Build) -> None:

@@ -3,7 +3,8 @@ sharding (checkpoints, the Hugging Face export, the global gradient norm, the co
 takes instead of the whole ``ParallelModel``.
 
 A parameter is named by its HF name. Its global tensor is cut over tp as its ``ShardSpec`` says (no
-spec: replicated over tp), lives on one pipeline stage, and is repeated on every dp (and cp) rank;
+spec: replicated over tp), lives on one pipeline stage (or, ``every_stage``, on each: Gemma 4's
+per-layer embeddings; the first stage's copy is saved and counted), and is repeated on every dp (and cp) rank;
 MoE experts under expert parallelism are cut over the ep group instead and repeated on the
 ``expert_replicas`` ranks holding the same block. A weight
 tied across stages (GPT-2's ``wte``/``lm_head``) has two copies: the first stage's ``owner`` name is
@@ -13,7 +14,7 @@ the one saved and counted, the last stage's ``follower`` copy is skipped.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,6 +45,7 @@ class ShardPlacement:
     specs: Mapping[str, ShardSpec | None]  # by HF parameter name; absent or None: replicated over tp
     ties: tuple[PipelineTie, ...]
     device: torch.device
+    every_stage: frozenset[str] = frozenset()  # parameters held on every stage, gradients summed over pp
 
     @property
     def coords(self) -> Coords:
@@ -68,7 +70,7 @@ class ShardPlacement:
     def synchronize(self, model: nn.Module) -> None:
         """Make copies that must be equal exactly equal: what is replicated across tp (from tp rank 0),
         KV-head replicas (from the first replica), the last stage's copy of a tied weight (from the
-        first stage), everything else across dp x cp (from its first rank), and ep-sharded experts
+        first stage), what every stage holds (from the first stage), everything else across dp x cp (from its first rank), and ep-sharded experts
         across the ranks holding the same block."""
         named = {n: p.data for n, p in model.named_parameters()}
         kinds = {n: self.copies(n) for n in named}
@@ -80,8 +82,9 @@ class ShardPlacement:
                 flat_broadcast_([p for n, p in named.items() if kinds[n] is Copies.KV_REPLICA], src_group_rank=0,
                                 group=groups.kv)
             if groups.tie is not None:
-                tied = [named[n] for tie in self.ties for n in (tie.owner, tie.follower) if n in named]
-                flat_broadcast_(tied, src_group_rank=0, group=groups.tie)
+                flat_broadcast_([named[n] for n in self.tied_names(named)], src_group_rank=0, group=groups.tie)
+            if self.every_stage_names(named):
+                flat_broadcast_([named[n] for n in self.every_stage_names(named)], src_group_rank=0, group=groups.pp)
             flat_broadcast_([p for n, p in named.items() if kinds[n] is not Copies.EXPERTS], src_group_rank=0,
                             group=groups.replicas)
             if groups.experts is not None:  # the ranks holding the same experts (dp x tp / ep of them)
@@ -111,8 +114,20 @@ class ShardPlacement:
         return spec.unshard(all_gather_tensors(tensor, group=self.groups.ep if over_experts(spec) else self.groups.tp))
 
     def is_follower(self, name: str) -> bool:
-        """The last stage's copy of a weight tied across stages: saved and counted by its owner."""
-        return any(tie.follower == name for tie in self.ties)
+        """The last stage's copy of a weight tied across stages, or a later stage's copy of one held on
+        every stage: saved and counted by its owner on the first stage."""
+        return name in self.every_stage and self.coords.pp > 0 or any(tie.follower == name for tie in self.ties)
+
+    def tied_names(self, names: Iterable[str]) -> list[str]:
+        """Of ``names``, the two copies of each weight tied across the first and last stage (summed over
+        ``groups.tie``), in the ties' order: the same on both stages."""
+        names = set(names)
+        return [n for tie in self.ties for n in (tie.owner, tie.follower) if n in names]
+
+    def every_stage_names(self, names: Iterable[str]) -> list[str]:
+        """Of ``names`` (in the model's order, the same on every stage), those held on every stage
+        (summed over ``groups.pp``); none at pp=1."""
+        return [n for n in names if n in self.every_stage] if self.dims.pp > 1 else []
 
     def owner(self, name: str) -> str:
         """The name a parameter is saved under: its own, or a tied copy's owner."""

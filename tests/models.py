@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from qn_hf.check.shrink import shrink_config
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoModelForImageClassification,
     GPT2Config,
@@ -45,6 +47,11 @@ CONFIGS = {
 # 8 blocks: pp x virtual_stages up to 8 chunks (interleaved schedules).
 CONFIGS["gpt2_deep"] = GPT2Config(**{**CONFIGS["gpt2"].to_dict(), "n_layer": 8})
 CONFIGS["llama_deep"] = LlamaConfig(**{**CONFIGS["llama"].to_dict(), "num_hidden_layers": 8})
+# What the base forward computes before the blocks for every block (per-layer embeddings), held on
+# every pipeline stage: Gemma 4 (4 blocks, lm_head tied to the embedding), and Gemma 3n with AltUp
+# streams and 6 blocks, of which 3 to 5 reuse the keys and values of blocks 1 and 2.
+CONFIGS["gemma4"] = shrink_config(AutoConfig.for_model("gemma4_text"))
+CONFIGS["gemma3n"] = shrink_config(AutoConfig.for_model("gemma3n_text"), layers=6)
 VISION = {"vit"}
 
 

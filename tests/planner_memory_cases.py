@@ -40,6 +40,7 @@ SIZES = {
     "gpt2": dict(n_embd=64, n_head=4, n_layer=4, n_positions=128, architectures=["GPT2LMHeadModel"]),
     "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=2, max_position_embeddings=128, architectures=["LlamaForCausalLM"]),
+    "gemma4": dict(max_position_embeddings=256, architectures=["Gemma4ForCausalLM"]),  # per-layer embeddings
 }
 SEQ = 128
 ROWS = 2  # rows per microbatch

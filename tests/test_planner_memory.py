@@ -50,6 +50,9 @@ RUNS = [  # kind, dp, tp, pp, microbatches, mixed_precision, zero, recompute, se
     # cp x sp: each cp rank's part of the sequence split again over tp between the tp regions
     ("llama", 1, 2, 1, 1, None, False, None, True, 2),
     ("llama", 1, 2, 2, 2, "bf16", False, "selective", True, 2),
+    # Modules every stage holds (Gemma 4's per-layer embeddings): on each stage, their gradients summed
+    # over pp, in ZeRO buckets of their own
+    ("gemma4", 2, 1, 2, 2, "bf16", True, None, False, 1),
 ]
 
 

@@ -119,14 +119,16 @@ class GradBuckets:
         self._layout(params, separate=[])
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
-    def _layout(self, params: list[nn.Parameter], *, separate: list[nn.Parameter]) -> None:
-        """Cut ``params`` into buckets; ``separate`` parameters get buckets of their own, last, so
-        ranks whose other parameters differ (two pipeline stages sharing a tied weight) still lay
-        those out identically."""
+    def _layout(self, params: list[nn.Parameter], *, separate: list[list[nn.Parameter]]) -> None:
+        """Cut ``params`` into buckets; each list in ``separate`` gets buckets of its own, last, so
+        ranks whose other parameters differ (pipeline stages sharing a tied weight, or modules held
+        on every stage) still lay those out identically."""
         pad = dist.get_world_size(self.group) if self.sharded else 1
         self.buckets, self._slot = [], {}
-        apart = {id(p) for p in separate}
-        for chosen in ([p for p in params if id(p) not in apart], list(separate)):
+        mine = {id(p) for p in params}
+        separate = [[p for p in apart if id(p) in mine] for apart in separate]
+        apart = {id(p) for group in separate for p in group}
+        for chosen in ([p for p in params if id(p) not in apart], *separate):
             for dtype in dict.fromkeys(grad_dtype(p) for p in chosen):
                 group_params = [p for p in chosen if grad_dtype(p) == dtype]
                 sizes = [p.numel() * dtype.itemsize for p in group_params]  # the gradients' bytes
@@ -143,7 +145,7 @@ class GradBuckets:
         self._views = {id(p): self._view(self._slot[id(p)][0].buffer, p) for p in params}
         self._pieces = None
 
-    def shard_over_dp(self, *, separate: list[nn.Parameter], model: nn.Module) -> None:
+    def shard_over_dp(self, *, separate: list[list[nn.Parameter]], model: nn.Module) -> None:
         """Switch to ZeRO-1: padded buckets, reduce-scatter, parameters viewing flat weight buffers.
         Gradients accumulated so far move into the new buckets. Each module of ``model`` that holds
         parameters waits for their buckets' all-gather when its forward starts."""

@@ -9,13 +9,14 @@
    the queries of its own rank's heads only).
 3. Replicated parameters applied to this rank's heads only (per-head norms) hold this rank's share
    of their gradient: the sum over tp is the whole gradient, then equal on every rank.
-4. A weight tied across the first and last stage: both copies' gradients summed over the pair.
+4. A weight tied across the first and last stage: both copies' gradients summed over the pair; a
+   module held on every stage (Gemma 4's per-layer embeddings): its copies' gradients summed over pp.
 5. Once, the proof that every other replicated gradient agrees over tp (replica_check.py).
 6. float16: unscale, and record whether any rank overflowed.
 
 The sums of 2-4 are linear, so they commute with the dp sum and work on the sharded pieces too:
-every tp rank lays its buckets out identically (same shapes), and tied weights sit in buckets of
-their own, so a piece covers the same elements on every rank of those groups. The loss is already
+every tp rank lays its buckets out identically (same shapes), and tied weights and those held on
+every stage sit in buckets of their own, so a piece covers the same elements on every rank of those groups. The loss is already
 divided by the global target count, so the dp sum is the average the plain model computes.
 """
 
@@ -73,9 +74,9 @@ class GradSync:
         """Sharded: the last step's gradients were reduce-scattered in place and not yet consumed."""
         return any(b.reduced for b in self.bucket_sets)
 
-    def shard(self, *, separate: list[nn.Parameter]) -> None:
+    def shard(self, *, separate: list[list[nn.Parameter]]) -> None:
         """ZeRO-1: shard every bucket set over its own group (``separate``: weights tied across stages,
-        in buckets of their own)."""
+        and those held on every stage, each list in buckets of its own)."""
         for buckets in self.bucket_sets:
             buckets.shard_over_dp(separate=separate, model=self.module)
 
@@ -146,8 +147,10 @@ class GradSync:
         if partial:
             flat_all_reduce_(partial, group=groups.tp)
         if groups.tie is not None:
-            tied = [grads[n] for tie in self.placement.ties for n in (tie.owner, tie.follower) if n in grads]
-            flat_all_reduce_(tied, group=groups.tie)
+            flat_all_reduce_([grads[n] for n in self.placement.tied_names(grads)], group=groups.tie)
+        shared = self.placement.every_stage_names(grads)
+        if shared:  # each stage's copy holds the share of its own blocks' use
+            flat_all_reduce_([grads[n] for n in shared], group=groups.pp)
         if not self._replicas_checked:  # once: the dataflow that makes a gradient partial never changes
             self._replicas_checked = True
             check_replicated_grads({n: g for n, g in grads.items() if copies(n) is Copies.TP_REPLICATED},

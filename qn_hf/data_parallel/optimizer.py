@@ -91,8 +91,9 @@ class ParallelOptimizer(torch.optim.Optimizer):
         self._skipped_nonfinite = 0
         if zero:
             named = dict(pm.module.named_parameters())
-            tied = [named[n] for tie in pm.placement.ties for n in (tie.owner, tie.follower) if n in named]
-            grads.shard(separate=tied)
+            placement = pm.placement
+            grads.shard(separate=[[named[n] for n in placement.tied_names(named)],
+                                  [named[n] for n in placement.every_stage_names(named)]])
             pieces = {id(piece.param): piece for piece in grads.pieces()}
         # ids of the parameters whose optimizer data lives in pieces (checkpoints write those per rank)
         self.split_params = grads.split_params() if zero else frozenset()

@@ -10,13 +10,16 @@ calls of real steps are also replayed through a model of NCCL's streams (``nccl_
 rank talks to the ranks with the same (dp, cp, tp) coordinates on the neighbouring stages; with
 virtual stages the last stage's next is the first (a ring).
 
-Work is keyed by ``(chunk, microbatch)``. A rank announces the dtype and trailing shape of its
-activations with a small int64 header before its first send of a batch shape; the receiver reads
+Work is keyed by ``(chunk, microbatch)``. A rank announces the dtype and shape of its first
+activation with a small int64 header before its first send of a batch shape; the receiver reads
 it on the host (the one host synchronization of the pipeline) and keeps it under the caller's
 ``shape_key``, so later steps with batches of that shape exchange no header at all. The rows of
 microbatch ``mb`` are ``rows[mb]``, which every rank computes from its own copy of the batch, so
-microbatches of different sizes (``torch.tensor_split``) need no header of their own. A gradient
-has its activation's shape.
+microbatches of different sizes (``torch.tensor_split``) need no header of their own: an activation
+whose first dimension is the first microbatch's rows has ``rows[mb]`` there. One whose batch sits
+elsewhere (Gemma 3n's AltUp streams, ``[streams, rows, ...]``) has the announced shape for every
+microbatch, which the sender checks, so microbatches must then be of one size. A gradient has its
+activation's shape.
 
 Memory: a sent tensor is held only until its transfer completes (checked at every action), not to
 the end of the step, so 1F1B's bound on live activations holds for send buffers too.
@@ -79,10 +82,16 @@ class _Step:
     grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # received output gradients
     sends: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)  # buffer alive until sent
     posted: dict[Key, tuple[dist.Work, torch.Tensor]] = field(default_factory=dict)  # receives in flight
-    trailing: tuple[tuple[int, ...], torch.dtype] | None = None  # received activations: shape past dim 0, dtype
+    announced: tuple[tuple[int, ...], torch.dtype] | None = None  # received activations: the first's shape, dtype
     header_sent: bool = False
     shape_key: Hashable | None = None
     deferred: frozenset[Key] = frozenset()  # backward passes whose weight gradients come in a WGT
+
+
+def activation_shape(first: tuple[int, ...], *, rows: Sequence[int], mb: int) -> tuple[int, ...]:
+    """Microbatch ``mb``'s activation shape from the first microbatch's: ``rows[mb]`` in place of the
+    first dimension when that is the batch (it holds the first microbatch's rows), else the same."""
+    return (rows[mb], *first[1:]) if first[0] == rows[0] else tuple(first)
 
 
 class StageExecutor:
@@ -100,11 +109,12 @@ class StageExecutor:
         # Set to a list to record a StageEvent for every action: the measured timeline of a step
         # (busy and idle time per stage).
         self.events: list[StageEvent] | None = None
-        # shape_key -> the trailing shape and dtype of received activations, and the keys whose
-        # header this rank has sent: every rank sees the same sequence of batch shapes, so both
-        # ends of a link agree on which steps carry a header
+        # shape_key -> the first received activation's shape and dtype, and the first sent one's shape
+        # (the keys whose header this rank has sent): every rank sees the same sequence of batch
+        # shapes, so both ends of a link agree on which steps carry a header
         self._received_shapes: dict[Hashable, tuple[tuple[int, ...], torch.dtype]] = {}
-        self._announced: set[Hashable] = set()
+        self._announced: dict[Hashable, tuple[int, ...]] = {}
+        self._sent_shape: tuple[int, ...] | None = None  # this step's first sent activation's shape
         # One handler per op, spelled out: what the executor can run is visible in one place.
         self._ops: dict[Op, Callable[[_Step, Key], None]] = {
             Op.RECV_FWD: self._recv_fwd,
@@ -147,8 +157,9 @@ class StageExecutor:
         step = _Step(forward=forward, rows=rows, shape_key=shape_key,
                      deferred=frozenset(key for a, key in zip(actions, keys) if a.op is Op.WGT))
         if shape_key is not None:
-            step.trailing = self._received_shapes.get(shape_key)
+            step.announced = self._received_shapes.get(shape_key)
             step.header_sent = shape_key in self._announced
+            self._sent_shape = self._announced.get(shape_key)
         if step.deferred and self.weights is None:
             raise ValueError("this schedule defers weight gradients, but the stage has no weight-gradient queue")
         finals = {i: key for key, i in final_actions(actions, stage=self.stage).items()}
@@ -188,14 +199,14 @@ class StageExecutor:
         if upcoming is None or upcoming[1] in step.posted:
             return
         action, key = upcoming
-        if action.op == Op.RECV_FWD and step.trailing is not None:
+        if action.op == Op.RECV_FWD and step.announced is not None:
             step.posted[key] = self._post_activation(step, key)
         elif action.op == Op.RECV_BWD and key in step.outputs:
             step.posted[key] = self._post_gradient(step, key)
 
     def _post_activation(self, step: _Step, key: Key) -> tuple[dist.Work, torch.Tensor]:
-        shape, dtype = step.trailing
-        buf = torch.empty((step.rows[key[1]], *shape), dtype=dtype, device=self.device)
+        shape, dtype = step.announced
+        buf = torch.empty(activation_shape(shape, rows=step.rows, mb=key[1]), dtype=dtype, device=self.device)
         return self._link("from_prev").recv(buf, tag=self._tag(key, 1)), buf
 
     def _post_gradient(self, step: _Step, key: Key) -> tuple[dist.Work, torch.Tensor]:
@@ -208,11 +219,12 @@ class StageExecutor:
         return buf
 
     def _recv_fwd(self, step: _Step, key: Key) -> None:
-        if step.trailing is None:
-            rows, step.trailing = self._recv_header(step)
-            if rows != step.rows[key[1]]:  # every rank must cut the same batch the same way
-                raise RuntimeError(f"the previous stage sent microbatch {key[1]} with {rows} rows, this stage expects "
-                                   f"{step.rows[key[1]]}: every stage of a replica must get the same batch")
+        if step.announced is None:
+            step.announced = self._recv_header(step)
+            shape = step.announced[0]
+            if step.rows[key[1]] not in shape[:2]:  # every rank must cut the same batch the same way
+                raise RuntimeError(f"the previous stage sent microbatch {key[1]} as {list(shape)}, this stage expects "
+                                   f"{step.rows[key[1]]} rows: every stage of a replica must get the same batch")
         step.inputs[key] = self._received(step, key, self._post_activation).requires_grad_(torch.is_grad_enabled())
 
     def _fwd(self, step: _Step, key: Key) -> None:
@@ -224,6 +236,11 @@ class StageExecutor:
         out = (step.outputs[key] if torch.is_grad_enabled() else step.outputs.pop(key)).detach().contiguous()
         if not step.header_sent:
             self._send_header(step, out)
+        expected = activation_shape(self._sent_shape, rows=step.rows, mb=key[1])
+        if tuple(out.shape) != expected:  # the receiver allocates this shape from the first one's
+            raise RuntimeError(f"microbatch {key[1]}'s activation is {list(out.shape)}, the next stage allocates "
+                               f"{list(expected)} from the first one's {list(self._sent_shape)}: its batch is not "
+                               f"its first dimension, so microbatches must be of one size (rows {list(step.rows)})")
         # tagged with the receiving chunk's key, as its receive is
         step.sends.append((self._link("to_next").send(out, tag=self._tag((key[0] + 1, key[1]), 1)), out))
 
@@ -259,18 +276,18 @@ class StageExecutor:
         header = header_of(out)  # once per link and batch shape (``shape_key``), else once per step
         step.sends.append((self._link("to_next").send(header, tag=0), header))
         step.header_sent = True
+        self._sent_shape = tuple(out.shape)
         if step.shape_key is not None:
-            self._announced.add(step.shape_key)
+            self._announced[step.shape_key] = self._sent_shape
 
-    def _recv_header(self, step: _Step) -> tuple[int, tuple[tuple[int, ...], torch.dtype]]:
-        """Rows of the first activation, and the trailing shape and dtype of every activation."""
+    def _recv_header(self, step: _Step) -> tuple[tuple[int, ...], torch.dtype]:
+        """The first activation's shape, and the dtype of every activation."""
         header = empty_header(self.device)
         self._link("from_prev").recv(header, tag=0).wait()
-        shape, dtype = read_header(header)  # reads on the host: waits for the header to arrive
-        trailing = (shape[1:], dtype)
+        announced = read_header(header)  # reads on the host: waits for the header to arrive
         if step.shape_key is not None:
-            self._received_shapes[step.shape_key] = trailing
-        return shape[0], trailing
+            self._received_shapes[step.shape_key] = announced
+        return announced
 
     def _link(self, name: str) -> Link:
         link = getattr(self.peers, name)

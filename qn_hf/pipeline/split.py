@@ -48,6 +48,11 @@ class StagePlan:
     # the received activation enters at each chunk's first block; the entry gives zeros on later
     # stages (ModelPolicy.pp_receive_at_blocks)
     receive_at_blocks: bool = False
+    # modules real on every stage, the entry among them (ModelPolicy.pp_every_stage): their
+    # parameters' gradients are summed over the pipeline
+    every_stage: tuple[str, ...] = ()
+    # of those, the ones whose output packs one part per block (ModelPolicy.pp_per_block_outputs)
+    per_block: tuple[str, ...] = ()
 
     @property
     def chunks(self) -> int:
@@ -101,6 +106,9 @@ def build_stage_plan(
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(f"policy {policy.model_type}: layers {policy.layers!r} is not a ModuleList")
     ranges = split_layers(num_layers=len(layers), stages=stages, layers_per_stage=layers_per_stage, virtual=virtual)
+    if stages > 1 and policy.pp_refusal is not None:
+        raise ValueError(f"pp={stages} ({policy.model_type}): {policy.pp_refusal}; use pp=1 (data and tensor "
+                         f"parallelism still apply)")
     if stages > 1 and policy.pp_entry is None:
         why = (f"transformers declares no base_model_pp_plan for {policy.model_type!r} and its base model's forward does "
                f"not show the cut points plainly (the embedding, the blocks, then only a final norm)"
@@ -149,10 +157,13 @@ def build_stage_plan(
         ties=(),
         virtual=virtual,
         receive_at_blocks=policy.pp_receive_at_blocks,
+        every_stage=tuple(join(prefix, n) for n in present(list(policy.pp_every_stage))),
+        per_block=tuple(join(prefix, n) for n in present(list(policy.pp_per_block_outputs))),
     )
     if stages > 1:
         _check_assignment(model, plan, policy)
         _check_carried(model, plan, policy)
+        _check_kv_sharing(model, plan, policy)
     return StagePlan(**{**plan.__dict__, "ties": _cross_stage_ties(model, plan)})
 
 
@@ -161,6 +172,8 @@ def chunk_of_module(plan: StagePlan, name: str) -> int | None:
     def under(root: str) -> bool:
         return name == root or name.startswith(root + ".")
 
+    if any(under(n) for n in plan.every_stage):
+        return None
     if plan.entry and under(plan.entry) or any(under(n) for n, _ in plan.first_only):
         return 0
     if any(under(n) for n, _ in plan.last_only) or any(under(h) for h in plan.heads):
@@ -177,10 +190,11 @@ def stage_of_module(plan: StagePlan, name: str) -> int | None:
 
 
 def _check_assignment(model: nn.Module, plan: StagePlan, policy: ModelPolicy) -> None:
-    """Parameters outside any stage's modules would be copied onto every stage; refuse them."""
+    """Parameters outside any stage's modules would be copied onto every stage; refuse them, except
+    under the modules the policy puts on every stage."""
     for name, _ in model.named_parameters():
         module = name.rpartition(".")[0]
-        if stage_of_module(plan, module) is None:
+        if stage_of_module(plan, module) is None and not on_every_stage(plan, module):
             source = (f"transformers' base_model_pp_plan for {policy.model_type!r} does not place it (only the "
                       f"embedding, the blocks and what follows them); " if policy.transformers_plan else "")
             raise ValueError(f"parameter {name} belongs to no pipeline stage: {source}name its module in the "
@@ -207,6 +221,35 @@ def _check_carried(model: nn.Module, plan: StagePlan, policy: ModelPolicy) -> No
                          f"states between stages; cut where a block makes it anew (layers_per_stage) or use pp=1")
 
 
+def on_every_stage(plan: StagePlan, name: str) -> bool:
+    """Whether a module (by its path in the top model) is real on every stage (``every_stage``)."""
+    return any(name == root or name.startswith(root + ".") for root in plan.every_stage)
+
+
+def _check_kv_sharing(model: nn.Module, plan: StagePlan, policy: ModelPolicy) -> None:
+    """A block that reuses the keys and values an earlier block of its kind stored (Gemma 3n and 4's
+    last layers) reads them from a dict the base forward passes every block on its own stage: both
+    must be in one chunk."""
+    if policy.pp_kv_sharing is None:
+        return
+    config = model.config.get_text_config()
+    key, store, reuse = policy.pp_kv_sharing
+    modes, kinds = getattr(config, key, None), getattr(config, "layer_types", None)
+    if not isinstance(modes, list) or reuse not in modes:
+        return
+    kinds = kinds if isinstance(kinds, list) and len(kinds) == len(modes) else [None] * len(modes)
+    for j, mode in enumerate(modes):
+        if mode != reuse:
+            continue
+        source = max((i for i in range(j) if modes[i] == store and kinds[i] == kinds[j]), default=None)
+        if source is None or plan.chunk_of_layer(source) != plan.chunk_of_layer(j):
+            where = f"block {source}, in chunk {plan.chunk_of_layer(source)}" if source is not None else "no earlier block"
+            raise ValueError(f"pp={plan.stages} ({policy.model_type}): block {j} ({key}[{j}] = {reuse!r}) reuses the keys "
+                             f"and values stored by {where}, but block {j} is in chunk {plan.chunk_of_layer(j)}, and a "
+                             f"pipeline sends only the hidden states between stages; keep them in one stage "
+                             f"(layers_per_stage) or use pp=1")
+
+
 def _cross_stage_ties(model: nn.Module, plan: StagePlan) -> tuple[PipelineTie, ...]:
     if plan.stages == 1:
         return ()  # one stage holds every copy
@@ -216,6 +259,10 @@ def _cross_stage_ties(model: nn.Module, plan: StagePlan) -> tuple[PipelineTie, .
     ties = []
     for names in by_id.values():
         if len(names) < 2:
+            continue
+        if any(on_every_stage(plan, n.rpartition(".")[0]) for n in names):
+            # one name is real on every stage, so each stage holding another holds the same object:
+            # the pipeline's sum over every stage covers it (Gemma 4's head tied to its embedding)
             continue
         stages = {stage_of_module(plan, n.rpartition(".")[0]) for n in names}
         if len(stages) == 1:

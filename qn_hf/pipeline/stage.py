@@ -14,7 +14,11 @@ What differs per stage is which modules are real:
   a chunk sends its last block's output rather than the base model's;
 * first-only and last-only modules: real on their stage, a parameter-free stand-in elsewhere;
 * the task head (``lm_head``, ``classifier``): on the last stage only; earlier stages call the base
-  model and send its ``last_hidden_state``.
+  model and send its ``last_hidden_state``;
+* modules real on every stage (``StagePlan.every_stage``: Gemma 4's per-layer embeddings and the
+  token embedding they read): each stage computes them as the plain model does and its first block
+  takes the received activation; those whose output holds one part per block, which the forward
+  indexes by its loop's position, are rotated so that the chunk's first block finds its own part.
 
 ``apply_stage`` edits one rank's model in place (from a ``StagePlan``, see split.py) and returns
 the ``StageModules`` whose ``forward`` runs a microbatch through whatever the stage kept.
@@ -39,7 +43,7 @@ from torch import nn
 from ..tensor_parallel.patterns import base_model_and_prefix
 from .split import StagePlan
 from .stage_config import cut_layer_lists
-from .standins import Injector, PassThrough, mirror_reads, standin_for
+from .standins import BlockRotation, Injector, PassThrough, mirror_reads, standin_for
 
 
 def _unchanged(x: torch.Tensor) -> torch.Tensor:
@@ -74,6 +78,7 @@ class StageModules:
     # per rank, whose view is the model as it stands
     views: dict[int, tuple[tuple[nn.Module, str, nn.Module], ...]] = field(default_factory=dict)
     wire: Wire = field(default_factory=Wire)
+    rotation: BlockRotation | None = None  # per-block outputs rotated to the running chunk's blocks
 
     @property
     def chunks(self) -> tuple[int, ...]:
@@ -96,6 +101,8 @@ class StageModules:
         """Install ``chunk``'s view. The blocks and the loop's config are taken from the model as it
         is now (whatever replaced modules inside the blocks, or the config, after the cut), and real
         modules are never held here: the rank's view keeps them, a chunk only masks some."""
+        if self.rotation is not None:
+            self.rotation.start = self.plan.layer_ranges[chunk][0]
         if chunk not in self.views:
             yield
             return
@@ -185,10 +192,11 @@ def apply_stage(model: nn.Module, plan: StagePlan, *, stage: int) -> StageModule
     # Each entry, first-only, last-only and head path is real in one chunk (the first or the last)
     # and a parameter-free stand-in in every other. A rank that holds that chunk keeps the real
     # module; the others free it.
-    owners = {path: 0 for path in [plan.entry, *(n for n, _ in plan.first_only)]}
+    owners = {path: 0 for path in [plan.entry, *(n for n, _ in plan.first_only)] if path not in plan.every_stage}
     owners.update({path: plan.chunks - 1 for path in [*(n for n, _ in plan.last_only), *plan.heads]})
     kinds = dict(plan.first_only) | dict(plan.last_only)
-    injector: Injector | None = None
+    # an entry real on every stage (ModelPolicy.pp_every_stage) stays; the injector only feeds the blocks
+    injector: Injector | None = Injector() if plan.entry in plan.every_stage and chunks[-1] > 0 else None
     standins: dict[str, nn.Module] = {}
     for path, owner in owners.items():
         if all(chunk == owner for chunk in chunks):
@@ -209,10 +217,13 @@ def apply_stage(model: nn.Module, plan: StagePlan, *, stage: int) -> StageModule
                 layers_kept = model.get_submodule(plan.layers)
                 getattr(layers_kept, str(plan.layer_ranges[chunk][0])).register_forward_pre_hook(
                     injector.into_block, with_kwargs=True)
+    rotation = BlockRotation(blocks=plan.layer_ranges[-1][1])
+    for path in plan.per_block:
+        model.get_submodule(path).register_forward_hook(rotation.hook)
     views: dict[int, tuple[tuple[nn.Module, str, nn.Module], ...]] = {}
     if len(chunks) > 1:
         for chunk in chunks:
             views[chunk] = tuple((*_holder(model, path), standin) for path, standin in standins.items()
                                  if chunk != owners[path] and owners[path] in chunks)
     return StageModules(stage=stage, stages=plan.stages, injector=injector, config=config, model=model, base=base,
-                        plan=plan, views=views)
+                        plan=plan, views=views, rotation=rotation)

@@ -26,6 +26,24 @@ class PassThrough(StandIn):
         return x
 
 
+class PassThroughs(PassThrough):
+    """A list of modules that runs on another stage (Gemma 3n's ``altup_unembed_projections``, read
+    after the blocks): each item, by index or in a loop, is a ``PassThrough``."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__()
+        self.length = length
+
+    def __getitem__(self, index: int) -> PassThrough:
+        return self
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self):
+        return iter([self] * self.length)
+
+
 class Zeros(StandIn):
     """An embedding that contributes nothing here (GPT-2's ``wpe`` is added once, on stage 0)."""
 
@@ -63,13 +81,33 @@ class Injector(StandIn):
         return args, {**kwargs, name: received}
 
 
+class BlockRotation:
+    """A forward hook for a module whose output packs one part per block of the whole model,
+    block-major, in its last dimension (``pp_per_block_outputs``: Gemma 4's per-layer embedding and
+    projection). A stage's forward loops over its own blocks only and takes part ``i`` for the
+    loop's ``i``-th block; rotating the parts left by ``start`` (the running chunk's first block)
+    hands block ``start + i`` its own part. A permutation: its backward permutes the gradient back."""
+
+    def __init__(self, *, blocks: int) -> None:
+        self.blocks = blocks
+        self.start = 0  # set before each chunk's forward (StageModules.forward)
+
+    def hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        if self.start == 0:
+            return None
+        if output.shape[-1] % self.blocks:
+            raise ValueError(f"{type(module).__name__}'s output has {output.shape[-1]} features, not one part for each "
+                             f"of the {self.blocks} blocks")
+        return torch.roll(output, shifts=-self.start * (output.shape[-1] // self.blocks), dims=-1)
+
+
 def standin_for(kind: str, module: nn.Module) -> StandIn:
     """The stand-in a policy names for ``module`` (``"zeros"`` for an embedding, else pass-through)."""
     if kind == "zeros":
         if not isinstance(module, nn.Embedding):
             raise ValueError(f"the 'zeros' stand-in replaces an nn.Embedding, not {type(module).__name__}")
         return Zeros(dim=module.embedding_dim, dtype=module.weight.dtype)
-    return PassThrough()
+    return PassThroughs(len(module)) if isinstance(module, nn.ModuleList) else PassThrough()
 
 
 def mirror_reads(injector: Injector, entry: nn.Module, reads: Sequence[str]) -> None:

@@ -1,8 +1,8 @@
 """What a tensor between stages is announced with: a small int64 header, then the tensor.
 
 The header is ``[dtype code, ndim, *shape]`` padded to ``HEADER_INTS`` values, so the receiver can
-allocate before the data arrives. A training step sends one per link and batch shape (its rows and
-the trailing shape); generation at pp > 1 one per tensor; ``broadcast_announced`` one per broadcast.
+allocate before the data arrives. A training step sends one per link and batch shape (its first
+activation's); generation at pp > 1 one per tensor; ``broadcast_announced`` one per broadcast.
 """
 
 from __future__ import annotations

@@ -266,7 +266,7 @@ class Planner:
             return pp - 1 if name == "" else (0 if found is None else found)
 
         placed = stage_params(self.model, numels, stage_plan=stage_plan, stage_of=stage_of)
-        on_stage, embedding, tied = [list(h) for h in placed.held], placed.embedding, placed.tied
+        on_stage, embedding, tied, every = [list(h) for h in placed.held], placed.embedding, placed.tied, placed.every
 
         activations = chunk_activations(self.model, kept=kept, base=base, plan=plan, stage_plan=stage_plan,
                                         act_elem=param_elem, cp=cp)
@@ -290,7 +290,8 @@ class Planner:
         for s in range(pp):
             dense = [p for p in on_stage[s] if p[0] not in sharded]
             buckets = bucket_layout(dense, elem=grad_elem, bucket_bytes=bucket_size_bytes(bucket_mb),
-                                    pad=replicas if zero else 1, separate=frozenset(tied[s]) if zero else frozenset())
+                                    pad=replicas if zero else 1,
+                                    separate=(frozenset(tied[s]), frozenset(every[s])) if zero else ())
             experts = [p for p in on_stage[s] if p[0] in sharded]
             expert_buckets = bucket_layout(experts, elem=grad_elem, bucket_bytes=bucket_size_bytes(bucket_mb),
                                            pad=expert_replicas if zero_experts else 1)
@@ -298,7 +299,7 @@ class Planner:
             summed = {n: numel for n, numel in on_stage[s] if n in grad_sum}
             comm = stage_traffic(s, mesh=mesh, plan=plan, trace=base, stage_of=stage_of, act_elem=param_elem,
                                  param_elem=param_elem, grad_elem=grad_elem, buckets=buckets if replicas > 1 else [],
-                                 zero=zero, kv=kv, tied=tied[s], grad_sum=summed, recompute=recompute,
+                                 zero=zero, kv=kv, tied=tied[s], every=every[s], grad_sum=summed, recompute=recompute,
                                  loss_scaling=mixed_precision == "fp16", backend=backend, experts=experts_calls,
                                  expert_buckets=expert_buckets if expert_replicas > 1 else [],
                                  zero_experts=zero_experts)

@@ -40,13 +40,14 @@ class Bucket:
 
 
 def bucket_layout(params: list[tuple[str, int]], *, elem: int, bucket_bytes: int, pad: int,
-                  separate: frozenset[str] = frozenset()) -> list[Bucket]:
+                  separate: tuple[frozenset[str], ...] = ()) -> list[Bucket]:
     """The buckets ``GradBuckets`` (data_parallel.py) cuts from one stage's trainable parameters in
-    registration order, all of one gradient dtype of ``elem`` bytes: ``separate`` ones (weights tied
-    across stages, under ZeRO) in buckets of their own after the rest, each group cut by
-    ``cut_into_buckets``, the function ``GradBuckets`` uses."""
+    registration order, all of one gradient dtype of ``elem`` bytes: each set in ``separate`` (under
+    ZeRO: weights tied across stages, what every stage holds) in buckets of its own after the rest,
+    each group cut by ``cut_into_buckets``, the function ``GradBuckets`` uses."""
     buckets = []
-    for chosen in ([p for p in params if p[0] not in separate], [p for p in params if p[0] in separate]):
+    apart = frozenset().union(*separate)
+    for chosen in ([p for p in params if p[0] not in apart], *([p for p in params if p[0] in group] for group in separate)):
         for indices in (cut_into_buckets([n * elem for _, n in chosen], bucket_bytes=bucket_bytes) if chosen else []):
             chunk = [chosen[i] for i in indices]
             numel = sum(n for _, n in chunk)

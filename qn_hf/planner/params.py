@@ -1,6 +1,7 @@
 """Which parameters one rank of each pipeline stage holds, and how many elements of each: the tp
 plan's shards (applied to a meta model, as ``parallelize`` applies them), ep's block of E/ep rows
-of every fused experts tensor, and a later stage's own copy of a weight tied across stages."""
+of every fused experts tensor, a later stage's own copy of a weight tied across stages, and each
+stage's copy of what every stage holds (``StagePlan.every_stage``: Gemma 4's per-layer embeddings)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ..checkpoint.layout import meta_model
-from ..pipeline.split import StagePlan
+from ..pipeline.split import StagePlan, on_every_stage
 from ..tensor_parallel.apply import apply_tp_plan
 
 
@@ -31,6 +32,7 @@ class StageParams:
     held: tuple[tuple[tuple[str, int], ...], ...]  # per stage: (name, elements) in registration order
     embedding: tuple[int, ...]  # per stage: elements of embedding tables (no matmul FLOPs)
     tied: tuple[dict[str, int], ...]  # per stage: its copy of a weight tied across stages -> elements
+    every: tuple[dict[str, int], ...] = ()  # per stage: its copy of what every stage holds -> elements (pp > 1)
 
 
 def stage_params(model: nn.Module, numels: dict[str, int], *, stage_plan: StagePlan,
@@ -41,10 +43,15 @@ def stage_params(model: nn.Module, numels: dict[str, int], *, stage_plan: StageP
     held: list[list[tuple[str, int]]] = [[] for _ in range(pp)]
     embedding = [0] * pp
     embeddings = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)}
+    every: list[dict[str, int]] = [{} for _ in range(pp)]
     for name, (stage, numel) in local.items():
-        held[stage].append((name, numel))
-        if name.rpartition(".")[0] in embeddings:
-            embedding[stage] += numel
+        shared = pp > 1 and on_every_stage(stage_plan, name.rpartition(".")[0])
+        for s in range(pp) if shared else (stage,):
+            held[s].append((name, numel))
+            if shared:
+                every[s][name] = numel
+            if name.rpartition(".")[0] in embeddings:
+                embedding[s] += numel
     tied: list[dict[str, int]] = [{} for _ in range(pp)]
     for tie in stage_plan.ties:  # the follower stage holds its own copy of the owner's weight
         owner_stage, numel = local[tie.owner]
@@ -52,4 +59,4 @@ def stage_params(model: nn.Module, numels: dict[str, int], *, stage_plan: StageP
         if follower_stage != owner_stage:
             held[follower_stage].append((tie.follower, numel))
             tied[owner_stage][tie.owner] = tied[follower_stage][tie.follower] = numel
-    return StageParams(held=tuple(map(tuple, held)), embedding=tuple(embedding), tied=tuple(tied))
+    return StageParams(held=tuple(map(tuple, held)), embedding=tuple(embedding), tied=tuple(tied), every=tuple(every))

@@ -140,10 +140,11 @@ def bucket_traffic(buckets: Sequence[Bucket], *, ranks: int, zero: bool, backend
 def stage_traffic(s: int, *, mesh: Mesh, plan: TpPlan, trace: Trace, stage_of: Callable[[str], int],
                   act_elem: int, param_elem: int, grad_elem: int, buckets: list[Bucket], zero: bool,
                   kv: dict[str, int], tied: dict[str, int], grad_sum: dict[str, int], recompute: str | None,
+                  every: dict[str, int] | None = None,
                   loss_scaling: bool, backend: str = "nccl", experts: tuple[ExpertCall, ...] = (),
                   expert_buckets: Sequence[Bucket] = (), zero_experts: bool = False) -> dict[str, GroupTraffic]:
     """``kv``, ``tied`` and ``grad_sum``: this stage's replicated-KV, cross-stage-tied and
-    summed-over-tp parameters -> elements; ``experts``: the trace's experts calls (in the compute
+    summed-over-tp parameters -> elements; ``every``: its copy of what every stage holds (summed over pp); ``experts``: the trace's experts calls (in the compute
     dtype), ``expert_buckets``: the buckets summed over "experts" (none when one rank holds each),
     sharded over those ranks under ``zero_experts``."""
     dp, tp, pp, cp, microbatches = mesh.dp, mesh.tp, mesh.pp, mesh.cp, mesh.microbatches
@@ -177,6 +178,10 @@ def stage_traffic(s: int, *, mesh: Mesh, plan: TpPlan, trace: Trace, stage_of: C
         # a steady step: the activation header went with the first step of this batch shape (runtime.py)
         act = trace.boundary_numel // wire * act_elem
         out["pp"] = GroupTraffic(2 * edges * microbatches + 1, 2 * edges * microbatches * act + 4)
+        shared = _summed(every or {}, pieces)  # one flat all-reduce of what every stage holds
+        if shared:
+            runs = len(flat_runs([n * grad_elem for n in shared]))
+            out["pp"] = GroupTraffic(out["pp"].calls + runs, out["pp"].nbytes + sum(shared) * grad_elem)
     if cp > 1:
         ring = ring_ops(trace.ring, cp=cp, tp=tp, act_elem=act_elem, recompute=recompute,
                         on_stage=lambda name: stage_of(name) == s)

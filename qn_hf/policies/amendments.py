@@ -41,3 +41,7 @@ CP_REFUSALS: dict[str, str] = {
 # config key -> the per-layer kind that reuses what the block before handed over (ModelPolicy.pp_carried):
 # a DSA layer of kind "shared" takes the previous layer's top-k indices, a "full" one selects its own
 CARRIED_REUSED_BY: dict[str, str] = {"indexer_types": "shared"}
+
+# config key -> (the mode of a block that stores its keys and values, the mode of a later one that
+# reuses those of the last storing block of its kind; ModelPolicy.pp_kv_sharing): Gemma 3n and 4
+KV_SHARED_BY: dict[str, tuple[str, str]] = {"kv_sharing_modes": ("store", "reuse")}

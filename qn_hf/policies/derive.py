@@ -19,8 +19,9 @@ from ..tensor_parallel.patterns import base_model_and_prefix, match_modules, mat
 from ..step.loss import LossKind
 from ..tensor_parallel.plan import ModelPolicy
 from ..tensor_parallel.styles import COLUMN_STYLES, HF_STYLES, PARAM_FORM, Style
-from .amendments import AMENDMENTS, CARRIED_REUSED_BY, PP_PLANS, REFUSALS
-from .entries import derive_entries, forward_tree, self_path
+from .amendments import AMENDMENTS, CARRIED_REUSED_BY, KV_SHARED_BY, PP_PLANS, REFUSALS
+from .entries import derive_entries, forward_tree, self_path, self_references
+from .every_stage import every_stage_children, per_block_outputs
 
 
 def _relative_name(root: nn.Module, module: nn.Module) -> str | None:
@@ -70,21 +71,6 @@ def _translate(base: nn.Module, config, hf_plan: dict[str, str]) -> tuple[dict[s
     return tp_plan, problems
 
 
-def _self_references(tree: ast.FunctionDef) -> dict[str, list[tuple[int, str]]]:
-    """Every ``self.<child>...`` the forward reads: child -> [(line, the rest of the path, "" if none)],
-    the outermost chain of each (``self.embed_tokens.weight.device`` once, as "weight.device")."""
-    parents = {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
-    found: dict[str, list[tuple[int, str]]] = {}
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.Attribute) or isinstance(parents.get(node), ast.Attribute):
-            continue
-        path = self_path(node)
-        if path is not None:
-            head, _, rest = path.partition(".")
-            found.setdefault(head, []).append((node.lineno, rest))
-    return found
-
-
 def derived_pp_cut(base: nn.Module, *, layers: str, embeddings: str | None) -> tuple[list[str], tuple[str, ...]]:
     """What a pp plan would list for a base model transformers gives none (the embedding, the blocks,
     the final norm), and what the base forward reads off the embedding besides calling it (a
@@ -102,7 +88,7 @@ def derived_pp_cut(base: nn.Module, *, layers: str, embeddings: str | None) -> t
     tree = forward_tree(base)
     if tree is None or embeddings is None or embeddings not in children or layers not in children:
         return [], ()
-    uses = _self_references(tree)
+    uses = self_references(tree)
     if not uses.get(layers):
         return [], ()
     last_block_use = max(line for line, _ in uses[layers])
@@ -161,6 +147,34 @@ def carried_between_blocks(base: nn.Module, *, layers: str) -> list[str]:
     return sorted(names & read)
 
 
+def loop_indexed(base: nn.Module, *, layers: str) -> list[str]:
+    """The local names the base forward's loop over the blocks subscripts by the loop's position
+    (``per_layer_inputs[:, :, i, :]``); a stage's loop counts from 0 over its own blocks."""
+    tree = forward_tree(base)
+    found = _block_call(tree, layers) if tree is not None else None
+    if found is None:
+        return []
+    loop = found[0]
+    target = loop.target.elts[0] if isinstance(loop.target, ast.Tuple) and loop.target.elts else None
+    if not (isinstance(loop.iter, ast.Call) and isinstance(loop.iter.func, ast.Name) and loop.iter.func.id == "enumerate"
+            and isinstance(target, ast.Name)):
+        return []
+    # an argument the forward never assigns (a multimodal wrapper's deepstack_visual_embeds) comes from
+    # the caller, who passes none in text training: only what the forward computes is counted
+    assigned = {t.id for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AnnAssign))
+                for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)}
+    assigned |= {e.id for node in ast.walk(tree) if isinstance(node, ast.Assign) for t in node.targets
+                 if isinstance(t, ast.Tuple) for e in t.elts if isinstance(e, ast.Name)}
+    arguments = {a.arg for a in [*tree.args.args, *tree.args.kwonlyargs]} - assigned
+    names = set()
+    for node in ast.walk(loop):
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id != "self":
+            parts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+            if any(isinstance(p, ast.Name) and p.id == target.id for p in parts) and node.value.id not in arguments:
+                names.add(node.value.id)
+    return sorted(names)
+
+
 def blocks_take_entry_output(base: nn.Module, *, layers: str, entries: set[str]) -> bool | None:
     """Whether the blocks' first argument is the entry's output as it is, read from the base forward:
     every assignment to the name the block call passes, and to the names it was copied from, is
@@ -198,7 +212,7 @@ def after_blocks(base: nn.Module, *, layers: str, placed: set[str]) -> list[str]
     """Children with parameters the pp plan does not place that the base forward uses only after its
     last mention of the blocks (DeepSeek-V4's and HY-V4's hyper-connection head): last stage."""
     tree = forward_tree(base)
-    uses = _self_references(tree) if tree is not None else {}
+    uses = self_references(tree) if tree is not None else {}
     if not uses.get(layers):
         return []
     last_block = max(line for line, _ in uses[layers])
@@ -217,7 +231,7 @@ def entry_extension(base: nn.Module, *, layers: str, entry: str, placed: set[str
     tree = forward_tree(base)
     if tree is None:
         return None
-    uses = _self_references(tree)
+    uses = self_references(tree)
     if not uses.get(layers):
         return None
     first_block = min(line for line, _ in uses[layers])
@@ -286,16 +300,24 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
         order, entry_reads = derived_pp_cut(base, layers=layers, embeddings=embeddings)
     after_layers = [n for n in order[order.index(layers) + 1 :] if isinstance(getattr(base, n, None), nn.Module)] if layers in order else []
     entry, first, receive_at_blocks = (embeddings if layers in order else None), {}, False
+    every_stage, per_block = (), ()
     if entry is not None:
         extension = entry_extension(base, layers=layers, entry=entry, placed=set(order))
         if extension and isinstance(getattr(base, entry), nn.Embedding):  # its stand-in: zeros of its shape
             entry, first = extension, {embeddings: "zeros"}
+        # what the forward computes before the blocks for every block besides the hidden states
+        # (Gemma 4's per-layer embeddings): every stage computes it, from the real entry (every_stage.py)
+        shared = every_stage_children(base, layers=layers, placed={*order, entry, *first}) if not first else []
+        if shared:
+            every_stage, per_block = (entry, *shared), tuple(per_block_outputs(base, candidates=shared))
         # a forward that makes the blocks' input out of the embedding (a multiplier, dropout, streams)
         # would do it again, on a later stage, to what that stage receives
-        receive_at_blocks = blocks_take_entry_output(base, layers=layers, entries={entry, embeddings}) is False
+        receive_at_blocks = bool(shared) or blocks_take_entry_output(base, layers=layers,
+                                                                     entries={entry, embeddings}) is False
         if receive_at_blocks:  # what follows the blocks then runs on the last stage only (HY-V4's hc_head)
             after_layers += after_blocks(base, layers=layers, placed=set(order))
     carried = carried_between_blocks(base, layers=layers)
+    indexed = [n for n in loop_indexed(base, layers=layers) if not per_block]
 
     attention = [p for p in rowwise_parents if any(hasattr(base.get_submodule(n), "num_key_value_groups")
                                                     for n in match_modules(base, p))]
@@ -320,6 +342,11 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
         pp_carried=tuple(carried),
         pp_carried_reuse=next(((k, v) for k, v in CARRIED_REUSED_BY.items() if isinstance(getattr(config, k, None), list)),
                               None) if carried else None,
+        pp_every_stage=every_stage,
+        pp_per_block_outputs=per_block,
+        pp_kv_sharing=next(((k, *v) for k, v in KV_SHARED_BY.items() if isinstance(getattr(config, k, None), list)), None),
+        pp_refusal=(f"its base forward hands each block {', '.join(indexed)}[..., i, ...] by the block's position i in "
+                    f"its loop, which on a later stage counts from that stage's first block" if indexed else None),
         transformers_plan=True,
         tp_refusal=(f"transformers' tp plan for {config.model_type!r}: {refusal}" if refusal else
                     f"transformers' tp plan for {config.model_type!r} uses {', '.join(problems)}, which qn_hf does not "

@@ -94,3 +94,18 @@ def derive_entries(base: nn.Module, candidates: list[str], column_rules: set[str
         found = [n for n in names if columns and feeds_only(base.get_submodule(n), columns)]
         entries += [pattern] if found and found == names else found
     return tuple(sorted(entries))
+
+
+def self_references(tree: ast.FunctionDef) -> dict[str, list[tuple[int, str]]]:
+    """Every ``self.<child>...`` the forward reads: child -> [(line, the rest of the path, "" if none)],
+    the outermost chain of each (``self.embed_tokens.weight.device`` once, as "weight.device")."""
+    parents = {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
+    found: dict[str, list[tuple[int, str]]] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or isinstance(parents.get(node), ast.Attribute):
+            continue
+        path = self_path(node)
+        if path is not None:
+            head, _, rest = path.partition(".")
+            found.setdefault(head, []).append((node.lineno, rest))
+    return found

@@ -55,6 +55,19 @@ class ModelPolicy:
     the block before besides the hidden states (HY-V4's top-k indices): no stage boundary carries
     it, so a cut is refused unless every later chunk's first block makes it anew, as
     ``pp_carried_reuse`` tells: the config's list of per-layer kinds and the kind that reuses it.
+
+    ``pp_every_stage`` names modules that are real on every stage, the entry among them: what the
+    base forward runs before the blocks and hands every block besides the hidden states (Gemma 4's
+    per-layer embeddings, which read the token embedding too). Each stage computes them for its own
+    blocks (``pp_receive_at_blocks`` is then required), and their gradients, each copy's share
+    through its own blocks, are summed over the pipeline, as a tied weight's are.
+    ``pp_per_block_outputs`` are those of them whose output packs one part per block, block-major,
+    in its last dimension, which the forward indexes by the loop's position
+    (``per_layer_inputs[:, :, i]``): on a chunk starting at block s the parts are rotated so that
+    part s comes first. ``pp_kv_sharing`` = (config list of per-layer modes, the mode that stores
+    keys and values, the mode that reuses them): a block that reuses the keys and values of an
+    earlier block of its kind (``config.layer_types``) must be in that block's chunk.
+    ``pp_refusal`` is why this policy cannot cut the model into stages (it still serves dp and tp).
     """
 
     model_type: str
@@ -77,6 +90,10 @@ class ModelPolicy:
     tp_refusal: str | None = None
     pp_carried: tuple[str, ...] = ()
     pp_carried_reuse: tuple[str, str] | None = None  # (config list of per-layer kinds, the kind that reuses it)
+    pp_every_stage: tuple[str, ...] = ()
+    pp_per_block_outputs: tuple[str, ...] = ()
+    pp_kv_sharing: tuple[str, str, str] | None = None  # (config list of per-layer modes, store, reuse)
+    pp_refusal: str | None = None
 
     def __post_init__(self) -> None:
         for pattern, style in {**self.tp_plan, **self.head_plan}.items():
@@ -91,6 +108,15 @@ class ModelPolicy:
         for name, standin in {**self.pp_first, **self.pp_last}.items():
             if standin not in STANDINS:
                 raise ValueError(f"policy {self.model_type}: stage stand-in {standin!r} for {name!r} is unknown; known: {STANDINS}")
+        if self.pp_every_stage and not self.pp_receive_at_blocks:
+            raise ValueError(f"policy {self.model_type}: pp_every_stage needs pp_receive_at_blocks (each stage computes "
+                             f"what comes before the blocks, then its first block takes the received activation)")
+        if self.pp_every_stage and self.pp_entry not in self.pp_every_stage:
+            raise ValueError(f"policy {self.model_type}: pp_every_stage {list(self.pp_every_stage)} must hold the entry "
+                             f"{self.pp_entry!r}: what runs before the blocks reads its output on every stage")
+        if not set(self.pp_per_block_outputs) <= set(self.pp_every_stage):
+            raise ValueError(f"policy {self.model_type}: pp_per_block_outputs {list(self.pp_per_block_outputs)} must be "
+                             f"among pp_every_stage {list(self.pp_every_stage)}")
         if self.loss is not None and self.loss not in LOSSES:
             raise ValueError(f"policy {self.model_type}: unknown loss {self.loss!r}; known: {LOSSES}")
         if self.loss is not None:
