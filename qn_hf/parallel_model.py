@@ -189,9 +189,11 @@ class ParallelModel:
             raise ValueError("zero=True reduce-scatters gradients in place: call optimizer.zero_grad() after each "
                              "optimizer.step() (accumulate over several train_step calls inside pm.no_sync())")
         if self.sharded is not None:
-            self.sharded.set_gradient_sync(self._sync)
+            self.sharded.start_backward(sync=self._sync)
         with self.failures.guard("train_step"):
             loss = self._run(batch, loss_fn, backward=True)
+            if self.sharded is not None:  # under a pipeline: one reduction after the step's last backward
+                self.sharded.finish_backward(sync=self._sync)
             if self._sync:
                 self.grads.sync()
         return loss

@@ -72,6 +72,7 @@ def parallelize(
     sequence_parallel: bool = False,
     compile: bool = False,
     dp_shard: int = 1,
+    dp_shard_gather: str = "step",
     **unknown: object,
 ) -> ParallelModel:
     """Shard ``model`` (in place) over a (dp, pp, tp) mesh, or (dp, pp, cp, tp) with ``cp`` > 1, and
@@ -96,7 +97,8 @@ def parallelize(
     (expert_parallel/); ``compile`` compiles each block of this stage in place with ``torch.compile``
     (inductor), the collectives inside traced as functional collectives (step/compile.py); ``dp_shard``
     shards weights, gradients and optimizer state over groups of that many dp ranks with torch's
-    ``fully_shard`` (data_parallel/sharded.py).
+    ``fully_shard`` (data_parallel/sharded.py), under a pipeline gathered once a step or per microbatch
+    (``dp_shard_gather``: "step" or "microbatch").
     """
     if unknown:  # Python's own TypeError would not say which keyword was meant
         raise refused_on_every_rank(TypeError(unknown_keywords(unknown, parallelize)))
@@ -105,7 +107,7 @@ def parallelize(
                             virtual_stages=virtual_stages, policy=policy, layers_per_stage=layers_per_stage, mesh=mesh,
                             device=device, seed=seed, bucket_mb=bucket_mb, checkpoint=checkpoint, timeout=timeout,
                             mixed_precision=mixed_precision, recompute=recompute, sequence_parallel=sequence_parallel,
-                            compile=compile, dp_shard=dp_shard)
+                            compile=compile, dp_shard=dp_shard, dp_shard_gather=dp_shard_gather)
     except ValueError as e:  # every refusal is raised alike on every rank, before any collective
         refused_on_every_rank(e)
         raise
@@ -115,7 +117,8 @@ def _parallelize(model: nn.Module, *, dp: int, tp: int, pp: int, cp: int, ep: in
                  virtual_stages: int, policy: ModelPolicy | None, layers_per_stage: Sequence[int] | None,
                  mesh: DeviceMesh | None, device: torch.device | None, seed: int | None, bucket_mb: float,
                  checkpoint: str | None, timeout: datetime.timedelta, mixed_precision: str | None,
-                 recompute: str | None, sequence_parallel: bool, compile: bool, dp_shard: int) -> ParallelModel:
+                 recompute: str | None, sequence_parallel: bool, compile: bool, dp_shard: int,
+                 dp_shard_gather: str) -> ParallelModel:
     if getattr(model, _MARK, False):
         raise ValueError("this model is already parallelized; load a fresh copy to parallelize it again")
     model, adapter = unwrap_peft(model)  # a PEFT model: the HF model inside, LoRA layers in place
@@ -129,7 +132,8 @@ def _parallelize(model: nn.Module, *, dp: int, tp: int, pp: int, cp: int, ep: in
                                           schedule=schedule, virtual_stages=virtual_stages,
                                           layers_per_stage=layers_per_stage, bucket_mb=bucket_mb,
                                           mixed_precision=mixed_precision, recompute=recompute,
-                                          sequence_parallel=sequence_parallel, compile=compile, dp_shard=dp_shard)
+                                          sequence_parallel=sequence_parallel, compile=compile, dp_shard=dp_shard,
+                                          dp_shard_gather=dp_shard_gather)
     features = config.features | ({Feature.LORA} if adapter is not None else set())
     checked = check_parallel_config(model, config, policy=policy, extra=features - config.features)
     dims, plan, stage_plan = checked.dims, checked.tp_plan, checked.stage_plan
@@ -296,7 +300,9 @@ def _shard_data_parallel(b: Build) -> None:
     blocks = list(b.model.get_submodule(b.stage_plan.layers))
     experts = list(sharded_experts(b.model).values()) if b.config.dims.ep > 1 else []
     b.sharded = ShardedParameters(b.model, mesh=b.groups.shard_mesh, blocks=blocks, compute_dtype=b.precision,
-                                  experts=experts, expert_mesh=b.groups.expert_shard_mesh)
+                                  experts=experts, expert_mesh=b.groups.expert_shard_mesh,
+                                  pipelined=b.config.dims.pp > 1, gather=b.config.dp_shard_gather)
+    b.stage.enter_at_top = b.config.dims.pp > 1  # FSDP's root hooks sit on the task model (sharded.py)
 
 
 def _cast_here(b: Build) -> bool:
@@ -339,7 +345,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("recompute", lambda b: b.config.recompute is not None, _recompute, ("model", "stage_plan", "rng"), (),
          "after the dropout streams: a recomputed block replays their state"),
     Pass("shard data parallel", lambda b: b.config.dims.dp_shard > 1, _shard_data_parallel,
-         ("model", "groups", "stage_plan", "precision"), ("sharded",),
+         ("model", "groups", "stage_plan", "stage", "precision"), ("sharded",),
          "after every hook on the blocks (recomputation's included) and the replicas' synchronized weights: "
          "FSDP shards what is final"),
     Pass("split backward", lambda b: b.config.schedule.split_backward, _split_backward, ("model", "stage_plan"),

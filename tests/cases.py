@@ -98,7 +98,8 @@ def parity(*, kind: str, model_dir: str, out_dir: str, dp: int, tp: int, pp: int
            schedule: str = "1f1b", layers_per_stage: list[int] | None = None, padded: bool = False,
            per_rank: int = 2, bucket_mb: float = 25.0, sequence_parallel: bool = False, cp: int = 1,
            packed: bool = False, seq: int = 12, virtual_stages: int = 1, rows: int | None = None,
-           frozen: tuple[str, ...] = (), recompute: str | None = None, dp_shard: int = 1) -> dict:
+           frozen: tuple[str, ...] = (), recompute: str | None = None, dp_shard: int = 1,
+           dp_shard_gather: str = "step") -> dict:
     """Forward, loss, every gradient, grad norm and weights after an optimizer step against the plain model.
     ``rows`` (default ``per_rank * microbatches``) is each dp rank's batch size, which the
     microbatches need not divide. Parameters under the ``frozen`` prefixes get ``requires_grad=False``
@@ -108,7 +109,8 @@ def parity(*, kind: str, model_dir: str, out_dir: str, dp: int, tp: int, pp: int
     pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, cp=cp, microbatches=microbatches,
                            schedule=schedule, layers_per_stage=layers_per_stage, bucket_mb=bucket_mb,
                            mesh=mesh_for(dp, tp, pp, cp), sequence_parallel=sequence_parallel,
-                           virtual_stages=virtual_stages, recompute=recompute, dp_shard=dp_shard)
+                           virtual_stages=virtual_stages, recompute=recompute, dp_shard=dp_shard,
+                           dp_shard_gather=dp_shard_gather)
     full_numel = {n: p.numel() for n, p in ref.named_parameters(remove_duplicate=False)}
 
     batch = make_batch(kind, size=dp * (rows or per_rank * microbatches), seed=7, padded=padded, packed=packed, seq=seq)

@@ -101,6 +101,7 @@ _RC = "tests/test_recompute.py::test_recompute_is_bit_for_bit"
 _TRAINER = "tests/test_trainer.py::test_trainer_composes_with_schedules_recompute_and_sp"
 _RC_SCHEDULES = "tests/test_recompute.py::test_recompute_with_new_schedules"
 _FSDP = "tests/test_sharded_data_parallel.py::test_sharded_data_parallel_equals_plain_model"
+_FSDP_PP = "tests/test_sharded_data_parallel.py::test_sharded_data_parallel_with_pipeline_equals_plain_model"
 _FSDP_MP = "tests/test_sharded_data_parallel.py::test_sharded_data_parallel_in_mixed_precision_trains_like_one_process"
 _FSDP_LORA = "tests/test_sharded_data_parallel.py::test_sharded_data_parallel_with_lora_equals_peft"
 _FSDP_GEN = _FSDP_LORA  # generate after the LoRA step gives peft's tokens
@@ -121,11 +122,6 @@ ROWS: tuple[Row, ...] = (
         "compile=True, or compile=False")),
     Row(F.COMPILE, F.EP, S.REFUSED, message="compile=True with ep={ep} is not supported: " + EXPERTS_RECOMPILE),
     # dp_shard (sharded data parallelism, data_parallel/sharded.py): what is not built on FSDP2 yet
-    *(Row(F.DP_SHARD, schedule, S.REFUSED, message=(
-        f"dp_shard={{dp_shard}} with pp={{pp}} is not supported yet: FSDP's groups would gather and reduce per "
-        f"microbatch of every stage, and stages hand over activations that the pipeline's tied and stand-in modules "
-        f"read whole; use pp=1 with dp_shard, or dp_shard=1 and qn_hf.optimizer(pm, ..., zero=True) with pp"))
-      for schedule in (F.PP_1F1B, F.PP_GPIPE, F.PP_INTERLEAVED, F.PP_ZB_H1)),
     Row(F.DP_SHARD, F.ZERO, S.REFUSED, message=(
         "zero=True with dp_shard={dp_shard}: dp_shard already shards the optimizer state, the master weights, the "
         "gradients and the weights over its dp_shard ranks; leave zero=False (dp_shard=dp shards over every dp rank)")),
@@ -253,6 +249,11 @@ ROWS: tuple[Row, ...] = (
     Row(F.DP_SHARD, F.TP, S.PLAIN, f"{_FSDP}[gpt2-dp2-shard2-tp2]"),
     Row(F.DP_SHARD, F.SP, S.PLAIN, f"{_FSDP}[llama-dp2-shard2-tp2-sp]"),
     Row(F.DP_SHARD, F.RECOMPUTE, S.PLAIN, f"{_FSDP}[gpt2-dp2-shard2-tp1-full]"),
+    # each stage's own FSDP groups, reduced once per step after its last backward and weight pass
+    Row(F.DP_SHARD, F.PP_1F1B, S.PLAIN, f"{_FSDP_PP}[llama-dp2-shard2-tp1-pp2-1f1b-step]"),
+    Row(F.DP_SHARD, F.PP_GPIPE, S.PLAIN, f"{_FSDP_PP}[gpt2-dp2-shard2-tp1-pp2-gpipe-step]"),
+    Row(F.DP_SHARD, F.PP_INTERLEAVED, S.PLAIN, f"{_FSDP_PP}[llama-dp2-shard2-tp1-pp2-interleaved_1f1b-step]"),
+    Row(F.DP_SHARD, F.PP_ZB_H1, S.PLAIN, f"{_FSDP_PP}[llama-dp2-shard2-tp1-pp2-zb_h1-step]"),
     # cp ranks hold the same weights and sum their gradients as dp ranks do: sharded over dp_shard x cp
     Row(F.DP_SHARD, F.CP, S.PLAIN, f"{_FSDP}[llama-dp2-shard2-tp1-cp2]"),
     # the experts in FSDP groups of their own over the ranks holding the same experts

@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 
 from ..arguments import check_choice, check_positive
 from ..data_parallel.buckets import DEFAULT_BUCKET_MB
+from ..data_parallel.sharded import Gather
 from ..data_parallel.precision import PRECISIONS
 from ..memory.recompute import RECOMPUTE
 from ..mesh import ParallelDims
@@ -37,6 +38,7 @@ class ParallelConfig:
     recompute: str | None = None
     sequence_parallel: bool = False
     compile: bool = False
+    dp_shard_gather: Gather = Gather.STEP  # dp_shard x pp: gather a stage's weights once a step, or per microbatch
 
     @classmethod
     def from_keywords(cls, *, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
@@ -44,7 +46,8 @@ class ParallelConfig:
                       virtual_stages: int = 1, layers_per_stage: Sequence[int] | None = None,
                       bucket_mb: float = DEFAULT_BUCKET_MB, mixed_precision: str | None = None,
                       recompute: str | None = None, sequence_parallel: bool = False,
-                      compile: bool = False, dp_shard: int = 1) -> ParallelConfig:
+                      compile: bool = False, dp_shard: int = 1,
+                      dp_shard_gather: str | Gather = Gather.STEP) -> ParallelConfig:
         """The value ``parallelize``'s keywords describe, or the ``ValueError`` naming the first one
         that is wrong and its fix (the same on every rank: nothing here communicates)."""
         dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_shard=dp_shard)
@@ -57,11 +60,17 @@ class ParallelConfig:
             check_choice("mixed_precision", mixed_precision, tuple(PRECISIONS))
         if recompute is not None:
             check_choice("recompute", recompute, RECOMPUTE)
+        check_choice("dp_shard_gather", getattr(dp_shard_gather, "value", dp_shard_gather), tuple(g.value for g in Gather))
+        gather = Gather(getattr(dp_shard_gather, "value", dp_shard_gather))
+        if gather is Gather.MICROBATCH and as_schedule(schedule).split_backward:
+            raise ValueError(f"dp_shard_gather='microbatch' with schedule={as_schedule(schedule).value!r}: its weight "
+                             f"passes compute weight gradients after later microbatches' forwards, which would have "
+                             f"freed the gathered weights; use dp_shard_gather='step' (the default)")
         config = cls(dims=dims, microbatches=microbatches, schedule=as_schedule(schedule),
                      virtual_stages=virtual_stages,
                      layers_per_stage=None if layers_per_stage is None else tuple(layers_per_stage),
                      bucket_mb=bucket_mb, mixed_precision=mixed_precision, recompute=recompute,
-                     sequence_parallel=sequence_parallel, compile=compile)
+                     sequence_parallel=sequence_parallel, compile=compile, dp_shard_gather=gather)
         return config
 
     def keywords(self) -> dict[str, object]:

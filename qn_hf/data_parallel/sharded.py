@@ -17,9 +17,29 @@ on the module as plain tensors (the local tp shard, sharded again over dp_shard)
 * under mixed precision FSDP's own policy: the sharded parameters stay float32 (they are the master
   weights, so ``qn_hf.optimizer`` keeps no copy), all-gathered in the compute dtype, gradients
   reduce-scattered in float32 — the memory the issue asks for (16/S bytes per parameter for AdamW).
+
+Under a pipeline (pp > 1) a stage runs many microbatches' forwards and backwards in one step, each
+its own autograd call, and earlier chunks run the base model alone (no head). So:
+
+* the root group stays the task model's (embeddings, final norm, head, a tie inside the stage), and
+  every chunk's forward enters through the task model, so FSDP's root hooks gather it first: an
+  earlier chunk, which runs the base model alone without FSDP, takes the base model's (or its last
+  block's) output from there (``StageModules.enter_at_top``);
+* gradients are reduced once per step, not per microbatch: during the step FSDP only accumulates
+  them whole (``set_requires_gradient_sync(False)``, weights kept gathered after backward), and
+  after the schedule's last backward and weight pass ``finish_backward`` runs FSDP's post-backward
+  for every group, as torch's own pipelining does (``PipelineStage.perform_reduce_grad``); ZB-H1's
+  deferred weight gradients land in the gathered weights before that;
+* ``Gather.STEP`` (the default, torchtitan's under pp) keeps a stage's weights gathered from the
+  first microbatch's forward to the end of the step: one all-gather per group per step, and the whole
+  stage's weights in memory meanwhile; ``Gather.MICROBATCH`` frees a block's weights after each
+  forward and gathers them again for the next microbatch (less memory, an all-gather per group per
+  forward; not with ZB-H1, whose weight passes need the weights after the next forward).
 """
 
 from __future__ import annotations
+
+import enum
 
 import torch
 from torch import nn
@@ -28,16 +48,25 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 
+class Gather(enum.Enum):
+    """How often a pipeline stage all-gathers its blocks' weights in one step (module docstring)."""
+
+    STEP = "step"
+    MICROBATCH = "microbatch"
+
+
 class ShardedParameters:
     """The FSDP groups of one rank's model: applied once, then gradient sync switched per step."""
 
     def __init__(self, model: nn.Module, *, mesh: DeviceMesh, blocks: list[nn.Module],
                  compute_dtype: torch.dtype | None, experts: list[nn.Module] = (),
-                 expert_mesh: DeviceMesh | None = None) -> None:
+                 expert_mesh: DeviceMesh | None = None, pipelined: bool = False,
+                 gather: Gather = Gather.STEP) -> None:
         """``experts``: the modules expert parallelism sharded over ep. Their weights differ between ep
         ranks, so they get groups of their own over ``expert_mesh`` (the ranks holding the same experts,
         as their gradients are summed today), first, before the blocks that hold them; without such
-        ranks (each expert block held once) FSDP leaves them alone."""
+        ranks (each expert block held once) FSDP leaves them alone. ``pipelined``: the model is a
+        pipeline stage; ``gather``: how often its blocks are gathered in a step."""
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32 if compute_dtype else None)
         ignored = None
         if expert_mesh is not None:
@@ -48,6 +77,14 @@ class ShardedParameters:
         for block in blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy, ignored_params=ignored)
         fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored)
+        self.pipelined, self.gather = pipelined, gather
+        if pipelined:
+            # FSDP finds the groups under its root at the root's first forward; with several chunks per
+            # rank that forward runs in one chunk's view, which hides the other chunks' blocks (they
+            # would each become a root of their own, left out of the step's reduction). Now the model
+            # holds all of this rank's blocks. No public call does it: FSDP's own state method.
+            fully_shard.state(model)._lazy_init()
+        self.blocks = blocks
         self.model = model
         self.mesh = mesh
         self.experts_sharded = bool(experts) and expert_mesh is not None
@@ -60,6 +97,44 @@ class ShardedParameters:
         """Inside ``pm.no_sync()``: keep the whole gradients and reduce them at the next synced step."""
         for unit in self.units:
             unit.set_requires_gradient_sync(sync, recurse=False)
+
+    def start_backward(self, *, sync: bool) -> None:
+        """Before a training step's schedule. Without a pipeline FSDP's hooks reduce each group's
+        gradients as backward leaves it (``sync``); under one, nothing is reduced or freed until
+        ``finish_backward``, and with ``Gather.STEP`` the blocks stay gathered after their forwards."""
+        if not self.pipelined:
+            self.set_gradient_sync(sync)
+            return
+        for unit in self.units:
+            unit.set_requires_gradient_sync(False, recurse=False)
+            unit.set_reshard_after_backward(False, recurse=False)
+        for block in self.blocks:
+            block.set_reshard_after_forward(self.gather is Gather.MICROBATCH, recurse=False)
+        self.model.set_is_last_backward(False)
+
+    def finish_backward(self, *, sync: bool) -> None:
+        """After the schedule's last backward and weight pass (pipeline only): every group's
+        post-backward, once, reducing the gradients accumulated over the step's microbatches (or,
+        inside ``no_sync``, keeping them whole) and freeing the gathered weights. FSDP has no public
+        call for it; torch's pipelining calls the same (``PipelineStage.perform_reduce_grad``)."""
+        if not self.pipelined:
+            return
+        for unit in self.units:
+            unit.set_requires_gradient_sync(sync, recurse=False)
+            unit.set_reshard_after_backward(True, recurse=False)
+        for block in self.blocks:
+            block.set_reshard_after_forward(True, recurse=False)  # evaluation frees each block again
+        self.model.set_is_last_backward(True)
+        state = fully_shard.state(self.model)
+        for unit_state in state._state_ctx.all_states:
+            for group in unit_state._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
+
+    def reshard(self) -> None:
+        """Free every gathered weight (after a forward-only pass under a pipeline)."""
+        for unit in self.units:
+            unit.reshard()
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

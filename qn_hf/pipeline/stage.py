@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from transformers.utils import ModelOutput
 
 from ..tensor_parallel.patterns import base_model_and_prefix
 from .split import StagePlan
@@ -79,6 +80,9 @@ class StageModules:
     views: dict[int, tuple[tuple[nn.Module, str, nn.Module], ...]] = field(default_factory=dict)
     wire: Wire = field(default_factory=Wire)
     rotation: BlockRotation | None = None  # per-block outputs rotated to the running chunk's blocks
+    # earlier chunks run the task model too (its head a stand-in there) and take the base model's
+    # output from a hook: FSDP's root hooks sit on the task model (dp_shard, data_parallel/sharded.py)
+    enter_at_top: bool = False
 
     @property
     def chunks(self) -> tuple[int, ...]:
@@ -140,6 +144,8 @@ class StageModules:
             if not self.is_last_chunk(chunk):
                 if self.plan.receive_at_blocks:
                     return self.wire.out(self._last_block_output(chunk, inputs, kwargs))
+                if self.enter_at_top:
+                    return self.wire.out(self._captured(self.base, inputs, kwargs))
                 return self.wire.out(self.base(**inputs, **kwargs).last_hidden_state)
             return self.model(**inputs, **kwargs)
 
@@ -149,12 +155,17 @@ class StageModules:
         blocks on it (NanoChat's final norm is real on every stage: it holds no parameters). The hook
         is added for this call only, so it runs after every hook installed at parallelize time
         (sequence parallelism's gather of the whole sequence)."""
-        captured: list[torch.Tensor] = []
         last = getattr(self.model.get_submodule(self.plan.layers), str(self.plan.layer_ranges[chunk][1] - 1))
-        handle = last.register_forward_hook(
-            lambda _m, _a, out: captured.append(out[0] if isinstance(out, tuple) else out))
+        return self._captured(last, inputs, kwargs)
+
+    def _captured(self, module: nn.Module, inputs: Mapping[str, torch.Tensor], kwargs: dict) -> torch.Tensor:
+        """``module``'s output (the first of a tuple, a model output's ``last_hidden_state``) in one run
+        of the base model, or of the task model with ``enter_at_top``."""
+        captured: list[torch.Tensor] = []
+        handle = module.register_forward_hook(
+            lambda _m, _a, out: captured.append(out[0] if isinstance(out, (tuple, ModelOutput)) else out))
         try:
-            self.base(**inputs, **kwargs)
+            (self.model if self.enter_at_top else self.base)(**inputs, **kwargs)
         finally:
             handle.remove()
         return captured[-1]
