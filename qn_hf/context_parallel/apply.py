@@ -66,7 +66,11 @@ def check_context_parallel(model: nn.Module, *, cp: int, plan: TpPlan) -> None:
     config = model.config.get_text_config()
     # Ring attention covers attention, full or in a sliding window; a block that mixes positions any
     # other way (state-space or convolution layers of hybrid models) would see only this rank's tokens.
-    # First: it says why cp cannot apply, whatever else the model's attention lacks
+    # First (after chunked attention, softmax attention the ring does not cover yet): it says why cp
+    # cannot apply, whatever else the model's attention lacks
+    if getattr(config, "attention_chunk_size", None):
+        raise ValueError(f"{name}: attention_chunk_size={config.attention_chunk_size} (chunked attention) is not "
+                         f"supported by ring attention; use cp=1")
     kinds = sorted(set(getattr(config, "layer_types", None) or ()) - set(RING_LAYER_TYPES))
     if kinds:
         raise ValueError(f"{name}: layers of kind {kinds} (config.layer_types) {POSITION_MIXING}; ring attention covers "
@@ -81,9 +85,6 @@ def check_context_parallel(model: nn.Module, *, cp: int, plan: TpPlan) -> None:
         if getattr(config, key, 0.0):
             raise ValueError(f"{name}: {key}={getattr(config, key)}: ring attention has no attention dropout; set "
                              f"config.{key} = 0.0 or use cp=1")
-    if getattr(config, "attention_chunk_size", None):
-        raise ValueError(f"{name}: attention_chunk_size={config.attention_chunk_size} (chunked attention) is not "
-                         f"supported by ring attention; use cp=1")
     if getattr(config, "attn_temperature_tuning", False) and not all(getattr(config, "no_rope_layers", None) or [1]):
         # Llama 4: the layers without RoPE scale their queries by a function of the position that the
         # attention computes as arange(length of its input), the local chunks' length under cp: wrong
