@@ -16,7 +16,9 @@ receive; this rank's input of an all-gather or reduce-scatter; nothing for a bar
 transfers between pipeline stages are counted on ``"pp"``, those of ring attention on ``"cp"``; with
 cp > 1 gradients are reduced over ``"replicas"`` (the dp x cp ranks holding the same shard). Expert
 parallelism's all-to-alls are on ``"ep"`` (the payload is this rank's whole input, the rows it keeps
-included) and the experts' gradient sums on ``"experts"``.
+included) and the experts' gradient sums on ``"experts"``. Sharded data parallelism's all-gathers and
+reduce-scatters (FSDP's) are on ``"dp_shard"``, and under hybrid sharding its all-reduce of the
+reduced shards across the groups on ``"dp_replicate"``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .arguments import Choice
@@ -88,6 +91,12 @@ class _Groups(Protocol):  # properties, so that a frozen dataclass matches
     @property
     def experts(self) -> ProcessGroup | None: ...
 
+    @property
+    def dp_shard(self) -> ProcessGroup | None: ...
+
+    @property
+    def shard_mesh(self) -> DeviceMesh | None: ...
+
 
 class HasGroups(Protocol):  # all the meter reads of a ParallelModel
     @property
@@ -140,7 +149,9 @@ class CommMeter:
         g = pm.groups
         # "replicas" (dp x cp, where gradients are reduced under cp > 1) first: at cp=1 it is the dp group
         named = {"replicas": g.replicas, "dp": g.dp, "tp": g.tp, "pp": g.pp, "cp": g.cp, "kv": g.kv, "tie": g.tie,
-                 "ep": g.ep, "experts": g.experts}
+                 "ep": g.ep, "experts": g.experts, "dp_shard": g.dp_shard,
+                 # hybrid sharding: FSDP all-reduces the reduced shards across the groups of dp_shard ranks
+                 "dp_replicate": g.shard_mesh.get_group(0) if g.shard_mesh is not None and g.shard_mesh.ndim == 2 else None}
         # By name, as the dispatcher hands over a boxed group, not the Python object. A named group
         # that is the default group (a mesh dim spanning the world) is reported by its name.
         self._names = {group.group_name: n for n, group in named.items() if group is not None}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests import cases, optim_cases, peft_cases
+from tests import cases, optim_cases, peft_cases, sharded_cases
 from tests.models import load
 from tests.test_parity import GRAD_ATOL, LOSS_RTOL, check
 from tests.test_peft import LLAMA_TARGETS, LORA_ATOL
@@ -194,3 +194,40 @@ def test_sharded_expert_checkpoint_resumes_at_other_meshes(worlds, tmp_path):
         reference = dict(model_class.from_pretrained(f"{plain}-2").named_parameters())
         err = max((resumed[n] - p).abs().max().item() for n, p in reference.items())
         assert err < WEIGHT_ATOL, (dp, dp_shard, err)
+
+
+TRAFFIC_CASES = [  # dp, dp_shard, pp, microbatches, dp_shard_gather
+    (2, 2, 1, 2, "step"),  # FSDP's own hooks: every microbatch gathers and reduces
+    (2, 2, 2, 4, "step"),  # a pipeline stage: one all-gather and one reduce-scatter per group per step
+    (2, 2, 2, 4, "microbatch"),  # blocks freed after each forward: gathered again before the next use
+    (4, 2, 1, 1, "step"),  # hybrid: the reduced shards all-reduced across the two groups
+]
+
+
+@pytest.mark.parametrize(("dp", "dp_shard", "pp", "microbatches", "gather"), TRAFFIC_CASES)
+def test_traffic_per_step_is_theory(worlds, model_dirs, dp, dp_shard, pp, microbatches, gather):
+    """What CommMeter counts on the dp_shard (and dp_replicate) groups in one step, call for call and
+    byte for byte, against what the groups must move. Each group's all-gather input is this rank's
+    shard of its parameters (rows padded to ceil(rows / dp_shard)), a reduce-scatter's input the whole
+    gradient (dp_shard times that), both float32 here. Without a pipeline the root group (embedding,
+    norm, head) is gathered once per microbatch and each block twice (forward, and again for backward
+    after FSDP freed it), every group reduced per microbatch; a stage gathers each group once per
+    step and reduces it once; gathering per microbatch, 1F1B's blocks are gathered M + 1 times (each
+    warm-up forward, then each backward that follows a forward, then the first cool-down backward)."""
+    for r in worlds.run(dp * pp, sharded_cases.step_traffic, kind="llama", model_dir=model_dirs["llama"], dp=dp,
+                        dp_shard=dp_shard, pp=pp, microbatches=microbatches, gather=gather):
+        root, blocks = r["unit_bytes"][0], r["unit_bytes"][1:]
+        if pp == 1:
+            gathers = (microbatches * (1 + 2 * len(blocks)), microbatches * (root + 2 * sum(blocks)))
+            reduces = microbatches
+        else:
+            per_block = 1 if gather == "step" else microbatches + 1
+            gathers = (1 + per_block * len(blocks), root + per_block * sum(blocks))
+            reduces = 1
+        expected = {
+            "dp_shard:all_gather_into_tensor": gathers,
+            "dp_shard:reduce_scatter_tensor": (reduces * len(r["unit_bytes"]), reduces * dp_shard * sum(r["unit_bytes"])),
+        }
+        if dp > dp_shard:
+            expected["dp_replicate:all_reduce"] = (reduces * len(r["unit_bytes"]), reduces * sum(r["unit_bytes"]))
+        assert {k: tuple(v) for k, v in r["totals"].items()} == expected, r
