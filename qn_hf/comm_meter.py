@@ -31,7 +31,6 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
-from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .arguments import Choice
@@ -71,7 +70,7 @@ _P2P = {"send", "recv_", "recv_any_source_"}
 _NO_PAYLOAD = {"barrier", "monitored_barrier_"}  # their tensor argument is a dummy the call makes
 
 
-class _Groups(Protocol):  # properties, so that a frozen dataclass matches
+class _Groups(Protocol):  # properties, so that a frozen dataclass matches; dp_shard and shard_mesh read if present
     @property
     def dp(self) -> ProcessGroup: ...
     @property
@@ -91,11 +90,6 @@ class _Groups(Protocol):  # properties, so that a frozen dataclass matches
     @property
     def experts(self) -> ProcessGroup | None: ...
 
-    @property
-    def dp_shard(self) -> ProcessGroup | None: ...
-
-    @property
-    def shard_mesh(self) -> DeviceMesh | None: ...
 
 
 class HasGroups(Protocol):  # all the meter reads of a ParallelModel
@@ -149,9 +143,10 @@ class CommMeter:
         g = pm.groups
         # "replicas" (dp x cp, where gradients are reduced under cp > 1) first: at cp=1 it is the dp group
         named = {"replicas": g.replicas, "dp": g.dp, "tp": g.tp, "pp": g.pp, "cp": g.cp, "kv": g.kv, "tie": g.tie,
-                 "ep": g.ep, "experts": g.experts, "dp_shard": g.dp_shard,
-                 # hybrid sharding: FSDP all-reduces the reduced shards across the groups of dp_shard ranks
-                 "dp_replicate": g.shard_mesh.get_group(0) if g.shard_mesh is not None and g.shard_mesh.ndim == 2 else None}
+                 "ep": g.ep, "experts": g.experts, "dp_shard": getattr(g, "dp_shard", None)}
+        # hybrid sharding: FSDP all-reduces the reduced shards across the groups of dp_shard ranks
+        shard_mesh = getattr(g, "shard_mesh", None)
+        named["dp_replicate"] = shard_mesh.get_group(0) if shard_mesh is not None and shard_mesh.ndim == 2 else None
         # By name, as the dispatcher hands over a boxed group, not the Python object. A named group
         # that is the default group (a mesh dim spanning the world) is reported by its name.
         self._names = {group.group_name: n for n, group in named.items() if group is not None}
