@@ -123,24 +123,26 @@ def test_sharded_data_parallel_accumulates_inside_no_sync(worlds, model_dirs):
         assert r["deferred"], r
 
 
-def _resume_everywhere(worlds, model_dirs, tmp_path, *, saved_at: tuple[int, int, int], meshes) -> None:
-    """Two AdamW steps at ``saved_at`` (dp, tp, dp_shard), a checkpoint with the optimizer, a third
-    step; each of ``meshes`` loads the checkpoint and takes the third step: the same loss and weights."""
-    dp, tp, dp_shard = saved_at
+def _resume_everywhere(worlds, model_dirs, tmp_path, *, saved_at: tuple[int, ...], meshes, kind: str = "llama") -> None:
+    """Two AdamW steps at ``saved_at`` (dp, tp, dp_shard[, pp]), a checkpoint with the optimizer, a
+    third step; each of ``meshes`` (dp, tp, dp_shard, zero[, pp]) loads the checkpoint and takes the
+    third step: the same loss and weights."""
+    dp, tp, dp_shard, pp = (*saved_at, 1)[:4]
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "uninterrupted")
-    common = dict(kind="llama", model_dir=model_dirs["llama"], ckpt=ckpt, pp=1, precision=None)
-    loss = worlds.run(dp * tp, optim_cases.save_and_continue, out=out, dp=dp, tp=tp, zero=False, dp_shard=dp_shard,
-                      **common)[0]
-    expected = dict(load("llama", out).named_parameters())
-    for dp, tp, dp_shard, zero in meshes:
-        resumed = str(tmp_path / f"resumed-{dp}-{tp}-{dp_shard}-{zero}")
-        r = worlds.run(dp * tp, optim_cases.resume, out=resumed, dp=dp, tp=tp, zero=zero, dp_shard=dp_shard,
-                       **common)[0]
+    common = dict(kind=kind, model_dir=model_dirs[kind], ckpt=ckpt, precision=None)
+    loss = worlds.run(dp * tp * pp, optim_cases.save_and_continue, out=out, dp=dp, tp=tp, pp=pp, zero=False,
+                      dp_shard=dp_shard, **common)[0]
+    expected = dict(load(kind, out).named_parameters())
+    for mesh in meshes:
+        dp, tp, dp_shard, zero, pp = (*mesh, 1)[:5]
+        resumed = str(tmp_path / f"resumed-{dp}-{tp}-{dp_shard}-{zero}-{pp}")
+        r = worlds.run(dp * tp * pp, optim_cases.resume, out=resumed, dp=dp, tp=tp, pp=pp, zero=zero,
+                       dp_shard=dp_shard, **common)[0]
         assert r["step"] == 2
-        assert abs(r["loss"] - loss) <= 1e-5 * loss, (dp, tp, dp_shard, zero, r, loss)
-        got = dict(load("llama", resumed).named_parameters())
+        assert abs(r["loss"] - loss) <= 1e-5 * loss, (mesh, r, loss)
+        got = dict(load(kind, resumed).named_parameters())
         err = max((got[n] - p).abs().max().item() for n, p in expected.items())
-        assert err <= 2e-5, (dp, tp, dp_shard, zero, err)
+        assert err <= 2e-5, (mesh, err)
 
 
 def test_sharded_checkpoint_resumes_at_other_meshes(worlds, model_dirs, tmp_path):
@@ -148,6 +150,14 @@ def test_sharded_checkpoint_resumes_at_other_meshes(worlds, model_dirs, tmp_path
     resumed at the same mesh, at tp=2, at dp=2 with ZeRO-1 and hybrid at dp=4 x dp_shard=2."""
     _resume_everywhere(worlds, model_dirs, tmp_path, saved_at=(2, 1, 2),
                        meshes=[(2, 1, 2, False), (1, 2, 1, False), (2, 1, 1, True), (4, 1, 2, False)])
+
+
+def test_sharded_pipeline_checkpoint_resumes_at_other_meshes(worlds, model_dirs, tmp_path):
+    """GPT-2 saved at dp=2 x dp_shard=2 x pp=2 (each stage's first group writes its rows; the embedding
+    tied across stages once): resumed at the same mesh, in one process, at pp=2 without dp_shard and
+    at dp_shard=2 without a pipeline."""
+    _resume_everywhere(worlds, model_dirs, tmp_path, kind="gpt2", saved_at=(2, 1, 2, 2),
+                       meshes=[(2, 1, 2, False, 2), (1, 1, 1, None), (1, 1, 1, False, 2), (2, 1, 2, False)])
 
 
 @pytest.mark.long
@@ -212,8 +222,8 @@ def test_traffic_per_step_is_theory(worlds, model_dirs, dp, dp_shard, pp, microb
     gradient (dp_shard times that), both float32 here. Without a pipeline the root group (embedding,
     norm, head) is gathered once per microbatch and each block twice (forward, and again for backward
     after FSDP freed it), every group reduced per microbatch; a stage gathers each group once per
-    step and reduces it once; gathering per microbatch, 1F1B's blocks are gathered M + 1 times (each
-    warm-up forward, then each backward that follows a forward, then the first cool-down backward)."""
+    step and reduces it once; gathering per microbatch, its blocks twice per microbatch (freed after
+    each forward and each backward)."""
     for r in worlds.run(dp * pp, sharded_cases.step_traffic, kind="llama", model_dir=model_dirs["llama"], dp=dp,
                         dp_shard=dp_shard, pp=pp, microbatches=microbatches, gather=gather):
         root, blocks = r["unit_bytes"][0], r["unit_bytes"][1:]
@@ -221,7 +231,7 @@ def test_traffic_per_step_is_theory(worlds, model_dirs, dp, dp_shard, pp, microb
             gathers = (microbatches * (1 + 2 * len(blocks)), microbatches * (root + 2 * sum(blocks)))
             reduces = microbatches
         else:
-            per_block = 1 if gather == "step" else microbatches + 1
+            per_block = 1 if gather == "step" else 2 * microbatches
             gathers = (1 + per_block * len(blocks), root + per_block * sum(blocks))
             reduces = 1
         expected = {

@@ -33,8 +33,9 @@ its own autograd call, and earlier chunks run the base model alone (no head). So
 * ``Gather.STEP`` (the default, torchtitan's under pp) keeps a stage's weights gathered from the
   first microbatch's forward to the end of the step: one all-gather per group per step, and the whole
   stage's weights in memory meanwhile; ``Gather.MICROBATCH`` frees a block's weights after each
-  forward and gathers them again for the next microbatch (less memory, an all-gather per group per
-  forward; not with ZB-H1, whose weight passes need the weights after the next forward).
+  forward and each backward and gathers them again for the next: at most the blocks in flight
+  gathered, two all-gathers per block and microbatch (not with ZB-H1, whose weight passes need the
+  weights after later forwards). Either way the gradients accumulate whole until the step's end.
 """
 
 from __future__ import annotations
@@ -105,11 +106,13 @@ class ShardedParameters:
         if not self.pipelined:
             self.set_gradient_sync(sync)
             return
+        per_microbatch = self.gather is Gather.MICROBATCH
         for unit in self.units:
             unit.set_requires_gradient_sync(False, recurse=False)
             unit.set_reshard_after_backward(False, recurse=False)
         for block in self.blocks:
-            block.set_reshard_after_forward(self.gather is Gather.MICROBATCH, recurse=False)
+            block.set_reshard_after_forward(per_microbatch, recurse=False)
+            block.set_reshard_after_backward(per_microbatch, recurse=False)
         self.model.set_is_last_backward(False)
 
     def finish_backward(self, *, sync: bool) -> None:

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 
 def _storages(values) -> list[torch.UntypedStorage]:
-    return [v.untyped_storage() for v in values if isinstance(v, torch.Tensor) and v.untyped_storage().nbytes()]
+    # a wrapper subclass (FSDP's DTensor parameters) has no storage of its own: its ops reach this mode
+    # again on the plain tensors it wraps, which are counted then
+    return [v.untyped_storage() for v in values if isinstance(v, torch.Tensor)
+            and not is_traceable_wrapper_subclass(v) and v.untyped_storage().nbytes()]
 
 
 class LiveAllocations(TorchDispatchMode):
@@ -49,5 +52,8 @@ class LiveAllocations(TorchDispatchMode):
         return out
 
     def alive_bytes(self, label: str | None = None) -> int:
-        """Bytes still alive of the storages made while active (only those filed under ``label``)."""
-        return sum(n for ref, n, made in self._new.values() if not ref.expired() and label in (None, made))
+        """Bytes still alive of the storages made while active (only those filed under ``label``), at
+        their size now: FSDP frees a gathered weight by resizing its storage to nothing, and gathers
+        it again into the same storage (torch's weak storage handle reads the size; no public call)."""
+        return sum(torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+                   for ref, _, made in self._new.values() if not ref.expired() and label in (None, made))

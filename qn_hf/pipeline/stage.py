@@ -34,6 +34,7 @@ the model is the rank's whole shard, which is what optimizers, buckets and check
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -165,7 +166,11 @@ class StageModules:
         handle = module.register_forward_hook(
             lambda _m, _a, out: captured.append(out[0] if isinstance(out, (tuple, ModelOutput)) else out))
         try:
-            (self.model if self.enter_at_top else self.base)(**inputs, **kwargs)
+            with warnings.catch_warnings():
+                # FSDP warns that the task model returns a view (the head's stand-in passes the sliced
+                # hidden states through); that output is dropped here, never changed in place
+                warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+                (self.model if self.enter_at_top else self.base)(**inputs, **kwargs)
         finally:
             handle.remove()
         return captured[-1]
