@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
-import time
 
 import torch
 from torch.distributed.tensor import DTensor
-from world import run_world, storage_bytes
+from world import median_step_seconds, run_world, save_tiny_llama, storage_bytes
 
 CONFIG = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6,
               num_key_value_heads=6, vocab_size=8192, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
@@ -106,14 +104,7 @@ def bytes_worker(rank: int, world: int, path: str, kind: str) -> dict:
 
 def time_worker(rank: int, world: int, path: str, kind: str, steps: int) -> float:
     step, *_ = _build(kind, path, world)
-    step(rank, 0)  # warm-up
-    times = []
-    for n in range(steps):
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        step(rank, n + 1)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_step_seconds(lambda n: step(rank, n), steps=steps)
 
 
 def main() -> None:
@@ -121,11 +112,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    path = tempfile.mkdtemp(prefix="qn_hf_sharded_")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **CONFIG)).save_pretrained(path)
+    path = save_tiny_llama(CONFIG, prefix="qn_hf_sharded_")
     world = 4
     kinds = ["dp_shard=1", "dp_shard=2", "dp_shard=4", "accelerate"]
     theory = {"dp_shard=1": 2 + 4 + 12 / world, "dp_shard=2": 16 / 2, "dp_shard=4": 16 / 4, "accelerate": 16 / world}

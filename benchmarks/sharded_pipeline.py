@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
-import time
 
 import torch
 from torch.distributed.tensor import DTensor
-from world import run_world, storage_bytes
+from world import median_step_seconds, run_world, save_tiny_llama, storage_bytes
 
 CONFIG = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
               num_key_value_heads=8, vocab_size=8192, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
@@ -115,15 +113,7 @@ def measure_worker(rank: int, world: int, path: str, run: str) -> dict:
 
 
 def time_worker(rank: int, world: int, path: str, run: str, steps: int) -> float:
-    _, _, step = _build(path, run)
-    step(0)
-    times = []
-    for n in range(steps):
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        step(n + 1)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_step_seconds(_build(path, run)[2], steps=steps)
 
 
 def main() -> None:
@@ -131,11 +121,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    path = tempfile.mkdtemp(prefix="qn_hf_sharded_pp_")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **CONFIG)).save_pretrained(path)
+    path = save_tiny_llama(CONFIG, prefix="qn_hf_sharded_pp_")
     mib = 2**20
     print(f"stage 0 of dp=2 x pp=2, 1F1B, M={MICROBATCHES}, float32, AdamW; MiB per rank:")
     print("| run | held: weights | gradient buffers | AdamW moments | step's peak above that (in the schedule) | "

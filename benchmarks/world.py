@@ -6,13 +6,17 @@ every distributed number meaningless (torch DDP ran 11x slower here that way).
 
 from __future__ import annotations
 
+import statistics
+import tempfile
+import time
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 
 from qn_hf.local_world import LocalWorld, threads_per_rank
 
-__all__ = ["run_world", "storage_bytes", "threads_per_rank"]
+__all__ = ["median_step_seconds", "run_world", "save_tiny_llama", "storage_bytes", "threads_per_rank"]
 BENCHMARK_TIMEOUT_S = 3600.0
 
 
@@ -36,3 +40,26 @@ def storage_bytes(tensors) -> int:
             seen.add(key)
             total += t.untyped_storage().nbytes()
     return total
+
+
+def median_step_seconds(step: Callable[[int], None], *, steps: int) -> float:
+    """``step(0)`` as a warm-up, then the median wall time of ``step(1..steps)``, every rank starting
+    each together (a barrier before it)."""
+    step(0)
+    times = []
+    for n in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step(n + 1)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def save_tiny_llama(config: dict, *, prefix: str) -> str:
+    """A Llama of ``config`` with seeded random weights, saved to a new temporary directory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = tempfile.mkdtemp(prefix=prefix)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **config)).save_pretrained(path)
+    return path
