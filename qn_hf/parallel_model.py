@@ -29,7 +29,7 @@ from .expert_parallel.router_loss import RouterLogits, adds_router_loss
 from .failure import FailTogether
 from .mesh import Coords, Groups, ParallelDims
 from .peft.lora import Adapter
-from .pipeline.runtime import StageExecutor
+from .pipeline.runtime import StageExecutor, batch_shape_key
 from .pipeline.schedule import schedule_actions
 from .pipeline.split import params_by_final_pass
 from .pipeline.stage import StageModules
@@ -326,8 +326,7 @@ class ParallelModel:
                 self.grads.arm(self._final_params.get((chunk, kind), []))
         # what fixes the activations' shapes between stages: the activation header is exchanged once
         # per such key (the first step of each batch shape), not every step
-        shape_key = tuple((k, tuple(v.shape[1:]), v.dtype) for k, v in sorted(micro[0].items()))
-        self.executor.run(schedule, forward, rows=rows, on_final=on_final, shape_key=shape_key)
+        self.executor.run(schedule, forward, rows=rows, on_final=on_final, shape_key=batch_shape_key(micro[0], rows=rows))
         # The last stage holds the loss: a sum over pp hands it to every stage, then over dp and cp
         # (each cp rank holds the loss of its own tokens).
         for group in (self.groups.pp, self.groups.replicas):

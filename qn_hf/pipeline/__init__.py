@@ -9,7 +9,8 @@
 * ``stage.py``: what one rank's model becomes (``apply_stage`` -> ``StageModules``) and how that stage
   runs a microbatch (``StageModules.forward``);
 * ``standins.py``: the parameter-free modules standing in for modules that live on another stage
-  (``PassThrough``, ``Zeros``, the entry's ``Injector``);
+  (``PassThrough``, ``PassThroughs`` for a list, ``Zeros``, the entry's ``Injector``), and the
+  ``BlockRotation`` of outputs packed per block (what every stage computes before its blocks);
 * ``stage_config.py``: a stage's own config copy with per-layer lists cut to its blocks;
 * ``runtime.py``: ``StageExecutor``, which executes one stage's action list with point-to-point
   sends and receives and marks the failing action in the grid when one raises;

@@ -31,7 +31,7 @@ failing cell marked, so a failure on one rank says where in the pipeline it happ
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -86,6 +86,13 @@ class _Step:
     header_sent: bool = False
     shape_key: Hashable | None = None
     deferred: frozenset[Key] = frozenset()  # backward passes whose weight gradients come in a WGT
+
+
+def batch_shape_key(microbatch: Mapping[str, torch.Tensor], *, rows: Sequence[int]) -> Hashable:
+    """What fixes the activations' shapes between stages (``StageExecutor.run``'s ``shape_key``): the
+    first microbatch's inputs past their rows, and every microbatch's rows (the announced shape holds
+    the first one's)."""
+    return (tuple((k, tuple(v.shape[1:]), v.dtype) for k, v in sorted(microbatch.items())), tuple(rows))
 
 
 def activation_shape(first: tuple[int, ...], *, rows: Sequence[int], mb: int) -> tuple[int, ...]:

@@ -1,6 +1,7 @@
 """Policies: ours, one data-only file per architecture keyed by ``config.model_type`` (gpt2.py,
 llama.py, vit.py), and for every other model one derived from transformers' own plans (derive.py,
-with amendments.py fixing or refusing those plans where they are wrong). Policy files import only
+with amendments.py fixing or refusing those plans where they are wrong, entries.py finding the tp
+entries and every_stage.py the modules a pipeline keeps on every stage). Policy files import only
 ``qn_hf.tensor_parallel.plan``; nothing else in the library imports them but this module."""
 
 from __future__ import annotations

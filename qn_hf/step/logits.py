@@ -20,6 +20,7 @@ import torch
 
 from .batch import check_batch, check_model_inputs, microbatch_rows, sequence_split, split_microbatches
 from ..context_parallel.apply import CP_KEYS, LOSS_KEYS, gather_sequence_positions, shard_microbatch
+from ..pipeline.runtime import batch_shape_key
 from ..pipeline.schedule import schedule_actions
 from ..pipeline.wire import broadcast_announced
 
@@ -57,8 +58,8 @@ def collect_logits(pm, batch: Mapping[str, torch.Tensor], *, reduce: LogitsFn | 
 
     schedule = schedule_actions(stages=pm.stage.stages, microbatches=pm.microbatches, schedule=pm.schedule,
                                 virtual_stages=pm.stage.plan.virtual, backward=False)
-    shape_key = tuple((k, tuple(v.shape[1:]), v.dtype) for k, v in sorted(micro[0].items()))
-    pm.executor.run(schedule, forward, rows=microbatch_rows(size, microbatches=pm.microbatches), shape_key=shape_key)
+    rows = microbatch_rows(size, microbatches=pm.microbatches)
+    pm.executor.run(schedule, forward, rows=rows, shape_key=batch_shape_key(micro[0], rows=rows))
     result = torch.cat([collected[mb] for mb in sorted(collected)]) if collected else None
     if pm.stage.stages == 1:
         return result
