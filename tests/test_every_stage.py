@@ -87,9 +87,9 @@ def test_policies_that_cannot_hold_are_refused():
 
 PARITY = [  # kind, dp, tp, pp, schedule, microbatches, layers_per_stage, sequence_parallel
     ("gemma4", 1, 1, 2, "zb_h1", 2, None, False),  # the projection's weight gradient deferred to W passes
-    ("gemma4", 2, 1, 2, "1f1b", 2, None, False),  # dp buckets, then the pipeline's sum
+    pytest.param("gemma4", 2, 1, 2, "1f1b", 2, None, False, marks=pytest.mark.long),  # dp buckets, then pp's sum
     ("gemma4", 1, 1, 4, "1f1b", 4, None, False),  # parts rotated by 1, 2 and 3 on the later stages
-    ("gemma4", 1, 2, 2, "1f1b", 2, None, True),  # tp x pp with sequence parallelism
+    pytest.param("gemma4", 1, 2, 2, "1f1b", 2, None, True, marks=pytest.mark.long),  # tp x pp with sp
     ("gemma3n", 1, 1, 2, "1f1b", 2, [1, 5], False),  # AltUp streams cross the stages; shared K/V stay in one
 ]
 
@@ -134,7 +134,7 @@ def test_checkpoint_moves_between_meshes(worlds, model_dirs, tmp_path):
         assert err <= 2e-5, (dp, tp, pp, err)
 
 
-@pytest.mark.parametrize("virtual", [1, 2])
+@pytest.mark.parametrize("virtual", [1, pytest.param(2, marks=pytest.mark.long)])
 def test_generate_equals_the_plain_model(worlds, model_dirs, virtual):
     """pm.generate at pp=2 (and two chunks per rank): each stage computes the per-layer inputs of its
     own blocks for every new token; greedy and sampled tokens and the logits are the plain model's."""

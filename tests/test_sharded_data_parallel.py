@@ -54,14 +54,19 @@ PIPELINE_CASES = [
     ("gpt2", 2, 2, 1, 2, "gpipe", 1, "step"),  # the embedding tied across stages: its rows summed over the pair
     ("llama", 2, 2, 1, 2, "interleaved_1f1b", 2, "step"),  # FSDP's root sees both chunks' blocks
     ("llama", 2, 2, 1, 2, "zb_h1", 1, "step"),  # weight passes accumulate into the gathered weights
+]
+# under make test-all
+PIPELINE_CASES_LONG = [
     ("gemma4", 2, 2, 1, 2, "1f1b", 1, "step"),  # per-layer embeddings on every stage: rows summed over pp
     ("llama", 4, 2, 1, 2, "1f1b", 1, "step"),  # hybrid
     ("gpt2", 2, 2, 2, 2, "1f1b", 1, "microbatch"),  # dp_shard x tp x pp
 ]
 
 
-@pytest.mark.parametrize(("kind", "dp", "dp_shard", "tp", "pp", "schedule", "virtual", "gather"), PIPELINE_CASES,
-                         ids=[f"{k}-dp{d}-shard{s}-tp{t}-pp{p}-{sch}-{g}" for k, d, s, t, p, sch, _, g in PIPELINE_CASES])
+@pytest.mark.parametrize(("kind", "dp", "dp_shard", "tp", "pp", "schedule", "virtual", "gather"),
+                         PIPELINE_CASES + [pytest.param(*c, marks=pytest.mark.long) for c in PIPELINE_CASES_LONG],
+                         ids=[f"{k}-dp{d}-shard{s}-tp{t}-pp{p}-{sch}-{g}"
+                              for k, d, s, t, p, sch, _, g in PIPELINE_CASES + PIPELINE_CASES_LONG])
 def test_sharded_data_parallel_with_pipeline_equals_plain_model(worlds, model_dirs, tmp_path, kind, dp, dp_shard, tp,
                                                                 pp, schedule, virtual, gather):
     results = worlds.run(dp * tp * pp, cases.parity, kind=kind, model_dir=model_dirs[kind],
