@@ -91,7 +91,6 @@ class _Groups(Protocol):  # properties, so that a frozen dataclass matches; dp_s
     def experts(self) -> ProcessGroup | None: ...
 
 
-
 class HasGroups(Protocol):  # all the meter reads of a ParallelModel
     @property
     def groups(self) -> _Groups: ...

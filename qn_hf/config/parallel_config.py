@@ -60,8 +60,9 @@ class ParallelConfig:
             check_choice("mixed_precision", mixed_precision, tuple(PRECISIONS))
         if recompute is not None:
             check_choice("recompute", recompute, RECOMPUTE)
-        check_choice("dp_shard_gather", getattr(dp_shard_gather, "value", dp_shard_gather), tuple(g.value for g in Gather))
-        gather = Gather(getattr(dp_shard_gather, "value", dp_shard_gather))
+        gather_name = getattr(dp_shard_gather, "value", dp_shard_gather)
+        check_choice("dp_shard_gather", gather_name, tuple(g.value for g in Gather))
+        gather = Gather(gather_name)
         if gather is Gather.MICROBATCH and as_schedule(schedule).split_backward:
             raise ValueError(f"dp_shard_gather='microbatch' with schedule={as_schedule(schedule).value!r}: its weight "
                              f"passes compute weight gradients after later microbatches' forwards, which would have "

@@ -134,11 +134,6 @@ class ShardedParameters:
                 group.post_backward()
         state._root_post_backward_final_callback()
 
-    def reshard(self) -> None:
-        """Free every gathered weight (after a forward-only pass under a pipeline)."""
-        for unit in self.units:
-            unit.reshard()
-
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a sharded tensor (a view: in-place changes reach the DTensor), or the

@@ -233,7 +233,7 @@ def apply_stage(model: nn.Module, plan: StagePlan, *, stage: int) -> StageModule
                 layers_kept = model.get_submodule(plan.layers)
                 getattr(layers_kept, str(plan.layer_ranges[chunk][0])).register_forward_pre_hook(
                     injector.into_block, with_kwargs=True)
-    rotation = BlockRotation(blocks=plan.layer_ranges[-1][1])
+    rotation = BlockRotation(blocks=plan.layer_ranges[-1][1]) if plan.per_block else None
     for path in plan.per_block:
         model.get_submodule(path).register_forward_hook(rotation.hook)
     views: dict[int, tuple[tuple[nn.Module, str, nn.Module], ...]] = {}

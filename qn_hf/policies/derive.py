@@ -317,7 +317,8 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
         if receive_at_blocks:  # what follows the blocks then runs on the last stage only (HY-V4's hc_head)
             after_layers += after_blocks(base, layers=layers, placed=set(order))
     carried = carried_between_blocks(base, layers=layers)
-    indexed = [n for n in loop_indexed(base, layers=layers) if not per_block]
+    # what the loop indexes by position is the per-block outputs' when there are some (they are rotated)
+    indexed = [] if per_block else loop_indexed(base, layers=layers)
 
     attention = [p for p in rowwise_parents if any(hasattr(base.get_submodule(n), "num_key_value_groups")
                                                     for n in match_modules(base, p))]
