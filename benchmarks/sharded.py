@@ -17,6 +17,13 @@ tensors in ``opt.state``, after one step:
   does with ``mixed_precision="bf16"``), torch's AdamW over the DTensor parameters, the loss averaged
   over the ranks by FSDP.
 
+Then, per run: the planner's figures for the same settings (``Planner.estimate``: weights +
+gradients + optimizer state, and the step's peak: activations plus, under dp_shard, the whole weights
+FSDP gathers); the step's peak above what is held, measured (``StepPeak``: what ops made during the
+step and still live, plus the parameters FSDP swapped in whole, after every op), and the peak in all
+(held + that); and the step's collectives (calls and bytes each rank hands them, by op, counted by a
+dispatch mode on torch's c10d ops, for both libraries alike) against the planner's FSDP traffic.
+
 Step time: the median of ``--steps`` timed steps after a warm-up, qn_hf at dp_shard=4 and the
 accelerate-style model alternating ``--rounds`` times; the ratio qn_hf / accelerate (>1: slower).
 """
@@ -28,7 +35,8 @@ import statistics
 
 import torch
 from torch.distributed.tensor import DTensor
-from world import median_step_seconds, run_world, save_tiny_llama, storage_bytes
+from torch.utils._python_dispatch import TorchDispatchMode
+from world import StepPeak, median_step_seconds, run_world, save_tiny_llama, storage_bytes
 
 CONFIG = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6,
               num_key_value_heads=6, vocab_size=8192, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
@@ -63,7 +71,7 @@ def _qn_hf(path: str, world: int, dp_shard: int):
             return [b.buffer for b in pm.buckets.buckets]
         return _local(p.grad for p in pm.parameters() if p.grad is not None)
 
-    return step, list(pm.parameters()), grads, opt, opt.masters
+    return step, list(pm.parameters()), grads, opt, opt.masters, pm.module
 
 
 def _accelerate(path: str, world: int):
@@ -85,26 +93,74 @@ def _accelerate(path: str, world: int):
     def grads() -> list[torch.Tensor]:
         return _local(p.grad for p in model.parameters() if p.grad is not None)
 
-    return step, list(model.parameters()), grads, opt, []
+    return step, list(model.parameters()), grads, opt, [], model
 
 
 def _build(kind: str, path: str, world: int):
     return _accelerate(path, world) if kind == "accelerate" else _qn_hf(path, world, int(kind.split("=")[1]))
 
 
+class _Collectives(TorchDispatchMode):
+    """Calls and bytes of torch's c10d collectives by op: an all-gather's input (this rank's shard),
+    a reduce-scatter's whole input, an all-reduce's tensors (CommMeter's payload convention)."""
+
+    OPS = {"c10d._allgather_base_.default": ("all_gather", 1), "c10d._reduce_scatter_base_.default": ("reduce_scatter", 1),
+           "c10d.allreduce_.default": ("all_reduce", 0)}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: dict[str, list[int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) in self.OPS:
+            op, at = self.OPS[str(func)]
+            tensors = args[at] if isinstance(args[at], (list, tuple)) else [args[at]]
+            acc = self.ops.setdefault(op, [0, 0])
+            acc[0] += 1
+            acc[1] += sum(t.numel() * t.element_size() for t in tensors)
+        return func(*args, **(kwargs or {}))
+
+
 def bytes_worker(rank: int, world: int, path: str, kind: str) -> dict:
-    step, params, grads, opt, masters = _build(kind, path, world)
+    step, params, grads, opt, masters, model = _build(kind, path, world)
     step(rank, 0)
     weights = {t.untyped_storage().data_ptr() for t in _local(params)}
     copies = [t for t in _local(m.tensor for m in masters) if t.untyped_storage().data_ptr() not in weights]
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
-    return {"params": sum(p.numel() for p in params), "weights": storage_bytes(_local(params)),
+    held = {"params": sum(p.numel() for p in params), "weights": storage_bytes(_local(params)),
             "grads": storage_bytes(grads()), "masters": storage_bytes(copies), "state": storage_bytes(_local(state))}
+    opt.zero_grad()  # what stays is held between steps (set_to_none: FSDP's gradients go)
+    held_then = storage_bytes(_local(params)) + storage_bytes(grads()) + held["masters"] + held["state"]
+    with StepPeak(model) as peak:
+        step(rank, 1)
+    with _Collectives() as traffic:
+        step(rank, 2)
+    return {**held, "held": held_then, "peak": peak.bytes, "traffic": traffic.ops}
+
+
+def _planned(path: str, world: int, kind: str):
+    """The planner's estimate of a qn_hf run (None for the accelerate-style one)."""
+    from transformers import AutoConfig
+
+    from qn_hf.planner.estimate import Planner
+
+    if kind == "accelerate":
+        return None
+    dp_shard = int(kind.split("=")[1])
+    planner = Planner(AutoConfig.from_pretrained(path), seq_len=SEQ, micro_batch_size=ROWS)
+    return planner.estimate(dp=world, tp=1, pp=1, microbatches=1, mixed_precision="bf16", zero=dp_shard == 1,
+                            dp_shard=dp_shard, backend="gloo").stages[0]
 
 
 def time_worker(rank: int, world: int, path: str, kind: str, steps: int) -> float:
-    step, *_ = _build(kind, path, world)
+    step = _build(kind, path, world)[0]
     return median_step_seconds(lambda n: step(rank, n), steps=steps)
+
+
+def _label(kind: str) -> str:
+    if kind == "accelerate":
+        return "fully_shard as accelerate applies it"
+    return "qn_hf " + kind + (" (ZeRO-1)" if kind == "dp_shard=1" else "")
 
 
 def main() -> None:
@@ -117,15 +173,38 @@ def main() -> None:
     kinds = ["dp_shard=1", "dp_shard=2", "dp_shard=4", "accelerate"]
     theory = {"dp_shard=1": 2 + 4 + 12 / world, "dp_shard=2": 16 / 2, "dp_shard=4": 16 / 4, "accelerate": 16 / world}
     print(f"bytes per rank at dp={world}, bf16 + AdamW (float32 masters and moments), counted from real tensors:")
-    print("| run | weights | gradients | master copies | optimizer state | total | bytes/param | theory |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| run | weights | gradients | master copies | optimizer state | total | bytes/param | theory | planner |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    results, mib = {}, 2**20
     for kind in kinds:
-        r = run_world(bytes_worker, world=world, extra=(path, kind))
+        r = results[kind] = run_world(bytes_worker, world=world, extra=(path, kind))
         total = r["weights"] + r["grads"] + r["masters"] + r["state"]
-        label = ("qn_hf " + kind + (" (ZeRO-1)" if kind == "dp_shard=1" else "")) if kind != "accelerate" else \
-            "fully_shard as accelerate applies it"
-        print(f"| {label} | {r['weights']:,} | {r['grads']:,} | {r['masters']:,} | {r['state']:,} | {total:,} | "
-              f"{total / r['params']:.2f} | {theory[kind]:.2f} |")
+        plan = _planned(path, world, kind)
+        planned = f"{plan.state_bytes:,}" if plan else "-"
+        print(f"| {_label(kind)} | {r['weights']:,} | {r['grads']:,} | {r['masters']:,} | {r['state']:,} | {total:,} | "
+              f"{total / r['params']:.2f} | {theory[kind]:.2f} | {planned} |")
+    print("\nthe step's peak per rank (MiB): above what is held between steps, and in all; the planner's figure")
+    print("| run | held | step's peak above it | peak in all | planner: activations + gathered | planner: peak |")
+    print("|---|---|---|---|---|---|")
+    for kind in kinds:
+        r, plan = results[kind], _planned(path, world, kind)
+        planned = f"{(plan.activation_bytes + plan.step_bytes) / mib:.1f} | {plan.total_bytes / mib:.1f}" if plan \
+            else "- | -"
+        print(f"| {_label(kind)} | {r['held'] / mib:.1f} | {r['peak'] / mib:.1f} | {(r['held'] + r['peak']) / mib:.1f} "
+              f"| {planned} |")
+    ours, theirs = results["dp_shard=4"], results["accelerate"]
+    print(f"peak in all, qn_hf dp_shard=4 / accelerate-style: "
+          f"{(ours['held'] + ours['peak']) / (theirs['held'] + theirs['peak']):.3f}")
+    print("\ncollectives of one step per rank (calls, MiB handed to them), and the planner's FSDP traffic:")
+    print("| run | all-gather | reduce-scatter | all-reduce | planner: dp_shard all-gather, reduce-scatter |")
+    print("|---|---|---|---|---|")
+    for kind in kinds:
+        ops, plan = results[kind]["traffic"], _planned(path, world, kind)
+        cells = [f"{ops[o][0]}, {ops[o][1] / mib:.2f}" if o in ops else "-"
+                 for o in ("all_gather", "reduce_scatter", "all_reduce")]
+        fsdp = plan.comm.get("dp_shard") if plan else None
+        planned = "; ".join(f"{c}, {b / mib:.2f}" for c, b in fsdp.ops.values()) if fsdp else "-"
+        print(f"| {_label(kind)} | {' | '.join(cells)} | {planned} |")
     ours, theirs = [], []
     for _ in range(args.rounds):
         ours.append(run_world(time_worker, world=world, extra=(path, "dp_shard=4", args.steps)))

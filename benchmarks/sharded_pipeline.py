@@ -26,7 +26,7 @@ import statistics
 
 import torch
 from torch.distributed.tensor import DTensor
-from world import median_step_seconds, run_world, save_tiny_llama, storage_bytes
+from world import StepPeak, median_step_seconds, run_world, save_tiny_llama, storage_bytes
 
 CONFIG = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
               num_key_value_heads=8, vocab_size=8192, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
@@ -54,30 +54,6 @@ def _build(path: str, run: str):
     return pm, opt, step
 
 
-class _Peak:
-    """The largest sum, after any op, of what ops made during the step and still live
-    (``LiveAllocations``) and the weights FSDP holds gathered then. FSDP gathers into storages it made
-    at its first step and frees them by resizing them to nothing, so these are counted apart: each
-    parameter that is a plain tensor at that moment, not its DTensor shard."""
-
-    def __init__(self, model: torch.nn.Module, sharded: bool) -> None:
-        from qn_hf.memory.live_allocations import LiveAllocations
-
-        outer = self
-
-        def gathered() -> int:
-            return storage_bytes([p for p in model.parameters() if not isinstance(p, DTensor)]) if sharded else 0
-
-        class Sampled(LiveAllocations):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = super().__torch_dispatch__(func, types, args, kwargs)
-                outer.peak = max(outer.peak, self.alive_bytes() + gathered())
-                return out
-
-        self.peak = 0
-        self.mode = Sampled()
-
-
 def measure_worker(rank: int, world: int, path: str, run: str) -> dict:
     from qn_hf.comm_meter import CommMeter
 
@@ -90,24 +66,24 @@ def measure_worker(rank: int, world: int, path: str, run: str) -> dict:
     state = [t.to_local() if isinstance(t, DTensor) else t for s in opt.state.values() for t in s.values()
              if isinstance(t, torch.Tensor) and t.dim() > 0]
     held = {"weights": storage_bytes(local), "grads": storage_bytes(grads), "state": storage_bytes(state)}
-    peak = _Peak(pm.module, sharded=pm.sharded is not None)
+    peak = StepPeak(pm.module)
     schedule_peak = [0]
     if pm.sharded is not None:  # the peak before the step's one reduction, apart from the peak during it
         finish = pm.sharded.finish_backward
 
         def finish_after_noting(**kwargs) -> None:
-            schedule_peak[0] = peak.peak
+            schedule_peak[0] = peak.bytes
             finish(**kwargs)
 
         pm.sharded.finish_backward = finish_after_noting
-    with peak.mode:
+    with peak:
         step(1)
     if pm.sharded is not None:
         pm.sharded.finish_backward = finish
     with CommMeter(pm) as meter:
         step(2)
     traffic = {op: (t.calls, t.nbytes) for (g, op), t in meter.totals().items() if g == "dp_shard"}
-    return {"stage": pm.coords.pp, "held": held, "peak": peak.peak, "schedule_peak": schedule_peak[0] or peak.peak,
+    return {"stage": pm.coords.pp, "held": held, "peak": peak.bytes, "schedule_peak": schedule_peak[0] or peak.bytes,
             "traffic": traffic,
             "params": sum(p.numel() for p in pm.parameters())}
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from qn_hf.local_world import LocalWorld, threads_per_rank
 
-__all__ = ["median_step_seconds", "run_world", "save_tiny_llama", "storage_bytes", "threads_per_rank"]
+__all__ = ["StepPeak", "median_step_seconds", "run_world", "save_tiny_llama", "storage_bytes", "threads_per_rank"]
 BENCHMARK_TIMEOUT_S = 3600.0
 
 
@@ -63,3 +63,43 @@ def save_tiny_llama(config: dict, *, prefix: str) -> str:
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **config)).save_pretrained(path)
     return path
+
+
+class StepPeak:
+    """The most bytes a step holds above what was held before it, after any op: every storage an op
+    made during the step and still alive (``LiveAllocations``: activations, gradients, an all-gather's
+    output) plus the model's parameters that are plain tensors at that moment (FSDP swaps a gathered
+    parameter in whole, into a storage it made at its first step and resizes, which no op of this
+    step made; parameters already plain before the step are held, not counted), each storage once.
+    Use as ``with StepPeak(model) as peak: step()``; ``peak.bytes``."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from torch.distributed.tensor import DTensor
+
+        from qn_hf.memory.live_allocations import LiveAllocations, storage_bytes as live_bytes
+
+        outer = self
+        self.model, self.bytes, self.before = model, 0, set()
+
+        class Sampled(LiveAllocations):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = super().__torch_dispatch__(func, types, args, kwargs)
+                sizes = {ref: live_bytes(ref) for ref in self.alive_storages()}
+                held = {torch.UntypedStorage._new_with_weak_ptr(ref.cdata).data_ptr(): n for ref, n in sizes.items()}
+                for p in model.parameters():
+                    if not isinstance(p, DTensor) and p.untyped_storage().data_ptr() not in outer.before:
+                        held.setdefault(p.untyped_storage().data_ptr(), p.untyped_storage().nbytes())
+                outer.bytes = max(outer.bytes, sum(held.values()))
+                return out
+
+        self.mode = Sampled()
+
+    def __enter__(self) -> "StepPeak":
+        from torch.distributed.tensor import DTensor
+
+        self.before = {p.untyped_storage().data_ptr() for p in self.model.parameters() if not isinstance(p, DTensor)}
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.mode.__exit__(*exc)

@@ -27,7 +27,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import qn_hf
-from qn_hf.memory.live_allocations import LiveAllocations
+from qn_hf.data_parallel.sharded import local
+from qn_hf.memory.live_allocations import LiveAllocations, storage_bytes
+from torch.distributed.tensor import DTensor
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 from qn_hf.expert_parallel.apply import experts_modules
 from tests.cases import mesh_for
 from tests.ep_cases import moe_config
@@ -76,11 +80,48 @@ def _uniform_routing(model: torch.nn.Module, experts: int) -> None:
 
 
 def _storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors``."""
+    """Bytes of the distinct storages behind ``tensors`` (a dp_shard-sharded one: this rank's)."""
     seen = {}
-    for t in tensors:
+    for t in map(local, tensors):
         seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(seen.values())
+
+
+class _Gathered(TorchDispatchMode):
+    """Under dp_shard: the most bytes of whole weights FSDP holds at once, after any op: the module
+    parameters that are plain tensors then (not their DTensor shards) and the outputs of its
+    all-gathers still alive (a block prefetched is one until its copy-out into its parameters); and
+    at the step's one reduction under a pipeline, the whole gradients accumulated over its
+    microbatches (what the step's ops made that the reduction frees)."""
+
+    def __init__(self, pm) -> None:
+        super().__init__()
+        self.model, self.most, self.accumulated = pm.module, 0, 0
+        self.outputs: list[StorageWeakRef] = []
+        self.live = LiveAllocations()
+        if pm.sharded.pipelined:
+            finish = pm.sharded.finish_backward
+
+            def noted(**kwargs):  # what the reduction frees of what the step made: the whole gradients
+                gc.collect()
+                before = [(ref, storage_bytes(ref)) for ref in self.live.alive_storages()]
+                finish(**kwargs)
+                gc.collect()
+                self.accumulated = sum(n - storage_bytes(ref) for ref, n in before)
+
+            pm.sharded.finish_backward = noted
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.c10d._allgather_base_.default:
+            self.outputs.append(StorageWeakRef(args[0].untyped_storage()))
+        self.outputs = [ref for ref in self.outputs if not ref.expired()]
+        sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                 for t in self.model.parameters() if not isinstance(t, DTensor)}
+        for ref in self.outputs:  # at its size now: FSDP may free a buffer by resizing it
+            sizes[torch.UntypedStorage._new_with_weak_ptr(ref.cdata).data_ptr()] = storage_bytes(ref)
+        self.most = max(self.most, sum(sizes.values()))
+        return out
 
 
 def _settled(live: LiveAllocations) -> int:
@@ -123,7 +164,8 @@ def _measure_forwards(pm, out: list[int]):
 
 def measure(*, kind: str, dp: int, tp: int, pp: int, microbatches: int, mixed_precision: str | None, zero: bool,
             recompute: str | None, sequence_parallel: bool = False, cp: int = 1, ep: int = 1,
-            natural_routing: bool = False, schedule: str = "1f1b", virtual_stages: int = 1) -> dict:
+            natural_routing: bool = False, schedule: str = "1f1b", virtual_stages: int = 1, dp_shard: int = 1,
+            dp_shard_gather: str = "step") -> dict:
     """One run's measured bytes; under ep with uniform routing unless ``natural_routing``."""
     torch.manual_seed(0)
     config = config_for(kind)
@@ -131,7 +173,7 @@ def measure(*, kind: str, dp: int, tp: int, pp: int, microbatches: int, mixed_pr
     pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, microbatches=microbatches,
                            mesh=mesh_for(dp, tp, pp, cp), bucket_mb=BUCKET_MB, mixed_precision=mixed_precision,
                            recompute=recompute, sequence_parallel=sequence_parallel, schedule=schedule,
-                           virtual_stages=virtual_stages)
+                           virtual_stages=virtual_stages, dp_shard=dp_shard, dp_shard_gather=dp_shard_gather)
     if ep > 1 and not natural_routing:
         _uniform_routing(pm.module, config.num_experts)
     opt = qn_hf.optimizer(pm, torch.optim.AdamW, zero=zero, lr=1e-4)
@@ -147,24 +189,33 @@ def measure(*, kind: str, dp: int, tp: int, pp: int, microbatches: int, mixed_pr
     activations: list[int] = []
     _measure_forwards(pm, activations)
     opt.zero_grad()
+    gathered = _Gathered(pm) if dp_shard > 1 else None
     with qn_hf.CommMeter(pm) as meter:
-        pm.train_step(batch(2))
+        if gathered is not None:
+            with gathered.live, gathered:
+                pm.train_step(batch(2))
+        else:
+            pm.train_step(batch(2))
         grads = [p.grad for p in pm.parameters() if p.grad is not None]
         for buckets in pm.grads.bucket_sets:  # zero: the full-size buckets stay allocated while .grad is cleared
             grads += [b.buffer for b in buckets.buckets]
         grad_bytes = _storage_bytes(grads)
         opt.step()
     weights = list(pm.parameters())
-    params = {t.untyped_storage().data_ptr() for t in weights}
+    params = {local(t).untyped_storage().data_ptr() for t in weights}
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    masters = [m.tensor for m in opt.masters if m.tensor.untyped_storage().data_ptr() not in params]  # copies only
+    masters = [m.tensor for m in opt.masters if local(m.tensor).untyped_storage().data_ptr() not in params]  # copies only
     comm: dict[str, list[int]] = {}
     for (group, _), total in meter.totals().items():
         acc = comm.setdefault(group, [0, 0])
         acc[0] += total.calls
         acc[1] += total.nbytes
     return {"coords": pm.coords, "params": sum(p.numel() for p in weights),
-            "weight_bytes": sum(p.numel() * p.element_size() for p in weights), "grad_bytes": grad_bytes,
+            # dp_shard: the shards' storage, padded to the same rows on every rank
+            "weight_bytes": _storage_bytes(weights) if dp_shard > 1 else sum(p.numel() * p.element_size() for p in weights),
+            "grad_bytes": grad_bytes,
+            "gathered_bytes": gathered.most if gathered else 0,
+            "accumulated_grad_bytes": gathered.accumulated if gathered else 0,
             "optimizer_bytes": _storage_bytes(state) + _storage_bytes(masters),
             "activation_bytes": max(activations), "activations": activations, "comm": comm,
             "comm_ops": {f"{g}:{op}": [t.calls, t.nbytes] for (g, op), t in meter.totals().items()}}

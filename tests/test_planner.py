@@ -112,7 +112,7 @@ def test_public_configs_plan_in_seconds_and_conserve_parameters(name, tp, pp):
     # Every parameter is on exactly one stage, split over tp or held whole by each tp rank (plus the
     # copy of a weight tied across stages, and vocabulary padding).
     whole = {n: p.numel() for n, p in meta_model(config).named_parameters()}
-    sharded, _ = planner._local_sizes(build_tp_plan(meta_model(config), resolve_policy(meta_model(config), None), tp=tp))
+    sharded, _, _ = planner._local_sizes(build_tp_plan(meta_model(config), resolve_policy(meta_model(config), None), tp=tp))
     split = sum(whole[n] for n in whole if sharded[n] != whole[n])
     replicated = sum(whole[n] for n in whole if sharded[n] == whole[n])
     held = sum(s.params for s in est.stages)
@@ -412,6 +412,43 @@ def test_cli_plans_expert_parallelism(tmp_path, capsys):
     assert {(m["dp"], m["tp"]) for m in out["meshes"]} == {(4, 1), (2, 2), (1, 4)}
     assert all(r["ep"] == 4 and "ep=4 must divide dp*tp" in r["reason"] for r in out["rejected"])
 
+
+
+def test_cli_plans_sharded_data_parallelism(tmp_path, capsys):
+    """--dp-shard N: weights, gradients and AdamW's moments are the float32 shards, 16/N bytes per
+    parameter (the issue's theory, with no master copies), plus the whole weights a step gathers: the
+    root and two blocks in bf16 without a pipeline, every block of the stage (and the whole
+    gradients) under one; FSDP's traffic on dp_shard (and dp_replicate when N < dp). --dp-shard all
+    ranks every mesh at each dp_shard: Llama 3 8B on 8 GPUs fits only sharded at tp=1."""
+    PUBLIC["llama-3-8b"].save_pretrained(tmp_path)
+    runs = {}
+    for flags in (["--dp-shard", "8"], ["--dp-shard", "4"], ["--zero"]):
+        main([str(tmp_path), "--dp", "8", "--tp", "1", "--pp", "1", "--seq-len", "1024", "--json", *flags])
+        runs[flags[-1]] = json.loads(capsys.readouterr().out)
+    eight, hybrid, zero = (runs[k]["stages"][0] for k in ("8", "4", "--zero"))
+    params = eight["params"]
+    assert runs["8"]["dp_shard"] == 8 and abs(eight["state_bytes"] - 16 * params / 8) < 0.001 * params
+    assert abs(hybrid["state_bytes"] - 16 * params / 4) < 0.001 * params
+    assert zero["state_bytes"] > 7.4 * params  # bf16 weights and float32 gradients whole: 2 + 4 + 12/8
+    layers = PUBLIC["llama-3-8b"].num_hidden_layers
+    block = (params - 2 * 128256 * 4096 - 4096) // layers
+    assert eight["step_bytes"] == 2 * (2 * 128256 * 4096 + 4096 + 2 * block)
+    assert set(eight["comm"]) >= {"dp_shard"} and "dp_replicate" not in eight["comm"]
+    # the reduced shards, float32, after each microbatch (pp=1: FSDP reduces as each backward ends)
+    assert hybrid["comm"]["dp_replicate"]["nbytes"] == runs["4"]["microbatches"] * hybrid["grad_bytes"]
+    main([str(tmp_path), "--dp", "4", "--tp", "1", "--pp", "2", "--seq-len", "1024", "--json", "--dp-shard", "4"])
+    stage = json.loads(capsys.readouterr().out)["stages"][0]
+    assert stage["accumulated_grad_bytes"] == 4 * stage["params"]  # whole float32 gradients until the reduction
+    main([str(tmp_path), "--gpus", "8", "--seq-len", "1024", "--cp", "1", "--dp-shard", "all", "--json"])
+    meshes = json.loads(capsys.readouterr().out)["meshes"]
+    fits = {(m["dp"], m["tp"], m["pp"], m["dp_shard"]): m["fits"] for m in meshes}
+    assert fits[(8, 1, 1, 8)] and not fits[(8, 1, 1, 1)]
+    assert {m["dp_shard"] for m in meshes if m["dp"] == 8 and m["tp"] == 1} == {1, 2, 4, 8}
+    main([str(tmp_path), "--gpus", "8", "--seq-len", "1024", "--cp", "1", "--dp-shard", "all"])
+    assert "| rank | dp | dp_shard | tp |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--dp", "8", "--tp", "1", "--pp", "1", "--dp-shard", "3"])
+    assert "dp_shard=3 must divide dp=8" in capsys.readouterr().err
 
 
 def test_planner_counts_collectives_under_the_meters_names():

@@ -1,7 +1,7 @@
 """The planner's per-rank memory against a real run: weights, gradients, optimizer state and
 activations measured from the tensors themselves (tests/planner_memory_cases.py says how), under
-mixed precision, ZeRO-1, both recompute modes, sequence parallelism, context parallelism and expert
-parallelism, for GPT-2, Llama and a shrunk Qwen3-MoE (whose runs force uniform routing, the
+mixed precision, ZeRO-1, both recompute modes, sequence parallelism, context parallelism, expert
+parallelism and sharded data parallelism (dp_shard: the gathered weights and whole gradients too), for GPT-2, Llama and a shrunk Qwen3-MoE (whose runs force uniform routing, the
 routing the planner prices).
 
 Weights, gradients and optimizer state exactly on dp (and cp) rank 0 (the rank the estimate
@@ -119,6 +119,31 @@ def test_planner_memory_matches_a_run_per_schedule(worlds, schedule, virtual_sta
                                    schedule=schedule, virtual_stages=virtual_stages))
 
 
+SHARDED_RUNS = [  # kind, dp, dp_shard, tp, pp, cp, microbatches, mixed_precision, recompute, sequence_parallel, gather
+    ("llama", 2, 2, 1, 1, 1, 2, "bf16", None, False, "step"),  # per microbatch: root once, blocks twice, all reduced
+    ("llama", 2, 2, 1, 2, 1, 2, "bf16", None, False, "step"),  # a stage gathered once, whole gradients until the end
+    ("gpt2", 2, 2, 1, 2, 1, 2, None, "full", False, "microbatch"),  # the tied copy's rows summed over the pair
+    pytest.param("llama", 4, 2, 1, 1, 1, 1, None, None, False, "step", marks=pytest.mark.long),  # hybrid
+    pytest.param("llama", 2, 2, 2, 1, 1, 1, "bf16", None, True, "step", marks=pytest.mark.long),  # tp shard's rows
+    pytest.param("llama", 2, 2, 1, 1, 2, 1, "bf16", None, False, "step", marks=pytest.mark.long),  # over dp_shard x cp
+]
+
+
+@pytest.mark.parametrize(("kind", "dp", "dp_shard", "tp", "pp", "cp", "microbatches", "mixed_precision", "recompute",
+                          "sequence_parallel", "gather"), SHARDED_RUNS)
+def test_planner_memory_matches_a_sharded_data_parallel_run(worlds, kind, dp, dp_shard, tp, pp, cp, microbatches,
+                                                            mixed_precision, recompute, sequence_parallel, gather):
+    """dp_shard (planner/sharded.py): the shards, their gradients and AdamW's moments exactly (every
+    rank stores the same padded rows); exactly on every rank, the whole weights FSDP holds gathered at
+    once (after any op: the parameters swapped in whole, views of their padded all-gather outputs, and
+    the all-gather outputs still alive); under a pipeline, the whole gradients the step's reduction
+    frees; FSDP's all-gathers, reduce-scatters and hybrid
+    all-reduces call for call and byte for byte."""
+    _compare(worlds, kind, dict(dp=dp, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, microbatches=microbatches,
+                                mixed_precision=mixed_precision, zero=False, recompute=recompute,
+                                sequence_parallel=sequence_parallel, dp_shard_gather=gather))
+
+
 def _compare(worlds, kind: str, settings: dict, *, activation_tolerance: float = ACTIVATION_TOLERANCE) -> None:
     est = planner(kind).estimate(bucket_mb=BUCKET_MB, backend="gloo", **settings)
     world = settings["dp"] * settings["tp"] * settings["pp"] * settings.get("cp", 1)
@@ -128,6 +153,8 @@ def _compare(worlds, kind: str, settings: dict, *, activation_tolerance: float =
         stage = est.stages[r["coords"]["pp"]]
         planned = {"weight_bytes": stage.weight_bytes, "grad_bytes": stage.grad_bytes,
                    "optimizer_bytes": stage.optimizer_bytes, "activation_bytes": max(stage.chunk_activation_bytes)}
+        if settings.get("dp_shard", 1) > 1:
+            planned |= {"gathered_bytes": stage.gathered_bytes, "accumulated_grad_bytes": stage.accumulated_grad_bytes}
         rows.append((r["coords"], {k: (r[k], v) for k, v in planned.items()}))
     table = "\n".join(f"{c}: " + ", ".join(f"{k} measured {m:,} planned {p:,}" for k, (m, p) in v.items())
                       for c, v in rows)
@@ -136,8 +163,8 @@ def _compare(worlds, kind: str, settings: dict, *, activation_tolerance: float =
             tolerance = activation_tolerance if what == "activation_bytes" else STATE_TOLERANCE
             # replica 0 (of the experts too): the rank the estimate describes
             first = coords["dp"] == 0 and coords.get("cp", 0) == 0 and not coords.get("expert_replica")
-            if what != "activation_bytes" and first:
-                tolerance = 0
+            if what not in ("activation_bytes", "gathered_bytes") and first or what == "gathered_bytes":
+                tolerance = 0  # dp_shard: every rank gathers the same padded weights
             assert abs(planned - real) <= tolerance * real, f"{coords} {what}\n{table}"
     for r in measured:
         stage = est.stages[r["coords"]["pp"]]
@@ -147,10 +174,10 @@ def _compare(worlds, kind: str, settings: dict, *, activation_tolerance: float =
             predicted.update({f"{group}:{op}": list(v) for op, v in stage.comm[group].ops.items()}
                              if group in stage.comm else {})
         real = {**r["comm"], **{k: v for k, v in r["comm_ops"].items() if k.startswith(("tp:", "cp:", "ep:"))}}
-        if settings["zero"] and (r["coords"]["dp"] > 0 or r["coords"].get("cp", 0) > 0):
-            # Under ZeRO the gradients summed over tp are this rank's pieces of them: the estimate
-            # gives dp rank 0's; another rank's pieces cover other elements of those parameters.
-            for key in ("tp", "tp:all_reduce") if "tp" in predicted else ():
+        if (settings["zero"] or settings.get("dp_shard", 1) > 1) and (r["coords"]["dp"] > 0 or r["coords"].get("cp", 0) > 0):
+            # Under ZeRO (dp_shard) the gradients summed over tp (a tie, pp) are this rank's pieces (rows)
+            # of them: the estimate gives dp rank 0's; another rank's cover other elements of those parameters.
+            for key in [k for k in ("tp", "tp:all_reduce", "tie", "pp") if k in predicted]:
                 assert abs(predicted[key][1] - real[key][1]) <= STATE_TOLERANCE * real[key][1], (r["coords"], key)
                 predicted[key][1] = real[key][1]
         assert predicted == real, (r["coords"], predicted, r["comm_ops"])

@@ -36,9 +36,11 @@ class LiveAllocations(TorchDispatchMode):
         self._new: dict[int, tuple[StorageWeakRef, int, str]] = {}
 
     def _alive(self, ptr: int) -> bool:
+        """Whether a storage recorded at ``ptr`` is still there: alive and not moved, since a storage
+        FSDP frees by resizing (a gathered weight) keeps living at another address, or none."""
         new = self._new.get(ptr)
         old = self._old.get(ptr)
-        return (new is not None and not new[0].expired()) or (old is not None and not old.expired())
+        return any(ref is not None and _address(ref) == ptr for ref in (new and new[0], old))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -51,9 +53,21 @@ class LiveAllocations(TorchDispatchMode):
                 self._new[t.data_ptr()] = (StorageWeakRef(t), t.nbytes(), self.label)
         return out
 
+    def alive_storages(self, label: str | None = None) -> list[StorageWeakRef]:
+        """The storages still alive of those made while active (only those filed under ``label``)."""
+        return [ref for ref, _, made in self._new.values() if not ref.expired() and label in (None, made)]
+
     def alive_bytes(self, label: str | None = None) -> int:
-        """Bytes still alive of the storages made while active (only those filed under ``label``), at
-        their size now: FSDP frees a gathered weight by resizing its storage to nothing, and gathers
-        it again into the same storage (torch's weak storage handle reads the size; no public call)."""
-        return sum(torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
-                   for ref, _, made in self._new.values() if not ref.expired() and label in (None, made))
+        """Bytes of ``alive_storages``, each at its size now (``storage_bytes``)."""
+        return sum(map(storage_bytes, self.alive_storages(label)))
+
+
+def _address(ref: StorageWeakRef) -> int | None:
+    return None if ref.expired() else torch.UntypedStorage._new_with_weak_ptr(ref.cdata).data_ptr()
+
+
+def storage_bytes(ref: StorageWeakRef) -> int:
+    """A storage's bytes now, 0 once freed: FSDP frees a gathered weight by resizing its storage to
+    nothing, and gathers it again into the same storage (torch's weak storage handle reads the
+    size; no public call)."""
+    return 0 if ref.expired() else torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()

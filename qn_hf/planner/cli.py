@@ -3,6 +3,7 @@
     qn-hf-plan MODEL --gpus 64 [--global-batch 256] [--gpu-memory 80GiB] [--seq-len 4096] [--micro-batch-size 1]
                [--dtype bf16|fp16|fp32] [--zero] [--recompute full|selective] [--sequence-parallel] [--cp N]
                [--ep N] [--schedule 1f1b|gpipe|interleaved_1f1b|zb_h1] [--virtual-stages V]
+               [--dp-shard N|all] [--dp-shard-gather step|microbatch]
     qn-hf-plan MODEL --gpus 64 --tp 8 --pp 8 --global-batch 512         # the other degrees searched
     qn-hf-plan MODEL --dp 1 --tp 8 --pp 8 [--cp 2] [--ep 8] [--microbatches 32]  # one mesh, per-stage detail
     qn-hf-plan path/to/config.json --gpus 16 --json                     # machine-readable
@@ -32,6 +33,13 @@ the dp x tp / ep ranks holding the same experts); with --gpus every mesh takes i
 --virtual-stages are ``parallelize``'s: interleaved_1f1b runs V chunks per rank (a rank's blocks are
 then listed per chunk), zb_h1 splits the backward and defers the linear layers' weight gradients;
 the default microbatch count (4 per stage) is raised to the next one the schedule allows.
+--dp-shard N is sharded data parallelism (``parallelize(dp_shard=N)``: FSDP2 shards weights,
+gradients and AdamW state over N dp ranks (x cp), all-reduced across the dp/N groups; every mesh
+takes it, those whose dp it does not divide rejected); --dp-shard all plans each mesh at every
+dp_shard dividing its dp (ZeRO-1, if --zero, at dp_shard=1 only), so a mesh that fits only sharded
+is ranked with the rest. Its memory adds the whole weights gathered during a step and, under a
+pipeline, the whole gradients kept until the step's reduction (the "gathered" column);
+--dp-shard-gather is ``parallelize``'s (under pp: gather once a step, or per microbatch).
 Memory is per rank: weights + gradients + AdamW state, plus activations (what one microbatch
 keeps for its backward, with a fused attention kernel, or ring attention under cp, and the recompute
 mode, per chunk, at the most the schedule's action list holds at once, zb_h1's stash of the deferred
@@ -70,6 +78,15 @@ def parse_bytes(text: str) -> int:
     return int(float(match[1]) * scale)
 
 
+def _dp_shard(text: str) -> int | None:
+    """--dp-shard: a positive number, or "all" (None: every divisor of each mesh's dp)."""
+    if text == "all":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a positive number nor 'all'")
+    return int(text)
+
+
 def load_config(path: str):
     from transformers import AutoConfig
 
@@ -90,10 +107,12 @@ def gib(n: float) -> str:
     return f"{n / GIB:,.1f}"
 
 
-def settings(*, mixed_precision: str | None, zero: bool, recompute: str | None, sequence_parallel: bool = False) -> str:
+def settings(*, mixed_precision: str | None, zero: bool, recompute: str | None, sequence_parallel: bool = False,
+             dp_shard: int = 1) -> str:
     """The training settings, in words."""
     words = [mixed_precision or "fp32"] + (["ZeRO-1"] if zero else []) + ([f"{recompute} recompute"] if recompute else [])
-    return ", ".join(words + (["sequence parallel"] if sequence_parallel else []))
+    return ", ".join(words + (["sequence parallel"] if sequence_parallel else [])
+                     + ([f"dp_shard={dp_shard} (FSDP)"] if dp_shard > 1 else []))
 
 
 def mesh_report(est: MeshEstimate, hw: Hardware) -> str:
@@ -102,20 +121,22 @@ def mesh_report(est: MeshEstimate, hw: Hardware) -> str:
     master = " + fp32 master" if est.mixed_precision else ""
     ep = est.ep > 1  # an ep column and link only then: dense-model reports stay as they were
     stash = as_schedule(est.schedule).split_backward  # a W stash column only then
+    fsdp = est.dp_shard > 1  # a column of the whole weights and gradients a step holds only then
     lines = [
         f"mesh dp={est.dp} tp={est.tp} pp={est.pp} cp={est.cp}{f' ep={est.ep}' if ep else ''} "
         f"({est.world_size} GPUs), {schedule_name(est)}, {est.microbatches} microbatches of {est.micro_batch_size} x "
         f"{est.seq_len} positions (a global batch of {est.global_batch} sequences); {est.total_params:,} parameters; "
-        f"{settings(mixed_precision=est.mixed_precision, zero=est.zero, recompute=est.recompute, sequence_parallel=est.sequence_parallel)}",
+        f"{settings(mixed_precision=est.mixed_precision, zero=est.zero, recompute=est.recompute, sequence_parallel=est.sequence_parallel, dp_shard=est.dp_shard)}"
+        + (f", gathered once a {est.dp_shard_gather}" if fsdp and est.pp > 1 else ""),
         f"bubble of {est.schedule} {est.bubble:.3f} (its action lists timed with per-op costs from FLOPs); "
         f"links: tp {link['tp']}, cp {link['cp']}, pp {link['pp']}, "
         f"dp {link['dp']}" + (f", ep {link['ep']}, experts {link['experts']}" if ep else ""),
         "",
         f"| stage | blocks | also holds | params / rank | weights GiB | grads GiB | AdamW{master} GiB "
         f"| activations / microbatch GiB |{' W stash / microbatch GiB |' if stash else ''} in flight "
-        f"| peak activations GiB | total GiB | tp GB/step | cp GB/step | pp GB/step | dp GB/step (payload) |"
+        f"| peak activations GiB |{' gathered GiB |' if fsdp else ''} total GiB | tp GB/step | cp GB/step | pp GB/step | dp GB/step (payload) |"
         + (" ep GB/step |" if ep else ""),
-        "|---" * (15 + stash + ep) + "|",
+        "|---" * (15 + stash + ep + fsdp) + "|",
     ]
     for s in est.stages:
         comm = group_gb(s.comm)
@@ -125,7 +146,8 @@ def mesh_report(est: MeshEstimate, hw: Hardware) -> str:
             f"| {gib(s.weight_bytes)} | {gib(s.grad_bytes)} | {gib(s.optimizer_bytes)} "
             f"| {gib(s.activation_bytes_per_microbatch)} |"
             + (f" {gib(s.weight_stash_bytes_per_microbatch)} |" if stash else "")
-            + f" {s.in_flight} | {gib(s.activation_bytes)} | {gib(s.total_bytes)} "
+            + f" {s.in_flight} | {gib(s.activation_bytes)} |" + (f" {gib(s.step_bytes)} |" if fsdp else "")
+            + f" {gib(s.total_bytes)} "
             f"| {comm['tp']:.2f} | {comm['cp']:.2f} | {comm['pp']:.2f} | {comm['dp']:.2f} |"
             + (f" {comm['ep']:.2f} |" if ep else "")
         )
@@ -144,29 +166,34 @@ def schedule_name(est: MeshEstimate) -> str:
 
 def group_gb(comm: dict) -> dict[str, float]:
     """GB per step on tp, cp, pp, dp and ep, where dp is the gradients' reductions: "dp" plus
-    "replicas" (dp x cp) plus "experts" (the ep-sharded experts' own group)."""
+    "replicas" (dp x cp) plus "experts" (the ep-sharded experts' own group) plus FSDP's
+    ("dp_shard": its all-gathers too; "dp_replicate")."""
     gb = {g: comm[g].nbytes / 1e9 if g in comm else 0.0 for g in (Axis.TP, Axis.CP, Axis.PP, Axis.DP, Axis.EP)}
-    gb["dp"] += sum(comm[g].nbytes / 1e9 for g in ("replicas", "experts") if g in comm)
+    gb["dp"] += sum(comm[g].nbytes / 1e9 for g in ("replicas", "experts", "dp_shard", "dp_replicate") if g in comm)
     return gb
 
 
-def mesh_name(dp: int, tp: int, pp: int, cp: int, ep: int = 1) -> str:
-    return f"dp={dp} tp={tp} pp={pp}" + (f" cp={cp}" if cp > 1 else "") + (f" ep={ep}" if ep > 1 else "")
+def mesh_name(dp: int, tp: int, pp: int, cp: int, ep: int = 1, dp_shard: int = 1) -> str:
+    return (f"dp={dp} tp={tp} pp={pp}" + (f" cp={cp}" if cp > 1 else "") + (f" ep={ep}" if ep > 1 else "")
+            + (f" dp_shard={dp_shard}" if dp_shard > 1 else ""))
 
 
-def ranking_report(accepted: list[Candidate], rejected, *, hw: Hardware, top: int, label: str, ep: int = 1) -> str:
+def ranking_report(accepted: list[Candidate], rejected, *, hw: Hardware, top: int, label: str, ep: int = 1,
+                   dp_shard: bool = False) -> str:
+    """``dp_shard``: a dp_shard column (the meshes were planned with sharded data parallelism)."""
     lines = [
-        f"| rank | dp | tp | pp | cp | microbatches | global batch | bubble | peak GiB / GPU ({label}) "
+        f"| rank | dp |{' dp_shard |' if dp_shard else ''} tp | pp | cp | microbatches | global batch | bubble | peak GiB / GPU ({label}) "
         f"| fits {gib(hw.gpu_memory)} GiB | est. step s | tokens/s | tp GB | cp GB | pp GB | dp GB |"
         + (" ep GB |" if ep > 1 else ""),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if ep > 1 else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if ep > 1 else "")
+        + ("---|" if dp_shard else ""),
     ]
     for i, c in enumerate(accepted[:top], 1):
         e = c.estimate
         per_stage = [group_gb(s.comm) for s in e.stages]
         worst = {g: max(gb[g] for gb in per_stage) for g in (Axis.TP, Axis.CP, Axis.PP, Axis.DP, Axis.EP)}
         lines.append(
-            f"| {i} | {e.dp} | {e.tp} | {e.pp} | {e.cp} | {e.microbatches} | {e.global_batch} | {e.bubble:.3f} "
+            f"| {i} | {e.dp} |" + (f" {e.dp_shard} |" if dp_shard else "") + f" {e.tp} | {e.pp} | {e.cp} | {e.microbatches} | {e.global_batch} | {e.bubble:.3f} "
             f"| {gib(c.peak_bytes)} "
             f"| {'yes' if c.fits else 'no'} | {c.time.seconds:.2f} | {c.time.tokens_per_s:,.0f} | {worst['tp']:.1f} "
             f"| {worst['cp']:.1f} | {worst['pp']:.1f} | {worst['dp']:.1f} |"
@@ -183,7 +210,7 @@ def ranking_report(accepted: list[Candidate], rejected, *, hw: Hardware, top: in
         lines.append(f"\n({len(accepted) - top} more valid meshes; --top N shows more)")
     if rejected:
         lines.append(f"\nrejected by parallelize's checks ({len(rejected)}):")
-        lines += [f"  {mesh_name(r.dp, r.tp, r.pp, r.cp, r.ep)}: {r.reason}" for r in rejected]
+        lines += [f"  {mesh_name(r.dp, r.tp, r.pp, r.cp, r.ep, r.dp_shard)}: {r.reason}" for r in rejected]
     return "\n".join(lines)
 
 
@@ -197,7 +224,7 @@ def to_json(est: MeshEstimate, hw: Hardware) -> dict:
     for stage, s in zip(out["stages"], est.stages):
         if len(s.chunks) == 1:
             stage["blocks"] = s.blocks
-        for what in ("weight", "grad", "optimizer", "state", "activation", "total"):
+        for what in ("weight", "grad", "optimizer", "state", "activation", "step", "total"):
             stage[f"{what}_bytes"] = getattr(s, f"{what}_bytes")
     return out
 
@@ -231,6 +258,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="recompute each block's activations in backward (default: keep them)")
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="split the activations between tensor-parallel regions over tp (needs tp > 1)")
+    parser.add_argument("--dp-shard", type=_dp_shard, default=1,
+                        help="sharded data parallelism (FSDP) over N dp ranks, or 'all': every N dividing dp (default 1)")
+    parser.add_argument("--dp-shard-gather", choices=["step", "microbatch"], default="step",
+                        help="under pp with --dp-shard: gather a stage's weights once a step (default) or per microbatch")
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--tflops", type=float, default=Hardware.tflops, help="sustained TFLOP/s per GPU (default %(default)s)")
     parser.add_argument("--nvlink-gbps", type=float, default=Hardware.nvlink_gbps, help="GB/s per GPU in a node")
@@ -244,6 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.gpus is None and not whole_mesh:
         parser.error("give --gpus N (every mesh for N GPUs, keeping any of --dp/--tp/--pp/--cp given) or all of "
                      "--dp, --tp and --pp")
+    if whole_mesh and args.dp_shard is None:
+        parser.error("--dp-shard all searches dp_shard over the meshes of --gpus; with --dp/--tp/--pp give a number")
     if args.microbatches is not None and args.global_batch is not None:
         parser.error("give --microbatches or --global-batch, not both (the global batch fixes the microbatches)")
     for name in ("gpus", "global_batch", *explicit):
@@ -267,12 +300,14 @@ def main(argv: list[str] | None = None) -> None:
             microbatches = microbatches_for(args.pp, args.microbatches, schedule=args.schedule, dp=args.dp,
                                             global_batch=args.global_batch, micro_batch_size=args.micro_batch_size)
             est = planner.estimate(dp=args.dp, tp=args.tp, pp=args.pp, cp=cp, ep=args.ep, microbatches=microbatches,
-                                   schedule=args.schedule, virtual_stages=args.virtual_stages, **training)
+                                   schedule=args.schedule, virtual_stages=args.virtual_stages,
+                                   dp_shard=args.dp_shard, dp_shard_gather=args.dp_shard_gather, **training)
             print(json.dumps(to_json(est, hw), indent=1) if args.json else mesh_report(est, hw))
             return
         accepted, rejected = search(planner, gpus=args.gpus, hw=hw, microbatches=args.microbatches, schedule=args.schedule,
                                     virtual_stages=args.virtual_stages, cp=args.cp, ep=args.ep,
-                                    global_batch=args.global_batch, fixed=explicit, **training)
+                                    global_batch=args.global_batch, fixed=explicit, dp_shard=args.dp_shard,
+                                    dp_shard_gather=args.dp_shard_gather, **training)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -281,12 +316,13 @@ def main(argv: list[str] | None = None) -> None:
                                      for i, c in enumerate(accepted, 1)],
                           "rejected": [dataclasses.asdict(r) for r in rejected]}, indent=1))
         return
-    label = settings(**training)
+    label = settings(**training, dp_shard=args.dp_shard or 1) + (", dp_shard searched" if args.dp_shard is None else "")
     kept = "".join(f", {k}={v}" for k, v in explicit.items())
     batch = f", global batch {args.global_batch}" if args.global_batch else ""
     print(f"{config.model_type}: {planner.total_params:,} parameters, {args.gpus} GPUs{kept}, sequences of {seq_len}, "
           f"micro-batch {args.micro_batch_size}{batch}, {label}" + (f", ep={args.ep}" if args.ep > 1 else ""))
-    print(ranking_report(accepted, rejected, hw=hw, top=args.top, label=label, ep=args.ep))
+    print(ranking_report(accepted, rejected, hw=hw, top=args.top, label=label, ep=args.ep,
+                         dp_shard=args.dp_shard != 1))
     if accepted:
         print("\nbest mesh in detail:\n")
         print(mesh_report(accepted[0].estimate, hw))

@@ -32,7 +32,11 @@ adds, for the largest stage, a ring all-reduce of the gradients over the R = dp 
 all-gather of the weights, (R-1)/R * (gradient + weight bytes) / bandwidth; under ep the experts'
 gradients are all-reduced over their own X = dp x tp / ep ranks instead, 2 (X-1)/X * their bytes /
 that group's link; assumed not overlapped with backward (qn_hf overlaps the last microbatch's
-backward, so this errs slow). A group's link is NVLink when all its ranks share a node (ranks are
+backward, so this errs slow). Under dp_shard (FSDP over W = dp_shard x cp ranks) it adds instead
+FSDP's traffic (sharded.py): its all-gathers, (W-1) times each shard, and reduce-scatters, (W-1)/W
+of each input, over the dp_shard link, and with dp_shard < dp the hybrid all-reduce of the reduced
+shards, 2 (R-1)/R of them over R = dp / dp_shard groups; counted as not overlapped either, though
+FSDP prefetches the next block's all-gather during compute (errs slow). A group's link is NVLink when all its ranks share a node (ranks are
 laid out dp, pp, cp, tp with tp fastest; an ep group is ep consecutive ranks of a stage's dp x tp
 grid) and InfiniBand otherwise. Ring attention's own matrix products (float32, unfused) are counted
 at the stated rate like the rest: an optimistic figure.
@@ -80,6 +84,16 @@ def _tp_wire_bytes(ops: dict[Collective, tuple[int, int]], *, tp: int) -> float:
     return sum(per_byte.get(op, 2 * (tp - 1) / tp) * nbytes for op, (_, nbytes) in ops.items())
 
 
+def _fsdp_seconds(comm: dict, *, width: int, groups: int, link: dict[str, float]) -> float:
+    """FSDP's all-gathers, reduce-scatters and hybrid all-reduces of one step on the wire (cost.py's
+    docstring), over their links."""
+    ops = comm["dp_shard"].ops
+    shard = (width - 1) * ops[Collective.ALL_GATHER_INTO_TENSOR][1] + \
+        (width - 1) / width * ops[Collective.REDUCE_SCATTER_TENSOR][1]
+    across = 2 * (groups - 1) / groups * comm["dp_replicate"].nbytes if "dp_replicate" in comm else 0.0
+    return shard / link["dp_shard"] + across / link["dp_replicate"]
+
+
 def links(est: MeshEstimate, hw: Hardware) -> dict[str, str]:
     """Which link each group uses ("dp": the gradients' group, dp x cp; the cp group alone at dp=1;
     "experts": the ranks holding the same experts, across dp rows unless dp=1)."""
@@ -88,7 +102,8 @@ def links(est: MeshEstimate, hw: Hardware) -> dict[str, str]:
     span = {"tp": est.tp, "cp": est.cp * est.tp, "pp": stage,
             "dp": est.world_size if est.dp > 1 else est.cp * est.tp,
             "ep": est.ep if est.ep <= est.tp else est.ep // est.tp * stage,
-            "experts": est.world_size if est.dp > 1 else est.tp}
+            "experts": est.world_size if est.dp > 1 else est.tp,
+            "dp_shard": est.dp_shard * stage if est.dp_shard > 1 else est.cp * est.tp, "dp_replicate": est.world_size}
     return {group: "nvlink" if ranks <= node else "ib" for group, ranks in span.items()}
 
 
@@ -126,7 +141,10 @@ def step_time(est: MeshEstimate, hw: Hardware) -> StepTime:
     def expert_weight_bytes(s) -> int:  # the ep-sharded experts' weights (in buckets of their own)
         return s.expert_params * s.weight_bytes // s.params if est.ep > 1 and s.params else 0
 
-    if est.replicas > 1:
+    if est.dp_shard > 1:
+        dp = max(_fsdp_seconds(s.comm, width=est.dp_shard * est.cp, groups=est.dp // est.dp_shard, link=link)
+                 for s in est.stages)
+    elif est.replicas > 1:
         dp = max(moved(est.replicas, s.grad_bytes - s.expert_grad_bytes, s.weight_bytes - expert_weight_bytes(s))
                  for s in est.stages) / link["dp"]
     if est.ep > 1 and est.expert_replicas > 1:

@@ -50,17 +50,19 @@ from ..pipeline.schedule_check import peaks
 from ..pipeline.split import stage_of_module
 from ..tensor_parallel.plan import ModelPolicy
 from ..data_parallel.precision import GRAD_DTYPE, PRECISIONS, apply_mixed_precision
-from ..expert_parallel.apply import expert_parameter_names, experts_modules, sharded_experts
+from ..expert_parallel.apply import expert_parameter_names
 from ..config.composition import Feature
 from ..config.parallel_config import ParallelConfig
 from ..config.validate import check_parallel_config
 from ..pipeline.weight_grad import WeightGradQueue, make_deferrable
 from .activations import chunk_activations, kept_collectives, weight_stash
 from .context import cp_inputs
-from .memory import RankState, bucket_layout, rank_state
+from .memory import STEP_BYTES, RankState, bucket_layout, rank_state
 from .params import local_sizes, stage_params
 from .schedules import bubble, op_costs, peak_activation_bytes, pipeline_timing, rank_actions
 from .sequence import StageEdges, stage_edges
+from .sharded import sharded_stage
+from .unmodelled import check_modelled
 from .trace import Trace, example_inputs, trace_microbatch
 from .traffic import GroupTraffic, Mesh, stage_traffic
 
@@ -83,6 +85,8 @@ class StageEstimate:
     in_flight_w: int = 0  # most (chunk, microbatch)es from forward to their last gradient pass (W under zb_h1)
     flops_per_microbatch: float = 0.0  # forward and backward of one whole microbatch here (no recomputation)
     weight_grad_flops_per_microbatch: float = 0.0  # of which zb_h1's W (the deferred linears' weight gradients)
+    gathered_bytes: int = 0  # dp_shard: whole weights FSDP holds gathered at once in a step (sharded.py)
+    accumulated_grad_bytes: int = 0  # dp_shard under pp: whole gradients kept until the step's reduction
 
     @property
     def blocks(self) -> tuple[int, int]:
@@ -109,8 +113,14 @@ class StageEstimate:
         return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
 
     @property
+    def step_bytes(self) -> int:
+        """What a step holds besides the state and activations (dp_shard's gathered weights and whole
+        gradients)."""
+        return self.gathered_bytes + self.accumulated_grad_bytes
+
+    @property
     def total_bytes(self) -> int:
-        return self.state_bytes + self.activation_bytes
+        return self.state_bytes + self.activation_bytes + self.step_bytes
 
 
 @dataclass(frozen=True)
@@ -140,6 +150,8 @@ class MeshEstimate:
     # K*ep/(E*tp) under ep (a tp rank sends 1/tp of the tokens, to E/ep experts held whole); 1: dense.
     expert_flop_share: float = 1.0
     virtual_stages: int = 1  # chunks per rank (interleaved_1f1b)
+    dp_shard: int = 1  # ranks of dp sharding one copy of the weights (FSDP), hybrid across dp / dp_shard
+    dp_shard_gather: str = "step"  # under pp: weights gathered once a step or per microbatch
 
     @property
     def expert_replicas(self) -> int:
@@ -187,7 +199,7 @@ class Planner:
         self.model = meta_model(config).to(dtype)
         self.total_params = sum(p.numel() for p in self.model.parameters())
         self._traces: dict[tuple[int, torch.dtype | None, str | None, StageEdges | None, int, int], Trace] = {}
-        self._sharded: dict[tuple[int, int], tuple[dict[str, int], dict]] = {}
+        self._sharded: dict[tuple[int, int], tuple[dict[str, int], dict, dict[str, int]]] = {}
         self._experts = expert_parameter_names(self.model)
         self._deferrable: frozenset[str] | None = None
 
@@ -212,32 +224,24 @@ class Planner:
                  bucket_mb: float = DEFAULT_BUCKET_MB, layers_per_stage: list[int] | None = None,
                  mixed_precision: str | None = None, zero: bool = False, recompute: str | None = None,
                  sequence_parallel: bool = False, cp: int = 1, ep: int = 1, backend: str = "nccl",
-                 virtual_stages: int = 1) -> MeshEstimate:
+                 virtual_stages: int = 1, dp_shard: int = 1, dp_shard_gather: str = "step") -> MeshEstimate:
         """Estimate one mesh; raises the ``ValueError`` ``parallelize`` (or, for a sequence length
         that sequence or context parallelism cannot split, its step; for ZeRO under ep,
         ``qn_hf.optimizer``) would raise for it. ``schedule``, ``virtual_stages``, ``mixed_precision``,
-        ``recompute``, ``sequence_parallel``, ``cp`` and ``ep`` as ``parallelize`` takes them, ``zero``
+        ``recompute``, ``sequence_parallel``, ``cp``, ``ep``, ``dp_shard`` and ``dp_shard_gather`` as
+        ``parallelize`` takes them (dp_shard: ``sharded.py``), ``zero``
         as ``qn_hf.optimizer`` does (with dp x cp = 1 it shards nothing); ``backend`` is the process
         group's (ZeRO's collectives differ on gloo, see traffic.py)."""
         config = ParallelConfig.from_keywords(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, microbatches=microbatches,
                                               schedule=schedule, virtual_stages=virtual_stages,
                                               layers_per_stage=layers_per_stage, bucket_mb=bucket_mb,
                                               mixed_precision=mixed_precision, recompute=recompute,
-                                              sequence_parallel=sequence_parallel)
+                                              sequence_parallel=sequence_parallel, dp_shard=dp_shard,
+                                              dp_shard_gather=dp_shard_gather)
         checked = check_parallel_config(self.model, config, policy=self.policy,
                                         extra=frozenset({Feature.ZERO}) if zero else frozenset())
         plan, stage_plan = checked.tp_plan, checked.stage_plan
-        untraced = ("the experts' row gathers at ep=1 (each MoE block's experts gather every tp rank's tokens)"
-                    if plan.sequence_experts else
-                    f"the whole regions (block children that run on the gathered sequence: "
-                    f"{', '.join(plan.whole_regions[:2])}, ...)" if plan.whole_regions else None)
-        if untraced:
-            raise ValueError(f"sequence_parallel=True on {self.config.model_type}: the planner does not trace "
-                             f"{untraced}; plan without sequence_parallel, or measure a run")
-        if ep > 1 and len(sharded_experts(self.model)) != len(experts_modules(self.model)):
-            raise ValueError(f"ep={ep}: the planner models the dispatch of transformers' fused experts only; "
-                             f"{self.config.model_type}'s experts take every token once per expert (Llama 4's form), "
-                             f"whose all-to-alls it does not trace; plan at ep=1 or measure a run")
+        check_modelled(self.model, model_type=self.config.model_type, plan=plan, ep=ep, dp_shard=dp_shard)
         split = sequence_split(cp=cp, tp=tp, sequence_parallel=plan.sequence_parallel)
         if split[0] > 1:  # train_step's check of the batch, on a meta batch of this length
             ids = torch.empty(self.micro_batch_size, self.seq_len, dtype=torch.long, device="meta")
@@ -256,10 +260,13 @@ class Planner:
         # the dispatch's sizes in the compute dtype, its reruns from the trace without recomputation
         experts_calls = tuple(replace(c, rerun=b.rerun, gather_rerun=b.gather_rerun)
                               for c, b in zip(compute.experts, base.experts))
-        numels, specs = self._local_sizes(plan, ep)
+        numels, specs, rows = self._local_sizes(plan, ep)
+        rows = {**rows, **{tie.follower: rows[tie.owner] for tie in stage_plan.ties}}  # a later stage's own copy
         param_dtype = precision or self.dtype
         param_elem = torch.empty(0, dtype=param_dtype).element_size()
         grad_elem = torch.empty(0, dtype=GRAD_DTYPE if precision is not None else param_dtype).element_size()
+        if dp_shard > 1:  # FSDP keeps the shards and their gradients in the model's dtype (sharded.py)
+            grad_elem = torch.empty(0, dtype=self.dtype).element_size()
 
         def stage_of(name: str) -> int:
             found = stage_of_module(stage_plan, name)
@@ -297,19 +304,28 @@ class Planner:
                                            pad=expert_replicas if zero_experts else 1)
             kv = {n: numel for n, numel in on_stage[s] if (spec := specs.get(n)) is not None and spec.replicas > 1}
             summed = {n: numel for n, numel in on_stage[s] if n in grad_sum}
+            fsdp = None if dp_shard == 1 else sharded_stage(
+                on_stage[s], rows, layers=stage_plan.layers, dp=dp, dp_shard=dp_shard, cp=cp, pp=pp,
+                microbatches=microbatches, per_microbatch=dp_shard_gather == "microbatch",
+                elem=grad_elem, compute_elem=param_elem, reduce_elem=grad_elem if precision is None else 4,
+                step_bytes=len(on_stage[s]) * STEP_BYTES)
             comm = stage_traffic(s, mesh=mesh, plan=plan, trace=base, stage_of=stage_of, act_elem=param_elem,
-                                 param_elem=param_elem, grad_elem=grad_elem, buckets=buckets if replicas > 1 else [],
+                                 param_elem=param_elem, grad_elem=grad_elem,
+                                 buckets=buckets if replicas > 1 and dp_shard == 1 else [],
                                  zero=zero, kv=kv, tied=tied[s], every=every[s], grad_sum=summed, recompute=recompute,
                                  loss_scaling=mixed_precision == "fp16", backend=backend, experts=experts_calls,
                                  expert_buckets=expert_buckets if expert_replicas > 1 else [],
-                                 zero_experts=zero_experts)
+                                 zero_experts=zero_experts, pieces=fsdp.pieces if fsdp else None)
+            comm.update(fsdp.comm if fsdp else {})
             others = set(stage_plan.heads) if s == pp - 1 else set()
             if s == 0:
                 others |= {n for n, _ in stage_plan.first_only} | ({stage_plan.entry} if stage_plan.entry else set())
             zero_sets = ([(buckets, replicas)] if zero else []) + (
                 [(expert_buckets, expert_replicas)] if zero_experts else [])
             state = rank_state(on_stage[s], sharded=zero_sets, param_elem=param_elem, grad_elem=grad_elem,
-                               mixed=precision is not None)
+                               mixed=precision is not None) if fsdp is None else RankState(
+                weight_bytes=fsdp.weight_bytes, grad_bytes=fsdp.grad_bytes, master_bytes=0,
+                moment_bytes=fsdp.moment_bytes, step_bytes=fsdp.step_bytes)
             chunks = stage_plan.chunks_of(s)
             ranges = tuple(stage_plan.layer_ranges[c] for c in chunks)
             expert_params = sum(n for name, n in on_stage[s] if name in self._experts)
@@ -330,7 +346,9 @@ class Planner:
                 expert_grad_bytes=sum(n for _, n in experts) * grad_elem,
                 weight_stash_bytes_per_microbatch=sum(stash[c] for c in chunks), in_flight_w=held.f_to_w,
                 chunk_activation_bytes=tuple(activations[c] for c in chunks),
-                flops_per_microbatch=flops, weight_grad_flops_per_microbatch=weight_flops))
+                flops_per_microbatch=flops, weight_grad_flops_per_microbatch=weight_flops,
+                gathered_bytes=fsdp.gathered_bytes if fsdp else 0,
+                accumulated_grad_bytes=fsdp.accumulated_grad_bytes if fsdp else 0))
         slowest = max(stages, key=lambda e: e.flops_per_microbatch)
         costs = op_costs(compute=slowest.flops_per_microbatch, weight=slowest.weight_grad_flops_per_microbatch,
                          comm=0.0, recompute=recompute, schedule=schedule, virtual_stages=virtual_stages)
@@ -346,7 +364,8 @@ class Planner:
                             layers=layers, boundary_bytes=base.boundary_numel * param_elem,
                             mixed_precision=mixed_precision, zero=zero or zero_experts, recompute=recompute,
                             sequence_parallel=plan.sequence_parallel, cp=cp, ep=ep,
-                            expert_flop_share=expert_flop_share, virtual_stages=virtual_stages)
+                            expert_flop_share=expert_flop_share, virtual_stages=virtual_stages,
+                            dp_shard=dp_shard, dp_shard_gather=dp_shard_gather)
 
     def _deferred(self, heads: tuple[str, ...]) -> frozenset[str]:
         """The linear modules whose weight gradients zb_h1 defers to W: those ``parallelize`` hands to
@@ -357,7 +376,7 @@ class Planner:
             self._deferrable = frozenset(n.rpartition(".")[0] for n in names)
         return self._deferrable
 
-    def _local_sizes(self, plan, ep: int = 1) -> tuple[dict[str, int], dict]:
+    def _local_sizes(self, plan, ep: int = 1) -> tuple[dict[str, int], dict, dict[str, int]]:
         if (plan.tp, ep) not in self._sharded:
             self._sharded[(plan.tp, ep)] = local_sizes(self.config, dtype=self.dtype, plan=plan, ep=ep,
                                                        experts=self._experts)
@@ -369,11 +388,11 @@ def estimate_mesh(config: PretrainedConfig, *, dp: int, tp: int, pp: int, microb
                   bucket_mb: float = DEFAULT_BUCKET_MB, policy: ModelPolicy | None = None,
                   layers_per_stage: list[int] | None = None, mixed_precision: str | None = None,
                   zero: bool = False, recompute: str | None = None, sequence_parallel: bool = False,
-                  cp: int = 1, ep: int = 1, backend: str = "nccl", virtual_stages: int = 1) -> MeshEstimate:
+                  cp: int = 1, ep: int = 1, backend: str = "nccl", virtual_stages: int = 1, dp_shard: int = 1,
+                  dp_shard_gather: str = "step") -> MeshEstimate:
     """Estimate one mesh (see ``Planner``); raises the ``ValueError`` ``parallelize`` would raise."""
     planner = Planner(config, seq_len=seq_len, micro_batch_size=micro_batch_size, dtype=dtype, policy=policy)
     return planner.estimate(dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule, bucket_mb=bucket_mb,
                             layers_per_stage=layers_per_stage, mixed_precision=mixed_precision, zero=zero,
                             recompute=recompute, sequence_parallel=sequence_parallel, cp=cp, ep=ep, backend=backend,
-                            virtual_stages=virtual_stages)
-
+                            virtual_stages=virtual_stages, dp_shard=dp_shard, dp_shard_gather=dp_shard_gather)

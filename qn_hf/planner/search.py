@@ -9,8 +9,11 @@ validation ``parallelize`` runs (heads and KV heads over tp, blocks over pp, wha
 can compute) and ``train_step``'s check of the sequence length (2*cp chunks); a rejected mesh keeps
 that exact message. Expert parallelism is not enumerated: ``ep`` is given and every mesh takes it
 (those whose dp x tp it does not divide are rejected with ``parallelize``'s message); with ep > 1
-cp is 1 unless given (``parallelize`` refuses both at once). Accepted
-meshes are ranked: those that fit the GPU memory first, then by estimated tokens per second.
+cp is 1 unless given (``parallelize`` refuses both at once). Sharded data parallelism is given too
+(``dp_shard``: every mesh takes it, those whose dp it does not divide rejected), or enumerated
+(``dp_shard=None``: each mesh at every dp_shard dividing its dp; ZeRO-1, if asked for, only at
+dp_shard=1, as dp_shard already shards what ZeRO-1 shards and more). Accepted meshes are ranked:
+those that fit the GPU memory first, then by estimated tokens per second.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class Rejected:
     reason: str
     cp: int = 1
     ep: int = 1
+    dp_shard: int = 1
 
 
 def meshes(gpus: int, *, gpus_per_node: int, cp: int | None = None, max_cp: int = MAX_CP) -> list[tuple[int, int, int, int]]:
@@ -83,29 +87,34 @@ def search(planner: Planner, *, gpus: int, hw: Hardware, microbatches: int | Non
            mixed_precision: str | None = None, zero: bool = False, recompute: str | None = None,
            sequence_parallel: bool = False, cp: int | None = None, max_cp: int = MAX_CP,
            ep: int = 1, virtual_stages: int = 1, global_batch: int | None = None,
-           fixed: dict[str, int] | None = None) -> tuple[list[Candidate], list[Rejected]]:
+           fixed: dict[str, int] | None = None, dp_shard: int | None = 1,
+           dp_shard_gather: str = "step") -> tuple[list[Candidate], list[Rejected]]:
     """Every mesh for ``gpus`` (``cp`` and ``max_cp`` as ``meshes`` takes them; ``fixed`` degrees, e.g.
     ``{"tp": 8}``, kept), estimated with the training settings, ``ep``, ``schedule`` and
     ``virtual_stages`` given (as ``Planner.estimate``; interleaved_1f1b refuses pp=1 meshes with its
     message). With ``global_batch`` every mesh trains exactly that many sequences per step (its
-    microbatches follow from dp); a mesh that cannot is rejected, saying why."""
+    microbatches follow from dp); a mesh that cannot is rejected, saying why. ``dp_shard``: given, or
+    None to enumerate it (module docstring); ``dp_shard_gather`` as ``parallelize`` takes it."""
     accepted, rejected = [], []
     cp = 1 if cp is None and ep > 1 else cp
     fixed = fixed or {}
     for dp, tp, pp, c in meshes(gpus, gpus_per_node=hw.gpus_per_node, cp=cp, max_cp=max_cp):
         if any({"dp": dp, "tp": tp, "pp": pp, "cp": c}[k] != v for k, v in fixed.items()):
             continue
-        try:
-            est = planner.estimate(dp=dp, tp=tp, pp=pp, cp=c,
-                                   microbatches=microbatches_for(pp, microbatches, schedule=schedule, dp=dp,
-                                                                 global_batch=global_batch,
-                                                                 micro_batch_size=planner.micro_batch_size),
-                                   schedule=schedule, virtual_stages=virtual_stages, mixed_precision=mixed_precision,
-                                   zero=zero, recompute=recompute, sequence_parallel=sequence_parallel, ep=ep)
-        except ValueError as e:
-            rejected.append(Rejected(dp=dp, tp=tp, pp=pp, cp=c, ep=ep, reason=str(e)))
-            continue
-        accepted.append(evaluate(est, hw=hw))
+        for shard in [d for d in range(1, dp + 1) if dp % d == 0] if dp_shard is None else [dp_shard]:
+            try:
+                est = planner.estimate(dp=dp, tp=tp, pp=pp, cp=c,
+                                       microbatches=microbatches_for(pp, microbatches, schedule=schedule, dp=dp,
+                                                                     global_batch=global_batch,
+                                                                     micro_batch_size=planner.micro_batch_size),
+                                       schedule=schedule, virtual_stages=virtual_stages,
+                                       mixed_precision=mixed_precision, zero=zero and (shard == 1 or dp_shard is not None),
+                                       recompute=recompute, sequence_parallel=sequence_parallel, ep=ep,
+                                       dp_shard=shard, dp_shard_gather=dp_shard_gather)
+            except ValueError as e:
+                rejected.append(Rejected(dp=dp, tp=tp, pp=pp, cp=c, ep=ep, dp_shard=shard, reason=str(e)))
+                continue
+            accepted.append(evaluate(est, hw=hw))
     accepted.sort(key=lambda c: (not c.fits, -c.time.tokens_per_s))
     return accepted, rejected
 

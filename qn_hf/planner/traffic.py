@@ -142,15 +142,17 @@ def stage_traffic(s: int, *, mesh: Mesh, plan: TpPlan, trace: Trace, stage_of: C
                   kv: dict[str, int], tied: dict[str, int], grad_sum: dict[str, int], recompute: str | None,
                   every: dict[str, int] | None = None,
                   loss_scaling: bool, backend: str = "nccl", experts: tuple[ExpertCall, ...] = (),
-                  expert_buckets: Sequence[Bucket] = (), zero_experts: bool = False) -> dict[str, GroupTraffic]:
+                  expert_buckets: Sequence[Bucket] = (), zero_experts: bool = False,
+                  pieces: dict[str, int] | None = None) -> dict[str, GroupTraffic]:
     """``kv``, ``tied`` and ``grad_sum``: this stage's replicated-KV, cross-stage-tied and
     summed-over-tp parameters -> elements; ``every``: its copy of what every stage holds (summed over pp); ``experts``: the trace's experts calls (in the compute
     dtype), ``expert_buckets``: the buckets summed over "experts" (none when one rank holds each),
-    sharded over those ranks under ``zero_experts``."""
+    sharded over those ranks under ``zero_experts``; ``pieces``: under dp_shard, this rank's elements of
+    each parameter, which the tp, kv, tie and pp sums move (under ZeRO its pieces of the buckets)."""
     dp, tp, pp, cp, microbatches = mesh.dp, mesh.tp, mesh.pp, mesh.cp, mesh.microbatches
     replicas = dp * cp
     out: dict[str, GroupTraffic] = {}
-    pieces = owned(buckets, dp=replicas) if zero else None
+    pieces = owned(buckets, dp=replicas) if zero else pieces
     # under sequence parallelism each tp rank dispatches its own slice: no tp sharing out (dispatch.py)
     dispatch = expert_ops(experts, ep=mesh.ep, tp=1 if plan.sequence_parallel else tp, recompute=recompute,
                           on_stage=lambda name: stage_of(name) == s)
