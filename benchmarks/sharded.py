@@ -30,13 +30,12 @@ accelerate-style model alternating ``--rounds`` times; the ratio qn_hf / acceler
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from world import StepPeak, median_step_seconds, run_world, save_tiny_llama, storage_bytes
+from world import benchmark_parser, StepPeak, median_step_seconds, run_world, save_tiny_llama, storage_bytes
 
 CONFIG = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6,
               num_key_value_heads=6, vocab_size=8192, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
@@ -164,9 +163,7 @@ def _label(kind: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=4)
+    parser = benchmark_parser(__doc__, steps=4)
     args = parser.parse_args()
     path = save_tiny_llama(CONFIG, prefix="qn_hf_sharded_")
     world = 4
@@ -188,7 +185,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for kind in kinds:
         r, plan = results[kind], _planned(path, world, kind)
-        planned = f"{(plan.activation_bytes + plan.step_bytes) / mib:.1f} | {plan.total_bytes / mib:.1f}" if plan \
+        planned = f"{(plan.activation_bytes + plan.unsharded_bytes) / mib:.1f} | {plan.total_bytes / mib:.1f}" if plan \
             else "- | -"
         print(f"| {_label(kind)} | {r['held'] / mib:.1f} | {r['peak'] / mib:.1f} | {(r['held'] + r['peak']) / mib:.1f} "
               f"| {planned} |")

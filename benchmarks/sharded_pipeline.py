@@ -21,12 +21,10 @@ stage 0:
 
 from __future__ import annotations
 
-import argparse
-import statistics
 
 import torch
 from torch.distributed.tensor import DTensor
-from world import StepPeak, median_step_seconds, run_world, save_tiny_llama, storage_bytes
+from world import alternating_medians, benchmark_parser, StepPeak, median_step_seconds, run_world, save_tiny_llama, storage_bytes
 
 CONFIG = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
               num_key_value_heads=8, vocab_size=8192, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
@@ -93,9 +91,7 @@ def time_worker(rank: int, world: int, path: str, run: str, steps: int) -> float
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=3)
+    parser = benchmark_parser(__doc__, steps=3)
     args = parser.parse_args()
     path = save_tiny_llama(CONFIG, prefix="qn_hf_sharded_pp_")
     mib = 2**20
@@ -111,13 +107,9 @@ def main() -> None:
         print(f"| {run} | {held['weights'] / mib:.1f} | {held['grads'] / mib:.1f} | {held['state'] / mib:.1f} | "
               f"{r['peak'] / mib:.1f} ({r['schedule_peak'] / mib:.1f}) | {(sum(held.values()) + r['peak']) / mib:.1f} | "
               f"{ag[0]}, {ag[1] / mib:.1f} | {rs[0]}, {rs[1] / mib:.1f} |")
-    times = {run: [] for run in RUNS}
-    for _ in range(args.rounds):
-        for run in RUNS:
-            times[run].append(run_world(time_worker, world=4, extra=(path, run, args.steps)))
-    base = statistics.median(times["dp=2, no dp_shard"])
-    for run, values in times.items():
-        t = statistics.median(values)
+    times = alternating_medians(time_worker, RUNS, world=4, rounds=args.rounds, extra=lambda run: (path, run, args.steps))
+    base = times["dp=2, no dp_shard"]
+    for run, t in times.items():
         print(f"step time, {run}: {t * 1e3:.0f} ms ({t / base:.2f}x the unsharded pipeline; median of {args.rounds} "
               f"alternating rounds of {args.steps} steps)")
 

@@ -6,6 +6,7 @@ every distributed number meaningless (torch DDP ran 11x slower here that way).
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import tempfile
 import time
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 from qn_hf.local_world import LocalWorld, threads_per_rank
 
-__all__ = ["StepPeak", "median_step_seconds", "run_world", "save_tiny_llama", "storage_bytes", "threads_per_rank"]
+__all__ = ["StepPeak", "alternating_medians", "benchmark_parser", "median_step_seconds", "run_world", "save_tiny_llama", "storage_bytes", "threads_per_rank"]
 BENCHMARK_TIMEOUT_S = 3600.0
 
 
@@ -40,6 +41,24 @@ def storage_bytes(tensors) -> int:
             seen.add(key)
             total += t.untyped_storage().nbytes()
     return total
+
+
+def benchmark_parser(doc: str, *, steps: int) -> argparse.ArgumentParser:
+    """The options every alternating-rounds benchmark takes: ``--rounds`` and ``--steps``."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=steps)
+    return parser
+
+
+def alternating_medians(body: Callable, runs, *, world: int, rounds: int, extra: Callable[[str], tuple]) -> dict:
+    """Each of ``runs`` timed ``rounds`` times, the runs alternating within each round (so a machine's
+    drift hits all alike): ``body(rank, world, *extra(run))`` returns rank 0's seconds; the median per run."""
+    times = {run: [] for run in runs}
+    for _ in range(rounds):
+        for run in runs:
+            times[run].append(run_world(body, world=world, extra=extra(run)))
+    return {run: statistics.median(values) for run, values in times.items()}
 
 
 def median_step_seconds(step: Callable[[int], None], *, steps: int) -> float:

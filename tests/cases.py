@@ -241,12 +241,13 @@ def mixed_precision_steps(*, model_dir: str, precision: str, dp: int, dp_shard: 
     return {"losses": losses, "dtypes": sorted({str(p.dtype) for p in pm.parameters()})}
 
 
-def accumulation(*, kind: str, model_dir: str, dp: int, dp_shard: int) -> dict:
+def accumulation(*, kind: str, model_dir: str, dp: int, dp_shard: int, pp: int = 1) -> dict:
     """Two train_steps, the first inside ``pm.no_sync()``: the gradients are those of the two global
-    batches' mean losses summed, as the plain model's two backward passes accumulate them."""
+    batches' mean losses summed, as the plain model's two backward passes accumulate them (under pp,
+    two microbatches a step, this stage's parameters)."""
     torch.manual_seed(0)
-    ref, pm = load(kind, model_dir), qn_hf.parallelize(load(kind, model_dir), dp=dp, dp_shard=dp_shard,
-                                                       mesh=mesh_for(dp, 1))
+    ref, pm = load(kind, model_dir), qn_hf.parallelize(load(kind, model_dir), dp=dp, dp_shard=dp_shard, pp=pp,
+                                                       microbatches=2 if pp > 1 else 1, mesh=mesh_for(dp, 1, pp))
     batches = [make_batch(kind, size=dp * 2, seed=seed) for seed in (3, 4)]
     with pm.no_sync():
         pm.train_step(dp_slice(batches[0], dp=dp, dp_rank=pm.coords["dp"]))

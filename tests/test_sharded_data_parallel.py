@@ -121,9 +121,12 @@ def test_sharded_data_parallel_with_lora_equals_peft(worlds, model_dirs, tmp_pat
         assert r["generated"] is True, r
 
 
-def test_sharded_data_parallel_accumulates_inside_no_sync(worlds, model_dirs):
-    """``pm.no_sync()`` keeps FSDP's gradients unreduced; the next step reduces both batches' at once."""
-    for r in worlds.run(2, cases.accumulation, kind="llama", model_dir=model_dirs["llama"], dp=2, dp_shard=2):
+@pytest.mark.parametrize("pp", [1, 2])
+def test_sharded_data_parallel_accumulates_inside_no_sync(worlds, model_dirs, pp):
+    """``pm.no_sync()`` keeps FSDP's gradients unreduced; the next step reduces both batches' at once
+    (under pp, the stage's gradients kept whole past the step's end, then reduced once)."""
+    for r in worlds.run(2 * pp, cases.accumulation, kind="llama", model_dir=model_dirs["llama"], dp=2, dp_shard=2,
+                        pp=pp):
         assert r["grad_err"] < GRAD_ATOL, r
         assert r["deferred"], r
 

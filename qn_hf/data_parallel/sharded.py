@@ -9,7 +9,10 @@ after, prefetching the next block's all-gather, and it takes whatever qn_hf's te
 on the module as plain tensors (the local tp shard, sharded again over dp_shard). What qn_hf sets:
 
 * one FSDP group per block (``stage_plan.layers``) and one for the rest (the root: embeddings, final
-  norm, head), so at most one block's weights are whole at a time besides the root's;
+  norm, head), so a few blocks' weights are whole at a time besides the root's: the one running and
+  the next, prefetched (its all-gather issued before the running block's compute, in forward and in
+  backward; each block's reduce-scatter issued as its backward ends, before the previous block's
+  backward), and in forward the running block's all-gather output, which FSDP keeps a while;
 * gradients summed, not averaged: qn_hf's loss is already each rank's share of the global mean (its
   targets over the global count, ``ParallelModel._run``), as the dp buckets sum it. FSDP's default
   divides by the data-parallel size, and a divide factor of 1 reduces with a pre-multiplied sum that
@@ -79,6 +82,16 @@ class ShardedParameters:
             fully_shard(block, mesh=mesh, mp_policy=policy, ignored_params=ignored)
         fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored)
         self.pipelined, self.gather = pipelined, gather
+        if not pipelined:
+            # Explicit forward prefetch: each group's pre-forward issues the next block's all-gather before
+            # its own compute is issued (on GPU it runs on FSDP's all-gather stream meanwhile). FSDP's own
+            # forward order issues it only at the next block's pre-forward, leaving the overlap to the CPU
+            # running ahead of the GPU. The price: FSDP keeps a forward all-gather's output until the next
+            # copy-out, so three blocks' weights are whole at once in forward, not two (the planner counts
+            # it). Backward prefetches one block ahead by default. Under a pipeline a chunk's next block
+            # may run in another chunk, so the default stays (and "step" gathers once anyway).
+            for unit, following in zip([model, *blocks], blocks):
+                unit.set_modules_to_forward_prefetch([following])
         if pipelined:
             # FSDP finds the groups under its root at the root's first forward; with several chunks per
             # rank that forward runs in one chunk's view, which hides the other chunks' blocks (they

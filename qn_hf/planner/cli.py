@@ -35,9 +35,9 @@ then listed per chunk), zb_h1 splits the backward and defers the linear layers' 
 the default microbatch count (4 per stage) is raised to the next one the schedule allows.
 --dp-shard N is sharded data parallelism (``parallelize(dp_shard=N)``: FSDP2 shards weights,
 gradients and AdamW state over N dp ranks (x cp), all-reduced across the dp/N groups; every mesh
-takes it, those whose dp it does not divide rejected); --dp-shard all plans each mesh at every
-dp_shard dividing its dp (ZeRO-1, if --zero, at dp_shard=1 only), so a mesh that fits only sharded
-is ranked with the rest. Its memory adds the whole weights gathered during a step and, under a
+takes it, those whose dp it does not divide rejected); with --gpus the default (or --dp-shard all)
+plans each mesh at every dp_shard dividing its dp (ZeRO-1, if --zero, at dp_shard=1 only), so a mesh
+that fits only sharded is ranked with the rest; one mesh (--dp --tp --pp) takes 1 unless given. Its memory adds the whole weights gathered during a step and, under a
 pipeline, the whole gradients kept until the step's reduction (the "gathered" column);
 --dp-shard-gather is ``parallelize``'s (under pp: gather once a step, or per microbatch).
 Memory is per rank: weights + gradients + AdamW state, plus activations (what one microbatch
@@ -78,10 +78,10 @@ def parse_bytes(text: str) -> int:
     return int(float(match[1]) * scale)
 
 
-def _dp_shard(text: str) -> int | None:
-    """--dp-shard: a positive number, or "all" (None: every divisor of each mesh's dp)."""
+def _dp_shard(text: str) -> int | str:
+    """--dp-shard: a positive number, or "all" (every divisor of each mesh's dp)."""
     if text == "all":
-        return None
+        return text
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is neither a positive number nor 'all'")
     return int(text)
@@ -146,7 +146,7 @@ def mesh_report(est: MeshEstimate, hw: Hardware) -> str:
             f"| {gib(s.weight_bytes)} | {gib(s.grad_bytes)} | {gib(s.optimizer_bytes)} "
             f"| {gib(s.activation_bytes_per_microbatch)} |"
             + (f" {gib(s.weight_stash_bytes_per_microbatch)} |" if stash else "")
-            + f" {s.in_flight} | {gib(s.activation_bytes)} |" + (f" {gib(s.step_bytes)} |" if fsdp else "")
+            + f" {s.in_flight} | {gib(s.activation_bytes)} |" + (f" {gib(s.unsharded_bytes)} |" if fsdp else "")
             + f" {gib(s.total_bytes)} "
             f"| {comm['tp']:.2f} | {comm['cp']:.2f} | {comm['pp']:.2f} | {comm['dp']:.2f} |"
             + (f" {comm['ep']:.2f} |" if ep else "")
@@ -224,7 +224,7 @@ def to_json(est: MeshEstimate, hw: Hardware) -> dict:
     for stage, s in zip(out["stages"], est.stages):
         if len(s.chunks) == 1:
             stage["blocks"] = s.blocks
-        for what in ("weight", "grad", "optimizer", "state", "activation", "step", "total"):
+        for what in ("weight", "grad", "optimizer", "state", "activation", "unsharded", "total"):
             stage[f"{what}_bytes"] = getattr(s, f"{what}_bytes")
     return out
 
@@ -258,8 +258,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="recompute each block's activations in backward (default: keep them)")
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="split the activations between tensor-parallel regions over tp (needs tp > 1)")
-    parser.add_argument("--dp-shard", type=_dp_shard, default=1,
-                        help="sharded data parallelism (FSDP) over N dp ranks, or 'all': every N dividing dp (default 1)")
+    parser.add_argument("--dp-shard", type=_dp_shard, default=None,
+                        help="sharded data parallelism (FSDP) over N dp ranks, or 'all': every N dividing dp "
+                             "(default: all with --gpus, 1 for one mesh)")
     parser.add_argument("--dp-shard-gather", choices=["step", "microbatch"], default="step",
                         help="under pp with --dp-shard: gather a stage's weights once a step (default) or per microbatch")
     parser.add_argument("--gpus-per-node", type=int, default=8)
@@ -275,8 +276,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.gpus is None and not whole_mesh:
         parser.error("give --gpus N (every mesh for N GPUs, keeping any of --dp/--tp/--pp/--cp given) or all of "
                      "--dp, --tp and --pp")
-    if whole_mesh and args.dp_shard is None:
+    if whole_mesh and args.dp_shard == "all":
         parser.error("--dp-shard all searches dp_shard over the meshes of --gpus; with --dp/--tp/--pp give a number")
+    dp_shard = None if args.dp_shard in (None, "all") and not whole_mesh else args.dp_shard or 1
     if args.microbatches is not None and args.global_batch is not None:
         parser.error("give --microbatches or --global-batch, not both (the global batch fixes the microbatches)")
     for name in ("gpus", "global_batch", *explicit):
@@ -301,12 +303,12 @@ def main(argv: list[str] | None = None) -> None:
                                             global_batch=args.global_batch, micro_batch_size=args.micro_batch_size)
             est = planner.estimate(dp=args.dp, tp=args.tp, pp=args.pp, cp=cp, ep=args.ep, microbatches=microbatches,
                                    schedule=args.schedule, virtual_stages=args.virtual_stages,
-                                   dp_shard=args.dp_shard, dp_shard_gather=args.dp_shard_gather, **training)
+                                   dp_shard=dp_shard, dp_shard_gather=args.dp_shard_gather, **training)
             print(json.dumps(to_json(est, hw), indent=1) if args.json else mesh_report(est, hw))
             return
         accepted, rejected = search(planner, gpus=args.gpus, hw=hw, microbatches=args.microbatches, schedule=args.schedule,
                                     virtual_stages=args.virtual_stages, cp=args.cp, ep=args.ep,
-                                    global_batch=args.global_batch, fixed=explicit, dp_shard=args.dp_shard,
+                                    global_batch=args.global_batch, fixed=explicit, dp_shard=dp_shard,
                                     dp_shard_gather=args.dp_shard_gather, **training)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -316,13 +318,13 @@ def main(argv: list[str] | None = None) -> None:
                                      for i, c in enumerate(accepted, 1)],
                           "rejected": [dataclasses.asdict(r) for r in rejected]}, indent=1))
         return
-    label = settings(**training, dp_shard=args.dp_shard or 1) + (", dp_shard searched" if args.dp_shard is None else "")
+    label = settings(**training, dp_shard=dp_shard or 1) + (", dp_shard searched" if dp_shard is None else "")
     kept = "".join(f", {k}={v}" for k, v in explicit.items())
     batch = f", global batch {args.global_batch}" if args.global_batch else ""
     print(f"{config.model_type}: {planner.total_params:,} parameters, {args.gpus} GPUs{kept}, sequences of {seq_len}, "
           f"micro-batch {args.micro_batch_size}{batch}, {label}" + (f", ep={args.ep}" if args.ep > 1 else ""))
     print(ranking_report(accepted, rejected, hw=hw, top=args.top, label=label, ep=args.ep,
-                         dp_shard=args.dp_shard != 1))
+                         dp_shard=dp_shard != 1))
     if accepted:
         print("\nbest mesh in detail:\n")
         print(mesh_report(accepted[0].estimate, hw))

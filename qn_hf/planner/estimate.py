@@ -113,14 +113,14 @@ class StageEstimate:
         return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
 
     @property
-    def step_bytes(self) -> int:
+    def unsharded_bytes(self) -> int:
         """What a step holds besides the state and activations (dp_shard's gathered weights and whole
         gradients)."""
         return self.gathered_bytes + self.accumulated_grad_bytes
 
     @property
     def total_bytes(self) -> int:
-        return self.state_bytes + self.activation_bytes + self.step_bytes
+        return self.state_bytes + self.activation_bytes + self.unsharded_bytes
 
 
 @dataclass(frozen=True)

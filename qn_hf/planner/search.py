@@ -112,8 +112,9 @@ def search(planner: Planner, *, gpus: int, hw: Hardware, microbatches: int | Non
                                        recompute=recompute, sequence_parallel=sequence_parallel, ep=ep,
                                        dp_shard=shard, dp_shard_gather=dp_shard_gather)
             except ValueError as e:
-                rejected.append(Rejected(dp=dp, tp=tp, pp=pp, cp=c, ep=ep, dp_shard=shard, reason=str(e)))
-                continue
+                if not any((r.dp, r.tp, r.pp, r.cp, r.reason) == (dp, tp, pp, c, str(e)) for r in rejected):
+                    rejected.append(Rejected(dp=dp, tp=tp, pp=pp, cp=c, ep=ep, dp_shard=shard, reason=str(e)))
+                continue  # (the same reason at another dp_shard is listed once)
             accepted.append(evaluate(est, hw=hw))
     accepted.sort(key=lambda c: (not c.fits, -c.time.tokens_per_s))
     return accepted, rejected

@@ -13,10 +13,12 @@ of the shards and its 4-byte step per tensor. While a step runs, besides activat
 
 * gathered weights, in the compute dtype, whole and padded (a gathered parameter is a view of its
   all-gather output: W shards of ceil(rows / W) rows): the root's for the whole step; without a
-  pipeline (or gathering per microbatch) two blocks at once at most: the block running, and the
-  all-gather output of the block FSDP prefetches in backward, or in forward of the next block before
-  its copy-out; under a pipeline gathering once a step, every block of the stage and once more the
-  last one's all-gather output, which FSDP keeps until its next copy-out;
+  pipeline three blocks at once at most, in forward: the block running, its all-gather output (FSDP
+  keeps a forward all-gather's output until the next copy-out) and the next block's, prefetched
+  before the running block computes (in backward two: the running block and the prefetched one's
+  output); under a pipeline gathering per microbatch two (no forward prefetch there), and gathering
+  once a step every block of the stage and once more the last one's all-gather output, which FSDP
+  keeps until its next copy-out;
 * under a pipeline, the gradients accumulated whole over the step's microbatches until the step's one
   reduction (float32 under mixed precision, FSDP's reduce dtype; else the weights' dtype). Without one,
   each group's whole gradient lives only between its backward and its reduce-scatter (not counted,
@@ -89,7 +91,9 @@ def sharded_stage(held: tuple[tuple[str, int], ...], rows: dict[str, int], *, la
     shard = sum(u.shard for u in groups)
     # whole weights are held padded: each parameter is a view of its all-gather output, W padded shards
     largest = max((b.shard * width for b in blocks), default=0)
-    if pp == 1 or per_microbatch:
+    if pp == 1:  # the running block, its all-gather output FSDP keeps in forward, the next one's prefetched
+        gathered = root.shard * width + 3 * largest
+    elif per_microbatch:  # no forward prefetch (see ShardedParameters): the running block and one output
         gathered = root.shard * width + 2 * largest
     else:
         gathered = root.shard * width + sum(b.shard * width for b in blocks) + largest
