@@ -61,7 +61,6 @@ REFUSED_CONFIGS = {
                                                                schedule="interleaved_1f1b", virtual_stages=2)),
     (Feature.DP_SHARD, Feature.PP_ZB_H1): ("llama", dict(dp=2, dp_shard=2, pp=2, microbatches=2, schedule="zb_h1")),
     (Feature.DP_SHARD, Feature.ZERO): ("llama", dict(dp=2, dp_shard=2, extra=frozenset({Feature.ZERO}))),
-    (Feature.DP_SHARD, Feature.COMPILE): ("llama", dict(dp=2, dp_shard=2, compile=True)),
 }
 
 

@@ -125,9 +125,6 @@ ROWS: tuple[Row, ...] = (
     Row(F.DP_SHARD, F.ZERO, S.REFUSED, message=(
         "zero=True with dp_shard={dp_shard}: dp_shard already shards the optimizer state, the master weights, the "
         "gradients and the weights over its dp_shard ranks; leave zero=False (dp_shard=dp shards over every dp rank)")),
-    Row(F.DP_SHARD, F.COMPILE, S.REFUSED, message=(
-        "compile=True with dp_shard={dp_shard} is not supported yet: no test compiles FSDP's gathered blocks here; "
-        "use compile=False with dp_shard, or dp_shard=1 with compile=True")),
     Row(F.ZERO, F.EP, S.PLAIN, f"{_EP_ZERO}[qwen3_moe-2-2-1-2-None]"),
     # ring attention switched off: every cp rank holds the whole model and runs the loop on whole sequences
     Row(F.GENERATE, F.CP, S.PLAIN, "tests/test_generation.py::test_generate_equals_plain_model[dp1-tp1-pp2-cp2]"),
@@ -249,6 +246,8 @@ ROWS: tuple[Row, ...] = (
     Row(F.DP_SHARD, F.TP, S.PLAIN, f"{_FSDP}[gpt2-dp2-shard2-tp2]"),
     Row(F.DP_SHARD, F.SP, S.PLAIN, f"{_FSDP}[llama-dp2-shard2-tp2-sp]"),
     Row(F.DP_SHARD, F.RECOMPUTE, S.PLAIN, f"{_FSDP}[gpt2-dp2-shard2-tp1-full]"),
+    # each block compiled in place, FSDP's hooks on it run eagerly around its graph (step/compile.py)
+    Row(F.DP_SHARD, F.COMPILE, S.PLAIN, "tests/test_compile.py::test_compiled_sharded_data_parallel"),
     # each stage's own FSDP groups, reduced once per step after its last backward and weight pass
     Row(F.DP_SHARD, F.PP_1F1B, S.PLAIN, f"{_FSDP_PP}[llama-dp2-shard2-tp1-pp2-1f1b-step]"),
     Row(F.DP_SHARD, F.PP_GPIPE, S.PLAIN, f"{_FSDP_PP}[gpt2-dp2-shard2-tp1-pp2-gpipe-step]"),

@@ -24,6 +24,12 @@ device generator's state, which dynamo does not trace. A block compiles as the p
 the attention, and the rest; dropout inside each piece draws from the stream its hooks set, as in eager
 (from inductor's generator, seeded from that stream: the masks are not eager's bit for bit).
 
+Sharded data parallelism (dp_shard): FSDP2's ``fully_shard`` goes on each compiled block afterwards, as
+torchtitan applies it. Its forward and backward hooks sit on the block, and dynamo leaves FSDP's hooks
+out of the graph (``torch._dynamo.config.skip_fsdp_hooks``): they run eagerly around the block's compiled
+code, all-gathering its weights before and reduce-scattering its gradients after, and the graph sees the
+gathered weights as plain parameters (no graph break beyond the random streams', nothing recompiled).
+
 Recomputation: torch's checkpoint turns dynamo off for everything it calls, so a block whose forward
 transformers checkpoints keeps its checkpoint (recompute.py's, with the random streams rewound) eager, around
 a compiled forward, which the recomputation runs again whole (in evaluation nothing is checkpointed and
