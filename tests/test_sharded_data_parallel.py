@@ -170,8 +170,17 @@ def test_sharded_pipeline_checkpoint_resumes_at_other_meshes(worlds, model_dirs,
 
 @pytest.mark.long
 def test_checkpoint_resumes_into_dp_shard(worlds, model_dirs, tmp_path):
-    """And back: saved at tp=2, resumed at dp_shard=2 (each rank keeps its rows of what it reads)."""
-    _resume_everywhere(worlds, model_dirs, tmp_path, saved_at=(1, 2, 1), meshes=[(2, 1, 2, False)])
+    """And back: saved at tp=2, resumed at dp_shard=2 and at dp_shard=4 (each rank keeps its rows of
+    what it reads; 101 vocabulary rows over 4 leave the last rank 23 of 26)."""
+    _resume_everywhere(worlds, model_dirs, tmp_path, saved_at=(1, 2, 1), meshes=[(2, 1, 2, False), (4, 1, 4, False)])
+
+
+@pytest.mark.long
+def test_checkpoint_saved_at_dp_shard_4_resumes_at_other_meshes(worlds, model_dirs, tmp_path):
+    """Saved at dp_shard=4 (the rows of uneven tensors padded on the last rank, not written): resumed at
+    the same mesh, at tp=2 and at dp=2."""
+    _resume_everywhere(worlds, model_dirs, tmp_path, saved_at=(4, 1, 4),
+                       meshes=[(4, 1, 4, False), (1, 2, 1, False), (2, 1, 1, False)])
 
 
 @pytest.mark.parametrize(("dp", "dp_shard", "tp", "ep"),
