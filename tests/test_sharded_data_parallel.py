@@ -183,17 +183,19 @@ def test_checkpoint_saved_at_dp_shard_4_resumes_at_other_meshes(worlds, model_di
                        meshes=[(4, 1, 4, False), (1, 2, 1, False), (2, 1, 1, False)])
 
 
-@pytest.mark.parametrize(("dp", "dp_shard", "tp", "ep"),
-                         [(4, 2, 1, 2), pytest.param(2, 2, 2, 2, marks=pytest.mark.long)],
-                         ids=["dp4-shard2-ep2", "dp2-shard2-tp2-ep2"])
-def test_sharded_data_parallel_with_expert_parallelism_equals_plain_model(worlds, tmp_path, dp, dp_shard, tp, ep):
+@pytest.mark.parametrize(("dp", "dp_shard", "tp", "ep", "pp"),
+                         [(4, 2, 1, 2, 1), pytest.param(2, 2, 2, 2, 1, marks=pytest.mark.long),
+                          pytest.param(4, 2, 1, 2, 2, marks=pytest.mark.long)],
+                         ids=["dp4-shard2-ep2", "dp2-shard2-tp2-ep2", "dp4-shard2-ep2-pp2"])
+def test_sharded_data_parallel_with_expert_parallelism_equals_plain_model(worlds, tmp_path, dp, dp_shard, tp, ep, pp):
     """Experts sharded over ep get FSDP groups of their own over the ranks holding the same experts
-    (their gradients summed there, as without dp_shard); the rest is sharded over dp_shard."""
+    (their gradients summed there, as without dp_shard); the rest is sharded over dp_shard. Under a
+    pipeline the experts' groups are gathered once a step, as the blocks are."""
     from tests.ep_cases import ep_parity
     from tests.test_expert_parallel import _check
 
-    results = worlds.run(dp * tp, ep_parity, model_type="qwen3_moe", out_dir=str(tmp_path / "hf"), dp=dp, tp=tp, pp=1,
-                         ep=ep, dp_shard=dp_shard)
+    results = worlds.run(dp * tp * pp, ep_parity, model_type="qwen3_moe", out_dir=str(tmp_path / "hf"), dp=dp, tp=tp,
+                         pp=pp, ep=ep, dp_shard=dp_shard, microbatches=2 if pp > 1 else 1)
     _check(results, ep=ep)
 
 

@@ -39,6 +39,7 @@ its own autograd call, and earlier chunks run the base model alone (no head). So
   forward and each backward and gathers them again for the next: at most the blocks in flight
   gathered, two all-gathers per block and microbatch (not with ZB-H1, whose weight passes need the
   weights after later forwards). Either way the gradients accumulate whole until the step's end.
+  The experts' own groups (under ep) follow the blocks' gather mode.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ class ShardedParameters:
             # would each become a root of their own, left out of the step's reduction). Now the model
             # holds all of this rank's blocks. No public call does it: FSDP's own state method.
             fully_shard.state(model)._lazy_init()
-        self.blocks = blocks
+        # what a pipeline's gather mode governs: the blocks, and the experts' own groups inside them
+        self.blocks = [*blocks, *(experts if expert_mesh is not None else ())]
         self.model = model
         self.mesh = mesh
         self.experts_sharded = bool(experts) and expert_mesh is not None
