@@ -36,7 +36,8 @@ the default microbatch count (4 per stage) is raised to the next one the schedul
 --dp-shard N is sharded data parallelism (``parallelize(dp_shard=N)``: FSDP2 shards weights,
 gradients and AdamW state over N dp ranks (x cp), all-reduced across the dp/N groups; every mesh
 takes it, those whose dp it does not divide rejected); with --gpus the default (or --dp-shard all)
-plans each mesh at every dp_shard dividing its dp (ZeRO-1, if --zero, at dp_shard=1 only), so a mesh
+plans each mesh at every dp_shard dividing its dp (ZeRO-1, if --zero, at dp_shard=1 only; with --ep
+only 1, as dp_shard with ep is not modelled), so a mesh
 that fits only sharded is ranked with the rest; one mesh (--dp --tp --pp) takes 1 unless given. Its memory adds the whole weights gathered during a step and, under a
 pipeline, the whole gradients kept until the step's reduction (the "gathered" column);
 --dp-shard-gather is ``parallelize``'s (under pp: gather once a step, or per microbatch).

@@ -11,8 +11,9 @@ that exact message. Expert parallelism is not enumerated: ``ep`` is given and ev
 (those whose dp x tp it does not divide are rejected with ``parallelize``'s message); with ep > 1
 cp is 1 unless given (``parallelize`` refuses both at once). Sharded data parallelism is given too
 (``dp_shard``: every mesh takes it, those whose dp it does not divide rejected), or enumerated
-(``dp_shard=None``: each mesh at every dp_shard dividing its dp; ZeRO-1, if asked for, only at
-dp_shard=1, as dp_shard already shards what ZeRO-1 shards and more). Accepted meshes are ranked:
+(``dp_shard=None``: each mesh at every dp_shard dividing its dp, only 1 under ep, which the planner
+does not model with dp_shard; ZeRO-1, if asked for, only at dp_shard=1, as dp_shard already shards what
+ZeRO-1 shards and more). Accepted meshes are ranked:
 those that fit the GPU memory first, then by estimated tokens per second.
 """
 
@@ -101,7 +102,9 @@ def search(planner: Planner, *, gpus: int, hw: Hardware, microbatches: int | Non
     for dp, tp, pp, c in meshes(gpus, gpus_per_node=hw.gpus_per_node, cp=cp, max_cp=max_cp):
         if any({"dp": dp, "tp": tp, "pp": pp, "cp": c}[k] != v for k, v in fixed.items()):
             continue
-        for shard in [d for d in range(1, dp + 1) if dp % d == 0] if dp_shard is None else [dp_shard]:
+        # enumerated, dp_shard stays 1 under ep: the planner does not model the experts' FSDP groups (unmodelled.py)
+        shards = [d for d in range(1, dp + 1) if dp % d == 0 and (d == 1 or ep == 1)] if dp_shard is None else [dp_shard]
+        for shard in shards:
             try:
                 est = planner.estimate(dp=dp, tp=tp, pp=pp, cp=c,
                                        microbatches=microbatches_for(pp, microbatches, schedule=schedule, dp=dp,
