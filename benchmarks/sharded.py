@@ -173,10 +173,11 @@ def main() -> None:
     print("| run | weights | gradients | master copies | optimizer state | total | bytes/param | theory | planner |")
     print("|---|---|---|---|---|---|---|---|---|")
     results, mib = {}, 2**20
+    plans = {kind: _planned(path, world, kind) for kind in kinds}
     for kind in kinds:
         r = results[kind] = run_world(bytes_worker, world=world, extra=(path, kind))
         total = r["weights"] + r["grads"] + r["masters"] + r["state"]
-        plan = _planned(path, world, kind)
+        plan = plans[kind]
         planned = f"{plan.state_bytes:,}" if plan else "-"
         print(f"| {_label(kind)} | {r['weights']:,} | {r['grads']:,} | {r['masters']:,} | {r['state']:,} | {total:,} | "
               f"{total / r['params']:.2f} | {theory[kind]:.2f} | {planned} |")
@@ -184,7 +185,7 @@ def main() -> None:
     print("| run | held | step's peak above it | peak in all | planner: activations + gathered | planner: peak |")
     print("|---|---|---|---|---|---|")
     for kind in kinds:
-        r, plan = results[kind], _planned(path, world, kind)
+        r, plan = results[kind], plans[kind]
         planned = f"{(plan.activation_bytes + plan.unsharded_bytes) / mib:.1f} | {plan.total_bytes / mib:.1f}" if plan \
             else "- | -"
         print(f"| {_label(kind)} | {r['held'] / mib:.1f} | {r['peak'] / mib:.1f} | {(r['held'] + r['peak']) / mib:.1f} "
@@ -196,7 +197,7 @@ def main() -> None:
     print("| run | all-gather | reduce-scatter | all-reduce | planner: dp_shard all-gather, reduce-scatter |")
     print("|---|---|---|---|---|")
     for kind in kinds:
-        ops, plan = results[kind]["traffic"], _planned(path, world, kind)
+        ops, plan = results[kind]["traffic"], plans[kind]
         cells = [f"{ops[o][0]}, {ops[o][1] / mib:.2f}" if o in ops else "-"
                  for o in ("all_gather", "reduce_scatter", "all_reduce")]
         fsdp = plan.comm.get("dp_shard") if plan else None

@@ -91,17 +91,18 @@ def _intervals(events: list[dict]) -> dict:
              "c10d::_reduce_scatter_base_": ("gloo:reduce_scatter", "gloo:all_reduce")}
     used, collectives = set(), []
     for call in calls:
-        work = next(w for i, w in enumerate(workers)
-                    if i not in used and w["name"] in kinds[call["name"]] and w["start"] >= call["start"])
-        used.add(workers.index(work))
-        # what FSDP was doing when it issued the call: the innermost hook around it
-        around = [e for e in main if e["start"] <= call["start"] <= e["end"] and e["name"].startswith("FSDP::")
-                  and not e["name"].startswith("FSDP::all_gather")]
-        inside = min(around, key=lambda e: e["end"] - e["start"])["name"] if around else "FSDP::root"
-        target = re.search(r"model\.layers\.(\d+)", next((e["name"] for e in main if e["start"] <= call["start"]
-                                                           <= e["end"] and e["name"].startswith(
-                                                               ("FSDP::all_gather", "FSDP::post_backward_reduce"))),
-                                                          ""))
+        i = next(i for i, w in enumerate(workers)
+                 if i not in used and w["name"] in kinds[call["name"]] and w["start"] >= call["start"])
+        used.add(i)
+        work = workers[i]
+        around = [e for e in main if e["start"] <= call["start"] <= e["end"] and e["name"].startswith("FSDP::")]
+        # what FSDP was doing when it issued the call: the innermost hook around it, not its own wrapper
+        hooks = [e for e in around if not e["name"].startswith("FSDP::all_gather")]
+        inside = min(hooks, key=lambda e: e["end"] - e["start"])["name"] if hooks else "FSDP::root"
+        # whose weights or gradients: the wrapper FSDP names after its group (none for the root)
+        wrapper = next((e["name"] for e in around
+                        if e["name"].startswith(("FSDP::all_gather", "FSDP::post_backward_reduce"))), "")
+        target = re.search(r"model\.layers\.(\d+)", wrapper)
         collectives.append({"op": "all-gather" if "allgather" in call["name"] else "reduce-scatter",
                             "block": int(target[1]) if target else None, "during": inside.removeprefix("FSDP::"),
                             "issued": call["start"], "start": work["start"], "end": work["end"]})

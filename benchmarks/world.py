@@ -95,7 +95,7 @@ class StepPeak:
     def __init__(self, model: torch.nn.Module) -> None:
         from torch.distributed.tensor import DTensor
 
-        from qn_hf.memory.live_allocations import LiveAllocations, storage_bytes as live_bytes
+        from qn_hf.memory.live_allocations import LiveAllocations, storage_now
 
         outer = self
         self.model, self.bytes, self.before = model, 0, set()
@@ -103,8 +103,7 @@ class StepPeak:
         class Sampled(LiveAllocations):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = super().__torch_dispatch__(func, types, args, kwargs)
-                sizes = {ref: live_bytes(ref) for ref in self.alive_storages()}
-                held = {torch.UntypedStorage._new_with_weak_ptr(ref.cdata).data_ptr(): n for ref, n in sizes.items()}
+                held = dict(filter(None, map(storage_now, self.alive_storages())))  # address -> bytes
                 for p in model.parameters():
                     if not isinstance(p, DTensor) and p.untyped_storage().data_ptr() not in outer.before:
                         held.setdefault(p.untyped_storage().data_ptr(), p.untyped_storage().nbytes())

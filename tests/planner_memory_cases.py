@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM
 
 import qn_hf
 from qn_hf.data_parallel.sharded import local
-from qn_hf.memory.live_allocations import LiveAllocations, storage_bytes
+from qn_hf.memory.live_allocations import LiveAllocations, storage_bytes, storage_now
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -118,8 +118,7 @@ class _Gathered(TorchDispatchMode):
         self.outputs = [ref for ref in self.outputs if not ref.expired()]
         sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                  for t in self.model.parameters() if not isinstance(t, DTensor)}
-        for ref in self.outputs:  # at its size now: FSDP may free a buffer by resizing it
-            sizes[torch.UntypedStorage._new_with_weak_ptr(ref.cdata).data_ptr()] = storage_bytes(ref)
+        sizes |= dict(filter(None, map(storage_now, self.outputs)))  # at their size now: FSDP frees by resizing
         self.most = max(self.most, sum(sizes.values()))
         return out
 

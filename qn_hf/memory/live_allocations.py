@@ -40,7 +40,8 @@ class LiveAllocations(TorchDispatchMode):
         FSDP frees by resizing (a gathered weight) keeps living at another address, or none."""
         new = self._new.get(ptr)
         old = self._old.get(ptr)
-        return any(ref is not None and _address(ref) == ptr for ref in (new and new[0], old))
+        return any(ref is not None and (now := storage_now(ref)) is not None and now[0] == ptr
+                   for ref in (new and new[0], old))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -62,12 +63,16 @@ class LiveAllocations(TorchDispatchMode):
         return sum(map(storage_bytes, self.alive_storages(label)))
 
 
-def _address(ref: StorageWeakRef) -> int | None:
-    return None if ref.expired() else torch.UntypedStorage._new_with_weak_ptr(ref.cdata).data_ptr()
+def storage_now(ref: StorageWeakRef) -> tuple[int, int] | None:
+    """A storage's address and bytes now, None once freed. Both can change while it lives: FSDP frees a
+    gathered weight by resizing its storage to nothing and gathers it again into the same storage.
+    One lock of the weak handle (torch's; no public call), so a storage another thread frees
+    meanwhile reads as freed."""
+    storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+    return None if storage is None else (storage.data_ptr(), storage.nbytes())
 
 
 def storage_bytes(ref: StorageWeakRef) -> int:
-    """A storage's bytes now, 0 once freed: FSDP frees a gathered weight by resizing its storage to
-    nothing, and gathers it again into the same storage (torch's weak storage handle reads the
-    size; no public call)."""
-    return 0 if ref.expired() else torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+    """A storage's bytes now (``storage_now``), 0 once freed."""
+    now = storage_now(ref)
+    return 0 if now is None else now[1]

@@ -36,8 +36,8 @@ backward, so this errs slow). Under dp_shard (FSDP over W = dp_shard x cp ranks)
 FSDP's traffic (sharded.py): its all-gathers, (W-1) times each shard, and reduce-scatters, (W-1)/W
 of each input, over the dp_shard link, and with dp_shard < dp the hybrid all-reduce of the reduced
 shards, 2 (R-1)/R of them over R = dp / dp_shard groups; counted as not overlapped either, though
-FSDP prefetches the next block's all-gather during compute (errs slow). A group's link is NVLink when all its ranks share a node (ranks are
-laid out dp, pp, cp, tp with tp fastest; an ep group is ep consecutive ranks of a stage's dp x tp
+FSDP prefetches the next block's all-gather during compute (errs slow). A group's link is NVLink
+when all its ranks share a node (ranks are laid out dp, pp, cp, tp with tp fastest; an ep group is ep consecutive ranks of a stage's dp x tp
 grid) and InfiniBand otherwise. Ring attention's own matrix products (float32, unfused) are counted
 at the stated rate like the rest: an optimistic figure.
 """

@@ -50,6 +50,7 @@ from ..pipeline.schedule_check import peaks
 from ..pipeline.split import stage_of_module
 from ..tensor_parallel.plan import ModelPolicy
 from ..data_parallel.precision import GRAD_DTYPE, PRECISIONS, apply_mixed_precision
+from ..data_parallel.sharded import Gather
 from ..expert_parallel.apply import expert_parameter_names
 from ..config.composition import Feature
 from ..config.parallel_config import ParallelConfig
@@ -57,7 +58,7 @@ from ..config.validate import check_parallel_config
 from ..pipeline.weight_grad import WeightGradQueue, make_deferrable
 from .activations import chunk_activations, kept_collectives, weight_stash
 from .context import cp_inputs
-from .memory import STEP_BYTES, RankState, bucket_layout, rank_state
+from .memory import RankState, bucket_layout, rank_state
 from .params import local_sizes, stage_params
 from .schedules import bubble, op_costs, peak_activation_bytes, pipeline_timing, rank_actions
 from .sequence import StageEdges, stage_edges
@@ -306,9 +307,9 @@ class Planner:
             summed = {n: numel for n, numel in on_stage[s] if n in grad_sum}
             fsdp = None if dp_shard == 1 else sharded_stage(
                 on_stage[s], rows, layers=stage_plan.layers, dp=dp, dp_shard=dp_shard, cp=cp, pp=pp,
-                microbatches=microbatches, per_microbatch=dp_shard_gather == "microbatch",
-                elem=grad_elem, compute_elem=param_elem, reduce_elem=grad_elem if precision is None else 4,
-                step_bytes=len(on_stage[s]) * STEP_BYTES)
+                microbatches=microbatches, per_microbatch=config.dp_shard_gather is Gather.MICROBATCH,
+                elem=grad_elem, compute_elem=param_elem,
+                reduce_elem=grad_elem if precision is None else torch.empty(0, dtype=GRAD_DTYPE).element_size())
             comm = stage_traffic(s, mesh=mesh, plan=plan, trace=base, stage_of=stage_of, act_elem=param_elem,
                                  param_elem=param_elem, grad_elem=grad_elem,
                                  buckets=buckets if replicas > 1 and dp_shard == 1 else [],

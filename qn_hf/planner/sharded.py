@@ -38,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..comm_meter import Collective
+from .memory import STEP_BYTES
 from .traffic import GroupTraffic
 
 
@@ -71,7 +72,7 @@ class ShardedStage:
     weight_bytes: int
     grad_bytes: int
     moment_bytes: int
-    step_bytes: int
+    step_bytes: int  # AdamW's step counter per tensor
     gathered_bytes: int  # whole weights in the compute dtype, the most held at once in a step
     accumulated_grad_bytes: int  # whole gradients kept until the step's reduction (pipeline only)
     pieces: dict[str, int]  # this rank's elements of each parameter (what tp / tie / pp sums move)
@@ -80,7 +81,7 @@ class ShardedStage:
 
 def sharded_stage(held: tuple[tuple[str, int], ...], rows: dict[str, int], *, layers: str, dp: int, dp_shard: int,
                   cp: int, pp: int, microbatches: int, per_microbatch: bool, elem: int, compute_elem: int,
-                  reduce_elem: int, step_bytes: int) -> ShardedStage:
+                  reduce_elem: int) -> ShardedStage:
     """One stage's figures (module docstring). ``elem``: the model's dtype (shards, their gradients,
     AdamW's moments); ``compute_elem``: the gathered weights'; ``reduce_elem``: the reduction's and
     the accumulated gradients' (float32 under mixed precision); ``per_microbatch``: the pipeline
@@ -116,6 +117,6 @@ def sharded_stage(held: tuple[tuple[str, int], ...], rows: dict[str, int], *, la
                                                                      reductions * shard * reduce_elem)})
     pieces = {name: shard_numel(numel, rows[name], width) for name, numel in held}
     return ShardedStage(weight_bytes=shard * elem, grad_bytes=shard * elem, moment_bytes=2 * shard * elem,
-                        step_bytes=step_bytes, gathered_bytes=gathered * compute_elem,
+                        step_bytes=len(held) * STEP_BYTES, gathered_bytes=gathered * compute_elem,
                         accumulated_grad_bytes=sum(u.whole for u in groups) * reduce_elem if pp > 1 else 0,
                         pieces=pieces, comm=comm)
