@@ -20,8 +20,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .arguments import Choice, check_positive_int
-from .pipeline.p2p import Link, Peers, directed_pairs
-
+from .pipeline.p2p import Link, Peers, build_links
 
 
 class Axis(Choice):
@@ -314,7 +313,7 @@ def build_groups(dims: ParallelDims, *, device: torch.device, timeout: datetime.
     return Groups(
         mesh=mesh, coords=coords, dp=mesh.get_group(Axis.DP.value), tp=mesh.get_group(Axis.TP.value),
         pp=mesh.get_group(Axis.PP.value),
-        cp=cp, replicas=replicas, ep=ep, experts=experts, kv=kv, tie=tie, peers=_pipeline_peers(grid, coords, timeout, owned),
+        cp=cp, replicas=replicas, ep=ep, experts=experts, kv=kv, tie=tie, peers=_pipeline_peers(grid, coords, device, timeout, owned),
         owned=tuple(dict.fromkeys(g for g in owned if g is not dist.GroupMember.WORLD)),
         dp_shard=dp_shard, shard_mesh=shard_mesh, expert_shard_mesh=expert_shard_mesh,
     )
@@ -348,21 +347,17 @@ def _shard_groups(grid: torch.Tensor, coords: Coords, dims: ParallelDims, device
     return shard, DeviceMesh.from_group([replicate, shard], device.type, mesh=mine, mesh_dim_names=names)
 
 
-def _pipeline_peers(grid: torch.Tensor, coords: Coords, timeout: datetime.timedelta,
+def _pipeline_peers(grid: torch.Tensor, coords: Coords, device: torch.device, timeout: datetime.timedelta,
                     owned: list[ProcessGroup]) -> Peers:
-    """This rank's neighbouring stages and one two-rank group per direction of every link (created
-    by every rank, in the same order, as ``new_group`` requires)."""
+    """This rank's neighbouring stages and its links: one two-rank group per direction, warmed up
+    before any step uses them (``pipeline/p2p.build_links``)."""
     dp, pp, cp, tp = grid.shape
     if pp == 1:
         return Peers(prev=None, next=None)
     rings = [grid[a, :, z, b].tolist() for a in range(dp) for z in range(cp) for b in range(tp)]
     me = dist.get_rank()
-    links: dict[tuple[int, int], ProcessGroup] = {}
-    for src, dst in directed_pairs(rings):
-        group = dist.new_group([src, dst], timeout=timeout)
-        if me in (src, dst):
-            links[src, dst] = group
-            owned.append(group)
+    links = build_links(rings, device=device, timeout=timeout)
+    owned.extend(links.values())
     d, p, c, t = coords.dp, coords.pp, coords.cp, coords.tp
     prev, next_ = int(grid[d, (p - 1) % pp, c, t]), int(grid[d, (p + 1) % pp, c, t])
     return Peers(prev=prev, next=next_, to_next=Link(next_, links[me, next_]), from_prev=Link(prev, links[prev, me]),

@@ -19,15 +19,41 @@ A directed link is a two-rank process group created for that direction only; wit
 (interleaved schedules) the link to the next stage and the link to the previous one are the same
 directed pair, hence the same group, and ``check_links`` covers their shared order too. Tags stay:
 gloo matches on them, NCCL ignores them.
+
+**The first use of a link blocks the host.** ProcessGroupNCCL creates a point-to-point communicator
+lazily, at the first ``isend``/``irecv`` of a pair, and NCCL connects the pair lazily too; either
+way the host of the first call waits until the peer makes its own first call on that communicator
+(PyTorch issues 136248, 152220, 160210; NCCL issue 783). A pipeline's first step uses its links in
+an order no rank agrees on with its neighbours: stage 0 posts the receive of its first gradient (on
+the link from stage 1) right after its first forward, while stage 1 waits on the link from stage 0
+for the activation header; each host blocks on a link the other has not touched yet, and 1F1B,
+GPipe and ZB-H1 hang at step one. So ``warm_up`` makes one tiny transfer on every directed link when
+the groups are built, walking the links in one global order that every rank knows
+(``directed_pairs``): each transfer involves exactly two ranks, and each rank takes its transfers in
+that order, so the earliest transfer not yet done always has both ends waiting on it (both have
+finished everything before it) and the walk cannot deadlock. Batching the first step's operations
+into one NCCL group, as torch's ``pipelining`` does, would also avoid the hang but ties every
+transfer of a step to one group call, which this executor's early-posted receives (above) exist to
+avoid. ``nccl_replay`` models the first-use rule, and its tests show the recorded steps hang without
+the warm-up. The pipeline's links are qn_hf's only point-to-point communicators: ring attention
+batches each exchange with both neighbours (``batch_isend_irecv``), which NCCL runs on the cp
+group's own communicator, made with the group and entered by every cp rank at the same point.
 """
 
 from __future__ import annotations
 
+import datetime
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+
+# The warm-up's transfers carry a tag no step uses (steps tag from 0 up: ``runtime.StageExecutor._tag``),
+# so that under gloo, which matches by tag, they can never pair with a step's message.
+WARM_UP_TAG = 2**30
 
 
 @dataclass(frozen=True)
@@ -83,3 +109,36 @@ def directed_pairs(ring: list[list[int]]) -> list[tuple[int, int]]:
             pairs[(a, b)] = None
             pairs[(b, a)] = None
     return list(pairs)
+
+
+def warm_up(links: Mapping[tuple[int, int], ProcessGroup], order: Sequence[tuple[int, int]], *,
+            device: torch.device) -> None:
+    """One tiny transfer on each directed link this rank is an end of (``links[src, dst]``), taken in
+    ``order``, the same list of (source, destination) pairs on every rank (``directed_pairs``): after
+    it every link's communicator exists and its pair is connected, so no later first use blocks the
+    host (the module docstring says why this order cannot deadlock). Every rank calls it once, when
+    the links are built; the work is waited for on the stream, not on the host."""
+    me = dist.get_rank()
+    token = torch.zeros(1, device=device)
+    for src, dst in order:
+        if me == src:
+            Link(dst, links[src, dst]).send(token, tag=WARM_UP_TAG).wait()
+        elif me == dst:
+            Link(src, links[src, dst]).recv(torch.empty_like(token), tag=WARM_UP_TAG).wait()
+
+
+def build_links(ring: list[list[int]], *, device: torch.device,
+                timeout: datetime.timedelta) -> dict[tuple[int, int], ProcessGroup]:
+    """This rank's directed links, ``{(source, destination): group}``, over the pipelines ``ring``
+    (as ``directed_pairs`` takes it), warmed up. Every rank calls it with the same ``ring``:
+    ``new_group`` is collective over the whole world, so every rank creates every link's group, in
+    the same order, and keeps its own."""
+    me = dist.get_rank()
+    order = directed_pairs(ring)
+    links = {}
+    for src, dst in order:
+        group = dist.new_group([src, dst], timeout=timeout)
+        if me in (src, dst):
+            links[src, dst] = group
+    warm_up(links, order, device=device)
+    return links

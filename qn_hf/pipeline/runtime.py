@@ -180,7 +180,9 @@ class StageExecutor:
                 self._ops[action.op](step, key)
                 if self.events is not None:
                     if self.device.type == "cuda":
-                        torch.cuda.synchronize(self.device)
+                        # the compute stream only: torch.cuda.synchronize would also wait for the
+                        # receives posted ahead on the NCCL streams (a round trip through later stages)
+                        torch.cuda.current_stream(self.device).synchronize()
                     self.events.append(StageEvent(action.op, key[0], key[1], start, time.perf_counter()))
                 self._post_next_receive(step, actions[i + 1 :], keys[i + 1 :])
                 step.sends = [(work, buf) for work, buf in step.sends if not work.is_completed()]
