@@ -1,51 +1,82 @@
-"""Rank-side jobs: record the communication calls of real pipeline steps, for the NCCL replay."""
+"""Rank-side jobs: record the communication calls of ``parallelize`` and of real steps, for the NCCL
+replay, while NCCL's first-use rule is emulated (``tests/nccl_first_use.py``): a job that returns
+has run on gloo as a job under that rule would."""
 
 from __future__ import annotations
+
+import contextlib
+from unittest import mock
 
 import torch
 
 import qn_hf
-from tests.cases import mesh_for
-from tests.models import load, make_batch
+from qn_hf.pipeline import p2p
+from tests.models import dp_slice, load, make_batch
+from tests.nccl_first_use import FirstUseHang, FirstUseRule
 from tests.p2p_recorder import CallRecorder
 
+# Each feature's part of a mesh, beside pp (and its schedule): one rank count more or less each.
+FEATURES = {
+    "plain": dict(),
+    "dp": dict(dp=2),
+    "tp": dict(tp=2),
+    "sp": dict(tp=2, sequence_parallel=True),
+    "cp": dict(cp=2),
+    "ep": dict(dp=2, ep=2),
+    "dp_shard": dict(dp=2, dp_shard=2),
+}
 
-def record_pipeline(*, kind: str, model_dir: str, pp: int, schedule: str, microbatches: int,
-                    virtual_stages: int = 1, generate: bool = False) -> dict[str, list[dict]]:
-    """Each step's recorded calls on this rank: two training steps (the first announces the
-    activations' shape with a header, the second is the steady state), an evaluation step and, with
-    ``generate``, a three-token ``generate``."""
+
+def world_size(mesh: dict) -> int:
+    return mesh.get("dp", 1) * mesh.get("tp", 1) * mesh.get("pp", 1) * mesh.get("cp", 1)
+
+
+def _model(kind: str, model_dir: str | None):
+    if kind == "qwen3_moe":
+        from qn_hf.check.run import build
+        from tests.ep_cases import moe_config
+
+        return build(moe_config("qwen3_moe"), seed=0)
+    return load(kind, model_dir)
+
+
+def _batch(kind: str, pm, *, rows: int) -> dict[str, torch.Tensor]:
+    dp = pm.parallel_config.dims.dp
+    if kind == "qwen3_moe":
+        ids = torch.randint(3, 100, (rows * dp, 16), generator=torch.Generator().manual_seed(3))
+        whole = {"input_ids": ids, "labels": ids.clone()}
+    else:
+        whole = make_batch(kind, size=rows * dp, seed=3, seq=16)
+    return dp_slice(whole, dp=dp, dp_rank=pm.coords["dp"])
+
+
+def record_steps(*, kind: str, model_dir: str | None, mesh: dict, generate: bool = False,
+                 warm_up: bool = True) -> dict:
+    """Every call this rank makes from ``parallelize`` on: the build, two training steps (the first
+    announces the activations' shape with a header, the second is the steady state), an evaluation
+    and, with ``generate``, a three-token ``generate``, all under the first-use rule. Returns the
+    calls and where each part begins and ends (``marks``), or, when a first use would hang
+    (``warm_up=False`` removes the links' warm-up), ``{"hang": message}``."""
     torch.manual_seed(0)
-    pm = qn_hf.parallelize(load(kind, model_dir), pp=pp, schedule=schedule, microbatches=microbatches,
-                           virtual_stages=virtual_stages, mesh=mesh_for(1, 1, pp))
-    batch = make_batch(kind, size=2 * microbatches, seed=3)
-    traces = {}
-    for name, run in (("train_first", lambda: pm.train_step(batch)), ("train_steady", lambda: pm.train_step(batch)),
-                      ("eval", lambda: pm.eval_step(batch))):
-        with CallRecorder() as recorder:
-            run()
-        traces[name] = [call.to_json() for call in recorder.calls]
-    if generate:
-        with CallRecorder() as recorder:
-            pm.generate(batch["input_ids"][:1, :4], max_new_tokens=3, do_sample=False)
-        traces["generate"] = [call.to_json() for call in recorder.calls]
-    return traces
-
-
-def record_expert_pipeline(*, pp: int, dp: int, ep: int, schedule: str, microbatches: int,
-                           virtual_stages: int = 1) -> dict[str, list[dict]]:
-    """Two training steps of a shrunk Qwen3-MoE at dp x pp with experts over ep: each MoE call's
-    all-to-alls on the ep group interleave with the schedule's transfers on pp."""
-    from qn_hf.check.run import build
-    from tests.ep_cases import moe_config
-
-    pm = qn_hf.parallelize(build(moe_config("qwen3_moe"), seed=0), dp=dp, pp=pp, ep=ep, schedule=schedule,
-                           microbatches=microbatches, virtual_stages=virtual_stages, mesh=mesh_for(dp, 1, pp))
-    ids = torch.randint(3, 100, (2 * microbatches, 12), generator=torch.Generator().manual_seed(pm.coords["dp"]))
-    batch = {"input_ids": ids, "labels": ids.clone()}
-    traces = {}
-    for name in ("train_first", "train_steady"):
-        with CallRecorder() as recorder:
-            pm.train_step(batch)
-        traces[name] = [call.to_json() for call in recorder.calls]
-    return traces
+    model = _model(kind, model_dir)
+    marks, recorder = {}, CallRecorder()
+    skip = contextlib.nullcontext() if warm_up else mock.patch.object(p2p, "warm_up", lambda *a, **k: None)
+    try:
+        with skip, FirstUseRule(timeout_s=10 if not warm_up else 60), recorder:
+            start = len(recorder.calls)
+            pm = qn_hf.parallelize(model, **mesh)
+            marks["build"] = (start, len(recorder.calls))
+            batch = _batch(kind, pm, rows=2 * mesh.get("microbatches", 1))
+            parts = [("train_first", lambda: pm.train_step(batch)), ("train_steady", lambda: pm.train_step(batch)),
+                     ("eval", lambda: pm.eval_step(batch))]
+            if generate:
+                parts.append(("generate", lambda: pm.generate(batch["input_ids"][:1, :4], max_new_tokens=3,
+                                                              do_sample=False)))
+            for name, run in parts:
+                start = len(recorder.calls)
+                run()
+                marks[name] = (start, len(recorder.calls))
+    except FirstUseHang as e:
+        return {"hang": str(e)}
+    return {"calls": [call.to_json() for call in recorder.calls], "marks": marks, "stage": pm.coords["pp"],
+            "virtual_stages": pm.parallel_config.virtual_stages}

@@ -13,9 +13,24 @@ see tests/p2p_recorder.py) under these rules:
   may go eagerly in real NCCL; the model treats every send as large, which can only find more
   deadlocks, never fewer;
 * a collective completes when every member has started its operation of the same order;
-* ``Work.wait()`` makes the compute stream wait for the operation, not the host;
+* ``Work.wait()`` (and a functional collective's ``wait_tensor``) makes the compute stream wait for
+  the operation, not the host;
 * a host read of device data (``.item()``, ``.tolist()``) blocks the host until the compute stream
-  has passed everything enqueued before it.
+  has passed everything enqueued before it; ``torch.cuda.synchronize`` (``DEVICE_SYNC``) blocks it
+  until every stream of the device is clear: the compute stream and every operation this rank has
+  posted, receives still waiting for their peer included;
+* **first use** (``first_use=True``): a communicator is created at its first operation, and the host
+  of that call blocks until every member has made its own first call there (ProcessGroupNCCL's lazy
+  communicators and NCCL's lazy connections; ``pipeline/p2p.py`` says how qn_hf avoids the hang).
+  With ``eager=True`` (the default group bound to a device, as ``init_distributed`` binds it), a
+  group's collective communicator is created with the group instead (``CREATE``, blocking until
+  every member has created it), and one created before the trace began is taken to exist; a pair's
+  point-to-point communicator is always created at first use;
+* **a shared stream pool** (``pool``): each communicator takes its stream from CUDA's pool of
+  low-priority streams when it is created, round-robin; once more communicators exist on a device
+  than the pool has streams (32), later ones share a stream with earlier ones and their operations
+  queue behind each other. ``streams_before`` counts those taken before the trace (the default
+  group's). ``pool=None`` gives every communicator a stream of its own.
 
 Point-to-point operations between ranks a and b of a process group use that group's communicator
 for the pair {a, b} (ProcessGroupNCCL creates one per peer pair); collectives use the group's own.
@@ -31,8 +46,9 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-POST, WAIT, SYNC = "post", "wait", "sync"
+POST, WAIT, SYNC, DEVICE_SYNC, CREATE = "post", "wait", "sync", "device_sync", "create"
 SEND, RECV, COLLECTIVE = "send", "recv", "collective"
+CUDA_STREAM_POOL = 32  # low-priority streams per device in c10's pool (kStreamsPerPool)
 
 
 @dataclass(frozen=True)
@@ -42,7 +58,8 @@ class Call:
     ``post``: an operation ``op`` (unique per rank) on process group ``group`` (its name, the same on
     every member) of ``kind`` send/recv (``peer``: the other rank, global) or collective (``members``:
     the group's global ranks). ``wait``: the compute stream waits for ``op``. ``sync``: the host reads
-    device data."""
+    device data. ``device_sync``: the host waits for the whole device. ``create``: process group
+    ``group`` of ``members`` is created."""
 
     what: str
     op: int = -1
@@ -69,9 +86,8 @@ class NcclDeadlock(RuntimeError):
 class _Op:
     rank: int
     op: int
-    stream: tuple[str, int]  # (communicator, rank)
+    stream: tuple  # the FIFO it queues on
     kind: str
-    peer: int
     match: tuple  # what pairs it with its partners: the same on every partner
     gate: int  # compute-stream items that must be done before it can start
     label: str
@@ -84,40 +100,73 @@ class _Rank:
     host: int = 0
     waits: list[_Op] = field(default_factory=list)  # the compute stream's waits, in order
     passed: int = 0  # how many of them the compute stream has passed
+    posted: list[_Op] = field(default_factory=list)
+    streams: dict[str, tuple] = field(default_factory=dict)  # communicator -> its stream (once created)
+    blocked: str = ""  # why the host waits, when it waits on other ranks' first use
 
 
 def _communicator(call: Call, rank: int) -> str:
-    if call.kind == COLLECTIVE:
+    if call.kind == COLLECTIVE or call.what == CREATE:
         return call.group
     low, high = sorted((rank, call.peer))
     return f"{call.group}:{low}-{high}"
 
 
-def replay(traces: Sequence[Sequence[Call]]) -> int:
+def _members(call: Call, rank: int) -> frozenset[int]:
+    return frozenset(call.members) if call.kind == COLLECTIVE or call.what == CREATE else frozenset((rank, call.peer))
+
+
+def replay(traces: Sequence[Sequence[Call]], *, first_use: bool = True, eager: bool = True,
+           pool: int | None = CUDA_STREAM_POOL, streams_before: int = 1) -> int:
     """Run every rank's calls (``traces[r]``) under the model above; return how many operations
     completed, or raise ``NcclDeadlock``."""
     ranks = [_Rank(calls=t) for t in traces]
     ops: dict[tuple[int, int], _Op] = {}
-    streams: dict[tuple[str, int], list[_Op]] = defaultdict(list)
-    heads: dict[tuple[str, int], int] = defaultdict(int)
+    streams: dict[tuple, list[_Op]] = defaultdict(list)
+    heads: dict[tuple, int] = defaultdict(int)
     partners: dict[tuple, list[_Op]] = defaultdict(list)
     counters: dict[tuple, int] = defaultdict(int)
-    expected: dict[tuple, int] = {}
+    expected: dict[str, int] = {}
+    arrived: dict[str, set[int]] = defaultdict(set)  # communicator -> ranks whose host reached its creation
+    created: list[set[str]] = [{t.group for t in trace if t.what == CREATE} if eager else set() for trace in traces]
     completed = 0
 
-    def post(rank: int, call: Call) -> None:
-        comm = _communicator(call, rank)
+    def stream_of(r: int, comm: str) -> tuple:
+        state = ranks[r]
+        if comm not in state.streams:
+            slot = (streams_before + len(state.streams)) % pool if pool else comm
+            state.streams[comm] = (r, slot)
+        return state.streams[comm]
+
+    def may_go(r: int, call: Call) -> bool:
+        """Whether the host may pass a call that creates or first uses a communicator: not while a
+        member has yet to arrive there (first use blocks the host)."""
+        comm, state = _communicator(call, r), ranks[r]
+        if comm in state.streams:
+            return True
+        blocking = call.what == CREATE or (
+            first_use and not (eager and call.kind == COLLECTIVE and comm not in created[r]))
+        if not blocking:
+            return True
+        arrived[comm].add(r)
+        missing = sorted(_members(call, r) - arrived[comm])
+        state.blocked = f"first use of communicator {comm} waits for rank(s) {missing}" if missing else ""
+        return not missing
+
+    def post(r: int, call: Call) -> None:
+        comm = _communicator(call, r)
         if call.kind == COLLECTIVE:  # each member's n-th collective on the communicator
-            order, counted = (comm,), (comm, rank)
+            order, counted = (comm,), (comm, r)
             expected[comm] = len(call.members)
         else:  # the n-th send from a to b with the n-th receive at b from a
-            order = (comm, rank, call.peer) if call.kind == SEND else (comm, call.peer, rank)
+            order = (comm, r, call.peer) if call.kind == SEND else (comm, call.peer, r)
             counted = (*order, call.kind)
         n = counters[counted]
         counters[counted] += 1
-        op = _Op(rank=rank, op=call.op, stream=(comm, rank), kind=call.kind, peer=call.peer, match=(*order, n),
-                 gate=len(ranks[rank].waits), label=call.label or f"{call.kind} op {call.op}")
-        ops[rank, call.op] = op
+        op = _Op(rank=r, op=call.op, stream=stream_of(r, comm), kind=call.kind, match=(*order, n),
+                 gate=len(ranks[r].waits), label=call.label or f"{call.kind} op {call.op} on {comm}")
+        ops[r, call.op] = op
+        ranks[r].posted.append(op)
         streams[op.stream].append(op)
         partners[op.match].append(op)
 
@@ -149,12 +198,22 @@ def replay(traces: Sequence[Sequence[Call]]) -> int:
             progressed = True
         while state.host < len(state.calls):
             call = state.calls[state.host]
-            if call.what == POST:
-                post(r, call)
+            if call.what == CREATE and not eager:
+                pass  # created at its first use instead
+            elif call.what in (POST, CREATE):
+                if not may_go(r, call):
+                    break
+                if call.what == POST:
+                    post(r, call)
+                else:
+                    stream_of(r, call.group)
             elif call.what == WAIT:
                 state.waits.append(ops[r, call.op])
             elif call.what == SYNC:
                 if state.passed < len(state.waits):
+                    break
+            elif call.what == DEVICE_SYNC:
+                if state.passed < len(state.waits) or not all(o.done for o in state.posted):
                     break
             else:
                 raise ValueError(f"rank {r}: unknown call {call!r}")
@@ -173,13 +232,17 @@ def replay(traces: Sequence[Sequence[Call]]) -> int:
 
 
 def _describe(ranks: list[_Rank], streams: dict, heads: dict) -> str:
-    lines = ["the recorded calls deadlock under NCCL's semantics (one FIFO stream per communicator and rank):"]
+    lines = ["the recorded calls deadlock under NCCL's semantics (FIFO streams, first use blocks the host):"]
     for r, s in enumerate(ranks):
-        host = ("finished" if s.host == len(s.calls) else
-                f"host blocked at call {s.host} ({s.calls[s.host].what} {s.calls[s.host].label})")
+        if s.host == len(s.calls):
+            host = "finished"
+        else:
+            call = s.calls[s.host]
+            why = f": {s.blocked}" if s.blocked else ""
+            host = f"host blocked at call {s.host} ({call.what} {call.label}){why}"
         compute = ("compute stream clear" if s.passed == len(s.waits) else
                    f"compute stream waits for {s.waits[s.passed].label}")
-        blocked = [f"{key[0]}: {streams[key][heads[key]].label}" for key in streams
-                   if key[1] == r and heads[key] < len(streams[key])]
+        blocked = [f"stream {key[1]}: {streams[key][heads[key]].label}" for key in streams
+                   if key[0] == r and heads[key] < len(streams[key])]
         lines.append(f"  rank {r}: {host}; {compute}; stream heads: {'; '.join(blocked) or 'none'}")
     return "\n".join(lines)
