@@ -8,8 +8,8 @@ transient memory of ``clip_grad_norm_`` on one large gradient.
 
 What one step is: ``opt.zero_grad(); pm.train_step(batch); qn_hf.clip_grad_norm_(pm, 1.0); opt.step()``
 after two warm-up steps (the first step runs one-off checks), on 2 gloo ranks, for: plain dp=2, tp=2,
-pp=2 (2 microbatches), dp=2 x ep=2 on a tiny Mixtral, fp16 (loss scaling), bf16 + ZeRO-1, and dp=2
-after a checkpoint resume with AdamW. AdamW runs with ``foreach=True``, the implementation torch
+pp=2 (2 microbatches), dp=2 x ep=2 on a tiny Mixtral, cp=2 (2 microbatches), fp16 (loss scaling),
+bf16 + ZeRO-1, and dp=2 after a checkpoint resume with AdamW. AdamW runs with ``foreach=True``, the implementation torch
 picks by default on CUDA (on CPU it would pick the per-tensor one).
 
 How: a ``TorchDispatchMode`` (this thread; the autograd engine carries it into backward) sees every
@@ -48,7 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 ALWAYS_SYNC = {"_local_scalar_dense", "nonzero", "masked_select", "_unique", "_unique2", "unique_dim",
                "unique_consecutive", "bincount", "equal", "is_nonzero"}
-FEATURES = ("dp", "tp", "pp", "ep", "fp16", "bf16_zero", "resume")
+FEATURES = ("dp", "tp", "pp", "ep", "cp", "fp16", "bf16_zero", "resume")
 _HERE = os.path.abspath(__file__)
 
 
@@ -184,6 +184,8 @@ def setup_feature(feature: str, world: int, tmp: str):
         pm = qn_hf.parallelize(_gpt2(), pp=world, microbatches=2)
     elif feature == "ep":
         pm = qn_hf.parallelize(_mixtral(), dp=world, ep=world)
+    elif feature == "cp":
+        pm = qn_hf.parallelize(_llama(), cp=world, microbatches=2)
     elif feature == "fp16":
         pm = qn_hf.parallelize(_gpt2(), dp=world, mixed_precision="fp16")
         return pm, qn_hf.optimizer(pm, torch.optim.AdamW, lr=1e-4, foreach=True), set()

@@ -19,7 +19,8 @@ from .checkpoint.save import DEFAULT_KEEP_LAST, save_checkpoint
 from .comm import flat_all_reduce_, gather_from_group
 from .config.composition import Feature, check_and_warn
 from .config.parallel_config import ParallelConfig
-from .context_parallel.apply import CP_KEYS, LOCAL_VALID, LOSS_KEYS, RingSwitch, shard_microbatch, whole_sequence_logits
+from .context_parallel.apply import (CP_KEYS, LOCAL_VALID, LOSS_KEYS, RingSwitch, ring_documents, shard_microbatches,
+                                     whole_sequence_logits)
 from .context_parallel.ring_attention import ChunkLayout
 from .data_parallel.buckets import GradBuckets
 from .data_parallel.grad_sync import GradSync
@@ -35,7 +36,7 @@ from .pipeline.split import params_by_final_pass
 from .pipeline.stage import StageModules
 from .placement import ShardPlacement
 from .step.batch import (batch_signature, check_batch, check_model_inputs, check_same_batch, dp_rows, microbatch_rows,
-                         sequence_split, split_microbatches)
+                         sequence_split, split_microbatches, to_device)
 from .step.generation import parallel_generate, switched_off
 from .step.logits import LogitsFn, collect_logits
 from .step.loss import IGNORE_INDEX, causal_lm_targets, check_builtin_loss, summed_loss
@@ -258,7 +259,8 @@ class ParallelModel:
                    if builtin and adds_router_loss(self.module) else None)  # checks the term can be equal
         if builtin:
             check_builtin_loss(self.plan.loss, self.config)
-        batch = {k: v.to(self.device) for k, v in batch.items()}
+        documents = ring_documents(batch) if cp > 1 else None  # read before the batch moves (apply.py)
+        batch = to_device(batch, self.device)
         if self.dims.world_size > self.dims.dp and (self.check_every_batch or not self._batch_checked):
             check_same_batch(batch_signature(batch, device=self.device), replica=self.coords.dp,
                              replicas=self.dims.dp)
@@ -283,7 +285,7 @@ class ParallelModel:
             scales = [torch.full_like(global_rows, float(n)).div_(global_rows)[0] for n in rows]
         whole = micro  # a loss_fn sees whole sequences (whole_sequence_logits)
         if cp > 1:  # this rank's tokens of every sequence, with targets shifted on the whole sequence
-            micro = [shard_microbatch(m, layout=self.cp_layout, rank=self.coords.cp) for m in micro]
+            micro = shard_microbatches(micro, documents, layout=self.cp_layout, rank=self.coords.cp)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
 
         def forward(chunk: int, mb: int, received: torch.Tensor | None) -> torch.Tensor:

@@ -12,12 +12,14 @@ ring-attention function under a name of this model's own and selects it with
 ``set_attn_implementation``, so no forward is replaced. What the function needs about the whole
 sequence travels as the ``attention_mask``: a prepared 4-D tensor ``[b, 1, 2, sequence]`` of
 (document index, may be attended to) per token, which transformers passes through to the attention
-function untouched (a 4-D mask is taken as already built). When no sequence of the microbatch packs
-several documents or has padding (decided once per microbatch, one host read, in
-``shard_microbatch``), the tensor is ``[b, 1, 1, sequence]`` instead and the ring builds no masks:
-its size, not its values, tells every layer's attention call, so none of them reads device data. Documents follow transformers' own rule:
-without an attention mask, a ``position_ids`` step other than +1 starts a new packed sequence; with
-one, its zeros are padding.
+function untouched (a 4-D mask is taken as already built). When no sequence of the batch packs
+several documents or has padding, the tensor is ``[b, 1, 1, sequence]`` instead and the ring builds
+no masks: its size, not its values, tells every layer's attention call, so none of them reads device
+data. Whether that is so, and each token's document, are decided once per step from the batch as
+the caller hands it over (``ring_documents``), before it moves to the device: a batch on the host
+costs the device nothing, one already on the device a single read per step (not one per microbatch
+or layer). Documents follow transformers' own rule: without an attention mask, a ``position_ids``
+step other than +1 starts a new packed sequence; with one, its zeros are padding.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from transformers.masking_utils import find_packed_sequence_indices
 
 from ..comm import all_gather_tensors
 from ..policies.amendments import CP_REFUSALS
+from ..step.batch import on_device
 from ..step.loss import LossKind, causal_lm_targets
 from ..tensor_parallel.plan import TpPlan
 from .ring_attention import ChunkLayout, needs_mask, ring_attention
@@ -158,21 +161,39 @@ def documents_of(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     return torch.zeros_like(ids) if packed is None else packed.long()
 
 
-def shard_microbatch(micro: Mapping[str, torch.Tensor], *, layout: ChunkLayout, rank: int) -> dict[str, torch.Tensor]:
+def ring_documents(batch: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """Each token's document [rows, sequence] when any sequence of ``batch`` packs several documents
+    or has padding (ring attention then masks), else None; read where the batch is (see the module
+    docstring: call it before the batch moves to the device)."""
+    documents = documents_of(batch)
+    valid = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).long()
+    return documents if needs_mask(documents=documents, valid=valid) else None
+
+
+def shard_microbatches(micro: list[Mapping[str, torch.Tensor]], documents: torch.Tensor | None, *, layout: ChunkLayout,
+                       rank: int) -> list[dict[str, torch.Tensor]]:
+    """``shard_microbatch`` of each microbatch of a batch (``micro``: its ``split_microbatches`` on the
+    device), with the batch's ``ring_documents`` moved there and cut alike."""
+    if documents is None:
+        parts = [None] * len(micro)
+    else:
+        parts = torch.tensor_split(on_device(documents, micro[0]["input_ids"].device), len(micro))
+    return [shard_microbatch(m, layout=layout, rank=rank, documents=d) for m, d in zip(micro, parts)]
+
+
+def shard_microbatch(micro: Mapping[str, torch.Tensor], *, layout: ChunkLayout, rank: int,
+                     documents: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """This cp rank's model inputs, its ``targets`` (already shifted; from the input ids when the batch
     has no labels, for a ``loss_fn`` or logits, which do not read them) and which of its tokens are real
     (``LOCAL_VALID``: the attention mask becomes ring attention's layout) from a microbatch of whole
-    sequences."""
+    sequences. ``documents``: the microbatch's rows of ``ring_documents`` (None: nothing to mask)."""
     ids = micro["input_ids"]
-    length = ids.shape[1]
-    keep = layout.positions(rank, length).to(ids.device)
+    length, device = ids.shape[1], ids.device
+    keep = layout.positions(rank, length, device=device)  # built on the device: no copy from the host
     positions = micro.get("position_ids")
-    positions = (torch.arange(length, device=ids.device).expand_as(ids) if positions is None
-                 else positions.expand_as(ids))
+    positions = torch.arange(length, device=device).expand_as(ids) if positions is None else positions.expand_as(ids)
     valid = micro.get("attention_mask", torch.ones_like(ids)).long()
-    documents = documents_of(micro)
-    masked = needs_mask(documents=documents, valid=valid)  # the microbatch's one host read, not one per layer
-    meta = (torch.stack([documents, valid], dim=1) if masked else valid[:, None]).unsqueeze(1)  # [b, 1, 2 or 1, seq]
+    meta = (valid[:, None] if documents is None else torch.stack([documents, valid], dim=1)).unsqueeze(1)  # [b, 1, 1|2, seq]
     return {"input_ids": ids[:, keep], "position_ids": positions[:, keep], "attention_mask": meta,
             "targets": causal_lm_targets(micro.get("labels", ids))[:, keep], LOCAL_VALID: valid[:, keep]}
 

@@ -60,6 +60,23 @@ def dp_rows(batch: Mapping[str, torch.Tensor], *, dp: int, dp_rank: int, multipl
     return {k: v[dp_rank * per:(dp_rank + 1) * per] for k, v in batch.items()}
 
 
+def on_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device`` without making the host wait for it: a host tensor bound for a CUDA
+    device is copied through pinned memory (unless it is pinned already) with a non-blocking copy, as
+    a DataLoader with ``pin_memory=True`` would hand it over. A plain ``.to(device)`` of pageable
+    memory waits on the host until the copy is done, every step. The pinned copy's memory returns to
+    torch's pinned pool only once the transfer on the current stream is done (the caching host
+    allocator records it)."""
+    if tensor.device == device or device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return (tensor if tensor.is_pinned() else tensor.pin_memory()).to(device, non_blocking=True)
+
+
+def to_device(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Every tensor of ``batch`` on ``device`` (``on_device``)."""
+    return {k: on_device(v, device) for k, v in batch.items()}
+
+
 def microbatch_rows(size: int, *, microbatches: int) -> list[int]:
     """Rows of each microbatch of a local batch of ``size`` (``torch.tensor_split``: the first
     ``size % microbatches`` take one row more). Every pipeline stage computes this from the batch it

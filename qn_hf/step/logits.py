@@ -18,8 +18,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from .batch import check_batch, check_model_inputs, microbatch_rows, sequence_split, split_microbatches
-from ..context_parallel.apply import CP_KEYS, LOSS_KEYS, gather_sequence_positions, shard_microbatch
+from .batch import check_batch, check_model_inputs, microbatch_rows, sequence_split, split_microbatches, to_device
+from ..context_parallel.apply import CP_KEYS, LOSS_KEYS, gather_sequence_positions, ring_documents, shard_microbatches
 from ..pipeline.runtime import batch_shape_key
 from ..pipeline.schedule import schedule_actions
 from ..pipeline.wire import broadcast_announced
@@ -38,9 +38,10 @@ def collect_logits(pm, batch: Mapping[str, torch.Tensor], *, reduce: LogitsFn | 
                          f"sequence; use only {CP_KEYS}")
     split = sequence_split(cp=cp, tp=pm.dims.tp, sequence_parallel=pm.plan.sequence_parallel)
     check_model_inputs(batch, model=pm.module, loss=None, sequence_split=split)
-    whole = split_microbatches({k: v.to(pm.device) for k, v in batch.items()}, microbatches=pm.microbatches)
+    documents = ring_documents(batch) if cp > 1 else None  # read before the batch moves (context_parallel/apply.py)
+    whole = split_microbatches(to_device(batch, pm.device), microbatches=pm.microbatches)
     if cp > 1:  # the labels are not needed (shard_microbatch shifts the ids when there are none)
-        micro = [shard_microbatch(m, layout=pm.cp_layout, rank=pm.coords.cp) for m in whole]
+        micro = shard_microbatches(whole, documents, layout=pm.cp_layout, rank=pm.coords.cp)
     else:
         micro = whole
     collected: dict[int, torch.Tensor] = {}
