@@ -45,7 +45,6 @@ from torch.distributed import ProcessGroup
 from .kernels import NEG_INF, kernels
 
 
-
 @dataclass(frozen=True)
 class ChunkLayout:
     """Which two of the ``2 * size`` equal chunks of the sequence each cp rank holds."""
@@ -174,29 +173,69 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
     lse.copy_(new)
 
 
+def attend_block(q: torch.Tensor, block: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, layout: ChunkLayout,
+                 rank: int, owner: int, documents: torch.Tensor, valid: torch.Tensor, masked: bool, scaling: float,
+                 window: int | None, softcap: float | None) -> None:
+    """One ring step's forward on ``rank``: fold the attention of its queries ``q`` over the keys and
+    values of ``owner``'s chunks (``block``: [2, b, kv_heads, s, d], as it travels the ring) into the
+    running float32 ``out`` and ``lse``. The ring calls it once per step; a one-process simulation of
+    a ring (``make gpu-check``'s kernel check) calls it for every rank and owner."""
+    for plan in ring_blocks(layout, rank=rank, owner=owner, chunk=q.shape[2] // 2, window=window):
+        mask, seen = (_mask(plan, layout=layout, rank=rank, owner=owner, documents=documents, valid=valid,
+                            dtype=q.dtype, window=window) if masked or not (plan.full or plan.causal) else (None, None))
+        attend, _ = kernels(q, masked=mask is not None, softcap=softcap)
+        rows, cols = plan.queries, plan.keys
+        block_out, block_lse = attend(q[:, :, rows], block[0][:, :, cols], block[1][:, :, cols], plan.causal, mask,
+                                      scaling)
+        _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse, seen)
+
+
+def backward_inputs(grad_out: torch.Tensor, lse: torch.Tensor, *, masked: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output gradient and log-sum-exp the backward steps take: a query that sees no key anywhere
+    (padding) got zeros, so no gradient, whatever arrives for it, and a finite lse so that the
+    kernel's exp(score - lse) is 0 rather than NaN."""
+    seen = lse > NEG_INF
+    grad_out = grad_out.masked_fill(~seen.unsqueeze(-1), 0.0) if masked else grad_out
+    return grad_out, lse.masked_fill(~seen, 0.0)
+
+
+def attend_block_backward(grad_out: torch.Tensor, q: torch.Tensor, block: torch.Tensor, out: torch.Tensor,
+                          lse: torch.Tensor, grad_q: torch.Tensor, *, layout: ChunkLayout, rank: int, owner: int,
+                          documents: torch.Tensor, valid: torch.Tensor, masked: bool, scaling: float,
+                          window: int | None, softcap: float | None) -> list[tuple[slice, torch.Tensor, torch.Tensor]]:
+    """One ring step's backward on ``rank`` (``grad_out`` and ``lse`` from ``backward_inputs``, ``out``
+    the forward's output): add its queries' gradient over ``owner``'s block to the float32 ``grad_q``
+    and return this rank's share of that block's key and value gradients, (key rows, grad k, grad v)
+    per kernel call."""
+    shares = []
+    for plan in ring_blocks(layout, rank=rank, owner=owner, chunk=q.shape[2] // 2, window=window):
+        mask = (_mask(plan, layout=layout, rank=rank, owner=owner, documents=documents, valid=valid, dtype=q.dtype,
+                      window=window)[0] if masked or not (plan.full or plan.causal) else None)
+        _, attend_backward = kernels(q, masked=mask is not None, softcap=softcap)
+        rows, cols = plan.queries, plan.keys
+        grad_q_i, grad_k_i, grad_v_i = attend_backward(
+            grad_out[:, :, rows], q[:, :, rows], block[0][:, :, cols], block[1][:, :, cols], out[:, :, rows],
+            lse[:, :, rows].contiguous(), plan.causal, mask, scaling)
+        grad_q[:, :, rows] += grad_q_i
+        shares.append((cols, grad_k_i, grad_v_i))
+    return shares
+
+
 class _RingAttention(torch.autograd.Function):
     """Forward: fused attention per ring step, merged by log-sum-exp; backward: the ring again, fused backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, documents, valid, layout: ChunkLayout, group: ProcessGroup, scaling: float,
                 masked: bool, events: list | None, window: int | None, softcap: float | None):
-        rank, size, chunk = dist.get_rank(group), layout.size, q.shape[2] // 2
+        rank, size = dist.get_rank(group), layout.size
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], NEG_INF, dtype=torch.float32, device=q.device)
         block = torch.stack([k, v])  # travels the ring as one tensor
         for step in range(size):
             incoming, works = _exchange(block, group) if step < size - 1 else (None, [])
             started = time.perf_counter()
-            owner = (rank - step) % size
-            for plan in ring_blocks(layout, rank=rank, owner=owner, chunk=chunk, window=window):
-                mask, seen = (_mask(plan, layout=layout, rank=rank, owner=owner, documents=documents, valid=valid,
-                                    dtype=q.dtype, window=window) if masked or not (plan.full or plan.causal)
-                              else (None, None))
-                attend, _ = kernels(q, masked=mask is not None, softcap=softcap)
-                rows, cols = plan.queries, plan.keys
-                block_out, block_lse = attend(q[:, :, rows], block[0][:, :, cols], block[1][:, :, cols],
-                                              plan.causal, mask, scaling)
-                _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse, seen)
+            attend_block(q, block, out, lse, layout=layout, rank=rank, owner=(rank - step) % size, documents=documents,
+                         valid=valid, masked=masked, scaling=scaling, window=window, softcap=softcap)
             computed = time.perf_counter()
             _wait(works)
             if events is not None:
@@ -216,12 +255,8 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, sinks, documents, valid, out, lse = ctx.saved_tensors
         layout, group, scaling, masked, window = ctx.layout, ctx.group, ctx.scaling, ctx.masked, ctx.window
-        rank, size, chunk = dist.get_rank(group), layout.size, q.shape[2] // 2
-        # A query that sees no key anywhere (padding) got zeros: no gradient, whatever arrives for it,
-        # and a finite lse so that the kernel's exp(score - lse) is 0 rather than NaN.
-        seen = lse > NEG_INF
-        grad_out = grad_out.masked_fill(~seen.unsqueeze(-1), 0.0) if masked else grad_out
-        lse = lse.masked_fill(~seen, 0.0)
+        rank, size = dist.get_rank(group), layout.size
+        grad_out, lse = backward_inputs(grad_out, lse, masked=masked)
         grad_sinks = None
         if sinks is not None:  # the sink's probability times (its value's product with dO, 0, minus rowsum(dO * O))
             delta = (grad_out.float() * out.float()).sum(dim=-1)
@@ -234,18 +269,9 @@ class _RingAttention(torch.autograd.Function):
         for step in range(size):
             incoming, works = _exchange(block, group) if step < size - 1 else (None, [])
             started = time.perf_counter()
-            owner = (rank - step) % size
-            shares = []
-            for plan in ring_blocks(layout, rank=rank, owner=owner, chunk=chunk, window=window):
-                mask = (_mask(plan, layout=layout, rank=rank, owner=owner, documents=documents, valid=valid,
-                              dtype=q.dtype, window=window)[0] if masked or not (plan.full or plan.causal) else None)
-                _, attend_backward = kernels(q, masked=mask is not None, softcap=ctx.softcap)
-                rows, cols = plan.queries, plan.keys
-                grad_q_i, grad_k_i, grad_v_i = attend_backward(
-                    grad_out[:, :, rows], q[:, :, rows], block[0][:, :, cols], block[1][:, :, cols], out[:, :, rows],
-                    lse[:, :, rows].contiguous(), plan.causal, mask, scaling)
-                grad_q[:, :, rows] += grad_q_i
-                shares.append((cols, grad_k_i, grad_v_i))
+            shares = attend_block_backward(grad_out, q, block, out, lse, grad_q, layout=layout, rank=rank,
+                                           owner=(rank - step) % size, documents=documents, valid=valid, masked=masked,
+                                           scaling=scaling, window=window, softcap=ctx.softcap)
             computed = time.perf_counter()
             _wait(grad_works)  # the accumulator of this block, from the previous rank
             for cols, grad_k_i, grad_v_i in shares:
