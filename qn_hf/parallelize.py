@@ -34,7 +34,7 @@ from .memory.recompute import apply_recompute
 from .tensor_parallel.sequence_hooks import SequenceParallelSwitch, apply_sequence_parallel, sequence_wire
 from .tensor_parallel.sequence_parallel import final_norm, regathers
 from .tensor_parallel.plan import ModelPolicy, TpPlan
-from .tensor_parallel.rng import SHARED, TP_LOCAL, RngStreams, stream_seeds
+from .tensor_parallel.rng import RngStreams, draws_in_training, stream_seeds
 from .tensor_parallel.shard import ShardSpec
 from .tensor_parallel.apply import VocabShard, apply_tp_plan
 from .pipeline.weight_grad import WeightGradQueue, make_deferrable
@@ -393,8 +393,6 @@ def _install_rng_streams(
     streams = RngStreams(
         device=device, seeds=stream_seeds(base_seed=seed, dp_rank=replica, tp_rank=coords.tp, pp_rank=coords.pp)
     )
-    for name in plan.tp_rng_regions:
-        streams.hook_module(model.get_submodule(name), TP_LOCAL)
-    for name in plan.shared_rng_regions:
-        streams.hook_module(model.get_submodule(name), SHARED)
+    if plan.tp > 1 and draws_in_training(model):  # else every draw comes from the shared stream (rng.py)
+        streams.hook_regions(model, tp_local=plan.tp_rng_regions, shared=plan.shared_rng_regions)
     return streams

@@ -106,6 +106,15 @@ def test_compiled_tensor_parallel(worlds, model_dirs):
     check(results)
 
 
+def test_compiled_one_rank_without_dropout_keeps_whole_graphs(worlds, model_dirs):
+    """tp=1 and no dropout: the random streams put no hooks on the blocks (rng.py), so no graph break comes
+    from qn_hf's hooks; equal to the plain model, nothing recompiled."""
+    results = worlds.run(1, compiled_parity, kind="llama", model_dir=model_dirs["llama"], dp=1, tp=1)
+    check(results)
+    for r in results:
+        assert not set(r["breaks"]) & set(RNG_BREAKS), r
+
+
 def test_compiled_sharded_data_parallel(worlds, model_dirs):
     """dp=2 x dp_shard=2: each block compiled in place under FSDP2, whose hooks dynamo leaves out of the
     graph (they run eagerly around it: all-gather before, reduce-scatter after): no other graph break,

@@ -20,9 +20,11 @@ What a compiled block traces into its graphs, forward and backward:
 
 What splits a block's graph (a graph break: the pieces compile separately, the hook runs eagerly between
 them): the random-stream hooks (rng.py) that enter and leave each tp region (the attention module) swap the
-device generator's state, which dynamo does not trace. A block compiles as the part before its attention,
-the attention, and the rest; dropout inside each piece draws from the stream its hooks set, as in eager
-(from inductor's generator, seeded from that stream: the masks are not eager's bit for bit).
+device generator's state, which dynamo does not trace. They exist only at tp > 1 on a model that draws in
+training (dropout above 0: ``rng.draws_in_training``); elsewhere a block compiles as one graph. With them a
+block compiles as the part before its attention, the attention, and the rest; dropout inside each piece
+draws from the stream its hooks set, as in eager (from inductor's generator, seeded from that stream: the
+masks are not eager's bit for bit).
 
 Sharded data parallelism (dp_shard): FSDP2's ``fully_shard`` goes on each compiled block afterwards, as
 torchtitan applies it. Its forward and backward hooks sit on the block, and dynamo leaves FSDP's hooks
@@ -35,8 +37,8 @@ transformers checkpoints keeps its checkpoint (recompute.py's, with the random s
 a compiled forward, which the recomputation runs again whole (in evaluation nothing is checkpointed and
 such a block runs eagerly): under ``compile`` ``"selective"`` recomputes like ``"full"`` (its policy names
 operators that the compiled code does not call, inductor's kernels do the work), collectives included.
-The dropout-free blocks of most models would let dynamo trace the checkpoint and apply the policy inside
-the graph, if the random streams' hooks were not there (rng.py).
+Blocks without dropout carry no random streams' hooks (rng.py); whether dynamo then traces the checkpoint
+and applies the policy inside the graph has not been measured.
 
 Refused (``check_compile``, raised before any collective): ZB-H1, whose linear layers queue their weight
 gradients from a hook on their autograd node and compute them in a nested backward; context parallelism,

@@ -10,9 +10,17 @@
 Regions are entered with forward pre-hooks and left with forward hooks on the modules a policy
 names, so no Hugging Face forward is replaced. Regions nest (GPT-2's residual dropout, which is
 replicated, lives inside the attention module, which is not).
+
+The hooks go in only where a draw needs them: at tp > 1 on a model that draws random numbers in
+training (``draws_in_training``). At tp = 1 there is no replicated activation to keep equal across tp
+ranks and no head split to keep apart, and a model without dropout draws nothing: its regions get no
+hooks, every draw (if any) comes from the shared stream, and ``torch.compile`` traces each block whole
+(swapping the generator's state is a graph break). It is decided once, when ``parallelize`` runs.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -80,6 +88,50 @@ class RngStreams:
             module.register_forward_pre_hook(lambda *_: self.enter(name)),
             module.register_forward_hook(lambda *_: self.exit(), always_call=True),
         ]
+
+    def hook_regions(self, model: nn.Module, *, tp_local: Sequence[str], shared: Sequence[str]) -> None:
+        """Run the named submodules of ``model`` in the tp-local and the shared stream (a plan's regions)."""
+        for names, stream in ((tp_local, TP_LOCAL), (shared, SHARED)):
+            for name in names:
+                self.hook_module(model.get_submodule(name), stream)
+
+
+# Module attributes and config keys (by name) holding the probability or scale of a draw in training:
+# dropout modules aside, transformers' attention passes ``dropout=self.attention_dropout`` to its kernel,
+# some forwards read ``p=self.config.dropout``, and MoE routers add ``router_jitter_noise``.
+RANDOM_IN_TRAINING = ("dropout", "pdrop", "jitter")
+DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def _named_draw(key: object) -> bool:
+    return any(word in str(key).lower() for word in RANDOM_IN_TRAINING)
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def _config_draws(config: dict) -> bool:
+    """A key of ``config`` (a ``to_dict()``, sub-configs nested) naming a draw, above 0."""
+    for key, value in config.items():
+        if isinstance(value, dict) and _config_draws(value):
+            return True
+        if _named_draw(key) and _positive(value):
+            return True
+    return False
+
+
+def draws_in_training(model: nn.Module) -> bool:
+    """Whether ``model`` may draw random numbers in training: a dropout module with ``p`` > 0, or an
+    attribute of a module or a key of its config named for a draw (``RANDOM_IN_TRAINING``) above 0.
+    Conservative: a key the forward never reads (a head this model lacks) counts too."""
+    for module in model.modules():
+        if isinstance(module, DROPOUT_MODULES) and module.p > 0:
+            return True
+        if any(_named_draw(key) and _positive(value) for key, value in vars(module).items()):
+            return True
+    config = getattr(model, "config", None)
+    return config is not None and hasattr(config, "to_dict") and _config_draws(config.to_dict())
 
 
 def stream_seeds(*, base_seed: int, dp_rank: int, tp_rank: int, pp_rank: int) -> dict[str, int]:
