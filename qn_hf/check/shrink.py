@@ -62,6 +62,7 @@ MULTIPLIER = 1.37
 # Keys that count blocks the way num_hidden_layers does (an audio encoder's conformer blocks).
 _LAYER_COUNTS = ("num_hidden_layers", "num_blocks")
 _DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+_MROPE_AXES = 3  # M-RoPE's sections: time, height, width
 
 # Values a default config leaves for a checkpoint to fill, that nothing in the config tells how to
 # fill, and without which its model cannot be built (model type -> values; a layer_types entry is a
@@ -75,15 +76,19 @@ def _is_dropout(key: str) -> bool:
     return "dropout" in key or key.endswith("pdrop")
 
 
-def _fill_gaps(data: dict) -> None:
-    """Fill, in place, what the default config leaves for a checkpoint and the model needs."""
+def _fill_gaps(data: dict, *, mrope: bool) -> None:
+    """Fill, in place, what the default config leaves for a checkpoint and the model needs. ``mrope``:
+    the model reads M-RoPE sections from its rope."""
     for key, value in _DEFAULT_GAPS.get(data.get("model_type"), {}).items():
         data[key] = _resized_pattern(value, data["num_hidden_layers"]) if key == "layer_types" else value
     kinds = data.get("layer_types")
     if data.get("rope_parameters") == {} and isinstance(kinds, list) and kinds:
         # An empty rope dict beside layer kinds is a per-kind rope left empty (Cohere Compass reads
-        # rope_parameters[layer_type]): every kind gets the default rope.
-        data["rope_parameters"] = {kind: dict(_DEFAULT_ROPE) for kind in dict.fromkeys(kinds)}
+        # rope_parameters[layer_type]): every kind gets the default rope, with M-RoPE sections where
+        # the model reads them (sized for the shrunk head by _resize_rope; the model's own default is
+        # sized for the full head, which transformers before 5.21 cannot build a smaller head with).
+        rope = {**_DEFAULT_ROPE, **({"mrope_section": [1] * _MROPE_AXES} if mrope else {})}
+        data["rope_parameters"] = {kind: dict(rope) for kind in dict.fromkeys(kinds)}
 
 
 def _is_size(value: object) -> bool:
@@ -107,7 +112,10 @@ def _resized_pattern(values: list, length: int) -> list:
 
 
 def _resize_rope(rope: dict, *, head_dim: int) -> dict:
-    """Per-frequency lists (longrope factors, mrope sections) sized for the new head dimension."""
+    """Per-frequency lists (longrope factors, mrope sections) sized for the new head dimension; a rope
+    per layer kind, each."""
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        return {kind: _resize_rope(v, head_dim=head_dim) for kind, v in rope.items()}
     rope = dict(rope)
     half = head_dim // 2
     for key in ("short_factor", "long_factor"):
@@ -119,6 +127,12 @@ def _resize_rope(rope: dict, *, head_dim: int) -> dict:
     if "original_max_position_embeddings" in rope:
         rope["original_max_position_embeddings"] = 64
     return rope
+
+
+def _reads_mrope(config: PretrainedConfig) -> bool:
+    """Whether the model reads M-RoPE sections from its rope: its config says so by exempting them
+    from transformers' rope validation."""
+    return "mrope_section" in getattr(type(config), "ignore_keys_at_rope_validation", ())
 
 
 def _kv_heads(values: dict) -> int:
@@ -148,7 +162,7 @@ def shrink_config(config: PretrainedConfig, *, layers: int = LAYERS) -> Pretrain
     """A copy of ``config`` (same class) with small sizes, no dropout and token ids in the vocabulary.
     Sub-configs (a multimodal model's text, vision and audio parts) are shrunk the same way."""
     data = config.to_dict()
-    _fill_gaps(data)
+    _fill_gaps(data, mrope=_reads_mrope(config))
     subconfigs = {k: shrink_config(v, layers=layers).to_dict() for k, v in vars(config).items()
                   if isinstance(v, PretrainedConfig)}
     new: dict = {}

@@ -114,15 +114,23 @@ def key_renamer(model: torch.nn.Module) -> Callable[[str], str | ExpertPart]:
     """transformers' load-time renamings for this model's class, as a function of one key: the new
     name, or for a per-expert tensor its place in the fused experts tensor."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, apply_converters, apply_renamings
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
 
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
 
+    # transformers' loading order (its rename_source_key): every renaming in turn, then the first
+    # converter that matches. Written with each transform's own rename_source_key, which every
+    # supported release has (the module's apply_renamings/apply_converters came in 5.21).
     def rename(key: str) -> str | ExpertPart:
-        key = apply_renamings(key, renamings)
-        target, pattern = apply_converters(key, converters) if converters else (key, None)
+        for renaming in renamings:
+            key, _ = renaming.rename_source_key(key)
+        target, pattern = key, None
+        for converter in converters:
+            target, pattern = converter.rename_source_key(key)
+            if pattern is not None:
+                break
         if pattern is None:
             return key
         converter = next(c for c in converters if pattern in c.source_patterns)

@@ -30,13 +30,13 @@ import math
 from collections.abc import Iterator, Mapping
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from transformers import AttentionInterface
 from transformers.masking_utils import find_packed_sequence_indices
 
 from ..comm import all_gather_tensors
+from ..compat import reduce_scatter_single
 from ..policies.amendments import CP_REFUSALS
 from ..step.batch import on_device
 from ..step.loss import LossKind, causal_lm_targets
@@ -225,7 +225,7 @@ class _GatherPositions(torch.autograd.Function):
         length = grad.shape[1]
         parts = [grad[:, ctx.layout.positions(r, length, device=grad.device)] for r in range(ctx.layout.size)]
         out = torch.empty_like(parts[0])
-        dist.reduce_scatter_tensor(out, torch.cat(parts), group=ctx.group)
+        reduce_scatter_single(out, torch.cat(parts), group=ctx.group)
         return out, None, None
 
 

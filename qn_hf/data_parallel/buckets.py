@@ -32,6 +32,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from ..compat import all_gather_single, reduce_scatter_single
+
 DEFAULT_BUCKET_MB = 25.0
 
 
@@ -290,13 +292,13 @@ class GradBuckets:
     # collectives. The returned handle waits for all of them.
     def _reduce_scatter(self, flat: torch.Tensor) -> dist.Work | _Works:
         if dist.get_backend(self.group) != "gloo":
-            return dist.reduce_scatter_single(self._piece(flat), flat, group=self.group, async_op=True)
+            return reduce_scatter_single(self._piece(flat), flat, group=self.group, async_op=True)
         return _Works([dist.reduce(piece, dst=dist.get_global_rank(self.group, i), group=self.group, async_op=True)
                        for i, piece in enumerate(flat.chunk(dist.get_world_size(self.group)))])
 
     def _all_gather(self, flat: torch.Tensor) -> dist.Work | _Works:
         if dist.get_backend(self.group) != "gloo":
-            return dist.all_gather_single(flat, self._piece(flat), group=self.group, async_op=True)
+            return all_gather_single(flat, self._piece(flat), group=self.group, async_op=True)
         return _Works([dist.broadcast(piece, src=dist.get_global_rank(self.group, i), group=self.group, async_op=True)
                        for i, piece in enumerate(flat.chunk(dist.get_world_size(self.group)))])
 

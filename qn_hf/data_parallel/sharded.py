@@ -52,6 +52,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ..compat import fsdp_param_groups
+
 
 class Gather(enum.Enum):
     """How often a pipeline stage all-gathers its blocks' weights in one step (module docstring)."""
@@ -145,7 +147,7 @@ class ShardedParameters:
         self.model.set_is_last_backward(True)
         state = fully_shard.state(self.model)
         for unit_state in state._state_ctx.all_states:
-            for group in unit_state._fsdp_param_groups:
+            for group in fsdp_param_groups(unit_state):
                 group.post_backward()
         state._root_post_backward_final_callback()
 

@@ -29,6 +29,7 @@ from torch import nn
 
 from .dispatch import ExpertRoute, expert_parallel_forward
 from .stacked import is_stacked_experts, stacked_expert_hooks
+from ..compat import decorated_experts
 from ..mesh import Axis, ParallelDims
 from ..peft.lora import ParamLora, is_lora_layer, lora_layer_names, param_loras, without_wrappers
 from ..tensor_parallel.plan import TpPlan
@@ -51,11 +52,11 @@ def counts_experts(config) -> bool:
 
 
 def is_fused_experts(module: nn.Module) -> bool:
-    """transformers' fused experts form: decorated by ``use_experts_implementation`` (which gives it
-    ``_is_expert_parallel``) and every parameter stacked over ``num_experts`` along dim 0."""
+    """transformers' fused experts form: decorated by ``use_experts_implementation`` (told by
+    ``compat.decorated_experts``) and every parameter stacked over ``num_experts`` along dim 0."""
     count = getattr(module, "num_experts", None)
     params = list(module.parameters(recurse=False))
-    return (hasattr(module, "_is_expert_parallel") and isinstance(count, int) and bool(params)
+    return (decorated_experts(module) and isinstance(count, int) and bool(params)
             and all(p.dim() >= 2 and p.shape[0] == count for p in params))
 
 

@@ -31,6 +31,7 @@ from torch import nn
 
 from .dispatch import ExpertRoute
 from .token_exchange import all_to_all_rows, exchange_counts, gather_rows, split_rows
+from ..compat import decorated_experts
 
 
 def is_stacked_experts(module: nn.Module) -> bool:
@@ -38,7 +39,7 @@ def is_stacked_experts(module: nn.Module) -> bool:
     rows of every expert (one tensor argument), outside transformers' experts registry."""
     count = getattr(module, "num_experts", None)
     params = list(module.parameters(recurse=False))
-    if hasattr(module, "_is_expert_parallel") or not isinstance(count, int) or not params:
+    if decorated_experts(module) or not isinstance(count, int) or not params:
         return False
     if not all(p.dim() == 3 and p.shape[0] == count for p in params):
         return False

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ..comm import group_rank, group_size
+from ..compat import all_gather_single
 
 
 def _all_to_all(x: torch.Tensor, *, out_rows: Sequence[int], in_rows: Sequence[int], group: ProcessGroup) -> torch.Tensor:
@@ -68,7 +69,7 @@ def _gather_rows(x: torch.Tensor, sizes: list[int], group: ProcessGroup) -> torc
     most = max(sizes)
     padded = torch.cat([x, x.new_zeros((most - x.shape[0], *x.shape[1:]))]) if x.shape[0] < most else x.contiguous()
     out = x.new_empty((most * len(sizes), *x.shape[1:]))
-    dist.all_gather_single(out, padded, group=group)
+    all_gather_single(out, padded, group=group)
     return torch.cat([part[:n] for part, n in zip(out.split(most), sizes)])
 
 

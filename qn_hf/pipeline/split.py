@@ -15,6 +15,7 @@ from torch import nn
 
 from ..tensor_parallel.patterns import base_model_and_prefix, join
 from ..arguments import check_positive_int
+from ..compat import per_layer
 from ..tensor_parallel.plan import ModelPolicy
 from .schedule import chunks_of, rank_of_chunk
 
@@ -234,7 +235,7 @@ def _check_kv_sharing(model: nn.Module, plan: StagePlan, policy: ModelPolicy) ->
         return
     config = model.config.get_text_config()
     key, store, reuse = policy.pp_kv_sharing
-    modes, kinds = getattr(config, key, None), getattr(config, "layer_types", None)
+    modes, kinds = per_layer(config, key), getattr(config, "layer_types", None)
     if not isinstance(modes, list) or reuse not in modes:
         return
     kinds = kinds if isinstance(kinds, list) and len(kinds) == len(modes) else [None] * len(modes)

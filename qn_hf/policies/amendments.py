@@ -7,6 +7,8 @@ and runs on the column-parallel ``up_proj`` output, i.e. on this rank's share of
 features: its gradient is partial per rank and must be summed over tp.
 """
 
+from ..compat import KV_REUSE, KV_SHARING_MODES, KV_STORE
+
 # model_type -> the pipeline plan transformers does not declare (its ``base_model_pp_plan`` form):
 # OLMoE's base model is Llama's (embedding, blocks, final norm) with MoE blocks.
 PP_PLANS: dict[str, dict[str, tuple[list[str], list[str]]]] = {
@@ -44,4 +46,5 @@ CARRIED_REUSED_BY: dict[str, str] = {"indexer_types": "shared"}
 
 # config key -> (the mode of a block that stores its keys and values, the mode of a later one that
 # reuses those of the last storing block of its kind; ModelPolicy.pp_kv_sharing): Gemma 3n and 4
-KV_SHARED_BY: dict[str, tuple[str, str]] = {"kv_sharing_modes": ("store", "reuse")}
+# (read with compat.per_layer: transformers before 5.23 derives the list where it is used)
+KV_SHARED_BY: dict[str, tuple[str, str]] = {KV_SHARING_MODES: (KV_STORE, KV_REUSE)}

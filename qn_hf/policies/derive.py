@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 from torch import nn
 
+from ..compat import per_layer
 from ..peft.lora import names_before_peft
 from ..tensor_parallel.embedding_types import adapter_for
 from ..tensor_parallel.sequence_parallel import position_wise
@@ -345,7 +346,7 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
                               None) if carried else None,
         pp_every_stage=every_stage,
         pp_per_block_outputs=per_block,
-        pp_kv_sharing=next(((k, *v) for k, v in KV_SHARED_BY.items() if isinstance(getattr(config, k, None), list)), None),
+        pp_kv_sharing=next(((k, *v) for k, v in KV_SHARED_BY.items() if per_layer(config, k) is not None), None),
         pp_refusal=(f"its base forward hands each block {', '.join(indexed)}[..., i, ...] by the block's position i in "
                     f"its loop, which on a later stage counts from that stage's first block" if indexed else None),
         transformers_plan=True,

@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 from ..comm import flat_broadcast_
+from ..compat import trim_attention_mask
 from ..pipeline.p2p import Link
 from ..pipeline.stage import StageModules
 from ..pipeline.wire import broadcast_announced, empty_header, header_of, read_header
@@ -97,6 +98,8 @@ def parallel_generate(module: nn.Module, input_ids: torch.Tensor, attention_mask
         _share_generator(placement)
         if stage.stages > 1:
             handles = _pipeline_hooks(module, stage=stage, placement=placement, full_logits=full_logits)
+            if kwargs.get("synced_gpus"):  # a finished peer's mask outgrows its ids on transformers 5.17
+                handles.append(module.register_forward_pre_hook(trim_attention_mask, with_kwargs=True))
         elif full_logits is not None:
             handles = [module.register_forward_hook(lambda _m, _a, out: _with_logits(out, full_logits(out.logits)))]
         return module.generate(input_ids.to(device), **kwargs)
