@@ -16,6 +16,7 @@ from qn_hf.pipeline.stage import apply_stage
 from qn_hf.pipeline.standins import Injector, StandIn
 from qn_hf.policies import resolve_policy
 from tests.cases import mesh_for
+from tests.releases import needs_tp_plan
 from tests.models import CONFIGS, auto_class, load
 from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config
 
@@ -164,30 +165,41 @@ def test_stages_receive_at_their_blocks_where_the_forward_transforms_the_embeddi
     from tests import zoo_cases
     from tests.test_zoo import _config
 
+    needs_tp_plan(model_type)  # DeepSeek-V4's, which transformers 5.17 does not ship
     column = ZooMesh(**mesh)
     verdict = worlds.run(column.size, zoo_cases.zoo_step, config={**_config(model_type), **overrides}, mesh=column)[0]
     assert verdict["verdict"] == "equal", (verdict["reason"], verdict["worst"][:5])
     assert verdict["moved"] > 1e-3
 
 
-def test_which_stages_receive_at_their_blocks_is_read_from_the_forward():
-    """Llama's blocks take the embedding as it is (the entry's stand-in hands over the received
-    activation); Granite's take it multiplied, DeepSeek-V4's expanded (their stages receive at the
-    blocks); HY-V4 hands each block the previous block's top-k indices, which no stage boundary
-    carries: refused before anything runs."""
+def _shrunk_meta(model_type: str) -> torch.nn.Module:
     from transformers import CONFIG_MAPPING
 
     from qn_hf.check.shrink import shrink_config
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(shrink_config(CONFIG_MAPPING[model_type]()))
+
+
+def test_which_stages_receive_at_their_blocks_is_read_from_the_forward():
+    """Llama's blocks take the embedding as it is (the entry's stand-in hands over the received
+    activation); Granite's take it multiplied (its stages receive at the blocks); HY-V4 hands each
+    block the previous block's top-k indices, which no stage boundary carries: refused before
+    anything runs."""
     from qn_hf.policies.derive import derive_policy
 
-    def meta(model_type):
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(shrink_config(CONFIG_MAPPING[model_type]()))
-
-    assert not derive_policy(meta("llama")).pp_receive_at_blocks
-    assert derive_policy(meta("granite")).pp_receive_at_blocks
-    deepseek = derive_policy(meta("deepseek_v4"))
-    assert deepseek.pp_receive_at_blocks and "hc_head" in deepseek.pp_last
-    hy = meta("hy_v4")
+    assert not derive_policy(_shrunk_meta("llama")).pp_receive_at_blocks
+    assert derive_policy(_shrunk_meta("granite")).pp_receive_at_blocks
+    hy = _shrunk_meta("hy_v4")
     with pytest.raises(ValueError, match=r"pp=2 \(hy_v4\): its base forward hands each block topk_indices"):
         build_stage_plan(hy, derive_policy(hy), stages=2)
+
+
+def test_stages_receive_expanded_streams_at_the_blocks():
+    """DeepSeek-V4's blocks take the embedding expanded into its hyper-connection streams: its stages
+    receive at the blocks, and the head that folds the streams (hc_head) runs after them."""
+    from qn_hf.policies.derive import derive_policy
+
+    needs_tp_plan("deepseek_v4")
+    deepseek = derive_policy(_shrunk_meta("deepseek_v4"))
+    assert deepseek.pp_receive_at_blocks and "hc_head" in deepseek.pp_last

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.releases import needs_tp_plan, with_tp_plan
 from tests.test_parity import check
 from tests import cases
 
@@ -110,6 +111,7 @@ def test_sequence_parallel_refuses_block_inputs_it_cannot_place():
     """A block input beside the hidden states that is neither known to be whole for every block nor
     a per-position input it can split (DeepSeek-V4's token ids, which its MoE routes by) is refused
     before anything runs."""
+    needs_tp_plan("deepseek_v4")
     message = _error(_meta_model("deepseek_v4", moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
                                  q_lora_rank=16, o_lora_rank=16, o_groups=2), sequence_parallel=True)
     assert "DeepseekV4DecoderLayer.forward takes input_ids beside the hidden states" in message, message
@@ -122,8 +124,10 @@ WHOLE_REGION_CASES = [
     ("deepseek_v3", dict(tp=2, pp=2, sequence_parallel=True)),
     ("deepseek_v3", dict(tp=2, sequence_parallel=True, recompute="full")),
     ("minicpm3", dict(dp=2, tp=2, sequence_parallel=True)),
-    ("granitemoe", dict(tp=2, cp=2, sequence_parallel=True)),
-    ("jamba", dict(tp=2, sequence_parallel=True)),
+    # transformers before 5.21 plans neither: its sliding-window Granite MoE and Qwen3-Next's
+    # convolution-and-recurrence layers stand in
+    (with_tp_plan("granitemoe", "granitemoe_swa"), dict(tp=2, cp=2, sequence_parallel=True)),
+    (with_tp_plan("jamba", "qwen3_next"), dict(tp=2, sequence_parallel=True)),
     ("gemma4_text", dict(dp=2, tp=2, sequence_parallel=True)),
     ("llama4_text", dict(tp=2, sequence_parallel=True)),
     ("hy_v4", dict(tp=2, sequence_parallel=True)),

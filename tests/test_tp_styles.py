@@ -39,7 +39,12 @@ def test_embedding_adapters():
     assert adapter_for(nn.Linear(3, 5)) is None
     for model_type in ("gemma", "gemma2", "gemma3_text", "vaultgemma"):
         assert adapter_for(_embedding_of(model_type)).behaviour == "scaled", model_type
-    assert adapter_for(_embedding_of("inkling_text")).behaviour == "normed"
+    # Inkling's embedding normalizes its rows itself from transformers 5.18 on (InklingNormedEmbedding);
+    # 5.17 looks the rows up in a plain embedding and normalizes them in the model's forward
+    import transformers.models.inkling.modeling_inkling as inkling
+
+    normed = hasattr(inkling, "InklingNormedEmbedding")
+    assert adapter_for(_embedding_of("inkling_text")).behaviour == ("normed" if normed else "plain")
 
 
 def _phi3_policy(**overrides) -> ModelPolicy:

@@ -84,10 +84,15 @@ def test_every_zoo_model_has_a_checkpoint_layout_where_it_trains_equal():
 
     from qn_hf.checkpoint.layout import model_layout
 
-    from qn_hf.check.zoo import COLUMNS
+    from qn_hf.check.zoo import COLUMNS, zoo_model_types
 
     expected = json.loads((Path(__file__).parent / "zoo_expected.json").read_text())
+    # the record's types that the installed transformers plans (all of them on the release the test
+    # extra pins, which test_zoo checks; an older release lacks some: tests/releases.py)
+    installed = set(zoo_model_types())
     for model_type, outcomes in expected.items():
+        if model_type not in installed:
+            continue
         config = causal_lm_config(shrink_config(CONFIG_MAPPING[model_type]()))
         # the layout depends on tp, pp and the chunks only (dp, cp and sp shard no weight; ep's
         # expert boxes are tested in test_expert_parallel.py): each distinct one once
