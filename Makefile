@@ -7,7 +7,7 @@ NPROC ?= 8
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.qn_hf-installed
 
-.PHONY: demo test test-unit test-all bench results install clean zoo-table zoo-sweep composition-table gpu-check
+.PHONY: demo test test-unit test-all test-compat bench results install clean zoo-table zoo-sweep composition-table gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,92 @@ test-unit: $(STAMP)
 
 test-all: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+# The oldest transformers qn_hf supports (pyproject.toml): a second venv, .venv-compat, with the same
+# CPU torch and test extra, then transformers 5.17.0 over the extra's pin (peft and trl import with it).
+# It runs the unit tier and COMPAT_TESTS, a few equivalence tests of every dimension (tests/releases.py
+# says how the suite treats an older release). Torch 2.11 has no CPU wheel here (its build is several
+# GB), so qn_hf/compat.py's torch fallbacks are forced on torch 2.13 by tests/test_compat.py instead.
+# 4 min 45 s measured on 2 cores shared with other work, the venv created anew (packages from pip's cache):
+# the unit tier 47 s, the 68 equivalence tests 2 min 24 s.
+COMPAT_VENV ?= .venv-compat
+COMPAT_BIN := $(COMPAT_VENV)/bin
+COMPAT_STAMP := $(COMPAT_VENV)/.qn_hf-installed
+COMPAT_TRANSFORMERS := 5.17.0
+COMPAT_TESTS := tests/test_compat.py \
+	'tests/test_parity.py::test_tensor_and_data_parallel[gpt2-2-2-2-True]' \
+	'tests/test_parity.py::test_tensor_and_data_parallel[vit-2-2-1-False]' \
+	'tests/test_parity.py::test_tensor_and_data_parallel[qwen2-1-2-1-False]' \
+	'tests/test_parity.py::test_tensor_and_data_parallel[mistral-1-2-1-False]' \
+	'tests/test_parity.py::test_pipeline[llama-2-2-2-1f1b-4-None]' \
+	'tests/test_parity.py::test_pipeline[gpt2-1-2-2-gpipe-3-None]' \
+	'tests/test_parity.py::test_data_parallel_3d[llama-2-2-2-1f1b-2]' \
+	'tests/test_parity.py::test_schedules[llama_deep-2-1-2-interleaved_1f1b-2-3-None-None]' \
+	'tests/test_parity.py::test_schedules[gpt2_deep-2-1-2-zb_h1-1-3-None-5]' \
+	'tests/test_data_parallel.py::test_no_sync_accumulates_over_steps[llama-2-2-1-1f1b-1]' \
+	'tests/test_optimizer.py::test_zero_equals_the_unsharded_optimizer[llama-2-2-1-SGD-1f1b]' \
+	'tests/test_optimizer.py::test_zero_checkpoint_resumes_at_other_meshes[gpt2-None]' \
+	'tests/test_recompute.py::test_recompute_is_bit_for_bit[llama-1-2-2-selective-False-1]' \
+	'tests/test_sequence_parallel.py::test_sequence_parallel_equals_plain_model[qwen3-2-2-1-1-True]' \
+	'tests/test_sequence_parallel.py::test_whole_regions_equal_plain_model[deepseek_v3-tp2-pp2]' \
+	'tests/test_sequence_parallel.py::test_whole_regions_equal_plain_model[minicpm3-dp2-tp2]' \
+	'tests/test_sequence_parallel.py::test_whole_regions_equal_plain_model[gemma4_text-dp2-tp2]' \
+	'tests/test_sequence_parallel.py::test_whole_regions_equal_plain_model[llama4_text-tp2]' \
+	'tests/test_sequence_parallel.py::test_whole_regions_equal_plain_model[hy_v4-tp2]' \
+	'tests/test_context_parallel.py::test_context_parallel_equals_plain_model[qwen3-1-2-1-2-1-False-True]' \
+	tests/test_context_parallel.py::test_context_parallel_with_attention_sinks_equals_plain_model \
+	'tests/test_context_parallel.py::test_context_parallel_with_schedules_equals_plain_model[zb_h1-1-2]' \
+	'tests/test_context_parallel.py::test_checkpoint_moves_between_cp_and_other_meshes[True]' \
+	'tests/test_expert_parallel.py::test_expert_parallel_equals_plain_model[mixtral-2-2-1-4-1]' \
+	'tests/test_expert_parallel.py::test_expert_parallel_equals_plain_model[deepseek_v3-2-1-2-2-2]' \
+	'tests/test_expert_parallel.py::test_expert_parallel_equals_plain_model[olmoe-2-1-1-2-1]' \
+	'tests/test_expert_parallel.py::test_expert_parallel_equals_plain_model[qwen2_moe-2-1-1-2-1]' \
+	'tests/test_expert_parallel.py::test_expert_parallel_equals_plain_model[qwen3_moe-1-2-1-2-1]' \
+	'tests/test_expert_parallel.py::test_router_aux_loss_equals_plain_model[mixtral-2-1-2-True]' \
+	'tests/test_expert_parallel.py::test_expert_parallel_with_recomputation[deepseek_v3-2-2-1-4-selective]' \
+	'tests/test_expert_parallel.py::test_expert_parallel_with_zero_equals_plain_model[qwen3_moe-2-2-1-2-None]' \
+	'tests/test_expert_parallel.py::test_expert_parallel_with_context_parallel_equals_plain_model[mixtral-1-2-2-2-False]' \
+	'tests/test_expert_parallel.py::test_expert_parallel_with_sequence_parallelism_equals_plain_model[qwen2_moe-2-2-1-2-False]' \
+	tests/test_expert_parallel.py::test_expert_parallel_checkpoints_move_between_ep_degrees \
+	'tests/test_expert_parallel.py::test_meta_model_reads_per_expert_hf_layout[mixtral-2-1-2]' \
+	'tests/test_expert_parallel.py::test_stacked_experts_under_expert_parallelism_equal_plain_model[1-2]' \
+	'tests/test_expert_parallel.py::test_gemma4_with_its_moe_block[ep2]' \
+	'tests/test_sharded_data_parallel.py::test_sharded_data_parallel_equals_plain_model[llama-dp2-shard2-tp2-sp]' \
+	'tests/test_sharded_data_parallel.py::test_sharded_data_parallel_with_pipeline_equals_plain_model[llama-dp2-shard2-tp1-pp2-1f1b-step]' \
+	'tests/test_sharded_data_parallel.py::test_sharded_data_parallel_with_expert_parallelism_equals_plain_model[dp4-shard2-ep2]' \
+	tests/test_sharded_data_parallel.py::test_sharded_data_parallel_with_lora_equals_peft \
+	'tests/test_triples.py::test_dp_tp_ep_cp_equals_plain_model[None]' \
+	'tests/test_triples.py::test_tp_sp_pp_interleaved_cp_equals_plain_model[None]' \
+	'tests/test_peft.py::test_lora_equals_peft[llama-1-2-2-2-1f1b-False-False-targets2-None-1]' \
+	'tests/test_peft.py::test_dora_equals_peft[1-2-targets0]' \
+	'tests/test_peft.py::test_lora_on_fused_experts_equals_peft[qwen3_moe-1-2-1-2-1-1-True-False-1f1b]' \
+	'tests/test_peft.py::test_the_adapter_directory_is_what_peft_writes[CAUSAL_LM]' \
+	tests/test_trainer.py::test_trainer_tp_pp_equals_one_process \
+	tests/test_trainer.py::test_trainer_with_sharded_data_parallelism_equals_one_process \
+	tests/test_trainer.py::test_trl_sft_trainer_through_the_mixin \
+	'tests/test_mixed_precision.py::test_mixed_precision_trains_like_the_plain_model_by_hand[gpt2-2-2-2-2-True-bf16-1f1b]' \
+	'tests/test_mixed_precision.py::test_mixed_precision_trains_like_the_plain_model_by_hand[llama-2-2-1-2-True-fp16-1f1b]' \
+	'tests/test_every_stage.py::test_equal_to_the_plain_model[gemma3n-1-1-2-1f1b-2-layers_per_stage4-False]' \
+	'tests/test_every_stage.py::test_equal_to_the_plain_model[gemma4-1-1-2-zb_h1-2-None-False]' \
+	tests/test_every_stage.py::test_zero_equals_the_plain_model \
+	'tests/test_generation.py::test_generate_equals_plain_model[dp1-tp2-pp2]' \
+	'tests/test_generation.py::test_generate_with_expert_parallelism_equals_plain_model[dp2-pp2]' \
+	'tests/test_pipeline_split.py::test_stages_receive_at_their_blocks_where_the_forward_transforms_the_embedding[granite-embedding_multiplier12.0-pp2]' \
+	'tests/test_zoo.py::test_zoo[qwen3_moe-tp2pp2]' \
+	'tests/test_zoo.py::test_zoo[gemma3_text-tp2pp2]' \
+	'tests/test_zoo.py::test_zoo[qwen3_next-tp2pp2]'
+
+$(COMPAT_STAMP): pyproject.toml
+	test -x $(COMPAT_BIN)/python || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_BIN)/python -m pip install --quiet --upgrade pip
+	$(COMPAT_BIN)/python -m pip install --quiet torch==2.13.0
+	$(COMPAT_BIN)/python -m pip install --quiet -e ".[test]"
+	$(COMPAT_BIN)/python -m pip install --quiet transformers==$(COMPAT_TRANSFORMERS)
+	touch $(COMPAT_STAMP)
+
+test-compat: $(COMPAT_STAMP)
+	OMP_NUM_THREADS=1 $(COMPAT_BIN)/python -m pytest -q -m "unit and not long"
+	OMP_NUM_THREADS=1 $(COMPAT_BIN)/python -m pytest -q -m "not long" $(COMPAT_TESTS)
 
 # Print the README's composition table from qn_hf/config/composition.py (test_composition checks they agree).
 composition-table: $(STAMP)
@@ -64,4 +150,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/convert.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(COMPAT_VENV) .pytest_cache
