@@ -24,8 +24,14 @@ def test_zero_equals_the_unsharded_optimizer(worlds, model_dirs, kind, dp, tp, p
     results = worlds.run(dp * tp * pp, optim_cases.zero_parity, kind=kind, model_dir=model_dirs[kind], dp=dp,
                          tp=tp, pp=pp, microbatches=2, opt_name=opt_name, schedule=schedule)
     for r in results:
-        assert r["losses"] == r["losses_unsharded"], r
-        assert r["weight_diff_unsharded"] <= 1e-7, r  # dp=2 and 4 sum in the same order: equal bit for bit
+        # Equal to float32 rounding, not bit for bit: the gradient norm the clip divides by is summed over
+        # reduce-scattered pieces with ZeRO and over whole gradients without, and dp=4's reduce-scatter adds in
+        # another order than its all-reduce; which last bits that moves depends on the CPU's vector width
+        # (bit-equal on the machine these tests were first run on, 1.8e-7 apart on an AVX-512 one). Still
+        # 20 times tighter than the plain-model bounds (1e-5 loss, 2e-5 weights).
+        for loss, unsharded in zip(r["losses"], r["losses_unsharded"]):
+            assert abs(loss - unsharded) <= 1e-6 * abs(unsharded), r
+        assert r["weight_diff_unsharded"] <= 1e-6, r
         # 1/dp of the state (each bucket is padded to a multiple of dp)
         assert r["state_bytes"] * dp <= r["state_bytes_unsharded"] + 64 * dp * 8, r
         assert r["state_bytes"] * dp >= r["state_bytes_unsharded"], r
