@@ -137,10 +137,17 @@ zoo-table: $(STAMP)
 results: $(STAMP)
 	$(BIN)/python scripts/results.py
 
-# On a GPU machine: parity at every mesh that fits its GPUs (NCCL), host syncs per step, and a bf16
-# throughput benchmark against the plain model, as one table. Without GPUs: the same on small gloo worlds.
-gpu-check: $(STAMP)
-	$(BIN)/python scripts/gpu_check.py
+# On a GPU machine: speed (eager and compiled), host syncs, ring attention's kernels, dp_shard on one rank and
+# parity at every mesh that fits its GPUs, as one table (docs/gpu-check.md). A $(PYTHON) that imports a CUDA
+# torch and transformers runs it as it is, nothing installed; elsewhere the CPU venv, as for make test.
+gpu-check:
+	@if $(PYTHON) -c "import sys, torch, transformers; sys.exit(torch.version.cuda is None)" 2>/dev/null; then \
+		echo "gpu-check: $(PYTHON), its CUDA torch as it is"; \
+		$(PYTHON) scripts/gpu_check.py $(GPU_CHECK_ARGS); \
+	else \
+		$(MAKE) --no-print-directory -f $(firstword $(MAKEFILE_LIST)) install && \
+		$(BIN)/python scripts/gpu_check.py $(GPU_CHECK_ARGS); \
+	fi
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/tp_vs_dtensor.py
