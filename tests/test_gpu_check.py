@@ -1,6 +1,8 @@
 """``make gpu-check`` stays alive on machines without a GPU: its quick run, on gloo, runs every section's code
 (the CPU's kernels, syncs counted by dispatch, dynamo with the aot_eager backend) and prints its table; the
-pieces that decide what a GPU run reports are checked here without one."""
+pieces that decide what a GPU run reports are checked here without one. What has run on a GPU, when, on
+which card and versions, is recorded in docs/gpu-check.md ("Runs"): nothing yet (2026-11-27: no session has
+been lent a device)."""
 
 from __future__ import annotations
 
