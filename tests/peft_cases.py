@@ -165,9 +165,11 @@ def lora_dropout_masks(*, model_dir: str) -> dict:
     return same
 
 
-def adapter_files(*, kind: str, model_dir: str, ref_dir: str, out_dir: str, tp: int, task_type: str | None) -> dict:
-    """The adapter directory qn_hf writes at tp against the one peft writes in one process, and what
-    every loader peft and transformers document makes of qn_hf's."""
+def adapter_files(*, kind: str, model_dir: str, ref_dir: str, out_dir: str, task_type: str | None, dp: int = 1,
+                  dp_shard: int = 1, tp: int = 1, pp: int = 1) -> dict:
+    """One SGD step of LoRA at a mesh, then the adapter directory qn_hf writes against the one peft
+    writes in one process after the same step, and the logits of every loader peft and transformers
+    document on qn_hf's directory against the trained reference's."""
     import json
     import os
 
@@ -180,13 +182,19 @@ def adapter_files(*, kind: str, model_dir: str, ref_dir: str, out_dir: str, tp: 
         return get_peft_model(load(kind, model_dir), config)
 
     ref = wrapped()
-    pm = qn_hf.parallelize(wrapped(), tp=tp, mesh=mesh_for(1, tp))
+    pm = qn_hf.parallelize(wrapped(), dp=dp, dp_shard=dp_shard, tp=tp, pp=pp, microbatches=pp,
+                           mesh=mesh_for(dp, tp, pp))
+    batch = make_batch(kind, size=dp * 2 * pp, seed=7, padded=True)
+    opt = qn_hf.optimizer(pm, torch.optim.SGD, lr=0.5)
+    pm.train_step(dp_slice(batch, dp=dp, dp_rank=pm.coords["dp"]))
+    opt.step()
+    ref(**batch).loss.backward()
+    torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.5).step()
     pm.save_pretrained(out_dir)
     if dist.get_rank() != 0:
         return {}
     ref.save_pretrained(ref_dir)
     ours, theirs = (json.load(open(os.path.join(d, "adapter_config.json"))) for d in (out_dir, ref_dir))
-    expected = {n: p for n, p in ref.named_parameters() if "lora_" in n}
     loaded = {
         "PeftModel.from_pretrained": PeftModel.from_pretrained(load(kind, model_dir), out_dir),
         "AutoPeftModelForCausalLM": AutoPeftModelForCausalLM.from_pretrained(out_dir),
@@ -194,14 +202,10 @@ def adapter_files(*, kind: str, model_dir: str, ref_dir: str, out_dir: str, tp: 
     base = load(kind, model_dir)
     base.load_adapter(out_dir)  # transformers' own PEFT integration
     loaded["load_adapter"] = base
-    errors = {}
-    for how, model in loaded.items():
-        got = {n.replace(".default", ""): p for n, p in model.named_parameters() if "lora_" in n}
-        want = {n.replace(".default", ""): p for n, p in expected.items()}
-        common = {n.removeprefix("base_model.model.") for n in want} & {n.removeprefix("base_model.model.") for n in got}
-        strip = {n.removeprefix("base_model.model."): p for n, p in got.items()}
-        errors[how] = (len(common) == len(want) and
-                       max((strip[n] - want["base_model.model." + n]).abs().max().item() for n in common))
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with torch.no_grad():
+        want = ref(**inputs).logits
+        errors = {how: (model(**inputs).logits - want).abs().max().item() for how, model in loaded.items()}
     return {"ours": ours, "theirs": theirs, "errors": errors}
 
 

@@ -127,17 +127,20 @@ def test_lora_dropout_masks_follow_the_input_layout(worlds, model_dirs):
             assert equal == ("q_proj" in name), (name, same)  # column: one mask; row: one per slice
 
 
-@pytest.mark.parametrize("task_type", [None, "CAUSAL_LM"])
-def test_the_adapter_directory_is_what_peft_writes(worlds, model_dirs, tmp_path, task_type):
-    """adapter_config.json field for field as peft's own save_pretrained writes it (with no task type,
-    the base class that AutoPeftModelForCausalLM needs), and every documented loader reads the adapter."""
+@pytest.mark.parametrize(("task_type", "dp", "dp_shard", "tp", "pp"),
+                         [(None, 1, 1, 2, 1), ("CAUSAL_LM", 1, 1, 2, 1), (None, 2, 2, 1, 1), (None, 1, 1, 1, 2)])
+def test_the_adapter_directory_is_what_peft_writes(worlds, model_dirs, tmp_path, task_type, dp, dp_shard, tp, pp):
+    """After one step at a mesh, adapter_config.json field for field as peft's own save_pretrained
+    writes it (with no task type, the base class that AutoPeftModelForCausalLM needs: the model's own
+    class, not FSDP's wrapper at dp_shard), and every documented loader gives the trained logits."""
     r = worlds.run(2, peft_cases.adapter_files, kind="llama", model_dir=model_dirs["llama"],
-                   ref_dir=str(tmp_path / "peft"), out_dir=str(tmp_path / "ours"), tp=2, task_type=task_type)[0]
+                   ref_dir=str(tmp_path / "peft"), out_dir=str(tmp_path / "ours"), task_type=task_type,
+                   dp=dp, dp_shard=dp_shard, tp=tp, pp=pp)[0]
     assert r["ours"] == r["theirs"], (r["ours"], r["theirs"])
     if task_type is None:
         assert r["ours"]["auto_mapping"]["base_model_class"] == "LlamaForCausalLM"
     for how, err in r["errors"].items():
-        assert err is not False and err < 1e-6, (how, err)
+        assert err < 2e-5, (how, err)
 
 
 def test_lora_dropout_with_sequence_parallelism(worlds, model_dirs):

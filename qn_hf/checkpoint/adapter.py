@@ -22,6 +22,7 @@ from torch import nn
 
 from .atomic import fresh_dir, write_bytes_atomic
 from ..comm import barrier
+from ..data_parallel.sharded import model_class
 from ..peft.lora import Adapter
 from ..placement import ShardPlacement
 from ..tensor_parallel.shard import over_experts
@@ -81,7 +82,8 @@ def _write(path: str, adapter: Adapter, state: dict[str, torch.Tensor]) -> None:
         config.base_model_name_or_path = base.__dict__.get("name_or_path", None) or None
     auto_mapping = None
     if config.task_type is None:
-        auto_mapping = {"base_model_class": type(base).__name__, "parent_library": type(base).__module__}
+        cls = model_class(base)  # at dp_shard, the class under FSDP's wrapper
+        auto_mapping = {"base_model_class": cls.__name__, "parent_library": cls.__module__}
     training, config.inference_mode = config.inference_mode, True  # as PeftModel.save_pretrained saves it
     try:
         staging = os.path.join(target, ".adapter_config.tmp")

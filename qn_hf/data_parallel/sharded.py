@@ -152,6 +152,13 @@ class ShardedParameters:
         state._root_post_backward_final_callback()
 
 
+def model_class(module: nn.Module) -> type:
+    """The class the user built: ``fully_shard`` swaps a module's class for a generated subclass
+    (``FSDP<Name>``, defined in torch's own module), which records such as peft's ``base_model_class``
+    must not name (a loader would look for it in ``torch.distributed``)."""
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+
+
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a sharded tensor (a view: in-place changes reach the DTensor), or the
     tensor itself."""
