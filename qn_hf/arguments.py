@@ -25,6 +25,13 @@ class Choice(str, enum.Enum):
         return tuple(member.value for member in cls)
 
 
+def plural(count: int, word: str) -> str:
+    """``word`` as it goes after ``count`` in a message: "1 process", "4 processes", "1 microbatch"."""
+    if count == 1:
+        return word
+    return word + ("es" if word.endswith(("s", "sh", "ch", "x")) else "s")
+
+
 def check_positive_int(name: str, value: object, *, fix: str = "") -> None:
     """``value`` must be an int >= 1 (``True`` is not a count)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -9,6 +9,7 @@ configuration raises the same ``ValueError`` everywhere instead of hanging in a 
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import socket
 from collections.abc import Iterator, Mapping
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .arguments import Choice, check_positive_int
+from .arguments import Choice, check_positive_int, plural
 from .pipeline.p2p import Link, Peers, build_links
 
 
@@ -91,8 +92,14 @@ class ParallelDims:
         check_positive_int("dp_shard", self.dp_shard)
         if self.dp % self.dp_shard:
             divisors = [d for d in range(1, self.dp + 1) if self.dp % d == 0]
-            raise ValueError(f"dp_shard={self.dp_shard} must divide dp={self.dp}: the dp ranks form dp/dp_shard groups "
-                             f"that each shard the weights over dp_shard ranks; choose dp_shard among {divisors}")
+            # dp_shard adds no ranks of its own: the usual mistake is dp_shard=S alone, meaning dp=S
+            dp = self.dp * self.dp_shard // math.gcd(self.dp, self.dp_shard)
+            world = dp * self.tp * self.pp * self.cp
+            raise ValueError(f"dp_shard={self.dp_shard} must divide dp={self.dp}: dp_shard shards the weights within "
+                             f"the dp ranks (dp/dp_shard groups of dp_shard ranks) and adds no ranks of its own; set "
+                             f"dp to a multiple of dp_shard, e.g. dp={dp}, dp_shard={self.dp_shard} "
+                             f"({world} {plural(world, 'process')} with tp={self.tp}, pp={self.pp}, cp={self.cp}), "
+                             f"or keep dp={self.dp} with dp_shard among {divisors}")
         if self.ep > 1:
             if (self.dp * self.tp) % self.ep:
                 raise ValueError(f"ep={self.ep} must divide dp*tp = {self.dp}*{self.tp} = {self.dp * self.tp}: the "
@@ -139,7 +146,7 @@ class ParallelDims:
             product, values = "*".join(order), "*".join(str(getattr(self, n)) for n in order)
             raise ValueError(
                 f"world size {world_size} != {product} = {values} = {self.world_size}; "
-                f"launch {self.world_size} processes (e.g. torchrun --nproc-per-node {self.world_size}) "
+                f"launch {self.world_size} {plural(self.world_size, 'process')} (e.g. torchrun --nproc-per-node {self.world_size}) "
                 f"or change {'/'.join(order)} so that their product is {world_size}"
             )
 

@@ -25,6 +25,14 @@ def test_a_misspelt_keyword_names_the_close_match():
         qn_hf.parallelize(LlamaForCausalLM(LlamaConfig(**TINY)), micro_batches=4)
 
 
+def test_dp_shard_alone_names_the_dp_it_needs(monkeypatch):
+    """dp_shard shards within dp: ``dp_shard=4`` alone on 4 ranks is told to set dp=4, the fix that
+    works, not to choose dp_shard among [1]. No process group: the check runs before any."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match=r"dp_shard=4 must divide dp=1: .* e\.g\. dp=4, dp_shard=4 \(4 processes "):
+        qn_hf.parallelize(LlamaForCausalLM(LlamaConfig(**TINY)), dp_shard=4)
+
+
 def test_a_refusal_under_torchrun_prints_one_traceback(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(f"""
