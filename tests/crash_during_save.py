@@ -16,7 +16,6 @@ import torch
 import qn_hf
 import qn_hf.checkpoint.files as files
 import qn_hf.checkpoint.save as save
-from qn_hf.checkpoint.format import INDEX
 from qn_hf.checkpoint.names import LATEST
 from tests.models import load, make_batch
 
@@ -38,19 +37,29 @@ def main() -> None:
                     f.truncate(os.path.getsize(filename) // 2)
                 os.kill(os.getpid(), signal.SIGKILL)
 
-            def dying_json(obj, target):
-                if target.endswith(where.replace("latest", LATEST).replace("index", INDEX)):
+            real_index = save.write_index
+
+            def dying_json(obj, target):  # the pointer ``latest``
+                if target.endswith(LATEST):
                     with open(target + ".tmp", "w") as f:
-                        f.write('{"torn": ')
+                        f.write('"ckpt-0000')
                     os.kill(os.getpid(), signal.SIGKILL)
                 real_json(obj, target)
+
+            def dying_index(index, target):  # the index, written sealed
+                with open(target + ".tmp", "w") as f:
+                    f.write('{"torn": ')
+                os.kill(os.getpid(), signal.SIGKILL)
+                real_index(index, target)
 
             if where == "before":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif where == "shard":
                 save.save_file = dying_save
+            elif where == "index":
+                save.write_index = dying_index
             else:
-                files.write_json = save.write_json = dying_json  # publish() and the index
+                files.write_json = dying_json  # publish()
         pm.save_checkpoint(ckpt, optimizer=opt, step=step)
         if step == 1:
             pm.save_pretrained(ckpt + "-step1-hf")

@@ -53,7 +53,8 @@ def test_v1_checkpoint_loads_and_resumes(worlds, tmp_path, dp, tp, pp):
 
 
 def test_v1_checkpoint_converts(tmp_path):
-    assert convert.main(["to-hf", CKPT, str(tmp_path / "hf")]) == 0
+    with pytest.warns(UserWarning, match="written before qn_hf sealed its indexes"):  # its index cannot be verified
+        assert convert.main(["to-hf", CKPT, str(tmp_path / "hf")]) == 0
     written = load_file(str(tmp_path / "hf" / "model.safetensors"))
     saved = _weights(str(DATA / "hf"))
     assert set(written) == {n for n in saved if n != "lm_head.weight"}  # tied: saved once, as HF saves it

@@ -8,6 +8,7 @@ import os
 import qn_hf
 from qn_hf import convert
 from qn_hf.checkpoint import checkpoint_dir
+from qn_hf.checkpoint.lock import LOCK_FILE
 from tests.cases import error_message, mesh_for
 from tests.models import load
 
@@ -28,7 +29,7 @@ def test_checkpoints_are_named_by_their_step(worlds, model_dirs, tmp_path):
     assert names[:4] == ["ckpt-000020", "ckpt-000020.1", "ckpt-000021", "ckpt-000030"], names
     assert names[4].startswith("step=-1 must be a non-negative integer"), names[3]
     # the default retention (keep_last=3) keeps the newest three; older ones only are removed
-    assert sorted(os.listdir(ckpt)) == ["ckpt-000020.1", "ckpt-000021", "ckpt-000030", "latest"]
+    assert sorted(os.listdir(ckpt)) == [LOCK_FILE, "ckpt-000020.1", "ckpt-000021", "ckpt-000030", "latest"]
 
     assert convert.main(["reshard", ckpt, str(tmp_path / "resharded"), "--tp", "1", "--pp", "1"]) == 0
     resharded = checkpoint_dir(str(tmp_path / "resharded"))

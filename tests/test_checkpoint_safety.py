@@ -19,7 +19,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM
 
 from qn_hf import convert
-from qn_hf.checkpoint import CheckpointError, checkpoint_dir, read_index
+from qn_hf.checkpoint import VERSION, CheckpointError, checkpoint_dir, read_index
+from qn_hf.checkpoint.files import file_digest
+from qn_hf.checkpoint.lock import LOCK_FILE
+from qn_hf.checkpoint.seal import seal, write_index
 from tests.cases import mesh_for
 from tests.models import CONFIGS
 
@@ -70,7 +73,7 @@ def test_converters_keep_the_head_of_a_config_without_architectures(tmp_path):
     assert len(index["tensors"]) == 39 and "lm_head.weight" in index["tensors"]
     # reshard into the same directory: the source stays, the new one keeps the head too
     assert convert.main(["reshard", ckpt, ckpt, "--tp", "1", "--pp", "1"]) == 0
-    assert sorted(os.listdir(ckpt)) == ["ckpt-000000", "ckpt-000000.1", "latest"]
+    assert sorted(os.listdir(ckpt)) == [LOCK_FILE, "ckpt-000000", "ckpt-000000.1", "latest"]
     assert len(_index(ckpt)["tensors"]) == 39
     assert convert.main(["to-hf", ckpt, str(tmp_path / "out")]) == 0
     exported = load_file(str(tmp_path / "out" / "model.safetensors"))
@@ -108,7 +111,7 @@ def test_publishing_keeps_every_other_checkpoint(tmp_path):
     (out / "ckpt-000005").mkdir()  # a newer one, as a longer run left it
     (out / "ckpt-000005" / "index.json").write_text("{}")
     assert convert.main(["reshard", str(tmp_path / "src"), str(out), "--tp", "2", "--pp", "1"]) == 0
-    assert sorted(os.listdir(out)) == ["ckpt-000000", "ckpt-000000.1", "ckpt-000005", "latest"]
+    assert sorted(os.listdir(out)) == [LOCK_FILE, "ckpt-000000", "ckpt-000000.1", "ckpt-000005", "latest"]
 
 
 def test_prune_removes_only_older_checkpoints(tmp_path):
@@ -162,12 +165,13 @@ def test_source_shapes_must_match_the_config(tmp_path, capsys):
 
 
 def _edit_index(ckpt: str, edit) -> None:
+    """Edit a checkpoint's index and seal it again, as a hostile writer could: the checks behind the
+    index's digest must hold on their own."""
     path = os.path.join(checkpoint_dir(ckpt), "index.json")
     with open(path) as f:
         index = json.load(f)
     edit(index)
-    with open(path, "w") as f:
-        json.dump(index, f)
+    write_index(index, path)
 
 
 # -- 6: no write follows a link; to-hf replaces a directory whole -----------------------------------
@@ -254,7 +258,7 @@ def case_keep_last(*, ckpt: str) -> list[str]:
 
 def test_save_checkpoint_prunes_only_when_asked(worlds, tmp_path):
     left = worlds.run(2, case_keep_last, ckpt=str(tmp_path / "ckpt"))[0]
-    assert left == ["ckpt-000002", "ckpt-000003", "latest"]
+    assert left == [LOCK_FILE, "ckpt-000002", "ckpt-000003", "latest"]
 
 
 # -- 7: hostile checkpoints ------------------------------------------------------------------------------
@@ -272,6 +276,7 @@ def test_to_hf_memory_is_bounded_whatever_the_index_declares(tmp_path):
         index["config"]["vocab_size"] = rows
         index["tensors"]["transformer.wte.weight"] = {"shape": [rows, 32], "dtype": "float32", "pieces": [
             {"file": "big.safetensors", "key": "wte", "box": [[0, rows], [0, 32]]}]}
+        index["files"]["big.safetensors"] = file_digest(os.path.join(directory, "big.safetensors"))
 
     _edit_index(ckpt, sparse)
     peak = ("import resource, sys\nfrom qn_hf import convert\nrc = convert.main(sys.argv[1:]) if sys.argv[1:] else 0\n"
@@ -285,8 +290,9 @@ def test_to_hf_memory_is_bounded_whatever_the_index_declares(tmp_path):
 
 
 def _bare(tensors: dict, **fields) -> dict:
-    return {"format": "qn_hf.checkpoint", "version": 1, "step": 1, "config": {"model_type": "gpt2"},
-            "tensors": tensors, **fields}
+    """An index (sealed when written) recording its file ``a.safetensors`` larger than any piece needs."""
+    return {"format": "qn_hf.checkpoint", "version": VERSION, "step": 1, "config": {"model_type": "gpt2"},
+            "tensors": tensors, "files": {"a.safetensors": {"bytes": 1 << 40, "crc32": 0}}, **fields}
 
 
 def _entry(shape: list[int], file: str = "a.safetensors") -> dict:
@@ -309,24 +315,27 @@ def _entry(shape: list[int], file: str = "a.safetensors") -> dict:
     ({"mesh": {"tp": "2"}}, "'mesh' is"),
     ({"files": ["a"]}, "'files' is"),
     ({"tensors": [1]}, "'tensors' is '[1]'"),
+    ({"loss_scaler": {"scale": 2.0}}, "'loss_scaler' is .*the fields must be"),
+    ({"loss_scaler": {"scale": -1.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2,
+                      "good_steps": 0, "skipped_steps": 0}}, "scale -1.0 must be positive"),
 ])
 def test_malformed_indexes_are_checkpoint_errors(tmp_path, fields, message):
     (tmp_path / "a.safetensors").write_bytes(b"\0" * 300)
-    (tmp_path / "index.json").write_text(json.dumps(_bare({"w": _entry([4])}) | fields))
+    (tmp_path / "index.json").write_bytes(seal(_bare({"w": _entry([4])}) | fields))
     with pytest.raises(CheckpointError, match=message.replace("[", r"\[").replace("]", r"\]")):
         read_index(str(tmp_path))
 
 
 def test_pieces_larger_than_their_file_are_refused_before_reading(tmp_path):
     (tmp_path / "a.safetensors").write_bytes(b"\0" * 4096)
-    (tmp_path / "index.json").write_text(json.dumps(_bare({"w": _entry([1 << 30])})))
+    (tmp_path / "index.json").write_bytes(seal(_bare({"w": _entry([1 << 30])})))
     with pytest.raises(CheckpointError, match="is corrupt: the index places 4,294,967,296 bytes of tensors in it, the file has 4,096"):
         read_index(str(tmp_path))
 
 
 def test_the_tiling_check_is_linear(tmp_path):
     pieces = [{"file": "a.safetensors", "key": f"k{i}", "box": [[i, i + 1], [0, 4]]} for i in range(20_000)]
-    (tmp_path / "index.json").write_text(json.dumps(_bare({"w": {"shape": [20_000, 4], "dtype": "uint8", "pieces": pieces}})))
+    (tmp_path / "index.json").write_bytes(seal(_bare({"w": {"shape": [20_000, 4], "dtype": "uint8", "pieces": pieces}})))
     (tmp_path / "a.safetensors").write_bytes(b"\0" * 80_000)
     began = time.perf_counter()
     assert read_index(str(tmp_path))["tensors"]["w"]["shape"] == [20_000, 4]

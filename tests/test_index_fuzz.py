@@ -1,7 +1,7 @@
 """Property-based tests of the checkpoint index parser: whatever bytes or JSON an index holds,
 ``read_index`` returns a validated index or raises ``CheckpointError`` (never another exception,
-never an unbounded allocation), and every index it accepts tiles each tensor exactly once with
-file names inside the checkpoint directory."""
+never an unbounded allocation), every index it accepts tiles each tensor exactly once with file
+names inside the checkpoint directory, and any edited byte of a sealed index is refused."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from qn_hf.checkpoint import FORMAT, INDEX, VERSION, CheckpointError, read_index
+from qn_hf.checkpoint.seal import seal
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -42,7 +43,13 @@ def _write(directory: str, payload: bytes) -> None:
 
 
 def _index(tensors) -> dict:
-    return {"format": FORMAT, "version": VERSION, "step": 1, "config": {"model_type": "gpt2"}, "tensors": tensors}
+    """A sealed index over ``tensors``, with a digest for every file their pieces name (large enough
+    records: the checks of what the pieces need come after)."""
+    names = {p.get("file") for e in tensors.values() if isinstance(e, dict) and isinstance(e.get("pieces"), list)
+             for p in e["pieces"] if isinstance(p, dict)}
+    files = {f: {"bytes": 1 << 50, "crc32": 0} for f in names if isinstance(f, str) and os.path.basename(f) == f}
+    return {"format": FORMAT, "version": VERSION, "step": 1, "config": {"model_type": "gpt2"}, "tensors": tensors,
+            "files": files}
 
 
 @SETTINGS
@@ -67,7 +74,7 @@ def test_bytes_that_are_not_json_are_refused(payload):
 @given(tensors=st.dictionaries(st.sampled_from(["w", "b", "model.x"]), entries, min_size=1, max_size=3))
 def test_an_accepted_index_tiles_every_tensor_exactly_once(tensors):
     with tempfile.TemporaryDirectory() as d:
-        _write(d, json.dumps(_index(tensors)).encode())
+        _write(d, seal(_index(tensors)))
         try:
             index = read_index(d)
         except CheckpointError:
@@ -119,7 +126,7 @@ def test_accepted_exactly_when_the_pieces_tile(case):
     entry = {"dtype": "float32", "shape": shape,
              "pieces": [{"file": f"p{i}.safetensors", "key": "t", "box": box} for i, box in enumerate(boxes)]}
     with tempfile.TemporaryDirectory() as d:
-        _write(d, json.dumps(_index({"t": entry})).encode())
+        _write(d, seal(_index({"t": entry})))
         if (cover == 1).all():
             assert read_index(d)["tensors"]["t"]["shape"] == shape
         else:
@@ -154,9 +161,31 @@ def test_multi_dimensional_pieces_are_accepted_exactly_when_they_tile(case):
     entry = {"dtype": "uint8", "shape": shape,
              "pieces": [{"file": f"p{i}.safetensors", "key": "t", "box": box} for i, box in enumerate(boxes)]}
     with tempfile.TemporaryDirectory() as d:
-        _write(d, json.dumps(_index({"t": entry})).encode())
+        _write(d, seal(_index({"t": entry})))
         if (cover == 1).all():
             assert read_index(d)["tensors"]["t"]["shape"] == shape
         else:
             with pytest.raises(CheckpointError, match="overlap|cover"):
                 read_index(d)
+
+
+SEALED = seal(_index({"model.w": {"dtype": "float32", "shape": [4, 2], "pieces": [
+    {"file": "a.safetensors", "key": "w#0", "box": [[0, 2], [0, 2]]},
+    {"file": "b.safetensors", "key": "w#1", "box": [[2, 4], [0, 2]]}]}}) | {"optimizer": [
+        {"lr": 1e-05, "betas": [0.9, 0.999], "params": ["model.w"]}], "loss_scaler": None})
+
+
+@SETTINGS
+@given(at=st.integers(min_value=0, max_value=len(SEALED) - 1), value=st.integers(min_value=0, max_value=255))
+@example(at=SEALED.index(b"1e-05") + 1, value=ord("E"))  # parses to the same value: only a digest of bytes sees it
+@example(at=SEALED.index(b'"version": 2') + 11, value=ord("1"))  # an older version must not skip the check
+@example(at=SEALED.index(b"0.999") + 3, value=ord("1"))
+def test_any_edited_byte_of_a_sealed_index_is_refused(at, value):
+    if SEALED[at] == value:
+        return
+    with tempfile.TemporaryDirectory() as d:
+        _write(d, SEALED)
+        assert read_index(d)["optimizer"][0]["betas"] == [0.9, 0.999]
+        _write(d, SEALED[:at] + bytes([value]) + SEALED[at + 1:])
+        with pytest.raises(CheckpointError):
+            read_index(d)

@@ -23,14 +23,17 @@ from .atomic import fresh_dir, remove_entry
 from .layout import Layout, Place, candidate_classes, meta_model, model_layout, named_class
 from ..version import __version__
 from .export import STAGING, begin_export, finish_export, numbered_weights_file, split_by_size
-from .files import PARTIAL, FileChecks, file_digest, publish, write_json
+from .files import PARTIAL, FileChecks, file_digest, publish
 from .format import (DTYPES, INDEX, OPTIMIZER, CheckpointError, boxes, checkpoint_dir, entry_nbytes, new_index,
                      optimizer_key, read_index, shard_file, state_spec, tp_writes)
 from .hf import (HF_WEIGHTS, DEFAULT_MAX_SHARD_BYTES, base_prefixes, config_from_dict, hf_tensors, key_renamer,
                  read_generation_config, read_headers, read_hf_config, read_hf_dir, source_name, weight_files,
                  with_architecture)
+from .lock import hold_directory
 from .names import next_checkpoint_dir
+from .optimizer_state import STATELESS
 from .pieces import read_chunks
+from .seal import write_index
 from .stream import write_streaming
 
 
@@ -126,30 +129,35 @@ def _has(src: dict, name: str, prefixes: list[str]) -> bool:
 
 def write_checkpoint(src_dir: str, src: dict, layout: Layout, config: dict, out: str, *, where: str,
                      step: int | None = None, optimizer: list[dict] | None = None,
-                     generation_config: dict | None = None) -> str:
-    """Write ``src`` (an index over ``src_dir``) as a checkpoint of ``layout`` under ``out``."""
+                     generation_config: dict | None = None, loss_scaler: dict | None = None) -> str:
+    """Write ``src`` (an index over ``src_dir``) as a checkpoint of ``layout`` under ``out``, holding
+    ``out`` meanwhile (``lock.py``): refused while a training job saves there, as that job is meanwhile."""
     work = _work(src, layout, base_prefixes(config), where=where, optimizer=True)
-    os.makedirs(out, exist_ok=True)
-    final = next_checkpoint_dir(out, step=step)
-    partial = final + PARTIAL
-    fresh_dir(partial)
-    try:
-        entries, digests = _write_shards(src_dir, src, layout, work, partial)
-        renamed = {source: name for name, source, _ in work}
-        groups = ([{**g, "params": sorted(renamed.get(p, p) for p in g["params"])} for g in optimizer]
-                  if optimizer else optimizer)
-        virtual = {"virtual_stages": layout.virtual_stages} if layout.virtual_stages > 1 else {}
-        index = new_index(library_version=__version__, step=step,
-                          mesh={"dp": 1, "tp": layout.tp, "pp": layout.pp, **virtual},
-                          config={**config, "architectures": [layout.model_class]}, tensors=entries, optimizer=groups,
-                          files=digests, generation_config=generation_config)
-        write_json(index, os.path.join(partial, INDEX))
-        read_index(partial)  # what we wrote must pass our own validation
-    except BaseException:
-        remove_entry(partial)  # what was written so far: it may be as large as the model
-        raise
-    publish(partial, final)
+    with hold_directory(out, purpose="qn-hf-convert writing a checkpoint", fix=CONVERT_FIX):
+        final = next_checkpoint_dir(out, step=step)
+        partial = final + PARTIAL
+        fresh_dir(partial)
+        try:
+            entries, digests = _write_shards(src_dir, src, layout, work, partial)
+            renamed = {source: name for name, source, _ in work}
+            groups = ([{**g, **{k: sorted(renamed.get(p, p) for p in g[k]) for k in ("params", STATELESS) if k in g}}
+                       for g in optimizer] if optimizer else optimizer)
+            virtual = {"virtual_stages": layout.virtual_stages} if layout.virtual_stages > 1 else {}
+            index = new_index(library_version=__version__, step=step,
+                              mesh={"dp": 1, "tp": layout.tp, "pp": layout.pp, **virtual},
+                              config={**config, "architectures": [layout.model_class]}, tensors=entries,
+                              optimizer=groups, files=digests, generation_config=generation_config,
+                              loss_scaler=loss_scaler)
+            write_index(index, os.path.join(partial, INDEX))
+            read_index(partial)  # what we wrote must pass our own validation
+        except BaseException:
+            remove_entry(partial)  # what was written so far: it may be as large as the model
+            raise
+        publish(partial, final)
     return final
+
+
+CONVERT_FIX = "Wait until that job ends, or write the converted checkpoint under another directory"
 
 
 def _write_shards(src_dir: str, src: dict, layout: Layout, work: list[tuple[str, str, Place]],
@@ -211,7 +219,8 @@ def reshard(ckpt: str, out: str, *, tp: int, pp: int, virtual_stages: int = 1) -
     index = read_index(directory)
     layout = _checkpoint_layout(directory, index, tp=tp, pp=pp, virtual_stages=virtual_stages)
     return write_checkpoint(directory, index, layout, index["config"], out, where=directory, step=index.get("step"),
-                            optimizer=index.get("optimizer"), generation_config=index.get("generation_config"))
+                            optimizer=index.get("optimizer"), generation_config=index.get("generation_config"),
+                            loss_scaler=index.get("loss_scaler"))  # the loss scale is the same at any mesh
 
 
 def to_hf(ckpt: str, out: str, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False) -> list[str]:

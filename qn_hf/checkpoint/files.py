@@ -99,14 +99,20 @@ class FileChecks:
         self.done: set[str] = set()
 
     def verify(self, file: str) -> None:
+        """The file's size is compared with the index's before a byte is read (a file grown to a
+        terabyte, sparse or not, is refused at once, not CRC-read to its end), then its CRC-32."""
         if file in self.done or file not in self.digests:
             return
         path = os.path.join(self.directory, file)
+        expected = self.digests[file]
         try:
-            actual = file_digest(path)
+            size = os.stat(path).st_size
+            actual = file_digest(path) if size == expected["bytes"] else None
         except FileNotFoundError:
             raise CheckpointError(f"{path} is missing") from None
-        expected = self.digests[file]
+        if actual is None:
+            raise CheckpointError(f"{path} is corrupt: it has {size:,} bytes, the index recorded {expected['bytes']:,} "
+                                  f"(refused before reading it): restore the file, or resume from another checkpoint")
         if actual != expected:
             raise CheckpointError(f"{path} is corrupt: {actual['bytes']:,} bytes with CRC-32 {actual['crc32']:#010x}, "
                                   f"the index recorded {expected['bytes']:,} bytes with CRC-32 {expected['crc32']:#010x}")

@@ -10,18 +10,22 @@ one file. The pieces of a tensor tile it exactly once.
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import os
+import warnings
 
 import torch
 
+from ..data_parallel.precision import scaler_state_problem
 from ..tensor_parallel.shard import ShardSpec
 from .names import LATEST, is_checkpoint_name
+from .seal import legacy_note, seal_problem
+from .tiling import Box, corner_sums
 
 FORMAT = "qn_hf.checkpoint"
-VERSION = 1
+VERSION = 2  # 2: the index is sealed (seal.py) and records the loss scale and parameters without optimizer state
+READABLE_VERSIONS = (1, 2)  # 1 loads with a warning: its index cannot be verified
 INDEX = "index.json"
 # dtype names in the index, and the codes safetensors files use for them
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
@@ -32,7 +36,6 @@ MAX_ELEMENTS = 1 << 40
 MAX_INDEX_BYTES = 256 << 20  # a million tensors' entries fit in far less
 MAX_CORNERS = 1 << 24  # pieces x 2**(dimensions they cut): ZeRO over 1024 ranks at tp 8 needs 2**17
 OPTIMIZER = "optimizer/"
-Box = list[list[int]]  # [[start, stop], ...] per dimension
 
 
 class CheckpointError(ValueError):
@@ -108,10 +111,11 @@ def entry_nbytes(entry: dict) -> int:
 
 def new_index(*, library_version: str, step: int | None, mesh: dict[str, int], config: dict,
               tensors: dict[str, dict], optimizer: list[dict] | None, files: dict[str, dict],
-              generation_config: dict | None) -> dict:
+              generation_config: dict | None, loss_scaler: dict | None) -> dict:
+    """``loss_scaler``: float16's ``LossScaler.state()``, or None for a run without one."""
     return {"format": FORMAT, "version": VERSION, "library_version": library_version, "step": step, "mesh": mesh,
             "config": config, "tensors": tensors, "optimizer": optimizer, "files": files,
-            "generation_config": generation_config}
+            "generation_config": generation_config, "loss_scaler": loss_scaler}
 
 
 def checkpoint_dir(path: str) -> str:
@@ -128,26 +132,44 @@ def checkpoint_dir(path: str) -> str:
 
 def read_json(path: str) -> object:
     """A JSON file's value; any file too large to be one of ours, or unreadable, is a ``CheckpointError``."""
+    return _parse_json(path, _read_bytes(path))
+
+
+def _read_bytes(path: str) -> bytes:
     try:
         size = os.path.getsize(path)
         if size > MAX_INDEX_BYTES:  # refuse before reading: a forged file must not exhaust memory
             raise CheckpointError(f"{path} is {size:,} bytes, more than an index can be ({MAX_INDEX_BYTES:,})")
         with open(path, "rb") as f:
-            return json.loads(f.read())
+            return f.read()
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing") from None
-    except (OSError, ValueError, RecursionError) as e:  # RecursionError: absurdly nested JSON
+    except OSError as e:
+        raise CheckpointError(f"{path} cannot be read: {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def _parse_json(path: str, data: bytes) -> object:
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:  # RecursionError: absurdly nested JSON
         raise CheckpointError(f"{path} is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
 
 
 def read_index(directory: str) -> dict:
-    """The validated index: its fields' types, names, dtypes, shapes, boxes that tile each tensor
-    exactly once, file names that stay inside the directory, optimizer state that belongs to a
-    tensor and is no larger than it, and no file asked to hold more bytes than it has."""
+    """The validated index: its own digest first (any edited byte is refused), then its fields' types,
+    names, dtypes, shapes, boxes that tile each tensor exactly once, file names that stay inside the
+    directory and each with its recorded digest, optimizer state that belongs to a tensor and is no
+    larger than it, and no file asked to hold more bytes than it has."""
     where = os.path.join(directory, INDEX)
-    index = read_json(where)
-    if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("version") != VERSION:
-        raise CheckpointError(f"{where} is not a {FORMAT} v{VERSION} index")
+    data = _read_bytes(where)
+    index = _parse_json(where, data)
+    if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("version") not in READABLE_VERSIONS:
+        raise CheckpointError(f"{where} is not a {FORMAT} index of version {' or '.join(map(str, READABLE_VERSIONS))}")
+    problem = seal_problem(data, index)
+    if problem is not None:
+        raise CheckpointError(f"{where} {problem}")
+    if legacy_note(index) is not None:
+        warnings.warn(f"{where} {legacy_note(index)}", stacklevel=2)
     _check_fields(where, index)
     tensors = index["tensors"]
     for name, entry in tensors.items():
@@ -155,7 +177,7 @@ def read_index(directory: str) -> dict:
     for name, entry in tensors.items():
         if name.startswith(OPTIMIZER):
             _check_state(where, name, entry, tensors)
-    _check_file_sizes(directory, tensors, index.get("files") or {})
+    _check_file_sizes(directory, tensors, index["files"])
     return index
 
 
@@ -187,11 +209,13 @@ def _check_fields(where: str, index: dict) -> None:
         and all(isinstance(v, scalar) or (isinstance(v, list) and all(isinstance(x, scalar) for x in v))
                 for k, v in g.items() if k != "params") for g in groups)),
          "optimizer", "null or a list of parameter groups: plain hyperparameters and the names of their 'params'")
-    files = index.get("files", {})
+    files = index.get("files")
     need(isinstance(files, dict) and all(
         os.path.basename(f) == f and isinstance(d, dict) and set(d) == {"bytes", "crc32"}
         and all(_count(v) for v in d.values())
         for f, d in files.items()), "files", "a mapping from file names to their bytes and crc32")
+    scaler_problem = scaler_state_problem(index["loss_scaler"]) if index.get("loss_scaler") is not None else None
+    need(scaler_problem is None, "loss_scaler", f"null or a loss scaler's state ({scaler_problem})")
 
 
 def check_entry(where: str, name: str, entry: object) -> None:
@@ -228,24 +252,8 @@ def check_entry(where: str, name: str, entry: object) -> None:
     split = [d for d in range(len(shape)) if any(box[d] != [0, shape[d]] for box in boxes_)]
     if len(boxes_) << len(split) > MAX_CORNERS:
         raise bad(f"{len(boxes_)} pieces cut along {len(split)} dimensions; more than a checkpoint ever needs")
-    if _corners(boxes_, split) != _corners([[[0, n] for n in shape]], split):
+    if corner_sums(boxes_, split) != corner_sums([[[0, n] for n in shape]], split):
         raise bad(f"pieces overlap: they add up to its {volume} elements but cover some twice and others never")
-
-
-def _corners(boxes_: list[Box], split: list[int]) -> dict[tuple[int, ...], int]:
-    """The boxes' signed corners, summed: a box's indicator is the alternating sum of the orthants
-    above its 2**d corners, so boxes tile a shape exactly once if and only if their corners add up
-    to the shape's own. Linear in the pieces (comparing every pair is quadratic: 10k pieces took
-    minutes). Dimensions in which every box spans the whole shape (not in ``split``) contribute the
-    same factor to every box and are left out."""
-    total: dict[tuple[int, ...], int] = {}
-    for box in boxes_:
-        if any(a == b for a, b in box):
-            continue  # an empty box covers nothing
-        for corner in itertools.product(*[((box[d][0], 1), (box[d][1], -1)) for d in split]):
-            point = tuple(c for c, _ in corner)
-            total[point] = total.get(point, 0) + math.prod(sign for _, sign in corner)
-    return {p: v for p, v in total.items() if v}
 
 
 def _check_state(where: str, name: str, entry: dict, tensors: dict) -> None:
@@ -271,8 +279,11 @@ def _check_file_sizes(directory: str, tensors: dict, files: dict) -> None:
             need[piece["file"]] = need.get(piece["file"], 0) + itemsize * math.prod(b - a for a, b in piece["box"])
     for file, nbytes in need.items():
         path = os.path.join(directory, file)
-        recorded = files.get(file, {}).get("bytes")
-        if recorded is not None and nbytes > recorded:
+        if file not in files:  # without its digest, a file's damage would go unseen
+            raise CheckpointError(f"{path}: the index records no size and CRC-32 for it in 'files', so its bytes "
+                                  f"cannot be checked; use an intact copy of the index")
+        recorded = files[file]["bytes"]
+        if nbytes > recorded:
             raise CheckpointError(f"{path}: the index places {nbytes:,} bytes of tensors in it but records it as "
                                   f"{recorded:,} bytes")
         try:

@@ -7,17 +7,22 @@ read and checked before anything is copied, and the outcome is agreed over the w
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..data_parallel.precision import LossScaler
 from ..data_parallel.sharded import local, row_range, sharded_like
 from ..placement import ShardPlacement
 from .files import FileChecks
-from .format import DTYPES, CheckpointError, checkpoint_dir, global_shape, optimizer_prefix, read_index, state_spec
+from .format import (DTYPES, FORMAT, CheckpointError, checkpoint_dir, global_shape, optimizer_prefix, read_index,
+                     state_spec)
 from .hf import base_prefixes, is_hf_dir, read_hf_dir, source_name
+from .optimizer_state import (OPTIMIZER_CLASS, kept_state, missing_state, model_param_groups, optimizer_class_name,
+                              restored_hyperparameters, stateless_of)
 from .pieces import read_local
-from .save import OPTIMIZER_CLASS, model_param_groups, optimizer_class_name
 
 
 # Config entries that say nothing about what a checkpoint's tensors mean: bookkeeping, runtime
@@ -55,8 +60,9 @@ def config_differences(saved: dict, current: dict, *, path: str = "") -> list[st
 
 def load_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, model_type: str,
                     optimizer: torch.optim.Optimizer | None = None, cast: bool = False,
-                    config: dict | None = None) -> dict:
-    """Load ``path`` into ``module``'s shard (and ``optimizer``); return the saved metadata.
+                    config: dict | None = None, scaler: LossScaler | None = None) -> dict:
+    """Load ``path`` into ``module``'s shard (and ``optimizer``, and float16's loss ``scaler``: see
+    ``restore_loss_scale``); return the saved metadata.
     ``cast`` (mixed precision): weights saved in another floating-point dtype are converted.
     ``config`` (the model's whole config, as a dict): the saved one must agree with it on every
     architecture entry (``config_differences``), or tensors of the same shapes would load into a
@@ -86,15 +92,30 @@ def load_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
                 m.tensor.copy_(_flat_part(value, m.start, m.tensor))
     if optimizer is not None:
         for group, saved_group in zip(optimizer.param_groups, index["optimizer"]):
-            for key, value in saved_group.items():
-                if key not in ("params", OPTIMIZER_CLASS) and key in group:
-                    group[key] = tuple(value) if isinstance(group[key], tuple) else value
+            group.update(restored_hyperparameters(group, saved_group))
         group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
         for keyed, state in states.items():
             placed = {k: placed_state(k, v, param=keyed, group=group_of[id(keyed)]) for k, v in state.items()}
             # dp_shard: the moments become this rank's rows of the whole, as its parameter holds them
             optimizer.state[keyed] = {k: sharded_like(v, keyed) if v.ndim > 0 else v for k, v in placed.items()}
-    return {"step": index.get("step"), "mesh": index.get("mesh"), "library_version": index.get("library_version")}
+    if scaler is not None:
+        restore_loss_scale(scaler, index, path=path)
+    return {"step": index.get("step"), "mesh": index.get("mesh"), "library_version": index.get("library_version"),
+            "loss_scaler": index.get("loss_scaler")}
+
+
+def restore_loss_scale(scaler: LossScaler, index: dict, *, path: str) -> None:
+    """float16's loss scale as the saved run left it (the same on every rank, so any mesh resumes it).
+    A checkpoint of a run without float16 (bf16, fp32, a Hugging Face model) has none: the scale starts
+    afresh, as a new float16 run's does. One saved before qn_hf recorded it starts afresh too, with a
+    warning. A float16 scale loaded without float16 is left unused (the run needs none)."""
+    saved = index.get("loss_scaler")
+    if saved is not None:
+        scaler.load_state(saved)
+    elif index.get("format") == FORMAT and "loss_scaler" not in index:
+        warnings.warn(f"{path} was saved before qn_hf recorded float16's loss scale: it starts afresh at "
+                      f"{scaler.scale:g}, so the first steps may overflow and be skipped while it settles",
+                      stacklevel=3)
 
 
 def placed_state(key: str, value: torch.Tensor, *, param: torch.Tensor, group: dict) -> torch.Tensor:
@@ -149,7 +170,10 @@ def _read_all(module: nn.Module, path: str, placement: ShardPlacement, model_typ
         _check_optimizer(directory, index, optimizer, params, placement)
         names = {id(p): n for n, p in params.items()}
         masters = {id(m.param): m for m in getattr(optimizer, "masters", ())}
-        for params_of_group in model_param_groups(optimizer):
+        kept: dict[tuple, frozenset[str] | None] = {}  # the state keys the optimizer keeps, by group and tensor kind
+        for i, params_of_group in enumerate(model_param_groups(optimizer)):
+            hyper = restored_hyperparameters(optimizer.param_groups[i], index["optimizer"][i])
+            stateless = stateless_of(index["optimizer"][i])
             for p in params_of_group:
                 m = masters.get(id(p))
                 keyed = p if not hasattr(optimizer, "masters") else (m.tensor if m is not None else None)
@@ -158,6 +182,15 @@ def _read_all(module: nn.Module, path: str, placement: ShardPlacement, model_typ
                 name = names[id(p)]
                 prefix = optimizer_prefix(placement.owner(name))
                 spec = placement.spec(name)
+                tensor_kind = (i, keyed.dim(), keyed.dtype, keyed.device)
+                if tensor_kind not in kept:
+                    kept[tensor_kind] = kept_state(optimizer, hyper, keyed)
+                present = {k[len(prefix):] for k in index["tensors"] if k.startswith(prefix)}
+                problem = missing_state(placement.owner(name), present, stateless=stateless, kept=kept[tensor_kind],
+                                        kind=optimizer_class_name(optimizer))
+                if problem is not None:
+                    raise CheckpointError(f"{directory}: {problem}; resume from another checkpoint, or load without "
+                                          f"optimizer= to start the optimizer afresh")
                 state = {}
                 for key in (k for k in index["tensors"] if k.startswith(prefix)):
                     entry = index["tensors"][key]

@@ -23,74 +23,110 @@ from torch import nn
 from ..arguments import check_non_negative_int, check_positive_int
 from .atomic import fresh_dir, give_plain_mode
 from ..comm import barrier
+from ..data_parallel.precision import LossScaler
 from ..data_parallel.sharded import local, row_range, writes_rows
 from ..placement import ShardPlacement
 from ..tensor_parallel.shard import ShardSpec
 from ..version import __version__
 from .files import PARTIAL, file_digest, fsync_file, prune, publish, write_json
-from .format import (INDEX, boxes, dtype_name, global_shape, new_index, optimizer_key, shard_file,
+from .format import (INDEX, CheckpointError, boxes, dtype_name, global_shape, new_index, optimizer_key, shard_file,
                      tp_writes)
 from .hf import generation_config_of, recorded_config
-from .names import checkpoint_name, next_checkpoint_dir, parse_name
+from .lock import DirectoryInUse, HeldDirectories
+from .names import next_checkpoint_dir
+from .optimizer_state import merge_groups, optimizer_groups
 from .pieces import flat_runs
+from .seal import write_index
 
 
 def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, config,
                     optimizer: torch.optim.Optimizer | None = None, step: int | None = None,
-                    virtual_stages: int = 1, keep_last: int | None = None) -> str:
-    """Write a checkpoint of ``module``'s shard on every rank (and ``optimizer``'s state) under
-    ``path``; return its directory. ``config`` is the whole model's config; ``virtual_stages`` is
-    recorded in the index's mesh (informational: files are per pp rank and loading goes by name).
-    Other checkpoints under ``path`` stay, unless ``keep_last`` asks to remove all but the newest
-    ``keep_last`` once this one is published (``prune``)."""
+                    virtual_stages: int = 1, keep_last: int | None = None, scaler: LossScaler | None = None,
+                    roots: HeldDirectories | None = None) -> str:
+    """Write a checkpoint of ``module``'s shard on every rank (and ``optimizer``'s state, and float16's
+    loss ``scaler``) under ``path``; return its directory. ``config`` is the whole model's config;
+    ``virtual_stages`` is recorded in the index's mesh (informational: files are per pp rank and loading
+    goes by name). Other checkpoints under ``path`` stay, unless ``keep_last`` asks to remove all but the
+    newest ``keep_last`` once this one is published (``prune``). Rank 0 holds ``path`` (``lock.py``) in
+    the job's ``roots`` from its first save on, so that another job saving there is refused; without
+    ``roots``, for this save only."""
     if step is not None:
         check_non_negative_int("step", step, what="the training step the checkpoint holds")
     if keep_last is not None:
         check_positive_int("keep_last", keep_last, fix="how many of the newest checkpoints to keep")
-    chosen = torch.zeros(2, dtype=torch.int64, device=placement.device)
-    if dist.get_rank() == 0:
-        os.makedirs(path, exist_ok=True)
-        chosen[0], chosen[1] = parse_name(os.path.basename(next_checkpoint_dir(path, step=step)))
-    dist.broadcast(chosen, src=0)  # every rank writes into the directory rank 0 chose
-    final = os.path.join(path, checkpoint_name(int(chosen[0]), int(chosen[1])))
-    partial = final + PARTIAL
-    if dist.get_rank() == 0:
-        fresh_dir(partial)
-    barrier(placement.device)
+    own = roots is None
+    roots = HeldDirectories() if own else roots
+    try:
+        final = os.path.join(path, _choose(path, step=step, placement=placement, roots=roots))
+        partial = final + PARTIAL
+        if dist.get_rank() == 0:
+            fresh_dir(partial)
+        barrier(placement.device)
 
-    # ZeRO-1: each replica writes its pieces; ep: the first holder of each expert block its block
-    # dp_shard: the ranks of the first group write their rows (and every holder of an expert block its own)
-    if (placement.replica_rank == 0 or getattr(optimizer, "split_params", None) or placement.coords.expert_replica == 0
-            or placement.dims.dp_shard > 1):
-        write_shard(module, placement, optimizer, partial)
-    barrier(placement.device)
+        # ZeRO-1: each replica writes its pieces; ep: the first holder of each expert block its block
+        # dp_shard: the ranks of the first group write their rows (and every holder of an expert block its own)
+        if (placement.replica_rank == 0 or getattr(optimizer, "split_params", None)
+                or placement.coords.expert_replica == 0 or placement.dims.dp_shard > 1):
+            write_shard(module, placement, optimizer, partial)
+        barrier(placement.device)
+        if dist.get_rank() == 0:
+            dims = placement.dims
+            mesh = {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, **({"cp": dims.cp} if dims.cp > 1 else {}),
+                    **({"ep": dims.ep} if dims.ep > 1 else {}),
+                    **({"dp_shard": dims.dp_shard} if dims.dp_shard > 1 else {}),
+                    **({"virtual_stages": virtual_stages} if virtual_stages > 1 else {})}
+            index = new_index(library_version=__version__, step=step, mesh=mesh, config=recorded_config(config, module),
+                              tensors={}, optimizer=None, files={}, generation_config=generation_config_of(module),
+                              loss_scaler=scaler.state() if scaler is not None else None)
+            for meta_name in sorted(n for n in os.listdir(partial) if n.endswith(".json")):
+                with open(os.path.join(partial, meta_name)) as f:
+                    meta = json.load(f)
+                for name, entry in meta["tensors"].items():  # tp ranks each bring their pieces of a tensor
+                    into = index["tensors"].setdefault(name, {**entry, "pieces": []})
+                    into["pieces"] = into["pieces"] + entry["pieces"]
+                if meta["optimizer"] is not None:
+                    index["optimizer"] = merge_groups(index["optimizer"], meta["optimizer"])
+                index["files"].update(meta.get("files", {}))
+                os.unlink(os.path.join(partial, meta_name))
+            write_index(index, os.path.join(partial, INDEX))
+            publish(partial, final)
+            if keep_last is not None:
+                prune(path, keep_last=keep_last)
+        barrier(placement.device)
+        return final
+    finally:
+        if own:
+            roots.release()
+
+
+ROOT_PURPOSE = "saving checkpoints (pm.save_checkpoint)"
+ROOT_FIX = ("Two jobs saving under one root delete each other's checkpoints (keep_last) and point latest at each "
+            "other's weights: save this job's checkpoints under another root, or stop the job that holds it first "
+            "(its lock goes when its process exits)")
+
+
+def _choose(path: str, *, step: int | None, placement: ShardPlacement, roots: HeldDirectories) -> str:
+    """The new checkpoint's directory name, chosen by rank 0 once it holds ``path``. A refusal (a root
+    another job holds, a root that cannot be written) reaches every rank with the name, so all of them
+    raise it before any collective that would wait on rank 0."""
+    outcome: list = [None]
+    error = None
     if dist.get_rank() == 0:
-        dims = placement.dims
-        index = new_index(library_version=__version__, step=step, mesh={"dp": dims.dp, "tp": dims.tp, "pp": dims.pp,
-                                                                         **({"cp": dims.cp} if dims.cp > 1 else {}),
-                                                                         **({"ep": dims.ep} if dims.ep > 1 else {}),
-                                                                         **({"dp_shard": dims.dp_shard}
-                                                                            if dims.dp_shard > 1 else {}),
-                                                                         **({"virtual_stages": virtual_stages}
-                                                                            if virtual_stages > 1 else {})},
-                          config=recorded_config(config, module), tensors={}, optimizer=None, files={},
-                          generation_config=generation_config_of(module))
-        for meta_name in sorted(n for n in os.listdir(partial) if n.endswith(".json")):
-            with open(os.path.join(partial, meta_name)) as f:
-                meta = json.load(f)
-            for name, entry in meta["tensors"].items():  # tp ranks each bring their pieces of a tensor
-                into = index["tensors"].setdefault(name, {**entry, "pieces": []})
-                into["pieces"] = into["pieces"] + entry["pieces"]
-            if meta["optimizer"] is not None:
-                index["optimizer"] = _merge_groups(index["optimizer"], meta["optimizer"])
-            index["files"].update(meta.get("files", {}))
-            os.unlink(os.path.join(partial, meta_name))
-        write_json(index, os.path.join(partial, INDEX))
-        publish(partial, final)
-        if keep_last is not None:
-            prune(path, keep_last=keep_last)
-    barrier(placement.device)
-    return final
+        try:
+            os.makedirs(path, exist_ok=True)
+            roots.hold(path, purpose=ROOT_PURPOSE, fix=ROOT_FIX)
+            outcome[0] = os.path.basename(next_checkpoint_dir(path, step=step))
+        except (DirectoryInUse, OSError) as e:
+            error = e
+            outcome[0] = (isinstance(e, DirectoryInUse), str(e) if isinstance(e, DirectoryInUse) else
+                          f"cannot save a checkpoint under {path}: {type(e).__name__}: {e}")
+    dist.broadcast_object_list(outcome, src=0, device=placement.device)
+    if isinstance(outcome[0], tuple):
+        in_use, message = outcome[0]
+        if isinstance(error, DirectoryInUse):
+            raise error
+        raise DirectoryInUse(message, path=path) if in_use else CheckpointError(message)
+    return outcome[0]
 
 
 @dataclass(frozen=True)
@@ -170,44 +206,9 @@ def _row_entries(name: str, p: torch.Tensor, rows: tuple[int, int], placement: S
                               mine and first == 0 and placement.shard_rank(spec) == 0)
 
 
-def _merge_groups(merged: list[dict] | None, groups: list[dict]) -> list[dict]:
-    if merged is None:
-        return groups
-    for into, extra in zip(merged, groups):
-        into["params"] = sorted(set(into["params"]) | set(extra["params"]))
-    return merged
-
-
-def model_param_groups(optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
-    """The model parameters of each group: a qn_hf optimizer's groups hold its masters."""
-    groups = getattr(optimizer, "model_param_groups", None)
-    return groups if groups is not None else [g["params"] for g in optimizer.param_groups]
-
-
-def optimizer_groups(module: nn.Module, placement: ShardPlacement, optimizer: torch.optim.Optimizer) -> list[dict]:
-    """Each parameter group's hyperparameters and the saved names of its parameters here."""
-    names = {id(p): n for n, p in module.named_parameters()}
-    groups = []
-    for group, params in zip(optimizer.param_groups, model_param_groups(optimizer)):
-        hyper = {k: v for k, v in group.items() if k != "params" and isinstance(v, (int, float, bool, str, type(None), list, tuple))}
-        groups.append({**hyper, OPTIMIZER_CLASS: optimizer_class_name(optimizer),
-                       "params": sorted(names[id(p)] for p in params if not placement.is_follower(names.get(id(p))))})
-    return groups
-
-
 # Checkpoints a run keeps by default: the newest and two before it, so a save that turns out bad
 # (a diverged run) never takes the last good state with it.
 DEFAULT_KEEP_LAST = 3
-
-# Recorded with each saved parameter group: a resume into another optimizer class is refused (its
-# state keys and hyperparameters mean other things: SGD would take AdamW's lr and weight decay).
-OPTIMIZER_CLASS = "optimizer_class"
-
-
-def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
-    """The torch optimizer that steps: a qn_hf optimizer's inner one, or the optimizer itself."""
-    return type(getattr(optimizer, "inner", optimizer)).__name__
-
 
 def write_shard(module: nn.Module, placement: ShardPlacement, optimizer: torch.optim.Optimizer | None,
                 directory: str) -> None:
@@ -227,10 +228,12 @@ def write_shard(module: nn.Module, placement: ShardPlacement, optimizer: torch.o
         entries[t.name] = {"shape": global_shape(t.shape, t.spec), "dtype": dtype_name(t.values.dtype),
                            "pieces": pieces}
     groups = optimizer_groups(module, placement, optimizer) if optimizer is not None else None
-    save_file(tensors, os.path.join(directory, file), metadata={"format": "pt"})
-    give_plain_mode(os.path.join(directory, file))  # safetensors creates it owner-only
-    fsync_file(os.path.join(directory, file))
-    written = {file: file_digest(os.path.join(directory, file))}
+    written = {}
+    if tensors:  # a rank whose every piece another holds (a dp_shard group's replica) writes no empty file
+        save_file(tensors, os.path.join(directory, file), metadata={"format": "pt"})
+        give_plain_mode(os.path.join(directory, file))  # safetensors creates it owner-only
+        fsync_file(os.path.join(directory, file))
+        written = {file: file_digest(os.path.join(directory, file))}
     write_json({"tensors": entries, "optimizer": groups, "files": written},
                os.path.join(directory, file.removesuffix(".safetensors") + ".json"))
 

@@ -15,6 +15,7 @@ the scale doubles. bfloat16 has float32's range and needs no scaling.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -86,9 +87,37 @@ class LossScaler:
         return skipped
 
     def state(self) -> dict[str, float | int]:
-        return {"scale": self.scale, "good_steps": self.good_steps, "skipped_steps": self.skipped_steps}
+        """What a resumed run needs to scale and skip as this one would have (GradScaler's ``state_dict``
+        and the count of skipped steps): the same on every rank, so it survives any change of mesh."""
+        return {"scale": self.scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+                "growth_interval": self.growth_interval, "good_steps": self.good_steps,
+                "skipped_steps": self.skipped_steps}
 
     def load_state(self, state: dict) -> None:
-        self.scale = float(state["scale"])
-        self.good_steps = int(state["good_steps"])
-        self.skipped_steps = int(state["skipped_steps"])
+        problem = scaler_state_problem(state)
+        if problem is not None:
+            raise ValueError(f"not a loss scaler's state: {problem}")
+        self.scale, self.growth_factor, self.backoff_factor = (float(state[k]) for k in _FACTORS)
+        self.growth_interval, self.good_steps, self.skipped_steps = (int(state[k]) for k in _COUNTS)
+        self._overflow = False
+
+
+_FACTORS = ("scale", "growth_factor", "backoff_factor")
+_COUNTS = ("growth_interval", "good_steps", "skipped_steps")
+
+
+def scaler_state_problem(state: object) -> str | None:
+    """Why ``state`` is not what ``LossScaler.state`` writes, or None: its fields, a finite positive
+    scale, a growth factor above 1, a backoff factor in (0, 1), non-negative counts (a positive interval)."""
+    if not isinstance(state, dict) or set(state) != {*_FACTORS, *_COUNTS}:
+        return f"the fields must be {sorted({*_FACTORS, *_COUNTS})}, not {str(state)[:200]}"
+    number = {k: isinstance(state[k], (int, float)) and not isinstance(state[k], bool) for k in state}
+    if not all(number[k] and math.isfinite(state[k]) for k in _FACTORS) or not all(
+            number[k] and isinstance(state[k], int) for k in _COUNTS):
+        return f"{_FACTORS} must be finite numbers and {_COUNTS} integers: {state}"
+    if not (state["scale"] > 0 and state["growth_factor"] > 1 and 0 < state["backoff_factor"] < 1
+            and state["growth_interval"] > 0 and state["good_steps"] >= 0 and state["skipped_steps"] >= 0):
+        return (f"scale {state['scale']} must be positive, growth_factor {state['growth_factor']} above 1, "
+                f"backoff_factor {state['backoff_factor']} in (0, 1), growth_interval {state['growth_interval']} "
+                f"positive and the step counts non-negative")
+    return None

@@ -1,0 +1,120 @@
+"""Optimizer state in a checkpoint: what the index records of each parameter group (hyperparameters,
+the optimizer class, the saved names of its parameters, and which of them had no state), and the
+check that a load with an optimizer restores every state tensor of every parameter.
+
+A parameter the optimizer never stepped (frozen when saved, or a checkpoint saved before the first
+step) has no state; every other one must come back with all of it. Which tensors that is comes from
+the optimizer's class itself: a throwaway copy with the group's hyperparameters steps once on a small
+tensor of the parameter's dimensionality and dtype, and the tensors it then holds are the keys
+(AdamW: ``step``, ``exp_avg``, ``exp_avg_sq``; amsgrad adds ``max_exp_avg_sq``; Adafactor's depend on
+the dimensionality). A parameter missing any of them is refused, naming it and the key, instead of
+resuming with fresh moments for it or failing inside the first ``opt.step()``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from ..placement import ShardPlacement
+
+# Recorded with each saved parameter group: a resume into another optimizer class is refused (its
+# state keys and hyperparameters mean other things: SGD would take AdamW's lr and weight decay).
+OPTIMIZER_CLASS = "optimizer_class"
+# Recorded with each saved parameter group: the saved names of its parameters that had no state.
+STATELESS = "stateless"
+NOT_HYPERPARAMETERS = ("params", OPTIMIZER_CLASS, STATELESS)
+
+
+def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
+    """The torch optimizer that steps: a qn_hf optimizer's inner one, or the optimizer itself."""
+    return type(getattr(optimizer, "inner", optimizer)).__name__
+
+
+def model_param_groups(optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
+    """The model parameters of each group: a qn_hf optimizer's groups hold its masters."""
+    groups = getattr(optimizer, "model_param_groups", None)
+    return groups if groups is not None else [g["params"] for g in optimizer.param_groups]
+
+
+def optimizer_groups(module: nn.Module, placement: ShardPlacement, optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each parameter group's hyperparameters and the saved names of its parameters here, and of those
+    this rank knows had no state."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    # what the state is keyed by: a qn_hf optimizer's master (none under ZeRO-1 where no piece is this
+    # rank's: then this rank cannot tell), a torch optimizer's parameter itself
+    masters = {id(m.param): m.tensor for m in getattr(optimizer, "masters", ())}
+    groups = []
+    for group, params in zip(optimizer.param_groups, model_param_groups(optimizer)):
+        hyper = {k: v for k, v in group.items()
+                 if k != "params" and isinstance(v, (int, float, bool, str, type(None), list, tuple))}
+        saved = [p for p in params if not placement.is_follower(names.get(id(p)))]
+        keyed = {id(p): masters.get(id(p)) if hasattr(optimizer, "masters") else p for p in saved}
+        stateless = [names[id(p)] for p in saved if keyed[id(p)] is not None and not any(
+            isinstance(v, torch.Tensor) for v in optimizer.state.get(keyed[id(p)], {}).values())]
+        groups.append({**hyper, OPTIMIZER_CLASS: optimizer_class_name(optimizer),
+                       "params": sorted(names[id(p)] for p in saved), STATELESS: sorted(stateless)})
+    return groups
+
+
+def merge_groups(merged: list[dict] | None, groups: list[dict]) -> list[dict]:
+    """One writing rank's groups merged into those of the ranks before it: every rank names its own
+    parameters, and a parameter without state on any rank that holds it had none."""
+    if merged is None:
+        return groups
+    for into, extra in zip(merged, groups):
+        into["params"] = sorted(set(into["params"]) | set(extra["params"]))
+        into[STATELESS] = sorted(set(into[STATELESS]) | set(extra[STATELESS]))
+    return merged
+
+
+def restored_hyperparameters(group: dict, saved_group: dict) -> dict:
+    """The hyperparameters ``group`` has once the saved ones are loaded into it (those it has)."""
+    out = {k: v for k, v in group.items() if k != "params"}
+    for key, value in saved_group.items():
+        if key not in NOT_HYPERPARAMETERS and key in group:
+            out[key] = tuple(value) if isinstance(group[key], tuple) else value
+    return out
+
+
+def kept_state(optimizer: torch.optim.Optimizer, hyper: dict, like: torch.Tensor) -> frozenset[str] | None:
+    """The state tensors ``optimizer``'s class keeps for a parameter like ``like`` under ``hyper``: what a
+    copy holds after one step on a small tensor of the same dimensionality, dtype and device. None if
+    the copy cannot step (a closure needed, sparse gradients, constructor arguments of its own)."""
+    cls = type(getattr(optimizer, "inner", optimizer))
+    probe = torch.zeros([2] * like.dim(), dtype=like.dtype, device=like.device, requires_grad=True)
+    probe.grad = torch.zeros_like(probe)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            copy = cls([{**hyper, "params": [probe]}])
+            copy.step()
+    except Exception:  # noqa: BLE001 - any class: what stops a copy from stepping leaves the recorded check
+        return None
+    return frozenset(k for k, v in copy.state.get(probe, {}).items() if isinstance(v, torch.Tensor))
+
+
+def stateless_of(saved_group: dict) -> frozenset[str] | None:
+    """The saved group's parameters recorded without state; None if the index predates the record."""
+    return frozenset(saved_group[STATELESS]) if STATELESS in saved_group else None
+
+
+def missing_state(param: str, present: set[str], *, stateless: frozenset[str] | None, kept: frozenset[str] | None,
+                  kind: str) -> str | None:
+    """Why the saved state of ``param`` (its keys ``present``) is not what a ``kind`` optimizer restores,
+    or None. ``stateless``: its group's ``stateless_of``; ``kept``: the keys the class keeps (None:
+    unknown, then only the record is checked)."""
+    if stateless is not None and param in stateless:
+        return None if not present else (f"parameter {param} is recorded as having no optimizer state, yet the "
+                                          f"index holds {sorted(present)} for it")
+    if not present and stateless is None:
+        return None  # saved before parameters without state were recorded: it may never have stepped
+    needed = sorted(kept or ())
+    missing = [k for k in needed if k not in present]
+    if present and not missing:
+        return None
+    what = f"optimizer state {missing[0]!r}" if missing else "the optimizer state"
+    return (f"{what} of parameter {param} is missing (the checkpoint holds {sorted(present) or 'none'} for it; "
+            f"{kind} keeps {needed or 'state'} for every parameter it has stepped)")
