@@ -18,8 +18,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# NPROC processes, one rank each (8: dp=2 x tp=2 x pp=2); any other count, e.g. `make demo NPROC=4`,
+# trains at the mesh scripts/demo.py chooses for it and names on its first line.
 demo: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(NPROC) scripts/demo.py --dp 2 --tp 2 --pp 2
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(NPROC) scripts/demo.py
 
 # The CI-sized suite (about 21 minutes on 2 cores in a fresh clone, as the README says); test-all adds the
 # tests marked long (471 of them, the zoo's full sweep included: about 11 minutes more).

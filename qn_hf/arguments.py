@@ -25,11 +25,12 @@ class Choice(str, enum.Enum):
         return tuple(member.value for member in cls)
 
 
-def plural(count: int, word: str) -> str:
-    """``word`` as it goes after ``count`` in a message: "1 process", "4 processes", "1 microbatch"."""
-    if count == 1:
-        return word
-    return word + ("es" if word.endswith(("s", "sh", "ch", "x")) else "s")
+def plural(count: int, noun: str) -> str:
+    """``count`` and ``noun``, its last word plural unless ``count`` is 1, as messages say them:
+    ``plural(1, "microbatch") == "1 microbatch"``, ``plural(2, "CPU process") == "2 CPU processes"``."""
+    if count != 1:
+        noun += "es" if noun.endswith(("s", "x", "ch", "sh")) else "s"
+    return f"{count:,} {noun}"
 
 
 def check_positive_int(name: str, value: object, *, fix: str = "") -> None:

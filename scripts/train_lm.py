@@ -1,11 +1,17 @@
 """Train a causal language model (GPT-2, Llama, ...) with qn_hf's 3D parallelism.
 
-Run it under torchrun or accelerate; world size = dp * tp * pp:
+Run it under torchrun or accelerate; world size = dp * tp * pp * cp:
 
     torchrun --standalone --nproc-per-node 8 scripts/train_lm.py --model tiny-llama --mesh 2 2 2 --microbatches 4
     accelerate launch --multi_gpu --num_processes 8 scripts/train_lm.py --config configs/llama_tiny.yaml
     python scripts/train_lm.py --steps 50                  # one process, dp=tp=pp=1
     torchrun --standalone --nproc-per-node 2 scripts/train_lm.py --model tiny-qwen3-moe --mesh 2 1 1 --ep 2
+    torchrun --standalone --nproc-per-node 4 scripts/train_lm.py --model tiny-llama --mesh 4 1 1 --dp-shard 2  # FSDP
+    torchrun --standalone --nproc-per-node 4 scripts/train_lm.py --model tiny-llama --mesh 1 2 1 --cp 2 --sequence-parallel
+
+--dp-shard S shards weights, gradients and optimizer state over groups of S dp ranks (FSDP);
+--cp C splits every sequence over C more ranks (ring attention); --sequence-parallel splits the
+activations between tensor-parallel regions over tp. Each option is also a YAML key (dp_shard: 2).
 
 --model is a local Hugging Face directory (read shard by shard, never whole on one rank) or a
 preset (tiny-gpt2, tiny-llama, tiny-qwen3-moe: a mixture of experts, whose

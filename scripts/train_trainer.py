@@ -24,6 +24,7 @@ from pydoc_data.topics import topics
 
 import qn_hf
 from qn_hf.training.presets import lm_preset
+from qn_hf.arguments import plural
 
 VOCAB, EOS = 257, 256  # bytes, and 256 ends a document
 
@@ -74,7 +75,7 @@ def main() -> None:
     trainer.save_model(os.path.join(opts.output_dir, "model"))
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
     if trainer.is_world_process_zero():
-        print(f"done: mesh dp={dp} tp={tp} pp={pp}, {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+        print(f"done: mesh dp={dp} tp={tp} pp={pp}, {plural(len(losses), 'step')}, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
               f"eval loss {evaluation['eval_loss']:.4f}, model in {os.path.join(opts.output_dir, 'model')}", flush=True)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()

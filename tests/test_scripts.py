@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -139,7 +140,7 @@ def _one_error_line(done: subprocess.CompletedProcess) -> str:
     pytest.param(["--model", "{empty}"], "has no config.json", marks=pytest.mark.long),
     (["--model", "gpt5-huge"], "is neither a directory with config.json nor a preset"),
     pytest.param(["--output-dir", "{file}/run"], "is not writable", marks=pytest.mark.long),
-    (["--mesh", "1", "2", "1"], "mesh dp=1 tp=2 pp=1 needs 2 processes but 1 were launched"),
+    (["--mesh", "1", "2", "1"], "mesh dp=1 tp=2 pp=1 needs 2 processes but 1 was launched"),
     pytest.param(["--batch-size", "6", "--microbatches", "4"], "batch_size=6 must be a multiple of dp*microbatches=4",
                  marks=pytest.mark.long),
     pytest.param(["--resume", "{empty}/nothing"], "no such checkpoint", marks=pytest.mark.long),
@@ -172,45 +173,150 @@ def test_mesh_the_model_cannot_take_reports_once(tmp_path):
     assert output.count("tokenizing:   0%") == 1 and output.count("blocks of 128:   0%") == 1, output[-3000:]  # rank 0's
 
 
-def test_lm_script_trains_the_moe_preset_with_expert_parallelism(tmp_path):
-    """tiny-qwen3-moe at dp=2 ep=2: each rank holds 4 of the 8 experts of every layer, the loss falls,
-    and the exported model holds all 8 again (save_pretrained gathers them over ep)."""
+def test_lm_script_trains_the_moe_preset_fully_sharded_with_expert_parallelism(tmp_path):
+    """tiny-qwen3-moe at dp=2 dp_shard=2 ep=2, the two options from the YAML config (as keys of their
+    own, like every flag): each rank holds 4 of the 8 experts of every layer and half of the other
+    weights, the loss falls, and the exported model holds all 8 experts again."""
     from safetensors import safe_open
 
-    done = launch("torchrun", "train_lm.py", ["--model", "tiny-qwen3-moe", "--mesh", "2", "1", "1", "--ep", "2",
-                                              "--steps", "3", "--batch-size", "4", "--seq-len", "32", "--eval-every", "0",
-                                              "--eval-batches", "1", *COMMON, "--output-dir", str(tmp_path)], nproc=2)
+    (tmp_path / "run.yaml").write_text("dp_shard: 2\nep: 2\n")
+    out = tmp_path / "out"
+    done = launch("torchrun", "train_lm.py", ["--config", str(tmp_path / "run.yaml"), "--model", "tiny-qwen3-moe",
+                                              "--mesh", "2", "1", "1", "--steps", "3", "--batch-size", "4", "--seq-len",
+                                              "32", "--eval-every", "0", "--eval-batches", "1", *COMMON,
+                                              "--output-dir", str(out)], nproc=2)
     ok(done)
-    assert "mesh dp=2 tp=1 pp=1 ep=2" in done.stderr
-    records = metrics(tmp_path)
+    assert "mesh dp=2 tp=1 pp=1 dp_shard=2 ep=2 (2 processes, cpu)" in done.stderr, done.stderr[-3000:]
+    records = metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3] and records[-1]["loss"] < records[0]["loss"]
-    with safe_open(str(tmp_path / "model" / "model.safetensors"), "pt") as f:
+    assert "dp_shard: 2" in (out / "config.yaml").read_text()
+    with safe_open(str(out / "model" / "model.safetensors"), "pt") as f:
         assert f.get_slice("model.layers.0.mlp.experts.gate_up_proj").get_shape()[0] == 8
 
 
-def test_a_diverging_run_stops_before_it_writes_a_bad_checkpoint(tmp_path):
-    """A learning rate far too large: the run stops at the first non-finite loss or gradient norm with
-    one error line, before any update or checkpoint of that step, so the newest checkpoint is the last
-    good state; metrics.jsonl stays strict JSON (null, not NaN)."""
-    from safetensors.torch import load_file
+def test_lm_script_trains_with_context_and_sequence_parallelism(tmp_path):
+    """tiny-llama at tp=2 with sequence parallelism and cp=2 (4 processes): each sequence is cut over
+    the cp ranks and each cp rank's part over tp between the tensor-parallel regions; the loss falls."""
+    done = launch("torchrun", "train_lm.py", ["--model", "tiny-llama", "--mesh", "1", "2", "1", "--cp", "2",
+                                              "--sequence-parallel", "--steps", "3", "--batch-size", "2", "--seq-len",
+                                              "32", "--eval-every", "0", "--eval-batches", "1", "--no-export", *COMMON,
+                                              "--output-dir", str(tmp_path)], nproc=4)
+    ok(done)
+    assert "mesh dp=1 tp=2 pp=1 cp=2 sp (4 processes, cpu)" in done.stderr, done.stderr[-3000:]
+    records = metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3] and records[-1]["loss"] < records[0]["loss"]
 
-    done = launch("python", "train_lm.py", ["--model", "tiny-gpt2", "--steps", "30", "--save-every", "1",
-                                            "--lr", "1e12", "--grad-clip", "0", "--warmup-steps", "0", "--batch-size", "4",
-                                            "--seq-len", "32", "--eval-every", "0", "--no-progress",
-                                            "--output-dir", str(tmp_path)])
+
+def test_a_diverging_run_falls_back_to_the_checkpoint_a_finite_step_vouched_for(tmp_path):
+    """Run 1 trains two good steps. Run 2 resumes with a learning rate far too large and --keep-last 1:
+    step 3's loss is finite (from checkpoint 2's weights), its update wrecks the weights, checkpoint 3
+    holds them, and step 4's loss is not finite. Pruning at save time would have deleted checkpoint 2
+    and left the wrecked one as "the last good state"; instead checkpoint 2 stays until a finite step
+    vouches for a newer one, and the guard sets checkpoint 3 aside and points latest at checkpoint 2
+    again, as run 1 wrote it. One error line, no update at the bad step; metrics.jsonl stays strict JSON."""
+    args = ["--model", "tiny-gpt2", "--save-every", "1", "--keep-last", "1", "--warmup-steps", "0", "--batch-size", "4",
+            "--seq-len", "32", "--eval-every", "0", "--eval-batches", "1", "--no-progress", "--no-export",
+            "--output-dir", str(tmp_path)]
+    ok(launch("python", "train_lm.py", [*args, "--steps", "2"]))
+    checkpoints = tmp_path / "checkpoints"
+    good = {f.name: f.read_bytes() for f in (checkpoints / "ckpt-000002").iterdir()}
+    done = launch("python", "train_lm.py", [*args, "--steps", "30", "--resume", "--lr", "1e12", "--grad-clip", "0"])
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-3000:]
     line = _one_error_line(done)
     assert "training diverged" in line and "no update and no checkpoint were made" in line, line
+    assert f"{checkpoints / 'ckpt-000002'} is the last good state" in line, line
 
     def strict(constant):
         raise ValueError(f"not JSON: {constant}")
 
     records = [json.loads(x, parse_constant=strict) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     bad = records[-1]
-    assert bad.get("diverged") is True and (bad["loss"] is None or bad["grad_norm"] is None), bad
-    checkpoints = tmp_path / "checkpoints"
-    newest = checkpoints / json.loads((checkpoints / "latest").read_text())
-    step = json.loads((newest / "index.json").read_text())["step"]
-    assert step == bad["step"] - 1, (step, bad)
-    for file in newest.glob("*.safetensors"):
-        assert all(t.isfinite().all() for t in load_file(str(file)).values() if t.is_floating_point()), file
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and bad.get("diverged") is True, records
+    assert bad["loss"] is None or bad["grad_norm"] is None, bad
+    assert json.loads((checkpoints / "latest").read_text()) == "ckpt-000002"
+    assert {f.name: f.read_bytes() for f in (checkpoints / "ckpt-000002").iterdir()} == good
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith(("ckpt", "latest"))) == [
+        "ckpt-000002", "ckpt-000003.diverged", "latest"]
+
+
+def test_outputs_replace_planted_links_and_zero_warns_once_at_dp1(tmp_path):
+    """Links planted in the output directory under the name of every file the script writes (pointing
+    outside it) are replaced, their targets untouched. --zero at dp=1 says once that it shards nothing;
+    counts of one read "1 process", "1 microbatch"."""
+    out, outside = tmp_path / "out", tmp_path / "outside"
+    out.mkdir()
+    outside.mkdir()
+    names = ("config.yaml", "metrics.jsonl", "loss.png", "timeline.png", "summary.json")
+    for name in names:
+        (outside / name).write_text("not the run's")
+        (out / name).symlink_to(outside / name)
+    done = launch("python", "train_lm.py", ["--model", "tiny-gpt2", "--steps", "2", "--batch-size", "4", "--seq-len",
+                                            "32", "--eval-every", "0", "--eval-batches", "1", "--timeline-step", "1",
+                                            "--zero", "--no-export", *COMMON, "--output-dir", str(out)])
+    ok(done)
+    assert [(outside / name).read_text() for name in names] == ["not the run's"] * len(names)
+    assert [name for name in names if (out / name).is_symlink() or not (out / name).stat().st_size] == []
+    assert done.stderr.count("warning: zero=True with dp=1 shards nothing") == 1, done.stderr[-3000:]
+    assert "(1 process, cpu), schedule 1f1b, 1 microbatch;" in done.stderr, done.stderr[-3000:]
+
+
+def test_metrics_are_never_appended_through_a_link(tmp_path):
+    from qn_hf.training.errors import UsageError
+    from qn_hf.training.metrics import MetricsLog
+
+    log = MetricsLog(str(tmp_path / "metrics.jsonl"), active=True, resume_step=0)
+    log.append({"step": 1, "loss": 1.0})
+    (tmp_path / "elsewhere").write_text("kept\n")
+    os.replace(tmp_path / "elsewhere", tmp_path / "target")
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    os.replace(tmp_path / "link", tmp_path / "metrics.jsonl")  # planted while the run writes
+    with pytest.raises(UsageError, match="is a symbolic link"):
+        log.append({"step": 2, "loss": 0.5})
+    assert (tmp_path / "target").read_text() == "kept\n"
+
+
+def test_a_second_job_on_an_output_directory_in_use_is_refused(tmp_path):
+    """Job A holds its output directory; job B, started on it while A runs (A is stopped with SIGSTOP
+    once it holds the directory, so B surely meets it), is refused with one line naming A's pid and
+    writes nothing; A then finishes with its outputs intact."""
+    args = ["--model", "tiny-gpt2", "--steps", "3", "--save-every", "1", "--batch-size", "4", "--seq-len", "32",
+            "--eval-every", "0", "--eval-batches", "1", "--no-export", *COMMON, "--output-dir", str(tmp_path)]
+    cmd, env = command("python", "train_lm.py", args)
+    first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        lock = tmp_path / ".qn_hf.lock"
+        while not (lock.exists() and lock.read_text()) and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert json.loads(lock.read_text())["pid"] == first.pid
+        os.kill(first.pid, signal.SIGSTOP)
+        try:
+            second = launch("python", "train_lm.py", args)
+        finally:
+            os.kill(first.pid, signal.SIGCONT)
+        out, err = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert second.returncode == 2 and "Traceback" not in second.stdout + second.stderr, second.stderr[-3000:]
+    refusal = re.findall(r"(?m)^error.*$", second.stdout + second.stderr)  # the message quotes A's command line
+    assert len(refusal) == 1 and f"is in use: process {first.pid} on host" in refusal[0], second.stderr[-3000:]
+    assert "Give this job another --output-dir" in refusal[0], refusal
+    assert first.returncode == 0, out[-2000:] + err[-3000:]
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 3
+    assert json.loads((tmp_path / "checkpoints" / "latest").read_text()) == "ckpt-000003"
+
+
+def test_demo_chooses_a_mesh_for_the_number_of_processes(tmp_path):
+    from demo import choose_mesh
+
+    assert choose_mesh(8) == {"dp": 2, "tp": 2, "pp": 2}  # the showcase
+    assert [tuple(choose_mesh(n).values()) for n in (1, 2, 3, 4, 6, 16)] == [
+        (1, 1, 1), (1, 2, 1), (3, 1, 1), (1, 2, 2), (3, 2, 1), (4, 2, 2)]
+    cmd, env = command("torchrun", "demo.py", ["--steps", "10"], nproc=2)
+    done = subprocess.run(cmd, cwd=ROOT, env={**env, "QN_HF_DEMO_DIR": str(tmp_path)}, capture_output=True, text=True,
+                          timeout=300)
+    ok(done)
+    assert "mesh dp=1 tp=2 pp=1 (chosen for 2 processes; 8 processes give dp=2 x tp=2 x pp=2)" in done.stdout, done.stdout
+    assert "save_pretrained -> from_pretrained" in done.stdout, done.stdout

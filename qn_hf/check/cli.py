@@ -1,12 +1,14 @@
 """qn-hf-check: prove that a model trains the same under qn_hf at a mesh, before the big run.
 
-    qn-hf-check MODEL [--dp D] [--tp T] [--pp P] [--ep E] [--microbatches M] [--layers L]
+    qn-hf-check MODEL [--dp D] [--tp T] [--pp P] [--cp C] [--dp-shard S] [--sequence-parallel] [--ep E]
+                      [--microbatches M] [--layers L]
 
 MODEL is a Hugging Face directory or a config.json (only the config is read: a full-size config is
 fine). A shrunk random copy of its exact architecture (same config class and model class, every
-switch kept, small widths, L layers, dropout off) trains one SGD step on D*T*P local CPU processes
+switch kept, small widths, L layers, dropout off) trains one SGD step on D*T*P*C local CPU processes
 (gloo) and in one process; the loss and every weight after the step (read back through
-``save_pretrained``) are compared, and the worst difference per tensor is printed.
+``save_pretrained``) are compared, and the worst difference per tensor is printed. --dp-shard and
+--ep add no processes: they shard the weights (FSDP) over dp ranks and the experts over dp x tp ranks.
 
 Exit status: 0 equal, 1 different, 2 refused (qn_hf raised a ValueError before any communication,
 or the input is bad), 3 a rank crashed or timed out.
@@ -16,9 +18,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import asdict
 
+from ..config.parallel_config import ParallelConfig
 from ..local_world import LocalWorld, WorldFailure
-from .run import LOSS_RTOL, WEIGHT_ATOL, one_step_parity
+from ..arguments import plural
+from ..training.words import mesh_words
+from .run import LOSS_RTOL, WEIGHT_ATOL, Verdict, one_step_parity, parity_config
 from .shrink import LAYERS, shrink_config
 from ..mesh import Axis
 
@@ -26,15 +32,13 @@ EXIT = {"equal": 0, "different": 1, "refused": 2, "crashed": 3}
 RANK_TIMEOUT_S = 600  # a whole check of a shrunk model takes seconds; a stuck collective gives up
 
 
-def run_check(config: dict, *, dp: int, tp: int, pp: int, microbatches: int | None, ep: int = 1) -> dict:
-    """Run the step on dp*tp*pp local ranks (qn_hf's launcher, ``local_world``) and return rank 0's
-    verdict, or the failure of the first rank that crashed or timed out; ``ep`` shards MoE experts
-    over ranks of those (it adds none)."""
-    mesh = {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "microbatches": microbatches}
+def run_check(config: dict, *, parallel: ParallelConfig) -> dict:
+    """Run the step on ``parallel``'s world of local ranks (qn_hf's launcher, ``local_world``) and
+    return rank 0's verdict, or the failure of the first rank that crashed or timed out."""
     # ranks share the machine's cores: one thread each, as oversubscription only slows them
-    with LocalWorld(dp * tp * pp, threads=1, collective_timeout=RANK_TIMEOUT_S) as world:
+    with LocalWorld(parallel.dims.world_size, threads=1, collective_timeout=RANK_TIMEOUT_S) as world:
         try:
-            return world.run(one_step_parity, timeout=RANK_TIMEOUT_S + 60, config=config, **mesh)[0]
+            return world.run(one_step_parity, timeout=RANK_TIMEOUT_S + 60, config=config, parallel=parallel)[0]
         except WorldFailure as failure:
             return {"verdict": "crashed", "reason": str(failure)}
 
@@ -55,15 +59,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qn-hf-check", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="Hugging Face model directory or config.json")
-    for dim in (Axis.DP, Axis.TP, Axis.PP, Axis.EP):
+    for dim in (Axis.DP, Axis.TP, Axis.PP, Axis.CP, Axis.EP):
         parser.add_argument(f"--{dim}", type=int, default=1, help=f"{dim} degree (default 1)")
+    parser.add_argument("--dp-shard", type=int, default=1,
+                        help="shard weights, gradients and optimizer state over groups of this many dp ranks (FSDP; "
+                             "default 1)")
+    parser.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism inside tp")
     parser.add_argument("--microbatches", type=int, default=None, help="per step (default: pp)")
     parser.add_argument("--layers", type=int, default=LAYERS, help=f"layers of the shrunk copy (default {LAYERS})")
     parser.add_argument("--top", type=int, default=20, help="tensors to list, worst first (default 20)")
     args = parser.parse_args(argv)
-    for name in (Axis.DP, Axis.TP, Axis.PP, Axis.EP, "layers", "top"):
+    for name in (Axis.DP, Axis.TP, Axis.PP, Axis.CP, Axis.EP, "dp_shard", "layers", "top"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name}={getattr(args, name)} must be at least 1")
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
     from ..planner.cli import load_config
 
     try:
@@ -72,10 +80,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qn-hf-check: {e}", file=sys.stderr)
         return EXIT["refused"]
     shrunk = shrink_config(config, layers=args.layers).to_dict()
-    experts = f" ep={args.ep}" if args.ep > 1 else ""
-    print(f"{config.model_type}: shrunk copy with {args.layers} layers at dp={args.dp} tp={args.tp} pp={args.pp}{experts} "
-          f"on {args.dp * args.tp * args.pp} CPU process(es), against the plain model", flush=True)
-    verdict = run_check(shrunk, dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, microbatches=args.microbatches)
+    try:  # the degrees alone (the model's own refusals come from its ranks, before any collective)
+        parallel = parity_config(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, dp_shard=args.dp_shard,
+                                 sequence_parallel=args.sequence_parallel, microbatches=args.microbatches)
+    except ValueError as e:
+        print(f"{config.model_type}: shrunk copy with {plural(args.layers, 'layer')}", flush=True)
+        print(_report(asdict(Verdict(verdict="refused", reason=str(e))), top=args.top))
+        return EXIT["refused"]
+    print(f"{config.model_type}: shrunk copy with {plural(args.layers, 'layer')} at {mesh_words(parallel)} on "
+          f"{plural(parallel.dims.world_size, 'CPU process')}, against the plain model", flush=True)
+    verdict = run_check(shrunk, parallel=parallel)
     print(_report(verdict, top=args.top))
     return EXIT[verdict["verdict"]]
 

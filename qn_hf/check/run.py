@@ -1,6 +1,6 @@
 """One training step of a model at a mesh against the same step of the plain model.
 
-``one_step_parity`` runs on every rank of a world of ``dp * tp * pp`` processes (gloo on CPU): it
+``one_step_parity`` runs on every rank of a world of ``dp * pp * cp * tp`` processes (gloo on CPU): it
 builds the model from a config with a fixed seed (every rank and the reference get the same
 weights), trains one step of SGD on a random batch both ways, and compares the loss and every
 weight after the step, read back through ``save_pretrained`` -> ``from_pretrained``. A
@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 import transformers
+
+from ..config.parallel_config import ParallelConfig
 
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 5e-5
@@ -97,25 +99,36 @@ def _compare(pm, ref: torch.nn.Module, config, out_dir: str) -> list[tuple[str, 
     return sorted(diffs, key=lambda d: -d[1])
 
 
-def one_step_parity(*, config: dict, dp: int = 1, tp: int = 1, pp: int = 1, microbatches: int | None = None,
-                    seed: int = 0, mesh=None, out_dir: str | None = None, policy=None, ep: int = 1, cp: int = 1,
-                    sequence_parallel: bool = False, virtual_stages: int = 1, recompute: str | None = None) -> dict:
-    """Run on every rank. ``config`` is ``PretrainedConfig.to_dict()`` output, ``policy`` an optional
-    ``ModelPolicy`` (default: qn_hf's choice); returns a ``Verdict`` as a dict on rank 0 (the others
-    return theirs without the weight comparison). ``virtual_stages`` > 1 runs interleaved 1F1B."""
+def parity_config(*, dp: int = 1, tp: int = 1, pp: int = 1, microbatches: int | None = None, ep: int = 1,
+                  cp: int = 1, dp_shard: int = 1, sequence_parallel: bool = False, virtual_stages: int = 1,
+                  recompute: str | None = None) -> ParallelConfig:
+    """The ``ParallelConfig`` the check runs at (or the ``ValueError`` that refuses it): ``pp`` x
+    ``virtual_stages`` microbatches unless given, interleaved 1F1B when ``virtual_stages`` > 1."""
+    return ParallelConfig.from_keywords(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, dp_shard=dp_shard,
+                                        microbatches=microbatches or max(1, pp * virtual_stages),
+                                        sequence_parallel=sequence_parallel, virtual_stages=virtual_stages,
+                                        recompute=recompute,
+                                        schedule="interleaved_1f1b" if virtual_stages > 1 else "1f1b")
+
+
+def one_step_parity(*, config: dict, parallel: ParallelConfig | None = None, seed: int = 0, mesh=None,
+                    out_dir: str | None = None, policy=None, **keywords) -> dict:
+    """Run on every rank. ``config`` is ``PretrainedConfig.to_dict()`` output, ``parallel`` the
+    configuration to check (or ``parity_config``'s keywords: dp, tp, pp, microbatches, ep, cp,
+    dp_shard, sequence_parallel, virtual_stages, recompute), ``policy`` an optional ``ModelPolicy``
+    (default: qn_hf's choice); returns a ``Verdict`` as a dict on rank 0 (the others return theirs
+    without the weight comparison)."""
     import qn_hf  # late: qn_hf.check is imported by the CLI before any process group exists
 
     config_obj = transformers.AutoConfig.for_model(**config)
-    microbatches = microbatches or max(1, pp * virtual_stages)
     model = build(config_obj, seed=seed)
     ref = copy.deepcopy(model)
     try:
-        pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, microbatches=microbatches, mesh=mesh,
-                               policy=policy, sequence_parallel=sequence_parallel, virtual_stages=virtual_stages,
-                               recompute=recompute,
-                               schedule="interleaved_1f1b" if virtual_stages > 1 else "1f1b")
+        parallel = parallel or parity_config(**keywords)
+        pm = qn_hf.parallelize(model, **parallel.keywords(), mesh=mesh, policy=policy)
     except ValueError as e:  # raised identically on every rank, before any collective
         return asdict(Verdict(verdict="refused", reason=str(e)))
+    dp, microbatches = parallel.dims.dp, parallel.microbatches
     batch = _batch(config_obj, rows=dp * ROWS_PER_MICROBATCH * microbatches, seed=seed + 1)
     rows = batch["input_ids"].shape[0] // dp
     local = {k: v[pm.coords.dp * rows : (pm.coords.dp + 1) * rows] for k, v in batch.items()}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -42,7 +43,10 @@ class TrainConfig:
     image_column: str = "image"
     label_column: str = "label"
     val_fraction: float = 0.1
-    mesh: tuple[int, int, int] | None = None  # (dp, tp, pp); default: (world size, 1, 1)
+    mesh: tuple[int, int, int] | None = None  # (dp, tp, pp); default: (world size / cp, 1, 1)
+    dp_shard: int = 1  # FSDP: weights, gradients and optimizer state sharded over groups of this many dp ranks
+    cp: int = 1  # context parallelism: each sequence split over this many ranks (ring attention)
+    sequence_parallel: bool = False  # Megatron sequence parallelism inside tp
     ep: int = 1  # expert parallelism: MoE experts sharded over ep of a stage's dp x tp ranks
     schedule: str = "1f1b"
     virtual_stages: int = 1  # chunks per pipeline stage under schedule interleaved_1f1b
@@ -71,14 +75,21 @@ class TrainConfig:
     timeout_s: float = 600.0  # bound on every collective: a dead rank fails the job, never hangs it
     progress: bool = True
 
-    def parallel_config(self, *, dp: int, tp: int, pp: int) -> ParallelConfig:
-        """How the run parallelizes its model, as the one value ``parallelize`` checks (its ValueError
-        names the option and the fix)."""
+    def mesh_for(self, world: int) -> tuple[int, int, int]:
+        """(dp, tp, pp): ``mesh``, else every process that context parallelism leaves as data parallel."""
+        return self.mesh or (max(1, world // self.cp), 1, 1)
+
+    def parallel_config(self, *, world: int) -> ParallelConfig:
+        """How the run parallelizes its model, as the one value ``parallelize`` takes (its ValueError
+        names the option and the fix). Built once per run; ``microbatches`` must be set by then."""
         from ..config.parallel_config import ParallelConfig  # the library, only when a run starts
 
-        return ParallelConfig.from_keywords(dp=dp, tp=tp, pp=pp, ep=self.ep, microbatches=self.microbatches,
-                                            schedule=self.schedule, virtual_stages=self.virtual_stages,
-                                            mixed_precision=self.mixed_precision, recompute=self.recompute)
+        dp, tp, pp = self.mesh_for(world)
+        # every option of this config that ParallelConfig takes, under the same name (dp_shard, cp, ep,
+        # sequence_parallel, schedule, ...): a new parallel option reaches the run by being a field here
+        takes = inspect.signature(ParallelConfig.from_keywords).parameters
+        options = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in takes}
+        return ParallelConfig.from_keywords(dp=dp, tp=tp, pp=pp, **options)
 
     @property
     def checkpoint_root(self) -> str:
@@ -97,7 +108,13 @@ _HELP = {
     "tokenizer": "LM tokenizer directory (default: the model directory's tokenizer, else UTF-8 bytes)",
     "data": "data files, directories or globs (LM: .txt/.parquet/.json[l]; ViT: an image folder or .parquet); "
     "default: offline built-in data (LM: Python's reference manual text; ViT: scikit-learn digits)",
-    "mesh": "dp tp pp (world size must equal their product); default: all ranks data parallel",
+    "mesh": "dp tp pp (world size must equal dp*tp*pp*cp); default: all ranks not used by --cp data parallel",
+    "dp_shard": "FSDP (ZeRO-3): shard weights, gradients and optimizer state over groups of this many dp ranks "
+    "(must divide dp; gradients are all-reduced across the dp/dp_shard groups); 1: plain data parallelism",
+    "cp": "context parallelism: split each sequence over this many ranks (ring attention); the world size is "
+    "dp*tp*pp*cp, and seq_len must divide by 2*cp",
+    "sequence_parallel": "Megatron sequence parallelism: split the activations between tensor-parallel regions "
+    "over the tp ranks along the sequence (needs tp > 1)",
     "ep": "expert parallelism: shard each MoE layer's experts over this many of a stage's dp x tp ranks (ep must "
     "divide dp*tp and the number of experts); 1: experts replicated over dp, split over tp",
     "schedule": "pipeline schedule: 1f1b, gpipe, interleaved_1f1b (with --virtual-stages) or zb_h1",
@@ -241,6 +258,7 @@ def _check(cfg: TrainConfig) -> None:
         if value is not None and value not in choices:
             raise UsageError(f"{name} {value!r} is not one of {sorted(choices)}")
     positive = {"batch_size": cfg.batch_size, "steps": cfg.steps, "seq_len": cfg.seq_len, "ep": cfg.ep,
+                "dp_shard": cfg.dp_shard, "cp": cfg.cp,
                 "virtual_stages": cfg.virtual_stages, "keep_last": cfg.keep_last,
                 **({"microbatches": cfg.microbatches} if cfg.microbatches is not None else {})}
     for name, value in positive.items():

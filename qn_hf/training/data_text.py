@@ -18,6 +18,7 @@ from datasets import Dataset, load_dataset
 
 from .data_files import builder_for, resolve_files
 from .errors import UsageError
+from ..arguments import plural
 
 TEXT_EXTENSIONS = (".txt", ".text", ".md", ".parquet", ".json", ".jsonl")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -94,7 +95,7 @@ def load_lm_data(*, data: tuple[str, ...], text_column: str, seq_len: int, val_f
     grouped = ids.map(blocks, batched=True, batch_size=1000, remove_columns=["ids"], desc=f"blocks of {seq_len}")
     n_val = max(1, round(len(grouped) * val_fraction))
     if len(grouped) - n_val < 1:
-        raise UsageError(f"the corpus gives only {len(grouped)} blocks of {seq_len} tokens; use more data or a smaller --seq-len")
+        raise UsageError(f"the corpus gives only {plural(len(grouped), 'block')} of {seq_len} tokens; use more data or a smaller --seq-len")
     train = grouped.select(range(len(grouped) - n_val)).with_format("torch")
     val = grouped.select(range(len(grouped) - n_val, len(grouped))).with_format("torch")
     return LmData(train=train, val=val, vocab_size=tokenizer.vocab_size, eos_token_id=tokenizer.eos_token_id,

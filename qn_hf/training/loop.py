@@ -14,7 +14,10 @@ import datetime
 import json
 import math
 import os
+import sys
+import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -23,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import checkpoint_dir
+from ..checkpoint.atomic import write_text_atomic
+from ..checkpoint.lock import DirectoryInUse, HeldDirectory, hold_directory
 from ..data_parallel.grad_norm import clip_grad_norm_
 from ..mesh import default_device, init_distributed, launched_world_size
 from ..data_parallel.optimizer import optimizer
@@ -33,8 +38,11 @@ from .errors import UsageError
 from .lr import warmup_cosine
 from .metrics import MetricsLog, Progress
 from .plots import loss_curve, pipeline_timeline
+from .retention import Retention
 from .sampler import GlobalBatches
 from .tasks import TASK_TYPES, model_directory
+from ..arguments import plural
+from .words import mesh_words
 
 T = TypeVar("T")
 
@@ -43,10 +51,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run (or resume) the configured training; return the summary (also in ``summary.json``)."""
     task = TASK_TYPES[cfg.task]()
     world = launched_world_size()
-    dp, tp, pp = cfg.mesh or (world, 1, 1)
+    dp, tp, pp = cfg.mesh_for(world)
     if cfg.microbatches is None:  # recorded in config.yaml as the value used
         cfg = dataclasses.replace(cfg, microbatches=default_microbatches(batch_size=cfg.batch_size, dp=dp, pp=pp))
     _check_launch(cfg, world=world, dp=dp, tp=tp, pp=pp)
+    try:  # the one value every rank parallelizes with; its checks communicate nothing
+        parallel = cfg.parallel_config(world=world)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     model_dir = model_directory(cfg.model)
     task.check(cfg, model_dir)
     _check_output_dir(cfg.output_dir)
@@ -57,32 +69,32 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     device = default_device()
     init_distributed(device=device, timeout=datetime.timedelta(seconds=cfg.timeout_s))
     rank = dist.get_rank()
+    held = _hold_output_dir(cfg)  # for the whole run: released at the end, or when the process ends
     if rank != 0:  # one set of progress bars (tokenizing, grouping) per job, drawn by rank 0
         datasets.disable_progress_bars()
     prepared = _rank0_first(lambda: task.prepare(cfg, model_dir))
 
     model = _build_model(cfg, task=task, config=prepared.config, model_dir=model_dir)
     try:
-        parallel = cfg.parallel_config(dp=dp, tp=tp, pp=pp)
         pm = parallelize(model, **parallel.keywords(), seed=cfg.seed, checkpoint=model_dir,
                          timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        optimizer = _adamw(pm, cfg, rank=rank)
     except ValueError as e:  # a configuration the model cannot take (checked on every rank alike)
         raise UsageError(str(e)) from None
-    optimizer = _adamw(pm, cfg)
     start = 0
     if resume_from is not None:
         start = int(pm.load_checkpoint(resume_from, optimizer=optimizer).get("step") or 0)
-    if rank == 0:
-        with open(os.path.join(cfg.output_dir, "config.yaml"), "w") as f:
-            f.write(effective_yaml(cfg))
+    retention = Retention(cfg.checkpoint_root, keep_last=cfg.keep_last, active=rank == 0,
+                          resumed_from=None if resume_from is None else checkpoint_dir(resume_from))
+    if rank == 0:  # replaced by rename, never written through a link planted under its name
+        write_text_atomic(os.path.join(cfg.output_dir, "config.yaml"), effective_yaml(cfg))
 
     log = MetricsLog(os.path.join(cfg.output_dir, "metrics.jsonl"), active=rank == 0, resume_step=start)
     progress = Progress(total=cfg.steps, initial=start, active=rank == 0, enabled=cfg.progress, unit_name=task.unit)
     total_params = sum(p.numel() for p in model.parameters())  # this rank's shard
-    experts = f" ep={cfg.ep}" if cfg.ep > 1 else ""
-    chunks = f" x {cfg.virtual_stages} chunks" if cfg.virtual_stages > 1 else ""
-    progress.say(f"mesh dp={dp} tp={tp} pp={pp}{experts} ({world} processes, {device.type}), schedule {cfg.schedule}{chunks}, "
-                 f"{cfg.microbatches} microbatches; rank 0 holds {total_params:,} parameters")
+    chunks = f" x {plural(cfg.virtual_stages, 'chunk')}" if cfg.virtual_stages > 1 else ""
+    progress.say(f"mesh {mesh_words(parallel)} ({plural(world, 'process')}, {device.type}), schedule {cfg.schedule}"
+                 f"{chunks}, {plural(cfg.microbatches, 'microbatch')}; rank 0 holds {total_params:,} parameters")
     progress.say(f"data: {prepared.description}")
     if start:
         progress.say(f"resumed from {resume_from} at step {start}")
@@ -106,13 +118,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         norm = clip_grad_norm_(pm, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         loss_value, norm_value = loss.item(), norm.item()  # the same on every rank
         if not math.isfinite(loss_value) or (pm.scaler is None and not math.isfinite(norm_value)):
-            # Diverged: no optimizer step and no checkpoint, so the last good checkpoint stays the
-            # newest; float16 skips a step whose gradients overflowed (the loss scale shrinks) instead.
+            # Diverged: no optimizer step and no checkpoint; the checkpoint of the previous step (if
+            # it was saved) gave these numbers, so it is set aside; float16 skips a step whose
+            # gradients overflowed (the loss scale shrinks) instead.
             log.append({"step": step, "loss": loss_value, "lr": lr, "grad_norm": norm_value, "diverged": True})
-            raise UsageError(f"step {step}: the loss is {loss_value} and the gradient norm {norm_value}: training "
-                             f"diverged; no update and no checkpoint were made at this step, so the newest checkpoint "
-                             f"in {cfg.checkpoint_root} is the last good state; resume from it with a lower --lr "
-                             f"(or --grad-clip)")
+            raise UsageError(_diverged(step, loss=loss_value, norm=norm_value, good=retention.fall_back(),
+                                       root=cfg.checkpoint_root))
+        retention.vouched()  # finite from the current weights: the checkpoints saved so far are good
         optimizer.step()
         seconds = time.perf_counter() - t0
         record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": norm_value, "step_time_s": seconds,
@@ -126,7 +138,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         log.append(record)
         progress.update(record)
         if (cfg.save_every and step % cfg.save_every == 0) or step == last:
-            saved = pm.save_checkpoint(cfg.checkpoint_root, optimizer=optimizer, step=step, keep_last=cfg.keep_last)
+            # Pruned by retention once a later step vouches for this one, never here (retention.py)
+            saved = pm.save_checkpoint(cfg.checkpoint_root, optimizer=optimizer, step=step, keep_last=None)
+            retention.saved(saved)
             progress.say(f"step {step}: checkpoint {saved}")
     progress.close()
 
@@ -135,20 +149,34 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     summary = _summary(cfg, log=log, record=record, world=world, stopped=last < cfg.steps)
     if rank == 0:
         if log.records:
-            loss_curve(os.path.join(cfg.output_dir, "loss.png"), runs=[(f"dp={dp} tp={tp} pp={pp}", log.records)],
+            loss_curve(os.path.join(cfg.output_dir, "loss.png"), runs=[(mesh_words(parallel), log.records)],
                        title=f"{cfg.model} ({cfg.task})")
-        with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1)
+        write_text_atomic(os.path.join(cfg.output_dir, "summary.json"), json.dumps(summary, indent=1))
         print(summary["line"], flush=True)
     dist.barrier()
+    if held is not None:
+        held.release()
     dist.destroy_process_group()
     return summary
 
 
+def _diverged(step: int, *, loss: float, norm: float, good: str | None, root: str) -> str:
+    what = (f"step {step}: the loss is {loss} and the gradient norm {norm}: training diverged; no update and no "
+            f"checkpoint were made at this step")
+    if good is None:
+        return (f"{what}, and no checkpoint in {root} was followed by a finite step; start over with a lower --lr "
+                f"(or --grad-clip)")
+    return (f"{what}; {good} is the last good state (the newest checkpoint a finite step started from); resume from "
+            f"it (--resume {good}) with a lower --lr (or --grad-clip)")
+
+
 def _check_launch(cfg: TrainConfig, *, world: int, dp: int, tp: int, pp: int) -> None:
-    if dp * tp * pp != world:
-        raise UsageError(f"mesh dp={dp} tp={tp} pp={pp} needs {dp * tp * pp} processes but {world} were launched; "
-                         f"launch {dp * tp * pp} (torchrun --nproc-per-node {dp * tp * pp} ...) or change --mesh")
+    needed = dp * tp * pp * cfg.cp
+    if needed != world:
+        cp = f" cp={cfg.cp}" if cfg.cp > 1 else ""
+        raise UsageError(f"mesh dp={dp} tp={tp} pp={pp}{cp} needs {plural(needed, 'process')} but {world} "
+                         f"{'was' if world == 1 else 'were'} launched; launch {needed} (torchrun --nproc-per-node "
+                         f"{needed} ...) or change --mesh" + (" or --cp" if cfg.cp > 1 else ""))
     if cfg.batch_size % (dp * cfg.microbatches):
         raise UsageError(f"batch_size={cfg.batch_size} must be a multiple of dp*microbatches={dp * cfg.microbatches}")
 
@@ -156,12 +184,29 @@ def _check_launch(cfg: TrainConfig, *, world: int, dp: int, tp: int, pp: int) ->
 def _check_output_dir(path: str) -> None:
     try:
         os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write-test-{os.environ.get('RANK', '0')}")
-        with open(probe, "w"):
-            pass
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".write-test-")  # a new name: no planted link is followed
+        os.close(fd)
         os.unlink(probe)
     except OSError as e:
         raise UsageError(f"output directory {path} is not writable: {e.strerror}") from None
+
+
+def _hold_output_dir(cfg: TrainConfig) -> HeldDirectory | None:
+    """Rank 0 holds the output directory, so a second job on it (whose saves would delete this one's
+    checkpoints and interleave its metrics) is refused with a message naming this one's host and pid.
+    The verdict reaches every rank in the job's first collective, before anything depends on it."""
+    held, refusal = None, [None]
+    if dist.get_rank() == 0:
+        try:
+            held = hold_directory(cfg.output_dir, purpose=f"the output directory of scripts/train_{cfg.task}.py",
+                                  fix="Give this job another --output-dir, or wait for that job to end (a killed "
+                                      "job's lock goes with its process)")
+        except DirectoryInUse as e:
+            refusal = [str(e)]
+    dist.broadcast_object_list(refusal, src=0)
+    if refusal[0] is not None:
+        raise UsageError(refusal[0])
+    return held
 
 
 def _resume_path(cfg: TrainConfig) -> str | None:
@@ -211,13 +256,20 @@ def _build_model(cfg: TrainConfig, *, task: Any, config: Any, model_dir: str | N
         return task.auto_class.from_config(config)
 
 
-def _adamw(pm: ParallelModel, cfg: TrainConfig) -> torch.optim.Optimizer:
+def _adamw(pm: ParallelModel, cfg: TrainConfig, *, rank: int) -> torch.optim.Optimizer:
     """AdamW without weight decay on biases and norms (1-D tensors), as is usual for transformers;
-    float32 masters under mixed precision, 1/dp of the state per rank with ``zero``."""
+    float32 masters under mixed precision, 1/dp of the state per rank with ``zero``. The library's
+    warnings (``zero`` where no other rank holds the same weights shards nothing) reach the user
+    once, from rank 0, as one line each."""
     decay = [p for _, p in pm.named_parameters() if p.requires_grad and p.dim() >= 2]
     keep = [p for _, p in pm.named_parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": keep, "weight_decay": 0.0}]
-    return optimizer(pm, torch.optim.AdamW, zero=cfg.zero and pm.dims.dp > 1, param_groups=groups, lr=cfg.lr)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        built = optimizer(pm, torch.optim.AdamW, zero=cfg.zero, param_groups=groups, lr=cfg.lr)
+    for warning in caught if rank == 0 else ():
+        print(f"warning: {warning.message}", file=sys.stderr, flush=True)
+    return built
 
 
 def _recorded_step(pm: ParallelModel, batch: dict[str, torch.Tensor], *, path: str, step: int, cfg: TrainConfig) -> torch.Tensor:
@@ -234,9 +286,9 @@ def _recorded_step(pm: ParallelModel, batch: dict[str, torch.Tensor], *, path: s
         rows = [(f"stage {c['pp']} (dp {c['dp']}, tp {c['tp']})", evs)
                 for c, evs in sorted(gathered, key=lambda g: (g[0]["dp"], g[0]["tp"], g[0]["pp"]))
                 if c["dp"] == 0 and c["tp"] == 0]
-        virtual = f" x {pm.stage.plan.virtual} chunks" if pm.stage.plan.virtual > 1 else ""
+        virtual = f" x {plural(pm.stage.plan.virtual, 'chunk')}" if pm.stage.plan.virtual > 1 else ""
         pipeline_timeline(path, ranks=rows, title=f"step {step}: {cfg.schedule}, pp={pm.dims.pp}{virtual}, "
-                                                    f"{cfg.microbatches} microbatches (measured)")
+                                                    f"{plural(cfg.microbatches, 'microbatch')} (measured)")
     return loss
 
 

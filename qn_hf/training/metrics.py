@@ -15,6 +15,9 @@ import sys
 from tqdm import tqdm
 
 from ..checkpoint.atomic import write_text_atomic
+from .errors import UsageError
+
+_APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 def to_json_line(record: dict) -> str:
@@ -49,7 +52,15 @@ class MetricsLog:
         if not self.active:
             return
         self.records.append(record)
-        with open(self.path, "a") as f:
+        # O_NOFOLLOW: a link planted under the name after the run started is refused, not written through
+        try:
+            fd = os.open(self.path, _APPEND, 0o666)
+        except OSError as e:
+            if os.path.islink(self.path):
+                raise UsageError(f"{self.path} is a symbolic link (made while the run was writing it): refusing to "
+                                 f"append the metrics through it; remove the link") from None
+            raise UsageError(f"cannot append to {self.path}: {e.strerror}") from None
+        with os.fdopen(fd, "a") as f:
             f.write(to_json_line(record))
 
 

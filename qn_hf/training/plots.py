@@ -6,7 +6,10 @@ never needs a display and the library does not import it unless a figure is draw
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
+
+from ..checkpoint.atomic import write_bytes_atomic
 
 
 def _pyplot():
@@ -18,12 +21,17 @@ def _pyplot():
     return plt
 
 
+def _save(fig, path: str) -> None:
+    """``fig`` as a PNG at ``path``, replaced by rename: never written through a link planted there."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    _pyplot().close(fig)
+    write_bytes_atomic(path, buffer.getvalue())
+
+
 def loss_curve(path: str, *, runs: Sequence[tuple[str, list[dict]]], title: str) -> None:
     """Training loss per step (and validation loss/accuracy where recorded) for one or more runs."""
-    plt = _pyplot()
-    fig = loss_figure(runs=runs, title=title)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(loss_figure(runs=runs, title=title), path)
 
 
 def loss_figure(*, runs: Sequence[tuple[str, list[dict]]], title: str):
@@ -83,5 +91,4 @@ def pipeline_timeline(path: str, *, ranks: Sequence[tuple[str, list[tuple[str, i
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()], labels=["forward", "backward", "weight gradient"],
               loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)

@@ -15,6 +15,7 @@ from functools import lru_cache
 import torch
 
 from .errors import UsageError
+from ..arguments import plural
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class GlobalBatches:
     def __post_init__(self) -> None:
         if self.batch_size > self.examples:
             raise UsageError(
-                f"batch_size={self.batch_size} is larger than the training split ({self.examples} examples); "
+                f"batch_size={self.batch_size} is larger than the training split ({plural(self.examples, 'example')}); "
                 "use a smaller --batch-size or more data"
             )
 

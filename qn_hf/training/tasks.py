@@ -13,12 +13,14 @@ import torch
 from datasets import Dataset
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageClassification, PretrainedConfig
 
+from ..step.batch import sequence_split
 from ..step.loss import IGNORE_INDEX
 from ..parallel_model import ParallelModel
 from .config import TrainConfig
 from .data_images import DIGITS_CHANNELS, DIGITS_SIZE, check_image_data, load_image_data
 from .data_text import check_text_files, load_lm_data, tokenizer_source
 from .errors import UsageError
+from ..arguments import plural
 from .presets import LM_PRESETS, PRESETS, lm_preset, vit_preset
 from .sampler import eval_batches
 
@@ -53,6 +55,11 @@ class LmTask:
         if cfg.data:
             check_text_files(cfg.data)
         tokenizer_source(tokenizer=cfg.tokenizer, model_dir=model_dir)
+        tp = cfg.mesh[1] if cfg.mesh is not None else 1
+        # the library's rule for how cp and sequence parallelism cut a sequence, checked before any step
+        multiple, why = sequence_split(cp=cfg.cp, tp=tp, sequence_parallel=cfg.sequence_parallel)
+        if cfg.seq_len % multiple:
+            raise UsageError(f"seq_len={cfg.seq_len} is not a multiple of {multiple} ({why}); use a --seq-len that is")
 
     def prepare(self, cfg: TrainConfig, model_dir: str | None) -> Prepared:
         tok_dir = tokenizer_source(tokenizer=cfg.tokenizer, model_dir=model_dir)
@@ -69,8 +76,8 @@ class LmTask:
             if positions is not None and cfg.seq_len > positions:
                 raise UsageError(f"seq_len={cfg.seq_len} exceeds the model's {positions} positions; use --seq-len {positions} or less")
         return Prepared(config=config, train=data.train, val=data.val,
-                        description=f"{data.source}; tokenizer {data.tokenizer}; {len(data.train)} train / "
-                                    f"{len(data.val)} validation blocks of {cfg.seq_len} tokens")
+                        description=f"{data.source}; tokenizer {data.tokenizer}; {plural(len(data.train), 'training block')} "
+                                    f"and {plural(len(data.val), 'validation block')} of {cfg.seq_len} tokens")
 
     def batch(self, rows: dict[str, Any]) -> dict[str, torch.Tensor]:
         ids = rows["input_ids"]
@@ -107,9 +114,9 @@ class VitTask:
         if config is None:
             config = vit_preset(image_size=size, num_channels=channels, labels=data.labels)
         elif config.num_labels != len(data.labels):
-            raise UsageError(f"the model has num_labels={config.num_labels} but the data has {len(data.labels)} classes")
+            raise UsageError(f"the model has num_labels={config.num_labels} but the data has {plural(len(data.labels), 'class')}")
         return Prepared(config=config, train=data.train, val=data.val,
-                        description=f"{data.source}; {len(data.labels)} classes; images {channels}x{size}x{size}")
+                        description=f"{data.source}; {plural(len(data.labels), 'class')}; images {channels}x{size}x{size}")
 
     def batch(self, rows: dict[str, Any]) -> dict[str, torch.Tensor]:
         return {"pixel_values": rows["pixel_values"], "labels": rows["labels"]}
