@@ -70,7 +70,7 @@ _P2P = {"send", "recv_", "recv_any_source_"}
 _NO_PAYLOAD = {"barrier", "monitored_barrier_"}  # their tensor argument is a dummy the call makes
 
 
-class _Groups(Protocol):  # properties, so that a frozen dataclass matches; dp_shard and shard_mesh read if present
+class _Groups(Protocol):  # properties, so that a frozen dataclass matches; dp_shard, shard_mesh, host read if present
     @property
     def dp(self) -> ProcessGroup: ...
     @property
@@ -142,7 +142,8 @@ class CommMeter:
         g = pm.groups
         # "replicas" (dp x cp, where gradients are reduced under cp > 1) first: at cp=1 it is the dp group
         named = {"replicas": g.replicas, "dp": g.dp, "tp": g.tp, "pp": g.pp, "cp": g.cp, "kv": g.kv, "tie": g.tie,
-                 "ep": g.ep, "experts": g.experts, "dp_shard": getattr(g, "dp_shard", None)}
+                 "ep": g.ep, "experts": g.experts, "dp_shard": getattr(g, "dp_shard", None),
+                 "host": getattr(g, "host", None)}
         # hybrid sharding: FSDP all-reduces the reduced shards across the groups of dp_shard ranks
         shard_mesh = getattr(g, "shard_mesh", None)
         named["dp_replicate"] = shard_mesh.get_group(0) if shard_mesh is not None and shard_mesh.ndim == 2 else None

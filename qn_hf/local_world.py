@@ -18,13 +18,13 @@ import datetime
 import multiprocessing as mp
 import os
 import queue
+import socket
 import sys
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-from .mesh import free_local_port
 
 JOB_TIMEOUT_S = 180.0
 COLLECTIVE_TIMEOUT_S = 120.0
@@ -33,6 +33,13 @@ PARENT_POLL_S = 5.0  # how often an idle rank checks that its launcher still liv
 
 class WorldFailure(AssertionError):
     """A job failed or did not finish on some rank (an AssertionError, so a test reports it as one)."""
+
+
+def free_local_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a local process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def threads_per_rank(size: int) -> int:

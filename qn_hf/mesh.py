@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import math
 import os
-import socket
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 
@@ -21,6 +20,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .arguments import Choice, check_positive_int, plural
+from .local_world import free_local_port
 from .pipeline.p2p import Link, Peers, build_links
 
 
@@ -92,14 +92,11 @@ class ParallelDims:
         check_positive_int("dp_shard", self.dp_shard)
         if self.dp % self.dp_shard:
             divisors = [d for d in range(1, self.dp + 1) if self.dp % d == 0]
-            # dp_shard adds no ranks of its own: the usual mistake is dp_shard=S alone, meaning dp=S
-            dp = self.dp * self.dp_shard // math.gcd(self.dp, self.dp_shard)
-            world = dp * self.tp * self.pp * self.cp
+            dp = math.lcm(self.dp, self.dp_shard)  # dp_shard adds no ranks: dp_shard=S alone usually means dp=S
             raise ValueError(f"dp_shard={self.dp_shard} must divide dp={self.dp}: dp_shard shards the weights within "
-                             f"the dp ranks (dp/dp_shard groups of dp_shard ranks) and adds no ranks of its own; set "
-                             f"dp to a multiple of dp_shard, e.g. dp={dp}, dp_shard={self.dp_shard} "
-                             f"({world} {plural(world, 'process')} with tp={self.tp}, pp={self.pp}, cp={self.cp}), "
-                             f"or keep dp={self.dp} with dp_shard among {divisors}")
+                             f"the dp ranks and adds no ranks of its own; set dp to a multiple of dp_shard, e.g. dp={dp}, "
+                             f"dp_shard={self.dp_shard} ({plural(dp * self.tp * self.pp * self.cp, 'process')} with "
+                             f"tp={self.tp}, pp={self.pp}, cp={self.cp}), or keep dp={self.dp} with dp_shard among {divisors}")
         if self.ep > 1:
             if (self.dp * self.tp) % self.ep:
                 raise ValueError(f"ep={self.ep} must divide dp*tp = {self.dp}*{self.tp} = {self.dp * self.tp}: the "
@@ -146,7 +143,7 @@ class ParallelDims:
             product, values = "*".join(order), "*".join(str(getattr(self, n)) for n in order)
             raise ValueError(
                 f"world size {world_size} != {product} = {values} = {self.world_size}; "
-                f"launch {self.world_size} {plural(self.world_size, 'process')} (e.g. torchrun --nproc-per-node {self.world_size}) "
+                f"launch {plural(self.world_size, 'process')} (e.g. torchrun --nproc-per-node {self.world_size}) "
                 f"or change {'/'.join(order)} so that their product is {world_size}"
             )
 
@@ -195,13 +192,6 @@ def init_distributed(*, device: torch.device, timeout: datetime.timedelta) -> No
         return
     dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_local_port()}", rank=0, world_size=1,
                             timeout=timeout, **bound)
-
-
-def free_local_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (for a local process group's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_mesh(dims: ParallelDims, *, device: torch.device, timeout: datetime.timedelta | None = None) -> DeviceMesh:
@@ -259,6 +249,7 @@ class Groups:
     dp_shard: ProcessGroup | None = None  # the dp_shard (x cp) ranks that shard one copy of the weights (None at dp_shard=1)
     shard_mesh: DeviceMesh | None = None  # FSDP's mesh: ("dp_shard",), or ("dp_replicate", "dp_shard") to hybrid-shard
     expert_shard_mesh: DeviceMesh | None = None  # FSDP's mesh for the experts: their replicas (dp_shard > 1, ep > 1)
+    host: ProcessGroup | None = None  # gloo over the world, for what the hosts agree on (build_groups says why)
 
     @property
     def prev(self) -> int | None:
@@ -317,12 +308,17 @@ def build_groups(dims: ParallelDims, *, device: torch.device, timeout: datetime.
     dp_shard, shard_mesh = _shard_groups(grid, coords, dims, device, timeout, owned) if dims.dp_shard > 1 else (None, None)
     expert_shard_mesh = (_one_dim_mesh(experts, "expert_replicas", device)
                          if dims.dp_shard > 1 and experts is not None else None)
+    # gloo over the world, for what the hosts agree on before a step's collectives (step/agreement.py):
+    # host memory, so agreeing never waits for the device's queue; its own group on a gloo world too,
+    # so that its traffic is never taken for a mesh dim's that spans the world (comm_meter.py)
+    host = dist.new_group(backend="gloo", timeout=timeout)
+    owned.append(host)
     return Groups(
         mesh=mesh, coords=coords, dp=mesh.get_group(Axis.DP.value), tp=mesh.get_group(Axis.TP.value),
         pp=mesh.get_group(Axis.PP.value),
         cp=cp, replicas=replicas, ep=ep, experts=experts, kv=kv, tie=tie, peers=_pipeline_peers(grid, coords, device, timeout, owned),
         owned=tuple(dict.fromkeys(g for g in owned if g is not dist.GroupMember.WORLD)),
-        dp_shard=dp_shard, shard_mesh=shard_mesh, expert_shard_mesh=expert_shard_mesh,
+        dp_shard=dp_shard, shard_mesh=shard_mesh, expert_shard_mesh=expert_shard_mesh, host=host,
     )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -15,7 +15,7 @@ from .checkpoint.export import save_pretrained
 from .checkpoint.full_state import full_state_dict
 from .checkpoint.hf import DEFAULT_MAX_SHARD_BYTES
 from .checkpoint.load import load_checkpoint
-from .checkpoint.save import DEFAULT_KEEP_LAST, save_checkpoint
+from .checkpoint.save import DEFAULT_KEEP_LAST, HeldDirectories, save_checkpoint
 from .comm import flat_all_reduce_, gather_from_group
 from .config.composition import Feature, check_and_warn
 from .config.parallel_config import ParallelConfig
@@ -35,11 +35,12 @@ from .pipeline.schedule import schedule_actions
 from .pipeline.split import params_by_final_pass
 from .pipeline.stage import StageModules
 from .placement import ShardPlacement
-from .step.batch import (batch_signature, check_batch, check_model_inputs, check_same_batch, dp_rows, microbatch_rows,
-                         sequence_split, split_microbatches, to_device)
+from .step.agreement import agree_on_batch
+from .step.batch import (batch_signature, check_same_batch, check_step_batch, dp_rows, microbatch_rows, sequence_split,
+                         split_microbatches, to_device)
 from .step.generation import parallel_generate, switched_off
 from .step.logits import LogitsFn, collect_logits
-from .step.loss import IGNORE_INDEX, causal_lm_targets, check_builtin_loss, summed_loss
+from .step.loss import causal_lm_targets, local_count, loss_scales, nan_without_targets, summed_loss
 from .tensor_parallel.apply import VocabShard
 from .tensor_parallel.plan import TpPlan
 from .tensor_parallel.rng import RngStreams
@@ -106,11 +107,10 @@ class ParallelModel:
         self.deferred = deferred  # names of the parameters whose gradients come in W passes (zb_h1)
         self.optimizer = None  # the qn_hf.optimizer built over this model, if any
         self.failures, self._sync = FailTogether(), True
-        # The first step proves that every rank of a dp replica was given the same batch (one small
-        # all-reduce over the world and one host read); True: every step does (a debugging aid).
-        self.check_every_batch = False
-        self._batch_checked = False
-        self.closed = False
+        # The first step proves that every rank of a dp replica was given the same batch contents (one
+        # all-reduce over the world, one host read); True: every step does (their shapes: every step)
+        self.check_every_batch, self._batch_checked, self.closed = False, False, False
+        self.held_roots = HeldDirectories()  # the checkpoint roots this model saves to, locked (checkpoint/lock.py)
         self.sp_switch, self.ring_switch = sequence_parallel_switch, ring_switch  # sp and cp, off while generating
         self.sharded = sharded  # dp_shard > 1: FSDP's groups (data_parallel/sharded.py)
 
@@ -118,6 +118,7 @@ class ParallelModel:
         """Release (every rank) the process groups parallelize made: not the world's, not a mesh= given."""
         self._weights_ready()
         self.placement.groups.release()
+        self.held_roots.release()
         self.closed = True
 
     # -- where this rank sits (read from the placement) ------------------------------------------
@@ -174,10 +175,13 @@ class ParallelModel:
         return gather_from_group(logits, group=self.groups.tp)[..., : self.vocab.size]
 
     # -- steps -----------------------------------------------------------------------------------
-    def train_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn | None = None) -> torch.Tensor:
+    def train_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn | None = None, *,
+                   num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
         """Forward and backward over every microbatch in training mode, then every gradient sum; gradients
         accumulate into ``.grad`` (zero them between steps), except inside ``no_sync()`` unsynchronized.
-        Returns the mean loss over the global batch, detached, identical on every rank."""
+        Returns the mean loss over the global batch, detached, identical on every rank. Accumulating,
+        ``num_items_in_batch=pm.count_items(batches)`` (transformers' name) divides by every batch's count:
+        the gradients equal one step on all the batches, whose loss the returned ones sum to."""
         self.module.train()
         if self.closed:
             self._weights_ready()  # raises: the groups are gone
@@ -192,12 +196,21 @@ class ParallelModel:
         if self.sharded is not None:
             self.sharded.start_backward(sync=self._sync)
         with self.failures.guard("train_step"):
-            loss = self._run(batch, loss_fn, backward=True)
+            loss = self._run(batch, loss_fn, backward=True, num_items=num_items_in_batch)
             if self.sharded is not None:  # under a pipeline: one reduction after the step's last backward
                 self.sharded.finish_backward(sync=self._sync)
             if self._sync:
                 self.grads.sync()
         return loss
+
+    def count_items(self, batches: Sequence[Mapping[str, torch.Tensor]], loss_fn: LossFn | None = None) -> torch.Tensor:
+        """What one step on all of this dp rank's ``batches`` would average its loss over, summed over dp
+        (targets, or rows with a ``loss_fn``): a ``[1]`` device tensor for ``train_step(num_items_in_batch=)``."""
+        shifted = self.plan.loss.shifted if loss_fn is None and self.plan.loss is not None else None
+        count = sum((local_count(b, shifted=shifted, device=self.device) for b in batches),
+                    torch.zeros(1, dtype=torch.float64, device=self.device))
+        flat_all_reduce_([count], group=self.groups.dp)
+        return count
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -212,14 +225,21 @@ class ParallelModel:
     @torch.no_grad()
     def eval_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn | None = None) -> torch.Tensor:
         """Forward only, in evaluation mode (restored afterwards); the same loss as ``train_step``."""
+        with self._forward_only("eval_step"):
+            return self._run(batch, loss_fn, backward=False)
+
+    @contextlib.contextmanager
+    def _forward_only(self, what: str, *, evaluate: bool = True) -> Iterator[None]:
         was_training = self.module.training
         self._weights_ready()
-        self.module.eval()
+        self.module.train(was_training and not evaluate)
         try:
-            with self.failures.guard("eval_step"):
-                return self._run(batch, loss_fn, backward=False)
+            with self.failures.guard(what):
+                yield
         finally:
             self.module.train(was_training)
+            if self.sharded is not None:  # FSDP keeps its root gathered for a backward that never comes
+                self.sharded.reshard()
 
     def local_batch(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This dp replica's contiguous rows of a *global* batch (the same dict on every rank), padded
@@ -232,57 +252,38 @@ class ParallelModel:
         """This dp rank's batch's whole logits at any mesh (or ``reduce(logits, microbatch)`` of each
         microbatch's), on every rank of the replica (``broadcast=False``: the last stage's only; None
         elsewhere). Evaluation mode, restored afterwards; logits.py says how."""
-        was_training = self.module.training
-        self._weights_ready()
-        self.module.eval()
-        try:
-            with self.failures.guard("logits"):
-                return collect_logits(self, batch, reduce=reduce, broadcast=broadcast)
-        finally:
-            self.module.train(was_training)
+        with self._forward_only("logits"):
+            return collect_logits(self, batch, reduce=reduce, broadcast=broadcast)
 
-    def _run(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn | None, *, backward: bool) -> torch.Tensor:
+    def _run(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn | None, *, backward: bool,
+             num_items: torch.Tensor | int | float | None = None) -> torch.Tensor:
         builtin = loss_fn is None
-        if builtin and self.plan.loss is None:
-            raise ValueError(f"{type(self.module).__name__} has no built-in loss (a base model); pass "
-                             f"loss_fn=(outputs, batch) -> loss")
-        size = check_batch(batch, microbatches=self.microbatches, required=("labels",) if builtin else ())
         cp = self.dims.cp
-        if cp > 1:
-            unknown = sorted(set(batch) - set(CP_KEYS))
-            if unknown:
-                raise ValueError(f"cp={cp}: batch keys {unknown} cannot be cut along the sequence; use only {CP_KEYS}")
         split = sequence_split(cp=cp, tp=self.dims.tp, sequence_parallel=self.plan.sequence_parallel)
-        check_model_inputs(batch, model=self.module, loss=self.plan.loss if builtin else None, sequence_split=split)
+        # every rank raises together, before any collective below could wait for one that did (agreement.py)
+        size = agree_on_batch(lambda: check_step_batch(
+            batch, model=self.module, loss=self.plan.loss, builtin=builtin, cp=cp, cp_keys=CP_KEYS, split=split,
+            microbatches=self.microbatches, config=self.config, num_items=num_items),
+            batch, replica=self.coords.dp, replicas=self.dims.dp, group=self.groups.host)
         routers = (RouterLogits(self.module, pp=self.dims.pp, microbatches=self.microbatches, replicas=self.groups.replicas,
                                 sequence=self.groups.tp if self.sp_switch is not None and self.sp_switch.on else None)
                    if builtin and adds_router_loss(self.module) else None)  # checks the term can be equal
-        if builtin:
-            check_builtin_loss(self.plan.loss, self.config)
         documents = ring_documents(batch) if cp > 1 else None  # read before the batch moves (apply.py)
         batch = to_device(batch, self.device)
         if self.dims.world_size > self.dims.dp and (self.check_every_batch or not self._batch_checked):
             check_same_batch(batch_signature(batch, device=self.device), replica=self.coords.dp,
                              replicas=self.dims.dp)
             self._batch_checked = True
-        # The HF loss is a mean over every target of the global batch: count them first (one tiny
-        # all-reduce over dp), then each microbatch contributes sum(its losses) / count exactly.
-        # The scales stay on the device (float64, as the Python floats they replace): reading the
-        # count back would make the host wait for the device at the start of every step.
-        if builtin:
-            targets = causal_lm_targets(batch["labels"]) if self.plan.loss.shifted else batch["labels"]
-            count = (targets != IGNORE_INDEX).sum(dtype=torch.float64).reshape(1)
+        # What the loss is a mean over, summed over dp (one tiny all-reduce) unless the caller gave the
+        # accumulation's count; each microbatch's share of it (loss.loss_scales)
+        if num_items is None:
+            count = local_count(batch, shifted=self.plan.loss.shifted if builtin else None, device=self.device)
             flat_all_reduce_([count], group=self.groups.dp)
-            scales = [torch.ones_like(count).div_(count.clamp(min=1.0))[0]] * self.microbatches
+        else:
+            count = torch.as_tensor(num_items, dtype=torch.float64).to(self.device, non_blocking=True).reshape(1)
         micro = split_microbatches(batch, microbatches=self.microbatches)
         rows = microbatch_rows(size, microbatches=self.microbatches)  # the sizes tensor_split gave them
-        if not builtin:
-            # A loss_fn returns its microbatch's mean: weighted by its rows over the global batch's
-            # rows (one tiny all-reduce over dp), the sum is the mean over every example, also when
-            # the microbatches or the dp ranks' batches differ in size (torch.full: a fill on the device).
-            global_rows = torch.full((1,), float(size), dtype=torch.float64, device=self.device)
-            flat_all_reduce_([global_rows], group=self.groups.dp)
-            scales = [torch.full_like(global_rows, float(n)).div_(global_rows)[0] for n in rows]
+        scales = loss_scales(count, rows=rows, builtin=builtin)
         whole = micro  # a loss_fn sees whole sequences (whole_sequence_logits)
         if cp > 1:  # this rank's tokens of every sequence, with targets shifted on the whole sequence
             micro = shard_microbatches(micro, documents, layout=self.cp_layout, rank=self.coords.cp)
@@ -333,7 +334,7 @@ class ParallelModel:
         # (each cp rank holds the loss of its own tokens).
         for group in (self.groups.pp, self.groups.replicas):
             flat_all_reduce_([total], group=group)
-        return total
+        return nan_without_targets(total, count) if builtin else total
 
     def _with_full_logits(self, outputs):
         if self.vocab is not None and getattr(outputs, "logits", None) is not None:
@@ -361,9 +362,8 @@ class ParallelModel:
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **generate_kwargs):
         """HF's ``generate``, equal to the plain model's; every rank of a dp replica passes the same
         inputs. KV cache at pp=1; at pp>1 each token re-runs the pipeline without one (generation.py)."""
-        self._weights_ready()
-        self.check_composes_with(Feature.GENERATE)
-        with self.failures.guard("generate"), switched_off(self.sp_switch, self.ring_switch):
+        self.check_composes_with(Feature.GENERATE)  # in the mode the caller set, as HF's generate
+        with self._forward_only("generate", evaluate=False), switched_off(self.sp_switch, self.ring_switch):
             return parallel_generate(self.module, input_ids, attention_mask, stage=self.stage, placement=self.placement,
                                      full_logits=self.full_logits if self.vocab is not None else None,
                                      generate_kwargs=generate_kwargs)
@@ -383,18 +383,18 @@ class ParallelModel:
 
     def save_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None, step: int | None = None,
                         *, keep_last: int | None = DEFAULT_KEEP_LAST) -> str:
-        """Sharded safetensors checkpoint (optimizer state included) that loads into any mesh, written
-        as ``path/ckpt-<step>`` and made ``latest``. Afterwards only the newest ``keep_last`` checkpoints
-        under ``path`` are kept (and whatever ``latest`` names); ``None`` removes none."""
+        """Sharded checkpoint ``path/ckpt-<step>`` (optimizer state, fp16's loss scale) made ``latest``, loading at any
+        mesh; keeps the newest ``keep_last`` (None: all). Holds ``path`` while the model lives: other jobs refused."""
         self._weights_ready()
         with self.failures.guard("save_checkpoint"):
-            return save_checkpoint(self.module, path, placement=self.placement, config=self.config,
-                                   optimizer=optimizer, step=step, virtual_stages=self.stage.plan.virtual,
-                                   keep_last=keep_last)
+            return save_checkpoint(self.module, path, placement=self.placement, config=self.config, optimizer=optimizer,
+                                   step=step, virtual_stages=self.stage.plan.virtual, keep_last=keep_last,
+                                   scaler=self.scaler, roots=self.held_roots)
 
     def load_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> dict:
-        """Load a checkpoint saved at any (dp, tp, pp); return its metadata (e.g. ``{"step": 1}``)."""
+        """Load a checkpoint saved at any mesh (fp16's loss scale included); return its metadata (``{"step": 1}``)."""
         self._weights_ready()
         with self.failures.guard("load_checkpoint"):
             return load_checkpoint(self.module, path, placement=self.placement, model_type=self.config.model_type,
-                                   optimizer=optimizer, cast=self.precision is not None, config=self.config.to_dict())
+                                   optimizer=optimizer, cast=self.precision is not None, config=self.config.to_dict(),
+                                   scaler=self.scaler)

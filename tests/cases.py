@@ -258,3 +258,78 @@ def accumulation(*, kind: str, model_dir: str, dp: int, dp_shard: int, pp: int =
     refs = dict(ref.named_parameters())
     return {"deferred": deferred,
             "grad_err": max((whole(p.grad) - refs[n].grad).abs().max().item() for n, p in pm.named_parameters())}
+
+
+def _row_loss(outputs, batch) -> torch.Tensor:
+    """A loss_fn that averages its rows: each row's mean squared logit."""
+    return outputs.logits.float().pow(2).mean(dim=(1, 2)).mean()
+
+
+def accumulation_full_batch(*, kind: str, model_dir: str, dp: int, dp_shard: int = 1, tp: int = 1, pp: int = 1,
+                            with_loss_fn: bool = False) -> dict:
+    """Two half-batches with different numbers of targets, the first inside ``pm.no_sync()``, both
+    with ``num_items_in_batch=pm.count_items(halves)``: the gradients, and the returned losses summed,
+    against one backward of the plain model on the whole batch."""
+    ref = load(kind, model_dir)
+    pm = qn_hf.parallelize(load(kind, model_dir), dp=dp, dp_shard=dp_shard, tp=tp, pp=pp,
+                           microbatches=2 if pp > 1 else 1, mesh=mesh_for(dp, tp, pp))
+    full = make_batch(kind, size=dp * 4, seed=5, padded=True)
+    halves = [{k: v[i * 2 * dp:(i + 1) * 2 * dp] for k, v in full.items()} for i in (0, 1)]
+    local = [dp_slice(h, dp=dp, dp_rank=pm.coords["dp"]) for h in halves]
+    loss_fn = _row_loss if with_loss_fn else None
+    count = pm.count_items(local, loss_fn)
+    with pm.no_sync():
+        first = pm.train_step(local[0], loss_fn, num_items_in_batch=count)
+    second = pm.train_step(local[1], loss_fn, num_items_in_batch=count)
+    ref_loss = _row_loss(ref(**full), full) if with_loss_fn else ref(**full).loss
+    ref_loss.backward()
+    refs = dict(ref.named_parameters(remove_duplicate=False))
+    targets = sum(int((h["labels"][:, 1:] != -100).sum()) for h in halves)
+    return {"loss": (first + second).item(), "ref_loss": ref_loss.item(), "count": count.item(),
+            "targets": targets if not with_loss_fn else 4 * dp,
+            "grad_err": max((whole(p.grad) - reference_grad(refs, n, pm)).abs().max().item()
+                            for n, p in pm.named_parameters())}
+
+
+def no_targets(*, kind: str, model_dir: str, dp: int, pp: int = 1) -> dict:
+    """A global batch whose labels are all -100: the plain model's loss is NaN (0/0) and its gradients
+    0; then a batch where only one dp rank's rows have targets: the plain model's mean over them."""
+    ref = load(kind, model_dir)
+    pm = qn_hf.parallelize(load(kind, model_dir), dp=dp, pp=pp, microbatches=2 if pp > 1 else 1,
+                           mesh=mesh_for(dp, 1, pp))
+    empty = make_batch(kind, size=dp * 2, seed=6)
+    empty["labels"][:] = -100
+    loss = pm.train_step(dp_slice(empty, dp=dp, dp_rank=pm.coords["dp"]))
+    ref_loss = ref(**empty).loss
+    ref_loss.backward()
+    refs = dict(ref.named_parameters(remove_duplicate=False))
+    zero_err = max((whole(p.grad) - reference_grad(refs, n, pm)).abs().max().item() for n, p in pm.named_parameters())
+    half = make_batch(kind, size=dp * 2, seed=7)
+    half["labels"][: 2 * (dp - 1) if dp > 1 else 0] = -100  # every rank's rows but the last dp rank's
+    half_loss = pm.train_step(dp_slice(half, dp=dp, dp_rank=pm.coords["dp"]))
+    return {"loss": loss.item(), "ref_loss": ref_loss.item(), "zero_grad_err": zero_err,
+            "half_loss": half_loss.item(), "ref_half_loss": ref(**half).loss.item()}
+
+
+def sharded_after_forward_only(*, model_dir: str, tmp: str) -> dict:
+    """dp=4 x dp_shard=2: after eval_step, logits and generate every parameter is a shard again (FSDP
+    keeps its root gathered after a forward, for a backward that never comes), and a checkpoint with
+    the optimizer saves (no empty file from the second group, which holds what the first writes) and loads."""
+    import glob
+
+    from safetensors import safe_open
+
+    pm = qn_hf.parallelize(load("gpt2", model_dir), dp=4, dp_shard=2, mesh=mesh_for(4, 1))
+    opt = qn_hf.optimizer(pm, torch.optim.AdamW, lr=1e-3)
+    batch = dp_slice(make_batch("gpt2", size=8, seed=0), dp=4, dp_rank=pm.coords["dp"])
+    pm.train_step(batch)
+    opt.step()
+    opt.zero_grad()
+    sharded = {}
+    for what, run in (("eval_step", lambda: pm.eval_step(batch)), ("logits", lambda: pm.logits(batch)),
+                      ("generate", lambda: pm.generate(batch["input_ids"][:, :4], max_new_tokens=2, do_sample=False))):
+        run()
+        sharded[what] = all(isinstance(p, DTensor) for p in pm.parameters())
+    pm.save_checkpoint(tmp, optimizer=opt, step=1)
+    files = {os.path.basename(f): len(safe_open(f, "pt").keys()) for f in glob.glob(f"{tmp}/*/*.safetensors")}
+    return {"sharded": sharded, "loaded": pm.load_checkpoint(tmp, optimizer=opt).get("step"), "files": files}

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import qn_hf
+from tests import cases
 from tests.cases import mesh_for, reference_grad
 from tests.models import dp_slice, load, make_batch
 
@@ -157,3 +158,29 @@ def test_a_failed_step_leaves_no_bucket_armed(worlds):
     result = worlds.run(1, case_disarm)[0]
     assert result["launched_early"] == 0, result  # a partial sum would have crossed dp
     assert result["grads"] == [[11.0] * 4] * 2, result
+
+
+@pytest.mark.parametrize(("dp", "dp_shard", "tp", "pp", "with_loss_fn"), [
+    (2, 1, 1, 1, False), (2, 2, 1, 1, True), (1, 1, 1, 2, False), (1, 1, 2, 1, True),
+])
+def test_accumulation_with_num_items_equals_the_whole_batch(worlds, model_dirs, dp, dp_shard, tp, pp, with_loss_fn):
+    """Accumulating two half-batches of unequal target counts with ``num_items_in_batch`` gives the
+    whole batch's gradients and loss (each half's own mean would weigh the halves alike: at dp=2 the
+    gradient norm doubles)."""
+    for rank, r in enumerate(worlds.run(dp * tp * pp, cases.accumulation_full_batch, kind="llama",
+                                        model_dir=model_dirs["llama"], dp=dp, dp_shard=dp_shard, tp=tp, pp=pp,
+                                        with_loss_fn=with_loss_fn)):
+        assert r["count"] == r["targets"], (rank, r)
+        assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * abs(r["ref_loss"]), (rank, r)
+        assert r["grad_err"] < 2e-6, (rank, r)
+
+
+@pytest.mark.parametrize(("dp", "pp"), [(2, 1), (1, 2)])
+def test_a_batch_without_targets_is_nan_as_the_plain_model(worlds, model_dirs, dp, pp):
+    """Labels all -100: NaN loss and zero gradients on every rank, as the plain model gives; targets
+    on one dp rank only: the plain model's mean over them."""
+    for rank, r in enumerate(worlds.run(dp * pp, cases.no_targets, kind="llama", model_dir=model_dirs["llama"],
+                                        dp=dp, pp=pp)):
+        assert math.isnan(r["ref_loss"]) and math.isnan(r["loss"]), (rank, r)
+        assert r["zero_grad_err"] == 0.0, (rank, r)
+        assert abs(r["half_loss"] - r["ref_half_loss"]) <= 1e-5 * r["ref_half_loss"], (rank, r)

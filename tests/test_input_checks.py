@@ -5,6 +5,8 @@ lengths would abort inside a collective)."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -55,8 +57,10 @@ def test_out_of_range_ids_and_labels_raise_like_the_plain_model(worlds, model_di
         results = worlds.run(tp, case_index_range, model_dir=model_dirs["llama"], tp=tp)
         assert all(r == results[0] for r in results)
         m = results[0]
-        assert m["id"].startswith("IndexError: batch['input_ids'] holds 101, outside the vocabulary [0, 101)"), m
-        assert m["label"].startswith("IndexError: batch['labels'] holds -7, outside the vocabulary [0, 101)"), m
+        # every rank of the world raises it (agreement.py), naming the lowest rank whose batch failed
+        prefix = "IndexError: rank 0's batch: " if tp > 1 else "IndexError: "
+        assert m["id"].startswith(prefix + "batch['input_ids'] holds 101, outside the vocabulary [0, 101)"), m
+        assert m["label"].startswith(prefix + "batch['labels'] holds -7, outside the vocabulary [0, 101)"), m
         assert m["ignored"] == "no error" and m["world alive"] == str(tp), m
 
 
@@ -75,17 +79,38 @@ def case_different_batches(*, model_dir: str, tp: int, pp: int, how: str) -> dic
     if dist.get_rank() == 1:
         later["labels"][1, 1] = 5 if later["labels"][1, 1] != 5 else 6
     outcomes["later, unchecked"] = _outcome(lambda: pm.train_step(later))  # the default checks the first step only
+    # shapes are agreed on every step, on the host: another length on one rank at a later step
+    shorter = make_batch("llama", size=4, seed=3, seq=12 if dist.get_rank() == 0 else 8)
+    started = time.monotonic()
+    outcomes["later length"] = _outcome(lambda: pm.train_step(shorter))
+    outcomes["later length within seconds"] = time.monotonic() - started < 10
+    # a check that fails on one rank only raises on every rank, with that rank's message
+    lacking = make_batch("llama", size=4, seed=4)
+    if dist.get_rank() == 1:
+        del lacking["labels"]
+    outcomes["one rank's check"] = _outcome(lambda: pm.train_step(lacking))
     pm.check_every_batch = True
     outcomes["later, checked"] = _outcome(lambda: pm.train_step(later))
+    outcomes["still training"] = _outcome(lambda: pm.train_step(same))
     return outcomes
 
 
 def test_ranks_of_a_replica_given_different_batches_are_refused(worlds, model_dirs):
-    for tp, pp, how in ((2, 1, "contents"), (2, 1, "length"), (1, 2, "contents")):
+    for tp, pp, how in ((2, 1, "contents"), (2, 1, "length"), (1, 2, "contents"), (1, 2, "length")):
         results = worlds.run(tp * pp, case_different_batches, model_dir=model_dirs["llama"],
                              tp=tp, pp=pp, how=how)
         assert results[0] == results[1], results
         m = results[0]
-        assert m["first"].startswith("ValueError: the ranks of data-parallel replica(s) [0] were given different batches"), m
+        if how == "contents":
+            assert m["first"].startswith("ValueError: the ranks of data-parallel replica(s) [0] were given different "
+                                         "batches"), m
+        else:
+            assert m["first"].startswith("ValueError: the ranks of data-parallel replica(s) [0] were given batches of "
+                                         "different shapes"), m
         assert m["same"] == "no error", m
+        assert m["later length"].startswith("ValueError: the ranks of data-parallel replica(s) [0] were given batches "
+                                            "of different shapes"), m
+        assert m["later length within seconds"] is True, m
+        assert m["one rank's check"].startswith("ValueError: rank 1's batch: batch lacks ['labels']"), m
         assert m["later, checked"].startswith("ValueError: the ranks of data-parallel replica(s) [0]"), m
+        assert m["still training"] == "no error", m

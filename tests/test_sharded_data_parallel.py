@@ -260,3 +260,10 @@ def test_traffic_per_step_is_theory(worlds, model_dirs, dp, dp_shard, pp, microb
         if dp > dp_shard:
             expected["dp_replicate:all_reduce"] = (reduces * len(r["unit_bytes"]), reduces * sum(r["unit_bytes"]))
         assert {k: tuple(v) for k, v in r["totals"].items()} == expected, r
+
+
+def test_forward_only_passes_leave_the_weights_sharded(worlds, model_dirs, tmp_path):
+    for r in worlds.run(4, cases.sharded_after_forward_only, model_dir=model_dirs["gpt2"], tmp=str(tmp_path / "ckpt")):
+        assert r["sharded"] == {"eval_step": True, "logits": True, "generate": True}, r
+        assert r["loaded"] == 1, r
+        assert len(r["files"]) == 2 and all(r["files"].values()), r  # the first group's two ranks write

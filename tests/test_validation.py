@@ -44,7 +44,9 @@ def case_validation(*, gpt2_dir: str, vit_dir: str) -> dict:
         out["int images"] = error_message(lambda: vit.train_step({**images, "pixel_values": images["pixel_values"].long()}))
         out["image size"] = error_message(lambda: vit.train_step({**images, "pixel_values": images["pixel_values"][..., :8, :8]}))
         out["label shape"] = error_message(lambda: vit.train_step({**images, "labels": images["labels"][:, None]}))
-    out["events"] = str(len(meter.events) + len(vit_meter.events))
+    # nothing but the hosts' agreement on each batch (step/agreement.py), which makes a refusal every rank's
+    out["events"] = str(sum(e.group != "host" for e in [*meter.events, *vit_meter.events]))
+    out["agreements"] = str(sum(e.group == "host" for e in [*meter.events, *vit_meter.events]))
     out["good still trains"] = str(pm.train_step(good).item() > 0)
     out["float mask"] = error_message(lambda: pm.train_step({**good, "attention_mask": torch.ones(4, 12)}))
     soft = {"input_ids": good["input_ids"], "labels": good["labels"].float()}  # a user's loss takes any labels
@@ -76,6 +78,7 @@ def test_each_mistake_is_one_clear_error_before_any_communication(worlds, model_
     for r in worlds.run(2, case_validation, gpt2_dir=model_dirs["gpt2"], vit_dir=model_dirs["vit"]):
         for name, fragment in EXPECTED.items():
             assert fragment in r[name], (name, r[name])
-        assert r["events"] == "0"  # refused before sending anything
+        assert r["events"] == "0", r["events"]  # refused before sending anything of the model's
+        assert int(r["agreements"]) > 0, r["agreements"]
         assert r["good still trains"] == "True"
         assert r["float mask"] == "no error" and r["float labels with loss_fn"] == "no error"

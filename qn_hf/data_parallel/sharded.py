@@ -111,6 +111,13 @@ class ShardedParameters:
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
 
+    def reshard(self) -> None:
+        """After a forward-only pass (evaluation, logits): FSDP leaves the root's weights gathered
+        after its forward, for the backward that would follow; free them, so that parameters are the
+        sharded DTensors again (a checkpoint reads the shards)."""
+        for unit in self.units:
+            unit.reshard()
+
     def set_gradient_sync(self, sync: bool) -> None:
         """Inside ``pm.no_sync()``: keep the whole gradients and reduce them at the next synced step."""
         for unit in self.units:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .loss import IGNORE_INDEX, LossKind
+from .loss import IGNORE_INDEX, LossKind, check_builtin_loss
 
 
 def check_batch(batch: Mapping[str, torch.Tensor], *, microbatches: int, required: tuple[str, ...] = ()) -> int:
@@ -32,11 +32,42 @@ def check_batch(batch: Mapping[str, torch.Tensor], *, microbatches: int, require
     if len(set(sizes.values())) != 1 or None in sizes.values():
         raise ValueError(f"batch tensors must share their size along dim 0, got {sizes}")
     size = next(iter(sizes.values()))
+    if size == 0:
+        raise ValueError(f"the batch is empty (0 rows: {sorted(batch)} have shape[0] == 0); give every step at least "
+                         f"one row per microbatch ({microbatches} here)")
     if size < microbatches:
         raise ValueError(
             f"microbatches={microbatches} is more than the local batch size {size}: a microbatch would be empty; "
             f"use microbatches <= {size} or a larger batch"
         )
+    return size
+
+
+def check_step_batch(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Module, loss: LossKind | None,
+                     builtin: bool, microbatches: int, cp: int, cp_keys: tuple[str, ...], split: tuple[int, str],
+                     config, num_items: object = None) -> int:
+    """Every host-side check of one step's batch (and of train_step's ``num_items_in_batch``), in the
+    order a user would fix them; returns the batch size. Raised on one rank only: ``agreement.py``
+    makes it every rank's."""
+    if builtin and loss is None:
+        raise ValueError(f"{type(model).__name__} has no built-in loss (a base model); pass "
+                         f"loss_fn=(outputs, batch) -> loss")
+    size = check_batch(batch, microbatches=microbatches, required=("labels",) if builtin else ())
+    if cp > 1:
+        unknown = sorted(set(batch) - set(cp_keys))
+        if unknown:
+            raise ValueError(f"cp={cp}: batch keys {unknown} cannot be cut along the sequence; use only {cp_keys}")
+    check_model_inputs(batch, model=model, loss=loss if builtin else None, sequence_split=split)
+    if builtin:
+        check_builtin_loss(loss, config)
+    if num_items is not None:  # a tensor's value may sit on the device: only its form is checked
+        if isinstance(num_items, torch.Tensor):
+            if num_items.numel() != 1 or num_items.is_complex() or num_items.dtype == torch.bool:
+                raise ValueError(f"num_items_in_batch must be one real number, got a tensor of shape "
+                                 f"{tuple(num_items.shape)} and dtype {num_items.dtype}; pass pm.count_items(batches)")
+        elif isinstance(num_items, bool) or not isinstance(num_items, (int, float)) or not num_items > 0:
+            raise ValueError(f"num_items_in_batch={num_items!r} must be a positive count (targets, or rows with a "
+                             f"loss_fn) of every batch of the optimizer step; pass pm.count_items(batches)")
     return size
 
 

@@ -18,11 +18,12 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from .batch import check_batch, check_model_inputs, microbatch_rows, sequence_split, split_microbatches, to_device
 from ..context_parallel.apply import CP_KEYS, LOSS_KEYS, gather_sequence_positions, ring_documents, shard_microbatches
 from ..pipeline.runtime import batch_shape_key
 from ..pipeline.schedule import schedule_actions
 from ..pipeline.wire import broadcast_announced
+from .agreement import agree_on_batch
+from .batch import check_step_batch, microbatch_rows, sequence_split, split_microbatches, to_device
 
 # (a microbatch's whole logits, that microbatch of the batch) -> what ``ParallelModel.logits`` keeps of them
 LogitsFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor]
@@ -31,13 +32,13 @@ LogitsFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor]
 def collect_logits(pm, batch: Mapping[str, torch.Tensor], *, reduce: LogitsFn | None, broadcast: bool) -> torch.Tensor | None:
     """``ParallelModel.logits`` (see there): a forward-only pass of the schedule whose last chunk keeps each
     microbatch's whole logits (or what ``reduce`` makes of them) instead of a loss."""
-    size = check_batch(batch, microbatches=pm.microbatches)
     cp = pm.dims.cp
-    if cp > 1 and sorted(set(batch) - set(CP_KEYS)):
-        raise ValueError(f"cp={cp}: batch keys {sorted(set(batch) - set(CP_KEYS))} cannot be cut along the "
-                         f"sequence; use only {CP_KEYS}")
     split = sequence_split(cp=cp, tp=pm.dims.tp, sequence_parallel=pm.plan.sequence_parallel)
-    check_model_inputs(batch, model=pm.module, loss=None, sequence_split=split)
+    # the train step's checks without a loss, agreed by every rank before any collective (agreement.py)
+    size = agree_on_batch(lambda: check_step_batch(
+        batch, model=pm.module, loss=None, builtin=False, cp=cp, cp_keys=CP_KEYS, split=split,
+        microbatches=pm.microbatches, config=pm.config), batch, replica=pm.coords.dp, replicas=pm.dims.dp,
+        group=pm.groups.host)
     documents = ring_documents(batch) if cp > 1 else None  # read before the batch moves (context_parallel/apply.py)
     whole = split_microbatches(to_device(batch, pm.device), microbatches=pm.microbatches)
     if cp > 1:  # the labels are not needed (shard_microbatch shifts the ids when there are none)

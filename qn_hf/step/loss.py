@@ -7,6 +7,8 @@ returns its *sum* and the caller divides by the global number of targets, counte
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -99,6 +101,38 @@ def vocab_parallel_cross_entropy(
 def causal_lm_targets(labels: torch.Tensor) -> torch.Tensor:
     """HF's shift: position t predicts label t+1; the last position predicts nothing."""
     return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def local_count(batch: Mapping[str, torch.Tensor], *, shifted: bool | None, device: torch.device) -> torch.Tensor:
+    """What a step's loss is a mean over, in this rank's ``batch``, as float64 ``[1]`` on ``device``:
+    the built-in loss's targets (``shifted``: a causal LM's, after HF's shift), or with
+    ``shifted=None`` (a ``loss_fn``, which averages its rows) the rows."""
+    if shifted is None:  # torch.full: a fill on the device, nothing read back
+        return torch.full((1,), float(next(iter(batch.values())).shape[0]), dtype=torch.float64, device=device)
+    if "labels" not in batch:
+        raise ValueError(f"batch lacks ['labels'] (has {sorted(batch)}): the built-in loss counts its targets")
+    labels = batch["labels"].to(device, non_blocking=True)
+    targets = causal_lm_targets(labels) if shifted else labels
+    return (targets != IGNORE_INDEX).sum(dtype=torch.float64).reshape(1)
+
+
+def loss_scales(count: torch.Tensor, *, rows: list[int], builtin: bool) -> list[torch.Tensor]:
+    """What each microbatch's loss is multiplied by so that their sum is the mean over ``count``
+    (float64 ``[1]``, summed over dp, or train_step's ``num_items_in_batch`` under accumulation): the
+    built-in loss is summed over a microbatch's targets, so 1 / count each (1 without any target: the
+    plain model's gradients are then 0); a loss_fn returns its microbatch's mean, so its rows / count,
+    also when microbatches or dp ranks differ in size. The scales stay on the device (float64, as the
+    Python floats they replace): reading the count back would make the host wait for the device at
+    the start of every step."""
+    if builtin:
+        return [torch.ones_like(count).div_(count.clamp(min=1.0))[0]] * len(rows)
+    return [torch.full_like(count, float(n)).div_(count)[0] for n in rows]
+
+
+def nan_without_targets(loss: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """The plain model's mean over no target is NaN (0/0; its gradients are 0, as the step's are):
+    ``loss`` where ``count`` > 0, NaN where not (``torch.where``: no host read)."""
+    return torch.where(count.reshape(-1)[0] > 0, loss, torch.full_like(loss, float("nan")))
 
 
 def count_targets(labels: torch.Tensor, *, causal: bool) -> int:
