@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM
 import qn_hf
 from qn_hf.data_parallel.sharded import local
 from qn_hf.memory.live_allocations import LiveAllocations, storage_bytes, storage_now
+from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -52,18 +53,22 @@ BUCKET_MB = 0.1  # a few buckets per rank, so zero's per-bucket padding is exerc
 
 
 MOE = "qwen3_moe"  # shrunk (hidden 64, 4 layers of 4 experts, top-2, vocabulary 126)
+# The same with experts 4 times wider (moe_intermediate_size 128): a layer's experts then outweigh the
+# rest of its block, as Mixtral's do, which decides what FSDP holds gathered at once under ep.
+MOE_WIDE = "qwen3_moe_wide"
+MOE_KINDS = {MOE: {}, MOE_WIDE: {"moe_intermediate_size": 128}}
 
 
 def config_for(kind: str):
-    if kind == MOE:
-        return moe_config(MOE, architectures=["Qwen3MoeForCausalLM"])
+    if kind in MOE_KINDS:
+        return moe_config(MOE, architectures=["Qwen3MoeForCausalLM"], **MOE_KINDS[kind])
     config = copy.deepcopy(CONFIGS[kind])
     config.update(SIZES[kind])
     return config
 
 
 def _batch(kind: str, *, size: int, seed: int) -> dict[str, torch.Tensor]:
-    if kind != MOE:
+    if kind not in MOE_KINDS:
         return make_batch(kind, size=size, seed=seed, seq=SEQ)
     ids = torch.randint(3, config_for(kind).vocab_size, (size, SEQ), generator=torch.Generator().manual_seed(seed))
     return {"input_ids": ids, "labels": ids.clone()}
@@ -92,11 +97,17 @@ class _Gathered(TorchDispatchMode):
     parameters that are plain tensors then (not their DTensor shards) and the outputs of its
     all-gathers still alive (a block prefetched is one until its copy-out into its parameters); and
     at the step's one reduction under a pipeline, the whole gradients accumulated over its
-    microbatches (what the step's ops made that the reduction frees)."""
+    microbatches (what the step's ops made that the reduction frees). Parameters FSDP leaves alone
+    (ep's experts when no other rank of the stage holds the same ones) are plain tensors throughout:
+    those already plain before the step are not gathered weights (every group is sharded then)."""
 
     def __init__(self, pm) -> None:
         super().__init__()
         self.model, self.most, self.accumulated = pm.module, 0, 0
+        self.unmanaged = {id(p) for p in pm.module.parameters() if not isinstance(p, DTensor)}
+        # FSDP's all-gathers run on its meshes' groups; others gather activations (ep's token split over tp)
+        meshes = [m for m in (pm.groups.shard_mesh, pm.groups.expert_shard_mesh) if m is not None]
+        self.fsdp_groups = {m.get_group(d).group_name for m in meshes for d in range(m.ndim)}
         self.outputs: list[StorageWeakRef] = []
         self.live = LiveAllocations()
         if pm.sharded.pipelined:
@@ -113,11 +124,12 @@ class _Gathered(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is torch.ops.c10d._allgather_base_.default:
+        if (func is torch.ops.c10d._allgather_base_.default
+                and ProcessGroup.unbox(args[2]).group_name in self.fsdp_groups):
             self.outputs.append(StorageWeakRef(args[0].untyped_storage()))
         self.outputs = [ref for ref in self.outputs if not ref.expired()]
         sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                 for t in self.model.parameters() if not isinstance(t, DTensor)}
+                 for t in self.model.parameters() if not isinstance(t, DTensor) and id(t) not in self.unmanaged}
         sizes |= dict(filter(None, map(storage_now, self.outputs)))  # at their size now: FSDP frees by resizing
         self.most = max(self.most, sum(sizes.values()))
         return out

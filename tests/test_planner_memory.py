@@ -1,8 +1,9 @@
 """The planner's per-rank memory against a real run: weights, gradients, optimizer state and
 activations measured from the tensors themselves (tests/planner_memory_cases.py says how), under
 mixed precision, ZeRO-1, both recompute modes, sequence parallelism, context parallelism, expert
-parallelism and sharded data parallelism (dp_shard: the gathered weights and whole gradients too), for GPT-2, Llama and a shrunk Qwen3-MoE (whose runs force uniform routing, the
-routing the planner prices).
+parallelism and sharded data parallelism (dp_shard: the gathered weights and whole gradients too; with ep
+the experts' own FSDP groups), for GPT-2, Llama and a shrunk Qwen3-MoE (whose runs force uniform routing,
+the routing the planner prices).
 
 Weights, gradients and optimizer state exactly on dp (and cp) rank 0 (the rank the estimate
 describes; ZeRO's other ranks differ by their pieces' padding: within 5%), activations per
@@ -24,7 +25,7 @@ import functools
 import pytest
 
 from qn_hf.planner.estimate import Planner
-from tests.planner_memory_cases import BUCKET_MB, MOE, ROWS, SEQ, config_for
+from tests.planner_memory_cases import BUCKET_MB, MOE, MOE_WIDE, ROWS, SEQ, config_for
 from tests import planner_memory_cases
 
 STATE_TOLERANCE = 0.05
@@ -142,6 +143,33 @@ def test_planner_memory_matches_a_sharded_data_parallel_run(worlds, kind, dp, dp
     _compare(worlds, kind, dict(dp=dp, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, microbatches=microbatches,
                                 mixed_precision=mixed_precision, zero=False, recompute=recompute,
                                 sequence_parallel=sequence_parallel, dp_shard_gather=gather))
+
+
+SHARDED_EP_RUNS = [  # kind, dp, dp_shard, tp, pp, cp, ep, microbatches, mixed_precision
+    # one expert replica (dp x tp / ep = 1): FSDP leaves the experts whole (float32, their gradients in .grad)
+    (MOE, 2, 2, 1, 1, 1, 2, 2, "bf16"),
+    # the experts' own groups over the 2 ranks holding the same experts, the rest hybrid (dp_replicate);
+    # experts wider than the rest of a block: gathered, 2 blocks and 2 experts groups at once
+    (MOE_WIDE, 4, 2, 1, 1, 1, 2, 2, None),
+    # tp: the experts' groups across dp; a block outweighs its experts: 3 blocks and 1 experts group at once
+    pytest.param(MOE, 2, 2, 2, 1, 1, 2, 1, "bf16", marks=pytest.mark.long),
+    pytest.param(MOE, 2, 2, 1, 2, 1, 2, 2, None, marks=pytest.mark.long),  # per stage, the experts whole
+    # per stage, the experts' groups over the 2 cp ranks: the stage gathered once, the last experts' output too
+    pytest.param(MOE_WIDE, 2, 2, 1, 2, 2, 2, 2, None, marks=pytest.mark.long),
+]
+
+
+@pytest.mark.parametrize(("kind", "dp", "dp_shard", "tp", "pp", "cp", "ep", "microbatches", "mixed_precision"),
+                         SHARDED_EP_RUNS)
+def test_planner_memory_matches_a_sharded_expert_parallel_run(worlds, kind, dp, dp_shard, tp, pp, cp, ep,
+                                                              microbatches, mixed_precision):
+    """dp_shard x ep (planner/sharded.py): the experts in FSDP groups of their own over their expert
+    replicas (or whole, with one), the rest as without ep; shards, gradients, AdamW state and gathered
+    weights exactly, FSDP's traffic on dp_shard, dp_replicate and experts call for call and byte for
+    byte, activations as the other ep runs (uniform routing; with cp as the ep x cp runs)."""
+    _compare(worlds, kind, dict(dp=dp, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, ep=ep, microbatches=microbatches,
+                                mixed_precision=mixed_precision, zero=False, recompute=None),
+             activation_tolerance=EP_CP_ACTIVATION_TOLERANCE if cp > 1 else EP_ACTIVATION_TOLERANCE)
 
 
 def _compare(worlds, kind: str, settings: dict, *, activation_tolerance: float = ACTIVATION_TOLERANCE) -> None:

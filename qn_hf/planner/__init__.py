@@ -5,8 +5,9 @@ a ranking of the valid (dp, tp, pp, cp) at a given ep, all from a ``meta``-devic
 checks, plan and split ``parallelize`` uses."""
 
 from .cost import Hardware, StepTime, step_time
-from .estimate import MeshEstimate, Planner, StageEstimate, estimate_mesh
+from .estimate import Planner, estimate_mesh
 from .memory import RankState
+from .results import MeshEstimate, StageEstimate
 from .search import Candidate, Rejected, search
 
 __all__ = ["Candidate", "Hardware", "MeshEstimate", "Planner", "RankState", "Rejected", "StageEstimate", "StepTime",

@@ -29,16 +29,19 @@ that 2*cp does not divide is rejected, as train_step rejects it. --ep is expert 
 (``parallelize(ep=N)``: a MoE model's fused experts split over ep of each stage's dp x tp ranks,
 tokens sent to them by all-to-all, priced at uniform routing; the experts' gradients summed over
 the dp x tp / ep ranks holding the same experts); with --gpus every mesh takes it (and cp=1 unless
---cp is given), and those whose dp x tp it does not divide are rejected. --schedule and
+--cp is given), and those whose dp x tp it does not divide are rejected; without it, a MoE model's
+meshes are planned at ep=1 and at every ep that divides both a layer's experts and the mesh's
+dp x tp (those at cp=1 unless --cp is given), a dense model's at ep=1. --schedule and
 --virtual-stages are ``parallelize``'s: interleaved_1f1b runs V chunks per rank (a rank's blocks are
 then listed per chunk), zb_h1 splits the backward and defers the linear layers' weight gradients;
 the default microbatch count (4 per stage) is raised to the next one the schedule allows.
 --dp-shard N is sharded data parallelism (``parallelize(dp_shard=N)``: FSDP2 shards weights,
 gradients and AdamW state over N dp ranks (x cp), all-reduced across the dp/N groups; every mesh
 takes it, those whose dp it does not divide rejected); with --gpus the default (or --dp-shard all)
-plans each mesh at every dp_shard dividing its dp (ZeRO-1, if --zero, at dp_shard=1 only; with --ep
-only 1, as dp_shard with ep is not modelled), so a mesh
-that fits only sharded is ranked with the rest; one mesh (--dp --tp --pp) takes 1 unless given. Its memory adds the whole weights gathered during a step and, under a
+plans each mesh at every dp_shard dividing its dp (ZeRO-1, if --zero, at dp_shard=1 only), so a mesh
+that fits only sharded is ranked with the rest; one mesh (--dp --tp --pp) takes 1 unless given.
+Under ep the experts are FSDP groups of their own over the ranks holding the same experts (whole
+when one rank holds them). Its memory adds the whole weights gathered during a step and, under a
 pipeline, the whole gradients kept until the step's reduction (the "gathered" column);
 --dp-shard-gather is ``parallelize``'s (under pp: gather once a step, or per microbatch).
 Memory is per rank: weights + gradients + AdamW state, plus activations (what one microbatch
@@ -65,7 +68,8 @@ import torch
 from ..mesh import Axis, ParallelDims
 from ..pipeline.schedule import SCHEDULES, as_schedule
 from .cost import GIB, Hardware, links, step_time
-from .estimate import MeshEstimate, Planner
+from .estimate import Planner
+from .results import MeshEstimate
 from .search import Candidate, microbatches_for, search
 
 MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": None}  # --dtype -> parallelize's mixed_precision
@@ -179,26 +183,29 @@ def mesh_name(dp: int, tp: int, pp: int, cp: int, ep: int = 1, dp_shard: int = 1
             + (f" dp_shard={dp_shard}" if dp_shard > 1 else ""))
 
 
-def ranking_report(accepted: list[Candidate], rejected, *, hw: Hardware, top: int, label: str, ep: int = 1,
+def ranking_report(accepted: list[Candidate], rejected, *, hw: Hardware, top: int, label: str, ep: int | None = 1,
                    dp_shard: bool = False) -> str:
-    """``dp_shard``: a dp_shard column (the meshes were planned with sharded data parallelism)."""
+    """``ep``: the meshes' ep, or None when it was searched (an ep column); ``dp_shard``: a dp_shard
+    column (the meshes were planned with sharded data parallelism)."""
+    moe = ep is None or ep > 1  # an ep GB column
     lines = [
-        f"| rank | dp |{' dp_shard |' if dp_shard else ''} tp | pp | cp | microbatches | global batch | bubble | peak GiB / GPU ({label}) "
+        f"| rank | dp |{' dp_shard |' if dp_shard else ''} tp | pp | cp |{' ep |' if ep is None else ''} microbatches "
+        f"| global batch | bubble | peak GiB / GPU ({label}) "
         f"| fits {gib(hw.gpu_memory)} GiB | est. step s | tokens/s | tp GB | cp GB | pp GB | dp GB |"
-        + (" ep GB |" if ep > 1 else ""),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if ep > 1 else "")
-        + ("---|" if dp_shard else ""),
+        + (" ep GB |" if moe else ""),
+        "|---" * (16 + moe + dp_shard + (ep is None)) + "|",
     ]
     for i, c in enumerate(accepted[:top], 1):
         e = c.estimate
         per_stage = [group_gb(s.comm) for s in e.stages]
         worst = {g: max(gb[g] for gb in per_stage) for g in (Axis.TP, Axis.CP, Axis.PP, Axis.DP, Axis.EP)}
         lines.append(
-            f"| {i} | {e.dp} |" + (f" {e.dp_shard} |" if dp_shard else "") + f" {e.tp} | {e.pp} | {e.cp} | {e.microbatches} | {e.global_batch} | {e.bubble:.3f} "
+            f"| {i} | {e.dp} |" + (f" {e.dp_shard} |" if dp_shard else "") + f" {e.tp} | {e.pp} | {e.cp} |"
+            + (f" {e.ep} |" if ep is None else "") + f" {e.microbatches} | {e.global_batch} | {e.bubble:.3f} "
             f"| {gib(c.peak_bytes)} "
             f"| {'yes' if c.fits else 'no'} | {c.time.seconds:.2f} | {c.time.tokens_per_s:,.0f} | {worst['tp']:.1f} "
             f"| {worst['cp']:.1f} | {worst['pp']:.1f} | {worst['dp']:.1f} |"
-            + (f" {worst['ep']:.1f} |" if ep > 1 else "")
+            + (f" {worst['ep']:.1f} |" if moe else "")
         )
     lines.append("\nGB columns: per step and GPU (the busiest stage), the payload this rank hands to the group's "
                  "collectives and sends (dp: its gradient buckets); a ring all-reduce puts 2(N-1)/N of its payload "
@@ -240,8 +247,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cp", type=int, default=None,
                         help="context parallelism: with --dp/--tp/--pp the mesh's (default 1); with --gpus alone, the "
                              "only cp enumerated (default: every divisor up to 8)")
-    parser.add_argument("--ep", type=int, default=1,
-                        help="expert parallelism: a MoE model's experts over ep of a stage's dp x tp ranks (default 1)")
+    parser.add_argument("--ep", type=int, default=None,
+                        help="expert parallelism: a MoE model's experts over ep of a stage's dp x tp ranks (default: "
+                             "with --gpus, every ep dividing the experts and dp x tp for a MoE model, else 1)")
     parser.add_argument("--gpu-memory", type=parse_bytes, default=80 * GIB, help="per GPU, e.g. 80GiB (default)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's, at most 4096)")
     parser.add_argument("--micro-batch-size", type=int, default=1)
@@ -282,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     dp_shard = None if args.dp_shard in (None, "all") and not whole_mesh else args.dp_shard or 1
     if args.microbatches is not None and args.global_batch is not None:
         parser.error("give --microbatches or --global-batch, not both (the global batch fixes the microbatches)")
-    for name in ("gpus", "global_batch", *explicit):
+    for name in ("gpus", "global_batch", "ep", *explicit):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')}={value} must be at least 1")
@@ -298,11 +306,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if whole_mesh:
             cp = args.cp or 1
+            ep = args.ep or 1
             if args.gpus is not None:
-                ParallelDims(dp=args.dp, tp=args.tp, pp=args.pp, cp=cp, ep=args.ep).check_world_size(args.gpus)
+                ParallelDims(dp=args.dp, tp=args.tp, pp=args.pp, cp=cp, ep=ep).check_world_size(args.gpus)
             microbatches = microbatches_for(args.pp, args.microbatches, schedule=args.schedule, dp=args.dp,
                                             global_batch=args.global_batch, micro_batch_size=args.micro_batch_size)
-            est = planner.estimate(dp=args.dp, tp=args.tp, pp=args.pp, cp=cp, ep=args.ep, microbatches=microbatches,
+            est = planner.estimate(dp=args.dp, tp=args.tp, pp=args.pp, cp=cp, ep=ep, microbatches=microbatches,
                                    schedule=args.schedule, virtual_stages=args.virtual_stages,
                                    dp_shard=dp_shard, dp_shard_gather=args.dp_shard_gather, **training)
             print(json.dumps(to_json(est, hw), indent=1) if args.json else mesh_report(est, hw))
@@ -322,10 +331,11 @@ def main(argv: list[str] | None = None) -> None:
     label = settings(**training, dp_shard=dp_shard or 1) + (", dp_shard searched" if dp_shard is None else "")
     kept = "".join(f", {k}={v}" for k, v in explicit.items())
     batch = f", global batch {args.global_batch}" if args.global_batch else ""
+    ep = args.ep if args.ep is not None or planner.experts else 1  # searched only for a model with experts
     print(f"{config.model_type}: {planner.total_params:,} parameters, {args.gpus} GPUs{kept}, sequences of {seq_len}, "
-          f"micro-batch {args.micro_batch_size}{batch}, {label}" + (f", ep={args.ep}" if args.ep > 1 else ""))
-    print(ranking_report(accepted, rejected, hw=hw, top=args.top, label=label, ep=args.ep,
-                         dp_shard=dp_shard != 1))
+          f"micro-batch {args.micro_batch_size}{batch}, {label}"
+          + (", ep searched" if ep is None else f", ep={ep}" if ep > 1 else ""))
+    print(ranking_report(accepted, rejected, hw=hw, top=args.top, label=label, ep=ep, dp_shard=dp_shard != 1))
     if accepted:
         print("\nbest mesh in detail:\n")
         print(mesh_report(accepted[0].estimate, hw))

@@ -35,7 +35,9 @@ that group's link; assumed not overlapped with backward (qn_hf overlaps the last
 backward, so this errs slow). Under dp_shard (FSDP over W = dp_shard x cp ranks) it adds instead
 FSDP's traffic (sharded.py): its all-gathers, (W-1) times each shard, and reduce-scatters, (W-1)/W
 of each input, over the dp_shard link, and with dp_shard < dp the hybrid all-reduce of the reduced
-shards, 2 (R-1)/R of them over R = dp / dp_shard groups; counted as not overlapped either, though
+shards, 2 (R-1)/R of them over R = dp / dp_shard groups, and under ep the experts' own groups, as
+the blocks' over their X ranks on the experts link (instead of the experts' all-reduce above);
+counted as not overlapped either, though
 FSDP prefetches the next block's all-gather during compute (errs slow). A group's link is NVLink
 when all its ranks share a node (ranks are laid out dp, pp, cp, tp with tp fastest; an ep group is ep consecutive ranks of a stage's dp x tp
 grid) and InfiniBand otherwise. Ring attention's own matrix products (float32, unfused) are counted
@@ -47,7 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..comm_meter import Collective
-from .estimate import MeshEstimate
+from .results import MeshEstimate
 from .schedules import op_costs, pipeline_timing
 from ..mesh import Axis
 
@@ -84,14 +86,17 @@ def _tp_wire_bytes(ops: dict[Collective, tuple[int, int]], *, tp: int) -> float:
     return sum(per_byte.get(op, 2 * (tp - 1) / tp) * nbytes for op, (_, nbytes) in ops.items())
 
 
-def _fsdp_seconds(comm: dict, *, width: int, groups: int, link: dict[str, float]) -> float:
+def _fsdp_seconds(comm: dict, *, width: int, groups: int, expert_width: int, link: dict[str, float]) -> float:
     """FSDP's all-gathers, reduce-scatters and hybrid all-reduces of one step on the wire (cost.py's
-    docstring), over their links."""
-    ops = comm["dp_shard"].ops
-    shard = (width - 1) * ops[Collective.ALL_GATHER_INTO_TENSOR][1] + \
-        (width - 1) / width * ops[Collective.REDUCE_SCATTER_TENSOR][1]
+    docstring), over their links; the experts' own groups over theirs."""
+    def wire(ops: dict, ranks: int) -> float:
+        return ((ranks - 1) * ops[Collective.ALL_GATHER_INTO_TENSOR][1]
+                + (ranks - 1) / ranks * ops[Collective.REDUCE_SCATTER_TENSOR][1])
+
     across = 2 * (groups - 1) / groups * comm["dp_replicate"].nbytes if "dp_replicate" in comm else 0.0
-    return shard / link["dp_shard"] + across / link["dp_replicate"]
+    experts = comm.get("experts")  # the experts' own groups, over their link
+    own = wire(experts.ops, expert_width) / link["experts"] if experts is not None else 0.0
+    return wire(comm["dp_shard"].ops, width) / link["dp_shard"] + across / link["dp_replicate"] + own
 
 
 def links(est: MeshEstimate, hw: Hardware) -> dict[str, str]:
@@ -142,12 +147,12 @@ def step_time(est: MeshEstimate, hw: Hardware) -> StepTime:
         return s.expert_params * s.weight_bytes // s.params if est.ep > 1 and s.params else 0
 
     if est.dp_shard > 1:
-        dp = max(_fsdp_seconds(s.comm, width=est.dp_shard * est.cp, groups=est.dp // est.dp_shard, link=link)
-                 for s in est.stages)
+        dp = max(_fsdp_seconds(s.comm, width=est.dp_shard * est.cp, groups=est.dp // est.dp_shard,
+                               expert_width=est.expert_replicas, link=link) for s in est.stages)
     elif est.replicas > 1:
         dp = max(moved(est.replicas, s.grad_bytes - s.expert_grad_bytes, s.weight_bytes - expert_weight_bytes(s))
                  for s in est.stages) / link["dp"]
-    if est.ep > 1 and est.expert_replicas > 1:
+    if est.ep > 1 and est.expert_replicas > 1 and est.dp_shard == 1:  # (FSDP's experts groups: above)
         dp += max(moved(est.expert_replicas, s.expert_grad_bytes, expert_weight_bytes(s))
                   for s in est.stages) / link["experts"]
     seconds = rounds * slowest + dp

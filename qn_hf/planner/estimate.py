@@ -9,11 +9,13 @@ tp rank 0's, the largest token share, at uniform routing: see ``experts.py``).
 
 What is modelled, per rank, for the settings ``parallelize`` and ``qn_hf.optimizer`` take
 (``mixed_precision`` None/"bf16"/"fp16", ``zero``, ``recompute`` None/"full"/"selective",
-``sequence_parallel``, ``cp``, ``ep``):
+``sequence_parallel``, ``cp``, ``ep``, ``dp_shard``):
 
 * weights, gradients and AdamW state (masters, moments, step counters), with ZeRO-1's sharding of
   the state over the dp x cp replicas by the buckets' own padding rule: see ``memory.py``; the
-  fused MoE experts' parameters 1/ep each under ep, in gradient buckets of their own;
+  fused MoE experts' parameters 1/ep each under ep, in gradient buckets of their own; under
+  dp_shard FSDP's shards, gathered weights and whole gradients, the experts' in groups of their
+  own over the ranks holding the same experts: see ``sharded.py``;
 * activations: the bytes one microbatch keeps from its forward to its backward, measured on a
   meta-device forward in the compute dtype with the blocks checkpointed as ``recompute`` sets them
   (see ``trace.py``; with sequence parallelism, run as one tp rank runs it: ``sequence.py``; with
@@ -37,7 +39,8 @@ uniform-routing ones, which an ep group's total all-to-all bytes always equal).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import functools
+from dataclasses import replace
 
 import torch
 from transformers import PretrainedConfig
@@ -46,147 +49,39 @@ from ..step.batch import check_model_inputs, sequence_split
 from ..data_parallel.buckets import DEFAULT_BUCKET_MB, bucket_size_bytes
 from ..checkpoint.layout import meta_model
 from ..pipeline.schedule import as_schedule
-from ..pipeline.schedule_check import peaks
-from ..pipeline.split import stage_of_module
+from ..pipeline.split import StagePlan, stage_of_module
+from ..policies import resolve_policy
 from ..tensor_parallel.plan import ModelPolicy
 from ..data_parallel.precision import GRAD_DTYPE, PRECISIONS, apply_mixed_precision
 from ..data_parallel.sharded import Gather
-from ..expert_parallel.apply import expert_parameter_names
-from ..config.composition import Feature
+from ..expert_parallel.apply import expert_parameter_names, sharded_experts
+from ..config.composition import Feature, check_composition
 from ..config.parallel_config import ParallelConfig
-from ..config.validate import check_parallel_config
+from ..config.validate import CheckedConfig, check_parallel_config
 from ..pipeline.weight_grad import WeightGradQueue, make_deferrable
 from .activations import chunk_activations, kept_collectives, weight_stash
 from .context import cp_inputs
 from .memory import RankState, bucket_layout, rank_state
-from .params import local_sizes, stage_params
-from .schedules import bubble, op_costs, peak_activation_bytes, pipeline_timing, rank_actions
+from .params import StageParams, local_sizes, stage_params
+from .schedules import bubble, op_costs, pipeline_timing, rank_peaks
 from .sequence import StageEdges, stage_edges
 from .sharded import sharded_stage
-from .unmodelled import check_modelled
-from .trace import Trace, example_inputs, trace_microbatch
-from .traffic import GroupTraffic, Mesh, stage_traffic
-
-@dataclass(frozen=True)
-class StageEstimate:
-    stage: int
-    chunks: tuple[tuple[int, int], ...]  # [first, last) block indices of each chunk this rank runs, in model order
-    modules: tuple[str, ...]  # modules other than blocks on this stage (embeddings, head)
-    params: int  # elements this rank holds
-    embedding_params: int  # of which embedding tables (looked up, no matmul FLOPs)
-    activation_bytes_per_microbatch: int  # one microbatch through every chunk of this rank
-    in_flight: int  # most (chunk, microbatch)es whose activations the schedule holds at once
-    activation_bytes: int  # the peak over the schedule: activations and zb_h1's W stash (schedules.py)
-    state: RankState  # weights, gradients, optimizer state
-    comm: dict[str, GroupTraffic] = field(default_factory=dict)  # per step, by group
-    expert_params: int = 0  # of which routed experts' (fused experts modules; E/ep experts under ep)
-    expert_grad_bytes: int = 0  # their gradients under ep (summed over "experts", not dp)
-    weight_stash_bytes_per_microbatch: int = 0  # zb_h1: what one microbatch keeps from its B to its W
-    chunk_activation_bytes: tuple[int, ...] = ()  # one microbatch's, per chunk of this rank (in ``chunks`` order)
-    in_flight_w: int = 0  # most (chunk, microbatch)es from forward to their last gradient pass (W under zb_h1)
-    flops_per_microbatch: float = 0.0  # forward and backward of one whole microbatch here (no recomputation)
-    weight_grad_flops_per_microbatch: float = 0.0  # of which zb_h1's W (the deferred linears' weight gradients)
-    gathered_bytes: int = 0  # dp_shard: whole weights FSDP holds gathered at once in a step (sharded.py)
-    accumulated_grad_bytes: int = 0  # dp_shard under pp: whole gradients kept until the step's reduction
-
-    @property
-    def blocks(self) -> tuple[int, int]:
-        """[first, last) block indices of the rank's only chunk (``chunks`` for interleaved schedules)."""
-        if len(self.chunks) != 1:
-            raise ValueError(f"stage {self.stage} runs {len(self.chunks)} chunks {self.chunks}; read .chunks")
-        return self.chunks[0]
-
-    @property
-    def weight_bytes(self) -> int:
-        return self.state.weight_bytes
-
-    @property
-    def grad_bytes(self) -> int:
-        return self.state.grad_bytes
-
-    @property
-    def optimizer_bytes(self) -> int:
-        """AdamW's moments and step counters, plus the float32 masters under mixed precision."""
-        return self.state.optimizer_bytes
-
-    @property
-    def state_bytes(self) -> int:
-        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
-
-    @property
-    def unsharded_bytes(self) -> int:
-        """What a step holds besides the state and activations (dp_shard's gathered weights and whole
-        gradients)."""
-        return self.gathered_bytes + self.accumulated_grad_bytes
-
-    @property
-    def total_bytes(self) -> int:
-        return self.state_bytes + self.activation_bytes + self.unsharded_bytes
-
-
-@dataclass(frozen=True)
-class MeshEstimate:
-    dp: int
-    tp: int
-    pp: int
-    microbatches: int
-    schedule: str
-    micro_batch_size: int
-    seq_len: int  # positions per example (patches + class token for ViT)
-    tokens_per_microbatch: int  # of the whole microbatch (each cp rank runs 1/cp of them)
-    total_params: int
-    stages: tuple[StageEstimate, ...]
-    bubble: float  # the schedule's idle fraction, timed from FLOPs (schedules.py)
-    flops_per_step: float  # training FLOPs of the whole global batch (6 * params * tokens + attention)
-    attention_flops_per_token: int  # 12 * layers * hidden * positions (forward + backward)
-    layers: int
-    boundary_bytes: int  # one microbatch's hidden state between two stages (one cp rank's share)
-    mixed_precision: str | None = None
-    zero: bool = False
-    recompute: str | None = None
-    sequence_parallel: bool = False
-    cp: int = 1
-    ep: int = 1
-    # Per token, the share of this rank's routed-expert weights whose matmuls it runs: K/E, and
-    # K*ep/(E*tp) under ep (a tp rank sends 1/tp of the tokens, to E/ep experts held whole); 1: dense.
-    expert_flop_share: float = 1.0
-    virtual_stages: int = 1  # chunks per rank (interleaved_1f1b)
-    dp_shard: int = 1  # ranks of dp sharding one copy of the weights (FSDP), hybrid across dp / dp_shard
-    dp_shard_gather: str = "step"  # under pp: weights gathered once a step or per microbatch
-
-    @property
-    def expert_replicas(self) -> int:
-        """Ranks of a stage holding the same experts (summing their gradients): dp x tp / ep x cp."""
-        return self.dp * self.tp // self.ep * self.cp
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-    @property
-    def global_batch(self) -> int:
-        """Sequences one step trains: dp replicas x microbatches x micro-batch size (cp splits each
-        sequence, it adds none)."""
-        return self.dp * self.microbatches * self.micro_batch_size
-
-    @property
-    def replicas(self) -> int:
-        """Ranks holding the same shard, whose gradients are summed (and ZeRO's state split): dp x cp."""
-        return self.dp * self.cp
-
-    @property
-    def peak_bytes(self) -> int:
-        return max(s.total_bytes for s in self.stages)
-
+from .unmodelled import check_modelled, modelled_experts
+from .experts import moe_regions
+from .trace import Recording, Trace, example_inputs, record_microbatch
+from .results import MeshEstimate, StageEstimate
+from .traffic import Mesh, stage_traffic
 
 class Planner:
     """Estimates for one model config at one microbatch shape, over any number of meshes.
 
-    One pristine meta model serves every check (checks only read it), one traced forward per tp,
-    compute dtype, recompute mode and cp serves every mesh (shapes do not depend on the rest of the
-    mesh; with sequence parallelism they depend on the stage cut too, so one per cut; under ep one
-    per ep), and one sharded meta model per (tp, ep) gives the local parameter sizes (``params.py``),
-    so enumerating the meshes of a 70B model takes seconds. ``dtype`` is the dtype the model is
+    One pristine meta model serves every check (checks only read it), one traced forward per compute
+    dtype, recompute mode and cp serves every mesh (shapes do not depend on the rest of the mesh, and
+    each tp reads the same forward through its plan; with sequence parallelism they depend on the tp
+    and the stage cut too, so one per tp and cut; under ep one per tp and ep), one sharded meta model
+    per (tp, ep) gives the local parameter sizes (``params.py``) and one placement per stage cut, and
+    a configuration's checks are run once for all its dp_shard (``_check``), so enumerating the
+    meshes of a 70B model takes seconds. ``dtype`` is the dtype the model is
     loaded in; ``mixed_precision`` (per estimate) casts its parameters as ``parallelize`` does.
     """
 
@@ -198,27 +93,49 @@ class Planner:
         self.dtype = dtype
         self.policy = policy
         self.model = meta_model(config).to(dtype)
+        # resolved once (deriving a policy from transformers' plan reads the modeling source, most of
+        # a check's time); a model it refuses is refused by every check, with the same message
+        try:
+            self._policy = resolve_policy(self.model, policy)
+        except ValueError:
+            self._policy = policy
         self.total_params = sum(p.numel() for p in self.model.parameters())
-        self._traces: dict[tuple[int, torch.dtype | None, str | None, StageEdges | None, int, int], Trace] = {}
+        self._traces: dict[tuple, Trace] = {}  # (tp, precision, recompute, edges, cp, ep, loaded experts)
+        self._recordings: dict[tuple, Recording] = {}  # the same, with tp None where one forward serves every tp
         self._sharded: dict[tuple[int, int], tuple[dict[str, int], dict, dict[str, int]]] = {}
+        # (the configuration at dp_shard=1, the features it adds) -> what the checks gave
+        self._checked: dict[tuple[ParallelConfig, frozenset[Feature]], CheckedConfig] = {}
+        self._placed: dict[tuple[int, int, StagePlan], StageParams] = {}  # (tp, ep, cut) -> stage_params
         self._experts = expert_parameter_names(self.model)
+        self.experts = modelled_experts(self.model)  # routed experts per layer ep may split (0: none)
+        self._routed = sum(p.numel() for n, p in self.model.named_parameters() if n in self._experts)
         self._deferrable: frozenset[str] | None = None
 
     def _trace(self, plan, layers: str, *, precision: torch.dtype | None, recompute: str | None,
-               edges: StageEdges | None, cp: int, ep: int) -> Trace:
-        # Per tp too: which modules a trace watches and which bytes it counts as split come from the
-        # plan, and at tp=1 the plan shards nothing.
-        key = (plan.tp, precision, recompute, edges, cp, ep)
+               edges: StageEdges | None, cp: int, ep: int, loaded_experts: bool = False) -> Trace:
+        # Per tp: which modules a trace watches and which bytes it counts as split come from the
+        # plan (at tp=1 the plan shards nothing). The forward itself depends on the plan only through
+        # its stand-ins, sequence parallelism's and ep's: without them one recording serves every tp.
+        # ``loaded_experts``: the experts keep the loaded dtype under mixed precision (what FSDP leaves
+        # alone is not cast: sharded.py), so they compute in it.
+        key = (plan.tp, precision, recompute, edges, cp, ep, loaded_experts)
         if key not in self._traces:
-            model = self.model
-            if (precision, recompute, cp) != (None, None, 1):  # a model of its own: the pristine one serves the checks
-                model = meta_model(self.config).to(self.dtype)
-                if precision is not None:
-                    apply_mixed_precision(model, precision)
-            size = dict(micro_batch_size=self.micro_batch_size, seq_len=self.seq_len)
-            inputs = cp_inputs(**size, cp=cp) if cp > 1 else example_inputs(model, **size)
-            self._traces[key] = trace_microbatch(model, plan, layers=layers, inputs=inputs, recompute=recompute,
-                                                 edges=edges, cp=cp, ep=ep)
+            shared = edges is None and ep == 1
+            recorded = (None if shared else plan.tp, precision, recompute, edges, cp, ep, loaded_experts)
+            if recorded not in self._recordings:
+                model = self.model
+                if (precision, recompute, cp) != (None, None, 1):  # a model of its own: the pristine one serves the checks
+                    model = meta_model(self.config).to(self.dtype)
+                    if precision is not None:
+                        apply_mixed_precision(model, precision)
+                    for experts in sharded_experts(model).values() if loaded_experts else ():
+                        experts.to(self.dtype)
+                size = dict(micro_batch_size=self.micro_batch_size, seq_len=self.seq_len)
+                inputs = cp_inputs(**size, cp=cp) if cp > 1 else example_inputs(model, **size)
+                self._recordings[recorded] = record_microbatch(model, plan, layers=layers, inputs=inputs,
+                                                               recompute=recompute, edges=edges, cp=cp, ep=ep)
+            whole = moe_regions(self.model, plan) if ep > 1 else frozenset()
+            self._traces[key] = self._recordings[recorded].trace(plan, whole=whole)
         return self._traces[key]
 
     def estimate(self, *, dp: int, tp: int, pp: int, microbatches: int, schedule: str = "1f1b",
@@ -239,10 +156,9 @@ class Planner:
                                               mixed_precision=mixed_precision, recompute=recompute,
                                               sequence_parallel=sequence_parallel, dp_shard=dp_shard,
                                               dp_shard_gather=dp_shard_gather)
-        checked = check_parallel_config(self.model, config, policy=self.policy,
-                                        extra=frozenset({Feature.ZERO}) if zero else frozenset())
+        checked = self._check(config, zero=zero)
         plan, stage_plan = checked.tp_plan, checked.stage_plan
-        check_modelled(self.model, model_type=self.config.model_type, plan=plan, ep=ep, dp_shard=dp_shard)
+        check_modelled(self.model, model_type=self.config.model_type, plan=plan, ep=ep)
         split = sequence_split(cp=cp, tp=tp, sequence_parallel=plan.sequence_parallel)
         if split[0] > 1:  # train_step's check of the batch, on a meta batch of this length
             ids = torch.empty(self.micro_batch_size, self.seq_len, dtype=torch.long, device="meta")
@@ -254,9 +170,12 @@ class Planner:
         zero_experts = zero and ep > 1 and expert_replicas > 1  # the experts' buckets split over their holders
         zero = zero and replicas > 1
         precision = PRECISIONS.get(mixed_precision)
-        traced = dict(edges=edges, cp=cp, ep=ep)
-        base = self._trace(plan, stage_plan.layers, precision=None, recompute=None, **traced)  # shapes, reruns
-        compute = self._trace(plan, stage_plan.layers, precision=precision, recompute=recompute, **traced)
+        traced = dict(edges=edges, cp=cp, ep=ep, precision=precision,
+                      loaded_experts=dp_shard > 1 and ep > 1 and expert_replicas == 1 and precision is not None)
+        # the shapes and what a recomputation reruns come from the run without it, in the compute dtype
+        # (without recomputation, the same trace: a microbatch's shapes do not depend on the dtype)
+        base = self._trace(plan, stage_plan.layers, recompute=None, **traced)
+        compute = self._trace(plan, stage_plan.layers, recompute=recompute, **traced)
         kept = compute.kept
         # the dispatch's sizes in the compute dtype, its reruns from the trace without recomputation
         experts_calls = tuple(replace(c, rerun=b.rerun, gather_rerun=b.gather_rerun)
@@ -269,11 +188,15 @@ class Planner:
         if dp_shard > 1:  # FSDP keeps the shards and their gradients in the model's dtype (sharded.py)
             grad_elem = torch.empty(0, dtype=self.dtype).element_size()
 
+        @functools.cache  # asked for every parameter and tp rule, per stage
         def stage_of(name: str) -> int:
             found = stage_of_module(stage_plan, name)
             return pp - 1 if name == "" else (0 if found is None else found)
 
-        placed = stage_params(self.model, numels, stage_plan=stage_plan, stage_of=stage_of)
+        placed = self._placed.get((plan.tp, ep, stage_plan))  # the same at every dp and dp_shard of a shape
+        if placed is None:
+            placed = self._placed[(plan.tp, ep, stage_plan)] = stage_params(self.model, numels, stage_plan=stage_plan,
+                                                                            stage_of=stage_of)
         on_stage, embedding, tied, every = [list(h) for h in placed.held], placed.embedding, placed.tied, placed.every
 
         activations = chunk_activations(self.model, kept=kept, base=base, plan=plan, stage_plan=stage_plan,
@@ -283,7 +206,6 @@ class Planner:
             activations = [a + k for a, k in zip(activations, collectives)]
         deferred = self._deferred(stage_plan.heads) if as_schedule(schedule).split_backward else frozenset()
         stash = weight_stash(deferred, base=base, plan=plan, stage_plan=stage_plan, act_elem=param_elem)
-        lists = rank_actions(stages=pp, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages)
         mesh = Mesh(dp=dp, tp=tp, pp=pp, microbatches=microbatches, cp=cp, ep=ep, virtual_stages=virtual_stages)
         layers = len(self.model.get_submodule(stage_plan.layers))
         tokens = base.tokens * cp  # the whole microbatch's
@@ -309,13 +231,14 @@ class Planner:
                 on_stage[s], rows, layers=stage_plan.layers, dp=dp, dp_shard=dp_shard, cp=cp, pp=pp,
                 microbatches=microbatches, per_microbatch=config.dp_shard_gather is Gather.MICROBATCH,
                 elem=grad_elem, compute_elem=param_elem,
-                reduce_elem=grad_elem if precision is None else torch.empty(0, dtype=GRAD_DTYPE).element_size())
+                reduce_elem=grad_elem if precision is None else torch.empty(0, dtype=GRAD_DTYPE).element_size(),
+                experts=sharded, expert_width=expert_replicas)
             comm = stage_traffic(s, mesh=mesh, plan=plan, trace=base, stage_of=stage_of, act_elem=param_elem,
                                  param_elem=param_elem, grad_elem=grad_elem,
                                  buckets=buckets if replicas > 1 and dp_shard == 1 else [],
                                  zero=zero, kv=kv, tied=tied[s], every=every[s], grad_sum=summed, recompute=recompute,
                                  loss_scaling=mixed_precision == "fp16", backend=backend, experts=experts_calls,
-                                 expert_buckets=expert_buckets if expert_replicas > 1 else [],
+                                 expert_buckets=expert_buckets if expert_replicas > 1 and dp_shard == 1 else [],
                                  zero_experts=zero_experts, pieces=fsdp.pieces if fsdp else None)
             comm.update(fsdp.comm if fsdp else {})
             others = set(stage_plan.heads) if s == pp - 1 else set()
@@ -338,13 +261,14 @@ class Planner:
             # W: each deferred weight's gradient, 2 FLOPs per element and token
             weight_flops = 2 * sum(n for name, n in on_stage[s] if name.rpartition(".")[0] in deferred
                                    and name.endswith(".weight")) * tokens
-            held = peaks(list(lists[s]))
+            held, peak = rank_peaks(stages=pp, microbatches=microbatches, schedule=schedule,
+                                    virtual_stages=virtual_stages, stage=s, kept=tuple(activations), stash=tuple(stash))
             stages.append(StageEstimate(
                 stage=s, chunks=ranges, modules=tuple(sorted(others)), params=params, embedding_params=embedding[s],
                 activation_bytes_per_microbatch=sum(activations[c] for c in chunks), in_flight=held.f_to_b,
-                activation_bytes=peak_activation_bytes(lists[s], stage=s, kept=activations, stash=stash),
+                activation_bytes=peak,
                 state=state, comm=comm, expert_params=expert_params,
-                expert_grad_bytes=sum(n for _, n in experts) * grad_elem,
+                expert_grad_bytes=fsdp.expert_bytes if fsdp else sum(n for _, n in experts) * grad_elem,
                 weight_stash_bytes_per_microbatch=sum(stash[c] for c in chunks), in_flight_w=held.f_to_w,
                 chunk_activation_bytes=tuple(activations[c] for c in chunks),
                 flops_per_microbatch=flops, weight_grad_flops_per_microbatch=weight_flops,
@@ -355,8 +279,7 @@ class Planner:
                          comm=0.0, recompute=recompute, schedule=schedule, virtual_stages=virtual_stages)
         timing = pipeline_timing(stages=pp, microbatches=microbatches, schedule=schedule,
                                  virtual_stages=virtual_stages, costs=costs)
-        routed = sum(p.numel() for n, p in self.model.named_parameters() if n in self._experts)
-        per_token = 6 * (self.total_params - routed * (1 - active)) + attention_per_token
+        per_token = 6 * (self.total_params - self._routed * (1 - active)) + attention_per_token
         return MeshEstimate(dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
                             micro_batch_size=self.micro_batch_size, seq_len=positions,
                             tokens_per_microbatch=tokens, total_params=self.total_params, stages=tuple(stages),
@@ -367,6 +290,21 @@ class Planner:
                             sequence_parallel=plan.sequence_parallel, cp=cp, ep=ep,
                             expert_flop_share=expert_flop_share, virtual_stages=virtual_stages,
                             dp_shard=dp_shard, dp_shard_gather=dp_shard_gather)
+
+    def _check(self, config: ParallelConfig, *, zero: bool) -> CheckedConfig:
+        """``check_parallel_config``, the checks ``parallelize`` runs, their pass reused across
+        dp_shard: after the composition table (the first of them, the one dp_shard reaches, as the
+        DP_SHARD feature), they read the model's structure under the other options (validate.py;
+        the degrees on their own were checked as ``config`` was built), so a configuration that
+        passed them at one dp_shard passes them at any other, and only the table is asked again
+        (raising what the whole check would). A refusal is never reused."""
+        extra = frozenset({Feature.ZERO}) if zero else frozenset()
+        key = (replace(config, dims=replace(config.dims, dp_shard=1)), extra)
+        if key in self._checked:
+            check_composition(config.features | extra, config.values(model_type=self.config.model_type))
+            return self._checked[key]
+        self._checked[key] = check_parallel_config(self.model, config, policy=self._policy, extra=extra)
+        return self._checked[key]
 
     def _deferred(self, heads: tuple[str, ...]) -> frozenset[str]:
         """The linear modules whose weight gradients zb_h1 defers to W: those ``parallelize`` hands to

@@ -32,7 +32,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from ..pipeline.schedule import Action, Op, as_schedule, chunk_of, deferred, schedule_actions
-from ..pipeline.schedule_check import Timing, timed
+from ..pipeline.schedule_check import Peaks, Timing, peaks, timed
 
 
 @functools.lru_cache(maxsize=32)
@@ -67,6 +67,16 @@ def peak_activation_bytes(actions: Sequence[Action], *, stage: int, kept: Sequen
     return peak
 
 
+@functools.lru_cache(maxsize=1024)
+def rank_peaks(*, stages: int, microbatches: int, schedule: str, virtual_stages: int, stage: int,
+               kept: tuple[int, ...], stash: tuple[int, ...]) -> tuple[Peaks, int]:
+    """Rank ``stage``'s ``peaks`` and ``peak_activation_bytes`` (cached: a search asks for the same at
+    every dp and dp_shard of a mesh shape)."""
+    actions = rank_actions(stages=stages, microbatches=microbatches, schedule=schedule,
+                           virtual_stages=virtual_stages)[stage]
+    return peaks(list(actions)), peak_activation_bytes(actions, stage=stage, kept=kept, stash=stash)
+
+
 def op_costs(*, compute: float, weight: float, comm: float, recompute: str | None, schedule: str,
              virtual_stages: int = 1) -> dict[Op, float]:
     """One chunk's microbatch cost per compute op (see the module docstring), in the units of
@@ -81,8 +91,16 @@ def op_costs(*, compute: float, weight: float, comm: float, recompute: str | Non
 def pipeline_timing(*, stages: int, microbatches: int, schedule: str, virtual_stages: int = 1,
                     costs: dict[Op, float]) -> Timing:
     """Every rank's list timed with ``costs`` (``op_costs``)."""
+    return _timed(stages, microbatches, schedule, virtual_stages, tuple(costs.items()))
+
+
+@functools.lru_cache(maxsize=256)
+def _timed(stages: int, microbatches: int, schedule: str, virtual_stages: int,
+           costs: tuple[tuple[Op, float], ...]) -> Timing:
+    # Cached: a search times each (pp, M) with the same costs at every dp and dp_shard of a mesh
+    # shape (the costs are per microbatch), and a long pipeline's lists take a while to walk.
     return timed([list(a) for a in rank_actions(stages=stages, microbatches=microbatches, schedule=schedule,
-                                                 virtual_stages=virtual_stages)], costs=costs)
+                                                 virtual_stages=virtual_stages)], costs=dict(costs))
 
 
 def bubble(timing: Timing) -> float:

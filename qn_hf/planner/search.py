@@ -7,13 +7,15 @@ per node; ranks are laid out dp, pp, cp, tp): ring attention sends a key/value b
 ring step, on the critical path unless the link outpaces attention. Each one goes through the same
 validation ``parallelize`` runs (heads and KV heads over tp, blocks over pp, what ring attention
 can compute) and ``train_step``'s check of the sequence length (2*cp chunks); a rejected mesh keeps
-that exact message. Expert parallelism is not enumerated: ``ep`` is given and every mesh takes it
-(those whose dp x tp it does not divide are rejected with ``parallelize``'s message); with ep > 1
-cp is 1 unless given (``parallelize`` refuses both at once). Sharded data parallelism is given too
-(``dp_shard``: every mesh takes it, those whose dp it does not divide rejected), or enumerated
-(``dp_shard=None``: each mesh at every dp_shard dividing its dp, only 1 under ep, which the planner
-does not model with dp_shard; ZeRO-1, if asked for, only at dp_shard=1, as dp_shard already shards what
-ZeRO-1 shards and more). Accepted meshes are ranked:
+that exact message. Expert parallelism is given (``ep``: every mesh takes it, those whose dp x tp it
+does not divide rejected with ``parallelize``'s message) or, for a model whose fused experts the
+planner models (``Planner.experts``), enumerated (``ep=None``): each mesh at ep=1 and at every ep > 1
+that divides both the experts of a layer and the mesh's dp x tp; a dense model is planned at ep=1.
+Meshes with ep > 1 take cp=1 unless ``cp`` is given (each (tp, ep) traces its own dispatch, and
+(cp, ep) pairs would multiply them). Sharded data parallelism is given too (``dp_shard``: every mesh
+takes it, those whose dp it does not divide rejected), or enumerated (``dp_shard=None``: each mesh
+at every dp_shard dividing its dp; ZeRO-1, if asked for, only at dp_shard=1, as dp_shard already
+shards what ZeRO-1 shards and more). Accepted meshes are ranked:
 those that fit the GPU memory first, then by estimated tokens per second.
 """
 
@@ -23,7 +25,8 @@ from dataclasses import dataclass
 
 from ..pipeline.schedule import microbatches_allowed
 from .cost import Hardware, StepTime, step_time
-from .estimate import MeshEstimate, Planner
+from .estimate import Planner
+from .results import MeshEstimate
 
 MAX_CP = 8
 
@@ -87,40 +90,51 @@ def microbatches_for(pp: int, requested: int | None, *, schedule: str = "1f1b", 
 def search(planner: Planner, *, gpus: int, hw: Hardware, microbatches: int | None, schedule: str,
            mixed_precision: str | None = None, zero: bool = False, recompute: str | None = None,
            sequence_parallel: bool = False, cp: int | None = None, max_cp: int = MAX_CP,
-           ep: int = 1, virtual_stages: int = 1, global_batch: int | None = None,
+           ep: int | None = 1, virtual_stages: int = 1, global_batch: int | None = None,
            fixed: dict[str, int] | None = None, dp_shard: int | None = 1,
            dp_shard_gather: str = "step") -> tuple[list[Candidate], list[Rejected]]:
     """Every mesh for ``gpus`` (``cp`` and ``max_cp`` as ``meshes`` takes them; ``fixed`` degrees, e.g.
-    ``{"tp": 8}``, kept), estimated with the training settings, ``ep``, ``schedule`` and
-    ``virtual_stages`` given (as ``Planner.estimate``; interleaved_1f1b refuses pp=1 meshes with its
-    message). With ``global_batch`` every mesh trains exactly that many sequences per step (its
-    microbatches follow from dp); a mesh that cannot is rejected, saying why. ``dp_shard``: given, or
-    None to enumerate it (module docstring); ``dp_shard_gather`` as ``parallelize`` takes it."""
+    ``{"tp": 8}``, kept), estimated with the training settings, ``schedule`` and ``virtual_stages``
+    given (as ``Planner.estimate``; interleaved_1f1b refuses pp=1 meshes with its message). With
+    ``global_batch`` every mesh trains exactly that many sequences per step (its microbatches follow
+    from dp); a mesh that cannot is rejected, saying why. ``ep`` and ``dp_shard``: given, or None to
+    enumerate them (module docstring); ``dp_shard_gather`` as ``parallelize`` takes it."""
     accepted, rejected = [], []
-    cp = 1 if cp is None and ep > 1 else cp
+    cp = 1 if cp is None and ep is not None and ep > 1 else cp
     fixed = fixed or {}
     for dp, tp, pp, c in meshes(gpus, gpus_per_node=hw.gpus_per_node, cp=cp, max_cp=max_cp):
         if any({"dp": dp, "tp": tp, "pp": pp, "cp": c}[k] != v for k, v in fixed.items()):
             continue
-        # enumerated, dp_shard stays 1 under ep: the planner does not model the experts' FSDP groups (unmodelled.py)
-        shards = [d for d in range(1, dp + 1) if dp % d == 0 and (d == 1 or ep == 1)] if dp_shard is None else [dp_shard]
-        for shard in shards:
-            try:
-                est = planner.estimate(dp=dp, tp=tp, pp=pp, cp=c,
-                                       microbatches=microbatches_for(pp, microbatches, schedule=schedule, dp=dp,
-                                                                     global_batch=global_batch,
-                                                                     micro_batch_size=planner.micro_batch_size),
-                                       schedule=schedule, virtual_stages=virtual_stages,
-                                       mixed_precision=mixed_precision, zero=zero and (shard == 1 or dp_shard is not None),
-                                       recompute=recompute, sequence_parallel=sequence_parallel, ep=ep,
-                                       dp_shard=shard, dp_shard_gather=dp_shard_gather)
-            except ValueError as e:
-                if not any((r.dp, r.tp, r.pp, r.cp, r.reason) == (dp, tp, pp, c, str(e)) for r in rejected):
-                    rejected.append(Rejected(dp=dp, tp=tp, pp=pp, cp=c, ep=ep, dp_shard=shard, reason=str(e)))
-                continue  # (the same reason at another dp_shard is listed once)
-            accepted.append(evaluate(est, hw=hw))
+        try:
+            steps = microbatches_for(pp, microbatches, schedule=schedule, dp=dp, global_batch=global_batch,
+                                     micro_batch_size=planner.micro_batch_size)
+        except ValueError as e:  # the global batch at this dp: the same reason at every ep and dp_shard
+            rejected.append(Rejected(dp=dp, tp=tp, pp=pp, cp=c, ep=ep or 1, dp_shard=dp_shard or 1, reason=str(e)))
+            continue
+        for e in [ep] if ep is not None else expert_degrees(planner.experts, dp=dp, tp=tp, cp=c, cp_given=cp is not None):
+            shards = [d for d in range(1, dp + 1) if dp % d == 0] if dp_shard is None else [dp_shard]
+            for shard in shards:
+                try:
+                    est = planner.estimate(dp=dp, tp=tp, pp=pp, cp=c, microbatches=steps, schedule=schedule,
+                                           virtual_stages=virtual_stages, mixed_precision=mixed_precision,
+                                           zero=zero and (shard == 1 or dp_shard is not None), recompute=recompute,
+                                           sequence_parallel=sequence_parallel, ep=e, dp_shard=shard,
+                                           dp_shard_gather=dp_shard_gather)
+                except ValueError as error:
+                    if not any((r.dp, r.tp, r.pp, r.cp, r.reason) == (dp, tp, pp, c, str(error)) for r in rejected):
+                        rejected.append(Rejected(dp=dp, tp=tp, pp=pp, cp=c, ep=e, dp_shard=shard, reason=str(error)))
+                    continue  # (the same reason at another ep or dp_shard is listed once)
+                accepted.append(evaluate(est, hw=hw))
     accepted.sort(key=lambda c: (not c.fits, -c.time.tokens_per_s))
     return accepted, rejected
+
+
+def expert_degrees(experts: int, *, dp: int, tp: int, cp: int, cp_given: bool) -> list[int]:
+    """The ep a search tries on a mesh: 1, and for a model with ``experts`` routed experts per layer
+    (0: none the planner shards) every ep > 1 dividing them and dp x tp (only at cp=1 unless cp was
+    given: module docstring)."""
+    more = range(2, experts + 1) if cp == 1 or cp_given else ()
+    return [1] + [e for e in more if experts % e == 0 and dp * tp % e == 0]
 
 
 def evaluate(est: MeshEstimate, *, hw: Hardware) -> Candidate:

@@ -19,6 +19,10 @@ ViT's class token ...), for 70B-parameter configs in about a second. With sequen
 the trace runs the model as one tp rank does, its collectives stood in for (``sequence.py``); with
 context parallelism on one cp rank's tokens, ring attention stood in for (``context.py``); with
 expert parallelism one rank's token dispatch stood in for (``experts.py``).
+
+The forward is recorded for every module (``record_microbatch`` -> ``Recording``) and read under a
+tp plan afterwards (``Recording.trace``): which bytes are split over tp is the plan's to say, so
+one forward serves every tp whose plan changes no stand-in (no sequence parallelism, ep=1).
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -90,7 +93,16 @@ def example_inputs(model: nn.Module, *, micro_batch_size: int, seq_len: int) -> 
 
 
 def _tensors(value) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor) and t.layout == torch.strided]
+    """The strided tensors in ``value``: an op's arguments or results (tensors, alone or in lists,
+    tuples and dicts), or a model's outputs as a tuple. Walked by hand: ``tree_flatten`` is a third
+    of a trace's time, as every op of the forward passes through here twice."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.layout == torch.strided else []
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
 
 
 class _Allocations(TorchDispatchMode):
@@ -144,31 +156,92 @@ def _checkpoint_blocks(model: nn.Module, *, layers: str, recompute: str | None) 
     return blocks
 
 
+@contextlib.contextmanager
+def _older_objects_frozen():
+    """While inside, collections (the forward's own and the trace's ``gc.collect``) look at the
+    objects made inside only: every older one (torch's, transformers', the meta models': about a
+    million) is frozen, which makes a trace several times faster. What the forward made is freed
+    the same: an older object holding it is one that was alive at the time, so it is the model or
+    the trace's own state, which a collection would not free either. A freeze someone else made
+    is left as it is."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+@dataclass(frozen=True)
+class Recording:
+    """One microbatch's forward as recorded, before a tp plan says what of it is split: what
+    ``Trace`` holds, for every module rather than the plan's, so that one forward serves every plan
+    whose stand-ins do not change it (any tp, without sequence parallelism and at ep=1)."""
+
+    io: dict[str, ModuleIO]  # every module called with a tensor
+    alive: dict[tuple[str, bool | None], int]  # (owner module, split by a stand-in) -> bytes kept
+    done: dict[str, tuple[str, int]]  # module inside a block -> (the block, when its output came)
+    last_save: dict[str, int]  # block -> when it last saved a tensor for backward
+    boundary_numel: int
+    logits_rows: int
+    tokens: int
+    sequence: tuple[SeqCollective, ...]
+    ring: tuple[RingCall, ...]
+    experts: tuple[ExpertCall, ...]
+    repeated_inputs: frozenset[str]
+    linears: frozenset[str]  # the exact nn.Linear and Conv1D modules (zb_h1 can defer them)
+
+    def trace(self, plan: TpPlan, *, whole: frozenset[str] = frozenset()) -> Trace:
+        """The trace under ``plan`` (``whole``: under ep, the regions holding experts, kept whole)."""
+        styles = dict(plan.rules)
+        watched = set(styles) | set(plan.tp_entries) | self.linears
+        rowwise = {name for name, style in styles.items() if style == Style.ROWWISE}
+        kept: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        for (owner, region), nbytes in self.alive.items():
+            kept[owner][1 if _split_across_tp(owner, styles, plan, region=region, whole=whole) else 0] += nbytes
+        rerun = frozenset(n for n, (block, t) in self.done.items()
+                          if n in rowwise and self.last_save.get(block, 0) > t)
+        return Trace(io={k: v for k, v in self.io.items() if k in watched}, boundary_numel=self.boundary_numel,
+                     kept={k: (v[0], v[1]) for k, v in kept.items()}, logits_rows=self.logits_rows,
+                     tokens=self.tokens, rerun=rerun, sequence=self.sequence, ring=self.ring,
+                     experts=self.experts, repeated_inputs=self.repeated_inputs)
+
+
 def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dict[str, torch.Tensor],
                      recompute: str | None = None, edges: StageEdges | None = None, cp: int = 1,
                      ep: int = 1) -> Trace:
-    """Trace one microbatch through ``model`` (in training mode, its blocks checkpointed for the
+    """Trace one microbatch through ``model`` (see ``record_microbatch``) under ``plan``."""
+    recording = record_microbatch(model, plan, layers=layers, inputs=inputs, recompute=recompute, edges=edges,
+                                  cp=cp, ep=ep)
+    return recording.trace(plan, whole=moe_regions(model, plan) if ep > 1 else frozenset())
+
+
+def record_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dict[str, torch.Tensor],
+                      recompute: str | None = None, edges: StageEdges | None = None, cp: int = 1,
+                      ep: int = 1) -> Recording:
+    """Run one microbatch through ``model`` (in training mode, its blocks checkpointed for the
     forward when ``recompute`` is set; the model is left as it was). ``edges``: the stage cut of a
     sequence-parallel ``plan``, where each stage splits and gathers the sequence. ``cp`` > 1:
     ``inputs`` are one cp rank's (``context.cp_inputs``) and attention is ring attention's stand-in.
-    ``ep`` > 1: the experts' dispatch is expert parallelism's stand-in (one rank's, over ``plan.tp``)."""
-    styles = dict(plan.rules)
+    ``ep`` > 1: the experts' dispatch is expert parallelism's stand-in (one rank's, over ``plan.tp``).
+    Only the stand-ins read ``plan`` (and its policy's forward arguments)."""
     # Exact nn.Linear and Conv1D are what zb_h1 can defer (``weight_grad.make_deferrable``): the
     # estimate sizes its stash from their inputs and outputs.
     linears = {n for n, m in model.named_modules() if type(m) in (nn.Linear, Conv1D)}
-    watched = set(styles) | set(plan.tp_entries) | linears
     seen_inputs: dict[str, list[StorageWeakRef]] = defaultdict(list)  # parent module -> its linears' inputs
     repeated: set[str] = set()
-    rowwise = {name for name, style in styles.items() if style == Style.ROWWISE}
     io: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
     stack: list[str] = []
     boundary = [0]
     handles = []
     block_names = {f"{layers}.{i}" for i in range(len(model.get_submodule(layers)))}
-    # Order of events inside each block: saves and row layers' outputs, for ``Trace.rerun``.
+    # Order of events inside each block: saves and modules' outputs (of which the plan's row layers
+    # make ``Trace.rerun``); only the order counts.
     tick = [0]
     last_save: dict[str, int] = {}
-    row_done: dict[str, tuple[str, int]] = {}
+    done: dict[str, tuple[str, int]] = {}
     sequence: list[tuple[SeqCollective, str | None, int]] = []  # with the block it ran in, and when
     ring: list[tuple[RingCall, str | None, int]] = []
     experts: list[list] = []  # [call, block, tick of its all-to-alls, tick of its tp gather]
@@ -179,16 +252,16 @@ def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dic
     def pre(name: str):
         def hook(module, args, kwargs):
             stack.append(name)
-            if name in watched:
-                first = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
-                io[name][0] += 1
+            first = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+            io[name][0] += 1
+            if isinstance(first, torch.Tensor):
                 io[name][1] += first.numel()
-                if name in linears:
-                    ref, parent = StorageWeakRef(first.untyped_storage()), name.rpartition(".")[0]
-                    if any(r.cdata == ref.cdata and not r.expired() for r in seen_inputs[parent]):
-                        repeated.add(name)
-                    else:
-                        seen_inputs[parent].append(ref)
+            if name in linears:
+                ref, parent = StorageWeakRef(first.untyped_storage()), name.rpartition(".")[0]
+                if any(r.cdata == ref.cdata and not r.expired() for r in seen_inputs[parent]):
+                    repeated.add(name)
+                else:
+                    seen_inputs[parent].append(ref)
             if name in block_names:  # a cache would keep every block's keys and values (see below)
                 kwargs = {k: None if isinstance(v, Cache) else v for k, v in kwargs.items()}
                 return (tuple(None if isinstance(a, Cache) else a for a in args),
@@ -200,13 +273,13 @@ def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dic
         def hook(module, args, kwargs, output):
             stack.pop()
             out = output[0] if isinstance(output, (tuple, list)) else getattr(output, "last_hidden_state", output)
-            if name in watched and isinstance(out, torch.Tensor):
+            if isinstance(out, torch.Tensor):
                 io[name][2] += out.numel()
             if name in block_names and isinstance(out, torch.Tensor):
                 boundary[0] = out.numel()
-            if name in rowwise and (block := block_of(stack)) is not None:
+            if (block := block_of(stack)) is not None:
                 tick[0] += 1
-                row_done[name] = (block, tick[0])
+                done[name] = (block, tick[0])
         return hook
 
     def note(collective: SeqCollective) -> None:
@@ -248,46 +321,43 @@ def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dic
 
     # Owner: (module, split_now()); the ep stand-in's tensors already have one tp rank's size.
     allocations = _Allocations(lambda: (stack[-1] if stack else "", split_now()))
-    was_training = model.training
-    model.train()
-    try:
-        # Inside checkpointed blocks the checkpoint's own hooks take the saves: only watch without.
-        saves = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if not blocks else contextlib.nullcontext()
-        with (TrainingKernels(), ring_standin, moe or contextlib.nullcontext(), allocations, saves,
-              standins or contextlib.nullcontext()):
-            # With use_cache on, transformers skips a packed-sequence check that reads tensor values
-            # (impossible on meta); the blocks get no cache (``pre``), so they run as in training.
-            kwargs = {**plan.policy.forward_kwargs, **({"use_cache": True} if "use_cache" in plan.policy.forward_kwargs else {})}
-            out = model(**inputs, **kwargs)
-    finally:
-        for h in handles:
-            h.remove()
-        for block in blocks:
-            block.gradient_checkpointing = False
-        model.train(was_training)
-    logits = getattr(out, "logits", None)
-    rows = logits.shape[:-1].numel() if logits is not None else 0
-    # Keep the graph (what backward needs), drop the outputs themselves (logits nobody saved).
-    graph = [t.grad_fn for t in _tensors(out.to_tuple() if hasattr(out, "to_tuple") else out)]
-    del out, logits
-    gc.collect()  # an output caught in a reference cycle would stay alive and count
-    kept: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    whole = moe_regions(model, plan) if ep > 1 else frozenset()
-    for (owner, region), nbytes in allocations.alive().items():
-        kept[owner][1 if _split_across_tp(owner, styles, plan, region=region, whole=whole) else 0] += nbytes
+    with _older_objects_frozen():
+        was_training = model.training
+        model.train()
+        try:
+            # Inside checkpointed blocks the checkpoint's own hooks take the saves: only watch without.
+            saves = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if not blocks else contextlib.nullcontext()
+            with (TrainingKernels(), ring_standin, moe or contextlib.nullcontext(), allocations, saves,
+                  standins or contextlib.nullcontext()):
+                # With use_cache on, transformers skips a packed-sequence check that reads tensor values
+                # (impossible on meta); the blocks get no cache (``pre``), so they run as in training.
+                kwargs = {**plan.policy.forward_kwargs, **({"use_cache": True} if "use_cache" in plan.policy.forward_kwargs else {})}
+                out = model(**inputs, **kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+            for block in blocks:
+                block.gradient_checkpointing = False
+            model.train(was_training)
+        logits = getattr(out, "logits", None)
+        rows = logits.shape[:-1].numel() if logits is not None else 0
+        # Keep the graph (what backward needs), drop the outputs themselves (logits nobody saved).
+        graph = [t.grad_fn for t in _tensors(out.to_tuple() if hasattr(out, "to_tuple") else out)]
+        del out, logits
+        gc.collect()  # an output caught in a reference cycle would stay alive and count
+        alive = dict(allocations.alive())
     del graph
     if standins is not None:
         standins.release()
         boundary[0] = standins.whole_numel  # blocks' outputs are slices; the stages hand on the whole
     tokens = boundary[0] // model.config.hidden_size if boundary[0] else 0
-    rerun = frozenset(n for n, (block, t) in row_done.items() if last_save.get(block, 0) > t)
     reruns = tuple(replace(c, rerun=block is not None and last_save.get(block, 0) > t) for c, block, t in sequence)
     rings = tuple(replace(c, rerun=block is not None and last_save.get(block, 0) > t) for c, block, t in ring)
     moes = tuple(replace(c, rerun=block is not None and last_save.get(block, 0) > t,
                          gather_rerun=block is not None and last_save.get(block, 0) > g) for c, block, t, g in experts)
-    return Trace(io={k: ModuleIO(*v) for k, v in io.items()}, boundary_numel=boundary[0],
-                 kept={k: (v[0], v[1]) for k, v in kept.items()}, logits_rows=rows, tokens=tokens, rerun=rerun,
-                 sequence=reruns, ring=rings, experts=moes, repeated_inputs=frozenset(repeated))
+    return Recording(io={k: ModuleIO(*v) for k, v in io.items()}, alive=alive, done=done, last_save=last_save,
+                     boundary_numel=boundary[0], logits_rows=rows, tokens=tokens, sequence=reruns, ring=rings,
+                     experts=moes, repeated_inputs=frozenset(repeated), linears=frozenset(linears))
 
 
 def _split_across_tp(name: str, styles: dict[str, Style], plan: TpPlan, *, region: bool | None,

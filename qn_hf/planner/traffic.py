@@ -37,6 +37,9 @@ all-gather's own piece).
   and last stage (gradient dtype; under ZeRO only this rank's piece of them).
 * float16's loss scaling: a 4-byte overflow flag over the whole job ("world", or the mesh dimension
   that spans it).
+* host: every step's agreement on its batches before the first collective (``step/agreement.py``),
+  one all-reduce over the hosts of the whole job of two int64 per dp replica and two more (any
+  rank's failure), when the job has more than one rank.
 """
 
 from __future__ import annotations
@@ -206,6 +209,8 @@ def stage_traffic(s: int, *, mesh: Mesh, plan: TpPlan, trace: Trace, stage_of: C
         numels = _summed(params, pieces)
         if numels:
             out[group] = GroupTraffic(len(flat_runs([n * grad_elem for n in numels])), sum(numels) * grad_elem)
+    if replicas * tp * pp > 1:  # the batch agreement's votes: (dp + 1) x 2 int64
+        out["host"] = GroupTraffic(1, 2 * 8 * (dp + 1))
     if loss_scaling:
         spanning = [g for g, n in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)) if n == replicas * tp * pp]
         group = spanning[-1] if spanning else "world"  # CommMeter names the default group by a dimension spanning it

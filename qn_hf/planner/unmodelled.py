@@ -9,7 +9,7 @@ from ..expert_parallel.apply import experts_modules, sharded_experts
 from ..tensor_parallel.plan import TpPlan
 
 
-def check_modelled(model: nn.Module, *, model_type: str, plan: TpPlan, ep: int, dp_shard: int) -> None:
+def check_modelled(model: nn.Module, *, model_type: str, plan: TpPlan, ep: int) -> None:
     untraced = ("the experts' row gathers at ep=1 (each MoE block's experts gather every tp rank's tokens)"
                 if plan.sequence_experts else
                 f"the whole regions (block children that run on the gathered sequence: "
@@ -17,11 +17,16 @@ def check_modelled(model: nn.Module, *, model_type: str, plan: TpPlan, ep: int, 
     if untraced:
         raise ValueError(f"sequence_parallel=True on {model_type}: the planner does not trace "
                          f"{untraced}; plan without sequence_parallel, or measure a run")
-    if ep > 1 and dp_shard > 1:
-        raise ValueError(f"dp_shard={dp_shard} with ep={ep}: the planner does not model the experts' own FSDP "
-                         f"groups (over the ranks holding the same experts) yet; plan dp_shard without ep, or "
-                         f"measure a run")
     if ep > 1 and len(sharded_experts(model)) != len(experts_modules(model)):
         raise ValueError(f"ep={ep}: the planner models the dispatch of transformers' fused experts only; "
                          f"{model_type}'s experts take every token once per expert (Llama 4's form), "
                          f"whose all-to-alls it does not trace; plan at ep=1 or measure a run")
+
+
+def modelled_experts(model: nn.Module) -> int:
+    """The routed experts of each MoE layer, for a model whose experts the planner can plan under ep
+    (transformers' fused experts, as many in every layer); 0 for any other model (dense, or experts
+    ep shards in another form, which ``check_modelled`` refuses)."""
+    fused, sharded = experts_modules(model), sharded_experts(model)
+    sizes = {module.num_experts for module in fused.values()}
+    return sizes.pop() if len(sizes) == 1 and len(fused) == len(sharded) else 0

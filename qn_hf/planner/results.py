@@ -1,0 +1,121 @@
+"""What the planner gives for one mesh: per stage (``StageEstimate``: what one rank of the stage holds,
+keeps and sends) and for the whole mesh (``MeshEstimate``); ``estimate.py`` computes them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .memory import RankState
+from .traffic import GroupTraffic
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    stage: int
+    chunks: tuple[tuple[int, int], ...]  # [first, last) block indices of each chunk this rank runs, in model order
+    modules: tuple[str, ...]  # modules other than blocks on this stage (embeddings, head)
+    params: int  # elements this rank holds
+    embedding_params: int  # of which embedding tables (looked up, no matmul FLOPs)
+    activation_bytes_per_microbatch: int  # one microbatch through every chunk of this rank
+    in_flight: int  # most (chunk, microbatch)es whose activations the schedule holds at once
+    activation_bytes: int  # the peak over the schedule: activations and zb_h1's W stash (schedules.py)
+    state: RankState  # weights, gradients, optimizer state
+    comm: dict[str, GroupTraffic] = field(default_factory=dict)  # per step, by group
+    expert_params: int = 0  # of which routed experts' (fused experts modules; E/ep experts under ep)
+    expert_grad_bytes: int = 0  # their gradients under ep (summed over "experts", not dp; dp_shard: its shards)
+    weight_stash_bytes_per_microbatch: int = 0  # zb_h1: what one microbatch keeps from its B to its W
+    chunk_activation_bytes: tuple[int, ...] = ()  # one microbatch's, per chunk of this rank (in ``chunks`` order)
+    in_flight_w: int = 0  # most (chunk, microbatch)es from forward to their last gradient pass (W under zb_h1)
+    flops_per_microbatch: float = 0.0  # forward and backward of one whole microbatch here (no recomputation)
+    weight_grad_flops_per_microbatch: float = 0.0  # of which zb_h1's W (the deferred linears' weight gradients)
+    gathered_bytes: int = 0  # dp_shard: whole weights FSDP holds gathered at once in a step (sharded.py)
+    accumulated_grad_bytes: int = 0  # dp_shard under pp: whole gradients kept until the step's reduction
+
+    @property
+    def blocks(self) -> tuple[int, int]:
+        """[first, last) block indices of the rank's only chunk (``chunks`` for interleaved schedules)."""
+        if len(self.chunks) != 1:
+            raise ValueError(f"stage {self.stage} runs {len(self.chunks)} chunks {self.chunks}; read .chunks")
+        return self.chunks[0]
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.state.weight_bytes
+
+    @property
+    def grad_bytes(self) -> int:
+        return self.state.grad_bytes
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """AdamW's moments and step counters, plus the float32 masters under mixed precision."""
+        return self.state.optimizer_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def unsharded_bytes(self) -> int:
+        """What a step holds besides the state and activations (dp_shard's gathered weights and whole
+        gradients)."""
+        return self.gathered_bytes + self.accumulated_grad_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.state_bytes + self.activation_bytes + self.unsharded_bytes
+
+
+@dataclass(frozen=True)
+class MeshEstimate:
+    dp: int
+    tp: int
+    pp: int
+    microbatches: int
+    schedule: str
+    micro_batch_size: int
+    seq_len: int  # positions per example (patches + class token for ViT)
+    tokens_per_microbatch: int  # of the whole microbatch (each cp rank runs 1/cp of them)
+    total_params: int
+    stages: tuple[StageEstimate, ...]
+    bubble: float  # the schedule's idle fraction, timed from FLOPs (schedules.py)
+    flops_per_step: float  # training FLOPs of the whole global batch (6 * params * tokens + attention)
+    attention_flops_per_token: int  # 12 * layers * hidden * positions (forward + backward)
+    layers: int
+    boundary_bytes: int  # one microbatch's hidden state between two stages (one cp rank's share)
+    mixed_precision: str | None = None
+    zero: bool = False
+    recompute: str | None = None
+    sequence_parallel: bool = False
+    cp: int = 1
+    ep: int = 1
+    # Per token, the share of this rank's routed-expert weights whose matmuls it runs: K/E, and
+    # K*ep/(E*tp) under ep (a tp rank sends 1/tp of the tokens, to E/ep experts held whole); 1: dense.
+    expert_flop_share: float = 1.0
+    virtual_stages: int = 1  # chunks per rank (interleaved_1f1b)
+    dp_shard: int = 1  # ranks of dp sharding one copy of the weights (FSDP), hybrid across dp / dp_shard
+    dp_shard_gather: str = "step"  # under pp: weights gathered once a step or per microbatch
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks of a stage holding the same experts (summing their gradients): dp x tp / ep x cp."""
+        return self.dp * self.tp // self.ep * self.cp
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences one step trains: dp replicas x microbatches x micro-batch size (cp splits each
+        sequence, it adds none)."""
+        return self.dp * self.microbatches * self.micro_batch_size
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same shard, whose gradients are summed (and ZeRO's state split): dp x cp."""
+        return self.dp * self.cp
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(s.total_bytes for s in self.stages)
