@@ -94,7 +94,8 @@ COMPAT_TESTS := tests/test_compat.py \
 	'tests/test_peft.py::test_lora_equals_peft[llama-1-2-2-2-1f1b-False-False-targets2-None-1]' \
 	'tests/test_peft.py::test_dora_equals_peft[1-2-targets0]' \
 	'tests/test_peft.py::test_lora_on_fused_experts_equals_peft[qwen3_moe-1-2-1-2-1-1-True-False-1f1b]' \
-	'tests/test_peft.py::test_the_adapter_directory_is_what_peft_writes[CAUSAL_LM]' \
+	'tests/test_peft.py::test_the_adapter_directory_is_what_peft_writes[CAUSAL_LM-1-1-2-1]' \
+	'tests/test_peft.py::test_the_adapter_directory_is_what_peft_writes[None-2-2-1-1]' \
 	tests/test_trainer.py::test_trainer_tp_pp_equals_one_process \
 	tests/test_trainer.py::test_trainer_with_sharded_data_parallelism_equals_one_process \
 	tests/test_trainer.py::test_trl_sft_trainer_through_the_mixin \
