@@ -1,17 +1,29 @@
 """qn_hf: 3D parallelism (data x tensor x pipeline) for unmodified Hugging Face models."""
 
+from .build.parallelize import parallelize
 from .comm_meter import CommMeter
+from .config.dims import ParallelDims
+from .config.schedule import Schedule
 from .data_parallel.grad_norm import clip_grad_norm_
-from .mesh import ParallelDims
 from .data_parallel.optimizer import ParallelOptimizer, optimizer
 from .parallel_model import ParallelModel
-from .parallelize import parallelize
-from .pipeline.schedule import Schedule
 from .tensor_parallel.plan import ModelPolicy
 from .version import __version__
 
-__all__ = ["CommMeter", "ModelPolicy", "ParallelDims", "ParallelModel", "ParallelOptimizer", "ParallelTrainerMixin",
-           "Schedule", "Trainer", "clip_grad_norm_", "optimizer", "parallelize", "__version__"]
+__all__ = [
+    "CommMeter",
+    "ModelPolicy",
+    "ParallelDims",
+    "ParallelModel",
+    "ParallelOptimizer",
+    "ParallelTrainerMixin",
+    "Schedule",
+    "Trainer",
+    "__version__",
+    "clip_grad_norm_",
+    "optimizer",
+    "parallelize",
+]
 
 _TRAINER = ("Trainer", "ParallelTrainerMixin")
 

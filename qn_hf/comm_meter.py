@@ -34,7 +34,7 @@ from torch.distributed import ProcessGroup
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .arguments import Choice
-from .mesh import Axis
+from .config.dims import Axis
 
 
 class Collective(Choice):

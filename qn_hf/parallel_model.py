@@ -18,17 +18,19 @@ from .checkpoint.load import load_checkpoint
 from .checkpoint.save import DEFAULT_KEEP_LAST, HeldDirectories, save_checkpoint
 from .comm import flat_all_reduce_, gather_from_group
 from .config.composition import Feature, check_and_warn
+from .config.dims import ParallelDims
 from .config.parallel_config import ParallelConfig
-from .context_parallel.apply import (CP_KEYS, LOCAL_VALID, LOSS_KEYS, RingSwitch, ring_documents, shard_microbatches,
-                                     whole_sequence_logits)
+from .context_parallel.apply import (CP_KEYS, LOCAL_VALID, LOSS_KEYS, RingSwitch, ring_documents,
+                                     shard_microbatches, whole_sequence_logits)
 from .context_parallel.ring_attention import ChunkLayout
 from .data_parallel.buckets import GradBuckets
 from .data_parallel.grad_sync import GradSync
 from .data_parallel.precision import LossScaler
 from .data_parallel.sharded import ShardedParameters
+from .devices import to_device
 from .expert_parallel.router_loss import RouterLogits, adds_router_loss
 from .failure import FailTogether
-from .mesh import Coords, Groups, ParallelDims
+from .mesh import Coords, Groups
 from .peft.lora import Adapter
 from .pipeline.runtime import StageExecutor, batch_shape_key
 from .pipeline.schedule import schedule_actions
@@ -36,11 +38,10 @@ from .pipeline.split import params_by_final_pass
 from .pipeline.stage import StageModules
 from .placement import ShardPlacement
 from .step.agreement import agree_on_batch
-from .step.batch import (batch_signature, check_same_batch, check_step_batch, dp_rows, microbatch_rows, sequence_split,
-                         split_microbatches, to_device)
+from .step.batch import batch_signature, check_same_batch, check_step_batch, dp_rows, microbatch_rows, split_microbatches
 from .step.generation import parallel_generate, switched_off
 from .step.logits import LogitsFn, collect_logits
-from .step.loss import causal_lm_targets, local_count, loss_scales, nan_without_targets, summed_loss
+from .step.loss import local_count, loss_scales, nan_without_targets, summed_loss
 from .tensor_parallel.apply import VocabShard
 from .tensor_parallel.plan import TpPlan
 from .tensor_parallel.rng import RngStreams
@@ -58,27 +59,13 @@ class ParallelModel:
     """
 
     def __init__(
-        self,
-        *,
-        module: nn.Module,
-        placement: ShardPlacement,
-        plan: TpPlan,
-        stage: StageModules,
-        executor: StageExecutor,
-        vocab: VocabShard | None,
-        microbatches: int,
-        schedule: str,
-        rng: RngStreams,
-        buckets: GradBuckets | None,
-        expert_buckets: GradBuckets | None,
-        precision: torch.dtype | None,
-        scaler: LossScaler | None,
-        cp_layout: ChunkLayout,
-        deferred: frozenset[str] = frozenset(),
-        adapter: Adapter | None = None,
+        self, *,
+        module: nn.Module, placement: ShardPlacement, plan: TpPlan, stage: StageModules, executor: StageExecutor,
+        vocab: VocabShard | None, microbatches: int, schedule: str, rng: RngStreams, buckets: GradBuckets | None,
+        expert_buckets: GradBuckets | None, precision: torch.dtype | None, scaler: LossScaler | None,
+        cp_layout: ChunkLayout, deferred: frozenset[str] = frozenset(), adapter: Adapter | None = None,
         parallel_config: ParallelConfig | None = None,
-        sequence_parallel_switch: SequenceParallelSwitch | None = None,
-        ring_switch: RingSwitch | None = None,
+        sequence_parallel_switch: SequenceParallelSwitch | None = None, ring_switch: RingSwitch | None = None,
         sharded: ShardedParameters | None = None,
     ) -> None:
         self.module = module
@@ -256,10 +243,10 @@ class ParallelModel:
             return collect_logits(self, batch, reduce=reduce, broadcast=broadcast)
 
     def _run(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn | None, *, backward: bool,
-             num_items: torch.Tensor | int | float | None = None) -> torch.Tensor:
+             num_items: torch.Tensor | float | None = None) -> torch.Tensor:
         builtin = loss_fn is None
         cp = self.dims.cp
-        split = sequence_split(cp=cp, tp=self.dims.tp, sequence_parallel=self.plan.sequence_parallel)
+        split = self.parallel_config.sequence_split
         # every rank raises together, before any collective below could wait for one that did (agreement.py)
         size = agree_on_batch(lambda: check_step_batch(
             batch, model=self.module, loss=self.plan.loss, builtin=builtin, cp=cp, cp_keys=CP_KEYS, split=split,
@@ -302,7 +289,7 @@ class ParallelModel:
             if builtin:
                 targets = micro[mb].get("targets")
                 if targets is None:
-                    targets = causal_lm_targets(micro[mb]["labels"]) if self.plan.loss.shifted else micro[mb]["labels"]
+                    targets = self.plan.loss.targets(micro[mb]["labels"])
                 loss = summed_loss(outputs.logits, targets, kind=self.plan.loss, group=self.groups.tp,
                                    vocab=None if self.vocab is None else (self.vocab.start, self.vocab.size))
             elif cp > 1:  # the same loss of the whole sequences on every cp rank, 1/cp of it each (context_parallel/apply.py)

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from .comm import all_gather_tensors, flat_broadcast_
-from .mesh import Coords, Groups, ParallelDims
+from .config.dims import ParallelDims
+from .mesh import Coords, Groups
 from .pipeline.split import PipelineTie
 from .pipeline.standins import StandIn
 from .tensor_parallel.shard import ShardSpec, over_experts

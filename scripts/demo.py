@@ -29,8 +29,9 @@ import transformers
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import qn_hf
-from qn_hf.mesh import default_device, init_distributed, launched_world_size
 from qn_hf.arguments import plural
+from qn_hf.devices import default_device
+from qn_hf.mesh import init_distributed, launched_world_size
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADS = LAYERS = 4  # of the demo's GPT-2: tp must divide the heads, pp at most the layers

@@ -10,7 +10,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import qn_hf
-from qn_hf.mesh import ParallelDims, build_mesh
+from qn_hf.config.dims import ParallelDims
+from qn_hf.mesh import build_mesh
 from tests.models import dp_slice, load, make_batch
 
 # One mesh per shape for the life of a worker: creating process groups is the slow part of a job.

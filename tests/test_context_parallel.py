@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from tests import cases
 from tests.releases import with_tp_plan
 from tests.test_parity import GRAD_ATOL, check
-from tests import cases
 
 CP_CASES = [  # kind, dp, tp, pp, cp, microbatches, padded, packed
     ("llama", 1, 1, 1, 2, 1, False, False),
@@ -66,7 +66,7 @@ def _meta_model(model_type: str, **overrides):
 
 
 def _error(model, **kwargs) -> str:
-    from qn_hf.config.validate import check_parallel_config
+    from qn_hf.build.validate import check_parallel_config
 
     try:
         check_parallel_config(model, dp=1, microbatches=1, schedule="1f1b", **{"tp": 1, "pp": 1, "cp": 2, **kwargs})

@@ -8,9 +8,9 @@ import torch
 
 from qn_hf import convert
 from qn_hf.check.run import build, model_class
+from tests import ep_cases
 from tests.cases import error_message
 from tests.ep_cases import moe_config
-from tests import ep_cases
 
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 2e-5
@@ -147,7 +147,7 @@ def _meta(model_type: str, **overrides):
 
 
 def _refusal(model, **kwargs) -> str:
-    from qn_hf.config.validate import check_parallel_config
+    from qn_hf.build.validate import check_parallel_config
 
     return error_message(lambda: check_parallel_config(model, microbatches=1, schedule="1f1b",
                                                        **{"dp": 2, "tp": 1, "pp": 1, "ep": 2, **kwargs}))

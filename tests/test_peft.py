@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tests import peft_cases
 
 pytest.importorskip("peft")
@@ -192,8 +193,8 @@ def test_lora_on_a_linear_weight_by_target_parameters_is_refused_at_tp():
     to the wrapper's factors; refused by name before any collective (target_modules serves)."""
     from peft import LoraConfig, get_peft_model
 
+    from qn_hf.build.validate import check_parallel_config
     from qn_hf.check.run import build
-    from qn_hf.config.validate import check_parallel_config
     from qn_hf.peft.lora import unwrap_peft
     from tests.ep_cases import moe_config
 

@@ -190,12 +190,12 @@ def test_parameter_outside_every_stage_is_an_error():
 def test_loss_kind_is_an_enum_and_policies_keep_accepting_strings():
     """``ModelPolicy(loss="causal_lm")`` stores ``LossKind.CAUSAL_LM`` (a member equals its string); the
     kind knows whether its targets are the labels shifted by one; an unknown kind is refused by name."""
-    from qn_hf.step.loss import LOSSES, LossKind
+    from qn_hf.config.options import LossKind
     from qn_hf.tensor_parallel.plan import ModelPolicy
 
     policy = ModelPolicy(model_type="x", layers="layers", tp_plan={}, loss="causal_lm")
     assert policy.loss is LossKind.CAUSAL_LM and policy.loss == "causal_lm" and f"{policy.loss!r}" == "'causal_lm'"
-    assert LOSSES == ("causal_lm", "classification") and [k.shifted for k in LossKind] == [True, False]
+    assert LossKind.values() == ("causal_lm", "classification") and [k.shifted for k in LossKind] == [True, False]
     assert ModelPolicy(model_type="x", layers="layers", tp_plan={}).loss is None
     with pytest.raises(ValueError, match="unknown loss 'mse'"):
         ModelPolicy(model_type="x", layers="layers", tp_plan={}, loss="mse")

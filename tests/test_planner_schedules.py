@@ -14,7 +14,6 @@ from qn_hf.planner.cli import main
 from qn_hf.planner.estimate import Planner, estimate_mesh
 from tests.cases import parallelize_as_launched
 
-
 # Pipeline schedules: 8 blocks, so pp x V up to 8 chunks.
 SMALL = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
                     num_key_value_heads=4, vocab_size=1000, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
@@ -84,7 +83,7 @@ def test_zb_h1_stash_is_the_deferred_linears_inputs_and_output_gradients():
 def test_schedule_refusals_and_cli(tmp_path, capsys):
     """Refused schedules say what parallelize says; the CLI takes every schedule and V, lists a rank's
     chunks, names the schedule with its bubble, and picks an M the schedule allows."""
-    from qn_hf.pipeline.schedule import SCHEDULES, microbatches_allowed
+    from qn_hf.config.schedule import SCHEDULES, microbatches_allowed
     from qn_hf.planner.search import microbatches_for
 
     for mesh in (dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2,

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from qn_hf.build.validate import check_parallel_config
 from qn_hf.checkpoint.layout import meta_model
 from qn_hf.config.composition import Feature
-from qn_hf.config.validate import check_parallel_config
 from qn_hf.planner.cost import Hardware
 from qn_hf.planner.estimate import Planner
 from qn_hf.planner.search import search

@@ -8,17 +8,15 @@ from fractions import Fraction
 import pytest
 import torch
 
+from qn_hf.config.schedule import check_schedule_args, microbatches_allowed, nearest_allowed_microbatches
 from qn_hf.pipeline.runtime import Peers, StageExecutor
 from qn_hf.pipeline.schedule import (
     Action,
     Op,
-    check_schedule_args,
     chunk_of,
     deferred,
     final_actions,
     format_grid,
-    microbatches_allowed,
-    nearest_allowed_microbatches,
     peak_in_flight,
     rank_of_chunk,
     schedule_actions,
@@ -506,7 +504,7 @@ def test_schedules_are_an_enum_that_knows_what_each_can_do():
     """``qn_hf.Schedule``: each member equals parallelize's string for it (either is accepted), quotes
     that string in messages, and carries its capabilities as data instead of name comparisons."""
     import qn_hf
-    from qn_hf.pipeline.schedule import SCHEDULES, Schedule, as_schedule
+    from qn_hf.config.schedule import SCHEDULES, Schedule, as_schedule
 
     assert SCHEDULES == ("1f1b", "gpipe", "interleaved_1f1b", "zb_h1") and qn_hf.Schedule is Schedule
     assert [as_schedule(name) for name in SCHEDULES] == list(Schedule) and as_schedule(Schedule.GPIPE) is Schedule.GPIPE

@@ -86,7 +86,7 @@ def test_finds_what_it_forbids():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
     edges, _ = _imports(_modules())
-    assert "qn_hf.parallel_model" in edges["qn_hf.parallelize"]  # the graph is read from the real files
+    assert "qn_hf.parallel_model" in edges["qn_hf.build.parallelize"]  # the graph is read from the real files
     assert "qn_hf.checkpoint.format" in edges["qn_hf.checkpoint.save"]
 
 
@@ -113,8 +113,8 @@ def test_package_root_keeps_only_entry_points_and_shared_modules():
 
 def _names_of_choices() -> dict[str, str]:
     """Every spelling of a style, schedule, mesh axis or loss kind -> which enum it belongs to."""
+    from qn_hf.config.schedule import Schedule
     from qn_hf.mesh import Axis
-    from qn_hf.pipeline.schedule import Schedule
     from qn_hf.step.loss import LossKind
     from qn_hf.tensor_parallel.styles import Style
 
@@ -169,7 +169,7 @@ def _pass_order_problems(passes, initial: set[str]) -> list[str]:
 def test_parallelize_passes_run_after_what_they_need():
     import dataclasses
 
-    from qn_hf.parallelize import PASSES, Build, Pass
+    from qn_hf.build.passes import PASSES, Build, Pass
 
     fields = {f.name: f for f in dataclasses.fields(Build)}
     initial = {n for n, f in fields.items() if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}

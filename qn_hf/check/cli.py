@@ -20,13 +20,13 @@ import argparse
 import sys
 from dataclasses import asdict
 
+from ..arguments import plural
+from ..config.dims import Axis
 from ..config.parallel_config import ParallelConfig
 from ..local_world import LocalWorld, WorldFailure
-from ..arguments import plural
 from ..training.words import mesh_words
 from .run import LOSS_RTOL, WEIGHT_ATOL, Verdict, one_step_parity, parity_config
 from .shrink import LAYERS, shrink_config
-from ..mesh import Axis
 
 EXIT = {"equal": 0, "different": 1, "refused": 2, "crashed": 3}
 RANK_TIMEOUT_S = 600  # a whole check of a shrunk model takes seconds; a stuck collective gives up

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-from ..pipeline.schedule import Schedule, check_schedule_args
+from ..config.schedule import Schedule, check_schedule_args
 from ..pipeline.split import PipelineTie, build_stage_plan, stage_of_module
-from ..tensor_parallel.plan import ModelPolicy, build_tp_plan
 from ..policies import resolve_policy
-from ..tensor_parallel.shard import ShardSpec
 from ..tensor_parallel.apply import apply_tp_plan
+from ..tensor_parallel.plan import ModelPolicy, build_tp_plan
+from ..tensor_parallel.shard import ShardSpec
 
 
 @dataclass(frozen=True)

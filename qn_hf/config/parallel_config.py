@@ -17,13 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from ..arguments import check_choice, check_positive
-from ..data_parallel.buckets import DEFAULT_BUCKET_MB
-from ..data_parallel.sharded import Gather
-from ..data_parallel.precision import PRECISIONS
-from ..memory.recompute import RECOMPUTE
-from ..mesh import ParallelDims
-from ..pipeline.schedule import Schedule, as_schedule, check_schedule_args
 from .composition import Feature
+from .dims import ParallelDims
+from .options import DEFAULT_BUCKET_MB, Gather, Precision, Recompute
+from .schedule import Schedule, as_schedule, check_schedule_args
+from .sequence import sequence_split
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,8 +32,8 @@ class ParallelConfig:
     virtual_stages: int = 1
     layers_per_stage: tuple[int, ...] | None = None
     bucket_mb: float = DEFAULT_BUCKET_MB
-    mixed_precision: str | None = None
-    recompute: str | None = None
+    mixed_precision: Precision | None = None
+    recompute: Recompute | None = None
     sequence_parallel: bool = False
     compile: bool = False
     dp_shard_gather: Gather = Gather.STEP  # dp_shard x pp: gather a stage's weights once a step, or per microbatch
@@ -57,9 +55,9 @@ class ParallelConfig:
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} must be True or False")
         if mixed_precision is not None:
-            check_choice("mixed_precision", mixed_precision, tuple(PRECISIONS))
+            check_choice("mixed_precision", mixed_precision, Precision.values())
         if recompute is not None:
-            check_choice("recompute", recompute, RECOMPUTE)
+            check_choice("recompute", recompute, Recompute.values())
         gather_name = getattr(dp_shard_gather, "value", dp_shard_gather)
         check_choice("dp_shard_gather", gather_name, tuple(g.value for g in Gather))
         gather = Gather(gather_name)
@@ -70,7 +68,9 @@ class ParallelConfig:
         config = cls(dims=dims, microbatches=microbatches, schedule=as_schedule(schedule),
                      virtual_stages=virtual_stages,
                      layers_per_stage=None if layers_per_stage is None else tuple(layers_per_stage),
-                     bucket_mb=bucket_mb, mixed_precision=mixed_precision, recompute=recompute,
+                     bucket_mb=bucket_mb,
+                     mixed_precision=None if mixed_precision is None else Precision(mixed_precision),
+                     recompute=None if recompute is None else Recompute(recompute),
                      sequence_parallel=sequence_parallel, compile=compile, dp_shard_gather=gather)
         return config
 
@@ -94,8 +94,14 @@ class ParallelConfig:
         used = {Feature.DP: d.dp > 1, Feature.DP_SHARD: d.dp_shard > 1, Feature.TP: d.tp > 1, Feature.CP: d.cp > 1, Feature.EP: d.ep > 1,
                 Feature.SP: self.sequence_parallel, Feature.COMPILE: self.compile,
                 Feature.RECOMPUTE: self.recompute is not None,
-                Feature.BF16: self.mixed_precision == "bf16", Feature.FP16: self.mixed_precision == "fp16"}
+                Feature.BF16: self.mixed_precision is Precision.BF16,
+                Feature.FP16: self.mixed_precision is Precision.FP16}
         found = {feature for feature, on in used.items() if on}
         if d.pp > 1 or self.schedule.chunks or self.schedule.split_backward:
             found.add(Feature.for_schedule(self.schedule))
         return frozenset(found)
+
+    @property
+    def sequence_split(self) -> tuple[int, str]:
+        """The multiple every sequence length must be, and why (``sequence.py``)."""
+        return sequence_split(cp=self.dims.cp, tp=self.dims.tp, sequence_parallel=self.sequence_parallel)

@@ -37,9 +37,9 @@ from transformers.masking_utils import find_packed_sequence_indices
 
 from ..comm import all_gather_tensors
 from ..compat import reduce_scatter_single
+from ..config.options import LossKind
+from ..devices import on_device
 from ..policies.amendments import CP_REFUSALS
-from ..step.batch import on_device
-from ..step.loss import LossKind, causal_lm_targets
 from ..tensor_parallel.plan import TpPlan
 from .ring_attention import ChunkLayout, needs_mask, ring_attention
 
@@ -195,7 +195,7 @@ def shard_microbatch(micro: Mapping[str, torch.Tensor], *, layout: ChunkLayout, 
     valid = micro.get("attention_mask", torch.ones_like(ids)).long()
     meta = (valid[:, None] if documents is None else torch.stack([documents, valid], dim=1)).unsqueeze(1)  # [b, 1, 1|2, seq]
     return {"input_ids": ids[:, keep], "position_ids": positions[:, keep], "attention_mask": meta,
-            "targets": causal_lm_targets(micro.get("labels", ids))[:, keep], LOCAL_VALID: valid[:, keep]}
+            "targets": LossKind.CAUSAL_LM.targets(micro.get("labels", ids))[:, keep], LOCAL_VALID: valid[:, keep]}
 
 
 def gather_sequence_positions(x: torch.Tensor, *, layout: ChunkLayout, group: ProcessGroup) -> torch.Tensor:

@@ -34,8 +34,6 @@ from torch.distributed import ProcessGroup
 
 from ..compat import all_gather_single, reduce_scatter_single
 
-DEFAULT_BUCKET_MB = 25.0
-
 
 def bucket_size_bytes(bucket_mb: float) -> int:
     """The bucket size in bytes for ``bucket_mb`` MiB (checked positive with the configuration); at

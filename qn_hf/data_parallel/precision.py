@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 GRAD_DTYPE = torch.float32
 
 

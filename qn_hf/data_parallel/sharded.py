@@ -44,8 +44,6 @@ its own autograd call, and earlier chunks run the base model alone (no head). So
 
 from __future__ import annotations
 
-import enum
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -53,13 +51,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..compat import fsdp_param_groups
-
-
-class Gather(enum.Enum):
-    """How often a pipeline stage all-gathers its blocks' weights in one step (module docstring)."""
-
-    STEP = "step"
-    MICROBATCH = "microbatch"
+from ..config.options import Gather
 
 
 class ShardedParameters:

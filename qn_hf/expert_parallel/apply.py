@@ -27,14 +27,14 @@ from __future__ import annotations
 
 from torch import nn
 
-from .dispatch import ExpertRoute, expert_parallel_forward
-from .stacked import is_stacked_experts, stacked_expert_hooks
 from ..compat import decorated_experts
-from ..mesh import Axis, ParallelDims
+from ..config.dims import Axis, ParallelDims
 from ..peft.lora import ParamLora, is_lora_layer, lora_layer_names, param_loras, without_wrappers
 from ..tensor_parallel.plan import TpPlan
 from ..tensor_parallel.shard import ShardSpec
 from ..tensor_parallel.styles import Style
+from .dispatch import ExpertRoute, expert_parallel_forward
+from .stacked import is_stacked_experts, stacked_expert_hooks
 
 # transformers' name for the module holding an MoE layer's routed experts (a module name, not the
 # tensor-parallel style of the same spelling).

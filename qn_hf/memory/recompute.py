@@ -31,9 +31,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..arguments import check_choice
+from ..config.options import Recompute
 from ..tensor_parallel.rng import RngStreams
-
-RECOMPUTE = ("full", "selective")
 
 _aten = torch.ops.aten
 # What selective recomputation keeps: the products that cost FLOPs.
@@ -52,7 +51,7 @@ def check_recompute(model: nn.Module, *, recompute: str | None, layers: str) -> 
     take it (raised before any collective)."""
     if recompute is None:
         return
-    check_choice("recompute", recompute, RECOMPUTE)
+    check_choice("recompute", recompute, Recompute.values())
     for block in model.get_submodule(layers):
         if not isinstance(block, GradientCheckpointingLayer):
             raise ValueError(f"recompute={recompute!r}: {type(block).__name__} (in {layers}) is not a transformers "

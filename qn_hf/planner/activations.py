@@ -22,11 +22,11 @@ from collections.abc import Iterable
 
 from torch import nn
 
+from ..config.options import LossKind
 from ..pipeline.split import StagePlan, chunk_of_module
-from ..step.loss import LossKind
 from ..tensor_parallel.plan import TpPlan
-from .trace import Trace
 from ..tensor_parallel.styles import COLUMN_STYLES, ROW_STYLES, Style
+from .trace import Trace
 
 
 def chunk_activations(model: nn.Module, *, kept: dict[str, tuple[int, int]], base: Trace, plan: TpPlan,

@@ -65,8 +65,8 @@ import sys
 
 import torch
 
-from ..mesh import Axis, ParallelDims
-from ..pipeline.schedule import SCHEDULES, as_schedule
+from ..config.dims import Axis, ParallelDims
+from ..config.schedule import SCHEDULES, as_schedule
 from .cost import GIB, Hardware, links, step_time
 from .estimate import Planner
 from .results import MeshEstimate

@@ -31,7 +31,6 @@ from transformers import AttentionInterface
 
 from ..comm_meter import Collective
 
-
 GRAD_ELEM = 4  # the backward's gradient accumulator travels in float32
 _names = itertools.count()
 

@@ -49,9 +49,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..comm_meter import Collective
+from ..config.dims import Axis
 from .results import MeshEstimate
 from .schedules import op_costs, pipeline_timing
-from ..mesh import Axis
 
 GIB = 1024**3
 

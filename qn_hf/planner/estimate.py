@@ -45,32 +45,34 @@ from dataclasses import replace
 import torch
 from transformers import PretrainedConfig
 
-from ..step.batch import check_model_inputs, sequence_split
-from ..data_parallel.buckets import DEFAULT_BUCKET_MB, bucket_size_bytes
+from ..build.validate import CheckedConfig, check_parallel_config
 from ..checkpoint.layout import meta_model
-from ..pipeline.schedule import as_schedule
-from ..pipeline.split import StagePlan, stage_of_module
-from ..policies import resolve_policy
-from ..tensor_parallel.plan import ModelPolicy
-from ..data_parallel.precision import GRAD_DTYPE, PRECISIONS, apply_mixed_precision
-from ..data_parallel.sharded import Gather
-from ..expert_parallel.apply import expert_parameter_names, sharded_experts
 from ..config.composition import Feature, check_composition
+from ..config.options import DEFAULT_BUCKET_MB, Gather, Precision
 from ..config.parallel_config import ParallelConfig
-from ..config.validate import CheckedConfig, check_parallel_config
+from ..config.schedule import as_schedule
+from ..config.sequence import sequence_split
+from ..data_parallel.buckets import bucket_size_bytes
+from ..data_parallel.precision import GRAD_DTYPE, apply_mixed_precision
+from ..expert_parallel.apply import expert_parameter_names, sharded_experts
+from ..pipeline.split import StagePlan, stage_of_module
 from ..pipeline.weight_grad import WeightGradQueue, make_deferrable
+from ..policies import resolve_policy
+from ..step.batch import check_model_inputs
+from ..tensor_parallel.plan import ModelPolicy
 from .activations import chunk_activations, kept_collectives, weight_stash
 from .context import cp_inputs
+from .experts import moe_regions
 from .memory import RankState, bucket_layout, rank_state
 from .params import StageParams, local_sizes, stage_params
+from .results import MeshEstimate, StageEstimate
 from .schedules import bubble, op_costs, pipeline_timing, rank_peaks
 from .sequence import StageEdges, stage_edges
 from .sharded import sharded_stage
-from .unmodelled import check_modelled, modelled_experts
-from .experts import moe_regions
 from .trace import Recording, Trace, example_inputs, record_microbatch
-from .results import MeshEstimate, StageEstimate
 from .traffic import Mesh, stage_traffic
+from .unmodelled import check_modelled, modelled_experts
+
 
 class Planner:
     """Estimates for one model config at one microbatch shape, over any number of meshes.
@@ -169,7 +171,7 @@ class Planner:
         expert_replicas = dp * tp // ep * cp  # every cp rank holds the same experts
         zero_experts = zero and ep > 1 and expert_replicas > 1  # the experts' buckets split over their holders
         zero = zero and replicas > 1
-        precision = PRECISIONS.get(mixed_precision)
+        precision = None if mixed_precision is None else Precision(mixed_precision).dtype
         traced = dict(edges=edges, cp=cp, ep=ep, precision=precision,
                       loaded_experts=dp_shard > 1 and ep > 1 and expert_replicas == 1 and precision is not None)
         # the shapes and what a recomputation reruns come from the run without it, in the compute dtype

@@ -31,7 +31,8 @@ import functools
 from collections import Counter
 from collections.abc import Sequence
 
-from ..pipeline.schedule import Action, Op, as_schedule, chunk_of, deferred, schedule_actions
+from ..config.schedule import as_schedule
+from ..pipeline.schedule import Action, Op, chunk_of, deferred, schedule_actions
 from ..pipeline.schedule_check import Peaks, Timing, peaks, timed
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..pipeline.schedule import microbatches_allowed
+from ..config.schedule import microbatches_allowed
 from .cost import Hardware, StepTime, step_time
 from .estimate import Planner
 from .results import MeshEstimate

@@ -38,10 +38,10 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..step.batch import check_sequence_length, sequence_split
 from ..comm_meter import Collective
-from ..tensor_parallel.patterns import join
+from ..config.sequence import check_sequence_length, sequence_split
 from ..pipeline.split import StagePlan
+from ..tensor_parallel.patterns import join
 from ..tensor_parallel.plan import TpPlan
 from ..tensor_parallel.sequence_parallel import final_norm, first_argument, with_first
 from ..tensor_parallel.styles import Style

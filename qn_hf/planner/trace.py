@@ -43,14 +43,14 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.pytorch_utils import Conv1D
 
 from ..expert_parallel.apply import experts_modules
-from ..tensor_parallel.plan import TpPlan
 from ..memory.recompute import checkpoint_options
+from ..tensor_parallel.plan import TpPlan
 from ..tensor_parallel.sequence_parallel import regathers
+from ..tensor_parallel.styles import COLUMN_STYLES, WHOLE_STYLES, Style
 from .context import RingCall, RingStandIn
 from .experts import ExpertCall, ExpertsStandIn, moe_regions
 from .kernels import TrainingKernels
 from .sequence import SeqCollective, SequenceStandIns, StageEdges
-from ..tensor_parallel.styles import COLUMN_STYLES, WHOLE_STYLES, Style
 
 
 @dataclass(frozen=True)

@@ -50,16 +50,15 @@ from dataclasses import dataclass, field
 
 from ..comm import flat_runs
 from ..comm_meter import Collective
-from ..step.loss import LossKind
+from ..config.dims import Axis
+from ..config.options import LossKind
 from ..tensor_parallel.plan import TpPlan
+from ..tensor_parallel.styles import Style
 from .context import ring_ops
 from .experts import ExpertCall, expert_ops
 from .memory import Bucket, owned
 from .sequence import GATHER
 from .trace import Trace
-from ..tensor_parallel.styles import Style
-from ..mesh import Axis
-
 
 
 @dataclass(frozen=True)
@@ -90,7 +89,7 @@ def _tp_microbatch(s: int, *, plan: TpPlan, trace: Trace, stage_of: Callable[[st
         ops[op][1] += nbytes
 
     sp = plan.sequence_parallel
-    entered = lambda name: any(name.startswith(e + ".") for e in plan.tp_entries)  # noqa: E731
+    entered = lambda name: any(name.startswith(e + ".") for e in plan.tp_entries)
     for name, style in plan.rules:
         if stage_of(name) != s or name not in trace.io:
             continue

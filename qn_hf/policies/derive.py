@@ -9,16 +9,17 @@ attribute that ``repeat_kv`` reads) from the model's own structure.
 from __future__ import annotations
 
 import ast
+
 from torch import nn
 
 from ..compat import per_layer
+from ..config.options import LossKind
 from ..peft.lora import names_before_peft
 from ..tensor_parallel.embedding_types import adapter_for
-from ..tensor_parallel.sequence_parallel import position_wise
 from ..tensor_parallel.heads import head_layout
 from ..tensor_parallel.patterns import base_model_and_prefix, match_modules, match_parameters
-from ..step.loss import LossKind
 from ..tensor_parallel.plan import ModelPolicy
+from ..tensor_parallel.sequence_parallel import position_wise
 from ..tensor_parallel.styles import COLUMN_STYLES, HF_STYLES, PARAM_FORM, Style
 from .amendments import AMENDMENTS, CARRIED_REUSED_BY, KV_SHARED_BY, PP_PLANS, REFUSALS
 from .entries import derive_entries, forward_tree, self_path, self_references

@@ -1,6 +1,6 @@
 """GPT-2 (GPT2Model, GPT2LMHeadModel): Conv1D projections, fused q|k|v, tied wte/lm_head."""
 
-from ..step.loss import LossKind
+from ..config.options import LossKind
 from ..tensor_parallel.plan import ModelPolicy
 
 POLICY = ModelPolicy(

@@ -1,6 +1,6 @@
 """Llama (LlamaModel, LlamaForCausalLM): separate q/k/v with grouped-query attention, untied head."""
 
-from ..step.loss import LossKind
+from ..config.options import LossKind
 from ..tensor_parallel.plan import ModelPolicy
 
 POLICY = ModelPolicy(

@@ -1,6 +1,6 @@
 """ViT (ViTModel, ViTForImageClassification): patch embedding and classifier stay replicated."""
 
-from ..step.loss import LossKind
+from ..config.options import LossKind
 from ..tensor_parallel.plan import ModelPolicy
 
 POLICY = ModelPolicy(

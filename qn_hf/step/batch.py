@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import inspect
 import zlib
 from collections.abc import Mapping
@@ -12,7 +10,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .loss import IGNORE_INDEX, LossKind, check_builtin_loss
+from ..config.options import IGNORE_INDEX, LossKind
+from ..config.sequence import check_sequence_length
+from .loss import check_builtin_loss
 
 
 def check_batch(batch: Mapping[str, torch.Tensor], *, microbatches: int, required: tuple[str, ...] = ()) -> int:
@@ -91,23 +91,6 @@ def dp_rows(batch: Mapping[str, torch.Tensor], *, dp: int, dp_rank: int, multipl
     return {k: v[dp_rank * per:(dp_rank + 1) * per] for k, v in batch.items()}
 
 
-def on_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``tensor`` on ``device`` without making the host wait for it: a host tensor bound for a CUDA
-    device is copied through pinned memory (unless it is pinned already) with a non-blocking copy, as
-    a DataLoader with ``pin_memory=True`` would hand it over. A plain ``.to(device)`` of pageable
-    memory waits on the host until the copy is done, every step. The pinned copy's memory returns to
-    torch's pinned pool only once the transfer on the current stream is done (the caching host
-    allocator records it)."""
-    if tensor.device == device or device.type != "cuda" or tensor.device.type != "cpu":
-        return tensor.to(device)
-    return (tensor if tensor.is_pinned() else tensor.pin_memory()).to(device, non_blocking=True)
-
-
-def to_device(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """Every tensor of ``batch`` on ``device`` (``on_device``)."""
-    return {k: on_device(v, device) for k, v in batch.items()}
-
-
 def microbatch_rows(size: int, *, microbatches: int) -> list[int]:
     """Rows of each microbatch of a local batch of ``size`` (``torch.tensor_split``: the first
     ``size % microbatches`` take one row more). Every pipeline stage computes this from the batch it
@@ -125,27 +108,6 @@ def split_microbatches(batch: Mapping[str, torch.Tensor], *, microbatches: int) 
 # Keys Hugging Face models take as indices: integers, never floats (labels only for the built-in
 # losses: a user's loss_fn may take float or soft labels; masks may be float or 4-D).
 INTEGER_KEYS = ("input_ids", "token_type_ids", "position_ids")
-
-
-def sequence_split(*, cp: int, tp: int, sequence_parallel: bool) -> tuple[int, str]:
-    """The multiple every sequence length must be, and why: cp cuts a sequence into 2*cp chunks,
-    sequence parallelism splits it (under cp: each cp rank's two chunks, L/cp tokens) over tp."""
-    if cp > 1 and sequence_parallel:
-        return cp * math.lcm(2, tp), (f"cp={cp} cuts it into 2*cp chunks and sequence_parallel=True splits each cp "
-                                      f"rank's part over tp={tp}")
-    if cp > 1:
-        return 2 * cp, f"cp={cp} cuts it into 2*cp chunks"
-    if sequence_parallel:
-        return tp, f"sequence_parallel=True splits it over tp={tp}"
-    return 1, ""
-
-
-def check_sequence_length(length: int, split: tuple[int, str]) -> None:
-    """``length`` must be a multiple of ``split``'s multiple (``sequence_split``)."""
-    multiple, why = split
-    if length % multiple:
-        raise ValueError(f"sequence length {length} is not a multiple of {multiple} ({why}); pad the sequences "
-                         f"to a multiple of {multiple} (attention_mask 0 and labels -100 on the padding)")
 
 
 def check_model_inputs(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Module, loss: LossKind | str | None,

@@ -55,8 +55,8 @@ import torch
 from torch import nn
 
 from ..config.composition import EXPERTS_RECOMPILE, Feature, check_composition
+from ..config.schedule import as_schedule
 from ..expert_parallel.apply import experts_modules
-from ..pipeline.schedule import as_schedule
 from ..pipeline.standins import StandIn
 
 

@@ -18,12 +18,14 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from ..config.sequence import sequence_split
 from ..context_parallel.apply import CP_KEYS, LOSS_KEYS, gather_sequence_positions, ring_documents, shard_microbatches
+from ..devices import to_device
 from ..pipeline.runtime import batch_shape_key
 from ..pipeline.schedule import schedule_actions
 from ..pipeline.wire import broadcast_announced
 from .agreement import agree_on_batch
-from .batch import check_step_batch, microbatch_rows, sequence_split, split_microbatches, to_device
+from .batch import check_step_batch, microbatch_rows, split_microbatches
 
 # (a microbatch's whole logits, that microbatch of the batch) -> what ``ParallelModel.logits`` keeps of them
 LogitsFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor]

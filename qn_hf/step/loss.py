@@ -14,10 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
-from ..arguments import Choice
 from ..comm import group_size
-
-IGNORE_INDEX = -100
+from ..config.options import IGNORE_INDEX, LossKind
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -65,20 +63,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.in_dtype), None, None, None, None, None
 
 
-class LossKind(Choice):
-    """The built-in losses a policy names. A member equals its string (policies written with
-    ``loss="causal_lm"`` keep working; ``ModelPolicy`` stores the member)."""
-
-    CAUSAL_LM = "causal_lm"  # next-token cross-entropy over the vocabulary, labels per position
-    CLASSIFICATION = "classification"  # one label per sequence (ViT, sequence classification)
-
-    @property
-    def shifted(self) -> bool:
-        """Position t predicts label t+1 (HF's shift), so targets are the labels moved by one."""
-        return self is LossKind.CAUSAL_LM
-
-
-LOSSES = LossKind.values()
 
 
 def vocab_parallel_cross_entropy(
@@ -98,11 +82,6 @@ def vocab_parallel_cross_entropy(
     return _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, vocab_size, group, ignore_index)
 
 
-def causal_lm_targets(labels: torch.Tensor) -> torch.Tensor:
-    """HF's shift: position t predicts label t+1; the last position predicts nothing."""
-    return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
-
-
 def local_count(batch: Mapping[str, torch.Tensor], *, shifted: bool | None, device: torch.device) -> torch.Tensor:
     """What a step's loss is a mean over, in this rank's ``batch``, as float64 ``[1]`` on ``device``:
     the built-in loss's targets (``shifted``: a causal LM's, after HF's shift), or with
@@ -112,7 +91,7 @@ def local_count(batch: Mapping[str, torch.Tensor], *, shifted: bool | None, devi
     if "labels" not in batch:
         raise ValueError(f"batch lacks ['labels'] (has {sorted(batch)}): the built-in loss counts its targets")
     labels = batch["labels"].to(device, non_blocking=True)
-    targets = causal_lm_targets(labels) if shifted else labels
+    targets = (LossKind.CAUSAL_LM if shifted else LossKind.CLASSIFICATION).targets(labels)
     return (targets != IGNORE_INDEX).sum(dtype=torch.float64).reshape(1)
 
 
@@ -136,7 +115,7 @@ def nan_without_targets(loss: torch.Tensor, count: torch.Tensor) -> torch.Tensor
 
 
 def count_targets(labels: torch.Tensor, *, causal: bool) -> int:
-    targets = causal_lm_targets(labels) if causal else labels
+    targets = (LossKind.CAUSAL_LM if causal else LossKind.CLASSIFICATION).targets(labels)
     return int((targets != IGNORE_INDEX).sum())
 
 

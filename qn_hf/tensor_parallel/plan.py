@@ -14,10 +14,10 @@ from dataclasses import dataclass, field, replace
 
 from torch import nn
 
-from ..step.loss import LOSSES, LossKind
-from .patterns import base_model_and_prefix, join, match_modules, match_parameters
-from .heads import LAYOUT_VALUES, HeadLayout, attention_layout, head_layout
+from ..config.options import LossKind
 from ..peft.lora import LoraLeaves, is_lora_layer, is_param_wrapper, lora_rules, names_before_peft
+from .heads import LAYOUT_VALUES, HeadLayout, attention_layout, head_layout
+from .patterns import base_model_and_prefix, join, match_modules, match_parameters
 from .rules import check_rule, check_ties, is_projection, split_kv_per_module
 from .styles import COLUMN_STYLES, PARAM_STYLES, STYLES, Style
 
@@ -117,8 +117,8 @@ class ModelPolicy:
         if not set(self.pp_per_block_outputs) <= set(self.pp_every_stage):
             raise ValueError(f"policy {self.model_type}: pp_per_block_outputs {list(self.pp_per_block_outputs)} must be "
                              f"among pp_every_stage {list(self.pp_every_stage)}")
-        if self.loss is not None and self.loss not in LOSSES:
-            raise ValueError(f"policy {self.model_type}: unknown loss {self.loss!r}; known: {LOSSES}")
+        if self.loss is not None and self.loss not in LossKind.values():
+            raise ValueError(f"policy {self.model_type}: unknown loss {self.loss!r}; known: {LossKind.values()}")
         if self.loss is not None:
             object.__setattr__(self, "loss", LossKind(self.loss))  # frozen: set once, here
 

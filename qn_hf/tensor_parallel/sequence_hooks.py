@@ -13,11 +13,17 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from ..comm import (all_gather_sequence, gather_sequence, gather_sequence_into_region, group_rank, group_size,
-                   split_sequence)
+from ..comm import (
+    all_gather_sequence,
+    gather_sequence,
+    gather_sequence_into_region,
+    group_rank,
+    group_size,
+    split_sequence,
+)
+from ..config.sequence import check_sequence_length, sequence_split
 from ..pipeline.split import StagePlan
 from ..pipeline.stage import Wire
-from ..step.batch import check_sequence_length, sequence_split
 from .hooks import partial_sum_hooks
 from .layers import RowParallelLinear
 from .plan import TpPlan

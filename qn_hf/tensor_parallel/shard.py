@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..mesh import Axis
+from ..config.dims import Axis
 
 
 @dataclass(frozen=True)

@@ -245,16 +245,15 @@ def _mesh(value: Any) -> tuple[int, int, int]:
 
 
 def _check(cfg: TrainConfig) -> None:
-    from ..pipeline.schedule import SCHEDULES
-    from ..data_parallel.precision import PRECISIONS
-    from ..memory.recompute import RECOMPUTE
+    from ..config.options import Precision, Recompute
+    from ..config.schedule import SCHEDULES
 
     if cfg.task not in TASKS:
         raise UsageError(f"task {cfg.task!r} is not one of {TASKS}")
     if cfg.schedule not in SCHEDULES:
         raise UsageError(f"schedule {cfg.schedule!r} is not one of {sorted(SCHEDULES)}")
-    for name, value, choices in (("mixed_precision", cfg.mixed_precision, PRECISIONS),
-                                 ("recompute", cfg.recompute, RECOMPUTE)):
+    for name, value, choices in (("mixed_precision", cfg.mixed_precision, Precision.values()),
+                                 ("recompute", cfg.recompute, Recompute.values())):
         if value is not None and value not in choices:
             raise UsageError(f"{name} {value!r} is not one of {sorted(choices)}")
     positive = {"batch_size": cfg.batch_size, "steps": cfg.steps, "seq_len": cfg.seq_len, "ep": cfg.ep,

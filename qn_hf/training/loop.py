@@ -25,14 +25,16 @@ import datasets
 import torch
 import torch.distributed as dist
 
+from ..arguments import plural
+from ..build.parallelize import parallelize
 from ..checkpoint import checkpoint_dir
 from ..checkpoint.atomic import write_text_atomic
 from ..checkpoint.lock import DirectoryInUse, HeldDirectory, hold_directory
 from ..data_parallel.grad_norm import clip_grad_norm_
-from ..mesh import default_device, init_distributed, launched_world_size
 from ..data_parallel.optimizer import optimizer
+from ..devices import default_device
+from ..mesh import init_distributed, launched_world_size
 from ..parallel_model import ParallelModel
-from ..parallelize import parallelize
 from .config import TrainConfig, default_microbatches, effective_yaml
 from .errors import UsageError
 from .lr import warmup_cosine
@@ -41,7 +43,6 @@ from .plots import loss_curve, pipeline_timeline
 from .retention import Retention
 from .sampler import GlobalBatches
 from .tasks import TASK_TYPES, model_directory
-from ..arguments import plural
 from .words import mesh_words
 
 T = TypeVar("T")

@@ -13,14 +13,14 @@ import torch
 from datasets import Dataset
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageClassification, PretrainedConfig
 
-from ..step.batch import sequence_split
-from ..step.loss import IGNORE_INDEX
+from ..arguments import plural
+from ..config.options import IGNORE_INDEX
+from ..config.sequence import sequence_split
 from ..parallel_model import ParallelModel
 from .config import TrainConfig
 from .data_images import DIGITS_CHANNELS, DIGITS_SIZE, check_image_data, load_image_data
 from .data_text import check_text_files, load_lm_data, tokenizer_source
 from .errors import UsageError
-from ..arguments import plural
 from .presets import LM_PRESETS, PRESETS, lm_preset, vit_preset
 from .sampler import eval_batches
 

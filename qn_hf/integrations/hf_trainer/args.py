@@ -24,10 +24,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ...data_parallel.optimizer import ParallelOptimizer
+from ...build.parallelize import parallelize
+from ...config.dims import Axis
 from ...config.parallel_config import ParallelConfig
-from ...parallelize import parallelize
-from ...mesh import Axis
+from ...data_parallel.optimizer import ParallelOptimizer
 
 # parallelize's keywords, plus the optimizer's ZeRO-1 switch (qn_hf.optimizer(zero=...)), which the Trainer builds.
 PARALLEL_KEYS = tuple(name for name, p in inspect.signature(parallelize).parameters.items()

@@ -13,7 +13,8 @@ from accelerate.data_loader import prepare_data_loader
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from transformers.trainer_utils import seed_worker
 
-from ...step.loss import IGNORE_INDEX, count_targets
+from ...config.options import IGNORE_INDEX
+from ...step.loss import count_targets
 
 # The value a right-padded position takes per key; any other key that differs in length cannot be merged.
 PAD_VALUES = {"labels": IGNORE_INDEX, "shift_labels": IGNORE_INDEX, "attention_mask": 0, "input_ids": 0,

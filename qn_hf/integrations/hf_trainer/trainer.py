@@ -36,18 +36,24 @@ import transformers
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import EvalLoopOutput, has_length
 
+from ...build.parallelize import parallelize
 from ...checkpoint import checkpoint_dir, read_index
-from ...step.compile import is_compiled
-from ...data_parallel.grad_norm import clip_grad_norm_
-from ...mesh import launched_world_size
-from ...data_parallel.optimizer import optimizer
-from ...parallel_model import ParallelModel
-from ...parallelize import parallelize
-from ...tensor_parallel.rng import device_rng_state, set_device_rng_state
 from ...config.composition import Feature
-from .args import (TrainerMesh, check_compiled, check_trainer_inputs, check_training_args, check_user_optimizer,
-                           trainer_mesh)
+from ...data_parallel.grad_norm import clip_grad_norm_
+from ...data_parallel.optimizer import optimizer
+from ...mesh import launched_world_size
+from ...parallel_model import ParallelModel
 from ...step.batch import dp_rows
+from ...step.compile import is_compiled
+from ...tensor_parallel.rng import device_rng_state, set_device_rng_state
+from .args import (
+    TrainerMesh,
+    check_compiled,
+    check_trainer_inputs,
+    check_training_args,
+    check_user_optimizer,
+    trainer_mesh,
+)
 from .data import count_items, merge_batches, one_process_loader, rows_of, user_loss
 
 SHARDED = "sharded"  # the sub-directory of checkpoint-N holding pm.save_checkpoint's format

@@ -16,17 +16,17 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..config.composition import Feature, check_composition
+from ..config.dims import ParallelDims
+from ..config.parallel_config import ParallelConfig
 from ..context_parallel.apply import check_context_parallel
 from ..expert_parallel.apply import check_expert_parallel, expert_parallel_plan, expert_tp_blocks, token_wise_blocks
 from ..memory.recompute import check_recompute
-from ..mesh import ParallelDims
 from ..pipeline.split import StagePlan, build_stage_plan
 from ..policies import resolve_policy
 from ..step.compile import check_compile
 from ..tensor_parallel.plan import ModelPolicy, TpPlan, build_tp_plan
 from ..tensor_parallel.sequence_parallel import sequence_parallel_plan
-from .composition import Feature, check_composition
-from .parallel_config import ParallelConfig
 
 
 @dataclass(frozen=True)

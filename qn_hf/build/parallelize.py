@@ -1,0 +1,194 @@
+"""``parallelize``: validate, join the process group, build the mesh, shard, synchronize."""
+
+from __future__ import annotations
+
+import datetime
+import warnings
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..arguments import unknown_keywords
+from ..config.composition import Feature
+from ..config.dims import ParallelDims
+from ..config.options import DEFAULT_BUCKET_MB
+from ..config.parallel_config import ParallelConfig
+from ..config.schedule import as_schedule
+from ..context_parallel.ring_attention import ChunkLayout
+from ..data_parallel.grad_sync import grad_buckets
+from ..data_parallel.precision import LossScaler
+from ..devices import default_device
+from ..failure import refused_on_every_rank
+from ..mesh import build_groups, init_distributed, launched_world_size
+from ..parallel_model import ParallelModel
+from ..peft.lora import unwrap_peft
+from ..pipeline.runtime import StageExecutor
+from ..tensor_parallel.plan import ModelPolicy
+from ..tensor_parallel.styles import Style
+from .passes import PASSES, Build
+from .validate import check_parallel_config
+
+_MARK = "_qn_hf_parallelized"
+
+
+def parallelize(
+    model: nn.Module,
+    *,
+    dp: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    microbatches: int = 1,
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    policy: ModelPolicy | None = None,
+    layers_per_stage: Sequence[int] | None = None,
+    mesh: DeviceMesh | None = None,
+    device: torch.device | None = None,
+    seed: int | None = None,
+    bucket_mb: float = DEFAULT_BUCKET_MB,
+    checkpoint: str | None = None,
+    timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+    mixed_precision: str | None = None,
+    recompute: str | None = None,
+    sequence_parallel: bool = False,
+    compile: bool = False,
+    dp_shard: int = 1,
+    dp_shard_gather: str = "step",
+    **unknown: object,
+) -> ParallelModel:
+    """Shard ``model`` (in place) over a (dp, pp, tp) mesh, or (dp, pp, cp, tp) with ``cp`` > 1, and
+    return its ``ParallelModel``.
+
+    Every check that can fail runs before the first collective, identically on every rank.
+    ``layers_per_stage`` sets how many blocks each pipeline stage gets (default: as even as
+    possible, earlier stages taking the remainder); with ``schedule="interleaved_1f1b"`` the model is
+    cut into pp x ``virtual_stages`` chunks, rank r running chunks r, r+pp, ..., and
+    ``layers_per_stage`` has one entry per chunk. ``mesh`` reuses an existing ("dp", "pp", "tp") mesh; ``seed`` seeds dropout (default: rank 0's
+    ``torch.initial_seed()``, shared with all ranks); ``bucket_mb`` is the size of the gradient
+    buckets all-reduced over dp during backward; ``checkpoint`` (a Hugging Face directory or a qn_hf
+    checkpoint) supplies the weights: with a model built on the ``meta`` device, each rank
+    allocates and reads only its own shard, so no rank ever holds the whole model; ``timeout``
+    bounds every collective when this call creates the process group. ``mixed_precision`` ("bf16" or
+    "fp16") computes in that dtype with float32 gradients and float32 master weights in
+    ``qn_hf.optimizer`` (data_parallel/precision.py); ``recompute`` ("full" or "selective") recomputes each block's
+    activations in backward (memory/recompute.py); ``sequence_parallel`` splits the activations between
+    tensor-parallel regions over the tp ranks along the sequence (tensor_parallel/sequence_parallel.py); ``cp`` splits
+    each sequence over that many ranks, with ring attention (context_parallel/); ``ep`` shards the
+    experts of MoE layers over that many of a stage's dp x tp ranks, tokens travelling to them
+    (expert_parallel/); ``compile`` compiles each block of this stage in place with ``torch.compile``
+    (inductor), the collectives inside traced as functional collectives (step/compile.py); ``dp_shard``
+    shards weights, gradients and optimizer state over groups of that many dp ranks with torch's
+    ``fully_shard`` (data_parallel/sharded.py), under a pipeline gathered once a step or per microbatch
+    (``dp_shard_gather``: "step" or "microbatch").
+    """
+    if unknown:  # Python's own TypeError would not say which keyword was meant
+        raise refused_on_every_rank(TypeError(unknown_keywords(unknown, parallelize)))
+    try:
+        return _parallelize(model, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, microbatches=microbatches, schedule=schedule,
+                            virtual_stages=virtual_stages, policy=policy, layers_per_stage=layers_per_stage, mesh=mesh,
+                            device=device, seed=seed, bucket_mb=bucket_mb, checkpoint=checkpoint, timeout=timeout,
+                            mixed_precision=mixed_precision, recompute=recompute, sequence_parallel=sequence_parallel,
+                            compile=compile, dp_shard=dp_shard, dp_shard_gather=dp_shard_gather)
+    except ValueError as e:  # every refusal is raised alike on every rank, before any collective
+        refused_on_every_rank(e)
+        raise
+
+
+def _parallelize(model: nn.Module, *, dp: int, tp: int, pp: int, cp: int, ep: int, microbatches: int, schedule: str,
+                 virtual_stages: int, policy: ModelPolicy | None, layers_per_stage: Sequence[int] | None,
+                 mesh: DeviceMesh | None, device: torch.device | None, seed: int | None, bucket_mb: float,
+                 checkpoint: str | None, timeout: datetime.timedelta, mixed_precision: str | None,
+                 recompute: str | None, sequence_parallel: bool, compile: bool, dp_shard: int,
+                 dp_shard_gather: str) -> ParallelModel:
+    if getattr(model, _MARK, False):
+        raise ValueError("this model is already parallelized; load a fresh copy to parallelize it again")
+    model, adapter = unwrap_peft(model)  # a PEFT model: the HF model inside, LoRA layers in place
+    if adapter is not None and checkpoint is not None:
+        raise ValueError("checkpoint= with a PEFT model is not supported: its names are those of the LoRA-wrapped "
+                         "model; load the base with from_pretrained, wrap it with get_peft_model, then parallelize")
+    # The launch first: with the wrong number of processes every other message would name the wrong fix
+    # (ep must divide dp*tp, ... of degrees the user did not mean).
+    ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, dp_shard=dp_shard).check_world_size(launched_world_size())
+    config = ParallelConfig.from_keywords(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, microbatches=microbatches,
+                                          schedule=schedule, virtual_stages=virtual_stages,
+                                          layers_per_stage=layers_per_stage, bucket_mb=bucket_mb,
+                                          mixed_precision=mixed_precision, recompute=recompute,
+                                          sequence_parallel=sequence_parallel, compile=compile, dp_shard=dp_shard,
+                                          dp_shard_gather=dp_shard_gather)
+    features = config.features | ({Feature.LORA} if adapter is not None else set())
+    checked = check_parallel_config(model, config, policy=policy, extra=features - config.features)
+    dims, plan, stage_plan = checked.dims, checked.tp_plan, checked.stage_plan
+    dims.check_world_size(launched_world_size())
+    _check_tensors(model, checkpoint=checkpoint)
+
+    device = device or default_device()
+    init_distributed(device=device, timeout=timeout)
+    dims.check_world_size(dist.get_world_size())
+    low = {p.dtype for p in model.parameters()} & {torch.bfloat16, torch.float16}
+    if low and mixed_precision is None and dist.get_rank() == 0:
+        warnings.warn(f"the model is in {low.pop()} and mixed_precision=None: it trains as is, with gradients and "
+                      f"optimizer moments in that dtype too; load it in float32 and pass mixed_precision='bf16' for "
+                      f"float32 master weights and moments", stacklevel=2)
+    kv_replicated = plan.layout.kv_replicas > 1 and any(style == Style.COLWISE_KV for _, style in plan.rules)
+    groups = build_groups(dims, device=device, timeout=timeout, mesh=mesh,
+                          kv_replicas=plan.layout.kv_replicas if kv_replicated else 1, tied_stages=bool(stage_plan.ties))
+    coords = groups.coords
+    if pp > 1 and microbatches < pp and as_schedule(schedule).idle_below_pp and dist.get_rank() == 0:
+        bubble = (pp - 1) / (microbatches + pp - 1)
+        warnings.warn(f"microbatches={microbatches} < pp={pp}: each stage idles {bubble:.0%} of a step (pipeline bubble "
+                      f"(pp-1)/(microbatches+pp-1)); use microbatches >= 2*pp={2 * pp} if the batch allows", stacklevel=2)
+
+    build = Build(model=model, config=config, plan=plan, stage_plan=stage_plan, groups=groups, device=device,
+                  checkpoint=checkpoint, seed=seed, cp_layout=ChunkLayout(size=cp),
+                  precision=config.mixed_precision.dtype if config.mixed_precision else None)
+    for step in PASSES:
+        if step.applies(build):
+            step.run(build)
+    setattr(model, _MARK, True)
+    pm = ParallelModel(
+        module=model,
+        placement=build.placement,
+        plan=build.plan,
+        stage=build.stage,
+        executor=StageExecutor(stage=coords.pp, peers=groups.peers, device=device,
+                               chunks=stage_plan.chunks, weights=build.weights),
+        vocab=build.vocab,
+        microbatches=microbatches,
+        schedule=schedule,
+        rng=build.rng,
+        buckets=grad_buckets(model, build.placement, bucket_mb, experts=False),
+        expert_buckets=grad_buckets(model, build.placement, bucket_mb, experts=True),
+        precision=build.precision,
+        scaler=LossScaler() if config.mixed_precision and config.mixed_precision.scaled else None,
+        cp_layout=build.cp_layout,
+        deferred=frozenset(build.deferred),
+        adapter=adapter,
+        parallel_config=config,
+        sequence_parallel_switch=build.sp_switch, ring_switch=build.ring_switch, sharded=build.sharded,
+    )
+    pm.check_composes_with()  # refused above already; this warns (rank 0) about pairs no test compares yet
+    if checkpoint is not None:
+        pm.load_checkpoint(checkpoint)
+    return pm
+
+
+def _check_tensors(model: nn.Module, *, checkpoint: str | None) -> None:
+    # Frozen parameters (requires_grad=False: a PEFT base, MoE routing biases that transformers updates
+    # outside the optimizer) take no part in any gradient collective: buckets and sums take only the
+    # parameters that train, the same set on every rank of a group.
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if len(dtypes) > 1:
+        raise ValueError(f"the model's parameters mix dtypes {sorted(map(str, dtypes))}; cast it to one, e.g. model.to(torch.bfloat16)")
+    devices = {t.device for t in model.parameters()} | {t.device for t in model.buffers()}
+    if any(d.type == "meta" for d in devices):
+        if checkpoint is None:
+            raise ValueError("the model is on the meta device; pass checkpoint=<HF directory or qn_hf checkpoint> "
+                             "so each rank reads its shard, or load real weights first")
+        return
+    if len(devices) > 1:
+        raise ValueError(f"the model's tensors are spread over devices {sorted(map(str, devices))}; move it to one device first")
