@@ -27,7 +27,7 @@ from world import run_world
 
 from qn_hf.comm_meter import CommMeter
 from qn_hf.memory.live_allocations import LiveAllocations
-from qn_hf.tensor_parallel.sequence_parallel import position_wise
+from qn_hf.policies.module_kinds import position_wise
 
 LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=128, max_position_embeddings=16384, bos_token_id=1, eos_token_id=2)

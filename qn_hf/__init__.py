@@ -7,7 +7,7 @@ from .config.schedule import Schedule
 from .data_parallel.grad_norm import clip_grad_norm_
 from .data_parallel.optimizer import ParallelOptimizer, optimizer
 from .parallel_model import ParallelModel
-from .tensor_parallel.plan import ModelPolicy
+from .policies.model_policy import ModelPolicy
 from .version import __version__
 
 __all__ = [

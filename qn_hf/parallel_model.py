@@ -89,7 +89,7 @@ class ParallelModel:
         self.cp_layout = cp_layout  # which chunks of each sequence the cp ranks hold
         self.grads = GradSync(module=module, placement=placement, grad_sum=plan.grad_sum, buckets=buckets,
                               expert_buckets=expert_buckets, scaler=scaler)
-        # (chunk, "b" | "w") -> the parameters final after its last backward or W pass: their buckets may start
+        # (chunk, Op.BWD | Op.WGT) -> the parameters final after its last backward or W pass: their buckets may start
         self._final_params = params_by_final_pass(module, stage.plan, chunks=stage.chunks, deferred=deferred)
         self.deferred = deferred  # names of the parameters whose gradients come in W passes (zb_h1)
         self.optimizer = None  # the qn_hf.optimizer built over this model, if any

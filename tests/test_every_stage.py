@@ -16,7 +16,7 @@ from qn_hf.check.shrink import shrink_config
 from qn_hf.pipeline.split import build_stage_plan
 from qn_hf.pipeline.standins import BlockRotation
 from qn_hf.policies import resolve_policy
-from qn_hf.tensor_parallel.plan import ModelPolicy
+from qn_hf.policies.model_policy import ModelPolicy
 from tests import cases, generation_cases, optim_cases
 from tests.models import CONFIGS, load
 from tests.test_parity import GRAD_ATOL, check

@@ -10,9 +10,10 @@ import torch.distributed as dist
 from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import qn_hf
-from qn_hf.tensor_parallel.heads import HeadLayout
-from qn_hf.tensor_parallel.plan import ModelPolicy, build_tp_plan
 from qn_hf.policies import derive_policy, resolve_policy
+from qn_hf.policies.heads import HeadLayout
+from qn_hf.policies.model_policy import ModelPolicy
+from qn_hf.tensor_parallel.plan import build_tp_plan
 from tests.models import CONFIGS, auto_class
 
 
@@ -140,7 +141,7 @@ def test_derived_pipeline_entry_takes_in_what_extends_the_embedding():
     embedding before the blocks, a child transformers' pp plan does not place: it becomes the entry
     (later stages receive its output) and the token embedding a first-stage module (zeros elsewhere)."""
     import torch
-    from transformers import AutoModelForCausalLM, CONFIG_MAPPING
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     from qn_hf.check.shrink import shrink_config
     from qn_hf.pipeline.split import build_stage_plan
@@ -191,7 +192,7 @@ def test_loss_kind_is_an_enum_and_policies_keep_accepting_strings():
     """``ModelPolicy(loss="causal_lm")`` stores ``LossKind.CAUSAL_LM`` (a member equals its string); the
     kind knows whether its targets are the labels shifted by one; an unknown kind is refused by name."""
     from qn_hf.config.options import LossKind
-    from qn_hf.tensor_parallel.plan import ModelPolicy
+    from qn_hf.policies.model_policy import ModelPolicy
 
     policy = ModelPolicy(model_type="x", layers="layers", tp_plan={}, loss="causal_lm")
     assert policy.loss is LossKind.CAUSAL_LM and policy.loss == "causal_lm" and f"{policy.loss!r}" == "'causal_lm'"

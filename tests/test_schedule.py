@@ -146,7 +146,7 @@ def test_executor_records_and_arms_before_the_last_backward():
     executor = StageExecutor(stage=0, peers=Peers(prev=None, next=None), device=torch.device("cpu"))
     executor.events = []
     executor.run(schedule, forward, rows=[1, 1, 1],
-                 on_final=lambda chunk, kind: seen.append(f"{chunk}{kind} final after {len(executor.events)}"))
+                 on_final=lambda chunk, kind: seen.append(f"{chunk}{kind.short.lower()} final after {len(executor.events)}"))
     assert [(e.op, e.chunk, e.mb) for e in executor.events] == [
         ("fwd", 0, 0), ("fwd", 0, 1), ("fwd", 0, 2), ("bwd", 0, 0), ("bwd", 0, 1), ("bwd", 0, 2)
     ]
@@ -186,7 +186,7 @@ def test_executor_runs_chunks_and_deferred_weight_passes():
     weight.register_hook(backward_hook)
     executor = StageExecutor(stage=0, peers=Peers(prev=None, next=None), device=torch.device("cpu"), chunks=2,
                              weights=queue)
-    executor.run(schedule, forward, rows=[1], on_final=lambda chunk, kind: seen.append(f"final {chunk}{kind}"))
+    executor.run(schedule, forward, rows=[1], on_final=lambda chunk, kind: seen.append(f"final {chunk}{kind.short.lower()}"))
     # the queue is cleared first: nothing of an interrupted step joins this one
     assert seen == ["cleared", "final 1b", "B open=None", "final 0b", "B open=(0, 0)", "final 0w", "W(0, 0)"]
     assert weight.grad.tolist() == [3.0, 3.0]
@@ -357,12 +357,12 @@ def test_chunks_and_ranks():
 def test_final_actions_name_each_chunks_last_backward_and_weight_pass():
     interleaved = stage_actions(stage=1, stages=2, microbatches=2, schedule="interleaved_1f1b", virtual_stages=2)
     finals = final_actions(interleaved, stage=1)
-    assert finals == {(3, "b"): interleaved.index(Action(Op.BWD, 1, 3)),
-                      (1, "b"): interleaved.index(Action(Op.BWD, 1, 1))}
-    assert finals[3, "b"] < finals[1, "b"] == len(interleaved) - 2  # the last chunk finishes first
+    assert finals == {(3, Op.BWD): interleaved.index(Action(Op.BWD, 1, 3)),
+                      (1, Op.BWD): interleaved.index(Action(Op.BWD, 1, 1))}
+    assert finals[3, Op.BWD] < finals[1, Op.BWD] == len(interleaved) - 2  # the last chunk finishes first
     zb = stage_actions(stage=0, stages=2, microbatches=3, schedule="zb_h1")
-    assert final_actions(zb, stage=0) == {(0, "b"): zb.index(Action(Op.BWD, 2)), (0, "w"): len(zb) - 1}
-    assert final_actions(stage_actions(stage=0, stages=1, microbatches=2, schedule="1f1b"), stage=0) == {(0, "b"): 3}
+    assert final_actions(zb, stage=0) == {(0, Op.BWD): zb.index(Action(Op.BWD, 2)), (0, Op.WGT): len(zb) - 1}
+    assert final_actions(stage_actions(stage=0, stages=1, microbatches=2, schedule="1f1b"), stage=0) == {(0, Op.BWD): 3}
 
 
 def test_check_order_and_timed_refuse_bad_input():

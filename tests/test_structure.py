@@ -76,6 +76,41 @@ def test_no_import_cycle():
     assert _cycle(edges) is None, " -> ".join(_cycle(edges))
 
 
+def _folder(module: str) -> str:
+    """The unit a module belongs to: its folder under qn_hf, or the root module itself."""
+    return module.split(".")[1] if module.count(".") >= 1 else module
+
+
+def _folder_edges(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for source, targets in edges.items():
+        out.setdefault(_folder(source), set()).update(_folder(t) for t in targets if _folder(t) != _folder(source))
+    return out
+
+
+def _mutual(folders: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted((a, b) for a, targets in folders.items() for b in targets if a < b and a in folders.get(b, ()))
+
+
+def test_no_two_folders_import_each_other():
+    # The floors of the package (config at the bottom; policies, mesh and comm above it; the mechanisms;
+    # step and checkpoint; build and the handle; planner, check, training and integrations on top): a
+    # folder that imports another is above it, so no pair imports both ways.
+    edges, _ = _imports(_modules())
+    assert _mutual(_folder_edges(edges)) == []
+
+
+def test_config_is_the_ground_floor():
+    # config/ holds data only: it describes the mechanisms without importing them.
+    edges, _ = _imports(_modules())
+    assert _folder_edges(edges)["config"] <= {"arguments"}
+
+
+def test_folder_checks_can_fail():
+    edges = {"qn_hf.a.x": {"qn_hf.b.y"}, "qn_hf.b.y": {"qn_hf.a.z"}, "qn_hf.a.z": set(), "qn_hf.c": {"qn_hf.a.x"}}
+    assert _mutual(_folder_edges(edges)) == [("a", "b")]
+
+
 def test_no_private_name_imported_across_modules():
     _, private = _imports(_modules())
     assert private == [], private
@@ -111,14 +146,41 @@ def test_package_root_keeps_only_entry_points_and_shared_modules():
     assert len(root) <= ROOT_MODULES, root
 
 
-def _names_of_choices() -> dict[str, str]:
-    """Every spelling of a style, schedule, mesh axis or loss kind -> which enum it belongs to."""
+def _option_enums() -> tuple[type, ...]:
+    """Every closed vocabulary of the package: a ``Choice`` enum whose values callers may spell."""
+    from qn_hf.comm_meter import Collective
+    from qn_hf.config.composition import Feature
+    from qn_hf.config.dims import Axis
+    from qn_hf.config.options import Gather, LossKind, Precision, Recompute
     from qn_hf.config.schedule import Schedule
-    from qn_hf.mesh import Axis
-    from qn_hf.step.loss import LossKind
-    from qn_hf.tensor_parallel.styles import Style
+    from qn_hf.pipeline.nccl_replay import Step, Work
+    from qn_hf.pipeline.schedule import Op
+    from qn_hf.policies.model_policy import StandIn
+    from qn_hf.policies.styles import Style
 
-    return {value: enum.__name__ for enum in (Style, Schedule, Axis, LossKind) for value in enum.values()}
+    return (Style, Schedule, Axis, LossKind, Precision, Recompute, Gather, Feature, Collective, StandIn, Op, Step, Work)
+
+
+def _names_of_choices() -> dict[str, str]:
+    """Every spelling of an option (a style, schedule, mesh axis, loss kind, precision, recompute
+    mode, gather mode, feature) -> which enum it belongs to."""
+    return {value: enum.__name__ for enum in _option_enums() for value in enum.values()}
+
+
+def test_every_option_enum_is_guarded():
+    # A new Choice enum in the package joins the guard above, or this fails naming it.
+    import importlib
+
+    from qn_hf.arguments import Choice
+
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "__main__.py":  # runs its command when imported
+            continue
+        module = importlib.import_module(".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"))
+        found |= {v for v in vars(module).values()
+                  if isinstance(v, type) and issubclass(v, Choice) and v is not Choice and v.__module__ == module.__name__}
+    assert sorted(e.__name__ for e in found - set(_option_enums())) == []
 
 
 def _string_comparisons(source: str, names: dict[str, str]) -> list[tuple[int, str]]:

@@ -8,9 +8,9 @@ import pytest
 from torch import nn
 from transformers import CONFIG_MAPPING
 
-from qn_hf.tensor_parallel.embedding_types import adapter_for
 from qn_hf.check.shrink import shrink_config
-from qn_hf.tensor_parallel.plan import ModelPolicy
+from qn_hf.policies.embedding_types import adapter_for
+from qn_hf.policies.model_policy import ModelPolicy
 from tests import zoo_cases
 
 
@@ -88,8 +88,8 @@ def test_without_the_config_patch_the_forward_fails_clearly(worlds, tmp_path):
 def test_partial_gradient_of_a_replicated_parameter_is_refused(worlds, tmp_path):
     """Qwen3's plan without its replicated_with_grad_allreduce rules: the per-head norms see only
     this rank's heads. The first step refuses, on every rank, naming them."""
-    from qn_hf.policies import derive_policy
     from qn_hf.check.run import build
+    from qn_hf.policies import derive_policy
 
     config = shrink_config(CONFIG_MAPPING["qwen3"]())
     derived = derive_policy(build(config, seed=0))
@@ -136,8 +136,8 @@ def test_partial_gradient_on_one_stage_is_refused_on_every_rank(worlds):
 
 def test_tied_weights_split_differently_are_refused():
     from qn_hf.check.run import build
-    from qn_hf.tensor_parallel.plan import build_tp_plan
     from qn_hf.policies import derive_policy
+    from qn_hf.tensor_parallel.plan import build_tp_plan
 
     model = build(shrink_config(CONFIG_MAPPING["gemma"]()), seed=0)  # lm_head is tied to embed_tokens
     assert model.lm_head.weight is model.model.embed_tokens.weight

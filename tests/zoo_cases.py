@@ -49,7 +49,7 @@ def custom_policy_mesh_step(*, config: dict, policy, tp: int, pp: int) -> dict:
 def gpt_oss_cp_step(*, config: dict, cp: int) -> dict:
     """gpt-oss (attention sinks, sliding windows, MoE) has no tp plan in transformers; a user's
     policy with no tp rules parallelizes it over cp."""
-    from qn_hf.tensor_parallel.plan import ModelPolicy
+    from qn_hf.policies.model_policy import ModelPolicy
 
     policy = ModelPolicy(model_type="gpt_oss", layers="layers", tp_plan={}, transformers_plan=True, loss="causal_lm")
     return one_step_parity(config=config, cp=cp, mesh=mesh_for(1, 1, 1, cp), policy=policy)

@@ -26,8 +26,8 @@ from ..mesh import build_groups, init_distributed, launched_world_size
 from ..parallel_model import ParallelModel
 from ..peft.lora import unwrap_peft
 from ..pipeline.runtime import StageExecutor
-from ..tensor_parallel.plan import ModelPolicy
-from ..tensor_parallel.styles import Style
+from ..policies.model_policy import ModelPolicy
+from ..policies.styles import Style
 from .passes import PASSES, Build
 from .validate import check_parallel_config
 

@@ -24,8 +24,9 @@ from ..expert_parallel.apply import check_expert_parallel, expert_parallel_plan,
 from ..memory.recompute import check_recompute
 from ..pipeline.split import StagePlan, build_stage_plan
 from ..policies import resolve_policy
+from ..policies.model_policy import ModelPolicy
 from ..step.compile import check_compile
-from ..tensor_parallel.plan import ModelPolicy, TpPlan, build_tp_plan
+from ..tensor_parallel.plan import TpPlan, build_tp_plan
 from ..tensor_parallel.sequence_parallel import sequence_parallel_plan
 
 

@@ -29,10 +29,11 @@ from torch import nn
 
 from ..compat import decorated_experts
 from ..config.dims import Axis, ParallelDims
-from ..peft.lora import ParamLora, is_lora_layer, lora_layer_names, param_loras, without_wrappers
+from ..peft.lora import ParamLora, param_loras
+from ..policies.peft_names import is_lora_layer, lora_layer_names, without_wrappers
+from ..policies.styles import Style
 from ..tensor_parallel.plan import TpPlan
 from ..tensor_parallel.shard import ShardSpec
-from ..tensor_parallel.styles import Style
 from .dispatch import ExpertRoute, expert_parallel_forward
 from .stacked import is_stacked_experts, stacked_expert_hooks
 

@@ -29,9 +29,9 @@ import inspect
 import torch
 from torch import nn
 
+from ..compat import decorated_experts
 from .dispatch import ExpertRoute
 from .token_exchange import all_to_all_rows, exchange_counts, gather_rows, split_rows
-from ..compat import decorated_experts
 
 
 def is_stacked_experts(module: nn.Module) -> bool:

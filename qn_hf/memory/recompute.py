@@ -82,10 +82,10 @@ def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def checkpoint_options(recompute: str) -> dict:
+def checkpoint_options(recompute: Recompute | str) -> dict:
     """torch's ``checkpoint`` arguments for a mode (the planner's trace checkpoints with them too)."""
     options: dict = {"use_reentrant": False}
-    if recompute == "selective":
+    if recompute == Recompute.SELECTIVE:
         options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, selective_policy)
     return options
 

@@ -37,16 +37,23 @@ tp > 1, and other PEFT methods are refused.
 
 from __future__ import annotations
 
-import functools
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
 
-from ..tensor_parallel.rules import is_projection
-from ..tensor_parallel.styles import (COLUMN_STYLES, HOOK_STYLES, PARAM_FORM, PARAM_STYLES, ROW_STYLES, Split, Style,
-                                      param_shard_dim)
+from ..policies.module_kinds import is_projection
+from ..policies.peft_names import is_lora_layer, is_param_wrapper, lora_layer_type
+from ..policies.styles import (
+    COLUMN_STYLES,
+    HOOK_STYLES,
+    PARAM_FORM,
+    PARAM_STYLES,
+    ROW_STYLES,
+    Split,
+    Style,
+    param_shard_dim,
+)
 
 
 @dataclass(frozen=True)
@@ -55,49 +62,6 @@ class Adapter:
 
     peft_model: nn.Module
     name: str  # the adapter ("default")
-
-
-def _lora_layer_type() -> type | None:
-    # peft is imported only by a user who built a PEFT model; without it in sys.modules no module
-    # of the model can be a LoRA layer, and qn_hf does not import it.
-    peft = sys.modules.get("peft")
-    if peft is None:
-        return None
-    from peft.tuners.lora import LoraLayer
-
-    return LoraLayer
-
-
-def is_lora_layer(module: nn.Module) -> bool:
-    kind = _lora_layer_type()
-    return kind is not None and isinstance(module, kind)
-
-
-def is_param_wrapper(module: nn.Module) -> bool:
-    """peft's LoRA on one bare parameter (``target_parameters``): its ``parameter_name`` names it."""
-    return is_lora_layer(module) and hasattr(module, "parameter_name")
-
-
-def lora_layer_names(model: nn.Module) -> frozenset[str]:
-    return frozenset(name for name, module in model.named_modules() if is_lora_layer(module))
-
-
-def without_wrappers(name: str, wrappers: frozenset[str]) -> str:
-    """``name`` as the model had it before peft: without the ``base_layer`` each LoRA layer in
-    ``wrappers`` (``lora_layer_names``) inserted below itself."""
-    path, kept = "", []
-    for part in name.split("."):
-        if not (part == "base_layer" and path in wrappers):
-            kept.append(part)
-        path = f"{path}.{part}" if path else part
-    return ".".join(kept)
-
-
-def names_before_peft(model: nn.Module) -> Callable[[str], str] | None:
-    """What turns a name under ``model`` into the name it had before peft wrapped its modules
-    (``without_wrappers``); None when nothing is wrapped."""
-    wrappers = lora_layer_names(model)
-    return functools.partial(without_wrappers, wrappers=wrappers) if wrappers else None
 
 
 @dataclass(frozen=True)
@@ -142,7 +106,7 @@ def unwrap_peft(model: nn.Module) -> tuple[nn.Module, Adapter | None]:
     (on every rank, before any collective)."""
     peft = sys.modules.get("peft")
     if peft is None or not isinstance(model, peft.PeftModel):
-        if _lora_layer_type() is not None and any(is_lora_layer(m) for m in model.modules()):
+        if lora_layer_type() is not None and any(is_lora_layer(m) for m in model.modules()):
             raise ValueError("the model holds LoRA layers but is not a PeftModel (inject_adapter_in_model?); pass the "
                              "model get_peft_model returned, so that save_pretrained can write its adapter")
         return model, None

@@ -46,8 +46,30 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-POST, WAIT, SYNC, DEVICE_SYNC, CREATE = "post", "wait", "sync", "device_sync", "create"
-SEND, RECV, COLLECTIVE = "send", "recv", "collective"
+from ..arguments import Choice
+
+
+
+class Step(Choice):
+    """What a recorded host call does: posts work on a stream, waits for it, or blocks the host."""
+
+    POST = "post"
+    WAIT = "wait"
+    SYNC = "sync"
+    DEVICE_SYNC = "device_sync"
+    CREATE = "create"
+
+
+class Work(Choice):
+    """What a posted call runs on its communicator."""
+
+    SEND = "send"
+    RECV = "recv"
+    COLLECTIVE = "collective"
+
+
+POST, WAIT, SYNC, DEVICE_SYNC, CREATE = Step
+SEND, RECV, COLLECTIVE = Work
 CUDA_STREAM_POOL = 32  # low-priority streams per device in c10's pool (kStreamsPerPool)
 
 

@@ -50,7 +50,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-
 # The warm-up's transfers carry a tag no step uses (steps tag from 0 up: ``runtime.StageExecutor._tag``),
 # so that under gloo, which matches by tag, they can never pair with a step's message.
 WARM_UP_TAG = 2**30

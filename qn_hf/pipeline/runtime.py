@@ -152,8 +152,8 @@ class StageExecutor:
         """Execute this stage's list, ``schedule[self.stage]`` (``schedule`` holds every stage's, for
         the grid a failure prints). ``rows[mb]`` is microbatch ``mb``'s size along dim 0.
         ``on_final(chunk, kind)`` runs just before the action after which a chunk's gradients are
-        final: its last backward (kind ``"b"``) and, when weight gradients are deferred, its last
-        weight pass (``"w"``); the moment data-parallel buckets may start. ``shape_key`` (hashable)
+        final: its last backward (``Op.BWD``) and, when weight gradients are deferred, its last
+        weight pass (``Op.WGT``); the moment data-parallel buckets may start. ``shape_key`` (hashable)
         names the batch's shapes: with it, the activation header is exchanged once per key instead
         of once per step (every rank of the pipeline must pass the same key for the same shapes)."""
         actions = schedule[self.stage]

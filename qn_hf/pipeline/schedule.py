@@ -50,16 +50,16 @@ interleaved_1f1b at pp=2, V=2, M=4 is written out in tests/test_schedule.py.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from ..arguments import Choice
 from ..config.schedule import Schedule, check_schedule_args, interleaved_rounds
 
 
-class Op(str, enum.Enum):
-    """What an action does. The values are the historical strings: recorded timelines and callers
-    that compare ``op == "fwd"`` read the same as before."""
+class Op(Choice):
+    """What an action does. A member equals its string, so recorded timelines (JSON) read back as
+    the same ops; code compares members."""
 
     FWD = "fwd"
     BWD = "bwd"
@@ -68,9 +68,6 @@ class Op(str, enum.Enum):
     RECV_BWD = "recv_bwd"
     SEND_BWD = "send_bwd"
     WGT = "wgt"  # the deferred weight-gradient pass of a microbatch (zb_h1)
-
-    def __str__(self) -> str:
-        return self.value  # messages and f-strings keep showing "fwd", not "Op.FWD"
 
     @property
     def short(self) -> str:
@@ -142,12 +139,12 @@ def _backward(*, mb: int, index: int, last: int, chunk: int | None) -> list[Acti
 
 
 def _pairs(*, count: int, warm: int) -> list[tuple[str, int]]:
-    """1F1B's order over a rank's ``count`` forwards and ``count`` backwards, as ("f"|"b", index):
+    """1F1B's order over a rank's ``count`` forwards and ``count`` backwards, as (FWD | BWD, index):
     ``warm`` forwards, then one forward and one backward alternately, then the remaining backwards."""
-    order = [("f", k) for k in range(warm)]
+    order = [(Op.FWD, k) for k in range(warm)]
     for i in range(count - warm):
-        order += [("f", warm + i), ("b", i)]
-    return order + [("b", i) for i in range(count - warm, count)]
+        order += [(Op.FWD, warm + i), (Op.BWD, i)]
+    return order + [(Op.BWD, i) for i in range(count - warm, count)]
 
 
 def _interleaved(*, stage: int, stages: int, microbatches: int, virtual_stages: int,
@@ -168,7 +165,7 @@ def _interleaved(*, stage: int, stages: int, microbatches: int, virtual_stages: 
         return [a for f in fwd for a in f]
     bwd = [_backward(mb=mb, index=c, last=last, chunk=c) for c, mb in (key(k, reverse=True) for k in range(count))]
     warm = warmup_forwards(stage=stage, stages=pp, microbatches=microbatches, virtual_stages=v_count)
-    return [a for kind, i in _pairs(count=count, warm=warm) for a in (fwd if kind == "f" else bwd)[i]]
+    return [a for kind, i in _pairs(count=count, warm=warm) for a in (fwd if kind is Op.FWD else bwd)[i]]
 
 
 def stage_actions(*, stage: int, stages: int, microbatches: int, schedule: str, virtual_stages: int = 1,
@@ -191,15 +188,15 @@ def stage_actions(*, stage: int, stages: int, microbatches: int, schedule: str, 
     warm = warmup_forwards(stage=stage, stages=stages, microbatches=microbatches)
     order = _pairs(count=microbatches, warm=warm)
     if kind is Schedule.ONE_F_ONE_B:
-        return [a for kind, i in order for a in (fwd if kind == "f" else bwd)[i]]
+        return [a for kind, i in order for a in (fwd if kind is Op.FWD else bwd)[i]]
     # zb_h1: W's wait in microbatch order. Rank r skips a W after its first r backwards: those W's
     # run later, where 1F1B's rank r would idle waiting for a gradient, and at the end, where the
     # ranks before it still drain their backwards.
     out: list[Action] = []
     done_w = 0
     for kind, i in order:
-        out += (fwd if kind == "f" else bwd)[i]
-        if kind == "b" and i >= stage:
+        out += (fwd if kind is Op.FWD else bwd)[i]
+        if kind is Op.BWD and i >= stage:
             out.append(Action(Op.WGT, done_w))
             done_w += 1
     return out + [Action(Op.WGT, mb) for mb in range(done_w, microbatches)]
@@ -215,15 +212,15 @@ def schedule_actions(*, stages: int, microbatches: int, schedule: str, virtual_s
     ]
 
 
-def final_actions(actions: list[Action], *, stage: int) -> dict[tuple[int, str], int]:
-    """For each chunk of the rank: ``(chunk, "b")`` -> index of its last BWD and, if it has W's,
-    ``(chunk, "w")`` -> index of its last WGT. After these a chunk's gradients are final (the
-    non-deferred ones after "b", the deferred ones after "w"), so the runtime arms the
+def final_actions(actions: list[Action], *, stage: int) -> dict[tuple[int, Op], int]:
+    """For each chunk of the rank: ``(chunk, Op.BWD)`` -> index of its last BWD and, if it has W's,
+    ``(chunk, Op.WGT)`` -> index of its last WGT. After these a chunk's gradients are final (the
+    non-deferred ones after its BWD, the deferred ones after its WGT), so the runtime arms the
     data-parallel buckets just before them."""
-    out: dict[tuple[int, str], int] = {}
+    out: dict[tuple[int, Op], int] = {}
     for i, a in enumerate(actions):
         if a.op is Op.BWD or a.op is Op.WGT:
-            out[(chunk_of(a, stage=stage), "b" if a.op is Op.BWD else "w")] = i  # later ones overwrite
+            out[(chunk_of(a, stage=stage), a.op)] = i  # later ones overwrite
     return out
 
 

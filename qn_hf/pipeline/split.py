@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..tensor_parallel.patterns import base_model_and_prefix, join
 from ..arguments import check_positive_int
 from ..compat import per_layer
-from ..tensor_parallel.plan import ModelPolicy
-from .schedule import chunks_of, rank_of_chunk
+from ..policies.model_policy import ModelPolicy
+from ..policies.patterns import base_model_and_prefix, join
+from .schedule import Op, chunks_of, rank_of_chunk
 
 
 @dataclass(frozen=True)
@@ -277,14 +277,14 @@ def _cross_stage_ties(model: nn.Module, plan: StagePlan) -> tuple[PipelineTie, .
 
 def params_by_final_pass(module: nn.Module, plan: StagePlan, *, chunks: tuple[int, ...],
                          deferred: frozenset[str]) -> dict[tuple[int, str], list[nn.Parameter]]:
-    """Each trainable parameter of ``module`` (a rank holding ``chunks``) under (its chunk, "w" if its
-    weight gradient is ``deferred`` to a W pass else "b"): after that chunk's last pass of that kind
+    """Each trainable parameter of ``module`` (a rank holding ``chunks``) under (its chunk, ``Op.WGT`` if its
+    weight gradient is ``deferred`` to a W pass else ``Op.BWD``): after that chunk's last pass of that kind
     its gradient is final. A parameter outside every chunk (only without a pipeline) counts with the
     first chunk."""
     finals: dict[tuple[int, str], list[nn.Parameter]] = {}
     for name, param in module.named_parameters():
         if param.requires_grad:
             chunk = chunk_of_module(plan, name.rpartition(".")[0])
-            key = (chunks[0] if chunk is None else chunk, "w" if name in deferred else "b")
+            key = (chunks[0] if chunk is None else chunk, Op.WGT if name in deferred else Op.BWD)
             finals.setdefault(key, []).append(param)
     return finals

@@ -42,7 +42,8 @@ import torch
 from torch import nn
 from transformers.utils import ModelOutput
 
-from ..tensor_parallel.patterns import base_model_and_prefix
+from ..policies.model_policy import StandIn as StandInKind
+from ..policies.patterns import base_model_and_prefix
 from .split import StagePlan
 from .stage_config import cut_layer_lists
 from .standins import BlockRotation, Injector, PassThrough, mirror_reads, standin_for
@@ -221,7 +222,7 @@ def apply_stage(model: nn.Module, plan: StagePlan, *, stage: int) -> StageModule
         if path == plan.entry:
             injector = Injector()
             # receiving at the blocks, the entry gives zeros of its shape for the forward to work on
-            standins[path] = standin_for("zeros", module) if plan.receive_at_blocks else injector
+            standins[path] = standin_for(StandInKind.ZEROS, module) if plan.receive_at_blocks else injector
             mirror_reads(standins[path], module, plan.entry_reads)
         else:
             standins[path] = PassThrough() if path in plan.heads else standin_for(kinds[path], module)

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ..policies.model_policy import StandIn as StandInKind
+
 
 class StandIn(nn.Module):
     """A module that lives on another stage, replaced here; holds no parameters."""
@@ -101,9 +103,9 @@ class BlockRotation:
         return torch.roll(output, shifts=-self.start * (output.shape[-1] // self.blocks), dims=-1)
 
 
-def standin_for(kind: str, module: nn.Module) -> StandIn:
+def standin_for(kind: StandInKind, module: nn.Module) -> StandIn:
     """The stand-in a policy names for ``module`` (``"zeros"`` for an embedding, else pass-through)."""
-    if kind == "zeros":
+    if kind == StandInKind.ZEROS:  # a policy's member, or its string from a saved plan
         if not isinstance(module, nn.Embedding):
             raise ValueError(f"the 'zeros' stand-in replaces an nn.Embedding, not {type(module).__name__}")
         return Zeros(dim=module.embedding_dim, dtype=module.weight.dtype)

@@ -25,7 +25,7 @@ from torch import nn
 from ..config.options import LossKind
 from ..pipeline.split import StagePlan, chunk_of_module
 from ..tensor_parallel.plan import TpPlan
-from ..tensor_parallel.styles import COLUMN_STYLES, ROW_STYLES, Style
+from ..policies.styles import COLUMN_STYLES, ROW_STYLES, Style
 from .trace import Trace
 
 

@@ -59,7 +59,7 @@ from ..pipeline.split import StagePlan, stage_of_module
 from ..pipeline.weight_grad import WeightGradQueue, make_deferrable
 from ..policies import resolve_policy
 from ..step.batch import check_model_inputs
-from ..tensor_parallel.plan import ModelPolicy
+from ..policies.model_policy import ModelPolicy
 from .activations import chunk_activations, kept_collectives, weight_stash
 from .context import cp_inputs
 from .experts import moe_regions

@@ -46,7 +46,7 @@ from ..expert_parallel.apply import experts_modules
 from ..memory.recompute import checkpoint_options
 from ..tensor_parallel.plan import TpPlan
 from ..tensor_parallel.sequence_parallel import regathers
-from ..tensor_parallel.styles import COLUMN_STYLES, WHOLE_STYLES, Style
+from ..policies.styles import COLUMN_STYLES, WHOLE_STYLES, Style
 from .context import RingCall, RingStandIn
 from .experts import ExpertCall, ExpertsStandIn, moe_regions
 from .kernels import TrainingKernels

@@ -53,7 +53,7 @@ from ..comm_meter import Collective
 from ..config.dims import Axis
 from ..config.options import LossKind
 from ..tensor_parallel.plan import TpPlan
-from ..tensor_parallel.styles import Style
+from ..policies.styles import Style
 from .context import ring_ops
 from .experts import ExpertCall, expert_ops
 from .memory import Bucket, owned

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..tensor_parallel.plan import ModelPolicy
 from . import gpt2, llama, vit
 from .derive import derive_policy
+from .model_policy import ModelPolicy
 
 POLICIES: dict[str, ModelPolicy] = {p.model_type: p for p in (gpt2.POLICY, llama.POLICY, vit.POLICY)}
 

@@ -14,16 +14,16 @@ from torch import nn
 
 from ..compat import per_layer
 from ..config.options import LossKind
-from ..peft.lora import names_before_peft
-from ..tensor_parallel.embedding_types import adapter_for
-from ..tensor_parallel.heads import head_layout
-from ..tensor_parallel.patterns import base_model_and_prefix, match_modules, match_parameters
-from ..tensor_parallel.plan import ModelPolicy
-from ..tensor_parallel.sequence_parallel import position_wise
-from ..tensor_parallel.styles import COLUMN_STYLES, HF_STYLES, PARAM_FORM, Style
 from .amendments import AMENDMENTS, CARRIED_REUSED_BY, KV_SHARED_BY, PP_PLANS, REFUSALS
+from .embedding_types import adapter_for
 from .entries import derive_entries, forward_tree, self_path, self_references
 from .every_stage import every_stage_children, per_block_outputs
+from .heads import head_layout
+from .model_policy import ModelPolicy, StandIn
+from .module_kinds import position_wise
+from .patterns import base_model_and_prefix, match_modules, match_parameters
+from .peft_names import names_before_peft
+from .styles import COLUMN_STYLES, HF_STYLES, PARAM_FORM, Style
 
 
 def _relative_name(root: nn.Module, module: nn.Module) -> str | None:
@@ -283,7 +283,7 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
     row_parents = rowwise_parents | {p.rpartition(".")[0] for p, style in tp_plan.items() if style == Style.ROWWISE_SPLIT}
 
     # The embedding and the LM head are sharded over the vocabulary when qn_hf reproduces their class
-    # exactly (qn_hf.tensor_parallel.embedding_types); anything else stays whole, which is always correct.
+    # exactly (qn_hf.policies.embedding_types); anything else stays whole, which is always correct.
     embeddings = _relative_name(base, model.get_input_embeddings())
     if embeddings is not None and adapter_for(model.get_input_embeddings()) is not None:
         tp_plan.setdefault(embeddings, Style.VOCAB_EMBEDDING)
@@ -306,7 +306,7 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
     if entry is not None:
         extension = entry_extension(base, layers=layers, entry=entry, placed=set(order))
         if extension and isinstance(getattr(base, entry), nn.Embedding):  # its stand-in: zeros of its shape
-            entry, first = extension, {embeddings: "zeros"}
+            entry, first = extension, {embeddings: StandIn.ZEROS}
         # what the forward computes before the blocks for every block besides the hidden states
         # (Gemma 4's per-layer embeddings): every stage computes it, from the real entry (every_stage.py)
         shared = every_stage_children(base, layers=layers, placed={*order, entry, *first}) if not first else []
@@ -340,7 +340,7 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
         pp_entry=entry,
         pp_entry_reads=entry_reads,
         pp_first=first,
-        pp_last={n: "identity" for n in after_layers},
+        pp_last={n: StandIn.IDENTITY for n in after_layers},
         pp_receive_at_blocks=receive_at_blocks,
         pp_carried=tuple(carried),
         pp_carried_reuse=next(((k, v) for k, v in CARRIED_REUSED_BY.items() if isinstance(getattr(config, k, None), list)),

@@ -22,7 +22,7 @@ import textwrap
 
 from torch import nn
 
-from ..tensor_parallel.patterns import match_modules
+from .patterns import match_modules
 
 # Reading these from the argument does not consume its values.
 _METADATA = {"shape", "dtype", "device", "size", "dim", "ndim"}

@@ -1,7 +1,7 @@
 """GPT-2 (GPT2Model, GPT2LMHeadModel): Conv1D projections, fused q|k|v, tied wte/lm_head."""
 
 from ..config.options import LossKind
-from ..tensor_parallel.plan import ModelPolicy
+from .model_policy import ModelPolicy
 
 POLICY = ModelPolicy(
     model_type="gpt2",

@@ -1,7 +1,7 @@
 """Llama (LlamaModel, LlamaForCausalLM): separate q/k/v with grouped-query attention, untied head."""
 
 from ..config.options import LossKind
-from ..tensor_parallel.plan import ModelPolicy
+from .model_policy import ModelPolicy
 
 POLICY = ModelPolicy(
     model_type="llama",

@@ -1,7 +1,7 @@
 """ViT (ViTModel, ViTForImageClassification): patch embedding and classifier stay replicated."""
 
 from ..config.options import LossKind
-from ..tensor_parallel.plan import ModelPolicy
+from .model_policy import ModelPolicy
 
 POLICY = ModelPolicy(
     model_type="vit",

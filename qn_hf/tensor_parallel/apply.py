@@ -15,14 +15,22 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ..comm import copy_to_group
+from ..policies.styles import (
+    EMBEDDING_STYLES,
+    HOOK_STYLES,
+    LINEAR_STYLES,
+    PARAM_STYLES,
+    REPLICATED_SUMMED,
+    Style,
+    packed_parts,
+    param_shard_dim,
+)
 from .embeddings import ColumnParallelEmbedding, VocabParallelEmbedding
+from .hooks import identity_expert_hooks, mla_kv_a_hooks, partial_sum_hooks
 from .layers import ColumnParallelLinear, RowParallelLinear, linear_dims
 from .plan import TpPlan
 from .sequence_parallel import first_argument, with_first
 from .shard import ShardSpec, padded
-from .styles import (EMBEDDING_STYLES, HOOK_STYLES, LINEAR_STYLES, PARAM_STYLES, REPLICATED_SUMMED, Style, packed_parts,
-                     param_shard_dim)
-from .hooks import identity_expert_hooks, mla_kv_a_hooks, partial_sum_hooks
 
 
 @dataclass(frozen=True)

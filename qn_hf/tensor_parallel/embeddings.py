@@ -1,4 +1,4 @@
-"""Tensor-parallel replacements for ``nn.Embedding`` (and the subclasses ``qn_hf.tensor_parallel.embedding_types`` accepts).
+"""Tensor-parallel replacements for ``nn.Embedding`` (and the subclasses ``qn_hf.policies.embedding_types`` accepts).
 
 ``VocabParallelEmbedding`` splits the vocabulary rows; ``ColumnParallelEmbedding`` splits the
 embedding dimension. Both return the full embedding on every rank, then apply the behaviour the
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from .embedding_types import EmbeddingAdapter, adapter_for
 from ..comm import gather_from_group, group_size, reduce_from_group
+from ..policies.embedding_types import EmbeddingAdapter, adapter_for
 from .shard import ShardSpec
 
 

@@ -15,10 +15,16 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from transformers.pytorch_utils import Conv1D
 
-from ..comm import (copy_to_group, gather_from_group, group_size, reduce_from_group, reduce_scatter_sequence,
-                   split_to_group)
-from .shard import ShardSpec
+from ..comm import (
+    copy_to_group,
+    gather_from_group,
+    group_size,
+    reduce_from_group,
+    reduce_scatter_sequence,
+    split_to_group,
+)
 from ..pipeline.weight_grad import DefersWeightGrad, project
+from .shard import ShardSpec
 
 
 def _is_conv1d(module: nn.Module) -> bool:

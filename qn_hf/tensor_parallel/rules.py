@@ -7,13 +7,9 @@ from __future__ import annotations
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from .embedding_types import adapter_for
-from .heads import HeadLayout, attention_layout
-from .styles import EMBEDDING_STYLES, LINEAR_STYLES, PARAM_STYLES, packed_parts, param_shard_dim, Style
-
-
-def is_projection(module: nn.Module) -> bool:
-    return isinstance(module, (nn.Linear, Conv1D))
+from ..policies.embedding_types import adapter_for
+from ..policies.heads import HeadLayout, attention_layout
+from ..policies.styles import EMBEDDING_STYLES, LINEAR_STYLES, PARAM_STYLES, Style, packed_parts, param_shard_dim
 
 
 def check_rule(model: nn.Module, name: str, style: Style, layout: HeadLayout, tp: int) -> None:
@@ -34,7 +30,7 @@ def check_rule(model: nn.Module, name: str, style: Style, layout: HeadLayout, tp
         if adapter_for(module) is None:
             raise ValueError(
                 f"rule {style!r} on {name}: {type(module).__name__} is not nn.Embedding nor a subclass whose forward "
-                f"qn_hf reproduces (qn_hf.tensor_parallel.embedding_types); swapping it would drop what it adds. Keep it whole with "
+                f"qn_hf reproduces (qn_hf.policies.embedding_types); swapping it would drop what it adds. Keep it whole with "
                 f"'replicate' in a policy, or use tp=1")
         width = module.embedding_dim if style == Style.EMBEDDING_COLWISE else None
         if width is not None and width % tp:

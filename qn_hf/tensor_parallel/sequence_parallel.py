@@ -57,10 +57,11 @@ from dataclasses import replace
 
 from torch import nn
 
-from .patterns import join
 from ..pipeline.split import StagePlan
+from ..policies.module_kinds import position_wise
+from ..policies.patterns import join
+from ..policies.styles import EMBEDDING_STYLES, PARAM_STYLES, Style
 from .plan import TpPlan, rule_module
-from .styles import EMBEDDING_STYLES, PARAM_STYLES, Style
 
 # Rules outside the blocks that leave whole activations whole (the head gets the gathered output).
 _OUTSIDE_BLOCKS = {*EMBEDDING_STYLES, Style.VOCAB_COLWISE, Style.REPLICATE, Style.REPLICATE_GRAD_SUM}
@@ -86,20 +87,8 @@ _WHOLE_BLOCK_INPUTS = frozenset({
 # base model passes it whole to each): Gemma 3n's and Gemma 4's per-layer inputs
 PER_POSITION_BLOCK_INPUTS = frozenset({"per_layer_input"})
 # where elementwise activation functions live (Gemma 4 calls its block-level act_fn between the regions)
-_ACTIVATION_MODULES = ("torch.nn.modules.activation", "transformers.activations")
 # expert-TP: the experts module's hook and its sliced parameters
 _EXPERT_TP = (Style.EXPERTS, *PARAM_STYLES)
-
-
-def position_wise(module: nn.Module) -> bool:
-    """A module that acts on each position alone: dropout, identity, a norm over the features, or a
-    parameter-free activation function (torch's or transformers')."""
-    if isinstance(module, (nn.Dropout, nn.Identity, nn.LayerNorm, nn.RMSNorm)):
-        return True
-    if not list(module.parameters()) and (type(module).__module__ in _ACTIVATION_MODULES):
-        return True
-    name = type(module).__name__
-    return name.endswith(("RMSNorm", "LayerNorm")) and all(p.dim() == 1 for p in module.parameters())
 
 
 def _inside(name: str, entries: tuple[str, ...]) -> bool:

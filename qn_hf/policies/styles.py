@@ -4,7 +4,7 @@ A rule names a module (``layers.*.mlp.up_proj``) or, for the ``param_*`` styles,
 (``layers.*.mlp.experts.gate_up_proj``). Three mechanisms carry them out, none replacing a forward:
 
 * leaf swaps: an exact ``nn.Linear``/``Conv1D``/``nn.Embedding`` (or a subclass with an adapter that
-  keeps its extra behaviour, ``qn_hf.tensor_parallel.embedding_types``) becomes a parallel layer of ``qn_hf.tensor_parallel.layers``;
+  keeps its extra behaviour, ``qn_hf.policies.embedding_types``) becomes a parallel layer of ``qn_hf.tensor_parallel.layers``;
 * parameter shards: a bare parameter is replaced by this rank's slice; its module is unchanged;
 * hooks on a module: communication at its input or output, or on its parameters' gradients.
 """
