@@ -23,8 +23,8 @@ install: $(STAMP)
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(NPROC) scripts/demo.py
 
-# The CI-sized suite (about 21 minutes on 2 cores in a fresh clone, as the README says); test-all adds the
-# tests marked long (471 of them, the zoo's full sweep included: about 11 minutes more).
+# The CI-sized suite (about 37 minutes on 2 cores at the last CI run, as the README says); test-all adds the
+# tests marked long (476 of them, the zoo's full sweep included: about 11 minutes more).
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not long"
 
@@ -123,20 +123,27 @@ test-compat: $(COMPAT_STAMP)
 	OMP_NUM_THREADS=1 $(COMPAT_BIN)/python -m pytest -q -m "unit and not long"
 	OMP_NUM_THREADS=1 $(COMPAT_BIN)/python -m pytest -q -m "not long" $(COMPAT_TESTS)
 
-# Print the README's composition table from qn_hf/config/composition.py (test_composition checks they agree).
+# Rewrite docs/composition-table.md from qn_hf/config/composition.py (test_composition checks they agree).
 composition-table: $(STAMP)
-	$(BIN)/python -c "from qn_hf.config.composition import markdown; print(markdown(), end='')"
+	{ printf '%s\n\n' '# Composition table'; \
+	  printf '%s\n' 'Written by `make composition-table` from `qn_hf/config/composition.py` (`markdown()`); do not' \
+	    'edit it by hand: `tests/test_composition.py` checks that this file holds the output of `markdown()`.' \
+	    '[composition.md](composition.md) says what the rows and the symbols mean.' ''; \
+	  $(BIN)/python -c "from qn_hf.config.composition import markdown; print(markdown(), end='')"; \
+	} > docs/composition-table.md.tmp
+	mv docs/composition-table.md.tmp docs/composition-table.md
 
 # The zoo's full sweep: every type at the sp, cp2, ep2, tp2ep2 and pp2v2 columns (make test runs
 # them for a few types only; test-all runs them too).
 zoo-sweep: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m long tests/test_zoo.py
 
-# Rerun the model zoo and rewrite tests/zoo_expected.json and the README's zoo table from the results.
+# Rerun the model zoo and rewrite tests/zoo_expected.json and docs/zoo-table.md from the results.
 zoo-table: $(STAMP)
 	QN_HF_ZOO_UPDATE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/test_zoo.py
 
-# The README's results table: ViT/GPT-2/Llama at (2,2,2) on 8 processes beside 1-process baselines.
+# The results table (results/results.md, shown in docs/measured.md): ViT/GPT-2/Llama at (2,2,2) on 8
+# processes beside 1-process baselines.
 results: $(STAMP)
 	$(BIN)/python scripts/results.py
 

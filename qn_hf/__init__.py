@@ -1,4 +1,5 @@
-"""qn_hf: 3D parallelism (data x tensor x pipeline) for unmodified Hugging Face models."""
+"""qn_hf: data (plain, ZeRO-1, sharded over FSDP2), tensor, sequence, context, pipeline and expert parallelism,
+composed, for unmodified Hugging Face models, numerically equal to the unparallelized model."""
 
 from .build.parallelize import parallelize
 from .comm_meter import CommMeter

@@ -1,4 +1,4 @@
-"""Reproduce the README's results table: each config at (dp, tp, pp) = (2, 2, 2) on 8 processes
+"""Reproduce the results table (docs/measured.md): each config at (dp, tp, pp) = (2, 2, 2) on 8 processes
 and its single-process baseline (same seed, same global batches), side by side.
 
     python scripts/results.py            # or: make results   (about 15 minutes on 2 CPU cores)

@@ -1,5 +1,5 @@
 """The composition table (qn_hf/config/composition.py): complete, its tests real, its refusals the
-ones the entry points raise, the only home of those messages, and the README's table its output."""
+ones the entry points raise, the only home of those messages, and docs/composition-table.md its output."""
 
 from __future__ import annotations
 
@@ -111,6 +111,6 @@ def test_refusal_messages_live_only_in_the_table():
                if isinstance(node, ast.Constant) and isinstance(node.value, str))
 
 
-def test_the_readme_table_is_the_tables_output():
-    readme = (ROOT / "README.md").read_text()
-    assert markdown() in readme, "the README's composition table is stale: paste qn_hf.config.composition.markdown()"
+def test_the_docs_table_is_the_tables_output():
+    table = (ROOT / "docs" / "composition-table.md").read_text()
+    assert markdown() in table, "docs/composition-table.md is stale: run `make composition-table`"

@@ -46,7 +46,7 @@ def command(launcher: str, script: str, args: list[str], *, nproc: int = 4) -> t
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     elif launcher == "accelerate":
-        # What the README documents for CPU: --multi_gpu starts one gloo process per --num_processes.
+        # What docs/training-scripts.md documents for CPU: --multi_gpu starts one gloo process per --num_processes.
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                "--main_process_port", str(free_local_port())]

@@ -140,7 +140,7 @@ ROOT_MODULES = 13
 
 
 def test_package_root_keeps_only_entry_points_and_shared_modules():
-    # Each concept has its folder (README "Layout"); the root keeps the entry points and what every
+    # Each concept has its folder (docs/layout.md); the root keeps the entry points and what every
     # folder shares (mesh, comm, compat, placement, arguments, failure, version).
     root = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(root) <= ROOT_MODULES, root

@@ -3,7 +3,7 @@ random model of its own config class, trains one step at tp=2 and pp=2 (tp=2 x p
 equal to the plain model, or is refused with its reason. Never silently different.
 
 The expected outcome of every model type at every mesh is data (``tests/zoo_expected.json``); the
-README table is rendered from it. ``make zoo-table`` reruns the zoo and rewrites both from the
+table in docs/zoo-table.md is rendered from it. ``make zoo-table`` reruns the zoo and rewrites both from the
 results (QN_HF_ZOO_UPDATE=1), so a change in what trains equal shows up in review.
 
 The expectations are those of the transformers release the test extra pins. On another supported
@@ -58,7 +58,7 @@ def _config(model_type: str) -> dict:
 
 @pytest.fixture(scope="module")
 def observed():
-    """What this run saw; written back to the expectations and README under QN_HF_ZOO_UPDATE=1."""
+    """What this run saw; written back to the expectations and docs/zoo-table.md under QN_HF_ZOO_UPDATE=1."""
     if UPDATE and not PINNED:
         pytest.fail(f"zoo_expected.json records the transformers the test extra pins ({RECORDED_WITH}), not the "
                     f"installed {INSTALLED}: raise the pin and install it first")
@@ -67,8 +67,8 @@ def observed():
     if UPDATE and seen:
         merged = {m: {**EXPECTED.get(m, {}), **seen.get(m, {})} for m in sorted(set(EXPECTED) | set(seen))}
         EXPECTED_FILE.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
-        readme = ROOT / "README.md"
-        readme.write_text(replace_table(readme.read_text(), render_table(merged)))
+        table = ROOT / "docs" / "zoo-table.md"
+        table.write_text(replace_table(table.read_text(), render_table(merged)))
 
 
 @pytest.mark.parametrize(("model_type", "mesh"), CASES)
@@ -91,6 +91,6 @@ def test_zoo_is_every_model_type_with_a_tp_plan():
 
 
 @pytest.mark.skipif(UPDATE, reason="rewriting the expectations")
-def test_readme_table_is_rendered_from_the_zoo():
-    readme = (ROOT / "README.md").read_text()
-    assert replace_table(readme, render_table(EXPECTED)) == readme, "README's zoo table is stale: run `make zoo-table`"
+def test_docs_table_is_rendered_from_the_zoo():
+    table = (ROOT / "docs" / "zoo-table.md").read_text()
+    assert replace_table(table, render_table(EXPECTED)) == table, "docs/zoo-table.md is stale: run `make zoo-table`"

@@ -1,5 +1,5 @@
 """The model zoo: every causal-LM architecture of the installed transformers that ships a tp plan,
-and the README table of how each trains under qn_hf (equal to the plain model, or refused and why).
+and the table of how each trains under qn_hf (docs/zoo-table.md: equal to the plain model, or refused and why).
 
 The table is written from the zoo test's own results (``make zoo-table``), never by hand.
 """
@@ -145,5 +145,5 @@ def replace_table(readme: str, table: str) -> str:
     """``readme`` with the text between the zoo-table markers replaced by ``table``."""
     pattern = re.compile(re.escape(TABLE_START) + ".*?" + re.escape(TABLE_END), re.S)
     if not pattern.search(readme):
-        raise ValueError(f"README has no {TABLE_START} ... {TABLE_END} block")
+        raise ValueError(f"the text has no {TABLE_START} ... {TABLE_END} block (docs/zoo-table.md holds one)")
     return pattern.sub(lambda _: f"{TABLE_START}\n{table}\n{TABLE_END}", readme)

@@ -5,7 +5,7 @@ model, or with a configuration that is itself compared with it, is named), it ru
 compares it yet (a warning says so), it is refused (the reason and what to use instead), or the two
 cannot both be set. ``check_composition`` raises every refusal of a combination, with its message,
 before any collective; ``parallelize``, ``qn_hf.optimizer``, ``pm.generate``, ``qn_hf.Trainer``,
-``qn-hf-plan`` and ``qn-hf-check`` all call it. The README's table is ``markdown()``'s output
+``qn-hf-plan`` and ``qn-hf-check`` all call it. docs/composition-table.md is ``markdown()``'s output
 (tests/test_composition.py checks both, and that every named test exists).
 
 Refusals that depend on the model rather than on a pair of features (cp on a model with sliding
@@ -327,7 +327,7 @@ def check_and_warn(features: Iterable[Feature], values: Mapping[str, object], *,
     if fresh and rank == 0:
         pairs = ", ".join(f"{row.first} x {row.second}" for row in fresh)
         warnings.warn(f"no test compares {pairs} with the plain model yet: it runs, but check its loss against a "
-                      f"smaller run (the README's composition table lists what is tested)", stacklevel=4)
+                      f"smaller run (docs/composition-table.md lists what is tested)", stacklevel=4)
     warned |= {row.pair for row in fresh}
 
 
@@ -337,7 +337,7 @@ class _Placeholder(str):
 
 
 class _Placeholders(dict):
-    """Formats a message's values as their names (``cp=<cp>``) for the README."""
+    """Formats a message's values as their names (``cp=<cp>``) for docs/composition-table.md."""
 
     def __missing__(self, key: str) -> str:
         return _Placeholder(f"<{key}>")
@@ -347,7 +347,7 @@ _SYMBOL = {S.PLAIN: "✓", S.EQUIVALENT: "≈", S.RUNS: "r", S.UNTESTED: "·", S
 
 
 def markdown() -> str:
-    """The README's composition table: a matrix of the pairs, then each refusal's reason."""
+    """The composition table (docs/composition-table.md): a matrix of the pairs, then each refusal's reason."""
     order = list(Feature)
     lines = ["| | " + " | ".join(f.value.removeprefix("pp ") if f.value.startswith("pp ") else f.value
                                    for f in order) + " |",

@@ -1,7 +1,7 @@
 """Named tiny model configs, so the scripts run offline with no model directory.
 
 Presets have dropout 0: a parallel run then follows the single-process run step for step (its
-random streams differ by design), which is what the README's baselines compare. Sizes depend on
+random streams differ by design), which is what the results' baselines compare (docs/measured.md). Sizes depend on
 the data (vocabulary, image shape, classes), so each preset is a function of them.
 """
 
