@@ -1,8 +1,9 @@
 """Saving a sharded checkpoint from every rank of the mesh.
 
-Each distinct shard is written once: by dp rank 0, by the first of KV-head replicas, by tp rank 0
-for a tensor replicated over tp, by the first stage for a weight tied across stages, by the first
-of the ranks holding the same experts for an ep-sharded experts block. Every writing
+Each distinct shard is written once, by the rank the placement names (``ShardPlacement.writes``): dp
+rank 0, the first of KV-head replicas, tp rank 0 for a tensor replicated over tp, the first of the
+ranks holding the same experts for an ep-sharded experts block, each rank its ZeRO-1 pieces, the
+first dp_shard group its rows; the first stage for a weight tied across stages. Every writing
 rank writes its own safetensors file and a small JSON of its entries; rank 0 merges those into the
 index. The directory is written as ``ckpt-N.partial`` and published only when whole.
 """
@@ -25,13 +26,12 @@ from .atomic import fresh_dir, give_plain_mode
 from ..comm import barrier
 from ..data_parallel.optimizer import OptimizerView
 from ..data_parallel.precision import LossScaler
-from ..data_parallel.sharded import local, row_range, writes_rows
-from ..placement import ShardPlacement
+from ..data_parallel.sharded import local, row_range
+from ..placement import Held, ShardPlacement
 from ..tensor_parallel.shard import ShardSpec
 from ..version import __version__
 from .files import PARTIAL, file_digest, fsync_file, prune, publish, write_json
-from .format import (INDEX, CheckpointError, boxes, dtype_name, global_shape, new_index, optimizer_key, shard_file,
-                     tp_writes)
+from .format import INDEX, CheckpointError, boxes, dtype_name, global_shape, new_index, optimizer_key, shard_file
 from .hf import generation_config_of, recorded_config
 from .lock import DirectoryInUse, HeldDirectories
 from .names import next_checkpoint_dir
@@ -65,10 +65,7 @@ def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
         barrier(placement.device)
 
         view = optimizer_view(optimizer) if optimizer is not None else None
-        # ZeRO-1: each replica writes its pieces; ep: the first holder of each expert block its block
-        # dp_shard: the ranks of the first group write their rows (and every holder of an expert block its own)
-        if (placement.replica_rank == 0 or (view is not None and view.split_params)
-                or placement.coords.expert_replica == 0 or placement.dims.dp_shard > 1):
+        if placement.may_write(pieces=view is not None and bool(view.split_params)):
             write_shard(module, placement, view, partial)
         barrier(placement.device)
         if dist.get_rank() == 0:
@@ -151,8 +148,8 @@ class LocalTensor:
 def local_entries(module: nn.Module, placement: ShardPlacement, view: OptimizerView | None):
     """Every tensor this rank writes or could write (``writes``): weights, then optimizer state.
 
-    Weights are the float32 masters under mixed precision; each distinct piece is written by one
-    rank (dp rank 0, or each dp rank for its ZeRO-1 pieces)."""
+    Weights are the float32 masters under mixed precision; the placement says which rank writes each
+    distinct value (dp rank 0, or each dp rank its ZeRO-1 pieces, or the first dp_shard group its rows)."""
     mixed = view is not None and view.mixed
     for name, p in module.named_parameters():
         if placement.is_follower(name):
@@ -166,8 +163,8 @@ def local_entries(module: nn.Module, placement: ShardPlacement, view: OptimizerV
         spec, shape = placement.spec(name), list(p.shape)
         m = view.master(p) if view is not None else None
         split = view is not None and view.split(p)  # ZeRO-1: its optimizer data in pieces over its holders
-        once = placement.writes(spec)
-        mine = once or (split and tp_writes(spec, placement.shard_rank(spec)))  # this rank writes what it holds
+        held = Held.PIECES if split else Held.WHOLE
+        once, mine = placement.writes(name), placement.writes(name, held)  # mine: what this rank holds
         if mixed and m is not None:
             values = m.tensor.detach() if split else m.tensor.detach().reshape(shape)
             yield LocalTensor(name, values, shape, m.start, spec, mine)
@@ -182,26 +179,25 @@ def local_entries(module: nn.Module, placement: ShardPlacement, view: OptimizerV
                 values = value.detach() if split else value.detach().reshape(shape)
                 yield LocalTensor(optimizer_key(name, state_name), values, shape, m.start if split else 0, spec, mine)
             else:  # a scalar (Adam's step): one writer, the rank holding the parameter's first element
-                first_shard = placement.shard_rank(spec) == 0  # tp rank 0, or for experts the first block's holders
-                writes = first_shard and (m.start == 0 if split else placement.writes(spec))
+                writes = placement.writes_scalar(name, held, holds_first=not split or m.start == 0)
                 yield LocalTensor(optimizer_key(name, state_name), value.detach(), list(value.shape), 0, None, writes)
 
 
 def _row_entries(name: str, p: torch.Tensor, rows: tuple[int, int], placement: ShardPlacement,
                  state: dict) -> Iterator[LocalTensor]:
     """A dp_shard parameter (float32: it is the master) and its state, as this rank's flat range of
-    its local tensor; the ranks of the first group along its mesh write them (the others hold the same)."""
+    its local tensor, written where the placement says (``Held.ROWS``) and this rank holds rows."""
     spec, shape = placement.spec(name), list(p.shape)
     first, count = rows
     start = first * math.prod(shape[1:])
-    mine = writes_rows(p) and count > 0 and tp_writes(spec, placement.shard_rank(spec))
+    mine = placement.writes(name, Held.ROWS) and count > 0
     yield LocalTensor(name, local(p.detach()).reshape(-1), shape, start, spec, mine)
     for key, value in state.items():
         if isinstance(value, torch.Tensor) and list(value.shape) == shape and value.ndim > 0:
             yield LocalTensor(optimizer_key(name, key), local(value.detach()).reshape(-1), shape, start, spec, mine)
         elif isinstance(value, torch.Tensor):  # a scalar (Adam's step): the rank holding the first row
-            yield LocalTensor(optimizer_key(name, key), local(value.detach()), list(value.shape), 0, None,
-                              mine and first == 0 and placement.shard_rank(spec) == 0)
+            writes = count > 0 and placement.writes_scalar(name, Held.ROWS, holds_first=first == 0)
+            yield LocalTensor(optimizer_key(name, key), local(value.detach()), list(value.shape), 0, None, writes)
 
 
 # Checkpoints a run keeps by default: the newest and two before it, so a save that turns out bad

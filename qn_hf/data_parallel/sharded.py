@@ -202,13 +202,6 @@ def row_range(tensor: torch.Tensor) -> tuple[int, int] | None:
     return first, rows
 
 
-def writes_rows(tensor: torch.Tensor) -> bool:
-    """Whether this rank's rows of a dp_shard-sharded tensor are the ones a checkpoint takes: those of
-    the first group along a hybrid mesh's replicate dim (the other groups hold the same rows)."""
-    mesh = tensor.device_mesh
-    return mesh.ndim == 1 or mesh.get_local_rank(0) == 0
-
-
 def sharded_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``value`` (whole, on every rank) as ``like`` holds it: this rank's rows of it as a DTensor
     when ``like`` is dp_shard-sharded (no transfer: every rank has the value), else as it is."""
