@@ -52,7 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..compat import fsdp_param_groups
+from .fsdp_internals import fsdp_root
 
 
 class Gather(enum.Enum):
@@ -84,6 +84,7 @@ class ShardedParameters:
         for block in blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy, ignored_params=ignored)
         fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored)
+        self.root = fsdp_root(model)  # FSDP's private state, for what no public call does
         self.pipelined, self.gather = pipelined, gather
         if not pipelined:
             # Explicit forward prefetch: each group's pre-forward issues the next block's all-gather before
@@ -100,7 +101,7 @@ class ShardedParameters:
             # rank that forward runs in one chunk's view, which hides the other chunks' blocks (they
             # would each become a root of their own, left out of the step's reduction). Now the model
             # holds all of this rank's blocks. No public call does it: FSDP's own state method.
-            fully_shard.state(model)._lazy_init()
+            self.root.find_groups()
         # what a pipeline's gather mode governs: the blocks, and the experts' own groups inside them
         self.blocks = [*blocks, *(experts if expert_mesh is not None else ())]
         self.model = model
@@ -152,11 +153,7 @@ class ShardedParameters:
         for block in self.blocks:
             block.set_reshard_after_forward(True, recurse=False)  # evaluation frees each block again
         self.model.set_is_last_backward(True)
-        state = fully_shard.state(self.model)
-        for unit_state in state._state_ctx.all_states:
-            for group in fsdp_param_groups(unit_state):
-                group.post_backward()
-        state._root_post_backward_final_callback()
+        self.root.post_backward()
 
 
 def model_class(module: nn.Module) -> type:
