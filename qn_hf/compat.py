@@ -1,6 +1,7 @@
 """The torch and transformers APIs qn_hf calls that are newer than the oldest releases it supports
 (torch 2.11, transformers 5.17), each with a fallback that computes the same on an older release.
-The one place that knows which release has what: every other module calls these functions.
+The one place that knows which release has what (but for FSDP2's private state, below): every other
+module calls these functions.
 
 Each function asks the installed release at call time (an attribute present or absent), not its
 version number, so a test can remove the newer name and run the fallback on a current release.
@@ -13,7 +14,8 @@ Each API, the release that added it, and the fallback:
 - ``torch.distributed.reduce_scatter_single``, torch 2.13 (a rename): ``reduce_scatter_tensor``, likewise.
 - FSDP2's list of parameter groups per state, ``FSDPState._fsdp_param_groups`` (private: what torch's own
   pipelining runs each group's post-backward over), torch 2.12 (per-parameter meshes): torch 2.11's one
-  optional group, ``FSDPState._fsdp_param_group``.
+  optional group, ``FSDPState._fsdp_param_group``. Read in data_parallel/fsdp_internals.py
+  (``fsdp_param_groups``), with FSDP's other private state, so that every private name of FSDP has one home.
 - The instance marker ``_is_expert_parallel`` that transformers' ``@use_experts_implementation`` sets on
   fused experts modules, transformers 5.18: on 5.17 the decorator marks its instances with the layout
   flags it sets (``has_gate``, ``is_concatenated``, ``is_transposed``) and wraps ``forward``.
@@ -62,15 +64,6 @@ def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, *, group: P
     (``dist.reduce_scatter_single``)."""
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return scatter(output, input, group=group, async_op=async_op)
-
-
-def fsdp_param_groups(state) -> list:
-    """The parameter groups of one FSDP2 state (``fully_shard.state(m)._state_ctx.all_states``' items)."""
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is not None:
-        return list(groups)
-    group = state._fsdp_param_group  # torch 2.11: at most one group per state
-    return [group] if group is not None else []
 
 
 def trim_attention_mask(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:

@@ -8,7 +8,9 @@ per-layer embeddings; the first stage's copy is saved and counted), and is repea
 MoE experts under expert parallelism are cut over the ep group instead and repeated on the
 ``expert_replicas`` ranks holding the same block. A weight
 tied across stages (GPT-2's ``wte``/``lm_head``) has two copies: the first stage's ``owner`` name is
-the one saved and counted, the last stage's ``follower`` copy is skipped.
+the one saved and counted, the last stage's ``follower`` copy is skipped. Under dp_shard each rank of a
+dp_shard group holds its rows of the shard, and under ZeRO-1 its piece of the optimizer data
+(``Held``); which rank writes each distinct value to a checkpoint is ``ShardPlacement.writes``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,17 @@ class Copies(enum.Enum):
     KV_REPLICA = "the same KV-head shard on consecutive tp ranks (spec.replicas > 1)"
     SHARDED = "this tp rank's own shard"
     EXPERTS = "a block of experts over the ep group, repeated on the expert replicas instead of dp x cp"
+
+
+class Held(enum.Enum):
+    """How this rank holds its copy of a parameter (or of its optimizer state) among the ranks holding
+    the same tp (or ep) shard: its dp x cp ranks, or for experts its expert replicas. What decides
+    which of them writes it to a checkpoint (``ShardPlacement.writes``)."""
+
+    WHOLE = "the whole shard, the same on each of those ranks"
+    PIECES = "ZeRO-1: a flat piece of the shard's masters and optimizer state, each rank its own"
+    ROWS = ("dp_shard: FSDP's rows of the shard, each rank of a dp_shard group its own, the other groups "
+            "(dp_replicate) the same again; experts' rows are spread over their replicas, each its own")
 
 
 @dataclass(frozen=True, eq=False)
@@ -97,13 +110,34 @@ class ShardPlacement:
         experts its place in the ep group)."""
         return self.coords.ep if over_experts(spec) else self.coords.tp
 
-    def writes(self, spec: ShardSpec | None) -> bool:
-        """Whether this rank is the one of the ranks holding this exact shard that saves it: dp (x cp)
-        rank 0 and, over tp, the first of KV-head replicas (tp rank 0 for a tensor replicated over
-        tp); for experts, the first of the ranks holding the same expert block."""
-        if over_experts(spec):
-            return self.coords.expert_replica == 0
-        return self.replica_rank == 0 and (spec.writes(self.coords.tp) if spec is not None else self.coords.tp == 0)
+    def writes(self, name: str, held: Held = Held.WHOLE) -> bool:
+        """Whether this rank writes its copy of parameter ``name`` (or of its optimizer state shaped like
+        it), held as ``held``, to a checkpoint: every distinct value once. Over tp, the first of KV-head
+        replicas (tp rank 0 for a tensor replicated over tp). Over the ranks holding the same shard:
+        ``WHOLE`` dp (x cp) rank 0, for experts the first of the ranks holding the same block;
+        ``PIECES`` each rank its own piece (besides that first one); ``ROWS`` the ranks of the first
+        dp_shard group (``mesh.py`` cuts the dp ranks into groups of ``dp_shard`` consecutive ones),
+        for experts every holder (their FSDP groups span the expert replicas, each holding its own rows)."""
+        spec = self.spec(name)
+        # the one of the ranks holding copies of this shard over tp (KV-head replicas) or ep that writes it
+        shard_writer = spec.writes(self.shard_rank(spec)) if spec is not None else self.coords.tp == 0
+        if held is Held.ROWS:
+            return shard_writer and (over_experts(spec) or self.coords.dp // self.dims.dp_shard == 0)
+        whole = self.coords.expert_replica == 0 if over_experts(spec) else self.replica_rank == 0 and shard_writer
+        return whole or (held is Held.PIECES and shard_writer)
+
+    def writes_scalar(self, name: str, held: Held, *, holds_first: bool) -> bool:
+        """Whether this rank writes a scalar of ``name``'s optimizer state (Adam's ``step``), the same in
+        every copy, piece and row range: once, by the writer of the first shard (tp rank 0, or for
+        experts the first block's) whose piece or rows hold the first element (``holds_first``)."""
+        return self.shard_rank(self.spec(name)) == 0 and holds_first and self.writes(name, held)
+
+    def may_write(self, *, pieces: bool) -> bool:
+        """Whether this rank may write some tensor of a checkpoint (``writes``), so takes part in saving:
+        dp (x cp) rank 0, the first holder of each expert block, every rank where some parameter is held
+        in ZeRO-1 ``pieces``, and every rank under dp_shard (the first group's ranks their rows; the
+        others record which parameters they hold, as every writer does, and write no tensor)."""
+        return self.replica_rank == 0 or pieces or self.coords.expert_replica == 0 or self.dims.dp_shard > 1
 
     def whole(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's shard of ``name`` made whole: gathered over the ranks its spec splits it

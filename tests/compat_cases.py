@@ -87,7 +87,7 @@ def fsdp_groups_both_ways(*, model_dir: str) -> dict:
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     import qn_hf
-    from qn_hf.compat import fsdp_param_groups
+    from qn_hf.data_parallel.fsdp_internals import fsdp_param_groups
     from tests.cases import mesh_for
     from tests.models import dp_slice, load, make_batch
 

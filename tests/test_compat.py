@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from qn_hf import compat
 from qn_hf.check.shrink import shrink_config
+from qn_hf.data_parallel import fsdp_internals
 from tests import compat_cases, ep_cases, optim_cases
 
 LOSS_RTOL = 1e-5
@@ -68,7 +69,7 @@ def test_fsdp_param_groups_read_as_torch_2_11_holds_them(worlds, model_dirs):
         def __init__(self, group):
             self._fsdp_param_group = group
 
-    assert compat.fsdp_param_groups(Older("g")) == ["g"] and compat.fsdp_param_groups(Older(None)) == []
+    assert fsdp_internals.fsdp_param_groups(Older("g")) == ["g"] and fsdp_internals.fsdp_param_groups(Older(None)) == []
 
 
 def _meta(config) -> torch.nn.Module:

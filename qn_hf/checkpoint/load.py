@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..data_parallel.optimizer import OptimizerView
 from ..data_parallel.precision import LossScaler
 from ..data_parallel.sharded import local, row_range, sharded_like
 from ..placement import ShardPlacement
@@ -20,7 +21,7 @@ from .files import FileChecks
 from .format import (DTYPES, FORMAT, CheckpointError, checkpoint_dir, global_shape, optimizer_prefix, read_index,
                      state_spec)
 from .hf import base_prefixes, is_hf_dir, read_hf_dir, source_name
-from .optimizer_state import (OPTIMIZER_CLASS, kept_state, missing_state, model_param_groups, optimizer_class_name,
+from .optimizer_state import (OPTIMIZER_CLASS, kept_state, missing_state, optimizer_class_name, optimizer_view,
                               restored_hyperparameters, stateless_of)
 from .pieces import read_local
 
@@ -71,8 +72,9 @@ def load_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
     If any rank finds a problem, every rank raises the same ``CheckpointError`` (naming the rank,
     file and tensor) and nothing in the model or optimizer has changed."""
     error, loaded = None, None
+    view = optimizer_view(optimizer) if optimizer is not None else None
     try:
-        loaded = _read_all(module, path, placement, model_type, optimizer, cast, config)
+        loaded = _read_all(module, path, placement, model_type, view, cast, config)
     except CheckpointError as e:
         error = str(e)
     errors = [None] * dist.get_world_size()
@@ -83,21 +85,20 @@ def load_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
         raise CheckpointError(f"rank {rank}: {message}" + (f" (and {len(failed) - 1} more ranks failed)" if len(failed) > 1 else ""))
     index, tensors, states = loaded
     params = dict(module.named_parameters())
-    masters = {id(m.param): m for m in getattr(optimizer, "masters", ())}
     with torch.no_grad():
         for name, value in tensors.items():
             local(params[name]).copy_(value)  # dp_shard: value is this rank's rows already
-            m = masters.get(id(params[name]))
-            if m is not None and getattr(optimizer, "mixed", False):  # float32 masters from the float32 weights
+            m = view.master(params[name]) if view is not None else None
+            if m is not None and view.mixed:  # float32 masters from the float32 weights
                 m.tensor.copy_(_flat_part(value, m.start, m.tensor))
-    if optimizer is not None:
-        for group, saved_group in zip(optimizer.param_groups, index["optimizer"]):
+    if view is not None:
+        for group, saved_group in zip(view.inner.param_groups, index["optimizer"]):
             group.update(restored_hyperparameters(group, saved_group))
-        group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+        group_of = {id(p): group for group in view.inner.param_groups for p in group["params"]}
         for keyed, state in states.items():
             placed = {k: placed_state(k, v, param=keyed, group=group_of[id(keyed)]) for k, v in state.items()}
             # dp_shard: the moments become this rank's rows of the whole, as its parameter holds them
-            optimizer.state[keyed] = {k: sharded_like(v, keyed) if v.ndim > 0 else v for k, v in placed.items()}
+            view.inner.state[keyed] = {k: sharded_like(v, keyed) if v.ndim > 0 else v for k, v in placed.items()}
     if scaler is not None:
         restore_loss_scale(scaler, index, path=path)
     return {"step": index.get("step"), "mesh": index.get("mesh"), "library_version": index.get("library_version"),
@@ -131,9 +132,9 @@ def placed_state(key: str, value: torch.Tensor, *, param: torch.Tensor, group: d
 
 
 def _read_all(module: nn.Module, path: str, placement: ShardPlacement, model_type: str,
-              optimizer: torch.optim.Optimizer | None, cast: bool, current: dict | None):
+              view: OptimizerView | None, cast: bool, current: dict | None):
     if is_hf_dir(path):
-        if optimizer is not None:
+        if view is not None:
             raise CheckpointError(f"{path} is a Hugging Face directory: it holds no optimizer state")
         directory = path
         index, config = read_hf_dir(path)
@@ -153,7 +154,7 @@ def _read_all(module: nn.Module, path: str, placement: ShardPlacement, model_typ
     params = dict(module.named_parameters())
     prefixes = base_prefixes(config)
     # Mixed precision: weights are read in float32 (the masters; the low-precision copies are cast).
-    read_as = torch.float32 if getattr(optimizer, "mixed", False) else None
+    read_as = torch.float32 if view is not None and view.mixed else None
     tensors = {}
     for name, p in params.items():
         try:
@@ -166,17 +167,15 @@ def _read_all(module: nn.Module, path: str, placement: ShardPlacement, model_typ
         rows = row_range(p)  # dp_shard: keep this rank's rows only
         tensors[name] = whole if rows is None else whole.narrow(0, *rows).clone()
     states: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
-    if optimizer is not None:
-        _check_optimizer(directory, index, optimizer, params, placement)
+    if view is not None:
+        _check_optimizer(directory, index, view, params, placement)
         names = {id(p): n for n, p in params.items()}
-        masters = {id(m.param): m for m in getattr(optimizer, "masters", ())}
         kept: dict[tuple, frozenset[str] | None] = {}  # the state keys the optimizer keeps, by group and tensor kind
-        for i, params_of_group in enumerate(model_param_groups(optimizer)):
-            hyper = restored_hyperparameters(optimizer.param_groups[i], index["optimizer"][i])
+        for i, params_of_group in enumerate(view.model_param_groups):
+            hyper = restored_hyperparameters(view.inner.param_groups[i], index["optimizer"][i])
             stateless = stateless_of(index["optimizer"][i])
             for p in params_of_group:
-                m = masters.get(id(p))
-                keyed = p if not hasattr(optimizer, "masters") else (m.tensor if m is not None else None)
+                m, keyed = view.master(p), view.state_key(p)
                 if keyed is None:
                     continue  # ZeRO-1: no part of this parameter is in this rank's pieces
                 name = names[id(p)]
@@ -184,10 +183,10 @@ def _read_all(module: nn.Module, path: str, placement: ShardPlacement, model_typ
                 spec = placement.spec(name)
                 tensor_kind = (i, keyed.dim(), keyed.dtype, keyed.device)
                 if tensor_kind not in kept:
-                    kept[tensor_kind] = kept_state(optimizer, hyper, keyed)
+                    kept[tensor_kind] = kept_state(view, hyper, keyed)
                 present = {k[len(prefix):] for k in index["tensors"] if k.startswith(prefix)}
                 problem = missing_state(placement.owner(name), present, stateless=stateless, kept=kept[tensor_kind],
-                                        kind=optimizer_class_name(optimizer))
+                                        kind=optimizer_class_name(view))
                 if problem is not None:
                     raise CheckpointError(f"{directory}: {problem}; resume from another checkpoint, or load without "
                                           f"optimizer= to start the optimizer afresh")
@@ -213,22 +212,22 @@ def _flat_part(value: torch.Tensor, start: int, like: torch.Tensor) -> torch.Ten
     return value.reshape(-1)[start : start + like.numel()].reshape(like.shape).clone()
 
 
-def _check_optimizer(directory: str, index: dict, optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter],
+def _check_optimizer(directory: str, index: dict, view: OptimizerView, params: dict[str, nn.Parameter],
                      placement: ShardPlacement) -> None:
     saved = index.get("optimizer")
     if not isinstance(saved, list):
         raise CheckpointError(f"{directory} has no optimizer state; load without optimizer= or save with it")
-    if len(saved) != len(optimizer.param_groups):
+    if len(saved) != len(view.inner.param_groups):
         raise CheckpointError(f"{directory}: the optimizer had {len(saved)} parameter groups, this one has "
-                              f"{len(optimizer.param_groups)}")
+                              f"{len(view.inner.param_groups)}")
     names = {id(p): n for n, p in params.items()}
-    kind = optimizer_class_name(optimizer)
+    kind = optimizer_class_name(view)
     recorded = {g.get(OPTIMIZER_CLASS) for g in saved} - {None}  # absent: saved before classes were recorded
     if recorded and recorded != {kind}:
         raise CheckpointError(f"{directory}: the optimizer state was saved from {', '.join(sorted(recorded))}, this "
                               f"optimizer is {kind}; its state and hyperparameters would mean other things: build a "
                               f"{next(iter(sorted(recorded)))} to resume, or load without optimizer= to start it afresh")
-    for i, (group, saved_group) in enumerate(zip(model_param_groups(optimizer), saved)):
+    for i, (group, saved_group) in enumerate(zip(view.model_param_groups, saved)):
         for p in group:
             name = names.get(id(p))
             saved_name = placement.owner(name) if name is not None else None

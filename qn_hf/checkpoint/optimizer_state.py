@@ -18,6 +18,7 @@ import warnings
 import torch
 from torch import nn
 
+from ..data_parallel.optimizer import OptimizerView, ParallelOptimizer
 from ..placement import ShardPlacement
 
 # Recorded with each saved parameter group: a resume into another optimizer class is refused (its
@@ -28,33 +29,33 @@ STATELESS = "stateless"
 NOT_HYPERPARAMETERS = ("params", OPTIMIZER_CLASS, STATELESS)
 
 
-def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
+def optimizer_view(optimizer: torch.optim.Optimizer) -> OptimizerView:
+    """The checkpoint's one way into an optimizer: what qn_hf's optimizer says of itself, or a torch
+    optimizer read as stepping the model's parameters."""
+    if isinstance(optimizer, ParallelOptimizer):
+        return optimizer.checkpoint_view()
+    return OptimizerView.of_torch(optimizer)
+
+
+def optimizer_class_name(view: OptimizerView) -> str:
     """The torch optimizer that steps: a qn_hf optimizer's inner one, or the optimizer itself."""
-    return type(getattr(optimizer, "inner", optimizer)).__name__
+    return type(view.inner).__name__
 
 
-def model_param_groups(optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
-    """The model parameters of each group: a qn_hf optimizer's groups hold its masters."""
-    groups = getattr(optimizer, "model_param_groups", None)
-    return groups if groups is not None else [g["params"] for g in optimizer.param_groups]
-
-
-def optimizer_groups(module: nn.Module, placement: ShardPlacement, optimizer: torch.optim.Optimizer) -> list[dict]:
+def optimizer_groups(module: nn.Module, placement: ShardPlacement, view: OptimizerView) -> list[dict]:
     """Each parameter group's hyperparameters and the saved names of its parameters here, and of those
-    this rank knows had no state."""
+    this rank knows had no state (under ZeRO-1, where none of a parameter's pieces is this rank's, it
+    cannot tell)."""
     names = {id(p): n for n, p in module.named_parameters()}
-    # what the state is keyed by: a qn_hf optimizer's master (none under ZeRO-1 where no piece is this
-    # rank's: then this rank cannot tell), a torch optimizer's parameter itself
-    masters = {id(m.param): m.tensor for m in getattr(optimizer, "masters", ())}
     groups = []
-    for group, params in zip(optimizer.param_groups, model_param_groups(optimizer)):
+    for group, params in zip(view.inner.param_groups, view.model_param_groups):
         hyper = {k: v for k, v in group.items()
                  if k != "params" and isinstance(v, (int, float, bool, str, type(None), list, tuple))}
         saved = [p for p in params if not placement.is_follower(names.get(id(p)))]
-        keyed = {id(p): masters.get(id(p)) if hasattr(optimizer, "masters") else p for p in saved}
+        keyed = {id(p): view.state_key(p) for p in saved}
         stateless = [names[id(p)] for p in saved if keyed[id(p)] is not None and not any(
-            isinstance(v, torch.Tensor) for v in optimizer.state.get(keyed[id(p)], {}).values())]
-        groups.append({**hyper, OPTIMIZER_CLASS: optimizer_class_name(optimizer),
+            isinstance(v, torch.Tensor) for v in view.inner.state.get(keyed[id(p)], {}).values())]
+        groups.append({**hyper, OPTIMIZER_CLASS: optimizer_class_name(view),
                        "params": sorted(names[id(p)] for p in saved), STATELESS: sorted(stateless)})
     return groups
 
@@ -79,11 +80,12 @@ def restored_hyperparameters(group: dict, saved_group: dict) -> dict:
     return out
 
 
-def kept_state(optimizer: torch.optim.Optimizer, hyper: dict, like: torch.Tensor) -> frozenset[str] | None:
-    """The state tensors ``optimizer``'s class keeps for a parameter like ``like`` under ``hyper``: what a
-    copy holds after one step on a small tensor of the same dimensionality, dtype and device. None if
-    the copy cannot step (a closure needed, sparse gradients, constructor arguments of its own)."""
-    cls = type(getattr(optimizer, "inner", optimizer))
+def kept_state(view: OptimizerView, hyper: dict, like: torch.Tensor) -> frozenset[str] | None:
+    """The state tensors the stepping optimizer's class keeps for a parameter like ``like`` under
+    ``hyper``: what a copy holds after one step on a small tensor of the same dimensionality, dtype and
+    device. None if the copy cannot step (a closure needed, sparse gradients, constructor arguments of
+    its own)."""
+    cls = type(view.inner)
     probe = torch.zeros([2] * like.dim(), dtype=like.dtype, device=like.device, requires_grad=True)
     probe.grad = torch.zeros_like(probe)
     try:

@@ -1,8 +1,9 @@
 """Saving a sharded checkpoint from every rank of the mesh.
 
-Each distinct shard is written once: by dp rank 0, by the first of KV-head replicas, by tp rank 0
-for a tensor replicated over tp, by the first stage for a weight tied across stages, by the first
-of the ranks holding the same experts for an ep-sharded experts block. Every writing
+Each distinct shard is written once, by the rank the placement names (``ShardPlacement.writes``): dp
+rank 0, the first of KV-head replicas, tp rank 0 for a tensor replicated over tp, the first of the
+ranks holding the same experts for an ep-sharded experts block, each rank its ZeRO-1 pieces, the
+first dp_shard group its rows; the first stage for a weight tied across stages. Every writing
 rank writes its own safetensors file and a small JSON of its entries; rank 0 merges those into the
 index. The directory is written as ``ckpt-N.partial`` and published only when whole.
 """
@@ -23,18 +24,18 @@ from torch import nn
 from ..arguments import check_non_negative_int, check_positive_int
 from .atomic import fresh_dir, give_plain_mode
 from ..comm import barrier
+from ..data_parallel.optimizer import OptimizerView
 from ..data_parallel.precision import LossScaler
-from ..data_parallel.sharded import local, row_range, writes_rows
-from ..placement import ShardPlacement
+from ..data_parallel.sharded import local, row_range
+from ..placement import Held, ShardPlacement
 from ..tensor_parallel.shard import ShardSpec
 from ..version import __version__
 from .files import PARTIAL, file_digest, fsync_file, prune, publish, write_json
-from .format import (INDEX, CheckpointError, boxes, dtype_name, global_shape, new_index, optimizer_key, shard_file,
-                     tp_writes)
+from .format import INDEX, CheckpointError, boxes, dtype_name, global_shape, new_index, optimizer_key, shard_file
 from .hf import generation_config_of, recorded_config
 from .lock import DirectoryInUse, HeldDirectories
 from .names import next_checkpoint_dir
-from .optimizer_state import merge_groups, optimizer_groups
+from .optimizer_state import merge_groups, optimizer_groups, optimizer_view
 from .pieces import flat_runs
 from .seal import write_index
 
@@ -63,11 +64,9 @@ def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
             fresh_dir(partial)
         barrier(placement.device)
 
-        # ZeRO-1: each replica writes its pieces; ep: the first holder of each expert block its block
-        # dp_shard: the ranks of the first group write their rows (and every holder of an expert block its own)
-        if (placement.replica_rank == 0 or getattr(optimizer, "split_params", None)
-                or placement.coords.expert_replica == 0 or placement.dims.dp_shard > 1):
-            write_shard(module, placement, optimizer, partial)
+        view = optimizer_view(optimizer) if optimizer is not None else None
+        if placement.may_write(pieces=view is not None and bool(view.split_params)):
+            write_shard(module, placement, view, partial)
         barrier(placement.device)
         if dist.get_rank() == 0:
             dims = placement.dims
@@ -146,78 +145,72 @@ class LocalTensor:
         return self.start == 0 and list(self.values.shape) == self.shape
 
 
-def local_entries(module: nn.Module, placement: ShardPlacement, optimizer: torch.optim.Optimizer | None):
+def local_entries(module: nn.Module, placement: ShardPlacement, view: OptimizerView | None):
     """Every tensor this rank writes or could write (``writes``): weights, then optimizer state.
 
-    Weights are the float32 masters under mixed precision; each distinct piece is written by one
-    rank (dp rank 0, or each dp rank for its ZeRO-1 pieces). A qn_hf optimizer keys its state by its
-    masters; a torch optimizer by the parameters themselves."""
-    masters = {id(m.param): m for m in getattr(optimizer, "masters", ())}
-    ours = hasattr(optimizer, "masters")  # a qn_hf optimizer: its state is keyed by its masters
-    mixed = getattr(optimizer, "mixed", False)
-    # ZeRO-1: the parameters whose optimizer data lives in pieces over the ranks holding them
-    split_params = getattr(optimizer, "split_params", frozenset())
+    Weights are the float32 masters under mixed precision; the placement says which rank writes each
+    distinct value (dp rank 0, or each dp rank its ZeRO-1 pieces, or the first dp_shard group its rows)."""
+    mixed = view is not None and view.mixed
     for name, p in module.named_parameters():
         if placement.is_follower(name):
             continue
+        key = view.state_key(p) if view is not None else None
         rows = row_range(p)
         if rows is not None:  # dp_shard: this rank's rows, a flat range, and its optimizer state's
-            yield from _row_entries(name, p, rows, placement, optimizer.state.get(p, {}) if optimizer else {})
+            state = view.inner.state.get(key, {}) if key is not None else {}
+            yield from _row_entries(name, p, rows, placement, state)
             continue
-        spec, shape, m = placement.spec(name), list(p.shape), masters.get(id(p))
-        split = id(p) in split_params
-        once = placement.writes(spec)
-        mine = once or (split and tp_writes(spec, placement.shard_rank(spec)))  # this rank writes what it holds
+        spec, shape = placement.spec(name), list(p.shape)
+        m = view.master(p) if view is not None else None
+        split = view is not None and view.split(p)  # ZeRO-1: its optimizer data in pieces over its holders
+        held = Held.PIECES if split else Held.WHOLE
+        once, mine = placement.writes(name), placement.writes(name, held)  # mine: what this rank holds
         if mixed and m is not None:
             values = m.tensor.detach() if split else m.tensor.detach().reshape(shape)
             yield LocalTensor(name, values, shape, m.start, spec, mine)
         elif not (mixed and split):
             yield LocalTensor(name, p.detach(), shape, 0, spec, once)
-        if optimizer is None:
+        if key is None:
             continue
-        keyed = (m.tensor if m is not None else None) if ours else p
-        state = optimizer.state.get(keyed, {}) if keyed is not None else {}
-        for key, value in state.items():
+        for state_name, value in view.inner.state.get(key, {}).items():
             if not isinstance(value, torch.Tensor):
                 continue
-            if list(value.shape) == list(keyed.shape) and value.ndim > 0:  # shaped like its parameter
+            if list(value.shape) == list(key.shape) and value.ndim > 0:  # shaped like its parameter
                 values = value.detach() if split else value.detach().reshape(shape)
-                yield LocalTensor(optimizer_key(name, key), values, shape, m.start if split else 0, spec, mine)
+                yield LocalTensor(optimizer_key(name, state_name), values, shape, m.start if split else 0, spec, mine)
             else:  # a scalar (Adam's step): one writer, the rank holding the parameter's first element
-                first_shard = placement.shard_rank(spec) == 0  # tp rank 0, or for experts the first block's holders
-                writes = first_shard and (m.start == 0 if split else placement.writes(spec))
-                yield LocalTensor(optimizer_key(name, key), value.detach(), list(value.shape), 0, None, writes)
+                writes = placement.writes_scalar(name, held, holds_first=not split or m.start == 0)
+                yield LocalTensor(optimizer_key(name, state_name), value.detach(), list(value.shape), 0, None, writes)
 
 
 def _row_entries(name: str, p: torch.Tensor, rows: tuple[int, int], placement: ShardPlacement,
                  state: dict) -> Iterator[LocalTensor]:
     """A dp_shard parameter (float32: it is the master) and its state, as this rank's flat range of
-    its local tensor; the ranks of the first group along its mesh write them (the others hold the same)."""
+    its local tensor, written where the placement says (``Held.ROWS``) and this rank holds rows."""
     spec, shape = placement.spec(name), list(p.shape)
     first, count = rows
     start = first * math.prod(shape[1:])
-    mine = writes_rows(p) and count > 0 and tp_writes(spec, placement.shard_rank(spec))
+    mine = placement.writes(name, Held.ROWS) and count > 0
     yield LocalTensor(name, local(p.detach()).reshape(-1), shape, start, spec, mine)
     for key, value in state.items():
         if isinstance(value, torch.Tensor) and list(value.shape) == shape and value.ndim > 0:
             yield LocalTensor(optimizer_key(name, key), local(value.detach()).reshape(-1), shape, start, spec, mine)
         elif isinstance(value, torch.Tensor):  # a scalar (Adam's step): the rank holding the first row
-            yield LocalTensor(optimizer_key(name, key), local(value.detach()), list(value.shape), 0, None,
-                              mine and first == 0 and placement.shard_rank(spec) == 0)
+            writes = count > 0 and placement.writes_scalar(name, Held.ROWS, holds_first=first == 0)
+            yield LocalTensor(optimizer_key(name, key), local(value.detach()), list(value.shape), 0, None, writes)
 
 
 # Checkpoints a run keeps by default: the newest and two before it, so a save that turns out bad
 # (a diverged run) never takes the last good state with it.
 DEFAULT_KEEP_LAST = 3
 
-def write_shard(module: nn.Module, placement: ShardPlacement, optimizer: torch.optim.Optimizer | None,
-                directory: str) -> None:
+def write_shard(module: nn.Module, placement: ShardPlacement, view: OptimizerView | None, directory: str) -> None:
     """This rank's file and the JSON of its entries (merged into the index by rank 0)."""
     coords = placement.coords
     file = shard_file(coords.pp, coords.tp, placement.replica_rank)
     tensors: dict[str, torch.Tensor] = {}
     entries: dict[str, dict] = {}
-    for t in local_entries(module, placement, optimizer):
+    for t in local_entries(module, placement, view):
         if not t.writes:
             continue
         pieces = []
@@ -227,7 +220,7 @@ def write_shard(module: nn.Module, placement: ShardPlacement, optimizer: torch.o
             pieces.append({"file": file, "key": key, "box": box})
         entries[t.name] = {"shape": global_shape(t.shape, t.spec), "dtype": dtype_name(t.values.dtype),
                            "pieces": pieces}
-    groups = optimizer_groups(module, placement, optimizer) if optimizer is not None else None
+    groups = optimizer_groups(module, placement, view) if view is not None else None
     written = {}
     if tensors:  # a rank whose every piece another holds (a dp_shard group's replica) writes no empty file
         save_file(tensors, os.path.join(directory, file), metadata={"format": "pt"})

@@ -19,7 +19,7 @@ Which tensors the wrapped optimizer steps (its ``param_groups`` hold these "mast
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +55,44 @@ class Master:
 
     def grad(self) -> torch.Tensor | None:
         return self.param.grad if self.piece is None else self.piece.grad
+
+
+@dataclass(frozen=True)
+class OptimizerView:
+    """What a checkpoint reads of an optimizer, and its only way into one: qn_hf's optimizer gives it
+    (``ParallelOptimizer.checkpoint_view``), any other torch optimizer is read as stepping the model's
+    parameters themselves (``of_torch``).
+
+    The state is keyed by what ``inner`` steps: a master per model parameter here (the parameter
+    itself where no copy is kept), or for a torch optimizer the parameter itself."""
+
+    inner: torch.optim.Optimizer  # the torch optimizer that steps: its class, param_groups and state
+    model_param_groups: tuple[tuple[nn.Parameter, ...], ...]  # the model parameters of each of its groups
+    masters: Mapping[int, Master] | None  # by id of the model parameter; None: a torch optimizer, no masters
+    mixed: bool  # the masters are float32 copies of low-precision weights (saved and loaded in their place)
+    split_params: frozenset[int]  # ZeRO-1: ids of the parameters whose masters and state are pieces over ranks
+
+    @classmethod
+    def of_torch(cls, optimizer: torch.optim.Optimizer) -> OptimizerView:
+        """A torch optimizer built on the model's parameters: its groups hold them, its state is theirs."""
+        return cls(inner=optimizer, model_param_groups=tuple(tuple(g["params"]) for g in optimizer.param_groups),
+                   masters=None, mixed=False, split_params=frozenset())
+
+    def master(self, param: torch.Tensor) -> Master | None:
+        """The master of ``param`` on this rank (None: a torch optimizer, a parameter not stepped, or
+        under ZeRO-1 none of its pieces here)."""
+        return self.masters.get(id(param)) if self.masters is not None else None
+
+    def state_key(self, param: torch.Tensor) -> torch.Tensor | None:
+        """What ``inner.state`` keys ``param``'s state by; None where this rank steps no part of it."""
+        if self.masters is None:
+            return param
+        m = self.masters.get(id(param))
+        return m.tensor if m is not None else None
+
+    def split(self, param: torch.Tensor) -> bool:
+        """Whether ZeRO-1 keeps ``param``'s master and state in pieces over the ranks holding it."""
+        return id(param) in self.split_params
 
 
 def check_optimizer_class(optimizer_class: type, *, zero: bool) -> None:
@@ -119,6 +157,12 @@ class ParallelOptimizer(torch.optim.Optimizer):
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
         pm.optimizer = self
+
+    def checkpoint_view(self) -> OptimizerView:
+        """What a checkpoint reads of this optimizer (``OptimizerView``)."""
+        return OptimizerView(inner=self.inner, model_param_groups=tuple(tuple(g) for g in self.model_param_groups),
+                             masters={id(m.param): m for m in self.masters}, mixed=self.mixed,
+                             split_params=self.split_params)
 
     @property
     def skipped_steps(self) -> int:

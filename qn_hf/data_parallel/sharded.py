@@ -50,8 +50,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..compat import fsdp_param_groups
 from ..config.options import Gather
+from .fsdp_internals import fsdp_root
 
 
 class ShardedParameters:
@@ -76,6 +76,7 @@ class ShardedParameters:
         for block in blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy, ignored_params=ignored)
         fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored)
+        self.root = fsdp_root(model)  # FSDP's private state, for what no public call does
         self.pipelined, self.gather = pipelined, gather
         if not pipelined:
             # Explicit forward prefetch: each group's pre-forward issues the next block's all-gather before
@@ -92,7 +93,7 @@ class ShardedParameters:
             # rank that forward runs in one chunk's view, which hides the other chunks' blocks (they
             # would each become a root of their own, left out of the step's reduction). Now the model
             # holds all of this rank's blocks. No public call does it: FSDP's own state method.
-            fully_shard.state(model)._lazy_init()
+            self.root.find_groups()
         # what a pipeline's gather mode governs: the blocks, and the experts' own groups inside them
         self.blocks = [*blocks, *(experts if expert_mesh is not None else ())]
         self.model = model
@@ -144,11 +145,7 @@ class ShardedParameters:
         for block in self.blocks:
             block.set_reshard_after_forward(True, recurse=False)  # evaluation frees each block again
         self.model.set_is_last_backward(True)
-        state = fully_shard.state(self.model)
-        for unit_state in state._state_ctx.all_states:
-            for group in fsdp_param_groups(unit_state):
-                group.post_backward()
-        state._root_post_backward_final_callback()
+        self.root.post_backward()
 
 
 def model_class(module: nn.Module) -> type:
@@ -192,13 +189,6 @@ def row_range(tensor: torch.Tensor) -> tuple[int, int] | None:
     if rows != min(per, n - first):
         raise RuntimeError(f"a dp_shard shard of {rows} rows where torch.chunk gives {min(per, n - first)} of {n}")
     return first, rows
-
-
-def writes_rows(tensor: torch.Tensor) -> bool:
-    """Whether this rank's rows of a dp_shard-sharded tensor are the ones a checkpoint takes: those of
-    the first group along a hybrid mesh's replicate dim (the other groups hold the same rows)."""
-    mesh = tensor.device_mesh
-    return mesh.ndim == 1 or mesh.get_local_rank(0) == 0
 
 
 def sharded_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
