@@ -29,6 +29,7 @@ from .pieces import read_local
 # Config entries that say nothing about what a checkpoint's tensors mean: bookkeeping, runtime
 # switches, token ids, label names, initialisation, the loss's problem type. Dropout probabilities
 # (any key naming dropout or a drop probability) may change between runs too.
+STEP_COUNTER = "step"  # the name of torch's optimizers' per-parameter step count in their state
 NOT_ARCHITECTURE = frozenset({
     "_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype", "use_cache",
     "output_attentions", "output_hidden_states", "return_dict", "torchscript", "id2label", "label2id",
@@ -124,7 +125,7 @@ def placed_state(key: str, value: torch.Tensor, *, param: torch.Tensor, group: d
     parameter's device, except the ``step`` counters, which stay on the host unless the group is
     fused or capturable (then float32 on the device). Torch's Adam reads a host counter without
     waiting for the device; one on a GPU would cost two host syncs per parameter and step."""
-    if key == "step":
+    if key == STEP_COUNTER:
         if group.get("fused") or group.get("capturable"):
             return value.to(dtype=torch.float32, device=param.device)
         return value
