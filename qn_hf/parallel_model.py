@@ -16,31 +16,29 @@ from .checkpoint.full_state import full_state_dict
 from .checkpoint.hf import DEFAULT_MAX_SHARD_BYTES
 from .checkpoint.load import load_checkpoint
 from .checkpoint.save import DEFAULT_KEEP_LAST, HeldDirectories, save_checkpoint
-from .comm import flat_all_reduce_, gather_from_group
+from .comm import flat_all_reduce_
 from .config.composition import Feature, check_and_warn
 from .config.dims import ParallelDims
 from .config.parallel_config import ParallelConfig
-from .context_parallel.apply import (CP_KEYS, LOCAL_VALID, LOSS_KEYS, RingSwitch, ring_documents,
-                                     shard_microbatches, whole_sequence_logits)
+from .config.schedule import Schedule
+from .context_parallel.apply import (LOCAL_VALID, LOSS_KEYS, RingSwitch, whole_sequence_logits)
 from .context_parallel.ring_attention import ChunkLayout
 from .data_parallel.buckets import GradBuckets
 from .data_parallel.grad_sync import GradSync
 from .data_parallel.precision import LossScaler
 from .data_parallel.sharded import ShardedParameters
-from .devices import to_device
 from .expert_parallel.router_loss import RouterLogits, adds_router_loss
 from .failure import FailTogether
 from .mesh import Coords, Groups
 from .peft.lora import Adapter
-from .pipeline.runtime import StageExecutor, batch_shape_key
-from .pipeline.schedule import schedule_actions
+from .pipeline.runtime import StageExecutor
 from .pipeline.split import params_by_final_pass
 from .pipeline.stage import StageModules
 from .placement import ShardPlacement
-from .step.agreement import agree_on_batch
-from .step.batch import batch_signature, check_same_batch, check_step_batch, dp_rows, microbatch_rows, split_microbatches
+from .step.batch import batch_signature, check_same_batch, dp_rows
 from .step.generation import parallel_generate, switched_off
 from .step.logits import LogitsFn, collect_logits
+from .step.runner import StepContext, prepare, run_schedule
 from .step.loss import local_count, loss_scales, nan_without_targets, summed_loss
 from .tensor_parallel.apply import VocabShard
 from .tensor_parallel.plan import TpPlan
@@ -58,39 +56,21 @@ class ParallelModel:
     ``named_parameters()`` yields HF names with local shards, ready for any ``torch.optim`` optimizer.
     """
 
-    def __init__(
-        self, *,
-        module: nn.Module, placement: ShardPlacement, plan: TpPlan, stage: StageModules, executor: StageExecutor,
-        vocab: VocabShard | None, microbatches: int, schedule: str, rng: RngStreams, buckets: GradBuckets | None,
-        expert_buckets: GradBuckets | None, precision: torch.dtype | None, scaler: LossScaler | None,
-        cp_layout: ChunkLayout, deferred: frozenset[str] = frozenset(), adapter: Adapter | None = None,
-        parallel_config: ParallelConfig | None = None,
-        sequence_parallel_switch: SequenceParallelSwitch | None = None, ring_switch: RingSwitch | None = None,
-        sharded: ShardedParameters | None = None,
-    ) -> None:
-        self.module = module
-        self.parallel_config = parallel_config  # how it was parallelized (parallelize's keywords as one value)
+    def __init__(self, *, context: StepContext, grads: GradSync, rng: RngStreams, precision: torch.dtype | None,
+                 scaler: LossScaler | None, deferred: frozenset[str] = frozenset(), adapter: Adapter | None = None,
+                 switches: tuple[SequenceParallelSwitch | None, RingSwitch | None] = (None, None),
+                 sharded: ShardedParameters | None = None) -> None:
+        self.context = context  # what every step reads (step/runner.py)
         # the composition table's features this model uses (composition.py), LoRA included
-        self.features = (parallel_config.features if parallel_config else frozenset()) | (
-            {Feature.LORA} if adapter is not None else set())
+        self.features = context.config.features | ({Feature.LORA} if adapter is not None else set())
         self._warned: set[frozenset[Feature]] = set()  # the untested pairs a warning has named
         self.adapter = adapter  # the PEFT model ``module`` came from: save_pretrained writes its adapter
-        self.placement = placement
-        self.plan = plan
-        self.stage = stage
-        self.executor = executor
-        self.vocab = vocab
-        self.microbatches = microbatches
-        self.schedule = schedule
-        self.rng = rng
-        self.buckets = buckets
+        self.grads, self.rng = grads, rng
         self.precision = precision  # the compute dtype under mixed precision (None: the model's own)
         self.scaler = scaler  # float16's loss scale
-        self.cp_layout = cp_layout  # which chunks of each sequence the cp ranks hold
-        self.grads = GradSync(module=module, placement=placement, grad_sum=plan.grad_sum, buckets=buckets,
-                              expert_buckets=expert_buckets, scaler=scaler)
         # (chunk, Op.BWD | Op.WGT) -> the parameters final after its last backward or W pass: their buckets may start
-        self._final_params = params_by_final_pass(module, stage.plan, chunks=stage.chunks, deferred=deferred)
+        self._final_params = params_by_final_pass(context.module, context.stage.plan, chunks=context.stage.chunks,
+                                                  deferred=deferred)
         self.deferred = deferred  # names of the parameters whose gradients come in W passes (zb_h1)
         self.optimizer = None  # the qn_hf.optimizer built over this model, if any
         self.failures, self._sync = FailTogether(), True
@@ -98,8 +78,21 @@ class ParallelModel:
         # all-reduce over the world, one host read); True: every step does (their shapes: every step)
         self.check_every_batch, self._batch_checked, self.closed = False, False, False
         self.held_roots = HeldDirectories()  # the checkpoint roots this model saves to, locked (checkpoint/lock.py)
-        self.sp_switch, self.ring_switch = sequence_parallel_switch, ring_switch  # sp and cp, off while generating
+        self.sp_switch, self.ring_switch = switches  # sp and cp, off while generating
         self.sharded = sharded  # dp_shard > 1: FSDP's groups (data_parallel/sharded.py)
+
+    # -- what parallelize fixed (step/runner.py's context) ---------------------------------------
+    module: nn.Module = property(lambda self: self.context.module)
+    parallel_config: ParallelConfig = property(lambda self: self.context.config)  # how it was parallelized
+    placement: ShardPlacement = property(lambda self: self.context.placement)
+    plan: TpPlan = property(lambda self: self.context.plan)
+    stage: StageModules = property(lambda self: self.context.stage)
+    executor: StageExecutor = property(lambda self: self.context.executor)
+    vocab: VocabShard | None = property(lambda self: self.context.vocab)
+    cp_layout: ChunkLayout = property(lambda self: self.context.cp_layout)  # which pieces of each sequence cp ranks hold
+    microbatches: int = property(lambda self: self.context.config.microbatches)
+    schedule: Schedule = property(lambda self: self.context.config.schedule)
+    buckets: GradBuckets | None = property(lambda self: self.grads.buckets)
 
     def close(self) -> None:
         """Release (every rank) the process groups parallelize made: not the world's, not a mesh= given."""
@@ -157,9 +150,7 @@ class ParallelModel:
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """All vocabulary columns from vocab-sharded logits (autograd-aware; padding removed)."""
-        if self.vocab is None:
-            return logits
-        return gather_from_group(logits, group=self.groups.tp)[..., : self.vocab.size]
+        return self.context.full_logits(logits)
 
     # -- steps -----------------------------------------------------------------------------------
     def train_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn | None = None, *,
@@ -193,11 +184,7 @@ class ParallelModel:
     def count_items(self, batches: Sequence[Mapping[str, torch.Tensor]], loss_fn: LossFn | None = None) -> torch.Tensor:
         """What one step on all of this dp rank's ``batches`` would average its loss over, summed over dp
         (targets, or rows with a ``loss_fn``): a ``[1]`` device tensor for ``train_step(num_items_in_batch=)``."""
-        shifted = self.plan.loss.shifted if loss_fn is None and self.plan.loss is not None else None
-        count = sum((local_count(b, shifted=shifted, device=self.device) for b in batches),
-                    torch.zeros(1, dtype=torch.float64, device=self.device))
-        flat_all_reduce_([count], group=self.groups.dp)
-        return count
+        return self._count(batches, shifted=self.plan.loss.shifted if loss_fn is None and self.plan.loss is not None else None)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -240,40 +227,25 @@ class ParallelModel:
         microbatch's), on every rank of the replica (``broadcast=False``: the last stage's only; None
         elsewhere). Evaluation mode, restored afterwards; logits.py says how."""
         with self._forward_only("logits"):
-            return collect_logits(self, batch, reduce=reduce, broadcast=broadcast)
+            return collect_logits(self.context, batch, reduce=reduce, broadcast=broadcast)
 
     def _run(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn | None, *, backward: bool,
              num_items: torch.Tensor | float | None = None) -> torch.Tensor:
-        builtin = loss_fn is None
-        cp = self.dims.cp
-        split = self.parallel_config.sequence_split
-        # every rank raises together, before any collective below could wait for one that did (agreement.py)
-        size = agree_on_batch(lambda: check_step_batch(
-            batch, model=self.module, loss=self.plan.loss, builtin=builtin, cp=cp, cp_keys=CP_KEYS, split=split,
-            microbatches=self.microbatches, config=self.config, num_items=num_items),
-            batch, replica=self.coords.dp, replicas=self.dims.dp, group=self.groups.host)
+        builtin, cp = loss_fn is None, self.dims.cp
+        prepared = prepare(self.context, batch, loss=self.plan.loss, builtin=builtin, num_items=num_items)
         routers = (RouterLogits(self.module, pp=self.dims.pp, microbatches=self.microbatches, replicas=self.groups.replicas,
                                 sequence=self.groups.tp if self.sp_switch is not None and self.sp_switch.on else None)
                    if builtin and adds_router_loss(self.module) else None)  # checks the term can be equal
-        documents = ring_documents(batch) if cp > 1 else None  # read before the batch moves (apply.py)
-        batch = to_device(batch, self.device)
         if self.dims.world_size > self.dims.dp and (self.check_every_batch or not self._batch_checked):
-            check_same_batch(batch_signature(batch, device=self.device), replica=self.coords.dp,
+            check_same_batch(batch_signature(prepared.batch, device=self.device), replica=self.coords.dp,
                              replicas=self.dims.dp)
             self._batch_checked = True
         # What the loss is a mean over, summed over dp (one tiny all-reduce) unless the caller gave the
         # accumulation's count; each microbatch's share of it (loss.loss_scales)
-        if num_items is None:
-            count = local_count(batch, shifted=self.plan.loss.shifted if builtin else None, device=self.device)
-            flat_all_reduce_([count], group=self.groups.dp)
-        else:
-            count = torch.as_tensor(num_items, dtype=torch.float64).to(self.device, non_blocking=True).reshape(1)
-        micro = split_microbatches(batch, microbatches=self.microbatches)
-        rows = microbatch_rows(size, microbatches=self.microbatches)  # the sizes tensor_split gave them
-        scales = loss_scales(count, rows=rows, builtin=builtin)
-        whole = micro  # a loss_fn sees whole sequences (whole_sequence_logits)
-        if cp > 1:  # this rank's tokens of every sequence, with targets shifted on the whole sequence
-            micro = shard_microbatches(micro, documents, layout=self.cp_layout, rank=self.coords.cp)
+        count = self._count([prepared.batch], shifted=self.plan.loss.shifted if builtin else None) \
+            if num_items is None else torch.as_tensor(num_items, dtype=torch.float64).to(self.device, non_blocking=True).reshape(1)
+        scales = loss_scales(count, rows=prepared.rows, builtin=builtin)
+        micro, whole = prepared.micro, prepared.whole  # a loss_fn sees whole sequences (whole_sequence_logits)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
 
         def forward(chunk: int, mb: int, received: torch.Tensor | None) -> torch.Tensor:
@@ -306,22 +278,23 @@ class ParallelModel:
             # float16: backward starts from the scaled loss (GradSync unscales the gradients)
             return loss * self.scaler.scale if self.scaler is not None and backward else loss
 
-        schedule = schedule_actions(stages=self.stage.stages, microbatches=self.microbatches, schedule=self.schedule,
-                                    virtual_stages=self.stage.plan.virtual, backward=backward)
-        on_final = None
         if backward:
             self.grads.disarm()
-        if backward and self._sync:
-            def on_final(chunk: int, kind: str) -> None:
-                self.grads.arm(self._final_params.get((chunk, kind), []))
-        # what fixes the activations' shapes between stages: the activation header is exchanged once
-        # per such key (the first step of each batch shape), not every step
-        self.executor.run(schedule, forward, rows=rows, on_final=on_final, shape_key=batch_shape_key(micro[0], rows=rows))
+        arm = (lambda chunk, kind: self.grads.arm(self._final_params.get((chunk, kind), []))) \
+            if backward and self._sync else None
+        run_schedule(self.context, prepared, forward, backward=backward, on_final=arm)
         # The last stage holds the loss: a sum over pp hands it to every stage, then over dp and cp
         # (each cp rank holds the loss of its own tokens).
         for group in (self.groups.pp, self.groups.replicas):
             flat_all_reduce_([total], group=group)
         return nan_without_targets(total, count) if builtin else total
+
+    def _count(self, batches: Sequence[Mapping[str, torch.Tensor]], *, shifted: bool | None) -> torch.Tensor:
+        """The targets (or rows) ``batches`` hold on this dp rank, summed over dp: a ``[1]`` device tensor."""
+        count = sum((local_count(b, shifted=shifted, device=self.device) for b in batches),
+                    torch.zeros(1, dtype=torch.float64, device=self.device))
+        flat_all_reduce_([count], group=self.groups.dp)
+        return count
 
     def _with_full_logits(self, outputs):
         if self.vocab is not None and getattr(outputs, "logits", None) is not None:

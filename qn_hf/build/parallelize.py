@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import inspect
 import warnings
 from collections.abc import Sequence
 
@@ -16,9 +17,8 @@ from ..config.composition import Feature
 from ..config.dims import ParallelDims
 from ..config.options import DEFAULT_BUCKET_MB
 from ..config.parallel_config import ParallelConfig
-from ..config.schedule import as_schedule
 from ..context_parallel.ring_attention import ChunkLayout
-from ..data_parallel.grad_sync import grad_buckets
+from ..data_parallel.grad_sync import GradSync, grad_buckets
 from ..data_parallel.precision import LossScaler
 from ..devices import default_device
 from ..failure import refused_on_every_rank
@@ -28,6 +28,7 @@ from ..peft.lora import unwrap_peft
 from ..pipeline.runtime import StageExecutor
 from ..policies.model_policy import ModelPolicy
 from ..policies.styles import Style
+from ..step.runner import StepContext
 from .passes import PASSES, Build
 from .validate import check_parallel_config
 
@@ -36,6 +37,7 @@ _MARK = "_qn_hf_parallelized"
 
 def parallelize(
     model: nn.Module,
+    config: ParallelConfig | None = None,
     *,
     dp: int = 1,
     tp: int = 1,
@@ -88,38 +90,41 @@ def parallelize(
     """
     if unknown:  # Python's own TypeError would not say which keyword was meant
         raise refused_on_every_rank(TypeError(unknown_keywords(unknown, parallelize)))
+    keywords = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "microbatches": microbatches, "schedule": schedule,
+                "virtual_stages": virtual_stages, "layers_per_stage": layers_per_stage, "bucket_mb": bucket_mb,
+                "mixed_precision": mixed_precision, "recompute": recompute, "sequence_parallel": sequence_parallel,
+                "compile": compile, "dp_shard": dp_shard, "dp_shard_gather": dp_shard_gather}
     try:
-        return _parallelize(model, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, microbatches=microbatches, schedule=schedule,
-                            virtual_stages=virtual_stages, policy=policy, layers_per_stage=layers_per_stage, mesh=mesh,
-                            device=device, seed=seed, bucket_mb=bucket_mb, checkpoint=checkpoint, timeout=timeout,
-                            mixed_precision=mixed_precision, recompute=recompute, sequence_parallel=sequence_parallel,
-                            compile=compile, dp_shard=dp_shard, dp_shard_gather=dp_shard_gather)
+        if config is None:
+            # The launch first: with the wrong number of processes every other message would name the wrong
+            # fix (ep must divide dp*tp, ... of degrees the user did not mean).
+            ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, dp_shard=dp_shard).check_world_size(launched_world_size())
+            config = ParallelConfig(**keywords)
+        elif not isinstance(config, ParallelConfig):
+            raise ValueError(f"config={config!r} must be a qn_hf.ParallelConfig (or pass the keywords instead)")
+        else:
+            defaults = {n: p.default for n, p in inspect.signature(parallelize).parameters.items() if n in keywords}
+            beside = sorted(n for n, v in keywords.items() if v != defaults[n])
+            if beside:
+                raise ValueError(f"parallelize(model, config, {', '.join(beside)}=...): the config already holds "
+                                 f"every option; put them in it (dataclasses.replace(config, ...)) or pass keywords only")
+        return _parallelize(model, config, policy=policy, mesh=mesh, device=device, seed=seed, checkpoint=checkpoint,
+                            timeout=timeout)
     except ValueError as e:  # every refusal is raised alike on every rank, before any collective
         refused_on_every_rank(e)
         raise
 
 
-def _parallelize(model: nn.Module, *, dp: int, tp: int, pp: int, cp: int, ep: int, microbatches: int, schedule: str,
-                 virtual_stages: int, policy: ModelPolicy | None, layers_per_stage: Sequence[int] | None,
-                 mesh: DeviceMesh | None, device: torch.device | None, seed: int | None, bucket_mb: float,
-                 checkpoint: str | None, timeout: datetime.timedelta, mixed_precision: str | None,
-                 recompute: str | None, sequence_parallel: bool, compile: bool, dp_shard: int,
-                 dp_shard_gather: str) -> ParallelModel:
+def _parallelize(model: nn.Module, config: ParallelConfig, *, policy: ModelPolicy | None, mesh: DeviceMesh | None,
+                 device: torch.device | None, seed: int | None, checkpoint: str | None,
+                 timeout: datetime.timedelta) -> ParallelModel:
     if getattr(model, _MARK, False):
         raise ValueError("this model is already parallelized; load a fresh copy to parallelize it again")
     model, adapter = unwrap_peft(model)  # a PEFT model: the HF model inside, LoRA layers in place
     if adapter is not None and checkpoint is not None:
         raise ValueError("checkpoint= with a PEFT model is not supported: its names are those of the LoRA-wrapped "
                          "model; load the base with from_pretrained, wrap it with get_peft_model, then parallelize")
-    # The launch first: with the wrong number of processes every other message would name the wrong fix
-    # (ep must divide dp*tp, ... of degrees the user did not mean).
-    ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, dp_shard=dp_shard).check_world_size(launched_world_size())
-    config = ParallelConfig.from_keywords(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, microbatches=microbatches,
-                                          schedule=schedule, virtual_stages=virtual_stages,
-                                          layers_per_stage=layers_per_stage, bucket_mb=bucket_mb,
-                                          mixed_precision=mixed_precision, recompute=recompute,
-                                          sequence_parallel=sequence_parallel, compile=compile, dp_shard=dp_shard,
-                                          dp_shard_gather=dp_shard_gather)
+    config.dims.check_world_size(launched_world_size())
     features = config.features | ({Feature.LORA} if adapter is not None else set())
     checked = check_parallel_config(model, config, policy=policy, extra=features - config.features)
     dims, plan, stage_plan = checked.dims, checked.tp_plan, checked.stage_plan
@@ -130,7 +135,7 @@ def _parallelize(model: nn.Module, *, dp: int, tp: int, pp: int, cp: int, ep: in
     init_distributed(device=device, timeout=timeout)
     dims.check_world_size(dist.get_world_size())
     low = {p.dtype for p in model.parameters()} & {torch.bfloat16, torch.float16}
-    if low and mixed_precision is None and dist.get_rank() == 0:
+    if low and config.mixed_precision is None and dist.get_rank() == 0:
         warnings.warn(f"the model is in {low.pop()} and mixed_precision=None: it trains as is, with gradients and "
                       f"optimizer moments in that dtype too; load it in float32 and pass mixed_precision='bf16' for "
                       f"float32 master weights and moments", stacklevel=2)
@@ -138,39 +143,30 @@ def _parallelize(model: nn.Module, *, dp: int, tp: int, pp: int, cp: int, ep: in
     groups = build_groups(dims, device=device, timeout=timeout, mesh=mesh,
                           kv_replicas=plan.layout.kv_replicas if kv_replicated else 1, tied_stages=bool(stage_plan.ties))
     coords = groups.coords
-    if pp > 1 and microbatches < pp and as_schedule(schedule).idle_below_pp and dist.get_rank() == 0:
+    pp, microbatches = dims.pp, config.microbatches
+    if pp > 1 and microbatches < pp and config.schedule.idle_below_pp and dist.get_rank() == 0:
         bubble = (pp - 1) / (microbatches + pp - 1)
         warnings.warn(f"microbatches={microbatches} < pp={pp}: each stage idles {bubble:.0%} of a step (pipeline bubble "
                       f"(pp-1)/(microbatches+pp-1)); use microbatches >= 2*pp={2 * pp} if the batch allows", stacklevel=2)
 
     build = Build(model=model, config=config, plan=plan, stage_plan=stage_plan, groups=groups, device=device,
-                  checkpoint=checkpoint, seed=seed, cp_layout=ChunkLayout(size=cp),
+                  checkpoint=checkpoint, seed=seed, cp_layout=ChunkLayout(size=dims.cp),
                   precision=config.mixed_precision.dtype if config.mixed_precision else None)
     for step in PASSES:
         if step.applies(build):
             step.run(build)
     setattr(model, _MARK, True)
-    pm = ParallelModel(
-        module=model,
-        placement=build.placement,
-        plan=build.plan,
-        stage=build.stage,
-        executor=StageExecutor(stage=coords.pp, peers=groups.peers, device=device,
-                               chunks=stage_plan.chunks, weights=build.weights),
-        vocab=build.vocab,
-        microbatches=microbatches,
-        schedule=schedule,
-        rng=build.rng,
-        buckets=grad_buckets(model, build.placement, bucket_mb, experts=False),
-        expert_buckets=grad_buckets(model, build.placement, bucket_mb, experts=True),
-        precision=build.precision,
-        scaler=LossScaler() if config.mixed_precision and config.mixed_precision.scaled else None,
-        cp_layout=build.cp_layout,
-        deferred=frozenset(build.deferred),
-        adapter=adapter,
-        parallel_config=config,
-        sequence_parallel_switch=build.sp_switch, ring_switch=build.ring_switch, sharded=build.sharded,
-    )
+    context = StepContext(module=model, config=config, placement=build.placement, plan=build.plan, stage=build.stage,
+                          executor=StageExecutor(stage=coords.pp, peers=groups.peers, device=device,
+                                                 chunks=stage_plan.chunks, weights=build.weights),
+                          vocab=build.vocab, cp_layout=build.cp_layout)
+    scaler = LossScaler() if config.mixed_precision and config.mixed_precision.scaled else None
+    grads = GradSync(module=model, placement=build.placement, grad_sum=build.plan.grad_sum, scaler=scaler,
+                     buckets=grad_buckets(model, build.placement, config.bucket_mb, experts=False),
+                     expert_buckets=grad_buckets(model, build.placement, config.bucket_mb, experts=True))
+    pm = ParallelModel(context=context, grads=grads, rng=build.rng, precision=build.precision, scaler=scaler,
+                       deferred=frozenset(build.deferred), adapter=adapter, switches=(build.sp_switch, build.ring_switch),
+                       sharded=build.sharded)
     pm.check_composes_with()  # refused above already; this warns (rank 0) about pairs no test compares yet
     if checkpoint is not None:
         pm.load_checkpoint(checkpoint)

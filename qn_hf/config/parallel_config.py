@@ -24,32 +24,38 @@ from .schedule import Schedule, as_schedule, check_schedule_args
 from .sequence import sequence_split
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, init=False)
 class ParallelConfig:
-    dims: ParallelDims
-    microbatches: int = 1
-    schedule: Schedule = Schedule.ONE_F_ONE_B
-    virtual_stages: int = 1
-    layers_per_stage: tuple[int, ...] | None = None
-    bucket_mb: float = DEFAULT_BUCKET_MB
-    mixed_precision: Precision | None = None
-    recompute: Recompute | None = None
-    sequence_parallel: bool = False
-    compile: bool = False
-    dp_shard_gather: Gather = Gather.STEP  # dp_shard x pp: gather a stage's weights once a step, or per microbatch
+    """How a model is parallelized. Built from ``parallelize``'s keywords (``ParallelConfig(dp=2, tp=2,
+    microbatches=4)``) or with the degrees as one ``ParallelDims`` (``dims=``); every option checked here,
+    with the numbers in the message, the same on every rank (nothing here communicates)."""
 
-    @classmethod
-    def from_keywords(cls, *, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-                      microbatches: int = 1, schedule: str | Schedule = Schedule.ONE_F_ONE_B,
-                      virtual_stages: int = 1, layers_per_stage: Sequence[int] | None = None,
-                      bucket_mb: float = DEFAULT_BUCKET_MB, mixed_precision: str | None = None,
-                      recompute: str | None = None, sequence_parallel: bool = False,
-                      compile: bool = False, dp_shard: int = 1,
-                      dp_shard_gather: str | Gather = Gather.STEP) -> ParallelConfig:
-        """The value ``parallelize``'s keywords describe, or the ``ValueError`` naming the first one
-        that is wrong and its fix (the same on every rank: nothing here communicates)."""
-        dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_shard=dp_shard)
-        check_schedule_args(stages=pp, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages)
+    dims: ParallelDims
+    microbatches: int
+    schedule: Schedule
+    virtual_stages: int
+    layers_per_stage: tuple[int, ...] | None
+    bucket_mb: float
+    mixed_precision: Precision | None
+    recompute: Recompute | None
+    sequence_parallel: bool
+    compile: bool
+    dp_shard_gather: Gather  # dp_shard x pp: gather a stage's weights once a step, or per microbatch
+
+    def __init__(self, *, dims: ParallelDims | None = None, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1,
+                 ep: int = 1, dp_shard: int = 1, microbatches: int = 1,
+                 schedule: str | Schedule = Schedule.ONE_F_ONE_B, virtual_stages: int = 1,
+                 layers_per_stage: Sequence[int] | None = None, bucket_mb: float = DEFAULT_BUCKET_MB,
+                 mixed_precision: str | Precision | None = None, recompute: str | Recompute | None = None,
+                 sequence_parallel: bool = False, compile: bool = False,
+                 dp_shard_gather: str | Gather = Gather.STEP) -> None:
+        degrees = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "dp_shard": dp_shard}
+        if dims is None:
+            dims = ParallelDims(**degrees)
+        elif any(value != 1 for value in degrees.values()):
+            given = ", ".join(f"{k}={v}" for k, v in degrees.items() if v != 1)
+            raise ValueError(f"ParallelConfig(dims={dims}, {given}): give the degrees once, as dims or as keywords")
+        check_schedule_args(stages=dims.pp, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages)
         check_positive("bucket_mb", bucket_mb)
         for name, value in (("sequence_parallel", sequence_parallel), ("compile", compile)):
             if not isinstance(value, bool):
@@ -58,21 +64,26 @@ class ParallelConfig:
             check_choice("mixed_precision", mixed_precision, Precision.values())
         if recompute is not None:
             check_choice("recompute", recompute, Recompute.values())
-        gather_name = getattr(dp_shard_gather, "value", dp_shard_gather)
-        check_choice("dp_shard_gather", gather_name, tuple(g.value for g in Gather))
-        gather = Gather(gather_name)
-        if gather is Gather.MICROBATCH and as_schedule(schedule).split_backward:
-            raise ValueError(f"dp_shard_gather='microbatch' with schedule={as_schedule(schedule).value!r}: its weight "
+        check_choice("dp_shard_gather", dp_shard_gather, Gather.values())
+        kind, gather = as_schedule(schedule), Gather(dp_shard_gather)
+        if gather is Gather.MICROBATCH and kind.split_backward:
+            raise ValueError(f"dp_shard_gather='microbatch' with schedule={kind.value!r}: its weight "
                              f"passes compute weight gradients after later microbatches' forwards, which would have "
                              f"freed the gathered weights; use dp_shard_gather='step' (the default)")
-        config = cls(dims=dims, microbatches=microbatches, schedule=as_schedule(schedule),
-                     virtual_stages=virtual_stages,
-                     layers_per_stage=None if layers_per_stage is None else tuple(layers_per_stage),
-                     bucket_mb=bucket_mb,
-                     mixed_precision=None if mixed_precision is None else Precision(mixed_precision),
-                     recompute=None if recompute is None else Recompute(recompute),
-                     sequence_parallel=sequence_parallel, compile=compile, dp_shard_gather=gather)
-        return config
+        values = {"dims": dims, "microbatches": microbatches, "schedule": kind, "virtual_stages": virtual_stages,
+                  "layers_per_stage": None if layers_per_stage is None else tuple(layers_per_stage),
+                  "bucket_mb": bucket_mb,
+                  "mixed_precision": None if mixed_precision is None else Precision(mixed_precision),
+                  "recompute": None if recompute is None else Recompute(recompute),
+                  "sequence_parallel": sequence_parallel, "compile": compile, "dp_shard_gather": gather}
+        for name, value in values.items():
+            object.__setattr__(self, name, value)  # frozen: set once, here
+
+    @classmethod
+    def from_keywords(cls, **keywords: object) -> ParallelConfig:
+        """The value ``parallelize``'s keywords describe, or the ``ValueError`` naming the first one
+        that is wrong and its fix."""
+        return cls(**keywords)
 
     def keywords(self) -> dict[str, object]:
         """The ``parallelize`` keywords that build this value again."""

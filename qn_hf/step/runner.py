@@ -1,0 +1,98 @@
+"""The one step runner: ``train_step``, ``eval_step`` and ``logits`` all go through ``prepare`` and
+``run_schedule`` over a ``StepContext``, the small frozen value of what a step reads of a parallel
+model (fixed by ``parallelize``).
+
+``prepare`` is every step's prologue, in the order its collectives must come on every rank: the
+batch's checks, agreed over the host group before anything else communicates (``agreement.py``);
+the packed documents read on the host (context parallelism); the batch on the device without a host
+wait; the microbatches (whole sequences); and under cp this rank's pieces of them. ``run_schedule``
+runs this stage's actions of the schedule, calling the step's own ``forward`` for each microbatch and
+chunk: what the steps differ in (a loss and its scale, a router term, or logits kept) stays theirs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..comm import gather_from_group
+from ..config.options import LossKind
+from ..config.parallel_config import ParallelConfig
+from ..context_parallel.apply import CP_KEYS, ring_documents, shard_microbatches
+from ..context_parallel.ring_attention import ChunkLayout
+from ..devices import to_device
+from ..pipeline.runtime import StageExecutor, batch_shape_key
+from ..pipeline.schedule import Op, schedule_actions
+from ..pipeline.stage import StageModules
+from ..placement import ShardPlacement
+from ..tensor_parallel.apply import VocabShard
+from ..tensor_parallel.plan import TpPlan
+from .agreement import agree_on_batch
+from .batch import check_step_batch, microbatch_rows, split_microbatches
+
+# (chunk, microbatch, the activation received or None) -> the activation to send, or on the last chunk
+# what backward starts from (a loss; a zero for forward-only passes)
+Forward = Callable[[int, int, "torch.Tensor | None"], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What every step reads: the model, how it was parallelized, where this rank sits, its plan and
+    stage, the executor of the schedule, the vocabulary shard and the cp layout of the sequences."""
+
+    module: nn.Module
+    config: ParallelConfig
+    placement: ShardPlacement
+    plan: TpPlan
+    stage: StageModules
+    executor: StageExecutor
+    vocab: VocabShard | None
+    cp_layout: ChunkLayout  # which pieces of each sequence the cp ranks hold
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """All vocabulary columns from vocab-sharded logits (autograd-aware; padding removed)."""
+        if self.vocab is None:
+            return logits
+        return gather_from_group(logits, group=self.placement.groups.tp)[..., : self.vocab.size]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A checked batch, on the device and cut for the schedule."""
+
+    batch: dict[str, torch.Tensor]  # this rank's batch on the device
+    rows: list[int]  # each microbatch's rows (the sizes tensor_split gave them)
+    whole: list[dict[str, torch.Tensor]]  # the microbatches with whole sequences (what a loss_fn sees)
+    micro: list[dict[str, torch.Tensor]]  # what this rank computes on (under cp: its pieces of each sequence)
+
+
+def prepare(ctx: StepContext, batch: Mapping[str, torch.Tensor], *, loss: LossKind | None, builtin: bool,
+            num_items: torch.Tensor | float | None = None) -> Prepared:
+    """Every step's prologue (module docstring); raises on every rank alike before any collective."""
+    dims, coords, groups = ctx.placement.dims, ctx.placement.coords, ctx.placement.groups
+    microbatches = ctx.config.microbatches
+    size = agree_on_batch(lambda: check_step_batch(
+        batch, model=ctx.module, loss=loss, builtin=builtin, cp=dims.cp, cp_keys=CP_KEYS,
+        split=ctx.config.sequence_split, microbatches=microbatches, config=ctx.stage.config, num_items=num_items),
+        batch, replica=coords.dp, replicas=dims.dp, group=groups.host)
+    documents = ring_documents(batch) if dims.cp > 1 else None  # read on the host before the batch moves
+    on_device = to_device(batch, ctx.placement.device)
+    whole = split_microbatches(on_device, microbatches=microbatches)
+    micro = shard_microbatches(whole, documents, layout=ctx.cp_layout, rank=coords.cp) if dims.cp > 1 else whole
+    return Prepared(batch=on_device, rows=microbatch_rows(size, microbatches=microbatches), whole=whole, micro=micro)
+
+
+def run_schedule(ctx: StepContext, prepared: Prepared, forward: Forward, *, backward: bool,
+                 on_final: Callable[[int, Op], None] | None = None) -> None:
+    """This stage's actions of the schedule over ``prepared``'s microbatches. ``on_final(chunk, kind)``
+    runs just before a chunk's last backward (``Op.BWD``) or weight pass (``Op.WGT``) of the step."""
+    schedule = schedule_actions(stages=ctx.stage.stages, microbatches=ctx.config.microbatches,
+                                schedule=ctx.config.schedule, virtual_stages=ctx.stage.plan.virtual,
+                                backward=backward)
+    # what fixes the activations' shapes between stages: the activation header is exchanged once per
+    # such key (the first step of each batch shape), not every step
+    ctx.executor.run(schedule, forward, rows=prepared.rows, on_final=on_final,
+                     shape_key=batch_shape_key(prepared.micro[0], rows=prepared.rows))
