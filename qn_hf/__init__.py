@@ -6,8 +6,8 @@ from .comm_meter import CommMeter
 from .config.dims import ParallelDims
 from .config.schedule import Schedule
 from .data_parallel.grad_norm import clip_grad_norm_
-from .data_parallel.optimizer import ParallelOptimizer, optimizer
-from .parallel_model import ParallelModel
+from .data_parallel.optimizer import ParallelOptimizer
+from .parallel_model import ParallelModel, optimizer
 from .policies.model_policy import ModelPolicy
 from .version import __version__
 

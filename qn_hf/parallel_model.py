@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,10 +21,11 @@ from .config.composition import Feature, check_and_warn
 from .config.dims import ParallelDims
 from .config.parallel_config import ParallelConfig
 from .config.schedule import Schedule
-from .context_parallel.apply import (LOCAL_VALID, LOSS_KEYS, RingSwitch, whole_sequence_logits)
+from .context_parallel.apply import LOCAL_VALID, LOSS_KEYS, RingSwitch, whole_sequence_logits
 from .context_parallel.ring_attention import ChunkLayout
 from .data_parallel.buckets import GradBuckets
 from .data_parallel.grad_sync import GradSync
+from .data_parallel.optimizer import ParallelOptimizer, Trainee
 from .data_parallel.precision import LossScaler
 from .data_parallel.sharded import ShardedParameters
 from .expert_parallel.router_loss import RouterLogits, adds_router_loss
@@ -38,8 +39,8 @@ from .placement import ShardPlacement
 from .step.batch import batch_signature, check_same_batch, dp_rows
 from .step.generation import parallel_generate, switched_off
 from .step.logits import LogitsFn, collect_logits
-from .step.runner import StepContext, prepare, run_schedule
 from .step.loss import local_count, loss_scales, nan_without_targets, summed_loss
+from .step.runner import StepContext, prepare, run_schedule
 from .tensor_parallel.apply import VocabShard
 from .tensor_parallel.plan import TpPlan
 from .tensor_parallel.rng import RngStreams
@@ -125,6 +126,12 @@ class ParallelModel:
     grads_split_over_dp: bool = property(lambda self: self.grads.dense_sharded)  # ZeRO-1's pieces over dp x cp
     expert_grads_split: bool = property(  # ... over the expert replicas (ZeRO-1's pieces, or dp_shard's rows)
         lambda self: self.grads.experts_sharded or (self.sharded is not None and self.sharded.experts_sharded))
+
+    def trainee(self) -> Trainee:
+        """What ``qn_hf.optimizer`` reads of this model."""
+        return Trainee(module=self.module, grads=self.grads, placement=self.placement, precision=self.precision,
+                       scaler=self.scaler, fsdp_masters=self.sharded is not None,
+                       check_zero=lambda: self.check_composes_with(Feature.ZERO))
 
     def _weights_ready(self) -> None:
         """ZeRO-1 gathers the updated weights asynchronously after a step: wait for all of them."""
@@ -358,3 +365,18 @@ class ParallelModel:
             return load_checkpoint(self.module, path, placement=self.placement, model_type=self.config.model_type,
                                    optimizer=optimizer, cast=self.precision is not None, config=self.config.to_dict(),
                                    scaler=self.scaler)
+
+
+def optimizer(pm: ParallelModel, optimizer_class: type, *, zero: bool = False, param_groups: Iterable[dict] | None = None,
+              skip_nonfinite: bool = False, **kwargs) -> ParallelOptimizer:
+    """A torch optimizer over ``pm``'s trainable parameters (or ``param_groups`` of them, as a torch
+    optimizer's first argument takes them), holding float32 master weights under ``mixed_precision``;
+    ``zero=True`` keeps only this dp rank's 1/dp of the masters and state (ZeRO-1).
+    ``skip_nonfinite=True`` skips (on every rank) a step whose gradients hold inf or NaN anywhere in
+    the job, as float16's loss scaling does, counting it in ``skipped_steps``; it costs one small
+    all-reduce and one host read per step. ``kwargs`` go to ``optimizer_class`` (``lr=``, ...)."""
+    if pm.optimizer is not None:
+        raise ValueError("this ParallelModel already has a qn_hf.optimizer; build one optimizer per model")
+    pm.optimizer = ParallelOptimizer(pm.trainee(), optimizer_class, zero=zero, param_groups=param_groups,
+                                     skip_nonfinite=skip_nonfinite, **kwargs)
+    return pm.optimizer

@@ -19,16 +19,17 @@ Which tensors the wrapped optimizer steps (its ``param_groups`` hold these "mast
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config.composition import Feature
+from ..placement import ShardPlacement
 from .buckets import Piece
 from .grad_sync import GradSync
+from .precision import LossScaler
 
 # torch optimizers whose update of an element reads only that element's gradient and state (and
 # scalars): a flat slice of a parameter steps exactly as the whole parameter would. Adafactor
@@ -105,31 +106,42 @@ def check_optimizer_class(optimizer_class: type, *, zero: bool) -> None:
             f"one of them: use zero=False")
 
 
+@dataclass(frozen=True)
+class Trainee:
+    """What an optimizer reads of the parallel model it steps (``ParallelModel.trainee``)."""
+
+    module: nn.Module
+    grads: GradSync
+    placement: ShardPlacement
+    precision: torch.dtype | None  # the compute dtype under mixed precision: masters are kept in float32
+    scaler: LossScaler | None  # float16's loss scale, updated by each step
+    fsdp_masters: bool  # dp_shard: FSDP keeps the sharded parameters in float32 itself (they are the masters)
+    check_zero: Callable[[], None]  # the composition table's verdict on ZeRO-1 with this model's features
+
+
 class ParallelOptimizer(torch.optim.Optimizer):
     """``optimizer_class`` over this rank's masters (see the module docstring); ``param_groups`` and
     ``state`` are the wrapped optimizer's, so LR schedulers and ``opt.state`` work as usual."""
 
-    def __init__(self, pm, optimizer_class: type, *, zero: bool, param_groups: Iterable[dict] | None,
+    def __init__(self, trainee: Trainee, optimizer_class: type, *, zero: bool, param_groups: Iterable[dict] | None,
                  skip_nonfinite: bool = False, **kwargs) -> None:
         check_optimizer_class(optimizer_class, zero=zero)
-        if getattr(pm, "optimizer", None) is not None:
-            raise ValueError("this ParallelModel already has a qn_hf.optimizer; build one optimizer per model")
-        names = {id(p): n for n, p in pm.module.named_parameters()}
-        groups = _groups(pm, param_groups, names)
-        grads: GradSync = pm.grads
+        names = {id(p): n for n, p in trainee.module.named_parameters()}
+        groups = _groups(trainee.module, param_groups, names)
+        grads = trainee.grads
         if zero:
-            pm.check_composes_with(Feature.ZERO)  # the table's refusal, or its warning for untested pairs
+            trainee.check_zero()  # the table's refusal, or its warning for untested pairs
         if zero and not grads.bucket_sets:
             warnings.warn("zero=True with dp=1 shards nothing (with cp=1 no other rank holds the same weights, and "
                           "no two ranks hold the same experts): the optimizer keeps all of its state", stacklevel=3)
             zero = False
-        # dp_shard: FSDP keeps the sharded parameters in float32 itself (they are the masters)
-        self.pm, self.zero, self.mixed = pm, zero, pm.precision is not None and pm.sharded is None
+        self.trainee, self.zero = trainee, zero
+        self.mixed = trainee.precision is not None and not trainee.fsdp_masters
         self.skip_nonfinite = skip_nonfinite
         self._skipped_nonfinite = 0
         if zero:
-            named = dict(pm.module.named_parameters())
-            placement = pm.placement
+            named = dict(trainee.module.named_parameters())
+            placement = trainee.placement
             grads.shard(separate=[[named[n] for n in placement.tied_names(named)],
                                   [named[n] for n in placement.every_stage_names(named)]])
             pieces = {id(piece.param): piece for piece in grads.pieces()}
@@ -156,7 +168,6 @@ class ParallelOptimizer(torch.optim.Optimizer):
         super().__init__([{"params": list(g["params"])} for g in self.inner.param_groups], self.inner.defaults)
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
-        pm.optimizer = self
 
     def checkpoint_view(self) -> OptimizerView:
         """What a checkpoint reads of this optimizer (``OptimizerView``)."""
@@ -168,12 +179,12 @@ class ParallelOptimizer(torch.optim.Optimizer):
     def skipped_steps(self) -> int:
         """Steps skipped because some rank's gradients held inf or NaN: float16's overflows, and with
         ``skip_nonfinite`` any precision's."""
-        return (self.pm.scaler.skipped_steps if self.pm.scaler is not None else 0) + self._skipped_nonfinite
+        return (self.trainee.scaler.skipped_steps if self.trainee.scaler is not None else 0) + self._skipped_nonfinite
 
     def _nonfinite(self) -> bool:
         """Whether any rank's gradients of this step hold inf or NaN: one fused check per dtype, one
         all-reduce over the job and one host read (the price of ``skip_nonfinite``, as of fp16's check)."""
-        device = self.pm.device
+        device = self.trainee.placement.device
         found = torch.zeros(1, dtype=torch.float32, device=device)
         unit = torch.ones(1, dtype=torch.float32, device=device)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -192,7 +203,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        scaler = self.pm.scaler
+        scaler = self.trainee.scaler
         if scaler is not None and scaler.found_inf:
             scaler.update()  # skip: some rank's float16 gradients overflowed; the scale shrinks
             return loss
@@ -205,13 +216,13 @@ class ParallelOptimizer(torch.optim.Optimizer):
         self.inner.step()
         self._copy_masters_to_params()
         if self.zero:
-            self.pm.grads.gather_weights()
+            self.trainee.grads.gather_weights()
         if scaler is not None:
             scaler.update()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.pm.module.parameters():
+        for p in self.trainee.module.parameters():
             if p.grad is not None:
                 if set_to_none:
                     p.grad = None
@@ -221,7 +232,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
             for m in self.masters:
                 m.tensor.grad = None
         if self.zero:
-            self.pm.grads.zero_reduced()
+            self.trainee.grads.zero_reduced()
 
     def state_dict(self) -> dict:
         """The wrapped optimizer's state dict, plus the masters under mixed precision. It loads back
@@ -258,8 +269,8 @@ class ParallelOptimizer(torch.optim.Optimizer):
         """Make the model's parameters what the masters say (after loading masters)."""
         self._copy_masters_to_params()
         if self.zero:
-            self.pm.grads.gather_weights()
-            self.pm.grads.wait_weights()
+            self.trainee.grads.gather_weights()
+            self.trainee.grads.wait_weights()
 
 
 def _leaf(tensor: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
@@ -267,9 +278,9 @@ def _leaf(tensor: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
     return tensor if tensor is p else nn.Parameter(tensor, requires_grad=p.requires_grad)
 
 
-def _groups(pm, param_groups: Iterable[dict] | None, names: dict[int, str]) -> list[dict]:
-    """The parameter groups over ``pm``'s trainable parameters (all in one group by default)."""
-    trainable = [p for p in pm.module.parameters() if p.requires_grad]
+def _groups(module: nn.Module, param_groups: Iterable[dict] | None, names: dict[int, str]) -> list[dict]:
+    """The parameter groups over ``module``'s trainable parameters (all in one group by default)."""
+    trainable = [p for p in module.parameters() if p.requires_grad]
     if param_groups is None:
         return [{"params": trainable}]
     groups, seen = [], set()
@@ -287,15 +298,3 @@ def _groups(pm, param_groups: Iterable[dict] | None, names: dict[int, str]) -> l
             seen.add(id(p))
         groups.append({**group, "params": params})
     return groups
-
-
-def optimizer(pm, optimizer_class: type, *, zero: bool = False, param_groups: Iterable[dict] | None = None,
-              skip_nonfinite: bool = False, **kwargs) -> ParallelOptimizer:
-    """A torch optimizer over ``pm``'s trainable parameters (or ``param_groups`` of them, as a torch
-    optimizer's first argument takes them), holding float32 master weights under ``mixed_precision``;
-    ``zero=True`` keeps only this dp rank's 1/dp of the masters and state (ZeRO-1).
-    ``skip_nonfinite=True`` skips (on every rank) a step whose gradients hold inf or NaN anywhere in
-    the job, as float16's loss scaling does, counting it in ``skipped_steps``; it costs one small
-    all-reduce and one host read per step. ``kwargs`` go to ``optimizer_class`` (``lr=``, ...)."""
-    return ParallelOptimizer(pm, optimizer_class, zero=zero, param_groups=param_groups, skip_nonfinite=skip_nonfinite,
-                             **kwargs)

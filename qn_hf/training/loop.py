@@ -31,7 +31,7 @@ from ..checkpoint import checkpoint_dir
 from ..checkpoint.atomic import write_text_atomic
 from ..checkpoint.lock import DirectoryInUse, HeldDirectory, hold_directory
 from ..data_parallel.grad_norm import clip_grad_norm_
-from ..data_parallel.optimizer import optimizer
+from ..parallel_model import optimizer
 from ..devices import default_device
 from ..mesh import init_distributed, launched_world_size
 from ..parallel_model import ParallelModel

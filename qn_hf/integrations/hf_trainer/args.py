@@ -163,7 +163,7 @@ def check_user_optimizer(opt: Any, *, pm: Any, zero: bool) -> None:
     if opt is None:
         return
     if isinstance(opt, ParallelOptimizer):
-        if opt.pm is not pm:
+        if opt.trainee.module is not pm.module:
             raise ValueError("optimizers= holds a qn_hf.optimizer of another ParallelModel; build it over trainer.pm")
         return
     ours = {id(p) for p in pm.module.parameters()}

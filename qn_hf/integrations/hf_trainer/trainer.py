@@ -40,7 +40,7 @@ from ...build.parallelize import parallelize
 from ...checkpoint import checkpoint_dir, read_index
 from ...config.composition import Feature
 from ...data_parallel.grad_norm import clip_grad_norm_
-from ...data_parallel.optimizer import optimizer
+from ...parallel_model import optimizer
 from ...mesh import launched_world_size
 from ...parallel_model import ParallelModel
 from ...step.batch import dp_rows

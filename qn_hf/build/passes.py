@@ -1,0 +1,224 @@
+"""The passes that make a model parallel, in place and in order: each says when it applies, what it
+reads and makes (fields of ``Build``) and why it runs where it does. ``parallelize`` runs them after
+every check has passed and the process groups exist."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config.parallel_config import ParallelConfig
+from ..context_parallel.apply import RingSwitch, apply_context_parallel
+from ..context_parallel.ring_attention import ChunkLayout
+from ..data_parallel.precision import apply_mixed_precision
+from ..data_parallel.sharded import ShardedParameters
+from ..expert_parallel.apply import apply_expert_parallel, sharded_experts
+from ..expert_parallel.dispatch import ExpertRoute
+from ..memory.recompute import apply_recompute
+from ..mesh import Coords, Groups
+from ..pipeline.split import StagePlan, on_every_stage
+from ..pipeline.stage import StageModules, apply_stage
+from ..pipeline.standins import StandIn
+from ..pipeline.weight_grad import WeightGradQueue, make_deferrable
+from ..placement import ShardPlacement, materialize
+from ..step.compile import apply_compile
+from ..tensor_parallel.apply import VocabShard, apply_tp_plan
+from ..tensor_parallel.plan import TpPlan
+from ..tensor_parallel.rng import RngStreams, draws_in_training, stream_seeds
+from ..tensor_parallel.sequence_hooks import SequenceParallelSwitch, apply_sequence_parallel, sequence_wire
+from ..tensor_parallel.sequence_parallel import final_norm, regathers
+from ..tensor_parallel.shard import ShardSpec
+
+
+@dataclass
+class Build:
+    """What the passes share: the model they change in place, what they start from (the first block
+    of fields) and what earlier passes made for later ones (the second)."""
+
+    model: nn.Module
+    config: ParallelConfig
+    plan: TpPlan
+    stage_plan: StagePlan
+    groups: Groups
+    device: torch.device
+    checkpoint: str | None
+    seed: int | None
+    cp_layout: ChunkLayout  # which chunks of each sequence the cp ranks hold (not pipeline chunks)
+    precision: torch.dtype | None
+    expert_specs: dict[str, ShardSpec] = field(default_factory=dict)
+    final: nn.Module | None = None  # the last stage's final norm (sequence parallelism gathers after it)
+    stage: StageModules | None = None
+    specs: dict[str, ShardSpec | None] = field(default_factory=dict)
+    vocab: VocabShard | None = None
+    placement: ShardPlacement | None = None
+    rng: RngStreams | None = None
+    weights: WeightGradQueue | None = None
+    deferred: list[str] = field(default_factory=list)
+    sp_switch: SequenceParallelSwitch | None = None
+    ring_switch: RingSwitch | None = None
+    sharded: ShardedParameters | None = None
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One in-place change of the model: when it applies, what it reads and makes (``Build`` fields),
+    and why it runs where it does in ``PASSES``."""
+
+    name: str
+    applies: Callable[[Build], bool]
+    run: Callable[[Build], None]
+    needs: tuple[str, ...]
+    makes: tuple[str, ...]
+    why_here: str
+
+
+def _context_parallel(b: Build) -> None:
+    b.ring_switch = apply_context_parallel(b.model, group=b.groups.cp, layout=b.cp_layout)
+
+
+def _cast(b: Build) -> None:
+    apply_mixed_precision(b.model, b.precision)
+
+
+def _expert_parallel(b: Build) -> None:
+    experts = next(iter(sharded_experts(b.model).values())).num_experts
+    # under sp the MoE blocks take this rank's slice, except while generate turns off the (later-made) switch
+    split = (lambda: b.sp_switch.on) if b.plan.sequence_parallel else None
+    route = ExpertRoute(experts=experts, ep=b.config.dims.ep, group=b.groups.ep, tp=b.groups.tp, tokens_split=split)
+    b.expert_specs = apply_expert_parallel(b.model, route=route, ep_rank=b.groups.coords.ep)
+
+
+def _stage_cut(b: Build) -> None:
+    last = b.groups.coords.pp == b.config.dims.pp - 1
+    b.final = final_norm(b.model, b.stage_plan) if last else None
+    b.stage = apply_stage(b.model, b.stage_plan, stage=b.groups.coords.pp)
+    b.plan = b.plan.only(lambda name: _on_this_stage(b.model, name))
+
+
+def _tensor_parallel(b: Build) -> None:
+    b.specs, b.vocab = apply_tp_plan(b.model, b.plan, tp_rank=b.groups.coords.tp, group=b.groups.tp)
+    b.specs.update({n: s for n, s in b.expert_specs.items() if n in b.specs})  # this stage's experts
+    b.placement = ShardPlacement(dims=b.config.dims, groups=b.groups, specs=b.specs, ties=b.stage_plan.ties,
+                                 device=b.device,
+                                 every_stage=frozenset(n for n, _ in b.model.named_parameters()
+                                                       if on_every_stage(b.stage_plan, n.rpartition(".")[0])))
+
+
+def _sequence_parallel(b: Build) -> None:
+    b.sp_switch = apply_sequence_parallel(b.model, plan=b.plan, stage_plan=b.stage_plan, stage=b.groups.coords.pp,
+                                          final=b.final, group=b.groups.tp,
+                                          regather=regathers(b.config.recompute) and not b.config.compile)
+    b.stage.wire = sequence_wire(b.groups.tp)
+
+
+def _place_on_device(b: Build) -> None:
+    if b.checkpoint is not None and any(p.is_meta for p in b.model.parameters()):
+        materialize(b.model, b.device)
+    else:
+        b.model.to(b.device)
+
+
+def _synchronize(b: Build) -> None:
+    b.placement.synchronize(b.model)
+
+
+def _dropout_streams(b: Build) -> None:
+    b.rng = _install_rng_streams(b.model, b.plan, b.groups.coords, b.device, b.seed, replica=b.placement.replica_rank)
+
+
+def _recompute(b: Build) -> None:
+    apply_recompute(b.model, recompute=b.config.recompute, layers=b.stage_plan.layers, rng=b.rng)
+
+
+def _split_backward(b: Build) -> None:
+    b.weights = WeightGradQueue()
+    b.deferred = make_deferrable(b.model, queue=b.weights, skip=b.stage_plan.heads)
+
+
+def _shard_data_parallel(b: Build) -> None:
+    blocks = list(b.model.get_submodule(b.stage_plan.layers))
+    experts = list(sharded_experts(b.model).values()) if b.config.dims.ep > 1 else []
+    b.sharded = ShardedParameters(b.model, mesh=b.groups.shard_mesh, blocks=blocks, compute_dtype=b.precision,
+                                  experts=experts, expert_mesh=b.groups.expert_shard_mesh,
+                                  pipelined=b.config.dims.pp > 1, gather=b.config.dp_shard_gather)
+    b.stage.enter_at_top = b.config.dims.pp > 1  # FSDP's root hooks sit on the task model (sharded.py)
+
+
+def _cast_here(b: Build) -> bool:
+    """Mixed precision casts the model itself, unless FSDP casts as it gathers (dp_shard)."""
+    return b.precision is not None and b.config.dims.dp_shard == 1
+
+
+def _compile(b: Build) -> None:
+    apply_compile(b.model, layers=b.stage_plan.layers)
+
+
+def _always(b: Build) -> bool:
+    return True
+
+
+# The order is the code: ``tests/test_structure.py`` checks that every field a pass needs is one
+# parallelize starts from or one an earlier pass makes.
+PASSES: tuple[Pass, ...] = (
+    Pass("context parallel", lambda b: b.config.dims.cp > 1, _context_parallel, ("model", "groups", "cp_layout"), ("ring_switch",),
+         "before the stage cut and the tp patches: their config copies take the attention choice"),
+    Pass("cast", _cast_here, _cast, ("model", "precision"), (),
+         "before the stage cut: stand-ins take their dtype from the modules they replace"),
+    Pass("expert parallel", lambda b: b.config.dims.ep > 1, _expert_parallel, ("model", "groups"), ("expert_specs",),
+         "before the stage cut, as cp: the stages' config copies take the experts choice"),
+    Pass("stage cut", _always, _stage_cut, ("model", "stage_plan", "plan", "groups"), ("final", "stage", "plan"),
+         "before tp: only this stage's modules are sharded; the final norm is found on the whole model"),
+    Pass("tensor parallel", _always, _tensor_parallel, ("model", "plan", "groups", "expert_specs", "stage_plan"),
+         ("specs", "vocab", "placement"), "after the cut, before anything that asks where a shard sits"),
+    Pass("sequence parallel", lambda b: b.plan.sequence_parallel, _sequence_parallel,
+         ("model", "plan", "stage_plan", "final", "stage", "groups"), ("sp_switch",),
+         "after tp: its hooks sit on the parallel layers and the blocks between them"),
+    Pass("place on device", _always, _place_on_device, ("model", "checkpoint", "device"), (),
+         "after every shard: each rank allocates only its own (a meta model is materialized here)"),
+    Pass("cast new parameters", _cast_here, _cast, ("model", "precision"), (),
+         "again: sharding and materializing made new parameters (float32 gradients)"),
+    Pass("synchronize replicas", lambda b: b.checkpoint is None, _synchronize, ("model", "placement"), (),
+         "on the device, after the last new parameter; loading a checkpoint gives every replica the same bytes"),
+    Pass("dropout streams", _always, _dropout_streams, ("model", "plan", "groups", "seed", "device", "placement"),
+         ("rng",), "after the shards exist; the streams are seeded per replica, which the placement says"),
+    Pass("recompute", lambda b: b.config.recompute is not None, _recompute, ("model", "stage_plan", "rng"), (),
+         "after the dropout streams: a recomputed block replays their state"),
+    Pass("shard data parallel", lambda b: b.config.dims.dp_shard > 1, _shard_data_parallel,
+         ("model", "groups", "stage_plan", "stage", "precision"), ("sharded",),
+         "after every hook on the blocks (recomputation's included) and the replicas' synchronized weights: "
+         "FSDP shards what is final"),
+    Pass("split backward", lambda b: b.config.schedule.split_backward, _split_backward, ("model", "stage_plan"),
+         ("weights", "deferred"), "zb_h1: after the layers are final, they queue their weight gradients for the W passes"),
+    Pass("compile", lambda b: b.config.compile, _compile, ("model", "stage_plan"), (),
+         "last: after every hook and recomputation is in place; each block compiles at its first call"),
+)
+
+
+def _on_this_stage(model: nn.Module, name: str) -> bool:
+    """Whether the module ``name`` is real on this rank (not dropped, not a stage stand-in)."""
+    module = model
+    for part in name.split("."):
+        module = getattr(module, part, None)
+        if not isinstance(module, nn.Module) or isinstance(module, StandIn):
+            return False
+    return True
+
+
+def _install_rng_streams(
+    model: nn.Module, plan: TpPlan, coords: Coords, device: torch.device, seed: int | None, *, replica: int
+) -> RngStreams:
+    """Seeded per replica (dp x cp: different examples or tokens draw different masks), tp and pp."""
+    if seed is None:
+        shared = torch.tensor([torch.initial_seed() % (2**62)], dtype=torch.int64, device=device)
+        dist.broadcast(shared, src=0)
+        seed = int(shared.item())
+    streams = RngStreams(
+        device=device, seeds=stream_seeds(base_seed=seed, dp_rank=replica, tp_rank=coords.tp, pp_rank=coords.pp)
+    )
+    if plan.tp > 1 and draws_in_training(model):  # else every draw comes from the shared stream (rng.py)
+        streams.hook_regions(model, tp_local=plan.tp_rng_regions, shared=plan.shared_rng_regions)
+    return streams
