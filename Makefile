@@ -26,7 +26,7 @@ demo: $(STAMP)
 # The CI-sized suite (about 37 minutes on 2 cores at the last CI run, as the README says); test-all adds the
 # tests marked long (476 of them, the zoo's full sweep included: about 11 minutes more).
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not long"
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not long" --durations=30
 
 # The unit tier: every test that starts no process (schedules, shards, plans, the planner, the
 # package's structure, the composition table), about a minute.

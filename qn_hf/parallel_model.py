@@ -308,8 +308,10 @@ class ParallelModel:
             outputs.logits = self.full_logits(outputs.logits)
         return outputs
 
-    # the whole model's Hugging Face config (a pipeline stage's modules may hold a cut copy), and the
-    # module's generation config (generate's defaults, as on the plain model)
+    # ``config`` is the model's Hugging Face config, as ``model.config`` (the whole model's: a pipeline
+    # stage's modules may hold a cut copy), so code written for a PreTrainedModel reads it unchanged; how
+    # the model was parallelized is ``parallel_config`` (a ParallelConfig). The generation config gives
+    # generate's defaults, as on the plain model.
     config = property(lambda self: self.stage.config)
     generation_config = property(lambda self: self.module.generation_config)
 

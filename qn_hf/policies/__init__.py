@@ -1,8 +1,13 @@
-"""Policies: ours, one data-only file per architecture keyed by ``config.model_type`` (gpt2.py,
+"""Policies: how to parallelize a Hugging Face architecture, as data, and the vocabulary they speak.
+
+``model_policy.py`` (``ModelPolicy`` and the pipeline's stand-ins), ``styles.py`` (the tp styles a
+rule names), ``patterns.py`` (wildcard module names, where the base model sits), ``heads.py``
+(attention heads per rank), ``embedding_types.py`` (the embedding subclasses a parallel embedding
+reproduces), ``module_kinds.py`` (projections, position-wise modules), ``peft_names.py`` (a model as
+peft wrapped it). Ours, one data-only file per architecture keyed by ``config.model_type`` (gpt2.py,
 llama.py, vit.py), and for every other model one derived from transformers' own plans (derive.py,
 with amendments.py fixing or refusing those plans where they are wrong, entries.py finding the tp
-entries and every_stage.py the modules a pipeline keeps on every stage). Policy files import only
-``qn_hf.tensor_parallel.plan``; nothing else in the library imports them but this module."""
+entries and every_stage.py the modules a pipeline keeps on every stage)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,4 @@
+"""``parallelize``, in the order it runs: ``validate.py`` (every check that can refuse, on every rank
+before any collective), ``passes.py`` (the in-place passes that shard the model, each after what it
+needs) and ``parallelize.py`` (the entry point: validate, join the process group and build the
+groups, run the passes, hand back the ``ParallelModel``)."""
