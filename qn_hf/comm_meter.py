@@ -142,11 +142,11 @@ class CommMeter:
         g = pm.groups
         # "replicas" (dp x cp, where gradients are reduced under cp > 1) first: at cp=1 it is the dp group
         named = {"replicas": g.replicas, "dp": g.dp, "tp": g.tp, "pp": g.pp, "cp": g.cp, "kv": g.kv, "tie": g.tie,
-                 "ep": g.ep, "experts": g.experts, "dp_shard": getattr(g, "dp_shard", None),
+                 "ep": g.ep, "experts": g.experts, Axis.DP_SHARD: getattr(g, "dp_shard", None),
                  "host": getattr(g, "host", None)}
         # hybrid sharding: FSDP all-reduces the reduced shards across the groups of dp_shard ranks
         shard_mesh = getattr(g, "shard_mesh", None)
-        named["dp_replicate"] = shard_mesh.get_group(0) if shard_mesh is not None and shard_mesh.ndim == 2 else None
+        named[Axis.DP_REPLICATE] = shard_mesh.get_group(0) if shard_mesh is not None and shard_mesh.ndim == 2 else None
         # By name, as the dispatcher hands over a boxed group, not the Python object. A named group
         # that is the default group (a mesh dim spanning the world) is reported by its name.
         self._names = {group.group_name: n for n, group in named.items() if group is not None}

@@ -218,7 +218,7 @@ def build_groups(dims: ParallelDims, *, device: torch.device, timeout: datetime.
     )
 
 
-SHARD_MESH_DIMS = ("dp_replicate", "dp_shard")
+SHARD_MESH_DIMS = (Axis.DP_REPLICATE, Axis.DP_SHARD)
 
 
 def _one_dim_mesh(group: ProcessGroup, name: str, device: torch.device) -> DeviceMesh:

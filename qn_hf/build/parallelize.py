@@ -24,7 +24,7 @@ from ..devices import default_device
 from ..failure import refused_on_every_rank
 from ..mesh import build_groups, init_distributed, launched_world_size
 from ..parallel_model import ParallelModel
-from ..peft.lora import unwrap_peft
+from ..peft.lora import Adapter, unwrap_peft
 from ..pipeline.runtime import StageExecutor
 from ..policies.model_policy import ModelPolicy
 from ..policies.styles import Style
@@ -95,6 +95,13 @@ def parallelize(
                 "mixed_precision": mixed_precision, "recompute": recompute, "sequence_parallel": sequence_parallel,
                 "compile": compile, "dp_shard": dp_shard, "dp_shard_gather": dp_shard_gather}
     try:
+        if getattr(model, _MARK, False):
+            raise ValueError("this model is already parallelized; load a fresh copy to parallelize it again")
+        model, adapter = unwrap_peft(model)  # a PEFT model: the HF model inside, LoRA layers in place
+        if adapter is not None and checkpoint is not None:
+            raise ValueError("checkpoint= with a PEFT model is not supported: its names are those of the LoRA-"
+                             "wrapped model; load the base with from_pretrained, wrap it with get_peft_model, then "
+                             "parallelize")
         if config is None:
             # The launch first: with the wrong number of processes every other message would name the wrong
             # fix (ep must divide dp*tp, ... of degrees the user did not mean).
@@ -108,22 +115,16 @@ def parallelize(
             if beside:
                 raise ValueError(f"parallelize(model, config, {', '.join(beside)}=...): the config already holds "
                                  f"every option; put them in it (dataclasses.replace(config, ...)) or pass keywords only")
-        return _parallelize(model, config, policy=policy, mesh=mesh, device=device, seed=seed, checkpoint=checkpoint,
-                            timeout=timeout)
+        return _parallelize(model, config, adapter=adapter, policy=policy, mesh=mesh, device=device, seed=seed,
+                            checkpoint=checkpoint, timeout=timeout)
     except ValueError as e:  # every refusal is raised alike on every rank, before any collective
         refused_on_every_rank(e)
         raise
 
 
-def _parallelize(model: nn.Module, config: ParallelConfig, *, policy: ModelPolicy | None, mesh: DeviceMesh | None,
-                 device: torch.device | None, seed: int | None, checkpoint: str | None,
+def _parallelize(model: nn.Module, config: ParallelConfig, *, adapter: Adapter | None, policy: ModelPolicy | None,
+                 mesh: DeviceMesh | None, device: torch.device | None, seed: int | None, checkpoint: str | None,
                  timeout: datetime.timedelta) -> ParallelModel:
-    if getattr(model, _MARK, False):
-        raise ValueError("this model is already parallelized; load a fresh copy to parallelize it again")
-    model, adapter = unwrap_peft(model)  # a PEFT model: the HF model inside, LoRA layers in place
-    if adapter is not None and checkpoint is not None:
-        raise ValueError("checkpoint= with a PEFT model is not supported: its names are those of the LoRA-wrapped "
-                         "model; load the base with from_pretrained, wrap it with get_peft_model, then parallelize")
     config.dims.check_world_size(launched_world_size())
     features = config.features | ({Feature.LORA} if adapter is not None else set())
     checked = check_parallel_config(model, config, policy=policy, extra=features - config.features)

@@ -15,13 +15,17 @@ from ..arguments import Choice, check_positive_int, plural
 
 class Axis(Choice):
     """A parallel dimension. dp, pp, cp and tp are the device mesh's dims; ep is carved out of a
-    stage's dp x tp grid (``expert_groups``), so it is an axis of the coordinates, not of the mesh."""
+    stage's dp x tp grid (``expert_groups``), so it is an axis of the coordinates, not of the mesh;
+    dp_shard and dp_replicate split dp for sharded data parallelism (FSDP's own mesh: groups of
+    dp_shard ranks sharding the weights, dp_replicate such groups holding the same shards)."""
 
     DP = "dp"
     PP = "pp"
     CP = "cp"
     TP = "tp"
     EP = "ep"
+    DP_SHARD = "dp_shard"
+    DP_REPLICATE = "dp_replicate"
 
 
 MESH_DIMS = (Axis.DP, Axis.PP, Axis.TP)
@@ -47,7 +51,7 @@ class ParallelDims:
     def __post_init__(self) -> None:
         for axis in (Axis.DP, Axis.TP, Axis.PP, Axis.CP, Axis.EP):
             check_positive_int(axis.value, getattr(self, axis))
-        check_positive_int("dp_shard", self.dp_shard)
+        check_positive_int(Axis.DP_SHARD.value, self.dp_shard)
         if self.dp % self.dp_shard:
             divisors = [d for d in range(1, self.dp + 1) if self.dp % d == 0]
             dp = math.lcm(self.dp, self.dp_shard)  # dp_shard adds no ranks: dp_shard=S alone usually means dp=S
