@@ -169,7 +169,7 @@ ROWS: tuple[Row, ...] = (
     Row(F.SP, F.GENERATE, S.PLAIN, f"{_GEN}[dp1-tp2-pp2-sp]"),
     Row(F.SP, F.COMPILE, S.PLAIN, f"{_COMPILED}[llama-2-dp=1-tp=2-sequence_parallel=True]"),
     # cp
-    # slices of slices: each cp rank's two chunks split again over tp between the tp regions
+    # slices of slices: each cp rank's two pieces split again over tp between the tp regions
     Row(F.SP, F.CP, S.PLAIN, f"{_CP_SP}[llama-1-2-1-1]"),
     Row(F.CP, F.PP_1F1B, S.PLAIN, f"{_CP}[llama-1-1-2-2-2-True-False]"),
     Row(F.CP, F.PP_GPIPE, S.PLAIN, "tests/test_context_parallel.py::test_context_parallel_with_gpipe_equals_plain_model"),
