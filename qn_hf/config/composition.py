@@ -56,10 +56,6 @@ class Status(enum.Enum):
     REFUSED = "refused"
     EXCLUSIVE = "cannot both be set"
 
-    @property
-    def composes(self) -> bool:
-        return self in (Status.PLAIN, Status.EQUIVALENT)
-
 
 @dataclass(frozen=True)
 class Row:
@@ -93,7 +89,6 @@ _TRAINER_MP = "tests/test_trainer.py::test_trainer_in_mixed_precision_follows_th
 _EP_ZERO = "tests/test_expert_parallel.py::test_expert_parallel_with_zero_equals_plain_model"
 _ZERO = "tests/test_optimizer.py::test_zero_equals_the_unsharded_optimizer"
 _GEN = "tests/test_generation.py::test_generate_equals_plain_model"
-_MEM = "tests/test_planner_memory.py::test_planner_memory_matches_a_real_run"
 _MPC = "tests/test_mixed_precision.py::test_mixed_precision_composes_with_sequence_parallelism_and_recomputation"
 _COMPILED = "tests/test_compile.py::test_compiled_meshes"  # a long test (make test-all)
 _TRAINER_RESUME = "tests/test_trainer.py::test_trainer_accumulation_clipping_checkpoint_and_resume_at_another_mesh"

@@ -43,7 +43,6 @@ EXPERTS_MODULE = "experts"
 
 # config keys that count a model's routed experts (transformers' names differ by architecture)
 _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-_SHARED = ("shared_expert", "shared_experts")
 
 
 def counts_experts(config) -> bool:
