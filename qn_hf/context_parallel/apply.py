@@ -1,7 +1,7 @@
 """Context parallelism: the sequence split over cp ranks, attention through transformers' interface.
 
-``train_step`` still takes this dp rank's whole sequences. Each microbatch is cut along the sequence
-(``shard_microbatch``): rank ``r`` of the cp group keeps the tokens of its two pieces
+``train_step`` takes this dp rank's whole sequences, as at cp=1. Each microbatch is cut along the
+sequence (``shard_microbatch``): rank ``r`` of the cp group keeps the tokens of its two pieces
 (``ring_attention.PieceLayout``), their global ``position_ids`` (RoPE and learned positions see the
 true positions) and their targets, shifted on the whole sequence first (a piece's last token
 predicts the first token of the next piece, which another rank holds). Every module but attention
@@ -69,8 +69,8 @@ def check_context_parallel(model: nn.Module, *, cp: int, plan: TpPlan) -> None:
     config = model.config.get_text_config()
     # Ring attention covers attention, full or in a sliding window; a block that mixes positions any
     # other way (state-space or convolution layers of hybrid models) would see only this rank's tokens.
-    # First (after chunked attention, softmax attention the ring does not cover yet): it says why cp
-    # cannot apply, whatever else the model's attention lacks
+    # Chunked attention (softmax within fixed blocks of positions, which the ring does not compute)
+    # is checked first: it is the reason cp cannot apply, whatever else the model's attention lacks
     if getattr(config, "attention_chunk_size", None):
         raise ValueError(f"{name}: attention_chunk_size={config.attention_chunk_size} (chunked attention) is not "
                          f"supported by ring attention; use cp=1")
@@ -105,8 +105,9 @@ def check_context_parallel(model: nn.Module, *, cp: int, plan: TpPlan) -> None:
 class RingSwitch:
     """Ring attention on (training, evaluation, logits) or off (``generate``). Every cp rank holds the
     whole model (cp splits sequences, not weights), so with the switch off each cp rank runs the
-    attention that ran before on whole sequences, as the tp ranks of a replica each run the
-    generation loop: a decoding step's one token cannot be split into 2*cp pieces."""
+    model's own attention implementation (``previous``) on whole sequences, as the tp ranks of a
+    replica each run the generation loop: a decoding step's one token cannot be split into 2*cp
+    pieces."""
 
     def __init__(self, model: nn.Module, *, ring: str, previous: str) -> None:
         self.model, self.ring, self.previous = model, ring, previous

@@ -24,7 +24,7 @@ Inside a block the bytes on tp equal the all-reduce version (an all-reduce is a 
 an all-gather); the two edges add one all-gather of the hidden states each per microbatch and stage,
 and a received activation one more.
 
-Replicated parameters that now see only this rank's slice of the sequence get their gradients summed
+Replicated parameters that see only this rank's slice of the sequence get their gradients summed
 over tp: the norms between the regions (each rank's gradient covers its tokens only), the final
 norm (likewise), and the row layers' biases (added to this rank's slice of the sum). Dropout there
 draws from the tp-local random stream: the ranks hold different tokens, so equal masks would
