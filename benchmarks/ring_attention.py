@@ -64,13 +64,13 @@ def ring_worker(rank: int, world: int, root: str, seq: int, heads: int, kv_heads
 
     torch.set_num_threads(1)
     ring = _load(root)
-    layout = ring.ChunkLayout(size=world)
+    layout = ring.PieceLayout(size=world)
     gen = torch.Generator().manual_seed(rank)
     local = seq // world
     q = torch.randn(1, heads, local, head_dim, generator=gen).requires_grad_()
     k, v = (torch.randn(1, kv_heads, local, head_dim, generator=gen).requires_grad_() for _ in range(2))
     grad = torch.randn(1, heads, local, head_dim, generator=gen)
-    docs = (torch.arange(seq) * documents // seq).unsqueeze(0)  # equal documents, borders inside chunks
+    docs = (torch.arange(seq) * documents // seq).unsqueeze(0)  # equal documents, borders inside pieces
     valid = torch.ones(1, seq, dtype=torch.long)
     times, rises, fingerprint = [], [], None
     for step in range(steps + 1):

@@ -140,13 +140,13 @@ def ring_worker(rank: int, world: int, seq: int, balanced: bool, heads: int, hea
                 window: int | None = None) -> dict:
     import torch.distributed as dist
 
-    from qn_hf.context_parallel.ring_attention import ChunkLayout, ring_attention
+    from qn_hf.context_parallel.ring_attention import PieceLayout, ring_attention
 
     gen = torch.Generator().manual_seed(rank)
     shape = (1, heads, seq // world, head_dim)
     q, k, v = (torch.randn(shape, generator=gen, requires_grad=True) for _ in range(3))
     ones = torch.ones(1, seq, dtype=torch.long)
-    layout = ChunkLayout(size=world, balanced=balanced)
+    layout = PieceLayout(size=world, balanced=balanced)
     for _ in range(2):  # warm-up, then the timed call
         events: list = []
         dist.barrier()
@@ -179,18 +179,18 @@ def ring(args: argparse.Namespace) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from qn_hf.context_parallel.ring_attention import ChunkLayout
+    from qn_hf.context_parallel.ring_attention import PieceLayout
 
     world, heads, head_dim = 4, 4, 16
     print(f"ring attention alone, cp={world}, 1 x {args.seq} tokens, {heads} heads of {head_dim}, forward + backward; "
-          f"blocks = (query chunk, key chunk) pairs a rank computes per pass, the exact work; seconds measured with "
+          f"blocks = (query piece, key piece) pairs a rank computes per pass, the exact work; seconds measured with "
           f"{world} ranks on {os.cpu_count()} cores")
     print(f"{'layout':<12}{'blocks per rank':>18}{'max/mean':>10}" + "".join(f"{'rank ' + str(r) + ' s':>10}" for r in range(world))
           + f"{'max/mean':>10}")
     runs = {}
     for balanced in (True, False):
-        layout = ChunkLayout(size=world, balanced=balanced)
-        blocks = [sum(kc <= qc for qc in layout.chunks(r) for o in range(world) for kc in layout.chunks(o))
+        layout = PieceLayout(size=world, balanced=balanced)
+        blocks = [sum(kp <= qp for qp in layout.pieces(r) for o in range(world) for kp in layout.pieces(o))
                   for r in range(world)]
         ranks = _gather_ranks(ring_worker, world, (args.seq, balanced, heads, head_dim))
         compute = [sum(b - a for _, _, a, b, _ in r["events"]) for r in ranks]
@@ -217,21 +217,21 @@ def window(args: argparse.Namespace) -> None:
     """A sliding window of ``--window`` tokens: which (query rows x key columns) each rank computes per
     pass against the pairs its queries really see (each query sees min(position + 1, window) keys),
     both layouts, and the measured forward + backward time against full causal attention."""
-    from qn_hf.context_parallel.ring_attention import ChunkLayout, ring_blocks
+    from qn_hf.context_parallel.ring_attention import PieceLayout, ring_blocks
 
     world, heads, head_dim, seq, w = 4, 4, 16, args.seq, args.window
-    chunk = seq // (2 * world)
+    piece = seq // (2 * world)
     print(f"ring attention, cp={world}, 1 x {seq} tokens, {heads} heads of {head_dim}, window {w}; per rank and pass: "
           f"kernel calls, query x key elements computed (the calls' rectangles) and visible (exact: "
           f"sum of min(p + 1, window) over its queries), forward + backward seconds ({world} ranks, {os.cpu_count()} cores)")
     print(f"{'layout':<12}{'window':>8}{'calls':>16}{'computed (M)':>30}{'visible (M)':>30}{'max/mean':>10}"
           f"{'seconds':>30}{'max/mean':>10}")
     for balanced in (True, False):
-        layout = ChunkLayout(size=world, balanced=balanced)
+        layout = PieceLayout(size=world, balanced=balanced)
         for size in (w, None):
             calls, computed, visible = [], [], []
             for r in range(world):
-                plans = [p for o in range(world) for p in ring_blocks(layout, rank=r, owner=o, chunk=chunk, window=size)]
+                plans = [p for o in range(world) for p in ring_blocks(layout, rank=r, owner=o, piece=piece, window=size)]
                 calls.append(len(plans))
                 computed.append(sum((p.queries.stop - p.queries.start) * (p.keys.stop - p.keys.start) for p in plans))
                 at = layout.positions(r, seq)

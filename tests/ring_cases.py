@@ -8,27 +8,27 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from qn_hf.context_parallel.ring_attention import ChunkLayout, ring_attention
+from qn_hf.context_parallel.ring_attention import PieceLayout, ring_attention
 
 
 @dataclass(frozen=True)
-class StridedLayout(ChunkLayout):
-    """Rank ``r`` holds chunks ``r`` and ``r + cp``: its blocks against a lower rank are neither fully
+class StridedLayout(PieceLayout):
+    """Rank ``r`` holds pieces ``r`` and ``r + cp``: its blocks against a lower rank are neither fully
     visible nor its own positions, so they take the explicit causal mask."""
 
-    def chunks(self, rank: int) -> tuple[int, int]:
+    def pieces(self, rank: int) -> tuple[int, int]:
         return rank, rank + self.size
 
 
 LAYOUTS = {"balanced": True, "contiguous": False}
 
 
-def layout_named(name: str, size: int) -> ChunkLayout:
-    return StridedLayout(size=size) if name == "strided" else ChunkLayout(size=size, balanced=LAYOUTS[name])
+def layout_named(name: str, size: int) -> PieceLayout:
+    return StridedLayout(size=size) if name == "strided" else PieceLayout(size=size, balanced=LAYOUTS[name])
 
 
 def batch_meta(*, batch: int, seq: int, packed: bool, padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(documents, valid) [batch, seq]: packed rows hold documents of uneven lengths that cross chunk
+    """(documents, valid) [batch, seq]: packed rows hold documents of uneven lengths that cross piece
     borders; padded rows are left- (queries that see no key at all) and right-padded by turns."""
     documents = torch.zeros(batch, seq, dtype=torch.long)
     valid = torch.ones(batch, seq, dtype=torch.long)
@@ -89,11 +89,11 @@ def ring_parity(*, layout: str, heads: int, kv_heads: int, dtype: str, packed: b
                               softcap=softcap, sinks=ref_sink)
     ref_out.backward(grad.double())
 
-    chunks = layout_named(layout, size)
-    mine = chunks.positions(rank, seq)
+    cut = layout_named(layout, size)
+    mine = cut.positions(rank, seq)
     local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
     local_sink = sink.clone().requires_grad_() if sinks else None
-    out = ring_attention(*local, documents=documents, valid=valid, layout=chunks, group=dist.group.WORLD,
+    out = ring_attention(*local, documents=documents, valid=valid, layout=cut, group=dist.group.WORLD,
                          scaling=scaling, masked=True if force_mask else None, window=window, softcap=softcap,
                          sinks=local_sink)
     out.backward(grad[:, :, mine])

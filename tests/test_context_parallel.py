@@ -113,7 +113,7 @@ def test_context_parallel_batch_errors(worlds, model_dirs):
     messages = worlds.run(2, cases.cp_batch_errors, model_dir=model_dirs["llama"])
     for m in messages:
         assert "sequence length 12 is not a multiple of 8 (cp=4" not in m["odd"]  # cp=2 here
-        assert "sequence length 14 is not a multiple of 4 (cp=2 cuts it into 2*cp chunks)" in m["odd"], m
+        assert "sequence length 14 is not a multiple of 4 (cp=2 cuts it into 2*cp pieces)" in m["odd"], m
         assert "cp=2: batch keys ['token_type_ids'] cannot be cut along the sequence" in m["keys"], m
         loss, ref_loss = m["window"]  # a window of 8 on 16 tokens at cp=2: computed, not refused
         assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), m

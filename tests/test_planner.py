@@ -175,10 +175,10 @@ def test_planner_rejects_with_parallelize_message():
         with pytest.raises(ValueError) as real:
             parallelize_as_launched(meta_model(PUBLIC[name]), cp=2, **settings)
         assert str(planned.value) == str(real.value) and "cp=2" in str(planned.value)
-    with pytest.raises(ValueError, match=r"sequence length 100 is not a multiple of 8 \(cp=4 cuts it into 2\*cp chunks\)"):
+    with pytest.raises(ValueError, match=r"sequence length 100 is not a multiple of 8 \(cp=4 cuts it into 2\*cp pieces\)"):
         estimate_mesh(config, dp=1, tp=1, pp=1, cp=4, microbatches=1, seq_len=100, micro_batch_size=1)
     # cp x sp: each cp rank's part split again over tp
-    with pytest.raises(ValueError, match=r"sequence length 132 is not a multiple of 8 \(cp=2 cuts it into 2\*cp chunks "
+    with pytest.raises(ValueError, match=r"sequence length 132 is not a multiple of 8 \(cp=2 cuts it into 2\*cp pieces "
                                          r"and sequence_parallel=True splits each cp rank's part over tp=4\)"):
         estimate_mesh(PUBLIC["llama-3-8b"], dp=1, tp=4, pp=1, cp=2, microbatches=1, seq_len=132, micro_batch_size=1,
                       sequence_parallel=True)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from qn_hf.context_parallel.kernels import kernels
-from qn_hf.context_parallel.ring_attention import ChunkLayout, needs_mask, ring_block, ring_blocks
+from qn_hf.context_parallel.ring_attention import PieceLayout, needs_mask, ring_block, ring_blocks
 from tests.ring_cases import StridedLayout, batch_meta
 from tests import ring_cases
 
@@ -34,8 +34,8 @@ CASES = [  # cp, layout, heads, kv_heads, dtype, packed, padded, force_mask
 ]
 
 
-# sliding windows (transformers' key > query - window) shorter than a chunk (8 tokens at cp=2, 4 at
-# cp=4), across chunk borders, and longer than the sequence; Gemma 2's logit softcapping, alone and
+# sliding windows (transformers' key > query - window) shorter than a piece (8 tokens at cp=2, 4 at
+# cp=4), across piece borders, and longer than the sequence; Gemma 2's logit softcapping, alone and
 # with a window, with packing and padding
 WINDOWED = [  # cp, layout, heads, kv_heads, dtype, packed, padded, window, softcap
     (2, "balanced", 4, 2, "float32", False, False, 3, None),
@@ -74,31 +74,31 @@ def test_ring_attention_equals_plain_attention(worlds, cp, layout, heads, kv_hea
         assert sum(r["unseen rows"] for r in results) > 0
 
 
-def _visible(layout: ChunkLayout, rank: int, owner: int, chunk: int, window: int | None = None) -> set[tuple[int, int]]:
+def _visible(layout: PieceLayout, rank: int, owner: int, piece: int, window: int | None = None) -> set[tuple[int, int]]:
     """(local query, local key) pairs with the key at or before the query (and within the window),
     from global positions."""
-    length = 2 * layout.size * chunk
+    length = 2 * layout.size * piece
     at_q, at_k = layout.positions(rank, length).tolist(), layout.positions(owner, length).tolist()
     return {(i, j) for i, p in enumerate(at_q) for j, s in enumerate(at_k)
             if s <= p and (window is None or s > p - window)}
 
 
 @pytest.mark.parametrize("window", [None, 1, 2, 3, 4, 7, 100])
-@pytest.mark.parametrize("make", [lambda n: ChunkLayout(size=n), lambda n: ChunkLayout(size=n, balanced=False),
+@pytest.mark.parametrize("make", [lambda n: PieceLayout(size=n), lambda n: PieceLayout(size=n, balanced=False),
                                   lambda n: StridedLayout(size=n)], ids=["balanced", "contiguous", "strided"])
 def test_ring_block_covers_exactly_the_causal_pairs(make, window):
-    chunk = 3
+    piece = 3
     for size in range(1, 6):
         layout = make(size)
         for rank in range(size):
             for owner in range(size):
-                want = _visible(layout, rank, owner, chunk, window)
-                plan = ring_block(layout, rank=rank, owner=owner, chunk=chunk, window=window)
+                want = _visible(layout, rank, owner, piece, window)
+                plan = ring_block(layout, rank=rank, owner=owner, piece=piece, window=window)
                 if plan is None:
                     assert want == set(), (size, rank, owner)
                     continue
                 assert want, (size, rank, owner, window)  # a block no query sees is skipped, no kernel call
-                rows, cols = range(2 * chunk)[plan.queries], range(2 * chunk)[plan.keys]
+                rows, cols = range(2 * piece)[plan.queries], range(2 * piece)[plan.keys]
                 assert {(i, j) for i, j in want if i not in rows or j not in cols} == set()  # nothing left out
                 rect = {(i, j) for i in rows for j in cols}
                 if plan.full:
@@ -106,9 +106,9 @@ def test_ring_block_covers_exactly_the_causal_pairs(make, window):
                 if plan.causal:  # the kernel's causal mask: key index (in the call) <= query index
                     assert {(i, j) for i, j in rect if j - cols.start <= i - rows.start} == want, (size, rank, owner)
         if window is not None:
-            _check_window_calls(layout, size, chunk, window)
+            _check_window_calls(layout, size, piece, window)
             continue
-        plans = [ring_block(layout, rank=r, owner=o, chunk=chunk) for r in range(size) for o in range(size)]
+        plans = [ring_block(layout, rank=r, owner=o, piece=piece) for r in range(size) for o in range(size)]
         explicit = [p for p in plans if p is not None and not (p.full or p.causal)]
         # the two real layouts never need a mask without documents or padding; the strided one does
         assert bool(explicit) == (isinstance(layout, StridedLayout) and size > 1), (size, explicit)
@@ -165,16 +165,16 @@ def kernels_for_cuda(q: torch.Tensor, *, masked: bool):
     return kernels(OnCuda, masked=masked)
 
 
-def _check_window_calls(layout: ChunkLayout, size: int, chunk: int, window: int) -> None:
-    """``ring_blocks`` with a window: one call per chunk pair with a visible key, together exactly the
+def _check_window_calls(layout: PieceLayout, size: int, piece: int, window: int) -> None:
+    """``ring_blocks`` with a window: one call per piece pair with a visible key, together exactly the
     visible pairs; no mask only where every pair in the call is visible, the causal flag only where
     it is the whole of them."""
     for rank in range(size):
         for owner in range(size):
-            want = _visible(layout, rank, owner, chunk, window)
+            want = _visible(layout, rank, owner, piece, window)
             covered = set()
-            for plan in ring_blocks(layout, rank=rank, owner=owner, chunk=chunk, window=window):
-                rows, cols = range(2 * chunk)[plan.queries], range(2 * chunk)[plan.keys]
+            for plan in ring_blocks(layout, rank=rank, owner=owner, piece=piece, window=window):
+                rows, cols = range(2 * piece)[plan.queries], range(2 * piece)[plan.keys]
                 rect = {(i, j) for i in rows for j in cols}
                 assert rect & want, (size, rank, owner, window)  # no call for a pair no query sees
                 covered |= rect & want

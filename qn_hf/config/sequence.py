@@ -1,4 +1,4 @@
-"""How a sequence is cut over the ranks (context parallelism's chunks, sequence parallelism's
+"""How a sequence is cut over the ranks (context parallelism's pieces, sequence parallelism's
 slices) and so which lengths a run takes: arithmetic, checked with the numbers in the message."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ import math
 
 
 def sequence_split(*, cp: int, tp: int, sequence_parallel: bool) -> tuple[int, str]:
-    """The multiple every sequence length must be, and why: cp cuts a sequence into 2*cp chunks,
-    sequence parallelism splits it (under cp: each cp rank's two chunks, L/cp tokens) over tp."""
+    """The multiple every sequence length must be, and why: cp cuts a sequence into 2*cp pieces,
+    sequence parallelism splits it (under cp: each cp rank's two pieces, L/cp tokens) over tp."""
     if cp > 1 and sequence_parallel:
-        return cp * math.lcm(2, tp), (f"cp={cp} cuts it into 2*cp chunks and sequence_parallel=True splits each cp "
+        return cp * math.lcm(2, tp), (f"cp={cp} cuts it into 2*cp pieces and sequence_parallel=True splits each cp "
                                       f"rank's part over tp={tp}")
     if cp > 1:
-        return 2 * cp, f"cp={cp} cuts it into 2*cp chunks"
+        return 2 * cp, f"cp={cp} cuts it into 2*cp pieces"
     if sequence_parallel:
         return tp, f"sequence_parallel=True splits it over tp={tp}"
     return 1, ""

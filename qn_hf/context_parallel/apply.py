@@ -1,10 +1,10 @@
 """Context parallelism: the sequence split over cp ranks, attention through transformers' interface.
 
-``train_step`` still takes this dp rank's whole sequences. Each microbatch is cut along the sequence
-(``shard_microbatch``): rank ``r`` of the cp group keeps the tokens of its two chunks
-(``ring_attention.ChunkLayout``), their global ``position_ids`` (RoPE and learned positions see the
-true positions) and their targets, shifted on the whole sequence first (a chunk's last token
-predicts the first token of the next chunk, which another rank holds). Every module but attention
+``train_step`` takes this dp rank's whole sequences, as at cp=1. Each microbatch is cut along the
+sequence (``shard_microbatch``): rank ``r`` of the cp group keeps the tokens of its two pieces
+(``ring_attention.PieceLayout``), their global ``position_ids`` (RoPE and learned positions see the
+true positions) and their targets, shifted on the whole sequence first (a piece's last token
+predicts the first token of the next piece, which another rank holds). Every module but attention
 acts token by token, so the model's own forward runs unchanged on the slice.
 
 Attention goes through transformers' attention interface: ``apply_context_parallel`` registers a
@@ -41,7 +41,7 @@ from ..config.options import LossKind
 from ..devices import on_device
 from ..policies.amendments import CP_REFUSALS
 from ..tensor_parallel.plan import TpPlan
-from .ring_attention import ChunkLayout, needs_mask, ring_attention
+from .ring_attention import PieceLayout, needs_mask, ring_attention
 
 # transformers' layer kinds (config.layer_types) whose attention the ring computes exactly: full
 # causal, and causal within the sliding window the layer passes to the attention function.
@@ -69,8 +69,8 @@ def check_context_parallel(model: nn.Module, *, cp: int, plan: TpPlan) -> None:
     config = model.config.get_text_config()
     # Ring attention covers attention, full or in a sliding window; a block that mixes positions any
     # other way (state-space or convolution layers of hybrid models) would see only this rank's tokens.
-    # First (after chunked attention, softmax attention the ring does not cover yet): it says why cp
-    # cannot apply, whatever else the model's attention lacks
+    # Chunked attention (softmax within fixed blocks of positions, which the ring does not compute)
+    # is checked first: it is the reason cp cannot apply, whatever else the model's attention lacks
     if getattr(config, "attention_chunk_size", None):
         raise ValueError(f"{name}: attention_chunk_size={config.attention_chunk_size} (chunked attention) is not "
                          f"supported by ring attention; use cp=1")
@@ -90,7 +90,7 @@ def check_context_parallel(model: nn.Module, *, cp: int, plan: TpPlan) -> None:
                              f"config.{key} = 0.0 or use cp=1")
     if getattr(config, "attn_temperature_tuning", False) and not all(getattr(config, "no_rope_layers", None) or [1]):
         # Llama 4: the layers without RoPE scale their queries by a function of the position that the
-        # attention computes as arange(length of its input), the local chunks' length under cp: wrong
+        # attention computes as arange(length of its input), the local pieces' length under cp: wrong
         # from position floor_scale on, so no short test would show it
         raise ValueError(f"{name}: attn_temperature_tuning=True scales the queries of the layers without RoPE by "
                          f"positions the attention counts itself over the tokens it holds, which under cp are "
@@ -105,8 +105,9 @@ def check_context_parallel(model: nn.Module, *, cp: int, plan: TpPlan) -> None:
 class RingSwitch:
     """Ring attention on (training, evaluation, logits) or off (``generate``). Every cp rank holds the
     whole model (cp splits sequences, not weights), so with the switch off each cp rank runs the
-    attention that ran before on whole sequences, as the tp ranks of a replica each run the
-    generation loop: a decoding step's one token cannot be split into 2*cp chunks."""
+    model's own attention implementation (``previous``) on whole sequences, as the tp ranks of a
+    replica each run the generation loop: a decoding step's one token cannot be split into 2*cp
+    pieces."""
 
     def __init__(self, model: nn.Module, *, ring: str, previous: str) -> None:
         self.model, self.ring, self.previous = model, ring, previous
@@ -123,7 +124,7 @@ class RingSwitch:
             self.model.set_attn_implementation(self.ring)
 
 
-def apply_context_parallel(model: nn.Module, *, group: ProcessGroup, layout: ChunkLayout) -> RingSwitch:
+def apply_context_parallel(model: nn.Module, *, group: ProcessGroup, layout: PieceLayout) -> RingSwitch:
     """Register ring attention over ``group`` for this model and select it; return its switch."""
 
     def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -170,7 +171,7 @@ def ring_documents(batch: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
     return documents if needs_mask(documents=documents, valid=valid) else None
 
 
-def shard_microbatches(micro: list[Mapping[str, torch.Tensor]], documents: torch.Tensor | None, *, layout: ChunkLayout,
+def shard_microbatches(micro: list[Mapping[str, torch.Tensor]], documents: torch.Tensor | None, *, layout: PieceLayout,
                        rank: int) -> list[dict[str, torch.Tensor]]:
     """``shard_microbatch`` of each microbatch of a batch (``micro``: its ``split_microbatches`` on the
     device), with the batch's ``ring_documents`` moved there and cut alike."""
@@ -181,7 +182,7 @@ def shard_microbatches(micro: list[Mapping[str, torch.Tensor]], documents: torch
     return [shard_microbatch(m, layout=layout, rank=rank, documents=d) for m, d in zip(micro, parts)]
 
 
-def shard_microbatch(micro: Mapping[str, torch.Tensor], *, layout: ChunkLayout, rank: int,
+def shard_microbatch(micro: Mapping[str, torch.Tensor], *, layout: PieceLayout, rank: int,
                      documents: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """This cp rank's model inputs, its ``targets`` (already shifted; from the input ids when the batch
     has no labels, for a ``loss_fn`` or logits, which do not read them) and which of its tokens are real
@@ -198,8 +199,8 @@ def shard_microbatch(micro: Mapping[str, torch.Tensor], *, layout: ChunkLayout, 
             "targets": LossKind.CAUSAL_LM.targets(micro.get("labels", ids))[:, keep], LOCAL_VALID: valid[:, keep]}
 
 
-def gather_sequence_positions(x: torch.Tensor, *, layout: ChunkLayout, group: ProcessGroup) -> torch.Tensor:
-    """The whole sequence (dim 1, in order) from every cp rank's ``x`` of its ``layout`` chunks: one
+def gather_sequence_positions(x: torch.Tensor, *, layout: PieceLayout, group: ProcessGroup) -> torch.Tensor:
+    """The whole sequence (dim 1, in order) from every cp rank's ``x`` of its ``layout`` pieces: one
     all-gather, then each rank's tokens put back at their positions (no autograd)."""
     size = layout.size
     parts = all_gather_tensors(x.contiguous(), group=group)
@@ -216,7 +217,7 @@ class _GatherPositions(torch.autograd.Function):
     there, one reduce-scatter of the whole gradient (laid out rank by rank)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, layout: ChunkLayout, group: ProcessGroup) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, layout: PieceLayout, group: ProcessGroup) -> torch.Tensor:
         ctx.layout, ctx.group = layout, group
         return gather_sequence_positions(x, layout=layout, group=group)
 
@@ -229,7 +230,7 @@ class _GatherPositions(torch.autograd.Function):
         return out, None, None
 
 
-def whole_sequence_logits(outputs, *, layout: ChunkLayout, group: ProcessGroup):
+def whole_sequence_logits(outputs, *, layout: PieceLayout, group: ProcessGroup):
     """``outputs`` with the logits of whole sequences (in order) on every cp rank, for a ``loss_fn``:
     it then computes on every cp rank the loss it computes without cp, each rank taking 1/cp of it
     (the caller's division), and backward hands each rank the gradient of its own positions. Every

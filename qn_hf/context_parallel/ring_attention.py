@@ -1,8 +1,8 @@
 """Ring attention over the context-parallel ranks: exact causal attention of a sequence split over cp.
 
-The sequence is cut into ``2 * cp`` chunks of equal length and rank ``r`` holds two of them
-(``ChunkLayout``): with the balanced layout chunks ``r`` and ``2cp-1-r``, so that under the causal
-mask every rank has the same amount of work; the contiguous layout (chunks ``2r`` and ``2r+1``) is
+The sequence is cut into ``2 * cp`` pieces of equal length and rank ``r`` holds two of them
+(``PieceLayout``): with the balanced layout pieces ``r`` and ``2cp-1-r``, so that under the causal
+mask every rank has the same amount of work; the contiguous layout (pieces ``2r`` and ``2r+1``) is
 there to measure the difference. Keys and values travel around the ring: at step ``i`` rank ``r``
 holds the block of rank ``r - i``, sends it on to ``r + 1`` and receives the next from ``r - 1``
 while it computes (the transfer is posted before the block's attention and waited for after it).
@@ -46,19 +46,19 @@ from .kernels import NEG_INF, kernels
 
 
 @dataclass(frozen=True)
-class ChunkLayout:
-    """Which two of the ``2 * size`` equal chunks of the sequence each cp rank holds."""
+class PieceLayout:
+    """Which two of the ``2 * size`` equal pieces of the sequence each cp rank holds."""
 
     size: int
     balanced: bool = True
 
-    def chunks(self, rank: int) -> tuple[int, int]:
+    def pieces(self, rank: int) -> tuple[int, int]:
         return (rank, 2 * self.size - 1 - rank) if self.balanced else (2 * rank, 2 * rank + 1)
 
     def positions(self, rank: int, length: int, *, device: torch.device | str | None = None) -> torch.Tensor:
         """The indices into the whole sequence (of ``length``) of the tokens ``rank`` holds, in order."""
-        chunk = length // (2 * self.size)
-        return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in self.chunks(rank)])
+        piece = length // (2 * self.size)
+        return torch.cat([torch.arange(p * piece, (p + 1) * piece, device=device) for p in self.pieces(rank)])
 
 
 @dataclass(frozen=True)
@@ -71,55 +71,55 @@ class RingBlock:
     causal: bool  # the same positions on both sides, increasing: the kernel's causal mask is the global one
 
 
-def _nearest(qc: int, kc: int, chunk: int) -> int:
-    """The smallest query - key distance between query chunk ``qc`` and key chunk ``kc <= qc``."""
-    return (qc - kc - 1) * chunk + 1 if kc < qc else 0
+def _nearest(qp: int, kp: int, piece: int) -> int:
+    """The smallest query - key distance between query piece ``qp`` and key piece ``kp <= qp``."""
+    return (qp - kp - 1) * piece + 1 if kp < qp else 0
 
 
-def _farthest(qc: int, kc: int, chunk: int) -> int:
-    return (qc - kc + 1) * chunk - 1
+def _farthest(qp: int, kp: int, piece: int) -> int:
+    return (qp - kp + 1) * piece - 1
 
 
-def ring_block(layout: ChunkLayout, *, rank: int, owner: int, chunk: int, window: int | None = None) -> RingBlock | None:
+def ring_block(layout: PieceLayout, *, rank: int, owner: int, piece: int, window: int | None = None) -> RingBlock | None:
     """What ``rank``'s queries compute against ``owner``'s keys under the causal mask (and, with a
     sliding ``window``, transformers' ``key > query - window``), or None when no query sees any key
     of the block: with a window, a block wholly before every query's window is skipped, no kernel
-    call. The rows and columns are those of the chunk pairs with a visible key (one rectangle: the
-    pairs of two chunks each). The rectangle needs no mask when every key in it is visible to every
+    call. The rows and columns are those of the piece pairs with a visible key (one rectangle: the
+    pairs of two pieces each). The rectangle needs no mask when every key in it is visible to every
     query; the kernel's causal flag serves when both sides hold the same positions and the window
-    cuts nothing in it."""
-    mine, theirs = layout.chunks(rank), layout.chunks(owner)
+    cuts nothing in it. ``piece``: the number of tokens in one piece."""
+    mine, theirs = layout.pieces(rank), layout.pieces(owner)
     reach = float("inf") if window is None else window  # visible: 0 <= query - key < reach
-    pairs = [(qi, ki) for qi, qc in enumerate(mine) for ki, kc in enumerate(theirs)
-             if kc <= qc and _nearest(qc, kc, chunk) < reach]
+    pairs = [(qi, ki) for qi, qp in enumerate(mine) for ki, kp in enumerate(theirs)
+             if kp <= qp and _nearest(qp, kp, piece) < reach]
     if not pairs:
         return None
     q0, q1 = min(p[0] for p in pairs), max(p[0] for p in pairs) + 1
     k0, k1 = min(p[1] for p in pairs), max(p[1] for p in pairs) + 1
-    rect = [(qc, kc) for qc in mine[q0:q1] for kc in theirs[k0:k1]]
-    return RingBlock(queries=slice(q0 * chunk, q1 * chunk), keys=slice(k0 * chunk, k1 * chunk),
-                     full=all(kc < qc and _farthest(qc, kc, chunk) < reach for qc, kc in rect),
-                     causal=mine[q0:q1] == theirs[k0:k1] and all(_farthest(qc, kc, chunk) < reach
-                                                                 for qc, kc in rect if kc <= qc))
+    rect = [(qp, kp) for qp in mine[q0:q1] for kp in theirs[k0:k1]]
+    return RingBlock(queries=slice(q0 * piece, q1 * piece), keys=slice(k0 * piece, k1 * piece),
+                     full=all(kp < qp and _farthest(qp, kp, piece) < reach for qp, kp in rect),
+                     causal=mine[q0:q1] == theirs[k0:k1] and all(_farthest(qp, kp, piece) < reach
+                                                                 for qp, kp in rect if kp <= qp))
 
 
-def ring_blocks(layout: ChunkLayout, *, rank: int, owner: int, chunk: int, window: int | None = None) -> list[RingBlock]:
+def ring_blocks(layout: PieceLayout, *, rank: int, owner: int, piece: int, window: int | None = None) -> list[RingBlock]:
     """The kernel calls of one ring step: under the causal mask alone ``ring_block``'s one rectangle
-    (or none). With a sliding window one call per chunk pair that has a visible key: a rectangle
-    over two chunks would compute the pairs the window hides as well, and mask all of them; per pair,
-    a chunk pair wholly inside every window needs no mask, the diagonal pair the kernel's causal flag
-    (when the window is at least a chunk), and only the pairs at the window's edge a mask."""
+    (or none). With a sliding window one call per piece pair that has a visible key: a rectangle
+    over two pieces would compute the pairs the window hides as well, and mask all of them; per pair,
+    a piece pair wholly inside every window needs no mask, the diagonal pair the kernel's causal flag
+    (when the window is at least a piece), and only the pairs at the window's edge a mask."""
     if window is None:
-        block = ring_block(layout, rank=rank, owner=owner, chunk=chunk)
+        block = ring_block(layout, rank=rank, owner=owner, piece=piece)
         return [] if block is None else [block]
     blocks = []
-    for qi, qc in enumerate(layout.chunks(rank)):
-        for ki, kc in enumerate(layout.chunks(owner)):
-            if kc > qc or _nearest(qc, kc, chunk) >= window:
+    for qi, qp in enumerate(layout.pieces(rank)):
+        for ki, kp in enumerate(layout.pieces(owner)):
+            if kp > qp or _nearest(qp, kp, piece) >= window:
                 continue
-            inside = _farthest(qc, kc, chunk) < window  # every key of the pair within every query's window
-            blocks.append(RingBlock(queries=slice(qi * chunk, (qi + 1) * chunk), keys=slice(ki * chunk, (ki + 1) * chunk),
-                                    full=kc < qc and inside, causal=kc == qc and inside))
+            inside = _farthest(qp, kp, piece) < window  # every key of the pair within every query's window
+            blocks.append(RingBlock(queries=slice(qi * piece, (qi + 1) * piece), keys=slice(ki * piece, (ki + 1) * piece),
+                                    full=kp < qp and inside, causal=kp == qp and inside))
     return blocks
 
 
@@ -128,7 +128,7 @@ def needs_mask(*, documents: torch.Tensor, valid: torch.Tensor) -> bool:
     return bool(((documents != documents[:, :1]).any() | (valid == 0).any()).item())
 
 
-def _mask(plan: RingBlock, *, layout: ChunkLayout, rank: int, owner: int, documents: torch.Tensor,
+def _mask(plan: RingBlock, *, layout: PieceLayout, rank: int, owner: int, documents: torch.Tensor,
           valid: torch.Tensor, dtype: torch.dtype, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(additive mask [b, 1, rows, columns] with -inf where a key is hidden, whether each query row
     [b, rows] sees any key): causal by global position, within the window, within a document, valid
@@ -173,14 +173,14 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
     lse.copy_(new)
 
 
-def attend_block(q: torch.Tensor, block: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, layout: ChunkLayout,
+def attend_block(q: torch.Tensor, block: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, layout: PieceLayout,
                  rank: int, owner: int, documents: torch.Tensor, valid: torch.Tensor, masked: bool, scaling: float,
                  window: int | None, softcap: float | None) -> None:
     """One ring step's forward on ``rank``: fold the attention of its queries ``q`` over the keys and
-    values of ``owner``'s chunks (``block``: [2, b, kv_heads, s, d], as it travels the ring) into the
+    values of ``owner``'s pieces (``block``: [2, b, kv_heads, s, d], as it travels the ring) into the
     running float32 ``out`` and ``lse``. The ring calls it once per step; a one-process simulation of
     a ring (``make gpu-check``'s kernel check) calls it for every rank and owner."""
-    for plan in ring_blocks(layout, rank=rank, owner=owner, chunk=q.shape[2] // 2, window=window):
+    for plan in ring_blocks(layout, rank=rank, owner=owner, piece=q.shape[2] // 2, window=window):
         mask, seen = (_mask(plan, layout=layout, rank=rank, owner=owner, documents=documents, valid=valid,
                             dtype=q.dtype, window=window) if masked or not (plan.full or plan.causal) else (None, None))
         attend, _ = kernels(q, masked=mask is not None, softcap=softcap)
@@ -200,7 +200,7 @@ def backward_inputs(grad_out: torch.Tensor, lse: torch.Tensor, *, masked: bool) 
 
 
 def attend_block_backward(grad_out: torch.Tensor, q: torch.Tensor, block: torch.Tensor, out: torch.Tensor,
-                          lse: torch.Tensor, grad_q: torch.Tensor, *, layout: ChunkLayout, rank: int, owner: int,
+                          lse: torch.Tensor, grad_q: torch.Tensor, *, layout: PieceLayout, rank: int, owner: int,
                           documents: torch.Tensor, valid: torch.Tensor, masked: bool, scaling: float,
                           window: int | None, softcap: float | None) -> list[tuple[slice, torch.Tensor, torch.Tensor]]:
     """One ring step's backward on ``rank`` (``grad_out`` and ``lse`` from ``backward_inputs``, ``out``
@@ -208,7 +208,7 @@ def attend_block_backward(grad_out: torch.Tensor, q: torch.Tensor, block: torch.
     and return this rank's share of that block's key and value gradients, (key rows, grad k, grad v)
     per kernel call."""
     shares = []
-    for plan in ring_blocks(layout, rank=rank, owner=owner, chunk=q.shape[2] // 2, window=window):
+    for plan in ring_blocks(layout, rank=rank, owner=owner, piece=q.shape[2] // 2, window=window):
         mask = (_mask(plan, layout=layout, rank=rank, owner=owner, documents=documents, valid=valid, dtype=q.dtype,
                       window=window)[0] if masked or not (plan.full or plan.causal) else None)
         _, attend_backward = kernels(q, masked=mask is not None, softcap=softcap)
@@ -225,7 +225,7 @@ class _RingAttention(torch.autograd.Function):
     """Forward: fused attention per ring step, merged by log-sum-exp; backward: the ring again, fused backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, documents, valid, layout: ChunkLayout, group: ProcessGroup, scaling: float,
+    def forward(ctx, q, k, v, sinks, documents, valid, layout: PieceLayout, group: ProcessGroup, scaling: float,
                 masked: bool, events: list | None, window: int | None, softcap: float | None):
         rank, size = dist.get_rank(group), layout.size
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -289,13 +289,13 @@ class _RingAttention(torch.autograd.Function):
 
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, documents: torch.Tensor,
-                   valid: torch.Tensor, layout: ChunkLayout, group: ProcessGroup, scaling: float,
+                   valid: torch.Tensor, layout: PieceLayout, group: ProcessGroup, scaling: float,
                    masked: bool | None = None, events: list | None = None, window: int | None = None,
                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence's keys.
 
     ``query`` is [b, heads, s, d] and ``key``/``value`` [b, kv_heads, s, d] for this rank's
-    ``s = 2 * chunk`` tokens (``layout``); ``documents`` and ``valid`` are [b, sequence] for the whole
+    ``s = 2 * piece`` tokens (``layout``); ``documents`` and ``valid`` are [b, sequence] for the whole
     sequence (document index of each token, and whether it may be attended to). ``masked`` says
     whether the batch has several documents in a sequence or padding (``needs_mask``; looked up here,
     one host sync, when None). ``window``: a sliding window (key > query - window, transformers'

@@ -8,7 +8,7 @@ every token once per expert, Llama 4's: ``stacked.py``): a module decorated with
 as ``experts(hidden [T, H], top_k_index [T, K], top_k_weights [T, K])``. Its forward stays
 transformers': the dispatch is registered in transformers' experts registry under a name of this
 model's own and selected with ``set_experts_implementation``, and the module's ``num_experts`` is set
-to the local count, so the implementation that ran before (eager or grouped_mm) computes the local
+to the local count, so the model's own implementation (eager or grouped_mm) computes the local
 experts. Routers, shared experts and dense layers keep their tp rules; the experts' own tp rules
 (expert-TP) give way to ep.
 
@@ -43,7 +43,6 @@ EXPERTS_MODULE = "experts"
 
 # config keys that count a model's routed experts (transformers' names differ by architecture)
 _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-_SHARED = ("shared_expert", "shared_experts")
 
 
 def counts_experts(config) -> bool:

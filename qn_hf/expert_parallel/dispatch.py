@@ -12,7 +12,7 @@ shared experts and residual stay in the untouched block forward around it. Per c
    shared out, and step 5 is skipped (the block's output stays this rank's slice);
 2. the (token, choice) pairs are sorted by expert; per-expert counts go to every member of the ep
    group with one all-to-all, then the tokens with a second (uneven splits);
-3. the received rows run through this rank's experts with the module's previous implementation
+3. the received rows run through this rank's experts with the module's own implementation
    (eager or grouped_mm), as top-1 with unit weights;
 4. the results return by the reverse all-to-all, are put back in pair order, multiplied by the
    routing weights and summed over the K choices, as transformers' grouped_mm path does;
@@ -54,7 +54,7 @@ class ExpertRoute:
 
 def expert_parallel_forward(route: ExpertRoute, local_forward: Callable) -> Callable:
     """The registry function for one model: ``local_forward(module, rows, ids, weights)`` is the
-    implementation that ran the experts before (it sees the module's local experts only)."""
+    model's own experts implementation (eager or grouped_mm; it sees the module's local experts only)."""
 
     def forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         if route.tokens_split is not None and route.tokens_split():  # a slice of the sequence: distinct already

@@ -13,7 +13,7 @@ under sequence parallelism (with ep) each tp rank a slice of those: the counts a
 summed over dp x cp (x tp) first (one small all-reduce per step, detached),
 and each rank adds ``coef * E * sum_e f_e * (its probability sum of e) / tokens``; the dp x cp sum
 of those is the plain model's term, and so is the sum of their gradients. Nothing in the term
-depends on a token's neighbours, so a cp rank's tokens (whichever chunks it holds) count like any
+depends on a token's neighbours, so a cp rank's tokens (whichever pieces it holds) count like any
 others; its attention mask is its own tokens' (``valid``). Pooling over layers needs every layer's logits at once, so the loss is computed where all
 of them are: one pipeline stage and one microbatch (a microbatch's pool is not the batch's).
 """
@@ -79,7 +79,7 @@ class RouterLogits:
 
     def loss(self, valid: torch.Tensor | None) -> torch.Tensor:
         """This rank's share of the term from the logits recorded. The routers saw this rank's tokens:
-        its rows (dp), its chunks (cp: ``valid`` is theirs) and, with ``sequence`` (the tp group under
+        its rows (dp), its pieces (cp: ``valid`` is theirs) and, with ``sequence`` (the tp group under
         sequence parallelism, on), its contiguous slice of those over tp."""
         if self.sequence is None:
             return router_loss(self.logits, valid, model=self.model, groups=[self.replicas])

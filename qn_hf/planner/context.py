@@ -1,7 +1,7 @@
 """Context parallelism in the planner's meta trace: one cp rank's share of a microbatch, ring
 attention stood in for, and the ring's traffic.
 
-Under ``cp`` each rank runs the model on its ``sequence / cp`` tokens (two chunks, ``ChunkLayout``)
+Under ``cp`` each rank runs the model on its ``sequence / cp`` tokens (two pieces, ``PieceLayout``)
 with the inputs ``shard_microbatch`` prepares: the ids and global ``position_ids`` of those tokens and
 the ``[b, 1, 2, sequence]`` document/padding tensor that travels as the ``attention_mask``. The trace
 runs the unsharded model on exactly those meta inputs, so everything outside attention has one cp

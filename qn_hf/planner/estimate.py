@@ -4,7 +4,7 @@ The checks, the tp plan, the stage cut and the sharding are the ones ``paralleli
 (``check_parallel_config``, ``apply_tp_plan``, ``stage_of_module``), applied to a model without
 weights, so the parameter counts are exactly what each rank holds (a tp rank of stage s; every tp
 rank of a stage is alike, and so is every dp and cp rank up to ZeRO's padding, given for dp = cp
-rank 0; with the balanced chunk layout every cp rank keeps and sends alike; under ep the figures are
+rank 0; with the balanced piece layout every cp rank keeps and sends alike; under ep the figures are
 tp rank 0's, the largest token share, at uniform routing: see ``experts.py``).
 
 What is modelled, per rank, for the settings ``parallelize`` and ``qn_hf.optimizer`` take

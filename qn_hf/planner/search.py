@@ -6,7 +6,7 @@ what is left up to ``max_cp`` (8) with its ring inside the node too (cp x tp ran
 per node; ranks are laid out dp, pp, cp, tp): ring attention sends a key/value block per layer and
 ring step, on the critical path unless the link outpaces attention. Each one goes through the same
 validation ``parallelize`` runs (heads and KV heads over tp, blocks over pp, what ring attention
-can compute) and ``train_step``'s check of the sequence length (2*cp chunks); a rejected mesh keeps
+can compute) and ``train_step``'s check of the sequence length (2*cp pieces); a rejected mesh keeps
 that exact message. Expert parallelism is given (``ep``: every mesh takes it, those whose dp x tp it
 does not divide rejected with ``parallelize``'s message) or, for a model whose fused experts the
 planner models (``Planner.experts``), enumerated (``ep=None``): each mesh at ep=1 and at every ep > 1

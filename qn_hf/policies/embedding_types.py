@@ -5,9 +5,9 @@ transformers defines embeddings that do more than look up rows: Gemma's multipli
 train silently differently, so a swap takes either the exact class the parallel layer reproduces
 or a subclass whose ``forward`` is, statement for statement, one of the behaviours below, which the
 adapter applies after the lookup has been summed over tp (every rank then holds the full row, so the
-scale or norm sees what it saw before). Any other subclass is refused. Matching the source rather
-than the class name means a transformers release that changes such a forward is refused, not
-silently mis-trained.
+scale or norm sees the row the unsharded module gives it). Any other subclass is refused. Matching
+the source rather than the class name means a transformers release that changes such a forward is
+refused, not silently mis-trained.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ cannot be split over tp.
 
 Context parallelism is switched off for the call too (``RingSwitch``): every cp rank holds the whole
 model, so each runs the loop on whole sequences with the attention that ran before ring attention
-(one token cannot be cut into 2*cp chunks), as the tp ranks of a replica each run it.
+(one token cannot be cut into 2*cp pieces), as the tp ranks of a replica each run it.
 
 Refused (``ValueError`` naming the fix): ep>1 with ``synced_gpus=False``, and at pp>1: ``use_cache=True``, ``inputs_embeds``,
 ``past_key_values`` and per-layer outputs (attentions, hidden states: each stage has only its own).

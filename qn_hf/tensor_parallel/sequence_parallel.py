@@ -24,7 +24,7 @@ Inside a block the bytes on tp equal the all-reduce version (an all-reduce is a 
 an all-gather); the two edges add one all-gather of the hidden states each per microbatch and stage,
 and a received activation one more.
 
-Replicated parameters that now see only this rank's slice of the sequence get their gradients summed
+Replicated parameters that see only this rank's slice of the sequence get their gradients summed
 over tp: the norms between the regions (each rank's gradient covers its tokens only), the final
 norm (likewise), and the row layers' biases (added to this rank's slice of the sum). Dropout there
 draws from the tp-local random stream: the ranks hold different tokens, so equal masks would
@@ -39,12 +39,12 @@ saves nothing by sequence parallelism and repeats its replicated work on every t
 does; the blocks around it keep the savings.
 
 With context parallelism the layout has two levels. The "sequence" this module splits is the cp
-rank's part of it: two chunks of the 2*cp (``ChunkLayout``), L/cp tokens, concatenated, each with its
+rank's part of it: two pieces of the 2*cp (``PieceLayout``), L/cp tokens, concatenated, each with its
 true ``position_ids``. Between the tp regions a tp rank holds the contiguous L/(cp*tp) tokens
-``[t * L/(cp*tp), (t+1) * L/(cp*tp))`` of that part (they may straddle the two chunks: nothing here
+``[t * L/(cp*tp), (t+1) * L/(cp*tp))`` of that part (they may straddle the two pieces: nothing here
 reads positions); an entry gathers the part back over tp, and inside it ring attention exchanges
 key/value blocks over cp. So every length must be a multiple of cp * lcm(2, tp) (``sequence_split``).
-Gradients: the norms' over tp (the slices), everything over dp x cp (the chunks), independently.
+Gradients: the norms' over tp (the slices), everything over dp x cp (the pieces), independently.
 
 This module decides (checks, the plan change); ``sequence_hooks.py`` installs the hooks.
 """

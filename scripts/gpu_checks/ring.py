@@ -4,7 +4,7 @@ cp=2 and a cp=4 ring in one process, against float32 attention of the whole sequ
 
 ``simulated_ring`` runs the ring's own step functions (``ring_attention.attend_block`` and
 ``attend_block_backward``: each ring step's kernel calls, masks and log-sum-exp merges) for every simulated
-rank; only the point-to-point transfers are replaced by indexing the chunks each simulated rank holds. On a GPU that is flash attention for
+rank; only the point-to-point transfers are replaced by indexing the pieces each simulated rank holds. On a GPU that is flash attention for
 unmasked 16-bit blocks and memory-efficient attention otherwise; on the CPU torch's CPU flash kernel.
 """
 
@@ -44,14 +44,14 @@ def attention(q, k, v, grad_out, visible, scaling: float, dtype: torch.dtype):
 def simulated_ring(q, k, v, grad_out, documents, valid, *, cp: int, window: int | None, scaling: float):
     """What ring attention computes on ``cp`` ranks, in one process: each simulated rank runs the ring's own
     step functions (``attend_block`` forward, ``attend_block_backward`` backward) over the block each ring step
-    hands it, its transfers replaced by indexing the chunks; each block's key and value gradient is the sum of
+    hands it, its transfers replaced by indexing the pieces; each block's key and value gradient is the sum of
     every rank's share, as the ring's travelling accumulator adds them. Returns the output and the q, k, v
     gradients in the sequence's order, and the kernels the blocks can call (unmasked, masked)."""
     from qn_hf.context_parallel.kernels import NEG_INF, kernels
-    from qn_hf.context_parallel.ring_attention import (ChunkLayout, attend_block, attend_block_backward,
+    from qn_hf.context_parallel.ring_attention import (PieceLayout, attend_block, attend_block_backward,
                                                        backward_inputs, needs_mask)
 
-    layout, length = ChunkLayout(size=cp), q.shape[2]
+    layout, length = PieceLayout(size=cp), q.shape[2]
     masked = needs_mask(documents=documents, valid=valid)
     held = [layout.positions(r, length, device=q.device) for r in range(cp)]
     qs, ks, vs, gs = ([t[:, :, at] for at in held] for t in (q, k, v, grad_out))
