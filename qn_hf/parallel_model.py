@@ -22,7 +22,7 @@ from .config.dims import ParallelDims
 from .config.parallel_config import ParallelConfig
 from .config.schedule import Schedule
 from .context_parallel.apply import LOCAL_VALID, LOSS_KEYS, RingSwitch, whole_sequence_logits
-from .context_parallel.ring_attention import ChunkLayout
+from .context_parallel.ring_attention import PieceLayout
 from .data_parallel.buckets import GradBuckets
 from .data_parallel.grad_sync import GradSync
 from .data_parallel.optimizer import ParallelOptimizer, Trainee
@@ -90,7 +90,7 @@ class ParallelModel:
     stage: StageModules = property(lambda self: self.context.stage)
     executor: StageExecutor = property(lambda self: self.context.executor)
     vocab: VocabShard | None = property(lambda self: self.context.vocab)
-    cp_layout: ChunkLayout = property(lambda self: self.context.cp_layout)  # which pieces of each sequence cp ranks hold
+    cp_layout: PieceLayout = property(lambda self: self.context.cp_layout)  # which pieces of each sequence cp ranks hold
     microbatches: int = property(lambda self: self.context.config.microbatches)
     schedule: Schedule = property(lambda self: self.context.config.schedule)
     buckets: GradBuckets | None = property(lambda self: self.grads.buckets)

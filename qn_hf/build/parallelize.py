@@ -17,7 +17,7 @@ from ..config.composition import Feature
 from ..config.dims import ParallelDims
 from ..config.options import DEFAULT_BUCKET_MB
 from ..config.parallel_config import ParallelConfig
-from ..context_parallel.ring_attention import ChunkLayout
+from ..context_parallel.ring_attention import PieceLayout
 from ..data_parallel.grad_sync import GradSync, grad_buckets
 from ..data_parallel.precision import LossScaler
 from ..devices import default_device
@@ -151,7 +151,7 @@ def _parallelize(model: nn.Module, config: ParallelConfig, *, adapter: Adapter |
                       f"(pp-1)/(microbatches+pp-1)); use microbatches >= 2*pp={2 * pp} if the batch allows", stacklevel=2)
 
     build = Build(model=model, config=config, plan=plan, stage_plan=stage_plan, groups=groups, device=device,
-                  checkpoint=checkpoint, seed=seed, cp_layout=ChunkLayout(size=dims.cp),
+                  checkpoint=checkpoint, seed=seed, cp_layout=PieceLayout(size=dims.cp),
                   precision=config.mixed_precision.dtype if config.mixed_precision else None)
     for step in PASSES:
         if step.applies(build):

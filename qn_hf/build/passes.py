@@ -13,7 +13,7 @@ from torch import nn
 
 from ..config.parallel_config import ParallelConfig
 from ..context_parallel.apply import RingSwitch, apply_context_parallel
-from ..context_parallel.ring_attention import ChunkLayout
+from ..context_parallel.ring_attention import PieceLayout
 from ..data_parallel.precision import apply_mixed_precision
 from ..data_parallel.sharded import ShardedParameters
 from ..expert_parallel.apply import apply_expert_parallel, sharded_experts
@@ -47,7 +47,7 @@ class Build:
     device: torch.device
     checkpoint: str | None
     seed: int | None
-    cp_layout: ChunkLayout  # which chunks of each sequence the cp ranks hold (not pipeline chunks)
+    cp_layout: PieceLayout  # which pieces of each sequence the cp ranks hold
     precision: torch.dtype | None
     expert_specs: dict[str, ShardSpec] = field(default_factory=dict)
     final: nn.Module | None = None  # the last stage's final norm (sequence parallelism gathers after it)

@@ -22,7 +22,7 @@ from ..comm import gather_from_group
 from ..config.options import LossKind
 from ..config.parallel_config import ParallelConfig
 from ..context_parallel.apply import CP_KEYS, ring_documents, shard_microbatches
-from ..context_parallel.ring_attention import ChunkLayout
+from ..context_parallel.ring_attention import PieceLayout
 from ..devices import to_device
 from ..pipeline.runtime import StageExecutor, batch_shape_key
 from ..pipeline.schedule import Op, schedule_actions
@@ -50,7 +50,7 @@ class StepContext:
     stage: StageModules
     executor: StageExecutor
     vocab: VocabShard | None
-    cp_layout: ChunkLayout  # which pieces of each sequence the cp ranks hold
+    cp_layout: PieceLayout  # which pieces of each sequence the cp ranks hold
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """All vocabulary columns from vocab-sharded logits (autograd-aware; padding removed)."""
