@@ -173,20 +173,35 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
     lse.copy_(new)
 
 
-def attend_block(q: torch.Tensor, block: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, layout: PieceLayout,
-                 rank: int, owner: int, documents: torch.Tensor, valid: torch.Tensor, masked: bool, scaling: float,
-                 window: int | None, softcap: float | None) -> None:
+@dataclass(frozen=True)
+class Attending:
+    """What every ring step's attention reads besides the tensors it computes on: which pieces the cp
+    ranks hold, each token's document and whether it may be attended to ([b, sequence] for the whole
+    sequence), whether a mask is needed at all, the scores' scaling, the sliding window and the softcap."""
+
+    layout: PieceLayout
+    documents: torch.Tensor
+    valid: torch.Tensor
+    masked: bool
+    scaling: float
+    window: int | None = None
+    softcap: float | None = None
+
+
+def attend_block(q: torch.Tensor, block: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, rule: Attending,
+                 rank: int, owner: int) -> None:
     """One ring step's forward on ``rank``: fold the attention of its queries ``q`` over the keys and
     values of ``owner``'s pieces (``block``: [2, b, kv_heads, s, d], as it travels the ring) into the
     running float32 ``out`` and ``lse``. The ring calls it once per step; a one-process simulation of
     a ring (``make gpu-check``'s kernel check) calls it for every rank and owner."""
-    for plan in ring_blocks(layout, rank=rank, owner=owner, piece=q.shape[2] // 2, window=window):
-        mask, seen = (_mask(plan, layout=layout, rank=rank, owner=owner, documents=documents, valid=valid,
-                            dtype=q.dtype, window=window) if masked or not (plan.full or plan.causal) else (None, None))
-        attend, _ = kernels(q, masked=mask is not None, softcap=softcap)
+    r = rule
+    for plan in ring_blocks(r.layout, rank=rank, owner=owner, piece=q.shape[2] // 2, window=r.window):
+        mask, seen = (_mask(plan, layout=r.layout, rank=rank, owner=owner, documents=r.documents, valid=r.valid,
+                            dtype=q.dtype, window=r.window) if r.masked or not (plan.full or plan.causal) else (None, None))
+        attend, _ = kernels(q, masked=mask is not None, softcap=r.softcap)
         rows, cols = plan.queries, plan.keys
         block_out, block_lse = attend(q[:, :, rows], block[0][:, :, cols], block[1][:, :, cols], plan.causal, mask,
-                                      scaling)
+                                      r.scaling)
         _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse, seen)
 
 
@@ -200,22 +215,21 @@ def backward_inputs(grad_out: torch.Tensor, lse: torch.Tensor, *, masked: bool) 
 
 
 def attend_block_backward(grad_out: torch.Tensor, q: torch.Tensor, block: torch.Tensor, out: torch.Tensor,
-                          lse: torch.Tensor, grad_q: torch.Tensor, *, layout: PieceLayout, rank: int, owner: int,
-                          documents: torch.Tensor, valid: torch.Tensor, masked: bool, scaling: float,
-                          window: int | None, softcap: float | None) -> list[tuple[slice, torch.Tensor, torch.Tensor]]:
+                          lse: torch.Tensor, grad_q: torch.Tensor, *, rule: Attending, rank: int,
+                          owner: int) -> list[tuple[slice, torch.Tensor, torch.Tensor]]:
     """One ring step's backward on ``rank`` (``grad_out`` and ``lse`` from ``backward_inputs``, ``out``
     the forward's output): add its queries' gradient over ``owner``'s block to the float32 ``grad_q``
     and return this rank's share of that block's key and value gradients, (key rows, grad k, grad v)
     per kernel call."""
-    shares = []
-    for plan in ring_blocks(layout, rank=rank, owner=owner, piece=q.shape[2] // 2, window=window):
-        mask = (_mask(plan, layout=layout, rank=rank, owner=owner, documents=documents, valid=valid, dtype=q.dtype,
-                      window=window)[0] if masked or not (plan.full or plan.causal) else None)
-        _, attend_backward = kernels(q, masked=mask is not None, softcap=softcap)
+    shares, r = [], rule
+    for plan in ring_blocks(r.layout, rank=rank, owner=owner, piece=q.shape[2] // 2, window=r.window):
+        mask = (_mask(plan, layout=r.layout, rank=rank, owner=owner, documents=r.documents, valid=r.valid,
+                      dtype=q.dtype, window=r.window)[0] if r.masked or not (plan.full or plan.causal) else None)
+        _, attend_backward = kernels(q, masked=mask is not None, softcap=r.softcap)
         rows, cols = plan.queries, plan.keys
         grad_q_i, grad_k_i, grad_v_i = attend_backward(
             grad_out[:, :, rows], q[:, :, rows], block[0][:, :, cols], block[1][:, :, cols], out[:, :, rows],
-            lse[:, :, rows].contiguous(), plan.causal, mask, scaling)
+            lse[:, :, rows].contiguous(), plan.causal, mask, r.scaling)
         grad_q[:, :, rows] += grad_q_i
         shares.append((cols, grad_k_i, grad_v_i))
     return shares
@@ -225,17 +239,15 @@ class _RingAttention(torch.autograd.Function):
     """Forward: fused attention per ring step, merged by log-sum-exp; backward: the ring again, fused backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, documents, valid, layout: PieceLayout, group: ProcessGroup, scaling: float,
-                masked: bool, events: list | None, window: int | None, softcap: float | None):
-        rank, size = dist.get_rank(group), layout.size
+    def forward(ctx, q, k, v, sinks, rule: Attending, group: ProcessGroup, events: list | None):
+        rank, size = dist.get_rank(group), rule.layout.size
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], NEG_INF, dtype=torch.float32, device=q.device)
         block = torch.stack([k, v])  # travels the ring as one tensor
         for step in range(size):
             incoming, works = _exchange(block, group) if step < size - 1 else (None, [])
             started = time.perf_counter()
-            attend_block(q, block, out, lse, layout=layout, rank=rank, owner=(rank - step) % size, documents=documents,
-                         valid=valid, masked=masked, scaling=scaling, window=window, softcap=softcap)
+            attend_block(q, block, out, lse, rule=rule, rank=rank, owner=(rank - step) % size)
             computed = time.perf_counter()
             _wait(works)
             if events is not None:
@@ -246,17 +258,16 @@ class _RingAttention(torch.autograd.Function):
             out.mul_((lse - total).exp().unsqueeze(-1))
             lse = total
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, sinks, documents, valid, out, lse)
-        ctx.layout, ctx.group, ctx.scaling, ctx.masked, ctx.events = layout, group, scaling, masked, events
-        ctx.window, ctx.softcap = window, softcap
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        ctx.rule, ctx.group, ctx.events = rule, group, events  # the rule's tensors need no gradient
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, sinks, documents, valid, out, lse = ctx.saved_tensors
-        layout, group, scaling, masked, window = ctx.layout, ctx.group, ctx.scaling, ctx.masked, ctx.window
-        rank, size = dist.get_rank(group), layout.size
-        grad_out, lse = backward_inputs(grad_out, lse, masked=masked)
+        q, k, v, sinks, out, lse = ctx.saved_tensors
+        rule, group = ctx.rule, ctx.group
+        rank, size = dist.get_rank(group), rule.layout.size
+        grad_out, lse = backward_inputs(grad_out, lse, masked=rule.masked)
         grad_sinks = None
         if sinks is not None:  # the sink's probability times (its value's product with dO, 0, minus rowsum(dO * O))
             delta = (grad_out.float() * out.float()).sum(dim=-1)
@@ -269,9 +280,8 @@ class _RingAttention(torch.autograd.Function):
         for step in range(size):
             incoming, works = _exchange(block, group) if step < size - 1 else (None, [])
             started = time.perf_counter()
-            shares = attend_block_backward(grad_out, q, block, out, lse, grad_q, layout=layout, rank=rank,
-                                           owner=(rank - step) % size, documents=documents, valid=valid, masked=masked,
-                                           scaling=scaling, window=window, softcap=ctx.softcap)
+            shares = attend_block_backward(grad_out, q, block, out, lse, grad_q, rule=rule, rank=rank,
+                                           owner=(rank - step) % size)
             computed = time.perf_counter()
             _wait(grad_works)  # the accumulator of this block, from the previous rank
             for cols, grad_k_i, grad_v_i in shares:
@@ -284,8 +294,7 @@ class _RingAttention(torch.autograd.Function):
                 ctx.events.append(("backward", step, started, computed, time.perf_counter()))
             block = incoming if incoming is not None else block
         _wait(grad_works)
-        return (grad_q.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), grad_sinks, None, None, None, None,
-                None, None, None, None, None)
+        return grad_q.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), grad_sinks, None, None, None
 
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, documents: torch.Tensor,
@@ -306,5 +315,6 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     computed, received)`` time record per ring step, for a timeline."""
     if masked is None:
         masked = needs_mask(documents=documents, valid=valid)
-    return _RingAttention.apply(query, key, value, sinks, documents, valid, layout, group, scaling, masked, events,
-                                window, softcap)
+    rule = Attending(layout=layout, documents=documents, valid=valid, masked=masked, scaling=scaling, window=window,
+                     softcap=softcap)
+    return _RingAttention.apply(query, key, value, sinks, rule, group, events)

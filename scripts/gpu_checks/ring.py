@@ -48,7 +48,7 @@ def simulated_ring(q, k, v, grad_out, documents, valid, *, cp: int, window: int 
     every rank's share, as the ring's travelling accumulator adds them. Returns the output and the q, k, v
     gradients in the sequence's order, and the kernels the blocks can call (unmasked, masked)."""
     from qn_hf.context_parallel.kernels import NEG_INF, kernels
-    from qn_hf.context_parallel.ring_attention import (PieceLayout, attend_block, attend_block_backward,
+    from qn_hf.context_parallel.ring_attention import (Attending, PieceLayout, attend_block, attend_block_backward,
                                                        backward_inputs, needs_mask)
 
     layout, length = PieceLayout(size=cp), q.shape[2]
@@ -56,8 +56,7 @@ def simulated_ring(q, k, v, grad_out, documents, valid, *, cp: int, window: int 
     held = [layout.positions(r, length, device=q.device) for r in range(cp)]
     qs, ks, vs, gs = ([t[:, :, at] for at in held] for t in (q, k, v, grad_out))
     blocks = [torch.stack([ks[r], vs[r]]) for r in range(cp)]
-    common = dict(layout=layout, documents=documents, valid=valid, masked=masked, scaling=scaling, window=window,
-                  softcap=None)
+    rule = Attending(layout=layout, documents=documents, valid=valid, masked=masked, scaling=scaling, window=window)
     used = sorted({getattr(f, "__name__", repr(f)).strip("_") for m in (False, True) for f in kernels(q, masked=m)})
     outs = []
     grads = [[torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in ts] for ts in (qs, ks, vs)]
@@ -65,14 +64,14 @@ def simulated_ring(q, k, v, grad_out, documents, valid, *, cp: int, window: int 
         out = torch.zeros(qs[rank].shape, dtype=torch.float32, device=q.device)
         lse = torch.full(qs[rank].shape[:3], NEG_INF, dtype=torch.float32, device=q.device)
         for step in range(cp):  # the block this rank holds at each ring step is the owner's
-            attend_block(qs[rank], blocks[(rank - step) % cp], out, lse, rank=rank, owner=(rank - step) % cp, **common)
+            attend_block(qs[rank], blocks[(rank - step) % cp], out, lse, rank=rank, owner=(rank - step) % cp, rule=rule)
         out = out.to(q.dtype)
         outs.append(out)
         go, lse = backward_inputs(gs[rank], lse, masked=masked)
         for step in range(cp):
             owner = (rank - step) % cp
             for cols, grad_k, grad_v in attend_block_backward(go, qs[rank], blocks[owner], out, lse, grads[0][rank],
-                                                              rank=rank, owner=owner, **common):
+                                                              rank=rank, owner=owner, rule=rule):
                 grads[1][owner][:, :, cols] += grad_k
                 grads[2][owner][:, :, cols] += grad_v
 
