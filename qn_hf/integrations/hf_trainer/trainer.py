@@ -39,6 +39,7 @@ from transformers.trainer_utils import EvalLoopOutput, has_length
 from ...build.parallelize import parallelize
 from ...checkpoint import checkpoint_dir, read_index
 from ...config.composition import Feature
+from ...config.dims import Axis
 from ...data_parallel.grad_norm import clip_grad_norm_
 from ...data_parallel.optimizer import optimizer
 from ...mesh import launched_world_size
@@ -88,10 +89,9 @@ class ParallelTrainerMixin:
         if isinstance(model, ParallelModel):
             if parallel is not None:
                 raise ValueError("model= is already a ParallelModel: leave parallel= out (its mesh is fixed)")
-            dims = model.dims
-            fixed = TrainerMesh(parallelize=dict(dp=dims.dp, tp=dims.tp, pp=dims.pp, cp=dims.cp), zero=False,
-                                config=model.parallel_config)
-            check_training_args(args, mesh=fixed, world_size=dims.world_size,
+            fixed = TrainerMesh(config=model.parallel_config, where={}, zero=False,
+                                named=(Axis.DP, Axis.TP, Axis.PP, Axis.CP))
+            check_training_args(args, mesh=fixed, world_size=model.dims.world_size,
                                 compute_loss_func=kwargs.get("compute_loss_func"))
             check_compiled(args, compiled=is_compiled(model.module, layers=model.stage.plan.layers))
             pm, self._zero = model, False
@@ -99,7 +99,7 @@ class ParallelTrainerMixin:
             mesh = trainer_mesh(parallel, args=args)
             check_training_args(args, mesh=mesh, world_size=launched_world_size(),
                                 compute_loss_func=kwargs.get("compute_loss_func"))
-            pm, self._zero = parallelize(model, **mesh.parallelize), mesh.zero
+            pm, self._zero = parallelize(model, **mesh.config.keywords(), **mesh.where), mesh.zero
         self.pm = pm
         # the table's refusals and warnings for the Trainer (and ZeRO, which its optimizer will shard) with the mesh
         pm.check_composes_with(Feature.TRAINER, *([Feature.ZERO] if self._zero and pm.dims.replicas > 1 else []))
