@@ -42,17 +42,23 @@ class TrainerMesh:
     """The resolved ``parallel=`` options: the configuration, checked once as ``parallelize`` will check it
     (``microbatches`` is per optimizer step: the per-accumulation-batch count times
     ``gradient_accumulation_steps``); ``parallelize``'s other keywords (``where``: the seed, a mesh, a
-    device, ...); ZeRO-1 for the optimizer; and the degrees ``parallel=`` named (``named``), which a wrong
-    launch's message quotes back as the user wrote them."""
+    device, ...); ZeRO-1 for the optimizer; and which of the configuration's keywords were set (``given``:
+    by ``parallel=``, or resolved here), which a wrong launch's message quotes back as the user wrote them."""
 
     config: ParallelConfig
     where: dict[str, Any]
     zero: bool
-    named: tuple[str, ...] = ()
+    given: frozenset[str] = frozenset()
 
     @property
     def world_size(self) -> int:
         return self.config.dims.world_size
+
+    @property
+    def parallelize(self) -> dict[str, Any]:
+        """The keywords ``parallelize`` takes for this mesh: those of the configuration that were set (it
+        rebuilds the same configuration from them), and ``where``."""
+        return {**{k: v for k, v in self.config.keywords().items() if k in self.given}, **self.where}
 
 
 def trainer_mesh(parallel: Mapping[str, Any] | None, *, args) -> TrainerMesh:
@@ -80,13 +86,14 @@ def trainer_mesh(parallel: Mapping[str, Any] | None, *, args) -> TrainerMesh:
     parallel.setdefault("seed", args.seed)  # dropout streams follow the run's seed, as in one process
     config = ParallelConfig.from_keywords(**{k: v for k, v in parallel.items() if k in CONFIG_KEYS})
     return TrainerMesh(config=config, where={k: v for k, v in parallel.items() if k not in CONFIG_KEYS}, zero=zero,
-                       named=tuple(k for k in (Axis.DP, Axis.TP, Axis.PP, Axis.CP) if k in parallel))
+                       given=frozenset(k for k in parallel if k in CONFIG_KEYS))
 
 
 def check_training_args(args, *, mesh: TrainerMesh, world_size: int, compute_loss_func: Any = None) -> None:
     """Refuse the ``TrainingArguments`` (and launcher settings) that conflict with the mesh."""
     if mesh.world_size != world_size:
-        dims = ", ".join(f"{k}={getattr(mesh.config.dims, k)}" for k in mesh.named) or "dp=1"
+        named = [k for k in (Axis.DP, Axis.TP, Axis.PP, Axis.CP) if k in mesh.given]
+        dims = ", ".join(f"{k}={getattr(mesh.config.dims, k)}" for k in named) or "dp=1"
         raise ValueError(f"parallel=dict({dims}) needs {mesh.world_size} processes but {world_size} were launched; "
                          f"launch {mesh.world_size} (torchrun --nproc-per-node {mesh.world_size} ...) or change "
                          f"parallel= so that dp*tp*pp*cp = {world_size}")

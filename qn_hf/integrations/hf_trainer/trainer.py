@@ -90,7 +90,7 @@ class ParallelTrainerMixin:
             if parallel is not None:
                 raise ValueError("model= is already a ParallelModel: leave parallel= out (its mesh is fixed)")
             fixed = TrainerMesh(config=model.parallel_config, where={}, zero=False,
-                                named=(Axis.DP, Axis.TP, Axis.PP, Axis.CP))
+                                given=frozenset((Axis.DP, Axis.TP, Axis.PP, Axis.CP)))
             check_training_args(args, mesh=fixed, world_size=model.dims.world_size,
                                 compute_loss_func=kwargs.get("compute_loss_func"))
             check_compiled(args, compiled=is_compiled(model.module, layers=model.stage.plan.layers))
@@ -99,7 +99,7 @@ class ParallelTrainerMixin:
             mesh = trainer_mesh(parallel, args=args)
             check_training_args(args, mesh=mesh, world_size=launched_world_size(),
                                 compute_loss_func=kwargs.get("compute_loss_func"))
-            pm, self._zero = parallelize(model, **mesh.config.keywords(), **mesh.where), mesh.zero
+            pm, self._zero = parallelize(model, **mesh.parallelize), mesh.zero
         self.pm = pm
         # the table's refusals and warnings for the Trainer (and ZeRO, which its optimizer will shard) with the mesh
         pm.check_composes_with(Feature.TRAINER, *([Feature.ZERO] if self._zero and pm.dims.replicas > 1 else []))
