@@ -141,14 +141,15 @@ def _planned(path: str, world: int, kind: str):
     """The planner's estimate of a qn_hf run (None for the accelerate-style one)."""
     from transformers import AutoConfig
 
+    from qn_hf.config.parallel_config import ParallelConfig
     from qn_hf.planner.estimate import Planner
 
     if kind == "accelerate":
         return None
     dp_shard = int(kind.split("=")[1])
     planner = Planner(AutoConfig.from_pretrained(path), seq_len=SEQ, micro_batch_size=ROWS)
-    return planner.estimate(dp=world, tp=1, pp=1, microbatches=1, mixed_precision="bf16", zero=dp_shard == 1,
-                            dp_shard=dp_shard, backend="gloo").stages[0]
+    parallel = ParallelConfig.from_keywords(dp=world, microbatches=1, mixed_precision="bf16", dp_shard=dp_shard)
+    return planner.estimate(parallel, zero=dp_shard == 1, backend="gloo").stages[0]
 
 
 def time_worker(rank: int, world: int, path: str, kind: str, steps: int) -> float:

@@ -19,6 +19,7 @@ from transformers import AutoConfig, GPT2Config, LlamaConfig, ViTConfig
 import qn_hf
 from qn_hf.check.run import build
 from qn_hf.checkpoint.layout import meta_model
+from qn_hf.config.parallel_config import ParallelConfig
 from qn_hf.tensor_parallel.plan import build_tp_plan
 from qn_hf.planner.cli import main
 from qn_hf.planner.estimate import Planner, estimate_mesh
@@ -64,9 +65,10 @@ MESHES = [  # kind, dp, tp, pp, microbatches, schedule, sequence_parallel
 @pytest.mark.parametrize(("kind", "dp", "tp", "pp", "microbatches", "schedule", "sequence_parallel"), MESHES)
 def test_planner_matches_parallelize(worlds, model_dirs, kind, dp, tp, pp, microbatches, schedule, sequence_parallel):
     config = AutoConfig.from_pretrained(model_dirs[kind])
-    plan = estimate_mesh(config, dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule, seq_len=SEQ,
-                         micro_batch_size=2, bucket_mb=BUCKET_MB, dtype=torch.float32,
-                         sequence_parallel=sequence_parallel)
+    plan = estimate_mesh(config, ParallelConfig.from_keywords(dp=dp, tp=tp, pp=pp, microbatches=microbatches,
+                                                              schedule=schedule, bucket_mb=BUCKET_MB,
+                                                              sequence_parallel=sequence_parallel),
+                         seq_len=SEQ, micro_batch_size=2, dtype=torch.float32)
     measured = worlds.run(dp * tp * pp, case_measure, kind=kind, model_dir=model_dirs[kind],
                           dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
                           sequence_parallel=sequence_parallel)
@@ -106,7 +108,7 @@ def test_public_configs_plan_in_seconds_and_conserve_parameters(name, tp, pp):
     config = PUBLIC[name]
     start = time.perf_counter()
     planner = Planner(config, seq_len=2048, micro_batch_size=1, dtype=torch.bfloat16)
-    est = planner.estimate(dp=1, tp=tp, pp=pp, microbatches=4 * pp)
+    est = planner.estimate(ParallelConfig.from_keywords(dp=1, tp=tp, pp=pp, microbatches=4 * pp))
     elapsed = time.perf_counter() - start
     assert elapsed < 60, f"{name}: {elapsed:.1f} s"
     # Every parameter is on exactly one stage, split over tp or held whole by each tp rank (plus the
@@ -131,7 +133,8 @@ def _ties(config, pp):
 
 def test_llama_70b_at_tp8_pp8_holds_its_share_on_each_rank():
     config = PUBLIC["llama-3-70b"]
-    est = estimate_mesh(config, dp=1, tp=8, pp=8, microbatches=32, seq_len=4096, micro_batch_size=1, dtype=torch.bfloat16)
+    est = estimate_mesh(config, ParallelConfig.from_keywords(dp=1, tp=8, pp=8, microbatches=32), seq_len=4096,
+                        micro_batch_size=1, dtype=torch.bfloat16)
     h, inter, kv = 8192, 28672, 8 * 128
     block = h * h * 2 + h * kv * 2 + 3 * h * inter  # q, o, k, v, gate, up, down
     norms = 2 * h  # two RMSNorm weights per block, replicated on every tp rank
@@ -150,38 +153,45 @@ def test_llama_70b_at_tp8_pp8_holds_its_share_on_each_rank():
 def test_planner_rejects_with_parallelize_message():
     config = PUBLIC["llama-3-8b"]
     with pytest.raises(ValueError) as planned:
-        estimate_mesh(config, dp=1, tp=3, pp=1, microbatches=1, seq_len=128, micro_batch_size=1)
+        estimate_mesh(config, ParallelConfig.from_keywords(dp=1, tp=3, pp=1, microbatches=1), seq_len=128,
+                      micro_batch_size=1)
     with pytest.raises(ValueError) as real:
         parallelize_as_launched(meta_model(config), tp=3)  # checks run before any process group is needed
     assert str(planned.value) == str(real.value) and "tp=3" in str(planned.value)
     with pytest.raises(ValueError) as planned:
-        estimate_mesh(config, dp=1, tp=1, pp=33, microbatches=33, seq_len=128, micro_batch_size=1)
+        estimate_mesh(config, ParallelConfig.from_keywords(dp=1, tp=1, pp=33, microbatches=33), seq_len=128,
+                      micro_batch_size=1)
     with pytest.raises(ValueError) as real:
         parallelize_as_launched(meta_model(config), pp=33, microbatches=33)
     assert str(planned.value) == str(real.value) and "pp=33" in str(planned.value)
     with pytest.raises(ValueError) as planned:
-        estimate_mesh(config, dp=1, tp=1, pp=1, microbatches=1, seq_len=128, micro_batch_size=1, sequence_parallel=True)
+        estimate_mesh(config, ParallelConfig.from_keywords(dp=1, tp=1, pp=1, microbatches=1, sequence_parallel=True),
+                      seq_len=128, micro_batch_size=1)
     with pytest.raises(ValueError) as real:
         parallelize_as_launched(meta_model(config), sequence_parallel=True)
     assert str(planned.value) == str(real.value) and "tp > 1" in str(planned.value)
     # as train_step says
     with pytest.raises(ValueError, match=r"sequence length 127 is not a multiple of 2 \(sequence_parallel=True splits it"):
-        estimate_mesh(config, dp=1, tp=2, pp=1, microbatches=1, seq_len=127, micro_batch_size=1, sequence_parallel=True)
+        estimate_mesh(config, ParallelConfig.from_keywords(dp=1, tp=2, pp=1, microbatches=1, sequence_parallel=True),
+                      seq_len=127, micro_batch_size=1)
     # Context parallelism: what ring attention cannot compute, and a length 2*cp does not divide.
     for name, settings in (("gpt2-xl", {}),):
         with pytest.raises(ValueError) as planned:
-            estimate_mesh(PUBLIC[name], **{"dp": 1, "tp": 1, "pp": 1, **settings}, cp=2, microbatches=1, seq_len=128,
-                          micro_batch_size=1)
+            estimate_mesh(PUBLIC[name], ParallelConfig.from_keywords(**{"dp": 1, "tp": 1, "pp": 1, **settings}, cp=2,
+                                                                     microbatches=1),
+                          seq_len=128, micro_batch_size=1)
         with pytest.raises(ValueError) as real:
             parallelize_as_launched(meta_model(PUBLIC[name]), cp=2, **settings)
         assert str(planned.value) == str(real.value) and "cp=2" in str(planned.value)
     with pytest.raises(ValueError, match=r"sequence length 100 is not a multiple of 8 \(cp=4 cuts it into 2\*cp pieces\)"):
-        estimate_mesh(config, dp=1, tp=1, pp=1, cp=4, microbatches=1, seq_len=100, micro_batch_size=1)
+        estimate_mesh(config, ParallelConfig.from_keywords(dp=1, tp=1, pp=1, cp=4, microbatches=1), seq_len=100,
+                      micro_batch_size=1)
     # cp x sp: each cp rank's part split again over tp
     with pytest.raises(ValueError, match=r"sequence length 132 is not a multiple of 8 \(cp=2 cuts it into 2\*cp pieces "
                                          r"and sequence_parallel=True splits each cp rank's part over tp=4\)"):
-        estimate_mesh(PUBLIC["llama-3-8b"], dp=1, tp=4, pp=1, cp=2, microbatches=1, seq_len=132, micro_batch_size=1,
-                      sequence_parallel=True)
+        estimate_mesh(PUBLIC["llama-3-8b"],
+                      ParallelConfig.from_keywords(dp=1, tp=4, pp=1, cp=2, microbatches=1, sequence_parallel=True),
+                      seq_len=132, micro_batch_size=1)
 
 
 def test_cli_enumerates_ranks_and_explains_rejections(tmp_path, capsys):
@@ -333,8 +343,9 @@ def moe_measure(*, dp: int, tp: int, pp: int, ep: int, microbatches: int) -> dic
 @pytest.mark.parametrize(("dp", "tp", "pp", "ep", "microbatches"), MOE_MESHES)
 def test_planner_matches_expert_parallel_traffic(worlds, dp, tp, pp, ep, microbatches):
     config = moe_config("qwen3_moe", architectures=["Qwen3MoeForCausalLM"])
-    plan = estimate_mesh(config, dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches, seq_len=SEQ,
-                         micro_batch_size=2, bucket_mb=BUCKET_MB, backend="gloo")
+    plan = estimate_mesh(config, ParallelConfig.from_keywords(dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches,
+                                                              bucket_mb=BUCKET_MB),
+                         seq_len=SEQ, micro_batch_size=2, backend="gloo")
     measured = worlds.run(dp * tp * pp, moe_measure, dp=dp, tp=tp, pp=pp, ep=ep,
                           microbatches=microbatches)
     a2a = "ep:all_to_all_single"
@@ -371,23 +382,26 @@ def test_planner_refuses_expert_parallelism_as_parallelize_does():
     for config, mesh in cases:
         mesh = {"dp": 1, "tp": 1, "pp": 1, **mesh}
         with pytest.raises(ValueError) as planned:
-            estimate_mesh(config, **mesh, microbatches=1, seq_len=128, micro_batch_size=1)
+            estimate_mesh(config, ParallelConfig.from_keywords(**mesh, microbatches=1), seq_len=128, micro_batch_size=1)
         with pytest.raises(ValueError) as real:
             parallelize_as_launched(meta_model(config), **mesh)  # checks run before any process group is needed
         assert str(planned.value) == str(real.value) and f"ep={mesh['ep']}" in str(planned.value), mesh
     # ZeRO with ep: the experts' state split over the 2 ranks holding each block, the rest over dp=2
-    sharded, whole = (estimate_mesh(moe, dp=2, tp=2, pp=1, ep=2, zero=zero, microbatches=1, seq_len=128,
-                                    micro_batch_size=1).stages[0].optimizer_bytes for zero in (True, False))
+    ep2 = ParallelConfig.from_keywords(dp=2, tp=2, pp=1, ep=2, microbatches=1)
+    sharded, whole = (estimate_mesh(moe, ep2, zero=zero, seq_len=128, micro_batch_size=1).stages[0].optimizer_bytes
+                      for zero in (True, False))
     assert abs(sharded - whole / 2) <= 0.02 * whole, (sharded, whole)
     # Llama 4's experts (every token once per expert): parallelize shards them, the planner says it
     # does not trace their dispatch rather than guess
     # sequence parallelism at ep=1 (the experts gather rows at their call) is not traced either
     with pytest.raises(ValueError, match=r"sequence_parallel=True on qwen3_moe: the planner does not trace the experts' "
                                          r"row gathers at ep=1"):
-        estimate_mesh(moe, dp=1, tp=2, pp=1, sequence_parallel=True, microbatches=1, seq_len=16, micro_batch_size=1)
+        estimate_mesh(moe, ParallelConfig.from_keywords(dp=1, tp=2, pp=1, sequence_parallel=True, microbatches=1),
+                      seq_len=16, micro_batch_size=1)
     llama4 = moe_config("llama4_text")
     with pytest.raises(ValueError, match=r"ep=2: the planner models the dispatch of transformers' fused experts only"):
-        estimate_mesh(llama4, dp=2, tp=1, pp=1, ep=2, microbatches=1, seq_len=16, micro_batch_size=1)
+        estimate_mesh(llama4, ParallelConfig.from_keywords(dp=2, tp=1, pp=1, ep=2, microbatches=1), seq_len=16,
+                      micro_batch_size=1)
 
 
 def test_cli_plans_expert_parallelism(tmp_path, capsys):
@@ -458,8 +472,8 @@ def test_planner_counts_collectives_under_the_meters_names():
     from qn_hf.comm_meter import Collective
 
     config = LlamaConfig(**{**PUBLIC["llama-3-8b"].to_dict(), "num_hidden_layers": 4})
-    est = estimate_mesh(config, dp=1, tp=2, pp=2, microbatches=2, seq_len=128, micro_batch_size=1,
-                        sequence_parallel=True)
+    est = estimate_mesh(config, ParallelConfig.from_keywords(dp=1, tp=2, pp=2, microbatches=2, sequence_parallel=True),
+                        seq_len=128, micro_batch_size=1)
     ops = [op for stage in est.stages for traffic in stage.comm.values() for op in traffic.ops]
     assert ops and all(isinstance(op, Collective) for op in ops), ops
     assert {Collective.ALL_GATHER_INTO_TENSOR, Collective.REDUCE_SCATTER_TENSOR} <= set(ops)

@@ -24,6 +24,7 @@ import functools
 
 import pytest
 
+from qn_hf.config.parallel_config import ParallelConfig
 from qn_hf.planner.estimate import Planner
 from tests.planner_memory_cases import BUCKET_MB, MOE, MOE_WIDE, ROWS, SEQ, config_for
 from tests import planner_memory_cases
@@ -173,7 +174,8 @@ def test_planner_memory_matches_a_sharded_expert_parallel_run(worlds, kind, dp, 
 
 
 def _compare(worlds, kind: str, settings: dict, *, activation_tolerance: float = ACTIVATION_TOLERANCE) -> None:
-    est = planner(kind).estimate(bucket_mb=BUCKET_MB, backend="gloo", **settings)
+    parallel = ParallelConfig.from_keywords(bucket_mb=BUCKET_MB, **{k: v for k, v in settings.items() if k != "zero"})
+    est = planner(kind).estimate(parallel, zero=settings["zero"], backend="gloo")
     world = settings["dp"] * settings["tp"] * settings["pp"] * settings.get("cp", 1)
     measured = worlds.run(world, planner_memory_cases.measure, kind=kind, **settings)
     rows = []

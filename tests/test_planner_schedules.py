@@ -10,6 +10,7 @@ import torch
 from transformers import LlamaConfig
 
 from qn_hf.checkpoint.layout import meta_model
+from qn_hf.config.parallel_config import ParallelConfig
 from qn_hf.planner.cli import main
 from qn_hf.planner.estimate import Planner, estimate_mesh
 from tests.cases import parallelize_as_launched
@@ -22,7 +23,8 @@ SCHEDULE_CASES = [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("zb_h1", 
 
 def _small_plans(**mesh) -> dict[tuple[str, int], object]:
     planner = Planner(SMALL, seq_len=64, micro_batch_size=1, dtype=torch.bfloat16)
-    return {(name, v): planner.estimate(**{"dp": 1, "tp": 2, **mesh}, schedule=name, virtual_stages=v)
+    return {(name, v): planner.estimate(ParallelConfig.from_keywords(**{"dp": 1, "tp": 2, **mesh}, schedule=name,
+                                                                     virtual_stages=v))
             for name, v in SCHEDULE_CASES}
 
 
@@ -37,7 +39,7 @@ def test_schedule_memory_and_bubble_are_schedule_checks(pp):
 
     plans = _small_plans(pp=pp, microbatches=8)
     chunked = Planner(SMALL, seq_len=64, micro_batch_size=1, dtype=torch.bfloat16).estimate(
-        dp=1, tp=2, pp=2 * pp, microbatches=8)  # chunk c of the V=2 plan is stage c here
+        ParallelConfig.from_keywords(dp=1, tp=2, pp=2 * pp, microbatches=8))  # chunk c of the V=2 plan is stage c here
     for (name, v), est in plans.items():
         lists = schedule_actions(stages=pp, microbatches=8, schedule=name, virtual_stages=v)
         slowest = max(est.stages, key=lambda s: s.flops_per_microbatch)
@@ -90,7 +92,7 @@ def test_schedule_refusals_and_cli(tmp_path, capsys):
                  microbatches=5), dict(pp=2, schedule="1f1b", virtual_stages=2, microbatches=2)):
         mesh = {"dp": 1, "tp": 1, "pp": 1, "microbatches": 1, **mesh}
         with pytest.raises(ValueError) as planned:
-            estimate_mesh(SMALL, **mesh, seq_len=64, micro_batch_size=1)
+            estimate_mesh(SMALL, ParallelConfig.from_keywords(**mesh), seq_len=64, micro_batch_size=1)
         with pytest.raises(ValueError) as real:
             parallelize_as_launched(meta_model(SMALL), **mesh)
         assert str(planned.value) == str(real.value), mesh

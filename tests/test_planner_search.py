@@ -12,6 +12,7 @@ from transformers import LlamaConfig
 from qn_hf.build.validate import check_parallel_config
 from qn_hf.checkpoint.layout import meta_model
 from qn_hf.config.composition import Feature
+from qn_hf.config.parallel_config import ParallelConfig
 from qn_hf.planner.cost import Hardware
 from qn_hf.planner.estimate import Planner
 from qn_hf.planner.search import search
@@ -30,15 +31,16 @@ LLAMA = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, 
 def test_search_gives_what_each_mesh_gives_alone(config, settings):
     schedule = settings.pop("schedule", "1f1b")
     planner = Planner(config, seq_len=128, micro_batch_size=1)
-    accepted, _ = search(planner, gpus=8, hw=Hardware(), microbatches=None, schedule=schedule, dp_shard=None,
-                         **settings)
+    options = ParallelConfig.from_keywords(schedule=schedule, **{k: v for k, v in settings.items() if k != "ep"})
+    accepted, _ = search(planner, options, gpus=8, hw=Hardware(), microbatches=None, dp_shard=None,
+                         **{k: v for k, v in settings.items() if k == "ep"})
     assert len({(c.estimate.tp, c.estimate.cp, c.estimate.dp_shard) for c in accepted}) > 4
     settings.pop("ep", None)
     for candidate in accepted[::3]:
         e = candidate.estimate
-        alone = Planner(config, seq_len=128, micro_batch_size=1).estimate(
+        alone = Planner(config, seq_len=128, micro_batch_size=1).estimate(ParallelConfig.from_keywords(
             dp=e.dp, tp=e.tp, pp=e.pp, cp=e.cp, ep=e.ep, dp_shard=e.dp_shard, microbatches=e.microbatches,
-            schedule=schedule, **settings)
+            schedule=schedule, **settings))
         assert alone == e, (e.dp, e.tp, e.pp, e.cp, e.ep, e.dp_shard)
 
 
@@ -46,9 +48,9 @@ def test_a_check_passed_at_one_dp_shard_still_refuses_at_another():
     """ZeRO-1 composes with plain dp but not with dp_shard: the pass at dp_shard=1 is not reused for
     dp_shard=2, which is refused with check_parallel_config's (parallelize's) message."""
     planner = Planner(LLAMA, seq_len=128, micro_batch_size=1, dtype=torch.float32)
-    planner.estimate(dp=2, tp=1, pp=1, microbatches=1, zero=True)
+    planner.estimate(ParallelConfig.from_keywords(dp=2, tp=1, pp=1, microbatches=1), zero=True)
     with pytest.raises(ValueError) as planned:
-        planner.estimate(dp=2, tp=1, pp=1, microbatches=1, zero=True, dp_shard=2)
+        planner.estimate(ParallelConfig.from_keywords(dp=2, tp=1, pp=1, microbatches=1, dp_shard=2), zero=True)
     with pytest.raises(ValueError) as real:
         check_parallel_config(meta_model(LLAMA), dp=2, dp_shard=2, microbatches=1, extra=frozenset({Feature.ZERO}))
     assert str(planned.value) == str(real.value) and "dp_shard" in str(planned.value)

@@ -114,10 +114,9 @@ def parity_config(*, dp: int = 1, tp: int = 1, pp: int = 1, microbatches: int | 
 def one_step_parity(*, config: dict, parallel: ParallelConfig | None = None, seed: int = 0, mesh=None,
                     out_dir: str | None = None, policy=None, **keywords) -> dict:
     """Run on every rank. ``config`` is ``PretrainedConfig.to_dict()`` output, ``parallel`` the
-    configuration to check (or ``parity_config``'s keywords: dp, tp, pp, microbatches, ep, cp,
-    dp_shard, sequence_parallel, virtual_stages, recompute), ``policy`` an optional ``ModelPolicy``
-    (default: qn_hf's choice); returns a ``Verdict`` as a dict on rank 0 (the others return theirs
-    without the weight comparison)."""
+    configuration to check (or, instead, the keywords ``parity_config`` builds it from, refused the
+    same way), ``policy`` an optional ``ModelPolicy`` (default: qn_hf's choice); returns a
+    ``Verdict`` as a dict on rank 0 (the others return theirs without the weight comparison)."""
     import qn_hf  # late: qn_hf.check is imported by the CLI before any process group exists
 
     config_obj = transformers.AutoConfig.for_model(**config)

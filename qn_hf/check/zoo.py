@@ -7,31 +7,65 @@ The table is written from the zoo test's own results (``make zoo-table``), never
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from typing import Any
+
+from ..config.dims import ParallelDims
+from ..config.parallel_config import ParallelConfig
+from .run import parity_config
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class ZooMesh:
-    """One column of the zoo: the mesh and features a model trains one step at. ``moe``: the column
-    applies to mixture-of-experts types only (the cell of any other type stays empty)."""
+    """One column of the zoo: the configuration a model trains one step at, built from
+    ``parity_config``'s keywords (``ZooMesh(tp=2, sequence_parallel=True)``: dp, tp, pp, cp, ep,
+    sequence_parallel, virtual_stages, recompute). ``moe``: the column applies to mixture-of-experts
+    types only (the cell of any other type stays empty)."""
 
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    sequence_parallel: bool = False
-    virtual_stages: int = 1
-    recompute: str | None = None
+    parallel: ParallelConfig
     moe: bool = False
+
+    def __init__(self, *, moe: bool = False, **keywords: Any) -> None:
+        # frozen: the fields are set once, here, as dataclasses' own __init__ sets them
+        object.__setattr__(self, "parallel", parity_config(**keywords))
+        object.__setattr__(self, "moe", moe)
+
+    @property
+    def dims(self) -> ParallelDims:
+        return self.parallel.dims
+
+    # The degrees and options by name, as the zoo's tests read a column (``COLUMNS["sp"].tp``).
+    @property
+    def dp(self) -> int:
+        return self.dims.dp
+
+    @property
+    def tp(self) -> int:
+        return self.dims.tp
+
+    @property
+    def pp(self) -> int:
+        return self.dims.pp
+
+    @property
+    def cp(self) -> int:
+        return self.dims.cp
+
+    @property
+    def ep(self) -> int:
+        return self.dims.ep
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.parallel.virtual_stages
 
     @property
     def size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
+        return self.dims.world_size
 
     def parity_kwargs(self) -> dict:
         """The keywords of ``one_step_parity`` (without the mesh object)."""
-        return {k: v for k, v in asdict(self).items() if k != "moe"}
+        return {"parallel": self.parallel}
 
 
 # Every model type at MESHES in ``make test``; MESH_FEW there for ZOO_FEW, the SWEEP columns for

@@ -85,6 +85,12 @@ class ParallelDims:
         return self.dp // self.dp_shard
 
     @property
+    def shard_width(self) -> int:
+        """How many ranks split one copy of the weights under ``dp_shard`` (FSDP's group): dp_shard x
+        cp, as every cp rank of a dp_shard group holds the same weights and takes a piece of them."""
+        return self.dp_shard * self.cp
+
+    @property
     def names(self) -> tuple[str, ...]:
         """The mesh's dim names (plain strings, as DeviceMesh keeps them): cp appears only when it is
         used, so 3-D meshes stay as they were."""

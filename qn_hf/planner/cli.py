@@ -66,11 +66,13 @@ import sys
 import torch
 
 from ..config.dims import Axis, ParallelDims
-from ..config.schedule import SCHEDULES, as_schedule
+from ..config.options import Gather, Precision, Recompute
+from ..config.parallel_config import ParallelConfig
+from ..config.schedule import SCHEDULES, Schedule, as_schedule
 from .cost import GIB, Hardware, links, step_time
 from .estimate import Planner
 from .results import MeshEstimate
-from .search import Candidate, microbatches_for, search
+from .search import Candidate, at_mesh, microbatches_for, search
 
 MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": None}  # --dtype -> parallelize's mixed_precision
 
@@ -222,8 +224,20 @@ def ranking_report(accepted: list[Candidate], rejected, *, hw: Hardware, top: in
     return "\n".join(lines)
 
 
+def run_options(args: argparse.Namespace) -> ParallelConfig:
+    """What every mesh of this run shares (the schedule, virtual stages, precision, recomputation,
+    sequence parallelism, gather), the degrees and microbatches left to each mesh (``search.at_mesh``).
+    Held unchecked: a schedule that some meshes cannot run (interleaved_1f1b at pp=1) rejects those
+    meshes with ``parallelize``'s message, as each is checked when ``at_mesh`` builds it."""
+    precision = MIXED_PRECISION[args.dtype]
+    return ParallelConfig(dims=ParallelDims(), schedule=Schedule(args.schedule), virtual_stages=args.virtual_stages,
+                          mixed_precision=None if precision is None else Precision(precision),
+                          recompute=None if args.recompute is None else Recompute(args.recompute),
+                          sequence_parallel=args.sequence_parallel, dp_shard_gather=Gather(args.dp_shard_gather))
+
+
 def to_json(est: MeshEstimate, hw: Hardware) -> dict:
-    out = dataclasses.asdict(est)
+    out = est.as_dict()
     out["step_time"] = dataclasses.asdict(step_time(est, hw))
     out["peak_bytes"] = est.peak_bytes
     out["fits"] = out["peak_bytes"] <= hw.gpu_memory
@@ -303,6 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     planner = Planner(config, seq_len=seq_len, micro_batch_size=args.micro_batch_size, dtype=torch.float32)
     training = dict(mixed_precision=MIXED_PRECISION[args.dtype], zero=args.zero, recompute=args.recompute,
                     sequence_parallel=args.sequence_parallel)
+    options = run_options(args)
     try:
         if whole_mesh:
             cp = args.cp or 1
@@ -311,15 +326,14 @@ def main(argv: list[str] | None = None) -> None:
                 ParallelDims(dp=args.dp, tp=args.tp, pp=args.pp, cp=cp, ep=ep).check_world_size(args.gpus)
             microbatches = microbatches_for(args.pp, args.microbatches, schedule=args.schedule, dp=args.dp,
                                             global_batch=args.global_batch, micro_batch_size=args.micro_batch_size)
-            est = planner.estimate(dp=args.dp, tp=args.tp, pp=args.pp, cp=cp, ep=ep, microbatches=microbatches,
-                                   schedule=args.schedule, virtual_stages=args.virtual_stages,
-                                   dp_shard=dp_shard, dp_shard_gather=args.dp_shard_gather, **training)
+            parallel = at_mesh(options, dp=args.dp, tp=args.tp, pp=args.pp, cp=cp, ep=ep, dp_shard=dp_shard,
+                               microbatches=microbatches)
+            est = planner.estimate(parallel, zero=args.zero)
             print(json.dumps(to_json(est, hw), indent=1) if args.json else mesh_report(est, hw))
             return
-        accepted, rejected = search(planner, gpus=args.gpus, hw=hw, microbatches=args.microbatches, schedule=args.schedule,
-                                    virtual_stages=args.virtual_stages, cp=args.cp, ep=args.ep,
-                                    global_batch=args.global_batch, fixed=explicit, dp_shard=dp_shard,
-                                    dp_shard_gather=args.dp_shard_gather, **training)
+        accepted, rejected = search(planner, options, gpus=args.gpus, hw=hw, zero=args.zero,
+                                    microbatches=args.microbatches, global_batch=args.global_batch, fixed=explicit,
+                                    cp=args.cp, ep=args.ep, dp_shard=dp_shard)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -147,7 +147,7 @@ def step_time(est: MeshEstimate, hw: Hardware) -> StepTime:
         return s.expert_params * s.weight_bytes // s.params if est.ep > 1 and s.params else 0
 
     if est.dp_shard > 1:
-        dp = max(_fsdp_seconds(s.comm, width=est.dp_shard * est.cp, groups=est.dp // est.dp_shard,
+        dp = max(_fsdp_seconds(s.comm, width=est.dims.shard_width, groups=est.dims.dp_replicate,
                                expert_width=est.expert_replicas, link=link) for s in est.stages)
     elif est.replicas > 1:
         dp = max(moved(est.replicas, s.grad_bytes - s.expert_grad_bytes, s.weight_bytes - expert_weight_bytes(s))

@@ -48,9 +48,8 @@ from transformers import PretrainedConfig
 from ..build.validate import CheckedConfig, check_parallel_config
 from ..checkpoint.layout import meta_model
 from ..config.composition import Feature, check_composition
-from ..config.options import DEFAULT_BUCKET_MB, Gather, Precision
+from ..config.options import Recompute
 from ..config.parallel_config import ParallelConfig
-from ..config.schedule import as_schedule
 from ..config.sequence import sequence_split
 from ..data_parallel.buckets import bucket_size_bytes
 from ..data_parallel.precision import GRAD_DTYPE, apply_mixed_precision
@@ -70,7 +69,7 @@ from .schedules import bubble, op_costs, pipeline_timing, rank_peaks
 from .sequence import StageEdges, stage_edges
 from .sharded import sharded_stage
 from .trace import Recording, Trace, example_inputs, record_microbatch
-from .traffic import Mesh, stage_traffic
+from .traffic import StageGradients, stage_traffic
 from .unmodelled import check_modelled, modelled_experts
 
 
@@ -140,26 +139,18 @@ class Planner:
             self._traces[key] = self._recordings[recorded].trace(plan, whole=whole)
         return self._traces[key]
 
-    def estimate(self, *, dp: int, tp: int, pp: int, microbatches: int, schedule: str = "1f1b",
-                 bucket_mb: float = DEFAULT_BUCKET_MB, layers_per_stage: list[int] | None = None,
-                 mixed_precision: str | None = None, zero: bool = False, recompute: str | None = None,
-                 sequence_parallel: bool = False, cp: int = 1, ep: int = 1, backend: str = "nccl",
-                 virtual_stages: int = 1, dp_shard: int = 1, dp_shard_gather: str = "step") -> MeshEstimate:
-        """Estimate one mesh; raises the ``ValueError`` ``parallelize`` (or, for a sequence length
-        that sequence or context parallelism cannot split, its step; for ZeRO under ep,
-        ``qn_hf.optimizer``) would raise for it. ``schedule``, ``virtual_stages``, ``mixed_precision``,
-        ``recompute``, ``sequence_parallel``, ``cp``, ``ep``, ``dp_shard`` and ``dp_shard_gather`` as
-        ``parallelize`` takes them (dp_shard: ``sharded.py``), ``zero``
-        as ``qn_hf.optimizer`` does (with dp x cp = 1 it shards nothing); ``backend`` is the process
-        group's (ZeRO's collectives differ on gloo, see traffic.py)."""
-        config = ParallelConfig.from_keywords(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, microbatches=microbatches,
-                                              schedule=schedule, virtual_stages=virtual_stages,
-                                              layers_per_stage=layers_per_stage, bucket_mb=bucket_mb,
-                                              mixed_precision=mixed_precision, recompute=recompute,
-                                              sequence_parallel=sequence_parallel, dp_shard=dp_shard,
-                                              dp_shard_gather=dp_shard_gather)
-        checked = self._check(config, zero=zero)
+    def estimate(self, parallel: ParallelConfig, *, zero: bool = False, backend: str = "nccl") -> MeshEstimate:
+        """Estimate one mesh: ``parallel`` as ``parallelize`` takes it (dp_shard: ``sharded.py``); raises
+        the ``ValueError`` ``parallelize`` (or, for a sequence length that sequence or context
+        parallelism cannot split, its step; for ZeRO under ep, ``qn_hf.optimizer``) would raise for
+        it. ``zero`` as ``qn_hf.optimizer`` takes it (with dp x cp = 1 it shards nothing);
+        ``backend`` is the process group's (ZeRO's collectives differ on gloo, see traffic.py)."""
+        checked = self._check(parallel, zero=zero)
         plan, stage_plan = checked.tp_plan, checked.stage_plan
+        dims = parallel.dims
+        dp, tp, pp, cp, ep, dp_shard = dims.dp, dims.tp, dims.pp, dims.cp, dims.ep, dims.dp_shard
+        microbatches, schedule, virtual_stages = parallel.microbatches, parallel.schedule, parallel.virtual_stages
+        recompute = parallel.recompute
         check_modelled(self.model, model_type=self.config.model_type, plan=plan, ep=ep)
         split = sequence_split(cp=cp, tp=tp, sequence_parallel=plan.sequence_parallel)
         if split[0] > 1:  # train_step's check of the batch, on a meta batch of this length
@@ -167,11 +158,10 @@ class Planner:
             check_model_inputs({"input_ids": ids}, model=self.model, loss=None, sequence_split=split)
         # The trace splits the sequence as the stages do (raising, as they would, when tp does not divide it).
         edges = stage_edges(self.model, stage_plan) if plan.sequence_parallel else None
-        replicas = dp * cp
-        expert_replicas = dp * tp // ep * cp  # every cp rank holds the same experts
+        replicas, expert_replicas = dims.replicas, dims.expert_replicas
         zero_experts = zero and ep > 1 and expert_replicas > 1  # the experts' buckets split over their holders
         zero = zero and replicas > 1
-        precision = None if mixed_precision is None else Precision(mixed_precision).dtype
+        precision = None if parallel.mixed_precision is None else parallel.mixed_precision.dtype
         traced = dict(edges=edges, cp=cp, ep=ep, precision=precision,
                       loaded_experts=dp_shard > 1 and ep > 1 and expert_replicas == 1 and precision is not None)
         # the shapes and what a recomputation reruns come from the run without it, in the compute dtype
@@ -203,12 +193,11 @@ class Planner:
 
         activations = chunk_activations(self.model, kept=kept, base=base, plan=plan, stage_plan=stage_plan,
                                         act_elem=param_elem, cp=cp)
-        if recompute == "selective":
+        if recompute is Recompute.SELECTIVE:
             collectives = kept_collectives(base=base, plan=plan, stage_plan=stage_plan, act_elem=param_elem)
             activations = [a + k for a, k in zip(activations, collectives)]
-        deferred = self._deferred(stage_plan.heads) if as_schedule(schedule).split_backward else frozenset()
+        deferred = self._deferred(stage_plan.heads) if schedule.split_backward else frozenset()
         stash = weight_stash(deferred, base=base, plan=plan, stage_plan=stage_plan, act_elem=param_elem)
-        mesh = Mesh(dp=dp, tp=tp, pp=pp, microbatches=microbatches, cp=cp, ep=ep, virtual_stages=virtual_stages)
         layers = len(self.model.get_submodule(stage_plan.layers))
         tokens = base.tokens * cp  # the whole microbatch's
         positions = tokens // self.micro_batch_size  # per example: seq_len, or patches + class token
@@ -221,27 +210,25 @@ class Planner:
         stages = []
         for s in range(pp):
             dense = [p for p in on_stage[s] if p[0] not in sharded]
-            buckets = bucket_layout(dense, elem=grad_elem, bucket_bytes=bucket_size_bytes(bucket_mb),
+            buckets = bucket_layout(dense, elem=grad_elem, bucket_bytes=bucket_size_bytes(parallel.bucket_mb),
                                     pad=replicas if zero else 1,
                                     separate=(frozenset(tied[s]), frozenset(every[s])) if zero else ())
             experts = [p for p in on_stage[s] if p[0] in sharded]
-            expert_buckets = bucket_layout(experts, elem=grad_elem, bucket_bytes=bucket_size_bytes(bucket_mb),
+            expert_buckets = bucket_layout(experts, elem=grad_elem, bucket_bytes=bucket_size_bytes(parallel.bucket_mb),
                                            pad=expert_replicas if zero_experts else 1)
             kv = {n: numel for n, numel in on_stage[s] if (spec := specs.get(n)) is not None and spec.replicas > 1}
             summed = {n: numel for n, numel in on_stage[s] if n in grad_sum}
             fsdp = None if dp_shard == 1 else sharded_stage(
-                on_stage[s], rows, layers=stage_plan.layers, dp=dp, dp_shard=dp_shard, cp=cp, pp=pp,
-                microbatches=microbatches, per_microbatch=config.dp_shard_gather is Gather.MICROBATCH,
-                elem=grad_elem, compute_elem=param_elem,
+                on_stage[s], rows, parallel=parallel, layers=stage_plan.layers, elem=grad_elem, compute_elem=param_elem,
                 reduce_elem=grad_elem if precision is None else torch.empty(0, dtype=GRAD_DTYPE).element_size(),
-                experts=sharded, expert_width=expert_replicas)
-            comm = stage_traffic(s, mesh=mesh, plan=plan, trace=base, stage_of=stage_of, act_elem=param_elem,
-                                 param_elem=param_elem, grad_elem=grad_elem,
-                                 buckets=buckets if replicas > 1 and dp_shard == 1 else [],
-                                 zero=zero, kv=kv, tied=tied[s], every=every[s], grad_sum=summed, recompute=recompute,
-                                 loss_scaling=mixed_precision == "fp16", backend=backend, experts=experts_calls,
-                                 expert_buckets=expert_buckets if expert_replicas > 1 and dp_shard == 1 else [],
-                                 zero_experts=zero_experts, pieces=fsdp.pieces if fsdp else None)
+                experts=sharded)
+            grads = StageGradients(buckets=buckets if replicas > 1 and dp_shard == 1 else [],
+                                   expert_buckets=expert_buckets if expert_replicas > 1 and dp_shard == 1 else [],
+                                   zero=zero, zero_experts=zero_experts, kv=kv, tied=tied[s], every=every[s],
+                                   grad_sum=summed, pieces=fsdp.pieces if fsdp else None)
+            comm = stage_traffic(s, parallel=parallel, plan=plan, trace=base, stage_of=stage_of, act_elem=param_elem,
+                                 param_elem=param_elem, grad_elem=grad_elem, grads=grads, backend=backend,
+                                 experts=experts_calls)
             comm.update(fsdp.comm if fsdp else {})
             others = set(stage_plan.heads) if s == pp - 1 else set()
             if s == 0:
@@ -282,16 +269,12 @@ class Planner:
         timing = pipeline_timing(stages=pp, microbatches=microbatches, schedule=schedule,
                                  virtual_stages=virtual_stages, costs=costs)
         per_token = 6 * (self.total_params - self._routed * (1 - active)) + attention_per_token
-        return MeshEstimate(dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
-                            micro_batch_size=self.micro_batch_size, seq_len=positions,
+        return MeshEstimate(parallel=parallel, micro_batch_size=self.micro_batch_size, seq_len=positions,
                             tokens_per_microbatch=tokens, total_params=self.total_params, stages=tuple(stages),
                             bubble=bubble(timing), flops_per_step=float(per_token * tokens * microbatches * dp),
                             attention_flops_per_token=attention_per_token,
                             layers=layers, boundary_bytes=base.boundary_numel * param_elem,
-                            mixed_precision=mixed_precision, zero=zero or zero_experts, recompute=recompute,
-                            sequence_parallel=plan.sequence_parallel, cp=cp, ep=ep,
-                            expert_flop_share=expert_flop_share, virtual_stages=virtual_stages,
-                            dp_shard=dp_shard, dp_shard_gather=dp_shard_gather)
+                            zero=zero or zero_experts, expert_flop_share=expert_flop_share)
 
     def _check(self, config: ParallelConfig, *, zero: bool) -> CheckedConfig:
         """``check_parallel_config``, the checks ``parallelize`` runs, their pass reused across
@@ -324,16 +307,9 @@ class Planner:
         return self._sharded[(plan.tp, ep)]
 
 
-def estimate_mesh(config: PretrainedConfig, *, dp: int, tp: int, pp: int, microbatches: int, seq_len: int,
-                  micro_batch_size: int, schedule: str = "1f1b", dtype: torch.dtype = torch.float32,
-                  bucket_mb: float = DEFAULT_BUCKET_MB, policy: ModelPolicy | None = None,
-                  layers_per_stage: list[int] | None = None, mixed_precision: str | None = None,
-                  zero: bool = False, recompute: str | None = None, sequence_parallel: bool = False,
-                  cp: int = 1, ep: int = 1, backend: str = "nccl", virtual_stages: int = 1, dp_shard: int = 1,
-                  dp_shard_gather: str = "step") -> MeshEstimate:
+def estimate_mesh(config: PretrainedConfig, parallel: ParallelConfig, *, seq_len: int, micro_batch_size: int,
+                  dtype: torch.dtype = torch.float32, policy: ModelPolicy | None = None, zero: bool = False,
+                  backend: str = "nccl") -> MeshEstimate:
     """Estimate one mesh (see ``Planner``); raises the ``ValueError`` ``parallelize`` would raise."""
     planner = Planner(config, seq_len=seq_len, micro_batch_size=micro_batch_size, dtype=dtype, policy=policy)
-    return planner.estimate(dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule, bucket_mb=bucket_mb,
-                            layers_per_stage=layers_per_stage, mixed_precision=mixed_precision, zero=zero,
-                            recompute=recompute, sequence_parallel=sequence_parallel, cp=cp, ep=ep, backend=backend,
-                            virtual_stages=virtual_stages, dp_shard=dp_shard, dp_shard_gather=dp_shard_gather)
+    return planner.estimate(parallel, zero=zero, backend=backend)

@@ -3,8 +3,10 @@ keeps and sends) and for the whole mesh (``MeshEstimate``); ``estimate.py`` comp
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
+from ..config.dims import ParallelDims
+from ..config.parallel_config import ParallelConfig
 from .memory import RankState
 from .traffic import GroupTraffic
 
@@ -68,11 +70,10 @@ class StageEstimate:
 
 @dataclass(frozen=True)
 class MeshEstimate:
-    dp: int
-    tp: int
-    pp: int
-    microbatches: int
-    schedule: str
+    """One mesh's figures; ``parallel`` is the configuration estimated (the degrees, the schedule, the
+    training options), read through the properties below as the tables and JSON name them."""
+
+    parallel: ParallelConfig
     micro_batch_size: int
     seq_len: int  # positions per example (patches + class token for ViT)
     tokens_per_microbatch: int  # of the whole microbatch (each cp rank runs 1/cp of them)
@@ -83,27 +84,79 @@ class MeshEstimate:
     attention_flops_per_token: int  # 12 * layers * hidden * positions (forward + backward)
     layers: int
     boundary_bytes: int  # one microbatch's hidden state between two stages (one cp rank's share)
-    mixed_precision: str | None = None
-    zero: bool = False
-    recompute: str | None = None
-    sequence_parallel: bool = False
-    cp: int = 1
-    ep: int = 1
+    zero: bool = False  # ZeRO-1 as it applies: asked for, and some state has more than one holder
     # Per token, the share of this rank's routed-expert weights whose matmuls it runs: K/E, and
     # K*ep/(E*tp) under ep (a tp rank sends 1/tp of the tokens, to E/ep experts held whole); 1: dense.
     expert_flop_share: float = 1.0
-    virtual_stages: int = 1  # chunks per rank (interleaved_1f1b)
-    dp_shard: int = 1  # ranks of dp sharding one copy of the weights (FSDP), hybrid across dp / dp_shard
-    dp_shard_gather: str = "step"  # under pp: weights gathered once a step or per microbatch
+
+    @property
+    def dims(self) -> ParallelDims:
+        return self.parallel.dims
+
+    @property
+    def dp(self) -> int:
+        return self.dims.dp
+
+    @property
+    def tp(self) -> int:
+        return self.dims.tp
+
+    @property
+    def pp(self) -> int:
+        return self.dims.pp
+
+    @property
+    def cp(self) -> int:
+        return self.dims.cp
+
+    @property
+    def ep(self) -> int:
+        return self.dims.ep
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks of dp sharding one copy of the weights (FSDP), hybrid across dp / dp_shard."""
+        return self.dims.dp_shard
+
+    @property
+    def microbatches(self) -> int:
+        return self.parallel.microbatches
+
+    @property
+    def virtual_stages(self) -> int:
+        """Chunks per rank (interleaved_1f1b)."""
+        return self.parallel.virtual_stages
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.parallel.sequence_parallel
+
+    # The options as the tables and JSON spell them: plain strings (None where unset)
+    @property
+    def schedule(self) -> str:
+        return self.parallel.schedule.value
+
+    @property
+    def mixed_precision(self) -> str | None:
+        return None if self.parallel.mixed_precision is None else self.parallel.mixed_precision.value
+
+    @property
+    def recompute(self) -> str | None:
+        return None if self.parallel.recompute is None else self.parallel.recompute.value
+
+    @property
+    def dp_shard_gather(self) -> str:
+        """Under pp: weights gathered once a step or per microbatch."""
+        return self.parallel.dp_shard_gather.value
 
     @property
     def expert_replicas(self) -> int:
         """Ranks of a stage holding the same experts (summing their gradients): dp x tp / ep x cp."""
-        return self.dp * self.tp // self.ep * self.cp
+        return self.dims.expert_replicas
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
+        return self.dims.world_size
 
     @property
     def global_batch(self) -> int:
@@ -114,8 +167,23 @@ class MeshEstimate:
     @property
     def replicas(self) -> int:
         """Ranks holding the same shard, whose gradients are summed (and ZeRO's state split): dp x cp."""
-        return self.dp * self.cp
+        return self.dims.replicas
 
     @property
     def peak_bytes(self) -> int:
         return max(s.total_bytes for s in self.stages)
+
+    def as_dict(self) -> dict:
+        """The figures by name, the configuration spelled out degree by degree and option by option in
+        the order ``qn-hf-plan --json`` has always printed them (its readers key on these names)."""
+        d = self.dims
+        return {"dp": d.dp, "tp": d.tp, "pp": d.pp, "microbatches": self.microbatches, "schedule": self.schedule,
+                "micro_batch_size": self.micro_batch_size, "seq_len": self.seq_len,
+                "tokens_per_microbatch": self.tokens_per_microbatch, "total_params": self.total_params,
+                "stages": tuple(asdict(s) for s in self.stages), "bubble": self.bubble,
+                "flops_per_step": self.flops_per_step, "attention_flops_per_token": self.attention_flops_per_token,
+                "layers": self.layers, "boundary_bytes": self.boundary_bytes,
+                "mixed_precision": self.mixed_precision, "zero": self.zero, "recompute": self.recompute,
+                "sequence_parallel": self.sequence_parallel, "cp": d.cp, "ep": d.ep,
+                "expert_flop_share": self.expert_flop_share, "virtual_stages": self.virtual_stages,
+                "dp_shard": d.dp_shard, "dp_shard_gather": self.dp_shard_gather}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config.parallel_config import ParallelConfig
 from ..config.schedule import microbatches_allowed
 from .cost import Hardware, StepTime, step_time
 from .estimate import Planner
@@ -41,6 +42,10 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Rejected:
+    """A mesh ``parallelize`` (or the global batch) refuses, with its reason. The degrees are the ones
+    asked for, kept as numbers: many are refused because ``ParallelDims`` itself refuses them (a
+    dp_shard or an ep that does not divide), so no ``ParallelDims`` holds them."""
+
     dp: int
     tp: int
     pp: int
@@ -87,18 +92,26 @@ def microbatches_for(pp: int, requested: int | None, *, schedule: str = "1f1b", 
     return m
 
 
-def search(planner: Planner, *, gpus: int, hw: Hardware, microbatches: int | None, schedule: str,
-           mixed_precision: str | None = None, zero: bool = False, recompute: str | None = None,
-           sequence_parallel: bool = False, cp: int | None = None, max_cp: int = MAX_CP,
-           ep: int | None = 1, virtual_stages: int = 1, global_batch: int | None = None,
-           fixed: dict[str, int] | None = None, dp_shard: int | None = 1,
-           dp_shard_gather: str = "step") -> tuple[list[Candidate], list[Rejected]]:
+def at_mesh(options: ParallelConfig, *, dp: int, tp: int, pp: int, cp: int, ep: int, dp_shard: int,
+            microbatches: int) -> ParallelConfig:
+    """``options`` (the schedule, virtual stages, precision, recomputation, sequence parallelism,
+    buckets and gather every mesh shares) at these degrees and microbatches, checked as
+    ``parallelize`` checks its keywords: the ``ValueError`` that rejects the mesh, else the value."""
+    return ParallelConfig.from_keywords(**{**options.keywords(), "dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep,
+                                           "dp_shard": dp_shard, "microbatches": microbatches})
+
+
+def search(planner: Planner, options: ParallelConfig, *, gpus: int, hw: Hardware, zero: bool = False,
+           microbatches: int | None = None, global_batch: int | None = None, fixed: dict[str, int] | None = None,
+           cp: int | None = None, max_cp: int = MAX_CP, ep: int | None = 1,
+           dp_shard: int | None = 1) -> tuple[list[Candidate], list[Rejected]]:
     """Every mesh for ``gpus`` (``cp`` and ``max_cp`` as ``meshes`` takes them; ``fixed`` degrees, e.g.
-    ``{"tp": 8}``, kept), estimated with the training settings, ``schedule`` and ``virtual_stages``
-    given (as ``Planner.estimate``; interleaved_1f1b refuses pp=1 meshes with its message). With
-    ``global_batch`` every mesh trains exactly that many sequences per step (its microbatches follow
-    from dp); a mesh that cannot is rejected, saying why. ``ep`` and ``dp_shard``: given, or None to
-    enumerate them (module docstring); ``dp_shard_gather`` as ``parallelize`` takes it."""
+    ``{"tp": 8}``, kept), each ``options`` at its degrees and microbatches (``at_mesh``: the degrees
+    and microbatches of ``options`` are the search's, its other fields every mesh's; a schedule some
+    meshes cannot run, as interleaved_1f1b at pp=1, rejects those with its message), estimated with
+    ``zero`` (as ``Planner.estimate``). With ``global_batch`` every mesh trains exactly that many
+    sequences per step (its microbatches follow from dp); a mesh that cannot is rejected, saying
+    why. ``ep`` and ``dp_shard``: given, or None to enumerate them (module docstring)."""
     accepted, rejected = [], []
     cp = 1 if cp is None and ep is not None and ep > 1 else cp
     fixed = fixed or {}
@@ -106,7 +119,7 @@ def search(planner: Planner, *, gpus: int, hw: Hardware, microbatches: int | Non
         if any({"dp": dp, "tp": tp, "pp": pp, "cp": c}[k] != v for k, v in fixed.items()):
             continue
         try:
-            steps = microbatches_for(pp, microbatches, schedule=schedule, dp=dp, global_batch=global_batch,
+            steps = microbatches_for(pp, microbatches, schedule=options.schedule, dp=dp, global_batch=global_batch,
                                      micro_batch_size=planner.micro_batch_size)
         except ValueError as e:  # the global batch at this dp: the same reason at every ep and dp_shard
             rejected.append(Rejected(dp=dp, tp=tp, pp=pp, cp=c, ep=ep or 1, dp_shard=dp_shard or 1, reason=str(e)))
@@ -115,11 +128,8 @@ def search(planner: Planner, *, gpus: int, hw: Hardware, microbatches: int | Non
             shards = [d for d in range(1, dp + 1) if dp % d == 0] if dp_shard is None else [dp_shard]
             for shard in shards:
                 try:
-                    est = planner.estimate(dp=dp, tp=tp, pp=pp, cp=c, microbatches=steps, schedule=schedule,
-                                           virtual_stages=virtual_stages, mixed_precision=mixed_precision,
-                                           zero=zero and (shard == 1 or dp_shard is not None), recompute=recompute,
-                                           sequence_parallel=sequence_parallel, ep=e, dp_shard=shard,
-                                           dp_shard_gather=dp_shard_gather)
+                    parallel = at_mesh(options, dp=dp, tp=tp, pp=pp, cp=c, ep=e, dp_shard=shard, microbatches=steps)
+                    est = planner.estimate(parallel, zero=zero and (shard == 1 or dp_shard is not None))
                 except ValueError as error:
                     if not any((r.dp, r.tp, r.pp, r.cp, r.reason) == (dp, tp, pp, c, str(error)) for r in rejected):
                         rejected.append(Rejected(dp=dp, tp=tp, pp=pp, cp=c, ep=e, dp_shard=shard, reason=str(error)))

@@ -54,6 +54,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..comm_meter import Collective
+from ..config.options import Gather
+from ..config.parallel_config import ParallelConfig
 from .memory import STEP_BYTES
 from .traffic import GroupTraffic
 
@@ -144,15 +146,17 @@ class ShardedStage:
     comm: dict[str, GroupTraffic]
 
 
-def sharded_stage(held: tuple[tuple[str, int], ...], rows: dict[str, int], *, layers: str, dp: int, dp_shard: int,
-                  cp: int, pp: int, microbatches: int, per_microbatch: bool, elem: int, compute_elem: int,
-                  reduce_elem: int, experts: frozenset[str] = frozenset(), expert_width: int = 1) -> ShardedStage:
-    """One stage's figures (module docstring). ``elem``: the model's dtype (shards, their gradients,
-    AdamW's moments); ``compute_elem``: the gathered weights'; ``reduce_elem``: the reduction's and
-    the accumulated gradients' (float32 under mixed precision); ``per_microbatch``: the pipeline
-    gathers per microbatch; ``experts``: the ep-sharded experts' parameters, ``expert_width`` the
-    ranks holding the same ones (X)."""
-    width = dp_shard * cp
+def sharded_stage(held: tuple[tuple[str, int], ...], rows: dict[str, int], *, parallel: ParallelConfig, layers: str,
+                  elem: int, compute_elem: int, reduce_elem: int,
+                  experts: frozenset[str] = frozenset()) -> ShardedStage:
+    """One stage's figures (module docstring) under ``parallel`` (its degrees, microbatches and
+    ``dp_shard_gather``: the pipeline gathers once a step or per microbatch). ``elem``: the model's
+    dtype (shards, their gradients, AdamW's moments); ``compute_elem``: the gathered weights';
+    ``reduce_elem``: the reduction's and the accumulated gradients' (float32 under mixed precision);
+    ``experts``: the ep-sharded experts' parameters, split over the expert replicas (X)."""
+    dims, microbatches = parallel.dims, parallel.microbatches
+    pp, width, expert_width = dims.pp, dims.shard_width, dims.expert_replicas
+    per_microbatch = parallel.dp_shard_gather is Gather.MICROBATCH
     stage = units(held, rows, layers=layers, width=width, experts=experts, expert_width=expert_width)
     root, blocks, own = stage.root, stage.blocks, stage.experts
     # whole weights are held padded: each parameter is a view of its all-gather output, W padded shards
@@ -172,7 +176,7 @@ def sharded_stage(held: tuple[tuple[str, int], ...], rows: dict[str, int], *, la
         comm["experts"] = _group(_gathers_and_reductions(None, own, width=expert_width, **timing))
     groups = ([root] if root.whole else []) + blocks
     shard = sum(u.shard for u in groups)
-    if dp > dp_shard:  # each group's reduced shard, after each reduce-scatter
+    if dims.dp_replicate > 1:  # each group's reduced shard, after each reduce-scatter
         per_step = microbatches if pp == 1 else 1
         comm["dp_replicate"] = _group({Collective.ALL_REDUCE: (per_step * len(groups), per_step * shard * reduce_elem)})
     pieces = {name: shard_numel(numel, rows[name], expert_width if name in experts else width) for name, numel in held}

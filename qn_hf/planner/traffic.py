@@ -52,6 +52,7 @@ from ..comm import flat_runs
 from ..comm_meter import Collective
 from ..config.dims import Axis
 from ..config.options import LossKind
+from ..config.parallel_config import ParallelConfig
 from ..tensor_parallel.plan import TpPlan
 from ..policies.styles import Style
 from .context import ring_ops
@@ -69,14 +70,26 @@ class GroupTraffic:
 
 
 @dataclass(frozen=True)
-class Mesh:
-    dp: int
-    tp: int
-    pp: int
-    microbatches: int
-    cp: int = 1
-    ep: int = 1
-    virtual_stages: int = 1
+class StageGradients:
+    """What one rank of a stage reduces once a step, as the estimate laid it out: the gradient
+    buckets summed over the replicas (``buckets``: none where nothing is summed there, or under
+    dp_shard, whose FSDP groups reduce instead) and over the ranks holding the same experts
+    (``expert_buckets``), each sharded under ZeRO-1 where that applies (``zero``, ``zero_experts``);
+    and the flat sums, parameter -> elements: the replicated KV heads' (``kv``), a weight tied across
+    the first and last stage (``tied``), this stage's copy of what every stage holds (``every``,
+    summed over pp), what is summed over tp (``grad_sum``). ``pieces``: under dp_shard, this rank's
+    elements of each parameter, which the tp, kv, tie and pp sums move (under ZeRO-1 its pieces of
+    the buckets, derived from them)."""
+
+    buckets: Sequence[Bucket] = ()
+    expert_buckets: Sequence[Bucket] = ()
+    zero: bool = False
+    zero_experts: bool = False
+    kv: dict[str, int] = field(default_factory=dict)
+    tied: dict[str, int] = field(default_factory=dict)
+    every: dict[str, int] = field(default_factory=dict)
+    grad_sum: dict[str, int] = field(default_factory=dict)
+    pieces: dict[str, int] | None = None
 
 
 def _tp_microbatch(s: int, *, plan: TpPlan, trace: Trace, stage_of: Callable[[str], int], act_elem: int,
@@ -139,26 +152,21 @@ def bucket_traffic(buckets: Sequence[Bucket], *, ranks: int, zero: bool, backend
     return len(buckets), sum(b.padded for b in buckets) * grad_elem
 
 
-def stage_traffic(s: int, *, mesh: Mesh, plan: TpPlan, trace: Trace, stage_of: Callable[[str], int],
-                  act_elem: int, param_elem: int, grad_elem: int, buckets: list[Bucket], zero: bool,
-                  kv: dict[str, int], tied: dict[str, int], grad_sum: dict[str, int], recompute: str | None,
-                  every: dict[str, int] | None = None,
-                  loss_scaling: bool, backend: str = "nccl", experts: tuple[ExpertCall, ...] = (),
-                  expert_buckets: Sequence[Bucket] = (), zero_experts: bool = False,
-                  pieces: dict[str, int] | None = None) -> dict[str, GroupTraffic]:
-    """``kv``, ``tied`` and ``grad_sum``: this stage's replicated-KV, cross-stage-tied and
-    summed-over-tp parameters -> elements; ``every``: its copy of what every stage holds (summed over pp); ``experts``: the trace's experts calls (in the compute
-    dtype), ``expert_buckets``: the buckets summed over "experts" (none when one rank holds each),
-    sharded over those ranks under ``zero_experts``; ``pieces``: under dp_shard, this rank's elements of
-    each parameter, which the tp, kv, tie and pp sums move (under ZeRO its pieces of the buckets)."""
-    dp, tp, pp, cp, microbatches = mesh.dp, mesh.tp, mesh.pp, mesh.cp, mesh.microbatches
-    replicas = dp * cp
+def stage_traffic(s: int, *, parallel: ParallelConfig, plan: TpPlan, trace: Trace, stage_of: Callable[[str], int],
+                  act_elem: int, param_elem: int, grad_elem: int, grads: StageGradients, backend: str = "nccl",
+                  experts: tuple[ExpertCall, ...] = ()) -> dict[str, GroupTraffic]:
+    """Stage ``s``'s traffic under ``parallel`` (its degrees, microbatches, chunks, recomputation and
+    float16's loss scaling); ``grads``: what the stage reduces; ``experts``: the trace's experts calls
+    (in the compute dtype)."""
+    dims, microbatches, recompute = parallel.dims, parallel.microbatches, parallel.recompute
+    dp, tp, pp, cp = dims.dp, dims.tp, dims.pp, dims.cp
+    buckets, zero = grads.buckets, grads.zero
     out: dict[str, GroupTraffic] = {}
-    pieces = owned(buckets, dp=replicas) if zero else pieces
+    pieces = owned(buckets, dp=dims.replicas) if zero else grads.pieces
     # under sequence parallelism each tp rank dispatches its own slice: no tp sharing out (dispatch.py)
-    dispatch = expert_ops(experts, ep=mesh.ep, tp=1 if plan.sequence_parallel else tp, recompute=recompute,
+    dispatch = expert_ops(experts, ep=dims.ep, tp=1 if plan.sequence_parallel else tp, recompute=recompute,
                           on_stage=lambda name: stage_of(name) == s)
-    last = pp * mesh.virtual_stages - 1
+    last = pp * parallel.virtual_stages - 1
     chunks = range(s, last + 1, pp)
     # sequence parallelism sends each tp rank's slice between stages; the receiver gathers them
     wire = tp if plan.sequence_parallel else 1
@@ -171,7 +179,7 @@ def stage_traffic(s: int, *, mesh: Mesh, plan: TpPlan, trace: Trace, stage_of: C
         for op, (c, b) in dispatch.get("tp", {}).items():
             ops[op] = [ops[op][0] + c, ops[op][1] + b]
         ops = {op: [c * microbatches, b * microbatches] for op, (c, b) in ops.items()}
-        summed = _summed(grad_sum, pieces)
+        summed = _summed(grads.grad_sum, pieces)
         if summed:
             calls, nbytes = ops.get(Collective.ALL_REDUCE, (0, 0))
             ops[Collective.ALL_REDUCE] = [calls + len(flat_runs([n * grad_elem for n in summed])),
@@ -182,7 +190,7 @@ def stage_traffic(s: int, *, mesh: Mesh, plan: TpPlan, trace: Trace, stage_of: C
         # a steady step: the activation header went with the first step of this batch shape (runtime.py)
         act = trace.boundary_numel // wire * act_elem
         out["pp"] = GroupTraffic(2 * edges * microbatches + 1, 2 * edges * microbatches * act + 4)
-        shared = _summed(every or {}, pieces)  # one flat all-reduce of what every stage holds
+        shared = _summed(grads.every, pieces)  # one flat all-reduce of what every stage holds
         if shared:
             runs = len(flat_runs([n * grad_elem for n in shared]))
             out["pp"] = GroupTraffic(out["pp"].calls + runs, out["pp"].nbytes + sum(shared) * grad_elem)
@@ -193,25 +201,25 @@ def stage_traffic(s: int, *, mesh: Mesh, plan: TpPlan, trace: Trace, stage_of: C
             out["cp"] = _group({op: (c * microbatches, b * microbatches) for op, (c, b) in ring.items()})
     if Axis.EP in dispatch:
         out[Axis.EP] = _group({op: (c * microbatches, b * microbatches) for op, (c, b) in dispatch[Axis.EP].items()})
-    if expert_buckets:
-        calls, nbytes = bucket_traffic(expert_buckets, ranks=mesh.dp * tp // mesh.ep * cp, zero=zero_experts,
+    if grads.expert_buckets:
+        calls, nbytes = bucket_traffic(grads.expert_buckets, ranks=dims.expert_replicas, zero=grads.zero_experts,
                                        backend=backend, grad_elem=grad_elem, param_elem=param_elem)
         out["experts"] = GroupTraffic(calls, nbytes)
-    if replicas > 1:  # the gradient buckets, then the 4-byte loss
-        calls, nbytes = bucket_traffic(buckets, ranks=replicas, zero=zero, backend=backend, grad_elem=grad_elem,
+    if dims.replicas > 1:  # the gradient buckets, then the 4-byte loss
+        calls, nbytes = bucket_traffic(buckets, ranks=dims.replicas, zero=zero, backend=backend, grad_elem=grad_elem,
                                        param_elem=param_elem)
         out["replicas" if cp > 1 else "dp"] = GroupTraffic(calls + 1, nbytes + 4)
     if dp > 1 and plan.loss:  # the 8-byte target count
         previous = out.get("dp", GroupTraffic(0, 0))
         out["dp"] = GroupTraffic(previous.calls + 1, previous.nbytes + 8)
-    for group, params in (("kv", kv), ("tie", tied)):
+    for group, params in (("kv", grads.kv), ("tie", grads.tied)):
         numels = _summed(params, pieces)
         if numels:
             out[group] = GroupTraffic(len(flat_runs([n * grad_elem for n in numels])), sum(numels) * grad_elem)
-    if replicas * tp * pp > 1:  # the batch agreement's votes: (dp + 1) x 2 int64
+    if dims.world_size > 1:  # the batch agreement's votes: (dp + 1) x 2 int64
         out["host"] = GroupTraffic(1, 2 * 8 * (dp + 1))
-    if loss_scaling:
-        spanning = [g for g, n in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)) if n == replicas * tp * pp]
+    if parallel.mixed_precision is not None and parallel.mixed_precision.scaled:  # float16's overflow flag
+        spanning = [g for g, n in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)) if n == dims.world_size]
         group = spanning[-1] if spanning else "world"  # CommMeter names the default group by a dimension spanning it
         previous = out.get(group, GroupTraffic(0, 0))
         if previous.ops:  # an all-reduce of the flag, in the op breakdown too

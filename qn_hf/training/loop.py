@@ -30,6 +30,7 @@ from ..build.parallelize import parallelize
 from ..checkpoint import checkpoint_dir
 from ..checkpoint.atomic import write_text_atomic
 from ..checkpoint.lock import DirectoryInUse, HeldDirectory, hold_directory
+from ..config.dims import ParallelDims
 from ..data_parallel.grad_norm import clip_grad_norm_
 from ..parallel_model import optimizer
 from ..devices import default_device
@@ -52,14 +53,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run (or resume) the configured training; return the summary (also in ``summary.json``)."""
     task = TASK_TYPES[cfg.task]()
     world = launched_world_size()
-    dp, tp, pp = cfg.mesh_for(world)
     if cfg.microbatches is None:  # recorded in config.yaml as the value used
+        dp, _, pp = cfg.mesh_for(world)
         cfg = dataclasses.replace(cfg, microbatches=default_microbatches(batch_size=cfg.batch_size, dp=dp, pp=pp))
-    _check_launch(cfg, world=world, dp=dp, tp=tp, pp=pp)
+    _check_launch(cfg, world=world)
     try:  # the one value every rank parallelizes with; its checks communicate nothing
         parallel = cfg.parallel_config(world=world)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    dims = parallel.dims
     model_dir = model_directory(cfg.model)
     task.check(cfg, model_dir)
     _check_output_dir(cfg.output_dir)
@@ -93,15 +95,16 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     log = MetricsLog(os.path.join(cfg.output_dir, "metrics.jsonl"), active=rank == 0, resume_step=start)
     progress = Progress(total=cfg.steps, initial=start, active=rank == 0, enabled=cfg.progress, unit_name=task.unit)
     total_params = sum(p.numel() for p in model.parameters())  # this rank's shard
-    chunks = f" x {plural(cfg.virtual_stages, 'chunk')}" if cfg.virtual_stages > 1 else ""
-    progress.say(f"mesh {mesh_words(parallel)} ({plural(world, 'process')}, {device.type}), schedule {cfg.schedule}"
-                 f"{chunks}, {plural(cfg.microbatches, 'microbatch')}; rank 0 holds {total_params:,} parameters")
+    chunks = f" x {plural(parallel.virtual_stages, 'chunk')}" if parallel.virtual_stages > 1 else ""
+    progress.say(f"mesh {mesh_words(parallel)} ({plural(world, 'process')}, {device.type}), schedule "
+                 f"{parallel.schedule}{chunks}, {plural(parallel.microbatches, 'microbatch')}; rank 0 holds "
+                 f"{total_params:,} parameters")
     progress.say(f"data: {prepared.description}")
     if start:
         progress.say(f"resumed from {resume_from} at step {start}")
 
     sampler = GlobalBatches(examples=len(prepared.train), batch_size=cfg.batch_size, seed=cfg.seed)
-    timeline_step = cfg.timeline_step if cfg.timeline_step is not None else (min(3, cfg.steps) if pp > 1 else 0)
+    timeline_step = cfg.timeline_step if cfg.timeline_step is not None else (min(3, cfg.steps) if dims.pp > 1 else 0)
     last = cfg.stop_after or cfg.steps
     began, elapsed_before, record = time.perf_counter(), log.elapsed_before, {}
     for step in range(start + 1, last + 1):
@@ -109,7 +112,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         lr = warmup_cosine(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        rows = sampler.local_indices(step, dp_rank=pm.coords.dp, dp=dp)
+        rows = sampler.local_indices(step, dp_rank=pm.coords.dp, dp=dims.dp)
         batch = task.batch(prepared.train[rows])
         optimizer.zero_grad(set_to_none=True)
         if step == timeline_step:
@@ -129,7 +132,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         optimizer.step()
         seconds = time.perf_counter() - t0
         record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": norm_value, "step_time_s": seconds,
-                  task.unit: task.units(batch) * dp / seconds, "elapsed_s": elapsed_before + time.perf_counter() - began}
+                  task.unit: task.units(batch) * dims.dp / seconds, "elapsed_s": elapsed_before + time.perf_counter() - began}
         if pm.scaler is not None:  # fp16: steps skipped for overflowing gradients, and the loss scale
             record.update(skipped_steps=optimizer.skipped_steps, loss_scale=pm.scaler.scale)
         if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == last:
@@ -171,8 +174,11 @@ def _diverged(step: int, *, loss: float, norm: float, good: str | None, root: st
             f"it (--resume {good}) with a lower --lr (or --grad-clip)")
 
 
-def _check_launch(cfg: TrainConfig, *, world: int, dp: int, tp: int, pp: int) -> None:
-    needed = dp * tp * pp * cfg.cp
+def _check_launch(cfg: TrainConfig, *, world: int) -> None:
+    """The mesh against the launched world, and the batch against dp x microbatches, before the
+    configuration's own checks (a wrong launch is the likelier mistake, and names its fix)."""
+    dp, tp, pp = cfg.mesh_for(world)
+    needed = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cfg.cp).world_size
     if needed != world:
         cp = f" cp={cfg.cp}" if cfg.cp > 1 else ""
         raise UsageError(f"mesh dp={dp} tp={tp} pp={pp}{cp} needs {plural(needed, 'process')} but {world} "

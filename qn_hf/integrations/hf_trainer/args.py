@@ -39,16 +39,26 @@ SAMPLING = ("random", "sequential")  # samplers rebuilt exactly as one process d
 
 @dataclass(frozen=True)
 class TrainerMesh:
-    """The resolved ``parallel=`` options: ``parallelize`` keywords (``microbatches`` is per optimizer step: the
-    per-accumulation-batch count times ``gradient_accumulation_steps``) and ZeRO-1 for the optimizer."""
+    """The resolved ``parallel=`` options: the configuration, checked once as ``parallelize`` will check it
+    (``microbatches`` is per optimizer step: the per-accumulation-batch count times
+    ``gradient_accumulation_steps``); ``parallelize``'s other keywords (``where``: the seed, a mesh, a
+    device, ...); ZeRO-1 for the optimizer; and which of the configuration's keywords were set (``given``:
+    by ``parallel=``, or resolved here), which a wrong launch's message quotes back as the user wrote them."""
 
-    parallelize: dict[str, Any]
+    config: ParallelConfig
+    where: dict[str, Any]
     zero: bool
-    config: ParallelConfig  # the options checked once, as parallelize will check them
+    given: frozenset[str] = frozenset()
 
     @property
     def world_size(self) -> int:
         return self.config.dims.world_size
+
+    @property
+    def parallelize(self) -> dict[str, Any]:
+        """The keywords ``parallelize`` takes for this mesh: those of the configuration that were set (it
+        rebuilds the same configuration from them), and ``where``."""
+        return {**{k: v for k, v in self.config.keywords().items() if k in self.given}, **self.where}
 
 
 def trainer_mesh(parallel: Mapping[str, Any] | None, *, args) -> TrainerMesh:
@@ -75,14 +85,15 @@ def trainer_mesh(parallel: Mapping[str, Any] | None, *, args) -> TrainerMesh:
         parallel["compile"] = True
     parallel.setdefault("seed", args.seed)  # dropout streams follow the run's seed, as in one process
     config = ParallelConfig.from_keywords(**{k: v for k, v in parallel.items() if k in CONFIG_KEYS})
-    return TrainerMesh(parallelize=parallel, zero=zero, config=config)
+    return TrainerMesh(config=config, where={k: v for k, v in parallel.items() if k not in CONFIG_KEYS}, zero=zero,
+                       given=frozenset(k for k in parallel if k in CONFIG_KEYS))
 
 
 def check_training_args(args, *, mesh: TrainerMesh, world_size: int, compute_loss_func: Any = None) -> None:
     """Refuse the ``TrainingArguments`` (and launcher settings) that conflict with the mesh."""
     if mesh.world_size != world_size:
-        kw = mesh.parallelize
-        dims = ", ".join(f"{k}={kw[k]}" for k in (Axis.DP, Axis.TP, Axis.PP, Axis.CP) if k in kw) or "dp=1"
+        named = [k for k in (Axis.DP, Axis.TP, Axis.PP, Axis.CP) if k in mesh.given]
+        dims = ", ".join(f"{k}={getattr(mesh.config.dims, k)}" for k in named) or "dp=1"
         raise ValueError(f"parallel=dict({dims}) needs {mesh.world_size} processes but {world_size} were launched; "
                          f"launch {mesh.world_size} (torchrun --nproc-per-node {mesh.world_size} ...) or change "
                          f"parallel= so that dp*tp*pp*cp = {world_size}")
@@ -131,8 +142,8 @@ def _conflicts(args, *, mesh: TrainerMesh, compute_loss_func: Any):
                f"as one process draws them")
     if args.push_to_hub:
         yield "push_to_hub=True is not supported; save_model(dir) writes an HF directory to push with huggingface_hub"
-    if compute_loss_func is not None and mesh.parallelize.get("cp", 1) > 1:
-        yield (f"compute_loss_func with cp={mesh.parallelize['cp']}: each rank holds part of every sequence; use the "
+    if compute_loss_func is not None and mesh.config.dims.cp > 1:
+        yield (f"compute_loss_func with cp={mesh.config.dims.cp}: each rank holds part of every sequence; use the "
                f"built-in loss (labels) or cp=1")
 
 

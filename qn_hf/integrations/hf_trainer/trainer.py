@@ -39,6 +39,7 @@ from transformers.trainer_utils import EvalLoopOutput, has_length
 from ...build.parallelize import parallelize
 from ...checkpoint import checkpoint_dir, read_index
 from ...config.composition import Feature
+from ...config.dims import Axis
 from ...data_parallel.grad_norm import clip_grad_norm_
 from ...parallel_model import optimizer
 from ...mesh import launched_world_size
@@ -88,10 +89,9 @@ class ParallelTrainerMixin:
         if isinstance(model, ParallelModel):
             if parallel is not None:
                 raise ValueError("model= is already a ParallelModel: leave parallel= out (its mesh is fixed)")
-            dims = model.dims
-            fixed = TrainerMesh(parallelize=dict(dp=dims.dp, tp=dims.tp, pp=dims.pp, cp=dims.cp), zero=False,
-                                config=model.parallel_config)
-            check_training_args(args, mesh=fixed, world_size=dims.world_size,
+            fixed = TrainerMesh(config=model.parallel_config, where={}, zero=False,
+                                given=frozenset((Axis.DP, Axis.TP, Axis.PP, Axis.CP)))
+            check_training_args(args, mesh=fixed, world_size=model.dims.world_size,
                                 compute_loss_func=kwargs.get("compute_loss_func"))
             check_compiled(args, compiled=is_compiled(model.module, layers=model.stage.plan.layers))
             pm, self._zero = model, False
