@@ -124,7 +124,7 @@ def one_step_parity(*, config: dict, parallel: ParallelConfig | None = None, see
     ref = copy.deepcopy(model)
     try:
         parallel = parallel or parity_config(**keywords)
-        pm = qn_hf.parallelize(model, **parallel.keywords(), mesh=mesh, policy=policy)
+        pm = qn_hf.parallelize(model, parallel, mesh=mesh, policy=policy)
     except ValueError as e:  # raised identically on every rank, before any collective
         return asdict(Verdict(verdict="refused", reason=str(e)))
     dp, microbatches = parallel.dims.dp, parallel.microbatches

@@ -79,7 +79,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     model = _build_model(cfg, task=task, config=prepared.config, model_dir=model_dir)
     try:
-        pm = parallelize(model, **parallel.keywords(), seed=cfg.seed, checkpoint=model_dir,
+        pm = parallelize(model, parallel, seed=cfg.seed, checkpoint=model_dir,
                          timeout=datetime.timedelta(seconds=cfg.timeout_s))
         optimizer = _adamw(pm, cfg, rank=rank)
     except ValueError as e:  # a configuration the model cannot take (checked on every rank alike)

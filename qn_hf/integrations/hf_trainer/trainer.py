@@ -99,7 +99,7 @@ class ParallelTrainerMixin:
             mesh = trainer_mesh(parallel, args=args)
             check_training_args(args, mesh=mesh, world_size=launched_world_size(),
                                 compute_loss_func=kwargs.get("compute_loss_func"))
-            pm, self._zero = parallelize(model, **mesh.parallelize), mesh.zero
+            pm, self._zero = parallelize(model, mesh.config, **mesh.where), mesh.zero
         self.pm = pm
         # the table's refusals and warnings for the Trainer (and ZeRO, which its optimizer will shard) with the mesh
         pm.check_composes_with(Feature.TRAINER, *([Feature.ZERO] if self._zero and pm.dims.replicas > 1 else []))
