@@ -82,7 +82,9 @@ def main() -> None:
                         help="global batch size (split over dp; raised to a multiple of dp*microbatches if need be)")
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    # The corpus is this repository's own text, which changes with every commit: at 3e-3 some versions of it
+    # made the loss spike within 10 steps (the test's run); 1e-3 falls steadily on every one tried.
+    parser.add_argument("--lr", type=float, default=1e-3)
     args = parser.parse_args()
 
     world = launched_world_size()
