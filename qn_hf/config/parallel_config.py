@@ -13,6 +13,7 @@ the policy, the pipeline cut) are ``validate.check_parallel_config``'s.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -78,6 +79,11 @@ class ParallelConfig:
                   "sequence_parallel": sequence_parallel, "compile": compile, "dp_shard_gather": gather}
         for name, value in values.items():
             object.__setattr__(self, name, value)  # frozen: set once, here
+
+    @classmethod
+    def keyword_names(cls) -> tuple[str, ...]:
+        """The keywords that build a configuration (``parallelize``'s options; the degrees one by one)."""
+        return tuple(n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "dims"))
 
     @classmethod
     def from_keywords(cls, **keywords: object) -> ParallelConfig:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -87,7 +86,7 @@ class TrainConfig:
         dp, tp, pp = self.mesh_for(world)
         # every option of this config that ParallelConfig takes, under the same name (dp_shard, cp, ep,
         # sequence_parallel, schedule, ...): a new parallel option reaches the run by being a field here
-        takes = inspect.signature(ParallelConfig.from_keywords).parameters
+        takes = ParallelConfig.keyword_names()
         options = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in takes}
         return ParallelConfig.from_keywords(dp=dp, tp=tp, pp=pp, **options)
 

@@ -33,7 +33,7 @@ from ...data_parallel.optimizer import ParallelOptimizer
 PARALLEL_KEYS = tuple(name for name, p in inspect.signature(parallelize).parameters.items()
                       if p.kind is inspect.Parameter.KEYWORD_ONLY) + ("zero",)
 # the keywords that say how to parallelize (ParallelConfig's); the rest say where (seed, mesh, device, ...)
-CONFIG_KEYS = tuple(inspect.signature(ParallelConfig.from_keywords).parameters)
+CONFIG_KEYS = ParallelConfig.keyword_names()
 SAMPLING = ("random", "sequential")  # samplers rebuilt exactly as one process draws them (trainer_data.py)
 
 
