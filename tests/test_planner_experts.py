@@ -10,7 +10,6 @@ import json
 import torch
 from transformers import LlamaConfig, MixtralConfig
 
-from qn_hf.config.parallel_config import ParallelConfig
 from qn_hf.planner.cli import main
 from qn_hf.planner.cost import Hardware
 from qn_hf.planner.estimate import Planner
@@ -61,7 +60,7 @@ def test_search_tries_expert_parallelism_for_a_moe_model_only():
     assert expert_degrees(0, dp=4, tp=2, cp=1, cp_given=False) == [1]
     moe = Planner(moe_config("qwen3_moe", architectures=["Qwen3MoeForCausalLM"]), seq_len=128, micro_batch_size=1)
     assert moe.experts == 4
-    accepted, rejected = search(moe, ParallelConfig.from_keywords(schedule="1f1b", mixed_precision="bf16"), gpus=8,
+    accepted, rejected = search(moe, dict(schedule="1f1b", mixed_precision="bf16"), gpus=8,
                                 hw=Hardware(), microbatches=None, ep=None)
     planned = {(c.estimate.dp, c.estimate.tp, c.estimate.pp, c.estimate.cp, c.estimate.ep) for c in accepted}
     assert {ep for *_, ep in planned} == {1, 2, 4}
@@ -73,7 +72,7 @@ def test_search_tries_expert_parallelism_for_a_moe_model_only():
                         num_key_value_heads=2, vocab_size=128, architectures=["LlamaForCausalLM"])
     planner = Planner(dense, seq_len=128, micro_batch_size=1, dtype=torch.float32)
     assert planner.experts == 0
-    accepted, _ = search(planner, ParallelConfig.from_keywords(schedule="1f1b"), gpus=4, hw=Hardware(),
+    accepted, _ = search(planner, dict(schedule="1f1b"), gpus=4, hw=Hardware(),
                          microbatches=None, ep=None)
     assert accepted and {c.estimate.ep for c in accepted} == {1}
 

@@ -24,8 +24,8 @@ from torch import nn
 
 from ..config.options import LossKind
 from ..pipeline.split import StagePlan, chunk_of_module
-from ..tensor_parallel.plan import TpPlan
 from ..policies.styles import COLUMN_STYLES, ROW_STYLES, Style
+from ..tensor_parallel.plan import TpPlan
 from .trace import Trace
 
 

@@ -66,9 +66,8 @@ import sys
 import torch
 
 from ..config.dims import Axis, ParallelDims
-from ..config.options import Gather, Precision, Recompute
-from ..config.parallel_config import ParallelConfig
-from ..config.schedule import SCHEDULES, Schedule, as_schedule
+from ..config.options import Gather, Recompute
+from ..config.schedule import SCHEDULES, as_schedule
 from .cost import GIB, Hardware, links, step_time
 from .estimate import Planner
 from .results import MeshEstimate
@@ -176,7 +175,7 @@ def group_gb(comm: dict) -> dict[str, float]:
     "replicas" (dp x cp) plus "experts" (the ep-sharded experts' own group) plus FSDP's
     ("dp_shard": its all-gathers too; "dp_replicate")."""
     gb = {g: comm[g].nbytes / 1e9 if g in comm else 0.0 for g in (Axis.TP, Axis.CP, Axis.PP, Axis.DP, Axis.EP)}
-    gb["dp"] += sum(comm[g].nbytes / 1e9 for g in ("replicas", "experts", "dp_shard", "dp_replicate") if g in comm)
+    gb["dp"] += sum(comm[g].nbytes / 1e9 for g in ("replicas", "experts", Axis.DP_SHARD, Axis.DP_REPLICATE) if g in comm)
     return gb
 
 
@@ -224,16 +223,15 @@ def ranking_report(accepted: list[Candidate], rejected, *, hw: Hardware, top: in
     return "\n".join(lines)
 
 
-def run_options(args: argparse.Namespace) -> ParallelConfig:
+def run_options(args: argparse.Namespace) -> dict[str, object]:
     """What every mesh of this run shares (the schedule, virtual stages, precision, recomputation,
-    sequence parallelism, gather), the degrees and microbatches left to each mesh (``search.at_mesh``).
-    Held unchecked: a schedule that some meshes cannot run (interleaved_1f1b at pp=1) rejects those
-    meshes with ``parallelize``'s message, as each is checked when ``at_mesh`` builds it."""
-    precision = MIXED_PRECISION[args.dtype]
-    return ParallelConfig(dims=ParallelDims(), schedule=Schedule(args.schedule), virtual_stages=args.virtual_stages,
-                          mixed_precision=None if precision is None else Precision(precision),
-                          recompute=None if args.recompute is None else Recompute(args.recompute),
-                          sequence_parallel=args.sequence_parallel, dp_shard_gather=Gather(args.dp_shard_gather))
+    sequence parallelism, gather), as ``ParallelConfig`` keywords; the degrees and microbatches are
+    each mesh's (``search.at_mesh``). Keywords, not a config: a schedule that some meshes cannot run
+    (interleaved_1f1b at pp=1) rejects those meshes with ``parallelize``'s message, as each is
+    checked when ``at_mesh`` builds its configuration."""
+    return {"schedule": args.schedule, "virtual_stages": args.virtual_stages, "mixed_precision": MIXED_PRECISION[args.dtype],
+            "recompute": args.recompute, "sequence_parallel": args.sequence_parallel,
+            "dp_shard_gather": args.dp_shard_gather}
 
 
 def to_json(est: MeshEstimate, hw: Hardware) -> dict:
@@ -277,14 +275,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bf16", choices=sorted(MIXED_PRECISION),
                         help="bf16/fp16: mixed precision with float32 gradients and master weights; fp32: none (default bf16)")
     parser.add_argument("--zero", action="store_true", help="shard master weights and AdamW moments over dp (ZeRO-1)")
-    parser.add_argument("--recompute", choices=["full", "selective"], default=None,
+    parser.add_argument("--recompute", choices=Recompute.values(), default=None,
                         help="recompute each block's activations in backward (default: keep them)")
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="split the activations between tensor-parallel regions over tp (needs tp > 1)")
     parser.add_argument("--dp-shard", type=_dp_shard, default=None,
                         help="sharded data parallelism (FSDP) over N dp ranks, or 'all': every N dividing dp "
                              "(default: all with --gpus, 1 for one mesh)")
-    parser.add_argument("--dp-shard-gather", choices=["step", "microbatch"], default="step",
+    parser.add_argument("--dp-shard-gather", choices=Gather.values(), default=Gather.STEP.value,
                         help="under pp with --dp-shard: gather a stage's weights once a step (default) or per microbatch")
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--tflops", type=float, default=Hardware.tflops, help="sustained TFLOP/s per GPU (default %(default)s)")

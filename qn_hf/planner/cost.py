@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 from ..comm_meter import Collective
 from ..config.dims import Axis
+from ..config.options import Recompute
 from .results import MeshEstimate
 from .schedules import op_costs, pipeline_timing
 
@@ -93,7 +94,7 @@ def _fsdp_seconds(comm: dict, *, width: int, groups: int, expert_width: int, lin
         return ((ranks - 1) * ops[Collective.ALL_GATHER_INTO_TENSOR][1]
                 + (ranks - 1) / ranks * ops[Collective.REDUCE_SCATTER_TENSOR][1])
 
-    across = 2 * (groups - 1) / groups * comm["dp_replicate"].nbytes if "dp_replicate" in comm else 0.0
+    across = 2 * (groups - 1) / groups * comm[Axis.DP_REPLICATE].nbytes if Axis.DP_REPLICATE in comm else 0.0
     experts = comm.get("experts")  # the experts' own groups, over their link
     own = wire(experts.ops, expert_width) / link["experts"] if experts is not None else 0.0
     return wire(comm["dp_shard"].ops, width) / link["dp_shard"] + across / link["dp_replicate"] + own
@@ -121,7 +122,7 @@ def step_time(est: MeshEstimate, hw: Hardware) -> StepTime:
     costs = {}
     for s in est.stages:
         plain = s.flops_per_microbatch / est.cp / rate  # forward and backward, without recomputation
-        c = plain * (4 / 3 if est.recompute == "full" else 1)
+        c = plain * (4 / 3 if est.recompute == Recompute.FULL else 1)
         t = _tp_wire_bytes(s.comm["tp"].ops, tp=est.tp) / est.microbatches / link["tp"] if Axis.TP in s.comm else 0.0
         r = s.comm["cp"].ops.get(Collective.SEND, (0, 0))[1] / est.microbatches / link["cp"] if Axis.CP in s.comm else 0.0
         # the activation out, its gradient back, per chunk

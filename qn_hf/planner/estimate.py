@@ -57,8 +57,8 @@ from ..expert_parallel.apply import expert_parameter_names, sharded_experts
 from ..pipeline.split import StagePlan, stage_of_module
 from ..pipeline.weight_grad import WeightGradQueue, make_deferrable
 from ..policies import resolve_policy
-from ..step.batch import check_model_inputs
 from ..policies.model_policy import ModelPolicy
+from ..step.batch import check_model_inputs
 from .activations import chunk_activations, kept_collectives, weight_stash
 from .context import cp_inputs
 from .experts import moe_regions

@@ -31,6 +31,7 @@ import functools
 from collections import Counter
 from collections.abc import Sequence
 
+from ..config.options import Recompute
 from ..config.schedule import as_schedule
 from ..pipeline.schedule import Action, Op, chunk_of, deferred, schedule_actions
 from ..pipeline.schedule_check import Peaks, Timing, peaks, timed
@@ -83,7 +84,7 @@ def op_costs(*, compute: float, weight: float, comm: float, recompute: str | Non
     """One chunk's microbatch cost per compute op (see the module docstring), in the units of
     ``compute``, ``weight`` and ``comm`` (FLOPs, or seconds)."""
     forward = compute / 3 + comm / 2
-    backward = 2 * compute / 3 + comm / 2 + (compute / 3 if recompute == "full" else 0.0)
+    backward = 2 * compute / 3 + comm / 2 + (compute / 3 if recompute == Recompute.FULL else 0.0)
     split = weight if as_schedule(schedule).split_backward else 0.0
     costs = {Op.FWD: forward, Op.BWD: backward - split, Op.WGT: split}
     return {op: cost / virtual_stages for op, cost in costs.items()}

@@ -21,10 +21,11 @@ those that fit the GPU memory first, then by estimated tokens per second.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..config.parallel_config import ParallelConfig
-from ..config.schedule import microbatches_allowed
+from ..config.schedule import Schedule, microbatches_allowed
 from .cost import Hardware, StepTime, step_time
 from .estimate import Planner
 from .results import MeshEstimate
@@ -92,16 +93,16 @@ def microbatches_for(pp: int, requested: int | None, *, schedule: str = "1f1b", 
     return m
 
 
-def at_mesh(options: ParallelConfig, *, dp: int, tp: int, pp: int, cp: int, ep: int, dp_shard: int,
+def at_mesh(options: Mapping[str, object], *, dp: int, tp: int, pp: int, cp: int, ep: int, dp_shard: int,
             microbatches: int) -> ParallelConfig:
-    """``options`` (the schedule, virtual stages, precision, recomputation, sequence parallelism,
-    buckets and gather every mesh shares) at these degrees and microbatches, checked as
-    ``parallelize`` checks its keywords: the ``ValueError`` that rejects the mesh, else the value."""
-    return ParallelConfig.from_keywords(**{**options.keywords(), "dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep,
+    """``options`` (``ParallelConfig`` keywords: the schedule, virtual stages, precision, recomputation,
+    sequence parallelism, buckets and gather every mesh shares) at these degrees and microbatches,
+    checked as ``parallelize`` checks its keywords: the ``ValueError`` that rejects the mesh, else the value."""
+    return ParallelConfig.from_keywords(**{**options, "dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep,
                                            "dp_shard": dp_shard, "microbatches": microbatches})
 
 
-def search(planner: Planner, options: ParallelConfig, *, gpus: int, hw: Hardware, zero: bool = False,
+def search(planner: Planner, options: Mapping[str, object], *, gpus: int, hw: Hardware, zero: bool = False,
            microbatches: int | None = None, global_batch: int | None = None, fixed: dict[str, int] | None = None,
            cp: int | None = None, max_cp: int = MAX_CP, ep: int | None = 1,
            dp_shard: int | None = 1) -> tuple[list[Candidate], list[Rejected]]:
@@ -119,8 +120,8 @@ def search(planner: Planner, options: ParallelConfig, *, gpus: int, hw: Hardware
         if any({"dp": dp, "tp": tp, "pp": pp, "cp": c}[k] != v for k, v in fixed.items()):
             continue
         try:
-            steps = microbatches_for(pp, microbatches, schedule=options.schedule, dp=dp, global_batch=global_batch,
-                                     micro_batch_size=planner.micro_batch_size)
+            steps = microbatches_for(pp, microbatches, schedule=options.get("schedule", Schedule.ONE_F_ONE_B), dp=dp,
+                                     global_batch=global_batch, micro_batch_size=planner.micro_batch_size)
         except ValueError as e:  # the global batch at this dp: the same reason at every ep and dp_shard
             rejected.append(Rejected(dp=dp, tp=tp, pp=pp, cp=c, ep=ep or 1, dp_shard=dp_shard or 1, reason=str(e)))
             continue

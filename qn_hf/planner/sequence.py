@@ -42,9 +42,9 @@ from ..comm_meter import Collective
 from ..config.sequence import check_sequence_length, sequence_split
 from ..pipeline.split import StagePlan
 from ..policies.patterns import join
+from ..policies.styles import Style
 from ..tensor_parallel.plan import TpPlan
 from ..tensor_parallel.sequence_parallel import final_norm, first_argument, with_first
-from ..policies.styles import Style
 
 GATHER, SCATTER = Collective.ALL_GATHER_INTO_TENSOR, Collective.REDUCE_SCATTER_TENSOR
 SEQ_DIM = 1

@@ -44,9 +44,9 @@ from transformers.pytorch_utils import Conv1D
 
 from ..expert_parallel.apply import experts_modules
 from ..memory.recompute import checkpoint_options
+from ..policies.styles import COLUMN_STYLES, WHOLE_STYLES, Style
 from ..tensor_parallel.plan import TpPlan
 from ..tensor_parallel.sequence_parallel import regathers
-from ..policies.styles import COLUMN_STYLES, WHOLE_STYLES, Style
 from .context import RingCall, RingStandIn
 from .experts import ExpertCall, ExpertsStandIn, moe_regions
 from .kernels import TrainingKernels

@@ -51,10 +51,10 @@ from dataclasses import dataclass, field
 from ..comm import flat_runs
 from ..comm_meter import Collective
 from ..config.dims import Axis
-from ..config.options import LossKind
+from ..config.options import LossKind, Recompute
 from ..config.parallel_config import ParallelConfig
-from ..tensor_parallel.plan import TpPlan
 from ..policies.styles import Style
+from ..tensor_parallel.plan import TpPlan
 from .context import ring_ops
 from .experts import ExpertCall, expert_ops
 from .memory import Bucket, owned
@@ -109,7 +109,7 @@ def _tp_microbatch(s: int, *, plan: TpPlan, trace: Trace, stage_of: Callable[[st
         io = trace.io[name]
         if style == Style.VOCAB_EMBEDDING or (style == Style.ROWWISE and not sp):  # sp: reduce-scattered (below)
             add(Collective.ALL_REDUCE, io.calls, io.out_numel * act_elem)
-            if recompute == "full" and name in trace.rerun:  # selective keeps the sum (recompute.py)
+            if recompute == Recompute.FULL and name in trace.rerun:  # selective keeps the sum (recompute.py)
                 add(Collective.ALL_REDUCE, io.calls, io.out_numel * act_elem)
         elif style.startswith(Style.COLWISE) or style == Style.VOCAB_COLWISE:
             if not entered(name):
@@ -123,7 +123,7 @@ def _tp_microbatch(s: int, *, plan: TpPlan, trace: Trace, stage_of: Callable[[st
         if stage_of(c.module) == s and not (c.regather and recompute is not None):
             for op, numel in filter(None, (c.forward, c.backward)):
                 add(op, 1, numel * act_elem)
-            if recompute == "full" and c.rerun and c.forward is not None:
+            if recompute == Recompute.FULL and c.rerun and c.forward is not None:
                 add(c.forward[0], 1, c.forward[1] * act_elem)
     return ops
 

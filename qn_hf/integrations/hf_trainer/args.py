@@ -26,6 +26,7 @@ from typing import Any
 
 from ...build.parallelize import parallelize
 from ...config.dims import Axis
+from ...config.options import Precision
 from ...config.parallel_config import ParallelConfig
 from ...data_parallel.optimizer import ParallelOptimizer
 
@@ -114,7 +115,8 @@ def _conflicts(args, *, mesh: TrainerMesh, compute_loss_func: Any):
     if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
         yield ("gradient_checkpointing=True: HF's checkpointing wraps layers the pipeline stages drive; use "
                "parallel=dict(recompute='full') (or 'selective'), which gives the same results")
-    for flag in ("bf16", "fp16", "bf16_full_eval", "fp16_full_eval"):
+    # TrainingArguments names its autocast flags after the precisions
+    for flag in (*Precision.values(), *(f"{p}_full_eval" for p in Precision)):
         if getattr(args, flag, False):
             dtype = flag[:4]
             yield (f"{flag}=True: accelerate's autocast would run without float32 master weights; set {flag}=False "
