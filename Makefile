@@ -7,7 +7,7 @@ NPROC ?= 8
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.qn_hf-installed
 
-.PHONY: demo test test-unit test-all test-compat bench results install clean zoo-table zoo-sweep composition-table gpu-check
+.PHONY: demo test test-unit test-all test-compat bench results install clean zoo-table zoo-sweep composition-table gpu-check lint
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ test: $(STAMP)
 # package's structure, the composition table), about a minute.
 test-unit: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "unit and not long"
+
+# ruff, with the rules pyproject.toml selects, over the package, the tests, the scripts and the benchmarks.
+lint: $(STAMP)
+	$(BIN)/python -m pip install --quiet "ruff>=0.6"
+	$(BIN)/python -m ruff check qn_hf tests scripts benchmarks
 
 test-all: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q

@@ -25,7 +25,6 @@ import json
 import os
 
 import torch
-
 from world import run_world
 
 CONFIG = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2,

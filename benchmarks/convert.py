@@ -42,7 +42,7 @@ print("RESULT", rc, time.perf_counter() - start, resource.getrusage(resource.RUS
 
 def run(argv: list[str]) -> tuple[float, int]:
     proc = subprocess.run([sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, check=True)
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
+    line = next(out for out in proc.stdout.splitlines() if out.startswith("RESULT"))
     _, rc, seconds, rss = line.split()
     if rc != "0":
         raise SystemExit(f"{argv}: exit {rc}\n{proc.stderr[-2000:]}")
@@ -62,7 +62,7 @@ def main() -> None:
     work = args.keep or tempfile.mkdtemp(prefix="qn_hf_convert_")
     hf = os.path.join(work, "hf")
     made = subprocess.run([sys.executable, "-c", CREATE, hf, str(args.layers)], capture_output=True, text=True, check=True)
-    largest = int(next(l for l in made.stdout.splitlines() if l.startswith("LARGEST")).split()[1])
+    largest = int(next(out for out in made.stdout.splitlines() if out.startswith("LARGEST")).split()[1])
     size = dir_bytes(hf)
 
     _, baseline = run([])

@@ -52,9 +52,9 @@ def state_worker(rank: int, world: int, path: str, zero: bool, precision: str | 
 
 
 def state(args: argparse.Namespace) -> None:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     import tempfile
+
+    from transformers import GPT2Config, GPT2LMHeadModel
     path = tempfile.mkdtemp(prefix="qn_hf_mem_")
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(**SMALL)).save_pretrained(path)

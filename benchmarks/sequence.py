@@ -200,7 +200,7 @@ def ring(args: argparse.Namespace) -> None:
     ranks = runs[True]
     fig, ax = plt.subplots(figsize=(10, 3))
     for r in ranks:
-        for kind, step, started, computed, received in r["events"]:
+        for kind, _step, started, computed, received in r["events"]:
             color = "tab:blue" if kind == "forward" else "tab:green"
             ax.broken_barh([(started, computed - started)], (r["rank"] - 0.4, 0.8), color=color)
             ax.broken_barh([(computed, received - computed)], (r["rank"] - 0.4, 0.8), color="tab:red")

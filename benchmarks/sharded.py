@@ -35,7 +35,7 @@ import statistics
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from world import benchmark_parser, StepPeak, median_step_seconds, run_world, save_tiny_llama, storage_bytes
+from world import StepPeak, benchmark_parser, median_step_seconds, run_world, save_tiny_llama, storage_bytes
 
 CONFIG = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6,
               num_key_value_heads=6, vocab_size=8192, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)

@@ -21,10 +21,17 @@ stage 0:
 
 from __future__ import annotations
 
-
 import torch
 from torch.distributed.tensor import DTensor
-from world import alternating_medians, benchmark_parser, StepPeak, median_step_seconds, run_world, save_tiny_llama, storage_bytes
+from world import (
+    StepPeak,
+    alternating_medians,
+    benchmark_parser,
+    median_step_seconds,
+    run_world,
+    save_tiny_llama,
+    storage_bytes,
+)
 
 CONFIG = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
               num_key_value_heads=8, vocab_size=8192, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)

@@ -112,7 +112,7 @@ class StepPeak:
 
         self.mode = Sampled()
 
-    def __enter__(self) -> "StepPeak":
+    def __enter__(self) -> StepPeak:
         from torch.distributed.tensor import DTensor
 
         self.before = {p.untyped_storage().data_ptr() for p in self.model.parameters() if not isinstance(p, DTensor)}

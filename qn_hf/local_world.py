@@ -25,7 +25,6 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-
 JOB_TIMEOUT_S = 180.0
 COLLECTIVE_TIMEOUT_S = 120.0
 PARENT_POLL_S = 5.0  # how often an idle rank checks that its launcher still lives

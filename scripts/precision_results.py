@@ -16,10 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from results import run  # noqa: E402
-
 from qn_hf.training.metrics import read_metrics  # noqa: E402
 from qn_hf.training.plots import loss_curve  # noqa: E402
+from results import run  # noqa: E402
 
 CONFIG = "configs/gpt2_tiny.yaml"
 RUNS = {"fp32": [], "bf16": ["--mixed-precision", "bf16", "--zero"]}

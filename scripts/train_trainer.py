@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import argparse
 import os
+from pydoc_data.topics import topics
 
 import datasets
 import torch
 import transformers
-from pydoc_data.topics import topics
 
 import qn_hf
-from qn_hf.training.presets import lm_preset
 from qn_hf.arguments import plural
+from qn_hf.training.presets import lm_preset
 
 VOCAB, EOS = 257, 256  # bytes, and 256 ends a document
 

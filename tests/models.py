@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from qn_hf.check.shrink import shrink_config
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -17,6 +16,8 @@ from transformers import (
     Qwen3Config,
     ViTConfig,
 )
+
+from qn_hf.check.shrink import shrink_config
 
 NO_DROPOUT_GPT2 = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 

@@ -24,16 +24,16 @@ import gc
 import time
 
 import torch
-from transformers import AutoModelForCausalLM
-
-import qn_hf
-from qn_hf.data_parallel.sharded import local
-from qn_hf.memory.live_allocations import LiveAllocations, storage_bytes, storage_now
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForCausalLM
+
+import qn_hf
+from qn_hf.data_parallel.sharded import local
 from qn_hf.expert_parallel.apply import experts_modules
+from qn_hf.memory.live_allocations import LiveAllocations, storage_bytes, storage_now
 from tests.cases import mesh_for
 from tests.ep_cases import moe_config
 from tests.models import CONFIGS, dp_slice, make_batch

@@ -5,7 +5,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from qn_hf.comm import copy_to_group, flat_all_reduce_, flat_broadcast_, gather_from_group, reduce_from_group, split_to_group
+from qn_hf.comm import (
+    copy_to_group,
+    flat_all_reduce_,
+    flat_broadcast_,
+    gather_from_group,
+    reduce_from_group,
+    split_to_group,
+)
 
 
 def case_primitives() -> dict[str, bool]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_parity import check
 from tests import cases
+from tests.test_parity import check
 
 EMBED_AND_FIRST_HALF = ("model.embed_tokens", "model.layers.0.", "model.layers.1.")
 # (kind, dp, tp, pp, schedule, virtual_stages, microbatches, frozen)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tests import generation_cases
 
 KINDS = ["gpt2", "llama"]  # tied head and vocabulary 99 (padded at tp=2); GQA and vocabulary 101

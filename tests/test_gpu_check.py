@@ -57,7 +57,7 @@ def test_one_gpu_lists_the_meshes_it_cannot_run():
 
 
 def _warn_here():
-    warnings.warn("called a synchronizing CUDA operation", UserWarning)
+    warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
 
 
 def test_sync_sites_charges_each_warning_to_its_frame():
@@ -67,7 +67,7 @@ def test_sync_sites_charges_each_warning_to_its_frame():
         _warn_here()
         _warn_here()
         with pytest.warns(UserWarning, match="not a sync"):
-            warnings.warn("not a sync", UserWarning)
+            warnings.warn("not a sync", UserWarning, stacklevel=1)
     line = _warn_here.__code__.co_firstlineno + 1
     assert dict(sites.sites) == {f"test_gpu_check.py:{line}": 2}
 

@@ -9,9 +9,9 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from qn_hf.comm import gather_from_group
+from qn_hf.step.loss import vocab_parallel_cross_entropy
 from qn_hf.tensor_parallel.embeddings import VocabParallelEmbedding
 from qn_hf.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from qn_hf.step.loss import vocab_parallel_cross_entropy
 from qn_hf.tensor_parallel.shard import ShardSpec, padded
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tests import optim_cases
 
 MIXED_CASES = [  # kind, dp, tp, pp, microbatches, zero, precision, schedule

@@ -6,8 +6,8 @@ import pytest
 from torch import nn
 
 from qn_hf.memory.recompute import check_recompute
-from tests.models import load
 from tests import optim_cases
+from tests.models import load
 
 ZERO_CASES = [  # kind, dp, tp, pp, optimizer, schedule
     ("gpt2", 2, 2, 2, "AdamW", "1f1b"),  # tied embedding across stages, vocab padding

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.shapes import DATA_PARALLEL_CASES, PARITY_CASES, PIPELINE_CASES, SCHEDULE_CASES, SCHEDULE_CASES_LONG
 from tests import cases
+from tests.shapes import DATA_PARALLEL_CASES, PARITY_CASES, PIPELINE_CASES, SCHEDULE_CASES, SCHEDULE_CASES_LONG
 
 LOSS_RTOL = 1e-5
 GRAD_ATOL = 2e-6

@@ -9,6 +9,7 @@ import weakref
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config
 
 import qn_hf
 from qn_hf.pipeline.split import build_stage_plan
@@ -16,9 +17,8 @@ from qn_hf.pipeline.stage import apply_stage
 from qn_hf.pipeline.standins import Injector, StandIn
 from qn_hf.policies import resolve_policy
 from tests.cases import mesh_for
-from tests.releases import needs_tp_plan
 from tests.models import CONFIGS, auto_class, load
-from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config
+from tests.releases import needs_tp_plan
 
 
 def case_stage_contents(*, gpt2_dir: str) -> dict:

@@ -20,10 +20,10 @@ import qn_hf
 from qn_hf.check.run import build
 from qn_hf.checkpoint.layout import meta_model
 from qn_hf.config.parallel_config import ParallelConfig
-from qn_hf.tensor_parallel.plan import build_tp_plan
 from qn_hf.planner.cli import main
 from qn_hf.planner.estimate import Planner, estimate_mesh
 from qn_hf.policies import resolve_policy
+from qn_hf.tensor_parallel.plan import build_tp_plan
 from tests.cases import mesh_for, parallelize_as_launched
 from tests.ep_cases import moe_config
 from tests.models import dp_slice, load, make_batch

@@ -26,8 +26,8 @@ import pytest
 
 from qn_hf.config.parallel_config import ParallelConfig
 from qn_hf.planner.estimate import Planner
-from tests.planner_memory_cases import BUCKET_MB, MOE, MOE_WIDE, ROWS, SEQ, config_for
 from tests import planner_memory_cases
+from tests.planner_memory_cases import BUCKET_MB, MOE, MOE_WIDE, ROWS, SEQ, config_for
 
 STATE_TOLERANCE = 0.05
 ACTIVATION_TOLERANCE = 0.15

@@ -31,7 +31,7 @@ LLAMA = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, 
 def test_search_gives_what_each_mesh_gives_alone(config, settings):
     schedule = settings.pop("schedule", "1f1b")
     planner = Planner(config, seq_len=128, micro_batch_size=1)
-    options = ParallelConfig.from_keywords(schedule=schedule, **{k: v for k, v in settings.items() if k != "ep"})
+    options = dict(schedule=schedule, **{k: v for k, v in settings.items() if k != "ep"})
     accepted, _ = search(planner, options, gpus=8, hw=Hardware(), microbatches=None, dp_shard=None,
                          **{k: v for k, v in settings.items() if k == "ep"})
     assert len({(c.estimate.tp, c.estimate.cp, c.estimate.dp_shard) for c in accepted}) > 4

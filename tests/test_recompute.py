@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tests import optim_cases
 
 RECOMPUTE_CASES = [  # kind, dp, tp, pp, mode, sequence_parallel, cp

@@ -6,14 +6,13 @@ with the difference named, nothing loaded."""
 from __future__ import annotations
 
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import qn_hf
 from qn_hf.checkpoint.format import CheckpointError
 from qn_hf.checkpoint.load import config_differences
 from tests.cases import mesh_for
 from tests.models import CONFIGS, make_batch
-
-from transformers import LlamaConfig, LlamaForCausalLM
 
 
 def _model(**overrides) -> LlamaForCausalLM:

@@ -9,8 +9,8 @@ import torch
 
 from qn_hf.context_parallel.kernels import kernels
 from qn_hf.context_parallel.ring_attention import PieceLayout, needs_mask, ring_block, ring_blocks
-from tests.ring_cases import StridedLayout, batch_meta
 from tests import ring_cases
+from tests.ring_cases import StridedLayout, batch_meta
 
 FLOAT32 = 2e-5  # the project's gradient tolerance, relative to the largest reference value
 # bfloat16 inputs: the kernel rounds its block outputs and probabilities to bfloat16 (8 bits of

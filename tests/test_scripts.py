@@ -26,7 +26,9 @@ from tests.test_file_modes import unusual_modes
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 from soak import kill_tree  # noqa: E402
-from qn_hf.mesh import free_local_port
+
+from qn_hf.local_world import free_local_port  # noqa: E402
+
 COMMON = ["--warmup-steps", "2", "--lr", "3e-3", "--no-progress"]
 CASES = {  # script: (arguments, steps, launchers of A, B, C, how B is interrupted)
     "train_lm.py": (["--model", "tiny-gpt2", "--mesh", "2", "1", "2", "--microbatches", "2", "--batch-size", "8",

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from tests import trainer_cases
 from tests.models import load
 from tests.trainer_cases import reference
-from tests import trainer_cases
 
 LOSS_RTOL = 1e-4
 WEIGHT_ATOL = 1e-4

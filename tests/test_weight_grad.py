@@ -8,16 +8,16 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 
-from qn_hf.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from qn_hf.memory.recompute import apply_recompute, checkpoint_options
+from qn_hf.pipeline.weight_grad import DeferrableConv1D, DeferrableLinear, WeightGradQueue, make_deferrable
+from qn_hf.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from qn_hf.tensor_parallel.rng import RngStreams, stream_seeds
 from qn_hf.tensor_parallel.shard import ShardSpec
-from qn_hf.pipeline.weight_grad import DeferrableConv1D, DeferrableLinear, WeightGradQueue, make_deferrable
 
 KEY = (0, 0)
 

@@ -82,9 +82,8 @@ def test_every_zoo_model_has_a_checkpoint_layout_where_it_trains_equal():
     import json
     from pathlib import Path
 
-    from qn_hf.checkpoint.layout import model_layout
-
     from qn_hf.check.zoo import COLUMNS, zoo_model_types
+    from qn_hf.checkpoint.layout import model_layout
 
     expected = json.loads((Path(__file__).parent / "zoo_expected.json").read_text())
     # the record's types that the installed transformers plans (all of them on the release the test

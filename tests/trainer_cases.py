@@ -133,10 +133,11 @@ def bad_inputs(*, model_dir: str, out_dir: str) -> dict[str, str]:
 def sft(*, out_dir: str, parallel: dict | None = None) -> list[float]:
     """TRL's SFTTrainer, plain (``parallel`` None, one process) or through ``qn_hf.ParallelTrainerMixin``; returns
     the logged losses of 6 steps. SFTConfig defaults to gradient checkpointing and bf16, which the mixin refuses."""
-    import qn_hf
     import transformers
     import trl
     from tokenizers import Tokenizer, models
+
+    import qn_hf
 
     vocab = {f"t{i}": i for i in range(CONFIGS["llama"].vocab_size)}
     tokenizer = transformers.PreTrainedTokenizerFast(

@@ -20,12 +20,12 @@ import torch.distributed as dist
 from safetensors.torch import save
 from torch import nn
 
-from .atomic import fresh_dir, write_bytes_atomic
 from ..comm import barrier
 from ..data_parallel.sharded import model_class
 from ..peft.lora import Adapter
 from ..placement import ShardPlacement
 from ..tensor_parallel.shard import over_experts
+from .atomic import fresh_dir, write_bytes_atomic
 from .export import unique_state
 
 # The HF model inside a PEFT model: PeftModel.base_model (the tuner) .model (the HF model).

@@ -19,16 +19,41 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
-from .atomic import fresh_dir, remove_entry
-from .layout import Layout, Place, candidate_classes, meta_model, model_layout, named_class
 from ..version import __version__
+from .atomic import fresh_dir, remove_entry
 from .export import STAGING, begin_export, finish_export, numbered_weights_file, split_by_size
 from .files import PARTIAL, FileChecks, file_digest, publish
-from .format import (DTYPES, INDEX, OPTIMIZER, CheckpointError, boxes, checkpoint_dir, entry_nbytes, new_index,
-                     optimizer_key, read_index, shard_file, state_spec, tp_writes)
-from .hf import (HF_WEIGHTS, DEFAULT_MAX_SHARD_BYTES, base_prefixes, config_from_dict, hf_tensors, key_renamer,
-                 read_generation_config, read_headers, read_hf_config, read_hf_dir, source_name, weight_files,
-                 with_architecture)
+from .format import (
+    DTYPES,
+    INDEX,
+    OPTIMIZER,
+    CheckpointError,
+    boxes,
+    checkpoint_dir,
+    entry_nbytes,
+    new_index,
+    optimizer_key,
+    read_index,
+    shard_file,
+    state_spec,
+    tp_writes,
+)
+from .hf import (
+    DEFAULT_MAX_SHARD_BYTES,
+    HF_WEIGHTS,
+    base_prefixes,
+    config_from_dict,
+    hf_tensors,
+    key_renamer,
+    read_generation_config,
+    read_headers,
+    read_hf_config,
+    read_hf_dir,
+    source_name,
+    weight_files,
+    with_architecture,
+)
+from .layout import Layout, Place, candidate_classes, meta_model, model_layout, named_class
 from .lock import hold_directory
 from .names import next_checkpoint_dir
 from .optimizer_state import STATELESS

@@ -26,11 +26,11 @@ from safetensors import safe_open
 from torch import nn
 from transformers import GenerationConfig
 
-from .atomic import fresh_dir, write_text_atomic
 from ..comm import barrier
 from ..data_parallel.sharded import gathered_state
 from ..placement import ShardPlacement
 from ..tensor_parallel.shard import over_experts
+from .atomic import fresh_dir, write_text_atomic
 from .files import fsync_dir, fsync_file
 from .format import dtype_of_code, entry_nbytes, global_shape
 from .hf import HF_CONFIG, HF_INDEX, HF_WEIGHTS, generation_config_of, hf_class_name, with_architecture

@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .format import global_shape
 from ..comm import group_size
 from ..data_parallel.sharded import gathered_state
 from ..placement import ShardPlacement
+from .format import global_shape
 
 HOST_FRACTION = 0.5  # share of the available host memory the default bound lets the copies take
 FALLBACK_HOST_BYTES = 4 * 2**30  # where the available host memory cannot be read

@@ -22,8 +22,8 @@ import torch
 import transformers
 from safetensors import SafetensorError, safe_open
 
-from .layout import meta_model
 from .format import CheckpointError, check_entry, dtype_of_code, read_json
+from .layout import meta_model
 
 HF_CONFIG = "config.json"
 HF_INDEX = "model.safetensors.index.json"

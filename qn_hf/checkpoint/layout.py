@@ -17,8 +17,8 @@ import transformers
 from ..config.schedule import Schedule, check_schedule_args
 from ..pipeline.split import PipelineTie, build_stage_plan, stage_of_module
 from ..policies import resolve_policy
-from ..tensor_parallel.apply import apply_tp_plan
 from ..policies.model_policy import ModelPolicy
+from ..tensor_parallel.apply import apply_tp_plan
 from ..tensor_parallel.plan import build_tp_plan
 from ..tensor_parallel.shard import ShardSpec
 

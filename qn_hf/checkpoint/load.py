@@ -18,13 +18,27 @@ from ..data_parallel.precision import LossScaler
 from ..data_parallel.sharded import local, row_range, sharded_like
 from ..placement import ShardPlacement
 from .files import FileChecks
-from .format import (DTYPES, FORMAT, CheckpointError, checkpoint_dir, global_shape, optimizer_prefix, read_index,
-                     state_spec)
+from .format import (
+    DTYPES,
+    FORMAT,
+    CheckpointError,
+    checkpoint_dir,
+    global_shape,
+    optimizer_prefix,
+    read_index,
+    state_spec,
+)
 from .hf import base_prefixes, is_hf_dir, read_hf_dir, source_name
-from .optimizer_state import (OPTIMIZER_CLASS, kept_state, missing_state, optimizer_class_name, optimizer_view,
-                              restored_hyperparameters, stateless_of)
+from .optimizer_state import (
+    OPTIMIZER_CLASS,
+    kept_state,
+    missing_state,
+    optimizer_class_name,
+    optimizer_view,
+    restored_hyperparameters,
+    stateless_of,
+)
 from .pieces import read_local
-
 
 # Config entries that say nothing about what a checkpoint's tensors mean: bookkeeping, runtime
 # switches, token ids, label names, initialisation, the loss's problem type. Dropout probabilities

@@ -22,7 +22,6 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..arguments import check_non_negative_int, check_positive_int
-from .atomic import fresh_dir, give_plain_mode
 from ..comm import barrier
 from ..data_parallel.optimizer import OptimizerView
 from ..data_parallel.precision import LossScaler
@@ -30,6 +29,7 @@ from ..data_parallel.sharded import local, row_range
 from ..placement import Held, ShardPlacement
 from ..tensor_parallel.shard import ShardSpec
 from ..version import __version__
+from .atomic import fresh_dir, give_plain_mode
 from .files import PARTIAL, file_digest, fsync_file, prune, publish, write_json
 from .format import INDEX, CheckpointError, boxes, dtype_name, global_shape, new_index, optimizer_key, shard_file
 from .hf import generation_config_of, recorded_config
@@ -214,9 +214,9 @@ def write_shard(module: nn.Module, placement: ShardPlacement, view: OptimizerVie
         if not t.writes:
             continue
         pieces = []
-        for i, (box, local) in enumerate(_pieces(t, placement.shard_rank(t.spec))):
+        for i, (box, piece) in enumerate(_pieces(t, placement.shard_rank(t.spec))):
             key = f"{t.name}#{i}" if t.whole else f"{t.name}#dp{placement.replica_rank}.{i}"
-            tensors[key] = local.to("cpu").contiguous()
+            tensors[key] = piece.to("cpu").contiguous()
             pieces.append({"file": file, "key": key, "box": box})
         entries[t.name] = {"shape": global_shape(t.shape, t.spec), "dtype": dtype_name(t.values.dtype),
                            "pieces": pieces}

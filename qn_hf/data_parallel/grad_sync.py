@@ -28,11 +28,11 @@ import torch
 from torch import nn
 
 from ..comm import flat_all_reduce_
-from .buckets import GradBuckets, Piece, bucket_size_bytes, grad_dtype
 from ..placement import Copies, ShardPlacement
+from ..tensor_parallel.replica_check import check_replicated_grads
+from .buckets import GradBuckets, Piece, bucket_size_bytes, grad_dtype
 from .precision import LossScaler
 from .sharded import local
-from ..tensor_parallel.replica_check import check_replicated_grads
 
 
 class GradSync:

@@ -68,7 +68,10 @@ class RouterLogits:
 
     def __enter__(self) -> RouterLogits:
         self.logits = []
-        record = lambda _module, _args, out: self.logits.append(out[self.index] if isinstance(out, tuple) else out)
+
+        def record(_module, _args, out) -> None:
+            self.logits.append(out[self.index] if isinstance(out, tuple) else out)
+
         self._handles = [m.register_forward_hook(record) for m in self.modules]
         return self
 

@@ -49,7 +49,6 @@ from dataclasses import dataclass, field
 from ..arguments import Choice
 
 
-
 class Step(Choice):
     """What a recorded host call does: posts work on a stream, waits for it, or blocks the host."""
 

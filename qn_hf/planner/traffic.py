@@ -102,7 +102,10 @@ def _tp_microbatch(s: int, *, plan: TpPlan, trace: Trace, stage_of: Callable[[st
         ops[op][1] += nbytes
 
     sp = plan.sequence_parallel
-    entered = lambda name: any(name.startswith(e + ".") for e in plan.tp_entries)
+
+    def entered(name: str) -> bool:
+        return any(name.startswith(e + ".") for e in plan.tp_entries)
+
     for name, style in plan.rules:
         if stage_of(name) != s or name not in trace.io:
             continue

@@ -14,7 +14,6 @@ from .heads import LAYOUT_VALUES
 from .styles import STYLES, Style
 
 
-
 class StandIn(Choice):
     """What a module of the first or last stage only becomes on the other stages."""
 

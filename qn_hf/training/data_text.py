@@ -16,9 +16,9 @@ from typing import Any
 
 from datasets import Dataset, load_dataset
 
+from ..arguments import plural
 from .data_files import builder_for, resolve_files
 from .errors import UsageError
-from ..arguments import plural
 
 TEXT_EXTENSIONS = (".txt", ".text", ".md", ".parquet", ".json", ".jsonl")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")

@@ -32,10 +32,9 @@ from ..checkpoint.atomic import write_text_atomic
 from ..checkpoint.lock import DirectoryInUse, HeldDirectory, hold_directory
 from ..config.dims import ParallelDims
 from ..data_parallel.grad_norm import clip_grad_norm_
-from ..parallel_model import optimizer
 from ..devices import default_device
 from ..mesh import init_distributed, launched_world_size
-from ..parallel_model import ParallelModel
+from ..parallel_model import ParallelModel, optimizer
 from .config import TrainConfig, default_microbatches, effective_yaml
 from .errors import UsageError
 from .lr import warmup_cosine

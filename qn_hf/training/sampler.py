@@ -14,8 +14,8 @@ from functools import lru_cache
 
 import torch
 
-from .errors import UsageError
 from ..arguments import plural
+from .errors import UsageError
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .common import device as this_device, release, row
+from .common import device as this_device
+from .common import release, row
 
 # the ring's error may reach twice eager attention's in that dtype, and these floors (a wrong mask or merge
 # is off by O(1): the floors only keep rounding from failing a case)
@@ -48,8 +49,14 @@ def simulated_ring(q, k, v, grad_out, documents, valid, *, cp: int, window: int 
     every rank's share, as the ring's travelling accumulator adds them. Returns the output and the q, k, v
     gradients in the sequence's order, and the kernels the blocks can call (unmasked, masked)."""
     from qn_hf.context_parallel.kernels import NEG_INF, kernels
-    from qn_hf.context_parallel.ring_attention import (Attending, PieceLayout, attend_block, attend_block_backward,
-                                                       backward_inputs, needs_mask)
+    from qn_hf.context_parallel.ring_attention import (
+        Attending,
+        PieceLayout,
+        attend_block,
+        attend_block_backward,
+        backward_inputs,
+        needs_mask,
+    )
 
     layout, length = PieceLayout(size=cp), q.shape[2]
     masked = needs_mask(documents=documents, valid=valid)
@@ -142,7 +149,7 @@ def ring_kernels(*, quick: bool) -> list[dict]:
                                 f"eager {name} {eager_err[0]:.1e}/{eager_err[1]:.1e}; {', '.join(used)}",
                                 out_err=err[0], grad_err=err[1], tol=tol, eager_err=eager_err, kernels=used,
                                 shape=[batch, heads, kv_heads, length, dim], window=win))
-            del ref_out, ref_grads, eager_out, eager_grads
+            ref_out = ref_grads = eager_out = eager_grads = None  # the device memory back before the next case
             release(device)
     return rows
 

@@ -13,7 +13,8 @@ import copy
 
 import torch
 
-from .common import FIRST_LOSS_RTOL, build, device as this_device, llama_config, release, row
+from .common import FIRST_LOSS_RTOL, build, llama_config, release, row
+from .common import device as this_device
 
 LOSS_RTOL, WEIGHT_ATOL = 1e-5, 2e-5  # float32 parity, as tests/test_parity.py
 
@@ -49,8 +50,8 @@ def sharded_one_rank(*, quick: bool) -> list[dict]:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision is not None):
             ref_loss = ref(input_ids=ids, labels=ids).loss
         loss = model(input_ids=ids, labels=ids).loss
-        for m, l in ((ref, ref_loss), (model, loss)):
-            l.backward()
+        for m, value in ((ref, ref_loss), (model, loss)):
+            value.backward()
             torch.optim.SGD(m.parameters(), lr=lr).step()
         start = build(config, device)
         refs, starts = dict(ref.named_parameters()), dict(start.named_parameters())

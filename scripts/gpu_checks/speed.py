@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from .common import FIRST_LOSS_RTOL, build, device as this_device, llama_config, release, row, synchronize
+from .common import FIRST_LOSS_RTOL, build, llama_config, release, row, synchronize
+from .common import device as this_device
 
 # dense bf16 peak FLOP/s by device name (vendor data sheets), first match wins; others report no MFU
 PEAK_BF16 = {"H100 SXM": 989e12, "H100 80GB HBM3": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12,

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from .common import build, device as this_device, llama_config, release, row, synchronize
+from .common import build, llama_config, release, row, synchronize
+from .common import device as this_device
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -168,8 +169,6 @@ def host_syncs(*, quick: bool) -> list[dict]:
                 case = f"{side}, batch on {where}, {'attention mask' if masked else 'no mask'}"
                 rows.append(row("host syncs", case, "measured", top(sites), syncs=sum(sites.values()),
                                 sites=dict(sites), counter="cuda sync debug mode" if gpu else "aten dispatch"))
-        del model, opt, step
-        if side == "qn_hf":
-            del pm
+        model = opt = step = pm = None  # the device memory back before the other side runs
         release(device)
     return rows

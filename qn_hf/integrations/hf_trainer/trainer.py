@@ -41,9 +41,8 @@ from ...checkpoint import checkpoint_dir, read_index
 from ...config.composition import Feature
 from ...config.dims import Axis
 from ...data_parallel.grad_norm import clip_grad_norm_
-from ...parallel_model import optimizer
 from ...mesh import launched_world_size
-from ...parallel_model import ParallelModel
+from ...parallel_model import ParallelModel, optimizer
 from ...step.batch import dp_rows
 from ...step.compile import is_compiled
 from ...tensor_parallel.rng import device_rng_state, set_device_rng_state
