@@ -4,6 +4,7 @@ composed, for unmodified Hugging Face models, numerically equal to the unparalle
 from .build.parallelize import parallelize
 from .comm_meter import CommMeter
 from .config.dims import ParallelDims
+from .config.parallel_config import ParallelConfig
 from .config.schedule import Schedule
 from .data_parallel.grad_norm import clip_grad_norm_
 from .data_parallel.optimizer import ParallelOptimizer
@@ -14,6 +15,7 @@ from .version import __version__
 __all__ = [
     "CommMeter",
     "ModelPolicy",
+    "ParallelConfig",
     "ParallelDims",
     "ParallelModel",
     "ParallelOptimizer",
