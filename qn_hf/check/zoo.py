@@ -10,13 +10,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..config.dims import ParallelDims
+from ..config.dims import NamedDegrees, ParallelDims
 from ..config.parallel_config import ParallelConfig
 from .run import parity_config
 
 
 @dataclass(frozen=True, init=False)
-class ZooMesh:
+class ZooMesh(NamedDegrees):
     """One column of the zoo: the configuration a model trains one step at, built from
     ``parity_config``'s keywords (``ZooMesh(tp=2, sequence_parallel=True)``: dp, tp, pp, cp, ep,
     sequence_parallel, virtual_stages, recompute). ``moe``: the column applies to mixture-of-experts
@@ -34,26 +34,11 @@ class ZooMesh:
     def dims(self) -> ParallelDims:
         return self.parallel.dims
 
-    # The degrees and options by name, as the zoo's tests read a column (``COLUMNS["sp"].tp``).
-    @property
-    def dp(self) -> int:
-        return self.dims.dp
+    # The options by name, as the zoo's tests read a column (``COLUMNS["sp"].tp``; the degrees: NamedDegrees).
 
-    @property
-    def tp(self) -> int:
-        return self.dims.tp
 
-    @property
-    def pp(self) -> int:
-        return self.dims.pp
 
-    @property
-    def cp(self) -> int:
-        return self.dims.cp
 
-    @property
-    def ep(self) -> int:
-        return self.dims.ep
 
     @property
     def virtual_stages(self) -> int:

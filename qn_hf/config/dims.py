@@ -114,3 +114,17 @@ class ParallelDims:
                 f"launch {plural(self.world_size, 'process')} (e.g. torchrun --nproc-per-node {self.world_size}) "
                 f"or change {'/'.join(order)} so that their product is {world_size}"
             )
+
+
+class NamedDegrees:
+    """The degrees by name (``est.tp``) for a value that holds a ``ParallelDims`` as ``dims``: the
+    planner's estimates and the zoo's meshes are read a column at a time."""
+
+    dims: ParallelDims
+
+    dp = property(lambda self: self.dims.dp)
+    tp = property(lambda self: self.dims.tp)
+    pp = property(lambda self: self.dims.pp)
+    cp = property(lambda self: self.dims.cp)
+    ep = property(lambda self: self.dims.ep)
+    dp_shard = property(lambda self: self.dims.dp_shard)  # ranks of dp sharding one copy of the weights (FSDP)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from ..config.dims import ParallelDims
+from ..config.dims import NamedDegrees, ParallelDims
 from ..config.parallel_config import ParallelConfig
 from .memory import RankState
 from .traffic import GroupTraffic
@@ -69,7 +69,7 @@ class StageEstimate:
 
 
 @dataclass(frozen=True)
-class MeshEstimate:
+class MeshEstimate(NamedDegrees):
     """One mesh's figures; ``parallel`` is the configuration estimated (the degrees, the schedule, the
     training options), read through the properties below as the tables and JSON name them."""
 
@@ -93,30 +93,11 @@ class MeshEstimate:
     def dims(self) -> ParallelDims:
         return self.parallel.dims
 
-    @property
-    def dp(self) -> int:
-        return self.dims.dp
 
-    @property
-    def tp(self) -> int:
-        return self.dims.tp
 
-    @property
-    def pp(self) -> int:
-        return self.dims.pp
 
-    @property
-    def cp(self) -> int:
-        return self.dims.cp
 
-    @property
-    def ep(self) -> int:
-        return self.dims.ep
 
-    @property
-    def dp_shard(self) -> int:
-        """Ranks of dp sharding one copy of the weights (FSDP), hybrid across dp / dp_shard."""
-        return self.dims.dp_shard
 
     @property
     def microbatches(self) -> int:
