@@ -48,14 +48,19 @@ def _reset_peak() -> None:
 
 
 def _load(root: str):
-    """The checkout's ring_attention module, from its file (it imports only torch)."""
-    path = Path(root) / "qn_hf" / "ring_attention.py"
-    name = f"ring_attention_{abs(hash(str(path)))}"
-    spec = importlib.util.spec_from_file_location(name, path)
+    """The checkout's ring attention module. Its folder is loaded as a package of its own name (the
+    module imports only torch and its sibling ``kernels.py``), so two checkouts' versions can run in
+    one process without either replacing the installed qn_hf; an older checkout keeps the module at
+    the package root, where its folder is the package root itself."""
+    folder = Path(root) / "qn_hf" / "context_parallel"
+    if not (folder / "ring_attention.py").exists():
+        folder = Path(root) / "qn_hf"
+    package = f"ring_checkout_{abs(hash(str(folder)))}"
+    spec = importlib.util.spec_from_file_location(package, folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
     module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    sys.modules[package] = module  # the relative imports and dataclasses look their package up
+    return importlib.import_module(f"{package}.ring_attention")
 
 
 def ring_worker(rank: int, world: int, root: str, seq: int, heads: int, kv_heads: int, head_dim: int, steps: int,
@@ -64,7 +69,7 @@ def ring_worker(rank: int, world: int, root: str, seq: int, heads: int, kv_heads
 
     torch.set_num_threads(1)
     ring = _load(root)
-    layout = ring.PieceLayout(size=world)
+    layout = (getattr(ring, "PieceLayout", None) or ring.ChunkLayout)(size=world)  # named ChunkLayout before
     gen = torch.Generator().manual_seed(rank)
     local = seq // world
     q = torch.randn(1, heads, local, head_dim, generator=gen).requires_grad_()
