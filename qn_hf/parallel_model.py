@@ -57,8 +57,8 @@ class ParallelModel:
     ``named_parameters()`` yields HF names with local shards, ready for any ``torch.optim`` optimizer.
     """
 
-    def __init__(self, *, context: StepContext, grads: GradSync, rng: RngStreams, precision: torch.dtype | None,
-                 scaler: LossScaler | None, deferred: frozenset[str] = frozenset(), adapter: Adapter | None = None,
+    def __init__(self, *, context: StepContext, grads: GradSync, rng: RngStreams, scaler: LossScaler | None,
+                 deferred: frozenset[str] = frozenset(), adapter: Adapter | None = None,
                  switches: tuple[SequenceParallelSwitch | None, RingSwitch | None] = (None, None),
                  sharded: ShardedParameters | None = None) -> None:
         self.context = context  # what every step reads (step/runner.py)
@@ -67,7 +67,8 @@ class ParallelModel:
         self._warned: set[frozenset[Feature]] = set()  # the untested pairs a warning has named
         self.adapter = adapter  # the PEFT model ``module`` came from: save_pretrained writes its adapter
         self.grads, self.rng = grads, rng
-        self.precision = precision  # the compute dtype under mixed precision (None: the model's own)
+        precision = context.config.mixed_precision
+        self.precision = precision.dtype if precision else None  # the compute dtype (None: the model's own)
         self.scaler = scaler  # float16's loss scale
         # (chunk, Op.BWD | Op.WGT) -> the parameters final after its last backward or W pass: their buckets may start
         self._final_params = params_by_final_pass(context.module, context.stage.plan, chunks=context.stage.chunks,
@@ -249,8 +250,10 @@ class ParallelModel:
             self._batch_checked = True
         # What the loss is a mean over, summed over dp (one tiny all-reduce) unless the caller gave the
         # accumulation's count; each microbatch's share of it (loss.loss_scales)
-        count = self._count([prepared.batch], shifted=self.plan.loss.shifted if builtin else None) \
-            if num_items is None else torch.as_tensor(num_items, dtype=torch.float64).to(self.device, non_blocking=True).reshape(1)
+        if num_items is None:
+            count = self._count([prepared.batch], shifted=self.plan.loss.shifted if builtin else None)
+        else:
+            count = torch.as_tensor(num_items, dtype=torch.float64).to(self.device, non_blocking=True).reshape(1)
         scales = loss_scales(count, rows=prepared.rows, builtin=builtin)
         micro, whole = prepared.micro, prepared.whole  # a loss_fn sees whole sequences (whole_sequence_logits)
         total = torch.zeros((), dtype=torch.float32, device=self.device)

@@ -129,7 +129,6 @@ def _parallelize(model: nn.Module, config: ParallelConfig, *, adapter: Adapter |
     features = config.features | ({Feature.LORA} if adapter is not None else set())
     checked = check_parallel_config(model, config, policy=policy, extra=features - config.features)
     dims, plan, stage_plan = checked.dims, checked.tp_plan, checked.stage_plan
-    dims.check_world_size(launched_world_size())
     _check_tensors(model, checkpoint=checkpoint)
 
     device = device or default_device()
@@ -165,7 +164,7 @@ def _parallelize(model: nn.Module, config: ParallelConfig, *, adapter: Adapter |
     grads = GradSync(module=model, placement=build.placement, grad_sum=build.plan.grad_sum, scaler=scaler,
                      buckets=grad_buckets(model, build.placement, config.bucket_mb, experts=False),
                      expert_buckets=grad_buckets(model, build.placement, config.bucket_mb, experts=True))
-    pm = ParallelModel(context=context, grads=grads, rng=build.rng, precision=build.precision, scaler=scaler,
+    pm = ParallelModel(context=context, grads=grads, rng=build.rng, scaler=scaler,
                        deferred=frozenset(build.deferred), adapter=adapter, switches=(build.sp_switch, build.ring_switch),
                        sharded=build.sharded)
     pm.check_composes_with()  # refused above already; this warns (rank 0) about pairs no test compares yet
