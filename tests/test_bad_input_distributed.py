@@ -8,7 +8,7 @@ import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import qn_hf
-from qn_hf.build.validate import check_parallel_config
+from qn_hf.validation.checks import check_parallel_config
 from tests.cases import error_message, mesh_for
 from tests.models import CONFIGS, load, make_batch
 

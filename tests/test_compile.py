@@ -250,7 +250,7 @@ _SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_att
 ])
 def test_refused_combinations(kind, kwargs, expected):
     """Refused before any collective, by the check parallelize and the planner share."""
-    from qn_hf.build.validate import check_parallel_config
+    from qn_hf.validation.checks import check_parallel_config
 
     config = {"dp": 1, "tp": 1, "pp": 1, "microbatches": 1, "schedule": "1f1b", "compile": True, **kwargs}
     message = error_message(lambda: check_parallel_config(_meta(kind), **config))

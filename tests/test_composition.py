@@ -15,8 +15,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from qn_hf.build.validate import check_parallel_config
 from qn_hf.config.composition import ROWS, TABLE, Feature, Status, check_composition, markdown
+from qn_hf.validation.checks import check_parallel_config
 
 ROOT = Path(__file__).resolve().parents[1]
 _SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

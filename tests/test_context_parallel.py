@@ -66,7 +66,7 @@ def _meta_model(model_type: str, **overrides):
 
 
 def _error(model, **kwargs) -> str:
-    from qn_hf.build.validate import check_parallel_config
+    from qn_hf.validation.checks import check_parallel_config
 
     try:
         check_parallel_config(model, dp=1, microbatches=1, schedule="1f1b", **{"tp": 1, "pp": 1, "cp": 2, **kwargs})

@@ -147,7 +147,7 @@ def _meta(model_type: str, **overrides):
 
 
 def _refusal(model, **kwargs) -> str:
-    from qn_hf.build.validate import check_parallel_config
+    from qn_hf.validation.checks import check_parallel_config
 
     return error_message(lambda: check_parallel_config(model, microbatches=1, schedule="1f1b",
                                                        **{"dp": 2, "tp": 1, "pp": 1, "ep": 2, **kwargs}))

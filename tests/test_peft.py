@@ -193,9 +193,9 @@ def test_lora_on_a_linear_weight_by_target_parameters_is_refused_at_tp():
     to the wrapper's factors; refused by name before any collective (target_modules serves)."""
     from peft import LoraConfig, get_peft_model
 
-    from qn_hf.build.validate import check_parallel_config
     from qn_hf.check.run import build
     from qn_hf.peft.lora import unwrap_peft
+    from qn_hf.validation.checks import check_parallel_config
     from tests.ep_cases import moe_config
 
     config = LoraConfig(r=4, target_parameters=["self_attn.q_proj.weight"], target_modules=[])

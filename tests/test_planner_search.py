@@ -9,13 +9,13 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from qn_hf.build.validate import check_parallel_config
 from qn_hf.checkpoint.layout import meta_model
 from qn_hf.config.composition import Feature
 from qn_hf.config.parallel_config import ParallelConfig
 from qn_hf.planner.cost import Hardware
 from qn_hf.planner.estimate import Planner
 from qn_hf.planner.search import search
+from qn_hf.validation.checks import check_parallel_config
 from tests.ep_cases import moe_config
 
 LLAMA = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=8,

@@ -63,7 +63,7 @@ SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atte
 
 
 def _error(model, **kwargs) -> str:
-    from qn_hf.build.validate import check_parallel_config
+    from qn_hf.validation.checks import check_parallel_config
 
     try:
         check_parallel_config(model, dp=1, microbatches=1, schedule="1f1b", **{"tp": 2, "pp": 1, **kwargs})
@@ -78,7 +78,7 @@ def test_sequence_parallel_needs_tp():
 
 
 def _sp_plan(model):
-    from qn_hf.build.validate import check_parallel_config
+    from qn_hf.validation.checks import check_parallel_config
 
     return check_parallel_config(model, dp=1, tp=2, pp=1, microbatches=1, schedule="1f1b",
                                  sequence_parallel=True).tp_plan

@@ -155,10 +155,12 @@ def _option_enums() -> tuple[type, ...]:
     from qn_hf.config.schedule import Schedule
     from qn_hf.pipeline.nccl_replay import Step, Work
     from qn_hf.pipeline.schedule import Op
+    from qn_hf.planner.calibration import Link
     from qn_hf.policies.model_policy import StandIn
     from qn_hf.policies.styles import Style
 
-    return (Style, Schedule, Axis, LossKind, Precision, Recompute, Gather, Feature, Collective, StandIn, Op, Step, Work)
+    return (Style, Schedule, Axis, LossKind, Precision, Recompute, Gather, Feature, Collective, StandIn, Op, Step, Work,
+            Link)
 
 
 def _names_of_choices() -> dict[str, str]:

@@ -26,11 +26,13 @@ from ..mesh import build_groups, init_distributed, launched_world_size
 from ..parallel_model import ParallelModel
 from ..peft.lora import Adapter, unwrap_peft
 from ..pipeline.runtime import StageExecutor
+from ..planner.auto import AUTO, auto_config
+from ..planner.calibration import Calibration
 from ..policies.model_policy import ModelPolicy
 from ..policies.styles import Style
 from ..step.runner import StepContext
+from ..validation.checks import check_parallel_config
 from .passes import PASSES, Build
-from .validate import check_parallel_config
 
 _MARK = "_qn_hf_parallelized"
 
@@ -49,7 +51,7 @@ def parallelize(
     virtual_stages: int = 1,
     policy: ModelPolicy | None = None,
     layers_per_stage: Sequence[int] | None = None,
-    mesh: DeviceMesh | None = None,
+    mesh: DeviceMesh | str | None = None,
     device: torch.device | None = None,
     seed: int | None = None,
     bucket_mb: float = DEFAULT_BUCKET_MB,
@@ -61,6 +63,9 @@ def parallelize(
     compile: bool = False,
     dp_shard: int = 1,
     dp_shard_gather: str = "step",
+    global_batch: int | None = None,
+    seq_len: int | None = None,
+    calibration: Calibration | str | None = None,
     **unknown: object,
 ) -> ParallelModel:
     """Shard ``model`` (in place) over a (dp, pp, tp) mesh, or (dp, pp, cp, tp) with ``cp`` > 1, and
@@ -87,6 +92,13 @@ def parallelize(
     shards weights, gradients and optimizer state over groups of that many dp ranks with torch's
     ``fully_shard`` (data_parallel/sharded.py), under a pipeline gathered once a step or per microbatch
     (``dp_shard_gather``: "step" or "microbatch").
+
+    ``mesh="auto"`` lets the planner choose the configuration (``qn_hf.auto_config``): the fastest it
+    predicts that fits, training exactly ``global_batch`` sequences of ``seq_len`` tokens per step
+    (both required then), at ``calibration`` (a ``qn-hf-plan --calibrate`` file, or its value) or the
+    stated GPU figures; the options given beside it (a degree, ``mixed_precision``, ...) are kept.
+    ``pm.parallel_config`` says what was chosen; each dp rank's ``train_step`` takes
+    ``global_batch / dp`` sequences.
     """
     if unknown:  # Python's own TypeError would not say which keyword was meant
         raise refused_on_every_rank(TypeError(unknown_keywords(unknown, parallelize)))
@@ -102,6 +114,11 @@ def parallelize(
             raise ValueError("checkpoint= with a PEFT model is not supported: its names are those of the LoRA-"
                              "wrapped model; load the base with from_pretrained, wrap it with get_peft_model, then "
                              "parallelize")
+        if isinstance(mesh, str) or global_batch is not None or seq_len is not None or calibration is not None:
+            config = _auto(model, config, mesh=mesh, keywords=keywords, global_batch=global_batch, seq_len=seq_len,
+                           calibration=calibration)
+            mesh = None
+            keywords = {}
         if config is None:
             # The launch first: with the wrong number of processes every other message would name the wrong
             # fix (ep must divide dp*tp, ... of degrees the user did not mean).
@@ -120,6 +137,23 @@ def parallelize(
     except ValueError as e:  # every refusal is raised alike on every rank, before any collective
         refused_on_every_rank(e)
         raise
+
+
+def _auto(model: nn.Module, config: ParallelConfig | None, *, mesh: object, keywords: dict[str, object],
+          global_batch: int | None, seq_len: int | None, calibration: Calibration | str | None) -> ParallelConfig:
+    """``mesh="auto"``: the planner's configuration, the options given beside it kept."""
+    if mesh != AUTO:
+        raise ValueError(f"mesh={mesh!r} with global_batch/seq_len/calibration: those choose the configuration "
+                         f"and go with mesh='auto' only (mesh takes 'auto' or a DeviceMesh)")
+    if config is not None:
+        raise ValueError("parallelize(model, config, mesh='auto'): pass a configuration or let auto choose one, "
+                         "not both")
+    if global_batch is None or seq_len is None:
+        raise ValueError(f"mesh='auto' needs global_batch= and seq_len= (got global_batch={global_batch}, "
+                         f"seq_len={seq_len}): the fastest configuration depends on the step's shape")
+    defaults = {n: p.default for n, p in inspect.signature(parallelize).parameters.items() if n in keywords}
+    fixed = {n: v for n, v in keywords.items() if v != defaults[n]}
+    return auto_config(model, global_batch=global_batch, seq_len=seq_len, calibration=calibration, fixed=fixed)
 
 
 def _parallelize(model: nn.Module, config: ParallelConfig, *, adapter: Adapter | None, policy: ModelPolicy | None,

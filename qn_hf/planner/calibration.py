@@ -106,6 +106,11 @@ class Calibration:
     notes: dict[str, str] = field(default_factory=dict)
 
     # -- reading -------------------------------------------------------------------------------
+    @property
+    def on_cpu(self) -> bool:
+        """Ops run as the host issues them (no device queue to launch ahead into)."""
+        return self.device == "cpu"
+
     def matmul_rate(self, dtype: str, *, rows: float, width: float) -> float:
         table = self.matmul.get(dtype) or self.matmul["float32"]
         return table.rate(rows, width)

@@ -1,47 +1,40 @@
-"""A deliberately simple step-time model for ranking meshes (not a performance prediction).
+"""The step-time model: a mesh's estimate priced with a machine's figures (``calibration.py``),
+measured by ``qn-hf-plan --calibrate`` or, without a calibration, the stated ``Hardware`` figures
+(every figure then assumed, and named in ``StepTime.assumed``).
 
-For each pipeline stage, one microbatch costs
+For each pipeline stage, one microbatch on one rank costs
 
-    compute = (6 * matmul parameters on the rank + attention FLOPs / tp) * tokens / cp / FLOP rate
-              (``StageEstimate.flops_per_microbatch`` / cp / FLOP rate; times 4/3 with full
-              recomputation: the stage's forward runs twice; selective recomputation only redoes
-              elementwise work, counted as free); routed experts' parameters count at
-              ``MeshEstimate.expert_flop_share`` (K of E experts per token)
-    tp      = per microbatch, over the tp link bandwidth, a ring's bytes on the wire per byte of
-              payload (as CommMeter counts it): all-reduce 2 (tp-1)/tp, reduce-scatter (tp-1)/tp of
-              its whole input, all-gather (tp-1) times its slice
-    cp      = ring attention's bytes sent per microbatch (traffic.py: key/value blocks forward and
-              backward, float32 gradient blocks backward, the forward again under recomputation) /
-              cp link bandwidth; each rank sends and receives at once, so the sends set the time.
-              qn_hf posts each transfer before the attention of the block in hand and waits after
-              it, so a link faster than that attention hides the ring; counted as not hidden (slow)
-    pp      = 2 * hidden-state bytes / pp link bandwidth          (activation forward, gradient back)
-    ep      = expert parallelism's all-to-all payload per microbatch (traffic.py, at uniform routing)
-              * (ep-1)/ep (the share that leaves the rank) / ep link bandwidth; it sits between the
-              router and the experts, on the critical path
+    compute = dense matrix products' FLOPs at the calibrated rate for their shape (rows: the
+              tokens a rank runs, 1/cp of the microbatch's; width: hidden / tp); routed experts'
+              active FLOPs at theirs (rows: the tokens one expert gets at uniform routing);
+              attention's FLOPs on its own fit (a call per block, and per ring step under cp); every
+              other op of the forward (``Trace.ops``) at the per-op latency plus the bytes it writes
+              at the memory rate (the op latency is measured forward and backward together); times
+              4/3 under full recomputation (the forward runs again), the other ops' share a third
+              more under selective recomputation (the elementwise work is redone). On a GPU the
+              host launches ahead of the device: the larger of the launches' latency and the work
+    tp, cp, ep = each collective the estimate counts for the group (``GroupTraffic.ops``: calls and
+              payload per op) at the calibrated fit for that op over that many ranks on that link
+    pp      = the sends of one microbatch's activation and gradient, at the p2p fit
 
-(with V chunks per rank, interleaved_1f1b, the pp term V times: each chunk sends and receives), and
-the pipeline takes the schedule's own time: every rank's action list timed
+and the pipeline takes the schedule's own time: every rank's action list timed
 (``schedule_check.timed``) with the slowest stage's microbatch cut into per-op costs F, B and
-zb_h1's W, an even share per chunk (``schedules.op_costs``: the forward a third of the compute, the
-backward the rest plus the forward again under full recomputation, W the deferred linears' weight
-gradients taken out of B, communication half with F and half with B); for 1F1B and GPipe that is
-(microbatches + pp - 1) times the slowest stage's microbatch, as it always was. Data parallelism
-adds, for the largest stage, a ring all-reduce of the gradients over the R = dp x cp replicas, 2
-(R-1)/R * gradient bytes / link bandwidth, or with ZeRO a reduce-scatter of the gradients and an
-all-gather of the weights, (R-1)/R * (gradient + weight bytes) / bandwidth; under ep the experts'
-gradients are all-reduced over their own X = dp x tp / ep ranks instead, 2 (X-1)/X * their bytes /
-that group's link; assumed not overlapped with backward (qn_hf overlaps the last microbatch's
-backward, so this errs slow). Under dp_shard (FSDP over W = dp_shard x cp ranks) it adds instead
-FSDP's traffic (sharded.py): its all-gathers, (W-1) times each shard, and reduce-scatters, (W-1)/W
-of each input, over the dp_shard link, and with dp_shard < dp the hybrid all-reduce of the reduced
-shards, 2 (R-1)/R of them over R = dp / dp_shard groups, and under ep the experts' own groups, as
-the blocks' over their X ranks on the experts link (instead of the experts' all-reduce above);
-counted as not overlapped either, though
-FSDP prefetches the next block's all-gather during compute (errs slow). A group's link is NVLink
-when all its ranks share a node (ranks are laid out dp, pp, cp, tp with tp fastest; an ep group is ep consecutive ranks of a stage's dp x tp
-grid) and InfiniBand otherwise. Ring attention's own matrix products (float32, unfused) are counted
-at the stated rate like the rest: an optimistic figure.
+zb_h1's W (``schedules.op_costs``), which for 1F1B and GPipe is (microbatches + pp - 1) times the
+slowest stage's microbatch. Ring attention posts each block's transfer before computing the block
+in hand and waits after it (ring_attention.py), so ``overlap`` x the attention's time of the cp
+time is hidden.
+
+Once a step, every other group the estimate counts (dp's buckets, or ZeRO-1's pieces, the experts'
+buckets, FSDP's gathers and reductions, kv, tie, the batch agreement, fp16's flag) at its fits.
+qn_hf posts the dp buckets asynchronously as backward fills them (data_parallel/buckets.py), so
+``overlap`` x the last microbatch's backward of them is hidden; FSDP prefetches the next block's
+gather during compute, so ``overlap`` x the step's compute of its time is hidden. The optimizer
+step (AdamW, weights, gradients and state read and written once; a few ops per tensor on a CPU,
+a few per step on a GPU, where torch takes its foreach path) runs at the op fit.
+
+A group's link is the node's when all its ranks share a node (ranks are laid out dp, pp, cp, tp
+with tp fastest; an ep group is ep consecutive ranks of a stage's dp x tp grid) and the network's
+otherwise.
 """
 
 from __future__ import annotations
@@ -51,10 +44,15 @@ from dataclasses import dataclass
 from ..comm_meter import Collective
 from ..config.dims import Axis
 from ..config.options import Recompute
-from .results import MeshEstimate
+from .calibration import Calibration, Link, assumed
+from .results import MeshEstimate, StageEstimate
 from .schedules import op_costs, pipeline_timing
+from .traffic import GroupTraffic
 
 GIB = 1024**3
+# torch's AdamW: about this many ops per parameter tensor on a CPU (its single-tensor path), per step
+# on a GPU (the foreach path: one launch per op for a list of tensors)
+OPTIMIZER_OPS = 10
 
 
 @dataclass(frozen=True)
@@ -72,32 +70,13 @@ class StepTime:
     compute: float  # pipeline compute including the bubble
     tp: float
     pp: float
-    dp: float  # the gradients' reduction over dp x cp
-    cp: float  # ring attention
+    dp: float  # once a step: the gradients' reductions (dp x cp, experts, FSDP), less what overlaps
+    cp: float  # ring attention, less what overlaps
     tokens_per_s: float
-    utilization: float  # model FLOPs per second / (GPUs * stated FLOP rate)
+    utilization: float  # model FLOPs per second / (GPUs * the fastest calibrated matmul rate)
     ep: float = 0.0  # expert parallelism's all-to-alls
-
-
-def _tp_wire_bytes(ops: dict[Collective, tuple[int, int]], *, tp: int) -> float:
-    """Bytes a ring moves for these payloads (sequence parallelism's reduce-scatter and all-gather
-    together move what the all-reduce they replace moves)."""
-    per_byte = {Collective.ALL_REDUCE: 2 * (tp - 1) / tp, Collective.REDUCE_SCATTER_TENSOR: (tp - 1) / tp,
-                Collective.ALL_GATHER_INTO_TENSOR: tp - 1}
-    return sum(per_byte.get(op, 2 * (tp - 1) / tp) * nbytes for op, (_, nbytes) in ops.items())
-
-
-def _fsdp_seconds(comm: dict, *, width: int, groups: int, expert_width: int, link: dict[str, float]) -> float:
-    """FSDP's all-gathers, reduce-scatters and hybrid all-reduces of one step on the wire (cost.py's
-    docstring), over their links; the experts' own groups over theirs."""
-    def wire(ops: dict, ranks: int) -> float:
-        return ((ranks - 1) * ops[Collective.ALL_GATHER_INTO_TENSOR][1]
-                + (ranks - 1) / ranks * ops[Collective.REDUCE_SCATTER_TENSOR][1])
-
-    across = 2 * (groups - 1) / groups * comm[Axis.DP_REPLICATE].nbytes if Axis.DP_REPLICATE in comm else 0.0
-    experts = comm.get("experts")  # the experts' own groups, over their link
-    own = wire(experts.ops, expert_width) / link["experts"] if experts is not None else 0.0
-    return wire(comm["dp_shard"].ops, width) / link["dp_shard"] + across / link["dp_replicate"] + own
+    optimizer: float = 0.0  # the optimizer's step over this rank's state
+    assumed: tuple[str, ...] = ()  # the figures not measured (no calibration: all of them)
 
 
 def links(est: MeshEstimate, hw: Hardware) -> dict[str, str]:
@@ -113,51 +92,114 @@ def links(est: MeshEstimate, hw: Hardware) -> dict[str, str]:
     return {group: "nvlink" if ranks <= node else "ib" for group, ranks in span.items()}
 
 
-def step_time(est: MeshEstimate, hw: Hardware) -> StepTime:
-    bandwidth = {"nvlink": hw.nvlink_gbps * 1e9, "ib": hw.ib_gbps * 1e9}
-    link = {g: bandwidth[kind] for g, kind in links(est, hw).items()}
-    rate = hw.tflops * 1e12
-    tokens = est.tokens_per_microbatch
-    slowest = compute_mb = tp_mb = pp_mb = cp_mb = ep_mb = 0.0
+def machine(hw: Hardware, calibration: Calibration | None, *, world_size: int) -> Calibration:
+    """The figures a step is priced at: the calibration, or the hardware's stated ones."""
+    if calibration is not None:
+        return calibration
+    return assumed(tflops=hw.tflops, nvlink_gbps=hw.nvlink_gbps, ib_gbps=hw.ib_gbps, gpus_per_node=hw.gpus_per_node,
+                   gpu_memory=hw.gpu_memory, world_size=world_size)
+
+
+# traffic.py's groups beside the mesh's axes: dp x cp's replicas, and the ranks holding the same experts
+REPLICAS, EXPERTS = "replicas", "experts"
+_MICROBATCH_GROUPS = (Axis.TP, Axis.CP, Axis.EP, Axis.PP)
+_BUCKETS = (Axis.DP, REPLICAS, EXPERTS)  # posted as backward fills them (FSDP's experts: with FSDP)
+_FSDP = (Axis.DP_SHARD, Axis.DP_REPLICATE)
+
+
+def group_sizes(est: MeshEstimate) -> dict[str, int]:
+    """Ranks in each group the estimate counts traffic for (pp: the pair a transfer joins; a group
+    not named, as fp16's flag's "world", spans the world)."""
+    dims = est.dims
+    return {Axis.TP: est.tp, Axis.CP: est.cp, Axis.EP: est.ep, Axis.PP: 2, Axis.DP: est.dp, REPLICAS: est.replicas,
+            EXPERTS: est.expert_replicas, Axis.DP_SHARD: dims.shard_width, Axis.DP_REPLICATE: dims.dp_replicate,
+            "kv": est.tp, "tie": 2, "host": est.world_size, "world": est.world_size}
+
+
+def _group_seconds(traffic: GroupTraffic, *, ranks: int, link: Link, cal: Calibration, p2p: bool) -> float:
+    if ranks <= 1:
+        return 0.0
+    if p2p:  # both directions are counted on each rank; a transfer takes its send's time
+        return cal.collective(Collective.SEND, ranks=2, link=link).seconds(traffic.nbytes / 2, calls=traffic.calls / 2)
+    if traffic.ops:
+        return sum(cal.collective(Collective(op), ranks=ranks, link=link).seconds(nbytes, calls=calls)
+                   for op, (calls, nbytes) in traffic.ops.items())
+    return cal.collective(Collective.ALL_REDUCE, ranks=ranks, link=link).seconds(traffic.nbytes, calls=traffic.calls)
+
+
+def compute_dtype(est: MeshEstimate) -> str:
+    precision = est.parallel.mixed_precision
+    return str(precision.dtype).removeprefix("torch.") if precision is not None else est.dtype
+
+
+def compute_seconds(est: MeshEstimate, s: StageEstimate, cal: Calibration) -> tuple[float, float, float, float]:
+    """One microbatch's forward and backward on a rank of stage ``s``, without recomputation:
+    (all of it, of which attention, other ops, zb_h1's deferred weight gradients)."""
+    dtype = compute_dtype(est)
+    rows = est.tokens_per_microbatch / est.cp
+    width = max(est.hidden_size // est.tp, 1)
+    rate = cal.matmul_rate(dtype, rows=rows, width=width)
+    dense = (s.flops_per_microbatch - s.attention_flops_per_microbatch - s.expert_flops_per_microbatch) / est.cp
+    matmul = dense / rate
+    if s.expert_flops_per_microbatch:
+        expert_rows = max(rows * est.expert_flop_share, 1.0)
+        matmul += s.expert_flops_per_microbatch / est.cp / cal.matmul_rate(dtype, rows=expert_rows, width=width)
+    blocks = sum(b - a for a, b in s.chunks)
+    attention = cal.attention_fit(dtype).seconds(s.attention_flops_per_microbatch / est.cp, calls=blocks * est.cp)
+    others = cal.op.seconds(s.op_bytes_per_microbatch, calls=s.ops_per_microbatch)
+    weight = s.weight_grad_flops_per_microbatch / est.cp / rate
+    if not cal.on_cpu:  # the host launches ahead of the device: the larger of launching and running
+        launching = cal.op.latency * s.ops_per_microbatch
+        running = matmul + attention + s.op_bytes_per_microbatch / cal.op.rate
+        return max(launching, running), attention, max(launching - matmul - attention, 0.0), weight
+    return matmul + attention + others, attention, others, weight
+
+
+def step_time(est: MeshEstimate, hw: Hardware, calibration: Calibration | None = None) -> StepTime:
+    cal = machine(hw, calibration, world_size=est.world_size)
+    kinds = {g: Link.NODE if kind == "nvlink" else Link.NETWORK for g, kind in links(est, hw).items()}
+    spanning = Link.NODE if est.world_size <= hw.gpus_per_node else Link.NETWORK
+    sizes = group_sizes(est)
+
+    def seconds(group: str, traffic: GroupTraffic) -> float:
+        return _group_seconds(traffic, ranks=sizes.get(group, est.world_size), link=kinds.get(group, spanning),
+                              cal=cal, p2p=group == Axis.PP)
+
+    again = 4 / 3 if est.recompute == Recompute.FULL else 1.0
+    slowest = compute_mb = tp_mb = pp_mb = cp_mb = ep_mb = backward_mb = 0.0
     costs = {}
     for s in est.stages:
-        plain = s.flops_per_microbatch / est.cp / rate  # forward and backward, without recomputation
-        c = plain * (4 / 3 if est.recompute == Recompute.FULL else 1)
-        t = _tp_wire_bytes(s.comm["tp"].ops, tp=est.tp) / est.microbatches / link["tp"] if Axis.TP in s.comm else 0.0
-        r = s.comm["cp"].ops.get(Collective.SEND, (0, 0))[1] / est.microbatches / link["cp"] if Axis.CP in s.comm else 0.0
-        # the activation out, its gradient back, per chunk
-        p = 2 * est.virtual_stages * est.boundary_bytes / link["pp"] if est.pp > 1 else 0.0
-        e = s.comm["ep"].nbytes * (est.ep - 1) / est.ep / est.microbatches / link["ep"] if Axis.EP in s.comm else 0.0
+        plain, attention, others, weight = compute_seconds(est, s, cal)
+        c = plain * again + (others / 3 if est.recompute == Recompute.SELECTIVE else 0.0)
+        per = {g: seconds(g, s.comm[g]) / est.microbatches for g in _MICROBATCH_GROUPS if g in s.comm}
+        t, p, e = per.get(Axis.TP, 0.0), per.get(Axis.PP, 0.0), per.get(Axis.EP, 0.0)
+        r = max(per.get(Axis.CP, 0.0) - cal.overlap * attention * again, 0.0)
         if c + t + r + p + e > slowest:
             slowest, compute_mb, tp_mb, cp_mb, pp_mb, ep_mb = c + t + r + p + e, c, t, r, p, e
-            costs = op_costs(compute=plain, weight=s.weight_grad_flops_per_microbatch / est.cp / rate,
-                             comm=t + r + p + e, recompute=est.recompute, schedule=est.schedule,
-                             virtual_stages=est.virtual_stages)
+            backward_mb = c - plain / 3 + (t + r + e) / 2
+            costs = op_costs(compute=plain, weight=weight, comm=t + r + p + e, recompute=est.recompute,
+                             schedule=est.schedule, virtual_stages=est.virtual_stages)
     timing = pipeline_timing(stages=est.pp, microbatches=est.microbatches, schedule=est.schedule,
                              virtual_stages=est.virtual_stages, costs=costs)
-    rounds = timing.makespan / slowest  # slowest microbatches' worth: M + pp - 1 for 1F1B
-    dp = 0.0
+    rounds = timing.makespan / slowest
 
-    def moved(ranks: int, grad_bytes: int, weight_bytes: int) -> float:
-        """Bytes a rank moves reducing ``grad_bytes`` over ``ranks``: an all-reduce's 2(n-1)/n, or
-        ZeRO-1's reduce-scatter of them and all-gather of the weights, (n-1)/n each."""
-        ring = (ranks - 1) / ranks
-        return ring * (grad_bytes + weight_bytes) if est.zero else 2 * ring * grad_bytes
+    def once(s: StageEstimate) -> float:
+        """A stage's once-a-step groups, less what overlaps with its compute."""
+        sharded = est.dp_shard > 1
+        buckets = sum(seconds(g, s.comm[g]) for g in _BUCKETS if g in s.comm and not sharded)
+        fsdp = sum(seconds(g, s.comm[g]) for g in (*_FSDP, EXPERTS) if g in s.comm and sharded)
+        rest = sum(seconds(g, traffic) for g, traffic in s.comm.items()
+                   if g not in (*_MICROBATCH_GROUPS, *_BUCKETS, *_FSDP))
+        return (buckets - cal.overlap * min(buckets, backward_mb) + fsdp
+                - cal.overlap * min(fsdp, rounds * compute_mb) + rest)
 
-    def expert_weight_bytes(s) -> int:  # the ep-sharded experts' weights (in buckets of their own)
-        return s.expert_params * s.weight_bytes // s.params if est.ep > 1 and s.params else 0
-
-    if est.dp_shard > 1:
-        dp = max(_fsdp_seconds(s.comm, width=est.dims.shard_width, groups=est.dims.dp_replicate,
-                               expert_width=est.expert_replicas, link=link) for s in est.stages)
-    elif est.replicas > 1:
-        dp = max(moved(est.replicas, s.grad_bytes - s.expert_grad_bytes, s.weight_bytes - expert_weight_bytes(s))
-                 for s in est.stages) / link["dp"]
-    if est.ep > 1 and est.expert_replicas > 1 and est.dp_shard == 1:  # (FSDP's experts groups: above)
-        dp += max(moved(est.expert_replicas, s.expert_grad_bytes, expert_weight_bytes(s))
-                  for s in est.stages) / link["experts"]
-    seconds = rounds * slowest + dp
-    global_tokens = tokens * est.microbatches * est.dp
-    return StepTime(seconds=seconds, compute=rounds * compute_mb, tp=rounds * tp_mb, pp=rounds * pp_mb, dp=dp,
-                    cp=rounds * cp_mb, tokens_per_s=global_tokens / seconds,
-                    utilization=est.flops_per_step / seconds / (est.world_size * rate), ep=rounds * ep_mb)
+    dp = max(once(s) for s in est.stages)
+    optimizer = max(cal.op.seconds(2 * s.state_bytes, calls=OPTIMIZER_OPS * (max(s.param_tensors, 1) if cal.on_cpu else 1))
+                    for s in est.stages)
+    total = rounds * slowest + dp + optimizer
+    global_tokens = est.tokens_per_microbatch * est.microbatches * est.dp
+    peak = max(max(max(row) for row in table.rates) for table in cal.matmul.values())
+    return StepTime(seconds=total, compute=rounds * compute_mb, tp=rounds * tp_mb, pp=rounds * pp_mb, dp=dp,
+                    cp=rounds * cp_mb, tokens_per_s=global_tokens / total,
+                    utilization=est.flops_per_step / total / (est.world_size * peak), ep=rounds * ep_mb,
+                    optimizer=optimizer, assumed=cal.assumed)

@@ -45,7 +45,6 @@ from dataclasses import replace
 import torch
 from transformers import PretrainedConfig
 
-from ..build.validate import CheckedConfig, check_parallel_config
 from ..checkpoint.layout import meta_model
 from ..config.composition import Feature, check_composition
 from ..config.options import Recompute
@@ -59,6 +58,7 @@ from ..pipeline.weight_grad import WeightGradQueue, make_deferrable
 from ..policies import resolve_policy
 from ..policies.model_policy import ModelPolicy
 from ..step.batch import check_model_inputs
+from ..validation.checks import CheckedConfig, check_parallel_config
 from .activations import chunk_activations, kept_collectives, weight_stash
 from .context import cp_inputs
 from .experts import moe_regions
@@ -87,13 +87,15 @@ class Planner:
     """
 
     def __init__(self, config: PretrainedConfig, *, seq_len: int, micro_batch_size: int,
-                 dtype: torch.dtype = torch.float32, policy: ModelPolicy | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, policy: ModelPolicy | None = None,
+                 model_class: type | None = None) -> None:
         self.config = config
+        self.model_class = model_class  # the class training runs (default: the one the config names)
         self.seq_len = seq_len
         self.micro_batch_size = micro_batch_size
         self.dtype = dtype
         self.policy = policy
-        self.model = meta_model(config).to(dtype)
+        self.model = meta_model(config, cls=model_class).to(dtype)
         # resolved once (deriving a policy from transformers' plan reads the modeling source, most of
         # a check's time); a model it refuses is refused by every check, with the same message
         try:
@@ -126,7 +128,7 @@ class Planner:
             if recorded not in self._recordings:
                 model = self.model
                 if (precision, recompute, cp) != (None, None, 1):  # a model of its own: the pristine one serves the checks
-                    model = meta_model(self.config).to(self.dtype)
+                    model = meta_model(self.config, cls=self.model_class).to(self.dtype)
                     if precision is not None:
                         apply_mixed_precision(model, precision)
                     for experts in sharded_experts(model).values() if loaded_experts else ():
@@ -206,6 +208,11 @@ class Planner:
         active = base.experts[0].top_k / base.experts[0].experts if base.experts else 1.0
         expert_flop_share = active * (ep / tp if ep > 1 else 1)
         grad_sum = set(plan.grad_sum)
+        op_counts = [[0, 0] for _ in range(pp)]  # per stage: ops of one microbatch's forward, bytes they write
+        for name, (count, whole_bytes, split_bytes) in base.ops.items():
+            at = op_counts[stage_of(name)]
+            at[0] += count
+            at[1] += whole_bytes + split_bytes // tp
         sharded = self._experts if ep > 1 else frozenset()  # in buckets of their own, over "experts"
         stages = []
         for s in range(pp):
@@ -246,7 +253,8 @@ class Planner:
             # 6 FLOPs per matmul parameter and token (embedding lookups none, routed experts their active share)
             matmul = params - embedding[s] - expert_params * (1 - expert_flop_share)
             blocks = sum(b - a for a, b in ranges)
-            flops = (6 * matmul + attention_per_token * blocks / layers / tp) * tokens
+            attention_flops = attention_per_token * blocks / layers / tp * tokens
+            flops = 6 * matmul * tokens + attention_flops
             # W: each deferred weight's gradient, 2 FLOPs per element and token
             weight_flops = 2 * sum(n for name, n in on_stage[s] if name.rpartition(".")[0] in deferred
                                    and name.endswith(".weight")) * tokens
@@ -262,7 +270,10 @@ class Planner:
                 chunk_activation_bytes=tuple(activations[c] for c in chunks),
                 flops_per_microbatch=flops, weight_grad_flops_per_microbatch=weight_flops,
                 gathered_bytes=fsdp.gathered_bytes if fsdp else 0,
-                accumulated_grad_bytes=fsdp.accumulated_grad_bytes if fsdp else 0))
+                accumulated_grad_bytes=fsdp.accumulated_grad_bytes if fsdp else 0,
+                attention_flops_per_microbatch=attention_flops,
+                expert_flops_per_microbatch=6 * expert_params * expert_flop_share * tokens,
+                param_tensors=len(on_stage[s]), ops_per_microbatch=op_counts[s][0], op_bytes_per_microbatch=op_counts[s][1]))
         slowest = max(stages, key=lambda e: e.flops_per_microbatch)
         costs = op_costs(compute=slowest.flops_per_microbatch, weight=slowest.weight_grad_flops_per_microbatch,
                          comm=0.0, recompute=recompute, schedule=schedule, virtual_stages=virtual_stages)
@@ -274,12 +285,13 @@ class Planner:
                             bubble=bubble(timing), flops_per_step=float(per_token * tokens * microbatches * dp),
                             attention_flops_per_token=attention_per_token,
                             layers=layers, boundary_bytes=base.boundary_numel * param_elem,
-                            zero=zero or zero_experts, expert_flop_share=expert_flop_share)
+                            zero=zero or zero_experts, expert_flop_share=expert_flop_share,
+                            hidden_size=self.config.hidden_size, dtype=str(self.dtype).removeprefix("torch."))
 
     def _check(self, config: ParallelConfig, *, zero: bool) -> CheckedConfig:
         """``check_parallel_config``, the checks ``parallelize`` runs, their pass reused across
         dp_shard: after the composition table (the first of them, the one dp_shard reaches, as the
-        DP_SHARD feature), they read the model's structure under the other options (validate.py;
+        DP_SHARD feature), they read the model's structure under the other options (validation/checks.py;
         the degrees on their own were checked as ``config`` was built), so a configuration that
         passed them at one dp_shard passes them at any other, and only the table is asked again
         (raising what the whole check would). A refusal is never reused."""
@@ -295,14 +307,14 @@ class Planner:
         """The linear modules whose weight gradients zb_h1 defers to W: those ``parallelize`` hands to
         ``make_deferrable`` (on a meta model of its own, whose layers it swaps)."""
         if self._deferrable is None:
-            model = meta_model(self.config).to(self.dtype)
+            model = meta_model(self.config, cls=self.model_class).to(self.dtype)
             names = make_deferrable(model, queue=WeightGradQueue(), skip=heads)
             self._deferrable = frozenset(n.rpartition(".")[0] for n in names)
         return self._deferrable
 
     def _local_sizes(self, plan, ep: int = 1) -> tuple[dict[str, int], dict, dict[str, int]]:
         if (plan.tp, ep) not in self._sharded:
-            self._sharded[(plan.tp, ep)] = local_sizes(self.config, dtype=self.dtype, plan=plan, ep=ep,
+            self._sharded[(plan.tp, ep)] = local_sizes(self.config, dtype=self.dtype, plan=plan, ep=ep, cls=self.model_class,
                                                        experts=self._experts)
         return self._sharded[(plan.tp, ep)]
 

@@ -35,6 +35,13 @@ class _GroupedMM(torch.autograd.Function):
         raise NotImplementedError("the planner's grouped-matmul stand-in has no backward")
 
 
+# Ops whose time the model counts from FLOPs (matrix products, attention), not from bytes written.
+COMPUTE_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_dot_product_flash_attention",
+                          "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                          "_scaled_dot_product_cudnn_attention", "_efficient_attention_forward",
+                          "_flash_attention_forward"})
+
+
 class TrainingKernels(TorchFunctionMode):
     """Attention as the fused kernel; a 2-D by 3-D grouped matmul on meta as ``_GroupedMM``."""
 

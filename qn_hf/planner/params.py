@@ -17,13 +17,13 @@ from ..pipeline.split import StagePlan, on_every_stage
 from ..tensor_parallel.apply import apply_tp_plan
 
 
-def local_sizes(config: PretrainedConfig, *, dtype: torch.dtype, plan, ep: int,
+def local_sizes(config: PretrainedConfig, *, dtype: torch.dtype, plan, ep: int, cls: type | None = None,
                 experts: frozenset[str]) -> tuple[dict[str, int], dict, dict[str, int]]:
     """Elements of each parameter on one tp rank (every tp rank holds the same sizes), the tp specs,
     and each parameter's rows there (dim 0, what dp_shard splits; 1 for a scalar); under ep the
     experts' tp rules are gone from ``plan`` and a rank holds 1/ep of each of the ``experts``
     tensors (their dim 0)."""
-    sharded = meta_model(config).to(dtype)
+    sharded = meta_model(config, cls=cls).to(dtype)
     specs, _ = apply_tp_plan(sharded, plan, tp_rank=0, group=None)  # meta: shapes only, no communication
     params = dict(sharded.named_parameters())
     rows = {n: (p.shape[0] // ep if n in experts else p.shape[0]) if p.dim() else 1 for n, p in params.items()}

@@ -32,6 +32,11 @@ class StageEstimate:
     weight_grad_flops_per_microbatch: float = 0.0  # of which zb_h1's W (the deferred linears' weight gradients)
     gathered_bytes: int = 0  # dp_shard: whole weights FSDP holds gathered at once in a step (sharded.py)
     accumulated_grad_bytes: int = 0  # dp_shard under pp: whole gradients kept until the step's reduction
+    attention_flops_per_microbatch: float = 0.0  # of flops_per_microbatch: attention's
+    expert_flops_per_microbatch: float = 0.0  # of flops_per_microbatch: the routed experts' (active share)
+    param_tensors: int = 0  # parameter tensors this rank holds (the optimizer's per-tensor ops)
+    ops_per_microbatch: int = 0  # ops of the forward here that write memory (each also runs its backward)
+    op_bytes_per_microbatch: int = 0  # bytes those other than matmuls and attention write (this rank's)
 
     @property
     def blocks(self) -> tuple[int, int]:
@@ -87,7 +92,10 @@ class MeshEstimate(NamedDegrees):
     zero: bool = False  # ZeRO-1 as it applies: asked for, and some state has more than one holder
     # Per token, the share of this rank's routed-expert weights whose matmuls it runs: K/E, and
     # K*ep/(E*tp) under ep (a tp rank sends 1/tp of the tokens, to E/ep experts held whole); 1: dense.
+    # It is also the rows one expert's products get per token of the rank, at uniform routing.
     expert_flop_share: float = 1.0
+    hidden_size: int = 0  # the model's (the width of its matrix products, before tp)
+    dtype: str = "float32"  # the loaded model's (mixed precision computes in its own)
 
     @property
     def dims(self) -> ParallelDims:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from ..config.parallel_config import ParallelConfig
 from ..config.schedule import Schedule, microbatches_allowed
+from .calibration import Calibration
 from .cost import Hardware, StepTime, step_time
 from .estimate import Planner
 from .results import MeshEstimate
@@ -105,14 +106,15 @@ def at_mesh(options: Mapping[str, object], *, dp: int, tp: int, pp: int, cp: int
 def search(planner: Planner, options: Mapping[str, object], *, gpus: int, hw: Hardware, zero: bool = False,
            microbatches: int | None = None, global_batch: int | None = None, fixed: dict[str, int] | None = None,
            cp: int | None = None, max_cp: int = MAX_CP, ep: int | None = 1,
-           dp_shard: int | None = 1) -> tuple[list[Candidate], list[Rejected]]:
+           dp_shard: int | None = 1, calibration: Calibration | None = None) -> tuple[list[Candidate], list[Rejected]]:
     """Every mesh for ``gpus`` (``cp`` and ``max_cp`` as ``meshes`` takes them; ``fixed`` degrees, e.g.
     ``{"tp": 8}``, kept), each ``options`` at its degrees and microbatches (``at_mesh``: the degrees
     and microbatches of ``options`` are the search's, its other fields every mesh's; a schedule some
     meshes cannot run, as interleaved_1f1b at pp=1, rejects those with its message), estimated with
     ``zero`` (as ``Planner.estimate``). With ``global_batch`` every mesh trains exactly that many
     sequences per step (its microbatches follow from dp); a mesh that cannot is rejected, saying
-    why. ``ep`` and ``dp_shard``: given, or None to enumerate them (module docstring)."""
+    why. ``ep`` and ``dp_shard``: given, or None to enumerate them (module docstring). Step times
+    at ``calibration`` (``cost.step_time``; None: ``hw``'s stated figures)."""
     accepted, rejected = [], []
     cp = 1 if cp is None and ep is not None and ep > 1 else cp
     fixed = fixed or {}
@@ -135,7 +137,7 @@ def search(planner: Planner, options: Mapping[str, object], *, gpus: int, hw: Ha
                     if not any((r.dp, r.tp, r.pp, r.cp, r.reason) == (dp, tp, pp, c, str(error)) for r in rejected):
                         rejected.append(Rejected(dp=dp, tp=tp, pp=pp, cp=c, ep=e, dp_shard=shard, reason=str(error)))
                     continue  # (the same reason at another ep or dp_shard is listed once)
-                accepted.append(evaluate(est, hw=hw))
+                accepted.append(evaluate(est, hw=hw, calibration=calibration))
     accepted.sort(key=lambda c: (not c.fits, -c.time.tokens_per_s))
     return accepted, rejected
 
@@ -148,6 +150,6 @@ def expert_degrees(experts: int, *, dp: int, tp: int, cp: int, cp_given: bool) -
     return [1] + [e for e in more if experts % e == 0 and dp * tp % e == 0]
 
 
-def evaluate(est: MeshEstimate, *, hw: Hardware) -> Candidate:
+def evaluate(est: MeshEstimate, *, hw: Hardware, calibration: Calibration | None = None) -> Candidate:
     peak = est.peak_bytes
-    return Candidate(estimate=est, time=step_time(est, hw), peak_bytes=peak, fits=peak <= hw.gpu_memory)
+    return Candidate(estimate=est, time=step_time(est, hw, calibration), peak_bytes=peak, fits=peak <= hw.gpu_memory)

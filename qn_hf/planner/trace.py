@@ -31,7 +31,7 @@ import contextlib
 import functools
 import gc
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -49,7 +49,7 @@ from ..tensor_parallel.plan import TpPlan
 from ..tensor_parallel.sequence_parallel import regathers
 from .context import RingCall, RingStandIn
 from .experts import ExpertCall, ExpertsStandIn, moe_regions
-from .kernels import TrainingKernels
+from .kernels import COMPUTE_OPS, TrainingKernels
 from .sequence import SeqCollective, SequenceStandIns, StageEdges
 
 
@@ -81,6 +81,9 @@ class Trace:
     # Linear layers whose input is the very tensor a sibling (same parent module) took before them:
     # q, k and v of one norm output, gate and up. What keeps their inputs (zb_h1's W stash) keeps it once.
     repeated_inputs: frozenset[str] = frozenset()
+    # module -> (ops of the forward there that wrote memory (views do not count), bytes those other than
+    # matmuls and attention wrote whole on every tp rank, and split across tp): cost.py's op terms
+    ops: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
 
 def example_inputs(model: nn.Module, *, micro_batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
@@ -107,13 +110,15 @@ def _tensors(value) -> list[torch.Tensor]:
 
 class _Allocations(TorchDispatchMode):
     """Every storage an op allocates while active, with the module that was running, held weakly.
-    A storage first met as an op's input existed before (a weight, the input ids) and never counts."""
+    A storage first met as an op's input existed before (a weight, the input ids) and never counts.
+    Also counts, per owner, the ops that wrote a new storage and the bytes written (``Trace.ops``)."""
 
     def __init__(self, owner) -> None:
         super().__init__()
         self._owner = owner  # -> a key for the allocations made now
         self._known: dict[int, StorageWeakRef] = {}
         self._allocated: list[tuple[StorageWeakRef, int, object]] = []
+        self.ops: dict[object, list[int]] = defaultdict(lambda: [0, 0])  # owner -> [ops, bytes written]
 
     def _first_sight(self, t: torch.Tensor) -> StorageWeakRef | None:
         ref = StorageWeakRef(t.untyped_storage())
@@ -128,10 +133,16 @@ class _Allocations(TorchDispatchMode):
         for t in _tensors((args, kwargs)):
             self._first_sight(t)
         out = func(*args, **kwargs)
+        written = 0
         for t in _tensors(out):
             ref = self._first_sight(t)
             if ref is not None:
                 self._allocated.append((ref, t.untyped_storage().nbytes(), self._owner()))
+                written += t.untyped_storage().nbytes()
+        if written:  # a view or an in-place op on a known storage allocates nothing
+            count = self.ops[self._owner()]
+            count[0] += 1
+            count[1] += 0 if func._overloadpacket.__name__ in COMPUTE_OPS else written
         return out
 
     def alive(self) -> dict[object, int]:
@@ -192,6 +203,7 @@ class Recording:
     experts: tuple[ExpertCall, ...]
     repeated_inputs: frozenset[str]
     linears: frozenset[str]  # the exact nn.Linear and Conv1D modules (zb_h1 can defer them)
+    ops: dict[tuple[str, bool | None], tuple[int, int]] = field(default_factory=dict)  # owner -> (ops, bytes)
 
     def trace(self, plan: TpPlan, *, whole: frozenset[str] = frozenset()) -> Trace:
         """The trace under ``plan`` (``whole``: under ep, the regions holding experts, kept whole)."""
@@ -203,10 +215,15 @@ class Recording:
             kept[owner][1 if _split_across_tp(owner, styles, plan, region=region, whole=whole) else 0] += nbytes
         rerun = frozenset(n for n, (block, t) in self.done.items()
                           if n in rowwise and self.last_save.get(block, 0) > t)
+        ops: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+        for (owner, region), (count, nbytes) in self.ops.items():
+            ops[owner][0] += count
+            ops[owner][2 if _split_across_tp(owner, styles, plan, region=region, whole=whole) else 1] += nbytes
         return Trace(io={k: v for k, v in self.io.items() if k in watched}, boundary_numel=self.boundary_numel,
                      kept={k: (v[0], v[1]) for k, v in kept.items()}, logits_rows=self.logits_rows,
                      tokens=self.tokens, rerun=rerun, sequence=self.sequence, ring=self.ring,
-                     experts=self.experts, repeated_inputs=self.repeated_inputs)
+                     experts=self.experts, repeated_inputs=self.repeated_inputs,
+                     ops={k: (v[0], v[1], v[2]) for k, v in ops.items()})
 
 
 def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dict[str, torch.Tensor],
@@ -357,7 +374,8 @@ def record_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: di
                          gather_rerun=block is not None and last_save.get(block, 0) > g) for c, block, t, g in experts)
     return Recording(io={k: ModuleIO(*v) for k, v in io.items()}, alive=alive, done=done, last_save=last_save,
                      boundary_numel=boundary[0], logits_rows=rows, tokens=tokens, sequence=reruns, ring=rings,
-                     experts=moes, repeated_inputs=frozenset(repeated), linears=frozenset(linears))
+                     experts=moes, repeated_inputs=frozenset(repeated), linears=frozenset(linears),
+                     ops={k: (v[0], v[1]) for k, v in allocations.ops.items()})
 
 
 def _split_across_tp(name: str, styles: dict[str, Style], plan: TpPlan, *, region: bool | None,

@@ -1,0 +1,254 @@
+"""``auto_config``: the configuration the planner predicts fastest among those that fit, for a world
+size, a global batch and a sequence length.
+
+What is searched: every mesh ``search`` enumerates (dp, tp, pp, cp, ep, dp_shard), at every
+micro-batch size (a power of two up to ``MAX_MICRO_BATCH``) that trains exactly ``global_batch``
+sequences per step, and under a pipeline the schedules 1F1B, interleaved 1F1B at two chunks per
+rank and zb_h1. What can only be slower is left out: GPipe (1F1B's time, holding more
+activations), at pp=1 a micro-batch smaller than the largest that fits (the same work in smaller
+products), and recomputation for a configuration that fits without it (the forward runs again;
+selective is tried before full). ZeRO-1 is not
+chosen: it is ``qn_hf.optimizer``'s option, not the configuration's, and dp_shard (searched)
+shards what it shards and more. Options the caller fixes (``fixed``: ``ParallelConfig`` keywords,
+as mixed precision or one degree) are kept in every candidate.
+
+The ranking is the planner's: fits in ``device_memory`` first, then the predicted step time
+(``cost.step_time`` at the calibration, or at the stated GPU figures, each assumed one named in the
+choice), ties broken by the configuration's own order, so the choice is a function of its inputs
+alone: identical on every rank given the same calibration (``auto_config`` agrees the device memory
+over the job when one is running, the smallest rank's).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config.dims import Axis
+from ..config.options import Recompute
+from ..config.parallel_config import ParallelConfig
+from ..config.schedule import Schedule
+from ..mesh import launched_world_size
+from .calibration import Calibration
+from .cost import GIB, Hardware, StepTime
+from .estimate import Planner
+from .search import Candidate, Rejected, evaluate, search
+
+AUTO = "auto"  # parallelize's mesh= that asks for this module's choice
+MAX_MICRO_BATCH = 8
+DEGREES = (Axis.DP, Axis.DP_SHARD, Axis.TP, Axis.PP, Axis.CP, Axis.EP)
+MESH_AXES = (Axis.DP, Axis.TP, Axis.PP, Axis.CP)  # search's meshes; ep and dp_shard enumerated per mesh
+_SCHEDULES = ((Schedule.ONE_F_ONE_B, 1), (Schedule.INTERLEAVED_1F1B, 2), (Schedule.ZB_H1, 1))
+_RECOMPUTE = (Recompute.SELECTIVE, Recompute.FULL)  # tried in this order for what does not fit without
+
+
+@dataclass(frozen=True)
+class Choice:
+    """``auto_plan``'s answer: the chosen configuration with its micro-batch size, predicted step
+    time and peak memory per rank; the runner-up and why it lost; every feasible candidate (the
+    benchmark measures them) and what the search rejected; the figures assumed, not measured."""
+
+    config: ParallelConfig
+    micro_batch_size: int
+    time: StepTime
+    peak_bytes: int
+    runner_up: Candidate | None
+    why: str
+    feasible: tuple[Candidate, ...]
+    rejected: tuple[Rejected, ...] = ()
+    assumed: tuple[str, ...] = ()
+    device_memory: int = 0
+    notes: tuple[str, ...] = field(default=())
+
+    def summary(self) -> str:
+        lines = [f"chosen: {describe(self.config, self.micro_batch_size)}: predicted step "
+                 f"{self.time.seconds * 1e3:.1f} ms, peak {self.peak_bytes / GIB:.2f} GiB per rank "
+                 f"of {self.device_memory / GIB:.2f} GiB"]
+        if self.runner_up is not None:
+            up = self.runner_up
+            lines.append(f"runner-up: {describe(up.estimate.parallel, up.estimate.micro_batch_size)}: "
+                         f"{up.time.seconds * 1e3:.1f} ms ({self.why})")
+        lines.append(f"{len(self.feasible)} feasible configurations ranked")
+        if self.assumed:
+            lines.append("assumed, not measured (run qn-hf-plan --calibrate): " + ", ".join(self.assumed))
+        return "\n".join(lines)
+
+
+def describe(config: ParallelConfig, micro_batch_size: int) -> str:
+    """One line a user can copy: the degrees that are not 1, the schedule under a pipeline, the rest."""
+    d = config.dims
+    degrees = [f"{axis.value}={getattr(d, axis.value)}" for axis in DEGREES if getattr(d, axis.value) != 1] or ["dp=1"]
+    rest = [f"microbatches={config.microbatches}", f"micro_batch_size={micro_batch_size}"]
+    if d.pp > 1:
+        rest.append(f"schedule={config.schedule.value}")
+        if config.virtual_stages > 1:
+            rest.append(f"virtual_stages={config.virtual_stages}")
+    if config.recompute is not None:
+        rest.append(f"recompute={config.recompute.value}")
+    if config.mixed_precision is not None:
+        rest.append(f"mixed_precision={config.mixed_precision.value}")
+    return ", ".join(degrees + rest)
+
+
+# StepTime's parts, as a user reads them
+_PARTS = {"compute": "compute and pipeline bubble", "tp": "tp communication", "pp": "pipeline transfers",
+          "dp": "gradient reduction", "cp": "ring attention transfers", "ep": "expert all-to-alls",
+          "optimizer": "optimizer step"}
+
+
+def _why(chosen: Candidate, other: Candidate) -> str:
+    """The part of the predicted time where ``other`` loses the most to ``chosen``."""
+    worst = max(_PARTS, key=lambda p: getattr(other.time, p) - getattr(chosen.time, p))
+    extra = getattr(other.time, worst) - getattr(chosen.time, worst)
+    return f"x{other.time.seconds / chosen.time.seconds:.2f} slower: {_PARTS[worst]} +{extra * 1e3:.1f} ms"
+
+
+def _order(c: Candidate) -> tuple:
+    """Fits first, then predicted time; ties by the configuration's own fields (deterministic)."""
+    p = c.estimate.parallel
+    d = p.dims
+    return (not c.fits, round(c.time.seconds, 12), d.pp, d.tp, d.cp, d.ep, d.dp_shard, d.dp, p.schedule.value,
+            p.virtual_stages, p.recompute.value if p.recompute else "", -c.estimate.micro_batch_size)
+
+
+def micro_batch_sizes(global_batch: int) -> list[int]:
+    return [m for m in (1, 2, 4, 8, 16, 32) if m <= MAX_MICRO_BATCH and global_batch % m == 0]
+
+
+def auto_plan(config, *, global_batch: int, seq_len: int, world_size: int, device_memory: int,
+              calibration: Calibration | None = None, dtype: torch.dtype = torch.float32,
+              model_class: type | None = None, fixed: Mapping[str, object] | None = None,
+              gpus_per_node: int | None = None) -> Choice:
+    """Search (module docstring) and rank; ``ValueError`` when nothing fits, naming the closest
+    miss and what would make it fit. ``config``: the model's ``PretrainedConfig``."""
+    fixed = dict(fixed or {})
+    if "microbatches" in fixed:
+        raise ValueError(f"microbatches={fixed['microbatches']} with mesh='auto': the microbatches follow from the "
+                         f"global batch, dp and the micro-batch size auto chooses; leave them out")
+    degrees = {axis: fixed.pop(axis.value) for axis in DEGREES if axis.value in fixed}
+    per_node = gpus_per_node or (calibration.ranks_per_node if calibration else min(world_size, 8))
+    hw = Hardware(gpu_memory=device_memory, gpus_per_node=per_node)
+    accepted: list[Candidate] = []
+    rejected: list[Rejected] = []
+    for mbs in micro_batch_sizes(global_batch):
+        planner = Planner(config, seq_len=seq_len, micro_batch_size=mbs, dtype=dtype, model_class=model_class)
+        for schedule, chunks in _SCHEDULES if "schedule" not in fixed else ((fixed["schedule"], fixed.get("virtual_stages", 1)),):
+            options = {**fixed, "schedule": schedule, "virtual_stages": chunks}
+            found, refused = search(planner, options, gpus=world_size, hw=hw, global_batch=global_batch,
+                                    fixed={a.value: v for a, v in degrees.items() if a in MESH_AXES},
+                                    cp=degrees.get(Axis.CP), ep=degrees.get(Axis.EP), dp_shard=degrees.get(Axis.DP_SHARD),
+                                    calibration=calibration)
+            rejected += refused
+            for c in found:
+                if c.estimate.pp == 1 and schedule is not Schedule.ONE_F_ONE_B:
+                    continue  # one stage runs every schedule alike: counted once, as 1F1B
+                if not c.fits and fixed.get("recompute") is None:
+                    c = _with_recompute(planner, c, hw=hw, calibration=calibration)
+                accepted.append(c)
+    if not accepted:
+        reasons = sorted({r.reason for r in rejected})[:3]
+        raise ValueError(f"no configuration of {config.model_type} trains a global batch of {global_batch} "
+                         f"sequences of {seq_len} tokens on {world_size} ranks: " + "; ".join(reasons))
+    accepted = _undominated(accepted)
+    accepted.sort(key=_order)
+    best = accepted[0]
+    if not best.fits:
+        raise ValueError(_fits_nowhere(best, config=config, global_batch=global_batch, seq_len=seq_len,
+                                       world_size=world_size, device_memory=device_memory))
+    feasible = tuple(c for c in accepted if c.fits)
+    runner = feasible[1] if len(feasible) > 1 else None
+    assumed = calibration.assumed if calibration is not None else best.time.assumed
+    return Choice(config=best.estimate.parallel, micro_batch_size=best.estimate.micro_batch_size, time=best.time,
+                  peak_bytes=best.peak_bytes, runner_up=runner, why=_why(best, runner) if runner else "",
+                  feasible=feasible, rejected=tuple(rejected), assumed=assumed, device_memory=device_memory)
+
+
+def _undominated(candidates: list[Candidate]) -> list[Candidate]:
+    """Without the pp=1 candidates whose larger micro-batch, otherwise the same, fits too."""
+    largest: dict[tuple, int] = {}
+    for c in candidates:
+        if c.estimate.pp == 1 and c.fits:
+            key = _without_microbatches(c)
+            largest[key] = max(largest.get(key, 0), c.estimate.micro_batch_size)
+    return [c for c in candidates if c.estimate.pp > 1 or not c.fits
+            or c.estimate.micro_batch_size == largest[_without_microbatches(c)]]
+
+
+def _without_microbatches(c: Candidate) -> ParallelConfig:
+    return replace(c.estimate.parallel, microbatches=1)
+
+
+def _with_recompute(planner: Planner, c: Candidate, *, hw: Hardware, calibration: Calibration | None) -> Candidate:
+    """``c`` under the first recomputation that makes it fit, else under the last tried."""
+    for mode in _RECOMPUTE:
+        try:
+            est = planner.estimate(replace(c.estimate.parallel, recompute=mode))
+        except ValueError:
+            continue  # a model recomputation does not apply to: as it was
+        c = evaluate(est, hw=hw, calibration=calibration)
+        if c.fits:
+            break
+    return c
+
+
+def _fits_nowhere(closest: Candidate, *, config, global_batch: int, seq_len: int, world_size: int,
+                  device_memory: int) -> str:
+    need = closest.peak_bytes
+    return (f"no configuration of {config.model_type} fits {device_memory / GIB:.2f} GiB per rank on {world_size} "
+            f"ranks at a global batch of {global_batch} x {seq_len} tokens: the closest, "
+            f"{describe(closest.estimate.parallel, closest.estimate.micro_batch_size)}, needs {need / GIB:.2f} GiB "
+            f"({(need - device_memory) / GIB:.2f} GiB over, with full recomputation tried). To make it fit: more "
+            f"devices (about {-(-need * world_size // device_memory)} at this sharding), a shorter sequence "
+            f"(activations grow with it), or devices with more memory")
+
+
+def device_memory_default(calibration: Calibration | None, device: torch.device | None = None) -> int:
+    """The calibration's figure, else the CUDA device's total memory, else this node's physical
+    memory divided among its ranks."""
+    if calibration is not None:
+        return calibration.memory_bytes
+    if device is not None and device.type == "cuda" or device is None and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device or torch.cuda.current_device()).total_memory
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", launched_world_size()))
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(ranks, 1)
+
+
+def auto_config(model: nn.Module, *, global_batch: int, seq_len: int, world_size: int | None = None,
+                device_memory: int | None = None, calibration: Calibration | str | None = None,
+                fixed: Mapping[str, object] | None = None) -> ParallelConfig:
+    """The fastest configuration the planner finds that fits (see ``auto_plan``), training exactly
+    ``global_batch`` sequences of ``seq_len`` tokens per step: ``parallelize(model, config)`` takes
+    it, and each dp rank's ``train_step`` gets ``global_batch / dp`` sequences. ``world_size``
+    defaults to the launched world, ``device_memory`` (bytes) to the device's (agreed over a running
+    job: the smallest), ``calibration`` (a ``Calibration`` or its JSON file) to the stated GPU
+    figures. ``fixed``: ``ParallelConfig`` keywords every candidate keeps (mixed_precision, a degree)."""
+    return auto_choice(model, global_batch=global_batch, seq_len=seq_len, world_size=world_size,
+                       device_memory=device_memory, calibration=calibration, fixed=fixed).config
+
+
+def auto_choice(model: nn.Module, *, global_batch: int, seq_len: int, world_size: int | None = None,
+                device_memory: int | None = None, calibration: Calibration | str | None = None,
+                fixed: Mapping[str, object] | None = None) -> Choice:
+    """``auto_config``'s whole answer (``Choice``), for a model (PEFT-wrapped or not)."""
+    for name, value in (("global_batch", global_batch), ("seq_len", seq_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int (auto chooses the mesh for a step's shape)")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: the model it wraps
+    if isinstance(calibration, (str, os.PathLike)):
+        calibration = Calibration.load(os.fspath(calibration))
+    world = world_size or launched_world_size()
+    memory = device_memory or device_memory_default(calibration)
+    if dist.is_available() and dist.is_initialized() and device_memory is None and calibration is None:
+        agreed = torch.tensor([memory], dtype=torch.int64)  # the smallest rank's, so every rank chooses alike
+        if dist.get_backend() == "nccl":
+            agreed = agreed.cuda()
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        memory = int(agreed.item())
+    dtype = next((p.dtype for p in base.parameters() if p.is_floating_point()), torch.float32)
+    return auto_plan(base.config, global_batch=global_batch, seq_len=seq_len, world_size=world, device_memory=memory,
+                     calibration=calibration, dtype=dtype, model_class=type(base), fixed=fixed)
