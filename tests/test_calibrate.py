@@ -1,5 +1,5 @@
 """The planner's calibration: the figures' reading (calibration.py) and their measurement
-(calibrate.py: quick mode on a 2-rank gloo world)."""
+(calibrate.py: quick mode on a 2-rank gloo world, and ``qn-hf-plan --calibrate`` at one rank)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from qn_hf.comm_meter import Collective
 from qn_hf.planner.calibrate import fit_line, layouts, measure
 from qn_hf.planner.calibration import FORMAT, Calibration, CollectiveFit, Fit, Link, MatmulTable, assumed
+from qn_hf.planner.cli import main
 
 GIB = 1024**3
 
@@ -150,3 +151,24 @@ def test_measure_quick_at_two_ranks_agrees_and_is_sane(worlds, tmp_path):
     assert cal.memory_bytes > 0 and cal.threads == 1
     cal.save(str(tmp_path / "c.json"))
     assert Calibration.load(str(tmp_path / "c.json")) == cal
+
+
+def test_cli_calibrate_quick_writes_a_calibration(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)  # not under torchrun: a local world of one rank
+    out = tmp_path / "machine.json"
+    main(["--calibrate", str(out), "--quick", "--dtype", "fp32", "--calibrate-ranks", "1"])
+    cal = Calibration.load(str(out))
+    assert cal.world_size == 1 and cal.collectives == () and cal.overlap == 0.0
+    assert list(cal.matmul) == ["float32"] and cal.assumed == ()
+    printed = capsys.readouterr().out
+    assert "matmul float32: peak" in printed and f"wrote {out}" in printed
+    assert cal.notes["mode"] == "quick"
+
+
+def test_cli_model_still_required_without_calibrate(capsys):
+    with pytest.raises(SystemExit):
+        main(["--gpus", "8"])
+    assert "the following arguments are required: model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["some/model", "--calibrate", "out.json"])
+    assert "give it without some/model" in capsys.readouterr().err
