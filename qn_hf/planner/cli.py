@@ -7,6 +7,7 @@
     qn-hf-plan MODEL --gpus 64 --tp 8 --pp 8 --global-batch 512         # the other degrees searched
     qn-hf-plan MODEL --dp 1 --tp 8 --pp 8 [--cp 2] [--ep 8] [--microbatches 32]  # one mesh, per-stage detail
     qn-hf-plan path/to/config.json --gpus 16 --json                     # machine-readable
+    qn-hf-plan --calibrate OUT.json [--calibrate-ranks N] [--dtype bf16] [--quick]  # measure this machine
 
 --global-batch B ranks only meshes that train exactly B sequences per step (each mesh's microbatches
 are B / (dp x micro-batch size); one that this does not divide is rejected, saying so), and every row
@@ -52,6 +53,12 @@ lists with per-op costs (forward, backward, weight gradients) from the FLOPs. Co
 step and rank, by group (the dp column: the gradients' reduction, over dp x cp). Step times come
 from the simple model in qn_hf/planner/cost.py (a stated FLOP rate and link bandwidths): use them
 to rank meshes, not to predict a run.
+
+--calibrate OUT.json measures this machine's figures (planner/calibrate.py: matmul rates by shape in
+float32 and --dtype, attention, per-op latency, collectives by group size, overlap) and writes them:
+under torchrun on every rank of the launched job (NCCL on GPUs, else gloo), otherwise on
+--calibrate-ranks local gloo ranks (default 1) sharing this machine's CPU cores (GPUs are measured
+under torchrun); --quick measures less.
 """
 
 from __future__ import annotations
@@ -64,16 +71,19 @@ import re
 import sys
 
 import torch
+import torch.distributed as dist
 
 from ..config.dims import Axis, ParallelDims
 from ..config.options import Gather, Recompute
 from ..config.schedule import SCHEDULES, as_schedule
+from .calibrate import calibrate, measure, summary
 from .cost import GIB, Hardware, links, step_time
 from .estimate import Planner
 from .results import MeshEstimate
 from .search import Candidate, at_mesh, microbatches_for, search
 
 MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": None}  # --dtype -> parallelize's mixed_precision
+CALIBRATED_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype -> what --calibrate times
 
 
 def parse_bytes(text: str) -> int:
@@ -249,9 +259,31 @@ def to_json(est: MeshEstimate, hw: Hardware) -> dict:
     return out
 
 
+def run_calibration(args: argparse.Namespace) -> None:
+    """--calibrate: every rank of a torchrun job measures (rank 0 writes), else a local world does."""
+    dtypes = (CALIBRATED_DTYPE[args.dtype],)
+    if "WORLD_SIZE" not in os.environ:
+        cal = calibrate(args.calibrate_ranks, dtypes=dtypes, quick=args.quick)
+    else:
+        started = not dist.is_initialized()
+        if started and torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        if started:
+            dist.init_process_group(dist.Backend.NCCL if torch.cuda.is_available() else dist.Backend.GLOO)
+        cal = measure(dtypes=dtypes, quick=args.quick)
+        rank = dist.get_rank()
+        if started:
+            dist.destroy_process_group()
+        if rank != 0:
+            return
+    cal.save(args.calibrate)
+    print("\n".join(summary(cal)))
+    print(f"wrote {args.calibrate}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="qn-hf-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", help="Hugging Face model directory or config.json")
+    parser.add_argument("model", nargs="?", help="Hugging Face model directory or config.json (not with --calibrate)")
     parser.add_argument("--gpus", type=int, help="GPUs in the job (with --dp/--tp/--pp/--cp: must equal their product)")
     parser.add_argument("--dp", type=int)
     parser.add_argument("--tp", type=int)
@@ -290,7 +322,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ib-gbps", type=float, default=Hardware.ib_gbps, help="GB/s per GPU across nodes")
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--calibrate", metavar="OUT.json", help="measure this machine's figures into OUT.json")
+    parser.add_argument("--calibrate-ranks", type=int, default=1,
+                        help="with --calibrate outside torchrun: local ranks measuring at once (default 1)")
+    parser.add_argument("--quick", action="store_true", help="with --calibrate: fewer shapes and sizes")
     args = parser.parse_args(argv)
+    if args.calibrate is not None:
+        if args.model is not None:
+            parser.error(f"--calibrate measures this machine, not a model: give it without {args.model}")
+        if args.calibrate_ranks < 1:
+            parser.error(f"--calibrate-ranks={args.calibrate_ranks} must be at least 1")
+        run_calibration(args)
+        return
+    if args.model is None:
+        parser.error("the following arguments are required: model")
 
     explicit = {name: getattr(args, name) for name in (Axis.DP, Axis.TP, Axis.PP) if getattr(args, name) is not None}
     whole_mesh = len(explicit) == 3

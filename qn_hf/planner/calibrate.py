@@ -1,0 +1,398 @@
+"""Measuring a ``Calibration`` (calibration.py): what this machine does while every rank of a job
+runs at once. ``measure`` runs on every rank of a launched world; ``calibrate`` starts a local gloo
+world for a process outside one. Ranks that share cores or a device contend as a real job's do, and
+every timing is agreed with an all-reduce MAX (the slowest rank sets a step's pace), so every rank
+returns the same ``Calibration``.
+
+- matmul: ``x @ w.T`` forward and both backward products (6 x rows x width^2 FLOPs) over a grid of
+  rows and widths, per dtype; float32 always (what the readers fall back to), a dtype the device
+  lacks skipped and named in ``assumed``.
+- attention: causal ``scaled_dot_product_attention`` forward and backward at two lengths, its FLOPs
+  counted as the planner counts them (12 x hidden x seq per token), a line through the two.
+- op: a chain of elementwise ops with autograd on a small tensor (the latency per op) and a large
+  one (the rest of its time is the bytes it writes).
+- collectives: groups laid out as a mesh lays out an axis (``layouts``), all of a layout's groups
+  at once; payloads as ``CommMeter`` counts them, a least-squares line through them.
+- overlap: a compute loop, an all-reduce about as long, and both at once.
+
+A timing is the median of samples after a warm-up; a compute sample repeats its call for ``SAMPLE_S``
+so the clock and Python's loop do not count; CUDA is synchronized before the clock is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..arguments import check_choice, check_positive_int
+from ..comm_meter import Collective
+from ..compat import all_gather_single, reduce_scatter_single
+from ..local_world import LocalWorld
+from .calibration import FORMAT, Calibration, CollectiveFit, Fit, Link, MatmulTable
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_DTYPES = ("float32", "bfloat16")  # float16 matmuls on a CPU are emulated: no job computes in them
+KIB, MIB, M = 1024, 1024**2, 1 << 20  # M: a million elements
+CHAIN = 64  # elementwise ops per chain
+SAMPLE_S = 0.01  # a compute sample repeats its call this long (3 ms samples varied 3x on a shared VM)
+FLOOR_SHARE = 0.01  # a line whose time did not grow with the amount: the largest amount adds this share
+COLLECTIVE_OPS = (Collective.ALL_REDUCE, Collective.ALL_GATHER_INTO_TENSOR, Collective.REDUCE_SCATTER_TENSOR,
+                  Collective.ALL_TO_ALL_SINGLE)
+CALIBRATE_TIMEOUT_S = 900.0
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What is measured on a kind of device: the largest points near its peak, a CPU's whole run
+    well under a minute at two ranks on two cores (quick: about 10 s)."""
+
+    rows: tuple[int, ...]
+    widths: tuple[int, ...]
+    heads: int
+    head_dim: int
+    seqs: tuple[int, int]
+    op_numel: int  # elements of the op chain's large tensor
+    payloads: tuple[int, ...]  # bytes per collective call
+    overlap_s: float  # the overlap test's compute loop
+    overlap_width: int  # of its square matmuls
+    overlap_max_bytes: int
+    repeats: int
+
+
+CPU = Sizes(rows=(64, 256, 1024, 4096), widths=(64, 256, 1024), heads=4, head_dim=64, seqs=(128, 512),
+            op_numel=4 * M, payloads=(4 * KIB, 256 * KIB, 4 * MIB), overlap_s=0.04, overlap_width=512,
+            overlap_max_bytes=256 * MIB, repeats=5)
+CUDA = Sizes(rows=(256, 1024, 4096, 16384), widths=(256, 1024, 4096, 8192), heads=16, head_dim=128,
+             seqs=(1024, 4096), op_numel=64 * M, payloads=(64 * KIB, 16 * MIB, 256 * MIB), overlap_s=0.04,
+             overlap_width=4096, overlap_max_bytes=2048 * MIB, repeats=5)
+QUICK_CPU = dataclasses.replace(CPU, rows=(64, 512), widths=(64, 256), op_numel=M, payloads=(4 * KIB, MIB), repeats=3)
+QUICK_CUDA = dataclasses.replace(CUDA, rows=(256, 2048), widths=(256, 2048), op_numel=16 * M,
+                                 payloads=(64 * KIB, 16 * MIB), repeats=3)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Groups of ``ranks`` ranks that partition the world as a mesh lays out one axis: consecutive
+    ranks (an inner axis), or one rank from each of ``ranks`` nodes (an axis across nodes)."""
+
+    ranks: int
+    link: Link
+    groups: tuple[tuple[int, ...], ...]
+
+
+def layouts(world_size: int, ranks_per_node: int) -> list[Layout]:
+    """Every group size n >= 2 dividing the world: its consecutive groups (on one node when n divides
+    the ranks per node) and, with several nodes, the strided groups taking one rank per node (only where
+    the consecutive ones stay on a node, so that each (n, link) is measured once)."""
+    if world_size % ranks_per_node:
+        raise ValueError(f"ranks_per_node={ranks_per_node} does not divide world_size={world_size}")
+    nodes = world_size // ranks_per_node
+    out = []
+    for n in range(2, world_size + 1):
+        if world_size % n:
+            continue
+        inside = ranks_per_node % n == 0
+        out.append(Layout(n, Link.NODE if inside else Link.NETWORK,
+                          tuple(tuple(range(g * n, (g + 1) * n)) for g in range(world_size // n))))
+        if inside and nodes % n == 0:
+            out.append(Layout(n, Link.NETWORK, tuple(
+                tuple(local + ranks_per_node * (block * n + i) for i in range(n))
+                for block in range(nodes // n) for local in range(ranks_per_node))))
+    return out
+
+
+def fit_line(amounts: Sequence[float], seconds: Sequence[float]) -> Fit:
+    """The least-squares line ``seconds = latency + amount / rate``. A negative intercept (noise about
+    a line through the origin) is refitted through the origin; a slope not positive (time that did not
+    grow with the amount) becomes the rate at which the largest amount adds ``FLOOR_SHARE`` of the least time."""
+    n = len(amounts)
+    mean_a, mean_t = sum(amounts) / n, sum(seconds) / n
+    var = sum((a - mean_a) ** 2 for a in amounts)
+    slope = sum((a - mean_a) * (t - mean_t) for a, t in zip(amounts, seconds)) / var if var > 0 else 0.0
+    if slope <= 0:
+        return Fit(latency=min(seconds), rate=max(amounts) / (FLOOR_SHARE * min(seconds)))
+    intercept = mean_t - slope * mean_a
+    if intercept < 0:
+        return Fit(latency=0.0, rate=sum(a * a for a in amounts) / sum(a * t for a, t in zip(amounts, seconds)))
+    return Fit(latency=intercept, rate=1.0 / slope)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":  # the clock is read after the device's work, not its launch
+        torch.cuda.synchronize(device)
+
+
+def _seconds(fn: Callable[[], object], device: torch.device, *, repeats: int) -> float:
+    """Median seconds of one call of ``fn`` on this rank: a warm-up, a timed call that sizes the
+    samples, then ``repeats`` samples of as many calls as fill ``SAMPLE_S``."""
+    fn()
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    calls = max(1, min(1000, int(SAMPLE_S / max(time.perf_counter() - start, 1e-9))))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        _sync(device)
+        samples.append((time.perf_counter() - start) / calls)
+    return statistics.median(samples)
+
+
+def _agree(values: Sequence[float], device: torch.device, op=dist.ReduceOp.MAX) -> list[float]:
+    """Every rank's values reduced elementwise (by default the slowest rank's): the same on every rank."""
+    t = torch.tensor(list(values), dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def _align(device: torch.device) -> None:
+    """Start every rank's next sample together (a barrier that needs no device id under NCCL)."""
+    dist.all_reduce(torch.zeros(1, device=device))
+    _sync(device)
+
+
+def _aligned_seconds(fns: Sequence[Callable[[], object]], device: torch.device, *, repeats: int) -> list[float]:
+    """Median seconds of each communicating function, every rank starting each sample together, the
+    functions' samples taken in turn (so that a drift of the machine's speed meets all of them). One
+    call per sample: back to back, gloo's calls on two shared cores each took up to 3x longer than
+    alone (its threads' wake-ups queue behind one another), which a job's collectives, spread between
+    compute, do not see."""
+    samples: list[list[float]] = [[] for _ in fns]
+    for turn in range(repeats + 1):  # the first turn warms up
+        for fn, taken in zip(fns, samples):
+            _align(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            if turn:
+                taken.append(time.perf_counter() - start)
+    return [statistics.median(taken) for taken in samples]
+
+
+def _matmul_seconds(rows: int, width: int, dtype: torch.dtype, device: torch.device, repeats: int) -> float:
+    x = torch.randn(rows, width, dtype=dtype, device=device, requires_grad=True)
+    w = torch.randn(width, width, dtype=dtype, device=device).div_(width**0.5).requires_grad_()
+    grad = torch.ones(rows, width, dtype=dtype, device=device)
+    # autograd.grad returns the gradients rather than accumulating them: only the three products run
+    return _seconds(lambda: torch.autograd.grad(x @ w.T, (x, w), grad), device, repeats=repeats)
+
+
+def _attention_seconds(seq: int, sizes: Sizes, dtype: torch.dtype, device: torch.device) -> float:
+    q, k, v = (torch.randn(1, sizes.heads, seq, sizes.head_dim, dtype=dtype, device=device, requires_grad=True)
+               for _ in range(3))
+    grad = torch.ones(1, sizes.heads, seq, sizes.head_dim, dtype=dtype, device=device)
+    return _seconds(lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                                                (q, k, v), grad), device, repeats=sizes.repeats)
+
+
+def _chain_seconds(numel: int, device: torch.device, repeats: int) -> float:
+    """Seconds per elementwise op (forward and backward) of a chain of ``CHAIN``."""
+    x = torch.randn(numel, device=device, requires_grad=True)
+    grad = torch.ones(numel, device=device)
+
+    def chain() -> None:
+        y = x
+        for i in range(CHAIN):
+            y = y * 1.0001 if i % 2 == 0 else y + 0.5
+        torch.autograd.grad(y, x, grad)
+
+    return _seconds(chain, device, repeats=repeats) / CHAIN
+
+
+def attention_flops(seq: int, sizes: Sizes) -> float:
+    return 12.0 * sizes.heads * sizes.head_dim * seq * seq  # the planner's: 12 x hidden x seq per token
+
+
+def _collective_call(op: Collective, payload: int, group: dist.ProcessGroup, n: int,
+                     device: torch.device) -> tuple[Callable[[], object], int]:
+    """The call of ``op`` on ``group`` and its payload in bytes as ``CommMeter`` counts it (a
+    reduce-scatter's or all-to-all's input rounded to n whole pieces)."""
+    numel = payload // 4 if op in (Collective.ALL_REDUCE, Collective.ALL_GATHER_INTO_TENSOR) else payload // 4 // n * n
+    x = torch.ones(numel, device=device)
+    out = torch.empty({Collective.ALL_GATHER_INTO_TENSOR: numel * n, Collective.REDUCE_SCATTER_TENSOR: numel // n,
+                       Collective.ALL_TO_ALL_SINGLE: numel}.get(op, 0), device=device)
+    calls = {Collective.ALL_REDUCE: lambda: dist.all_reduce(x, group=group),
+             Collective.ALL_GATHER_INTO_TENSOR: lambda: all_gather_single(out, x, group=group),
+             Collective.REDUCE_SCATTER_TENSOR: lambda: reduce_scatter_single(out, x, group=group),
+             Collective.ALL_TO_ALL_SINGLE: lambda: dist.all_to_all_single(out, x, group=group)}
+    return calls[op], numel * 4
+
+
+def _exchange_call(pair: tuple[int, ...], payload: int, device: torch.device) -> Callable[[], object]:
+    """A round trip between the pair: the first rank sends, then the second sends back."""
+    first, x = dist.get_rank() == pair[0], torch.ones(payload // 4, device=device)
+    peer, y = pair[1] if first else pair[0], torch.empty_like(x)
+    if first:
+        return lambda: (dist.send(x, peer), dist.recv(y, peer))
+    return lambda: (dist.recv(y, peer), dist.send(x, peer))
+
+
+def _collectives(device: torch.device, sizes: Sizes, ranks_per_node: int) -> tuple[CollectiveFit, ...]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    measured: list[tuple[Layout, Collective, list[int], list[float]]] = []
+    for layout in layouts(world, ranks_per_node):
+        # every rank creates every group, in the same order; then each runs its own, all at once
+        groups = [dist.new_group(list(g)) for g in layout.groups]
+        mine = next(i for i, g in enumerate(layout.groups) if rank in g)
+        for op in COLLECTIVE_OPS:
+            nbytes, seconds = [], []
+            for payload in sizes.payloads:
+                call, counted = _collective_call(op, payload, groups[mine], layout.ranks, device)
+                nbytes.append(counted)
+                seconds += _aligned_seconds([call], device, repeats=3 * sizes.repeats)
+            measured.append((layout, op, nbytes, seconds))
+        if layout.ranks == 2:
+            calls = [_exchange_call(layout.groups[mine], p, device) for p in sizes.payloads]
+            seconds = [t / 2 for t in _aligned_seconds(calls, device, repeats=3 * sizes.repeats)]
+            measured.append((layout, Collective.SEND, list(sizes.payloads), seconds))
+        _align(device)  # no rank destroys its group while another member may still be using it
+        dist.destroy_process_group(groups[mine])  # (the others' handles are placeholders on this rank)
+    agreed = iter(_agree([t for *_, seconds in measured for t in seconds], device))
+    out = []
+    for layout, op, nbytes, seconds in measured:
+        fit = fit_line(nbytes, [next(agreed) for _ in seconds])
+        for each in (op, Collective.RECV) if op == Collective.SEND else (op,):
+            out.append(CollectiveFit(op=each, ranks=layout.ranks, link=layout.link, fit=fit))
+    return tuple(out)
+
+
+def _overlap(device: torch.device, sizes: Sizes, world_fit: Fit) -> tuple[float, str]:
+    """The share of an asynchronous all-reduce over the world that a compute loop running meanwhile
+    hides, (T_compute + T_reduce - T_both) / min(T_compute, T_reduce) clamped to 0..1, and the times."""
+    a = torch.randn(sizes.overlap_width, sizes.overlap_width, device=device)
+    out = torch.empty_like(a)
+    (one,) = _agree([_seconds(lambda: torch.mm(a, a, out=out), device, repeats=3)], device)
+    count = max(1, round(sizes.overlap_s / one))  # the same on every rank, as is the all-reduce's size
+
+    def compute() -> None:
+        for _ in range(count):
+            torch.mm(a, a, out=out)
+
+    def reduce(x: torch.Tensor) -> Callable[[], None]:
+        return lambda: dist.all_reduce(x, async_op=True).wait()
+
+    def elements(nbytes: float) -> int:
+        return int(min(max(nbytes, 4 * KIB), sizes.overlap_max_bytes)) // 4
+
+    # The all-reduce as long as the compute: sized by the fit, then corrected by one trial at that
+    # size (the fit's payloads are far smaller, and its line misses by 2x on gloo).
+    x = torch.ones(elements((count * one - world_fit.latency) * world_fit.rate), device=device)
+    (trial,) = _agree(_aligned_seconds([reduce(x)], device, repeats=1), device)
+    x = torch.ones(elements(x.numel() * 4 * count * one / trial), device=device)
+
+    def both() -> None:
+        work = dist.all_reduce(x, async_op=True)
+        compute()
+        work.wait()
+
+    t_c, t_a, t_both = _agree(_aligned_seconds([compute, reduce(x), both], device, repeats=sizes.repeats), device)
+    times = f"compute {t_c * 1e3:.1f} ms, all-reduce of {x.numel() * 4:,} B {t_a * 1e3:.1f} ms, both {t_both * 1e3:.1f}"
+    return min(max((t_c + t_a - t_both) / min(t_c, t_a), 0.0), 1.0), times
+
+
+def _default_device() -> torch.device:
+    # A gloo world measures the CPU (what a gloo job computes on); NCCL ranks their own GPU.
+    if torch.cuda.is_available() and dist.get_backend() == dist.Backend.NCCL:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def _supported(name: str, device: torch.device) -> bool:
+    if device.type == "cuda":
+        return DTYPES[name] != torch.bfloat16 or torch.cuda.is_bf16_supported()
+    return name in CPU_DTYPES
+
+
+def measure(*, dtypes: Sequence[str] = ("float32",), quick: bool = False,
+            device: torch.device | str | None = None) -> Calibration:
+    """This machine's figures, measured by every rank of the initialized default process group at
+    once (module docstring); call it on every rank. The same ``Calibration`` comes back on each.
+    ``device``: by default this rank's GPU (LOCAL_RANK) under NCCL, else the CPU."""
+    if not dist.is_initialized():
+        raise RuntimeError("measure runs on every rank of an initialized process group; outside one, call "
+                           "calibrate(world_size)")
+    for name in dtypes:
+        check_choice("dtype", name, tuple(DTYPES))
+    device = _default_device() if device is None else torch.device(device)
+    sizes = (QUICK_CUDA if quick else CUDA) if device.type == "cuda" else (QUICK_CPU if quick else CPU)
+    world = dist.get_world_size()
+    ranks_per_node = min(int(os.environ.get("LOCAL_WORLD_SIZE", world)), world)
+    names = list(dict.fromkeys(("float32", *dtypes)))  # float32 first: what every reader falls back to
+    skipped = [n for n in names if not _supported(n, device)]
+    names = [n for n in names if n not in skipped]
+    assumed = [f"{n} matmul and attention ({n} unsupported on {device.type}: read as float32)" for n in skipped]
+
+    _align(device)
+    grid = [(r, w) for r in sizes.rows for w in sizes.widths]
+    matmul_s = {n: [_matmul_seconds(r, w, DTYPES[n], device, sizes.repeats) for r, w in grid] for n in names}
+    attention_s = {n: [_attention_seconds(s, sizes, DTYPES[n], device) for s in sizes.seqs] for n in names}
+    chain_s = [_chain_seconds(numel, device, sizes.repeats) for numel in (1024, sizes.op_numel)]
+    agreed = iter(_agree([*(t for n in names for t in matmul_s[n]), *(t for n in names for t in attention_s[n]),
+                          *chain_s], device))
+    matmul = {n: MatmulTable(rows=sizes.rows, widths=sizes.widths, rates=tuple(  # the grid's order: rows outer
+        tuple(6.0 * r * w * w / next(agreed) for w in sizes.widths) for r in sizes.rows)) for n in names}
+    attention = {n: fit_line([attention_flops(s, sizes) for s in sizes.seqs], [next(agreed) for _ in sizes.seqs])
+                 for n in names}
+    small, large = next(agreed), next(agreed)
+    # the large chain's time beyond the latency is its writes (a floor keeps the rate finite)
+    op = Fit(latency=small, rate=sizes.op_numel * 4 / max(large - small, FLOOR_SHARE * large))
+
+    collectives: tuple[CollectiveFit, ...] = ()
+    overlap = 0.0
+    notes = {"mode": "quick" if quick else "full", "torch": torch.__version__}
+    if world > 1:
+        collectives = _collectives(device, sizes, ranks_per_node)
+        widest = max(c.ranks for c in collectives)
+        world_fit = next(c.fit for c in collectives if c.op == Collective.ALL_REDUCE and c.ranks == widest)
+        overlap, notes["overlap"] = _overlap(device, sizes, world_fit)
+        if not any(c.op == Collective.SEND for c in collectives):
+            assumed.append("send/recv (no pairs at an odd world size: priced as an all-reduce)")
+
+    memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
+              else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks_per_node)
+    (memory,) = _agree([memory], device, op=dist.ReduceOp.MIN)
+    (threads,) = _agree([torch.get_num_threads()], device)
+    return Calibration(
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        backend=str(dist.get_backend()), world_size=world, ranks_per_node=ranks_per_node, matmul=matmul,
+        attention=attention, op=op, collectives=collectives, overlap=overlap, memory_bytes=int(memory),
+        assumed=tuple(assumed), threads=int(threads), format=FORMAT, notes=notes)
+
+
+def calibrate(world_size: int = 1, *, dtypes: Sequence[str] = ("float32",), quick: bool = False) -> Calibration:
+    """``measure`` in a process outside a launched world: on ``world_size`` local gloo ranks
+    (``LocalWorld``, the cores shared among them), rank 0's figures. Inside an initialized process
+    group, ``measure`` on this rank (every rank must call it)."""
+    if dist.is_available() and dist.is_initialized():
+        return measure(dtypes=dtypes, quick=quick)
+    check_positive_int("world_size", world_size)
+    with LocalWorld(world_size) as world:
+        return world.run(measure, timeout=CALIBRATE_TIMEOUT_S, dtypes=tuple(dtypes), quick=quick)[0]
+
+
+def summary(cal: Calibration) -> list[str]:
+    """A few lines naming the headline figures (for the command line)."""
+    lines = [f"{cal.device}, {cal.backend}, {cal.world_size} rank(s), {cal.threads} thread(s) each"]
+    lines += [f"matmul {name}: peak {max(max(r) for r in t.rates) / 1e9:,.1f} GFLOP/s (smallest point "
+              f"{t.rates[0][0] / 1e9:,.1f})" for name, t in cal.matmul.items()]
+    lines += [f"attention {name}: {fit.rate / 1e9:,.1f} GFLOP/s, latency {fit.latency * 1e6:,.0f} us"
+              for name, fit in cal.attention.items()]
+    lines.append(f"op: {cal.op.latency * 1e6:,.1f} us each, {cal.op.rate / 1e9:,.2f} GB/s written")
+    reduces = [c for c in cal.collectives if c.op == Collective.ALL_REDUCE]
+    if reduces:
+        widest = max(reduces, key=lambda c: (c.ranks, c.link == Link.NETWORK))
+        lines.append(f"all_reduce over {widest.ranks} ranks ({widest.link}): latency "
+                     f"{widest.fit.latency * 1e6:,.0f} us, {widest.fit.rate / 1e9:,.2f} GB/s of payload")
+    lines.append(f"overlap of an asynchronous all-reduce: {cal.overlap:.2f}")
+    return lines + (["not measured: " + "; ".join(cal.assumed)] if cal.assumed else [])

@@ -1,0 +1,174 @@
+"""The planner's calibration: the figures' reading (calibration.py) and their measurement
+(calibrate.py: quick mode on a 2-rank gloo world, and ``qn-hf-plan --calibrate`` at one rank)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from qn_hf.comm_meter import Collective
+from qn_hf.planner.calibrate import fit_line, layouts, measure
+from qn_hf.planner.calibration import FORMAT, Calibration, CollectiveFit, Fit, Link, MatmulTable, assumed
+from qn_hf.planner.cli import main
+
+GIB = 1024**3
+
+
+def _calibration(*fits: CollectiveFit) -> Calibration:
+    table = MatmulTable(rows=(1,), widths=(1,), rates=((1e12,),))
+    return Calibration(device="cpu", backend="gloo", world_size=2, ranks_per_node=2, matmul={"float32": table},
+                       attention={"float32": Fit(0.0, 1e12)}, op=Fit(1e-5, 1e10), collectives=fits, overlap=0.5,
+                       memory_bytes=GIB)
+
+
+# -- reading ------------------------------------------------------------------------------------------
+
+
+def test_matmul_table_reads_grid_points_between_them_log_bilinearly_and_clamps_outside():
+    table = MatmulTable(rows=(1, 100), widths=(1, 100), rates=((1.0, 100.0), (100.0, 10000.0)))
+    assert table.rate(100, 1) == pytest.approx(100.0)
+    assert table.rate(1, 100) == pytest.approx(100.0)
+    assert table.rate(10, 1) == pytest.approx(10.0)  # halfway in log rows: the geometric mean
+    assert table.rate(10, 10) == pytest.approx(100.0)
+    assert table.rate(0.5, 1) == pytest.approx(1.0)  # clamped below
+    assert table.rate(1e6, 1e6) == pytest.approx(10000.0)  # and above
+    assert table.rate(1e6, 10) == pytest.approx(1000.0)
+
+
+def test_collective_fit_exact_extrapolated_by_ring_factors_p2p_unchanged_unknown_op_as_all_reduce():
+    reduce2 = Fit(latency=1e-5, rate=1e9)
+    gather2 = Fit(latency=2e-5, rate=4e9)
+    send2 = Fit(latency=3e-6, rate=2e9)
+    cal = _calibration(CollectiveFit(Collective.ALL_REDUCE, 2, Link.NODE, reduce2),
+                       CollectiveFit(Collective.ALL_GATHER_INTO_TENSOR, 2, Link.NODE, gather2),
+                       CollectiveFit(Collective.SEND, 2, Link.NODE, send2))
+    assert cal.collective(Collective.ALL_REDUCE, ranks=2, link=Link.NODE) == reduce2
+    at8 = cal.collective(Collective.ALL_REDUCE, ranks=8, link=Link.NODE)
+    # latency grows as the ring's n-1 steps; an all-reduce's seconds per payload byte as (n-1)/n
+    assert at8.latency == pytest.approx(7e-5)
+    assert at8.rate == pytest.approx(1e9 / ((7 / 8) / (1 / 2)))
+    gather8 = cal.collective(Collective.ALL_GATHER_INTO_TENSOR, ranks=8, link=Link.NODE)
+    assert gather8.rate == pytest.approx(4e9 / 7)  # an all-gather's own piece crosses n-1 links
+    assert cal.collective(Collective.SEND, ranks=8, link=Link.NODE) == send2
+    assert cal.collective(Collective.BROADCAST, ranks=2, link=Link.NODE) == reduce2
+    # a link never measured is read from the other's fits
+    assert cal.collective(Collective.ALL_REDUCE, ranks=2, link=Link.NETWORK) == reduce2
+
+
+def test_assumed_figures_name_what_they_assume():
+    cal = assumed(tflops=400, nvlink_gbps=200, ib_gbps=50, gpus_per_node=8, gpu_memory=80 * GIB, world_size=16)
+    assert cal.matmul_rate("bfloat16", rows=4096, width=4096) == pytest.approx(400e12)
+    assert cal.attention_fit("bfloat16") == Fit(0.0, 400e12)
+    node8 = cal.collective(Collective.ALL_REDUCE, ranks=8, link=Link.NODE)
+    assert node8 == Fit(latency=pytest.approx(7 * 10e-6), rate=pytest.approx(200e9 / (2 * 7 / 8)))
+    assert cal.collective(Collective.SEND, ranks=2, link=Link.NETWORK) == Fit(20e-6, 50e9)
+    assert {c.ranks for c in cal.collectives} == {2, 4, 8, 16}
+    assert cal.overlap == 1.0 and cal.memory_bytes == 80 * GIB
+    assert len(cal.assumed) == 5 and any("overlap" in a for a in cal.assumed)
+
+
+def test_from_json_refuses_a_wrong_format_naming_the_fix():
+    data = assumed(tflops=1, nvlink_gbps=1, ib_gbps=1, gpus_per_node=8, gpu_memory=GIB).to_json()
+    with pytest.raises(ValueError, match="run qn-hf-plan --calibrate again"):
+        Calibration.from_json({**data, "format": FORMAT + 1})
+    with pytest.raises(ValueError, match="not a qn_hf calibration file"):
+        Calibration.from_json({k: v for k, v in data.items() if k != "matmul"})
+
+
+def test_json_round_trip(tmp_path):
+    cal = assumed(tflops=1, nvlink_gbps=2, ib_gbps=3, gpus_per_node=4, gpu_memory=GIB, world_size=8)
+    assert Calibration.from_json(json.loads(json.dumps(cal.to_json()))) == cal
+    cal.save(str(tmp_path / "c.json"))
+    assert Calibration.load(str(tmp_path / "c.json")) == cal
+
+
+# -- measuring: the pure parts ------------------------------------------------------------------------
+
+
+def test_fit_line_recovers_a_line_and_stays_finite_on_noise():
+    assert fit_line([1e3, 1e5, 1e6], [1e-4 + a / 1e9 for a in (1e3, 1e5, 1e6)]) == Fit(
+        latency=pytest.approx(1e-4), rate=pytest.approx(1e9))
+    through_origin = fit_line([1.0, 2.0, 3.0], [0.0, 2.0, 3.0])  # intercept < 0: refitted through 0
+    assert through_origin.latency == 0.0 and through_origin.rate > 0
+    flat = fit_line([1.0, 2.0], [5.0, 4.0])  # time fell as the amount grew: all latency
+    assert flat.latency == 4.0 and math.isfinite(flat.rate) and flat.seconds(2.0) == pytest.approx(4.0 * 1.01)
+
+
+def test_layouts_lay_groups_out_as_a_mesh_does():
+    one_node = layouts(4, 4)
+    assert [(lay.ranks, lay.link, lay.groups) for lay in one_node] == [
+        (2, Link.NODE, ((0, 1), (2, 3))), (4, Link.NODE, ((0, 1, 2, 3),))]
+    two_nodes = {(lay.ranks, lay.link): lay.groups for lay in layouts(8, 4)}
+    assert two_nodes[(2, Link.NODE)] == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert two_nodes[(2, Link.NETWORK)] == ((0, 4), (1, 5), (2, 6), (3, 7))  # one rank per node
+    assert two_nodes[(4, Link.NODE)] == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert two_nodes[(8, Link.NETWORK)] == (tuple(range(8)),)
+    assert len(two_nodes) == 4
+    for lay in layouts(12, 4):  # every layout partitions the world
+        assert sorted(r for g in lay.groups for r in g) == list(range(12))
+    assert layouts(1, 1) == []
+    with pytest.raises(ValueError, match="ranks_per_node=3 does not divide world_size=4"):
+        layouts(4, 3)
+
+
+def test_measure_outside_a_process_group_says_what_to_call():
+    with pytest.raises(RuntimeError, match=r"calibrate\(world_size\)"):
+        measure(quick=True)
+
+
+# -- measuring on ranks -------------------------------------------------------------------------------
+
+
+def case_measure_quick() -> Calibration:
+    return measure(dtypes=("bfloat16", "float16"), quick=True)
+
+
+def _figures(cal: Calibration) -> list[Fit]:
+    return [*cal.attention.values(), cal.op, *(c.fit for c in cal.collectives)]
+
+
+def test_measure_quick_at_two_ranks_agrees_and_is_sane(worlds, tmp_path):
+    first, second = worlds.run(2, case_measure_quick)
+    assert first == second  # every timing agreed with an all-reduce MAX
+    cal = first
+    assert (cal.device, cal.backend, cal.world_size, cal.ranks_per_node) == ("cpu", "gloo", 2, 2)
+    assert list(cal.matmul) == ["float32", "bfloat16"]  # float16 on a CPU: skipped and named
+    assert any(a.startswith("float16") for a in cal.assumed)
+    for fit in _figures(cal):
+        assert math.isfinite(fit.latency) and fit.latency >= 0
+        assert math.isfinite(fit.rate) and fit.rate > 0
+    for table in cal.matmul.values():
+        assert all(math.isfinite(r) and r > 0 for row in table.rates for r in row)
+    table = cal.matmul["float32"]
+    assert table.rates[-1][-1] > table.rates[0][0], table  # the largest product runs nearer the peak
+    measured = {(c.op, c.ranks, c.link) for c in cal.collectives}
+    assert measured == {(op, 2, Link.NODE) for op in (
+        Collective.ALL_REDUCE, Collective.ALL_GATHER_INTO_TENSOR, Collective.REDUCE_SCATTER_TENSOR,
+        Collective.ALL_TO_ALL_SINGLE, Collective.SEND, Collective.RECV)}
+    assert 0.0 <= cal.overlap <= 1.0 and "overlap" in cal.notes
+    assert cal.memory_bytes > 0 and cal.threads == 1
+    cal.save(str(tmp_path / "c.json"))
+    assert Calibration.load(str(tmp_path / "c.json")) == cal
+
+
+def test_cli_calibrate_quick_writes_a_calibration(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)  # not under torchrun: a local world of one rank
+    out = tmp_path / "machine.json"
+    main(["--calibrate", str(out), "--quick", "--dtype", "fp32", "--calibrate-ranks", "1"])
+    cal = Calibration.load(str(out))
+    assert cal.world_size == 1 and cal.collectives == () and cal.overlap == 0.0
+    assert list(cal.matmul) == ["float32"] and cal.assumed == ()
+    printed = capsys.readouterr().out
+    assert "matmul float32: peak" in printed and f"wrote {out}" in printed
+    assert cal.notes["mode"] == "quick"
+
+
+def test_cli_model_still_required_without_calibrate(capsys):
+    with pytest.raises(SystemExit):
+        main(["--gpus", "8"])
+    assert "the following arguments are required: model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["some/model", "--calibrate", "out.json"])
+    assert "give it without some/model" in capsys.readouterr().err
