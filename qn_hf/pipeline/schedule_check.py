@@ -22,7 +22,7 @@ rank 0). In one-chunk lists the chunk is the stage and the peers are the neighbo
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .schedule import COMPUTE_OPS, Action, Op, chunk_of, deferred, format_grid, rank_of_chunk
@@ -160,22 +160,25 @@ class Timing:
         return tuple(1 - b / self.makespan if self.makespan else 0.0 for b in self.busy)
 
 
-def timed(all_actions: list[list[Action]], *, costs: Mapping[Op, float]) -> Timing:
-    """Run the lists with each compute op taking ``costs[op]`` (every compute op used must have a
-    cost); sends and receives take no time, and a receive waits until the sender's matching send,
-    i.e. the end of the compute before it. Raises like ``simulate`` first."""
-    missing = {a.op for acts in all_actions for a in acts if a.op in COMPUTE_OPS} - set(costs)
-    if missing:
-        raise ValueError(f"costs has no entry for {sorted(map(str, missing))}")
+def timed(all_actions: list[list[Action]], *, costs: Mapping[Op, float] | Sequence[Mapping[Op, float]]) -> Timing:
+    """Run the lists with each compute op taking ``costs[op]``, or ``costs[rank][op]`` with one
+    mapping per rank (every compute op used must have a cost); sends and receives take no time, and
+    a receive waits until the sender's matching send, i.e. the end of the compute before it. Raises
+    like ``simulate`` first."""
     stages = len(all_actions)
+    per_rank = [costs] * stages if isinstance(costs, Mapping) else list(costs)
+    for acts, rank_costs in zip(all_actions, per_rank):
+        missing = {a.op for a in acts if a.op in COMPUTE_OPS} - set(rank_costs)
+        if missing:
+            raise ValueError(f"costs has no entry for {sorted(map(str, missing))}")
     clock = [0.0] * stages
     busy = [0.0] * stages
     sent_at: dict[Message, float] = {}
     for s, action in simulate(all_actions):  # a valid execution order: each send before its receive
         link = _message(action, stage=s, stages=stages)
         if action.op in COMPUTE_OPS:
-            clock[s] += costs[action.op]
-            busy[s] += costs[action.op]
+            clock[s] += per_rank[s][action.op]
+            busy[s] += per_rank[s][action.op]
         elif action.op in (Op.SEND_FWD, Op.SEND_BWD):
             sent_at[link[2]] = clock[s]
         else:

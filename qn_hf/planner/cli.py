@@ -8,6 +8,7 @@
     qn-hf-plan MODEL --dp 1 --tp 8 --pp 8 [--cp 2] [--ep 8] [--microbatches 32]  # one mesh, per-stage detail
     qn-hf-plan path/to/config.json --gpus 16 --json                     # machine-readable
     qn-hf-plan --calibrate OUT.json [--calibrate-ranks N] [--dtype bf16] [--quick]  # measure this machine
+    qn-hf-plan MODEL --gpus 8 --global-batch 64 --auto [--calibration machine.json]  # what mesh="auto" picks
 
 --global-batch B ranks only meshes that train exactly B sequences per step (each mesh's microbatches
 are B / (dp x micro-batch size); one that this does not divide is rejected, saying so), and every row
@@ -51,8 +52,13 @@ mode, per chunk, at the most the schedule's action list holds at once, zb_h1's s
 layers' inputs and output gradients included). The bubble is the schedule's own, timed on its action
 lists with per-op costs (forward, backward, weight gradients) from the FLOPs. Communication is per
 step and rank, by group (the dp column: the gradients' reduction, over dp x cp). Step times come
-from the simple model in qn_hf/planner/cost.py (a stated FLOP rate and link bandwidths): use them
-to rank meshes, not to predict a run.
+from qn_hf/planner/cost.py priced at --calibration (a file --calibrate wrote on the machine that will
+train), or without one at the stated --tflops and link figures (every figure then assumed, and said).
+
+--auto prints the configuration ``parallelize(model, mesh="auto", global_batch=B, seq_len=L)`` would
+choose (planner/auto.py: the fastest predicted among those that fit --gpu-memory), its step time
+and memory, and the runner-up with why it lost; degrees, --dtype, --recompute and
+--sequence-parallel given are kept.
 
 --calibrate OUT.json measures this machine's figures (planner/calibrate.py: matmul rates by shape in
 float32 and --dtype, attention, per-op latency, collectives by group size, overlap) and writes them:
@@ -75,12 +81,14 @@ import torch.distributed as dist
 
 from ..config.dims import Axis, ParallelDims
 from ..config.options import Gather, Recompute
-from ..config.schedule import SCHEDULES, as_schedule
+from ..config.schedule import SCHEDULES, Schedule, as_schedule
+from .auto import auto_plan
 from .calibrate import calibrate, measure, summary
-from .cost import GIB, Hardware, links, step_time
+from .calibration import Calibration
+from .cost import GIB, Hardware
 from .estimate import Planner
-from .results import MeshEstimate
-from .search import Candidate, at_mesh, microbatches_for, search
+from .report import mesh_report, ranking_report, settings, to_json
+from .search import at_mesh, microbatches_for, search
 
 MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": None}  # --dtype -> parallelize's mixed_precision
 CALIBRATED_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype -> what --calibrate times
@@ -119,120 +127,6 @@ def load_config(path: str):
     return AutoConfig.for_model(**values)
 
 
-def gib(n: float) -> str:
-    return f"{n / GIB:,.1f}"
-
-
-def settings(*, mixed_precision: str | None, zero: bool, recompute: str | None, sequence_parallel: bool = False,
-             dp_shard: int = 1) -> str:
-    """The training settings, in words."""
-    words = [mixed_precision or "fp32"] + (["ZeRO-1"] if zero else []) + ([f"{recompute} recompute"] if recompute else [])
-    return ", ".join(words + (["sequence parallel"] if sequence_parallel else [])
-                     + ([f"dp_shard={dp_shard} (FSDP)"] if dp_shard > 1 else []))
-
-
-def mesh_report(est: MeshEstimate, hw: Hardware) -> str:
-    link = links(est, hw)
-    t = step_time(est, hw)
-    master = " + fp32 master" if est.mixed_precision else ""
-    ep = est.ep > 1  # an ep column and link only then: dense-model reports stay as they were
-    stash = as_schedule(est.schedule).split_backward  # a W stash column only then
-    fsdp = est.dp_shard > 1  # a column of the whole weights and gradients a step holds only then
-    lines = [
-        f"mesh dp={est.dp} tp={est.tp} pp={est.pp} cp={est.cp}{f' ep={est.ep}' if ep else ''} "
-        f"({est.world_size} GPUs), {schedule_name(est)}, {est.microbatches} microbatches of {est.micro_batch_size} x "
-        f"{est.seq_len} positions (a global batch of {est.global_batch} sequences); {est.total_params:,} parameters; "
-        f"{settings(mixed_precision=est.mixed_precision, zero=est.zero, recompute=est.recompute, sequence_parallel=est.sequence_parallel, dp_shard=est.dp_shard)}"
-        + (f", gathered once a {est.dp_shard_gather}" if fsdp and est.pp > 1 else ""),
-        f"bubble of {est.schedule} {est.bubble:.3f} (its action lists timed with per-op costs from FLOPs); "
-        f"links: tp {link['tp']}, cp {link['cp']}, pp {link['pp']}, "
-        f"dp {link['dp']}" + (f", ep {link['ep']}, experts {link['experts']}" if ep else ""),
-        "",
-        f"| stage | blocks | also holds | params / rank | weights GiB | grads GiB | AdamW{master} GiB "
-        f"| activations / microbatch GiB |{' W stash / microbatch GiB |' if stash else ''} in flight "
-        f"| peak activations GiB |{' gathered GiB |' if fsdp else ''} total GiB | tp GB/step | cp GB/step | pp GB/step | dp GB/step (payload) |"
-        + (" ep GB/step |" if ep else ""),
-        "|---" * (15 + stash + ep + fsdp) + "|",
-    ]
-    for s in est.stages:
-        comm = group_gb(s.comm)
-        blocks = ", ".join(f"{first}-{last - 1}" for first, last in s.chunks)
-        lines.append(
-            f"| {s.stage} | {blocks} | {', '.join(s.modules) or '-'} | {s.params:,} "
-            f"| {gib(s.weight_bytes)} | {gib(s.grad_bytes)} | {gib(s.optimizer_bytes)} "
-            f"| {gib(s.activation_bytes_per_microbatch)} |"
-            + (f" {gib(s.weight_stash_bytes_per_microbatch)} |" if stash else "")
-            + f" {s.in_flight} | {gib(s.activation_bytes)} |" + (f" {gib(s.unsharded_bytes)} |" if fsdp else "")
-            + f" {gib(s.total_bytes)} "
-            f"| {comm['tp']:.2f} | {comm['cp']:.2f} | {comm['pp']:.2f} | {comm['dp']:.2f} |"
-            + (f" {comm['ep']:.2f} |" if ep else "")
-        )
-    fits = est.peak_bytes <= hw.gpu_memory
-    lines += ["", f"peak {gib(est.peak_bytes)} GiB per GPU of {gib(hw.gpu_memory)} GiB: {'fits' if fits else 'DOES NOT FIT'}",
-              f"estimated step {t.seconds:.2f} s (compute+bubble {t.compute:.2f}, tp {t.tp:.2f}, cp {t.cp:.2f}, "
-              f"pp {t.pp:.2f}, dp {t.dp:.2f}{f', ep {t.ep:.2f}' if ep else ''}), {t.tokens_per_s:,.0f} tokens/s, "
-              f"{100 * t.utilization:.0f}% of the stated "
-              f"FLOP rate"]
-    return "\n".join(lines)
-
-
-def schedule_name(est: MeshEstimate) -> str:
-    return est.schedule + (f" x{est.virtual_stages} virtual stages" if est.virtual_stages > 1 else "")
-
-
-def group_gb(comm: dict) -> dict[str, float]:
-    """GB per step on tp, cp, pp, dp and ep, where dp is the gradients' reductions: "dp" plus
-    "replicas" (dp x cp) plus "experts" (the ep-sharded experts' own group) plus FSDP's
-    ("dp_shard": its all-gathers too; "dp_replicate")."""
-    gb = {g: comm[g].nbytes / 1e9 if g in comm else 0.0 for g in (Axis.TP, Axis.CP, Axis.PP, Axis.DP, Axis.EP)}
-    gb["dp"] += sum(comm[g].nbytes / 1e9 for g in ("replicas", "experts", Axis.DP_SHARD, Axis.DP_REPLICATE) if g in comm)
-    return gb
-
-
-def mesh_name(dp: int, tp: int, pp: int, cp: int, ep: int = 1, dp_shard: int = 1) -> str:
-    return (f"dp={dp} tp={tp} pp={pp}" + (f" cp={cp}" if cp > 1 else "") + (f" ep={ep}" if ep > 1 else "")
-            + (f" dp_shard={dp_shard}" if dp_shard > 1 else ""))
-
-
-def ranking_report(accepted: list[Candidate], rejected, *, hw: Hardware, top: int, label: str, ep: int | None = 1,
-                   dp_shard: bool = False) -> str:
-    """``ep``: the meshes' ep, or None when it was searched (an ep column); ``dp_shard``: a dp_shard
-    column (the meshes were planned with sharded data parallelism)."""
-    moe = ep is None or ep > 1  # an ep GB column
-    lines = [
-        f"| rank | dp |{' dp_shard |' if dp_shard else ''} tp | pp | cp |{' ep |' if ep is None else ''} microbatches "
-        f"| global batch | bubble | peak GiB / GPU ({label}) "
-        f"| fits {gib(hw.gpu_memory)} GiB | est. step s | tokens/s | tp GB | cp GB | pp GB | dp GB |"
-        + (" ep GB |" if moe else ""),
-        "|---" * (16 + moe + dp_shard + (ep is None)) + "|",
-    ]
-    for i, c in enumerate(accepted[:top], 1):
-        e = c.estimate
-        per_stage = [group_gb(s.comm) for s in e.stages]
-        worst = {g: max(gb[g] for gb in per_stage) for g in (Axis.TP, Axis.CP, Axis.PP, Axis.DP, Axis.EP)}
-        lines.append(
-            f"| {i} | {e.dp} |" + (f" {e.dp_shard} |" if dp_shard else "") + f" {e.tp} | {e.pp} | {e.cp} |"
-            + (f" {e.ep} |" if ep is None else "") + f" {e.microbatches} | {e.global_batch} | {e.bubble:.3f} "
-            f"| {gib(c.peak_bytes)} "
-            f"| {'yes' if c.fits else 'no'} | {c.time.seconds:.2f} | {c.time.tokens_per_s:,.0f} | {worst['tp']:.1f} "
-            f"| {worst['cp']:.1f} | {worst['pp']:.1f} | {worst['dp']:.1f} |"
-            + (f" {worst['ep']:.1f} |" if moe else "")
-        )
-    lines.append("\nGB columns: per step and GPU (the busiest stage), the payload this rank hands to the group's "
-                 "collectives and sends (dp: its gradient buckets); a ring all-reduce puts 2(N-1)/N of its payload "
-                 "on the wire.")
-    batches = sorted({c.estimate.global_batch for c in accepted[:top]})
-    if len(batches) > 1:
-        lines.append(f"These meshes train different global batches ({', '.join(map(str, batches))} sequences per "
-                     f"step), so their tokens/s compare different runs: --global-batch B ranks meshes that train B.")
-    if len(accepted) > top:
-        lines.append(f"\n({len(accepted) - top} more valid meshes; --top N shows more)")
-    if rejected:
-        lines.append(f"\nrejected by parallelize's checks ({len(rejected)}):")
-        lines += [f"  {mesh_name(r.dp, r.tp, r.pp, r.cp, r.ep, r.dp_shard)}: {r.reason}" for r in rejected]
-    return "\n".join(lines)
-
-
 def run_options(args: argparse.Namespace) -> dict[str, object]:
     """What every mesh of this run shares (the schedule, virtual stages, precision, recomputation,
     sequence parallelism, gather), as ``ParallelConfig`` keywords; the degrees and microbatches are
@@ -242,21 +136,6 @@ def run_options(args: argparse.Namespace) -> dict[str, object]:
     return {"schedule": args.schedule, "virtual_stages": args.virtual_stages, "mixed_precision": MIXED_PRECISION[args.dtype],
             "recompute": args.recompute, "sequence_parallel": args.sequence_parallel,
             "dp_shard_gather": args.dp_shard_gather}
-
-
-def to_json(est: MeshEstimate, hw: Hardware) -> dict:
-    out = est.as_dict()
-    out["step_time"] = dataclasses.asdict(step_time(est, hw))
-    out["peak_bytes"] = est.peak_bytes
-    out["fits"] = out["peak_bytes"] <= hw.gpu_memory
-    out["links"] = links(est, hw)
-    out["global_batch"] = est.global_batch
-    for stage, s in zip(out["stages"], est.stages):
-        if len(s.chunks) == 1:
-            stage["blocks"] = s.blocks
-        for what in ("weight", "grad", "optimizer", "state", "activation", "unsharded", "total"):
-            stage[f"{what}_bytes"] = getattr(s, f"{what}_bytes")
-    return out
 
 
 def run_calibration(args: argparse.Namespace) -> None:
@@ -322,6 +201,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ib-gbps", type=float, default=Hardware.ib_gbps, help="GB/s per GPU across nodes")
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--calibration", metavar="FILE.json", default=None,
+                        help="price step times at this machine's figures (written by --calibrate); default: the "
+                             "stated --tflops and link figures, every one named as assumed")
+    parser.add_argument("--auto", action="store_true",
+                        help="with --gpus and --global-batch: the configuration parallelize(mesh='auto') would choose, "
+                             "its predicted step time and memory, and the runner-up with why it lost")
     parser.add_argument("--calibrate", metavar="OUT.json", help="measure this machine's figures into OUT.json")
     parser.add_argument("--calibrate-ranks", type=int, default=1,
                         help="with --calibrate outside torchrun: local ranks measuring at once (default 1)")
@@ -356,6 +241,10 @@ def main(argv: list[str] | None = None) -> None:
     seq_len = args.seq_len or min(positions, 4096)
     hw = Hardware(gpu_memory=args.gpu_memory, gpus_per_node=args.gpus_per_node, tflops=args.tflops,
                   nvlink_gbps=args.nvlink_gbps, ib_gbps=args.ib_gbps)
+    cal = Calibration.load(args.calibration) if args.calibration else None
+    if args.auto:
+        run_auto(args, config, seq_len=seq_len, hw=hw, calibration=cal, explicit=explicit, parser=parser)
+        return
     # The model is loaded in float32; mixed precision casts its parameters, as parallelize does.
     planner = Planner(config, seq_len=seq_len, micro_batch_size=args.micro_batch_size, dtype=torch.float32)
     training = dict(mixed_precision=MIXED_PRECISION[args.dtype], zero=args.zero, recompute=args.recompute,
@@ -372,16 +261,16 @@ def main(argv: list[str] | None = None) -> None:
             parallel = at_mesh(options, dp=args.dp, tp=args.tp, pp=args.pp, cp=cp, ep=ep, dp_shard=dp_shard,
                                microbatches=microbatches)
             est = planner.estimate(parallel, zero=args.zero)
-            print(json.dumps(to_json(est, hw), indent=1) if args.json else mesh_report(est, hw))
+            print(json.dumps(to_json(est, hw, cal), indent=1) if args.json else mesh_report(est, hw, cal))
             return
         accepted, rejected = search(planner, options, gpus=args.gpus, hw=hw, zero=args.zero,
                                     microbatches=args.microbatches, global_batch=args.global_batch, fixed=explicit,
-                                    cp=args.cp, ep=args.ep, dp_shard=dp_shard)
+                                    cp=args.cp, ep=args.ep, dp_shard=dp_shard, calibration=cal)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     if args.json:
-        print(json.dumps({"meshes": [{**to_json(c.estimate, hw), "rank": i}
+        print(json.dumps({"meshes": [{**to_json(c.estimate, hw, cal), "rank": i}
                                      for i, c in enumerate(accepted, 1)],
                           "rejected": [dataclasses.asdict(r) for r in rejected]}, indent=1))
         return
@@ -395,4 +284,39 @@ def main(argv: list[str] | None = None) -> None:
     print(ranking_report(accepted, rejected, hw=hw, top=args.top, label=label, ep=ep, dp_shard=dp_shard != 1))
     if accepted:
         print("\nbest mesh in detail:\n")
-        print(mesh_report(accepted[0].estimate, hw))
+        print(mesh_report(accepted[0].estimate, hw, cal))
+
+
+def run_auto(args: argparse.Namespace, config, *, seq_len: int, hw: Hardware, calibration: Calibration | None,
+             explicit: dict, parser: argparse.ArgumentParser) -> None:
+    """--auto: ``auto_plan`` at --gpus and --global-batch, keeping the options given (--dtype's precision,
+    degrees, --recompute, --sequence-parallel)."""
+    if args.gpus is None or args.global_batch is None:
+        parser.error("--auto needs --gpus N and --global-batch B (auto trains exactly B sequences per step)")
+    if args.microbatches is not None or args.zero or as_schedule(args.schedule) is not Schedule.ONE_F_ONE_B or args.virtual_stages != 1:
+        parser.error("--auto chooses the microbatches and the schedule, and not ZeRO-1 (dp_shard, searched, shards "
+                     "more): leave out --microbatches, --schedule, --virtual-stages and --zero")
+    fixed = {**{str(k): v for k, v in explicit.items()}, "mixed_precision": MIXED_PRECISION[args.dtype],
+             "sequence_parallel": args.sequence_parallel,
+             **{k: v for k, v in (("recompute", args.recompute), ("cp", args.cp), ("ep", args.ep),
+                                  ("dp_shard", args.dp_shard)) if v not in (None, "all")}}
+    try:
+        choice = auto_plan(config, global_batch=args.global_batch, seq_len=seq_len, world_size=args.gpus,
+                           device_memory=args.gpu_memory, calibration=calibration, fixed=fixed,
+                           gpus_per_node=args.gpus_per_node)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if args.json:
+        up = choice.runner_up
+        print(json.dumps({"chosen": {**to_json(choice.feasible[0].estimate, hw, calibration),
+                                     "config": choice.config.keywords()},
+                          "runner_up": None if up is None else {**to_json(up.estimate, hw, calibration),
+                                                                "config": up.estimate.parallel.keywords()},
+                          "why": choice.why, "feasible": len(choice.feasible), "assumed": list(choice.assumed)},
+                         indent=1, default=str))
+        return
+    print(f"{config.model_type}: {args.gpus} GPUs, a global batch of {args.global_batch} x {seq_len} tokens")
+    print(choice.summary())
+    print("\nchosen in detail:\n")
+    print(mesh_report(choice.feasible[0].estimate, hw, calibration))

@@ -18,9 +18,8 @@ For each pipeline stage, one microbatch on one rank costs
     pp      = the sends of one microbatch's activation and gradient, at the p2p fit
 
 and the pipeline takes the schedule's own time: every rank's action list timed
-(``schedule_check.timed``) with the slowest stage's microbatch cut into per-op costs F, B and
-zb_h1's W (``schedules.op_costs``), which for 1F1B and GPipe is (microbatches + pp - 1) times the
-slowest stage's microbatch. Ring attention posts each block's transfer before computing the block
+(``schedule_check.timed``) with its own stage's microbatch cut into per-op costs F, B and zb_h1's W
+(``schedules.op_costs``), so that a cut whose last stage also runs the head waits where a run does. Ring attention posts each block's transfer before computing the block
 in hand and waits after it (ring_attention.py), so ``overlap`` x the attention's time of the cp
 time is hidden.
 
@@ -167,21 +166,22 @@ def step_time(est: MeshEstimate, hw: Hardware, calibration: Calibration | None =
 
     again = 4 / 3 if est.recompute == Recompute.FULL else 1.0
     slowest = compute_mb = tp_mb = pp_mb = cp_mb = ep_mb = backward_mb = 0.0
-    costs = {}
+    costs = []
     for s in est.stages:
         plain, attention, others, weight = compute_seconds(est, s, cal)
         c = plain * again + (others / 3 if est.recompute == Recompute.SELECTIVE else 0.0)
         per = {g: seconds(g, s.comm[g]) / est.microbatches for g in _MICROBATCH_GROUPS if g in s.comm}
         t, p, e = per.get(Axis.TP, 0.0), per.get(Axis.PP, 0.0), per.get(Axis.EP, 0.0)
         r = max(per.get(Axis.CP, 0.0) - cal.overlap * attention * again, 0.0)
+        costs.append(op_costs(compute=plain, weight=weight, comm=t + r + p + e, recompute=est.recompute,
+                              schedule=est.schedule, virtual_stages=est.virtual_stages))
         if c + t + r + p + e > slowest:
             slowest, compute_mb, tp_mb, cp_mb, pp_mb, ep_mb = c + t + r + p + e, c, t, r, p, e
             backward_mb = c - plain / 3 + (t + r + e) / 2
-            costs = op_costs(compute=plain, weight=weight, comm=t + r + p + e, recompute=est.recompute,
-                             schedule=est.schedule, virtual_stages=est.virtual_stages)
+    # each stage at its own costs: an unbalanced cut (the head on the last stage) waits where it does
     timing = pipeline_timing(stages=est.pp, microbatches=est.microbatches, schedule=est.schedule,
                              virtual_stages=est.virtual_stages, costs=costs)
-    rounds = timing.makespan / slowest
+    rounds = timing.makespan / slowest  # the parts below: the slowest stage's, scaled to the makespan
 
     def once(s: StageEstimate) -> float:
         """A stage's once-a-step groups, less what overlaps with its compute."""

@@ -91,18 +91,20 @@ def op_costs(*, compute: float, weight: float, comm: float, recompute: str | Non
 
 
 def pipeline_timing(*, stages: int, microbatches: int, schedule: str, virtual_stages: int = 1,
-                    costs: dict[Op, float]) -> Timing:
-    """Every rank's list timed with ``costs`` (``op_costs``)."""
-    return _timed(stages, microbatches, schedule, virtual_stages, tuple(costs.items()))
+                    costs: dict[Op, float] | Sequence[dict[Op, float]]) -> Timing:
+    """Every rank's list timed with ``costs`` (``op_costs``: one for every rank, or one per rank)."""
+    if isinstance(costs, dict):
+        costs = [costs] * stages
+    return _timed(stages, microbatches, schedule, virtual_stages, tuple(tuple(c.items()) for c in costs))
 
 
 @functools.lru_cache(maxsize=256)
 def _timed(stages: int, microbatches: int, schedule: str, virtual_stages: int,
-           costs: tuple[tuple[Op, float], ...]) -> Timing:
+           costs: tuple[tuple[tuple[Op, float], ...], ...]) -> Timing:
     # Cached: a search times each (pp, M) with the same costs at every dp and dp_shard of a mesh
     # shape (the costs are per microbatch), and a long pipeline's lists take a while to walk.
     return timed([list(a) for a in rank_actions(stages=stages, microbatches=microbatches, schedule=schedule,
-                                                 virtual_stages=virtual_stages)], costs=dict(costs))
+                                                 virtual_stages=virtual_stages)], costs=[dict(c) for c in costs])
 
 
 def bubble(timing: Timing) -> float:
