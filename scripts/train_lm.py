@@ -8,10 +8,14 @@ Run it under torchrun or accelerate; world size = dp * tp * pp * cp:
     torchrun --standalone --nproc-per-node 2 scripts/train_lm.py --model tiny-qwen3-moe --mesh 2 1 1 --ep 2
     torchrun --standalone --nproc-per-node 4 scripts/train_lm.py --model tiny-llama --mesh 4 1 1 --dp-shard 2  # FSDP
     torchrun --standalone --nproc-per-node 4 scripts/train_lm.py --model tiny-llama --mesh 1 2 1 --cp 2 --sequence-parallel
+    torchrun --standalone --nproc-per-node 4 scripts/train_lm.py --model tiny-llama --mesh auto --calibration machine.json
 
 --dp-shard S shards weights, gradients and optimizer state over groups of S dp ranks (FSDP);
 --cp C splits every sequence over C more ranks (ring attention); --sequence-parallel splits the
 activations between tensor-parallel regions over tp. Each option is also a YAML key (dp_shard: 2).
+--mesh auto lets the planner choose the mesh, schedule and microbatches (the fastest it predicts that
+fits, at the machine's --calibration file from qn-hf-plan --calibrate, else at stated GPU figures),
+keeping the parallel options given; config.yaml records its choice.
 
 --model is a local Hugging Face directory (read shard by shard, never whole on one rank) or a
 preset (tiny-gpt2, tiny-llama, tiny-qwen3-moe: a mixture of experts, whose

@@ -146,6 +146,10 @@ def _one_error_line(done: subprocess.CompletedProcess) -> str:
     pytest.param(["--batch-size", "6", "--microbatches", "4"], "batch_size=6 must be a multiple of dp*microbatches=4",
                  marks=pytest.mark.long),
     pytest.param(["--resume", "{empty}/nothing"], "no such checkpoint", marks=pytest.mark.long),
+    pytest.param(["--mesh", "auto", "--microbatches", "2"], "error: microbatches=2 with mesh auto: the planner chooses "
+                 "them", marks=pytest.mark.long),
+    pytest.param(["--mesh", "auto", "--calibration", "{empty}/machine.json"], "machine.json does not exist",
+                 marks=pytest.mark.long),
 ])
 def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path, args, message):
     (tmp_path / "empty").mkdir()
@@ -322,3 +326,72 @@ def test_demo_chooses_a_mesh_for_the_number_of_processes(tmp_path):
     ok(done)
     assert "mesh dp=1 tp=2 pp=1 (chosen for 2 processes; 8 processes give dp=2 x tp=2 x pp=2)" in done.stdout, done.stdout
     assert "save_pretrained -> from_pretrained" in done.stdout, done.stdout
+
+
+def calibration_file(path: Path, machine: str) -> str:
+    """A hand-made machine (no measuring, so the choice is the same on every host): "stated" is the
+    planner's stated figures at slow links, "ops-free" the same where an op costs nothing and only
+    FLOPs and bytes count; at 2 ranks tiny-gpt2's batch of 8 x 32 tokens gets dp=2 on the first and a
+    pipeline of 2 stages on the second."""
+    import dataclasses
+
+    from qn_hf.planner.calibration import Fit, assumed
+
+    cal = assumed(tflops=0.05, nvlink_gbps=1, ib_gbps=1, gpus_per_node=2, gpu_memory=1 << 30, world_size=2)
+    if machine == "ops-free":
+        cal = dataclasses.replace(cal, device="cpu", op=Fit(1e-9, 5e12), overlap=0.0)
+    cal.save(str(path))
+    return str(path)
+
+
+AUTO_ARGS = ["--model", "tiny-gpt2", "--batch-size", "8", "--seq-len", "32", "--steps", "4", "--eval-every", "0",
+             "--eval-batches", "1", "--timeline-step", "0", *COMMON]
+
+
+@pytest.fixture(scope="module")
+def plain_lm(tmp_path_factory) -> Path:
+    """The same run in one process at (1, 1, 1), one microbatch: the plain model."""
+    out = tmp_path_factory.mktemp("plain")
+    ok(launch("python", "train_lm.py", [*AUTO_ARGS, "--mesh", "1", "1", "1", "--microbatches", "1", "--output-dir",
+                                        str(out)]))
+    return out
+
+
+@pytest.mark.parametrize("machine, how", [("stated", "command line"), ("ops-free", "yaml")])
+def test_lm_script_mesh_auto_trains_as_the_plain_model(tmp_path, plain_lm, machine, how):
+    """--mesh auto (or `mesh: auto` in the YAML) under torchrun at 2 processes, with a calibration file: the
+    chosen configuration is logged, recorded in config.yaml (which, read back, is that configuration), and
+    trains as the plain model does (losses within 1e-5 relative, the exported weights within 2e-5), whether
+    it is data parallel or a pipeline (the sampler slices the global batch by the chosen dp)."""
+    from transformers import AutoModelForCausalLM
+
+    from qn_hf.planner.auto import describe
+    from qn_hf.training.config import build_parser, load_config
+
+    cal = calibration_file(tmp_path / "machine.json", machine)
+    out = tmp_path / "auto"
+    if how == "yaml":
+        (tmp_path / "run.yaml").write_text(f"mesh: auto\ncalibration: {cal}\n")
+        chosen_by = ["--config", str(tmp_path / "run.yaml")]
+    else:
+        chosen_by = ["--mesh", "auto", "--calibration", cal]
+    done = launch("torchrun", "train_lm.py", [*AUTO_ARGS, *chosen_by, "--output-dir", str(out)], nproc=2)
+    ok(done)
+
+    recorded = load_config(build_parser(task="lm", description="").parse_args(["--config", str(out / "config.yaml")]))
+    assert recorded.mesh != "auto" and recorded.calibration is None
+    parallel = recorded.parallel_config(world=2)
+    dims = parallel.dims
+    assert (dims.dp, dims.pp) == ((2, 1) if machine == "stated" else (1, 2)), parallel
+    micro_batch_size = 8 // (dims.dp * parallel.microbatches)
+    assert f"mesh auto: chosen: {describe(parallel, micro_batch_size)}: predicted step" in done.stderr, done.stderr[-3000:]
+    assert done.stderr.count("mesh auto: chosen:") == 1  # rank 0's
+    assert (out / "config.yaml").read_text().startswith("# mesh auto chose")
+
+    ours, plain = metrics(out), metrics(plain_lm)
+    assert [r["step"] for r in ours] == [r["step"] for r in plain] == [1, 2, 3, 4]
+    worst = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(ours, plain))
+    assert worst <= 1e-5, (worst, ours, plain)
+    a, b = (AutoModelForCausalLM.from_pretrained(d / "model").state_dict() for d in (out, plain_lm))
+    assert a.keys() == b.keys()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 2e-5

@@ -129,6 +129,31 @@ def test_trainer_with_expert_parallelism_equals_one_process(worlds, tmp_path):
     check_run(results, ref)
 
 
+@pytest.mark.parametrize("how", ["auto", "calibrated"])
+def test_trainer_with_mesh_auto_equals_one_process(worlds, model_dirs, references, tmp_path, how):
+    """parallel="auto" at 2 processes (the stated figures; the sequence length read from train_dataset), and
+    parallel=dict(mesh="auto", seq_len=, calibration=) with 2 accumulation steps at a machine where the
+    planner chooses a 2-stage pipeline (dp=1): per_device_train_batch_size is per process, so the global batch
+    is that of one-process transformers.Trainer at per_device x 2 whatever dp is chosen, and the run equals it."""
+    from tests.test_scripts import calibration_file
+
+    if how == "auto":
+        parallel, accumulation, clip, ref = "auto", 1, 1.0, references["plain"]
+    else:
+        parallel = dict(mesh="auto", seq_len=trainer_cases.SEQ,
+                        calibration=calibration_file(tmp_path / "machine.json", "ops-free"))
+        accumulation, clip, ref = 2, 0.2, references["accumulated"]
+    results = worlds.run(2, trainer_cases.auto_train, model_dir=model_dirs["llama"], out_dir=str(tmp_path / "run"),
+                         parallel=parallel, batch=2, accumulation=accumulation, max_grad_norm=clip)
+    chosen = results[0]["chosen"]
+    assert all(r["chosen"] == r["choice"] == chosen for r in results)
+    if how == "calibrated":
+        assert (chosen.dims.dp, chosen.dims.pp) == (1, 2), chosen  # each replica takes the whole global batch
+    assert results[0]["total_batch"] == 4 * accumulation
+    check_run(results, ref)
+    same_weights(str(tmp_path / "run" / "model"), ref["model_dir"])
+
+
 def test_trainer_accumulation_clipping_checkpoint_and_resume_at_another_mesh(worlds, model_dirs, references, tmp_path):
     """(2, 1, 2) with 2 accumulation steps (4 microbatches per train_step), clipping and ZeRO-1, checkpoints at steps
     6 and 12; then the step-6 checkpoint resumed at (1, 2, 2) continues as the uninterrupted run."""
@@ -193,6 +218,46 @@ def test_trainer_argument_checks(tmp_path, parallel, overrides, expected):
     with pytest.raises(ValueError) as error:
         check_training_args(args, mesh=trainer_mesh(parallel, args=args), world_size=1)
     assert expected in str(error.value)
+
+
+@pytest.mark.parametrize(("parallel", "expected"), [
+    (dict(mesh="auto", microbatches=2), "parallel microbatches=2 with mesh='auto': they follow from the global batch"),
+    (dict(mesh="auto", global_batch=8), "per_device_train_batch_size x 2 processes x gradient_accumulation_steps = 4; "
+                                        "leave it out"),
+    ("automatic", "parallel='automatic': parallel= takes 'auto' or a dict"),
+    (dict(mesh="automatic"), "parallel mesh='automatic': the one name mesh takes is 'auto'"),
+    (dict(mesh="auto", shards=2), "parallel= has unknown keys ['shards']"),
+    (dict(mesh="auto"), "pass parallel=dict(mesh='auto', seq_len=N)"),
+    (dict(mesh="auto", seq_len=16, calibration="{tmp}/nothing.json"), "nothing.json': no such file"),
+])
+def test_trainer_mesh_auto_refusals(tmp_path, parallel, expected):
+    """mesh='auto''s checks, before the planner runs and before any collective (the data here is an iterable of
+    rows: nothing says its sequence length)."""
+    from qn_hf.integrations.hf_trainer.args import auto_mesh
+    from tests.trainer_cases import training_args
+
+    if isinstance(parallel, dict) and "calibration" in parallel:
+        parallel = {**parallel, "calibration": parallel["calibration"].format(tmp=tmp_path)}
+    args = training_args(str(tmp_path), batch=2, eval_batch=2, accumulation=1, max_grad_norm=1.0)
+    rows = (row for row in [{"input_ids": [1, 2]}])  # a generator: reading ahead would consume it
+    with pytest.raises(ValueError) as error:
+        auto_mesh(parallel, args=args, model=None, world_size=2, train_dataset=rows)
+    assert expected in str(error.value)
+
+
+def test_trainer_mesh_auto_reads_the_sequence_length_from_the_data():
+    from transformers import DataCollatorWithPadding
+
+    from qn_hf.integrations.hf_trainer.args import sequence_length
+    from tests.trainer_cases import token_dataset
+
+    rows = [{"input_ids": [1] * n} for n in (5, 9, 7, 30)]
+    assert sequence_length(rows, rows=3) == 9  # the longest of the first global batch
+    assert sequence_length(token_dataset(8, seed=1), rows=4) == trainer_cases.SEQ
+    assert sequence_length([{"text": "no ids"}], rows=1) is None
+    padded = DataCollatorWithPadding(tokenizer=None, padding="max_length", max_length=24)
+    assert sequence_length(rows, data_collator=padded, rows=3) == 24  # every batch padded to it
+    assert sequence_length(rows, data_collator=DataCollatorWithPadding(tokenizer=None, max_length=24), rows=3) == 9
 
 
 def test_trainer_import_is_lazy():

@@ -146,3 +146,59 @@ def test_loss_plot_steps_are_whole_numbers():
     ticks = [t for t in fig.axes[0].get_xticks() if 1 <= t <= 8]
     plt.close(fig)
     assert ticks and all(float(t).is_integer() for t in ticks), ticks
+
+
+def test_mesh_auto_keeps_the_options_given_and_records_the_choice(tmp_path):
+    """--mesh auto (or `mesh: auto`) leaves the degrees to the planner; the parallel options the YAML or the
+    command line set are kept in every candidate (given at their defaults too), the others are the
+    planner's; chosen() is the run at the chosen configuration, as config.yaml records it."""
+    from qn_hf.config.parallel_config import ParallelConfig
+    from qn_hf.config.schedule import Schedule
+    from qn_hf.training.config import effective_yaml, read_yaml
+
+    parser = build_parser(task="lm", description="")
+    (tmp_path / "run.yaml").write_text("mesh: auto\nmixed_precision: bf16\ncp: 1\nmicrobatches: null\n")
+    cfg = load_config(parser.parse_args(["--config", str(tmp_path / "run.yaml"), "--recompute", "selective",
+                                         "--schedule", "1f1b", "--zero"]))
+    assert cfg.auto and cfg.mesh == "auto"
+    fixed = cfg.fixed_options()
+    assert fixed == {"cp": 1, "mixed_precision": "bf16", "recompute": "selective", "schedule": "1f1b"}
+    assert fixed["schedule"] is Schedule.ONE_F_ONE_B
+    assert load_config(parser.parse_args(["--mesh", "auto"])).fixed_options() == {}
+    assert load_config(parser.parse_args(["--mesh", "auto", "--virtual-stages", "2"])).fixed_options() == {
+        "schedule": "1f1b", "virtual_stages": 2}  # the chunks go with a schedule: the one given, or the default
+
+    parallel = ParallelConfig(dp=1, tp=2, pp=2, microbatches=4, schedule="zb_h1", mixed_precision="bf16",
+                              recompute="selective", sequence_parallel=True)
+    run = cfg.chosen(parallel)
+    assert run.mesh == (1, 2, 2) and run.parallel_config(world=4) == parallel and run.zero
+    (tmp_path / "config.yaml").write_text(effective_yaml(run, comment="chosen: tp=2, pp=2\nrunner-up: dp=4"))
+    assert (tmp_path / "config.yaml").read_text().startswith("# chosen: tp=2, pp=2\n# runner-up: dp=4\n")
+    again = load_config(parser.parse_args(["--config", str(tmp_path / "config.yaml")]))
+    assert again == run and again.parallel_config(world=4) == parallel
+    assert read_yaml(str(tmp_path / "config.yaml"))["schedule"] == "zb_h1"
+    with pytest.raises(ValueError, match="no degrees until the planner chooses them"):
+        cfg.mesh_for(4)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--mesh", "auto", "--microbatches", "2"], "microbatches=2 with mesh auto: the planner chooses them"),
+    (["--calibration", "machine.json"], "calibration machine.json is read by --mesh auto only"),
+    (["--mesh", "auto", "2"], "mesh must be three integers [dp, tp, pp] or auto, got ['auto', 2]"),
+    (["--mesh", "2", "2"], "mesh must be three integers [dp, tp, pp] or auto, got [2, 2]"),
+])
+def test_mesh_auto_refusals(args, message):
+    """Checked where the options are read, before any process group exists."""
+    with pytest.raises(UsageError) as info:
+        load_config(build_parser(task="lm", description="").parse_args(args))
+    assert message in str(info.value)
+
+
+def test_a_calibration_file_that_cannot_be_read_is_a_usage_error(tmp_path):
+    from qn_hf.training.loop import _calibration
+
+    with pytest.raises(UsageError, match="calibration file .*nothing.json does not exist .*--calibrate"):
+        _calibration(make_config({"mesh": "auto", "calibration": str(tmp_path / "nothing.json")}))
+    (tmp_path / "bad.json").write_text('{"format": 1}')
+    with pytest.raises(UsageError, match="bad.json cannot be read: not a qn_hf calibration file"):
+        _calibration(make_config({"mesh": "auto", "calibration": str(tmp_path / "bad.json")}))

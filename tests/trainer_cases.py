@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from tests.cases import error_message, mesh_for
@@ -89,6 +91,31 @@ def parallel_train(*, model_dir: str, out_dir: str, dp: int, tp: int, pp: int, m
     out = history(trainer.state)
     out["final_eval"] = trainer.evaluate()["eval_loss"]
     out["total_batch"] = trainer.get_total_train_batch_size(args)
+    trainer.save_model(out_dir + "/model")
+    return out
+
+
+def auto_train(*, model_dir: str, out_dir: str, parallel, batch: int, accumulation: int, max_grad_norm: float,
+               eval_steps: int = 0) -> dict:
+    """``qn_hf.Trainer`` with ``parallel="auto"`` (or ``dict(mesh="auto", ...)``): per-device batch ``batch`` per
+    process (global ``batch x processes x accumulation``); also what was chosen."""
+    import torch.distributed as dist
+
+    import qn_hf
+
+    world = int(os.environ["WORLD_SIZE"])
+    args = training_args(out_dir, batch=batch, eval_batch=4 // world, accumulation=accumulation,
+                         max_grad_norm=max_grad_norm, eval_steps=eval_steps)
+    trainer = qn_hf.Trainer(model=model_for(model_dir, lora=False), args=args,
+                            train_dataset=token_dataset(TRAIN_ROWS, seed=1),
+                            eval_dataset=token_dataset(EVAL_ROWS, seed=2), parallel=parallel)
+    trainer.train()
+    out = history(trainer.state)
+    out["final_eval"] = trainer.evaluate()["eval_loss"]
+    out["total_batch"] = trainer.get_total_train_batch_size(args)
+    out["chosen"] = trainer.pm.parallel_config
+    out["choice"] = trainer.auto_choice.config
+    out["world"] = dist.get_world_size()
     trainer.save_model(out_dir + "/model")
     return out
 

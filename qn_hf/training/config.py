@@ -3,15 +3,18 @@
 Precedence is defaults < YAML < command line, and the YAML keys are exactly the option names with
 dashes as underscores (``mesh: [dp, tp, pp]``, ``schedule: 1f1b``, ``batch_size: 64`` ...), so a
 config file and a command line say the same things. The effective config is written next to the
-run's outputs, which makes every run reproducible from its own directory.
+run's outputs, which makes every run reproducible from its own directory; under ``mesh: auto`` it
+records the configuration the planner chose (``TrainConfig.chosen``), so a rerun from it trains the same.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import os
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import yaml
@@ -23,6 +26,7 @@ if TYPE_CHECKING:
     from ..config.parallel_config import ParallelConfig
 
 TASKS = ("lm", "vit")
+AUTO = "auto"  # mesh: the planner's choice (qn_hf.auto_choice), made when the run starts (loop.py)
 # What each script uses where it differs from TrainConfig's defaults: the one source for the
 # scripts, their --help and load_config.
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -42,7 +46,8 @@ class TrainConfig:
     image_column: str = "image"
     label_column: str = "label"
     val_fraction: float = 0.1
-    mesh: tuple[int, int, int] | None = None  # (dp, tp, pp); default: (world size / cp, 1, 1)
+    mesh: tuple[int, int, int] | str | None = None  # (dp, tp, pp) or "auto"; default: (world size / cp, 1, 1)
+    calibration: str | None = None  # mesh auto: a `qn-hf-plan --calibrate` file; default: the stated GPU figures
     dp_shard: int = 1  # FSDP: weights, gradients and optimizer state sharded over groups of this many dp ranks
     cp: int = 1  # context parallelism: each sequence split over this many ranks (ring attention)
     sequence_parallel: bool = False  # Megatron sequence parallelism inside tp
@@ -73,9 +78,18 @@ class TrainConfig:
     timeline_step: int | None = None  # record this step's pipeline timeline; default 3 when pp > 1
     timeout_s: float = 600.0  # bound on every collective: a dead rank fails the job, never hangs it
     progress: bool = True
+    # Not an option: the options the YAML file or the command line set (load_config), which mesh auto
+    # keeps in every configuration it considers, where the planner chooses the others.
+    given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+
+    @property
+    def auto(self) -> bool:
+        return self.mesh == AUTO
 
     def mesh_for(self, world: int) -> tuple[int, int, int]:
         """(dp, tp, pp): ``mesh``, else every process that context parallelism leaves as data parallel."""
+        if self.auto:
+            raise ValueError("mesh auto has no degrees until the planner chooses them (TrainConfig.chosen)")
         return self.mesh or (max(1, world // self.cp), 1, 1)
 
     def parallel_config(self, *, world: int) -> ParallelConfig:
@@ -90,24 +104,51 @@ class TrainConfig:
         options = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in takes}
         return ParallelConfig.from_keywords(dp=dp, tp=tp, pp=pp, **options)
 
+    def fixed_options(self) -> dict[str, Any]:
+        """Mesh auto: the ``ParallelConfig`` keywords this run set, which every candidate keeps. A schedule
+        goes with the virtual stages given (auto would otherwise choose both)."""
+        from ..config.parallel_config import ParallelConfig
+        from ..config.schedule import Schedule
+
+        given = set(self.given) | ({"schedule"} if "virtual_stages" in self.given else set())
+        fixed = {name: getattr(self, name) for name in sorted(given & set(ParallelConfig.keyword_names()))}
+        if "schedule" in fixed:  # the member: auto.py tells schedules apart by identity
+            fixed["schedule"] = Schedule(fixed["schedule"])
+        return fixed
+
+    def chosen(self, parallel: ParallelConfig) -> TrainConfig:
+        """This run at the configuration mesh auto chose: the explicit mesh and every option of
+        ``parallel`` this config holds (``microbatches``, the schedule, ...), as a rerun would set them."""
+        keywords = parallel.keywords()
+        options = {f.name: keywords[f.name] for f in dataclasses.fields(self) if f.name in keywords}
+        options = {name: value.value if isinstance(value, enum.Enum) else value for name, value in options.items()}
+        return dataclasses.replace(self, mesh=(parallel.dims.dp, parallel.dims.tp, parallel.dims.pp), calibration=None,
+                                   **options)
+
     @property
     def checkpoint_root(self) -> str:
         return os.path.join(self.output_dir, "checkpoints")
 
     def to_yaml_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
+        del out["given"]
         out["data"] = list(self.data)
         out["mesh"] = list(self.mesh) if self.mesh is not None else None
         return out
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig) if f.name != "given"}
 _HELP = {
     "model": "local Hugging Face model directory, or a preset: {presets}",
     "tokenizer": "LM tokenizer directory (default: the model directory's tokenizer, else UTF-8 bytes)",
     "data": "data files, directories or globs (LM: .txt/.parquet/.json[l]; ViT: an image folder or .parquet); "
     "default: offline built-in data (LM: Python's reference manual text; ViT: scikit-learn digits)",
-    "mesh": "dp tp pp (world size must equal dp*tp*pp*cp); default: all ranks not used by --cp data parallel",
+    "mesh": "dp tp pp (world size must equal dp*tp*pp*cp), or auto: the configuration the planner predicts fastest "
+    "that fits, training exactly --batch-size sequences of --seq-len per step, keeping the parallel options given "
+    "(--cp, --dp-shard, --ep, --sequence-parallel, --schedule, --mixed-precision, --recompute); default: all ranks "
+    "not used by --cp data parallel",
+    "calibration": "with --mesh auto: the machine's figures, a JSON file written by qn-hf-plan --calibrate (default: "
+    "the stated GPU figures)",
     "dp_shard": "FSDP (ZeRO-3): shard weights, gradients and optimizer state over groups of this many dp ranks "
     "(must divide dp; gradients are all-reduced across the dp/dp_shard groups); 1: plain data parallelism",
     "cp": "context parallelism: split each sequence over this many ranks (ring attention); the world size is "
@@ -141,7 +182,7 @@ _HELP = {
 
 def build_parser(*, task: str, description: str) -> argparse.ArgumentParser:
     """A parser with one option per config field; unset options stay absent so YAML values win."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = argparse.ArgumentParser(description=description, formatter_class=_Formatter,
                                      argument_default=argparse.SUPPRESS)
     parser.add_argument("--config", help="YAML file with any of the options below (command line wins)")
     defaults = task_defaults(task)
@@ -155,7 +196,7 @@ def build_parser(*, task: str, description: str) -> argparse.ArgumentParser:
         if default not in (None, ()):  # None and () mean "derived", which the help text explains
             helptext = f"{helptext} (default {default})".lstrip()
         if name == "mesh":
-            parser.add_argument(flag, type=int, nargs=3, metavar=("DP", "TP", "PP"), help=helptext)
+            parser.add_argument(flag, type=_degree, nargs="+", help=helptext)  # three degrees, or auto
         elif name == "data":
             parser.add_argument(flag, nargs="+", help=helptext)
         elif name == "resume":
@@ -166,6 +207,18 @@ def build_parser(*, task: str, description: str) -> argparse.ArgumentParser:
             parser.add_argument(flag, type=kind, help=helptext)
     parser.set_defaults(task=task)
     return parser
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    def _format_args(self, action: argparse.Action, default_metavar: str) -> str:
+        if action.dest == "mesh":  # nargs "+" takes either form; say which
+            return f"DP TP PP | {AUTO}"
+        return super()._format_args(action, default_metavar)
+
+
+def _degree(text: str) -> int | str:
+    """One word of ``--mesh``: a degree, or ``auto`` (``_mesh`` checks the whole)."""
+    return text if text == AUTO else int(text)
 
 
 def default_microbatches(*, batch_size: int, dp: int, pp: int) -> int:
@@ -187,10 +240,14 @@ def load_config(args: argparse.Namespace) -> TrainConfig:
     values: dict[str, Any] = task_defaults(args.task)
     cli = vars(args).copy()
     path = cli.pop("config", None)
+    given: set[str] = set()
     if path is not None:
-        values.update(read_yaml(path))
+        yaml_values = read_yaml(path)
+        values.update(yaml_values)
+        given |= {name for name, value in yaml_values.items() if value is not None}
     values.update(cli)
-    return make_config(values)
+    given |= set(cli) - {"task"}  # argparse leaves out the options not on the command line
+    return make_config(values, given=given)
 
 
 def read_yaml(path: str) -> dict[str, Any]:
@@ -211,8 +268,9 @@ def read_yaml(path: str) -> dict[str, Any]:
     return loaded
 
 
-def make_config(values: dict[str, Any]) -> TrainConfig:
-    """Type-check and normalise raw values (from YAML or argparse) into a ``TrainConfig``."""
+def make_config(values: dict[str, Any], *, given: Iterable[str] | None = None) -> TrainConfig:
+    """Type-check and normalise raw values (from YAML or argparse) into a ``TrainConfig``; ``given``:
+    the options the user set (default: every one in ``values`` but the task)."""
     out: dict[str, Any] = {}
     for name, value in values.items():
         f = _FIELDS[name]
@@ -232,14 +290,17 @@ def make_config(values: dict[str, Any]) -> TrainConfig:
                 out[name] = kind(value)
             except (TypeError, ValueError):
                 raise UsageError(f"{name} must be a {kind.__name__}, got {value!r}") from None
-    cfg = TrainConfig(**out)
+    given = set(values) - {"task"} if given is None else set(given)
+    cfg = TrainConfig(**out, given=frozenset(name for name in given if out.get(name) is not None))
     _check(cfg)
     return cfg
 
 
-def _mesh(value: Any) -> tuple[int, int, int]:
+def _mesh(value: Any) -> tuple[int, int, int] | str:
+    if value == AUTO or isinstance(value, (list, tuple)) and list(value) == [AUTO]:  # YAML `mesh: auto`, --mesh auto
+        return AUTO
     if not isinstance(value, (list, tuple)) or len(value) != 3 or not all(isinstance(v, int) for v in value):
-        raise UsageError(f"mesh must be three integers [dp, tp, pp], got {value!r}")
+        raise UsageError(f"mesh must be three integers [dp, tp, pp] or {AUTO}, got {value!r}")
     return tuple(value)  # type: ignore[return-value]
 
 
@@ -262,7 +323,14 @@ def _check(cfg: TrainConfig) -> None:
     for name, value in positive.items():
         if value < 1:
             raise UsageError(f"{name} must be at least 1, got {value}")
-    if cfg.mesh is not None and min(cfg.mesh) < 1:
+    if cfg.auto and cfg.microbatches is not None:
+        raise UsageError(f"microbatches={cfg.microbatches} with mesh auto: the planner chooses them with the mesh (the "
+                         f"global batch over dp and its micro-batch size); leave out --microbatches (microbatches: "
+                         f"null), or give an explicit --mesh")
+    if cfg.calibration is not None and not cfg.auto:
+        raise UsageError(f"calibration {cfg.calibration} is read by --mesh auto only (it prices the configurations "
+                         f"the planner compares); pass --mesh auto, or leave out --calibration")
+    if cfg.mesh is not None and not cfg.auto and min(cfg.mesh) < 1:
         raise UsageError(f"mesh degrees must be at least 1, got {list(cfg.mesh)}")
     if not 0.0 < cfg.val_fraction < 1.0:
         raise UsageError(f"val_fraction must be between 0 and 1, got {cfg.val_fraction}")
@@ -279,8 +347,10 @@ def _kind(f: dataclasses.Field) -> type:
     return {"int": int, "float": float, "str": str, "bool": bool}.get(base, str)
 
 
-def effective_yaml(cfg: TrainConfig) -> str:
-    return yaml.safe_dump(cfg.to_yaml_dict(), sort_keys=False)
+def effective_yaml(cfg: TrainConfig, *, comment: str = "") -> str:
+    """The options as YAML that ``--config`` reads back, after ``comment`` (each line a ``#`` line)."""
+    head = "".join(f"# {line}\n" for line in comment.splitlines())
+    return head + yaml.safe_dump(cfg.to_yaml_dict(), sort_keys=False)
 
 
-__all__ = ["TASKS", "TrainConfig", "build_parser", "effective_yaml", "load_config", "make_config"]
+__all__ = ["AUTO", "TASKS", "TrainConfig", "build_parser", "effective_yaml", "load_config", "make_config"]

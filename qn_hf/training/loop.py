@@ -5,6 +5,8 @@ mesh against the launched world size (no communication yet); then the process gr
 a bounded timeout; rank 0 prepares the data first (``datasets`` caches it) while the others wait
 for its verdict; then the model is built (a preset from the seed on every rank, or a model
 directory on the ``meta`` device with each rank reading only its shard), parallelized, and trained.
+Under ``mesh: auto`` the planner chooses the configuration once the model is built (its size and
+the data's vocabulary are known then), and the run goes on as at that explicit mesh.
 """
 
 from __future__ import annotations
@@ -31,10 +33,13 @@ from ..checkpoint import checkpoint_dir
 from ..checkpoint.atomic import write_text_atomic
 from ..checkpoint.lock import DirectoryInUse, HeldDirectory, hold_directory
 from ..config.dims import ParallelDims
+from ..config.parallel_config import ParallelConfig
 from ..data_parallel.grad_norm import clip_grad_norm_
 from ..devices import default_device
 from ..mesh import init_distributed, launched_world_size
 from ..parallel_model import ParallelModel, optimizer
+from ..planner.auto import Choice, auto_choice
+from ..planner.calibration import Calibration
 from .config import TrainConfig, default_microbatches, effective_yaml
 from .errors import UsageError
 from .lr import warmup_cosine
@@ -52,15 +57,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run (or resume) the configured training; return the summary (also in ``summary.json``)."""
     task = TASK_TYPES[cfg.task]()
     world = launched_world_size()
-    if cfg.microbatches is None:  # recorded in config.yaml as the value used
-        dp, _, pp = cfg.mesh_for(world)
-        cfg = dataclasses.replace(cfg, microbatches=default_microbatches(batch_size=cfg.batch_size, dp=dp, pp=pp))
-    _check_launch(cfg, world=world)
-    try:  # the one value every rank parallelizes with; its checks communicate nothing
-        parallel = cfg.parallel_config(world=world)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    dims = parallel.dims
+    calibration = _calibration(cfg)
+    if not cfg.auto:  # else chosen once the model is built (_choose)
+        cfg, parallel = _explicit(cfg, world=world)
     model_dir = model_directory(cfg.model)
     task.check(cfg, model_dir)
     _check_output_dir(cfg.output_dir)
@@ -77,6 +76,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     prepared = _rank0_first(lambda: task.prepare(cfg, model_dir))
 
     model = _build_model(cfg, task=task, config=prepared.config, model_dir=model_dir)
+    choice = None
+    if cfg.auto:
+        choice = _choose(cfg, model=model, positions=task.positions(cfg, prepared.config), world=world,
+                         calibration=calibration)
+        cfg, parallel = _explicit(cfg.chosen(choice.config), world=world)
+        task.check(cfg, model_dir)  # the sequence's split at the chosen degrees, as an explicit mesh's
+        if parallel != choice.config:
+            raise RuntimeError(f"mesh auto chose {choice.config!r}, which this run's options record as {parallel!r}")
+    dims = parallel.dims
     try:
         pm = parallelize(model, parallel, seed=cfg.seed, checkpoint=model_dir,
                          timeout=datetime.timedelta(seconds=cfg.timeout_s))
@@ -89,7 +97,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     retention = Retention(cfg.checkpoint_root, keep_last=cfg.keep_last, active=rank == 0,
                           resumed_from=None if resume_from is None else checkpoint_dir(resume_from))
     if rank == 0:  # replaced by rename, never written through a link planted under its name
-        write_text_atomic(os.path.join(cfg.output_dir, "config.yaml"), effective_yaml(cfg))
+        write_text_atomic(os.path.join(cfg.output_dir, "config.yaml"), effective_yaml(cfg, comment=_chose(choice)))
 
     log = MetricsLog(os.path.join(cfg.output_dir, "metrics.jsonl"), active=rank == 0, resume_step=start)
     progress = Progress(total=cfg.steps, initial=start, active=rank == 0, enabled=cfg.progress, unit_name=task.unit)
@@ -98,6 +106,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     progress.say(f"mesh {mesh_words(parallel)} ({plural(world, 'process')}, {device.type}), schedule "
                  f"{parallel.schedule}{chunks}, {plural(parallel.microbatches, 'microbatch')}; rank 0 holds "
                  f"{total_params:,} parameters")
+    for line in choice.summary().splitlines() if choice is not None else ():
+        progress.say(f"mesh auto: {line}")
     progress.say(f"data: {prepared.description}")
     if start:
         progress.say(f"resumed from {resume_from} at step {start}")
@@ -171,6 +181,53 @@ def _diverged(step: int, *, loss: float, norm: float, good: str | None, root: st
                 f"(or --grad-clip)")
     return (f"{what}; {good} is the last good state (the newest checkpoint a finite step started from); resume from "
             f"it (--resume {good}) with a lower --lr (or --grad-clip)")
+
+
+def _explicit(cfg: TrainConfig, *, world: int) -> tuple[TrainConfig, ParallelConfig]:
+    """The run at an explicit mesh, its microbatches resolved (config.yaml records the value used), checked
+    against the launch, and the one value every rank parallelizes with (its checks communicate nothing)."""
+    if cfg.microbatches is None:
+        dp, _, pp = cfg.mesh_for(world)
+        cfg = dataclasses.replace(cfg, microbatches=default_microbatches(batch_size=cfg.batch_size, dp=dp, pp=pp))
+    _check_launch(cfg, world=world)
+    try:
+        return cfg, cfg.parallel_config(world=world)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _calibration(cfg: TrainConfig) -> Calibration | None:
+    """Mesh auto's calibration file, read before any collective (a wrong path is the user's to fix)."""
+    if cfg.calibration is None:
+        return None
+    try:
+        return Calibration.load(cfg.calibration)
+    except FileNotFoundError:
+        raise UsageError(f"calibration file {cfg.calibration} does not exist (qn-hf-plan MODEL --gpus N --calibrate "
+                         f"writes one)") from None
+    except (OSError, ValueError) as e:  # json's decode error is a ValueError, as is a wrong format
+        raise UsageError(f"calibration file {cfg.calibration} cannot be read: {e}") from None
+
+
+def _choose(cfg: TrainConfig, *, model: torch.nn.Module, positions: int, world: int,
+            calibration: Calibration | None) -> Choice:
+    """Mesh auto: the configuration the planner predicts fastest that fits, training exactly
+    ``batch_size`` sequences per step, with the parallel options this run set kept. The same on every
+    rank (the device memory is agreed over the job when no calibration gives it); a refusal (nothing
+    fits, an option no mesh can take) reaches every rank alike."""
+    try:
+        return auto_choice(model, global_batch=cfg.batch_size, seq_len=positions, world_size=world,
+                           calibration=calibration, fixed=cfg.fixed_options())
+    except ValueError as e:
+        raise UsageError(f"--mesh auto: {e}") from None
+
+
+def _chose(choice: Choice | None) -> str:
+    """config.yaml's first lines under mesh auto: what was chosen, at which calibration."""
+    if choice is None:
+        return ""
+    return ("mesh auto chose the mesh and options below (run again with this file to train the same):\n"
+            + choice.summary())
 
 
 def _check_launch(cfg: TrainConfig, *, world: int) -> None:

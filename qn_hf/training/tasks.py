@@ -55,6 +55,8 @@ class LmTask:
         if cfg.data:
             check_text_files(cfg.data)
         tokenizer_source(tokenizer=cfg.tokenizer, model_dir=model_dir)
+        if cfg.auto:
+            return  # the planner chooses only splits seq_len allows, and train() checks its choice here again
         tp = cfg.mesh[1] if cfg.mesh is not None else 1
         # the library's rule for how cp and sequence parallelism cut a sequence, checked before any step
         multiple, why = sequence_split(cp=cfg.cp, tp=tp, sequence_parallel=cfg.sequence_parallel)
@@ -78,6 +80,10 @@ class LmTask:
         return Prepared(config=config, train=data.train, val=data.val,
                         description=f"{data.source}; tokenizer {data.tokenizer}; {plural(len(data.train), 'training block')} "
                                     f"and {plural(len(data.val), 'validation block')} of {cfg.seq_len} tokens")
+
+    def positions(self, cfg: TrainConfig, config: PretrainedConfig) -> int:
+        """The sequence length the planner prices (mesh auto)."""
+        return cfg.seq_len
 
     def batch(self, rows: dict[str, Any]) -> dict[str, torch.Tensor]:
         ids = rows["input_ids"]
@@ -117,6 +123,10 @@ class VitTask:
             raise UsageError(f"the model has num_labels={config.num_labels} but the data has {plural(len(data.labels), 'class')}")
         return Prepared(config=config, train=data.train, val=data.val,
                         description=f"{data.source}; {plural(len(data.labels), 'class')}; images {channels}x{size}x{size}")
+
+    def positions(self, cfg: TrainConfig, config: PretrainedConfig) -> int:
+        """The sequence length the planner prices (mesh auto): the patches and the class token."""
+        return (config.image_size // config.patch_size) ** 2 + 1
 
     def batch(self, rows: dict[str, Any]) -> dict[str, torch.Tensor]:
         return {"pixel_values": rows["pixel_values"], "labels": rows["labels"]}

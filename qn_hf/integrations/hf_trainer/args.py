@@ -1,5 +1,5 @@
-"""What ``qn_hf.Trainer`` accepts: its ``parallel=`` keywords, and the ``TrainingArguments`` that would fight the
-mesh. Every check is a pure function of the arguments and the launcher's world size, so each rank raises the same
+"""What ``qn_hf.Trainer`` accepts: its ``parallel=`` keywords (or ``"auto"``: ``auto_mesh``), and the
+``TrainingArguments`` that would fight the mesh. Every check is a pure function of the arguments and the launcher's world size, so each rank raises the same
 ``ValueError`` (naming the value and the fix) before any collective or any training step.
 
 Not supported (each refused with a ``ValueError`` before training): DeepSpeed, FSDP, accelerate's
@@ -28,7 +28,10 @@ from ...build.parallelize import parallelize
 from ...config.dims import Axis
 from ...config.options import Precision
 from ...config.parallel_config import ParallelConfig
+from ...config.schedule import Schedule
 from ...data_parallel.optimizer import ParallelOptimizer
+from ...planner.auto import AUTO, Choice, auto_choice
+from ...planner.calibration import Calibration
 
 # parallelize's keywords, plus the optimizer's ZeRO-1 switch (qn_hf.optimizer(zero=...)), which the Trainer builds.
 PARALLEL_KEYS = tuple(name for name, p in inspect.signature(parallelize).parameters.items()
@@ -36,6 +39,7 @@ PARALLEL_KEYS = tuple(name for name, p in inspect.signature(parallelize).paramet
 # the keywords that say how to parallelize (ParallelConfig's); the rest say where (seed, mesh, device, ...)
 CONFIG_KEYS = ParallelConfig.keyword_names()
 SAMPLING = ("random", "sequential")  # samplers rebuilt exactly as one process draws them (trainer_data.py)
+AUTO_KEYS = ("mesh", "seq_len", "calibration")  # parallel= keys that say how mesh="auto" chooses, not what to keep
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,9 @@ class TrainerMesh:
     where: dict[str, Any]
     zero: bool
     given: frozenset[str] = frozenset()
+    # per-device batches in one loader batch: dp (None), or under mesh="auto" the launched processes (auto_mesh)
+    batch_devices: int | None = None
+    choice: Choice | None = None  # mesh="auto": the planner's answer
 
     @property
     def world_size(self) -> int:
@@ -79,15 +86,99 @@ def trainer_mesh(parallel: Mapping[str, Any] | None, *, args) -> TrainerMesh:
         raise ValueError(f"per_device_train_batch_size={batch} is less than parallel microbatches={micro}: each "
                          f"accumulation batch of a dp replica is cut into microbatches; use microbatches <= {batch}")
     parallel["microbatches"] = micro * args.gradient_accumulation_steps
+    _where(parallel, args=args)
+    config = ParallelConfig.from_keywords(**{k: v for k, v in parallel.items() if k in CONFIG_KEYS})
+    return TrainerMesh(config=config, where={k: v for k, v in parallel.items() if k not in CONFIG_KEYS}, zero=zero,
+                       given=frozenset(k for k in parallel if k in CONFIG_KEYS))
+
+
+def _where(parallel: dict[str, Any], *, args) -> None:
+    """The ``TrainingArguments`` that say where to run, into ``parallel``: compilation and the seed."""
     if getattr(args, "torch_compile", False):  # accelerate never gets the model: qn_hf compiles its blocks
         if parallel.get("compile", True) is not True:
             raise ValueError(f"torch_compile=True with parallel compile={parallel['compile']!r}: set one of them "
                              f"(parallel=dict(compile=True) is what torch_compile=True asks for)")
         parallel["compile"] = True
     parallel.setdefault("seed", args.seed)  # dropout streams follow the run's seed, as in one process
-    config = ParallelConfig.from_keywords(**{k: v for k, v in parallel.items() if k in CONFIG_KEYS})
-    return TrainerMesh(config=config, where={k: v for k, v in parallel.items() if k not in CONFIG_KEYS}, zero=zero,
-                       given=frozenset(k for k in parallel if k in CONFIG_KEYS))
+
+
+def is_auto(parallel: Mapping[str, Any] | str | None) -> bool:
+    """``parallel="auto"`` or ``parallel=dict(mesh="auto", ...)``."""
+    return isinstance(parallel, str) or isinstance(parallel, Mapping) and isinstance(parallel.get("mesh"), str)
+
+
+def auto_mesh(parallel: Mapping[str, Any] | str, *, args, model, world_size: int, train_dataset: Any = None,
+              data_collator: Any = None) -> TrainerMesh:
+    """``parallel="auto"`` (or ``dict(mesh="auto", ...)``): the configuration ``qn_hf.auto_choice`` predicts
+    fastest that fits, at the global batch these ``TrainingArguments`` train on ``world_size`` processes,
+    ``per_device_train_batch_size x world_size x gradient_accumulation_steps`` (as under DDP: per device is per
+    process here, since dp is what auto chooses), keeping the configuration keywords given beside it. The
+    sequence length: ``seq_len`` in the dict, else ``sequence_length`` of the data; ``calibration``: a
+    ``qn-hf-plan --calibrate`` file or its ``Calibration`` (default: the stated GPU figures)."""
+    if isinstance(parallel, str) and parallel != AUTO:
+        raise ValueError(f"parallel={parallel!r}: parallel= takes {AUTO!r} or a dict of qn_hf.parallelize's keywords")
+    parallel = {"mesh": AUTO} if isinstance(parallel, str) else dict(parallel)
+    if parallel["mesh"] != AUTO:
+        raise ValueError(f"parallel mesh={parallel['mesh']!r}: the one name mesh takes is {AUTO!r} (or a DeviceMesh)")
+    unknown = sorted(set(parallel) - set(PARALLEL_KEYS))
+    if unknown:
+        raise ValueError(f"parallel= has unknown keys {unknown}; the accepted keys are {list(PARALLEL_KEYS)}")
+    rows = args.per_device_train_batch_size * world_size * args.gradient_accumulation_steps
+    for key, why in (("microbatches", "they follow from the global batch, dp and the micro-batch size auto chooses"),
+                     ("global_batch", f"the TrainingArguments set it: per_device_train_batch_size x {world_size} "
+                                      f"processes x gradient_accumulation_steps = {rows}")):
+        if key in parallel:
+            raise ValueError(f"parallel {key}={parallel[key]!r} with mesh='auto': {why}; leave it out")
+    zero = bool(parallel.pop("zero", False))
+    seq_len = (parallel["seq_len"] if "seq_len" in parallel
+               else sequence_length(train_dataset, data_collator=data_collator, rows=rows))
+    if seq_len is None:
+        raise ValueError("parallel mesh='auto' needs the sequence length a step trains, and neither the data collator "
+                         "(padding='max_length') nor the first examples of train_dataset (their input_ids) say it: "
+                         "pass parallel=dict(mesh='auto', seq_len=N)")
+    calibration = _calibration(parallel.get("calibration"))
+    parallel = {k: v for k, v in parallel.items() if k not in AUTO_KEYS}
+    _where(parallel, args=args)
+    fixed = {k: v for k, v in parallel.items() if k in CONFIG_KEYS}
+    if "virtual_stages" in fixed:  # auto would choose the schedule and its chunks together
+        fixed.setdefault("schedule", Schedule.ONE_F_ONE_B)
+    if "schedule" in fixed:  # the member: auto.py tells schedules apart by identity
+        fixed["schedule"] = Schedule(fixed["schedule"])
+    choice = auto_choice(model, global_batch=rows, seq_len=seq_len, world_size=world_size, calibration=calibration,
+                         fixed=fixed)
+    return TrainerMesh(config=choice.config, where={k: v for k, v in parallel.items() if k not in CONFIG_KEYS},
+                       zero=zero, given=frozenset(CONFIG_KEYS), batch_devices=world_size, choice=choice)
+
+
+def sequence_length(train_dataset: Any, *, data_collator: Any = None, rows: int) -> int | None:
+    """What the Trainer knows of a step's sequence length before training: a collator that pads every batch to its
+    ``max_length``, else the longest ``input_ids`` among the first ``rows`` examples of a sized dataset (the first
+    global batch in order: all of them for blocks of a fixed length), else None."""
+    padding, length = getattr(data_collator, "padding", None), getattr(data_collator, "max_length", None)
+    if padding == "max_length" and isinstance(length, int):
+        return length
+    if not (hasattr(train_dataset, "__len__") and hasattr(train_dataset, "__getitem__")):
+        return None  # an iterable dataset: reading ahead would consume it
+    lengths = []
+    for i in range(min(len(train_dataset), rows)):
+        example = train_dataset[i]
+        ids = example.get("input_ids") if isinstance(example, Mapping) else None
+        if ids is None or not hasattr(ids, "__len__"):
+            return None
+        lengths.append(len(ids))
+    return max(lengths, default=None)
+
+
+def _calibration(calibration: Calibration | str | os.PathLike | None) -> Calibration | None:
+    if calibration is None or isinstance(calibration, Calibration):
+        return calibration
+    try:
+        return Calibration.load(os.fspath(calibration))
+    except FileNotFoundError:
+        raise ValueError(f"parallel calibration={calibration!r}: no such file (qn-hf-plan MODEL --gpus N --calibrate "
+                         f"writes one)") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"parallel calibration={calibration!r} cannot be read: {e}") from None
 
 
 def check_training_args(args, *, mesh: TrainerMesh, world_size: int, compute_loss_func: Any = None) -> None:

@@ -27,7 +27,9 @@ What is refused or not supported, and why: trainer_args.py.
 
 from __future__ import annotations
 
+import inspect
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,10 +50,12 @@ from ...step.compile import is_compiled
 from ...tensor_parallel.rng import device_rng_state, set_device_rng_state
 from .args import (
     TrainerMesh,
+    auto_mesh,
     check_compiled,
     check_trainer_inputs,
     check_training_args,
     check_user_optimizer,
+    is_auto,
     trainer_mesh,
 )
 from .data import count_items, merge_batches, one_process_loader, rows_of, user_loss
@@ -69,6 +73,17 @@ class ParallelTrainerMixin:
     PEFT model (parallelized here) or a ``ParallelModel`` (then ``parallel`` is not given); ``trainer.pm`` is the
     ``ParallelModel``. Gradient accumulation runs as microbatches of one ``pm.train_step`` per optimizer step.
 
+    ``parallel="auto"`` (or ``dict(mesh="auto", ...)``) lets the planner choose the configuration
+    (``qn_hf.auto_choice``): the fastest it predicts that fits, keeping the other keywords given (``cp``,
+    ``mixed_precision``, ``recompute``, ``zero``, ...; ``microbatches`` is refused: auto chooses them). dp being its
+    choice, ``per_device_train_batch_size`` is then per launched process, as under DDP: a step's global batch is
+    ``per_device x processes x gradient_accumulation_steps``, the batch ``transformers.Trainer`` draws in one process
+    with ``per_device x processes``, whatever dp is chosen. The sequence length it plans for is ``seq_len`` in the
+    dict, else the collator's ``max_length`` when it pads to it, else the longest ``input_ids`` of the first global
+    batch of examples of ``train_dataset`` (a ``ValueError`` asks for ``seq_len`` when none of these says it);
+    ``calibration`` in the dict is a ``qn-hf-plan --calibrate`` file (default: the stated GPU figures). Rank 0
+    prints the choice's summary; ``trainer.auto_choice`` holds it (None for an explicit mesh).
+
     Not supported, each refused with a ``ValueError`` naming the fix (reasons in trainer_args.py): DeepSpeed, FSDP,
     ``parallelism_config``; ``gradient_checkpointing`` (-> ``parallel=dict(recompute="full")``); ``fp16``/``bf16``
     (-> ``parallel=dict(mixed_precision=)``); ``compute_metrics`` and predicted logits (they stay on the last stage);
@@ -78,7 +93,8 @@ class ParallelTrainerMixin:
     ``compute_loss`` override is not called for training (the built-in loss, or ``compute_loss_func``, is).
     """
 
-    def __init__(self, model=None, args=None, *rest, parallel: Mapping[str, Any] | None = None, **kwargs) -> None:
+    def __init__(self, model=None, args=None, *rest, parallel: Mapping[str, Any] | str | None = None,
+                 **kwargs) -> None:
         if args is None:
             raise ValueError("qn_hf.Trainer needs args=TrainingArguments(...) (output_dir, batch sizes, seed)")
         check_trainer_inputs(model=model, model_init=kwargs.get("model_init"),
@@ -93,13 +109,23 @@ class ParallelTrainerMixin:
             check_training_args(args, mesh=fixed, world_size=model.dims.world_size,
                                 compute_loss_func=kwargs.get("compute_loss_func"))
             check_compiled(args, compiled=is_compiled(model.module, layers=model.stage.plan.layers))
-            pm, self._zero = model, False
+            pm, self._zero, mesh, self.auto_choice = model, False, fixed, None
         else:
-            mesh = trainer_mesh(parallel, args=args)
+            if is_auto(parallel):
+                data = self._data_arguments(model, args, *rest, **kwargs)
+                mesh = auto_mesh(parallel, args=args, model=model, world_size=launched_world_size(), **data)
+            else:
+                mesh = trainer_mesh(parallel, args=args)
             check_training_args(args, mesh=mesh, world_size=launched_world_size(),
                                 compute_loss_func=kwargs.get("compute_loss_func"))
             pm, self._zero = parallelize(model, mesh.config, **mesh.where), mesh.zero
+            self.auto_choice = mesh.choice
+            if mesh.choice is not None and torch.distributed.get_rank() == 0:
+                print("\n".join(f"qn_hf.Trainer mesh='auto': {line}" for line in mesh.choice.summary().splitlines()),
+                      file=sys.stderr, flush=True)
         self.pm = pm
+        # per-device batches in one loader batch: dp, or the launched processes under mesh="auto" (args.auto_mesh)
+        self._batch_devices = mesh.batch_devices or pm.dims.dp
         # the table's refusals and warnings for the Trainer (and ZeRO, which its optimizer will shard) with the mesh
         pm.check_composes_with(Feature.TRAINER, *([Feature.ZERO] if self._zero and pm.dims.replicas > 1 else []))
         self._window: list[Mapping] = []  # the accumulation batches of the current optimizer step
@@ -117,6 +143,15 @@ class ParallelTrainerMixin:
                              "the model itself)")
         check_user_optimizer(self.optimizer, pm=pm, zero=self._zero)
 
+    def _data_arguments(self, model, args, *rest, **kwargs) -> dict[str, Any]:
+        """``train_dataset`` and ``data_collator`` as the Trainer class after this mixin takes them (mesh="auto"
+        reads the sequence length from them before that class is built)."""
+        try:
+            bound = inspect.signature(super().__init__).bind_partial(model, args, *rest, **kwargs).arguments
+        except TypeError:  # the Trainer's own constructor will say what is wrong
+            bound = kwargs
+        return {"train_dataset": bound.get("train_dataset"), "data_collator": bound.get("data_collator")}
+
     # -- data ------------------------------------------------------------------------------------
     def _loader(self, dataset, *, batch_size: int, description: str, training: bool):
         collator = self.data_collator
@@ -124,7 +159,7 @@ class ParallelTrainerMixin:
             dataset = self._remove_unused_columns(dataset, description=description)
         else:
             collator = self._get_collator_with_removed_columns(collator, description=description)
-        return one_process_loader(dataset, args=self.args, batch_size=batch_size * self.pm.dims.dp,
+        return one_process_loader(dataset, args=self.args, batch_size=batch_size * self._batch_devices,
                                   collate_fn=collator, training=training)
 
     def get_train_dataloader(self):
@@ -144,7 +179,7 @@ class ParallelTrainerMixin:
         return self._loader(test_dataset, batch_size=self.args.eval_batch_size, description="test", training=False)
 
     def get_total_train_batch_size(self, args) -> int:
-        return self._train_batch_size * args.gradient_accumulation_steps * self.pm.dims.dp
+        return self._train_batch_size * args.gradient_accumulation_steps * self._batch_devices
 
     # -- one optimizer step ----------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator, num_batches, device):
@@ -310,5 +345,6 @@ class ParallelTrainerMixin:
 
 
 class Trainer(ParallelTrainerMixin, transformers.Trainer):
-    """``transformers.Trainer`` over a model parallelized with ``parallel=dict(dp=, tp=, pp=, ...)``; see
+    """``transformers.Trainer`` over a model parallelized with ``parallel=dict(dp=, tp=, pp=, ...)`` (or
+    ``parallel="auto"``: the planner's choice); see
     ``ParallelTrainerMixin`` and the module docstring (what is replaced, what is refused and why)."""
