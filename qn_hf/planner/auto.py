@@ -15,12 +15,14 @@ as mixed precision or one degree) are kept in every candidate.
 The ranking is the planner's: fits in ``device_memory`` first, then the predicted step time
 (``cost.step_time`` at the calibration, or at the stated GPU figures, each assumed one named in the
 choice), ties broken by the configuration's own order, so the choice is a function of its inputs
-alone: identical on every rank given the same calibration (``auto_config`` agrees the device memory
-over the job when one is running, the smallest rank's).
+alone: identical on every rank given the same calibration (without one and without
+``device_memory``, ``auto_config`` agrees each rank's device memory over the job, the smallest,
+joining the launched job's process group first if it is not up yet).
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -29,11 +31,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..arguments import plural
 from ..config.dims import Axis
 from ..config.options import Recompute
 from ..config.parallel_config import ParallelConfig
-from ..config.schedule import Schedule
-from ..mesh import launched_world_size
+from ..config.schedule import Schedule, as_schedule
+from ..devices import default_device
+from ..mesh import init_distributed, launched_world_size
 from .calibration import Calibration
 from .cost import GIB, Hardware, StepTime
 from .estimate import Planner
@@ -73,7 +77,7 @@ class Choice:
             up = self.runner_up
             lines.append(f"runner-up: {describe(up.estimate.parallel, up.estimate.micro_batch_size)}: "
                          f"{up.time.seconds * 1e3:.1f} ms ({self.why})")
-        lines.append(f"{len(self.feasible)} feasible configurations ranked")
+        lines.append(f"{plural(len(self.feasible), 'feasible configuration')} ranked")
         if self.assumed:
             lines.append("assumed, not measured (run qn-hf-plan --calibrate): " + ", ".join(self.assumed))
         return "\n".join(lines)
@@ -131,13 +135,14 @@ def auto_plan(config, *, global_batch: int, seq_len: int, world_size: int, devic
         raise ValueError(f"microbatches={fixed['microbatches']} with mesh='auto': the microbatches follow from the "
                          f"global batch, dp and the micro-batch size auto chooses; leave them out")
     degrees = {axis: fixed.pop(axis.value) for axis in DEGREES if axis.value in fixed}
+    schedules = _schedules(fixed)
     per_node = gpus_per_node or (calibration.ranks_per_node if calibration else min(world_size, 8))
     hw = Hardware(gpu_memory=device_memory, gpus_per_node=per_node)
     accepted: list[Candidate] = []
     rejected: list[Rejected] = []
     for mbs in micro_batch_sizes(global_batch):
         planner = Planner(config, seq_len=seq_len, micro_batch_size=mbs, dtype=dtype, model_class=model_class)
-        for schedule, chunks in _SCHEDULES if "schedule" not in fixed else ((fixed["schedule"], fixed.get("virtual_stages", 1)),):
+        for schedule, chunks in schedules:
             options = {**fixed, "schedule": schedule, "virtual_stages": chunks}
             found, refused = search(planner, options, gpus=world_size, hw=hw, global_batch=global_batch,
                                     fixed={a.value: v for a, v in degrees.items() if a in MESH_AXES},
@@ -145,7 +150,7 @@ def auto_plan(config, *, global_batch: int, seq_len: int, world_size: int, devic
                                     calibration=calibration)
             rejected += refused
             for c in found:
-                if c.estimate.pp == 1 and schedule is not Schedule.ONE_F_ONE_B:
+                if c.estimate.pp == 1 and len(schedules) > 1 and schedule != Schedule.ONE_F_ONE_B:
                     continue  # one stage runs every schedule alike: counted once, as 1F1B
                 if not c.fits and fixed.get("recompute") is None:
                     c = _with_recompute(planner, c, hw=hw, calibration=calibration)
@@ -166,6 +171,17 @@ def auto_plan(config, *, global_batch: int, seq_len: int, world_size: int, devic
     return Choice(config=best.estimate.parallel, micro_batch_size=best.estimate.micro_batch_size, time=best.time,
                   peak_bytes=best.peak_bytes, runner_up=runner, why=_why(best, runner) if runner else "",
                   feasible=feasible, rejected=tuple(rejected), assumed=assumed, device_memory=device_memory)
+
+
+def _schedules(fixed: Mapping[str, object]) -> tuple[tuple[Schedule, int], ...]:
+    """The (schedule, chunks per rank) searched: the fixed schedule alone, interleaved 1F1B alone when
+    only ``virtual_stages`` > 1 is fixed, else every one of ``_SCHEDULES``."""
+    chunks = fixed.get("virtual_stages", 1)
+    if "schedule" in fixed:
+        return ((as_schedule(fixed["schedule"]), chunks),)
+    if chunks != 1:
+        return ((Schedule.INTERLEAVED_1F1B, chunks),)
+    return _SCHEDULES
 
 
 def _undominated(candidates: list[Candidate]) -> list[Candidate]:
@@ -243,7 +259,10 @@ def auto_choice(model: nn.Module, *, global_batch: int, seq_len: int, world_size
         calibration = Calibration.load(os.fspath(calibration))
     world = world_size or launched_world_size()
     memory = device_memory or device_memory_default(calibration)
-    if dist.is_available() and dist.is_initialized() and device_memory is None and calibration is None:
+    if device_memory is None and calibration is None and launched_world_size() > 1:
+        # each rank reads its own device: agreed over the job (its smallest), so every rank chooses alike;
+        # a launched job whose group is not up yet joins it here, as parallelize would
+        init_distributed(device=default_device(), timeout=datetime.timedelta(minutes=10))
         agreed = torch.tensor([memory], dtype=torch.int64)  # the smallest rank's, so every rank chooses alike
         if dist.get_backend() == "nccl":
             agreed = agreed.cuda()
