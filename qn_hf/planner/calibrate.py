@@ -1,8 +1,8 @@
 """Measuring a ``Calibration`` (calibration.py): what this machine does while every rank of a job
 runs at once. ``measure`` runs on every rank of a launched world; ``calibrate`` starts a local gloo
-world for a process outside one. Ranks that share cores or a device contend as a real job's do, and
-every timing is agreed with an all-reduce MAX (the slowest rank sets a step's pace), so every rank
-returns the same ``Calibration``.
+world for a process outside one. Ranks that share cores or a device contend as a real job's do; the
+compute timings are averaged over the ranks (``_mean``) and the collectives' agreed with an all-reduce
+MAX (a collective ends when its slowest rank does), so every rank returns the same ``Calibration``.
 
 - matmul: ``x @ w.T`` forward and both backward products (6 x rows x width^2 FLOPs) over a grid of
   rows and widths, per dtype; float32 always (what the readers fall back to), a dtype the device
@@ -14,6 +14,8 @@ returns the same ``Calibration``.
 - collectives: groups laid out as a mesh lays out an axis (``layouts``), all of a layout's groups
   at once; payloads as ``CommMeter`` counts them, a least-squares line through them.
 - overlap: a compute loop, an all-reduce about as long, and both at once.
+- compute_scale: a stack of pre-norm MLP blocks timed whole against the sum of its parts' figures
+  (compute_timing.py), what composing kernels into a step costs beyond them.
 
 A timing is the median of samples after a warm-up; a compute sample repeats its call for ``SAMPLE_S``
 so the clock and Python's loop do not count; CUDA is synchronized before the clock is read.
@@ -30,23 +32,31 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ..arguments import check_choice, check_positive_int
 from ..comm_meter import Collective
 from ..compat import all_gather_single, reduce_scatter_single
 from ..local_world import LocalWorld
 from .calibration import FORMAT, Calibration, CollectiveFit, Fit, Link, MatmulTable
+from .compute_timing import (
+    attention_flops,
+    attention_seconds,
+    block_prediction,
+    block_seconds,
+    chain_seconds,
+    matmul_seconds,
+    seconds_per_call,
+    sync,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_DTYPES = ("float32", "bfloat16")  # float16 matmuls on a CPU are emulated: no job computes in them
 KIB, MIB, M = 1024, 1024**2, 1 << 20  # M: a million elements
-CHAIN = 64  # elementwise ops per chain
-SAMPLE_S = 0.01  # a compute sample repeats its call this long (3 ms samples varied 3x on a shared VM)
 FLOOR_SHARE = 0.01  # a line whose time did not grow with the amount: the largest amount adds this share
 COLLECTIVE_OPS = (Collective.ALL_REDUCE, Collective.ALL_GATHER_INTO_TENSOR, Collective.REDUCE_SCATTER_TENSOR,
                   Collective.ALL_TO_ALL_SINGLE)
 CALIBRATE_TIMEOUT_S = 900.0
+MIN_SCALE, MAX_SCALE = 0.5, 4.0  # a composed step outside these of its parts' sum is a broken measurement
 
 
 @dataclass(frozen=True)
@@ -65,6 +75,7 @@ class Sizes:
     overlap_width: int  # of its square matmuls
     overlap_max_bytes: int
     repeats: int
+    block: tuple[int, int] = (512, 256)  # rows and width of the composed blocks (compute_timing.py)
 
 
 CPU = Sizes(rows=(64, 256, 1024, 4096), widths=(64, 256, 1024), heads=4, head_dim=64, seqs=(128, 512),
@@ -72,7 +83,7 @@ CPU = Sizes(rows=(64, 256, 1024, 4096), widths=(64, 256, 1024), heads=4, head_di
             overlap_max_bytes=256 * MIB, repeats=5)
 CUDA = Sizes(rows=(256, 1024, 4096, 16384), widths=(256, 1024, 4096, 8192), heads=16, head_dim=128,
              seqs=(1024, 4096), op_numel=64 * M, payloads=(64 * KIB, 16 * MIB, 256 * MIB), overlap_s=0.04,
-             overlap_width=4096, overlap_max_bytes=2048 * MIB, repeats=5)
+             overlap_width=4096, overlap_max_bytes=2048 * MIB, repeats=5, block=(4096, 1024))
 QUICK_CPU = dataclasses.replace(CPU, rows=(64, 512), widths=(64, 256), op_numel=M, payloads=(4 * KIB, MIB), repeats=3)
 QUICK_CUDA = dataclasses.replace(CUDA, rows=(256, 2048), widths=(256, 2048), op_numel=16 * M,
                                  payloads=(64 * KIB, 16 * MIB), repeats=3)
@@ -125,30 +136,6 @@ def fit_line(amounts: Sequence[float], seconds: Sequence[float]) -> Fit:
     return Fit(latency=intercept, rate=1.0 / slope)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":  # the clock is read after the device's work, not its launch
-        torch.cuda.synchronize(device)
-
-
-def _seconds(fn: Callable[[], object], device: torch.device, *, repeats: int) -> float:
-    """Median seconds of one call of ``fn`` on this rank: a warm-up, a timed call that sizes the
-    samples, then ``repeats`` samples of as many calls as fill ``SAMPLE_S``."""
-    fn()
-    _sync(device)
-    start = time.perf_counter()
-    fn()
-    _sync(device)
-    calls = max(1, min(1000, int(SAMPLE_S / max(time.perf_counter() - start, 1e-9))))
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        _sync(device)
-        samples.append((time.perf_counter() - start) / calls)
-    return statistics.median(samples)
-
-
 def _agree(values: Sequence[float], device: torch.device, op=dist.ReduceOp.MAX) -> list[float]:
     """Every rank's values reduced elementwise (by default the slowest rank's): the same on every rank."""
     t = torch.tensor(list(values), dtype=torch.float64, device=device)
@@ -156,10 +143,18 @@ def _agree(values: Sequence[float], device: torch.device, op=dist.ReduceOp.MAX) 
     return t.tolist()
 
 
+def _mean(values: Sequence[float], device: torch.device) -> list[float]:
+    """Every rank's values averaged elementwise: the same on every rank. For compute timings: on a
+    shared VM one rank's sample of a shape now and then ran at half speed while the other's did not
+    (its median over 5 samples 50 against 87 GFLOP/s), and the slowest rank's would carry that one
+    interruption into every prediction; a step lasts long enough to average such interruptions out."""
+    return [v / dist.get_world_size() for v in _agree(values, device, op=dist.ReduceOp.SUM)]
+
+
 def _align(device: torch.device) -> None:
     """Start every rank's next sample together (a barrier that needs no device id under NCCL)."""
     dist.all_reduce(torch.zeros(1, device=device))
-    _sync(device)
+    sync(device)
 
 
 def _aligned_seconds(fns: Sequence[Callable[[], object]], device: torch.device, *, repeats: int) -> list[float]:
@@ -174,44 +169,10 @@ def _aligned_seconds(fns: Sequence[Callable[[], object]], device: torch.device, 
             _align(device)
             start = time.perf_counter()
             fn()
-            _sync(device)
+            sync(device)
             if turn:
                 taken.append(time.perf_counter() - start)
     return [statistics.median(taken) for taken in samples]
-
-
-def _matmul_seconds(rows: int, width: int, dtype: torch.dtype, device: torch.device, repeats: int) -> float:
-    x = torch.randn(rows, width, dtype=dtype, device=device, requires_grad=True)
-    w = torch.randn(width, width, dtype=dtype, device=device).div_(width**0.5).requires_grad_()
-    grad = torch.ones(rows, width, dtype=dtype, device=device)
-    # autograd.grad returns the gradients rather than accumulating them: only the three products run
-    return _seconds(lambda: torch.autograd.grad(x @ w.T, (x, w), grad), device, repeats=repeats)
-
-
-def _attention_seconds(seq: int, sizes: Sizes, dtype: torch.dtype, device: torch.device) -> float:
-    q, k, v = (torch.randn(1, sizes.heads, seq, sizes.head_dim, dtype=dtype, device=device, requires_grad=True)
-               for _ in range(3))
-    grad = torch.ones(1, sizes.heads, seq, sizes.head_dim, dtype=dtype, device=device)
-    return _seconds(lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True),
-                                                (q, k, v), grad), device, repeats=sizes.repeats)
-
-
-def _chain_seconds(numel: int, device: torch.device, repeats: int) -> float:
-    """Seconds per elementwise op (forward and backward) of a chain of ``CHAIN``."""
-    x = torch.randn(numel, device=device, requires_grad=True)
-    grad = torch.ones(numel, device=device)
-
-    def chain() -> None:
-        y = x
-        for i in range(CHAIN):
-            y = y * 1.0001 if i % 2 == 0 else y + 0.5
-        torch.autograd.grad(y, x, grad)
-
-    return _seconds(chain, device, repeats=repeats) / CHAIN
-
-
-def attention_flops(seq: int, sizes: Sizes) -> float:
-    return 12.0 * sizes.heads * sizes.head_dim * seq * seq  # the planner's: 12 x hidden x seq per token
 
 
 def _collective_call(op: Collective, payload: int, group: dist.ProcessGroup, n: int,
@@ -272,7 +233,7 @@ def _overlap(device: torch.device, sizes: Sizes, world_fit: Fit) -> tuple[float,
     hides, (T_compute + T_reduce - T_both) / min(T_compute, T_reduce) clamped to 0..1, and the times."""
     a = torch.randn(sizes.overlap_width, sizes.overlap_width, device=device)
     out = torch.empty_like(a)
-    (one,) = _agree([_seconds(lambda: torch.mm(a, a, out=out), device, repeats=3)], device)
+    (one,) = _agree([seconds_per_call(lambda: torch.mm(a, a, out=out), device, repeats=3)], device)
     count = max(1, round(sizes.overlap_s / one))  # the same on every rank, as is the all-reduce's size
 
     def compute() -> None:
@@ -335,18 +296,21 @@ def measure(*, dtypes: Sequence[str] = ("float32",), quick: bool = False,
 
     _align(device)
     grid = [(r, w) for r in sizes.rows for w in sizes.widths]
-    matmul_s = {n: [_matmul_seconds(r, w, DTYPES[n], device, sizes.repeats) for r, w in grid] for n in names}
-    attention_s = {n: [_attention_seconds(s, sizes, DTYPES[n], device) for s in sizes.seqs] for n in names}
-    chain_s = [_chain_seconds(numel, device, sizes.repeats) for numel in (1024, sizes.op_numel)]
-    agreed = iter(_agree([*(t for n in names for t in matmul_s[n]), *(t for n in names for t in attention_s[n]),
-                          *chain_s], device))
+    matmul_s = {n: [matmul_seconds(r, w, DTYPES[n], device, sizes.repeats) for r, w in grid] for n in names}
+    attention_s = {n: [attention_seconds(s, heads=sizes.heads, head_dim=sizes.head_dim, dtype=DTYPES[n], device=device, repeats=sizes.repeats) for s in sizes.seqs] for n in names}
+    chain_s = [chain_seconds(numel, device, sizes.repeats) for numel in (1024, sizes.op_numel)]
+    chain_s.append(block_seconds(*sizes.block, dtype=torch.float32, device=device, repeats=sizes.repeats))
+    agreed = iter(_mean([*(t for n in names for t in matmul_s[n]), *(t for n in names for t in attention_s[n]),
+                         *chain_s], device))
     matmul = {n: MatmulTable(rows=sizes.rows, widths=sizes.widths, rates=tuple(  # the grid's order: rows outer
         tuple(6.0 * r * w * w / next(agreed) for w in sizes.widths) for r in sizes.rows)) for n in names}
-    attention = {n: fit_line([attention_flops(s, sizes) for s in sizes.seqs], [next(agreed) for _ in sizes.seqs])
+    attention = {n: fit_line([attention_flops(s, heads=sizes.heads, head_dim=sizes.head_dim) for s in sizes.seqs], [next(agreed) for _ in sizes.seqs])
                  for n in names}
-    small, large = next(agreed), next(agreed)
+    small, large, composed = next(agreed), next(agreed), next(agreed)
     # the large chain's time beyond the latency is its writes (a floor keeps the rate finite)
     op = Fit(latency=small, rate=sizes.op_numel * 4 / max(large - small, FLOOR_SHARE * large))
+    predicted = block_prediction(*sizes.block, matmul=matmul["float32"], op=op, element_size=4)
+    compute_scale = min(max(composed / predicted, MIN_SCALE), MAX_SCALE)
 
     collectives: tuple[CollectiveFit, ...] = ()
     overlap = 0.0
@@ -367,7 +331,7 @@ def measure(*, dtypes: Sequence[str] = ("float32",), quick: bool = False,
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         backend=str(dist.get_backend()), world_size=world, ranks_per_node=ranks_per_node, matmul=matmul,
         attention=attention, op=op, collectives=collectives, overlap=overlap, memory_bytes=int(memory),
-        assumed=tuple(assumed), threads=int(threads), format=FORMAT, notes=notes)
+        assumed=tuple(assumed), threads=int(threads), format=FORMAT, notes=notes, compute_scale=compute_scale)
 
 
 def calibrate(world_size: int = 1, *, dtypes: Sequence[str] = ("float32",), quick: bool = False) -> Calibration:

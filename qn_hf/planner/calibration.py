@@ -104,6 +104,8 @@ class Calibration:
     threads: int = 1  # intra-op threads per rank while measured
     format: int = FORMAT
     notes: dict[str, str] = field(default_factory=dict)
+    # a step's compute against the sum of its kernels' figures (calibrate.py: composed blocks timed whole)
+    compute_scale: float = 1.0
 
     # -- reading -------------------------------------------------------------------------------
     @property
@@ -160,7 +162,7 @@ class Calibration:
                                   for c in data["collectives"]),
                 overlap=float(data["overlap"]), memory_bytes=int(data["memory_bytes"]),
                 assumed=tuple(data.get("assumed", ())), threads=int(data.get("threads", 1)),
-                notes=dict(data.get("notes", {})))
+                notes=dict(data.get("notes", {})), compute_scale=float(data.get("compute_scale", 1.0)))
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a qn_hf calibration file: {e!r} missing or malformed") from e
 

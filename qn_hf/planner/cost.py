@@ -12,7 +12,9 @@ For each pipeline stage, one microbatch on one rank costs
               at the memory rate (the op latency is measured forward and backward together); times
               4/3 under full recomputation (the forward runs again), the other ops' share a third
               more under selective recomputation (the elementwise work is redone). On a GPU the
-              host launches ahead of the device: the larger of the launches' latency and the work
+              host launches ahead of the device: the larger of the launches' latency and the work;
+              all of it times the calibration's ``compute_scale`` (kernels composed into a step
+              against the same kernels timed alone)
     tp, cp, ep = each collective the estimate counts for the group (``GroupTraffic.ops``: calls and
               payload per op) at the calibrated fit for that op over that many ranks on that link
     pp      = the sends of one microbatch's activation and gradient, at the p2p fit
@@ -147,10 +149,13 @@ def compute_seconds(est: MeshEstimate, s: StageEstimate, cal: Calibration) -> tu
     attention = cal.attention_fit(dtype).seconds(s.attention_flops_per_microbatch / est.cp, calls=blocks * est.cp)
     others = cal.op.seconds(s.op_bytes_per_microbatch, calls=s.ops_per_microbatch)
     weight = s.weight_grad_flops_per_microbatch / est.cp / rate
+    # the kernels composed into a step run slower than alone (calibration.compute_scale)
+    matmul, attention, others, weight = (t * cal.compute_scale for t in (matmul, attention, others, weight))
     if not cal.on_cpu:  # the host launches ahead of the device: the larger of launching and running
         launching = cal.op.latency * s.ops_per_microbatch
         running = matmul + attention + s.op_bytes_per_microbatch / cal.op.rate
-        return max(launching, running), attention, max(launching - matmul - attention, 0.0), weight
+        elementwise = max(launching - matmul - attention, s.op_bytes_per_microbatch / cal.op.rate)
+        return max(launching, running), attention, elementwise, weight
     return matmul + attention + others, attention, others, weight
 
 

@@ -1,0 +1,86 @@
+"""The calibrated time model (planner/cost.py): each figure of a calibration moves the part of a step
+it prices, and only that part; the pipeline is timed with each stage's own costs; a calibration file
+from before compute_scale reads as 1."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from transformers import LlamaConfig
+
+from qn_hf.config.parallel_config import ParallelConfig
+from qn_hf.pipeline.schedule import Op, schedule_actions
+from qn_hf.pipeline.schedule_check import timed
+from qn_hf.planner.calibration import Calibration, Fit, MatmulTable, assumed
+from qn_hf.planner.cost import Hardware, step_time
+from qn_hf.planner.estimate import Planner
+
+CONFIG = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=256, max_position_embeddings=64, tie_word_embeddings=False,
+                     architectures=["LlamaForCausalLM"])
+HW = Hardware(gpu_memory=1 << 30, gpus_per_node=4)
+
+
+@pytest.fixture(scope="module")
+def planner() -> Planner:
+    return Planner(CONFIG, seq_len=32, micro_batch_size=2)
+
+
+def _machine(**changes) -> Calibration:
+    base = assumed(tflops=0.05, nvlink_gbps=1, ib_gbps=1, gpus_per_node=4, gpu_memory=1 << 30, world_size=4)
+    return dataclasses.replace(base, **{"device": "cpu", "op": Fit(20e-6, 5e9), "overlap": 0.0, **changes})
+
+
+def _faster_matmuls(cal: Calibration, factor: float) -> Calibration:
+    table = cal.matmul["float32"]
+    return dataclasses.replace(cal, matmul={"float32": MatmulTable(
+        rows=table.rows, widths=table.widths, rates=tuple(tuple(r * factor for r in row) for row in table.rates))})
+
+
+def _slower_collectives(cal: Calibration, factor: float) -> Calibration:
+    return dataclasses.replace(cal, collectives=tuple(
+        dataclasses.replace(c, fit=Fit(c.fit.latency * factor, c.fit.rate / factor)) for c in cal.collectives))
+
+
+def test_each_figure_moves_its_own_part(planner):
+    cal = _machine()
+    tp = planner.estimate(ParallelConfig(tp=2, dp=2, microbatches=2))
+    base = step_time(tp, HW, cal)
+    fast = step_time(tp, HW, _faster_matmuls(cal, 2.0))
+    assert fast.compute < base.compute and fast.tp == pytest.approx(base.tp) and fast.dp == pytest.approx(base.dp)
+    slow = step_time(tp, HW, _slower_collectives(cal, 10.0))
+    assert slow.compute == pytest.approx(base.compute)
+    assert slow.tp == pytest.approx(10 * base.tp, rel=1e-6) and slow.dp > 5 * base.dp
+    scaled = step_time(tp, HW, dataclasses.replace(cal, compute_scale=2.0))
+    assert scaled.compute == pytest.approx(2 * base.compute) and scaled.tp == pytest.approx(base.tp)
+
+
+def test_overlap_hides_the_buckets_behind_backward(planner):
+    dp = planner.estimate(ParallelConfig(dp=4, microbatches=1))
+    hidden = step_time(dp, HW, _machine(overlap=1.0))
+    exposed = step_time(dp, HW, _machine(overlap=0.0))
+    assert hidden.dp < exposed.dp and hidden.compute == pytest.approx(exposed.compute)
+
+
+def test_without_a_calibration_every_figure_is_named_as_assumed(planner):
+    t = step_time(planner.estimate(ParallelConfig(dp=4, microbatches=1)), HW)
+    assert len(t.assumed) == 5 and any("FLOP rate" in a for a in t.assumed)
+    assert step_time(planner.estimate(ParallelConfig(dp=4, microbatches=1)), HW, _machine()).assumed == \
+        _machine().assumed
+
+
+def test_the_pipeline_waits_for_its_slowest_stage_only_where_it_does():
+    # two stages, one microbatch: the step is F0 + F1 + B1 + B0, not twice the slower stage
+    actions = [list(a) for a in schedule_actions(stages=2, microbatches=1, schedule="1f1b")]
+    costs = [{Op.FWD: 1.0, Op.BWD: 2.0}, {Op.FWD: 3.0, Op.BWD: 6.0}]
+    assert timed(actions, costs=costs).makespan == pytest.approx(12.0)
+    assert timed(actions, costs=costs[1]).makespan == pytest.approx(18.0)  # one cost for every rank
+
+
+def test_a_calibration_without_compute_scale_reads_as_one(tmp_path):
+    data = _machine().to_json()
+    del data["compute_scale"]
+    assert Calibration.from_json(data).compute_scale == 1.0
+    with pytest.raises(ValueError, match="calibration format"):
+        Calibration.from_json({**data, "format": 99})
