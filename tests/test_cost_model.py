@@ -84,3 +84,11 @@ def test_a_calibration_without_compute_scale_reads_as_one(tmp_path):
     assert Calibration.from_json(data).compute_scale == 1.0
     with pytest.raises(ValueError, match="calibration format"):
         Calibration.from_json({**data, "format": 99})
+
+
+def test_selective_recomputation_costs_its_redone_elementwise_work(planner):
+    cal = _machine()
+    plain = step_time(planner.estimate(ParallelConfig(dp=4, microbatches=1)), HW, cal)
+    selective = step_time(planner.estimate(ParallelConfig(dp=4, microbatches=1, recompute="selective")), HW, cal)
+    full = step_time(planner.estimate(ParallelConfig(dp=4, microbatches=1, recompute="full")), HW, cal)
+    assert plain.seconds < selective.seconds < full.seconds

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from ..comm_meter import Collective
 from ..config.dims import Axis
 from ..config.options import Recompute
+from ..pipeline.schedule import Op
 from .calibration import Calibration, Link, assumed
 from .results import MeshEstimate, StageEstimate
 from .schedules import op_costs, pipeline_timing
@@ -174,12 +175,14 @@ def step_time(est: MeshEstimate, hw: Hardware, calibration: Calibration | None =
     costs = []
     for s in est.stages:
         plain, attention, others, weight = compute_seconds(est, s, cal)
-        c = plain * again + (others / 3 if est.recompute == Recompute.SELECTIVE else 0.0)
+        redo = others / 3 if est.recompute == Recompute.SELECTIVE else 0.0  # in backward, before the gradients
+        c = plain * again + redo
         per = {g: seconds(g, s.comm[g]) / est.microbatches for g in _MICROBATCH_GROUPS if g in s.comm}
         t, p, e = per.get(Axis.TP, 0.0), per.get(Axis.PP, 0.0), per.get(Axis.EP, 0.0)
         r = max(per.get(Axis.CP, 0.0) - cal.overlap * attention * again, 0.0)
-        costs.append(op_costs(compute=plain, weight=weight, comm=t + r + p + e, recompute=est.recompute,
-                              schedule=est.schedule, virtual_stages=est.virtual_stages))
+        stage_costs = op_costs(compute=plain, weight=weight, comm=t + r + p + e, recompute=est.recompute,
+                               schedule=est.schedule, virtual_stages=est.virtual_stages)
+        costs.append({**stage_costs, Op.BWD: stage_costs[Op.BWD] + redo / est.virtual_stages})
         if c + t + r + p + e > slowest:
             slowest, compute_mb, tp_mb, cp_mb, pp_mb, ep_mb = c + t + r + p + e, c, t, r, p, e
             backward_mb = c - plain / 3 + (t + r + e) / 2
