@@ -70,7 +70,7 @@ def _measure(*, kind: str, keywords: list[dict], rounds: int, steps: int) -> lis
         for i, kw in enumerate(keywords):
             pm = qn_hf.parallelize(build_model(kind), qn_hf.ParallelConfig(**kw))
             opt = qn_hf.optimizer(pm, torch.optim.AdamW, lr=1e-4)
-            dp, rows = pm.parallel_config.dims.dp, GLOBAL_BATCH // pm.parallel_config.dims.dp
+            rows = GLOBAL_BATCH // pm.parallel_config.dims.dp
             seconds = []
             for step in range(steps + 1):
                 ids = _batch(step, vocab)[pm.coords["dp"] * rows:(pm.coords["dp"] + 1) * rows]
@@ -83,7 +83,6 @@ def _measure(*, kind: str, keywords: list[dict], rounds: int, steps: int) -> lis
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step ends when its slowest rank does
                 if step:  # the first builds caches and schedules
                     seconds.append(elapsed.item())
-            del dp
             pm.close()
             times[i].append(statistics.median(seconds))
     return times

@@ -25,7 +25,7 @@ from __future__ import annotations
 import datetime
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -67,7 +67,6 @@ class Choice:
     rejected: tuple[Rejected, ...] = ()
     assumed: tuple[str, ...] = ()
     device_memory: int = 0
-    notes: tuple[str, ...] = field(default=())
 
     def summary(self) -> str:
         lines = [f"chosen: {describe(self.config, self.micro_batch_size)}: predicted step "

@@ -45,7 +45,6 @@ from dataclasses import dataclass
 from ..comm_meter import Collective
 from ..config.dims import Axis
 from ..config.options import Recompute
-from ..pipeline.schedule import Op
 from .calibration import Calibration, Link, assumed
 from .results import MeshEstimate, StageEstimate
 from .schedules import op_costs, pipeline_timing
@@ -180,9 +179,8 @@ def step_time(est: MeshEstimate, hw: Hardware, calibration: Calibration | None =
         per = {g: seconds(g, s.comm[g]) / est.microbatches for g in _MICROBATCH_GROUPS if g in s.comm}
         t, p, e = per.get(Axis.TP, 0.0), per.get(Axis.PP, 0.0), per.get(Axis.EP, 0.0)
         r = max(per.get(Axis.CP, 0.0) - cal.overlap * attention * again, 0.0)
-        stage_costs = op_costs(compute=plain, weight=weight, comm=t + r + p + e, recompute=est.recompute,
-                               schedule=est.schedule, virtual_stages=est.virtual_stages)
-        costs.append({**stage_costs, Op.BWD: stage_costs[Op.BWD] + redo / est.virtual_stages})
+        costs.append(op_costs(compute=plain, weight=weight, comm=t + r + p + e, recompute=est.recompute,
+                              schedule=est.schedule, virtual_stages=est.virtual_stages, redone=redo))
         if c + t + r + p + e > slowest:
             slowest, compute_mb, tp_mb, cp_mb, pp_mb, ep_mb = c + t + r + p + e, c, t, r, p, e
             backward_mb = c - plain / 3 + (t + r + e) / 2

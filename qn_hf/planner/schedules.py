@@ -80,11 +80,12 @@ def rank_peaks(*, stages: int, microbatches: int, schedule: str, virtual_stages:
 
 
 def op_costs(*, compute: float, weight: float, comm: float, recompute: str | None, schedule: str,
-             virtual_stages: int = 1) -> dict[Op, float]:
+             virtual_stages: int = 1, redone: float = 0.0) -> dict[Op, float]:
     """One chunk's microbatch cost per compute op (see the module docstring), in the units of
-    ``compute``, ``weight`` and ``comm`` (FLOPs, or seconds)."""
+    ``compute``, ``weight`` and ``comm`` (FLOPs, or seconds); ``redone``: what selective recomputation
+    runs again in backward (the elementwise work; cost.py prices it, FLOPs count it as free)."""
     forward = compute / 3 + comm / 2
-    backward = 2 * compute / 3 + comm / 2 + (compute / 3 if recompute == Recompute.FULL else 0.0)
+    backward = 2 * compute / 3 + comm / 2 + (compute / 3 if recompute == Recompute.FULL else 0.0) + redone
     split = weight if as_schedule(schedule).split_backward else 0.0
     costs = {Op.FWD: forward, Op.BWD: backward - split, Op.WGT: split}
     return {op: cost / virtual_stages for op, cost in costs.items()}
