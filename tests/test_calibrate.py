@@ -9,9 +9,13 @@ import math
 import pytest
 
 from qn_hf.comm_meter import Collective
-from qn_hf.planner.calibrate import fit_line, layouts, measure
+import torch
+
+from qn_hf.planner.calibrate import fit_line, fit_per_call, layouts, measure
 from qn_hf.planner.calibration import FORMAT, Calibration, CollectiveFit, Fit, Link, MatmulTable, assumed
 from qn_hf.planner.cli import main
+from qn_hf.planner.compute_timing import elementwise_timing
+from qn_hf.planner.trace import count_ops
 
 GIB = 1024**3
 
@@ -96,6 +100,24 @@ def test_fit_line_recovers_a_line_and_stays_finite_on_noise():
     assert flat.latency == 4.0 and math.isfinite(flat.rate) and flat.seconds(2.0) == pytest.approx(4.0 * 1.01)
 
 
+def test_fit_per_call_recovers_latency_per_call_and_rate_and_stays_finite_on_noise():
+    points = [(c, a, c * 2e-5 + a / 5e9) for c, a in ((64, 1e6), (4, 1e8), (16, 1e7))]
+    assert fit_per_call(points) == Fit(latency=pytest.approx(2e-5), rate=pytest.approx(5e9))
+    no_latency = fit_per_call([(64, 1e6, 1e-4), (4, 1e8, 1e-1)])  # negative latency: refitted as zero
+    assert no_latency.latency == 0.0 and no_latency.rate > 0
+    flat = fit_per_call([(10, 1e3, 1.0), (10, 1e6, 0.5)])  # time fell as the bytes grew: all latency
+    assert flat.latency > 0 and math.isfinite(flat.rate) and flat.rate > 0
+
+
+def test_count_ops_counts_what_writes_memory_as_the_trace_does():
+    x = torch.ones(8, 4)
+    # two ops write 32 floats each; a view and a product's output (priced by FLOPs) add no bytes
+    assert count_ops(lambda: (x * 2).view(-1) + 1) == (2, 2 * 32 * 4)
+    assert count_ops(lambda: x @ x.T) == (1, 0)
+    ops, nbytes, seconds = elementwise_timing(4, 16, torch.device("cpu"), repeats=1)
+    assert ops > 8 and nbytes >= ops * 4 * 4 and seconds > 0  # every round's ops, at least a row each
+
+
 def test_layouts_lay_groups_out_as_a_mesh_does():
     one_node = layouts(4, 4)
     assert [(lay.ranks, lay.link, lay.groups) for lay in one_node] == [
@@ -126,7 +148,7 @@ def case_measure_quick() -> Calibration:
 
 
 def _figures(cal: Calibration) -> list[Fit]:
-    return [*cal.attention.values(), cal.op, *(c.fit for c in cal.collectives)]
+    return [*cal.attention.values(), cal.op, cal.optimizer, *(c.fit for c in cal.collectives)]
 
 
 def test_measure_quick_at_two_ranks_agrees_and_is_sane(worlds, tmp_path):
@@ -149,6 +171,7 @@ def test_measure_quick_at_two_ranks_agrees_and_is_sane(worlds, tmp_path):
         Collective.ALL_TO_ALL_SINGLE, Collective.SEND, Collective.RECV)}
     assert 0.0 <= cal.overlap <= 1.0 and "overlap" in cal.notes
     assert cal.memory_bytes > 0 and cal.threads == 1
+    assert 0.5 <= cal.compute_scale <= 4.0
     cal.save(str(tmp_path / "c.json"))
     assert Calibration.load(str(tmp_path / "c.json")) == cal
 

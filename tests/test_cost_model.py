@@ -13,7 +13,7 @@ from qn_hf.config.parallel_config import ParallelConfig
 from qn_hf.pipeline.schedule import Op, schedule_actions
 from qn_hf.pipeline.schedule_check import timed
 from qn_hf.planner.calibration import Calibration, Fit, MatmulTable, assumed
-from qn_hf.planner.cost import Hardware, step_time
+from qn_hf.planner.cost import Hardware, optimizer_seconds, step_time
 from qn_hf.planner.estimate import Planner
 
 CONFIG = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -92,3 +92,20 @@ def test_selective_recomputation_costs_its_redone_elementwise_work(planner):
     selective = step_time(planner.estimate(ParallelConfig(dp=4, microbatches=1, recompute="selective")), HW, cal)
     full = step_time(planner.estimate(ParallelConfig(dp=4, microbatches=1, recompute="full")), HW, cal)
     assert plain.seconds < selective.seconds < full.seconds
+
+
+def test_the_optimizer_is_priced_at_its_measured_fit_and_without_one_at_the_op_fit(planner):
+    est = planner.estimate(ParallelConfig(dp=4, microbatches=1))
+    stage = est.stages[0]
+    measured = _machine(optimizer=Fit(latency=1e-4, rate=1e9))
+    assert optimizer_seconds(stage, measured) == pytest.approx(1e-4 * stage.param_tensors + stage.state_bytes / 1e9)
+    slower = step_time(est, HW, _machine(optimizer=Fit(latency=1e-3, rate=1e9)))
+    base = step_time(est, HW, measured)
+    assert slower.optimizer > base.optimizer and slower.compute == pytest.approx(base.compute)
+    # a file from before the optimizer was measured: the op fit, a few ops per tensor on a CPU
+    data = measured.to_json()
+    del data["optimizer"]
+    old = Calibration.from_json(data)
+    assert old.optimizer is None
+    assert optimizer_seconds(stage, old) == pytest.approx(old.op.seconds(2 * stage.state_bytes, calls=10 * stage.param_tensors))
+    assert Calibration.from_json(measured.to_json()) == measured

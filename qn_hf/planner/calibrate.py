@@ -9,13 +9,18 @@ MAX (a collective ends when its slowest rank does), so every rank returns the sa
   lacks skipped and named in ``assumed``.
 - attention: causal ``scaled_dot_product_attention`` forward and backward at two lengths, its FLOPs
   counted as the planner counts them (12 x hidden x seq per token), a line through the two.
-- op: a chain of elementwise ops with autograd on a small tensor (the latency per op) and a large
-  one (the rest of its time is the bytes it writes).
+- op: a chain of a layer's elementwise ops as Hugging Face writes them (norm, rotary, gated
+  activation, residual), forward and backward, on a small tensor (mostly the latency per op) and a
+  large one (mostly the bytes the ops write), counted as the trace counts a forward's; a line through
+  the two (latency per op, bytes written per second).
 - collectives: groups laid out as a mesh lays out an axis (``layouts``), all of a layout's groups
   at once; payloads as ``CommMeter`` counts them, a least-squares line through them.
 - overlap: a compute loop, an all-reduce about as long, and both at once.
-- compute_scale: a stack of pre-norm MLP blocks timed whole against the sum of its parts' figures
-  (compute_timing.py), what composing kernels into a step costs beyond them.
+- optimizer: AdamW's step over many small parameters and over a few large ones, a line through
+  the two (latency per tensor, bytes of state per second).
+- compute_scale: a stack of pre-norm MLP blocks timed whole against the sum of its parts' figures,
+  each time beside a timing of its product (compute_timing.py): what composing kernels into a step
+  costs beyond them.
 
 A timing is the median of samples after a warm-up; a compute sample repeats its call for ``SAMPLE_S``
 so the clock and Python's loop do not count; CUDA is synchronized before the clock is read.
@@ -41,10 +46,10 @@ from .calibration import FORMAT, Calibration, CollectiveFit, Fit, Link, MatmulTa
 from .compute_timing import (
     attention_flops,
     attention_seconds,
-    block_prediction,
-    block_seconds,
-    chain_seconds,
+    elementwise_timing,
+    composed_ratios,
     matmul_seconds,
+    optimizer_seconds,
     seconds_per_call,
     sync,
 )
@@ -56,6 +61,7 @@ FLOOR_SHARE = 0.01  # a line whose time did not grow with the amount: the larges
 COLLECTIVE_OPS = (Collective.ALL_REDUCE, Collective.ALL_GATHER_INTO_TENSOR, Collective.REDUCE_SCATTER_TENSOR,
                   Collective.ALL_TO_ALL_SINGLE)
 CALIBRATE_TIMEOUT_S = 900.0
+OP_WIDTH = 256  # the op chain's last dimension (a hidden size's order)
 MIN_SCALE, MAX_SCALE = 0.5, 4.0  # a composed step outside these of its parts' sum is a broken measurement
 
 
@@ -69,13 +75,15 @@ class Sizes:
     heads: int
     head_dim: int
     seqs: tuple[int, int]
-    op_numel: int  # elements of the op chain's large tensor
+    op_numel: int  # elements of the op chain's large tensor (its rows x OP_WIDTH)
     payloads: tuple[int, ...]  # bytes per collective call
     overlap_s: float  # the overlap test's compute loop
     overlap_width: int  # of its square matmuls
     overlap_max_bytes: int
     repeats: int
     block: tuple[int, int] = (512, 256)  # rows and width of the composed blocks (compute_timing.py)
+    # the optimizer's step: (parameter tensors, elements each), many small and a few large
+    optimizer: tuple[tuple[int, int], ...] = ((64, 1024), (4, M))
 
 
 CPU = Sizes(rows=(64, 256, 1024, 4096), widths=(64, 256, 1024), heads=4, head_dim=64, seqs=(128, 512),
@@ -83,7 +91,8 @@ CPU = Sizes(rows=(64, 256, 1024, 4096), widths=(64, 256, 1024), heads=4, head_di
             overlap_max_bytes=256 * MIB, repeats=5)
 CUDA = Sizes(rows=(256, 1024, 4096, 16384), widths=(256, 1024, 4096, 8192), heads=16, head_dim=128,
              seqs=(1024, 4096), op_numel=64 * M, payloads=(64 * KIB, 16 * MIB, 256 * MIB), overlap_s=0.04,
-             overlap_width=4096, overlap_max_bytes=2048 * MIB, repeats=5, block=(4096, 1024))
+             overlap_width=4096, overlap_max_bytes=2048 * MIB, repeats=5, block=(4096, 1024),
+             optimizer=((256, 4096), (8, 16 * M)))
 QUICK_CPU = dataclasses.replace(CPU, rows=(64, 512), widths=(64, 256), op_numel=M, payloads=(4 * KIB, MIB), repeats=3)
 QUICK_CUDA = dataclasses.replace(CUDA, rows=(256, 2048), widths=(256, 2048), op_numel=16 * M,
                                  payloads=(64 * KIB, 16 * MIB), repeats=3)
@@ -134,6 +143,26 @@ def fit_line(amounts: Sequence[float], seconds: Sequence[float]) -> Fit:
     if intercept < 0:
         return Fit(latency=0.0, rate=sum(a * a for a in amounts) / sum(a * t for a, t in zip(amounts, seconds)))
     return Fit(latency=intercept, rate=1.0 / slope)
+
+
+def fit_per_call(points: Sequence[tuple[float, float, float]]) -> Fit:
+    """The least-squares ``seconds = calls x latency + amount / rate`` through (calls, amount,
+    seconds) points, with fit_line's fallbacks: a negative latency refitted as zero, a rate not
+    positive floored."""
+    scc = sum(c * c for c, _, _ in points)
+    saa = sum(a * a for _, a, _ in points)
+    sca = sum(c * a for c, a, _ in points)
+    sct = sum(c * t for c, _, t in points)
+    sat = sum(a * t for _, a, t in points)
+    det = scc * saa - sca * sca
+    latency = (sct * saa - sat * sca) / det if det > 0 else -1.0
+    per_byte = (scc * sat - sca * sct) / det if det > 0 else -1.0
+    if latency < 0:
+        return Fit(latency=0.0, rate=saa / sat)
+    if per_byte <= 0:
+        return Fit(latency=min(t / c for c, _, t in points),
+                   rate=max(a for _, a, _ in points) / (FLOOR_SHARE * min(t for _, _, t in points)))
+    return Fit(latency=latency, rate=1.0 / per_byte)
 
 
 def _agree(values: Sequence[float], device: torch.device, op=dist.ReduceOp.MAX) -> list[float]:
@@ -298,19 +327,21 @@ def measure(*, dtypes: Sequence[str] = ("float32",), quick: bool = False,
     grid = [(r, w) for r in sizes.rows for w in sizes.widths]
     matmul_s = {n: [matmul_seconds(r, w, DTYPES[n], device, sizes.repeats) for r, w in grid] for n in names}
     attention_s = {n: [attention_seconds(s, heads=sizes.heads, head_dim=sizes.head_dim, dtype=DTYPES[n], device=device, repeats=sizes.repeats) for s in sizes.seqs] for n in names}
-    chain_s = [chain_seconds(numel, device, sizes.repeats) for numel in (1024, sizes.op_numel)]
-    chain_s.append(block_seconds(*sizes.block, dtype=torch.float32, device=device, repeats=sizes.repeats))
+    chain = [elementwise_timing(rows, OP_WIDTH, device, sizes.repeats) for rows in (8, sizes.op_numel // OP_WIDTH)]
+    optimizer_s = [optimizer_seconds(tensors, numel, device=device, repeats=sizes.repeats)
+                   for tensors, numel in sizes.optimizer]
     agreed = iter(_mean([*(t for n in names for t in matmul_s[n]), *(t for n in names for t in attention_s[n]),
-                         *chain_s], device))
+                         *(seconds for _, _, seconds in chain), *optimizer_s], device))
     matmul = {n: MatmulTable(rows=sizes.rows, widths=sizes.widths, rates=tuple(  # the grid's order: rows outer
         tuple(6.0 * r * w * w / next(agreed) for w in sizes.widths) for r in sizes.rows)) for n in names}
     attention = {n: fit_line([attention_flops(s, heads=sizes.heads, head_dim=sizes.head_dim) for s in sizes.seqs], [next(agreed) for _ in sizes.seqs])
                  for n in names}
-    small, large, composed = next(agreed), next(agreed), next(agreed)
-    # the large chain's time beyond the latency is its writes (a floor keeps the rate finite)
-    op = Fit(latency=small, rate=sizes.op_numel * 4 / max(large - small, FLOOR_SHARE * large))
-    predicted = block_prediction(*sizes.block, matmul=matmul["float32"], op=op, element_size=4)
-    compute_scale = min(max(composed / predicted, MIN_SCALE), MAX_SCALE)
+    op = fit_per_call([(ops, nbytes, next(agreed)) for ops, nbytes, _ in chain])
+    # per tensor and per byte of state: weights, gradients and the two moments, 16 bytes an element
+    optimizer = fit_per_call([(tensors, tensors * numel * 16, next(agreed)) for tensors, numel in sizes.optimizer])
+    ratios = _mean(composed_ratios(*sizes.block, dtype=torch.float32, device=device, op=op, pairs=sizes.repeats),
+                   device)
+    compute_scale = min(max(statistics.median(ratios), MIN_SCALE), MAX_SCALE)
 
     collectives: tuple[CollectiveFit, ...] = ()
     overlap = 0.0
@@ -331,7 +362,8 @@ def measure(*, dtypes: Sequence[str] = ("float32",), quick: bool = False,
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         backend=str(dist.get_backend()), world_size=world, ranks_per_node=ranks_per_node, matmul=matmul,
         attention=attention, op=op, collectives=collectives, overlap=overlap, memory_bytes=int(memory),
-        assumed=tuple(assumed), threads=int(threads), format=FORMAT, notes=notes, compute_scale=compute_scale)
+        assumed=tuple(assumed), threads=int(threads), format=FORMAT, notes=notes, compute_scale=compute_scale,
+        optimizer=optimizer)
 
 
 def calibrate(world_size: int = 1, *, dtypes: Sequence[str] = ("float32",), quick: bool = False) -> Calibration:

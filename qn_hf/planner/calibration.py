@@ -106,6 +106,9 @@ class Calibration:
     notes: dict[str, str] = field(default_factory=dict)
     # a step's compute against the sum of its kernels' figures (calibrate.py: composed blocks timed whole)
     compute_scale: float = 1.0
+    # AdamW's step: latency per parameter tensor, rate in bytes of state (weights, gradients and both
+    # moments) per second; None (a file from before it was measured): priced from the op fit
+    optimizer: Fit | None = None
 
     # -- reading -------------------------------------------------------------------------------
     @property
@@ -162,7 +165,8 @@ class Calibration:
                                   for c in data["collectives"]),
                 overlap=float(data["overlap"]), memory_bytes=int(data["memory_bytes"]),
                 assumed=tuple(data.get("assumed", ())), threads=int(data.get("threads", 1)),
-                notes=dict(data.get("notes", {})), compute_scale=float(data.get("compute_scale", 1.0)))
+                notes=dict(data.get("notes", {})), compute_scale=float(data.get("compute_scale", 1.0)),
+                optimizer=Fit(**data["optimizer"]) if data.get("optimizer") else None)
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a qn_hf calibration file: {e!r} missing or malformed") from e
 

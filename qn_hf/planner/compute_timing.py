@@ -1,6 +1,7 @@
 """Single-rank timings of compute (``calibrate.py`` runs them on every rank at once): a matrix
-product, attention, a chain of elementwise ops, and a stack of pre-norm MLP blocks timed whole, whose
-time against the sum of its parts' (``block_prediction``) is the calibration's ``compute_scale``:
+product, attention, a chain of a layer's elementwise ops, the optimizer's step, and a stack of pre-norm MLP
+blocks timed whole, whose time against the sum of its parts' (``block_prediction``) is the
+calibration's ``compute_scale``:
 what composing kernels into a model's step costs beyond the kernels alone (caches evicted between
 them, autograd's bookkeeping, allocation), which no single-kernel timing sees.
 
@@ -18,12 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .calibration import Fit, MatmulTable
+from .calibration import Fit
+from .trace import count_ops
 
-CHAIN = 64  # elementwise ops per chain
+CHAIN = 8  # rounds of a layer's elementwise ops in the op timing
 SAMPLE_S = 0.01  # a compute sample repeats its call this long (3 ms samples varied 3x on a shared VM)
 BLOCKS = 4  # pre-norm MLP blocks in the composed timing
-OPS_PER_BLOCK = 3  # besides its two products: the norm, the activation, the residual add
 
 
 def sync(device: torch.device) -> None:
@@ -67,49 +68,102 @@ def attention_seconds(seq: int, *, heads: int, head_dim: int, dtype: torch.dtype
                                                         (q, k, v), grad), device, repeats=repeats)
 
 
-def chain_seconds(numel: int, device: torch.device, repeats: int) -> float:
-    """Seconds per elementwise op (forward and backward) of a chain of ``CHAIN``."""
-    x = torch.randn(numel, device=device, requires_grad=True)
-    grad = torch.ones(numel, device=device)
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """As Hugging Face's models write it (Llama's, Qwen's): ops autograd differentiates one by one."""
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
 
-    def chain() -> None:
-        y = x
-        for i in range(CHAIN):
-            y = y * 1.0001 if i % 2 == 0 else y + 0.5
-        torch.autograd.grad(y, x, grad)
 
-    return seconds_per_call(chain, device, repeats=repeats) / CHAIN
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _elementwise(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``CHAIN`` rounds of what a transformer's layer runs besides its products, written as Hugging
+    Face writes it: the norm, rotary embedding, a gated activation, the residual add."""
+    for _ in range(CHAIN):
+        h = _rms_norm(x, weight)
+        r = h * cos + _rotate_half(h) * sin
+        x = x + F.silu(r) * h
+    return x
+
+
+def elementwise_timing(rows: int, width: int, device: torch.device, repeats: int) -> tuple[int, int, float]:
+    """``_elementwise`` forward and backward on ``rows x width`` float32: the ops it runs and the
+    bytes they write as the planner's trace counts a forward's (``trace.count_ops``), and its seconds.
+    A chain of plain multiplies and adds (whose backward is one op or none) ran twice as fast per
+    byte as this, and priced a model's other ops at half their time."""
+    x = torch.randn(rows, width, device=device, requires_grad=True)
+    weight = torch.ones(width, device=device, requires_grad=True)
+    cos, sin = torch.randn(rows, width, device=device), torch.randn(rows, width, device=device)
+    grad = torch.ones(rows, width, device=device)
+    ops, nbytes = count_ops(lambda: _elementwise(x, weight, cos, sin))
+    seconds = seconds_per_call(lambda: torch.autograd.grad(_elementwise(x, weight, cos, sin), (x, weight), grad),
+                               device, repeats=repeats)
+    return ops, nbytes, seconds
 
 
 def attention_flops(seq: int, *, heads: int, head_dim: int) -> float:
     return 12.0 * heads * head_dim * seq * seq  # the planner's: 12 x hidden x seq per token
 
 
-def _blocks(width: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    layers = []
-    for _ in range(BLOCKS):
-        layers.append(nn.ModuleList([nn.LayerNorm(width), nn.Linear(width, 4 * width, bias=False),
-                                     nn.Linear(4 * width, width, bias=False)]))
-    return nn.ModuleList(layers).to(device=device, dtype=dtype)
+class _Block(nn.Module):
+    """A pre-norm gated MLP block as Hugging Face's Llama writes one: ``x + down(silu(gate(n)) * up(n))``,
+    ``n`` the norm of ``x``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.Parameter(torch.ones(width))
+        self.gate, self.up = nn.Linear(width, 2 * width, bias=False), nn.Linear(width, 2 * width, bias=False)
+        self.down = nn.Linear(2 * width, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = _rms_norm(x, self.norm)
+        return x + self.down(F.silu(self.gate(n)) * self.up(n))
+
+
+def _blocks(rows: int, width: int, dtype: torch.dtype, device: torch.device) -> Callable[[], torch.Tensor]:
+    """A forward through ``BLOCKS`` blocks (its products' weights: 6 x width^2 each)."""
+    blocks = nn.Sequential(*(_Block(width) for _ in range(BLOCKS))).to(device=device, dtype=dtype)
+    x = torch.randn(rows, width, dtype=dtype, device=device, requires_grad=True)
+    return lambda: blocks(x)
 
 
 def block_seconds(rows: int, width: int, *, dtype: torch.dtype, device: torch.device, repeats: int) -> float:
-    """``BLOCKS`` blocks ``x + W2(gelu(W1(norm(x))))`` as modules, forward and backward, whole."""
-    blocks = _blocks(width, dtype, device)
-    x = torch.randn(rows, width, dtype=dtype, device=device, requires_grad=True)
-
-    def step() -> None:
-        y = x
-        for norm, up, down in blocks:
-            y = y + down(F.gelu(up(norm(y))))
-        y.sum().backward()
-
-    return seconds_per_call(step, device, repeats=repeats)
+    """The blocks forward and backward, whole."""
+    forward = _blocks(rows, width, dtype, device)
+    return seconds_per_call(lambda: forward().sum().backward(), device, repeats=repeats)
 
 
-def block_prediction(rows: int, width: int, *, matmul: MatmulTable, op: Fit, element_size: int) -> float:
-    """The same blocks priced as the time model prices a step (cost.py): each product at the table's
-    rate for its shape (the width the model's), each other op at the op fit for the bytes it writes."""
-    products = 2 * 6.0 * rows * width * 4 * width / matmul.rate(rows, width)
-    written = rows * width * element_size * (1 + 4 + 1)  # the norm's output, the activation's, the sum's
-    return BLOCKS * (products + op.seconds(written, calls=OPS_PER_BLOCK))
+def block_prediction(rows: int, width: int, *, rate: float, op: Fit, ops: int, nbytes: int) -> float:
+    """The same blocks priced as the time model prices a step (cost.py): the products' FLOPs
+    (forward and backward) at ``rate`` (the table's for the model's width), and the forward's
+    ``ops`` writing ``nbytes`` (``trace.count_ops``) at the op fit."""
+    products = BLOCKS * 6.0 * rows * 6 * width * width / rate
+    return products + op.seconds(nbytes, calls=ops)
+
+
+def composed_ratios(rows: int, width: int, *, dtype: torch.dtype, device: torch.device, op: Fit,
+                    pairs: int) -> list[float]:
+    """The composed blocks' time over their prediction, once per pair of timings taken back to back:
+    the blocks whole, then the product at their shape. Measured minutes apart (the blocks against the
+    table), the ratio followed the machine's speed in between: two calibrations of this shared VM an
+    hour apart gave 0.98 and 1.71, where steps timed alone matched 1.0 within 5%."""
+    ops, nbytes = count_ops(_blocks(rows, width, dtype, device))
+    ratios = []
+    for _ in range(pairs):
+        whole = block_seconds(rows, width, dtype=dtype, device=device, repeats=1)
+        product = matmul_seconds(rows, width, dtype, device, repeats=1)
+        rate = 6.0 * rows * width * width / product
+        ratios.append(whole / block_prediction(rows, width, rate=rate, op=op, ops=ops, nbytes=nbytes))
+    return ratios
+
+
+def optimizer_seconds(tensors: int, numel: int, *, device: torch.device, repeats: int) -> float:
+    """One ``torch.optim.AdamW`` step (torch's default implementation for the device) over
+    ``tensors`` float32 parameters of ``numel`` elements, each with a gradient."""
+    params = [torch.randn(numel, device=device).requires_grad_() for _ in range(tensors)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-6)
+    return seconds_per_call(optimizer.step, device, repeats=repeats)

@@ -30,8 +30,10 @@ buckets, FSDP's gathers and reductions, kv, tie, the batch agreement, fp16's fla
 qn_hf posts the dp buckets asynchronously as backward fills them (data_parallel/buckets.py), so
 ``overlap`` x the last microbatch's backward of them is hidden; FSDP prefetches the next block's
 gather during compute, so ``overlap`` x the step's compute of its time is hidden. The optimizer
-step (AdamW, weights, gradients and state read and written once; a few ops per tensor on a CPU,
-a few per step on a GPU, where torch takes its foreach path) runs at the op fit.
+step (AdamW) runs at the calibration's measured fit: a latency per parameter tensor and the rank's
+state (weights, gradients, moments) at its rate; without one, at the op fit (the state read and
+written once; a few ops per tensor on a CPU, a few per step on a GPU, where torch takes its
+foreach path).
 
 A group's link is the node's when all its ranks share a node (ranks are laid out dp, pp, cp, tp
 with tp fastest; an ep group is ep consecutive ranks of a stage's dp x tp grid) and the network's
@@ -159,6 +161,15 @@ def compute_seconds(est: MeshEstimate, s: StageEstimate, cal: Calibration) -> tu
     return matmul + attention + others, attention, others, weight
 
 
+def optimizer_seconds(s: StageEstimate, cal: Calibration) -> float:
+    """AdamW's step over a rank's state: at the calibration's measured optimizer fit, or (a file from
+    before it was measured, or no calibration) at the op fit, a few ops per tensor on a CPU."""
+    tensors = max(s.param_tensors, 1)
+    if cal.optimizer is not None:
+        return cal.optimizer.seconds(s.state_bytes, calls=tensors)
+    return cal.op.seconds(2 * s.state_bytes, calls=OPTIMIZER_OPS * (tensors if cal.on_cpu else 1))
+
+
 def step_time(est: MeshEstimate, hw: Hardware, calibration: Calibration | None = None) -> StepTime:
     cal = machine(hw, calibration, world_size=est.world_size)
     kinds = {g: Link.NODE if kind == "nvlink" else Link.NETWORK for g, kind in links(est, hw).items()}
@@ -200,8 +211,7 @@ def step_time(est: MeshEstimate, hw: Hardware, calibration: Calibration | None =
                 - cal.overlap * min(fsdp, rounds * compute_mb) + rest)
 
     dp = max(once(s) for s in est.stages)
-    optimizer = max(cal.op.seconds(2 * s.state_bytes, calls=OPTIMIZER_OPS * (max(s.param_tensors, 1) if cal.on_cpu else 1))
-                    for s in est.stages)
+    optimizer = max(optimizer_seconds(s, cal) for s in est.stages)
     total = rounds * slowest + dp + optimizer
     global_tokens = est.tokens_per_microbatch * est.microbatches * est.dp
     peak = max(max(max(row) for row in table.rates) for table in cal.matmul.values())

@@ -31,6 +31,7 @@ import contextlib
 import functools
 import gc
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -152,6 +153,16 @@ class _Allocations(TorchDispatchMode):
             if not ref.expired():
                 out[owner] += nbytes
         return out
+
+
+def count_ops(fn: Callable[[], object]) -> tuple[int, int]:
+    """The ops ``fn`` runs that write a new storage, and the bytes those other than the products
+    write: what ``Trace.ops`` counts of a forward (for the calibration's timings of the same)."""
+    counter = _Allocations(lambda: None)
+    with counter:
+        fn()
+    ops, nbytes = counter.ops[None]
+    return ops, nbytes
 
 
 def _checkpoint_blocks(model: nn.Module, *, layers: str, recompute: str | None) -> list[nn.Module]:
