@@ -7,10 +7,9 @@ import json
 import math
 
 import pytest
-
-from qn_hf.comm_meter import Collective
 import torch
 
+from qn_hf.comm_meter import Collective
 from qn_hf.planner.calibrate import fit_line, fit_per_call, layouts, measure
 from qn_hf.planner.calibration import FORMAT, Calibration, CollectiveFit, Fit, Link, MatmulTable, assumed
 from qn_hf.planner.cli import main

@@ -46,8 +46,8 @@ from .calibration import FORMAT, Calibration, CollectiveFit, Fit, Link, MatmulTa
 from .compute_timing import (
     attention_flops,
     attention_seconds,
-    elementwise_timing,
     composed_ratios,
+    elementwise_timing,
     matmul_seconds,
     optimizer_seconds,
     seconds_per_call,
