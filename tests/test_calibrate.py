@@ -13,7 +13,7 @@ from qn_hf.comm_meter import Collective
 from qn_hf.planner.calibrate import fit_line, fit_per_call, layouts, measure
 from qn_hf.planner.calibration import FORMAT, Calibration, CollectiveFit, Fit, Link, MatmulTable, assumed
 from qn_hf.planner.cli import main
-from qn_hf.planner.compute_timing import elementwise_timing
+from qn_hf.planner.compute_timing import elementwise_call, seconds_in_turn
 from qn_hf.planner.trace import count_ops
 
 GIB = 1024**3
@@ -113,8 +113,14 @@ def test_count_ops_counts_what_writes_memory_as_the_trace_does():
     # two ops write 32 floats each; a view and a product's output (priced by FLOPs) add no bytes
     assert count_ops(lambda: (x * 2).view(-1) + 1) == (2, 2 * 32 * 4)
     assert count_ops(lambda: x @ x.T) == (1, 0)
-    ops, nbytes, seconds = elementwise_timing(4, 16, torch.device("cpu"), repeats=1)
-    assert ops > 8 and nbytes >= ops * 4 * 4 and seconds > 0  # every round's ops, at least a row each
+    ops, nbytes, fn = elementwise_call(4, 16, torch.device("cpu"))
+    assert ops > 8 and nbytes >= ops * 4 * 4  # every round's ops, at least a row each
+    calls = []
+    seconds = seconds_in_turn([lambda: calls.append("a"), fn, lambda: calls.append("b")], torch.device("cpu"), repeats=3)
+    assert len(seconds) == 3 and all(t > 0 for t in seconds)
+    # samples in turn: after the warm-ups, a's calls and b's alternate sample by sample
+    runs = [k for i, k in enumerate(calls) if i == 0 or calls[i - 1] != k]
+    assert runs[-6:] == ["a", "b"] * 3
 
 
 def test_layouts_lay_groups_out_as_a_mesh_does():
@@ -163,7 +169,9 @@ def test_measure_quick_at_two_ranks_agrees_and_is_sane(worlds, tmp_path):
     for table in cal.matmul.values():
         assert all(math.isfinite(r) and r > 0 for row in table.rates for r in row)
     table = cal.matmul["float32"]
-    assert table.rates[-1][-1] > table.rates[0][0], table  # the largest product runs nearer the peak
+    assert table.rates[-1][-1] > table.rates[0][0], table
+    assert "float32" in cal.grouped and set(cal.grouped) <= set(cal.matmul)  # the experts' products
+    assert all(math.isfinite(r) and r > 0 for t in cal.grouped.values() for row in t.rates for r in row)  # the largest product runs nearer the peak
     measured = {(c.op, c.ranks, c.link) for c in cal.collectives}
     assert measured == {(op, 2, Link.NODE) for op in (
         Collective.ALL_REDUCE, Collective.ALL_GATHER_INTO_TENSOR, Collective.REDUCE_SCATTER_TENSOR,

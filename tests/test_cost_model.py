@@ -109,3 +109,22 @@ def test_the_optimizer_is_priced_at_its_measured_fit_and_without_one_at_the_op_f
     assert old.optimizer is None
     assert optimizer_seconds(stage, old) == pytest.approx(old.op.seconds(2 * stage.state_bytes, calls=10 * stage.param_tensors))
     assert Calibration.from_json(measured.to_json()) == measured
+
+
+def test_routed_experts_are_priced_at_the_grouped_rate_and_without_one_at_the_matmul_rate():
+    from transformers import Qwen3MoeConfig
+
+    moe = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_experts=4,
+                         num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, vocab_size=256, max_position_embeddings=64, architectures=["Qwen3MoeForCausalLM"])
+    est = Planner(moe, seq_len=32, micro_batch_size=2).estimate(ParallelConfig(dp=2, microbatches=1))
+    dense = Planner(CONFIG, seq_len=32, micro_batch_size=2).estimate(ParallelConfig(dp=2, microbatches=1))
+    cal = _machine()
+    table = cal.matmul["float32"]
+    slow = dataclasses.replace(cal, grouped={"float32": MatmulTable(
+        rows=table.rows, widths=table.widths, rates=tuple(tuple(r / 4 for r in row) for row in table.rates))})
+    assert cal.grouped_rate("float32", rows=32, width=64) == cal.matmul_rate("float32", rows=32, width=64)
+    assert slow.grouped_rate("float32", rows=32, width=64) == pytest.approx(cal.matmul_rate("float32", rows=32, width=64) / 4)
+    assert step_time(est, HW, slow).compute > step_time(est, HW, cal).compute
+    assert step_time(dense, HW, slow).compute == pytest.approx(step_time(dense, HW, cal).compute)
+    assert Calibration.from_json(slow.to_json()) == slow

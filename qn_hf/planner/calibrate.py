@@ -7,6 +7,8 @@ MAX (a collective ends when its slowest rank does), so every rank returns the sa
 - matmul: ``x @ w.T`` forward and both backward products (6 x rows x width^2 FLOPs) over a grid of
   rows and widths, per dtype; float32 always (what the readers fall back to), a dtype the device
   lacks skipped and named in ``assumed``.
+- grouped: routed experts' products as transformers' ``grouped_mm`` experts run them, over a grid
+  of tokens per expert and widths, per dtype the device's grouped kernel takes.
 - attention: causal ``scaled_dot_product_attention`` forward and backward at two lengths, its FLOPs
   counted as the planner counts them (12 x hidden x seq per token), a line through the two.
 - op: a chain of a layer's elementwise ops as Hugging Face writes them (norm, rotary, gated
@@ -22,8 +24,9 @@ MAX (a collective ends when its slowest rank does), so every rank returns the sa
   each time beside a timing of its product (compute_timing.py): what composing kernels into a step
   costs beyond them.
 
-A timing is the median of samples after a warm-up; a compute sample repeats its call for ``SAMPLE_S``
-so the clock and Python's loop do not count; CUDA is synchronized before the clock is read.
+A timing is the median of samples after a warm-up, the compute timings' samples taken in turn (a
+slow minute of the machine meets one sample of each); a compute sample repeats its call for
+``SAMPLE_S`` so the clock and Python's loop do not count; CUDA is synchronized before the clock is read.
 """
 
 from __future__ import annotations
@@ -44,12 +47,15 @@ from ..compat import all_gather_single, reduce_scatter_single
 from ..local_world import LocalWorld
 from .calibration import FORMAT, Calibration, CollectiveFit, Fit, Link, MatmulTable
 from .compute_timing import (
+    GROUPS,
+    attention_call,
     attention_flops,
-    attention_seconds,
     composed_ratios,
-    elementwise_timing,
-    matmul_seconds,
-    optimizer_seconds,
+    elementwise_call,
+    grouped_call,
+    matmul_call,
+    optimizer_call,
+    seconds_in_turn,
     seconds_per_call,
     sync,
 )
@@ -84,6 +90,7 @@ class Sizes:
     block: tuple[int, int] = (512, 256)  # rows and width of the composed blocks (compute_timing.py)
     # the optimizer's step: (parameter tensors, elements each), many small and a few large
     optimizer: tuple[tuple[int, int], ...] = ((64, 1024), (4, M))
+    grouped_rows: tuple[int, ...] = (16, 64, 256, 1024)  # tokens an expert receives, in the experts' grid
 
 
 CPU = Sizes(rows=(64, 256, 1024, 4096), widths=(64, 256, 1024), heads=4, head_dim=64, seqs=(128, 512),
@@ -92,10 +99,11 @@ CPU = Sizes(rows=(64, 256, 1024, 4096), widths=(64, 256, 1024), heads=4, head_di
 CUDA = Sizes(rows=(256, 1024, 4096, 16384), widths=(256, 1024, 4096, 8192), heads=16, head_dim=128,
              seqs=(1024, 4096), op_numel=64 * M, payloads=(64 * KIB, 16 * MIB, 256 * MIB), overlap_s=0.04,
              overlap_width=4096, overlap_max_bytes=2048 * MIB, repeats=5, block=(4096, 1024),
-             optimizer=((256, 4096), (8, 16 * M)))
-QUICK_CPU = dataclasses.replace(CPU, rows=(64, 512), widths=(64, 256), op_numel=M, payloads=(4 * KIB, MIB), repeats=3)
+             optimizer=((256, 4096), (8, 16 * M)), grouped_rows=(64, 256, 1024, 4096))
+QUICK_CPU = dataclasses.replace(CPU, rows=(64, 512), widths=(64, 256), op_numel=M, payloads=(4 * KIB, MIB), repeats=3,
+                                grouped_rows=(16, 256))
 QUICK_CUDA = dataclasses.replace(CUDA, rows=(256, 2048), widths=(256, 2048), op_numel=16 * M,
-                                 payloads=(64 * KIB, 16 * MIB), repeats=3)
+                                 payloads=(64 * KIB, 16 * MIB), repeats=3, grouped_rows=(64, 1024))
 
 
 @dataclass(frozen=True)
@@ -304,6 +312,17 @@ def _supported(name: str, device: torch.device) -> bool:
     return name in CPU_DTYPES
 
 
+def _grouped_supported(name: str, device: torch.device) -> bool:
+    """Whether this device's ``torch._grouped_mm`` takes ``name`` (CUDA's takes bfloat16 only on
+    some releases), agreed over the ranks."""
+    try:
+        grouped_call(1, 16, DTYPES[name], device)()
+        ok = 1.0
+    except (RuntimeError, NotImplementedError, AttributeError):
+        ok = 0.0
+    return bool(_agree([ok], device, op=dist.ReduceOp.MIN)[0])
+
+
 def measure(*, dtypes: Sequence[str] = ("float32",), quick: bool = False,
             device: torch.device | str | None = None) -> Calibration:
     """This machine's figures, measured by every rank of the initialized default process group at
@@ -325,17 +344,27 @@ def measure(*, dtypes: Sequence[str] = ("float32",), quick: bool = False,
 
     _align(device)
     grid = [(r, w) for r in sizes.rows for w in sizes.widths]
-    matmul_s = {n: [matmul_seconds(r, w, DTYPES[n], device, sizes.repeats) for r, w in grid] for n in names}
-    attention_s = {n: [attention_seconds(s, heads=sizes.heads, head_dim=sizes.head_dim, dtype=DTYPES[n], device=device, repeats=sizes.repeats) for s in sizes.seqs] for n in names}
-    chain = [elementwise_timing(rows, OP_WIDTH, device, sizes.repeats) for rows in (8, sizes.op_numel // OP_WIDTH)]
-    optimizer_s = [optimizer_seconds(tensors, numel, device=device, repeats=sizes.repeats)
-                   for tensors, numel in sizes.optimizer]
-    agreed = iter(_mean([*(t for n in names for t in matmul_s[n]), *(t for n in names for t in attention_s[n]),
-                         *(seconds for _, _, seconds in chain), *optimizer_s], device))
+    # every compute timing's samples taken in turn (compute_timing.seconds_in_turn)
+    matmuls = [matmul_call(r, w, DTYPES[n], device) for n in names for r, w in grid]
+    attentions = [attention_call(s, heads=sizes.heads, head_dim=sizes.head_dim, dtype=DTYPES[n], device=device)
+                  for n in names for s in sizes.seqs]
+    experts = [n for n in names if _grouped_supported(n, device)]
+    assumed += [f"{n} routed experts' grouped products (the device's grouped kernel refused {n}: read as its "
+                "matmuls)" for n in names if n not in experts]
+    grouped_grid = [(r, w) for r in sizes.grouped_rows for w in sizes.widths]
+    groups = [grouped_call(r, w, DTYPES[n], device) for n in experts for r, w in grouped_grid]
+    chain = [elementwise_call(rows, OP_WIDTH, device) for rows in (8, sizes.op_numel // OP_WIDTH)]
+    optimizers = [optimizer_call(tensors, numel, device=device) for tensors, numel in sizes.optimizer]
+    agreed = iter(_mean(seconds_in_turn([*matmuls, *attentions, *groups, *(fn for _, _, fn in chain), *optimizers],
+                                        device, repeats=sizes.repeats), device))
+    del matmuls, attentions, groups, optimizers
     matmul = {n: MatmulTable(rows=sizes.rows, widths=sizes.widths, rates=tuple(  # the grid's order: rows outer
         tuple(6.0 * r * w * w / next(agreed) for w in sizes.widths) for r in sizes.rows)) for n in names}
     attention = {n: fit_line([attention_flops(s, heads=sizes.heads, head_dim=sizes.head_dim) for s in sizes.seqs], [next(agreed) for _ in sizes.seqs])
                  for n in names}
+    grouped = {n: MatmulTable(rows=sizes.grouped_rows, widths=sizes.widths, rates=tuple(
+        tuple(6.0 * GROUPS * r * w * w / next(agreed) for w in sizes.widths) for r in sizes.grouped_rows))
+        for n in experts}
     op = fit_per_call([(ops, nbytes, next(agreed)) for ops, nbytes, _ in chain])
     # per tensor and per byte of state: weights, gradients and the two moments, 16 bytes an element
     optimizer = fit_per_call([(tensors, tensors * numel * 16, next(agreed)) for tensors, numel in sizes.optimizer])
@@ -363,7 +392,7 @@ def measure(*, dtypes: Sequence[str] = ("float32",), quick: bool = False,
         backend=str(dist.get_backend()), world_size=world, ranks_per_node=ranks_per_node, matmul=matmul,
         attention=attention, op=op, collectives=collectives, overlap=overlap, memory_bytes=int(memory),
         assumed=tuple(assumed), threads=int(threads), format=FORMAT, notes=notes, compute_scale=compute_scale,
-        optimizer=optimizer)
+        optimizer=optimizer, grouped=grouped)
 
 
 def calibrate(world_size: int = 1, *, dtypes: Sequence[str] = ("float32",), quick: bool = False) -> Calibration:

@@ -109,6 +109,9 @@ class Calibration:
     # AdamW's step: latency per parameter tensor, rate in bytes of state (weights, gradients and both
     # moments) per second; None (a file from before it was measured): priced from the op fit
     optimizer: Fit | None = None
+    # routed experts' grouped products: FLOP/s by (rows per expert, width), per dtype; a dtype
+    # missing (not measured, or the device's grouped kernel refused it): read from ``matmul``
+    grouped: dict[str, MatmulTable] = field(default_factory=dict)
 
     # -- reading -------------------------------------------------------------------------------
     @property
@@ -119,6 +122,11 @@ class Calibration:
     def matmul_rate(self, dtype: str, *, rows: float, width: float) -> float:
         table = self.matmul.get(dtype) or self.matmul["float32"]
         return table.rate(rows, width)
+
+    def grouped_rate(self, dtype: str, *, rows: float, width: float) -> float:
+        """Routed experts' products at ``rows`` tokens an expert (``matmul_rate`` where not measured)."""
+        table = self.grouped.get(dtype)
+        return table.rate(rows, width) if table else self.matmul_rate(dtype, rows=rows, width=width)
 
     def attention_fit(self, dtype: str) -> Fit:
         return self.attention.get(dtype) or self.attention["float32"]
@@ -166,7 +174,10 @@ class Calibration:
                 overlap=float(data["overlap"]), memory_bytes=int(data["memory_bytes"]),
                 assumed=tuple(data.get("assumed", ())), threads=int(data.get("threads", 1)),
                 notes=dict(data.get("notes", {})), compute_scale=float(data.get("compute_scale", 1.0)),
-                optimizer=Fit(**data["optimizer"]) if data.get("optimizer") else None)
+                optimizer=Fit(**data["optimizer"]) if data.get("optimizer") else None,
+                grouped={k: MatmulTable(rows=tuple(v["rows"]), widths=tuple(v["widths"]),
+                                        rates=tuple(tuple(r) for r in v["rates"]))
+                         for k, v in data.get("grouped", {}).items()})
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a qn_hf calibration file: {e!r} missing or malformed") from e
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -32,40 +32,77 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def seconds_per_call(fn: Callable[[], object], device: torch.device, *, repeats: int) -> float:
-    """Median seconds of one call of ``fn`` on this rank: a warm-up, a timed call that sizes the
-    samples, then ``repeats`` samples of as many calls as fill ``SAMPLE_S``."""
+def _calls_per_sample(fn: Callable[[], object], device: torch.device) -> int:
+    """A warm-up call, then a timed one that sizes the samples to ``SAMPLE_S``."""
     fn()
     sync(device)
     start = time.perf_counter()
     fn()
     sync(device)
-    calls = max(1, min(1000, int(SAMPLE_S / max(time.perf_counter() - start, 1e-9))))
-    samples = []
+    return max(1, min(1000, int(SAMPLE_S / max(time.perf_counter() - start, 1e-9))))
+
+
+def seconds_in_turn(fns: Sequence[Callable[[], object]], device: torch.device, *, repeats: int) -> list[float]:
+    """Median seconds of one call of each of ``fns`` on this rank: ``repeats`` samples each (a
+    sample: as many calls as fill ``SAMPLE_S``), the functions' samples taken in turn. Taken one
+    function after another, a slow minute of this shared VM fell on a few neighbouring points of
+    the matmul grid and halved their rates (44 against 89 GFLOP/s, an hour apart); in turn, it
+    falls on one sample of each, and the median drops it."""
+    calls = [_calls_per_sample(fn, device) for fn in fns]
+    samples: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync(device)
-        samples.append((time.perf_counter() - start) / calls)
-    return statistics.median(samples)
+        for fn, n, taken in zip(fns, calls, samples):
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            sync(device)
+            taken.append((time.perf_counter() - start) / n)
+    return [statistics.median(taken) for taken in samples]
 
 
-def matmul_seconds(rows: int, width: int, dtype: torch.dtype, device: torch.device, repeats: int) -> float:
+def seconds_per_call(fn: Callable[[], object], device: torch.device, *, repeats: int) -> float:
+    """Median seconds of one call of ``fn`` (``seconds_in_turn`` of one function)."""
+    return seconds_in_turn([fn], device, repeats=repeats)[0]
+
+
+def matmul_call(rows: int, width: int, dtype: torch.dtype, device: torch.device) -> Callable[[], object]:
+    """``x @ w.T`` forward and both backward products (6 x rows x width^2 FLOPs)."""
     x = torch.randn(rows, width, dtype=dtype, device=device, requires_grad=True)
     w = torch.randn(width, width, dtype=dtype, device=device).div_(width**0.5).requires_grad_()
     grad = torch.ones(rows, width, dtype=dtype, device=device)
     # autograd.grad returns the gradients rather than accumulating them: only the three products run
-    return seconds_per_call(lambda: torch.autograd.grad(x @ w.T, (x, w), grad), device, repeats=repeats)
+    return lambda: torch.autograd.grad(x @ w.T, (x, w), grad)
 
 
-def attention_seconds(seq: int, *, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                      repeats: int) -> float:
+def matmul_seconds(rows: int, width: int, dtype: torch.dtype, device: torch.device, repeats: int) -> float:
+    return seconds_per_call(matmul_call(rows, width, dtype, device), device, repeats=repeats)
+
+
+GROUPS = 8  # experts in the grouped-product timing
+
+
+def grouped_call(rows: int, width: int, dtype: torch.dtype, device: torch.device) -> Callable[[], object]:
+    """A routed experts' product as transformers' ``grouped_mm`` experts run it
+    (``torch._grouped_mm`` of the tokens by each expert's transposed ``[out, in]`` weight), forward
+    and both backward products, ``GROUPS`` experts of ``width x width`` receiving ``rows`` tokens
+    each on average (6 x GROUPS x rows x width^2 FLOPs). The counts are drawn as uniform routing
+    draws them, unequal (a seeded multinomial), as a step's are: at 32 rows an expert, equal counts
+    ran 57 GFLOP/s and a step's experts about 40 on this CPU."""
+    counts = torch.multinomial(torch.ones(GROUPS), GROUPS * rows, replacement=True,
+                               generator=torch.Generator().manual_seed(0)).bincount(minlength=GROUPS)
+    offs = counts.cumsum(0).to(device=device, dtype=torch.int32)
+    x = torch.randn(GROUPS * rows, width, dtype=dtype, device=device, requires_grad=True)
+    w = torch.randn(GROUPS, width, width, dtype=dtype, device=device).div_(width**0.5).requires_grad_()
+    grad = torch.ones(GROUPS * rows, width, dtype=dtype, device=device)
+    return lambda: torch.autograd.grad(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs), (x, w), grad)
+
+
+def attention_call(seq: int, *, heads: int, head_dim: int, dtype: torch.dtype,
+                   device: torch.device) -> Callable[[], object]:
     """Causal ``scaled_dot_product_attention``, forward and backward, one sequence of ``seq``."""
     q, k, v = (torch.randn(1, heads, seq, head_dim, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
     grad = torch.ones(1, heads, seq, head_dim, dtype=dtype, device=device)
-    return seconds_per_call(lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True),
-                                                        (q, k, v), grad), device, repeats=repeats)
+    return lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), grad)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -88,19 +125,17 @@ def _elementwise(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: 
     return x
 
 
-def elementwise_timing(rows: int, width: int, device: torch.device, repeats: int) -> tuple[int, int, float]:
-    """``_elementwise`` forward and backward on ``rows x width`` float32: the ops it runs and the
-    bytes they write as the planner's trace counts a forward's (``trace.count_ops``), and its seconds.
-    A chain of plain multiplies and adds (whose backward is one op or none) ran twice as fast per
-    byte as this, and priced a model's other ops at half their time."""
+def elementwise_call(rows: int, width: int, device: torch.device) -> tuple[int, int, Callable[[], object]]:
+    """``_elementwise`` forward and backward on ``rows x width`` float32, with the ops it runs and the
+    bytes they write as the planner's trace counts a forward's (``trace.count_ops``). A chain of
+    plain multiplies and adds (whose backward is one op or none) ran twice as fast per byte as
+    this, and priced a model's other ops at half their time."""
     x = torch.randn(rows, width, device=device, requires_grad=True)
     weight = torch.ones(width, device=device, requires_grad=True)
     cos, sin = torch.randn(rows, width, device=device), torch.randn(rows, width, device=device)
     grad = torch.ones(rows, width, device=device)
     ops, nbytes = count_ops(lambda: _elementwise(x, weight, cos, sin))
-    seconds = seconds_per_call(lambda: torch.autograd.grad(_elementwise(x, weight, cos, sin), (x, weight), grad),
-                               device, repeats=repeats)
-    return ops, nbytes, seconds
+    return ops, nbytes, lambda: torch.autograd.grad(_elementwise(x, weight, cos, sin), (x, weight), grad)
 
 
 def attention_flops(seq: int, *, heads: int, head_dim: int) -> float:
@@ -159,11 +194,10 @@ def composed_ratios(rows: int, width: int, *, dtype: torch.dtype, device: torch.
     return ratios
 
 
-def optimizer_seconds(tensors: int, numel: int, *, device: torch.device, repeats: int) -> float:
+def optimizer_call(tensors: int, numel: int, *, device: torch.device) -> Callable[[], object]:
     """One ``torch.optim.AdamW`` step (torch's default implementation for the device) over
     ``tensors`` float32 parameters of ``numel`` elements, each with a gradient."""
     params = [torch.randn(numel, device=device).requires_grad_() for _ in range(tensors)]
     for p in params:
         p.grad = torch.randn_like(p)
-    optimizer = torch.optim.AdamW(params, lr=1e-6)
-    return seconds_per_call(optimizer.step, device, repeats=repeats)
+    return torch.optim.AdamW(params, lr=1e-6).step

@@ -6,7 +6,8 @@ For each pipeline stage, one microbatch on one rank costs
 
     compute = dense matrix products' FLOPs at the calibrated rate for their shape (rows: the
               tokens a rank runs, 1/cp of the microbatch's; width: hidden / tp); routed experts'
-              active FLOPs at theirs (rows: the tokens one expert gets at uniform routing);
+              active FLOPs at the grouped products' rate for theirs (rows: the tokens one expert
+              gets at uniform routing);
               attention's FLOPs on its own fit (a call per block, and per ring step under cp); every
               other op of the forward (``Trace.ops``) at the per-op latency plus the bytes it writes
               at the memory rate (the op latency is measured forward and backward together); times
@@ -146,7 +147,7 @@ def compute_seconds(est: MeshEstimate, s: StageEstimate, cal: Calibration) -> tu
     matmul = dense / rate
     if s.expert_flops_per_microbatch:
         expert_rows = max(rows * est.expert_flop_share, 1.0)
-        matmul += s.expert_flops_per_microbatch / est.cp / cal.matmul_rate(dtype, rows=expert_rows, width=width)
+        matmul += s.expert_flops_per_microbatch / est.cp / cal.grouped_rate(dtype, rows=expert_rows, width=width)
     blocks = sum(b - a for a, b in s.chunks)
     attention = cal.attention_fit(dtype).seconds(s.attention_flops_per_microbatch / est.cp, calls=blocks * est.cp)
     others = cal.op.seconds(s.op_bytes_per_microbatch, calls=s.ops_per_microbatch)
