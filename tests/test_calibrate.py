@@ -10,11 +10,21 @@ import pytest
 import torch
 
 from qn_hf.comm_meter import Collective
-from qn_hf.planner.calibrate import fit_line, fit_per_call, layouts, measure
-from qn_hf.planner.calibration import FORMAT, Calibration, CollectiveFit, Fit, Link, MatmulTable, assumed
+from qn_hf.planner.allocations import count_ops
+from qn_hf.planner.calibrate import layouts, measure
+from qn_hf.planner.calibration import (
+    FORMAT,
+    Calibration,
+    CollectiveFit,
+    Fit,
+    Link,
+    MatmulTable,
+    assumed,
+    fit_line,
+    fit_per_call,
+)
 from qn_hf.planner.cli import main
 from qn_hf.planner.compute_timing import elementwise_call, seconds_in_turn
-from qn_hf.planner.trace import count_ops
 
 GIB = 1024**3
 

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from ..arguments import Choice
@@ -49,6 +50,45 @@ class Fit:
 
     def seconds(self, amount: float, calls: float = 1.0) -> float:
         return calls * self.latency + amount / self.rate
+
+
+FLOOR_SHARE = 0.01  # a line whose time did not grow with the amount: the largest amount adds this share
+
+
+def fit_line(amounts: Sequence[float], seconds: Sequence[float]) -> Fit:
+    """The least-squares line ``seconds = latency + amount / rate``. A negative intercept (noise about
+    a line through the origin) is refitted through the origin; a slope not positive (time that did not
+    grow with the amount) becomes the rate at which the largest amount adds ``FLOOR_SHARE`` of the least time."""
+    n = len(amounts)
+    mean_a, mean_t = sum(amounts) / n, sum(seconds) / n
+    var = sum((a - mean_a) ** 2 for a in amounts)
+    slope = sum((a - mean_a) * (t - mean_t) for a, t in zip(amounts, seconds)) / var if var > 0 else 0.0
+    if slope <= 0:
+        return Fit(latency=min(seconds), rate=max(amounts) / (FLOOR_SHARE * min(seconds)))
+    intercept = mean_t - slope * mean_a
+    if intercept < 0:
+        return Fit(latency=0.0, rate=sum(a * a for a in amounts) / sum(a * t for a, t in zip(amounts, seconds)))
+    return Fit(latency=intercept, rate=1.0 / slope)
+
+
+def fit_per_call(points: Sequence[tuple[float, float, float]]) -> Fit:
+    """The least-squares ``seconds = calls x latency + amount / rate`` through (calls, amount,
+    seconds) points, with fit_line's fallbacks: a negative latency refitted as zero, a rate not
+    positive floored."""
+    scc = sum(c * c for c, _, _ in points)
+    saa = sum(a * a for _, a, _ in points)
+    sca = sum(c * a for c, a, _ in points)
+    sct = sum(c * t for c, _, t in points)
+    sat = sum(a * t for _, a, t in points)
+    det = scc * saa - sca * sca
+    latency = (sct * saa - sat * sca) / det if det > 0 else -1.0
+    per_byte = (scc * sat - sca * sct) / det if det > 0 else -1.0
+    if latency < 0:
+        return Fit(latency=0.0, rate=saa / sat)
+    if per_byte <= 0:
+        return Fit(latency=min(t / c for c, _, t in points),
+                   rate=max(a for _, a, _ in points) / (FLOOR_SHARE * min(t for _, _, t in points)))
+    return Fit(latency=latency, rate=1.0 / per_byte)
 
 
 @dataclass(frozen=True)

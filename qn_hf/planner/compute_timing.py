@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .allocations import count_ops
 from .calibration import Fit
-from .trace import count_ops
 
 CHAIN = 8  # rounds of a layer's elementwise ops in the op timing
 SAMPLE_S = 0.01  # a compute sample repeats its call this long (3 ms samples varied 3x on a shared VM)

@@ -31,13 +31,11 @@ import contextlib
 import functools
 import gc
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -48,9 +46,10 @@ from ..memory.recompute import checkpoint_options
 from ..policies.styles import COLUMN_STYLES, WHOLE_STYLES, Style
 from ..tensor_parallel.plan import TpPlan
 from ..tensor_parallel.sequence_parallel import regathers
+from .allocations import Allocations, tensors
 from .context import RingCall, RingStandIn
 from .experts import ExpertCall, ExpertsStandIn, moe_regions
-from .kernels import COMPUTE_OPS, TrainingKernels
+from .kernels import TrainingKernels
 from .sequence import SeqCollective, SequenceStandIns, StageEdges
 
 
@@ -94,75 +93,6 @@ def example_inputs(model: nn.Module, *, micro_batch_size: int, seq_len: int) -> 
         size = config.image_size
         return {"pixel_values": torch.empty(micro_batch_size, config.num_channels, size, size, device="meta")}
     return {"input_ids": torch.empty(micro_batch_size, seq_len, dtype=torch.long, device="meta")}
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    """The strided tensors in ``value``: an op's arguments or results (tensors, alone or in lists,
-    tuples and dicts), or a model's outputs as a tuple. Walked by hand: ``tree_flatten`` is a third
-    of a trace's time, as every op of the forward passes through here twice."""
-    if isinstance(value, torch.Tensor):
-        return [value] if value.layout == torch.strided else []
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
-
-
-class _Allocations(TorchDispatchMode):
-    """Every storage an op allocates while active, with the module that was running, held weakly.
-    A storage first met as an op's input existed before (a weight, the input ids) and never counts.
-    Also counts, per owner, the ops that wrote a new storage and the bytes written (``Trace.ops``)."""
-
-    def __init__(self, owner) -> None:
-        super().__init__()
-        self._owner = owner  # -> a key for the allocations made now
-        self._known: dict[int, StorageWeakRef] = {}
-        self._allocated: list[tuple[StorageWeakRef, int, object]] = []
-        self.ops: dict[object, list[int]] = defaultdict(lambda: [0, 0])  # owner -> [ops, bytes written]
-
-    def _first_sight(self, t: torch.Tensor) -> StorageWeakRef | None:
-        ref = StorageWeakRef(t.untyped_storage())
-        known = self._known.get(ref.cdata)
-        if known is not None and not known.expired():
-            return None
-        self._known[ref.cdata] = ref  # a new storage (possibly at a freed one's address)
-        return ref
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        for t in _tensors((args, kwargs)):
-            self._first_sight(t)
-        out = func(*args, **kwargs)
-        written = 0
-        for t in _tensors(out):
-            ref = self._first_sight(t)
-            if ref is not None:
-                self._allocated.append((ref, t.untyped_storage().nbytes(), self._owner()))
-                written += t.untyped_storage().nbytes()
-        if written:  # a view or an in-place op on a known storage allocates nothing
-            count = self.ops[self._owner()]
-            count[0] += 1
-            count[1] += 0 if func._overloadpacket.__name__ in COMPUTE_OPS else written
-        return out
-
-    def alive(self) -> dict[object, int]:
-        """Bytes still alive, by the owner key they were allocated under."""
-        out: dict[object, int] = defaultdict(int)
-        for ref, nbytes, owner in self._allocated:
-            if not ref.expired():
-                out[owner] += nbytes
-        return out
-
-
-def count_ops(fn: Callable[[], object]) -> tuple[int, int]:
-    """The ops ``fn`` runs that write a new storage, and the bytes those other than the products
-    write: what ``Trace.ops`` counts of a forward (for the calibration's timings of the same)."""
-    counter = _Allocations(lambda: None)
-    with counter:
-        fn()
-    ops, nbytes = counter.ops[None]
-    return ops, nbytes
 
 
 def _checkpoint_blocks(model: nn.Module, *, layers: str, recompute: str | None) -> list[nn.Module]:
@@ -348,7 +278,7 @@ def record_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: di
         return standins.region if standins else (False if moe is not None and moe.inside else None)
 
     # Owner: (module, split_now()); the ep stand-in's tensors already have one tp rank's size.
-    allocations = _Allocations(lambda: (stack[-1] if stack else "", split_now()))
+    allocations = Allocations(lambda: (stack[-1] if stack else "", split_now()))
     with _older_objects_frozen():
         was_training = model.training
         model.train()
@@ -370,7 +300,7 @@ def record_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: di
         logits = getattr(out, "logits", None)
         rows = logits.shape[:-1].numel() if logits is not None else 0
         # Keep the graph (what backward needs), drop the outputs themselves (logits nobody saved).
-        graph = [t.grad_fn for t in _tensors(out.to_tuple() if hasattr(out, "to_tuple") else out)]
+        graph = [t.grad_fn for t in tensors(out.to_tuple() if hasattr(out, "to_tuple") else out)]
         del out, logits
         gc.collect()  # an output caught in a reference cycle would stay alive and count
         alive = dict(allocations.alive())
