@@ -35,7 +35,7 @@ import dataclasses
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -275,6 +275,12 @@ def _supported(name: str, device: torch.device) -> bool:
     return name in CPU_DTYPES
 
 
+def _table(rows: Sequence[int], widths: Sequence[int], seconds: Iterator[float], *, groups: int = 1) -> MatmulTable:
+    """A grid's rates from its timings, taken rows outer (6 x groups x rows x width^2 FLOPs each)."""
+    return MatmulTable(rows=tuple(rows), widths=tuple(widths), rates=tuple(
+        tuple(6.0 * groups * r * w * w / next(seconds) for w in widths) for r in rows))
+
+
 def _grouped_supported(name: str, device: torch.device) -> bool:
     """Whether this device's ``torch._grouped_mm`` takes ``name`` (CUDA's takes bfloat16 only on
     some releases), agreed over the ranks."""
@@ -321,13 +327,10 @@ def measure(*, dtypes: Sequence[str] = ("float32",), quick: bool = False,
     agreed = iter(_mean(seconds_in_turn([*matmuls, *attentions, *groups, *(fn for _, _, fn in chain), *optimizers],
                                         device, repeats=sizes.repeats), device))
     del matmuls, attentions, groups, optimizers
-    matmul = {n: MatmulTable(rows=sizes.rows, widths=sizes.widths, rates=tuple(  # the grid's order: rows outer
-        tuple(6.0 * r * w * w / next(agreed) for w in sizes.widths) for r in sizes.rows)) for n in names}
+    matmul = {n: _table(sizes.rows, sizes.widths, agreed) for n in names}
     attention = {n: fit_line([attention_flops(s, heads=sizes.heads, head_dim=sizes.head_dim) for s in sizes.seqs], [next(agreed) for _ in sizes.seqs])
                  for n in names}
-    grouped = {n: MatmulTable(rows=sizes.grouped_rows, widths=sizes.widths, rates=tuple(
-        tuple(6.0 * GROUPS * r * w * w / next(agreed) for w in sizes.widths) for r in sizes.grouped_rows))
-        for n in experts}
+    grouped = {n: _table(sizes.grouped_rows, sizes.widths, agreed, groups=GROUPS) for n in experts}
     op = fit_per_call([(ops, nbytes, next(agreed)) for ops, nbytes, _ in chain])
     # per tensor and per byte of state: weights, gradients and the two moments, 16 bytes an element
     optimizer = fit_per_call([(tensors, tensors * numel * 16, next(agreed)) for tensors, numel in sizes.optimizer])

@@ -101,6 +101,10 @@ class MatmulTable:
     widths: tuple[int, ...]
     rates: tuple[tuple[float, ...], ...]  # rates[i][j]: rows[i], widths[j]
 
+    @classmethod
+    def from_json(cls, data: dict) -> MatmulTable:
+        return cls(rows=tuple(data["rows"]), widths=tuple(data["widths"]), rates=tuple(tuple(r) for r in data["rates"]))
+
     def rate(self, rows: float, width: float) -> float:
         def place(grid: tuple[int, ...], x: float) -> tuple[int, int, float]:
             x = min(max(x, grid[0]), grid[-1])
@@ -205,8 +209,7 @@ class Calibration:
             return cls(
                 device=data["device"], backend=data["backend"], world_size=int(data["world_size"]),
                 ranks_per_node=int(data["ranks_per_node"]),
-                matmul={k: MatmulTable(rows=tuple(v["rows"]), widths=tuple(v["widths"]),
-                                       rates=tuple(tuple(r) for r in v["rates"])) for k, v in data["matmul"].items()},
+                matmul={k: MatmulTable.from_json(v) for k, v in data["matmul"].items()},
                 attention={k: Fit(**v) for k, v in data["attention"].items()}, op=Fit(**data["op"]),
                 collectives=tuple(CollectiveFit(op=Collective(c["op"]), ranks=int(c["ranks"]), link=Link(c["link"]),
                                                 fit=Fit(latency=c["latency"], rate=c["rate"]))
@@ -215,9 +218,7 @@ class Calibration:
                 assumed=tuple(data.get("assumed", ())), threads=int(data.get("threads", 1)),
                 notes=dict(data.get("notes", {})), compute_scale=float(data.get("compute_scale", 1.0)),
                 optimizer=Fit(**data["optimizer"]) if data.get("optimizer") else None,
-                grouped={k: MatmulTable(rows=tuple(v["rows"]), widths=tuple(v["widths"]),
-                                        rates=tuple(tuple(r) for r in v["rates"]))
-                         for k, v in data.get("grouped", {}).items()})
+                grouped={k: MatmulTable.from_json(v) for k, v in data.get("grouped", {}).items()})
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a qn_hf calibration file: {e!r} missing or malformed") from e
 
