@@ -19,6 +19,7 @@ from qn_hf.planner.calibration import (
     Fit,
     Link,
     MatmulTable,
+    WaitTable,
     assumed,
     fit_line,
     fit_per_call,
@@ -79,7 +80,7 @@ def test_assumed_figures_name_what_they_assume():
     assert cal.collective(Collective.SEND, ranks=2, link=Link.NETWORK) == Fit(20e-6, 50e9)
     assert {c.ranks for c in cal.collectives} == {2, 4, 8, 16}
     assert cal.overlap == 1.0 and cal.memory_bytes == 80 * GIB
-    assert len(cal.assumed) == 5 and any("overlap" in a for a in cal.assumed)
+    assert len(cal.assumed) == 6 and any("overlap" in a for a in cal.assumed)
 
 
 def test_from_json_refuses_a_wrong_format_naming_the_fix():
@@ -95,6 +96,14 @@ def test_json_round_trip(tmp_path):
     assert Calibration.from_json(json.loads(json.dumps(cal.to_json()))) == cal
     cal.save(str(tmp_path / "c.json"))
     assert Calibration.load(str(tmp_path / "c.json")) == cal
+
+
+def test_wait_table_reads_between_its_points_and_in_proportion_outside_them():
+    table = WaitTable(segments=(1e-3, 1e-2, 1e-1), waits=(1e-4, 1e-3, 2e-2))
+    assert table.wait(1e-2) == pytest.approx(1e-3)
+    assert table.wait(5.5e-2) == pytest.approx((1e-3 + 2e-2) / 2)
+    assert table.wait(5e-4) == pytest.approx(5e-5) and table.wait(0.2) == pytest.approx(4e-2)
+    assert table.total(0.1, 10) == pytest.approx(10 * table.wait(1e-2)) and table.total(0.1, 0) == 0.0
 
 
 # -- measuring: the pure parts ------------------------------------------------------------------------
@@ -189,6 +198,9 @@ def test_measure_quick_at_two_ranks_agrees_and_is_sane(worlds, tmp_path):
     assert 0.0 <= cal.overlap <= 1.0 and "overlap" in cal.notes
     assert cal.memory_bytes > 0 and cal.threads == 1
     assert 0.5 <= cal.compute_scale <= 4.0
+    waits = cal.waits  # one point per wait segment, every wait finite and not negative
+    assert len(waits.segments) == len(waits.waits) == 2 and list(waits.segments) == sorted(waits.segments)
+    assert all(math.isfinite(w) and w >= 0 for w in waits.waits)
     cal.save(str(tmp_path / "c.json"))
     assert Calibration.load(str(tmp_path / "c.json")) == cal
 

@@ -12,7 +12,7 @@ from transformers import LlamaConfig
 from qn_hf.config.parallel_config import ParallelConfig
 from qn_hf.pipeline.schedule import Op, schedule_actions
 from qn_hf.pipeline.schedule_check import timed
-from qn_hf.planner.calibration import Calibration, Fit, MatmulTable, assumed
+from qn_hf.planner.calibration import NO_WAITS, Calibration, Fit, MatmulTable, WaitTable, assumed
 from qn_hf.planner.cost import Hardware, optimizer_seconds, step_time
 from qn_hf.planner.estimate import Planner
 
@@ -65,7 +65,7 @@ def test_overlap_hides_the_buckets_behind_backward(planner):
 
 def test_without_a_calibration_every_figure_is_named_as_assumed(planner):
     t = step_time(planner.estimate(ParallelConfig(dp=4, microbatches=1)), HW)
-    assert len(t.assumed) == 5 and any("FLOP rate" in a for a in t.assumed)
+    assert len(t.assumed) == 6 and any("FLOP rate" in a for a in t.assumed) and NO_WAITS in t.assumed
     assert step_time(planner.estimate(ParallelConfig(dp=4, microbatches=1)), HW, _machine()).assumed == \
         _machine().assumed
 
@@ -128,3 +128,24 @@ def test_routed_experts_are_priced_at_the_grouped_rate_and_without_one_at_the_ma
     assert step_time(est, HW, slow).compute > step_time(est, HW, cal).compute
     assert step_time(dense, HW, slow).compute == pytest.approx(step_time(dense, HW, cal).compute)
     assert Calibration.from_json(slow.to_json()) == slow
+
+
+def test_waits_are_priced_at_each_blocking_exchange_after_its_share_of_the_compute(planner):
+    waits = WaitTable(segments=(1e-3, 1e-1), waits=(1e-4, 2e-2))
+    cal = _machine(waits=waits, assumed=())  # as measured
+    dp = planner.estimate(ParallelConfig(dp=4, microbatches=1))
+    tp = planner.estimate(ParallelConfig(tp=2, dp=2, microbatches=2))
+    base_dp, base_tp = step_time(dp, HW, _machine()), step_time(tp, HW, _machine())
+    with_dp, with_tp = step_time(dp, HW, cal), step_time(tp, HW, cal)
+    assert base_dp.wait == base_tp.wait == 0.0 and NO_WAITS not in with_dp.assumed
+    assert NO_WAITS in step_time(dp, HW, _machine(assumed=())).assumed  # a file from before waits were measured
+    # dp: one exchange a step (its end), after the whole step's compute
+    assert with_dp.wait == pytest.approx(waits.wait(base_dp.compute), rel=1e-6)
+    assert with_dp.seconds == pytest.approx(base_dp.seconds + with_dp.wait, rel=1e-6)
+    # tp: every collective of every microbatch waits, each after its share of the compute
+    exchanges = tp.stages[0].comm["tp"].calls + 1
+    assert with_tp.wait == pytest.approx(waits.total(base_tp.compute, exchanges), rel=1e-6)
+    assert with_tp.seconds > base_tp.seconds and with_tp.compute == pytest.approx(base_tp.compute)
+    one = step_time(Planner(CONFIG, seq_len=32, micro_batch_size=2).estimate(ParallelConfig()), HW, cal)
+    assert one.wait == 0.0  # a single rank waits for no one
+    assert Calibration.from_json(cal.to_json()) == cal

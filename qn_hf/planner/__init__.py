@@ -8,7 +8,8 @@ from .cost import Hardware, StepTime, step_time
 from .estimate import Planner, estimate_mesh
 from .memory import RankState
 from .results import MeshEstimate, StageEstimate
+from .routing import measure_expert_loads
 from .search import Candidate, Rejected, search
 
 __all__ = ["Candidate", "Hardware", "MeshEstimate", "Planner", "RankState", "Rejected", "StageEstimate", "StepTime",
-           "estimate_mesh", "search", "step_time"]
+           "estimate_mesh", "measure_expert_loads", "search", "step_time"]

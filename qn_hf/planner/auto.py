@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -126,9 +126,10 @@ def micro_batch_sizes(global_batch: int) -> list[int]:
 def auto_plan(config, *, global_batch: int, seq_len: int, world_size: int, device_memory: int,
               calibration: Calibration | None = None, dtype: torch.dtype = torch.float32,
               model_class: type | None = None, fixed: Mapping[str, object] | None = None,
-              gpus_per_node: int | None = None) -> Choice:
+              gpus_per_node: int | None = None, expert_loads: Sequence[Sequence[float]] | None = None) -> Choice:
     """Search (module docstring) and rank; ``ValueError`` when nothing fits, naming the closest
-    miss and what would make it fit. ``config``: the model's ``PretrainedConfig``."""
+    miss and what would make it fit. ``config``: the model's ``PretrainedConfig``; ``expert_loads``:
+    the router's loads per MoE layer and batch (routing.py; None: uniform routing)."""
     fixed = dict(fixed or {})
     if "microbatches" in fixed:
         raise ValueError(f"microbatches={fixed['microbatches']} with mesh='auto': the microbatches follow from the "
@@ -140,7 +141,8 @@ def auto_plan(config, *, global_batch: int, seq_len: int, world_size: int, devic
     accepted: list[Candidate] = []
     rejected: list[Rejected] = []
     for mbs in micro_batch_sizes(global_batch):
-        planner = Planner(config, seq_len=seq_len, micro_batch_size=mbs, dtype=dtype, model_class=model_class)
+        planner = Planner(config, seq_len=seq_len, micro_batch_size=mbs, dtype=dtype, model_class=model_class,
+                          expert_loads=expert_loads)
         for schedule, chunks in schedules:
             options = {**fixed, "schedule": schedule, "virtual_stages": chunks}
             found, refused = search(planner, options, gpus=world_size, hw=hw, global_batch=global_batch,
@@ -235,20 +237,26 @@ def device_memory_default(calibration: Calibration | None, device: torch.device 
 
 def auto_config(model: nn.Module, *, global_batch: int, seq_len: int, world_size: int | None = None,
                 device_memory: int | None = None, calibration: Calibration | str | None = None,
-                fixed: Mapping[str, object] | None = None) -> ParallelConfig:
+                fixed: Mapping[str, object] | None = None,
+                expert_loads: Sequence[Sequence[float]] | None = None) -> ParallelConfig:
     """The fastest configuration the planner finds that fits (see ``auto_plan``), training exactly
     ``global_batch`` sequences of ``seq_len`` tokens per step: ``parallelize(model, config)`` takes
     it, and each dp rank's ``train_step`` gets ``global_batch / dp`` sequences. ``world_size``
     defaults to the launched world, ``device_memory`` (bytes) to the device's (agreed over a running
     job: the smallest), ``calibration`` (a ``Calibration`` or its JSON file) to the stated GPU
-    figures. ``fixed``: ``ParallelConfig`` keywords every candidate keeps (mixed_precision, a degree)."""
+    figures. ``fixed``: ``ParallelConfig`` keywords every candidate keeps (mixed_precision, a degree).
+    ``expert_loads``: for a model with routed experts, the pairs each expert received per MoE layer and batch of
+    your data (``qn_hf.planner.measure_expert_loads``), so that ep is priced at your router's busiest
+    rank; without them, at uniform routing (named in the choice's assumed figures)."""
     return auto_choice(model, global_batch=global_batch, seq_len=seq_len, world_size=world_size,
-                       device_memory=device_memory, calibration=calibration, fixed=fixed).config
+                       device_memory=device_memory, calibration=calibration, fixed=fixed,
+                       expert_loads=expert_loads).config
 
 
 def auto_choice(model: nn.Module, *, global_batch: int, seq_len: int, world_size: int | None = None,
                 device_memory: int | None = None, calibration: Calibration | str | None = None,
-                fixed: Mapping[str, object] | None = None) -> Choice:
+                fixed: Mapping[str, object] | None = None,
+                expert_loads: Sequence[Sequence[float]] | None = None) -> Choice:
     """``auto_config``'s whole answer (``Choice``), for a model (PEFT-wrapped or not)."""
     for name, value in (("global_batch", global_batch), ("seq_len", seq_len)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -269,4 +277,5 @@ def auto_choice(model: nn.Module, *, global_batch: int, seq_len: int, world_size
         memory = int(agreed.item())
     dtype = next((p.dtype for p in base.parameters() if p.is_floating_point()), torch.float32)
     return auto_plan(base.config, global_batch=global_batch, seq_len=seq_len, world_size=world, device_memory=memory,
-                     calibration=calibration, dtype=dtype, model_class=type(base), fixed=fixed)
+                     calibration=calibration, dtype=dtype, model_class=type(base), fixed=fixed,
+                     expert_loads=expert_loads)

@@ -18,6 +18,9 @@ MAX (a collective ends when its slowest rank does), so every rank returns the sa
 - collectives: groups laid out as a mesh lays out an axis (``layouts``), all of a layout's groups
   at once; payloads as ``CommMeter`` counts them, a least-squares line through them.
 - overlap: a compute loop, an all-reduce about as long, and both at once.
+- waits: a one-float all-reduce after compute segments of several lengths, against the same
+  compute without it: how long ranks that drift apart over a segment wait for each other at a
+  blocking exchange (exchange_timing.py).
 - optimizer: AdamW's step over many small parameters and over a few large ones, a line through
   the two (latency per tensor, bytes of state per second).
 - compute_scale: a stack of pre-norm MLP blocks timed whole against the sum of its parts' figures,
@@ -34,7 +37,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -57,8 +59,8 @@ from .compute_timing import (
     optimizer_call,
     seconds_in_turn,
     seconds_per_call,
-    sync,
 )
+from .exchange_timing import agree, align, aligned_seconds, mean, wait_table
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_DTYPES = ("float32", "bfloat16")  # float16 matmuls on a CPU are emulated: no job computes in them
@@ -90,6 +92,9 @@ class Sizes:
     # the optimizer's step: (parameter tensors, elements each), many small and a few large
     optimizer: tuple[tuple[int, int], ...] = ((64, 1024), (4, M))
     grouped_rows: tuple[int, ...] = (16, 64, 256, 1024)  # tokens an expert receives, in the experts' grid
+    # compute before a blocking exchange, in seconds, and the width of its square matmuls (exchange_timing.py)
+    wait_segments: tuple[float, ...] = (1e-3, 8e-3, 64e-3, 256e-3)
+    wait_width: int = 256
 
 
 CPU = Sizes(rows=(64, 256, 1024, 4096), widths=(64, 256, 1024), heads=4, head_dim=64, seqs=(128, 512),
@@ -98,11 +103,13 @@ CPU = Sizes(rows=(64, 256, 1024, 4096), widths=(64, 256, 1024), heads=4, head_di
 CUDA = Sizes(rows=(256, 1024, 4096, 16384), widths=(256, 1024, 4096, 8192), heads=16, head_dim=128,
              seqs=(1024, 4096), op_numel=64 * M, payloads=(64 * KIB, 16 * MIB, 256 * MIB), overlap_s=0.04,
              overlap_width=4096, overlap_max_bytes=2048 * MIB, repeats=5, block=(4096, 1024),
-             optimizer=((256, 4096), (8, 16 * M)), grouped_rows=(64, 256, 1024, 4096))
+             optimizer=((256, 4096), (8, 16 * M)), grouped_rows=(64, 256, 1024, 4096),
+             wait_segments=(1e-4, 1e-3, 1e-2, 1e-1), wait_width=1024)
 QUICK_CPU = dataclasses.replace(CPU, rows=(64, 512), widths=(64, 256), op_numel=M, payloads=(4 * KIB, MIB), repeats=3,
-                                grouped_rows=(16, 256))
+                                grouped_rows=(16, 256), wait_segments=(2e-3, 32e-3))
 QUICK_CUDA = dataclasses.replace(CUDA, rows=(256, 2048), widths=(256, 2048), op_numel=16 * M,
-                                 payloads=(64 * KIB, 16 * MIB), repeats=3, grouped_rows=(64, 1024))
+                                 payloads=(64 * KIB, 16 * MIB), repeats=3, grouped_rows=(64, 1024),
+                                 wait_segments=(1e-4, 1e-2))
 
 
 @dataclass(frozen=True)
@@ -134,45 +141,6 @@ def layouts(world_size: int, ranks_per_node: int) -> list[Layout]:
                 tuple(local + ranks_per_node * (block * n + i) for i in range(n))
                 for block in range(nodes // n) for local in range(ranks_per_node))))
     return out
-
-
-def _agree(values: Sequence[float], device: torch.device, op=dist.ReduceOp.MAX) -> list[float]:
-    """Every rank's values reduced elementwise (by default the slowest rank's): the same on every rank."""
-    t = torch.tensor(list(values), dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op)
-    return t.tolist()
-
-
-def _mean(values: Sequence[float], device: torch.device) -> list[float]:
-    """Every rank's values averaged elementwise: the same on every rank. For compute timings: on a
-    shared VM one rank's sample of a shape now and then ran at half speed while the other's did not
-    (its median over 5 samples 50 against 87 GFLOP/s), and the slowest rank's would carry that one
-    interruption into every prediction; a step lasts long enough to average such interruptions out."""
-    return [v / dist.get_world_size() for v in _agree(values, device, op=dist.ReduceOp.SUM)]
-
-
-def _align(device: torch.device) -> None:
-    """Start every rank's next sample together (a barrier that needs no device id under NCCL)."""
-    dist.all_reduce(torch.zeros(1, device=device))
-    sync(device)
-
-
-def _aligned_seconds(fns: Sequence[Callable[[], object]], device: torch.device, *, repeats: int) -> list[float]:
-    """Median seconds of each communicating function, every rank starting each sample together, the
-    functions' samples taken in turn (so that a drift of the machine's speed meets all of them). One
-    call per sample: back to back, gloo's calls on two shared cores each took up to 3x longer than
-    alone (its threads' wake-ups queue behind one another), which a job's collectives, spread between
-    compute, do not see."""
-    samples: list[list[float]] = [[] for _ in fns]
-    for turn in range(repeats + 1):  # the first turn warms up
-        for fn, taken in zip(fns, samples):
-            _align(device)
-            start = time.perf_counter()
-            fn()
-            sync(device)
-            if turn:
-                taken.append(time.perf_counter() - start)
-    return [statistics.median(taken) for taken in samples]
 
 
 def _collective_call(op: Collective, payload: int, group: dist.ProcessGroup, n: int,
@@ -211,15 +179,15 @@ def _collectives(device: torch.device, sizes: Sizes, ranks_per_node: int) -> tup
             for payload in sizes.payloads:
                 call, counted = _collective_call(op, payload, groups[mine], layout.ranks, device)
                 nbytes.append(counted)
-                seconds += _aligned_seconds([call], device, repeats=3 * sizes.repeats)
+                seconds += aligned_seconds([call], device, repeats=3 * sizes.repeats)
             measured.append((layout, op, nbytes, seconds))
         if layout.ranks == 2:
             calls = [_exchange_call(layout.groups[mine], p, device) for p in sizes.payloads]
-            seconds = [t / 2 for t in _aligned_seconds(calls, device, repeats=3 * sizes.repeats)]
+            seconds = [t / 2 for t in aligned_seconds(calls, device, repeats=3 * sizes.repeats)]
             measured.append((layout, Collective.SEND, list(sizes.payloads), seconds))
-        _align(device)  # no rank destroys its group while another member may still be using it
+        align(device)  # no rank destroys its group while another member may still be using it
         dist.destroy_process_group(groups[mine])  # (the others' handles are placeholders on this rank)
-    agreed = iter(_agree([t for *_, seconds in measured for t in seconds], device))
+    agreed = iter(agree([t for *_, seconds in measured for t in seconds], device))
     out = []
     for layout, op, nbytes, seconds in measured:
         fit = fit_line(nbytes, [next(agreed) for _ in seconds])
@@ -233,7 +201,7 @@ def _overlap(device: torch.device, sizes: Sizes, world_fit: Fit) -> tuple[float,
     hides, (T_compute + T_reduce - T_both) / min(T_compute, T_reduce) clamped to 0..1, and the times."""
     a = torch.randn(sizes.overlap_width, sizes.overlap_width, device=device)
     out = torch.empty_like(a)
-    (one,) = _agree([seconds_per_call(lambda: torch.mm(a, a, out=out), device, repeats=3)], device)
+    (one,) = agree([seconds_per_call(lambda: torch.mm(a, a, out=out), device, repeats=3)], device)
     count = max(1, round(sizes.overlap_s / one))  # the same on every rank, as is the all-reduce's size
 
     def compute() -> None:
@@ -249,7 +217,7 @@ def _overlap(device: torch.device, sizes: Sizes, world_fit: Fit) -> tuple[float,
     # The all-reduce as long as the compute: sized by the fit, then corrected by one trial at that
     # size (the fit's payloads are far smaller, and its line misses by 2x on gloo).
     x = torch.ones(elements((count * one - world_fit.latency) * world_fit.rate), device=device)
-    (trial,) = _agree(_aligned_seconds([reduce(x)], device, repeats=1), device)
+    (trial,) = agree(aligned_seconds([reduce(x)], device, repeats=1), device)
     x = torch.ones(elements(x.numel() * 4 * count * one / trial), device=device)
 
     def both() -> None:
@@ -257,7 +225,7 @@ def _overlap(device: torch.device, sizes: Sizes, world_fit: Fit) -> tuple[float,
         compute()
         work.wait()
 
-    t_c, t_a, t_both = _agree(_aligned_seconds([compute, reduce(x), both], device, repeats=sizes.repeats), device)
+    t_c, t_a, t_both = agree(aligned_seconds([compute, reduce(x), both], device, repeats=sizes.repeats), device)
     times = f"compute {t_c * 1e3:.1f} ms, all-reduce of {x.numel() * 4:,} B {t_a * 1e3:.1f} ms, both {t_both * 1e3:.1f}"
     return min(max((t_c + t_a - t_both) / min(t_c, t_a), 0.0), 1.0), times
 
@@ -289,7 +257,7 @@ def _grouped_supported(name: str, device: torch.device) -> bool:
         ok = 1.0
     except (RuntimeError, NotImplementedError, AttributeError):
         ok = 0.0
-    return bool(_agree([ok], device, op=dist.ReduceOp.MIN)[0])
+    return bool(agree([ok], device, op=dist.ReduceOp.MIN)[0])
 
 
 def measure(*, dtypes: Sequence[str] = ("float32",), quick: bool = False,
@@ -311,7 +279,7 @@ def measure(*, dtypes: Sequence[str] = ("float32",), quick: bool = False,
     names = [n for n in names if n not in skipped]
     assumed = [f"{n} matmul and attention ({n} unsupported on {device.type}: read as float32)" for n in skipped]
 
-    _align(device)
+    align(device)
     grid = [(r, w) for r in sizes.rows for w in sizes.widths]
     # every compute timing's samples taken in turn (compute_timing.seconds_in_turn)
     matmuls = [matmul_call(r, w, DTYPES[n], device) for n in names for r, w in grid]
@@ -324,7 +292,7 @@ def measure(*, dtypes: Sequence[str] = ("float32",), quick: bool = False,
     groups = [grouped_call(r, w, DTYPES[n], device) for n in experts for r, w in grouped_grid]
     chain = [elementwise_call(rows, OP_WIDTH, device) for rows in (8, sizes.op_numel // OP_WIDTH)]
     optimizers = [optimizer_call(tensors, numel, device=device) for tensors, numel in sizes.optimizer]
-    agreed = iter(_mean(seconds_in_turn([*matmuls, *attentions, *groups, *(fn for _, _, fn in chain), *optimizers],
+    agreed = iter(mean(seconds_in_turn([*matmuls, *attentions, *groups, *(fn for _, _, fn in chain), *optimizers],
                                         device, repeats=sizes.repeats), device))
     del matmuls, attentions, groups, optimizers
     matmul = {n: _table(sizes.rows, sizes.widths, agreed) for n in names}
@@ -334,31 +302,33 @@ def measure(*, dtypes: Sequence[str] = ("float32",), quick: bool = False,
     op = fit_per_call([(ops, nbytes, next(agreed)) for ops, nbytes, _ in chain])
     # per tensor and per byte of state: weights, gradients and the two moments, 16 bytes an element
     optimizer = fit_per_call([(tensors, tensors * numel * 16, next(agreed)) for tensors, numel in sizes.optimizer])
-    ratios = _mean(composed_ratios(*sizes.block, dtype=torch.float32, device=device, op=op, pairs=sizes.repeats),
+    ratios = mean(composed_ratios(*sizes.block, dtype=torch.float32, device=device, op=op, pairs=sizes.repeats),
                    device)
     compute_scale = min(max(statistics.median(ratios), MIN_SCALE), MAX_SCALE)
 
     collectives: tuple[CollectiveFit, ...] = ()
-    overlap = 0.0
+    overlap, waits = 0.0, None
     notes = {"mode": "quick" if quick else "full", "torch": torch.__version__}
     if world > 1:
         collectives = _collectives(device, sizes, ranks_per_node)
         widest = max(c.ranks for c in collectives)
         world_fit = next(c.fit for c in collectives if c.op == Collective.ALL_REDUCE and c.ranks == widest)
         overlap, notes["overlap"] = _overlap(device, sizes, world_fit)
+        waits = wait_table(device, segments=sizes.wait_segments, width=sizes.wait_width, repeats=sizes.repeats,
+                           exchange=world_fit.seconds(4))
         if not any(c.op == Collective.SEND for c in collectives):
             assumed.append("send/recv (no pairs at an odd world size: priced as an all-reduce)")
 
     memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
               else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks_per_node)
-    (memory,) = _agree([memory], device, op=dist.ReduceOp.MIN)
-    (threads,) = _agree([torch.get_num_threads()], device)
+    (memory,) = agree([memory], device, op=dist.ReduceOp.MIN)
+    (threads,) = agree([torch.get_num_threads()], device)
     return Calibration(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         backend=str(dist.get_backend()), world_size=world, ranks_per_node=ranks_per_node, matmul=matmul,
         attention=attention, op=op, collectives=collectives, overlap=overlap, memory_bytes=int(memory),
         assumed=tuple(assumed), threads=int(threads), format=FORMAT, notes=notes, compute_scale=compute_scale,
-        optimizer=optimizer, grouped=grouped)
+        optimizer=optimizer, grouped=grouped, waits=waits)
 
 
 def calibrate(world_size: int = 1, *, dtypes: Sequence[str] = ("float32",), quick: bool = False) -> Calibration:

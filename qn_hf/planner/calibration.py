@@ -12,6 +12,11 @@ writes; for a collective the amount is its payload as ``CommMeter`` counts it (a
 tensor, an all-gather's own piece, a reduce-scatter's whole input), over a group of that many
 ranks on that kind of link, so ring factors are in the measured rate rather than in a formula.
 
+``waits`` is what a blocking exchange costs beyond its transfer when it follows compute: the ranks
+do not arrive together (a shared host's jitter, a device's clock), and the earlier waits for the
+later; measured after compute segments of several lengths, since the spread grows with the
+compute since the last exchange (``waits.py``).
+
 ``overlap`` is the share of an asynchronous collective's time that compute running meanwhile hides,
 as measured on this backend (NCCL's own stream: nearly all; gloo's threads on the cores the
 compute uses: little), applied only where qn_hf posts a collective asynchronously and computes
@@ -123,6 +128,34 @@ class MatmulTable:
 
 
 @dataclass(frozen=True)
+class WaitTable:
+    """Seconds a rank waits at a blocking exchange, beyond the exchange's own time, after ``segments``
+    seconds of compute since the last one (measured points, ascending); read linearly between them,
+    and in proportion to the segment outside them (the measured spread grew with the segment)."""
+
+    segments: tuple[float, ...]
+    waits: tuple[float, ...]
+
+    @classmethod
+    def from_json(cls, data: dict) -> WaitTable:
+        return cls(segments=tuple(data["segments"]), waits=tuple(data["waits"]))
+
+    def wait(self, segment: float) -> float:
+        first, last = self.segments[0], self.segments[-1]
+        if segment <= first:
+            return self.waits[0] * segment / first
+        if segment >= last:
+            return self.waits[-1] * segment / last
+        hi = bisect.bisect_left(self.segments, segment)
+        a = (segment - self.segments[hi - 1]) / (self.segments[hi] - self.segments[hi - 1])
+        return (1 - a) * self.waits[hi - 1] + a * self.waits[hi]
+
+    def total(self, seconds: float, exchanges: float) -> float:
+        """The waits of ``exchanges`` blocking exchanges spread evenly over ``seconds`` of compute."""
+        return exchanges * self.wait(seconds / exchanges) if exchanges > 0 and seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
 class CollectiveFit:
     op: Collective
     ranks: int
@@ -156,6 +189,8 @@ class Calibration:
     # routed experts' grouped products: FLOP/s by (rows per expert, width), per dtype; a dtype
     # missing (not measured, or the device's grouped kernel refused it): read from ``matmul``
     grouped: dict[str, MatmulTable] = field(default_factory=dict)
+    # waits at blocking exchanges after compute (one rank, or a file from before they were measured: None)
+    waits: WaitTable | None = None
 
     # -- reading -------------------------------------------------------------------------------
     @property
@@ -218,7 +253,8 @@ class Calibration:
                 assumed=tuple(data.get("assumed", ())), threads=int(data.get("threads", 1)),
                 notes=dict(data.get("notes", {})), compute_scale=float(data.get("compute_scale", 1.0)),
                 optimizer=Fit(**data["optimizer"]) if data.get("optimizer") else None,
-                grouped={k: MatmulTable.from_json(v) for k, v in data.get("grouped", {}).items()})
+                grouped={k: MatmulTable.from_json(v) for k, v in data.get("grouped", {}).items()},
+                waits=WaitTable.from_json(data["waits"]) if data.get("waits") else None)
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a qn_hf calibration file: {e!r} missing or malformed") from e
 
@@ -242,6 +278,7 @@ ASSUMED_LATENCY_S = {Link.NODE: 10e-6, Link.NETWORK: 20e-6}
 ASSUMED_OP_S = 10e-6  # an op's kernel launches, forward and backward, on a busy stream
 ASSUMED_MEMORY_RATE = 2.0e12  # bytes/s an elementwise op writes (HBM3, well below its peak)
 ASSUMED_OVERLAP = 1.0  # NCCL runs on its own stream
+NO_WAITS = "ranks' waits at blocking exchanges (priced as none)"
 
 
 def assumed(*, tflops: float, nvlink_gbps: float, ib_gbps: float, gpus_per_node: int, gpu_memory: int,
@@ -263,7 +300,7 @@ def assumed(*, tflops: float, nvlink_gbps: float, ib_gbps: float, gpus_per_node:
                                                                              else (n - 1)), rate=bw / factor))
                      for op, factor in per_byte.items()]
     names = ("matmul and attention FLOP rate", "collective bandwidths and latencies", "per-op latency",
-             "elementwise memory rate", "overlap of asynchronous collectives")
+             "elementwise memory rate", "overlap of asynchronous collectives", NO_WAITS)
     return Calibration(device="assumed GPU", backend="nccl", world_size=world_size, ranks_per_node=gpus_per_node,
                        matmul={"float32": flat}, attention={"float32": Fit(0.0, tflops * 1e12)},
                        op=Fit(ASSUMED_OP_S, ASSUMED_MEMORY_RATE), collectives=tuple(fits),

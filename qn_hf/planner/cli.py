@@ -207,6 +207,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--auto", action="store_true",
                         help="with --gpus and --global-batch: the configuration parallelize(mesh='auto') would choose, "
                              "its predicted step time and memory, and the runner-up with why it lost")
+    parser.add_argument("--expert-loads", metavar="FILE.json", default=None,
+                        help="a model with routed experts: per MoE layer and batch, the (token, expert) pairs each expert "
+                             "received on your data (a JSON list of lists, as qn_hf.planner.measure_expert_loads "
+                             "counts them); ep is then priced at your router's busiest rank, not uniform routing's")
     parser.add_argument("--calibrate", metavar="OUT.json", help="measure this machine's figures into OUT.json")
     parser.add_argument("--calibrate-ranks", type=int, default=1,
                         help="with --calibrate outside torchrun: local ranks measuring at once (default 1)")
@@ -242,11 +246,19 @@ def main(argv: list[str] | None = None) -> None:
     hw = Hardware(gpu_memory=args.gpu_memory, gpus_per_node=args.gpus_per_node, tflops=args.tflops,
                   nvlink_gbps=args.nvlink_gbps, ib_gbps=args.ib_gbps)
     cal = Calibration.load(args.calibration) if args.calibration else None
+    if args.expert_loads is not None:
+        with open(args.expert_loads) as f:
+            args.expert_loads = json.load(f)
     if args.auto:
         run_auto(args, config, seq_len=seq_len, hw=hw, calibration=cal, explicit=explicit, parser=parser)
         return
     # The model is loaded in float32; mixed precision casts its parameters, as parallelize does.
-    planner = Planner(config, seq_len=seq_len, micro_batch_size=args.micro_batch_size, dtype=torch.float32)
+    try:
+        planner = Planner(config, seq_len=seq_len, micro_batch_size=args.micro_batch_size, dtype=torch.float32,
+                          expert_loads=args.expert_loads)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     training = dict(mixed_precision=MIXED_PRECISION[args.dtype], zero=args.zero, recompute=args.recompute,
                     sequence_parallel=args.sequence_parallel)
     options = run_options(args)
@@ -303,7 +315,7 @@ def run_auto(args: argparse.Namespace, config, *, seq_len: int, hw: Hardware, ca
     try:
         choice = auto_plan(config, global_batch=args.global_batch, seq_len=seq_len, world_size=args.gpus,
                            device_memory=args.gpu_memory, calibration=calibration, fixed=fixed,
-                           gpus_per_node=args.gpus_per_node)
+                           gpus_per_node=args.gpus_per_node, expert_loads=args.expert_loads)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -7,7 +7,8 @@ For each pipeline stage, one microbatch on one rank costs
     compute = dense matrix products' FLOPs at the calibrated rate for their shape (rows: the
               tokens a rank runs, 1/cp of the microbatch's; width: hidden / tp); routed experts'
               active FLOPs at the grouped products' rate for theirs (rows: the tokens one expert
-              gets at uniform routing);
+              gets at uniform routing), under ep times the busiest ep rank's load over the mean
+              (``MeshEstimate.expert_imbalance``: the router's measured loads, or uniform routing's);
               attention's FLOPs on its own fit (a call per block, and per ring step under cp); every
               other op of the forward (``Trace.ops``) at the per-op latency plus the bytes it writes
               at the memory rate (the op latency is measured forward and backward together); times
@@ -36,6 +37,12 @@ state (weights, gradients, moments) at its rate; without one, at the op fit (the
 written once; a few ops per tensor on a CPU, a few per step on a GPU, where torch takes its
 foreach path).
 
+Ranks drift apart over compute, so a blocking exchange costs its transfer and a wait for the last
+rank to arrive, measured after compute segments of several lengths (``Calibration.waits``): each
+stage's compute is cut by its blocking exchanges (a microbatch's tp and ep collectives, pipeline
+receives and ring steps; FSDP's gathers and reductions; the step's end), and each waits as after an
+even share of it, the microbatches' waits in the pipeline's costs and the others once a step.
+
 A group's link is the node's when all its ranks share a node (ranks are laid out dp, pp, cp, tp
 with tp fastest; an ep group is ep consecutive ranks of a stage's dp x tp grid) and the network's
 otherwise.
@@ -48,8 +55,9 @@ from dataclasses import dataclass
 from ..comm_meter import Collective
 from ..config.dims import Axis
 from ..config.options import Recompute
-from .calibration import Calibration, Link, assumed
+from .calibration import NO_WAITS, Calibration, Link, assumed
 from .results import MeshEstimate, StageEstimate
+from .routing import ROUTING_UNIFORM
 from .schedules import op_costs, pipeline_timing
 from .traffic import GroupTraffic
 
@@ -80,6 +88,7 @@ class StepTime:
     utilization: float  # model FLOPs per second / (GPUs * the fastest calibrated matmul rate)
     ep: float = 0.0  # expert parallelism's all-to-alls
     optimizer: float = 0.0  # the optimizer's step over this rank's state
+    wait: float = 0.0  # ranks' waits at blocking exchanges (a microbatch's, in the pipeline, and once a step's)
     assumed: tuple[str, ...] = ()  # the figures not measured (no calibration: all of them)
 
 
@@ -147,7 +156,9 @@ def compute_seconds(est: MeshEstimate, s: StageEstimate, cal: Calibration) -> tu
     matmul = dense / rate
     if s.expert_flops_per_microbatch:
         expert_rows = max(rows * est.expert_flop_share, 1.0)
-        matmul += s.expert_flops_per_microbatch / est.cp / cal.grouped_rate(dtype, rows=expert_rows, width=width)
+        # under ep the all-to-alls wait for the busiest rank's experts (routing.py)
+        matmul += (s.expert_flops_per_microbatch / est.cp * est.expert_imbalance
+                   / cal.grouped_rate(dtype, rows=expert_rows * est.expert_imbalance, width=width))
     blocks = sum(b - a for a, b in s.chunks)
     attention = cal.attention_fit(dtype).seconds(s.attention_flops_per_microbatch / est.cp, calls=blocks * est.cp)
     others = cal.op.seconds(s.op_bytes_per_microbatch, calls=s.ops_per_microbatch)
@@ -171,6 +182,23 @@ def optimizer_seconds(s: StageEstimate, cal: Calibration) -> float:
     return cal.op.seconds(2 * s.state_bytes, calls=OPTIMIZER_OPS * (tensors if cal.on_cpu else 1))
 
 
+def _waits(est: MeshEstimate, s: StageEstimate, cal: Calibration, sizes: dict[str, int], *,
+           compute: float) -> tuple[float, float]:
+    """Stage ``s``'s waits at blocking exchanges (calibration.WaitTable): (a microbatch's, once a
+    step's). A step's compute is cut by its blocking exchanges: each microbatch's tp and ep
+    collectives, pipeline receives and ring steps (a p2p transfer is counted on both its ends, one
+    exchange), FSDP's gathers and reductions, and the step's end (the buckets' last wait, the
+    loss); each waits as after an even share of the compute."""
+    if cal.waits is None or est.world_size == 1:
+        return 0.0, 0.0
+    per_microbatch = sum(s.comm[g].calls / (2 if g in (Axis.PP, Axis.CP) else 1)
+                         for g in _MICROBATCH_GROUPS if g in s.comm and sizes.get(g, 1) > 1) / est.microbatches
+    per_step = 1 + (sum(s.comm[g].calls for g in _FSDP if g in s.comm) if est.dp_shard > 1 else 0)
+    exchanges = per_microbatch * est.microbatches + per_step
+    each = cal.waits.wait(compute * est.microbatches / exchanges)
+    return per_microbatch * each, per_step * each
+
+
 def step_time(est: MeshEstimate, hw: Hardware, calibration: Calibration | None = None) -> StepTime:
     cal = machine(hw, calibration, world_size=est.world_size)
     kinds = {g: Link.NODE if kind == "nvlink" else Link.NETWORK for g, kind in links(est, hw).items()}
@@ -182,8 +210,8 @@ def step_time(est: MeshEstimate, hw: Hardware, calibration: Calibration | None =
                               cal=cal, p2p=group == Axis.PP)
 
     again = 4 / 3 if est.recompute == Recompute.FULL else 1.0
-    slowest = compute_mb = tp_mb = pp_mb = cp_mb = ep_mb = backward_mb = 0.0
-    costs = []
+    slowest = compute_mb = tp_mb = pp_mb = cp_mb = ep_mb = wait_mb = backward_mb = 0.0
+    costs, step_waits = [], []
     for s in est.stages:
         plain, attention, others, weight = compute_seconds(est, s, cal)
         redo = others / 3 if est.recompute == Recompute.SELECTIVE else 0.0  # in backward, before the gradients
@@ -191,11 +219,13 @@ def step_time(est: MeshEstimate, hw: Hardware, calibration: Calibration | None =
         per = {g: seconds(g, s.comm[g]) / est.microbatches for g in _MICROBATCH_GROUPS if g in s.comm}
         t, p, e = per.get(Axis.TP, 0.0), per.get(Axis.PP, 0.0), per.get(Axis.EP, 0.0)
         r = max(per.get(Axis.CP, 0.0) - cal.overlap * attention * again, 0.0)
-        costs.append(op_costs(compute=plain, weight=weight, comm=t + r + p + e, recompute=est.recompute,
+        w, once_w = _waits(est, s, cal, sizes, compute=c)
+        step_waits.append(once_w)
+        costs.append(op_costs(compute=plain, weight=weight, comm=t + r + p + e + w, recompute=est.recompute,
                               schedule=est.schedule, virtual_stages=est.virtual_stages, redone=redo))
-        if c + t + r + p + e > slowest:
-            slowest, compute_mb, tp_mb, cp_mb, pp_mb, ep_mb = c + t + r + p + e, c, t, r, p, e
-            backward_mb = c - plain / 3 + (t + r + e) / 2
+        if c + t + r + p + e + w > slowest:
+            slowest, compute_mb, tp_mb, cp_mb, pp_mb, ep_mb, wait_mb = c + t + r + p + e + w, c, t, r, p, e, w
+            backward_mb = c - plain / 3 + (t + r + e + w) / 2
     # each stage at its own costs: an unbalanced cut (the head on the last stage) waits where it does
     timing = pipeline_timing(stages=est.pp, microbatches=est.microbatches, schedule=est.schedule,
                              virtual_stages=est.virtual_stages, costs=costs)
@@ -211,12 +241,16 @@ def step_time(est: MeshEstimate, hw: Hardware, calibration: Calibration | None =
         return (buckets - cal.overlap * min(buckets, backward_mb) + fsdp
                 - cal.overlap * min(fsdp, rounds * compute_mb) + rest)
 
-    dp = max(once(s) for s in est.stages)
+    dp, step_wait = max((once(s) + w, w) for s, w in zip(est.stages, step_waits))
     optimizer = max(optimizer_seconds(s, cal) for s in est.stages)
     total = rounds * slowest + dp + optimizer
+    dp -= step_wait  # reported among the waits
     global_tokens = est.tokens_per_microbatch * est.microbatches * est.dp
     peak = max(max(max(row) for row in table.rates) for table in cal.matmul.values())
     return StepTime(seconds=total, compute=rounds * compute_mb, tp=rounds * tp_mb, pp=rounds * pp_mb, dp=dp,
                     cp=rounds * cp_mb, tokens_per_s=global_tokens / total,
                     utilization=est.flops_per_step / total / (est.world_size * peak), ep=rounds * ep_mb,
-                    optimizer=optimizer, assumed=cal.assumed)
+                    optimizer=optimizer, wait=rounds * wait_mb + step_wait,
+                    assumed=cal.assumed + ((NO_WAITS,) if cal.waits is None and est.world_size > 1
+                                           and NO_WAITS not in cal.assumed else ())
+                    + ((ROUTING_UNIFORM,) if est.ep > 1 and not est.routing_measured else ()))

@@ -40,6 +40,7 @@ uniform-routing ones, which an ep group's total all-to-all bytes always equal).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -65,6 +66,7 @@ from .experts import moe_regions
 from .memory import RankState, bucket_layout, rank_state
 from .params import StageParams, local_sizes, stage_params
 from .results import MeshEstimate, StageEstimate
+from .routing import busiest_share, check_loads, uniform_busiest
 from .schedules import bubble, op_costs, pipeline_timing, rank_peaks
 from .sequence import StageEdges, stage_edges
 from .sharded import sharded_stage
@@ -88,7 +90,7 @@ class Planner:
 
     def __init__(self, config: PretrainedConfig, *, seq_len: int, micro_batch_size: int,
                  dtype: torch.dtype = torch.float32, policy: ModelPolicy | None = None,
-                 model_class: type | None = None) -> None:
+                 model_class: type | None = None, expert_loads: Sequence[Sequence[float]] | None = None) -> None:
         self.config = config
         self.model_class = model_class  # the class training runs (default: the one the config names)
         self.seq_len = seq_len
@@ -112,6 +114,8 @@ class Planner:
         self._experts = expert_parameter_names(self.model)
         self.experts = modelled_experts(self.model)  # routed experts per layer ep may split (0: none)
         self._routed = sum(p.numel() for n, p in self.model.named_parameters() if n in self._experts)
+        # per MoE layer and batch, the pairs each expert received (routing.py); None: priced at uniform routing
+        self.expert_loads = check_loads(expert_loads, self.experts) if expert_loads is not None else None
         self._deferrable: frozenset[str] | None = None
 
     def _trace(self, plan, layers: str, *, precision: torch.dtype | None, recompute: str | None,
@@ -207,6 +211,10 @@ class Planner:
         # a token runs through K of each MoE layer's E routed experts
         active = base.experts[0].top_k / base.experts[0].experts if base.experts else 1.0
         expert_flop_share = active * (ep / tp if ep > 1 else 1)
+        if self.expert_loads is not None:
+            imbalance = busiest_share(self.expert_loads, ep)
+        else:  # the pairs an ep group routes per layer: each tp rank of its dp rows sends 1/tp of its tokens
+            imbalance = uniform_busiest(base.tokens * base.experts[0].top_k * ep / tp if base.experts else 0, ep)
         grad_sum = set(plan.grad_sum)
         op_counts = [[0, 0] for _ in range(pp)]  # per stage: ops of one microbatch's forward, bytes they write
         for name, (count, whole_bytes, split_bytes) in base.ops.items():
@@ -286,6 +294,7 @@ class Planner:
                             attention_flops_per_token=attention_per_token,
                             layers=layers, boundary_bytes=base.boundary_numel * param_elem,
                             zero=zero or zero_experts, expert_flop_share=expert_flop_share,
+                            expert_imbalance=imbalance, routing_measured=self.expert_loads is not None and ep > 1,
                             hidden_size=self.config.hidden_size, dtype=str(self.dtype).removeprefix("torch."))
 
     def _check(self, config: ParallelConfig, *, zero: bool) -> CheckedConfig:

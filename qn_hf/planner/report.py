@@ -65,7 +65,8 @@ def mesh_report(est: MeshEstimate, hw: Hardware, calibration: Calibration | None
     fits = est.peak_bytes <= hw.gpu_memory
     lines += ["", f"peak {gib(est.peak_bytes)} GiB per GPU of {gib(hw.gpu_memory)} GiB: {'fits' if fits else 'DOES NOT FIT'}",
               f"estimated step {t.seconds:.2f} s (compute+bubble {t.compute:.2f}, tp {t.tp:.2f}, cp {t.cp:.2f}, "
-              f"pp {t.pp:.2f}, dp {t.dp:.2f}{f', ep {t.ep:.2f}' if ep else ''}), {t.tokens_per_s:,.0f} tokens/s, "
+              f"pp {t.pp:.2f}, dp {t.dp:.2f}{f', ep {t.ep:.2f}' if ep else ''}, optimizer {t.optimizer:.2f}, "
+              f"waits {t.wait:.2f}), {t.tokens_per_s:,.0f} tokens/s, "
               f"{100 * t.utilization:.0f}% of the peak matmul rate"
               + (f"; assumed, not measured: {', '.join(t.assumed)}" if t.assumed else "")]
     return "\n".join(lines)

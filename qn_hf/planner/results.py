@@ -95,17 +95,15 @@ class MeshEstimate(NamedDegrees):
     # It is also the rows one expert's products get per token of the rank, at uniform routing.
     expert_flop_share: float = 1.0
     hidden_size: int = 0  # the model's (the width of its matrix products, before tp)
+    # under ep, the busiest ep rank's routed pairs over the mean (routing.py): from the router's
+    # measured loads (``routing_measured``) or at uniform routing; 1.0 without ep
+    expert_imbalance: float = 1.0
+    routing_measured: bool = False
     dtype: str = "float32"  # the loaded model's (mixed precision computes in its own)
 
     @property
     def dims(self) -> ParallelDims:
         return self.parallel.dims
-
-
-
-
-
-
 
     @property
     def microbatches(self) -> int:
