@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
 import pytest
 import torch
+from transformers import LlamaConfig
 
 from qn_hf.comm_meter import Collective
 from qn_hf.planner.allocations import count_ops
@@ -26,6 +28,7 @@ from qn_hf.planner.calibration import (
 )
 from qn_hf.planner.cli import main
 from qn_hf.planner.compute_timing import elementwise_call, seconds_in_turn
+from qn_hf.planner.overheads import measure_overheads
 
 GIB = 1024**3
 
@@ -203,6 +206,32 @@ def test_measure_quick_at_two_ranks_agrees_and_is_sane(worlds, tmp_path):
     assert all(math.isfinite(w) and w >= 0 for w in waits.waits)
     cal.save(str(tmp_path / "c.json"))
     assert Calibration.load(str(tmp_path / "c.json")) == cal
+
+
+def case_overheads() -> tuple[Calibration, dict[str, float]]:
+    cal = measure(quick=True)
+    return cal, measure_overheads(cal, torch.device("cpu"))
+
+
+def test_overheads_measured_on_tiny_models_agree_and_are_priced(worlds):
+    (cal, first), (_, second) = worlds.run(2, case_overheads)
+    assert first == second  # every step the slowest rank's, the same predictions on every rank
+    assert set(first) == {"step", "tp", "cp", "pp", "dp_shard", "ep"}
+    assert all(math.isfinite(v) and v >= 0 for v in first.values())
+    assert first["step"] > 0  # a step's machinery is not free, least of all on gloo
+    from qn_hf.config.parallel_config import ParallelConfig
+    from qn_hf.planner.cost import Hardware, step_time
+    from qn_hf.planner.estimate import Planner
+    from qn_hf.planner.overheads import DENSE
+
+    est = Planner(LlamaConfig(**DENSE), seq_len=16, micro_batch_size=8).estimate(ParallelConfig(tp=2))
+    hw = Hardware(gpu_memory=cal.memory_bytes, gpus_per_node=2)
+    priced = dataclasses.replace(cal, overheads=first)
+    plain, with_host = step_time(est, hw, cal), step_time(est, hw, priced)
+    assert plain.host == 0.0
+    assert with_host.host == pytest.approx(first["step"] + first["tp"] * est.stages[0].comm["tp"].calls, rel=1e-6)
+    assert with_host.seconds == pytest.approx(plain.seconds + with_host.host, rel=1e-6)
+    assert Calibration.from_json(priced.to_json()) == priced
 
 
 def test_cli_calibrate_quick_writes_a_calibration(tmp_path, monkeypatch, capsys):

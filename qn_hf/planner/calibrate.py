@@ -23,6 +23,9 @@ MAX (a collective ends when its slowest rank does), so every rank returns the sa
   blocking exchange (exchange_timing.py).
 - optimizer: AdamW's step over many small parameters and over a few large ones, a line through
   the two (latency per tensor, bytes of state per second).
+- overheads (not in a quick calibration): qn_hf's own host work once a step and per call of each
+  mechanism's exchanges, from tiny models' steps against what the figures above predict for them
+  (overheads.py).
 - compute_scale: a stack of pre-norm MLP blocks timed whole against the sum of its parts' figures,
   each time beside a timing of its product (compute_timing.py): what composing kernels into a step
   costs beyond them.
@@ -61,6 +64,7 @@ from .compute_timing import (
     seconds_per_call,
 )
 from .exchange_timing import agree, align, aligned_seconds, mean, wait_table
+from .overheads import measure_overheads
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_DTYPES = ("float32", "bfloat16")  # float16 matmuls on a CPU are emulated: no job computes in them
@@ -323,12 +327,14 @@ def measure(*, dtypes: Sequence[str] = ("float32",), quick: bool = False,
               else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks_per_node)
     (memory,) = agree([memory], device, op=dist.ReduceOp.MIN)
     (threads,) = agree([torch.get_num_threads()], device)
-    return Calibration(
+    cal = Calibration(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         backend=str(dist.get_backend()), world_size=world, ranks_per_node=ranks_per_node, matmul=matmul,
         attention=attention, op=op, collectives=collectives, overlap=overlap, memory_bytes=int(memory),
         assumed=tuple(assumed), threads=int(threads), format=FORMAT, notes=notes, compute_scale=compute_scale,
         optimizer=optimizer, grouped=grouped, waits=waits)
+    # qn_hf's own host work, priced at the figures above (a quick calibration leaves it out)
+    return cal if quick else dataclasses.replace(cal, overheads=measure_overheads(cal, device))
 
 
 def calibrate(world_size: int = 1, *, dtypes: Sequence[str] = ("float32",), quick: bool = False) -> Calibration:

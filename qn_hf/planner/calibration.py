@@ -191,6 +191,9 @@ class Calibration:
     grouped: dict[str, MatmulTable] = field(default_factory=dict)
     # waits at blocking exchanges after compute (one rank, or a file from before they were measured: None)
     waits: WaitTable | None = None
+    # qn_hf's host work (overheads.py): seconds once a step ("step") and per call of a group ("tp",
+    # "cp", "pp", "ep", "dp_shard"); empty: not measured (a quick calibration, an older file)
+    overheads: dict[str, float] = field(default_factory=dict)
 
     # -- reading -------------------------------------------------------------------------------
     @property
@@ -254,7 +257,8 @@ class Calibration:
                 notes=dict(data.get("notes", {})), compute_scale=float(data.get("compute_scale", 1.0)),
                 optimizer=Fit(**data["optimizer"]) if data.get("optimizer") else None,
                 grouped={k: MatmulTable.from_json(v) for k, v in data.get("grouped", {}).items()},
-                waits=WaitTable.from_json(data["waits"]) if data.get("waits") else None)
+                waits=WaitTable.from_json(data["waits"]) if data.get("waits") else None,
+                overheads={k: float(v) for k, v in data.get("overheads", {}).items()})
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a qn_hf calibration file: {e!r} missing or malformed") from e
 

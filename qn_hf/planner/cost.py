@@ -43,6 +43,9 @@ stage's compute is cut by its blocking exchanges (a microbatch's tp and ep colle
 receives and ring steps; FSDP's gathers and reductions; the step's end), and each waits as after an
 even share of it, the microbatches' waits in the pipeline's costs and the others once a step.
 
+qn_hf's own host work (``Calibration.overheads``, measured on tiny models' steps): once a step, and
+at each call of the tp, cp, ep and pp groups (in the pipeline's costs) and FSDP's (once a step).
+
 A group's link is the node's when all its ranks share a node (ranks are laid out dp, pp, cp, tp
 with tp fastest; an ep group is ep consecutive ranks of a stage's dp x tp grid) and the network's
 otherwise.
@@ -89,6 +92,7 @@ class StepTime:
     ep: float = 0.0  # expert parallelism's all-to-alls
     optimizer: float = 0.0  # the optimizer's step over this rank's state
     wait: float = 0.0  # ranks' waits at blocking exchanges (a microbatch's, in the pipeline, and once a step's)
+    host: float = 0.0  # qn_hf's own host work (Calibration.overheads): per exchange, and once a step
     assumed: tuple[str, ...] = ()  # the figures not measured (no calibration: all of them)
 
 
@@ -199,6 +203,17 @@ def _waits(est: MeshEstimate, s: StageEstimate, cal: Calibration, sizes: dict[st
     return per_microbatch * each, per_step * each
 
 
+def _host(est: MeshEstimate, s: StageEstimate, cal: Calibration, sizes: dict[str, int]) -> tuple[float, float]:
+    """Stage ``s``'s host work (``Calibration.overheads``): (a microbatch's, at each call of its tp,
+    cp, ep and pp groups; once a step's, the step's own and FSDP's per call)."""
+    if not cal.overheads or est.world_size == 1:
+        return 0.0, cal.overheads.get("step", 0.0)
+    per_microbatch = sum(cal.overheads.get(str(g), 0.0) * s.comm[g].calls
+                         for g in _MICROBATCH_GROUPS if g in s.comm and sizes.get(g, 1) > 1) / est.microbatches
+    fsdp = sum(s.comm[g].calls for g in _FSDP if g in s.comm) if est.dp_shard > 1 else 0
+    return per_microbatch, cal.overheads.get("step", 0.0) + cal.overheads.get(str(Axis.DP_SHARD), 0.0) * fsdp
+
+
 def step_time(est: MeshEstimate, hw: Hardware, calibration: Calibration | None = None) -> StepTime:
     cal = machine(hw, calibration, world_size=est.world_size)
     kinds = {g: Link.NODE if kind == "nvlink" else Link.NETWORK for g, kind in links(est, hw).items()}
@@ -210,8 +225,8 @@ def step_time(est: MeshEstimate, hw: Hardware, calibration: Calibration | None =
                               cal=cal, p2p=group == Axis.PP)
 
     again = 4 / 3 if est.recompute == Recompute.FULL else 1.0
-    slowest = compute_mb = tp_mb = pp_mb = cp_mb = ep_mb = wait_mb = backward_mb = 0.0
-    costs, step_waits = [], []
+    slowest = compute_mb = tp_mb = pp_mb = cp_mb = ep_mb = wait_mb = host_mb = backward_mb = 0.0
+    costs, step_waits, step_host = [], [], []
     for s in est.stages:
         plain, attention, others, weight = compute_seconds(est, s, cal)
         redo = others / 3 if est.recompute == Recompute.SELECTIVE else 0.0  # in backward, before the gradients
@@ -220,11 +235,15 @@ def step_time(est: MeshEstimate, hw: Hardware, calibration: Calibration | None =
         t, p, e = per.get(Axis.TP, 0.0), per.get(Axis.PP, 0.0), per.get(Axis.EP, 0.0)
         r = max(per.get(Axis.CP, 0.0) - cal.overlap * attention * again, 0.0)
         w, once_w = _waits(est, s, cal, sizes, compute=c)
+        h, once_h = _host(est, s, cal, sizes)
         step_waits.append(once_w)
+        step_host.append(once_h)
+        w += h  # reported with the waits: time at an exchange that is neither compute nor transfer
         costs.append(op_costs(compute=plain, weight=weight, comm=t + r + p + e + w, recompute=est.recompute,
                               schedule=est.schedule, virtual_stages=est.virtual_stages, redone=redo))
         if c + t + r + p + e + w > slowest:
             slowest, compute_mb, tp_mb, cp_mb, pp_mb, ep_mb, wait_mb = c + t + r + p + e + w, c, t, r, p, e, w
+            host_mb = h
             backward_mb = c - plain / 3 + (t + r + e + w) / 2
     # each stage at its own costs: an unbalanced cut (the head on the last stage) waits where it does
     timing = pipeline_timing(stages=est.pp, microbatches=est.microbatches, schedule=est.schedule,
@@ -241,16 +260,17 @@ def step_time(est: MeshEstimate, hw: Hardware, calibration: Calibration | None =
         return (buckets - cal.overlap * min(buckets, backward_mb) + fsdp
                 - cal.overlap * min(fsdp, rounds * compute_mb) + rest)
 
-    dp, step_wait = max((once(s) + w, w) for s, w in zip(est.stages, step_waits))
+    dp, step_wait, step_h = max((once(s) + w + h, w, h) for s, w, h in zip(est.stages, step_waits, step_host))
     optimizer = max(optimizer_seconds(s, cal) for s in est.stages)
     total = rounds * slowest + dp + optimizer
-    dp -= step_wait  # reported among the waits
+    dp -= step_wait + step_h  # reported among the waits and the host's work
     global_tokens = est.tokens_per_microbatch * est.microbatches * est.dp
     peak = max(max(max(row) for row in table.rates) for table in cal.matmul.values())
     return StepTime(seconds=total, compute=rounds * compute_mb, tp=rounds * tp_mb, pp=rounds * pp_mb, dp=dp,
                     cp=rounds * cp_mb, tokens_per_s=global_tokens / total,
                     utilization=est.flops_per_step / total / (est.world_size * peak), ep=rounds * ep_mb,
-                    optimizer=optimizer, wait=rounds * wait_mb + step_wait,
+                    optimizer=optimizer, wait=rounds * (wait_mb - host_mb) + step_wait,
+                    host=rounds * host_mb + step_h,
                     assumed=cal.assumed + ((NO_WAITS,) if cal.waits is None and est.world_size > 1
                                            and NO_WAITS not in cal.assumed else ())
                     + ((ROUTING_UNIFORM,) if est.ep > 1 and not est.routing_measured else ()))
