@@ -14,7 +14,8 @@ choice's rank among the measured times and its time against the fastest measured
 within 10%), the Spearman rank correlation between predicted and measured times (0.8 asked), and
 predicted against measured per configuration (within +-30% asked). For the MoE model the same again
 with the router's loads counted on the batches the steps train on (``measure_expert_loads``, the
-plain model at its initial weights): the planner prices uniform routing without them.
+plain model at its initial weights): the planner prices uniform routing without them. And again at
+a second calibration taken after the measurements: how far the machine drifted while they ran.
 
 Models: "dense", a 10M-parameter Llama (hidden 256, 8 layers, 8 heads, 4 KV heads, vocab 8192);
 "moe", a tiny Qwen3-MoE (hidden 256, 4 layers of 8 experts, top-2, vocab 512). With 4 ranks on
@@ -132,12 +133,20 @@ def run(world: int, kind: str, *, rounds: int, steps: int, quick: bool) -> dict:
             for k, v in kw.items():
                 kw[k] = getattr(v, "value", v)
         times = ranks.run(_measure, timeout=TIMEOUT_S, kind=kind, keywords=keywords, rounds=rounds, steps=steps)[0]
+        # the machine again after the measurements: did it drift while they ran?
+        after = Calibration.from_json(ranks.run(_calibrate, timeout=TIMEOUT_S, quick=quick)[0])
     measured = [statistics.median(t) for t in times]
     names = [describe(c.estimate.parallel, c.estimate.micro_batch_size) for c in feasible]
     rows = [{"config": n, "predicted_s": c.time.seconds, "measured_s": m, "rounds_s": t, "ratio": c.time.seconds / m}
             for n, c, m, t in zip(names, feasible, measured, times)]
     out = {"world": world, "model": kind, "calibration": calibration.to_json(), "calibrate_s": calibrate_s,
            "plan_s": plan_s, **_scores(choice, names, measured), "configs": rows}
+    again = auto_plan(model.config, global_batch=GLOBAL_BATCH, seq_len=SEQ, world_size=world,
+                      device_memory=after.memory_bytes, calibration=after, model_class=type(model))
+    out["after"] = {"calibration": after.to_json(), **_scores(again, names, measured)}
+    by_name = {describe(c.estimate.parallel, c.estimate.micro_batch_size): c.time.seconds for c in again.feasible}
+    for row in rows:
+        row["predicted_after_s"] = by_name.get(row["config"])
     if kind == "moe":  # again, with the router's loads counted on the batches the steps train on
         loads = _loads(steps)
         routed = auto_plan(model.config, global_batch=GLOBAL_BATCH, seq_len=SEQ, world_size=world,
@@ -189,6 +198,10 @@ def main() -> None:
             print(f"\nworld {world}, {kind}: {len(r['configs'])} feasible; auto chose {r['chosen']}: measured rank "
                   f"{r['chosen_measured_rank']}, x{r['chosen_vs_best']:.3f} the fastest ({r['fastest_measured']}); "
                   f"Spearman {r['spearman']:.3f}; {r['within_30_percent']}/{len(r['configs'])} predictions within 30%")
+            q = r["after"]
+            print(f"  at a calibration taken after the measurements: auto chose {q['chosen']}: measured rank "
+                  f"{q['chosen_measured_rank']}, x{q['chosen_vs_best']:.3f}; Spearman {q['spearman']:.3f}; "
+                  f"{q['within_30_percent']}/{len(r['configs'])} within 30%")
             if "routed" in r:
                 q = r["routed"]
                 print(f"  with the router's measured loads: auto chose {q['chosen']}: measured rank "
