@@ -60,9 +60,10 @@ def _batch(step: int, vocab: int) -> torch.Tensor:
 
 
 def _calibrate(*, quick: bool) -> dict:
+    from qn_hf.check.steps import tiny_step_seconds
     from qn_hf.planner.calibrate import measure
 
-    return measure(quick=quick).to_json()
+    return measure(quick=quick, step_seconds=tiny_step_seconds).to_json()
 
 
 def _measure(*, kind: str, keywords: list[dict], rounds: int, steps: int) -> list[list[float]]:

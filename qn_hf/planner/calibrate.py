@@ -23,9 +23,9 @@ MAX (a collective ends when its slowest rank does), so every rank returns the sa
   blocking exchange (exchange_timing.py).
 - optimizer: AdamW's step over many small parameters and over a few large ones, a line through
   the two (latency per tensor, bytes of state per second).
-- overheads (not in a quick calibration): qn_hf's own host work once a step and per call of each
-  mechanism's exchanges, from tiny models' steps against what the figures above predict for them
-  (overheads.py).
+- overheads (given a step runner, ``step_seconds``, and not in a quick calibration): qn_hf's own
+  host work once a step and per call of each mechanism's exchanges, from tiny models' steps against
+  what the figures above predict for them (overheads.py).
 - compute_scale: a stack of pre-norm MLP blocks timed whole against the sum of its parts' figures,
   each time beside a timing of its product (compute_timing.py): what composing kernels into a step
   costs beyond them.
@@ -64,7 +64,7 @@ from .compute_timing import (
     seconds_per_call,
 )
 from .exchange_timing import agree, align, aligned_seconds, mean, wait_table
-from .overheads import measure_overheads
+from .overheads import StepSeconds, measure_overheads
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_DTYPES = ("float32", "bfloat16")  # float16 matmuls on a CPU are emulated: no job computes in them
@@ -265,7 +265,7 @@ def _grouped_supported(name: str, device: torch.device) -> bool:
 
 
 def measure(*, dtypes: Sequence[str] = ("float32",), quick: bool = False,
-            device: torch.device | str | None = None) -> Calibration:
+            device: torch.device | str | None = None, step_seconds: StepSeconds | None = None) -> Calibration:
     """This machine's figures, measured by every rank of the initialized default process group at
     once (module docstring); call it on every rank. The same ``Calibration`` comes back on each.
     ``device``: by default this rank's GPU (LOCAL_RANK) under NCCL, else the CPU."""
@@ -333,19 +333,24 @@ def measure(*, dtypes: Sequence[str] = ("float32",), quick: bool = False,
         attention=attention, op=op, collectives=collectives, overlap=overlap, memory_bytes=int(memory),
         assumed=tuple(assumed), threads=int(threads), format=FORMAT, notes=notes, compute_scale=compute_scale,
         optimizer=optimizer, grouped=grouped, waits=waits)
-    # qn_hf's own host work, priced at the figures above (a quick calibration leaves it out)
-    return cal if quick else dataclasses.replace(cal, overheads=measure_overheads(cal, device))
+    # qn_hf's own host work, priced at the figures above (a quick calibration, or one without a
+    # step runner, leaves it out)
+    if quick or step_seconds is None:
+        return cal
+    return dataclasses.replace(cal, overheads=measure_overheads(cal, device, step_seconds=step_seconds))
 
 
-def calibrate(world_size: int = 1, *, dtypes: Sequence[str] = ("float32",), quick: bool = False) -> Calibration:
+def calibrate(world_size: int = 1, *, dtypes: Sequence[str] = ("float32",), quick: bool = False,
+              step_seconds: StepSeconds | None = None) -> Calibration:
     """``measure`` in a process outside a launched world: on ``world_size`` local gloo ranks
     (``LocalWorld``, the cores shared among them), rank 0's figures. Inside an initialized process
     group, ``measure`` on this rank (every rank must call it)."""
     if dist.is_available() and dist.is_initialized():
-        return measure(dtypes=dtypes, quick=quick)
+        return measure(dtypes=dtypes, quick=quick, step_seconds=step_seconds)
     check_positive_int("world_size", world_size)
     with LocalWorld(world_size) as world:
-        return world.run(measure, timeout=CALIBRATE_TIMEOUT_S, dtypes=tuple(dtypes), quick=quick)[0]
+        return world.run(measure, timeout=CALIBRATE_TIMEOUT_S, dtypes=tuple(dtypes), quick=quick,
+                         step_seconds=step_seconds)[0]
 
 
 def summary(cal: Calibration) -> list[str]:

@@ -87,6 +87,7 @@ from .calibrate import calibrate, measure, summary
 from .calibration import Calibration
 from .cost import GIB, Hardware
 from .estimate import Planner
+from .overheads import StepSeconds
 from .report import mesh_report, ranking_report, settings, to_json
 from .search import at_mesh, microbatches_for, search
 
@@ -138,18 +139,19 @@ def run_options(args: argparse.Namespace) -> dict[str, object]:
             "dp_shard_gather": args.dp_shard_gather}
 
 
-def run_calibration(args: argparse.Namespace) -> None:
-    """--calibrate: every rank of a torchrun job measures (rank 0 writes), else a local world does."""
+def run_calibration(args: argparse.Namespace, step_seconds: StepSeconds | None = None) -> None:
+    """--calibrate: every rank of a torchrun job measures (rank 0 writes), else a local world does;
+    ``step_seconds``: the tiny models' step runner for the host's work (overheads.py)."""
     dtypes = (CALIBRATED_DTYPE[args.dtype],)
     if "WORLD_SIZE" not in os.environ:
-        cal = calibrate(args.calibrate_ranks, dtypes=dtypes, quick=args.quick)
+        cal = calibrate(args.calibrate_ranks, dtypes=dtypes, quick=args.quick, step_seconds=step_seconds)
     else:
         started = not dist.is_initialized()
         if started and torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         if started:
             dist.init_process_group(dist.Backend.NCCL if torch.cuda.is_available() else dist.Backend.GLOO)
-        cal = measure(dtypes=dtypes, quick=args.quick)
+        cal = measure(dtypes=dtypes, quick=args.quick, step_seconds=step_seconds)
         rank = dist.get_rank()
         if started:
             dist.destroy_process_group()
@@ -160,7 +162,9 @@ def run_calibration(args: argparse.Namespace) -> None:
     print(f"wrote {args.calibrate}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, *, step_seconds: StepSeconds | None = None) -> None:
+    """``qn-hf-plan`` (``qn_hf.check.steps.main`` passes ``step_seconds``, which ``--calibrate`` uses to
+    measure qn_hf's host work; without it the calibration leaves that out)."""
     parser = argparse.ArgumentParser(prog="qn-hf-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", nargs="?", help="Hugging Face model directory or config.json (not with --calibrate)")
     parser.add_argument("--gpus", type=int, help="GPUs in the job (with --dp/--tp/--pp/--cp: must equal their product)")
@@ -221,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--calibrate measures this machine, not a model: give it without {args.model}")
         if args.calibrate_ranks < 1:
             parser.error(f"--calibrate-ranks={args.calibrate_ranks} must be at least 1")
-        run_calibration(args)
+        run_calibration(args, step_seconds)
         return
     if args.model is None:
         parser.error("the following arguments are required: model")

@@ -8,16 +8,16 @@ this project's VM a 4-layer Llama of hidden 32 measured 16.7 ms a step at dp=2 w
 and transfers priced 6.3, and 46 against 13 ms at tp=2: small models are mostly this work.
 
 Measured by running them: each mechanism at degree 2 (dp over the rest of the world) on a tiny
-model, ``WARMUP`` untimed steps and the median of ``STEPS`` (each the slowest rank's), against what
-the time model predicts for it from the calibration's other figures. The residual of plain dp is
+model (``step_seconds``, the caller's: ``qn_hf.check.steps.tiny_step_seconds`` runs ``parallelize``, which
+the planner sits below), against what the time model predicts for it from the calibration's other
+figures. The residual of plain dp is
 the step's overhead; each mechanism's residual beyond it, over the calls the estimate counts for
 its group, is that group's overhead per call (an MoE's ep against the same MoE at plain dp).
 """
 
 from __future__ import annotations
 
-import statistics
-import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -26,8 +26,7 @@ from ..config.dims import Axis
 from .calibration import Calibration
 
 STEP = "step"
-WARMUP, STEPS = 2, 5
-GLOBAL_BATCH, SEQ = 8, 16
+GLOBAL_BATCH, SEQ = 8, 16  # a step's sequences and their tokens (the runner slices each dp rank's)
 DENSE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2,
              vocab_size=64, max_position_embeddings=32, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
 MOE = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
@@ -43,41 +42,15 @@ def _config(kind: str):
     return LlamaConfig(**DENSE) if kind == "dense" else Qwen3MoeConfig(**MOE)
 
 
-def _step_seconds(kind: str, parallel, device: torch.device) -> float:
-    """The median step (``train_step`` and AdamW's step) of the tiny model under ``parallel``, the
-    slowest rank's each time."""
-    from transformers import AutoModelForCausalLM
-
-    import qn_hf
-
-    torch.manual_seed(0)
-    pm = qn_hf.parallelize(AutoModelForCausalLM.from_config(_config(kind)).float(), parallel, device=device)
-    opt = qn_hf.optimizer(pm, torch.optim.AdamW, lr=1e-4)
-    rows = GLOBAL_BATCH // parallel.dims.dp
-    seconds = []
-    try:
-        for step in range(WARMUP + STEPS):
-            ids = torch.randint(0, DENSE["vocab_size"], (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(step))
-            ids = ids[pm.coords["dp"] * rows:(pm.coords["dp"] + 1) * rows].to(device)
-            dist.barrier()
-            start = time.perf_counter()
-            opt.zero_grad()
-            pm.train_step({"input_ids": ids, "labels": ids.clone()})
-            opt.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if step >= WARMUP:
-                seconds.append(elapsed.item())
-    finally:
-        pm.close()
-    return statistics.median(seconds)
+# (the model's config, the configuration, the device) -> the median seconds of a step: ``parallelize``
+# lives above the planner, so the runner comes from its caller (qn_hf.check.steps.tiny_step_seconds)
+StepSeconds = Callable[[object, object, torch.device], float]
 
 
-def measure_overheads(cal: Calibration, device: torch.device) -> dict[str, float]:
+def measure_overheads(cal: Calibration, device: torch.device, *, step_seconds: StepSeconds) -> dict[str, float]:
     """Seconds of host work once a step (``STEP``) and per call of each group (module docstring),
-    never below zero; the same on every rank. At an odd world size only the step's is measured."""
+    never below zero; the same on every rank (``step_seconds`` returns the slowest rank's). At an
+    odd world size only the step's is measured."""
     from qn_hf.config.parallel_config import ParallelConfig
 
     from .cost import Hardware, step_time
@@ -90,7 +63,7 @@ def measure_overheads(cal: Calibration, device: torch.device) -> dict[str, float
         micro_batch_size = GLOBAL_BATCH // degrees.get("dp", 1) // degrees.get("microbatches", 1)
         parallel = ParallelConfig(**degrees)
         est = Planner(_config(kind), seq_len=SEQ, micro_batch_size=micro_batch_size).estimate(parallel)
-        return _step_seconds(kind, parallel, device) - step_time(est, hw, cal).seconds, est
+        return step_seconds(_config(kind), parallel, device) - step_time(est, hw, cal).seconds, est
 
     base = {"dense": residual("dense", dp=world)[0]}
     out = {STEP: max(base["dense"], 0.0)}
