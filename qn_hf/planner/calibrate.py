@@ -18,8 +18,8 @@ MAX (a collective ends when its slowest rank does), so every rank returns the sa
 - collectives: groups laid out as a mesh lays out an axis (``layouts``), all of a layout's groups
   at once; payloads as ``CommMeter`` counts them, a least-squares line through them.
 - overlap: a compute loop, an all-reduce about as long, and both at once.
-- waits: a one-float all-reduce after compute segments of several lengths, against the same
-  compute without it: how long ranks that drift apart over a segment wait for each other at a
+- waits: the time spent inside a one-float all-reduce after compute segments of several lengths,
+  less its aligned time: how long ranks that drift apart over a segment wait for each other at a
   blocking exchange (exchange_timing.py).
 - optimizer: AdamW's step over many small parameters and over a few large ones, a line through
   the two (latency per tensor, bytes of state per second).

@@ -15,7 +15,7 @@ ranks on that kind of link, so ring factors are in the measured rate rather than
 ``waits`` is what a blocking exchange costs beyond its transfer when it follows compute: the ranks
 do not arrive together (a shared host's jitter, a device's clock), and the earlier waits for the
 later; measured after compute segments of several lengths, since the spread grows with the
-compute since the last exchange (``waits.py``).
+compute since the last exchange (``exchange_timing.py``).
 
 ``overlap`` is the share of an asynchronous collective's time that compute running meanwhile hides,
 as measured on this backend (NCCL's own stream: nearly all; gloo's threads on the cores the

@@ -195,9 +195,9 @@ def _waits(est: MeshEstimate, s: StageEstimate, cal: Calibration, sizes: dict[st
     loss); each waits as after an even share of the compute."""
     if cal.waits is None or est.world_size == 1:
         return 0.0, 0.0
-    per_microbatch = sum(s.comm[g].calls / (2 if g in (Axis.PP, Axis.CP) else 1)
-                         for g in _MICROBATCH_GROUPS if g in s.comm and sizes.get(g, 1) > 1) / est.microbatches
-    per_step = 1 + (sum(s.comm[g].calls for g in _FSDP if g in s.comm) if est.dp_shard > 1 else 0)
+    per_microbatch = sum(calls / (2 if g in (Axis.PP, Axis.CP) else 1)
+                         for g, calls in _microbatch_calls(s, sizes)) / est.microbatches
+    per_step = 1 + _fsdp_calls(est, s)
     exchanges = per_microbatch * est.microbatches + per_step
     each = cal.waits.wait(compute * est.microbatches / exchanges)
     return per_microbatch * each, per_step * each
@@ -208,10 +208,20 @@ def _host(est: MeshEstimate, s: StageEstimate, cal: Calibration, sizes: dict[str
     cp, ep and pp groups; once a step's, the step's own and FSDP's per call)."""
     if not cal.overheads or est.world_size == 1:
         return 0.0, cal.overheads.get("step", 0.0)
-    per_microbatch = sum(cal.overheads.get(str(g), 0.0) * s.comm[g].calls
-                         for g in _MICROBATCH_GROUPS if g in s.comm and sizes.get(g, 1) > 1) / est.microbatches
-    fsdp = sum(s.comm[g].calls for g in _FSDP if g in s.comm) if est.dp_shard > 1 else 0
-    return per_microbatch, cal.overheads.get("step", 0.0) + cal.overheads.get(str(Axis.DP_SHARD), 0.0) * fsdp
+    per_microbatch = sum(cal.overheads.get(str(g), 0.0) * calls
+                         for g, calls in _microbatch_calls(s, sizes)) / est.microbatches
+    return per_microbatch, (cal.overheads.get("step", 0.0)
+                            + cal.overheads.get(str(Axis.DP_SHARD), 0.0) * _fsdp_calls(est, s))
+
+
+def _microbatch_calls(s: StageEstimate, sizes: dict[str, int]) -> list[tuple[str, int]]:
+    """Stage ``s``'s step's calls of each group it runs per microbatch (tp, cp, ep, pp) over more than one rank."""
+    return [(g, s.comm[g].calls) for g in _MICROBATCH_GROUPS if g in s.comm and sizes.get(g, 1) > 1]
+
+
+def _fsdp_calls(est: MeshEstimate, s: StageEstimate) -> int:
+    """Stage ``s``'s FSDP gathers and reductions in a step (none without dp_shard)."""
+    return sum(s.comm[g].calls for g in _FSDP if g in s.comm) if est.dp_shard > 1 else 0
 
 
 def step_time(est: MeshEstimate, hw: Hardware, calibration: Calibration | None = None) -> StepTime:
@@ -238,13 +248,12 @@ def step_time(est: MeshEstimate, hw: Hardware, calibration: Calibration | None =
         h, once_h = _host(est, s, cal, sizes)
         step_waits.append(once_w)
         step_host.append(once_h)
-        w += h  # reported with the waits: time at an exchange that is neither compute nor transfer
-        costs.append(op_costs(compute=plain, weight=weight, comm=t + r + p + e + w, recompute=est.recompute,
+        costs.append(op_costs(compute=plain, weight=weight, comm=t + r + p + e + w + h, recompute=est.recompute,
                               schedule=est.schedule, virtual_stages=est.virtual_stages, redone=redo))
-        if c + t + r + p + e + w > slowest:
-            slowest, compute_mb, tp_mb, cp_mb, pp_mb, ep_mb, wait_mb = c + t + r + p + e + w, c, t, r, p, e, w
-            host_mb = h
-            backward_mb = c - plain / 3 + (t + r + e + w) / 2
+        if c + t + r + p + e + w + h > slowest:
+            slowest, compute_mb, tp_mb, cp_mb, pp_mb, ep_mb = c + t + r + p + e + w + h, c, t, r, p, e
+            wait_mb, host_mb = w, h
+            backward_mb = c - plain / 3 + (t + r + e + w + h) / 2
     # each stage at its own costs: an unbalanced cut (the head on the last stage) waits where it does
     timing = pipeline_timing(stages=est.pp, microbatches=est.microbatches, schedule=est.schedule,
                              virtual_stages=est.virtual_stages, costs=costs)
@@ -269,7 +278,7 @@ def step_time(est: MeshEstimate, hw: Hardware, calibration: Calibration | None =
     return StepTime(seconds=total, compute=rounds * compute_mb, tp=rounds * tp_mb, pp=rounds * pp_mb, dp=dp,
                     cp=rounds * cp_mb, tokens_per_s=global_tokens / total,
                     utilization=est.flops_per_step / total / (est.world_size * peak), ep=rounds * ep_mb,
-                    optimizer=optimizer, wait=rounds * (wait_mb - host_mb) + step_wait,
+                    optimizer=optimizer, wait=rounds * wait_mb + step_wait,
                     host=rounds * host_mb + step_h,
                     assumed=cal.assumed + ((NO_WAITS,) if cal.waits is None and est.world_size > 1
                                            and NO_WAITS not in cal.assumed else ())
