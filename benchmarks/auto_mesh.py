@@ -32,7 +32,6 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
 
 from qn_hf.local_world import LocalWorld
 
@@ -69,6 +68,7 @@ def _calibrate(*, quick: bool) -> dict:
 def _measure(*, kind: str, keywords: list[dict], rounds: int, steps: int) -> list[list[float]]:
     """Every configuration's median step seconds per round, alternating (module docstring)."""
     import qn_hf
+    from qn_hf.check.steps import median_step_seconds
 
     vocab = (DENSE if kind == "dense" else MOE)["vocab_size"]
     times: list[list[float]] = [[] for _ in keywords]
@@ -76,21 +76,8 @@ def _measure(*, kind: str, keywords: list[dict], rounds: int, steps: int) -> lis
         for i, kw in enumerate(keywords):
             pm = qn_hf.parallelize(build_model(kind), qn_hf.ParallelConfig(**kw))
             opt = qn_hf.optimizer(pm, torch.optim.AdamW, lr=1e-4)
-            rows = GLOBAL_BATCH // pm.parallel_config.dims.dp
-            seconds = []
-            for step in range(WARMUP + steps):
-                ids = _batch(step, vocab)[pm.coords["dp"] * rows:(pm.coords["dp"] + 1) * rows]
-                dist.barrier()
-                start = time.perf_counter()
-                opt.zero_grad()
-                pm.train_step({"input_ids": ids, "labels": ids.clone()})
-                opt.step()
-                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step ends when its slowest rank does
-                if step >= WARMUP:
-                    seconds.append(elapsed.item())
+            times[i].append(median_step_seconds(pm, opt, lambda step: _batch(step, vocab), warmup=WARMUP, steps=steps))
             pm.close()
-            times[i].append(statistics.median(seconds))
     return times
 
 
