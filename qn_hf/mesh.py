@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 
@@ -84,10 +85,40 @@ def init_distributed(*, device: torch.device, timeout: datetime.timedelta) -> No
     # device_id binds the group to this rank's GPU at creation (eager NCCL init, no device guessing)
     bound = {"device_id": device} if device.type == "cuda" else {}
     if "MASTER_ADDR" in os.environ and "RANK" in os.environ:
+        store = _restart_store(timeout)
+        if store is not None:
+            dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), **bound)
+            return
         dist.init_process_group(backend=backend, timeout=timeout, **bound)
         return
     dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_local_port()}", rank=0, world_size=1,
                             timeout=timeout, **bound)
+
+
+def _restart_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """The rendezvous store of this attempt of a torchrun job, where torchrun's agent keeps one store for
+    every attempt (None: the launcher's own rendezvous serves).
+
+    torchrun's agent hosts the TCP store at MASTER_ADDR:MASTER_PORT once and keeps it when
+    ``--max-restarts`` restarts the workers; ``init_process_group`` only prefixes it with the group's
+    name, so a restarted worker can read the dead workers' addresses and gloo fails ("Connection
+    refused") or hangs (torch 2.11 and 2.13; pytorch/pytorch#135712). Keys under the attempt's number
+    (TORCHELASTIC_RESTART_COUNT) are this attempt's alone. The count is per agent and a membership
+    change does not raise it, so this serves one node; several nodes rendezvous with c10d and
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, where rank 0 hosts a new store each attempt (docs/elastic.md).
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    one_node = os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
+    if attempt is not None and shared and not one_node and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        warnings.warn("torchrun restarts these workers over several nodes on the agent's store, where a restarted "
+                      "worker can read the previous attempt's addresses and hang; launch with "
+                      "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and --rdzv-backend c10d (docs/elastic.md)", stacklevel=3)
+    if attempt is None or not shared or not one_node:
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"qn_hf/attempt_{attempt}", client)
 
 
 def build_mesh(dims: ParallelDims, *, device: torch.device, timeout: datetime.timedelta | None = None) -> DeviceMesh:

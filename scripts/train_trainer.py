@@ -24,6 +24,7 @@ import transformers
 
 import qn_hf
 from qn_hf.arguments import plural
+from qn_hf.integrations.hf_trainer.trainer import last_complete_checkpoint
 from qn_hf.training.presets import lm_preset
 
 VOCAB, EOS = 257, 256  # bytes, and 256 ends a document
@@ -48,6 +49,9 @@ def main() -> None:
     parser.add_argument("--save-steps", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", default="runs/trainer")
+    parser.add_argument("--no-resume", dest="resume", action="store_false",
+                        help="start over, even where --output-dir holds checkpoints (by default the newest complete "
+                             "one is resumed, so torchrun --max-restarts reruns this command unchanged)")
     opts = parser.parse_args()
     transformers.logging.set_verbosity_error()
     datasets.disable_progress_bars()
@@ -70,7 +74,8 @@ def main() -> None:
         eval_dataset=byte_blocks(seq_len=opts.seq_len, rows=2 * opts.batch_size * dp, skip=global_batch * opts.steps),
         parallel=dict(dp=dp, tp=tp, pp=pp, microbatches=opts.microbatches),
     )
-    trainer.train()
+    # The newest checkpoint a save finished, at this mesh or another of the same world size
+    trainer.train(resume_from_checkpoint=last_complete_checkpoint(opts.output_dir) if opts.resume else None)
     evaluation = trainer.evaluate()
     trainer.save_model(os.path.join(opts.output_dir, "model"))
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]

@@ -296,6 +296,21 @@ def test_trainer_script_under_both_launchers(tmp_path, launcher):
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
     assert model.config.model_type == "llama"
 
+    # What a restart resumes from: the newest checkpoint whose save finished, not a half-written one
+    from qn_hf.integrations.hf_trainer.trainer import last_complete_checkpoint
+
+    assert last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-6")
+    (tmp_path / "checkpoint-6" / "trainer_state.json").unlink()  # killed before Trainer wrote its state
+    assert last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-3")
+    if launcher == "torchrun":  # the same command again, as torchrun --max-restarts runs it: steps 4-6 from step 3's
+        again = launch(launcher, "train_trainer.py", ["--steps", "6", "--save-steps", "3", "--output-dir", str(tmp_path)])
+        ok(again)
+        assert re.search(r"done: mesh dp=2 tp=1 pp=2, 6 steps, loss \S+ -> (\S+),", again.stdout)[1] == line[2]
+        assert last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-6")
+        (tmp_path / "checkpoint-6" / "trainer_state.json").unlink()
+    (tmp_path / "checkpoint-3" / "sharded" / "latest").write_text('"ckpt-000009"')  # names nothing
+    assert last_complete_checkpoint(str(tmp_path)) is None
+
 
 def test_trl_sft_trainer_through_the_mixin(worlds, tmp_path):
     """class ParallelSFT(qn_hf.ParallelTrainerMixin, trl.SFTTrainer) at (dp, tp, pp) = (2, 1, 2) equals TRL's

@@ -32,8 +32,8 @@ def test_help_shows_the_defaults_the_script_uses(task):
     cfg = load_config(parser.parse_args([]))
     shown = 0
     for action in parser._actions:  # argparse keeps no public list of options
-        if not action.option_strings or action.dest in ("help", "config"):
-            continue
+        if not action.option_strings or action.dest in ("help", "config") or action.option_strings == ["--no-resume"]:
+            continue  # --no-resume: the other spelling of --resume, whose help shows the default
         match = re.search(r"\(default (.*)\)$", action.help or "")
         if match:
             shown += 1
@@ -46,11 +46,19 @@ def test_help_shows_the_defaults_the_script_uses(task):
     assert model_help.endswith("a preset: " + presets), model_help
 
 
-def test_resume_flag_alone_means_latest():
+def test_resume_is_the_default_and_no_resume_starts_over(tmp_path):
+    """The command that started a job restarts it (torchrun --max-restarts reruns it unchanged): it resumes
+    from the newest complete checkpoint when there is one; --no-resume (YAML resume: null) starts over."""
     parser = build_parser(task="lm", description="")
+    assert load_config(parser.parse_args([])).resume == "latest"
     assert load_config(parser.parse_args(["--resume"])).resume == "latest"
     assert load_config(parser.parse_args(["--resume", "ck/ckpt-000002"])).resume == "ck/ckpt-000002"
-    assert load_config(parser.parse_args([])).resume is None
+    assert load_config(parser.parse_args(["--no-resume"])).resume is None
+    path = tmp_path / "run.yaml"
+    path.write_text("resume: null\n")
+    assert load_config(parser.parse_args(["--config", str(path)])).resume is None
+    assert load_config(parser.parse_args(["--config", str(path), "--resume"])).resume == "latest"  # command line wins
+    assert load_config(parser.parse_args(["--async-save"])).async_save is True
 
 
 @pytest.mark.parametrize("text, message", [

@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..arguments import unknown_keywords
+from ..checkpoint.background import BackgroundSaves
 from ..config.composition import Feature
 from ..config.dims import ParallelDims
 from ..config.options import DEFAULT_BUCKET_MB
@@ -200,7 +201,7 @@ def _parallelize(model: nn.Module, config: ParallelConfig, *, adapter: Adapter |
                      expert_buckets=grad_buckets(model, build.placement, config.bucket_mb, experts=True))
     pm = ParallelModel(context=context, grads=grads, rng=build.rng, scaler=scaler,
                        deferred=frozenset(build.deferred), adapter=adapter, switches=(build.sp_switch, build.ring_switch),
-                       sharded=build.sharded)
+                       sharded=build.sharded, saves=BackgroundSaves(timeout=timeout))
     pm.check_composes_with()  # refused above already; this warns (rank 0) about pairs no test compares yet
     if checkpoint is not None:
         pm.load_checkpoint(checkpoint)

@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from ..arguments import check_non_negative_int, check_positive_int
 from ..comm import barrier
@@ -30,6 +31,7 @@ from ..placement import Held, ShardPlacement
 from ..tensor_parallel.shard import ShardSpec
 from ..version import __version__
 from .atomic import fresh_dir, give_plain_mode
+from .background import BackgroundSaves, HostCopies, agree
 from .files import PARTIAL, file_digest, fsync_file, prune, publish, write_json
 from .format import INDEX, CheckpointError, boxes, dtype_name, global_shape, new_index, optimizer_key, shard_file
 from .hf import generation_config_of, recorded_config
@@ -43,59 +45,114 @@ from .seal import write_index
 def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, config,
                     optimizer: torch.optim.Optimizer | None = None, step: int | None = None,
                     virtual_stages: int = 1, keep_last: int | None = None, scaler: LossScaler | None = None,
-                    roots: HeldDirectories | None = None) -> str:
+                    roots: HeldDirectories | None = None, background: BackgroundSaves | None = None) -> str:
     """Write a checkpoint of ``module``'s shard on every rank (and ``optimizer``'s state, and float16's
     loss ``scaler``) under ``path``; return its directory. ``config`` is the whole model's config;
     ``virtual_stages`` is recorded in the index's mesh (informational: files are per pp rank and loading
     goes by name). Other checkpoints under ``path`` stay, unless ``keep_last`` asks to remove all but the
     newest ``keep_last`` once this one is published (``prune``). Rank 0 holds ``path`` (``lock.py``) in
     the job's ``roots`` from its first save on, so that another job saving there is refused; without
-    ``roots``, for this save only."""
+    ``roots``, for this save only. With ``background`` (no save of it in flight), this rank's shards
+    are copied to host memory and written by its thread (``background.py``): the directory returned
+    is published when ``background.wait()`` returns."""
     if step is not None:
         check_non_negative_int("step", step, what="the training step the checkpoint holds")
     if keep_last is not None:
         check_positive_int("keep_last", keep_last, fix="how many of the newest checkpoints to keep")
     own = roots is None
     roots = HeldDirectories() if own else roots
+    released_by_writer = False
     try:
         final = os.path.join(path, _choose(path, step=step, placement=placement, roots=roots))
-        partial = final + PARTIAL
-        if dist.get_rank() == 0:
-            fresh_dir(partial)
-        barrier(placement.device)
-
         view = optimizer_view(optimizer) if optimizer is not None else None
-        if placement.may_write(pieces=view is not None and bool(view.split_params)):
-            write_shard(module, placement, view, partial)
-        barrier(placement.device)
-        if dist.get_rank() == 0:
-            dims = placement.dims
-            mesh = {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, **({"cp": dims.cp} if dims.cp > 1 else {}),
-                    **({"ep": dims.ep} if dims.ep > 1 else {}),
-                    **({"dp_shard": dims.dp_shard} if dims.dp_shard > 1 else {}),
-                    **({"virtual_stages": virtual_stages} if virtual_stages > 1 else {})}
-            index = new_index(library_version=__version__, step=step, mesh=mesh, config=recorded_config(config, module),
-                              tensors={}, optimizer=None, files={}, generation_config=generation_config_of(module),
-                              loss_scaler=scaler.state() if scaler is not None else None)
-            for meta_name in sorted(n for n in os.listdir(partial) if n.endswith(".json")):
-                with open(os.path.join(partial, meta_name)) as f:
-                    meta = json.load(f)
-                for name, entry in meta["tensors"].items():  # tp ranks each bring their pieces of a tensor
-                    into = index["tensors"].setdefault(name, {**entry, "pieces": []})
-                    into["pieces"] = into["pieces"] + entry["pieces"]
-                if meta["optimizer"] is not None:
-                    index["optimizer"] = merge_groups(index["optimizer"], meta["optimizer"])
-                index["files"].update(meta.get("files", {}))
-                os.unlink(os.path.join(partial, meta_name))
-            write_index(index, os.path.join(partial, INDEX))
-            publish(partial, final)
-            if keep_last is not None:
-                prune(path, keep_last=keep_last)
-        barrier(placement.device)
+        writes = placement.may_write(pieces=view is not None and bool(view.split_params))
+        # What rank 0 indexes besides the shards, taken now: the writer must not read the live model
+        header = _header(module, placement, config, step=step, virtual_stages=virtual_stages,
+                         scaler=scaler) if dist.get_rank() == 0 else None
+        if background is None:
+            files = (lambda directory: write_shard(module, placement, view, directory)) if writes else None
+            _write(final, files, header, keep_last=keep_last, device=placement.device, group=None)
+            return final
+        group = background.group()
+        snapshot = shard_snapshot(module, placement, view, copies=background.copies) if writes else None
+
+        def write() -> None:
+            try:
+                background.copies.ready()
+                _write(final, snapshot.write if snapshot is not None else None, header, keep_last=keep_last,
+                       device=placement.device, group=group)
+            finally:
+                if own:
+                    roots.release()
+
+        background.start(write, path=final)
+        released_by_writer = True
         return final
     finally:
-        if own:
+        if own and not released_by_writer:
             roots.release()
+
+
+def _header(module: nn.Module, placement: ShardPlacement, config, *, step: int | None, virtual_stages: int,
+            scaler: LossScaler | None) -> dict:
+    """The index without its shards' entries (rank 0 merges those in once every rank has written)."""
+    dims = placement.dims
+    mesh = {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, **({"cp": dims.cp} if dims.cp > 1 else {}),
+            **({"ep": dims.ep} if dims.ep > 1 else {}),
+            **({"dp_shard": dims.dp_shard} if dims.dp_shard > 1 else {}),
+            **({"virtual_stages": virtual_stages} if virtual_stages > 1 else {})}
+    return new_index(library_version=__version__, step=step, mesh=mesh, config=recorded_config(config, module),
+                     tensors={}, optimizer=None, files={}, generation_config=generation_config_of(module),
+                     loss_scaler=scaler.state() if scaler is not None else None)
+
+
+def _write(final: str, files: Callable[[str], None] | None, header: dict | None, *, keep_last: int | None,
+           device: torch.device, group: ProcessGroup | None) -> None:
+    """Write ``final`` as ``final.partial`` (this rank's ``files``), then rank 0 indexes and publishes it.
+
+    Synchronous (``group`` None): the ranks meet at world barriers and a rank's error is raised there
+    (the model's FailTogether guard stops the others). From the writer threads (``group``: theirs):
+    every step's outcome is agreed, so every rank raises the same error and none waits on a failed one.
+    """
+    partial = final + PARTIAL
+
+    def meet(step: Callable[[], None] | None, what: str) -> None:
+        error = None
+        try:
+            if step is not None:
+                step()
+        except Exception as e:
+            if group is None:
+                raise
+            error = e
+        if group is None:
+            barrier(device)
+        else:
+            agree(error, group=group, what=what)
+
+    rank0 = dist.get_rank() == 0
+    meet((lambda: fresh_dir(partial)) if rank0 else None, f"preparing {partial}")
+    meet((lambda: files(partial)) if files is not None else None, f"writing the shards of {final}")
+    meet((lambda: _publish(header, partial, final, keep_last=keep_last)) if rank0 else None, f"publishing {final}")
+
+
+def _publish(index: dict, partial: str, final: str, *, keep_last: int | None) -> None:
+    """Rank 0: merge every rank's entries into the index, seal it, rename the directory, repoint ``latest``."""
+    index = json.loads(json.dumps(index))  # a copy: the header may serve again
+    for meta_name in sorted(n for n in os.listdir(partial) if n.endswith(".json")):
+        with open(os.path.join(partial, meta_name)) as f:
+            meta = json.load(f)
+        for name, entry in meta["tensors"].items():  # tp ranks each bring their pieces of a tensor
+            into = index["tensors"].setdefault(name, {**entry, "pieces": []})
+            into["pieces"] = into["pieces"] + entry["pieces"]
+        if meta["optimizer"] is not None:
+            index["optimizer"] = merge_groups(index["optimizer"], meta["optimizer"])
+        index["files"].update(meta.get("files", {}))
+        os.unlink(os.path.join(partial, meta_name))
+    write_index(index, os.path.join(partial, INDEX))
+    publish(partial, final)
+    if keep_last is not None:
+        prune(os.path.dirname(final), keep_last=keep_last)
 
 
 ROOT_PURPOSE = "saving checkpoints (pm.save_checkpoint)"
@@ -204,8 +261,33 @@ def _row_entries(name: str, p: torch.Tensor, rows: tuple[int, int], placement: S
 # (a diverged run) never takes the last good state with it.
 DEFAULT_KEEP_LAST = 3
 
-def write_shard(module: nn.Module, placement: ShardPlacement, view: OptimizerView | None, directory: str) -> None:
-    """This rank's file and the JSON of its entries (merged into the index by rank 0)."""
+@dataclass(frozen=True)
+class ShardSnapshot:
+    """This rank's file of a checkpoint, in host memory: its tensors by key, their index entries and
+    the optimizer's parameter groups, ready to be written without reading the model again."""
+
+    file: str
+    tensors: dict[str, torch.Tensor]
+    entries: dict[str, dict]
+    groups: list | None
+
+    def write(self, directory: str) -> None:
+        """This rank's file and the JSON of its entries (merged into the index by rank 0)."""
+        written = {}
+        if self.tensors:  # a rank whose every piece another holds (a dp_shard group's replica) writes no empty file
+            path = os.path.join(directory, self.file)
+            save_file(self.tensors, path, metadata={"format": "pt"})
+            give_plain_mode(path)  # safetensors creates it owner-only
+            fsync_file(path)
+            written = {self.file: file_digest(path)}
+        write_json({"tensors": self.entries, "optimizer": self.groups, "files": written},
+                   os.path.join(directory, self.file.removesuffix(".safetensors") + ".json"))
+
+
+def shard_snapshot(module: nn.Module, placement: ShardPlacement, view: OptimizerView | None, *,
+                   copies: HostCopies | None = None) -> ShardSnapshot:
+    """What this rank writes: host copies of its pieces (into ``copies``' reused buffers, which the
+    training may not overwrite; without, ``.to("cpu")``, which on CPU is the live tensor)."""
     coords = placement.coords
     file = shard_file(coords.pp, coords.tp, placement.replica_rank)
     tensors: dict[str, torch.Tensor] = {}
@@ -216,19 +298,19 @@ def write_shard(module: nn.Module, placement: ShardPlacement, view: OptimizerVie
         pieces = []
         for i, (box, piece) in enumerate(_pieces(t, placement.shard_rank(t.spec))):
             key = f"{t.name}#{i}" if t.whole else f"{t.name}#dp{placement.replica_rank}.{i}"
-            tensors[key] = piece.to("cpu").contiguous()
+            tensors[key] = copies.copy(key, piece) if copies is not None else piece.to("cpu").contiguous()
             pieces.append({"file": file, "key": key, "box": box})
         entries[t.name] = {"shape": global_shape(t.shape, t.spec), "dtype": dtype_name(t.values.dtype),
                            "pieces": pieces}
+    if copies is not None:
+        copies.forget(set(tensors))
     groups = optimizer_groups(module, placement, view) if view is not None else None
-    written = {}
-    if tensors:  # a rank whose every piece another holds (a dp_shard group's replica) writes no empty file
-        save_file(tensors, os.path.join(directory, file), metadata={"format": "pt"})
-        give_plain_mode(os.path.join(directory, file))  # safetensors creates it owner-only
-        fsync_file(os.path.join(directory, file))
-        written = {file: file_digest(os.path.join(directory, file))}
-    write_json({"tensors": entries, "optimizer": groups, "files": written},
-               os.path.join(directory, file.removesuffix(".safetensors") + ".json"))
+    return ShardSnapshot(file, tensors, entries, groups)
+
+
+def write_shard(module: nn.Module, placement: ShardPlacement, view: OptimizerView | None, directory: str) -> None:
+    """This rank's file and the JSON of its entries, written now (a synchronous save)."""
+    shard_snapshot(module, placement, view).write(directory)
 
 
 def _pieces(t: LocalTensor, shard_rank: int) -> list[tuple[list[list[int]], torch.Tensor]]:

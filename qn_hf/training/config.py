@@ -71,7 +71,10 @@ class TrainConfig:
     save_every: int = 0  # 0: only at the end (and at --stop-after)
     keep_last: int = 3  # checkpoints kept: the newest N (a bad save never takes the last good state)
     stop_after: int | None = None  # stop (with a checkpoint) after this step, as if interrupted
-    resume: str | None = None  # "latest" (this output_dir's checkpoints) or a checkpoint path
+    # "latest": the newest complete checkpoint in output_dir's, when there is one (a restarted job
+    # continues with the command that started it); a checkpoint path; None (--no-resume): start over
+    resume: str | None = "latest"
+    async_save: bool = False  # checkpoints written by a background thread while training goes on
     output_dir: str = "runs/train"
     export: bool = True  # save_pretrained the trained model into output_dir/model
     seed: int = 0
@@ -174,7 +177,10 @@ _HELP = {
     "save_every": "write a sharded checkpoint every N steps (0: only at the end)",
     "keep_last": "keep the newest N checkpoints, removing older ones after each save",
     "stop_after": "stop after this step with a checkpoint, as if interrupted (the LR schedule still spans --steps)",
-    "resume": "resume from the latest checkpoint in --output-dir (flag alone) or from a checkpoint path",
+    "resume": "resume from the newest complete checkpoint in --output-dir (the default, when there is one) or from "
+    "a checkpoint path; --no-resume starts over",
+    "async_save": "write checkpoints from a background thread: a save copies this rank's shards to host memory and "
+    "training goes on (one save in flight; a kill mid-write keeps the previous checkpoint)",
     "timeline_step": "record this step's pipeline timeline as timeline.png (default: step 3 when pp > 1; 0: never)",
     "timeout_s": "seconds any collective may wait before the job fails",
 }
@@ -201,6 +207,8 @@ def build_parser(*, task: str, description: str) -> argparse.ArgumentParser:
             parser.add_argument(flag, nargs="+", help=helptext)
         elif name == "resume":
             parser.add_argument(flag, nargs="?", const="latest", help=helptext)
+            parser.add_argument("--no-resume", dest=name, action="store_const", const=None,
+                                help="start over, even where --output-dir holds checkpoints")
         elif kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=helptext)
         else:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ..arguments import plural
 from ..build.parallelize import parallelize
-from ..checkpoint import checkpoint_dir
+from ..checkpoint import checkpoint_dir, read_index
 from ..checkpoint.atomic import write_text_atomic
 from ..checkpoint.lock import DirectoryInUse, HeldDirectory, hold_directory
 from ..config.dims import ParallelDims
@@ -40,7 +40,7 @@ from ..mesh import init_distributed, launched_world_size
 from ..parallel_model import ParallelModel, optimizer
 from ..planner.auto import Choice, auto_choice
 from ..planner.calibration import Calibration
-from .config import TrainConfig, default_microbatches, effective_yaml
+from .config import AUTO, TrainConfig, default_microbatches, effective_yaml
 from .errors import UsageError
 from .lr import warmup_cosine
 from .metrics import MetricsLog, Progress
@@ -58,12 +58,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     task = TASK_TYPES[cfg.task]()
     world = launched_world_size()
     calibration = _calibration(cfg)
+    resume_from = _resume_path(cfg)
+    cfg, moved = _moved(cfg, resume_from=resume_from, world=world)
     if not cfg.auto:  # else chosen once the model is built (_choose)
         cfg, parallel = _explicit(cfg, world=world)
     model_dir = model_directory(cfg.model)
     task.check(cfg, model_dir)
     _check_output_dir(cfg.output_dir)
-    resume_from = _resume_path(cfg)
 
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))  # no oversubscribed cores
@@ -111,6 +112,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     progress.say(f"data: {prepared.description}")
     if start:
         progress.say(f"resumed from {resume_from} at step {start}")
+    if moved is not None:
+        progress.say(f"{moved}; now at mesh {mesh_words(parallel)}"
+                     + (" (chosen by the planner)" if choice is not None else ""))
 
     sampler = GlobalBatches(examples=len(prepared.train), batch_size=cfg.batch_size, seed=cfg.seed)
     timeline_step = cfg.timeline_step if cfg.timeline_step is not None else (min(3, cfg.steps) if dims.pp > 1 else 0)
@@ -135,6 +139,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             # it was saved) gave these numbers, so it is set aside; float16 skips a step whose
             # gradients overflowed (the loss scale shrinks) instead.
             log.append({"step": step, "loss": loss_value, "lr": lr, "grad_norm": norm_value, "diverged": True})
+            pm.wait_checkpoint()  # the checkpoint set aside must be whole first
             raise UsageError(_diverged(step, loss=loss_value, norm=norm_value, good=retention.fall_back(),
                                        root=cfg.checkpoint_root))
         retention.vouched()  # finite from the current weights: the checkpoints saved so far are good
@@ -148,13 +153,18 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             record.update(task.evaluate(pm, prepared.val, cfg=cfg))
             progress.say("step {step}: ".format(**record) + ", ".join(
                 f"{k} {v:.4f}" for k, v in record.items() if k.startswith("val_")))
+        if (cfg.save_every and step % cfg.save_every == 0) or step == last:
+            # Pruned by retention once a later step vouches for this one, never here (retention.py).
+            # Asynchronous: published while the next steps run (pruning never touches a save in flight)
+            saving = time.perf_counter()
+            saved = pm.save_checkpoint(cfg.checkpoint_root, optimizer=optimizer, step=step, keep_last=None,
+                                       asynchronous=cfg.async_save)
+            record["checkpoint_s"] = time.perf_counter() - saving  # how long the save held training
+            retention.saved(saved)
+            progress.say(f"step {step}: checkpoint {saved}" + (" (writing in the background)" if cfg.async_save else ""))
         log.append(record)
         progress.update(record)
-        if (cfg.save_every and step % cfg.save_every == 0) or step == last:
-            # Pruned by retention once a later step vouches for this one, never here (retention.py)
-            saved = pm.save_checkpoint(cfg.checkpoint_root, optimizer=optimizer, step=step, keep_last=None)
-            retention.saved(saved)
-            progress.say(f"step {step}: checkpoint {saved}")
+    pm.wait_checkpoint()  # the last checkpoint published before the run says it is done
     progress.close()
 
     if cfg.export and last == cfg.steps and start < cfg.steps:
@@ -270,6 +280,32 @@ def _hold_output_dir(cfg: TrainConfig) -> HeldDirectory | None:
     if refusal[0] is not None:
         raise UsageError(refusal[0])
     return held
+
+
+def _moved(cfg: TrainConfig, *, resume_from: str | None, world: int) -> tuple[TrainConfig, str | None]:
+    """A run resumed at another world size than its checkpoint's: its mesh where that fits the new world
+    (the default mesh always does), else the planner's choice (mesh auto) for the same global batch,
+    and what changed, to be logged (None: nothing moved). Read from the checkpoint's index on every
+    rank alike, before any collective; weights, optimizer state and the loss scale reshard on load,
+    and the batches and the learning rate go by step, whatever the mesh."""
+    if resume_from is None:
+        return cfg, None
+    saved = read_index(checkpoint_dir(resume_from)).get("mesh") or {}
+    dims = ParallelDims(**{axis: int(saved[axis]) for axis in ("dp", "tp", "pp", "cp") if axis in saved})
+    if dims.world_size == world:
+        return cfg, None
+    was = (f"resumed at {plural(world, 'process')} from a checkpoint of {plural(dims.world_size, 'process')} "
+           f"(mesh {' '.join(f'{axis}={degree}' for axis, degree in saved.items())})")
+    if cfg.auto:
+        return cfg, was
+    dp, tp, pp = cfg.mesh_for(world)
+    if ParallelDims(dp=dp, tp=tp, pp=pp, cp=cfg.cp).world_size == world:
+        return cfg, was
+    # The user's mesh needs the old world: the planner chooses one for this world, keeping every other
+    # option given (microbatches are the planner's with the mesh)
+    given = cfg.given - {"mesh", "microbatches"}
+    return dataclasses.replace(cfg, mesh=AUTO, microbatches=None, given=given), (
+        f"{was}; --mesh {dp} {tp} {pp} needs {plural(ParallelDims(dp=dp, tp=tp, pp=pp, cp=cfg.cp).world_size, 'process')}")
 
 
 def _resume_path(cfg: TrainConfig) -> str | None:

@@ -36,10 +36,10 @@ from typing import Any
 import torch
 import transformers
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
-from transformers.trainer_utils import EvalLoopOutput, has_length
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, has_length
 
 from ...build.parallelize import parallelize
-from ...checkpoint import checkpoint_dir, read_index
+from ...checkpoint import CheckpointError, checkpoint_dir, read_index
 from ...config.composition import Feature
 from ...config.dims import Axis
 from ...data_parallel.grad_norm import clip_grad_norm_
@@ -61,6 +61,28 @@ from .args import (
 from .data import count_items, merge_batches, one_process_loader, rows_of, user_loss
 
 SHARDED = "sharded"  # the sub-directory of checkpoint-N holding pm.save_checkpoint's format
+TRAINER_STATE = "trainer_state.json"  # what Trainer._save_checkpoint writes last into checkpoint-N
+
+
+def last_complete_checkpoint(output_dir: str) -> str | None:
+    """The newest ``checkpoint-N`` in ``output_dir`` whose save finished (None: there is none).
+
+    Hugging Face's ``get_last_checkpoint`` takes the highest-numbered directory, but ``Trainer``
+    writes ``checkpoint-N`` in place and a killed save leaves it half written: a finished one has
+    ``trainer_state.json`` (written last) and a sharded checkpoint whose sealed index reads back."""
+    prefix = PREFIX_CHECKPOINT_DIR + "-"
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    steps = sorted((int(n[len(prefix):]), n) for n in names if n.startswith(prefix) and n[len(prefix):].isdigit())
+    for _, name in reversed(steps):
+        path = os.path.join(output_dir, name)
+        if not os.path.isfile(os.path.join(path, TRAINER_STATE)):
+            continue
+        try:
+            read_index(checkpoint_dir(os.path.join(path, SHARDED)))
+        except (CheckpointError, OSError):
+            continue
+        return path
+    return None
 
 
 class ParallelTrainerMixin:
@@ -285,6 +307,16 @@ class ParallelTrainerMixin:
         return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=samples)
 
     # -- saving and resuming ---------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """``resume_from_checkpoint=True``: the newest checkpoint whose save finished
+        (``last_complete_checkpoint``), where Hugging Face's would take a half-written one."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"no complete checkpoint in {self.args.output_dir} to resume from (a checkpoint-N "
+                                 f"with {TRAINER_STATE}); start without resume_from_checkpoint")
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """``save_model(dir)``: a plain HF directory (a PEFT model: its adapter), from every rank's shards. Inside a
         checkpoint (``_internal_call``, from ``Trainer._save_checkpoint``): the sharded format under

@@ -1,0 +1,111 @@
+"""How long a checkpoint holds training: ``save_checkpoint`` synchronous against ``asynchronous=True``.
+
+    python benchmarks/async_save.py [--steps 12] [--save-every 4] [--rounds 2] [--json results/async_save.json]
+
+A Llama whose save (weights and AdamW state, ZeRO-1 over dp=2, so both ranks write) takes longer
+than a training step trains on 2 gloo ranks; every ``--save-every`` steps it saves. Each step's
+time is measured with the save call included (a barrier before each step, rank 0's clock). Three
+runs alternate within each round: no saves, synchronous saves, asynchronous saves. Reported: the
+median step without a save; a saving step's time and its ratio to that; the step after a save (the
+writer thread shares the cores with training); and how long the background write took (from the
+save call until ``wait_checkpoint`` returns).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from world import run_world  # noqa: E402
+
+import qn_hf  # noqa: E402
+
+CONFIG = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+              num_key_value_heads=8, vocab_size=8000, max_position_embeddings=128)
+ROWS, SEQ = 4, 32  # per step, over dp=2: a short step beside a save of the whole state
+
+
+def body(rank: int, world: int, mode: str, steps: int, save_every: int, root: str) -> dict:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **CONFIG))
+    pm = qn_hf.parallelize(model, dp=world)
+    opt = qn_hf.optimizer(pm, torch.optim.AdamW, zero=True, lr=1e-4)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, CONFIG["vocab_size"], (ROWS, SEQ), generator=gen)
+    batch = {"input_ids": ids, "labels": ids}
+    local = pm.local_batch(batch)
+    times, saves, writes = [], [], []
+    pending = None
+    for step in range(steps + 1):  # step 0: warm-up, not timed
+        dist.barrier()
+        start = time.perf_counter()
+        opt.zero_grad()
+        pm.train_step(local)
+        opt.step()
+        saving = mode != "none" and step > 0 and step % save_every == 0
+        if saving:
+            if pending is not None:  # the previous write's duration, if it is still going this waits
+                pm.wait_checkpoint()
+                writes.append(time.perf_counter() - pending)
+            pending = time.perf_counter()
+            pm.save_checkpoint(os.path.join(root, mode), optimizer=opt, step=step, keep_last=2,
+                               asynchronous=mode == "async")
+            if mode == "sync":
+                writes.append(time.perf_counter() - pending)
+                pending = None
+        if step > 0:
+            times.append(time.perf_counter() - start)
+            saves.append(saving)
+    if pending is not None:
+        pm.wait_checkpoint()
+        writes.append(time.perf_counter() - pending)
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(root, mode)) for f in fs
+               if f.endswith(".safetensors")) if mode != "none" else 0
+    pm.close()
+    return {"times": times, "saves": saves, "writes": writes, "bytes": size}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--save-every", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    runs: dict[str, list[dict]] = {"none": [], "sync": [], "async": []}
+    with tempfile.TemporaryDirectory(prefix="async-save-") as root:
+        for _ in range(args.rounds):
+            for mode in runs:
+                runs[mode].append(run_world(body, world=2, extra=(mode, args.steps, args.save_every, root)))
+    plain = statistics.median(t for r in runs["none"] for t in r["times"])
+    out = {"plain_step_s": plain, "config": CONFIG, "rows": ROWS, "seq": SEQ, "torch": torch.__version__}
+    print(f"step without a save: {plain * 1e3:.0f} ms (median of {args.rounds} x {args.steps})")
+    for mode in ("sync", "async"):
+        saving = [t for r in runs[mode] for t, s in zip(r["times"], r["saves"]) if s]
+        after = [r["times"][i + 1] for r in runs[mode] for i, s in enumerate(r["saves"]) if s and i + 1 < len(r["times"])]
+        writes = [w for r in runs[mode] for w in r["writes"]]
+        out[mode] = {"saving_step_s": statistics.median(saving), "ratio": statistics.median(saving) / plain,
+                     "next_step_s": statistics.median(after) if after else None,
+                     "write_s": statistics.median(writes), "checkpoint_bytes": runs[mode][0]["bytes"]}
+        o = out[mode]
+        nxt = f"; the step after it {o['next_step_s'] * 1e3:.0f} ms (x{o['next_step_s'] / plain:.2f})" if after else ""
+        print(f"{mode:>5}: a saving step {o['saving_step_s'] * 1e3:.0f} ms (x{o['ratio']:.2f} of a step without){nxt}; "
+              f"the write took {o['write_s'] * 1e3:.0f} ms for {o['checkpoint_bytes'] / 2**20:.0f} MiB on disk")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Asynchronous checkpoints: what a background save writes is the state when it was called, not what
+training did while it was writing; one save in flight; a failure on any rank reaches every rank and
+leaves the previous checkpoint as ``latest``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+import qn_hf
+from qn_hf.checkpoint import CheckpointError, checkpoint_dir, read_index
+from tests.cases import mesh_for
+from tests.models import dp_slice, load, make_batch
+
+
+def _model(model_dir: str, *, dp: int, pp: int, zero: bool):
+    pm = qn_hf.parallelize(load("llama", model_dir), dp=dp, pp=pp, microbatches=2, mesh=mesh_for(dp, 1, pp))
+    opt = (qn_hf.optimizer(pm, torch.optim.AdamW, zero=True, lr=1e-3) if zero
+           else torch.optim.AdamW(pm.parameters(), lr=1e-3))
+    return pm, opt
+
+
+def _step(pm, opt, seed: int) -> None:
+    opt.zero_grad()
+    pm.train_step(dp_slice(make_batch("llama", size=8, seed=seed), dp=pm.dims.dp, dp_rank=pm.coords["dp"]))
+    opt.step()
+
+
+def case_async_equals_sync(*, model_dir: str, root: str, dp: int, pp: int, zero: bool) -> list[str]:
+    pm, opt = _model(model_dir, dp=dp, pp=pp, zero=zero)
+    _step(pm, opt, seed=1)
+    pm.save_checkpoint(os.path.join(root, "sync"), optimizer=opt, step=1)
+    returned = pm.save_checkpoint(os.path.join(root, "async"), optimizer=opt, step=1, asynchronous=True)
+    _step(pm, opt, seed=2)  # changes every weight and moment while the writer may still be writing
+    _step(pm, opt, seed=3)
+    published = pm.wait_checkpoint()
+    assert published == returned and pm.wait_checkpoint() is None
+    pm.close()
+    return [returned]
+
+
+@pytest.mark.parametrize("dp,pp,zero", [(2, 2, True), (4, 1, False)])
+def test_async_save_writes_the_state_it_was_called_with(worlds, model_dirs, tmp_path, dp, pp, zero):
+    root = str(tmp_path)
+    returned = worlds.run(dp * pp, case_async_equals_sync, model_dir=model_dirs["llama"], root=root, dp=dp, pp=pp,
+                          zero=zero)
+    assert len(set(map(tuple, returned))) == 1
+    sync_dir, async_dir = checkpoint_dir(os.path.join(root, "sync")), checkpoint_dir(os.path.join(root, "async"))
+    assert returned[0][0] == async_dir
+    sync_index, async_index = read_index(sync_dir), read_index(async_dir)
+    assert sync_index["tensors"] == async_index["tensors"] and sync_index["mesh"] == async_index["mesh"]
+    files = sorted(n for n in os.listdir(sync_dir) if n.endswith(".safetensors"))
+    assert files == sorted(n for n in os.listdir(async_dir) if n.endswith(".safetensors"))
+    for name in files:
+        a, b = load_file(os.path.join(sync_dir, name)), load_file(os.path.join(async_dir, name))
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), (name, key)
+
+
+def case_async_failure(*, model_dir: str, root: str) -> dict:
+    from qn_hf.checkpoint import save
+
+    pm, opt = _model(model_dir, dp=2, pp=1, zero=True)  # rank 1 writes its half of the optimizer state
+    _step(pm, opt, seed=1)
+    first = pm.save_checkpoint(root, optimizer=opt, step=1, asynchronous=True)
+    second = pm.save_checkpoint(root, optimizer=opt, step=2, asynchronous=True)  # waits for the first
+    assert pm.wait_checkpoint() == second
+    real = save.ShardSnapshot.write
+
+    def full_disk(self, directory):
+        if dist.get_rank() == 1:
+            raise OSError(28, "No space left on device")
+        return real(self, directory)
+
+    save.ShardSnapshot.write = full_disk
+    try:
+        pm.save_checkpoint(root, optimizer=opt, step=3, asynchronous=True)
+        _step(pm, opt, seed=2)
+        try:
+            pm.wait_checkpoint()
+            error = None
+        except CheckpointError as e:
+            error = str(e)
+    finally:
+        save.ShardSnapshot.write = real
+    later = pm.save_checkpoint(root, optimizer=opt, step=4, asynchronous=True)  # the model saves again after
+    pm.close()
+    return {"first": first, "error": error, "later": later}
+
+
+def test_async_save_failure_reaches_every_rank_and_keeps_latest(worlds, model_dirs, tmp_path):
+    root = str(tmp_path / "ckpt")
+    out = worlds.run(2, case_async_failure, model_dir=model_dirs["llama"], root=root)
+    for result in out:
+        assert result["error"] is not None and "rank 1" in result["error"] and "No space left" in result["error"]
+    assert sorted(n for n in os.listdir(root) if n.startswith("ckpt-")) == [
+        "ckpt-000001", "ckpt-000002", "ckpt-000003.partial", "ckpt-000004"]
+    assert checkpoint_dir(root) == out[0]["later"]  # close() waited for it
+    assert read_index(checkpoint_dir(root))["step"] == 4
