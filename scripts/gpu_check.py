@@ -53,7 +53,7 @@ from dataclasses import dataclass, field  # noqa: E402
 
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from gpu_checks import ring, sharded, speed, syncs  # noqa: E402
+from gpu_checks import checkpoints, ring, sharded, speed, syncs  # noqa: E402
 from gpu_checks.common import device as this_device  # noqa: E402
 from gpu_checks.common import row  # noqa: E402
 
@@ -237,6 +237,7 @@ SECTIONS = [
     Section("dp_shard", sharded.sharded_one_rank, 60),
     Section("syncs", syncs.host_syncs, 90),
     Section("speed", speed.eager, 150),
+    Section("checkpoint", checkpoints.async_save, 90),
     Section("compile", speed.compiled, 240),
 ]
 

@@ -5,6 +5,7 @@ leaves the previous checkpoint as ``latest``."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -31,11 +32,23 @@ def _step(pm, opt, seed: int) -> None:
 
 
 def case_async_equals_sync(*, model_dir: str, root: str, dp: int, pp: int, zero: bool) -> list[str]:
+    from qn_hf.checkpoint import background
+
     pm, opt = _model(model_dir, dp=dp, pp=pp, zero=zero)
     _step(pm, opt, seed=1)
     pm.save_checkpoint(os.path.join(root, "sync"), optimizer=opt, step=1)
-    returned = pm.save_checkpoint(os.path.join(root, "async"), optimizer=opt, step=1, asynchronous=True)
-    _step(pm, opt, seed=2)  # changes every weight and moment while the writer may still be writing
+    real = background.HostCopies.copy
+
+    def late_copy(self, sources, device):  # the writer thread starts its copy after the next step began
+        time.sleep(1.0)
+        return real(self, sources, device)
+
+    background.HostCopies.copy = late_copy
+    try:
+        returned = pm.save_checkpoint(os.path.join(root, "async"), optimizer=opt, step=1, asynchronous=True)
+        _step(pm, opt, seed=2)  # its optimizer step must wait for the copy: it changes every weight and moment
+    finally:
+        background.HostCopies.copy = real
     _step(pm, opt, seed=3)
     published = pm.wait_checkpoint()
     assert published == returned and pm.wait_checkpoint() is None

@@ -10,6 +10,7 @@ index. The directory is written as ``ckpt-N.partial`` and published only when wh
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -31,7 +32,7 @@ from ..placement import Held, ShardPlacement
 from ..tensor_parallel.shard import ShardSpec
 from ..version import __version__
 from .atomic import fresh_dir, give_plain_mode
-from .background import BackgroundSaves, HostCopies, agree
+from .background import BackgroundSaves, agree
 from .files import PARTIAL, file_digest, fsync_file, prune, publish, write_json
 from .format import INDEX, CheckpointError, boxes, dtype_name, global_shape, new_index, optimizer_key, shard_file
 from .hf import generation_config_of, recorded_config
@@ -74,13 +75,20 @@ def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
             _write(final, files, header, keep_last=keep_last, device=placement.device, group=None)
             return final
         group = background.group()
-        snapshot = shard_snapshot(module, placement, view, copies=background.copies) if writes else None
+        # The live pieces: copied to host by the writer thread before the optimizer's next step changes
+        # them (background.py), or now when there is no optimizer step to hold back
+        snapshot = shard_snapshot(module, placement, view, to_host=False) if writes else None
+        sources, copies, device = snapshot.tensors if snapshot is not None else {}, background.copies, placement.device
+        copies.begin(device)
+        copied = copies.copy(sources, device) if view is None else None
+        background.hold_step(view.inner if view is not None else None)
 
         def write() -> None:
             try:
-                background.copies.ready()
-                _write(final, snapshot.write if snapshot is not None else None, header, keep_last=keep_last,
-                       device=placement.device, group=group)
+                tensors = copied if copied is not None else copies.copy(sources, device)
+                copies.written_from()
+                files = dataclasses.replace(snapshot, tensors=tensors).write if snapshot is not None else None
+                _write(final, files, header, keep_last=keep_last, device=device, group=group)
             finally:
                 if own:
                     roots.release()
@@ -285,9 +293,10 @@ class ShardSnapshot:
 
 
 def shard_snapshot(module: nn.Module, placement: ShardPlacement, view: OptimizerView | None, *,
-                   copies: HostCopies | None = None) -> ShardSnapshot:
-    """What this rank writes: host copies of its pieces (into ``copies``' reused buffers, which the
-    training may not overwrite; without, ``.to("cpu")``, which on CPU is the live tensor)."""
+                   to_host: bool = True) -> ShardSnapshot:
+    """What this rank writes: its pieces on the host (``.to("cpu")``: on CPU the live tensors, so the
+    file is written before training goes on), or with ``to_host=False`` the live pieces themselves,
+    for an asynchronous save to copy (``background.HostCopies``)."""
     coords = placement.coords
     file = shard_file(coords.pp, coords.tp, placement.replica_rank)
     tensors: dict[str, torch.Tensor] = {}
@@ -298,12 +307,10 @@ def shard_snapshot(module: nn.Module, placement: ShardPlacement, view: Optimizer
         pieces = []
         for i, (box, piece) in enumerate(_pieces(t, placement.shard_rank(t.spec))):
             key = f"{t.name}#{i}" if t.whole else f"{t.name}#dp{placement.replica_rank}.{i}"
-            tensors[key] = copies.copy(key, piece) if copies is not None else piece.to("cpu").contiguous()
+            tensors[key] = piece.to("cpu").contiguous() if to_host else piece
             pieces.append({"file": file, "key": key, "box": box})
         entries[t.name] = {"shape": global_shape(t.shape, t.spec), "dtype": dtype_name(t.values.dtype),
                            "pieces": pieces}
-    if copies is not None:
-        copies.forget(set(tensors))
     groups = optimizer_groups(module, placement, view) if view is not None else None
     return ShardSnapshot(file, tensors, entries, groups)
 
