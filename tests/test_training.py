@@ -210,3 +210,40 @@ def test_a_calibration_file_that_cannot_be_read_is_a_usage_error(tmp_path):
     (tmp_path / "bad.json").write_text('{"format": 1}')
     with pytest.raises(UsageError, match="bad.json cannot be read: not a qn_hf calibration file"):
         _calibration(make_config({"mesh": "auto", "calibration": str(tmp_path / "bad.json")}))
+
+
+def _saved_at(tmp_path, mesh: dict) -> str:
+    """A checkpoint directory whose index records ``mesh`` (no tensors: only the mesh is read)."""
+    from qn_hf.checkpoint.format import new_index
+    from qn_hf.checkpoint.seal import write_index
+
+    path = tmp_path / "ckpt-000006"
+    path.mkdir()
+    write_index(new_index(library_version="test", step=6, mesh=mesh, config={"model_type": "llama"}, tensors={}, optimizer=None, files={},
+                          generation_config=None, loss_scaler=None),
+                str(path / "index.json"))
+    return str(path)
+
+
+@pytest.mark.parametrize("mesh, world, expected", [
+    (None, 2, None),  # the default mesh fits any world: kept
+    ((1, 2, 1), 2, (1, 2, 1)),  # a mesh that fits the new world: kept
+    ((2, 1, 2), 4, (2, 1, 2)),  # the same world as the checkpoint's: nothing moved
+    ((2, 1, 2), 2, "auto"),  # needs the old world: the planner chooses
+])
+def test_a_resume_at_another_world_size_keeps_the_mesh_where_it_fits(tmp_path, mesh, world, expected):
+    from qn_hf.training.loop import _moved
+
+    saved = _saved_at(tmp_path, {"dp": 2, "tp": 1, "pp": 2})
+    values = {"resume": saved, "microbatches": 4} if mesh is None else {"mesh": list(mesh), "resume": saved,
+                                                                        "microbatches": 4, "schedule": "gpipe"}
+    cfg = make_config(values)
+    moved, line = _moved(cfg, resume_from=saved, world=world)
+    assert moved.mesh == expected
+    if world == 4:
+        assert line is None and moved == cfg
+        return
+    assert line.startswith(f"resumed at {world} processes from a checkpoint of 4 processes (mesh dp=2 tp=1 pp=2)")
+    if expected == "auto":  # the options given stay fixed for the planner, the mesh's microbatches do not
+        assert "--mesh 2 1 2 needs 4 processes" in line
+        assert moved.microbatches is None and "schedule" in moved.given and "mesh" not in moved.given
