@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .checkpoint.adapter import save_adapter
-from .checkpoint.background import BackgroundSaves
+from .checkpoint.background import DEFAULT_TIMEOUT, BackgroundSaves
 from .checkpoint.export import save_pretrained
 from .checkpoint.full_state import full_state_dict
 from .checkpoint.hf import DEFAULT_MAX_SHARD_BYTES
@@ -81,7 +81,7 @@ class ParallelModel:
         # all-reduce over the world, one host read); True: every step does (their shapes: every step)
         self.check_every_batch, self._batch_checked, self.closed = False, False, False
         self.held_roots = HeldDirectories()  # the checkpoint roots this model saves to, locked (checkpoint/lock.py)
-        self.saves = saves  # the asynchronous save in flight, its writer thread (checkpoint/background.py)
+        self.saves = saves or BackgroundSaves(timeout=DEFAULT_TIMEOUT)  # the save in flight (checkpoint/background.py)
         self.sp_switch, self.ring_switch = switches  # sp and cp, off while generating
         self.sharded = sharded  # dp_shard > 1: FSDP's groups (data_parallel/sharded.py)
 
@@ -104,8 +104,7 @@ class ParallelModel:
         try:
             self.wait_checkpoint()
         finally:
-            if self.saves is not None:
-                self.saves.close()
+            self.saves.close()
             self.placement.groups.release()
             self.held_roots.release()
         self.closed = True
@@ -364,23 +363,17 @@ class ParallelModel:
                         *, keep_last: int | None = DEFAULT_KEEP_LAST, asynchronous: bool = False) -> str:
         """Sharded checkpoint ``path/ckpt-<step>`` (optimizer state, fp16's loss scale) made ``latest``, loading at any
         mesh; keeps the newest ``keep_last`` (None: all). Holds ``path`` while the model lives: other jobs refused.
-        ``asynchronous``: copy this rank's shards to host memory and return; a background thread writes and
-        publishes them (``wait_checkpoint``; the next save, a load and ``close`` wait for it too)."""
+        ``asynchronous``: return at once, written and published in the background (``wait_checkpoint``)."""
         self._weights_ready()
         self.wait_checkpoint()  # one save in flight at a time: the next copy reuses its host buffers
-        if asynchronous and self.saves is None:
-            raise ValueError("asynchronous=True needs the model's checkpoint writer, which qn_hf.parallelize makes; "
-                             "this ParallelModel was built without one: save with asynchronous=False")
         with self.failures.guard("save_checkpoint"):
             return save_checkpoint(self.module, path, placement=self.placement, config=self.config, optimizer=optimizer,
-                                   step=step, virtual_stages=self.stage.plan.virtual, keep_last=keep_last,
-                                   scaler=self.scaler, roots=self.held_roots,
-                                   background=self.saves if asynchronous else None)
+                                   step=step, virtual_stages=self.stage.plan.virtual, keep_last=keep_last, scaler=self.scaler,
+                                   roots=self.held_roots, background=self.saves if asynchronous else None)
 
     def wait_checkpoint(self) -> str | None:
-        """Wait for the asynchronous save in flight (every rank); return its published directory (None: no
-        save was in flight), or raise its error (any rank's) on every rank."""
-        return self.saves.wait() if self.saves is not None else None
+        """Wait for the save in flight (every rank); its published directory (None: none), or any rank's error."""
+        return self.saves.wait()
 
     def load_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> dict:
         """Load a checkpoint saved at any mesh (fp16's loss scale included); return its metadata (``{"step": 1}``)."""

@@ -123,15 +123,15 @@ def test_config_checks_values_from_any_source():
 
 def test_resume_latest_starts_fresh_only_when_nothing_is_there(tmp_path):
     from qn_hf.checkpoint import CheckpointError
-    from qn_hf.training.loop import _resume_path
+    from qn_hf.training.resume import resume_path
 
     cfg = make_config({"output_dir": str(tmp_path), "resume": "latest"})
-    assert _resume_path(cfg) is None  # no checkpoints yet: a fresh start
+    assert resume_path(cfg) is None  # no checkpoints yet: a fresh start
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "ckpt-000003").mkdir()
     (tmp_path / "checkpoints" / "latest").write_text('"ckpt-0000')  # torn pointer
     with pytest.raises(CheckpointError):
-        _resume_path(cfg)  # never start over on top of checkpoints that exist
+        resume_path(cfg)  # never start over on top of checkpoints that exist
 
 
 def test_default_microbatches_keep_the_pipeline_busy():
@@ -232,13 +232,13 @@ def _saved_at(tmp_path, mesh: dict) -> str:
     ((2, 1, 2), 2, "auto"),  # needs the old world: the planner chooses
 ])
 def test_a_resume_at_another_world_size_keeps_the_mesh_where_it_fits(tmp_path, mesh, world, expected):
-    from qn_hf.training.loop import _moved
+    from qn_hf.training.resume import resume_mesh
 
     saved = _saved_at(tmp_path, {"dp": 2, "tp": 1, "pp": 2})
     values = {"resume": saved, "microbatches": 4} if mesh is None else {"mesh": list(mesh), "resume": saved,
                                                                         "microbatches": 4, "schedule": "gpipe"}
     cfg = make_config(values)
-    moved, line = _moved(cfg, resume_from=saved, world=world)
+    moved, line = resume_mesh(cfg, resume_from=saved, world=world)
     assert moved.mesh == expected
     if world == 4:
         assert line is None and moved == cfg

@@ -32,6 +32,8 @@ from torch.distributed import ProcessGroup
 
 from .format import CheckpointError
 
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)  # parallelize's default for every group
+
 
 class HostCopies:
     """Host buffers for one rank's shards, reused from save to save (keyed by the shard's key), and

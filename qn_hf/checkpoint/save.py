@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,19 +26,17 @@ from ..arguments import check_non_negative_int, check_positive_int
 from ..comm import barrier
 from ..data_parallel.optimizer import OptimizerView
 from ..data_parallel.precision import LossScaler
-from ..data_parallel.sharded import local, row_range
-from ..placement import Held, ShardPlacement
-from ..tensor_parallel.shard import ShardSpec
+from ..placement import ShardPlacement
 from ..version import __version__
 from .atomic import fresh_dir, give_plain_mode
 from .background import BackgroundSaves, agree
+from .entries import local_entries, pieces_of
 from .files import PARTIAL, file_digest, fsync_file, prune, publish, write_json
-from .format import INDEX, CheckpointError, boxes, dtype_name, global_shape, new_index, optimizer_key, shard_file
+from .format import INDEX, CheckpointError, dtype_name, global_shape, new_index, shard_file
 from .hf import generation_config_of, recorded_config
 from .lock import DirectoryInUse, HeldDirectories
 from .names import next_checkpoint_dir
 from .optimizer_state import merge_groups, optimizer_groups, optimizer_view
-from .pieces import flat_runs
 from .seal import write_index
 
 
@@ -193,78 +190,6 @@ def _choose(path: str, *, step: int | None, placement: ShardPlacement, roots: He
     return outcome[0]
 
 
-@dataclass(frozen=True)
-class LocalTensor:
-    """One tensor this rank holds (``values``), or under ``zero=True`` the flat range of it starting
-    at ``start`` (``values`` 1-D), of a local tensor shaped ``shape``."""
-
-    name: str  # the saved name
-    values: torch.Tensor
-    shape: list[int]
-    start: int
-    spec: ShardSpec | None
-    writes: bool
-
-    @property
-    def whole(self) -> bool:
-        return self.start == 0 and list(self.values.shape) == self.shape
-
-
-def local_entries(module: nn.Module, placement: ShardPlacement, view: OptimizerView | None):
-    """Every tensor this rank writes or could write (``writes``): weights, then optimizer state.
-
-    Weights are the float32 masters under mixed precision; the placement says which rank writes each
-    distinct value (dp rank 0, or each dp rank its ZeRO-1 pieces, or the first dp_shard group its rows)."""
-    mixed = view is not None and view.mixed
-    for name, p in module.named_parameters():
-        if placement.is_follower(name):
-            continue
-        key = view.state_key(p) if view is not None else None
-        rows = row_range(p)
-        if rows is not None:  # dp_shard: this rank's rows, a flat range, and its optimizer state's
-            state = view.inner.state.get(key, {}) if key is not None else {}
-            yield from _row_entries(name, p, rows, placement, state)
-            continue
-        spec, shape = placement.spec(name), list(p.shape)
-        m = view.master(p) if view is not None else None
-        split = view is not None and view.split(p)  # ZeRO-1: its optimizer data in pieces over its holders
-        held = Held.PIECES if split else Held.WHOLE
-        once, mine = placement.writes(name), placement.writes(name, held)  # mine: what this rank holds
-        if mixed and m is not None:
-            values = m.tensor.detach() if split else m.tensor.detach().reshape(shape)
-            yield LocalTensor(name, values, shape, m.start, spec, mine)
-        elif not (mixed and split):
-            yield LocalTensor(name, p.detach(), shape, 0, spec, once)
-        if key is None:
-            continue
-        for state_name, value in view.inner.state.get(key, {}).items():
-            if not isinstance(value, torch.Tensor):
-                continue
-            if list(value.shape) == list(key.shape) and value.ndim > 0:  # shaped like its parameter
-                values = value.detach() if split else value.detach().reshape(shape)
-                yield LocalTensor(optimizer_key(name, state_name), values, shape, m.start if split else 0, spec, mine)
-            else:  # a scalar (Adam's step): one writer, the rank holding the parameter's first element
-                writes = placement.writes_scalar(name, held, holds_first=not split or m.start == 0)
-                yield LocalTensor(optimizer_key(name, state_name), value.detach(), list(value.shape), 0, None, writes)
-
-
-def _row_entries(name: str, p: torch.Tensor, rows: tuple[int, int], placement: ShardPlacement,
-                 state: dict) -> Iterator[LocalTensor]:
-    """A dp_shard parameter (float32: it is the master) and its state, as this rank's flat range of
-    its local tensor, written where the placement says (``Held.ROWS``) and this rank holds rows."""
-    spec, shape = placement.spec(name), list(p.shape)
-    first, count = rows
-    start = first * math.prod(shape[1:])
-    mine = placement.writes(name, Held.ROWS) and count > 0
-    yield LocalTensor(name, local(p.detach()).reshape(-1), shape, start, spec, mine)
-    for key, value in state.items():
-        if isinstance(value, torch.Tensor) and list(value.shape) == shape and value.ndim > 0:
-            yield LocalTensor(optimizer_key(name, key), local(value.detach()).reshape(-1), shape, start, spec, mine)
-        elif isinstance(value, torch.Tensor):  # a scalar (Adam's step): the rank holding the first row
-            writes = count > 0 and placement.writes_scalar(name, Held.ROWS, holds_first=first == 0)
-            yield LocalTensor(optimizer_key(name, key), local(value.detach()), list(value.shape), 0, None, writes)
-
-
 # Checkpoints a run keeps by default: the newest and two before it, so a save that turns out bad
 # (a diverged run) never takes the last good state with it.
 DEFAULT_KEEP_LAST = 3
@@ -305,7 +230,7 @@ def shard_snapshot(module: nn.Module, placement: ShardPlacement, view: Optimizer
         if not t.writes:
             continue
         pieces = []
-        for i, (box, piece) in enumerate(_pieces(t, placement.shard_rank(t.spec))):
+        for i, (box, piece) in enumerate(pieces_of(t, placement.shard_rank(t.spec))):
             key = f"{t.name}#{i}" if t.whole else f"{t.name}#dp{placement.replica_rank}.{i}"
             tensors[key] = piece.to("cpu").contiguous() if to_host else piece
             pieces.append({"file": file, "key": key, "box": box})
@@ -318,27 +243,3 @@ def shard_snapshot(module: nn.Module, placement: ShardPlacement, view: Optimizer
 def write_shard(module: nn.Module, placement: ShardPlacement, view: OptimizerView | None, directory: str) -> None:
     """This rank's file and the JSON of its entries, written now (a synchronous save)."""
     shard_snapshot(module, placement, view).write(directory)
-
-
-def _pieces(t: LocalTensor, shard_rank: int) -> list[tuple[list[list[int]], torch.Tensor]]:
-    """(global box, its values) for each piece of ``t``: the shard's boxes of a whole tensor, or
-    for a flat range, its contiguous runs cut by those boxes."""
-    regions = boxes(torch.Size(t.shape), t.spec, shard_rank)
-    if t.whole:
-        return [(box, t.values if t.spec is None else t.values.narrow(t.spec.dim, at, box[t.spec.dim][1] - box[t.spec.dim][0]))
-                for box, at in regions]
-    out = []
-    for run, offset in flat_runs(t.shape, t.start, t.start + t.values.numel()):
-        values = t.values[offset - t.start :][: math.prod(b - a for a, b in run)].reshape([b - a for a, b in run])
-        if t.spec is None:
-            out.append((run, values))
-            continue
-        d = t.spec.dim
-        for box, at in regions:  # the local rows [at, at + n) along the split dim are the global box's
-            n = box[d][1] - box[d][0]
-            lo, hi = max(run[d][0], at), min(run[d][1], at + n)
-            if lo < hi:
-                global_box = [list(r) for r in run]
-                global_box[d] = [box[d][0] + lo - at, box[d][0] + hi - at]
-                out.append((global_box, values.narrow(d, lo - run[d][0], hi - lo)))
-    return out

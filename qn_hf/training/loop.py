@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ..arguments import plural
 from ..build.parallelize import parallelize
-from ..checkpoint import checkpoint_dir, read_index
+from ..checkpoint import checkpoint_dir
 from ..checkpoint.atomic import write_text_atomic
 from ..checkpoint.lock import DirectoryInUse, HeldDirectory, hold_directory
 from ..config.dims import ParallelDims
@@ -40,11 +40,12 @@ from ..mesh import init_distributed, launched_world_size
 from ..parallel_model import ParallelModel, optimizer
 from ..planner.auto import Choice, auto_choice
 from ..planner.calibration import Calibration
-from .config import AUTO, TrainConfig, default_microbatches, effective_yaml
+from .config import TrainConfig, default_microbatches, effective_yaml
 from .errors import UsageError
 from .lr import warmup_cosine
 from .metrics import MetricsLog, Progress
 from .plots import loss_curve, pipeline_timeline
+from .resume import resume_mesh, resume_path
 from .retention import Retention
 from .sampler import GlobalBatches
 from .tasks import TASK_TYPES, model_directory
@@ -58,8 +59,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     task = TASK_TYPES[cfg.task]()
     world = launched_world_size()
     calibration = _calibration(cfg)
-    resume_from = _resume_path(cfg)
-    cfg, moved = _moved(cfg, resume_from=resume_from, world=world)
+    resume_from = resume_path(cfg)
+    cfg, moved = resume_mesh(cfg, resume_from=resume_from, world=world)
     if not cfg.auto:  # else chosen once the model is built (_choose)
         cfg, parallel = _explicit(cfg, world=world)
     model_dir = model_directory(cfg.model)
@@ -280,49 +281,6 @@ def _hold_output_dir(cfg: TrainConfig) -> HeldDirectory | None:
     if refusal[0] is not None:
         raise UsageError(refusal[0])
     return held
-
-
-def _moved(cfg: TrainConfig, *, resume_from: str | None, world: int) -> tuple[TrainConfig, str | None]:
-    """A run resumed at another world size than its checkpoint's: its mesh where that fits the new world
-    (the default mesh always does), else the planner's choice (mesh auto) for the same global batch,
-    and what changed, to be logged (None: nothing moved). Read from the checkpoint's index on every
-    rank alike, before any collective; weights, optimizer state and the loss scale reshard on load,
-    and the batches and the learning rate go by step, whatever the mesh."""
-    if resume_from is None:
-        return cfg, None
-    saved = read_index(checkpoint_dir(resume_from)).get("mesh") or {}
-    dims = ParallelDims(**{axis: int(saved[axis]) for axis in ("dp", "tp", "pp", "cp") if axis in saved})
-    if dims.world_size == world:
-        return cfg, None
-    was = (f"resumed at {plural(world, 'process')} from a checkpoint of {plural(dims.world_size, 'process')} "
-           f"(mesh {' '.join(f'{axis}={degree}' for axis, degree in saved.items())})")
-    if cfg.auto:
-        return cfg, was
-    dp, tp, pp = cfg.mesh_for(world)
-    if ParallelDims(dp=dp, tp=tp, pp=pp, cp=cfg.cp).world_size == world:
-        return cfg, was
-    # The user's mesh needs the old world: the planner chooses one for this world, keeping every other
-    # option given (microbatches are the planner's with the mesh)
-    given = cfg.given - {"mesh", "microbatches"}
-    return dataclasses.replace(cfg, mesh=AUTO, microbatches=None, given=given), (
-        f"{was}; --mesh {dp} {tp} {pp} needs {plural(ParallelDims(dp=dp, tp=tp, pp=pp, cp=cfg.cp).world_size, 'process')}")
-
-
-def _resume_path(cfg: TrainConfig) -> str | None:
-    """The checkpoint to resume from: ``latest`` under this run's checkpoints (none yet: start
-    fresh, so a preemptible job can always pass --resume), or an explicit path that must exist."""
-    if cfg.resume is None:
-        return None
-    if cfg.resume == "latest":
-        root = cfg.checkpoint_root
-        if not os.path.isdir(root) or not any(n == "latest" or n.startswith("ckpt-") for n in os.listdir(root)):
-            return None
-        # Something is there: a damaged pointer must stop the job, not start it over (the next
-        # save would then replace the checkpoints that are still good).
-        return checkpoint_dir(root)
-    if not os.path.exists(cfg.resume):
-        raise UsageError(f"--resume {cfg.resume}: no such checkpoint")
-    return cfg.resume
 
 
 def _rank0_first(prepare: Callable[[], T]) -> T:
