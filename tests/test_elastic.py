@@ -121,6 +121,10 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(unint
     assert "resumed from" in out and " at step 6" in out, out[-4000:]
     same_bits(final_weights(run), final_weights(uninterrupted))
     assert [r["loss"] for r in metrics(run)] == [r["loss"] for r in metrics(uninterrupted)]
+    again = finish(torchrun(run, nproc=2), run)  # the same command once more: nothing is left, and it says so
+    assert "at step 12 (nothing left to train; --no-resume starts over)" in again, again[-3000:]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 12
+    assert [r["loss"] for r in metrics(run)] == [r["loss"] for r in metrics(uninterrupted)]
 
 
 def test_a_run_stopped_at_4_processes_continues_at_2_with_a_mesh_of_its_own(uninterrupted, tmp_path):

@@ -112,7 +112,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         progress.say(f"mesh auto: {line}")
     progress.say(f"data: {prepared.description}")
     if start:
-        progress.say(f"resumed from {resume_from} at step {start}")
+        progress.say(f"resumed from {resume_from} at step {start}"
+                     + (" (nothing left to train; --no-resume starts over)" if start >= (cfg.stop_after or cfg.steps) else ""))
     if moved is not None:
         progress.say(f"{moved}; now at mesh {mesh_words(parallel)}"
                      + (" (chosen by the planner)" if choice is not None else ""))
@@ -170,7 +171,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     if cfg.export and last == cfg.steps and start < cfg.steps:
         pm.save_pretrained(os.path.join(cfg.output_dir, "model"))
-    summary = _summary(cfg, log=log, record=record, world=world, stopped=last < cfg.steps)
+    summary = _summary(cfg, log=log, record=record or {"step": start}, world=world, stopped=last < cfg.steps)
     if rank == 0:
         if log.records:
             loss_curve(os.path.join(cfg.output_dir, "loss.png"), runs=[(mesh_words(parallel), log.records)],
