@@ -114,11 +114,12 @@ class _Gathered(TorchDispatchMode):
             finish = pm.sharded.finish_backward
 
             def noted(**kwargs):  # what the reduction frees of what the step made: the whole gradients
-                gc.collect()
-                before = [(ref, storage_bytes(ref)) for ref in self.live.alive_storages()]
+                # Read once a gloo work object has let go of the step's last transfers (``_settled``):
+                # a scalar it still held for a moment once counted as freed by the reduction (4 bytes)
+                before = _settled_reading(lambda: [(ref, storage_bytes(ref)) for ref in self.live.alive_storages()],
+                                          key=lambda alive: (len(alive), sum(n for _, n in alive)))
                 finish(**kwargs)
-                gc.collect()
-                self.accumulated = sum(n - storage_bytes(ref) for ref, n in before)
+                self.accumulated = _settled_reading(lambda: sum(n - storage_bytes(ref) for ref, n in before))
 
             pm.sharded.finish_backward = noted
 
@@ -133,6 +134,20 @@ class _Gathered(TorchDispatchMode):
         sizes |= dict(filter(None, map(storage_now, self.outputs)))  # at their size now: FSDP frees by resizing
         self.most = max(self.most, sum(sizes.values()))
         return out
+
+
+def _settled_reading(read, *, key=lambda value: value):
+    """``read()`` after a collection, once two reads 20 ms apart agree by ``key`` (at most a second):
+    see ``_settled``."""
+    gc.collect()
+    last = read()
+    for _ in range(50):
+        time.sleep(0.02)
+        now = read()
+        if key(now) == key(last):
+            return now
+        last = now
+    return last
 
 
 def _settled(live: LiveAllocations) -> int:
