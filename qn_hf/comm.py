@@ -311,3 +311,11 @@ def barrier(device: torch.device) -> None:
         dist.barrier(device_ids=[device.index])
     else:
         dist.barrier()
+
+
+def failures(message: str | None, *, group: ProcessGroup | None = None) -> list[tuple[int, str]]:
+    """Every rank's ``message`` (None: it succeeded), gathered over ``group``: the (rank, message) of
+    each that failed, the same list on every rank, so all raise the same error or none does."""
+    gathered: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, message, group=group)
+    return [(rank, m) for rank, m in enumerate(gathered) if m is not None]

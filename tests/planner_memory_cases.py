@@ -156,15 +156,7 @@ def _settled(live: LiveAllocations) -> int:
     for a moment after the forward used them, until its worker thread lets go or a collection frees
     it. Under a loaded machine that moment once reached the backward (256 KiB more on one rank of
     many), so read until two reads 20 ms apart agree, for at most a second."""
-    gc.collect()
-    last = live.alive_bytes()
-    for _ in range(50):
-        time.sleep(0.02)
-        now = live.alive_bytes()
-        if now == last:
-            return now
-        last = now
-    return last
+    return _settled_reading(live.alive_bytes)
 
 
 def _measure_forwards(pm, out: list[int]):

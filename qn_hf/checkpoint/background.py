@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from ..comm import failures
 from .format import CheckpointError
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)  # parallelize's default for every group
@@ -173,9 +174,7 @@ class BackgroundSaves:
 
 def agree(error: BaseException | None, *, group: ProcessGroup, what: str) -> None:
     """Every writer thread learns whether any rank failed ``what``, and all raise the same error."""
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, None if error is None else f"{type(error).__name__}: {error}", group=group)
-    failed = [(rank, message) for rank, message in enumerate(gathered) if message is not None]
+    failed = failures(None if error is None else f"{type(error).__name__}: {error}", group=group)
     if failed:
         rank, message = failed[0]
         raise CheckpointError(f"{what} failed on rank {rank}: {message}"

@@ -10,9 +10,9 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from ..comm import failures
 from ..data_parallel.optimizer import OptimizerView
 from ..data_parallel.precision import LossScaler
 from ..data_parallel.sharded import local, row_range, sharded_like
@@ -92,9 +92,7 @@ def load_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
         loaded = _read_all(module, path, placement, model_type, view, cast, config)
     except CheckpointError as e:
         error = str(e)
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    failed = failures(error)
     if failed:
         rank, message = failed[0]
         raise CheckpointError(f"rank {rank}: {message}" + (f" (and {len(failed) - 1} more ranks failed)" if len(failed) > 1 else ""))
