@@ -22,6 +22,7 @@ changes nothing else. Under torchrun the agent stops every rank as soon as the f
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import threading
@@ -30,6 +31,8 @@ import weakref
 from collections.abc import Iterator
 
 import torch.distributed as dist
+
+from .comm import failures
 
 FAILURE_KEY = "qn_hf/first_failure"
 _COMM_ERRORS = ("timed out", "timeout", "connection closed", "connection reset", "pair closure", "broken pipe")
@@ -152,6 +155,29 @@ def _record(number: int, message: str) -> None:
         store.compare_set(f"{FAILURE_KEY}/{number}", "", message)  # only the first failure of this operation
     except (RuntimeError, ValueError):
         pass
+
+
+def raise_together(failed: tuple[str, Exception] | None, *, group=None) -> None:
+    """Raise the same error on every rank of ``group`` if any rank failed: ``failed`` is this rank's
+    (what it was doing, the error) or None. The ranks gather every outcome (``comm.failures``, a
+    collective every rank must enter) and raise the first failing rank's error: its type where that is
+    a ValueError (a refusal), else RuntimeError naming it; the message says which ranks failed where,
+    unless every rank failed alike (a refusal any rank would make). On a failing rank it is chained to
+    the original, whose traceback shows where."""
+    mine = None if failed is None else json.dumps([failed[0], type(failed[1]).__name__, str(failed[1])])
+    gathered = failures(mine, group=group)
+    if not gathered:
+        return
+    world = dist.get_world_size(group)
+    where, kind, message = json.loads(gathered[0][1])
+    ranks = [r for r, _ in gathered]
+    if len(ranks) < world or len({m for _, m in gathered}) > 1:
+        others = "" if len(ranks) == 1 else f" (ranks {ranks} failed, the first shown)"
+        message = f"{message} [rank {ranks[0]} of {world} failed in '{where}'{others}; every rank raises this]"
+    error = ValueError(message) if kind == "ValueError" else \
+        RuntimeError(message if kind == "RuntimeError" else f"{kind}: {message}")
+    refused_on_every_rank(error)
+    raise error from (failed[1] if failed is not None else None)
 
 
 def refused_on_every_rank(error: BaseException) -> BaseException:

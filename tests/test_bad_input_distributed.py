@@ -3,9 +3,12 @@ stays usable afterwards (a rank stuck in a collective would make the next all-re
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 import torch.distributed as dist
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import qn_hf
 from qn_hf.validation.checks import check_parallel_config
@@ -72,3 +75,74 @@ def test_every_rank_raises_before_any_collective(worlds, model_dirs):
     assert "compile=True with cp=2 is not supported" in m["compile cp"], m["compile cp"]
     assert "a forward call needs the whole pipeline (pp=2)" in m["pipeline forward call"]
     assert m["world alive"] == "2"
+
+
+# One mesh of two ranks per build pass, where the pass applies (a MoE model, so that expert
+# parallelism has experts to shard).
+PASS_MESHES = {
+    "context parallel": dict(cp=2),
+    "cast": dict(dp=2, mixed_precision="bf16"),
+    "expert parallel": dict(dp=2, ep=2),
+    "stage cut": dict(pp=2, microbatches=2),
+    "tensor parallel": dict(tp=2),
+    "sequence parallel": dict(tp=2, sequence_parallel=True),
+    "place on device": dict(dp=2),
+    "cast new parameters": dict(dp=2, mixed_precision="bf16"),
+    "synchronize replicas": dict(dp=2),
+    "dropout seed": dict(dp=2),
+    "dropout streams": dict(dp=2),
+    "recompute": dict(dp=2, recompute="full"),
+    "shard data parallel": dict(dp=2, dp_shard=2),
+    "split backward": dict(pp=2, microbatches=2, schedule="zb_h1"),
+    "compile": dict(dp=2, compile=True),
+}
+
+
+def case_one_rank_fails_a_pass(*, kind: type[Exception]) -> dict[str, str]:
+    """For each build pass, parallelize with that pass raising on rank 1 only: what each rank raised."""
+    import datetime
+
+    from qn_hf.build import passes
+    from tests.ep_cases import moe_config
+
+    def failing(step):
+        def run(b):
+            if dist.get_rank() == 1:
+                raise kind(f"injected into {step.name}")
+            if step.run is not None:  # an exchange alone: the failure comes before it
+                step.run(b)
+        return dataclasses.replace(step, run=run)
+
+    original, raised = passes.PASSES, {}
+    for name, mesh in PASS_MESHES.items():
+        passes.PASSES = tuple(failing(s) if s.name == name else s for s in original)
+        model = AutoModelForCausalLM.from_config(CONFIGS["llama"] if name == "compile" else moe_config("qwen3_moe"))
+        try:
+            qn_hf.parallelize(model, **mesh, timeout=datetime.timedelta(seconds=120))
+            raised[name] = "no error"
+        except Exception as e:  # noqa: BLE001 -- the type is part of what is compared
+            raised[name] = f"{type(e).__name__}: {e}"
+        finally:
+            passes.PASSES = original
+    alive = torch.ones(1)
+    dist.all_reduce(alive)
+    raised["world alive"] = str(int(alive.item()))
+    return raised
+
+
+@pytest.mark.parametrize("kind", [RuntimeError, pytest.param(ValueError, marks=pytest.mark.long)])
+def test_a_pass_failing_on_one_rank_raises_on_every_rank(worlds, kind):
+    """A build pass that fails on one rank only (a stage reads its own layers) is raised on every rank
+    with the same message, naming the rank and the pass, and nothing waits: no rank enters a collective
+    the failing one skips, and the world stays usable."""
+    from qn_hf.build.passes import PASSES
+
+    assert set(PASS_MESHES) == {p.name for p in PASSES}, "a new build pass needs a mesh where it applies"
+    results = worlds.run(2, case_one_rank_fails_a_pass, kind=kind)
+    assert results[0] == results[1]
+    for name in PASS_MESHES:
+        message = results[0][name]
+        expected = f"{kind.__name__}: "
+        assert message.startswith(expected + f"injected into {name}"), (name, message)
+        assert f"[rank 1 of 2 failed in '{name}'; every rank raises this]" in message, (name, message)
+    assert results[0]["world alive"] == "2"

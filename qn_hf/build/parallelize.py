@@ -33,7 +33,7 @@ from ..policies.model_policy import ModelPolicy
 from ..policies.styles import Style
 from ..step.runner import StepContext
 from ..validation.checks import check_parallel_config
-from .passes import PASSES, Build
+from .passes import Build, run_passes
 
 _MARK = "_qn_hf_parallelized"
 
@@ -187,9 +187,7 @@ def _parallelize(model: nn.Module, config: ParallelConfig, *, adapter: Adapter |
     build = Build(model=model, config=config, plan=plan, stage_plan=stage_plan, groups=groups, device=device,
                   checkpoint=checkpoint, seed=seed, cp_layout=PieceLayout(size=dims.cp),
                   precision=config.mixed_precision.dtype if config.mixed_precision else None)
-    for step in PASSES:
-        if step.applies(build):
-            step.run(build)
+    run_passes(build)
     setattr(model, _MARK, True)
     context = StepContext(module=model, config=config, placement=build.placement, plan=build.plan, stage=build.stage,
                           executor=StageExecutor(stage=coords.pp, peers=groups.peers, device=device,

@@ -18,6 +18,7 @@ from ..data_parallel.precision import apply_mixed_precision
 from ..data_parallel.sharded import ShardedParameters
 from ..expert_parallel.apply import apply_expert_parallel, sharded_experts
 from ..expert_parallel.dispatch import ExpertRoute
+from ..failure import raise_together
 from ..memory.recompute import apply_recompute
 from ..mesh import Coords, Groups
 from ..pipeline.split import StagePlan, on_every_stage
@@ -66,14 +67,49 @@ class Build:
 @dataclass(frozen=True)
 class Pass:
     """One in-place change of the model: when it applies, what it reads and makes (``Build`` fields),
-    and why it runs where it does in ``PASSES``."""
+    and why it runs where it does in ``PASSES``. ``run`` works on this rank alone; ``exchange``, where
+    a pass has one, talks to other ranks and runs after ``run``, once every rank has said that every
+    pass so far succeeded on it (``run_passes``)."""
 
     name: str
     applies: Callable[[Build], bool]
-    run: Callable[[Build], None]
+    run: Callable[[Build], None] | None
     needs: tuple[str, ...]
     makes: tuple[str, ...]
     why_here: str
+    exchange: Callable[[Build], None] | None = None
+
+
+def run_passes(b: Build) -> None:
+    """Run each pass that applies, in order, and raise a failure of any rank on every rank alike.
+
+    The passes are rank-dependent (a stage cuts its own blocks, reads its own layers' config, shards
+    its own rows), so one rank can fail where another does not; the others would then wait in the next
+    collective until the timeout, with no word of the cause, and a launcher ends them with SIGTERM.
+    So a rank that fails keeps the error and runs no further pass; before each exchange and after the
+    last pass, every rank gathers every rank's outcome (one small all-gather on the hosts' group) and
+    all raise the same error if any failed: a failing rank never skips a collective the others enter.
+    A failure inside an exchange is one of communication, which the groups' timeout bounds."""
+    failed: tuple[str, Exception] | None = None
+    for step in PASSES:
+        try:
+            if failed is None and step.applies(b) and step.run is not None:
+                step.run(b)
+        except Exception as error:  # noqa: BLE001 -- every kind must reach the other ranks
+            failed = (step.name, error)
+        if step.exchange is not None:  # every rank agrees here, whether the pass applies or not
+            _together(b, failed)
+            if step.applies(b):
+                step.exchange(b)
+    _together(b, failed)
+
+
+def _together(b: Build, failed: tuple[str, Exception] | None) -> None:
+    try:
+        raise_together(failed, group=b.groups.host)
+    except Exception:
+        b.groups.release()  # every rank raises here together: the groups go, as ``close`` would take them
+        raise
 
 
 def _context_parallel(b: Build) -> None:
@@ -124,6 +160,14 @@ def _place_on_device(b: Build) -> None:
 
 def _synchronize(b: Build) -> None:
     b.placement.synchronize(b.model)
+
+
+def _dropout_seed(b: Build) -> None:
+    """Rank 0's seed, where none was given, on every rank."""
+    if b.seed is None:
+        shared = torch.tensor([torch.initial_seed() % (2**62)], dtype=torch.int64, device=b.device)
+        dist.broadcast(shared, src=0)
+        b.seed = int(shared.item())
 
 
 def _dropout_streams(b: Build) -> None:
@@ -181,8 +225,11 @@ PASSES: tuple[Pass, ...] = (
          "after every shard: each rank allocates only its own (a meta model is materialized here)"),
     Pass("cast new parameters", _cast_here, _cast, ("model", "precision"), (),
          "again: sharding and materializing made new parameters (float32 gradients)"),
-    Pass("synchronize replicas", lambda b: b.checkpoint is None, _synchronize, ("model", "placement"), (),
-         "on the device, after the last new parameter; loading a checkpoint gives every replica the same bytes"),
+    Pass("synchronize replicas", lambda b: b.checkpoint is None, None, ("model", "placement"), (),
+         "on the device, after the last new parameter; loading a checkpoint gives every replica the same bytes",
+         exchange=_synchronize),
+    Pass("dropout seed", _always, None, ("seed", "device"), ("seed",), "rank 0's seed for every stream, where none "
+         "was given: with the exchanges, so that the last pass before it is agreed once", exchange=_dropout_seed),
     Pass("dropout streams", _always, _dropout_streams, ("model", "plan", "groups", "seed", "device", "placement"),
          ("rng",), "after the shards exist; the streams are seeded per replica, which the placement says"),
     Pass("recompute", lambda b: b.config.recompute is not None, _recompute, ("model", "stage_plan", "rng"), (),
@@ -209,13 +256,9 @@ def _on_this_stage(model: nn.Module, name: str) -> bool:
 
 
 def _install_rng_streams(
-    model: nn.Module, plan: TpPlan, coords: Coords, device: torch.device, seed: int | None, *, replica: int
+    model: nn.Module, plan: TpPlan, coords: Coords, device: torch.device, seed: int, *, replica: int
 ) -> RngStreams:
     """Seeded per replica (dp x cp: different examples or tokens draw different masks), tp and pp."""
-    if seed is None:
-        shared = torch.tensor([torch.initial_seed() % (2**62)], dtype=torch.int64, device=device)
-        dist.broadcast(shared, src=0)
-        seed = int(shared.item())
     streams = RngStreams(
         device=device, seeds=stream_seeds(base_seed=seed, dp_rank=replica, tp_rank=coords.tp, pp_rank=coords.pp)
     )

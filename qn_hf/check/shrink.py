@@ -151,6 +151,33 @@ def _shrink_sizes(values: dict) -> dict:
     return out
 
 
+def _resized_overrides(overrides: dict, *, data: dict, kinds: list | None, layers: int) -> dict:
+    """Per-layer overrides by index (``per_layer_config``) for the shrunk layers, sizes shrunk. Where
+    the config has layer kinds and every overridden layer of a kind had the same override, each new
+    layer of that kind gets it (Gemma 4's full-attention layers keep a head_dim of their own, larger
+    than the others' as in the full model); otherwise the first ``layers`` layers keep theirs."""
+    old_kinds = data.get("layer_types")
+    by_kind: dict[str, list] = {}
+    if isinstance(old_kinds, list) and isinstance(kinds, list) and len(old_kinds) == data.get("num_hidden_layers"):
+        for index, override in overrides.items():
+            by_kind.setdefault(old_kinds[int(index)], []).append(override)
+    if by_kind and all(all(o == found[0] for o in found) for found in by_kind.values()):
+        chosen = {i: by_kind[kind][0] for i, kind in enumerate(kinds) if kind in by_kind}
+    else:
+        chosen = {int(i): o for i, o in overrides.items() if int(i) < layers}
+    out = {}
+    for index, override in chosen.items():
+        if not isinstance(override, dict):
+            out[str(index)] = override
+            continue
+        small = _shrink_sizes(override)
+        for key, value in override.items():  # a head wider than the model's stays wider (twice)
+            if key == "head_dim" and _is_size(value) and _is_size(data.get(key)) and value > data[key]:
+                small[key] = 2 * small[key]
+        out[str(index)] = small
+    return out
+
+
 def _mla_head_dim(data: dict) -> int:
     """Multi-head latent attention: head_dim is the rotary part where it was (DeepSeek), else the
     whole query-key head (nope + rope, as Dots 3's sliding layers require)."""
@@ -175,8 +202,7 @@ def shrink_config(config: PretrainedConfig, *, layers: int = LAYERS) -> Pretrain
             per_layer = [_SIZES.get(key.removesuffix("_per_layer"), v) if isinstance(v, int) else v for v in value]
             new[key] = _resized_pattern(per_layer, layers)
         elif isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
-            # per-layer overrides by index
-            new[key] = {k: _shrink_sizes(v) if isinstance(v, dict) else v for k, v in value.items() if int(k) < layers}
+            new[key] = value  # per-layer overrides by index: resized below, once the layer kinds are
         elif (isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values())
               and key not in subconfigs):
             new[key] = {k: _shrink_sizes(v) for k, v in value.items()}  # per layer kind
@@ -205,6 +231,9 @@ def shrink_config(config: PretrainedConfig, *, layers: int = LAYERS) -> Pretrain
         half = layers // 2
         new["layer_types"] = _resized_pattern(data["layer_types"], half) * 2 + new["layer_types"][2 * half :]
         new["num_kv_shared_layers"] = layers - half
+    for key, value in new.items():
+        if isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
+            new[key] = _resized_overrides(value, data=data, kinds=new.get("layer_types"), layers=layers)
     for key in ("linear_num_key_heads", "swa_num_key_value_heads", "index_n_heads"):
         if isinstance(data.get(key), int):
             new[key] = _kv_heads(data) if key != "index_n_heads" else HEADS

@@ -40,6 +40,7 @@ from ..compat import reduce_scatter_single
 from ..config.options import LossKind
 from ..devices import on_device
 from ..policies.amendments import CP_REFUSALS
+from ..policies.layer_fields import any_layer, layer_values
 from ..tensor_parallel.plan import TpPlan
 from .ring_attention import PieceLayout, needs_mask, ring_attention
 
@@ -71,8 +72,9 @@ def check_context_parallel(model: nn.Module, *, cp: int, plan: TpPlan) -> None:
     # other way (state-space or convolution layers of hybrid models) would see only this rank's tokens.
     # Chunked attention (softmax within fixed blocks of positions, which the ring does not compute)
     # is checked first: it is the reason cp cannot apply, whatever else the model's attention lacks
-    if getattr(config, "attention_chunk_size", None):
-        raise ValueError(f"{name}: attention_chunk_size={config.attention_chunk_size} (chunked attention) is not "
+    chunked = sorted({v for v in layer_values(config, "attention_chunk_size") if v})  # per layer where it may vary
+    if chunked:
+        raise ValueError(f"{name}: attention_chunk_size={chunked[0]} (chunked attention) is not "
                          f"supported by ring attention; use cp=1")
     kinds = sorted(set(getattr(config, "layer_types", None) or ()) - set(RING_LAYER_TYPES))
     if kinds:
@@ -85,10 +87,10 @@ def check_context_parallel(model: nn.Module, *, cp: int, plan: TpPlan) -> None:
         raise ValueError(f"{name}: context parallelism needs a causal LM with its built-in loss (the loss counts targets "
                          f"across the cp ranks); use cp=1")
     for key in ("attention_dropout", "attn_pdrop"):
-        if getattr(config, key, 0.0):
-            raise ValueError(f"{name}: {key}={getattr(config, key)}: ring attention has no attention dropout; set "
-                             f"config.{key} = 0.0 or use cp=1")
-    if getattr(config, "attn_temperature_tuning", False) and not all(getattr(config, "no_rope_layers", None) or [1]):
+        if any_layer(config, key, 0.0):
+            raise ValueError(f"{name}: {key}={max(layer_values(config, key, 0.0))}: ring attention has no attention "
+                             f"dropout; set config.{key} = 0.0 or use cp=1")
+    if any_layer(config, "attn_temperature_tuning", False) and not all(getattr(config, "no_rope_layers", None) or [1]):
         # Llama 4: the layers without RoPE scale their queries by a function of the position that the
         # attention computes as arange(length of its input), the local pieces' length under cp: wrong
         # from position floor_scale on, so no short test would show it

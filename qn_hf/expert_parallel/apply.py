@@ -27,9 +27,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..compat import decorated_experts
 from ..config.dims import Axis, ParallelDims
 from ..peft.lora import ParamLora, param_loras
+from ..policies.module_kinds import is_fused_experts
 from ..policies.peft_names import is_lora_layer, lora_layer_names, without_wrappers
 from ..policies.styles import Style
 from ..tensor_parallel.plan import TpPlan
@@ -49,15 +49,6 @@ def counts_experts(config) -> bool:
     """Whether a (text) config counts routed experts: a mixture-of-experts architecture."""
     text = config.get_text_config()
     return any(isinstance(getattr(text, key, None), int) and getattr(text, key) > 1 for key in _EXPERT_COUNTS)
-
-
-def is_fused_experts(module: nn.Module) -> bool:
-    """transformers' fused experts form: decorated by ``use_experts_implementation`` (told by
-    ``compat.decorated_experts``) and every parameter stacked over ``num_experts`` along dim 0."""
-    count = getattr(module, "num_experts", None)
-    params = list(module.parameters(recurse=False))
-    return (decorated_experts(module) and isinstance(count, int) and bool(params)
-            and all(p.dim() >= 2 and p.shape[0] == count for p in params))
 
 
 def experts_modules(model: nn.Module) -> dict[str, nn.Module]:

@@ -19,6 +19,7 @@ from .embedding_types import adapter_for
 from .entries import derive_entries, forward_tree, self_path, self_references
 from .every_stage import every_stage_children, per_block_outputs
 from .heads import head_layout
+from .layer_fields import any_layer
 from .model_policy import ModelPolicy, StandIn
 from .module_kinds import position_wise
 from .patterns import base_model_and_prefix, match_modules, match_parameters
@@ -42,7 +43,7 @@ def _submodule(root: nn.Module, name: str) -> nn.Module | None:
 
 def _translate(base: nn.Module, config, hf_plan: dict[str, str]) -> tuple[dict[str, str], list[str]]:
     """transformers' plan in our styles, and what cannot be translated (refused at tp > 1)."""
-    kv_key = "num_key_value_heads" if getattr(config, "num_key_value_heads", None) else None
+    kv_key = "num_key_value_heads" if any_layer(config, "num_key_value_heads") else None
     layout = head_layout(config, tp=1, num_kv_heads_key=kv_key)
     kv_width = layout.kv_heads * layout.head_dim
     tp_plan: dict[str, Style] = {}
@@ -324,7 +325,7 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
 
     attention = [p for p in rowwise_parents if any(hasattr(base.get_submodule(n), "num_key_value_groups")
                                                     for n in match_modules(base, p))]
-    kv_key = "num_key_value_heads" if getattr(config, "num_key_value_heads", None) else None
+    kv_key = "num_key_value_heads" if any_layer(config, "num_key_value_heads") else None
     return ModelPolicy(
         model_type=config.model_type,
         layers=layers,

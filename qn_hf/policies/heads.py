@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from .layer_fields import layer_count, layer_value
+
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -58,15 +60,27 @@ LAYOUT_VALUES = ("local_heads", "local_kv_heads", "local_kv_groups", "local_q_wi
 
 
 def head_layout(config, *, tp: int, num_kv_heads_key: str | None) -> HeadLayout:
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, num_kv_heads_key, None) if num_kv_heads_key else None
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    """The heads of the first layer at ``tp``, each layer's checked: a config may give a layer heads of
+    its own (``per_layer_config``, layer_fields.py), and tp must split every layer's."""
+    layouts = [_layer_layout(config, i, tp=tp, num_kv_heads_key=num_kv_heads_key)
+               for i in range(max(layer_count(config), 1))]
+    return layouts[0]
+
+
+def _layer_layout(config, layer: int, *, tp: int, num_kv_heads_key: str | None) -> HeadLayout:
+    heads = layer_value(config, "num_attention_heads", layer)
+    kv_heads = layer_value(config, num_kv_heads_key, layer) if num_kv_heads_key else None
+    head_dim = layer_value(config, "head_dim", layer) or config.hidden_size // heads
     return HeadLayout(heads=heads, kv_heads=kv_heads or heads, head_dim=head_dim, tp=tp)
 
 
 def attention_layout(module: object, layout: HeadLayout) -> HeadLayout:
-    """``layout`` with the KV heads of this attention module, which may differ from the config's
-    (MiMo-V2's sliding-window layers have twice as many); read from its ``num_key_value_groups``."""
+    """``layout`` with the KV heads and head width of this attention module, which may differ from the
+    config's: MiMo-V2's sliding-window layers have twice as many KV heads (read from its
+    ``num_key_value_groups``), Gemma 4's full-attention layers their own ``head_dim``."""
+    head_dim = getattr(module, "head_dim", None)
+    if isinstance(head_dim, int) and not isinstance(head_dim, bool) and head_dim > 0:
+        layout = replace(layout, head_dim=head_dim)
     groups = getattr(module, "num_key_value_groups", None)
     if not isinstance(groups, int) or groups <= 0 or layout.heads % groups or layout.heads // groups == layout.kv_heads:
         return layout

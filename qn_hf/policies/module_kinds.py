@@ -6,6 +6,8 @@ from __future__ import annotations
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from ..compat import decorated_experts
+
 _ACTIVATION_MODULES = ("torch.nn.modules.activation", "transformers.activations")
 
 
@@ -22,3 +24,12 @@ def position_wise(module: nn.Module) -> bool:
         return True
     name = type(module).__name__
     return name.endswith(("RMSNorm", "LayerNorm")) and all(p.dim() == 1 for p in module.parameters())
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """transformers' fused experts form: decorated by ``use_experts_implementation`` (told by
+    ``compat.decorated_experts``) and every parameter stacked over ``num_experts`` along dim 0."""
+    count = getattr(module, "num_experts", None)
+    params = list(module.parameters(recurse=False))
+    return (decorated_experts(module) and isinstance(count, int) and bool(params)
+            and all(p.dim() >= 2 and p.shape[0] == count for p in params))

@@ -48,9 +48,10 @@ def check_rule(model: nn.Module, name: str, style: Style, layout: HeadLayout, tp
         if in_f % tp:
             raise ValueError(f"tp={tp} does not divide in_features={in_f} of {name}")
     elif style == Style.COLWISE_KV:
-        if out_f != layout.kv_heads * layout.head_dim:
+        here = attention_layout(model.get_submodule(name.rpartition(".")[0]), layout)  # a layer's own heads
+        if out_f != here.kv_heads * here.head_dim:
             raise ValueError(
-                f"{name} has {out_f} outputs, not num_key_value_heads*head_dim = {layout.kv_heads}*{layout.head_dim}"
+                f"{name} has {out_f} outputs, not num_key_value_heads*head_dim = {here.kv_heads}*{here.head_dim}"
             )
     elif style.startswith("colwise"):
         parts = packed_parts(style)

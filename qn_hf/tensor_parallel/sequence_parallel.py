@@ -58,7 +58,7 @@ from dataclasses import replace
 from torch import nn
 
 from ..pipeline.split import StagePlan
-from ..policies.module_kinds import position_wise
+from ..policies.module_kinds import is_fused_experts, position_wise
 from ..policies.patterns import join
 from ..policies.styles import EMBEDDING_STYLES, PARAM_STYLES, Style
 from .plan import TpPlan, rule_module
@@ -133,6 +133,12 @@ def sequence_parallel_plan(model: nn.Module, plan: TpPlan, stage_plan: StagePlan
                 sums += [join(full, p) for p, _ in module.named_parameters() if join(full, p) not in token_wise[full]]
             elif position_wise(module):
                 sums += [join(full, p) for p, _ in module.named_parameters()]
+            elif is_fused_experts(module):
+                # the block calls its experts itself (Gemma 4: a router and experts beside its MLP), on
+                # its tokens flattened to rows, which a whole region, gathered along the sequence, is not
+                raise ValueError(f"{why}: {full} ({type(module).__name__}) is called by its block itself on "
+                                 f"flattened token rows, not from an MoE block qn_hf can run on this rank's tokens; "
+                                 f"use sequence_parallel=False (tp and ep shard its experts)")
             else:
                 whole.append(full)
     regions = tuple(whole)
