@@ -53,6 +53,7 @@ CONFIGS["llama_deep"] = LlamaConfig(**{**CONFIGS["llama"].to_dict(), "num_hidden
 # streams and 6 blocks, of which 3 to 5 reuse the keys and values of blocks 1 and 2.
 CONFIGS["gemma4"] = shrink_config(AutoConfig.for_model("gemma4_text"))
 CONFIGS["gemma3n"] = shrink_config(AutoConfig.for_model("gemma3n_text"), layers=6)
+CONFIGS["qwen3_moe"] = shrink_config(AutoConfig.for_model("qwen3_moe"))  # 4 experts, 2 a token
 VISION = {"vit"}
 
 

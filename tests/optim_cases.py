@@ -23,7 +23,7 @@ def local_weights(pm) -> dict[str, torch.Tensor]:
 
 def shard_of(pm, name: str, full: torch.Tensor) -> torch.Tensor:
     spec = pm.specs.get(name)
-    return full if spec is None else spec.shard(full, pm.coords["tp"])
+    return full if spec is None else spec.shard(full, pm.coords[spec.axis.value])  # tp's rank, or ep's
 
 
 def train(pm, opt, *, kind: str, steps: int, microbatch_rows: int, clip: float | None = 1.0) -> list[float]:

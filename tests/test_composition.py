@@ -104,8 +104,8 @@ def test_refusal_messages_live_only_in_the_table():
     repeated = [(str(path.relative_to(ROOT)), part) for path in (ROOT / "qn_hf").rglob("*.py")
                 if path.name != "composition.py" for text in _string_constants(path) for part in parts if part in text]
     assert repeated == []
-    # ... and the check finds one: the compile x cp refusal raised elsewhere, split over two literals
-    message = TABLE[frozenset((Feature.COMPILE, Feature.CP))].message
+    # ... and the check finds one: the dp_shard x zero refusal raised elsewhere, split over two literals
+    message = TABLE[frozenset((Feature.DP_SHARD, Feature.ZERO))].message
     old = f"raise ValueError({message[:60]!r}\n    {message[60:]!r})"
     assert any(part in node.value for part in parts for node in ast.walk(ast.parse(old))
                if isinstance(node, ast.Constant) and isinstance(node.value, str))

@@ -190,9 +190,30 @@ def test_which_stages_receive_at_their_blocks_is_read_from_the_forward():
 
     assert not derive_policy(_shrunk_meta("llama")).pp_receive_at_blocks
     assert derive_policy(_shrunk_meta("granite")).pp_receive_at_blocks
-    hy = _shrunk_meta("hy_v4")
-    with pytest.raises(ValueError, match=r"pp=2 \(hy_v4\): its base forward hands each block topk_indices"):
+    hy = _shrunk_meta("hy_v4")  # indexer_types full, full, shared, shared: only block 1 may start a chunk
+    with pytest.raises(ValueError, match=r"pp=2 \(hy_v4\): its base forward hands each block topk_indices.*"
+                                         r"layers_per_stage=\[1, 3\] cuts only before blocks that make it anew"):
         build_stage_plan(hy, derive_policy(hy), stages=2)
+    with pytest.raises(ValueError, match=r"no cut into 3 chunks starts only at blocks that make it anew \(\[1\]\)"):
+        build_stage_plan(hy, derive_policy(hy), stages=3)
+
+
+def _hy_v4_step() -> dict:
+    from transformers import CONFIG_MAPPING
+
+    from qn_hf.check.run import one_step_parity
+    from qn_hf.check.shrink import shrink_config
+    from qn_hf.config.parallel_config import ParallelConfig
+
+    config = shrink_config(CONFIG_MAPPING["hy_v4"]()).to_dict()
+    return one_step_parity(config=config, parallel=ParallelConfig.from_keywords(pp=2, microbatches=2,
+                                                                                layers_per_stage=[1, 3]))
+
+
+def test_a_cut_the_refusal_names_trains_equal(worlds):
+    """HY-V4 at pp=2 with the layers_per_stage its refusal names: equal to the plain model."""
+    verdict = worlds.run(2, _hy_v4_step)[0]
+    assert verdict["verdict"] == "equal", verdict
 
 
 def test_stages_receive_expanded_streams_at_the_blocks():

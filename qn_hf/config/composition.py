@@ -91,6 +91,7 @@ _ZERO = "tests/test_optimizer.py::test_zero_equals_the_unsharded_optimizer"
 _GEN = "tests/test_generation.py::test_generate_equals_plain_model"
 _MPC = "tests/test_mixed_precision.py::test_mixed_precision_composes_with_sequence_parallelism_and_recomputation"
 _COMPILED = "tests/test_compile.py::test_compiled_meshes"  # a long test (make test-all)
+_COMPILED_NEW = "tests/test_compile.py::test_compiled_with_ring_experts_and_zero_bubble"
 _TRAINER_RESUME = "tests/test_trainer.py::test_trainer_accumulation_clipping_checkpoint_and_resume_at_another_mesh"
 _RC = "tests/test_recompute.py::test_recompute_is_bit_for_bit"
 _TRAINER = "tests/test_trainer.py::test_trainer_composes_with_schedules_recompute_and_sp"
@@ -101,21 +102,12 @@ _FSDP_MP = "tests/test_sharded_data_parallel.py::test_sharded_data_parallel_in_m
 _FSDP_LORA = "tests/test_sharded_data_parallel.py::test_sharded_data_parallel_with_lora_equals_peft"
 _FSDP_GEN = _FSDP_LORA  # generate after the LoRA step gives peft's tokens
 
-# Also the reason check_compile gives for a mixture-of-experts model at ep=1 (a refusal of the model).
-EXPERTS_RECOMPILE = ("routing tokens to experts gives each expert a number of tokens known only at run time "
-                     "(data-dependent shapes), which splits and recompiles each block's graph; use compile=False")
-
 # Refused pairs first, in the order their messages win when a configuration hits several.
 ROWS: tuple[Row, ...] = (
-    Row(F.COMPILE, F.PP_ZB_H1, S.REFUSED, message=(
-        "compile=True with schedule='zb_h1' is not supported: its linear layers queue their weight gradients from a "
-        "hook on their autograd node, which torch.compile cannot trace; use schedule='1f1b' (or 'gpipe', "
-        "'interleaved_1f1b') with compile=True, or compile=False")),
-    Row(F.COMPILE, F.CP, S.REFUSED, message=(
-        "compile=True with cp={cp} is not supported: ring attention passes key/value blocks between ranks with "
-        "point-to-point transfers inside an autograd Function, which torch.compile cannot trace; use cp=1 with "
-        "compile=True, or compile=False")),
-    Row(F.COMPILE, F.EP, S.REFUSED, message="compile=True with ep={ep} is not supported: " + EXPERTS_RECOMPILE),
+    # compile: what dynamo cannot trace runs eagerly between a block's compiled pieces (step/compile.py)
+    Row(F.COMPILE, F.PP_ZB_H1, S.PLAIN, f"{_COMPILED_NEW}[zb_h1]"),
+    Row(F.COMPILE, F.CP, S.PLAIN, f"{_COMPILED_NEW}[cp2]"),
+    Row(F.COMPILE, F.EP, S.PLAIN, f"{_COMPILED_NEW}[dp2-ep2]"),
     # dp_shard (sharded data parallelism, data_parallel/sharded.py): what is not built on FSDP2 yet
     Row(F.DP_SHARD, F.ZERO, S.REFUSED, message=(
         "zero=True with dp_shard={dp_shard}: dp_shard already shards the optimizer state, the master weights, the "

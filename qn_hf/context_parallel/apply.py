@@ -150,7 +150,9 @@ def apply_context_parallel(model: nn.Module, *, group: ProcessGroup, layout: Pie
     # transformers' registry is global; the name is this model's own, so models never share state
     name = f"qn_hf_ring_{next(_names)}"
     previous = model.config._attn_implementation
-    AttentionInterface.register(name, attention)
+    # eager inside a compiled block (a graph break either side): the ring's point-to-point transfers and
+    # its online softmax over the received blocks run as in eager mode, the block's other code compiled
+    AttentionInterface.register(name, torch.compiler.disable(attention))
     model.set_attn_implementation(name)
     return RingSwitch(model, ring=name, previous=previous)
 

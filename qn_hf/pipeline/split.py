@@ -216,10 +216,29 @@ def _check_carried(model: nn.Module, plan: StagePlan, policy: ModelPolicy) -> No
     reusing = [i for i in starts if key is None or getattr(config, key)[i] == reuse]
     if reusing:
         kinds = f" ({key}[{reusing[0]}] = {reuse!r})" if key else ""
+        layers = sum(b - a for a, b in plan.layer_ranges)
+        allowed = [i for i in range(1, layers) if key is not None and getattr(config, key)[i] != reuse]
+        cuts = _nearest_cuts(allowed, layers=layers, chunks=len(plan.layer_ranges))
+        fix = (f"layers_per_stage={[b - a for a, b in zip([0, *cuts], [*cuts, layers])]} cuts only before blocks that "
+               f"make it anew ({', '.join(map(str, cuts))})" if cuts else
+               f"no cut into {len(plan.layer_ranges)} chunks starts only at blocks that make it anew "
+               f"({allowed or 'none'}): use fewer stages")
         raise ValueError(f"pp={plan.stages} ({policy.model_type}): its base forward hands each block "
                          f"{', '.join(policy.pp_carried)} from the block before besides the hidden states, and block "
                          f"{reusing[0]}, the first of a chunk, reuses it{kinds}, but a pipeline sends only the hidden "
-                         f"states between stages; cut where a block makes it anew (layers_per_stage) or use pp=1")
+                         f"states between stages; {fix}, or use pp=1")
+
+
+def _nearest_cuts(allowed: list[int], *, layers: int, chunks: int) -> list[int]:
+    """``chunks - 1`` increasing cut points from ``allowed``, each the nearest free one to where an even
+    split would cut ([] if there are too few)."""
+    cuts: list[int] = []
+    for k in range(1, chunks):
+        left = [i for i in allowed if (not cuts or i > cuts[-1]) and len(allowed) - allowed.index(i) >= chunks - k]
+        if not left:
+            return []
+        cuts.append(min(left, key=lambda i: abs(i - k * layers / chunks)))
+    return cuts
 
 
 def on_every_stage(plan: StagePlan, name: str) -> bool:

@@ -129,6 +129,15 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     needs = weight.requires_grad or (bias is not None and bias.requires_grad)
     if queue is None or not (torch.is_grad_enabled() and needs):
         return _plain_project(x, weight, bias, conv1d_layout=conv1d_layout)
+    return _deferred_project(x, weight, bias, conv1d_layout=conv1d_layout, queue=queue)
+
+
+# Eager under torch.compile (a graph break around each deferring projection of a compiled block): dynamo
+# cannot trace a hook registered on an autograd node, nor AOTAutograd a backward that queues its inputs
+# for a later nested one. The rest of the block compiles; the projection's own kernels are the plain ones.
+@torch.compiler.disable
+def _deferred_project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, conv1d_layout: bool,
+                      queue: WeightGradQueue) -> torch.Tensor:
     anchor = None if x.requires_grad else x.new_empty(0).requires_grad_()
     saved = _SaveInput.apply(x, anchor)
     # The product is taken on 2-D operands so that the hooked node is the product itself, not a view

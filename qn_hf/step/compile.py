@@ -18,13 +18,23 @@ What a compiled block traces into its graphs, forward and backward:
   storages) cannot be traced: under ``compile`` the entries keep the gathered input, as under recomputation;
 * peft's adapter layers on the blocks' linear layers (LoRA is tested).
 
-What splits a block's graph (a graph break: the pieces compile separately, the hook runs eagerly between
-them): the random-stream hooks (rng.py) that enter and leave each tp region (the attention module) swap the
-device generator's state, which dynamo does not trace. They exist only at tp > 1 on a model that draws in
-training (dropout above 0: ``rng.draws_in_training``); elsewhere a block compiles as one graph. With them a
-block compiles as the part before its attention, the attention, and the rest; dropout inside each piece
-draws from the stream its hooks set, as in eager (from inductor's generator, seeded from that stream: the
-masks are not eager's bit for bit).
+What splits a block's graph (a graph break: the pieces compile separately, what is between them runs
+eagerly), and nothing else does (tests/test_compile.py counts the breaks and the graphs):
+
+* the random-stream hooks (rng.py) that enter and leave a tp region swap the device generator's state,
+  which dynamo does not trace. They exist only at tp > 1, and only on the regions that may draw in
+  training (``rng.region_draws``: dropout above 0 in them); without dropout a block compiles as one graph
+  at any tp. With them a block compiles as the part before the region, the region, and the rest; dropout
+  inside each piece draws from the stream its hooks set, as in eager (from inductor's generator, seeded
+  from that stream: the masks are not eager's bit for bit);
+* ring attention (cp > 1): its point-to-point transfers and online softmax over the blocks it receives
+  run in an autograd Function dynamo cannot trace; the function qn_hf registers in transformers' attention
+  interface is ``torch.compiler.disable``d, so it runs eagerly between the block's compiled pieces;
+* the experts' call of a mixture-of-experts block, ep's dispatch or the model's own implementation at
+  ep=1 (``expert_parallel.apply.eager_experts``): each expert's rows are known only at run time, which
+  would recompile a graph at every new count, so the call runs eagerly, the router and the rest compiled;
+* ZB-H1's deferring projections (pipeline/weight_grad.py): a hook on an autograd node and a backward
+  that queues its inputs for a later one; each runs eagerly, with the plain kernels.
 
 Sharded data parallelism (dp_shard): FSDP2's ``fully_shard`` goes on each compiled block afterwards, as
 torchtitan applies it. Its forward and backward hooks sit on the block, and dynamo leaves FSDP's hooks
@@ -40,10 +50,8 @@ operators that the compiled code does not call, inductor's kernels do the work),
 Blocks without dropout carry no random streams' hooks (rng.py); whether dynamo then traces the checkpoint
 and applies the policy inside the graph has not been measured.
 
-Refused (``check_compile``, raised before any collective): ZB-H1, whose linear layers queue their weight
-gradients from a hook on their autograd node and compute them in a nested backward; context parallelism,
-whose ring attention moves blocks between ranks with point-to-point transfers inside an autograd Function;
-expert parallelism and mixture-of-experts blocks, whose token dispatch has data-dependent shapes.
+Refused (``check_compile``, raised before any collective): expert parallelism over experts stacked on dim 0
+(Llama 4), whose dispatch hooks no compiled test covers.
 """
 
 from __future__ import annotations
@@ -54,9 +62,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..config.composition import EXPERTS_RECOMPILE, Feature, check_composition
+from ..config.composition import Feature, check_composition
 from ..config.schedule import as_schedule
-from ..expert_parallel.apply import experts_modules
+from ..expert_parallel.apply import eager_experts
+from ..expert_parallel.stacked import is_stacked_experts
 from ..pipeline.standins import StandIn
 
 
@@ -69,8 +78,10 @@ def check_compile(model: nn.Module, *, compile: bool, schedule: str, cp: int, ep
     used = {Feature.COMPILE, Feature.for_schedule(as_schedule(schedule))}
     used |= {f for f, n in ((Feature.CP, cp), (Feature.EP, ep)) if n > 1}
     check_composition(used, {"cp": cp, "ep": ep, "schedule": as_schedule(schedule)})
-    if experts_modules(model):  # at ep=1 too: a refusal of the model, with the table's reason for ep
-        raise ValueError(f"compile=True with a mixture-of-experts model is not supported: {EXPERTS_RECOMPILE}")
+    stacked = [name for name, module in model.named_modules() if is_stacked_experts(module)]
+    if ep > 1 and stacked:
+        raise ValueError(f"compile=True with ep={ep} and experts stacked on dim 0 ({stacked[0]}, Llama 4's form): "
+                         f"their dispatch hooks are not compiled in any test; use compile=False, or ep=1")
 
 
 def stage_blocks(model: nn.Module, *, layers: str) -> list[nn.Module]:
@@ -82,6 +93,7 @@ def apply_compile(model: nn.Module, *, layers: str) -> int:
     """Compile every block of ``layers`` held on this stage in place (inductor); return how many.
     Compilation happens at each block's first call. Run it after ``apply_recompute``."""
     blocks = stage_blocks(model, layers=layers)
+    eager_experts(model)
     for block in blocks:
         checkpoint_fn = getattr(block, "_gradient_checkpointing_func", None)
         if getattr(block, "gradient_checkpointing", False) and checkpoint_fn is not None:

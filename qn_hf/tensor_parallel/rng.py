@@ -20,6 +20,9 @@ hooks, every draw (if any) comes from the shared stream, and ``torch.compile`` t
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
 from collections.abc import Sequence
 
 import torch
@@ -90,10 +93,13 @@ class RngStreams:
         ]
 
     def hook_regions(self, model: nn.Module, *, tp_local: Sequence[str], shared: Sequence[str]) -> None:
-        """Run the named submodules of ``model`` in the tp-local and the shared stream (a plan's regions)."""
+        """Run the named submodules of ``model`` in the tp-local and the shared stream (a plan's regions),
+        those that may draw only (``region_draws``): a region that draws nothing would draw the same in
+        any stream, and its hooks swap the generator's state, which splits a compiled block's graph."""
         for names, stream in ((tp_local, TP_LOCAL), (shared, SHARED)):
             for name in names:
-                self.hook_module(model.get_submodule(name), stream)
+                if region_draws(model.get_submodule(name)):
+                    self.hook_module(model.get_submodule(name), stream)
 
 
 # Module attributes and config keys (by name) holding the probability or scale of a draw in training:
@@ -119,6 +125,38 @@ def _config_draws(config: dict) -> bool:
         if _named_draw(key) and _positive(value):
             return True
     return False
+
+
+def region_draws(region: nn.Module) -> bool:
+    """Whether ``region`` may draw in training: a dropout module with ``p`` > 0 in it, an attribute named
+    for a draw above 0 (``attention_dropout``, passed to the attention kernel), or a forward in it that
+    reads such a key of its config (``self.config.dropout``) set above 0."""
+    for module in region.modules():
+        if isinstance(module, DROPOUT_MODULES) and module.p > 0:
+            return True
+        if any(_named_draw(key) and _positive(value) for key, value in vars(module).items()):
+            return True
+        config = getattr(module, "config", None)
+        if config is not None and any(_positive(_config_value(config, key)) for key in _config_draws_read(type(module))):
+            return True
+    return False
+
+
+def _config_value(config: object, key: str) -> object:
+    try:
+        return getattr(config, key, None)
+    except RuntimeError:  # a per-layer value (transformers' per-layer configs): may be above 0 somewhere
+        return 1.0
+
+
+@functools.cache
+def _config_draws_read(kind: type) -> tuple[str, ...]:
+    """The draw-named config keys ``kind.forward`` reads (``config.<key>`` in its source)."""
+    try:
+        source = inspect.getsource(kind.forward)
+    except (OSError, TypeError):  # no source (a compiled or built-in forward): assume it reads them all
+        return RANDOM_IN_TRAINING
+    return tuple(key for key in set(re.findall(r"config\.(\w+)", source)) if _named_draw(key))
 
 
 def draws_in_training(model: nn.Module) -> bool:
