@@ -163,11 +163,8 @@ def draws_in_training(model: nn.Module) -> bool:
     """Whether ``model`` may draw random numbers in training: a dropout module with ``p`` > 0, or an
     attribute of a module or a key of its config named for a draw (``RANDOM_IN_TRAINING``) above 0.
     Conservative: a key the forward never reads (a head this model lacks) counts too."""
-    for module in model.modules():
-        if isinstance(module, DROPOUT_MODULES) and module.p > 0:
-            return True
-        if any(_named_draw(key) and _positive(value) for key, value in vars(module).items()):
-            return True
+    if region_draws(model):
+        return True
     config = getattr(model, "config", None)
     return config is not None and hasattr(config, "to_dict") and _config_draws(config.to_dict())
 
