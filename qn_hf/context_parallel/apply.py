@@ -87,8 +87,9 @@ def check_context_parallel(model: nn.Module, *, cp: int, plan: TpPlan) -> None:
         raise ValueError(f"{name}: context parallelism needs a causal LM with its built-in loss (the loss counts targets "
                          f"across the cp ranks); use cp=1")
     for key in ("attention_dropout", "attn_pdrop"):
-        if any_layer(config, key, 0.0):
-            raise ValueError(f"{name}: {key}={max(layer_values(config, key, 0.0))}: ring attention has no attention "
+        dropouts = [v for v in layer_values(config, key, 0.0) if v]
+        if dropouts:
+            raise ValueError(f"{name}: {key}={max(dropouts)}: ring attention has no attention "
                              f"dropout; set config.{key} = 0.0 or use cp=1")
     if any_layer(config, "attn_temperature_tuning", False) and not all(getattr(config, "no_rope_layers", None) or [1]):
         # Llama 4: the layers without RoPE scale their queries by a function of the position that the

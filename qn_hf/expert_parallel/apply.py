@@ -25,6 +25,8 @@ owner's gradient is the sum over the tokens of its whole ep group; the ranks hol
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -41,8 +43,6 @@ from .stacked import is_stacked_experts, stacked_expert_hooks
 # transformers' name for the module holding an MoE layer's routed experts (a module name, not the
 # tensor-parallel style of the same spelling).
 EXPERTS_MODULE = "experts"
-
-_EP_KEY = "qn_hf_ep_"  # the prefix of ep's dispatch in transformers' experts registry
 
 # config keys that count a model's routed experts (transformers' names differ by architecture)
 _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -132,8 +132,6 @@ def expert_parallel_plan(model: nn.Module, plan: TpPlan, *, ep: int) -> TpPlan:
 def apply_expert_parallel(model: nn.Module, *, route: ExpertRoute, ep_rank: int) -> dict[str, ShardSpec]:
     """Keep this rank's block of every experts module's experts and route the model's experts
     calls through the ep dispatch; return the specs of the sharded parameters by name."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
-
     found = sharded_experts(model)
     loras = param_loras(model)
     specs: dict[str, ShardSpec] = {}
@@ -148,40 +146,34 @@ def apply_expert_parallel(model: nn.Module, *, route: ExpertRoute, ep_rank: int)
         module.num_experts = route.local
         if is_stacked_experts(module):
             stacked_expert_hooks(module, route=route)
-    fused = experts_modules(model)
-    if not fused:
-        return specs
-    first = next(iter(fused.values()))
-    previous = first.config._experts_implementation
-    local = ALL_EXPERTS_FUNCTIONS.get_interface(previous, type(first).forward.__wrapped__)
-    # The registry is process-wide: a name of this model's own keeps two models (with different
-    # groups) apart, as ring attention's registration does.
-    key = f"{_EP_KEY}{id(model):x}"
-    # eager inside a compiled block, as any experts call is there (step/compile.py: eager_experts)
-    ExpertsInterface.register(key, torch.compiler.disable(expert_parallel_forward(route, local)))
-    model.set_experts_implementation(key)
+    _replace_experts(model, "qn_hf_ep", lambda local: expert_parallel_forward(route, local))
     return specs
 
 
-def eager_experts(model: nn.Module) -> bool:
+def eager_experts(model: nn.Module) -> None:
     """Run every fused experts call of ``model`` eagerly inside compiled code (for ``compile``): its
-    implementation is registered again, under a name of this model's own, wrapped in
-    ``torch.compiler.disable``. A token's experts are chosen at run time, so each expert's rows (and ep's
-    all-to-all splits) have data-dependent sizes, which would split and recompile a block's graph at
-    every new size; around the call the block compiles once. Returns whether the model has any."""
+    current implementation (the model's own, or ep's dispatch) wrapped in ``torch.compiler.disable``. A
+    token's experts are chosen at run time, so each expert's rows (and ep's all-to-all splits) have
+    data-dependent sizes, which would split and recompile a block's graph at every new size; around the
+    call the block compiles once."""
+    _replace_experts(model, "qn_hf_eager_experts", torch.compiler.disable)
+
+
+def _replace_experts(model: nn.Module, prefix: str, wrap: Callable[[Callable], Callable]) -> None:
+    """Register ``wrap`` of the fused experts' current implementation (``local_forward(module, rows, ids,
+    weights)``, eager or grouped_mm) in transformers' experts registry and select it (no fused experts:
+    nothing). The registry is process-wide: a name of this model's own keeps two models (with different
+    groups) apart, as ring attention's registration does."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
 
     fused = experts_modules(model)
     if not fused:
-        return False
+        return
     first = next(iter(fused.values()))
-    previous = first.config._experts_implementation
-    if not previous.startswith(_EP_KEY):  # ep's dispatch is registered disabled already
-        key = f"qn_hf_eager_experts_{id(model):x}"
-        ExpertsInterface.register(key, torch.compiler.disable(
-            ALL_EXPERTS_FUNCTIONS.get_interface(previous, type(first).forward.__wrapped__)))
-        model.set_experts_implementation(key)
-    return True
+    current = ALL_EXPERTS_FUNCTIONS.get_interface(first.config._experts_implementation, type(first).forward.__wrapped__)
+    key = f"{prefix}_{id(model):x}"
+    ExpertsInterface.register(key, wrap(current))
+    model.set_experts_implementation(key)
 
 
 def _shard_expert_lora(model: nn.Module, lora: ParamLora, *, route: ExpertRoute, ep_rank: int) -> dict[str, ShardSpec]:

@@ -234,7 +234,7 @@ def _nearest_cuts(allowed: list[int], *, layers: int, chunks: int) -> list[int]:
     split would cut ([] if there are too few)."""
     cuts: list[int] = []
     for k in range(1, chunks):
-        left = [i for i in allowed if (not cuts or i > cuts[-1]) and len(allowed) - allowed.index(i) >= chunks - k]
+        left = [i for n, i in enumerate(allowed) if (not cuts or i > cuts[-1]) and len(allowed) - n >= chunks - k]
         if not left:
             return []
         cuts.append(min(left, key=lambda i: abs(i - k * layers / chunks)))

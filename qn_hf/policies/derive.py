@@ -41,9 +41,14 @@ def _submodule(root: nn.Module, name: str) -> nn.Module | None:
         return None
 
 
+def _kv_key(config) -> str | None:
+    """The config key counting KV heads, where some layer has them."""
+    return "num_key_value_heads" if any_layer(config, "num_key_value_heads") else None
+
+
 def _translate(base: nn.Module, config, hf_plan: dict[str, str]) -> tuple[dict[str, str], list[str]]:
     """transformers' plan in our styles, and what cannot be translated (refused at tp > 1)."""
-    kv_key = "num_key_value_heads" if any_layer(config, "num_key_value_heads") else None
+    kv_key = _kv_key(config)
     layout = head_layout(config, tp=1, num_kv_heads_key=kv_key)
     kv_width = layout.kv_heads * layout.head_dim
     tp_plan: dict[str, Style] = {}
@@ -325,7 +330,7 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
 
     attention = [p for p in rowwise_parents if any(hasattr(base.get_submodule(n), "num_key_value_groups")
                                                     for n in match_modules(base, p))]
-    kv_key = "num_key_value_heads" if any_layer(config, "num_key_value_heads") else None
+    kv_key = _kv_key(config)
     return ModelPolicy(
         model_type=config.model_type,
         layers=layers,

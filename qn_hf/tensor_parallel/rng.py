@@ -97,9 +97,9 @@ class RngStreams:
         those that may draw only (``region_draws``): a region that draws nothing would draw the same in
         any stream, and its hooks swap the generator's state, which splits a compiled block's graph."""
         for names, stream in ((tp_local, TP_LOCAL), (shared, SHARED)):
-            for name in names:
-                if region_draws(model.get_submodule(name)):
-                    self.hook_module(model.get_submodule(name), stream)
+            for region in (model.get_submodule(name) for name in names):
+                if region_draws(region):
+                    self.hook_module(region, stream)
 
 
 # Module attributes and config keys (by name) holding the probability or scale of a draw in training:
