@@ -10,13 +10,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .checkpoint.adapter import save_adapter
 from .checkpoint.background import DEFAULT_TIMEOUT, BackgroundSaves
-from .checkpoint.export import save_pretrained
-from .checkpoint.full_state import full_state_dict
-from .checkpoint.hf import DEFAULT_MAX_SHARD_BYTES
-from .checkpoint.load import load_checkpoint
-from .checkpoint.save import DEFAULT_KEEP_LAST, HeldDirectories, save_checkpoint
+from .checkpoint.methods import CheckpointMethods
+from .checkpoint.save import HeldDirectories
 from .comm import flat_all_reduce_
 from .config.composition import Feature, check_and_warn
 from .config.dims import ParallelDims
@@ -51,7 +47,7 @@ from .tensor_parallel.shard import ShardSpec
 LossFn = Callable[[object, Mapping[str, torch.Tensor]], torch.Tensor]
 
 
-class ParallelModel:
+class ParallelModel(CheckpointMethods):
     """This rank's shard of a model, with ``train_step``/``eval_step`` over the whole mesh.
 
     The wrapped Hugging Face model is ``module``; its parameter names are unchanged, so
@@ -324,13 +320,6 @@ class ParallelModel:
     config = property(lambda self: self.stage.config)
     generation_config = property(lambda self: self.module.generation_config)
 
-    def state_dict(self, *, max_bytes: int | None = None) -> dict[str, torch.Tensor]:
-        """The unsharded model's state dict (HF names, whole CPU tensors) on every rank; collective.
-        Refused above ``max_bytes`` (default: half the free host memory per rank): see full_state.py."""
-        self._weights_ready()
-        with self.failures.guard("state_dict"):
-            return full_state_dict(self.module, placement=self.placement, max_bytes=max_bytes)
-
     def check_composes_with(self, *features: Feature) -> None:
         """The composition table's refusal of ``features`` with this model's, or its warning (rank 0, once)."""
         values = self.parallel_config.values(model_type=self.config.model_type) if self.parallel_config else {}
@@ -345,44 +334,6 @@ class ParallelModel:
             return parallel_generate(self.module, input_ids, attention_mask, stage=self.stage, placement=self.placement,
                                      full_logits=self.full_logits if self.vocab is not None else None,
                                      generate_kwargs=generate_kwargs)
-
-    # -- export ----------------------------------------------------------------------------------
-    def save_pretrained(self, path: str, *, max_shard_size: int = DEFAULT_MAX_SHARD_BYTES) -> None:
-        """Write a consolidated Hugging Face directory that ``from_pretrained`` loads unchanged
-        (streamed tensor by tensor; files of at most ``max_shard_size`` bytes); for a PEFT model, the
-        adapter directory that ``PeftModel.from_pretrained(base, path)`` loads."""
-        self._weights_ready()
-        with self.failures.guard("save_pretrained"):
-            if self.adapter is not None:
-                save_adapter(self.module, path, placement=self.placement, adapter=self.adapter)
-                return
-            save_pretrained(self.module, path, placement=self.placement, config=self.config,
-                            max_shard_bytes=max_shard_size)
-
-    def save_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None, step: int | None = None,
-                        *, keep_last: int | None = DEFAULT_KEEP_LAST, asynchronous: bool = False) -> str:
-        """Sharded checkpoint ``path/ckpt-<step>`` (optimizer state, fp16's loss scale) made ``latest``, loading at any
-        mesh; keeps the newest ``keep_last`` (None: all). Holds ``path`` while the model lives: other jobs refused.
-        ``asynchronous``: return at once, written and published in the background (``wait_checkpoint``)."""
-        self._weights_ready()
-        self.wait_checkpoint()  # one save in flight at a time: the next copy reuses its host buffers
-        with self.failures.guard("save_checkpoint"):
-            return save_checkpoint(self.module, path, placement=self.placement, config=self.config, optimizer=optimizer,
-                                   step=step, virtual_stages=self.stage.plan.virtual, keep_last=keep_last, scaler=self.scaler,
-                                   roots=self.held_roots, background=self.saves if asynchronous else None)
-
-    def wait_checkpoint(self) -> str | None:
-        """Wait for the save in flight (every rank); its published directory (None: none), or any rank's error."""
-        return self.saves.wait()
-
-    def load_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> dict:
-        """Load a checkpoint saved at any mesh (fp16's loss scale included); return its metadata (``{"step": 1}``)."""
-        self._weights_ready()
-        self.wait_checkpoint()
-        with self.failures.guard("load_checkpoint"):
-            return load_checkpoint(self.module, path, placement=self.placement, model_type=self.config.model_type,
-                                   optimizer=optimizer, cast=self.precision is not None, config=self.config.to_dict(),
-                                   scaler=self.scaler)
 
 
 def optimizer(pm: ParallelModel, optimizer_class: type, *, zero: bool = False, param_groups: Iterable[dict] | None = None,

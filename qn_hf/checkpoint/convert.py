@@ -14,13 +14,17 @@ tensors are exactly the source's; only ``to-hf`` leaves something out, the optim
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 import torch
 from tqdm import tqdm
 
 from ..version import __version__
 from .atomic import fresh_dir, remove_entry
+from .classes import model_class
+from .dcp.directory import read_source, tied_aliases
+from .dcp.index import BY_PARAM
+from .dcp.write import write_whole_dcp
+from .errors import CheckpointFormat
 from .export import STAGING, begin_export, finish_export, numbered_weights_file, split_by_size
 from .files import PARTIAL, FileChecks, file_digest, publish
 from .format import (
@@ -29,7 +33,6 @@ from .format import (
     OPTIMIZER,
     CheckpointError,
     boxes,
-    checkpoint_dir,
     entry_nbytes,
     new_index,
     optimizer_key,
@@ -53,61 +56,13 @@ from .hf import (
     weight_files,
     with_architecture,
 )
-from .layout import Layout, Place, candidate_classes, meta_model, model_layout, named_class
+from .layout import Layout, Place, layout_class, meta_model, model_layout
 from .lock import hold_directory
 from .names import next_checkpoint_dir
 from .optimizer_state import STATELESS
-from .pieces import read_chunks
+from .pieces import read_box, read_chunks
 from .seal import write_index
 from .stream import write_streaming
-
-
-def _fit(model: torch.nn.Module, names: set[str], prefixes: list[str]) -> tuple[int, list[str], list[str]]:
-    """How a class fits a source's tensor names: (names it finds verbatim, its tensors the source
-    lacks, source tensors it would leave unread)."""
-    verbatim, missing, used = 0, [], set()
-    own = {n for n, _ in model.named_parameters()}
-    for name, _ in model.named_parameters(remove_duplicate=False):  # a tied alias the source holds is used too
-        try:
-            source = source_name({"tensors": names}, name, prefixes)
-        except CheckpointError:
-            if name in own:
-                missing.append(name)
-            continue
-        used.add(source)
-        verbatim += source == name
-    return verbatim, missing, sorted(names - used)
-
-
-def model_class(config: dict, names_for: Callable[[torch.nn.Module], set[str]], *, where: str) -> type:
-    """The class the config names, else the one class of its model type whose tensors are exactly
-    the source's (``names_for(model)``: the source's tensor names as that model reads them); of
-    several, the one that finds the most under their own names (a tied head adds no tensor)."""
-    built = config_from_dict(config)
-    named = named_class(built)
-    if named is not None:
-        return named
-    fits, near = [], []
-    for cls in candidate_classes(built):
-        try:
-            model = meta_model(built, cls=cls)
-        except Exception:  # an auto mapping may list a class of another family this config cannot build
-            continue
-        verbatim, missing, extra = _fit(model, names_for(model), [model.base_model_prefix, *base_prefixes(config)])
-        fit = (verbatim, -len(missing) - len(extra), cls, missing, extra)
-        (fits if not missing and not extra else near).append(fit)
-    fits.sort(key=lambda f: -f[0])
-    if fits and (len(fits) == 1 or fits[0][0] > fits[1][0]):
-        return fits[0][2]
-    hint = f'add "architectures": ["<class>"] to its config (one of {[c.__name__ for c in candidate_classes(built)]})'
-    if fits:
-        raise CheckpointError(f"{where}: its config records no model class and several fit its tensors "
-                              f"({', '.join(f[2].__name__ for f in fits)}); {hint}")
-    best = max(near, key=lambda f: f[1], default=None)
-    detail = (f"; the closest, {best[2].__name__}, would lack {best[3][:3]} and leave out {best[4][:3]}"
-              if best else "")
-    raise CheckpointError(f"{where}: its config records no model class and no {config['model_type']!r} class has "
-                          f"exactly its tensors{detail}; {hint}")
 
 
 def _work(src: dict, layout: Layout, prefixes: list[str], *, where: str,
@@ -220,7 +175,8 @@ def _write_shards(src_dir: str, src: dict, layout: Layout, work: list[tuple[str,
     return entries, digests
 
 
-def from_hf(hf_dir: str, out: str, *, tp: int, pp: int, virtual_stages: int = 1) -> str:
+def from_hf(hf_dir: str, out: str, *, tp: int, pp: int, virtual_stages: int = 1,
+            format: CheckpointFormat = CheckpointFormat.QN) -> str:
     """A checkpoint laid out as a run at (tp, pp) with ``virtual_stages`` chunks per rank saves one
     (each rank's file holds its chunks' tensors); any run loads it, by name."""
     config = read_hf_config(hf_dir)
@@ -229,8 +185,8 @@ def from_hf(hf_dir: str, out: str, *, tp: int, pp: int, virtual_stages: int = 1)
     src, _ = read_hf_dir(hf_dir, model_class=cls)
     layout = model_layout(config_from_dict(config), tp=tp, pp=pp, virtual_stages=virtual_stages, cls=cls)
     # a Hugging Face model is where training starts: step 0
-    return write_checkpoint(hf_dir, src, layout, config, out, where=hf_dir, step=0,
-                            generation_config=read_generation_config(hf_dir))
+    write = write_dcp_checkpoint if format is CheckpointFormat.DCP else write_checkpoint
+    return write(hf_dir, src, layout, config, out, where=hf_dir, step=0, generation_config=read_generation_config(hf_dir))
 
 
 def _checkpoint_layout(directory: str, index: dict, *, tp: int, pp: int, virtual_stages: int) -> Layout:
@@ -239,24 +195,59 @@ def _checkpoint_layout(directory: str, index: dict, *, tp: int, pp: int, virtual
     return model_layout(config_from_dict(index["config"]), tp=tp, pp=pp, virtual_stages=virtual_stages, cls=cls)
 
 
-def reshard(ckpt: str, out: str, *, tp: int, pp: int, virtual_stages: int = 1) -> str:
-    directory = checkpoint_dir(ckpt)
-    index = read_index(directory)
+def reshard(ckpt: str, out: str, *, tp: int, pp: int, virtual_stages: int = 1, config: str | None = None,
+            format: CheckpointFormat = CheckpointFormat.QN) -> str:
+    """``ckpt`` (qn_hf's or a DCP checkpoint) as a checkpoint laid out at (tp, pp), or as a DCP (``format``)."""
+    directory, index = read_source(ckpt, config=config)
     layout = _checkpoint_layout(directory, index, tp=tp, pp=pp, virtual_stages=virtual_stages)
-    return write_checkpoint(directory, index, layout, index["config"], out, where=directory, step=index.get("step"),
-                            optimizer=index.get("optimizer"), generation_config=index.get("generation_config"),
-                            loss_scaler=index.get("loss_scaler"))  # the loss scale is the same at any mesh
+    if BY_PARAM in index:
+        raise CheckpointError(f"{directory}: its optimizer state is saved per parameter (flatten_optimizer_state_dict), "
+                              f"which names no parameter groups to write; load it into a run with load_checkpoint")
+    write = write_dcp_checkpoint if format is CheckpointFormat.DCP else write_checkpoint
+    return write(directory, index, layout, index["config"], out, where=directory, step=index.get("step"),
+                 optimizer=index.get("optimizer"), generation_config=index.get("generation_config"),
+                 loss_scaler=index.get("loss_scaler"))  # the loss scale is the same at any mesh
 
 
-def to_hf(ckpt: str, out: str, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False) -> list[str]:
+def write_dcp_checkpoint(src_dir: str, src: dict, layout: Layout, config: dict, out: str, *, where: str,
+                         step: int | None = None, optimizer: list[dict] | None = None,
+                         generation_config: dict | None = None, loss_scaler: dict | None = None) -> str:
+    """``src`` as a DCP checkpoint under ``out`` (``ckpt-<step>``, then ``latest``), as torch's FSDP2 recipe loads
+    it: each tensor whole, in row blocks of bounded size read from the source one at a time."""
+    work = _work(src, layout, base_prefixes(config), where=where, optimizer=True)
+    renamed = {source: name for name, source, _ in work}
+    groups = ([{**g, **{k: sorted(renamed.get(p, p) for p in g[k]) for k in ("params", STATELESS) if k in g}}
+               for g in optimizer] if optimizer else optimizer)
+    aliases = tied_aliases(meta_model(config_from_dict(config), cls=layout_class(layout)))
+    header = new_index(library_version=__version__, step=step, mesh={"dp": 1, "tp": 1, "pp": 1},
+                       config={**config, "architectures": [layout.model_class]}, tensors={}, optimizer=None, files={},
+                       generation_config=generation_config, loss_scaler=loss_scaler)
+    checks = FileChecks(src_dir, src.get("files"))
+    with hold_directory(out, purpose="qn-hf-convert writing a checkpoint", fix=CONVERT_FIX):
+        final = next_checkpoint_dir(out, step=step)
+        partial = final + PARTIAL
+        fresh_dir(partial)
+        try:
+            write_whole_dcp(partial, [(name, src["tensors"][source], source) for name, source, _ in work],
+                            lambda entry, name, box, buf: read_box(src_dir, entry, name, box, buf, handles={},
+                                                                   checks=checks),
+                            groups=groups, aliases=aliases, header=header)
+        except BaseException:
+            remove_entry(partial)
+            raise
+        publish(partial, final)
+    return final
+
+
+def to_hf(ckpt: str, out: str, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False,
+          config: str | None = None) -> list[str]:
     """Export the checkpoint's weights as a Hugging Face directory; return the names of what a HF
     directory cannot hold and was left out (the optimizer state). An ``out`` that holds anything
     (but an earlier failed export's staging) is refused unless ``overwrite``, as HF's tools do."""
     if not overwrite and os.path.isdir(out) and any(entry != STAGING for entry in os.listdir(out)):
         raise CheckpointError(f"{out} is not empty; choose a new directory, or pass --overwrite to replace the model "
                               f"files it holds")
-    directory = checkpoint_dir(ckpt)
-    index = read_index(directory)
+    directory, index = read_source(ckpt, config=config)
     layout = _checkpoint_layout(directory, index, tp=1, pp=1, virtual_stages=1)
     work = _work(index, layout, base_prefixes(index["config"]), where=directory, optimizer=False)
     checks = FileChecks(directory, index.get("files"))

@@ -10,7 +10,6 @@ one file. The pieces of a tensor tile it exactly once.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import warnings
@@ -19,6 +18,8 @@ import torch
 
 from ..data_parallel.precision import scaler_state_problem
 from ..tensor_parallel.shard import ShardSpec
+from .errors import CheckpointError
+from .json_records import parse_json, read_bytes, read_json
 from .names import LATEST, is_checkpoint_name
 from .seal import legacy_note, seal_problem
 from .tiling import Box, corner_sums
@@ -33,13 +34,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 SAFETENSORS_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64",
                      "int32": "I32", "uint8": "U8", "bool": "BOOL"}
 MAX_ELEMENTS = 1 << 40
-MAX_INDEX_BYTES = 256 << 20  # a million tensors' entries fit in far less
 MAX_CORNERS = 1 << 24  # pieces x 2**(dimensions they cut): ZeRO over 1024 ranks at tp 8 needs 2**17
 OPTIMIZER = "optimizer/"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, damaged, or does not fit the model."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -130,39 +126,14 @@ def checkpoint_dir(path: str) -> str:
     return os.path.join(path, name)
 
 
-def read_json(path: str) -> object:
-    """A JSON file's value; any file too large to be one of ours, or unreadable, is a ``CheckpointError``."""
-    return _parse_json(path, _read_bytes(path))
-
-
-def _read_bytes(path: str) -> bytes:
-    try:
-        size = os.path.getsize(path)
-        if size > MAX_INDEX_BYTES:  # refuse before reading: a forged file must not exhaust memory
-            raise CheckpointError(f"{path} is {size:,} bytes, more than an index can be ({MAX_INDEX_BYTES:,})")
-        with open(path, "rb") as f:
-            return f.read()
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing") from None
-    except OSError as e:
-        raise CheckpointError(f"{path} cannot be read: {type(e).__name__}: {str(e)[:200]}") from None
-
-
-def _parse_json(path: str, data: bytes) -> object:
-    try:
-        return json.loads(data)
-    except (ValueError, RecursionError) as e:  # RecursionError: absurdly nested JSON
-        raise CheckpointError(f"{path} is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
-
-
 def read_index(directory: str) -> dict:
     """The validated index: its own digest first (any edited byte is refused), then its fields' types,
     names, dtypes, shapes, boxes that tile each tensor exactly once, file names that stay inside the
     directory and each with its recorded digest, optimizer state that belongs to a tensor and is no
     larger than it, and no file asked to hold more bytes than it has."""
     where = os.path.join(directory, INDEX)
-    data = _read_bytes(where)
-    index = _parse_json(where, data)
+    data = read_bytes(where)
+    index = parse_json(where, data)
     if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("version") not in READABLE_VERSIONS:
         raise CheckpointError(f"{where} is not a {FORMAT} index of version {' or '.join(map(str, READABLE_VERSIONS))}")
     problem = seal_problem(data, index)
@@ -170,7 +141,7 @@ def read_index(directory: str) -> dict:
         raise CheckpointError(f"{where} {problem}")
     if legacy_note(index) is not None:
         warnings.warn(f"{where} {legacy_note(index)}", stacklevel=2)
-    _check_fields(where, index)
+    check_fields(where, index)
     tensors = index["tensors"]
     for name, entry in tensors.items():
         check_entry(where, name, entry)
@@ -185,7 +156,7 @@ def _count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _check_fields(where: str, index: dict) -> None:
+def check_fields(where: str, index: dict) -> None:
     """Every field but the tensors' entries: the types a reader relies on."""
     def need(ok: bool, field: str, what: str) -> None:
         if not ok:
@@ -237,14 +208,24 @@ def check_entry(where: str, name: str, entry: object) -> None:
         if (not isinstance(piece, dict) or not isinstance(piece.get("key"), str)
                 or not _count(piece.get("lead", 0)) or piece.get("lead", 0) > len(shape)):
             raise bad(f"piece {str(piece)[:200]} is malformed")
-        file = piece.get("file")
-        if not isinstance(file, str) or os.path.basename(file) != file or file in ("", ".", "..") or not file.endswith(".safetensors"):
+        file, span = piece.get("file"), piece.get("span")
+        if span is not None:  # a chunk of a torch.distributed.checkpoint file (dcp/index.py)
+            if not (isinstance(span, list) and len(span) == 2 and all(_count(v) for v in span)) \
+                    or not _inside(file, levels=2, suffix=".distcp"):
+                raise bad(f"piece {str(piece)[:200]} is not a byte span of a .distcp file inside the directory")
+        elif not _inside(file, levels=1, suffix=".safetensors"):
             raise bad(f"file {file!r} is not a .safetensors name inside the checkpoint directory")
         box = piece.get("box")
         if (not isinstance(box, list) or len(box) != len(shape)
                 or not all(isinstance(r, list) and len(r) == 2 and all(_count(v) for v in r) for r in box)
                 or not all(a <= b <= n for (a, b), n in zip(box, shape))):
             raise bad(f"box {str(box)[:200]} does not lie inside shape {shape}")
+    rows = entry.get("rows")
+    if rows is not None and not (
+            shape and isinstance(rows, dict) and _count(rows.get("block")) and rows["block"] > 0
+            and shape[0] % rows["block"] == 0 and isinstance(rows.get("order"), list)
+            and sorted(rows["order"]) == list(range(rows["block"]))):
+        raise bad(f"row order {str(rows)[:200]} is not a permutation within blocks of its rows")
     boxes_ = [piece["box"] for piece in pieces]
     covered, volume = sum(math.prod(b - a for a, b in box) for box in boxes_), math.prod(shape)
     if covered != volume:
@@ -254,6 +235,15 @@ def check_entry(where: str, name: str, entry: object) -> None:
         raise bad(f"{len(boxes_)} pieces cut along {len(split)} dimensions; more than a checkpoint ever needs")
     if corner_sums(boxes_, split) != corner_sums([[[0, n] for n in shape]], split):
         raise bad(f"pieces overlap: they add up to its {volume} elements but cover some twice and others never")
+
+
+def _inside(file: object, *, levels: int, suffix: str) -> bool:
+    """``file`` names a ``suffix`` file at most ``levels`` plain names below the checkpoint directory."""
+    if not isinstance(file, str) or not file.endswith(suffix):
+        return False
+    parts = file.split("/")
+    return len(parts) <= levels and all(p not in ("", ".", "..") and os.path.basename(p) == p and "\\" not in p
+                                        for p in parts)
 
 
 def _check_state(where: str, name: str, entry: dict, tensors: dict) -> None:

@@ -73,6 +73,11 @@ def meta_model(config: transformers.PretrainedConfig, *, cls: type | None = None
         return cls(config) if cls is not None else transformers.AutoModel.from_config(config)
 
 
+def layout_class(layout: Layout) -> type:
+    """The transformers class ``layout`` laid out."""
+    return getattr(transformers, layout.model_class)
+
+
 def model_layout(config: transformers.PretrainedConfig, *, tp: int, pp: int, policy: ModelPolicy | None = None,
                  layers_per_stage: list[int] | None = None, virtual_stages: int = 1, cls: type | None = None) -> Layout:
     model = meta_model(config, cls=cls)

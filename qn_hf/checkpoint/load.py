@@ -8,6 +8,7 @@ read and checked before anything is copied, and the outcome is agreed over the w
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -17,6 +18,9 @@ from ..data_parallel.optimizer import OptimizerView
 from ..data_parallel.precision import LossScaler
 from ..data_parallel.sharded import local, row_range, sharded_like
 from ..placement import ShardPlacement
+from .dcp.directory import is_dcp_checkpoint, model_names, read_dcp, whole_model
+from .dcp.index import BY_PARAM, DCP_FORMAT, groups_by_membership
+from .dcp.names import KeyMap, as_key_map
 from .files import FileChecks
 from .format import (
     DTYPES,
@@ -31,6 +35,7 @@ from .format import (
 from .hf import base_prefixes, is_hf_dir, read_hf_dir, source_name
 from .optimizer_state import (
     OPTIMIZER_CLASS,
+    foreign_group_problem,
     kept_state,
     missing_state,
     optimizer_class_name,
@@ -76,20 +81,22 @@ def config_differences(saved: dict, current: dict, *, path: str = "") -> list[st
 
 def load_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, model_type: str,
                     optimizer: torch.optim.Optimizer | None = None, cast: bool = False,
-                    config: dict | None = None, scaler: LossScaler | None = None) -> dict:
+                    config: dict | None = None, scaler: LossScaler | None = None,
+                    key_map: KeyMap | Callable[[str], str | None] | None = None) -> dict:
     """Load ``path`` into ``module``'s shard (and ``optimizer``, and float16's loss ``scaler``: see
     ``restore_loss_scale``); return the saved metadata.
     ``cast`` (mixed precision): weights saved in another floating-point dtype are converted.
     ``config`` (the model's whole config, as a dict): the saved one must agree with it on every
     architecture entry (``config_differences``), or tensors of the same shapes would load into a
     model that reads them differently (other head counts, another norm epsilon, untied embeddings).
+    ``path`` may also be a ``torch.distributed.checkpoint`` directory (``dcp``); ``key_map`` renames its keys.
 
     If any rank finds a problem, every rank raises the same ``CheckpointError`` (naming the rank,
     file and tensor) and nothing in the model or optimizer has changed."""
     error, loaded = None, None
     view = optimizer_view(optimizer) if optimizer is not None else None
     try:
-        loaded = _read_all(module, path, placement, model_type, view, cast, config)
+        loaded = _read_all(module, path, placement, model_type, view, cast, config, as_key_map(key_map))
     except CheckpointError as e:
         error = str(e)
     failed = failures(error)
@@ -145,18 +152,21 @@ def placed_state(key: str, value: torch.Tensor, *, param: torch.Tensor, group: d
 
 
 def _read_all(module: nn.Module, path: str, placement: ShardPlacement, model_type: str,
-              view: OptimizerView | None, cast: bool, current: dict | None):
+              view: OptimizerView | None, cast: bool, current: dict | None, key_map: KeyMap | None):
     if is_hf_dir(path):
         if view is not None:
             raise CheckpointError(f"{path} is a Hugging Face directory: it holds no optimizer state")
         directory = path
         index, config = read_hf_dir(path)
+    elif is_dcp_checkpoint(path):
+        directory, index = read_dcp(path, lambda saved, _: model_names(whole_model(module, current), current), key_map)
+        config = index.get("config") or {}  # one another framework wrote records none: its shapes are the check
     else:
         directory = checkpoint_dir(path)
         index = read_index(directory)
         config = index.get("config", {})
     checks = FileChecks(directory, index.get("files"))
-    saved_type = config.get("model_type")
+    saved_type = config.get("model_type", model_type if index.get("format") == DCP_FORMAT else None)
     if saved_type != model_type:
         raise CheckpointError(f"{directory} holds a {saved_type!r} model, this one is {model_type!r}")
     differences = config_differences(config, current) if current is not None else []
@@ -181,6 +191,10 @@ def _read_all(module: nn.Module, path: str, placement: ShardPlacement, model_typ
         tensors[name] = whole if rows is None else whole.narrow(0, *rows).clone()
     states: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
     if view is not None:
+        if BY_PARAM in index:  # saved per parameter (flatten_optimizer_state_dict): grouped as this optimizer is
+            names_of = {id(p): placement.owner(n) for n, p in params.items()}
+            index["optimizer"] = groups_by_membership(directory, index[BY_PARAM], index["tensors"], [
+                [names_of[id(p)] for p in group if id(p) in names_of] for group in view.model_param_groups])
         _check_optimizer(directory, index, view, params, placement)
         names = {id(p): n for n, p in params.items()}
         kept: dict[tuple, frozenset[str] | None] = {}  # the state keys the optimizer keeps, by group and tensor kind
@@ -199,7 +213,7 @@ def _read_all(module: nn.Module, path: str, placement: ShardPlacement, model_typ
                     kept[tensor_kind] = kept_state(view, hyper, keyed)
                 present = {k[len(prefix):] for k in index["tensors"] if k.startswith(prefix)}
                 problem = missing_state(placement.owner(name), present, stateless=stateless, kept=kept[tensor_kind],
-                                        kind=optimizer_class_name(view))
+                                        kind=optimizer_class_name(view), exact=index.get("format") == DCP_FORMAT)
                 if problem is not None:
                     raise CheckpointError(f"{directory}: {problem}; resume from another checkpoint, or load without "
                                           f"optimizer= to start the optimizer afresh")
@@ -236,6 +250,12 @@ def _check_optimizer(directory: str, index: dict, view: OptimizerView, params: d
     names = {id(p): n for n, p in params.items()}
     kind = optimizer_class_name(view)
     recorded = {g.get(OPTIMIZER_CLASS) for g in saved} - {None}  # absent: saved before classes were recorded
+    if not recorded and index.get("format") == DCP_FORMAT:  # DCP records no class: its hyperparameters must fit
+        for i, (group, saved_group) in enumerate(zip(view.inner.param_groups, saved)):
+            problem = foreign_group_problem(group, saved_group, kind)
+            if problem is not None:
+                raise CheckpointError(f"{directory}: optimizer group {i} {problem}; build that optimizer to resume, or "
+                                      f"load without optimizer= to start it afresh")
     if recorded and recorded != {kind}:
         raise CheckpointError(f"{directory}: the optimizer state was saved from {', '.join(sorted(recorded))}, this "
                               f"optimizer is {kind}; its state and hyperparameters would mean other things: build a "

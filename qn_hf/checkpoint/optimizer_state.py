@@ -98,16 +98,37 @@ def kept_state(view: OptimizerView, hyper: dict, like: torch.Tensor) -> frozense
     return frozenset(k for k, v in copy.state.get(probe, {}).items() if isinstance(v, torch.Tensor))
 
 
+def foreign_group_problem(group: dict, saved_group: dict, kind: str) -> str | None:
+    """Why a parameter group saved without its optimizer's class (a DCP checkpoint) is not one of a ``kind``
+    optimizer's (``group``), or None: other hyperparameters (SGD's ``momentum`` for AdamW's ``betas``) or
+    another ``decoupled_weight_decay`` (Adam and AdamW share every other key; loading one's into the other
+    would change its kind silently)."""
+    saved = set(saved_group) - set(NOT_HYPERPARAMETERS) - {"initial_lr"}
+    own = set(group) - {"params", "initial_lr"}
+    if saved != own:
+        return (f"was saved with the hyperparameters {sorted(saved)}, this {kind} has {sorted(own)}: it was saved "
+                f"from another kind of optimizer")
+    for key in ("decoupled_weight_decay",):
+        if key in own and saved_group[key] != group[key]:
+            return f"was saved with {key}={saved_group[key]!r}, this {kind} has {group[key]!r} (Adam against AdamW)"
+    return None
+
+
 def stateless_of(saved_group: dict) -> frozenset[str] | None:
     """The saved group's parameters recorded without state; None if the index predates the record."""
     return frozenset(saved_group[STATELESS]) if STATELESS in saved_group else None
 
 
 def missing_state(param: str, present: set[str], *, stateless: frozenset[str] | None, kept: frozenset[str] | None,
-                  kind: str) -> str | None:
+                  kind: str, exact: bool = False) -> str | None:
     """Why the saved state of ``param`` (its keys ``present``) is not what a ``kind`` optimizer restores,
     or None. ``stateless``: its group's ``stateless_of``; ``kept``: the keys the class keeps (None:
-    unknown, then only the record is checked)."""
+    unknown, then only the record is checked). ``exact``: keys it does not keep are refused too (a
+    checkpoint that records no optimizer class: ``max_exp_avg_sq`` or ``momentum_buffer`` say another kind)."""
+    extra = sorted(present - kept) if exact and kept is not None and present else []
+    if extra:
+        return (f"parameter {param} has the optimizer state {extra} that {kind} does not keep (it keeps "
+                f"{sorted(kept)}): it was saved from another kind of optimizer")
     if stateless is not None and param in stateless:
         return None if not present else (f"parameter {param} is recorded as having no optimizer state, yet the "
                                           f"index holds {sorted(present)} for it")

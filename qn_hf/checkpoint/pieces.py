@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from ..tensor_parallel.shard import ShardSpec
+from .dcp.metadata import Span, load_value
 from .files import FileChecks
 from .format import DTYPES, Box, CheckpointError, boxes, dtype_name, global_shape, safetensors_code
 
@@ -21,7 +22,11 @@ CHUNK_BYTES = 64 << 20  # what a converter holds of one tensor at a time
 def read_box(directory: str, entry: dict, name: str, target_box: Box, out: torch.Tensor,
              handles: dict[str, object] | None = None, checks: FileChecks | None = None) -> None:
     """Fill ``out`` (shaped like ``target_box``) from the saved pieces that overlap it. ``handles``
-    keeps files open across calls (a converter reads thousands of pieces from a few files)."""
+    keeps files open across calls (a converter reads thousands of pieces from a few files), and the
+    DCP chunks decoded so far."""
+    if entry.get("rows") is not None:
+        _read_reordered(directory, entry, name, target_box, out, handles, checks)
+        return
     for piece in entry["pieces"]:
         box = piece["box"]
         overlap = [[max(a[0], b[0]), min(a[1], b[1])] for a, b in zip(box, target_box)]
@@ -33,6 +38,11 @@ def read_box(directory: str, entry: dict, name: str, target_box: Box, out: torch
                 checks.verify(piece["file"])
             except CheckpointError as e:
                 raise CheckpointError(f"{e} (reading {name})") from None
+        if piece.get("span") is not None:
+            src = _dcp_chunk(directory, piece, entry, name, handles)
+            src = src[tuple(slice(lo - a[0], hi - a[0]) for (lo, hi), a in zip(overlap, box))]
+            _place(out, overlap, target_box, src)
+            continue
         try:
             f = handles.get(file) if handles is not None else None
             if f is None:
@@ -55,10 +65,47 @@ def read_box(directory: str, entry: dict, name: str, target_box: Box, out: torch
             raise CheckpointError(f"{file} (tensor {name}) is missing") from None
         except Exception as e:  # safetensors raises its own errors for truncated or corrupt files
             raise CheckpointError(f"{file} (tensor {name}) cannot be read: {e}") from None
-        dst = out
-        for d, ((lo, hi), t) in enumerate(zip(overlap, target_box)):
-            dst = dst.narrow(d, lo - t[0], hi - lo)
-        dst.copy_(src.to(out.dtype) if src.dtype != out.dtype else src)
+        _place(out, overlap, target_box, src)
+
+
+def _place(out: torch.Tensor, overlap: Box, target_box: Box, src: torch.Tensor) -> None:
+    dst = out
+    for d, ((lo, hi), t) in enumerate(zip(overlap, target_box)):
+        dst = dst.narrow(d, lo - t[0], hi - lo)
+    dst.copy_(src.to(out.dtype) if src.dtype != out.dtype else src)
+
+
+def _dcp_chunk(directory: str, piece: dict, entry: dict, name: str, handles: dict | None) -> torch.Tensor:
+    """One whole chunk of a DCP file (a ``torch.save``d tensor: there is no reading part of one), checked
+    against its piece; kept in ``handles`` so the boxes of one read decode it once."""
+    cache_key = ("dcp", piece["file"], piece["span"][0])
+    if handles is not None and cache_key in handles:
+        return handles[cache_key]
+    offset, length = piece["span"]
+    value = load_value(directory, Span(piece["file"], offset, length), f"{piece['key']} (tensor {name})")
+    extents = [b - a for a, b in piece["box"]]
+    if not isinstance(value, torch.Tensor) or list(value.shape) != extents or value.dtype != DTYPES[entry["dtype"]]:
+        what = f"a {value.dtype} tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) \
+            else f"a {type(value).__name__}"
+        raise CheckpointError(f"{os.path.join(directory, piece['file'])}: {piece['key']} at {piece['box']} holds {what}, "
+                              f"the metadata says {entry['dtype']} {extents}")
+    if handles is not None:
+        handles[cache_key] = value
+    return value
+
+
+def _read_reordered(directory: str, entry: dict, name: str, target_box: Box, out: torch.Tensor,
+                    handles: dict | None, checks: FileChecks | None) -> None:
+    """A box of a tensor saved with its rows in another order within blocks (``entry["rows"]``, from a
+    ``dcp.names.RowOrder``): the whole blocks around the box are read and put in the model's order."""
+    block, order = entry["rows"]["block"], entry["rows"]["order"]
+    lo, hi = target_box[0]
+    first, last = lo // block * block, -(-hi // block) * block
+    wide = torch.empty([last - first, *(b - a for a, b in target_box[1:])], dtype=out.dtype)
+    plain = {k: v for k, v in entry.items() if k != "rows"}
+    read_box(directory, plain, name, [[first, last], *target_box[1:]], wide, handles, checks)
+    blocks = wide.unflatten(0, (-1, block))[:, order].flatten(0, 1)
+    out.copy_(blocks.narrow(0, lo - first, hi - lo))
 
 
 def read_chunks(directory: str, entry: dict, name: str, box: Box, *,
@@ -124,7 +171,8 @@ def read_local(directory: str, index: dict, saved_name: str, like: torch.Tensor,
     if saved != like.dtype and not (cast and saved.is_floating_point and like.dtype.is_floating_point):
         raise CheckpointError(f"{directory}: {saved_name} is {entry['dtype']}, the model holds {dtype_name(like.dtype)}")
     buf = torch.zeros(local_shape, dtype=like.dtype)  # padding rows stay zero
+    handles: dict = {}  # one tensor's files and decoded DCP chunks: the boxes of a packed q|k|v share them
     for box, at in boxes(torch.Size(local_shape), spec, tp_rank):
         part = buf if spec is None else buf.narrow(spec.dim, at, box[spec.dim][1] - box[spec.dim][0])
-        read_box(directory, entry, saved_name, box, part, checks=checks)
+        read_box(directory, entry, saved_name, box, part, handles=handles, checks=checks)
     return buf

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import transformers
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed import ProcessGroup
@@ -30,10 +31,13 @@ from ..placement import ShardPlacement
 from ..version import __version__
 from .atomic import fresh_dir, give_plain_mode
 from .background import BackgroundSaves, agree
+from .dcp.directory import persistent_buffers, tied_aliases, whole_model
+from .dcp.write import write_dcp
 from .entries import local_entries, pieces_of
+from .errors import CheckpointFormat
 from .files import PARTIAL, file_digest, fsync_file, prune, publish, write_json
 from .format import INDEX, CheckpointError, dtype_name, global_shape, new_index, shard_file
-from .hf import generation_config_of, recorded_config
+from .hf import generation_config_of, hf_class_name, recorded_config
 from .lock import DirectoryInUse, HeldDirectories
 from .names import next_checkpoint_dir
 from .optimizer_state import merge_groups, optimizer_groups, optimizer_view
@@ -43,7 +47,8 @@ from .seal import write_index
 def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, config,
                     optimizer: torch.optim.Optimizer | None = None, step: int | None = None,
                     virtual_stages: int = 1, keep_last: int | None = None, scaler: LossScaler | None = None,
-                    roots: HeldDirectories | None = None, background: BackgroundSaves | None = None) -> str:
+                    roots: HeldDirectories | None = None, background: BackgroundSaves | None = None,
+                    format: CheckpointFormat = CheckpointFormat.QN) -> str:
     """Write a checkpoint of ``module``'s shard on every rank (and ``optimizer``'s state, and float16's
     loss ``scaler``) under ``path``; return its directory. ``config`` is the whole model's config;
     ``virtual_stages`` is recorded in the index's mesh (informational: files are per pp rank and loading
@@ -52,7 +57,9 @@ def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
     the job's ``roots`` from its first save on, so that another job saving there is refused; without
     ``roots``, for this save only. With ``background`` (no save of it in flight), this rank's shards
     are copied to host memory and written by its thread (``background.py``): the directory returned
-    is published when ``background.wait()`` returns."""
+    is published when ``background.wait()`` returns. ``format``: qn_hf's own, or a DCP directory."""
+    dcp = format is CheckpointFormat.DCP
+    aliases = _dcp_aliases(module, config) if dcp else {}
     if step is not None:
         check_non_negative_int("step", step, what="the training step the checkpoint holds")
     if keep_last is not None:
@@ -63,13 +70,18 @@ def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
     try:
         final = os.path.join(path, _choose(path, step=step, placement=placement, roots=roots))
         view = optimizer_view(optimizer) if optimizer is not None else None
-        writes = placement.may_write(pieces=view is not None and bool(view.split_params))
+        # DCP: dcp.save is a collective, so every rank takes part, with or without pieces to write
+        writes = dcp or placement.may_write(pieces=view is not None and bool(view.split_params))
         # What rank 0 indexes besides the shards, taken now: the writer must not read the live model
         header = _header(module, placement, config, step=step, virtual_stages=virtual_stages,
                          scaler=scaler) if dist.get_rank() == 0 else None
         if background is None:
-            files = (lambda directory: write_shard(module, placement, view, directory)) if writes else None
-            _write(final, files, header, keep_last=keep_last, device=placement.device, group=None)
+            if dcp:
+                snap = shard_snapshot(module, placement, view)
+                files = lambda directory: snap.write_dcp(directory, aliases, header, group=None)  # noqa: E731
+            else:
+                files = (lambda directory: write_shard(module, placement, view, directory)) if writes else None
+            _write(final, files, None if dcp else header, keep_last=keep_last, device=placement.device, group=None)
             return final
         group = background.group()
         # The live pieces: copied to host by the writer thread before the optimizer's next step changes
@@ -84,8 +96,12 @@ def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
             try:
                 tensors = copied if copied is not None else copies.copy(sources, device)
                 copies.written_from()
-                files = dataclasses.replace(snapshot, tensors=tensors).write if snapshot is not None else None
-                _write(final, files, header, keep_last=keep_last, device=device, group=group)
+                copied_snapshot = dataclasses.replace(snapshot, tensors=tensors) if snapshot is not None else None
+                if dcp:
+                    files = lambda directory: copied_snapshot.write_dcp(directory, aliases, header, group=group)  # noqa: E731
+                else:
+                    files = copied_snapshot.write if copied_snapshot is not None else None
+                _write(final, files, None if dcp else header, keep_last=keep_last, device=device, group=group)
             finally:
                 if own:
                     roots.release()
@@ -96,6 +112,20 @@ def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
     finally:
         if own and not released_by_writer:
             roots.release()
+
+
+def _dcp_aliases(module: nn.Module, config) -> dict[str, list[str]]:
+    """The tied names a DCP save writes a weight under as well; a model whose state dict holds persistent
+    buffers is refused (qn_hf does not save buffers, and FSDP2's strict load would miss them)."""
+    model = whole_model(module, config.to_dict())
+    if model is module and getattr(transformers, hf_class_name(module), None) is not type(module):
+        raise ValueError(f"format='dcp' is written for transformers models, not a {type(module).__name__} (a PEFT "
+                         f"model's keys depend on how the loading side wraps it); use format='qn', or save_pretrained")
+    buffers = persistent_buffers(model)
+    if buffers:
+        raise ValueError(f"format='dcp': this model's state dict holds the persistent buffers {buffers[:3]}, which "
+                         f"qn_hf does not save, so torch's dcp.load into FSDP2 would refuse it; use format='qn'")
+    return tied_aliases(model)
 
 
 def _header(module: nn.Module, placement: ShardPlacement, config, *, step: int | None, virtual_stages: int,
@@ -113,7 +143,8 @@ def _header(module: nn.Module, placement: ShardPlacement, config, *, step: int |
 
 def _write(final: str, files: Callable[[str], None] | None, header: dict | None, *, keep_last: int | None,
            device: torch.device, group: ProcessGroup | None) -> None:
-    """Write ``final`` as ``final.partial`` (this rank's ``files``), then rank 0 indexes and publishes it.
+    """Write ``final`` as ``final.partial`` (this rank's ``files``), then rank 0 indexes it (``header``: the
+    index the ranks' entries are merged into; None when ``files`` wrote the record: DCP) and publishes it.
 
     Synchronous (``group`` None): the ranks meet at world barriers and a rank's error is raised there
     (the model's FailTogether guard stops the others). From the writer threads (``group``: theirs):
@@ -135,14 +166,22 @@ def _write(final: str, files: Callable[[str], None] | None, header: dict | None,
         else:
             agree(error, group=group, what=what)
 
-    rank0 = dist.get_rank() == 0
+    rank0 = dist.get_rank() == 0  # the group of writer threads, when given, holds every rank in order
     meet((lambda: fresh_dir(partial)) if rank0 else None, f"preparing {partial}")
     meet((lambda: files(partial)) if files is not None else None, f"writing the shards of {final}")
     meet((lambda: _publish(header, partial, final, keep_last=keep_last)) if rank0 else None, f"publishing {final}")
 
 
-def _publish(index: dict, partial: str, final: str, *, keep_last: int | None) -> None:
+def _publish(index: dict | None, partial: str, final: str, *, keep_last: int | None) -> None:
     """Rank 0: merge every rank's entries into the index, seal it, rename the directory, repoint ``latest``."""
+    if index is not None:
+        _index(index, partial)
+    publish(partial, final)
+    if keep_last is not None:
+        prune(os.path.dirname(final), keep_last=keep_last)
+
+
+def _index(index: dict, partial: str) -> None:
     index = json.loads(json.dumps(index))  # a copy: the header may serve again
     for meta_name in sorted(n for n in os.listdir(partial) if n.endswith(".json")):
         with open(os.path.join(partial, meta_name)) as f:
@@ -155,9 +194,6 @@ def _publish(index: dict, partial: str, final: str, *, keep_last: int | None) ->
         index["files"].update(meta.get("files", {}))
         os.unlink(os.path.join(partial, meta_name))
     write_index(index, os.path.join(partial, INDEX))
-    publish(partial, final)
-    if keep_last is not None:
-        prune(os.path.dirname(final), keep_last=keep_last)
 
 
 ROOT_PURPOSE = "saving checkpoints (pm.save_checkpoint)"
@@ -203,6 +239,12 @@ class ShardSnapshot:
     tensors: dict[str, torch.Tensor]
     entries: dict[str, dict]
     groups: list | None
+
+    def write_dcp(self, directory: str, aliases: dict[str, list[str]], header: dict | None, *,
+                  group: ProcessGroup | None) -> None:
+        """The same pieces as a DCP directory, every rank together (``dcp/write.py``)."""
+        write_dcp(directory, tensors=self.tensors, entries=self.entries, groups=self.groups, aliases=aliases,
+                  header=header, group=group)
 
     def write(self, directory: str) -> None:
         """This rank's file and the JSON of its entries (merged into the index by rank 0)."""
