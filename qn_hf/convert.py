@@ -12,6 +12,7 @@ import re
 import sys
 
 from .checkpoint.convert import from_hf, reshard, to_hf
+from .checkpoint.dcp.torchtitan import KEY_MAPS
 from .checkpoint.errors import CheckpointError, CheckpointFormat
 
 EXAMPLES = """examples:
@@ -23,9 +24,11 @@ EXAMPLES = """examples:
   qn-hf-convert to-hf ./fsdp2-step-100 ./llama-trained --config ./llama-hf   # an FSDP2/accelerate DCP to HF
   qn-hf-convert reshard ./fsdp2-step-100 ./ckpt --tp 2 --pp 2 --config ./llama-hf  # a DCP as a qn_hf checkpoint
   qn-hf-convert from-hf ./gpt2-hf ./dcp --tp 1 --pp 1 --format dcp   # a HF model as a DCP for torch's FSDP2
+  qn-hf-convert to-hf ./titan/step-1000 ./llama --config ./llama-hf --key-map torchtitan-llama  # torchtitan to HF
 """
 SOURCE = ("a checkpoint directory (ckpt-<step>) or the directory holding them (its latest), or a "
           "torch.distributed.checkpoint directory (.metadata; accelerate's pytorch_model_fsdp_0 + optimizer_0)")
+KEY_MAP = "another framework's names for a DCP's tensors (with --config): torchtitan-llama, its Llama 3"
 CONFIG = ("for a DCP another framework wrote (no qn_hf.json): the Hugging Face directory of its model, or its "
           "config.json")
 
@@ -49,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", type=_size, default=_size("5GB"), help="largest output file (default 5GB)")
     p.add_argument("--overwrite", action="store_true", help="replace the model files of a non-empty OUT")
     p.add_argument("--config", help=CONFIG)
+    p.add_argument("--key-map", choices=sorted(KEY_MAPS), help=KEY_MAP)
     for name, what in (("from-hf", "Hugging Face directory -> sharded checkpoint"), ("reshard", "checkpoint -> checkpoint at another mesh")):
         p = sub.add_parser(name, help=what, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("src", help="a Hugging Face model directory" if name == "from-hf" else SOURCE)
@@ -63,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "only check that the model splits so)")
         if name == "reshard":
             p.add_argument("--config", help=CONFIG)
+            p.add_argument("--key-map", choices=sorted(KEY_MAPS), help=KEY_MAP)
     return parser
 
 
@@ -71,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "to-hf":
             left_out = to_hf(args.ckpt, args.out, max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
-                             config=args.config)
+                             config=args.config, key_map=args.key_map)
             print(args.out)  # as from-hf and reshard print what they wrote
             if left_out:  # a converter never writes fewer tensors than it read without saying so
                 print(f"qn-hf-convert: note: {args.out} holds the weights only; the checkpoint's optimizer state "
@@ -81,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                           format=CheckpointFormat(args.format)))
         else:
             print(reshard(args.src, args.out, tp=args.tp, pp=args.pp, virtual_stages=args.virtual_stages,
-                          config=args.config, format=CheckpointFormat(args.format)))
+                          config=args.config, format=CheckpointFormat(args.format), key_map=args.key_map))
     except (CheckpointError, ValueError, OSError) as e:
         print(f"qn-hf-convert: error: {e}", file=sys.stderr)
         return 2

@@ -18,7 +18,8 @@ from tests.models import dp_slice, load, make_batch
 LR = fsdp2_cases.LR
 # (dp, tp, pp, dp_shard, zero): the meshes an FSDP2 checkpoint resumes at, each on 2 ranks
 MESHES = {"tp2": (1, 2, 1, 1, False), "pp2": (1, 1, 2, 1, False), "dp_shard2": (2, 1, 1, 2, False),
-          "zero2": (2, 1, 1, 1, True)}
+          "zero2": (2, 1, 1, 1, True), "tp2-pp2-dp_shard2": (2, 2, 2, 2, False)}
+TWO_RANKS = [m for m, (dp, tp, pp, _, _) in MESHES.items() if dp * tp * pp == 2]
 
 
 def _optimizer(pm, zero: bool, lr: float):
@@ -53,13 +54,15 @@ def case_qn_resume(*, kind: str, model_dir: str, ckpt: str, out: str, dp: int, t
 
 
 def case_qn_save_dcp(*, kind: str, model_dir: str, ckpt: str, out: str, dp: int, tp: int, pp: int, dp_shard: int,
-                     zero: bool) -> dict:
-    """Step 1, a DCP checkpoint, step 2; the weights after step 2 exported."""
+                     zero: bool, asynchronous: bool = False) -> dict:
+    """Step 1, a DCP checkpoint (written in the background while step 2 runs, if ``asynchronous``), step 2; the
+    weights after step 2 exported."""
     pm = _parallel(kind, model_dir, dp, tp, pp, dp_shard)
     opt = _optimizer(pm, zero, lr=LR)
     _step(pm, opt, kind, seed=1)
-    directory = pm.save_checkpoint(ckpt, optimizer=opt, step=1, format="dcp")
+    directory = pm.save_checkpoint(ckpt, optimizer=opt, step=1, format="dcp", asynchronous=asynchronous)
     loss = _step(pm, opt, kind, seed=2)
+    assert pm.wait_checkpoint() in (None, directory)
     pm.save_pretrained(out)
     return {"directory": directory, "loss": loss}
 
@@ -90,12 +93,21 @@ def test_fsdp2_checkpoint_resumes_in_qn_hf_at_any_mesh(worlds, model_dirs, tmp_p
     """torch's recipe (``get_state_dict`` + ``dcp.save``) after one FSDP2 step on 2 ranks: qn_hf at tp=2, at pp=2,
     at dp_shard=2 and at dp=2 with ZeRO-1 takes the next step as FSDP2 did."""
     ckpt, expected, loss = _fsdp2_run(worlds, model_dirs, tmp_path, kind, "torch")
-    for mesh in MESHES:
+    for mesh in TWO_RANKS:
         r, out = _resume_at(worlds, model_dirs, tmp_path, kind, ckpt, mesh)
         assert r["meta"]["step"] is None  # a foreign DCP records no training step
         assert abs(r["loss"] - loss) <= 1e-5 * abs(loss), (mesh, r["loss"], loss)
         err = _max_error(kind, out, expected)
         assert err <= 2e-5, (mesh, err)
+
+
+@pytest.mark.long
+def test_fsdp2_checkpoint_resumes_at_tp2_pp2_dp_shard2(worlds, model_dirs, tmp_path):
+    """The three at once, on 8 ranks."""
+    ckpt, expected, loss = _fsdp2_run(worlds, model_dirs, tmp_path, "llama", "torch")
+    r, out = _resume_at(worlds, model_dirs, tmp_path, "llama", ckpt, "tp2-pp2-dp_shard2")
+    assert abs(r["loss"] - loss) <= 1e-5 * abs(loss), (r["loss"], loss)
+    assert _max_error("llama", out, expected) <= 2e-5
 
 
 @pytest.mark.parametrize("layout, mesh", [("flat", "tp2"), ("accelerate", "pp2")])
@@ -109,16 +121,19 @@ def test_torchtitan_and_accelerate_layouts_resume(worlds, model_dirs, tmp_path, 
     assert _max_error(kind, out, expected) <= 2e-5
 
 
-@pytest.mark.parametrize("kind, mesh", [("gpt2", (1, 2, 2, 1, False)), ("llama", (1, 2, 2, 1, False)),
-                                        ("llama", (2, 1, 1, 1, True))])
-def test_qn_hf_dcp_loads_into_fsdp2(worlds, model_dirs, tmp_path, kind, mesh):
-    """qn_hf at tp=2 x pp=2 (and at dp=2 with ZeRO-1, whose pieces are partial rows) saves ``format="dcp"``
-    after step 1; torch's FSDP2 on 2 ranks loads it with ``dcp.load`` + ``set_state_dict`` and its step 2 equals
-    qn_hf's. Then qn_hf loads its own DCP at another mesh (the step recorded) and takes the same step."""
+@pytest.mark.parametrize("kind, mesh, asynchronous", [("gpt2", (1, 2, 2, 1, False), False),
+                                                      ("llama", (1, 2, 2, 1, False), False),
+                                                      ("llama", (2, 1, 1, 1, True), False),
+                                                      ("gpt2", (2, 1, 2, 2, False), True)])
+def test_qn_hf_dcp_loads_into_fsdp2(worlds, model_dirs, tmp_path, kind, mesh, asynchronous):
+    """qn_hf at tp=2 x pp=2 (and at dp=2 with ZeRO-1, whose pieces are partial rows; and at dp_shard=2 x pp=2
+    written in the background) saves ``format="dcp"`` after step 1; torch's FSDP2 on 2 ranks loads it with
+    ``dcp.load`` + ``set_state_dict`` and its step 2 equals qn_hf's. Then qn_hf loads its own DCP at another mesh
+    (the step recorded) and takes the same step."""
     dp, tp, pp, dp_shard, zero = mesh
     ckpt, qn_out = str(tmp_path / "qn"), str(tmp_path / "qn-out")
     saved = worlds.run(dp * tp * pp, case_qn_save_dcp, kind=kind, model_dir=model_dirs[kind], ckpt=ckpt, out=qn_out,
-                       dp=dp, tp=tp, pp=pp, dp_shard=dp_shard, zero=zero)[0]
+                       dp=dp, tp=tp, pp=pp, dp_shard=dp_shard, zero=zero, asynchronous=asynchronous)[0]
     directory = saved["directory"]
     assert os.path.isfile(os.path.join(directory, ".metadata"))
     fsdp2_out = str(tmp_path / "fsdp2-out")
@@ -128,7 +143,7 @@ def test_qn_hf_dcp_loads_into_fsdp2(worlds, model_dirs, tmp_path, kind, mesh):
     assert _max_error(kind, fsdp2_out, qn_out) <= 2e-5
 
     r, out = _resume_at(worlds, model_dirs, tmp_path, kind, ckpt, "dp_shard2")
-    assert r["meta"]["step"] == 1 and r["meta"]["mesh"]["tp"] == tp
+    assert r["meta"]["step"] == 1 and r["meta"]["mesh"]["pp"] == pp
     assert abs(r["loss"] - saved["loss"]) <= 1e-5 * abs(saved["loss"])
     assert _max_error(kind, out, qn_out) <= 2e-5
 
@@ -266,3 +281,81 @@ def test_damaged_and_foreign_dcps_are_refused_on_every_rank(worlds, model_dirs, 
     for (name, (_, expected)), got in zip(cases.items(), results[0]):
         assert expected in got, (name, got)
     assert not os.path.exists(marker)
+
+
+def _torchtitan_dcp(path: str, model_dir: str) -> tuple[float, str]:
+    """A plain Llama stepped once by AdamW, saved as torchtitan saves a Llama 3 run: its own names at the top level,
+    q and k rows in its rotary layout (the inverse of torchtitan's ``_permute`` to Hugging Face: a head's rows viewed
+    as (2, head_dim/2) and transposed), the optimizer flattened per parameter under ``optimizer``, and its trainer's
+    entries beside them. Then the plain model's second step: (its loss, its weights' HF directory)."""
+    import torch.distributed.checkpoint as dcp
+
+    model = load("llama", model_dir)
+    config = model.config
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    model(**make_batch("llama", size=8, seed=1, padded=False)).loss.backward()
+    opt.step()
+    model.save_pretrained(path + "-step1")
+    head_dim = config.hidden_size // config.num_attention_heads
+
+    def to_titan(name: str, value: torch.Tensor) -> tuple[str, torch.Tensor]:
+        for hf, titan in (("self_attn.q_proj", "attention.wq"), ("self_attn.k_proj", "attention.wk"),
+                          ("self_attn.v_proj", "attention.wv"), ("self_attn.o_proj", "attention.wo"),
+                          ("mlp.gate_proj", "feed_forward.w1"), ("mlp.down_proj", "feed_forward.w2"),
+                          ("mlp.up_proj", "feed_forward.w3"), ("input_layernorm", "attention_norm"),
+                          ("post_attention_layernorm", "ffn_norm")):
+            if f".{hf}." in name:
+                if hf in ("self_attn.q_proj", "self_attn.k_proj") and value.ndim == 2:
+                    heads = value.shape[0] // head_dim
+                    value = value.view(heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(value.shape)
+                return name.removeprefix("model.").replace(hf, titan), value.contiguous()
+        top = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+               "lm_head.weight": "output.weight"}
+        return top[name], value
+
+    sd = dict(to_titan(n, p.detach().clone()) for n, p in model.named_parameters())
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, state in opt.state.items():
+        titan = to_titan(names[id(p)], p)[0]
+        for key, value in state.items():
+            sd[f"optimizer.state.{titan}.{key}"] = to_titan(names[id(p)], value)[1] if value.ndim else value.clone()
+        for key, value in opt.param_groups[0].items():
+            if key != "params":
+                sd[f"optimizer.param_groups.{titan}.{key}"] = value
+    sd.update({"train_state.step": torch.tensor(1), "lr_scheduler.last_epoch": 1, "dataloader.rank0": b"state"})
+    dcp.save(sd, checkpoint_id=path, no_dist=True)
+    opt.zero_grad()
+    loss = model(**make_batch("llama", size=8, seed=2, padded=False)).loss
+    loss.backward()
+    opt.step()
+    model.save_pretrained(path + "-expected")
+    return loss.item(), path + "-expected"
+
+
+def case_qn_resume_torchtitan(*, model_dir: str, ckpt: str, out: str) -> float:
+    from qn_hf.checkpoint.dcp import torchtitan_llama
+
+    pm = _parallel("llama", model_dir, 1, 2, 1, 1)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR, weight_decay=0.01)
+    pm.load_checkpoint(ckpt, optimizer=opt, key_map=torchtitan_llama(pm.config))
+    loss = _step(pm, opt, "llama", seed=2)
+    pm.save_pretrained(out)
+    return loss
+
+
+def test_torchtitan_llama_checkpoint_resumes_with_its_key_map(worlds, model_dirs, tmp_path):
+    """torchtitan's Llama 3 names and rotary row order (weights and AdamW moments) through ``torchtitan_llama``: the
+    next step at tp=2 equals the plain model's; without the map, a refusal naming the keys and ``key_map=``."""
+    ckpt, out = str(tmp_path / "titan"), str(tmp_path / "qn")
+    loss, expected = _torchtitan_dcp(ckpt, model_dirs["llama"])
+    got = worlds.run(2, case_qn_resume_torchtitan, model_dir=model_dirs["llama"], ckpt=ckpt, out=out)[0]
+    assert abs(got - loss) <= 1e-5 * abs(loss), (got, loss)
+    assert _max_error("llama", out, expected) <= 2e-5
+    [message] = worlds.run(2, case_load_errors, kind="llama", model_dir=model_dirs["llama"], paths=[ckpt])[0]
+    assert "key_map=" in message and "tok_embeddings.weight" in message, message
+
+    from qn_hf import convert
+
+    hf = str(tmp_path / "hf")  # and offline: the weights after the saved step, as from_pretrained loads them
+    assert convert.main(["to-hf", ckpt, hf, "--config", model_dirs["llama"], "--key-map", "torchtitan-llama"]) == 0
+    assert _max_error("llama", hf, ckpt + "-step1") == 0

@@ -196,9 +196,9 @@ def _checkpoint_layout(directory: str, index: dict, *, tp: int, pp: int, virtual
 
 
 def reshard(ckpt: str, out: str, *, tp: int, pp: int, virtual_stages: int = 1, config: str | None = None,
-            format: CheckpointFormat = CheckpointFormat.QN) -> str:
+            format: CheckpointFormat = CheckpointFormat.QN, key_map: str | None = None) -> str:
     """``ckpt`` (qn_hf's or a DCP checkpoint) as a checkpoint laid out at (tp, pp), or as a DCP (``format``)."""
-    directory, index = read_source(ckpt, config=config)
+    directory, index = read_source(ckpt, config=config, key_map=key_map)
     layout = _checkpoint_layout(directory, index, tp=tp, pp=pp, virtual_stages=virtual_stages)
     if BY_PARAM in index:
         raise CheckpointError(f"{directory}: its optimizer state is saved per parameter (flatten_optimizer_state_dict), "
@@ -240,14 +240,14 @@ def write_dcp_checkpoint(src_dir: str, src: dict, layout: Layout, config: dict, 
 
 
 def to_hf(ckpt: str, out: str, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False,
-          config: str | None = None) -> list[str]:
+          config: str | None = None, key_map: str | None = None) -> list[str]:
     """Export the checkpoint's weights as a Hugging Face directory; return the names of what a HF
     directory cannot hold and was left out (the optimizer state). An ``out`` that holds anything
     (but an earlier failed export's staging) is refused unless ``overwrite``, as HF's tools do."""
     if not overwrite and os.path.isdir(out) and any(entry != STAGING for entry in os.listdir(out)):
         raise CheckpointError(f"{out} is not empty; choose a new directory, or pass --overwrite to replace the model "
                               f"files it holds")
-    directory, index = read_source(ckpt, config=config)
+    directory, index = read_source(ckpt, config=config, key_map=key_map)
     layout = _checkpoint_layout(directory, index, tp=1, pp=1, virtual_stages=1)
     work = _work(index, layout, base_prefixes(index["config"]), where=directory, optimizer=False)
     checks = FileChecks(directory, index.get("files"))

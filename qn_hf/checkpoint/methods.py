@@ -67,7 +67,7 @@ class CheckpointMethods:
                         key_map: KeyMap | Callable[[str], str | None] | None = None) -> dict:
         """Load a checkpoint saved at any mesh (fp16's loss scale included); return its metadata (``{"step": 1}``).
         A ``torch.distributed.checkpoint`` directory (torch's recipe, accelerate's, qn_hf's ``format="dcp"``)
-        loads too; ``key_map`` renames its keys (a function, or a ``KeyMap`` such as ``TORCHTITAN_LLAMA``)."""
+        loads too; ``key_map`` renames its keys (a function, or a ``KeyMap`` such as ``torchtitan_llama(config)``)."""
         self._weights_ready()
         self.wait_checkpoint()
         with self.failures.guard("load_checkpoint"):

@@ -12,7 +12,8 @@ import dataclasses
 import os
 
 from ..arguments import plural
-from ..checkpoint import checkpoint_dir, read_index
+from ..checkpoint import checkpoint_dir
+from ..checkpoint.dcp.directory import checkpoint_record
 from ..config.dims import ParallelDims
 from .config import AUTO, TrainConfig
 from .errors import UsageError
@@ -26,7 +27,7 @@ def resume_mesh(cfg: TrainConfig, *, resume_from: str | None, world: int) -> tup
     and the batches and the learning rate go by step, whatever the mesh."""
     if resume_from is None:
         return cfg, None
-    saved = read_index(checkpoint_dir(resume_from)).get("mesh") or {}
+    saved = checkpoint_record(checkpoint_dir(resume_from)).get("mesh") or {}  # qn_hf's format or its DCP
     degrees = {f.name for f in dataclasses.fields(ParallelDims)}  # the index also records virtual stages
     dims = ParallelDims(**{axis: int(degree) for axis, degree in saved.items() if axis in degrees})
     if dims.world_size == world:

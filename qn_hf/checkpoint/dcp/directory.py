@@ -25,6 +25,7 @@ from ..seal import seal_problem
 from .index import DCP_FORMAT, ModelNames, dcp_index, saved_model_names
 from .metadata import is_dcp_dir, read_contents
 from .names import KeyMap
+from .torchtitan import KEY_MAPS
 
 HEADER = "qn_hf.json"
 ACCELERATE_MODEL, ACCELERATE_OPTIMIZER = "pytorch_model_fsdp_0", "optimizer_0"
@@ -85,6 +86,18 @@ def persistent_buffers(model: nn.Module) -> list[str]:
     return sorted(set(model.state_dict()) - {n for n, _ in model.named_parameters(remove_duplicate=False)})
 
 
+def checkpoint_record(directory: str) -> dict:
+    """What qn_hf recorded of the checkpoint directory ``directory`` (its mesh, step, config): the index, or
+    for a DCP it wrote, ``qn_hf.json``. A DCP another framework wrote records none of it: refused."""
+    if not is_dcp_dir(directory):
+        return read_index(directory)
+    header = read_header(directory)
+    if header is None:
+        raise CheckpointError(f"{directory} is a torch.distributed.checkpoint another framework wrote: it records no "
+                              f"mesh or step; load it with pm.load_checkpoint, or convert it (qn-hf-convert reshard)")
+    return header
+
+
 def model_names(model: nn.Module, config: dict | None) -> ModelNames:
     """Every name ``model``'s tensors have (a ``whole_model``), and its task prefixes."""
     params = {n for n, _ in model.named_parameters()}
@@ -118,30 +131,35 @@ def is_dcp_checkpoint(path: str) -> bool:
         return False
 
 
-__all__ = ["HEADER", "dcp_sources", "is_dcp_checkpoint", "model_names", "persistent_buffers", "read_dcp", "read_header",
+__all__ = ["HEADER", "checkpoint_record", "dcp_sources", "is_dcp_checkpoint", "model_names", "persistent_buffers", "read_dcp", "read_header",
            "read_source", "tied_aliases", "whole_model"]
 
 
-def read_source(ckpt: str, *, config: str | None = None) -> tuple[str, dict]:
+def read_source(ckpt: str, *, config: str | None = None, key_map: str | None = None) -> tuple[str, dict]:
     """(directory, index) of a qn_hf checkpoint or a DCP checkpoint. A DCP another framework wrote records no
     config: ``config`` (a Hugging Face directory or its ``config.json``) gives it, and with it the model
-    class, the one whose tensors the DCP holds."""
+    class, the one whose tensors the DCP holds; ``key_map`` names one of ``KEY_MAPS`` for its keys."""
     if dcp_sources(ckpt) is None:
+        if key_map is not None:
+            raise CheckpointError(f"{ckpt} is a qn_hf checkpoint: its names are the model's, --key-map is for DCPs")
         directory = checkpoint_dir(ckpt)
         return directory, read_index(directory)
     given = _config_arg(config) if config is not None else None
+    if key_map is not None and given is None:
+        raise CheckpointError(f"--key-map {key_map} needs --config: the mapping depends on the model's shapes")
+    mapping = KEY_MAPS[key_map](config_from_dict(given)) if key_map is not None else None
+    chosen: dict = {}
 
-    def names_for(saved: set[str], recorded: dict | None):
-        chosen = recorded or given
-        if chosen is None:
+    def names_for(saved: set[str], recorded: dict | None) -> ModelNames:
+        if (recorded or given) is None:
             raise CheckpointError(f"{ckpt} is a torch.distributed.checkpoint directory that records no model config; "
                                   f"pass --config with the Hugging Face directory (or config.json) of its model")
-        cls = model_class(chosen, lambda model: saved, where=ckpt)
-        names_for.config = {**chosen, "architectures": [cls.__name__]}
-        return model_names(meta_model(config_from_dict(chosen), cls=cls), chosen)
+        cls = model_class(recorded or given, lambda model: saved, where=ckpt)
+        chosen.update(recorded or given, architectures=[cls.__name__])
+        return model_names(meta_model(config_from_dict(recorded or given), cls=cls), recorded or given)
 
-    directory, index = read_dcp(ckpt, names_for, None)
-    index["config"] = names_for.config
+    directory, index = read_dcp(ckpt, names_for, mapping)
+    index["config"] = chosen
     return directory, index
 
 

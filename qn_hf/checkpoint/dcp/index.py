@@ -82,11 +82,15 @@ def dcp_index(sources: list[Contents], root: str, names: ModelNames, key_map: Ke
         for key, span in contents.values.items():
             k = keys[key]
             if k.part is Part.GROUP:
-                owner = k.fqn if k.fqn.isdigit() else _group_owner(k.fqn, key_map, names, where, key)
+                try:
+                    owner = k.fqn if k.fqn.isdigit() else _group_owner(k.fqn, key_map, names)
+                except KeyError:
+                    unknown.append(key)
+                    continue
                 if owner is not None and k.field not in NOT_SAVED:
                     groups.setdefault(owner, {})[k.field] = load_value(contents.directory, span, key)
     if unknown:
-        raise CheckpointError(f"{sources[0].directory}: {len(unknown)} saved tensors name nothing in this model, e.g. "
+        raise CheckpointError(f"{sources[0].directory}: {len(unknown)} saved entries name nothing in this model, e.g. "
                               f"{', '.join(repr(k) for k in unknown[:3])}; it was saved from another architecture, or "
                               f"under other names: pass key_map= to rename them")
     check_unique(sources[0].directory, saved_names)
@@ -110,12 +114,10 @@ def saved_model_names(sources: list[Contents], key_map: KeyMap | None) -> set[st
     return out - {None}
 
 
-def _group_owner(fqn: str, key_map: KeyMap | None, names: ModelNames, where: str, key: str) -> str | None:
+def _group_owner(fqn: str, key_map: KeyMap | None, names: ModelNames) -> str | None:
+    """The model's name of a flattened group's parameter (KeyError: the model has none)."""
     mapped = model_name(fqn, key_map)
-    try:
-        return names.resolve(mapped) if mapped is not None else None
-    except KeyError:
-        raise CheckpointError(f"{where}: {key} names the parameter {fqn!r}, which this model does not have") from None
+    return names.resolve(mapped) if mapped is not None else None
 
 
 def _with_state(tensors: dict) -> set[str]:
