@@ -110,6 +110,26 @@ def test_fsdp2_checkpoint_resumes_at_tp2_pp2_dp_shard2(worlds, model_dirs, tmp_p
     assert _max_error("llama", out, expected) <= 2e-5
 
 
+def test_fsdp2_moe_checkpoint_resumes_at_ep2(worlds, model_dirs, tmp_path):
+    """A Qwen3-MoE FSDP2 run (its fused experts sharded by rows over the 2 ranks) resumes at dp=2 x ep=2, each rank
+    reading the experts it holds."""
+    kind = "qwen3_moe"
+    ckpt, expected, loss = _fsdp2_run(worlds, model_dirs, tmp_path, kind, "torch")
+    out = str(tmp_path / "qn-ep2")
+    r = worlds.run(2, case_qn_resume_ep, kind=kind, model_dir=model_dirs[kind], ckpt=ckpt, out=out)[0]
+    assert abs(r - loss) <= 1e-5 * abs(loss), (r, loss)
+    assert _max_error(kind, out, expected) <= 2e-5
+
+
+def case_qn_resume_ep(*, kind: str, model_dir: str, ckpt: str, out: str) -> float:
+    pm = qn_hf.parallelize(load(kind, model_dir), dp=2, ep=2, mesh=mesh_for(2, 1, 1))
+    opt = _optimizer(pm, False, lr=LR * 7)
+    pm.load_checkpoint(ckpt, optimizer=opt)
+    loss = _step(pm, opt, kind, seed=2)
+    pm.save_pretrained(out)
+    return loss
+
+
 @pytest.mark.parametrize("layout, mesh", [("flat", "tp2"), ("accelerate", "pp2")])
 def test_torchtitan_and_accelerate_layouts_resume(worlds, model_dirs, tmp_path, layout, mesh):
     """The optimizer flattened per parameter (torchtitan's ``flatten_optimizer_state_dict``), and accelerate's
@@ -359,3 +379,11 @@ def test_torchtitan_llama_checkpoint_resumes_with_its_key_map(worlds, model_dirs
     hf = str(tmp_path / "hf")  # and offline: the weights after the saved step, as from_pretrained loads them
     assert convert.main(["to-hf", ckpt, hf, "--config", model_dirs["llama"], "--key-map", "torchtitan-llama"]) == 0
     assert _max_error("llama", hf, ckpt + "-step1") == 0
+
+
+def test_an_unknown_format_is_refused_naming_the_choices():
+    from qn_hf.checkpoint.errors import CheckpointFormat, checkpoint_format
+
+    assert checkpoint_format("dcp") is CheckpointFormat.DCP
+    with pytest.raises(ValueError, match=r"format='safetensors' is not a checkpoint format: use one of \['qn', 'dcp'\]"):
+        checkpoint_format("safetensors")
