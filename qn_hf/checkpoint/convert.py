@@ -109,27 +109,38 @@ def _has(src: dict, name: str, prefixes: list[str]) -> bool:
 
 def write_checkpoint(src_dir: str, src: dict, layout: Layout, config: dict, out: str, *, where: str,
                      step: int | None = None, optimizer: list[dict] | None = None,
-                     generation_config: dict | None = None, loss_scaler: dict | None = None) -> str:
+                     generation_config: dict | None = None, loss_scaler: dict | None = None,
+                     format: CheckpointFormat = CheckpointFormat.QN) -> str:
     """Write ``src`` (an index over ``src_dir``) as a checkpoint of ``layout`` under ``out``, holding
-    ``out`` meanwhile (``lock.py``): refused while a training job saves there, as that job is meanwhile."""
+    ``out`` meanwhile (``lock.py``): refused while a training job saves there, as that job is meanwhile.
+    ``format`` DCP: a directory torch's FSDP2 recipe loads, each tensor whole (in row blocks of bounded size,
+    read from the source one at a time); the layout's tp and pp only check that the model splits so."""
     work = _work(src, layout, base_prefixes(config), where=where, optimizer=True)
+    renamed = {source: name for name, source, _ in work}
+    groups = ([{**g, **{k: sorted(renamed.get(p, p) for p in g[k]) for k in ("params", STATELESS) if k in g}}
+               for g in optimizer] if optimizer else optimizer)
+    dcp = format is CheckpointFormat.DCP
+    virtual = {"virtual_stages": layout.virtual_stages} if layout.virtual_stages > 1 and not dcp else {}
+    header = new_index(library_version=__version__, step=step, config={**config, "architectures": [layout.model_class]},
+                       mesh={"dp": 1, "tp": 1 if dcp else layout.tp, "pp": 1 if dcp else layout.pp, **virtual},
+                       tensors={}, optimizer=groups, files={}, generation_config=generation_config,
+                       loss_scaler=loss_scaler)
     with hold_directory(out, purpose="qn-hf-convert writing a checkpoint", fix=CONVERT_FIX):
         final = next_checkpoint_dir(out, step=step)
         partial = final + PARTIAL
         fresh_dir(partial)
         try:
-            entries, digests = _write_shards(src_dir, src, layout, work, partial)
-            renamed = {source: name for name, source, _ in work}
-            groups = ([{**g, **{k: sorted(renamed.get(p, p) for p in g[k]) for k in ("params", STATELESS) if k in g}}
-                       for g in optimizer] if optimizer else optimizer)
-            virtual = {"virtual_stages": layout.virtual_stages} if layout.virtual_stages > 1 else {}
-            index = new_index(library_version=__version__, step=step,
-                              mesh={"dp": 1, "tp": layout.tp, "pp": layout.pp, **virtual},
-                              config={**config, "architectures": [layout.model_class]}, tensors=entries,
-                              optimizer=groups, files=digests, generation_config=generation_config,
-                              loss_scaler=loss_scaler)
-            write_index(index, os.path.join(partial, INDEX))
-            read_index(partial)  # what we wrote must pass our own validation
+            if dcp:
+                checks = FileChecks(src_dir, src.get("files"))
+                write_whole_dcp(partial, [(name, src["tensors"][source], source) for name, source, _ in work],
+                                lambda entry, name, box, buf: read_box(src_dir, entry, name, box, buf, handles={},
+                                                                       checks=checks),
+                                groups=groups, header=header,
+                                aliases=tied_aliases(meta_model(config_from_dict(config), cls=layout_class(layout))))
+            else:
+                entries, digests = _write_shards(src_dir, src, layout, work, partial)
+                write_index({**header, "tensors": entries, "files": digests}, os.path.join(partial, INDEX))
+                read_index(partial)  # what we wrote must pass our own validation
         except BaseException:
             remove_entry(partial)  # what was written so far: it may be as large as the model
             raise
@@ -185,8 +196,8 @@ def from_hf(hf_dir: str, out: str, *, tp: int, pp: int, virtual_stages: int = 1,
     src, _ = read_hf_dir(hf_dir, model_class=cls)
     layout = model_layout(config_from_dict(config), tp=tp, pp=pp, virtual_stages=virtual_stages, cls=cls)
     # a Hugging Face model is where training starts: step 0
-    write = write_dcp_checkpoint if format is CheckpointFormat.DCP else write_checkpoint
-    return write(hf_dir, src, layout, config, out, where=hf_dir, step=0, generation_config=read_generation_config(hf_dir))
+    return write_checkpoint(hf_dir, src, layout, config, out, where=hf_dir, step=0,
+                            generation_config=read_generation_config(hf_dir), format=format)
 
 
 def _checkpoint_layout(directory: str, index: dict, *, tp: int, pp: int, virtual_stages: int) -> Layout:
@@ -203,40 +214,9 @@ def reshard(ckpt: str, out: str, *, tp: int, pp: int, virtual_stages: int = 1, c
     if BY_PARAM in index:
         raise CheckpointError(f"{directory}: its optimizer state is saved per parameter (flatten_optimizer_state_dict), "
                               f"which names no parameter groups to write; load it into a run with load_checkpoint")
-    write = write_dcp_checkpoint if format is CheckpointFormat.DCP else write_checkpoint
-    return write(directory, index, layout, index["config"], out, where=directory, step=index.get("step"),
-                 optimizer=index.get("optimizer"), generation_config=index.get("generation_config"),
-                 loss_scaler=index.get("loss_scaler"))  # the loss scale is the same at any mesh
-
-
-def write_dcp_checkpoint(src_dir: str, src: dict, layout: Layout, config: dict, out: str, *, where: str,
-                         step: int | None = None, optimizer: list[dict] | None = None,
-                         generation_config: dict | None = None, loss_scaler: dict | None = None) -> str:
-    """``src`` as a DCP checkpoint under ``out`` (``ckpt-<step>``, then ``latest``), as torch's FSDP2 recipe loads
-    it: each tensor whole, in row blocks of bounded size read from the source one at a time."""
-    work = _work(src, layout, base_prefixes(config), where=where, optimizer=True)
-    renamed = {source: name for name, source, _ in work}
-    groups = ([{**g, **{k: sorted(renamed.get(p, p) for p in g[k]) for k in ("params", STATELESS) if k in g}}
-               for g in optimizer] if optimizer else optimizer)
-    aliases = tied_aliases(meta_model(config_from_dict(config), cls=layout_class(layout)))
-    header = new_index(library_version=__version__, step=step, mesh={"dp": 1, "tp": 1, "pp": 1},
-                       config={**config, "architectures": [layout.model_class]}, tensors={}, optimizer=None, files={},
-                       generation_config=generation_config, loss_scaler=loss_scaler)
-    checks = FileChecks(src_dir, src.get("files"))
-    with hold_directory(out, purpose="qn-hf-convert writing a checkpoint", fix=CONVERT_FIX):
-        final = next_checkpoint_dir(out, step=step)
-        partial = final + PARTIAL
-        fresh_dir(partial)
-        try:
-            write_whole_dcp(partial, [(name, src["tensors"][source], source) for name, source, _ in work],
-                            lambda entry, name, box, buf: read_box(src_dir, entry, name, box, buf, handles={},
-                                                                   checks=checks),
-                            groups=groups, aliases=aliases, header=header)
-        except BaseException:
-            remove_entry(partial)
-            raise
-        publish(partial, final)
-    return final
+    return write_checkpoint(directory, index, layout, index["config"], out, where=directory, step=index.get("step"),
+                            optimizer=index.get("optimizer"), generation_config=index.get("generation_config"),
+                            loss_scaler=index.get("loss_scaler"), format=format)  # the loss scale is the same at any mesh
 
 
 def to_hf(ckpt: str, out: str, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False,

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import transformers
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed import ProcessGroup
@@ -37,7 +36,7 @@ from .entries import local_entries, pieces_of
 from .errors import CheckpointFormat
 from .files import PARTIAL, file_digest, fsync_file, prune, publish, write_json
 from .format import INDEX, CheckpointError, dtype_name, global_shape, new_index, shard_file
-from .hf import generation_config_of, hf_class_name, recorded_config
+from .hf import generation_config_of, recorded_config
 from .lock import DirectoryInUse, HeldDirectories
 from .names import next_checkpoint_dir
 from .optimizer_state import merge_groups, optimizer_groups, optimizer_view
@@ -76,11 +75,8 @@ def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
         header = _header(module, placement, config, step=step, virtual_stages=virtual_stages,
                          scaler=scaler) if dist.get_rank() == 0 else None
         if background is None:
-            if dcp:
-                snap = shard_snapshot(module, placement, view)
-                files = lambda directory: snap.write_dcp(directory, aliases, header, group=None)  # noqa: E731
-            else:
-                files = (lambda directory: write_shard(module, placement, view, directory)) if writes else None
+            files = (_dcp_part(shard_snapshot(module, placement, view), aliases, header, group=None) if dcp
+                     else (lambda directory: write_shard(module, placement, view, directory)) if writes else None)
             _write(final, files, None if dcp else header, keep_last=keep_last, device=placement.device, group=None)
             return final
         group = background.group()
@@ -97,10 +93,8 @@ def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
                 tensors = copied if copied is not None else copies.copy(sources, device)
                 copies.written_from()
                 copied_snapshot = dataclasses.replace(snapshot, tensors=tensors) if snapshot is not None else None
-                if dcp:
-                    files = lambda directory: copied_snapshot.write_dcp(directory, aliases, header, group=group)  # noqa: E731
-                else:
-                    files = copied_snapshot.write if copied_snapshot is not None else None
+                files = (_dcp_part(copied_snapshot, aliases, header, group=group) if dcp
+                         else copied_snapshot.write if copied_snapshot is not None else None)
                 _write(final, files, None if dcp else header, keep_last=keep_last, device=device, group=group)
             finally:
                 if own:
@@ -114,11 +108,17 @@ def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
             roots.release()
 
 
+def _dcp_part(snapshot: ShardSnapshot, aliases: dict[str, list[str]], header: dict | None, *,
+              group: ProcessGroup | None) -> Callable[[str], None]:
+    """This rank's part of a DCP save (``dcp.save`` is a collective: a rank without pieces takes part too)."""
+    return lambda directory: snapshot.write_dcp(directory, aliases, header, group=group)
+
+
 def _dcp_aliases(module: nn.Module, config) -> dict[str, list[str]]:
     """The tied names a DCP save writes a weight under as well; a model whose state dict holds persistent
     buffers is refused (qn_hf does not save buffers, and FSDP2's strict load would miss them)."""
     model = whole_model(module, config.to_dict())
-    if model is module and getattr(transformers, hf_class_name(module), None) is not type(module):
+    if model is module:  # not a transformers class, so no names of its own to save under
         raise ValueError(f"format='dcp' is written for transformers models, not a {type(module).__name__} (a PEFT "
                          f"model's keys depend on how the loading side wraps it); use format='qn', or save_pretrained")
     buffers = persistent_buffers(model)
