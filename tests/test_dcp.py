@@ -203,6 +203,11 @@ def test_convert_writes_a_dcp_torch_reads(model_dirs, tmp_path):
     targets = {"model": {k: torch.empty_like(v) for k, v in original.items()}}
     dcp.load(targets, checkpoint_id=directory, no_dist=True)
     assert all(torch.equal(targets["model"][k], original[k]) for k in original)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # rebuilds the recipe's nested dict
+
+    dcp_to_torch_save(directory, str(tmp_path / "whole.pt"))
+    nested = torch.load(str(tmp_path / "whole.pt"), weights_only=True)
+    assert list(nested) == ["model"] and torch.equal(nested["model"]["lm_head.weight"], original["lm_head.weight"])
     back = str(tmp_path / "back")
     assert convert.main(["to-hf", out, back]) == 0
     again = load(kind, back).state_dict()

@@ -63,7 +63,7 @@ class _PiecesPlanner(DefaultSavePlanner):
 
     def __init__(self, pieces: dict[tuple[str, tuple], Piece], values: dict[str, object],
                  paths: dict[str, tuple]) -> None:
-        super().__init__(flatten_state_dict=False, dedup_replicated_tensors=False)
+        super().__init__(flatten_state_dict=True)  # True: the recipe's nested paths are recorded in .metadata
         self.pieces, self.values, self.paths = pieces, values, paths
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
