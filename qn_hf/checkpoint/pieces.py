@@ -111,17 +111,22 @@ def _read_reordered(directory: str, entry: dict, name: str, target_box: Box, out
 def read_chunks(directory: str, entry: dict, name: str, box: Box, *,
                 checks: FileChecks | None = None) -> Iterator[torch.Tensor]:
     """``box`` of the tensor ``name`` in consecutive row-major chunks of at most ``CHUNK_BYTES``, so
-    a converter's memory stays bounded whatever size the index declares."""
+    a converter's memory stays bounded whatever size the index declares (for a DCP source, by that and
+    the saved chunks the current one overlaps: a DCP chunk is decoded whole)."""
     dtype = DTYPES[entry["dtype"]]
     shape = [b - a for a, b in box]
     numel, step = math.prod(shape), max(1, CHUNK_BYTES // dtype.itemsize)
+    decoded: dict = {}
     for start in range(0, numel, step):
         for run, _ in flat_runs(shape, start, min(start + step, numel)):
             part = [[a + lo, a + hi] for (a, _), (lo, hi) in zip(box, run)]
             buf = torch.empty([hi - lo for lo, hi in run], dtype=dtype)
             # Files stay open for one chunk only: a mapping kept open would count every page read so
-            # far as resident memory.
-            read_box(directory, entry, name, part, buf, handles={}, checks=checks)
+            # far as resident memory. The DCP chunks the last part decoded are kept (one saved chunk, a
+            # rank's share of a tensor, spans many parts): each is decoded once, not once per part.
+            handles = dict(decoded)
+            read_box(directory, entry, name, part, buf, handles=handles, checks=checks)
+            decoded = {k: v for k, v in handles.items() if isinstance(v, torch.Tensor)}
             yield buf
 
 
