@@ -261,7 +261,8 @@ def case_load_errors(*, kind: str, model_dir: str, paths: list[str]) -> list[str
 
 def test_damaged_and_foreign_dcps_are_refused_on_every_rank(worlds, model_dirs, tmp_path):
     """What a DCP reader must not take: planted code (in .metadata and in a hyperparameter: refused unrun), a missing
-    or unknown or misshapen tensor, SGD's or Adam's state for an AdamW, state an AdamW does not keep, a truncated file. Every
+    or unknown or misshapen tensor, SGD's or Adam's state for an AdamW, state an AdamW does not keep, metadata that
+    declares more values than its file holds, a truncated file. Every
     rank raises the same ValueError, naming the problem."""
     import pickle
 
@@ -297,6 +298,13 @@ def test_damaged_and_foreign_dcps_are_refused_on_every_rank(worlds, model_dirs, 
         state = next(iter(osd["state"].values()))
         state["momentum_buffer"] = torch.zeros_like(state["exp_avg"])
     make("extra-state", "does not keep", weight_decay=0.01, edit=extra_state)
+    inflated = make("inflated", "fewer than its values need", weight_decay=0.01)
+    with open(os.path.join(inflated, ".metadata"), "rb") as f:
+        metadata = pickle.load(f)  # written just above by torch itself
+    item = metadata.state_dict_metadata["model.model.norm.weight"]
+    item.size, item.chunks[0].sizes = torch.Size([1 << 30]), torch.Size([1 << 30])
+    with open(os.path.join(inflated, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)
     truncated = make("truncated", "truncated", weight_decay=0.01)
     data = os.path.join(truncated, next(f for f in os.listdir(truncated) if f.endswith(".distcp")))
     os.truncate(data, os.path.getsize(data) // 2)
@@ -347,7 +355,8 @@ def _torchtitan_dcp(path: str, model_dir: str) -> tuple[float, str]:
         for key, value in opt.param_groups[0].items():
             if key != "params":
                 sd[f"optimizer.param_groups.{titan}.{key}"] = value
-    sd.update({"train_state.step": torch.tensor(1), "lr_scheduler.last_epoch": 1, "dataloader.rank0": b"state"})
+    sd.update({"train_state.step": torch.tensor(1), "lr_scheduler.last_epoch": 1, "dataloader.rank0": b"state",
+               "freqs_cis": torch.ones(12, head_dim // 2, dtype=torch.complex64)})  # a buffer releases before 0.2 saved
     dcp.save(sd, checkpoint_id=path, no_dist=True)
     opt.zero_grad()
     loss = model(**make_batch("llama", size=8, seed=2, padded=False)).loss

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..format import DTYPES, CheckpointError, dtype_name
+from ..format import CheckpointError, dtype_name
 from ..json_records import MAX_INDEX_BYTES
 
 METADATA = ".metadata"
@@ -56,7 +56,7 @@ class Chunk:
 
 @dataclass(frozen=True)
 class TensorItem:
-    dtype: str  # format.DTYPES' name
+    dtype: str  # its name (format.DTYPES' when the index reads it)
     shape: list[int]
     chunks: list[Chunk]
 
@@ -173,8 +173,10 @@ def _find(spans: dict, where: str, key: str, offsets: tuple | None) -> Span:
 
 def _tensor(where: str, key: str, item: object, spans: dict) -> TensorItem:
     dtype = getattr(getattr(item, "properties", None), "dtype", None)
-    if not isinstance(dtype, torch.dtype) or dtype_name(dtype) not in DTYPES:
-        raise CheckpointError(f"{where}: {key} has dtype {dtype}; this reader knows {sorted(DTYPES)}")
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"{where}: {key} has dtype {dtype!r}, not a torch dtype")
+    # A dtype outside DTYPES (an old torchtitan's complex64 freqs_cis) is refused only if the tensor is read:
+    # check_entry of the index names it
     shape = list(item.size) if isinstance(item.size, (torch.Size, tuple, list)) else None
     if shape is None or not all(_count(n) for n in shape):
         raise CheckpointError(f"{where}: {key} has the shape {item.size!r}")
@@ -188,7 +190,11 @@ def _tensor(where: str, key: str, item: object, spans: dict) -> TensorItem:
             raise CheckpointError(f"{where}: {key} has a chunk {str(chunk)[:200]} outside its shape {shape}")
         if math.prod(extents) == 0 and shape:
             continue  # a rank that held no rows (FSDP2 over more ranks than rows)
-        chunks.append(Chunk([[o, o + s] for o, s in zip(offsets, extents)], _find(spans, where, key, tuple(offsets))))
+        span = _find(spans, where, key, tuple(offsets))
+        if span.length < math.prod(extents) * dtype.itemsize:  # a reader allocates what the metadata declares
+            raise CheckpointError(f"{where}: {key} has a chunk of {list(extents)} {dtype_name(dtype)} stored in "
+                                  f"{span.length:,} bytes, fewer than its values need")
+        chunks.append(Chunk([[o, o + s] for o, s in zip(offsets, extents)], span))
     return TensorItem(dtype_name(dtype), shape, chunks)
 
 
