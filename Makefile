@@ -23,8 +23,8 @@ install: $(STAMP)
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(NPROC) scripts/demo.py
 
-# The CI-sized suite (about 35 minutes on 2 cores in a fresh clone, as the README says); test-all adds the
-# tests marked long (518 of them, the zoo's full sweep included: about 11 minutes more when they were 476).
+# The CI-sized suite (about 38 minutes on 2 cores in a fresh clone, as the README says); test-all adds the
+# tests marked long (519 of them, the zoo's full sweep included: about 11 minutes more when they were 476).
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not long" --durations=30
 
