@@ -46,8 +46,8 @@ test-all: $(STAMP)
 # It runs the unit tier and COMPAT_TESTS, a few equivalence tests of every dimension (tests/releases.py
 # says how the suite treats an older release). Torch 2.11 has no CPU wheel here (its build is several
 # GB), so qn_hf/compat.py's torch fallbacks are forced on torch 2.13 by tests/test_compat.py instead.
-# 4 min 45 s measured on 2 cores shared with other work, the venv created anew (packages from pip's cache):
-# the unit tier 47 s, the 68 equivalence tests 2 min 24 s.
+# 4 min 30 s measured on 2 cores, the venv created anew (packages from pip's cache):
+# the unit tier 54 s, the 71 equivalence tests 2 min 30 s.
 COMPAT_VENV ?= .venv-compat
 COMPAT_BIN := $(COMPAT_VENV)/bin
 COMPAT_STAMP := $(COMPAT_VENV)/.qn_hf-installed
