@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 from ..format import OPTIMIZER, CheckpointError, check_entry, optimizer_key
+from ..hf import source_name
 from ..optimizer_state import STATELESS
 from .metadata import Contents, load_value
 from .names import KeyMap, Part, check_unique, classify, model_name
@@ -30,18 +31,18 @@ class ModelNames:
     model (``transformer.`` of GPT2LMHeadModel)."""
 
     def __init__(self, params: set[str], ignored: set[str], prefixes: list[str]) -> None:
-        self.params, self.ignored, self.prefixes = params, ignored, prefixes
+        self.params, self.prefixes = params, prefixes
+        self.known = {"tensors": dict.fromkeys(params | ignored)}  # what hf.source_name looks names up in
 
     def resolve(self, name: str) -> str | None:
-        """The model's name for a saved ``name``; None when it is an alias or a buffer; raises KeyError
-        when the model has no such tensor."""
-        for candidate in (name, *(f"{p}.{name}" for p in self.prefixes),
-                          *(name[len(p) + 1:] for p in self.prefixes if name.startswith(p + "."))):
-            if candidate in self.params:
-                return candidate
-            if candidate in self.ignored:
-                return None
-        raise KeyError(name)
+        """The model's name for a saved ``name`` (with or without the task model's prefix, as
+        ``hf.source_name`` finds it); None when it is an alias or a buffer; raises KeyError when the model
+        has no such tensor."""
+        try:
+            found = source_name(self.known, name, self.prefixes)
+        except CheckpointError:
+            raise KeyError(name) from None
+        return found if found in self.params else None
 
 
 def dcp_index(sources: list[Contents], root: str, names: ModelNames, key_map: KeyMap | None) -> dict:
