@@ -95,13 +95,8 @@ def write_dcp(directory: str, *, tensors: dict[str, torch.Tensor], entries: dict
     digests. Every rank raises the same ``CheckpointError`` if any rank's write failed."""
     pieces, paths = {}, {}
     for name, entry in entries.items():
-        for alias in [name, *aliases.get(name, [])]:
-            key, path = dcp_key(alias)
-            paths[key] = path
-            for piece in entry["pieces"]:
-                t = tensors[piece["key"]]
-                pieces[(key, tuple(a for a, _ in piece["box"]))] = Piece(list(t.shape), t.dtype, entry["shape"],
-                                                                         lambda t=t: t)
+        _under_each_name(pieces, paths, [name, *aliases.get(name, [])],
+                         [(p["box"], _held(tensors[p["key"]], entry["shape"])) for p in entry["pieces"]])
     everyone = None
     if groups is not None:  # the coordinator names every parameter of every group: each rank knows its own
         everyone = [None] * dist.get_world_size(group)
@@ -129,18 +124,31 @@ def write_whole_dcp(directory: str, tensors: list[tuple[str, dict, str]],
         step = max(1, CHUNK_BYTES // max(row, 1)) if shape else 1
         blocks = [[[lo, min(lo + step, shape[0])], *([0, n] for n in shape[1:])]
                   for lo in range(0, shape[0], step)] if shape and shape[0] else [[[0, n] for n in shape]]
-        for alias in [name, *aliases.get(name, [])]:
-            key, path = dcp_key(alias)
-            paths[key] = path
-            for box in blocks:
-                def values(entry=entry, source=source, box=box, dtype=dtype) -> torch.Tensor:
-                    out = torch.empty([b - a for a, b in box], dtype=dtype)
-                    read(entry, source, box, out)
-                    return out
-                pieces[(key, tuple(a for a, _ in box))] = Piece([b - a for a, b in box], dtype, shape, values)
+        chunks = []
+        for box in blocks:
+            def values(entry=entry, source=source, box=box, dtype=dtype) -> torch.Tensor:
+                out = torch.empty([b - a for a, b in box], dtype=dtype)
+                read(entry, source, box, out)
+                return out
+            chunks.append((box, Piece([b - a for a, b in box], dtype, shape, values)))
+        _under_each_name(pieces, paths, [name, *aliases.get(name, [])], chunks)
     _save(directory, _PiecesPlanner(pieces, _group_values(groups, paths), paths), group=None, no_dist=True,
           one_file_per_rank=False)
     _record(directory, header, groups)
+
+
+def _held(tensor: torch.Tensor, shape: list[int]) -> Piece:
+    """A chunk already in memory (a rank's snapshot)."""
+    return Piece(list(tensor.shape), tensor.dtype, shape, lambda: tensor)
+
+
+def _under_each_name(pieces: dict, paths: dict, names: list[str], chunks: list[tuple[list[list[int]], Piece]]) -> None:
+    """Each chunk of a tensor, by its box, under each of its names (a tied weight's aliases too)."""
+    for name in names:
+        key, path = dcp_key(name)
+        paths[key] = path
+        for box, piece in chunks:
+            pieces[(key, tuple(a for a, _ in box))] = piece
 
 
 def _group_values(groups: list | None, paths: dict[str, tuple]) -> dict[str, object]:
