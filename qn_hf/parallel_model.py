@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -16,9 +17,10 @@ from .checkpoint.save import HeldDirectories
 from .comm import flat_all_reduce_
 from .config.composition import Feature, check_and_warn
 from .config.dims import ParallelDims
+from .config.options import LossKind, ProblemType
 from .config.parallel_config import ParallelConfig
 from .config.schedule import Schedule
-from .context_parallel.apply import LOCAL_VALID, LOSS_KEYS, RingSwitch, whole_sequence_logits
+from .context_parallel.apply import LOCAL_VALID, RingSwitch, whole_sequence_logits
 from .context_parallel.ring_attention import PieceLayout
 from .data_parallel.buckets import GradBuckets
 from .data_parallel.grad_sync import GradSync
@@ -36,8 +38,8 @@ from .placement import ShardPlacement
 from .step.batch import batch_signature, check_same_batch, dp_rows
 from .step.generation import parallel_generate, switched_off
 from .step.logits import LogitsFn, collect_logits
-from .step.loss import local_count, loss_scales, nan_without_targets, summed_loss
-from .step.runner import StepContext, prepare, run_schedule
+from .step.loss import local_count, loss_scales, nan_without_targets, problem_type, summed_loss, term_weights
+from .step.runner import StepContext, forward_inputs, prepare, run_schedule
 from .tensor_parallel.apply import VocabShard
 from .tensor_parallel.plan import TpPlan
 from .tensor_parallel.rng import RngStreams
@@ -45,6 +47,15 @@ from .tensor_parallel.sequence_hooks import SequenceParallelSwitch
 from .tensor_parallel.shard import ShardSpec
 
 LossFn = Callable[[object, Mapping[str, torch.Tensor]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class _LocalLoss:
+    """A step's loss before its sums over the mesh: this rank's share, and what it is a mean over."""
+
+    total: torch.Tensor
+    count: torch.Tensor
+    builtin: bool
 
 
 class ParallelModel(CheckpointMethods):
@@ -184,17 +195,23 @@ class ParallelModel(CheckpointMethods):
         if self.sharded is not None:
             self.sharded.start_backward(sync=self._sync)
         with self.failures.guard("train_step"):
-            loss = self._run(batch, loss_fn, backward=True, num_items=num_items_in_batch)
+            local = self._run(batch, loss_fn, backward=True, num_items=num_items_in_batch)
             if self.sharded is not None:  # under a pipeline: one reduction after the step's last backward
                 self.sharded.finish_backward(sync=self._sync)
             if self._sync:
                 self.grads.sync()
-        return loss
+            # the loss's sums come after the gradients' on the same groups: a rank whose backward left a
+            # parameter without a gradient (a branch its rows never took) starts its buckets only in
+            # sync(), and every rank must issue the same collectives in the same order
+            return self._reduced_loss(local)
 
     def count_items(self, batches: Sequence[Mapping[str, torch.Tensor]], loss_fn: LossFn | None = None) -> torch.Tensor:
         """What one step on all of this dp rank's ``batches`` would average its loss over, summed over dp
-        (targets, or rows with a ``loss_fn``): a ``[1]`` device tensor for ``train_step(num_items_in_batch=)``."""
-        return self._count(batches, shifted=self.plan.loss.shifted if loss_fn is None and self.plan.loss is not None else None)
+        (targets, or rows with a ``loss_fn``; question answering: its starts and its ends): a ``[K]`` device
+        tensor for ``train_step(num_items_in_batch=)``."""
+        kind = self.plan.loss if loss_fn is None else None
+        problem = self._problem(batches[0]) if kind is LossKind.CLASSIFICATION and batches else None
+        return self._count(batches, kind=kind, problem=problem)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -210,7 +227,7 @@ class ParallelModel(CheckpointMethods):
     def eval_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn | None = None) -> torch.Tensor:
         """Forward only, in evaluation mode (restored afterwards); the same loss as ``train_step``."""
         with self._forward_only("eval_step"):
-            return self._run(batch, loss_fn, backward=False)
+            return self._reduced_loss(self._run(batch, loss_fn, backward=False))
 
     @contextlib.contextmanager
     def _forward_only(self, what: str, *, evaluate: bool = True) -> Iterator[None]:
@@ -240,8 +257,9 @@ class ParallelModel(CheckpointMethods):
             return collect_logits(self.context, batch, reduce=reduce, broadcast=broadcast)
 
     def _run(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn | None, *, backward: bool,
-             num_items: torch.Tensor | float | None = None) -> torch.Tensor:
+             num_items: torch.Tensor | float | None = None) -> _LocalLoss:
         builtin, cp = loss_fn is None, self.dims.cp
+        kind = self.plan.loss if builtin else None  # the head's loss (policies/task.py), or a loss_fn's rows
         prepared = prepare(self.context, batch, loss=self.plan.loss, builtin=builtin, num_items=num_items)
         routers = (RouterLogits(self.module, pp=self.dims.pp, microbatches=self.microbatches, replicas=self.groups.replicas,
                                 sequence=self.groups.tp if self.sp_switch is not None and self.sp_switch.on else None)
@@ -250,13 +268,14 @@ class ParallelModel(CheckpointMethods):
             check_same_batch(batch_signature(prepared.batch, device=self.device), replica=self.coords.dp,
                              replicas=self.dims.dp)
             self._batch_checked = True
-        # What the loss is a mean over, summed over dp (one tiny all-reduce) unless the caller gave the
-        # accumulation's count; each microbatch's share of it (loss.loss_scales)
+        problem = self._problem(prepared.batch) if kind is LossKind.CLASSIFICATION else None
+        # What the loss is a mean over (one count per term), summed over dp (one tiny all-reduce) unless
+        # the caller gave the accumulation's count; each microbatch's share of it (loss.loss_scales)
         if num_items is None:
-            count = self._count([prepared.batch], shifted=self.plan.loss.shifted if builtin else None)
+            count = self._count([prepared.batch], kind=kind, problem=problem)
         else:
-            count = torch.as_tensor(num_items, dtype=torch.float64).to(self.device, non_blocking=True).reshape(1)
-        scales = loss_scales(count, rows=prepared.rows, builtin=builtin)
+            count = torch.as_tensor(num_items, dtype=torch.float64).to(self.device, non_blocking=True).reshape(-1)
+        scales = loss_scales(count, rows=prepared.rows, builtin=builtin, weights=term_weights(kind))
         micro, whole = prepared.micro, prepared.whole  # a loss_fn sees whole sequences (whole_sequence_logits)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
 
@@ -264,26 +283,27 @@ class ParallelModel(CheckpointMethods):
             """One microbatch through one of this stage's chunks: the activation to send, or on the
             last chunk the microbatch's share of the global loss (what backward starts from)."""
             nonlocal total
-            inputs = {k: v for k, v in micro[mb].items() if k not in LOSS_KEYS}
+            inputs = forward_inputs(self.context, micro[mb], builtin=builtin, last=self.stage.is_last_chunk(chunk))
             with routers or contextlib.nullcontext():  # the router loss reads the logits (router_loss.py)
                 outputs = self.stage.forward(inputs, received, chunk=chunk, **self.plan.policy.forward_kwargs,
                                              **(routers.forward_kwargs if routers else {}))
             if not self.stage.is_last_chunk(chunk):
                 return outputs
             if builtin:
-                targets = micro[mb].get("targets")
-                if targets is None:
-                    targets = self.plan.loss.targets(micro[mb]["labels"])
-                loss = summed_loss(outputs.logits, targets, kind=self.plan.loss, group=self.groups.tp,
+                sums = summed_loss(outputs, micro[mb], kind=kind, head=self.plan.head, problem=problem,
+                                   group=self.groups.tp,
                                    vocab=None if self.vocab is None else (self.vocab.start, self.vocab.size))
-            elif cp > 1:  # the same loss of the whole sequences on every cp rank, 1/cp of it each (context_parallel/apply.py)
-                loss = loss_fn(whole_sequence_logits(self._with_full_logits(outputs), layout=self.cp_layout,
-                                                     group=self.groups.cp), whole[mb]) / cp
+                # As a Python float scale did: the products in float32 (float64 for a float64 loss), in its dtype
+                opmath = torch.float64 if sums.dtype == torch.float64 else torch.float32
+                loss = (sums.to(opmath) * scales[mb].to(opmath)).sum().to(sums.dtype)
             else:
-                loss = loss_fn(self._with_full_logits(outputs), micro[mb])
-            # As a Python float scale did: the product in float32 (float64 for a float64 loss), in the loss's dtype
-            opmath = torch.float64 if loss.dtype == torch.float64 else torch.float32
-            loss = (loss.to(opmath) * scales[mb].to(opmath)).to(loss.dtype)
+                if cp > 1:  # the same loss of the whole sequences on every cp rank, 1/cp of it each (context_parallel/apply.py)
+                    loss = loss_fn(whole_sequence_logits(self._with_full_logits(outputs), layout=self.cp_layout,
+                                                         group=self.groups.cp), whole[mb]) / cp
+                else:
+                    loss = loss_fn(self._with_full_logits(outputs), micro[mb])
+                opmath = torch.float64 if loss.dtype == torch.float64 else torch.float32
+                loss = (loss.to(opmath) * scales[mb][0].to(opmath)).to(loss.dtype)
             if routers:  # transformers' load-balancing term, this rank's share (router_loss.py)
                 loss = loss + routers.loss(micro[mb].get(LOCAL_VALID, micro[mb].get("attention_mask")))
             total += loss.detach().float()
@@ -295,17 +315,35 @@ class ParallelModel(CheckpointMethods):
         arm = (lambda chunk, kind: self.grads.arm(self._final_params.get((chunk, kind), []))) \
             if backward and self._sync else None
         run_schedule(self.context, prepared, forward, backward=backward, on_final=arm)
-        # The last stage holds the loss: a sum over pp hands it to every stage, then over dp and cp
-        # (each cp rank holds the loss of its own tokens).
-        for group in (self.groups.pp, self.groups.replicas):
-            flat_all_reduce_([total], group=group)
-        return nan_without_targets(total, count) if builtin else total
+        return _LocalLoss(total=total, count=count, builtin=builtin)
 
-    def _count(self, batches: Sequence[Mapping[str, torch.Tensor]], *, shifted: bool | None) -> torch.Tensor:
-        """The targets (or rows) ``batches`` hold on this dp rank, summed over dp: a ``[1]`` device tensor."""
-        count = sum((local_count(b, shifted=shifted, device=self.device) for b in batches),
-                    torch.zeros(1, dtype=torch.float64, device=self.device))
-        flat_all_reduce_([count], group=self.groups.dp)
+    def _reduced_loss(self, local: _LocalLoss) -> torch.Tensor:
+        """The step's loss on every rank: the last stage holds it, so a sum over pp hands it to every
+        stage, then over dp and cp (each cp rank holds the loss of its own tokens)."""
+        for group in (self.groups.pp, self.groups.replicas):
+            flat_all_reduce_([local.total], group=group)
+        # the plain model's mean over no target is NaN (DeBERTa's own rules give 0 there)
+        if local.builtin and not self.plan.head.own_problem_types:
+            return nan_without_targets(local.total, local.count)
+        return local.total
+
+    def _problem(self, batch: Mapping[str, torch.Tensor]) -> ProblemType:
+        """A classifier's problem type for this batch, decided as transformers' forward decides it, and
+        recorded in the config as that forward records it (a saved config then says it too)."""
+        config = self.stage.config
+        head = self.plan.head
+        problem = problem_type(config, batch["labels"], problem_types=head.problem_types, own=head.own_problem_types)
+        if head.problem_types and not head.own_problem_types and getattr(config, "problem_type", None) is None:
+            config.problem_type = problem.value
+        return problem
+
+    def _count(self, batches: Sequence[Mapping[str, torch.Tensor]], *, kind: LossKind | None,
+               problem: ProblemType | None) -> torch.Tensor:
+        """What ``batches`` hold on this dp rank to average the loss over (one count per term of ``kind``'s
+        loss; rows for a ``loss_fn``, ``kind=None``), summed over dp: a ``[K]`` device tensor."""
+        count = sum(local_count(b, kind=kind, head=self.plan.head, problem=problem, device=self.device) for b in batches)
+        if kind is not LossKind.OWN:  # the model's own loss is its one forward's mean: nothing to sum
+            flat_all_reduce_([count], group=self.groups.dp)
         return count
 
     def _with_full_logits(self, outputs):

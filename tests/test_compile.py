@@ -290,9 +290,9 @@ def test_stacked_experts_with_expert_parallelism_are_refused():
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
             "llama4_text", **_SMALL, num_local_experts=4, intermediate_size_mlp=64))
     assert "experts stacked on dim 0" in error_message(
-        lambda: check_compile(model, compile=True, schedule="1f1b", cp=1, ep=2))
-    check_compile(model, compile=True, schedule="1f1b", cp=1, ep=1)  # accepted
-    check_compile(_meta("llama"), compile=True, schedule="zb_h1", cp=2, ep=1)  # accepted
+        lambda: check_compile(model, compile=True, schedule="1f1b", cp=1, ep=2, layers="model.layers"))
+    check_compile(model, compile=True, schedule="1f1b", cp=1, ep=1, layers="model.layers")  # accepted
+    check_compile(_meta("llama"), compile=True, schedule="zb_h1", cp=2, ep=1, layers="model.layers")  # accepted
 
 
 def test_trainer_torch_compile_arguments(tmp_path):

@@ -56,10 +56,23 @@ def test_kv_replication_layout():
     assert [layout.value(v) for v in ("local_heads", "local_kv_heads", "local_kv_groups")] == [2, 1, 2]
 
 
-def test_unsupported_architecture_lists_what_is_supported():
+def test_a_model_without_a_tp_plan_gets_its_body_and_a_derived_plan(monkeypatch):
+    """No "unsupported architecture": a type with neither a policy nor a transformers plan gets its body
+    found (policies/body.py) and a tp plan derived from its structure (policies/structure.py); what the
+    derivation cannot read refuses tp alone, naming the dimension and the layer."""
     model = BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64))
-    with pytest.raises(ValueError, match=r"unsupported architecture model_type='bert'.*\['gpt2', 'llama', 'vit'\].*policy=ModelPolicy"):
-        qn_hf.parallelize(model)
+    policy = resolve_policy(model, None)
+    assert policy.layers == "encoder.layer" and policy.tp_refusal is None
+    assert policy.tp_plan["encoder.layer.*.attention.self.query"] == "colwise"
+    assert policy.tp_plan["encoder.layer.*.attention.output.dense"] == "rowwise"
+    assert policy.tp_plan["encoder.layer.*.intermediate.dense"] == "colwise"
+    assert policy.tp_plan["embeddings.word_embeddings"] == "vocab_embedding"
+    from transformers import CTRLConfig, CTRLModel
+
+    ctrl = CTRLModel(CTRLConfig(n_embd=32, n_layer=1, n_head=4, dff=64, vocab_size=64))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"^tp=2: transformers declares no tp plan for 'ctrl'.*h\.0: no attention qn_hf can read.*use tp=1"):
+        qn_hf.parallelize(ctrl, tp=2)
 
 
 @pytest.mark.parametrize(
@@ -131,9 +144,10 @@ def test_derived_policy_from_transformers_plan():
     assert policy.tp_plan["layers.*.self_attn.k_proj"] == "colwise_kv"
     assert policy.tp_plan["layers.*.self_attn.q_proj"] == "colwise"
     assert policy.tp_plan["embed_tokens"] == "vocab_embedding"
-    assert policy.head_plan == {"lm_head": "vocab_colwise"}
+    assert policy.head_plan == {}  # the head is found from the model (policies/task.py), never named
     assert policy.attr_patches == {"layers.*.self_attn.num_key_value_groups": "local_kv_groups"}
-    build_tp_plan(tiny("mistral"), policy, tp=4)  # 2 KV heads replicated on pairs of ranks
+    plan = build_tp_plan(tiny("mistral"), policy, tp=4)  # 2 KV heads replicated on pairs of ranks
+    assert dict(plan.rules)["lm_head"] == "vocab_colwise" and plan.loss == "causal_lm"
 
 
 def test_derived_pipeline_entry_takes_in_what_extends_the_embedding():
@@ -196,7 +210,8 @@ def test_loss_kind_is_an_enum_and_policies_keep_accepting_strings():
 
     policy = ModelPolicy(model_type="x", layers="layers", tp_plan={}, loss="causal_lm")
     assert policy.loss is LossKind.CAUSAL_LM and policy.loss == "causal_lm" and f"{policy.loss!r}" == "'causal_lm'"
-    assert LossKind.values() == ("causal_lm", "classification") and [k.shifted for k in LossKind] == [True, False]
+    assert LossKind.values() == ("causal_lm", "tokens", "classification", "spans", "own")
+    assert [k.shifted for k in LossKind] == [True, False, False, False, False]
     assert ModelPolicy(model_type="x", layers="layers", tp_plan={}).loss is None
     with pytest.raises(ValueError, match="unknown loss 'mse'"):
         ModelPolicy(model_type="x", layers="layers", tp_plan={}, loss="mse")

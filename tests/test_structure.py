@@ -151,15 +151,16 @@ def _option_enums() -> tuple[type, ...]:
     from qn_hf.comm_meter import Collective
     from qn_hf.config.composition import Feature
     from qn_hf.config.dims import Axis
-    from qn_hf.config.options import Gather, LossKind, Precision, Recompute
+    from qn_hf.config.options import Gather, LossKind, Precision, ProblemType, Recompute
     from qn_hf.config.schedule import Schedule
     from qn_hf.pipeline.nccl_replay import Step, Work
     from qn_hf.pipeline.schedule import Op
     from qn_hf.planner.calibration import Link
     from qn_hf.policies.model_policy import StandIn
+    from qn_hf.policies.structure import Role
     from qn_hf.policies.styles import Style
 
-    return (Style, Schedule, Axis, LossKind, Precision, Recompute, Gather, Feature, Collective, StandIn, Op, Step, Work,
+    return (Style, Schedule, Axis, LossKind, ProblemType, Role, Precision, Recompute, Gather, Feature, Collective, StandIn, Op, Step, Work,
             Link)
 
 

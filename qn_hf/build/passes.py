@@ -26,6 +26,7 @@ from ..pipeline.stage import StageModules, apply_stage
 from ..pipeline.standins import StandIn
 from ..pipeline.weight_grad import WeightGradQueue, make_deferrable
 from ..placement import ShardPlacement, materialize
+from ..policies.body import repeated_blocks
 from ..step.compile import apply_compile
 from ..tensor_parallel.apply import VocabShard, apply_tp_plan
 from ..tensor_parallel.plan import TpPlan
@@ -184,7 +185,10 @@ def _split_backward(b: Build) -> None:
 
 
 def _shard_data_parallel(b: Build) -> None:
-    blocks = list(b.model.get_submodule(b.stage_plan.layers))
+    # a stage's own blocks under a pipeline; else every stack's repeated blocks (an encoder's and a
+    # decoder's, a vision and a text tower's), the whole model being the root group without any
+    blocks = (list(b.model.get_submodule(b.stage_plan.layers)) if b.config.dims.pp > 1
+              else repeated_blocks(b.model))
     experts = list(sharded_experts(b.model).values()) if b.config.dims.ep > 1 else []
     b.sharded = ShardedParameters(b.model, mesh=b.groups.shard_mesh, blocks=blocks, compute_dtype=b.precision,
                                   experts=experts, expert_mesh=b.groups.expert_shard_mesh,

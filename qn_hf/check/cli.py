@@ -1,7 +1,7 @@
 """qn-hf-check: prove that a model trains the same under qn_hf at a mesh, before the big run.
 
     qn-hf-check MODEL [--dp D] [--tp T] [--pp P] [--cp C] [--dp-shard S] [--sequence-parallel] [--ep E]
-                      [--microbatches M] [--layers L]
+                      [--microbatches M] [--layers L] [--model-class NAME]
 
 MODEL is a Hugging Face directory or a config.json (only the config is read: a full-size config is
 fine). A shrunk random copy of its exact architecture (same config class and model class, every
@@ -10,8 +10,11 @@ switch kept, small widths, L layers, dropout off) trains one SGD step on D*T*P*C
 ``save_pretrained``) are compared, and the worst difference per tensor is printed. --dp-shard and
 --ep add no processes: they shard the weights (FSDP) over dp ranks and the experts over dp x tp ranks.
 
+--model-class trains another head of the architecture (``BertForQuestionAnswering``; default its
+causal LM): its own loss where qn_hf computes it, else the mean square of its first output.
+
 Exit status: 0 equal, 1 different, 2 refused (qn_hf raised a ValueError before any communication,
-or the input is bad), 3 a rank crashed or timed out.
+the input is bad, or the plain model fails on its own), 3 a rank crashed or timed out.
 """
 
 from __future__ import annotations
@@ -25,20 +28,21 @@ from ..config.dims import Axis
 from ..config.parallel_config import ParallelConfig
 from ..local_world import LocalWorld, WorldFailure
 from ..training.words import mesh_words
-from .run import LOSS_RTOL, WEIGHT_ATOL, Verdict, one_step_parity, parity_config
+from .run import LOSS_RTOL, WEIGHT_ATOL, WEIGHT_RTOL, Verdict, one_step_parity, parity_config
 from .shrink import LAYERS, shrink_config
 
-EXIT = {"equal": 0, "different": 1, "refused": 2, "crashed": 3}
+EXIT = {"equal": 0, "different": 1, "refused": 2, "fails alone": 2, "no batch": 2, "crashed": 3}
 RANK_TIMEOUT_S = 600  # a whole check of a shrunk model takes seconds; a stuck collective gives up
 
 
-def run_check(config: dict, *, parallel: ParallelConfig) -> dict:
+def run_check(config: dict, *, parallel: ParallelConfig, model_class: str | None = None) -> dict:
     """Run the step on ``parallel``'s world of local ranks (qn_hf's launcher, ``local_world``) and
     return rank 0's verdict, or the failure of the first rank that crashed or timed out."""
     # ranks share the machine's cores: one thread each, as oversubscription only slows them
     with LocalWorld(parallel.dims.world_size, threads=1, collective_timeout=RANK_TIMEOUT_S) as world:
         try:
-            return world.run(one_step_parity, timeout=RANK_TIMEOUT_S + 60, config=config, parallel=parallel)[0]
+            return world.run(one_step_parity, timeout=RANK_TIMEOUT_S + 60, config=config, parallel=parallel,
+                             model_class_name=model_class)[0]
         except WorldFailure as failure:
             return {"verdict": "crashed", "reason": str(failure)}
 
@@ -49,7 +53,8 @@ def _report(verdict: dict, *, top: int) -> str:
         lines.append(f"loss {verdict['loss']:.9g} (plain model {verdict['ref_loss']:.9g}; tolerance {LOSS_RTOL:g} relative)")
         lines.append(f"largest change of any weight in the step: {verdict['moved']:.3g}")
         worst = verdict.get("worst", [])
-        lines.append(f"worst |difference| per tensor after the step (tolerance {WEIGHT_ATOL:g}), {min(top, len(worst))} "
+        lines.append(f"worst |difference| beyond {WEIGHT_RTOL:g} x |weight| per tensor after the step (tolerance "
+                     f"{WEIGHT_ATOL:g}), {min(top, len(worst))} "
                      f"of {len(worst)}:")
         lines += [f"  {d:10.3e}  {name}" for name, d in worst[:top]]
     return "\n".join(lines)
@@ -68,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--microbatches", type=int, default=None, help="per step (default: pp)")
     parser.add_argument("--layers", type=int, default=LAYERS, help=f"layers of the shrunk copy (default {LAYERS})")
     parser.add_argument("--top", type=int, default=20, help="tensors to list, worst first (default 20)")
+    parser.add_argument("--model-class", default=None,
+                        help="the transformers class to train (any head, e.g. BertForSequenceClassification; default "
+                             "the architecture's causal LM)")
     args = parser.parse_args(argv)
     for name in (Axis.DP, Axis.TP, Axis.PP, Axis.CP, Axis.EP, "dp_shard", "layers", "top"):
         if getattr(args, name) < 1:
@@ -89,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT["refused"]
     print(f"{config.model_type}: shrunk copy with {plural(args.layers, 'layer')} at {mesh_words(parallel)} on "
           f"{plural(parallel.dims.world_size, 'CPU process')}, against the plain model", flush=True)
-    verdict = run_check(shrunk, parallel=parallel)
+    verdict = run_check(shrunk, parallel=parallel, model_class=args.model_class)
     print(_report(verdict, top=args.top))
     return EXIT[verdict["verdict"]]
 

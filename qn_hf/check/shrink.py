@@ -50,6 +50,10 @@ _SIZES: dict[str, int] = {
     "hc_lowrank": 16,  # hyper-connection mixer rank (320 would dominate the shrunk model)
     "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": VOCAB, "laurel_rank": 8,
     "num_nextn_predict_layers": 0,
+    # encoder-decoder models (BART, T5, Whisper) and other encoders name their sizes their own way
+    "d_model": HIDDEN, "encoder_attention_heads": HEADS, "decoder_attention_heads": HEADS, "num_heads": HEADS,
+    "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "d_ff": 128, "d_kv": HEAD_DIM, "max_source_positions": 32,
+    "max_target_positions": 128, "pooler_hidden_size": HIDDEN,
 }
 _TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 # Scalar multipliers that default to 1.0 (Granite's muP scalars, AFMoE's routing scale) get another
@@ -60,7 +64,7 @@ _MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multip
 MULTIPLIER = 1.37
 
 # Keys that count blocks the way num_hidden_layers does (an audio encoder's conformer blocks).
-_LAYER_COUNTS = ("num_hidden_layers", "num_blocks")
+_LAYER_COUNTS = ("num_hidden_layers", "num_blocks", "encoder_layers", "decoder_layers", "num_decoder_layers")
 _DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 _MROPE_AXES = 3  # M-RoPE's sections: time, height, width
 
@@ -72,13 +76,22 @@ _DEFAULT_GAPS: dict[str, dict] = {
 }
 
 
+# random augmentations in training besides dropout (wav2vec2's SpecAugment masks, LayerDrop): no split
+# of the batch draws what one process draws, so like dropout they are off in a shrunk copy
+_RANDOM_IN_TRAINING = ("mask_time_prob", "mask_feature_prob", "layerdrop", "encoder_layerdrop", "decoder_layerdrop",
+                       "drop_path_rate")
+
+
 def _is_dropout(key: str) -> bool:
-    return "dropout" in key or key.endswith("pdrop")
+    return "dropout" in key or key.endswith("pdrop") or key in _RANDOM_IN_TRAINING
 
 
 def _fill_gaps(data: dict, *, mrope: bool) -> None:
     """Fill, in place, what the default config leaves for a checkpoint and the model needs. ``mrope``:
     the model reads M-RoPE sections from its rope."""
+    if data.get("is_encoder_decoder") and data.get("decoder_start_token_id") is None:
+        # the decoder's first input: a checkpoint's config names it (T5's default config does not)
+        data["decoder_start_token_id"] = _TOKEN_IDS["pad_token_id"]
     for key, value in _DEFAULT_GAPS.get(data.get("model_type"), {}).items():
         data[key] = _resized_pattern(value, data["num_hidden_layers"]) if key == "layer_types" else value
     kinds = data.get("layer_types")
@@ -193,10 +206,15 @@ def shrink_config(config: PretrainedConfig, *, layers: int = LAYERS) -> Pretrain
     subconfigs = {k: shrink_config(v, layers=layers).to_dict() for k, v in vars(config).items()
                   if isinstance(v, PretrainedConfig)}
     new: dict = {}
-    layers_before = data.get("num_hidden_layers")
+    # a config may store a size under its own name (GPT-J's n_embd for hidden_size): its attribute map says
+    # (only where the config holds no value under the name itself, and the stored name is no size of ours)
+    canonical = {stored: name for name, stored in getattr(type(config), "attribute_map", {}).items()
+                 if name not in data and stored not in _SIZES and stored not in _LAYER_COUNTS}
+    layers_before = data.get(next((k for k, v in canonical.items() if v == "num_hidden_layers"), "num_hidden_layers"))
     for key, value in data.items():
-        if key in _SIZES and (value is None or _is_size(value)):
-            new[key] = _SIZES[key]  # None too: some defaults leave a size for the checkpoint to fill
+        size_key = canonical.get(key, key)
+        if size_key in _SIZES and (value is None or _is_size(value)):
+            new[key] = _SIZES[size_key]  # None too: some defaults leave a size for the checkpoint to fill
         elif isinstance(value, list) and value and len(value) == layers_before:
             # a per-layer list (layer kinds, per-layer heads or widths): same kinds, new length
             per_layer = [_SIZES.get(key.removesuffix("_per_layer"), v) if isinstance(v, int) else v for v in value]
@@ -209,13 +227,14 @@ def shrink_config(config: PretrainedConfig, *, layers: int = LAYERS) -> Pretrain
         elif key in _MULTIPLIERS and value == 1.0 and not isinstance(value, bool):
             new[key] = MULTIPLIER
         elif _is_dropout(key) and isinstance(value, (int, float)) and not isinstance(value, bool):
-            new[key] = 0.0
+            new[key] = type(value)(0)  # the config's own type: strict configs (MPT's) check it
         elif _tied_to_hidden(key, value, data.get("hidden_size")):
             new[key] = HIDDEN
     # only the counts the config has (a sub-config without one, an audio encoder, must not gain one);
     # read as attributes too: Longcat's num_hidden_layers is a property that sets num_layers
     new.update({key: layers for key in _LAYER_COUNTS
                 if _is_size(data.get(key)) or _is_size(getattr(config, key, None))})
+    new.update({stored: layers for stored, name in canonical.items() if name in _LAYER_COUNTS and _is_size(data.get(stored))})
     if "num_hidden_layers" not in data and _is_size(data.get("num_layers")):
         # the stored count is of blocks and num_hidden_layers a property over it (LongCat: two attention
         # sublayers a block): 4 blocks, as every other type gets
@@ -237,6 +256,14 @@ def shrink_config(config: PretrainedConfig, *, layers: int = LAYERS) -> Pretrain
     for key in ("linear_num_key_heads", "swa_num_key_value_heads", "index_n_heads"):
         if isinstance(data.get(key), int):
             new[key] = _kv_heads(data) if key != "index_n_heads" else HEADS
+    if _is_size(data.get("rotary_dim")) and "head_dim" not in data:
+        new["rotary_dim"] = HEAD_DIM // 2  # GPT-J, CodeGen: rotary over part of each head, as theirs
+    if isinstance(data.get("attention_types"), list) and data["attention_types"]:
+        # GPT-Neo: [[kinds, repeats]] spells its per-layer kinds; the same kinds, over the new layers
+        kinds = data["attention_types"][0][0]
+        new["attention_types"] = [[kinds, max(1, layers // len(kinds))]]
+        new.pop("attention_layers", None)
+        data.pop("attention_layers", None)
     if isinstance(data.get("sliding_window"), int):
         new["sliding_window"] = 8  # shorter than the test sequences: the window is exercised
     if "qk_rope_head_dim" in data and "head_dim" in data:
@@ -253,7 +280,8 @@ def shrink_config(config: PretrainedConfig, *, layers: int = LAYERS) -> Pretrain
     if "output_router_logits" in data:
         new["output_router_logits"] = False
     merged = {**data, **new, **subconfigs}
-    for key in ("model_type", "transformers_version", "architectures"):
+    # a backbone's stages are named after its layers: the config names them anew for the new count
+    for key in ("model_type", "transformers_version", "architectures", "out_features", "out_indices", "stage_names"):
         merged.pop(key, None)
     shrunk = type(config)(**merged)
     if getattr(config, "architectures", None):

@@ -1,5 +1,7 @@
 """The model zoo: every causal-LM architecture of the installed transformers that ships a tp plan,
-and the table of how each trains under qn_hf (docs/zoo-table.md: equal to the plain model, or refused and why).
+and the table of how each trains under qn_hf (docs/zoo-table.md: equal to the plain model, or refused and why);
+and the heads zoo: every model type under every head class transformers' auto mappings list for it
+(``head_classes``), at data parallelism and the dimensions that apply (docs/heads-table.md).
 
 The table is written from the zoo test's own results (``make zoo-table``), never by hand.
 """
@@ -166,3 +168,40 @@ def replace_table(readme: str, table: str) -> str:
     if not pattern.search(readme):
         raise ValueError(f"the text has no {TABLE_START} ... {TABLE_END} block (docs/zoo-table.md holds one)")
     return pattern.sub(lambda _: f"{TABLE_START}\n{table}\n{TABLE_END}", readme)
+
+
+# The heads zoo's families: transformers' auto mappings, one column group each (``head_classes``).
+HEAD_FAMILIES = {
+    "base": "MODEL_MAPPING_NAMES",
+    "causal_lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "masked_lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "seq2seq_lm": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "speech_seq2seq": "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
+    "sequence_classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    "token_classification": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
+    "question_answering": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
+    "multiple_choice": "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES",
+    "image_classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "audio_classification": "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES",
+    "ctc": "MODEL_FOR_CTC_MAPPING_NAMES",
+    "image_text_to_text": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+    "zero_shot_image_classification": "MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "pretraining": "MODEL_FOR_PRETRAINING_MAPPING_NAMES",
+}
+
+
+def head_classes(families: dict[str, str] = HEAD_FAMILIES) -> list[tuple[str, str, str]]:
+    """(family, model type, class name) for every class the installed transformers' auto mappings
+    list under ``families``, whose config class builds with its defaults (a type needing values no
+    default gives is left out), in a stable order."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto import modeling_auto
+
+    found = []
+    for family, mapping in families.items():
+        for model_type, names in sorted(getattr(modeling_auto, mapping, {}).items()):
+            if model_type not in CONFIG_MAPPING:
+                continue
+            for name in (names,) if isinstance(names, str) else names:
+                found.append((family, model_type, name))
+    return found

@@ -51,18 +51,38 @@ class Gather(Choice):
 
 
 class LossKind(Choice):
-    """The built-in losses a policy names. A member equals its string (policies written with
-    ``loss="causal_lm"`` keep working; ``ModelPolicy`` stores the member)."""
+    """The losses ``train_step`` computes itself, as sums over microbatches, each equal to what a
+    family of transformers' heads computes (the head is found from the model: ``policies/task.py``).
+    A member equals its string (``loss="causal_lm"`` in a user's policy keeps working)."""
 
     CAUSAL_LM = "causal_lm"  # next-token cross-entropy over the vocabulary, labels per position
-    CLASSIFICATION = "classification"  # one label per sequence (ViT, sequence classification)
+    TOKENS = "tokens"  # cross-entropy per position, labels as they are (masked LM, token classification, seq2seq LM)
+    CLASSIFICATION = "classification"  # one label per row: cross-entropy, or by problem_type MSE or BCE (as HF)
+    SPANS = "spans"  # extractive question answering: the start's and the end's cross-entropy, halved
+    OWN = "own"  # any other loss: the model's own ``outputs.loss``, from one forward over the whole batch
 
     @property
     def shifted(self) -> bool:
         """Position t predicts label t+1 (HF's shift), so targets are the labels moved by one."""
         return self is LossKind.CAUSAL_LM
 
+    @property
+    def per_position(self) -> bool:
+        """One label per position of the sequence (a causal or masked LM, token classification)."""
+        return self in (LossKind.CAUSAL_LM, LossKind.TOKENS)
+
     def targets(self, labels: torch.Tensor) -> torch.Tensor:
         """What each position is scored against: with HF's shift, position t predicts label t+1 and
         the last position predicts nothing; otherwise the labels as they are."""
         return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX) if self.shifted else labels
+
+
+class ProblemType(Choice):
+    """``config.problem_type`` of a classification head, as transformers names and infers it."""
+
+    REGRESSION = "regression"  # MSE over every label value
+    SINGLE_LABEL = "single_label_classification"  # cross-entropy over the rows, -100 ignored
+    MULTI_LABEL = "multi_label_classification"  # binary cross-entropy with logits over every label value
+    # not a value of transformers' config: DeBERTa's rows of class probabilities without a problem_type,
+    # cross-entropy against them averaged over the rows (task.py's OWN_PROBLEM_TYPES)
+    SOFT_LABEL = "soft_label_classification"

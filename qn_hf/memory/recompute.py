@@ -46,12 +46,15 @@ SAVED_COLLECTIVES = {_functional.all_reduce.default, _functional.all_gather_into
                      _functional.reduce_scatter_tensor.default}
 
 
-def check_recompute(model: nn.Module, *, recompute: str | None, layers: str) -> None:
+def check_recompute(model: nn.Module, *, recompute: str | None, layers: str | None) -> None:
     """``recompute`` is None or a known mode, and every block of ``model``'s ``layers`` list can
     take it (raised before any collective)."""
     if recompute is None:
         return
     check_choice("recompute", recompute, Recompute.values())
+    if layers is None:
+        raise ValueError(f"recompute={recompute!r}: {type(model).__name__} has no list of blocks qn_hf found to "
+                         f"recompute; use recompute=None")
     for block in model.get_submodule(layers):
         if not isinstance(block, GradientCheckpointingLayer):
             raise ValueError(f"recompute={recompute!r}: {type(block).__name__} (in {layers}) is not a transformers "

@@ -17,6 +17,7 @@ from ..arguments import check_positive_int
 from ..compat import per_layer
 from ..policies.model_policy import ModelPolicy
 from ..policies.patterns import base_model_and_prefix, join
+from ..policies.task import task_head
 from .schedule import Op, chunks_of, rank_of_chunk
 
 
@@ -38,7 +39,7 @@ class StagePlan:
 
     stages: int
     layer_ranges: tuple[tuple[int, int], ...]  # [start, stop) of the blocks of each chunk, in chunk order
-    layers: str  # ModuleList path from the top model
+    layers: str | None  # ModuleList path from the top model (None: the model has no blocks, one stage)
     entry: str | None  # paths from the top model
     first_only: tuple[tuple[str, str], ...]  # (module, stand-in)
     last_only: tuple[tuple[str, str], ...]
@@ -103,13 +104,24 @@ def build_stage_plan(
     """Validate the cut for ``stages`` stages of ``virtual`` chunks each (pure: reads the model,
     communicates nothing)."""
     base, prefix = base_model_and_prefix(model)
+    if stages > 1 and policy.pp_refusal is not None:
+        raise ValueError(f"pp={stages} ({policy.model_type}): {policy.pp_refusal}; use pp=1 (data and tensor "
+                         f"parallelism still apply)")
+    heads = [] if base is model else [n for n, _ in model.named_children() if model.get_submodule(n) is not base]
+    head = task_head(model)
+    if stages > 1 and head.reshapes_inputs:
+        raise ValueError(f"pp={stages} ({head.cls}): the head reshapes the inputs before the base model sees them "
+                         f"(the choices become rows), which only the last stage would do; use pp=1")
+    if policy.layers is None:  # no blocks (body.py): one stage holds everything
+        if stages > 1 or virtual > 1:
+            raise ValueError(f"pp={stages} ({policy.model_type}): the policy names no list of blocks to cut into "
+                             f"stages; use pp=1")
+        return StagePlan(stages=1, layer_ranges=((0, 0),), layers=None, entry=None, first_only=(), last_only=(),
+                         heads=tuple(heads), entry_reads=(), ties=())
     layers = base.get_submodule(policy.layers)
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(f"policy {policy.model_type}: layers {policy.layers!r} is not a ModuleList")
     ranges = split_layers(num_layers=len(layers), stages=stages, layers_per_stage=layers_per_stage, virtual=virtual)
-    if stages > 1 and policy.pp_refusal is not None:
-        raise ValueError(f"pp={stages} ({policy.model_type}): {policy.pp_refusal}; use pp=1 (data and tensor "
-                         f"parallelism still apply)")
     if stages > 1 and policy.pp_entry is None:
         why = (f"transformers declares no base_model_pp_plan for {policy.model_type!r} and its base model's forward does "
                f"not show the cut points plainly (the embedding, the blocks, then only a final norm)"
@@ -144,7 +156,6 @@ def build_stage_plan(
                 obj = getattr(obj, part)
     first = [(n, policy.pp_first[n]) for n in present(list(policy.pp_first))]
     last = [(n, policy.pp_last[n]) for n in present(list(policy.pp_last))]
-    heads = [] if base is model else [n for n, _ in model.named_children() if model.get_submodule(n) is not base]
 
     plan = StagePlan(
         stages=stages,
@@ -179,7 +190,7 @@ def chunk_of_module(plan: StagePlan, name: str) -> int | None:
         return 0
     if any(under(n) for n, _ in plan.last_only) or any(under(h) for h in plan.heads):
         return plan.chunks - 1
-    if under(plan.layers) and name != plan.layers:
+    if plan.layers is not None and under(plan.layers) and name != plan.layers:
         return plan.chunk_of_layer(int(name[len(plan.layers) + 1 :].split(".")[0]))
     return None
 

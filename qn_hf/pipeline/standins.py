@@ -53,7 +53,9 @@ class Zeros(StandIn):
         super().__init__()
         self.dim, self.dtype = dim, dtype
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        # a learned position table (BART's, OPT's) is called with more (a cache length, position ids):
+        # it reads the first argument's shape, as the zeros do
         return torch.zeros(*ids.shape, self.dim, dtype=self.dtype, device=ids.device)
 
 

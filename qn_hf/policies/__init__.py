@@ -7,13 +7,16 @@ reproduces), ``module_kinds.py`` (projections, position-wise modules), ``peft_na
 peft wrapped it). Ours, one data-only file per architecture keyed by ``config.model_type`` (gpt2.py,
 llama.py, vit.py), and for every other model one derived from transformers' own plans (derive.py,
 with amendments.py fixing or refusing those plans where they are wrong, entries.py finding the tp
-entries and every_stage.py the modules a pipeline keeps on every stage)."""
+entries and every_stage.py the modules a pipeline keeps on every stage), and for any other model its
+body found from the module structure (body.py). ``task.py`` finds the head of a task model and the
+loss its forward computes, whichever policy describes the body."""
 
 from __future__ import annotations
 
 from torch import nn
 
 from . import gpt2, llama, vit
+from .body import body_policy
 from .derive import derive_policy
 from .model_policy import ModelPolicy
 
@@ -23,7 +26,9 @@ __all__ = ["POLICIES", "derive_policy", "resolve_policy"]
 
 
 def resolve_policy(model: nn.Module, policy: ModelPolicy | None) -> ModelPolicy:
-    """The given policy, else ours for ``config.model_type``, else one derived from transformers' plan."""
+    """The given policy, else ours for ``config.model_type``, else one derived from transformers' plan,
+    else the body found from the module structure (body.py): every model gets one, so data
+    parallelism never depends on an architecture's policy."""
     if policy is not None:
         return policy
     model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -32,8 +37,4 @@ def resolve_policy(model: nn.Module, policy: ModelPolicy | None) -> ModelPolicy:
     derived = derive_policy(model)
     if derived is not None:
         return derived
-    raise ValueError(
-        f"unsupported architecture model_type={model_type!r} ({type(model).__name__}): qn_hf has policies for "
-        f"{sorted(POLICIES)} and derives one for any model whose config declares base_model_tp_plan "
-        f"(e.g. mistral, qwen2); pass policy=ModelPolicy(...) to parallelize it"
-    )
+    return body_policy(model)

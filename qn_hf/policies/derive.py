@@ -13,7 +13,6 @@ import ast
 from torch import nn
 
 from ..compat import per_layer
-from ..config.options import LossKind
 from .amendments import AMENDMENTS, CARRIED_REUSED_BY, KV_SHARED_BY, PP_PLANS, REFUSALS
 from .embedding_types import adapter_for
 from .entries import derive_entries, forward_tree, self_path, self_references
@@ -27,7 +26,7 @@ from .peft_names import names_before_peft
 from .styles import COLUMN_STYLES, HF_STYLES, PARAM_FORM, Style
 
 
-def _relative_name(root: nn.Module, module: nn.Module) -> str | None:
+def relative_name(root: nn.Module, module: nn.Module) -> str | None:
     for name, candidate in root.named_modules():
         if candidate is module and name:
             return name
@@ -41,15 +40,14 @@ def _submodule(root: nn.Module, name: str) -> nn.Module | None:
         return None
 
 
-def _kv_key(config) -> str | None:
+def kv_key(config) -> str | None:
     """The config key counting KV heads, where some layer has them."""
     return "num_key_value_heads" if any_layer(config, "num_key_value_heads") else None
 
 
 def _translate(base: nn.Module, config, hf_plan: dict[str, str]) -> tuple[dict[str, str], list[str]]:
     """transformers' plan in our styles, and what cannot be translated (refused at tp > 1)."""
-    kv_key = _kv_key(config)
-    layout = head_layout(config, tp=1, num_kv_heads_key=kv_key)
+    layout = head_layout(config, tp=1, num_kv_heads_key=kv_key(config))
     kv_width = layout.kv_heads * layout.head_dim
     tp_plan: dict[str, Style] = {}
     problems: list[str] = []
@@ -127,7 +125,7 @@ def derived_pp_cut(base: nn.Module, *, layers: str, embeddings: str | None) -> t
     return [embeddings, layers, *after], tuple(sorted(reads))
 
 
-def _block_call(tree: ast.FunctionDef, layers: str) -> tuple[ast.For, ast.Call] | None:
+def block_call(tree: ast.FunctionDef, layers: str) -> tuple[ast.For, ast.Call] | None:
     """The base forward's one loop over ``self.<layers>`` and its one call of a block, or None."""
     loops = [n for n in ast.walk(tree) if isinstance(n, ast.For)
              and any(self_path(a) == layers for a in ast.walk(n.iter) if isinstance(a, ast.Attribute))]
@@ -144,7 +142,7 @@ def carried_between_blocks(base: nn.Module, *, layers: str) -> list[str]:
     ``hidden_states, topk = layer(..., prev_topk=topk)`` (HY-V4's shared top-k indices). A pipeline
     sends the hidden states only, so a stage's first block would miss it."""
     tree = forward_tree(base)
-    found = _block_call(tree, layers) if tree is not None else None
+    found = block_call(tree, layers) if tree is not None else None
     if found is None:
         return []
     loop, call = found
@@ -159,7 +157,7 @@ def loop_indexed(base: nn.Module, *, layers: str) -> list[str]:
     """The local names the base forward's loop over the blocks subscripts by the loop's position
     (``per_layer_inputs[:, :, i, :]``); a stage's loop counts from 0 over its own blocks."""
     tree = forward_tree(base)
-    found = _block_call(tree, layers) if tree is not None else None
+    found = block_call(tree, layers) if tree is not None else None
     if found is None:
         return []
     loop = found[0]
@@ -191,7 +189,7 @@ def blocks_take_entry_output(base: nn.Module, *, layers: str, entries: set[str])
     streams, NanoChat normalizes it), so later stages must receive at the blocks. None: the source
     does not say (no loop over the blocks, a block input that is not a name)."""
     tree = forward_tree(base)
-    found = _block_call(tree, layers) if tree is not None else None
+    found = block_call(tree, layers) if tree is not None else None
     if found is None or not found[1].args or not isinstance(found[1].args[0], ast.Name):
         return None
     loop, call = found
@@ -288,17 +286,12 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
     # entry too; its activations are whole between the two, so it is no tp-local rng region
     row_parents = rowwise_parents | {p.rpartition(".")[0] for p, style in tp_plan.items() if style == Style.ROWWISE_SPLIT}
 
-    # The embedding and the LM head are sharded over the vocabulary when qn_hf reproduces their class
-    # exactly (qn_hf.policies.embedding_types); anything else stays whole, which is always correct.
-    embeddings = _relative_name(base, model.get_input_embeddings())
+    # The embedding is sharded over the vocabulary when qn_hf reproduces its class exactly
+    # (qn_hf.policies.embedding_types); anything else stays whole, which is always correct. The head
+    # (an LM head over the vocabulary, a classifier) is found from the model, not the policy (task.py).
+    embeddings = relative_name(base, model.get_input_embeddings())
     if embeddings is not None and adapter_for(model.get_input_embeddings()) is not None:
         tp_plan.setdefault(embeddings, Style.VOCAB_EMBEDDING)
-    head_plan: dict[str, Style] = {}
-    loss = None
-    output = model.get_output_embeddings() if base is not model else None
-    if isinstance(output, nn.Linear) and output.out_features == config.vocab_size:
-        head_plan[_relative_name(model, output)] = Style.VOCAB_COLWISE if type(output) is nn.Linear else Style.REPLICATE
-        loss = LossKind.CAUSAL_LM
 
     # Pipeline cut points from transformers' pp plan: the entry is the input embedding; whatever
     # comes after the blocks (the final norm) is last-stage only. Without a pp plan, from the order
@@ -330,19 +323,17 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
 
     attention = [p for p in rowwise_parents if any(hasattr(base.get_submodule(n), "num_key_value_groups")
                                                     for n in match_modules(base, p))]
-    kv_key = _kv_key(config)
+    kv_heads_key = kv_key(config)
     return ModelPolicy(
         model_type=config.model_type,
         layers=layers,
         tp_plan=tp_plan,
-        head_plan=head_plan,
         attr_patches={f"{p}.num_key_value_groups": "local_kv_groups" for p in attention},
         tp_entries=derive_entries(base, sorted(row_parents),
                                   {p for p, style in tp_plan.items() if style in COLUMN_STYLES}),
         tp_rng_regions=tuple(sorted(rowwise_parents)),
-        loss=loss,
         forward_kwargs={"use_cache": False},
-        num_kv_heads_key=kv_key,
+        num_kv_heads_key=kv_heads_key,
         pp_entry=entry,
         pp_entry_reads=entry_reads,
         pp_first=first,

@@ -21,6 +21,7 @@ from torch import nn
 # forward body (statements, whitespace-normalized) -> behaviour name
 _BEHAVIOURS = {
     "return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)": "scaled",
+    "return super().forward(input_ids) * self.embed_scale": "scaled_by_float",  # BART's, XGLM's: a float scale
     "return self.embed_norm(super().forward(input_ids))": "normed",
 }
 
@@ -29,7 +30,7 @@ _BEHAVIOURS = {
 class EmbeddingAdapter:
     """What a vocabulary-parallel embedding must add to reproduce ``cls``."""
 
-    behaviour: str  # "plain", "scaled" or "normed"
+    behaviour: str  # "plain", "scaled", "scaled_by_float" or "normed"
 
 
 def _body(fn) -> str:

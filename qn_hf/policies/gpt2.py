@@ -1,6 +1,6 @@
-"""GPT-2 (GPT2Model, GPT2LMHeadModel): Conv1D projections, fused q|k|v, tied wte/lm_head."""
+"""GPT-2's body (GPT2Model, under any head): Conv1D projections, fused q|k|v, wte (tied to an LM head,
+which is found: policies/task.py)."""
 
-from ..config.options import LossKind
 from .model_policy import ModelPolicy
 
 POLICY = ModelPolicy(
@@ -13,7 +13,6 @@ POLICY = ModelPolicy(
         "h.*.mlp.c_fc": "colwise",
         "h.*.mlp.c_proj": "rowwise",
     },
-    head_plan={"lm_head": "vocab_colwise"},
     # GPT2Attention splits the fused output with split_size; on a rank it is this rank's q width.
     attr_patches={"h.*.attn.split_size": "local_q_width"},
     # Attention dropout acts on this rank's heads; the residual dropout inside attn is replicated.
@@ -21,7 +20,6 @@ POLICY = ModelPolicy(
     tp_entries=("h.*.attn", "h.*.mlp"),
     tp_rng_regions=("h.*.attn",),
     shared_rng_regions=("h.*.attn.resid_dropout",),
-    loss=LossKind.CAUSAL_LM,
     forward_kwargs={"use_cache": False},
     # Pipeline: wte starts the first stage; GPT-2 always adds wpe(position_ids), so later stages
     # get zeros there, and the embedding dropout runs once, on the first stage.

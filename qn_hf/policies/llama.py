@@ -1,6 +1,5 @@
-"""Llama (LlamaModel, LlamaForCausalLM): separate q/k/v with grouped-query attention, untied head."""
+"""Llama's body (LlamaModel, under any head): separate q/k/v with grouped-query attention."""
 
-from ..config.options import LossKind
 from .model_policy import ModelPolicy
 
 POLICY = ModelPolicy(
@@ -16,13 +15,11 @@ POLICY = ModelPolicy(
         "layers.*.mlp.up_proj": "colwise",
         "layers.*.mlp.down_proj": "rowwise",
     },
-    head_plan={"lm_head": "vocab_colwise"},
     # repeat_kv expands local KV heads to local query heads; replication changes that ratio.
     attr_patches={"layers.*.self_attn.num_key_value_groups": "local_kv_groups"},
     # Their hidden_states feed only column layers: one input-gradient all-reduce per module.
     tp_entries=("layers.*.self_attn", "layers.*.mlp"),
     tp_rng_regions=("layers.*.self_attn",),
-    loss=LossKind.CAUSAL_LM,
     forward_kwargs={"use_cache": False},
     num_kv_heads_key="num_key_value_heads",
     # Pipeline: the rotary embedding (buffers only) and the causal mask are rebuilt on every stage.

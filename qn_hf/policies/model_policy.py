@@ -26,9 +26,14 @@ STANDINS = StandIn.values()
 
 @dataclass(frozen=True)
 class ModelPolicy:
-    """How to parallelize one architecture. Patterns in ``tp_plan``, ``layers``, ``attr_patches`` and
-    the rng regions are relative to the base model (``model.base_model``); ``head_plan`` patterns
-    are relative to the task model and apply only when it has that head.
+    """How to parallelize one architecture's body. Patterns in ``tp_plan``, ``layers``, ``attr_patches``
+    and the rng regions are relative to the base model (``model.base_model``). The head is found from
+    the model, whichever it is (``policies/task.py``: an LM head over the vocabulary is split over tp,
+    any other stays whole), and so is its loss; ``head_plan`` (patterns relative to the task model)
+    may give a head module another style, and applies only to the heads a model has. ``loss``
+    overrides the loss found from the model's class (a custom class transformers' taxonomy does not
+    know). ``layers`` is the list of blocks (None: the model has none, so no pipeline, recomputation
+    or tp; data parallelism needs nothing more).
 
     ``tp_entries`` names modules (attention, MLP) whose first forward argument feeds only their
     column-parallel layers: the tensor enters the tp region once there, so the input gradient of
@@ -71,7 +76,7 @@ class ModelPolicy:
     """
 
     model_type: str
-    layers: str
+    layers: str | None
     tp_plan: Mapping[str, Style | str]
     head_plan: Mapping[str, Style | str] = field(default_factory=dict)
     attr_patches: Mapping[str, str] = field(default_factory=dict)

@@ -42,5 +42,6 @@ def base_model_and_prefix(model: nn.Module) -> tuple[nn.Module, str]:
     raise ValueError(f"{type(model).__name__}.base_model is not one of its submodules")
 
 
-def join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
+def join(prefix: str, *names: str) -> str:
+    """Module path parts joined by dots, empty parts left out (``join("", "a", "b") == "a.b"``)."""
+    return ".".join(part for part in (prefix, *names) if part)

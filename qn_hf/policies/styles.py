@@ -144,6 +144,8 @@ ROW_STYLES = styles(Mechanism.LINEAR, Split.ROW)
 STYLES = Style.values()
 # Styles that keep their parameters whole on every tp rank.
 WHOLE_STYLES = (Style.REPLICATE, Style.REPLICATE_GRAD_SUM, Style.REPLICATE_AFTER_ROW)
+# Styles that split a weight the same way: the padded vocabulary rows of an embedding and its head.
+VOCAB_ROWS = (Style.VOCAB_EMBEDDING, Style.VOCAB_COLWISE)
 # Styles whose gradients tp must sum because each rank's parameter sees only its part of the input.
 REPLICATED_SUMMED = (Style.REPLICATE_GRAD_SUM, Style.REPLICATE_AFTER_ROW)
 

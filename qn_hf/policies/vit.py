@@ -1,6 +1,6 @@
-"""ViT (ViTModel, ViTForImageClassification): patch embedding and classifier stay replicated."""
+"""ViT's body (ViTModel, under any head): the patch embedding stays replicated; the head is found
+(policies/task.py)."""
 
-from ..config.options import LossKind
 from .model_policy import ModelPolicy
 
 POLICY = ModelPolicy(
@@ -14,11 +14,9 @@ POLICY = ModelPolicy(
         "layers.*.mlp.fc1": "colwise",
         "layers.*.mlp.fc2": "rowwise",
     },
-    head_plan={"classifier": "replicate"},
     # Their hidden_states feed only column layers: one input-gradient all-reduce per module.
     tp_entries=("layers.*.attention", "layers.*.mlp"),
     tp_rng_regions=("layers.*.attention",),
-    loss=LossKind.CLASSIFICATION,
     # Pipeline: ViTModel reads the patch projection's dtype before calling the embeddings.
     pp_entry="embeddings",
     pp_entry_reads=("patch_embeddings.projection.weight",),

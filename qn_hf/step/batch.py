@@ -10,9 +10,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from ..config.options import IGNORE_INDEX, LossKind
+from ..config.options import IGNORE_INDEX, LossKind, ProblemType
 from ..config.sequence import check_sequence_length
-from .loss import check_builtin_loss
+from ..policies.task import SPAN_KEYS, TaskHead
+from .loss import problem_type
 
 
 def check_batch(batch: Mapping[str, torch.Tensor], *, microbatches: int, required: tuple[str, ...] = ()) -> int:
@@ -45,27 +46,34 @@ def check_batch(batch: Mapping[str, torch.Tensor], *, microbatches: int, require
 
 def check_step_batch(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Module, loss: LossKind | None,
                      builtin: bool, microbatches: int, cp: int, cp_keys: tuple[str, ...], split: tuple[int, str],
-                     config, num_items: object = None) -> int:
+                     config, num_items: object = None, head: TaskHead | None = None, dp: int = 1) -> int:
     """Every host-side check of one step's batch (and of train_step's ``num_items_in_batch``), in the
     order a user would fix them; returns the batch size. Raised on one rank only: ``agreement.py``
     makes it every rank's."""
     if builtin and loss is None:
-        raise ValueError(f"{type(model).__name__} has no built-in loss (a base model); pass "
-                         f"loss_fn=(outputs, batch) -> loss")
-    size = check_batch(batch, microbatches=microbatches, required=("labels",) if builtin else ())
+        raise ValueError(f"{type(model).__name__} has no built-in loss (a base model, or a head whose forward "
+                         f"computes none); pass loss_fn=(outputs, batch) -> loss")
+    if builtin and loss is LossKind.OWN and dp * cp * microbatches > 1:
+        raise ValueError(f"{type(model).__name__} computes a loss qn_hf does not split (not one of a causal or masked "
+                         f"LM's, a classifier's, a token classifier's or a span head's), so train_step trains its "
+                         f"own outputs.loss, which needs one forward over the whole batch, not dp={dp} x cp={cp} x "
+                         f"microbatches={microbatches}; use dp=1, cp=1 and microbatches=1, or pass "
+                         f"loss_fn=(outputs, batch) -> the mean loss of a microbatch's rows")
+    required = (head.label_keys if head is not None else ("labels",)) if builtin else ()
+    size = check_batch(batch, microbatches=microbatches, required=required)
     if cp > 1:
         unknown = sorted(set(batch) - set(cp_keys))
         if unknown:
             raise ValueError(f"cp={cp}: batch keys {unknown} cannot be cut along the sequence; use only {cp_keys}")
-    check_model_inputs(batch, model=model, loss=loss if builtin else None, sequence_split=split)
-    if builtin:
-        check_builtin_loss(loss, config)
+    check_model_inputs(batch, model=model, loss=loss if builtin else None, sequence_split=split, head=head)
+    terms = 2 if builtin and loss is LossKind.SPANS else 1
     if num_items is not None:  # a tensor's value may sit on the device: only its form is checked
         if isinstance(num_items, torch.Tensor):
-            if num_items.numel() != 1 or num_items.is_complex() or num_items.dtype == torch.bool:
-                raise ValueError(f"num_items_in_batch must be one real number, got a tensor of shape "
+            if num_items.numel() != terms or num_items.is_complex() or num_items.dtype == torch.bool:
+                what = "one real number" if terms == 1 else f"{terms} real numbers (the starts', the ends')"
+                raise ValueError(f"num_items_in_batch must be {what}, got a tensor of shape "
                                  f"{tuple(num_items.shape)} and dtype {num_items.dtype}; pass pm.count_items(batches)")
-        elif isinstance(num_items, bool) or not isinstance(num_items, (int, float)) or not num_items > 0:
+        elif terms > 1 or isinstance(num_items, bool) or not isinstance(num_items, (int, float)) or not num_items > 0:
             raise ValueError(f"num_items_in_batch={num_items!r} must be a positive count (targets, or rows with a "
                              f"loss_fn) of every batch of the optimizer step; pass pm.count_items(batches)")
     return size
@@ -78,14 +86,18 @@ def dp_rows(batch: Mapping[str, torch.Tensor], *, dp: int, dp_rank: int, multipl
     rows = next(iter(batch.values())).shape[0]
     target = -(-rows // (dp * multiple)) * dp * multiple
     if target != rows:
-        if "labels" not in batch:
+        fix = "make the dataset a multiple of the global batch or set dataloader_drop_last=True"
+        keys = [k for k in ("labels", "shift_labels", *SPAN_KEYS) if k in batch]
+        if not keys:
             raise ValueError(f"a batch of {rows} rows must be padded to {target} (dp={dp} x {multiple} microbatches) "
-                             f"with rows that carry no loss, which needs a 'labels' key; make the dataset a multiple "
-                             f"of the global batch or set dataloader_drop_last=True")
+                             f"with rows that carry no loss, which needs a 'labels' key; {fix}")
+        if any(batch[k].is_floating_point() for k in keys):
+            raise ValueError(f"a batch of {rows} rows must be padded to {target} (dp={dp} x {multiple} microbatches) "
+                             f"with rows that carry no loss, but its labels are real values (regression or "
+                             f"multi-label), which have no value to ignore; {fix}")
         pad = {k: v[:1].expand(target - rows, *v.shape[1:]) for k, v in batch.items()}
-        pad["labels"] = torch.full_like(pad["labels"], IGNORE_INDEX)
-        if "shift_labels" in pad:
-            pad["shift_labels"] = torch.full_like(pad["shift_labels"], IGNORE_INDEX)
+        for key in keys:  # labels the loss ignores; a span past every position (the span loss ignores it)
+            pad[key] = torch.full_like(pad[key], IGNORE_INDEX if key not in SPAN_KEYS else torch.iinfo(pad[key].dtype).max)
         batch = {k: torch.cat([v, pad[k]]) for k, v in batch.items()}
     per = target // dp
     return {k: v[dp_rank * per:(dp_rank + 1) * per] for k, v in batch.items()}
@@ -106,17 +118,19 @@ def split_microbatches(batch: Mapping[str, torch.Tensor], *, microbatches: int) 
 
 
 # Keys Hugging Face models take as indices: integers, never floats (labels only for the built-in
-# losses: a user's loss_fn may take float or soft labels; masks may be float or 4-D).
+# losses that take indices: a user's loss_fn may take float or soft labels; masks may be float or 4-D).
 INTEGER_KEYS = ("input_ids", "token_type_ids", "position_ids")
+# Keys a step adds to a microbatch for the loss, never given to the forward (context parallelism's).
+INTERNAL_KEYS = ("targets", "local_valid")
 
 
 def check_model_inputs(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Module, loss: LossKind | str | None,
-                       sequence_split: tuple[int, str] = (1, "")) -> None:
+                       sequence_split: tuple[int, str] = (1, ""), head: TaskHead | None = None) -> None:
     """Check a batch against the model before anything is sent: the main input is there, keys are
     forward arguments (when the forward names them all), index tensors are integers and images
     floating point, and shapes fit the config (sequence length within a learned position table,
-    image size and channels, label shapes for the built-in ``loss``; None: a user's loss_fn), and a
-    sequence length that ``sequence_split`` (a multiple, and why) divides.
+    image size and channels, label shapes and ranges for the built-in ``loss`` and its ``head``; None:
+    a user's loss_fn), and a sequence length that ``sequence_split`` (a multiple, and why) divides.
     Without this, each mistake surfaces as a shape error deep inside a forward on some ranks."""
     loss = None if loss is None else LossKind(loss)
     main = getattr(model, "main_input_name", "input_ids")
@@ -124,46 +138,68 @@ def check_model_inputs(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Mod
         raise ValueError(f"batch lacks {main!r}, the input of {type(model).__name__} (has {sorted(batch)})")
     params = inspect.signature(model.forward).parameters
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        unknown = sorted(set(batch) - set(params))
+        unknown = sorted(set(batch) - set(params) - set(INTERNAL_KEYS))
         if unknown:
             raise ValueError(f"batch keys {unknown} are not arguments of {type(model).__name__}.forward")
-    for key in INTEGER_KEYS + (("labels",) if loss else ()):
+    config = model.config
+    problem = (problem_type(config, batch["labels"], problem_types=head is None or head.problem_types,
+                            own=head is not None and head.own_problem_types)
+               if loss is LossKind.CLASSIFICATION and "labels" in batch else None)
+    indices = INTEGER_KEYS + (("labels",) if loss is not None and (loss.per_position or problem is ProblemType.SINGLE_LABEL)
+                              else ()) + (SPAN_KEYS if loss is LossKind.SPANS else ())
+    for key in indices:
         if key in batch and (batch[key].is_floating_point() or batch[key].is_complex()):
             raise ValueError(f"batch[{key!r}] has dtype {batch[key].dtype}; it holds indices or a mask and must be "
                              "an integer tensor (e.g. .long())")
-    config = model.config
     if "pixel_values" in batch:
         pixels = batch["pixel_values"]
         if not pixels.is_floating_point():
             raise ValueError(f"batch['pixel_values'] has dtype {pixels.dtype}; images must be floating point (e.g. .float())")
         size, channels = getattr(config, "image_size", None), getattr(config, "num_channels", None)
-        if pixels.dim() != 4 or (channels and pixels.shape[1] != channels) or (size and tuple(pixels.shape[2:]) != (size, size)):
+        if isinstance(size, (tuple, list)):
+            size = tuple(size)
+        elif size:
+            size = (size, size)
+        if pixels.dim() == 4 and ((channels and pixels.shape[1] != channels) or (size and tuple(pixels.shape[2:]) != size)):
             raise ValueError(f"batch['pixel_values'] has shape {tuple(pixels.shape)}; the model takes "
-                             f"(batch, {channels}, {size}, {size})")
+                             f"(batch, {channels}, {', '.join(map(str, size or ('height', 'width')))})")
+    encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
     if "input_ids" in batch:
         ids = batch["input_ids"]
-        if ids.dim() != 2:
+        if ids.dim() != 2 and not (ids.dim() == 3 and type(model).__name__.endswith("ForMultipleChoice")):
             raise ValueError(f"batch['input_ids'] has shape {tuple(ids.shape)}; it must be (batch, sequence)")
-        check_sequence_length(ids.shape[1], sequence_split)
+        check_sequence_length(ids.shape[-1], sequence_split)
         positions = getattr(config, "n_positions", None)  # a learned position table (GPT-2); RoPE models have none
-        if positions and ids.shape[1] > positions:
-            raise ValueError(f"sequence length {ids.shape[1]} exceeds the model's {positions} positions; cut the sequences")
+        if positions and ids.shape[-1] > positions:
+            raise ValueError(f"sequence length {ids.shape[-1]} exceeds the model's {positions} positions; cut the sequences")
         for key in ("attention_mask", "token_type_ids", "position_ids"):
-            if key in batch and batch[key].dim() == 2 and batch[key].shape != ids.shape:
+            if key in batch and batch[key].dim() == ids.dim() and batch[key].shape != ids.shape:
                 raise ValueError(f"batch[{key!r}] has shape {tuple(batch[key].shape)}, input_ids {tuple(ids.shape)}")
-    if "labels" in batch and loss is LossKind.CAUSAL_LM and "input_ids" in batch and batch["labels"].shape != batch["input_ids"].shape:
-        raise ValueError(f"batch['labels'] has shape {tuple(batch['labels'].shape)}; for a causal LM it must match "
-                         f"input_ids {tuple(batch['input_ids'].shape)} (the model shifts them)")
-    if "labels" in batch and loss is LossKind.CLASSIFICATION and batch["labels"].dim() != 1:
-        raise ValueError(f"batch['labels'] has shape {tuple(batch['labels'].shape)}; class labels are one per example")
+    labels = batch.get("labels")
+    if labels is not None and loss is not None and loss.per_position and "input_ids" in batch and not encoder_decoder \
+            and labels.shape != batch["input_ids"].shape:
+        what = "a causal LM (the model shifts them)" if loss.shifted else "one label per position"
+        raise ValueError(f"batch['labels'] has shape {tuple(labels.shape)}; for {what} it must match "
+                         f"input_ids {tuple(batch['input_ids'].shape)}")
+    if labels is not None and problem is ProblemType.SINGLE_LABEL and labels.dim() != 1:
+        raise ValueError(f"batch['labels'] has shape {tuple(labels.shape)}; class labels are one per example")
+    for key in SPAN_KEYS if loss is LossKind.SPANS else ():
+        if key in batch and not (batch[key].dim() == 1 or (batch[key].dim() == 2 and batch[key].shape[1] == 1)):
+            raise ValueError(f"batch[{key!r}] has shape {tuple(batch[key].shape)}; it holds one position per example")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     vocab = getattr(text, "vocab_size", None)
     if vocab and "input_ids" in batch:
         check_index_range("input_ids", batch["input_ids"], size=vocab, what="the vocabulary")
-    if "labels" in batch and loss is LossKind.CAUSAL_LM and vocab:
-        check_index_range("labels", batch["labels"], size=vocab, what="the vocabulary", ignored=IGNORE_INDEX)
-    if "labels" in batch and loss is LossKind.CLASSIFICATION and getattr(config, "num_labels", None):
-        check_index_range("labels", batch["labels"], size=config.num_labels, what="the classes", ignored=IGNORE_INDEX)
+    if labels is not None and loss is not None and loss.per_position:
+        classes, what = (vocab, "the vocabulary") if head is None or head.vocab_output or loss.shifted or encoder_decoder \
+            else (getattr(config, "num_labels", None), "the classes")
+        if classes:
+            check_index_range("labels", labels, size=classes, what=what, ignored=IGNORE_INDEX)
+    if labels is not None and problem is ProblemType.SINGLE_LABEL and (head is None or head.problem_types) \
+            and getattr(config, "num_labels", None):
+        if head is not None and head.own_problem_types:  # DeBERTa's rules drop every negative label
+            labels = labels.masked_fill(labels < 0, IGNORE_INDEX)
+        check_index_range("labels", labels, size=config.num_labels, what="the classes", ignored=IGNORE_INDEX)
 
 
 def check_index_range(key: str, values: torch.Tensor, *, size: int, what: str, ignored: int | None = None) -> None:

@@ -69,12 +69,16 @@ from ..expert_parallel.stacked import is_stacked_experts
 from ..pipeline.standins import StandIn
 
 
-def check_compile(model: nn.Module, *, compile: bool, schedule: str, cp: int, ep: int) -> None:
-    """``compile`` is a bool, and what it is combined with can be compiled per block."""
+def check_compile(model: nn.Module, *, compile: bool, schedule: str, cp: int, ep: int, layers: str | None) -> None:
+    """``compile`` is a bool, and what it is combined with can be compiled per block (``layers``: the
+    stage plan's list of blocks)."""
     if not isinstance(compile, bool):
         raise ValueError(f"compile={compile!r} must be True or False")
     if not compile:
         return
+    if layers is None:
+        raise ValueError(f"compile=True: {type(model).__name__} has no list of blocks qn_hf found to compile one by "
+                         f"one; use compile=False")
     used = {Feature.COMPILE, Feature.for_schedule(as_schedule(schedule))}
     used |= {f for f, n in ((Feature.CP, cp), (Feature.EP, ep)) if n > 1}
     check_composition(used, {"cp": cp, "ep": ep, "schedule": as_schedule(schedule)})

@@ -1,7 +1,8 @@
 """``pm.logits``: the model's whole logits (or a reduction of them) at any mesh, without a loss.
 
 ``pm.logits(batch)`` takes this dp rank's batch as ``train_step`` does (no labels needed) and returns
-what the plain model's ``outputs.logits`` holds for the same rows: the whole vocabulary (gathered over
+what the plain model's ``outputs.logits`` holds for the same rows (a span head's start and end
+logits stacked on a last dimension of two): the whole vocabulary (gathered over
 tp, padding cut), the whole sequence (gathered over cp, in token order), every microbatch concatenated
 along dim 0. Logits of a whole batch over a large vocabulary are big, so ``reduce(logits, microbatch)``
 may cut each microbatch's down on the last stage (``logits.argmax(-1)``, the log-probabilities of the
@@ -18,12 +19,24 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from ..context_parallel.apply import LOSS_KEYS, gather_sequence_positions
+from ..context_parallel.apply import gather_sequence_positions
 from ..pipeline.wire import broadcast_announced
-from .runner import StepContext, prepare, run_schedule
+from .runner import StepContext, forward_inputs, prepare, run_schedule
 
 # (a microbatch's whole logits, that microbatch of the batch) -> what ``ParallelModel.logits`` keeps of them
 LogitsFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor]
+
+
+def head_logits(outputs) -> torch.Tensor:
+    """The head's logits in ``outputs``: ``logits``, or a span head's start and end logits stacked on a
+    last dimension of two (``[..., 0]`` the starts'), which is what such a head predicts."""
+    logits = getattr(outputs, "logits", None)
+    if logits is None and getattr(outputs, "start_logits", None) is not None:
+        return torch.stack([outputs.start_logits, outputs.end_logits], dim=-1)
+    if logits is None:
+        raise ValueError(f"the model's output ({type(outputs).__name__}) holds no logits: pm.logits returns a head's "
+                         f"logits; call the plain model, or pass loss_fn to train_step for its other outputs")
+    return logits
 
 
 def collect_logits(ctx: StepContext, batch: Mapping[str, torch.Tensor], *, reduce: LogitsFn | None,
@@ -36,11 +49,11 @@ def collect_logits(ctx: StepContext, batch: Mapping[str, torch.Tensor], *, reduc
     collected: dict[int, torch.Tensor] = {}
 
     def forward(chunk: int, mb: int, received: torch.Tensor | None) -> torch.Tensor:
-        inputs = {k: v for k, v in prepared.micro[mb].items() if k not in LOSS_KEYS}
+        inputs = forward_inputs(ctx, prepared.micro[mb], builtin=False)
         outputs = stage.forward(inputs, received, chunk=chunk, **ctx.plan.policy.forward_kwargs)
         if not stage.is_last_chunk(chunk):
             return outputs
-        logits = ctx.full_logits(outputs.logits)
+        logits = ctx.full_logits(head_logits(outputs))
         if cp > 1:
             logits = gather_sequence_positions(logits, layout=ctx.cp_layout, group=groups.cp)
         collected[mb] = logits if reduce is None else reduce(logits, prepared.whole[mb])

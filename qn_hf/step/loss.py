@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from ..comm import group_size
-from ..config.options import IGNORE_INDEX, LossKind
+from ..config.options import IGNORE_INDEX, LossKind, ProblemType
+from ..policies.task import SPAN_KEYS, TaskHead
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -82,61 +83,153 @@ def vocab_parallel_cross_entropy(
     return _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, vocab_size, group, ignore_index)
 
 
-def local_count(batch: Mapping[str, torch.Tensor], *, shifted: bool | None, device: torch.device) -> torch.Tensor:
-    """What a step's loss is a mean over, in this rank's ``batch``, as float64 ``[1]`` on ``device``:
-    the built-in loss's targets (``shifted``: a causal LM's, after HF's shift), or with
-    ``shifted=None`` (a ``loss_fn``, which averages its rows) the rows."""
-    if shifted is None:  # torch.full: a fill on the device, nothing read back
-        return torch.full((1,), float(next(iter(batch.values())).shape[0]), dtype=torch.float64, device=device)
-    if "labels" not in batch:
-        raise ValueError(f"batch lacks ['labels'] (has {sorted(batch)}): the built-in loss counts its targets")
-    labels = batch["labels"].to(device, non_blocking=True)
-    targets = (LossKind.CAUSAL_LM if shifted else LossKind.CLASSIFICATION).targets(labels)
+# What each kind's loss is: K terms, each a sum over its items divided by the step's count of them,
+# added with these weights (question answering halves the start's and the end's cross-entropy).
+TERM_WEIGHTS: dict[LossKind, tuple[float, ...]] = {LossKind.SPANS: (0.5, 0.5)}
+
+
+def term_weights(kind: LossKind | None) -> tuple[float, ...]:
+    """The weights of ``kind``'s terms (one term of weight 1 for all but question answering; a
+    ``loss_fn``, ``kind=None``, is one term)."""
+    return TERM_WEIGHTS.get(kind, (1.0,)) if kind is not None else (1.0,)
+
+
+def problem_type(config, labels: torch.Tensor, *, problem_types: bool, own: bool = False) -> ProblemType:
+    """What a classifier's loss is, as transformers decides it: ``config.problem_type`` when set, else
+    regression for one label, single-label for integer labels, multi-label otherwise. A head that
+    does not follow ``problem_type`` (multiple choice) is single-label cross-entropy always; ``own``:
+    DeBERTa's rules without a problem_type (one label: regression; one label per row: single-label;
+    rows of labels: soft labels)."""
+    if not problem_types:
+        return ProblemType.SINGLE_LABEL
+    if getattr(config, "problem_type", None):
+        return ProblemType(config.problem_type)
+    if config.num_labels == 1:
+        return ProblemType.REGRESSION
+    if own:
+        return ProblemType.SINGLE_LABEL if labels.dim() == 1 or labels.shape[-1] == 1 else ProblemType.SOFT_LABEL
+    if labels.dtype in (torch.long, torch.int):
+        return ProblemType.SINGLE_LABEL
+    return ProblemType.MULTI_LABEL
+
+
+def scored_labels(batch: Mapping[str, torch.Tensor], head: TaskHead) -> torch.Tensor:
+    """The labels as the head scores them: -100 where its ``attention_mask`` leaves a position out (the
+    token classifiers that do so), and for DeBERTa's own rules every negative label."""
+    labels = batch["labels"]
+    if head.mask_labels and "attention_mask" in batch:
+        labels = labels.masked_fill(batch["attention_mask"].to(labels.device) != 1, IGNORE_INDEX)
+    if head.own_problem_types and not labels.is_floating_point():
+        labels = labels.masked_fill(labels < 0, IGNORE_INDEX)
+    return labels
+
+
+def span_positions(batch: Mapping[str, torch.Tensor], key: str, *, length: int) -> torch.Tensor:
+    """``start_positions`` or ``end_positions`` as the span loss scores them: one per row, clamped to
+    [0, length], where ``length`` (the sequence's) means ignored."""
+    positions = batch[key]
+    if positions.dim() > 1:
+        positions = positions.squeeze(-1)
+    return positions.clamp(0, length)
+
+
+def local_count(batch: Mapping[str, torch.Tensor], *, kind: LossKind | None, head: TaskHead | None = None,
+                problem: ProblemType | None = None, device: torch.device) -> torch.Tensor:
+    """What a step's loss is a mean over, in this rank's ``batch``, as float64 ``[K]`` on ``device``
+    (one count per term of ``kind``'s loss; ``kind=None``, a ``loss_fn``, which averages its rows:
+    the rows). Counted on the device: a fill or a sum, nothing read back."""
+    rows = next(iter(batch.values())).shape[0]
+    if kind is None or kind is LossKind.OWN:  # a loss_fn's rows; OWN runs one forward: its own mean, once
+        value = float(rows) if kind is None else 1.0
+        return torch.full((1,), value, dtype=torch.float64, device=device)
+    missing = [k for k in (SPAN_KEYS if kind is LossKind.SPANS else ("labels",)) if k not in batch]
+    if missing:
+        raise ValueError(f"batch lacks {missing} (has {sorted(batch)}): the built-in loss counts its targets")
+    if kind is LossKind.SPANS:
+        length = _sequence_length(batch)
+        counts = [(span_positions(batch, k, length=length).to(device, non_blocking=True) != length).sum(dtype=torch.float64)
+                  for k in SPAN_KEYS]
+        return torch.stack(counts)
+    if kind is LossKind.CLASSIFICATION and problem in (ProblemType.REGRESSION, ProblemType.MULTI_LABEL):
+        return torch.full((1,), float(batch["labels"].numel()), dtype=torch.float64, device=device)
+    if kind is LossKind.CLASSIFICATION and problem is ProblemType.SOFT_LABEL:
+        return torch.full((1,), float(rows), dtype=torch.float64, device=device)
+    labels = scored_labels(batch, head) if head is not None else batch["labels"]
+    labels = labels.to(device, non_blocking=True)
+    targets = batch["targets"].to(device, non_blocking=True) if "targets" in batch else kind.targets(labels)
     return (targets != IGNORE_INDEX).sum(dtype=torch.float64).reshape(1)
 
 
-def loss_scales(count: torch.Tensor, *, rows: list[int], builtin: bool) -> list[torch.Tensor]:
-    """What each microbatch's loss is multiplied by so that their sum is the mean over ``count``
-    (float64 ``[1]``, summed over dp, or train_step's ``num_items_in_batch`` under accumulation): the
-    built-in loss is summed over a microbatch's targets, so 1 / count each (1 without any target: the
-    plain model's gradients are then 0); a loss_fn returns its microbatch's mean, so its rows / count,
-    also when microbatches or dp ranks differ in size. The scales stay on the device (float64, as the
-    Python floats they replace): reading the count back would make the host wait for the device at
-    the start of every step."""
+def _sequence_length(batch: Mapping[str, torch.Tensor]) -> int:
+    """The length of the batch's sequences, which the span head's logits have."""
+    for key in ("input_ids", "inputs_embeds", "attention_mask"):
+        if key in batch and batch[key].dim() >= 2:
+            return batch[key].shape[1]
+    raise ValueError(f"batch has no sequence (input_ids, inputs_embeds or attention_mask) to score spans over "
+                     f"(has {sorted(batch)})")
+
+
+def loss_scales(count: torch.Tensor, *, rows: list[int], builtin: bool,
+                weights: tuple[float, ...] = (1.0,)) -> list[torch.Tensor]:
+    """What each microbatch's loss terms (``[K]``) are multiplied by so that their sum is the mean over
+    ``count`` (float64 ``[K]``, summed over dp, or train_step's ``num_items_in_batch`` under
+    accumulation): the built-in loss is summed over a microbatch's items, so weight / count each (the
+    weight over 1 without any item: the plain model's gradients are then 0); a loss_fn returns its
+    microbatch's mean, so its rows / count, also when microbatches or dp ranks differ in size. The
+    scales stay on the device (float64, as the Python floats they replace): reading the count back
+    would make the host wait for the device at the start of every step."""
     if builtin:
-        return [torch.ones_like(count).div_(count.clamp(min=1.0))[0]] * len(rows)
-    return [torch.full_like(count, float(n)).div_(count)[0] for n in rows]
+        scale = torch.tensor(weights, dtype=torch.float64, device=count.device).div_(count.clamp(min=1.0))
+        return [scale] * len(rows)
+    return [torch.full_like(count, float(n)).div_(count) for n in rows]
 
 
 def nan_without_targets(loss: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """The plain model's mean over no target is NaN (0/0; its gradients are 0, as the step's are):
-    ``loss`` where ``count`` > 0, NaN where not (``torch.where``: no host read)."""
-    return torch.where(count.reshape(-1)[0] > 0, loss, torch.full_like(loss, float("nan")))
+    ``loss`` where every term of ``count`` > 0, NaN where not (``torch.where``: no host read)."""
+    return torch.where((count.reshape(-1) > 0).all(), loss, torch.full_like(loss, float("nan")))
 
 
 def count_targets(labels: torch.Tensor, *, causal: bool) -> int:
-    targets = (LossKind.CAUSAL_LM if causal else LossKind.CLASSIFICATION).targets(labels)
+    targets = (LossKind.CAUSAL_LM if causal else LossKind.TOKENS).targets(labels)
     return int((targets != IGNORE_INDEX).sum())
 
 
-def summed_loss(logits: torch.Tensor, targets: torch.Tensor, *, kind: LossKind, vocab: tuple[int, int] | None,
-                group: ProcessGroup) -> torch.Tensor:
-    """The built-in loss of one microbatch, summed over its targets (``targets``: a causal LM's labels
-    already shifted). ``vocab`` = (start, size) of this rank's columns when the head is vocab-parallel
-    over ``group``, None when the logits hold the whole vocabulary (padding columns past its size are cut)."""
-    if kind.shifted:
+def summed_loss(outputs, batch: Mapping[str, torch.Tensor], *, kind: LossKind, head: TaskHead,
+                problem: ProblemType | None, vocab: tuple[int, int] | None, group: ProcessGroup) -> torch.Tensor:
+    """The built-in loss of one microbatch as ``[K]`` sums over its items, one per term (``batch``: the
+    microbatch, its ``targets`` a causal LM's labels already shifted under cp). ``vocab`` = (start,
+    size) of this rank's columns when the head is vocab-parallel over ``group``, None when the logits
+    hold the whole vocabulary (padding columns past its size are cut)."""
+    if kind is LossKind.OWN:
+        return outputs.loss.reshape(1)
+    if kind is LossKind.SPANS:
+        sums = []
+        for key, name in zip(SPAN_KEYS, ("start_logits", "end_logits")):
+            logits = getattr(outputs, name)
+            positions = span_positions(batch, key, length=logits.shape[1])
+            sums.append(F.cross_entropy(logits.float(), positions, reduction="sum", ignore_index=logits.shape[1]))
+        return torch.stack(sums)
+    logits = outputs.logits
+    if kind.per_position:
+        targets = batch.get("targets")
+        if targets is None:
+            targets = kind.targets(scored_labels(batch, head))
         start, size = vocab if vocab is not None else (0, logits.shape[-1])
         if vocab is None or group_size(group) == 1:  # the whole vocabulary is here: torch's fused kernel
-            return F.cross_entropy(logits[..., :size].flatten(0, -2).float(), targets.flatten(), reduction="sum")
-        return vocab_parallel_cross_entropy(logits.flatten(0, -2), targets.flatten(), vocab_start=start,
-                                            vocab_size=size, group=group).sum()
-    return F.cross_entropy(logits.float(), targets.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
-
-
-def check_builtin_loss(kind: LossKind, config) -> None:
-    """The built-in classification loss is single-label cross-entropy: refuse the problems it is not."""
-    problem = getattr(config, "problem_type", None)
-    if kind is LossKind.CLASSIFICATION and (config.num_labels == 1
-                                            or problem in ("regression", "multi_label_classification")):
-        raise ValueError(f"the built-in classification loss is single-label cross-entropy (num_labels="
-                         f"{config.num_labels}, problem_type={problem!r}); pass loss_fn for this problem")
+            summed = F.cross_entropy(logits[..., :size].flatten(0, -2).float(), targets.flatten(), reduction="sum")
+        else:
+            summed = vocab_parallel_cross_entropy(logits.flatten(0, -2), targets.flatten(), vocab_start=start,
+                                                  vocab_size=size, group=group).sum()
+        return summed.reshape(1)
+    labels = scored_labels(batch, head)
+    if problem is ProblemType.REGRESSION:
+        if logits.shape[-1] == 1:  # one label: HF compares the squeezed logits and labels
+            logits, labels = logits.reshape(-1), labels.reshape(-1)
+        return F.mse_loss(logits.float(), labels.float(), reduction="sum").reshape(1)
+    if problem is ProblemType.MULTI_LABEL:
+        return F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="sum").reshape(1)
+    if problem is ProblemType.SOFT_LABEL:
+        return (-(F.log_softmax(logits.float(), dim=-1) * labels.float()).sum()).reshape(1)
+    return F.cross_entropy(logits.reshape(labels.numel(), -1).float(), labels.flatten(), reduction="sum",
+                           ignore_index=IGNORE_INDEX).reshape(1)

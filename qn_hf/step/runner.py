@@ -21,13 +21,14 @@ from torch import nn
 from ..comm import gather_from_group
 from ..config.options import LossKind
 from ..config.parallel_config import ParallelConfig
-from ..context_parallel.apply import CP_KEYS, ring_documents, shard_microbatches
+from ..context_parallel.apply import CP_KEYS, LOSS_KEYS, ring_documents, shard_microbatches
 from ..context_parallel.ring_attention import PieceLayout
 from ..devices import to_device
 from ..pipeline.runtime import StageExecutor, batch_shape_key
 from ..pipeline.schedule import Op, schedule_actions
 from ..pipeline.stage import StageModules
 from ..placement import ShardPlacement
+from ..policies.task import loss_arguments
 from ..tensor_parallel.apply import VocabShard
 from ..tensor_parallel.plan import TpPlan
 from .agreement import agree_on_batch
@@ -76,13 +77,33 @@ def prepare(ctx: StepContext, batch: Mapping[str, torch.Tensor], *, loss: LossKi
     microbatches = ctx.config.microbatches
     size = agree_on_batch(lambda: check_step_batch(
         batch, model=ctx.module, loss=loss, builtin=builtin, cp=dims.cp, cp_keys=CP_KEYS,
-        split=ctx.config.sequence_split, microbatches=microbatches, config=ctx.stage.config, num_items=num_items),
+        split=ctx.config.sequence_split, microbatches=microbatches, config=ctx.stage.config, num_items=num_items,
+        head=ctx.plan.head, dp=dims.dp),
         batch, replica=coords.dp, replicas=dims.dp, group=groups.host)
     documents = ring_documents(batch) if dims.cp > 1 else None  # read on the host before the batch moves
     on_device = to_device(batch, ctx.placement.device)
     whole = split_microbatches(on_device, microbatches=microbatches)
     micro = shard_microbatches(whole, documents, layout=ctx.cp_layout, rank=coords.cp) if dims.cp > 1 else whole
     return Prepared(batch=on_device, rows=microbatch_rows(size, microbatches=microbatches), whole=whole, micro=micro)
+
+
+def forward_inputs(ctx: StepContext, micro: Mapping[str, torch.Tensor], *, builtin: bool,
+                   last: bool = True) -> dict[str, object]:
+    """What a chunk's forward is given of a microbatch: all but what only the loss reads (the head's
+    label keys, cp's targets and valid marks); an encoder-decoder LM's decoder input made from the
+    labels by the model's own method, as its forward would make it. The model's own loss
+    (``LossKind.OWN``) is computed by the forward of the last chunk (``last``): it gets the labels
+    there, and ``return_loss`` where the forward asks for it (a contrastive model's)."""
+    head = ctx.plan.head
+    own = builtin and ctx.plan.loss is LossKind.OWN and last
+    dropped = {*LOSS_KEYS, *head.label_keys} - ({"labels"} if own else set())
+    inputs: dict[str, object] = {k: v for k, v in micro.items() if k not in dropped}
+    if (head.decoder_from_labels and "labels" in micro and "decoder_input_ids" not in micro
+            and "decoder_inputs_embeds" not in micro):
+        inputs["decoder_input_ids"] = ctx.module.prepare_decoder_input_ids_from_labels(labels=micro["labels"])
+    if own and "return_loss" in loss_arguments(ctx.module):
+        inputs["return_loss"] = True
+    return inputs
 
 
 def run_schedule(ctx: StepContext, prepared: Prepared, forward: Forward, *, backward: bool,

@@ -121,11 +121,22 @@ def apply_tp_plan(
             ties.append((owner_of[id(weight)], name))
         owner_of.setdefault(id(weight), name)
 
+    # a leaf registered under several names (T5's shared embedding, each stack's embed_tokens) is one
+    # module: its parallel replacement takes every one of them
+    aliases: dict[int, list[str]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        aliases.setdefault(id(module), []).append(path)
     vocab: VocabShard | None = None
+    # a replaced leaf's parameter -> (it, its shard): holding it keeps its id from being reused
+    swapped: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
     for name, style in leaves:
         entered = any(name.startswith(entry + ".") for entry in plan.tp_entries)
-        new = _parallel_leaf(model.get_submodule(name), style, plan, tp_rank, group, entered=entered)
-        _replace(model, name, new)
+        old = model.get_submodule(name)
+        new = _parallel_leaf(old, style, plan, tp_rank, group, entered=entered)
+        for path in aliases.get(id(old), [name]):
+            _replace(model, path, new)
+        swapped.update({id(param): (param, getattr(new, p)) for p, param in old.named_parameters(recurse=False)
+                        if isinstance(getattr(new, p, None), nn.Parameter)})
         if style == Style.VOCAB_COLWISE:
             vocab = VocabShard(start=new.weight_spec.local_range(tp_rank)[0], size=new.weight_spec.size)
     param_specs = {name: _shard_parameter(model, name, style, plan, tp_rank)
@@ -151,11 +162,23 @@ def apply_tp_plan(
         if source.weight.shape != target.weight.shape or source.weight_spec != target.weight_spec:
             raise ValueError(f"tied weights {owner} and {follower} are sharded differently")
         target.weight = source.weight
+    for module in model.modules():  # other registrations of a replaced parameter (BERT's head's bias)
+        for pname, param in list(module.named_parameters(recurse=False)):
+            if id(param) in swapped and swapped[id(param)][0] is param:
+                setattr(module, pname, swapped[id(param)][1])
 
     specs: dict[str, ShardSpec | None] = {}
+    by_tensor: dict[int, ShardSpec] = {}  # a parameter registered twice takes its shard's spec under both names
     for module_name, module in model.named_modules():
         local = module.shard_specs() if hasattr(module, "shard_specs") else {}
-        for pname, _ in module.named_parameters(recurse=False):
+        for pname, param in module.named_parameters(recurse=False):
             full = f"{module_name}.{pname}" if module_name else pname
             specs[full] = local.get(pname, param_specs.get(full))
+            if specs[full] is not None:
+                by_tensor[id(param)] = specs[full]
+    for module_name, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            full = f"{module_name}.{pname}" if module_name else pname
+            if specs[full] is None and id(param) in by_tensor:
+                specs[full] = by_tensor[id(param)]
     return specs, vocab

@@ -42,6 +42,8 @@ class _ParallelEmbedding(nn.Module):
             # same dtype; a meta-device model gets it back from ``reset_buffers``.
             self.scalar_embed_scale = source.scalar_embed_scale
             self.register_buffer("embed_scale", source.embed_scale.clone(), persistent=False)
+        elif self.behaviour == "scaled_by_float":
+            self.embed_scale = source.embed_scale  # a Python float, multiplied as the original multiplies it
         elif self.behaviour == "normed":
             self.embed_norm = source.embed_norm  # replicated: it sees the full embedding
 
@@ -57,6 +59,8 @@ class _ParallelEmbedding(nn.Module):
         """The replaced subclass's behaviour, on the full embedding."""
         if self.behaviour == "scaled":
             return full * self.embed_scale.to(self.weight.dtype)
+        if self.behaviour == "scaled_by_float":
+            return full * self.embed_scale
         if self.behaviour == "normed":
             return self.embed_norm(full)
         return full

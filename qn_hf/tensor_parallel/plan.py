@@ -17,11 +17,13 @@ from torch import nn
 from ..config.options import LossKind
 from ..peft.lora import LoraLeaves, lora_rules
 from ..policies.heads import HeadLayout, attention_layout, head_layout
+from ..policies.layer_fields import layer_values
 from ..policies.model_policy import ModelPolicy
 from ..policies.module_kinds import is_projection
 from ..policies.patterns import base_model_and_prefix, join, match_modules, match_parameters
 from ..policies.peft_names import is_lora_layer, is_param_wrapper, names_before_peft
-from ..policies.styles import COLUMN_STYLES, PARAM_STYLES, Style
+from ..policies.styles import COLUMN_STYLES, PARAM_STYLES, VOCAB_ROWS, Style
+from ..policies.task import TaskHead, task_head
 from .rules import check_rule, check_ties, split_kv_per_module
 
 
@@ -38,7 +40,7 @@ class TpPlan:
     tp_entries: tuple[str, ...]
     tp_rng_regions: tuple[str, ...]
     shared_rng_regions: tuple[str, ...]
-    loss: LossKind | None  # the built-in loss, None for a base model without a head
+    head: TaskHead  # the task model's head and the loss its forward computes (policies/task.py)
     base_prefix: str
     mla_rope_dim: int | None = None  # the rotary tail of MLA's kv_a projection (style mla_kv_a)
     sequence_parallel: bool = False  # activations between tp regions split over the sequence (sequence_parallel.py)
@@ -51,6 +53,11 @@ class TpPlan:
     # under sequence parallelism, block children that run on the whole sequence exactly as under plain
     # tp (they mix positions and are no tp entry): gathered on the way in, this rank's slice taken out
     whole_regions: tuple[str, ...] = ()
+
+    @property
+    def loss(self) -> LossKind | None:
+        """The built-in loss: the head's, or the policy's override; None for a model without a loss."""
+        return self.policy.loss or self.head.kind
 
     def only(self, keep: Callable[[str], bool]) -> TpPlan:
         """The plan restricted to the modules ``keep`` accepts (those of this pipeline stage)."""
@@ -73,10 +80,18 @@ def rule_module(name: str, style: Style) -> str:
     return name.rpartition(".")[0] if style in PARAM_STYLES else name
 
 
-def _resolve_rules(model: nn.Module, policy: ModelPolicy, base: nn.Module, prefix: str) -> dict[str, str]:
-    has_head = base is not model
+def _resolve_rules(model: nn.Module, policy: ModelPolicy, base: nn.Module, prefix: str,
+                   head: TaskHead) -> dict[str, str]:
+    # a task model with a base model inside, or one that is its own base (T5) with an LM head found in it
+    has_head = base is not model or head.vocab_output is not None
     rules: dict[str, Style] = {}
-    for scope, plan, root_prefix in ((base, policy.tp_plan, prefix), (model, policy.head_plan if has_head else {}, "")):
+    # the head found from the model: an LM head over the vocabulary splits its columns (the loss is
+    # then vocab-parallel); any other head stays whole. A policy's head_plan may say otherwise.
+    head_plan = {head.vocab_output: Style.VOCAB_COLWISE} if head.vocab_output and has_head else {}
+    head_plan.update(policy.head_plan if has_head else {})
+    if head.vocab_output in head_plan and not _tied_rows_split(model, base, prefix, policy, head.vocab_output):
+        del head_plan[head.vocab_output]  # its weight is an embedding's that stays whole: so does the head
+    for scope, plan, root_prefix in ((base, policy.tp_plan, prefix), (model, head_plan, "")):
         rename = names_before_peft(scope)  # a parameter rule names it as before peft wrapped its module
         for pattern, style in plan.items():
             if style in PARAM_STYLES:
@@ -84,15 +99,45 @@ def _resolve_rules(model: nn.Module, policy: ModelPolicy, base: nn.Module, prefi
             else:  # a whole-keeping rule may also name one parameter (a bare per-head weight)
                 names = match_modules(scope, pattern) or (match_parameters(scope, pattern, rename=rename)
                                                           if style in (Style.REPLICATE, Style.REPLICATE_GRAD_SUM) else [])
-            if not names and not policy.transformers_plan:  # transformers' plans name optional modules
+            if not names and not policy.transformers_plan and scope is base:  # transformers' plans name
+                # optional modules; a head rule applies to the heads a model has
                 raise ValueError(f"policy {policy.model_type}: rule {pattern!r} matches no module of {type(scope).__name__}")
             for name in names:
                 rules[join(root_prefix, name)] = style
+    if policy.transformers_plan:
+        _keep_ties_whole(model, rules)
     return rules
+
+
+def _keep_ties_whole(model: nn.Module, rules: dict[str, Style]) -> None:
+    """A derived plan's vocabulary-split embedding whose weight a layer left whole also uses (an LM head
+    kept whole: BART's, beside its logits bias) stays whole too, rather than untie them."""
+    users: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if not list(module.children()) and isinstance(getattr(module, "weight", None), nn.Parameter):
+            users.setdefault(id(module.weight), []).append(name)
+    for names in users.values():
+        if any(rules.get(n) not in VOCAB_ROWS for n in names):
+            for name in names:
+                if rules.get(name) in VOCAB_ROWS:
+                    del rules[name]
+
+
+def _tied_rows_split(model: nn.Module, base: nn.Module, prefix: str, policy: ModelPolicy, head: str) -> bool:
+    """Whether every other module sharing the LM head's weight is one the body's plan splits by
+    vocabulary rows (the embedding it is tied to), or there is none."""
+    weight = getattr(model.get_submodule(head), "weight", None)
+    owners = [name for name, module in model.named_modules() if name != head
+              and getattr(module, "weight", None) is weight and weight is not None]
+    split = {join(prefix, n) for pattern, style in policy.tp_plan.items() if style == Style.VOCAB_EMBEDDING
+             for n in match_modules(base, pattern)}
+    return all(owner in split for owner in owners)
 
 
 def _check_coverage(policy: ModelPolicy, model: nn.Module, base: nn.Module, prefix: str, rules: dict[str, Style]) -> None:
     """Every Linear inside a block has a rule; under transformers' convention an unnamed one stays whole."""
+    if policy.layers is None:
+        return
     blocks = match_modules(base, f"{policy.layers}.*")
     if not blocks:
         raise ValueError(f"policy {policy.model_type}: layers {policy.layers!r} has no blocks")
@@ -156,6 +201,18 @@ def _grad_sum_params(model: nn.Module, rules: dict[str, Style]) -> tuple[str, ..
     return tuple(names)
 
 
+# the layout of a model without attention heads qn_hf can read, at tp=1 (nothing splits heads there)
+NO_HEADS = HeadLayout(heads=1, kv_heads=1, head_dim=1, tp=1)
+
+
+def _has_heads(config) -> bool:
+    """Whether ``config`` counts attention heads (every layer's an int) and their width."""
+    heads = layer_values(config, "num_attention_heads")
+    widths = layer_values(config, "head_dim") if any(layer_values(config, "head_dim")) else \
+        (getattr(config, "hidden_size", None),)
+    return all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (*heads, *widths))
+
+
 def build_tp_plan(model: nn.Module, policy: ModelPolicy, *, tp: int, sequence_parallel: bool = False) -> TpPlan:
     """Resolve ``policy`` on ``model``; raise ``ValueError`` for anything that does not fit.
 
@@ -166,10 +223,14 @@ def build_tp_plan(model: nn.Module, policy: ModelPolicy, *, tp: int, sequence_pa
         raise ValueError(f"policy for {policy.model_type!r} given a {config.model_type!r} model")
     if tp > 1 and policy.tp_refusal:
         raise ValueError(f"tp={tp}: {policy.tp_refusal}; use tp=1 (data and pipeline parallelism still apply)")
-    layout = head_layout(config, tp=tp, num_kv_heads_key=policy.num_kv_heads_key)
+    # at tp=1 nothing splits heads: a model without attention heads (a state-space or convolution
+    # model) has one nominal head then
+    layout = (head_layout(config, tp=tp, num_kv_heads_key=policy.num_kv_heads_key) if tp > 1 or _has_heads(config)
+              else NO_HEADS)
     base, prefix = base_model_and_prefix(model)
+    head = task_head(model)
 
-    rules = _resolve_rules(model, policy, base, prefix)
+    rules = _resolve_rules(model, policy, base, prefix, head)
     _check_coverage(policy, model, base, prefix, rules)
     patches = _resolve_patches(policy, base, prefix, layout)
     lora = LoraLeaves(rules=rules, entries=[], shared_dropout=[], local_dropout=[])
@@ -209,7 +270,7 @@ def build_tp_plan(model: nn.Module, policy: ModelPolicy, *, tp: int, sequence_pa
         tp_rng_regions=regions(policy.tp_rng_regions, "rng region") + tuple(lora.local_dropout),
         shared_rng_regions=regions(policy.shared_rng_regions, "rng region") + tuple(lora.shared_dropout),
         whole_input_rng_regions=tuple(lora.shared_dropout),
-        loss=policy.loss if base is not model else None,
+        head=head,
         base_prefix=prefix,
         mla_rope_dim=config.get_text_config().qk_rope_head_dim if mla and sharding else None,
     )

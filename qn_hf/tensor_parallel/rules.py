@@ -9,7 +9,15 @@ from transformers.pytorch_utils import Conv1D
 
 from ..policies.embedding_types import adapter_for
 from ..policies.heads import HeadLayout, attention_layout
-from ..policies.styles import EMBEDDING_STYLES, LINEAR_STYLES, PARAM_STYLES, Style, packed_parts, param_shard_dim
+from ..policies.styles import (
+    EMBEDDING_STYLES,
+    LINEAR_STYLES,
+    PARAM_STYLES,
+    VOCAB_ROWS,
+    Style,
+    packed_parts,
+    param_shard_dim,
+)
 
 
 def check_rule(model: nn.Module, name: str, style: Style, layout: HeadLayout, tp: int) -> None:
@@ -75,19 +83,25 @@ def split_kv_per_module(model: nn.Module, rules: dict[str, str], layout: HeadLay
     return out
 
 
-# Styles that split a weight the same way: the padded vocabulary rows of an embedding and its head.
-_VOCAB_ROWS = (Style.VOCAB_EMBEDDING, Style.VOCAB_COLWISE)
-
-
 def check_ties(model: nn.Module, rules: dict[str, str]) -> None:
     """Parameters tied by identity (an LM head sharing the embedding) must be split the same way,
     or the swap would untie them (one side becomes a new sharded parameter)."""
     by_id: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(param), []).append(name)
+    # a module registered under several names (T5's shared embedding is also each stack's embed_tokens)
+    # takes the rule given to any of them: the swap replaces it under all (apply.py)
+    paths: dict[int, list[str]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        paths.setdefault(id(module), []).append(path)
+    ruled = {alias: rules[path] for same in paths.values() for path in same if path in rules for alias in same}
+    # a parameter also registered on a module with children (BERT's head keeps its decoder's bias as its
+    # own ``bias``) is no layer using it there: the swap points that registration at the new shard
+    leaves = {path for path, module in model.named_modules(remove_duplicate=False) if not list(module.children())}
     for names in by_id.values():
-        styles = {rules.get(n, rules.get(n.rpartition(".")[0], "whole")) for n in names}
-        styles = {"vocabulary rows" if s in _VOCAB_ROWS else s for s in styles}
+        names = [n for n in names if n.rpartition(".")[0] in leaves or n in rules] or names
+        styles = {rules.get(n, ruled.get(n.rpartition(".")[0], "whole")) for n in names}
+        styles = {"vocabulary rows" if s in VOCAB_ROWS else s for s in styles}
         if len(names) > 1 and len(styles) > 1:
             raise ValueError(f"tied parameters {names} would be split differently ({sorted(styles)}); give their "
                              f"modules the same kind of rule (e.g. vocab_embedding with vocab_colwise) or keep both whole")

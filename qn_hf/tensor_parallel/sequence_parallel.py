@@ -206,6 +206,8 @@ def final_norm(model: nn.Module, stage_plan: StagePlan) -> str | None:
     """The norm after the blocks (last stage only), whose output is gathered; None: there is none,
     or something else after the blocks may mix positions or hold parameters (HY-V4's hc_head,
     placed last or not placed at all), and the last block's output is gathered instead."""
+    if stage_plan.layers is None:
+        return None
     base = stage_plan.layers.rpartition(".")[0]
     placed = {stage_plan.layers, stage_plan.entry, *(n for n, _ in stage_plan.first_only)}
     for child, module in (model.get_submodule(base) if base else model).named_children():

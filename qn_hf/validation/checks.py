@@ -52,11 +52,12 @@ def check_parallel_config(model: nn.Module, config: ParallelConfig | None = None
         config = ParallelConfig.from_keywords(**keywords)
     check_composition(config.features | extra, config.values(model_type=model.config.model_type))
     dims = config.dims
-    check_compile(model, compile=config.compile, schedule=config.schedule, cp=dims.cp, ep=dims.ep)
     resolved = resolve_policy(model, policy)
     tp_plan = build_tp_plan(model, resolved, tp=dims.tp, sequence_parallel=config.sequence_parallel)
     stage_plan = build_stage_plan(model, resolved, stages=dims.pp, layers_per_stage=config.layers_per_stage,
                                   virtual=config.virtual_stages)
+    check_compile(model, compile=config.compile, schedule=config.schedule, cp=dims.cp, ep=dims.ep,
+                  layers=stage_plan.layers)
     check_recompute(model, recompute=config.recompute, layers=stage_plan.layers)
     check_context_parallel(model, cp=dims.cp, plan=tp_plan)
     check_expert_parallel(model, dims=dims, plan=tp_plan)

@@ -1,0 +1,115 @@
+"""A random batch any model class can train on: its main input (token ids, images, waveforms, mel
+features) sized from its config, and the labels its head's loss reads (``policies/task.py``), so a
+shrunk copy of any architecture under any head trains one step in ``qn-hf-check`` and the zoos.
+
+A model without a loss of its own (a base model, or a loss qn_hf does not split) trains on
+``probe_loss``: the mean square of its first output, a mean over the rows as a ``loss_fn`` must be.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from ..config.options import IGNORE_INDEX, LossKind
+from ..policies.task import task_head
+
+SEQ_LEN = 12
+AUDIO_FRAMES = 12  # frames an audio encoder's feature extractor makes of the waveform
+
+
+class NoBatch(ValueError):
+    """The model's main input is none this module knows how to make (refused, never guessed)."""
+
+
+def _sub(config, name: str):
+    """``config``'s ``name`` part (a vision or audio sub-config), or the config itself."""
+    return getattr(config, name, None) or config
+
+
+def _image(config) -> tuple[int, int, int]:
+    vision = _sub(config, "vision_config")
+    size = getattr(vision, "image_size", None) or 224
+    height, width = (size, size) if isinstance(size, int) else tuple(size)[:2]
+    return getattr(vision, "num_channels", 3) or 3, height, width
+
+
+def main_input(model: nn.Module, *, rows: int, seq_len: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """The model's main input for ``rows`` examples (``model.main_input_name``)."""
+    config = model.config
+    name = getattr(model, "main_input_name", "input_ids")
+    if name == "input_ids":
+        vocab = getattr(config.get_text_config(), "vocab_size", None) or 100
+        shape = (rows, 3, seq_len) if type(model).__name__.endswith("ForMultipleChoice") else (rows, seq_len)
+        return {"input_ids": torch.randint(3, vocab, shape, generator=generator)}
+    if name == "pixel_values":
+        channels, height, width = _image(config)
+        return {"pixel_values": torch.randn(rows, channels, height, width, generator=generator)}
+    if name == "input_values":  # a waveform: long enough for the feature extractor's strides
+        audio = _sub(config, "audio_config")
+        strides = getattr(audio, "conv_stride", None) or [320]
+        kernels = getattr(audio, "conv_kernel", None) or [400]
+        samples = AUDIO_FRAMES * math.prod(strides) + max(kernels)
+        return {"input_values": torch.randn(rows, samples, generator=generator)}
+    if name == "input_features":
+        audio = _sub(config, "audio_config")
+        bins = getattr(audio, "num_mel_bins", None) or 80
+        frames = 2 * (getattr(audio, "max_source_positions", None) or 32)
+        return {"input_features": torch.randn(rows, bins, frames, generator=generator)}
+    raise NoBatch(f"{type(model).__name__} takes {name!r}, which qn_hf's checks make no random batch for")
+
+
+def dummy_batch(model: nn.Module, *, rows: int, seq_len: int = SEQ_LEN, seed: int = 1) -> dict[str, torch.Tensor]:
+    """A batch of ``rows`` examples for ``model``: its main input, and its head's labels (none for a
+    head without a built-in loss: train it with ``probe_loss``)."""
+    generator = torch.Generator().manual_seed(seed)
+    batch = main_input(model, rows=rows, seq_len=seq_len, generator=generator)
+    params = inspect.signature(model.forward).parameters
+    if "pixel_values" in params and "pixel_values" not in batch and getattr(model.config, "vision_config", None):
+        channels, height, width = _image(model.config)  # a text-and-image model (CLIP) takes both
+        batch["pixel_values"] = torch.randn(rows, channels, height, width, generator=generator)
+    head = task_head(model)
+    config = model.config
+    text = config.get_text_config()
+    vocab = getattr(text, "vocab_size", None) or 100
+    positions = batch["input_ids"].shape[-1] if "input_ids" in batch else seq_len
+    if head.kind is LossKind.CAUSAL_LM and "input_ids" in batch:
+        batch["labels"] = batch["input_ids"].clone()
+    elif head.kind in (LossKind.CAUSAL_LM, LossKind.TOKENS):
+        classes = vocab if head.vocab_output or head.kind is LossKind.CAUSAL_LM or config.is_encoder_decoder \
+            else config.num_labels
+        labels = torch.randint(0, classes, (rows, seq_len if config.is_encoder_decoder else positions),
+                               generator=generator)
+        labels[torch.rand(labels.shape, generator=generator) < 0.25] = IGNORE_INDEX  # some positions unscored
+        batch["labels"] = labels
+    elif head.kind is LossKind.CLASSIFICATION:
+        choices = batch["input_ids"].shape[1] if batch.get("input_ids") is not None and batch["input_ids"].dim() == 3 \
+            else config.num_labels
+        batch["labels"] = torch.randint(0, choices, (rows,), generator=generator)
+    elif head.kind is LossKind.SPANS:
+        batch["start_positions"] = torch.randint(0, positions, (rows,), generator=generator)
+        batch["end_positions"] = torch.randint(0, positions, (rows,), generator=generator)
+    return batch
+
+
+# outputs that compare every row with every other (a contrastive model's similarity matrices): a mean
+# of them over a dp rank's rows is not that over the batch's, so the probe never reads them
+_ACROSS_ROWS = ("logits_per_image", "logits_per_text", "logits_per_video", "logits_per_audio")
+
+
+def probe_loss(outputs, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """A loss for a model without its own: the sum of the mean squares of its floating outputs computed
+    per row (logits, hidden states, embeddings, a tower's outputs inside), each a mean over the rows,
+    as a ``loss_fn`` is."""
+    return sum((t.float().square().mean() for t in _per_row(outputs)), torch.zeros(()))
+
+
+def _per_row(outputs) -> list[torch.Tensor]:
+    if isinstance(outputs, torch.Tensor):
+        return [outputs] if outputs.is_floating_point() and outputs.dim() >= 1 else []
+    items = outputs.items() if hasattr(outputs, "items") else enumerate(outputs) if isinstance(outputs, tuple) else []
+    return [t for k, v in items if k not in _ACROSS_ROWS for t in _per_row(v)]

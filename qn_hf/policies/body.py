@@ -1,0 +1,167 @@
+"""A policy for any model no other policy describes: its body's list of blocks, found from the module
+structure. Data parallelism (dp, ZeRO-1, dp_shard) needs nothing more of a model; the dimensions
+that cut or shard layers take what this policy can prove and refuse the rest, each for itself.
+
+The blocks are the repeated layers transformers itself names as the units never to split across
+devices (``_no_split_modules``, what accelerate's FSDP wrapping reads), else the largest list of
+modules of one class; a model with no such list has none (``layers=None``).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from torch import nn
+from torch.nn.utils.parametrize import ParametrizationList
+
+from .derive import kv_key, relative_name
+from .embedding_types import adapter_for
+from .entries import derive_entries
+from .model_policy import ModelPolicy
+from .patterns import base_model_and_prefix
+from .stack_cut import stack_cut
+from .structure import derive_structure
+from .styles import COLUMN_STYLES, Style
+
+
+def _size(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def block_lists(root: nn.Module) -> list[str]:
+    """Every ``nn.ModuleList`` under ``root`` whose members are all one class and hold parameters,
+    outermost first (a list inside another list's block is not listed), largest first among those
+    (a parametrization's list of a weight's pieces is none)."""
+    found = []
+    for name, module in root.named_modules():
+        if not name or not isinstance(module, nn.ModuleList) or not len(module) or isinstance(module, ParametrizationList):
+            continue
+        if len({type(m) for m in module}) != 1 or not _size(module):
+            continue
+        if any(name.startswith(outer + ".") for outer in found):
+            continue
+        found.append(name)
+    return sorted(found, key=lambda n: -_size(root.get_submodule(n)))
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of every stack of ``model`` (an encoder's and a decoder's, a vision and a
+    text tower's): the modules of the classes transformers names in ``_no_split_modules``, outermost
+    only, else the members of ``block_lists``. What FSDP2 wraps one by one (data_parallel/sharded.py),
+    so a module sharing a parameter with anything outside it (BERT's embeddings, tied to the masked-LM
+    head) is left to the root group, where both are."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found: list[nn.Module] = []
+    inside: set[int] = set()
+    for _, module in model.named_modules():
+        if id(module) in inside:
+            continue
+        if type(module).__name__ in names and any(True for _ in module.parameters()):
+            found.append(module)
+            inside.update(id(m) for m in module.modules())
+    if not found:
+        found = [m for name in block_lists(model) for m in model.get_submodule(name)]
+    owners: dict[int, set[int]] = {}  # parameter -> the modules (ids) holding it directly
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), set()).add(id(module))
+    blocks = []
+    for block in found:
+        members = {id(m) for m in block.modules()}
+        if all(owners[id(p)] <= members for p in block.parameters()):
+            blocks.append(block)
+    return blocks
+
+
+def main_blocks(base: nn.Module, model: nn.Module) -> str | None:
+    """The base model's list of blocks: of ``block_lists``, the largest whose members are of a class
+    ``_no_split_modules`` names, else the largest; None without any."""
+    lists = block_lists(base)
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    named = [n for n in lists if type(base.get_submodule(n)[0]).__name__ in names]
+    return (named or lists or [None])[0]
+
+
+def body_policy(model: nn.Module) -> ModelPolicy:
+    """The policy of a model no other policy describes (module docstring)."""
+    config = model.config
+    model_type = getattr(config, "model_type", None) or type(model).__name__
+    base, _ = base_model_and_prefix(model)
+    layers = main_blocks(base, model)
+    entry, first, last, reads, pp_refusal = None, {}, {}, (), None
+    embeddings = input_embeddings(model)
+    name = relative_name(base, embeddings) if isinstance(embeddings, nn.Module) else None
+    receive = False
+    if layers is None:
+        pp_refusal = "no list of repeated blocks was found in the model to cut into stages"
+    else:
+        cut = stack_cut(base, layers=layers, embeddings=name)
+        if isinstance(cut, str):
+            pp_refusal = cut
+        else:
+            entry, first, last, reads, receive = cut.entry, cut.first, cut.last, cut.entry_reads, cut.receive_at_blocks
+    tp_plan, patches, entries, regions, tp_refusal = _tensor_parallel(model, base, name)
+    return ModelPolicy(
+        model_type=model_type,
+        layers=layers,
+        tp_plan=tp_plan,
+        attr_patches=patches,
+        tp_entries=entries,
+        tp_rng_regions=regions,
+        num_kv_heads_key=kv_key(config.get_text_config() if hasattr(config, "get_text_config") else config),
+        forward_kwargs={"use_cache": False} if "use_cache" in _forward_arguments(model) else {},
+        pp_entry=entry,
+        pp_entry_reads=reads,
+        pp_first=first,
+        pp_last=last,
+        pp_receive_at_blocks=receive,
+        transformers_plan=True,
+        tp_refusal=tp_refusal,
+        pp_refusal=pp_refusal,
+    )
+
+
+def _tensor_parallel(model: nn.Module, base: nn.Module, embeddings: str | None):
+    """The derived tp plan (structure.py) of every list of blocks, with the vocabulary-parallel input
+    embedding where qn_hf reproduces its class, its tp entries and rng regions; or why there is none."""
+    model_type = getattr(model.config, "model_type", None) or type(model).__name__
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = getattr(config, "num_attention_heads", None)
+    stacks = [n for n in block_lists(base) if any(isinstance(m, nn.Linear) for m in base.get_submodule(n).modules())]
+    why = None
+    if not isinstance(heads, int) or not stacks:
+        why = "its config counts no attention heads (num_attention_heads)" if stacks else "it has no list of blocks"
+    else:
+        derived = derive_structure(base, stacks=stacks, heads=heads)
+        why = derived.refusal
+    if why is not None:
+        return {}, {}, (), (), (f"transformers declares no tp plan for {model_type!r} (base_model_tp_plan) and qn_hf "
+                                f"derives none from its structure: {why}")
+    tp_plan = dict(derived.tp_plan)
+    if embeddings is not None and isinstance(base.get_submodule(embeddings), nn.Embedding):
+        # every embedding sharing the input embedding's weight (BART's shared table, each stack's own
+        # module over it) is split alike, where qn_hf reproduces each one's class; else all stay whole
+        weight = base.get_submodule(embeddings).weight
+        tables = [n for n, m in base.named_modules() if isinstance(m, nn.Embedding) and m.weight is weight]
+        if all(adapter_for(base.get_submodule(n)) is not None for n in tables):
+            tp_plan.update(dict.fromkeys(tables, Style.VOCAB_EMBEDDING))
+    columns = {p for p, style in tp_plan.items() if style in COLUMN_STYLES}
+    entries = derive_entries(base, sorted({p.rpartition(".")[0] for p in columns} | set(derived.attention)), columns)
+    return tp_plan, derived.attr_patches, entries, derived.attention, None
+
+
+def input_embeddings(model: nn.Module) -> nn.Module | None:
+    """``model.get_input_embeddings()``, or None where the model has none transformers can name (an
+    audio or convolution model raises NotImplementedError)."""
+    try:
+        found = model.get_input_embeddings()
+    except (NotImplementedError, AttributeError):
+        return None
+    return found if isinstance(found, nn.Module) else None
+
+
+def _forward_arguments(model: nn.Module) -> set[str]:
+    try:
+        return set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return set()

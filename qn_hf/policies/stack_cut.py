@@ -1,0 +1,276 @@
+"""Where a pipeline cuts a model transformers gives no pp plan for: its list of blocks at any depth
+(BERT's ``encoder.layer``, OPT's ``decoder.layers``, BLOOM's ``h``), read from the forwards' source.
+
+A pipeline stage runs the base model's own forward over its blocks (``pipeline/stage.py``). At every
+level from the base model down to the module that loops over the blocks, the forward's source must
+say plainly what runs where. Each child holding parameters is used only before the call that leads
+to the blocks, or only after it (a final norm, a pooler: the last stage's, a pass-through elsewhere).
+Before it, the input embedding is the entry; any other module there must compute the blocks' input
+from it (its result flows, through the forward's assignments, into the argument that reaches the
+blocks: a position table added to it, a norm, a same-width projection), never a side input a block
+reads besides the hidden states, which a later stage would get wrong. Then either:
+
+* the blocks take the entry's output as it is (BERT: the base hands ``self.embeddings(...)``'s output
+  to ``self.encoder``, which loops over its blocks with its own first argument): later stages
+  receive in the entry's place, and no other module may run before the blocks; or
+* the forward changes the embedding before the blocks (BLOOM's norm, GPT-Neo's and OPT's position
+  tables): later stages receive at their first block (``pp_receive_at_blocks``), the entry (an
+  ``nn.Embedding``) giving zeros of its shape, the modules before the blocks pass-throughs or zeros
+  that keep the widths (what they compute there is never read).
+
+Anything else is a refusal naming it.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from .derive import block_call
+from .entries import forward_tree, self_path, self_references
+from .model_policy import StandIn
+from .module_kinds import position_wise
+from .patterns import join
+
+
+@dataclass(frozen=True)
+class StackCut:
+    """The pipeline's cut points of a base model, as ``ModelPolicy`` names them (paths from the base)."""
+
+    entry: str
+    first: dict[str, StandIn] = field(default_factory=dict)
+    last: dict[str, StandIn] = field(default_factory=dict)
+    entry_reads: tuple[str, ...] = ()
+    receive_at_blocks: bool = False
+
+
+@dataclass(frozen=True)
+class _Level:
+    """One module on the way from the base model to the blocks, and the call that leads down."""
+
+    path: str  # from the base ('' for the base itself)
+    holder: nn.Module
+    tree: ast.FunctionDef
+    down: str  # the child that leads to the blocks (the list itself at the last level)
+    call: ast.Call  # the call of ``down`` (at the last level, the call of a block in the loop)
+    bound: int  # assignments before this line lead into the call
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _down_call(tree: ast.FunctionDef, down: str, *, last: bool) -> tuple[ast.Call, int] | None:
+    """The one call leading down (a block's call in the one loop over ``down``, or ``self.<down>(...)``)
+    and the line before which what it takes is computed."""
+    if last:
+        found = block_call(tree, down)
+        return (found[1], found[0].lineno) if found else None
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and self_path(n.func) == down]
+    return (calls[0], calls[0].lineno) if len(calls) == 1 else None
+
+
+def _first_argument(call: ast.Call) -> ast.expr | None:
+    return call.args[0] if call.args else (call.keywords[0].value if call.keywords else None)
+
+
+def _assignments(tree: ast.FunctionDef, bound: int, *, unpacked: bool = True) -> dict[str, list[ast.expr]]:
+    """name -> the values assigned to it before line ``bound``; a name unpacked from a tuple gets the
+    whole value, or with ``unpacked=False`` a marker that it is only a part of it (``_PART``)."""
+    found: dict[str, list[ast.expr]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and node.lineno < bound:
+            for target in node.targets:
+                whole = isinstance(target, ast.Name)
+                for name in ast.walk(target):
+                    if isinstance(name, ast.Name):
+                        found.setdefault(name.id, []).append(node.value if whole or unpacked else _PART)
+    return found
+
+
+_PART = ast.Constant(value=None)  # a part of an unpacked value: not the value itself
+
+
+def _chain(level: _Level) -> tuple[set[str], list[ast.expr]]:
+    """The names whose values flow into the first argument of the call leading down (through the
+    forward's assignments before it), and every expression assigned along the way."""
+    first = _first_argument(level.call)
+    if first is None:
+        return set(), []
+    assigned = _assignments(level.tree, level.bound)
+    names, values = set(), [first]
+    todo = [n.id for n in ast.walk(first) if isinstance(n, ast.Name)]
+    while todo:
+        name = todo.pop()
+        if name in names:
+            continue
+        names.add(name)
+        for value in assigned.get(name, []):
+            values.append(value)
+            todo += [n.id for n in ast.walk(value) if isinstance(n, ast.Name)]
+    return names, values
+
+
+# methods that move or lay out a tensor without changing its values (``pos_embeds.to(device)``)
+_MOVES = ("to", "contiguous", "type_as")
+
+
+def _moved(node: ast.expr) -> ast.expr:
+    """``node`` without the value-keeping method calls around it."""
+    while (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _MOVES
+           and self_path(node.func) is None):
+        node = node.func.value
+    return node
+
+
+def _plain_chain(level: _Level, entry: str | None) -> dict[str, StandIn] | None:
+    """Whether what the call leading down takes is, through the forward's assignments before it, the
+    entry's output (``self.<entry>(...)``; ``entry=None``: the holder's own first argument) with only
+    modules applied to it in turn (a norm, a projection, dropout) and lookups of ``nn.Embedding``
+    children added to it (position tables): then it is the received activation itself on a later
+    stage once each such module passes its input through and each table gives zeros. Returns those
+    modules (children of the holder) and their stand-ins, or None when the chain is anything else (a
+    product, a concatenation, a part of a tuple, another argument)."""
+    first = _first_argument(level.call)
+    if not isinstance(first, ast.Name):
+        return None
+    holder = level.holder
+    assigned = _assignments(level.tree, level.bound, unpacked=False)  # a part of a tuple is not the value
+    own = level.tree.args.args[1].arg if len(level.tree.args.args) > 1 else None
+    children = dict(holder.named_children())
+
+    def table(node: ast.expr) -> str | None:
+        """The nn.Embedding child whose lookup ``node`` is (directly, or a name holding only that)."""
+        node = _moved(node)
+        if isinstance(node, ast.Name):
+            values = assigned.get(node.id, [])
+            found = {table(v) for v in values}
+            return found.pop() if len(found) == 1 and None not in found else None
+        path = self_path(node.func) if isinstance(node, ast.Call) else None
+        return path if path in children and path != entry and isinstance(children[path], nn.Embedding) else None
+
+    stand_ins: dict[str, StandIn] = {}
+    seen, todo = set(), [first.id]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        values = assigned.get(name, [])
+        if not values:
+            if entry is not None or name != own:
+                return None  # an argument of the forward that is not what reaches the blocks
+            continue
+        for value in map(_moved, values):
+            path = self_path(value.func) if isinstance(value, ast.Call) else None
+            if isinstance(value, ast.Name):
+                todo.append(value.id)
+            elif entry is not None and path == entry:
+                continue
+            elif path in children and value.args and isinstance(value.args[0], ast.Name):
+                stand_ins[path] = StandIn.IDENTITY  # a module applied to the chain: runs on the first stage
+                todo.append(value.args[0].id)
+            elif isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add):
+                tables = [t for t in (table(value.left), table(value.right)) if t is not None]
+                rest = [side for side in (value.left, value.right) if table(side) is None]
+                if len(tables) != 1 or len(rest) != 1 or not isinstance(rest[0], ast.Name):
+                    return None
+                stand_ins[tables[0]] = StandIn.ZEROS
+                todo.append(rest[0].id)
+            else:
+                return None
+    return stand_ins
+
+
+def _calls_in(values: list[ast.expr], name: str) -> bool:
+    return any(isinstance(n, ast.Call) and self_path(n.func) == name for v in values for n in ast.walk(v))
+
+
+def _entry_reads(entry: nn.Module, uses: list[tuple[int, str]]) -> set[str]:
+    """The attributes (a weight's dtype) the forward reads off the entry besides calling it."""
+    reads = set()
+    for _, rest in uses:
+        holder, kept = entry, []
+        for attr in rest.split(".") if rest else []:
+            kept.append(attr)
+            holder = getattr(holder, attr, None)
+            if not isinstance(holder, nn.Module):
+                break
+        if kept and not isinstance(holder, nn.Module) and not callable(holder):
+            reads.add(".".join(kept))
+    return reads
+
+
+def _levels(base: nn.Module, parts: list[str]) -> list[_Level] | str:
+    levels = []
+    for depth, down in enumerate(parts):
+        path = ".".join(parts[:depth])
+        holder = base.get_submodule(path) if path else base
+        tree = forward_tree(holder)
+        if tree is None:
+            return f"{type(holder).__name__}'s forward cannot be read"
+        found = _down_call(tree, down, last=depth == len(parts) - 1)
+        if found is None:
+            what = f"loop once over {down}, calling each block once" if depth == len(parts) - 1 else f"call {down} once"
+            return f"{type(holder).__name__}'s forward does not {what}"
+        levels.append(_Level(path=path, holder=holder, tree=tree, down=down, call=found[0], bound=found[1]))
+    return levels
+
+
+def stack_cut(base: nn.Module, *, layers: str, embeddings: str | None) -> StackCut | str:
+    """The cut points of ``base`` around its blocks ``layers`` (a path, at any depth), or why there are
+    none (module docstring). ``embeddings``: the input embedding's path in ``base``."""
+    if embeddings is None:
+        return "no input embedding was found (get_input_embeddings)"
+    levels = _levels(base, layers.split("."))
+    if isinstance(levels, str):
+        return levels
+    entry, entry_level, first, last, reads = None, None, {}, {}, set()
+    for index, level in enumerate(levels):
+        uses = self_references(level.tree)
+        start, stop = level.bound, max(line for line, _ in uses[level.down])
+        _, chain_values = _chain(level)
+        for name, child in level.holder.named_children():
+            full = join(level.path, name)
+            if name == level.down or not _has_parameters(child):
+                continue  # rotary tables, dropout, activations: parameter-free, every stage runs them
+            lines = [line for line, _ in uses.get(name, [])]
+            where = f"{type(level.holder).__name__}'s forward"
+            if not lines:
+                return f"{full} holds parameters {where} never uses"
+            if min(lines) > stop:
+                last[full] = StandIn.IDENTITY
+                continue
+            if max(lines) >= start:
+                return f"{full} runs both before and after the blocks in {where}"
+            if embeddings == full or embeddings.startswith(full + "."):
+                entry, entry_level = full, index
+                reads |= _entry_reads(child, uses[name])
+                continue
+            if not _calls_in(chain_values, name):
+                return (f"{full} ({type(child).__name__}) runs before the blocks in {where} for something besides "
+                        f"their input, which a later stage would not have")
+            # a position table added to the embedding, or a module applied to it: the first stage's
+            first[full] = StandIn.ZEROS if isinstance(child, nn.Embedding) else StandIn.IDENTITY
+    if entry is None:
+        return f"the input embedding ({embeddings}) does not run before the blocks"
+    # later stages receive in the entry's place when what reaches the blocks is the entry's output with
+    # modules applied in turn and tables added (each then a pass-through or zeros), level by level
+    chains = [_plain_chain(level, entry.rpartition(".")[2] if index == entry_level else None)
+              for index, level in enumerate(levels) if index >= entry_level]
+    if all(chain is not None for chain in chains):
+        stand_ins = {join(level.path, name): kind
+                     for level, chain in zip(levels[entry_level:], chains) for name, kind in chain.items()}
+        if set(first) <= set(stand_ins):
+            return StackCut(entry=entry, first=stand_ins, last=last, entry_reads=tuple(sorted(reads)))
+    if not isinstance(base.get_submodule(entry), nn.Embedding):
+        return (f"the forward changes the embedding ({entry}, a {type(base.get_submodule(entry)).__name__}) before the "
+                f"blocks take it, and only an nn.Embedding can give a later stage zeros of its shape")
+    for name, kind in first.items():  # later stages compute on zeros here, discarded at the first block
+        module = base.get_submodule(name)
+        if kind is StandIn.IDENTITY and not (position_wise(module) or (isinstance(module, nn.Linear)
+                                                                      and module.in_features == module.out_features)):
+            return f"{name} ({type(module).__name__}) runs before the blocks and changes the width of what they take"
+    return StackCut(entry=entry, first=first, last=last, entry_reads=tuple(sorted(reads)), receive_at_blocks=True)

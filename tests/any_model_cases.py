@@ -1,0 +1,117 @@
+"""Jobs of the any-model tests, run on every rank of a test world: a shrunk model of any type under
+any head, one parity check (``one_step_parity``) or a resumed checkpoint."""
+
+from __future__ import annotations
+
+import torch
+from transformers import CONFIG_MAPPING
+
+import qn_hf
+from qn_hf.check.inputs import dummy_batch
+from qn_hf.check.run import build, one_step_parity, parity_config
+from qn_hf.check.shrink import shrink_config
+from tests.cases import mesh_for
+
+
+def tiny_config(model_type: str, **overrides) -> dict:
+    """A shrunk default config of ``model_type``; a sequence classifier pools at the last token that is
+    not padding, so a config without a pad token (Llama's) gets one, as checkpoints set it."""
+    config = shrink_config(CONFIG_MAPPING[model_type](**overrides))
+    if getattr(config, "pad_token_id", 0) is None:
+        config.pad_token_id = 0
+    return config.to_dict()
+
+
+def head_step(*, model_type: str, cls: str, dp: int = 1, tp: int = 1, pp: int = 1, dp_shard: int = 1,
+              microbatches: int | None = None, overrides: dict | None = None, steps: int = 2) -> dict:
+    """Two SGD steps of ``cls`` (shrunk ``model_type``) at the mesh against the plain model."""
+    parallel = parity_config(dp=dp, tp=tp, pp=pp, dp_shard=dp_shard, microbatches=microbatches)
+    verdict = one_step_parity(config=tiny_config(model_type, **(overrides or {})), parallel=parallel,
+                              mesh=mesh_for(dp, tp, pp), model_class_name=cls, steps=steps)
+    return {k: verdict[k] for k in ("verdict", "reason", "moved")} | {"worst": verdict["worst"][:3]}
+
+
+def zero_step(*, model_type: str, cls: str) -> tuple[float, float, float]:
+    """One AdamW step with ZeRO-1 at dp=2 against the plain model: (loss, plain loss, worst weight)."""
+    config = CONFIG_MAPPING[model_type](**tiny_config(model_type))
+    model = build(config, seed=0, name=cls)
+    ref = build(config, seed=0, name=cls)
+    pm = qn_hf.parallelize(model, dp=2, mesh=mesh_for(2, 1))
+    opt = qn_hf.optimizer(pm, torch.optim.AdamW, zero=True, lr=1e-2)
+    batch = dummy_batch(ref, rows=4, seed=2)
+    loss = pm.train_step(pm.local_batch(batch)).item()
+    opt.step()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_loss = ref(**batch).loss
+    ref_loss.backward()
+    ref_opt.step()
+    mine = dict(pm.named_parameters())
+    worst = max((mine[n].detach() - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+    return loss, ref_loss.item(), worst
+
+
+def resume_step(*, model_type: str, cls: str, ckpt: str, save: bool, dp: int, pp: int) -> float:
+    """At (dp, pp): an AdamW step, then (``save``) a checkpoint and another step, or (not ``save``) the
+    checkpoint loaded and that second step; returns the second step's loss."""
+    config = CONFIG_MAPPING[model_type](**tiny_config(model_type))
+    pm = qn_hf.parallelize(build(config, seed=0, name=cls), dp=dp, pp=pp, microbatches=2, mesh=mesh_for(dp, 1, pp))
+    opt = torch.optim.AdamW(list(pm.parameters()), lr=1e-2)
+    probe = build(config, seed=0, name=cls)
+    batches = [pm.local_batch(dummy_batch(probe, rows=4, seed=s)) for s in (5, 6)]
+    if save:
+        pm.train_step(batches[0])
+        opt.step()
+        opt.zero_grad()
+        pm.save_checkpoint(ckpt, optimizer=opt, step=1)
+    else:
+        assert pm.load_checkpoint(ckpt, optimizer=opt)["step"] == 1
+    loss = pm.train_step(batches[1])
+    opt.step()
+    return loss.item()
+
+
+def _branching_model():
+    """A model whose second layer runs only on the rows that pick it (an MoE's expert loop, written the
+    old way): on a rank none of whose rows do, its weights get no gradient at all."""
+    from torch import nn
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    class BranchConfig(PretrainedConfig):
+        model_type = "qn_hf_branch"
+
+    class Branch(PreTrainedModel):
+        config_class = BranchConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.post_init()
+
+        def forward(self, inputs_embeds):
+            hidden = self.first(inputs_embeds)
+            picked = inputs_embeds[:, 0] > 0
+            if picked.any():
+                hidden = hidden + torch.zeros_like(hidden).index_put((picked.nonzero()[:, 0],),
+                                                                     self.second(hidden[picked]))
+            return hidden
+
+    torch.manual_seed(0)
+    return Branch(BranchConfig())
+
+
+def branch_step() -> tuple[float, float, float]:
+    """dp=2 where rank 1's rows never take the branch: the same loss and weights as the plain model."""
+    model, ref = _branching_model(), _branching_model()
+    pm = qn_hf.parallelize(model, dp=2, mesh=mesh_for(2, 1))
+    rows = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
+    rows[:2, 0], rows[2:, 0] = rows[:2, 0].abs() + 0.1, -rows[2:, 0].abs() - 0.1  # rank 0 picks, rank 1 never
+
+    def loss_fn(outputs, batch):
+        return outputs.square().mean()
+
+    loss = pm.train_step(pm.local_batch({"inputs_embeds": rows}), loss_fn=loss_fn).item()
+    ref_loss = loss_fn(ref(rows), None)
+    ref_loss.backward()
+    mine = dict(pm.named_parameters())
+    worst = max((mine[n].grad - p.grad).abs().max().item() for n, p in ref.named_parameters())
+    return loss, ref_loss.item(), worst

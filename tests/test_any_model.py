@@ -1,0 +1,110 @@
+"""Any model transformers builds, under any head: data parallelism (dp, ZeRO-1, dp_shard) with no
+architecture policy, pipelines cut from the block stack the forwards show, and the head's own loss,
+each two steps against the plain model (``one_step_parity``); refusals name their dimension. The
+whole sweep over transformers' auto mappings is the heads zoo (tests/test_heads_zoo.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import any_model_cases
+
+DP = [  # (model type, class): types without a tp plan, and every head family
+    ("bert", "BertForSequenceClassification"),
+    ("bert", "BertForQuestionAnswering"),
+    ("roberta", "RobertaForMaskedLM"),
+    ("t5", "T5ForConditionalGeneration"),
+    ("bart", "BartForConditionalGeneration"),
+    ("vit", "ViTForImageClassification"),
+    ("llama", "LlamaForSequenceClassification"),
+    ("bloom", "BloomForCausalLM"),
+    ("mamba", "MambaForCausalLM"),
+    ("clip", "CLIPModel"),  # its contrastive loss couples the rows: trained on a loss_fn
+    ("wav2vec2", "Wav2Vec2ForSequenceClassification"),
+]
+
+
+@pytest.mark.parametrize(("model_type", "cls"), DP)
+def test_data_parallel_takes_any_model_and_head(worlds, model_type, cls):
+    verdict = worlds.run(2, any_model_cases.head_step, model_type=model_type, cls=cls, dp=2, microbatches=2)[0]
+    assert verdict["verdict"] == "equal", verdict
+    assert verdict["moved"] > 1e-3
+
+
+@pytest.mark.parametrize(("model_type", "cls"), [("bert", "BertForSequenceClassification"),
+                                                 ("t5", "T5ForConditionalGeneration"),
+                                                 ("distilbert", "DistilBertForQuestionAnswering")])
+def test_sharded_data_parallel_takes_any_model(worlds, model_type, cls):
+    verdict = worlds.run(4, any_model_cases.head_step, model_type=model_type, cls=cls, dp=4, dp_shard=2)[0]
+    assert verdict["verdict"] == "equal", verdict
+
+
+def test_zero_takes_any_model(worlds):
+    loss, ref, worst = worlds.run(2, any_model_cases.zero_step, model_type="bert", cls="BertForTokenClassification")[0]
+    assert abs(loss - ref) <= 1e-5 * abs(ref) and worst < 2e-5, (loss, ref, worst)
+
+
+@pytest.mark.parametrize(("model_type", "cls"), [
+    ("bert", "BertForSequenceClassification"),  # blocks inside the encoder; a pooler after them
+    ("electra", "ElectraForMaskedLM"),  # a projection after the embedding; the head tied to it
+    ("bloom", "BloomForCausalLM"),  # a norm on the embedding
+    ("opt", "OPTForCausalLM"),  # a position table and projections inside the decoder
+    ("llama", "LlamaForSequenceClassification"),  # a policy's body under another head
+    ("deit", "DeiTForImageClassification"),
+])
+def test_pipelines_cut_any_block_stack(worlds, model_type, cls):
+    verdict = worlds.run(2, any_model_cases.head_step, model_type=model_type, cls=cls, pp=2)[0]
+    assert verdict["verdict"] == "equal", verdict
+
+
+@pytest.mark.parametrize(("model_type", "cls", "mesh", "message"), [
+    ("bert", "BertForMultipleChoice", {"pp": 2}, r"pp=2 \(BertForMultipleChoice\): the head reshapes the inputs"),
+    ("swin", "SwinForImageClassification", {"pp": 2}, r"pp=2 \(swin\): the forward changes the embedding"),
+])
+def test_refusals_name_their_dimension(worlds, model_type, cls, mesh, message):
+    import re
+
+    verdict = worlds.run(2, any_model_cases.head_step, model_type=model_type, cls=cls, **mesh)[0]
+    assert verdict["verdict"] == "refused" and re.search(message, verdict["reason"]), verdict
+
+
+def test_a_classifier_checkpoint_moves_between_meshes(worlds, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    case = dict(model_type="bert", cls="BertForSequenceClassification", ckpt=ckpt)
+    straight = worlds.run(2, any_model_cases.resume_step, save=True, dp=1, pp=2, **case)[0]
+    resumed = worlds.run(2, any_model_cases.resume_step, save=False, dp=2, pp=1, **case)[0]
+    assert abs(straight - resumed) <= 1e-5 * abs(straight), (straight, resumed)
+
+
+def test_a_parameter_without_a_gradient_on_one_rank_keeps_the_ranks_in_step(worlds):
+    """Rows take a branch or not (an MoE's expert loop): on a rank where none does, the branch's weights
+    get no gradient, their bucket starts only when the step's gradients are synced, and the loss's
+    sum still comes after every rank's buckets (a mismatched collective would hang or mix buffers)."""
+    loss, ref, worst = worlds.run(2, any_model_cases.branch_step)[0]
+    assert abs(loss - ref) <= 1e-6 * abs(ref) and worst < 1e-6, (loss, ref, worst)
+
+
+@pytest.mark.parametrize(("model_type", "cls"), [
+    ("bert", "BertForSequenceClassification"),
+    ("bert", "BertForMaskedLM"),  # its head's bias registered twice, its decoder tied to the embedding
+    ("deberta-v2", "DebertaV2ForSequenceClassification"),  # a head count its attention reshapes with
+    ("t5", "T5ForConditionalGeneration"),  # per-head relative bias; one embedding under three names
+    ("bart", "BartForConditionalGeneration"),  # a logits bias over the vocabulary: the head stays whole
+    ("gptj", "GPTJForCausalLM"),
+    ("opt", "OPTForCausalLM"),
+    ("xglm", "XGLMForCausalLM"),  # an embedding scaled by a float
+    ("distilbert", "DistilBertForQuestionAnswering"),
+    ("deit", "DeiTForImageClassification"),
+])
+def test_tensor_parallelism_derived_from_the_structure(worlds, model_type, cls):
+    verdict = worlds.run(2, any_model_cases.head_step, model_type=model_type, cls=cls, tp=2, steps=1)[0]
+    assert verdict["verdict"] == "equal", verdict
+
+
+@pytest.mark.parametrize(("model_type", "cls"), [("bert", "BertForTokenClassification"),
+                                                 ("gpt_neo", "GPTNeoForCausalLM")])
+def test_derived_tensor_parallelism_composes_with_dp_and_pp(worlds, model_type, cls):
+    verdict = worlds.run(4, any_model_cases.head_step, model_type=model_type, cls=cls, tp=2, pp=2)[0]
+    assert verdict["verdict"] == "equal", verdict
+    verdict = worlds.run(4, any_model_cases.head_step, model_type=model_type, cls=cls, tp=2, dp=2)[0]
+    assert verdict["verdict"] == "equal", verdict

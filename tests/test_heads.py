@@ -1,0 +1,130 @@
+"""Every head, found from the model, with the loss its own forward computes (policies/task.py), split
+exactly over microbatches (step/loss.py): the unit tier holds the rules, each against transformers'
+own loss on the same rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers import CONFIG_MAPPING
+
+from qn_hf.check.inputs import dummy_batch
+from qn_hf.check.run import build
+from qn_hf.check.shrink import shrink_config
+from qn_hf.config.options import IGNORE_INDEX, LossKind, ProblemType
+from qn_hf.policies.task import task_head
+from qn_hf.step.loss import local_count, loss_scales, problem_type, summed_loss, term_weights
+
+
+def _meta(model_type: str, cls: str, **overrides):
+    config = shrink_config(CONFIG_MAPPING[model_type](**overrides))
+    with torch.device("meta"):
+        return getattr(transformers, cls)(config)
+
+
+@pytest.mark.parametrize(("model_type", "cls", "kind", "extra"), [
+    ("llama", "LlamaForCausalLM", LossKind.CAUSAL_LM, {"vocab_output": "lm_head"}),
+    ("gpt2", "GPT2LMHeadModel", LossKind.CAUSAL_LM, {"vocab_output": "lm_head"}),  # loss_type None: ForCausalLM
+    ("bart", "BartForCausalLM", LossKind.TOKENS, {}),  # a causal LM whose inline loss does not shift
+    ("bert", "BertForMaskedLM", LossKind.TOKENS, {"vocab_output": "cls.predictions.decoder"}),
+    ("t5", "T5ForConditionalGeneration", LossKind.TOKENS, {"decoder_from_labels": True}),
+    ("t5gemma", "T5GemmaForConditionalGeneration", LossKind.TOKENS, {}),  # its loss_type override: ForMaskedLM
+    ("gemma3", "Gemma3ForConditionalGeneration", LossKind.CAUSAL_LM, {}),
+    ("llama", "LlamaForSequenceClassification", LossKind.CLASSIFICATION, {"problem_types": True, "modules": ("score",)}),
+    ("bert", "BertForMultipleChoice", LossKind.CLASSIFICATION, {"problem_types": False, "reshapes_inputs": True}),
+    ("wav2vec2", "Wav2Vec2ForSequenceClassification", LossKind.CLASSIFICATION, {"problem_types": False}),
+    ("deberta-v2", "DebertaV2ForSequenceClassification", LossKind.CLASSIFICATION, {"own_problem_types": True}),
+    ("biogpt", "BioGptForTokenClassification", LossKind.TOKENS, {"mask_labels": True}),
+    ("bert", "BertForQuestionAnswering", LossKind.SPANS, {}),
+    ("git", "GitForCausalLM", LossKind.OWN, {}),
+    ("clip", "CLIPModel", LossKind.OWN, {}),
+    ("bert", "BertModel", None, {}),
+])
+def test_the_head_and_its_loss_are_found_from_the_model(model_type, cls, kind, extra):
+    head = task_head(_meta(model_type, cls))
+    assert head.kind == kind, head
+    for name, value in extra.items():
+        assert getattr(head, name) == value, (name, head)
+
+
+def test_a_class_transformers_computes_its_own_way_trains_its_own_loss():
+    model = _meta("switch_transformers", "SwitchTransformersForConditionalGeneration")
+    assert task_head(model).kind is LossKind.TOKENS
+    model.config.output_router_logits = True  # its forward then adds the routers' z-loss and balancing terms
+    head = task_head(model)
+    assert head.kind is LossKind.OWN and "output_router_logits" in head.why_own
+
+
+def _split_loss(model, batch, *, parts: int) -> torch.Tensor:
+    """The built-in loss summed over ``parts`` microbatches, each scaled by the whole batch's counts."""
+    head = task_head(model)
+    problem = problem_type(model.config, batch["labels"], problem_types=head.problem_types,
+                           own=head.own_problem_types) if head.kind is LossKind.CLASSIFICATION else None
+    count = local_count(batch, kind=head.kind, head=head, problem=problem, device=torch.device("cpu"))
+    rows = [len(r) for r in torch.tensor_split(torch.arange(next(iter(batch.values())).shape[0]), parts)]
+    scales = loss_scales(count, rows=rows, builtin=True, weights=term_weights(head.kind))
+    total = torch.zeros(())
+    for part, scale in zip(range(parts), scales):
+        micro = {k: torch.tensor_split(v, parts)[part] for k, v in batch.items()}
+        inputs = {k: v for k, v in micro.items() if k not in head.label_keys}
+        if head.decoder_from_labels:
+            inputs["decoder_input_ids"] = model.prepare_decoder_input_ids_from_labels(labels=micro["labels"])
+        sums = summed_loss(model(**inputs), micro, kind=head.kind, head=head, problem=problem, vocab=None, group=None)
+        total = total + (sums.double() * scale).sum()
+    return total
+
+
+@pytest.mark.parametrize(("model_type", "cls", "overrides", "labels"), [
+    ("llama", "LlamaForCausalLM", {}, None),
+    ("bart", "BartForCausalLM", {}, None),
+    ("bert", "BertForMaskedLM", {}, None),
+    ("t5", "T5ForConditionalGeneration", {}, None),
+    ("bert", "BertForTokenClassification", {}, None),
+    ("biogpt", "BioGptForTokenClassification", {}, "masked"),
+    ("bert", "BertForSequenceClassification", {}, None),
+    ("bert", "BertForSequenceClassification", {"num_labels": 1}, "regression"),
+    ("bert", "BertForSequenceClassification", {"num_labels": 3}, "multi_label"),
+    ("deberta-v2", "DebertaV2ForSequenceClassification", {"num_labels": 3}, "soft"),
+    ("deberta-v2", "DebertaV2ForSequenceClassification", {"num_labels": 3}, "negative"),
+    ("bert", "BertForMultipleChoice", {}, None),
+    ("bert", "BertForQuestionAnswering", {}, "out_of_span"),
+    ("vit", "ViTForImageClassification", {}, None),
+])
+def test_each_kind_split_over_microbatches_is_the_models_own_loss(model_type, cls, overrides, labels):
+    """The sum over three uneven microbatches (of 7 rows) of each one's scaled sums equals the plain
+    model's own ``outputs.loss`` on all the rows, for every kind of head and problem type."""
+    config = shrink_config(CONFIG_MAPPING[model_type](**overrides))
+    if getattr(config, "pad_token_id", 0) is None:
+        config.pad_token_id = 0
+    model = build(config, seed=0, name=cls).eval()
+    batch = dummy_batch(model, rows=7, seed=3)
+    g = torch.Generator().manual_seed(4)
+    if labels == "regression":
+        batch["labels"] = torch.randn(7, generator=g)
+    elif labels == "multi_label":
+        batch["labels"] = (torch.rand(7, 3, generator=g) > 0.5).float()
+    elif labels == "soft":
+        batch["labels"] = torch.softmax(torch.randn(7, 3, generator=g), -1)
+    elif labels == "negative":  # DeBERTa drops every negative label without a problem_type
+        batch["labels"][:3] = torch.tensor([-1, IGNORE_INDEX, -7])
+    elif labels == "masked":  # BioGPT's token classifier leaves out what its attention mask does
+        batch["attention_mask"] = (torch.rand(batch["input_ids"].shape, generator=g) > 0.3).long()
+    elif labels == "out_of_span":  # past the sequence: ignored, and the ends' count differs from the starts'
+        batch["end_positions"][:2] = 40
+        batch["start_positions"][0] = -100  # clamped to 0: a target, as transformers scores it
+    with torch.no_grad():
+        ours = _split_loss(model, batch, parts=3)
+        plain = model(**batch).loss
+    assert torch.allclose(ours.float(), plain.float(), rtol=1e-5), (ours, plain)
+
+
+def test_problem_types_follow_transformers():
+    config = shrink_config(CONFIG_MAPPING["bert"](num_labels=3))
+    ints, floats = torch.tensor([0, 2]), torch.rand(2, 3)
+    assert problem_type(config, ints, problem_types=True) is ProblemType.SINGLE_LABEL
+    assert problem_type(config, floats, problem_types=True) is ProblemType.MULTI_LABEL
+    assert problem_type(config, floats, problem_types=False) is ProblemType.SINGLE_LABEL  # multiple choice, audio
+    assert problem_type(config, floats, problem_types=True, own=True) is ProblemType.SOFT_LABEL  # DeBERTa
+    config.problem_type = "regression"
+    assert problem_type(config, ints, problem_types=True) is ProblemType.REGRESSION
