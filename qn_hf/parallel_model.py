@@ -175,12 +175,13 @@ class ParallelModel(CheckpointMethods):
 
     # -- steps -----------------------------------------------------------------------------------
     def train_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn | None = None, *,
-                   num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+                   num_items_in_batch: torch.Tensor | int | None = None, loss_keys: Sequence[str] = ()) -> torch.Tensor:
         """Forward and backward over every microbatch in training mode, then every gradient sum; gradients
         accumulate into ``.grad`` (zero them between steps), except inside ``no_sync()`` unsynchronized.
         Returns the mean loss over the global batch, detached, identical on every rank. Accumulating,
         ``num_items_in_batch=pm.count_items(batches)`` (transformers' name) divides by every batch's count:
-        the gradients equal one step on all the batches, whose loss the returned ones sum to."""
+        the gradients equal one step on all the batches, whose loss the returned ones sum to. ``loss_keys``: batch
+        keys only ``loss_fn`` reads (a preference pair's margin), never given to the model's forward."""
         self.module.train()
         if self.closed:
             self._weights_ready()  # raises: the groups are gone
@@ -195,7 +196,7 @@ class ParallelModel(CheckpointMethods):
         if self.sharded is not None:
             self.sharded.start_backward(sync=self._sync)
         with self.failures.guard("train_step"):
-            local = self._run(batch, loss_fn, backward=True, num_items=num_items_in_batch)
+            local = self._run(batch, loss_fn, backward=True, num_items=num_items_in_batch, loss_keys=loss_keys)
             if self.sharded is not None:  # under a pipeline: one reduction after the step's last backward
                 self.sharded.finish_backward(sync=self._sync)
             if self._sync:
@@ -224,10 +225,11 @@ class ParallelModel(CheckpointMethods):
             self._sync = previous
 
     @torch.no_grad()
-    def eval_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn | None = None) -> torch.Tensor:
+    def eval_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn | None = None, *,
+                  loss_keys: Sequence[str] = ()) -> torch.Tensor:
         """Forward only, in evaluation mode (restored afterwards); the same loss as ``train_step``."""
         with self._forward_only("eval_step"):
-            return self._reduced_loss(self._run(batch, loss_fn, backward=False))
+            return self._reduced_loss(self._run(batch, loss_fn, backward=False, loss_keys=loss_keys))
 
     @contextlib.contextmanager
     def _forward_only(self, what: str, *, evaluate: bool = True) -> Iterator[None]:
@@ -257,10 +259,11 @@ class ParallelModel(CheckpointMethods):
             return collect_logits(self.context, batch, reduce=reduce, broadcast=broadcast)
 
     def _run(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn | None, *, backward: bool,
-             num_items: torch.Tensor | float | None = None) -> _LocalLoss:
+             num_items: torch.Tensor | float | None = None, loss_keys: Sequence[str] = ()) -> _LocalLoss:
         builtin, cp = loss_fn is None, self.dims.cp
         kind = self.plan.loss if builtin else None  # the head's loss (policies/task.py), or a loss_fn's rows
-        prepared = prepare(self.context, batch, loss=self.plan.loss, builtin=builtin, num_items=num_items)
+        prepared = prepare(self.context, batch, loss=self.plan.loss, builtin=builtin, num_items=num_items,
+                           loss_keys=loss_keys)
         routers = (RouterLogits(self.module, pp=self.dims.pp, microbatches=self.microbatches, replicas=self.groups.replicas,
                                 sequence=self.groups.tp if self.sp_switch is not None and self.sp_switch.on else None)
                    if builtin and adds_router_loss(self.module) else None)  # checks the term can be equal
@@ -283,7 +286,8 @@ class ParallelModel(CheckpointMethods):
             """One microbatch through one of this stage's chunks: the activation to send, or on the
             last chunk the microbatch's share of the global loss (what backward starts from)."""
             nonlocal total
-            inputs = forward_inputs(self.context, micro[mb], builtin=builtin, last=self.stage.is_last_chunk(chunk))
+            inputs = forward_inputs(self.context, micro[mb], builtin=builtin, last=self.stage.is_last_chunk(chunk),
+                                    dropped=loss_keys)
             with routers or contextlib.nullcontext():  # the router loss reads the logits (router_loss.py)
                 outputs = self.stage.forward(inputs, received, chunk=chunk, **self.plan.policy.forward_kwargs,
                                              **(routers.forward_kwargs if routers else {}))

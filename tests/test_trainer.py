@@ -339,3 +339,21 @@ def test_trainer_with_lora_writes_the_adapter(worlds, model_dirs, references, tm
     theirs = load_file(ref["model_dir"] + "/adapter_model.safetensors")
     assert ours.keys() == theirs.keys() and len(ours) == 4 * 4 * 2  # layers x targets x (A, B)
     assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) <= WEIGHT_ATOL
+
+
+@pytest.mark.parametrize(("parallel", "margin"), [(dict(dp=1, tp=2, pp=1, microbatches=2), True),
+                                                  (dict(dp=2, tp=1, pp=2, microbatches=2), False)])
+def test_trl_reward_trainer_trains_a_sequence_classifier(worlds, tmp_path, parallel, margin):
+    """TRL's RewardTrainer through the mixin on LlamaForSequenceClassification: its pairwise loss (with margins and
+    centred rewards) over whole pairs in every dp rank and microbatch equals RewardTrainer in one process."""
+    pytest.importorskip("trl")
+    from tests.trainer_cases import reward
+
+    ref = reward(out_dir=str(tmp_path / "reference"), margin=margin)
+    size = parallel["dp"] * parallel["tp"] * parallel["pp"]
+    results = worlds.run(size, trainer_cases.reward, out_dir=str(tmp_path / "parallel"), parallel=parallel,
+                         margin=margin)
+    assert all(r == results[0] for r in results)
+    assert len(ref) == len(results[0]) == 6
+    for ours, theirs in zip(results[0], ref):
+        assert abs(ours - theirs) <= 1e-4 * abs(theirs), (results[0], ref)

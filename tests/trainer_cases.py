@@ -204,3 +204,44 @@ def dropout_streams(*, model_dir: str, out_dir: str) -> dict:
     trainer.train()
     trainer._load_rng_state(f"{out_dir}/checkpoint-1")
     return {"dp": trainer.pm.coords["dp"], "built": built, "resumed": digest()}
+
+
+def reward(*, out_dir: str, parallel: dict | None = None, margin: bool = False) -> list[float]:
+    """TRL's RewardTrainer on a LlamaForSequenceClassification (one label: a reward model), plain (``parallel``
+    None, one process) or through ``qn_hf.ParallelTrainerMixin``; returns the logged losses of 6 steps."""
+    import datasets
+    import transformers
+    import trl
+    from tokenizers import Tokenizer, models
+
+    import qn_hf
+
+    vocab = {f"t{i}": i for i in range(CONFIGS["llama"].vocab_size)}
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")), pad_token="t0", eos_token="t2")
+    gen = torch.Generator().manual_seed(3)
+
+    def text(length: int) -> str:
+        return " ".join(f"t{i}" for i in torch.randint(3, CONFIGS["llama"].vocab_size, (length,), generator=gen).tolist())
+
+    rows = {"chosen": [text(SEQ) for _ in range(24)], "rejected": [text(SEQ) for _ in range(24)]}
+    if margin:
+        rows["margin"] = torch.rand(24, generator=gen).tolist()
+    dataset = datasets.Dataset.from_dict(rows)
+    dp = (parallel or {}).get("dp", 1)
+    args = trl.RewardConfig(output_dir=out_dir, per_device_train_batch_size=4 // dp, max_steps=6, learning_rate=3e-3,
+                            warmup_steps=2, logging_steps=1, seed=7, report_to="none", disable_tqdm=True, use_cpu=True,
+                            gradient_checkpointing=False, bf16=False, max_length=None, center_rewards_coefficient=0.01)
+    config = transformers.LlamaConfig(**{**CONFIGS["llama"].to_dict(), "num_labels": 1, "pad_token_id": 0})
+    torch.manual_seed(0)
+    model = transformers.LlamaForSequenceClassification(config)
+    if parallel is None:
+        trainer = trl.RewardTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    else:
+        class ParallelReward(qn_hf.ParallelTrainerMixin, trl.RewardTrainer):
+            pass
+
+        trainer = ParallelReward(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                                 parallel={**parallel, "mesh": mesh_for(parallel["dp"], parallel["tp"], parallel["pp"])})
+    trainer.train()
+    return [r["loss"] for r in trainer.state.log_history if "loss" in r]

@@ -46,7 +46,8 @@ def check_batch(batch: Mapping[str, torch.Tensor], *, microbatches: int, require
 
 def check_step_batch(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Module, loss: LossKind | None,
                      builtin: bool, microbatches: int, cp: int, cp_keys: tuple[str, ...], split: tuple[int, str],
-                     config, num_items: object = None, head: TaskHead | None = None, dp: int = 1) -> int:
+                     config, num_items: object = None, head: TaskHead | None = None, dp: int = 1,
+                     loss_keys: tuple[str, ...] = ()) -> int:
     """Every host-side check of one step's batch (and of train_step's ``num_items_in_batch``), in the
     order a user would fix them; returns the batch size. Raised on one rank only: ``agreement.py``
     makes it every rank's."""
@@ -65,7 +66,8 @@ def check_step_batch(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Modul
         unknown = sorted(set(batch) - set(cp_keys))
         if unknown:
             raise ValueError(f"cp={cp}: batch keys {unknown} cannot be cut along the sequence; use only {cp_keys}")
-    check_model_inputs(batch, model=model, loss=loss if builtin else None, sequence_split=split, head=head)
+    check_model_inputs({k: v for k, v in batch.items() if k not in loss_keys}, model=model,
+                       loss=loss if builtin else None, sequence_split=split, head=head)
     terms = 2 if builtin and loss is LossKind.SPANS else 1
     if num_items is not None:  # a tensor's value may sit on the device: only its form is checked
         if isinstance(num_items, torch.Tensor):

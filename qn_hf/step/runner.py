@@ -12,7 +12,7 @@ chunk: what the steps differ in (a loss and its scale, a router term, or logits 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -71,14 +71,14 @@ class Prepared:
 
 
 def prepare(ctx: StepContext, batch: Mapping[str, torch.Tensor], *, loss: LossKind | None, builtin: bool,
-            num_items: torch.Tensor | float | None = None) -> Prepared:
+            num_items: torch.Tensor | float | None = None, loss_keys: Sequence[str] = ()) -> Prepared:
     """Every step's prologue (module docstring); raises on every rank alike before any collective."""
     dims, coords, groups = ctx.placement.dims, ctx.placement.coords, ctx.placement.groups
     microbatches = ctx.config.microbatches
     size = agree_on_batch(lambda: check_step_batch(
         batch, model=ctx.module, loss=loss, builtin=builtin, cp=dims.cp, cp_keys=CP_KEYS,
         split=ctx.config.sequence_split, microbatches=microbatches, config=ctx.stage.config, num_items=num_items,
-        head=ctx.plan.head, dp=dims.dp),
+        head=ctx.plan.head, dp=dims.dp, loss_keys=tuple(loss_keys)),
         batch, replica=coords.dp, replicas=dims.dp, group=groups.host)
     documents = ring_documents(batch) if dims.cp > 1 else None  # read on the host before the batch moves
     on_device = to_device(batch, ctx.placement.device)
@@ -88,15 +88,16 @@ def prepare(ctx: StepContext, batch: Mapping[str, torch.Tensor], *, loss: LossKi
 
 
 def forward_inputs(ctx: StepContext, micro: Mapping[str, torch.Tensor], *, builtin: bool,
-                   last: bool = True) -> dict[str, object]:
+                   last: bool = True, dropped: Sequence[str] = ()) -> dict[str, object]:
     """What a chunk's forward is given of a microbatch: all but what only the loss reads (the head's
     label keys, cp's targets and valid marks); an encoder-decoder LM's decoder input made from the
     labels by the model's own method, as its forward would make it. The model's own loss
     (``LossKind.OWN``) is computed by the forward of the last chunk (``last``): it gets the labels
-    there, and ``return_loss`` where the forward asks for it (a contrastive model's)."""
+    there, and ``return_loss`` where the forward asks for it (a contrastive model's). ``dropped``: more keys
+    only a ``loss_fn`` reads."""
     head = ctx.plan.head
     own = builtin and ctx.plan.loss is LossKind.OWN and last
-    dropped = {*LOSS_KEYS, *head.label_keys} - ({"labels"} if own else set())
+    dropped = {*LOSS_KEYS, *head.label_keys, *dropped} - ({"labels"} if own else set())
     inputs: dict[str, object] = {k: v for k, v in micro.items() if k not in dropped}
     if (head.decoder_from_labels and "labels" in micro and "decoder_input_ids" not in micro
             and "decoder_inputs_embeds" not in micro):

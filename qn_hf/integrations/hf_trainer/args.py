@@ -12,8 +12,10 @@ qn_hf drives); ``torch_compile_backend`` other than inductor and ``torch_compile
 compiles each block with inductor's defaults: ``parallelize(compile=True)``, qn_hf/step/compile.py); ``group_by_length``
 sampling; ``push_to_hub``; an optimizer built over the unsharded model. A ``compute_loss`` override is not called
 for training (TRL's token accuracy and entropy metrics are not logged): the loss is the built-in one, or
-``compute_loss_func`` summed over rows and normalised by ``num_items_in_batch``. With fp16 an overflow skips the
-optimizer step, but the LR scheduler still steps.
+``compute_loss_func`` summed over rows and normalised by ``num_items_in_batch``, or TRL's ``RewardTrainer``'s pairwise
+loss (preference.py); an override computing anything else (``check_compute_loss``: a subclass's own, SFTTrainer with a
+``loss_type`` other than ``nll``) is refused. With fp16 an overflow skips the optimizer step, but the LR scheduler
+still steps.
 """
 
 from __future__ import annotations
@@ -281,3 +283,31 @@ def check_user_optimizer(opt: Any, *, pm: Any, zero: bool) -> None:
     if pm.precision is not None or zero:
         raise ValueError(f"mixed_precision/zero keep float32 masters or shards that only qn_hf.optimizer steps; pass "
                          f"optimizer_cls_and_kwargs=({name}, {{...}}) instead of optimizers=")
+
+
+# The Trainer classes whose compute_loss trains what qn_hf trains in its place: transformers' own (the model's
+# loss), TRL's SFTTrainer with its default nll loss (the built-in causal LM loss; its metrics are not logged), TRL's
+# RewardTrainer (its pairwise loss, preference.py). (module prefix, class name) -> the args' loss_type it allows.
+KNOWN_COMPUTE_LOSS: dict[tuple[str, str], tuple[str | None, ...] | None] = {
+    ("transformers", "Trainer"): None,
+    ("trl", "SFTTrainer"): ("nll",),
+    ("trl", "RewardTrainer"): None,
+}
+
+
+def check_compute_loss(trainer_class: type, args) -> None:
+    """The ``compute_loss`` the Trainer class would call is one whose loss qn_hf trains (``KNOWN_COMPUTE_LOSS``): a
+    subclass's own would be silently left out."""
+    owner = next(c for c in trainer_class.__mro__ if "compute_loss" in vars(c))
+    key = next(((prefix, owner.__name__) for prefix, name in KNOWN_COMPUTE_LOSS
+                if owner.__name__ == name and owner.__module__.startswith(prefix)), None)
+    if key is None:
+        raise ValueError(f"{owner.__name__}.compute_loss is not called by qn_hf.Trainer (each step runs "
+                         f"pm.train_step, whose loss is the model's own); pass its loss as "
+                         f"compute_loss_func=(outputs, labels, num_items_in_batch) -> loss instead of overriding "
+                         f"compute_loss")
+    allowed = KNOWN_COMPUTE_LOSS[key]
+    loss_type = getattr(args, "loss_type", None)
+    if allowed is not None and loss_type not in allowed:
+        raise ValueError(f"{owner.__name__} with loss_type={loss_type!r}: qn_hf.Trainer trains the model's own loss, "
+                         f"which is loss_type={allowed[0]!r}; use that, or pass compute_loss_func")

@@ -1,6 +1,6 @@
 """``qn_hf.Trainer``: Hugging Face's ``Trainer`` loop (logging, evaluation, LR schedules, checkpoints, callbacks,
 ``report_to``) driving a ``ParallelModel``; ``ParallelTrainerMixin`` does the same for ``Trainer`` subclasses
-such as TRL's ``SFTTrainer``.
+such as TRL's ``SFTTrainer`` and ``RewardTrainer`` (its pairwise loss: preference.py).
 
 Which ``Trainer`` methods are replaced, and why (everything else is transformers' own code):
 
@@ -52,6 +52,7 @@ from .args import (
     TrainerMesh,
     auto_mesh,
     check_compiled,
+    check_compute_loss,
     check_trainer_inputs,
     check_training_args,
     check_user_optimizer,
@@ -59,6 +60,7 @@ from .args import (
     trainer_mesh,
 )
 from .data import count_items, merge_batches, one_process_loader, rows_of, user_loss
+from .preference import MARGIN, is_reward_trainer, paired_rows, pairs_whole, reward_loss
 
 SHARDED = "sharded"  # the sub-directory of checkpoint-N holding pm.save_checkpoint's format
 TRAINER_STATE = "trainer_state.json"  # what Trainer._save_checkpoint writes last into checkpoint-N
@@ -119,6 +121,7 @@ class ParallelTrainerMixin:
                  **kwargs) -> None:
         if args is None:
             raise ValueError("qn_hf.Trainer needs args=TrainingArguments(...) (output_dir, batch sizes, seed)")
+        check_compute_loss(type(self), args)
         check_trainer_inputs(model=model, model_init=kwargs.get("model_init"),
                              compute_metrics=kwargs.get("compute_metrics"),
                              preprocess_logits_for_metrics=kwargs.get("preprocess_logits_for_metrics"),
@@ -226,15 +229,27 @@ class ParallelTrainerMixin:
             num_items_in_batch = count_items(window, shifts_labels=self._loss_shifts_labels)
         # zero_grad of the optimizer, not of the module: ZeRO-1 also resets its reduced gradient pieces
         self.optimizer.zero_grad(set_to_none=True)
+        if is_reward_trainer(self):  # TRL's pairs, kept whole in every dp rank and microbatch (preference.py)
+            window = [paired_rows(b) for b in window]
         batch = merge_batches(window)
-        loss = self.pm.train_step(self._rows(batch), loss_fn=self._loss_fn(batch, num_items_in_batch))
+        loss = self.pm.train_step(self._rows(batch), loss_fn=self._loss_fn(batch, num_items_in_batch),
+                                  loss_keys=self._loss_keys)
         return loss.to(self.args.device)
+
+    @property
+    def _loss_keys(self) -> tuple[str, ...]:
+        """Batch keys only the loss reads (a reward batch's margins), never given to the model."""
+        return (MARGIN,) if is_reward_trainer(self) else ()
 
     def _rows(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return dp_rows(batch, dp=self.pm.dims.dp, dp_rank=self.pm.coords.dp, multiple=self.pm.microbatches)
 
     def _loss_fn(self, batch: Mapping[str, torch.Tensor], num_items: torch.Tensor | None):
-        """None (the built-in loss), or ``compute_loss_func`` as ``pm.train_step``'s ``loss_fn`` (trainer_data.py)."""
+        """None (the built-in loss), ``compute_loss_func`` as ``pm.train_step``'s ``loss_fn`` (trainer_data.py), or
+        TRL's ``RewardTrainer``'s pairwise loss (preference.py)."""
+        if is_reward_trainer(self):
+            pairs_whole(rows=rows_of(batch), dp=self.pm.dims.dp, microbatches=self.pm.microbatches)
+            return reward_loss(center_rewards_coefficient=getattr(self.args, "center_rewards_coefficient", None))
         if self.compute_loss_func is None:
             return None
         return user_loss(self.compute_loss_func, batch=batch, num_items=num_items, dp=self.pm.dims.dp,
@@ -294,7 +309,13 @@ class ParallelTrainerMixin:
         total, rows = 0.0, 0
         for inputs in dataloader:
             batch = merge_batches([inputs])
-            if "labels" in batch:  # as one process: batches without labels give no loss
+            if is_reward_trainer(self):  # TRL's reward model: its pairwise loss, counted per pair
+                batch = paired_rows(batch)
+                loss_fn = self._loss_fn(batch, None)
+                total += self.pm.eval_step(self._rows(batch), loss_fn=loss_fn, loss_keys=self._loss_keys).item() \
+                    * rows_of(batch) // 2
+                rows += rows_of(batch) // 2
+            elif "labels" in batch:  # as one process: batches without labels give no loss
                 loss_fn = self._loss_fn(batch, count_items([batch], shifts_labels=self._loss_shifts_labels))
                 total += self.pm.eval_step(self._rows(batch), loss_fn=loss_fn).item() * rows_of(batch)
                 rows += rows_of(batch)
