@@ -108,3 +108,33 @@ def test_derived_tensor_parallelism_composes_with_dp_and_pp(worlds, model_type, 
     assert verdict["verdict"] == "equal", verdict
     verdict = worlds.run(4, any_model_cases.head_step, model_type=model_type, cls=cls, tp=2, dp=2)[0]
     assert verdict["verdict"] == "equal", verdict
+
+
+@pytest.mark.parametrize(("model_type", "cls", "overrides"), [
+    ("bloom", "BloomForCausalLM", {}),  # fused per head; ALiBi built for every head, each rank takes its own
+    ("falcon", "FalconForCausalLM", {}),  # multi-query fused: every head's queries, one shared key and value
+    ("falcon", "FalconForCausalLM", {"multi_query": False}),
+    ("falcon", "FalconForCausalLM", {"new_decoder_architecture": True, "num_kv_heads": 2}),  # fused per KV group
+    ("gpt_bigcode", "GPTBigCodeForCausalLM", {}),
+    ("mpt", "MptForCausalLM", {}),  # fused in blocks; ALiBi as a position bias
+    ("persimmon", "PersimmonForCausalLM", {}),  # per-head q and k norms: gradients summed over tp
+    ("gpt_oss", "GptOssForCausalLM", {}),  # attention sinks, one per head
+])
+def test_fused_attention_and_per_head_inputs_at_tp(worlds, model_type, cls, overrides):
+    verdict = worlds.run(2, any_model_cases.head_step, model_type=model_type, cls=cls, tp=2, overrides=overrides,
+                         steps=1)[0]
+    assert verdict["verdict"] == "equal", verdict
+
+
+def test_gpt_oss_with_expert_parallelism(worlds):
+    """transformers declares gpt-oss an expert plan and no tp plan: its attention is derived, its experts are
+    sharded by ep over tp ranks."""
+    verdict = worlds.run(2, any_model_cases.head_step, model_type="gpt_oss", cls="GptOssForCausalLM", tp=2, ep=2,
+                         steps=1)[0]
+    assert verdict["verdict"] == "equal", verdict
+
+
+def test_a_fused_layout_qn_hf_cannot_split_is_refused(worlds):
+    verdict = worlds.run(2, any_model_cases.head_step, model_type="falcon", cls="FalconForCausalLM", tp=2,
+                         overrides={"alibi": True}, steps=1)[0]
+    assert verdict["verdict"] == "refused" and "ALiBi slopes of all heads into the attention mask" in verdict["reason"]

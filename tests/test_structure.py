@@ -157,10 +157,11 @@ def _option_enums() -> tuple[type, ...]:
     from qn_hf.pipeline.schedule import Op
     from qn_hf.planner.calibration import Link
     from qn_hf.policies.model_policy import StandIn
+    from qn_hf.policies.fused import FusedLayout, HeadAxis
     from qn_hf.policies.structure import Role
     from qn_hf.policies.styles import Style
 
-    return (Style, Schedule, Axis, LossKind, ProblemType, Role, Precision, Recompute, Gather, Feature, Collective, StandIn, Op, Step, Work,
+    return (Style, Schedule, Axis, LossKind, ProblemType, Role, FusedLayout, HeadAxis, Precision, Recompute, Gather, Feature, Collective, StandIn, Op, Step, Work,
             Link)
 
 

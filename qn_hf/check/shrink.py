@@ -242,6 +242,8 @@ def shrink_config(config: PretrainedConfig, *, layers: int = LAYERS) -> Pretrain
         new["num_layers"] = layers
     if "num_key_value_heads" in data:
         new["num_key_value_heads"] = _kv_heads(data)
+    if isinstance(data.get("num_kv_heads"), int):  # Falcon counts them under its own name
+        new["num_kv_heads"] = _kv_heads({**data, "num_key_value_heads": data["num_kv_heads"]})
     if isinstance(data.get("mamba_expand"), int) and "mamba_d_head" in data:
         new["mamba_d_head"] = data["mamba_expand"] * HIDDEN // HEADS  # Mamba: heads * head dim = expand * hidden
     if isinstance(data.get("num_kv_shared_layers"), int) and data["num_kv_shared_layers"] > 0 and "layer_types" in new:

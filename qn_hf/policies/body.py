@@ -17,6 +17,7 @@ from torch.nn.utils.parametrize import ParametrizationList
 from .derive import kv_key, relative_name
 from .embedding_types import adapter_for
 from .entries import derive_entries
+from .fused import FUSED
 from .model_policy import ModelPolicy
 from .patterns import base_model_and_prefix
 from .stack_cut import stack_cut
@@ -100,7 +101,7 @@ def body_policy(model: nn.Module) -> ModelPolicy:
             pp_refusal = cut
         else:
             entry, first, last, reads, receive = cut.entry, cut.first, cut.last, cut.entry_reads, cut.receive_at_blocks
-    tp_plan, patches, entries, regions, tp_refusal = _tensor_parallel(model, base, name)
+    tp_plan, patches, entries, regions, tp_refusal, head_inputs = _tensor_parallel(model, base, name)
     return ModelPolicy(
         model_type=model_type,
         layers=layers,
@@ -117,6 +118,7 @@ def body_policy(model: nn.Module) -> ModelPolicy:
         pp_receive_at_blocks=receive,
         transformers_plan=True,
         tp_refusal=tp_refusal,
+        head_inputs=head_inputs,
         pp_refusal=pp_refusal,
     )
 
@@ -132,11 +134,11 @@ def _tensor_parallel(model: nn.Module, base: nn.Module, embeddings: str | None):
     if not isinstance(heads, int) or not stacks:
         why = "its config counts no attention heads (num_attention_heads)" if stacks else "it has no list of blocks"
     else:
-        derived = derive_structure(base, stacks=stacks, heads=heads)
+        derived = derive_structure(base, stacks=stacks, heads=heads, fused=FUSED.get(model_type), config=config)
         why = derived.refusal
     if why is not None:
         return {}, {}, (), (), (f"transformers declares no tp plan for {model_type!r} (base_model_tp_plan) and qn_hf "
-                                f"derives none from its structure: {why}")
+                                f"derives none from its structure: {why}"), {}
     tp_plan = dict(derived.tp_plan)
     if embeddings is not None and isinstance(base.get_submodule(embeddings), nn.Embedding):
         # every embedding sharing the input embedding's weight (BART's shared table, each stack's own
@@ -147,7 +149,7 @@ def _tensor_parallel(model: nn.Module, base: nn.Module, embeddings: str | None):
             tp_plan.update(dict.fromkeys(tables, Style.VOCAB_EMBEDDING))
     columns = {p for p, style in tp_plan.items() if style in COLUMN_STYLES}
     entries = derive_entries(base, sorted({p.rpartition(".")[0] for p in columns} | set(derived.attention)), columns)
-    return tp_plan, derived.attr_patches, entries, derived.attention, None
+    return tp_plan, derived.attr_patches, entries, derived.attention, None, derived.head_inputs
 
 
 def input_embeddings(model: nn.Module) -> nn.Module | None:

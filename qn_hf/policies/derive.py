@@ -40,9 +40,13 @@ def _submodule(root: nn.Module, name: str) -> nn.Module | None:
         return None
 
 
+# the config keys architectures count their KV heads under (Falcon's own name), in the order asked
+KV_KEYS = ("num_key_value_heads", "num_kv_heads")
+
+
 def kv_key(config) -> str | None:
     """The config key counting KV heads, where some layer has them."""
-    return "num_key_value_heads" if any_layer(config, "num_key_value_heads") else None
+    return next((key for key in KV_KEYS if any_layer(config, key)), None)
 
 
 def _translate(base: nn.Module, config, hf_plan: dict[str, str]) -> tuple[dict[str, str], list[str]]:

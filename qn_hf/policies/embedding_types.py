@@ -33,7 +33,7 @@ class EmbeddingAdapter:
     behaviour: str  # "plain", "scaled", "scaled_by_float" or "normed"
 
 
-def _body(fn) -> str:
+def forward_body(fn) -> str:
     """The statements of a function, without its signature, docstring or blank lines."""
     lines = textwrap.dedent(inspect.getsource(fn)).splitlines()
     start = next(i for i, line in enumerate(lines) if line.rstrip().endswith(":")) + 1
@@ -52,5 +52,5 @@ def adapter_for(module: nn.Module) -> EmbeddingAdapter | None:
     owner = next(c for c in type(module).__mro__ if "forward" in c.__dict__)  # whose forward runs
     if owner is nn.Embedding:
         return EmbeddingAdapter(behaviour="plain")
-    behaviour = _BEHAVIOURS.get(_body(owner.forward))
+    behaviour = _BEHAVIOURS.get(forward_body(owner.forward))
     return None if behaviour is None else EmbeddingAdapter(behaviour=behaviour)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from ..arguments import Choice
 from ..config.options import LossKind
+from .fused import HeadAxis
 from .heads import LAYOUT_VALUES
 from .styles import STYLES, Style
 
@@ -93,6 +94,9 @@ class ModelPolicy:
     pp_receive_at_blocks: bool = False
     transformers_plan: bool = False
     tp_refusal: str | None = None
+    # an attention module (pattern) -> the inputs it takes built for every head, and where they hold them
+    # (BLOOM's ALiBi bias): each tp rank's module takes its heads' rows (tensor_parallel/hooks.py)
+    head_inputs: Mapping[str, Mapping[str, HeadAxis]] = field(default_factory=dict)
     pp_carried: tuple[str, ...] = ()
     pp_carried_reuse: tuple[str, str] | None = None  # (config list of per-layer kinds, the kind that reuses it)
     pp_every_stage: tuple[str, ...] = ()

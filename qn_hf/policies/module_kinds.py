@@ -7,12 +7,32 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from ..compat import decorated_experts
+from .embedding_types import forward_body
 
 _ACTIVATION_MODULES = ("torch.nn.modules.activation", "transformers.activations")
 
 
 def is_projection(module: nn.Module) -> bool:
     return isinstance(module, (nn.Linear, Conv1D))
+
+
+# The forward bodies (statements, whitespace-normalized) of nn.Linear subclasses that compute exactly what
+# nn.Linear does, written another way (Falcon's FalconLinear): a parallel linear layer reproduces them.
+_PLAIN_LINEAR_BODIES = (
+    "hidden_states = input @ self.weight.T\nif self.bias is None:\nreturn hidden_states\nreturn hidden_states + self.bias",
+)
+
+
+def plain_linear(module: nn.Module) -> bool:
+    """An exact ``nn.Linear`` or ``Conv1D``, or an ``nn.Linear`` subclass whose forward is ``x @ W.T + b``
+    (``_PLAIN_LINEAR_BODIES``): what the parallel linear layers reproduce. Read from the source, so a
+    transformers release that changes such a forward is refused, not silently mis-trained."""
+    if type(module) in (nn.Linear, Conv1D):
+        return True
+    if not isinstance(module, nn.Linear):
+        return False
+    owner = next(c for c in type(module).__mro__ if "forward" in c.__dict__)
+    return owner is nn.Linear or forward_body(owner.forward) in _PLAIN_LINEAR_BODIES
 
 
 def position_wise(module: nn.Module) -> bool:

@@ -23,13 +23,15 @@ from __future__ import annotations
 import ast
 import inspect
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from ..arguments import Choice
 from .entries import forward_tree, self_path
+from .fused import FusedAttention, FusedLayout
+from .module_kinds import position_wise
 from .patterns import join
 from .styles import Style
 
@@ -53,7 +55,8 @@ ROLES: dict[str, Role] = {
     **dict.fromkeys(("q_proj", "query", "q", "q_lin", "query_proj"), Role.QUERY),
     **dict.fromkeys(("k_proj", "key", "k", "k_lin", "key_proj"), Role.KEY),
     **dict.fromkeys(("v_proj", "value", "v", "v_lin", "value_proj"), Role.VALUE),
-    **dict.fromkeys(("o_proj", "out_proj", "o", "out_lin", "attention.output.dense", "attn.c_proj"), Role.OUTPUT),
+    **dict.fromkeys(("o_proj", "out_proj", "o", "out_lin", "attention.output.dense", "attn.c_proj",
+                     "self_attention.dense", "attention.dense", "self_attn.dense"), Role.OUTPUT),
     # DeBERTa's projections of the relative positions into keys and queries: per head, like keys
     **dict.fromkeys(("pos_key_proj", "pos_query_proj", "pos_proj", "pos_q_proj"), Role.POSITION),
     **dict.fromkeys(("fc1", "fc_in", "c_fc", "up_proj", "gate_proj", "intermediate.dense", "intermediate_dense",
@@ -75,6 +78,7 @@ class Derived:
     attr_patches: dict[str, str]
     attention: tuple[str, ...] = ()  # the attention modules' patterns (tp-local rng regions)
     refusal: str | None = None
+    head_inputs: dict[str, dict] = field(default_factory=dict)  # attention module -> inputs per head (fused.py)
 
 
 def _in_out(module: nn.Module) -> tuple[int, int]:
@@ -135,71 +139,115 @@ def _common_parent(paths: list[str]) -> str:
     return ".".join(common)
 
 
-def derive_block(block: nn.Module, *, heads_expected: int | None = None) -> Derived:
+def _output_of(roles: dict[str, Role | None], parent: str, placed: set[str]) -> tuple[str, list[str]]:
+    """The attention output projection(s) under the nearest ancestor of ``parent`` holding one."""
+    owner = parent
+    while True:
+        outputs = [n for n, r in roles.items() if r == Role.OUTPUT and n not in placed
+                   and (not owner or n.startswith(owner + "."))]
+        if outputs or not owner:
+            return owner, outputs
+        owner = owner.rpartition(".")[0]
+
+
+def _patches(holders: dict[str, nn.Module], *, heads: int, kv_heads: int, head_dim: int) -> dict[str, str]:
+    """The integers an attention module reads that count its heads, KV heads or query width: patched to
+    this rank's share (a single shared KV head stays 1 on every rank)."""
+    patches = {}
+    for holder_path, holder in holders.items():
+        for attr in sorted(_int_reads(holder) - set(NOT_COUNTS) - set(HEAD_DIM_ATTRIBUTES)):
+            value = getattr(holder, attr)
+            local = ("local_kv_groups" if attr == "num_key_value_groups" else None if value == 1
+                     else "local_heads" if value == heads else "local_kv_heads" if value == kv_heads
+                     else "local_q_width" if value == heads * head_dim else None)
+            if local is not None:
+                patches[join(holder_path, attr)] = local
+    return patches
+
+
+# the style that splits a fused q|k|v of each layout (fused.py)
+FUSED_STYLES = {FusedLayout.PER_HEAD: Style.COLWISE, FusedLayout.PER_KV_GROUP: Style.COLWISE,
+                FusedLayout.BLOCKS: Style.COLWISE_PACKED3, FusedLayout.SHARED_KV: Style.COLWISE_SHARED_KV}
+
+
+def derive_block(block: nn.Module, *, heads_expected: int | None = None, fused: FusedAttention | None = None,
+                 config=None) -> Derived:
     """The rules for one block (paths relative to it), or why none (module docstring). Every attention
-    must have ``heads_expected`` heads (the config's, which the patches' values are computed from)."""
+    must have ``heads_expected`` heads (the config's, which the patches' values are computed from).
+    ``fused``: the architecture's fused q|k|v (fused.py), its layout read off ``config``."""
     leaves = {name: m for name, m in block.named_modules() if name and isinstance(m, (nn.Linear, Conv1D))}
     roles = {name: role_of(name) for name in leaves}
-    queries = [n for n, r in roles.items() if r == Role.QUERY]
-    if not queries:
-        return Derived({}, {}, refusal="no attention qn_hf can read (query, key, value and output projections)")
-    hidden = _in_out(leaves[queries[0]])[0]  # the block's width: what its queries take
     rules: dict[str, Style] = {}
     patches: dict[str, str] = {}
+    head_inputs: dict[str, dict] = {}
     attention = []
     placed: set[str] = set()
-    for q in queries:
+    # (the queries' projection, its key and value beside it; a fused one's layout)
+    groups: list[tuple[str, dict[Role, str], FusedLayout | None]] = []
+    if fused is not None and fused.fused.projection in leaves:
+        refused = next((why for switch, why in fused.refused_when.items() if getattr(config, switch, False)), None)
+        if refused is not None:
+            return Derived({}, {}, refusal=refused)
+        groups.append((fused.fused.projection, {}, fused.fused.layout_for(config)))
+        roles[fused.fused.projection] = None
+        head_inputs = {path: dict(inputs) for path, inputs in fused.head_inputs.items()}
+    for q in (n for n, r in roles.items() if r == Role.QUERY):
+        groups.append((q, {r: n for n, r in roles.items()
+                           if r in (Role.KEY, Role.VALUE, Role.POSITION) and n.rpartition(".")[0] == q.rpartition(".")[0]},
+                       None))
+    if not groups:
+        return Derived({}, {}, refusal="no attention qn_hf can read (query, key, value and output projections)")
+    hidden = _in_out(leaves[groups[0][0]])[0]  # the block's width: what its queries take
+    for q, group, layout in groups:
         parent = q.rpartition(".")[0]
-        group = {r: n for n, r in roles.items()
-                 if r in (Role.KEY, Role.VALUE, Role.POSITION) and n.rpartition(".")[0] == parent}
-        if Role.KEY not in group or Role.VALUE not in group:
+        if layout is None and (Role.KEY not in group or Role.VALUE not in group):
             return Derived({}, {}, refusal=f"{q} has no key and value projection beside it")
-        # the output projection: the one under the nearest ancestor of the queries' module holding one
-        owner, outputs = parent, []
-        while True:
-            outputs = [n for n, r in roles.items() if r == Role.OUTPUT and n not in placed
-                       and (not owner or n.startswith(owner + "."))]
-            if outputs or not owner:
-                break
-            owner = owner.rpartition(".")[0]
+        owner, outputs = _output_of(roles, parent, placed)
         if len(outputs) != 1:
             return Derived({}, {}, refusal=f"the attention around {q} has no one output projection qn_hf can tell")
         module_path = _common_parent([q, outputs[0]]) if owner != parent else parent
         modules = [block.get_submodule(module_path) if module_path else block, block.get_submodule(parent)]
         head_dim = _head_dim(modules)
-        q_in, q_out = _in_out(leaves[q])
         o_in, o_out = _in_out(leaves[outputs[0]])
-        if head_dim is None or q_out % head_dim or o_in != q_out or o_out != hidden:
-            return Derived({}, {}, refusal=(f"the attention around {q} ({q_in}->{q_out}, output {o_in}->{o_out}) does not "
-                                            f"read as heads of one width"))
-        heads = q_out // head_dim
+        if head_dim is None or o_in % head_dim or o_out != hidden:
+            return Derived({}, {}, refusal=f"the attention around {q} (output {o_in}->{o_out}) does not read as heads")
+        heads = o_in // head_dim
         if heads_expected is not None and heads != heads_expected:
             return Derived({}, {}, refusal=(f"the attention around {q} has {heads} heads, the config "
                                             f"num_attention_heads={heads_expected}"))
-        kv_out = _in_out(leaves[group[Role.KEY]])[1]
-        if kv_out % head_dim or _in_out(leaves[group[Role.VALUE]])[1] != kv_out:
-            return Derived({}, {}, refusal=f"the keys and values beside {q} do not read as heads of {head_dim}")
-        kv_heads = kv_out // head_dim
-        rules[q] = Style.COLWISE
-        for name in (group[Role.KEY], group[Role.VALUE]):
-            rules[name] = Style.COLWISE if kv_heads == heads else Style.COLWISE_KV
-        if Role.POSITION in group:
-            rules[group[Role.POSITION]] = Style.COLWISE
+        q_out = _in_out(leaves[q])[1]
+        if layout is None:
+            kv_out = _in_out(leaves[group[Role.KEY]])[1]
+            if q_out != heads * head_dim or kv_out % head_dim or _in_out(leaves[group[Role.VALUE]])[1] != kv_out:
+                return Derived({}, {}, refusal=f"the queries, keys and values of {q} do not read as heads of {head_dim}")
+            kv_heads = kv_out // head_dim
+            rules[q] = Style.COLWISE
+            for name in (group[Role.KEY], group[Role.VALUE]):
+                rules[name] = Style.COLWISE if kv_heads == heads else Style.COLWISE_KV
+            if Role.POSITION in group:
+                rules[group[Role.POSITION]] = Style.COLWISE
+        else:  # a fused q|k|v: (heads + 2 kv_heads) x head_dim rows
+            if q_out % head_dim or (q_out // head_dim - heads) % 2:
+                return Derived({}, {}, refusal=f"the fused {q} ({q_out} outputs) does not read as heads of {head_dim}")
+            kv_heads = (q_out // head_dim - heads) // 2
+            rules[q] = FUSED_STYLES[layout]
         rules[outputs[0]] = Style.ROWWISE
         placed |= {q, *group.values(), outputs[0]}
-        for holder_path, holder in {module_path: modules[0], parent: modules[1]}.items():
-            for attr in sorted(_int_reads(holder) - set(NOT_COUNTS) - set(HEAD_DIM_ATTRIBUTES)):
-                value = getattr(holder, attr)
-                local = ("local_kv_groups" if attr == "num_key_value_groups" else "local_heads" if value == heads
-                         else "local_kv_heads" if value == kv_heads else "local_q_width" if value == heads * head_dim
-                         else None)
-                if local is not None:
-                    patches[join(holder_path, attr)] = local
+        patches.update(_patches({module_path: modules[0], parent: modules[1]}, heads=heads, kv_heads=kv_heads,
+                                head_dim=head_dim))
         for name, table in (modules[0].named_modules() if module_path else block.named_modules()):
+            if (position_wise(table) and any(True for _ in table.parameters())
+                    and all(p.shape[-1] == head_dim for p in table.parameters())):
+                # a norm over each head (Persimmon's q and k norms): whole on every rank, each applying it to
+                # its own heads only, so its gradients are summed over tp
+                rules[join(module_path, name)] = Style.REPLICATE_GRAD_SUM
             if isinstance(table, nn.Embedding) and table.embedding_dim == heads and heads > 1:
                 # a per-head table (T5's relative attention bias): this rank's heads' columns, looked up
                 # by the unchanged module (its output is this rank's heads, what its attention adds)
                 rules[join(module_path, name, "weight")] = Style.PARAM_ROWWISE
+        for name, param in modules[0].named_parameters(recurse=False):
+            if param.dim() == 1 and param.shape[0] == heads and heads > 1:
+                rules[join(module_path, name)] = Style.PARAM_COLWISE  # one value per head (gpt-oss's sinks)
         attention.append(module_path)
     ups = [n for n, r in roles.items() if r == Role.UP and n not in placed]
     downs = [n for n, r in roles.items() if r in (Role.DOWN, Role.OUTPUT) and n not in placed]
@@ -218,23 +266,26 @@ def derive_block(block: nn.Module, *, heads_expected: int | None = None) -> Deri
             in_f, out_f = _in_out(leaves[name])
             return Derived({}, {}, refusal=(f"{name} ({type(leaves[name]).__name__} {in_f}->{out_f}) is no projection "
                                             f"qn_hf can place"))
-    return Derived(rules, patches, attention=tuple(attention))
+    return Derived(rules, patches, attention=tuple(attention), head_inputs=head_inputs)
 
 
-def derive_structure(base: nn.Module, *, stacks: list[str], heads: int | None) -> Derived:
+def derive_structure(base: nn.Module, *, stacks: list[str], heads: int | None, fused: FusedAttention | None = None,
+                     config=None) -> Derived:
     """The tp rules of every list of blocks in ``stacks`` (paths in ``base``), each from its first block
     and applied to all (``{stack}.*.{rule}``); every block of a list must be of one class."""
     tp_plan: dict[str, Style] = {}
     patches: dict[str, str] = {}
+    head_inputs: dict[str, dict] = {}
     attention: list[str] = []
     for stack in stacks:
         blocks = list(base.get_submodule(stack))
         if len({type(b) for b in blocks}) != 1:
             return Derived({}, {}, refusal=f"the blocks of {stack} are not of one class")
-        derived = derive_block(blocks[0], heads_expected=heads)
+        derived = derive_block(blocks[0], heads_expected=heads, fused=fused, config=config)
         if derived.refusal is not None:
             return Derived({}, {}, refusal=f"{stack}.0: {derived.refusal}")
         tp_plan.update({f"{stack}.*.{n}": s for n, s in derived.tp_plan.items()})
         patches.update({f"{stack}.*.{n}": v for n, v in derived.attr_patches.items()})
+        head_inputs.update({join(f"{stack}.*", n): v for n, v in derived.head_inputs.items()})
         attention += [f"{stack}.*.{n}" if n else f"{stack}.*" for n in derived.attention]
-    return Derived(tp_plan, patches, attention=tuple(attention))
+    return Derived(tp_plan, patches, attention=tuple(attention), head_inputs=head_inputs)

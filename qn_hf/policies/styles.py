@@ -44,6 +44,7 @@ class Style(Choice):
     COLWISE_PACKED2 = "colwise_packed2"
     COLWISE_PACKED3 = "colwise_packed3"
     COLWISE_GATHER = "colwise_gather"
+    COLWISE_SHARED_KV = "colwise_shared_kv"
     ROWWISE = "rowwise"
     ROWWISE_SPLIT = "rowwise_split"
     VOCAB_COLWISE = "vocab_colwise"
@@ -97,6 +98,11 @@ TRAITS: dict[Style, Traits] = {
     Style.COLWISE_PACKED3: Traits(_L, "three fused outputs (q|k|v) each split; a rank holds q_r|k_r|v_r", _C, 3),
     Style.COLWISE_GATHER: Traits(_L, "colwise, then the output all-gathered: the module's consumers see the full "
                                      "width", _C),
+    # A multi-query fused q|k|v ([every head's queries | one key | one value]): no column split keeps a
+    # rank's queries with the key and value every head shares, so the weight stays whole on every rank
+    # and each rank computes the rows it needs; its gradients (each rank's part of the rows) are summed.
+    Style.COLWISE_SHARED_KV: Traits(_L, "multi-query fused q|k|v, whole: this rank computes its heads' query rows and "
+                                        "the shared key and value rows; gradients summed over tp", _C),
     Style.ROWWISE: Traits(_L, "input features split; output all-reduced; bias added once", _R),
     Style.ROWWISE_SPLIT: Traits(_L, "rowwise on a full (replicated) input: this rank's slice is taken first", _R),
     # The vocabulary head splits its outputs too, but as the head (padded, logits kept sharded for
@@ -148,6 +154,8 @@ WHOLE_STYLES = (Style.REPLICATE, Style.REPLICATE_GRAD_SUM, Style.REPLICATE_AFTER
 VOCAB_ROWS = (Style.VOCAB_EMBEDDING, Style.VOCAB_COLWISE)
 # Styles whose gradients tp must sum because each rank's parameter sees only its part of the input.
 REPLICATED_SUMMED = (Style.REPLICATE_GRAD_SUM, Style.REPLICATE_AFTER_ROW)
+# Linear styles whose weight stays whole on every rank, its gradient summed over tp (each rank's part).
+WHOLE_SUMMED_LINEAR = (Style.COLWISE_SHARED_KV,)
 
 # transformers' style names (``base_model_tp_plan``) -> ours. A rule that names a parameter uses the
 # ``param_*`` form of its style (``PARAM_FORM``). ``local_params`` only tells DTensor code to run

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ..comm import copy_to_group
+from ..policies.heads import attention_layout
 from ..policies.styles import (
     EMBEDDING_STYLES,
     HOOK_STYLES,
@@ -26,8 +27,8 @@ from ..policies.styles import (
     param_shard_dim,
 )
 from .embeddings import ColumnParallelEmbedding, VocabParallelEmbedding
-from .hooks import identity_expert_hooks, mla_kv_a_hooks, partial_sum_hooks
-from .layers import ColumnParallelLinear, RowParallelLinear, linear_dims
+from .hooks import head_input_hooks, identity_expert_hooks, mla_kv_a_hooks, partial_sum_hooks
+from .layers import ColumnParallelLinear, RowParallelLinear, SharedKVColumnLinear, linear_dims
 from .plan import TpPlan
 from .sequence_parallel import first_argument, with_first
 from .shard import ShardSpec, padded
@@ -57,7 +58,7 @@ def _enter_region_hook(group: ProcessGroup):
 
 
 def _parallel_leaf(module: nn.Module, style: Style, plan: TpPlan, tp_rank: int, group: ProcessGroup,
-                   entered: bool) -> nn.Module:
+                   entered: bool, head_dim: int | None = None) -> nn.Module:
     tp = plan.tp
     if style == Style.VOCAB_EMBEDDING:
         spec = ShardSpec(dim=0, tp=tp, size=module.num_embeddings, padded_size=padded(module.num_embeddings, tp))
@@ -66,6 +67,9 @@ def _parallel_leaf(module: nn.Module, style: Style, plan: TpPlan, tp_rank: int, 
         spec = ShardSpec(dim=1, tp=tp, size=module.embedding_dim)
         return ColumnParallelEmbedding.from_module(module, spec=spec, tp_rank=tp_rank, group=group)
     in_f, out_f, _, _ = linear_dims(module)
+    if style == Style.COLWISE_SHARED_KV:
+        return SharedKVColumnLinear.from_module(module, heads=plan.layout.heads, head_dim=head_dim, tp=tp,
+                                                tp_rank=tp_rank, group=group, copy_input=not entered)
     if style in (Style.ROWWISE, Style.ROWWISE_SPLIT):
         return RowParallelLinear.from_module(module, spec=ShardSpec(dim=0, tp=tp, size=in_f), tp_rank=tp_rank,
                                              group=group, split_input=style == Style.ROWWISE_SPLIT,
@@ -132,7 +136,8 @@ def apply_tp_plan(
     for name, style in leaves:
         entered = any(name.startswith(entry + ".") for entry in plan.tp_entries)
         old = model.get_submodule(name)
-        new = _parallel_leaf(old, style, plan, tp_rank, group, entered=entered)
+        head_dim = attention_layout(model.get_submodule(name.rpartition(".")[0]), plan.layout).head_dim
+        new = _parallel_leaf(old, style, plan, tp_rank, group, entered=entered, head_dim=head_dim)
         for path in aliases.get(id(old), [name]):
             _replace(model, path, new)
         swapped.update({id(param): (param, getattr(new, p)) for p, param in old.named_parameters(recurse=False)
@@ -153,6 +158,9 @@ def apply_tp_plan(
             identity_expert_hooks(module, group=group)
         elif style == Style.MLA_KV_A:
             mla_kv_a_hooks(module, group=group, rope_dim=plan.mla_rope_dim)
+    for name, inputs in plan.head_inputs:
+        head_input_hooks(model.get_submodule(name), inputs=dict(inputs), heads=plan.layout.heads, tp=plan.tp,
+                         tp_rank=tp_rank)
     for entry in plan.tp_entries if not plan.sequence_parallel else ():  # else sequence_hooks.py's gather
         model.get_submodule(entry).register_forward_pre_hook(_enter_region_hook(group), with_kwargs=True)
     for name, path, value in plan.patches:

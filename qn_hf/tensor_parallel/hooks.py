@@ -6,6 +6,7 @@ only, and where the sum happens; forward and backward are those of the comm op n
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -13,6 +14,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ..comm import copy_to_group, gather_rows_into_region, group_rank, reduce_from_group, reduce_scatter_rows
+from ..policies.fused import HeadAxis
 
 
 def _enter_all(value, group: ProcessGroup):
@@ -80,3 +82,32 @@ def mla_kv_a_hooks(module: nn.Module, *, group: ProcessGroup, rope_dim: int) -> 
         return torch.cat([passed, copy_to_group(rot, group=group)], dim=-1)
 
     module.register_forward_hook(after)
+
+
+def head_input_hooks(module: nn.Module, *, inputs: dict[str, HeadAxis], heads: int, tp: int, tp_rank: int) -> None:
+    """An attention module that takes a tensor built for every head besides the hidden states (BLOOM's and
+    MPT's ALiBi biases, made at the model level from the global head count, whose slopes depend on it):
+    the rows of this rank's heads are taken before it runs (its gradient, if any, flows to those rows).
+    ``inputs``: argument name -> where it holds the heads."""
+    names = list(inspect.signature(module.forward).parameters)
+    local = heads // tp
+    start = tp_rank * local
+
+    def take(value, axis: HeadAxis):
+        if not isinstance(value, torch.Tensor):
+            return value
+        if axis is HeadAxis.HEADS:
+            return value.narrow(0, start, local)
+        rest = value.shape[1:]
+        return value.reshape(-1, heads, *rest).narrow(1, start, local).reshape(-1, *rest)
+
+    def before(_module, args, kwargs):
+        args = list(args)
+        for name, axis in inputs.items():
+            if name in kwargs:
+                kwargs = {**kwargs, name: take(kwargs[name], axis)}
+            elif name in names and names.index(name) < len(args):
+                args[names.index(name)] = take(args[names.index(name)], axis)
+        return tuple(args), kwargs
+
+    module.register_forward_pre_hook(before, with_kwargs=True)

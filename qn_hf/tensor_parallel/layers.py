@@ -195,3 +195,45 @@ class RowParallelLinear(_ShardedProjection):
         else:
             y = reduce_from_group(partial, group=self.group)
         return y if self.bias is None else y + self.bias
+
+
+class SharedKVColumnLinear(nn.Module):
+    """A multi-query fused projection (``[heads x head_dim | head_dim | head_dim]``: every head's queries,
+    then the one key and value all heads share) on one tp rank: the whole weight, kept on every rank,
+    of which this rank computes the rows of its heads' queries and the shared key and value, in that
+    layout (``[local heads x head_dim | head_dim | head_dim]``, what the attention's forward splits with
+    its patched head count). No column split keeps the shared rows with every rank's queries, so the
+    weight is not split; each rank's gradient covers its rows, and the sum over tp (``grad_sum``) is the
+    whole gradient. Input: replicated (it enters the tp region unless its module's entry did)."""
+
+    def __init__(self, *, weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor, group: ProcessGroup,
+                 copy_input: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = None if bias is None else nn.Parameter(bias)
+        self.register_buffer("rows", rows, persistent=False)
+        self.group = group
+        self.copy_input = copy_input
+
+    @classmethod
+    def from_module(cls, module: nn.Linear, *, heads: int, head_dim: int, tp: int, tp_rank: int, group: ProcessGroup,
+                    copy_input: bool) -> SharedKVColumnLinear:
+        if module.out_features != (heads + 2) * head_dim:
+            raise ValueError(f"a multi-query fused projection holds (heads + 2) x head_dim = ({heads} + 2) x {head_dim} "
+                             f"rows, not {module.out_features}")
+        local = heads // tp
+        queries = torch.arange(tp_rank * local * head_dim, (tp_rank + 1) * local * head_dim)
+        shared = torch.arange(heads * head_dim, (heads + 2) * head_dim)
+        new = cls(weight=module.weight.data.clone(), bias=None if module.bias is None else module.bias.data.clone(),
+                  rows=torch.cat([queries, shared]).to(module.weight.device), group=group, copy_input=copy_input)
+        return _frozen_like(new, module)
+
+    def shard_specs(self) -> dict[str, ShardSpec | None]:
+        return {"weight": None, **({"bias": None} if self.bias is not None else {})}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # its rows are gathered from the weight: ZB-H1 does not defer this product's weight gradient
+        if self.copy_input:
+            x = copy_to_group(x, group=self.group)
+        bias = None if self.bias is None else self.bias.index_select(0, self.rows)
+        return nn.functional.linear(x, self.weight.index_select(0, self.rows), bias)

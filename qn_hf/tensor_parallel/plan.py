@@ -16,13 +16,14 @@ from torch import nn
 
 from ..config.options import LossKind
 from ..peft.lora import LoraLeaves, lora_rules
+from ..policies.fused import HeadAxis
 from ..policies.heads import HeadLayout, attention_layout, head_layout
 from ..policies.layer_fields import layer_values
 from ..policies.model_policy import ModelPolicy
 from ..policies.module_kinds import is_projection
 from ..policies.patterns import base_model_and_prefix, join, match_modules, match_parameters
 from ..policies.peft_names import is_lora_layer, is_param_wrapper, names_before_peft
-from ..policies.styles import COLUMN_STYLES, PARAM_STYLES, VOCAB_ROWS, Style
+from ..policies.styles import COLUMN_STYLES, PARAM_STYLES, VOCAB_ROWS, WHOLE_SUMMED_LINEAR, Style
 from ..policies.task import TaskHead, task_head
 from .rules import check_rule, check_ties, split_kv_per_module
 
@@ -53,6 +54,8 @@ class TpPlan:
     # under sequence parallelism, block children that run on the whole sequence exactly as under plain
     # tp (they mix positions and are no tp entry): gathered on the way in, this rank's slice taken out
     whole_regions: tuple[str, ...] = ()
+    # attention modules taking inputs built for every head, and where (hooks.head_input_hooks)
+    head_inputs: tuple[tuple[str, tuple[tuple[str, HeadAxis], ...]], ...] = ()
 
     @property
     def loss(self) -> LossKind | None:
@@ -72,6 +75,7 @@ class TpPlan:
             whole_input_rng_regions=tuple(n for n in self.whole_input_rng_regions if keep(n)),
             sequence_experts=tuple(n for n in self.sequence_experts if keep(n)),
             whole_regions=tuple(n for n in self.whole_regions if keep(n)),
+            head_inputs=tuple(h for h in self.head_inputs if keep(h[0])),
         )
 
 
@@ -196,7 +200,7 @@ def _grad_sum_params(model: nn.Module, rules: dict[str, Style]) -> tuple[str, ..
     params = dict(model.named_parameters())
     names: list[str] = []
     for name, style in rules.items():
-        if style == Style.REPLICATE_GRAD_SUM:
+        if style == Style.REPLICATE_GRAD_SUM or style in WHOLE_SUMMED_LINEAR:
             names += [name] if name in params else [join(name, p) for p, _ in model.get_submodule(name).named_parameters()]
     return tuple(names)
 
@@ -251,6 +255,8 @@ def build_tp_plan(model: nn.Module, policy: ModelPolicy, *, tp: int, sequence_pa
             found += [join(prefix, n) for n in names]
         return tuple(found)
 
+    head_inputs = tuple((join(prefix, name), tuple(inputs.items())) for pattern, inputs in policy.head_inputs.items()
+                        for name in match_modules(base, pattern))
     entries = regions(policy.tp_entries, "tp entry")
     entries += tuple(n for n in lora.entries if not any(n.startswith(e + ".") for e in entries))
     for entry in entries:
@@ -273,4 +279,5 @@ def build_tp_plan(model: nn.Module, policy: ModelPolicy, *, tp: int, sequence_pa
         head=head,
         base_prefix=prefix,
         mla_rope_dim=config.get_text_config().qk_rope_head_dim if mla and sharding else None,
+        head_inputs=head_inputs if sharding else (),
     )

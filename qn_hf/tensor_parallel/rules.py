@@ -9,6 +9,7 @@ from transformers.pytorch_utils import Conv1D
 
 from ..policies.embedding_types import adapter_for
 from ..policies.heads import HeadLayout, attention_layout
+from ..policies.module_kinds import plain_linear
 from ..policies.styles import (
     EMBEDDING_STYLES,
     LINEAR_STYLES,
@@ -44,10 +45,11 @@ def check_rule(model: nn.Module, name: str, style: Style, layout: HeadLayout, tp
         if width is not None and width % tp:
             raise ValueError(f"tp={tp} does not divide embedding_dim={width} of {name}")
         return
-    if type(module) not in (nn.Linear, Conv1D):
+    if not plain_linear(module):
         raise ValueError(
-            f"rule {style!r} on {name}: {type(module).__name__} is not exactly nn.Linear or Conv1D; qn_hf swaps exact "
-            f"types only, so that nothing a subclass adds is lost. Keep it whole with 'replicate' in a policy, or use tp=1")
+            f"rule {style!r} on {name}: {type(module).__name__} is not exactly nn.Linear or Conv1D (nor a subclass whose "
+            f"forward is x @ W.T + b); qn_hf swaps exact types only, so that nothing a subclass adds is lost. Keep it "
+            f"whole with 'replicate' in a policy, or use tp=1")
     if isinstance(module, Conv1D):
         in_f, out_f = module.nx, module.nf
     else:
@@ -55,6 +57,11 @@ def check_rule(model: nn.Module, name: str, style: Style, layout: HeadLayout, tp
     if style.startswith("rowwise"):
         if in_f % tp:
             raise ValueError(f"tp={tp} does not divide in_features={in_f} of {name}")
+    elif style == Style.COLWISE_SHARED_KV:
+        here = attention_layout(model.get_submodule(name.rpartition(".")[0]), layout)
+        if out_f != (here.heads + 2) * here.head_dim:
+            raise ValueError(f"{name} has {out_f} outputs, not (num_attention_heads + 2) * head_dim = "
+                             f"({here.heads} + 2) * {here.head_dim} (every head's queries, one key and one value)")
     elif style == Style.COLWISE_KV:
         here = attention_layout(model.get_submodule(name.rpartition(".")[0]), layout)  # a layer's own heads
         if out_f != here.kv_heads * here.head_dim:

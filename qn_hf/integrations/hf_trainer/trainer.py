@@ -309,16 +309,13 @@ class ParallelTrainerMixin:
         total, rows = 0.0, 0
         for inputs in dataloader:
             batch = merge_batches([inputs])
-            if is_reward_trainer(self):  # TRL's reward model: its pairwise loss, counted per pair
-                batch = paired_rows(batch)
-                loss_fn = self._loss_fn(batch, None)
-                total += self.pm.eval_step(self._rows(batch), loss_fn=loss_fn, loss_keys=self._loss_keys).item() \
-                    * rows_of(batch) // 2
-                rows += rows_of(batch) // 2
-            elif "labels" in batch:  # as one process: batches without labels give no loss
-                loss_fn = self._loss_fn(batch, count_items([batch], shifts_labels=self._loss_shifts_labels))
-                total += self.pm.eval_step(self._rows(batch), loss_fn=loss_fn).item() * rows_of(batch)
-                rows += rows_of(batch)
+            reward = is_reward_trainer(self)  # TRL's reward model: its pairwise loss, counted per pair
+            if reward or "labels" in batch:  # as one process: batches without labels give no loss
+                batch = paired_rows(batch) if reward else batch
+                count = None if reward else count_items([batch], shifts_labels=self._loss_shifts_labels)
+                step = self.pm.eval_step(self._rows(batch), loss_fn=self._loss_fn(batch, count), loss_keys=self._loss_keys)
+                total += step.item() * (rows_of(batch) // 2 if reward else rows_of(batch))
+                rows += rows_of(batch) // 2 if reward else rows_of(batch)
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
         metrics = {f"{metric_key_prefix}_loss": total / rows} if rows else {}
         if description == "Prediction":

@@ -1,0 +1,96 @@
+"""The rules that derive a model's body where transformers declares no plan (policies/body.py,
+structure.py, stack_cut.py, fused.py), each read off a shrunk meta-device model: no process, no weights.
+Whether each derived plan trains equal to the plain model is tests/test_any_model.py's and the zoo's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers import CONFIG_MAPPING
+
+from qn_hf.check.shrink import shrink_config
+from qn_hf.policies import resolve_policy
+from qn_hf.policies.structure import Role, role_of
+
+
+def _policy(model_type: str, cls: str, **overrides):
+    with torch.device("meta"):
+        model = getattr(transformers, cls)(shrink_config(CONFIG_MAPPING[model_type](**overrides)))
+    return resolve_policy(model, None)
+
+
+@pytest.mark.parametrize(("path", "role"), [
+    ("attention.self.query", Role.QUERY), ("self_attn.k_proj", Role.KEY), ("layer.0.SelfAttention.v", Role.VALUE),
+    ("attention.output.dense", Role.OUTPUT), ("output.dense", Role.DOWN), ("intermediate.dense", Role.UP),
+    ("attn.c_proj", Role.OUTPUT), ("mlp.c_proj", Role.DOWN), ("DenseReluDense.wi_0", Role.UP), ("mixer.x_proj", None),
+])
+def test_projection_roles_are_read_from_their_names(path, role):
+    assert role_of(path) == role
+
+
+@pytest.mark.parametrize(("model_type", "cls", "overrides", "rules", "patches"), [
+    ("bert", "BertModel", {}, {"encoder.layer.*.attention.self.query": "colwise",
+                               "encoder.layer.*.attention.output.dense": "rowwise",
+                               "encoder.layer.*.output.dense": "rowwise"}, {}),
+    ("t5", "T5ForConditionalGeneration", {},
+     {"encoder.block.*.layer.0.SelfAttention.relative_attention_bias.weight": "param_rowwise",
+      "decoder.block.*.layer.1.EncDecAttention.o": "rowwise"},
+     {"encoder.block.*.layer.0.SelfAttention.n_heads": "local_heads"}),
+    ("deberta-v2", "DebertaV2Model", {}, {}, {"encoder.layer.*.attention.self.num_attention_heads": "local_heads"}),
+    ("xglm", "XGLMModel", {}, {}, {"layers.*.self_attn.embed_dim": "local_q_width"}),
+    ("bloom", "BloomModel", {}, {"h.*.self_attention.query_key_value": "colwise"},
+     {"h.*.self_attention.num_heads": "local_heads"}),
+    ("falcon", "FalconModel", {}, {"h.*.self_attention.query_key_value": "colwise_shared_kv"}, {}),
+    ("falcon", "FalconModel", {"new_decoder_architecture": True, "num_kv_heads": 2},
+     {"h.*.self_attention.query_key_value": "colwise"}, {"h.*.self_attention.num_kv_heads": "local_kv_heads"}),
+    ("mpt", "MptModel", {}, {"blocks.*.attn.Wqkv": "colwise_packed3"}, {"blocks.*.attn.n_heads": "local_heads"}),
+    ("persimmon", "PersimmonModel", {}, {"layers.*.self_attn.q_layernorm": "replicate_grad_sum"}, {}),
+    ("gpt_oss", "GptOssModel", {}, {"layers.*.self_attn.sinks": "param_colwise"}, {}),
+])
+def test_tensor_parallel_rules_derived_from_the_structure(model_type, cls, overrides, rules, patches):
+    policy = _policy(model_type, cls, **overrides)
+    assert policy.tp_refusal is None
+    for pattern, style in rules.items():
+        assert policy.tp_plan[pattern] == style, (pattern, policy.tp_plan)
+    for pattern, value in patches.items():
+        assert policy.attr_patches[pattern] == value, (pattern, policy.attr_patches)
+
+
+def test_per_head_inputs_of_fused_architectures():
+    assert dict(_policy("bloom", "BloomModel").head_inputs) == {"h.*.self_attention": {"alibi": "batch x heads"}}
+    assert dict(_policy("mpt", "MptModel").head_inputs) == {"blocks.*.attn": {"position_bias": "heads"}}
+
+
+@pytest.mark.parametrize(("model_type", "cls", "why"), [
+    ("codegen", "CodeGenModel", r"no attention qn_hf can read"),  # its qkv_proj: 4 interleaved blocks
+    ("falcon", "FalconModel", r"folds the ALiBi slopes"),
+    ("ctrl", "CTRLModel", r"no attention qn_hf can read"),
+])
+def test_what_the_derivation_cannot_read_refuses_tp_naming_it(model_type, cls, why):
+    import re
+
+    policy = _policy(model_type, cls, **({"alibi": True} if model_type == "falcon" else {}))
+    assert policy.tp_refusal is not None and re.search(why, policy.tp_refusal), policy.tp_refusal
+
+
+@pytest.mark.parametrize(("model_type", "cls", "entry", "first", "last", "receive"), [
+    ("bert", "BertForSequenceClassification", "embeddings", {}, {"pooler": "identity"}, False),
+    ("bloom", "BloomForCausalLM", "word_embeddings", {"word_embeddings_layernorm": "identity"},
+     {"ln_f": "identity"}, False),
+    ("gpt_neo", "GPTNeoForCausalLM", "wte", {"wpe": "zeros"}, {"ln_f": "identity"}, True),
+    ("electra", "ElectraForMaskedLM", "embeddings", {"embeddings_project": "identity"}, {}, False),
+    ("opt", "OPTForCausalLM", "decoder.embed_tokens", {"decoder.embed_positions": "zeros",
+                                                       "decoder.project_in": "identity"},
+     {"decoder.final_layer_norm": "identity", "decoder.project_out": "identity"}, False),
+])
+def test_pipeline_cut_points_read_from_the_forwards(model_type, cls, entry, first, last, receive):
+    policy = _policy(model_type, cls)
+    assert policy.pp_refusal is None, policy.pp_refusal
+    assert (policy.pp_entry, dict(policy.pp_first), dict(policy.pp_last), policy.pp_receive_at_blocks) == \
+        (entry, first, last, receive)
+
+
+def test_a_stack_whose_forward_reshapes_the_embedding_refuses_pp():
+    policy = _policy("swin", "SwinForImageClassification")
+    assert "changes the embedding (embeddings, a SwinEmbeddings)" in policy.pp_refusal
