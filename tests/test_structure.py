@@ -156,8 +156,8 @@ def _option_enums() -> tuple[type, ...]:
     from qn_hf.pipeline.nccl_replay import Step, Work
     from qn_hf.pipeline.schedule import Op
     from qn_hf.planner.calibration import Link
-    from qn_hf.policies.model_policy import StandIn
     from qn_hf.policies.fused import FusedLayout, HeadAxis
+    from qn_hf.policies.model_policy import StandIn
     from qn_hf.policies.structure import Role
     from qn_hf.policies.styles import Style
 
