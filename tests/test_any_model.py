@@ -138,3 +138,24 @@ def test_a_fused_layout_qn_hf_cannot_split_is_refused(worlds):
     verdict = worlds.run(2, any_model_cases.head_step, model_type="falcon", cls="FalconForCausalLM", tp=2,
                          overrides={"alibi": True}, steps=1)[0]
     assert verdict["verdict"] == "refused" and "ALiBi slopes of all heads into the attention mask" in verdict["reason"]
+
+
+@pytest.mark.parametrize(("model_type", "cls", "mesh"), [
+    ("t5", "T5ForConditionalGeneration", dict(pp=2)),  # the encoder on one stage, the decoder on the other
+    ("bart", "BartForConditionalGeneration", dict(pp=4)),  # each stack cut in two; the encoder's output carried
+    ("t5", "T5ForConditionalGeneration", dict(dp=2, pp=2, recompute="full")),
+    ("bart", "BartForConditionalGeneration", dict(tp=2, pp=2)),
+    ("t5", "T5ForConditionalGeneration", dict(pp=2, microbatches=4, schedule="zb_h1")),
+    ("bart", "BartForConditionalGeneration", dict(pp=2, microbatches=3, schedule="gpipe")),
+])
+def test_encoder_decoder_pipelines(worlds, model_type, cls, mesh):
+    size = mesh.get("dp", 1) * mesh.get("tp", 1) * mesh["pp"]
+    verdict = worlds.run(size, any_model_cases.head_step, model_type=model_type, cls=cls, **mesh)[0]
+    assert verdict["verdict"] == "equal", verdict
+
+
+def test_a_stack_that_carries_more_than_its_hidden_states_is_not_cut(worlds):
+    """T5's first block of each stack makes the position biases every later block reuses: pp=4 would cut a
+    stack, pp=2 keeps each whole."""
+    verdict = worlds.run(4, any_model_cases.head_step, model_type="t5", cls="T5ForConditionalGeneration", pp=4)[0]
+    assert verdict["verdict"] == "refused" and "position_bias" in verdict["reason"] and "use pp=2" in verdict["reason"]

@@ -176,7 +176,20 @@ def _dropout_streams(b: Build) -> None:
 
 
 def _recompute(b: Build) -> None:
-    apply_recompute(b.model, recompute=b.config.recompute, layers=b.stage_plan.layers, rng=b.rng)
+    for layers in _held_lists(b):
+        apply_recompute(b.model, recompute=b.config.recompute, layers=layers, rng=b.rng)
+
+
+def _held_lists(b: Build) -> list[str]:
+    """The lists of blocks this stage holds blocks of (an encoder-decoder stage holds one of its two)."""
+    return [name for name in b.stage_plan.block_lists if isinstance(_module_or_none(b.model, name), nn.ModuleList)]
+
+
+def _module_or_none(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def _split_backward(b: Build) -> None:
@@ -187,7 +200,7 @@ def _split_backward(b: Build) -> None:
 def _shard_data_parallel(b: Build) -> None:
     # a stage's own blocks under a pipeline; else every stack's repeated blocks (an encoder's and a
     # decoder's, a vision and a text tower's), the whole model being the root group without any
-    blocks = (list(b.model.get_submodule(b.stage_plan.layers)) if b.config.dims.pp > 1
+    blocks = ([block for layers in _held_lists(b) for block in b.model.get_submodule(layers)] if b.config.dims.pp > 1
               else repeated_blocks(b.model))
     experts = list(sharded_experts(b.model).values()) if b.config.dims.ep > 1 else []
     b.sharded = ShardedParameters(b.model, mesh=b.groups.shard_mesh, blocks=blocks, compute_dtype=b.precision,

@@ -106,14 +106,15 @@ def _compare(pm, ref: torch.nn.Module, out_dir: str) -> list[tuple[str, float]]:
 
 def parity_config(*, dp: int = 1, tp: int = 1, pp: int = 1, microbatches: int | None = None, ep: int = 1,
                   cp: int = 1, dp_shard: int = 1, sequence_parallel: bool = False, virtual_stages: int = 1,
-                  recompute: str | None = None) -> ParallelConfig:
+                  recompute: str | None = None, schedule: str | None = None) -> ParallelConfig:
     """The ``ParallelConfig`` the check runs at (or the ``ValueError`` that refuses it): ``pp`` x
-    ``virtual_stages`` microbatches unless given, interleaved 1F1B when ``virtual_stages`` > 1."""
+    ``virtual_stages`` microbatches unless given, ``schedule`` or else interleaved 1F1B when
+    ``virtual_stages`` > 1, 1F1B otherwise."""
     return ParallelConfig.from_keywords(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, dp_shard=dp_shard,
                                         microbatches=microbatches or max(1, pp * virtual_stages),
                                         sequence_parallel=sequence_parallel, virtual_stages=virtual_stages,
                                         recompute=recompute,
-                                        schedule="interleaved_1f1b" if virtual_stages > 1 else "1f1b")
+                                        schedule=schedule or ("interleaved_1f1b" if virtual_stages > 1 else "1f1b"))
 
 
 def one_step_parity(*, config: dict, parallel: ParallelConfig | None = None, seed: int = 0, mesh=None,

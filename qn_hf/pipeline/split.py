@@ -19,6 +19,8 @@ from ..policies.model_policy import ModelPolicy
 from ..policies.patterns import base_model_and_prefix, join
 from ..policies.task import task_head
 from .schedule import Op, chunks_of, rank_of_chunk
+from .seq2seq import Seq2SeqStages, split_stacks
+from .seq2seq import chunk_of as seq2seq_chunk
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,15 @@ class StagePlan:
     every_stage: tuple[str, ...] = ()
     # of those, the ones whose output packs one part per block (ModelPolicy.pp_per_block_outputs)
     per_block: tuple[str, ...] = ()
+    # an encoder-decoder: encoder chunks, then decoder chunks (seq2seq.py); ``layers`` is then the decoder's
+    seq2seq: Seq2SeqStages | None = None
+
+    @property
+    def block_lists(self) -> tuple[str, ...]:
+        """Every list of blocks a stage may hold blocks of (an encoder-decoder's two)."""
+        if self.seq2seq is not None:
+            return (self.seq2seq.encoder_layers, self.seq2seq.decoder_layers)
+        return () if self.layers is None else (self.layers,)
 
     @property
     def chunks(self) -> int:
@@ -118,6 +129,9 @@ def build_stage_plan(
                              f"stages; use pp=1")
         return StagePlan(stages=1, layer_ranges=((0, 0),), layers=None, entry=None, first_only=(), last_only=(),
                          heads=tuple(heads), entry_reads=(), ties=())
+    if stages > 1 and policy.pp_seq2seq is not None:
+        return _seq2seq_plan(model, policy, prefix=prefix, stages=stages, layers_per_stage=layers_per_stage,
+                             virtual=virtual)
     layers = base.get_submodule(policy.layers)
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(f"policy {policy.model_type}: layers {policy.layers!r} is not a ModuleList")
@@ -179,10 +193,31 @@ def build_stage_plan(
     return StagePlan(**{**plan.__dict__, "ties": _cross_stage_ties(model, plan)})
 
 
+def _seq2seq_plan(model: nn.Module, policy: ModelPolicy, *, prefix: str, stages: int, layers_per_stage,
+                  virtual: int) -> StagePlan:
+    """An encoder-decoder's pipeline (seq2seq.py): encoder stages, then decoder stages."""
+    cut = policy.pp_seq2seq
+    placed = {join(prefix, n) for n in (cut.encoder, cut.decoder, *cut.shared)}
+    heads = tuple(n for n, _ in model.named_modules() if n and "." not in n and n not in placed
+                  and (not prefix or n != prefix) and any(True for _ in model.get_submodule(n).parameters()))
+    heads += tuple(join(prefix, n) for n, m in model.get_submodule(prefix).named_children()
+                   if join(prefix, n) not in placed and any(True for _ in m.parameters())) if prefix else ()
+    stacks, ranges = split_stacks(cut, prefix=prefix, encoder_blocks=len(model.get_submodule(join(prefix, cut.encoder_layers))),
+                                  decoder_blocks=len(model.get_submodule(join(prefix, cut.decoder_layers))), stages=stages,
+                                  layers_per_stage=layers_per_stage, virtual=virtual, heads=heads)
+    plan = StagePlan(stages=stages, layer_ranges=ranges, layers=stacks.decoder_layers, entry=None, first_only=(),
+                     last_only=(), heads=heads, entry_reads=(), ties=(), every_stage=stacks.shared, seq2seq=stacks)
+    _check_assignment(model, plan, policy)
+    return StagePlan(**{**plan.__dict__, "ties": _cross_stage_ties(model, plan)})
+
+
 def chunk_of_module(plan: StagePlan, name: str) -> int | None:
     """The chunk a module (by its path in the top model) belongs to; None: every chunk."""
     def under(root: str) -> bool:
         return name == root or name.startswith(root + ".")
+
+    if plan.seq2seq is not None:
+        return seq2seq_chunk(plan.seq2seq, name, chunks=plan.chunks, layer_ranges=plan.layer_ranges)
 
     if any(under(n) for n in plan.every_stage):
         return None

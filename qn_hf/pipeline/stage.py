@@ -44,6 +44,8 @@ from transformers.utils import ModelOutput
 
 from ..policies.model_policy import StandIn as StandInKind
 from ..policies.patterns import base_model_and_prefix
+from .seq2seq import run_chunk
+from .seq2seq import stage_modules as seq2seq_stage_modules
 from .split import StagePlan
 from .stage_config import cut_layer_lists
 from .standins import BlockRotation, Injector, PassThrough, mirror_reads, standin_for
@@ -140,6 +142,8 @@ class StageModules:
         base model's ``last_hidden_state``: no head runs before the last chunk); the last chunk
         returns the HF model's outputs, for the loss. ``kwargs`` go to the HF forward as they are."""
         chunk = self.stage if chunk is None else chunk
+        if self.plan.seq2seq is not None:  # encoder stages, then decoder stages (seq2seq.py)
+            return run_chunk(self, self.plan.seq2seq, chunk=chunk, inputs=inputs, received=received, kwargs=kwargs)
         with self.view(chunk):
             if self.injector is not None:
                 self.injector.pending = self.wire.into(received) if chunk > 0 else None
@@ -193,6 +197,8 @@ def apply_stage(model: nn.Module, plan: StagePlan, *, stage: int) -> StageModule
     base = base_model_and_prefix(model)[0]
     if plan.stages == 1:
         return StageModules(stage=0, stages=1, injector=None, config=config, model=model, base=base, plan=plan)
+    if plan.seq2seq is not None:
+        return _seq2seq_stage(model, plan, stage=stage, config=config, base=base)
     layers = model.get_submodule(plan.layers)
     chunks = plan.chunks_of(stage)
     kept = nn.ModuleList()
@@ -244,3 +250,23 @@ def apply_stage(model: nn.Module, plan: StagePlan, *, stage: int) -> StageModule
                                  if chunk != owners[path] and owners[path] in chunks)
     return StageModules(stage=stage, stages=plan.stages, injector=injector, config=config, model=model, base=base,
                         plan=plan, views=views, rotation=rotation)
+
+
+def _seq2seq_stage(model: nn.Module, plan: StagePlan, *, stage: int, config: object, base: nn.Module) -> StageModules:
+    """One stage of an encoder-decoder pipeline (seq2seq.py), its entry's stand-in made as above: an
+    ``Injector``, or zeros with the received activation entering at the stage's first block."""
+    def injector_for(cut, entry: nn.Module) -> Injector:
+        injector = Injector()
+        standin = standin_for(StandInKind.ZEROS, entry) if cut.receive_at_blocks else injector
+        if cut.receive_at_blocks:
+            _, layers, _ = plan.seq2seq.stack_of(stage)
+            first = getattr(model.get_submodule(layers), str(plan.layer_ranges[stage][0]))
+            first.register_forward_pre_hook(injector.into_block, with_kwargs=True)
+        mirror_reads(standin, entry, cut.entry_reads)
+        _replace(model, cut.entry, standin)
+        return injector
+
+    injector = seq2seq_stage_modules(model, plan.seq2seq, chunk=stage, layer_ranges=plan.layer_ranges,
+                                     replace=lambda path, module: _replace(model, path, module), injector_for=injector_for)
+    return StageModules(stage=stage, stages=plan.stages, injector=injector, config=config, model=model, base=base,
+                        plan=plan)

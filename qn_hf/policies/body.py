@@ -14,13 +14,13 @@ import inspect
 from torch import nn
 from torch.nn.utils.parametrize import ParametrizationList
 
-from .derive import kv_key, relative_name
+from .derive import carried_between_blocks, kv_key, relative_name
 from .embedding_types import adapter_for
 from .entries import derive_entries
 from .fused import FUSED
 from .model_policy import ModelPolicy
 from .patterns import base_model_and_prefix
-from .stack_cut import stack_cut
+from .stack_cut import seq2seq_cut, stack_cut
 from .structure import derive_structure
 from .styles import COLUMN_STYLES, Style
 
@@ -92,8 +92,12 @@ def body_policy(model: nn.Module) -> ModelPolicy:
     entry, first, last, reads, pp_refusal = None, {}, {}, (), None
     embeddings = input_embeddings(model)
     name = relative_name(base, embeddings) if isinstance(embeddings, nn.Module) else None
-    receive = False
-    if layers is None:
+    receive, seq2seq = False, None
+    if getattr(config, "is_encoder_decoder", False) and layers is not None:
+        seq2seq = seq2seq_cut(model, base, lists=block_lists, embeddings=_embeddings_path,
+                              carried=lambda module, found: carried_between_blocks(module, layers=found))
+        pp_refusal, seq2seq = (seq2seq, None) if isinstance(seq2seq, str) else (None, seq2seq)
+    elif layers is None:
         pp_refusal = "no list of repeated blocks was found in the model to cut into stages"
     else:
         cut = stack_cut(base, layers=layers, embeddings=name)
@@ -119,6 +123,7 @@ def body_policy(model: nn.Module) -> ModelPolicy:
         transformers_plan=True,
         tp_refusal=tp_refusal,
         head_inputs=head_inputs,
+        pp_seq2seq=seq2seq,
         pp_refusal=pp_refusal,
     )
 
@@ -150,6 +155,11 @@ def _tensor_parallel(model: nn.Module, base: nn.Module, embeddings: str | None):
     columns = {p for p, style in tp_plan.items() if style in COLUMN_STYLES}
     entries = derive_entries(base, sorted({p.rpartition(".")[0] for p in columns} | set(derived.attention)), columns)
     return tp_plan, derived.attr_patches, entries, derived.attention, None, derived.head_inputs
+
+
+def _embeddings_path(module: nn.Module) -> str | None:
+    found = input_embeddings(module)
+    return relative_name(module, found) if found is not None else None
 
 
 def input_embeddings(model: nn.Module) -> nn.Module | None:

@@ -153,6 +153,16 @@ def carried_between_blocks(base: nn.Module, *, layers: str) -> list[str]:
     results = [n for n in ast.walk(loop) if isinstance(n, ast.Assign) and n.value is call
                and isinstance(n.targets[0], ast.Tuple)]
     names = {e.id for r in results for e in r.targets[0].elts[1:] if isinstance(e, ast.Name)}
+    # and the names the loop copies them into (T5: position_bias = self_attention_position_bias)
+    copies = [(t.id, n.value.id) for n in ast.walk(loop) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Name)
+              for t in n.targets if isinstance(t, ast.Name)]
+    grown = True
+    while grown:
+        grown = False
+        for target, source in copies:
+            if source in names and target not in names:
+                names.add(target)
+                grown = True
     read = {n.id for n in ast.walk(call) if isinstance(n, ast.Name)}
     return sorted(names & read)
 

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..arguments import Choice
 from ..config.options import LossKind
 from .fused import HeadAxis
 from .heads import LAYOUT_VALUES
 from .styles import STYLES, Style
+
+if TYPE_CHECKING:  # stack_cut.py reads this module's StandIn
+    from .stack_cut import Seq2SeqCut
 
 
 class StandIn(Choice):
@@ -103,6 +107,8 @@ class ModelPolicy:
     pp_per_block_outputs: tuple[str, ...] = ()
     pp_kv_sharing: tuple[str, str, str] | None = None  # (config list of per-layer modes, store, reuse)
     pp_refusal: str | None = None
+    # an encoder-decoder: its two stacks, encoder stages then decoder stages (stack_cut.Seq2SeqCut)
+    pp_seq2seq: Seq2SeqCut | None = None
 
     def __post_init__(self) -> None:
         for pattern, style in {**self.tp_plan, **self.head_plan}.items():

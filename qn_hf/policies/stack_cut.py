@@ -141,12 +141,13 @@ def _plain_chain(level: _Level, entry: str | None) -> dict[str, StandIn] | None:
     own = level.tree.args.args[1].arg if len(level.tree.args.args) > 1 else None
     children = dict(holder.named_children())
 
-    def table(node: ast.expr) -> str | None:
+    def table(node: ast.expr, seen: frozenset[str] = frozenset()) -> str | None:
         """The nn.Embedding child whose lookup ``node`` is (directly, or a name holding only that)."""
         node = _moved(node)
         if isinstance(node, ast.Name):
-            values = assigned.get(node.id, [])
-            found = {table(v) for v in values}
+            if node.id in seen:  # a name assigned from itself (hidden = hidden + ...): no lookup alone
+                return None
+            found = {table(v, seen | {node.id}) for v in assigned.get(node.id, [])}
             return found.pop() if len(found) == 1 and None not in found else None
         path = self_path(node.func) if isinstance(node, ast.Call) else None
         return path if path in children and path != entry and isinstance(children[path], nn.Embedding) else None
@@ -263,7 +264,11 @@ def stack_cut(base: nn.Module, *, layers: str, embeddings: str | None) -> StackC
     if all(chain is not None for chain in chains):
         stand_ins = {join(level.path, name): kind
                      for level, chain in zip(levels[entry_level:], chains) for name, kind in chain.items()}
-        if set(first) <= set(stand_ins):
+        # a stand-in must not be used after the blocks too (T5's dropout runs on both sides): there the
+        # last stage needs the real module
+        after = {join(level.path, name) for level in levels for name, lines in self_references(level.tree).items()
+                 if lines and max(line for line, _ in lines) > max(line for line, _ in self_references(level.tree)[level.down])}
+        if set(first) <= set(stand_ins) and not set(stand_ins) & after:
             return StackCut(entry=entry, first=stand_ins, last=last, entry_reads=tuple(sorted(reads)))
     if not isinstance(base.get_submodule(entry), nn.Embedding):
         return (f"the forward changes the embedding ({entry}, a {type(base.get_submodule(entry)).__name__}) before the "
@@ -274,3 +279,68 @@ def stack_cut(base: nn.Module, *, layers: str, embeddings: str | None) -> StackC
                                                                       and module.in_features == module.out_features)):
             return f"{name} ({type(module).__name__}) runs before the blocks and changes the width of what they take"
     return StackCut(entry=entry, first=first, last=last, entry_reads=tuple(sorted(reads)), receive_at_blocks=True)
+
+
+@dataclass(frozen=True)
+class Seq2SeqCut:
+    """An encoder-decoder's two stacks for a pipeline of encoder stages, then decoder stages (paths
+    from the base model). Each stack's ``cut`` says how a later stage of it receives (None: the stack
+    cannot be split, ``why``; it then runs whole on one stage). ``carried``: what a stack's blocks
+    hand each other besides the hidden states (T5's position biases, made by its first block), which
+    no boundary carries, so such a stack is never split. ``shared``: the modules holding the input
+    embedding's weight that both stacks (and a tied head) use: real on every stage, their gradients
+    summed over the pipeline."""
+
+    encoder: str
+    decoder: str
+    encoder_layers: str
+    decoder_layers: str
+    encoder_cut: StackCut | None
+    decoder_cut: StackCut | None
+    encoder_why: str = ""
+    decoder_why: str = ""
+    shared: tuple[str, ...] = ()
+
+
+def _prefixed(cut: StackCut, prefix: str) -> StackCut:
+    return StackCut(entry=join(prefix, cut.entry), first={join(prefix, k): v for k, v in cut.first.items()},
+                    last={join(prefix, k): v for k, v in cut.last.items()}, entry_reads=cut.entry_reads,
+                    receive_at_blocks=cut.receive_at_blocks)
+
+
+def seq2seq_cut(model: nn.Module, base: nn.Module, *, lists, embeddings, carried) -> Seq2SeqCut | str:
+    """The two stacks of an encoder-decoder (``config.is_encoder_decoder``, ``get_encoder``/``get_decoder``)
+    and how each may be split (``stack_cut`` on each), or why it cannot be cut into stages at all.
+    ``lists``, ``embeddings`` and ``carried`` are body.py's finders: a module's lists of blocks, its input
+    embedding's path, and what its blocks carry over."""
+    try:
+        encoder, decoder = model.get_encoder(), model.get_decoder()
+    except (AttributeError, NotImplementedError, TypeError):
+        return "it names no encoder and decoder (get_encoder, get_decoder)"
+    paths = {id(m): n for n, m in base.named_modules()}
+    if id(encoder) not in paths or id(decoder) not in paths or encoder is decoder:
+        return "its encoder and decoder are not two modules of its base model"
+    stacks = []
+    for module in (encoder, decoder):
+        found = lists(module)
+        if not found:
+            return f"its {type(module).__name__} holds no list of blocks"
+        layers = found[0]
+        why = ""
+        if carried(module, layers):
+            why = (f"its blocks hand each other {', '.join(carried(module, layers))} besides the hidden states (made by "
+                   f"the first block), which no stage boundary carries")
+            cut = None
+        else:
+            cut = stack_cut(module, layers=layers, embeddings=embeddings(module))
+            if isinstance(cut, str):
+                cut, why = None, cut
+        stacks.append((paths[id(module)], layers, cut, why))
+    (enc, enc_layers, enc_cut, enc_why), (dec, dec_layers, dec_cut, dec_why) = stacks
+    weight = getattr(model.get_input_embeddings(), "weight", None) if hasattr(model, "get_input_embeddings") else None
+    shared = tuple(n for n, m in base.named_modules() if weight is not None and getattr(m, "weight", None) is weight
+                   and not n.startswith((enc + ".", dec + ".")))
+    return Seq2SeqCut(encoder=enc, decoder=dec, encoder_layers=join(enc, enc_layers), decoder_layers=join(dec, dec_layers),
+                      encoder_cut=_prefixed(enc_cut, enc) if enc_cut else None,
+                      decoder_cut=_prefixed(dec_cut, dec) if dec_cut else None,
+                      encoder_why=enc_why, decoder_why=dec_why, shared=shared)

@@ -22,6 +22,7 @@ from ..config.parallel_config import ParallelConfig
 from ..context_parallel.apply import check_context_parallel
 from ..expert_parallel.apply import check_expert_parallel, expert_parallel_plan, expert_tp_blocks, token_wise_blocks
 from ..memory.recompute import check_recompute
+from ..pipeline.seq2seq import check_seq2seq_pipeline
 from ..pipeline.split import StagePlan, build_stage_plan
 from ..policies import resolve_policy
 from ..policies.model_policy import ModelPolicy
@@ -58,7 +59,11 @@ def check_parallel_config(model: nn.Module, config: ParallelConfig | None = None
                                   virtual=config.virtual_stages)
     check_compile(model, compile=config.compile, schedule=config.schedule, cp=dims.cp, ep=dims.ep,
                   layers=stage_plan.layers)
-    check_recompute(model, recompute=config.recompute, layers=stage_plan.layers)
+    for layers in stage_plan.block_lists or (None,):
+        check_recompute(model, recompute=config.recompute, layers=layers)
+    if stage_plan.seq2seq is not None:
+        check_seq2seq_pipeline(stage_plan.seq2seq, dp_shard=dims.dp_shard, compile=config.compile,
+                               sequence_parallel=config.sequence_parallel, stages=dims.pp)
     check_context_parallel(model, cp=dims.cp, plan=tp_plan)
     check_expert_parallel(model, dims=dims, plan=tp_plan)
     tp_plan = expert_parallel_plan(model, tp_plan, ep=dims.ep)
