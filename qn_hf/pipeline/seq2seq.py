@@ -106,15 +106,14 @@ def split_stacks(cut: Seq2SeqCut, *, prefix: str, encoder_blocks: int, decoder_b
 def check_seq2seq_pipeline(stacks: Seq2SeqStages, *, dp_shard: int, compile: bool, sequence_parallel: bool,
                            stages: int) -> None:
     """What an encoder-decoder pipeline does not compose with yet, each refused with its reason."""
-    refused = {"dp_shard": (dp_shard > 1, f"dp_shard={dp_shard}: FSDP's hooks under a pipeline enter through the task "
-                                          f"model, which an encoder stage does not run"),
-               "compile": (compile, "compile=True: the stacks' blocks are compiled for decoder-only stages only"),
-               "sequence_parallel": (sequence_parallel, "sequence_parallel=True: the decoder stages send the decoder's "
-                                                         "and the encoder's sequences joined, which no tp rank splits")}
-    for name, (on, why) in refused.items():
+    refused = [(dp_shard > 1, f"dp_shard={dp_shard}: FSDP's hooks under a pipeline enter through the task model, "
+                              f"which an encoder stage does not run", "dp_shard=1"),
+               (compile, "compile=True: the stacks' blocks are compiled for decoder-only stages only", "compile=False"),
+               (sequence_parallel, "sequence_parallel=True: the decoder stages send the decoder's and the encoder's "
+                                   "sequences joined, which no tp rank splits", "sequence_parallel=False")]
+    for on, why, fix in refused:
         if on:
-            raise ValueError(f"pp={stages} over an encoder-decoder with {why}; use {name}="
-                             f"{'1' if name == 'dp_shard' else 'False'} or pp=1")
+            raise ValueError(f"pp={stages} over an encoder-decoder with {why}; use {fix} or pp=1")
 
 
 def _even(blocks: int, parts: int) -> list[int]:

@@ -7,24 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from ..arguments import Choice
 from ..config.options import LossKind
+from .cuts import Seq2SeqCut, StandIn
 from .fused import HeadAxis
 from .heads import LAYOUT_VALUES
 from .styles import STYLES, Style
-
-if TYPE_CHECKING:  # stack_cut.py reads this module's StandIn
-    from .stack_cut import Seq2SeqCut
-
-
-class StandIn(Choice):
-    """What a module of the first or last stage only becomes on the other stages."""
-
-    ZEROS = "zeros"  # an embedding whose output is added to the received activation (GPT-2's wpe)
-    IDENTITY = "identity"  # passes the activation through (dropout after the embedding, the final norm)
-
 
 STANDINS = StandIn.values()
 

@@ -24,26 +24,15 @@ Anything else is a refusal naming it.
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torch import nn
 
+from .cuts import Seq2SeqCut, StackCut, StandIn
 from .derive import block_call
 from .entries import forward_tree, self_path, self_references
-from .model_policy import StandIn
 from .module_kinds import position_wise
 from .patterns import join
-
-
-@dataclass(frozen=True)
-class StackCut:
-    """The pipeline's cut points of a base model, as ``ModelPolicy`` names them (paths from the base)."""
-
-    entry: str
-    first: dict[str, StandIn] = field(default_factory=dict)
-    last: dict[str, StandIn] = field(default_factory=dict)
-    entry_reads: tuple[str, ...] = ()
-    receive_at_blocks: bool = False
 
 
 @dataclass(frozen=True)
@@ -279,27 +268,6 @@ def stack_cut(base: nn.Module, *, layers: str, embeddings: str | None) -> StackC
                                                                       and module.in_features == module.out_features)):
             return f"{name} ({type(module).__name__}) runs before the blocks and changes the width of what they take"
     return StackCut(entry=entry, first=first, last=last, entry_reads=tuple(sorted(reads)), receive_at_blocks=True)
-
-
-@dataclass(frozen=True)
-class Seq2SeqCut:
-    """An encoder-decoder's two stacks for a pipeline of encoder stages, then decoder stages (paths
-    from the base model). Each stack's ``cut`` says how a later stage of it receives (None: the stack
-    cannot be split, ``why``; it then runs whole on one stage). ``carried``: what a stack's blocks
-    hand each other besides the hidden states (T5's position biases, made by its first block), which
-    no boundary carries, so such a stack is never split. ``shared``: the modules holding the input
-    embedding's weight that both stacks (and a tied head) use: real on every stage, their gradients
-    summed over the pipeline."""
-
-    encoder: str
-    decoder: str
-    encoder_layers: str
-    decoder_layers: str
-    encoder_cut: StackCut | None
-    decoder_cut: StackCut | None
-    encoder_why: str = ""
-    decoder_why: str = ""
-    shared: tuple[str, ...] = ()
 
 
 def _prefixed(cut: StackCut, prefix: str) -> StackCut:

@@ -1,0 +1,47 @@
+"""The vocabulary of pipeline cuts (data only): what a module of the first or last stage becomes on
+the others, and how a stack of blocks, or an encoder-decoder's two, is cut (found by stack_cut.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..arguments import Choice
+
+
+class StandIn(Choice):
+    """What a module of the first or last stage only becomes on the other stages."""
+
+    ZEROS = "zeros"  # an embedding whose output is added to the received activation (GPT-2's wpe)
+    IDENTITY = "identity"  # passes the activation through (dropout after the embedding, the final norm)
+
+
+@dataclass(frozen=True)
+class StackCut:
+    """The pipeline's cut points of a base model, as ``ModelPolicy`` names them (paths from the base)."""
+
+    entry: str
+    first: dict[str, StandIn] = field(default_factory=dict)
+    last: dict[str, StandIn] = field(default_factory=dict)
+    entry_reads: tuple[str, ...] = ()
+    receive_at_blocks: bool = False
+
+
+@dataclass(frozen=True)
+class Seq2SeqCut:
+    """An encoder-decoder's two stacks for a pipeline of encoder stages, then decoder stages (paths
+    from the base model). Each stack's ``cut`` says how a later stage of it receives (None: the stack
+    cannot be split, ``why``; it then runs whole on one stage). ``carried``: what a stack's blocks
+    hand each other besides the hidden states (T5's position biases, made by its first block), which
+    no boundary carries, so such a stack is never split. ``shared``: the modules holding the input
+    embedding's weight that both stacks (and a tied head) use: real on every stage, their gradients
+    summed over the pipeline."""
+
+    encoder: str
+    decoder: str
+    encoder_layers: str
+    decoder_layers: str
+    encoder_cut: StackCut | None
+    decoder_cut: StackCut | None
+    encoder_why: str = ""
+    decoder_why: str = ""
+    shared: tuple[str, ...] = ()
