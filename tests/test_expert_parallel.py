@@ -8,9 +8,11 @@ import torch
 
 from qn_hf import convert
 from qn_hf.check.run import build, model_class
+from qn_hf.peft.lora import unwrap_peft
 from tests import ep_cases
 from tests.cases import error_message
 from tests.ep_cases import moe_config
+from tests.peft_cases import expert_lora_model
 
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 2e-5
@@ -170,6 +172,14 @@ def test_expert_parallel_refusals():
         unfused
     assert _refusal(_meta("mixtral"), cp=2) == "no error"  # ep x cp composes
     assert "ep=0 must be a positive integer" in _refusal(_meta("mixtral"), ep=0)
+    # transformers' own ep plan is read: the experts it dispatches to must be those ep shards
+    forged = _meta("mixtral")
+    forged.config.base_model_ep_plan = {"layers.*.mlp.gate": "ep_dispatch_experts"}
+    message = _refusal(forged)
+    assert "base_model_ep_plan of mixtral names model.layers.0.mlp.gate as experts, which qn_hf does not" in message, \
+        message
+    lora, _ = unwrap_peft(expert_lora_model("qwen3_moe"))  # as parallelize sees it: LoRA layers in place
+    assert _refusal(lora) == "no error"  # the LoRA wrapper stands where transformers' plan names the experts
 
 
 @pytest.mark.parametrize(("model_type", "dp", "tp", "ep"), [("mixtral", 2, 1, 2), ("qwen3_moe", 1, 2, 2)])

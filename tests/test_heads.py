@@ -128,3 +128,41 @@ def test_problem_types_follow_transformers():
     assert problem_type(config, floats, problem_types=True, own=True) is ProblemType.SOFT_LABEL  # DeBERTa
     config.problem_type = "regression"
     assert problem_type(config, ints, problem_types=True) is ProblemType.REGRESSION
+
+
+@pytest.mark.parametrize(("model_type", "cls", "overrides", "inputs", "decoder"), [
+    ("bert", "BertForSequenceClassification", {"max_position_embeddings": 40}, 40, None),
+    ("roberta", "RobertaForMaskedLM", {"max_position_embeddings": 40, "pad_token_id": 1}, 38, None),  # from padding_idx + 1
+    ("gpt2", "GPT2LMHeadModel", {"n_positions": 40}, 40, None),
+    ("bart", "BartForConditionalGeneration", {"max_position_embeddings": 40}, 40, 40),  # offset 2 rows
+    ("led", "LEDForConditionalGeneration", {"max_encoder_position_embeddings": 64, "max_decoder_position_embeddings": 40},
+     64, 40),
+    ("llama", "LlamaForCausalLM", {"max_position_embeddings": 40}, None, None),  # RoPE: no table, no limit
+    ("t5", "T5ForConditionalGeneration", {}, None, None),  # relative positions
+])
+def test_sequences_longer_than_a_position_table_are_refused(model_type, cls, overrides, inputs, decoder):
+    """The longest sequences are read from the model's own position tables (policies/positions.py), per
+    stack of an encoder-decoder, and a longer batch is one ValueError naming the table, where the plain
+    model would fail on an index inside its forward (a device-side assert on CUDA)."""
+    from qn_hf.policies.positions import learned_positions
+    from qn_hf.step.batch import check_model_inputs
+
+    config = shrink_config(CONFIG_MAPPING[model_type]())
+    for key, value in overrides.items():  # after shrinking, which sets its own lengths
+        setattr(config, key, value)
+    model = build(config, seed=0, name=cls)
+    limits = learned_positions(model)
+    assert (limits.inputs and limits.inputs.positions, limits.decoder and limits.decoder.positions) == (inputs, decoder)
+    for key, most in (("input_ids", inputs), ("labels", decoder)):
+        if most is None:
+            continue
+        batch = {"input_ids": torch.ones(2, inputs if key == "labels" else most + 1, dtype=torch.long)}
+        batch["labels"] = torch.ones(2, most + 1 if key == "labels" else 4, dtype=torch.long)
+        with pytest.raises(ValueError, match=rf"sequence length {most + 1} exceeds the model's {most} positions .*{key}"):
+            check_model_inputs(batch, model=model, loss=None, positions=limits)
+        batch[key] = batch[key][:, :most]
+        check_model_inputs(batch, model=model, loss=None, positions=limits)
+    if inputs is not None:  # the plain model agrees: one position more is out of its table
+        with pytest.raises((IndexError, RuntimeError)):
+            model(input_ids=torch.full((1, inputs + 1), 2),  # no padding token (RoBERTa numbers the others)
+                  **({"decoder_input_ids": torch.ones(1, 2, dtype=torch.long)} if decoder else {}))

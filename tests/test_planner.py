@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from transformers import AutoConfig, GPT2Config, LlamaConfig, ViTConfig
+from transformers import AutoConfig, BertConfig, GPT2Config, LlamaConfig, T5Config, ViTConfig
 
 import qn_hf
 from qn_hf.check.run import build
@@ -29,6 +29,7 @@ from tests.ep_cases import moe_config
 from tests.models import dp_slice, load, make_batch
 
 SEQ = 12  # make_batch's sequence length
+SEQ_LEN = {"bert-large": 512, "gpt2-xl": 1024}  # a public config planned at other than 2048 positions (learned positions: its most)
 BUCKET_MB = 0.02
 
 
@@ -97,17 +98,21 @@ PUBLIC = {
                                tie_word_embeddings=False, architectures=["LlamaForCausalLM"]),
     "gpt2-xl": GPT2Config(n_layer=48, n_embd=1600, n_head=25, n_positions=1024, vocab_size=50257,
                           architectures=["GPT2LMHeadModel"]),
+    "bert-large": BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
+                             num_labels=3, architectures=["BertForSequenceClassification"]),
+    "t5-base": T5Config(d_model=768, d_ff=3072, num_layers=12, num_heads=12, d_kv=64, vocab_size=32128,
+                        architectures=["T5ForConditionalGeneration"]),
     "vit-huge": ViTConfig(hidden_size=1280, num_hidden_layers=32, num_attention_heads=16, intermediate_size=5120,
                           image_size=224, patch_size=14, num_labels=1000, architectures=["ViTForImageClassification"]),
 }
 
 
 @pytest.mark.parametrize(("name", "tp", "pp"), [("llama-3-70b", 8, 8), ("llama-3-8b", 8, 1), ("gpt2-xl", 5, 4),
-                                                ("vit-huge", 8, 2)])
+                                                ("vit-huge", 8, 2), ("bert-large", 4, 2), ("t5-base", 4, 2)])
 def test_public_configs_plan_in_seconds_and_conserve_parameters(name, tp, pp):
     config = PUBLIC[name]
     start = time.perf_counter()
-    planner = Planner(config, seq_len=2048, micro_batch_size=1, dtype=torch.bfloat16)
+    planner = Planner(config, seq_len=SEQ_LEN.get(name, 2048), micro_batch_size=1, dtype=torch.bfloat16)
     est = planner.estimate(ParallelConfig.from_keywords(dp=1, tp=tp, pp=pp, microbatches=4 * pp))
     elapsed = time.perf_counter() - start
     assert elapsed < 60, f"{name}: {elapsed:.1f} s"
@@ -118,17 +123,21 @@ def test_public_configs_plan_in_seconds_and_conserve_parameters(name, tp, pp):
     split = sum(whole[n] for n in whole if sharded[n] != whole[n])
     replicated = sum(whole[n] for n in whole if sharded[n] == whole[n])
     held = sum(s.params for s in est.stages)
-    tied = sum(sharded[t.owner] for t in _ties(config, pp))
+    tied = _copies(config, pp, sharded)
     padding = sum(sharded[n] * tp - whole[n] for n in whole if sharded[n] != whole[n])
     assert held == (split + padding) // tp + replicated + tied
     assert all(s.activation_bytes_per_microbatch > 0 and s.in_flight >= 1 for s in est.stages)
 
 
-def _ties(config, pp):
+def _copies(config, pp, sharded):
+    """Elements held again: a weight tied across stages, and what runs on every stage (an
+    encoder-decoder's shared embedding, which both stacks look up) once more per stage."""
     from qn_hf.pipeline.split import build_stage_plan
 
     model = meta_model(config)
-    return build_stage_plan(model, resolve_policy(model, None), stages=pp).ties
+    plan = build_stage_plan(model, resolve_policy(model, None), stages=pp)
+    everywhere = {n for n, _ in model.named_parameters() if any(n.startswith(root + ".") for root in plan.every_stage)}
+    return sum(sharded[t.owner] for t in plan.ties) + (pp - 1) * sum(sharded[n] for n in everywhere)
 
 
 def test_llama_70b_at_tp8_pp8_holds_its_share_on_each_rank():

@@ -1,5 +1,10 @@
 """Parity checks of whole architectures: a shrunk random copy of a model trained one step under
-qn_hf and plainly (``qn-hf-check``, the model-zoo test)."""
+qn_hf and plainly (``qn-hf-check``, the model-zoo test).
+
+``shrink.py`` (a config made tiny), ``inputs.py`` (a batch any head takes, and whether its loss can
+run at all), ``run.py`` (one parity check), ``zoo.py`` (the causal-LM zoo and the heads table),
+``cli.py`` (qn-hf-check), ``steps.py`` (tiny models' steps timed for
+``qn-hf-plan --calibrate``)."""
 
 from .run import one_step_parity
 from .shrink import shrink_config

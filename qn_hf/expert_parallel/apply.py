@@ -33,6 +33,7 @@ from torch import nn
 from ..config.dims import Axis, ParallelDims
 from ..peft.lora import ParamLora, param_loras
 from ..policies.module_kinds import is_fused_experts
+from ..policies.patterns import base_model_and_prefix, join, match_modules
 from ..policies.peft_names import is_lora_layer, lora_layer_names, without_wrappers
 from ..policies.styles import Style
 from ..tensor_parallel.plan import TpPlan
@@ -115,10 +116,37 @@ def check_expert_parallel(model: nn.Module, *, dims: ParallelDims, plan: TpPlan)
         if module.num_experts % dims.ep:
             raise ValueError(f"ep={dims.ep} must divide the {module.num_experts} experts of {name}; choose ep among "
                              f"the divisors of {module.num_experts} that divide dp*tp")
+    _check_ep_plan(model)
     identity = [n for n, style in plan.policy.tp_plan.items() if style == Style.EXPERTS_IDENTITY]
     if identity:
         raise ValueError(f"ep={dims.ep}: {model_type} routes tokens to identity experts ({identity[0]}) outside "
                          f"the experts' weights; use ep=1")
+
+
+# the style transformers' ``base_model_ep_plan`` gives the modules its expert parallelism dispatches to
+_EP_DISPATCH = "ep_dispatch_experts"
+
+
+def _check_ep_plan(model: nn.Module) -> None:
+    """Where the config declares transformers' own expert-parallel plan, the experts it dispatches to
+    must be the very modules ep shards here: a model whose experts the two read differently is refused
+    rather than sharded by one reading. Its other entries (the grouped GEMM kernel for the experts'
+    weights; colwise/rowwise/replicated rules, which transformers applies over the ep mesh) describe
+    its own runtime's layout; qn_hf's tp and dp rules place those modules."""
+    text = model.config.get_text_config()
+    ep_plan = getattr(text, "base_model_ep_plan", None) or getattr(model.config, "base_model_ep_plan", None)
+    if not ep_plan:
+        return
+    base, prefix = base_model_and_prefix(model)
+    declared = {join(prefix, name) for pattern, style in ep_plan.items() if style == _EP_DISPATCH
+                for name in match_modules(base, pattern)}
+    sharded = set(experts_roots(model))  # under LoRA the wrapper stands where transformers' plan names the experts
+    if declared != sharded:
+        unsharded = sorted(declared - sharded)
+        what = (f"names {unsharded[0]} as experts, which qn_hf does not find in a form it shards" if unsharded else
+                f"does not name {sorted(sharded - declared)[0]}, which qn_hf would shard as experts")
+        raise ValueError(f"ep: transformers' base_model_ep_plan of {model.config.model_type} {what}; "
+                         f"use ep=1 (tp shards its experts)")
 
 
 def expert_parallel_plan(model: nn.Module, plan: TpPlan, *, ep: int) -> TpPlan:

@@ -6,6 +6,8 @@
   step x stage table of a whole schedule);
 * ``split.py``: where a model is cut: ``StagePlan`` (blocks, entry, first/last-only modules, heads
   and cross-stage ties per stage), built and validated by ``build_stage_plan`` without communicating;
+* ``seq2seq.py``: an encoder-decoder's pipeline (encoder stages, then decoder stages, the encoder's
+  output travelling with the decoder's hidden states);
 * ``stage.py``: what one rank's model becomes (``apply_stage`` -> ``StageModules``) and how that stage
   runs a microbatch (``StageModules.forward``);
 * ``standins.py``: the parameter-free modules standing in for modules that live on another stage

@@ -159,9 +159,9 @@ class Planner:
         recompute = parallel.recompute
         check_modelled(self.model, model_type=self.config.model_type, plan=plan, ep=ep)
         split = sequence_split(cp=cp, tp=tp, sequence_parallel=plan.sequence_parallel)
-        if split[0] > 1:  # train_step's check of the batch, on a meta batch of this length
-            ids = torch.empty(self.micro_batch_size, self.seq_len, dtype=torch.long, device="meta")
-            check_model_inputs({"input_ids": ids}, model=self.model, loss=None, sequence_split=split)
+        # train_step's check of the batch, on a meta batch of this length (the trace's inputs)
+        check_model_inputs(example_inputs(self.model, micro_batch_size=self.micro_batch_size, seq_len=self.seq_len),
+                           model=self.model, loss=None, sequence_split=split, positions=plan.positions)
         # The trace splits the sequence as the stages do (raising, as they would, when tp does not divide it).
         edges = stage_edges(self.model, stage_plan) if plan.sequence_parallel else None
         replicas, expert_replicas = dims.replicas, dims.expert_replicas
@@ -205,6 +205,8 @@ class Planner:
         deferred = self._deferred(stage_plan.heads) if schedule.split_backward else frozenset()
         stash = weight_stash(deferred, base=base, plan=plan, stage_plan=stage_plan, act_elem=param_elem)
         layers = len(self.model.get_submodule(stage_plan.layers))
+        if stage_plan.seq2seq is not None:  # the encoder's blocks run too (``layers`` is the decoder's)
+            layers += len(self.model.get_submodule(stage_plan.seq2seq.encoder_layers))
         tokens = base.tokens * cp  # the whole microbatch's
         positions = tokens // self.micro_batch_size  # per example: seq_len, or patches + class token
         attention_per_token = 12 * layers * self.config.hidden_size * positions  # forward + backward
@@ -269,7 +271,7 @@ class Planner:
             held, peak = rank_peaks(stages=pp, microbatches=microbatches, schedule=schedule,
                                     virtual_stages=virtual_stages, stage=s, kept=tuple(activations), stash=tuple(stash))
             stages.append(StageEstimate(
-                stage=s, chunks=ranges, modules=tuple(sorted(others)), params=params, embedding_params=embedding[s],
+                stage=s, chunks=ranges, stacks=_stacks(stage_plan, chunks), modules=tuple(sorted(others)), params=params, embedding_params=embedding[s],
                 activation_bytes_per_microbatch=sum(activations[c] for c in chunks), in_flight=held.f_to_b,
                 activation_bytes=peak,
                 state=state, comm=comm, expert_params=expert_params,
@@ -334,3 +336,11 @@ def estimate_mesh(config: PretrainedConfig, parallel: ParallelConfig, *, seq_len
     """Estimate one mesh (see ``Planner``); raises the ``ValueError`` ``parallelize`` would raise."""
     planner = Planner(config, seq_len=seq_len, micro_batch_size=micro_batch_size, dtype=dtype, policy=policy)
     return planner.estimate(parallel, zero=zero, backend=backend)
+
+
+def _stacks(stage_plan: StagePlan, chunks: Sequence[int]) -> tuple[str, ...]:
+    """The block list each chunk's ``chunks`` range counts in: an encoder-decoder's restart at the decoder."""
+    seq2seq = stage_plan.seq2seq
+    if seq2seq is None:
+        return ()
+    return tuple(seq2seq.encoder_layers if c < seq2seq.encoder_chunks else seq2seq.decoder_layers for c in chunks)

@@ -17,6 +17,12 @@ from torch.overrides import TorchFunctionMode
 
 
 def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad:
+        # a learned bias in the mask (T5's relative position bias): the memory-efficient kernel, which
+        # trains it (the flash kernel takes no gradient for its mask); it keeps the bias for backward
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, attn_mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2]),
+            True, dropout_p, is_causal, scale=scale)[0]
     # The flash kernel takes fewer KV heads than query heads as they are (enable_gqa's meaning).
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]

@@ -51,7 +51,8 @@ def mesh_report(est: MeshEstimate, hw: Hardware, calibration: Calibration | None
     ]
     for s in est.stages:
         comm = group_gb(s.comm)
-        blocks = ", ".join(f"{first}-{last - 1}" for first, last in s.chunks)
+        blocks = ", ".join(f"{stack + ' ' if stack else ''}{first}-{last - 1}"
+                           for (first, last), stack in zip(s.chunks, s.stacks or ("",) * len(s.chunks)))
         lines.append(
             f"| {s.stage} | {blocks} | {', '.join(s.modules) or '-'} | {s.params:,} "
             f"| {gib(s.weight_bytes)} | {gib(s.grad_bytes)} | {gib(s.optimizer_bytes)} "
@@ -139,6 +140,8 @@ def to_json(est: MeshEstimate, hw: Hardware, calibration: Calibration | None = N
     for stage, s in zip(out["stages"], est.stages):
         if len(s.chunks) == 1:
             stage["blocks"] = s.blocks
+        if s.stacks:
+            stage["stacks"] = s.stacks
         for what in ("weight", "grad", "optimizer", "state", "activation", "unsharded", "total"):
             stage[f"{what}_bytes"] = getattr(s, f"{what}_bytes")
     return out

@@ -37,6 +37,7 @@ class StageEstimate:
     param_tensors: int = 0  # parameter tensors this rank holds (the optimizer's per-tensor ops)
     ops_per_microbatch: int = 0  # ops of the forward here that write memory (each also runs its backward)
     op_bytes_per_microbatch: int = 0  # bytes those other than matmuls and attention write (this rank's)
+    stacks: tuple[str, ...] = ()  # an encoder-decoder's: the block list of each chunk (ranges restart per list)
 
     @property
     def blocks(self) -> tuple[int, int]:

@@ -92,7 +92,11 @@ def example_inputs(model: nn.Module, *, micro_batch_size: int, seq_len: int) -> 
     if getattr(model, "main_input_name", "input_ids") == "pixel_values":
         size = config.image_size
         return {"pixel_values": torch.empty(micro_batch_size, config.num_channels, size, size, device="meta")}
-    return {"input_ids": torch.empty(micro_batch_size, seq_len, dtype=torch.long, device="meta")}
+    inputs = {"input_ids": torch.empty(micro_batch_size, seq_len, dtype=torch.long, device="meta")}
+    if getattr(config, "is_encoder_decoder", False):
+        # the decoder's tokens as the step makes them from labels: as many as the encoder's, for one cost
+        inputs["decoder_input_ids"] = torch.empty(micro_batch_size, seq_len, dtype=torch.long, device="meta")
+    return inputs
 
 
 def _checkpoint_blocks(model: nn.Module, *, layers: str, recompute: str | None) -> list[nn.Module]:

@@ -8,8 +8,11 @@ peft wrapped it). Ours, one data-only file per architecture keyed by ``config.mo
 llama.py, vit.py), and for every other model one derived from transformers' own plans (derive.py,
 with amendments.py fixing or refusing those plans where they are wrong, entries.py finding the tp
 entries and every_stage.py the modules a pipeline keeps on every stage), and for any other model its
-body found from the module structure (body.py). ``task.py`` finds the head of a task model and the
-loss its forward computes, whichever policy describes the body."""
+body found from the module structure (body.py): where a pipeline may cut its forward
+(stack_cut.py, with the cut's data in cuts.py), a tp plan from its projections' names and shapes
+(structure.py) and the fused q|k|v projections only a forward knows the order of (fused.py).
+``task.py`` finds the head of a task model and the loss its forward computes, whichever policy
+describes the body; ``positions.py`` the longest sequences its absolute position tables serve."""
 
 from __future__ import annotations
 

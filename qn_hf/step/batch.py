@@ -12,6 +12,7 @@ from torch.distributed import ProcessGroup
 
 from ..config.options import IGNORE_INDEX, LossKind, ProblemType
 from ..config.sequence import check_sequence_length
+from ..policies.positions import PositionLimits
 from ..policies.task import SPAN_KEYS, TaskHead
 from .loss import problem_type
 
@@ -47,7 +48,7 @@ def check_batch(batch: Mapping[str, torch.Tensor], *, microbatches: int, require
 def check_step_batch(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Module, loss: LossKind | None,
                      builtin: bool, microbatches: int, cp: int, cp_keys: tuple[str, ...], split: tuple[int, str],
                      config, num_items: object = None, head: TaskHead | None = None, dp: int = 1,
-                     loss_keys: tuple[str, ...] = ()) -> int:
+                     loss_keys: tuple[str, ...] = (), positions: PositionLimits | None = None) -> int:
     """Every host-side check of one step's batch (and of train_step's ``num_items_in_batch``), in the
     order a user would fix them; returns the batch size. Raised on one rank only: ``agreement.py``
     makes it every rank's."""
@@ -67,7 +68,7 @@ def check_step_batch(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Modul
         if unknown:
             raise ValueError(f"cp={cp}: batch keys {unknown} cannot be cut along the sequence; use only {cp_keys}")
     check_model_inputs({k: v for k, v in batch.items() if k not in loss_keys}, model=model,
-                       loss=loss if builtin else None, sequence_split=split, head=head)
+                       loss=loss if builtin else None, sequence_split=split, head=head, positions=positions)
     terms = 2 if builtin and loss is LossKind.SPANS else 1
     if num_items is not None:  # a tensor's value may sit on the device: only its form is checked
         if isinstance(num_items, torch.Tensor):
@@ -127,10 +128,11 @@ INTERNAL_KEYS = ("targets", "local_valid")
 
 
 def check_model_inputs(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Module, loss: LossKind | str | None,
-                       sequence_split: tuple[int, str] = (1, ""), head: TaskHead | None = None) -> None:
+                       sequence_split: tuple[int, str] = (1, ""), head: TaskHead | None = None,
+                       positions: PositionLimits | None = None) -> None:
     """Check a batch against the model before anything is sent: the main input is there, keys are
     forward arguments (when the forward names them all), index tensors are integers and images
-    floating point, and shapes fit the config (sequence length within a learned position table,
+    floating point, and shapes fit the config (sequence lengths within the ``positions`` tables,
     image size and channels, label shapes and ranges for the built-in ``loss`` and its ``head``; None:
     a user's loss_fn), and a sequence length that ``sequence_split`` (a multiple, and why) divides.
     Without this, each mistake surfaces as a shape error deep inside a forward on some ranks."""
@@ -171,16 +173,21 @@ def check_model_inputs(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Mod
         if ids.dim() != 2 and not (ids.dim() == 3 and type(model).__name__.endswith("ForMultipleChoice")):
             raise ValueError(f"batch['input_ids'] has shape {tuple(ids.shape)}; it must be (batch, sequence)")
         check_sequence_length(ids.shape[-1], sequence_split)
-        positions = getattr(config, "n_positions", None)  # a learned position table (GPT-2); RoPE models have none
-        if positions and ids.shape[-1] > positions:
-            raise ValueError(f"sequence length {ids.shape[-1]} exceeds the model's {positions} positions; cut the sequences")
         for key in ("attention_mask", "token_type_ids", "position_ids"):
             if key in batch and batch[key].dim() == ids.dim() and batch[key].shape != ids.shape:
                 raise ValueError(f"batch[{key!r}] has shape {tuple(batch[key].shape)}, input_ids {tuple(ids.shape)}")
+    limits = positions or PositionLimits()
+    decoder_ids = batch.get("decoder_input_ids", batch.get("labels") if encoder_decoder else None)
+    for key, values, table in (("input_ids", batch.get("input_ids"), limits.inputs),
+                               ("decoder_input_ids" if "decoder_input_ids" in batch else "labels", decoder_ids,
+                                limits.decoder)):
+        if table is not None and values is not None and values.dim() >= 2 and values.shape[-1] > table.positions:
+            raise ValueError(f"sequence length {values.shape[-1]} exceeds the model's {table.positions} positions "
+                             f"(batch[{key!r}], {table.name}); cut the sequences")
     labels = batch.get("labels")
     if labels is not None and loss is not None and loss.per_position and "input_ids" in batch and not encoder_decoder \
             and labels.shape != batch["input_ids"].shape:
-        what = "a causal LM (the model shifts them)" if loss.shifted else "one label per position"
+        what = "a causal LM" if loss.shifted else "a model of one label per position"
         raise ValueError(f"batch['labels'] has shape {tuple(labels.shape)}; for {what} it must match "
                          f"input_ids {tuple(batch['input_ids'].shape)}")
     if labels is not None and problem is ProblemType.SINGLE_LABEL and labels.dim() != 1:

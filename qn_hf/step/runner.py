@@ -78,7 +78,7 @@ def prepare(ctx: StepContext, batch: Mapping[str, torch.Tensor], *, loss: LossKi
     size = agree_on_batch(lambda: check_step_batch(
         batch, model=ctx.module, loss=loss, builtin=builtin, cp=dims.cp, cp_keys=CP_KEYS,
         split=ctx.config.sequence_split, microbatches=microbatches, config=ctx.stage.config, num_items=num_items,
-        head=ctx.plan.head, dp=dims.dp, loss_keys=tuple(loss_keys)),
+        head=ctx.plan.head, dp=dims.dp, loss_keys=tuple(loss_keys), positions=ctx.plan.positions),
         batch, replica=coords.dp, replicas=dims.dp, group=groups.host)
     documents = ring_documents(batch) if dims.cp > 1 else None  # read on the host before the batch moves
     on_device = to_device(batch, ctx.placement.device)

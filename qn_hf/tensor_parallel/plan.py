@@ -23,6 +23,7 @@ from ..policies.model_policy import ModelPolicy
 from ..policies.module_kinds import is_projection
 from ..policies.patterns import base_model_and_prefix, join, match_modules, match_parameters
 from ..policies.peft_names import is_lora_layer, is_param_wrapper, names_before_peft
+from ..policies.positions import PositionLimits, learned_positions
 from ..policies.styles import COLUMN_STYLES, PARAM_STYLES, VOCAB_ROWS, WHOLE_SUMMED_LINEAR, Style
 from ..policies.task import TaskHead, task_head
 from .rules import check_rule, check_ties, split_kv_per_module
@@ -42,6 +43,7 @@ class TpPlan:
     tp_rng_regions: tuple[str, ...]
     shared_rng_regions: tuple[str, ...]
     head: TaskHead  # the task model's head and the loss its forward computes (policies/task.py)
+    positions: PositionLimits  # the longest sequences the model's absolute position tables serve (positions.py)
     base_prefix: str
     mla_rope_dim: int | None = None  # the rotary tail of MLA's kv_a projection (style mla_kv_a)
     sequence_parallel: bool = False  # activations between tp regions split over the sequence (sequence_parallel.py)
@@ -277,6 +279,7 @@ def build_tp_plan(model: nn.Module, policy: ModelPolicy, *, tp: int, sequence_pa
         shared_rng_regions=regions(policy.shared_rng_regions, "rng region") + tuple(lora.shared_dropout),
         whole_input_rng_regions=tuple(lora.shared_dropout),
         head=head,
+        positions=learned_positions(model),
         base_prefix=prefix,
         mla_rope_dim=config.get_text_config().qk_rope_head_dim if mla and sharding else None,
         head_inputs=head_inputs if sharding else (),
