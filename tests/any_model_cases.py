@@ -117,3 +117,48 @@ def branch_step() -> tuple[float, float, float]:
     mine = dict(pm.named_parameters())
     worst = max((mine[n].grad - p.grad).abs().max().item() for n, p in ref.named_parameters())
     return loss, ref_loss.item(), worst
+
+
+def checkpoint_round(*, model_type: str, cls: str, out: str, load: str | None, tp: int = 1, pp: int = 1) -> dict:
+    """At (tp, pp), SGD steps with momentum (optimizer state, and no AdamW that turns rounding in a
+    gradient near zero into a whole step) of ``cls`` on two fixed batches. ``load`` None: the first step, then a
+    checkpoint in every format (qn_hf's, DCP, a Hugging Face directory) under ``out``; else the
+    checkpoint at ``out/<load>`` loaded, then the second step. Returns this run's loss and, on rank 0,
+    the plain model's two losses and its weights after the first step against the Hugging Face
+    directory's (the worst relative difference and its parameter)."""
+    import os
+
+    import transformers
+
+    config = CONFIG_MAPPING[model_type](**tiny_config(model_type))
+    pm = qn_hf.parallelize(build(config, seed=0, name=cls), tp=tp, pp=pp, microbatches=2, mesh=mesh_for(1, tp, pp))
+    opt = torch.optim.SGD(list(pm.parameters()), lr=0.1, momentum=0.9)
+    ref = build(config, seed=0, name=cls)
+    batches = [dummy_batch(ref, rows=4, seed=s) for s in (5, 6)]
+    if load is None:
+        loss = pm.train_step(batches[0]).item()
+        opt.step()
+        pm.save_checkpoint(os.path.join(out, "qn"), optimizer=opt, step=1)
+        pm.save_checkpoint(os.path.join(out, "dcp"), optimizer=opt, step=1, format="dcp")
+        pm.save_pretrained(os.path.join(out, "hf"))
+    else:
+        assert pm.load_checkpoint(os.path.join(out, load), optimizer=opt)["step"] == 1
+        loss = pm.train_step(batches[1]).item()
+        opt.step()
+    result = {"loss": loss}
+    if pm.coords["tp"] == 0 and pm.coords["pp"] == 0:
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        losses = []
+        for batch in batches:
+            step_loss = ref(**batch).loss
+            step_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            losses.append(step_loss.item())
+            if not losses[1:] and load is None:
+                hf = getattr(transformers, cls).from_pretrained(os.path.join(out, "hf"))
+                saved = dict(hf.named_parameters())
+                result["hf_worst"] = max((((saved[n] - p).abs().max() / p.abs().max().clamp_min(1e-12)).item(), n)
+                                         for n, p in ref.named_parameters())
+        result["ref"] = losses
+    return result

@@ -6,6 +6,7 @@ whole sweep over transformers' auto mappings is the heads zoo (tests/test_heads_
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests import any_model_cases
 
@@ -74,6 +75,31 @@ def test_a_classifier_checkpoint_moves_between_meshes(worlds, tmp_path):
     straight = worlds.run(2, any_model_cases.resume_step, save=True, dp=1, pp=2, **case)[0]
     resumed = worlds.run(2, any_model_cases.resume_step, save=False, dp=2, pp=1, **case)[0]
     assert abs(straight - resumed) <= 1e-5 * abs(straight), (straight, resumed)
+
+
+def test_an_encoder_decoder_checkpoint_in_every_format_moves_from_tp_to_pp(worlds, tmp_path):
+    """T5 (one embedding under three names and tied to the head, per-head relative biases split over tp):
+    saved at tp=2 as qn_hf's checkpoint, DCP and a Hugging Face directory, the first read back by
+    qn-hf-convert too; each loaded at pp=2 (encoder and decoder stages) trains the second step as the
+    plain model does, and the Hugging Face directory holds the plain model's weights after the first."""
+    from qn_hf import convert
+
+    case = dict(model_type="t5", cls="T5ForConditionalGeneration", out=str(tmp_path))
+    saved = worlds.run(2, any_model_cases.checkpoint_round, load=None, tp=2, **case)[0]
+    first, second = saved["ref"]
+    assert abs(saved["loss"] - first) <= 1e-5 * abs(first) and saved["hf_worst"][0] <= 2e-5, saved
+    assert convert.main(["reshard", str(tmp_path / "qn"), str(tmp_path / "pp2"), "--tp", "1", "--pp", "2"]) == 0
+    assert convert.main(["to-hf", str(tmp_path / "qn"), str(tmp_path / "converted")]) == 0
+    for name in ("qn", "dcp", "pp2"):
+        loss = worlds.run(2, any_model_cases.checkpoint_round, load=name, pp=2, **case)[0]["loss"]
+        assert abs(loss - second) <= 1e-5 * abs(second), (name, loss, second)
+    import transformers
+    from safetensors.torch import load_file
+
+    hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    converted = load_file(str(tmp_path / "converted" / "model.safetensors"))
+    assert sorted(hf) == sorted(converted) and all(torch.equal(hf[k], converted[k]) for k in hf)
+    assert isinstance(transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "converted"), torch.nn.Module)
 
 
 def test_a_parameter_without_a_gradient_on_one_rank_keeps_the_ranks_in_step(worlds):

@@ -123,8 +123,11 @@ def check_expert_parallel(model: nn.Module, *, dims: ParallelDims, plan: TpPlan)
                          f"the experts' weights; use ep=1")
 
 
-# the style transformers' ``base_model_ep_plan`` gives the modules its expert parallelism dispatches to
-_EP_DISPATCH = "ep_dispatch_experts"
+# How transformers' ``base_model_ep_plan`` marks the experts: the module by a style ending so
+# (``ep_dispatch_experts`` in 5.23, ``moe_tp_experts`` in 5.17), its stacked weights by the grouped GEMM
+# (the only mark Llama 4's plan gives in 5.17).
+_EXPERTS_STYLE = "_experts"
+_EXPERT_WEIGHTS_STYLE = "grouped_gemm"
 
 
 def _check_ep_plan(model: nn.Module) -> None:
@@ -138,8 +141,9 @@ def _check_ep_plan(model: nn.Module) -> None:
     if not ep_plan:
         return
     base, prefix = base_model_and_prefix(model)
-    declared = {join(prefix, name) for pattern, style in ep_plan.items() if style == _EP_DISPATCH
-                for name in match_modules(base, pattern)}
+    patterns = {pattern for pattern, style in ep_plan.items() if str(style).endswith(_EXPERTS_STYLE)}
+    patterns |= {pattern.rpartition(".")[0] for pattern, style in ep_plan.items() if style == _EXPERT_WEIGHTS_STYLE}
+    declared = {join(prefix, name) for pattern in patterns for name in match_modules(base, pattern)}
     sharded = set(experts_roots(model))  # under LoRA the wrapper stands where transformers' plan names the experts
     if declared != sharded:
         unsharded = sorted(declared - sharded)
