@@ -19,6 +19,7 @@ import torch.distributed as dist
 import transformers
 
 from ..config.parallel_config import ParallelConfig
+from ..policies.body import no_cache
 
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 5e-5
@@ -199,7 +200,7 @@ def _reference(ref: torch.nn.Module, batches: list[dict], *, builtin: bool, prob
     for batch in batches:
         optimizer.zero_grad()
         try:
-            outputs = ref(**batch, **({"use_cache": False} if _takes(ref, "use_cache") else {}))
+            outputs = ref(**batch, **no_cache(ref))
             loss = outputs.loss if builtin else probe(outputs, batch)
             if loss is None:
                 return f"{type(ref).__name__}'s forward returned no loss for labels {sorted(batch)}", 0.0
@@ -211,8 +212,3 @@ def _reference(ref: torch.nn.Module, batches: list[dict], *, builtin: bool, prob
     moved = max(((before[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters()), default=0.0)
     return losses, moved
 
-
-def _takes(model: torch.nn.Module, name: str) -> bool:
-    import inspect
-
-    return name in inspect.signature(model.forward).parameters

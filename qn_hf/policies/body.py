@@ -114,7 +114,7 @@ def body_policy(model: nn.Module) -> ModelPolicy:
         tp_entries=entries,
         tp_rng_regions=regions,
         num_kv_heads_key=kv_key(config.get_text_config() if hasattr(config, "get_text_config") else config),
-        forward_kwargs={"use_cache": False} if "use_cache" in _forward_arguments(model) else {},
+        forward_kwargs=no_cache(model),
         pp_entry=entry,
         pp_entry_reads=reads,
         pp_first=first,
@@ -172,8 +172,14 @@ def input_embeddings(model: nn.Module) -> nn.Module | None:
     return found if isinstance(found, nn.Module) else None
 
 
-def _forward_arguments(model: nn.Module) -> set[str]:
+def no_cache(model: nn.Module) -> dict:
+    """The forward keywords that turn transformers' key/value cache off for training: ``use_cache=False``
+    where the forward takes it, by name or through ``**kwargs`` beside a config that has it (GraniteMoeHybrid
+    reads it from its kwargs; left on, its cache of only linear-attention layers fails in the forward)."""
     try:
-        return set(inspect.signature(model.forward).parameters)
+        parameters = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
-        return set()
+        return {}
+    through_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    takes = "use_cache" in parameters or (through_kwargs and hasattr(getattr(model, "config", None), "use_cache"))
+    return {"use_cache": False} if takes else {}

@@ -245,7 +245,10 @@ def task_head(model: nn.Module) -> TaskHead:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     vocab = getattr(text, "vocab_size", None)
     vocab_output = None
-    if kind.per_position and type(output) is nn.Linear and vocab and output.out_features == vocab \
+    # a linear layer under a wrapper (peft's LoRA keeps it as base_layer) is still the LM head: its rule
+    # is the head's, and the wrapper's own rules decide whether its adapters can follow it
+    linear = getattr(output, "base_layer", output)
+    if kind.per_position and type(linear) is nn.Linear and vocab and linear.out_features == vocab \
             and not _beside_the_head(model, output, vocab):
         vocab_output = next((n for n, m in model.named_modules() if m is output), None)
     decoder = bool(getattr(config, "is_encoder_decoder", False)) and kind is LossKind.TOKENS

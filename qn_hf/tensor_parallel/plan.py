@@ -133,7 +133,8 @@ def _tied_rows_split(model: nn.Module, base: nn.Module, prefix: str, policy: Mod
     """Whether every other module sharing the LM head's weight is one the body's plan splits by
     vocabulary rows (the embedding it is tied to), or there is none."""
     weight = getattr(model.get_submodule(head), "weight", None)
-    owners = [name for name, module in model.named_modules() if name != head
+    # the head's own submodules (peft's base_layer under a LoRA head) share its weight without tying it
+    owners = [name for name, module in model.named_modules() if name != head and not name.startswith(head + ".")
               and getattr(module, "weight", None) is weight and weight is not None]
     split = {join(prefix, n) for pattern, style in policy.tp_plan.items() if style == Style.VOCAB_EMBEDDING
              for n in match_modules(base, pattern)}
