@@ -205,3 +205,66 @@ def head_classes(families: dict[str, str] = HEAD_FAMILIES) -> list[tuple[str, st
             for name in (names,) if isinstance(names, str) else names:
                 found.append((family, model_type, name))
     return found
+
+
+# The heads zoo's columns: every class at dp and dp x dp_shard (two steps), and the dimensions that cut or
+# shard layers for the families the issue counts them on (HEAD_COLUMN_FAMILIES).
+HEAD_COLUMNS = {"dp2": ZooMesh(dp=2), "dp2_shard2": ZooMesh(dp=2, dp_shard=2), "tp2": ZooMesh(tp=2),
+                "pp2": ZooMesh(pp=2)}
+HEAD_COLUMN_FAMILIES = {
+    "tp2": ("causal_lm", "masked_lm", "seq2seq_lm", "image_classification"),
+    "pp2": ("causal_lm", "masked_lm", "sequence_classification", "seq2seq_lm"),
+}
+HEADS_TABLE_START, HEADS_TABLE_END = "<!-- heads-table:start -->", "<!-- heads-table:end -->"
+# Outcomes that are no verdict on qn_hf: the class cannot be built from its default config shrunk, its plain
+# forward fails in one process, or it takes inputs the check makes no batch for (counted apart).
+APART = ("cannot build", "fails alone", "no batch")
+
+
+def head_columns(family: str) -> list[str]:
+    """The heads zoo's columns for a class of ``family``."""
+    return [c for c in HEAD_COLUMNS if c not in HEAD_COLUMN_FAMILIES or family in HEAD_COLUMN_FAMILIES[c]]
+
+
+def outcome_of(verdict: dict) -> str:
+    """A check's verdict as the heads zoo records it: ``equal``, or the kind and its reason's first line."""
+    if verdict["verdict"] == "equal":
+        return "equal"
+    reason = (verdict.get("reason") or "").splitlines()[0] if verdict.get("reason") else ""
+    return f"{verdict['verdict']}: {reason[:REASON_CHARS]}"
+
+
+def render_heads_table(results: dict[str, dict], *, classes: int) -> str:
+    """Markdown: how many of the ``classes`` the mappings list the record holds; per family and column, how
+    many classes train equal, are refused, or are apart (APART); then one row per class."""
+    lines = [f"The record holds {len(results)} of the {classes} classes; `make heads-table` sweeps and records "
+             f"the others.", "",
+             "| family | column | equal | refused | different | apart (cannot build / fails alone / no batch) |",
+             "|---|---|---|---|---|---|"]
+    families = sorted({r["family"] for r in results.values()})
+    for column in HEAD_COLUMNS:
+        for family in families:
+            cells = [r[column] for r in results.values() if r["family"] == family and column in r]
+            if not cells:
+                continue
+            counts = [sum(c == "equal" for c in cells), sum(c.startswith("refused") for c in cells),
+                      sum(c.startswith("different") for c in cells), sum(c.startswith(APART) for c in cells)]
+            lines.append(f"| {family} | {column} | " + " | ".join(map(str, counts)) + " |")
+    lines += ["", "| class (model type) | family | " + " | ".join(HEAD_COLUMNS) + " |", "|---" * (len(HEAD_COLUMNS) + 2) + "|"]
+    for key, row in sorted(results.items()):
+        lines.append(f"| {key} | {row['family']} | " + " | ".join(_head_cell(row.get(c)) for c in HEAD_COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def _head_cell(outcome: str | None) -> str:
+    if outcome is None:
+        return ""
+    cut = outcome if len(outcome) <= REASON_CHARS else outcome[: REASON_CHARS - 1] + "…"
+    return cut.replace("|", "\\|").replace("\n", " ")
+
+
+def replace_heads_table(text: str, table: str) -> str:
+    pattern = re.compile(re.escape(HEADS_TABLE_START) + ".*?" + re.escape(HEADS_TABLE_END), re.S)
+    if not pattern.search(text):
+        raise ValueError(f"the text has no {HEADS_TABLE_START} ... {HEADS_TABLE_END} block (docs/heads-table.md holds one)")
+    return pattern.sub(lambda _: f"{HEADS_TABLE_START}\n{table}\n{HEADS_TABLE_END}", text)
