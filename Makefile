@@ -7,7 +7,7 @@ NPROC ?= 8
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.qn_hf-installed
 
-.PHONY: demo test test-unit test-all test-compat bench results install clean zoo-table zoo-sweep composition-table gpu-check lint
+.PHONY: demo test test-unit test-long-slice durations test-all test-compat bench results install clean zoo-table zoo-sweep heads-table heads-sweep composition-table gpu-check lint
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,15 +23,30 @@ install: $(STAMP)
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(NPROC) scripts/demo.py
 
-# The CI-sized suite (about 38 minutes on 2 cores in a fresh clone, as the README says); test-all adds the
-# tests marked long (519 of them, the zoo's full sweep included: about 11 minutes more when they were 476).
+# The CI-sized suite: every test not marked long, held to TEST_BUDGET_S seconds of the times recorded in
+# tests/durations.json (tests/suite_time.py: a selection over budget stops before running, naming its
+# slowest tests). The README says how long it takes in a fresh clone.
+# (Issue 65 asks for 20 minutes, 1020 s of tests; the suite is not there yet: the budget is what it takes.)
+TEST_BUDGET_S ?= 3600
+PYTEST_ARGS ?=
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not long" --durations=30
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not long" --budget $(TEST_BUDGET_S) --durations=30 $(PYTEST_ARGS)
 
 # The unit tier: every test that starts no process (schedules, shards, plans, the planner, the
-# package's structure, the composition table), about a minute.
+# package's structure, the composition table) and asserts no wall-clock time, about a minute.
 test-unit: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "unit and not long"
+
+# The long tier in slices of about SLICE_BUDGET_S seconds each (as many as that takes, K: the run names
+# it); `make test-long-slice SLICE=N` runs slice N mod K (a CI run of one slice per commit, N the commit
+# count, is not in .ci/run yet). `make durations` reruns everything, rewriting tests/durations.json.
+SLICE_BUDGET_S ?= 480
+SLICE ?= 0
+test-long-slice: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m long --long-slice $(SLICE) --slice-budget $(SLICE_BUDGET_S) --durations=10
+
+durations: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --record-durations
 
 # ruff, with the rules pyproject.toml selects, over the package, the tests, the scripts and the benchmarks.
 lint: $(STAMP)
@@ -128,7 +143,7 @@ $(COMPAT_STAMP): pyproject.toml
 
 test-compat: $(COMPAT_STAMP)
 	OMP_NUM_THREADS=1 $(COMPAT_BIN)/python -m pytest -q -m "unit and not long"
-	OMP_NUM_THREADS=1 $(COMPAT_BIN)/python -m pytest -q -m "not long" $(COMPAT_TESTS)
+	OMP_NUM_THREADS=1 $(COMPAT_BIN)/python -m pytest -q $(COMPAT_TESTS)
 
 # Rewrite docs/composition-table.md from qn_hf/config/composition.py (test_composition checks they agree).
 composition-table: $(STAMP)
@@ -148,6 +163,14 @@ zoo-sweep: $(STAMP)
 # Rerun the model zoo and rewrite tests/zoo_expected.json and docs/zoo-table.md from the results.
 zoo-table: $(STAMP)
 	QN_HF_ZOO_UPDATE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/test_zoo.py
+
+# The heads zoo's full sweep: every model type under every head class of transformers' auto mappings (make test
+# runs one class of each family), and rewriting tests/heads_zoo_expected.json and docs/heads-table.md from a run.
+heads-sweep: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m long tests/test_heads_zoo.py
+
+heads-table: $(STAMP)
+	QN_HF_HEADS_UPDATE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/test_heads_zoo.py
 
 # The results table (results/results.md, shown in docs/measured.md): ViT/GPT-2/Llama at (2,2,2) on 8
 # processes beside 1-process baselines.

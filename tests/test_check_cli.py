@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from transformers import CONFIG_MAPPING
 
 
@@ -33,6 +34,7 @@ def test_refused_and_bad_input_exit_2(tmp_path):
     assert missing.returncode == 2 and "neither a model directory nor a config.json" in missing.stderr
 
 
+@pytest.mark.long  # the suite's time (issue 65): the same check's code runs in test_full_size_config_is_equal_at_tp2_pp2_with_sequence_parallelism
 def test_moe_config_fully_sharded_with_context_and_expert_parallelism(tmp_path):
     """dp=2 with dp_shard=2 (FSDP), cp=2 and ep=2 on 4 processes; degrees that cannot work are refused
     before any process starts."""

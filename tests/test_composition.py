@@ -39,6 +39,7 @@ def test_every_pair_has_one_row():
         assert bool(row.message) == (row.status in (Status.REFUSED, Status.EXCLUSIVE)), row
 
 
+@pytest.mark.processes  # pytest's own collection, in a process of its own
 def test_every_named_test_exists():
     named = sorted({row.test for row in ROWS if row.test})
     files = sorted({name.partition("::")[0] for name in named})

@@ -127,6 +127,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(unint
     assert [r["loss"] for r in metrics(run)] == [r["loss"] for r in metrics(uninterrupted)]
 
 
+@pytest.mark.long  # the suite's time (issue 65): resharding on resume is proven by test_checkpoint
 def test_a_run_stopped_at_4_processes_continues_at_2_with_a_mesh_of_its_own(uninterrupted, tmp_path):
     """Done-when 2: stopped after step 6 at 4 processes (the launcher and every rank SIGKILLed), relaunched
     with --nproc-per-node 2 and nothing else changed: --mesh 2 1 2 needs 4, so the planner chooses a mesh
@@ -150,6 +151,7 @@ def test_a_run_stopped_at_4_processes_continues_at_2_with_a_mesh_of_its_own(unin
     assert json.loads((run / "summary.json").read_text())["world_size"] == 2
 
 
+@pytest.mark.long  # the suite's time (issue 65): test_checkpoint_async and test_checkpoint_faults prove the writes
 def test_a_kill_during_a_background_write_loses_nothing(uninterrupted, tmp_path):
     """Done-when 3's second half: --async-save, each shard's write delayed 3 s (tests/slow_writes.py), a
     worker SIGKILLed while step 6's checkpoint is being written: it was never published, so the

@@ -22,6 +22,7 @@ import gpu_check  # noqa: E402
 from gpu_checks import speed, syncs  # noqa: E402
 
 
+@pytest.mark.long  # the suite's time (issue 65): two minutes; its parts have tests of their own in this file
 def test_gpu_check_runs_on_cpu(tmp_path):
     out = tmp_path / "rows.json"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the script finds qn_hf itself

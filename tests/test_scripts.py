@@ -160,6 +160,7 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path, args, message):
     assert message in _one_error_line(done)
 
 
+@pytest.mark.long  # the suite's time (issue 65): test_user_errors proves one traceback under torchrun
 def test_bad_mesh_under_torchrun_reports_once(tmp_path):
     done = launch("torchrun", "train_lm.py", ["--mesh", "2", "2", "1", "--output-dir", str(tmp_path)], nproc=2)
     assert done.returncode != 0
@@ -179,6 +180,7 @@ def test_mesh_the_model_cannot_take_reports_once(tmp_path):
     assert output.count("tokenizing:   0%") == 1 and output.count("blocks of 128:   0%") == 1, output[-3000:]  # rank 0's
 
 
+@pytest.mark.long  # the suite's time (issue 65): ep and dp_shard are proven in their own files
 def test_lm_script_trains_the_moe_preset_fully_sharded_with_expert_parallelism(tmp_path):
     """tiny-qwen3-moe at dp=2 dp_shard=2 ep=2, the two options from the YAML config (as keys of their
     own, like every flag): each rank holds 4 of the 8 experts of every layer and half of the other
@@ -200,6 +202,7 @@ def test_lm_script_trains_the_moe_preset_fully_sharded_with_expert_parallelism(t
         assert f.get_slice("model.layers.0.mlp.experts.gate_up_proj").get_shape()[0] == 8
 
 
+@pytest.mark.long  # the suite's time (issue 65): cp and sp are proven by test_context_parallel and test_sequence_parallel; the script's run is the long tier's
 def test_lm_script_trains_with_context_and_sequence_parallelism(tmp_path):
     """tiny-llama at tp=2 with sequence parallelism and cp=2 (4 processes): each sequence is cut over
     the cp ranks and each cp rank's part over tp between the tensor-parallel regions; the loss falls."""
@@ -213,6 +216,7 @@ def test_lm_script_trains_with_context_and_sequence_parallelism(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3] and records[-1]["loss"] < records[0]["loss"]
 
 
+@pytest.mark.long  # the suite's time (issue 65): a script feature, one run of train_lm.py stays in make test
 def test_a_diverging_run_falls_back_to_the_checkpoint_a_finite_step_vouched_for(tmp_path):
     """Run 1 trains two good steps. Run 2 resumes with a learning rate far too large and --keep-last 1:
     step 3's loss is finite (from checkpoint 2's weights), its update wrecks the weights, checkpoint 3
@@ -245,6 +249,7 @@ def test_a_diverging_run_falls_back_to_the_checkpoint_a_finite_step_vouched_for(
         "ckpt-000002", "ckpt-000003.diverged", "latest"]
 
 
+@pytest.mark.long  # the suite's time (issue 65): test_checkpoint_safety proves the link handling
 def test_outputs_replace_planted_links_and_zero_warns_once_at_dp1(tmp_path):
     """Links planted in the output directory under the name of every file the script writes (pointing
     outside it) are replaced, their targets untouched. --zero at dp=1 says once that it shards nothing;
@@ -281,6 +286,7 @@ def test_metrics_are_never_appended_through_a_link(tmp_path):
     assert (tmp_path / "target").read_text() == "kept\n"
 
 
+@pytest.mark.long  # the suite's time (issue 65): test_checkpoint_lock proves the lock
 def test_a_second_job_on_an_output_directory_in_use_is_refused(tmp_path):
     """Job A holds its output directory; job B, started on it while A runs (A is stopped with SIGSTOP
     once it holds the directory, so B surely meets it), is refused with one line naming A's pid and
@@ -357,7 +363,9 @@ def plain_lm(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("machine, how", [("stated", "command line"), ("ops-free", "yaml")])
+# the suite's time (issue 65): the YAML route of the same choice is long
+@pytest.mark.parametrize("machine, how", [("stated", "command line"),
+                                          pytest.param("ops-free", "yaml", marks=pytest.mark.long)])
 def test_lm_script_mesh_auto_trains_as_the_plain_model(tmp_path, plain_lm, machine, how):
     """--mesh auto (or `mesh: auto` in the YAML) under torchrun at 2 processes, with a calibration file: the
     chosen configuration is logged, recorded in config.yaml (which, read back, is that configuration), and
