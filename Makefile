@@ -26,8 +26,9 @@ demo: $(STAMP)
 # The CI-sized suite: every test not marked long, held to TEST_BUDGET_S seconds of the times recorded in
 # tests/durations.json (tests/suite_time.py: a selection over budget stops before running, naming its
 # slowest tests). The README says how long it takes in a fresh clone.
-# (Issue 65 asks for 20 minutes, 1020 s of tests; the suite is not there yet: the budget is what it takes.)
-TEST_BUDGET_S ?= 3600
+# The budget is CI's limit (90 minutes) less the compat run, until the suite reaches the 20 minutes (1020 s
+# of tests) issue 65 asks for.
+TEST_BUDGET_S ?= 4500
 PYTEST_ARGS ?=
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not long" --budget $(TEST_BUDGET_S) --durations=30 $(PYTEST_ARGS)

@@ -77,8 +77,9 @@ def pytest_collection_finish(session):
     seconds = suite_time.estimates([item.nodeid for item in items], tiers, recorded)
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None and items:
-        reporter.write_line(f"{len(items)} tests, {sum(seconds.values()) / 60:.1f} min as recorded in "
-                            f"tests/durations.json ({sum(n not in recorded for n in seconds)} not recorded)")
+        reporter.write_line(f"{len(items)} tests, {sum(seconds.values()) / 60:.1f} min expected from "
+                            f"tests/durations.json ({sum(n not in recorded for n in seconds)} not recorded there: "
+                            f"their tier's median or nominal time)")
     budget = config.getoption("--budget")
     if budget is not None:
         message = suite_time.over_budget(seconds, budget, recorded)

@@ -5,7 +5,8 @@ reference machine (2 cores), refreshed with ``make durations`` (``--record-durat
 executes are updated, the others kept). Two things read it:
 
 - the budget: ``make test`` passes ``--budget SECONDS``; before any test runs, the recorded times of the
-  selected tests are summed (a test not recorded yet counts at its tier's median) and a selection over
+  selected tests are summed (a test not recorded yet counts at its tier's median, or NOMINAL before any
+  test of its tier is recorded) and a selection over
   budget stops the run, naming the slowest tests. A slow test added to ``make test`` fails the suite at
   once, where it is cheap to decide what it is (long, or faster), instead of CI's limit failing later.
 - the long tier's slices: as many slices of about equal recorded time as ``--slice-budget`` seconds
@@ -49,12 +50,18 @@ def save(seconds: dict[str, float], *, note: str) -> None:
     tmp.replace(DURATIONS_FILE)
 
 
+# A tier's nominal seconds per test before any of its tests is recorded, from the suite's last full run on 2
+# cores (about 1 min for 650 unit tests; most of the rest in world jobs of a few seconds; the tests that
+# start processes range from a second to a minute).
+NOMINAL = {Tier.UNIT: 0.1, Tier.WORLD: 2.5, Tier.PROCESSES: 15.0}
+
+
 def estimates(nodeids: list[str], tiers: dict[str, Tier], recorded: dict[str, float]) -> dict[str, float]:
-    """Each test's expected seconds: its record, else its tier's median record (0 where none is known)."""
+    """Each test's expected seconds: its record, else its tier's median record (NOMINAL where none is)."""
     medians = {}
     for tier in Tier:
         known = [recorded[n] for n in recorded if tiers.get(n) is tier]
-        medians[tier] = statistics.median(known) if known else 0.0
+        medians[tier] = statistics.median(known) if known else NOMINAL[tier]
     return {n: recorded.get(n, medians[tiers[n]]) for n in nodeids}
 
 
@@ -66,9 +73,9 @@ def over_budget(seconds: dict[str, float], budget: float, recorded: dict[str, fl
     slowest = sorted(seconds.items(), key=lambda kv: -kv[1])[:10]
     lines = "\n".join(f"  {s:7.1f} s  {n}{'' if n in recorded else '  (not recorded: its tier median)'}"
                       for n, s in slowest)
-    return (f"the selected tests are recorded at {total / 60:.1f} min, over the budget of {budget / 60:.1f} min "
+    return (f"the selected tests are expected to take {total / 60:.1f} min, over the budget of {budget / 60:.1f} min "
             f"(tests/durations.json). The slowest:\n{lines}\nMark what only repeats covered ground "
-            f"@pytest.mark.long (CI rotates the long tier through its slices), or make it faster; "
+            f"@pytest.mark.long (`make test-long-slice` runs the long tier in slices), or make it faster; "
             f"`make durations` records new times.")
 
 
