@@ -51,7 +51,9 @@ def case_resume(*, kind: str, model_dir: str, ckpt: str, out: str, dp: int, tp: 
     return {"meta": meta, "loss": loss}
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "vit"])
+# the suite's time (issue 65): a classifier checkpoint moves between meshes in test_any_model (BERT), and
+# ViT's is converted at tp=2 x pp=2 below
+@pytest.mark.parametrize("kind", ["gpt2", "llama", pytest.param("vit", marks=pytest.mark.long)])
 def test_resume_at_any_mesh(worlds, model_dirs, tmp_path, kind):
     ckpt, uninterrupted = str(tmp_path / "ckpt"), str(tmp_path / "uninterrupted")
     expected_loss = worlds.run(8, case_train_save_continue, kind=kind,

@@ -45,6 +45,12 @@ def _hf_dir(path: Path, kind: str, *, architectures: bool = False, rows: int | N
     return path
 
 
+def _first_in_suite(count: int, cases: list[tuple]) -> list:
+    """The first ``count`` cases in make test, the others long (the suite's time, issue 65): each case is a
+    process of qn-hf-convert's, seconds each, and every case meets the same one-line error path."""
+    return [case if i < count else pytest.param(*case, marks=pytest.mark.long) for i, case in enumerate(cases)]
+
+
 def _run(*args: str) -> tuple[int, str]:
     proc = subprocess.run([sys.executable, "-m", "qn_hf.convert", *args], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
@@ -299,7 +305,7 @@ def _entry(shape: list[int], file: str = "a.safetensors") -> dict:
     return {"shape": shape, "dtype": "float32", "pieces": [{"file": file, "key": "k", "box": [[0, n] for n in shape]}]}
 
 
-@pytest.mark.parametrize(("fields", "message"), [
+@pytest.mark.parametrize(("fields", "message"), _first_in_suite(4, [
     ({"tensors": {"w": _entry([4]), "optimizer/w/bogus": _entry([1 << 28])}}, "larger than its tensor's [4]"),
     ({"tensors": {"w": _entry([4]), "optimizer/v/exp_avg": _entry([4])}}, "belongs to no tensor of the checkpoint"),
     ({"tensors": {"w": _entry([64])}, "files": {"a.safetensors": {"bytes": 100, "crc32": 0}}}, "records it as 100 bytes"),
@@ -318,7 +324,7 @@ def _entry(shape: list[int], file: str = "a.safetensors") -> dict:
     ({"loss_scaler": {"scale": 2.0}}, "'loss_scaler' is .*the fields must be"),
     ({"loss_scaler": {"scale": -1.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2,
                       "good_steps": 0, "skipped_steps": 0}}, "scale -1.0 must be positive"),
-])
+]))
 def test_malformed_indexes_are_checkpoint_errors(tmp_path, fields, message):
     (tmp_path / "a.safetensors").write_bytes(b"\0" * 300)
     (tmp_path / "index.json").write_bytes(seal(_bare({"w": _entry([4])}) | fields))
@@ -350,7 +356,7 @@ def test_an_index_dtype_the_file_does_not_hold_is_refused(tmp_path, capsys):
     assert "model.norm.weight#0 is stored as F32, the index says int32" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("damage", "message"), [
+@pytest.mark.parametrize(("damage", "message"), _first_in_suite(2, [
     (lambda hf: (hf / "config.json").write_text("[1]"), "config.json is not a model config"),
     (lambda hf: (hf / "config.json").write_text('{"model_type": "no-such-model"}'), "config cannot be built"),
     (lambda hf: (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "/etc/passwd"}})),
@@ -358,7 +364,7 @@ def test_an_index_dtype_the_file_does_not_hold_is_refused(tmp_path, capsys):
     (lambda hf: (hf / "model.safetensors.index.json").write_text('{"weight_map": [1]}'), "'weight_map' must map"),
     (lambda hf: (hf / "model.safetensors").write_bytes(b"\xff" * 64), "model.safetensors cannot be read"),
     (lambda hf: (hf / "generation_config.json").write_text("[1]"), "is not a generation config"),
-])
+]))
 def test_malformed_hf_directories_are_one_line_errors(tmp_path, damage, message):
     hf = _hf_dir(tmp_path / "hf", "llama")
     damage(hf)
