@@ -7,7 +7,7 @@ NPROC ?= 8
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.qn_hf-installed
 
-.PHONY: demo test test-unit test-long-slice durations test-all test-compat bench results install clean zoo-table zoo-sweep heads-table heads-sweep composition-table gpu-check lint
+.PHONY: demo test test-unit test-long-slice durations test-all test-compat bench results install clean zoo-table zoo-sweep heads-table heads-sweep composition-table gpu-check lint golden
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -199,3 +199,7 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(COMPAT_VENV) .pytest_cache
+
+# The golden losses (tests/golden_losses.json), rewritten on purpose: the commit says why they moved.
+golden: $(STAMP)
+	QN_HF_GOLDEN_UPDATE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/test_golden.py
