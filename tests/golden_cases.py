@@ -7,7 +7,10 @@ one function below runs any of them."""
 
 from __future__ import annotations
 
+import platform
+
 import torch
+import transformers
 
 import qn_hf
 from tests.cases import mesh_for
@@ -30,6 +33,12 @@ CASES: dict[str, tuple[str, dict]] = {
     "llama-dp2-cp2": ("llama", dict(dp=2, cp=2)),
     "qwen3_moe-dp2-tp2-ep4": ("qwen3_moe", dict(dp=2, tp=2, ep=4)),
 }
+
+
+def environment() -> dict[str, str]:
+    """What decides the bits of a float32 CPU run besides qn_hf's code (recorded beside exact numbers)."""
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine()}
 
 
 def golden_run(*, name: str, model_dir: str) -> list[str]:

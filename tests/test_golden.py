@@ -11,23 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 from pathlib import Path
 
 import pytest
-import torch
-import transformers
 
 from tests import golden_cases
 
 GOLDEN = Path(__file__).with_name("golden_losses.json")
 UPDATE = os.environ.get("QN_HF_GOLDEN_UPDATE") == "1"
-
-
-def environment() -> dict[str, str]:
-    """What decides the bits of a float32 CPU run besides qn_hf's code."""
-    return {"torch": torch.__version__, "transformers": transformers.__version__,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine()}
 
 
 def _recorded() -> dict:
@@ -39,7 +30,7 @@ def record():
     data = _recorded()
     yield data
     if UPDATE:
-        data["environment"], data["steps"] = environment(), golden_cases.STEPS
+        data["environment"], data["steps"] = golden_cases.environment(), golden_cases.STEPS
         GOLDEN.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
@@ -55,12 +46,12 @@ def test_losses_equal_the_golden_ones(worlds, model_dirs, record, name):
     assert record["steps"] == golden_cases.STEPS, "tests/golden_losses.json is stale: make golden"
     assert name in record["cases"], f"no golden losses for {name}: make golden records them"
     golden = record["cases"][name]
-    if record["environment"] == environment():
+    if record["environment"] == golden_cases.environment():
         assert losses == golden, (f"{name}: losses {[float.fromhex(x) for x in losses]} differ from the golden "
                                   f"{[float.fromhex(x) for x in golden]} bit for bit (make golden, saying why)")
     else:  # other kernels may round differently: close, not bit-equal
         worst = max(abs(float.fromhex(a) - float.fromhex(b)) / abs(float.fromhex(b)) for a, b in zip(losses, golden))
-        assert worst < 1e-6, (name, worst, record["environment"], environment())
+        assert worst < 1e-6, (name, worst, record["environment"], golden_cases.environment())
 
 
 def test_golden_file_names_every_case_and_only_those():
