@@ -52,22 +52,24 @@ def zero_step(*, model_type: str, cls: str) -> tuple[float, float, float]:
     return loss, ref_loss.item(), worst
 
 
-def resume_step(*, model_type: str, cls: str, ckpt: str, save: bool, dp: int, pp: int) -> float:
-    """At (dp, pp): an AdamW step, then (``save``) a checkpoint and another step, or (not ``save``) the
-    checkpoint loaded and that second step; returns the second step's loss."""
+def resume_step(*, model_type: str, cls: str, ckpt: str, save: bool, dp: int, pp: int, dp_shard: int = 1,
+                loss_fn=None) -> float:
+    """At (dp, pp, dp_shard): an AdamW step, then (``save``) a checkpoint and another step, or (not ``save``)
+    the checkpoint loaded and that second step; returns the second step's loss."""
     config = CONFIG_MAPPING[model_type](**tiny_config(model_type))
-    pm = qn_hf.parallelize(build(config, seed=0, name=cls), dp=dp, pp=pp, microbatches=2, mesh=mesh_for(dp, 1, pp))
+    pm = qn_hf.parallelize(build(config, seed=0, name=cls), dp=dp, pp=pp, microbatches=2, dp_shard=dp_shard,
+                           mesh=mesh_for(dp, 1, pp))
     opt = torch.optim.AdamW(list(pm.parameters()), lr=1e-2)
     probe = build(config, seed=0, name=cls)
     batches = [pm.local_batch(dummy_batch(probe, rows=4, seed=s)) for s in (5, 6)]
     if save:
-        pm.train_step(batches[0])
+        pm.train_step(batches[0], loss_fn=loss_fn)
         opt.step()
         opt.zero_grad()
         pm.save_checkpoint(ckpt, optimizer=opt, step=1)
     else:
         assert pm.load_checkpoint(ckpt, optimizer=opt)["step"] == 1
-    loss = pm.train_step(batches[1])
+    loss = pm.train_step(batches[1], loss_fn=loss_fn)
     opt.step()
     return loss.item()
 

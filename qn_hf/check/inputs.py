@@ -102,10 +102,19 @@ _ACROSS_ROWS = ("logits_per_image", "logits_per_text", "logits_per_video", "logi
 
 
 def probe_loss(outputs, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """A loss for a model without its own: the sum of the mean squares of its floating outputs computed
-    per row (logits, hidden states, embeddings, a tower's outputs inside), each a mean over the rows,
-    as a ``loss_fn`` is."""
-    return sum((t.float().square().mean() for t in _per_row(outputs)), torch.zeros(()))
+    """A loss for a model without its own: over its floating outputs computed per row (logits, hidden
+    states, embeddings, a tower's outputs inside), the sum of the mean squares of each shifted by a fixed
+    pattern, each a mean over the rows, as a ``loss_fn`` is. The shift matters: a plain mean square is
+    constant on a unit-normalized embedding (BLIP's, CLIP's) and on a LayerNorm's output at its initial
+    weights, so the gradient reaching the layers before would be rounding noise, which no two orders of
+    summation share; shifted, each row's loss depends on the direction of its output."""
+    return sum(((t.float() + _pattern(t)).square().mean() for t in _per_row(outputs)), torch.zeros(()))
+
+
+def _pattern(t: torch.Tensor) -> torch.Tensor:
+    """A fixed shift of one row's shape (the same for every row): cos of the element's index in the row."""
+    shape = t.shape[1:]
+    return torch.cos(torch.arange(math.prod(shape), dtype=torch.float32, device=t.device)).reshape(shape)
 
 
 def _per_row(outputs) -> list[torch.Tensor]:

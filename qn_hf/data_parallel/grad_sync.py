@@ -32,7 +32,7 @@ from ..placement import Copies, ShardPlacement
 from ..tensor_parallel.replica_check import check_replicated_grads
 from .buckets import GradBuckets, Piece, bucket_size_bytes, grad_dtype
 from .precision import LossScaler
-from .sharded import local
+from .sharded import kept_whole, local
 
 
 class GradSync:
@@ -167,8 +167,13 @@ def grad_buckets(model: nn.Module, placement: ShardPlacement, bucket_mb: float, 
     like those of dp ranks, so one reduction covers both."""
     group, size = ((placement.groups.experts, placement.dims.expert_replicas) if experts
                    else (placement.groups.replicas, placement.dims.replicas))
-    if size == 1 or placement.dims.dp_shard > 1:  # dp_shard: FSDP reduces (sharded.py), the experts' too
+    if size == 1:
         return None
-    params = [p for n, p in model.named_parameters()
-              if p.requires_grad and (placement.copies(n) is Copies.EXPERTS) == experts]
+    if placement.dims.dp_shard > 1:  # FSDP reduces (sharded.py), the experts' too, but not what it keeps whole
+        whole = {id(p) for p in kept_whole(model)}
+        params = [p for n, p in model.named_parameters()
+                  if p.requires_grad and id(p) in whole and placement.copies(n) is not Copies.EXPERTS and not experts]
+    else:
+        params = [p for n, p in model.named_parameters()
+                  if p.requires_grad and (placement.copies(n) is Copies.EXPERTS) == experts]
     return GradBuckets(params, group=group, bucket_bytes=bucket_size_bytes(bucket_mb)) if params else None

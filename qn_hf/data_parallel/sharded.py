@@ -67,12 +67,12 @@ class ShardedParameters:
         ranks (each expert block held once) FSDP leaves them alone. ``pipelined``: the model is a
         pipeline stage; ``gather``: how often its blocks are gathered in a step."""
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32 if compute_dtype else None)
-        ignored = None
+        ignored = set(kept_whole(model)) or None
         if expert_mesh is not None:
             for module in experts:
-                fully_shard(module, mesh=expert_mesh, mp_policy=policy)
+                fully_shard(module, mesh=expert_mesh, mp_policy=policy, ignored_params=ignored)
         elif experts:
-            ignored = {p for module in experts for p in module.parameters()}
+            ignored = (ignored or set()) | {p for module in experts for p in module.parameters()}
         for block in blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy, ignored_params=ignored)
         fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored)
@@ -153,6 +153,14 @@ def model_class(module: nn.Module) -> type:
     (``FSDP<Name>``, defined in torch's own module), which records such as peft's ``base_model_class``
     must not name (a loader would look for it in ``torch.distributed``)."""
     return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+
+
+def kept_whole(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters FSDP2 cannot shard, kept whole on every rank (plain tensors beside the DTensors) and
+    left out of every ``fully_shard`` group; their gradients are summed over dp x cp by qn_hf's own buckets
+    (``grad_sync.grad_buckets``): scalars (CLIP's and SigLIP's ``logit_scale``), which ``fully_shard``
+    refuses ("change it to a 1D tensor": the model is the user's, so qn_hf does not reshape it)."""
+    return [p for p in model.parameters() if p.dim() == 0]
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
