@@ -1,4 +1,5 @@
 import os
+import time
 
 # Before torch is imported anywhere (spawned ranks inherit the environment): one thread per rank,
 # since every test world oversubscribes two cores already, and no network.
@@ -41,6 +42,12 @@ def pytest_addoption(parser):
                     help="run slice N mod K of the long tier, cut into K slices of about --slice-budget seconds")
     group.addoption("--slice-budget", type=float, default=600.0, metavar="SECONDS",
                     help="the recorded time of one slice of the long tier (default 600)")
+    group.addoption("--slice-deadline", type=float, default=None, metavar="SECONDS",
+                    help="with --long-slice: tests not started SECONDS after the session began are skipped, "
+                         "named in the summary (default: twice --slice-budget), so the slice's time is bounded")
+    group.addoption("--cover", action="store_true",
+                    help="stop before running unless the selected tests run every user-facing script and "
+                         "every composition row's named test (make test)")
     group.addoption("--record-durations", action="store_true",
                     help="write the executed tests' times into tests/durations.json")
 
@@ -58,14 +65,26 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(getattr(pytest.mark, _tier(item).value))
 
 
+def _skipped(item) -> bool:
+    """A test its own marks skip whatever happens (a sweep's unrecorded case): it takes no time."""
+    if item.get_closest_marker("skip") is not None:
+        return True
+    return any(mark.args and mark.args[0] is True for mark in item.iter_markers("skipif"))
+
+
 def pytest_collection_finish(session):
     """The long tier's slice (--long-slice) and the budget (--budget), before any test runs."""
     config, items = session.config, session.items
     recorded = suite_time.load()
+    skipped = {item.nodeid for item in items if _skipped(item)}
     tiers = {item.nodeid: _tier(item) for item in items}
+
+    def estimates(nodeids: list[str]) -> dict[str, float]:
+        return {n: 0.0 if n in skipped else s for n, s in suite_time.estimates(nodeids, tiers, recorded).items()}
+
     if config.getoption("--long-slice") is not None:
         long = [item.nodeid for item in items if item.get_closest_marker("long")]
-        times = suite_time.estimates(long, tiers, recorded)
+        times = estimates(long)
         count = suite_time.slice_count(times, config.getoption("--slice-budget"))
         k = config.getoption("--long-slice") % count
         keep = set(suite_time.slices(times, count)[k])
@@ -73,18 +92,46 @@ def pytest_collection_finish(session):
         items[:] = [item for item in items if item.nodeid in keep]
         reporter = config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
-            reporter.write_line(f"the long tier's slice {k} of {count} (--long-slice {config.getoption('--long-slice')})")
-    seconds = suite_time.estimates([item.nodeid for item in items], tiers, recorded)
+            reporter.write_line(f"the long tier's slice {k} of {count} (--long-slice {config.getoption('--long-slice')}): "
+                                f"every long test runs once in {count} consecutive slices")
+        deadline = config.getoption("--slice-deadline") or 2 * config.getoption("--slice-budget")
+        config.pluginmanager.register(_Deadline(deadline), "qn_hf_slice_deadline")
+    seconds = estimates([item.nodeid for item in items])
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None and items:
         reporter.write_line(f"{len(items)} tests, {sum(seconds.values()) / 60:.1f} min expected from "
-                            f"tests/durations.json ({sum(n not in recorded for n in seconds)} not recorded there: "
+                            f"tests/durations.json ({sum(n not in recorded and n not in skipped for n in seconds)} not recorded there: "
                             f"their tier's median or nominal time)")
+    if config.getoption("--cover"):
+        from qn_hf.config.composition import ROWS
+
+        runs = {mark.args[0] for item in items for mark in item.iter_markers("script")}
+        missing = suite_time.uncovered([item.nodeid for item in items], runs, [row.test for row in ROWS if row.test])
+        if missing:
+            raise pytest.UsageError("the selection leaves out what make test must cover:\n  " + "\n  ".join(missing))
     budget = config.getoption("--budget")
     if budget is not None:
         message = suite_time.over_budget(seconds, budget, recorded)
         if message:
             raise pytest.UsageError(message)
+
+
+class _Deadline:
+    """--long-slice: a test not started ``seconds`` after the session began is skipped, saying so (its
+    slice took longer than its recorded times: `make durations` re-records them)."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.start, self.late = seconds, time.monotonic(), []
+
+    def pytest_runtest_setup(self, item):
+        if time.monotonic() - self.start > self.seconds:
+            self.late.append(item.nodeid)
+            pytest.skip(f"the slice's deadline ({self.seconds:.0f} s) passed: its tests took longer than "
+                        f"tests/durations.json says (`make durations`)")
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if self.late:
+            terminalreporter.write_line(f"{len(self.late)} tests of this slice not run: its deadline passed")
 
 
 class _Recorder:

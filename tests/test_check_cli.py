@@ -16,6 +16,7 @@ def _check(*args: str) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
+@pytest.mark.script("qn-hf-check")
 def test_full_size_config_is_equal_at_tp2_pp2_with_sequence_parallelism(tmp_path):
     CONFIG_MAPPING["qwen3"]().save_pretrained(tmp_path)  # the full-size default: only its shape is used
     done = _check(str(tmp_path / "config.json"), "--tp", "2", "--pp", "2", "--sequence-parallel", "--top", "3")

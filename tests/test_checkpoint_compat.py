@@ -59,6 +59,7 @@ def test_v1_checkpoint_loads_and_resumes(worlds, tmp_path, dp, tp, pp):
     assert any(not torch.equal(expected[n], saved[n]) for n in saved)  # the step moved the weights
 
 
+@pytest.mark.script("qn-hf-convert")
 def test_v1_checkpoint_converts(tmp_path):
     with pytest.warns(UserWarning, match="written before qn_hf sealed its indexes"):  # its index cannot be verified
         assert convert.main(["to-hf", CKPT, str(tmp_path / "hf")]) == 0

@@ -276,6 +276,7 @@ def test_cli_training_flags(tmp_path, capsys):
     assert all((m["stages"][0]["comm"].get("tp", {}).get("nbytes", 0) > 0) == (m["tp"] > 1) for m in meshes)
 
 
+@pytest.mark.script("qn-hf-plan")
 def test_cli_plans_context_parallelism(tmp_path, capsys):
     """--cp: each rank keeps about 1/cp of the activations, ZeRO's state is split over dp x cp, ring
     attention's sends are counted on cp (per layer and microbatch: cp-1 key/value blocks forward,

@@ -89,8 +89,9 @@ def ok(done: subprocess.CompletedProcess) -> None:
 
 
 # The ViT run (accelerate, --stop-after, images, interleaved 1F1B) takes 5 minutes here: `make test-all`.
-@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.long) if s == "train_vit.py" else s
-                                    for s in sorted(CASES)])
+@pytest.mark.parametrize("script", [
+    pytest.param(s, marks=[pytest.mark.script(f"scripts/{s}"), *([pytest.mark.long] if s == "train_vit.py" else [])])
+    for s in sorted(CASES)])
 def test_script_trains_and_resumes_exactly_under_both_launchers(tmp_path, script):
     args, steps, (first, second, third), interrupt = CASES[script]
     a, b = tmp_path / "uninterrupted", tmp_path / "interrupted"
@@ -135,6 +136,20 @@ def _one_error_line(done: subprocess.CompletedProcess) -> str:
 
 # Each case starts a Python process (about 13 s here); the CI-sized suite keeps three kinds of
 # mistake (data, model, mesh), `make test-all` runs every one.
+@pytest.mark.script("scripts/train_vit.py")
+def test_vit_script_trains_evaluates_and_saves(tmp_path):
+    """make test's run of train_vit.py (its resumed run under both launchers is long): two steps in one
+    process, an evaluation, a checkpoint and the model directory."""
+    done = launch("python", "train_vit.py", ["--mesh", "1", "1", "1", "--batch-size", "4", "--steps", "2",
+                                             "--eval-batches", "1", "--eval-every", "2", "--save-every", "2",
+                                             "--warmup-steps", "1", "--no-progress", "--output-dir", str(tmp_path)])
+    ok(done)
+    output = done.stdout + done.stderr
+    assert "step 2: val_loss" in output and "done: step 2/2" in output, output[-2000:]
+    assert json.loads((tmp_path / "checkpoints" / "latest").read_text()) == "ckpt-000002"
+    assert (tmp_path / "model" / "config.json").is_file()
+
+
 @pytest.mark.parametrize("args, message", [
     (["--data", "/nonexistent/corpus.txt"], "error: data path /nonexistent/corpus.txt does not exist"),
     pytest.param(["--mixed-precision", "fp8"], "error: mixed_precision 'fp8' is not one of ['bf16', 'fp16']",
@@ -320,6 +335,7 @@ def test_a_second_job_on_an_output_directory_in_use_is_refused(tmp_path):
     assert json.loads((tmp_path / "checkpoints" / "latest").read_text()) == "ckpt-000003"
 
 
+@pytest.mark.script("scripts/demo.py")
 def test_demo_chooses_a_mesh_for_the_number_of_processes(tmp_path):
     from demo import choose_mesh
 

@@ -279,6 +279,7 @@ def test_microbatches_per_step(tmp_path):
 
 # the suite's time (issue 65): torchrun launches train_lm.py in make test; this script's torchrun run is long
 @pytest.mark.parametrize("launcher", [pytest.param("torchrun", marks=pytest.mark.long), "accelerate"])
+@pytest.mark.script("scripts/train_trainer.py")
 def test_trainer_script_under_both_launchers(tmp_path, launcher):
     """scripts/train_trainer.py at (dp, tp, pp) = (2, 1, 2) on 4 processes: the loss falls, checkpoints are in the
     sharded format, and the model directory loads with from_pretrained."""
