@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from qn_hf.check.zoo import MESHES, SWEEP_FEW, ZOO_FEW, meshes_for, render_table, replace_table, zoo_model_types
+from qn_hf.check.zoo import SWEEP_FEW, ZOO_FEW, meshes_for, render_table, replace_table, zoo_model_types
 from tests import zoo_cases
 from tests.releases import INSTALLED, PINNED, RECORDED_WITH, tp_plan_missing
 
@@ -42,12 +42,12 @@ def _case(model_type: str, name: str, in_suite: bool):
     return pytest.param(model_type, name, marks=marks)
 
 
-# make test: every type at tp2 (where each type's own plan is read), the few at pp2 and their other columns;
-# the rest of the sweep is long (the suite's time, issue 65: pp cuts every type by the same code)
-IN_SUITE = {model_type: {name for name in meshes_for(model_type, sweep=False)
-                         if name != "pp2" or model_type in ZOO_FEW + SWEEP_FEW}
-            for model_type in EXPECTED if model_type not in ABSENT}
-CASES = [_case(model_type, name, name in IN_SUITE.get(model_type, MESHES))
+# make test: the few types (every family of attention, MoE and norm the policies know) at every column they
+# have; every other type is long (the suite's time, issue 65: 12 minutes of 132 tests on 2 cores, where one
+# plan-reading and cutting code serves every type; the long tier's slices run them in turn)
+IN_SUITE = {model_type: set(meshes_for(model_type, sweep=False))
+            for model_type in EXPECTED if model_type not in ABSENT and model_type in ZOO_FEW + SWEEP_FEW}
+CASES = [_case(model_type, name, name in IN_SUITE.get(model_type, ()))
          for model_type in EXPECTED
          for name in (EXPECTED[model_type] if model_type in ABSENT else meshes_for(model_type))]
 
