@@ -236,6 +236,7 @@ def test_overheads_measured_on_tiny_models_agree_and_are_priced(worlds):
     assert Calibration.from_json(priced.to_json()) == priced
 
 
+@pytest.mark.processes  # its local world of one rank is a process of its own
 def test_cli_calibrate_quick_writes_a_calibration(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("WORLD_SIZE", raising=False)  # not under torchrun: a local world of one rank
     out = tmp_path / "machine.json"
