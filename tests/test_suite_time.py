@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tests import suite_time
 from tests.suite_time import NOMINAL, Tier, estimates, over_budget, slice_count, slices
 
 
@@ -33,3 +34,15 @@ def test_slices_cover_the_tier_once_with_about_equal_time():
     assert max(loads) - min(loads) <= max(seconds.values())  # greedy: within one test of each other
     assert slices(seconds, count) == cut  # the same cut on every machine
     assert slice_count({}, budget=40) == 1
+
+
+def test_cover_names_unrun_scripts_and_unselected_composition_tests():
+    selected = ["tests/test_a.py::test_f[x]", "tests/test_b.py::test_g"]
+    named = ["tests/test_a.py::test_f", "tests/test_a.py::test_f[y]", "tests/test_b.py::test_g",
+             "tests/test_c.py::test_h"]
+    missing = suite_time.uncovered(selected, set(suite_time.USER_FACING) - {"qn-hf-plan"}, named)
+    assert missing == ["qn-hf-plan: no selected test runs it (mark one @pytest.mark.script)",
+                       "tests/test_a.py::test_f[y]: a composition row names it",
+                       "tests/test_c.py::test_h: a composition row names it"]
+    assert suite_time.uncovered(selected + ["tests/test_a.py::test_f[y]", "tests/test_c.py::test_h[z]"],
+                                set(suite_time.USER_FACING), named) == []
