@@ -56,6 +56,11 @@ _SIZES: dict[str, int] = {
     "max_target_positions": 128, "pooler_hidden_size": HIDDEN,
 }
 _TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+# Compound-scaled conv towers (EfficientNet, ALIGN's vision tower) spell their sizes as scaling coefficients
+# over a block table and the image size: the same blocks once each on 64-pixel images (the defaults, 600 pixels
+# at depth 3.1, are 90 s a step on a CPU). The widths stay: ALIGN projects its text to the tower's output width,
+# and the head's width (hidden_dim) is the table's, scaled.
+_COMPOUND_SCALED = {"depth_coefficient": 1.0, "image_size": 64}
 # Scalar multipliers that default to 1.0 (Granite's muP scalars, AFMoE's routing scale) get another
 # value: at 1.0 applying one twice, or on the wrong side of a stage or tp boundary, changes nothing,
 # and the zoo would call equal what a real checkpoint (Granite 3: embedding_multiplier=12) trains
@@ -240,6 +245,8 @@ def shrink_config(config: PretrainedConfig, *, layers: int = LAYERS) -> Pretrain
         # sublayers a block): 4 blocks, as every other type gets
         new.pop("num_hidden_layers", None)
         new["num_layers"] = layers
+    if "depth_coefficient" in data:
+        new.update({key: value for key, value in _COMPOUND_SCALED.items() if key in data})
     if "num_key_value_heads" in data:
         new["num_key_value_heads"] = _kv_heads(data)
     if isinstance(data.get("num_kv_heads"), int):  # Falcon counts them under its own name
