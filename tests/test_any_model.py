@@ -62,6 +62,7 @@ def test_pipelines_cut_any_block_stack(worlds, model_type, cls):
 @pytest.mark.parametrize(("model_type", "cls", "mesh", "message"), [
     ("bert", "BertForMultipleChoice", {"pp": 2}, r"pp=2 \(BertForMultipleChoice\): the head reshapes the inputs"),
     ("swin", "SwinForImageClassification", {"pp": 2}, r"pp=2 \(swin\): the forward changes the embedding"),
+    ("align", "AlignModel", {"dp": 2}, r"dp=2 \(AlignModel\): its BatchNorm layers \(vision_model\."),
 ])
 def test_refusals_name_their_dimension(worlds, model_type, cls, mesh, message):
     import re

@@ -20,6 +20,7 @@ from ..config.composition import Feature, check_composition
 from ..config.dims import ParallelDims
 from ..config.parallel_config import ParallelConfig
 from ..context_parallel.apply import check_context_parallel
+from ..data_parallel.batch_statistics import check_batch_statistics
 from ..expert_parallel.apply import check_expert_parallel, expert_parallel_plan, expert_tp_blocks, token_wise_blocks
 from ..memory.recompute import check_recompute
 from ..pipeline.seq2seq import check_seq2seq_pipeline
@@ -64,6 +65,7 @@ def check_parallel_config(model: nn.Module, config: ParallelConfig | None = None
     if stage_plan.seq2seq is not None:
         check_seq2seq_pipeline(stage_plan.seq2seq, dp_shard=dims.dp_shard, compile=config.compile,
                                sequence_parallel=config.sequence_parallel, stages=dims.pp)
+    check_batch_statistics(model, dims=dims, microbatches=config.microbatches)
     check_context_parallel(model, cp=dims.cp, plan=tp_plan)
     check_expert_parallel(model, dims=dims, plan=tp_plan)
     tp_plan = expert_parallel_plan(model, tp_plan, ep=dims.ep)
