@@ -25,8 +25,8 @@ DATA = Path(__file__).parent / "data" / "checkpoint_v1"
 CKPT = str(DATA / "checkpoint")
 
 
-def _weights(directory: str) -> dict[str, torch.Tensor]:
-    return {n: p.detach() for n, p in GPT2LMHeadModel.from_pretrained(directory).named_parameters()}
+def _weights(directory: str, cls: type = GPT2LMHeadModel) -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in cls.from_pretrained(directory).named_parameters()}
 
 
 def case_resume(*, dp: int, tp: int, pp: int, out: str) -> dict:
@@ -95,10 +95,6 @@ def case_resume_v2(*, fmt: str, dp: int, tp: int, pp: int, zero: bool, out: str)
     return {"step": meta["step"], "mesh": meta["mesh"], "loss": loss.item().hex()}
 
 
-def _llama_weights(directory: str) -> dict[str, torch.Tensor]:
-    return {n: p.detach() for n, p in LlamaForCausalLM.from_pretrained(directory).named_parameters()}
-
-
 @pytest.mark.parametrize(("fmt", "dp", "tp", "pp", "zero"), [
     ("qn", 2, 2, 1, True), ("dcp", 2, 2, 1, True),  # the saving mesh
     ("qn", 1, 1, 2, False), ("dcp", 1, 2, 1, True),  # others
@@ -108,8 +104,8 @@ def test_v2_checkpoint_resumes(worlds, tmp_path, fmt, dp, tp, pp, zero):
     results = worlds.run(dp * tp * pp, case_resume_v2, fmt=fmt, dp=dp, tp=tp, pp=pp, zero=zero, out=out)
     assert all(r["step"] == 1 and r["mesh"] == {"dp": 2, "tp": 2, "pp": 1} for r in results), results
     expected_loss = float.fromhex(json.loads((DATA_V2 / "step2.json").read_text())["loss"])
-    expected, resumed = _llama_weights(str(DATA_V2 / "hf-step2")), _llama_weights(out)
-    saved = _llama_weights(str(DATA_V2 / "hf"))
+    expected, resumed = _weights(str(DATA_V2 / "hf-step2"), LlamaForCausalLM), _weights(out, LlamaForCausalLM)
+    saved = _weights(str(DATA_V2 / "hf"), LlamaForCausalLM)
     assert any(not torch.equal(expected[n], saved[n]) for n in saved)  # the step moves the weights
     if (dp, tp, pp) == (2, 2, 1) and json.loads((DATA_V2 / "made_by.json").read_text())["environment"] == environment():
         assert all(float.fromhex(r["loss"]) == expected_loss for r in results), (results, expected_loss)

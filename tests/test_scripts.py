@@ -135,8 +135,6 @@ def _one_error_line(done: subprocess.CompletedProcess) -> str:
     return errors[0]
 
 
-# Each case starts a Python process (about 13 s here); the CI-sized suite keeps three kinds of
-# mistake (data, model, mesh), `make test-all` runs every one.
 @pytest.mark.script("scripts/train_vit.py")
 def test_vit_script_trains_evaluates_and_saves(tmp_path):
     """make test's run of train_vit.py (its resumed run under both launchers is long): two steps in one
@@ -151,6 +149,8 @@ def test_vit_script_trains_evaluates_and_saves(tmp_path):
     assert (tmp_path / "model" / "config.json").is_file()
 
 
+# Each case starts a Python process (about 13 s here, 40 recorded under load); the CI-sized suite keeps one
+# kind of mistake (data), the long tier runs every one.
 @pytest.mark.parametrize("args, message", [
     (["--data", "/nonexistent/corpus.txt"], "error: data path /nonexistent/corpus.txt does not exist"),
     pytest.param(["--mixed-precision", "fp8"], "error: mixed_precision 'fp8' is not one of ['bf16', 'fp16']",

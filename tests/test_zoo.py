@@ -42,8 +42,7 @@ def _case(model_type: str, name: str, in_suite: bool):
     return pytest.param(model_type, name, marks=marks)
 
 
-# make test: the few types (every family of attention, MoE and norm the policies know) at every column they
-# have; every other type is long (the suite's time, issue 65: 12 minutes of 132 tests on 2 cores, where one
+# make test: the few types ZOO_FEW and SWEEP_FEW name at every column they have; every other type is long (the suite's time, issue 65: 12 minutes of 132 tests on 2 cores, where one
 # plan-reading and cutting code serves every type; the long tier's slices run them in turn)
 IN_SUITE = {model_type: set(meshes_for(model_type, sweep=False))
             for model_type in EXPECTED if model_type not in ABSENT and model_type in ZOO_FEW + SWEEP_FEW}

@@ -170,9 +170,7 @@ def grad_buckets(model: nn.Module, placement: ShardPlacement, bucket_mb: float, 
     if size == 1:
         return None
     if placement.dims.dp_shard > 1:  # FSDP reduces (sharded.py), the experts' too, but not what it keeps whole
-        whole = {id(p) for p in kept_whole(model)}
-        params = [p for n, p in model.named_parameters()
-                  if p.requires_grad and id(p) in whole and placement.copies(n) is not Copies.EXPERTS and not experts]
+        params = [] if experts else [p for p in kept_whole(model) if p.requires_grad]
     else:
         params = [p for n, p in model.named_parameters()
                   if p.requires_grad and (placement.copies(n) is Copies.EXPERTS) == experts]

@@ -67,12 +67,13 @@ class ShardedParameters:
         ranks (each expert block held once) FSDP leaves them alone. ``pipelined``: the model is a
         pipeline stage; ``gather``: how often its blocks are gathered in a step."""
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32 if compute_dtype else None)
-        ignored = set(kept_whole(model)) or None
+        ignored = set(kept_whole(model))
         if expert_mesh is not None:
             for module in experts:
-                fully_shard(module, mesh=expert_mesh, mp_policy=policy, ignored_params=ignored)
+                fully_shard(module, mesh=expert_mesh, mp_policy=policy, ignored_params=ignored or None)
         elif experts:
-            ignored = (ignored or set()) | {p for module in experts for p in module.parameters()}
+            ignored |= {p for module in experts for p in module.parameters()}
+        ignored = ignored or None
         for block in blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy, ignored_params=ignored)
         fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored)
