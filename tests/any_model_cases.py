@@ -3,6 +3,8 @@ any head, one parity check (``one_step_parity``) or a resumed checkpoint."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import CONFIG_MAPPING
 
@@ -164,3 +166,54 @@ def checkpoint_round(*, model_type: str, cls: str, out: str, load: str | None, t
                                          for n, p in ref.named_parameters())
         result["ref"] = losses
     return result
+
+
+def synced_batch_norm_job() -> dict:
+    """BatchNorm layers of every kind (1d over rows and over positions, 2d, 3d; no affine; a running average
+    where momentum is None; no running statistics) summed over the world: each rank holds its rows of one
+    batch, and the outputs, the input and weight gradients and the running statistics are those of the same
+    layers over the whole batch in one process."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from qn_hf.data_parallel.batch_statistics import sync_batch_statistics
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layers = {"1d": (nn.BatchNorm1d(3), (8, 3)), "1d_positions": (nn.BatchNorm1d(3, momentum=None), (8, 3, 5)),
+              "2d": (nn.BatchNorm2d(3, affine=False), (8, 3, 4, 4)), "3d": (nn.BatchNorm3d(3), (8, 3, 2, 2, 2)),
+              "no_running": (nn.BatchNorm2d(3, track_running_stats=False), (8, 3, 2, 2))}
+    worst = 0.0
+
+    def off(ours: torch.Tensor, theirs: torch.Tensor) -> float:  # relative to the larger of 1 and the reference
+        return ((ours.float() - theirs.float()).abs().max() / theirs.float().abs().max().clamp(min=1)).item()
+    for name, (plain, shape) in layers.items():
+        torch.manual_seed(0)
+        if plain.affine:
+            nn.init.uniform_(plain.weight, 0.5, 1.5)
+            nn.init.uniform_(plain.bias, -0.5, 0.5)
+        synced = copy.deepcopy(plain)
+        assert sync_batch_statistics(synced, dist.group.WORLD) == [""]
+        for step in range(2):  # the second step reads the running average the first left
+            x = torch.randn(shape, generator=torch.Generator().manual_seed(step)) * 3 + 1
+            target = torch.randn(shape, generator=torch.Generator().manual_seed(10 + step))
+            rows = shape[0] // world
+            mine = x[rank * rows:(rank + 1) * rows].clone().requires_grad_()
+            whole = x.clone().requires_grad_()
+            expected = plain(whole)
+            ((expected - target) ** 2).sum().backward()
+            out = synced(mine)
+            ((out - target[rank * rows:(rank + 1) * rows]) ** 2).sum().backward()
+            ours = rank * rows, (rank + 1) * rows
+            worst = max(worst, off(out, expected[ours[0]:ours[1]]), off(mine.grad, whole.grad[ours[0]:ours[1]]))
+        for p, q in zip(synced.parameters(), plain.parameters()):
+            dist.all_reduce(p.grad)  # what dp's gradient sum does
+            worst = max(worst, off(p.grad, q.grad))
+        for b, c in zip(synced.buffers(), plain.buffers(), strict=True):
+            worst = max(worst, off(b, c))
+        synced.eval()
+        plain.eval()
+        if plain.track_running_stats:  # eval reads the running statistics alone: nothing summed
+            x = torch.randn(shape)
+            worst = max(worst, off(synced(x), plain(x)))
+        assert type(synced).__name__ == f"DataParallel{type(plain).__name__}" and isinstance(synced, type(plain))
+    return {"worst": worst}

@@ -14,6 +14,7 @@ from torch import nn
 from ..config.parallel_config import ParallelConfig
 from ..context_parallel.apply import RingSwitch, apply_context_parallel
 from ..context_parallel.ring_attention import PieceLayout
+from ..data_parallel.batch_statistics import batch_statistics_layers, sync_batch_statistics
 from ..data_parallel.precision import apply_mixed_precision
 from ..data_parallel.sharded import ShardedParameters
 from ..expert_parallel.apply import apply_expert_parallel, sharded_experts
@@ -197,6 +198,10 @@ def _split_backward(b: Build) -> None:
     b.deferred = make_deferrable(b.model, queue=b.weights, skip=b.stage_plan.heads)
 
 
+def _batch_statistics(b: Build) -> None:
+    sync_batch_statistics(b.model, b.groups.dp)
+
+
 def _shard_data_parallel(b: Build) -> None:
     # a stage's own blocks under a pipeline; else every stack's repeated blocks (an encoder's and a
     # decoder's, a vision and a text tower's), the whole model being the root group without any
@@ -251,6 +256,10 @@ PASSES: tuple[Pass, ...] = (
          ("rng",), "after the shards exist; the streams are seeded per replica, which the placement says"),
     Pass("recompute", lambda b: b.config.recompute is not None, _recompute, ("model", "stage_plan", "rng"), (),
          "after the dropout streams: a recomputed block replays their state"),
+    Pass("batch statistics", lambda b: b.config.dims.dp > 1 and bool(batch_statistics_layers(b.model)),
+         _batch_statistics, ("model", "groups"), (),
+         "after the cut (a stage's own layers) and recomputation, before FSDP shards the layers and compile traces "
+         "their forwards"),
     Pass("shard data parallel", lambda b: b.config.dims.dp_shard > 1, _shard_data_parallel,
          ("model", "groups", "stage_plan", "stage", "precision"), ("sharded",),
          "after every hook on the blocks (recomputation's included) and the replicas' synchronized weights: "

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import transformers
 
 from ..config.parallel_config import ParallelConfig
+from ..data_parallel.batch_statistics import batch_statistics_layers
 from ..policies.body import no_cache
 
 LOSS_RTOL = 1e-5
@@ -92,9 +93,14 @@ def _compare(pm, ref: torch.nn.Module, out_dir: str) -> list[tuple[str, float]]:
     pm.save_pretrained(out_dir)
     if dist.get_rank() != 0:
         return []
-    reloaded = dict(type(ref).from_pretrained(out_dir).named_parameters())
+    model = type(ref).from_pretrained(out_dir)
+    # the weights, and the running statistics BatchNorm layers move in training (summed over dp: they too
+    # must be the plain model's)
+    statistics = [f"{layer}.{kind}" for layer in batch_statistics_layers(ref) for kind in ("running_mean", "running_var")
+                  if ref.get_submodule(layer).track_running_stats]
+    reloaded = {**dict(model.named_parameters()), **{n: model.get_buffer(n) for n in statistics}}
     diffs = []
-    for name, p in ref.named_parameters():
+    for name, p in [*ref.named_parameters(), *((n, ref.get_buffer(n)) for n in statistics)]:
         if name not in reloaded:
             diffs.append((f"{name} (missing from the export)", float("inf")))
             continue

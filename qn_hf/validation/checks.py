@@ -60,12 +60,13 @@ def check_parallel_config(model: nn.Module, config: ParallelConfig | None = None
                                   virtual=config.virtual_stages)
     check_compile(model, compile=config.compile, schedule=config.schedule, cp=dims.cp, ep=dims.ep,
                   layers=stage_plan.layers)
+    # before recomputation's own check: what BatchNorm refuses holds whatever the blocks are
+    check_batch_statistics(model, dims=dims, microbatches=config.microbatches, recompute=config.recompute)
     for layers in stage_plan.block_lists or (None,):
         check_recompute(model, recompute=config.recompute, layers=layers)
     if stage_plan.seq2seq is not None:
         check_seq2seq_pipeline(stage_plan.seq2seq, dp_shard=dims.dp_shard, compile=config.compile,
                                sequence_parallel=config.sequence_parallel, stages=dims.pp)
-    check_batch_statistics(model, dims=dims, microbatches=config.microbatches)
     check_context_parallel(model, cp=dims.cp, plan=tp_plan)
     check_expert_parallel(model, dims=dims, plan=tp_plan)
     tp_plan = expert_parallel_plan(model, tp_plan, ep=dims.ep)
