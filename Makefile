@@ -33,7 +33,7 @@ demo: $(STAMP)
 TEST_BUDGET_S ?= 6000
 PYTEST_ARGS ?=
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not long" --budget $(TEST_BUDGET_S) --durations=30 $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not long" --cover --budget $(TEST_BUDGET_S) --durations=30 $(PYTEST_ARGS)
 
 # The unit tier: every test that starts no process (schedules, shards, plans, the planner, the
 # package's structure, the composition table) and asserts no wall-clock time, about a minute.
@@ -41,12 +41,15 @@ test-unit: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "unit and not long"
 
 # The long tier in slices of about SLICE_BUDGET_S seconds each (as many as that takes, K: the run names
-# it); `make test-long-slice SLICE=N` runs slice N mod K (a CI run of one slice per commit, N the commit
-# count, is not in .ci/run yet). `make durations` reruns everything, rewriting tests/durations.json.
+# it); `make test-long-slice SLICE=N` runs slice N mod K (.ci/run: N the commit count), a test not started
+# SLICE_DEADLINE_S after the start skipped and named. `make durations` reruns everything, rewriting
+# tests/durations.json.
 SLICE_BUDGET_S ?= 480
+SLICE_DEADLINE_S ?= 960
 SLICE ?= 0
 test-long-slice: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m long --long-slice $(SLICE) --slice-budget $(SLICE_BUDGET_S) --durations=10
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m long --long-slice $(SLICE) --slice-budget $(SLICE_BUDGET_S) \
+		--slice-deadline $(SLICE_DEADLINE_S) --durations=10
 
 durations: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --record-durations

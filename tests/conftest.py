@@ -6,6 +6,9 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# inductor compiles in each rank's own process: its default pool of compile workers per rank oversubscribes two
+# cores (a compiled tp=2 case took 54 s from a cold cache with the pools, 20 s without)
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import pytest  # noqa: E402
 
@@ -59,10 +62,38 @@ def _tier(item) -> Tier:
     return Tier.WORLD if "worlds" in getattr(item, "fixturenames", ()) else Tier.UNIT
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection reads the marks
 def pytest_collection_modifyitems(config, items):
-    """Every test's tier as a marker (``-m unit`` is ``make test-unit``: no process, about a minute)."""
+    """Every test's tier as a marker (``-m unit`` is ``make test-unit``: no process, about a minute), and the
+    ``long`` mark on every test that starts processes and is not one ``make test`` must run (``_needed``):
+    what is not needed repeats ground those cover, and the long tier runs it in slices. A needed test loses a
+    ``long`` mark of its own (a composition row's case among a function's long ones, a compiled run): the row
+    is covered in make test or the table says what it does not."""
+    from qn_hf.config.composition import ROWS
+
+    named = suite_time.named_tests([row.test for row in ROWS if row.test])
     for item in items:
-        item.add_marker(getattr(pytest.mark, _tier(item).value))
+        tier = _tier(item)
+        item.add_marker(getattr(pytest.mark, tier.value))
+        if tier is Tier.UNIT:
+            continue
+        if _needed(item, named):
+            item.own_markers[:] = [mark for mark in item.own_markers if mark.name != "long"]
+        elif item.get_closest_marker("long") is None:
+            item.add_marker(pytest.mark.long)
+
+
+def _needed(item, named: tuple[set[str], set[str]]) -> bool:
+    """A test make test runs though it starts processes: one a composition row names (the case, or the function's
+    cases not marked long), one that runs a user-facing script (``script``) and is not marked long, or one marked
+    ``core`` (a promise's one check that no row names: golden losses, old checkpoints, the zoos' samples)."""
+    functions, cases = named
+    if item.nodeid in cases or item.nodeid in functions or item.get_closest_marker("core"):  # a function, uncased
+        return True
+    # a function's cases marked long repeat the others (a row naming the function is covered by those); a
+    # script's run marked long is another run of it (resumed, under the other launcher)
+    return item.get_closest_marker("long") is None and (
+        item.nodeid.split("[", 1)[0] in functions or item.get_closest_marker("script") is not None)
 
 
 def _skipped(item) -> bool:

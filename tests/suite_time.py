@@ -101,6 +101,11 @@ USER_FACING = ("scripts/demo.py", "scripts/train_lm.py", "scripts/train_vit.py",
                "qn-hf-check", "qn-hf-convert", "qn-hf-plan")
 
 
+def named_tests(named: list[str]) -> tuple[set[str], set[str]]:
+    """The composition rows' tests as (functions, cases): a row names a function (every case of it) or one case."""
+    return {n for n in named if "[" not in n}, {n for n in named if "[" in n}
+
+
 def uncovered(selected: list[str], runs: set[str], named: list[str]) -> list[str]:
     """What a selection of tests leaves out: user-facing scripts and commands no selected test runs
     (``runs``: the names their ``script`` marks give), and composition rows whose named test (a function,

@@ -36,16 +36,19 @@ ABSENT = {model_type: tp_plan_missing(model_type) or f"transformers {INSTALLED} 
 
 
 def _case(model_type: str, name: str, in_suite: bool):
-    marks = [] if in_suite else [pytest.mark.long]
+    marks = [pytest.mark.core] if in_suite else [pytest.mark.long]
     if model_type in ABSENT:
         marks.append(pytest.mark.skip(reason=ABSENT[model_type]))
     return pytest.param(model_type, name, marks=marks)
 
 
-# make test: the few types ZOO_FEW and SWEEP_FEW name at every column they have; every other type is long (the suite's time, issue 65: 12 minutes of 132 tests on 2 cores, where one
-# plan-reading and cutting code serves every type; the long tier's slices run them in turn)
+# make test: SUITE_FEW, three of the types ZOO_FEW and SWEEP_FEW name (an MoE type at every column, ep's included;
+# fused q|k|v; a sliding window with softcapping), at every column they have; every other type is long (the
+# suite's time, issue 65: one plan-reading and cutting code serves every type; the long tier's slices run them
+# in turn)
+SUITE_FEW = ("qwen3_moe", "phi3", "gemma2")
 IN_SUITE = {model_type: set(meshes_for(model_type, sweep=False))
-            for model_type in EXPECTED if model_type not in ABSENT and model_type in ZOO_FEW + SWEEP_FEW}
+            for model_type in EXPECTED if model_type not in ABSENT and model_type in SUITE_FEW}
 CASES = [_case(model_type, name, name in IN_SUITE.get(model_type, ()))
          for model_type in EXPECTED
          for name in (EXPECTED[model_type] if model_type in ABSENT else meshes_for(model_type))]

@@ -75,6 +75,7 @@ def test_zoo_checkpoint_resumes_at_other_meshes(worlds, tmp_path, model_type):
         assert err < 2e-5, f"resumed at {(dp, tp, pp)} from {os.path.basename(source)}: max weight difference {err}"
 
 
+@pytest.mark.long  # a sweep over every zoo type and mesh (2 min on 2 cores), though it starts no process
 def test_every_zoo_model_has_a_checkpoint_layout_where_it_trains_equal():
     """qn-hf-convert (from-hf, reshard) lays a checkpoint out from a meta-device model with the same
     policy and stage cut as parallelize: it must work for every model type and mesh the zoo finds

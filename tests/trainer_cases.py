@@ -55,13 +55,13 @@ def model_for(model_dir: str, *, lora: bool):
 
 
 def reference(*, model_dir: str, out_dir: str, batch: int, accumulation: int, max_grad_norm: float,
-              eval_steps: int = 0, lora: bool = False) -> dict:
+              eval_steps: int = 0, lora: bool = False, steps: int = 12) -> dict:
     """``transformers.Trainer`` in this (one) process with the global batch sizes."""
     import transformers
 
     model = model_for(model_dir, lora=lora)
     args = training_args(out_dir, batch=batch, eval_batch=4, accumulation=accumulation, max_grad_norm=max_grad_norm,
-                         eval_steps=eval_steps)
+                         eval_steps=eval_steps, steps=steps)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=token_dataset(TRAIN_ROWS, seed=1),
                                    eval_dataset=token_dataset(EVAL_ROWS, seed=2))
     trainer.train()
@@ -75,13 +75,13 @@ def reference(*, model_dir: str, out_dir: str, batch: int, accumulation: int, ma
 def parallel_train(*, model_dir: str, out_dir: str, dp: int, tp: int, pp: int, microbatches: int, batch: int,
                    accumulation: int, max_grad_norm: float, save_steps: int = 0, eval_steps: int = 0,
                    resume: str | None = None, zero: bool = False, lora: bool = False,
-                   extra: dict | None = None, cp: int = 1) -> dict:
+                   extra: dict | None = None, cp: int = 1, steps: int = 12) -> dict:
     """``qn_hf.Trainer`` at (dp, tp, pp, cp): per-device batch ``batch`` (global ``batch * dp``); ``extra``:
     more ``parallel=`` keywords (a schedule, recompute, sequence_parallel)."""
     import qn_hf
 
     args = training_args(out_dir, batch=batch, eval_batch=4 // dp, accumulation=accumulation,
-                         max_grad_norm=max_grad_norm, save_steps=save_steps, eval_steps=eval_steps)
+                         max_grad_norm=max_grad_norm, save_steps=save_steps, eval_steps=eval_steps, steps=steps)
     trainer = qn_hf.Trainer(model=model_for(model_dir, lora=lora), args=args,
                             train_dataset=token_dataset(TRAIN_ROWS, seed=1),
                             eval_dataset=token_dataset(EVAL_ROWS, seed=2),
