@@ -46,3 +46,10 @@ def test_cover_names_unrun_scripts_and_unselected_composition_tests():
                        "tests/test_c.py::test_h: a composition row names it"]
     assert suite_time.uncovered(selected + ["tests/test_a.py::test_f[y]", "tests/test_c.py::test_h[z]"],
                                 set(suite_time.USER_FACING), named) == []
+
+
+def test_rows_name_functions_or_cases():
+    functions, cases = suite_time.named_tests(["tests/test_a.py::test_f", "tests/test_a.py::test_g[x-1]",
+                                              "tests/test_a.py::test_f"])
+    assert functions == {"tests/test_a.py::test_f"} and cases == {"tests/test_a.py::test_g[x-1]"}
+
