@@ -87,6 +87,7 @@ PASS_MESHES = {
     "dropout seed": dict(dp=2),
     "dropout streams": dict(dp=2),
     "recompute": dict(dp=2, recompute="full"),
+    "batch statistics": dict(dp=2),  # on a small ResNet: the pass applies to BatchNorm layers
     "shard data parallel": dict(dp=2, dp_shard=2),
     "split backward": dict(pp=2, microbatches=2, schedule="zb_h1"),
     "compile": dict(dp=2, compile=True),
@@ -96,6 +97,8 @@ PASS_MESHES = {
 def case_one_rank_fails_a_pass(*, kind: type[Exception]) -> dict[str, str]:
     """For each build pass, parallelize with that pass raising on rank 1 only: what each rank raised."""
     import datetime
+
+    from transformers import ResNetConfig, ResNetForImageClassification
 
     from qn_hf.build import passes
     from tests.ep_cases import moe_config
@@ -111,7 +114,11 @@ def case_one_rank_fails_a_pass(*, kind: type[Exception]) -> dict[str, str]:
     original, raised = passes.PASSES, {}
     for name, mesh in PASS_MESHES.items():
         passes.PASSES = tuple(failing(s) if s.name == name else s for s in original)
-        model = AutoModelForCausalLM.from_config(CONFIGS["llama"] if name == "compile" else moe_config("qwen3_moe"))
+        if name == "batch statistics":
+            model = ResNetForImageClassification(ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                                                              layer_type="basic"))
+        else:
+            model = AutoModelForCausalLM.from_config(CONFIGS["llama"] if name == "compile" else moe_config("qwen3_moe"))
         try:
             qn_hf.parallelize(model, **mesh, timeout=datetime.timedelta(seconds=120))
             raised[name] = "no error"
