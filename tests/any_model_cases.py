@@ -186,7 +186,7 @@ def synced_batch_norm_job() -> dict:
 
     def off(ours: torch.Tensor, theirs: torch.Tensor) -> float:  # relative to the larger of 1 and the reference
         return ((ours.float() - theirs.float()).abs().max() / theirs.float().abs().max().clamp(min=1)).item()
-    for name, (plain, shape) in layers.items():
+    for plain, shape in layers.values():
         torch.manual_seed(0)
         if plain.affine:
             nn.init.uniform_(plain.weight, 0.5, 1.5)

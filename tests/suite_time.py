@@ -102,7 +102,8 @@ USER_FACING = ("scripts/demo.py", "scripts/train_lm.py", "scripts/train_vit.py",
 
 
 def named_tests(named: list[str]) -> tuple[set[str], set[str]]:
-    """The composition rows' tests as (functions, cases): a row names a function (every case of it) or one case."""
+    """The composition rows' tests as (functions, cases): a row names a function (its cases not marked long) or one
+    case (tests/conftest.py ``_needed``)."""
     return {n for n in named if "[" not in n}, {n for n in named if "[" in n}
 
 

@@ -229,3 +229,26 @@ def test_a_stack_that_carries_more_than_its_hidden_states_is_not_cut(worlds):
 @pytest.mark.core
 def test_synced_batch_norm_is_the_whole_batch_for_every_kind_of_layer(worlds):
     assert worlds.run(2, any_model_cases.synced_batch_norm_job)[0]["worst"] < 1e-5
+
+
+def test_a_batch_norm_with_a_forward_of_its_own_is_refused_at_dp():
+    """The mixin that sums the statistics replaces BatchNorm's forward: a subclass's own forward would be lost, so
+    it is refused at dp > 1 (and taken at dp=1), as torch's SyncBatchNorm is."""
+    from torch import nn
+
+    from qn_hf.config.dims import ParallelDims
+    from qn_hf.data_parallel.batch_statistics import check_batch_statistics
+
+    class Frozen(nn.BatchNorm2d):
+        def forward(self, input):
+            return super().forward(input) * 2
+
+    for layer, message in ((Frozen(3), r"norm is a Frozen, whose forward is its own"),
+                           (nn.SyncBatchNorm(3), r"norm is torch's SyncBatchNorm")):
+        model = nn.Sequential()
+        model.add_module("norm", layer)
+        check_batch_statistics(model, dims=ParallelDims(dp=1), microbatches=1, recompute=None)
+        with pytest.raises(ValueError, match=message):
+            check_batch_statistics(model, dims=ParallelDims(dp=2), microbatches=1, recompute=None)
+    plain = nn.Sequential(nn.BatchNorm1d(3))
+    check_batch_statistics(plain, dims=ParallelDims(dp=2), microbatches=1, recompute=None)

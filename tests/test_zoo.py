@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from qn_hf.check.zoo import SWEEP_FEW, ZOO_FEW, meshes_for, render_table, replace_table, zoo_model_types
+from qn_hf.check.zoo import meshes_for, render_table, replace_table, zoo_model_types
 from tests import zoo_cases
 from tests.releases import INSTALLED, PINNED, RECORDED_WITH, tp_plan_missing
 

@@ -12,9 +12,11 @@ a sum over the group both ways (``_SumBothWays``: torch's own differentiable ``a
 and the replacement it names has no backward).
 
 What stays refused: dp_shard (FSDP2's blocks around the sums are not compared with the plain model yet),
-recomputation (its second forward would update the running statistics twice), a batch split over microbatches (the whole batch's statistics exist only once every
-microbatch has run forward, which a schedule that runs a microbatch's backward before the next's forward
-cannot wait for) and over cp (BatchNorm models have no sequence ring attention splits)."""
+recomputation (its second forward would update the running statistics twice), a batch split over
+microbatches (the whole batch's statistics exist only once every microbatch has run forward, which a
+schedule that runs a microbatch's backward before the next's forward cannot wait for) and over cp
+(BatchNorm models have no sequence ring attention splits), and at dp > 1 a BatchNorm subclass with a forward
+of its own (the mixin's forward would replace it)."""
 
 from __future__ import annotations
 
@@ -41,6 +43,13 @@ def check_batch_statistics(model: nn.Module, *, dims: ParallelDims, microbatches
         raise ValueError(f"recompute={recompute} ({type(model).__name__}): its BatchNorm layers ({layers[0]}, ...) "
                          f"update their running statistics in every forward, and recomputation runs each block's "
                          f"forward twice a step; train it with recompute=None")
+    own_forward = [name for name in layers if not isinstance(model.get_submodule(name), nn.SyncBatchNorm)
+                   and type(model.get_submodule(name)).forward is not nn.modules.batchnorm._BatchNorm.forward]
+    if dims.dp > 1 and own_forward:
+        layer = model.get_submodule(own_forward[0])
+        raise ValueError(f"dp={dims.dp} ({type(model).__name__}): {own_forward[0]} is a {type(layer).__name__}, whose "
+                         f"forward is its own, not BatchNorm's, so qn_hf cannot sum its statistics over dp without "
+                         f"replacing it; train it at dp=1 (tp and pp with one microbatch take it)")
     torch_synced = [name for name, module in model.named_modules() if isinstance(module, nn.SyncBatchNorm)]
     if dims.dp > 1 and torch_synced:
         raise ValueError(f"dp={dims.dp} ({type(model).__name__}): {torch_synced[0]} is torch's SyncBatchNorm, whose "
