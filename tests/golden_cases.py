@@ -8,6 +8,7 @@ one function below runs any of them."""
 from __future__ import annotations
 
 import platform
+from pathlib import Path
 
 import torch
 import transformers
@@ -35,10 +36,25 @@ CASES: dict[str, tuple[str, dict]] = {
 }
 
 
+def _processor() -> str:
+    """The CPU's family and model: two AVX512 generations differ in the last bit of a float32 loss (the qwen3_moe
+    case's first loss on an Emerald Rapids is one ulp from the one recorded elsewhere, same torch and code), so
+    the capability alone does not name the kernels' bits."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return platform.processor()
+    return f"{fields.get('vendor_id', '?')} family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
+
+
 def environment() -> dict[str, str]:
     """What decides the bits of a float32 CPU run besides qn_hf's code (recorded beside exact numbers)."""
     return {"torch": torch.__version__, "transformers": transformers.__version__,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine()}
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine(),
+            "processor": _processor()}
 
 
 def golden_run(*, name: str, model_dir: str) -> list[str]:

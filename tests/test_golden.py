@@ -9,13 +9,13 @@ holds them to 1e-6 relative and says so.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 
 from tests import golden_cases
+from tests.records import Record
 
 # make test runs them all (issue 65): they hold every dimension's numbers bit for bit
 pytestmark = pytest.mark.core
@@ -24,17 +24,16 @@ GOLDEN = Path(__file__).with_name("golden_losses.json")
 UPDATE = os.environ.get("QN_HF_GOLDEN_UPDATE") == "1"
 
 
-def _recorded() -> dict:
-    return json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {"environment": {}, "steps": 0, "cases": {}}
+def _empty() -> dict:
+    return {"environment": {}, "steps": 0, "cases": {}}
 
 
 @pytest.fixture(scope="module")
 def record():
-    data = _recorded()
-    yield data
-    if UPDATE:
-        data["environment"], data["steps"] = golden_cases.environment(), golden_cases.STEPS
-        GOLDEN.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    record = Record(GOLDEN, UPDATE, empty=_empty)
+    if UPDATE:  # the environment and step count the rewritten losses were taken in
+        record.data["environment"], record.data["steps"] = golden_cases.environment(), golden_cases.STEPS
+    return record
 
 
 @pytest.mark.parametrize("name", list(golden_cases.CASES))
@@ -44,8 +43,9 @@ def test_losses_equal_the_golden_ones(worlds, model_dirs, record, name):
     assert all(r == runs[0] for r in runs), runs  # every rank reports the global loss
     losses = runs[0]
     if UPDATE:
-        record["cases"][name] = losses
+        record.put("cases", name, losses)
         return
+    record = record.data
     assert record["steps"] == golden_cases.STEPS, "tests/golden_losses.json is stale: make golden"
     assert name in record["cases"], f"no golden losses for {name}: make golden records them"
     golden = record["cases"][name]
@@ -60,6 +60,6 @@ def test_losses_equal_the_golden_ones(worlds, model_dirs, record, name):
 def test_golden_file_names_every_case_and_only_those():
     if UPDATE:
         pytest.skip("being rewritten")
-    data = _recorded()
+    data = Record(GOLDEN, update=False, empty=_empty).data
     assert set(data["cases"]) == set(golden_cases.CASES)
     assert all(len(v) == data["steps"] for v in data["cases"].values())

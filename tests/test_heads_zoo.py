@@ -21,6 +21,7 @@ import pytest
 
 from qn_hf.check.zoo import APART, head_classes, head_columns, render_heads_table, replace_heads_table
 from tests import heads_zoo_cases
+from tests.records import Record
 from tests.releases import INSTALLED, PINNED, RECORDED_WITH
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,28 +60,28 @@ def _case(key: str, column: str):
 CASES = [_case(key, column) for key, (family, _, _) in ROWS.items() for column in head_columns(family)]
 
 
+def _render(record: dict) -> None:
+    table = ROOT / "docs" / "heads-table.md"
+    table.write_text(replace_heads_table(table.read_text(), render_heads_table(record, classes=len(ROWS))))
+
+
 @pytest.fixture(scope="module")
 def observed():
-    """What this run saw; written back to the expectations and docs/heads-table.md under QN_HF_HEADS_UPDATE=1."""
+    """The record; under QN_HF_HEADS_UPDATE=1 each outcome is written to it and docs/heads-table.md at once."""
     if UPDATE and not PINNED:
         pytest.fail(f"heads_zoo_expected.json records transformers {RECORDED_WITH}, not the installed {INSTALLED}")
-    seen: dict[str, dict[str, str]] = {}
-    yield seen
-    if UPDATE and seen:
-        merged = {k: {**EXPECTED.get(k, {}), **seen.get(k, {})} for k in sorted(set(EXPECTED) | set(seen))}
-        EXPECTED_FILE.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
-        table = ROOT / "docs" / "heads-table.md"
-        table.write_text(replace_heads_table(table.read_text(), render_heads_table(merged, classes=len(ROWS))))
+    return Record(EXPECTED_FILE, UPDATE, render=_render)
 
 
 @pytest.mark.parametrize(("key", "column"), CASES)
 def test_heads_zoo(worlds, observed, key, column):
     family, model_type, cls = ROWS[key]
     outcome = worlds.run(2, heads_zoo_cases.head_zoo_step, model_type=model_type, cls=cls, column=column)[0]
+    if UPDATE:  # a sweep records every outcome, a "different" one too, and then fails on it
+        observed.put(key, column, outcome, new_row={"family": family})
     assert not outcome.startswith("different"), outcome
     if column.startswith("dp"):
         assert outcome == "equal" or outcome.startswith(APART), f"data parallelism must take every model: {outcome}"
-    observed.setdefault(key, {"family": family})[column] = outcome
     if not UPDATE and PINNED:
         assert outcome == EXPECTED.get(key, {}).get(column), "run `make heads-table` if the change is meant"
 

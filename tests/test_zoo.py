@@ -23,6 +23,7 @@ import pytest
 
 from qn_hf.check.zoo import meshes_for, render_table, replace_table, zoo_model_types
 from tests import zoo_cases
+from tests.records import Record
 from tests.releases import INSTALLED, PINNED, RECORDED_WITH, tp_plan_missing
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,19 +63,18 @@ def _config(model_type: str) -> dict:
     return shrink_config(CONFIG_MAPPING[model_type]()).to_dict()
 
 
+def _render(record: dict) -> None:
+    table = ROOT / "docs" / "zoo-table.md"
+    table.write_text(replace_table(table.read_text(), render_table(record)))
+
+
 @pytest.fixture(scope="module")
 def observed():
-    """What this run saw; written back to the expectations and docs/zoo-table.md under QN_HF_ZOO_UPDATE=1."""
+    """The record; under QN_HF_ZOO_UPDATE=1 each outcome is written to it and docs/zoo-table.md at once."""
     if UPDATE and not PINNED:
         pytest.fail(f"zoo_expected.json records the transformers the test extra pins ({RECORDED_WITH}), not the "
                     f"installed {INSTALLED}: raise the pin and install it first")
-    seen: dict[str, dict[str, str]] = {}
-    yield seen
-    if UPDATE and seen:
-        merged = {m: {**EXPECTED.get(m, {}), **seen.get(m, {})} for m in sorted(set(EXPECTED) | set(seen))}
-        EXPECTED_FILE.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
-        table = ROOT / "docs" / "zoo-table.md"
-        table.write_text(replace_table(table.read_text(), render_table(merged)))
+    return Record(EXPECTED_FILE, UPDATE, render=_render)
 
 
 @pytest.mark.parametrize(("model_type", "mesh"), CASES)
@@ -84,8 +84,9 @@ def test_zoo(worlds, observed, model_type, mesh):
     assert verdict["verdict"] != "different", (verdict["reason"], verdict["worst"][:5])
     assert verdict["verdict"] == "refused" or verdict["moved"] > 1e-3, "the step moved no weight: it proves nothing"
     outcome = "equal" if verdict["verdict"] == "equal" else f"refused: {verdict['reason']}"
-    observed.setdefault(model_type, {})[mesh] = outcome
-    if not UPDATE and PINNED:
+    if UPDATE:
+        observed.put(model_type, mesh, outcome)
+    elif PINNED:
         assert outcome == EXPECTED[model_type].get(mesh), "run `make zoo-table` if the change is meant"
 
 
