@@ -107,8 +107,13 @@ def probe_loss(outputs, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     pattern, each a mean over the rows, as a ``loss_fn`` is. The shift matters: a plain mean square is
     constant on a unit-normalized embedding (BLIP's, CLIP's) and on a LayerNorm's output at its initial
     weights, so the gradient reaching the layers before would be rounding noise, which no two orders of
-    summation share; shifted, each row's loss depends on the direction of its output."""
-    return sum(((t.float() + _pattern(t)).square().mean() for t in _per_row(outputs)), torch.zeros(()))
+    summation share; shifted, each row's loss depends on the direction of its output. Only outputs whose
+    first dimension is the batch's rows are read: a sequence-first tensor (BridgeTower's vision tower keeps
+    CLIP's old positions x rows layout) would take a pattern over rows, which a rank's share of them
+    does not repeat."""
+    rows = next((v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 1), None)
+    return sum(((t.float() + _pattern(t)).square().mean() for t in _per_row(outputs) if t.shape[0] == rows),
+               torch.zeros(()))
 
 
 def _pattern(t: torch.Tensor) -> torch.Tensor:

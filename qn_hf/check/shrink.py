@@ -8,6 +8,8 @@ comparable bit for bit up to float summation order. Used by ``qn-hf-check`` and 
 
 from __future__ import annotations
 
+import re
+
 from transformers import PretrainedConfig
 
 # Widths small enough for CPU, divisible by tp in {1, 2, 4} and, for heads, still grouped (GQA).
@@ -61,6 +63,12 @@ _TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 # at depth 3.1, are 90 s a step on a CPU). The widths stay: ALIGN projects its text to the tower's output width,
 # and the head's width (hidden_dim) is the table's, scaled.
 _COMPOUND_SCALED = {"depth_coefficient": 1.0, "image_size": 64}
+# Staged towers (ResNet, BiT, ConvNeXt, RegNet, Swin, LeViT, ...) count blocks per stage in a list: two a stage
+# at most, so that both a stage's first block (its downsampling shortcut) and a repeated one, and Swin's
+# alternating shifted windows, still run; the stage count stays (strides, heads and widths are per stage).
+# ResNet-50's 16 blocks at 2048 channels left the float32 model's own gradients 0.4% from a float64 run's.
+_STAGE_DEPTHS = ("depths",)
+STAGE_DEPTH = 2
 # Scalar multipliers that default to 1.0 (Granite's muP scalars, AFMoE's routing scale) get another
 # value: at 1.0 applying one twice, or on the wrong side of a stage or tp boundary, changes nothing,
 # and the zoo would call equal what a real checkpoint (Granite 3: embedding_multiplier=12) trains
@@ -81,14 +89,20 @@ _DEFAULT_GAPS: dict[str, dict] = {
 }
 
 
-# random augmentations in training besides dropout (wav2vec2's SpecAugment masks, LayerDrop): no split
-# of the batch draws what one process draws, so like dropout they are off in a shrunk copy
-_RANDOM_IN_TRAINING = ("mask_time_prob", "mask_feature_prob", "layerdrop", "encoder_layerdrop", "decoder_layerdrop",
-                       "drop_path_rate")
+# random augmentations in training besides dropout (wav2vec2's SpecAugment masks, LayerDrop, stochastic depth as
+# drop path or drop connect, router jitter): no split of the batch draws what one process draws, so like dropout
+# they are off in a shrunk copy. CvT spells its rates per stage as lists (drop_path_rate [0, 0, 0.1]); ALIGN's
+# and EfficientNet's towers drop whole rows' residuals by drop_connect_rate (0.2): both were "different" at dp=2.
+_RANDOM_IN_TRAINING = re.compile(r"dropout|pdrop$|layerdrop$|drop_?path|drop_connect_rate$|(^|_)drop(_[a-z]+)*_rate$"
+                                 r"|jitter_noise$|^mask_(time|feature)_prob$")
 
 
 def _is_dropout(key: str) -> bool:
-    return "dropout" in key or key.endswith("pdrop") or key in _RANDOM_IN_TRAINING
+    return _RANDOM_IN_TRAINING.search(key) is not None
+
+
+def _is_rate(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _fill_gaps(data: dict, *, mrope: bool) -> None:
@@ -220,6 +234,10 @@ def shrink_config(config: PretrainedConfig, *, layers: int = LAYERS) -> Pretrain
         size_key = canonical.get(key, key)
         if size_key in _SIZES and (value is None or _is_size(value)):
             new[key] = _SIZES[size_key]  # None too: some defaults leave a size for the checkpoint to fill
+        elif _is_dropout(key) and _is_rate(value):
+            new[key] = type(value)(0)  # the config's own type: strict configs (MPT's) check it
+        elif _is_dropout(key) and isinstance(value, list) and value and all(_is_rate(v) for v in value):
+            new[key] = [type(v)(0) for v in value]  # a rate per stage
         elif isinstance(value, list) and value and len(value) == layers_before:
             # a per-layer list (layer kinds, per-layer heads or widths): same kinds, new length
             per_layer = [_SIZES.get(key.removesuffix("_per_layer"), v) if isinstance(v, int) else v for v in value]
@@ -231,8 +249,6 @@ def shrink_config(config: PretrainedConfig, *, layers: int = LAYERS) -> Pretrain
             new[key] = {k: _shrink_sizes(v) for k, v in value.items()}  # per layer kind
         elif key in _MULTIPLIERS and value == 1.0 and not isinstance(value, bool):
             new[key] = MULTIPLIER
-        elif _is_dropout(key) and isinstance(value, (int, float)) and not isinstance(value, bool):
-            new[key] = type(value)(0)  # the config's own type: strict configs (MPT's) check it
         elif _tied_to_hidden(key, value, data.get("hidden_size")):
             new[key] = HIDDEN
     # only the counts the config has (a sub-config without one, an audio encoder, must not gain one);
@@ -245,6 +261,9 @@ def shrink_config(config: PretrainedConfig, *, layers: int = LAYERS) -> Pretrain
         # sublayers a block): 4 blocks, as every other type gets
         new.pop("num_hidden_layers", None)
         new["num_layers"] = layers
+    for key in _STAGE_DEPTHS:
+        if isinstance(data.get(key), list) and data[key] and all(_is_size(d) for d in data[key]):
+            new[key] = [min(d, STAGE_DEPTH) for d in data[key]]
     if "depth_coefficient" in data:
         new.update({key: value for key, value in _COMPOUND_SCALED.items() if key in data})
     if "num_key_value_heads" in data:

@@ -11,8 +11,10 @@ names): each layer's class becomes a subclass of its own whose training forward 
 a sum over the group both ways (``_SumBothWays``: torch's own differentiable ``all_reduce`` is deprecated,
 and the replacement it names has no backward).
 
-What stays refused: dp_shard (FSDP2's blocks around the sums are not compared with the plain model yet),
-recomputation (its second forward would update the running statistics twice), a batch split over
+dp_shard needs nothing more: its ranks are dp ranks (the sums run over the whole dp group, inside the blocks
+FSDP2 gathers), and BatchNorm's running statistics are buffers, which FSDP2 keeps whole on every rank.
+
+What stays refused: recomputation (its second forward would update the running statistics twice), a batch split over
 microbatches (the whole batch's statistics exist only once every microbatch has run forward, which a
 schedule that runs a microbatch's backward before the next's forward cannot wait for) and over cp
 (BatchNorm models have no sequence ring attention splits), and at dp > 1 a BatchNorm subclass with a forward
@@ -55,17 +57,15 @@ def check_batch_statistics(model: nn.Module, *, dims: ParallelDims, microbatches
         raise ValueError(f"dp={dims.dp} ({type(model).__name__}): {torch_synced[0]} is torch's SyncBatchNorm, whose "
                          f"forward sums over its own group (the world) and refuses CPU tensors; qn_hf sums BatchNorm "
                          f"statistics over dp itself: build the model with plain BatchNorm layers")
-    # dp_shard: FSDP2's sharded blocks around the summed statistics are not checked against the plain model yet
-    split = [f"{name}={value}" for name, value in (("dp_shard", dims.dp_shard), ("cp", dims.cp),
-                                                    ("microbatches", microbatches)) if value > 1]
+    split = [f"{name}={value}" for name, value in (("cp", dims.cp), ("microbatches", microbatches)) if value > 1]
     if not (split and layers):
         return
     shown = ", ".join(layers[:2]) + (f" and {len(layers) - 2} more" if len(layers) > 2 else "")
     raise ValueError(
         f"{' x '.join(split)} ({type(model).__name__}): its BatchNorm layers ({shown}) normalize by the statistics of "
         f"the rows they see in training, so each part of the split batch would be normalized by its own rows, not "
-        f"the plain model's step; qn_hf sums the statistics across dp ranks, not yet across microbatches, cp ranks or "
-        f"under dp_shard: train it at dp_shard=1, cp=1, microbatches=1 (dp, tp and pp with one microbatch take it)")
+        f"the plain model's step; qn_hf sums the statistics across dp ranks (dp_shard's included), not yet across microbatches "
+        f"or cp ranks: train it at cp=1, microbatches=1 (dp, dp_shard, tp and pp with one microbatch take it)")
 
 
 class _Synced:
