@@ -226,9 +226,15 @@ def head_columns(family: str) -> list[str]:
     return [c for c in HEAD_COLUMNS if c not in HEAD_COLUMN_FAMILIES or family in HEAD_COLUMN_FAMILIES[c]]
 
 
+def is_equal(outcome: str) -> bool:
+    """Equal within the tolerances, or (an ill-conditioned model) as close to the float64 step as the plain model."""
+    return outcome == "equal" or outcome.startswith("equal:")
+
+
 def outcome_of(verdict: dict) -> str:
-    """A check's verdict as the heads zoo records it: ``equal``, or the kind and its reason's first line."""
-    if verdict["verdict"] == "equal":
+    """A check's verdict as the heads zoo records it: ``equal``, or the kind and its reason's first line (an
+    equal verdict has one where float64 judged it: ``check.run.FLOAT32_REACH``)."""
+    if verdict["verdict"] == "equal" and not verdict.get("reason"):
         return "equal"
     reason = (verdict.get("reason") or "").splitlines()[0] if verdict.get("reason") else ""
     return f"{verdict['verdict']}: {reason[:REASON_CHARS]}"
@@ -247,7 +253,7 @@ def render_heads_table(results: dict[str, dict], *, classes: int) -> str:
             cells = [r[column] for r in results.values() if r["family"] == family and column in r]
             if not cells:
                 continue
-            counts = [sum(c == "equal" for c in cells), sum(c.startswith("refused") for c in cells),
+            counts = [sum(is_equal(c) for c in cells), sum(c.startswith("refused") for c in cells),
                       sum(c.startswith("different") for c in cells), sum(c.startswith(APART) for c in cells)]
             lines.append(f"| {family} | {column} | " + " | ".join(map(str, counts)) + " |")
     lines += ["", "| class (model type) | family | " + " | ".join(HEAD_COLUMNS) + " |", "|---" * (len(HEAD_COLUMNS) + 2) + "|"]

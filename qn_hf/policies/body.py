@@ -61,7 +61,7 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
             found.append(module)
             inside.update(id(m) for m in module.modules())
     if not found:
-        found = [m for name in block_lists(model) for m in model.get_submodule(name)]
+        found = [m for name in block_lists(model) for m in _callable(model.get_submodule(name))]
     owners: dict[int, set[int]] = {}  # parameter -> the modules (ids) holding it directly
     for module in model.modules():
         for param in module.parameters(recurse=False):
@@ -72,6 +72,15 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
         if all(owners[id(p)] <= members for p in block.parameters()):
             blocks.append(block)
     return blocks
+
+
+def _callable(modules: nn.Module) -> list[nn.Module]:
+    """The members of a list of blocks that run a forward of their own: a member that is itself a container
+    (GLPN keeps a ModuleList of blocks per stage) gives its own members, as FSDP2 wraps only modules it can
+    hook a forward on."""
+    members = modules.values() if isinstance(modules, nn.ModuleDict) else modules
+    return [block for m in members
+            for block in (_callable(m) if isinstance(m, (nn.ModuleList, nn.ModuleDict)) else [m])]
 
 
 def main_blocks(base: nn.Module, model: nn.Module) -> str | None:
