@@ -18,9 +18,10 @@ class Record:
         self.path, self.update, self.render = path, update, render
         self.data: dict = json.loads(path.read_text()) if path.exists() else empty()
 
-    def put(self, key: str, column: str, value, new_row: dict | None = None) -> None:
-        """Records ``value`` at ``key``/``column`` (a new row starts as ``new_row``); written now when updating."""
-        self.data.setdefault(key, dict(new_row or {}))[column] = value
+    def put(self, key: str, column: str, value, row: dict | None = None) -> None:
+        """Records ``value`` at ``key``/``column``, with the row's own fields ``row`` (the heads zoo's family);
+        written now when updating."""
+        self.data.setdefault(key, {}).update({**(row or {}), column: value})
         if self.update:
             self.write()
 

@@ -78,7 +78,7 @@ def test_heads_zoo(worlds, observed, key, column):
     family, model_type, cls = ROWS[key]
     outcome = worlds.run(2, heads_zoo_cases.head_zoo_step, model_type=model_type, cls=cls, column=column)[0]
     if UPDATE:  # a sweep records every outcome, a "different" one too, and then fails on it
-        observed.put(key, column, outcome, new_row={"family": family})
+        observed.put(key, column, outcome, row={"family": family})
     assert not outcome.startswith("different"), outcome
     if column.startswith("dp"):
         assert is_equal(outcome) or outcome.startswith(APART), f"data parallelism must take every model: {outcome}"

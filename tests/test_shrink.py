@@ -16,7 +16,7 @@ from qn_hf.check.shrink import STAGE_DEPTH, shrink_config
 # (Swin, ConvNeXt, BEiT), SpecAugment and LayerDrop (wav2vec2)
 RANDOM_IN_TRAINING = [("cvt", "CvtModel"), ("align", "AlignVisionModel"), ("efficientnet", "EfficientNetModel"),
                       ("swin", "SwinModel"), ("convnext", "ConvNextModel"), ("beit", "BeitModel"),
-                      ("wav2vec2", "Wav2Vec2Model")]
+                      ("wav2vec2", "Wav2Vec2Model"), ("dinov3_vit", "DINOv3ViTModel")]  # RoPE rescaled at random
 
 
 @pytest.mark.parametrize(("model_type", "cls"), RANDOM_IN_TRAINING)

@@ -69,7 +69,12 @@ def causal_lm_config(config: transformers.PretrainedConfig, name: str | None = N
     """The config the model is built from: a composite config (Llama 4's) gives the part its class takes,
     as ``AutoModelForCausalLM.from_config`` does."""
     cls = model_class(config, name)
-    return config if isinstance(config, cls.config_class) else config.get_text_config()
+    if isinstance(config, cls.config_class):
+        return config
+    # the text part only where the class takes it; a class built on another type's config class (GLM-GA's
+    # model is GLM-4.6V's, over its own composite config) takes the whole config
+    text = config.get_text_config()
+    return text if isinstance(text, cls.config_class) else config
 
 
 # Modules (by class name) that draw random numbers in training besides dropout: PhiMoE's router
@@ -109,6 +114,8 @@ def _compare(pm, ref: torch.nn.Module, out_dir: str) -> tuple[list[tuple[str, fl
     reloaded = {**dict(model.named_parameters()), **{n: model.get_buffer(n) for n in statistics}}
     diffs = []
     for name, p in [*ref.named_parameters(), *((n, ref.get_buffer(n)) for n in statistics)]:
+        if not p.numel():
+            continue
         if name not in reloaded:
             diffs.append((f"{name} (missing from the export)", float("inf")))
             continue
@@ -139,7 +146,7 @@ def within_float32_reach(exact: torch.nn.Module, batches: list[dict], *, builtin
     loss_gaps = [(abs(a - e), abs(b - e)) for a, b, e in zip(losses, plain_losses, exact_losses)]
     exact_state, plain_state = _state(exact), _state(plain)
     weight_gaps = {n: ((export[n].double() - t).abs().max().item(), (plain_state[n].double() - t).abs().max().item())
-                   for n, t in exact_state.items() if n in export}
+                   for n, t in exact_state.items() if n in export and t.numel()}
     # the worst tensor's gap of each run: in a model this far from reproducible a tensor's own gap is itself
     # chaotic (LeViT's attention biases: ours 4.3x the plain run's on one tensor, 0.6x on another)
     plain_worst = max((p for _, p in weight_gaps.values()), default=0.0)
@@ -262,6 +269,8 @@ def _reference(ref: torch.nn.Module, batches: list[dict], *, builtin: bool, prob
             return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}", 0.0
         optimizer.step()
         losses.append(loss.item())
-    moved = max(((before[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters()), default=0.0)
+    # a parameter may hold no element (DINOv3's register tokens at num_register_tokens=0)
+    moved = max(((before[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters() if p.numel()),
+                default=0.0)
     return losses, moved
 

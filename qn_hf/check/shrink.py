@@ -97,6 +97,11 @@ _RANDOM_IN_TRAINING = re.compile(r"dropout|pdrop$|layerdrop$|drop_?path|drop_con
                                  r"|jitter_noise$|^mask_(time|feature)_prob$")
 
 
+# random augmentations whose "off" is None, not 0: DINOv3's RoPE augmentation draws a rescale of the patch
+# coordinates in every training forward (pos_embed_rescale=2.0 by default)
+_RANDOM_OFF_AS_NONE = ("pos_embed_shift", "pos_embed_jitter", "pos_embed_rescale")
+
+
 def _is_dropout(key: str) -> bool:
     return _RANDOM_IN_TRAINING.search(key) is not None
 
@@ -234,6 +239,8 @@ def shrink_config(config: PretrainedConfig, *, layers: int = LAYERS) -> Pretrain
         size_key = canonical.get(key, key)
         if size_key in _SIZES and (value is None or _is_size(value)):
             new[key] = _SIZES[size_key]  # None too: some defaults leave a size for the checkpoint to fill
+        elif key in _RANDOM_OFF_AS_NONE:
+            new[key] = None
         elif _is_dropout(key) and _is_rate(value):
             new[key] = type(value)(0)  # the config's own type: strict configs (MPT's) check it
         elif _is_dropout(key) and isinstance(value, list) and value and all(_is_rate(v) for v in value):

@@ -190,21 +190,33 @@ HEAD_FAMILIES = {
 }
 
 
+# the more specific family first where a class is listed under two with as many columns
+_PREFERRED = ("causal_lm", "seq2seq_lm", "speech_seq2seq", "masked_lm")
+
+
 def head_classes(families: dict[str, str] = HEAD_FAMILIES) -> list[tuple[str, str, str]]:
     """(family, model type, class name) for every class the installed transformers' auto mappings
     list under ``families``, whose config class builds with its defaults (a type needing values no
-    default gives is left out), in a stable order."""
+    default gives is left out), in a stable order. A class several mappings list (BLOOM's causal LM is
+    also its pretraining class) is one row, under the family with the most columns (the counted one),
+    between equals the first of ``families`` in ``_PREFERRED`` order (an encoder-decoder's generation class is
+    also its masked LM, CLIP's model also its zero-shot classifier): the class and its loss are the same
+    whichever lists it."""
     from transformers import CONFIG_MAPPING
     from transformers.models.auto import modeling_auto
 
-    found = []
+    found: dict[tuple[str, str], str] = {}
+    order = [f for f in _PREFERRED if f in families] + [f for f in families if f not in _PREFERRED]
     for family, mapping in families.items():
         for model_type, names in sorted(getattr(modeling_auto, mapping, {}).items()):
             if model_type not in CONFIG_MAPPING:
                 continue
             for name in (names,) if isinstance(names, str) else names:
-                found.append((family, model_type, name))
-    return found
+                held = found.get((model_type, name))
+                if held is None or (-len(head_columns(family)), order.index(family)) < \
+                        (-len(head_columns(held)), order.index(held)):
+                    found[(model_type, name)] = family
+    return [(family, model_type, name) for (model_type, name), family in found.items()]
 
 
 # The heads zoo's columns: every class at dp and dp x dp_shard (two steps), and the dimensions that cut or

@@ -17,6 +17,13 @@ on the module as plain tensors (the local tp shard, sharded again over dp_shard)
   targets over the global count, ``ParallelModel._run``), as the dp buckets sum it. FSDP's default
   divides by the data-parallel size, and a divide factor of 1 reduces with a pre-multiplied sum that
   gloo lacks, so the sum is forced (``set_force_sum_reduction_for_comms``);
+* every parameter of a block has a gradient when FSDP reduce-scatters the block's: FSDP2 sends only the
+  gradients that exist, so where a rank's rows leave a parameter unused and another rank's do not (a MoE whose
+  tokens on one rank all go to LongCat's identity experts, leaving the expert weights without a gradient),
+  the ranks' reduce-scatters would differ in size (gloo aborts; NCCL would hang or mix tensors). A block's
+  inputs pass through ``_GradientsForEveryWeight``, whose backward runs just before FSDP's own (which wraps
+  the same inputs first) and gives every weight of the block still without one a zero gradient, as the dp
+  buckets send zeros for an unused parameter (``grad_sync``);
 * under mixed precision FSDP's own policy: the sharded parameters stay float32 (they are the master
   weights, so ``qn_hf.optimizer`` keeps no copy), all-gathered in the compute dtype, gradients
   reduce-scattered in float32 — the memory the issue asks for (16/S bytes per parameter for AdamW).
@@ -76,6 +83,8 @@ class ShardedParameters:
         ignored = ignored or None
         for block in blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy, ignored_params=ignored)
+            # after FSDP's own pre-forward hook (prepended), so its backward runs before FSDP's reduce-scatter
+            block.register_forward_pre_hook(_zero_gradients_for_unused_weights, with_kwargs=True)
         fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored)
         self.root = fsdp_root(model)  # FSDP's private state, for what no public call does
         self.pipelined, self.gather = pipelined, gather
@@ -147,6 +156,39 @@ class ShardedParameters:
             block.set_reshard_after_forward(True, recurse=False)  # evaluation frees each block again
         self.model.set_is_last_backward(True)
         self.root.post_backward()
+
+
+class _GradientsForEveryWeight(torch.autograd.Function):
+    """The identity on a block's inputs; its backward gives each weight of the block without a gradient a
+    zero one (module docstring: FSDP reduce-scatters only the gradients that exist)."""
+
+    @staticmethod
+    def forward(ctx, block: nn.Module, *inputs: torch.Tensor):
+        ctx.block = block
+        return tuple(x.view_as(x) for x in inputs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        # the block's weight gradients are accumulated by now: autograd runs a ready AccumulateGrad before any
+        # other node, and the gradients of the inputs come after the whole block's backward
+        for p in ctx.block.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return (None, *grads)
+
+
+def _zero_gradients_for_unused_weights(block: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook: the block's inputs that carry a gradient pass through ``_GradientsForEveryWeight``
+    (one call, so that its backward runs once, after every input's gradient is in)."""
+    if not torch.is_grad_enabled():
+        return None
+    flat = [*args, *kwargs.values()]
+    carried = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not carried:
+        return None
+    passed = iter(_GradientsForEveryWeight.apply(block, *(flat[i] for i in carried)))
+    flat = [next(passed) if i in set(carried) else x for i, x in enumerate(flat)]
+    return tuple(flat[: len(args)]), dict(zip(kwargs, flat[len(args):]))
 
 
 def model_class(module: nn.Module) -> type:
