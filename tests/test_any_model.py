@@ -63,6 +63,7 @@ def test_zero_takes_any_model(worlds):
     ("electra", "ElectraForMaskedLM"),  # a projection after the embedding; the head tied to it
     ("bloom", "BloomForCausalLM"),  # a norm on the embedding
     ("opt", "OPTForCausalLM"),  # a position table and projections inside the decoder
+    ("blenderbot", "BlenderbotForCausalLM"),  # a position table called with the input's shape, not its ids
     ("llama", "LlamaForSequenceClassification"),  # a policy's body under another head
     ("deit", "DeiTForImageClassification"),
 ])

@@ -31,17 +31,21 @@ UPDATE = os.environ.get("QN_HF_HEADS_UPDATE") == "1"
 ROWS = {f"{cls} ({model_type})": (family, model_type, cls) for family, model_type, cls in head_classes()}
 # make test: one class of every family (SAMPLE_COLUMNS below says at which columns); a class that trains alone (the
 # first of its family in head_classes' order where that one does: AST, GraniteSpeech5, Llama4 fail alone shrunk, and
-# VibeVoice does not finish within a job's timeout at dp=2; AlignModel and EfficientNet hold BatchNorm, now summed
-# over dp (tests/test_any_model.py checks it on a small ResNet), but AlignModel still differs at dp=2 from its
-# first step, for a reason not found yet, and shrunk EfficientNet's activations vanish (1e-23) so that its match
-# says nothing: not recorded)
+# VibeVoice does not finish within a job's timeout at dp=2). A class several mappings list is one row under its
+# counted family (head_classes), so BLOOM's causal LM, Git's and MBart's generation classes sample causal LM and
+# seq2seq; ALBERT's pretraining class samples pretraining.
 SAMPLE = {"AfmoeModel (afmoe)", "AfmoeForCausalLM (afmoe)", "AlbertForMaskedLM (albert)",
           "MBartForConditionalGeneration (mbart)", "Speech2TextForConditionalGeneration (speech_to_text)",
           "AlbertForSequenceClassification (albert)", "AlbertForTokenClassification (albert)",
           "AlbertForQuestionAnswering (albert)", "AlbertForMultipleChoice (albert)",
           "BeitForImageClassification (beit)", "Wav2Vec2ForSequenceClassification (wav2vec2)",
           "Wav2Vec2ForCTC (wav2vec2)", "GitForCausalLM (git)", "BloomForCausalLM (bloom)",
+          "AlbertForPreTraining (albert)",
           "AltCLIPModel (altclip)"}  # a scalar parameter (logit_scale), kept whole under dp_shard
+# families without a class the check trains: their reason
+UNSAMPLED = {"image_text_to_text": "the check's batch holds no image tokens, so the classes of this mapping tried "
+                                   "(LLaVA, PaliGemma, AyaVision, Idefics3, BLIP) fail alone; Git, which trained, is a "
+                                   "causal LM"}
 
 
 # make test's columns of the sample: dp2 (every family's head and loss), and dp2_shard2 for the one with a scalar
@@ -70,7 +74,14 @@ def observed():
     """The record; under QN_HF_HEADS_UPDATE=1 each outcome is written to it and docs/heads-table.md at once."""
     if UPDATE and not PINNED:
         pytest.fail(f"heads_zoo_expected.json records transformers {RECORDED_WITH}, not the installed {INSTALLED}")
-    return Record(EXPECTED_FILE, UPDATE, render=_render)
+    record = Record(EXPECTED_FILE, UPDATE, render=_render)
+    if UPDATE:  # each recorded class under the family head_classes gives it now, and that family's columns only
+        for key, row in record.data.items():
+            if key in ROWS:
+                row["family"] = ROWS[key][0]
+                for column in set(row) - {"family"} - set(head_columns(row["family"])):
+                    del row[column]
+    return record
 
 
 @pytest.mark.parametrize(("key", "column"), CASES)
@@ -88,7 +99,7 @@ def test_heads_zoo(worlds, observed, key, column):
 
 @pytest.mark.skipif(not PINNED, reason=f"heads_zoo_expected.json records transformers {RECORDED_WITH}")
 def test_every_recorded_class_is_one_of_the_auto_mappings():
-    assert SAMPLE <= set(ROWS) and {ROWS[key][0] for key in SAMPLE} == {row[0] for row in ROWS.values()}
+    assert SAMPLE <= set(ROWS) and {ROWS[key][0] for key in SAMPLE} | set(UNSAMPLED) == {row[0] for row in ROWS.values()}
     assert not set(EXPECTED) - set(ROWS), "transformers' heads changed: run `make heads-table`"
     assert all(set(row) - {"family"} <= set(head_columns(row["family"])) for row in EXPECTED.values())
 

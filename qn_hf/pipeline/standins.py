@@ -49,14 +49,18 @@ class PassThroughs(PassThrough):
 class Zeros(StandIn):
     """An embedding that contributes nothing here (GPT-2's ``wpe`` is added once, on stage 0)."""
 
-    def __init__(self, *, dim: int, dtype: torch.dtype) -> None:
+    def __init__(self, *, dim: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.dim, self.dtype = dim, dtype
+        # where the zeros go when the call carries no tensor (the table's device): moves with the module, saved nowhere
+        self.register_buffer("anchor", torch.empty(0, device=device), persistent=False)
 
-    def forward(self, ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor | tuple[int, ...], *args, **kwargs) -> torch.Tensor:
         # a learned position table (BART's, OPT's) is called with more (a cache length, position ids):
-        # it reads the first argument's shape, as the zeros do
-        return torch.zeros(*ids.shape, self.dim, dtype=self.dtype, device=ids.device)
+        # it reads the first argument's shape, as the zeros do; Blenderbot's takes the shape itself
+        if isinstance(ids, torch.Tensor):
+            return torch.zeros(*ids.shape, self.dim, dtype=self.dtype, device=ids.device)
+        return torch.zeros(*ids, self.dim, dtype=self.dtype, device=self.anchor.device)
 
 
 class Injector(StandIn):
@@ -110,7 +114,7 @@ def standin_for(kind: StandInKind, module: nn.Module) -> StandIn:
     if kind == StandInKind.ZEROS:  # a policy's member, or its string from a saved plan
         if not isinstance(module, nn.Embedding):
             raise ValueError(f"the 'zeros' stand-in replaces an nn.Embedding, not {type(module).__name__}")
-        return Zeros(dim=module.embedding_dim, dtype=module.weight.dtype)
+        return Zeros(dim=module.embedding_dim, dtype=module.weight.dtype, device=module.weight.device)
     return PassThroughs(len(module)) if isinstance(module, nn.ModuleList) else PassThrough()
 
 
