@@ -197,6 +197,12 @@ def derive_block(block: nn.Module, *, heads_expected: int | None = None, fused: 
                        None))
     if not groups:
         return Derived({}, {}, refusal="no attention qn_hf can read (query, key, value and output projections)")
+    rebuilt = next((name for name, m in block.named_modules() if callable(getattr(m, "set_attention_type", None))), None)
+    if rebuilt is not None:
+        # BigBird's attention swaps its own module for another kind (block-sparse <-> full, by the sequence's
+        # length) inside forward: a fresh module at the config's widths, around the split projections
+        return Derived({}, {}, refusal=f"{rebuilt or 'the block'} rebuilds its attention module in forward "
+                                       f"(set_attention_type), which would undo the split")
     hidden = _in_out(leaves[groups[0][0]])[0]  # the block's width: what its queries take
     for q, group, layout in groups:
         parent = q.rpartition(".")[0]
