@@ -101,19 +101,20 @@ def build(config: transformers.PretrainedConfig, *, seed: int, name: str | None 
 
 
 def _compare(pm, ref: torch.nn.Module, out_dir: str) -> tuple[list[tuple[str, float]], dict[str, torch.Tensor]]:
-    """Every weight of the export against the reference, worst first, and the export's weights and statistics
-    (rank 0; empty elsewhere)."""
+    """Every weight of the export against the reference's own export, worst first, and the export's weights and
+    statistics (rank 0; empty elsewhere). Both sides go through ``save_pretrained`` -> ``from_pretrained``, so that
+    what transformers' loader does to a checkpoint is done to both (Youtu's zeroes the padding row of its tied
+    embedding on every load: its ``_init_weights`` writes a slice, which the loader's "initialized" flag cannot
+    mark)."""
     pm.save_pretrained(out_dir)
     if dist.get_rank() != 0:
         return [], {}
-    model = type(ref).from_pretrained(out_dir)
-    # the weights, and the running statistics BatchNorm layers move in training (summed over dp: they too
-    # must be the plain model's)
-    statistics = [f"{layer}.{kind}" for layer in batch_statistics_layers(ref) for kind in ("running_mean", "running_var")
-                  if ref.get_submodule(layer).track_running_stats]
-    reloaded = {**dict(model.named_parameters()), **{n: model.get_buffer(n) for n in statistics}}
+    reloaded = _state(type(ref).from_pretrained(out_dir))
+    with tempfile.TemporaryDirectory() as plain_dir:
+        ref.save_pretrained(plain_dir)
+        plain = _state(type(ref).from_pretrained(plain_dir))
     diffs = []
-    for name, p in [*ref.named_parameters(), *((n, ref.get_buffer(n)) for n in statistics)]:
+    for name, p in plain.items():
         if not p.numel():
             continue
         if name not in reloaded:
@@ -121,13 +122,14 @@ def _compare(pm, ref: torch.nn.Module, out_dir: str) -> tuple[list[tuple[str, fl
             continue
         # the excess over the relative part (of the tensor's largest weight: summation errors scale with
         # the sizes summed), plus the absolute tolerance's: <= WEIGHT_ATOL passes
-        excess = (reloaded[name].float() - p.detach().float()).abs() - WEIGHT_RTOL * p.detach().float().abs().max()
+        excess = (reloaded[name].float() - p.float()).abs() - WEIGHT_RTOL * p.float().abs().max()
         diffs.append((name, max(excess.max().item(), 0.0)))
-    return sorted(diffs, key=lambda d: -d[1]), {n: t.detach() for n, t in reloaded.items()}
+    return sorted(diffs, key=lambda d: -d[1]), reloaded
 
 
 def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The weights and BatchNorm running statistics ``_compare`` reads."""
+    """The weights and the running statistics BatchNorm layers move in training (summed over dp: they too must be
+    the plain model's): what ``_compare`` reads."""
     statistics = [f"{layer}.{kind}" for layer in batch_statistics_layers(model) for kind in ("running_mean", "running_var")
                   if model.get_submodule(layer).track_running_stats]
     return {**{n: p.detach() for n, p in model.named_parameters()}, **{n: model.get_buffer(n) for n in statistics}}
