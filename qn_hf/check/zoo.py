@@ -206,7 +206,9 @@ def head_classes(families: dict[str, str] = HEAD_FAMILIES) -> list[tuple[str, st
     from transformers.models.auto import modeling_auto
 
     found: dict[tuple[str, str], str] = {}
-    order = [f for f in _PREFERRED if f in families] + [f for f in families if f not in _PREFERRED]
+    # the base models' mapping last: a class it shares names a head (CLIP's model is its zero-shot classifier)
+    order = [f for f in _PREFERRED if f in families] + [f for f in families if f not in _PREFERRED and f != "base"] + \
+        [f for f in families if f == "base"]
     for family, mapping in families.items():
         for model_type, names in sorted(getattr(modeling_auto, mapping, {}).items()):
             if model_type not in CONFIG_MAPPING:
