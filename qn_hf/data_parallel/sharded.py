@@ -20,8 +20,8 @@ on the module as plain tensors (the local tp shard, sharded again over dp_shard)
 * every parameter of a block has a gradient when FSDP reduce-scatters the block's: FSDP2 sends only the
   gradients that exist, so where a rank's rows leave a parameter unused and another rank's do not (a MoE whose
   tokens on one rank all go to LongCat's identity experts, leaving the expert weights without a gradient),
-  the ranks' reduce-scatters would differ in size (gloo aborts; NCCL would hang or mix tensors). A block's
-  inputs pass through ``_GradientsForEveryWeight``, whose backward runs just before FSDP's own (which wraps
+  the ranks' reduce-scatters would differ in size (gloo aborts; NCCL would hang or mix tensors). A block that
+  routes tokens to experts (``routes_tokens``) has its inputs pass through ``_GradientsForEveryWeight``, whose backward runs just before FSDP's own (which wraps
   the same inputs first) and gives every weight of the block still without one a zero gradient, as the dp
   buckets send zeros for an unused parameter (``grad_sync``);
 * under mixed precision FSDP's own policy: the sharded parameters stay float32 (they are the master
@@ -58,6 +58,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..config.options import Gather
+from ..expert_parallel.apply import EXPERTS_MODULE
 from .fsdp_internals import fsdp_root
 
 
@@ -83,8 +84,9 @@ class ShardedParameters:
         ignored = ignored or None
         for block in blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy, ignored_params=ignored)
-            # after FSDP's own pre-forward hook (prepended), so its backward runs before FSDP's reduce-scatter
-            block.register_forward_pre_hook(_zero_gradients_for_unused_weights, with_kwargs=True)
+            if routes_tokens(block):
+                # after FSDP's own pre-forward hook (prepended), so its backward runs before FSDP's reduce-scatter
+                block.register_forward_pre_hook(_zero_gradients_for_unused_weights, with_kwargs=True)
         fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored)
         self.root = fsdp_root(model)  # FSDP's private state, for what no public call does
         self.pipelined, self.gather = pipelined, gather
@@ -175,6 +177,13 @@ class _GradientsForEveryWeight(torch.autograd.Function):
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
         return (None, *grads)
+
+
+def routes_tokens(block: nn.Module) -> bool:
+    """Whether ``block`` holds an experts module (transformers' name for an MoE layer's routed experts): where a
+    rank's rows decide which weights run. Other blocks run every weight on any rows, so they need no zeros, and
+    their compiled graphs stay whole (the zeros' side effect in backward would break a compiled block's graph)."""
+    return any(name.rpartition(".")[2] == EXPERTS_MODULE for name, _ in block.named_modules())
 
 
 def _zero_gradients_for_unused_weights(block: nn.Module, args: tuple, kwargs: dict):
