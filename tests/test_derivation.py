@@ -47,6 +47,19 @@ def test_projection_roles_are_read_from_their_names(path, role):
     ("mpt", "MptModel", {}, {"blocks.*.attn.Wqkv": "colwise_packed3"}, {"blocks.*.attn.n_heads": "local_heads"}),
     ("persimmon", "PersimmonModel", {}, {"layers.*.self_attn.q_layernorm": "replicate_grad_sum"}, {}),
     ("gpt_oss", "GptOssModel", {}, {"layers.*.self_attn.sinks": "param_colwise"}, {}),
+    # an MLP as Sequential(Linear, ReLU, Linear), the head width kept as `depth`
+    ("ctrl", "CTRLModel", {}, {"h.*.ffn.0": "colwise", "h.*.ffn.2": "rowwise", "h.*.multi_head_attention.Wq": "colwise",
+                               "h.*.multi_head_attention.dense": "rowwise"}, {}),
+    # a fused Conv1D q|k|v in blocks, a module keeping no head width (the config's heads)
+    ("openai-gpt", "OpenAIGPTModel", {}, {"h.*.attn.c_attn": "colwise_packed3", "h.*.mlp.c_fc": "colwise"},
+     {"h.*.attn.n_head": "local_heads", "h.*.attn.split_size": "local_q_width"}),
+    # a gate and value side by side in one up projection (chunk(2)), and Wqkv in blocks
+    ("modernbert", "ModernBertModel", {}, {"layers.*.attn.Wqkv": "colwise_packed3", "layers.*.mlp.Wi": "colwise_packed2",
+                                           "layers.*.mlp.Wo": "rowwise", "layers.*.attn.Wo": "rowwise"}, {}),
+    ("gpt_neox_japanese", "GPTNeoXJapaneseModel", {}, {"layers.*.attention.query_key_value": "colwise"},
+     {"layers.*.attention.num_attention_heads": "local_heads"}),
+    # Fuyu's language model is a Persimmon: the fused layout of its text config's type
+    ("fuyu", "FuyuForCausalLM", {}, {"language_model.layers.*.self_attn.query_key_value": "colwise"}, {}),
 ])
 def test_tensor_parallel_rules_derived_from_the_structure(model_type, cls, overrides, rules, patches):
     policy = _policy(model_type, cls, **overrides)
@@ -57,6 +70,27 @@ def test_tensor_parallel_rules_derived_from_the_structure(model_type, cls, overr
         assert policy.attr_patches[pattern] == value, (pattern, policy.attr_patches)
 
 
+def test_a_width_read_as_a_slice_bound_is_no_head_count():
+    # StableLM's rotary_ndims (a quarter of the head width) equals its head count shrunk; patched, tp=2 crashed
+    patches = _policy("stablelm", "StableLmModel").attr_patches
+    assert "layers.*.self_attn.num_heads" in patches and "layers.*.self_attn.rotary_ndims" not in patches
+
+
+def test_a_norm_over_the_split_width_refuses_tp():
+    from qn_hf.tensor_parallel.plan import build_tp_plan
+
+    model = transformers.BitNetForCausalLM(shrink_config(CONFIG_MAPPING["bitnet"]()))
+    with pytest.raises(ValueError, match=r"attn_sub_norm .* normalizes over the 64 features .*o_proj"):
+        build_tp_plan(model, resolve_policy(model, None), tp=2)
+    bert = transformers.BertForMaskedLM(shrink_config(CONFIG_MAPPING["bert"]()))  # its LayerNorm follows the row layer
+    build_tp_plan(bert, resolve_policy(bert, None), tp=2)
+
+
+def test_an_entry_takes_every_column_layer_input():
+    # CTRL's attention takes v, k and q apart: an entry's one all-reduce would miss q's and k's gradients
+    assert not any("multi_head_attention" in e for e in _policy("ctrl", "CTRLModel").tp_entries)
+
+
 def test_per_head_inputs_of_fused_architectures():
     assert dict(_policy("bloom", "BloomModel").head_inputs) == {"h.*.self_attention": {"alibi": "batch x heads"}}
     assert dict(_policy("mpt", "MptModel").head_inputs) == {"blocks.*.attn": {"position_bias": "heads"}}
@@ -65,7 +99,7 @@ def test_per_head_inputs_of_fused_architectures():
 @pytest.mark.parametrize(("model_type", "cls", "why"), [
     ("codegen", "CodeGenModel", r"no attention qn_hf can read"),  # its qkv_proj: 4 interleaved blocks
     ("falcon", "FalconModel", r"folds the ALiBi slopes"),
-    ("ctrl", "CTRLModel", r"no attention qn_hf can read"),
+    ("trocr", "TrOCRForCausalLM", r"reshapes its output by embed_dim"),  # a width read off the input's size()
 ])
 def test_what_the_derivation_cannot_read_refuses_tp_naming_it(model_type, cls, why):
     import re

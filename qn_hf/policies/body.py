@@ -13,6 +13,7 @@ import inspect
 
 from torch import nn
 from torch.nn.utils.parametrize import ParametrizationList
+from transformers.pytorch_utils import Conv1D
 
 from .derive import carried_between_blocks, kv_key, relative_name
 from .embedding_types import adapter_for
@@ -143,12 +144,13 @@ def _tensor_parallel(model: nn.Module, base: nn.Module, embeddings: str | None):
     model_type = getattr(model.config, "model_type", None) or type(model).__name__
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     heads = getattr(config, "num_attention_heads", None)
-    stacks = [n for n in block_lists(base) if any(isinstance(m, nn.Linear) for m in base.get_submodule(n).modules())]
+    stacks = [n for n in block_lists(base) if any(isinstance(m, (nn.Linear, Conv1D)) for m in base.get_submodule(n).modules())]
     why = None
     if not isinstance(heads, int) or not stacks:
         why = "its config counts no attention heads (num_attention_heads)" if stacks else "it has no list of blocks"
     else:
-        derived = derive_structure(base, stacks=stacks, heads=heads, fused=FUSED.get(model_type), config=config)
+        derived = derive_structure(base, stacks=stacks, heads=heads, fused=FUSED.get(model_type) or FUSED.get(config.model_type),
+                                     config=config)
         why = derived.refusal
     if why is not None:
         return {}, {}, (), (), (f"transformers declares no tp plan for {model_type!r} (base_model_tp_plan) and qn_hf "

@@ -5,7 +5,8 @@ entry lets the input of q, k and v take one all-reduce of its gradient instead o
 where sequence parallelism gathers the sequence, so derived policies find them here. What makes a
 module an entry is how its ``forward`` uses its first argument, so that is read from the source:
 every use must be the argument of a call to one of its column-parallel submodules
-(``self.q_proj(hidden_states)``) or a read of its shape, dtype or device. Anything else (a
+(``self.q_proj(hidden_states)``) or a read of its shape, dtype or device, and every call of a
+column-parallel submodule must take it. Anything else (a
 replicated gate or router reading it, a helper function) means the argument has another consumer,
 whose input gradient would be summed over tp a second time: no entry then. A statement of the
 forward's own body that assigns the name anew (``hidden_states = self.fc1(hidden_states)``, as
@@ -56,6 +57,11 @@ def feeds_only(module: nn.Module, columns: set[str]) -> bool:
         return False
     arg = tree.args.args[1].arg
     parents = {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
+    if any(isinstance(node, ast.Call) and self_path(node.func) in columns
+           and not any(isinstance(a, ast.Name) and a.id == arg for a in node.args) for node in ast.walk(tree)):
+        # a column layer fed by another argument (CTRL's attention takes v, k and q apart, though its
+        # block passes one tensor thrice): the entry's one all-reduce would not reach that input's gradient
+        return False
     used = False
     for statement in tree.body:
         rebinds = isinstance(statement, ast.Assign) and any(

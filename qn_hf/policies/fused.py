@@ -11,7 +11,10 @@ head_dim]``; with ``multi_query`` ``[heads x head_dim | head_dim | head_dim]``. 
 folds the slopes of all heads into the attention mask, which no input here slices: refused.
 gpt_bigcode: ``c_attn`` ``[heads, 3 x head_dim]``; with ``multi_query`` ``[hidden | head_dim | head_dim]``.
 mpt: ``Wqkv`` chunked into ``[Q | K | V]``; ALiBi as ``position_bias``, ``(heads, 1, keys)``.
-persimmon: ``query_key_value`` viewed as ``[heads, 3 x head_dim]``.
+persimmon: ``query_key_value`` viewed as ``[heads, 3 x head_dim]`` (and Fuyu's language model, a Persimmon).
+gpt_neox_japanese: ``query_key_value`` viewed as ``[heads, 3 x head_dim]``.
+modernbert: ``Wqkv`` viewed as ``[3, heads, head_dim]``.
+openai-gpt: ``c_attn`` split into ``[Q | K | V]``.
 """
 
 from __future__ import annotations
@@ -72,6 +75,9 @@ FUSED: dict[str, FusedAttention] = {
                              refused_when={"alibi": "it folds the ALiBi slopes of all heads into the attention mask"}),
     "gpt_bigcode": FusedAttention(Fused("attn.c_attn", FusedLayout.PER_HEAD,
                                         switches=(("multi_query", FusedLayout.SHARED_KV),))),
+    "gpt_neox_japanese": FusedAttention(Fused("attention.query_key_value", FusedLayout.PER_HEAD)),
+    "modernbert": FusedAttention(Fused("attn.Wqkv", FusedLayout.BLOCKS)),
+    "openai-gpt": FusedAttention(Fused("attn.c_attn", FusedLayout.BLOCKS)),
     "mpt": FusedAttention(Fused("attn.Wqkv", FusedLayout.BLOCKS),
                           head_inputs={"attn": {"position_bias": HeadAxis.HEADS}}),
     "persimmon": FusedAttention(Fused("self_attn.query_key_value", FusedLayout.PER_HEAD)),

@@ -62,6 +62,8 @@ LAYOUT_VALUES = ("local_heads", "local_kv_heads", "local_kv_groups", "local_q_wi
 def head_layout(config, *, tp: int, num_kv_heads_key: str | None) -> HeadLayout:
     """The heads of the first layer at ``tp``, each layer's checked: a config may give a layer heads of
     its own (``per_layer_config``, layer_fields.py), and tp must split every layer's."""
+    if getattr(config, "num_attention_heads", None) is None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()  # a multimodal config keeping its heads in its text config only (Fuyu's)
     layouts = [_layer_layout(config, i, tp=tp, num_kv_heads_key=num_kv_heads_key)
                for i in range(max(layer_count(config), 1))]
     return layouts[0]

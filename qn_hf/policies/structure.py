@@ -52,20 +52,21 @@ class Role(Choice):
 # (``attention.output.dense`` is an output, ``output.dense`` an MLP's down). Names two roles share
 # (``c_proj``, ``dense``) are an attention's output only beside its q, k and v.
 ROLES: dict[str, Role] = {
-    **dict.fromkeys(("q_proj", "query", "q", "q_lin", "query_proj"), Role.QUERY),
-    **dict.fromkeys(("k_proj", "key", "k", "k_lin", "key_proj"), Role.KEY),
-    **dict.fromkeys(("v_proj", "value", "v", "v_lin", "value_proj"), Role.VALUE),
+    **dict.fromkeys(("q_proj", "query", "q", "q_lin", "query_proj", "Wq"), Role.QUERY),
+    **dict.fromkeys(("k_proj", "key", "k", "k_lin", "key_proj", "Wk"), Role.KEY),
+    **dict.fromkeys(("v_proj", "value", "v", "v_lin", "value_proj", "Wv"), Role.VALUE),
     **dict.fromkeys(("o_proj", "out_proj", "o", "out_lin", "attention.output.dense", "attn.c_proj",
-                     "self_attention.dense", "attention.dense", "self_attn.dense"), Role.OUTPUT),
+                     "self_attention.dense", "attention.dense", "self_attn.dense", "multi_head_attention.dense",
+                     "attn.Wo"), Role.OUTPUT),
     # DeBERTa's projections of the relative positions into keys and queries: per head, like keys
     **dict.fromkeys(("pos_key_proj", "pos_query_proj", "pos_proj", "pos_q_proj"), Role.POSITION),
     **dict.fromkeys(("fc1", "fc_in", "c_fc", "up_proj", "gate_proj", "intermediate.dense", "intermediate_dense",
-                     "dense_h_to_4h", "lin1", "wi", "wi_0", "wi_1", "w1", "w3"), Role.UP),
+                     "dense_h_to_4h", "lin1", "wi", "wi_0", "wi_1", "w1", "w3", "Wi"), Role.UP),
     **dict.fromkeys(("fc2", "fc_out", "c_proj", "down_proj", "output.dense", "output_dense", "dense_4h_to_h",
-                     "lin2", "wo", "w2"), Role.DOWN),
+                     "lin2", "wo", "w2", "mlp.Wo"), Role.DOWN),
 }
 # The attributes an attention module keeps its head width in.
-HEAD_DIM_ATTRIBUTES = ("head_dim", "attention_head_size", "head_size", "key_value_proj_dim", "d_kv")
+HEAD_DIM_ATTRIBUTES = ("head_dim", "attention_head_size", "head_size", "key_value_proj_dim", "d_kv", "depth")
 # Integers a forward may read that are no head count even when equal to one (a layer's index).
 NOT_COUNTS = ("layer_idx", "layer_id", "layer_index", "block_idx")
 
@@ -104,9 +105,21 @@ def _head_dim(modules: list[nn.Module]) -> int | None:
     return None
 
 
+def _in_slice(node: ast.AST, parents: dict) -> bool:
+    """Whether ``node`` is read as a slice's bound (``q[..., : self.rotary_ndims]``): a width within a
+    head, never a count of heads, though its value may equal one (StableLM's rotary_ndims)."""
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.Slice):
+            return True
+        if isinstance(node, ast.stmt):
+            return False
+    return False
+
+
 def _int_reads(module: nn.Module) -> set[str]:
     """The attributes of ``module`` its forward (and the methods of its own it calls, one level) reads
-    as integers."""
+    as integers, other than as a slice's bound."""
     trees = [forward_tree(module)]
     if trees[0] is None:
         return set()
@@ -120,13 +133,72 @@ def _int_reads(module: nn.Module) -> set[str]:
                 continue
     found = set()
     for tree in trees:
+        parents = {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
         for node in ast.walk(tree):
             path = self_path(node) if isinstance(node, ast.Attribute) else None
-            if path and "." not in path:
+            if path and "." not in path and not _in_slice(node, parents):
                 value = getattr(module, path, None)
                 if isinstance(value, int) and not isinstance(value, bool):
                     found.add(path)
     return found
+
+
+def _sequential_roles(block: nn.Module, roles: dict[str, Role | None]) -> None:
+    """An MLP built as ``nn.Sequential(Linear, activation, Linear)`` (CTRL's ``ffn``) names its layers by
+    position only: the first is its up, the last its down, where nothing else in it has parameters."""
+    for name, module in block.named_modules():
+        if not isinstance(module, nn.Sequential):
+            continue
+        children = list(module.named_children())
+        linear = [c for c, m in children if isinstance(m, (nn.Linear, Conv1D))]
+        others = [m for c, m in children if c not in linear]
+        if (len(linear) == 2 and (linear[0], linear[1]) == (children[0][0], children[-1][0])
+                and all(position_wise(m) and not any(True for _ in m.parameters()) for m in others)):
+            for child, role in zip(linear, (Role.UP, Role.DOWN)):
+                if roles.get(join(name, child), Role.UP) is None:
+                    roles[join(name, child)] = role
+
+
+def _halves(module: nn.Module) -> bool:
+    """Whether ``module``'s forward cuts a tensor into two halves of its last dim (``x.chunk(2, dim=-1)``,
+    ``x.view(b, s, 2, -1)``): a gated MLP whose up projection holds the gate and the value side by side."""
+    tree = forward_tree(module)
+    for node in ast.walk(tree) if tree is not None else ():
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        values = [a.value if isinstance(a, ast.Constant) else -a.operand.value
+                  if isinstance(a, ast.UnaryOp) and isinstance(a.op, ast.USub) and isinstance(a.operand, ast.Constant)
+                  else None for a in node.args]
+        if node.func.attr == "chunk" and values[:1] == [2] and all(
+                k.arg != "dim" or (isinstance(k.value, ast.UnaryOp) and k.value.operand.value == 1) for k in node.keywords):
+            return True
+        if node.func.attr in ("view", "reshape") and values[-2:] == [2, -1]:
+            return True
+    return False
+
+
+def _width_read_off_input(module: nn.Module) -> str | None:
+    """The local name ``module``'s forward unpacks its input's width into (``bsz, tgt_len, embed_dim =
+    hidden_states.size()``) and then reshapes with (TrOCR's ``attn_output.reshape(bsz, tgt_len,
+    embed_dim)``): the whole width, where a rank's heads hold a share. No patch reaches a local name."""
+    tree = forward_tree(module)
+    if tree is None or len(tree.args.args) < 2:
+        return None
+    arg = tree.args.args[1].arg
+    widths = set()
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Tuple)
+                and node.targets[0].elts and isinstance(node.targets[0].elts[-1], ast.Name)):
+            value = node.value.func if isinstance(node.value, ast.Call) else node.value
+            if (isinstance(value, ast.Attribute) and value.attr in ("size", "shape")
+                    and isinstance(value.value, ast.Name) and value.value.id == arg):
+                widths.add(node.targets[0].elts[-1].id)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("view", "reshape"):
+            used = [a.id for a in node.args if isinstance(a, ast.Name) and a.id in widths]
+            if used:
+                return used[0]
+    return None
 
 
 def _common_parent(paths: list[str]) -> str:
@@ -177,6 +249,7 @@ def derive_block(block: nn.Module, *, heads_expected: int | None = None, fused: 
     ``fused``: the architecture's fused q|k|v (fused.py), its layout read off ``config``."""
     leaves = {name: m for name, m in block.named_modules() if name and isinstance(m, (nn.Linear, Conv1D))}
     roles = {name: role_of(name) for name in leaves}
+    _sequential_roles(block, roles)
     rules: dict[str, Style] = {}
     patches: dict[str, str] = {}
     head_inputs: dict[str, dict] = {}
@@ -213,11 +286,17 @@ def derive_block(block: nn.Module, *, heads_expected: int | None = None, fused: 
             return Derived({}, {}, refusal=f"the attention around {q} has no one output projection qn_hf can tell")
         module_path = _common_parent([q, outputs[0]]) if owner != parent else parent
         modules = [block.get_submodule(module_path) if module_path else block, block.get_submodule(parent)]
-        head_dim = _head_dim(modules)
         o_in, o_out = _in_out(leaves[outputs[0]])
+        # a module that keeps no head width (OpenAI-GPT's splits by x.size(-1) // n_head): the config's heads
+        head_dim = _head_dim(modules) or (o_in // heads_expected if heads_expected and not o_in % heads_expected
+                                          else None)
         if head_dim is None or o_in % head_dim or o_out != hidden:
             return Derived({}, {}, refusal=f"the attention around {q} (output {o_in}->{o_out}) does not read as heads")
         heads = o_in // head_dim
+        local = next((w for m in modules if (w := _width_read_off_input(m)) is not None), None)
+        if local is not None:
+            return Derived({}, {}, refusal=(f"the attention around {q} reshapes its output by {local}, the width its "
+                                            f"forward reads off its input's size, which is whole on every rank"))
         if heads_expected is not None and heads != heads_expected:
             return Derived({}, {}, refusal=(f"the attention around {q} has {heads} heads, the config "
                                             f"num_attention_heads={heads_expected}"))
@@ -261,7 +340,13 @@ def derive_block(block: nn.Module, *, heads_expected: int | None = None, fused: 
         rules[up] = Style.COLWISE
     for down in downs:
         rules[down] = Style.ROWWISE
-    widths = {_in_out(leaves[n])[1] for n in ups} | {_in_out(leaves[n])[0] for n in downs}
+    if len(ups) == 1 and len(downs) == 1 and _in_out(leaves[ups[0]])[1] == 2 * _in_out(leaves[downs[0]])[0] \
+            and _halves(block.get_submodule(_common_parent(ups + downs)) if _common_parent(ups + downs) else block):
+        # the gate and the value side by side in one up projection (ModernBERT's Wi, Moshi's fc1): each half
+        # split alike, so a rank's gate meets its own values
+        rules[ups[0]] = Style.COLWISE_PACKED2
+    widths = {_in_out(leaves[n])[1] // (2 if rules[n] == Style.COLWISE_PACKED2 else 1) for n in ups} \
+        | {_in_out(leaves[n])[0] for n in downs}
     if ups or downs:
         if any(_in_out(leaves[n])[0] != hidden for n in ups) or any(_in_out(leaves[n])[1] != hidden for n in downs) \
                 or len(widths) != 1 or not ups or not downs:

@@ -8,9 +8,11 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from ..policies.embedding_types import adapter_for
+from ..policies.entries import forward_tree, self_references
 from ..policies.heads import HeadLayout, attention_layout
-from ..policies.module_kinds import plain_linear
+from ..policies.module_kinds import is_projection, plain_linear, position_wise
 from ..policies.styles import (
+    COLUMN_STYLES,
     EMBEDDING_STYLES,
     LINEAR_STYLES,
     PARAM_STYLES,
@@ -112,3 +114,35 @@ def check_ties(model: nn.Module, rules: dict[str, str]) -> None:
         if len(names) > 1 and len(styles) > 1:
             raise ValueError(f"tied parameters {names} would be split differently ({sorted(styles)}); give their "
                              f"modules the same kind of rule (e.g. vocab_embedding with vocab_colwise) or keep both whole")
+
+
+def check_split_norms(model: nn.Module, rules: dict[str, str]) -> None:
+    """A norm with parameters that the forward of a row-parallel layer's module runs between that
+    module's column layers and the row layer, over the whole width the row layer takes (BitNet's
+    ``attn_sub_norm`` on the attention's output, its ``ffn_sub_norm`` in the MLP): at tp each rank holds
+    a slice of those features there, so the norm would see a slice and its weight would not fit. A norm
+    over each head is a rule of its own (its width the head's); one after the row layer (BERT's) sees
+    the summed output. Read from the module's forward: the lines it first names each child on."""
+    for name, style in rules.items():
+        if style != Style.ROWWISE or "." not in name:
+            continue
+        layer = model.get_submodule(name)
+        width = layer.nx if isinstance(layer, Conv1D) else getattr(layer, "in_features", None)
+        parent, _, row = name.rpartition(".")
+        tree = forward_tree(model.get_submodule(parent))
+        uses = self_references(tree) if tree is not None else {}
+        first = {child: min(line for line, _ in found) for child, found in uses.items() if found}
+        columns = [first[n[len(parent) + 1:].partition(".")[0]] for n, s in rules.items()
+                   if n.startswith(parent + ".") and s in COLUMN_STYLES and n[len(parent) + 1:].partition(".")[0] in first]
+        if row not in first or not columns:
+            continue
+        for sub, module in model.get_submodule(parent).named_modules():
+            full = f"{parent}.{sub}" if sub else parent
+            params = list(module.parameters(recurse=False))
+            line = first.get(sub.partition(".")[0])
+            if (sub and full not in rules and not is_projection(module) and position_wise(module) and params
+                    and all(p.shape[-1] == width for p in params) and line is not None
+                    and min(columns) < line < first[row]):
+                raise ValueError(f"{full} ({type(module).__name__}) normalizes over the {width} features {name} "
+                                 f"takes, which tp splits across ranks; use tp=1 (data and pipeline parallelism "
+                                 f"still apply)")
