@@ -340,8 +340,9 @@ def derive_block(block: nn.Module, *, heads_expected: int | None = None, fused: 
         rules[up] = Style.COLWISE
     for down in downs:
         rules[down] = Style.ROWWISE
+    mlp = _common_parent(ups + downs) if ups and downs else ""
     if len(ups) == 1 and len(downs) == 1 and _in_out(leaves[ups[0]])[1] == 2 * _in_out(leaves[downs[0]])[0] \
-            and _halves(block.get_submodule(_common_parent(ups + downs)) if _common_parent(ups + downs) else block):
+            and _halves(block.get_submodule(mlp) if mlp else block):
         # the gate and the value side by side in one up projection (ModernBERT's Wi, Moshi's fc1): each half
         # split alike, so a rank's gate meets its own values
         rules[ups[0]] = Style.COLWISE_PACKED2
