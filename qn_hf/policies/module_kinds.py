@@ -16,6 +16,11 @@ def is_projection(module: nn.Module) -> bool:
     return isinstance(module, (nn.Linear, Conv1D))
 
 
+def in_out_features(module: nn.Module) -> tuple[int, int]:
+    """A projection's input and output widths (a ``Conv1D`` keeps them as ``nx``/``nf``)."""
+    return (module.nx, module.nf) if isinstance(module, Conv1D) else (module.in_features, module.out_features)
+
+
 # The forward bodies (statements, whitespace-normalized) of nn.Linear subclasses that compute exactly what
 # nn.Linear does, written another way (Falcon's FalconLinear): a parallel linear layer reproduces them.
 _PLAIN_LINEAR_BODIES = (

@@ -26,12 +26,11 @@ import textwrap
 from dataclasses import dataclass, field
 
 from torch import nn
-from transformers.pytorch_utils import Conv1D
 
 from ..arguments import Choice
 from .entries import forward_tree, self_path
 from .fused import FusedAttention, FusedLayout
-from .module_kinds import position_wise
+from .module_kinds import in_out_features, is_projection, position_wise
 from .patterns import join
 from .styles import Style
 
@@ -80,10 +79,6 @@ class Derived:
     attention: tuple[str, ...] = ()  # the attention modules' patterns (tp-local rng regions)
     refusal: str | None = None
     head_inputs: dict[str, dict] = field(default_factory=dict)  # attention module -> inputs per head (fused.py)
-
-
-def _in_out(module: nn.Module) -> tuple[int, int]:
-    return (module.nx, module.nf) if isinstance(module, Conv1D) else (module.in_features, module.out_features)
 
 
 def role_of(path: str) -> Role | None:
@@ -150,7 +145,7 @@ def _sequential_roles(block: nn.Module, roles: dict[str, Role | None]) -> None:
         if not isinstance(module, nn.Sequential):
             continue
         children = list(module.named_children())
-        linear = [c for c, m in children if isinstance(m, (nn.Linear, Conv1D))]
+        linear = [c for c, m in children if is_projection(m)]
         others = [m for c, m in children if c not in linear]
         if (len(linear) == 2 and (linear[0], linear[1]) == (children[0][0], children[-1][0])
                 and all(position_wise(m) and not any(True for _ in m.parameters()) for m in others)):
@@ -247,7 +242,7 @@ def derive_block(block: nn.Module, *, heads_expected: int | None = None, fused: 
     """The rules for one block (paths relative to it), or why none (module docstring). Every attention
     must have ``heads_expected`` heads (the config's, which the patches' values are computed from).
     ``fused``: the architecture's fused q|k|v (fused.py), its layout read off ``config``."""
-    leaves = {name: m for name, m in block.named_modules() if name and isinstance(m, (nn.Linear, Conv1D))}
+    leaves = {name: m for name, m in block.named_modules() if name and is_projection(m)}
     roles = {name: role_of(name) for name in leaves}
     _sequential_roles(block, roles)
     rules: dict[str, Style] = {}
@@ -276,7 +271,7 @@ def derive_block(block: nn.Module, *, heads_expected: int | None = None, fused: 
         # length) inside forward: a fresh module at the config's widths, around the split projections
         return Derived({}, {}, refusal=f"{rebuilt or 'the block'} rebuilds its attention module in forward "
                                        f"(set_attention_type), which would undo the split")
-    hidden = _in_out(leaves[groups[0][0]])[0]  # the block's width: what its queries take
+    hidden = in_out_features(leaves[groups[0][0]])[0]  # the block's width: what its queries take
     for q, group, layout in groups:
         parent = q.rpartition(".")[0]
         if layout is None and (Role.KEY not in group or Role.VALUE not in group):
@@ -286,7 +281,7 @@ def derive_block(block: nn.Module, *, heads_expected: int | None = None, fused: 
             return Derived({}, {}, refusal=f"the attention around {q} has no one output projection qn_hf can tell")
         module_path = _common_parent([q, outputs[0]]) if owner != parent else parent
         modules = [block.get_submodule(module_path) if module_path else block, block.get_submodule(parent)]
-        o_in, o_out = _in_out(leaves[outputs[0]])
+        o_in, o_out = in_out_features(leaves[outputs[0]])
         # a module that keeps no head width (OpenAI-GPT's splits by x.size(-1) // n_head): the config's heads
         head_dim = _head_dim(modules) or (o_in // heads_expected if heads_expected and not o_in % heads_expected
                                           else None)
@@ -300,10 +295,10 @@ def derive_block(block: nn.Module, *, heads_expected: int | None = None, fused: 
         if heads_expected is not None and heads != heads_expected:
             return Derived({}, {}, refusal=(f"the attention around {q} has {heads} heads, the config "
                                             f"num_attention_heads={heads_expected}"))
-        q_out = _in_out(leaves[q])[1]
+        q_out = in_out_features(leaves[q])[1]
         if layout is None:
-            kv_out = _in_out(leaves[group[Role.KEY]])[1]
-            if q_out != heads * head_dim or kv_out % head_dim or _in_out(leaves[group[Role.VALUE]])[1] != kv_out:
+            kv_out = in_out_features(leaves[group[Role.KEY]])[1]
+            if q_out != heads * head_dim or kv_out % head_dim or in_out_features(leaves[group[Role.VALUE]])[1] != kv_out:
                 return Derived({}, {}, refusal=f"the queries, keys and values of {q} do not read as heads of {head_dim}")
             kv_heads = kv_out // head_dim
             rules[q] = Style.COLWISE
@@ -341,21 +336,21 @@ def derive_block(block: nn.Module, *, heads_expected: int | None = None, fused: 
     for down in downs:
         rules[down] = Style.ROWWISE
     mlp = _common_parent(ups + downs) if ups and downs else ""
-    if len(ups) == 1 and len(downs) == 1 and _in_out(leaves[ups[0]])[1] == 2 * _in_out(leaves[downs[0]])[0] \
+    if len(ups) == 1 and len(downs) == 1 and in_out_features(leaves[ups[0]])[1] == 2 * in_out_features(leaves[downs[0]])[0] \
             and _halves(block.get_submodule(mlp) if mlp else block):
         # the gate and the value side by side in one up projection (ModernBERT's Wi, Moshi's fc1): each half
         # split alike, so a rank's gate meets its own values
         rules[ups[0]] = Style.COLWISE_PACKED2
-    widths = {_in_out(leaves[n])[1] // (2 if rules[n] == Style.COLWISE_PACKED2 else 1) for n in ups} \
-        | {_in_out(leaves[n])[0] for n in downs}
+    widths = {in_out_features(leaves[n])[1] // (2 if rules[n] == Style.COLWISE_PACKED2 else 1) for n in ups} \
+        | {in_out_features(leaves[n])[0] for n in downs}
     if ups or downs:
-        if any(_in_out(leaves[n])[0] != hidden for n in ups) or any(_in_out(leaves[n])[1] != hidden for n in downs) \
+        if any(in_out_features(leaves[n])[0] != hidden for n in ups) or any(in_out_features(leaves[n])[1] != hidden for n in downs) \
                 or len(widths) != 1 or not ups or not downs:
             return Derived({}, {}, refusal=(f"the MLP of {', '.join(ups + downs)} does not read as hidden -> inner -> "
                                             f"hidden"))
     for name in leaves:
         if name not in rules:
-            in_f, out_f = _in_out(leaves[name])
+            in_f, out_f = in_out_features(leaves[name])
             return Derived({}, {}, refusal=(f"{name} ({type(leaves[name]).__name__} {in_f}->{out_f}) is no projection "
                                             f"qn_hf can place"))
     return Derived(rules, patches, attention=tuple(attention), head_inputs=head_inputs)

@@ -10,7 +10,7 @@ from transformers.pytorch_utils import Conv1D
 from ..policies.embedding_types import adapter_for
 from ..policies.entries import forward_tree, self_references
 from ..policies.heads import HeadLayout, attention_layout
-from ..policies.module_kinds import is_projection, plain_linear, position_wise
+from ..policies.module_kinds import in_out_features, is_projection, plain_linear, position_wise
 from ..policies.styles import (
     COLUMN_STYLES,
     EMBEDDING_STYLES,
@@ -127,7 +127,9 @@ def check_split_norms(model: nn.Module, rules: dict[str, str]) -> None:
         if style != Style.ROWWISE or "." not in name:
             continue
         layer = model.get_submodule(name)
-        width = layer.nx if isinstance(layer, Conv1D) else getattr(layer, "in_features", None)
+        if not is_projection(layer):
+            continue
+        width = in_out_features(layer)[0]
         parent, _, row = name.rpartition(".")
         tree = forward_tree(model.get_submodule(parent))
         uses = self_references(tree) if tree is not None else {}
