@@ -166,3 +166,19 @@ def test_sequences_longer_than_a_position_table_are_refused(model_type, cls, ove
         with pytest.raises((IndexError, RuntimeError)):
             model(input_ids=torch.full((1, inputs + 1), 2),  # no padding token (RoBERTa numbers the others)
                   **({"decoder_input_ids": torch.ones(1, 2, dtype=torch.long)} if decoder else {}))
+
+
+def test_a_decoder_on_several_stages_needs_the_decoders_inputs_in_the_batch():
+    """BART's classifier makes its decoder's inputs from input_ids inside its forward, which only the
+    last chunk runs whole: with the decoder on more than one stage the batch must carry them."""
+    from qn_hf.step.batch import check_step_batch
+
+    model = build(shrink_config(CONFIG_MAPPING["bart"]()), seed=0, name="BartForSequenceClassification")
+    batch = dummy_batch(model, rows=2)
+    check = dict(model=model, loss=LossKind.CLASSIFICATION, builtin=True, microbatches=1, cp=1, cp_keys=(),
+                 split=(1, ""), config=model.config, head=task_head(model))
+    assert check_step_batch(batch, **check, decoder_stages=1) == 2
+    with pytest.raises(ValueError, match="decoder runs on 2 pipeline stages.*pass decoder_input_ids"):
+        check_step_batch(batch, **check, decoder_stages=2)
+    decoder = {"decoder_input_ids": batch["input_ids"].clone()}
+    assert check_step_batch({**batch, **decoder}, **check, decoder_stages=2) == 2

@@ -209,10 +209,10 @@ def run_chunk(stage, stacks: Seq2SeqStages, *, chunk: int, inputs, received: tor
             stage.injector.pending = received
         encoder = model.get_submodule(stacks.encoder)
         return encoder(**_accepted(encoder, {**inputs, **kwargs})).last_hidden_state
-    decoder_length = next(inputs[k].shape[1] for k in ("decoder_input_ids", "decoder_inputs_embeds") if k in inputs)
     if chunk == stacks.encoder_chunks:
         encoded, hidden = received, None
-    else:
+    else:  # the decoder's inputs are in the batch here (step/batch.py refuses a batch without them)
+        decoder_length = next(inputs[k].shape[1] for k in ("decoder_input_ids", "decoder_inputs_embeds") if k in inputs)
         hidden, encoded = received.split([decoder_length, received.shape[1] - decoder_length], dim=1)
         stage.injector.pending = hidden
     if chunk == len(stage.plan.layer_ranges) - 1:

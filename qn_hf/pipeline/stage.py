@@ -14,7 +14,8 @@ What differs per stage is which modules are real:
   a chunk sends its last block's output rather than the base model's;
 * first-only and last-only modules: real on their stage, a parameter-free stand-in elsewhere;
 * the task head (``lm_head``, ``classifier``): on the last stage only; earlier stages call the base
-  model and send its ``last_hidden_state``;
+  model and send its ``last_hidden_state`` (the last block's output where the base reshapes that after
+  the blocks: Longformer's window padding);
 * modules real on every stage (``StagePlan.every_stage``: Gemma 4's per-layer embeddings and the
   token embedding they read): each stage computes them as the plain model does and its first block
   takes the received activation; those whose output holds one part per block, which the forward
@@ -152,8 +153,20 @@ class StageModules:
                     return self.wire.out(self._last_block_output(chunk, inputs, kwargs))
                 if self.enter_at_top:
                     return self.wire.out(self._captured(self.base, inputs, kwargs))
-                return self.wire.out(self.base(**inputs, **kwargs).last_hidden_state)
+                return self.wire.out(self._base_output(chunk, inputs, kwargs))
             return self.model(**inputs, **kwargs)
+
+    def _base_output(self, chunk: int, inputs: Mapping[str, torch.Tensor], kwargs: dict) -> torch.Tensor:
+        """What a chunk sends when activations enter at the entry: the base model's ``last_hidden_state``,
+        unless the base reshapes its blocks' output after them (Longformer pads the sequence to its
+        attention window before the blocks and cuts the padding off after): then the last block's output,
+        which the next stage's blocks take, and the last stage's own forward cuts once."""
+        with _capturing(self._last_block(chunk)) as captured:
+            hidden = self.base(**inputs, **kwargs).last_hidden_state
+        return captured[-1] if captured and captured[-1].shape != hidden.shape else hidden
+
+    def _last_block(self, chunk: int) -> nn.Module:
+        return getattr(self.model.get_submodule(self.plan.layers), str(self.plan.layer_ranges[chunk][1] - 1))
 
     def _last_block_output(self, chunk: int, inputs: Mapping[str, torch.Tensor], kwargs: dict) -> torch.Tensor:
         """What a chunk sends when activations enter at the blocks: its last block's output (a
@@ -161,23 +174,16 @@ class StageModules:
         blocks on it (NanoChat's final norm is real on every stage: it holds no parameters). The hook
         is added for this call only, so it runs after every hook installed at parallelize time
         (sequence parallelism's gather of the whole sequence)."""
-        last = getattr(self.model.get_submodule(self.plan.layers), str(self.plan.layer_ranges[chunk][1] - 1))
-        return self._captured(last, inputs, kwargs)
+        return self._captured(self._last_block(chunk), inputs, kwargs)
 
     def _captured(self, module: nn.Module, inputs: Mapping[str, torch.Tensor], kwargs: dict) -> torch.Tensor:
         """``module``'s output (the first of a tuple, a model output's ``last_hidden_state``) in one run
         of the base model, or of the task model with ``enter_at_top``."""
-        captured: list[torch.Tensor] = []
-        handle = module.register_forward_hook(
-            lambda _m, _a, out: captured.append(out[0] if isinstance(out, (tuple, ModelOutput)) else out))
-        try:
-            with warnings.catch_warnings():
-                # FSDP warns that the task model returns a view (the head's stand-in passes the sliced
-                # hidden states through); that output is dropped here, never changed in place
-                warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-                (self.model if self.enter_at_top else self.base)(**inputs, **kwargs)
-        finally:
-            handle.remove()
+        with _capturing(module) as captured, warnings.catch_warnings():
+            # FSDP warns that the task model returns a view (the head's stand-in passes the sliced
+            # hidden states through); that output is dropped here, never changed in place
+            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+            (self.model if self.enter_at_top else self.base)(**inputs, **kwargs)
         return captured[-1]
 
 
@@ -270,3 +276,16 @@ def _seq2seq_stage(model: nn.Module, plan: StagePlan, *, stage: int, config: obj
                                      replace=lambda path, module: _replace(model, path, module), injector_for=injector_for)
     return StageModules(stage=stage, stages=plan.stages, injector=injector, config=config, model=model, base=base,
                         plan=plan)
+
+
+@contextlib.contextmanager
+def _capturing(module: nn.Module):
+    """The outputs ``module`` gives while the block runs (the first of a tuple, a model output's
+    ``last_hidden_state``), in call order."""
+    captured: list[torch.Tensor] = []
+    handle = module.register_forward_hook(
+        lambda _m, _a, out: captured.append(out[0] if isinstance(out, (tuple, ModelOutput)) else out))
+    try:
+        yield captured
+    finally:
+        handle.remove()

@@ -119,8 +119,10 @@ def standin_for(kind: StandInKind, module: nn.Module) -> StandIn:
 
 
 def mirror_reads(injector: Injector, entry: nn.Module, reads: Sequence[str]) -> None:
-    """Give the injector the attributes the base forward reads from the entry (e.g. a weight's
-    dtype), as empty non-persistent buffers on empty submodules: nothing is saved or trained."""
+    """Give the injector the attributes the base forward reads from the entry, on empty submodules: a
+    parameter (read for its dtype or device) as an empty non-persistent buffer, a buffer as itself (its
+    values are read: BigBird slices ``embeddings.token_type_ids``, a row of zeros, on every stage), never
+    saved; nothing is trained."""
     for path in reads:
         *mods, attr = path.split(".")
         src, dst = entry, injector
@@ -130,7 +132,9 @@ def mirror_reads(injector: Injector, entry: nn.Module, reads: Sequence[str]) -> 
                 dst.add_module(m, nn.Module())
             dst = getattr(dst, m)
         value = getattr(src, attr)
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, nn.Parameter):
             dst.register_buffer(attr, torch.empty(0, dtype=value.dtype, device=value.device), persistent=False)
+        elif isinstance(value, torch.Tensor):
+            dst.register_buffer(attr, value, persistent=False)
         else:
             setattr(dst, attr, value)

@@ -48,10 +48,11 @@ def check_batch(batch: Mapping[str, torch.Tensor], *, microbatches: int, require
 def check_step_batch(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Module, loss: LossKind | None,
                      builtin: bool, microbatches: int, cp: int, cp_keys: tuple[str, ...], split: tuple[int, str],
                      config, num_items: object = None, head: TaskHead | None = None, dp: int = 1,
-                     loss_keys: tuple[str, ...] = (), positions: PositionLimits | None = None) -> int:
+                     loss_keys: tuple[str, ...] = (), positions: PositionLimits | None = None,
+                     decoder_stages: int = 0) -> int:
     """Every host-side check of one step's batch (and of train_step's ``num_items_in_batch``), in the
     order a user would fix them; returns the batch size. Raised on one rank only: ``agreement.py``
-    makes it every rank's."""
+    makes it every rank's. ``decoder_stages``: how many pipeline chunks run an encoder-decoder's decoder."""
     if builtin and loss is None:
         raise ValueError(f"{type(model).__name__} has no built-in loss (a base model, or a head whose forward "
                          f"computes none); pass loss_fn=(outputs, batch) -> loss")
@@ -63,6 +64,13 @@ def check_step_batch(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Modul
                          f"loss_fn=(outputs, batch) -> the mean loss of a microbatch's rows")
     required = (head.label_keys if head is not None else ("labels",)) if builtin else ()
     size = check_batch(batch, microbatches=microbatches, required=required)
+    from_labels = head is not None and head.decoder_from_labels and "labels" in batch
+    if decoder_stages > 1 and not from_labels and not {"decoder_input_ids", "decoder_inputs_embeds"} & set(batch):
+        # a decoder chunk short of the last runs the decoder stack itself, which needs its inputs; the task
+        # model's forward makes them from input_ids (BART's classifier shifts them right) on the last only
+        raise ValueError(f"{type(model).__name__}'s decoder runs on {decoder_stages} pipeline stages here and the batch "
+                         f"carries no decoder_input_ids, which its forward would make from input_ids; pass "
+                         f"decoder_input_ids in the batch, or give the decoder one stage (pp=2)")
     if cp > 1:
         unknown = sorted(set(batch) - set(cp_keys))
         if unknown:

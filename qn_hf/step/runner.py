@@ -78,13 +78,19 @@ def prepare(ctx: StepContext, batch: Mapping[str, torch.Tensor], *, loss: LossKi
     size = agree_on_batch(lambda: check_step_batch(
         batch, model=ctx.module, loss=loss, builtin=builtin, cp=dims.cp, cp_keys=CP_KEYS,
         split=ctx.config.sequence_split, microbatches=microbatches, config=ctx.stage.config, num_items=num_items,
-        head=ctx.plan.head, dp=dims.dp, loss_keys=tuple(loss_keys), positions=ctx.plan.positions),
+        head=ctx.plan.head, dp=dims.dp, loss_keys=tuple(loss_keys), positions=ctx.plan.positions,
+        decoder_stages=_decoder_stages(ctx.stage.plan)),
         batch, replica=coords.dp, replicas=dims.dp, group=groups.host)
     documents = ring_documents(batch) if dims.cp > 1 else None  # read on the host before the batch moves
     on_device = to_device(batch, ctx.placement.device)
     whole = split_microbatches(on_device, microbatches=microbatches)
     micro = shard_microbatches(whole, documents, layout=ctx.cp_layout, rank=coords.cp) if dims.cp > 1 else whole
     return Prepared(batch=on_device, rows=microbatch_rows(size, microbatches=microbatches), whole=whole, micro=micro)
+
+
+def _decoder_stages(plan) -> int:
+    """How many chunks run an encoder-decoder pipeline's decoder (0 without one)."""
+    return len(plan.layer_ranges) - plan.seq2seq.encoder_chunks if plan.seq2seq is not None else 0
 
 
 def forward_inputs(ctx: StepContext, micro: Mapping[str, torch.Tensor], *, builtin: bool,
