@@ -38,6 +38,15 @@ def _image(config) -> tuple[int, int, int]:
     return getattr(vision, "num_channels", 3) or 3, height, width
 
 
+# a multimodal config's placeholder tokens: where the forward splices in image, video or audio features
+_PLACEHOLDERS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index", "audio_token_id",
+                 "audio_token_index", "boi_token_id", "eoi_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def _placeholder_ids(config) -> set[int]:
+    return {v for k in _PLACEHOLDERS if isinstance(v := getattr(config, k, None), int)}
+
+
 def main_input(model: nn.Module, *, rows: int, seq_len: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
     """The model's main input for ``rows`` examples (``model.main_input_name``)."""
     config = model.config
@@ -69,7 +78,15 @@ def dummy_batch(model: nn.Module, *, rows: int, seq_len: int = SEQ_LEN, seed: in
     generator = torch.Generator().manual_seed(seed)
     batch = main_input(model, rows=rows, seq_len=seq_len, generator=generator)
     params = inspect.signature(model.forward).parameters
-    if "pixel_values" in params and "pixel_values" not in batch and getattr(model.config, "vision_config", None):
+    placeholders = _placeholder_ids(model.config)
+    if placeholders and "input_ids" in batch:
+        # a model that splices image features in at placeholder tokens (LLaVA, Qwen2-VL, PaliGemma) trains
+        # on text alone: how many placeholders an image takes, and what else its vision tower reads (sizes,
+        # grids, aspect ratios), is each processor's own; random ids that hit a placeholder are moved off it
+        ids = batch["input_ids"]
+        for token in placeholders:
+            ids[ids == token] = 3 if token != 3 else 4
+    elif "pixel_values" in params and "pixel_values" not in batch and getattr(model.config, "vision_config", None):
         channels, height, width = _image(model.config)  # a text-and-image model (CLIP) takes both
         batch["pixel_values"] = torch.randn(rows, channels, height, width, generator=generator)
     head = task_head(model)
@@ -90,6 +107,11 @@ def dummy_batch(model: nn.Module, *, rows: int, seq_len: int = SEQ_LEN, seed: in
         choices = batch["input_ids"].shape[1] if batch.get("input_ids") is not None and batch["input_ids"].dim() == 3 \
             else config.num_labels
         batch["labels"] = torch.randint(0, choices, (rows,), generator=generator)
+        eos = getattr(text, "eos_token_id", None)
+        if isinstance(eos, int) and "input_ids" in batch:
+            # as a tokenizer ends each text: BART's family pools the classifier at the last end-of-sequence
+            # token and refuses rows without one (random ids start above the special ones)
+            batch["input_ids"][..., -1] = eos
     elif head.kind is LossKind.SPANS:
         batch["start_positions"] = torch.randint(0, positions, (rows,), generator=generator)
         batch["end_positions"] = torch.randint(0, positions, (rows,), generator=generator)

@@ -126,6 +126,11 @@ def _fill_gaps(data: dict, *, mrope: bool) -> None:
         # sized for the full head, which transformers before 5.21 cannot build a smaller head with).
         rope = {**_DEFAULT_ROPE, **({"mrope_section": [1] * _MROPE_AXES} if mrope else {})}
         data["rope_parameters"] = {kind: dict(rope) for kind in dict.fromkeys(kinds)}
+    rope = data.get("rope_parameters")
+    if mrope and isinstance(rope, dict) and rope.get("rope_type") and "mrope_section" not in rope:
+        # a rope without sections where the model falls back to the full head's ([16, 24, 24] in Qwen2-VL,
+        # GLM-4V): sections sized for the shrunk head (_resize_rope)
+        rope["mrope_section"] = [1] * _MROPE_AXES
 
 
 def _is_size(value: object) -> bool:
@@ -154,7 +159,7 @@ def _resize_rope(rope: dict, *, head_dim: int) -> dict:
     if rope and all(isinstance(v, dict) for v in rope.values()):
         return {kind: _resize_rope(v, head_dim=head_dim) for kind, v in rope.items()}
     rope = dict(rope)
-    half = head_dim // 2
+    half = int(head_dim * rope.get("partial_rotary_factor", 1.0)) // 2  # GLM-4V-MoE rotates half of each head
     for key in ("short_factor", "long_factor"):
         if isinstance(rope.get(key), list):
             rope[key] = [1.0] * half
