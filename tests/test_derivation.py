@@ -86,6 +86,17 @@ def test_a_norm_over_the_split_width_refuses_tp():
     build_tp_plan(bert, resolve_policy(bert, None), tp=2)
 
 
+def test_a_table_per_head_outside_the_attention_refuses_tp():
+    from qn_hf.tensor_parallel.plan import build_tp_plan
+
+    # MPNet looks its relative position bias up once, before the blocks, with a column per head
+    model = transformers.MPNetForMaskedLM(shrink_config(CONFIG_MAPPING["mpnet"]()))
+    with pytest.raises(ValueError, match=r"mpnet.encoder.relative_attention_bias .* a value per attention head"):
+        build_tp_plan(model, resolve_policy(model, None), tp=2)
+    t5 = transformers.T5ForConditionalGeneration(shrink_config(CONFIG_MAPPING["t5"]()))  # inside the attention
+    build_tp_plan(t5, resolve_policy(t5, None), tp=2)
+
+
 def test_an_entry_takes_every_column_layer_input():
     # CTRL's attention takes v, k and q apart: an entry's one all-reduce would miss q's and k's gradients
     assert not any("multi_head_attention" in e for e in _policy("ctrl", "CTRLModel").tp_entries)

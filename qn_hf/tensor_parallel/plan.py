@@ -26,7 +26,7 @@ from ..policies.peft_names import is_lora_layer, is_param_wrapper, names_before_
 from ..policies.positions import PositionLimits, learned_positions
 from ..policies.styles import COLUMN_STYLES, PARAM_STYLES, VOCAB_ROWS, WHOLE_SUMMED_LINEAR, Style
 from ..policies.task import TaskHead, task_head
-from .rules import check_rule, check_split_norms, check_ties, split_kv_per_module
+from .rules import check_head_tables, check_rule, check_split_norms, check_ties, split_kv_per_module
 
 
 @dataclass(frozen=True)
@@ -245,6 +245,7 @@ def build_tp_plan(model: nn.Module, policy: ModelPolicy, *, tp: int, sequence_pa
         rules = split_kv_per_module(model, rules, layout)
         check_ties(model, rules)
         check_split_norms(model, rules)
+        check_head_tables(model, rules, layout, head_inputs=bool(policy.head_inputs))
         lora = lora_rules(model, rules, tp=tp)
         rules = lora.rules
         for name, style in rules.items():

@@ -148,3 +148,20 @@ def check_split_norms(model: nn.Module, rules: dict[str, str]) -> None:
                 raise ValueError(f"{full} ({type(module).__name__}) normalizes over the {width} features {name} "
                                  f"takes, which tp splits across ranks; use tp=1 (data and pipeline parallelism "
                                  f"still apply)")
+
+
+def check_head_tables(model: nn.Module, rules: dict[str, str], layout: HeadLayout, *, head_inputs: bool) -> None:
+    """An embedding table with one column per attention head that no rule splits (MPNet's and CpmAnt's
+    relative position bias, looked up once before the blocks and added to every layer's scores): at tp each
+    rank's attention holds a share of the heads, and the whole bias would not fit its scores. T5 keeps its
+    table inside the attention, where the heads' rules reach it; ``head_inputs`` (a policy's inputs given per
+    head, which slice such a bias where the attention takes it) vouch for the rest."""
+    if head_inputs or layout.heads < 2:
+        return
+    for name, module in model.named_modules():
+        if (isinstance(module, nn.Embedding) and module.embedding_dim == layout.heads and name not in rules
+                and not any(name.startswith(r + ".") or r.startswith(name + ".") for r in rules)
+                and module is not model.get_input_embeddings()):
+            raise ValueError(f"{name} ({type(module).__name__}) holds a value per attention head ({layout.heads}) that is "
+                             f"added to every layer's attention scores, which tp splits across ranks by head; use tp=1 "
+                             f"(data and pipeline parallelism still apply)")
