@@ -159,8 +159,10 @@ def check_head_tables(model: nn.Module, rules: dict[str, str], layout: HeadLayou
     if head_inputs or layout.heads < 2:
         return
     for name, module in model.named_modules():
+        holder = name.rpartition(".")[0]
         if (isinstance(module, nn.Embedding) and module.embedding_dim == layout.heads and name not in rules
                 and not any(name.startswith(r + ".") or r.startswith(name + ".") for r in rules)
+                and any(r.startswith(holder + ".") for r in rules)  # beside blocks tp splits (not an audio tower's)
                 and module is not model.get_input_embeddings()):
             raise ValueError(f"{name} ({type(module).__name__}) holds a value per attention head ({layout.heads}) that is "
                              f"added to every layer's attention scores, which tp splits across ranks by head; use tp=1 "
