@@ -66,9 +66,20 @@ def test_zero_takes_any_model(worlds):
     ("blenderbot", "BlenderbotForCausalLM"),  # a position table called with the input's shape, not its ids
     ("llama", "LlamaForSequenceClassification"),  # a policy's body under another head
     ("deit", "DeiTForImageClassification"),
+    ("big_bird", "BigBirdForMaskedLM"),  # later stages slice a buffer of the entry (token_type_ids)
+    ("longformer", "LongformerForMaskedLM"),  # blocks over window-padded states, the padding cut after them
 ])
 def test_pipelines_cut_any_block_stack(worlds, model_type, cls):
     verdict = worlds.run(2, any_model_cases.head_step, model_type=model_type, cls=cls, pp=2)[0]
+    assert verdict["verdict"] == "equal", verdict
+
+
+@pytest.mark.core  # the one check that a stage runs what the task forward gives its base model (issue 62)
+def test_a_stage_runs_the_task_forward_up_to_its_blocks(worlds):
+    # Longformer's classifier adds global attention on the first token before its base model runs: a stage
+    # that called the base model alone trained another model (1e-4 apart)
+    verdict = worlds.run(2, any_model_cases.head_step, model_type="longformer",
+                         cls="LongformerForSequenceClassification", pp=2)[0]
     assert verdict["verdict"] == "equal", verdict
 
 
@@ -103,11 +114,13 @@ def test_batch_statistics_are_the_whole_batch_under_data_parallelism(worlds, mod
      r"microbatches=2 \(AlignModel\): its BatchNorm layers \(vision_model\."),
     ("resnet", "ResNetForImageClassification", {"dp": 2, "recompute": "full", "overrides": SMALL_RESNET},
      r"recompute=full \(ResNetForImageClassification\)"),
+    ("bart", "BartForSequenceClassification", {"pp": 4},
+     r"decoder runs on 2 pipeline stages here and the batch carries no decoder_input_ids"),
 ])
 def test_refusals_name_their_dimension(worlds, model_type, cls, mesh, message):
     import re
 
-    verdict = worlds.run(2, any_model_cases.head_step, model_type=model_type, cls=cls, **mesh)[0]
+    verdict = worlds.run(mesh.get("pp", 2), any_model_cases.head_step, model_type=model_type, cls=cls, **mesh)[0]
     assert verdict["verdict"] == "refused" and re.search(message, verdict["reason"]), verdict
 
 
@@ -225,6 +238,7 @@ def test_a_fused_layout_qn_hf_cannot_split_is_refused(worlds):
     ("t5", "T5ForConditionalGeneration", dict(dp=2, pp=2, recompute="full")),
     ("bart", "BartForConditionalGeneration", dict(tp=2, pp=2)),
     ("t5", "T5ForConditionalGeneration", dict(pp=2, microbatches=4, schedule="zb_h1")),
+    ("bigbird_pegasus", "BigBirdPegasusForSequenceClassification", dict(pp=2)),  # its forward makes the decoder's ids
     ("bart", "BartForConditionalGeneration", dict(pp=2, microbatches=3, schedule="gpipe")),
 ])
 def test_encoder_decoder_pipelines(worlds, model_type, cls, mesh):

@@ -157,12 +157,29 @@ class StageModules:
             return self.model(**inputs, **kwargs)
 
     def _base_output(self, chunk: int, inputs: Mapping[str, torch.Tensor], kwargs: dict) -> torch.Tensor:
-        """What a chunk sends when activations enter at the entry: the base model's ``last_hidden_state``,
-        unless the base reshapes its blocks' output after them (Longformer pads the sequence to its
-        attention window before the blocks and cuts the padding off after): then the last block's output,
-        which the next stage's blocks take, and the last stage's own forward cuts once."""
-        with _capturing(self._last_block(chunk)) as captured:
-            hidden = self.base(**inputs, **kwargs).last_hidden_state
+        """What a chunk sends when activations enter at the entry: the blocks' stack's output as the task
+        model's forward calls it, unless the base reshapes the blocks' output before that (Longformer pads the
+        sequence to its attention window before the blocks and cuts the padding off after): then the last
+        block's output, which the next stage's blocks take, and the last stage's own forward cuts once.
+
+        The task model's forward runs up to the return of the module that holds the blocks (the base model,
+        or its encoder or decoder) and is stopped there: no head runs before the last chunk, and what the
+        task forward gives the base besides the batch is the same on every stage (Longformer's classifier and
+        span heads add global attention on the first token or the question). A task forward that never calls
+        that module has its base model called instead."""
+        holder = self.model.get_submodule(self.plan.layers.rpartition(".")[0])
+        stop = holder.register_forward_hook(_stop_at_return)
+        try:
+            with _capturing(self._last_block(chunk)) as captured:
+                self.model(**inputs, **kwargs)
+            stop.remove()
+            with _capturing(self._last_block(chunk)) as captured:
+                out = self.base(**inputs, **kwargs)
+        except _StackReturned as returned:
+            out = returned.output
+        finally:
+            stop.remove()
+        hidden = out[0] if isinstance(out, (tuple, ModelOutput)) else out
         return captured[-1] if captured and captured[-1].shape != hidden.shape else hidden
 
     def _last_block(self, chunk: int) -> nn.Module:
@@ -276,6 +293,18 @@ def _seq2seq_stage(model: nn.Module, plan: StagePlan, *, stage: int, config: obj
                                      replace=lambda path, module: _replace(model, path, module), injector_for=injector_for)
     return StageModules(stage=stage, stages=plan.stages, injector=injector, config=config, model=model, base=base,
                         plan=plan)
+
+
+class _StackReturned(Exception):  # noqa: N818 -- not an error: how a stage stops the task forward (_base_output)
+    def __init__(self, output) -> None:
+        super().__init__()
+        self.output = output
+
+
+def _stop_at_return(_module: nn.Module, _args, output):
+    # raised from the forward hook of the module holding the blocks: the task model's forward stops where that
+    # returns, the autograd graph up to its output kept (nothing after it ran)
+    raise _StackReturned(output)
 
 
 @contextlib.contextmanager
