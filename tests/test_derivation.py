@@ -86,6 +86,22 @@ def test_a_norm_over_the_split_width_refuses_tp():
     build_tp_plan(bert, resolve_policy(bert, None), tp=2)
 
 
+@pytest.mark.parametrize(("model_type", "cls", "split", "whole"), [
+    # LFM3: convolution blocks and attention blocks of one class; a gate per head beside the queries
+    ("lfm3", "Lfm3Model", {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.g_proj": "colwise",
+                           "layers.*.feed_forward.w2": "rowwise"}, ("layers.*.conv.in_proj", "layers.*.conv.out_proj")),
+    # RecurrentGemma: temporal_block is an attention in some blocks, a recurrence in the others
+    ("recurrent_gemma", "RecurrentGemmaModel", {"layers.*.temporal_block.q_proj": "colwise",
+                                                "layers.*.temporal_block.o_proj": "rowwise"},
+     ("layers.*.temporal_block.linear_x", "layers.*.temporal_block.linear_out")),
+])
+def test_a_hybrid_stack_splits_its_attention_and_keeps_its_other_mixers_whole(model_type, cls, split, whole):
+    policy = _policy(model_type, cls)
+    assert policy.tp_refusal is None
+    assert {k: policy.tp_plan[k] for k in split} == split
+    assert all(policy.tp_plan[k] == "replicate" for k in whole)
+
+
 def test_a_table_per_head_outside_the_attention_refuses_tp():
     from qn_hf.tensor_parallel.plan import build_tp_plan
 

@@ -238,10 +238,12 @@ FUSED_STYLES = {FusedLayout.PER_HEAD: Style.COLWISE, FusedLayout.PER_KV_GROUP: S
 
 
 def derive_block(block: nn.Module, *, heads_expected: int | None = None, fused: FusedAttention | None = None,
-                 config=None) -> Derived:
+                 config=None, hidden: int | None = None) -> Derived:
     """The rules for one block (paths relative to it), or why none (module docstring). Every attention
     must have ``heads_expected`` heads (the config's, which the patches' values are computed from).
-    ``fused``: the architecture's fused q|k|v (fused.py), its layout read off ``config``."""
+    ``fused``: the architecture's fused q|k|v (fused.py), its layout read off ``config``. ``hidden``: the
+    stack's width, for a block of a hybrid stack that has no attention (a state-space or convolution
+    mixer beside other blocks' attention): its MLP splits as any, its other projections stay whole."""
     leaves = {name: m for name, m in block.named_modules() if name and is_projection(m)}
     roles = {name: role_of(name) for name in leaves}
     _sequential_roles(block, roles)
@@ -263,7 +265,7 @@ def derive_block(block: nn.Module, *, heads_expected: int | None = None, fused: 
         groups.append((q, {r: n for n, r in roles.items()
                            if r in (Role.KEY, Role.VALUE, Role.POSITION) and n.rpartition(".")[0] == q.rpartition(".")[0]},
                        None))
-    if not groups:
+    if not groups and hidden is None:
         return Derived({}, {}, refusal="no attention qn_hf can read (query, key, value and output projections)")
     rebuilt = next((name for name, m in block.named_modules() if callable(getattr(m, "set_attention_type", None))), None)
     if rebuilt is not None:
@@ -271,7 +273,7 @@ def derive_block(block: nn.Module, *, heads_expected: int | None = None, fused: 
         # length) inside forward: a fresh module at the config's widths, around the split projections
         return Derived({}, {}, refusal=f"{rebuilt or 'the block'} rebuilds its attention module in forward "
                                        f"(set_attention_type), which would undo the split")
-    hidden = in_out_features(leaves[groups[0][0]])[0]  # the block's width: what its queries take
+    hidden = in_out_features(leaves[groups[0][0]])[0] if groups else hidden  # the block's width: its queries' input
     for q, group, layout in groups:
         parent = q.rpartition(".")[0]
         if layout is None and (Role.KEY not in group or Role.VALUE not in group):
@@ -328,9 +330,16 @@ def derive_block(block: nn.Module, *, heads_expected: int | None = None, fused: 
         for name, param in modules[0].named_parameters(recurse=False):
             if param.dim() == 1 and param.shape[0] == heads and heads > 1:
                 rules[join(module_path, name)] = Style.PARAM_COLWISE  # one value per head (gpt-oss's sinks)
+        for name, leaf in leaves.items():
+            if (name not in rules and (not module_path or name.startswith(module_path + "."))
+                    and in_out_features(leaf) == (hidden, heads) and heads > 1):
+                rules[name] = Style.COLWISE  # a gate per head (LFM3's g_proj): this rank's heads' gates
+                placed.add(name)
         attention.append(module_path)
     ups = [n for n, r in roles.items() if r == Role.UP and n not in placed]
-    downs = [n for n, r in roles.items() if r in (Role.DOWN, Role.OUTPUT) and n not in placed]
+    # an output projection left over is an MLP's down (GPT-2's mlp.c_proj); beside no attention, a mixer's
+    # (LFM3's conv.out_proj), which stays whole with the rest of the mixer
+    downs = [n for n, r in roles.items() if (r == Role.DOWN or r == Role.OUTPUT and groups) and n not in placed]
     for up in ups:
         rules[up] = Style.COLWISE
     for down in downs:
@@ -349,11 +358,24 @@ def derive_block(block: nn.Module, *, heads_expected: int | None = None, fused: 
             return Derived({}, {}, refusal=(f"the MLP of {', '.join(ups + downs)} does not read as hidden -> inner -> "
                                             f"hidden"))
     for name in leaves:
-        if name not in rules:
+        if name not in rules and not groups:
+            # a mixer without heads, on the whole residual stream every tp rank holds: computed whole on
+            # each, its gradients alike on each (under sequence parallelism a whole region, gathered along
+            # the sequence: tensor_parallel/sequence_parallel.py)
+            rules[name] = Style.REPLICATE
+        elif name not in rules:
             in_f, out_f = in_out_features(leaves[name])
             return Derived({}, {}, refusal=(f"{name} ({type(leaves[name]).__name__} {in_f}->{out_f}) is no projection "
                                             f"qn_hf can place"))
     return Derived(rules, patches, attention=tuple(attention), head_inputs=head_inputs)
+
+
+def _has_module(block: nn.Module, path: str) -> bool:
+    try:
+        block.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def derive_structure(base: nn.Module, *, stacks: list[str], heads: int | None, fused: FusedAttention | None = None,
@@ -368,11 +390,38 @@ def derive_structure(base: nn.Module, *, stacks: list[str], heads: int | None, f
         blocks = list(base.get_submodule(stack))
         if len({type(b) for b in blocks}) != 1:
             return Derived({}, {}, refusal=f"the blocks of {stack} are not of one class")
-        derived = derive_block(blocks[0], heads_expected=heads, fused=fused, config=config)
-        if derived.refusal is not None:
-            return Derived({}, {}, refusal=f"{stack}.0: {derived.refusal}")
-        tp_plan.update({f"{stack}.*.{n}": s for n, s in derived.tp_plan.items()})
-        patches.update({f"{stack}.*.{n}": v for n, v in derived.attr_patches.items()})
-        head_inputs.update({join(f"{stack}.*", n): v for n, v in derived.head_inputs.items()})
-        attention += [f"{stack}.*.{n}" if n else f"{stack}.*" for n in derived.attention]
+        # a hybrid stack's blocks of one class hold different mixers (Bamba's Mamba or attention, by layer):
+        # each kind, named by its projections, is read from its first block, the attention's kinds first
+        kinds: dict[tuple[str, ...], int] = {}
+        for i, block in enumerate(blocks):
+            kinds.setdefault(tuple(sorted(n for n, m in block.named_modules() if n and is_projection(m))), i)
+        order = sorted(kinds.values(), key=lambda i: derive_block(blocks[i], heads_expected=heads, fused=fused,
+                                                                 config=config).refusal is not None)
+        first = derive_block(blocks[order[0]], heads_expected=heads, fused=fused, config=config)
+        if first.refusal is not None:
+            return Derived({}, {}, refusal=f"{stack}.{order[0]}: {first.refusal}")
+        hidden = next(in_out_features(m)[1] for n, m in blocks[order[0]].named_modules()
+                      if first.tp_plan.get(n) == Style.ROWWISE)
+        rules: dict[str, Style] = {}
+        for i in order:
+            derived = first if i == order[0] else derive_block(blocks[i], heads_expected=heads, fused=fused,
+                                                               config=config, hidden=hidden)
+            if derived.refusal is not None:
+                return Derived({}, {}, refusal=f"{stack}.{i}: {derived.refusal}")
+            clash = sorted(n for n, s in derived.tp_plan.items() if rules.setdefault(n, s) != s)
+            if clash:
+                return Derived({}, {}, refusal=f"{stack}.{i}: {clash[0]} is split unlike in {stack}.{order[0]}")
+            for n in (*derived.attr_patches, *derived.head_inputs):
+                # a patch names its module by path in every block: where another kind holds another module
+                # there (RecurrentGemma's temporal_block, attention or recurrence), it would change that too
+                holder = n if n in derived.head_inputs else n.rpartition(".")[0]
+                kinds_there = {type(b.get_submodule(holder)) for b in blocks if _has_module(b, holder)}
+                if len(kinds_there) > 1:
+                    return Derived({}, {}, refusal=f"{stack}.{i}: {holder} is a {' or a '.join(sorted(k.__name__ for k in kinds_there))} "
+                                                   f"by block, and tp would change what its attention reads in each")
+            patches.update({f"{stack}.*.{n}": v for n, v in derived.attr_patches.items()})
+            head_inputs.update({join(f"{stack}.*", n): v for n, v in derived.head_inputs.items()})
+            attention += [f"{stack}.*.{n}" if n else f"{stack}.*" for n in derived.attention
+                          if (f"{stack}.*.{n}" if n else f"{stack}.*") not in attention]
+        tp_plan.update({f"{stack}.*.{n}": s for n, s in rules.items()})
     return Derived(tp_plan, patches, attention=tuple(attention), head_inputs=head_inputs)
