@@ -102,6 +102,34 @@ def test_a_hybrid_stack_splits_its_attention_and_keeps_its_other_mixers_whole(mo
     assert all(policy.tp_plan[k] == "replicate" for k in whole)
 
 
+@pytest.mark.parametrize(("model_type", "cls", "split", "whole"), [
+    # Bamba's defaults: Mamba mixers in every block; the MLP splits, the mixer stays whole
+    ("bamba", "BambaModel", {"layers.*.feed_forward.up_proj": "colwise", "layers.*.feed_forward.down_proj": "rowwise"},
+     ("layers.*.mamba.in_proj", "layers.*.mamba.out_proj")),
+    # CodeGen's fused qkv_proj holds its heads in an order of its own: the attention stays whole
+    ("codegen", "CodeGenModel", {"h.*.mlp.fc_in": "colwise", "h.*.mlp.fc_out": "rowwise"},
+     ("h.*.attn.qkv_proj", "h.*.attn.out_proj")),
+])
+def test_without_an_attention_it_reads_the_mlp_splits_and_the_rest_stays_whole(model_type, cls, split, whole):
+    policy = _policy(model_type, cls)
+    assert policy.tp_refusal is None
+    assert {k: policy.tp_plan[k] for k in split} == split
+    assert all(policy.tp_plan[k] == "replicate" for k in whole)
+
+
+def test_beside_no_attention_an_up_and_down_among_other_projections_are_no_mlp():
+    from qn_hf.policies.structure import derive_block
+
+    class Mixer(torch.nn.Module):  # an up, a recurrence's input projection and a down, side by side
+        def __init__(self):
+            super().__init__()
+            self.in_proj, self.up_proj, self.down_proj = (torch.nn.Linear(64, 32), torch.nn.Linear(64, 128),
+                                                          torch.nn.Linear(128, 64))
+
+    derived = derive_block(Mixer(), heads_expected=4, hidden=64)
+    assert derived.refusal is not None and "nor an MLP module of its own" in derived.refusal
+
+
 def test_a_table_per_head_outside_the_attention_refuses_tp():
     from qn_hf.tensor_parallel.plan import build_tp_plan
 
@@ -124,7 +152,7 @@ def test_per_head_inputs_of_fused_architectures():
 
 
 @pytest.mark.parametrize(("model_type", "cls", "why"), [
-    ("codegen", "CodeGenModel", r"no attention qn_hf can read"),  # its qkv_proj: 4 interleaved blocks
+    ("jetmoe", "JetMoeModel", r"no attention qn_hf can read .*, nor an MLP"),  # mixtures of attention and of MLPs
     ("falcon", "FalconModel", r"folds the ALiBi slopes"),
     ("trocr", "TrOCRForCausalLM", r"reshapes its output by embed_dim"),  # a width read off the input's size()
 ])

@@ -67,13 +67,15 @@ def test_a_model_without_a_tp_plan_gets_its_body_and_a_derived_plan(monkeypatch)
     assert policy.tp_plan["encoder.layer.*.attention.output.dense"] == "rowwise"
     assert policy.tp_plan["encoder.layer.*.intermediate.dense"] == "colwise"
     assert policy.tp_plan["embeddings.word_embeddings"] == "vocab_embedding"
-    from transformers import CodeGenConfig, CodeGenModel
+    from transformers import CONFIG_MAPPING, JetMoeModel
 
-    # CodeGen's qkv_proj holds 4 interleaved blocks its forward reshapes by a literal 4: no layout read
-    codegen = CodeGenModel(CodeGenConfig(n_embd=32, n_layer=1, n_head=4, rotary_dim=4, vocab_size=64))
+    from qn_hf.check.shrink import shrink_config
+
+    # JetMoE's mixtures of attention and of MLP experts: neither an attention nor an MLP qn_hf can read
+    jetmoe = JetMoeModel(shrink_config(CONFIG_MAPPING["jetmoe"]()))
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match=r"^tp=2: transformers declares no tp plan for 'codegen'.*h\.0: no attention qn_hf can read.*use tp=1"):
-        qn_hf.parallelize(codegen, tp=2)
+    with pytest.raises(ValueError, match=r"^tp=2: transformers declares no tp plan for 'jetmoe'.*layers\.0: no attention qn_hf can read.*use tp=1"):
+        qn_hf.parallelize(jetmoe, tp=2)
 
 
 @pytest.mark.parametrize(

@@ -266,7 +266,7 @@ def derive_block(block: nn.Module, *, heads_expected: int | None = None, fused: 
                            if r in (Role.KEY, Role.VALUE, Role.POSITION) and n.rpartition(".")[0] == q.rpartition(".")[0]},
                        None))
     if not groups and hidden is None:
-        return Derived({}, {}, refusal="no attention qn_hf can read (query, key, value and output projections)")
+        return Derived({}, {}, refusal=NO_ATTENTION)
     rebuilt = next((name for name, m in block.named_modules() if callable(getattr(m, "set_attention_type", None))), None)
     if rebuilt is not None:
         # BigBird's attention swaps its own module for another kind (block-sparse <-> full, by the sequence's
@@ -357,6 +357,11 @@ def derive_block(block: nn.Module, *, heads_expected: int | None = None, fused: 
                 or len(widths) != 1 or not ups or not downs:
             return Derived({}, {}, refusal=(f"the MLP of {', '.join(ups + downs)} does not read as hidden -> inner -> "
                                             f"hidden"))
+        others = [n for n in leaves if n not in ups + downs and (not mlp or n.startswith(mlp + "."))]
+        if not groups and others:
+            # beside no attention the up and down must be a module of their own (or the block: XLM's ffns): a
+            # mixer's projections named alike (an up, a recurrence, a down) would not split as an MLP does
+            return Derived({}, {}, refusal=f"{NO_ATTENTION}, nor an MLP module of its own ({', '.join(ups + downs)})")
     for name in leaves:
         if name not in rules and not groups:
             # a mixer without heads, on the whole residual stream every tp rank holds: computed whole on
@@ -368,6 +373,9 @@ def derive_block(block: nn.Module, *, heads_expected: int | None = None, fused: 
             return Derived({}, {}, refusal=(f"{name} ({type(leaves[name]).__name__} {in_f}->{out_f}) is no projection "
                                             f"qn_hf can place"))
     return Derived(rules, patches, attention=tuple(attention), head_inputs=head_inputs)
+
+
+NO_ATTENTION = "no attention qn_hf can read (query, key, value and output projections)"
 
 
 def _has_module(block: nn.Module, path: str) -> bool:
@@ -398,10 +406,16 @@ def derive_structure(base: nn.Module, *, stacks: list[str], heads: int | None, f
         order = sorted(kinds.values(), key=lambda i: derive_block(blocks[i], heads_expected=heads, fused=fused,
                                                                  config=config).refusal is not None)
         first = derive_block(blocks[order[0]], heads_expected=heads, fused=fused, config=config)
+        width = getattr(config, "hidden_size", None)
+        if first.refusal is not None and first.refusal.startswith(NO_ATTENTION) and isinstance(width, int):
+            # no block with attention (Bamba's defaults: Mamba mixers only): the MLPs split, the mixers whole
+            first = derive_block(blocks[order[0]], heads_expected=heads, fused=fused, config=config, hidden=width)
+            if first.refusal is None and not any(s in (Style.COLWISE, Style.COLWISE_PACKED2) for s in first.tp_plan.values()):
+                first = Derived({}, {}, refusal=f"{NO_ATTENTION}, nor an MLP")
         if first.refusal is not None:
             return Derived({}, {}, refusal=f"{stack}.{order[0]}: {first.refusal}")
-        hidden = next(in_out_features(m)[1] for n, m in blocks[order[0]].named_modules()
-                      if first.tp_plan.get(n) == Style.ROWWISE)
+        hidden = next((in_out_features(m)[1] for n, m in blocks[order[0]].named_modules()
+                       if first.tp_plan.get(n) == Style.ROWWISE), width)
         rules: dict[str, Style] = {}
         for i in order:
             derived = first if i == order[0] else derive_block(blocks[i], heads_expected=heads, fused=fused,
