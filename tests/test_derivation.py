@@ -183,3 +183,10 @@ def test_pipeline_cut_points_read_from_the_forwards(model_type, cls, entry, firs
 def test_a_stack_whose_forward_reshapes_the_embedding_refuses_pp():
     policy = _policy("swin", "SwinForImageClassification")
     assert "changes the embedding (embeddings, a SwinEmbeddings)" in policy.pp_refusal
+
+
+def test_a_plan_naming_another_models_blocks_leaves_the_body_to_the_structure():
+    # Llama 4's config carries its text model's plan ("layers.*"), whose blocks sit under language_model in the
+    # multimodal model: dp=2 was refused for it; the body is found from the structure instead
+    policy = _policy("llama4", "Llama4ForConditionalGeneration")
+    assert policy.layers == "language_model.model.layers", policy.layers

@@ -274,7 +274,8 @@ def entry_extension(base: nn.Module, *, layers: str, entry: str, placed: set[str
 
 
 def derive_policy(model: nn.Module) -> ModelPolicy | None:
-    """A policy from ``config.base_model_tp_plan`` and ``base_model_pp_plan``, or None without them.
+    """A policy from ``config.base_model_tp_plan`` and ``base_model_pp_plan``, or None without them (or
+    where they name no list of blocks in the base model).
 
     The plan keeps transformers' meaning: a rule may match nothing, and a Linear it does not name
     stays whole. What cannot be translated makes the policy refuse tp > 1, never dp or pp."""
@@ -292,8 +293,10 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
         layers = next((prefix for p in hf_plan if (prefix := p.partition(".*.")[0]) != p
                        and isinstance(_submodule(base, prefix), nn.ModuleList)), None)
     if layers is None:
-        raise ValueError(f"model_type={config.model_type!r}: neither base_model_pp_plan nor base_model_tp_plan names "
-                         f"the list of blocks; pass policy=ModelPolicy(...)")
+        # the plans name modules of another model than this one's base (Llama 4's text plan on its multimodal
+        # model, whose blocks sit under language_model): the body is found from the structure (body.py), so
+        # data parallelism never waits on a plan that does not fit
+        return None
     tp_plan, problems = _translate(base, config, hf_plan)
     rowwise_parents = {p.rpartition(".")[0] for p, style in tp_plan.items() if style == Style.ROWWISE}
     # a module ending in a row layer on a gathered input (colwise_gather, then rowwise_split) may be an
