@@ -330,6 +330,16 @@ def derive_block(block: nn.Module, *, heads_expected: int | None = None, fused: 
         for name, param in modules[0].named_parameters(recurse=False):
             if param.dim() == 1 and param.shape[0] == heads and heads > 1:
                 rules[join(module_path, name)] = Style.PARAM_COLWISE  # one value per head (gpt-oss's sinks)
+        for name, inner in (modules[0].named_modules() if module_path else ()):
+            full = join(module_path, name)
+            if (name and not is_projection(inner) and heads > 1
+                    and not any(r == full or r.startswith(full + ".") for r in rules)
+                    and any(heads in p.shape for p in inner.parameters(recurse=False))):
+                # a module inside the attention with weights over its heads that no rule here splits
+                # (Nystromformer's depthwise convolution over the heads' values): whole, it would not fit a
+                # rank's heads, and how it reads them is its own
+                return Derived({}, {}, refusal=f"{full} ({type(inner).__name__}) holds weights over the {heads} heads, "
+                                               f"which qn_hf cannot split with them")
         for name, leaf in leaves.items():
             if (name not in rules and (not module_path or name.startswith(module_path + "."))
                     and in_out_features(leaf) == (hidden, heads) and heads > 1):
