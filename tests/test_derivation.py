@@ -154,6 +154,7 @@ def test_per_head_inputs_of_fused_architectures():
 @pytest.mark.parametrize(("model_type", "cls", "why"), [
     ("jetmoe", "JetMoeModel", r"no attention qn_hf can read .*, nor an MLP"),  # mixtures of attention and of MLPs
     ("falcon", "FalconModel", r"folds the ALiBi slopes"),
+    ("neomme", "NeoMMEModel", r"value embeddings are looked up outside the attention"),  # amendments.py: data
     ("nystromformer", "NystromformerModel", r"attention.self.conv \(Conv2d\) holds weights over the 4 heads"),
     ("trocr", "TrOCRForCausalLM", r"reshapes its output by embed_dim"),  # a width read off the input's size()
 ])

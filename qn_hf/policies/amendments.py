@@ -26,6 +26,9 @@ REFUSALS: dict[str, str] = {
     "doge": "it splits the attention's dt_proj rowwise, so every rank gets the dynamic mask of all "
             "KV heads while its attention holds only its own heads (the shapes no longer match); a correct "
             "split would need dt_proj's output and the per-head A sharded by head, which no style expresses",
+    "neomme": "its value embeddings are looked up outside the attention for every KV head and added to the values "
+              "inside it, and its plan leaves exclusive_self_attention.alpha (one value per head) whole: at tp each "
+              "rank's attention holds a share of the heads and neither fits it",
     "gemma3n_text": "its MLP's activation sparsity (activation_sparsity_pattern) keeps the gate activations above "
                     "a threshold computed from their mean and standard deviation over the whole intermediate "
                     "dimension, which the plan splits across ranks (each rank would use its own slice's statistics)",
