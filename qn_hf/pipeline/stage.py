@@ -13,9 +13,9 @@ What differs per stage is which modules are real:
   gives zeros, the received activation replaces the first argument of the chunk's first block, and
   a chunk sends its last block's output rather than the base model's;
 * first-only and last-only modules: real on their stage, a parameter-free stand-in elsewhere;
-* the task head (``lm_head``, ``classifier``): on the last stage only; earlier stages call the base
-  model and send its ``last_hidden_state`` (the last block's output where the base reshapes that after
-  the blocks: Longformer's window padding);
+* the task head (``lm_head``, ``classifier``): on the last stage only; earlier stages run the task
+  model's forward up to the return of the module holding the blocks and send that module's output
+  (the last block's where the two differ in shape: Longformer's window padding);
 * modules real on every stage (``StagePlan.every_stage``: Gemma 4's per-layer embeddings and the
   token embedding they read): each stage computes them as the plain model does and its first block
   takes the received activation; those whose output holds one part per block, which the forward
@@ -309,7 +309,7 @@ def _stop_at_return(_module: nn.Module, _args, output):
 
 @contextlib.contextmanager
 def _capturing(module: nn.Module):
-    """The outputs ``module`` gives while the block runs (the first of a tuple, a model output's
+    """The outputs ``module`` gives inside the ``with`` (the first of a tuple, a model output's
     ``last_hidden_state``), in call order."""
     captured: list[torch.Tensor] = []
     handle = module.register_forward_hook(
