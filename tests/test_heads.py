@@ -29,6 +29,11 @@ def _meta(model_type: str, cls: str, **overrides):
     ("bart", "BartForCausalLM", LossKind.TOKENS, {}),  # a causal LM whose inline loss does not shift
     ("bert", "BertForMaskedLM", LossKind.TOKENS, {"vocab_output": "cls.predictions.decoder"}),
     ("t5", "T5ForConditionalGeneration", LossKind.TOKENS, {"decoder_from_labels": True}),
+    # FSMT makes its decoder's input from input_ids, not the labels: given the labels', it trained another model
+    ("fsmt", "FSMTForConditionalGeneration", LossKind.TOKENS, {"decoder_from_labels": False}),
+    # EncoderDecoderModel masks the padding of the decoder's input it makes from the labels
+    ("encoder-decoder", "EncoderDecoderModel", LossKind.TOKENS, {"decoder_from_labels": True,
+                                                                 "decoder_padding_mask": True}),
     ("t5gemma", "T5GemmaForConditionalGeneration", LossKind.TOKENS, {}),  # its loss_type override: ForMaskedLM
     ("gemma3", "Gemma3ForConditionalGeneration", LossKind.CAUSAL_LM, {}),
     ("llama", "LlamaForSequenceClassification", LossKind.CLASSIFICATION, {"problem_types": True, "modules": ("score",)}),

@@ -16,7 +16,8 @@ from qn_hf.check.shrink import STAGE_DEPTH, shrink_config
 # (Swin, ConvNeXt, BEiT), SpecAugment and LayerDrop (wav2vec2)
 RANDOM_IN_TRAINING = [("cvt", "CvtModel"), ("align", "AlignVisionModel"), ("efficientnet", "EfficientNetModel"),
                       ("swin", "SwinModel"), ("convnext", "ConvNextModel"), ("beit", "BeitModel"),
-                      ("wav2vec2", "Wav2Vec2Model"), ("dinov3_vit", "DINOv3ViTModel")]  # RoPE rescaled at random
+                      ("wav2vec2", "Wav2Vec2Model"), ("dinov3_vit", "DINOv3ViTModel"),  # RoPE rescaled at random
+                      ("gpt2", "GPT2ForTokenClassification")]  # a head's dropout of 0.1 the config names no key for
 
 
 @pytest.mark.parametrize(("model_type", "cls"), RANDOM_IN_TRAINING)

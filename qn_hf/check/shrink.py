@@ -324,6 +324,10 @@ def shrink_config(config: PretrainedConfig, *, layers: int = LAYERS) -> Pretrain
     for key in ("model_type", "transformers_version", "architectures", "out_features", "out_indices", "stage_names"):
         merged.pop(key, None)
     shrunk = type(config)(**merged)
+    if getattr(shrunk, "classifier_dropout", None) is None and getattr(shrunk, "hidden_dropout", None) is None:
+        # a head that finds neither falls back to a dropout of 0.1 (GPT-2's and every generic token classifier):
+        # the config names none, so no key above reached it
+        shrunk.classifier_dropout = 0.0
     if getattr(config, "architectures", None):
         shrunk.architectures = list(config.architectures)
     return shrunk

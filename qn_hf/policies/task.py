@@ -115,7 +115,8 @@ class TaskHead:
     transformers' ``problem_type`` (regression, single- or multi-label), else always single-label
     cross-entropy (multiple choice, most audio classifiers). ``decoder_from_labels``: an
     encoder-decoder LM whose forward makes the decoder's input from the labels
-    (``prepare_decoder_input_ids_from_labels``) when none is given. ``mask_labels``: positions its
+    (``prepare_decoder_input_ids_from_labels``) when none is given; ``decoder_padding_mask``: and masks
+    the padding of what it made (EncoderDecoderModel). ``mask_labels``: positions its
     ``attention_mask`` leaves out are not scored. ``own_problem_types``: DeBERTa's rules
     (``OWN_PROBLEM_TYPES``). ``reshapes_inputs``: the task model's forward reshapes the inputs before its
     base model sees them (multiple choice folds the choices into the rows), so no stage but the last
@@ -127,6 +128,7 @@ class TaskHead:
     vocab_output: str | None = None
     problem_types: bool = False
     decoder_from_labels: bool = False
+    decoder_padding_mask: bool = False
     mask_labels: bool = False
     own_problem_types: bool = False
     reshapes_inputs: bool = False
@@ -184,6 +186,39 @@ def _loss_calls(source: str) -> list[ast.Call]:
         return []
     return [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
             and n.func.attr == "loss_function" and isinstance(n.func.value, ast.Name) and n.func.value.id == "self"]
+
+
+def _decoder_ids_from_labels(source: str) -> bool:
+    """Whether a forward makes its decoder's inputs from the labels when none are given (BART's
+    ``decoder_input_ids = shift_tokens_right(labels, ...)``, T5's ``self._shift_right(labels)``). FSMT's
+    makes them from input_ids instead, inside its base model: given the labels' there, it trained another
+    model."""
+    try:
+        tree = ast.parse(textwrap.dedent(source))
+    except SyntaxError:
+        return False
+    return any(isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "decoder_input_ids" for t in n.targets)
+               and isinstance(n.value, ast.Call)
+               and any(isinstance(a, ast.Name) and a.id == "labels" for a in (*n.value.args, *(k.value for k in n.value.keywords)))
+               for n in ast.walk(tree))
+
+
+# the one decoder mask qn_hf makes as a forward does, beside the decoder's input it makes from the labels
+_PADDING_MASK = "(decoder_input_ids != self.config.pad_token_id).to(decoder_input_ids.dtype)"
+
+
+def _decoder_mask(source: str) -> bool | None:
+    """Whether a forward that makes its decoder's input from the labels also masks its padding
+    (EncoderDecoderModel: ``_PADDING_MASK``); None where it assigns a decoder mask any other way."""
+    try:
+        tree = ast.parse(textwrap.dedent(source))
+    except SyntaxError:
+        return None
+    masks = [ast.unparse(n.value) for n in ast.walk(tree) if isinstance(n, ast.Assign)
+             and any(isinstance(t, ast.Name) and t.id == "decoder_attention_mask" for t in n.targets)]
+    if not masks:
+        return False
+    return True if masks == [_PADDING_MASK] else None
 
 
 # an inline shift of the logits or the labels, as transformers' forwards write it
@@ -251,12 +286,18 @@ def task_head(model: nn.Module) -> TaskHead:
     if kind.per_position and type(linear) is nn.Linear and vocab and linear.out_features == vocab \
             and not _beside_the_head(model, output, vocab):
         vocab_output = next((n for n, m in model.named_modules() if m is output), None)
-    decoder = bool(getattr(config, "is_encoder_decoder", False)) and kind is LossKind.TOKENS
+    decoder = bool(getattr(config, "is_encoder_decoder", False)) and kind is LossKind.TOKENS \
+        and _decoder_ids_from_labels(_forward_source(model))
     if decoder and not hasattr(model, "prepare_decoder_input_ids_from_labels"):
         return TaskHead(kind=LossKind.OWN, modules=modules, cls=name,
                         why_own="it makes its decoder's input from its labels by no method qn_hf can call")
+    padding_mask = decoder and _decoder_mask(_forward_source(model))
+    if padding_mask is None:
+        return TaskHead(kind=LossKind.OWN, modules=modules, cls=name,
+                        why_own="it masks the decoder's input it makes from its labels in a way of its own")
     return TaskHead(kind=kind, modules=modules, vocab_output=vocab_output,
                     problem_types=problem_types and (_follows_problem_type(source) or name in OWN_PROBLEM_TYPES),
-                    decoder_from_labels=decoder, mask_labels=name in MASKED_TOKEN_LABELS,
+                    decoder_from_labels=decoder, decoder_padding_mask=bool(padding_mask),
+                    mask_labels=name in MASKED_TOKEN_LABELS,
                     own_problem_types=name in OWN_PROBLEM_TYPES, cls=name,
                     reshapes_inputs=name in _multiple_choice())

@@ -107,7 +107,10 @@ def forward_inputs(ctx: StepContext, micro: Mapping[str, torch.Tensor], *, built
     inputs: dict[str, object] = {k: v for k, v in micro.items() if k not in dropped}
     if (head.decoder_from_labels and "labels" in micro and "decoder_input_ids" not in micro
             and "decoder_inputs_embeds" not in micro):
-        inputs["decoder_input_ids"] = ctx.module.prepare_decoder_input_ids_from_labels(labels=micro["labels"])
+        ids = inputs["decoder_input_ids"] = ctx.module.prepare_decoder_input_ids_from_labels(labels=micro["labels"])
+        if head.decoder_padding_mask and "decoder_attention_mask" not in micro:
+            # as EncoderDecoderModel's forward masks the padding of what it makes (policies/task.py)
+            inputs["decoder_attention_mask"] = (ids != ctx.module.config.pad_token_id).to(ids.dtype)
     if own and "return_loss" in loss_arguments(ctx.module):
         inputs["return_loss"] = True
     return inputs
