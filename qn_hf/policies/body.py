@@ -22,7 +22,7 @@ from .fused import FUSED
 from .model_policy import ModelPolicy
 from .patterns import base_model_and_prefix
 from .stack_cut import seq2seq_cut, stack_cut
-from .structure import derive_structure
+from .stacks import derive_structure
 from .styles import COLUMN_STYLES, Style
 
 

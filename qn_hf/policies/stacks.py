@@ -1,0 +1,75 @@
+"""Every list of blocks of a base model read into one tp plan (``structure.derive_block`` reads a block):
+a list whose blocks of one class hold different mixers by layer (a hybrid stack) is read kind by kind."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .fused import FusedAttention
+from .module_kinds import in_out_features, is_projection
+from .patterns import join
+from .structure import NO_ATTENTION, Derived, derive_block
+from .styles import Style
+
+
+def _has_module(block: nn.Module, path: str) -> bool:
+    try:
+        block.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def derive_structure(base: nn.Module, *, stacks: list[str], heads: int | None, fused: FusedAttention | None = None,
+                     config=None) -> Derived:
+    """The tp rules of every list of blocks in ``stacks`` (paths in ``base``), each from its first block
+    and applied to all (``{stack}.*.{rule}``); every block of a list must be of one class."""
+    tp_plan: dict[str, Style] = {}
+    patches: dict[str, str] = {}
+    head_inputs: dict[str, dict] = {}
+    attention: list[str] = []
+    for stack in stacks:
+        blocks = list(base.get_submodule(stack))
+        if len({type(b) for b in blocks}) != 1:
+            return Derived({}, {}, refusal=f"the blocks of {stack} are not of one class")
+        # a hybrid stack's blocks of one class hold different mixers (Bamba's Mamba or attention, by layer):
+        # each kind, named by its projections, is read from its first block, the attention's kinds first
+        kinds: dict[tuple[str, ...], int] = {}
+        for i, block in enumerate(blocks):
+            kinds.setdefault(tuple(sorted(n for n, m in block.named_modules() if n and is_projection(m))), i)
+        order = sorted(kinds.values(), key=lambda i: derive_block(blocks[i], heads_expected=heads, fused=fused,
+                                                                 config=config).refusal is not None)
+        first = derive_block(blocks[order[0]], heads_expected=heads, fused=fused, config=config)
+        width = getattr(config, "hidden_size", None)
+        if first.refusal is not None and first.refusal.startswith(NO_ATTENTION) and isinstance(width, int):
+            # no block with attention (Bamba's defaults: Mamba mixers only): the MLPs split, the mixers whole
+            first = derive_block(blocks[order[0]], heads_expected=heads, fused=fused, config=config, hidden=width)
+            if first.refusal is None and not any(s in (Style.COLWISE, Style.COLWISE_PACKED2) for s in first.tp_plan.values()):
+                first = Derived({}, {}, refusal=f"{NO_ATTENTION}, nor an MLP")
+        if first.refusal is not None:
+            return Derived({}, {}, refusal=f"{stack}.{order[0]}: {first.refusal}")
+        hidden = next((in_out_features(m)[1] for n, m in blocks[order[0]].named_modules()
+                       if first.tp_plan.get(n) == Style.ROWWISE), width)
+        rules: dict[str, Style] = {}
+        for i in order:
+            derived = first if i == order[0] else derive_block(blocks[i], heads_expected=heads, fused=fused,
+                                                               config=config, hidden=hidden)
+            if derived.refusal is not None:
+                return Derived({}, {}, refusal=f"{stack}.{i}: {derived.refusal}")
+            clash = sorted(n for n, s in derived.tp_plan.items() if rules.setdefault(n, s) != s)
+            if clash:
+                return Derived({}, {}, refusal=f"{stack}.{i}: {clash[0]} is split unlike in {stack}.{order[0]}")
+            for n in (*derived.attr_patches, *derived.head_inputs):
+                # a patch names its module by path in every block: where another kind holds another module
+                # there (RecurrentGemma's temporal_block, attention or recurrence), it would change that too
+                holder = n if n in derived.head_inputs else n.rpartition(".")[0]
+                kinds_there = {type(b.get_submodule(holder)) for b in blocks if _has_module(b, holder)}
+                if len(kinds_there) > 1:
+                    return Derived({}, {}, refusal=f"{stack}.{i}: {holder} is a {' or a '.join(sorted(k.__name__ for k in kinds_there))} "
+                                                   f"by block, and tp would change what its attention reads in each")
+            patches.update({f"{stack}.*.{n}": v for n, v in derived.attr_patches.items()})
+            head_inputs.update({join(f"{stack}.*", n): v for n, v in derived.head_inputs.items()})
+            attention += [f"{stack}.*.{n}" if n else f"{stack}.*" for n in derived.attention
+                          if (f"{stack}.*.{n}" if n else f"{stack}.*") not in attention]
+        tp_plan.update({f"{stack}.*.{n}": s for n, s in rules.items()})
+    return Derived(tp_plan, patches, attention=tuple(attention), head_inputs=head_inputs)
