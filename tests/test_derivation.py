@@ -94,23 +94,14 @@ def test_a_norm_over_the_split_width_refuses_tp():
     ("recurrent_gemma", "RecurrentGemmaModel", {"layers.*.temporal_block.q_proj": "colwise",
                                                 "layers.*.temporal_block.o_proj": "rowwise"},
      ("layers.*.temporal_block.linear_x", "layers.*.temporal_block.linear_out")),
-])
-def test_a_hybrid_stack_splits_its_attention_and_keeps_its_other_mixers_whole(model_type, cls, split, whole):
-    policy = _policy(model_type, cls)
-    assert policy.tp_refusal is None
-    assert {k: policy.tp_plan[k] for k in split} == split
-    assert all(policy.tp_plan[k] == "replicate" for k in whole)
-
-
-@pytest.mark.parametrize(("model_type", "cls", "split", "whole"), [
-    # Bamba's defaults: Mamba mixers in every block; the MLP splits, the mixer stays whole
+    # no attention it reads: the MLP splits, the rest stays whole (Bamba's defaults: Mamba mixers in every block)
     ("bamba", "BambaModel", {"layers.*.feed_forward.up_proj": "colwise", "layers.*.feed_forward.down_proj": "rowwise"},
      ("layers.*.mamba.in_proj", "layers.*.mamba.out_proj")),
     # CodeGen's fused qkv_proj holds its heads in an order of its own: the attention stays whole
     ("codegen", "CodeGenModel", {"h.*.mlp.fc_in": "colwise", "h.*.mlp.fc_out": "rowwise"},
      ("h.*.attn.qkv_proj", "h.*.attn.out_proj")),
 ])
-def test_without_an_attention_it_reads_the_mlp_splits_and_the_rest_stays_whole(model_type, cls, split, whole):
+def test_a_hybrid_stack_splits_its_attention_and_keeps_its_other_mixers_whole(model_type, cls, split, whole):
     policy = _policy(model_type, cls)
     assert policy.tp_refusal is None
     assert {k: policy.tp_plan[k] for k in split} == split

@@ -37,9 +37,9 @@ def derive_structure(base: nn.Module, *, stacks: list[str], heads: int | None, f
         kinds: dict[tuple[str, ...], int] = {}
         for i, block in enumerate(blocks):
             kinds.setdefault(tuple(sorted(n for n, m in block.named_modules() if n and is_projection(m))), i)
-        order = sorted(kinds.values(), key=lambda i: derive_block(blocks[i], heads_expected=heads, fused=fused,
-                                                                 config=config).refusal is not None)
-        first = derive_block(blocks[order[0]], heads_expected=heads, fused=fused, config=config)
+        read = {i: derive_block(blocks[i], heads_expected=heads, fused=fused, config=config) for i in kinds.values()}
+        order = sorted(read, key=lambda i: read[i].refusal is not None)
+        first = read[order[0]]
         width = getattr(config, "hidden_size", None)
         if first.refusal is not None and first.refusal.startswith(NO_ATTENTION) and isinstance(width, int):
             # no block with attention (Bamba's defaults: Mamba mixers only): the MLPs split, the mixers whole
@@ -52,8 +52,9 @@ def derive_structure(base: nn.Module, *, stacks: list[str], heads: int | None, f
                        if first.tp_plan.get(n) == Style.ROWWISE), width)
         rules: dict[str, Style] = {}
         for i in order:
-            derived = first if i == order[0] else derive_block(blocks[i], heads_expected=heads, fused=fused,
-                                                               config=config, hidden=hidden)
+            # a kind without attention is read again with the stack's width (a kind with it reads its own)
+            derived = first if i == order[0] else read[i] if read[i].refusal != NO_ATTENTION else derive_block(
+                blocks[i], heads_expected=heads, fused=fused, config=config, hidden=hidden)
             if derived.refusal is not None:
                 return Derived({}, {}, refusal=f"{stack}.{i}: {derived.refusal}")
             clash = sorted(n for n, s in derived.tp_plan.items() if rules.setdefault(n, s) != s)

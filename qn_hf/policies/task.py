@@ -287,11 +287,11 @@ def task_head(model: nn.Module) -> TaskHead:
             and not _beside_the_head(model, output, vocab):
         vocab_output = next((n for n, m in model.named_modules() if m is output), None)
     decoder = bool(getattr(config, "is_encoder_decoder", False)) and kind is LossKind.TOKENS \
-        and _decoder_ids_from_labels(_forward_source(model))
+        and _decoder_ids_from_labels(source)
     if decoder and not hasattr(model, "prepare_decoder_input_ids_from_labels"):
         return TaskHead(kind=LossKind.OWN, modules=modules, cls=name,
                         why_own="it makes its decoder's input from its labels by no method qn_hf can call")
-    padding_mask = decoder and _decoder_mask(_forward_source(model))
+    padding_mask = decoder and _decoder_mask(source)
     if padding_mask is None:
         return TaskHead(kind=LossKind.OWN, modules=modules, cls=name,
                         why_own="it masks the decoder's input it makes from its labels in a way of its own")
