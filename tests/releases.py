@@ -44,6 +44,14 @@ def tp_plan_missing(model_type: str) -> str | None:
     return None
 
 
+def needs_model_type(model_type: str) -> None:
+    """Skip the calling test where the installed transformers has no ``model_type`` at all."""
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {INSTALLED} has no model type {model_type!r} (the suite pins {RECORDED_WITH})")
+
+
 def needs_tp_plan(model_type: str) -> None:
     """Skip the calling test where the installed transformers lacks ``model_type``'s tp plan."""
     reason = tp_plan_missing(model_type)

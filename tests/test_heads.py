@@ -17,8 +17,14 @@ from qn_hf.policies.task import task_head
 from qn_hf.step.loss import local_count, loss_scales, problem_type, summed_loss, term_weights
 
 
+# Sub-configurations a model type needs named: transformers 5.17's EncoderDecoderConfig has no default
+# encoder and decoder (later releases default to BERT's, these same ones).
+_SUB_CONFIGS = {"encoder-decoder": {"encoder": {"model_type": "bert"},
+                                    "decoder": {"model_type": "bert", "is_decoder": True, "add_cross_attention": True}}}
+
+
 def _meta(model_type: str, cls: str, **overrides):
-    config = shrink_config(CONFIG_MAPPING[model_type](**overrides))
+    config = shrink_config(CONFIG_MAPPING[model_type](**{**_SUB_CONFIGS.get(model_type, {}), **overrides}))
     with torch.device("meta"):
         return getattr(transformers, cls)(config)
 
