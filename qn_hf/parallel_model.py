@@ -78,6 +78,10 @@ class ParallelModel(CheckpointMethods):
         precision = context.config.mixed_precision
         self.precision = precision.dtype if precision else None  # the compute dtype (None: the model's own)
         self.scaler = scaler  # float16's loss scale
+        # the dtype the step's loss is summed and reported in: float32, or float64 for a float64 model (whose loss
+        # float32 would round to 1e-7 of itself)
+        self._loss_dtype = torch.promote_types(next((p.dtype for p in context.module.parameters()
+                                                     if p.is_floating_point()), torch.float32), torch.float32)
         # (chunk, Op.BWD | Op.WGT) -> the parameters final after its last backward or W pass: their buckets may start
         self._final_params = params_by_final_pass(context.module, context.stage.plan, chunks=context.stage.chunks,
                                                   deferred=deferred)
@@ -280,7 +284,7 @@ class ParallelModel(CheckpointMethods):
             count = torch.as_tensor(num_items, dtype=torch.float64).to(self.device, non_blocking=True).reshape(-1)
         scales = loss_scales(count, rows=prepared.rows, builtin=builtin, weights=term_weights(kind))
         micro, whole = prepared.micro, prepared.whole  # a loss_fn sees whole sequences (whole_sequence_logits)
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        total = torch.zeros((), dtype=self._loss_dtype, device=self.device)
 
         def forward(chunk: int, mb: int, received: torch.Tensor | None) -> torch.Tensor:
             """One microbatch through one of this stage's chunks: the activation to send, or on the
@@ -310,7 +314,7 @@ class ParallelModel(CheckpointMethods):
                 loss = (loss.to(opmath) * scales[mb][0].to(opmath)).to(loss.dtype)
             if routers:  # transformers' load-balancing term, this rank's share (router_loss.py)
                 loss = loss + routers.loss(micro[mb].get(LOCAL_VALID, micro[mb].get("attention_mask")))
-            total += loss.detach().float()
+            total += loss.detach().to(total.dtype)
             # float16: backward starts from the scaled loss (GradSync unscales the gradients)
             return loss * self.scaler.scale if self.scaler is not None and backward else loss
 

@@ -217,3 +217,22 @@ def synced_batch_norm_job() -> dict:
             worst = max(worst, off(synced(x), plain(x)))
         assert type(synced).__name__ == f"DataParallel{type(plain).__name__}" and isinstance(synced, type(plain))
     return {"worst": worst}
+
+
+def judged_step(*, model_type: str, cls: str, dp: int, shift: float = 0.0) -> dict:
+    """``head_step`` at dp, every model qn_hf parallelizes (the float32 one and the check's float64 one) first
+    given ``shift`` more on its first weight: a parallel step that computes something else than the plain one."""
+    if shift:
+        parallelize = qn_hf.parallelize
+
+        def shifted(model, *args, **kwargs):
+            with torch.no_grad():
+                next(model.parameters()).add_(shift)
+            return parallelize(model, *args, **kwargs)
+
+        qn_hf.parallelize = shifted  # this worker's own module: the check calls qn_hf.parallelize
+    try:
+        return head_step(model_type=model_type, cls=cls, dp=dp)
+    finally:
+        if shift:
+            qn_hf.parallelize = parallelize

@@ -103,7 +103,7 @@ def test_batch_statistics_are_the_whole_batch_under_data_parallelism(worlds, mod
     # at 8 rows (ours 4e-5 from it), past the weights' tolerance; the mechanism's own test takes two steps
     verdict = worlds.run(world, any_model_cases.head_step, model_type=model_type, cls=cls, overrides=SMALL_RESNET,
                          steps=1, **mesh)[0]
-    assert verdict["verdict"] == "equal", verdict
+    assert verdict["verdict"] == "equal" and not verdict["reason"], verdict  # in float32: no float64 judgment
     assert verdict["moved"] > 1e-3
 
 

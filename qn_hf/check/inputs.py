@@ -8,6 +8,7 @@ A model without a loss of its own (a base model, or a loss qn_hf does not split)
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Mapping
@@ -97,8 +98,9 @@ def dummy_batch(model: nn.Module, *, rows: int, seq_len: int = SEQ_LEN, seed: in
     if head.kind is LossKind.CAUSAL_LM and "input_ids" in batch:
         batch["labels"] = batch["input_ids"].clone()
     elif head.kind in (LossKind.CAUSAL_LM, LossKind.TOKENS):
-        classes = vocab if head.vocab_output or head.kind is LossKind.CAUSAL_LM or config.is_encoder_decoder \
-            else config.num_labels
+        # an encoder-decoder's config under a token classifier of its encoder (UMT5's) scores num_labels classes
+        classes = vocab if head.vocab_output or head.kind is LossKind.CAUSAL_LM or (
+            config.is_encoder_decoder and _output_width(model, head) != config.num_labels) else config.num_labels
         labels = torch.randint(0, classes, (rows, seq_len if config.is_encoder_decoder else positions),
                                generator=generator)
         labels[torch.rand(labels.shape, generator=generator) < 0.25] = IGNORE_INDEX  # some positions unscored
@@ -118,6 +120,15 @@ def dummy_batch(model: nn.Module, *, rows: int, seq_len: int = SEQ_LEN, seed: in
     return batch
 
 
+def _output_width(model: torch.nn.Module, head) -> int | None:
+    """The width of the last of the head's modules that has one (a classifier's ``out_features``), or None."""
+    for name in reversed(head.modules):
+        width = getattr(model.get_submodule(name), "out_features", None)
+        if isinstance(width, int):
+            return width
+    return None
+
+
 # outputs that compare every row with every other (a contrastive model's similarity matrices): a mean
 # of them over a dp rank's rows is not that over the batch's, so the probe never reads them
 _ACROSS_ROWS = ("logits_per_image", "logits_per_text", "logits_per_video", "logits_per_audio")
@@ -134,14 +145,16 @@ def probe_loss(outputs, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     CLIP's old positions x rows layout) would take a pattern over rows, which a rank's share of them
     does not repeat."""
     rows = next((v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 1), None)
-    return sum(((t.float() + _pattern(t)).square().mean() for t in _per_row(outputs) if t.shape[0] == rows),
-               torch.zeros(()))
+    read = [t for t in _per_row(outputs) if t.shape[0] == rows]
+    # float32 at least: a float64 model's loss stays float64 (the check's float64 step)
+    wide = functools.reduce(torch.promote_types, [t.dtype for t in read], torch.float32)
+    return sum(((t.to(wide) + _pattern(t, wide)).square().mean() for t in read), torch.zeros((), dtype=wide))
 
 
-def _pattern(t: torch.Tensor) -> torch.Tensor:
+def _pattern(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A fixed shift of one row's shape (the same for every row): cos of the element's index in the row."""
     shape = t.shape[1:]
-    return torch.cos(torch.arange(math.prod(shape), dtype=torch.float32, device=t.device)).reshape(shape)
+    return torch.cos(torch.arange(math.prod(shape), dtype=torch.float32, device=t.device)).to(dtype).reshape(shape)
 
 
 def _per_row(outputs) -> list[torch.Tensor]:

@@ -241,13 +241,13 @@ def head_columns(family: str) -> list[str]:
 
 
 def is_equal(outcome: str) -> bool:
-    """Equal within the tolerances, or (an ill-conditioned model) as close to the float64 step as the plain model."""
+    """Equal within the tolerances, or (a model float32 cannot reproduce) equal in float64."""
     return outcome == "equal" or outcome.startswith("equal:")
 
 
 def outcome_of(verdict: dict) -> str:
     """A check's verdict as the heads zoo records it: ``equal``, or the kind and its reason's first line (an
-    equal verdict has one where float64 judged it: ``check.run.FLOAT32_REACH``)."""
+    equal verdict has one where float64 judged it: ``check.run._float64_verdict``)."""
     if verdict["verdict"] == "equal" and not verdict.get("reason"):
         return "equal"
     reason = (verdict.get("reason") or "").splitlines()[0] if verdict.get("reason") else ""

@@ -105,11 +105,13 @@ def _summed(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 def _synced_batch_norm(layer: nn.modules.batchnorm._BatchNorm, x: torch.Tensor) -> torch.Tensor:
     # two passes (mean, then the squared distances from it), as torch's own kernels do, rather than the sum of
-    # squares less the squared mean, which cancels digits; float32 statistics whatever the compute dtype
+    # squares less the squared mean, which cancels digits; statistics in float32 at least (a half-precision
+    # compute dtype's are widened; float64's stay float64)
     reduced = [0] + list(range(2, x.dim()))
     shape = [1, -1] + [1] * (x.dim() - 2)
-    xf = x.float()
-    count = torch.full((1,), xf.numel() / xf.shape[1], dtype=torch.float32, device=x.device)
+    wide = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(wide)
+    count = torch.full((1,), xf.numel() / xf.shape[1], dtype=wide, device=x.device)
     sums = _summed(torch.cat([xf.sum(reduced), count]), layer._qn_group)
     n = sums[-1:].detach()
     mean = sums[:-1] / n
@@ -126,7 +128,7 @@ def _synced_batch_norm(layer: nn.modules.batchnorm._BatchNorm, x: torch.Tensor) 
                 running.copy_(running * (1 - factor) + batch * factor)
     out = centered * torch.rsqrt(var + layer.eps).view(shape)
     if layer.affine:
-        out = out * layer.weight.float().view(shape) + layer.bias.float().view(shape)
+        out = out * layer.weight.to(wide).view(shape) + layer.bias.to(wide).view(shape)
     return out.to(x.dtype)
 
 

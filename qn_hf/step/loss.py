@@ -195,6 +195,13 @@ def count_targets(labels: torch.Tensor, *, causal: bool) -> int:
     return int((targets != IGNORE_INDEX).sum())
 
 
+def _widened(logits: torch.Tensor) -> torch.Tensor:
+    """A classifier's or span head's logits in float32 at least: transformers computes these losses in the logits'
+    own dtype (no cast, unlike its per-position losses, which take float32 whatever the dtype), so a float64
+    model's stay float64; a half-precision one's are widened, which its own forward would not do."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
 def summed_loss(outputs, batch: Mapping[str, torch.Tensor], *, kind: LossKind, head: TaskHead,
                 problem: ProblemType | None, vocab: tuple[int, int] | None, group: ProcessGroup) -> torch.Tensor:
     """The built-in loss of one microbatch as ``[K]`` sums over its items, one per term (``batch``: the
@@ -208,7 +215,7 @@ def summed_loss(outputs, batch: Mapping[str, torch.Tensor], *, kind: LossKind, h
         for key, name in zip(SPAN_KEYS, ("start_logits", "end_logits")):
             logits = getattr(outputs, name)
             positions = span_positions(batch, key, length=logits.shape[1])
-            sums.append(F.cross_entropy(logits.float(), positions, reduction="sum", ignore_index=logits.shape[1]))
+            sums.append(F.cross_entropy(_widened(logits), positions, reduction="sum", ignore_index=logits.shape[1]))
         return torch.stack(sums)
     logits = outputs.logits
     if kind.per_position:
@@ -226,10 +233,11 @@ def summed_loss(outputs, batch: Mapping[str, torch.Tensor], *, kind: LossKind, h
     if problem is ProblemType.REGRESSION:
         if logits.shape[-1] == 1:  # one label: HF compares the squeezed logits and labels
             logits, labels = logits.reshape(-1), labels.reshape(-1)
-        return F.mse_loss(logits.float(), labels.float(), reduction="sum").reshape(1)
+        return F.mse_loss(_widened(logits), labels.to(_widened(logits).dtype), reduction="sum").reshape(1)
     if problem is ProblemType.MULTI_LABEL:
-        return F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="sum").reshape(1)
+        return F.binary_cross_entropy_with_logits(_widened(logits), labels.to(_widened(logits).dtype),
+                                                  reduction="sum").reshape(1)
     if problem is ProblemType.SOFT_LABEL:
-        return (-(F.log_softmax(logits.float(), dim=-1) * labels.float()).sum()).reshape(1)
-    return F.cross_entropy(logits.reshape(labels.numel(), -1).float(), labels.flatten(), reduction="sum",
+        return (-(F.log_softmax(_widened(logits), dim=-1) * labels.to(_widened(logits).dtype)).sum()).reshape(1)
+    return F.cross_entropy(_widened(logits.reshape(labels.numel(), -1)), labels.flatten(), reduction="sum",
                            ignore_index=IGNORE_INDEX).reshape(1)
