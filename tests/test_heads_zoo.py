@@ -58,6 +58,10 @@ def _case(key: str, column: str):
     if column not in EXPECTED.get(key, {}) and not UPDATE:
         # a class the sweep has not recorded (the whole sweep is about 2 h on 2 cores): `make heads-table`
         marks.append(pytest.mark.skip(reason=f"not in the record of transformers {RECORDED_WITH}: `make heads-table`"))
+    recorded = EXPECTED.get(key, {}).get(column, "")
+    if not UPDATE and (recorded.startswith("different") or column.startswith("dp") and recorded.startswith("refused")):
+        # an open bug the record holds (issue 62's notes): the long tier's slice says so; strict, so a fix shows
+        marks.append(pytest.mark.xfail(strict=True, reason=f"open, as recorded: {recorded}"))
     return pytest.param(key, column, marks=marks, id=f"{key}-{column}")
 
 
