@@ -16,7 +16,6 @@ from qn_hf.config.options import IGNORE_INDEX, LossKind, ProblemType
 from qn_hf.policies.task import task_head
 from qn_hf.step.loss import local_count, loss_scales, problem_type, summed_loss, term_weights
 
-
 # Sub-configurations a model type needs named: transformers 5.17's EncoderDecoderConfig has no default
 # encoder and decoder (later releases default to BERT's, these same ones).
 _SUB_CONFIGS = {"encoder-decoder": {"encoder": {"model_type": "bert"},
