@@ -178,24 +178,28 @@ def _forward_source(model: nn.Module) -> str:
         return ""
 
 
-def _loss_calls(source: str) -> list[ast.Call]:
-    """The ``self.loss_function(...)`` calls in a forward's source."""
+def _forward_tree(source: str) -> ast.AST | None:
+    """A forward's source parsed once for the readings below (None where it does not parse)."""
     try:
-        tree = ast.parse(textwrap.dedent(source))
+        return ast.parse(textwrap.dedent(source))
     except SyntaxError:
+        return None
+
+
+def _loss_calls(tree: ast.AST | None) -> list[ast.Call]:
+    """The ``self.loss_function(...)`` calls in a forward."""
+    if tree is None:
         return []
     return [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
             and n.func.attr == "loss_function" and isinstance(n.func.value, ast.Name) and n.func.value.id == "self"]
 
 
-def _decoder_ids_from_labels(source: str) -> bool:
+def _decoder_ids_from_labels(tree: ast.AST | None) -> bool:
     """Whether a forward makes its decoder's inputs from the labels when none are given (BART's
     ``decoder_input_ids = shift_tokens_right(labels, ...)``, T5's ``self._shift_right(labels)``). FSMT's
     makes them from input_ids instead, inside its base model: given the labels' there, it trained another
     model."""
-    try:
-        tree = ast.parse(textwrap.dedent(source))
-    except SyntaxError:
+    if tree is None:
         return False
     return any(isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "decoder_input_ids" for t in n.targets)
                and isinstance(n.value, ast.Call)
@@ -207,12 +211,10 @@ def _decoder_ids_from_labels(source: str) -> bool:
 _PADDING_MASK = "(decoder_input_ids != self.config.pad_token_id).to(decoder_input_ids.dtype)"
 
 
-def _decoder_mask(source: str) -> bool | None:
+def _decoder_mask(tree: ast.AST | None) -> bool | None:
     """Whether a forward that makes its decoder's input from the labels also masks its padding
     (EncoderDecoderModel: ``_PADDING_MASK``); None where it assigns a decoder mask any other way."""
-    try:
-        tree = ast.parse(textwrap.dedent(source))
-    except SyntaxError:
+    if tree is None:
         return None
     masks = [ast.unparse(n.value) for n in ast.walk(tree) if isinstance(n, ast.Assign)
              and any(isinstance(t, ast.Name) and t.id == "decoder_attention_mask" for t in n.targets)]
@@ -225,10 +227,10 @@ def _decoder_mask(source: str) -> bool | None:
 _SHIFTS = re.compile(r"\[(\.\.\.|:),:-1(,:)?\]|\[(\.\.\.|:),1:\]")
 
 
-def _shifted(model: nn.Module, source: str) -> bool | None:
+def _shifted(model: nn.Module, source: str, tree: ast.AST | None) -> bool | None:
     """Whether a per-position head predicts the next position (None: its forward passes targets of its
     own making, ``shift_labels=``, which qn_hf does not reproduce)."""
-    calls = _loss_calls(source)
+    calls = _loss_calls(tree)
     if calls:
         if any(k.arg == "shift_labels" for c in calls for k in c.keywords):
             return None
@@ -236,10 +238,10 @@ def _shifted(model: nn.Module, source: str) -> bool | None:
     return bool(_SHIFTS.search(re.sub(r"\s", "", source)))
 
 
-def _follows_problem_type(source: str) -> bool:
+def _follows_problem_type(source: str, tree: ast.AST | None) -> bool:
     """A classifier's forward that reads ``problem_type`` itself, or hands it to transformers' loss
     function (which does); a plain cross-entropy written inline does not."""
-    return "problem_type" in source or bool(_loss_calls(source))
+    return "problem_type" in source or bool(_loss_calls(tree))
 
 
 def _beside_the_head(model: nn.Module, output: nn.Module, vocab: int) -> str | None:
@@ -270,9 +272,10 @@ def task_head(model: nn.Module) -> TaskHead:
         return TaskHead(kind=LossKind.OWN, modules=modules, cls=name,
                         why_own=why or "its loss is of no family qn_hf splits")
     source = _forward_source(model)
+    tree = _forward_tree(source)
     kind = family
     if family.per_position:
-        shifted = _shifted(model, source)
+        shifted = _shifted(model, source, tree)
         if shifted is None:
             return TaskHead(kind=LossKind.OWN, modules=modules, cls=name, why_own="it makes its own targets")
         kind = LossKind.CAUSAL_LM if shifted else LossKind.TOKENS
@@ -287,16 +290,16 @@ def task_head(model: nn.Module) -> TaskHead:
             and not _beside_the_head(model, output, vocab):
         vocab_output = next((n for n, m in model.named_modules() if m is output), None)
     decoder = bool(getattr(config, "is_encoder_decoder", False)) and kind is LossKind.TOKENS \
-        and _decoder_ids_from_labels(source)
+        and _decoder_ids_from_labels(tree)
     if decoder and not hasattr(model, "prepare_decoder_input_ids_from_labels"):
         return TaskHead(kind=LossKind.OWN, modules=modules, cls=name,
                         why_own="it makes its decoder's input from its labels by no method qn_hf can call")
-    padding_mask = decoder and _decoder_mask(source)
+    padding_mask = decoder and _decoder_mask(tree)
     if padding_mask is None:
         return TaskHead(kind=LossKind.OWN, modules=modules, cls=name,
                         why_own="it masks the decoder's input it makes from its labels in a way of its own")
     return TaskHead(kind=kind, modules=modules, vocab_output=vocab_output,
-                    problem_types=problem_types and (_follows_problem_type(source) or name in OWN_PROBLEM_TYPES),
+                    problem_types=problem_types and (_follows_problem_type(source, tree) or name in OWN_PROBLEM_TYPES),
                     decoder_from_labels=decoder, decoder_padding_mask=bool(padding_mask),
                     mask_labels=name in MASKED_TOKEN_LABELS,
                     own_problem_types=name in OWN_PROBLEM_TYPES, cls=name,
