@@ -230,14 +230,14 @@ def summed_loss(outputs, batch: Mapping[str, torch.Tensor], *, kind: LossKind, h
                                                   vocab_size=size, group=group).sum()
         return summed.reshape(1)
     labels = scored_labels(batch, head)
+    logits = _widened(logits)
     if problem is ProblemType.REGRESSION:
         if logits.shape[-1] == 1:  # one label: HF compares the squeezed logits and labels
             logits, labels = logits.reshape(-1), labels.reshape(-1)
-        return F.mse_loss(_widened(logits), labels.to(_widened(logits).dtype), reduction="sum").reshape(1)
+        return F.mse_loss(logits, labels.to(logits.dtype), reduction="sum").reshape(1)
     if problem is ProblemType.MULTI_LABEL:
-        return F.binary_cross_entropy_with_logits(_widened(logits), labels.to(_widened(logits).dtype),
-                                                  reduction="sum").reshape(1)
+        return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="sum").reshape(1)
     if problem is ProblemType.SOFT_LABEL:
-        return (-(F.log_softmax(_widened(logits), dim=-1) * labels.to(_widened(logits).dtype)).sum()).reshape(1)
-    return F.cross_entropy(_widened(logits.reshape(labels.numel(), -1)), labels.flatten(), reduction="sum",
+        return (-(F.log_softmax(logits, dim=-1) * labels.to(logits.dtype)).sum()).reshape(1)
+    return F.cross_entropy(logits.reshape(labels.numel(), -1), labels.flatten(), reduction="sum",
                            ignore_index=IGNORE_INDEX).reshape(1)
