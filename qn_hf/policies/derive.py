@@ -21,7 +21,7 @@ from .heads import head_layout
 from .layer_fields import any_layer
 from .model_policy import ModelPolicy, StandIn
 from .module_kinds import position_wise
-from .patterns import base_model_and_prefix, match_modules, match_parameters
+from .patterns import base_model_and_prefix, match_modules, match_parameters, submodule_or_none
 from .peft_names import names_before_peft
 from .styles import COLUMN_STYLES, HF_STYLES, PARAM_FORM, Style
 
@@ -31,13 +31,6 @@ def relative_name(root: nn.Module, module: nn.Module) -> str | None:
         if candidate is module and name:
             return name
     return None
-
-
-def _submodule(root: nn.Module, name: str) -> nn.Module | None:
-    try:
-        return root.get_submodule(name)
-    except AttributeError:
-        return None
 
 
 # the config keys architectures count their KV heads under (Falcon's own name), in the order asked
@@ -291,7 +284,7 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
     layers = next((n for n in pp_plan if isinstance(getattr(base, n, None), nn.ModuleList)), None)
     if layers is None:  # no pp plan: the first list of blocks the tp plan reaches into (HRM has two)
         layers = next((prefix for p in hf_plan if (prefix := p.partition(".*.")[0]) != p
-                       and isinstance(_submodule(base, prefix), nn.ModuleList)), None)
+                       and isinstance(submodule_or_none(base, prefix), nn.ModuleList)), None)
     if layers is None:
         # the plans name modules of another model than this one's base (Llama 4's text plan on its multimodal
         # model, whose blocks sit under language_model): the body is found from the structure (body.py), so

@@ -45,3 +45,11 @@ def base_model_and_prefix(model: nn.Module) -> tuple[nn.Module, str]:
 def join(prefix: str, *names: str) -> str:
     """Module path parts joined by dots, empty parts left out (``join("", "a", "b") == "a.b"``)."""
     return ".".join(part for part in (prefix, *names) if part)
+
+
+def submodule_or_none(root: nn.Module, name: str) -> nn.Module | None:
+    """``root.get_submodule(name)``, or None where ``root`` holds no module there."""
+    try:
+        return root.get_submodule(name)
+    except AttributeError:
+        return None

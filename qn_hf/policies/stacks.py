@@ -7,17 +7,9 @@ from torch import nn
 
 from .fused import FusedAttention
 from .module_kinds import in_out_features, is_projection
-from .patterns import join
+from .patterns import join, submodule_or_none
 from .structure import NO_ATTENTION, Derived, derive_block
 from .styles import Style
-
-
-def _has_module(block: nn.Module, path: str) -> bool:
-    try:
-        block.get_submodule(path)
-    except AttributeError:
-        return False
-    return True
 
 
 def derive_structure(base: nn.Module, *, stacks: list[str], heads: int | None, fused: FusedAttention | None = None,
@@ -64,7 +56,7 @@ def derive_structure(base: nn.Module, *, stacks: list[str], heads: int | None, f
                 # a patch names its module by path in every block: where another kind holds another module
                 # there (RecurrentGemma's temporal_block, attention or recurrence), it would change that too
                 holder = n if n in derived.head_inputs else n.rpartition(".")[0]
-                kinds_there = {type(b.get_submodule(holder)) for b in blocks if _has_module(b, holder)}
+                kinds_there = {type(b.get_submodule(holder)) for b in blocks if submodule_or_none(b, holder) is not None}
                 if len(kinds_there) > 1:
                     return Derived({}, {}, refusal=f"{stack}.{i}: {holder} is a {' or a '.join(sorted(k.__name__ for k in kinds_there))} "
                                                    f"by block, and tp would change what its attention reads in each")
