@@ -142,12 +142,17 @@ def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {**{n: p.detach() for n, p in model.named_parameters()}, **{n: model.get_buffer(n) for n in statistics}}
 
 
+def _worst_gap(state: dict[str, torch.Tensor], exact: dict[str, torch.Tensor]) -> float:
+    """The largest difference of any tensor of ``state`` from ``exact``'s (``_state``), in float64."""
+    return max(((state[n].double() - t).abs().max().item() for n, t in exact.items() if n in state and t.numel()),
+               default=0.0)
+
+
 def amplification(*, plain: dict[str, torch.Tensor], exact: dict[str, torch.Tensor], plain_losses: list[float],
                   exact_losses: list[float]) -> float:
     """How many times its tolerances a model amplifies rounding over the steps: the plain float32 run's distance
     from the float64 run of the same model (weights ``plain`` and ``exact``, losses), in tolerances; at least 1."""
-    weights = max(((plain[n].double() - t).abs().max().item() for n, t in exact.items() if n in plain and t.numel()),
-                  default=0.0) / WEIGHT_ATOL
+    weights = _worst_gap(plain, exact) / WEIGHT_ATOL
     losses = max((abs(a - e) / (LOSS_RTOL * max(abs(e), 1e-30)) for a, e in zip(plain_losses, exact_losses)),
                  default=0.0)
     return max(1.0, weights, losses)
@@ -191,29 +196,6 @@ def _judge(losses: list[float], reference: list[float], worst: list[tuple[str, f
     return None
 
 
-def _split_reference(model: torch.nn.Module, batches: list[dict], *, parts: int = 2) -> list[float] | str:
-    """``_reference`` on ``probe_loss`` with each batch's rows in ``parts``, their gradients accumulated: the same
-    step, its sums in another order (the probe is a mean over rows, so the parts' means over ``parts`` are the
-    whole's)."""
-    model.train()
-    optimizer = torch.optim.SGD(list(model.parameters()), lr=LR)
-    losses = []
-    for batch in batches:
-        optimizer.zero_grad()
-        total = 0.0
-        for part in range(parts):
-            rows = {k: torch.tensor_split(v, parts)[part] for k, v in batch.items()}
-            try:
-                loss = probe_loss(model(**rows, **no_cache(model)), rows) / parts
-                loss.backward()
-            except Exception as e:  # noqa: BLE001 -- a part of the batch the model refuses: no baseline
-                return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-            total += loss.item()
-        optimizer.step()
-        losses.append(total)
-    return losses
-
-
 def _float64_verdict(config: transformers.PretrainedConfig, *, seed: int, name: str | None, parallel: ParallelConfig,
                      mesh, policy, batches: list[dict], builtin: bool, plain: torch.nn.Module,
                      plain_losses: list[float]) -> tuple[str | None, str]:
@@ -251,7 +233,7 @@ def _float64_verdict(config: transformers.PretrainedConfig, *, seed: int, name: 
     split, floor_losses, floor_weights = None, [0.0] * len(losses), 0.0
     if not batch_statistics_layers(exact):
         split = build(config, seed=seed, name=name).double()
-        split_losses = _split_reference(split, wide)
+        split_losses, _ = _reference(split, wide, builtin=False, probe=probe_loss, parts=2)
         if isinstance(split_losses, str):
             split = None
         else:
@@ -262,9 +244,7 @@ def _float64_verdict(config: transformers.PretrainedConfig, *, seed: int, name: 
     if dist.get_rank() != 0:
         return None, ""
     if split is not None:
-        floor_weights = max(((p.detach() - t).abs().max().item() for (n, p), t in
-                             zip(split.named_parameters(), (q.detach() for q in exact.parameters())) if p.numel()),
-                            default=0.0)
+        floor_weights = _worst_gap(_state(split), _state(exact))
     loss_tols = [max(scale * LOSS_RTOL * abs(e), FLOAT64_SLACK * f) for e, f in zip(exact_losses, floor_losses)]
     weight_tol = max(scale * WEIGHT_ATOL, FLOAT64_SLACK * floor_weights)
     loss_gap = max(abs(a - b) / abs(b) for a, b in zip(losses, exact_losses))
@@ -351,25 +331,34 @@ def one_step_parity(*, config: dict, parallel: ParallelConfig | None = None, see
                           moved=moved))
 
 
-def _reference(ref: torch.nn.Module, batches: list[dict], *, builtin: bool, probe) -> tuple[list[float] | str, float]:
+def _reference(ref: torch.nn.Module, batches: list[dict], *, builtin: bool, probe,
+               parts: int = 1) -> tuple[list[float] | str, float]:
     """The plain model's loss at each step of SGD over ``batches`` (its own loss, or ``probe`` of its
-    outputs), and the largest change of any weight; or the error its own forward raises."""
+    outputs), and the largest change of any weight; or the error its own forward raises. ``parts`` > 1: each
+    batch's rows in that many parts, their gradients accumulated, the same step with its sums in another order
+    (for ``probe``, a mean over rows, whose parts' means over ``parts`` are the whole's)."""
     ref.train()
     before = {n: p.detach().clone() for n, p in ref.named_parameters()}
     optimizer = torch.optim.SGD(list(ref.parameters()), lr=LR)
     losses = []
     for batch in batches:
         optimizer.zero_grad()
-        try:
-            outputs = ref(**batch, **no_cache(ref))
-            loss = outputs.loss if builtin else probe(outputs, batch)
-            if loss is None:
-                return f"{type(ref).__name__}'s forward returned no loss for labels {sorted(batch)}", 0.0
-            loss.backward()
-        except Exception as e:  # noqa: BLE001 -- the plain model's own failure is the verdict
-            return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}", 0.0
+        total = 0.0
+        for part in range(parts):
+            rows = batch if parts == 1 else {k: torch.tensor_split(v, parts)[part] for k, v in batch.items()}
+            try:
+                outputs = ref(**rows, **no_cache(ref))
+                loss = outputs.loss if builtin else probe(outputs, rows)
+                if loss is None:
+                    return f"{type(ref).__name__}'s forward returned no loss for labels {sorted(batch)}", 0.0
+                if parts > 1:
+                    loss = loss / parts
+                loss.backward()
+            except Exception as e:  # noqa: BLE001 -- the plain model's own failure is the verdict
+                return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}", 0.0
+            total += loss.item()
         optimizer.step()
-        losses.append(loss.item())
+        losses.append(total)
     # a parameter may hold no element (DINOv3's register tokens at num_register_tokens=0)
     moved = max(((before[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters() if p.numel()),
                 default=0.0)
