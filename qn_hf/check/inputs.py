@@ -98,9 +98,11 @@ def dummy_batch(model: nn.Module, *, rows: int, seq_len: int = SEQ_LEN, seed: in
     if head.kind is LossKind.CAUSAL_LM and "input_ids" in batch:
         batch["labels"] = batch["input_ids"].clone()
     elif head.kind in (LossKind.CAUSAL_LM, LossKind.TOKENS):
-        # an encoder-decoder's config under a token classifier of its encoder (UMT5's) scores num_labels classes
-        classes = vocab if head.vocab_output or head.kind is LossKind.CAUSAL_LM or (
-            config.is_encoder_decoder and _output_width(model, head) != config.num_labels) else config.num_labels
+        # an encoder-decoder's config under a token classifier of its encoder (UMT5's, T5Gemma's) scores as many
+        # classes as its classifier's width (num_labels); a seq2seq head the vocabulary
+        width = _output_width(model, head) if config.is_encoder_decoder else None
+        classes = vocab if head.vocab_output or head.kind is LossKind.CAUSAL_LM else width if width is not None \
+            else vocab if config.is_encoder_decoder else config.num_labels
         labels = torch.randint(0, classes, (rows, seq_len if config.is_encoder_decoder else positions),
                                generator=generator)
         labels[torch.rand(labels.shape, generator=generator) < 0.25] = IGNORE_INDEX  # some positions unscored
@@ -121,11 +123,13 @@ def dummy_batch(model: nn.Module, *, rows: int, seq_len: int = SEQ_LEN, seed: in
 
 
 def _output_width(model: torch.nn.Module, head) -> int | None:
-    """The width of the last of the head's modules that has one (a classifier's ``out_features``), or None."""
+    """The width of the last module in the head's modules that has one (a classifier's ``out_features``,
+    inside a classification head's block as T5Gemma's ``score.out_proj``), or None."""
     for name in reversed(head.modules):
-        width = getattr(model.get_submodule(name), "out_features", None)
-        if isinstance(width, int):
-            return width
+        for module in reversed(list(model.get_submodule(name).modules())):
+            width = getattr(module, "out_features", None)
+            if isinstance(width, int):
+                return width
     return None
 
 
