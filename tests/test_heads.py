@@ -192,3 +192,23 @@ def test_a_decoder_on_several_stages_needs_the_decoders_inputs_in_the_batch():
         check_step_batch(batch, **check, decoder_stages=2)
     decoder = {"decoder_input_ids": batch["input_ids"].clone()}
     assert check_step_batch({**batch, **decoder}, **check, decoder_stages=2) == 2
+
+
+def test_the_image_size_checked_is_the_vision_models_own():
+    """A vision model's config fixes its input's size (ViT's position table): another is a ValueError. A
+    composite config's top-level image_size may be its processor's (MiniCPM-V 4.6 slices images to 448
+    while its tower takes 224), so it is not read: the tower's own size trains."""
+    from qn_hf.step.batch import check_model_inputs
+
+    vit = build(shrink_config(CONFIG_MAPPING["vit"]()), seed=0, name="ViTModel")
+    size = vit.config.image_size
+    check_model_inputs({"pixel_values": torch.zeros(2, 3, size, size)}, model=vit, loss=None)
+    with pytest.raises(ValueError, match=rf"has shape \(2, 3, {size + 2}, {size + 2}\); the model takes \(batch, 3, {size}"):
+        check_model_inputs({"pixel_values": torch.zeros(2, 3, size + 2, size + 2)}, model=vit, loss=None)
+    if "minicpmv4_6" not in CONFIG_MAPPING:
+        return  # transformers before 5.2x
+    model = build(shrink_config(CONFIG_MAPPING["minicpmv4_6"]()), seed=0, name="MiniCPMV4_6Model")
+    batch = dummy_batch(model, rows=2)
+    assert model.config.image_size != batch["pixel_values"].shape[-1] == model.config.vision_config.image_size
+    check_model_inputs(batch, model=model, loss=None)
+    model(**batch)  # the plain model takes it

@@ -167,7 +167,10 @@ def check_model_inputs(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Mod
         pixels = batch["pixel_values"]
         if not pixels.is_floating_point():
             raise ValueError(f"batch['pixel_values'] has dtype {pixels.dtype}; images must be floating point (e.g. .float())")
-        size, channels = getattr(config, "image_size", None), getattr(config, "num_channels", None)
+        # a vision model's own config fixes its input's size (ViT's position table); a composite config's top-level
+        # image_size may be its processor's (MiniCPM-V 4.6's 448 slices, while its tower takes its own 224)
+        own = getattr(config, "vision_config", None) is None
+        size, channels = getattr(config, "image_size", None) if own else None, getattr(config, "num_channels", None)
         if isinstance(size, (tuple, list)):
             size = tuple(size)
         elif size:
