@@ -104,6 +104,15 @@ def build(config: transformers.PretrainedConfig, *, seed: int, name: str | None 
     return model
 
 
+def _built_wide(config: transformers.PretrainedConfig, *, seed: int, name: str | None) -> torch.nn.Module:
+    """``build``'s model in float64. Fused experts run eager: transformers' default for them, grouped_mm, takes
+    float32 and narrower only (MuseSpark's); eager computes the same step with a loop over the experts."""
+    model = build(config, seed=seed, name=name).double()
+    if getattr(model.config, "_experts_implementation", None) == "grouped_mm":
+        model.set_experts_implementation("eager")
+    return model
+
+
 def _compare(pm, ref: torch.nn.Module, out_dir: str, *,
              rtol: float = WEIGHT_RTOL) -> list[tuple[str, float]]:
     """Every weight and statistic of the export against the reference's own export, worst first (rank 0; empty
@@ -211,14 +220,14 @@ def _float64_verdict(config: transformers.PretrainedConfig, *, seed: int, name: 
         if isinstance(plain_losses, str):
             return f"the plain model fails on the probe: {plain_losses}", ""
     wide = [{k: v.double() if v.is_floating_point() else v for k, v in b.items()} for b in batches]
-    exact = build(config, seed=seed, name=name).double()
+    exact = _built_wide(config, seed=seed, name=name)
     exact_losses, _ = _reference(exact, wide, builtin=False, probe=probe_loss)
     if isinstance(exact_losses, str):
         return f"the plain model fails: {exact_losses}", ""
     import qn_hf  # late, as in one_step_parity
 
     try:
-        pm = qn_hf.parallelize(build(config, seed=seed, name=name).double(), parallel, mesh=mesh, policy=policy)
+        pm = qn_hf.parallelize(_built_wide(config, seed=seed, name=name), parallel, mesh=mesh, policy=policy)
     except ValueError as e:  # raised on every rank alike
         return f"refused: {e}", ""
     losses = _steps(pm, wide, dp=parallel.dims.dp, builtin=False)
@@ -232,7 +241,7 @@ def _float64_verdict(config: transformers.PretrainedConfig, *, seed: int, name: 
     # batch's halves, accumulated; or, for a model with batch statistics (which its halves' would not be), the
     # same rows reversed (PP-OCRv5's float32 softmax beside its BatchNorm).
     statistics = bool(batch_statistics_layers(exact))
-    floor = build(config, seed=seed, name=name).double()
+    floor = _built_wide(config, seed=seed, name=name)
     floor_losses, _ = _reference(floor, wide, builtin=False, probe=probe_loss, parts=1 if statistics else 2,
                                  reverse=statistics)
     if isinstance(floor_losses, str):
