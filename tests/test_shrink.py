@@ -45,3 +45,40 @@ def test_staged_towers_keep_every_stage_with_at_most_two_blocks(model_type):
     full, shrunk = CONFIG_MAPPING[model_type](), shrink_config(CONFIG_MAPPING[model_type]())
     assert len(shrunk.depths) == len(full.depths)
     assert shrunk.depths == [min(d, STAGE_DEPTH) for d in full.depths]
+
+
+# configs whose validation ties sizes the plain shrink sets apart, or computes a count the shrink set: the
+# repair's rule each (model type, what the config holds after it, the class built)
+REPAIRED = [("xlnet", {"d_head": 16}, "XLNetModel"),  # d_head = d_model // n_head
+            ("funnel", {"block_sizes": [STAGE_DEPTH] * 3}, "FunnelModel"),  # num_hidden_layers is a property
+            ("prophetnet", {"num_encoder_layers": 4, "num_decoder_layers": 4}, "ProphetNetModel"),
+            ("mamba2", {"head_dim": 32}, "Mamba2Model"),  # heads x head_dim = expand x hidden
+            ("dots3_note", {}, "Dots3NoteForCausalLM"),  # an adapter's input width equal to the hidden size
+            ("nemo_speechlm", {}, "Nemotron3_5TranscribeModel"),  # a CTC blank id beyond the shrunk vocabulary
+            ("zaya", {"num_experts_per_tok": 1}, "ZayaModel")]  # supports one expert a token: taken back
+
+
+@pytest.mark.parametrize(("model_type", "holds", "cls"), REPAIRED)
+def test_a_config_its_validation_refuses_shrunk_is_repaired(model_type, holds, cls):
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    shrunk = shrink_config(CONFIG_MAPPING[model_type]())
+    assert {key: getattr(shrunk, key) for key in holds} == holds
+    from qn_hf.check.run import build
+
+    model = build(shrunk, seed=0, name=cls)
+    assert sum(p.numel() for p in model.parameters()) < 10_000_000
+
+
+def test_a_config_that_builds_shrunk_is_not_repaired(monkeypatch):
+    """The repair runs only where the config refuses the shrink, so no config that built changes."""
+    import qn_hf.check.shrink as shrink
+
+    def refused(*args, **kwargs):
+        raise AssertionError("repaired")
+
+    monkeypatch.setattr(shrink, "_repaired", refused)
+    for model_type in ("mamba", "falcon_mamba", "nemotron_h", "llama", "t5", "bert", "clip"):
+        shrink.shrink_config(CONFIG_MAPPING[model_type]())
+    with pytest.raises(AssertionError, match="repaired"):
+        shrink.shrink_config(CONFIG_MAPPING["xlnet"]())
