@@ -167,12 +167,56 @@ def test_what_the_derivation_cannot_read_refuses_tp_naming_it(model_type, cls, w
     ("opt", "OPTForCausalLM", "decoder.embed_tokens", {"decoder.embed_positions": "zeros",
                                                        "decoder.project_in": "identity"},
      {"decoder.final_layer_norm": "identity", "decoder.project_out": "identity"}, False),
+    # a head the forward never reaches, through the model's own methods either (predict_contacts runs it): held
+    # by the last stage, run by none
+    ("esm", "EsmForMaskedLM", "embeddings", {}, {"contact_head": "identity", "encoder.emb_layer_norm_after": "identity"},
+     False),
+    # the stack is the encoder's blocks, not the larger list of 50 XPath tables in the embeddings
+    ("markuplm", "MarkupLMForSequenceClassification", "embeddings", {}, {"pooler": "identity"}, False),
 ])
 def test_pipeline_cut_points_read_from_the_forwards(model_type, cls, entry, first, last, receive):
     policy = _policy(model_type, cls)
     assert policy.pp_refusal is None, policy.pp_refusal
     assert (policy.pp_entry, dict(policy.pp_first), dict(policy.pp_last), policy.pp_receive_at_blocks) == \
         (entry, first, last, receive)
+
+
+def test_a_module_the_forward_reaches_only_through_a_method_or_self_refuses_pp():
+    """A tower run inside a method of the forward (ModernVBERT's get_image_features) is named, and a module the
+    forward never names is not taken as unused where the forward hands ``self`` on."""
+    from torch import nn
+
+    from qn_hf.policies.stack_cut import stack_cut
+
+    refusal = _policy("modernvbert", "ModernVBertForMaskedLM").pp_refusal
+    assert "vision_model runs inside a method ModernVBertModel's forward calls" in refusal, refusal
+
+    def run_side(model, x):
+        return model.side(x)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.linear(x)
+
+    class Body(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(8, 4)
+            self.layers = nn.ModuleList(Block() for _ in range(2))
+            self.side = nn.Linear(4, 4)
+
+        def forward(self, ids):
+            x = self.embed(ids)
+            for layer in self.layers:
+                x = layer(x)
+            return run_side(self, x)
+
+    refusal = stack_cut(Body(), layers="layers", embeddings="embed")
+    assert isinstance(refusal, str) and "side holds parameters Body's forward never names, and it hands self on" in refusal
 
 
 def test_a_stack_whose_forward_reshapes_the_embedding_refuses_pp():

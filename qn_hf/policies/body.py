@@ -86,11 +86,14 @@ def _callable(modules: nn.Module) -> list[nn.Module]:
 
 def main_blocks(base: nn.Module, model: nn.Module) -> str | None:
     """The base model's list of blocks: of ``block_lists``, the largest whose members are of a class
-    ``_no_split_modules`` names, else the largest; None without any."""
+    ``_no_split_modules`` names, else the largest whose members are modules of modules (a list of tables is
+    no stack of blocks: MarkupLM's 50 XPath embeddings outweigh its tiny encoder's layers), else the
+    largest; None without any."""
     lists = block_lists(base)
     names = set(getattr(model, "_no_split_modules", None) or ())
     named = [n for n in lists if type(base.get_submodule(n)[0]).__name__ in names]
-    return (named or lists or [None])[0]
+    composite = [n for n in lists if any(True for _ in base.get_submodule(n)[0].children())]
+    return (named or composite or lists or [None])[0]
 
 
 def body_policy(model: nn.Module) -> ModelPolicy:

@@ -41,12 +41,55 @@ def self_path(node: ast.AST) -> str | None:
 
 
 def forward_tree(module: nn.Module) -> ast.FunctionDef | None:
+    return method_tree(module, "forward")
+
+
+def method_tree(module: nn.Module, name: str) -> ast.FunctionDef | None:
+    """The parsed source of ``type(module).<name>`` (a property's getter), or None where it has none."""
+    function = getattr(type(module), name, None)
+    if isinstance(function, property):
+        function = function.fget
     try:
-        source = textwrap.dedent(inspect.getsource(type(module).forward))
+        source = textwrap.dedent(inspect.getsource(function))
     except (OSError, TypeError):
         return None
     tree = ast.parse(source).body[0]
     return tree if isinstance(tree, ast.FunctionDef) else None
+
+
+def _own_code(module: nn.Module, name: str) -> bool:
+    """Whether ``type(module).<name>`` is a model's own code (defined in a ``transformers.models`` module or the
+    module's own), not transformers' or torch's generic classes (``PreTrainedModel.dtype``,
+    ``get_extended_attention_mask``), which read parameters and config and call no child by its name."""
+    function = getattr(type(module), name, None)
+    function = function.fget if isinstance(function, property) else function
+    where = getattr(inspect.unwrap(function), "__module__", "") if callable(function) else ""
+    return where.startswith("transformers.models.") or where == type(module).__module__
+
+
+def children_reached(module: nn.Module, tree: ast.FunctionDef) -> set[str] | None:
+    """The attributes of ``self`` the forward ``tree`` reads, through the model's own methods and properties it
+    calls too (``self._create_attention_masks(...)``, transitively); None where it reaches ``self`` another way
+    (``self`` handed to a function, ``getattr(self, ...)``, ``self(...)``, ``super()``), which the source does not
+    say what it runs of."""
+    reached: set[str] = set()
+    todo, seen = [tree], {tree.name}
+    while todo:
+        current = todo.pop()
+        parents = {child: parent for parent in ast.walk(current) for child in ast.iter_child_nodes(parent)}
+        for node in ast.walk(current):
+            bare = isinstance(node, ast.Name) and node.id == "self" and not isinstance(parents.get(node), ast.Attribute)
+            if bare or (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super"):
+                return None
+        for head in self_references(current):
+            reached.add(head)
+            if head not in seen and _own_code(module, head) and not isinstance(getattr(module, head, None), nn.Module):
+                seen.add(head)
+                found = method_tree(module, head)
+                if found is None:
+                    return None
+                todo.append(found)
+    return reached
 
 
 def feeds_only(module: nn.Module, columns: set[str]) -> bool:

@@ -30,7 +30,7 @@ from torch import nn
 
 from .cuts import Seq2SeqCut, StackCut, StandIn
 from .derive import block_call
-from .entries import forward_tree, self_path, self_references
+from .entries import children_reached, forward_tree, self_path, self_references
 from .module_kinds import position_wise
 from .patterns import join
 
@@ -229,7 +229,15 @@ def stack_cut(base: nn.Module, *, layers: str, embeddings: str | None) -> StackC
             lines = [line for line, _ in uses.get(name, [])]
             where = f"{type(level.holder).__name__}'s forward"
             if not lines:
-                return f"{full} holds parameters {where} never uses"
+                reached = children_reached(level.holder, level.tree)
+                if reached is None:
+                    return (f"{full} holds parameters {where} never names, and it hands self on (a call whose "
+                            f"source does not say what it runs), which may run it")
+                if name in reached:
+                    return f"{full} runs inside a method {where} calls, where the cut does not look"
+                # no stage runs it (ESM's contact head, for its predict_contacts): the last stage holds it
+                last[full] = StandIn.IDENTITY
+                continue
             if min(lines) > stop:
                 last[full] = StandIn.IDENTITY
                 continue
