@@ -181,15 +181,30 @@ def test_pipeline_cut_points_read_from_the_forwards(model_type, cls, entry, firs
         (entry, first, last, receive)
 
 
-def test_a_module_the_forward_reaches_only_through_a_method_or_self_refuses_pp():
-    """A tower run inside a method of the forward (ModernVBERT's get_image_features) is named, and a module the
-    forward never names is not taken as unused where the forward hands ``self`` on."""
+@pytest.mark.parametrize(("model_type", "cls", "every_stage"), [
+    # a table every block reads besides the hidden states, at the encoder's level (RoFormer's sinusoidal
+    # positions, frozen; MPNet's relative position bias, made in a method of the encoder's forward)
+    ("roformer", "RoFormerForMaskedLM", ("embeddings", "embeddings_project", "encoder.embed_positions")),
+    ("mpnet", "MPNetForMaskedLM", ("embeddings", "encoder.relative_attention_bias")),
+    ("ibert", "IBertForMaskedLM", ("embeddings",)),  # an embedding that is no nn.Embedding, changed before the blocks
+    # a vision tower whose features the forward splices into the embeddings, in a method (get_image_features)
+    ("modernvbert", "ModernVBertForMaskedLM", ("text_model.embeddings", "vision_model", "connector")),
+    ("gemma3", "Gemma3ForSequenceClassification", ("language_model.embed_tokens", "vision_tower",
+                                                   "multi_modal_projector")),
+])
+def test_what_no_later_stage_can_stand_in_for_runs_on_every_stage(model_type, cls, every_stage):
+    """Where what comes before the blocks is not the entry's output with modules applied in turn, every stage
+    holds it and runs it, and its first block takes the received activation."""
+    policy = _policy(model_type, cls)
+    assert policy.pp_refusal is None, policy.pp_refusal
+    assert (policy.pp_every_stage, dict(policy.pp_first), policy.pp_receive_at_blocks) == (every_stage, {}, True)
+
+
+def test_a_module_the_forward_never_names_where_it_hands_self_on_refuses_pp():
+    """A module the forward never names is not taken as unused where the forward hands ``self`` on."""
     from torch import nn
 
     from qn_hf.policies.stack_cut import stack_cut
-
-    refusal = _policy("modernvbert", "ModernVBertForMaskedLM").pp_refusal
-    assert "vision_model runs inside a method ModernVBertModel's forward calls" in refusal, refusal
 
     def run_side(model, x):
         return model.side(x)
@@ -222,6 +237,11 @@ def test_a_module_the_forward_reaches_only_through_a_method_or_self_refuses_pp()
 def test_a_stack_whose_forward_reshapes_the_embedding_refuses_pp():
     policy = _policy("swin", "SwinForImageClassification")
     assert "changes the embedding (embeddings, a SwinEmbeddings)" in policy.pp_refusal
+    # every stage could compute the embedding, but each of Swin's stages hands the next its output size
+    assert "blocks hand each other input_dimensions besides the hidden states" in policy.pp_refusal
+    # LUKE's entity stream runs beside the words' through every block (none in a text-only batch: the check's
+    # step would not tell)
+    assert "hand each other entity_hidden_states" in _policy("luke", "LukeForMaskedLM").pp_refusal
 
 
 def test_a_plan_naming_another_models_blocks_leaves_the_body_to_the_structure():

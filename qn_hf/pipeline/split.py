@@ -159,9 +159,11 @@ def build_stage_plan(
     entry = policy.pp_entry
     if entry is not None:
         present([entry])
-        if policy.pp_receive_at_blocks and not isinstance(base.get_submodule(entry), nn.Embedding):
+        if (policy.pp_receive_at_blocks and entry not in policy.pp_every_stage
+                and not isinstance(base.get_submodule(entry), nn.Embedding)):
             raise ValueError(f"policy {policy.model_type}: pp_receive_at_blocks needs an nn.Embedding entry (later "
-                             f"stages give zeros of its shape), not {type(base.get_submodule(entry)).__name__}")
+                             f"stages give zeros of its shape) or one real on every stage (pp_every_stage), not "
+                             f"{type(base.get_submodule(entry)).__name__}")
         for path in policy.pp_entry_reads:
             obj = base.get_submodule(entry)
             for part in path.split("."):

@@ -102,7 +102,7 @@ def body_policy(model: nn.Module) -> ModelPolicy:
     model_type = getattr(config, "model_type", None) or type(model).__name__
     base, _ = base_model_and_prefix(model)
     layers = main_blocks(base, model)
-    entry, first, last, reads, pp_refusal = None, {}, {}, (), None
+    entry, first, last, reads, pp_refusal, every_stage = None, {}, {}, (), None, ()
     embeddings = input_embeddings(model)
     name = relative_name(base, embeddings) if isinstance(embeddings, nn.Module) else None
     receive, seq2seq = False, None
@@ -118,6 +118,7 @@ def body_policy(model: nn.Module) -> ModelPolicy:
             pp_refusal = cut
         else:
             entry, first, last, reads, receive = cut.entry, cut.first, cut.last, cut.entry_reads, cut.receive_at_blocks
+            every_stage = cut.every_stage
     tp_plan, patches, entries, regions, tp_refusal, head_inputs = _tensor_parallel(model, base, name)
     return ModelPolicy(
         model_type=model_type,
@@ -133,6 +134,7 @@ def body_policy(model: nn.Module) -> ModelPolicy:
         pp_first=first,
         pp_last=last,
         pp_receive_at_blocks=receive,
+        pp_every_stage=every_stage,
         transformers_plan=True,
         tp_refusal=tp_refusal,
         head_inputs=head_inputs,
@@ -195,5 +197,9 @@ def no_cache(model: nn.Module) -> dict:
     except (TypeError, ValueError):
         return {}
     through_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    takes = "use_cache" in parameters or (through_kwargs and hasattr(getattr(model, "config", None), "use_cache"))
+    config = getattr(model, "config", None)
+    # a composite config keeps it on its text config (Gemma 3's classifier hands its kwargs to its text model,
+    # which makes a cache of the whole model's layers: a pipeline stage's blocks index past its end)
+    configs = [config, config.get_text_config()] if hasattr(config, "get_text_config") else [config]
+    takes = "use_cache" in parameters or (through_kwargs and any(hasattr(c, "use_cache") for c in configs))
     return {"use_cache": False} if takes else {}

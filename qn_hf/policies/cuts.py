@@ -24,6 +24,9 @@ class StackCut:
     last: dict[str, StandIn] = field(default_factory=dict)
     entry_reads: tuple[str, ...] = ()
     receive_at_blocks: bool = False
+    # real on every stage, the entry first (``ModelPolicy.pp_every_stage``): each stage computes what comes
+    # before the blocks from the batch, and its first block takes the received activation instead
+    every_stage: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,21 @@ def _own_code(module: nn.Module, name: str) -> bool:
     return where.startswith("transformers.models.") or where == type(module).__module__
 
 
+def own_methods(module: nn.Module, tree: ast.FunctionDef) -> dict[str, set[str]]:
+    """The model's own methods and properties the forward ``tree`` calls (``self.compute_position_bias(x)``),
+    each with the attributes of ``self`` it reads, transitively (``relative_attention_bias``); a method that
+    reaches ``self`` another way (``children_reached``) is left out, as the source does not say what it runs."""
+    found: dict[str, set[str]] = {}
+    for head in self_references(tree):
+        if not _own_code(module, head) or isinstance(getattr(module, head, None), nn.Module):
+            continue
+        method = method_tree(module, head)
+        reached = children_reached(module, method) if method is not None else None
+        if reached is not None:
+            found[head] = reached
+    return found
+
+
 def children_reached(module: nn.Module, tree: ast.FunctionDef) -> set[str] | None:
     """The attributes of ``self`` the forward ``tree`` reads, through the model's own methods and properties it
     calls too (``self._create_attention_masks(...)``, transitively); None where it reaches ``self`` another way

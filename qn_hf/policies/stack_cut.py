@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from .cuts import Seq2SeqCut, StackCut, StandIn
-from .derive import block_call
-from .entries import children_reached, forward_tree, self_path, self_references
+from .derive import block_call, loop_indexed
+from .entries import children_reached, forward_tree, own_methods, self_path, self_references
 from .module_kinds import position_wise
 from .patterns import join
 
@@ -217,10 +217,14 @@ def stack_cut(base: nn.Module, *, layers: str, embeddings: str | None) -> StackC
     levels = _levels(base, layers.split("."))
     if isinstance(levels, str):
         return levels
-    entry, entry_level, first, last, reads = None, None, {}, {}, set()
+    entry, entry_level, first, last, reads, side = None, None, {}, {}, set(), []
     for index, level in enumerate(levels):
         uses = self_references(level.tree)
         start, stop = level.bound, max(line for line, _ in uses[level.down])
+        methods = own_methods(level.holder, level.tree)
+        for method, reached in methods.items():  # a child a method reads is used where the forward calls it
+            for name in reached - {level.down}:
+                uses.setdefault(name, []).extend((line, "") for line, _ in self_references(level.tree)[method])
         _, chain_values = _chain(level)
         for name, child in level.holder.named_children():
             full = join(level.path, name)
@@ -229,12 +233,9 @@ def stack_cut(base: nn.Module, *, layers: str, embeddings: str | None) -> StackC
             lines = [line for line, _ in uses.get(name, [])]
             where = f"{type(level.holder).__name__}'s forward"
             if not lines:
-                reached = children_reached(level.holder, level.tree)
-                if reached is None:
+                if children_reached(level.holder, level.tree) is None:
                     return (f"{full} holds parameters {where} never names, and it hands self on (a call whose "
                             f"source does not say what it runs), which may run it")
-                if name in reached:
-                    return f"{full} runs inside a method {where} calls, where the cut does not look"
                 # no stage runs it (ESM's contact head, for its predict_contacts): the last stage holds it
                 last[full] = StandIn.IDENTITY
                 continue
@@ -247,13 +248,17 @@ def stack_cut(base: nn.Module, *, layers: str, embeddings: str | None) -> StackC
                 entry, entry_level = full, index
                 reads |= _entry_reads(child, uses[name])
                 continue
-            if not _calls_in(chain_values, name):
-                return (f"{full} ({type(child).__name__}) runs before the blocks in {where} for something besides "
-                        f"their input, which a later stage would not have")
-            # a position table added to the embedding, or a module applied to it: the first stage's
-            first[full] = StandIn.ZEROS if isinstance(child, nn.Embedding) else StandIn.IDENTITY
+            if _calls_in(chain_values, name) or any(_calls_in(chain_values, m) for m, kids in methods.items()
+                                                    if name in kids):
+                # a position table added to the embedding, or a module applied to it: the first stage's
+                first[full] = StandIn.ZEROS if isinstance(child, nn.Embedding) else StandIn.IDENTITY
+            else:  # something else every block reads (RoFormer's sinusoidal table, MPNet's position bias)
+                side.append(full)
     if entry is None:
         return f"the input embedding ({embeddings}) does not run before the blocks"
+    if side:
+        return _every_stage(levels, entry=entry, first=first, side=side, last=last, reads=reads,
+                            why=f"{', '.join(side)} computes something besides the blocks' input before them")
     # later stages receive in the entry's place when what reaches the blocks is the entry's output with
     # modules applied in turn and tables added (each then a pass-through or zeros), level by level
     chains = [_plain_chain(level, entry.rpartition(".")[2] if index == entry_level else None)
@@ -268,14 +273,51 @@ def stack_cut(base: nn.Module, *, layers: str, embeddings: str | None) -> StackC
         if set(first) <= set(stand_ins) and not set(stand_ins) & after:
             return StackCut(entry=entry, first=stand_ins, last=last, entry_reads=tuple(sorted(reads)))
     if not isinstance(base.get_submodule(entry), nn.Embedding):
-        return (f"the forward changes the embedding ({entry}, a {type(base.get_submodule(entry)).__name__}) before the "
-                f"blocks take it, and only an nn.Embedding can give a later stage zeros of its shape")
+        return _every_stage(levels, entry=entry, first=first, side=side, last=last, reads=reads,
+                            why=f"the forward changes the embedding ({entry}, a "
+                                f"{type(base.get_submodule(entry)).__name__}) before the blocks take it")
     for name, kind in first.items():  # later stages compute on zeros here, discarded at the first block
         module = base.get_submodule(name)
         if kind is StandIn.IDENTITY and not (position_wise(module) or (isinstance(module, nn.Linear)
                                                                       and module.in_features == module.out_features)):
-            return f"{name} ({type(module).__name__}) runs before the blocks and changes the width of what they take"
+            return _every_stage(levels, entry=entry, first=first, side=side, last=last, reads=reads,
+                                why=f"{name} ({type(module).__name__}) runs before the blocks and changes the width "
+                                    f"of what they take")
     return StackCut(entry=entry, first=first, last=last, entry_reads=tuple(sorted(reads)), receive_at_blocks=True)
+
+
+def _carried(level: _Level) -> list[str]:
+    """The names a block's call reads, besides its first argument, that the loop over the blocks assigns
+    (Swin's input_dimensions, each stage's output size): what one block hands the next."""
+    loop, call = block_call(level.tree, level.down)
+    first = _first_argument(call)
+    hidden = {n.id for n in ast.walk(first) if isinstance(n, ast.Name)} if first is not None else set()
+    read = {n.id for n in ast.walk(call) if isinstance(n, ast.Name)} - hidden
+    assigned = {t.id for node in ast.walk(loop) if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+                for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                for t in ast.walk(target) if isinstance(t, ast.Name)}
+    return sorted(read & assigned)
+
+
+def _every_stage(levels: list[_Level], *, entry: str, first: dict[str, StandIn], side: list[str],
+                 last: dict[str, StandIn], reads: set[str], why: str) -> StackCut | str:
+    """Where a later stage cannot stand in for what runs before the blocks (``why``), every stage holds it
+    and runs it on the batch as the plain model does, and its first block takes the received activation
+    (``pp_every_stage``; each copy's gradient is its own stage's share, summed over the stages). Refused
+    where the loop over the blocks hands each a part by its position, which a stage counts from its own
+    first block."""
+    carried = _carried(levels[-1])
+    if carried:
+        return (f"{why}, and {type(levels[-1].holder).__name__}'s blocks hand each other {', '.join(carried)} besides the "
+                f"hidden states (assigned in its loop, read by the next block), which no stage boundary carries")
+    indexed = loop_indexed(levels[-1].holder, layers=levels[-1].down)
+    if indexed:
+        return (f"{why}, and {type(levels[-1].holder).__name__}'s forward hands each block "
+                f"{', '.join(indexed)}[..., i, ...] by its position i in the loop, which on a later stage counts from "
+                f"that stage's first block")
+    shared = (entry, *first, *side)
+    return StackCut(entry=entry, last=last, entry_reads=tuple(sorted(reads)), receive_at_blocks=True,
+                    every_stage=shared)
 
 
 def _prefixed(cut: StackCut, prefix: str) -> StackCut:
