@@ -90,6 +90,12 @@ def dummy_batch(model: nn.Module, *, rows: int, seq_len: int = SEQ_LEN, seed: in
     elif "pixel_values" in params and "pixel_values" not in batch and getattr(model.config, "vision_config", None):
         channels, height, width = _image(model.config)  # a text-and-image model (CLIP) takes both
         batch["pixel_values"] = torch.randn(rows, channels, height, width, generator=generator)
+    if "noise" in params and "pixel_values" in batch and isinstance(getattr(model.config, "mask_ratio", None), float):
+        # ViT-MAE shuffles and masks its patches by noise it draws itself where the caller passes none: no split
+        # of the batch over ranks draws what one process draws, so the check passes it, one row per example
+        patch = model.config.patch_size
+        patches = (batch["pixel_values"].shape[-2] // patch) * (batch["pixel_values"].shape[-1] // patch)
+        batch["noise"] = torch.rand(rows, patches, generator=generator)
     head = task_head(model)
     config = model.config
     text = config.get_text_config()
