@@ -114,20 +114,27 @@ def _built_wide(config: transformers.PretrainedConfig, *, seed: int, name: str |
 
 
 def _compare(pm, ref: torch.nn.Module, out_dir: str, *,
-             rtol: float = WEIGHT_RTOL) -> list[tuple[str, float]]:
+             rtol: float = WEIGHT_RTOL) -> tuple[list[tuple[str, float]], list[str]]:
     """Every weight and statistic of the export against the reference's own export, worst first (rank 0; empty
     elsewhere), each its excess over ``rtol`` of the tensor's largest value. Both sides go through ``save_pretrained`` -> ``from_pretrained``, so that
     what transformers' loader does to a checkpoint is done to both (Youtu's zeroes the padding row of its tied
     embedding on every load: its ``_init_weights`` writes a slice, which the loader's "initialized" flag cannot
-    mark)."""
+    mark). Second, the weights the plain model's own round trip loses: transformers' loader initializes them anew
+    (a class under another model type's key mapping: Gemma 3's under ShieldGemma 2's, which prefixes every key
+    for its classifier's wrapper), so that no export can be compared."""
     pm.save_pretrained(out_dir)
     if dist.get_rank() != 0:
-        return []
+        return [], []
     dtype = next(ref.parameters()).dtype  # a float64 run's export read back in float64
     reloaded = _state(type(ref).from_pretrained(out_dir, dtype=dtype))
     with tempfile.TemporaryDirectory() as plain_dir:
         ref.save_pretrained(plain_dir)
-        plain = _state(type(ref).from_pretrained(plain_dir, dtype=dtype))
+        back, info = type(ref).from_pretrained(plain_dir, dtype=dtype, output_loading_info=True)
+        plain = _state(back)
+    # missing from the plain model's own checkpoint and not given back by the loader's initialization either
+    before = _state(ref)
+    lost = sorted(n for n in info.get("missing_keys") or () if n in plain and n in before
+                  and not torch.equal(plain[n].to(before[n].dtype), before[n]))
     diffs = []
     for name, p in plain.items():
         if not p.numel():
@@ -140,7 +147,7 @@ def _compare(pm, ref: torch.nn.Module, out_dir: str, *,
         wide = torch.promote_types(p.dtype, torch.float32)
         excess = (reloaded[name].to(wide) - p.to(wide)).abs() - rtol * p.to(wide).abs().max()
         diffs.append((name, max(excess.max().item(), 0.0)))
-    return sorted(diffs, key=lambda d: -d[1])
+    return sorted(diffs, key=lambda d: -d[1]), lost
 
 
 def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -247,7 +254,7 @@ def _float64_verdict(config: transformers.PretrainedConfig, *, seed: int, name: 
     if isinstance(floor_losses, str):
         floor = None
     with tempfile.TemporaryDirectory() as tmp:
-        worst = _compare(pm, exact, _shared_dir(tmp, None), rtol=scale * WEIGHT_RTOL)
+        worst, _ = _compare(pm, exact, _shared_dir(tmp, None), rtol=scale * WEIGHT_RTOL)
         dist.barrier()
     if dist.get_rank() != 0:
         return None, ""
@@ -326,11 +333,15 @@ def one_step_parity(*, config: dict, parallel: ParallelConfig | None = None, see
     if isinstance(losses, str):
         return asdict(Verdict(verdict="refused", reason=losses))
     with tempfile.TemporaryDirectory() as tmp:
-        worst = _compare(pm, ref, _shared_dir(tmp, out_dir))
+        worst, lost = _compare(pm, ref, _shared_dir(tmp, out_dir))
         dist.barrier()
     # the weights are compared on rank 0 alone: its word decides, on every rank, whether float64 is asked
-    why = [_judge(losses, reference, worst, loss_tols=[LOSS_RTOL * abs(b) for b in reference], weight_tol=WEIGHT_ATOL)]
+    why = [_judge(losses, reference, worst, loss_tols=[LOSS_RTOL * abs(b) for b in reference], weight_tol=WEIGHT_ATOL),
+           lost]
     dist.broadcast_object_list(why, src=0)
+    if why[1]:
+        return asdict(Verdict(verdict="fails alone", reason=f"transformers' save_pretrained -> from_pretrained of the "
+                                                            f"plain model loses {len(why[1])} weights ({why[1][0]}, ...)"))
     verdict, reason = "equal", ""
     if why[0] is not None:
         wide, numbers = _float64_verdict(config_obj, seed=seed, name=model_class_name, parallel=parallel, mesh=mesh,
