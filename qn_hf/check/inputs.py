@@ -125,6 +125,17 @@ def dummy_batch(model: nn.Module, *, rows: int, seq_len: int = SEQ_LEN, seed: in
     elif head.kind is LossKind.SPANS:
         batch["start_positions"] = torch.randint(0, positions, (rows,), generator=generator)
         batch["end_positions"] = torch.randint(0, positions, (rows,), generator=generator)
+    languages = getattr(config, "languages", None)
+    if "lang_ids" in params and "input_ids" in batch and isinstance(languages, (list, tuple)) and languages:
+        # X-MOD routes each row through its language's adapters and refuses a batch that names none (its config
+        # sets no default language), as a caller passes them: one a row
+        batch["lang_ids"] = torch.randint(0, len(languages), (rows,), generator=generator)
+    if (config.is_encoder_decoder and "decoder_input_ids" in params and "labels" not in batch
+            and "input_ids" in batch and head.kind in (None, LossKind.OWN)):
+        # a seq2seq model trained on its outputs makes no decoder input of its own where its labels would
+        # (Marian's, Pegasus', Blenderbot's base models and generation heads fail without one), as a caller
+        # passes it: drawn last, so that no other input of any model changes
+        batch["decoder_input_ids"] = torch.randint(3, vocab, (rows, seq_len), generator=generator)
     return batch
 
 
