@@ -191,6 +191,8 @@ def test_pipeline_cut_points_read_from_the_forwards(model_type, cls, entry, firs
     ("modernvbert", "ModernVBertForMaskedLM", ("text_model.embeddings", "vision_model", "connector")),
     ("gemma3", "Gemma3ForSequenceClassification", ("language_model.embed_tokens", "vision_tower",
                                                    "multi_modal_projector")),
+    # its loop makes each block's layer_type afresh from the config by position: nothing handed on
+    ("ultravbert", "UltraVBertForMaskedLM", ("text_model.embed_tokens", "vision_model", "connector")),
 ])
 def test_what_no_later_stage_can_stand_in_for_runs_on_every_stage(model_type, cls, every_stage):
     """Where what comes before the blocks is not the entry's output with modules applied in turn, every stage

@@ -287,16 +287,30 @@ def stack_cut(base: nn.Module, *, layers: str, embeddings: str | None) -> StackC
 
 
 def _carried(level: _Level) -> list[str]:
-    """The names a block's call reads, besides its first argument, that the loop over the blocks assigns
-    (Swin's input_dimensions, each stage's output size): what one block hands the next."""
+    """The names a block's call reads, besides its first argument, that the loop assigns from a block's
+    output (through other such names) or from their own last value: what one block hands the next (Swin's
+    input_dimensions, halved at each downsampling stage; LUKE's entity_hidden_states). A name the loop makes afresh from its position (the
+    config's layer_types[i], cut with the stage's config) is no such thing."""
     loop, call = block_call(level.tree, level.down)
     first = _first_argument(call)
     hidden = {n.id for n in ast.walk(first) if isinstance(n, ast.Name)} if first is not None else set()
     read = {n.id for n in ast.walk(call) if isinstance(n, ast.Name)} - hidden
-    assigned = {t.id for node in ast.walk(loop) if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
-                for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
-                for t in ast.walk(target) if isinstance(t, ast.Name)}
-    return sorted(read & assigned)
+    writes = [(node, [t.id for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                      for t in ast.walk(target) if isinstance(t, ast.Name)])
+              for node in ast.walk(loop) if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+              and node.value is not None]
+    tainted: set[str] = set()
+    grown = True
+    while grown:
+        grown = False
+        for node, targets in writes:
+            reads = {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)}
+            # from a block's output, from such a name, or from itself (a value each iteration moves on)
+            if any(n is call for n in ast.walk(node.value)) or reads & (tainted | set(targets)):
+                if not set(targets) <= tainted:
+                    tainted.update(targets)
+                    grown = True
+    return sorted(read & tainted)
 
 
 def _every_stage(levels: list[_Level], *, entry: str, first: dict[str, StandIn], side: list[str],
