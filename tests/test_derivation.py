@@ -197,6 +197,7 @@ def test_pipeline_cut_points_read_from_the_forwards(model_type, cls, entry, firs
 def test_what_no_later_stage_can_stand_in_for_runs_on_every_stage(model_type, cls, every_stage):
     """Where what comes before the blocks is not the entry's output with modules applied in turn, every stage
     holds it and runs it, and its first block takes the received activation."""
+    needs_model_type(model_type)
     policy = _policy(model_type, cls)
     assert policy.pp_refusal is None, policy.pp_refusal
     assert (policy.pp_every_stage, dict(policy.pp_first), policy.pp_receive_at_blocks) == (every_stage, {}, True)
