@@ -77,7 +77,7 @@ def test_a_config_that_builds_shrunk_is_not_repaired(monkeypatch):
     def refused(*args, **kwargs):
         raise AssertionError("repaired")
 
-    monkeypatch.setattr(shrink, "_repaired", refused)
+    monkeypatch.setattr(shrink, "repaired", refused)
     for model_type in ("mamba", "falcon_mamba", "nemotron_h", "llama", "t5", "bert", "clip"):
         shrink.shrink_config(CONFIG_MAPPING[model_type]())
     with pytest.raises(AssertionError, match="repaired"):

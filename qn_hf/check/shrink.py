@@ -12,13 +12,10 @@ import re
 
 from transformers import PretrainedConfig
 
-# Widths small enough for CPU, divisible by tp in {1, 2, 4} and, for heads, still grouped (GQA).
-HIDDEN = 64
-HEADS = 4
-HEAD_DIM = 16
-LAYERS = 4
-VOCAB = 126  # not a multiple of 4: tp=4 pads the vocabulary
-EXPERTS = 4
+from .repair import repaired
+from .sizes import EXPERTS, HEAD_DIM, HEADS, HIDDEN, LAYERS, STAGE_DEPTH, VOCAB
+from .sizes import LAYER_COUNTS as _LAYER_COUNTS
+from .sizes import is_size as _is_size
 
 # size key -> value (applied only to keys the config has and that are set)
 _SIZES: dict[str, int] = {
@@ -68,7 +65,6 @@ _COMPOUND_SCALED = {"depth_coefficient": 1.0, "image_size": 64}
 # alternating shifted windows, still run; the stage count stays (strides, heads and widths are per stage).
 # ResNet-50's 16 blocks at 2048 channels left the float32 model's own gradients 0.4% from a float64 run's.
 _STAGE_DEPTHS = ("depths",)
-STAGE_DEPTH = 2
 # Scalar multipliers that default to 1.0 (Granite's muP scalars, AFMoE's routing scale) get another
 # value: at 1.0 applying one twice, or on the wrong side of a stage or tp boundary, changes nothing,
 # and the zoo would call equal what a real checkpoint (Granite 3: embedding_multiplier=12) trains
@@ -76,8 +72,6 @@ STAGE_DEPTH = 2
 _MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling", "route_scale")
 MULTIPLIER = 1.37
 
-# Keys that count blocks the way num_hidden_layers does (an audio encoder's conformer blocks).
-_LAYER_COUNTS = ("num_hidden_layers", "num_blocks", "encoder_layers", "decoder_layers", "num_decoder_layers")
 _DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 _MROPE_AXES = 3  # M-RoPE's sections: time, height, width
 
@@ -131,10 +125,6 @@ def _fill_gaps(data: dict, *, mrope: bool) -> None:
         # a rope without sections where the model falls back to the full head's ([16, 24, 24] in Qwen2-VL,
         # GLM-4V): sections sized for the shrunk head (_resize_rope)
         rope["mrope_section"] = [1] * _MROPE_AXES
-
-
-def _is_size(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _tied_to_hidden(key: str, value: object, hidden: object) -> bool:
@@ -225,80 +215,6 @@ def _mla_head_dim(data: dict) -> int:
     whole query-key head (nope + rope, as Dots 3's sliding layers require)."""
     return _SIZES["qk_rope_head_dim"] if data.get("head_dim") == data.get("qk_rope_head_dim") else \
         _SIZES["qk_rope_head_dim"] + _SIZES["qk_nope_head_dim"]
-
-
-# Stored counts of blocks beside a num_hidden_layers the config computes from them (a read-only property):
-# Funnel's blocks per stage, ProphetNet's encoder and decoder
-_STORED_COUNTS = ("num_encoder_layers", "num_decoder_layers")
-# a size key naming a width another part must match (an adapter's input, a tower's output for the text
-# model, a flow head's condition): shrunk with the hidden size it equals
-_WIDTH_KEY = re.compile(r"hidden|_dim$|_(input|output)_size$")
-# an override the repair may take back where the config refuses the shrunk value: the original, where it
-# is no larger than this (ZAYA routes each token to one expert)
-_REVERTIBLE_UP_TO = 64
-
-
-def _hidden_sizes(config: PretrainedConfig) -> set[int]:
-    """The hidden sizes of ``config`` and of its sub-configs, as the defaults give them."""
-    configs = [config] + [v for v in vars(config).values() if isinstance(v, PretrainedConfig)]
-    return {size for c in configs for key in ("hidden_size", "d_model") if _is_size(size := getattr(c, key, None))}
-
-
-def _repaired(merged: dict, *, data: dict, new: dict, config: PretrainedConfig) -> dict:
-    """``merged`` where the config refuses it: sizes its validation ties together that the shrink set apart,
-    or a count it computes itself. Only for configs the plain shrink cannot build, so that no config that
-    builds changes. Each rule is data the config holds, not its error's words:
-
-    * a width equal to a hidden size of this config or a sub-config (``_hidden_sizes``) is the shrunk
-      hidden size, in this config and its sub-configs (Dots 3's adapter_in_dim, a tower's out_hidden_size,
-      a flow head's condition_dim, a head's audio_hidden_size);
-    * a token id beyond the shrunk vocabulary is its last (a CTC head's blank);
-    * XLNet's and Funnel's per-head width: the shrunk head width; Mamba 2's heads x head width = expand x
-      hidden;
-    * a count the config computes (a property: Funnel's num_hidden_layers and num_blocks) is not set: the
-      stored counts are (Funnel's
-      blocks per stage as a staged tower's, ProphetNet's encoder and decoder layers);
-    * last, an override the config still refuses is taken back one at a time, where the original is small."""
-    out = dict(merged)
-    hidden = _hidden_sizes(config)
-
-    def tie(values: dict) -> dict:
-        return {k: HIDDEN if isinstance(k, str) and _WIDTH_KEY.search(k) and _is_size(v) and v in hidden
-                and v != HIDDEN else v for k, v in values.items()}
-
-    out = tie(out)
-    for key, value in out.items():
-        if isinstance(value, dict) and isinstance(getattr(config, key, None), PretrainedConfig):
-            out[key] = tie(value)
-    if _is_size(out.get("vocab_size")):  # a token the vocabulary must hold (a CTC head's blank): its last
-        out.update({k: out["vocab_size"] - 1 for k, v in out.items()
-                    if k.endswith("_token_id") and _is_size(v) and v >= out["vocab_size"]})
-    if _is_size(data.get("d_head")):
-        out["d_head"] = HEAD_DIM
-    if _is_size(data.get("expand")) and _is_size(data.get("head_dim")) and _is_size(data.get("num_heads")):
-        out["head_dim"] = data["expand"] * HIDDEN // out["num_heads"]
-    computed = [key for key in _LAYER_COUNTS if key not in data and isinstance(getattr(type(config), key, None), property)]
-    if computed:
-        for key in computed:
-            out.pop(key, None)
-        out.update({key: LAYERS for key in _STORED_COUNTS if _is_size(data.get(key))})
-        if isinstance(data.get("block_sizes"), list):
-            out["block_sizes"] = [min(d, STAGE_DEPTH) for d in data["block_sizes"]]
-    try:
-        type(config)(**out)
-        return out
-    except Exception:  # noqa: BLE001 - which override it refuses, the config does not say as data
-        pass
-    for key in new:
-        original = data.get(key)
-        if key in out and out[key] != original and not (_is_size(original) and original > _REVERTIBLE_UP_TO):
-            trial = {**out, key: original}
-            try:
-                type(config)(**trial)
-                return trial
-            except Exception:  # noqa: BLE001
-                continue
-    return out
 
 
 def shrink_config(config: PretrainedConfig, *, layers: int = LAYERS) -> PretrainedConfig:
@@ -400,9 +316,9 @@ def shrink_config(config: PretrainedConfig, *, layers: int = LAYERS) -> Pretrain
     try:
         shrunk = type(config)(**merged)
     except Exception as first:  # noqa: BLE001 - the config's own validation, any type: repaired once, else raised
-        repaired = _repaired(merged, data=data, new=new, config=config)
+        fixed = repaired(merged, data=data, new=new, config=config)
         try:
-            shrunk = type(config)(**repaired)
+            shrunk = type(config)(**fixed)
         except Exception:  # noqa: BLE001
             raise first from None
     if getattr(shrunk, "classifier_dropout", None) is None and getattr(shrunk, "hidden_dropout", None) is None:

@@ -1,0 +1,83 @@
+"""Repairing a shrunk config its own validation refuses (``shrink.shrink_config``): from what the config holds,
+never from its error's words, and only where it refuses, so that no config that builds changes."""
+
+from __future__ import annotations
+
+import re
+
+from transformers import PretrainedConfig
+
+from .sizes import HEAD_DIM, HIDDEN, LAYER_COUNTS, LAYERS, STAGE_DEPTH, is_size
+
+# Stored counts of blocks beside a num_hidden_layers the config computes from them (a read-only property):
+# Funnel's blocks per stage, ProphetNet's encoder and decoder
+_STORED_COUNTS = ("num_encoder_layers", "num_decoder_layers")
+# a size key naming a width another part must match (an adapter's input, a tower's output for the text
+# model, a flow head's condition): shrunk with the hidden size it equals
+_WIDTH_KEY = re.compile(r"hidden|_dim$|_(input|output)_size$")
+# an override the repair may take back where the config refuses the shrunk value: the original, where it
+# is no larger than this (ZAYA routes each token to one expert)
+_REVERTIBLE_UP_TO = 64
+
+
+def _hidden_sizes(config: PretrainedConfig) -> set[int]:
+    """The hidden sizes of ``config`` and of its sub-configs, as the defaults give them."""
+    configs = [config] + [v for v in vars(config).values() if isinstance(v, PretrainedConfig)]
+    return {size for c in configs for key in ("hidden_size", "d_model") if is_size(size := getattr(c, key, None))}
+
+
+def repaired(merged: dict, *, data: dict, new: dict, config: PretrainedConfig) -> dict:
+    """``merged`` where the config refuses it: sizes its validation ties together that the shrink set apart,
+    or a count it computes itself. Only for configs the plain shrink cannot build, so that no config that
+    builds changes. Each rule is data the config holds, not its error's words:
+
+    * a width equal to a hidden size of this config or a sub-config (``_hidden_sizes``) is the shrunk
+      hidden size, in this config and its sub-configs (Dots 3's adapter_in_dim, a tower's out_hidden_size,
+      a flow head's condition_dim, a head's audio_hidden_size);
+    * a token id beyond the shrunk vocabulary is its last (a CTC head's blank);
+    * XLNet's and Funnel's per-head width: the shrunk head width; Mamba 2's heads x head width = expand x
+      hidden;
+    * a count the config computes (a property: Funnel's num_hidden_layers and num_blocks) is not set: the
+      stored counts are (Funnel's
+      blocks per stage as a staged tower's, ProphetNet's encoder and decoder layers);
+    * last, an override the config still refuses is taken back one at a time, where the original is small."""
+    out = dict(merged)
+    hidden = _hidden_sizes(config)
+
+    def tie(values: dict) -> dict:
+        return {k: HIDDEN if isinstance(k, str) and _WIDTH_KEY.search(k) and is_size(v) and v in hidden
+                and v != HIDDEN else v for k, v in values.items()}
+
+    out = tie(out)
+    for key, value in out.items():
+        if isinstance(value, dict) and isinstance(getattr(config, key, None), PretrainedConfig):
+            out[key] = tie(value)
+    if is_size(out.get("vocab_size")):  # a token the vocabulary must hold (a CTC head's blank): its last
+        out.update({k: out["vocab_size"] - 1 for k, v in out.items()
+                    if k.endswith("_token_id") and is_size(v) and v >= out["vocab_size"]})
+    if is_size(data.get("d_head")):
+        out["d_head"] = HEAD_DIM
+    if is_size(data.get("expand")) and is_size(data.get("head_dim")) and is_size(data.get("num_heads")):
+        out["head_dim"] = data["expand"] * HIDDEN // out["num_heads"]
+    computed = [key for key in LAYER_COUNTS if key not in data and isinstance(getattr(type(config), key, None), property)]
+    if computed:
+        for key in computed:
+            out.pop(key, None)
+        out.update({key: LAYERS for key in _STORED_COUNTS if is_size(data.get(key))})
+        if isinstance(data.get("block_sizes"), list):
+            out["block_sizes"] = [min(d, STAGE_DEPTH) for d in data["block_sizes"]]
+    try:
+        type(config)(**out)
+        return out
+    except Exception:  # noqa: BLE001 - which override it refuses, the config does not say as data
+        pass
+    for key in new:
+        original = data.get(key)
+        if key in out and out[key] != original and not (is_size(original) and original > _REVERTIBLE_UP_TO):
+            trial = {**out, key: original}
+            try:
+                type(config)(**trial)
+                return trial
+            except Exception:  # noqa: BLE001
+                continue
+    return out
