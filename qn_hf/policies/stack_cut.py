@@ -219,12 +219,13 @@ def stack_cut(base: nn.Module, *, layers: str, embeddings: str | None) -> StackC
         return levels
     entry, entry_level, first, last, reads, side = None, None, {}, {}, set(), []
     for index, level in enumerate(levels):
-        uses = self_references(level.tree)
+        direct = self_references(level.tree)
+        uses = {name: list(found) for name, found in direct.items()}
         start, stop = level.bound, max(line for line, _ in uses[level.down])
         methods = own_methods(level.holder, level.tree)
         for method, reached in methods.items():  # a child a method reads is used where the forward calls it
             for name in reached - {level.down}:
-                uses.setdefault(name, []).extend((line, "") for line, _ in self_references(level.tree)[method])
+                uses.setdefault(name, []).extend((line, "") for line, _ in direct[method])
         _, chain_values = _chain(level)
         for name, child in level.holder.named_children():
             full = join(level.path, name)
