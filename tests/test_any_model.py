@@ -68,6 +68,7 @@ def test_zero_takes_any_model(worlds):
     ("deit", "DeiTForImageClassification"),
     ("big_bird", "BigBirdForMaskedLM"),  # later stages slice a buffer of the entry (token_type_ids)
     ("longformer", "LongformerForMaskedLM"),  # blocks over window-padded states, the padding cut after them
+    ("openai-gpt", "OpenAIGPTLMHeadModel"),  # blocks that return a list
 ])
 def test_pipelines_cut_any_block_stack(worlds, model_type, cls):
     verdict = worlds.run(2, any_model_cases.head_step, model_type=model_type, cls=cls, pp=2)[0]
@@ -240,6 +241,7 @@ def test_a_fused_layout_qn_hf_cannot_split_is_refused(worlds):
     ("t5", "T5ForConditionalGeneration", dict(pp=2, microbatches=4, schedule="zb_h1")),
     ("bigbird_pegasus", "BigBirdPegasusForSequenceClassification", dict(pp=2)),  # its forward makes the decoder's ids
     ("bart", "BartForConditionalGeneration", dict(pp=2, microbatches=3, schedule="gpipe")),
+    ("fsmt", "FSMTForConditionalGeneration", dict(pp=2)),  # time-major stacks: the encoder's output a transpose
 ])
 def test_encoder_decoder_pipelines(worlds, model_type, cls, mesh):
     size = mesh.get("dp", 1) * mesh.get("tp", 1) * mesh["pp"]

@@ -219,7 +219,8 @@ class StageExecutor:
         return self._link("from_prev").recv(buf, tag=self._tag(key, 1)), buf
 
     def _post_gradient(self, step: _Step, key: Key) -> tuple[dist.Work, torch.Tensor]:
-        buf = torch.empty_like(step.outputs[key])
+        # dense whatever the output's strides (FSMT's stack ends on a transpose): what was sent is contiguous
+        buf = torch.empty_like(step.outputs[key], memory_format=torch.contiguous_format)
         return self._link("from_next").recv(buf, tag=self._tag(key, 2)), buf
 
     def _received(self, step: _Step, key: Key, post: Callable[[_Step, Key], tuple[dist.Work, torch.Tensor]]) -> torch.Tensor:

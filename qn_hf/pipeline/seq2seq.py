@@ -153,7 +153,14 @@ def chunk_of(stacks: Seq2SeqStages, name: str, *, chunks: int, layer_ranges) -> 
 
 
 class Absent(nn.Module):
-    """A stack that runs on other stages: parameter-free; its forward is never called here."""
+    """A stack that runs on other stages: parameter-free; its forward is never called here. It keeps the
+    stack's config, which the model's forward may read (EncoderDecoderModel compares its encoder's and
+    decoder's widths before running either)."""
+
+    def __init__(self, stands_for: nn.Module) -> None:
+        super().__init__()
+        if getattr(stands_for, "config", None) is not None:
+            self.config = stands_for.config
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("this pipeline stage runs the other stack of the encoder-decoder")
@@ -168,8 +175,8 @@ def stage_modules(model: nn.Module, stacks: Seq2SeqStages, *, chunk: int, layer_
     other = stacks.decoder if stack == stacks.encoder else stacks.encoder
     if stack == stacks.encoder:
         for head in stacks.heads:
-            replace(head, Absent())
-    replace(other, Absent())
+            replace(head, Absent(model.get_submodule(head)))
+    replace(other, Absent(model.get_submodule(other)))
     blocks = model.get_submodule(layers)
     kept = nn.ModuleList()
     for i in range(*layer_ranges[chunk]):
