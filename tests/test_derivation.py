@@ -61,6 +61,10 @@ def test_projection_roles_are_read_from_their_names(path, role):
      {"layers.*.attention.num_attention_heads": "local_heads"}),
     # Fuyu's language model is a Persimmon: the fused layout of its text config's type
     ("fuyu", "FuyuForCausalLM", {}, {"language_model.layers.*.self_attn.query_key_value": "colwise"}, {}),
+    # X-MOD's per-language bottleneck adapters (hidden -> r -> hidden) after the MLP's row-parallel output: whole
+    ("xmod", "XmodForCausalLM", {"is_decoder": True},
+     {"encoder.layer.*.output.dense": "rowwise", "encoder.layer.*.output.adapter_modules.en_XX.dense1": "replicate",
+      "encoder.layer.*.output.adapter_modules.en_XX.dense2": "replicate"}, {}),
 ])
 def test_tensor_parallel_rules_derived_from_the_structure(model_type, cls, overrides, rules, patches):
     policy = _policy(model_type, cls, **overrides)
@@ -235,6 +239,14 @@ def test_a_module_the_forward_never_names_where_it_hands_self_on_refuses_pp():
 
     refusal = stack_cut(Body(), layers="layers", embeddings="embed")
     assert isinstance(refusal, str) and "side holds parameters Body's forward never names, and it hands self on" in refusal
+
+
+def test_an_encoder_decoder_reading_more_of_its_encoders_output_than_its_last_state_refuses_pp():
+    # Switch Transformers' loss adds its encoder's router losses, read off encoder_outputs.router_logits, which only
+    # the encoder's stages have; LED rebuilds what it is given as its own output class: cut as any
+    policy = _policy("switch_transformers", "SwitchTransformersForConditionalGeneration")
+    assert policy.pp_refusal is not None and "encoder_outputs.router_logits" in policy.pp_refusal, policy.pp_refusal
+    assert _policy("led", "LEDForConditionalGeneration").pp_refusal is None
 
 
 def test_a_stack_whose_forward_reshapes_the_embedding_refuses_pp():

@@ -372,6 +372,8 @@ def derive_block(block: nn.Module, *, heads_expected: int | None = None, fused: 
             # beside no attention the up and down must be a module of their own (or the block: XLM's ffns): a
             # mixer's projections named alike (an up, a recurrence, a down) would not split as an MLP does
             return Derived({}, {}, refusal=f"{NO_ATTENTION}, nor an MLP module of its own ({', '.join(ups + downs)})")
+    for name in _residual_adapters(leaves, rules, hidden=hidden, attention=attention) if groups else ():
+        rules[name] = Style.REPLICATE
     for name in leaves:
         if name not in rules and not groups:
             # a mixer without heads, on the whole residual stream every tp rank holds: computed whole on
@@ -383,6 +385,27 @@ def derive_block(block: nn.Module, *, heads_expected: int | None = None, fused: 
             return Derived({}, {}, refusal=(f"{name} ({type(leaves[name]).__name__} {in_f}->{out_f}) is no projection "
                                             f"qn_hf can place"))
     return Derived(rules, patches, attention=tuple(attention), head_inputs=head_inputs)
+
+
+def _residual_adapters(leaves: dict[str, nn.Module], rules: dict[str, Style], *, hidden: int,
+                       attention: list[str]) -> list[str]:
+    """The projections no rule placed that, module by module, chain the block's width back to itself
+    outside its attention (X-MOD's per-language bottleneck adapters, hidden -> r -> hidden, run on the
+    MLP's output after its row-parallel projection summed it): kept whole on every rank, computed on
+    the whole residual stream. Where one reads a rank's share instead (its width equal to a split's),
+    its gradient differs between the ranks, and the first step's check refuses it
+    (tensor_parallel/replica_check.py)."""
+    by_parent: dict[str, list[str]] = {}
+    for name in leaves:
+        if name not in rules and not any(a == "" or name.startswith(a + ".") for a in attention):
+            by_parent.setdefault(name.rpartition(".")[0], []).append(name)
+    chained = []
+    for names in by_parent.values():
+        widths = [in_out_features(leaves[n]) for n in names]
+        if (widths[0][0] == hidden and widths[-1][1] == hidden
+                and all(out == nxt for (_, out), (nxt, _) in zip(widths, widths[1:]))):
+            chained += names
+    return chained
 
 
 NO_ATTENTION = "no attention qn_hf can read (query, key, value and output projections)"
