@@ -212,3 +212,15 @@ def test_the_image_size_checked_is_the_vision_models_own():
     assert model.config.image_size != batch["pixel_values"].shape[-1] == model.config.vision_config.image_size
     check_model_inputs(batch, model=model, loss=None)
     model(**batch)  # the plain model takes it
+
+
+@pytest.mark.parametrize(("model_type", "cls", "shapes"), [
+    ("patchtst", "PatchTSTModel", {"past_values": (2, 32, 1)}),  # its context, per channel
+    # a univariate forecaster: whole patches, nothing padded, a frequency class per series
+    ("timesfm", "TimesFmModel", {"past_values": (2, 128), "past_values_padding": (2, 128), "freq": (2, 1)}),
+])
+def test_a_time_series_model_gets_a_series_it_runs_on(model_type, cls, shapes):
+    model = build(shrink_config(CONFIG_MAPPING[model_type]()), seed=0, name=cls)
+    batch = dummy_batch(model, rows=2)
+    assert {k: tuple(v.shape) for k, v in batch.items()} == shapes
+    model(**batch)  # the plain model takes it

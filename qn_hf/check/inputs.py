@@ -70,6 +70,19 @@ def main_input(model: nn.Module, *, rows: int, seq_len: int, generator: torch.Ge
         bins = getattr(audio, "num_mel_bins", None) or 80
         frames = 2 * (getattr(audio, "max_source_positions", None) or 32)
         return {"input_features": torch.randn(rows, bins, frames, generator=generator)}
+    if name == "past_values":  # a time series: its context, per channel where the model reads several
+        context = getattr(config, "context_length", None)
+        if isinstance(getattr(config, "num_input_channels", None), int) and isinstance(context, int):
+            return {"past_values": torch.randn(rows, context, config.num_input_channels, generator=generator)}
+        # a univariate forecaster (TimesFM) takes any length of whole patches: four, not its long context
+        length = 4 * (getattr(config, "patch_length", None) or 8)
+        series = {"past_values": torch.randn(rows, length, generator=generator)}
+        params = inspect.signature(model.forward).parameters
+        if "past_values_padding" in params:
+            series["past_values_padding"] = torch.zeros(rows, length)  # nothing padded
+        if "freq" in params:
+            series["freq"] = torch.zeros(rows, 1, dtype=torch.long)  # frequency class 0 (high), as its docs show
+        return series
     raise NoBatch(f"{type(model).__name__} takes {name!r}, which qn_hf's checks make no random batch for")
 
 
