@@ -27,11 +27,11 @@ import ast
 from dataclasses import dataclass
 
 from torch import nn
-from transformers.modeling_outputs import BaseModelOutput
 
 from .cuts import Seq2SeqCut, StackCut, StandIn
 from .derive import block_call, loop_indexed
 from .entries import children_reached, forward_tree, own_methods, self_path, self_references
+from .forward_reads import encoder_output_reads
 from .module_kinds import position_wise
 from .patterns import join
 
@@ -351,7 +351,7 @@ def seq2seq_cut(model: nn.Module, base: nn.Module, *, lists, embeddings, carried
         encoder, decoder = model.get_encoder(), model.get_decoder()
     except (AttributeError, NotImplementedError, TypeError):
         return "it names no encoder and decoder (get_encoder, get_decoder)"
-    beyond = _encoder_output_reads(model, base)
+    beyond = encoder_output_reads(model, base)
     if beyond:
         return (f"its forward reads {', '.join(f'encoder_outputs.{a}' for a in beyond)}, which the encoder's stages "
                 f"hold: the decoder's stages receive the encoder's last hidden state only")
@@ -383,24 +383,3 @@ def seq2seq_cut(model: nn.Module, base: nn.Module, *, lists, embeddings, carried
                       decoder_cut=_prefixed(dec_cut, dec) if dec_cut else None,
                       encoder_why=enc_why, decoder_why=dec_why, shared=shared)
 
-
-def _encoder_output_reads(model: nn.Module, base: nn.Module) -> list[str]:
-    """What the task and base forwards read off ``encoder_outputs`` besides what the last stage hands
-    them (a ``BaseModelOutput`` of the encoder's last hidden state): Switch Transformers' router logits,
-    for the router losses its loss adds. A forward that rebuilds what it is given as its own output
-    class (LED's, whose global attentions are then None) reads that instead."""
-    known = set(BaseModelOutput.__dataclass_fields__)
-    reads = set()
-    for module in {id(model): model, id(base): base}.values():
-        tree = forward_tree(module)
-        if tree is not None and any(
-                isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Name)
-                and any(isinstance(t, ast.Name) and t.id == "encoder_outputs" for t in n.targets)
-                for n in ast.walk(tree)):
-            continue
-        called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)} if tree is not None else set()
-        for node in ast.walk(tree) if tree is not None else ():
-            if (isinstance(node, ast.Attribute) and id(node) not in called and isinstance(node.value, ast.Name)
-                    and node.value.id == "encoder_outputs" and node.attr not in known):
-                reads.add(node.attr)
-    return sorted(reads)

@@ -20,15 +20,12 @@ each derived type against the plain model (tests/test_heads_zoo.py).
 
 from __future__ import annotations
 
-import ast
-import inspect
-import textwrap
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from ..arguments import Choice
-from .entries import forward_tree, self_path
+from .forward_reads import halves, int_reads, width_read_off_input
 from .fused import FusedAttention, FusedLayout
 from .module_kinds import in_out_features, is_projection, position_wise
 from .patterns import join
@@ -100,44 +97,6 @@ def _head_dim(modules: list[nn.Module]) -> int | None:
     return None
 
 
-def _in_slice(node: ast.AST, parents: dict) -> bool:
-    """Whether ``node`` is read as a slice's bound (``q[..., : self.rotary_ndims]``): a width within a
-    head, never a count of heads, though its value may equal one (StableLM's rotary_ndims)."""
-    while node in parents:
-        node = parents[node]
-        if isinstance(node, ast.Slice):
-            return True
-        if isinstance(node, ast.stmt):
-            return False
-    return False
-
-
-def _int_reads(module: nn.Module) -> set[str]:
-    """The attributes of ``module`` its forward (and the methods of its own it calls, one level) reads
-    as integers, other than as a slice's bound."""
-    trees = [forward_tree(module)]
-    if trees[0] is None:
-        return set()
-    for node in ast.walk(trees[0]):
-        path = self_path(node.func) if isinstance(node, ast.Call) else None
-        method = getattr(type(module), path, None) if path and "." not in path else None
-        if inspect.isfunction(method):
-            try:
-                trees.append(ast.parse(textwrap.dedent(inspect.getsource(method))).body[0])
-            except (OSError, TypeError, SyntaxError):
-                continue
-    found = set()
-    for tree in trees:
-        parents = {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
-        for node in ast.walk(tree):
-            path = self_path(node) if isinstance(node, ast.Attribute) else None
-            if path and "." not in path and not _in_slice(node, parents):
-                value = getattr(module, path, None)
-                if isinstance(value, int) and not isinstance(value, bool):
-                    found.add(path)
-    return found
-
-
 def _sequential_roles(block: nn.Module, roles: dict[str, Role | None]) -> None:
     """An MLP built as ``nn.Sequential(Linear, activation, Linear)`` (CTRL's ``ffn``) names its layers by
     position only: the first is its up, the last its down, where nothing else in it has parameters."""
@@ -152,48 +111,6 @@ def _sequential_roles(block: nn.Module, roles: dict[str, Role | None]) -> None:
             for child, role in zip(linear, (Role.UP, Role.DOWN)):
                 if roles.get(join(name, child), Role.UP) is None:
                     roles[join(name, child)] = role
-
-
-def _halves(module: nn.Module) -> bool:
-    """Whether ``module``'s forward cuts a tensor into two halves of its last dim (``x.chunk(2, dim=-1)``,
-    ``x.view(b, s, 2, -1)``): a gated MLP whose up projection holds the gate and the value side by side."""
-    tree = forward_tree(module)
-    for node in ast.walk(tree) if tree is not None else ():
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
-            continue
-        values = [a.value if isinstance(a, ast.Constant) else -a.operand.value
-                  if isinstance(a, ast.UnaryOp) and isinstance(a.op, ast.USub) and isinstance(a.operand, ast.Constant)
-                  else None for a in node.args]
-        if node.func.attr == "chunk" and values[:1] == [2] and all(
-                k.arg != "dim" or (isinstance(k.value, ast.UnaryOp) and k.value.operand.value == 1) for k in node.keywords):
-            return True
-        if node.func.attr in ("view", "reshape") and values[-2:] == [2, -1]:
-            return True
-    return False
-
-
-def _width_read_off_input(module: nn.Module) -> str | None:
-    """The local name ``module``'s forward unpacks its input's width into (``bsz, tgt_len, embed_dim =
-    hidden_states.size()``) and then reshapes with (TrOCR's ``attn_output.reshape(bsz, tgt_len,
-    embed_dim)``): the whole width, where a rank's heads hold a share. No patch reaches a local name."""
-    tree = forward_tree(module)
-    if tree is None or len(tree.args.args) < 2:
-        return None
-    arg = tree.args.args[1].arg
-    widths = set()
-    for node in ast.walk(tree):
-        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Tuple)
-                and node.targets[0].elts and isinstance(node.targets[0].elts[-1], ast.Name)):
-            value = node.value.func if isinstance(node.value, ast.Call) else node.value
-            if (isinstance(value, ast.Attribute) and value.attr in ("size", "shape")
-                    and isinstance(value.value, ast.Name) and value.value.id == arg):
-                widths.add(node.targets[0].elts[-1].id)
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("view", "reshape"):
-            used = [a.id for a in node.args if isinstance(a, ast.Name) and a.id in widths]
-            if used:
-                return used[0]
-    return None
 
 
 def _common_parent(paths: list[str]) -> str:
@@ -222,7 +139,7 @@ def _patches(holders: dict[str, nn.Module], *, heads: int, kv_heads: int, head_d
     this rank's share (a single shared KV head stays 1 on every rank)."""
     patches = {}
     for holder_path, holder in holders.items():
-        for attr in sorted(_int_reads(holder) - set(NOT_COUNTS) - set(HEAD_DIM_ATTRIBUTES)):
+        for attr in sorted(int_reads(holder) - set(NOT_COUNTS) - set(HEAD_DIM_ATTRIBUTES)):
             value = getattr(holder, attr)
             local = ("local_kv_groups" if attr == "num_key_value_groups" else None if value == 1
                      else "local_heads" if value == heads else "local_kv_heads" if value == kv_heads
@@ -290,7 +207,7 @@ def derive_block(block: nn.Module, *, heads_expected: int | None = None, fused: 
         if head_dim is None or o_in % head_dim or o_out != hidden:
             return Derived({}, {}, refusal=f"the attention around {q} (output {o_in}->{o_out}) does not read as heads")
         heads = o_in // head_dim
-        local = next((w for m in modules if (w := _width_read_off_input(m)) is not None), None)
+        local = next((w for m in modules if (w := width_read_off_input(m)) is not None), None)
         if local is not None:
             return Derived({}, {}, refusal=(f"the attention around {q} reshapes its output by {local}, the width its "
                                             f"forward reads off its input's size, which is whole on every rank"))
@@ -356,7 +273,7 @@ def derive_block(block: nn.Module, *, heads_expected: int | None = None, fused: 
         rules[down] = Style.ROWWISE
     mlp = _common_parent(ups + downs) if ups and downs else ""
     if len(ups) == 1 and len(downs) == 1 and in_out_features(leaves[ups[0]])[1] == 2 * in_out_features(leaves[downs[0]])[0] \
-            and _halves(block.get_submodule(mlp) if mlp else block):
+            and halves(block.get_submodule(mlp) if mlp else block):
         # the gate and the value side by side in one up projection (ModernBERT's Wi, Moshi's fc1): each half
         # split alike, so a rank's gate meets its own values
         rules[ups[0]] = Style.COLWISE_PACKED2
