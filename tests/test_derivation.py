@@ -154,6 +154,7 @@ def test_per_head_inputs_of_fused_architectures():
     ("neomme", "NeoMMEModel", r"value embeddings are looked up outside the attention"),  # amendments.py: data
     ("nystromformer", "NystromformerModel", r"attention.self.conv \(Conv2d\) holds weights over the 4 heads"),
     ("trocr", "TrOCRForCausalLM", r"reshapes its output by embed_dim"),  # a width read off the input's size()
+    ("pegasus_x", "PegasusXModel", r"reshapes its output by dim.hidden_dim"),  # ... into a record of sizes
 ])
 def test_what_the_derivation_cannot_read_refuses_tp_naming_it(model_type, cls, why):
     import re

@@ -74,13 +74,17 @@ def halves(module: nn.Module) -> bool:
 def width_read_off_input(module: nn.Module) -> str | None:
     """The local name ``module``'s forward unpacks its input's width into (``bsz, tgt_len, embed_dim =
     hidden_states.size()``) and then reshapes with (TrOCR's ``attn_output.reshape(bsz, tgt_len,
-    embed_dim)``): the whole width, where a rank's heads hold a share. No patch reaches a local name."""
+    embed_dim)``), or hands a record of sizes by keyword (PegasusX's ``DimensionInfo(hidden_dim=
+    token_hidden_states.shape[2])``, reshaping by ``dim.hidden_dim``): the whole width, where a rank's
+    heads hold a share. No patch reaches a local name or a record the forward builds."""
     tree = forward_tree(module)
     if tree is None or len(tree.args.args) < 2:
         return None
     arg = tree.args.args[1].arg
-    widths = set()
+    widths, fields = set(), set()
     for node in ast.walk(tree):
+        if isinstance(node, ast.keyword) and node.arg and _last_size_of(node.value, arg):
+            fields.add(node.arg)
         if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Tuple)
                 and node.targets[0].elts and isinstance(node.targets[0].elts[-1], ast.Name)):
             value = node.value.func if isinstance(node.value, ast.Call) else node.value
@@ -90,9 +94,26 @@ def width_read_off_input(module: nn.Module) -> str | None:
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("view", "reshape"):
             used = [a.id for a in node.args if isinstance(a, ast.Name) and a.id in widths]
+            used += [f"{a.value.id}.{a.attr}" for a in node.args if isinstance(a, ast.Attribute)
+                     and a.attr in fields and isinstance(a.value, ast.Name)]
             if used:
                 return used[0]
     return None
+
+
+def _last_size_of(node: ast.AST, arg: str) -> bool:
+    """Whether ``node`` reads ``arg``'s width: ``arg.shape[2]``, ``arg.shape[-1]``, ``arg.size(2)`` or ``arg.size(-1)``
+    (a hidden-states input of three dimensions)."""
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "shape":
+        base, index = node.value.value, node.slice
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "size" and node.args:
+        base, index = node.func.value, node.args[0]
+    else:
+        return False
+    value = index.value if isinstance(index, ast.Constant) else -index.operand.value \
+        if isinstance(index, ast.UnaryOp) and isinstance(index.op, ast.USub) and isinstance(index.operand, ast.Constant) \
+        else None
+    return isinstance(base, ast.Name) and base.id == arg and value in (2, -1)
 
 
 def encoder_output_reads(model: nn.Module, base: nn.Module) -> list[str]:

@@ -72,7 +72,12 @@ def head_layout(config, *, tp: int, num_kv_heads_key: str | None) -> HeadLayout:
 def _layer_layout(config, layer: int, *, tp: int, num_kv_heads_key: str | None) -> HeadLayout:
     heads = layer_value(config, "num_attention_heads", layer)
     kv_heads = layer_value(config, num_kv_heads_key, layer) if num_kv_heads_key else None
-    head_dim = layer_value(config, "head_dim", layer) or config.hidden_size // heads
+    width = getattr(config, "hidden_size", None)
+    head_dim = layer_value(config, "head_dim", layer) or (width // heads if isinstance(width, int) else None)
+    if head_dim is None:
+        # MobileViT's stages each have a width of their own (hidden_sizes): no one head width to split by
+        raise ValueError(f"tp={tp} ({config.model_type}): its config gives no hidden_size or head_dim, which qn_hf "
+                         f"reads the attention's head width from; use tp=1 (data and pipeline parallelism still apply)")
     return HeadLayout(heads=heads, kv_heads=kv_heads or heads, head_dim=head_dim, tp=tp)
 
 
