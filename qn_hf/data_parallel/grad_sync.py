@@ -174,4 +174,5 @@ def grad_buckets(model: nn.Module, placement: ShardPlacement, bucket_mb: float, 
     else:
         params = [p for n, p in model.named_parameters()
                   if p.requires_grad and (placement.copies(n) is Copies.EXPERTS) == experts]
+    params = [p for p in params if p.numel() > 0]  # an empty gradient has nothing to sum
     return GradBuckets(params, group=group, bucket_bytes=bucket_size_bytes(bucket_mb)) if params else None

@@ -211,8 +211,10 @@ def kept_whole(model: nn.Module) -> list[nn.Parameter]:
     """The parameters FSDP2 cannot shard, kept whole on every rank (plain tensors beside the DTensors) and
     left out of every ``fully_shard`` group; their gradients are summed over dp x cp by qn_hf's own buckets
     (``grad_sync.grad_buckets``): scalars (CLIP's and SigLIP's ``logit_scale``), which ``fully_shard``
-    refuses ("change it to a 1D tensor": the model is the user's, so qn_hf does not reshape it)."""
-    return [p for p in model.parameters() if p.dim() == 0]
+    refuses ("change it to a 1D tensor": the model is the user's, so qn_hf does not reshape it), and
+    parameters of no elements (DINOv3's register tokens at num_register_tokens=0), whose empty gradient
+    its reduce-scatter cannot pack."""
+    return [p for p in model.parameters() if p.dim() == 0 or p.numel() == 0]
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

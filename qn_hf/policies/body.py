@@ -67,12 +67,34 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     for module in model.modules():
         for param in module.parameters(recurse=False):
             owners.setdefault(id(param), set()).add(id(module))
+    embedding = _looked_up_directly(model)
     blocks = []
     for block in found:
         members = {id(m) for m in block.modules()}
-        if all(owners[id(p)] <= members for p in block.parameters()):
+        # a block holding the input embedding that a forward looks up directly (ModernVBERT's
+        # ``text_model.get_input_embeddings()(input_ids)``), past the block's own forward, where FSDP2 would
+        # gather its weights
+        inner = embedding is not None and embedding is not block and id(embedding) in members
+        if all(owners[id(p)] <= members for p in block.parameters()) and not inner:
             blocks.append(block)
     return blocks
+
+
+def _looked_up_directly(model: nn.Module) -> nn.Module | None:
+    """``model``'s input embedding where a forward of its modules calls it by ``get_input_embeddings()``."""
+    if not any("get_input_embeddings()(" in _source(type(m).forward) for m in model.modules()):
+        return None
+    try:
+        return model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+
+
+def _source(function) -> str:
+    try:
+        return inspect.getsource(function)
+    except (OSError, TypeError):
+        return ""
 
 
 def _callable(modules: nn.Module) -> list[nn.Module]:
