@@ -22,6 +22,7 @@ from ..config.parallel_config import ParallelConfig
 from ..data_parallel.batch_statistics import batch_statistics_layers
 from ..policies.body import no_cache
 from .inputs import probe_loss
+from .randomness import draws_random, sample_as_in_evaluation
 
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 5e-5
@@ -85,22 +86,13 @@ def causal_lm_config(config: transformers.PretrainedConfig, name: str | None = N
 # samples its experts (sparsemixer). No split of the batch (dp, cp, ep) or of the layers (pp) draws
 # the numbers one process draws, any more than dropout masks, so the check runs them as in
 # evaluation on both sides (their deterministic top-k), as it runs dropout at 0.
-SAMPLES_IN_TRAINING = ("PhimoeTopKRouter", "GroupViTAssignAttention")  # router jitter; Gumbel-softmax grouping
-
-
-def _sample_as_in_evaluation(module: torch.nn.Module, *_) -> None:
-    module.training = False  # before each call: train() sets it back
-
-
 def build(config: transformers.PretrainedConfig, *, seed: int, name: str | None = None) -> torch.nn.Module:
     """The model of ``config`` (class ``name``, default its causal LM) with seeded random weights
-    (modules that sample in training run as in evaluation: ``SAMPLES_IN_TRAINING``)."""
+    (modules that sample in training run as in evaluation: ``randomness.sample_as_in_evaluation``)."""
     config = causal_lm_config(config, name)
     torch.manual_seed(seed)
     model = model_class(config, name)(config).float()
-    for module in model.modules():
-        if type(module).__name__ in SAMPLES_IN_TRAINING:
-            module.register_forward_pre_hook(_sample_as_in_evaluation)
+    sample_as_in_evaluation(model)
     return model
 
 
@@ -343,6 +335,11 @@ def one_step_parity(*, config: dict, parallel: ParallelConfig | None = None, see
         return asdict(Verdict(verdict="fails alone", reason=f"transformers' save_pretrained -> from_pretrained of the "
                                                             f"plain model loses {len(why[1])} weights ({why[1][0]}, ...)"))
     verdict, reason = "equal", ""
+    if why[0] is not None and draws_random(build(config_obj, seed=seed, name=model_class_name), batches[0],
+                                           loss=None if builtin else probe_loss):
+        return asdict(Verdict(verdict="random", reason=f"the plain model's loss on one batch changes with the random "
+                                                       f"state: its forward draws random numbers, which no split of "
+                                                       f"the batch draws alike ({why[0]})"))
     if why[0] is not None:
         wide, numbers = _float64_verdict(config_obj, seed=seed, name=model_class_name, parallel=parallel, mesh=mesh,
                                          policy=policy, batches=batches, builtin=builtin, plain=ref,

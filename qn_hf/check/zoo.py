@@ -231,8 +231,9 @@ HEAD_COLUMN_FAMILIES = {
 }
 HEADS_TABLE_START, HEADS_TABLE_END = "<!-- heads-table:start -->", "<!-- heads-table:end -->"
 # Outcomes that are no verdict on qn_hf: the class cannot be built from its default config shrunk, its plain
-# forward fails in one process, or it takes inputs the check makes no batch for (counted apart).
-APART = ("cannot build", "fails alone", "no batch")
+# forward fails in one process, it takes inputs the check makes no batch for, or its forward draws random numbers
+# (counted apart).
+APART = ("cannot build", "fails alone", "no batch", "random")
 
 
 def head_columns(family: str) -> list[str]:
@@ -259,7 +260,7 @@ def render_heads_table(results: dict[str, dict], *, classes: int) -> str:
     many classes train equal, are refused, or are apart (APART); then one row per class."""
     lines = [f"The record holds {len(results)} of the {classes} classes; `make heads-table` sweeps and records "
              f"the others.", "",
-             "| family | column | equal | refused | different | apart (cannot build / fails alone / no batch) |",
+             "| family | column | equal | refused | different | apart (cannot build / fails alone / no batch / random) |",
              "|---|---|---|---|---|---|"]
     families = sorted({r["family"] for r in results.values()})
     for column in HEAD_COLUMNS:
