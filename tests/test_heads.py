@@ -218,8 +218,11 @@ def test_the_image_size_checked_is_the_vision_models_own():
     ("patchtst", "PatchTSTModel", {"past_values": (2, 32, 1)}),  # its context, per channel
     # a univariate forecaster: whole patches, nothing padded, a frequency class per series
     ("timesfm", "TimesFmModel", {"past_values": (2, 128), "past_values_padding": (2, 128), "freq": (2, 1)}),
+    ("decision_transformer", "DecisionTransformerModel", {"states": (2, 12, 17), "actions": (2, 12, 4),
+                                                          "rewards": (2, 12, 1), "returns_to_go": (2, 12, 1),
+                                                          "timesteps": (2, 12), "attention_mask": (2, 12)}),
 ])
-def test_a_time_series_model_gets_a_series_it_runs_on(model_type, cls, shapes):
+def test_a_model_with_a_main_input_of_its_own_gets_a_batch_it_runs_on(model_type, cls, shapes):
     model = build(shrink_config(CONFIG_MAPPING[model_type]()), seed=0, name=cls)
     batch = dummy_batch(model, rows=2)
     assert {k: tuple(v.shape) for k, v in batch.items()} == shapes

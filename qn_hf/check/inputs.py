@@ -70,6 +70,13 @@ def main_input(model: nn.Module, *, rows: int, seq_len: int, generator: torch.Ge
         bins = getattr(audio, "num_mel_bins", None) or 80
         frames = 2 * (getattr(audio, "max_source_positions", None) or 32)
         return {"input_features": torch.randn(rows, bins, frames, generator=generator)}
+    if name == "states":  # Decision Transformer: a trajectory of states, actions, rewards and returns to go
+        return {"states": torch.randn(rows, seq_len, config.state_dim, generator=generator),
+                "actions": torch.randn(rows, seq_len, config.act_dim, generator=generator),
+                "rewards": torch.randn(rows, seq_len, 1, generator=generator),
+                "returns_to_go": torch.randn(rows, seq_len, 1, generator=generator),
+                "timesteps": torch.randint(0, config.max_ep_len, (rows, seq_len), generator=generator),
+                "attention_mask": torch.ones(rows, seq_len, dtype=torch.long)}
     if name == "past_values":  # a time series: its context, per channel where the model reads several
         context = getattr(config, "context_length", None)
         if isinstance(getattr(config, "num_input_channels", None), int) and isinstance(context, int):
