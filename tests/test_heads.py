@@ -218,6 +218,9 @@ def test_the_image_size_checked_is_the_vision_models_own():
     ("patchtst", "PatchTSTModel", {"past_values": (2, 32, 1)}),  # its context, per channel
     # a univariate forecaster: whole patches, nothing padded, a frequency class per series
     ("timesfm", "TimesFmModel", {"past_values": (2, 128), "past_values_padding": (2, 128), "freq": (2, 1)}),
+    # Hiera's masking noise is a value per mask unit of its patch grid (patch_size a pair), not ViT-MAE's per patch:
+    # none passed (the check's batch crashed on it), and only its pretraining class masks
+    ("hiera", "HieraModel", {"pixel_values": (2, 3, 224, 224)}),
     ("decision_transformer", "DecisionTransformerModel", {"states": (2, 12, 17), "actions": (2, 12, 4),
                                                           "rewards": (2, 12, 1), "returns_to_go": (2, 12, 1),
                                                           "timesteps": (2, 12), "attention_mask": (2, 12)}),

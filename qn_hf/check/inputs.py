@@ -110,9 +110,12 @@ def dummy_batch(model: nn.Module, *, rows: int, seq_len: int = SEQ_LEN, seed: in
     elif "pixel_values" in params and "pixel_values" not in batch and getattr(model.config, "vision_config", None):
         channels, height, width = _image(model.config)  # a text-and-image model (CLIP) takes both
         batch["pixel_values"] = torch.randn(rows, channels, height, width, generator=generator)
-    if "noise" in params and "pixel_values" in batch and isinstance(getattr(model.config, "mask_ratio", None), float):
+    if ("noise" in params and "pixel_values" in batch and isinstance(getattr(model.config, "mask_ratio", None), float)
+            and isinstance(getattr(model.config, "patch_size", None), int)):
         # ViT-MAE shuffles and masks its patches by noise it draws itself where the caller passes none: no split
-        # of the batch over ranks draws what one process draws, so the check passes it, one row per example
+        # of the batch over ranks draws what one process draws, so the check passes it, one row per example (a
+        # value per patch; Hiera's noise, a value per mask unit of its patch grid, is left to it: only its
+        # pretraining class, which the shrink cannot build, masks)
         patch = model.config.patch_size
         patches = (batch["pixel_values"].shape[-2] // patch) * (batch["pixel_values"].shape[-1] // patch)
         batch["noise"] = torch.rand(rows, patches, generator=generator)
