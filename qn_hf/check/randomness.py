@@ -5,7 +5,6 @@ draws otherwise, no step can be compared and the check says so (``draws_random``
 from __future__ import annotations
 
 import functools
-import inspect
 import random
 from collections.abc import Callable
 
@@ -14,7 +13,12 @@ import torch
 from torch import nn
 
 from ..policies.body import no_cache
+from ..policies.entries import forward_source
 
+# Modules (by class name) that draw random numbers in training besides dropout: PhiMoE's router samples its
+# experts (sparsemixer). No split of the batch (dp, cp, ep) or of the layers (pp) draws the numbers one process
+# draws, any more than dropout masks, so the check runs them as in evaluation on both sides (their deterministic
+# top-k), as it runs dropout at 0.
 SAMPLES_IN_TRAINING = ("PhimoeTopKRouter", "GroupViTAssignAttention")  # router jitter; Gumbel-softmax grouping
 
 
@@ -33,10 +37,7 @@ def _evaluating(module: nn.Module, *_) -> None:
 
 @functools.cache
 def _gumbel(cls: type) -> bool:
-    try:
-        return "gumbel_softmax(" in inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return False
+    return "gumbel_softmax(" in forward_source(cls)
 
 
 def draws_random(model: nn.Module, batch: dict, *, loss: Callable | None) -> bool:

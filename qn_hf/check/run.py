@@ -82,10 +82,6 @@ def causal_lm_config(config: transformers.PretrainedConfig, name: str | None = N
     return text if isinstance(text, cls.config_class) else config
 
 
-# Modules (by class name) that draw random numbers in training besides dropout: PhiMoE's router
-# samples its experts (sparsemixer). No split of the batch (dp, cp, ep) or of the layers (pp) draws
-# the numbers one process draws, any more than dropout masks, so the check runs them as in
-# evaluation on both sides (their deterministic top-k), as it runs dropout at 0.
 def build(config: transformers.PretrainedConfig, *, seed: int, name: str | None = None) -> torch.nn.Module:
     """The model of ``config`` (class ``name``, default its causal LM) with seeded random weights
     (modules that sample in training run as in evaluation: ``randomness.sample_as_in_evaluation``)."""
@@ -335,12 +331,12 @@ def one_step_parity(*, config: dict, parallel: ParallelConfig | None = None, see
         return asdict(Verdict(verdict="fails alone", reason=f"transformers' save_pretrained -> from_pretrained of the "
                                                             f"plain model loses {len(why[1])} weights ({why[1][0]}, ...)"))
     verdict, reason = "equal", ""
-    if why[0] is not None and draws_random(build(config_obj, seed=seed, name=model_class_name), batches[0],
-                                           loss=None if builtin else probe_loss):
-        return asdict(Verdict(verdict="random", reason=f"the plain model's loss on one batch changes with the random "
-                                                       f"state: its forward draws random numbers, which no split of "
-                                                       f"the batch draws alike ({why[0]})"))
     if why[0] is not None:
+        if draws_random(build(config_obj, seed=seed, name=model_class_name), batches[0],
+                        loss=None if builtin else probe_loss):
+            return asdict(Verdict(verdict="random", reason=f"the plain model's loss on one batch changes with the "
+                                                           f"random state: its forward draws random numbers, which no "
+                                                           f"split of the batch draws alike ({why[0]})"))
         wide, numbers = _float64_verdict(config_obj, seed=seed, name=model_class_name, parallel=parallel, mesh=mesh,
                                          policy=policy, batches=batches, builtin=builtin, plain=ref,
                                          plain_losses=reference)

@@ -17,7 +17,7 @@ from transformers.pytorch_utils import Conv1D
 
 from .derive import carried_between_blocks, kv_key, relative_name
 from .embedding_types import adapter_for
-from .entries import derive_entries
+from .entries import derive_entries, forward_source
 from .fused import FUSED
 from .model_policy import ModelPolicy
 from .patterns import base_model_and_prefix
@@ -82,19 +82,12 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
 
 def _looked_up_directly(model: nn.Module) -> nn.Module | None:
     """``model``'s input embedding where a forward of its modules calls it by ``get_input_embeddings()``."""
-    if not any("get_input_embeddings()(" in _source(type(m).forward) for m in model.modules()):
+    if not any("get_input_embeddings()(" in forward_source(kind) for kind in {type(m) for m in model.modules()}):
         return None
     try:
         return model.get_input_embeddings()
     except (AttributeError, NotImplementedError):
         return None
-
-
-def _source(function) -> str:
-    try:
-        return inspect.getsource(function)
-    except (OSError, TypeError):
-        return ""
 
 
 def _callable(modules: nn.Module) -> list[nn.Module]:

@@ -40,6 +40,14 @@ def self_path(node: ast.AST) -> str | None:
     return None
 
 
+def forward_source(cls: type) -> str:
+    """The source of ``cls.forward``, or "" where there is none to read (a builtin's, a compiled one's)."""
+    try:
+        return inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return ""
+
+
 def forward_tree(module: nn.Module) -> ast.FunctionDef | None:
     return method_tree(module, "forward")
 

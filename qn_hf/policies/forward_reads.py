@@ -125,13 +125,13 @@ def encoder_output_reads(model: nn.Module, base: nn.Module) -> list[str]:
     reads = set()
     for module in {id(model): model, id(base): base}.values():
         tree = forward_tree(module)
-        if tree is not None and any(
+        if tree is None or any(
                 isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Name)
                 and any(isinstance(t, ast.Name) and t.id == "encoder_outputs" for t in n.targets)
                 for n in ast.walk(tree)):
             continue
-        called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)} if tree is not None else set()
-        for node in ast.walk(tree) if tree is not None else ():
+        called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+        for node in ast.walk(tree):
             if (isinstance(node, ast.Attribute) and id(node) not in called and isinstance(node.value, ast.Name)
                     and node.value.id == "encoder_outputs" and node.attr not in known):
                 reads.add(node.attr)

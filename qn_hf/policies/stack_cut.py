@@ -382,4 +382,3 @@ def seq2seq_cut(model: nn.Module, base: nn.Module, *, lists, embeddings, carried
                       encoder_cut=_prefixed(enc_cut, enc) if enc_cut else None,
                       decoder_cut=_prefixed(dec_cut, dec) if dec_cut else None,
                       encoder_why=enc_why, decoder_why=dec_why, shared=shared)
-

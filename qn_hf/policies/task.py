@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..config.options import LossKind
+from .entries import forward_source
 from .patterns import base_model_and_prefix
 
 # transformers' auto mappings, in the order a class found in several is decided by, and the family
@@ -171,13 +172,6 @@ def loss_arguments(model: nn.Module) -> tuple[str, ...]:
     return tuple(a for a in LOSS_ARGUMENTS if a in params)
 
 
-def _forward_source(model: nn.Module) -> str:
-    try:
-        return inspect.getsource(type(model).forward)
-    except (OSError, TypeError):
-        return ""
-
-
 def _forward_tree(source: str) -> ast.AST | None:
     """A forward's source parsed once for the readings below (None where it does not parse)."""
     try:
@@ -271,7 +265,7 @@ def task_head(model: nn.Module) -> TaskHead:
     if family is None or why:
         return TaskHead(kind=LossKind.OWN, modules=modules, cls=name,
                         why_own=why or "its loss is of no family qn_hf splits")
-    source = _forward_source(model)
+    source = forward_source(type(model))
     tree = _forward_tree(source)
     kind = family
     if family.per_position:
