@@ -26,10 +26,12 @@ def tiny_config(model_type: str, **overrides) -> dict:
 
 def head_step(*, model_type: str, cls: str, dp: int = 1, tp: int = 1, pp: int = 1, dp_shard: int = 1, ep: int = 1,
               microbatches: int | None = None, overrides: dict | None = None, steps: int = 2,
-              schedule: str | None = None, recompute: str | None = None) -> dict:
+              schedule: str | None = None, recompute: str | None = None, virtual_stages: int = 1,
+              sequence_parallel: bool = False) -> dict:
     """Two SGD steps of ``cls`` (shrunk ``model_type``) at the mesh against the plain model."""
     parallel = parity_config(dp=dp, tp=tp, pp=pp, dp_shard=dp_shard, ep=ep, microbatches=microbatches,
-                             schedule=schedule, recompute=recompute)
+                             schedule=schedule, recompute=recompute, virtual_stages=virtual_stages,
+                             sequence_parallel=sequence_parallel)
     verdict = one_step_parity(config=tiny_config(model_type, **(overrides or {})), parallel=parallel,
                               mesh=mesh_for(dp, tp, pp), model_class_name=cls, steps=steps)
     return {k: verdict[k] for k in ("verdict", "reason", "moved")} | {"worst": verdict["worst"][:3]}

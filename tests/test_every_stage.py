@@ -43,6 +43,32 @@ def test_plain_models_keep_their_cut():
     assert policy.pp_every_stage == () and policy.pp_per_block_outputs == () and not policy.pp_receive_at_blocks
 
 
+def test_a_module_tied_to_one_on_every_stage_is_on_every_stage_too():
+    """ProphetNet's decoder wrapper holds a word_embeddings of its own, tied to its decoder's, which every stage
+    holds: replaced on the first stage, it left that stage naming the shared weight otherwise than the last, and
+    the pipeline's sum over the stages crashed gloo (a collective of two sizes)."""
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.ProphetNetForCausalLM(shrink_config(AutoConfig.for_model("prophetnet")))
+    policy = resolve_policy(model, None)
+    assert "word_embeddings" in policy.pp_every_stage and "word_embeddings" not in policy.pp_last
+    plan = build_stage_plan(model, policy, stages=2)
+    assert "prophetnet.word_embeddings" in plan.every_stage
+
+
+def test_an_encoder_decoder_stack_needing_modules_on_each_of_its_stages_is_not_cut():
+    """Whisper's encoder runs conv2 and its position table before its blocks besides its entry: an encoder-decoder's
+    stages hold a stack's modules on its own stages only, so the encoder runs whole on one stage."""
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.WhisperForConditionalGeneration(shrink_config(AutoConfig.for_model("whisper")))
+    cut = resolve_policy(model, None).pp_seq2seq
+    assert cut.encoder_cut is None and cut.decoder_cut is not None
+    assert "conv2, embed_positions would be real on each of its stages" in cut.encoder_why
+
+
 def test_rotation_hands_each_block_its_own_part():
     blocks, part = 4, 3
     packed = torch.arange(2 * blocks * part, dtype=torch.float32).reshape(2, blocks * part)

@@ -26,9 +26,9 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutput
 
+from ..policies.cuts import Seq2SeqCut, StackCut
 from ..policies.model_policy import StandIn as StandInKind
 from ..policies.patterns import join
-from ..policies.stack_cut import Seq2SeqCut, StackCut
 
 
 @dataclass(frozen=True)
@@ -97,8 +97,8 @@ def split_stacks(cut: Seq2SeqCut, *, prefix: str, encoder_blocks: int, decoder_b
         encoder=join(prefix, cut.encoder), decoder=join(prefix, cut.decoder),
         encoder_layers=join(prefix, cut.encoder_layers), decoder_layers=join(prefix, cut.decoder_layers),
         encoder_chunks=encoder_stages,
-        encoder_cut=_prefixed(cut.encoder_cut, prefix) if encoder_stages > 1 else None,
-        decoder_cut=_prefixed(cut.decoder_cut, prefix) if stages - encoder_stages > 1 else None,
+        encoder_cut=cut.encoder_cut.under(prefix) if encoder_stages > 1 and cut.encoder_cut else None,
+        decoder_cut=cut.decoder_cut.under(prefix) if stages - encoder_stages > 1 and cut.decoder_cut else None,
         heads=heads, shared=tuple(join(prefix, n) for n in cut.shared))
     return stages_plan, tuple(ranges)
 
@@ -118,14 +118,6 @@ def check_seq2seq_pipeline(stacks: Seq2SeqStages, *, dp_shard: int, compile: boo
 
 def _even(blocks: int, parts: int) -> list[int]:
     return [blocks // parts + (1 if i < blocks % parts else 0) for i in range(parts)]
-
-
-def _prefixed(cut: StackCut | None, prefix: str) -> StackCut | None:
-    if cut is None:
-        return None
-    return StackCut(entry=join(prefix, cut.entry), first={join(prefix, k): v for k, v in cut.first.items()},
-                    last={join(prefix, k): v for k, v in cut.last.items()}, entry_reads=cut.entry_reads,
-                    receive_at_blocks=cut.receive_at_blocks)
 
 
 def chunk_of(stacks: Seq2SeqStages, name: str, *, chunks: int, layer_ranges) -> int | None:

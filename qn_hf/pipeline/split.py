@@ -59,6 +59,13 @@ class StagePlan:
     per_block: tuple[str, ...] = ()
     # an encoder-decoder: encoder chunks, then decoder chunks (seq2seq.py); ``layers`` is then the decoder's
     seq2seq: Seq2SeqStages | None = None
+    # ``layers`` holds one module the loop calls this config key's count of times (ModelPolicy.pp_loop_count):
+    # ``layer_ranges`` cut the iterations, and the module is among ``every_stage``
+    loop_count: str | None = None
+
+    def block(self, model: nn.Module, index: int) -> nn.Module:
+        """The module block ``index`` of the whole model runs (the looped module for every index)."""
+        return getattr(model.get_submodule(self.layers), "0" if self.loop_count is not None else str(index))
 
     @property
     def block_lists(self) -> tuple[str, ...]:
@@ -135,7 +142,8 @@ def build_stage_plan(
     layers = base.get_submodule(policy.layers)
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(f"policy {policy.model_type}: layers {policy.layers!r} is not a ModuleList")
-    ranges = split_layers(num_layers=len(layers), stages=stages, layers_per_stage=layers_per_stage, virtual=virtual)
+    ranges = split_layers(num_layers=loop_iterations(base, policy) if policy.pp_loop_count else len(layers),
+                          stages=stages, layers_per_stage=layers_per_stage, virtual=virtual)
     if stages > 1 and policy.pp_entry is None:
         why = (f"transformers declares no base_model_pp_plan for {policy.model_type!r} and its base model's forward does "
                f"not show the cut points plainly (the embedding, the blocks, then only a final norm)"
@@ -187,12 +195,24 @@ def build_stage_plan(
         receive_at_blocks=policy.pp_receive_at_blocks,
         every_stage=tuple(join(prefix, n) for n in present(list(policy.pp_every_stage))),
         per_block=tuple(join(prefix, n) for n in present(list(policy.pp_per_block_outputs))),
+        loop_count=policy.pp_loop_count,
     )
     if stages > 1:
         _check_assignment(model, plan, policy)
         _check_carried(model, plan, policy)
         _check_kv_sharing(model, plan, policy)
     return StagePlan(**{**plan.__dict__, "ties": _cross_stage_ties(model, plan)})
+
+
+def loop_iterations(base: nn.Module, policy: ModelPolicy) -> int:
+    """How often the loop over ``policy.layers`` calls its one module: the count its holder's config says."""
+    holder = base.get_submodule(policy.layers.rpartition(".")[0])
+    count = getattr(getattr(holder, "config", None), policy.pp_loop_count, None)
+    if not isinstance(count, int) or count < 1:
+        raise ValueError(f"policy {policy.model_type}: the loop over {policy.layers} counts config."
+                         f"{policy.pp_loop_count}, which {type(holder).__name__}'s config does not hold as a positive "
+                         f"number")
+    return count
 
 
 def _seq2seq_plan(model: nn.Module, policy: ModelPolicy, *, prefix: str, stages: int, layers_per_stage,

@@ -118,15 +118,18 @@ class StageModules:
         layers_holder, layers_name = _holder(self.model, self.plan.layers)
         union = getattr(layers_holder, layers_name)
         start, stop = self.plan.layer_ranges[chunk]
-        blocks = nn.ModuleList()
-        for i in range(start, stop):
-            blocks.add_module(str(i), getattr(union, str(i)))  # by name: the union's indices have gaps
+        swaps = [*self.views[chunk]]
+        if self.plan.loop_count is None:  # a looped module is called by the config's count: the list stays whole
+            blocks = nn.ModuleList()
+            for i in range(start, stop):
+                blocks.add_module(str(i), getattr(union, str(i)))  # by name: the union's indices have gaps
+            swaps.append((layers_holder, layers_name, blocks))
         # the module holding the blocks loops over them and reads per-layer config lists by index
         shared = getattr(layers_holder, "config", None)
         total = self.plan.layer_ranges[-1][1]
-        swaps = [(layers_holder, layers_name, blocks), *self.views[chunk]]
         if shared is not None:
-            swaps.append((layers_holder, "config", cut_layer_lists(shared, start=start, stop=stop, total=total)))
+            swaps.append((layers_holder, "config", cut_layer_lists(shared, start=start, stop=stop, total=total,
+                                                                   count=self.plan.loop_count)))
         saved = [getattr(holder, name) for holder, name, _ in swaps]
         try:
             for holder, name, value in swaps:
@@ -183,7 +186,7 @@ class StageModules:
         return captured[-1] if captured and captured[-1].shape != hidden.shape else hidden
 
     def _last_block(self, chunk: int) -> nn.Module:
-        return getattr(self.model.get_submodule(self.plan.layers), str(self.plan.layer_ranges[chunk][1] - 1))
+        return self.plan.block(self.model, self.plan.layer_ranges[chunk][1] - 1)
 
     def _last_block_output(self, chunk: int, inputs: Mapping[str, torch.Tensor], kwargs: dict) -> torch.Tensor:
         """What a chunk sends when activations enter at the blocks: its last block's output (a
@@ -224,16 +227,18 @@ def apply_stage(model: nn.Module, plan: StagePlan, *, stage: int) -> StageModule
         return _seq2seq_stage(model, plan, stage=stage, config=config, base=base)
     layers = model.get_submodule(plan.layers)
     chunks = plan.chunks_of(stage)
-    kept = nn.ModuleList()
-    for chunk in chunks:
-        for i in range(*plan.layer_ranges[chunk]):
-            kept.add_module(str(i), layers[i])  # original index: parameter names stay the HF names
-    _replace(model, plan.layers, kept)
+    if plan.loop_count is None:  # a looped module is called by the config's count: the list stays whole
+        kept = nn.ModuleList()
+        for chunk in chunks:
+            for i in range(*plan.layer_ranges[chunk]):
+                kept.add_module(str(i), layers[i])  # original index: parameter names stay the HF names
+        _replace(model, plan.layers, kept)
     if len(chunks) == 1:  # with several chunks, each forward cuts the config for its chunk (_view)
         loop_holder = _holder(model, plan.layers)[0]
         start, stop = plan.layer_ranges[stage]
         if getattr(loop_holder, "config", None) is not None:
-            loop_holder.config = cut_layer_lists(loop_holder.config, start=start, stop=stop, total=len(layers))
+            loop_holder.config = cut_layer_lists(loop_holder.config, start=start, stop=stop,
+                                                 total=plan.layer_ranges[-1][1], count=plan.loop_count)
 
     # Each entry, first-only, last-only and head path is real in one chunk (the first or the last)
     # and a parameter-free stand-in in every other. A rank that holds that chunk keeps the real
@@ -258,11 +263,9 @@ def apply_stage(model: nn.Module, plan: StagePlan, *, stage: int) -> StageModule
         if owner not in chunks:
             _replace(model, path, standins[path])  # the real module lives on another rank: freed here
     if plan.receive_at_blocks and injector is not None:
-        for chunk in chunks:
-            if chunk > 0:
-                layers_kept = model.get_submodule(plan.layers)
-                getattr(layers_kept, str(plan.layer_ranges[chunk][0])).register_forward_pre_hook(
-                    injector.into_block, with_kwargs=True)
+        # once per module: a looped module is every chunk's first block, and the first call takes the activation
+        for block in {id(b): b for b in (plan.block(model, plan.layer_ranges[c][0]) for c in chunks if c > 0)}.values():
+            block.register_forward_pre_hook(injector.into_block, with_kwargs=True)
     rotation = BlockRotation(blocks=plan.layer_ranges[-1][1]) if plan.per_block else None
     for path in plan.per_block:
         model.get_submodule(path).register_forward_hook(rotation.hook)

@@ -157,7 +157,8 @@ class Planner:
         dp, tp, pp, cp, ep, dp_shard = dims.dp, dims.tp, dims.pp, dims.cp, dims.ep, dims.dp_shard
         microbatches, schedule, virtual_stages = parallel.microbatches, parallel.schedule, parallel.virtual_stages
         recompute = parallel.recompute
-        check_modelled(self.model, model_type=self.config.model_type, plan=plan, ep=ep)
+        check_modelled(self.model, model_type=self.config.model_type, plan=plan, ep=ep, stages=pp,
+                       loop_count=stage_plan.loop_count)
         split = sequence_split(cp=cp, tp=tp, sequence_parallel=plan.sequence_parallel)
         # train_step's check of the batch, on a meta batch of this length (the trace's inputs)
         check_model_inputs(example_inputs(self.model, micro_batch_size=self.micro_batch_size, seq_len=self.seq_len),
@@ -204,7 +205,7 @@ class Planner:
             activations = [a + k for a, k in zip(activations, collectives)]
         deferred = self._deferred(stage_plan.heads) if schedule.split_backward else frozenset()
         stash = weight_stash(deferred, base=base, plan=plan, stage_plan=stage_plan, act_elem=param_elem)
-        layers = len(self.model.get_submodule(stage_plan.layers))
+        layers = stage_plan.layer_ranges[-1][1]  # the blocks a token runs through (a looped module's iterations)
         if stage_plan.seq2seq is not None:  # the encoder's blocks run too (``layers`` is the decoder's)
             layers += len(self.model.get_submodule(stage_plan.seq2seq.encoder_layers))
         tokens = base.tokens * cp  # the whole microbatch's

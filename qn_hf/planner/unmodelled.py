@@ -9,7 +9,8 @@ from ..expert_parallel.apply import experts_modules, sharded_experts
 from ..tensor_parallel.plan import TpPlan
 
 
-def check_modelled(model: nn.Module, *, model_type: str, plan: TpPlan, ep: int) -> None:
+def check_modelled(model: nn.Module, *, model_type: str, plan: TpPlan, ep: int, stages: int = 1,
+                   loop_count: str | None = None) -> None:
     untraced = ("the experts' row gathers at ep=1 (each MoE block's experts gather every tp rank's tokens)"
                 if plan.sequence_experts else
                 f"the whole regions (block children that run on the gathered sequence: "
@@ -21,6 +22,11 @@ def check_modelled(model: nn.Module, *, model_type: str, plan: TpPlan, ep: int) 
         raise ValueError(f"ep={ep}: the planner models the dispatch of transformers' fused experts only; "
                          f"{model_type}'s experts take every token once per expert (Llama 4's form), "
                          f"whose all-to-alls it does not trace; plan at ep=1 or measure a run")
+    if stages > 1 and loop_count is not None:
+        # the trace records the module's calls under one name, which a pipeline holds on every stage
+        raise ValueError(f"pp={stages} on {model_type}: its blocks are one module its forward calls "
+                         f"config.{loop_count} times, whose calls the planner does not share out between the "
+                         f"stages; plan at pp=1 or measure a run")
 
 
 def modelled_experts(model: nn.Module) -> int:

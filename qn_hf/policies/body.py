@@ -21,7 +21,8 @@ from .entries import derive_entries, forward_source
 from .fused import FUSED
 from .model_policy import ModelPolicy
 from .patterns import base_model_and_prefix
-from .stack_cut import seq2seq_cut, stack_cut
+from .seq2seq_cut import seq2seq_cut
+from .stack_cut import stack_cut
 from .stacks import derive_structure
 from .styles import COLUMN_STYLES, Style
 
@@ -117,7 +118,7 @@ def body_policy(model: nn.Module) -> ModelPolicy:
     model_type = getattr(config, "model_type", None) or type(model).__name__
     base, _ = base_model_and_prefix(model)
     layers = main_blocks(base, model)
-    entry, first, last, reads, pp_refusal, every_stage = None, {}, {}, (), None, ()
+    entry, first, last, reads, pp_refusal, every_stage, loop_count = None, {}, {}, (), None, (), None
     embeddings = input_embeddings(model)
     name = relative_name(base, embeddings) if isinstance(embeddings, nn.Module) else None
     receive, seq2seq = False, None
@@ -133,7 +134,7 @@ def body_policy(model: nn.Module) -> ModelPolicy:
             pp_refusal = cut
         else:
             entry, first, last, reads, receive = cut.entry, cut.first, cut.last, cut.entry_reads, cut.receive_at_blocks
-            every_stage = cut.every_stage
+            every_stage, loop_count = cut.every_stage, cut.loop_count
     tp_plan, patches, entries, regions, tp_refusal, head_inputs = _tensor_parallel(model, base, name)
     return ModelPolicy(
         model_type=model_type,
@@ -150,6 +151,7 @@ def body_policy(model: nn.Module) -> ModelPolicy:
         pp_last=last,
         pp_receive_at_blocks=receive,
         pp_every_stage=every_stage,
+        pp_loop_count=loop_count,
         transformers_plan=True,
         tp_refusal=tp_refusal,
         head_inputs=head_inputs,

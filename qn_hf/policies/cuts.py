@@ -3,7 +3,7 @@ the others, and how a stack of blocks, or an encoder-decoder's two, is cut (foun
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..arguments import Choice
 
@@ -27,6 +27,18 @@ class StackCut:
     # real on every stage, the entry first (``ModelPolicy.pp_every_stage``): each stage computes what comes
     # before the blocks from the batch, and its first block takes the received activation instead
     every_stage: tuple[str, ...] = ()
+    # the blocks are one shared module the loop calls this config key's count of times (looped.py): a stage
+    # cuts the iterations, and the module is among ``every_stage``
+    loop_count: str | None = None
+
+    def under(self, prefix: str) -> StackCut:
+        """This cut with every path under ``prefix`` (a stack's path in the base model, or the base's in the
+        top model)."""
+        def at(path: str) -> str:
+            return f"{prefix}.{path}" if prefix and path else prefix or path
+
+        return replace(self, entry=at(self.entry), first={at(k): v for k, v in self.first.items()},
+                       last={at(k): v for k, v in self.last.items()}, every_stage=tuple(map(at, self.every_stage)))
 
 
 @dataclass(frozen=True)

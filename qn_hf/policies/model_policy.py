@@ -65,6 +65,9 @@ class ModelPolicy:
     part s comes first. ``pp_kv_sharing`` = (config list of per-layer modes, the mode that stores
     keys and values, the mode that reuses them): a block that reuses the keys and values of an
     earlier block of its kind (``config.layer_types``) must be in that block's chunk.
+    ``pp_loop_count``: the blocks (``layers``) are one module the loop calls this config key's count of
+    times (ALBERT's shared layer group, looped.py); stages cut the iterations, the module is real on
+    every stage (among ``pp_every_stage``).
     ``pp_refusal`` is why this policy cannot cut the model into stages (it still serves dp and tp).
     """
 
@@ -94,6 +97,7 @@ class ModelPolicy:
     pp_every_stage: tuple[str, ...] = ()
     pp_per_block_outputs: tuple[str, ...] = ()
     pp_kv_sharing: tuple[str, str, str] | None = None  # (config list of per-layer modes, store, reuse)
+    pp_loop_count: str | None = None
     pp_refusal: str | None = None
     # an encoder-decoder: its two stacks, encoder stages then decoder stages (stack_cut.Seq2SeqCut)
     pp_seq2seq: Seq2SeqCut | None = None
@@ -120,6 +124,9 @@ class ModelPolicy:
         if self.pp_every_stage and self.pp_entry not in self.pp_every_stage:
             raise ValueError(f"policy {self.model_type}: pp_every_stage {list(self.pp_every_stage)} must hold the entry "
                              f"{self.pp_entry!r}: what runs before the blocks reads its output on every stage")
+        if self.pp_loop_count is not None and self.layers not in self.pp_every_stage:
+            raise ValueError(f"policy {self.model_type}: pp_loop_count needs the looped module {self.layers!r} among "
+                             f"pp_every_stage {list(self.pp_every_stage)}: every stage calls it")
         if not set(self.pp_per_block_outputs) <= set(self.pp_every_stage):
             raise ValueError(f"policy {self.model_type}: pp_per_block_outputs {list(self.pp_per_block_outputs)} must be "
                              f"among pp_every_stage {list(self.pp_every_stage)}")

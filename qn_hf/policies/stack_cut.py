@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .cuts import Seq2SeqCut, StackCut, StandIn
+from .cuts import StackCut, StandIn
 from .derive import block_call, loop_indexed
 from .entries import children_reached, forward_tree, own_methods, self_path, self_references
-from .forward_reads import encoder_output_reads
+from .looped import looped_call
 from .module_kinds import position_wise
 from .patterns import join
 
@@ -46,20 +46,27 @@ class _Level:
     down: str  # the child that leads to the blocks (the list itself at the last level)
     call: ast.Call  # the call of ``down`` (at the last level, the call of a block in the loop)
     bound: int  # assignments before this line lead into the call
+    loop: ast.For | None = None  # at the last level, the loop over the blocks
+    count: str | None = None  # at the last level, the config key a loop calling one shared module counts to (looped.py)
 
 
 def _has_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
-def _down_call(tree: ast.FunctionDef, down: str, *, last: bool) -> tuple[ast.Call, int] | None:
-    """The one call leading down (a block's call in the one loop over ``down``, or ``self.<down>(...)``)
-    and the line before which what it takes is computed."""
+def _down_call(tree: ast.FunctionDef, down: str, *, last: bool) -> dict | None:
+    """The one call leading down (a block's call in the one loop over ``down``, or one shared module's
+    call in a loop over a config count, or ``self.<down>(...)``) and the line before which what it takes
+    is computed: ``_Level``'s fields."""
     if last:
         found = block_call(tree, down)
-        return (found[1], found[0].lineno) if found else None
+        if found:
+            return {"call": found[1], "bound": found[0].lineno, "loop": found[0]}
+        looped = looped_call(tree, down)
+        return ({"call": looped.call, "bound": looped.loop.lineno, "loop": looped.loop, "count": looped.count}
+                if looped else None)
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and self_path(n.func) == down]
-    return (calls[0], calls[0].lineno) if len(calls) == 1 else None
+    return {"call": calls[0], "bound": calls[0].lineno} if len(calls) == 1 else None
 
 
 def _first_argument(call: ast.Call) -> ast.expr | None:
@@ -206,7 +213,11 @@ def _levels(base: nn.Module, parts: list[str]) -> list[_Level] | str:
         if found is None:
             what = f"loop once over {down}, calling each block once" if depth == len(parts) - 1 else f"call {down} once"
             return f"{type(holder).__name__}'s forward does not {what}"
-        levels.append(_Level(path=path, holder=holder, tree=tree, down=down, call=found[0], bound=found[1]))
+        if found.get("count") is not None and len(getattr(holder, down)) != 1:
+            return (f"{type(holder).__name__}'s forward calls one of the {len(getattr(holder, down))} modules of {down} "
+                    f"in each of config.{found['count']} iterations, picked by a position computed from that count, "
+                    f"which a stage's cut changes")
+        levels.append(_Level(path=path, holder=holder, tree=tree, down=down, **found))
     return levels
 
 
@@ -258,6 +269,9 @@ def stack_cut(base: nn.Module, *, layers: str, embeddings: str | None) -> StackC
                 side.append(full)
     if entry is None:
         return f"the input embedding ({embeddings}) does not run before the blocks"
+    if levels[-1].count is not None:  # the shared module is on every stage, and with it what runs before it
+        return _every_stage(levels, entry=entry, first=first, side=side, last=last, reads=reads,
+                            why=f"{layers} is one module called config.{levels[-1].count} times")
     if side:
         return _every_stage(levels, entry=entry, first=first, side=side, last=last, reads=reads,
                             why=f"{', '.join(side)} computes something besides the blocks' input before them")
@@ -293,7 +307,7 @@ def _carried(level: _Level) -> list[str]:
     output (through other such names) or from their own last value: what one block hands the next (Swin's
     input_dimensions, halved at each downsampling stage; LUKE's entity_hidden_states). A name the loop makes afresh from its position (the
     config's layer_types[i], cut with the stage's config) is no such thing."""
-    loop, call = block_call(level.tree, level.down)
+    loop, call = level.loop, level.call
     first = _first_argument(call)
     hidden = {n.id for n in ast.walk(first) if isinstance(n, ast.Name)} if first is not None else set()
     read = {n.id for n in ast.walk(call) if isinstance(n, ast.Name)} - hidden
@@ -331,54 +345,14 @@ def _every_stage(levels: list[_Level], *, entry: str, first: dict[str, StandIn],
         return (f"{why}, and {type(levels[-1].holder).__name__}'s forward hands each block "
                 f"{', '.join(indexed)}[..., i, ...] by its position i in the loop, which on a later stage counts from "
                 f"that stage's first block")
-    shared = (entry, *first, *side)
-    return StackCut(entry=entry, last=last, entry_reads=tuple(sorted(reads)), receive_at_blocks=True,
-                    every_stage=shared)
-
-
-def _prefixed(cut: StackCut, prefix: str) -> StackCut:
-    return StackCut(entry=join(prefix, cut.entry), first={join(prefix, k): v for k, v in cut.first.items()},
-                    last={join(prefix, k): v for k, v in cut.last.items()}, entry_reads=cut.entry_reads,
-                    receive_at_blocks=cut.receive_at_blocks)
-
-
-def seq2seq_cut(model: nn.Module, base: nn.Module, *, lists, embeddings, carried) -> Seq2SeqCut | str:
-    """The two stacks of an encoder-decoder (``config.is_encoder_decoder``, ``get_encoder``/``get_decoder``)
-    and how each may be split (``stack_cut`` on each), or why it cannot be cut into stages at all.
-    ``lists``, ``embeddings`` and ``carried`` are body.py's finders: a module's lists of blocks, its input
-    embedding's path, and what its blocks carry over."""
-    try:
-        encoder, decoder = model.get_encoder(), model.get_decoder()
-    except (AttributeError, NotImplementedError, TypeError):
-        return "it names no encoder and decoder (get_encoder, get_decoder)"
-    beyond = encoder_output_reads(model, base)
-    if beyond:
-        return (f"its forward reads {', '.join(f'encoder_outputs.{a}' for a in beyond)}, which the encoder's stages "
-                f"hold: the decoder's stages receive the encoder's last hidden state only")
-    paths = {id(m): n for n, m in base.named_modules()}
-    if id(encoder) not in paths or id(decoder) not in paths or encoder is decoder:
-        return "its encoder and decoder are not two modules of its base model"
-    stacks = []
-    for module in (encoder, decoder):
-        found = lists(module)
-        if not found:
-            return f"its {type(module).__name__} holds no list of blocks"
-        layers = found[0]
-        why = ""
-        if carried(module, layers):
-            why = (f"its blocks hand each other {', '.join(carried(module, layers))} besides the hidden states (made by "
-                   f"the first block), which no stage boundary carries")
-            cut = None
-        else:
-            cut = stack_cut(module, layers=layers, embeddings=embeddings(module))
-            if isinstance(cut, str):
-                cut, why = None, cut
-        stacks.append((paths[id(module)], layers, cut, why))
-    (enc, enc_layers, enc_cut, enc_why), (dec, dec_layers, dec_cut, dec_why) = stacks
-    weight = getattr(model.get_input_embeddings(), "weight", None) if hasattr(model, "get_input_embeddings") else None
-    shared = tuple(n for n, m in base.named_modules() if weight is not None and getattr(m, "weight", None) is weight
-                   and not n.startswith((enc + ".", dec + ".")))
-    return Seq2SeqCut(encoder=enc, decoder=dec, encoder_layers=join(enc, enc_layers), decoder_layers=join(dec, dec_layers),
-                      encoder_cut=_prefixed(enc_cut, enc) if enc_cut else None,
-                      decoder_cut=_prefixed(dec_cut, dec) if dec_cut else None,
-                      encoder_why=enc_why, decoder_why=dec_why, shared=shared)
+    looped = levels[-1].count is not None
+    shared = (entry, *first, *side, *([join(levels[-1].path, levels[-1].down)] if looped else []))
+    # a module of the last stage whose parameters are these modules' (ProphetNet's decoder wrapper holds a
+    # word_embeddings of its own, tied to its decoder's) is real on every stage too: a stage that replaced it
+    # would name the shared parameters otherwise than the others, which sum them in one order
+    base = levels[0].holder
+    held = {id(p) for path in shared for p in base.get_submodule(path).parameters()}
+    aliases = tuple(path for path in last if {id(p) for p in base.get_submodule(path).parameters()} <= held)
+    return StackCut(entry=entry, last={k: v for k, v in last.items() if k not in aliases},
+                    entry_reads=tuple(sorted(reads)), receive_at_blocks=True, every_stage=(*shared, *aliases),
+                    loop_count=levels[-1].count)

@@ -109,6 +109,11 @@ def sequence_parallel_plan(model: nn.Module, plan: TpPlan, stage_plan: StagePlan
                          "regions over the tp ranks; use tp >= 2 or sequence_parallel=False")
     layers = stage_plan.layers
     why = f"sequence_parallel=True ({plan.policy.model_type})"
+    if stage_plan.loop_count is not None:
+        # the sequence is split where a stage's blocks begin and gathered where they end; one module called in
+        # every iteration is both, at each call
+        raise ValueError(f"{why}: its blocks are one module its forward calls config.{stage_plan.loop_count} times "
+                         f"({layers}), where a split sequence cannot begin and end; use sequence_parallel=False")
     blocks = [join(layers, str(i)) for i in range(len(model.get_submodule(layers)))]
     for block in {type(model.get_submodule(b)) for b in blocks}:
         extra = [n for n, p in list(inspect.signature(block.forward).parameters.items())[2:]
