@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import transformers
 from transformers import CONFIG_MAPPING
 
 import qn_hf
@@ -15,10 +16,11 @@ from qn_hf.check.shrink import shrink_config
 from tests.cases import mesh_for
 
 
-def tiny_config(model_type: str, **overrides) -> dict:
-    """A shrunk default config of ``model_type``; a sequence classifier pools at the last token that is
-    not padding, so a config without a pad token (Llama's) gets one, as checkpoints set it."""
-    config = shrink_config(CONFIG_MAPPING[model_type](**overrides))
+def tiny_config(model_type: str, *, cls: str | None = None, **overrides) -> dict:
+    """A shrunk default config of ``model_type`` that ``cls`` builds from (shrink_config's ``builds``); a
+    sequence classifier pools at the last token that is not padding, so a config without a pad token (Llama's)
+    gets one, as checkpoints set it."""
+    config = shrink_config(CONFIG_MAPPING[model_type](**overrides), builds=getattr(transformers, cls) if cls else None)
     if getattr(config, "pad_token_id", 0) is None:
         config.pad_token_id = 0
     return config.to_dict()
@@ -32,7 +34,7 @@ def head_step(*, model_type: str, cls: str, dp: int = 1, tp: int = 1, pp: int = 
     parallel = parity_config(dp=dp, tp=tp, pp=pp, dp_shard=dp_shard, ep=ep, microbatches=microbatches,
                              schedule=schedule, recompute=recompute, virtual_stages=virtual_stages,
                              sequence_parallel=sequence_parallel)
-    verdict = one_step_parity(config=tiny_config(model_type, **(overrides or {})), parallel=parallel,
+    verdict = one_step_parity(config=tiny_config(model_type, cls=cls, **(overrides or {})), parallel=parallel,
                               mesh=mesh_for(dp, tp, pp), model_class_name=cls, steps=steps)
     return {k: verdict[k] for k in ("verdict", "reason", "moved")} | {"worst": verdict["worst"][:3]}
 

@@ -18,7 +18,7 @@ def head_zoo_step(*, model_type: str, cls: str, column: str) -> str:
 
     mesh = HEAD_COLUMNS[column]
     try:
-        config = shrink_config(CONFIG_MAPPING[model_type]())
+        config = shrink_config(CONFIG_MAPPING[model_type](), builds=getattr(transformers, cls))
         if getattr(config, "pad_token_id", 0) is None:
             config.pad_token_id = 0  # a sequence classifier pools at the last token that is not padding
         torch.manual_seed(0)

@@ -55,7 +55,8 @@ REPAIRED = [("xlnet", {"d_head": 16}, "XLNetModel"),  # d_head = d_model // n_he
             ("mamba2", {"head_dim": 32}, "Mamba2Model"),  # heads x head_dim = expand x hidden
             ("dots3_note", {}, "Dots3NoteForCausalLM"),  # an adapter's input width equal to the hidden size
             ("nemo_speechlm", {}, "Nemotron3_5TranscribeModel"),  # a CTC blank id beyond the shrunk vocabulary
-            ("zaya", {"num_experts_per_tok": 1}, "ZayaModel")]  # supports one expert a token: taken back
+            ("zaya", {"num_experts_per_tok": 1}, "ZayaModel"),  # supports one expert a token: taken back
+            ("falcon_h1", {"mamba_d_ssm": 128}, "FalconH1ForCausalLM")]  # the SSM's width = its heads x head width
 
 
 @pytest.mark.parametrize(("model_type", "holds", "cls"), REPAIRED)
@@ -82,3 +83,28 @@ def test_a_config_that_builds_shrunk_is_not_repaired(monkeypatch):
         shrink.shrink_config(CONFIG_MAPPING[model_type]())
     with pytest.raises(AssertionError, match="repaired"):
         shrink.shrink_config(CONFIG_MAPPING["xlnet"]())
+
+
+# classes whose own code, not their config's validation, ties widths the shrink set apart: built from the shrunk
+# config with those widths scaled as the hidden size was (model type, class, what the config holds then)
+SCALED = [("squeezebert", "SqueezeBertForMaskedLM", {"embedding_size": 64}),  # as wide as the hidden size
+          ("mobilebert", "MobileBertForMaskedLM", {"embedding_size": 16, "true_hidden_size": 16})]  # head: 64 - 16
+
+
+@pytest.mark.parametrize(("model_type", "cls", "holds"), SCALED)
+def test_a_class_that_cannot_build_from_the_shrunk_config_gets_its_widths_scaled(model_type, cls, holds):
+    model_class = getattr(transformers, cls)
+    plain = shrink_config(CONFIG_MAPPING[model_type]())
+    with pytest.raises(Exception), torch.device("meta"):  # noqa: B017 -- each class raises its own kind
+        model_class(plain)
+    shrunk = shrink_config(CONFIG_MAPPING[model_type](), builds=model_class)
+    assert {key: getattr(shrunk, key) for key in holds} == holds and shrunk.hidden_size == plain.hidden_size
+    with torch.device("meta"):
+        model_class(shrunk)
+
+
+def test_a_class_that_builds_from_the_shrunk_config_keeps_it():
+    """ALBERT's embedding (128) and ConvBERT's (768, the original hidden size) stay: their classes build."""
+    for model_type, cls in (("albert", "AlbertForMaskedLM"), ("convbert", "ConvBertForMaskedLM")):
+        plain = shrink_config(CONFIG_MAPPING[model_type]())
+        assert shrink_config(CONFIG_MAPPING[model_type](), builds=getattr(transformers, cls)).to_dict() == plain.to_dict()

@@ -23,6 +23,8 @@ import argparse
 import sys
 from dataclasses import asdict
 
+import transformers
+
 from ..arguments import plural
 from ..config.dims import Axis
 from ..config.parallel_config import ParallelConfig
@@ -87,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # load_config's own one-line error
         print(f"qn-hf-check: {e}", file=sys.stderr)
         return EXIT["refused"]
-    shrunk = shrink_config(config, layers=args.layers).to_dict()
+    # a class's own code may tie sizes its config does not (shrink_config's builds): the class named, if any
+    builds = getattr(transformers, args.model_class, None) if args.model_class else None
+    shrunk = shrink_config(config, layers=args.layers, builds=builds).to_dict()
     try:  # the degrees alone (the model's own refusals come from its ranks, before any collective)
         parallel = parity_config(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, dp_shard=args.dp_shard,
                                  sequence_parallel=args.sequence_parallel, microbatches=args.microbatches)

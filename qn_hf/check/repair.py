@@ -59,6 +59,8 @@ def repaired(merged: dict, *, data: dict, new: dict, config: PretrainedConfig) -
         out["d_head"] = HEAD_DIM
     if is_size(data.get("expand")) and is_size(data.get("head_dim")) and is_size(data.get("num_heads")):
         out["head_dim"] = data["expand"] * HIDDEN // out["num_heads"]
+    if is_size(data.get("mamba_d_ssm")) and is_size(out.get("mamba_n_heads")) and is_size(out.get("mamba_d_head")):
+        out["mamba_d_ssm"] = out["mamba_n_heads"] * out["mamba_d_head"]  # Falcon-H1: the SSM's width is its heads'
     computed = [key for key in LAYER_COUNTS if key not in data and isinstance(getattr(type(config), key, None), property)]
     if computed:
         for key in computed:
@@ -81,3 +83,27 @@ def repaired(merged: dict, *, data: dict, new: dict, config: PretrainedConfig) -
             except Exception:  # noqa: BLE001
                 continue
     return out
+
+
+# sizes no shrink rule names, which a model's own code ties to its hidden size (SqueezeBERT's embedding must be
+# as wide; MobileBERT's head is hidden - embedding wide): not the vocabulary's, the positions', nor a count
+_UNNAMED_WIDTH = re.compile(r"_size$")
+_NOT_WIDTHS = re.compile(r"vocab|position|type_vocab|chunk|batch|window|kernel|patch|image|num_")
+
+
+def widths_scaled(config: PretrainedConfig, shrunk: PretrainedConfig) -> PretrainedConfig | None:
+    """``shrunk`` with each width the shrink left alone scaled as the hidden size was (a ``*_size`` no rule names,
+    between a sixteenth of the original hidden size and all of it): for a model whose own code, not its config's
+    validation, refuses the shrunk sizes (``shrink_config``'s ``builds``). None where nothing is scaled."""
+    hidden, small = getattr(config, "hidden_size", None), getattr(shrunk, "hidden_size", None)
+    if not (is_size(hidden) and is_size(small)) or small >= hidden:
+        return None
+    data = shrunk.to_dict()
+    scaled = {key: max(8, value * small // hidden) for key, value in config.to_dict().items()
+              if _UNNAMED_WIDTH.search(key) and not _NOT_WIDTHS.search(key) and key != "hidden_size" and is_size(value)
+              and hidden // 16 <= value <= hidden and data.get(key) == value}
+    if not scaled:
+        return None
+    for key in ("model_type", "transformers_version"):
+        data.pop(key, None)
+    return type(shrunk)(**{**data, **scaled})

@@ -9,10 +9,12 @@ comparable bit for bit up to float summation order. Used by ``qn-hf-check`` and 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
+import torch
 from transformers import PretrainedConfig
 
-from .repair import repaired
+from .repair import repaired, widths_scaled
 from .sizes import EXPERTS, HEAD_DIM, HEADS, HIDDEN, LAYERS, STAGE_DEPTH, VOCAB
 from .sizes import LAYER_COUNTS as _LAYER_COUNTS
 from .sizes import is_size as _is_size
@@ -217,9 +219,33 @@ def _mla_head_dim(data: dict) -> int:
         _SIZES["qk_rope_head_dim"] + _SIZES["qk_nope_head_dim"]
 
 
-def shrink_config(config: PretrainedConfig, *, layers: int = LAYERS) -> PretrainedConfig:
+def shrink_config(config: PretrainedConfig, *, layers: int = LAYERS,
+                  builds: Callable[[PretrainedConfig], object] | None = None) -> PretrainedConfig:
     """A copy of ``config`` (same class) with small sizes, no dropout and token ids in the vocabulary.
-    Sub-configs (a multimodal model's text, vision and audio parts) are shrunk the same way."""
+    Sub-configs (a multimodal model's text, vision and audio parts) are shrunk the same way. ``builds``
+    (a model class, or anything that builds one from a config): where it cannot build from the shrunk
+    config, the widths no rule names are scaled with the hidden size (``repair.widths_scaled``), if it can
+    then; a config it builds from is never changed."""
+    shrunk = _shrunk(config, layers=layers)
+    if builds is None:
+        return shrunk
+    try:
+        with torch.device("meta"):
+            builds(shrunk)
+        return shrunk
+    except Exception:  # noqa: BLE001 - the model's own code refused the sizes: widths scaled, if it builds then
+        scaled = widths_scaled(config, shrunk)
+        if scaled is None:
+            return shrunk
+        try:
+            with torch.device("meta"):
+                builds(scaled)
+        except Exception:  # noqa: BLE001
+            return shrunk
+        return scaled
+
+
+def _shrunk(config: PretrainedConfig, *, layers: int) -> PretrainedConfig:
     data = config.to_dict()
     _fill_gaps(data, mrope=_reads_mrope(config))
     subconfigs = {k: shrink_config(v, layers=layers).to_dict() for k, v in vars(config).items()

@@ -9,6 +9,7 @@ modules of one class; a model with no such list has none (``layers=None``).
 
 from __future__ import annotations
 
+import ast
 import inspect
 
 from torch import nn
@@ -17,7 +18,7 @@ from transformers.pytorch_utils import Conv1D
 
 from .derive import carried_between_blocks, kv_key, relative_name
 from .embedding_types import adapter_for
-from .entries import derive_entries, forward_source
+from .entries import derive_entries, forward_source, forward_tree, self_path
 from .fused import FUSED
 from .model_policy import ModelPolicy
 from .patterns import base_model_and_prefix
@@ -69,8 +70,11 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
         for param in module.parameters(recurse=False):
             owners.setdefault(id(param), set()).add(id(module))
     embedding = _looked_up_directly(model)
+    past_hooks = _called_past_hooks(model)
     blocks = []
     for block in found:
+        if id(block) in past_hooks:  # SqueezeBERT's encoder runs ``layer.forward(...)``: FSDP2 would never gather
+            continue
         members = {id(m) for m in block.modules()}
         # a block holding the input embedding that a forward looks up directly (ModernVBERT's
         # ``text_model.get_input_embeddings()(input_ids)``), past the block's own forward, where FSDP2 would
@@ -79,6 +83,41 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
         if all(owners[id(p)] <= members for p in block.parameters()) and not inner:
             blocks.append(block)
     return blocks
+
+
+def _called_past_hooks(model: nn.Module) -> set[int]:
+    """The modules (ids) a forward of ``model``'s calls by their ``forward`` method, past ``__call__`` and every
+    hook on it: ``self.<child>.forward(...)``, or ``<block>.forward(...)`` in a loop over ``self.<list>``."""
+    found: set[int] = set()
+    trees: dict[type, ast.FunctionDef | None] = {}
+    for module in model.modules():
+        if type(module) not in trees:
+            source = forward_source(type(module))
+            trees[type(module)] = forward_tree(module) if ".forward(" in source else None
+        tree = trees[type(module)]
+        if tree is None:
+            continue
+        looped: dict[str, str] = {}  # loop variable -> the list it walks
+        for loop in (n for n in ast.walk(tree) if isinstance(n, ast.For)):
+            walked = next((self_path(a) for a in ast.walk(loop.iter) if self_path(a) is not None), None)
+            looped.update({t.id: walked for t in ast.walk(loop.target) if isinstance(t, ast.Name) and walked})
+        for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
+            if not (isinstance(call.func, ast.Attribute) and call.func.attr == "forward"):
+                continue
+            owner = call.func.value
+            path = looped.get(owner.id) if isinstance(owner, ast.Name) else self_path(owner)
+            target = _submodule(module, path) if path else None
+            if target is not None:
+                found.update(id(m) for m in (target if isinstance(target, nn.ModuleList) and isinstance(owner, ast.Name)
+                                              else [target]))
+    return found
+
+
+def _submodule(module: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def _looked_up_directly(model: nn.Module) -> nn.Module | None:
