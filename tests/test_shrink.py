@@ -56,7 +56,10 @@ REPAIRED = [("xlnet", {"d_head": 16}, "XLNetModel"),  # d_head = d_model // n_he
             ("dots3_note", {}, "Dots3NoteForCausalLM"),  # an adapter's input width equal to the hidden size
             ("nemo_speechlm", {}, "Nemotron3_5TranscribeModel"),  # a CTC blank id beyond the shrunk vocabulary
             ("zaya", {"num_experts_per_tok": 1}, "ZayaModel"),  # supports one expert a token: taken back
-            ("falcon_h1", {"mamba_d_ssm": 128}, "FalconH1ForCausalLM")]  # the SSM's width = its heads x head width
+            ("falcon_h1", {"mamba_d_ssm": 128}, "FalconH1ForCausalLM"),  # the SSM's width = its heads x head width
+            ("glm5_next_text", {"index_kpool": 8}, "Glm5NextTextModel"),  # the top-k pooled in groups that divide it
+            # each layer's kv source, an earlier layer's position: the first four layers' own
+            ("mistral_large4_text", {"kv_source_layers": [0, 1, 2, 3]}, "MistralLarge4TextModel")]
 
 
 @pytest.mark.parametrize(("model_type", "holds", "cls"), REPAIRED)

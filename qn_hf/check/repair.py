@@ -3,6 +3,7 @@ never from its error's words, and only where it refuses, so that no config that 
 
 from __future__ import annotations
 
+import math
 import re
 
 from transformers import PretrainedConfig
@@ -59,6 +60,15 @@ def repaired(merged: dict, *, data: dict, new: dict, config: PretrainedConfig) -
         out["d_head"] = HEAD_DIM
     if is_size(data.get("expand")) and is_size(data.get("head_dim")) and is_size(data.get("num_heads")):
         out["head_dim"] = data["expand"] * HIDDEN // out["num_heads"]
+    if is_size(data.get("index_kpool")) and is_size(out.get("index_topk")):
+        out["index_kpool"] = math.gcd(out["index_topk"], data["index_kpool"])  # GLM-5 Next pools the top-k in groups
+    layers = data.get("num_hidden_layers")
+    for key, value in data.items():
+        # a per-layer list of earlier layers' positions (Mistral Large 4's kv_source_layers): the first layers' own,
+        # not a pattern of kinds completed with positions past the shrunk count
+        if (isinstance(value, list) and len(value) == layers and isinstance(out.get(key), list)
+                and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= i for i, v in enumerate(value))):
+            out[key] = value[: len(out[key])]
     if is_size(data.get("mamba_d_ssm")) and is_size(out.get("mamba_n_heads")) and is_size(out.get("mamba_d_head")):
         out["mamba_d_ssm"] = out["mamba_n_heads"] * out["mamba_d_head"]  # Falcon-H1: the SSM's width is its heads'
     computed = [key for key in LAYER_COUNTS if key not in data and isinstance(getattr(type(config), key, None), property)]

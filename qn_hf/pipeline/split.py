@@ -62,6 +62,9 @@ class StagePlan:
     # ``layers`` holds one module the loop calls this config key's count of times (ModelPolicy.pp_loop_count):
     # ``layer_ranges`` cut the iterations, and the module is among ``every_stage``
     loop_count: str | None = None
+    # the other lists of a body written out over parallel lists (ModelPolicy.pp_siblings): full length on every
+    # stage, this rank's positions real; ``layers``' module at a chunk's first position - 1 takes the activation
+    siblings: tuple[str, ...] = ()
 
     def block(self, model: nn.Module, index: int) -> nn.Module:
         """The module block ``index`` of the whole model runs (the looped module for every index)."""
@@ -144,6 +147,10 @@ def build_stage_plan(
         raise ValueError(f"policy {policy.model_type}: layers {policy.layers!r} is not a ModuleList")
     ranges = split_layers(num_layers=loop_iterations(base, policy) if policy.pp_loop_count else len(layers),
                           stages=stages, layers_per_stage=layers_per_stage, virtual=virtual)
+    if policy.pp_siblings and virtual > 1:
+        raise ValueError(f"pp={stages} x virtual_stages={virtual} ({policy.model_type}): its forward writes the blocks' "
+                         f"body out over parallel lists ({policy.layers}, {', '.join(policy.pp_siblings)}), which a "
+                         f"stage keeps whole for one chunk only; use virtual_stages=1")
     if stages > 1 and policy.pp_entry is None:
         why = (f"transformers declares no base_model_pp_plan for {policy.model_type!r} and its base model's forward does "
                f"not show the cut points plainly (the embedding, the blocks, then only a final norm)"
@@ -196,6 +203,7 @@ def build_stage_plan(
         every_stage=tuple(join(prefix, n) for n in present(list(policy.pp_every_stage))),
         per_block=tuple(join(prefix, n) for n in present(list(policy.pp_per_block_outputs))),
         loop_count=policy.pp_loop_count,
+        siblings=tuple(join(prefix, n) for n in policy.pp_siblings),
     )
     if stages > 1:
         _check_assignment(model, plan, policy)
@@ -247,8 +255,9 @@ def chunk_of_module(plan: StagePlan, name: str) -> int | None:
         return 0
     if any(under(n) for n, _ in plan.last_only) or any(under(h) for h in plan.heads):
         return plan.chunks - 1
-    if plan.layers is not None and under(plan.layers) and name != plan.layers:
-        return plan.chunk_of_layer(int(name[len(plan.layers) + 1 :].split(".")[0]))
+    for layers in (plan.layers, *plan.siblings) if plan.layers is not None else ():
+        if under(layers) and name != layers:
+            return plan.chunk_of_layer(int(name[len(layers) + 1 :].split(".")[0]))
     return None
 
 

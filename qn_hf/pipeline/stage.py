@@ -44,12 +44,12 @@ from torch import nn
 from transformers.utils import ModelOutput
 
 from ..policies.model_policy import StandIn as StandInKind
-from ..policies.patterns import base_model_and_prefix
+from ..policies.patterns import base_model_and_prefix, join
 from .seq2seq import run_chunk
 from .seq2seq import stage_modules as seq2seq_stage_modules
 from .split import StagePlan
 from .stage_config import cut_layer_lists
-from .standins import BlockRotation, Injector, PassThrough, mirror_reads, standin_for
+from .standins import BlockRotation, BodyInjector, Injector, PassThrough, mirror_reads, standin_for
 
 
 def _unchanged(x: torch.Tensor) -> torch.Tensor:
@@ -227,7 +227,12 @@ def apply_stage(model: nn.Module, plan: StagePlan, *, stage: int) -> StageModule
         return _seq2seq_stage(model, plan, stage=stage, config=config, base=base)
     layers = model.get_submodule(plan.layers)
     chunks = plan.chunks_of(stage)
-    if plan.loop_count is None:  # a looped module is called by the config's count: the list stays whole
+    if plan.siblings:  # a written-out body's lists stay whole, the other stages' positions pass-throughs
+        mine = {i for chunk in chunks for i in range(*plan.layer_ranges[chunk])}
+        for path in (plan.layers, *plan.siblings):
+            whole = model.get_submodule(path)
+            _replace(model, path, nn.ModuleList([whole[i] if i in mine else PassThrough() for i in range(len(whole))]))
+    elif plan.loop_count is None:  # a looped module is called by the config's count: the list stays whole
         kept = nn.ModuleList()
         for chunk in chunks:
             for i in range(*plan.layer_ranges[chunk]):
@@ -262,7 +267,12 @@ def apply_stage(model: nn.Module, plan: StagePlan, *, stage: int) -> StageModule
             standins[path] = PassThrough() if path in plan.heads else standin_for(kinds[path], module)
         if owner not in chunks:
             _replace(model, path, standins[path])  # the real module lives on another rank: freed here
-    if plan.receive_at_blocks and injector is not None:
+    if plan.siblings and injector is not None:
+        # the received activation is what the module before the chunk's first position returns (indexed_lists.py)
+        start = plan.layer_ranges[chunks[0]][0]
+        injector = BodyInjector()  # StageModules sets its pending
+        _replace(model, join(plan.layers, str(start - 1)), injector)
+    elif plan.receive_at_blocks and injector is not None:
         # once per module: a looped module is every chunk's first block, and the first call takes the activation
         for block in {id(b): b for b in (plan.block(model, plan.layer_ranges[c][0]) for c in chunks if c > 0)}.values():
             block.register_forward_pre_hook(injector.into_block, with_kwargs=True)

@@ -89,6 +89,15 @@ class Injector(StandIn):
         return args, {**kwargs, name: received}
 
 
+class BodyInjector(Injector):
+    """Stands, in a loop body written out over parallel lists (indexed_lists.py), for the module before a chunk's
+    first position: returns the received activation as a new tensor, since the body goes on to change what that
+    module returned in place (XLM's ``tensor *= mask``), which the received leaf does not allow."""
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        return super().forward(*args, **kwargs).clone()
+
+
 class BlockRotation:
     """A forward hook for a module whose output packs one part per block of the whole model,
     block-major, in its last dimension (``pp_per_block_outputs``: Gemma 4's per-layer embedding and

@@ -157,7 +157,7 @@ def body_policy(model: nn.Module) -> ModelPolicy:
     model_type = getattr(config, "model_type", None) or type(model).__name__
     base, _ = base_model_and_prefix(model)
     layers = main_blocks(base, model)
-    entry, first, last, reads, pp_refusal, every_stage, loop_count = None, {}, {}, (), None, (), None
+    entry, first, last, reads, pp_refusal, every_stage, loop_count, siblings = None, {}, {}, (), None, (), None, ()
     embeddings = input_embeddings(model)
     name = relative_name(base, embeddings) if isinstance(embeddings, nn.Module) else None
     receive, seq2seq = False, None
@@ -173,7 +173,8 @@ def body_policy(model: nn.Module) -> ModelPolicy:
             pp_refusal = cut
         else:
             entry, first, last, reads, receive = cut.entry, cut.first, cut.last, cut.entry_reads, cut.receive_at_blocks
-            every_stage, loop_count = cut.every_stage, cut.loop_count
+            every_stage, loop_count, siblings = cut.every_stage, cut.loop_count, cut.siblings
+            layers = cut.blocks or layers
     tp_plan, patches, entries, regions, tp_refusal, head_inputs = _tensor_parallel(model, base, name)
     return ModelPolicy(
         model_type=model_type,
@@ -191,6 +192,7 @@ def body_policy(model: nn.Module) -> ModelPolicy:
         pp_receive_at_blocks=receive,
         pp_every_stage=every_stage,
         pp_loop_count=loop_count,
+        pp_siblings=siblings,
         transformers_plan=True,
         tp_refusal=tp_refusal,
         head_inputs=head_inputs,

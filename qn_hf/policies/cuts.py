@@ -30,6 +30,10 @@ class StackCut:
     # the blocks are one shared module the loop calls this config key's count of times (looped.py): a stage
     # cuts the iterations, and the module is among ``every_stage``
     loop_count: str | None = None
+    # a loop body written out over parallel lists (indexed_lists.py): the list the stages cut by and send the
+    # output of (not the one the policy names), and the others, each kept at full length on every stage
+    blocks: str | None = None
+    siblings: tuple[str, ...] = ()
 
     def under(self, prefix: str) -> StackCut:
         """This cut with every path under ``prefix`` (a stack's path in the base model, or the base's in the
@@ -38,7 +42,8 @@ class StackCut:
             return f"{prefix}.{path}" if prefix and path else prefix or path
 
         return replace(self, entry=at(self.entry), first={at(k): v for k, v in self.first.items()},
-                       last={at(k): v for k, v in self.last.items()}, every_stage=tuple(map(at, self.every_stage)))
+                       last={at(k): v for k, v in self.last.items()}, every_stage=tuple(map(at, self.every_stage)),
+                       blocks=at(self.blocks) if self.blocks else None, siblings=tuple(map(at, self.siblings)))
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,9 @@ class ModelPolicy:
     ``pp_loop_count``: the blocks (``layers``) are one module the loop calls this config key's count of
     times (ALBERT's shared layer group, looped.py); stages cut the iterations, the module is real on
     every stage (among ``pp_every_stage``).
+    ``pp_siblings``: the forward writes the blocks' body out over parallel lists indexed by the loop's
+    position (XLM, Flaubert; indexed_lists.py): ``layers`` is the one whose module's result the stages send
+    and receive in place of, these are the others, each kept at full length on every stage.
     ``pp_refusal`` is why this policy cannot cut the model into stages (it still serves dp and tp).
     """
 
@@ -98,6 +101,7 @@ class ModelPolicy:
     pp_per_block_outputs: tuple[str, ...] = ()
     pp_kv_sharing: tuple[str, str, str] | None = None  # (config list of per-layer modes, store, reuse)
     pp_loop_count: str | None = None
+    pp_siblings: tuple[str, ...] = ()
     pp_refusal: str | None = None
     # an encoder-decoder: its two stacks, encoder stages then decoder stages (stack_cut.Seq2SeqCut)
     pp_seq2seq: Seq2SeqCut | None = None

@@ -31,6 +31,7 @@ from torch import nn
 from .cuts import StackCut, StandIn
 from .derive import block_call, loop_indexed
 from .entries import children_reached, forward_tree, own_methods, self_path, self_references
+from .indexed_lists import indexed_lists_call
 from .looped import looped_call
 from .module_kinds import position_wise
 from .patterns import join
@@ -48,6 +49,7 @@ class _Level:
     bound: int  # assignments before this line lead into the call
     loop: ast.For | None = None  # at the last level, the loop over the blocks
     count: str | None = None  # at the last level, the config key a loop calling one shared module counts to (looped.py)
+    siblings: tuple[str, ...] = ()  # at the last level, the other lists a written-out body indexes (indexed_lists.py)
 
 
 def _has_parameters(module: nn.Module) -> bool:
@@ -210,6 +212,13 @@ def _levels(base: nn.Module, parts: list[str]) -> list[_Level] | str:
         if tree is None:
             return f"{type(holder).__name__}'s forward cannot be read"
         found = _down_call(tree, down, last=depth == len(parts) - 1)
+        if found is None and depth == len(parts) - 1:
+            lists = [n for n, c in holder.named_children() if isinstance(c, nn.ModuleList)]
+            indexed = indexed_lists_call(tree, holder, lists) if down in lists else None
+            if indexed is not None and down in (indexed.capture, *indexed.siblings):
+                found = {"call": indexed.call, "bound": indexed.loop.lineno, "loop": indexed.loop,
+                         "siblings": indexed.siblings}
+                down = indexed.capture  # the stages cut by the list whose module's result they send
         if found is None:
             what = f"loop once over {down}, calling each block once" if depth == len(parts) - 1 else f"call {down} once"
             return f"{type(holder).__name__}'s forward does not {what}"
@@ -241,7 +250,7 @@ def stack_cut(base: nn.Module, *, layers: str, embeddings: str | None) -> StackC
         _, chain_values = _chain(level)
         for name, child in level.holder.named_children():
             full = join(level.path, name)
-            if name == level.down or not _has_parameters(child):
+            if name == level.down or name in level.siblings or not _has_parameters(child):
                 continue  # rotary tables, dropout, activations: parameter-free, every stage runs them
             lines = [line for line, _ in uses.get(name, [])]
             where = f"{type(level.holder).__name__}'s forward"
@@ -279,7 +288,8 @@ def stack_cut(base: nn.Module, *, layers: str, embeddings: str | None) -> StackC
     # modules applied in turn and tables added (each then a pass-through or zeros), level by level
     chains = [_plain_chain(level, entry.rpartition(".")[2] if index == entry_level else None)
               for index, level in enumerate(levels) if index >= entry_level]
-    if all(chain is not None for chain in chains):
+    # a written-out body's stand-ins compute on whatever precedes them: the activation must enter at the capture
+    if all(chain is not None for chain in chains) and not levels[-1].siblings:
         stand_ins = {join(level.path, name): kind
                      for level, chain in zip(levels[entry_level:], chains) for name, kind in chain.items()}
         # a stand-in must not be used after the blocks too (T5's dropout runs on both sides): there the
@@ -299,7 +309,8 @@ def stack_cut(base: nn.Module, *, layers: str, embeddings: str | None) -> StackC
             return _every_stage(levels, entry=entry, first=first, side=side, last=last, reads=reads,
                                 why=f"{name} ({type(module).__name__}) runs before the blocks and changes the width "
                                     f"of what they take")
-    return StackCut(entry=entry, first=first, last=last, entry_reads=tuple(sorted(reads)), receive_at_blocks=True)
+    return StackCut(entry=entry, first=first, last=last, entry_reads=tuple(sorted(reads)), receive_at_blocks=True,
+                    **_written_out(levels[-1]))
 
 
 def _carried(level: _Level) -> list[str]:
@@ -355,4 +366,11 @@ def _every_stage(levels: list[_Level], *, entry: str, first: dict[str, StandIn],
     aliases = tuple(path for path in last if {id(p) for p in base.get_submodule(path).parameters()} <= held)
     return StackCut(entry=entry, last={k: v for k, v in last.items() if k not in aliases},
                     entry_reads=tuple(sorted(reads)), receive_at_blocks=True, every_stage=(*shared, *aliases),
-                    loop_count=levels[-1].count)
+                    loop_count=levels[-1].count, **_written_out(levels[-1]))
+
+
+def _written_out(level: _Level) -> dict:
+    """A written-out body's lists (indexed_lists.py), as StackCut takes them: paths from the base."""
+    if not level.siblings:
+        return {}
+    return {"blocks": join(level.path, level.down), "siblings": tuple(join(level.path, n) for n in level.siblings)}
