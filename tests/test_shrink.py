@@ -91,7 +91,10 @@ def test_a_config_that_builds_shrunk_is_not_repaired(monkeypatch):
 # classes whose own code, not their config's validation, ties widths the shrink set apart: built from the shrunk
 # config with those widths scaled as the hidden size was (model type, class, what the config holds then)
 SCALED = [("squeezebert", "SqueezeBertForMaskedLM", {"embedding_size": 64}),  # as wide as the hidden size
-          ("mobilebert", "MobileBertForMaskedLM", {"embedding_size": 16, "true_hidden_size": 16})]  # head: 64 - 16
+          ("mobilebert", "MobileBertForMaskedLM", {"embedding_size": 16, "true_hidden_size": 16}),  # head: 64 - 16
+          ("mimi", "MimiModel", {"upsample_groups": 64}),  # one group per hidden channel
+          # a padding id its audio embedding must hold: the shrunk vocabulary's last
+          ("kyutai_speech_to_text", "KyutaiSpeechToTextModel", {"audio_pad_token_id": 125})]
 
 
 @pytest.mark.parametrize(("model_type", "cls", "holds"), SCALED)

@@ -97,21 +97,26 @@ def repaired(merged: dict, *, data: dict, new: dict, config: PretrainedConfig) -
 
 # sizes no shrink rule names, which a model's own code ties to its hidden size (SqueezeBERT's embedding must be
 # as wide; MobileBERT's head is hidden - embedding wide): not the vocabulary's, the positions', nor a count
-_UNNAMED_WIDTH = re.compile(r"_size$")
+_UNNAMED_WIDTH = re.compile(r"_size$|_groups$")  # Mimi's upsample_groups: one per hidden channel
 _NOT_WIDTHS = re.compile(r"vocab|position|type_vocab|chunk|batch|window|kernel|patch|image|num_")
 
 
 def widths_scaled(config: PretrainedConfig, shrunk: PretrainedConfig) -> PretrainedConfig | None:
-    """``shrunk`` with each width the shrink left alone scaled as the hidden size was (a ``*_size`` no rule names,
-    between a sixteenth of the original hidden size and all of it): for a model whose own code, not its config's
-    validation, refuses the shrunk sizes (``shrink_config``'s ``builds``). None where nothing is scaled."""
+    """``shrunk`` for a model whose own code, not its config's validation, refuses the shrunk sizes
+    (``shrink_config``'s ``builds``): each width the shrink left alone scaled as the hidden size was (a ``*_size``
+    or ``*_groups`` no rule names, between a sixteenth of the original hidden size and all of it), and a token id
+    its embedding must hold (Kyutai's audio padding) beyond the shrunk vocabulary its last. None where nothing
+    changes."""
     hidden, small = getattr(config, "hidden_size", None), getattr(shrunk, "hidden_size", None)
-    if not (is_size(hidden) and is_size(small)) or small >= hidden:
-        return None
     data = shrunk.to_dict()
-    scaled = {key: max(8, value * small // hidden) for key, value in config.to_dict().items()
-              if _UNNAMED_WIDTH.search(key) and not _NOT_WIDTHS.search(key) and key != "hidden_size" and is_size(value)
-              and hidden // 16 <= value <= hidden and data.get(key) == value}
+    scaled = {}
+    if is_size(hidden) and is_size(small) and small < hidden:
+        scaled = {key: max(8, value * small // hidden) for key, value in config.to_dict().items()
+                  if _UNNAMED_WIDTH.search(key) and not _NOT_WIDTHS.search(key) and key != "hidden_size"
+                  and is_size(value) and hidden // 16 <= value <= hidden and data.get(key) == value}
+    if is_size(data.get("vocab_size")):
+        scaled.update({k: data["vocab_size"] - 1 for k, v in data.items()
+                       if k.endswith("_token_id") and is_size(v) and v >= data["vocab_size"]})
     if not scaled:
         return None
     for key in ("model_type", "transformers_version"):
