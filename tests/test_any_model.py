@@ -294,3 +294,24 @@ def test_what_every_stage_runs_composes_with_tensor_and_sharded_data_parallelism
     size = mesh.get("dp", 1) * mesh.get("tp", 1) * mesh["pp"]
     verdict = worlds.run(size, any_model_cases.head_step, model_type="roformer", cls="RoFormerForMaskedLM", **mesh)[0]
     assert verdict["verdict"] == "equal", verdict
+
+
+def test_fsdp_wraps_no_block_the_code_runs_past_its_hooks():
+    """FSDP2 gathers a group's weights in its forward hooks: a block run by ``.forward`` (SqueezeBERT's layers) or by a
+    method of its own that reaches its children (Mimi's quantizer's ``encode``) raised mixed Tensor and DTensor at
+    dp_shard=2; one only set up by a method (BigBird's ``set_attention_type``) is still a group of its own."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    from qn_hf.check.shrink import shrink_config
+    from qn_hf.policies.body import repeated_blocks
+
+    def blocks(model_type, cls):
+        with torch.device("meta"):
+            model = getattr(transformers, cls)(shrink_config(CONFIG_MAPPING[model_type](), builds=getattr(transformers, cls)))
+        names = {id(m): n for n, m in model.named_modules()}
+        return [names[id(b)] for b in repeated_blocks(model)]
+
+    assert blocks("squeezebert", "SqueezeBertModel") == []
+    assert "quantizer" not in blocks("mimi", "MimiModel") and blocks("mimi", "MimiModel")
+    assert len(blocks("big_bird", "BigBirdModel")) == 4

@@ -114,3 +114,4 @@ def test_a_class_that_builds_from_the_shrunk_config_keeps_it():
     for model_type, cls in (("albert", "AlbertForMaskedLM"), ("convbert", "ConvBertForMaskedLM")):
         plain = shrink_config(CONFIG_MAPPING[model_type]())
         assert shrink_config(CONFIG_MAPPING[model_type](), builds=getattr(transformers, cls)).to_dict() == plain.to_dict()
+

@@ -64,7 +64,9 @@ def main_input(model: nn.Module, *, rows: int, seq_len: int, generator: torch.Ge
         strides = getattr(audio, "conv_stride", None) or [320]
         kernels = getattr(audio, "conv_kernel", None) or [400]
         samples = AUDIO_FRAMES * math.prod(strides) + max(kernels)
-        return {"input_values": torch.randn(rows, samples, generator=generator)}
+        channels = getattr(config, "audio_channels", None)  # an audio codec's waveform (EnCodec, Mimi): per channel
+        shape = (rows, channels, samples) if isinstance(channels, int) else (rows, samples)
+        return {"input_values": torch.randn(*shape, generator=generator)}
     if name == "input_features":
         audio = _sub(config, "audio_config")
         bins = getattr(audio, "num_mel_bins", None) or 80

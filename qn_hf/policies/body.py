@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import textwrap
 
 from torch import nn
 from torch.nn.utils.parametrize import ParametrizationList
@@ -18,7 +19,7 @@ from transformers.pytorch_utils import Conv1D
 
 from .derive import carried_between_blocks, kv_key, relative_name
 from .embedding_types import adapter_for
-from .entries import derive_entries, forward_source, forward_tree, self_path
+from .entries import derive_entries, forward_source, self_path
 from .fused import FUSED
 from .model_policy import ModelPolicy
 from .patterns import base_model_and_prefix
@@ -86,31 +87,57 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def _called_past_hooks(model: nn.Module) -> set[int]:
-    """The modules (ids) a forward of ``model``'s calls by their ``forward`` method, past ``__call__`` and every
-    hook on it: ``self.<child>.forward(...)``, or ``<block>.forward(...)`` in a loop over ``self.<list>``."""
+    """The modules (ids) ``model``'s code runs past ``__call__`` and every hook on it, by ``forward`` or by a method
+    of their own (``self.<child>.encode(...)``, ``<block>.forward(...)`` in a loop over ``self.<list>``), in any
+    method of a module's class: SqueezeBERT's encoder calls ``layer.forward``, Mimi ``self.quantizer.encode``."""
     found: set[int] = set()
-    trees: dict[type, ast.FunctionDef | None] = {}
+    trees: dict[type, ast.Module | None] = {}
     for module in model.modules():
-        if type(module) not in trees:
-            source = forward_source(type(module))
-            trees[type(module)] = forward_tree(module) if ".forward(" in source else None
-        tree = trees[type(module)]
-        if tree is None:
+        kind = type(module)
+        if kind not in trees:
+            try:
+                trees[kind] = ast.parse(textwrap.dedent(inspect.getsource(kind)))
+            except (OSError, TypeError, SyntaxError):
+                trees[kind] = None
+        tree = trees[kind]
+        if tree is None or kind.__module__.startswith("torch."):
             continue
         looped: dict[str, str] = {}  # loop variable -> the list it walks
         for loop in (n for n in ast.walk(tree) if isinstance(n, ast.For)):
             walked = next((self_path(a) for a in ast.walk(loop.iter) if self_path(a) is not None), None)
             looped.update({t.id: walked for t in ast.walk(loop.target) if isinstance(t, ast.Name) and walked})
-        for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
-            if not (isinstance(call.func, ast.Attribute) and call.func.attr == "forward"):
-                continue
-            owner = call.func.value
+        for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)):
+            owner, method = call.func.value, call.func.attr
             path = looped.get(owner.id) if isinstance(owner, ast.Name) else self_path(owner)
             target = _submodule(module, path) if path else None
-            if target is not None:
-                found.update(id(m) for m in (target if isinstance(target, nn.ModuleList) and isinstance(owner, ast.Name)
-                                              else [target]))
+            if target is None:
+                continue
+            members = list(target) if isinstance(target, nn.ModuleList) and isinstance(owner, ast.Name) else [target]
+            for member in members:
+                if method == "forward" or (not hasattr(nn.Module, method) and _calls_a_child(member, method)):
+                    found.add(id(member))
     return found
+
+
+def _calls_a_child(module: nn.Module, method: str, depth: int = 3) -> bool:
+    """Whether ``type(module).<method>`` runs a child module of its own, by calling it or a method of it that does
+    (Mimi's quantizer's ``encode`` reaches its input projection through its residual quantizers' ``encode``), as
+    against one that only sets things up (BigBird's ``set_attention_type``)."""
+    function = getattr(type(module), method, None)
+    if not inspect.isfunction(function) or depth == 0:
+        return False
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    children = dict(module.named_children())
+    for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
+        path = self_path(call.func) or ""
+        child, _, inner = path.partition(".")
+        if child in children and (not inner or inner == "forward" or (
+                "." not in inner and not hasattr(nn.Module, inner) and _calls_a_child(children[child], inner, depth - 1))):
+            return True
+    return False
 
 
 def _submodule(module: nn.Module, path: str) -> nn.Module | None:
