@@ -100,3 +100,12 @@ def test_checkpoint_moves_between_meshes(worlds, tmp_path):
     for mesh in (dict(dp=2, pp=1), dict(dp=1, pp=2)):
         resumed = worlds.run(2, any_model_cases.resume_step, save=False, **mesh, **case)[0]
         assert abs(straight - resumed) <= 1e-5 * abs(straight), (mesh, straight, resumed)
+
+
+def test_sequence_parallelism_over_a_written_out_body_is_refused():
+    from qn_hf.validation.checks import check_parallel_config
+
+    with torch.device("meta"):
+        model = _model("xlm", "XLMWithLMHeadModel")
+    with pytest.raises(ValueError, match=r"sequence_parallel=True \(xlm\): its forward writes the blocks' body out"):
+        check_parallel_config(model, tp=2, pp=2, sequence_parallel=True, microbatches=2)

@@ -114,6 +114,10 @@ def sequence_parallel_plan(model: nn.Module, plan: TpPlan, stage_plan: StagePlan
         # every iteration is both, at each call
         raise ValueError(f"{why}: its blocks are one module its forward calls config.{stage_plan.loop_count} times "
                          f"({layers}), where a split sequence cannot begin and end; use sequence_parallel=False")
+    if stage_plan.siblings:  # no block module begins or ends a position of a body written out in the forward
+        raise ValueError(f"{why}: its forward writes the blocks' body out over parallel lists ({layers}, "
+                         f"{', '.join(stage_plan.siblings)}), which has no module where a split sequence can begin "
+                         f"and end; use sequence_parallel=False")
     blocks = [join(layers, str(i)) for i in range(len(model.get_submodule(layers)))]
     for block in {type(model.get_submodule(b)) for b in blocks}:
         extra = [n for n, p in list(inspect.signature(block.forward).parameters.items())[2:]
