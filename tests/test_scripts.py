@@ -382,8 +382,12 @@ def plain_lm(tmp_path_factory) -> Path:
 
 
 # the suite's time (issue 65): the YAML route of the same choice is long
-@pytest.mark.parametrize("machine, how", [("stated", "command line"),
-                                          pytest.param("ops-free", "yaml", marks=pytest.mark.long)])
+@pytest.mark.parametrize("machine, how", [
+    ("stated", "command line"),
+    # open (found 2026-12-04, also at 282b980): the pipeline auto chooses here trains the losses within 1e-5 but
+    # exports weights 3.6e-5 from the plain run's after 4 AdamW steps; strict, so a fix shows
+    pytest.param("ops-free", "yaml", marks=[pytest.mark.long, pytest.mark.xfail(
+        strict=True, reason="open: pp=2 chosen by mesh auto, weights 3.6e-5 apart after 4 AdamW steps (limit 2e-5)")])])
 @pytest.mark.script("scripts/train_lm.py")
 def test_lm_script_mesh_auto_trains_as_the_plain_model(tmp_path, plain_lm, machine, how):
     """--mesh auto (or `mesh: auto` in the YAML) under torchrun at 2 processes, with a calibration file: the

@@ -119,7 +119,7 @@ def sequence_parallel_plan(model: nn.Module, plan: TpPlan, stage_plan: StagePlan
                          f"{', '.join(stage_plan.siblings)}), which has no module where a split sequence can begin "
                          f"and end; use sequence_parallel=False")
     blocks = [join(layers, str(i)) for i in range(len(model.get_submodule(layers)))]
-    for block in {type(model.get_submodule(b)) for b in blocks}:
+    for block in dict.fromkeys(type(model.get_submodule(b)) for b in blocks):  # in model order: one message every run
         extra = [n for n, p in list(inspect.signature(block.forward).parameters.items())[2:]
                  if n not in _WHOLE_BLOCK_INPUTS | PER_POSITION_BLOCK_INPUTS and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
         if extra:
