@@ -10,6 +10,7 @@ modules of one class; a model with no such list has none (``layers=None``).
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import textwrap
 
@@ -91,32 +92,46 @@ def _called_past_hooks(model: nn.Module) -> set[int]:
     of their own (``self.<child>.encode(...)``, ``<block>.forward(...)`` in a loop over ``self.<list>``), in any
     method of a module's class: SqueezeBERT's encoder calls ``layer.forward``, Mimi ``self.quantizer.encode``."""
     found: set[int] = set()
-    trees: dict[type, ast.Module | None] = {}
     for module in model.modules():
-        kind = type(module)
-        if kind not in trees:
-            try:
-                trees[kind] = ast.parse(textwrap.dedent(inspect.getsource(kind)))
-            except (OSError, TypeError, SyntaxError):
-                trees[kind] = None
-        tree = trees[kind]
-        if tree is None or kind.__module__.startswith("torch."):
-            continue
-        looped: dict[str, str] = {}  # loop variable -> the list it walks
-        for loop in (n for n in ast.walk(tree) if isinstance(n, ast.For)):
-            walked = next((self_path(a) for a in ast.walk(loop.iter) if self_path(a) is not None), None)
-            looped.update({t.id: walked for t in ast.walk(loop.target) if isinstance(t, ast.Name) and walked})
-        for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)):
-            owner, method = call.func.value, call.func.attr
-            path = looped.get(owner.id) if isinstance(owner, ast.Name) else self_path(owner)
-            target = _submodule(module, path) if path else None
+        for path, each, method in _method_calls(type(module)):
+            target = _submodule(module, path)
             if target is None:
                 continue
-            members = list(target) if isinstance(target, nn.ModuleList) and isinstance(owner, ast.Name) else [target]
+            members = list(target) if each and isinstance(target, nn.ModuleList) else [target]
             for member in members:
                 if method == "forward" or (not hasattr(nn.Module, method) and _calls_a_child(member, method)):
                     found.add(id(member))
     return found
+
+
+@functools.cache
+def _method_calls(kind: type) -> tuple[tuple[str, bool, str], ...]:
+    """The method calls on ``self.<path>`` in any method of the class ``kind``: (path, whether called on each
+    member of a list the code loops over, method). Read once a class: a model holds many instances of each."""
+    tree = None if kind.__module__.startswith("torch.") else _parsed(kind)
+    if tree is None:
+        return ()
+    looped: dict[str, str] = {}  # loop variable -> the list it walks
+    for loop in (n for n in ast.walk(tree) if isinstance(n, ast.For)):
+        walked = next((self_path(a) for a in ast.walk(loop.iter) if self_path(a) is not None), None)
+        looped.update({t.id: walked for t in ast.walk(loop.target) if isinstance(t, ast.Name) and walked})
+    calls = []
+    for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)):
+        owner, method = call.func.value, call.func.attr
+        each = isinstance(owner, ast.Name)
+        path = looped.get(owner.id) if each else self_path(owner)
+        if path:
+            calls.append((path, each, method))
+    return tuple(calls)
+
+
+@functools.cache
+def _parsed(code: object) -> ast.Module | None:
+    """The syntax tree of a class's or function's source, or None where it has none to read."""
+    try:
+        return ast.parse(textwrap.dedent(inspect.getsource(code)))
+    except (OSError, TypeError, SyntaxError):
+        return None
 
 
 def _calls_a_child(module: nn.Module, method: str, depth: int = 3) -> bool:
@@ -124,11 +139,8 @@ def _calls_a_child(module: nn.Module, method: str, depth: int = 3) -> bool:
     (Mimi's quantizer's ``encode`` reaches its input projection through its residual quantizers' ``encode``), as
     against one that only sets things up (BigBird's ``set_attention_type``)."""
     function = getattr(type(module), method, None)
-    if not inspect.isfunction(function) or depth == 0:
-        return False
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-    except (OSError, TypeError, SyntaxError):
+    tree = _parsed(function) if inspect.isfunction(function) and depth > 0 else None
+    if tree is None:
         return False
     children = dict(module.named_children())
     for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
