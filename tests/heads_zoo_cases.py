@@ -11,6 +11,7 @@ def head_zoo_step(*, model_type: str, cls: str, column: str) -> str:
     import transformers
     from transformers import CONFIG_MAPPING
 
+    from qn_hf.check.config_part import config_taken_by
     from qn_hf.check.run import one_step_parity
     from qn_hf.check.shrink import shrink_config
     from qn_hf.check.zoo import HEAD_COLUMNS, outcome_of
@@ -19,10 +20,11 @@ def head_zoo_step(*, model_type: str, cls: str, column: str) -> str:
     mesh = HEAD_COLUMNS[column]
     try:
         config = shrink_config(CONFIG_MAPPING[model_type](), builds=getattr(transformers, cls))
-        if getattr(config, "pad_token_id", 0) is None:
-            config.pad_token_id = 0  # a sequence classifier pools at the last token that is not padding
+        taken = config_taken_by(config, getattr(transformers, cls))  # a text class's part of a composite config
+        if getattr(taken, "pad_token_id", 0) is None:
+            taken.pad_token_id = 0  # a sequence classifier pools at the last token that is not padding
         torch.manual_seed(0)
-        getattr(transformers, cls)(config)
+        getattr(transformers, cls)(taken)
     except Exception as e:  # noqa: BLE001 -- a class its shrunk default config does not build is apart
         return f"cannot build: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
     verdict = one_step_parity(config=config.to_dict(), parallel=mesh.parallel, model_class_name=cls, steps=2,

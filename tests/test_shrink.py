@@ -115,3 +115,41 @@ def test_a_class_that_builds_from_the_shrunk_config_keeps_it():
         plain = shrink_config(CONFIG_MAPPING[model_type]())
         assert shrink_config(CONFIG_MAPPING[model_type](), builds=getattr(transformers, cls)).to_dict() == plain.to_dict()
 
+
+
+# what a default config leaves unset or wrong that its checkpoints set, without which the model cannot build or
+# run shrunk (model type, class, what the config holds then): DBRX's attention config (rope_theta, which its
+# attention reads; clip_qkv, which it clamps at), Zamba's hybrid layers (two, which its tie keys need) and its
+# attention width (twice the hidden size, stored at the full size by the default config)
+FILLED = [("dbrx", "DbrxForCausalLM", lambda c: (c.attn_config.rope_theta, c.attn_config.clip_qkv) == (10000.0, 8.0)),
+          ("zamba", "ZambaForCausalLM", lambda c: c.layers_block_type.count("hybrid") == 2
+           and c.attention_hidden_size == 2 * c.hidden_size)]
+
+
+@pytest.mark.parametrize(("model_type", "cls", "holds"), FILLED)
+def test_a_gap_the_default_config_leaves_for_its_checkpoints_is_filled(model_type, cls, holds):
+    from qn_hf.check.run import build
+
+    shrunk = shrink_config(CONFIG_MAPPING[model_type]())
+    assert holds(shrunk)
+    model = build(shrunk, seed=0, name=cls)
+    loss = model(**dummy_batch(model, rows=2, seed=1)).loss
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize(("model_type", "cls", "part"), [
+    ("llama4", "Llama4ForCausalLM", "text_config"), ("qwen3_5", "Qwen3_5ForCausalLM", "text_config"),
+    ("musicgen", "MusicgenForCausalLM", "decoder"), ("llava", "LlavaForConditionalGeneration", None)])
+def test_a_class_is_built_from_the_part_of_a_composite_config_it_takes(model_type, cls, part):
+    """A text-only class of a multimodal type takes its text part (AutoModelForCausalLM.from_config does), and
+    shrink_config's ``builds`` tries it on that part; a class of the whole config takes it whole."""
+    from qn_hf.check.config_part import config_taken_by
+
+    model_class = getattr(transformers, cls)
+    shrunk = shrink_config(CONFIG_MAPPING[model_type](), builds=model_class)
+    taken = config_taken_by(shrunk, model_class)
+    assert taken is (getattr(shrunk, part) if part else shrunk)
+    with pytest.raises(Exception), torch.device("meta"):  # noqa: B017 -- each class raises its own kind
+        model_class(shrunk) if part else model_class(shrunk.text_config)
+    with torch.device("meta"):
+        model_class(taken)

@@ -48,11 +48,19 @@ def _placeholder_ids(config) -> set[int]:
     return {v for k in _PLACEHOLDERS if isinstance(v := getattr(config, k, None), int)}
 
 
+# audio decoders whose input_ids are rows x codebooks token rows, with labels per codebook (MusicGen's): a layout
+# the splits of a batch over ranks would have to know
+_CODEBOOK_ROWS = ("MusicgenDecoderConfig", "MusicgenMelodyDecoderConfig")
+
+
 def main_input(model: nn.Module, *, rows: int, seq_len: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
     """The model's main input for ``rows`` examples (``model.main_input_name``)."""
     config = model.config
     name = getattr(model, "main_input_name", "input_ids")
     if name == "input_ids":
+        if type(config).__name__ in _CODEBOOK_ROWS:
+            raise NoBatch(f"{type(model).__name__} takes input_ids of rows x {config.num_codebooks} codebooks, "
+                          "which qn_hf's checks make no random batch for")
         vocab = getattr(config.get_text_config(), "vocab_size", None) or 100
         shape = (rows, 3, seq_len) if type(model).__name__.endswith("ForMultipleChoice") else (rows, seq_len)
         return {"input_ids": torch.randint(3, vocab, shape, generator=generator)}

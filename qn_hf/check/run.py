@@ -21,6 +21,7 @@ import transformers
 from ..config.parallel_config import ParallelConfig
 from ..data_parallel.batch_statistics import batch_statistics_layers
 from ..policies.body import no_cache
+from .config_part import config_taken_by
 from .inputs import probe_loss
 from .randomness import draws_random, sample_as_in_evaluation
 
@@ -71,15 +72,8 @@ def model_class(config: transformers.PretrainedConfig, name: str | None = None) 
 
 
 def causal_lm_config(config: transformers.PretrainedConfig, name: str | None = None) -> transformers.PretrainedConfig:
-    """The config the model is built from: a composite config (Llama 4's) gives the part its class takes,
-    as ``AutoModelForCausalLM.from_config`` does."""
-    cls = model_class(config, name)
-    if isinstance(config, cls.config_class):
-        return config
-    # the text part only where the class takes it; a class built on another type's config class (GLM-GA's
-    # model is GLM-4.6V's, over its own composite config) takes the whole config
-    text = config.get_text_config()
-    return text if isinstance(text, cls.config_class) else config
+    """The config the model is built from: the part its class takes (``config_part.config_taken_by``)."""
+    return config_taken_by(config, model_class(config, name))
 
 
 def build(config: transformers.PretrainedConfig, *, seed: int, name: str | None = None) -> torch.nn.Module:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 from transformers import PretrainedConfig
 
+from .config_part import config_taken_by
 from .repair import repaired, widths_scaled
 from .sizes import EXPERTS, HEAD_DIM, HEADS, HIDDEN, LAYERS, STAGE_DEPTH, VOCAB
 from .sizes import LAYER_COUNTS as _LAYER_COUNTS
@@ -78,10 +79,24 @@ _DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 _MROPE_AXES = 3  # M-RoPE's sections: time, height, width
 
 # Values a default config leaves for a checkpoint to fill, that nothing in the config tells how to
-# fill, and without which its model cannot be built (model type -> values; a layer_types entry is a
-# pattern, repeated over the layers). Gaps a rule can fill are filled in ``_fill_gaps`` instead.
+# fill, and without which its model cannot be built (model type, or config class where a sub-config has
+# no type -> values; a list is a per-layer pattern, repeated over the layers). Gaps a rule can fill are
+# filled in ``_fill_gaps`` instead.
 _DEFAULT_GAPS: dict[str, dict] = {
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},  # the model reads layer_types[i]; None by default
+    # Zamba ties every hybrid layer's shared transformer to the first's, and its tie keys need a second one: one
+    # in 6 layers by default, so one in the 4 a shrunk copy has (it cannot build); a checkpoint's has 13 in 76.
+    # Its attention width is twice the hidden size where unset, and the default config stores it set (7424)
+    "zamba": {"layers_block_type": ["linear_attention", "hybrid"], "attention_hidden_size": None},
+    # DBRX's attention reads attn_config.rope_theta, which its checkpoints' attn_config holds and transformers
+    # 5.23's default attention config lacks (it cannot build; the rotary embedding reads rope_parameters), and
+    # clamps q, k, v at clip_qkv, which fails at the default None (dbrx-instruct's is 8)
+    "DbrxAttentionConfig": {"rope_theta": 10000.0, "clip_qkv": 8.0},
+    # DeepSeek-OCR 2's decoder reads a dense or sparse kind per layer (its checkpoint's: the first dense)
+    "deepseek_ocr2_text": {"mlp_layer_types": ["dense", "sparse", "sparse", "sparse"]},
+    # a dict for a sub-config: filled into that part once shrunk. T5Gemma 2's encoder-only text part lacks the
+    # dropout_rate its layers read
+    "t5gemma2_encoder": {"text_config": {"dropout_rate": 0.0}},
 }
 
 
@@ -106,14 +121,20 @@ def _is_rate(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _fill_gaps(data: dict, *, mrope: bool) -> None:
+def _gaps(data: dict, config_class: str) -> dict:
+    return _DEFAULT_GAPS.get(data.get("model_type") or config_class, {})
+
+
+def _fill_gaps(data: dict, *, mrope: bool, config_class: str) -> None:
     """Fill, in place, what the default config leaves for a checkpoint and the model needs. ``mrope``:
     the model reads M-RoPE sections from its rope."""
     if data.get("is_encoder_decoder") and data.get("decoder_start_token_id") is None:
         # the decoder's first input: a checkpoint's config names it (T5's default config does not)
         data["decoder_start_token_id"] = _TOKEN_IDS["pad_token_id"]
-    for key, value in _DEFAULT_GAPS.get(data.get("model_type"), {}).items():
-        data[key] = _resized_pattern(value, data["num_hidden_layers"]) if key == "layer_types" else value
+    for key, value in _gaps(data, config_class).items():
+        if isinstance(value, dict):
+            continue  # a sub-config's: filled once it is shrunk (_shrunk)
+        data[key] = _resized_pattern(value, data["num_hidden_layers"]) if isinstance(value, list) else value
     kinds = data.get("layer_types")
     if data.get("rope_parameters") == {} and isinstance(kinds, list) and kinds:
         # An empty rope dict beside layer kinds is a per-kind rope left empty (Cohere Compass reads
@@ -223,33 +244,34 @@ def shrink_config(config: PretrainedConfig, *, layers: int = LAYERS,
                   builds: Callable[[PretrainedConfig], object] | None = None) -> PretrainedConfig:
     """A copy of ``config`` (same class) with small sizes, no dropout and token ids in the vocabulary.
     Sub-configs (a multimodal model's text, vision and audio parts) are shrunk the same way. ``builds``
-    (a model class, or anything that builds one from a config): where it cannot build from the shrunk
-    config, the widths no rule names are scaled with the hidden size (``repair.widths_scaled``), if it can
-    then; a config it builds from is never changed."""
+    (a model class, built from the part of the config it takes, or anything that builds one from a
+    config): where it cannot build from the shrunk config, the widths no rule names are scaled with the
+    hidden size (``repair.widths_scaled``), if it can then; a config it builds from is never changed."""
     shrunk = _shrunk(config, layers=layers)
-    if builds is None:
+    if builds is None or _builds(builds, shrunk):
         return shrunk
+    # the model's own code refused the sizes: widths scaled, if it builds then
+    scaled = widths_scaled(config, shrunk)
+    return scaled if scaled is not None and _builds(builds, scaled) else shrunk
+
+
+def _builds(builds: Callable[[PretrainedConfig], object], config: PretrainedConfig) -> bool:
     try:
         with torch.device("meta"):
-            builds(shrunk)
-        return shrunk
-    except Exception:  # noqa: BLE001 - the model's own code refused the sizes: widths scaled, if it builds then
-        scaled = widths_scaled(config, shrunk)
-        if scaled is None:
-            return shrunk
-        try:
-            with torch.device("meta"):
-                builds(scaled)
-        except Exception:  # noqa: BLE001
-            return shrunk
-        return scaled
+            builds(config_taken_by(config, builds) if isinstance(builds, type) else config)
+    except Exception:  # noqa: BLE001 - any refusal of the model's own code
+        return False
+    return True
 
 
 def _shrunk(config: PretrainedConfig, *, layers: int) -> PretrainedConfig:
     data = config.to_dict()
-    _fill_gaps(data, mrope=_reads_mrope(config))
+    _fill_gaps(data, mrope=_reads_mrope(config), config_class=type(config).__name__)
     subconfigs = {k: shrink_config(v, layers=layers).to_dict() for k, v in vars(config).items()
                   if isinstance(v, PretrainedConfig)}
+    for key, values in _gaps(data, type(config).__name__).items():
+        if isinstance(values, dict) and key in subconfigs:
+            subconfigs[key].update(values)
     new: dict = {}
     # a config may store a size under its own name (GPT-J's n_embd for hidden_size): its attribute map says
     # (only where the config holds no value under the name itself, and the stored name is no size of ours)
