@@ -109,3 +109,14 @@ def test_sequence_parallelism_over_a_written_out_body_is_refused():
         model = _model("xlm", "XLMWithLMHeadModel")
     with pytest.raises(ValueError, match=r"sequence_parallel=True \(xlm\): its forward writes the blocks' body out"):
         check_parallel_config(model, tp=2, pp=2, sequence_parallel=True, microbatches=2)
+
+
+def test_the_planner_says_it_cannot_trace_a_forward_that_reads_a_value(tmp_path, capsys):
+    """XLM's forward asserts on ``lengths.max().item()``, which the planner's meta tensors cannot answer: a
+    refusal naming why, never a traceback."""
+    from qn_hf.planner.cli import main
+
+    shrink_config(CONFIG_MAPPING["xlm"]()).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--dp", "1", "--tp", "1", "--pp", "1", "--seq-len", "16"])
+    assert "the planner cannot trace XLMModel: its forward reads a tensor's value" in capsys.readouterr().err

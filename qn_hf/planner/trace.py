@@ -294,7 +294,16 @@ def record_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: di
                 # With use_cache on, transformers skips a packed-sequence check that reads tensor values
                 # (impossible on meta); the blocks get no cache (``pre``), so they run as in training.
                 kwargs = {**plan.policy.forward_kwargs, **({"use_cache": True} if "use_cache" in plan.policy.forward_kwargs else {})}
-                out = model(**inputs, **kwargs)
+                try:
+                    out = model(**inputs, **kwargs)
+                except RuntimeError as e:
+                    if "meta" not in str(e):
+                        raise
+                    # XLM asserts on lengths.max().item(): a value a traced tensor has none of
+                    raise ValueError(f"the planner cannot trace {type(model).__name__}: its forward reads a "
+                                     f"tensor's value ({str(e).splitlines()[0]}), which its meta tensors do not "
+                                     "hold, so it cannot price it: parallelize at a mesh you choose and time "
+                                     "its steps") from None
         finally:
             for h in handles:
                 h.remove()
