@@ -9,6 +9,7 @@ import torch
 import transformers
 from transformers import CONFIG_MAPPING
 
+from qn_hf.check.config_part import config_taken_by
 from qn_hf.check.shrink import shrink_config
 from qn_hf.policies import resolve_policy
 from qn_hf.policies.structure import Role, role_of
@@ -16,8 +17,9 @@ from tests.releases import needs_model_type
 
 
 def _policy(model_type: str, cls: str, **overrides):
+    model_class = getattr(transformers, cls)
     with torch.device("meta"):
-        model = getattr(transformers, cls)(shrink_config(CONFIG_MAPPING[model_type](**overrides)))
+        model = model_class(config_taken_by(shrink_config(CONFIG_MAPPING[model_type](**overrides)), model_class))
     return resolve_policy(model, None)
 
 
@@ -62,6 +64,10 @@ def test_projection_roles_are_read_from_their_names(path, role):
     # Fuyu's language model is a Persimmon: the fused layout of its text config's type
     ("fuyu", "FuyuForCausalLM", {}, {"language_model.layers.*.self_attn.query_key_value": "colwise"}, {}),
     # X-MOD's per-language bottleneck adapters (hidden -> r -> hidden) after the MLP's row-parallel output: whole
+    # a list of blocks of two classes (self- and cross-attention layers), each kind read apart
+    ("mllama", "MllamaForCausalLM", {}, {"layers.*.self_attn.q_proj": "colwise", "layers.*.cross_attn.k_proj": "colwise_kv",
+                                         "layers.*.cross_attn.o_proj": "rowwise", "layers.*.mlp.down_proj": "rowwise"},
+     {"layers.*.cross_attn.num_heads": "local_heads", "layers.*.self_attn.num_key_value_heads": "local_kv_heads"}),
     ("xmod", "XmodForCausalLM", {"is_decoder": True},
      {"encoder.layer.*.output.dense": "rowwise", "encoder.layer.*.output.adapter_modules.en_XX.dense1": "replicate",
       "encoder.layer.*.output.adapter_modules.en_XX.dense2": "replicate"}, {}),

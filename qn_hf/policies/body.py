@@ -34,15 +34,16 @@ def _size(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def block_lists(root: nn.Module) -> list[str]:
-    """Every ``nn.ModuleList`` under ``root`` whose members are all one class and hold parameters,
-    outermost first (a list inside another list's block is not listed), largest first among those
-    (a parametrization's list of a weight's pieces is none)."""
+def block_lists(root: nn.Module, *, one_class: bool = True) -> list[str]:
+    """Every ``nn.ModuleList`` under ``root`` whose members are all one class (or, ``one_class=False``, of
+    any classes: a hybrid stack of Mamba and attention layers) and hold parameters, outermost first (a list
+    inside another list's block is not listed), largest first among those (a parametrization's list of a
+    weight's pieces is none)."""
     found = []
     for name, module in root.named_modules():
         if not name or not isinstance(module, nn.ModuleList) or not len(module) or isinstance(module, ParametrizationList):
             continue
-        if len({type(m) for m in module}) != 1 or not _size(module):
+        if (one_class and len({type(m) for m in module}) != 1) or not _size(module):
             continue
         if any(name.startswith(outer + ".") for outer in found):
             continue
@@ -246,7 +247,10 @@ def _tensor_parallel(model: nn.Module, base: nn.Module, embeddings: str | None):
     model_type = getattr(model.config, "model_type", None) or type(model).__name__
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     heads = getattr(config, "num_attention_heads", None)
-    stacks = [n for n in block_lists(base) if any(isinstance(m, (nn.Linear, Conv1D)) for m in base.get_submodule(n).modules())]
+    # where no list holds blocks of one class, a list of several (Mllama's text model: self- and cross-attention
+    # layers), each kind read apart; not beside lists of one class: a list of stages would hide theirs
+    stacks = [n for n in block_lists(base) or block_lists(base, one_class=False)
+              if any(isinstance(m, (nn.Linear, Conv1D)) for m in base.get_submodule(n).modules())]
     why = None
     if not isinstance(heads, int) or not stacks:
         why = "its config counts no attention heads (num_attention_heads)" if stacks else "it has no list of blocks"

@@ -14,21 +14,20 @@ from .styles import Style
 
 def derive_structure(base: nn.Module, *, stacks: list[str], heads: int | None, fused: FusedAttention | None = None,
                      config=None) -> Derived:
-    """The tp rules of every list of blocks in ``stacks`` (paths in ``base``), each from its first block
-    and applied to all (``{stack}.*.{rule}``); every block of a list must be of one class."""
+    """The tp rules of every list of blocks in ``stacks`` (paths in ``base``), each kind's from its first
+    block and applied to all (``{stack}.*.{rule}``): a path two kinds hold is split alike in both."""
     tp_plan: dict[str, Style] = {}
     patches: dict[str, str] = {}
     head_inputs: dict[str, dict] = {}
     attention: list[str] = []
     for stack in stacks:
         blocks = list(base.get_submodule(stack))
-        if len({type(b) for b in blocks}) != 1:
-            return Derived({}, {}, refusal=f"the blocks of {stack} are not of one class")
-        # a hybrid stack's blocks of one class hold different mixers (Bamba's Mamba or attention, by layer):
-        # each kind, named by its projections, is read from its first block, the attention's kinds first
-        kinds: dict[tuple[str, ...], int] = {}
+        # a hybrid stack's blocks hold different mixers (Bamba's Mamba or attention by layer, in one class;
+        # Zamba's in two): each kind, named by its class and projections, is read from its first block, the
+        # attention's kinds first
+        kinds: dict[tuple, int] = {}
         for i, block in enumerate(blocks):
-            kinds.setdefault(tuple(sorted(n for n, m in block.named_modules() if n and is_projection(m))), i)
+            kinds.setdefault((type(block), *sorted(n for n, m in block.named_modules() if n and is_projection(m))), i)
         read = {i: derive_block(blocks[i], heads_expected=heads, fused=fused, config=config) for i in kinds.values()}
         order = sorted(read, key=lambda i: read[i].refusal is not None)
         first = read[order[0]]
