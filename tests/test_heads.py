@@ -224,9 +224,26 @@ def test_the_image_size_checked_is_the_vision_models_own():
     ("decision_transformer", "DecisionTransformerModel", {"states": (2, 12, 17), "actions": (2, 12, 4),
                                                           "rewards": (2, 12, 1), "returns_to_go": (2, 12, 1),
                                                           "timesteps": (2, 12), "attention_mask": (2, 12)}),
+    # embeddings given (Nemotron 3.5's word timestamps); an audio codec's decoder's latents (hidden x frames);
+    # Gemma 3n's mel frames, none padded; a video tower's clip, and the text a contrastive one requires beside it
+    ("nemotron3_5_transcribe_word_timestamp", "Nemotron3_5TranscribeWordTimestampModel", {"inputs_embeds": (2, 12, 64)}),
+    ("mimi_decoder", "MimiDecoderModel", {"latents": (2, 64, 12)}),
+    ("gemma3n_audio", "Gemma3nAudioEncoder", {"audio_mel": (2, 24, 128), "audio_mel_mask": (2, 24)}),
+    pytest.param("videoprism", "VideoPrismClipModel", {"pixel_values_videos": (2, 16, 3, 288, 288), "input_ids": (2, 12)},
+                 marks=pytest.mark.long),  # 16 frames of 288 x 288: half a minute on 2 cores
 ])
 def test_a_model_with_a_main_input_of_its_own_gets_a_batch_it_runs_on(model_type, cls, shapes):
-    model = build(shrink_config(CONFIG_MAPPING[model_type]()), seed=0, name=cls)
+    model = build(shrink_config(CONFIG_MAPPING[model_type](), builds=getattr(transformers, cls)), seed=0, name=cls)
     batch = dummy_batch(model, rows=2)
     assert {k: tuple(v.shape) for k, v in batch.items()} == shapes
     model(**batch)  # the plain model takes it
+
+
+def test_an_input_the_forward_requires_and_the_check_cannot_make_is_no_batch():
+    """Qwen3-VL's vision tower requires its patches flattened and their grid, which only its processor makes: no
+    batch, naming them (a TypeError from the plain forward was counted as the model failing alone)."""
+    from qn_hf.check.inputs import NoBatch
+
+    model = build(shrink_config(CONFIG_MAPPING["qwen3_vl"]()).vision_config, seed=0, name="Qwen3VLVisionModel")
+    with pytest.raises(NoBatch, match="Qwen3VLVisionModel requires 'hidden_states', 'grid_thw'"):
+        dummy_batch(model, rows=2)

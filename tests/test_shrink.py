@@ -120,10 +120,14 @@ def test_a_class_that_builds_from_the_shrunk_config_keeps_it():
 # what a default config leaves unset or wrong that its checkpoints set, without which the model cannot build or
 # run shrunk (model type, class, what the config holds then): DBRX's attention config (rope_theta, which its
 # attention reads; clip_qkv, which it clamps at), Zamba's hybrid layers (two, which its tie keys need) and its
-# attention width (twice the hidden size, stored at the full size by the default config)
+# attention width (twice the hidden size, stored at the full size by the default config), and others so stored
 FILLED = [("dbrx", "DbrxForCausalLM", lambda c: (c.attn_config.rope_theta, c.attn_config.clip_qkv) == (10000.0, 8.0)),
           ("zamba", "ZambaForCausalLM", lambda c: c.layers_block_type.count("hybrid") == 2
-           and c.attention_hidden_size == 2 * c.hidden_size)]
+           and c.attention_hidden_size == 2 * c.hidden_size),
+          # widths the config computes where not given, which its default stores computed from the full sizes
+          ("zamba2", "Zamba2ForCausalLM", lambda c: (c.attention_hidden_size, c.mamba_headdim, c.hybrid_layer_ids)
+           == (2 * c.hidden_size, c.mamba_expand * c.hidden_size // c.n_mamba_heads, [3])),
+          ("marian", "MarianForCausalLM", lambda c: c.decoder_vocab_size == c.vocab_size)]
 
 
 @pytest.mark.parametrize(("model_type", "cls", "holds"), FILLED)

@@ -80,6 +80,20 @@ def main_input(model: nn.Module, *, rows: int, seq_len: int, generator: torch.Ge
         bins = getattr(audio, "num_mel_bins", None) or 80
         frames = 2 * (getattr(audio, "max_source_positions", None) or 32)
         return {"input_features": torch.randn(rows, bins, frames, generator=generator)}
+    if name == "inputs_embeds":  # an encoder over given embeddings (Nemotron 3.5's word timestamps)
+        width = config.get_text_config().hidden_size
+        return {"inputs_embeds": torch.randn(rows, seq_len, width, generator=generator)}
+    if name == "latents":  # an audio codec's decoder (Mimi's, Pocket TTS's): (rows, hidden, frames)
+        return {"latents": torch.randn(rows, config.hidden_size, AUDIO_FRAMES, generator=generator)}
+    if name == "audio_mel":  # Gemma 3n's audio encoder: mel frames, and a mask that is True at padding (none)
+        frames = 2 * AUDIO_FRAMES
+        return {"audio_mel": torch.randn(rows, frames, config.input_feat_size, generator=generator),
+                "audio_mel_mask": torch.zeros(rows, frames, dtype=torch.bool)}
+    if name == "pixel_values_videos" and isinstance(getattr(_sub(config, "vision_config"), "num_frames", None), int):
+        # a video tower (VideoPrism's): its clip's frames, each an image
+        channels, height, width = _image(config)
+        frames = _sub(config, "vision_config").num_frames
+        return {"pixel_values_videos": torch.randn(rows, frames, channels, height, width, generator=generator)}
     if name == "states":  # Decision Transformer: a trajectory of states, actions, rewards and returns to go
         return {"states": torch.randn(rows, seq_len, config.state_dim, generator=generator),
                 "actions": torch.randn(rows, seq_len, config.act_dim, generator=generator),
@@ -169,7 +183,26 @@ def dummy_batch(model: nn.Module, *, rows: int, seq_len: int = SEQ_LEN, seed: in
         # (Marian's, Pegasus', Blenderbot's base models and generation heads fail without one), as a caller
         # passes it: drawn last, so that no other input of any model changes
         batch["decoder_input_ids"] = torch.randint(3, vocab, (rows, seq_len), generator=generator)
+    _required_ids(model, batch, rows=rows, seq_len=seq_len, generator=generator)
     return batch
+
+
+def _required_ids(model: nn.Module, batch: dict, *, rows: int, seq_len: int, generator: torch.Generator) -> None:
+    """Token ids the forward requires beside its main input, in place (BLIP-2's and Grounding DINO's text,
+    InstructBLIP's Q-Former prompt, in its own vocabulary); any other input it requires: NoBatch, naming it
+    (drawn last, so that no other input of any model changes)."""
+    parameters = inspect.signature(model.forward).parameters
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    missing = [n for n, p in parameters.items() if n != "self" and p.kind in kinds and p.default is p.empty
+               and n not in batch]
+    for name in [n for n in missing if n.endswith("input_ids")]:
+        part = getattr(model.config, name.removesuffix("input_ids") + "config", None)  # qformer_ -> qformer_config
+        vocab = getattr(part or model.config.get_text_config(), "vocab_size", None) or 100
+        batch[name] = torch.randint(3, vocab, (rows, seq_len), generator=generator)
+        missing.remove(name)
+    if missing:
+        raise NoBatch(f"{type(model).__name__} requires {', '.join(map(repr, missing))}, which qn_hf's checks make "
+                      "no random batch for")
 
 
 def _output_width(model: torch.nn.Module, head) -> int | None:

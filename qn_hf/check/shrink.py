@@ -78,16 +78,27 @@ MULTIPLIER = 1.37
 _DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 _MROPE_AXES = 3  # M-RoPE's sections: time, height, width
 
+# a width the config computes from its sizes when not given, which its default stores computed from the full
+# ones: left out of the shrunk config, so that it is computed from the shrunk sizes
+COMPUTED = object()
+
 # Values a default config leaves for a checkpoint to fill, that nothing in the config tells how to
-# fill, and without which its model cannot be built (model type, or config class where a sub-config has
-# no type -> values; a list is a per-layer pattern, repeated over the layers). Gaps a rule can fill are
-# filled in ``_fill_gaps`` instead.
+# fill, and without which its model cannot be built or run (model type, or config class where a sub-config
+# has no type -> values; a list is a per-layer pattern, repeated over the layers; COMPUTED above). Gaps a rule
+# can fill are filled in ``_fill_gaps`` instead.
 _DEFAULT_GAPS: dict[str, dict] = {
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},  # the model reads layer_types[i]; None by default
     # Zamba ties every hybrid layer's shared transformer to the first's, and its tie keys need a second one: one
     # in 6 layers by default, so one in the 4 a shrunk copy has (it cannot build); a checkpoint's has 13 in 76.
     # Its attention width is twice the hidden size where unset, and the default config stores it set (7424)
-    "zamba": {"layers_block_type": ["linear_attention", "hybrid"], "attention_hidden_size": None},
+    "zamba": {"layers_block_type": ["linear_attention", "hybrid"], "attention_hidden_size": COMPUTED},
+    # computed so: Zamba 2's attention width (2 x hidden), Mamba heads' (expand x hidden / heads), hybrid layers'
+    # positions (from its layer kinds); Marian's decoder vocabulary (its vocabulary), xLSTM's embedding (its
+    # hidden size)
+    "zamba2": dict.fromkeys(("attention_hidden_size", "attention_head_dim", "mamba_headdim", "hybrid_layer_ids"),
+                            COMPUTED),
+    "marian": {"decoder_vocab_size": COMPUTED},
+    "xlstm": {"embedding_dim": COMPUTED},
     # DBRX's attention reads attn_config.rope_theta, which its checkpoints' attn_config holds and transformers
     # 5.23's default attention config lacks (it cannot build; the rotary embedding reads rope_parameters), and
     # clamps q, k, v at clip_qkv, which fails at the default None (dbrx-instruct's is 8)
@@ -134,7 +145,10 @@ def _fill_gaps(data: dict, *, mrope: bool, config_class: str) -> None:
     for key, value in _gaps(data, config_class).items():
         if isinstance(value, dict):
             continue  # a sub-config's: filled once it is shrunk (_shrunk)
-        data[key] = _resized_pattern(value, data["num_hidden_layers"]) if isinstance(value, list) else value
+        if value is COMPUTED:
+            data.pop(key, None)
+        else:
+            data[key] = _resized_pattern(value, data["num_hidden_layers"]) if isinstance(value, list) else value
     kinds = data.get("layer_types")
     if data.get("rope_parameters") == {} and isinstance(kinds, list) and kinds:
         # An empty rope dict beside layer kinds is a per-kind rope left empty (Cohere Compass reads
