@@ -228,6 +228,8 @@ def test_the_image_size_checked_is_the_vision_models_own():
     # Gemma 3n's mel frames, none padded; a video tower's clip, and the text a contrastive one requires beside it
     ("nemotron3_5_transcribe_word_timestamp", "Nemotron3_5TranscribeWordTimestampModel", {"inputs_embeds": (2, 12, 64)}),
     ("mimi_decoder", "MimiDecoderModel", {"latents": (2, 64, 12)}),
+    # a vision tower whose main_input_name is transformers' default input_ids, and whose forward takes pixel_values
+    ("smolvlm_vision", "SmolVLMVisionTransformer", {"pixel_values": (2, 3, 224, 224)}),
     ("gemma3n_audio", "Gemma3nAudioEncoder", {"audio_mel": (2, 24, 128), "audio_mel_mask": (2, 24)}),
     pytest.param("videoprism", "VideoPrismClipModel", {"pixel_values_videos": (2, 16, 3, 288, 288), "input_ids": (2, 12)},
                  marks=pytest.mark.long),  # 16 frames of 288 x 288: half a minute on 2 cores
@@ -236,6 +238,9 @@ def test_a_model_with_a_main_input_of_its_own_gets_a_batch_it_runs_on(model_type
     model = build(shrink_config(CONFIG_MAPPING[model_type](), builds=getattr(transformers, cls)), seed=0, name=cls)
     batch = dummy_batch(model, rows=2)
     assert {k: tuple(v.shape) for k, v in batch.items()} == shapes
+    from qn_hf.step.batch import check_model_inputs
+
+    check_model_inputs(batch, model=model, loss=None)  # and so does qn_hf's check of a batch
     model(**batch)  # the plain model takes it
 
 

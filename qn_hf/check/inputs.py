@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..config.options import IGNORE_INDEX, LossKind
-from ..policies.task import task_head
+from ..policies.task import main_input_name, task_head
 
 SEQ_LEN = 12
 AUDIO_FRAMES = 12  # frames an audio encoder's feature extractor makes of the waveform
@@ -56,7 +56,7 @@ _CODEBOOK_ROWS = ("MusicgenDecoderConfig", "MusicgenMelodyDecoderConfig")
 def main_input(model: nn.Module, *, rows: int, seq_len: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
     """The model's main input for ``rows`` examples (``model.main_input_name``)."""
     config = model.config
-    name = getattr(model, "main_input_name", "input_ids")
+    name = main_input_name(model)
     if name == "input_ids":
         if type(config).__name__ in _CODEBOOK_ROWS:
             raise NoBatch(f"{type(model).__name__} takes input_ids of rows x {config.num_codebooks} codebooks, "

@@ -44,6 +44,7 @@ from transformers.pytorch_utils import Conv1D
 from ..expert_parallel.apply import experts_modules
 from ..memory.recompute import checkpoint_options
 from ..policies.styles import COLUMN_STYLES, WHOLE_STYLES, Style
+from ..policies.task import main_input_name
 from ..tensor_parallel.plan import TpPlan
 from ..tensor_parallel.sequence_parallel import regathers
 from .allocations import Allocations, tensors
@@ -89,7 +90,7 @@ class Trace:
 def example_inputs(model: nn.Module, *, micro_batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
     """Meta tensors shaped like one microbatch of the model's main input."""
     config = model.config
-    if getattr(model, "main_input_name", "input_ids") == "pixel_values":
+    if main_input_name(model) == "pixel_values":
         size = config.image_size
         return {"pixel_values": torch.empty(micro_batch_size, config.num_channels, size, size, device="meta")}
     inputs = {"input_ids": torch.empty(micro_batch_size, seq_len, dtype=torch.long, device="meta")}

@@ -298,3 +298,12 @@ def task_head(model: nn.Module) -> TaskHead:
                     mask_labels=name in MASKED_TOKEN_LABELS,
                     own_problem_types=name in OWN_PROBLEM_TYPES, cls=name,
                     reshapes_inputs=name in _multiple_choice())
+
+
+def main_input_name(model: nn.Module) -> str:
+    """The batch key of the model's main input: ``model.main_input_name``, unless the forward takes no such
+    argument and takes ``pixel_values`` (a vision tower that keeps transformers' default ``input_ids``:
+    SmolVLM's, Idefics 3's, Granite Docling's)."""
+    name = getattr(model, "main_input_name", "input_ids")
+    parameters = inspect.signature(model.forward).parameters
+    return "pixel_values" if name not in parameters and "pixel_values" in parameters else name

@@ -13,7 +13,7 @@ from torch.distributed import ProcessGroup
 from ..config.options import IGNORE_INDEX, LossKind, ProblemType
 from ..config.sequence import check_sequence_length
 from ..policies.positions import PositionLimits
-from ..policies.task import SPAN_KEYS, TaskHead
+from ..policies.task import SPAN_KEYS, TaskHead, main_input_name
 from .loss import problem_type
 
 
@@ -145,7 +145,7 @@ def check_model_inputs(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Mod
     a user's loss_fn), and a sequence length that ``sequence_split`` (a multiple, and why) divides.
     Without this, each mistake surfaces as a shape error deep inside a forward on some ranks."""
     loss = None if loss is None else LossKind(loss)
-    main = getattr(model, "main_input_name", "input_ids")
+    main = main_input_name(model)
     if main not in batch and "inputs_embeds" not in batch:
         raise ValueError(f"batch lacks {main!r}, the input of {type(model).__name__} (has {sorted(batch)})")
     params = inspect.signature(model.forward).parameters
