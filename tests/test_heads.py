@@ -228,6 +228,8 @@ def test_the_image_size_checked_is_the_vision_models_own():
     # Gemma 3n's mel frames, none padded; a video tower's clip, and the text a contrastive one requires beside it
     ("nemotron3_5_transcribe_word_timestamp", "Nemotron3_5TranscribeWordTimestampModel", {"inputs_embeds": (2, 12, 64)}),
     ("mimi_decoder", "MimiDecoderModel", {"latents": (2, 64, 12)}),
+    # a seq2seq model over audio features whose head is its own: the decoder's input, as a caller passes it
+    ("whisper", "WhisperForConditionalGeneration", {"input_features": (2, 80, 64), "decoder_input_ids": (2, 12)}),
     # a vision tower whose main_input_name is transformers' default input_ids, and whose forward takes pixel_values
     ("smolvlm_vision", "SmolVLMVisionTransformer", {"pixel_values": (2, 3, 224, 224)}),
     ("gemma3n_audio", "Gemma3nAudioEncoder", {"audio_mel": (2, 24, 128), "audio_mel_mask": (2, 24)}),

@@ -127,7 +127,8 @@ FILLED = [("dbrx", "DbrxForCausalLM", lambda c: (c.attn_config.rope_theta, c.att
           # widths the config computes where not given, which its default stores computed from the full sizes
           ("zamba2", "Zamba2ForCausalLM", lambda c: (c.attention_hidden_size, c.mamba_headdim, c.hybrid_layer_ids)
            == (2 * c.hidden_size, c.mamba_expand * c.hidden_size // c.n_mamba_heads, [3])),
-          ("marian", "MarianForCausalLM", lambda c: c.decoder_vocab_size == c.vocab_size)]
+          # and a decoder's first token beyond the shrunk vocabulary (Marian's pad, 58100): at its pad
+          ("marian", "MarianMTModel", lambda c: c.decoder_vocab_size == c.vocab_size and c.decoder_start_token_id == 0)]
 
 
 @pytest.mark.parametrize(("model_type", "cls", "holds"), FILLED)

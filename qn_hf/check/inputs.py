@@ -178,10 +178,10 @@ def dummy_batch(model: nn.Module, *, rows: int, seq_len: int = SEQ_LEN, seed: in
         # sets no default language), as a caller passes them: one a row
         batch["lang_ids"] = torch.randint(0, len(languages), (rows,), generator=generator)
     if (config.is_encoder_decoder and "decoder_input_ids" in params and "labels" not in batch
-            and "input_ids" in batch and head.kind in (None, LossKind.OWN)):
+            and head.kind in (None, LossKind.OWN)):
         # a seq2seq model trained on its outputs makes no decoder input of its own where its labels would
-        # (Marian's, Pegasus', Blenderbot's base models and generation heads fail without one), as a caller
-        # passes it: drawn last, so that no other input of any model changes
+        # (Marian's, Pegasus', Blenderbot's base models and generation heads fail without one; Whisper's, over
+        # audio features), as a caller passes it: drawn last, so that no other input of any model changes
         batch["decoder_input_ids"] = torch.randint(3, vocab, (rows, seq_len), generator=generator)
     _required_ids(model, batch, rows=rows, seq_len=seq_len, generator=generator)
     return batch

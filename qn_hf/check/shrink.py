@@ -365,6 +365,10 @@ def _shrunk(config: PretrainedConfig, *, layers: int) -> PretrainedConfig:
             new[key] = value
         elif isinstance(data.get(key), list):
             new[key] = [value]
+    if isinstance(data.get("decoder_start_token_id"), int) and data["decoder_start_token_id"] >= VOCAB:
+        # Marian's decoder starts at its pad (58100), Whisper's at its end of text (50257): beyond the shrunk
+        # vocabulary, so at its pad
+        new["decoder_start_token_id"] = _TOKEN_IDS["pad_token_id"]
     head_dim = new.get("head_dim") or HIDDEN // HEADS
     for key in ("rope_parameters", "rope_scaling"):
         if isinstance(data.get(key), dict):
