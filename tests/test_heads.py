@@ -15,6 +15,7 @@ from qn_hf.check.shrink import shrink_config
 from qn_hf.config.options import IGNORE_INDEX, LossKind, ProblemType
 from qn_hf.policies.task import task_head
 from qn_hf.step.loss import local_count, loss_scales, problem_type, summed_loss, term_weights
+from tests.releases import needs_model_type
 
 # Sub-configurations a model type needs named: transformers 5.17's EncoderDecoderConfig has no default
 # encoder and decoder (later releases default to BERT's, these same ones).
@@ -237,6 +238,7 @@ def test_the_image_size_checked_is_the_vision_models_own():
                  marks=pytest.mark.long),  # 16 frames of 288 x 288: half a minute on 2 cores
 ])
 def test_a_model_with_a_main_input_of_its_own_gets_a_batch_it_runs_on(model_type, cls, shapes):
+    needs_model_type(model_type)
     model = build(shrink_config(CONFIG_MAPPING[model_type](), builds=getattr(transformers, cls)), seed=0, name=cls)
     batch = dummy_batch(model, rows=2)
     assert {k: tuple(v.shape) for k, v in batch.items()} == shapes

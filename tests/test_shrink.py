@@ -11,6 +11,7 @@ from transformers import CONFIG_MAPPING
 
 from qn_hf.check.inputs import _per_row, dummy_batch
 from qn_hf.check.shrink import STAGE_DEPTH, shrink_config
+from tests.releases import INSTALLED, PINNED
 
 # model type, class: per-stage rate lists (CvT), drop connect (ALIGN's and EfficientNet's towers), drop path
 # (Swin, ConvNeXt, BEiT), SpecAugment and LayerDrop (wav2vec2)
@@ -121,7 +122,10 @@ def test_a_class_that_builds_from_the_shrunk_config_keeps_it():
 # run shrunk (model type, class, what the config holds then): DBRX's attention config (rope_theta, which its
 # attention reads; clip_qkv, which it clamps at), Zamba's hybrid layers (two, which its tie keys need) and its
 # attention width (twice the hidden size, stored at the full size by the default config), and others so stored
-FILLED = [("dbrx", "DbrxForCausalLM", lambda c: (c.attn_config.rope_theta, c.attn_config.clip_qkv) == (10000.0, 8.0)),
+FILLED = [pytest.param("dbrx", "DbrxForCausalLM",
+                       lambda c: (c.attn_config.rope_theta, c.attn_config.clip_qkv) == (10000.0, 8.0),
+                       # 5.17's DBRX attention config refuses the keys its own to_dict writes
+                       marks=pytest.mark.skipif(not PINNED, reason=f"transformers {INSTALLED}'s DBRX config")),
           ("zamba", "ZambaForCausalLM", lambda c: c.layers_block_type.count("hybrid") == 2
            and c.attention_hidden_size == 2 * c.hidden_size),
           # widths the config computes where not given, which its default stores computed from the full sizes
@@ -144,7 +148,10 @@ def test_a_gap_the_default_config_leaves_for_its_checkpoints_is_filled(model_typ
 
 @pytest.mark.parametrize(("model_type", "cls", "part"), [
     ("llama4", "Llama4ForCausalLM", "text_config"), ("qwen3_5", "Qwen3_5ForCausalLM", "text_config"),
-    ("musicgen", "MusicgenForCausalLM", "decoder"), ("llava", "LlavaForConditionalGeneration", None)])
+    # 5.17's MusicGen config cannot be built with its defaults
+    pytest.param("musicgen", "MusicgenForCausalLM", "decoder",
+                 marks=pytest.mark.skipif(not PINNED, reason=f"transformers {INSTALLED}'s MusicGen config")),
+    ("llava", "LlavaForConditionalGeneration", None)])
 def test_a_class_is_built_from_the_part_of_a_composite_config_it_takes(model_type, cls, part):
     """A text-only class of a multimodal type takes its text part (AutoModelForCausalLM.from_config does), and
     shrink_config's ``builds`` tries it on that part; a class of the whole config takes it whole."""
