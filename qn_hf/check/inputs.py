@@ -183,18 +183,17 @@ def dummy_batch(model: nn.Module, *, rows: int, seq_len: int = SEQ_LEN, seed: in
         # (Marian's, Pegasus', Blenderbot's base models and generation heads fail without one; Whisper's, over
         # audio features), as a caller passes it: drawn last, so that no other input of any model changes
         batch["decoder_input_ids"] = torch.randint(3, vocab, (rows, seq_len), generator=generator)
-    _required_ids(model, batch, rows=rows, seq_len=seq_len, generator=generator)
+    _required_ids(model, params, batch, rows=rows, seq_len=seq_len, generator=generator)
     return batch
 
 
-def _required_ids(model: nn.Module, batch: dict, *, rows: int, seq_len: int, generator: torch.Generator) -> None:
-    """Token ids the forward requires beside its main input, in place (BLIP-2's and Grounding DINO's text,
-    InstructBLIP's Q-Former prompt, in its own vocabulary); any other input it requires: NoBatch, naming it
-    (drawn last, so that no other input of any model changes)."""
-    parameters = inspect.signature(model.forward).parameters
+def _required_ids(model: nn.Module, params: Mapping[str, inspect.Parameter], batch: dict, *, rows: int, seq_len: int,
+                  generator: torch.Generator) -> None:
+    """Token ids the forward (its ``params``) requires beside its main input, in place (BLIP-2's and Grounding
+    DINO's text, InstructBLIP's Q-Former prompt, in its own vocabulary); any other input it requires: NoBatch,
+    naming it (drawn last, so that no other input of any model changes)."""
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    missing = [n for n, p in parameters.items() if n != "self" and p.kind in kinds and p.default is p.empty
-               and n not in batch]
+    missing = [n for n, p in params.items() if p.kind in kinds and p.default is p.empty and n not in batch]
     for name in [n for n in missing if n.endswith("input_ids")]:
         part = getattr(model.config, name.removesuffix("input_ids") + "config", None)  # qformer_ -> qformer_config
         vocab = getattr(part or model.config.get_text_config(), "vocab_size", None) or 100

@@ -139,8 +139,10 @@ def _gaps(data: dict, config_class: str) -> dict:
 def _fill_gaps(data: dict, *, mrope: bool, config_class: str) -> None:
     """Fill, in place, what the default config leaves for a checkpoint and the model needs. ``mrope``:
     the model reads M-RoPE sections from its rope."""
-    if data.get("is_encoder_decoder") and data.get("decoder_start_token_id") is None:
-        # the decoder's first input: a checkpoint's config names it (T5's default config does not)
+    start = data.get("decoder_start_token_id")
+    if (start is None and data.get("is_encoder_decoder")) or (isinstance(start, int) and start >= VOCAB):
+        # the decoder's first input: a checkpoint's config names it (T5's default config does not), and where
+        # the default's is beyond the shrunk vocabulary (Marian's pad, 58100; Whisper's end of text, 50257), the pad
         data["decoder_start_token_id"] = _TOKEN_IDS["pad_token_id"]
     for key, value in _gaps(data, config_class).items():
         if isinstance(value, dict):
@@ -365,10 +367,6 @@ def _shrunk(config: PretrainedConfig, *, layers: int) -> PretrainedConfig:
             new[key] = value
         elif isinstance(data.get(key), list):
             new[key] = [value]
-    if isinstance(data.get("decoder_start_token_id"), int) and data["decoder_start_token_id"] >= VOCAB:
-        # Marian's decoder starts at its pad (58100), Whisper's at its end of text (50257): beyond the shrunk
-        # vocabulary, so at its pad
-        new["decoder_start_token_id"] = _TOKEN_IDS["pad_token_id"]
     head_dim = new.get("head_dim") or HIDDEN // HEADS
     for key in ("rope_parameters", "rope_scaling"):
         if isinstance(data.get(key), dict):

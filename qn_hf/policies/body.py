@@ -20,7 +20,7 @@ from transformers.pytorch_utils import Conv1D
 
 from .derive import carried_between_blocks, kv_key, relative_name
 from .embedding_types import adapter_for
-from .entries import derive_entries, forward_source, self_path
+from .entries import derive_entries, forward_source, method_tree, self_path
 from .fused import FUSED
 from .model_policy import ModelPolicy
 from .patterns import base_model_and_prefix
@@ -126,11 +126,10 @@ def _method_calls(kind: type) -> tuple[tuple[str, bool, str], ...]:
     return tuple(calls)
 
 
-@functools.cache
-def _parsed(code: object) -> ast.Module | None:
-    """The syntax tree of a class's or function's source, or None where it has none to read."""
+def _parsed(kind: type) -> ast.Module | None:
+    """The syntax tree of a class's source, or None where it has none to read (read once: ``_method_calls``)."""
     try:
-        return ast.parse(textwrap.dedent(inspect.getsource(code)))
+        return ast.parse(textwrap.dedent(inspect.getsource(kind)))
     except (OSError, TypeError, SyntaxError):
         return None
 
@@ -139,8 +138,7 @@ def _calls_a_child(module: nn.Module, method: str, depth: int = 3) -> bool:
     """Whether ``type(module).<method>`` runs a child module of its own, by calling it or a method of it that does
     (Mimi's quantizer's ``encode`` reaches its input projection through its residual quantizers' ``encode``), as
     against one that only sets things up (BigBird's ``set_attention_type``)."""
-    function = getattr(type(module), method, None)
-    tree = _parsed(function) if inspect.isfunction(function) and depth > 0 else None
+    tree = method_tree(module, method) if depth > 0 else None
     if tree is None:
         return False
     children = dict(module.named_children())

@@ -18,6 +18,7 @@ uses then read the argument depends on the path taken.
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import textwrap
 
@@ -55,8 +56,12 @@ def forward_tree(module: nn.Module) -> ast.FunctionDef | None:
 def method_tree(module: nn.Module, name: str) -> ast.FunctionDef | None:
     """The parsed source of ``type(module).<name>`` (a property's getter), or None where it has none."""
     function = getattr(type(module), name, None)
-    if isinstance(function, property):
-        function = function.fget
+    return _function_tree(function.fget if isinstance(function, property) else function)
+
+
+@functools.cache
+def _function_tree(function: object) -> ast.FunctionDef | None:
+    """Parsed once a function: a model holds many instances of each class, and the trees are only read."""
     try:
         source = textwrap.dedent(inspect.getsource(function))
     except (OSError, TypeError):
