@@ -191,6 +191,8 @@ def test_a_parameter_without_a_gradient_on_one_rank_keeps_the_ranks_in_step(worl
     ("xglm", "XGLMForCausalLM"),  # an embedding scaled by a float
     ("distilbert", "DistilBertForQuestionAnswering"),
     ("deit", "DeiTForImageClassification"),
+    ("mpnet", "MPNetForMaskedLM"),  # a relative position bias made before the blocks: each rank takes its heads'
+    ("cpmant", "CpmAntForCausalLM"),  # ... and as a bare parameter (equal in float64: its loss is ~16)
 ])
 def test_tensor_parallelism_derived_from_the_structure(worlds, model_type, cls):
     verdict = worlds.run(2, any_model_cases.head_step, model_type=model_type, cls=cls, tp=2, steps=1)[0]
@@ -215,6 +217,7 @@ def test_derived_tensor_parallelism_composes_with_dp_and_pp(worlds, model_type, 
     ("mpt", "MptForCausalLM", {}),  # fused in blocks; ALiBi as a position bias
     ("persimmon", "PersimmonForCausalLM", {}),  # per-head q and k norms: gradients summed over tp
     ("gpt_oss", "GptOssForCausalLM", {}),  # attention sinks, one per head
+    ("diffllama", "DiffLlamaForCausalLM", {}),  # heads paired across the halves; lambda vectors used by every head
 ])
 def test_fused_attention_and_per_head_inputs_at_tp(worlds, model_type, cls, overrides):
     verdict = worlds.run(2, any_model_cases.head_step, model_type=model_type, cls=cls, tp=2, overrides=overrides,
@@ -228,6 +231,12 @@ def test_gpt_oss_with_expert_parallelism(worlds):
     verdict = worlds.run(2, any_model_cases.head_step, model_type="gpt_oss", cls="GptOssForCausalLM", tp=2, ep=2,
                          steps=1)[0]
     assert verdict["verdict"] == "equal", verdict
+
+
+def test_paired_heads_tp_cannot_split_in_each_half_are_refused(worlds):
+    verdict = worlds.run(2, any_model_cases.head_step, model_type="diffllama", cls="DiffLlamaForCausalLM", tp=2,
+                         overrides={"num_key_value_heads": 2}, steps=1)[0]
+    assert verdict["verdict"] == "refused" and "does not divide the 1 heads of each of the 2 parts" in verdict["reason"]
 
 
 def test_a_fused_layout_qn_hf_cannot_split_is_refused(worlds):

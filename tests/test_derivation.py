@@ -50,6 +50,17 @@ def test_projection_roles_are_read_from_their_names(path, role):
     ("mpt", "MptModel", {}, {"blocks.*.attn.Wqkv": "colwise_packed3"}, {"blocks.*.attn.n_heads": "local_heads"}),
     ("persimmon", "PersimmonModel", {}, {"layers.*.self_attn.q_layernorm": "replicate_grad_sum"}, {}),
     ("gpt_oss", "GptOssModel", {}, {"layers.*.self_attn.sinks": "param_colwise"}, {}),
+    # projections named project_q ... attention_out, a gated MLP of w_in.w_0 and w_in.w_1, the head width as dim_head
+    ("cpmant", "CpmAntModel", {}, {"encoder.layers.*.self_att.self_attention.project_k": "colwise",
+                                   "encoder.layers.*.self_att.self_attention.attention_out": "rowwise",
+                                   "encoder.layers.*.ffn.ffn.w_in.w_1": "colwise", "encoder.layers.*.ffn.ffn.w_out": "rowwise"},
+     {"encoder.layers.*.self_att.self_attention.num_heads": "local_heads"}),
+    # differential attention pairs head i of each half with head i of the other: each half split alike; its lambda
+    # vectors (a head's width) used by every head, their gradients summed
+    ("diffllama", "DiffLlamaModel", {}, {"layers.*.self_attn.q_proj": "colwise_packed2",
+                                         "layers.*.self_attn.v_proj": "colwise_packed2",
+                                         "layers.*.self_attn.o_proj": "rowwise",
+                                         "layers.*.self_attn.lambda_k2": "replicate_grad_sum"}, {}),
     # an MLP as Sequential(Linear, ReLU, Linear), the head width kept as `depth`
     ("ctrl", "CTRLModel", {}, {"h.*.ffn.0": "colwise", "h.*.ffn.2": "rowwise", "h.*.multi_head_attention.Wq": "colwise",
                                "h.*.multi_head_attention.dense": "rowwise"}, {}),
@@ -79,6 +90,20 @@ def test_tensor_parallel_rules_derived_from_the_structure(model_type, cls, overr
         assert policy.tp_plan[pattern] == style, (pattern, policy.tp_plan)
     for pattern, value in patches.items():
         assert policy.attr_patches[pattern] == value, (pattern, policy.attr_patches)
+
+
+@pytest.mark.parametrize(("model_type", "cls", "parameter", "style"), [
+    ("gpt_oss", "GptOssModel", "sinks", "param_colwise"),  # sized by config.num_attention_heads
+    ("diffllama", "DiffLlamaModel", "lambda_q1", "replicate_grad_sum"),  # sized by self.head_dim
+])
+def test_a_vector_as_long_as_the_heads_and_a_heads_width_is_read_by_what_sizes_it(model_type, cls, parameter, style):
+    # 8 heads of 8: the shape cannot tell one value per head from one per feature of a head (real gpt-oss: 64 of 64)
+    sizes = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=8, head_dim=8, num_hidden_layers=1,
+                 intermediate_size=32, vocab_size=128)
+    with torch.device("meta"):
+        model = getattr(transformers, cls)(CONFIG_MAPPING[model_type](**sizes))
+    policy = resolve_policy(model, None)
+    assert policy.tp_plan[f"layers.*.self_attn.{parameter}"] == style, policy.tp_plan
 
 
 def test_a_width_read_as_a_slice_bound_is_no_head_count():
@@ -133,13 +158,30 @@ def test_beside_no_attention_an_up_and_down_among_other_projections_are_no_mlp()
     assert derived.refusal is not None and "nor an MLP module of its own" in derived.refusal
 
 
+@pytest.mark.parametrize(("model_type", "cls", "table", "attention"), [
+    # a relative position bias looked up once, before the blocks, with a column per head, handed to every
+    # attention as position_bias: MPNet's embedding, CpmAnt's parameter
+    ("mpnet", "MPNetForMaskedLM", "encoder.relative_attention_bias", "encoder.layer.*.attention.attn"),
+    ("cpmant", "CpmAntForCausalLM", "position_bias.relative_attention_bias", "encoder.layers.*.self_att.self_attention"),
+])
+def test_a_bias_per_head_made_outside_the_blocks_is_taken_per_head(model_type, cls, table, attention):
+    policy = _policy(model_type, cls)
+    assert policy.tp_plan[table] == "replicate_grad_sum", policy.tp_plan  # whole: each rank's heads' columns
+    assert dict(policy.head_inputs) == {attention: {"position_bias": "batch, heads"}}
+
+
 def test_a_table_per_head_outside_the_attention_refuses_tp():
+    import dataclasses
+
     from qn_hf.tensor_parallel.plan import build_tp_plan
 
-    # MPNet looks its relative position bias up once, before the blocks, with a column per head
+    # the same table where no attention takes its rows per head (no head_inputs): the whole bias fits no rank
     model = transformers.MPNetForMaskedLM(shrink_config(CONFIG_MAPPING["mpnet"]()))
+    policy = resolve_policy(model, None)
+    policy = dataclasses.replace(policy, head_inputs={}, tp_plan={p: s for p, s in policy.tp_plan.items()
+                                                                  if p != "encoder.relative_attention_bias"})
     with pytest.raises(ValueError, match=r"mpnet.encoder.relative_attention_bias .* a value per attention head"):
-        build_tp_plan(model, resolve_policy(model, None), tp=2)
+        build_tp_plan(model, policy, tp=2)
     t5 = transformers.T5ForConditionalGeneration(shrink_config(CONFIG_MAPPING["t5"]()))  # inside the attention
     build_tp_plan(t5, resolve_policy(t5, None), tp=2)
 

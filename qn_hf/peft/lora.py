@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..policies.module_kinds import is_projection
+from ..policies.patterns import submodule_or_none
 from ..policies.peft_names import is_lora_layer, is_param_wrapper, lora_layer_type
 from ..policies.styles import (
     COLUMN_STYLES,
@@ -148,7 +149,8 @@ def lora_rules(model: nn.Module, rules: dict[str, Style], *, tp: int) -> LoraLea
     leaves = LoraLeaves(rules=out, entries=[], shared_dropout=[], local_dropout=[])
     on_params = param_loras(model)
     for name, style in rules.items():
-        module = model.get_submodule(name) if style not in PARAM_STYLES else None
+        # (a whole-keeping rule may name a bare parameter: no module there)
+        module = submodule_or_none(model, name) if style not in PARAM_STYLES else None
         if module is None and name in on_params:
             out[name] = style
             out.update(_param_lora_rules(model, on_params[name], style))

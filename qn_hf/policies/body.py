@@ -26,7 +26,7 @@ from .model_policy import ModelPolicy
 from .patterns import base_model_and_prefix
 from .seq2seq_cut import seq2seq_cut
 from .stack_cut import stack_cut
-from .stacks import derive_structure
+from .stacks import derive_structure, head_bias_tables
 from .styles import COLUMN_STYLES, Style
 
 
@@ -255,6 +255,7 @@ def _tensor_parallel(model: nn.Module, base: nn.Module, embeddings: str | None):
     else:
         derived = derive_structure(base, stacks=stacks, heads=heads, fused=FUSED.get(model_type) or FUSED.get(config.model_type),
                                      config=config)
+        derived = head_bias_tables(base, derived, stacks=stacks, heads=heads)
         why = derived.refusal
     if why is not None:
         return {}, {}, (), (), (f"transformers declares no tp plan for {model_type!r} (base_model_tp_plan) and qn_hf "

@@ -1,6 +1,6 @@
 """What a module's forward reads, from its source, for the derivation (structure.py, stack_cut.py):
 the integer attributes it reads (head counts and widths to patch), a width it unpacks off its input
-and reshapes with (which no patch reaches), an up projection it cuts in halves, and what an
+and reshapes with (which no patch reaches), an up projection it cuts in halves, heads it pairs, and what an
 encoder-decoder's forward reads off the encoder's output."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import textwrap
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutput
 
-from .entries import forward_tree, self_path
+from .entries import forward_tree, method_tree, self_path
 
 
 def _in_slice(node: ast.AST, parents: dict) -> bool:
@@ -69,6 +69,35 @@ def halves(module: nn.Module) -> bool:
         if node.func.attr in ("view", "reshape") and values[-2:] == [2, -1]:
             return True
     return False
+
+
+def pairs_heads(module: nn.Module) -> bool:
+    """Whether ``module``'s forward cuts a tensor into two halves along the heads' axis (``torch.chunk(x, 2,
+    dim=1)`` of ``(batch, heads, seq, head_dim)``, ``dim=2`` of ``(batch, seq, heads, head_dim)``): DiffLlama's
+    differential attention pairs head i of the first half with head i of the second (and the values' first
+    half of KV heads with their second). A rank holding a contiguous share of the heads would pair its own
+    heads with each other; holding the same share of each half, it pairs them as the whole model does."""
+    tree = forward_tree(module)
+    for node in ast.walk(tree) if tree is not None else ():
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "chunk"):
+            continue
+        parts = [a.value for a in node.args if isinstance(a, ast.Constant)]
+        dims = [k.value.value for k in node.keywords if k.arg == "dim" and isinstance(k.value, ast.Constant)]
+        if parts[:1] == [2] and dims in ([1], [2]):
+            return True
+    return False
+
+
+def sized_by(module: nn.Module, parameter: str) -> set[str]:
+    """The names the ``__init__`` of ``module`` sizes its parameter ``parameter`` with (``self.sinks =
+    nn.Parameter(torch.empty(config.num_attention_heads))``: ``config``, ``num_attention_heads``, ...): what it
+    counts where its shape alone cannot tell (as many heads as a head's width)."""
+    tree = method_tree(module, "__init__")
+    for node in ast.walk(tree) if tree is not None else ():
+        if isinstance(node, ast.Assign) and any(self_path(t) == parameter for t in node.targets):
+            return {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)} | \
+                {n.attr for n in ast.walk(node.value) if isinstance(n, ast.Attribute)}
+    return set()
 
 
 def width_read_off_input(module: nn.Module) -> str | None:

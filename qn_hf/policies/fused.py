@@ -39,6 +39,7 @@ class HeadAxis(Choice):
 
     BATCH_TIMES_HEADS = "batch x heads"  # dim 0 is batch x heads, heads fastest (BLOOM's alibi)
     HEADS = "heads"  # dim 0 is the heads (MPT's position_bias)
+    AFTER_BATCH = "batch, heads"  # dim 1 is the heads (MPNet's and CpmAnt's relative position bias, stacks.py)
 
 
 @dataclass(frozen=True)

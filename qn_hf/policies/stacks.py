@@ -3,11 +3,14 @@ a list whose blocks of one class hold different mixers by layer (a hybrid stack)
 
 from __future__ import annotations
 
+import inspect
+from dataclasses import replace
+
 from torch import nn
 
-from .fused import FusedAttention
+from .fused import FusedAttention, HeadAxis
 from .module_kinds import in_out_features, is_projection
-from .patterns import join, submodule_or_none
+from .patterns import join, match_modules, submodule_or_none
 from .structure import NO_ATTENTION, Derived, derive_block
 from .styles import Style
 
@@ -65,3 +68,40 @@ def derive_structure(base: nn.Module, *, stacks: list[str], heads: int | None, f
                           if (f"{stack}.*.{n}" if n else f"{stack}.*") not in attention]
         tp_plan.update({f"{stack}.*.{n}": s for n, s in rules.items()})
     return Derived(tp_plan, patches, attention=tuple(attention), head_inputs=head_inputs)
+
+
+# the argument an attention takes a bias built for every head under, outside its block (MPNet, CpmAnt)
+HEAD_BIAS_INPUT = "position_bias"
+
+
+def head_bias_tables(base: nn.Module, derived: Derived, *, stacks: list[str], heads: int) -> Derived:
+    """``derived`` with a relative position bias built outside the blocks taken per head: a table with a
+    column per head held outside every list of blocks (MPNet's encoder's ``relative_attention_bias``
+    embedding, CpmAnt's ``position_bias`` parameter), looked up once for all heads as ``(batch, heads, q,
+    k)`` and handed to every attention as ``position_bias``. Each rank's attention takes its heads' rows
+    of it (``head_inputs``); the table stays whole, each rank's gradient reaching its heads' columns only,
+    so it is summed over tp. Where any attention takes no such argument nothing changes (and
+    tensor_parallel/rules.py refuses a table it would not fit)."""
+    if (derived.refusal is not None or derived.head_inputs or heads < 2 or not derived.attention
+            or Style.PARAM_ROWWISE in derived.tp_plan.values()):
+        # (a table per head inside a block, split with its heads, makes a bias the blocks hand on already split:
+        # T5's, UDOP's beside its own outside tables)
+        return derived
+    try:
+        inputs = base.get_input_embeddings()
+    except (NotImplementedError, AttributeError):  # an audio or convolution model names none
+        inputs = None
+    tables = []
+    for name, module in base.named_modules():
+        if any(name == s or name.startswith(s + ".") for s in stacks):
+            continue
+        if isinstance(module, nn.Embedding) and module.embedding_dim == heads and module is not inputs:
+            tables.append(name)
+        tables += [join(name, p) for p, param in module.named_parameters(recurse=False)
+                   if not isinstance(module, nn.Embedding) and param.dim() == 2 and param.shape[-1] == heads]
+    takers = [match_modules(base, pattern) for pattern in derived.attention]
+    if not tables or not all(names and HEAD_BIAS_INPUT in inspect.signature(base.get_submodule(names[0]).forward).parameters
+                             for names in takers):
+        return derived
+    return replace(derived, tp_plan={**derived.tp_plan, **dict.fromkeys(tables, Style.REPLICATE_GRAD_SUM)},
+                   head_inputs={pattern: {HEAD_BIAS_INPUT: HeadAxis.AFTER_BATCH} for pattern in derived.attention})

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..arguments import Choice
-from .forward_reads import halves, int_reads, width_read_off_input
+from .forward_reads import halves, int_reads, pairs_heads, sized_by, width_read_off_input
 from .fused import FusedAttention, FusedLayout
 from .module_kinds import in_out_features, is_projection, position_wise
 from .patterns import join
@@ -48,21 +48,21 @@ class Role(Choice):
 # (``attention.output.dense`` is an output, ``output.dense`` an MLP's down). Names two roles share
 # (``c_proj``, ``dense``) are an attention's output only beside its q, k and v.
 ROLES: dict[str, Role] = {
-    **dict.fromkeys(("q_proj", "query", "q", "q_lin", "query_proj", "Wq"), Role.QUERY),
-    **dict.fromkeys(("k_proj", "key", "k", "k_lin", "key_proj", "Wk"), Role.KEY),
-    **dict.fromkeys(("v_proj", "value", "v", "v_lin", "value_proj", "Wv"), Role.VALUE),
+    **dict.fromkeys(("q_proj", "query", "q", "q_lin", "query_proj", "Wq", "project_q"), Role.QUERY),
+    **dict.fromkeys(("k_proj", "key", "k", "k_lin", "key_proj", "Wk", "project_k"), Role.KEY),
+    **dict.fromkeys(("v_proj", "value", "v", "v_lin", "value_proj", "Wv", "project_v"), Role.VALUE),
     **dict.fromkeys(("o_proj", "out_proj", "o", "out_lin", "attention.output.dense", "attn.c_proj",
                      "self_attention.dense", "attention.dense", "self_attn.dense", "multi_head_attention.dense",
-                     "attn.Wo"), Role.OUTPUT),
+                     "attn.Wo", "attention_out"), Role.OUTPUT),
     # DeBERTa's projections of the relative positions into keys and queries: per head, like keys
     **dict.fromkeys(("pos_key_proj", "pos_query_proj", "pos_proj", "pos_q_proj"), Role.POSITION),
     **dict.fromkeys(("fc1", "fc_in", "c_fc", "up_proj", "gate_proj", "intermediate.dense", "intermediate_dense",
-                     "dense_h_to_4h", "lin1", "wi", "wi_0", "wi_1", "w1", "w3", "Wi"), Role.UP),
+                     "dense_h_to_4h", "lin1", "wi", "wi_0", "wi_1", "w1", "w3", "Wi", "w_in.w_0", "w_in.w_1"), Role.UP),
     **dict.fromkeys(("fc2", "fc_out", "c_proj", "down_proj", "output.dense", "output_dense", "dense_4h_to_h",
-                     "lin2", "wo", "w2", "mlp.Wo"), Role.DOWN),
+                     "lin2", "wo", "w2", "mlp.Wo", "w_out"), Role.DOWN),
 }
 # The attributes an attention module keeps its head width in.
-HEAD_DIM_ATTRIBUTES = ("head_dim", "attention_head_size", "head_size", "key_value_proj_dim", "d_kv", "depth")
+HEAD_DIM_ATTRIBUTES = ("head_dim", "attention_head_size", "head_size", "key_value_proj_dim", "d_kv", "depth", "dim_head")
 # Integers a forward may read that are no head count even when equal to one (a layer's index).
 NOT_COUNTS = ("layer_idx", "layer_id", "layer_index", "block_idx")
 
@@ -220,9 +220,13 @@ def derive_block(block: nn.Module, *, heads_expected: int | None = None, fused: 
             if q_out != heads * head_dim or kv_out % head_dim or in_out_features(leaves[group[Role.VALUE]])[1] != kv_out:
                 return Derived({}, {}, refusal=f"the queries, keys and values of {q} do not read as heads of {head_dim}")
             kv_heads = kv_out // head_dim
-            rules[q] = Style.COLWISE
+            # heads paired across the two halves (pairs_heads): a rank holds its share of each half, of the
+            # queries, keys and values alike (kept whole, rules.py refuses a tp that does not split each half)
+            paired = any(pairs_heads(m) for m in modules)
+            rules[q] = Style.COLWISE_PACKED2 if paired else Style.COLWISE
             for name in (group[Role.KEY], group[Role.VALUE]):
-                rules[name] = Style.COLWISE if kv_heads == heads else Style.COLWISE_KV
+                rules[name] = (Style.COLWISE_PACKED2 if paired else Style.COLWISE if kv_heads == heads
+                               else Style.COLWISE_KV)
             if Role.POSITION in group:
                 rules[group[Role.POSITION]] = Style.COLWISE
         else:  # a fused q|k|v: (heads + 2 kv_heads) x head_dim rows
@@ -245,8 +249,21 @@ def derive_block(block: nn.Module, *, heads_expected: int | None = None, fused: 
                 # by the unchanged module (its output is this rank's heads, what its attention adds)
                 rules[join(module_path, name, "weight")] = Style.PARAM_ROWWISE
         for name, param in modules[0].named_parameters(recurse=False):
-            if param.dim() == 1 and param.shape[0] == heads and heads > 1:
+            per_head, per_width = param.dim() == 1 and param.shape[0] == heads and heads > 1, param.shape[-1] == head_dim
+            if per_head and per_width:  # as many heads as a head's width: what it counts, its __init__ says
+                sized = sized_by(modules[0], name)
+                per_head = any(s.endswith("_heads") for s in sized)  # num_attention_heads, num_heads, n_heads
+                per_width = any(s in HEAD_DIM_ATTRIBUTES for s in sized)
+                if per_head == per_width:
+                    return Derived({}, {}, refusal=(f"{join(module_path, name)} holds {heads} values, as many as the heads "
+                                                    f"and as a head's width, and its module's __init__ does not say "
+                                                    f"which it counts"))
+            if per_head:
                 rules[join(module_path, name)] = Style.PARAM_COLWISE  # one value per head (gpt-oss's sinks)
+            elif per_width:
+                # a weight over a head's width that every head uses (DiffLlama's lambda vectors): whole on every
+                # rank, each applying it to its own heads only, so its gradients are summed over tp
+                rules[join(module_path, name)] = Style.REPLICATE_GRAD_SUM
         for name, inner in (modules[0].named_modules() if module_path else ()):
             full = join(module_path, name)
             if (name and not is_projection(inner) and heads > 1

@@ -98,6 +98,8 @@ def head_input_hooks(module: nn.Module, *, inputs: dict[str, HeadAxis], heads: i
             return value
         if axis is HeadAxis.HEADS:
             return value.narrow(0, start, local)
+        if axis is HeadAxis.AFTER_BATCH:
+            return value.narrow(1, start, local)
         rest = value.shape[1:]
         return value.reshape(-1, heads, *rest).narrow(1, start, local).reshape(-1, *rest)
 

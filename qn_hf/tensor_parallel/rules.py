@@ -9,7 +9,7 @@ from transformers.pytorch_utils import Conv1D
 
 from ..policies.embedding_types import adapter_for
 from ..policies.entries import forward_tree, self_references
-from ..policies.heads import HeadLayout, attention_layout
+from ..policies.heads import HeadLayout, attention_layout, divisors
 from ..policies.module_kinds import in_out_features, is_projection, plain_linear, position_wise
 from ..policies.styles import (
     COLUMN_STYLES,
@@ -74,6 +74,13 @@ def check_rule(model: nn.Module, name: str, style: Style, layout: HeadLayout, tp
         parts = packed_parts(style)
         if out_f % (parts * tp):
             raise ValueError(f"tp={tp} does not divide the {parts} output part(s) of {name} (out_features={out_f})")
+        head_dim = getattr(model.get_submodule(name.rpartition(".")[0]), "head_dim", None)
+        if parts > 1 and isinstance(head_dim, int) and head_dim > 0 and out_f // parts % (tp * head_dim):
+            # an attention's projection packed in parts of heads (DiffLlama's paired halves): each rank's share of
+            # each part must be whole heads
+            per_part = out_f // parts // head_dim
+            raise ValueError(f"tp={tp} does not divide the {per_part} heads of each of the {parts} parts of {name} "
+                             f"(out_features={out_f}, head_dim={head_dim}); use a tp among {divisors(per_part)}")
 
 
 def split_kv_per_module(model: nn.Module, rules: dict[str, str], layout: HeadLayout) -> dict[str, str]:
@@ -151,11 +158,12 @@ def check_split_norms(model: nn.Module, rules: dict[str, str]) -> None:
 
 
 def check_head_tables(model: nn.Module, rules: dict[str, str], layout: HeadLayout, *, head_inputs: bool) -> None:
-    """An embedding table with one column per attention head that no rule splits (MPNet's and CpmAnt's
-    relative position bias, looked up once before the blocks and added to every layer's scores): at tp each
-    rank's attention holds a share of the heads, and the whole bias would not fit its scores. T5 keeps its
-    table inside the attention, where the heads' rules reach it; ``head_inputs`` (a policy's inputs given per
-    head, which slice such a bias where the attention takes it) vouch for the rest."""
+    """An embedding table with one column per attention head that no rule reaches (a relative position bias
+    looked up once before the blocks and added to every layer's scores, where the attention takes it under
+    no argument qn_hf knows): at tp each rank's attention holds a share of the heads, and the whole bias would
+    not fit its scores. T5 keeps its table inside the attention, where the heads' rules reach it; ``head_inputs``
+    (a policy's inputs given per head, which slice such a bias where the attention takes it: MPNet's and
+    CpmAnt's, policies/stacks.py) vouch for the rest."""
     if head_inputs or layout.heads < 2:
         return
     for name, module in model.named_modules():
