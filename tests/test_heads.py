@@ -235,6 +235,11 @@ def test_the_image_size_checked_is_the_vision_models_own():
     ("smolvlm_vision", "SmolVLMVisionTransformer", {"pixel_values": (2, 3, 224, 224)}),
     ("gemma3n_audio", "Gemma3nAudioEncoder", {"audio_mel": (2, 24, 128), "audio_mel_mask": (2, 24)}),
     ("videoprism", "VideoPrismClipModel", {"pixel_values_videos": (2, 4, 3, 72, 72), "input_ids": (2, 12)}),
+    # Perceiver's inputs, what its preprocessor reads: token ids padded to its decoder's queries, an image, or
+    # (none) embeddings of d_model features
+    ("perceiver", "PerceiverForMaskedLM", {"inputs": (2, 128), "labels": (2, 128)}),
+    ("perceiver", "PerceiverForImageClassificationLearned", {"inputs": (2, 3, 56, 56), "labels": (2,)}),
+    ("perceiver", "PerceiverModel", {"inputs": (2, 12, 64)}),
 ])
 def test_a_model_with_a_main_input_of_its_own_gets_a_batch_it_runs_on(model_type, cls, shapes):
     needs_model_type(model_type)

@@ -114,7 +114,33 @@ def main_input(model: nn.Module, *, rows: int, seq_len: int, generator: torch.Ge
         if "freq" in params:
             series["freq"] = torch.zeros(rows, 1, dtype=torch.long)  # frequency class 0 (high), as its docs show
         return series
+    if name == "inputs":  # Perceiver: whatever its input preprocessor reads
+        return {"inputs": _preprocessed(model, rows=rows, seq_len=seq_len, generator=generator)}
     raise NoBatch(f"{type(model).__name__} takes {name!r}, which qn_hf's checks make no random batch for")
+
+
+def _preprocessed(model: nn.Module, *, rows: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
+    """Perceiver's ``inputs``: token ids where its input preprocessor embeds a vocabulary, an image where it
+    preprocesses another input and the config sizes images, else (no preprocessor) embeddings of its
+    ``d_model`` features, which its cross-attention reads as they are."""
+    config = model.config
+    holder = next((m for m in model.modules() if hasattr(m, "input_preprocessor")), None)
+    if holder is None:
+        raise NoBatch(f"{type(model).__name__} takes 'inputs' and holds no input_preprocessor, which qn_hf's checks "
+                      "read what it takes from")
+    preprocessor = holder.input_preprocessor
+    if preprocessor is None and isinstance(getattr(config, "d_model", None), int):
+        return torch.randn(rows, seq_len, config.d_model, generator=generator)
+    vocab = getattr(config, "vocab_size", None)
+    if any(isinstance(m, nn.Embedding) and m.num_embeddings == vocab for m in preprocessor.modules()):
+        # as its tokenizer pads them: to the positions its decoder's queries score (max_position_embeddings)
+        length = getattr(config, "max_position_embeddings", None) or seq_len
+        return torch.randint(3, vocab, (rows, length), generator=generator)
+    if isinstance(getattr(config, "image_size", None), int):
+        channels, height, width = _image(config)
+        return torch.randn(rows, channels, height, width, generator=generator)
+    raise NoBatch(f"{type(model).__name__} takes 'inputs' through a {type(preprocessor).__name__}, which qn_hf's "
+                  "checks make no random batch for")
 
 
 def dummy_batch(model: nn.Module, *, rows: int, seq_len: int = SEQ_LEN, seed: int = 1) -> dict[str, torch.Tensor]:
@@ -147,7 +173,8 @@ def dummy_batch(model: nn.Module, *, rows: int, seq_len: int = SEQ_LEN, seed: in
     config = model.config
     text = config.get_text_config()
     vocab = getattr(text, "vocab_size", None) or 100
-    positions = batch["input_ids"].shape[-1] if "input_ids" in batch else seq_len
+    ids = batch.get("input_ids", batch.get("inputs"))  # (Perceiver's inputs: token ids or another input)
+    positions = ids.shape[-1] if ids is not None and not ids.is_floating_point() else seq_len
     if head.kind is LossKind.CAUSAL_LM and "input_ids" in batch:
         batch["labels"] = batch["input_ids"].clone()
     elif head.kind in (LossKind.CAUSAL_LM, LossKind.TOKENS):

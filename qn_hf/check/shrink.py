@@ -56,6 +56,10 @@ _SIZES: dict[str, int] = {
     "d_model": HIDDEN, "encoder_attention_heads": HEADS, "decoder_attention_heads": HEADS, "num_heads": HEADS,
     "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "d_ff": 128, "d_kv": HEAD_DIM, "max_source_positions": 32,
     "max_target_positions": 128, "pooler_hidden_size": HIDDEN,
+    # Perceiver's latent array (256 latents of 1,280 features, 26 self-attentions a block by default: 260 M
+    # parameters, 15 s a forward on 2 cores) and its decoders' query widths
+    "num_latents": 16, "d_latents": HIDDEN, "num_self_attends_per_block": 2, "num_self_attention_heads": HEADS,
+    "num_cross_attention_heads": HEADS, "output_num_channels": 32, "_label_trainable_num_channels": 32,
 }
 _TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 # Compound-scaled conv towers (EfficientNet, ALIGN's vision tower) spell their sizes as scaling coefficients
