@@ -240,6 +240,13 @@ def test_the_image_size_checked_is_the_vision_models_own():
     ("perceiver", "PerceiverForMaskedLM", {"inputs": (2, 128), "labels": (2, 128)}),
     ("perceiver", "PerceiverForImageClassificationLearned", {"inputs": (2, 3, 56, 56), "labels": (2,)}),
     ("perceiver", "PerceiverModel", {"inputs": (2, 12, 64)}),
+    # video models: clips of the frames their config counts (were images: "fails alone" on their unpacking of
+    # five dimensions); VideoMAE's pretraining the same number of
+    # patches masked in every row
+    ("vivit", "VivitModel", {"pixel_values": (2, 4, 3, 32, 32)}),
+    ("vjepa2", "VJEPA2Model", {"pixel_values_videos": (2, 4, 3, 32, 32)}),
+    ("xclip", "XCLIPModel", {"input_ids": (2, 12), "pixel_values": (2, 4, 3, 64, 64)}),
+    ("videomae", "VideoMAEForPreTraining", {"pixel_values": (2, 4, 3, 32, 32), "bool_masked_pos": (2, 8)}),
 ])
 def test_a_model_with_a_main_input_of_its_own_gets_a_batch_it_runs_on(model_type, cls, shapes):
     needs_model_type(model_type)
@@ -260,3 +267,17 @@ def test_an_input_the_forward_requires_and_the_check_cannot_make_is_no_batch():
     model = build(shrink_config(CONFIG_MAPPING["qwen3_vl"]()).vision_config, seed=0, name="Qwen3VLVisionModel")
     with pytest.raises(NoBatch, match="Qwen3VLVisionModel requires 'hidden_states', 'grid_thw'"):
         dummy_batch(model, rows=2)
+
+
+def test_the_probe_reads_no_output_that_pairs_every_row_with_every_other():
+    """X-CLIP's text embeddings are every text of the batch prompted by each video (videos x texts x width): a dp
+    rank's share pairs its rows with its own only, so the probe leaves them out, as CLIP's similarity logits;
+    CLIP's text embeddings, one a row, it reads."""
+    from qn_hf.check.inputs import probe_loss
+
+    batch = {"input_ids": torch.zeros(4, 12, dtype=torch.long)}
+    pooled = torch.randn(4, 8)
+    paired = {"text_embeds": torch.randn(4, 4, 8), "image_embeds": pooled}
+    assert torch.equal(probe_loss(paired, batch), probe_loss({"image_embeds": pooled}, batch))
+    per_row = {"text_embeds": torch.randn(4, 8), "image_embeds": pooled}
+    assert not torch.equal(probe_loss(per_row, batch), probe_loss({"image_embeds": pooled}, batch))

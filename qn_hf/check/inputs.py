@@ -34,9 +34,27 @@ def _sub(config, name: str):
 
 def _image(config) -> tuple[int, int, int]:
     vision = _sub(config, "vision_config")
-    size = getattr(vision, "image_size", None) or 224
+    size = getattr(vision, "image_size", None) or getattr(vision, "crop_size", None) or 224  # (V-JEPA 2's crop)
     height, width = (size, size) if isinstance(size, int) else tuple(size)[:2]
     return getattr(vision, "num_channels", 3) or 3, height, width
+
+
+# the keys a video model's config counts its clip's frames under
+_FRAME_COUNTS = ("num_frames", "frames_per_clip")
+
+
+def _frames(config) -> int | None:
+    vision = _sub(config, "vision_config")
+    return next((f for key in _FRAME_COUNTS if isinstance(f := getattr(vision, key, None), int)), None)
+
+
+def _pixels(config, *, rows: int, generator: torch.Generator) -> torch.Tensor:
+    """Images, or where the vision config counts a clip's frames (VideoMAE, ViViT, TimeSformer, X-CLIP, V-JEPA
+    2) clips of that many: (rows, frames, channels, height, width)."""
+    channels, height, width = _image(config)
+    frames = _frames(config)
+    shape = (rows, channels, height, width) if frames is None else (rows, frames, channels, height, width)
+    return torch.randn(*shape, generator=generator)
 
 
 # a multimodal config's placeholder tokens: where the forward splices in image, video or audio features
@@ -65,8 +83,7 @@ def main_input(model: nn.Module, *, rows: int, seq_len: int, generator: torch.Ge
         shape = (rows, 3, seq_len) if type(model).__name__.endswith("ForMultipleChoice") else (rows, seq_len)
         return {"input_ids": torch.randint(3, vocab, shape, generator=generator)}
     if name == "pixel_values":
-        channels, height, width = _image(config)
-        return {"pixel_values": torch.randn(rows, channels, height, width, generator=generator)}
+        return {"pixel_values": _pixels(config, rows=rows, generator=generator)}
     if name == "input_values":  # a waveform: long enough for the feature extractor's strides
         audio = _sub(config, "audio_config")
         strides = getattr(audio, "conv_stride", None) or [320]
@@ -89,11 +106,9 @@ def main_input(model: nn.Module, *, rows: int, seq_len: int, generator: torch.Ge
         frames = 2 * AUDIO_FRAMES
         return {"audio_mel": torch.randn(rows, frames, config.input_feat_size, generator=generator),
                 "audio_mel_mask": torch.zeros(rows, frames, dtype=torch.bool)}
-    if name == "pixel_values_videos" and isinstance(getattr(_sub(config, "vision_config"), "num_frames", None), int):
-        # a video tower (VideoPrism's): its clip's frames, each an image
-        channels, height, width = _image(config)
-        frames = _sub(config, "vision_config").num_frames
-        return {"pixel_values_videos": torch.randn(rows, frames, channels, height, width, generator=generator)}
+    if name == "pixel_values_videos" and _frames(config) is not None:
+        # a video tower (VideoPrism's, V-JEPA 2's): its clip's frames, each an image
+        return {"pixel_values_videos": _pixels(config, rows=rows, generator=generator)}
     if name == "states":  # Decision Transformer: a trajectory of states, actions, rewards and returns to go
         return {"states": torch.randn(rows, seq_len, config.state_dim, generator=generator),
                 "actions": torch.randn(rows, seq_len, config.act_dim, generator=generator),
@@ -158,8 +173,8 @@ def dummy_batch(model: nn.Module, *, rows: int, seq_len: int = SEQ_LEN, seed: in
         for token in placeholders:
             ids[ids == token] = 3 if token != 3 else 4
     elif "pixel_values" in params and "pixel_values" not in batch and getattr(model.config, "vision_config", None):
-        channels, height, width = _image(model.config)  # a text-and-image model (CLIP) takes both
-        batch["pixel_values"] = torch.randn(rows, channels, height, width, generator=generator)
+        # a text-and-image model (CLIP) takes both; a text-and-video one (X-CLIP) clips
+        batch["pixel_values"] = _pixels(model.config, rows=rows, generator=generator)
     if ("noise" in params and "pixel_values" in batch and isinstance(getattr(model.config, "mask_ratio", None), float)
             and isinstance(getattr(model.config, "patch_size", None), int)):
         # ViT-MAE shuffles and masks its patches by noise it draws itself where the caller passes none: no split
@@ -210,6 +225,12 @@ def dummy_batch(model: nn.Module, *, rows: int, seq_len: int = SEQ_LEN, seed: in
         # (Marian's, Pegasus', Blenderbot's base models and generation heads fail without one; Whisper's, over
         # audio features), as a caller passes it: drawn last, so that no other input of any model changes
         batch["decoder_input_ids"] = torch.randint(3, vocab, (rows, seq_len), generator=generator)
+    required = params.get("bool_masked_pos")
+    patches = next((n for m in model.modules() if isinstance(n := getattr(m, "num_patches", None), int)), None)
+    if required is not None and required.default is required.empty and patches and "pixel_values" in batch:
+        # VideoMAE's pretraining reconstructs the patches a caller masks (as its examples do: the same number in
+        # every row, which its loss's reshape needs): half of each row's, drawn apart
+        batch["bool_masked_pos"] = torch.rand(rows, patches, generator=generator).argsort(dim=1) < patches // 2
     _required_ids(model, params, batch, rows=rows, seq_len=seq_len, generator=generator)
     return batch
 
@@ -245,6 +266,9 @@ def _output_width(model: torch.nn.Module, head) -> int | None:
 # outputs that compare every row with every other (a contrastive model's similarity matrices): a mean
 # of them over a dp rank's rows is not that over the batch's, so the probe never reads them
 _ACROSS_ROWS = ("logits_per_image", "logits_per_text", "logits_per_video", "logits_per_audio")
+# outputs that hold, per row, one value for every row of another input where they are rows x rows (X-CLIP's text
+# embeddings: every text of the batch prompted by each video's features), likewise never read
+_PAIRED = ("text_embeds",)
 
 
 def probe_loss(outputs, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -258,7 +282,7 @@ def probe_loss(outputs, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     CLIP's old positions x rows layout) would take a pattern over rows, which a rank's share of them
     does not repeat."""
     rows = next((v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 1), None)
-    read = [t for t in _per_row(outputs) if t.shape[0] == rows]
+    read = [t for t in _per_row(outputs, rows) if t.shape[0] == rows]
     # float32 at least: a float64 model's loss stays float64 (the check's float64 step)
     wide = functools.reduce(torch.promote_types, [t.dtype for t in read], torch.float32)
     return sum(((t.to(wide) + _pattern(t, wide)).square().mean() for t in read), torch.zeros((), dtype=wide))
@@ -270,8 +294,10 @@ def _pattern(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.cos(torch.arange(math.prod(shape), dtype=torch.float32, device=t.device)).to(dtype).reshape(shape)
 
 
-def _per_row(outputs) -> list[torch.Tensor]:
+def _per_row(outputs, rows: int | None) -> list[torch.Tensor]:
     if isinstance(outputs, torch.Tensor):
         return [outputs] if outputs.is_floating_point() and outputs.dim() >= 1 else []
     items = outputs.items() if hasattr(outputs, "items") else enumerate(outputs) if isinstance(outputs, tuple) else []
-    return [t for k, v in items if k not in _ACROSS_ROWS for t in _per_row(v)]
+    return [t for k, v in items if k not in _ACROSS_ROWS
+            and not (k in _PAIRED and isinstance(v, torch.Tensor) and tuple(v.shape[:2]) == (rows, rows))
+            for t in _per_row(v, rows)]

@@ -115,6 +115,14 @@ _DEFAULT_GAPS: dict[str, dict] = {
     # VideoPrism's clip: 16 frames of 288 x 288 (16 x 16 tubelets each) outran a zoo job's 8 minutes on 2 cores at
     # dp_shard=2; 4 frames of 72 x 72 keep every axis (frames, tubelets across and down)
     "videoprism_vision_model": {"num_frames": 4, "image_size": 72},
+    # other video models' clips likewise: 4 frames of two patches (or tubelets) across and down (ViViT's 32 of 224 x
+    # 224 in 2 x 16 x 16 tubelets were 3,136 tokens a clip), V-JEPA 2's predictor as small as its encoder
+    "videomae": {"num_frames": 4, "image_size": 32},
+    "vivit": {"num_frames": 4, "image_size": 32},
+    "timesformer": {"num_frames": 4, "image_size": 32},
+    "xclip": {"vision_config": {"num_frames": 4, "image_size": 64}},
+    "vjepa2": {"frames_per_clip": 4, "crop_size": 32, "pred_hidden_size": HIDDEN, "pred_num_hidden_layers": 2,
+               "pred_num_attention_heads": HEADS},
 }
 
 
