@@ -247,6 +247,9 @@ def test_the_image_size_checked_is_the_vision_models_own():
     ("vjepa2", "VJEPA2Model", {"pixel_values_videos": (2, 4, 3, 32, 32)}),
     ("xclip", "XCLIPModel", {"input_ids": (2, 12), "pixel_values": (2, 4, 3, 64, 64)}),
     ("videomae", "VideoMAEForPreTraining", {"pixel_values": (2, 4, 3, 32, 32), "bool_masked_pos": (2, 8)}),
+    # audio features frames first, each its projection's width (were Whisper's mel bins x frames: "fails alone")
+    ("wav2vec2-bert", "Wav2Vec2BertModel", {"input_features": (2, 64, 160)}),
+    ("speech_to_text", "Speech2TextModel", {"input_features": (2, 64, 80), "decoder_input_ids": (2, 12)}),
 ])
 def test_a_model_with_a_main_input_of_its_own_gets_a_batch_it_runs_on(model_type, cls, shapes):
     needs_model_type(model_type)

@@ -43,6 +43,16 @@ def _image(config) -> tuple[int, int, int]:
 _FRAME_COUNTS = ("num_frames", "frames_per_clip")
 
 
+def _feature_width(audio) -> int | None:
+    """The width of each frame of an audio model that takes its features frames first: its feature projection's
+    input (SeamlessM4T's, wav2vec2-BERT's), or its channels' features (Speech2Text's); None for Whisper's layout."""
+    width = getattr(audio, "feature_projection_input_dim", None)
+    per_channel, channels = getattr(audio, "input_feat_per_channel", None), getattr(audio, "input_channels", None)
+    if not isinstance(width, int) and isinstance(per_channel, int) and isinstance(channels, int):
+        width = per_channel * channels
+    return width if isinstance(width, int) else None
+
+
 def _frames(config) -> int | None:
     vision = _sub(config, "vision_config")
     return next((f for key in _FRAME_COUNTS if isinstance(f := getattr(vision, key, None), int)), None)
@@ -94,8 +104,11 @@ def main_input(model: nn.Module, *, rows: int, seq_len: int, generator: torch.Ge
         return {"input_values": torch.randn(*shape, generator=generator)}
     if name == "input_features":
         audio = _sub(config, "audio_config")
-        bins = getattr(audio, "num_mel_bins", None) or 80
         frames = 2 * (getattr(audio, "max_source_positions", None) or 32)
+        width = _feature_width(audio)
+        if width is not None:  # frames first, each a vector of features (Speech2Text's, SeamlessM4T's, w2v-BERT's)
+            return {"input_features": torch.randn(rows, frames, width, generator=generator)}
+        bins = getattr(audio, "num_mel_bins", None) or 80  # Whisper's: mel bins x frames
         return {"input_features": torch.randn(rows, bins, frames, generator=generator)}
     if name == "inputs_embeds":  # an encoder over given embeddings (Nemotron 3.5's word timestamps)
         width = config.get_text_config().hidden_size
