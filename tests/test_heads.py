@@ -250,6 +250,9 @@ def test_the_image_size_checked_is_the_vision_models_own():
     # audio features frames first, each its projection's width (were Whisper's mel bins x frames: "fails alone")
     ("wav2vec2-bert", "Wav2Vec2BertModel", {"input_features": (2, 64, 160)}),
     ("speech_to_text", "Speech2TextModel", {"input_features": (2, 64, 80), "decoder_input_ids": (2, 12)}),
+    # mel bins no convolution takes as channels (Whisper's does): frames first, each its bins, read off an ASR
+    # model's encoder config (Parakeet's CTC head)
+    ("parakeet_ctc", "ParakeetForCTC", {"input_features": (2, 64, 80)}),
 ])
 def test_a_model_with_a_main_input_of_its_own_gets_a_batch_it_runs_on(model_type, cls, shapes):
     needs_model_type(model_type)

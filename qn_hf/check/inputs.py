@@ -103,13 +103,19 @@ def main_input(model: nn.Module, *, rows: int, seq_len: int, generator: torch.Ge
         shape = (rows, channels, samples) if isinstance(channels, int) else (rows, samples)
         return {"input_values": torch.randn(*shape, generator=generator)}
     if name == "input_features":
-        audio = _sub(config, "audio_config")
+        # the audio part: an audio sub-config, an ASR model's encoder config (Parakeet's CTC, Canary), or its own
+        audio = next((part for key in ("audio_config", "encoder_config")
+                      if isinstance(getattr(part := _sub(config, key), "num_mel_bins", None), int)), _sub(config, "audio_config"))
         frames = 2 * (getattr(audio, "max_source_positions", None) or 32)
         width = _feature_width(audio)
         if width is not None:  # frames first, each a vector of features (Speech2Text's, SeamlessM4T's, w2v-BERT's)
             return {"input_features": torch.randn(rows, frames, width, generator=generator)}
-        bins = getattr(audio, "num_mel_bins", None) or 80  # Whisper's: mel bins x frames
-        return {"input_features": torch.randn(rows, bins, frames, generator=generator)}
+        bins = getattr(audio, "num_mel_bins", None) or 80
+        if not any(isinstance(m, nn.Conv1d) and m.in_channels == bins for m in model.modules()):
+            # no convolution over the mel bins as channels (Whisper's): the frames first, each its mel bins
+            # (Parakeet's, Canary's, LASR's subsampling reads them so)
+            return {"input_features": torch.randn(rows, frames, bins, generator=generator)}
+        return {"input_features": torch.randn(rows, bins, frames, generator=generator)}  # Whisper's: bins x frames
     if name == "inputs_embeds":  # an encoder over given embeddings (Nemotron 3.5's word timestamps)
         width = config.get_text_config().hidden_size
         return {"inputs_embeds": torch.randn(rows, seq_len, width, generator=generator)}
@@ -153,9 +159,8 @@ def _preprocessed(model: nn.Module, *, rows: int, seq_len: int, generator: torch
     ``d_model`` features, which its cross-attention reads as they are."""
     config = model.config
     holder = next((m for m in model.modules() if hasattr(m, "input_preprocessor")), None)
-    if holder is None:
-        raise NoBatch(f"{type(model).__name__} takes 'inputs' and holds no input_preprocessor, which qn_hf's checks "
-                      "read what it takes from")
+    if holder is None:  # (a speech encoder-decoder's inputs: whatever its encoder takes)
+        raise NoBatch(f"{type(model).__name__} takes 'inputs', which qn_hf's checks make no random batch for")
     preprocessor = holder.input_preprocessor
     if preprocessor is None and isinstance(getattr(config, "d_model", None), int):
         return torch.randn(rows, seq_len, config.d_model, generator=generator)
