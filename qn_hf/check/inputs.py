@@ -312,7 +312,7 @@ def _pattern(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.cos(torch.arange(math.prod(shape), dtype=torch.float32, device=t.device)).to(dtype).reshape(shape)
 
 
-def _per_row(outputs, rows: int | None) -> list[torch.Tensor]:
+def _per_row(outputs, rows: int | None = None) -> list[torch.Tensor]:
     if isinstance(outputs, torch.Tensor):
         return [outputs] if outputs.is_floating_point() and outputs.dim() >= 1 else []
     items = outputs.items() if hasattr(outputs, "items") else enumerate(outputs) if isinstance(outputs, tuple) else []
