@@ -165,3 +165,16 @@ def test_a_class_is_built_from_the_part_of_a_composite_config_it_takes(model_typ
         model_class(shrunk) if part else model_class(shrunk.text_config)
     with torch.device("meta"):
         model_class(taken)
+
+
+@pytest.mark.parametrize(("model_type", "holds"), [
+    # a text tower's projection its default sizes as its hidden size shrinks with it (SigLIP compares it with the
+    # vision tower's width: "fails alone" before)
+    ("siglip", lambda c: c.text_config.projection_size == c.text_config.hidden_size),
+    # Perceiver's latent array and video models' clips, which at their default sizes outran a zoo job
+    ("perceiver", lambda c: (c.num_latents, c.d_latents, c.num_self_attends_per_block) == (16, 64, 2)),
+    ("vivit", lambda c: (c.num_frames, c.image_size) == (4, 32)),
+    ("vjepa2", lambda c: (c.frames_per_clip, c.crop_size, c.pred_num_hidden_layers) == (4, 32, 2)),
+])
+def test_sizes_tied_to_the_shrunk_ones_or_too_large_to_run_are_shrunk(model_type, holds):
+    assert holds(shrink_config(CONFIG_MAPPING[model_type]()))

@@ -58,6 +58,22 @@ def _frames(config) -> int | None:
     return next((f for key in _FRAME_COUNTS if isinstance(f := getattr(vision, key, None), int)), None)
 
 
+def _vision_inputs(model: nn.Module, *, rows: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Pixels as ``_pixels`` makes them, or where the forward takes the patches' grid (``spatial_shapes``) and
+    the vision config counts its patches (SigLIP 2's NaFlex tower), the image already cut in patches: a square
+    grid of them, flattened, none padded."""
+    vision = _sub(model.config, "vision_config")
+    patches, patch = getattr(vision, "num_patches", None), getattr(vision, "patch_size", None)
+    if "spatial_shapes" not in inspect.signature(model.forward).parameters or not isinstance(patches, int) \
+            or not isinstance(patch, int) or math.isqrt(patches) ** 2 != patches:
+        return {"pixel_values": _pixels(model.config, rows=rows, generator=generator)}
+    channels = getattr(vision, "num_channels", 3) or 3
+    side = math.isqrt(patches)
+    return {"pixel_values": torch.randn(rows, patches, channels * patch * patch, generator=generator),
+            "pixel_attention_mask": torch.ones(rows, patches, dtype=torch.long),
+            "spatial_shapes": torch.tensor([[side, side]] * rows, dtype=torch.long)}
+
+
 def _pixels(config, *, rows: int, generator: torch.Generator) -> torch.Tensor:
     """Images, or where the vision config counts a clip's frames (VideoMAE, ViViT, TimeSformer, X-CLIP, V-JEPA
     2) clips of that many: (rows, frames, channels, height, width)."""
@@ -93,7 +109,7 @@ def main_input(model: nn.Module, *, rows: int, seq_len: int, generator: torch.Ge
         shape = (rows, 3, seq_len) if type(model).__name__.endswith("ForMultipleChoice") else (rows, seq_len)
         return {"input_ids": torch.randint(3, vocab, shape, generator=generator)}
     if name == "pixel_values":
-        return {"pixel_values": _pixels(config, rows=rows, generator=generator)}
+        return _vision_inputs(model, rows=rows, generator=generator)
     if name == "input_values":  # a waveform: long enough for the feature extractor's strides
         audio = _sub(config, "audio_config")
         strides = getattr(audio, "conv_stride", None) or [320]
@@ -192,7 +208,7 @@ def dummy_batch(model: nn.Module, *, rows: int, seq_len: int = SEQ_LEN, seed: in
             ids[ids == token] = 3 if token != 3 else 4
     elif "pixel_values" in params and "pixel_values" not in batch and getattr(model.config, "vision_config", None):
         # a text-and-image model (CLIP) takes both; a text-and-video one (X-CLIP) clips
-        batch["pixel_values"] = _pixels(model.config, rows=rows, generator=generator)
+        batch.update(_vision_inputs(model, rows=rows, generator=generator))
     if ("noise" in params and "pixel_values" in batch and isinstance(getattr(model.config, "mask_ratio", None), float)
             and isinstance(getattr(model.config, "patch_size", None), int)):
         # ViT-MAE shuffles and masks its patches by noise it draws itself where the caller passes none: no split

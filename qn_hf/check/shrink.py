@@ -140,8 +140,11 @@ def _fill_gaps(data: dict, *, mrope: bool, config_class: str) -> None:
 
 def _tied_to_hidden(key: str, value: object, hidden: object) -> bool:
     """A channel width equal to the hidden size is tied to it (Phi-4's audio conformer convolutions
-    feed the hidden size), so it shrinks with it. Input channels (``num_channels``) are not."""
-    return "channel" in key and key != "num_channels" and _is_size(value) and value == hidden
+    feed the hidden size), so it shrinks with it; so is a text tower's projection its default sizes as its
+    hidden size (SigLIP's projection_size, which its model compares with the vision tower's width). Input
+    channels (``num_channels``) are not."""
+    return (("channel" in key and key != "num_channels" or key == "projection_size") and _is_size(value)
+            and value == hidden)
 
 
 def _resized_pattern(values: list, length: int) -> list:
