@@ -253,6 +253,8 @@ def test_the_image_size_checked_is_the_vision_models_own():
     # mel bins no convolution takes as channels (Whisper's does): frames first, each its bins, read off an ASR
     # model's encoder config (Parakeet's CTC head)
     ("parakeet_ctc", "ParakeetForCTC", {"input_features": (2, 64, 80)}),
+    # an audio codec's waveform per channel where its config counts none (DAC's)
+    ("dac", "DacModel", {"input_values": (2, 1, 4240)}),
     # SigLIP 2's NaFlex tower takes its image cut in patches, with their mask and grid
     ("siglip2_vision_model", "Siglip2VisionModel", {"pixel_values": (2, 256, 768), "pixel_attention_mask": (2, 256),
                                                     "spatial_shapes": (2, 2)}),

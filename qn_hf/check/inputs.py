@@ -95,6 +95,9 @@ def _placeholder_ids(config) -> set[int]:
 # audio decoders whose input_ids are rows x codebooks token rows, with labels per codebook (MusicGen's): a layout
 # the splits of a batch over ranks would have to know
 _CODEBOOK_ROWS = ("MusicgenDecoderConfig", "MusicgenMelodyDecoderConfig")
+# audio codecs and encoders that take a waveform per channel, (rows, 1, samples), and whose config counts no
+# audio_channels (DAC's, PE Audio's, VibeVoice's acoustic tokenizer's; as their feature extractors make it)
+_MONO = ("DacConfig", "PeAudioEncoderConfig", "VibeVoiceAcousticTokenizerConfig")
 
 
 def main_input(model: nn.Module, *, rows: int, seq_len: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -115,7 +118,8 @@ def main_input(model: nn.Module, *, rows: int, seq_len: int, generator: torch.Ge
         strides = getattr(audio, "conv_stride", None) or [320]
         kernels = getattr(audio, "conv_kernel", None) or [400]
         samples = AUDIO_FRAMES * math.prod(strides) + max(kernels)
-        channels = getattr(config, "audio_channels", None)  # an audio codec's waveform (EnCodec, Mimi): per channel
+        # an audio codec's waveform (EnCodec, Mimi): per channel; one where its config counts none (_MONO)
+        channels = getattr(config, "audio_channels", None) or (1 if type(config).__name__ in _MONO else None)
         shape = (rows, channels, samples) if isinstance(channels, int) else (rows, samples)
         return {"input_values": torch.randn(*shape, generator=generator)}
     if name == "input_features":
