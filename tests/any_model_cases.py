@@ -14,7 +14,7 @@ from qn_hf.check.config_part import config_taken_by
 from qn_hf.check.inputs import dummy_batch
 from qn_hf.check.run import build, one_step_parity, parity_config
 from qn_hf.check.shrink import shrink_config
-from tests.cases import mesh_for
+from tests.cases import mesh_for, pad_for_pooling
 
 
 def tiny_config(model_type: str, *, cls: str | None = None, **overrides) -> dict:
@@ -22,9 +22,7 @@ def tiny_config(model_type: str, *, cls: str | None = None, **overrides) -> dict
     sequence classifier pools at the last token that is not padding, so a config without a pad token (Llama's)
     gets one, as checkpoints set it."""
     config = shrink_config(CONFIG_MAPPING[model_type](**overrides), builds=getattr(transformers, cls) if cls else None)
-    taken = config_taken_by(config, getattr(transformers, cls)) if cls else config  # a text class's part
-    if getattr(taken, "pad_token_id", 0) is None:
-        taken.pad_token_id = 0
+    pad_for_pooling(config_taken_by(config, getattr(transformers, cls)) if cls else config, cls)  # a text class's part
     return config.to_dict()
 
 

@@ -25,6 +25,18 @@ def mesh_for(dp: int, tp: int, pp: int = 1, cp: int = 1) -> DeviceMesh:
     return _MESHES[key]
 
 
+def pad_for_pooling(config, cls: str | None) -> None:
+    """A shrunk config (or the part of it a class takes) without a pad token gets one, as checkpoints set it: a
+    sequence classifier pools at the last token that is not padding, reading the text part's pad token (Qwen
+    3.5's composite config keeps it there)."""
+    parts = [config]
+    if cls and cls.endswith("ForSequenceClassification") and hasattr(config, "get_text_config"):
+        parts.append(config.get_text_config())
+    for part in parts:
+        if getattr(part, "pad_token_id", 0) is None:
+            part.pad_token_id = 0
+
+
 def mesh_groups() -> list:
     """The process groups of the meshes kept above (the launcher destroys every other after a job)."""
     return [mesh.get_group(name) for mesh in _MESHES.values() if mesh.get_coordinate() is not None

@@ -15,14 +15,13 @@ def head_zoo_step(*, model_type: str, cls: str, column: str) -> str:
     from qn_hf.check.run import one_step_parity
     from qn_hf.check.shrink import shrink_config
     from qn_hf.check.zoo import HEAD_COLUMNS, outcome_of
-    from tests.cases import mesh_for
+    from tests.cases import mesh_for, pad_for_pooling
 
     mesh = HEAD_COLUMNS[column]
     try:
         config = shrink_config(CONFIG_MAPPING[model_type](), builds=getattr(transformers, cls))
         taken = config_taken_by(config, getattr(transformers, cls))  # a text class's part of a composite config
-        if getattr(taken, "pad_token_id", 0) is None:
-            taken.pad_token_id = 0  # a sequence classifier pools at the last token that is not padding
+        pad_for_pooling(taken, cls)
         torch.manual_seed(0)
         getattr(transformers, cls)(taken)
     except Exception as e:  # noqa: BLE001 -- a class its shrunk default config does not build is apart
