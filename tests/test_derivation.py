@@ -170,6 +170,22 @@ def test_a_bias_per_head_made_outside_the_blocks_is_taken_per_head(model_type, c
     assert dict(policy.head_inputs) == {attention: {"position_bias": "batch, heads"}}
 
 
+def test_a_bias_per_head_is_cut_where_its_heads_are_or_refused():
+    from qn_hf.policies.fused import HeadAxis
+    from qn_hf.tensor_parallel.hooks import head_input_hooks
+
+    class Attention(torch.nn.Module):
+        def forward(self, hidden_states, position_bias=None):
+            return position_bias
+
+    attention = Attention()
+    head_input_hooks(attention, inputs={"position_bias": HeadAxis.AFTER_BATCH}, heads=4, tp=2, tp_rank=1)
+    bias = torch.randn(2, 4, 3, 3)
+    assert torch.equal(attention(None, position_bias=bias), bias[:, 2:])  # rank 1's heads, batch first
+    with pytest.raises(ValueError, match=r"takes position_bias of shape \(4, 3, 3\), which does not hold the 4 heads"):
+        attention(None, bias[0])  # (heads, q, k): its dim 1 is the queries, not the heads
+
+
 def test_a_table_per_head_outside_the_attention_refuses_tp():
     import dataclasses
 

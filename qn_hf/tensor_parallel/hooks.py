@@ -93,9 +93,19 @@ def head_input_hooks(module: nn.Module, *, inputs: dict[str, HeadAxis], heads: i
     local = heads // tp
     start = tp_rank * local
 
-    def take(value, axis: HeadAxis):
+    def take(value, axis: HeadAxis, name: str):
         if not isinstance(value, torch.Tensor):
             return value
+        # the heads where the policy says (a shape, no sync): a tensor laid out otherwise would be cut along
+        # another axis, silently
+        if axis is HeadAxis.BATCH_TIMES_HEADS:
+            wrong = not value.dim() or value.shape[0] % heads
+        else:
+            dim = 0 if axis is HeadAxis.HEADS else 1
+            wrong = value.dim() <= dim or value.shape[dim] != heads
+        if wrong:
+            raise ValueError(f"{type(module).__name__} takes {name} of shape {tuple(value.shape)}, which does not "
+                             f"hold the {heads} heads as {axis.value!r}, where tp={tp} takes each rank's; use tp=1")
         if axis is HeadAxis.HEADS:
             return value.narrow(0, start, local)
         if axis is HeadAxis.AFTER_BATCH:
@@ -107,9 +117,9 @@ def head_input_hooks(module: nn.Module, *, inputs: dict[str, HeadAxis], heads: i
         args = list(args)
         for name, axis in inputs.items():
             if name in kwargs:
-                kwargs = {**kwargs, name: take(kwargs[name], axis)}
+                kwargs = {**kwargs, name: take(kwargs[name], axis, name)}
             elif name in names and names.index(name) < len(args):
-                args[names.index(name)] = take(args[names.index(name)], axis)
+                args[names.index(name)] = take(args[names.index(name)], axis, name)
         return tuple(args), kwargs
 
     module.register_forward_pre_hook(before, with_kwargs=True)
