@@ -32,17 +32,20 @@ def world_size(mesh: dict) -> int:
 
 
 def _model(kind: str, model_dir: str | None):
-    if kind == "qwen3_moe":
-        from qn_hf.check.run import build
-        from tests.ep_cases import moe_config
+    if kind.startswith("qwen3_moe"):
+        from transformers import CONFIG_MAPPING
 
-        return build(moe_config("qwen3_moe"), seed=0)
+        from qn_hf.check.run import build
+        from qn_hf.check.shrink import shrink_config
+
+        # (_deep: 8 blocks, for interleaved chunks at pp=4 x V=2, as llama_deep)
+        return build(shrink_config(CONFIG_MAPPING["qwen3_moe"](), layers=8 if kind.endswith("_deep") else 4), seed=0)
     return load(kind, model_dir)
 
 
 def _batch(kind: str, pm, *, rows: int) -> dict[str, torch.Tensor]:
     dp = pm.parallel_config.dims.dp
-    if kind == "qwen3_moe":
+    if kind.startswith("qwen3_moe"):
         ids = torch.randint(3, 100, (rows * dp, 16), generator=torch.Generator().manual_seed(3))
         whole = {"input_ids": ids, "labels": ids.clone()}
     else:

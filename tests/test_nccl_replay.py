@@ -194,8 +194,8 @@ def _mesh(feature: str, pp: int, schedule: str, microbatches: int, virtual_stage
 
 
 def _kind(feature: str, schedule: str) -> str:
-    if feature == "ep":
-        return "qwen3_moe"
+    if feature == "ep":  # (interleaved at pp=4 x V=2 needs 8 blocks: the 4-block model was refused)
+        return "qwen3_moe_deep" if schedule == "interleaved_1f1b" else "qwen3_moe"
     return "llama_deep" if schedule == "interleaved_1f1b" else "llama"
 
 
