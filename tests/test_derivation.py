@@ -19,7 +19,7 @@ from tests.releases import needs_model_type
 def _policy(model_type: str, cls: str, **overrides):
     model_class = getattr(transformers, cls)
     with torch.device("meta"):
-        model = model_class(config_taken_by(shrink_config(CONFIG_MAPPING[model_type](**overrides)), model_class))
+        model = model_class(config_taken_by(shrink_config(CONFIG_MAPPING[model_type](**overrides), builds=model_class), model_class))
     return resolve_policy(model, None)
 
 

@@ -129,9 +129,21 @@ def block_call(tree: ast.FunctionDef, layers: str) -> tuple[ast.For, ast.Call] |
     if len(loops) != 1:
         return None
     blocks = {n.id for n in ast.walk(loops[0].target) if isinstance(n, ast.Name)}
-    calls = [n for n in ast.walk(loops[0]) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
-             and n.func.id in blocks]
+    calls = [n for n in ast.walk(loops[0]) if isinstance(n, ast.Call) and _called_name(n) in blocks]
     return (loops[0], calls[0]) if len(calls) == 1 else None
+
+
+def _called_name(call: ast.Call) -> str | None:
+    """The name ``call`` runs: ``layer(...)``, or ``layer.forward(...)``."""
+    func = call.func.value if called_past_hooks(call) else call.func
+    return func.id if isinstance(func, ast.Name) else None
+
+
+def called_past_hooks(call: ast.Call) -> bool:
+    """Whether ``call`` runs a module's ``forward`` itself (SqueezeBERT's ``layer.forward(...)``), past
+    ``__call__`` and every hook on the module."""
+    return (isinstance(call.func, ast.Attribute) and call.func.attr == "forward"
+            and isinstance(call.func.value, ast.Name))
 
 
 def carried_between_blocks(base: nn.Module, *, layers: str) -> list[str]:

@@ -29,9 +29,10 @@ from dataclasses import dataclass
 from torch import nn
 
 from .cuts import StackCut, StandIn
-from .derive import block_call, loop_indexed
+from .derive import block_call, called_past_hooks, loop_indexed
 from .entries import children_reached, forward_tree, own_methods, self_path, self_references
 from .indexed_lists import indexed_lists_call
+from .layout_moves import layout_move, undone_around
 from .looped import looped_call
 from .module_kinds import position_wise
 from .patterns import join
@@ -172,6 +173,9 @@ def _plain_chain(level: _Level, entry: str | None) -> dict[str, StandIn] | None:
             elif path in children and value.args and isinstance(value.args[0], ast.Name):
                 stand_ins[path] = StandIn.IDENTITY  # a module applied to the chain: runs on the first stage
                 todo.append(value.args[0].id)
+            elif (layout_move(value) is not None and level.loop is not None
+                  and undone_around(level.tree, level.loop, first.id)):
+                todo.append(layout_move(value))  # channels-first around the blocks and back (layout_moves.py)
             elif isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add):
                 tables = [t for t in (table(value.left), table(value.right)) if t is not None]
                 rest = [side for side in (value.left, value.right) if table(side) is None]
@@ -238,6 +242,16 @@ def stack_cut(base: nn.Module, *, layers: str, embeddings: str | None) -> StackC
     levels = _levels(base, layers.split("."))
     if isinstance(levels, str):
         return levels
+    cut = _cut(base, levels, layers=layers, embeddings=embeddings)
+    if isinstance(cut, StackCut) and cut.receive_at_blocks and called_past_hooks(levels[-1].call):
+        # a later stage's first block takes the received activation through a hook on it
+        return (f"{type(levels[-1].holder).__name__}'s forward runs each block by its forward method, past the hooks "
+                f"through which a later stage's first block would take the activation received (what reaches the "
+                f"blocks is not the input embedding's output as it is)")
+    return cut
+
+
+def _cut(base: nn.Module, levels: list[_Level], *, layers: str, embeddings: str) -> StackCut | str:
     entry, entry_level, first, last, reads, side = None, None, {}, {}, set(), []
     for index, level in enumerate(levels):
         direct = self_references(level.tree)
