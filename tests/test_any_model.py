@@ -324,3 +324,12 @@ def test_fsdp_wraps_no_block_the_code_runs_past_its_hooks():
     assert blocks("squeezebert", "SqueezeBertModel") == []
     assert "quantizer" not in blocks("mimi", "MimiModel") and blocks("mimi", "MimiModel")
     assert len(blocks("big_bird", "BigBirdModel")) == 4
+
+
+def test_a_stage_whose_blocks_run_past_their_hooks_is_sharded_in_its_root_group(worlds):
+    """SqueezeBERT's stage: its encoder, moved channels-first and back, is entered in the embedding's place
+    (layout_moves.py); under dp_shard its blocks, run by ``layer.forward(...)``, join the root group as at pp=1
+    (a group of their own raised mixed Tensor and DTensor: FSDP2 never gathered them)."""
+    verdict = worlds.run(4, any_model_cases.head_step, model_type="squeezebert", cls="SqueezeBertForMaskedLM",
+                         dp=2, dp_shard=2, pp=2)[0]
+    assert verdict["verdict"] == "equal", verdict

@@ -205,8 +205,9 @@ def _batch_statistics(b: Build) -> None:
 def _shard_data_parallel(b: Build) -> None:
     # a stage's own blocks under a pipeline; else every stack's repeated blocks (an encoder's and a
     # decoder's, a vision and a text tower's), the whole model being the root group without any
-    blocks = ([block for layers in _held_lists(b) for block in b.model.get_submodule(layers)] if b.config.dims.pp > 1
-              else repeated_blocks(b.model))
+    held = ([block for layers in _held_lists(b) for block in b.model.get_submodule(layers)] if b.config.dims.pp > 1
+            else None)
+    blocks = repeated_blocks(b.model, among=held)
     experts = list(sharded_experts(b.model).values()) if b.config.dims.ep > 1 else []
     b.sharded = ShardedParameters(b.model, mesh=b.groups.shard_mesh, blocks=blocks, compute_dtype=b.precision,
                                   experts=experts, expert_mesh=b.groups.expert_shard_mesh,

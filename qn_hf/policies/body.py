@@ -51,22 +51,23 @@ def block_lists(root: nn.Module, *, one_class: bool = True) -> list[str]:
     return sorted(found, key=lambda n: -_size(root.get_submodule(n)))
 
 
-def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+def repeated_blocks(model: nn.Module, among: list[nn.Module] | None = None) -> list[nn.Module]:
     """The repeated blocks of every stack of ``model`` (an encoder's and a decoder's, a vision and a
     text tower's): the modules of the classes transformers names in ``_no_split_modules``, outermost
-    only, else the members of ``block_lists``. What FSDP2 wraps one by one (data_parallel/sharded.py),
-    so a module sharing a parameter with anything outside it (BERT's embeddings, tied to the masked-LM
-    head) is left to the root group, where both are."""
+    only, else the members of ``block_lists``; or those of ``among`` (a pipeline stage's own blocks).
+    What FSDP2 wraps one by one (data_parallel/sharded.py), so a module sharing a parameter with anything
+    outside it (BERT's embeddings, tied to the masked-LM head) is left to the root group, where both are,
+    and so is one the code runs past its hooks, where FSDP2 gathers."""
     names = set(getattr(model, "_no_split_modules", None) or ())
-    found: list[nn.Module] = []
+    found: list[nn.Module] = list(among) if among is not None else []
     inside: set[int] = set()
-    for _, module in model.named_modules():
+    for _, module in model.named_modules() if among is None else ():
         if id(module) in inside:
             continue
         if type(module).__name__ in names and any(True for _ in module.parameters()):
             found.append(module)
             inside.update(id(m) for m in module.modules())
-    if not found:
+    if not found and among is None:
         found = [m for name in block_lists(model) for m in _callable(model.get_submodule(name))]
     owners: dict[int, set[int]] = {}  # parameter -> the modules (ids) holding it directly
     for module in model.modules():
