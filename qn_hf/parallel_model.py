@@ -251,7 +251,8 @@ class ParallelModel(CheckpointMethods):
     def local_batch(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This dp replica's contiguous rows of a *global* batch (the same dict on every rank), padded
         first, if ``dp * microbatches`` does not divide it, with rows that carry no loss (``batch.dp_rows``)."""
-        return dp_rows(batch, dp=self.dims.dp, dp_rank=self.coords.dp, multiple=self.microbatches)
+        return dp_rows(batch, dp=self.dims.dp, dp_rank=self.coords.dp, multiple=self.microbatches,
+                       config=self.module.config)
 
     @torch.no_grad()
     def logits(self, batch: Mapping[str, torch.Tensor], *, reduce: LogitsFn | None = None,

@@ -162,8 +162,7 @@ def _steps(pm, batches: list[dict], *, dp: int, builtin: bool) -> list[float] | 
     optimizer = torch.optim.SGD(list(pm.parameters()), lr=LR)
     losses = []
     for batch in batches:
-        rows = batch[next(iter(batch))].shape[0] // dp
-        local = {k: v[pm.coords.dp * rows : (pm.coords.dp + 1) * rows] for k, v in batch.items()}
+        local = pm.local_batch(batch)  # a packed input's items with their rows (step/packed.py)
         optimizer.zero_grad()
         try:
             losses.append(pm.train_step(local, loss_fn=None if builtin else probe_loss).item())
@@ -271,12 +270,13 @@ def parity_config(*, dp: int = 1, tp: int = 1, pp: int = 1, microbatches: int | 
 
 def one_step_parity(*, config: dict, parallel: ParallelConfig | None = None, seed: int = 0, mesh=None,
                     out_dir: str | None = None, policy=None, model_class_name: str | None = None, steps: int = 1,
-                    **keywords) -> dict:
+                    batches: list[dict[str, torch.Tensor]] | None = None, **keywords) -> dict:
     """Run on every rank. ``config`` is ``PretrainedConfig.to_dict()`` output, ``parallel`` the
     configuration to check (or, instead, the keywords ``parity_config`` builds it from, refused the
     same way), ``policy`` an optional ``ModelPolicy`` (default: qn_hf's choice), ``model_class_name``
     the transformers class to train (default the config's causal LM; any head), ``steps`` the SGD steps
-    compared; returns a ``Verdict`` as a dict on rank 0 (the others return theirs without the weight
+    compared (``batches``: the global batch of each, the same on every rank, instead of random ones); returns a
+    ``Verdict`` as a dict on rank 0 (the others return theirs without the weight
     comparison). The head's own loss trains where the model has one qn_hf computes
     (``inputs.dummy_batch``); any other model trains ``probe_loss`` both ways. A model whose plain
     forward fails in one process is ``fails alone``, with its error."""
@@ -298,8 +298,8 @@ def one_step_parity(*, config: dict, parallel: ParallelConfig | None = None, see
     one_forward = dp * parallel.dims.cp * microbatches == 1
     builtin = head.kind is not None and (head.kind is not LossKind.OWN or one_forward)
     try:
-        batches = [dummy_batch(ref, rows=dp * ROWS_PER_MICROBATCH * microbatches, seed=seed + 1 + step)
-                   for step in range(steps)]
+        batches = batches or [dummy_batch(ref, rows=dp * ROWS_PER_MICROBATCH * microbatches, seed=seed + 1 + step)
+                              for step in range(steps)]
     except NoBatch as e:
         return asdict(Verdict(verdict="no batch", reason=str(e)))
     if not builtin:  # the probe reads the model's outputs only

@@ -15,11 +15,14 @@ from ..config.sequence import check_sequence_length
 from ..policies.positions import PositionLimits
 from ..policies.task import SPAN_KEYS, TaskHead, main_input_name
 from .loss import problem_type
+from .packed import RowLayout, batch_rows, packed_keys, row_layout
 
 
-def check_batch(batch: Mapping[str, torch.Tensor], *, microbatches: int, required: tuple[str, ...] = ()) -> int:
+def check_batch(batch: Mapping[str, torch.Tensor], *, microbatches: int, required: tuple[str, ...] = (),
+                config: object | None = None) -> int:
     """Return the batch size after checking that the batch is a dict of tensors of one size along
-    dim 0, at least ``microbatches`` rows (every microbatch gets one), holding every key in ``required``."""
+    dim 0, at least ``microbatches`` rows (every microbatch gets one), holding every key in ``required``;
+    a packed input (``packed.py``: Qwen2-VL's images) lies along its rows as the model's ``config`` says."""
     if not isinstance(batch, Mapping) or not batch:
         raise ValueError(f"batch must be a non-empty dict of tensors, got {type(batch).__name__}")
     not_tensors = sorted(k for k, v in batch.items() if not isinstance(v, torch.Tensor))
@@ -30,10 +33,13 @@ def check_batch(batch: Mapping[str, torch.Tensor], *, microbatches: int, require
         fix = (": the built-in loss needs them; for a causal LM pass labels=input_ids (qn_hf shifts them, as HF "
                "does; -100 marks positions to ignore), or pass loss_fn=(outputs, batch) -> loss") if "labels" in missing else ""
         raise ValueError(f"batch lacks {missing} (has {sorted(batch)}){fix}")
-    sizes = {k: v.shape[0] if v.dim() else None for k, v in batch.items()}
+    packed = packed_keys(batch)
+    sizes = {k: v.shape[0] if v.dim() else None for k, v in batch.items() if k not in packed}
     if len(set(sizes.values())) != 1 or None in sizes.values():
         raise ValueError(f"batch tensors must share their size along dim 0, got {sizes}")
     size = next(iter(sizes.values()))
+    if packed:
+        row_layout(batch, config)  # raises where its items cannot be told apart by rows
     if size == 0:
         raise ValueError(f"the batch is empty (0 rows: {sorted(batch)} have shape[0] == 0); give every step at least "
                          f"one row per microbatch ({microbatches} here)")
@@ -49,7 +55,7 @@ def check_step_batch(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Modul
                      builtin: bool, microbatches: int, cp: int, cp_keys: tuple[str, ...], split: tuple[int, str],
                      config, num_items: object = None, head: TaskHead | None = None, dp: int = 1,
                      loss_keys: tuple[str, ...] = (), positions: PositionLimits | None = None,
-                     decoder_stages: int = 0) -> int:
+                     decoder_stages: int = 0, dp_shard: int = 1) -> int:
     """Every host-side check of one step's batch (and of train_step's ``num_items_in_batch``), in the
     order a user would fix them; returns the batch size. Raised on one rank only: ``agreement.py``
     makes it every rank's. ``decoder_stages``: how many pipeline chunks run an encoder-decoder's decoder."""
@@ -63,7 +69,7 @@ def check_step_batch(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Modul
                          f"microbatches={microbatches}; use dp=1, cp=1 and microbatches=1, or pass "
                          f"loss_fn=(outputs, batch) -> the mean loss of a microbatch's rows")
     required = (head.label_keys if head is not None else ("labels",)) if builtin else ()
-    size = check_batch(batch, microbatches=microbatches, required=required)
+    size = check_batch(batch, microbatches=microbatches, required=required, config=config)
     from_labels = head is not None and head.decoder_from_labels and "labels" in batch
     if decoder_stages > 1 and not from_labels and not {"decoder_input_ids", "decoder_inputs_embeds"} & set(batch):
         # a decoder chunk short of the last runs the decoder stack itself, which needs its inputs; the task
@@ -71,6 +77,13 @@ def check_step_batch(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Modul
         raise ValueError(f"{type(model).__name__}'s decoder runs on {decoder_stages} pipeline stages here and the batch "
                          f"carries no decoder_input_ids, which its forward would make from input_ids; pass "
                          f"decoder_input_ids in the batch, or give the decoder one stage (pp=2)")
+    packed = sorted(packed_keys(batch))
+    if packed and dp_shard > 1:
+        # FSDP2 gathers a group's weights at each call of its module: a rank whose rows hold no image (or no video)
+        # runs the vision tower fewer times than another, and the ranks' collectives no longer pair up
+        raise ValueError(f"dp_shard={dp_shard}: the batch packs {packed}, whose items the ranks' rows hold in different "
+                         f"numbers, so the ranks would run the vision tower a different number of times under FSDP2's "
+                         f"per-call gathers; use dp_shard=1 (dp, ZeRO-1, tp and microbatches take packed inputs)")
     if cp > 1:
         unknown = sorted(set(batch) - set(cp_keys))
         if unknown:
@@ -90,11 +103,14 @@ def check_step_batch(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Modul
     return size
 
 
-def dp_rows(batch: Mapping[str, torch.Tensor], *, dp: int, dp_rank: int, multiple: int) -> dict[str, torch.Tensor]:
+def dp_rows(batch: Mapping[str, torch.Tensor], *, dp: int, dp_rank: int, multiple: int,
+            config: object | None = None) -> dict[str, torch.Tensor]:
     """dp rank ``dp_rank``'s contiguous rows of the global ``batch``, after padding it to a multiple of
     ``dp * multiple`` rows (every microbatch of every replica gets a row) with copies of row 0 whose labels are all
-    -100: they add no target, so the loss and gradients are those of the real rows."""
-    rows = next(iter(batch.values())).shape[0]
+    -100: they add no target, so the loss and gradients are those of the real rows. A packed input's items go
+    with their rows (``packed.py``, as the model's ``config`` says)."""
+    layout = row_layout(batch, config)
+    rows = layout.rows
     target = -(-rows // (dp * multiple)) * dp * multiple
     if target != rows:
         fix = "make the dataset a multiple of the global batch or set dataloader_drop_last=True"
@@ -106,12 +122,13 @@ def dp_rows(batch: Mapping[str, torch.Tensor], *, dp: int, dp_rank: int, multipl
             raise ValueError(f"a batch of {rows} rows must be padded to {target} (dp={dp} x {multiple} microbatches) "
                              f"with rows that carry no loss, but its labels are real values (regression or "
                              f"multi-label), which have no value to ignore; {fix}")
-        pad = {k: v[:1].expand(target - rows, *v.shape[1:]) for k, v in batch.items()}
+        pad = {k: v[:1].expand(target - rows, *v.shape[1:]) for k, v in batch.items() if k not in layout.bounds}
         for key in keys:  # labels the loss ignores; a span past every position (the span loss ignores it)
             pad[key] = torch.full_like(pad[key], IGNORE_INDEX if key not in SPAN_KEYS else torch.iinfo(pad[key].dtype).max)
-        batch = {k: torch.cat([v, pad[k]]) for k, v in batch.items()}
+        batch = layout.pad(batch, pad)
+        layout = row_layout(batch, config)
     per = target // dp
-    return {k: v[dp_rank * per:(dp_rank + 1) * per] for k, v in batch.items()}
+    return layout.take(batch, dp_rank * per, (dp_rank + 1) * per)
 
 
 def microbatch_rows(size: int, *, microbatches: int) -> list[int]:
@@ -121,11 +138,16 @@ def microbatch_rows(size: int, *, microbatches: int) -> list[int]:
     return [size // microbatches + (1 if i < size % microbatches else 0) for i in range(microbatches)]
 
 
-def split_microbatches(batch: Mapping[str, torch.Tensor], *, microbatches: int) -> list[dict[str, torch.Tensor]]:
-    """``torch.tensor_split`` of every tensor along dim 0 (the sizes of ``microbatch_rows``)."""
-    check_batch(batch, microbatches=microbatches)
-    parts = {k: torch.tensor_split(v, microbatches) for k, v in batch.items()}
-    return [{k: p[i] for k, p in parts.items()} for i in range(microbatches)]
+def split_microbatches(batch: Mapping[str, torch.Tensor], *, microbatches: int,
+                       layout: RowLayout | None = None) -> list[dict[str, torch.Tensor]]:
+    """``torch.tensor_split`` of every tensor along dim 0 (the sizes of ``microbatch_rows``); a packed input's
+    items with their rows, as ``layout`` (``packed.row_layout`` of the batch) says."""
+    size = check_batch(batch, microbatches=microbatches) if layout is None else layout.rows
+    layout = layout or RowLayout(rows=size)
+    ends = [0]
+    for rows in microbatch_rows(size, microbatches=microbatches):
+        ends.append(ends[-1] + rows)
+    return [layout.take(batch, start, stop) for start, stop in zip(ends, ends[1:])]
 
 
 # Keys Hugging Face models take as indices: integers, never floats (labels only for the built-in
@@ -265,7 +287,7 @@ def batch_signature(batch: Mapping[str, torch.Tensor], *, device: torch.device) 
             floats += (flat.double() * weights).sum()
         else:
             ints += (flat.long() * weights).sum()
-    head = torch.tensor([float(zlib.crc32(layout.encode())), float(next(iter(batch.values())).shape[0])],
+    head = torch.tensor([float(zlib.crc32(layout.encode())), float(batch_rows(batch))],
                         dtype=torch.float64, device=device)
     return torch.cat([head, (ints % 2**52).double().reshape(1), floats.reshape(1)])
 

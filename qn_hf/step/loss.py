@@ -17,6 +17,7 @@ from torch.distributed import ProcessGroup
 from ..comm import group_size
 from ..config.options import IGNORE_INDEX, LossKind, ProblemType
 from ..policies.task import SPAN_KEYS, TaskHead
+from .packed import batch_rows
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -138,7 +139,7 @@ def local_count(batch: Mapping[str, torch.Tensor], *, kind: LossKind | None, hea
     """What a step's loss is a mean over, in this rank's ``batch``, as float64 ``[K]`` on ``device``
     (one count per term of ``kind``'s loss; ``kind=None``, a ``loss_fn``, which averages its rows:
     the rows). Counted on the device: a fill or a sum, nothing read back."""
-    rows = next(iter(batch.values())).shape[0]
+    rows = batch_rows(batch)
     if kind is None or kind is LossKind.OWN:  # a loss_fn's rows; OWN runs one forward: its own mean, once
         value = float(rows) if kind is None else 1.0
         return torch.full((1,), value, dtype=torch.float64, device=device)

@@ -33,6 +33,7 @@ from ..tensor_parallel.apply import VocabShard
 from ..tensor_parallel.plan import TpPlan
 from .agreement import agree_on_batch
 from .batch import check_step_batch, microbatch_rows, split_microbatches
+from .packed import row_layout
 
 # (chunk, microbatch, the activation received or None) -> the activation to send, or on the last chunk
 # what backward starts from (a loss; a zero for forward-only passes)
@@ -79,11 +80,12 @@ def prepare(ctx: StepContext, batch: Mapping[str, torch.Tensor], *, loss: LossKi
         batch, model=ctx.module, loss=loss, builtin=builtin, cp=dims.cp, cp_keys=CP_KEYS,
         split=ctx.config.sequence_split, microbatches=microbatches, config=ctx.stage.config, num_items=num_items,
         head=ctx.plan.head, dp=dims.dp, loss_keys=tuple(loss_keys), positions=ctx.plan.positions,
-        decoder_stages=_decoder_stages(ctx.stage.plan)),
+        decoder_stages=_decoder_stages(ctx.stage.plan), dp_shard=dims.dp_shard),
         batch, replica=coords.dp, replicas=dims.dp, group=groups.host)
     documents = ring_documents(batch) if dims.cp > 1 else None  # read on the host before the batch moves
+    layout = row_layout(batch, ctx.stage.config)  # checked above; read on the host before the batch moves
     on_device = to_device(batch, ctx.placement.device)
-    whole = split_microbatches(on_device, microbatches=microbatches)
+    whole = split_microbatches(on_device, microbatches=microbatches, layout=layout)
     micro = shard_microbatches(whole, documents, layout=ctx.cp_layout, rank=coords.cp) if dims.cp > 1 else whole
     return Prepared(batch=on_device, rows=microbatch_rows(size, microbatches=microbatches), whole=whole, micro=micro)
 

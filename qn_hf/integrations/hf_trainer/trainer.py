@@ -45,7 +45,6 @@ from ...config.dims import Axis
 from ...data_parallel.grad_norm import clip_grad_norm_
 from ...mesh import launched_world_size
 from ...parallel_model import ParallelModel, optimizer
-from ...step.batch import dp_rows
 from ...step.compile import is_compiled
 from ...tensor_parallel.rng import device_rng_state, set_device_rng_state
 from .args import (
@@ -242,7 +241,7 @@ class ParallelTrainerMixin:
         return (MARGIN,) if is_reward_trainer(self) else ()
 
     def _rows(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return dp_rows(batch, dp=self.pm.dims.dp, dp_rank=self.pm.coords.dp, multiple=self.pm.microbatches)
+        return self.pm.local_batch(batch)
 
     def _loss_fn(self, batch: Mapping[str, torch.Tensor], num_items: torch.Tensor | None):
         """None (the built-in loss), ``compute_loss_func`` as ``pm.train_step``'s ``loss_fn`` (trainer_data.py), or
