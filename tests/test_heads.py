@@ -271,13 +271,29 @@ def test_a_model_with_a_main_input_of_its_own_gets_a_batch_it_runs_on(model_type
 
 
 def test_an_input_the_forward_requires_and_the_check_cannot_make_is_no_batch():
-    """Qwen3-VL's vision tower requires its patches flattened and their grid, which only its processor makes: no
-    batch, naming them (a TypeError from the plain forward was counted as the model failing alone)."""
+    """SegGPT requires a prompt image and its mask beside the image, which the check does not make: no batch, naming
+    them (a TypeError from the plain forward was counted as the model failing alone)."""
     from qn_hf.check.inputs import NoBatch
 
-    model = build(shrink_config(CONFIG_MAPPING["qwen3_vl"]()).vision_config, seed=0, name="Qwen3VLVisionModel")
-    with pytest.raises(NoBatch, match="Qwen3VLVisionModel requires 'hidden_states', 'grid_thw'"):
+    model = build(shrink_config(CONFIG_MAPPING["seggpt"]()), seed=0, name="SegGptModel")
+    with pytest.raises(NoBatch, match="SegGptModel requires 'prompt_pixel_values', 'prompt_masks'"):
         dummy_batch(model, rows=2)
+
+
+def test_a_vision_tower_taking_packed_patches_gets_one_image_a_row():
+    """Qwen3-VL's vision tower takes every image's patches back to back beside their grid (the processor's
+    layout): the check makes it, each row an image of other sizes (check/packed_batch.py), and it trains."""
+    from qn_hf.check.inputs import probe_loss
+    from qn_hf.step.packed import row_layout
+
+    model = build(shrink_config(CONFIG_MAPPING["qwen3_vl"]()).vision_config, seed=0, name="Qwen3VLVisionModel")
+    batch = dummy_batch(model, rows=3)
+    assert batch["grid_thw"].tolist() == [[1, 4, 4], [1, 2, 4], [1, 4, 2]]
+    assert tuple(batch["hidden_states"].shape) == (32, 3 * 2 * 16 * 16)  # a Conv3d's channels x kernel
+    assert row_layout(batch, model.config).bounds == {"hidden_states": (0, 16, 24, 32)}
+    loss = probe_loss(model(**batch), batch)
+    loss.backward()
+    assert loss > 0 and model.patch_embed.proj.weight.grad.abs().sum() > 0
 
 
 def test_the_probe_reads_no_output_that_pairs_every_row_with_every_other():

@@ -18,6 +18,8 @@ from torch import nn
 
 from ..config.options import IGNORE_INDEX, LossKind
 from ..policies.task import main_input_name, task_head
+from ..step.packed import batch_rows, packed_keys
+from .packed_batch import packed_tower_batch
 
 SEQ_LEN = 12
 AUDIO_FRAMES = 12  # frames an audio encoder's feature extractor makes of the waveform
@@ -200,7 +202,8 @@ def dummy_batch(model: nn.Module, *, rows: int, seq_len: int = SEQ_LEN, seed: in
     """A batch of ``rows`` examples for ``model``: its main input, and its head's labels (none for a
     head without a built-in loss: train it with ``probe_loss``)."""
     generator = torch.Generator().manual_seed(seed)
-    batch = main_input(model, rows=rows, seq_len=seq_len, generator=generator)
+    batch = packed_tower_batch(model, rows=rows, generator=generator) or main_input(
+        model, rows=rows, seq_len=seq_len, generator=generator)
     params = inspect.signature(model.forward).parameters
     placeholders = _placeholder_ids(model.config)
     if placeholders and "input_ids" in batch:
@@ -319,11 +322,20 @@ def probe_loss(outputs, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     first dimension is the batch's rows are read: a sequence-first tensor (BridgeTower's vision tower keeps
     CLIP's old positions x rows layout) would take a pattern over rows, which a rank's share of them
     does not repeat."""
-    rows = next((v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 1), None)
-    read = [t for t in _per_row(outputs, rows) if t.shape[0] == rows]
+    packed = bool(packed_keys(batch))
+    rows = batch_rows(batch) if packed else next(
+        (v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 1), None)
+    outputs_read = _per_row(outputs, rows)
+    read = [t for t in outputs_read if t.shape[0] == rows]
+    # a packed batch's outputs over its items (a vision tower's patches, back to back): each row's sum, meaned
+    # over the rows (the items of a rank's rows are its own); the pattern spans one patch, the same on every rank
+    # (HunYuan-VL's tower keeps a batch dim of 1 before them: read per patch, over the last dim)
+    items = [t.reshape(-1, t.shape[-1]) for t in outputs_read if t.shape[0] != rows] if packed else []
     # float32 at least: a float64 model's loss stays float64 (the check's float64 step)
-    wide = functools.reduce(torch.promote_types, [t.dtype for t in read], torch.float32)
-    return sum(((t.to(wide) + _pattern(t, wide)).square().mean() for t in read), torch.zeros((), dtype=wide))
+    wide = functools.reduce(torch.promote_types, [t.dtype for t in read + items], torch.float32)
+    loss = sum(((t.to(wide) + _pattern(t, wide)).square().mean() for t in read), torch.zeros((), dtype=wide))
+    return loss + sum(((t.to(wide) + _pattern(t, wide)).square().sum() / (rows * t[0].numel()) for t in items),
+                      torch.zeros((), dtype=wide))
 
 
 def _pattern(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -303,7 +303,9 @@ def task_head(model: nn.Module) -> TaskHead:
 def main_input_name(model: nn.Module) -> str:
     """The batch key of the model's main input: ``model.main_input_name``, unless the forward takes no such
     argument and takes ``pixel_values`` (a vision tower that keeps transformers' default ``input_ids``:
-    SmolVLM's, Idefics 3's, Granite Docling's)."""
+    SmolVLM's, Idefics 3's, Granite Docling's), or else ``hidden_states`` (Qwen2.5-VL's tower: its patches)."""
     name = getattr(model, "main_input_name", "input_ids")
     parameters = inspect.signature(model.forward).parameters
-    return "pixel_values" if name not in parameters and "pixel_values" in parameters else name
+    if name in parameters:
+        return name
+    return next((n for n in ("pixel_values", "hidden_states") if n in parameters), name)

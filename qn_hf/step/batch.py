@@ -15,7 +15,7 @@ from ..config.sequence import check_sequence_length
 from ..policies.positions import PositionLimits
 from ..policies.task import SPAN_KEYS, TaskHead, main_input_name
 from .loss import problem_type
-from .packed import RowLayout, batch_rows, packed_keys, row_layout
+from .packed import RowLayout, batch_rows, packed_keys, placed_by_tokens, row_layout
 
 
 def check_batch(batch: Mapping[str, torch.Tensor], *, microbatches: int, required: tuple[str, ...] = (),
@@ -77,7 +77,7 @@ def check_step_batch(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Modul
         raise ValueError(f"{type(model).__name__}'s decoder runs on {decoder_stages} pipeline stages here and the batch "
                          f"carries no decoder_input_ids, which its forward would make from input_ids; pass "
                          f"decoder_input_ids in the batch, or give the decoder one stage (pp=2)")
-    packed = sorted(packed_keys(batch))
+    packed = placed_by_tokens(batch)
     if packed and dp_shard > 1:
         # FSDP2 gathers a group's weights at each call of its module: a rank whose rows hold no image (or no video)
         # runs the vision tower fewer times than another, and the ranks' collectives no longer pair up

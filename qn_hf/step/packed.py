@@ -28,7 +28,8 @@ class PackedInput:
 
 PACKED = (PackedInput("image_grid_thw", "pixel_values", "image_token_id", 1),
           PackedInput("video_grid_thw", "pixel_values_videos", "video_token_id", 2),
-          PackedInput("grid_thw", "hidden_states", None))
+          PackedInput("grid_thw", "hidden_states", None),
+          PackedInput("grid_thw", "pixel_values", None))
 
 
 def packed_keys(batch: Mapping[str, object]) -> set[str]:
@@ -38,6 +39,12 @@ def packed_keys(batch: Mapping[str, object]) -> set[str]:
         if packed.grid in batch and packed.values in batch:
             found |= {packed.values} | ({packed.grid} if packed.token is not None else set())
     return found
+
+
+def placed_by_tokens(batch: Mapping[str, object]) -> list[str]:
+    """The packed keys of ``batch`` whose items rows hold by their tokens, any number a row (a VLM's images)."""
+    return sorted(k for p in PACKED if p.token is not None and p.grid in batch and p.values in batch
+                  for k in (p.grid, p.values))
 
 
 def batch_rows(batch: Mapping[str, torch.Tensor]) -> int:
