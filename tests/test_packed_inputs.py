@@ -49,6 +49,8 @@ def test_a_padding_row_copies_row_zero_with_its_images():
     (lambda b, c: b["mm_token_type_ids"][0, 2].fill_(0), "row 0 holds 3 of their tokens, which no run"),
     (lambda b, c: b.update(image_grid_thw=b["image_grid_thw"][:3], pixel_values=b["pixel_values"][:32]),
      "row 3 holds 4 of their tokens"),
+    (lambda b, c: [b.pop(k) for k in ("input_ids", "attention_mask", "labels", "mm_token_type_ids")] and None,
+     "batch holds only packed inputs"),
     (lambda b, c: SimpleNamespace(vision_config=SimpleNamespace(spatial_merge_size=None)), "spatial_merge_size is no integer"),
     (lambda b, c: b.pop("mm_token_type_ids") is None or SimpleNamespace(vision_config=c.vision_config, image_token_id=None),
      "pass the processor's mm_token_type_ids"),

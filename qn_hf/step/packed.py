@@ -50,7 +50,11 @@ def placed_by_tokens(batch: Mapping[str, object]) -> list[str]:
 def batch_rows(batch: Mapping[str, torch.Tensor]) -> int:
     """The batch's rows: dim 0 of its first key that is not packed."""
     packed = packed_keys(batch)
-    return next(v.shape[0] for k, v in batch.items() if k not in packed)
+    sizes = [v.shape[0] for k, v in batch.items() if k not in packed and v.dim()]
+    if not sizes:
+        raise ValueError(f"batch holds only packed inputs ({sorted(packed)}), no tensor of one row per example "
+                         f"(input_ids) whose tokens place their items")
+    return sizes[0]
 
 
 @dataclass(frozen=True)
