@@ -85,3 +85,20 @@ def test_packed_images_split_into_ranks_and_microbatches(worlds, mesh):
 def test_packed_images_under_sharded_data_parallelism_are_refused(worlds):
     verdict = worlds.run(2, packed_cases.packed_step, dp=2, dp_shard=2)[0]
     assert verdict["verdict"] == "refused" and "dp_shard=2: the batch packs ['image_grid_thw', 'pixel_values'" in verdict["reason"], verdict
+
+
+def test_values_per_item_go_with_their_items_and_rows_reorder_with_theirs():
+    # Qwen2.5-VL's processor gives each video its seconds per grid step: one value per video, not per row
+    batch, config = _batch()
+    batch["second_per_grid_ts"] = torch.tensor([0.5])
+    first, second = (dp_rows(batch, dp=2, dp_rank=r, multiple=1, config=config) for r in (0, 1))
+    assert "second_per_grid_ts" not in first and torch.equal(second["second_per_grid_ts"], batch["second_per_grid_ts"])
+    batch["second_per_grid_ts"] = torch.tensor([0.5, 1.0])  # more than the videos
+    with pytest.raises(ValueError, match="'second_per_grid_ts'.* has 2 rows, 'video_grid_thw' 1: one value per item"):
+        row_layout(batch, config)
+    del batch["second_per_grid_ts"]
+    layout = row_layout(batch, config)
+    back = layout.reordered(batch, [3, 2, 1, 0])  # the check's reversed rows (check/run.py)
+    assert torch.equal(back["image_grid_thw"], batch["image_grid_thw"][[3, 1, 2, 0]])  # row 1's two in their order
+    assert torch.equal(back["pixel_values"][:16], batch["pixel_values"][32:])
+    assert torch.equal(back["pixel_values"][16:32], batch["pixel_values"][16:32])  # row 1's two images, in order

@@ -21,6 +21,8 @@ import transformers
 from ..config.parallel_config import ParallelConfig
 from ..data_parallel.batch_statistics import batch_statistics_layers
 from ..policies.body import no_cache
+from ..step.batch import microbatch_rows
+from ..step.packed import packed_keys, row_layout
 from .config_part import config_taken_by
 from .inputs import probe_loss
 from .randomness import draws_random, sample_as_in_evaluation
@@ -342,6 +344,23 @@ def one_step_parity(*, config: dict, parallel: ParallelConfig | None = None, see
                           moved=moved))
 
 
+def _reversed(batch: dict, config) -> dict:
+    """``batch``'s rows in reverse order; a packed input's items with their rows (step/packed.py)."""
+    if not packed_keys(batch):
+        return {k: v.flip(0) for k, v in batch.items()}
+    layout = row_layout(batch, config)
+    return layout.reordered(batch, list(range(layout.rows))[::-1])
+
+
+def _part(batch: dict, config, *, part: int, parts: int) -> dict:
+    """Part ``part`` of ``parts`` of ``batch``'s rows (torch.tensor_split's sizes), with their items."""
+    if not packed_keys(batch):
+        return {k: torch.tensor_split(v, parts)[part] for k, v in batch.items()}
+    layout = row_layout(batch, config)
+    sizes = microbatch_rows(layout.rows, microbatches=parts)
+    return layout.take(batch, sum(sizes[:part]), sum(sizes[:part + 1]))
+
+
 def _reference(ref: torch.nn.Module, batches: list[dict], *, builtin: bool, probe, parts: int = 1,
                reverse: bool = False) -> tuple[list[float] | str, float]:
     """The plain model's loss at each step of SGD over ``batches`` (its own loss, or ``probe`` of its
@@ -355,10 +374,10 @@ def _reference(ref: torch.nn.Module, batches: list[dict], *, builtin: bool, prob
     losses = []
     for batch in batches:
         optimizer.zero_grad()
-        batch = {k: v.flip(0) for k, v in batch.items()} if reverse else batch
+        batch = _reversed(batch, ref.config) if reverse else batch
         total = 0.0
         for part in range(parts):
-            rows = batch if parts == 1 else {k: torch.tensor_split(v, parts)[part] for k, v in batch.items()}
+            rows = batch if parts == 1 else _part(batch, ref.config, part=part, parts=parts)
             try:
                 outputs = ref(**rows, **no_cache(ref))
                 loss = outputs.loss if builtin else probe(outputs, rows)

@@ -24,20 +24,24 @@ class PackedInput:
     values: str
     token: str | None  # the config attribute of the token an item's place holds; None: one item per batch row
     token_type: int | None = None  # what mm_token_type_ids marks an item's tokens with
+    per_item: tuple[str, ...] = ()  # keys of one value per item (Qwen2.5-VL's seconds per video grid step)
 
 
 PACKED = (PackedInput("image_grid_thw", "pixel_values", "image_token_id", 1),
-          PackedInput("video_grid_thw", "pixel_values_videos", "video_token_id", 2),
+          PackedInput("video_grid_thw", "pixel_values_videos", "video_token_id", 2, ("second_per_grid_ts",)),
           PackedInput("grid_thw", "hidden_states", None),
           PackedInput("grid_thw", "pixel_values", None))
 
 
 def packed_keys(batch: Mapping[str, object]) -> set[str]:
-    """The keys of ``batch`` whose dim 0 is not its rows: the packed values, and grids of items placed by tokens."""
+    """The keys of ``batch`` whose dim 0 is not its rows: the packed values, and grids (and values per item) of
+    items placed by tokens."""
     found = set()
     for packed in PACKED:
         if packed.grid in batch and packed.values in batch:
-            found |= {packed.values} | ({packed.grid} if packed.token is not None else set())
+            found |= {packed.values}
+            if packed.token is not None:
+                found |= {packed.grid, *(k for k in packed.per_item if k in batch)}
     return found
 
 
@@ -64,15 +68,23 @@ class RowLayout:
 
     rows: int
     bounds: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    grids: dict[str, str] = field(default_factory=dict)  # a packed key -> its grid
+    grids: dict[str, tuple[str, ...]] = field(default_factory=dict)  # a packed key -> its grid and per-item keys
 
     def take(self, batch: Mapping[str, torch.Tensor], start: int, stop: int) -> dict[str, torch.Tensor]:
         """Rows ``start:stop`` of ``batch`` with their items; a packed input none of them holds is left out, with
         its grid, as a processor leaves it out of a batch without videos (the model would run its tower on none)."""
         empty = {k for k in self.grids if self.bounds[k][start] == self.bounds[k][stop]}
-        empty |= {self.grids[k] for k in empty}
+        empty |= {c for k in empty for c in self.grids[k]}
+        return {k: v for k, v in self._span(batch, start, stop).items() if k not in empty}
+
+    def _span(self, batch: Mapping[str, torch.Tensor], start: int, stop: int) -> dict[str, torch.Tensor]:
         return {k: v[self.bounds[k][start]:self.bounds[k][stop]] if k in self.bounds else v[start:stop]
-                for k, v in batch.items() if k not in empty}
+                for k, v in batch.items()}
+
+    def reordered(self, batch: Mapping[str, torch.Tensor], order: list[int]) -> dict[str, torch.Tensor]:
+        """``batch`` with its rows in ``order``, each with its items (a row's items keep their order)."""
+        rows = [self._span(batch, r, r + 1) for r in order]
+        return {k: torch.cat([row[k] for row in rows]) for k in batch}
 
     def pad(self, batch: Mapping[str, torch.Tensor], pad: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``batch`` with the rows ``pad`` (its row-keyed tensors) appended, each a copy of row 0 with its items."""
@@ -86,7 +98,7 @@ def row_layout(batch: Mapping[str, torch.Tensor], config: object | None) -> RowL
     apart by rows. Reads the grids and token counts on the host: a batch given on the device syncs here once."""
     rows = batch_rows(batch)
     bounds: dict[str, tuple[int, ...]] = {}
-    grids: dict[str, str] = {}
+    grids: dict[str, tuple[str, ...]] = {}
     for packed in PACKED:
         if packed.grid not in batch or packed.values not in batch:
             continue
@@ -104,9 +116,13 @@ def row_layout(batch: Mapping[str, torch.Tensor], config: object | None) -> RowL
             item_bounds.append(item_bounds[-1] + count)
             patch_bounds.append(patch_bounds[-1] + sum(patches[item_bounds[-2]:item_bounds[-1]]))
         bounds[packed.values] = tuple(patch_bounds)
-        grids[packed.values] = packed.grid
+        grids[packed.values] = (packed.grid, *(k for k in packed.per_item if k in batch))
         if packed.token is not None:
-            bounds[packed.grid] = tuple(item_bounds)
+            for key in grids[packed.values]:
+                if batch[key].shape[0] != len(patches):
+                    raise ValueError(f"batch[{key!r}] has {batch[key].shape[0]} rows, {packed.grid!r} {len(patches)}: "
+                                     f"one value per item")
+                bounds[key] = tuple(item_bounds)
     return RowLayout(rows=rows, bounds=bounds, grids=grids)
 
 
@@ -130,8 +146,6 @@ def _items_per_row(batch: Mapping[str, torch.Tensor], packed: PackedInput, *, ro
             raise ValueError(f"{why}, which the batch marks neither in mm_token_type_ids nor in input_ids by "
                              f"config.{packed.token}; pass the processor's mm_token_type_ids")
         marks = batch["input_ids"] == token
-    if "attention_mask" in batch and batch["attention_mask"].shape == marks.shape:
-        marks = marks & batch["attention_mask"].bool()  # transformers places items among the unmasked tokens
     held = marks.sum(dim=-1).tolist()
     tokens = [p // merge**2 for p in patches]
     counts, item = [], 0

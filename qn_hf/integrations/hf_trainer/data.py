@@ -15,10 +15,11 @@ from transformers.trainer_utils import seed_worker
 
 from ...config.options import IGNORE_INDEX
 from ...step.loss import count_targets
+from ...step.packed import batch_rows
 
 # The value a right-padded position takes per key; any other key that differs in length cannot be merged.
 PAD_VALUES = {"labels": IGNORE_INDEX, "shift_labels": IGNORE_INDEX, "attention_mask": 0, "input_ids": 0,
-              "token_type_ids": 0, "position_ids": 0}
+              "token_type_ids": 0, "position_ids": 0, "mm_token_type_ids": 0}  # (a VLM processor's: 0 is text)
 
 
 def one_process_loader(dataset, *, args, batch_size: int, collate_fn: Callable, training: bool) -> DataLoader:
@@ -67,7 +68,7 @@ def merge_batches(batches: Sequence[Mapping]) -> dict[str, torch.Tensor]:
 
 
 def rows_of(batch: Mapping[str, torch.Tensor]) -> int:
-    return next(iter(batch.values())).shape[0]
+    return batch_rows(batch)  # not a packed input's items (step/packed.py)
 
 
 def count_items(batches: Sequence[Mapping], *, shifts_labels: bool) -> torch.Tensor | None:
