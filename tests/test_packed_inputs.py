@@ -102,3 +102,22 @@ def test_values_per_item_go_with_their_items_and_rows_reorder_with_theirs():
     assert torch.equal(back["image_grid_thw"], batch["image_grid_thw"][[3, 1, 2, 0]])  # row 1's two in their order
     assert torch.equal(back["pixel_values"][:16], batch["pixel_values"][32:])
     assert torch.equal(back["pixel_values"][16:32], batch["pixel_values"][16:32])  # row 1's two images, in order
+
+
+def test_accumulation_batches_with_and_without_images_merge_with_their_rows():
+    """The Trainer merges a step's accumulation batches (hf_trainer/data.py): a batch of text alone carries no
+    images, and the merged batch's images are the other's, its rows' tokens placing them; sequences of other
+    lengths pad mm_token_type_ids with 0 (text)."""
+    from qn_hf.integrations.hf_trainer.data import merge_batches
+
+    batch, config = _batch()
+    layout = row_layout(batch, config)
+    images = {k: v for k, v in layout.take(batch, 0, 2).items() if k != "labels"}
+    text = {k: v[2:4, :20] for k, v in batch.items() if k in ("input_ids", "attention_mask", "mm_token_type_ids")}
+    text["mm_token_type_ids"] = torch.zeros_like(text["mm_token_type_ids"])
+    merged = merge_batches([text, images])
+    assert merged["input_ids"].shape == (4, 24) and (merged["mm_token_type_ids"][:2, 20:] == 0).all()
+    assert torch.equal(merged["pixel_values"], images["pixel_values"])
+    assert row_layout(merged, config).bounds["image_grid_thw"] == (0, 0, 0, 1, 3)
+    with pytest.raises(ValueError, match="accumulation batches have different keys"):
+        merge_batches([{k: v for k, v in text.items() if k != "attention_mask"}, images])

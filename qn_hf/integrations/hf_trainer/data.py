@@ -15,7 +15,7 @@ from transformers.trainer_utils import seed_worker
 
 from ...config.options import IGNORE_INDEX
 from ...step.loss import count_targets
-from ...step.packed import batch_rows
+from ...step.packed import batch_rows, packed_keys
 
 # The value a right-padded position takes per key; any other key that differs in length cannot be merged.
 PAD_VALUES = {"labels": IGNORE_INDEX, "shift_labels": IGNORE_INDEX, "attention_mask": 0, "input_ids": 0,
@@ -46,17 +46,21 @@ def one_process_loader(dataset, *, args, batch_size: int, collate_fn: Callable, 
 
 def merge_batches(batches: Sequence[Mapping]) -> dict[str, torch.Tensor]:
     """The accumulation batches of one step as one batch (rows in order), right-padding sequence keys to the
-    longest (labels -100, masks 0: a causal model's earlier positions never see them, and they carry no loss)."""
-    keys = list(batches[0])
-    not_tensors = sorted(k for k in keys if not isinstance(batches[0][k], torch.Tensor))
+    longest (labels -100, masks 0: a causal model's earlier positions never see them, and they carry no loss).
+    A packed input (a VLM's images, step/packed.py) may be in some of them only (a batch of text alone): its
+    items, back to back, are those of the batches that have it, in their order, as its rows' tokens say."""
+    not_tensors = sorted(k for b in batches for k, v in b.items() if not isinstance(v, torch.Tensor))
     if not_tensors:
         raise ValueError(f"batch values {not_tensors} are not tensors; qn_hf.Trainer cuts batches by rows, so the "
                          f"collator must return tensors only (for TRL, padding_free=False)")
-    if any(list(b) != keys for b in batches):
+    packed = set().union(*(packed_keys(b) for b in batches))
+    keys = [*batches[0], *(k for b in batches[1:] for k in b if k not in batches[0])]
+    keys = list(dict.fromkeys(keys))
+    if any({k for k in b if k not in packed} != {k for k in keys if k not in packed} for b in batches):
         raise ValueError(f"accumulation batches have different keys: {[sorted(b) for b in batches]}")
     merged = {}
     for key in keys:
-        parts = [b[key] for b in batches]
+        parts = [b[key] for b in batches if key in b]
         if parts[0].dim() >= 2 and len({p.shape[1] for p in parts}) > 1:
             if key not in PAD_VALUES:
                 raise ValueError(f"batch[{key!r}] differs in length between accumulation batches "
