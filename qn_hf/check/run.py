@@ -21,7 +21,7 @@ import transformers
 from ..config.parallel_config import ParallelConfig
 from ..data_parallel.batch_statistics import batch_statistics_layers
 from ..policies.body import no_cache
-from ..step.batch import microbatch_rows
+from ..step.batch import split_microbatches
 from ..step.packed import packed_keys, row_layout
 from .config_part import config_taken_by
 from .inputs import probe_loss
@@ -344,21 +344,18 @@ def one_step_parity(*, config: dict, parallel: ParallelConfig | None = None, see
                           moved=moved))
 
 
-def _reversed(batch: dict, config) -> dict:
-    """``batch``'s rows in reverse order; a packed input's items with their rows (step/packed.py)."""
+def _pieces(batch: dict, config, *, parts: int, reverse: bool) -> list[dict]:
+    """``batch``'s rows (in reverse order with ``reverse``) in ``parts`` parts of torch.tensor_split's sizes; a
+    packed input's items with their rows (step/packed.py)."""
     if not packed_keys(batch):
-        return {k: v.flip(0) for k, v in batch.items()}
+        batch = {k: v.flip(0) for k, v in batch.items()} if reverse else batch
+        return [batch] if parts == 1 else [{k: torch.tensor_split(v, parts)[part] for k, v in batch.items()}
+                                           for part in range(parts)]
     layout = row_layout(batch, config)
-    return layout.reordered(batch, list(range(layout.rows))[::-1])
-
-
-def _part(batch: dict, config, *, part: int, parts: int) -> dict:
-    """Part ``part`` of ``parts`` of ``batch``'s rows (torch.tensor_split's sizes), with their items."""
-    if not packed_keys(batch):
-        return {k: torch.tensor_split(v, parts)[part] for k, v in batch.items()}
-    layout = row_layout(batch, config)
-    sizes = microbatch_rows(layout.rows, microbatches=parts)
-    return layout.take(batch, sum(sizes[:part]), sum(sizes[:part + 1]))
+    if reverse:
+        batch = layout.reordered(batch, list(range(layout.rows))[::-1])
+        layout = row_layout(batch, config)
+    return split_microbatches(batch, microbatches=parts, layout=layout)
 
 
 def _reference(ref: torch.nn.Module, batches: list[dict], *, builtin: bool, probe, parts: int = 1,
@@ -374,10 +371,8 @@ def _reference(ref: torch.nn.Module, batches: list[dict], *, builtin: bool, prob
     losses = []
     for batch in batches:
         optimizer.zero_grad()
-        batch = _reversed(batch, ref.config) if reverse else batch
         total = 0.0
-        for part in range(parts):
-            rows = batch if parts == 1 else _part(batch, ref.config, part=part, parts=parts)
+        for rows in _pieces(batch, ref.config, parts=parts, reverse=reverse):
             try:
                 outputs = ref(**rows, **no_cache(ref))
                 loss = outputs.loss if builtin else probe(outputs, rows)

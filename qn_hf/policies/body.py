@@ -58,17 +58,7 @@ def repeated_blocks(model: nn.Module, among: list[nn.Module] | None = None) -> l
     What FSDP2 wraps one by one (data_parallel/sharded.py), so a module sharing a parameter with anything
     outside it (BERT's embeddings, tied to the masked-LM head) is left to the root group, where both are,
     and so is one the code runs past its hooks, where FSDP2 gathers."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    found: list[nn.Module] = list(among) if among is not None else []
-    inside: set[int] = set()
-    for _, module in model.named_modules() if among is None else ():
-        if id(module) in inside:
-            continue
-        if type(module).__name__ in names and any(True for _ in module.parameters()):
-            found.append(module)
-            inside.update(id(m) for m in module.modules())
-    if not found and among is None:
-        found = [m for name in block_lists(model) for m in _callable(model.get_submodule(name))]
+    found = list(among) if among is not None else _named_blocks(model)
     owners: dict[int, set[int]] = {}  # parameter -> the modules (ids) holding it directly
     for module in model.modules():
         for param in module.parameters(recurse=False):
@@ -87,6 +77,21 @@ def repeated_blocks(model: nn.Module, among: list[nn.Module] | None = None) -> l
         if all(owners[id(p)] <= members for p in block.parameters()) and not inner:
             blocks.append(block)
     return blocks
+
+
+def _named_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules of the classes ``model`` names in ``_no_split_modules`` (holding parameters), outermost
+    only, else the members of ``block_lists``."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found: list[nn.Module] = []
+    inside: set[int] = set()
+    for _, module in model.named_modules():
+        if id(module) in inside:
+            continue
+        if type(module).__name__ in names and any(True for _ in module.parameters()):
+            found.append(module)
+            inside.update(id(m) for m in module.modules())
+    return found or [m for name in block_lists(model) for m in _callable(model.get_submodule(name))]
 
 
 def _called_past_hooks(model: nn.Module) -> set[int]:

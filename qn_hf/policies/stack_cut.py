@@ -173,9 +173,9 @@ def _plain_chain(level: _Level, entry: str | None) -> dict[str, StandIn] | None:
             elif path in children and value.args and isinstance(value.args[0], ast.Name):
                 stand_ins[path] = StandIn.IDENTITY  # a module applied to the chain: runs on the first stage
                 todo.append(value.args[0].id)
-            elif (layout_move(value) is not None and level.loop is not None
+            elif ((moved := layout_move(value)) is not None and level.loop is not None
                   and undone_around(level.tree, level.loop, first.id)):
-                todo.append(layout_move(value))  # channels-first around the blocks and back (layout_moves.py)
+                todo.append(moved)  # channels-first around the blocks and back (layout_moves.py)
             elif isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add):
                 tables = [t for t in (table(value.left), table(value.right)) if t is not None]
                 rest = [side for side in (value.left, value.right) if table(side) is None]

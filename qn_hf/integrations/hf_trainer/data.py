@@ -54,8 +54,7 @@ def merge_batches(batches: Sequence[Mapping]) -> dict[str, torch.Tensor]:
         raise ValueError(f"batch values {not_tensors} are not tensors; qn_hf.Trainer cuts batches by rows, so the "
                          f"collator must return tensors only (for TRL, padding_free=False)")
     packed = set().union(*(packed_keys(b) for b in batches))
-    keys = [*batches[0], *(k for b in batches[1:] for k in b if k not in batches[0])]
-    keys = list(dict.fromkeys(keys))
+    keys = list(dict.fromkeys(k for b in batches for k in b))  # the first batch's order, then what others add
     if any({k for k in b if k not in packed} != {k for k in keys if k not in packed} for b in batches):
         raise ValueError(f"accumulation batches have different keys: {[sorted(b) for b in batches]}")
     merged = {}
