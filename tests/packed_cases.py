@@ -13,6 +13,8 @@ from tests.cases import mesh_for
 # each row's images (t, h, w in patches) and videos: rows with none, one and two, of different sizes
 IMAGES = [[(1, 4, 4)], [(1, 2, 4), (1, 4, 2)], [], [(1, 4, 4)]]
 VIDEOS = [[], [], [(2, 2, 2)], []]
+# the first half's rows hold images, the second's none: under dp=2 one rank never runs the vision tower
+FIRST_HALF = ([[(1, 4, 4)], [(1, 2, 4)], [], []], [[], [], [], []])
 _MARKS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
 
@@ -27,9 +29,11 @@ def packed_config(model_type: str, cls: str) -> dict:
     return config
 
 
-def packed_batch(config: dict, *, seed: int, rows: int = 4, sequence: int = 24, types: bool = True) -> dict:
-    """``rows`` rows (IMAGES' and VIDEOS' layouts in turn), text tokens random, each item's tokens between its
-    start and end marks; ``types``: with the processor's mm_token_type_ids (else the model reads input_ids)."""
+def packed_batch(config: dict, *, seed: int, rows: int = 4, sequence: int = 24, types: bool = True,
+                 items: tuple[list, list] = (IMAGES, VIDEOS)) -> dict:
+    """``rows`` rows (``items``' images and videos in turn, IMAGES' and VIDEOS' by default), text tokens random,
+    each item's tokens between its start and end marks; ``types``: with the processor's mm_token_type_ids (else
+    the model reads input_ids)."""
     vocab = config.get("text_config", config).get("vocab_size") or config["vocab_size"]
     image, video, start, end = (config[name] for name in _MARKS)
     vision = config["vision_config"]
@@ -41,8 +45,8 @@ def packed_batch(config: dict, *, seed: int, rows: int = 4, sequence: int = 24, 
     grids = {1: [], 2: []}
     for row in range(rows):
         at = 1
-        for kind, token, items in ((1, image, IMAGES[row % len(IMAGES)]), (2, video, VIDEOS[row % len(VIDEOS)])):
-            for grid in items:
+        for kind, token, held in ((1, image, items[0][row % len(items[0])]), (2, video, items[1][row % len(items[1])])):
+            for grid in held:
                 n = grid[0] * grid[1] * grid[2] // merge**2
                 ids[row, at], ids[row, at + 1:at + 1 + n], ids[row, at + 1 + n] = start, token, end
                 kinds[row, at + 1:at + 1 + n] = kind
@@ -63,10 +67,12 @@ def packed_batch(config: dict, *, seed: int, rows: int = 4, sequence: int = 24, 
 
 def packed_step(*, model_type: str = "qwen2_vl", cls: str = "Qwen2VLForConditionalGeneration", dp: int = 1,
                 tp: int = 1, pp: int = 1, dp_shard: int = 1, microbatches: int | None = None, rows: int = 4,
-                types: bool = True) -> dict:
-    """Two SGD steps on packed image batches at the mesh against the plain model."""
+                types: bool = True, first_half: bool = False) -> dict:
+    """Two SGD steps on packed image batches at the mesh against the plain model; ``first_half``: only the first
+    half of the rows hold images (FIRST_HALF)."""
     config = packed_config(model_type, cls)
-    batches = [packed_batch(config, seed=step, rows=rows, types=types) for step in range(2)]
+    items = FIRST_HALF if first_half else (IMAGES, VIDEOS)
+    batches = [packed_batch(config, seed=step, rows=rows, types=types, items=items) for step in range(2)]
     parallel = parity_config(dp=dp, tp=tp, pp=pp, dp_shard=dp_shard, microbatches=microbatches)
     verdict = one_step_parity(config=config, parallel=parallel, mesh=mesh_for(dp, tp, pp), model_class_name=cls,
                               steps=2, batches=batches)

@@ -8,8 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import Qwen2VLConfig
+from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
+from qn_hf.policies.body import repeated_blocks
+from qn_hf.policies.packed_inputs import item_towers
 from qn_hf.step.batch import dp_rows, split_microbatches
 from qn_hf.step.packed import row_layout
 from tests import packed_cases
@@ -82,9 +84,20 @@ def test_packed_images_split_into_ranks_and_microbatches(worlds, mesh):
     assert verdict["verdict"] == "equal", verdict
 
 
-def test_packed_images_under_sharded_data_parallelism_are_refused(worlds):
-    verdict = worlds.run(2, packed_cases.packed_step, dp=2, dp_shard=2)[0]
-    assert verdict["verdict"] == "refused" and "dp_shard=2: the batch packs ['image_grid_thw', 'pixel_values'" in verdict["reason"], verdict
+@pytest.mark.parametrize("mesh", [dict(dp=2, dp_shard=2), dict(dp=2, dp_shard=2, microbatches=2, first_half=True)])
+def test_packed_images_under_sharded_data_parallelism_equal_the_plain_model(worlds, mesh):
+    # the ranks run the vision tower a different number of times (rank 0 once for images, rank 1 once for images
+    # and once for videos; with first_half rank 1 never): the tower sits in FSDP's root group with zero gradients
+    verdict = worlds.run(2, packed_cases.packed_step, **mesh)[0]
+    assert verdict["verdict"] == "equal", verdict
+
+
+def test_the_vision_tower_is_left_to_the_root_group():
+    model = Qwen2VLForConditionalGeneration(Qwen2VLConfig(**packed_cases.packed_config(
+        "qwen2_vl", "Qwen2VLForConditionalGeneration")))
+    assert item_towers(model) == [model.model.visual]
+    blocks = repeated_blocks(model)
+    assert blocks and all(b in set(model.model.language_model.layers) for b in blocks)
 
 
 def test_values_per_item_go_with_their_items_and_rows_reorder_with_theirs():

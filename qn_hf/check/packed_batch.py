@@ -5,12 +5,10 @@ or Conv2d's input channels times its kernel, or a Linear's input features."""
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import nn
 
-from ..step.packed import PACKED
+from ..policies.packed_inputs import tower_input
 
 # each row's image, (t, h, w) in patches, in units of the merge size: different sizes, so rows differ in patches
 _GRIDS = ((1, 2, 2), (1, 1, 2), (1, 2, 1))
@@ -19,8 +17,7 @@ _GRIDS = ((1, 2, 2), (1, 1, 2), (1, 2, 1))
 def packed_tower_batch(model: nn.Module, *, rows: int, generator: torch.Generator) -> dict[str, torch.Tensor] | None:
     """The packed batch of ``rows`` images for ``model``, or None where its forward takes no grid of one image a
     row beside its patches (PACKED's entries without a token), or no patch width can be read."""
-    params = inspect.signature(model.forward).parameters
-    packed = next((p for p in PACKED if p.token is None and p.grid in params and p.values in params), None)
+    packed = tower_input(model)
     if packed is None:
         return None
     width = _patch_width(model)

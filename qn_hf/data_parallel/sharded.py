@@ -51,6 +51,8 @@ its own autograd call, and earlier chunks run the base model alone (no head). So
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -59,6 +61,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..config.options import Gather
 from ..expert_parallel.apply import EXPERTS_MODULE
+from ..policies.packed_inputs import item_towers
 from .fsdp_internals import fsdp_root
 
 
@@ -88,6 +91,10 @@ class ShardedParameters:
                 # after FSDP's own pre-forward hook (prepended), so its backward runs before FSDP's reduce-scatter
                 block.register_forward_pre_hook(_zero_gradients_for_unused_weights, with_kwargs=True)
         fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored)
+        towers = item_towers(model)  # left to the root group by repeated_blocks
+        if towers:
+            # after FSDP's root pre-forward hook (prepended), which has gathered the towers' weights
+            model.register_forward_pre_hook(functools.partial(_zero_gradients_for_towers, towers))
         self.root = fsdp_root(model)  # FSDP's private state, for what no public call does
         self.pipelined, self.gather = pipelined, gather
         if not pipelined:
@@ -198,6 +205,21 @@ def _zero_gradients_for_unused_weights(block: nn.Module, args: tuple, kwargs: di
     passed = iter(_GradientsForEveryWeight.apply(block, *(flat[i] for i in carried)))
     flat = [next(passed) if i in set(carried) else x for i, x in enumerate(flat)]
     return tuple(flat[: len(args)]), dict(zip(kwargs, flat[len(args):]))
+
+
+def _zero_gradients_for_towers(towers: list[nn.Module], model: nn.Module, args: tuple) -> None:
+    """Forward pre-hook of the root: each trainable weight of the towers a batch's packed items run through
+    (Qwen2-VL's ``visual``) gets a zero gradient where it has none, before the forward runs the towers or not.
+    FSDP2 reduce-scatters the gradients of a group that exist: a rank whose rows hold no image would leave the
+    towers' out, and the ranks' reductions would no longer pair up. A rank that runs a tower adds its gradients
+    to the zeros, exactly. The towers sit in the root group, gathered for the whole step whatever runs, not in
+    groups of their own, gathered at each call (a rank would call them a different number of times)."""
+    if not torch.is_grad_enabled():
+        return
+    for tower in towers:
+        for p in tower.parameters():  # the gathered weights, which FSDP has put in the modules now
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
 
 
 def model_class(module: nn.Module) -> type:

@@ -23,6 +23,7 @@ from .embedding_types import adapter_for
 from .entries import derive_entries, forward_source, method_tree, self_path
 from .fused import FUSED
 from .model_policy import ModelPolicy
+from .packed_inputs import item_towers
 from .patterns import base_model_and_prefix
 from .seq2seq_cut import seq2seq_cut
 from .stack_cut import stack_cut
@@ -57,7 +58,9 @@ def repeated_blocks(model: nn.Module, among: list[nn.Module] | None = None) -> l
     only, else the members of ``block_lists``; or those of ``among`` (a pipeline stage's own blocks).
     What FSDP2 wraps one by one (data_parallel/sharded.py), so a module sharing a parameter with anything
     outside it (BERT's embeddings, tied to the masked-LM head) is left to the root group, where both are,
-    and so is one the code runs past its hooks, where FSDP2 gathers."""
+    and so is one the code runs past its hooks, where FSDP2 gathers, and one inside a tower run on the items a
+    batch packs (``item_towers``: a rank whose rows hold no image never calls it, so its gathers would not pair
+    up with another rank's)."""
     found = list(among) if among is not None else _named_blocks(model)
     owners: dict[int, set[int]] = {}  # parameter -> the modules (ids) holding it directly
     for module in model.modules():
@@ -65,9 +68,10 @@ def repeated_blocks(model: nn.Module, among: list[nn.Module] | None = None) -> l
             owners.setdefault(id(param), set()).add(id(module))
     embedding = _looked_up_directly(model)
     past_hooks = _called_past_hooks(model)
+    in_towers = {id(m) for tower in item_towers(model) for m in tower.modules()}
     blocks = []
     for block in found:
-        if id(block) in past_hooks:  # SqueezeBERT's encoder runs ``layer.forward(...)``: FSDP2 would never gather
+        if id(block) in past_hooks or id(block) in in_towers:  # SqueezeBERT's encoder runs ``layer.forward(...)``: FSDP2 would never gather
             continue
         members = {id(m) for m in block.modules()}
         # a block holding the input embedding that a forward looks up directly (ModernVBERT's

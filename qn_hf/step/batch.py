@@ -12,6 +12,7 @@ from torch.distributed import ProcessGroup
 
 from ..config.options import IGNORE_INDEX, LossKind, ProblemType
 from ..config.sequence import check_sequence_length
+from ..policies.packed_inputs import item_towers
 from ..policies.positions import PositionLimits
 from ..policies.task import SPAN_KEYS, TaskHead, main_input_name
 from .loss import problem_type
@@ -78,12 +79,14 @@ def check_step_batch(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Modul
                          f"carries no decoder_input_ids, which its forward would make from input_ids; pass "
                          f"decoder_input_ids in the batch, or give the decoder one stage (pp=2)")
     packed = placed_by_tokens(batch)
-    if packed and dp_shard > 1:
+    if packed and dp_shard > 1 and not item_towers(model):
         # FSDP2 gathers a group's weights at each call of its module: a rank whose rows hold no image (or no video)
-        # runs the vision tower fewer times than another, and the ranks' collectives no longer pair up
+        # runs the vision tower fewer times than another, and the ranks' collectives no longer pair up; the towers
+        # item_towers finds sit in the root group instead (data_parallel/sharded.py), but none is found here
         raise ValueError(f"dp_shard={dp_shard}: the batch packs {packed}, whose items the ranks' rows hold in different "
-                         f"numbers, so the ranks would run the vision tower a different number of times under FSDP2's "
-                         f"per-call gathers; use dp_shard=1 (dp, ZeRO-1, tp and microbatches take packed inputs)")
+                         f"numbers, and {type(model).__name__} has no module whose forward takes them as a tower does "
+                         f"(grid_thw beside hidden_states or pixel_values), which qn_hf would keep in FSDP's root group; "
+                         f"use dp_shard=1 (dp, ZeRO-1, tp and microbatches take packed inputs)")
     if cp > 1:
         unknown = sorted(set(batch) - set(cp_keys))
         if unknown:

@@ -15,22 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-@dataclass(frozen=True)
-class PackedInput:
-    """A packed input: ``values``, its items' rows back to back, and ``grid``, one ``(t, h, w)`` row per item."""
-
-    grid: str
-    values: str
-    token: str | None  # the config attribute of the token an item's place holds; None: one item per batch row
-    token_type: int | None = None  # what mm_token_type_ids marks an item's tokens with
-    per_item: tuple[str, ...] = ()  # keys of one value per item (Qwen2.5-VL's seconds per video grid step)
-
-
-PACKED = (PackedInput("image_grid_thw", "pixel_values", "image_token_id", 1),
-          PackedInput("video_grid_thw", "pixel_values_videos", "video_token_id", 2, ("second_per_grid_ts",)),
-          PackedInput("grid_thw", "hidden_states", None),
-          PackedInput("grid_thw", "pixel_values", None))
+from ..policies.packed_inputs import PACKED, PackedInput
 
 
 def packed_keys(batch: Mapping[str, object]) -> set[str]:
