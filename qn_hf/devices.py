@@ -3,16 +3,18 @@ device talks over, and host-to-device copies that do not make the host wait."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
 import torch
 
+from .launch.nodes import local_rank
+
 
 def default_device() -> torch.device:
-    """One CUDA device per local rank when CUDA is present, the CPU otherwise."""
+    """One CUDA device per local rank (``nodes.local_rank``: torchrun's, srun's or mpirun's) when CUDA is present,
+    the CPU otherwise."""
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        return torch.device("cuda", local_rank() % torch.cuda.device_count())
     return torch.device("cpu")
 
 

@@ -1,6 +1,6 @@
 """Parallel degrees, their validation, the ("dp", "pp", "tp") device mesh (("dp", "pp", "cp", "tp")
-with context parallelism), and the one function that builds every process group a rank needs
-(``build_groups``).
+with context parallelism) over the ranks as ``config/layout.py`` numbers them, and the one function that
+builds every process group a rank needs (``build_groups``), from the layout's lists of groups.
 
 Validation here is pure arithmetic: it runs on every rank before any process group exists, so a bad
 configuration raises the same ``ValueError`` everywhere instead of hanging in a rendezvous.
@@ -17,10 +17,12 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from .config.dims import Axis, ParallelDims
+from .config.layout import EXPERTS, REPLICAS, full_grid, rank_grid, rank_groups
 from .devices import backend_for
+from .launch.nodes import Nodes, agreed_nodes, launch_environment, warn_groups_across_nodes
 from .local_world import free_local_port
 from .pipeline.p2p import Link, Peers, build_links
 
@@ -58,10 +60,11 @@ class Coords(Mapping):
 
 
 def launched_world_size() -> int:
-    """World size without any communication: the live group's, else the launcher's environment."""
+    """World size without any communication: the live group's, else the launcher's environment (torchrun's,
+    srun's or mpirun's: ``nodes.launch_environment``)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return launch_environment().world_size
 
 
 def init_distributed(*, device: torch.device, timeout: datetime.timedelta) -> None:
@@ -84,6 +87,13 @@ def init_distributed(*, device: torch.device, timeout: datetime.timedelta) -> No
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     # device_id binds the group to this rank's GPU at creation (eager NCCL init, no device guessing)
     bound = {"device_id": device} if device.type == "cuda" else {}
+    launch = launch_environment()
+    if "MASTER_ADDR" in os.environ and "RANK" not in os.environ and launch.launcher in ("srun", "mpirun"):
+        # srun or mpirun started every rank itself (no torchrun): their own variables give the rank and the world
+        dist.init_process_group(backend=backend, timeout=timeout, rank=launch.rank, world_size=launch.world_size,
+                                init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', '29500')}",
+                                **bound)
+        return
     if "MASTER_ADDR" in os.environ and "RANK" in os.environ:
         store = _restart_store(timeout)
         if store is not None:
@@ -122,15 +132,16 @@ def _restart_store(timeout: datetime.timedelta) -> dist.Store | None:
 
 
 def build_mesh(dims: ParallelDims, *, device: torch.device, timeout: datetime.timedelta | None = None) -> DeviceMesh:
-    """A 3-D (4-D with cp) mesh over all ranks; every rank must call this (it creates the sub-groups).
+    """A 3-D (4-D with cp) mesh over all ranks laid out by ``rank_grid``; every rank must call this (it creates
+    the sub-groups).
 
-    With ``timeout``, every dp/pp/tp group gets it: ``init_device_mesh`` would give its groups
-    torch's default (30 minutes for gloo) whatever the default group's timeout is, so a rank that
-    stops answering would hold the others in a tp all-reduce or a pipeline receive for half an hour.
+    With ``timeout``, every dp/pp/tp group gets it: ``DeviceMesh`` would give its groups torch's default
+    (30 minutes for gloo) whatever the default group's timeout is, so a rank that stops answering would
+    hold the others in a tp all-reduce or a pipeline receive for half an hour.
     """
+    grid = rank_grid(dims)
     if timeout is None:
-        return init_device_mesh(device.type, dims.shape, mesh_dim_names=dims.names)
-    grid = torch.arange(dims.world_size).reshape(dims.shape)
+        return DeviceMesh(device.type, grid, mesh_dim_names=dims.names)
     groups = []
     for d, size in enumerate(grid.shape):
         ranks = grid.movedim(d, -1).reshape(-1, size).tolist()  # every group along dim d
@@ -177,6 +188,7 @@ class Groups:
     shard_mesh: DeviceMesh | None = None  # FSDP's mesh: ("dp_shard",), or ("dp_replicate", "dp_shard") to hybrid-shard
     expert_shard_mesh: DeviceMesh | None = None  # FSDP's mesh for the experts: their replicas (dp_shard > 1, ep > 1)
     host: ProcessGroup | None = None  # gloo over the world, for what the hosts agree on (build_groups says why)
+    nodes: Nodes | None = None  # the job's nodes, as every rank agreed in build_groups
 
     @property
     def prev(self) -> int | None:
@@ -211,6 +223,9 @@ def build_groups(dims: ParallelDims, *, device: torch.device, timeout: datetime.
     on_mesh = {d: mesh.get_local_rank(d) for d in dims.names}
     # [dp, pp, cp, tp] global ranks (cp of size 1 when absent), whatever the mesh's own layout
     grid = mesh.mesh.reshape(dims.dp, dims.pp, dims.cp, dims.tp)
+    # the groups beside the mesh's axes, as config/layout.py lists them for qn_hf's own layout; a caller's mesh
+    # may number its ranks otherwise, so its own grid is read through the same positions
+    listed = _on_grid(rank_groups(dims), dims, grid)
     d, t = on_mesh[Axis.DP], on_mesh[Axis.TP]
     coords = Coords(dp=d, pp=on_mesh[Axis.PP], cp=on_mesh.get(Axis.CP, 0), tp=t)
     kv = _member_of([row[i : i + kv_replicas] for row in grid.reshape(-1, dims.tp).tolist()
@@ -219,20 +234,19 @@ def build_groups(dims: ParallelDims, *, device: torch.device, timeout: datetime.
                       for b in range(dims.tp)], timeout, owned) if tied_stages else None
     if dims.cp > 1:
         cp = mesh.get_group(Axis.CP.value)
-        replicas = _member_of([grid[:, q, :, b].reshape(-1).tolist() for q in range(dims.pp) for b in range(dims.tp)],
-                              timeout, owned)
+        replicas = _member_of(listed[REPLICAS], timeout, owned)
     else:
         cp, replicas = None, mesh.get_group(Axis.DP.value)
     ep = experts = None
     if dims.ep > 1:
-        blocks, members = expert_groups(grid, dims)
-        ep, experts = _member_of(blocks, timeout, owned), _member_of(members, timeout, owned)
+        ep, experts = _member_of(listed[Axis.EP.value], timeout, owned), _member_of(listed[EXPERTS], timeout, owned)
         flat = d * dims.tp + t  # this rank's place in its stage's dp x tp grid
         per_grid = dims.dp * dims.tp // dims.ep  # holders of a block in one cp rank's grid
         coords = Coords(dp=d, pp=coords.pp, cp=coords.cp, tp=t, ep=flat % dims.ep,
                         expert_replica=coords.cp * per_grid + flat // dims.ep)
         experts = experts if dims.expert_replicas > 1 else None
-    dp_shard, shard_mesh = _shard_groups(grid, coords, dims, device, timeout, owned) if dims.dp_shard > 1 else (None, None)
+    dp_shard, shard_mesh = (_shard_groups(grid, listed, coords, dims, device, timeout, owned) if dims.dp_shard > 1
+                            else (None, None))
     expert_shard_mesh = (_one_dim_mesh(experts, "expert_replicas", device)
                          if dims.dp_shard > 1 and experts is not None else None)
     # gloo over the world, for what the hosts agree on before a step's collectives (step/agreement.py):
@@ -240,12 +254,14 @@ def build_groups(dims: ParallelDims, *, device: torch.device, timeout: datetime.
     # so that its traffic is never taken for a mesh dim's that spans the world (comm_meter.py)
     host = dist.new_group(backend="gloo", timeout=timeout)
     owned.append(host)
+    nodes = agreed_nodes(host)
+    warn_groups_across_nodes(dims, nodes)
     return Groups(
         mesh=mesh, coords=coords, dp=mesh.get_group(Axis.DP.value), tp=mesh.get_group(Axis.TP.value),
         pp=mesh.get_group(Axis.PP.value),
         cp=cp, replicas=replicas, ep=ep, experts=experts, kv=kv, tie=tie, peers=_pipeline_peers(grid, coords, device, timeout, owned),
         owned=tuple(dict.fromkeys(g for g in owned if g is not dist.GroupMember.WORLD)),
-        dp_shard=dp_shard, shard_mesh=shard_mesh, expert_shard_mesh=expert_shard_mesh, host=host,
+        dp_shard=dp_shard, shard_mesh=shard_mesh, expert_shard_mesh=expert_shard_mesh, host=host, nodes=nodes,
     )
 
 
@@ -258,23 +274,29 @@ def _one_dim_mesh(group: ProcessGroup, name: str, device: torch.device) -> Devic
     return DeviceMesh.from_group(group, device.type, mesh=ranks, mesh_dim_names=(f"{name}.{group.group_name}",))
 
 
-def _shard_groups(grid: torch.Tensor, coords: Coords, dims: ParallelDims, device: torch.device,
-                  timeout: datetime.timedelta, owned: list[ProcessGroup]) -> tuple[ProcessGroup, DeviceMesh]:
-    """This rank's dp_shard group (dp_shard consecutive dp ranks with its pp and tp, and all their cp
-    ranks: cp ranks hold the same weights and sum gradients as dp ranks do, so the weights are sharded
-    over dp_shard x cp, as torchtitan does) and FSDP's mesh: 1-D over it, or 2-D (replicate, shard)
-    when dp_shard < dp. Made of groups built here, as ``build_mesh``'s, with the job's timeout."""
-    pp, tp, width = dims.pp, dims.tp, dims.dp_shard * dims.cp
-    rows = [grid[:, p, :, t].reshape(dims.dp_replicate, width) for p in range(pp) for t in range(tp)]
-    shard = _member_of([row[r].tolist() for row in rows for r in range(dims.dp_replicate)], timeout, owned)
-    mine = grid[:, coords.pp, :, coords.tp].reshape(dims.dp_replicate, width)
+def _shard_groups(grid: torch.Tensor, listed: dict[str, list[list[int]]], coords: Coords, dims: ParallelDims,
+                  device: torch.device, timeout: datetime.timedelta,
+                  owned: list[ProcessGroup]) -> tuple[ProcessGroup, DeviceMesh]:
+    """This rank's dp_shard group (``config/layout.shard_groups``) and FSDP's mesh: 1-D over it, or 2-D
+    (replicate, shard) when dp_shard < dp. Made of groups built here, as ``build_mesh``'s, with the job's
+    timeout."""
+    shard = _member_of(listed[Axis.DP_SHARD.value], timeout, owned)
+    mine = grid[:, coords.pp, :, coords.tp].reshape(dims.dp_replicate, dims.dp_shard * dims.cp)
     # DeviceMesh equality ignores its groups and DTensor's caches are keyed by it: a later mesh of the same
     # ranks (after pm.close() destroyed these groups) would get the dead groups. Group names keep them apart.
     names = tuple(f"{dim}.{shard.group_name}" for dim in SHARD_MESH_DIMS)
     if dims.dp_replicate == 1:
         return shard, DeviceMesh.from_group(shard, device.type, mesh=mine[0], mesh_dim_names=names[1:])
-    replicate = _member_of([row[:, s].tolist() for row in rows for s in range(width)], timeout, owned)
+    replicate = _member_of(listed[Axis.DP_REPLICATE.value], timeout, owned)
     return shard, DeviceMesh.from_group([replicate, shard], device.type, mesh=mine, mesh_dim_names=names)
+
+
+def _on_grid(groups: dict[str, tuple[tuple[int, ...], ...]], dims: ParallelDims,
+             grid: torch.Tensor) -> dict[str, list[list[int]]]:
+    """``groups`` (of qn_hf's own layout) with each rank replaced by the rank at the same place of ``grid``."""
+    place = torch.empty(dims.world_size, dtype=torch.long)
+    place[full_grid(dims).reshape(-1)] = grid.reshape(-1).long()
+    return {kind: [place[list(g)].tolist() for g in lists] for kind, lists in groups.items()}
 
 
 def _pipeline_peers(grid: torch.Tensor, coords: Coords, device: torch.device, timeout: datetime.timedelta,
@@ -292,24 +314,6 @@ def _pipeline_peers(grid: torch.Tensor, coords: Coords, device: torch.device, ti
     prev, next_ = int(grid[d, (p - 1) % pp, c, t]), int(grid[d, (p + 1) % pp, c, t])
     return Peers(prev=prev, next=next_, to_next=Link(next_, links[me, next_]), from_prev=Link(prev, links[prev, me]),
                  to_prev=Link(prev, links[me, prev]), from_next=Link(next_, links[next_, me]))
-
-
-def expert_groups(grid: torch.Tensor, dims: ParallelDims) -> tuple[list[list[int]], list[list[int]]]:
-    """The ep groups and the expert-replica groups of every stage, from the [dp, pp, cp, tp] grid of
-    global ranks. Each cp rank's dp x tp ranks of a stage, in (dp, tp) order, are cut into blocks of
-    ``ep`` consecutive ranks (whole tp groups, or parts of one): each block shares out the experts,
-    member i holding expert block i, and exchanges the tokens of its cp rank's part of the sequences.
-    The ranks at the same place i of every block of every cp rank hold the same experts: they sum
-    their gradients (cp ranks see other tokens of the same sequences, as dp ranks see other rows)."""
-    blocks, members = [], []
-    for p in range(dims.pp):
-        stage_blocks = []
-        for c in range(dims.cp):
-            flat = grid[:, p, c, :].reshape(-1).tolist()
-            stage_blocks += [flat[i : i + dims.ep] for i in range(0, len(flat), dims.ep)]
-        blocks += stage_blocks
-        members += [[block[i] for block in stage_blocks] for i in range(dims.ep)]
-    return blocks, members
 
 
 def _member_of(all_ranks: list[list[int]], timeout: datetime.timedelta,

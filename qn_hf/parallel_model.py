@@ -29,6 +29,7 @@ from .data_parallel.precision import LossScaler
 from .data_parallel.sharded import ShardedParameters
 from .expert_parallel.router_loss import RouterLogits, adds_router_loss
 from .failure import FailTogether
+from .launch.nodes import Nodes
 from .mesh import Coords, Groups
 from .peft.lora import Adapter
 from .pipeline.runtime import StageExecutor
@@ -125,6 +126,7 @@ class ParallelModel(CheckpointMethods):
     dims: ParallelDims = property(lambda self: self.placement.dims)
     groups: Groups = property(lambda self: self.placement.groups)
     coords: Coords = property(lambda self: self.placement.coords)  # one field per axis; reads as a mapping too
+    nodes: Nodes = property(lambda self: self.placement.groups.nodes)  # the job's nodes, as every rank agreed
     specs: Mapping[str, ShardSpec | None] = property(lambda self: self.placement.specs)
     device: torch.device = property(lambda self: self.placement.device)
 

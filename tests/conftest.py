@@ -34,7 +34,7 @@ def model_dirs(tmp_path_factory):
 # Modules whose tests start processes of their own (scripts, command lines, crashes on purpose).
 _OWN_PROCESSES = {"test_scripts", "test_check_cli", "test_checkpoint_safety", "test_checkpoint_faults", "test_gpu_check",
                   "test_fail_together", "test_host_syncs", "test_trainer", "test_user_errors", "test_checkpoint_lock",
-                  "test_elastic", "test_checkpoint_async"}
+                  "test_elastic", "test_checkpoint_async", "test_multi_node"}
 
 
 def pytest_addoption(parser):

@@ -57,6 +57,7 @@ from dataclasses import dataclass
 
 from ..comm_meter import Collective
 from ..config.dims import Axis
+from ..config.layout import EXPERTS, REPLICAS, crosses_nodes
 from ..config.options import Recompute
 from .calibration import NO_WAITS, Calibration, Link, assumed
 from .results import MeshEstimate, StageEstimate
@@ -98,15 +99,13 @@ class StepTime:
 
 def links(est: MeshEstimate, hw: Hardware) -> dict[str, str]:
     """Which link each group uses ("dp": the gradients' group, dp x cp; the cp group alone at dp=1;
-    "experts": the ranks holding the same experts, across dp rows unless dp=1)."""
-    node = hw.gpus_per_node
-    stage = est.pp * est.cp * est.tp  # ranks from one dp row to the next
-    span = {"tp": est.tp, "cp": est.cp * est.tp, "pp": stage,
-            "dp": est.world_size if est.dp > 1 else est.cp * est.tp,
-            "ep": est.ep if est.ep <= est.tp else est.ep // est.tp * stage,
-            "experts": est.world_size if est.dp > 1 else est.tp,
-            "dp_shard": est.dp_shard * stage if est.dp_shard > 1 else est.cp * est.tp, "dp_replicate": est.world_size}
-    return {group: "nvlink" if ranks <= node else "ib" for group, ranks in span.items()}
+    "experts": the ranks holding the same experts): "ib" where any of its groups holds ranks of two nodes,
+    read from the groups the job builds (``config/layout.rank_groups``), ``hw.gpus_per_node`` ranks a node."""
+    across = crosses_nodes(est.dims, hw.gpus_per_node) if est.world_size > hw.gpus_per_node else {}
+    kinds = {group: group for group in (Axis.TP, Axis.CP, Axis.PP, Axis.EP, EXPERTS, Axis.DP_SHARD, Axis.DP_REPLICATE,
+                                        REPLICAS)}
+    kinds[Axis.DP] = REPLICAS if est.dp > 1 else Axis.CP
+    return {str(group): "ib" if across.get(kind, False) else "nvlink" for group, kind in kinds.items()}
 
 
 def machine(hw: Hardware, calibration: Calibration | None, *, world_size: int) -> Calibration:
@@ -117,8 +116,6 @@ def machine(hw: Hardware, calibration: Calibration | None, *, world_size: int) -
                    gpu_memory=hw.gpu_memory, world_size=world_size)
 
 
-# traffic.py's groups beside the mesh's axes: dp x cp's replicas, and the ranks holding the same experts
-REPLICAS, EXPERTS = "replicas", "experts"
 _MICROBATCH_GROUPS = (Axis.TP, Axis.CP, Axis.EP, Axis.PP)
 _BUCKETS = (Axis.DP, REPLICAS, EXPERTS)  # posted as backward fills them (FSDP's experts: with FSDP)
 _FSDP = (Axis.DP_SHARD, Axis.DP_REPLICATE)

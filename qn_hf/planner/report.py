@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..config.dims import Axis
+from ..config.layout import REPLICAS
 from ..config.schedule import as_schedule
 from .calibration import Calibration
 from .cost import GIB, Hardware, links, step_time
@@ -26,6 +27,11 @@ def settings(*, mixed_precision: str | None, zero: bool, recompute: str | None, 
                      + ([f"dp_shard={dp_shard} (FSDP)"] if dp_shard > 1 else []))
 
 
+def crossing(link: dict[str, str]) -> list[str]:
+    """The groups whose ranks lie on two nodes or more (``links``' "ib"; "replicas" is named "dp" there)."""
+    return [group for group, kind in link.items() if kind == "ib" and group != REPLICAS]
+
+
 def mesh_report(est: MeshEstimate, hw: Hardware, calibration: Calibration | None = None) -> str:
     link = links(est, hw)
     t = step_time(est, hw, calibration)
@@ -41,7 +47,8 @@ def mesh_report(est: MeshEstimate, hw: Hardware, calibration: Calibration | None
         + (f", gathered once a {est.dp_shard_gather}" if fsdp and est.pp > 1 else ""),
         f"bubble of {est.schedule} {est.bubble:.3f} (its action lists timed with per-op costs from FLOPs); "
         f"links: tp {link['tp']}, cp {link['cp']}, pp {link['pp']}, "
-        f"dp {link['dp']}" + (f", ep {link['ep']}, experts {link['experts']}" if ep else ""),
+        f"dp {link['dp']}" + (f", ep {link['ep']}, experts {link['experts']}" if ep else "")
+        + f"; groups across nodes ({hw.gpus_per_node} GPUs a node): {', '.join(crossing(link)) or 'none'}",
         "",
         f"| stage | blocks | also holds | params / rank | weights GiB | grads GiB | AdamW{master} GiB "
         f"| activations / microbatch GiB |{' W stash / microbatch GiB |' if stash else ''} in flight "

@@ -36,6 +36,7 @@ from ..config.dims import ParallelDims
 from ..config.parallel_config import ParallelConfig
 from ..data_parallel.grad_norm import clip_grad_norm_
 from ..devices import default_device
+from ..launch.nodes import launch_environment
 from ..mesh import init_distributed, launched_world_size
 from ..parallel_model import ParallelModel, optimizer
 from ..planner.auto import Choice, auto_choice
@@ -67,8 +68,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     task.check(cfg, model_dir)
     _check_output_dir(cfg.output_dir)
 
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))  # no oversubscribed cores
+    # no oversubscribed cores: this node's ranks share its cores
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch_environment().ranks_per_node))
     device = default_device()
     init_distributed(device=device, timeout=datetime.timedelta(seconds=cfg.timeout_s))
     rank = dist.get_rank()
@@ -172,6 +173,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.export and last == cfg.steps and start < cfg.steps:
         pm.save_pretrained(os.path.join(cfg.output_dir, "model"))
     summary = _summary(cfg, log=log, record=record or {"step": start}, world=world, stopped=last < cfg.steps)
+    summary.update(nodes=pm.nodes.count, ranks_per_node=pm.nodes.ranks_per_node)
     if rank == 0:
         if log.records:
             loss_curve(os.path.join(cfg.output_dir, "loss.png"), runs=[(mesh_words(parallel), log.records)],

@@ -1,0 +1,90 @@
+"""Where each rank sits: the global rank at each place of the mesh, and every group of ranks a dimension
+communicates in, as arithmetic on the degrees alone (no process group exists here). ``mesh.build_groups``
+creates its groups from these lists; the planner prices each group on the link its ranks really use and
+names the groups that cross nodes, from the same lists.
+
+The global ranks are numbered in ``RANK_ORDER``, slowest first, as Megatron and torchtitan number them: pp
+outermost (its point-to-point transfers are a step's smallest and rarest, so stages may lie on other nodes),
+then dp, then cp, then tp fastest. torchrun numbers a node's ranks consecutively (``LOCAL_WORLD_SIZE`` of them,
+node after node), so a node holds whole tp groups first, then whole cp rings and the ep blocks (consecutive
+ranks of a stage's dp x tp grid) as far as they fit, and only dp and pp reach across nodes before them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .dims import Axis, ParallelDims
+
+RANK_ORDER = (Axis.PP, Axis.DP, Axis.CP, Axis.TP)
+
+# the groups ``rank_groups`` lists beside the mesh's axes: dp x cp (the ranks summing the same weights'
+# gradients), the ranks sharing out one model's experts, and those holding the same experts
+REPLICAS, EXPERTS = "replicas", "experts"
+
+
+def rank_grid(dims: ParallelDims) -> torch.Tensor:
+    """The global rank at each place of the mesh, indexed as ``dims.names`` ((dp, pp, tp), or (dp, pp, cp, tp)
+    with cp), numbered in ``RANK_ORDER``."""
+    order = [axis for axis in RANK_ORDER if axis.value in dims.names]
+    grid = torch.arange(dims.world_size).reshape([getattr(dims, axis.value) for axis in order])
+    return grid.permute([order.index(Axis(name)) for name in dims.names]).contiguous()
+
+
+def full_grid(dims: ParallelDims) -> torch.Tensor:
+    """``rank_grid`` as [dp, pp, cp, tp] (cp of size 1 when absent)."""
+    return rank_grid(dims).reshape(dims.dp, dims.pp, dims.cp, dims.tp)
+
+
+def expert_groups(grid: torch.Tensor, dims: ParallelDims) -> tuple[list[list[int]], list[list[int]]]:
+    """The ep groups and the expert-replica groups of every stage, from the [dp, pp, cp, tp] grid of
+    global ranks. Each cp rank's dp x tp ranks of a stage, in (dp, tp) order, are cut into blocks of
+    ``ep`` consecutive ranks (whole tp groups, or parts of one): each block shares out the experts,
+    member i holding expert block i, and exchanges the tokens of its cp rank's part of the sequences.
+    The ranks at the same place i of every block of every cp rank hold the same experts: they sum
+    their gradients (cp ranks see other tokens of the same sequences, as dp ranks see other rows)."""
+    blocks, members = [], []
+    for p in range(dims.pp):
+        stage_blocks = []
+        for c in range(dims.cp):
+            flat = grid[:, p, c, :].reshape(-1).tolist()
+            stage_blocks += [flat[i : i + dims.ep] for i in range(0, len(flat), dims.ep)]
+        blocks += stage_blocks
+        members += [[block[i] for block in stage_blocks] for i in range(dims.ep)]
+    return blocks, members
+
+
+def shard_groups(grid: torch.Tensor, dims: ParallelDims) -> tuple[list[list[int]], list[list[int]]]:
+    """The dp_shard groups (dp_shard consecutive dp ranks of one (pp, tp), with all their cp ranks: cp ranks
+    hold the same weights and sum gradients as dp ranks do, so weights are sharded over dp_shard x cp, as
+    torchtitan does) and the dp_replicate groups (the ranks at the same place of each such group: hybrid
+    sharding's all-reduce; empty when dp_shard == dp)."""
+    width = dims.dp_shard * dims.cp
+    rows = [grid[:, p, :, t].reshape(dims.dp_replicate, width) for p in range(dims.pp) for t in range(dims.tp)]
+    shard = [row[r].tolist() for row in rows for r in range(dims.dp_replicate)]
+    replicate = [row[:, s].tolist() for row in rows for s in range(width)] if dims.dp_replicate > 1 else []
+    return shard, replicate
+
+
+@functools.lru_cache(maxsize=256)  # the planner asks once per mesh it prices, of thousands at a thousand GPUs
+def rank_groups(dims: ParallelDims) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """Every group of each kind over the whole world: the mesh's axes (dp, pp, cp, tp), ``REPLICAS`` (dp x cp),
+    with ep ``Axis.EP`` and ``EXPERTS``, with dp_shard ``Axis.DP_SHARD`` and ``Axis.DP_REPLICATE``."""
+    grid = full_grid(dims)
+    groups = {axis.value: grid.movedim(d, -1).reshape(-1, grid.shape[d]).tolist()
+              for d, axis in enumerate((Axis.DP, Axis.PP, Axis.CP, Axis.TP))}
+    groups[REPLICAS] = [grid[:, q, :, b].reshape(-1).tolist() for q in range(dims.pp) for b in range(dims.tp)]
+    if dims.ep > 1:
+        groups[Axis.EP.value], groups[EXPERTS] = expert_groups(grid, dims)
+    if dims.dp_shard > 1:
+        groups[Axis.DP_SHARD.value], groups[Axis.DP_REPLICATE.value] = shard_groups(grid, dims)
+    return {kind: tuple(tuple(g) for g in lists) for kind, lists in groups.items()}
+
+
+def crosses_nodes(dims: ParallelDims, ranks_per_node: int) -> dict[str, bool]:
+    """For each kind of group of more than one rank: whether any of its groups holds ranks of two nodes, the
+    world's ranks ``ranks_per_node`` a node, node after node (as torchrun numbers them)."""
+    return {kind: any(len({r // ranks_per_node for r in group}) > 1 for group in groups)
+            for kind, groups in rank_groups(dims).items() if groups and len(groups[0]) > 1}
