@@ -5,6 +5,8 @@ dp and pp cross; the groups build_groups creates are the ones the layout lists; 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -90,3 +92,22 @@ def test_the_groups_built_are_the_layouts(worlds):
         for kind in ("dp", "pp", "ep"):
             assert tuple(out["ranks"][kind]) in listed[kind] and rank in out["ranks"][kind], (kind, out)
         assert out["nodes"] == (1, 4, True)  # a local world: one node (LOCAL_WORLD_SIZE = the world)
+
+
+def test_the_planners_report_names_the_groups_across_nodes(tmp_path, capsys):
+    """16 GPUs, 8 a node, dp=2, tp=4, pp=2: a stage is one node (tp and dp inside), the pipeline crosses; the
+    same mesh on nodes of 16 crosses nothing."""
+    from transformers import LlamaConfig
+
+    from qn_hf.planner.cli import main
+
+    LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                num_key_value_heads=4, vocab_size=1024, architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)
+    common = [str(tmp_path), "--dp", "2", "--tp", "4", "--pp", "2", "--seq-len", "256"]
+    main([*common, "--gpus-per-node", "8"])
+    out = capsys.readouterr().out
+    assert "links: tp nvlink, cp nvlink, pp ib, dp nvlink" in out and "groups across nodes (8 GPUs a node): pp" in out
+    main([*common, "--json", "--gpus-per-node", "8"])
+    assert json.loads(capsys.readouterr().out)["links"]["pp"] == "ib"
+    main([*common, "--gpus-per-node", "16"])
+    assert "groups across nodes (16 GPUs a node): none" in capsys.readouterr().out
