@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .config.dims import Axis, ParallelDims
 from .config.layout import EXPERTS, REPLICAS, full_grid, rank_grid, rank_groups
 from .devices import backend_for
-from .launch.nodes import Nodes, agreed_nodes, launch_environment, warn_groups_across_nodes
+from .launch.nodes import SELF_STARTED, Nodes, agreed_nodes, launch_environment, warn_groups_across_nodes
 from .local_world import free_local_port
 from .pipeline.p2p import Link, Peers, build_links
 
@@ -88,7 +88,11 @@ def init_distributed(*, device: torch.device, timeout: datetime.timedelta) -> No
     # device_id binds the group to this rank's GPU at creation (eager NCCL init, no device guessing)
     bound = {"device_id": device} if device.type == "cuda" else {}
     launch = launch_environment()
-    if "MASTER_ADDR" in os.environ and "RANK" not in os.environ and launch.launcher in ("srun", "mpirun"):
+    if launch.launcher in SELF_STARTED and launch.world_size > 1 and "MASTER_ADDR" not in os.environ:
+        raise ValueError(f"{launch.launcher} started {launch.world_size} ranks and MASTER_ADDR is not set: the ranks "
+                         f"have nowhere to meet; export MASTER_ADDR (the first node's address) and MASTER_PORT in "
+                         f"the batch script, or start one torchrun a node")
+    if "MASTER_ADDR" in os.environ and "RANK" not in os.environ and launch.launcher in SELF_STARTED:
         # srun or mpirun started every rank itself (no torchrun): their own variables give the rank and the world
         dist.init_process_group(backend=backend, timeout=timeout, rank=launch.rank, world_size=launch.world_size,
                                 init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', '29500')}",
@@ -255,7 +259,7 @@ def build_groups(dims: ParallelDims, *, device: torch.device, timeout: datetime.
     host = dist.new_group(backend="gloo", timeout=timeout)
     owned.append(host)
     nodes = agreed_nodes(host)
-    warn_groups_across_nodes(dims, nodes)
+    warn_groups_across_nodes(listed, dims, nodes)
     return Groups(
         mesh=mesh, coords=coords, dp=mesh.get_group(Axis.DP.value), tp=mesh.get_group(Axis.TP.value),
         pp=mesh.get_group(Axis.PP.value),

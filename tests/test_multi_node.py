@@ -187,8 +187,9 @@ def test_srun_starting_every_rank_itself_lays_them_out_by_node(one_node_run, tmp
     (and the MASTER_ADDR/PORT an sbatch script exports), no torchrun's; the run equals one node of 4."""
     run, port = tmp_path / "srun", free_local_port()
     logs = [tmp_path / f"srun{r}.log" for r in range(4)]
-    jobs = [train_lm(run, logs[r], {"SLURM_PROCID": str(r), "SLURM_NTASKS": "4", "SLURM_LOCALID": str(r % 2),
-                                    "SLURM_NODEID": str(r // 2), "SLURM_NNODES": "2", "SLURM_TASKS_PER_NODE": "2(x2)",
+    jobs = [train_lm(run, logs[r], {"SLURM_PROCID": str(r), "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4",
+                                    "SLURM_LOCALID": str(r % 2), "SLURM_NODEID": str(r // 2), "SLURM_NNODES": "2",
+                                    "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
                                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
             for r in range(4)]
     finish(jobs, logs)

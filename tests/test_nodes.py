@@ -5,6 +5,7 @@ dp and pp cross; the groups build_groups creates are the ones the layout lists; 
 
 from __future__ import annotations
 
+import datetime
 import json
 
 import pytest
@@ -46,13 +47,18 @@ def test_sharded_groups_follow_the_same_numbering():
 @pytest.mark.parametrize(("env", "expected"), [
     ({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1"},
      ("torchrun", 5, 8, 1, 4, 1)),
-    ({"SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2", "SLURM_NODEID": "1", "SLURM_TASKS_PER_NODE": "4(x2)"},
-     ("srun", 6, 8, 2, 4, 1)),
-    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "2,2"},
-     ("srun", 1, 4, 1, 2, 0)),
+    ({"SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "8", "SLURM_LOCALID": "2", "SLURM_NODEID": "1",
+      "SLURM_STEP_TASKS_PER_NODE": "4(x2)"}, ("srun", 6, 8, 2, 4, 1)),
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "0",
+      "SLURM_STEP_TASKS_PER_NODE": "2,2"}, ("srun", 1, 4, 1, 2, 0)),
+    # a batch script's own process: the allocation's variables, no step's: one process, not 8
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "4(x2)"},
+     ("no launcher", 0, 1, 0, 1, 0)),
+    # mpirun names no node (--map-by may deal ranks across nodes): the hosts tell them apart
     ({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-      "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, ("mpirun", 3, 4, 1, 2, 1)),
-    ({}, ("none", 0, 1, 0, 1, 0)),
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, ("mpirun", 3, 4, 1, 2, None)),
+    ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}, ("another launcher", 3, 4, 1, None, None)),
+    ({}, ("no launcher", 0, 1, 0, 1, 0)),
 ])
 def test_each_launchers_variables_give_the_same_place(env, expected):
     launch = launch_environment(env)
@@ -60,8 +66,21 @@ def test_each_launchers_variables_give_the_same_place(env, expected):
             launch.node) == expected
 
 
+def test_ranks_srun_starts_without_a_meeting_place_are_refused(monkeypatch):
+    from qn_hf.mesh import init_distributed
+
+    for key in ("MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4",
+                       "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_LOCALID": "1", "SLURM_NODEID": "0"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match="srun started 4 ranks and MASTER_ADDR is not set"):
+        init_distributed(device=torch.device("cpu"), timeout=datetime.timedelta(seconds=5))
+
+
 @pytest.mark.parametrize(("env", "message"), [
-    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "6", "SLURM_TASKS_PER_NODE": "4,2"}, "nodes run different numbers of tasks"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "6", "SLURM_STEP_NUM_TASKS": "6", "SLURM_STEP_TASKS_PER_NODE": "4,2"},
+     "nodes run different numbers of tasks"),
     ({"RANK": "0", "WORLD_SIZE": "6", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4"}, "must divide the world"),
 ])
 def test_uneven_nodes_are_refused(env, message):
@@ -71,8 +90,6 @@ def test_uneven_nodes_are_refused(env, message):
 
 def groups_job(dp: int, pp: int, tp: int, ep: int) -> dict:
     """The groups build_groups creates on this rank, beside the layout's lists."""
-    import datetime
-
     import torch.distributed as dist
 
     from qn_hf.mesh import build_groups
@@ -111,3 +128,29 @@ def test_the_planners_report_names_the_groups_across_nodes(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["links"]["pp"] == "ib"
     main([*common, "--gpus-per-node", "16"])
     assert "groups across nodes (16 GPUs a node): none" in capsys.readouterr().out
+
+
+def cyclic_nodes_job() -> tuple:
+    """This rank's node as srun's cyclic distribution gives it (rank r on node r % 2), agreed over the world."""
+    import os
+    import warnings
+
+    from qn_hf.launch.nodes import agreed_nodes
+
+    rank, saved = int(os.environ["RANK"]), dict(os.environ)
+    os.environ.update(LOCAL_WORLD_SIZE="2", GROUP_RANK=str(rank % 2), LOCAL_RANK=str(rank // 2))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            nodes = agreed_nodes()
+    finally:  # the world's ranks run later jobs: their environment as it was
+        os.environ.clear()
+        os.environ.update(saved)
+    return nodes.count, nodes.of_rank, nodes.consecutive, [str(w.message) for w in caught]
+
+
+def test_ranks_dealt_out_across_nodes_are_told_apart_and_warned_of(worlds):
+    results = worlds.run(4, cyclic_nodes_job)
+    for count, of_rank, consecutive, _ in results:
+        assert (count, tuple(of_rank), consecutive) == (2, (0, 1, 0, 1), False)
+    assert "otherwise than node by node" in " ".join(results[0][3]) and not results[1][3]  # rank 0 says it

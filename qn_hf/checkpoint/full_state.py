@@ -30,6 +30,7 @@ from torch import nn
 
 from ..comm import group_size
 from ..data_parallel.sharded import gathered_state
+from ..launch.nodes import ranks_per_node
 from ..placement import ShardPlacement
 from .format import global_shape
 
@@ -82,7 +83,7 @@ def full_state_dict(module: nn.Module, *, placement: ShardPlacement, max_bytes: 
 
 def default_max_bytes() -> int:
     """``HOST_FRACTION`` of the host memory available now, divided among this node's ranks."""
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
+    ranks = ranks_per_node() or (dist.get_world_size() if dist.is_initialized() else 1)
     return int(_available_host_bytes() * HOST_FRACTION) // max(ranks, 1)
 
 

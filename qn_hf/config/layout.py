@@ -13,6 +13,8 @@ ranks of a stage's dp x tp grid) as far as they fit, and only dp and pp reach ac
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 
@@ -69,7 +71,7 @@ def shard_groups(grid: torch.Tensor, dims: ParallelDims) -> tuple[list[list[int]
 
 
 @functools.lru_cache(maxsize=256)  # the planner asks once per mesh it prices, of thousands at a thousand GPUs
-def rank_groups(dims: ParallelDims) -> dict[str, tuple[tuple[int, ...], ...]]:
+def rank_groups(dims: ParallelDims) -> Mapping[str, tuple[tuple[int, ...], ...]]:
     """Every group of each kind over the whole world: the mesh's axes (dp, pp, cp, tp), ``REPLICAS`` (dp x cp),
     with ep ``Axis.EP`` and ``EXPERTS``, with dp_shard ``Axis.DP_SHARD`` and ``Axis.DP_REPLICATE``."""
     grid = full_grid(dims)
@@ -80,7 +82,8 @@ def rank_groups(dims: ParallelDims) -> dict[str, tuple[tuple[int, ...], ...]]:
         groups[Axis.EP.value], groups[EXPERTS] = expert_groups(grid, dims)
     if dims.dp_shard > 1:
         groups[Axis.DP_SHARD.value], groups[Axis.DP_REPLICATE.value] = shard_groups(grid, dims)
-    return {kind: tuple(tuple(g) for g in lists) for kind, lists in groups.items()}
+    # read-only: the cache hands the same value to every caller
+    return MappingProxyType({kind: tuple(tuple(g) for g in lists) for kind, lists in groups.items()})
 
 
 def crosses_nodes(dims: ParallelDims, ranks_per_node: int) -> dict[str, bool]:

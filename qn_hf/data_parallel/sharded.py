@@ -213,7 +213,9 @@ def _zero_gradients_for_towers(towers: list[nn.Module], model: nn.Module, args: 
     FSDP2 reduce-scatters the gradients of a group that exist: a rank whose rows hold no image would leave the
     towers' out, and the ranks' reductions would no longer pair up. A rank that runs a tower adds its gradients
     to the zeros, exactly. The towers sit in the root group, gathered for the whole step whatever runs, not in
-    groups of their own, gathered at each call (a rank would call them a different number of times)."""
+    groups of their own, gathered at each call (a rank would call them a different number of times). torch 2.13's
+    ``FSDPModule.set_reduce_scatter_unused_params`` does the same inside FSDP; torch 2.11, which qn_hf supports,
+    has no such call, so this hook serves every release alike."""
     if not torch.is_grad_enabled():
         return
     for tower in towers:

@@ -37,7 +37,7 @@ from ..config.options import Recompute
 from ..config.parallel_config import ParallelConfig
 from ..config.schedule import Schedule, as_schedule
 from ..devices import default_device
-from ..launch.nodes import launch_environment
+from ..launch.nodes import ranks_per_node
 from ..mesh import init_distributed, launched_world_size
 from .calibration import Calibration
 from .cost import GIB, Hardware, StepTime
@@ -232,7 +232,7 @@ def device_memory_default(calibration: Calibration | None, device: torch.device 
         return calibration.memory_bytes
     if device is not None and device.type == "cuda" or device is None and torch.cuda.is_available():
         return torch.cuda.get_device_properties(device or torch.cuda.current_device()).total_memory
-    ranks = launch_environment().ranks_per_node
+    ranks = ranks_per_node() or launched_world_size()
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(ranks, 1)
 
 
@@ -279,4 +279,4 @@ def auto_choice(model: nn.Module, *, global_batch: int, seq_len: int, world_size
     dtype = next((p.dtype for p in base.parameters() if p.is_floating_point()), torch.float32)
     return auto_plan(base.config, global_batch=global_batch, seq_len=seq_len, world_size=world, device_memory=memory,
                      calibration=calibration, dtype=dtype, model_class=type(base), fixed=fixed,
-                     expert_loads=expert_loads, gpus_per_node=None if world_size else launch_environment().ranks_per_node)
+                     expert_loads=expert_loads, gpus_per_node=None if world_size else ranks_per_node())

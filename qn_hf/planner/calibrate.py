@@ -49,6 +49,8 @@ import torch.distributed as dist
 from ..arguments import check_choice, check_positive_int
 from ..comm_meter import Collective
 from ..compat import all_gather_single, reduce_scatter_single
+from ..launch.nodes import local_rank
+from ..launch.nodes import ranks_per_node as nodes_ranks_per_node
 from ..local_world import LocalWorld
 from .calibration import FORMAT, Calibration, CollectiveFit, Fit, Link, MatmulTable, fit_line, fit_per_call
 from .compute_timing import (
@@ -237,7 +239,7 @@ def _overlap(device: torch.device, sizes: Sizes, world_fit: Fit) -> tuple[float,
 def _default_device() -> torch.device:
     # A gloo world measures the CPU (what a gloo job computes on); NCCL ranks their own GPU.
     if torch.cuda.is_available() and dist.get_backend() == dist.Backend.NCCL:
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cuda", local_rank())
     return torch.device("cpu")
 
 
@@ -277,7 +279,7 @@ def measure(*, dtypes: Sequence[str] = ("float32",), quick: bool = False,
     device = _default_device() if device is None else torch.device(device)
     sizes = (QUICK_CUDA if quick else CUDA) if device.type == "cuda" else (QUICK_CPU if quick else CPU)
     world = dist.get_world_size()
-    ranks_per_node = min(int(os.environ.get("LOCAL_WORLD_SIZE", world)), world)
+    ranks_per_node = min(nodes_ranks_per_node() or world, world)
     names = list(dict.fromkeys(("float32", *dtypes)))  # float32 first: what every reader falls back to
     skipped = [n for n in names if not _supported(n, device)]
     names = [n for n in names if n not in skipped]

@@ -82,6 +82,7 @@ import torch.distributed as dist
 from ..config.dims import Axis, ParallelDims
 from ..config.options import Gather, Recompute
 from ..config.schedule import SCHEDULES, Schedule, as_schedule
+from ..launch.nodes import local_rank
 from .auto import auto_plan
 from .calibrate import calibrate, measure, summary
 from .calibration import Calibration
@@ -148,7 +149,7 @@ def run_calibration(args: argparse.Namespace, step_seconds: StepSeconds | None =
     else:
         started = not dist.is_initialized()
         if started and torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(local_rank())
         if started:
             dist.init_process_group(dist.Backend.NCCL if torch.cuda.is_available() else dist.Backend.GLOO)
         cal = measure(dtypes=dtypes, quick=args.quick, step_seconds=step_seconds)

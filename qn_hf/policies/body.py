@@ -71,7 +71,9 @@ def repeated_blocks(model: nn.Module, among: list[nn.Module] | None = None) -> l
     in_towers = {id(m) for tower in item_towers(model) for m in tower.modules()}
     blocks = []
     for block in found:
-        if id(block) in past_hooks or id(block) in in_towers:  # SqueezeBERT's encoder runs ``layer.forward(...)``: FSDP2 would never gather
+        # SqueezeBERT's encoder runs ``layer.forward(...)``: FSDP2 would never gather; a tower's blocks run as
+        # many times as a rank's rows hold kinds of items: their gathers would not pair up across ranks
+        if id(block) in past_hooks or id(block) in in_towers:
             continue
         members = {id(m) for m in block.modules()}
         # a block holding the input embedding that a forward looks up directly (ModernVBERT's

@@ -6,6 +6,7 @@ modules of a model are the towers that take the items."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -32,8 +33,13 @@ PACKED = (PackedInput("image_grid_thw", "pixel_values", "image_token_id", 1),
 def tower_input(module: nn.Module) -> PackedInput | None:
     """The packed input ``module``'s forward takes as a tower does, one item a grid row beside its patches
     (PACKED's entries without a token); None where it takes none."""
+    return _tower_input(type(module))
+
+
+@functools.cache  # read once a class: a step's batch check asks of every module of the model (step/batch.py)
+def _tower_input(kind: type) -> PackedInput | None:
     try:
-        params = inspect.signature(module.forward).parameters
+        params = inspect.signature(kind.forward).parameters
     except (TypeError, ValueError):  # a builtin's forward has no signature to read
         return None
     return next((p for p in PACKED if p.token is None and p.grid in params and p.values in params), None)

@@ -36,7 +36,7 @@ from ..config.dims import ParallelDims
 from ..config.parallel_config import ParallelConfig
 from ..data_parallel.grad_norm import clip_grad_norm_
 from ..devices import default_device
-from ..launch.nodes import launch_environment
+from ..launch.nodes import ranks_per_node
 from ..mesh import init_distributed, launched_world_size
 from ..parallel_model import ParallelModel, optimizer
 from ..planner.auto import Choice, auto_choice
@@ -69,7 +69,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     _check_output_dir(cfg.output_dir)
 
     # no oversubscribed cores: this node's ranks share its cores
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch_environment().ranks_per_node))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (ranks_per_node() or 1)))
     device = default_device()
     init_distributed(device=device, timeout=datetime.timedelta(seconds=cfg.timeout_s))
     rank = dist.get_rank()
