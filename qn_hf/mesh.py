@@ -147,9 +147,8 @@ def build_mesh(dims: ParallelDims, *, device: torch.device, timeout: datetime.ti
     if timeout is None:
         return DeviceMesh(device.type, grid, mesh_dim_names=dims.names)
     groups = []
-    for d, size in enumerate(grid.shape):
-        ranks = grid.movedim(d, -1).reshape(-1, size).tolist()  # every group along dim d
-        mine, _ = dist.new_subgroups_by_enumeration(ranks, timeout=timeout)
+    for name in dims.names:  # every group along each dim, as the layout lists them
+        mine, _ = dist.new_subgroups_by_enumeration([list(g) for g in rank_groups(dims)[name]], timeout=timeout)
         groups.append(mine)
     return DeviceMesh.from_group(groups, device.type, mesh=grid, mesh_dim_names=dims.names)
 
