@@ -86,8 +86,9 @@ def rank_groups(dims: ParallelDims) -> Mapping[str, tuple[tuple[int, ...], ...]]
     return MappingProxyType({kind: tuple(tuple(g) for g in lists) for kind, lists in groups.items()})
 
 
-def crosses_nodes(dims: ParallelDims, ranks_per_node: int) -> dict[str, bool]:
+@functools.lru_cache(maxsize=8192)  # the planner prices thousands of meshes at a thousand GPUs, some many times
+def crosses_nodes(dims: ParallelDims, ranks_per_node: int) -> Mapping[str, bool]:
     """For each kind of group of more than one rank: whether any of its groups holds ranks of two nodes, the
-    world's ranks ``ranks_per_node`` a node, node after node (as torchrun numbers them)."""
-    return {kind: any(len({r // ranks_per_node for r in group}) > 1 for group in groups)
-            for kind, groups in rank_groups(dims).items() if groups and len(groups[0]) > 1}
+    world's ranks ``ranks_per_node`` a node, node after node (as torchrun numbers them). Read-only (cached)."""
+    return MappingProxyType({kind: any(len({r // ranks_per_node for r in group}) > 1 for group in groups)
+                             for kind, groups in rank_groups(dims).items() if groups and len(groups[0]) > 1})

@@ -160,29 +160,62 @@ class Timing:
         return tuple(1 - b / self.makespan if self.makespan else 0.0 for b in self.busy)
 
 
-def timed(all_actions: list[list[Action]], *, costs: Mapping[Op, float] | Sequence[Mapping[Op, float]]) -> Timing:
-    """Run the lists with each compute op taking ``costs[op]``, or ``costs[rank][op]`` with one
-    mapping per rank (every compute op used must have a cost); sends and receives take no time, and
-    a receive waits until the sender's matching send, i.e. the end of the compute before it. Raises
-    like ``simulate`` first."""
+@dataclass(frozen=True)
+class Run:
+    """A valid execution of every rank's lists (``simulate``'s order: each send before its receive),
+    kept so that it can be timed at many costs without walking and checking the lists again: per
+    step, (rank, compute op or None, the message a send posts or a receive waits for, numbered; -1
+    for compute, with ``sends`` telling the two apart), and each rank's compute ops."""
+
+    stages: int
+    steps: tuple[tuple[int, Op | None, int], ...]
+    sends: frozenset[int]  # the steps (by index) that are sends
+    ops: tuple[frozenset[Op], ...]
+
+
+def run_of(all_actions: list[list[Action]]) -> Run:
+    """The lists' ``Run``; raises like ``simulate``."""
     stages = len(all_actions)
+    numbers: dict[Message, int] = {}
+    steps, sends = [], set()
+    for s, action in simulate(all_actions):
+        if action.op in COMPUTE_OPS:
+            steps.append((s, action.op, -1))
+            continue
+        message = _message(action, stage=s, stages=stages)[2]
+        if action.op in (Op.SEND_FWD, Op.SEND_BWD):
+            sends.add(len(steps))
+        steps.append((s, None, numbers.setdefault(message, len(numbers))))
+    ops = tuple(frozenset(a.op for a in acts if a.op in COMPUTE_OPS) for acts in all_actions)
+    return Run(stages=stages, steps=tuple(steps), sends=frozenset(sends), ops=ops)
+
+
+def timed(all_actions: list[list[Action]] | Run, *,
+          costs: Mapping[Op, float] | Sequence[Mapping[Op, float]]) -> Timing:
+    """Run the lists (or their ``Run``) with each compute op taking ``costs[op]``, or
+    ``costs[rank][op]`` with one mapping per rank (every compute op used must have a cost); sends
+    and receives take no time, and a receive waits until the sender's matching send, i.e. the end of
+    the compute before it. Raises like ``simulate`` first."""
+    run = all_actions if isinstance(all_actions, Run) else run_of(all_actions)
+    stages = run.stages
     per_rank = [costs] * stages if isinstance(costs, Mapping) else list(costs)
-    for acts, rank_costs in zip(all_actions, per_rank):
-        missing = {a.op for a in acts if a.op in COMPUTE_OPS} - set(rank_costs)
+    for used, rank_costs in zip(run.ops, per_rank):
+        missing = used - set(rank_costs)
         if missing:
             raise ValueError(f"costs has no entry for {sorted(map(str, missing))}")
     clock = [0.0] * stages
     busy = [0.0] * stages
-    sent_at: dict[Message, float] = {}
-    for s, action in simulate(all_actions):  # a valid execution order: each send before its receive
-        link = _message(action, stage=s, stages=stages)
-        if action.op in COMPUTE_OPS:
-            clock[s] += per_rank[s][action.op]
-            busy[s] += per_rank[s][action.op]
-        elif action.op in (Op.SEND_FWD, Op.SEND_BWD):
-            sent_at[link[2]] = clock[s]
+    sent_at: dict[int, float] = {}
+    sends = run.sends
+    for i, (s, op, message) in enumerate(run.steps):
+        if op is not None:
+            cost = per_rank[s][op]
+            clock[s] += cost
+            busy[s] += cost
+        elif i in sends:
+            sent_at[message] = clock[s]
         else:
-            clock[s] = max(clock[s], sent_at[link[2]])
+            clock[s] = max(clock[s], sent_at[message])
     return Timing(busy=tuple(busy), makespan=max(clock, default=0.0))
 
 

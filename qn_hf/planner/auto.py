@@ -141,9 +141,12 @@ def auto_plan(config, *, global_batch: int, seq_len: int, world_size: int, devic
     hw = Hardware(gpu_memory=device_memory, gpus_per_node=per_node)
     accepted: list[Candidate] = []
     rejected: list[Rejected] = []
+    first: Planner | None = None
     for mbs in micro_batch_sizes(global_batch):
-        planner = Planner(config, seq_len=seq_len, micro_batch_size=mbs, dtype=dtype, model_class=model_class,
-                          expert_loads=expert_loads)
+        if first is None:
+            first = Planner(config, seq_len=seq_len, micro_batch_size=mbs, dtype=dtype, model_class=model_class,
+                            expert_loads=expert_loads)
+        planner = first.at_micro_batch_size(mbs)
         for schedule, chunks in schedules:
             options = {**fixed, "schedule": schedule, "virtual_stages": chunks}
             found, refused = search(planner, options, gpus=world_size, hw=hw, global_batch=global_batch,

@@ -39,9 +39,11 @@ uniform-routing ones, which an ep group's total all-to-all bytes always equal).
 
 from __future__ import annotations
 
+import copy
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import TypeVar
 
 import torch
 from transformers import PretrainedConfig
@@ -59,7 +61,7 @@ from ..pipeline.weight_grad import WeightGradQueue, make_deferrable
 from ..policies import resolve_policy
 from ..policies.model_policy import ModelPolicy
 from ..step.batch import check_model_inputs
-from ..validation.checks import CheckedConfig, check_parallel_config
+from ..validation.checks import CheckedConfig, CheckMemo, check_parallel_config
 from .activations import chunk_activations, kept_collectives, weight_stash
 from .context import cp_inputs
 from .experts import moe_regions
@@ -73,6 +75,8 @@ from .sharded import sharded_stage
 from .trace import Recording, Trace, example_inputs, record_microbatch
 from .traffic import StageGradients, stage_traffic
 from .unmodelled import check_modelled, modelled_experts
+
+_T = TypeVar("_T")
 
 
 class Planner:
@@ -110,6 +114,10 @@ class Planner:
         self._sharded: dict[tuple[int, int], tuple[dict[str, int], dict, dict[str, int]]] = {}
         # (the configuration at dp_shard=1, the features it adds) -> what the checks gave
         self._checked: dict[tuple[ParallelConfig, frozenset[Feature]], CheckedConfig] = {}
+        self._stage_lookups: dict[StagePlan, Callable[[str], int]] = {}
+        self._answers: dict[tuple, tuple[object, tuple]] = {}  # _kept's
+        self._traffic: dict = {}  # stage_traffic's memo: a microbatch's tp collectives per stage, plan and trace
+        self._memo = CheckMemo()  # each check's answer by the values it reads (the tp plan per tp, the cut per pp)
         self._placed: dict[tuple[int, int, StagePlan], StageParams] = {}  # (tp, ep, cut) -> stage_params
         self._experts = expert_parameter_names(self.model)
         self.experts = modelled_experts(self.model)  # routed experts per layer ep may split (0: none)
@@ -117,6 +125,16 @@ class Planner:
         # per MoE layer and batch, the pairs each expert received (routing.py); None: priced at uniform routing
         self.expert_loads = check_loads(expert_loads, self.experts) if expert_loads is not None else None
         self._deferrable: frozenset[str] | None = None
+
+    def at_micro_batch_size(self, micro_batch_size: int) -> Planner:
+        """This planner at another microbatch shape: the model, its checks, sharded sizes and stage
+        placements shared (none depends on the microbatch), the traced forwards its own."""
+        if micro_batch_size == self.micro_batch_size:
+            return self
+        other = copy.copy(self)
+        other.micro_batch_size = micro_batch_size
+        other._traces, other._recordings = {}, {}
+        return other
 
     def _trace(self, plan, layers: str, *, precision: torch.dtype | None, recompute: str | None,
                edges: StageEdges | None, cp: int, ep: int, loaded_experts: bool = False) -> Trace:
@@ -179,32 +197,34 @@ class Planner:
         # the dispatch's sizes in the compute dtype, its reruns from the trace without recomputation
         experts_calls = tuple(replace(c, rerun=b.rerun, gather_rerun=b.gather_rerun)
                               for c, b in zip(compute.experts, base.experts))
-        numels, specs, rows = self._local_sizes(plan, ep)
-        rows = {**rows, **{tie.follower: rows[tie.owner] for tie in stage_plan.ties}}  # a later stage's own copy
+        numels, specs, local_rows = self._local_sizes(plan, ep)
+        rows = {**local_rows, **{tie.follower: local_rows[tie.owner] for tie in stage_plan.ties}}  # a later stage's own copy
         param_dtype = precision or self.dtype
         param_elem = torch.empty(0, dtype=param_dtype).element_size()
         grad_elem = torch.empty(0, dtype=GRAD_DTYPE if precision is not None else param_dtype).element_size()
         if dp_shard > 1:  # FSDP keeps the shards and their gradients in the model's dtype (sharded.py)
             grad_elem = torch.empty(0, dtype=self.dtype).element_size()
 
-        @functools.cache  # asked for every parameter and tp rule, per stage
-        def stage_of(name: str) -> int:
-            found = stage_of_module(stage_plan, name)
-            return pp - 1 if name == "" else (0 if found is None else found)
-
+        stage_of = self._stage_of(stage_plan)
         placed = self._placed.get((plan.tp, ep, stage_plan))  # the same at every dp and dp_shard of a shape
         if placed is None:
             placed = self._placed[(plan.tp, ep, stage_plan)] = stage_params(self.model, numels, stage_plan=stage_plan,
                                                                             stage_of=stage_of)
         on_stage, embedding, tied, every = [list(h) for h in placed.held], placed.embedding, placed.tied, placed.every
 
-        activations = chunk_activations(self.model, kept=kept, base=base, plan=plan, stage_plan=stage_plan,
-                                        act_elem=param_elem, cp=cp)
+        # per chunk, the same at every dp, dp_shard, microbatch count and schedule of this shape: kept
+        activations = self._kept(("activations", param_elem, cp), (compute, base, plan, stage_plan),
+                                 lambda: chunk_activations(self.model, kept=kept, base=base, plan=plan,
+                                                           stage_plan=stage_plan, act_elem=param_elem, cp=cp))
         if recompute is Recompute.SELECTIVE:
-            collectives = kept_collectives(base=base, plan=plan, stage_plan=stage_plan, act_elem=param_elem)
+            collectives = self._kept(("collectives", param_elem), (base, plan, stage_plan),
+                                     lambda: kept_collectives(base=base, plan=plan, stage_plan=stage_plan,
+                                                              act_elem=param_elem))
             activations = [a + k for a, k in zip(activations, collectives)]
         deferred = self._deferred(stage_plan.heads) if schedule.split_backward else frozenset()
-        stash = weight_stash(deferred, base=base, plan=plan, stage_plan=stage_plan, act_elem=param_elem)
+        stash = self._kept(("stash", deferred, param_elem), (base, plan, stage_plan),
+                           lambda: weight_stash(deferred, base=base, plan=plan, stage_plan=stage_plan,
+                                                act_elem=param_elem))
         layers = stage_plan.layer_ranges[-1][1]  # the blocks a token runs through (a looped module's iterations)
         if stage_plan.seq2seq is not None:  # the encoder's blocks run too (``layers`` is the decoder's)
             layers += len(self.model.get_submodule(stage_plan.seq2seq.encoder_layers))
@@ -227,26 +247,33 @@ class Planner:
         sharded = self._experts if ep > 1 else frozenset()  # in buckets of their own, over "experts"
         stages = []
         for s in range(pp):
+            # the buckets and FSDP's figures of a stage, the same at every schedule and recomputation: kept
             dense = [p for p in on_stage[s] if p[0] not in sharded]
-            buckets = bucket_layout(dense, elem=grad_elem, bucket_bytes=bucket_size_bytes(parallel.bucket_mb),
-                                    pad=replicas if zero else 1,
-                                    separate=(frozenset(tied[s]), frozenset(every[s])) if zero else ())
+            buckets = self._kept(("buckets", s, ep > 1, grad_elem, parallel.bucket_mb, replicas if zero else 1, zero),
+                                 (placed,), lambda: bucket_layout(
+                                     dense, elem=grad_elem, bucket_bytes=bucket_size_bytes(parallel.bucket_mb),
+                                     pad=replicas if zero else 1,
+                                     separate=(frozenset(tied[s]), frozenset(every[s])) if zero else ()))
             experts = [p for p in on_stage[s] if p[0] in sharded]
-            expert_buckets = bucket_layout(experts, elem=grad_elem, bucket_bytes=bucket_size_bytes(parallel.bucket_mb),
-                                           pad=expert_replicas if zero_experts else 1)
+            expert_buckets = self._kept(
+                ("expert buckets", s, ep > 1, grad_elem, parallel.bucket_mb, expert_replicas if zero_experts else 1),
+                (placed,), lambda: bucket_layout(experts, elem=grad_elem, bucket_bytes=bucket_size_bytes(parallel.bucket_mb),
+                                                 pad=expert_replicas if zero_experts else 1))
             kv = {n: numel for n, numel in on_stage[s] if (spec := specs.get(n)) is not None and spec.replicas > 1}
             summed = {n: numel for n, numel in on_stage[s] if n in grad_sum}
-            fsdp = None if dp_shard == 1 else sharded_stage(
-                on_stage[s], rows, parallel=parallel, layers=stage_plan.layers, elem=grad_elem, compute_elem=param_elem,
-                reduce_elem=grad_elem if precision is None else torch.empty(0, dtype=GRAD_DTYPE).element_size(),
-                experts=sharded)
+            reduce_elem = grad_elem if precision is None else torch.empty(0, dtype=GRAD_DTYPE).element_size()
+            fsdp = None if dp_shard == 1 else self._kept(
+                ("fsdp", s, dims, microbatches, parallel.dp_shard_gather, grad_elem, param_elem, reduce_elem, ep > 1),
+                (placed, local_rows, stage_plan), lambda: sharded_stage(
+                    on_stage[s], rows, parallel=parallel, layers=stage_plan.layers, elem=grad_elem,
+                    compute_elem=param_elem, reduce_elem=reduce_elem, experts=sharded))
             grads = StageGradients(buckets=buckets if replicas > 1 and dp_shard == 1 else [],
                                    expert_buckets=expert_buckets if expert_replicas > 1 and dp_shard == 1 else [],
                                    zero=zero, zero_experts=zero_experts, kv=kv, tied=tied[s], every=every[s],
                                    grad_sum=summed, pieces=fsdp.pieces if fsdp else None)
             comm = stage_traffic(s, parallel=parallel, plan=plan, trace=base, stage_of=stage_of, act_elem=param_elem,
                                  param_elem=param_elem, grad_elem=grad_elem, grads=grads, backend=backend,
-                                 experts=experts_calls)
+                                 experts=experts_calls, memo=self._traffic)
             comm.update(fsdp.comm if fsdp else {})
             others = set(stage_plan.heads) if s == pp - 1 else set()
             if s == 0:
@@ -312,8 +339,27 @@ class Planner:
         if key in self._checked:
             check_composition(config.features | extra, config.values(model_type=self.config.model_type))
             return self._checked[key]
-        self._checked[key] = check_parallel_config(self.model, config, policy=self._policy, extra=extra)
+        self._checked[key] = check_parallel_config(self.model, config, policy=self._policy, extra=extra, memo=self._memo)
         return self._checked[key]
+
+    def _kept(self, values: tuple, objects: tuple, compute: Callable[[], _T]) -> _T:
+        """``compute()``'s answer, kept for the same ``values`` and the very same ``objects`` (traces,
+        plans, cuts: by identity, each kept alive with the answer so that its identity stays its own)."""
+        key = (*values, *map(id, objects))
+        if key not in self._answers:
+            self._answers[key] = (compute(), objects)
+        return self._answers[key][0]
+
+    def _stage_of(self, stage_plan: StagePlan) -> Callable[[str], int]:
+        """A module's stage under ``stage_plan`` (the root's: the last; a module on every stage: the
+        first), asked for every parameter and tp rule of every estimate: kept per cut."""
+        if stage_plan not in self._stage_lookups:
+            @functools.cache
+            def stage_of(name: str) -> int:
+                found = stage_of_module(stage_plan, name)
+                return stage_plan.stages - 1 if name == "" else (0 if found is None else found)
+            self._stage_lookups[stage_plan] = stage_of
+        return self._stage_lookups[stage_plan]
 
     def _deferred(self, heads: tuple[str, ...]) -> frozenset[str]:
         """The linear modules whose weight gradients zb_h1 defers to W: those ``parallelize`` hands to

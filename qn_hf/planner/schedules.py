@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from ..config.options import Recompute
 from ..config.schedule import as_schedule
 from ..pipeline.schedule import Action, Op, chunk_of, deferred, schedule_actions
-from ..pipeline.schedule_check import Peaks, Timing, peaks, timed
+from ..pipeline.schedule_check import Peaks, Run, Timing, peaks, run_of, timed
 
 
 @functools.lru_cache(maxsize=32)
@@ -49,10 +49,23 @@ def peak_activation_bytes(actions: Sequence[Action], *, stage: int, kept: Sequen
                           stash: Sequence[int]) -> int:
     """The most bytes rank ``stage`` holds over its list (see the module docstring); ``kept`` and
     ``stash`` are per global chunk: one microbatch's activations and W stash."""
+    return _peak_of(_holdings(tuple(actions), stage=stage), kept=kept, stash=stash)
+
+
+def _peak_of(holdings: frozenset[tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]], *,
+             kept: Sequence[int], stash: Sequence[int]) -> int:
+    return max((sum(kept[c] * n for c, n in alive) + sum(stash[c] * n for c, n in waiting)
+                for alive, waiting in holdings), default=0)
+
+
+def _holdings(actions: tuple[Action, ...], *, stage: int) -> frozenset:
+    """Every distinct holding the list passes through after a compute op: ((chunk, (chunk, mb)es from
+    F to B), ...) and ((chunk, (chunk, mb)es from B to W), ...). They do not depend on the bytes, so
+    a search prices a list's peak at many meshes' bytes from its few holdings."""
     with_w = deferred(list(actions))
     alive: Counter[int] = Counter()  # chunk -> (chunk, mb)es from F to B
     waiting: Counter[int] = Counter()  # chunk -> (chunk, mb)es from B to W
-    peak = 0
+    seen = set()
     for a in actions:
         chunk = chunk_of(a, stage=stage)
         if a.op is Op.FWD:
@@ -65,18 +78,26 @@ def peak_activation_bytes(actions: Sequence[Action], *, stage: int, kept: Sequen
             waiting[chunk] -= 1
         else:
             continue
-        peak = max(peak, sum(kept[c] * n for c, n in alive.items()) + sum(stash[c] * n for c, n in waiting.items()))
-    return peak
+        seen.add((tuple(sorted(alive.items())), tuple(sorted(waiting.items()))))
+    return frozenset(seen)
+
+
+@functools.lru_cache(maxsize=1024)
+def _rank_holdings(*, stages: int, microbatches: int, schedule: str, virtual_stages: int,
+                   stage: int) -> tuple[Peaks, frozenset]:
+    actions = rank_actions(stages=stages, microbatches=microbatches, schedule=schedule,
+                           virtual_stages=virtual_stages)[stage]
+    return peaks(list(actions)), _holdings(actions, stage=stage)
 
 
 @functools.lru_cache(maxsize=1024)
 def rank_peaks(*, stages: int, microbatches: int, schedule: str, virtual_stages: int, stage: int,
                kept: tuple[int, ...], stash: tuple[int, ...]) -> tuple[Peaks, int]:
     """Rank ``stage``'s ``peaks`` and ``peak_activation_bytes`` (cached: a search asks for the same at
-    every dp and dp_shard of a mesh shape)."""
-    actions = rank_actions(stages=stages, microbatches=microbatches, schedule=schedule,
-                           virtual_stages=virtual_stages)[stage]
-    return peaks(list(actions)), peak_activation_bytes(actions, stage=stage, kept=kept, stash=stash)
+    every dp and dp_shard of a mesh shape; the list's holdings once per list)."""
+    found, holdings = _rank_holdings(stages=stages, microbatches=microbatches, schedule=schedule,
+                                     virtual_stages=virtual_stages, stage=stage)
+    return found, _peak_of(holdings, kept=kept, stash=stash)
 
 
 def op_costs(*, compute: float, weight: float, comm: float, recompute: str | None, schedule: str,
@@ -104,8 +125,15 @@ def _timed(stages: int, microbatches: int, schedule: str, virtual_stages: int,
            costs: tuple[tuple[tuple[Op, float], ...], ...]) -> Timing:
     # Cached: a search times each (pp, M) with the same costs at every dp and dp_shard of a mesh
     # shape (the costs are per microbatch), and a long pipeline's lists take a while to walk.
-    return timed([list(a) for a in rank_actions(stages=stages, microbatches=microbatches, schedule=schedule,
-                                                 virtual_stages=virtual_stages)], costs=[dict(c) for c in costs])
+    return timed(_run(stages=stages, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages),
+                 costs=[dict(c) for c in costs])
+
+
+@functools.lru_cache(maxsize=32)
+def _run(*, stages: int, microbatches: int, schedule: str, virtual_stages: int) -> Run:
+    """The lists' execution order, walked and checked once (a search times them at many costs)."""
+    return run_of([list(a) for a in rank_actions(stages=stages, microbatches=microbatches, schedule=schedule,
+                                                 virtual_stages=virtual_stages)])
 
 
 def bubble(timing: Timing) -> float:

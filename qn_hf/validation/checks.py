@@ -12,7 +12,9 @@ all, in the same order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from torch import nn
 
@@ -31,6 +33,35 @@ from ..step.compile import check_compile
 from ..tensor_parallel.plan import TpPlan, build_tp_plan
 from ..tensor_parallel.sequence_parallel import sequence_parallel_plan
 
+_T = TypeVar("_T")
+
+
+class CheckMemo:
+    """What each check of ``check_parallel_config`` answered for one model, by the values it reads:
+    the planner puts thousands of configurations of one model through the checks, and each check
+    reads the model's structure under a few values only (the tp plan: tp and sequence parallelism;
+    the cut: pp and the chunks), so each is run once per distinct value. A refusal is kept too and
+    raised again as it was (a new ``ValueError`` with the same message). ``parallelize`` checks
+    once and keeps none."""
+
+    def __init__(self) -> None:
+        self._answers: dict[tuple, tuple[bool, object]] = {}
+
+    def __call__(self, key: tuple, check: Callable[[], _T]) -> _T:
+        if key not in self._answers:
+            try:
+                self._answers[key] = (True, check())
+            except ValueError as e:
+                self._answers[key] = (False, str(e))
+        ok, answer = self._answers[key]
+        if not ok:
+            raise ValueError(answer)
+        return answer
+
+
+def _unkept(key: tuple, check: Callable[[], _T]) -> _T:
+    return check()
+
 
 @dataclass(frozen=True)
 class CheckedConfig:
@@ -45,32 +76,42 @@ class CheckedConfig:
 
 
 def check_parallel_config(model: nn.Module, config: ParallelConfig | None = None, *, policy: ModelPolicy | None = None,
-                          extra: frozenset[Feature] = frozenset(), **keywords: object) -> CheckedConfig:
+                          extra: frozenset[Feature] = frozenset(), memo: CheckMemo | None = None,
+                          **keywords: object) -> CheckedConfig:
     """Raise ``ValueError`` naming the value and the fix for anything ``model`` cannot take under
     ``config`` (whose own options ``ParallelConfig.from_keywords`` checked; or build it here from
     ``parallelize``'s ``keywords``). ``extra``: the features the run adds beyond ``config`` (LoRA when
-    the model is a PEFT model, ZeRO for the planner)."""
+    the model is a PEFT model, ZeRO for the planner). ``memo``: the answers kept across calls for
+    this ``model`` and ``policy`` (``CheckMemo``)."""
     if config is None:
         config = ParallelConfig.from_keywords(**keywords)
     check_composition(config.features | extra, config.values(model_type=model.config.model_type))
     dims = config.dims
-    resolved = resolve_policy(model, policy)
-    tp_plan = build_tp_plan(model, resolved, tp=dims.tp, sequence_parallel=config.sequence_parallel)
-    stage_plan = build_stage_plan(model, resolved, stages=dims.pp, layers_per_stage=config.layers_per_stage,
-                                  virtual=config.virtual_stages)
-    check_compile(model, compile=config.compile, schedule=config.schedule, cp=dims.cp, ep=dims.ep,
-                  layers=stage_plan.layers)
+    kept = memo or _unkept
+    resolved = kept(("policy",), lambda: resolve_policy(model, policy))
+    tp, sp, pp, cp, ep = dims.tp, config.sequence_parallel, dims.pp, dims.cp, dims.ep
+    cut = (pp, None if config.layers_per_stage is None else tuple(config.layers_per_stage), config.virtual_stages)
+    tp_plan = kept(("tp", tp, sp), lambda: build_tp_plan(model, resolved, tp=tp, sequence_parallel=sp))
+    stage_plan = kept(("cut", cut), lambda: build_stage_plan(model, resolved, stages=pp,
+                                                             layers_per_stage=config.layers_per_stage,
+                                                             virtual=config.virtual_stages))
+    kept(("compile", config.compile, config.schedule, cp, ep, cut),
+         lambda: check_compile(model, compile=config.compile, schedule=config.schedule, cp=cp, ep=ep,
+                               layers=stage_plan.layers))
     # before recomputation's own check: what BatchNorm refuses holds whatever the blocks are
-    check_batch_statistics(model, dims=dims, microbatches=config.microbatches, recompute=config.recompute)
+    kept(("batch statistics", dims, config.microbatches, config.recompute),
+         lambda: check_batch_statistics(model, dims=dims, microbatches=config.microbatches, recompute=config.recompute))
     for layers in stage_plan.block_lists or (None,):
-        check_recompute(model, recompute=config.recompute, layers=layers)
+        kept(("recompute", config.recompute, layers),
+             lambda: check_recompute(model, recompute=config.recompute, layers=layers))
     if stage_plan.seq2seq is not None:
         check_seq2seq_pipeline(stage_plan.seq2seq, dp_shard=dims.dp_shard, compile=config.compile,
-                               sequence_parallel=config.sequence_parallel, stages=dims.pp)
-    check_context_parallel(model, cp=dims.cp, plan=tp_plan)
-    check_expert_parallel(model, dims=dims, plan=tp_plan)
-    tp_plan = expert_parallel_plan(model, tp_plan, ep=dims.ep)
-    if config.sequence_parallel:  # MoE blocks route this rank's tokens: as they are (ep), or gathered (expert-TP)
-        tp_plan = sequence_parallel_plan(model, tp_plan, stage_plan,
-                                         token_wise=(token_wise_blocks if dims.ep > 1 else expert_tp_blocks)(model, tp_plan))
+                               sequence_parallel=sp, stages=pp)
+    kept(("cp", cp, tp, sp), lambda: check_context_parallel(model, cp=cp, plan=tp_plan))
+    kept(("ep", dims, sp), lambda: check_expert_parallel(model, dims=dims, plan=tp_plan))
+    tp_plan = kept(("ep plan", tp, sp, ep), lambda: expert_parallel_plan(model, tp_plan, ep=ep))
+    if sp:  # MoE blocks route this rank's tokens: as they are (ep), or gathered (expert-TP)
+        tp_plan = kept(("sp plan", tp, ep, cut), lambda: sequence_parallel_plan(
+            model, tp_plan, stage_plan,
+            token_wise=(token_wise_blocks if ep > 1 else expert_tp_blocks)(model, tp_plan)))
     return CheckedConfig(config=config, policy=resolved, tp_plan=tp_plan, stage_plan=stage_plan)
