@@ -51,12 +51,14 @@ def _walk(all_actions: list[list[Action]]) -> list[tuple[int, Action]]:
     sent: set[Message] = set()
     pos = [0] * stages
     trace: list[tuple[int, Action]] = []
+    # each action's message once (a blocked receive is looked at again on every pass)
+    links = [[_message(a, stage=s, stages=stages) for a in acts] for s, acts in enumerate(all_actions)]
     while any(p < len(acts) for p, acts in zip(pos, all_actions)):
         progressed = False
         for s, acts in enumerate(all_actions):
             while pos[s] < len(acts):
                 action = acts[pos[s]]
-                link = _message(action, stage=s, stages=stages)
+                link = links[s][pos[s]]
                 if action.op in (Op.RECV_FWD, Op.RECV_BWD):
                     if link[2] not in sent:
                         break

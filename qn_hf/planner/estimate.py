@@ -46,6 +46,7 @@ from dataclasses import replace
 from typing import TypeVar
 
 import torch
+from torch import nn
 from transformers import PretrainedConfig
 
 from ..checkpoint.layout import meta_model
@@ -64,6 +65,7 @@ from ..step.batch import check_model_inputs
 from ..validation.checks import CheckedConfig, CheckMemo, check_parallel_config
 from .activations import chunk_activations, kept_collectives, weight_stash
 from .context import cp_inputs
+from .depth import same_recording, shortened_recording
 from .experts import moe_regions
 from .memory import RankState, bucket_layout, rank_state
 from .params import StageParams, local_sizes, stage_params
@@ -116,6 +118,8 @@ class Planner:
         self._checked: dict[tuple[ParallelConfig, frozenset[Feature]], CheckedConfig] = {}
         self._stage_lookups: dict[StagePlan, Callable[[str], int]] = {}
         self._answers: dict[tuple, tuple[object, tuple]] = {}  # _kept's
+        self._depth: dict[str, bool | None] = {"same": None}
+        self._recording_models: dict[tuple, nn.Module] = {}  # (precision, experts in the loaded dtype) -> meta model  # whether a shortened forward records the whole
         self._traffic: dict = {}  # stage_traffic's memo: a microbatch's tp collectives per stage, plan and trace
         self._memo = CheckMemo()  # each check's answer by the values it reads (the tp plan per tp, the cut per pp)
         self._placed: dict[tuple[int, int, StagePlan], StageParams] = {}  # (tp, ep, cut) -> stage_params
@@ -149,16 +153,22 @@ class Planner:
             recorded = (None if shared else plan.tp, precision, recompute, edges, cp, ep, loaded_experts)
             if recorded not in self._recordings:
                 model = self.model
-                if (precision, recompute, cp) != (None, None, 1):  # a model of its own: the pristine one serves the checks
-                    model = meta_model(self.config, cls=self.model_class).to(self.dtype)
-                    if precision is not None:
-                        apply_mixed_precision(model, precision)
-                    for experts in sharded_experts(model).values() if loaded_experts else ():
-                        experts.to(self.dtype)
+                if (precision, recompute, cp) != (None, None, 1):
+                    # a model of its own, one per dtype (the pristine one serves the checks): a recording
+                    # leaves the model as it found it (blocks' checkpointing off, stand-ins removed)
+                    model = self._recording_models.get((precision, loaded_experts))
+                    if model is None:
+                        model = meta_model(self.config, cls=self.model_class).to(self.dtype)
+                        if precision is not None:
+                            apply_mixed_precision(model, precision)
+                        for experts in sharded_experts(model).values() if loaded_experts else ():
+                            experts.to(self.dtype)
+                        self._recording_models[(precision, loaded_experts)] = model
                 size = dict(micro_batch_size=self.micro_batch_size, seq_len=self.seq_len)
                 inputs = cp_inputs(**size, cp=cp) if cp > 1 else example_inputs(model, **size)
-                self._recordings[recorded] = record_microbatch(model, plan, layers=layers, inputs=inputs,
-                                                               recompute=recompute, edges=edges, cp=cp, ep=ep)
+                self._recordings[recorded] = self._record(
+                    model, layers, lambda m: record_microbatch(m, plan, layers=layers, inputs=inputs, recompute=recompute,
+                                                               edges=edges, cp=cp, ep=ep), shortened=edges is None)
             whole = moe_regions(self.model, plan) if ep > 1 else frozenset()
             self._traces[key] = self._recordings[recorded].trace(plan, whole=whole)
         return self._traces[key]
@@ -341,6 +351,23 @@ class Planner:
             return self._checked[key]
         self._checked[key] = check_parallel_config(self.model, config, policy=self._policy, extra=extra, memo=self._memo)
         return self._checked[key]
+
+    def _record(self, model: nn.Module, layers: str, record: Callable[[nn.Module], Recording], *,
+                shortened: bool) -> Recording:
+        """``record(model)``, from three of its blocks where that gives the whole forward's recording
+        (``depth.py``): the first time, recorded in full too and compared (exact, in order); from then
+        on shortened if they were the same, in full if not. ``shortened``: False where the stand-ins
+        read block indices (sequence parallelism's stage edges)."""
+        if not shortened or self._depth["same"] is False:
+            return record(model)
+        short = shortened_recording(model, layers, record)
+        if short is None:
+            return record(model)
+        if self._depth["same"] is None:
+            whole = record(model)
+            self._depth["same"] = same_recording(short, whole)
+            return whole
+        return short
 
     def _kept(self, values: tuple, objects: tuple, compute: Callable[[], _T]) -> _T:
         """``compute()``'s answer, kept for the same ``values`` and the very same ``objects`` (traces,

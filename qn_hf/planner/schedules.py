@@ -37,7 +37,7 @@ from ..pipeline.schedule import Action, Op, chunk_of, deferred, schedule_actions
 from ..pipeline.schedule_check import Peaks, Run, Timing, peaks, run_of, timed
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=512)
 def rank_actions(*, stages: int, microbatches: int, schedule: str,
                  virtual_stages: int = 1) -> tuple[tuple[Action, ...], ...]:
     """Every rank's training list (cached: the search estimates many meshes at the same pp and M)."""
@@ -120,7 +120,7 @@ def pipeline_timing(*, stages: int, microbatches: int, schedule: str, virtual_st
     return _timed(stages, microbatches, schedule, virtual_stages, tuple(tuple(c.items()) for c in costs))
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=4096)
 def _timed(stages: int, microbatches: int, schedule: str, virtual_stages: int,
            costs: tuple[tuple[tuple[Op, float], ...], ...]) -> Timing:
     # Cached: a search times each (pp, M) with the same costs at every dp and dp_shard of a mesh
@@ -129,7 +129,7 @@ def _timed(stages: int, microbatches: int, schedule: str, virtual_stages: int,
                  costs=[dict(c) for c in costs])
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=512)
 def _run(*, stages: int, microbatches: int, schedule: str, virtual_stages: int) -> Run:
     """The lists' execution order, walked and checked once (a search times them at many costs)."""
     return run_of([list(a) for a in rank_actions(stages=stages, microbatches=microbatches, schedule=schedule,

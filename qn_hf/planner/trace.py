@@ -157,14 +157,16 @@ class Recording:
         watched = set(styles) | set(plan.tp_entries) | self.linears
         rowwise = {name for name, style in styles.items() if style == Style.ROWWISE}
         kept: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        roots = _Roots(shared=frozenset(plan.shared_rng_regions),
+                       split=frozenset(r for r in plan.tp_entries + plan.tp_rng_regions if r not in whole))
         for (owner, region), nbytes in self.alive.items():
-            kept[owner][1 if _split_across_tp(owner, styles, plan, region=region, whole=whole) else 0] += nbytes
+            kept[owner][1 if _split_across_tp(owner, styles, roots, region=region) else 0] += nbytes
         rerun = frozenset(n for n, (block, t) in self.done.items()
                           if n in rowwise and self.last_save.get(block, 0) > t)
         ops: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
         for (owner, region), (count, nbytes) in self.ops.items():
             ops[owner][0] += count
-            ops[owner][2 if _split_across_tp(owner, styles, plan, region=region, whole=whole) else 1] += nbytes
+            ops[owner][2 if _split_across_tp(owner, styles, roots, region=region) else 1] += nbytes
         return Trace(io={k: v for k, v in self.io.items() if k in watched}, boundary_numel=self.boundary_numel,
                      kept={k: (v[0], v[1]) for k, v in kept.items()}, logits_rows=self.logits_rows,
                      tokens=self.tokens, rerun=rerun, sequence=self.sequence, ring=self.ring,
@@ -333,23 +335,32 @@ def record_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: di
                      ops={k: (v[0], v[1]) for k, v in allocations.ops.items()})
 
 
-def _split_across_tp(name: str, styles: dict[str, Style], plan: TpPlan, *, region: bool | None,
-                     whole: frozenset[str]) -> bool:
+@dataclass(frozen=True)
+class _Roots:
+    """A plan's regions by what they say of the bytes allocated under them: replicated (``shared``: a
+    tp rng region kept whole) or split over tp (``split``: its entries and rng regions, less the ep
+    regions kept whole)."""
+
+    shared: frozenset[str]
+    split: frozenset[str]
+
+
+def _split_across_tp(name: str, styles: dict[str, Style], roots: _Roots, *, region: bool | None) -> bool:
     """Whether what ``name`` allocates is sharded under tp: a column layer's output and anything
     computed inside a tp entry or region (attention heads, the MLP's activation, a whole-kept module
     there such as Qwen3's per-head norms, which see this rank's heads) are; a row layer's
     all-reduced output, replicated regions inside an entry (GPT-2's residual dropout), norms,
-    residuals, embeddings and, under ep, the ``whole`` regions holding experts are not. With
+    residuals, embeddings and, under ep, the regions holding experts are not. With
     sequence parallelism, or inside the ep stand-in (``region`` not None), the trace's tensors
     already have one rank's size outside the tp regions, and inside one hold every head."""
-    def under(root: str) -> bool:
-        return name == root or name.startswith(root + ".")
-
     style = styles.get(name)
     if style is not None and style not in WHOLE_STYLES:  # replicate: as where it sits
         return style in COLUMN_STYLES or style == Style.VOCAB_COLWISE
     if region is not None:
         return region
-    if any(under(r) for r in plan.shared_rng_regions):
+    # the regions ``name`` is under: itself and each module above it (by dotted prefix)
+    parts = name.split(".")
+    above = {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+    if above & roots.shared:
         return False
-    return any(under(r) for r in plan.tp_entries + plan.tp_rng_regions if r not in whole)
+    return bool(above & roots.split)
