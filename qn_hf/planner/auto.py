@@ -141,6 +141,7 @@ def auto_plan(config, *, global_batch: int, seq_len: int, world_size: int, devic
     hw = Hardware(gpu_memory=device_memory, gpus_per_node=per_node)
     accepted: list[Candidate] = []
     rejected: list[Rejected] = []
+    hopeless: list[tuple[int, Planner]] = []  # (in accepted, its planner): over the memory before any activation
     first: Planner | None = None
     for mbs in micro_batch_sizes(global_batch):
         if first is None:
@@ -152,14 +153,20 @@ def auto_plan(config, *, global_batch: int, seq_len: int, world_size: int, devic
             found, refused = search(planner, options, gpus=world_size, hw=hw, global_batch=global_batch,
                                     fixed={a.value: v for a, v in degrees.items() if a in MESH_AXES},
                                     cp=degrees.get(Axis.CP), ep=degrees.get(Axis.EP), dp_shard=degrees.get(Axis.DP_SHARD),
-                                    calibration=calibration)
+                                    calibration=calibration,
+                                    # one stage runs every schedule alike: counted once, as 1F1B
+                                    single_stage=len(schedules) == 1 or schedule == Schedule.ONE_F_ONE_B)
             rejected += refused
             for c in found:
-                if c.estimate.pp == 1 and len(schedules) > 1 and schedule != Schedule.ONE_F_ONE_B:
-                    continue  # one stage runs every schedule alike: counted once, as 1F1B
                 if not c.fits and fixed.get("recompute") is None:
-                    c = _with_recompute(planner, c, hw=hw, calibration=calibration)
+                    if _held_besides_activations(c) <= device_memory:
+                        c = _with_recompute(planner, c, hw=hw, calibration=calibration)
+                    else:  # no recomputation makes it fit: tried only if nothing fits (for the closest miss)
+                        hopeless.append((len(accepted), planner))
                 accepted.append(c)
+    if accepted and not any(c.fits for c in accepted):
+        for i, planner in hopeless:
+            accepted[i] = _with_recompute(planner, accepted[i], hw=hw, calibration=calibration)
     if not accepted:
         reasons = sorted({r.reason for r in rejected})[:3]
         raise ValueError(f"no configuration of {config.model_type} trains a global batch of {global_batch} "
@@ -202,6 +209,12 @@ def _undominated(candidates: list[Candidate]) -> list[Candidate]:
 
 def _without_microbatches(c: Candidate) -> ParallelConfig:
     return replace(c.estimate.parallel, microbatches=1)
+
+
+def _held_besides_activations(c: Candidate) -> int:
+    """The most a rank of ``c`` holds besides activations (its state, FSDP's gathered weights and whole
+    gradients): the same under every recomputation, which changes the activations only."""
+    return max(s.state_bytes + s.unsharded_bytes for s in c.estimate.stages)
 
 
 def _with_recompute(planner: Planner, c: Candidate, *, hw: Hardware, calibration: Calibration | None) -> Candidate:

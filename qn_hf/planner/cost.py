@@ -53,6 +53,7 @@ otherwise.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ..comm_meter import Collective
@@ -112,6 +113,11 @@ def machine(hw: Hardware, calibration: Calibration | None, *, world_size: int) -
     """The figures a step is priced at: the calibration, or the hardware's stated ones."""
     if calibration is not None:
         return calibration
+    return _stated(hw, world_size)
+
+
+@functools.lru_cache(maxsize=16)  # a search prices thousands of meshes at the same figures
+def _stated(hw: Hardware, world_size: int) -> Calibration:
     return assumed(tflops=hw.tflops, nvlink_gbps=hw.nvlink_gbps, ib_gbps=hw.ib_gbps, gpus_per_node=hw.gpus_per_node,
                    gpu_memory=hw.gpu_memory, world_size=world_size)
 

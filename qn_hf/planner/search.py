@@ -106,7 +106,8 @@ def at_mesh(options: Mapping[str, object], *, dp: int, tp: int, pp: int, cp: int
 def search(planner: Planner, options: Mapping[str, object], *, gpus: int, hw: Hardware, zero: bool = False,
            microbatches: int | None = None, global_batch: int | None = None, fixed: dict[str, int] | None = None,
            cp: int | None = None, max_cp: int = MAX_CP, ep: int | None = 1,
-           dp_shard: int | None = 1, calibration: Calibration | None = None) -> tuple[list[Candidate], list[Rejected]]:
+           dp_shard: int | None = 1, calibration: Calibration | None = None,
+           single_stage: bool = True) -> tuple[list[Candidate], list[Rejected]]:
     """Every mesh for ``gpus`` (``cp`` and ``max_cp`` as ``meshes`` takes them; ``fixed`` degrees, e.g.
     ``{"tp": 8}``, kept), each ``options`` at its degrees and microbatches (``at_mesh``: the degrees
     and microbatches of ``options`` are the search's, its other fields every mesh's; a schedule some
@@ -114,12 +115,14 @@ def search(planner: Planner, options: Mapping[str, object], *, gpus: int, hw: Ha
     ``zero`` (as ``Planner.estimate``). With ``global_batch`` every mesh trains exactly that many
     sequences per step (its microbatches follow from dp); a mesh that cannot is rejected, saying
     why. ``ep`` and ``dp_shard``: given, or None to enumerate them (module docstring). Step times
-    at ``calibration`` (``cost.step_time``; None: ``hw``'s stated figures)."""
+    at ``calibration`` (``cost.step_time``; None: ``hw``'s stated figures). ``single_stage`` False: the
+    meshes with pp > 1 only (one stage runs every schedule alike: a caller searching several
+    schedules prices it under one)."""
     accepted, rejected = [], []
     cp = 1 if cp is None and ep is not None and ep > 1 else cp
     fixed = fixed or {}
     for dp, tp, pp, c in meshes(gpus, gpus_per_node=hw.gpus_per_node, cp=cp, max_cp=max_cp):
-        if any({"dp": dp, "tp": tp, "pp": pp, "cp": c}[k] != v for k, v in fixed.items()):
+        if any({"dp": dp, "tp": tp, "pp": pp, "cp": c}[k] != v for k, v in fixed.items()) or pp == 1 and not single_stage:
             continue
         try:
             steps = microbatches_for(pp, microbatches, schedule=options.get("schedule", Schedule.ONE_F_ONE_B), dp=dp,
