@@ -136,7 +136,21 @@ def group_sizes(est: MeshEstimate) -> dict[str, int]:
             "kv": est.tp, "tie": 2, "host": est.world_size, "world": est.world_size}
 
 
-def _group_seconds(traffic: GroupTraffic, *, ranks: int, link: Link, cal: Calibration, p2p: bool) -> float:
+class _Fits:
+    """``Calibration.collective``'s answers kept for one step's pricing (it looks them up by op, size
+    and link among every measured fit, and a step asks for the same few many times)."""
+
+    def __init__(self, cal: Calibration) -> None:
+        self._cal, self._found = cal, {}
+
+    def collective(self, op: Collective, *, ranks: int, link: Link):
+        key = (op, ranks, link)
+        if key not in self._found:
+            self._found[key] = self._cal.collective(op, ranks=ranks, link=link)
+        return self._found[key]
+
+
+def _group_seconds(traffic: GroupTraffic, *, ranks: int, link: Link, cal: Calibration | _Fits, p2p: bool) -> float:
     if ranks <= 1:
         return 0.0
     if p2p:  # both directions are counted on each rank; a transfer takes its send's time
@@ -233,9 +247,11 @@ def step_time(est: MeshEstimate, hw: Hardware, calibration: Calibration | None =
     spanning = Link.NODE if est.world_size <= hw.gpus_per_node else Link.NETWORK
     sizes = group_sizes(est)
 
+    fits = _Fits(cal)
+
     def seconds(group: str, traffic: GroupTraffic) -> float:
         return _group_seconds(traffic, ranks=sizes.get(group, est.world_size), link=kinds.get(group, spanning),
-                              cal=cal, p2p=group == Axis.PP)
+                              cal=fits, p2p=group == Axis.PP)
 
     again = 4 / 3 if est.recompute == Recompute.FULL else 1.0
     slowest = compute_mb = tp_mb = pp_mb = cp_mb = ep_mb = wait_mb = host_mb = backward_mb = 0.0

@@ -20,6 +20,7 @@ between layers) or where the cut forward fails.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -54,13 +55,14 @@ def expand(short: Recording, *, layers: str, count: int) -> Recording:
     entries repeated as blocks 2 .. count-2, block 2's as block count-1."""
     middle = range(1, count - 1)
 
-    def names(name: str) -> list[str]:
+    @functools.cache
+    def names(name: str) -> tuple[str, ...]:
         """The whole model's names for a name of the short recording."""
         index = _block_index(name, layers)
         if index is None or index == 0:
-            return [name]
+            return (name,)
         rest = name[len(layers) + 1 + len(str(index)):]
-        return [f"{layers}.{i}{rest}" for i in (middle if index == 1 else (count - 1,))]
+        return tuple(f"{layers}.{i}{rest}" for i in (middle if index == 1 else (count - 1,)))
 
     def keyed(mapping: dict, key: Callable = lambda k: k, rename: Callable = lambda k, n: n) -> dict:
         """Block-major, as the whole forward inserts them: a run of the second block's entries is
