@@ -70,7 +70,10 @@ def test_only_what_fits_is_chosen():
 
 
 def test_fits_nowhere_names_the_closest_miss_and_the_fix():
-    with pytest.raises(ValueError, match=r"no configuration of llama fits .*closest.*needs .*GiB.*more devices"):
+    # every mesh's state alone is over 1 KiB: recomputation, skipped while something might fit, is tried
+    # for the closest miss once nothing does
+    with pytest.raises(ValueError, match=r"no configuration of llama fits .*closest, [^:]*recompute=full[^:]*, "
+                                         r"needs .*GiB.*more devices"):
         auto_choice(_model(), global_batch=GLOBAL_BATCH, seq_len=SEQ, world_size=2, device_memory=1024,
                     calibration=_calibrations()["launch-bound"])
 

@@ -185,8 +185,10 @@ class Planner:
         dp, tp, pp, cp, ep, dp_shard = dims.dp, dims.tp, dims.pp, dims.cp, dims.ep, dims.dp_shard
         microbatches, schedule, virtual_stages = parallel.microbatches, parallel.schedule, parallel.virtual_stages
         recompute = parallel.recompute
-        check_modelled(self.model, model_type=self.config.model_type, plan=plan, ep=ep, stages=pp,
-                       loop_count=stage_plan.loop_count)
+        # (its answer kept: it reads the model's experts, the same for every mesh; the plan is one the checks keep)
+        self._memo(("modelled", id(plan), ep, pp, stage_plan.loop_count),
+                   lambda: check_modelled(self.model, model_type=self.config.model_type, plan=plan, ep=ep, stages=pp,
+                                          loop_count=stage_plan.loop_count))
         split = sequence_split(cp=cp, tp=tp, sequence_parallel=plan.sequence_parallel)
         # train_step's check of the batch, on a meta batch of this length (the trace's inputs)
         check_model_inputs(example_inputs(self.model, micro_batch_size=self.micro_batch_size, seq_len=self.seq_len),
