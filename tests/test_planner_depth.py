@@ -10,6 +10,7 @@ from transformers import Gemma3TextConfig, LlamaConfig, MixtralConfig, Qwen3MoeC
 
 from qn_hf.checkpoint.layout import meta_model
 from qn_hf.config.parallel_config import ParallelConfig
+from qn_hf.planner import depth
 from qn_hf.planner.auto import auto_plan
 from qn_hf.planner.context import cp_inputs
 from qn_hf.planner.depth import expand, same_recording, shortened_recording
@@ -86,7 +87,5 @@ def test_auto_ranks_as_from_whole_forwards(config, monkeypatch):
     """Every feasible configuration's time and peak equal the ones from whole forwards (the planner's
     first trace is recorded both ways and compared: where the blocks differ it records every one whole)."""
     shortened = _ranked(config)
-    import qn_hf.planner.estimate as estimate
-
-    monkeypatch.setattr(estimate, "shortened_recording", lambda *args, **kwargs: None)
+    monkeypatch.setattr(depth, "shortened_recording", lambda *args, **kwargs: None)
     assert shortened == _ranked(config)

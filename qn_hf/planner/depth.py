@@ -31,6 +31,30 @@ from .trace import Recording
 MIN_BLOCKS = 6  # fewer: recording the whole forward costs little more than three blocks and the check
 
 
+class Recorder:
+    """Records a planner's forwards from three blocks where that gives the whole forward's recording:
+    the first time, in full too and compared (exact, in order); from then on shortened if they were
+    the same, in full if not."""
+
+    def __init__(self) -> None:
+        self.same: bool | None = None  # None: not compared yet
+
+    def record(self, model: nn.Module, layers: str, record: Callable[[nn.Module], Recording], *,
+               shortened: bool) -> Recording:
+        """``record(model)``; ``shortened`` False where the stand-ins read block indices (sequence
+        parallelism's stage edges)."""
+        if not shortened or self.same is False:
+            return record(model)
+        short = shortened_recording(model, layers, record)
+        if short is None:
+            return record(model)
+        if self.same is None:
+            whole = record(model)
+            self.same = same_recording(short, whole)
+            return whole
+        return short
+
+
 def shortened_recording(model: nn.Module, layers: str, record: Callable[[nn.Module], Recording]) -> Recording | None:
     """``record(model)`` run with ``model``'s ``layers`` list cut to its first, second and last block, laid
     out as the whole model's (module docstring); None when the list is short, or the cut forward fails."""

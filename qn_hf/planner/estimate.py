@@ -40,7 +40,6 @@ uniform-routing ones, which an ep group's total all-to-all bytes always equal).
 from __future__ import annotations
 
 import copy
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TypeVar
@@ -57,7 +56,7 @@ from ..config.sequence import sequence_split
 from ..data_parallel.buckets import bucket_size_bytes
 from ..data_parallel.precision import GRAD_DTYPE, apply_mixed_precision
 from ..expert_parallel.apply import expert_parameter_names, sharded_experts
-from ..pipeline.split import StagePlan, stage_of_module
+from ..pipeline.split import StagePlan
 from ..pipeline.weight_grad import WeightGradQueue, make_deferrable
 from ..policies import resolve_policy
 from ..policies.model_policy import ModelPolicy
@@ -65,10 +64,10 @@ from ..step.batch import check_model_inputs
 from ..validation.checks import CheckedConfig, CheckMemo, check_parallel_config
 from .activations import chunk_activations, kept_collectives, weight_stash
 from .context import cp_inputs
-from .depth import same_recording, shortened_recording
+from .depth import Recorder
 from .experts import moe_regions
 from .memory import RankState, bucket_layout, rank_state
-from .params import StageParams, local_sizes, stage_params
+from .params import StageParams, local_sizes, stage_lookup, stage_params
 from .results import MeshEstimate, StageEstimate
 from .routing import busiest_share, check_loads, uniform_busiest
 from .schedules import bubble, op_costs, pipeline_timing, rank_peaks
@@ -116,10 +115,9 @@ class Planner:
         self._sharded: dict[tuple[int, int], tuple[dict[str, int], dict, dict[str, int]]] = {}
         # (the configuration at dp_shard=1, the features it adds) -> what the checks gave
         self._checked: dict[tuple[ParallelConfig, frozenset[Feature]], CheckedConfig] = {}
-        self._stage_lookups: dict[StagePlan, Callable[[str], int]] = {}
         self._answers: dict[tuple, tuple[object, tuple]] = {}  # _kept's
-        self._depth: dict[str, bool | None] = {"same": None}
-        self._recording_models: dict[tuple, nn.Module] = {}  # (precision, experts in the loaded dtype) -> meta model  # whether a shortened forward records the whole
+        self._recorder = Recorder()  # records from three blocks where that gives the whole forward (depth.py)
+        self._recording_models: dict[tuple, nn.Module] = {}  # (precision, experts in the loaded dtype) -> meta model
         self._traffic: dict = {}  # stage_traffic's memo: a microbatch's tp collectives per stage, plan and trace
         self._memo = CheckMemo()  # each check's answer by the values it reads (the tp plan per tp, the cut per pp)
         self._placed: dict[tuple[int, int, StagePlan], StageParams] = {}  # (tp, ep, cut) -> stage_params
@@ -166,7 +164,7 @@ class Planner:
                         self._recording_models[(precision, loaded_experts)] = model
                 size = dict(micro_batch_size=self.micro_batch_size, seq_len=self.seq_len)
                 inputs = cp_inputs(**size, cp=cp) if cp > 1 else example_inputs(model, **size)
-                self._recordings[recorded] = self._record(
+                self._recordings[recorded] = self._recorder.record(
                     model, layers, lambda m: record_microbatch(m, plan, layers=layers, inputs=inputs, recompute=recompute,
                                                                edges=edges, cp=cp, ep=ep), shortened=edges is None)
             whole = moe_regions(self.model, plan) if ep > 1 else frozenset()
@@ -217,7 +215,7 @@ class Planner:
         if dp_shard > 1:  # FSDP keeps the shards and their gradients in the model's dtype (sharded.py)
             grad_elem = torch.empty(0, dtype=self.dtype).element_size()
 
-        stage_of = self._stage_of(stage_plan)
+        stage_of = stage_lookup(stage_plan)
         placed = self._placed.get((plan.tp, ep, stage_plan))  # the same at every dp and dp_shard of a shape
         if placed is None:
             placed = self._placed[(plan.tp, ep, stage_plan)] = stage_params(self.model, numels, stage_plan=stage_plan,
@@ -354,23 +352,6 @@ class Planner:
         self._checked[key] = check_parallel_config(self.model, config, policy=self._policy, extra=extra, memo=self._memo)
         return self._checked[key]
 
-    def _record(self, model: nn.Module, layers: str, record: Callable[[nn.Module], Recording], *,
-                shortened: bool) -> Recording:
-        """``record(model)``, from three of its blocks where that gives the whole forward's recording
-        (``depth.py``): the first time, recorded in full too and compared (exact, in order); from then
-        on shortened if they were the same, in full if not. ``shortened``: False where the stand-ins
-        read block indices (sequence parallelism's stage edges)."""
-        if not shortened or self._depth["same"] is False:
-            return record(model)
-        short = shortened_recording(model, layers, record)
-        if short is None:
-            return record(model)
-        if self._depth["same"] is None:
-            whole = record(model)
-            self._depth["same"] = same_recording(short, whole)
-            return whole
-        return short
-
     def _kept(self, values: tuple, objects: tuple, compute: Callable[[], _T]) -> _T:
         """``compute()``'s answer, kept for the same ``values`` and the very same ``objects`` (traces,
         plans, cuts: by identity, each kept alive with the answer so that its identity stays its own)."""
@@ -378,17 +359,6 @@ class Planner:
         if key not in self._answers:
             self._answers[key] = (compute(), objects)
         return self._answers[key][0]
-
-    def _stage_of(self, stage_plan: StagePlan) -> Callable[[str], int]:
-        """A module's stage under ``stage_plan`` (the root's: the last; a module on every stage: the
-        first), asked for every parameter and tp rule of every estimate: kept per cut."""
-        if stage_plan not in self._stage_lookups:
-            @functools.cache
-            def stage_of(name: str) -> int:
-                found = stage_of_module(stage_plan, name)
-                return stage_plan.stages - 1 if name == "" else (0 if found is None else found)
-            self._stage_lookups[stage_plan] = stage_of
-        return self._stage_lookups[stage_plan]
 
     def _deferred(self, heads: tuple[str, ...]) -> frozenset[str]:
         """The linear modules whose weight gradients zb_h1 defers to W: those ``parallelize`` hands to

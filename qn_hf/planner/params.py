@@ -5,6 +5,7 @@ stage's copy of what every stage holds (``StagePlan.every_stage``: Gemma 4's per
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -13,7 +14,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ..checkpoint.layout import meta_model
-from ..pipeline.split import StagePlan, on_every_stage
+from ..pipeline.split import StagePlan, on_every_stage, stage_of_module
 from ..tensor_parallel.apply import apply_tp_plan
 
 
@@ -63,3 +64,13 @@ def stage_params(model: nn.Module, numels: dict[str, int], *, stage_plan: StageP
             held[follower_stage].append((tie.follower, numel))
             tied[owner_stage][tie.owner] = tied[follower_stage][tie.follower] = numel
     return StageParams(held=tuple(map(tuple, held)), embedding=tuple(embedding), tied=tuple(tied), every=tuple(every))
+
+
+@functools.lru_cache(maxsize=256)  # asked for every parameter and tp rule of every mesh the planner prices
+def stage_lookup(stage_plan: StagePlan) -> Callable[[str], int]:
+    """A module's stage under ``stage_plan`` (the root's: the last; a module on every stage: the first)."""
+    @functools.cache
+    def stage_of(name: str) -> int:
+        found = stage_of_module(stage_plan, name)
+        return stage_plan.stages - 1 if name == "" else (0 if found is None else found)
+    return stage_of
