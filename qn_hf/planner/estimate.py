@@ -118,7 +118,6 @@ class Planner:
         self._answers: dict[tuple, tuple[object, tuple]] = {}  # _kept's
         self._recorder = Recorder()  # records from three blocks where that gives the whole forward (depth.py)
         self._recording_models: dict[tuple, nn.Module] = {}  # (precision, experts in the loaded dtype) -> meta model
-        self._traffic: dict = {}  # stage_traffic's memo: a microbatch's tp collectives per stage, plan and trace
         self._memo = CheckMemo()  # each check's answer by the values it reads (the tp plan per tp, the cut per pp)
         self._placed: dict[tuple[int, int, StagePlan], StageParams] = {}  # (tp, ep, cut) -> stage_params
         self._experts = expert_parameter_names(self.model)
@@ -183,8 +182,9 @@ class Planner:
         dp, tp, pp, cp, ep, dp_shard = dims.dp, dims.tp, dims.pp, dims.cp, dims.ep, dims.dp_shard
         microbatches, schedule, virtual_stages = parallel.microbatches, parallel.schedule, parallel.virtual_stages
         recompute = parallel.recompute
-        # (its answer kept: it reads the model's experts, the same for every mesh; the plan is one the checks keep)
-        self._memo(("modelled", id(plan), ep, pp, stage_plan.loop_count),
+        # (its answer kept: it reads the model's experts, the same for every mesh, and the plan, which the
+        # checks make from tp, sequence parallelism, ep and the cut)
+        self._memo(("modelled", plan.tp, plan.sequence_parallel, ep, stage_plan),
                    lambda: check_modelled(self.model, model_type=self.config.model_type, plan=plan, ep=ep, stages=pp,
                                           loop_count=stage_plan.loop_count))
         split = sequence_split(cp=cp, tp=tp, sequence_parallel=plan.sequence_parallel)
@@ -283,7 +283,7 @@ class Planner:
                                    grad_sum=summed, pieces=fsdp.pieces if fsdp else None)
             comm = stage_traffic(s, parallel=parallel, plan=plan, trace=base, stage_of=stage_of, act_elem=param_elem,
                                  param_elem=param_elem, grad_elem=grad_elem, grads=grads, backend=backend,
-                                 experts=experts_calls, memo=self._traffic)
+                                 experts=experts_calls, kept=self._kept)
             comm.update(fsdp.comm if fsdp else {})
             others = set(stage_plan.heads) if s == pp - 1 else set()
             if s == 0:

@@ -157,12 +157,11 @@ def bucket_traffic(buckets: Sequence[Bucket], *, ranks: int, zero: bool, backend
 
 def stage_traffic(s: int, *, parallel: ParallelConfig, plan: TpPlan, trace: Trace, stage_of: Callable[[str], int],
                   act_elem: int, param_elem: int, grad_elem: int, grads: StageGradients, backend: str = "nccl",
-                  experts: tuple[ExpertCall, ...] = (), memo: dict | None = None) -> dict[str, GroupTraffic]:
+                  experts: tuple[ExpertCall, ...] = (), kept: Callable | None = None) -> dict[str, GroupTraffic]:
     """Stage ``s``'s traffic under ``parallel`` (its degrees, microbatches, chunks, recomputation and
     float16's loss scaling); ``grads``: what the stage reduces; ``experts``: the trace's experts calls
-    (in the compute dtype); ``memo``: a dict kept across calls with the same ``plan``, ``trace`` and
-    ``stage_of`` objects alive (the planner's), where a microbatch's tp collectives are kept per stage
-    (the same at every dp, dp_shard and microbatch count)."""
+    (in the compute dtype); ``kept``: the planner's ``Planner._kept``, which keeps a microbatch's tp
+    collectives per stage, plan and trace (the same at every dp, dp_shard and microbatch count)."""
     dims, microbatches, recompute = parallel.dims, parallel.microbatches, parallel.recompute
     dp, tp, pp, cp = dims.dp, dims.tp, dims.pp, dims.cp
     buckets, zero = grads.buckets, grads.zero
@@ -176,13 +175,11 @@ def stage_traffic(s: int, *, parallel: ParallelConfig, plan: TpPlan, trace: Trac
     # sequence parallelism sends each tp rank's slice between stages; the receiver gathers them
     wire = tp if plan.sequence_parallel else 1
     if tp > 1:
-        key = (s, id(plan), id(trace), id(stage_of), act_elem, recompute)
-        if memo is None or key not in memo:
-            found = _tp_microbatch(s, plan=plan, trace=trace, stage_of=stage_of, act_elem=act_elem, recompute=recompute)
-            if memo is None:
-                memo = {}
-            memo[key] = (found, (plan, trace, stage_of))  # the objects kept alive: their ids stay theirs
-        ops = defaultdict(lambda: [0, 0], {op: list(v) for op, v in memo[key][0].items()})
+        def microbatch() -> dict[Collective, list[int]]:
+            return _tp_microbatch(s, plan=plan, trace=trace, stage_of=stage_of, act_elem=act_elem, recompute=recompute)
+
+        found = microbatch() if kept is None else kept(("tp", s, act_elem, recompute), (plan, trace, stage_of), microbatch)
+        ops = defaultdict(lambda: [0, 0], {op: list(v) for op, v in found.items()})  # a copy: added to below
         received = sum(c > 0 for c in chunks) if wire > 1 else 0
         if received:
             calls, nbytes = ops[GATHER]
