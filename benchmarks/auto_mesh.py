@@ -113,7 +113,8 @@ def run(world: int, kind: str, *, rounds: int, steps: int, quick: bool) -> dict:
         calibrate_s = time.perf_counter() - began
         began = time.perf_counter()
         choice = auto_plan(model.config, global_batch=GLOBAL_BATCH, seq_len=SEQ, world_size=world,
-                           device_memory=calibration.memory_bytes, calibration=calibration, model_class=type(model))
+                           device_memory=calibration.memory_bytes, calibration=calibration, model_class=type(model),
+                           exhaustive=True)  # every feasible one measured, and priced again below
         plan_s = time.perf_counter() - began
         feasible = list(choice.feasible)
         keywords = [c.estimate.parallel.keywords() for c in feasible]
@@ -130,7 +131,7 @@ def run(world: int, kind: str, *, rounds: int, steps: int, quick: bool) -> dict:
     out = {"world": world, "model": kind, "calibration": calibration.to_json(), "calibrate_s": calibrate_s,
            "plan_s": plan_s, **_scores(choice, names, measured), "configs": rows}
     again = auto_plan(model.config, global_batch=GLOBAL_BATCH, seq_len=SEQ, world_size=world,
-                      device_memory=after.memory_bytes, calibration=after, model_class=type(model))
+                      device_memory=after.memory_bytes, calibration=after, model_class=type(model), exhaustive=True)
     out["after"] = {"calibration": after.to_json(), **_scores(again, names, measured)}
     by_name = {describe(c.estimate.parallel, c.estimate.micro_batch_size): c.time.seconds for c in again.feasible}
     for row in rows:
@@ -139,7 +140,7 @@ def run(world: int, kind: str, *, rounds: int, steps: int, quick: bool) -> dict:
         loads = _loads(steps)
         routed = auto_plan(model.config, global_batch=GLOBAL_BATCH, seq_len=SEQ, world_size=world,
                            device_memory=calibration.memory_bytes, calibration=calibration, model_class=type(model),
-                           expert_loads=loads)
+                           expert_loads=loads, exhaustive=True)
         out["routed"] = {"expert_loads": loads, **_scores(routed, names, measured)}
         by_name = {describe(c.estimate.parallel, c.estimate.micro_batch_size): c.time.seconds for c in routed.feasible}
         for row in rows:

@@ -110,7 +110,7 @@ def auto(config, *, global_batch: int, seq_len: int, world: int) -> dict:
                        fixed={"mixed_precision": "bf16"}, gpus_per_node=H100.gpus_per_node)
     chosen = prediction(choice.feasible[0].estimate, config)
     runner = choice.runner_up
-    return {**chosen, "search_s": time.perf_counter() - t, "feasible": len(choice.feasible),
+    return {**chosen, "search_s": time.perf_counter() - t, "feasible": len(choice.feasible), "unpriced": choice.unpriced,
             "runner_up": None if runner is None else describe(runner.estimate.parallel, runner.estimate.micro_batch_size),
             "runner_up_tokens_per_s_per_gpu": None if runner is None else runner.time.tokens_per_s / world,
             "why": choice.why}

@@ -12,6 +12,11 @@ chosen: it is ``qn_hf.optimizer``'s option, not the configuration's, and dp_shar
 shards what it shards and more. Options the caller fixes (``fixed``: ``ParallelConfig`` keywords,
 as mixed precision or one degree) are kept in every candidate.
 
+Pricing every candidate takes minutes at a thousand GPUs, so the search prices mesh shapes from
+the lowest floor up (a step's least time at the shape: its matmuls and attention alone,
+``cost.step_floor``) and stops where a floor exceeds the runner-up found so far: what it leaves out
+could be neither chosen nor the runner-up (``auto_plan``).
+
 The ranking is the planner's: fits in ``device_memory`` first, then the predicted step time
 (``cost.step_time`` at the calibration, or at the stated GPU figures, each assumed one named in the
 choice), ties broken by the configuration's own order, so the choice is a function of its inputs
@@ -23,8 +28,9 @@ joining the launched job's process group first if it is not up yet).
 from __future__ import annotations
 
 import datetime
+import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -40,9 +46,9 @@ from ..devices import default_device
 from ..launch.nodes import ranks_per_node
 from ..mesh import init_distributed, launched_world_size
 from .calibration import Calibration
-from .cost import GIB, Hardware, StepTime
+from .cost import GIB, Hardware, StepTime, step_floor
 from .estimate import Planner
-from .search import Candidate, Rejected, evaluate, search
+from .search import Candidate, MeshGroup, Rejected, estimated, evaluate, mesh_groups
 
 AUTO = "auto"  # parallelize's mesh= that asks for this module's choice
 MAX_MICRO_BATCH = 8
@@ -55,8 +61,9 @@ _RECOMPUTE = (Recompute.SELECTIVE, Recompute.FULL)  # tried in this order for wh
 @dataclass(frozen=True)
 class Choice:
     """``auto_plan``'s answer: the chosen configuration with its micro-batch size, predicted step
-    time and peak memory per rank; the runner-up and why it lost; every feasible candidate (the
-    benchmark measures them) and what the search rejected; the figures assumed, not measured."""
+    time and peak memory per rank; the runner-up and why it lost; every feasible candidate priced
+    (all of them under ``exhaustive``: the benchmark measures them), how many were left unpriced, and
+    what the search rejected; the figures assumed, not measured."""
 
     config: ParallelConfig
     micro_batch_size: int
@@ -68,6 +75,7 @@ class Choice:
     rejected: tuple[Rejected, ...] = ()
     assumed: tuple[str, ...] = ()
     device_memory: int = 0
+    unpriced: int = 0  # configurations of the shapes whose floor exceeds the runner-up (auto_plan)
 
     def summary(self) -> str:
         lines = [f"chosen: {describe(self.config, self.micro_batch_size)}: predicted step "
@@ -77,7 +85,9 @@ class Choice:
             up = self.runner_up
             lines.append(f"runner-up: {describe(up.estimate.parallel, up.estimate.micro_batch_size)}: "
                          f"{up.time.seconds * 1e3:.1f} ms ({self.why})")
-        lines.append(f"{plural(len(self.feasible), 'feasible configuration')} ranked")
+        lines.append(f"{plural(len(self.feasible), 'feasible configuration')} ranked"
+                     + (f"; {plural(self.unpriced, 'configuration')} left unpriced (their mesh shape's "
+                        f"matmuls and attention alone are slower than the runner-up)" if self.unpriced else ""))
         if self.assumed:
             lines.append("assumed, not measured (run qn-hf-plan --calibrate): " + ", ".join(self.assumed))
         return "\n".join(lines)
@@ -127,10 +137,17 @@ def micro_batch_sizes(global_batch: int) -> list[int]:
 def auto_plan(config, *, global_batch: int, seq_len: int, world_size: int, device_memory: int,
               calibration: Calibration | None = None, dtype: torch.dtype = torch.float32,
               model_class: type | None = None, fixed: Mapping[str, object] | None = None,
-              gpus_per_node: int | None = None, expert_loads: Sequence[Sequence[float]] | None = None) -> Choice:
+              gpus_per_node: int | None = None, expert_loads: Sequence[Sequence[float]] | None = None,
+              exhaustive: bool = False) -> Choice:
     """Search (module docstring) and rank; ``ValueError`` when nothing fits, naming the closest
     miss and what would make it fit. ``config``: the model's ``PretrainedConfig``; ``expert_loads``:
-    the router's loads per MoE layer and batch (routing.py; None: uniform routing)."""
+    the router's loads per MoE layer and batch (routing.py; None: uniform routing).
+
+    Mesh shapes are priced in the order of their floors (``cost.step_floor``: one configuration of
+    each estimated first); once a shape's floor exceeds the runner-up found so far, it and every
+    later one are left out (``Choice.unpriced``): none of their configurations could be chosen or be
+    the runner-up, so both are an exhaustive search's (``exhaustive=True`` prices every one:
+    ``feasible`` then lists them all)."""
     fixed = dict(fixed or {})
     if "microbatches" in fixed:
         raise ValueError(f"microbatches={fixed['microbatches']} with mesh='auto': the microbatches follow from the "
@@ -139,9 +156,8 @@ def auto_plan(config, *, global_batch: int, seq_len: int, world_size: int, devic
     schedules = _schedules(fixed)
     per_node = gpus_per_node or (calibration.ranks_per_node if calibration else min(world_size, 8))
     hw = Hardware(gpu_memory=device_memory, gpus_per_node=per_node)
-    accepted: list[Candidate] = []
     rejected: list[Rejected] = []
-    hopeless: list[tuple[int, Planner]] = []  # (in accepted, its planner): over the memory before any activation
+    shapes: dict[tuple, _Shape] = {}
     first: Planner | None = None
     for mbs in micro_batch_sizes(global_batch):
         if first is None:
@@ -150,20 +166,39 @@ def auto_plan(config, *, global_batch: int, seq_len: int, world_size: int, devic
         planner = first.at_micro_batch_size(mbs)
         for schedule, chunks in schedules:
             options = {**fixed, "schedule": schedule, "virtual_stages": chunks}
-            found, refused = search(planner, options, gpus=world_size, hw=hw, global_batch=global_batch,
-                                    fixed={a.value: v for a, v in degrees.items() if a in MESH_AXES},
-                                    cp=degrees.get(Axis.CP), ep=degrees.get(Axis.EP), dp_shard=degrees.get(Axis.DP_SHARD),
-                                    calibration=calibration,
-                                    # one stage runs every schedule alike: counted once, as 1F1B
-                                    single_stage=len(schedules) == 1 or schedule == Schedule.ONE_F_ONE_B)
+            groups, refused = mesh_groups(planner, options, gpus=world_size, hw=hw, global_batch=global_batch,
+                                          fixed={a.value: v for a, v in degrees.items() if a in MESH_AXES},
+                                          cp=degrees.get(Axis.CP), ep=degrees.get(Axis.EP),
+                                          dp_shard=degrees.get(Axis.DP_SHARD),
+                                          # one stage runs every schedule alike: counted once, as 1F1B
+                                          single_stage=len(schedules) == 1 or schedule == Schedule.ONE_F_ONE_B)
             rejected += refused
-            for c in found:
-                if not c.fits and fixed.get("recompute") is None:
-                    if _held_besides_activations(c) <= device_memory:
-                        c = _with_recompute(planner, c, hw=hw, calibration=calibration)
-                    else:  # no recomputation makes it fit: tried only if nothing fits (for the closest miss)
-                        hopeless.append((len(accepted), planner))
-                accepted.append(c)
+            for group in groups:
+                d = group.configs[0].dims
+                # at pp=1 a candidate is left out when its larger micro-batch fits (_undominated):
+                # every micro-batch size of such a shape is priced, or left out, together
+                key = (d.dp, d.tp, d.pp, d.cp, d.ep, schedule, chunks) + ((mbs,) if d.pp > 1 else ())
+                shape = shapes.setdefault(key, _Shape())
+                shape.add(planner, group, hw=hw, calibration=calibration, rejected=rejected)
+    accepted: list[Candidate] = []
+    hopeless: list[tuple[int, Planner]] = []  # (in accepted, its planner): over the memory before any activation
+    least: list[float] = []  # the two least predicted times of fitting candidates kept so far
+    unpriced = 0
+    for shape in sorted(shapes.values(), key=lambda s: s.floor):
+        if not exhaustive and len(least) == 2 and shape.floor > least[1] + _CLEAR:
+            unpriced += shape.configs
+            continue
+        found = []
+        for planner, c in shape.priced(hw=hw, calibration=calibration, rejected=rejected):
+            if not c.fits and fixed.get("recompute") is None:
+                if _held_besides_activations(c) <= device_memory:
+                    c = _with_recompute(planner, c, hw=hw, calibration=calibration)
+                else:  # no recomputation makes it fit: tried only if nothing fits (for the closest miss)
+                    hopeless.append((len(accepted), planner))
+            accepted.append(c)
+            found.append(c)
+        # a shape holds every candidate _undominated compares a candidate with: what it keeps is final
+        least = sorted(least + [c.time.seconds for c in _undominated(found) if c.fits])[:2]
     if accepted and not any(c.fits for c in accepted):
         for i, planner in hopeless:
             accepted[i] = _with_recompute(planner, accepted[i], hw=hw, calibration=calibration)
@@ -182,7 +217,48 @@ def auto_plan(config, *, global_batch: int, seq_len: int, world_size: int, devic
     assumed = calibration.assumed if calibration is not None else best.time.assumed
     return Choice(config=best.estimate.parallel, micro_batch_size=best.estimate.micro_batch_size, time=best.time,
                   peak_bytes=best.peak_bytes, runner_up=runner, why=_why(best, runner) if runner else "",
-                  feasible=feasible, rejected=tuple(rejected), assumed=assumed, device_memory=device_memory)
+                  feasible=feasible, rejected=tuple(rejected), assumed=assumed, device_memory=device_memory,
+                  unpriced=unpriced)
+
+
+# A shape is left out only when its floor clears the runner-up by more than _order's rounding (12
+# decimals of a second), so that none of its candidates could tie with the runner-up there either, and
+# by more than the float rounding of the floor's sums against the step time's (1e-15 of a step).
+_CLEAR = 1e-9
+
+
+class _Shape:
+    """A mesh shape's configurations (``search.MeshGroup``: every dp_shard; at pp=1 every micro-batch
+    size), its floor (the least ``step_floor`` of one priced configuration per group), those priced."""
+
+    def __init__(self) -> None:
+        self.floor = math.inf
+        self.configs = 0
+        self._parts: list[tuple[Planner, MeshGroup, list[Candidate], int]] = []
+
+    def add(self, planner: Planner, group: MeshGroup, *, hw: Hardware, calibration: Calibration | None,
+            rejected: list[Rejected]) -> None:
+        """``group``'s first configuration that ``parallelize`` would take, priced with its floor."""
+        self.configs += len(group.configs)
+        for i, parallel in enumerate(group.configs):
+            c = estimated(planner, parallel, zero=group.zero_at(parallel), hw=hw, calibration=calibration,
+                          rejected=rejected)
+            if c is not None:
+                self.floor = min(self.floor, step_floor(c.estimate, hw, calibration))
+                self._parts.append((planner, group, [c], i + 1))
+                return
+
+    def priced(self, *, hw: Hardware, calibration: Calibration | None,
+               rejected: list[Rejected]) -> Iterator[tuple[Planner, Candidate]]:
+        """Every configuration of the shape priced (those ``add`` priced not again), with its planner."""
+        for planner, group, found, rest in self._parts:
+            for c in found:
+                yield planner, c
+            for parallel in group.configs[rest:]:
+                c = estimated(planner, parallel, zero=group.zero_at(parallel), hw=hw, calibration=calibration,
+                              rejected=rejected)
+                if c is not None:
+                    yield planner, c
 
 
 def _schedules(fixed: Mapping[str, object]) -> tuple[tuple[Schedule, int], ...]:

@@ -58,7 +58,8 @@ train), or without one at the stated --tflops and link figures (every figure the
 --auto prints the configuration ``parallelize(model, mesh="auto", global_batch=B, seq_len=L)`` would
 choose (planner/auto.py: the fastest predicted among those that fit --gpu-memory), its step time
 and memory, and the runner-up with why it lost; degrees, --dtype, --recompute and
---sequence-parallel given are kept.
+--sequence-parallel given are kept. It prices mesh shapes from the lowest floor up and leaves those
+that cannot beat the runner-up unpriced (said, with how many); --exhaustive prices every one.
 
 --calibrate OUT.json measures this machine's figures (planner/calibrate.py: matmul rates by shape in
 float32 and --dtype, attention, per-op latency, collectives by group size, overlap) and writes them:
@@ -212,6 +213,9 @@ def main(argv: list[str] | None = None, *, step_seconds: StepSeconds | None = No
     parser.add_argument("--auto", action="store_true",
                         help="with --gpus and --global-batch: the configuration parallelize(mesh='auto') would choose, "
                              "its predicted step time and memory, and the runner-up with why it lost")
+    parser.add_argument("--exhaustive", action="store_true",
+                        help="with --auto: price every configuration, also those whose mesh shape cannot beat the "
+                             "runner-up (the same choice, slower; every feasible one then counted)")
     parser.add_argument("--expert-loads", metavar="FILE.json", default=None,
                         help="a model with routed experts: per MoE layer and batch, the (token, expert) pairs each expert "
                              "received on your data (a JSON list of lists, as qn_hf.planner.measure_expert_loads "
@@ -320,7 +324,8 @@ def run_auto(args: argparse.Namespace, config, *, seq_len: int, hw: Hardware, ca
     try:
         choice = auto_plan(config, global_batch=args.global_batch, seq_len=seq_len, world_size=args.gpus,
                            device_memory=args.gpu_memory, calibration=calibration, fixed=fixed,
-                           gpus_per_node=args.gpus_per_node, expert_loads=args.expert_loads)
+                           gpus_per_node=args.gpus_per_node, expert_loads=args.expert_loads,
+                           exhaustive=args.exhaustive)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -330,7 +335,8 @@ def run_auto(args: argparse.Namespace, config, *, seq_len: int, hw: Hardware, ca
                                      "config": choice.config.keywords()},
                           "runner_up": None if up is None else {**to_json(up.estimate, hw, calibration),
                                                                 "config": up.estimate.parallel.keywords()},
-                          "why": choice.why, "feasible": len(choice.feasible), "assumed": list(choice.assumed)},
+                          "why": choice.why, "feasible": len(choice.feasible), "unpriced": choice.unpriced,
+                          "assumed": list(choice.assumed)},
                          indent=1, default=str))
         return
     print(f"{config.model_type}: {args.gpus} GPUs, a global batch of {args.global_batch} x {seq_len} tokens")

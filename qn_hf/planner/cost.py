@@ -166,9 +166,10 @@ def compute_dtype(est: MeshEstimate) -> str:
     return str(precision.dtype).removeprefix("torch.") if precision is not None else est.dtype
 
 
-def compute_seconds(est: MeshEstimate, s: StageEstimate, cal: Calibration) -> tuple[float, float, float, float]:
-    """One microbatch's forward and backward on a rank of stage ``s``, without recomputation:
-    (all of it, of which attention, other ops, zb_h1's deferred weight gradients)."""
+def _kernels(est: MeshEstimate, s: StageEstimate, cal: Calibration) -> tuple[float, float, float]:
+    """One microbatch's matmuls, attention and zb_h1's deferred weight gradients on a rank of stage
+    ``s``, at the calibration's rates: the least its forward and backward take (``compute_seconds``
+    adds the other ops), read from the stage's FLOPs and the mesh's shape alone (``step_floor``)."""
     dtype = compute_dtype(est)
     rows = est.tokens_per_microbatch / est.cp
     width = max(est.hidden_size // est.tp, 1)
@@ -182,10 +183,16 @@ def compute_seconds(est: MeshEstimate, s: StageEstimate, cal: Calibration) -> tu
                    / cal.grouped_rate(dtype, rows=expert_rows * est.expert_imbalance, width=width))
     blocks = sum(b - a for a, b in s.chunks)
     attention = cal.attention_fit(dtype).seconds(s.attention_flops_per_microbatch / est.cp, calls=blocks * est.cp)
-    others = cal.op.seconds(s.op_bytes_per_microbatch, calls=s.ops_per_microbatch)
     weight = s.weight_grad_flops_per_microbatch / est.cp / rate
     # the kernels composed into a step run slower than alone (calibration.compute_scale)
-    matmul, attention, others, weight = (t * cal.compute_scale for t in (matmul, attention, others, weight))
+    return matmul * cal.compute_scale, attention * cal.compute_scale, weight * cal.compute_scale
+
+
+def compute_seconds(est: MeshEstimate, s: StageEstimate, cal: Calibration) -> tuple[float, float, float, float]:
+    """One microbatch's forward and backward on a rank of stage ``s``, without recomputation:
+    (all of it, of which attention, other ops, zb_h1's deferred weight gradients)."""
+    matmul, attention, weight = _kernels(est, s, cal)
+    others = cal.op.seconds(s.op_bytes_per_microbatch, calls=s.ops_per_microbatch) * cal.compute_scale
     if not cal.on_cpu:  # the host launches ahead of the device: the larger of launching and running
         launching = cal.op.latency * s.ops_per_microbatch
         running = matmul + attention + s.op_bytes_per_microbatch / cal.op.rate
@@ -302,3 +309,24 @@ def step_time(est: MeshEstimate, hw: Hardware, calibration: Calibration | None =
                     assumed=cal.assumed + ((NO_WAITS,) if cal.waits is None and est.world_size > 1
                                            and NO_WAITS not in cal.assumed else ())
                     + ((ROUTING_UNIFORM,) if est.ep > 1 and not est.routing_measured else ()))
+
+
+def step_floor(est: MeshEstimate, hw: Hardware, calibration: Calibration | None = None) -> float:
+    """A least step time for ``est``'s mesh shape (its degrees but dp_shard, schedule, microbatches):
+    ``step_time`` of ``est`` at any dp_shard and any recomputation is at least this, which lets a
+    search pass over the shapes whose floor a priced configuration already beats. It is the pipeline's
+    makespan with each op at its matmuls and attention alone (``_kernels``: the same at every dp_shard
+    and recomputation): ``step_time`` runs the same lists with each op costing that and more (the
+    other ops, communication, waits, the forward again), a list's makespan never shrinks as an op
+    grows (``schedule_check.timed``), and what it adds once a step (reductions less their overlap,
+    the optimizer) is not negative while the overlap is at most 1 (0 past that: no floor)."""
+    cal = machine(hw, calibration, world_size=est.world_size)
+    if cal.overlap > 1:
+        return 0.0
+    costs = []
+    for s in est.stages:
+        matmul, attention, weight = _kernels(est, s, cal)
+        costs.append(op_costs(compute=matmul + attention, weight=weight, comm=0.0, recompute=None,
+                              schedule=est.schedule, virtual_stages=est.virtual_stages))
+    return pipeline_timing(stages=est.pp, microbatches=est.microbatches, schedule=est.schedule,
+                           virtual_stages=est.virtual_stages, costs=costs).makespan

@@ -118,7 +118,41 @@ def search(planner: Planner, options: Mapping[str, object], *, gpus: int, hw: Ha
     at ``calibration`` (``cost.step_time``; None: ``hw``'s stated figures). ``single_stage`` False: the
     meshes with pp > 1 only (one stage runs every schedule alike: a caller searching several
     schedules prices it under one)."""
-    accepted, rejected = [], []
+    groups, rejected = mesh_groups(planner, options, gpus=gpus, hw=hw, zero=zero, microbatches=microbatches,
+                                   global_batch=global_batch, fixed=fixed, cp=cp, max_cp=max_cp, ep=ep,
+                                   dp_shard=dp_shard, single_stage=single_stage)
+    accepted = []
+    for group in groups:
+        for parallel in group.configs:
+            found = estimated(planner, parallel, zero=group.zero_at(parallel), hw=hw, calibration=calibration,
+                              rejected=rejected)
+            if found is not None:
+                accepted.append(found)
+    accepted.sort(key=lambda c: (not c.fits, -c.time.tokens_per_s))
+    return accepted, rejected
+
+
+@dataclass(frozen=True)
+class MeshGroup:
+    """One mesh shape's configurations (dp, tp, pp, cp, ep, its microbatches and the options), at
+    each dp_shard searched: they share the stages' compute (a step's floor, ``cost.step_floor``)."""
+
+    configs: tuple[ParallelConfig, ...]
+    zero: bool  # ZeRO-1 asked for
+    dp_shard_given: bool  # False: enumerated, and ZeRO-1 applies at dp_shard=1 only (module docstring)
+
+    def zero_at(self, parallel: ParallelConfig) -> bool:
+        """Whether ``parallel`` (one of ``configs``) is estimated with ZeRO-1."""
+        return self.zero and (self.dp_shard_given or parallel.dims.dp_shard == 1)
+
+
+def mesh_groups(planner: Planner, options: Mapping[str, object], *, gpus: int, hw: Hardware, zero: bool = False,
+                microbatches: int | None = None, global_batch: int | None = None, fixed: dict[str, int] | None = None,
+                cp: int | None = None, max_cp: int = MAX_CP, ep: int | None = 1, dp_shard: int | None = 1,
+                single_stage: bool = True) -> tuple[list[MeshGroup], list[Rejected]]:
+    """``search``'s configurations, not yet estimated, one ``MeshGroup`` per (mesh, ep), and the
+    meshes refused before any estimate (the global batch at a dp, a degree ``ParallelConfig`` refuses)."""
+    groups, rejected = [], []
     cp = 1 if cp is None and ep is not None and ep > 1 else cp
     fixed = fixed or {}
     for dp, tp, pp, c in meshes(gpus, gpus_per_node=hw.gpus_per_node, cp=cp, max_cp=max_cp):
@@ -132,17 +166,35 @@ def search(planner: Planner, options: Mapping[str, object], *, gpus: int, hw: Ha
             continue
         for e in [ep] if ep is not None else expert_degrees(planner.experts, dp=dp, tp=tp, cp=c, cp_given=cp is not None):
             shards = [d for d in range(1, dp + 1) if dp % d == 0] if dp_shard is None else [dp_shard]
+            configs = []
             for shard in shards:
                 try:
-                    parallel = at_mesh(options, dp=dp, tp=tp, pp=pp, cp=c, ep=e, dp_shard=shard, microbatches=steps)
-                    est = planner.estimate(parallel, zero=zero and (shard == 1 or dp_shard is not None))
+                    configs.append(at_mesh(options, dp=dp, tp=tp, pp=pp, cp=c, ep=e, dp_shard=shard, microbatches=steps))
                 except ValueError as error:
-                    if not any((r.dp, r.tp, r.pp, r.cp, r.reason) == (dp, tp, pp, c, str(error)) for r in rejected):
-                        rejected.append(Rejected(dp=dp, tp=tp, pp=pp, cp=c, ep=e, dp_shard=shard, reason=str(error)))
-                    continue  # (the same reason at another ep or dp_shard is listed once)
-                accepted.append(evaluate(est, hw=hw, calibration=calibration))
-    accepted.sort(key=lambda c: (not c.fits, -c.time.tokens_per_s))
-    return accepted, rejected
+                    _refused(rejected, Rejected(dp=dp, tp=tp, pp=pp, cp=c, ep=e, dp_shard=shard, reason=str(error)))
+            if configs:
+                groups.append(MeshGroup(configs=tuple(configs), zero=zero, dp_shard_given=dp_shard is not None))
+    return groups, rejected
+
+
+def estimated(planner: Planner, parallel: ParallelConfig, *, zero: bool, hw: Hardware,
+              calibration: Calibration | None, rejected: list[Rejected]) -> Candidate | None:
+    """``parallel`` estimated and priced, or None with the reason ``parallelize`` would refuse it
+    added to ``rejected``."""
+    try:
+        est = planner.estimate(parallel, zero=zero)
+    except ValueError as error:
+        d = parallel.dims
+        _refused(rejected, Rejected(dp=d.dp, tp=d.tp, pp=d.pp, cp=d.cp, ep=d.ep, dp_shard=d.dp_shard, reason=str(error)))
+        return None
+    return evaluate(est, hw=hw, calibration=calibration)
+
+
+def _refused(rejected: list[Rejected], refusal: Rejected) -> None:
+    """``refusal`` listed unless the same mesh was refused for the same reason at another ep or dp_shard."""
+    r = refusal
+    if not any((o.dp, o.tp, o.pp, o.cp, o.reason) == (r.dp, r.tp, r.pp, r.cp, r.reason) for o in rejected):
+        rejected.append(refusal)
 
 
 def expert_degrees(experts: int, *, dp: int, tp: int, cp: int, cp_given: bool) -> list[int]:
