@@ -92,8 +92,9 @@ class Action:
 
     def __post_init__(self) -> None:
         # Accept the op's string value too (``Action("fwd", 0)``), so equality and hashing only
-        # ever see Op members.
-        object.__setattr__(self, "op", Op(self.op))
+        # ever see Op members (a member kept as it is: a search builds millions of actions).
+        if type(self.op) is not Op:
+            object.__setattr__(self, "op", Op(self.op))
 
     def __repr__(self) -> str:
         text = f"{self.op.short}{self.mb}"

@@ -28,9 +28,10 @@ joining the launched job's process group first if it is not up yet).
 from __future__ import annotations
 
 import datetime
+import heapq
 import math
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -48,7 +49,8 @@ from ..mesh import init_distributed, launched_world_size
 from .calibration import Calibration
 from .cost import GIB, Hardware, StepTime, step_floor
 from .estimate import Planner
-from .search import Candidate, MeshGroup, Rejected, estimated, evaluate, mesh_groups
+from .search import Candidate, Rejected, evaluate, mesh_groups
+from .shapes import MeshShape
 
 AUTO = "auto"  # parallelize's mesh= that asks for this module's choice
 MAX_MICRO_BATCH = 8
@@ -75,7 +77,7 @@ class Choice:
     rejected: tuple[Rejected, ...] = ()
     assumed: tuple[str, ...] = ()
     device_memory: int = 0
-    unpriced: int = 0  # configurations of the shapes whose floor exceeds the runner-up (auto_plan)
+    unpriced: int = 0  # configurations slower than the runner-up by their compute, or over the memory by their state
 
     def summary(self) -> str:
         lines = [f"chosen: {describe(self.config, self.micro_batch_size)}: predicted step "
@@ -86,8 +88,9 @@ class Choice:
             lines.append(f"runner-up: {describe(up.estimate.parallel, up.estimate.micro_batch_size)}: "
                          f"{up.time.seconds * 1e3:.1f} ms ({self.why})")
         lines.append(f"{plural(len(self.feasible), 'feasible configuration')} ranked"
-                     + (f"; {plural(self.unpriced, 'configuration')} left unpriced (their mesh shape's "
-                        f"matmuls and attention alone are slower than the runner-up)" if self.unpriced else ""))
+                     + (f"; {plural(self.unpriced, 'configuration')} left unpriced (slower than the runner-up by "
+                        f"their matmuls and attention alone, or over the memory by their state alone)"
+                        if self.unpriced else ""))
         if self.assumed:
             lines.append("assumed, not measured (run qn-hf-plan --calibrate): " + ", ".join(self.assumed))
         return "\n".join(lines)
@@ -143,11 +146,13 @@ def auto_plan(config, *, global_batch: int, seq_len: int, world_size: int, devic
     miss and what would make it fit. ``config``: the model's ``PretrainedConfig``; ``expert_loads``:
     the router's loads per MoE layer and batch (routing.py; None: uniform routing).
 
-    Mesh shapes are priced in the order of their floors (``cost.step_floor``: one configuration of
-    each estimated first); once a shape's floor exceeds the runner-up found so far, it and every
-    later one are left out (``Choice.unpriced``): none of their configurations could be chosen or be
-    the runner-up, so both are an exhaustive search's (``exhaustive=True`` prices every one:
-    ``feasible`` then lists them all)."""
+    Mesh shapes are priced in the order of their floors (``cost.step_floor`` from ``Planner.work``,
+    the compute alone, before any estimate: the busiest rank's, then the schedule's lists walked for
+    those that lead); once the least floor left exceeds the runner-up found so far, every shape left
+    is left out (``Choice.unpriced``, with the configurations that, once one fits, hold more than the
+    memory before any activation): none of its configurations could be chosen or be the runner-up,
+    so both are an exhaustive search's (``exhaustive=True`` prices every one: ``feasible`` then lists
+    them all)."""
     fixed = dict(fixed or {})
     if "microbatches" in fixed:
         raise ValueError(f"microbatches={fixed['microbatches']} with mesh='auto': the microbatches follow from the "
@@ -157,7 +162,7 @@ def auto_plan(config, *, global_batch: int, seq_len: int, world_size: int, devic
     per_node = gpus_per_node or (calibration.ranks_per_node if calibration else min(world_size, 8))
     hw = Hardware(gpu_memory=device_memory, gpus_per_node=per_node)
     rejected: list[Rejected] = []
-    shapes: dict[tuple, _Shape] = {}
+    shapes: dict[tuple, MeshShape] = {}
     first: Planner | None = None
     for mbs in micro_batch_sizes(global_batch):
         if first is None:
@@ -178,21 +183,35 @@ def auto_plan(config, *, global_batch: int, seq_len: int, world_size: int, devic
                 # at pp=1 a candidate is left out when its larger micro-batch fits (_undominated):
                 # every micro-batch size of such a shape is priced, or left out, together
                 key = (d.dp, d.tp, d.pp, d.cp, d.ep, schedule, chunks) + ((mbs,) if d.pp > 1 else ())
-                shape = shapes.setdefault(key, _Shape())
-                shape.add(planner, group, hw=hw, calibration=calibration, rejected=rejected)
+                shapes.setdefault(key, MeshShape()).add(planner, group, hw=hw, calibration=calibration, rejected=rejected)
     accepted: list[Candidate] = []
     hopeless: list[tuple[int, Planner]] = []  # (in accepted, its planner): over the memory before any activation
     least: list[float] = []  # the two least predicted times of fitting candidates kept so far
     unpriced = 0
-    for shape in sorted(shapes.values(), key=lambda s: s.floor):
-        if not exhaustive and len(least) == 2 and shape.floor > least[1] + _CLEAR:
-            unpriced += shape.configs
+    # least floor first; a shape's untimed floor is replaced by its timed one (its lists walked) when it
+    # comes up, so that shapes are priced in the order of their timed floors, walked only while they lead
+    queue = [(shape.floor, i, False, shape) for i, shape in enumerate(shapes.values()) if shape.configs]
+    heapq.heapify(queue)
+    while queue:
+        floor, i, timed, shape = heapq.heappop(queue)
+        if not exhaustive and len(least) == 2 and floor > least[1] + _CLEAR:  # so is every one left
+            unpriced += shape.configs + sum(entry[-1].configs for entry in queue)
+            break
+        if not timed and not exhaustive:
+            heapq.heappush(queue, (shape.timed_floor(hw=hw, calibration=calibration), i, True, shape))
             continue
         found = []
-        for planner, c in shape.priced(hw=hw, calibration=calibration, rejected=rejected):
+        # once a configuration fits, one that no recomputation can make fit is not priced (only the
+        # closest miss, named when nothing fits, needs them)
+        for planner, c in shape.priced(hw=hw, calibration=calibration, rejected=rejected,
+                                       held_over=device_memory if least and not exhaustive else None):
+            if c is None:
+                unpriced += 1
+                continue
             if not c.fits and fixed.get("recompute") is None:
                 if _held_besides_activations(c) <= device_memory:
-                    c = _with_recompute(planner, c, hw=hw, calibration=calibration)
+                    c = _with_recompute(planner, c, hw=hw, calibration=calibration,
+                                        above=least[1] + _CLEAR if len(least) == 2 and not exhaustive else math.inf)
                 else:  # no recomputation makes it fit: tried only if nothing fits (for the closest miss)
                     hopeless.append((len(accepted), planner))
             accepted.append(c)
@@ -227,40 +246,6 @@ def auto_plan(config, *, global_batch: int, seq_len: int, world_size: int, devic
 _CLEAR = 1e-9
 
 
-class _Shape:
-    """A mesh shape's configurations (``search.MeshGroup``: every dp_shard; at pp=1 every micro-batch
-    size), its floor (the least ``step_floor`` of one priced configuration per group), those priced."""
-
-    def __init__(self) -> None:
-        self.floor = math.inf
-        self.configs = 0
-        self._parts: list[tuple[Planner, MeshGroup, list[Candidate], int]] = []
-
-    def add(self, planner: Planner, group: MeshGroup, *, hw: Hardware, calibration: Calibration | None,
-            rejected: list[Rejected]) -> None:
-        """``group``'s first configuration that ``parallelize`` would take, priced with its floor."""
-        self.configs += len(group.configs)
-        for i, parallel in enumerate(group.configs):
-            c = estimated(planner, parallel, zero=group.zero_at(parallel), hw=hw, calibration=calibration,
-                          rejected=rejected)
-            if c is not None:
-                self.floor = min(self.floor, step_floor(c.estimate, hw, calibration))
-                self._parts.append((planner, group, [c], i + 1))
-                return
-
-    def priced(self, *, hw: Hardware, calibration: Calibration | None,
-               rejected: list[Rejected]) -> Iterator[tuple[Planner, Candidate]]:
-        """Every configuration of the shape priced (those ``add`` priced not again), with its planner."""
-        for planner, group, found, rest in self._parts:
-            for c in found:
-                yield planner, c
-            for parallel in group.configs[rest:]:
-                c = estimated(planner, parallel, zero=group.zero_at(parallel), hw=hw, calibration=calibration,
-                              rejected=rejected)
-                if c is not None:
-                    yield planner, c
-
-
 def _schedules(fixed: Mapping[str, object]) -> tuple[tuple[Schedule, int], ...]:
     """The (schedule, chunks per rank) searched: the fixed schedule alone, interleaved 1F1B alone when
     only ``virtual_stages`` > 1 is fixed, else every one of ``_SCHEDULES``."""
@@ -289,13 +274,17 @@ def _without_microbatches(c: Candidate) -> ParallelConfig:
 
 def _held_besides_activations(c: Candidate) -> int:
     """The most a rank of ``c`` holds besides activations (its state, FSDP's gathered weights and whole
-    gradients): the same under every recomputation, which changes the activations only."""
+    gradients: ``Planner.estimate``'s held_over), the same under every recomputation."""
     return max(s.state_bytes + s.unsharded_bytes for s in c.estimate.stages)
 
 
-def _with_recompute(planner: Planner, c: Candidate, *, hw: Hardware, calibration: Calibration | None) -> Candidate:
-    """``c`` under the first recomputation that makes it fit, else under the last tried."""
+def _with_recompute(planner: Planner, c: Candidate, *, hw: Hardware, calibration: Calibration | None,
+                    above: float = math.inf) -> Candidate:
+    """``c`` under the first recomputation that makes it fit, else under the last tried; one whose floor
+    exceeds ``above`` is not tried (it could be neither chosen nor the runner-up: ``auto_plan``)."""
     for mode in _RECOMPUTE:
+        if step_floor(c.estimate, hw, calibration, recompute=mode) > above:
+            continue
         try:
             est = planner.estimate(replace(c.estimate.parallel, recompute=mode))
         except ValueError:

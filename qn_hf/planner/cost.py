@@ -61,7 +61,7 @@ from ..config.dims import Axis
 from ..config.layout import EXPERTS, REPLICAS, crosses_nodes
 from ..config.options import Recompute
 from .calibration import NO_WAITS, Calibration, Link, assumed
-from .results import MeshEstimate, StageEstimate
+from .results import MeshEstimate, MeshWork, StageEstimate, StageWork
 from .routing import ROUTING_UNIFORM
 from .schedules import op_costs, pipeline_timing
 from .traffic import GroupTraffic
@@ -161,15 +161,16 @@ def _group_seconds(traffic: GroupTraffic, *, ranks: int, link: Link, cal: Calibr
     return cal.collective(Collective.ALL_REDUCE, ranks=ranks, link=link).seconds(traffic.nbytes, calls=traffic.calls)
 
 
-def compute_dtype(est: MeshEstimate) -> str:
+def compute_dtype(est: MeshEstimate | MeshWork) -> str:
     precision = est.parallel.mixed_precision
     return str(precision.dtype).removeprefix("torch.") if precision is not None else est.dtype
 
 
-def _kernels(est: MeshEstimate, s: StageEstimate, cal: Calibration) -> tuple[float, float, float]:
+def _kernels(est: MeshEstimate | MeshWork, s: StageEstimate | StageWork, cal: Calibration) -> tuple[float, float, float]:
     """One microbatch's matmuls, attention and zb_h1's deferred weight gradients on a rank of stage
     ``s``, at the calibration's rates: the least its forward and backward take (``compute_seconds``
-    adds the other ops), read from the stage's FLOPs and the mesh's shape alone (``step_floor``)."""
+    adds the other ops), read from the stage's FLOPs and the mesh's shape alone (an estimate's, or
+    before it a ``MeshWork``'s: ``step_floor``)."""
     dtype = compute_dtype(est)
     rows = est.tokens_per_microbatch / est.cp
     width = max(est.hidden_size // est.tp, 1)
@@ -311,22 +312,27 @@ def step_time(est: MeshEstimate, hw: Hardware, calibration: Calibration | None =
                     + ((ROUTING_UNIFORM,) if est.ep > 1 and not est.routing_measured else ()))
 
 
-def step_floor(est: MeshEstimate, hw: Hardware, calibration: Calibration | None = None) -> float:
-    """A least step time for ``est``'s mesh shape (its degrees but dp_shard, schedule, microbatches):
-    ``step_time`` of ``est`` at any dp_shard and any recomputation is at least this, which lets a
-    search pass over the shapes whose floor a priced configuration already beats. It is the pipeline's
-    makespan with each op at its matmuls and attention alone (``_kernels``: the same at every dp_shard
-    and recomputation): ``step_time`` runs the same lists with each op costing that and more (the
-    other ops, communication, waits, the forward again), a list's makespan never shrinks as an op
-    grows (``schedule_check.timed``), and what it adds once a step (reductions less their overlap,
-    the optimizer) is not negative while the overlap is at most 1 (0 past that: no floor)."""
-    cal = machine(hw, calibration, world_size=est.world_size)
+def step_floor(work: MeshWork | MeshEstimate, hw: Hardware, calibration: Calibration | None = None, *,
+               timed: bool = True, recompute: Recompute | None = None) -> float:
+    """A least step time for a mesh shape (its degrees but dp_shard, schedule, microbatches), from its
+    compute (``Planner.work``, or an estimate): ``step_time`` of any of its configurations, at any
+    dp_shard, at ``recompute`` or any recomputation if None, is at least this (up to float rounding),
+    which lets a search pass over the shapes whose floor a priced configuration already beats. It is
+    the pipeline's makespan with each op at its matmuls and attention alone (``_kernels``: the same at
+    every dp_shard and recomputation; under full recomputation each backward runs them a third more):
+    ``step_time`` runs the same lists with each op costing that and more (the other ops,
+    communication, waits), a list's makespan never shrinks as an op grows (``schedule_check.timed``),
+    and what it adds once a step (reductions less their overlap, the optimizer) is not negative while
+    the overlap is at most 1 (0 past that: no floor). ``timed`` False: the busiest rank's ops end to
+    end, which the makespan is at least, without walking the lists (a long pipeline's walk costs more
+    than an estimate)."""
+    cal = machine(hw, calibration, world_size=work.world_size)
     if cal.overlap > 1:
         return 0.0
-    costs = []
-    for s in est.stages:
-        matmul, attention, weight = _kernels(est, s, cal)
-        costs.append(op_costs(compute=matmul + attention, weight=weight, comm=0.0, recompute=None,
-                              schedule=est.schedule, virtual_stages=est.virtual_stages))
-    return pipeline_timing(stages=est.pp, microbatches=est.microbatches, schedule=est.schedule,
-                           virtual_stages=est.virtual_stages, costs=costs).makespan
+    costs = [op_costs(compute=matmul + attention, weight=weight, comm=0.0, recompute=recompute, schedule=work.schedule,
+                      virtual_stages=work.virtual_stages) for matmul, attention, weight in
+             (_kernels(work, s, cal) for s in work.stages)]
+    if not timed:  # each rank runs every op of its chunks once per microbatch
+        return work.microbatches * work.virtual_stages * max(sum(c.values()) for c in costs)
+    return pipeline_timing(stages=work.pp, microbatches=work.microbatches, schedule=work.schedule,
+                           virtual_stages=work.virtual_stages, costs=costs).makespan

@@ -18,12 +18,9 @@ What is modelled, per rank, for the settings ``parallelize`` and ``qn_hf.optimiz
   own over the ranks holding the same experts: see ``sharded.py``;
 * activations: the bytes one microbatch keeps from its forward to its backward, measured on a
   meta-device forward in the compute dtype with the blocks checkpointed as ``recompute`` sets them
-  (see ``trace.py``; with sequence parallelism, run as one tp rank runs it: ``sequence.py``; with
-  context parallelism on one cp rank's tokens, ring attention's saved tensors included:
-  ``context.py``; with expert parallelism one rank's dispatch at uniform routing: ``experts.py``),
-  with what the stages and the loss add (``activations.py``), per chunk of the model; a rank's peak
-  over its schedule's action list (``schedules.py``: per chunk, the bytes times the microbatches
-  alive from forward to backward, plus zb_h1's W stash from backward to W);
+  (``trace.py``; sequence parallelism's, ring attention's and ep's stand-ins: ``sequence.py``,
+  ``context.py``, ``experts.py``), with what the stages and the loss add (``activations.py``), per
+  chunk; a rank's peak over its schedule's action list (``schedules.py``: with zb_h1's W stash);
 * the schedule's bubble (``schedule`` and ``virtual_stages`` as ``parallelize`` takes them), timed
   on the action lists with per-op costs from the FLOPs of the slowest rank (``schedules.py``);
 * communication by group: see ``traffic.py`` (ZeRO's reduce-scatter and all-gather, recomputation's
@@ -54,10 +51,9 @@ from ..config.options import Recompute
 from ..config.parallel_config import ParallelConfig
 from ..config.sequence import sequence_split
 from ..data_parallel.buckets import bucket_size_bytes
-from ..data_parallel.precision import GRAD_DTYPE, apply_mixed_precision
-from ..expert_parallel.apply import expert_parameter_names, sharded_experts
+from ..data_parallel.precision import GRAD_DTYPE
+from ..expert_parallel.apply import expert_parameter_names
 from ..pipeline.split import StagePlan
-from ..pipeline.weight_grad import WeightGradQueue, make_deferrable
 from ..policies import resolve_policy
 from ..policies.model_policy import ModelPolicy
 from ..step.batch import check_model_inputs
@@ -68,14 +64,16 @@ from .depth import Recorder
 from .experts import moe_regions
 from .memory import RankState, bucket_layout, rank_state
 from .params import StageParams, local_sizes, stage_lookup, stage_params
-from .results import MeshEstimate, StageEstimate
-from .routing import busiest_share, check_loads, uniform_busiest
+from .results import MeshEstimate, MeshWork, StageEstimate
+from .routing import check_loads
 from .schedules import bubble, op_costs, pipeline_timing, rank_peaks
 from .sequence import StageEdges, stage_edges
 from .sharded import sharded_stage
-from .trace import Recording, Trace, example_inputs, record_microbatch
+from .sharded import units as fsdp_units
+from .trace import Recording, Trace, example_inputs, record_microbatch, recording_model
 from .traffic import StageGradients, stage_traffic
 from .unmodelled import check_modelled, modelled_experts
+from .work import deferred_linears, mesh_work
 
 _T = TypeVar("_T")
 
@@ -88,10 +86,8 @@ class Planner:
     each tp reads the same forward through its plan; with sequence parallelism they depend on the tp
     and the stage cut too, so one per tp and cut; under ep one per tp and ep), one sharded meta model
     per (tp, ep) gives the local parameter sizes (``params.py``) and one placement per stage cut, and
-    a configuration's checks are run once for all its dp_shard (``_check``), so enumerating the
-    meshes of a 70B model takes seconds. ``dtype`` is the dtype the model is
-    loaded in; ``mixed_precision`` (per estimate) casts its parameters as ``parallelize`` does.
-    """
+    a configuration's checks are run once for all its dp_shard (``_check``). ``dtype`` is the dtype the
+    model is loaded in; ``mixed_precision`` (per estimate) casts its parameters as ``parallelize`` does."""
 
     def __init__(self, config: PretrainedConfig, *, seq_len: int, micro_batch_size: int,
                  dtype: torch.dtype = torch.float32, policy: ModelPolicy | None = None,
@@ -146,116 +142,67 @@ class Planner:
         # alone is not cast: sharded.py), so they compute in it.
         key = (plan.tp, precision, recompute, edges, cp, ep, loaded_experts)
         if key not in self._traces:
-            shared = edges is None and ep == 1
-            recorded = (None if shared else plan.tp, precision, recompute, edges, cp, ep, loaded_experts)
-            if recorded not in self._recordings:
-                model = self.model
-                if (precision, recompute, cp) != (None, None, 1):
-                    # a model of its own, one per dtype (the pristine one serves the checks): a recording
-                    # leaves the model as it found it (blocks' checkpointing off, stand-ins removed)
-                    model = self._recording_models.get((precision, loaded_experts))
-                    if model is None:
-                        model = meta_model(self.config, cls=self.model_class).to(self.dtype)
-                        if precision is not None:
-                            apply_mixed_precision(model, precision)
-                        for experts in sharded_experts(model).values() if loaded_experts else ():
-                            experts.to(self.dtype)
-                        self._recording_models[(precision, loaded_experts)] = model
-                size = dict(micro_batch_size=self.micro_batch_size, seq_len=self.seq_len)
-                inputs = cp_inputs(**size, cp=cp) if cp > 1 else example_inputs(model, **size)
-                self._recordings[recorded] = self._recorder.record(
-                    model, layers, lambda m: record_microbatch(m, plan, layers=layers, inputs=inputs, recompute=recompute,
-                                                               edges=edges, cp=cp, ep=ep), shortened=edges is None)
-            whole = moe_regions(self.model, plan) if ep > 1 else frozenset()
-            self._traces[key] = self._recordings[recorded].trace(plan, whole=whole)
+            recording = self._recording(plan, layers, precision=precision, recompute=recompute, edges=edges, cp=cp,
+                                        ep=ep, loaded_experts=loaded_experts)
+            self._traces[key] = recording.trace(plan, whole=moe_regions(self.model, plan) if ep > 1 else frozenset())
         return self._traces[key]
 
-    def estimate(self, parallel: ParallelConfig, *, zero: bool = False, backend: str = "nccl") -> MeshEstimate:
+    def _recording(self, plan, layers: str, *, precision: torch.dtype | None, recompute: str | None,
+                   edges: StageEdges | None, cp: int, ep: int, loaded_experts: bool) -> Recording:
+        recorded = (None if edges is None and ep == 1 else plan.tp, precision, recompute, edges, cp, ep, loaded_experts)
+        if recorded not in self._recordings:
+            model = self.model
+            if (precision, recompute, cp) != (None, None, 1):
+                # a model of its own, one per dtype (the pristine one serves the checks): a recording
+                # leaves the model as it found it (blocks' checkpointing off, stand-ins removed)
+                model = self._recording_models.get((precision, loaded_experts))
+                if model is None:
+                    model = self._recording_models[(precision, loaded_experts)] = recording_model(
+                        self.config, cls=self.model_class, dtype=self.dtype, precision=precision,
+                        loaded_experts=loaded_experts)
+            size = dict(micro_batch_size=self.micro_batch_size, seq_len=self.seq_len)
+            inputs = cp_inputs(**size, cp=cp) if cp > 1 else example_inputs(model, **size)
+            self._recordings[recorded] = self._recorder.record(
+                model, layers, lambda m: record_microbatch(m, plan, layers=layers, inputs=inputs, recompute=recompute,
+                                                           edges=edges, cp=cp, ep=ep), shortened=edges is None)
+        return self._recordings[recorded]
+
+    def estimate(self, parallel: ParallelConfig, *, zero: bool = False, backend: str = "nccl",
+                 held_over: int | None = None) -> MeshEstimate | None:
         """Estimate one mesh: ``parallel`` as ``parallelize`` takes it (dp_shard: ``sharded.py``); raises
         the ``ValueError`` ``parallelize`` (or, for a sequence length that sequence or context
         parallelism cannot split, its step; for ZeRO under ep, ``qn_hf.optimizer``) would raise for
         it. ``zero`` as ``qn_hf.optimizer`` takes it (with dp x cp = 1 it shards nothing);
-        ``backend`` is the process group's (ZeRO's collectives differ on gloo, see traffic.py)."""
+        ``backend`` is the process group's (ZeRO's collectives differ on gloo, see traffic.py).
+        ``held_over``: None where a rank holds more bytes than this before any activation (its state,
+        FSDP's gathered weights and whole gradients), found before the traces and the schedule."""
         checked = self._check(parallel, zero=zero)
         plan, stage_plan = checked.tp_plan, checked.stage_plan
         dims = parallel.dims
         dp, tp, pp, cp, ep, dp_shard = dims.dp, dims.tp, dims.pp, dims.cp, dims.ep, dims.dp_shard
-        microbatches, schedule, virtual_stages = parallel.microbatches, parallel.schedule, parallel.virtual_stages
-        recompute = parallel.recompute
-        # (its answer kept: it reads the model's experts, the same for every mesh, and the plan, which the
-        # checks make from tp, sequence parallelism, ep and the cut)
-        self._memo(("modelled", plan.tp, plan.sequence_parallel, ep, stage_plan),
+        microbatches, schedule, recompute = parallel.microbatches, parallel.schedule, parallel.recompute
+        virtual_stages = parallel.virtual_stages
+        # (kept by what it reads: the experts, the plan (tp, ep; under sp the cut too), pp, the looped blocks)
+        self._memo(("modelled", plan.tp, ep, pp, stage_plan.loop_count, plan.sequence_parallel and stage_plan),
                    lambda: check_modelled(self.model, model_type=self.config.model_type, plan=plan, ep=ep, stages=pp,
                                           loop_count=stage_plan.loop_count))
-        split = sequence_split(cp=cp, tp=tp, sequence_parallel=plan.sequence_parallel)
         # train_step's check of the batch, on a meta batch of this length (the trace's inputs)
         check_model_inputs(example_inputs(self.model, micro_batch_size=self.micro_batch_size, seq_len=self.seq_len),
-                           model=self.model, loss=None, sequence_split=split, positions=plan.positions)
-        # The trace splits the sequence as the stages do (raising, as they would, when tp does not divide it).
-        edges = stage_edges(self.model, stage_plan) if plan.sequence_parallel else None
+                           model=self.model, loss=None, positions=plan.positions,
+                           sequence_split=sequence_split(cp=cp, tp=tp, sequence_parallel=plan.sequence_parallel))
         replicas, expert_replicas = dims.replicas, dims.expert_replicas
         zero_experts = zero and ep > 1 and expert_replicas > 1  # the experts' buckets split over their holders
-        zero = zero and replicas > 1
-        precision = None if parallel.mixed_precision is None else parallel.mixed_precision.dtype
-        traced = dict(edges=edges, cp=cp, ep=ep, precision=precision,
-                      loaded_experts=dp_shard > 1 and ep > 1 and expert_replicas == 1 and precision is not None)
-        # the shapes and what a recomputation reruns come from the run without it, in the compute dtype
-        # (without recomputation, the same trace: a microbatch's shapes do not depend on the dtype)
-        base = self._trace(plan, stage_plan.layers, recompute=None, **traced)
-        compute = self._trace(plan, stage_plan.layers, recompute=recompute, **traced)
-        kept = compute.kept
-        # the dispatch's sizes in the compute dtype, its reruns from the trace without recomputation
-        experts_calls = tuple(replace(c, rerun=b.rerun, gather_rerun=b.gather_rerun)
-                              for c, b in zip(compute.experts, base.experts))
-        numels, specs, local_rows = self._local_sizes(plan, ep)
+        zero, precision = zero and replicas > 1, None if parallel.mixed_precision is None else parallel.mixed_precision.dtype
+        _, specs, local_rows = self._local_sizes(plan, ep)
         rows = {**local_rows, **{tie.follower: local_rows[tie.owner] for tie in stage_plan.ties}}  # a later stage's own copy
-        param_dtype = precision or self.dtype
-        param_elem = torch.empty(0, dtype=param_dtype).element_size()
-        grad_elem = torch.empty(0, dtype=GRAD_DTYPE if precision is not None else param_dtype).element_size()
-        if dp_shard > 1:  # FSDP keeps the shards and their gradients in the model's dtype (sharded.py)
-            grad_elem = torch.empty(0, dtype=self.dtype).element_size()
+        param_elem = (precision or self.dtype).itemsize  # FSDP keeps shards and gradients in the model's (sharded.py)
+        grad_elem = (self.dtype if dp_shard > 1 or precision is None else GRAD_DTYPE).itemsize
 
         stage_of = stage_lookup(stage_plan)
-        placed = self._placed.get((plan.tp, ep, stage_plan))  # the same at every dp and dp_shard of a shape
-        if placed is None:
-            placed = self._placed[(plan.tp, ep, stage_plan)] = stage_params(self.model, numels, stage_plan=stage_plan,
-                                                                            stage_of=stage_of)
-        on_stage, embedding, tied, every = [list(h) for h in placed.held], placed.embedding, placed.tied, placed.every
-
-        # per chunk, the same at every dp, dp_shard, microbatch count and schedule of this shape: kept
-        activations = self._kept(("activations", param_elem, cp), (compute, base, plan, stage_plan),
-                                 lambda: chunk_activations(self.model, kept=kept, base=base, plan=plan,
-                                                           stage_plan=stage_plan, act_elem=param_elem, cp=cp))
-        if recompute is Recompute.SELECTIVE:
-            collectives = self._kept(("collectives", param_elem), (base, plan, stage_plan),
-                                     lambda: kept_collectives(base=base, plan=plan, stage_plan=stage_plan,
-                                                              act_elem=param_elem))
-            activations = [a + k for a, k in zip(activations, collectives)]
-        deferred = self._deferred(stage_plan.heads) if schedule.split_backward else frozenset()
-        stash = self._kept(("stash", deferred, param_elem), (base, plan, stage_plan),
-                           lambda: weight_stash(deferred, base=base, plan=plan, stage_plan=stage_plan,
-                                                act_elem=param_elem))
-        layers = stage_plan.layer_ranges[-1][1]  # the blocks a token runs through (a looped module's iterations)
-        if stage_plan.seq2seq is not None:  # the encoder's blocks run too (``layers`` is the decoder's)
-            layers += len(self.model.get_submodule(stage_plan.seq2seq.encoder_layers))
-        tokens = base.tokens * cp  # the whole microbatch's
-        positions = tokens // self.micro_batch_size  # per example: seq_len, or patches + class token
-        attention_per_token = 12 * layers * self.config.hidden_size * positions  # forward + backward
-        # a token runs through K of each MoE layer's E routed experts
-        active = base.experts[0].top_k / base.experts[0].experts if base.experts else 1.0
-        expert_flop_share = active * (ep / tp if ep > 1 else 1)
-        if self.expert_loads is not None:
-            imbalance = busiest_share(self.expert_loads, ep)
-        else:  # the pairs an ep group routes per layer: each tp rank of its dp rows sends 1/tp of its tokens
-            imbalance = uniform_busiest(base.tokens * base.experts[0].top_k * ep / tp if base.experts else 0, ep)
-        grad_sum = set(plan.grad_sum)
-        op_counts = [[0, 0] for _ in range(pp)]  # per stage: ops of one microbatch's forward, bytes they write
-        for name, (count, whole_bytes, split_bytes) in base.ops.items():
-            at = op_counts[stage_of(name)]
-            at[0] += count
-            at[1] += whole_bytes + split_bytes // tp
+        placed = self._placement(plan, ep, stage_plan)
+        on_stage, tied, every = [list(h) for h in placed.held], placed.tied, placed.every
         sharded = self._experts if ep > 1 else frozenset()  # in buckets of their own, over "experts"
-        stages = []
+        held_by = []  # per stage: its buckets, the experts' buckets, FSDP's figures, its state, the experts' parameters
         for s in range(pp):
             # the buckets and FSDP's figures of a stage, the same at every schedule and recomputation: kept
             dense = [p for p in on_stage[s] if p[0] not in sharded]
@@ -269,14 +216,58 @@ class Planner:
                 ("expert buckets", s, ep > 1, grad_elem, parallel.bucket_mb, expert_replicas if zero_experts else 1),
                 (placed,), lambda: bucket_layout(experts, elem=grad_elem, bucket_bytes=bucket_size_bytes(parallel.bucket_mb),
                                                  pad=expert_replicas if zero_experts else 1))
-            kv = {n: numel for n, numel in on_stage[s] if (spec := specs.get(n)) is not None and spec.replicas > 1}
-            summed = {n: numel for n, numel in on_stage[s] if n in grad_sum}
-            reduce_elem = grad_elem if precision is None else torch.empty(0, dtype=GRAD_DTYPE).element_size()
+            reduce_elem = grad_elem if precision is None else GRAD_DTYPE.itemsize
+            groups = None if dp_shard == 1 else self._kept(
+                ("fsdp groups", s, dims.shard_width, expert_replicas, ep > 1), (placed, local_rows, stage_plan),
+                lambda: fsdp_units(on_stage[s], rows, layers=stage_plan.layers, width=dims.shard_width,
+                                   experts=sharded, expert_width=expert_replicas))
             fsdp = None if dp_shard == 1 else self._kept(
                 ("fsdp", s, dims, microbatches, parallel.dp_shard_gather, grad_elem, param_elem, reduce_elem, ep > 1),
                 (placed, local_rows, stage_plan), lambda: sharded_stage(
-                    on_stage[s], rows, parallel=parallel, layers=stage_plan.layers, elem=grad_elem,
-                    compute_elem=param_elem, reduce_elem=reduce_elem, experts=sharded))
+                    groups, parallel=parallel, elem=grad_elem, compute_elem=param_elem, reduce_elem=reduce_elem))
+            zero_sets = ([(buckets, replicas)] if zero else []) + (
+                [(expert_buckets, expert_replicas)] if zero_experts else [])
+            state = rank_state(on_stage[s], sharded=zero_sets, param_elem=param_elem, grad_elem=grad_elem,
+                               mixed=precision is not None) if fsdp is None else RankState(
+                weight_bytes=fsdp.weight_bytes, grad_bytes=fsdp.grad_bytes, master_bytes=0,
+                moment_bytes=fsdp.moment_bytes, step_bytes=fsdp.step_bytes)
+            held_by.append((buckets, expert_buckets, fsdp, state, experts))
+        if held_over is not None and max(state.bytes + (fsdp.gathered_bytes + fsdp.accumulated_grad_bytes if fsdp else 0)
+                                         for _, _, fsdp, state, _ in held_by) > held_over:
+            return None
+        traced = self._traced(parallel, plan, stage_plan)
+        # the shapes and what a recomputation reruns come from the run without it, in the compute dtype
+        # (without recomputation, the same trace: a microbatch's shapes do not depend on the dtype)
+        base = self._trace(plan, stage_plan.layers, recompute=None, **traced)
+        compute = self._trace(plan, stage_plan.layers, recompute=recompute, **traced)
+        kept = compute.kept
+        # the dispatch's sizes in the compute dtype, its reruns from the trace without recomputation
+        experts_calls = tuple(replace(c, rerun=b.rerun, gather_rerun=b.gather_rerun)
+                              for c, b in zip(compute.experts, base.experts))
+        # per chunk, the same at every dp, dp_shard, microbatch count and schedule of this shape: kept
+        activations = self._kept(("activations", param_elem, cp), (compute, base, plan, stage_plan),
+                                 lambda: chunk_activations(self.model, kept=kept, base=base, plan=plan,
+                                                           stage_plan=stage_plan, act_elem=param_elem, cp=cp))
+        if recompute is Recompute.SELECTIVE:
+            collectives = self._kept(("collectives", param_elem), (base, plan, stage_plan),
+                                     lambda: kept_collectives(base=base, plan=plan, stage_plan=stage_plan,
+                                                              act_elem=param_elem))
+            activations = [a + k for a, k in zip(activations, collectives)]
+        deferred = self._deferred(stage_plan.heads) if schedule.split_backward else frozenset()
+        work = self._work(parallel, base=base, placed=placed, stage_plan=stage_plan, deferred=deferred)
+        stash = self._kept(("stash", deferred, param_elem), (base, plan, stage_plan),
+                           lambda: weight_stash(deferred, base=base, plan=plan, stage_plan=stage_plan,
+                                                act_elem=param_elem))
+        grad_sum = set(plan.grad_sum)
+        op_counts = [[0, 0] for _ in range(pp)]  # per stage: ops of one microbatch's forward, bytes they write
+        for name, (count, whole_bytes, split_bytes) in base.ops.items():
+            at = op_counts[stage_of(name)]
+            at[0] += count
+            at[1] += whole_bytes + split_bytes // tp
+        stages = []
+        for s, (buckets, expert_buckets, fsdp, state, experts) in enumerate(held_by):
+            kv = {n: numel for n, numel in on_stage[s] if (spec := specs.get(n)) is not None and spec.replicas > 1}
+            summed = {n: numel for n, numel in on_stage[s] if n in grad_sum}
             grads = StageGradients(buckets=buckets if replicas > 1 and dp_shard == 1 else [],
                                    expert_buckets=expert_buckets if expert_replicas > 1 and dp_shard == 1 else [],
                                    zero=zero, zero_experts=zero_experts, kv=kv, tied=tied[s], every=every[s],
@@ -288,54 +279,81 @@ class Planner:
             others = set(stage_plan.heads) if s == pp - 1 else set()
             if s == 0:
                 others |= {n for n, _ in stage_plan.first_only} | ({stage_plan.entry} if stage_plan.entry else set())
-            zero_sets = ([(buckets, replicas)] if zero else []) + (
-                [(expert_buckets, expert_replicas)] if zero_experts else [])
-            state = rank_state(on_stage[s], sharded=zero_sets, param_elem=param_elem, grad_elem=grad_elem,
-                               mixed=precision is not None) if fsdp is None else RankState(
-                weight_bytes=fsdp.weight_bytes, grad_bytes=fsdp.grad_bytes, master_bytes=0,
-                moment_bytes=fsdp.moment_bytes, step_bytes=fsdp.step_bytes)
             chunks = stage_plan.chunks_of(s)
-            ranges = tuple(stage_plan.layer_ranges[c] for c in chunks)
-            expert_params = sum(n for name, n in on_stage[s] if name in self._experts)
-            params = sum(n for _, n in on_stage[s])
-            # 6 FLOPs per matmul parameter and token (embedding lookups none, routed experts their active share)
-            matmul = params - embedding[s] - expert_params * (1 - expert_flop_share)
-            blocks = sum(b - a for a, b in ranges)
-            attention_flops = attention_per_token * blocks / layers / tp * tokens
-            flops = 6 * matmul * tokens + attention_flops
-            # W: each deferred weight's gradient, 2 FLOPs per element and token
-            weight_flops = 2 * sum(n for name, n in on_stage[s] if name.rpartition(".")[0] in deferred
-                                   and name.endswith(".weight")) * tokens
+            w = work.stages[s]
             held, peak = rank_peaks(stages=pp, microbatches=microbatches, schedule=schedule,
                                     virtual_stages=virtual_stages, stage=s, kept=tuple(activations), stash=tuple(stash))
             stages.append(StageEstimate(
-                stage=s, chunks=ranges, stacks=_stacks(stage_plan, chunks), modules=tuple(sorted(others)), params=params, embedding_params=embedding[s],
+                stage=s, chunks=w.chunks, stacks=w.stacks, modules=tuple(sorted(others)),
+                params=w.params, embedding_params=w.embedding_params,
                 activation_bytes_per_microbatch=sum(activations[c] for c in chunks), in_flight=held.f_to_b,
                 activation_bytes=peak,
-                state=state, comm=comm, expert_params=expert_params,
+                state=state, comm=comm, expert_params=w.expert_params,
                 expert_grad_bytes=fsdp.expert_bytes if fsdp else sum(n for _, n in experts) * grad_elem,
                 weight_stash_bytes_per_microbatch=sum(stash[c] for c in chunks), in_flight_w=held.f_to_w,
                 chunk_activation_bytes=tuple(activations[c] for c in chunks),
-                flops_per_microbatch=flops, weight_grad_flops_per_microbatch=weight_flops,
+                flops_per_microbatch=w.flops_per_microbatch, weight_grad_flops_per_microbatch=w.weight_grad_flops_per_microbatch,
                 gathered_bytes=fsdp.gathered_bytes if fsdp else 0,
                 accumulated_grad_bytes=fsdp.accumulated_grad_bytes if fsdp else 0,
-                attention_flops_per_microbatch=attention_flops,
-                expert_flops_per_microbatch=6 * expert_params * expert_flop_share * tokens,
+                attention_flops_per_microbatch=w.attention_flops_per_microbatch,
+                expert_flops_per_microbatch=w.expert_flops_per_microbatch,
                 param_tensors=len(on_stage[s]), ops_per_microbatch=op_counts[s][0], op_bytes_per_microbatch=op_counts[s][1]))
         slowest = max(stages, key=lambda e: e.flops_per_microbatch)
         costs = op_costs(compute=slowest.flops_per_microbatch, weight=slowest.weight_grad_flops_per_microbatch,
                          comm=0.0, recompute=recompute, schedule=schedule, virtual_stages=virtual_stages)
         timing = pipeline_timing(stages=pp, microbatches=microbatches, schedule=schedule,
                                  virtual_stages=virtual_stages, costs=costs)
-        per_token = 6 * (self.total_params - self._routed * (1 - active)) + attention_per_token
-        return MeshEstimate(parallel=parallel, micro_batch_size=self.micro_batch_size, seq_len=positions,
+        tokens = work.tokens_per_microbatch
+        return MeshEstimate(parallel=parallel, micro_batch_size=self.micro_batch_size, seq_len=work.seq_len,
                             tokens_per_microbatch=tokens, total_params=self.total_params, stages=tuple(stages),
-                            bubble=bubble(timing), flops_per_step=float(per_token * tokens * microbatches * dp),
-                            attention_flops_per_token=attention_per_token,
-                            layers=layers, boundary_bytes=base.boundary_numel * param_elem,
-                            zero=zero or zero_experts, expert_flop_share=expert_flop_share,
-                            expert_imbalance=imbalance, routing_measured=self.expert_loads is not None and ep > 1,
-                            hidden_size=self.config.hidden_size, dtype=str(self.dtype).removeprefix("torch."))
+                            bubble=bubble(timing), flops_per_step=float(work.flops_per_token * tokens * microbatches * dp),
+                            attention_flops_per_token=work.attention_flops_per_token,
+                            layers=work.layers, boundary_bytes=base.boundary_numel * param_elem,
+                            zero=zero or zero_experts, expert_flop_share=work.expert_flop_share,
+                            expert_imbalance=work.expert_imbalance,
+                            routing_measured=self.expert_loads is not None and ep > 1,
+                            hidden_size=self.config.hidden_size, dtype=work.dtype)
+
+    def work(self, parallel: ParallelConfig) -> MeshWork | None:
+        """``parallel``'s compute for one microbatch (work.py: what ``cost.step_floor`` prices) without what
+        ``estimate`` adds: the checks' cut (raising what they refuse, ``estimate``'s first step), the stages'
+        parameters, the tokens and routing of the forward recorded without recomputation (without sequence
+        parallelism, without ep's stand-in: one for every tp and ep); None where it fails (``estimate`` says why)."""
+        checked = self._check(parallel, zero=False)
+        plan, stage_plan = checked.tp_plan, checked.stage_plan
+        traced = self._traced(parallel, plan, stage_plan)
+        traced = {**traced, "ep": 1, "loaded_experts": False} if traced["edges"] is None else traced
+        try:
+            base = self._recording(plan, stage_plan.layers, recompute=None, **traced)
+        except ValueError:
+            return None
+        deferred = self._deferred(stage_plan.heads) if parallel.schedule.split_backward else frozenset()
+        return self._work(parallel, base=base, placed=self._placement(plan, parallel.dims.ep, stage_plan),
+                          stage_plan=stage_plan, deferred=deferred)
+
+    def _traced(self, parallel: ParallelConfig, plan, stage_plan: StagePlan) -> dict:
+        """``_trace``'s keywords for ``parallel`` but the recomputation. The trace splits the sequence as
+        the stages do (raising, as they would, when tp does not divide it); the experts keep the loaded
+        dtype under mixed precision where FSDP shards them whole (sharded.py)."""
+        d = parallel.dims
+        precision = None if parallel.mixed_precision is None else parallel.mixed_precision.dtype
+        return dict(edges=stage_edges(self.model, stage_plan) if plan.sequence_parallel else None, cp=d.cp, ep=d.ep,
+                    precision=precision,
+                    loaded_experts=d.dp_shard > 1 and d.ep > 1 and d.expert_replicas == 1 and precision is not None)
+
+    def _work(self, parallel: ParallelConfig, *, base: Trace | Recording, placed: StageParams, stage_plan: StagePlan,
+              deferred: frozenset[str]) -> MeshWork:
+        return mesh_work(parallel, model=self.model, config=self.config, base=base, placed=placed,
+                         stage_plan=stage_plan, deferred=deferred, experts=self._experts,
+                         micro_batch_size=self.micro_batch_size, total_params=self.total_params, routed=self._routed,
+                         expert_loads=self.expert_loads, dtype=str(self.dtype).removeprefix("torch."))
+
+    def _placement(self, plan, ep: int, stage_plan: StagePlan) -> StageParams:
+        """The stages' parameters at this tp and ep (the same at every dp and dp_shard of a shape: kept)."""
+        if (plan.tp, ep, stage_plan) not in self._placed:
+            self._placed[(plan.tp, ep, stage_plan)] = stage_params(
+                self.model, self._local_sizes(plan, ep)[0], stage_plan=stage_plan, stage_of=stage_lookup(stage_plan))
+        return self._placed[(plan.tp, ep, stage_plan)]
 
     def _check(self, config: ParallelConfig, *, zero: bool) -> CheckedConfig:
         """``check_parallel_config``, the checks ``parallelize`` runs, their pass reused across
@@ -361,12 +379,9 @@ class Planner:
         return self._answers[key][0]
 
     def _deferred(self, heads: tuple[str, ...]) -> frozenset[str]:
-        """The linear modules whose weight gradients zb_h1 defers to W: those ``parallelize`` hands to
-        ``make_deferrable`` (on a meta model of its own, whose layers it swaps)."""
+        """The linears zb_h1 defers (work.deferred_linears), found once."""
         if self._deferrable is None:
-            model = meta_model(self.config, cls=self.model_class).to(self.dtype)
-            names = make_deferrable(model, queue=WeightGradQueue(), skip=heads)
-            self._deferrable = frozenset(n.rpartition(".")[0] for n in names)
+            self._deferrable = deferred_linears(self.config, cls=self.model_class, dtype=self.dtype, heads=heads)
         return self._deferrable
 
     def _local_sizes(self, plan, ep: int = 1) -> tuple[dict[str, int], dict, dict[str, int]]:
@@ -383,10 +398,3 @@ def estimate_mesh(config: PretrainedConfig, parallel: ParallelConfig, *, seq_len
     planner = Planner(config, seq_len=seq_len, micro_batch_size=micro_batch_size, dtype=dtype, policy=policy)
     return planner.estimate(parallel, zero=zero, backend=backend)
 
-
-def _stacks(stage_plan: StagePlan, chunks: Sequence[int]) -> tuple[str, ...]:
-    """The block list each chunk's ``chunks`` range counts in: an encoder-decoder's restart at the decoder."""
-    seq2seq = stage_plan.seq2seq
-    if seq2seq is None:
-        return ()
-    return tuple(seq2seq.encoder_layers if c < seq2seq.encoder_chunks else seq2seq.decoder_layers for c in chunks)

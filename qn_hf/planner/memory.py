@@ -80,6 +80,10 @@ class RankState:
     def optimizer_bytes(self) -> int:
         return self.master_bytes + self.moment_bytes + self.step_bytes
 
+    @property
+    def bytes(self) -> int:
+        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
+
 
 def rank_state(params: list[tuple[str, int]], *, sharded: list[tuple[list[Bucket], int]], param_elem: int,
                grad_elem: int, mixed: bool) -> RankState:

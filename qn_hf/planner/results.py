@@ -1,5 +1,8 @@
 """What the planner gives for one mesh: per stage (``StageEstimate``: what one rank of the stage holds,
-keeps and sends) and for the whole mesh (``MeshEstimate``); ``estimate.py`` computes them."""
+keeps and sends) and for the whole mesh (``MeshEstimate``); ``estimate.py`` computes them. Before it,
+a search may ask for a mesh's compute alone (``MeshWork``: each stage's FLOPs by kind, ``StageWork``),
+what a least step time is priced from (``cost.step_floor``); an estimate's stages carry the same figures
+under the same names."""
 
 from __future__ import annotations
 
@@ -75,32 +78,11 @@ class StageEstimate:
 
 
 @dataclass(frozen=True)
-class MeshEstimate(NamedDegrees):
-    """One mesh's figures; ``parallel`` is the configuration estimated (the degrees, the schedule, the
-    training options), read through the properties below as the tables and JSON name them."""
+class Configured(NamedDegrees):
+    """A value about one configuration (``parallel``: the degrees, the schedule, the training options),
+    read through the properties below as the tables and JSON name them."""
 
     parallel: ParallelConfig
-    micro_batch_size: int
-    seq_len: int  # positions per example (patches + class token for ViT)
-    tokens_per_microbatch: int  # of the whole microbatch (each cp rank runs 1/cp of them)
-    total_params: int
-    stages: tuple[StageEstimate, ...]
-    bubble: float  # the schedule's idle fraction, timed from FLOPs (schedules.py)
-    flops_per_step: float  # training FLOPs of the whole global batch (6 * params * tokens + attention)
-    attention_flops_per_token: int  # 12 * layers * hidden * positions (forward + backward)
-    layers: int
-    boundary_bytes: int  # one microbatch's hidden state between two stages (one cp rank's share)
-    zero: bool = False  # ZeRO-1 as it applies: asked for, and some state has more than one holder
-    # Per token, the share of this rank's routed-expert weights whose matmuls it runs: K/E, and
-    # K*ep/(E*tp) under ep (a tp rank sends 1/tp of the tokens, to E/ep experts held whole); 1: dense.
-    # It is also the rows one expert's products get per token of the rank, at uniform routing.
-    expert_flop_share: float = 1.0
-    hidden_size: int = 0  # the model's (the width of its matrix products, before tp)
-    # under ep, the busiest ep rank's routed pairs over the mean (routing.py): from the router's
-    # measured loads (``routing_measured``) or at uniform routing; 1.0 without ep
-    expert_imbalance: float = 1.0
-    routing_measured: bool = False
-    dtype: str = "float32"  # the loaded model's (mixed precision computes in its own)
 
     @property
     def dims(self) -> ParallelDims:
@@ -147,15 +129,43 @@ class MeshEstimate(NamedDegrees):
         return self.dims.world_size
 
     @property
+    def replicas(self) -> int:
+        """Ranks holding the same shard, whose gradients are summed (and ZeRO's state split): dp x cp."""
+        return self.dims.replicas
+
+
+@dataclass(frozen=True)
+class MeshEstimate(Configured):
+    """One mesh's figures; ``parallel`` is the configuration estimated (the degrees, the schedule, the
+    training options), read through ``Configured``'s properties as the tables and JSON name them."""
+
+    micro_batch_size: int
+    seq_len: int  # positions per example (patches + class token for ViT)
+    tokens_per_microbatch: int  # of the whole microbatch (each cp rank runs 1/cp of them)
+    total_params: int
+    stages: tuple[StageEstimate, ...]
+    bubble: float  # the schedule's idle fraction, timed from FLOPs (schedules.py)
+    flops_per_step: float  # training FLOPs of the whole global batch (6 * params * tokens + attention)
+    attention_flops_per_token: int  # 12 * layers * hidden * positions (forward + backward)
+    layers: int
+    boundary_bytes: int  # one microbatch's hidden state between two stages (one cp rank's share)
+    zero: bool = False  # ZeRO-1 as it applies: asked for, and some state has more than one holder
+    # Per token, the share of this rank's routed-expert weights whose matmuls it runs: K/E, and
+    # K*ep/(E*tp) under ep (a tp rank sends 1/tp of the tokens, to E/ep experts held whole); 1: dense.
+    # It is also the rows one expert's products get per token of the rank, at uniform routing.
+    expert_flop_share: float = 1.0
+    hidden_size: int = 0  # the model's (the width of its matrix products, before tp)
+    # under ep, the busiest ep rank's routed pairs over the mean (routing.py): from the router's
+    # measured loads (``routing_measured``) or at uniform routing; 1.0 without ep
+    expert_imbalance: float = 1.0
+    routing_measured: bool = False
+    dtype: str = "float32"  # the loaded model's (mixed precision computes in its own)
+
+    @property
     def global_batch(self) -> int:
         """Sequences one step trains: dp replicas x microbatches x micro-batch size (cp splits each
         sequence, it adds none)."""
         return self.dp * self.microbatches * self.micro_batch_size
-
-    @property
-    def replicas(self) -> int:
-        """Ranks holding the same shard, whose gradients are summed (and ZeRO's state split): dp x cp."""
-        return self.dims.replicas
 
     @property
     def peak_bytes(self) -> int:
@@ -175,3 +185,36 @@ class MeshEstimate(NamedDegrees):
                 "sequence_parallel": self.sequence_parallel, "cp": d.cp, "ep": d.ep,
                 "expert_flop_share": self.expert_flop_share, "virtual_stages": self.virtual_stages,
                 "dp_shard": d.dp_shard, "dp_shard_gather": self.dp_shard_gather}
+
+
+@dataclass(frozen=True)
+class StageWork:
+    """One stage's compute for one microbatch, as a rank of it runs it (its chunks' blocks, its share
+    of the matmuls under tp and ep), without recomputation: ``StageEstimate``'s fields of these names."""
+
+    chunks: tuple[tuple[int, int], ...]
+    stacks: tuple[str, ...]
+    params: int
+    embedding_params: int
+    expert_params: int
+    flops_per_microbatch: float
+    weight_grad_flops_per_microbatch: float
+    attention_flops_per_microbatch: float
+    expert_flops_per_microbatch: float
+
+
+@dataclass(frozen=True)
+class MeshWork(Configured):
+    """A mesh's compute (``Planner.work``): ``MeshEstimate``'s fields of these names, and per stage
+    ``StageWork``; the same at every dp_shard and recomputation of the mesh's shape."""
+
+    stages: tuple[StageWork, ...]
+    tokens_per_microbatch: int
+    seq_len: int
+    layers: int
+    attention_flops_per_token: int
+    flops_per_token: float  # forward and backward of one token through the whole model
+    expert_flop_share: float
+    expert_imbalance: float
+    hidden_size: int
+    dtype: str

@@ -184,10 +184,15 @@ def estimated(planner: Planner, parallel: ParallelConfig, *, zero: bool, hw: Har
     try:
         est = planner.estimate(parallel, zero=zero)
     except ValueError as error:
-        d = parallel.dims
-        _refused(rejected, Rejected(dp=d.dp, tp=d.tp, pp=d.pp, cp=d.cp, ep=d.ep, dp_shard=d.dp_shard, reason=str(error)))
+        refuse(rejected, parallel, error)
         return None
     return evaluate(est, hw=hw, calibration=calibration)
+
+
+def refuse(rejected: list[Rejected], parallel: ParallelConfig, error: ValueError) -> None:
+    """``parallel``'s refusal added to ``rejected`` (``_refused``)."""
+    d = parallel.dims
+    _refused(rejected, Rejected(dp=d.dp, tp=d.tp, pp=d.pp, cp=d.cp, ep=d.ep, dp_shard=d.dp_shard, reason=str(error)))
 
 
 def _refused(rejected: list[Rejected], refusal: Rejected) -> None:

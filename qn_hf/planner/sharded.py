@@ -82,6 +82,7 @@ class StageUnits:
     blocks: list[Unit]  # each block it holds, in order, its experts apart
     experts: list[Unit]  # the experts modules' own groups (over the expert replicas)
     left_whole: int  # elements of the experts FSDP leaves alone (one expert replica: X = 1)
+    pieces: dict[str, int]  # this rank's elements of each parameter (what tp / tie / pp sums move)
 
 
 def units(held: tuple[tuple[str, int], ...], rows: dict[str, int], *, layers: str, width: int,
@@ -100,7 +101,9 @@ def units(held: tuple[tuple[str, int], ...], rows: dict[str, int], *, layers: st
             block = name[len(layers) + 1:].partition(".")[0] if name.startswith(layers + ".") else ""
             groups.setdefault(block, []).append((shard_numel(numel, rows[name], width), numel))
     root, *blocks = (_unit(g) for g in groups.values())
-    return StageUnits(root=root, blocks=blocks, experts=[_unit(g) for g in own.values()], left_whole=left_whole)
+    pieces = {name: shard_numel(numel, rows[name], expert_width if name in experts else width) for name, numel in held}
+    return StageUnits(root=root, blocks=blocks, experts=[_unit(g) for g in own.values()], left_whole=left_whole,
+                      pieces=pieces)
 
 
 def _unit(params: list[tuple[int, int]]) -> Unit:
@@ -146,18 +149,16 @@ class ShardedStage:
     comm: dict[str, GroupTraffic]
 
 
-def sharded_stage(held: tuple[tuple[str, int], ...], rows: dict[str, int], *, parallel: ParallelConfig, layers: str,
-                  elem: int, compute_elem: int, reduce_elem: int,
-                  experts: frozenset[str] = frozenset()) -> ShardedStage:
+def sharded_stage(stage: StageUnits, *, parallel: ParallelConfig, elem: int, compute_elem: int,
+                  reduce_elem: int) -> ShardedStage:
     """One stage's figures (module docstring) under ``parallel`` (its degrees, microbatches and
-    ``dp_shard_gather``: the pipeline gathers once a step or per microbatch). ``elem``: the model's
-    dtype (shards, their gradients, AdamW's moments); ``compute_elem``: the gathered weights';
-    ``reduce_elem``: the reduction's and the accumulated gradients' (float32 under mixed precision);
-    ``experts``: the ep-sharded experts' parameters, split over the expert replicas (X)."""
+    ``dp_shard_gather``: the pipeline gathers once a step or per microbatch), from its groups
+    (``units`` at ``parallel``'s shard width and expert replicas). ``elem``: the model's dtype (shards,
+    their gradients, AdamW's moments); ``compute_elem``: the gathered weights'; ``reduce_elem``: the
+    reduction's and the accumulated gradients' (float32 under mixed precision)."""
     dims, microbatches = parallel.dims, parallel.microbatches
     pp, width, expert_width = dims.pp, dims.shard_width, dims.expert_replicas
     per_microbatch = parallel.dp_shard_gather is Gather.MICROBATCH
-    stage = units(held, rows, layers=layers, width=width, experts=experts, expert_width=expert_width)
     root, blocks, own = stage.root, stage.blocks, stage.experts
     # whole weights are held padded: each parameter is a view of its all-gather output, W padded shards
     block = max((b.shard * width for b in blocks), default=0)
@@ -179,10 +180,9 @@ def sharded_stage(held: tuple[tuple[str, int], ...], rows: dict[str, int], *, pa
     if dims.dp_replicate > 1:  # each group's reduced shard, after each reduce-scatter
         per_step = microbatches if pp == 1 else 1
         comm["dp_replicate"] = _group({Collective.ALL_REDUCE: (per_step * len(groups), per_step * shard * reduce_elem)})
-    pieces = {name: shard_numel(numel, rows[name], expert_width if name in experts else width) for name, numel in held}
     experts_held = sum(e.shard for e in own) + stage.left_whole
     held_elems = shard + experts_held
     return ShardedStage(weight_bytes=held_elems * elem, grad_bytes=held_elems * elem, moment_bytes=2 * held_elems * elem,
-                        step_bytes=len(held) * STEP_BYTES, gathered_bytes=gathered * compute_elem,
+                        step_bytes=len(stage.pieces) * STEP_BYTES, gathered_bytes=gathered * compute_elem,
                         accumulated_grad_bytes=sum(u.whole for u in groups + own) * reduce_elem if pp > 1 else 0,
-                        expert_bytes=experts_held * elem, pieces=pieces, comm=comm)
+                        expert_bytes=experts_held * elem, pieces=stage.pieces, comm=comm)

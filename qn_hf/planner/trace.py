@@ -41,7 +41,9 @@ from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.pytorch_utils import Conv1D
 
-from ..expert_parallel.apply import experts_modules
+from ..checkpoint.layout import meta_model
+from ..data_parallel.precision import apply_mixed_precision
+from ..expert_parallel.apply import experts_modules, sharded_experts
 from ..memory.recompute import checkpoint_options
 from ..policies.styles import COLUMN_STYLES, WHOLE_STYLES, Style
 from ..policies.task import main_input_name
@@ -364,3 +366,16 @@ def _split_across_tp(name: str, styles: dict[str, Style], roots: _Roots, *, regi
     if above & roots.shared:
         return False
     return bool(above & roots.split)
+
+
+def recording_model(config, *, cls: type | None, dtype: torch.dtype, precision: torch.dtype | None,
+                    loaded_experts: bool) -> nn.Module:
+    """A meta model to record forwards on in the compute dtype: ``config``'s, loaded in ``dtype``, cast
+    as ``parallelize``'s mixed ``precision`` casts it, its routed experts kept in ``dtype`` where
+    ``loaded_experts`` (what FSDP leaves alone is not cast: sharded.py, so they compute in it)."""
+    model = meta_model(config, cls=cls).to(dtype)
+    if precision is not None:
+        apply_mixed_precision(model, precision)
+    for experts in sharded_experts(model).values() if loaded_experts else ():
+        experts.to(dtype)
+    return model

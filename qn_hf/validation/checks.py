@@ -22,7 +22,7 @@ from ..config.composition import Feature, check_composition
 from ..config.dims import ParallelDims
 from ..config.parallel_config import ParallelConfig
 from ..context_parallel.apply import check_context_parallel
-from ..data_parallel.batch_statistics import check_batch_statistics
+from ..data_parallel.batch_statistics import batch_statistics_layers, check_batch_statistics
 from ..expert_parallel.apply import check_expert_parallel, expert_parallel_plan, expert_tp_blocks, token_wise_blocks
 from ..memory.recompute import check_recompute
 from ..pipeline.seq2seq import check_seq2seq_pipeline
@@ -98,8 +98,10 @@ def check_parallel_config(model: nn.Module, config: ParallelConfig | None = None
     kept(("compile", config.compile, config.schedule, cp, ep, cut),
          lambda: check_compile(model, compile=config.compile, schedule=config.schedule, cp=cp, ep=ep,
                                layers=stage_plan.layers))
-    # before recomputation's own check: what BatchNorm refuses holds whatever the blocks are
-    kept(("batch statistics", dims, config.microbatches, config.recompute),
+    # before recomputation's own check: what BatchNorm refuses holds whatever the blocks are (a model
+    # without it passes at every mesh: one answer; its refusals name the degrees, so per mesh otherwise)
+    norms = kept(("batch statistics layers",), lambda: bool(batch_statistics_layers(model)))
+    kept(("batch statistics", *((dims, config.microbatches, config.recompute) if norms else ())),
          lambda: check_batch_statistics(model, dims=dims, microbatches=config.microbatches, recompute=config.recompute))
     for layers in stage_plan.block_lists or (None,):
         kept(("recompute", config.recompute, layers),
@@ -108,7 +110,7 @@ def check_parallel_config(model: nn.Module, config: ParallelConfig | None = None
         check_seq2seq_pipeline(stage_plan.seq2seq, dp_shard=dims.dp_shard, compile=config.compile,
                                sequence_parallel=sp, stages=pp)
     kept(("cp", cp, tp, sp), lambda: check_context_parallel(model, cp=cp, plan=tp_plan))
-    kept(("ep", dims, sp), lambda: check_expert_parallel(model, dims=dims, plan=tp_plan))
+    kept(("ep", ep, tp, sp), lambda: check_expert_parallel(model, dims=dims, plan=tp_plan))  # (it reads ep and the plan)
     tp_plan = kept(("ep plan", tp, sp, ep), lambda: expert_parallel_plan(model, tp_plan, ep=ep))
     if sp:  # MoE blocks route this rank's tokens: as they are (ep), or gathered (expert-TP)
         tp_plan = kept(("sp plan", tp, ep, cut), lambda: sequence_parallel_plan(
