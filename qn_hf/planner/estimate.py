@@ -63,7 +63,7 @@ from .context import cp_inputs
 from .depth import Recorder
 from .experts import moe_regions
 from .memory import RankState, bucket_layout, rank_state
-from .params import StageParams, local_sizes, stage_lookup, stage_params
+from .params import LocalSizes, StageParams, stage_lookup, stage_params
 from .results import MeshEstimate, MeshWork, StageEstimate
 from .routing import check_loads
 from .schedules import bubble, op_costs, pipeline_timing, rank_peaks
@@ -108,7 +108,6 @@ class Planner:
         self.total_params = sum(p.numel() for p in self.model.parameters())
         self._traces: dict[tuple, Trace] = {}  # (tp, precision, recompute, edges, cp, ep, loaded experts)
         self._recordings: dict[tuple, Recording] = {}  # the same, with tp None where one forward serves every tp
-        self._sharded: dict[tuple[int, int], tuple[dict[str, int], dict, dict[str, int]]] = {}
         # (the configuration at dp_shard=1, the features it adds) -> what the checks gave
         self._checked: dict[tuple[ParallelConfig, frozenset[Feature]], CheckedConfig] = {}
         self._answers: dict[tuple, tuple[object, tuple]] = {}  # _kept's
@@ -117,6 +116,8 @@ class Planner:
         self._memo = CheckMemo()  # each check's answer by the values it reads (the tp plan per tp, the cut per pp)
         self._placed: dict[tuple[int, int, StagePlan], StageParams] = {}  # (tp, ep, cut) -> stage_params
         self._experts = expert_parameter_names(self.model)
+        # per (tp, ep): each parameter's elements and rows on a rank, the tp specs
+        self._local_sizes = LocalSizes(config, dtype=dtype, cls=model_class, experts=self._experts)
         self.experts = modelled_experts(self.model)  # routed experts per layer ep may split (0: none)
         self._routed = sum(p.numel() for n, p in self.model.named_parameters() if n in self._experts)
         # per MoE layer and batch, the pairs each expert received (routing.py); None: priced at uniform routing
@@ -383,12 +384,6 @@ class Planner:
         if self._deferrable is None:
             self._deferrable = deferred_linears(self.config, cls=self.model_class, dtype=self.dtype, heads=heads)
         return self._deferrable
-
-    def _local_sizes(self, plan, ep: int = 1) -> tuple[dict[str, int], dict, dict[str, int]]:
-        if (plan.tp, ep) not in self._sharded:
-            self._sharded[(plan.tp, ep)] = local_sizes(self.config, dtype=self.dtype, plan=plan, ep=ep, cls=self.model_class,
-                                                       experts=self._experts)
-        return self._sharded[(plan.tp, ep)]
 
 
 def estimate_mesh(config: PretrainedConfig, parallel: ParallelConfig, *, seq_len: int, micro_batch_size: int,

@@ -18,17 +18,36 @@ from ..pipeline.split import StagePlan, on_every_stage, stage_of_module
 from ..tensor_parallel.apply import apply_tp_plan
 
 
-def local_sizes(config: PretrainedConfig, *, dtype: torch.dtype, plan, ep: int, cls: type | None = None,
-                experts: frozenset[str]) -> tuple[dict[str, int], dict, dict[str, int]]:
-    """Elements of each parameter on one tp rank (every tp rank holds the same sizes), the tp specs,
-    and each parameter's rows there (dim 0, what dp_shard splits; 1 for a scalar); under ep the
-    experts' tp rules are gone from ``plan`` and a rank holds 1/ep of each of the ``experts``
-    tensors (their dim 0)."""
+class LocalSizes:
+    """One model's sizes by (tp plan, ep): elements of each parameter on one tp rank (every tp rank
+    holds the same sizes), the tp specs, and each parameter's rows there (dim 0, what dp_shard splits;
+    1 for a scalar); under ep the experts' tp rules are gone from the plan and a rank holds 1/ep of
+    each of the ``experts`` tensors (their dim 0). Kept: the tp-sharded meta model is built once per
+    tp, and once more for ep > 1, whose plan is the same at every ep (ep takes the experts' rules out)."""
+
+    def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, cls: type | None, experts: frozenset[str]) -> None:
+        self.config, self.dtype, self.cls, self.experts = config, dtype, cls, experts
+        self._shapes: dict[tuple[int, bool], tuple[dict[str, torch.Size], dict]] = {}
+        self._sizes: dict[tuple[int, int], tuple[dict[str, int], dict, dict[str, int]]] = {}
+
+    def __call__(self, plan, ep: int = 1) -> tuple[dict[str, int], dict, dict[str, int]]:
+        if (plan.tp, ep) not in self._sizes:
+            if (plan.tp, ep > 1) not in self._shapes:
+                self._shapes[(plan.tp, ep > 1)] = _tp_shapes(self.config, dtype=self.dtype, plan=plan, cls=self.cls)
+            self._sizes[(plan.tp, ep)] = _at_ep(*self._shapes[(plan.tp, ep > 1)], ep=ep, experts=self.experts)
+        return self._sizes[(plan.tp, ep)]
+
+
+def _tp_shapes(config: PretrainedConfig, *, dtype: torch.dtype, plan, cls: type | None) -> tuple[dict[str, torch.Size], dict]:
     sharded = meta_model(config, cls=cls).to(dtype)
     specs, _ = apply_tp_plan(sharded, plan, tp_rank=0, group=None)  # meta: shapes only, no communication
-    params = dict(sharded.named_parameters())
-    rows = {n: (p.shape[0] // ep if n in experts else p.shape[0]) if p.dim() else 1 for n, p in params.items()}
-    return {n: p.numel() // ep if n in experts else p.numel() for n, p in params.items()}, specs, rows
+    return {n: p.shape for n, p in sharded.named_parameters()}, specs
+
+
+def _at_ep(shapes: dict[str, torch.Size], specs: dict, *, ep: int,
+           experts: frozenset[str]) -> tuple[dict[str, int], dict, dict[str, int]]:
+    rows = {n: (s[0] // ep if n in experts else s[0]) if len(s) else 1 for n, s in shapes.items()}
+    return {n: s.numel() // ep if n in experts else s.numel() for n, s in shapes.items()}, specs, rows
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,24 @@
 """A mesh shape's configurations and its floors, as ``auto_plan`` prices them (auto.py): the
 configurations of one (dp, tp, pp, cp, ep, schedule) at every dp_shard, and at pp=1 at every micro-batch
 size, share the compute a least step time is priced from (``cost.step_floor``), which the search reads
-before it estimates any of them."""
+before it estimates any of them; ``price`` prices shapes from the least floor up until the least
+left exceeds the runner-up found so far.
+
+Exact: a shape is left out only when each of its configurations, at any recomputation, is slower
+than the runner-up by its floor alone, and so could be neither chosen nor the runner-up; full
+recomputation only where its own floor does not exceed it; and, once one configuration fits, one
+that holds more than the memory before any activation (its state) is not priced, as no
+recomputation makes it fit (only the closest miss, named when nothing fits, needs those)."""
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
 
+from ..config.options import Recompute
+from ..config.parallel_config import ParallelConfig
 from .calibration import Calibration
 from .cost import Hardware, step_floor
 from .estimate import Planner
@@ -58,3 +69,104 @@ class MeshShape:
                     refuse(rejected, parallel, error)
                     continue
                 yield planner, None if est is None else evaluate(est, hw=hw, calibration=calibration)
+
+
+RECOMPUTE = (Recompute.SELECTIVE, Recompute.FULL)  # tried in this order for what does not fit without
+
+
+@dataclass
+class Priced:
+    """What ``price`` priced: every candidate, those over the memory before any activation (index in
+    ``accepted``, planner: priced under recomputation only if nothing fits), how many left unpriced, and
+    the refusals named (those known before, then its own)."""
+
+    accepted: list[Candidate]
+    hopeless: list[tuple[int, Planner]]
+    unpriced: int
+    rejected: list[Rejected]
+
+
+def price(shapes: list[MeshShape], *, exhaustive: bool, device_memory: int, recompute: object, hw: Hardware,
+          calibration: Calibration | None, rejected: list[Rejected]) -> Priced:
+    """The shapes priced from the least floor up, until the least floor left exceeds the runner-up
+    found so far (module docstring; ``exhaustive``: every one priced). ``recompute``: the caller's
+    fixed recomputation (None: a configuration that does not fit is tried under ``RECOMPUTE``)."""
+    accepted: list[Candidate] = []
+    hopeless: list[tuple[int, Planner]] = []  # (in accepted, its planner): over the memory before any activation
+    least: list[float] = []  # the two least predicted times of fitting candidates kept so far
+    unpriced = 0
+    # least floor first; a shape's untimed floor is replaced by its timed one (its lists walked) when it
+    # comes up, so that shapes are priced in the order of their timed floors, walked only while they lead
+    queue = [(shape.floor, i, False, shape) for i, shape in enumerate(shapes)]
+    heapq.heapify(queue)
+    while queue:
+        floor, i, timed, shape = heapq.heappop(queue)
+        if not exhaustive and len(least) == 2 and floor > least[1] + _CLEAR:  # so is every one left
+            unpriced += shape.configs + sum(entry[-1].configs for entry in queue)
+            break
+        if not timed and not exhaustive:
+            heapq.heappush(queue, (shape.timed_floor(hw=hw, calibration=calibration), i, True, shape))
+            continue
+        found = []
+        # once a configuration fits, one that no recomputation can make fit is not priced (only the
+        # closest miss, named when nothing fits, needs them)
+        for planner, c in shape.priced(hw=hw, calibration=calibration, rejected=rejected,
+                                       held_over=device_memory if least and not exhaustive else None):
+            if c is None:
+                unpriced += 1
+                continue
+            if not c.fits and recompute is None:
+                if _held_besides_activations(c) <= device_memory:
+                    c = with_recompute(planner, c, hw=hw, calibration=calibration,
+                                        above=least[1] + _CLEAR if len(least) == 2 and not exhaustive else math.inf)
+                else:  # no recomputation makes it fit: tried only if nothing fits (for the closest miss)
+                    hopeless.append((len(accepted), planner))
+            accepted.append(c)
+            found.append(c)
+        # a shape holds every candidate undominated compares a candidate with: what it keeps is final
+        least = sorted(least + [c.time.seconds for c in undominated(found) if c.fits])[:2]
+    return Priced(accepted=accepted, hopeless=hopeless, unpriced=unpriced, rejected=rejected)
+
+
+# A shape is left out only when its floor clears the runner-up by more than _order's rounding (12
+# decimals of a second), so that none of its candidates could tie with the runner-up there either, and
+# by more than the float rounding of the floor's sums against the step time's (1e-15 of a step).
+_CLEAR = 1e-9
+
+
+def undominated(candidates: list[Candidate]) -> list[Candidate]:
+    """Without the pp=1 candidates whose larger micro-batch, otherwise the same, fits too."""
+    largest: dict[tuple, int] = {}
+    for c in candidates:
+        if c.estimate.pp == 1 and c.fits:
+            key = _without_microbatches(c)
+            largest[key] = max(largest.get(key, 0), c.estimate.micro_batch_size)
+    return [c for c in candidates if c.estimate.pp > 1 or not c.fits
+            or c.estimate.micro_batch_size == largest[_without_microbatches(c)]]
+
+
+def _without_microbatches(c: Candidate) -> ParallelConfig:
+    return replace(c.estimate.parallel, microbatches=1)
+
+
+def _held_besides_activations(c: Candidate) -> int:
+    """The most a rank of ``c`` holds besides activations (its state, FSDP's gathered weights and whole
+    gradients: ``Planner.estimate``'s held_over), the same under every recomputation."""
+    return max(s.state_bytes + s.unsharded_bytes for s in c.estimate.stages)
+
+
+def with_recompute(planner: Planner, c: Candidate, *, hw: Hardware, calibration: Calibration | None,
+                    above: float = math.inf) -> Candidate:
+    """``c`` under the first recomputation that makes it fit, else under the last tried; one whose floor
+    exceeds ``above`` is not tried (it could be neither chosen nor the runner-up: ``auto_plan``)."""
+    for mode in RECOMPUTE:
+        if step_floor(c.estimate, hw, calibration, recompute=mode) > above:
+            continue
+        try:
+            est = planner.estimate(replace(c.estimate.parallel, recompute=mode))
+        except ValueError:
+            continue  # a model recomputation does not apply to: as it was
+        c = evaluate(est, hw=hw, calibration=calibration)
+        if c.fits:
+            break
+    return c
