@@ -6,7 +6,8 @@ left exceeds the runner-up found so far.
 
 Exact: a shape is left out only when each of its configurations, at any recomputation, is slower
 than the runner-up by its floor alone, and so could be neither chosen nor the runner-up; full
-recomputation only where its own floor does not exceed it; and, once one configuration fits, one
+recomputation only where its own floor does not exceed it (under a pipeline: at pp=1 whether a larger
+micro-batch fits decides whether a smaller one is kept); and, once one configuration fits, one
 that holds more than the memory before any activation (its state) is not priced, as no
 recomputation makes it fit (only the closest miss, named when nothing fits, needs those)."""
 
@@ -117,8 +118,11 @@ def price(shapes: list[MeshShape], *, exhaustive: bool, device_memory: int, reco
                 continue
             if not c.fits and recompute is None:
                 if _held_besides_activations(c) <= device_memory:
+                    # (not at pp=1, where whether a larger micro-batch fits under a recomputation
+                    # decides whether a smaller one is kept: undominated)
+                    skip = len(least) == 2 and not exhaustive and c.estimate.pp > 1
                     c = with_recompute(planner, c, hw=hw, calibration=calibration,
-                                        above=least[1] + _CLEAR if len(least) == 2 and not exhaustive else math.inf)
+                                       above=least[1] + _CLEAR if skip else math.inf)
                 else:  # no recomputation makes it fit: tried only if nothing fits (for the closest miss)
                     hopeless.append((len(accepted), planner))
             accepted.append(c)
