@@ -64,7 +64,7 @@ class StageEstimate:
 
     @property
     def state_bytes(self) -> int:
-        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
+        return self.state.bytes
 
     @property
     def unsharded_bytes(self) -> int:

@@ -78,20 +78,19 @@ RECOMPUTE = (Recompute.SELECTIVE, Recompute.FULL)  # tried in this order for wha
 @dataclass
 class Priced:
     """What ``price`` priced: every candidate, those over the memory before any activation (index in
-    ``accepted``, planner: priced under recomputation only if nothing fits), how many left unpriced, and
-    the refusals named (those known before, then its own)."""
+    ``accepted``, planner: priced under recomputation only if nothing fits), how many left unpriced."""
 
     accepted: list[Candidate]
     hopeless: list[tuple[int, Planner]]
     unpriced: int
-    rejected: list[Rejected]
 
 
 def price(shapes: list[MeshShape], *, exhaustive: bool, device_memory: int, recompute: object, hw: Hardware,
           calibration: Calibration | None, rejected: list[Rejected]) -> Priced:
     """The shapes priced from the least floor up, until the least floor left exceeds the runner-up
     found so far (module docstring; ``exhaustive``: every one priced). ``recompute``: the caller's
-    fixed recomputation (None: a configuration that does not fit is tried under ``RECOMPUTE``)."""
+    fixed recomputation (None: a configuration that does not fit is tried under ``RECOMPUTE``); the
+    refusals met are added to ``rejected``."""
     accepted: list[Candidate] = []
     hopeless: list[tuple[int, Planner]] = []  # (in accepted, its planner): over the memory before any activation
     least: list[float] = []  # the two least predicted times of fitting candidates kept so far
@@ -129,7 +128,7 @@ def price(shapes: list[MeshShape], *, exhaustive: bool, device_memory: int, reco
             found.append(c)
         # a shape holds every candidate undominated compares a candidate with: what it keeps is final
         least = sorted(least + [c.time.seconds for c in undominated(found) if c.fits])[:2]
-    return Priced(accepted=accepted, hopeless=hopeless, unpriced=unpriced, rejected=rejected)
+    return Priced(accepted=accepted, hopeless=hopeless, unpriced=unpriced)
 
 
 # A shape is left out only when its floor clears the runner-up by more than _order's rounding (12
@@ -164,8 +163,8 @@ def with_recompute(planner: Planner, c: Candidate, *, hw: Hardware, calibration:
     """``c`` under the first recomputation that makes it fit, else under the last tried; one whose floor
     exceeds ``above`` is not tried (it could be neither chosen nor the runner-up: ``auto_plan``)."""
     for mode in RECOMPUTE:
-        if step_floor(c.estimate, hw, calibration, recompute=mode) > above:
-            continue
+        if above < math.inf and step_floor(c.estimate, hw, calibration, recompute=mode) > above:
+            continue  # (its lists walked only where there is a bound to compare with)
         try:
             est = planner.estimate(replace(c.estimate.parallel, recompute=mode))
         except ValueError:
