@@ -24,6 +24,11 @@ Each API, the release that added it, and the fallback:
   of 5.17 to 5.22 computes it (the last ``num_kv_shared_layers`` blocks reuse, each from the last earlier
   block of its kind, which stores).
 
+A name that moved, both spellings read wherever qn_hf reads it:
+
+- The cache a model's and a block's forward take, ``cache`` from transformers 5.24 (``past_key_values``
+  before, still accepted by the model's forward until 5.40): ``CACHE_KWARGS``.
+
 One behaviour of an older release, evened out:
 
 - transformers 5.17's generation loop, with ``synced_gpus`` and no cache, builds an attention mask for a
@@ -46,6 +51,8 @@ from torch.distributed import ProcessGroup
 
 # the flags transformers 5.17's ``use_experts_implementation`` sets on every instance it decorates
 _EXPERTS_FLAGS_5_17 = ("has_gate", "is_concatenated", "is_transposed")
+# the names of the cache argument a forward takes: transformers 5.24's, then 5.17-5.23's
+CACHE_KWARGS = ("cache", "past_key_values")
 # transformers 5.23's name of the per-block list, and the modes in it
 KV_SHARING_MODES = "kv_sharing_modes"
 KV_STORE, KV_REUSE = "store", "reuse"

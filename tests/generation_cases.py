@@ -113,6 +113,8 @@ def full_state(*, model_dirs: dict[str, str], kinds: list[str], dp: int, tp: int
 
 def refusals(*, model_dirs: dict[str, str]) -> dict:
     """What generate refuses, with the fix in the message (a 2-rank world)."""
+    from transformers import DynamicCache
+
     ids = torch.arange(3, 8)[None]
     path = model_dirs["llama"]
     sp = qn_hf.parallelize(load("llama", path), tp=2, sequence_parallel=True, mesh=mesh_for(1, 2))
@@ -123,6 +125,9 @@ def refusals(*, model_dirs: dict[str, str]) -> dict:
         "hidden_states": error_message(lambda: pipeline.generate(ids, max_new_tokens=2, output_hidden_states=True,
                                                                  return_dict_in_generate=True)),
         "vit": error_message(lambda: vit.generate(ids, max_new_tokens=2)),
+        # a cache passed in, under either name (transformers 5.24's cache, past_key_values before)
+        **{name: error_message(lambda name=name: pipeline.generate(ids, max_new_tokens=2, **{name: DynamicCache()}))
+           for name in ("cache", "past_key_values")},
         # a clock read by each rank on its own could stop one rank of the replica before the others
         "max_time": error_message(lambda: pipeline.generate(ids, max_new_tokens=2, max_time=5.0)),
         "tp_max_time": error_message(lambda: sp.generate(ids, max_new_tokens=2, max_time=5.0)),

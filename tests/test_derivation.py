@@ -12,15 +12,20 @@ from transformers import CONFIG_MAPPING
 from qn_hf.check.config_part import config_taken_by
 from qn_hf.check.shrink import shrink_config
 from qn_hf.policies import resolve_policy
+from qn_hf.policies.body import body_policy
 from qn_hf.policies.structure import Role, role_of
 from tests.releases import needs_model_type
 
 
-def _policy(model_type: str, cls: str, **overrides):
+def _model(model_type: str, cls: str, **overrides):
     model_class = getattr(transformers, cls)
     with torch.device("meta"):
-        model = model_class(config_taken_by(shrink_config(CONFIG_MAPPING[model_type](**overrides), builds=model_class), model_class))
-    return resolve_policy(model, None)
+        return model_class(config_taken_by(shrink_config(CONFIG_MAPPING[model_type](**overrides), builds=model_class),
+                                           model_class))
+
+
+def _policy(model_type: str, cls: str, **overrides):
+    return resolve_policy(_model(model_type, cls, **overrides), None)
 
 
 @pytest.mark.parametrize(("path", "role"), [
@@ -139,7 +144,8 @@ def test_a_norm_over_the_split_width_refuses_tp():
 ])
 def test_a_hybrid_stack_splits_its_attention_and_keeps_its_other_mixers_whole(model_type, cls, split, whole):
     needs_model_type(model_type)  # LFM3 is newer than transformers 5.17
-    policy = _policy(model_type, cls)
+    # the structure's reading (transformers 5.24 declares a plan for CodeGen: test_a_plan_held_at_some_tp_only...)
+    policy = body_policy(_model(model_type, cls))
     assert policy.tp_refusal is None
     assert {k: policy.tp_plan[k] for k in split} == split
     assert all(policy.tp_plan[k] == "replicate" for k in whole)
@@ -329,3 +335,32 @@ def test_a_plan_naming_another_models_blocks_leaves_the_body_to_the_structure():
     # multimodal model: dp=2 was refused for it; the body is found from the structure instead
     policy = _policy("llama4", "Llama4ForConditionalGeneration")
     assert policy.layers == "language_model.model.layers", policy.layers
+
+
+@pytest.mark.parametrize(("model_type", "cls", "attention"), [
+    ("qwen2", "Qwen2Model", "layers.*.self_attn"), ("gpt_oss", "GptOssModel", "layers.*.self_attn")])
+def test_a_plan_of_the_embedding_alone_leaves_the_blocks_to_the_structure(model_type, cls, attention):
+    # transformers 5.24 declares {"embed_tokens": "embedding_rowwise"} alone for GPT-OSS, Bamba, LFM2...: the blocks
+    # are split as the structure reads them, not left whole, and the embedding vocabulary-parallel as that plan says
+    model = _model(model_type, cls)
+    model.config.base_model_tp_plan = {"embed_tokens": "embedding_rowwise"}
+    policy = resolve_policy(model, None)
+    assert policy.tp_refusal is None
+    assert policy.tp_plan[f"{attention}.q_proj"] == "colwise" and policy.tp_plan[f"{attention}.o_proj"] == "rowwise"
+    assert policy.tp_plan["embed_tokens"] == "vocab_embedding"
+
+
+def test_a_plan_held_at_some_tp_only_is_refused_at_the_others():
+    from qn_hf.tensor_parallel.plan import build_tp_plan
+
+    # CodeGen's fused q|v|k in 4 blocks: transformers 5.24's colwise plan (declared here for the older releases)
+    # is right where tp divides 4
+    model = _model("codegen", "CodeGenForCausalLM", n_head=8)
+    model.config.base_model_tp_plan = {"h.*.attn.qkv_proj": "colwise", "h.*.attn.out_proj": "rowwise",
+                                       "h.*.mlp.fc_in": "colwise", "h.*.mlp.fc_out": "rowwise"}
+    policy = resolve_policy(model, None)
+    assert policy.transformers_plan and policy.tp_divides[0] == 4
+    for tp in (2, 4):
+        assert build_tp_plan(model, policy, tp=tp).tp == tp
+    with pytest.raises(ValueError, match=r"^tp=8 does not divide 4 for codegen: its qkv_proj .* use a tp among \[1, 2, 4\]"):
+        build_tp_plan(model, policy, tp=8)

@@ -13,6 +13,12 @@ from .sizes import HEAD_DIM, HIDDEN, LAYER_COUNTS, LAYERS, STAGE_DEPTH, is_size
 # Stored counts of blocks beside a num_hidden_layers the config computes from them (a read-only property):
 # Funnel's blocks per stage, ProphetNet's encoder and decoder
 _STORED_COUNTS = ("num_encoder_layers", "num_decoder_layers")
+# the sections a config splits its blocks into, summing to its layer count (Dory: blocks run once, then a
+# recurrent section run n_recurrent_loops times, then blocks run once)
+_SECTIONS = ("n_input_layers", "n_recurrent_layers", "n_output_layers")
+# a layer kind that is the second half of the layer before it in a released layout (Dory's to_dict: each layer an
+# attention entry and an "mlp" entry, counted twice), which the config halves when it finds one
+_HALF_LAYER_KINDS = ("mlp",)
 # a size key naming a width another part must match (an adapter's input, a tower's output for the text
 # model, a flow head's condition): shrunk with the hidden size it equals
 _WIDTH_KEY = re.compile(r"hidden|_dim$|_(input|output)_size$")
@@ -38,6 +44,8 @@ def repaired(merged: dict, *, data: dict, new: dict, config: PretrainedConfig) -
     * a token id beyond the shrunk vocabulary is its last (a CTC head's blank);
     * XLNet's and Funnel's per-head width: the shrunk head width; Mamba 2's heads x head width = expand x
       hidden;
+    * a config whose blocks are sections summing to its count (Dory's input, recurrent, output): one block each
+      before and after, the rest recurrent, in the layout of a layer an entry;
     * a count the config computes (a property: Funnel's num_hidden_layers and num_blocks) is not set: the
       stored counts are (Funnel's
       blocks per stage as a staged tower's, ProphetNet's encoder and decoder layers);
@@ -71,6 +79,14 @@ def repaired(merged: dict, *, data: dict, new: dict, config: PretrainedConfig) -
             out[key] = value[: len(out[key])]
     if is_size(data.get("mamba_d_ssm")) and is_size(out.get("mamba_n_heads")) and is_size(out.get("mamba_d_head")):
         out["mamba_d_ssm"] = out["mamba_n_heads"] * out["mamba_d_head"]  # Falcon-H1: the SSM's width is its heads'
+    if all(is_size(data.get(key)) for key in _SECTIONS) and is_size(out.get("num_hidden_layers")):
+        # one block before and one after the recurrent section, the rest in it, counted a layer an entry (the
+        # released layout's halves dropped: the shrunk count is of layers, at least 3)
+        count = max(3, out["num_hidden_layers"])
+        kinds = [k for k in data.get("layer_types") or [] if k not in _HALF_LAYER_KINDS]
+        out.update(num_hidden_layers=count, n_input_layers=1, n_recurrent_layers=count - 2, n_output_layers=1)
+        if len(kinds) >= count:
+            out["layer_types"] = kinds[:count]
     computed = [key for key in LAYER_COUNTS if key not in data and isinstance(getattr(type(config), key, None), property)]
     if computed:
         for key in computed:

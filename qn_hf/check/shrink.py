@@ -27,6 +27,9 @@ _SIZES: dict[str, int] = {
     "num_attention_heads_per_layer": HEADS,
     "intermediate_size_per_layer": 128, "head_dim": HEAD_DIM,
     "num_hidden_layers": LAYERS, "vocab_size": VOCAB, "max_position_embeddings": 128,
+    # the rows a head keeps of a vocabulary the checkpoint pads (Inkling 2's LM head: 200,058 of 201,024, padded
+    # back on save_pretrained from transformers 5.24, which fails where the padded size is the smaller)
+    "unpadded_vocab_size": VOCAB,
     # mixture of experts
     "num_experts": EXPERTS, "num_local_experts": EXPERTS, "n_routed_experts": EXPERTS, "moe_num_experts": EXPERTS,
     "num_experts_per_tok": 2, "num_experts_per_token": 2, "moe_topk": 2, "moe_k": 2,

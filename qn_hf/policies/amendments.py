@@ -2,9 +2,10 @@
 ``derive_policy``): rules added to it, and architectures whose plan cannot be made right with the
 styles qn_hf has, which then refuse tp > 1 (data and pipeline parallelism still apply).
 
-apertus: the MLP's xIELU activation (``act_fn``) has learnable scalars (``alpha_p``, ``alpha_n``)
-and runs on the column-parallel ``up_proj`` output, i.e. on this rank's share of the intermediate
-features: its gradient is partial per rank and must be summed over tp.
+apertus (and Apertus 1.5's text model): the MLP's xIELU activation (``act_fn``) has learnable scalars
+(``alpha_p``, ``alpha_n``) and runs on the column-parallel ``up_proj`` output, i.e. on this rank's share of
+the intermediate features: its gradient is partial per rank and must be summed over tp. sarvam_moe: the
+per-head query and key norms its plan leaves out, likewise.
 """
 
 from ..compat import KV_REUSE, KV_SHARING_MODES, KV_STORE
@@ -19,6 +20,11 @@ PP_PLANS: dict[str, dict[str, tuple[list[str], list[str]]]] = {
 
 AMENDMENTS: dict[str, dict[str, str]] = {
     "apertus": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
+    "apertus1p5_text": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},  # Apertus' xIELU, likewise
+    # GLM-4-MoE's attention with use_qk_norm on (Sarvam's default): an RMSNorm over each head's width, which sees
+    # only this rank's heads
+    "sarvam_moe": {"layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+                   "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce"},
 }
 
 # model_type -> why tensor parallelism is refused
@@ -32,6 +38,12 @@ REFUSALS: dict[str, str] = {
     "gemma3n_text": "its MLP's activation sparsity (activation_sparsity_pattern) keeps the gate activations above "
                     "a threshold computed from their mean and standard deviation over the whole intermediate "
                     "dimension, which the plan splits across ranks (each rank would use its own slice's statistics)",
+}
+
+# model_type -> (n, why): the plan is right only at a tp that divides n, and refused at any other
+TP_DIVIDES: dict[str, tuple[int, str]] = {
+    "codegen": (4, "its qkv_proj holds the queries, values and keys in 4 blocks (mp_num: the 4 shards CodeGen was "
+                   "trained on) that its forward cuts at a fixed width, so a rank's columns must be whole blocks"),
 }
 
 # model_type -> why context parallelism is refused, where the checks that read the config and the

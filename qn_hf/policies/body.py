@@ -270,8 +270,10 @@ def _tensor_parallel(model: nn.Module, base: nn.Module, embeddings: str | None):
         derived = head_bias_tables(base, derived, stacks=stacks, heads=heads)
         why = derived.refusal
     if why is not None:
-        return {}, {}, (), (), (f"transformers declares no tp plan for {model_type!r} (base_model_tp_plan) and qn_hf "
-                                f"derives none from its structure: {why}"), {}
+        declared = ("transformers' tp plan for {!r} (base_model_tp_plan) does not reach its blocks"
+                    if getattr(config, "base_model_tp_plan", None) else
+                    "transformers declares no tp plan for {!r} (base_model_tp_plan)").format(model_type)
+        return {}, {}, (), (), f"{declared} and qn_hf derives none from its structure: {why}", {}
     tp_plan = dict(derived.tp_plan)
     if embeddings is not None and isinstance(base.get_submodule(embeddings), nn.Embedding):
         # every embedding sharing the input embedding's weight (BART's shared table, each stack's own

@@ -13,7 +13,7 @@ import ast
 from torch import nn
 
 from ..compat import per_layer
-from .amendments import AMENDMENTS, CARRIED_REUSED_BY, KV_SHARED_BY, PP_PLANS, REFUSALS
+from .amendments import AMENDMENTS, CARRIED_REUSED_BY, KV_SHARED_BY, PP_PLANS, REFUSALS, TP_DIVIDES
 from .embedding_types import adapter_for
 from .entries import derive_entries, forward_tree, self_path, self_references
 from .every_stage import every_stage_children, per_block_outputs
@@ -302,6 +302,11 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
         # model, whose blocks sit under language_model): the body is found from the structure (body.py), so
         # data parallelism never waits on a plan that does not fit
         return None
+    if not any(p == layers or p.startswith(layers + ".") for p in hf_plan):
+        # a plan of the embedding alone (transformers 5.24's for GPT-OSS, Bamba, LFM2, Qwen3-VL's text model...)
+        # says nothing of the blocks, where tp does its work: the body found from the structure splits them and the
+        # embedding as that plan does (vocabulary-parallel), rather than leaving every block whole
+        return None
     tp_plan, problems = _translate(base, config, hf_plan)
     rowwise_parents = {p.rpartition(".")[0] for p, style in tp_plan.items() if style == Style.ROWWISE}
     # a module ending in a row layer on a gathered input (colwise_gather, then rowwise_split) may be an
@@ -373,4 +378,5 @@ def derive_policy(model: nn.Module) -> ModelPolicy | None:
         tp_refusal=(f"transformers' tp plan for {config.model_type!r}: {refusal}" if refusal else
                     f"transformers' tp plan for {config.model_type!r} uses {', '.join(problems)}, which qn_hf does not "
                     f"support" if problems else None),
+        tp_divides=TP_DIVIDES.get(config.model_type),
     )

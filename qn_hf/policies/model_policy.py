@@ -92,6 +92,8 @@ class ModelPolicy:
     pp_receive_at_blocks: bool = False
     transformers_plan: bool = False
     tp_refusal: str | None = None
+    # (n, why): transformers' plan holds only at a tp that divides n (CodeGen's 4 blocks of q|v|k); else refused
+    tp_divides: tuple[int, str] | None = None
     # an attention module (pattern) -> the inputs it takes built for every head, and where they hold them
     # (BLOOM's ALiBi bias): each tp rank's module takes its heads' rows (tensor_parallel/hooks.py)
     head_inputs: Mapping[str, Mapping[str, HeadAxis]] = field(default_factory=dict)

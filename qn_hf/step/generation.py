@@ -41,7 +41,7 @@ model, so each runs the loop on whole sequences with the attention that ran befo
 (one token cannot be cut into 2*cp pieces), as the tp ranks of a replica each run it.
 
 Refused (``ValueError`` naming the fix): ep>1 with ``synced_gpus=False``, and at pp>1: ``use_cache=True``, ``inputs_embeds``,
-``past_key_values`` and per-layer outputs (attentions, hidden states: each stage has only its own).
+``past_key_values`` (``cache``) and per-layer outputs (attentions, hidden states: each stage has only its own).
 """
 
 from __future__ import annotations
@@ -53,14 +53,14 @@ import torch
 from torch import nn
 
 from ..comm import flat_broadcast_
-from ..compat import trim_attention_mask
+from ..compat import CACHE_KWARGS, trim_attention_mask
 from ..pipeline.p2p import Link
 from ..pipeline.stage import StageModules
 from ..pipeline.wire import broadcast_announced, empty_header, header_of, read_header
 from ..placement import ShardPlacement
 from ..tensor_parallel.rng import device_rng_state, set_device_rng_state
 
-PP_REFUSED = ("inputs_embeds", "past_key_values")
+PP_REFUSED = ("inputs_embeds", *CACHE_KWARGS)
 PER_LAYER_OUTPUTS = ("output_attentions", "output_hidden_states")
 
 

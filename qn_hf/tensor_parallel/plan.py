@@ -17,7 +17,7 @@ from torch import nn
 from ..config.options import LossKind
 from ..peft.lora import LoraLeaves, lora_rules
 from ..policies.fused import HeadAxis
-from ..policies.heads import HeadLayout, attention_layout, head_layout
+from ..policies.heads import HeadLayout, attention_layout, divisors, head_layout
 from ..policies.layer_fields import layer_values
 from ..policies.model_policy import ModelPolicy
 from ..policies.module_kinds import is_projection
@@ -230,6 +230,10 @@ def build_tp_plan(model: nn.Module, policy: ModelPolicy, *, tp: int, sequence_pa
         raise ValueError(f"policy for {policy.model_type!r} given a {config.model_type!r} model")
     if tp > 1 and policy.tp_refusal:
         raise ValueError(f"tp={tp}: {policy.tp_refusal}; use tp=1 (data and pipeline parallelism still apply)")
+    if tp > 1 and policy.tp_divides is not None and policy.tp_divides[0] % tp:
+        count, why = policy.tp_divides
+        raise ValueError(f"tp={tp} does not divide {count} for {policy.model_type}: {why}; use a tp among "
+                         f"{divisors(count)}")
     # at tp=1 nothing splits heads: a model without attention heads (a state-space or convolution
     # model) has one nominal head then
     layout = (head_layout(config, tp=tp, num_kv_heads_key=policy.num_kv_heads_key) if tp > 1 or _has_heads(config)

@@ -57,6 +57,7 @@ from dataclasses import replace
 
 from torch import nn
 
+from ..compat import CACHE_KWARGS
 from ..pipeline.split import StagePlan
 from ..policies.module_kinds import is_fused_experts, position_wise
 from ..policies.patterns import join
@@ -78,7 +79,7 @@ _ROWS = (Style.ROWWISE, Style.ROWWISE_SPLIT)
 # and the whole regions gather it) or not per position (found on the zoo's blocks; any other name is
 # refused, since a per-position input next to the block's slice would not match it)
 _WHOLE_BLOCK_INPUTS = frozenset({
-    "attention_mask", "position_ids", "position_embeddings", "cache_position", "past_key_values", "past_key_value",
+    *CACHE_KWARGS, "attention_mask", "position_ids", "position_embeddings", "cache_position", "past_key_value",
     "layer_past", "use_cache", "output_attentions", "output_router_logits", "attention_scaling", "shared_kv_states",
     "prev_topk_indices", "conv_mask",
     # cross-attention's encoder sequence, which is not this one (None in a causal LM: GPT-2's block)
