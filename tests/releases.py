@@ -30,6 +30,12 @@ def _pinned(package: str) -> str:
 
 RECORDED_WITH = _pinned("transformers")
 PINNED = INSTALLED == RECORDED_WITH
+# The heads zoo's record (tests/heads_zoo_expected.json) is of its own release: its sweep takes more than 4 h on 2
+# cores, so it is rerun apart from a change of the pin (`make heads-table` under that release, then this line).
+# On any other release the heads zoo holds its invariants (never different; data parallelism equal or apart)
+# without comparing outcomes with the record.
+HEADS_RECORDED_WITH = "5.23.0"
+HEADS_PINNED = INSTALLED == HEADS_RECORDED_WITH
 
 
 def tp_plan_missing(model_type: str) -> str | None:

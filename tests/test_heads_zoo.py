@@ -22,7 +22,7 @@ import pytest
 from qn_hf.check.zoo import APART, head_classes, head_columns, is_equal, render_heads_table, replace_heads_table
 from tests import heads_zoo_cases
 from tests.records import Record
-from tests.releases import INSTALLED, PINNED, RECORDED_WITH
+from tests.releases import HEADS_PINNED, HEADS_RECORDED_WITH, INSTALLED
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPECTED_FILE = ROOT / "tests" / "heads_zoo_expected.json"
@@ -61,7 +61,7 @@ def _case(key: str, column: str):
     marks = [pytest.mark.core] if column in SAMPLE_COLUMNS.get(key, ()) else [pytest.mark.long]
     if column not in EXPECTED.get(key, {}) and not UPDATE:
         # a class the sweep has not recorded (the whole sweep is about 2 h on 2 cores): `make heads-table`
-        marks.append(pytest.mark.skip(reason=f"not in the record of transformers {RECORDED_WITH}: `make heads-table`"))
+        marks.append(pytest.mark.skip(reason=f"not in the record of transformers {HEADS_RECORDED_WITH}: `make heads-table`"))
     recorded = EXPECTED.get(key, {}).get(column, "")
     if not UPDATE and (recorded.startswith("different") or column.startswith("dp") and recorded.startswith("refused")):
         # an open bug the record holds (issue 62's notes): the long tier's slice says so; strict, so a fix shows,
@@ -81,8 +81,8 @@ def _render(record: dict) -> None:
 @pytest.fixture(scope="module")
 def observed():
     """The record; under QN_HF_HEADS_UPDATE=1 each outcome is written to it and docs/heads-table.md at once."""
-    if UPDATE and not PINNED:
-        pytest.fail(f"heads_zoo_expected.json records transformers {RECORDED_WITH}, not the installed {INSTALLED}")
+    if UPDATE and not HEADS_PINNED:
+        pytest.fail(f"heads_zoo_expected.json records transformers {HEADS_RECORDED_WITH}, not the installed {INSTALLED}")
     record = Record(EXPECTED_FILE, UPDATE, render=_render)
     if UPDATE:  # each recorded class under the family head_classes gives it now, and that family's columns only
         for key, row in record.data.items():
@@ -102,17 +102,17 @@ def test_heads_zoo(worlds, observed, key, column):
                          timeout=JOB_TIMEOUT_S)[0]
     if UPDATE:  # a sweep records every outcome, a "different" one too, and then fails on it
         observed.put(key, column, outcome, row={"family": family})
-    elif PINNED and outcome == EXPECTED.get(key, {}).get(column) and (
+    elif HEADS_PINNED and outcome == EXPECTED.get(key, {}).get(column) and (
             outcome.startswith("different") or column.startswith("dp") and outcome.startswith("refused")):
         raise OpenAsRecorded(outcome)
     assert not outcome.startswith("different"), outcome
     if column.startswith("dp"):
         assert is_equal(outcome) or outcome.startswith(APART), f"data parallelism must take every model: {outcome}"
-    if not UPDATE and PINNED:
+    if not UPDATE and HEADS_PINNED:
         assert outcome == EXPECTED.get(key, {}).get(column), "run `make heads-table` if the change is meant"
 
 
-@pytest.mark.skipif(not PINNED, reason=f"heads_zoo_expected.json records transformers {RECORDED_WITH}")
+@pytest.mark.skipif(not HEADS_PINNED, reason=f"heads_zoo_expected.json records transformers {HEADS_RECORDED_WITH}")
 def test_every_recorded_class_is_one_of_the_auto_mappings():
     assert SAMPLE <= set(ROWS) and {ROWS[key][0] for key in SAMPLE} | set(UNSAMPLED) == {row[0] for row in ROWS.values()}
     assert not set(EXPECTED) - set(ROWS), "transformers' heads changed: run `make heads-table`"
@@ -120,7 +120,7 @@ def test_every_recorded_class_is_one_of_the_auto_mappings():
 
 
 @pytest.mark.skipif(UPDATE, reason="rewriting the expectations")
-@pytest.mark.skipif(not PINNED, reason=f"heads_zoo_expected.json records transformers {RECORDED_WITH}")
+@pytest.mark.skipif(not HEADS_PINNED, reason=f"heads_zoo_expected.json records transformers {HEADS_RECORDED_WITH}")
 def test_docs_heads_table_is_rendered_from_the_zoo():
     table = (ROOT / "docs" / "heads-table.md").read_text()
     rendered = replace_heads_table(table, render_heads_table(EXPECTED, classes=len(ROWS)))
