@@ -62,6 +62,8 @@ def test_generate_refusals(worlds, model_dirs):
         assert "use_cache" in r["use_cache"], r["use_cache"]
         assert "output_hidden_states" in r["hidden_states"], r["hidden_states"]
         assert "cannot generate" in r["vit"], r["vit"]
+        for name in ("cache", "past_key_values"):
+            assert f"does not support ['{name}']" in r[name] and "input_ids" in r[name], r[name]
         assert "max_time or stopping_criteria" in r["max_time"] and "max_new_tokens" in r["max_time"], r["max_time"]
         assert "sequence_parallel=False" in r["tp_max_time"] or "max_time" in r["tp_max_time"], r["tp_max_time"]
 
