@@ -50,6 +50,21 @@ def tp_plan_missing(model_type: str) -> str | None:
     return None
 
 
+def splits_experts_over_tp(model_type: str) -> bool:
+    """Whether the installed transformers' tp plan for ``model_type`` splits the experts over tp (``moe_tp_experts``,
+    5.17-5.24); 5.25 leaves the experts to the ep plan, so tp keeps them whole."""
+    from transformers import CONFIG_MAPPING
+
+    return "moe_tp_experts" in (getattr(CONFIG_MAPPING[model_type](), "base_model_tp_plan", None) or {}).values()
+
+
+def needs_expert_tp_rules(model_type: str) -> None:
+    """Skip the calling test where the installed transformers' tp plan keeps ``model_type``'s experts whole."""
+    if not splits_experts_over_tp(model_type):
+        pytest.skip(f"transformers {INSTALLED}'s tp plan for {model_type!r} leaves its experts whole (the suite pins "
+                    f"{RECORDED_WITH})")
+
+
 def needs_model_type(model_type: str) -> None:
     """Skip the calling test where the installed transformers has no ``model_type`` at all."""
     from transformers import CONFIG_MAPPING

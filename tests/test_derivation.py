@@ -364,3 +364,27 @@ def test_a_plan_held_at_some_tp_only_is_refused_at_the_others():
         assert build_tp_plan(model, policy, tp=tp).tp == tp
     with pytest.raises(ValueError, match=r"^tp=8 does not divide 4 for codegen: its qkv_proj .* use a tp among \[1, 2, 4\]"):
         build_tp_plan(model, policy, tp=8)
+
+
+def test_an_init_a_decorator_wraps_without_naming_it_is_read_as_written():
+    # transformers 5.25's use_kernelized_func replaces an attention's __init__ by a new_init that calls it, with no
+    # functools.wraps: what sizes a parameter is still read from the class's own __init__
+    from qn_hf.policies.forward_reads import sized_by
+
+    def kernelized(cls):
+        orig_init = cls.__init__
+
+        def new_init(self, *args, **kwargs):
+            orig_init(self, *args, **kwargs)
+
+        cls.__init__ = new_init
+        return cls
+
+    @kernelized
+    class Attention(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.sinks = torch.nn.Parameter(torch.empty(config.num_attention_heads))
+
+    module = Attention(transformers.LlamaConfig(num_attention_heads=4))
+    assert {"config", "num_attention_heads"} <= sized_by(module, "sinks")

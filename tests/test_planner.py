@@ -26,6 +26,7 @@ from qn_hf.tensor_parallel.plan import build_tp_plan
 from tests.cases import mesh_for, parallelize_as_launched
 from tests.ep_cases import moe_config
 from tests.models import dp_slice, load, make_batch
+from tests.releases import needs_expert_tp_rules, splits_experts_over_tp
 
 SEQ = 12  # make_batch's sequence length
 SEQ_LEN = {"bert-large": 512, "gpt2-xl": 1024}  # a public config planned at other than 2048 positions (learned positions: its most)
@@ -400,9 +401,12 @@ def test_planner_refuses_expert_parallelism_as_parallelize_does():
     assert abs(sharded - whole / 2) <= 0.02 * whole, (sharded, whole)
     # Llama 4's experts (every token once per expert): parallelize shards them, the planner says it
     # does not trace their dispatch rather than guess
-    # sequence parallelism at ep=1 (the experts gather rows at their call) is not traced either
+    # sequence parallelism at ep=1 (the experts gather rows at their call; whole, where transformers' plan keeps
+    # the experts whole: a whole region) is not traced either
     with pytest.raises(ValueError, match=r"sequence_parallel=True on qwen3_moe: the planner does not trace the experts' "
-                                         r"row gathers at ep=1"):
+                                         r"row gathers at ep=1" if splits_experts_over_tp("qwen3_moe") else
+                                         r"sequence_parallel=True on qwen3_moe: the planner does not trace the whole "
+                                         r"regions \(block children that run on the gathered sequence: model.layers.0.mlp"):
         estimate_mesh(moe, ParallelConfig.from_keywords(dp=1, tp=2, pp=1, sequence_parallel=True, microbatches=1),
                       seq_len=16, micro_batch_size=1)
     llama4 = moe_config("llama4_text")
@@ -415,6 +419,7 @@ def test_cli_plans_expert_parallelism(tmp_path, capsys):
     """--ep: the experts' weights, gradients and AdamW state 1/ep per rank, their gradients over the
     ranks holding the same experts, all-to-alls on ep per MoE layer and microbatch (5 calls: counts
     and token rows forward, rows back; the rows' gradients back); with --gpus every mesh takes ep."""
+    needs_expert_tp_rules("qwen3_moe")  # ep=1's experts split over tp
     config = moe_config("qwen3_moe", architectures=["Qwen3MoeForCausalLM"])
     config.save_pretrained(tmp_path)
     runs = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests import cases
-from tests.releases import needs_tp_plan, with_tp_plan
+from tests.releases import needs_expert_tp_rules, needs_tp_plan, with_tp_plan
 from tests.test_parity import check
 
 SP_CASES = [  # kind, dp, tp, pp, microbatches, padded
@@ -87,6 +87,7 @@ def _sp_plan(model):
 def test_sequence_parallel_runs_what_may_mix_positions_whole():
     """Block children that are no tp entry, norm or dropout become whole regions (gathered in, cut
     out); an MoE block whose only tp rules are its experts' stays token-wise on the slice."""
+    needs_expert_tp_rules("qwen3_moe")
     moe = _sp_plan(_meta_model("qwen3_moe", moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2))
     assert moe.sequence_experts and not any(r.endswith(".mlp") for r in moe.whole_regions), moe.whole_regions
     # DeepSeek-V3: MLA attention (q_a_proj reads the input beside the columns) and an MoE block with a

@@ -56,7 +56,24 @@ def forward_tree(module: nn.Module) -> ast.FunctionDef | None:
 def method_tree(module: nn.Module, name: str) -> ast.FunctionDef | None:
     """The parsed source of ``type(module).<name>`` (a property's getter), or None where it has none."""
     function = getattr(type(module), name, None)
-    return _function_tree(function.fget if isinstance(function, property) else function)
+    return _function_tree(_undecorated(function.fget if isinstance(function, property) else function, name))
+
+
+def _undecorated(function: object, name: str) -> object:
+    """``function`` as its class wrote it: a decorator's wrapper that names it (``functools.wraps``) unwrapped, and
+    one that does not, held in the wrapper's closure under the method's own name (transformers 5.25's
+    ``use_kernelized_func`` replaces ``__init__`` by a ``new_init`` that calls it), taken from there."""
+    function = inspect.unwrap(function) if callable(function) else function
+    for _ in range(8):  # decorators over decorators, a few deep at most
+        if getattr(function, "__name__", name) == name:
+            return function
+        inner = [cell.cell_contents for cell in getattr(function, "__closure__", None) or ()
+                 if inspect.isfunction(getattr(cell, "cell_contents", None))]
+        named = [f for f in inner if f.__name__ == name]
+        if not named and len(inner) != 1:
+            return function
+        function = (named or inner)[0]
+    return function
 
 
 @functools.cache
@@ -76,7 +93,7 @@ def _own_code(module: nn.Module, name: str) -> bool:
     ``get_extended_attention_mask``), which read parameters and config and call no child by its name."""
     function = getattr(type(module), name, None)
     function = function.fget if isinstance(function, property) else function
-    where = getattr(inspect.unwrap(function), "__module__", "") if callable(function) else ""
+    where = getattr(_undecorated(function, name), "__module__", "") if callable(function) else ""
     return where.startswith("transformers.models.") or where == type(module).__module__
 
 
