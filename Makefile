@@ -7,7 +7,7 @@ NPROC ?= 8
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.qn_hf-installed
 
-.PHONY: demo test test-unit test-long-slice durations test-all test-compat bench results install clean zoo-table zoo-sweep heads-table heads-sweep composition-table gpu-check lint golden
+.PHONY: demo test test-unit test-long-slice durations test-all test-compat test-newest bench results install clean zoo-table zoo-sweep heads-table heads-sweep composition-table gpu-check lint golden
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -60,17 +60,27 @@ lint: $(STAMP)
 test-all: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
-# The oldest transformers qn_hf supports (pyproject.toml): a second venv, .venv-compat, with the same
-# CPU torch and test extra, then transformers 5.17.0 over the extra's pin (peft and trl import with it).
-# It runs the unit tier and COMPAT_TESTS, a few equivalence tests of every dimension (tests/releases.py
-# says how the suite treats an older release). Torch 2.11 has no CPU wheel here (its build is several
-# GB), so qn_hf/compat.py's torch fallbacks are forced on torch 2.13 by tests/test_compat.py instead.
-# 4 min 30 s measured on 2 cores, the venv created anew (packages from pip's cache):
-# the unit tier 54 s, the 71 equivalence tests 2 min 30 s.
+# The two ends of what qn_hf supports, each in a venv of its own with the test extra and the equivalence
+# tests of every dimension (COMPAT_TESTS; tests/releases.py says how the suite treats a release the test extra
+# does not pin):
+# - make test-compat: the oldest releases (requirements/oldest.txt), torch 2.11 and transformers 5.17.
+#   tests/test_compat.py also forces qn_hf/compat.py's torch fallbacks on .venv's torch 2.13.
+# - make test-newest: the newest (requirements/newest.txt), torch 2.15 and transformers 5.25.
+# Neither torch has a CPU-only wheel on the package index: each venv takes the default wheel, a CUDA build
+# that runs on the CPU: about 3 GB downloaded and 5.3 GB in the venv (torch 2.15.0's install from PyPI: 67 s here;
+# pip's cache did not keep it on this machine, so each new venv downloads again). Measured on 2 cores, the venv
+# created anew (2026-12-05): test-compat 9 min 1 s (install 2 min 15 s; unit tier 3 min 8 s; the 71 equivalence
+# tests 3 min 21 s), test-newest about 8 min 10 s (install 2 min 5 s; 2 min 55 s; 3 min 6 s).
+release = $(shell sed -n 's/^$(1)==//p' requirements/$(2).txt)
+COMPAT_TORCH ?= $(call release,torch,oldest)
+COMPAT_TRANSFORMERS ?= $(call release,transformers,oldest)
+NEWEST_TORCH ?= $(call release,torch,newest)
+NEWEST_TRANSFORMERS ?= $(call release,transformers,newest)
 COMPAT_VENV ?= .venv-compat
-COMPAT_BIN := $(COMPAT_VENV)/bin
-COMPAT_STAMP := $(COMPAT_VENV)/.qn_hf-installed
-COMPAT_TRANSFORMERS := 5.17.0
+NEWEST_VENV ?= .venv-newest
+# a venv's stamp names its releases, so that another release given on the command line installs anew
+COMPAT_STAMP = $(COMPAT_VENV)/.qn_hf-installed-$(COMPAT_TORCH)-$(COMPAT_TRANSFORMERS)
+NEWEST_STAMP = $(NEWEST_VENV)/.qn_hf-installed-$(NEWEST_TORCH)-$(NEWEST_TRANSFORMERS)
 COMPAT_TESTS := tests/test_compat.py \
 	'tests/test_parity.py::test_tensor_and_data_parallel[gpt2-2-2-2-True]' \
 	'tests/test_parity.py::test_tensor_and_data_parallel[vit-2-2-1-False]' \
@@ -137,17 +147,37 @@ COMPAT_TESTS := tests/test_compat.py \
 	'tests/test_zoo.py::test_zoo[gemma3_text-tp2pp2]' \
 	'tests/test_zoo.py::test_zoo[qwen3_next-tp2pp2]'
 
-$(COMPAT_STAMP): pyproject.toml
-	test -x $(COMPAT_BIN)/python || $(PYTHON) -m venv $(COMPAT_VENV)
-	$(COMPAT_BIN)/python -m pip install --quiet --upgrade pip
-	$(COMPAT_BIN)/python -m pip install --quiet torch==2.13.0
-	$(COMPAT_BIN)/python -m pip install --quiet -e ".[test]"
-	$(COMPAT_BIN)/python -m pip install --quiet transformers==$(COMPAT_TRANSFORMERS)
+# $(1): the venv, $(2): its torch, $(3): the transformers installed over the test extra's pin
+define release_venv
+test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+$(1)/bin/python -m pip install --quiet --upgrade pip
+$(1)/bin/python -m pip install --quiet torch==$(2)
+$(1)/bin/python -m pip install --quiet -e ".[test]"
+$(1)/bin/python -m pip install --quiet transformers==$(3)
+$(1)/bin/python -c "import torch, transformers; assert (torch.__version__.split('+')[0], transformers.__version__) == ('$(2)', '$(3)')"
+endef
+
+# $(1): the venv's python
+define release_tests
+OMP_NUM_THREADS=1 $(1) -m pytest -q -m "unit and not long"
+OMP_NUM_THREADS=1 $(1) -m pytest -q $(COMPAT_TESTS)
+endef
+
+$(COMPAT_STAMP): pyproject.toml requirements/oldest.txt
+	rm -f $(COMPAT_VENV)/.qn_hf-installed*
+	$(call release_venv,$(COMPAT_VENV),$(COMPAT_TORCH),$(COMPAT_TRANSFORMERS))
 	touch $(COMPAT_STAMP)
 
+$(NEWEST_STAMP): pyproject.toml requirements/newest.txt
+	rm -f $(NEWEST_VENV)/.qn_hf-installed*
+	$(call release_venv,$(NEWEST_VENV),$(NEWEST_TORCH),$(NEWEST_TRANSFORMERS))
+	touch $(NEWEST_STAMP)
+
 test-compat: $(COMPAT_STAMP)
-	OMP_NUM_THREADS=1 $(COMPAT_BIN)/python -m pytest -q -m "unit and not long"
-	OMP_NUM_THREADS=1 $(COMPAT_BIN)/python -m pytest -q $(COMPAT_TESTS)
+	$(call release_tests,$(COMPAT_VENV)/bin/python)
+
+test-newest: $(NEWEST_STAMP)
+	$(call release_tests,$(NEWEST_VENV)/bin/python)
 
 # Rewrite docs/composition-table.md from qn_hf/config/composition.py (test_composition checks they agree).
 composition-table: $(STAMP)
@@ -201,7 +231,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/convert.py
 
 clean:
-	rm -rf $(VENV) $(COMPAT_VENV) .pytest_cache
+	rm -rf $(VENV) $(COMPAT_VENV) $(NEWEST_VENV) .pytest_cache
 
 # The golden losses (tests/golden_losses.json), rewritten on purpose: the commit says why they moved.
 golden: $(STAMP)
