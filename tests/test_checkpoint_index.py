@@ -131,7 +131,14 @@ def case_edited_optimizer_state(*, model_dir: str, root: str) -> dict[str, str]:
         "one parameter": drop(lambda k: not k.startswith("optimizer/transformer.h.0.mlp.c_fc.weight/")),
         "exp_avg_sq": drop(lambda k: not k.endswith("/exp_avg_sq")),
         "files": resealed(lambda index: index.pop("files")),
+        # hyperparameters forged and the index sealed again (what a tool that rewrites it does): each refused before
+        # anything changes, naming the value
+        "lr as text": resealed(lambda index: index["optimizer"][0].update(lr="0.01")),
+        "negative lr": resealed(lambda index: index["optimizer"][0].update(lr=-1)),
+        "one beta": resealed(lambda index: index["optimizer"][0].update(betas=[0.9])),
+        "weight_decay as text": resealed(lambda index: index["optimizer"][0].update(weight_decay="0.01")),
     }
+    before = [p.detach().clone() for p in pm.parameters()]
     out = {}
     for name, edit in variants.items():
         path = os.path.join(root, name)
@@ -144,6 +151,8 @@ def case_edited_optimizer_state(*, model_dir: str, root: str) -> dict[str, str]:
             out[name] = "no error"
         except CheckpointError as e:
             out[name] = str(e)
+    out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, pm.parameters()))
+    out["group"] = {k: v for k, v in opt.param_groups[0].items() if k in ("lr", "betas", "weight_decay")}
     out["good"] = str(pm.load_checkpoint(good, optimizer=opt)["step"])
     opt.step()  # every state tensor came back
     return out
@@ -160,3 +169,27 @@ def test_edited_or_incomplete_optimizer_state_is_refused_on_every_rank(worlds, m
     assert "optimizer state 'exp_avg_sq' of parameter transformer." in out["exp_avg_sq"], out["exp_avg_sq"]
     assert "'files' is 'None'" in out["files"]
     assert out["good"] == "6"
+    for name, says in (("lr as text", "lr='0.01' is not a finite value of the type float"),
+                       ("negative lr", "lr=-1 is negative"), ("one beta", "betas=[0.9] is not a finite value"),
+                       ("weight_decay as text", "weight_decay='0.01' is not a finite value")):
+        assert f"the saved optimizer group 0's {says}" in out[name] and "optimizer= to start" in out[name], out[name]
+    assert out["unchanged"] and out["group"] == {"lr": 0.01, "betas": (0.9, 0.999), "weight_decay": 0.01}, out
+
+
+@pytest.mark.parametrize(("key", "saved", "current", "says"), [
+    ("lr", "0.1", 0.01, "not a finite value of the type float"), ("lr", None, 0.01, "not a finite value"),
+    ("lr", -1, 0.01, "is negative"), ("lr", float("inf"), 0.01, "not a finite value"),
+    ("eps", float("nan"), 1e-8, "not a finite value"), ("eps", 0.0, 1e-8, "is not positive"),
+    ("betas", [0.9], (0.9, 0.999), "not a finite value of the type tuple"),
+    ("betas", [0.9, 1.0], (0.9, 0.999), "outside [0, 1)"), ("betas", [0.9, "x"], (0.9, 0.999), "not a finite"),
+    ("weight_decay", "0.01", 0.01, "not a finite value"), ("weight_decay", -0.1, 0.01, "is negative"),
+    ("amsgrad", 1, False, "not a finite value of the type bool"), ("momentum", -0.5, 0.9, "is negative"),
+    # what torch's optimizers take, and types they leave open
+    ("lr", 0, 0.01, None), ("lr", 0.5, torch.tensor(0.01), None), ("betas", [0.0, 0.5], (0.9, 0.999), None),
+    ("foreach", None, True, None), ("foreach", True, None, None), ("initial_lr", 0.01, 0.01, None),
+])
+def test_a_saved_hyperparameter_must_be_what_the_optimizer_takes(key, saved, current, says):
+    from qn_hf.checkpoint.optimizer_state import hyperparameter_problem
+
+    problem = hyperparameter_problem(key, saved, current)
+    assert problem == says if says is None else says in problem, problem

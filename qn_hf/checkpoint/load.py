@@ -36,6 +36,7 @@ from .hf import base_prefixes, is_hf_dir, read_hf_dir, source_name
 from .optimizer_state import (
     OPTIMIZER_CLASS,
     foreign_group_problem,
+    hyperparameter_problem,
     kept_state,
     missing_state,
     optimizer_class_name,
@@ -260,6 +261,13 @@ def _check_optimizer(directory: str, index: dict, view: OptimizerView, params: d
         raise CheckpointError(f"{directory}: the optimizer state was saved from {', '.join(sorted(recorded))}, this "
                               f"optimizer is {kind}; its state and hyperparameters would mean other things: build a "
                               f"{next(iter(sorted(recorded)))} to resume, or load without optimizer= to start it afresh")
+    for i, (group, saved_group) in enumerate(zip(view.inner.param_groups, saved)):
+        for key, value in saved_group.items():
+            problem = hyperparameter_problem(key, value, group[key]) if key in group and key != "params" else None
+            if problem is not None:
+                raise CheckpointError(f"{directory}: the saved optimizer group {i}'s {problem}: the index was edited "
+                                      f"or written by another tool; resume from another checkpoint, or load without "
+                                      f"optimizer= to start the optimizer afresh")
     for i, (group, saved_group) in enumerate(zip(view.model_param_groups, saved)):
         for p in group:
             name = names.get(id(p))

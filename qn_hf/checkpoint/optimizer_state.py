@@ -13,6 +13,7 @@ resuming with fresh moments for it or failing inside the first ``opt.step()``.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -69,6 +70,41 @@ def merge_groups(merged: list[dict] | None, groups: list[dict]) -> list[dict]:
         into["params"] = sorted(set(into["params"]) | set(extra["params"]))
         into[STATELESS] = sorted(set(into[STATELESS]) | set(extra[STATELESS]))
     return merged
+
+
+# the ranges torch's optimizers take (each refuses others at construction, never at load_state_dict): a saved
+# value outside them would load and then fail at the first step, or step silently wrong (a negative rate, a NaN eps)
+_AT_LEAST_ZERO = ("lr", "weight_decay", "momentum", "dampening")
+_ABOVE_ZERO = ("eps",)
+_FRACTIONS = ("betas",)  # each in [0, 1)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def hyperparameter_problem(key: str, saved: object, current: object) -> str | None:
+    """Why the saved hyperparameter ``key`` (``saved``, as the index holds it) cannot replace the stepping
+    optimizer's ``current`` value, or None: another type than the optimizer's own (a string or null rate, one
+    beta of two, a flag that is no bool), a number that is not finite, or one outside what torch's optimizers
+    take (``lr`` and ``weight_decay`` >= 0, ``eps`` > 0, each beta in [0, 1))."""
+    if isinstance(current, bool):  # None too: torch's optional flags (foreach, fused) read it as off
+        ok = saved is None or isinstance(saved, bool)
+    elif isinstance(current, (int, float, torch.Tensor)):  # a rate may be a tensor; the index holds its number
+        ok = _number(saved)
+    elif isinstance(current, (tuple, list)):
+        ok = isinstance(saved, (tuple, list)) and len(saved) == len(current) and all(_number(v) for v in saved)
+    elif isinstance(current, str):
+        ok = isinstance(saved, str)
+    else:  # None (foreach, fused: decided by torch) or a type of the optimizer's own: any value it saved
+        return None
+    if not ok:
+        return f"{key}={saved!r} is not a finite value of the type {type(current).__name__} this optimizer uses"
+    if key in _AT_LEAST_ZERO and saved < 0 or key in _ABOVE_ZERO and saved <= 0:
+        return f"{key}={saved!r} is {'negative' if key in _AT_LEAST_ZERO else 'not positive'}"
+    if key in _FRACTIONS and not all(0 <= v < 1 for v in saved):
+        return f"{key}={saved!r} has a value outside [0, 1)"
+    return None
 
 
 def restored_hyperparameters(group: dict, saved_group: dict) -> dict:
