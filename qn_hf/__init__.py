@@ -9,7 +9,7 @@ from .config.schedule import Schedule
 from .data_parallel.grad_norm import clip_grad_norm_
 from .data_parallel.optimizer import ParallelOptimizer
 from .parallel_model import ParallelModel, optimizer
-from .planner.auto import auto_config
+from .planner.auto import auto_choice, auto_config
 from .policies.model_policy import ModelPolicy
 from .version import __version__
 
@@ -24,6 +24,7 @@ __all__ = [
     "Schedule",
     "Trainer",
     "__version__",
+    "auto_choice",
     "auto_config",
     "clip_grad_norm_",
     "optimizer",

@@ -246,3 +246,23 @@ def test_parallelize_passes_run_after_what_they_need():
     # the check can fail: the dropout streams moved before the placement exists
     moved = sorted(PASSES, key=lambda step: step.name != "dropout streams")
     assert _pass_order_problems(moved, initial) and isinstance(moved[0], Pass)
+
+
+# files qn_hf writes under its own name, which the docs name as qn_hf.<extension> (a DCP directory's qn_hf.json,
+# a checkpoint root's qn_hf.lock): not attributes
+_FILES_NAMED_QN_HF = frozenset({"json", "lock"})
+
+
+def test_every_public_name_the_docs_give_exists():
+    """``qn_hf.X`` in the README and docs is an attribute or a module of the package (issue 66: the docs named a
+    ``qn_hf.auto_choice`` that was not exported)."""
+    import importlib.util
+    import re
+
+    import qn_hf
+
+    missing = sorted({(match.group(1), path.name) for path in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+                      for match in re.finditer(r"\bqn_hf\.([A-Za-z_]\w*)", path.read_text())
+                      if match.group(1) not in _FILES_NAMED_QN_HF and not hasattr(qn_hf, match.group(1))
+                      and importlib.util.find_spec(f"qn_hf.{match.group(1)}") is None})
+    assert not missing, missing
