@@ -147,14 +147,16 @@ COMPAT_TESTS := tests/test_compat.py \
 	'tests/test_zoo.py::test_zoo[gemma3_text-tp2pp2]' \
 	'tests/test_zoo.py::test_zoo[qwen3_next-tp2pp2]'
 
-# $(1): the venv, $(2): its torch, $(3): the transformers installed over the test extra's pin
+# $(1): the venv, $(2): its torch, $(3): the transformers installed over the test extra's pin, $(4): its stamp
 define release_venv
+rm -f $(1)/.qn_hf-installed*
 test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
 $(1)/bin/python -m pip install --quiet --upgrade pip
 $(1)/bin/python -m pip install --quiet torch==$(2)
 $(1)/bin/python -m pip install --quiet -e ".[test]"
 $(1)/bin/python -m pip install --quiet transformers==$(3)
 $(1)/bin/python -c "import torch, transformers; assert (torch.__version__.split('+')[0], transformers.__version__) == ('$(2)', '$(3)')"
+touch $(4)
 endef
 
 # $(1): the venv's python
@@ -164,14 +166,10 @@ OMP_NUM_THREADS=1 $(1) -m pytest -q $(COMPAT_TESTS)
 endef
 
 $(COMPAT_STAMP): pyproject.toml requirements/oldest.txt
-	rm -f $(COMPAT_VENV)/.qn_hf-installed*
-	$(call release_venv,$(COMPAT_VENV),$(COMPAT_TORCH),$(COMPAT_TRANSFORMERS))
-	touch $(COMPAT_STAMP)
+	$(call release_venv,$(COMPAT_VENV),$(COMPAT_TORCH),$(COMPAT_TRANSFORMERS),$(COMPAT_STAMP))
 
 $(NEWEST_STAMP): pyproject.toml requirements/newest.txt
-	rm -f $(NEWEST_VENV)/.qn_hf-installed*
-	$(call release_venv,$(NEWEST_VENV),$(NEWEST_TORCH),$(NEWEST_TRANSFORMERS))
-	touch $(NEWEST_STAMP)
+	$(call release_venv,$(NEWEST_VENV),$(NEWEST_TORCH),$(NEWEST_TRANSFORMERS),$(NEWEST_STAMP))
 
 test-compat: $(COMPAT_STAMP)
 	$(call release_tests,$(COMPAT_VENV)/bin/python)

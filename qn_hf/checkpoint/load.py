@@ -36,12 +36,12 @@ from .hf import base_prefixes, is_hf_dir, read_hf_dir, source_name
 from .optimizer_state import (
     OPTIMIZER_CLASS,
     foreign_group_problem,
-    hyperparameter_problem,
     kept_state,
     missing_state,
     optimizer_class_name,
     optimizer_view,
     restored_hyperparameters,
+    saved_group_problem,
     stateless_of,
 )
 from .pieces import read_local
@@ -262,12 +262,11 @@ def _check_optimizer(directory: str, index: dict, view: OptimizerView, params: d
                               f"optimizer is {kind}; its state and hyperparameters would mean other things: build a "
                               f"{next(iter(sorted(recorded)))} to resume, or load without optimizer= to start it afresh")
     for i, (group, saved_group) in enumerate(zip(view.inner.param_groups, saved)):
-        for key, value in saved_group.items():
-            problem = hyperparameter_problem(key, value, group[key]) if key in group and key != "params" else None
-            if problem is not None:
-                raise CheckpointError(f"{directory}: the saved optimizer group {i}'s {problem}: the index was edited "
-                                      f"or written by another tool; resume from another checkpoint, or load without "
-                                      f"optimizer= to start the optimizer afresh")
+        problem = saved_group_problem(group, saved_group)
+        if problem is not None:
+            raise CheckpointError(f"{directory}: the saved optimizer group {i}'s {problem}: the index was edited "
+                                  f"or written by another tool; resume from another checkpoint, or load without "
+                                  f"optimizer= to start the optimizer afresh")
     for i, (group, saved_group) in enumerate(zip(view.model_param_groups, saved)):
         for p in group:
             name = names.get(id(p))

@@ -107,12 +107,23 @@ def hyperparameter_problem(key: str, saved: object, current: object) -> str | No
     return None
 
 
+def _restored(group: dict, saved_group: dict):
+    """The saved hyperparameters loading puts into ``group``: those it has."""
+    return ((key, value) for key, value in saved_group.items() if key not in NOT_HYPERPARAMETERS and key in group)
+
+
+def saved_group_problem(group: dict, saved_group: dict) -> str | None:
+    """The first of the saved hyperparameters loading would put into ``group`` that it cannot take
+    (``hyperparameter_problem``), or None."""
+    return next((problem for key, value in _restored(group, saved_group)
+                 if (problem := hyperparameter_problem(key, value, group[key])) is not None), None)
+
+
 def restored_hyperparameters(group: dict, saved_group: dict) -> dict:
     """The hyperparameters ``group`` has once the saved ones are loaded into it (those it has)."""
     out = {k: v for k, v in group.items() if k != "params"}
-    for key, value in saved_group.items():
-        if key not in NOT_HYPERPARAMETERS and key in group:
-            out[key] = tuple(value) if isinstance(group[key], tuple) else value
+    for key, value in _restored(group, saved_group):
+        out[key] = tuple(value) if isinstance(group[key], tuple) else value
     return out
 
 

@@ -270,9 +270,9 @@ def _tensor_parallel(model: nn.Module, base: nn.Module, embeddings: str | None):
         derived = head_bias_tables(base, derived, stacks=stacks, heads=heads)
         why = derived.refusal
     if why is not None:
-        declared = ("transformers' tp plan for {!r} (base_model_tp_plan) does not reach its blocks"
+        declared = (f"transformers' tp plan for {model_type!r} (base_model_tp_plan) does not reach its blocks"
                     if getattr(config, "base_model_tp_plan", None) else
-                    "transformers declares no tp plan for {!r} (base_model_tp_plan)").format(model_type)
+                    f"transformers declares no tp plan for {model_type!r} (base_model_tp_plan)")
         return {}, {}, (), (), f"{declared} and qn_hf derives none from its structure: {why}", {}
     tp_plan = dict(derived.tp_plan)
     if embeddings is not None and isinstance(base.get_submodule(embeddings), nn.Embedding):
