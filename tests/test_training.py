@@ -225,6 +225,33 @@ def _saved_at(tmp_path, mesh: dict) -> str:
     return str(path)
 
 
+@pytest.mark.parametrize("values, world, expected, note", [
+    ({"dp_shard": 2}, 1, {"dp_shard": 1}, "--dp-shard 2 does not divide dp=1: now 1"),  # the probe's moved FSDP job
+    ({"dp_shard": 4}, 6, {"dp_shard": 3}, "--dp-shard 4 does not divide dp=6: now 3"),
+    ({"dp_shard": 2}, 2, {"dp_shard": 2}, None),  # fits: kept
+    ({"cp": 2}, 1, {"cp": 1}, "--cp 2 does not divide the world size=1: now 1"),
+    ({"mesh": [1, 2, 1], "ep": 4}, 2, {"ep": 2}, "--ep 4 does not divide dp x tp=2: now 2"),
+    ({"mesh": [2, 1, 2], "dp_shard": 2, "microbatches": 4}, 1, {"mesh": "auto", "dp_shard": 1},
+     "--dp-shard 2 does not divide dp=1: now 1"),  # the planner's mesh, the degree it can hold
+])
+def test_a_moved_job_keeps_what_it_can_of_its_mesh(tmp_path, values, world, expected, note):
+    """Issue 66: a job trained with --dp-shard 2 and relaunched on 1 process was refused (exit 2, which torchrun
+    retries for nothing); each of cp, dp_shard and ep now comes down to the largest degree the new mesh holds,
+    and the line that says the job moved says so."""
+    from qn_hf.training.resume import resume_mesh
+
+    saved = _saved_at(tmp_path, {"dp": 2, "tp": 1, "pp": 2})
+    moved, line = resume_mesh(make_config({"microbatches": 1, **values, "resume": saved}), resume_from=saved,
+                              world=world)
+    assert {name: getattr(moved, name) for name in expected} == expected
+    if note is None:
+        assert "does not divide" not in line
+    else:
+        assert line.endswith(note) or f"{note};" in line, line
+    if not moved.auto:
+        moved.parallel_config(world=world)  # the degrees now hold: no ValueError
+
+
 @pytest.mark.parametrize("mesh, world, expected", [
     (None, 2, None),  # the default mesh fits any world: kept
     ((1, 2, 1), 2, (1, 2, 1)),  # a mesh that fits the new world: kept

@@ -1,11 +1,16 @@
-"""Global gradient norm over every shard of the model, and clipping by it."""
+"""Global gradient norm over every shard of the model, and clipping by it; torch's own norm refused
+where it would see a part of the gradients only."""
 
 from __future__ import annotations
 
 import math
+import sys
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..placement import Copies, Placed
 
@@ -28,7 +33,11 @@ def clip_grad_norm_(pm: Placed, max_norm: float, *, norm_type: float = 2.0) -> t
     of any gradient), and the gradients multiplied by ``min(1, max_norm / (norm + 1e-6))`` kept on
     the device, so the host never waits for the norm; a NaN norm therefore makes every gradient NaN.
     """
-    norm_type = float(norm_type)
+    with torch._C.DisableTorchFunctionSubclass():  # the gradients guarded below are plain tensors here
+        return _clip(pm, max_norm, norm_type=float(norm_type))
+
+
+def _clip(pm: Placed, max_norm: float, *, norm_type: float) -> torch.Tensor:
     if norm_type not in (2.0, math.inf):
         raise ValueError(f"norm_type={norm_type} is not supported; use 2.0 or math.inf")
     placement = pm.placement
@@ -94,3 +103,109 @@ def _cpu_chunks(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         else:
             out.append(t)
     return out
+
+
+# -- torch's own norm over a part of the gradients ----------------------------------------------------
+# ``torch.nn.utils.clip_grad_norm_(pm.parameters(), c)`` (and ``get_total_norm``) sums the squares of
+# what this rank holds: at tp its shards, at pp its stage, at ep its experts, so every rank clips by a
+# different, smaller norm. Where that is so, the synchronized gradients are re-typed (their class
+# only: the same objects, so FSDP2's accumulation into a DTensor's local tensor and the buckets' views
+# stay valid, and nothing is copied) to a subclass whose ``__torch_function__`` refuses a call made from
+# torch's norm functions and passes every other call through as the plain type. ``as_subclass`` cannot
+# re-type a DTensor, and DTensor has no public constructor to build a subclass from. Under ZeRO-1 the
+# gradients are this rank's pieces and ``.grad`` is None, which torch's function reads as a norm of 0
+# (no clipping): the parameter's bucket slot stands in, refusing every call.
+# ``disarm`` before the next backward gives the gradients back their own class.
+_TORCH_NORMS = frozenset({"get_total_norm", "_get_total_norm", "clip_grad_norm_", "clip_grad_norm"})
+
+
+def _called_from_torch_norm() -> bool:
+    frame = sys._getframe(2)  # past this function and __torch_function__
+    for _ in range(3):  # torch's norm calls the function directly (its no-grad decorator is above it)
+        if frame is None:
+            return False
+        if frame.f_globals.get("__name__") == "torch.nn.utils.clip_grad" and frame.f_code.co_name in _TORCH_NORMS:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _why(args: object) -> str:
+    """The refusal carried by the first guarded gradient among ``args`` (a list of them included)."""
+    for arg in args if isinstance(args, (list, tuple)) else (args,):
+        if isinstance(arg, (list, tuple)):
+            found = _why(arg)
+            if found:
+                return found
+        elif isinstance(arg, _Guarded):
+            return arg.__dict__.get("qn_hf_refusal", "")
+    return ""
+
+
+class _Guarded:
+    """A gradient torch's global-norm functions must not read (its ``qn_hf_refusal`` says why)."""
+
+    refuse_everything = False
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if cls.refuse_everything or _called_from_torch_norm():
+            raise ValueError(_why(args))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+class PartialGrad(_Guarded, torch.Tensor):
+    """This rank's part of a gradient (a tp shard, a stage's, an ep rank's experts')."""
+
+
+class PartialDGrad(_Guarded, DTensor):
+    """The same, held by FSDP2 as this rank's rows of a DTensor."""
+
+
+class PiecesStandIn(_Guarded, torch.Tensor):
+    """ZeRO-1: the gradient lives in pieces over the dp ranks; any call on this stand-in is refused."""
+
+    refuse_everything = True
+
+
+_PLAIN = {PartialGrad: torch.Tensor, PartialDGrad: DTensor}
+
+
+def partial_grads_refusal(dims, *, pieces: bool) -> str | None:
+    """Why torch's norm over ``pm.parameters()`` would differ from the model's, or None where it is the
+    true norm (plain dp, cp, dp_shard's DTensors)."""
+    parts = [f"{axis}={size}" for axis, size in (("tp", dims.tp), ("pp", dims.pp), ("ep", dims.ep)) if size > 1]
+    if pieces:
+        parts.append("zero=True")
+    if not parts:
+        return None
+    return (f"torch.nn.utils.clip_grad_norm_ (and get_total_norm) over pm.parameters() sees only this rank's part "
+            f"of the gradients at {', '.join(parts)}: its norm is not the model's, and it would differ from rank to "
+            f"rank; use qn_hf.clip_grad_norm_(pm, max_norm), which returns the global norm on every rank")
+
+
+def guard_grads(module: nn.Module, why: str, *, pieces: Iterable[tuple[nn.Parameter, torch.Tensor]] = ()) -> None:
+    """Re-type ``module``'s gradients so torch's norm refuses them with ``why``; ``pieces``: (parameter,
+    its bucket slot) of the gradients ZeRO-1 holds in pieces, given ``.grad`` stand-ins."""
+    for p, slot in pieces:
+        p.grad = slot.as_subclass(PiecesStandIn)
+        p.grad.qn_hf_refusal = (f"{why}; under ZeRO-1 the gradients live in pieces over the dp ranks after "
+                                f"train_step (pm.named_grads() gives this rank's): .grad holds a stand-in")
+    for p in module.parameters():
+        grad = p.grad
+        if grad is None or isinstance(grad, _Guarded):
+            continue
+        if type(grad) is torch.Tensor or type(grad) is DTensor:
+            grad.__class__ = PartialDGrad if isinstance(grad, DTensor) else PartialGrad
+            grad.qn_hf_refusal = why
+
+
+def unguard_grads(module: nn.Module) -> None:
+    """The gradients' own classes back (stand-ins dropped), before a backward accumulates into them."""
+    for p in module.parameters():
+        grad = p.grad
+        if isinstance(grad, PiecesStandIn):
+            p.grad = None
+        elif isinstance(grad, _Guarded):
+            grad.__class__ = _PLAIN[type(grad)]

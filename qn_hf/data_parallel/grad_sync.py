@@ -13,6 +13,11 @@
    module held on every stage (Gemma 4's per-layer embeddings): its copies' gradients summed over pp.
 5. Once, the proof that every other replicated gradient agrees over tp (replica_check.py).
 6. float16: unscale, and record whether any rank overflowed.
+7. A backward that finds ``.grad`` still holding the last sync's result (accumulating over
+   ``train_step`` calls without ``no_sync``) sets it aside first, and adds it after this sync: each
+   sum above would otherwise count it again (dp=2: three times the gradient of the first call).
+8. Where this rank holds a part of the gradients only (tp, pp, ep, ZeRO-1's pieces), torch's own
+   norm over them is refused until the next backward (grad_norm.py).
 
 The sums of 2-4 are linear, so they commute with the dp sum and work on the sharded pieces too:
 every tp rank lays its buckets out identically (same shapes), and tied weights and those held on
@@ -31,6 +36,7 @@ from ..comm import flat_all_reduce_
 from ..placement import Copies, ShardPlacement
 from ..tensor_parallel.replica_check import check_replicated_grads
 from .buckets import GradBuckets, Piece, bucket_size_bytes, grad_dtype
+from .grad_norm import guard_grads, partial_grads_refusal, unguard_grads
 from .precision import LossScaler
 from .sharded import kept_whole, local
 
@@ -46,6 +52,9 @@ class GradSync:
         self.expert_buckets = expert_buckets
         self.scaler = scaler
         self._replicas_checked = False
+        self._guarded = False  # the gradients are re-typed so torch's norm refuses them (grad_norm.py)
+        self._synced = False  # .grad holds the last sync's sums (unless zeroed since)
+        self._set_aside: list[tuple[nn.Parameter, torch.Tensor]] = []  # ... taken out until the next sync
         # sharded: the layout (ids of the sets' piece lists), each piece's HF name, the split parameters
         self._piece_names: tuple[tuple[int, ...], list[str], frozenset[int]] | None = None
 
@@ -127,9 +136,26 @@ class GradSync:
             buckets.arm(params)
 
     def disarm(self) -> None:
-        """Before a step: nothing is armed (a failed step may have left buckets armed)."""
+        """Before a step: nothing is armed (a failed step may have left buckets armed), and the
+        gradients have their own class again."""
         for buckets in self.bucket_sets:
             buckets.disarm()
+        if self._guarded:
+            unguard_grads(self.module)
+            self._guarded = False
+        if self._synced:
+            self._set_synced_aside()
+
+    def _set_synced_aside(self) -> None:
+        """Take the last sync's gradients out of ``.grad`` (a copy where ``.grad`` is a bucket's slot,
+        which the next backward reuses; the tensor itself elsewhere), so this step sums its own only.
+        Zeroed with ``set_to_none=False``, they are copied for nothing: None costs nothing."""
+        slotted = {id(p) for b in self.bucket_sets for p in b.params}
+        for p in self.module.parameters():
+            if p.grad is not None:
+                self._set_aside.append((p, p.grad.clone() if id(p) in slotted else p.grad))
+                p.grad = None
+        self._synced = False
 
     def sync(self) -> None:
         for buckets in self.bucket_sets:
@@ -157,6 +183,17 @@ class GradSync:
                                    group=groups.tp)
         if self.scaler is not None:
             self.scaler.unscale_(list(grads.values()), device=self.placement.device)
+        for p, held in self._set_aside:
+            if p.grad is None:
+                p.grad = held
+            else:
+                p.grad.add_(held)
+        self._set_aside.clear()
+        self._synced = not self.sharded  # ZeRO-1's pieces are consumed by the optimizer's zero_grad
+        why = partial_grads_refusal(self.placement.dims, pieces=self.sharded)
+        if why is not None:
+            guard_grads(self.module, why, pieces=[(p, b.view(p)) for b in self.sharded_sets for p in b.params])
+            self._guarded = True
 
 
 def grad_buckets(model: nn.Module, placement: ShardPlacement, bucket_mb: float, *,

@@ -28,6 +28,7 @@ from torch import nn
 
 from ..placement import ShardPlacement
 from .buckets import Piece
+from .grad_norm import PiecesStandIn
 from .grad_sync import GradSync
 from .precision import LossScaler
 
@@ -224,7 +225,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.trainee.module.parameters():
             if p.grad is not None:
-                if set_to_none:
+                if set_to_none or isinstance(p.grad, PiecesStandIn):  # ZeRO-1's pieces are zeroed below
                     p.grad = None
                 else:
                     p.grad.zero_()

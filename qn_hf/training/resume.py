@@ -21,10 +21,11 @@ from .errors import UsageError
 
 def resume_mesh(cfg: TrainConfig, *, resume_from: str | None, world: int) -> tuple[TrainConfig, str | None]:
     """A run resumed at another world size than its checkpoint's: its mesh where that fits the new world
-    (the default mesh always does), else the planner's choice (mesh auto) for the same global batch,
-    and what changed, to be logged (None: nothing moved). Read from the checkpoint's index on every
-    rank alike, before any collective; weights, optimizer state and the loss scale reshard on load,
-    and the batches and the learning rate go by step, whatever the mesh."""
+    (the default mesh always does), else the planner's choice (mesh auto) for the same global batch, its
+    cp, dp_shard and ep each brought down to the largest degree the new mesh holds; and what changed, to
+    be logged (None: nothing moved). Read from the checkpoint's index on every rank alike, before any
+    collective; weights, optimizer state and the loss scale reshard on load, and the batches and the
+    learning rate go by step, whatever the mesh."""
     if resume_from is None:
         return cfg, None
     saved = checkpoint_record(checkpoint_dir(resume_from)).get("mesh") or {}  # qn_hf's format or its DCP
@@ -34,17 +35,36 @@ def resume_mesh(cfg: TrainConfig, *, resume_from: str | None, world: int) -> tup
         return cfg, None
     was = (f"resumed at {plural(world, 'process')} from a checkpoint of {plural(dims.world_size, 'process')} "
            f"(mesh {' '.join(f'{axis}={degree}' for axis, degree in saved.items())})")
-    if cfg.auto:
-        return cfg, was
-    dp, tp, pp = cfg.mesh_for(world)
-    needed = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cfg.cp).world_size
-    if needed == world:
-        return cfg, was
-    # The user's mesh needs the old world: the planner chooses one for this world, keeping every other
-    # option given (microbatches are the planner's with the mesh)
-    given = cfg.given - {"mesh", "microbatches"}
-    return (dataclasses.replace(cfg, mesh=AUTO, microbatches=None, given=given),
-            f"{was}; --mesh {dp} {tp} {pp} needs {plural(needed, 'process')}")
+    cfg, notes = _fit(cfg, {"cp": (world, "the world size")})
+    if not cfg.auto:
+        dp, tp, pp = cfg.mesh_for(world)
+        needed = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cfg.cp).world_size
+        if needed != world:
+            # The user's mesh needs the old world: the planner chooses one for this world, keeping every
+            # other option given (microbatches are the planner's with the mesh)
+            notes.append(f"--mesh {dp} {tp} {pp} needs {plural(needed, 'process')}")
+            cfg = dataclasses.replace(cfg, mesh=AUTO, microbatches=None, given=cfg.given - {"mesh", "microbatches"})
+    # the planner's dp x tp is at most what cp leaves
+    dp, tp = (world // cfg.cp, 1) if cfg.auto else cfg.mesh_for(world)[:2]
+    cfg, more = _fit(cfg, {"dp_shard": (dp, "dp"), "ep": (dp * tp, "dp x tp")})
+    return cfg, "; ".join([was, *notes, *more])
+
+
+def _fit(cfg: TrainConfig, limits: dict[str, tuple[int, str]]) -> tuple[TrainConfig, list[str]]:
+    """The degrees named in ``limits`` (name -> (what it must divide, its name)) brought down to the largest
+    that divides it, so a moved job keeps what it can of its mesh instead of refusing to start; and one
+    note per degree changed."""
+    changed, notes = {}, []
+    for name, (limit, what) in limits.items():
+        degree = getattr(cfg, name)
+        if limit % degree == 0:
+            continue
+        # dp_shard may be any divisor of dp; cp and ep must also divide what they divided (the sequence's
+        # pieces, the experts), which every divisor of the old degree does
+        changed[name] = max(d for d in range(1, min(degree, limit) + 1)
+                            if limit % d == 0 and (name == "dp_shard" or degree % d == 0))
+        notes.append(f"--{name.replace('_', '-')} {degree} does not divide {what}={limit}: now {changed[name]}")
+    return (dataclasses.replace(cfg, **changed) if changed else cfg), notes
 
 
 def resume_path(cfg: TrainConfig) -> str | None:
