@@ -54,8 +54,8 @@ def build_model(kind: str):
     return Qwen3MoeForCausalLM(Qwen3MoeConfig(**MOE)).float()
 
 
-def _batch(step: int, vocab: int) -> torch.Tensor:
-    return torch.randint(3, vocab, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(1000 + step))
+def _batch(step: int, vocab: int, seq: int = SEQ) -> torch.Tensor:
+    return torch.randint(3, vocab, (GLOBAL_BATCH, seq), generator=torch.Generator().manual_seed(1000 + step))
 
 
 def _calibrate(*, quick: bool) -> dict:
@@ -65,7 +65,7 @@ def _calibrate(*, quick: bool) -> dict:
     return measure(quick=quick, step_seconds=tiny_step_seconds).to_json()
 
 
-def _measure(*, kind: str, keywords: list[dict], rounds: int, steps: int) -> list[list[float]]:
+def _measure(*, kind: str, keywords: list[dict], rounds: int, steps: int, seq: int) -> list[list[float]]:
     """Every configuration's median step seconds per round, alternating (module docstring)."""
     import qn_hf
     from qn_hf.check.steps import median_step_seconds
@@ -76,7 +76,7 @@ def _measure(*, kind: str, keywords: list[dict], rounds: int, steps: int) -> lis
         for i, kw in enumerate(keywords):
             pm = qn_hf.parallelize(build_model(kind), qn_hf.ParallelConfig(**kw))
             opt = qn_hf.optimizer(pm, torch.optim.AdamW, lr=1e-4)
-            times[i].append(median_step_seconds(pm, opt, lambda step: _batch(step, vocab), warmup=WARMUP, steps=steps))
+            times[i].append(median_step_seconds(pm, opt, lambda step: _batch(step, vocab, seq), warmup=WARMUP, steps=steps))
             pm.close()
     return times
 
@@ -102,7 +102,7 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return num / den if den else 1.0
 
 
-def run(world: int, kind: str, *, rounds: int, steps: int, quick: bool) -> dict:
+def run(world: int, kind: str, *, rounds: int, steps: int, quick: bool, seq: int = SEQ) -> dict:
     from qn_hf.planner.auto import auto_plan, describe
     from qn_hf.planner.calibration import Calibration
 
@@ -112,7 +112,7 @@ def run(world: int, kind: str, *, rounds: int, steps: int, quick: bool) -> dict:
         calibration = Calibration.from_json(ranks.run(_calibrate, timeout=TIMEOUT_S, quick=quick)[0])
         calibrate_s = time.perf_counter() - began
         began = time.perf_counter()
-        choice = auto_plan(model.config, global_batch=GLOBAL_BATCH, seq_len=SEQ, world_size=world,
+        choice = auto_plan(model.config, global_batch=GLOBAL_BATCH, seq_len=seq, world_size=world,
                            device_memory=calibration.memory_bytes, calibration=calibration, model_class=type(model),
                            exhaustive=True)  # every feasible one measured, and priced again below
         plan_s = time.perf_counter() - began
@@ -121,24 +121,31 @@ def run(world: int, kind: str, *, rounds: int, steps: int, quick: bool) -> dict:
         for kw in keywords:  # enums as their strings, for the ranks' ParallelConfig
             for k, v in kw.items():
                 kw[k] = getattr(v, "value", v)
-        times = ranks.run(_measure, timeout=TIMEOUT_S, kind=kind, keywords=keywords, rounds=rounds, steps=steps)[0]
+        times = ranks.run(_measure, timeout=TIMEOUT_S, kind=kind, keywords=keywords, rounds=rounds, steps=steps,
+                          seq=seq)[0]
         # the machine again after the measurements: did it drift while they ran?
         after = Calibration.from_json(ranks.run(_calibrate, timeout=TIMEOUT_S, quick=quick)[0])
     measured = [statistics.median(t) for t in times]
     names = [describe(c.estimate.parallel, c.estimate.micro_batch_size) for c in feasible]
     rows = [{"config": n, "predicted_s": c.time.seconds, "measured_s": m, "rounds_s": t, "ratio": c.time.seconds / m}
             for n, c, m, t in zip(names, feasible, measured, times)]
-    out = {"world": world, "model": kind, "calibration": calibration.to_json(), "calibrate_s": calibrate_s,
+    out = {"world": world, "model": kind, "seq": seq, "calibration": calibration.to_json(), "calibrate_s": calibrate_s,
            "plan_s": plan_s, **_scores(choice, names, measured), "configs": rows}
-    again = auto_plan(model.config, global_batch=GLOBAL_BATCH, seq_len=SEQ, world_size=world,
+    # the stated GPU figures (no calibration), at this machine's memory: what mesh="auto" chose before it
+    # measured a machine it does not recognise (issue 66)
+    stated = auto_plan(model.config, global_batch=GLOBAL_BATCH, seq_len=seq, world_size=world,
+                       device_memory=calibration.memory_bytes, model_class=type(model), exhaustive=True)
+    out["stated"] = {name: value for name, value in _scores(stated, names, measured).items()
+                     if name in ("chosen", "chosen_measured_rank", "chosen_vs_best")}
+    again = auto_plan(model.config, global_batch=GLOBAL_BATCH, seq_len=seq, world_size=world,
                       device_memory=after.memory_bytes, calibration=after, model_class=type(model), exhaustive=True)
     out["after"] = {"calibration": after.to_json(), **_scores(again, names, measured)}
     by_name = {describe(c.estimate.parallel, c.estimate.micro_batch_size): c.time.seconds for c in again.feasible}
     for row in rows:
         row["predicted_after_s"] = by_name.get(row["config"])
     if kind == "moe":  # again, with the router's loads counted on the batches the steps train on
-        loads = _loads(steps)
-        routed = auto_plan(model.config, global_batch=GLOBAL_BATCH, seq_len=SEQ, world_size=world,
+        loads = _loads(steps, seq)
+        routed = auto_plan(model.config, global_batch=GLOBAL_BATCH, seq_len=seq, world_size=world,
                            device_memory=calibration.memory_bytes, calibration=calibration, model_class=type(model),
                            expert_loads=loads, exhaustive=True)
         out["routed"] = {"expert_loads": loads, **_scores(routed, names, measured)}
@@ -148,11 +155,11 @@ def run(world: int, kind: str, *, rounds: int, steps: int, quick: bool) -> dict:
     return out
 
 
-def _loads(steps: int) -> tuple[tuple[int, ...], ...]:
+def _loads(steps: int, seq: int) -> tuple[tuple[int, ...], ...]:
     """The MoE's (token, expert) pairs per expert and layer on the batches ``_measure`` trains on."""
     from qn_hf.planner import measure_expert_loads
 
-    return measure_expert_loads(build_model("moe"), [{"input_ids": _batch(step, MOE["vocab_size"])}
+    return measure_expert_loads(build_model("moe"), [{"input_ids": _batch(step, MOE["vocab_size"], seq)}
                                                      for step in range(WARMUP + steps)])
 
 
@@ -176,17 +183,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--quick-calibration", action="store_true")
+    parser.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence (default %(default)s)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results = []
     for world in args.worlds:
         for kind in args.models:
-            r = run(world, kind, rounds=args.rounds, steps=args.steps, quick=args.quick_calibration)
+            r = run(world, kind, rounds=args.rounds, steps=args.steps, quick=args.quick_calibration, seq=args.seq)
             results.append(r)
             print(f"\nworld {world}, {kind}: {len(r['configs'])} feasible; auto chose {r['chosen']}: measured rank "
                   f"{r['chosen_measured_rank']}, x{r['chosen_vs_best']:.3f} the fastest ({r['fastest_measured']}); "
                   f"Spearman {r['spearman']:.3f}; {r['within_30_percent']}/{len(r['configs'])} predictions within 30%")
+            q = r["stated"]
+            print(f"  at the stated GPU figures: auto chose {q['chosen']}: measured rank {q['chosen_measured_rank']}, "
+                  f"x{q['chosen_vs_best']:.3f} the fastest")
             q = r["after"]
             print(f"  at a calibration taken after the measurements: auto chose {q['chosen']}: measured rank "
                   f"{q['chosen_measured_rank']}, x{q['chosen_vs_best']:.3f}; Spearman {q['spearman']:.3f}; "

@@ -1,4 +1,5 @@
 import os
+import tempfile
 import time
 
 # Before torch is imported anywhere (spawned ranks inherit the environment): one thread per rank,
@@ -9,6 +10,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # inductor compiles in each rank's own process: its default pool of compile workers per rank oversubscribes two
 # cores (a compiled tp=2 case took 54 s from a cold cache with the pools, 20 s without)
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# mesh="auto" without a calibration keeps this machine's figures (planner/machine.py): the suite's own, not
+# the user's home's
+os.environ.setdefault("QN_HF_CACHE", tempfile.mkdtemp(prefix="qn_hf_cache."))
 
 import pytest  # noqa: E402
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 
+from ..arguments import check_positive_int
 from ..config.schedule import Schedule, check_schedule_args
 from ..pipeline.split import PipelineTie, build_stage_plan, stage_of_module
 from ..policies import resolve_policy
@@ -80,6 +81,9 @@ def layout_class(layout: Layout) -> type:
 
 def model_layout(config: transformers.PretrainedConfig, *, tp: int, pp: int, policy: ModelPolicy | None = None,
                  layers_per_stage: list[int] | None = None, virtual_stages: int = 1, cls: type | None = None) -> Layout:
+    for name, degree, fix in (("tp", tp, "1 keeps every tensor whole"), ("pp", pp, "1 is one stage"),
+                              ("virtual_stages", virtual_stages, "1 is one chunk per stage")):
+        check_positive_int(name, degree, fix=fix)  # 0 ranks divided by zero further on
     model = meta_model(config, cls=cls)
     every = frozenset(n for n, _ in model.named_parameters(remove_duplicate=False))
     aliases = every - {n for n, _ in model.named_parameters()}

@@ -19,10 +19,12 @@ could be neither chosen nor the runner-up (``auto_plan``).
 
 The ranking is the planner's: fits in ``device_memory`` first, then the predicted step time
 (``cost.step_time`` at the calibration, or at the stated GPU figures, each assumed one named in the
-choice), ties broken by the configuration's own order, so the choice is a function of its inputs
-alone: identical on every rank given the same calibration (without one and without
-``device_memory``, ``auto_config`` agrees each rank's device memory over the job, the smallest,
-joining the launched job's process group first if it is not up yet).
+choice); times within ``TIE`` of the fastest are a tie, won by the fewest moving parts
+(``moving_parts``), then by the configuration's own order, so the choice is a function of its inputs
+alone: identical on every rank given the same calibration. ``auto_config`` without one measures this
+machine (machine.py: every rank at once, kept for later jobs) unless it is a GPU the stated figures
+describe; there, without ``device_memory``, it agrees each rank's device memory over the job, the
+smallest, joining the launched job's process group first if it is not up yet.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from ..devices import default_device
 from ..launch.nodes import ranks_per_node
 from ..mesh import init_distributed, launched_world_size
 from .calibration import Calibration
+from .machine import machine_calibration
 from .cost import GIB, Hardware, StepTime
 from .estimate import Planner
 from .search import Candidate, Rejected, mesh_groups
@@ -120,6 +123,9 @@ _PARTS = {"compute": "compute and pipeline bubble", "tp": "tp communication", "p
 
 def _why(chosen: Candidate, other: Candidate) -> str:
     """The part of the predicted time where ``other`` loses the most to ``chosen``."""
+    if other.time.seconds <= chosen.time.seconds:
+        return (f"x{other.time.seconds / chosen.time.seconds:.3f}: a tie (within {TIE:.0%}), and the chosen one runs "
+                f"fewer mechanisms")
     worst = max(_PARTS, key=lambda p: getattr(other.time, p) - getattr(chosen.time, p))
     extra = getattr(other.time, worst) - getattr(chosen.time, worst)
     return f"x{other.time.seconds / chosen.time.seconds:.2f} slower: {_PARTS[worst]} +{extra * 1e3:.1f} ms"
@@ -131,6 +137,19 @@ def _order(c: Candidate) -> tuple:
     d = p.dims
     return (not c.fits, round(c.time.seconds, 12), d.pp, d.tp, d.cp, d.ep, d.dp_shard, d.dp, p.schedule.value,
             p.virtual_stages, p.recompute.value if p.recompute else "", -c.estimate.micro_batch_size)
+
+
+# Predicted times closer than this are a tie: the predictions are not that exact (docs/auto.md measures
+# them within 30%), and a mechanism that is not needed is work and collectives a run need not take on.
+TIE = 0.01
+
+
+def moving_parts(config: ParallelConfig) -> int:
+    """How many mechanisms ``config`` runs beyond plain data parallelism: each degree above 1 but dp's,
+    chunks beyond one per stage, a schedule other than 1F1B under a pipeline, recomputation."""
+    d = config.dims
+    return (sum(degree > 1 for degree in (d.tp, d.pp, d.cp, d.ep, d.dp_shard)) + (config.virtual_stages > 1)
+            + (d.pp > 1 and config.schedule is not Schedule.ONE_F_ONE_B) + (config.recompute is not None))
 
 
 def micro_batch_sizes(global_batch: int) -> list[int]:
@@ -216,11 +235,13 @@ def auto_plan(config, *, global_batch: int, seq_len: int, world_size: int, devic
                          f"sequences of {seq_len} tokens on {world_size} ranks: " + "; ".join(reasons))
     accepted = undominated(accepted)
     accepted.sort(key=_order)
-    best = accepted[0]
-    if not best.fits:
-        raise ValueError(_fits_nowhere(best, config=config, global_batch=global_batch, seq_len=seq_len,
+    if not accepted[0].fits:
+        raise ValueError(_fits_nowhere(accepted[0], config=config, global_batch=global_batch, seq_len=seq_len,
                                        world_size=world_size, device_memory=device_memory))
-    feasible = tuple(c for c in accepted if c.fits)
+    # a tie (within TIE of the fastest predicted) goes to the fewest moving parts
+    tied = [c for c in accepted if c.fits and c.time.seconds <= accepted[0].time.seconds * (1 + TIE)]
+    best = min(tied, key=lambda c: (moving_parts(c.estimate.parallel), _order(c)))
+    feasible = (best, *(c for c in accepted if c.fits and c is not best))
     runner = feasible[1] if len(feasible) > 1 else None
     assumed = calibration.assumed if calibration is not None else best.time.assumed
     return Choice(config=best.estimate.parallel, micro_batch_size=best.estimate.micro_batch_size, time=best.time,
@@ -270,8 +291,9 @@ def auto_config(model: nn.Module, *, global_batch: int, seq_len: int, world_size
     ``global_batch`` sequences of ``seq_len`` tokens per step: ``parallelize(model, config)`` takes
     it, and each dp rank's ``train_step`` gets ``global_batch / dp`` sequences. ``world_size``
     defaults to the launched world, ``device_memory`` (bytes) to the device's (agreed over a running
-    job: the smallest), ``calibration`` (a ``Calibration`` or its JSON file) to the stated GPU
-    figures. ``fixed``: ``ParallelConfig`` keywords every candidate keeps (mixed_precision, a degree).
+    job: the smallest), ``calibration`` (a ``Calibration`` or its JSON file) to this machine's figures,
+    measured by every rank at once the first time and kept (planner/machine.py), or on an H100 or H200, or
+    planning for another world size than the launched one, the stated GPU figures. ``fixed``: ``ParallelConfig`` keywords every candidate keeps (mixed_precision, a degree).
     ``expert_loads``: for a model with routed experts, the pairs each expert received per MoE layer and batch of
     your data (``qn_hf.planner.measure_expert_loads``), so that ep is priced at your router's busiest
     rank; without them, at uniform routing (named in the choice's assumed figures)."""
@@ -291,6 +313,8 @@ def auto_choice(model: nn.Module, *, global_batch: int, seq_len: int, world_size
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: the model it wraps
     if isinstance(calibration, (str, os.PathLike)):
         calibration = Calibration.load(os.fspath(calibration))
+    if calibration is None:  # this machine's figures (measured once, kept), or the stated ones on a known GPU
+        calibration = machine_calibration(world_size=world_size)
     world = world_size or launched_world_size()
     memory = device_memory or device_memory_default(calibration)
     if device_memory is None and calibration is None and launched_world_size() > 1:

@@ -188,6 +188,10 @@ def check_model_inputs(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Mod
         if key in batch and (batch[key].is_floating_point() or batch[key].is_complex()):
             raise ValueError(f"batch[{key!r}] has dtype {batch[key].dtype}; it holds indices or a mask and must be "
                              "an integer tensor (e.g. .long())")
+        # the loss's targets: torch's cross entropy takes int64 class indices only (int32 ends in its raw error)
+        if key in batch and key in ("labels", *SPAN_KEYS) and batch[key].dtype != torch.long:
+            raise ValueError(f"batch[{key!r}] has dtype {batch[key].dtype}; the loss takes int64 class indices: pass "
+                             f"batch[{key!r}].long()")
     if "pixel_values" in batch:
         pixels = batch["pixel_values"]
         if not pixels.is_floating_point():
@@ -208,6 +212,9 @@ def check_model_inputs(batch: Mapping[str, torch.Tensor], *, model: torch.nn.Mod
         ids = batch["input_ids"]
         if ids.dim() != 2 and not (ids.dim() == 3 and type(model).__name__.endswith("ForMultipleChoice")):
             raise ValueError(f"batch['input_ids'] has shape {tuple(ids.shape)}; it must be (batch, sequence)")
+        if ids.shape[-1] == 0:  # the forward's reshapes fail on it, deep inside attention
+            raise ValueError(f"batch['input_ids'] has shape {tuple(ids.shape)}: sequences of no tokens; give every row "
+                             f"at least one token (pad shorter rows, with attention_mask 0)")
         check_sequence_length(ids.shape[-1], sequence_split)
         for key in ("attention_mask", "token_type_ids", "position_ids"):
             if key in batch and batch[key].dim() == ids.dim() and batch[key].shape != ids.shape:
