@@ -89,9 +89,9 @@ class ParallelModel(CheckpointMethods):
         self.deferred = deferred  # names of the parameters whose gradients come in W passes (zb_h1)
         self.optimizer = None  # the qn_hf.optimizer built over this model, if any
         self.failures, self._sync = FailTogether(), True
-        # The first step proves that every rank of a dp replica was given the same batch contents (one
-        # all-reduce over the world, one host read); True: every step does (their shapes: every step)
-        self.check_every_batch, self._batch_checked, self.closed = False, False, False
+        # Every step the hosts agree on each replica's batch, shapes and host contents (agreement.py; False: shapes
+        # only); the first step also the contents on the device (one all-reduce, one host read; True: every step)
+        self.agree_batch_contents, self.check_every_batch, self._batch_checked, self.closed = True, False, False, False
         self.held_roots = HeldDirectories()  # the checkpoint roots this model saves to, locked (checkpoint/lock.py)
         self.saves = saves or BackgroundSaves(timeout=DEFAULT_TIMEOUT)  # the save in flight (checkpoint/background.py)
         self.sp_switch, self.ring_switch = switches  # sp and cp, off while generating
@@ -270,7 +270,7 @@ class ParallelModel(CheckpointMethods):
         builtin, cp = loss_fn is None, self.dims.cp
         kind = self.plan.loss if builtin else None  # the head's loss (policies/task.py), or a loss_fn's rows
         prepared = prepare(self.context, batch, loss=self.plan.loss, builtin=builtin, num_items=num_items,
-                           loss_keys=loss_keys)
+                           loss_keys=loss_keys, contents=self.agree_batch_contents)
         routers = (RouterLogits(self.module, pp=self.dims.pp, microbatches=self.microbatches, replicas=self.groups.replicas,
                                 sequence=self.groups.tp if self.sp_switch is not None and self.sp_switch.on else None)
                    if builtin and adds_router_loss(self.module) else None)  # checks the term can be equal

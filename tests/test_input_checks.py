@@ -78,7 +78,7 @@ def case_different_batches(*, model_dir: str, tp: int, pp: int, how: str) -> dic
     later = make_batch("llama", size=4, seed=2)
     if dist.get_rank() == 1:
         later["labels"][1, 1] = 5 if later["labels"][1, 1] != 5 else 6
-    outcomes["later, unchecked"] = _outcome(lambda: pm.train_step(later))  # the default checks the first step only
+    outcomes["later"] = _outcome(lambda: pm.train_step(later))  # host contents are agreed every step
     # shapes are agreed on every step, on the host: another length on one rank at a later step
     shorter = make_batch("llama", size=4, seed=3, seq=12 if dist.get_rank() == 0 else 8)
     started = time.monotonic()
@@ -89,28 +89,47 @@ def case_different_batches(*, model_dir: str, tp: int, pp: int, how: str) -> dic
     if dist.get_rank() == 1:
         del lacking["labels"]
     outcomes["one rank's check"] = _outcome(lambda: pm.train_step(lacking))
-    pm.check_every_batch = True
+    pm.agree_batch_contents = False  # the opt-out: contents compared on the first step only
+    outcomes["later, opted out"] = _outcome(lambda: pm.train_step(later))
+    pm.check_every_batch = True  # the device's check, every step
     outcomes["later, checked"] = _outcome(lambda: pm.train_step(later))
     outcomes["still training"] = _outcome(lambda: pm.train_step(same))
     return outcomes
 
 
 def test_ranks_of_a_replica_given_different_batches_are_refused(worlds, model_dirs):
+    """Issue 66 item 6: contents are agreed every step by default (a CRC of the host batch in the step's host
+    all-reduce), naming the ranks; later steps with one rank's label changed trained silently before."""
     for tp, pp, how in ((2, 1, "contents"), (2, 1, "length"), (1, 2, "contents"), (1, 2, "length")):
         results = worlds.run(tp * pp, case_different_batches, model_dir=model_dirs["llama"],
                              tp=tp, pp=pp, how=how)
         assert results[0] == results[1], results
         m = results[0]
-        if how == "contents":
-            assert m["first"].startswith("ValueError: the ranks of data-parallel replica(s) [0] were given different "
-                                         "batches"), m
-        else:
-            assert m["first"].startswith("ValueError: the ranks of data-parallel replica(s) [0] were given batches of "
-                                         "different shapes"), m
+        contents = "ValueError: rank(s) 1 were given batches of other contents than rank(s) 0 of the same data-parallel"
+        shapes = "ValueError: rank(s) 1 were given batches of other shapes (keys, sizes or dtypes) than rank(s) 0"
+        assert m["first"].startswith(contents if how == "contents" else shapes), m
         assert m["same"] == "no error", m
-        assert m["later length"].startswith("ValueError: the ranks of data-parallel replica(s) [0] were given batches "
-                                            "of different shapes"), m
+        assert m["later"].startswith(contents), m
+        assert m["later length"].startswith(shapes), m
         assert m["later length within seconds"] is True, m
         assert m["one rank's check"].startswith("ValueError: rank 1's batch: batch lacks ['labels']"), m
+        assert m["later, opted out"] == "no error", m  # what the opt-out costs: this step trained on two batches
         assert m["later, checked"].startswith("ValueError: the ranks of data-parallel replica(s) [0]"), m
         assert m["still training"] == "no error", m
+
+
+def case_replica_contents(*, model_dir: str) -> str:
+    """dp=2 x tp=2: rank 3 (replica 1's second tp rank) is given another batch than rank 2."""
+    pm = qn_hf.parallelize(load("llama", model_dir), dp=2, tp=2, mesh=mesh_for(2, 2))
+    batch = make_batch("llama", size=2, seed=10 + pm.coords["dp"])
+    if dist.get_rank() == 3:
+        batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+        batch["attention_mask"][0, -1] = 0
+    elif "attention_mask" not in batch:
+        batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    return _outcome(lambda: pm.train_step(batch))
+
+
+def test_the_ranks_whose_batch_differs_are_named(worlds, model_dirs):
+    for m in worlds.run(4, case_replica_contents, model_dir=model_dirs["llama"]):
+        assert m.startswith("ValueError: rank(s) 3 were given batches of other contents than rank(s) 2 "), m

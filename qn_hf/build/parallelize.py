@@ -96,8 +96,8 @@ def parallelize(
 
     ``mesh="auto"`` lets the planner choose the configuration (``qn_hf.auto_config``): the fastest it
     predicts that fits, training exactly ``global_batch`` sequences of ``seq_len`` tokens per step
-    (both required then), at ``calibration`` (a ``qn-hf-plan --calibrate`` file, or its value) or the
-    stated GPU figures; the options given beside it (a degree, ``mixed_precision``, ...) are kept.
+    (both required then), at ``calibration`` (a ``qn-hf-plan --calibrate`` file, or its value) or this
+    machine's (measured quickly, kept; planner/machine.py); the options given beside it (a degree, ``mixed_precision``, ...) are kept.
     ``pm.parallel_config`` says what was chosen; each dp rank's ``train_step`` takes
     ``global_batch / dp`` sequences.
     """

@@ -72,8 +72,10 @@ class Prepared:
 
 
 def prepare(ctx: StepContext, batch: Mapping[str, torch.Tensor], *, loss: LossKind | None, builtin: bool,
-            num_items: torch.Tensor | float | None = None, loss_keys: Sequence[str] = ()) -> Prepared:
-    """Every step's prologue (module docstring); raises on every rank alike before any collective."""
+            num_items: torch.Tensor | float | None = None, loss_keys: Sequence[str] = (),
+            contents: bool = True) -> Prepared:
+    """Every step's prologue (module docstring); raises on every rank alike before any collective. ``contents``:
+    the ranks of a replica agree on their batch's host contents too (agreement.py)."""
     dims, coords, groups = ctx.placement.dims, ctx.placement.coords, ctx.placement.groups
     microbatches = ctx.config.microbatches
     size = agree_on_batch(lambda: check_step_batch(
@@ -81,7 +83,7 @@ def prepare(ctx: StepContext, batch: Mapping[str, torch.Tensor], *, loss: LossKi
         split=ctx.config.sequence_split, microbatches=microbatches, config=ctx.stage.config, num_items=num_items,
         head=ctx.plan.head, dp=dims.dp, loss_keys=tuple(loss_keys), positions=ctx.plan.positions,
         decoder_stages=_decoder_stages(ctx.stage.plan), dp_shard=dims.dp_shard),
-        batch, replica=coords.dp, replicas=dims.dp, group=groups.host)
+        batch, replica=coords.dp, replicas=dims.dp, group=groups.host, contents=contents)
     documents = ring_documents(batch) if dims.cp > 1 else None  # read on the host before the batch moves
     layout = row_layout(batch, ctx.stage.config)  # checked above; read on the host before the batch moves
     on_device = to_device(batch, ctx.placement.device)

@@ -151,7 +151,7 @@ _HELP = {
     "(--cp, --dp-shard, --ep, --sequence-parallel, --schedule, --mixed-precision, --recompute); default: all ranks "
     "not used by --cp data parallel",
     "calibration": "with --mesh auto: the machine's figures, a JSON file written by qn-hf-plan --calibrate (default: "
-    "the stated GPU figures)",
+    "this machine, measured quickly by every rank and kept; the stated figures on an H100 or H200)",
     "dp_shard": "FSDP (ZeRO-3): shard weights, gradients and optimizer state over groups of this many dp ranks "
     "(must divide dp; gradients are all-reduced across the dp/dp_shard groups); 1: plain data parallelism",
     "cp": "context parallelism: split each sequence over this many ranks (ring attention); the world size is "

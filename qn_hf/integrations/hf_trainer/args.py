@@ -116,7 +116,7 @@ def auto_mesh(parallel: Mapping[str, Any] | str, *, args, model, world_size: int
     ``per_device_train_batch_size x world_size x gradient_accumulation_steps`` (as under DDP: per device is per
     process here, since dp is what auto chooses), keeping the configuration keywords given beside it. The
     sequence length: ``seq_len`` in the dict, else ``sequence_length`` of the data; ``calibration``: a
-    ``qn-hf-plan --calibrate`` file or its ``Calibration`` (default: the stated GPU figures)."""
+    ``qn-hf-plan --calibrate`` file or its ``Calibration`` (default: this machine's, measured and kept; planner/machine.py)."""
     if isinstance(parallel, str) and parallel != AUTO:
         raise ValueError(f"parallel={parallel!r}: parallel= takes {AUTO!r} or a dict of qn_hf.parallelize's keywords")
     parallel = {"mesh": AUTO} if isinstance(parallel, str) else dict(parallel)

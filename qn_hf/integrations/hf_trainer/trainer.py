@@ -104,7 +104,7 @@ class ParallelTrainerMixin:
     with ``per_device x processes``, whatever dp is chosen. The sequence length it plans for is ``seq_len`` in the
     dict, else the collator's ``max_length`` when it pads to it, else the longest ``input_ids`` of the first global
     batch of examples of ``train_dataset`` (a ``ValueError`` asks for ``seq_len`` when none of these says it);
-    ``calibration`` in the dict is a ``qn-hf-plan --calibrate`` file (default: the stated GPU figures). Rank 0
+    ``calibration`` in the dict is a ``qn-hf-plan --calibrate`` file (default: this machine's, measured). Rank 0
     prints the choice's summary; ``trainer.auto_choice`` holds it (None for an explicit mesh).
 
     Not supported, each refused with a ``ValueError`` naming the fix (reasons in trainer_args.py): DeepSpeed, FSDP,
