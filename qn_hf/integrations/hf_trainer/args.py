@@ -20,11 +20,16 @@ still steps.
 
 from __future__ import annotations
 
+import copy
+import copyreg
+import functools
 import inspect
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import torch.distributed as dist
 
 from ...build.parallelize import parallelize
 from ...config.dims import Axis
@@ -32,6 +37,7 @@ from ...config.options import Precision
 from ...config.parallel_config import ParallelConfig
 from ...config.schedule import Schedule
 from ...data_parallel.optimizer import ParallelOptimizer
+from ...launch.nodes import local_rank
 from ...planner.auto import AUTO, Choice, auto_choice
 from ...planner.calibration import Calibration
 
@@ -311,3 +317,35 @@ def check_compute_loss(trainer_class: type, args) -> None:
     if allowed is not None and loss_type not in allowed:
         raise ValueError(f"{owner.__name__} with loss_type={loss_type!r}: qn_hf.Trainer trains the model's own loss, "
                          f"which is loss_type={allowed[0]!r}; use that, or pass compute_loss_func")
+
+
+def job_args(args: Any) -> Any:
+    """``args`` as the job's ranks are, when accelerate read them otherwise. ``TrainingArguments`` learns its
+    process index from accelerate when built; on a CPU without ``use_cpu=True``, or under srun or mpirun
+    without torchrun, it takes every rank for a lone process 0, and the Trainer then draws its progress bar and
+    prints its logs on every rank, and every rank writes what rank 0 alone writes (trainer state, scheduler,
+    ``rng_state_0.pth``), racing. The copy answers ``process_index``, ``local_process_index`` and ``world_size``
+    from the job's process group (the same object otherwise); pickled (``torch.save(args)``), it is the user's
+    class again."""
+    ranks = (dist.get_rank(), local_rank(), dist.get_world_size())
+    if (args.process_index, args.local_process_index, args.world_size) == ranks:
+        return args
+    job = copy.copy(args)
+    job.__class__ = _job_class(type(args))
+    job.job_ranks = ranks
+    return job
+
+
+@functools.cache
+def _job_class(base: type) -> type:
+    """``base`` (the user's TrainingArguments class: TRL's configs too) answering the three from ``job_ranks``."""
+
+    def reduce(self, protocol):
+        # the stdlib's own reconstructor (loadable without qn_hf), of ``base``, with the fields but ``job_ranks``
+        return copyreg._reconstructor, (base, object, None), {k: v for k, v in self.__dict__.items() if k != "job_ranks"}
+
+    return type(base.__name__, (base,), {
+        "process_index": property(lambda self: self.job_ranks[0]),
+        "local_process_index": property(lambda self: self.job_ranks[1]),
+        "world_size": property(lambda self: self.job_ranks[2]),
+        "__reduce_ex__": reduce, "__module__": base.__module__})

@@ -56,6 +56,7 @@ from .args import (
     check_training_args,
     check_user_optimizer,
     is_auto,
+    job_args,
     trainer_mesh,
 )
 from .data import count_items, merge_batches, one_process_loader, rows_of, user_loss
@@ -157,7 +158,7 @@ class ParallelTrainerMixin:
         # Trainer's constructor seeds the device generator with args.seed on every rank; that generator is
         # qn_hf's shared dropout stream, seeded per dp replica and stage (rng.py): keep ours.
         streams = device_rng_state(pm.device)
-        super().__init__(hf_model, args, *rest, **kwargs)
+        super().__init__(hf_model, job_args(args), *rest, **kwargs)
         set_device_rng_state(pm.device, streams)
         if self.args.n_gpu > 1:
             raise ValueError(f"this process sees {self.args.n_gpu} GPUs and Trainer would use torch DataParallel; "
