@@ -148,7 +148,8 @@ def test_torchtitan_and_accelerate_layouts_resume(worlds, model_dirs, tmp_path, 
 def test_qn_hf_dcp_loads_into_fsdp2(worlds, model_dirs, tmp_path, kind, mesh, asynchronous):
     """qn_hf at tp=2 x pp=2 (and at dp=2 with ZeRO-1, whose pieces are partial rows; and at dp_shard=2 x pp=2
     written in the background) saves ``format="dcp"`` after step 1; torch's FSDP2 on 2 ranks loads it with
-    ``dcp.load`` + ``set_state_dict`` and its step 2 equals qn_hf's. Then qn_hf loads its own DCP at another mesh
+    ``dcp.load`` + ``set_state_dict`` from the root (its ``.metadata`` names the newest checkpoint's files) and its
+    step 2 equals qn_hf's. Then qn_hf loads its own DCP at another mesh
     (the step recorded) and takes the same step."""
     dp, tp, pp, dp_shard, zero = mesh
     ckpt, qn_out = str(tmp_path / "qn"), str(tmp_path / "qn-out")
@@ -157,7 +158,8 @@ def test_qn_hf_dcp_loads_into_fsdp2(worlds, model_dirs, tmp_path, kind, mesh, as
     directory = saved["directory"]
     assert os.path.isfile(os.path.join(directory, ".metadata"))
     fsdp2_out = str(tmp_path / "fsdp2-out")
-    loss = worlds.run(2, fsdp2_cases.case_fsdp2_load_step, kind=kind, model_dir=model_dirs[kind], ckpt=directory,
+    assert os.path.isfile(os.path.join(ckpt, ".metadata"))  # torch is handed the root, as users hand it
+    loss = worlds.run(2, fsdp2_cases.case_fsdp2_load_step, kind=kind, model_dir=model_dirs[kind], ckpt=ckpt,
                       out=fsdp2_out, seed=2)[0]
     assert abs(loss - saved["loss"]) <= 1e-5 * abs(saved["loss"]), (loss, saved["loss"])
     assert _max_error(kind, fsdp2_out, qn_out) <= 2e-5
@@ -203,6 +205,10 @@ def test_convert_writes_a_dcp_torch_reads(model_dirs, tmp_path):
     targets = {"model": {k: torch.empty_like(v) for k, v in original.items()}}
     dcp.load(targets, checkpoint_id=directory, no_dist=True)
     assert all(torch.equal(targets["model"][k], original[k]) for k in original)
+    # the root, as FSDP2 users hand it to torch (issue 66: torch's raw FileNotFoundError for root/.metadata)
+    at_root = {"model": {k: torch.zeros_like(v) for k, v in original.items()}}
+    dcp.load(at_root, checkpoint_id=out, no_dist=True)
+    assert all(torch.equal(at_root["model"][k], original[k]) for k in original)
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # rebuilds the recipe's nested dict
 
     dcp_to_torch_save(directory, str(tmp_path / "whole.pt"))
@@ -212,6 +218,9 @@ def test_convert_writes_a_dcp_torch_reads(model_dirs, tmp_path):
     assert convert.main(["to-hf", out, back]) == 0
     again = load(kind, back).state_dict()
     assert all(torch.equal(again[k], original[k]) for k in original)
+    # a later checkpoint of qn_hf's own format under the same root: torch's pointer to the older DCP goes
+    assert convert.main(["from-hf", model_dirs[kind], out, "--tp", "1", "--pp", "1"]) == 0
+    assert not os.path.exists(os.path.join(out, ".metadata"))
 
 
 class _Runs:

@@ -23,7 +23,7 @@ from .atomic import fresh_dir, remove_entry
 from .classes import model_class
 from .dcp.directory import read_source, tied_aliases
 from .dcp.index import BY_PARAM
-from .dcp.write import write_whole_dcp
+from .dcp.write import point_root, write_whole_dcp
 from .errors import CheckpointFormat
 from .export import STAGING, begin_export, finish_export, numbered_weights_file, split_by_size
 from .files import PARTIAL, FileChecks, file_digest, publish
@@ -145,6 +145,7 @@ def write_checkpoint(src_dir: str, src: dict, layout: Layout, config: dict, out:
             remove_entry(partial)  # what was written so far: it may be as large as the model
             raise
         publish(partial, final)
+        point_root(final)
     return final
 
 

@@ -31,7 +31,7 @@ from ..version import __version__
 from .atomic import fresh_dir, give_plain_mode
 from .background import BackgroundSaves, agree
 from .dcp.directory import persistent_buffers, tied_aliases, whole_model
-from .dcp.write import write_dcp
+from .dcp.write import point_root, write_dcp
 from .entries import local_entries, pieces_of
 from .errors import CheckpointFormat
 from .files import PARTIAL, file_digest, fsync_file, prune, publish, write_json
@@ -177,6 +177,7 @@ def _publish(index: dict | None, partial: str, final: str, *, keep_last: int | N
     if index is not None:
         _index(index, partial)
     publish(partial, final)
+    point_root(final)  # torch's dcp.load(checkpoint_id=root) reads the newest DCP checkpoint
     if keep_last is not None:
         prune(os.path.dirname(final), keep_last=keep_last)
 

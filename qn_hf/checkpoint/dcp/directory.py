@@ -33,16 +33,17 @@ HEADER_FIELDS = ("library_version", "step", "mesh", "config", "generation_config
 
 
 def dcp_sources(path: str) -> tuple[str, list[str]] | None:
-    """(root, DCP directories) of the checkpoint at ``path``, or None if it is not a DCP checkpoint."""
+    """(root, DCP directories) of the checkpoint at ``path``, or None if it is not a DCP checkpoint. A root
+    (``latest``) is read through the checkpoint it names, not as the DCP its ``.metadata`` makes it for torch
+    (write.point_root), which has no qn_hf.json beside it."""
+    if os.path.lexists(os.path.join(path, LATEST)) and not os.path.isfile(os.path.join(path, INDEX)):
+        directory = checkpoint_dir(path)
+        return (directory, [directory]) if is_dcp_dir(directory) else None
     if is_dcp_dir(path):
         return path, [path]
     model, optim = os.path.join(path, ACCELERATE_MODEL), os.path.join(path, ACCELERATE_OPTIMIZER)
     if is_dcp_dir(model):
         return path, [model] + ([optim] if is_dcp_dir(optim) else [])
-    if os.path.lexists(os.path.join(path, LATEST)) and not os.path.isfile(os.path.join(path, INDEX)):
-        directory = checkpoint_dir(path)
-        if is_dcp_dir(directory):
-            return directory, [directory]
     return None
 
 

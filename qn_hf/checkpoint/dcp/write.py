@@ -12,10 +12,10 @@ documented extension points), so the files and the metadata are torch's own.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
 
 from ..files import file_digest
 from ..format import DTYPES, OPTIMIZER, CheckpointError
@@ -46,7 +47,7 @@ def dcp_key(name: str) -> tuple[str, tuple]:
     return MODEL_PREFIX + name, ("model", name)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Piece:
     """One chunk to write: its extents and dtype, the whole tensor's shape, and how to get its values
     (when DCP's writer asks: a converter reads each from its source then, one at a time)."""
@@ -187,3 +188,23 @@ def _plain(groups: list | None) -> list | None:
     if groups is None:
         return None
     return [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in groups]
+
+
+def point_root(final: str) -> None:
+    """``ROOT/.metadata`` for the checkpoint ``final`` just published under ROOT, or none where ``final`` is not
+    a DCP. FSDP2 users hand torch ``dcp.load(state, checkpoint_id=ROOT)`` (torch reads ``ROOT/.metadata``; the
+    numbered directory is qn_hf's), which found nothing and raised torch's raw FileNotFoundError: the root's
+    copy of ``final``'s metadata names each file under ``ckpt-<step>/``, so the root loads as its newest
+    checkpoint. torch's own writer writes it (``finish``: a temporary file renamed), from torch's own reader of
+    the metadata this save wrote a moment ago."""
+    root, name = os.path.split(final)
+    pointer = os.path.join(root, METADATA)
+    if not os.path.isfile(os.path.join(final, METADATA)):
+        if os.path.isfile(pointer):  # an older DCP's, under a root now publishing qn_hf's format
+            os.unlink(pointer)
+        return
+    metadata = dcp.FileSystemReader(final).read_metadata()
+    results = [[WriteResult(index=index, size_in_bytes=info.length,
+                            storage_data=dataclasses.replace(info, relative_path=f"{name}/{info.relative_path}"))
+                for index, info in metadata.storage_data.items()]]
+    dcp.FileSystemWriter(root, sync_files=True).finish(metadata, results)
