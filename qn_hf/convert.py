@@ -11,7 +11,7 @@ import argparse
 import re
 import sys
 
-from .checkpoint.convert import from_hf, reshard, to_hf
+from .checkpoint.convert import from_hf, reshard, to_hf, unchecked_dcp, verify_against
 from .checkpoint.dcp.torchtitan import KEY_MAPS
 from .checkpoint.errors import CheckpointError, CheckpointFormat
 
@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace the model files of a non-empty OUT")
     p.add_argument("--config", help=CONFIG)
     p.add_argument("--key-map", choices=sorted(KEY_MAPS), help=KEY_MAP)
+    p.add_argument("--verify-against", metavar="HF_DIR",
+                   help="then compare every tensor written, bit for bit, with this Hugging Face directory (one you "
+                        "trust, the checkpoint's source): a DCP torch wrote carries no checksums")
     for name, what in (("from-hf", "Hugging Face directory -> sharded checkpoint"), ("reshard", "checkpoint -> checkpoint at another mesh")):
         p = sub.add_parser(name, help=what, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("src", help="a Hugging Face model directory" if name == "from-hf" else SOURCE)
@@ -74,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        source = args.ckpt if args.command == "to-hf" else args.src
+        if args.command != "from-hf" and unchecked_dcp(source):
+            print(f"qn-hf-convert: note: {source} is a torch.distributed.checkpoint without checksums (qn_hf records "
+                  f"its files' CRC-32s; torch does not): a damaged byte would convert unnoticed"
+                  + ("" if getattr(args, "verify_against", None) else "; to-hf --verify-against HF_DIR compares the "
+                     "result with a copy you trust"), file=sys.stderr)
         if args.command == "to-hf":
             left_out = to_hf(args.ckpt, args.out, max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
                              config=args.config, key_map=args.key_map)
@@ -81,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
             if left_out:  # a converter never writes fewer tensors than it read without saying so
                 print(f"qn-hf-convert: note: {args.out} holds the weights only; the checkpoint's optimizer state "
                       f"({len(left_out)} tensors) was left out (reshard keeps it)", file=sys.stderr)
+            if args.verify_against:
+                count = verify_against(args.out, args.verify_against)
+                print(f"qn-hf-convert: verified: {count} tensors equal to {args.verify_against}'s", file=sys.stderr)
         elif args.command == "from-hf":
             print(from_hf(args.src, args.out, tp=args.tp, pp=args.pp, virtual_stages=args.virtual_stages,
                           format=CheckpointFormat(args.format)))

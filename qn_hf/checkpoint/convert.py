@@ -16,12 +16,13 @@ from __future__ import annotations
 import os
 
 import torch
+from safetensors import safe_open
 from tqdm import tqdm
 
 from ..version import __version__
 from .atomic import fresh_dir, remove_entry
 from .classes import model_class
-from .dcp.directory import read_source, tied_aliases
+from .dcp.directory import dcp_sources, read_header, read_source, tied_aliases
 from .dcp.index import BY_PARAM
 from .dcp.write import point_root, write_whole_dcp
 from .errors import CheckpointFormat
@@ -264,3 +265,35 @@ def _write_weights(directory: str, index: dict, staging: str, groups: list[list[
             write_streaming(os.path.join(staging, file), entries, produce)
             files.append(file)
     return files
+
+
+def unchecked_dcp(path: str) -> bool:
+    """Whether ``path`` is a DCP checkpoint without qn_hf's record of its files' CRC-32s (torch's format has no
+    checksums: a damaged data byte reads as a wrong weight, not as an error)."""
+    found = dcp_sources(path)
+    return found is not None and not all(read_header(d) is not None for d in found[1])
+
+
+def verify_against(out: str, reference: str) -> int:
+    """Every tensor of the Hugging Face directory ``out`` bit for bit equal to ``reference``'s (a Hugging Face
+    directory you trust: the one a checkpoint came from), the same names on both sides; the count compared.
+    ``CheckpointError`` naming the first difference. One tensor in memory at a time from each side."""
+    sides = []
+    for directory in (out, reference):
+        where = {}
+        for file in weight_files(directory):
+            with safe_open(os.path.join(directory, file), framework="pt") as f:
+                where.update((key, file) for key in f.keys())  # noqa: SIM118 (safe_open is not a mapping)
+        sides.append(where)
+    if sides[0].keys() != sides[1].keys():
+        only = sorted(sides[0].keys() ^ sides[1].keys())
+        raise CheckpointError(f"{out} and {reference} hold different tensors ({len(only)} on one side only, e.g. "
+                              f"{only[:3]})")
+    for key in sorted(sides[0]):
+        with safe_open(os.path.join(out, sides[0][key]), framework="pt") as a, \
+                safe_open(os.path.join(reference, sides[1][key]), framework="pt") as b:
+            mine, theirs = a.get_tensor(key), b.get_tensor(key)
+        if mine.dtype != theirs.dtype or mine.shape != theirs.shape or not torch.equal(mine, theirs):
+            raise CheckpointError(f"{out}'s {key} differs from {reference}'s (the source may be damaged: its format "
+                                  f"carries no checksums)")
+    return len(sides[0])
