@@ -17,6 +17,11 @@ group, as torchrun does), with its own "Watchdog caught collective operation tim
 that the cause appears there too, a watcher thread per rank polls the store once a second and prints
 the first failure another rank recorded (one line on stderr, once) while this rank waits; it
 changes nothing else. Under torchrun the agent stops every rank as soon as the failing one exits.
+
+A rank that fails outside qn_hf (an exception the user's code caught, then a barrier of its own) records
+nothing, and its peers' timeout named no cause. The watcher also writes, once a second, which operation
+this rank is in (``PROGRESS_KEY``, off the step's path); a rank whose communication fails with no failure
+recorded names the ranks last seen in an earlier operation: those it was waiting for.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch.distributed as dist
 from .comm import failures
 
 FAILURE_KEY = "qn_hf/first_failure"
+PROGRESS_KEY = "qn_hf/operation"  # /<rank>: "<number> <what>", the operation it was last seen in
 _COMM_ERRORS = ("timed out", "timeout", "connection closed", "connection reset", "pair closure", "broken pipe")
 WATCH_INTERVAL_S = 1.0
 
@@ -64,7 +70,7 @@ class FailTogether:
     from an error that was caught and recovered from long ago."""
 
     def __init__(self) -> None:
-        self.operation = 0
+        self.operation, self.what = 0, ""
         self.failed: set[int] = set()  # operations this rank raised in itself
         self.last_active = time.monotonic()  # when an operation last started or ended
         self._watcher: threading.Thread | None = None
@@ -73,7 +79,7 @@ class FailTogether:
     def guard(self, what: str) -> Iterator[None]:
         """Run a communicating operation (``what`` names it in messages) under the rules above."""
         self.operation += 1
-        number = self.operation
+        number, self.what = self.operation, what
         self.last_active = time.monotonic()
         self._watch()
         try:
@@ -89,6 +95,12 @@ class FailTogether:
                     origin = _read(n)
                     if origin is not None and not origin.startswith(f"rank {rank} "):
                         raise PeerFailure(f"rank {rank} stopped in {what}: {origin}") from e
+                behind = _behind(number)
+                if behind:
+                    raise PeerFailure(f"rank {rank} stopped in {what} ({type(e).__name__}: {str(e)[:300]}): no rank "
+                                      f"recorded a failure in qn_hf, and {behind}: such a rank failed or waits outside "
+                                      f"qn_hf (an exception your code caught, a barrier of its own, a data loader); "
+                                      f"its own output says which") from e
                 raise
             self.failed.add(number)
             _record(number, f"rank {rank} failed in {what}: {type(e).__name__}: {e}")
@@ -122,8 +134,9 @@ def _watch_loop(owner: weakref.ref, rank: int) -> None:
         watched = owner()
         if watched is None or not dist.is_initialized() or time.monotonic() - watched.last_active > WATCH_IDLE_S:
             return
-        current, failed = watched.operation, set(watched.failed)
+        current, failed, what = watched.operation, set(watched.failed), watched.what
         del watched
+        _set(f"{PROGRESS_KEY}/{rank}", f"{current} {what}")
         for n in (current, current - 1):
             origin = _read(n)
             if origin is None or origin.startswith(f"rank {rank} ") or n in failed:
@@ -145,6 +158,37 @@ def _read(number: int) -> str | None:
         return store.get(key).decode() if store.check([key]) else None
     except (RuntimeError, ValueError):
         return None
+
+
+def _behind(number: int) -> str:
+    """The other ranks last seen (by their watchers) in an operation before ``number``, or never: "" if none."""
+    store = _store()
+    if store is None:
+        return ""
+    seen = []
+    for peer in range(dist.get_world_size()):
+        key = f"{PROGRESS_KEY}/{peer}"
+        try:
+            at = store.get(key).decode().split(" ", 1) if store.check([key]) else None
+        except (RuntimeError, ValueError):
+            return ""
+        if peer == dist.get_rank():
+            continue
+        if at is None:
+            seen.append(f"rank {peer} was never seen in one")
+        elif int(at[0]) < number:
+            seen.append(f"rank {peer} was last seen in {at[1] or 'an operation'} (qn_hf's operation {at[0]}; this is "
+                        f"{number})")
+    return "; ".join(seen)
+
+
+def _set(key: str, value: str) -> None:
+    store = _store()
+    if store is not None:
+        try:
+            store.set(key, value)
+        except (RuntimeError, ValueError):
+            pass
 
 
 def _record(number: int, message: str) -> None:

@@ -2,7 +2,8 @@
 ``save_checkpoint`` (argv[1]); every rank prints one JSON line saying what it raised and after how
 long. One case per launch: after a timeout, gloo closes the pairs involved, and the job is over.
 ``train_step_then_linger``: rank 1 stays alive after raising, so rank 0 waits for the timeout (a
-closed connection would release it at once), as a rank blocked under NCCL does."""
+closed connection would release it at once), as a rank blocked under NCCL does. ``user_code_then_barrier``:
+after a step, rank 1 fails in code of its own and waits in a barrier; rank 0 is in the next step."""
 
 from __future__ import annotations
 
@@ -41,6 +42,17 @@ def main() -> None:
     def broken_loss(outputs, mb):
         raise ValueError("boom on the last stage")
 
+    if sys.argv[1] == "user_code_then_barrier":
+        pm.train_step(batch)
+        time.sleep(1.5)  # the watchers write where each rank is once a second
+        if dist.get_rank() == 1:  # fails in the user's own code, catches it, and waits in a barrier of its own
+            try:
+                raise RuntimeError("the user's data went wrong")
+            except RuntimeError:
+                attempt("barrier", dist.barrier)
+            return
+        attempt("train_step", lambda: pm.train_step(batch))
+        return
     if sys.argv[1] in ("train_step", "train_step_then_linger"):
         attempt("train_step", lambda: pm.train_step(batch, loss_fn=broken_loss))
         if sys.argv[1] == "train_step_then_linger" and dist.get_rank() == 1:

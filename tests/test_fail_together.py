@@ -49,3 +49,20 @@ def test_a_rank_left_waiting_names_the_failure_while_it_waits(tmp_path):
     origin = "rank 1 failed in train_step: ValueError: boom on the last stage"
     assert f"qn_hf: rank 0 is waiting on a rank that failed: {origin}." in done.stderr, done.stderr[-3000:]
     assert "qn_hf: rank 1 is waiting" not in done.stderr  # the failing rank does not report itself
+
+
+def test_a_rank_failing_outside_qn_hf_is_named_by_the_others(tmp_path):
+    """Issue 66: rank 1 fails in the user's own code and waits in a barrier of its own; rank 0, in the next
+    train_step, timed out with gloo's raw message naming no cause. It now names rank 1, last seen in the step
+    before, as the one it waited for."""
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(ROOT / "tests" / "fail_together_job.py"), "user_code_then_barrier", str(tmp_path / "ckpt")],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
+    )
+    by_rank = {r["rank"]: r for r in (json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))}
+    waiting = by_rank[0]
+    assert waiting["case"] == "train_step" and waiting["type"] == "PeerFailure", done.stdout + done.stderr[-3000:]
+    assert "no rank recorded a failure in qn_hf, and rank 1 was last seen in train_step (qn_hf's operation 1; " \
+           "this is 2): such a rank failed or waits outside qn_hf" in waiting["message"], waiting
+    assert waiting["seconds"] < 4 + 10
