@@ -60,11 +60,9 @@ class _LocalLoss:
 
 
 class ParallelModel(CheckpointMethods):
-    """This rank's shard of a model, with ``train_step``/``eval_step`` over the whole mesh.
-
-    The wrapped Hugging Face model is ``module``; its parameter names are unchanged, so
-    ``named_parameters()`` yields HF names with local shards, ready for any ``torch.optim`` optimizer.
-    """
+    """This rank's shard of a model, with ``train_step``/``eval_step`` over the whole mesh. The wrapped Hugging Face
+    model is ``module``; its parameter names are unchanged, so ``named_parameters()`` yields HF names with local
+    shards, ready for any ``torch.optim`` optimizer."""
 
     def __init__(self, *, context: StepContext, grads: GradSync, rng: RngStreams, scaler: LossScaler | None,
                  deferred: frozenset[str] = frozenset(), adapter: Adapter | None = None,
@@ -79,8 +77,7 @@ class ParallelModel(CheckpointMethods):
         precision = context.config.mixed_precision
         self.precision = precision.dtype if precision else None  # the compute dtype (None: the model's own)
         self.scaler = scaler  # float16's loss scale
-        # the dtype the step's loss is summed and reported in: float32, or float64 for a float64 model (whose loss
-        # float32 would round to 1e-7 of itself)
+        # the dtype the step's loss is summed and reported in: float32, or float64 for a float64 model's (float32 rounds)
         self._loss_dtype = torch.promote_types(next((p.dtype for p in context.module.parameters()
                                                      if p.is_floating_point()), torch.float32), torch.float32)
         # (chunk, Op.BWD | Op.WGT) -> the parameters final after its last backward or W pass: their buckets may start
@@ -362,12 +359,16 @@ class ParallelModel(CheckpointMethods):
             outputs.logits = self.full_logits(outputs.logits)
         return outputs
 
-    # ``config`` is the model's Hugging Face config, as ``model.config`` (the whole model's: a pipeline
-    # stage's modules may hold a cut copy), so code written for a PreTrainedModel reads it unchanged; how
-    # the model was parallelized is ``parallel_config`` (a ParallelConfig). The generation config gives
-    # generate's defaults, as on the plain model.
+    # the whole model's HF config (a stage's modules may hold a cut copy) and generate's defaults, as on the plain
+    # model, so code written for a PreTrainedModel reads them unchanged; how it was parallelized: parallel_config
     config = property(lambda self: self.stage.config)
     generation_config = property(lambda self: self.module.generation_config)
+
+    def __getattr__(self, name: str):  # reached only for what ParallelModel lacks
+        context = self.__dict__.get("context")
+        known = context is not None and not name.startswith("__") and hasattr(context.module, name)
+        raise AttributeError(context.placement.surface_refusal(name) if known else
+                             f"'ParallelModel' object has no attribute {name!r}")
 
     def check_composes_with(self, *features: Feature) -> None:
         """The composition table's refusal of ``features`` with this model's, or its warning (rank 0, once)."""
@@ -387,12 +388,11 @@ class ParallelModel(CheckpointMethods):
 
 def optimizer(pm: ParallelModel, optimizer_class: type, *, zero: bool = False, param_groups: Iterable[dict] | None = None,
               skip_nonfinite: bool = False, **kwargs) -> ParallelOptimizer:
-    """A torch optimizer over ``pm``'s trainable parameters (or ``param_groups`` of them, as a torch
-    optimizer's first argument takes them), holding float32 master weights under ``mixed_precision``;
-    ``zero=True`` keeps only this dp rank's 1/dp of the masters and state (ZeRO-1).
-    ``skip_nonfinite=True`` skips (on every rank) a step whose gradients hold inf or NaN anywhere in
-    the job, as float16's loss scaling does, counting it in ``skipped_steps``; it costs one small
-    all-reduce and one host read per step. ``kwargs`` go to ``optimizer_class`` (``lr=``, ...)."""
+    """A torch optimizer over ``pm``'s trainable parameters (or ``param_groups`` of them, as a torch optimizer's first
+    argument takes them), holding float32 master weights under ``mixed_precision``; ``zero=True`` keeps only this dp
+    rank's 1/dp of the masters and state (ZeRO-1). ``skip_nonfinite=True`` skips (on every rank) a step whose gradients
+    hold inf or NaN anywhere in the job, as float16's loss scaling does, counting it in ``skipped_steps``; it costs one
+    small all-reduce and one host read per step. ``kwargs`` go to ``optimizer_class`` (``lr=``, ...)."""
     if pm.optimizer is not None:
         raise ValueError("this ParallelModel already has a qn_hf.optimizer; build one optimizer per model")
     pm.optimizer = ParallelOptimizer(pm.trainee(), optimizer_class, zero=zero, param_groups=param_groups,

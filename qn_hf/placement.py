@@ -164,6 +164,16 @@ class ShardPlacement:
         (summed over ``groups.pp``); none at pp=1."""
         return [n for n in names if n in self.every_stage] if self.dims.pp > 1 else []
 
+    def surface_refusal(self, name: str) -> str:
+        """Why the parallel model has no ``name`` of the Hugging Face model's own (``pm.get_input_embeddings()``,
+        ``pm.num_parameters()``): the module's answers are this rank's shard's, and reached as such."""
+        d = self.dims
+        mesh = " ".join(f"{axis}={size}" for axis, size in (("dp", d.dp), ("tp", d.tp), ("pp", d.pp), ("cp", d.cp),
+                                                           ("ep", d.ep), ("dp_shard", d.dp_shard)) if size > 1)
+        return (f"ParallelModel has no {name!r}: pm.module.{name} is the Hugging Face model's, which on this rank "
+                f"holds its part of the model ({mesh or 'one rank'}): its parameters, their shapes and counts are this "
+                f"rank's; the whole model is what pm.save_pretrained(dir) writes")
+
     def owner(self, name: str) -> str:
         """The name a parameter is saved under: its own, or a tied copy's owner."""
         return next((tie.owner for tie in self.ties if tie.follower == name), name)

@@ -40,6 +40,13 @@ def torch_clip(*, kind: str, model_dir: str, degrees: dict, zero: bool) -> dict:
         except ValueError as e:
             out[name] = str(e)
     out["qn_hf"] = qn_hf.clip_grad_norm_(pm, 1e9).item()
+    for name in ("get_input_embeddings", "num_parameters"):  # the HF model's own surface, reached on pm
+        try:
+            getattr(pm, name)
+            out[name] = "no error"
+        except AttributeError as e:
+            out[name] = str(e)
+    out["hasattr"] = hasattr(pm, "get_input_embeddings") or hasattr(pm, "no_such_thing")
     opt.step()
     opt.zero_grad()
     pm.train_step(dp_slice(batches[1], dp=dp, dp_rank=pm.coords["dp"]))
@@ -71,6 +78,12 @@ def test_torch_norm_over_a_part_of_the_gradients_is_refused(worlds, model_dirs, 
             assert named in r[name] and "qn_hf.clip_grad_norm_(pm, max_norm)" in r[name], r[name]
         assert r["qn_hf"] == pytest.approx(r["ref"], rel=1e-5), r
         assert r["second"] > 0 and r["finite"], r
+        # pm.get_input_embeddings(), pm.num_parameters(): refused in qn_hf's words, naming pm.module's and the mesh
+        for name in ("get_input_embeddings", "num_parameters"):
+            assert r[name].startswith(f"ParallelModel has no {name!r}: pm.module.{name} is the Hugging Face model's, "
+                                      f"which on this rank holds its part of the model ("), r[name]
+            assert named.split("=")[0] in r[name] or named == "zero=True", r[name]
+        assert r["hasattr"] is False
 
 
 @pytest.mark.core

@@ -49,9 +49,9 @@ from ..devices import default_device
 from ..launch.nodes import ranks_per_node
 from ..mesh import init_distributed, launched_world_size
 from .calibration import Calibration
-from .machine import machine_calibration
 from .cost import GIB, Hardware, StepTime
 from .estimate import Planner
+from .machine import machine_calibration
 from .search import Candidate, Rejected, mesh_groups
 from .shapes import MeshShape, price, undominated, with_recompute
 
