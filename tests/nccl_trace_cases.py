@@ -11,6 +11,7 @@ import torch
 
 import qn_hf
 from qn_hf.pipeline import p2p
+from qn_hf.pipeline.runtime import StageExecutor
 from tests.models import dp_slice, load, make_batch
 from tests.nccl_first_use import FirstUseHang, FirstUseRule
 from tests.p2p_recorder import CallRecorder
@@ -53,19 +54,34 @@ def _batch(kind: str, pm, *, rows: int) -> dict[str, torch.Tensor]:
     return dp_slice(whole, dp=dp, dp_rank=pm.coords["dp"])
 
 
+def _posted_ahead_of_sends(self, step, rest, keys) -> None:
+    """The runtime's receive posting before issue 67: the next receive, even ahead of a send (today's, shown the
+    receives of the rest of the list only)."""
+    from qn_hf.pipeline.schedule import Op
+
+    receives = [(a, k) for a, k in zip(rest, keys) if a.op in (Op.RECV_FWD, Op.RECV_BWD)]
+    _TODAYS(self, step, [a for a, _ in receives], [k for _, k in receives])
+
+
+_TODAYS = StageExecutor._post_next_receive
+
+
 def record_steps(*, kind: str, model_dir: str | None, mesh: dict, generate: bool = False,
-                 warm_up: bool = True) -> dict:
+                 warm_up: bool = True, ahead_of_sends: bool = False) -> dict:
     """Every call this rank makes from ``parallelize`` on: the build, two training steps (the first
     announces the activations' shape with a header, the second is the steady state), an evaluation
     and, with ``generate``, a three-token ``generate``, all under the first-use rule. Returns the
     calls and where each part begins and ends (``marks``), or, when a first use would hang
-    (``warm_up=False`` removes the links' warm-up), ``{"hang": message}``."""
+    (``warm_up=False`` removes the links' warm-up), ``{"hang": message}``. ``ahead_of_sends``: the runtime's
+    receive posting before issue 67 (``_posted_ahead_of_sends``)."""
     torch.manual_seed(0)
     model = _model(kind, model_dir)
     marks, recorder = {}, CallRecorder()
     skip = contextlib.nullcontext() if warm_up else mock.patch.object(p2p, "warm_up", lambda *a, **k: None)
+    ahead = (mock.patch.object(StageExecutor, "_post_next_receive", _posted_ahead_of_sends) if ahead_of_sends
+             else contextlib.nullcontext())
     try:
-        with skip, FirstUseRule(timeout_s=10 if not warm_up else 60), recorder:
+        with skip, ahead, FirstUseRule(timeout_s=10 if not warm_up else 60), recorder:
             start = len(recorder.calls)
             pm = qn_hf.parallelize(model, **mesh)
             marks["build"] = (start, len(recorder.calls))

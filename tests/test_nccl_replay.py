@@ -31,6 +31,7 @@ from qn_hf.pipeline.nccl_replay import (
     WAIT,
     Call,
     NcclDeadlock,
+    device_waits,
     replay,
 )
 from qn_hf.pipeline.p2p import WARM_UP_TAG
@@ -159,6 +160,21 @@ def test_device_synchronize_waits_for_posted_receives():
     assert replay([compute_only, rank1], first_use=False) == 4
 
 
+def test_a_device_wide_wait_anywhere_finds_a_gradient_receive_posted_ahead():
+    """Issue 67: stage 0 posts the gradient's receive right after sending the activation (as the runtime did); a
+    device-wide wait after that (an allocator retry) waits for the gradient, which stage 1 sends only after a
+    second activation stage 0 would send after the wait. Posted when the schedule reaches it, no place
+    deadlocks."""
+    ahead = [send(1, 1, "0->1"), recv(0, 1, "1->0"), send(2, 1, "0->1"), wait(0), wait(1), wait(2)]
+    stage1 = [recv(1, 0, "0->1"), wait(1), recv(2, 0, "0->1"), wait(2), send(0, 0, "1->0"), wait(0)]
+    assert replay([ahead, stage1], first_use=False) == 6  # without a device-wide wait it completes
+    found = device_waits([ahead, stage1], first_use=False)
+    assert [(rank, position) for rank, position, _ in found] == [(0, 2)], found
+    assert "a device-wide wait (allocator retry, autotuning)" in found[0][2], found[0][2]
+    in_order = [send(1, 1, "0->1"), send(2, 1, "0->1"), recv(0, 1, "1->0"), wait(0), wait(1), wait(2)]
+    assert device_waits([in_order, stage1], first_use=False) == []
+
+
 def test_communicators_beyond_the_stream_pool_share_streams():
     """Past CUDA's 32 pooled streams a new communicator queues on an earlier one's stream: a receive
     waiting there holds up an unrelated send."""
@@ -185,7 +201,9 @@ SCHEDULES = [  # (schedule, microbatches, virtual_stages)
     ("zb_h1", 2, 1),
     ("interleaved_1f1b", 2, 2),
 ]
-HANG_AT_FIRST_USE = {"gpipe", "1f1b", "zb_h1"}  # without the warm-up (interleaved's first uses happen to agree)
+# without the warm-up, with receives posted ahead of sends as before issue 67 (interleaved's first uses happen to
+# agree); posted after the sends before them, no schedule's first use waits on a peer's that comes later
+HANG_AT_FIRST_USE = {"gpipe", "1f1b", "zb_h1"}
 
 
 def _mesh(feature: str, pp: int, schedule: str, microbatches: int, virtual_stages: int) -> dict:
@@ -232,7 +250,8 @@ def test_every_step_completes_under_nccl(worlds, model_dirs, feature, pp, schedu
     """Every rank's calls from ``parallelize`` through two training steps, an evaluation (and for a
     plain pipeline a ``generate``), recorded under gloo with NCCL's first-use rule emulated, complete
     under the NCCL model, whether the groups' communicators are created with them or at first use;
-    with the links' warm-up taken out, the first training step hangs."""
+    with the links' warm-up taken out they complete too (no receive is posted ahead of a send: no first use
+    waits on a peer's that comes later; the warm-up stays, test_without_the_warm_up_... shows what it covered)."""
     mesh = _mesh(feature, pp, schedule, microbatches, virtual_stages)
     kind = _kind(feature, schedule)
     results = worlds.run(world_size(mesh), nccl_trace_cases.record_steps, kind=kind, model_dir=model_dirs.get(kind),
@@ -241,9 +260,10 @@ def test_every_step_completes_under_nccl(worlds, model_dirs, feature, pp, schedu
     assert all(any(c.kind in (SEND, RECV) for c in rank) for rank in calls), "a rank recorded no transfer"
     replay(calls)
     replay(calls, eager=False)
-    if schedule in HANG_AT_FIRST_USE:
-        with pytest.raises(NcclDeadlock, match="first use of communicator"):
-            replay([_without_warm_up(rank) for rank in calls])
+    # a device-wide wait (allocator retry, autotuning) may fall between any two host calls of the training steps
+    steps = [range(r["marks"]["train_first"][0], r["marks"]["train_steady"][1] + 1) for r in results]
+    assert device_waits(calls, within=steps) == [], "a device-wide wait deadlocks the steps"
+    replay([_without_warm_up(rank) for rank in calls])
     # fewer communicators per rank than CUDA's stream pool has streams: none shares a stream today
     # (the replay models sharing, test_communicators_beyond_the_stream_pool_share_streams)
     for rank, trace in enumerate(calls):
@@ -275,10 +295,33 @@ def _receivers(results: list[dict], pp: int) -> set[int]:
     return {r for r, result in enumerate(results) if result["stage"] > 0 or result["virtual_stages"] > 1}
 
 
-def test_without_the_warm_up_a_first_use_hangs_on_gloo_too(worlds, model_dirs):
-    """The emulated first-use rule alone, on a real run: 1F1B at pp=2 without the links' warm-up
-    waits forever at its first step (each rank's first use of a link waits for the peer's)."""
-    mesh = _mesh("plain", 2, "1f1b", 3, 1)
+@pytest.mark.parametrize("schedule", sorted(HANG_AT_FIRST_USE))
+def test_without_the_warm_up_a_first_use_hangs_on_gloo_too(worlds, model_dirs, schedule):
+    """The emulated first-use rule alone, on a real run, with receives posted ahead of sends (the runtime before
+    issue 67): without the links' warm-up the first step waits forever (each rank's first use of a link waits for
+    the peer's), in the replay too; the warm-up prevents it."""
+    mesh = _mesh("plain", 2, schedule, *{s: (m, v) for s, m, v in SCHEDULES}[schedule])
     results = worlds.run(2, nccl_trace_cases.record_steps, kind="llama", model_dir=model_dirs["llama"], mesh=mesh,
-                         warm_up=False)
+                         warm_up=False, ahead_of_sends=True)
     assert all("under NCCL this hangs" in r.get("hang", "") for r in results), results
+    warmed = worlds.run(2, nccl_trace_cases.record_steps, kind="llama", model_dir=model_dirs["llama"], mesh=mesh,
+                        ahead_of_sends=True)
+    calls = [[Call.from_json(c) for c in r["calls"]] for r in warmed]
+    replay(calls)
+    with pytest.raises(NcclDeadlock, match="first use of communicator"):
+        replay([_without_warm_up(rank) for rank in calls])
+
+
+@pytest.mark.parametrize(("pp", "schedule", "microbatches", "virtual_stages"),
+                         [(2, "1f1b", 3, 1), (2, "gpipe", 2, 1), (2, "zb_h1", 2, 1)])
+def test_gradient_receives_posted_ahead_deadlock_under_a_device_wide_wait(worlds, model_dirs, pp, schedule,
+                                                                         microbatches, virtual_stages):
+    """Issue 67: with receives posted ahead of sends (the runtime before it), a device-wide wait deadlocks these
+    schedules at some place of the training steps; the runtime now posts a receive only after the sends before it
+    (test_every_step_completes_under_nccl finds no such place)."""
+    mesh = _mesh("plain", pp, schedule, microbatches, virtual_stages)
+    results = worlds.run(world_size(mesh), nccl_trace_cases.record_steps, kind="llama", model_dir=model_dirs["llama"],
+                         mesh=mesh, ahead_of_sends=True)
+    calls = [[Call.from_json(c) for c in r["calls"]] for r in results]
+    steps = [range(r["marks"]["train_first"][0], r["marks"]["train_steady"][1] + 1) for r in results]
+    assert device_waits(calls, within=steps), "the old posting should deadlock somewhere"

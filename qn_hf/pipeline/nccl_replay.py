@@ -38,6 +38,12 @@ Streams of different communicators progress independently, as CUDA streams do.
 
 ``replay`` returns the number of operations completed or raises ``NcclDeadlock`` naming, per rank,
 where its host stopped and what each blocked stream waits for.
+
+**A device-wide wait may fall between any two host calls** (``device_waits``): the caching allocator's
+retry after an out-of-memory synchronizes the device, as do inductor's autotuning, ``empty_cache`` and
+profilers, none of which the program chooses the place of. ``device_waits`` replays the traces once per
+place (each rank, each gap between its calls) with a ``DEVICE_SYNC`` there, and lists the places that
+deadlock: a receive posted ahead whose sender waits on this rank is such a place.
 """
 
 from __future__ import annotations
@@ -267,3 +273,20 @@ def _describe(ranks: list[_Rank], streams: dict, heads: dict) -> str:
                    if key[0] == r and heads[key] < len(streams[key])]
         lines.append(f"  rank {r}: {host}; {compute}; stream heads: {'; '.join(blocked) or 'none'}")
     return "\n".join(lines)
+
+
+def device_waits(traces: Sequence[Sequence[Call]], *, within: Sequence[range] | None = None,
+                 **rules) -> list[tuple[int, int, str]]:
+    """(rank, position, the deadlock's description) for every place a device-wide wait deadlocks ``traces``
+    (module docstring): one replay per gap of each rank's calls (``within[rank]``: those gaps only), ``rules``
+    as ``replay``'s."""
+    found = []
+    for rank, calls in enumerate(traces):
+        for position in (within[rank] if within is not None else range(len(calls) + 1)):
+            placed = [list(t) for t in traces]
+            placed[rank].insert(position, Call(DEVICE_SYNC, label="a device-wide wait (allocator retry, autotuning)"))
+            try:
+                replay(placed, **rules)
+            except NcclDeadlock as e:
+                found.append((rank, position, str(e)))
+    return found

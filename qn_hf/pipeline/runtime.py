@@ -1,7 +1,14 @@
 """Executing one stage's action list with point-to-point sends and receives.
 
-Sends are asynchronous and receives are posted ahead: right after each action the next receive in
-the list is posted if its buffer's shape is known, so its transfer overlaps the compute in between.
+Sends are asynchronous and receives are posted ahead, but never ahead of a send: right after each action
+the next receive in the list is posted if its buffer's shape is known and no send comes before it, so its
+transfer overlaps the compute in between. A device-wide wait (the caching allocator's retry after an
+out-of-memory, inductor's autotuning, ``empty_cache``) waits for every posted receive too, and a receive
+posted ahead of a send may be one whose sender waits for that send, which the host would post only after
+the wait: a gradient whose stage waits for this stage's next activation, or under interleaved 1F1B an
+activation coming round the ring (``nccl_replay.device_waits`` finds these deadlocks). A receive the list
+reaches after its preceding sends depends on nothing this rank sends later, which is what the schedule
+checks prove for blocking receives.
 Every message travels on the communicator of its own direction (``p2p.py``): under NCCL a posted
 receive then holds up only later receives of the same direction, never a send. The schedule checks
 prove the lists cannot deadlock when a stage blocks only on its receives, and that every directed
@@ -99,6 +106,10 @@ def activation_shape(first: tuple[int, ...], *, rows: Sequence[int], mb: int) ->
     """Microbatch ``mb``'s activation shape from the first microbatch's: ``rows[mb]`` in place of the
     first dimension when that is the batch (it holds the first microbatch's rows), else the same."""
     return (rows[mb], *first[1:]) if first[0] == rows[0] else tuple(first)
+
+
+_SENDS = frozenset((Op.SEND_FWD, Op.SEND_BWD))
+_TRANSFERS = _SENDS | {Op.RECV_FWD, Op.RECV_BWD}
 
 
 class StageExecutor:
@@ -201,11 +212,11 @@ class StageExecutor:
             raise RuntimeError(f"deferred weight gradients of {stale} never ran: the schedule lacks their weight passes")
 
     def _post_next_receive(self, step: _Step, rest: list[Action], keys: list[Key]) -> None:
-        """Post the next receive as soon as its buffer's shape is known, so the transfer overlaps
-        the compute in between instead of starting when the schedule reaches it. Only the next
-        one: receives are posted in list order, the order the schedule check proves."""
-        upcoming = next(((a, k) for a, k in zip(rest, keys) if a.op in (Op.RECV_FWD, Op.RECV_BWD)), None)
-        if upcoming is None or upcoming[1] in step.posted:
+        """Post the next receive as soon as its buffer's shape is known, so the transfer overlaps the compute
+        in between instead of starting when the schedule reaches it, unless a send comes first (module
+        docstring). Only the next one: receives are posted in list order, the order the schedule check proves."""
+        upcoming = next(((a, k) for a, k in zip(rest, keys) if a.op in _TRANSFERS), None)
+        if upcoming is None or upcoming[0].op in _SENDS or upcoming[1] in step.posted:
             return
         action, key = upcoming
         if action.op == Op.RECV_FWD and step.announced is not None:

@@ -35,7 +35,7 @@ def resume_mesh(cfg: TrainConfig, *, resume_from: str | None, world: int) -> tup
         return cfg, None
     was = (f"resumed at {plural(world, 'process')} from a checkpoint of {plural(dims.world_size, 'process')} "
            f"(mesh {' '.join(f'{axis}={degree}' for axis, degree in saved.items())})")
-    cfg, notes = _fit(cfg, {"cp": (world, "the world size")})
+    cfg, notes = _fit(cfg, {"cp": (world, "the world size", True)})
     if not cfg.auto:
         dp, tp, pp = cfg.mesh_for(world)
         needed = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cfg.cp).world_size
@@ -46,23 +46,23 @@ def resume_mesh(cfg: TrainConfig, *, resume_from: str | None, world: int) -> tup
             cfg = dataclasses.replace(cfg, mesh=AUTO, microbatches=None, given=cfg.given - {"mesh", "microbatches"})
     # the planner's dp x tp is at most what cp leaves
     dp, tp = (world // cfg.cp, 1) if cfg.auto else cfg.mesh_for(world)[:2]
-    cfg, more = _fit(cfg, {"dp_shard": (dp, "dp"), "ep": (dp * tp, "dp x tp")})
+    cfg, more = _fit(cfg, {"dp_shard": (dp, "dp", False), "ep": (dp * tp, "dp x tp", True)})
     return cfg, "; ".join([was, *notes, *more])
 
 
-def _fit(cfg: TrainConfig, limits: dict[str, tuple[int, str]]) -> tuple[TrainConfig, list[str]]:
-    """The degrees named in ``limits`` (name -> (what it must divide, its name)) brought down to the largest
-    that divides it, so a moved job keeps what it can of its mesh instead of refusing to start; and one
-    note per degree changed."""
+def _fit(cfg: TrainConfig, limits: dict[str, tuple[int, str, bool]]) -> tuple[TrainConfig, list[str]]:
+    """The degrees named in ``limits`` (name -> (what it must divide, its name, whether the new degree must also
+    divide the old)) brought down to the largest that divides it, so a moved job keeps what it can of its mesh
+    instead of refusing to start; and one note per degree changed."""
     changed, notes = {}, []
-    for name, (limit, what) in limits.items():
+    for name, (limit, what, of_old) in limits.items():
         degree = getattr(cfg, name)
         if limit % degree == 0:
             continue
         # dp_shard may be any divisor of dp; cp and ep must also divide what they divided (the sequence's
         # pieces, the experts), which every divisor of the old degree does
         changed[name] = max(d for d in range(1, min(degree, limit) + 1)
-                            if limit % d == 0 and (name == "dp_shard" or degree % d == 0))
+                            if limit % d == 0 and (not of_old or degree % d == 0))
         notes.append(f"--{name.replace('_', '-')} {degree} does not divide {what}={limit}: now {changed[name]}")
     return (dataclasses.replace(cfg, **changed) if changed else cfg), notes
 
