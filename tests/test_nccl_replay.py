@@ -170,9 +170,10 @@ def test_a_device_wide_wait_anywhere_finds_a_gradient_receive_posted_ahead():
     assert replay([ahead, stage1], first_use=False) == 6  # without a device-wide wait it completes
     found = device_waits([ahead, stage1], first_use=False)
     assert [(rank, position) for rank, position, _ in found] == [(0, 2)], found
+    assert device_waits([ahead, stage1], first_use=False, every_gap=True) == found  # the one place in every gap
     assert "a device-wide wait (allocator retry, autotuning)" in found[0][2], found[0][2]
     in_order = [send(1, 1, "0->1"), send(2, 1, "0->1"), recv(0, 1, "1->0"), wait(0), wait(1), wait(2)]
-    assert device_waits([in_order, stage1], first_use=False) == []
+    assert device_waits([in_order, stage1], first_use=False, every_gap=True) == []
 
 
 def test_communicators_beyond_the_stream_pool_share_streams():
@@ -295,7 +296,8 @@ def _receivers(results: list[dict], pp: int) -> set[int]:
     return {r for r, result in enumerate(results) if result["stage"] > 0 or result["virtual_stages"] > 1}
 
 
-@pytest.mark.parametrize("schedule", sorted(HANG_AT_FIRST_USE))
+@pytest.mark.parametrize("schedule", [s if s == "1f1b" else pytest.param(s, marks=pytest.mark.long)
+                                      for s in sorted(HANG_AT_FIRST_USE)])
 def test_without_the_warm_up_a_first_use_hangs_on_gloo_too(worlds, model_dirs, schedule):
     """The emulated first-use rule alone, on a real run, with receives posted ahead of sends (the runtime before
     issue 67): without the links' warm-up the first step waits forever (each rank's first use of a link waits for

@@ -42,8 +42,8 @@ where its host stopped and what each blocked stream waits for.
 **A device-wide wait may fall between any two host calls** (``device_waits``): the caching allocator's
 retry after an out-of-memory synchronizes the device, as do inductor's autotuning, ``empty_cache`` and
 profilers, none of which the program chooses the place of. ``device_waits`` replays the traces once per
-place (each rank, each gap between its calls) with a ``DEVICE_SYNC`` there, and lists the places that
-deadlock: a receive posted ahead whose sender waits on this rank is such a place.
+place with a ``DEVICE_SYNC`` there (each rank, right after each receive it posts: ``device_waits`` says why
+those suffice), and lists the places that deadlock: a receive posted ahead of a send its sender waits for.
 """
 
 from __future__ import annotations
@@ -275,14 +275,22 @@ def _describe(ranks: list[_Rank], streams: dict, heads: dict) -> str:
     return "\n".join(lines)
 
 
-def device_waits(traces: Sequence[Sequence[Call]], *, within: Sequence[range] | None = None,
+def device_waits(traces: Sequence[Sequence[Call]], *, within: Sequence[range] | None = None, every_gap: bool = False,
                  **rules) -> list[tuple[int, int, str]]:
     """(rank, position, the deadlock's description) for every place a device-wide wait deadlocks ``traces``
-    (module docstring): one replay per gap of each rank's calls (``within[rank]``: those gaps only), ``rules``
-    as ``replay``'s."""
+    (module docstring), ``rules`` as ``replay``'s; ``within[rank]``: those gaps of each rank only.
+
+    One replay per place. Only a receive this rank has posted can hold a device-wide wait on a peer (a send
+    posted waits for a receive its peer reaches without this rank, under the schedule checks' rule that sends
+    never block; a collective for members that posted it in the same order), and the most a wait can find
+    is right after that receive is posted, before any later call of this rank: so the places tried are those
+    (every gap with ``every_gap``)."""
     found = []
     for rank, calls in enumerate(traces):
-        for position in (within[rank] if within is not None else range(len(calls) + 1)):
+        gaps = within[rank] if within is not None else range(len(calls) + 1)
+        places = gaps if every_gap else [i + 1 for i, c in enumerate(calls) if c.kind == RECV and c.what == POST
+                                         and i + 1 in gaps]
+        for position in places:
             placed = [list(t) for t in traces]
             placed[rank].insert(position, Call(DEVICE_SYNC, label="a device-wide wait (allocator retry, autotuning)"))
             try:
