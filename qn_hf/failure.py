@@ -166,14 +166,12 @@ def _behind(number: int) -> str:
     if store is None:
         return ""
     seen = []
-    for peer in range(dist.get_world_size()):
+    for peer in (r for r in range(dist.get_world_size()) if r != dist.get_rank()):
         key = f"{PROGRESS_KEY}/{peer}"
         try:
             at = store.get(key).decode().split(" ", 1) if store.check([key]) else None
         except (RuntimeError, ValueError):
             return ""
-        if peer == dist.get_rank():
-            continue
         if at is None:
             seen.append(f"rank {peer} was never seen in one")
         elif int(at[0]) < number:

@@ -167,9 +167,7 @@ class ShardPlacement:
     def surface_refusal(self, name: str) -> str:
         """Why the parallel model has no ``name`` of the Hugging Face model's own (``pm.get_input_embeddings()``,
         ``pm.num_parameters()``): the module's answers are this rank's shard's, and reached as such."""
-        d = self.dims
-        mesh = " ".join(f"{axis}={size}" for axis, size in (("dp", d.dp), ("tp", d.tp), ("pp", d.pp), ("cp", d.cp),
-                                                           ("ep", d.ep), ("dp_shard", d.dp_shard)) if size > 1)
+        mesh = " ".join(self.dims.in_use())
         return (f"ParallelModel has no {name!r}: pm.module.{name} is the Hugging Face model's, which on this rank "
                 f"holds its part of the model ({mesh or 'one rank'}): its parameters, their shapes and counts are this "
                 f"rank's; the whole model is what pm.save_pretrained(dir) writes")

@@ -105,6 +105,10 @@ class ParallelDims:
         """How many ranks hold the same parameter shard (and sum its gradients): dp x cp."""
         return self.dp * self.cp
 
+    def in_use(self, axes: tuple[Axis, ...] = (Axis.DP, Axis.TP, Axis.PP, Axis.CP, Axis.EP, Axis.DP_SHARD)) -> list[str]:
+        """``axis=degree`` for each of ``axes`` above 1, as messages name the mechanisms a mesh runs."""
+        return [f"{axis.value}={getattr(self, axis.value)}" for axis in axes if getattr(self, axis.value) > 1]
+
     def check_world_size(self, world_size: int) -> None:
         if world_size != self.world_size:
             order = (Axis.DP, Axis.TP, Axis.PP, Axis.CP) if self.cp > 1 else (Axis.DP, Axis.TP, Axis.PP)

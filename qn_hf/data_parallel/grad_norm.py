@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..config.dims import Axis, ParallelDims
 from ..placement import Copies, Placed
 
 
@@ -172,12 +173,10 @@ class PiecesStandIn(_Guarded, torch.Tensor):
 _PLAIN = {PartialGrad: torch.Tensor, PartialDGrad: DTensor}
 
 
-def partial_grads_refusal(dims, *, pieces: bool) -> str | None:
+def partial_grads_refusal(dims: ParallelDims, *, pieces: bool) -> str | None:
     """Why torch's norm over ``pm.parameters()`` would differ from the model's, or None where it is the
     true norm (plain dp, cp, dp_shard's DTensors)."""
-    parts = [f"{axis}={size}" for axis, size in (("tp", dims.tp), ("pp", dims.pp), ("ep", dims.ep)) if size > 1]
-    if pieces:
-        parts.append("zero=True")
+    parts = dims.in_use((Axis.TP, Axis.PP, Axis.EP)) + (["zero=True"] if pieces else [])
     if not parts:
         return None
     return (f"torch.nn.utils.clip_grad_norm_ (and get_total_norm) over pm.parameters() sees only this rank's part "

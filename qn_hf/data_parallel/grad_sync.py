@@ -150,12 +150,14 @@ class GradSync:
         """Take the last sync's gradients out of ``.grad`` (a copy where ``.grad`` is a bucket's slot,
         which the next backward reuses; the tensor itself elsewhere), so this step sums its own only.
         Zeroed with ``set_to_none=False``, they are copied for nothing: None costs nothing."""
-        slotted = {id(p) for b in self.bucket_sets for p in b.params}
-        for p in self.module.parameters():
-            if p.grad is not None:
-                self._set_aside.append((p, p.grad.clone() if id(p) in slotted else p.grad))
-                p.grad = None
         self._synced = False
+        held = [p for p in self.module.parameters() if p.grad is not None]
+        if not held:  # zeroed with set_to_none, as after every optimizer step by default
+            return
+        slotted = {id(p) for b in self.bucket_sets for p in b.params}
+        for p in held:
+            self._set_aside.append((p, p.grad.clone() if id(p) in slotted else p.grad))
+            p.grad = None
 
     def sync(self) -> None:
         for buckets in self.bucket_sets:

@@ -94,7 +94,6 @@ def agree_on_batch(checks: Callable[[], int], batch: Mapping[str, torch.Tensor],
             held = sorted({first[int(votes[r, 0])] for r in differ})
             raise ValueError(f"rank(s) {', '.join(map(str, differ))} were given batches of other {what} than rank(s) "
                              f"{', '.join(map(str, held))} of the same data-parallel replica: every tp rank, pipeline "
-                             f"stage and cp "
-                             f"rank of a replica must get the same dict each step (slice a global batch by "
-                             f"pm.coords['dp'] only)")
+                             f"stage and cp rank of a replica must get the same dict each step (slice a global batch "
+                             f"by pm.coords['dp'] only)")
     return size
