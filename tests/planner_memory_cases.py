@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 import qn_hf
+from qn_hf.data_parallel.grad_norm import PiecesStandIn
 from qn_hf.data_parallel.sharded import local
 from qn_hf.expert_parallel.apply import experts_modules
 from qn_hf.memory.live_allocations import LiveAllocations, storage_bytes, storage_now
@@ -214,7 +215,8 @@ def measure(*, kind: str, dp: int, tp: int, pp: int, microbatches: int, mixed_pr
                 pm.train_step(batch(2))
         else:
             pm.train_step(batch(2))
-        grads = [p.grad for p in pm.parameters() if p.grad is not None]
+        # (under zero, .grad is a refusing stand-in over the bucket counted below: grad_norm.PiecesStandIn)
+        grads = [p.grad for p in pm.parameters() if p.grad is not None and not isinstance(p.grad, PiecesStandIn)]
         for buckets in pm.grads.bucket_sets:  # zero: the full-size buckets stay allocated while .grad is cleared
             grads += [b.buffer for b in buckets.buckets]
         grad_bytes = _storage_bytes(grads)

@@ -38,8 +38,8 @@ all-gather's own piece).
 * float16's loss scaling: a 4-byte overflow flag over the whole job ("world", or the mesh dimension
   that spans it).
 * host: every step's agreement on its batches before the first collective (``step/agreement.py``),
-  one all-reduce over the hosts of the whole job of two int64 per dp replica and two more (any
-  rank's failure), when the job has more than one rank.
+  one all-reduce over the hosts of the whole job of three int64 per rank (its replica, its batch's layout
+  and contents digests) and three more (any rank's failure), when the job has more than one rank.
 """
 
 from __future__ import annotations
@@ -224,8 +224,8 @@ def stage_traffic(s: int, *, parallel: ParallelConfig, plan: TpPlan, trace: Trac
         numels = _summed(params, pieces)
         if numels:
             out[group] = GroupTraffic(len(flat_runs([n * grad_elem for n in numels])), sum(numels) * grad_elem)
-    if dims.world_size > 1:  # the batch agreement's votes: (dp + 1) x 2 int64
-        out["host"] = GroupTraffic(1, 2 * 8 * (dp + 1))
+    if dims.world_size > 1:  # the batch agreement's votes: (world + 1) x 3 int64
+        out["host"] = GroupTraffic(1, 3 * 8 * (dims.world_size + 1))
     if parallel.mixed_precision is not None and parallel.mixed_precision.scaled:  # float16's overflow flag
         spanning = [g for g, n in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)) if n == dims.world_size]
         group = spanning[-1] if spanning else "world"  # CommMeter names the default group by a dimension spanning it
