@@ -17,6 +17,7 @@ from qn_hf.checkpoint import CheckpointError, checkpoint_dir, read_index
 from qn_hf.local_world import LocalWorld
 from tests.cases import mesh_for
 from tests.models import dp_slice, load, make_batch
+from tests.stream_model import LateStreams
 
 
 def _run(world: int, case, **kwargs) -> list:
@@ -40,23 +41,23 @@ def _step(pm, opt, seed: int) -> None:
 
 
 def case_async_equals_sync(*, model_dir: str, root: str, dp: int, pp: int, zero: bool) -> list[str]:
-    from qn_hf.checkpoint import background
+    from qn_hf.checkpoint import host_copies
 
     pm, opt = _model(model_dir, dp=dp, pp=pp, zero=zero)
     _step(pm, opt, seed=1)
     pm.save_checkpoint(os.path.join(root, "sync"), optimizer=opt, step=1)
-    real = background.HostCopies.copy
+    real = host_copies.HostCopies.copy
 
-    def late_copy(self, sources, device):  # the writer thread starts its copy after the next step began
+    def late_copy(self, sources):  # the writer thread starts its copy after the next step began
         time.sleep(1.0)
-        return real(self, sources, device)
+        return real(self, sources)
 
-    background.HostCopies.copy = late_copy
+    host_copies.HostCopies.copy = late_copy
     try:
         returned = pm.save_checkpoint(os.path.join(root, "async"), optimizer=opt, step=1, asynchronous=True)
         _step(pm, opt, seed=2)  # its optimizer step must wait for the copy: it changes every weight and moment
     finally:
-        background.HostCopies.copy = real
+        host_copies.HostCopies.copy = real
     _step(pm, opt, seed=3)
     published = pm.wait_checkpoint()
     assert published == returned and pm.wait_checkpoint() is None
@@ -123,3 +124,72 @@ def test_async_save_failure_reaches_every_rank_and_keeps_latest(model_dirs, tmp_
         "ckpt-000001", "ckpt-000002", "ckpt-000003.partial", "ckpt-000004"]
     assert checkpoint_dir(root) == out[0]["later"]  # close() waited for it
     assert read_index(checkpoint_dir(root))["step"] == 4
+
+
+def _files(directory: str) -> dict[str, dict[str, torch.Tensor]]:
+    return {n: load_file(os.path.join(directory, n)) for n in sorted(os.listdir(directory)) if n.endswith(".safetensors")}
+
+
+def _launched_only(copies) -> None:
+    """``wait_copied`` without its stream wait: the step waits until the copy is launched, not for the copy."""
+    copies._copied.wait()
+
+
+def case_stream_order(*, model_dir: str, root: str) -> dict:
+    """Under a model of CUDA's streams that runs each copy as late as its events allow: an asynchronous save
+    followed at once by an optimizer step (the save given the optimizer, and not) writes the weights of the save,
+    and with the training stream's wait for the copy taken out it writes the step's (the model can fail)."""
+    from qn_hf.checkpoint.background import BackgroundSaves
+    from qn_hf.checkpoint.host_copies import HostCopies
+
+    pm, opt = _model(model_dir, dp=1, pp=2, zero=False)
+    streams = LateStreams(host_delay_s=0.5)  # the writer thread's wait for the device comes late too
+    pm.saves = BackgroundSaves(timeout=pm.saves.timeout, streams=streams)
+    real_wait = HostCopies.wait_copied
+    out: dict = {"torn": {}}
+    seed = 1
+    for ordered in (True, False):
+        for held in (True, False):
+            seed += 1
+            opt.zero_grad()
+            pm.train_step(dp_slice(make_batch("llama", size=8, seed=seed), dp=1, dp_rank=0))
+            name = f"{'ordered' if ordered else 'unordered'}-{'held' if held else 'none'}"
+            given = opt if held else None
+            pm.save_checkpoint(os.path.join(root, name, "sync"), optimizer=given, step=seed)
+            if not ordered:
+                HostCopies.wait_copied = _launched_only
+            try:
+                pm.save_checkpoint(os.path.join(root, name, "async"), optimizer=given, step=seed, asynchronous=True)
+                opt.step()  # at once: every weight changes
+            finally:
+                HostCopies.wait_copied = real_wait
+            pm.wait_checkpoint()
+    out["arena"] = pm.saves.copies.host_bytes
+    out["pinned"] = list(streams.pinned)
+    out["launched"] = streams.copies_launched
+    pm.wait_checkpoint(release=True)
+    out["released"] = (pm.saves.copies.host_bytes, streams.unpinned)
+    pm.close()
+    return out
+
+
+@pytest.mark.core
+def test_async_save_orders_the_next_step_after_its_copy(model_dirs, tmp_path):
+    root = str(tmp_path)
+    out = _run(2, case_stream_order, model_dir=model_dirs["llama"], root=root)
+    for name in ("ordered-held", "ordered-none", "unordered-held", "unordered-none"):
+        sync = _files(checkpoint_dir(os.path.join(root, name, "sync")))
+        written = _files(checkpoint_dir(os.path.join(root, name, "async")))
+        assert sync.keys() == written.keys() and len(sync) == 2  # a file per pp stage
+        same = all(torch.equal(sync[f][k], written[f][k]) for f in sync for k in sync[f])
+        assert same == name.startswith("ordered"), name  # without the stream wait the step's weights are written
+    # One arena per rank, its size the shards' bytes (each aligned to 64), pinned again only when the shards
+    # change: the first save given the optimizer precedes Adam's first step (no moments yet), so the four saves
+    # hold weights, weights, weights and moments, weights; wait_checkpoint(release=True) gives the last back
+    written = _files(checkpoint_dir(os.path.join(root, "ordered-none", "async")))
+    shards = sorted(sum(-(-t.numel() * t.element_size() // 64) * 64 for t in f.values()) for f in written.values())
+    assert sorted(result["arena"] for result in out) == shards
+    for result in out:
+        weights, pinned = result["arena"], result["pinned"]
+        assert result["launched"] == 4 and len(pinned) == 3 and pinned[0] == pinned[2] == weights < pinned[1]
+        assert result["released"] == (0, 3)

@@ -47,6 +47,9 @@ def test_gpu_check_runs_on_cpu(tmp_path):
     # tp=1 without dropout: qn_hf's compiled blocks break no more than the plain model's, and never on its own hooks
     assert compiled["metrics"]["qn_hf"]["graph_breaks"] <= compiled["metrics"]["plain"]["graph_breaks"], compiled
     assert rows["speed", "first losses agree"]["result"] == "equal"
+    for case in ("async save holds the state it was called with", "async save without optimizer=, a step at once"):
+        assert rows["checkpoint", case]["result"] == "equal", rows["checkpoint", case]
+    assert rows["checkpoint", "what asynchronous saves keep"]["result"] == "ok"
     assert "syncs/step" in done.stdout and "could not test" in done.stdout  # the table and what it left out
 
 

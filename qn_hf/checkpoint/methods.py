@@ -59,9 +59,10 @@ class CheckpointMethods:
                                    roots=self.held_roots, background=self.saves if asynchronous else None,
                                    format=kind)
 
-    def wait_checkpoint(self) -> str | None:
-        """Wait for the save in flight (every rank); its published directory (None: none), or any rank's error."""
-        return self.saves.wait()
+    def wait_checkpoint(self, *, release: bool = False) -> str | None:
+        """Wait for the save in flight (every rank); its published directory (None: none), or any rank's error.
+        ``release``: also free the host memory asynchronous saves keep for the next one (``close`` does too)."""
+        return self.saves.wait(release=release)
 
     def load_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None, *,
                         key_map: KeyMap | Callable[[str], str | None] | None = None) -> dict:

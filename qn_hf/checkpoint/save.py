@@ -80,17 +80,21 @@ def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
             _write(final, files, None if dcp else header, keep_last=keep_last, device=placement.device, group=None)
             return final
         group = background.group()
-        # The live pieces: copied to host by the writer thread before the optimizer's next step changes
-        # them (background.py), or now when there is no optimizer step to hold back
+        # The live pieces, copied to host (host_copies.py): by the writer thread, with the optimizer's next
+        # step held until the copy is made; without an optimizer to hold, launched now and every later write
+        # to the weights ordered after it (on CUDA a stream wait: the host goes on)
         snapshot = shard_snapshot(module, placement, view, to_host=False) if writes else None
         sources, copies, device = snapshot.tensors if snapshot is not None else {}, background.copies, placement.device
         copies.begin(device)
-        copied = copies.copy(sources, device) if view is None else None
+        copied = None
+        if view is None:
+            copied = copies.copy(sources)
+            copies.wait_copied()
         background.hold_step(view.inner if view is not None else None)
 
         def write() -> None:
             try:
-                tensors = copied if copied is not None else copies.copy(sources, device)
+                tensors = copied if copied is not None else copies.copy(sources)
                 copies.written_from()
                 copied_snapshot = dataclasses.replace(snapshot, tensors=tensors) if snapshot is not None else None
                 files = (_dcp_part(copied_snapshot, aliases, header, group=group) if dcp
@@ -264,7 +268,7 @@ def shard_snapshot(module: nn.Module, placement: ShardPlacement, view: Optimizer
                    to_host: bool = True) -> ShardSnapshot:
     """What this rank writes: its pieces on the host (``.to("cpu")``: on CPU the live tensors, so the
     file is written before training goes on), or with ``to_host=False`` the live pieces themselves,
-    for an asynchronous save to copy (``background.HostCopies``)."""
+    for an asynchronous save to copy (``host_copies.HostCopies``)."""
     coords = placement.coords
     file = shard_file(coords.pp, coords.tp, placement.replica_rank)
     tensors: dict[str, torch.Tensor] = {}
