@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .config.dims import Axis, ParallelDims
 from .config.layout import EXPERTS, REPLICAS, full_grid, rank_grid, rank_groups
+from .comm import member_groups
 from .devices import backend_for
 from .launch.nodes import SELF_STARTED, Nodes, agreed_nodes, launch_environment, warn_groups_across_nodes
 from .local_world import free_local_port
@@ -148,8 +149,7 @@ def build_mesh(dims: ParallelDims, *, device: torch.device, timeout: datetime.ti
         return DeviceMesh(device.type, grid, mesh_dim_names=dims.names)
     groups = []
     for name in dims.names:  # every group along each dim, as the layout lists them
-        mine, _ = dist.new_subgroups_by_enumeration([list(g) for g in rank_groups(dims)[name]], timeout=timeout)
-        groups.append(mine)
+        groups.append(member_groups(rank_groups(dims)[name], timeout=timeout))
     return DeviceMesh.from_group(groups, device.type, mesh=grid, mesh_dim_names=dims.names)
 
 
@@ -323,10 +323,7 @@ def _member_of(all_ranks: list[list[int]], timeout: datetime.timedelta,
                owned: list[ProcessGroup]) -> ProcessGroup | None:
     """Create every group in ``all_ranks`` (all ranks must) and return the one this rank is in (also
     added to ``owned``)."""
-    mine = None
-    for ranks in all_ranks:
-        group = dist.new_group(ranks, timeout=timeout)
-        if dist.get_rank() in ranks:
-            mine = group
-            owned.append(group)
+    mine = member_groups(all_ranks, timeout=timeout)
+    if mine is not None:
+        owned.append(mine)
     return mine

@@ -50,6 +50,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from ..comm import member_groups
+
 # The warm-up's transfers carry a tag no step uses (steps tag from 0 up: ``runtime.StageExecutor._tag``),
 # so that under gloo, which matches by tag, they can never pair with a step's message.
 WARM_UP_TAG = 2**30
@@ -130,14 +132,33 @@ def build_links(ring: list[list[int]], *, device: torch.device,
                 timeout: datetime.timedelta) -> dict[tuple[int, int], ProcessGroup]:
     """This rank's directed links, ``{(source, destination): group}``, over the pipelines ``ring``
     (as ``directed_pairs`` takes it), warmed up. Every rank calls it with the same ``ring``:
-    ``new_group`` is collective over the whole world, so every rank creates every link's group, in
-    the same order, and keeps its own."""
+    making a group is collective over the whole world, so every rank makes every link's group, in the
+    same order (a round of disjoint links at a time: ``link_rounds``), and keeps its own."""
     me = dist.get_rank()
     order = directed_pairs(ring)
     links = {}
-    for src, dst in order:
-        group = dist.new_group([src, dst], timeout=timeout)
-        if me in (src, dst):
-            links[src, dst] = group
+    for pairs in link_rounds(order):  # a round's links are made together (comm.member_groups)
+        group = member_groups([[src, dst] for src, dst in pairs], timeout=timeout)
+        for src, dst in pairs:
+            if me in (src, dst):
+                links[src, dst] = group
     warm_up(links, order, device=device)
     return links
+
+
+def link_rounds(order: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """``order``'s directed pairs in rounds of pairs that share no rank (so that one split can make a round's
+    groups), assigned greedily in order, the same rounds on every rank. A rank is an end of at most four links
+    (to and from each neighbour), so greedy needs at most seven rounds, whatever the number of pipelines."""
+    rounds: list[list[tuple[int, int]]] = []
+    busy: list[set[int]] = []
+    for pair in order:
+        for pairs, taken in zip(rounds, busy):
+            if not taken.intersection(pair):
+                pairs.append(pair)
+                taken.update(pair)
+                break
+        else:
+            rounds.append([pair])
+            busy.append(set(pair))
+    return rounds
