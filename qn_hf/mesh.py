@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
+from .comm import member_groups
 from .config.dims import Axis, ParallelDims
 from .config.layout import EXPERTS, REPLICAS, full_grid, rank_grid, rank_groups
-from .comm import member_groups
 from .devices import backend_for
 from .launch.nodes import SELF_STARTED, Nodes, agreed_nodes, launch_environment, warn_groups_across_nodes
 from .local_world import free_local_port
