@@ -348,3 +348,31 @@ def member_groups(lists: Sequence[Sequence[int]], *, timeout) -> ProcessGroup | 
         if me in ranks:
             mine = group
     return mine
+
+
+HOST_MAX_TAG = 7101  # the hosts' exchange's transfers (their own tag: nothing else sends on the host group)
+
+
+def host_max_rounds(world: int) -> int:
+    """The rounds ``host_max_`` takes over ``world`` ranks (each a send and a receive per rank)."""
+    return (world - 1).bit_length()
+
+
+def host_max_(values: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
+    """``dist.all_reduce(values, MAX, group)`` of a host tensor, in place, by dissemination: in round k each rank
+    sends what it holds to the rank 2^k after it and takes the max with what the rank 2^k before it sent, so
+    after ceil(log2 W) rounds every rank holds the max over all (max is idempotent: ranks counted twice do no
+    harm), and every rank makes the same number of transfers. Why not gloo's all-reduce: it runs a ring, about
+    4 W sequential transfers (2 W segments each way), which at 1,000 ranks is thousands of host hops for a
+    few kilobytes every step; here ceil(log2 W) hops of the whole vector (10 at 1,024 ranks)."""
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    incoming = torch.empty_like(values)
+    for k in range(host_max_rounds(world)):
+        step = 1 << k
+        to, frm = dist.get_global_rank(group, (me + step) % world), dist.get_global_rank(group, (me - step) % world)
+        sent = dist.isend(values, dst=to, group=group, tag=HOST_MAX_TAG)
+        received = dist.irecv(incoming, src=frm, group=group, tag=HOST_MAX_TAG)
+        received.wait()
+        sent.wait()  # before values change: the send reads them
+        torch.maximum(values, incoming, out=values)
+    return values

@@ -13,7 +13,8 @@ Every op passes through Python while a meter is active: meter a step, do not tim
 
 The payload is what this rank hands to the call: the tensor of an all-reduce, broadcast, send or
 receive; this rank's input of an all-gather or reduce-scatter; nothing for a barrier. Point-to-point
-transfers between pipeline stages are counted on ``"pp"``, those of ring attention on ``"cp"``; with
+transfers between pipeline stages are counted on ``"pp"``, those of ring attention on ``"cp"``, the hosts'
+per-step exchange (``comm.host_max_``) on ``"host"``; with
 cp > 1 gradients are reduced over ``"replicas"`` (the dp x cp ranks holding the same shard). Expert
 parallelism's all-to-alls are on ``"ep"`` (the payload is this rank's whole input, the rows it keeps
 included) and the experts' gradient sums on ``"experts"``. Sharded data parallelism's all-gathers and
@@ -164,7 +165,7 @@ class CommMeter:
         else:  # not a communication (c10d.check_for_nan, _c10d_functional.wait_tensor)
             return
         op = func._opname
-        if op in _P2P and name != Axis.CP:  # pipeline transfers name their peers by global rank
+        if op in _P2P and name not in (Axis.CP, "host"):  # pipeline transfers: each link is a group of its own
             name = Axis.PP.value
         # This rank's input: the "input*" arguments of gathers/scatters, else the in-place "tensors".
         inputs = [a.name for a in schema if a.name.startswith("input")]

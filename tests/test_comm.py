@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -162,3 +163,37 @@ def test_flat_collectives_bound_their_buffers():
     assert (big.data_ptr(), big.numel()) in seen and len(seen) == 3  # small[0] | big alone | small[1:]
     assert torch.equal(big, torch.full_like(big, 2.0))
     assert all(torch.equal(t, torch.full((3,), 2.0 * i)) for i, t in enumerate(small))
+
+
+def case_host_max(*, width: int) -> dict:
+    """``host_max_`` against gloo's all-reduce on random vectors (each rank's own), and its transfers counted."""
+    from qn_hf.comm import host_max_, host_max_rounds
+
+    group = dist.new_group(backend="gloo")
+    out = {"equal": True}
+    for seed in range(3):
+        mine = torch.randint(-50, 50, (width, 3), generator=torch.Generator().manual_seed(seed * 100 + dist.get_rank()))
+        expected = mine.clone()
+        dist.all_reduce(expected, op=dist.ReduceOp.MAX, group=group)
+        out["equal"] &= torch.equal(host_max_(mine, group=group), expected)
+    out["rounds"] = host_max_rounds(dist.get_world_size())
+    dist.destroy_process_group(group)
+    return out
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("world", [5])  # not a power of two; every other world test runs 2 or 4
+def test_hosts_max_in_log_rounds(world):
+    """The hosts' per-step exchange (step/agreement.py) is gloo's all-reduce's result in ceil(log2 W) rounds."""
+    from qn_hf.local_world import LocalWorld
+
+    with LocalWorld(world) as ranks:
+        out = ranks.run(case_host_max, width=world + 1)
+    assert all(r["equal"] for r in out) and {r["rounds"] for r in out} == {(world - 1).bit_length()}
+
+
+def test_host_max_rounds_at_scale():
+    from qn_hf.comm import host_max_rounds
+
+    # gloo's ring takes about 4 W sequential transfers for a small vector; this exchange log2 W
+    assert [host_max_rounds(w) for w in (1, 2, 3, 4, 5, 1024, 1025, 16384)] == [0, 1, 2, 2, 3, 10, 11, 14]

@@ -125,6 +125,7 @@ def _stated(hw: Hardware, world_size: int) -> Calibration:
 _MICROBATCH_GROUPS = (Axis.TP, Axis.CP, Axis.EP, Axis.PP)
 _BUCKETS = (Axis.DP, REPLICAS, EXPERTS)  # posted as backward fills them (FSDP's experts: with FSDP)
 _FSDP = (Axis.DP_SHARD, Axis.DP_REPLICATE)
+_P2P = (Axis.PP, "host")  # priced as pairwise transfers: the pipeline's, and the hosts' exchange (comm.host_max_)
 
 
 def group_sizes(est: MeshEstimate) -> dict[str, int]:
@@ -259,7 +260,7 @@ def step_time(est: MeshEstimate, hw: Hardware, calibration: Calibration | None =
 
     def seconds(group: str, traffic: GroupTraffic) -> float:
         return _group_seconds(traffic, ranks=sizes.get(group, est.world_size), link=kinds.get(group, spanning),
-                              cal=fits, p2p=group == Axis.PP)
+                              cal=fits, p2p=group in _P2P)
 
     again = 4 / 3 if est.recompute == Recompute.FULL else 1.0
     slowest = compute_mb = tp_mb = pp_mb = cp_mb = ep_mb = wait_mb = host_mb = backward_mb = 0.0

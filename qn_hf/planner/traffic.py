@@ -38,8 +38,10 @@ all-gather's own piece).
 * float16's loss scaling: a 4-byte overflow flag over the whole job ("world", or the mesh dimension
   that spans it).
 * host: every step's agreement on its batches before the first collective (``step/agreement.py``),
-  one all-reduce over the hosts of the whole job of three int64 per rank (its replica, its batch's layout
-  and contents digests) and three more (any rank's failure), when the job has more than one rank.
+  a max-reduction over the hosts of the whole job of three int64 per rank (its replica, its batch's layout
+  and contents digests) and three more (any rank's failure), when the job has more than one rank: the
+  whole vector sent and received in each of ceil(log2 world) rounds (``comm.host_max_``), priced as
+  point-to-point transfers.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ..comm import flat_runs
+from ..comm import flat_runs, host_max_rounds
 from ..comm_meter import Collective
 from ..config.dims import Axis
 from ..config.options import LossKind, Recompute
@@ -224,8 +226,9 @@ def stage_traffic(s: int, *, parallel: ParallelConfig, plan: TpPlan, trace: Trac
         numels = _summed(params, pieces)
         if numels:
             out[group] = GroupTraffic(len(flat_runs([n * grad_elem for n in numels])), sum(numels) * grad_elem)
-    if dims.world_size > 1:  # the batch agreement's votes: (world + 1) x 3 int64
-        out["host"] = GroupTraffic(1, 3 * 8 * (dims.world_size + 1))
+    if dims.world_size > 1:  # the batch agreement's votes, (world + 1) x 3 int64, sent and received each round
+        transfers = 2 * host_max_rounds(dims.world_size)
+        out["host"] = GroupTraffic(transfers, transfers * 3 * 8 * (dims.world_size + 1))
     if parallel.mixed_precision is not None and parallel.mixed_precision.scaled:  # float16's overflow flag
         spanning = [g for g, n in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)) if n == dims.world_size]
         group = spanning[-1] if spanning else "world"  # CommMeter names the default group by a dimension spanning it

@@ -5,8 +5,8 @@ fails must not simply raise: the others would go on into the step's collectives 
 until the timeout (ten minutes by default), and ranks of one replica given batches of different
 shapes would not even fail cleanly (gloo aborts the process on an all-reduce of unequal sizes, a
 pipeline stage waits for an activation of another length). So every step the hosts exchange, in one
-all-reduce over a gloo group of the whole world (``mesh.host_group``: host memory, so this never waits
-for the device's queue), whether any rank's check failed and each replica's layout (a digest of its
+max-reduction over a gloo group of the whole world (``comm.host_max_``: log2(world) hops; host memory, so
+this never waits for the device's queue), whether any rank's check failed and each replica's layout (a digest of its
 keys, shapes and dtypes, the same on every rank of a replica when they were given the same dict) and
 of its contents: a CRC-32 of the bytes of every tensor in host memory (tens of microseconds for a
 batch of token ids), since ranks of one replica given different contents would train silently wrong
@@ -24,6 +24,8 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+from ..comm import host_max_
 
 _NONE = torch.iinfo(torch.int64).min  # what a replica with no rank here contributes to the MAX
 # What the checks raise: a ValueError, or an IndexError where the plain model raises one (ids
@@ -74,7 +76,7 @@ def agree_on_batch(checks: Callable[[], int], batch: Mapping[str, torch.Tensor],
         votes[rank] = torch.tensor([replica, layout_digest(batch), contents_digest(batch) if compare else 0])
     else:
         votes[world, 0] = world - rank  # the MAX names the lowest failing rank
-    dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=group)
+    host_max_(votes, group=group)  # an all-reduce in log2(world) hops (comm.py says why not gloo's)
     # Read as numpy: host memory by construction (a gloo group's tensor), which numpy() enforces (a
     # device tensor would raise), and no aten op that a sync counter would take for a device read
     votes = votes.numpy()
