@@ -8,8 +8,8 @@ transient memory of ``clip_grad_norm_`` on one large gradient.
 
 What one step is: ``opt.zero_grad(); pm.train_step(batch); qn_hf.clip_grad_norm_(pm, 1.0); opt.step()``
 after two warm-up steps (the first step runs one-off checks), on 2 gloo ranks, for: plain dp=2, tp=2,
-pp=2 (2 microbatches), dp=2 x ep=2 on a tiny Mixtral, cp=2 (2 microbatches), fp16 (loss scaling),
-bf16 + ZeRO-1, and dp=2 after a checkpoint resume with AdamW. AdamW runs with ``foreach=True``, the implementation torch
+pp=2 (2 microbatches), dp=2 x ep=2 on a tiny Mixtral, cp=2 (2 microbatches), dp=2 x dp_shard=2 (FSDP2), fp16
+(loss scaling), bf16 + ZeRO-1, and dp=2 after a checkpoint resume with AdamW. AdamW runs with ``foreach=True``, the implementation torch
 picks by default on CUDA (on CPU it would pick the per-tensor one).
 
 How: a ``TorchDispatchMode`` (this thread; the autograd engine carries it into backward) sees every
@@ -22,6 +22,12 @@ charged to the innermost frame of qn_hf, transformers or torch.optim on the Pyth
 ``torch.tensor(<python data>)`` (``aten.lift_fresh``) is reported apart as "host data": on CUDA it is
 a synchronous host-to-device copy when the tensor is placed on (or copied into) the device, which
 this CPU run cannot tell.
+
+Reads of the batch before it moves to the device (the step's checks, cp's document layout) are reads
+of the caller's host tensors, which wait for no device: counted apart ("host batch reads"), told by when
+they happen (inside ``train_step``, before ``step/runner.prepare`` calls ``to_device``). Each feature's "device waits" are its
+syncs less those a step is allowed (issue 67): fp16's overflow flag in ``optimizer.step()`` (as
+``GradScaler``); the loss report is the caller's own read of what ``train_step`` returns.
 
 What it cannot see, since every tensor here is on the CPU: whether a tensor would live on the device
 or the host, so device<->host copies (``.to(device)`` of the batch, ``.cpu()``) are invisible;
@@ -48,7 +54,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 ALWAYS_SYNC = {"_local_scalar_dense", "nonzero", "masked_select", "_unique", "_unique2", "unique_dim",
                "unique_consecutive", "bincount", "equal", "is_nonzero"}
-FEATURES = ("dp", "tp", "pp", "ep", "cp", "fp16", "bf16_zero", "resume")
+FEATURES = ("dp", "tp", "pp", "ep", "cp", "dp_shard", "fp16", "bf16_zero", "resume")
+# Device waits a step is allowed (issue 67): fp16's overflow flag, read by the optimizer's step as GradScaler
+# does; the loss report is the user's own read of what train_step returns, outside the counted step
+ALLOWED = ("qn_hf/data_parallel/precision.py",)
 _HERE = os.path.abspath(__file__)
 
 
@@ -76,6 +85,8 @@ class SyncCounter(TorchDispatchMode):
         self.syncs: Counter[str] = Counter()  # "op @ site" -> count
         self.host_data: Counter[str] = Counter()
         self.host_step_reads = 0
+        self.host_batch_reads: Counter[str] = Counter()  # reads before the batch moves to the device
+        self.batch_on_host = False  # inside the step's prologue, before the batch moves (prepare's to_device)
         self.ops = 0
         self.host_steps, self.device_steps = host_steps, device_steps
 
@@ -101,6 +112,9 @@ class SyncCounter(TorchDispatchMode):
             if ptr in self.host_steps and ptr not in self.device_steps:
                 self.host_step_reads += 1
                 sync = False
+        if sync and self.batch_on_host and name != "_to_copy" and name != "copy_":
+            self.host_batch_reads[f"{name} @ {_site()}"] += 1  # the user's host batch: no device to wait for
+            sync = False
         if sync:
             self.syncs[f"{name} @ {_site()}"] += 1
         if name == "lift_fresh":
@@ -114,16 +128,41 @@ def counting(opt, device_placed: set[int]):
     counter = SyncCounter(host_steps=steps, device_steps=steps & device_placed)
     tolist = torch.Tensor.tolist
 
-    def counted_tolist(self):
-        counter.syncs[f"tolist @ {_site()}"] += 1
+    def counted_tolist(self):  # a read of the host batch is no sync either
+        if counter.batch_on_host:
+            counter.host_batch_reads[f"tolist @ {_site()}"] += 1
+        else:
+            counter.syncs[f"tolist @ {_site()}"] += 1
         return tolist(self)
 
+    # The step reads the user's batch on the host before moving it (step/runner.prepare's to_device): on a GPU
+    # those reads wait for nothing, and here, where every tensor is on the CPU, they are told apart by when
+    from qn_hf import ParallelModel
+    from qn_hf.step import runner
+
+    moves = runner.to_device
+
+    def moving(batch, device):
+        counter.batch_on_host = False
+        return moves(batch, device)
+
+    train_step = ParallelModel.train_step
+
+    def step_starting_on_host(self, *args, **kwargs):
+        counter.batch_on_host = True
+        try:
+            return train_step(self, *args, **kwargs)
+        finally:
+            counter.batch_on_host = False
+
     torch.Tensor.tolist = counted_tolist
+    runner.to_device, ParallelModel.train_step = moving, step_starting_on_host
     try:
         with counter:
             yield counter
     finally:
         torch.Tensor.tolist = tolist
+        runner.to_device, ParallelModel.train_step = moves, train_step
 
 
 @contextlib.contextmanager
@@ -186,6 +225,8 @@ def setup_feature(feature: str, world: int, tmp: str):
         pm = qn_hf.parallelize(_mixtral(), dp=world, ep=world)
     elif feature == "cp":
         pm = qn_hf.parallelize(_llama(), cp=world, microbatches=2)
+    elif feature == "dp_shard":
+        pm = qn_hf.parallelize(_llama(), dp=world, dp_shard=world)
     elif feature == "fp16":
         pm = qn_hf.parallelize(_gpt2(), dp=world, mixed_precision="fp16")
         return pm, qn_hf.optimizer(pm, torch.optim.AdamW, lr=1e-4, foreach=True), set()
@@ -231,6 +272,8 @@ def count_steady_step(feature: str, *, world: int, tmp: str) -> dict:
         train_one_step(pm, opt, seed=3)
     dist.barrier()
     return {"syncs": dict(counter.syncs), "host_data": dict(counter.host_data), "ops": counter.ops,
+            "host_batch_reads": dict(counter.host_batch_reads),
+            "device_waits": sum(n for site, n in counter.syncs.items() if not any(a in site for a in ALLOWED)),
             "host_step_reads": counter.host_step_reads, "params": sum(1 for p in pm.parameters() if p.requires_grad),
             "moe_layers": len(experts_modules(pm.module))}
 
@@ -345,6 +388,10 @@ def main() -> None:
     for feature in features:
         print(f"{feature}: syncs {_summary(ranks, feature)}; ", {s: n for s, n in ranks[0][feature]["syncs"].items()},
               "host data", ranks[0][feature]["host_data"], "host step reads", ranks[0][feature]["host_step_reads"])
+    print(f"\n{'feature':<10} device waits per step (rank 0 / rank 1)  host batch reads")
+    for feature in features:
+        waits = "/".join(str(r[feature]["device_waits"]) for r in ranks)
+        print(f"{feature:<10} {waits:>38}  {sum(ranks[0][feature]['host_batch_reads'].values())}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(data, f, indent=1)

@@ -180,7 +180,12 @@ def loss_scales(count: torch.Tensor, *, rows: list[int], builtin: bool,
     scales stay on the device (float64, as the Python floats they replace): reading the count back
     would make the host wait for the device at the start of every step."""
     if builtin:
-        scale = torch.tensor(weights, dtype=torch.float64, device=count.device).div_(count.clamp(min=1.0))
+        # filled on the device: torch.tensor(weights, device=...) would copy from pageable host memory and, on
+        # CUDA, wait for the stream (memcpy_and_sync) every step
+        scale = (torch.full((len(weights),), weights[0], dtype=torch.float64, device=count.device)
+                 if len(set(weights)) == 1 else
+                 torch.stack([torch.full((), w, dtype=torch.float64, device=count.device) for w in weights]))
+        scale = scale.div_(count.clamp(min=1.0))
         return [scale] * len(rows)
     return [torch.full_like(count, float(n)).div_(count) for n in rows]
 
