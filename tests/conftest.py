@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import tempfile
 import time
 
@@ -12,7 +14,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # mesh="auto" without a calibration keeps this machine's figures (planner/machine.py): the suite's own, not
 # the user's home's
-os.environ.setdefault("QN_HF_CACHE", tempfile.mkdtemp(prefix="qn_hf_cache."))
+if "QN_HF_CACHE" not in os.environ:  # the suite's run's, removed when it ends (ranks inherit it, set)
+    os.environ["QN_HF_CACHE"] = tempfile.mkdtemp(prefix="qn_hf_cache.")
+    atexit.register(shutil.rmtree, os.environ["QN_HF_CACHE"], ignore_errors=True)
 
 import pytest  # noqa: E402
 
