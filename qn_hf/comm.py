@@ -337,11 +337,12 @@ def member_groups(lists: Sequence[Sequence[int]], *, timeout) -> ProcessGroup | 
     costs a number of world-wide collectives that does not grow with its size (at 1,024 ranks and pp=16 the
     pipeline's links alone were 2,048). Elsewhere ``new_group`` (gloo, or NCCL created lazily) connects only
     a group's members and costs the other ranks nothing."""
-    lists = [list(ranks) for ranks in lists]
+    lists = [sorted(ranks) for ranks in lists]  # group ranks in global order, as new_group numbers them
     if not lists:
         return None
     if splits_world():
-        return dist.split_group(split_ranks=lists, timeout=timeout)
+        group = dist.split_group(split_ranks=lists, timeout=timeout)
+        return group if isinstance(group, ProcessGroup) else None  # torch 2.15: NON_GROUP_MEMBER (-100) outside
     me, mine = dist.get_rank(), None
     for ranks in lists:
         group = dist.new_group(ranks, timeout=timeout)

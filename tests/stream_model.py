@@ -60,10 +60,16 @@ class LateStreams:
         time.sleep(self.host_delay_s)
         self._run_through(event)
 
-    def pin(self, arena: torch.Tensor) -> Callable[[], None]:
-        self.pinned.append(arena.numel())
+    def drain(self) -> None:
+        with self._lock:
+            queued = self._queue[-1] if self._queue else None
+        if queued is not None:
+            self._run_through(queued)
+
+    def arena(self, size: int) -> tuple[torch.Tensor, Callable[[], None]]:
+        self.pinned.append(size)
 
         def unpin() -> None:
             self.unpinned += 1
 
-        return unpin
+        return torch.empty(size, dtype=torch.uint8), unpin

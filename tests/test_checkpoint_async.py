@@ -193,3 +193,25 @@ def test_async_save_orders_the_next_step_after_its_copy(model_dirs, tmp_path):
         weights, pinned = result["arena"], result["pinned"]
         assert result["launched"] == 4 and len(pinned) == 3 and pinned[0] == pinned[2] == weights < pinned[1]
         assert result["released"] == (0, 3)
+
+
+def test_a_save_that_fails_before_its_writer_holds_no_step():
+    """The optimizer's next step is held for a save's copy; a save failing before its writer starts must let
+    it go (else the step waits forever for a copy nobody makes)."""
+    import datetime
+    import threading
+
+    from qn_hf.checkpoint.background import BackgroundSaves
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    weight.grad = torch.ones(3)
+    opt = torch.optim.SGD([weight], lr=0.1)
+    saves = BackgroundSaves(timeout=datetime.timedelta(seconds=5), streams=LateStreams())
+    saves.copies.begin(torch.device("cpu"))
+    saves.hold_step(opt)
+    saves.abandon()
+    stepped = threading.Thread(target=opt.step, daemon=True)
+    stepped.start()
+    stepped.join(timeout=10)
+    assert not stepped.is_alive() and torch.equal(weight.detach(), torch.full((3,), 0.9))
+    saves.close()

@@ -55,6 +55,13 @@ class BackgroundSaves:
         if optimizer is not None:
             self._hold = optimizer.register_step_pre_hook(lambda *_: self.copies.wait_copied())
 
+    def abandon(self) -> None:
+        """A save that failed before its writer started: the optimizer's next step is not held for it."""
+        self.copies.abandon()
+        if self._hold is not None:
+            self._hold.remove()
+            self._hold = None
+
     def group(self) -> ProcessGroup:
         """The writers' gloo group over the world, made at the first asynchronous save (every rank
         saves at the same point, so every rank makes it there)."""
@@ -103,6 +110,8 @@ class BackgroundSaves:
         return path
 
     def close(self) -> None:
+        if self._thread is not None:  # normally waited for already (ParallelModel.close); its copy must end first
+            self._thread.join()
         self.copies.release()
         if self._group is not None and dist.is_initialized():
             dist.destroy_process_group(self._group)

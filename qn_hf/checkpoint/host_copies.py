@@ -12,22 +12,26 @@ reads the arena (``written_from``). On CPU (no streams) the copy is made on the 
 
 Streams. ``CopyStreams`` is the device side (CUDA's streams and events); tests drive the same calls with
 a model of streams on CPU that runs a copy as late as the events allow, so a missing wait shows as a file
-written with the next step's weights. The copy stream is taken once for the model's life, from the
-high-priority pool: torch hands streams out of two pools of 32 round robin, and NCCL's communicators take
-theirs from the default-priority pool (``is_high_priority_stream`` False), so a copy stream taken afresh
-per save eventually shares one with a communicator and holds a pipeline link behind the copy.
+written with the next step's weights. The copy stream is taken once for the model's life, at priority -2:
+torch hands streams out of a pool of 32 per priority level round robin; NCCL's communicators take theirs
+from the default level (0; -3 with ``is_high_priority_stream``) and FSDP2 its all-gather and reduce-scatter
+streams from -1, so a copy stream taken afresh per save from either pool would eventually share a stream with
+a communicator and hold a pipeline link or a gather behind gigabytes of copy.
 
 Memory. One arena per rank, its size the shards' bytes (each aligned to 64 bytes), page-locked with
 ``cudaHostRegister`` rather than allocated pinned: torch's pinned allocator rounds each block up to a
 power of two and keeps it cached for the process's life (1-2x the state, per rank). The arena is kept
 from save to save (pinning costs more than the copy) and released by ``release`` (``wait_checkpoint(
-release=True)``, ``close``), or when the shards' sizes change. torch's DCP stager pins the same way
-(``torch.distributed._state_dict_utils``, private, and it pins per tensor).
+release=True)``, ``close``), or when the shards' sizes change; a release first waits for the copies
+queued into it. Where registering fails (a host short of lockable memory) the arena comes from torch's
+pinned allocator instead, with a warning (see ``CopyStreams.pin`` for the error it clears).
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Protocol
@@ -41,10 +45,12 @@ class Streams(Protocol):
     """The device side of the copy (``CopyStreams`` on CUDA; a model of streams in tests)."""
 
     def point(self) -> object: ...  # an event recorded on the calling thread's current stream
+    # the copies, queued after ``after``; the end's event, recorded also when a copy raised (``drain`` waits)
     def copy(self, after: object, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> object: ...
     def order_after(self, event: object) -> None: ...  # the current stream waits for the event
     def host_wait(self, event: object) -> None: ...
-    def pin(self, arena: torch.Tensor) -> Callable[[], None]: ...  # returns the unpin
+    def drain(self) -> None: ...  # the host waits until no copy is queued (before the arena goes)
+    def arena(self, size: int) -> tuple[torch.Tensor, Callable[[], None]]: ...  # page-locked bytes, their unpin
 
 
 class CopyStreams:
@@ -53,6 +59,7 @@ class CopyStreams:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream: torch.cuda.Stream | None = None  # taken at the first copy
+        self._last: torch.cuda.Event | None = None  # the last copy's end
 
     def point(self) -> torch.cuda.Event:
         event = torch.cuda.Event()
@@ -61,13 +68,16 @@ class CopyStreams:
 
     def copy(self, after: torch.cuda.Event, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:
         if self.stream is None:
-            self.stream = torch.cuda.Stream(self.device, priority=-1)  # see the module's note on pools
+            self.stream = torch.cuda.Stream(self.device, priority=-2)  # see the module's note on pools
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(after)
-            for host, values in pairs:
-                host.copy_(values, non_blocking=True)  # page-locked: queued on the stream, not waited for
             done = torch.cuda.Event()
-            done.record(self.stream)
+            try:
+                for host, values in pairs:
+                    host.copy_(values, non_blocking=True)  # page-locked: queued on the stream, not waited for
+            finally:  # after an error too: the copies queued before it still write into the arena
+                done.record(self.stream)
+                self._last = done
         return done
 
     def order_after(self, event: torch.cuda.Event) -> None:
@@ -76,15 +86,38 @@ class CopyStreams:
     def host_wait(self, event: torch.cuda.Event) -> None:
         event.synchronize()
 
-    def pin(self, arena: torch.Tensor) -> Callable[[], None]:
-        if arena.numel() == 0:
-            return lambda: None
+    def drain(self) -> None:
+        if self._last is not None:
+            self._last.synchronize()
+
+    def arena(self, size: int) -> tuple[torch.Tensor, Callable[[], None]]:
+        arena = torch.empty(size, dtype=torch.uint8)
+        if size == 0:
+            return arena, lambda: None
         cudart = torch.cuda.cudart()
         pointer = arena.data_ptr()
-        code = int(cudart.cudaHostRegister(pointer, arena.numel(), 1))  # 1: portable, pinned for every context
-        if code != 0:
-            raise RuntimeError(f"cudaHostRegister of the checkpoint's {arena.numel()}-byte host arena failed ({code})")
-        return lambda: cudart.cudaHostUnregister(pointer)
+        code = int(cudart.cudaHostRegister(pointer, size, 1))  # 1: portable, pinned for every context
+        if code == 0:
+            return arena, lambda: cudart.cudaHostUnregister(pointer)
+        # The failed call's error stays the thread's "last error", which torch reads after its next kernel
+        # launch and would raise there as that kernel's (sglang-project/sglang#38832); torch's binding has no
+        # cudaGetLastError, so it is cleared through the process's own runtime library
+        _clear_last_error()
+        warnings.warn(f"cudaHostRegister of the checkpoint's {size}-byte host arena failed "
+                      f"({cudart.cudaGetErrorString(cudart.cudaError(code))}): using torch's pinned allocator (its "
+                      f"blocks are rounded up to a power of two and cached)", stacklevel=3)
+        return torch.empty(size, dtype=torch.uint8, pin_memory=True), lambda: None
+
+
+def _clear_last_error() -> None:
+    """cudaGetLastError of every CUDA runtime library this process loaded (Linux: /proc/self/maps)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            libraries = {line.split()[-1] for line in maps if "libcudart" in line.split()[-1]}
+    except OSError:
+        return
+    for path in sorted(libraries):
+        ctypes.CDLL(path).cudaGetLastError()
 
 
 class HostCopies:
@@ -147,8 +180,16 @@ class HostCopies:
         if self._done is not None:
             self._active.host_wait(self._done)
 
+    def abandon(self) -> None:
+        """A save that failed before its writer started: nothing holds the next step any more."""
+        self._done = None
+        self._copied.set()
+
     def release(self) -> None:
-        """Give the arena back (no save may be in flight): the next save allocates and pins a new one."""
+        """Give the arena back (no save in flight): once the copies queued into it are done (also those of a
+        save that failed midway); the next save allocates and pins a new one."""
+        if self._active is not None:
+            self._active.drain()
         if self._unpin is not None:
             self._unpin()
         self._arena, self._layout, self._views, self._unpin = None, (), {}, None
@@ -162,8 +203,8 @@ class HostCopies:
             for key, shape, dtype in layout:
                 offsets[key] = size
                 size += -(-_nbytes(shape, dtype) // ALIGN) * ALIGN
-            arena = torch.empty(size, dtype=torch.uint8)
-            unpin = self._active.pin(arena) if self._active is not None else (lambda: None)
+            arena, unpin = (self._active.arena(size) if self._active is not None
+                            else (torch.empty(size, dtype=torch.uint8), lambda: None))
             # A finalizer, so that an arena never released (a model not closed) is unpinned before it is freed
             self._unpin = weakref.finalize(self, _quietly, unpin)
             self._views = {key: arena[offsets[key]:offsets[key] + _nbytes(shape, dtype)].view(dtype).view(shape)

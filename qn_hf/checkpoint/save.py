@@ -87,10 +87,14 @@ def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
         sources, copies, device = snapshot.tensors if snapshot is not None else {}, background.copies, placement.device
         copies.begin(device)
         copied = None
-        if view is None:
-            copied = copies.copy(sources)
-            copies.wait_copied()
-        background.hold_step(view.inner if view is not None else None)
+        try:
+            if view is None:
+                copied = copies.copy(sources)
+                copies.wait_copied()
+            background.hold_step(view.inner if view is not None else None)
+        except BaseException:
+            background.abandon()  # no writer will release the next step
+            raise
 
         def write() -> None:
             try:
@@ -104,7 +108,11 @@ def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
                 if own:
                     roots.release()
 
-        background.start(write, path=final)
+        try:
+            background.start(write, path=final)
+        except BaseException:
+            background.abandon()
+            raise
         released_by_writer = True
         return final
     finally:

@@ -56,8 +56,8 @@ def agree_on_batch(checks: Callable[[], int], batch: Mapping[str, torch.Tensor],
     """``checks()`` (this rank's checks of ``batch``, returning its size), agreed with every rank of
     ``group``'s world: the same ``ValueError`` (or ``IndexError``) on every rank when any rank's checks failed (the
     lowest such rank's message, naming it) or when the ranks of one replica hold batches of different layouts
-    or, with ``contents``, host contents (naming those ranks). One host all-reduce; a second call (an object
-    broadcast) only to spread a failure."""
+    or, with ``contents``, host contents (naming those ranks). One host max-reduction (``comm.host_max_``); a
+    second call (an object broadcast) only to spread a failure."""
     problem, size = None, 0
     try:
         size = checks()

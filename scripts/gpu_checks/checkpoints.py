@@ -5,7 +5,7 @@ A step, a synchronous save, an asynchronous save of the same state, then two mor
 first one's optimizer step must wait, on the device, for the copy): the two checkpoints must hold the
 same bytes. The saving steps' times, synchronous against asynchronous, against a step without a save.
 Then the same without ``optimizer=`` (the training stream waits for the copy at the save itself, so a
-step at once cannot tear it), and what the saves kept: one copy stream of high priority for every save,
+step at once cannot tear it), and what the saves kept: one copy stream (priority -2) for every save,
 one host arena of the shards' bytes, page-locked (its size and torch's pinned allocator's reported).
 """
 
@@ -100,7 +100,7 @@ def _weights_only(pm, step, root: str) -> list[str]:
 
 
 def _what_saves_keep(pm, device: torch.device, first_stream) -> dict:
-    """After two asynchronous saves: the first's copy stream for both (high priority), the arena given back by
+    """After two asynchronous saves: the first's copy stream for both (priority -2), the arena given back by
     wait_checkpoint(release=True); the arena's size and torch's pinned allocator's bytes reported."""
     copies = pm.saves.copies
     if device.type != "cuda":
