@@ -7,7 +7,8 @@ does the same). gloo has no such rule, so a pipeline whose first step hangs on a
 Inside ``with FirstUseRule():`` each rank's first p2p call on a (group, pair) first exchanges a token
 with the peer on that group (a tag no step uses) and waits for the peer's token, with a timeout: a
 rank whose peer never arrives raises ``FirstUseHang`` naming the group, instead of hanging as NCCL
-would. Batched operations (``batch_isend_irecv``: ring attention) go to NCCL on the group's own
+would. Groups made with ``backend="gloo"`` stay gloo on a NCCL world (the hosts' exchange, ``comm.host_max_``):
+no rule there. Batched operations (``batch_isend_irecv``: ring attention) go to NCCL on the group's own
 communicator, created with the group when the default group is bound to a device
 (``qn_hf.mesh.init_distributed``), so they pass through unchanged. Test instrumentation only.
 """
@@ -38,6 +39,7 @@ class FirstUseRule:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.first_uses: list[str] = []  # communicators this rank created, in order
         self._known: set[tuple[str, int, int]] = set()
+        self._gloo: set[str] = set()  # groups made with backend="gloo", which stay gloo on a NCCL world
         self._batched = 0
         self._patches = Patches()
 
@@ -68,6 +70,8 @@ class FirstUseRule:
         def wrapper(*args, **kwargs):
             if not self._batched:
                 group, peer = self._peer(signature.bind(*args, **kwargs), name)
+                if group.group_name in self._gloo:  # gloo under NCCL too (the hosts' exchange): no such rule
+                    return fn(*args, **kwargs)
                 me = dist.get_rank()
                 key = (group.group_name, min(me, peer), max(me, peer))
                 if key not in self._known:
@@ -94,7 +98,18 @@ class FirstUseRule:
         for name in P2P:
             self._patches.replace_dist(name, lambda fn, name=name: self._wrap(name, fn, originals))
         self._patches.replace_dist("batch_isend_irecv", self._batch)
+        self._patches.replace_dist("new_group", self._created)
         return self
+
+    def _created(self, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            group = fn(*args, **kwargs)
+            if isinstance(group, dist.ProcessGroup) and kwargs.get("backend") == "gloo":
+                self._gloo.add(group.group_name)
+            return group
+
+        return wrapper
 
     def __exit__(self, *exc: object) -> None:
         self._patches.undo()

@@ -118,6 +118,7 @@ class _FunctionalCollectives(TorchDispatchMode):
 class CallRecorder:
     def __init__(self) -> None:
         self.calls: list[Call] = []
+        self.host_groups: set[str] = set()  # made with backend="gloo": gloo whatever the world's backend
         self._patches = Patches()
         self._next = 0
         self._batched = 0
@@ -140,6 +141,8 @@ class CallRecorder:
             bound = signature.bind(*args, **kwargs)
             group = bound.arguments.get("group")
             group = group if group is not None else dist.group.WORLD
+            if name in _P2P and group.group_name in self.host_groups:  # the hosts' exchange (comm.host_max_)
+                return fn(*args, **kwargs)
             if name in _P2P:
                 key = "dst" if _P2P[name] == SEND else "src"
                 peer = bound.arguments.get(key)
@@ -184,6 +187,8 @@ class CallRecorder:
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             group = fn(*args, **kwargs)
+            if isinstance(group, dist.ProcessGroup) and kwargs.get("backend") == "gloo":
+                self.host_groups.add(group.group_name)  # gloo under NCCL too: host transfers, not NCCL's
             if isinstance(group, dist.ProcessGroup):  # not GroupMember.NON_GROUP_MEMBER
                 members = tuple(dist.get_process_group_ranks(group))
                 self.calls.append(Call(CREATE, group=group.group_name, members=members,
