@@ -308,3 +308,20 @@ def test_the_probe_reads_no_output_that_pairs_every_row_with_every_other():
     assert torch.equal(probe_loss(paired, batch), probe_loss({"image_embeds": pooled}, batch))
     per_row = {"text_embeds": torch.randn(4, 8), "image_embeds": pooled}
     assert not torch.equal(probe_loss(per_row, batch), probe_loss({"image_embeds": pooled}, batch))
+
+
+def test_a_main_input_named_among_several_is_the_first_the_forward_takes():
+    """transformers 5.24 names OneFormer's main inputs as a list (pixel_values, task_inputs): the batch key is
+    the first of them the forward takes (a list is no key: the heads zoo's OneFormer cases failed on it)."""
+    from qn_hf.policies.task import main_input_name
+
+    class Several(torch.nn.Module):
+        main_input_name = ["pixel_values", "task_inputs"]
+
+        def forward(self, pixel_values, task_inputs):
+            return pixel_values
+
+    class Unknown(Several):
+        main_input_name = ["frames", "pixel_values"]
+
+    assert main_input_name(Several()) == "pixel_values" and main_input_name(Unknown()) == "pixel_values"

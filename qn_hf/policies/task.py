@@ -306,6 +306,8 @@ def main_input_name(model: nn.Module) -> str:
     SmolVLM's, Idefics 3's, Granite Docling's), or else ``hidden_states`` (Qwen2.5-VL's tower: its patches)."""
     name = getattr(model, "main_input_name", "input_ids")
     parameters = inspect.signature(model.forward).parameters
+    if isinstance(name, (list, tuple)):  # transformers 5.24 names several (OneFormer: pixel_values, task_inputs)
+        name = next((n for n in name if n in parameters), name[0])
     if name in parameters:
         return name
     return next((n for n in ("pixel_values", "hidden_states") if n in parameters), name)
