@@ -326,7 +326,7 @@ def splits_world() -> bool:
     bound to a device (``mesh.init_distributed`` binds it on CUDA), and torch then makes every ``new_group`` an
     ``ncclCommSplit`` that every rank of the world enters, members or not (``perform_nocolor_split``)."""
     world = dist.group.WORLD
-    return (hasattr(dist, "split_group") and dist.get_backend() == "nccl"
+    return (hasattr(dist, "split_group") and dist.get_backend() == dist.Backend.NCCL
             and getattr(world, "bound_device_id", None) is not None)
 
 

@@ -91,13 +91,12 @@ class BackgroundSaves:
     def wait(self, *, release: bool = False) -> str | None:
         """Wait for the save in flight; return its directory (None: none was in flight), or raise its error.
         ``release``: also give back the host memory kept for the next save."""
-        if self._thread is None:
-            if release:
-                self.copies.release()
-            return None
-        self._thread.join()
-        if release:
+        if self._thread is not None:
+            self._thread.join()
+        if release:  # after the writer's end: its copy into the arena is done
             self.copies.release()
+        if self._thread is None:
+            return None
         if self._hold is not None:
             self._hold.remove()
             self._hold = None

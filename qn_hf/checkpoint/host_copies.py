@@ -24,7 +24,7 @@ power of two and keeps it cached for the process's life (1-2x the state, per ran
 from save to save (pinning costs more than the copy) and released by ``release`` (``wait_checkpoint(
 release=True)``, ``close``), or when the shards' sizes change; a release first waits for the copies
 queued into it. Where registering fails (a host short of lockable memory) the arena comes from torch's
-pinned allocator instead, with a warning (see ``CopyStreams.pin`` for the error it clears).
+pinned allocator instead, with a warning (``CopyStreams.arena`` says which error it clears).
 """
 
 from __future__ import annotations

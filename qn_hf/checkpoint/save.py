@@ -87,14 +87,6 @@ def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
         sources, copies, device = snapshot.tensors if snapshot is not None else {}, background.copies, placement.device
         copies.begin(device)
         copied = None
-        try:
-            if view is None:
-                copied = copies.copy(sources)
-                copies.wait_copied()
-            background.hold_step(view.inner if view is not None else None)
-        except BaseException:
-            background.abandon()  # no writer will release the next step
-            raise
 
         def write() -> None:
             try:
@@ -109,9 +101,13 @@ def save_checkpoint(module: nn.Module, path: str, *, placement: ShardPlacement, 
                     roots.release()
 
         try:
+            if view is None:
+                copied = copies.copy(sources)
+                copies.wait_copied()
+            background.hold_step(view.inner if view is not None else None)
             background.start(write, path=final)
         except BaseException:
-            background.abandon()
+            background.abandon()  # no writer will release the next step
             raise
         released_by_writer = True
         return final
