@@ -20,7 +20,7 @@ from .config.dims import ParallelDims
 from .config.options import LossKind, ProblemType
 from .config.parallel_config import ParallelConfig
 from .config.schedule import Schedule
-from .context_parallel.apply import LOCAL_VALID, RingSwitch, whole_sequence_logits
+from .context_parallel.apply import LOCAL_VALID, AttentionSwitch, whole_sequence_logits
 from .context_parallel.ring_attention import PieceLayout
 from .data_parallel.buckets import GradBuckets
 from .data_parallel.grad_sync import GradSync
@@ -66,7 +66,7 @@ class ParallelModel(CheckpointMethods):
 
     def __init__(self, *, context: StepContext, grads: GradSync, rng: RngStreams, scaler: LossScaler | None,
                  deferred: frozenset[str] = frozenset(), adapter: Adapter | None = None,
-                 switches: tuple[SequenceParallelSwitch | None, RingSwitch | None] = (None, None),
+                 switches: tuple[SequenceParallelSwitch | None, AttentionSwitch | None] = (None, None),
                  sharded: ShardedParameters | None = None, saves: BackgroundSaves | None = None) -> None:
         self.context = context  # what every step reads (step/runner.py)
         # the composition table's features this model uses (composition.py), LoRA included
@@ -91,7 +91,7 @@ class ParallelModel(CheckpointMethods):
         self.agree_batch_contents, self.check_every_batch, self._batch_checked, self.closed = True, False, False, False
         self.held_roots = HeldDirectories()  # the checkpoint roots this model saves to, locked (checkpoint/lock.py)
         self.saves = saves or BackgroundSaves(timeout=DEFAULT_TIMEOUT)  # the save in flight (checkpoint/background.py)
-        self.sp_switch, self.ring_switch = switches  # sp and cp, off while generating
+        self.sp_switch, self.attention_switch = switches  # sp and cp, off while generating
         self.sharded = sharded  # dp_shard > 1: FSDP's groups (data_parallel/sharded.py)
 
     # -- what parallelize fixed (step/runner.py's context) ---------------------------------------
@@ -290,7 +290,7 @@ class ParallelModel(CheckpointMethods):
             """One microbatch through one of this stage's chunks: the activation to send, or on the
             last chunk the microbatch's share of the global loss (what backward starts from)."""
             nonlocal total
-            inputs = forward_inputs(self.context, micro[mb], builtin=builtin, last=self.stage.is_last_chunk(chunk),
+            inputs = forward_inputs(self.context, prepared, mb, builtin=builtin, last=self.stage.is_last_chunk(chunk),
                                     dropped=loss_keys)
             with routers or contextlib.nullcontext():  # the router loss reads the logits (router_loss.py)
                 outputs = self.stage.forward(inputs, received, chunk=chunk, **self.plan.policy.forward_kwargs,
@@ -380,7 +380,7 @@ class ParallelModel(CheckpointMethods):
         """HF's ``generate``, equal to the plain model's; every rank of a dp replica passes the same
         inputs. KV cache at pp=1; at pp>1 each token re-runs the pipeline without one (generation.py)."""
         self.check_composes_with(Feature.GENERATE)  # in the mode the caller set, as HF's generate
-        with self._forward_only("generate", evaluate=False), switched_off(self.sp_switch, self.ring_switch):
+        with self._forward_only("generate", evaluate=False), switched_off(self.sp_switch, self.attention_switch):
             return parallel_generate(self.module, input_ids, attention_mask, stage=self.stage, placement=self.placement,
                                      full_logits=self.full_logits if self.vocab is not None else None,
                                      generate_kwargs=generate_kwargs)

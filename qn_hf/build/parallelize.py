@@ -192,13 +192,14 @@ def _parallelize(model: nn.Module, config: ParallelConfig, *, adapter: Adapter |
     context = StepContext(module=model, config=config, placement=build.placement, plan=build.plan, stage=build.stage,
                           executor=StageExecutor(stage=coords.pp, peers=groups.peers, device=device,
                                                  chunks=stage_plan.chunks, weights=build.weights),
-                          vocab=build.vocab, cp_layout=build.cp_layout)
+                          vocab=build.vocab, cp_layout=build.cp_layout,
+                          host_masks=build.host_masks)
     scaler = LossScaler() if config.mixed_precision and config.mixed_precision.scaled else None
     grads = GradSync(module=model, placement=build.placement, grad_sum=build.plan.grad_sum, scaler=scaler,
                      buckets=grad_buckets(model, build.placement, config.bucket_mb, experts=False),
                      expert_buckets=grad_buckets(model, build.placement, config.bucket_mb, experts=True))
     pm = ParallelModel(context=context, grads=grads, rng=build.rng, scaler=scaler,
-                       deferred=frozenset(build.deferred), adapter=adapter, switches=(build.sp_switch, build.ring_switch),
+                       deferred=frozenset(build.deferred), adapter=adapter, switches=(build.sp_switch, build.attention_switch),
                        sharded=build.sharded, saves=BackgroundSaves(timeout=timeout))
     pm.check_composes_with()  # refused above already; this warns (rank 0) about pairs no test compares yet
     if checkpoint is not None:

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config.parallel_config import ParallelConfig
-from ..context_parallel.apply import RingSwitch, apply_context_parallel
+from ..context_parallel.apply import AttentionSwitch, apply_context_parallel
+from ..context_parallel.host_masks import apply_host_masks, host_masks_serve
 from ..context_parallel.ring_attention import PieceLayout
 from ..data_parallel.batch_statistics import batch_statistics_layers, sync_batch_statistics
 from ..data_parallel.precision import apply_mixed_precision
@@ -62,7 +63,8 @@ class Build:
     weights: WeightGradQueue | None = None
     deferred: list[str] = field(default_factory=list)
     sp_switch: SequenceParallelSwitch | None = None
-    ring_switch: RingSwitch | None = None
+    attention_switch: AttentionSwitch | None = None
+    host_masks: bool = False  # masks decided on the host at cp=1 (context_parallel/host_masks.py)
     sharded: ShardedParameters | None = None
 
 
@@ -115,7 +117,12 @@ def _together(b: Build, failed: tuple[str, Exception] | None) -> None:
 
 
 def _context_parallel(b: Build) -> None:
-    b.ring_switch = apply_context_parallel(b.model, group=b.groups.cp, layout=b.cp_layout)
+    b.attention_switch = apply_context_parallel(b.model, group=b.groups.cp, layout=b.cp_layout)
+
+
+def _host_masks(b: Build) -> None:
+    if host_masks_serve(b.model, b.plan):  # else transformers' own mask code, as the plain model runs it
+        b.attention_switch, b.host_masks = apply_host_masks(b.model), True
 
 
 def _cast(b: Build) -> None:
@@ -231,8 +238,10 @@ def _always(b: Build) -> bool:
 # The order is the code: ``tests/test_structure.py`` checks that every field a pass needs is one
 # parallelize starts from or one an earlier pass makes.
 PASSES: tuple[Pass, ...] = (
-    Pass("context parallel", lambda b: b.config.dims.cp > 1, _context_parallel, ("model", "groups", "cp_layout"), ("ring_switch",),
+    Pass("context parallel", lambda b: b.config.dims.cp > 1, _context_parallel, ("model", "groups", "cp_layout"), ("attention_switch",),
          "before the stage cut and the tp patches: their config copies take the attention choice"),
+    Pass("host masks", lambda b: b.config.dims.cp == 1, _host_masks, ("model", "plan"), ("attention_switch", "host_masks"),
+         "as context parallel, which it stands in for at cp=1: before the cut, on the whole model's plan"),
     Pass("cast", _cast_here, _cast, ("model", "precision"), (),
          "before the stage cut: stand-ins take their dtype from the modules they replace"),
     Pass("expert parallel", lambda b: b.config.dims.ep > 1, _expert_parallel, ("model", "groups"), ("expert_specs",),

@@ -60,13 +60,12 @@ LOSS_KEYS = ("labels", "targets", LOCAL_VALID)
 _names = itertools.count()
 
 
-def check_context_parallel(model: nn.Module, *, cp: int, plan: TpPlan) -> None:
-    """Refuse (before any communication) what ring attention cannot compute exactly."""
-    if cp == 1:
-        return
-    name = f"cp={cp} ({model.config.model_type})"
+def masks_reason(model: nn.Module) -> str | None:
+    """Why this model's attention masks may be other than ring attention's (causal, within the sliding
+    window a layer passes to the attention function, by document and padding), or None: the first of
+    cp's refusals, and what ``host_masks.py`` relies on too."""
     if model.config.model_type in CP_REFUSALS:
-        raise ValueError(f"{name}: {CP_REFUSALS[model.config.model_type]}; use cp=1")
+        return CP_REFUSALS[model.config.model_type]
     config = model.config.get_text_config()
     # Ring attention covers attention, full or in a sliding window; a block that mixes positions any
     # other way (state-space or convolution layers of hybrid models) would see only this rank's tokens.
@@ -74,15 +73,32 @@ def check_context_parallel(model: nn.Module, *, cp: int, plan: TpPlan) -> None:
     # is checked first: it is the reason cp cannot apply, whatever else the model's attention lacks
     chunked = sorted({v for v in layer_values(config, "attention_chunk_size") if v})  # per layer where it may vary
     if chunked:
-        raise ValueError(f"{name}: attention_chunk_size={chunked[0]} (chunked attention) is not "
-                         f"supported by ring attention; use cp=1")
+        return f"attention_chunk_size={chunked[0]} (chunked attention) is not supported by ring attention"
     kinds = sorted(set(getattr(config, "layer_types", None) or ()) - set(RING_LAYER_TYPES))
     if kinds:
-        raise ValueError(f"{name}: layers of kind {kinds} (config.layer_types) {POSITION_MIXING}; ring attention covers "
-                         f"{RING_LAYER_TYPES}; use cp=1")
+        return f"layers of kind {kinds} (config.layer_types) {POSITION_MIXING}; ring attention covers {RING_LAYER_TYPES}"
     if not getattr(type(model), "_supports_attention_backend", False):
-        raise ValueError(f"{name}: {type(model).__name__} does not run its attention through transformers' attention "
-                         f"interface, so qn_hf cannot put ring attention in; use cp=1")
+        return (f"{type(model).__name__} does not run its attention through transformers' attention "
+                f"interface, so qn_hf cannot put ring attention in")
+    return None
+
+
+def non_causal_attention(module_name: str, module: nn.Module) -> str | None:
+    """Why ``module`` is an attention ring attention does not compute (it is not causal), or None."""
+    if hasattr(module, "is_causal") and hasattr(module, "scaling") and not module.is_causal:
+        return f"{module_name} is not causal; ring attention here is causal only"
+    return None
+
+
+def check_context_parallel(model: nn.Module, *, cp: int, plan: TpPlan) -> None:
+    """Refuse (before any communication) what ring attention cannot compute exactly."""
+    if cp == 1:
+        return
+    name = f"cp={cp} ({model.config.model_type})"
+    reason = masks_reason(model)
+    if reason is not None:
+        raise ValueError(f"{name}: {reason}; use cp=1")
+    config = model.config.get_text_config()
     if plan.loss is not LossKind.CAUSAL_LM:
         raise ValueError(f"{name}: context parallelism needs a causal LM with its built-in loss (the loss counts targets "
                          f"across the cp ranks); use cp=1")
@@ -101,19 +117,21 @@ def check_context_parallel(model: nn.Module, *, cp: int, plan: TpPlan) -> None:
     for module_name, module in model.named_modules():
         if isinstance(module, (nn.Conv1d, nn.Conv2d)):
             raise ValueError(f"{name}: {module_name} ({type(module).__name__}) may mix positions outside attention; use cp=1")
-        if hasattr(module, "is_causal") and hasattr(module, "scaling") and not module.is_causal:
-            raise ValueError(f"{name}: {module_name} is not causal; ring attention here is causal only; use cp=1")
+        reason = non_causal_attention(module_name, module)
+        if reason is not None:
+            raise ValueError(f"{name}: {reason}; use cp=1")
 
 
-class RingSwitch:
-    """Ring attention on (training, evaluation, logits) or off (``generate``). Every cp rank holds the
-    whole model (cp splits sequences, not weights), so with the switch off each cp rank runs the
+class AttentionSwitch:
+    """An attention implementation of qn_hf's (``name``: ring attention under cp, host-decided masks at
+    cp=1, ``host_masks.py``) on (training, evaluation, logits) or off (``generate``). Every cp rank holds
+    the whole model (cp splits sequences, not weights), so with the switch off each cp rank runs the
     model's own attention implementation (``previous``) on whole sequences, as the tp ranks of a
     replica each run the generation loop: a decoding step's one token cannot be split into 2*cp
     pieces."""
 
-    def __init__(self, model: nn.Module, *, ring: str, previous: str) -> None:
-        self.model, self.ring, self.previous = model, ring, previous
+    def __init__(self, model: nn.Module, *, name: str, previous: str) -> None:
+        self.model, self.name, self.previous = model, name, previous
         self.on = True
 
     @contextlib.contextmanager
@@ -124,10 +142,10 @@ class RingSwitch:
             yield
         finally:
             self.on = True
-            self.model.set_attn_implementation(self.ring)
+            self.model.set_attn_implementation(self.name)
 
 
-def apply_context_parallel(model: nn.Module, *, group: ProcessGroup, layout: PieceLayout) -> RingSwitch:
+def apply_context_parallel(model: nn.Module, *, group: ProcessGroup, layout: PieceLayout) -> AttentionSwitch:
     """Register ring attention over ``group`` for this model and select it; return its switch."""
 
     def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -155,7 +173,7 @@ def apply_context_parallel(model: nn.Module, *, group: ProcessGroup, layout: Pie
     # its online softmax over the received blocks run as in eager mode, the block's other code compiled
     AttentionInterface.register(name, torch.compiler.disable(attention))
     model.set_attn_implementation(name)
-    return RingSwitch(model, ring=name, previous=previous)
+    return AttentionSwitch(model, name=name, previous=previous)
 
 
 def documents_of(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -36,7 +36,7 @@ token. A rank that finished runs forwards whose outputs HF discards; the all-to-
 Sequence parallelism is switched off for the call (``SequenceParallelSwitch``): a one-token step
 cannot be split over tp.
 
-Context parallelism is switched off for the call too (``RingSwitch``): every cp rank holds the whole
+Context parallelism is switched off for the call too (``AttentionSwitch``): every cp rank holds the whole
 model, so each runs the loop on whole sequences with the attention that ran before ring attention
 (one token cannot be cut into 2*cp pieces), as the tp ranks of a replica each run it.
 

@@ -49,7 +49,7 @@ def collect_logits(ctx: StepContext, batch: Mapping[str, torch.Tensor], *, reduc
     collected: dict[int, torch.Tensor] = {}
 
     def forward(chunk: int, mb: int, received: torch.Tensor | None) -> torch.Tensor:
-        inputs = forward_inputs(ctx, prepared.micro[mb], builtin=False)
+        inputs = forward_inputs(ctx, prepared, mb, builtin=False)
         outputs = stage.forward(inputs, received, chunk=chunk, **ctx.plan.policy.forward_kwargs)
         if not stage.is_last_chunk(chunk):
             return outputs

@@ -22,6 +22,7 @@ from ..comm import gather_from_group
 from ..config.options import LossKind
 from ..config.parallel_config import ParallelConfig
 from ..context_parallel.apply import CP_KEYS, LOSS_KEYS, ring_documents, shard_microbatches
+from ..context_parallel.host_masks import no_mask_tokens, step_masks_needed
 from ..context_parallel.ring_attention import PieceLayout
 from ..devices import to_device
 from ..pipeline.runtime import StageExecutor, batch_shape_key
@@ -53,6 +54,7 @@ class StepContext:
     executor: StageExecutor
     vocab: VocabShard | None
     cp_layout: PieceLayout  # which pieces of each sequence the cp ranks hold
+    host_masks: bool = False  # at cp=1, masks decided from the host batch (context_parallel/host_masks.py)
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """All vocabulary columns from vocab-sharded logits (autograd-aware; padding removed)."""
@@ -69,6 +71,8 @@ class Prepared:
     rows: list[int]  # each microbatch's rows (the sizes tensor_split gave them)
     whole: list[dict[str, torch.Tensor]]  # the microbatches with whole sequences (what a loss_fn sees)
     micro: list[dict[str, torch.Tensor]]  # what this rank computes on (under cp: its pieces of each sequence)
+    # the attention mask each microbatch's model is given instead of its own (host_masks.py), or None
+    masks: list[torch.Tensor] | None = None
 
 
 def prepare(ctx: StepContext, batch: Mapping[str, torch.Tensor], *, loss: LossKind | None, builtin: bool,
@@ -85,11 +89,13 @@ def prepare(ctx: StepContext, batch: Mapping[str, torch.Tensor], *, loss: LossKi
         decoder_stages=_decoder_stages(ctx.stage.plan), dp_shard=dims.dp_shard),
         batch, replica=coords.dp, replicas=dims.dp, group=groups.host, contents=contents)
     documents = ring_documents(batch) if dims.cp > 1 else None  # read on the host before the batch moves
+    host_masks = ctx.host_masks and not step_masks_needed(batch)  # the same read, at cp=1 (host_masks.py)
     layout = row_layout(batch, ctx.stage.config)  # checked above; read on the host before the batch moves
     on_device = to_device(batch, ctx.placement.device)
     whole = split_microbatches(on_device, microbatches=microbatches, layout=layout)
     micro = shard_microbatches(whole, documents, layout=ctx.cp_layout, rank=coords.cp) if dims.cp > 1 else whole
-    return Prepared(batch=on_device, rows=microbatch_rows(size, microbatches=microbatches), whole=whole, micro=micro)
+    return Prepared(batch=on_device, rows=microbatch_rows(size, microbatches=microbatches), whole=whole, micro=micro,
+                    masks=no_mask_tokens(micro) if host_masks else None)
 
 
 def _decoder_stages(plan) -> int:
@@ -97,15 +103,16 @@ def _decoder_stages(plan) -> int:
     return len(plan.layer_ranges) - plan.seq2seq.encoder_chunks if plan.seq2seq is not None else 0
 
 
-def forward_inputs(ctx: StepContext, micro: Mapping[str, torch.Tensor], *, builtin: bool,
+def forward_inputs(ctx: StepContext, prepared: Prepared, mb: int, *, builtin: bool,
                    last: bool = True, dropped: Sequence[str] = ()) -> dict[str, object]:
-    """What a chunk's forward is given of a microbatch: all but what only the loss reads (the head's
+    """What a chunk's forward is given of microbatch ``mb``: all but what only the loss reads (the head's
     label keys, cp's targets and valid marks); an encoder-decoder LM's decoder input made from the
     labels by the model's own method, as its forward would make it. The model's own loss
     (``LossKind.OWN``) is computed by the forward of the last chunk (``last``): it gets the labels
     there, and ``return_loss`` where the forward asks for it (a contrastive model's). ``dropped``: more keys
-    only a ``loss_fn`` reads."""
-    head = ctx.plan.head
+    only a ``loss_fn`` reads. The attention mask is the one decided on the host where there is one
+    (``Prepared.masks``); the microbatch keeps its own for the loss."""
+    head, micro = ctx.plan.head, prepared.micro[mb]
     own = builtin and ctx.plan.loss is LossKind.OWN and last
     dropped = {*LOSS_KEYS, *head.label_keys, *dropped} - ({"labels"} if own else set())
     inputs: dict[str, object] = {k: v for k, v in micro.items() if k not in dropped}
@@ -115,6 +122,8 @@ def forward_inputs(ctx: StepContext, micro: Mapping[str, torch.Tensor], *, built
         if head.decoder_padding_mask and "decoder_attention_mask" not in micro:
             # as EncoderDecoderModel's forward masks the padding of what it makes (policies/task.py)
             inputs["decoder_attention_mask"] = (ids != ctx.module.config.pad_token_id).to(ids.dtype)
+    if prepared.masks is not None:
+        inputs["attention_mask"] = prepared.masks[mb]
     if own and "return_loss" in loss_arguments(ctx.module):
         inputs["return_loss"] = True
     return inputs
