@@ -1,6 +1,6 @@
-"""Masks decided on the host at cp=1 (qn_hf/context_parallel/host_masks.py): the wrapper of sdpa given
-the no-mask token computes what transformers' own mask code makes the plain model compute, windows
-included; any other mask passes through unchanged; the models it does not serve keep transformers' path.
+"""Masks decided on the host at cp=1 (qn_hf/context_parallel/host_masks.py): while a step trusts its
+batch, transformers builds the plain model's masks (windows included) without reading the padding mask;
+otherwise every mask is its own; the models it does not serve keep transformers' path.
 The steps' use of it (no mask read per forward) is counted in test_host_syncs.py, and every parity test
 at cp=1 runs through it."""
 
@@ -10,13 +10,13 @@ import copy
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config,
-                          Gemma3TextConfig)
+from transformers import (AutoModelForCausalLM, Gemma3TextConfig, GPT2Config, LlamaConfig, MistralConfig,
+                          MixtralConfig, OPTConfig, Qwen2Config, masking_utils,
+                          CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration)
 
 import qn_hf
 from qn_hf.config.options import LossKind
-from qn_hf.context_parallel.host_masks import (apply_host_masks, host_masks_serve, is_no_mask, no_mask_token,
-                                               step_masks_needed)
+from qn_hf.context_parallel.host_masks import apply_host_masks, host_masks_serve, masks_needed, step_masks
 from tests.cases import mesh_for
 from tests.models import dp_slice, load, make_batch
 
@@ -47,7 +47,7 @@ def _models():
 
 
 @pytest.mark.parametrize("name", list(_models()))
-def test_no_mask_token_equals_transformers_masks(name):
+def test_trusted_steps_build_transformers_masks_unread(name, monkeypatch):
     config = _models()[name]
     plain = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
     assert host_masks_serve(plain, _Plan()), name
@@ -55,15 +55,22 @@ def test_no_mask_token_equals_transformers_masks(name):
     switch = apply_host_masks(ours)
     assert ours.config._attn_implementation == switch.name != "sdpa"
     ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+    ones = step_masks([{"input_ids": ids}])[0]
+    padding_masks = []  # what transformers' sdpa mask code is given to read
+    ignore = masking_utils._ignore_causal_mask_sdpa
+    monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa",
+                        lambda padding_mask, *a, **k: padding_masks.append(padding_mask) or ignore(padding_mask, *a, **k))
     with torch.no_grad():
-        expected = plain(input_ids=ids).logits
-        assert torch.equal(ours(input_ids=ids, attention_mask=no_mask_token(ids)).logits, expected), name
-        # an attention mask of ones and packed position ids: transformers' rules on the host decide alike
-        assert torch.equal(ours(input_ids=ids, attention_mask=torch.ones_like(ids)).logits, expected)
-        # any mask transformers builds passes through the wrapper unchanged: padding, packed documents
+        expected = plain(input_ids=ids)
+        with switch.trusting():
+            got = ours(input_ids=ids, attention_mask=ones)
+        assert torch.equal(got.logits, expected.logits), name
+        assert padding_masks and all(m is None for m in padding_masks), name  # nothing left to read
+        # outside a step's trust every mask is transformers' own: padding, packed documents
         padded = torch.ones_like(ids)
         padded[0, :3] = 0
-        assert torch.equal(ours(input_ids=ids, attention_mask=padded).logits, plain(input_ids=ids, attention_mask=padded).logits)
+        assert torch.equal(ours(input_ids=ids, attention_mask=padded).logits,
+                           plain(input_ids=ids, attention_mask=padded).logits)
         packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5]] * 2)
         assert torch.equal(ours(input_ids=ids, position_ids=packed).logits, plain(input_ids=ids, position_ids=packed).logits)
     with switch.off():
@@ -73,21 +80,40 @@ def test_no_mask_token_equals_transformers_masks(name):
 
 def test_the_host_decides_as_transformers_does():
     ids = torch.arange(12).reshape(2, 6)
-    assert not step_masks_needed({"input_ids": ids, "labels": ids})
-    assert not step_masks_needed({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
-    assert not step_masks_needed({"input_ids": ids, "position_ids": torch.arange(6).expand(2, 6) + 3})
+    assert not masks_needed({"input_ids": ids, "labels": ids})
+    assert not masks_needed({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    assert not masks_needed({"input_ids": ids, "position_ids": torch.arange(6).expand(2, 6) + 3})
     padded = torch.ones_like(ids)
     padded[1, -1] = 0
-    assert step_masks_needed({"input_ids": ids, "attention_mask": padded})
-    assert step_masks_needed({"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]] * 2)})
+    assert masks_needed({"input_ids": ids, "attention_mask": padded})
+    assert masks_needed({"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]] * 2)})
     # transformers looks for packing only without an attention mask: with one of ones it is one sequence
-    assert not step_masks_needed({"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                                  "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]] * 2)})
-    assert step_masks_needed({"input_ids": ids, "token_type_ids": ids})  # another input may change the mask
-    assert step_masks_needed({"inputs_embeds": torch.zeros(2, 6, 4)})
-    # a mask transformers builds always has query rows
-    assert is_no_mask(no_mask_token(ids)) and not is_no_mask(torch.ones(2, 1, 1, 6, dtype=torch.bool))
-    assert not is_no_mask(None) and not is_no_mask(torch.ones(2, 6))
+    assert not masks_needed({"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                             "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]] * 2)})
+    assert masks_needed({"input_ids": ids, "token_type_ids": ids})  # another input may bring masks of its own
+    assert masks_needed({"inputs_embeds": torch.zeros(2, 6, 4)})
+    # a prepared mask is the user's, even one that hides nothing (it may be bidirectional)
+    assert masks_needed({"input_ids": ids, "attention_mask": torch.ones(2, 1, 6, 6, dtype=torch.bool)})
+    given, made = step_masks([{"input_ids": ids, "attention_mask": torch.ones_like(ids)}, {"input_ids": ids}])
+    assert torch.equal(made, torch.ones_like(ids)) and made.dtype == ids.dtype and given.dim() == 2
+
+
+def test_models_whose_forward_reads_the_mask_get_ones():
+    """A mask of ones where the batch has none: OPT makes its positions from it, an MoE forward's own
+    router loss weighs tokens by it."""
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(2))
+    for config in (OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=64,
+                             word_embed_proj_dim=32, max_position_embeddings=64, dropout=0.0),
+                   MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True)):
+        plain = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+        assert host_masks_serve(plain, _Plan()), config.model_type
+        ours = copy.deepcopy(plain)
+        switch = apply_host_masks(ours)
+        with torch.no_grad(), switch.trusting():
+            got = ours(input_ids=ids, attention_mask=step_masks([{"input_ids": ids}])[0], labels=ids)
+        expected = plain(input_ids=ids, labels=ids)
+        assert torch.equal(got.logits, expected.logits), config.model_type
+        assert torch.allclose(got.loss, expected.loss, rtol=1e-6, atol=0), config.model_type
 
 
 def test_models_it_does_not_serve_keep_transformers_path():
@@ -95,21 +121,21 @@ def test_models_it_does_not_serve_keep_transformers_path():
     assert host_masks_serve(llama, _Plan())
     assert not host_masks_serve(llama, _Plan(LossKind.CLASSIFICATION))  # a head may read the mask itself
     eager = AutoModelForCausalLM.from_config(LlamaConfig(**SMALL), attn_implementation="eager")
-    assert not host_masks_serve(eager, _Plan())  # eager's attention builds no causal mask of its own
-    bidirectional = AutoModelForCausalLM.from_config(LlamaConfig(**SMALL, is_causal=False), attn_implementation="sdpa")
-    assert not host_masks_serve(bidirectional, _Plan())
+    assert not host_masks_serve(eager, _Plan())
     chunked = AutoModelForCausalLM.from_config(LlamaConfig(**SMALL), attn_implementation="sdpa")
     chunked.config.attention_chunk_size = 4
     assert not host_masks_serve(chunked, _Plan())
-    opaque = AutoModelForCausalLM.from_config(LlamaConfig(**SMALL), attn_implementation="sdpa")
-    type(opaque)._supports_attention_backend, kept = False, type(opaque)._supports_attention_backend
-    try:
-        assert not host_masks_serve(opaque, _Plan())
-    finally:
-        type(opaque)._supports_attention_backend = kept
     hybrid = AutoModelForCausalLM.from_config(LlamaConfig(**SMALL), attn_implementation="sdpa")
     hybrid.config.layer_types = ["full_attention", "mamba"]
     assert not host_masks_serve(hybrid, _Plan())
+    # a composite model whose vision tower runs another implementation: the name would replace it too
+    text = LlamaConfig(**SMALL)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                              image_size=16, patch_size=8)
+    llava = LlavaForConditionalGeneration(LlavaConfig(text_config=text, vision_config=vision, image_token_index=3))
+    llava.set_attn_implementation({"text_config": "sdpa", "vision_config": "eager"})
+    assert llava.config.vision_config._attn_implementation == "eager"
+    assert not host_masks_serve(llava, _Plan())
 
 
 def host_masked_parity(*, model_dir: str, padded: bool, dp: int, pp: int) -> dict:
@@ -139,7 +165,7 @@ def host_masked_parity(*, model_dir: str, padded: bool, dp: int, pp: int) -> dic
 
 
 @pytest.mark.core
-@pytest.mark.parametrize(("padded", "dp", "pp"), [(False, 2, 1), (True, 1, 2)])
+@pytest.mark.parametrize(("padded", "dp", "pp"), [(False, 2, 1), (False, 1, 2), (True, 2, 1)])
 def test_host_masked_step_equals_plain_model(worlds, model_dirs, padded, dp, pp):
     results = worlds.run(dp * pp, host_masked_parity, model_dir=model_dirs["llama"], padded=padded, dp=dp, pp=pp)
     for r in results:

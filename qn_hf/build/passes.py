@@ -13,7 +13,7 @@ from torch import nn
 
 from ..config.parallel_config import ParallelConfig
 from ..context_parallel.apply import AttentionSwitch, apply_context_parallel
-from ..context_parallel.host_masks import apply_host_masks, host_masks_serve
+from ..context_parallel.host_masks import HostMasks, apply_host_masks, host_masks_serve
 from ..context_parallel.ring_attention import PieceLayout
 from ..data_parallel.batch_statistics import batch_statistics_layers, sync_batch_statistics
 from ..data_parallel.precision import apply_mixed_precision
@@ -64,7 +64,7 @@ class Build:
     deferred: list[str] = field(default_factory=list)
     sp_switch: SequenceParallelSwitch | None = None
     attention_switch: AttentionSwitch | None = None
-    host_masks: bool = False  # masks decided on the host at cp=1 (context_parallel/host_masks.py)
+    host_masks: HostMasks | None = None  # masks decided on the host at cp=1 (context_parallel/host_masks.py)
     sharded: ShardedParameters | None = None
 
 
@@ -122,7 +122,7 @@ def _context_parallel(b: Build) -> None:
 
 def _host_masks(b: Build) -> None:
     if host_masks_serve(b.model, b.plan):  # else transformers' own mask code, as the plain model runs it
-        b.attention_switch, b.host_masks = apply_host_masks(b.model), True
+        b.host_masks = b.attention_switch = apply_host_masks(b.model)
 
 
 def _cast(b: Build) -> None:

@@ -12,6 +12,7 @@ chunk: what the steps differ in (a loss and its scale, a router term, or logits 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ from ..comm import gather_from_group
 from ..config.options import LossKind
 from ..config.parallel_config import ParallelConfig
 from ..context_parallel.apply import CP_KEYS, LOSS_KEYS, ring_documents, shard_microbatches
-from ..context_parallel.host_masks import no_mask_tokens, step_masks_needed
+from ..context_parallel.host_masks import HostMasks, masks_needed, step_masks
 from ..context_parallel.ring_attention import PieceLayout
 from ..devices import to_device
 from ..pipeline.runtime import StageExecutor, batch_shape_key
@@ -54,7 +55,7 @@ class StepContext:
     executor: StageExecutor
     vocab: VocabShard | None
     cp_layout: PieceLayout  # which pieces of each sequence the cp ranks hold
-    host_masks: bool = False  # at cp=1, masks decided from the host batch (context_parallel/host_masks.py)
+    host_masks: HostMasks | None = None  # at cp=1, masks decided from the host batch (context_parallel/host_masks.py)
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """All vocabulary columns from vocab-sharded logits (autograd-aware; padding removed)."""
@@ -71,7 +72,7 @@ class Prepared:
     rows: list[int]  # each microbatch's rows (the sizes tensor_split gave them)
     whole: list[dict[str, torch.Tensor]]  # the microbatches with whole sequences (what a loss_fn sees)
     micro: list[dict[str, torch.Tensor]]  # what this rank computes on (under cp: its pieces of each sequence)
-    # the attention mask each microbatch's model is given instead of its own (host_masks.py), or None
+    # the attention mask each microbatch's model is given where the host batch pads nothing (host_masks.py), or None
     masks: list[torch.Tensor] | None = None
 
 
@@ -89,13 +90,13 @@ def prepare(ctx: StepContext, batch: Mapping[str, torch.Tensor], *, loss: LossKi
         decoder_stages=_decoder_stages(ctx.stage.plan), dp_shard=dims.dp_shard),
         batch, replica=coords.dp, replicas=dims.dp, group=groups.host, contents=contents)
     documents = ring_documents(batch) if dims.cp > 1 else None  # read on the host before the batch moves
-    host_masks = ctx.host_masks and not step_masks_needed(batch)  # the same read, at cp=1 (host_masks.py)
+    trusted = ctx.host_masks is not None and not masks_needed(batch)  # the same read, at cp=1 (host_masks.py)
     layout = row_layout(batch, ctx.stage.config)  # checked above; read on the host before the batch moves
     on_device = to_device(batch, ctx.placement.device)
     whole = split_microbatches(on_device, microbatches=microbatches, layout=layout)
     micro = shard_microbatches(whole, documents, layout=ctx.cp_layout, rank=coords.cp) if dims.cp > 1 else whole
     return Prepared(batch=on_device, rows=microbatch_rows(size, microbatches=microbatches), whole=whole, micro=micro,
-                    masks=no_mask_tokens(micro) if host_masks else None)
+                    masks=step_masks(micro) if trusted else None)
 
 
 def _decoder_stages(plan) -> int:
@@ -138,5 +139,8 @@ def run_schedule(ctx: StepContext, prepared: Prepared, forward: Forward, *, back
                                 backward=backward)
     # what fixes the activations' shapes between stages: the activation header is exchanged once per
     # such key (the first step of each batch shape), not every step
-    ctx.executor.run(schedule, forward, rows=prepared.rows, on_final=on_final,
-                     shape_key=batch_shape_key(prepared.micro[0], rows=prepared.rows))
+    # transformers is given no padding mask while the microbatches' masks are known to hide nothing
+    trusting = ctx.host_masks.trusting() if prepared.masks is not None else contextlib.nullcontext()
+    with trusting:
+        ctx.executor.run(schedule, forward, rows=prepared.rows, on_final=on_final,
+                         shape_key=batch_shape_key(prepared.micro[0], rows=prepared.rows))
