@@ -10,9 +10,20 @@ import copy
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, Gemma3TextConfig, GPT2Config, LlamaConfig, MistralConfig,
-                          MixtralConfig, OPTConfig, Qwen2Config, masking_utils,
-                          CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration)
+from transformers import (
+    AutoModelForCausalLM,
+    CLIPVisionConfig,
+    Gemma3TextConfig,
+    GPT2Config,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    MistralConfig,
+    MixtralConfig,
+    OPTConfig,
+    Qwen2Config,
+    masking_utils,
+)
 
 import qn_hf
 from qn_hf.config.options import LossKind

@@ -1,2 +1,3 @@
 """Context parallelism: ``apply.py`` splits the sequence over cp ranks and routes attention through
-transformers' attention interface to ``ring_attention.py``, exact causal attention over the ring."""
+transformers' attention interface to ``ring_attention.py``, exact causal attention over the ring; at
+cp=1 ``host_masks.py`` decides the masks from the host batch as the ring does, through the same interface."""
