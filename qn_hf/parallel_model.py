@@ -40,7 +40,7 @@ from .step.batch import batch_signature, check_same_batch, dp_rows
 from .step.generation import parallel_generate, switched_off
 from .step.logits import LogitsFn, collect_logits
 from .step.loss import local_count, loss_scales, nan_without_targets, problem_type, summed_loss, term_weights
-from .step.runner import StepContext, forward_inputs, prepare, run_schedule
+from .step.runner import StepContext, forward_inputs, prepare, run_schedule, trusted
 from .tensor_parallel.apply import VocabShard
 from .tensor_parallel.plan import TpPlan
 from .tensor_parallel.rng import RngStreams
@@ -292,7 +292,7 @@ class ParallelModel(CheckpointMethods):
             nonlocal total
             inputs = forward_inputs(self.context, prepared, mb, builtin=builtin, last=self.stage.is_last_chunk(chunk),
                                     dropped=loss_keys)
-            with routers or contextlib.nullcontext():  # the router loss reads the logits (router_loss.py)
+            with routers or contextlib.nullcontext(), trusted(self.context, prepared):  # router_loss.py, host_masks.py
                 outputs = self.stage.forward(inputs, received, chunk=chunk, **self.plan.policy.forward_kwargs,
                                              **(routers.forward_kwargs if routers else {}))
             if not self.stage.is_last_chunk(chunk):

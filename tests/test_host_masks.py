@@ -7,6 +7,11 @@ at cp=1 runs through it."""
 from __future__ import annotations
 
 import copy
+import gc
+import inspect
+import re
+import sys
+import weakref
 
 import pytest
 import torch
@@ -14,6 +19,7 @@ from transformers import (
     AutoModelForCausalLM,
     CLIPVisionConfig,
     Gemma3TextConfig,
+    Gemma4TextConfig,
     GPT2Config,
     LlamaConfig,
     LlavaConfig,
@@ -27,6 +33,7 @@ from transformers import (
 
 import qn_hf
 from qn_hf.config.options import LossKind
+from qn_hf.context_parallel.apply import masks_reason
 from qn_hf.context_parallel.host_masks import apply_host_masks, host_masks_serve, masks_needed, step_masks
 from tests.cases import mesh_for
 from tests.models import dp_slice, load, make_batch
@@ -89,6 +96,37 @@ def test_trusted_steps_build_transformers_masks_unread(name, monkeypatch):
     assert ours.config._attn_implementation == switch.name
 
 
+def test_trust_covers_one_forward_and_leaves_caches_and_nested_calls_alone():
+    plain = AutoModelForCausalLM.from_config(LlamaConfig(**SMALL), attn_implementation="sdpa").eval()
+    ours = copy.deepcopy(plain)
+    switch = apply_host_masks(ours)
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(3))
+    padded = torch.ones_like(ids)
+    padded[0, :3] = 0
+    with torch.no_grad():
+        with switch.trusting():
+            with switch.trusting(False):  # a call nested in a trusted forward decides for itself
+                assert torch.equal(ours(input_ids=ids, attention_mask=padded).logits,
+                                   plain(input_ids=ids, attention_mask=padded).logits)
+            assert switch.trust.on
+        assert not switch.trust.on
+        # a cache makes the mask wider than the queries: kept, even under trust
+        first = [m(input_ids=ids[:, :6], attention_mask=padded[:, :6], use_cache=True) for m in (plain, ours)]
+        expected = plain(input_ids=ids[:, 6:], attention_mask=padded, past_key_values=first[0].past_key_values).logits
+        with switch.trusting():
+            got = ours(input_ids=ids[:, 6:], attention_mask=padded, past_key_values=first[1].past_key_values).logits
+        assert torch.equal(got, expected)
+
+
+def test_the_registry_does_not_keep_the_model():
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**SMALL), attn_implementation="sdpa")
+    alive = weakref.ref(model)
+    switch = apply_host_masks(model)
+    del model, switch
+    gc.collect()
+    assert alive() is None
+
+
 def test_the_host_decides_as_transformers_does():
     ids = torch.arange(12).reshape(2, 6)
     assert not masks_needed({"input_ids": ids, "labels": ids})
@@ -105,8 +143,14 @@ def test_the_host_decides_as_transformers_does():
     assert masks_needed({"inputs_embeds": torch.zeros(2, 6, 4)})
     # a prepared mask is the user's, even one that hides nothing (it may be bidirectional)
     assert masks_needed({"input_ids": ids, "attention_mask": torch.ones(2, 1, 6, 6, dtype=torch.bool)})
+    assert masks_needed({"input_ids": ids, "position_ids": torch.arange(6).expand(3, 2, 6)})  # M-RoPE's
     given, made = step_masks([{"input_ids": ids, "attention_mask": torch.ones_like(ids)}, {"input_ids": ids}])
     assert torch.equal(made, torch.ones_like(ids)) and made.dtype == ids.dtype and given.dim() == 2
+    # a mask only a loss_fn reads: the model is given none of it, so transformers would look for packing
+    packed = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]] * 2)}
+    assert not masks_needed(packed) and masks_needed(packed, dropped=("attention_mask",))
+    own = torch.ones_like(ids)
+    assert step_masks([{"input_ids": ids, "attention_mask": own}], dropped=("attention_mask",))[0] is not own
 
 
 def test_models_whose_forward_reads_the_mask_get_ones():
@@ -147,6 +191,12 @@ def test_models_it_does_not_serve_keep_transformers_path():
     llava.set_attn_implementation({"text_config": "sdpa", "vision_config": "eager"})
     assert llava.config.vision_config._attn_implementation == "eager"
     assert not host_masks_serve(llava, _Plan())
+    # modeling code that asks for sdpa by name would take its other branch under qn_hf's name
+    gemma4 = AutoModelForCausalLM.from_config(
+        Gemma4TextConfig(**SMALL, head_dim=8, global_head_dim=8, layer_types=["sliding_attention", "full_attention"]),
+        attn_implementation="sdpa")
+    asks = re.search(r"_attn_implementation[^\n]*[\"']sdpa[\"']", inspect.getsource(sys.modules[type(gemma4).__module__]))
+    assert masks_reason(gemma4) is None and host_masks_serve(gemma4, _Plan()) is (asks is None)  # asks in 5.24, not 5.17
 
 
 def host_masked_parity(*, model_dir: str, padded: bool, dp: int, pp: int) -> dict:

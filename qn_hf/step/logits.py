@@ -21,7 +21,7 @@ import torch
 
 from ..context_parallel.apply import gather_sequence_positions
 from ..pipeline.wire import broadcast_announced
-from .runner import StepContext, forward_inputs, prepare, run_schedule
+from .runner import StepContext, forward_inputs, prepare, run_schedule, trusted
 
 # (a microbatch's whole logits, that microbatch of the batch) -> what ``ParallelModel.logits`` keeps of them
 LogitsFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor]
@@ -50,7 +50,8 @@ def collect_logits(ctx: StepContext, batch: Mapping[str, torch.Tensor], *, reduc
 
     def forward(chunk: int, mb: int, received: torch.Tensor | None) -> torch.Tensor:
         inputs = forward_inputs(ctx, prepared, mb, builtin=False)
-        outputs = stage.forward(inputs, received, chunk=chunk, **ctx.plan.policy.forward_kwargs)
+        with trusted(ctx, prepared):  # masks built unread where they hide nothing (host_masks.py)
+            outputs = stage.forward(inputs, received, chunk=chunk, **ctx.plan.policy.forward_kwargs)
         if not stage.is_last_chunk(chunk):
             return outputs
         logits = ctx.full_logits(head_logits(outputs))

@@ -90,13 +90,14 @@ def prepare(ctx: StepContext, batch: Mapping[str, torch.Tensor], *, loss: LossKi
         decoder_stages=_decoder_stages(ctx.stage.plan), dp_shard=dims.dp_shard),
         batch, replica=coords.dp, replicas=dims.dp, group=groups.host, contents=contents)
     documents = ring_documents(batch) if dims.cp > 1 else None  # read on the host before the batch moves
-    trusted = ctx.host_masks is not None and not masks_needed(batch)  # the same read, at cp=1 (host_masks.py)
+    # the same read at cp=1 (host_masks.py), of what the model is given
+    trusted = ctx.host_masks is not None and not masks_needed(batch, dropped=loss_keys)
     layout = row_layout(batch, ctx.stage.config)  # checked above; read on the host before the batch moves
     on_device = to_device(batch, ctx.placement.device)
     whole = split_microbatches(on_device, microbatches=microbatches, layout=layout)
     micro = shard_microbatches(whole, documents, layout=ctx.cp_layout, rank=coords.cp) if dims.cp > 1 else whole
     return Prepared(batch=on_device, rows=microbatch_rows(size, microbatches=microbatches), whole=whole, micro=micro,
-                    masks=step_masks(micro) if trusted else None)
+                    masks=step_masks(micro, dropped=loss_keys) if trusted else None)
 
 
 def _decoder_stages(plan) -> int:
@@ -139,8 +140,11 @@ def run_schedule(ctx: StepContext, prepared: Prepared, forward: Forward, *, back
                                 backward=backward)
     # what fixes the activations' shapes between stages: the activation header is exchanged once per
     # such key (the first step of each batch shape), not every step
-    # transformers is given no padding mask while the microbatches' masks are known to hide nothing
-    trusting = ctx.host_masks.trusting() if prepared.masks is not None else contextlib.nullcontext()
-    with trusting:
-        ctx.executor.run(schedule, forward, rows=prepared.rows, on_final=on_final,
-                         shape_key=batch_shape_key(prepared.micro[0], rows=prepared.rows))
+    ctx.executor.run(schedule, forward, rows=prepared.rows, on_final=on_final,
+                     shape_key=batch_shape_key(prepared.micro[0], rows=prepared.rows))
+
+
+def trusted(ctx: StepContext, prepared: Prepared) -> contextlib.AbstractContextManager:
+    """Around each model forward of a step: transformers builds its masks without reading the padding mask
+    where ``prepared``'s masks are known to hide nothing (host_masks.py); a loss or hook after it reads as usual."""
+    return ctx.host_masks.trusting(prepared.masks is not None) if ctx.host_masks else contextlib.nullcontext()
