@@ -91,13 +91,13 @@ def prepare(ctx: StepContext, batch: Mapping[str, torch.Tensor], *, loss: LossKi
         batch, replica=coords.dp, replicas=dims.dp, group=groups.host, contents=contents)
     documents = ring_documents(batch) if dims.cp > 1 else None  # read on the host before the batch moves
     # the same read at cp=1 (host_masks.py), of what the model is given
-    trusted = ctx.host_masks is not None and not masks_needed(batch, dropped=loss_keys)
+    unread = ctx.host_masks is not None and not masks_needed(batch, dropped=loss_keys)
     layout = row_layout(batch, ctx.stage.config)  # checked above; read on the host before the batch moves
     on_device = to_device(batch, ctx.placement.device)
     whole = split_microbatches(on_device, microbatches=microbatches, layout=layout)
     micro = shard_microbatches(whole, documents, layout=ctx.cp_layout, rank=coords.cp) if dims.cp > 1 else whole
     return Prepared(batch=on_device, rows=microbatch_rows(size, microbatches=microbatches), whole=whole, micro=micro,
-                    masks=step_masks(micro, dropped=loss_keys) if trusted else None)
+                    masks=step_masks(micro, dropped=loss_keys) if unread else None)
 
 
 def _decoder_stages(plan) -> int:
