@@ -1,7 +1,8 @@
 """Expert parallelism on a tiny Qwen3-MoE: against replicated experts and expert-TP, its all-to-all
 bytes against theory, and the load on each ep rank while training.
 
-    python benchmarks/experts.py compare   # 2 ranks: dp=2 (experts replicated) | dp=2 ep=2 | tp=2 (expert-TP)
+    python benchmarks/experts.py compare   # 2 ranks: dp=2 (experts replicated) | dp=2 ep=2 (all-to-all, all-gather
+                                           # dispatch) | tp=2 (expert-TP)
     python benchmarks/experts.py bytes     # dp=2 ep=2: all-to-all bytes per step vs theory, off-rank rows counted
     python benchmarks/experts.py load      # 50 steps on the LM results config's data, tiny-qwen3-moe at dp=2 ep=2
 
@@ -32,7 +33,8 @@ from world import run_world
 CONFIG = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2,
               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512,
               max_position_embeddings=256, norm_topk_prob=True, output_router_logits=False, tie_word_embeddings=False)
-LAYOUTS = {"plain dp=2": dict(dp=2), "ep=2 dp=2": dict(dp=2, ep=2), "expert-TP tp=2": dict(tp=2)}
+LAYOUTS = {"plain dp=2": dict(dp=2), "ep=2 dp=2": dict(dp=2, ep=2),
+           "ep=2 dp=2 all_gather": dict(dp=2, ep=2, expert_dispatch="all_gather"), "expert-TP tp=2": dict(tp=2)}
 FLOAT = 4  # bytes per element: float32 throughout
 
 
@@ -59,7 +61,8 @@ def _replay(pm, events: list, *, repeats: int = 5) -> float:
     """Median seconds of one step's collectives alone: rank 0's metered calls issued again in order
     with the same payloads (every rank uses rank 0's sizes so that the calls pair up; an all-to-all
     gets even splits here, the router's uneven ones in the step)."""
-    calls = [(e.group, e.op, e.numel, e.nbytes // max(e.numel, 1)) for e in events]
+    # the hosts' per-step agreement (point-to-point on "host", the same in every layout) is left out
+    calls = [(e.group, e.op, e.numel, e.nbytes // max(e.numel, 1)) for e in events if e.group != "host"]
     box = [calls]
     dist.broadcast_object_list(box, src=0)
     tensors = [(getattr(pm.groups, g), op, torch.zeros(n, dtype=torch.int64 if size == 8 else torch.float32))
@@ -73,6 +76,8 @@ def _replay(pm, events: list, *, repeats: int = 5) -> float:
                 dist.all_reduce(x, group=group)
             elif op == "all_to_all_single":
                 dist.all_to_all_single(torch.empty_like(x), x, group=group)
+            elif op == "all_gather_into_tensor":  # the all-gather dispatch
+                dist.all_gather_into_tensor(x.new_empty(x.numel() * dist.get_world_size(group)), x, group=group)
             else:
                 raise NotImplementedError(op)
         times.append(time.perf_counter() - start)
@@ -142,11 +147,19 @@ def _theory(name: str, report: dict, *, tokens: int) -> int:
     forward and their inputs' gradients backward, [T, hidden] each; the embedding's output and the
     head input's gradient; 3 floats per token for the vocabulary-parallel loss; per layer the
     routing weights' gradient [T, top_k] (each rank's experts give a partial one) and the q/k norms'
-    gradients."""
+    gradients. ep with the all-gather dispatch (ep members, this rank's inputs as CommMeter counts them):
+    per layer forward the gather of [T, hidden], of the int64 choices and the routing weights [T, top_k]
+    and the partial outputs [ep*T, hidden] summed back by an all-to-all; backward the sums of the
+    gathered rows' and weights' gradients ([ep*T, hidden], [ep*T, top_k]) and the gather of the
+    outputs' gradient [T, hidden]; no counts."""
     h, k, layers, experts = (CONFIG[n] for n in ("hidden_size", "num_experts_per_tok", "num_hidden_layers",
                                                   "num_experts"))
     if name.startswith("plain"):
         return report["weights"]
+    if name.endswith("all_gather"):
+        ep = 2
+        per_layer = (2 * tokens * h + 2 * ep * tokens * h + ep * tokens * k) * FLOAT + tokens * k * (8 + FLOAT)
+        return report["weights"] - report["experts"] + layers * per_layer
     if name.startswith("ep"):
         return report["weights"] - report["experts"] + 4 * layers * tokens * k * h * FLOAT + layers * experts * 8
     act = tokens * h * FLOAT
@@ -166,7 +179,7 @@ def compare(args: argparse.Namespace) -> None:
     plain = out["times"]["plain dp=2"]
     base_bytes = sum(t.nbytes for t in out["report"]["plain dp=2"]["totals"].values())
     base_weights = out["report"]["plain dp=2"]["weights"]
-    print(f"{'layout':<16}{'median s':>10}{'best s':>8}{'vs plain':>10}{'experts fwd s':>15}{'comm MiB':>10}"
+    print(f"{'layout':<22}{'median s':>10}{'best s':>8}{'vs plain':>10}{'experts fwd s':>15}{'comm MiB':>10}"
           f"{'theory':>8}{'vs plain':>10}{'calls':>7}{'comm alone s':>14}{'weights MiB':>13}{'vs plain':>10}")
     for name in LAYOUTS:
         steps, report = out["times"][name], out["report"][name]
@@ -174,7 +187,7 @@ def compare(args: argparse.Namespace) -> None:
         nbytes = sum(t.nbytes for t in report["totals"].values())
         calls = sum(t.calls for t in report["totals"].values())
         theory = _theory(name, report, tokens=tokens if name.startswith("expert-TP") else tokens // 2)
-        print(f"{name:<16}{statistics.median(steps):>10.3f}{min(steps):>8.3f}{paired:>10.2f}"
+        print(f"{name:<22}{statistics.median(steps):>10.3f}{min(steps):>8.3f}{paired:>10.2f}"
               f"{statistics.median(out['experts'][name]):>15.3f}{nbytes / 2**20:>10.2f}{theory / 2**20:>8.2f}"
               f"{nbytes / base_bytes:>10.2f}"
               f"{calls:>7}{report['alone']:>14.3f}{report['weights'] / 2**20:>13.2f}"
@@ -187,10 +200,10 @@ def compare(args: argparse.Namespace) -> None:
           "no compute. plain's dp all-reduces run in buckets during backward; ep's all-to-alls and expert-TP's tp "
           "all-reduces stop the step where they stand")
     print("traffic of one step, rank 0:")
-    print(f"{'layout':<16}{'group':<9}{'op':<24}{'calls':>7}{'MiB':>10}")
+    print(f"{'layout':<22}{'group':<9}{'op':<24}{'calls':>7}{'MiB':>10}")
     for name in LAYOUTS:
         for (group, op), t in out["report"][name]["totals"].items():
-            print(f"{name:<16}{group:<9}{op:<24}{t.calls:>7}{t.nbytes / 2**20:>10.3f}")
+            print(f"{name:<22}{group:<9}{op:<24}{t.calls:>7}{t.nbytes / 2**20:>10.3f}")
 
 
 def bytes_worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:

@@ -8,7 +8,7 @@ transient memory of ``clip_grad_norm_`` on one large gradient.
 
 What one step is: ``opt.zero_grad(); pm.train_step(batch); qn_hf.clip_grad_norm_(pm, 1.0); opt.step()``
 after two warm-up steps (the first step runs one-off checks), on 2 gloo ranks, for: plain dp=2, tp=2,
-pp=2 (2 microbatches), dp=2 x ep=2 on a tiny Mixtral, cp=2 (2 microbatches), dp=2 x dp_shard=2 (FSDP2), fp16
+pp=2 (2 microbatches), dp=2 x ep=2 on a tiny Mixtral (and with ``expert_dispatch="all_gather"``), cp=2 (2 microbatches), dp=2 x dp_shard=2 (FSDP2), fp16
 (loss scaling), bf16 + ZeRO-1, and dp=2 after a checkpoint resume with AdamW. AdamW runs with ``foreach=True``, the implementation torch
 picks by default on CUDA (on CPU it would pick the per-tensor one).
 
@@ -54,7 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 ALWAYS_SYNC = {"_local_scalar_dense", "nonzero", "masked_select", "_unique", "_unique2", "unique_dim",
                "unique_consecutive", "bincount", "equal", "is_nonzero"}
-FEATURES = ("dp", "tp", "pp", "ep", "cp", "dp_shard", "fp16", "bf16_zero", "resume")
+FEATURES = ("dp", "tp", "pp", "ep", "ep_all_gather", "cp", "dp_shard", "fp16", "bf16_zero", "resume")
 # Device waits a step is allowed (issue 67): fp16's overflow flag, read by the optimizer's step as GradScaler
 # does; the loss report is the user's own read of what train_step returns, outside the counted step
 ALLOWED = ("qn_hf/data_parallel/precision.py",)
@@ -223,6 +223,8 @@ def setup_feature(feature: str, world: int, tmp: str):
         pm = qn_hf.parallelize(_gpt2(), pp=world, microbatches=2)
     elif feature == "ep":
         pm = qn_hf.parallelize(_mixtral(), dp=world, ep=world)
+    elif feature == "ep_all_gather":
+        pm = qn_hf.parallelize(_mixtral(), dp=world, ep=world, expert_dispatch="all_gather")
     elif feature == "cp":
         pm = qn_hf.parallelize(_llama(), cp=world, microbatches=2)
     elif feature == "dp_shard":
@@ -388,10 +390,10 @@ def main() -> None:
     for feature in features:
         print(f"{feature}: syncs {_summary(ranks, feature)}; ", {s: n for s, n in ranks[0][feature]["syncs"].items()},
               "host data", ranks[0][feature]["host_data"], "host step reads", ranks[0][feature]["host_step_reads"])
-    print(f"\n{'feature':<10} device waits per step (rank 0 / rank 1)  host batch reads")
+    print(f"\n{'feature':<13} device waits per step (rank 0 / rank 1)  host batch reads")
     for feature in features:
         waits = "/".join(str(r[feature]["device_waits"]) for r in ranks)
-        print(f"{feature:<10} {waits:>38}  {sum(ranks[0][feature]['host_batch_reads'].values())}")
+        print(f"{feature:<13} {waits:>38}  {sum(ranks[0][feature]['host_batch_reads'].values())}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(data, f, indent=1)

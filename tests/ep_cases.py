@@ -59,7 +59,8 @@ def _expert_counts(model: torch.nn.Module) -> list[int]:
 def ep_parity(*, model_type: str, out_dir: str, dp: int, tp: int, pp: int, ep: int, microbatches: int = 1,
               skew: str | None = None, overrides: dict | None = None, padded: bool = False,
               recompute: str | None = None, per_rank: int = ROWS, seq: int = SEQ, schedule: str = "1f1b",
-              virtual_stages: int = 1, cp: int = 1, sequence_parallel: bool = False, dp_shard: int = 1) -> dict:
+              virtual_stages: int = 1, cp: int = 1, sequence_parallel: bool = False, dp_shard: int = 1,
+              expert_dispatch: str = "all_to_all") -> dict:
     """One SGD step at (dp, tp, pp, ep) against the plain model: loss, every gradient, the grad norm,
     and every weight after the step read back through ``save_pretrained``. ``padded``: every other
     row ends in padding (attention_mask 0, labels -100)."""
@@ -71,7 +72,8 @@ def ep_parity(*, model_type: str, out_dir: str, dp: int, tp: int, pp: int, ep: i
     counts = _expert_counts(ref)
     pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, microbatches=microbatches,
                            mesh=mesh_for(dp, tp, pp, cp), recompute=recompute, schedule=schedule,
-                           virtual_stages=virtual_stages, sequence_parallel=sequence_parallel, dp_shard=dp_shard)
+                           virtual_stages=virtual_stages, sequence_parallel=sequence_parallel, dp_shard=dp_shard,
+                           expert_dispatch=expert_dispatch)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, config.vocab_size, (dp * per_rank * microbatches, seq), generator=gen)
     batch = {"input_ids": ids, "labels": ids.clone()}
@@ -179,11 +181,12 @@ def _as_held(pm, name: str, full: torch.Tensor) -> torch.Tensor:
     return full if spec is None else spec.shard(full, pm.placement.shard_rank(spec))
 
 
-def ep_bf16_losses(*, model_type: str, ep: int, precision: str = "bf16") -> dict:
+def ep_bf16_losses(*, model_type: str, ep: int, precision: str = "bf16", expert_dispatch: str = "all_to_all") -> dict:
     """Three AdamW steps in bf16 (or fp16, loss-scaled) with float32 masters at dp=2 and ``ep``: the
     losses, and the dtypes of the experts' gradients and masters."""
     model = build(moe_config(model_type), seed=0)
-    pm = qn_hf.parallelize(model, dp=2, ep=ep, mixed_precision=precision, mesh=mesh_for(2, 1, 1))
+    pm = qn_hf.parallelize(model, dp=2, ep=ep, mixed_precision=precision, mesh=mesh_for(2, 1, 1),
+                           **({"expert_dispatch": expert_dispatch} if ep > 1 else {}))
     opt = qn_hf.optimizer(pm, torch.optim.AdamW, lr=1e-3)
     ids = torch.randint(3, 100, (4, SEQ), generator=torch.Generator().manual_seed(0))
     local = ids[pm.coords["dp"] * 2 : (pm.coords["dp"] + 1) * 2]
@@ -200,7 +203,7 @@ def ep_bf16_losses(*, model_type: str, ep: int, precision: str = "bf16") -> dict
 
 def ep_zero_parity(*, model_type: str, dp: int, tp: int, pp: int, ep: int, precision: str | None = None,
                    steps: int = 2, recompute: str | None = None, schedule: str = "1f1b",
-                   virtual_stages: int = 1) -> dict:
+                   virtual_stages: int = 1, expert_dispatch: str = "all_to_all") -> dict:
     """``steps`` AdamW steps with clipping and ZeRO-1 at (dp, tp, pp, ep) against the same steps in
     one process (float32: torch's AdamW on the plain model; ``precision``: the same mesh without
     ZeRO): every loss and every local weight, and the bytes of the experts' optimizer state against
@@ -217,7 +220,7 @@ def ep_zero_parity(*, model_type: str, dp: int, tp: int, pp: int, ep: int, preci
     for zero in ((True, False) if precision else (True,)):
         pm = qn_hf.parallelize(copy.deepcopy(model), dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches,
                                mesh=mesh, mixed_precision=precision, recompute=recompute, schedule=schedule,
-                               virtual_stages=virtual_stages)
+                               virtual_stages=virtual_stages, expert_dispatch=expert_dispatch)
         opt = qn_hf.optimizer(pm, torch.optim.AdamW, zero=zero, **kwargs)
         losses, norms = [], []
         rows = batches[0].shape[0] // dp
@@ -261,7 +264,8 @@ def _shard(pm, name: str, full: torch.Tensor) -> torch.Tensor:
     return full if spec is None else spec.shard(full, pm.placement.shard_rank(spec))
 
 
-def ep_lora_parity(*, model_type: str, dp: int, tp: int, ep: int, targets: list[str]) -> dict:
+def ep_lora_parity(*, model_type: str, dp: int, tp: int, ep: int, targets: list[str],
+                   expert_dispatch: str = "all_to_all") -> dict:
     """peft LoRA on an MoE model's attention with experts over ep (the base frozen, experts too): one
     step's loss and every adapter gradient against peft in one process."""
     from peft import LoraConfig, get_peft_model
@@ -270,7 +274,7 @@ def ep_lora_parity(*, model_type: str, dp: int, tp: int, ep: int, targets: list[
     config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
     wrapped = get_peft_model(build(moe_config(model_type), seed=0), config)
     ref = copy.deepcopy(wrapped)
-    pm = qn_hf.parallelize(wrapped, dp=dp, tp=tp, ep=ep, mesh=mesh_for(dp, tp, 1))
+    pm = qn_hf.parallelize(wrapped, dp=dp, tp=tp, ep=ep, mesh=mesh_for(dp, tp, 1), expert_dispatch=expert_dispatch)
     ids = torch.randint(3, 100, (dp * ROWS, SEQ), generator=torch.Generator().manual_seed(4))
     local = ids[pm.coords["dp"] * ROWS : (pm.coords["dp"] + 1) * ROWS]
     loss = pm.train_step({"input_ids": local, "labels": local.clone()}).item()
@@ -283,7 +287,7 @@ def ep_lora_parity(*, model_type: str, dp: int, tp: int, ep: int, targets: list[
             "experts_frozen": all(not p.requires_grad for n, p in pm.named_parameters() if ".experts." in n)}
 
 
-def stacked_ep_parity(*, model_type: str, dp: int, tp: int, ep: int) -> dict:
+def stacked_ep_parity(*, model_type: str, dp: int, tp: int, ep: int, expert_dispatch: str = "all_to_all") -> dict:
     """One SGD step of a model whose experts take every token once per expert (Llama 4) at (dp, tp,
     ep) against the plain model: loss, every gradient cut as this rank holds it, and the local experts."""
     from qn_hf.expert_parallel.apply import sharded_experts
@@ -291,7 +295,7 @@ def stacked_ep_parity(*, model_type: str, dp: int, tp: int, ep: int) -> dict:
     config = moe_config(model_type)
     model = build(config, seed=0)
     ref = copy.deepcopy(model)
-    pm = qn_hf.parallelize(model, dp=dp, tp=tp, ep=ep, mesh=mesh_for(dp, tp, 1))
+    pm = qn_hf.parallelize(model, dp=dp, tp=tp, ep=ep, mesh=mesh_for(dp, tp, 1), expert_dispatch=expert_dispatch)
     loss, ref_loss = _step_both(pm, ref, vocab=config.get_text_config().vocab_size, seed=1)
     ref_params = dict(ref.named_parameters())
     grad_err = max((p.grad - _as_held(pm, name, ref_params[name].grad)).abs().max().item()
@@ -299,3 +303,19 @@ def stacked_ep_parity(*, model_type: str, dp: int, tp: int, ep: int) -> dict:
     return {"loss": loss, "ref_loss": ref_loss, "grad_err": grad_err,
             "local_experts": sorted({m.gate_up_proj.shape[0] for m in sharded_experts(pm.module).values()}),
             "experts": next(iter(sharded_experts(ref).values())).num_experts}
+
+
+def ep_unequal_batches() -> dict:
+    """dp=2 x ep=2 with the all-gather dispatch: rank 1's batch one token longer (refused on both ranks),
+    then a step of equal shapes (it trains: the refusal left no collective behind)."""
+    model = build(moe_config("mixtral"), seed=0)
+    pm = qn_hf.parallelize(model, dp=2, ep=2, expert_dispatch="all_gather")
+    ids = torch.randint(3, 64, (2, SEQ + pm.coords["dp"]))
+    try:
+        pm.train_step({"input_ids": ids, "labels": ids})
+        error = "no error"
+    except ValueError as refused:
+        error = str(refused)
+    ids = ids[:, :SEQ]
+    loss = pm.train_step({"input_ids": ids, "labels": ids})
+    return {"error": error, "after": "trained" if torch.isfinite(loss) else "failed"}

@@ -134,7 +134,8 @@ def refusals(*, model_dirs: dict[str, str]) -> dict:
     }
 
 
-def ep_generation(*, dp: int, pp: int, ep: int, tp: int = 1, sequence_parallel: bool = False) -> dict:
+def ep_generation(*, dp: int, pp: int, ep: int, tp: int = 1, sequence_parallel: bool = False,
+                  expert_dispatch: str = "all_to_all") -> dict:
     """Greedy generation of a shrunk Qwen3-MoE at dp x pp with experts over ep, each dp replica with
     its own prompts and its own ``max_new_tokens`` (so the replicas' loops differ in length): the
     sequences and the plain model's."""
@@ -144,7 +145,7 @@ def ep_generation(*, dp: int, pp: int, ep: int, tp: int = 1, sequence_parallel: 
     model = build(moe_config("qwen3_moe"), seed=0)
     ref = copy.deepcopy(model).eval()
     pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, ep=ep, microbatches=pp, mesh=mesh_for(dp, tp, pp),
-                           sequence_parallel=sequence_parallel)
+                           sequence_parallel=sequence_parallel, expert_dispatch=expert_dispatch)
     replica = pm.coords["dp"]
     gen = torch.Generator().manual_seed(40 + replica)
     ids = torch.randint(3, model.config.vocab_size, (2, 5 + replica), generator=gen)

@@ -86,6 +86,9 @@ def test_fixed_options_are_kept_and_microbatches_refused():
     with pytest.raises(ValueError, match="microbatches=2 with mesh='auto'"):
         auto_config(_model(), global_batch=GLOBAL_BATCH, seq_len=SEQ, world_size=2, calibration=cal,
                     fixed={"microbatches": 2})
+    with pytest.raises(ValueError, match="expert_dispatch='all_gather' with mesh='auto': the planner prices ep's"):
+        auto_config(_model(), global_batch=GLOBAL_BATCH, seq_len=SEQ, world_size=2, calibration=cal,
+                    fixed={"expert_dispatch": "all_gather"})
 
 
 def test_the_calibration_file_is_read(tmp_path):

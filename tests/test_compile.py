@@ -56,7 +56,7 @@ def _breaks() -> list[str]:
 def compiled_parity(*, kind: str, model_dir: str, dp: int, tp: int, pp: int = 1, microbatches: int = 1,
                     schedule: str = "1f1b", virtual_stages: int = 1, sequence_parallel: bool = False,
                     recompute: str | None = None, zero: bool = False, steps: int = 2, dp_shard: int = 1,
-                    cp: int = 1, ep: int = 1) -> dict:
+                    cp: int = 1, ep: int = 1, expert_dispatch: str = "all_to_all") -> dict:
     """The compiled parallel model against the plain one: losses of ``steps`` SGD steps, local weights after."""
     from torch._dynamo.utils import counters
 
@@ -67,7 +67,8 @@ def compiled_parity(*, kind: str, model_dir: str, dp: int, tp: int, pp: int = 1,
     pm = _parallelize(load(kind, model_dir), compile=True, dp=dp, tp=tp, pp=pp, microbatches=microbatches,
                       schedule=schedule, virtual_stages=virtual_stages, sequence_parallel=sequence_parallel,
                       recompute=recompute, mesh=mesh_for(dp, tp, pp, cp), cp=cp, ep=ep,
-                      **({"dp_shard": dp_shard} if dp_shard > 1 else {}))
+                      **({"dp_shard": dp_shard} if dp_shard > 1 else {}),
+                      **({"expert_dispatch": expert_dispatch} if ep > 1 else {}))
     opt = qn_hf.optimizer(pm, torch.optim.SGD, lr=0.5, zero=zero)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     losses, ref_losses, graphs = [], [], []
@@ -377,6 +378,7 @@ DISABLED = "Skip calling `torch.compiler.disable()`d function"
 @pytest.mark.parametrize(("kind", "world", "options"), [
     pytest.param("llama", 2, dict(dp=1, tp=1, cp=2), id="cp2"),
     pytest.param("qwen3_moe", 2, dict(dp=2, tp=1, ep=2), id="dp2-ep2"),
+    pytest.param("qwen3_moe", 2, dict(dp=2, tp=1, ep=2, expert_dispatch="all_gather"), id="dp2-ep2-all_gather"),
     pytest.param("qwen3_moe", 1, dict(dp=1, tp=1), id="ep1", marks=pytest.mark.long),
     pytest.param("llama", 2, dict(dp=1, tp=1, pp=2, microbatches=2, schedule="zb_h1"), id="zb_h1"),
     pytest.param("llama", 4, dict(dp=1, tp=2, pp=2, microbatches=2, sequence_parallel=True), id="tp2-pp2-sp",

@@ -182,6 +182,33 @@ def test_expert_parallel_refusals():
     assert _refusal(lora) == "no error"  # the LoRA wrapper stands where transformers' plan names the experts
 
 
+def test_all_gather_dispatch_refusals():
+    gathered = {"expert_dispatch": "all_gather"}
+    message = _refusal(_meta("llama"), ep=1, **gathered)
+    assert "expert_dispatch='all_gather' with ep=1: no experts live on other ranks" in message, message
+    assert "expert_dispatch='all_scatter' is unknown" in _refusal(_meta("mixtral"), expert_dispatch="all_scatter")
+    assert _refusal(_meta("llama4_text"), **gathered) == "no error"  # stacked experts: equal all-to-alls
+    eager = _meta("mixtral")
+    eager.set_experts_implementation("eager")  # reads the device per expert; a model's own need not skip sentinels
+    message = _refusal(eager, **gathered)
+    assert "model.layers.0.mlp.experts runs the 'eager' experts implementation" in message, message
+    old = _meta("mixtral")  # transformers before the expert-parallel sentinel (5.17) has no such switch
+    for module in old.modules():
+        module.__dict__.pop("_is_expert_parallel", None)
+    message = _refusal(old, **gathered)
+    assert "experts (model.layers.0.mlp.experts) do not skip expert-parallel sentinels" in message, message
+    if hasattr(next(m for m in _meta("mixtral").modules() if hasattr(m, "gate_up_proj")), "_is_expert_parallel"):
+        assert _refusal(_meta("mixtral"), **gathered) == "no error"
+
+
+def test_all_gather_dispatch_refuses_batches_of_other_shapes(worlds):
+    """The all-gather dispatch sizes its exchanges from this rank's own tokens: a step whose replicas hold
+    batches of different lengths is refused on every rank, before any collective of the step."""
+    for r in worlds.run(2, ep_cases.ep_unequal_batches):
+        assert "rank(s) 1 were given batches of other shapes" in r["error"], r
+        assert "expert_dispatch='all_to_all'" in r["error"] and r["after"] == "trained", r
+
+
 @pytest.mark.parametrize(("model_type", "dp", "tp", "ep"), [("mixtral", 2, 1, 2), ("qwen3_moe", 1, 2, 2)])
 def test_meta_model_reads_per_expert_hf_layout(worlds, tmp_path, model_type, dp, tp, ep):
     """transformers' save_pretrained writes experts one by one (Mixtral's w1/w3/w2, the Qwen family's
@@ -197,11 +224,14 @@ def test_meta_model_reads_per_expert_hf_layout(worlds, tmp_path, model_type, dp,
         assert r["weight_err"] == 0.0 and abs(r["loss"] - r["ref_loss"]) <= LOSS_RTOL * r["ref_loss"], r
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_expert_parallel_in_bf16_trains_like_replicated_experts(worlds, precision):
+@pytest.mark.parametrize(("precision", "dispatch"), [("bf16", "all_to_all"), ("fp16", "all_to_all"),
+                                                   ("bf16", "all_gather"), ("fp16", "all_gather")],
+                         ids=["bf16", "fp16", "bf16-all_gather", "fp16-all_gather"])
+def test_expert_parallel_in_bf16_trains_like_replicated_experts(worlds, precision, dispatch):
     """bf16 (fp16, loss-scaled) compute with float32 gradients and masters: three AdamW steps at ep=2
     follow the same losses as the same dp=2 run with every expert on every rank (rounding apart)."""
-    sharded = worlds.run(2, ep_cases.ep_bf16_losses, model_type="mixtral", ep=2, precision=precision)[0]
+    sharded = worlds.run(2, ep_cases.ep_bf16_losses, model_type="mixtral", ep=2, precision=precision,
+                         expert_dispatch=dispatch)[0]
     replicated = worlds.run(2, ep_cases.ep_bf16_losses, model_type="mixtral", ep=1, precision=precision)[0]
     assert sharded["grad_dtypes"] == sharded["master_dtypes"] == ["torch.float32"], sharded
     for a, b in zip(sharded["losses"], replicated["losses"]):
@@ -209,18 +239,20 @@ def test_expert_parallel_in_bf16_trains_like_replicated_experts(worlds, precisio
     assert sharded["losses"][-1] < sharded["losses"][0] - 0.05, sharded
 
 
-@pytest.mark.parametrize(("model_type", "dp", "tp", "pp", "ep", "precision"), [
-    ("qwen3_moe", 2, 2, 1, 2, None),  # experts' state split over their 2 holders, the rest over dp=2
-    ("mixtral", 1, 4, 1, 2, None),  # dp=1: only the experts have replicas to shard over
-    pytest.param("deepseek_v3", 2, 1, 1, 2, None, marks=pytest.mark.long),  # one holder per block: whole masters
-    ("qwen3_moe", 2, 2, 1, 2, "bf16"),
+@pytest.mark.parametrize(("model_type", "dp", "tp", "pp", "ep", "precision", "dispatch"), [
+    ("qwen3_moe", 2, 2, 1, 2, None, "all_to_all"),  # experts' state split over their 2 holders, the rest over dp=2
+    ("mixtral", 1, 4, 1, 2, None, "all_to_all"),  # dp=1: only the experts have replicas to shard over
+    # one holder per block: whole masters
+    pytest.param("deepseek_v3", 2, 1, 1, 2, None, "all_to_all", marks=pytest.mark.long),
+    ("qwen3_moe", 2, 2, 1, 2, "bf16", "all_to_all"),
+    ("qwen3_moe", 2, 2, 1, 2, None, "all_gather"),
 ])
-def test_expert_parallel_with_zero_equals_plain_model(worlds, model_type, dp, tp, pp, ep, precision):
+def test_expert_parallel_with_zero_equals_plain_model(worlds, model_type, dp, tp, pp, ep, precision, dispatch):
     """ZeRO-1 with ep: the experts' masters and AdamW state are split over the ranks holding the same
     expert block (dp x tp / ep of them), the rest over dp; two AdamW steps with clipping equal the
     plain model (float32) or the unsharded optimizer at the same mesh (bf16)."""
     results = worlds.run(dp * tp * pp, ep_cases.ep_zero_parity, model_type=model_type, dp=dp, tp=tp, pp=pp, ep=ep,
-                         precision=precision)
+                         precision=precision, expert_dispatch=dispatch)
     for r in results:
         for loss, ref in zip(r["losses"], r["ref_losses"]):
             assert abs(loss - ref) <= LOSS_RTOL * abs(ref), r
@@ -290,22 +322,25 @@ def test_expert_parallel_with_sequence_parallelism_equals_plain_model(worlds, tm
     _check(results, ep=ep)
 
 
-@pytest.mark.parametrize(("model_type", "dp", "tp", "ep"), [("qwen3_moe", 2, 1, 2), ("mixtral", 1, 2, 2)])
-def test_lora_with_expert_parallelism_equals_peft(worlds, model_type, dp, tp, ep):
+@pytest.mark.parametrize(("model_type", "dp", "tp", "ep", "dispatch"), [
+    ("qwen3_moe", 2, 1, 2, "all_to_all"), ("mixtral", 1, 2, 2, "all_to_all"), ("qwen3_moe", 2, 1, 2, "all_gather")])
+def test_lora_with_expert_parallelism_equals_peft(worlds, model_type, dp, tp, ep, dispatch):
     """The composition table's ep x lora row: peft LoRA on the attention of an MoE model whose frozen
     experts ep shards; loss and every adapter gradient equal peft's in one process."""
     for r in worlds.run(dp * tp, ep_cases.ep_lora_parity, model_type=model_type, dp=dp, tp=tp, ep=ep,
-                        targets=["q_proj", "v_proj", "o_proj"]):
+                        targets=["q_proj", "v_proj", "o_proj"], expert_dispatch=dispatch):
         assert abs(r["loss"] - r["ref_loss"]) <= LOSS_RTOL * abs(r["ref_loss"]), r
         assert r["grad_err"] < 2e-6 and r["trained"] > 0 and r["experts_frozen"], r
 
 
-@pytest.mark.parametrize(("dp", "tp"), [(2, 1), (1, 2)])
-def test_stacked_experts_under_expert_parallelism_equal_plain_model(worlds, dp, tp):
+@pytest.mark.parametrize(("dp", "tp", "dispatch"), [(2, 1, "all_to_all"), (1, 2, "all_to_all"), (1, 2, "all_gather")])
+def test_stacked_experts_under_expert_parallelism_equal_plain_model(worlds, dp, tp, dispatch):
     """Llama 4's experts take every token once per expert and are outside transformers' experts
     registry: hooks move each expert's rows to its holder and back (with tp, each tp rank moves its
-    share of the tokens); loss and every gradient equal the plain model's."""
-    for r in worlds.run(dp * tp, ep_cases.stacked_ep_parity, model_type="llama4_text", dp=dp, tp=tp, ep=2):
+    share of the tokens); loss and every gradient equal the plain model's. With the all-gather dispatch
+    every member's share is known from the shapes: equal all-to-alls, no count exchanged."""
+    for r in worlds.run(dp * tp, ep_cases.stacked_ep_parity, model_type="llama4_text", dp=dp, tp=tp, ep=2,
+                        expert_dispatch=dispatch):
         assert abs(r["loss"] - r["ref_loss"]) <= LOSS_RTOL * abs(r["ref_loss"]), r
         assert r["grad_err"] < 2e-6, r
         assert r["local_experts"] == [r["experts"] // 2], r
@@ -326,3 +361,32 @@ def test_gemma4_with_its_moe_block(worlds, mesh):
     config = shrink_config(AutoConfig.for_model("gemma4_text", enable_moe_block=True, num_experts=4, top_k_experts=2))
     verdict = worlds.run(COLUMNS[mesh].size, zoo_cases.zoo_step, config=config.to_dict(), mesh=COLUMNS[mesh])[0]
     assert verdict["verdict"] == "equal" and verdict["moved"] > 1e-3, verdict
+
+
+# expert_dispatch="all_gather" (no device read per MoE call): model, dp, tp, pp, cp, ep, microbatches, extras
+GATHER_CASES = [
+    pytest.param("mixtral", 2, 1, 1, 1, 2, 1, {}, id="mixtral-dp2-ep2"),
+    # the ep group is the tp group; 13 tokens: tp shares of 7 and 6, the second padded with a token routed nowhere
+    pytest.param("qwen3_moe", 1, 2, 1, 1, 2, 1, {"per_rank": 1, "seq": 13}, id="qwen3_moe-tp2-ep2-odd"),
+    pytest.param("qwen3_moe", 1, 2, 1, 1, 2, 1, {"sequence_parallel": True}, id="qwen3_moe-tp2-ep2-sp"),
+    pytest.param("deepseek_v3", 2, 2, 1, 1, 4, 1, {"recompute": "selective"}, id="deepseek_v3-dp2-tp2-ep4-selective"),
+    pytest.param("mixtral", 2, 1, 2, 1, 2, 2, {}, id="mixtral-dp2-pp2-ep2"),
+    pytest.param("qwen3_moe", 2, 1, 1, 2, 2, 1, {}, id="qwen3_moe-dp2-cp2-ep2"),
+    pytest.param("qwen3_moe", 2, 1, 1, 1, 2, 1, {"recompute": "full", "dp_shard": 2}, id="qwen3_moe-dp2-shard2-ep2-full"),
+    pytest.param("qwen3_moe", 2, 1, 2, 1, 2, 2, {"schedule": "gpipe"}, id="qwen3_moe-dp2-pp2-ep2-gpipe"),
+    pytest.param("qwen3_moe", 2, 1, 2, 1, 2, 2, {"schedule": "interleaved_1f1b", "virtual_stages": 2},
+                 id="qwen3_moe-dp2-pp2-ep2-interleaved_1f1b"),
+    pytest.param("qwen3_moe", 2, 1, 2, 1, 2, 2, {"schedule": "zb_h1"}, id="qwen3_moe-dp2-pp2-ep2-zb_h1"),
+]
+
+
+@pytest.mark.parametrize(("model_type", "dp", "tp", "pp", "cp", "ep", "microbatches", "extras"), GATHER_CASES)
+def test_all_gather_dispatch_equals_plain_model(worlds, tmp_path, model_type, dp, tp, pp, cp, ep, microbatches,
+                                                extras):
+    """expert_dispatch="all_gather": every member gathers the ep group's tokens, runs its experts on the
+    pairs routed to them (the rest are transformers' sentinels) and the partial outputs are summed back;
+    loss, every gradient, the norm and every weight after a step equal the plain model's."""
+    results = worlds.run(dp * tp * pp * cp, ep_cases.ep_parity, model_type=model_type, out_dir=str(tmp_path / "hf"),
+                         dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, microbatches=microbatches, expert_dispatch="all_gather",
+                         **extras)
+    _check(results, ep=ep)

@@ -68,15 +68,18 @@ def test_generate_refusals(worlds, model_dirs):
         assert "sequence_parallel=False" in r["tp_max_time"] or "max_time" in r["tp_max_time"], r["tp_max_time"]
 
 
-@pytest.mark.parametrize(("dp", "pp", "tp", "sp"), [(2, 1, 1, False), (2, 2, 1, False), (1, 1, 2, True)],
-                         ids=["dp2-pp1", "dp2-pp2", "tp2-sp"])
-def test_generate_with_expert_parallelism_equals_plain_model(worlds, dp, pp, tp, sp):
+@pytest.mark.parametrize(("dp", "pp", "tp", "sp", "dispatch"),
+                         [(2, 1, 1, False, "all_to_all"), (2, 2, 1, False, "all_to_all"), (1, 1, 2, True, "all_to_all"),
+                          (2, 1, 1, False, "all_gather")],
+                         ids=["dp2-pp1", "dp2-pp2", "tp2-sp", "dp2-pp1-all_gather"])
+def test_generate_with_expert_parallelism_equals_plain_model(worlds, dp, pp, tp, sp, dispatch):
     """ep=2 over two dp replicas generating different prompts for different lengths (3 and 6 new
     tokens): HF's synced_gpus keeps the replica that finished calling the forward, so the experts'
     all-to-alls pair up; each replica's tokens are the plain model's. With sequence parallelism
-    (switched off for generate) the dispatch shares each step's tokens out over tp again."""
+    (switched off for generate) the dispatch shares each step's tokens out over tp again. A model built
+    with the all-gather dispatch generates with the all-to-all (its replicas' prompts differ in length)."""
     results = worlds.run(dp * pp * tp, generation_cases.ep_generation, dp=dp, pp=pp, ep=2, tp=tp,
-                         sequence_parallel=sp)
+                         sequence_parallel=sp, expert_dispatch=dispatch)
     for r in results:
         assert r["ours"] == r["theirs"], r
         assert "synced_gpus=False" in r["refused"] and "leave synced_gpus unset" in r["refused"], r["refused"]

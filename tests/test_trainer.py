@@ -117,7 +117,8 @@ def test_trainer_in_mixed_precision_follows_the_plain_run(worlds, model_dirs, re
 
 
 @pytest.mark.long
-def test_trainer_with_expert_parallelism_equals_one_process(worlds, tmp_path):
+@pytest.mark.parametrize("dispatch", ["all_to_all", "all_gather"])
+def test_trainer_with_expert_parallelism_equals_one_process(worlds, tmp_path, dispatch):
     """A shrunk Qwen3-MoE at dp=2 with its experts over ep=2: 12 steps' losses, gradient norms and the
     final evaluation equal transformers' Trainer in one process."""
     from qn_hf.check.run import build
@@ -128,7 +129,8 @@ def test_trainer_with_expert_parallelism_equals_one_process(worlds, tmp_path):
     ref = trainer_cases.reference(model_dir=model_dir, out_dir=str(tmp_path / "reference"), batch=4, accumulation=1,
                                   max_grad_norm=1.0)
     results = worlds.run(2, trainer_cases.parallel_train, model_dir=model_dir, out_dir=str(tmp_path / "ep"), dp=2,
-                         tp=1, pp=1, microbatches=1, batch=2, accumulation=1, max_grad_norm=1.0, extra=dict(ep=2))
+                         tp=1, pp=1, microbatches=1, batch=2, accumulation=1, max_grad_norm=1.0,
+                         extra=dict(ep=2, expert_dispatch=dispatch))
     check_run(results, ref)
 
 

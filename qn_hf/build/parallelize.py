@@ -64,6 +64,7 @@ def parallelize(
     compile: bool = False,
     dp_shard: int = 1,
     dp_shard_gather: str = "step",
+    expert_dispatch: str = "all_to_all",
     global_batch: int | None = None,
     seq_len: int | None = None,
     calibration: Calibration | str | None = None,
@@ -92,7 +93,9 @@ def parallelize(
     (inductor), the collectives inside traced as functional collectives (step/compile.py); ``dp_shard``
     shards weights, gradients and optimizer state over groups of that many dp ranks with torch's
     ``fully_shard`` (data_parallel/sharded.py), under a pipeline gathered once a step or per microbatch
-    (``dp_shard_gather``: "step" or "microbatch").
+    (``dp_shard_gather``: "step" or "microbatch"). ``expert_dispatch`` ("all_to_all" or "all_gather") is how
+    ep moves tokens: the least traffic with one device wait per MoE call, or none at ep times the traffic
+    (``config.options.Dispatch``).
 
     ``mesh="auto"`` lets the planner choose the configuration (``qn_hf.auto_config``): the fastest it
     predicts that fits, training exactly ``global_batch`` sequences of ``seq_len`` tokens per step
@@ -106,7 +109,8 @@ def parallelize(
     keywords = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "microbatches": microbatches, "schedule": schedule,
                 "virtual_stages": virtual_stages, "layers_per_stage": layers_per_stage, "bucket_mb": bucket_mb,
                 "mixed_precision": mixed_precision, "recompute": recompute, "sequence_parallel": sequence_parallel,
-                "compile": compile, "dp_shard": dp_shard, "dp_shard_gather": dp_shard_gather}
+                "compile": compile, "dp_shard": dp_shard, "dp_shard_gather": dp_shard_gather,
+                "expert_dispatch": expert_dispatch}
     try:
         if getattr(model, _MARK, False):
             raise ValueError("this model is already parallelized; load a fresh copy to parallelize it again")
@@ -193,7 +197,7 @@ def _parallelize(model: nn.Module, config: ParallelConfig, *, adapter: Adapter |
                           executor=StageExecutor(stage=coords.pp, peers=groups.peers, device=device,
                                                  chunks=stage_plan.chunks, weights=build.weights),
                           vocab=build.vocab, cp_layout=build.cp_layout,
-                          host_masks=build.host_masks)
+                          host_masks=build.host_masks, gather_switch=build.gather_switch)
     scaler = LossScaler() if config.mixed_precision and config.mixed_precision.scaled else None
     grads = GradSync(module=model, placement=build.placement, grad_sum=build.plan.grad_sum, scaler=scaler,
                      buckets=grad_buckets(model, build.placement, config.bucket_mb, experts=False),

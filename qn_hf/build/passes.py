@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..config.options import Dispatch
 from ..config.parallel_config import ParallelConfig
 from ..context_parallel.apply import AttentionSwitch, apply_context_parallel
 from ..context_parallel.host_masks import HostMasks, apply_host_masks, host_masks_serve
@@ -19,7 +20,7 @@ from ..data_parallel.batch_statistics import batch_statistics_layers, sync_batch
 from ..data_parallel.precision import apply_mixed_precision
 from ..data_parallel.sharded import ShardedParameters
 from ..expert_parallel.apply import apply_expert_parallel, sharded_experts
-from ..expert_parallel.dispatch import ExpertRoute
+from ..expert_parallel.dispatch import ExpertRoute, GatherSwitch
 from ..failure import raise_together
 from ..memory.recompute import apply_recompute
 from ..mesh import Coords, Groups
@@ -65,6 +66,7 @@ class Build:
     sp_switch: SequenceParallelSwitch | None = None
     attention_switch: AttentionSwitch | None = None
     host_masks: HostMasks | None = None  # masks decided on the host at cp=1 (context_parallel/host_masks.py)
+    gather_switch: GatherSwitch | None = None  # expert_dispatch="all_gather": on while a step runs (dispatch.py)
     sharded: ShardedParameters | None = None
 
 
@@ -133,7 +135,10 @@ def _expert_parallel(b: Build) -> None:
     experts = next(iter(sharded_experts(b.model).values())).num_experts
     # under sp the MoE blocks take this rank's slice, except while generate turns off the (later-made) switch
     split = (lambda: b.sp_switch.on) if b.plan.sequence_parallel else None
-    route = ExpertRoute(experts=experts, ep=b.config.dims.ep, group=b.groups.ep, tp=b.groups.tp, tokens_split=split)
+    if b.config.expert_dispatch is Dispatch.ALL_GATHER:
+        b.gather_switch = GatherSwitch()
+    route = ExpertRoute(experts=experts, ep=b.config.dims.ep, group=b.groups.ep, tp=b.groups.tp, tokens_split=split,
+                        gathering=b.gather_switch.gathering if b.gather_switch else None)
     b.expert_specs = apply_expert_parallel(b.model, route=route, ep_rank=b.groups.coords.ep)
 
 
@@ -244,7 +249,8 @@ PASSES: tuple[Pass, ...] = (
          "as context parallel, which it stands in for at cp=1: before the cut, on the whole model's plan"),
     Pass("cast", _cast_here, _cast, ("model", "precision"), (),
          "before the stage cut: stand-ins take their dtype from the modules they replace"),
-    Pass("expert parallel", lambda b: b.config.dims.ep > 1, _expert_parallel, ("model", "groups"), ("expert_specs",),
+    Pass("expert parallel", lambda b: b.config.dims.ep > 1, _expert_parallel, ("model", "groups"),
+         ("expert_specs", "gather_switch"),
          "before the stage cut, as cp: the stages' config copies take the experts choice"),
     Pass("stage cut", _always, _stage_cut, ("model", "stage_plan", "plan", "groups"), ("final", "stage", "plan"),
          "before tp: only this stage's modules are sharded; the final norm is found on the whole model"),

@@ -32,6 +32,7 @@ class Feature(Choice):
     PP_INTERLEAVED = "pp interleaved_1f1b"
     PP_ZB_H1 = "pp zb_h1"
     EP = "ep"
+    EP_ALL_GATHER = "ep all_gather"  # expert_dispatch="all_gather" (config.options.Dispatch)
     DP = "dp"
     DP_SHARD = "dp_shard"
     ZERO = "zero"
@@ -101,6 +102,7 @@ _FSDP_PP = "tests/test_sharded_data_parallel.py::test_sharded_data_parallel_with
 _FSDP_MP = "tests/test_sharded_data_parallel.py::test_sharded_data_parallel_in_mixed_precision_trains_like_one_process"
 _FSDP_LORA = "tests/test_sharded_data_parallel.py::test_sharded_data_parallel_with_lora_equals_peft"
 _FSDP_GEN = _FSDP_LORA  # generate after the LoRA step gives peft's tokens
+_AG = "tests/test_expert_parallel.py::test_all_gather_dispatch_equals_plain_model"
 
 # Refused pairs first, in the order their messages win when a configuration hits several.
 ROWS: tuple[Row, ...] = (
@@ -112,7 +114,7 @@ ROWS: tuple[Row, ...] = (
     Row(F.DP_SHARD, F.ZERO, S.REFUSED, message=(
         "zero=True with dp_shard={dp_shard}: dp_shard already shards the optimizer state, the master weights, the "
         "gradients and the weights over its dp_shard ranks; leave zero=False (dp_shard=dp shards over every dp rank)")),
-    Row(F.ZERO, F.EP, S.PLAIN, f"{_EP_ZERO}[qwen3_moe-2-2-1-2-None]"),
+    Row(F.ZERO, F.EP, S.PLAIN, f"{_EP_ZERO}[qwen3_moe-2-2-1-2-None-all_to_all]"),
     # ring attention switched off: every cp rank holds the whole model and runs the loop on whole sequences
     Row(F.GENERATE, F.CP, S.PLAIN, "tests/test_generation.py::test_generate_equals_plain_model[dp1-tp1-pp2-cp2]"),
     # HF's synced_gpus: every rank calls the forward until all replicas' loops have finished
@@ -228,6 +230,31 @@ ROWS: tuple[Row, ...] = (
     Row(F.EP, F.LORA, S.PLAIN,
         "tests/test_peft.py::test_lora_on_fused_experts_equals_peft[qwen3_moe-2-1-1-2-1-1-False-False-1f1b]"),
     Row(F.EP, F.TRAINER, S.PLAIN, "tests/test_trainer.py::test_trainer_with_expert_parallelism_equals_one_process"),
+    # ep's all-gather dispatch (expert_dispatch="all_gather"): a way of running ep, tested with each feature
+    Row(F.EP_ALL_GATHER, F.EP, S.PLAIN, f"{_AG}[mixtral-dp2-ep2]"),
+    Row(F.EP_ALL_GATHER, F.DP, S.PLAIN, f"{_AG}[mixtral-dp2-ep2]"),
+    # tokens shared out over tp: a share one token short padded with a token routed nowhere
+    Row(F.EP_ALL_GATHER, F.TP, S.PLAIN, f"{_AG}[qwen3_moe-tp2-ep2-odd]"),
+    Row(F.EP_ALL_GATHER, F.SP, S.PLAIN, f"{_AG}[qwen3_moe-tp2-ep2-sp]"),
+    Row(F.EP_ALL_GATHER, F.CP, S.PLAIN, f"{_AG}[qwen3_moe-dp2-cp2-ep2]"),
+    Row(F.EP_ALL_GATHER, F.PP_1F1B, S.PLAIN, f"{_AG}[mixtral-dp2-pp2-ep2]"),
+    Row(F.EP_ALL_GATHER, F.PP_GPIPE, S.PLAIN, f"{_AG}[qwen3_moe-dp2-pp2-ep2-gpipe]"),
+    Row(F.EP_ALL_GATHER, F.PP_INTERLEAVED, S.PLAIN, f"{_AG}[qwen3_moe-dp2-pp2-ep2-interleaved_1f1b]"),
+    Row(F.EP_ALL_GATHER, F.PP_ZB_H1, S.PLAIN, f"{_AG}[qwen3_moe-dp2-pp2-ep2-zb_h1]"),
+    Row(F.EP_ALL_GATHER, F.DP_SHARD, S.PLAIN, f"{_AG}[qwen3_moe-dp2-shard2-ep2-full]"),
+    Row(F.EP_ALL_GATHER, F.ZERO, S.PLAIN, f"{_EP_ZERO}[qwen3_moe-2-2-1-2-None-all_gather]"),
+    Row(F.EP_ALL_GATHER, F.BF16, S.EQUIVALENT,
+        "tests/test_expert_parallel.py::test_expert_parallel_in_bf16_trains_like_replicated_experts[bf16-all_gather]"),
+    Row(F.EP_ALL_GATHER, F.FP16, S.EQUIVALENT,
+        "tests/test_expert_parallel.py::test_expert_parallel_in_bf16_trains_like_replicated_experts[fp16-all_gather]"),
+    Row(F.EP_ALL_GATHER, F.RECOMPUTE, S.PLAIN, f"{_AG}[deepseek_v3-dp2-tp2-ep4-selective]"),
+    Row(F.EP_ALL_GATHER, F.LORA, S.PLAIN,
+        "tests/test_expert_parallel.py::test_lora_with_expert_parallelism_equals_peft[qwen3_moe-2-1-2-all_gather]"),
+    # generate runs the all-to-all: its replicas' prompts need not be alike (dispatch.GatherSwitch)
+    Row(F.EP_ALL_GATHER, F.GENERATE, S.PLAIN, f"{_EP_GEN}[dp2-pp1-all_gather]"),
+    Row(F.EP_ALL_GATHER, F.TRAINER, S.PLAIN,
+        "tests/test_trainer.py::test_trainer_with_expert_parallelism_equals_one_process[all_gather]"),
+    Row(F.EP_ALL_GATHER, F.COMPILE, S.PLAIN, f"{_COMPILED_NEW}[dp2-ep2-all_gather]"),
     # dp_shard
     Row(F.DP_SHARD, F.DP, S.PLAIN, f"{_FSDP}[llama-dp4-shard2-tp1]"),
     Row(F.DP_SHARD, F.TP, S.PLAIN, f"{_FSDP}[gpt2-dp2-shard2-tp2]"),

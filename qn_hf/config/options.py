@@ -86,3 +86,21 @@ class ProblemType(Choice):
     # not a value of transformers' config: DeBERTa's rows of class probabilities without a problem_type,
     # cross-entropy against them averaged over the rows (task.py's OWN_PROBLEM_TYPES)
     SOFT_LABEL = "soft_label_classification"
+
+
+class Dispatch(Choice):
+    """``expert_dispatch``: how an MoE call under ep moves tokens to the ranks holding their experts
+    (``expert_parallel/dispatch.py``).
+
+    ``ALL_TO_ALL`` (the default) sends each (token, choice) pair to its expert's holder once: the
+    least traffic and memory, but an all-to-all of uneven sizes, which the host must know, so each MoE
+    call waits for the device once to read the routing's counts. ``ALL_GATHER`` needs no count: every
+    member of the ep group gathers every member's tokens and routing (equal sizes, known from the
+    shapes), runs its own experts on the pairs routed to them (transformers' experts skip the rest as
+    sentinels) and the partial outputs are summed back to their tokens' rank; no device wait, at ep
+    times the tokens moved (about ep/top_k times ALL_TO_ALL's traffic) and held by the experts' call.
+    It needs every rank's batch of a step to have the same shapes (checked each step with the batch's
+    agreement) and transformers' ``grouped_mm`` or ``batched_mm`` experts."""
+
+    ALL_TO_ALL = "all_to_all"
+    ALL_GATHER = "all_gather"

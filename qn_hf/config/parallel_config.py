@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 from ..arguments import check_choice, check_positive
 from .composition import Feature
 from .dims import ParallelDims
-from .options import DEFAULT_BUCKET_MB, Gather, Precision, Recompute
+from .options import DEFAULT_BUCKET_MB, Dispatch, Gather, Precision, Recompute
 from .schedule import Schedule, as_schedule, check_schedule_args
 from .sequence import sequence_split
 
@@ -42,6 +42,7 @@ class ParallelConfig:
     sequence_parallel: bool
     compile: bool
     dp_shard_gather: Gather  # dp_shard x pp: gather a stage's weights once a step, or per microbatch
+    expert_dispatch: Dispatch  # ep: how tokens travel to their experts (options.Dispatch)
 
     def __init__(self, *, dims: ParallelDims | None = None, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1,
                  ep: int = 1, dp_shard: int = 1, microbatches: int = 1,
@@ -49,7 +50,8 @@ class ParallelConfig:
                  layers_per_stage: Sequence[int] | None = None, bucket_mb: float = DEFAULT_BUCKET_MB,
                  mixed_precision: str | Precision | None = None, recompute: str | Recompute | None = None,
                  sequence_parallel: bool = False, compile: bool = False,
-                 dp_shard_gather: str | Gather = Gather.STEP) -> None:
+                 dp_shard_gather: str | Gather = Gather.STEP,
+                 expert_dispatch: str | Dispatch = Dispatch.ALL_TO_ALL) -> None:
         degrees = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "dp_shard": dp_shard}
         if dims is None:
             dims = ParallelDims(**degrees)
@@ -66,7 +68,11 @@ class ParallelConfig:
         if recompute is not None:
             check_choice("recompute", recompute, Recompute.values())
         check_choice("dp_shard_gather", dp_shard_gather, Gather.values())
-        kind, gather = as_schedule(schedule), Gather(dp_shard_gather)
+        check_choice("expert_dispatch", expert_dispatch, Dispatch.values())
+        kind, gather, dispatch = as_schedule(schedule), Gather(dp_shard_gather), Dispatch(expert_dispatch)
+        if dispatch is Dispatch.ALL_GATHER and dims.ep == 1:
+            raise ValueError("expert_dispatch='all_gather' with ep=1: no experts live on other ranks; set ep > 1 "
+                             "or leave expert_dispatch at 'all_to_all'")
         if gather is Gather.MICROBATCH and kind.split_backward:
             raise ValueError(f"dp_shard_gather='microbatch' with schedule={kind.value!r}: its weight "
                              f"passes compute weight gradients after later microbatches' forwards, which would have "
@@ -76,7 +82,8 @@ class ParallelConfig:
                   "bucket_mb": bucket_mb,
                   "mixed_precision": None if mixed_precision is None else Precision(mixed_precision),
                   "recompute": None if recompute is None else Recompute(recompute),
-                  "sequence_parallel": sequence_parallel, "compile": compile, "dp_shard_gather": gather}
+                  "sequence_parallel": sequence_parallel, "compile": compile, "dp_shard_gather": gather,
+                  "expert_dispatch": dispatch}
         for name, value in values.items():
             object.__setattr__(self, name, value)  # frozen: set once, here
 
@@ -109,6 +116,7 @@ class ParallelConfig:
         """The features of the composition table this configuration uses (``composition.py``)."""
         d = self.dims
         used = {Feature.DP: d.dp > 1, Feature.DP_SHARD: d.dp_shard > 1, Feature.TP: d.tp > 1, Feature.CP: d.cp > 1, Feature.EP: d.ep > 1,
+                Feature.EP_ALL_GATHER: d.ep > 1 and self.expert_dispatch is Dispatch.ALL_GATHER,
                 Feature.SP: self.sequence_parallel, Feature.COMPILE: self.compile,
                 Feature.RECOMPUTE: self.recompute is not None,
                 Feature.BF16: self.mixed_precision is Precision.BF16,

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..config.dims import Axis, ParallelDims
+from ..config.options import Dispatch
 from ..peft.lora import ParamLora, param_loras
 from ..policies.module_kinds import is_fused_experts
 from ..policies.patterns import base_model_and_prefix, join, match_modules
@@ -92,8 +93,9 @@ def _unfused_experts(model: nn.Module) -> list[str]:
     return found
 
 
-def check_expert_parallel(model: nn.Module, *, dims: ParallelDims, plan: TpPlan) -> None:
-    """Raise ``ValueError`` (every rank, no communication) for what ep cannot shard."""
+def check_expert_parallel(model: nn.Module, *, dims: ParallelDims, plan: TpPlan,
+                          dispatch: Dispatch = Dispatch.ALL_TO_ALL) -> None:
+    """Raise ``ValueError`` (every rank, no communication) for what ep cannot shard, or dispatch so."""
     if dims.ep == 1:
         return
     model_type = model.config.model_type
@@ -121,6 +123,32 @@ def check_expert_parallel(model: nn.Module, *, dims: ParallelDims, plan: TpPlan)
     if identity:
         raise ValueError(f"ep={dims.ep}: {model_type} routes tokens to identity experts ({identity[0]}) outside "
                          f"the experts' weights; use ep=1")
+    if dispatch is Dispatch.ALL_GATHER:
+        _check_gathered_dispatch(model)
+
+
+# transformers' experts implementations that leave expert-parallel sentinels (ids past the local experts) out
+# of their output without reading the device (integrations/moe.py); "eager" loops over the experts it finds
+# with a device read per expert, and a model's own eager forward need not know the sentinel (gpt_oss's)
+_SENTINEL_IMPLEMENTATIONS = ("grouped_mm", "batched_mm")
+
+
+def _check_gathered_dispatch(model: nn.Module) -> None:
+    """``expert_dispatch="all_gather"`` hands the experts the choices of other ranks' experts as
+    transformers' sentinel: its implementation must leave them out (dispatch.py)."""
+    import transformers
+
+    for name, module in experts_modules(model).items():
+        if not hasattr(module, "_is_expert_parallel"):
+            raise ValueError(f"expert_dispatch='all_gather': transformers {transformers.__version__}'s experts ({name}) "
+                             f"do not skip expert-parallel sentinels; upgrade transformers (5.24 does) or use "
+                             f"expert_dispatch='all_to_all'")
+        implementation = module.config._experts_implementation
+        if implementation not in _SENTINEL_IMPLEMENTATIONS:
+            raise ValueError(f"expert_dispatch='all_gather': {name} runs the {implementation!r} experts "
+                             f"implementation, which reads the device per expert and need not skip sentinels; "
+                             f"call model.set_experts_implementation('grouped_mm') before parallelize, or use "
+                             f"expert_dispatch='all_to_all'")
 
 
 # How transformers' ``base_model_ep_plan`` marks the experts: the module by a style ending so
@@ -176,6 +204,8 @@ def apply_expert_parallel(model: nn.Module, *, route: ExpertRoute, ep_rank: int)
             if lora is not None:
                 specs.update(_shard_expert_lora(model, lora, route=route, ep_rank=ep_rank))
         module.num_experts = route.local
+        if route.gathering is not None and not is_stacked_experts(module):
+            module._is_expert_parallel = True  # transformers' own switch: sentinel ids left out (dispatch.py)
         if is_stacked_experts(module):
             stacked_expert_hooks(module, route=route)
     _replace_experts(model, "qn_hf_ep", lambda local: expert_parallel_forward(route, local))

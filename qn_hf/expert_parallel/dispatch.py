@@ -21,17 +21,37 @@ shared experts and residual stay in the untouched block forward around it. Per c
 Every member of the ep group makes the same calls in the same order (one per MoE layer and
 microbatch, the same layers on every rank of a stage), and a rank that receives no rows still
 runs its experts on none, so the collectives of backward pair up too.
+
+With ``expert_dispatch="all_gather"`` (``config.options.Dispatch``), inside a training or evaluation
+step (``route.gathering``: the step's agreement has made every rank's batch the same shape, so every
+member's token count is this rank's), steps 2-4 are instead:
+
+2. every member's tokens, choices and routing weights are gathered (equal blocks: a tp share shorter
+   than the first is padded with tokens routed nowhere);
+3. this rank's experts run on every gathered token with the model's own implementation, the choices
+   of experts held elsewhere given transformers' expert-parallel sentinel (one past the local experts,
+   weight 0), which its ``grouped_mm`` and ``batched_mm`` leave out of the output;
+4. the partial outputs (each token's weighted sum over this rank's experts) are summed over the
+   members back to the rank the token came from.
+
+No size is read on the host; each rank sends and receives ep times its tokens, and the experts'
+call holds ep times the pairs. Outside a step (``generate``, a plain forward call) the ranks' batches
+need not be alike, and the all-to-all runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
-from .token_exchange import all_to_all_rows, exchange_counts, gather_rows, split_rows
+from ..comm import group_rank, group_size
+from .token_exchange import (all_to_all_rows, exchange_counts, gather_blocks, gather_rows, row_split, split_rows,
+                             sum_blocks)
 
 
 @dataclass(frozen=True)
@@ -46,10 +66,40 @@ class ExpertRoute:
     # whether the tp ranks already hold different tokens (sequence parallelism on: the block runs on
     # this rank's slice of the sequence); None or False: they hold the same tokens and share them out
     tokens_split: Callable[[], bool] | None = None
+    # whether this call gathers every member's tokens (expert_dispatch="all_gather", inside a step whose
+    # batches agree in shape: ``GatherSwitch``); None: the all-to-all always
+    gathering: Callable[[], bool] | None = None
 
     @property
     def local(self) -> int:
         return self.experts // self.ep
+
+
+# why the all-gather dispatch needs every rank's batch alike, and the fixes (the step's agreement names it)
+SAME_SHAPES = ("expert_dispatch='all_gather' sizes every MoE call's exchange from this rank's own tokens, so every "
+               "data-parallel replica's batch must have the same shapes each step; pad every batch to one length "
+               "(e.g. the tokenizer's padding='max_length') or use expert_dispatch='all_to_all'")
+
+
+class GatherSwitch:
+    """``expert_dispatch="all_gather"``'s window: on while a step runs its schedule (forward, backward
+    and recomputation alike: ``step/runner.run_schedule``), after the step's agreement has made every
+    rank's batch the same shape; off elsewhere (``generate``, a plain forward call), where the
+    all-to-all runs."""
+
+    def __init__(self) -> None:
+        self.on = False
+
+    def gathering(self) -> bool:
+        return self.on
+
+    @contextlib.contextmanager
+    def within_step(self) -> Iterator[None]:
+        before, self.on = self.on, True
+        try:
+            yield
+        finally:
+            self.on = before
 
 
 def expert_parallel_forward(route: ExpertRoute, local_forward: Callable) -> Callable:
@@ -57,13 +107,18 @@ def expert_parallel_forward(route: ExpertRoute, local_forward: Callable) -> Call
     model's own experts implementation (eager or grouped_mm; it sees the module's local experts only)."""
 
     def forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        if route.tokens_split is not None and route.tokens_split():  # a slice of the sequence: distinct already
-            return _exchange(module, route, local_forward, hidden_states, top_k_index, top_k_weights)
+        gather = route.gathering is not None and route.gathering()
+
+        def exchange(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, most: int) -> torch.Tensor:
+            if gather:
+                return _gather_exchange(module, route, local_forward, hidden, index, weights, most=most)
+            return _exchange(module, route, local_forward, hidden, index, weights)
+
         rows = hidden_states.shape[0]
-        hidden = split_rows(hidden_states, group=route.tp)
-        index = split_rows(top_k_index, group=route.tp)
-        weights = split_rows(top_k_weights, group=route.tp)
-        out = _exchange(module, route, local_forward, hidden, index, weights)
+        if route.tokens_split is not None and route.tokens_split():  # a slice of the sequence: distinct already
+            return exchange(hidden_states, top_k_index, top_k_weights, rows)
+        shares = (split_rows(x, group=route.tp) for x in (hidden_states, top_k_index, top_k_weights))
+        out = exchange(*shares, max(row_split(rows, group_size(route.tp))))  # the first tp rank's share: the largest
         return gather_rows(out, rows=rows, group=route.tp)
 
     return forward
@@ -90,6 +145,26 @@ def _exchange(module, route: ExpertRoute, local_forward: Callable, hidden: torch
     in_pair_order = back.index_select(0, torch.argsort(order))
     weighted = in_pair_order.view(tokens, k, hidden.shape[-1]) * weights[..., None]  # -1 fails on 0 tokens
     return weighted.sum(1).to(hidden.dtype)
+
+
+def _gather_exchange(module, route: ExpertRoute, local_forward: Callable, hidden: torch.Tensor, index: torch.Tensor,
+                     weights: torch.Tensor, *, most: int) -> torch.Tensor:
+    """Steps 2-4 of the all-gather dispatch (module docstring); ``most``: the rows of every member's call
+    (each pads to it), known from shapes alone since the step's batches agree."""
+    tokens = hidden.shape[0]
+    if tokens < most:  # a tp share one row short: rows routed to no expert (the sentinel), weight 0
+        hidden = F.pad(hidden, (0, 0, 0, most - tokens))
+        index = F.pad(index, (0, 0, 0, most - tokens), value=route.experts)
+        weights = F.pad(weights, (0, 0, 0, most - tokens))
+    every = gather_blocks(hidden, group=route.group)
+    choices = gather_blocks(index, group=route.group) - group_rank(route.group) * route.local
+    elsewhere = (choices < 0) | (choices >= route.local)
+    # transformers' expert-parallel sentinel, one past the local experts: sorted last, left out of the
+    # output by its grouped_mm and batched_mm (the module's _is_expert_parallel), weighted 0 for the router
+    local_ids = choices.masked_fill(elsewhere, route.local)
+    local_weights = gather_blocks(weights, group=route.group).masked_fill(elsewhere, 0.0)
+    partial = local_forward(module, every, local_ids, local_weights)
+    return sum_blocks(partial, group=route.group)[:tokens]
 
 
 def _expert_counts(sorted_ids: torch.Tensor, experts: int) -> torch.Tensor:

@@ -27,11 +27,13 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from ..comm import group_size
 from ..compat import decorated_experts
 from .dispatch import ExpertRoute
-from .token_exchange import all_to_all_rows, exchange_counts, gather_rows, split_rows
+from .token_exchange import all_to_all_rows, exchange_counts, gather_rows, row_split, split_rows
 
 
 def is_stacked_experts(module: nn.Module) -> bool:
@@ -50,7 +52,8 @@ def is_stacked_experts(module: nn.Module) -> bool:
 def stacked_expert_hooks(module: nn.Module, *, route: ExpertRoute) -> None:
     """Move the module's rows to the holders of their experts before it runs and back after (module
     docstring); the module holds ``route.local`` experts already."""
-    pending: list[tuple[list[int], int, int, bool]] = []  # per call in flight: member counts, tokens, all, shared
+    # per call in flight: member counts, tokens, all, shared, the rows sent (with the all-gather dispatch's padding)
+    pending: list[tuple[list[int], int, int, bool, int]] = []
 
     def before(_module: nn.Module, args: tuple):
         (rows,) = args
@@ -61,23 +64,30 @@ def stacked_expert_hooks(module: nn.Module, *, route: ExpertRoute) -> None:
         if shared:  # the tp ranks' tokens are the same: each sends its share
             blocks = split_rows(blocks.transpose(0, 1), group=route.tp).transpose(0, 1)
         tokens = blocks.shape[1]
-        mine = torch.full((route.ep, 1), tokens, dtype=torch.long, device=rows.device)
-        counts = exchange_counts(mine, group=route.group).view(-1).tolist()  # the call's one host read
+        if route.gathering is not None and route.gathering():
+            # every member's count is known from the shapes (the step's batches agree): no read; a tp share
+            # one row short pads to the first's (rows of zeros, whose outputs are dropped on return)
+            most = max(row_split(whole, group_size(route.tp))) if shared else tokens
+            blocks = F.pad(blocks, (0, 0, 0, most - tokens))
+            counts, sent = [most] * route.ep, most
+        else:
+            mine = torch.full((route.ep, 1), tokens, dtype=torch.long, device=rows.device)
+            counts, sent = exchange_counts(mine, group=route.group).view(-1).tolist(), tokens  # the call's one read
         received = all_to_all_rows(blocks.reshape(-1, hidden), out_rows=[route.local * n for n in counts],
-                                   in_rows=[route.local * tokens] * route.ep, group=route.group)
+                                   in_rows=[route.local * sent] * route.ep, group=route.group)
         per_member = received.split([route.local * n for n in counts])
         local = torch.cat([part.view(route.local, n, hidden) for part, n in zip(per_member, counts)], dim=1)
-        pending.append((counts, tokens, whole, shared))
+        pending.append((counts, tokens, whole, shared, sent))
         return (local.reshape(-1, hidden),)
 
     def after(_module: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
-        counts, tokens, whole, shared = pending.pop()
+        counts, tokens, whole, shared, sent = pending.pop()
         hidden = out.shape[-1]
         per_member = out.view(route.local, sum(counts), hidden).split(counts, dim=1)
         send = torch.cat([part.reshape(-1, hidden) for part in per_member])
-        back = all_to_all_rows(send, out_rows=[route.local * tokens] * route.ep,
+        back = all_to_all_rows(send, out_rows=[route.local * sent] * route.ep,
                                in_rows=[route.local * n for n in counts], group=route.group)
-        blocks = back.view(route.experts, tokens, hidden)
+        blocks = back.view(route.experts, sent, hidden)[:, :tokens]
         if shared:
             blocks = gather_rows(blocks.transpose(0, 1), rows=whole, group=route.tp).transpose(0, 1)
         return blocks.reshape(-1, hidden)

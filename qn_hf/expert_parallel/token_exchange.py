@@ -1,5 +1,7 @@
 """Moving rows of tokens between ranks, as autograd functions: the all-to-all that carries tokens to
-the rank holding their expert and back, and the uneven split/gather of a tp group's shared tokens.
+the rank holding their expert and back (or, for ``expert_dispatch="all_gather"``, the all-gather of
+every member's tokens and the sum of the partial outputs back), and the uneven split/gather of a tp
+group's shared tokens.
 
 Rows are the first dim of a ``[rows, hidden]`` tensor. Counts differ from rank to rank and step to
 step (they follow the router), so every function takes the row counts explicitly; a rank may send
@@ -47,6 +49,59 @@ def all_to_all_rows(x: torch.Tensor, *, out_rows: Sequence[int], in_rows: Sequen
     if group_size(group) == 1:
         return x
     return _AllToAll.apply(x, list(out_rows), list(in_rows), group)
+
+
+def _gather_blocks(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    out = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
+    all_gather_single(out, x.contiguous(), group=group)
+    return out
+
+
+def _sum_blocks(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Block j of every member's ``x`` (equal blocks along dim 0), summed, on member j. A reduce-scatter,
+    written as an equal all-to-all and a sum here: the sum runs in float32 whatever the rows' dtype (NCCL's
+    reduce-scatter adds in the dtype it is given, one rounding per member in bf16), in member order on every
+    backend, so a run gives the same bits on gloo and NCCL."""
+    size = group_size(group)
+    received = torch.empty_like(x)
+    dist.all_to_all_single(received, x.contiguous(), group=group)
+    blocks = received.view(size, x.shape[0] // size, *x.shape[1:])
+    return blocks.sum(0, dtype=torch.float32).to(x.dtype) if x.is_floating_point() else blocks.sum(0)
+
+
+class _GatherBlocks(torch.autograd.Function):
+    """Every member's rows concatenated in member order forward (an all-gather of equal blocks); each
+    member's block of the gradient summed over the members backward (``_sum_blocks``), or the reverse
+    (``gather=False``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, gather: bool) -> torch.Tensor:
+        ctx.group, ctx.gather = group, gather
+        return _gather_blocks(x, group) if gather else _sum_blocks(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return (_sum_blocks(grad, ctx.group) if ctx.gather else _gather_blocks(grad, ctx.group)), None, None
+
+
+def gather_blocks(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
+    """Every member's ``x`` (the same shape on each), concatenated along dim 0 in member order; the
+    gradient of this member's block comes back summed over every member's use of it."""
+    if group_size(group) == 1:
+        return x
+    if not x.requires_grad:
+        return _gather_blocks(x, group)
+    return _GatherBlocks.apply(x, group, True)
+
+
+def sum_blocks(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
+    """The inverse of ``gather_blocks``: ``x`` holds one equal block per member along dim 0; member j
+    gets the sum of every member's block j (float32 sums, ``_sum_blocks``)."""
+    if group_size(group) == 1:
+        return x
+    if not x.requires_grad:
+        return _sum_blocks(x, group)
+    return _GatherBlocks.apply(x, group, False)
 
 
 def exchange_counts(counts: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:

@@ -52,11 +52,12 @@ def contents_digest(batch: Mapping[str, torch.Tensor]) -> int:
 
 
 def agree_on_batch(checks: Callable[[], int], batch: Mapping[str, torch.Tensor], *, replica: int, replicas: int,
-                   group: ProcessGroup | None, contents: bool = True) -> int:
+                   group: ProcessGroup | None, contents: bool = True, same_shapes: str | None = None) -> int:
     """``checks()`` (this rank's checks of ``batch``, returning its size), agreed with every rank of
     ``group``'s world: the same ``ValueError`` (or ``IndexError``) on every rank when any rank's checks failed (the
     lowest such rank's message, naming it) or when the ranks of one replica hold batches of different layouts
-    or, with ``contents``, host contents (naming those ranks). One host max-reduction (``comm.host_max_``); a
+    or, with ``contents``, host contents (naming those ranks); with ``same_shapes`` (why, and the fix), when any two
+    ranks of the world hold batches of different layouts. One host max-reduction (``comm.host_max_``); a
     second call (an object broadcast) only to spread a failure."""
     problem, size = None, 0
     try:
@@ -98,4 +99,8 @@ def agree_on_batch(checks: Callable[[], int], batch: Mapping[str, torch.Tensor],
                              f"{', '.join(map(str, held))} of the same data-parallel replica: every tp rank, pipeline "
                              f"stage and cp rank of a replica must get the same dict each step (slice a global batch "
                              f"by pm.coords['dp'] only)")
+    differ = [r for r in range(world) if votes[r, 1] != votes[0, 1]] if same_shapes else []
+    if differ:
+        raise ValueError(f"rank(s) {', '.join(map(str, differ))} were given batches of other shapes (keys, sizes or "
+                         f"dtypes) than rank 0: {same_shapes}")
     return size

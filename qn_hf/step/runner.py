@@ -26,6 +26,7 @@ from ..context_parallel.apply import CP_KEYS, LOSS_KEYS, ring_documents, shard_m
 from ..context_parallel.host_masks import HostMasks, masks_needed, step_masks
 from ..context_parallel.ring_attention import PieceLayout
 from ..devices import to_device
+from ..expert_parallel.dispatch import SAME_SHAPES, GatherSwitch
 from ..pipeline.runtime import StageExecutor, batch_shape_key
 from ..pipeline.schedule import Op, schedule_actions
 from ..pipeline.stage import StageModules
@@ -56,6 +57,8 @@ class StepContext:
     vocab: VocabShard | None
     cp_layout: PieceLayout  # which pieces of each sequence the cp ranks hold
     host_masks: HostMasks | None = None  # at cp=1, masks decided from the host batch (context_parallel/host_masks.py)
+    # expert_dispatch="all_gather": on while the schedule runs, the step's batches agreed in shape (dispatch.py)
+    gather_switch: GatherSwitch | None = None
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """All vocabulary columns from vocab-sharded logits (autograd-aware; padding removed)."""
@@ -88,7 +91,8 @@ def prepare(ctx: StepContext, batch: Mapping[str, torch.Tensor], *, loss: LossKi
         split=ctx.config.sequence_split, microbatches=microbatches, config=ctx.stage.config, num_items=num_items,
         head=ctx.plan.head, dp=dims.dp, loss_keys=tuple(loss_keys), positions=ctx.plan.positions,
         decoder_stages=_decoder_stages(ctx.stage.plan), dp_shard=dims.dp_shard),
-        batch, replica=coords.dp, replicas=dims.dp, group=groups.host, contents=contents)
+        batch, replica=coords.dp, replicas=dims.dp, group=groups.host, contents=contents,
+        same_shapes=SAME_SHAPES if ctx.gather_switch else None)
     documents = ring_documents(batch) if dims.cp > 1 else None  # read on the host before the batch moves
     # the same read at cp=1 (host_masks.py), of what the model is given
     unread = ctx.host_masks is not None and not masks_needed(batch, dropped=loss_keys)
@@ -140,8 +144,9 @@ def run_schedule(ctx: StepContext, prepared: Prepared, forward: Forward, *, back
                                 backward=backward)
     # what fixes the activations' shapes between stages: the activation header is exchanged once per
     # such key (the first step of each batch shape), not every step
-    ctx.executor.run(schedule, forward, rows=prepared.rows, on_final=on_final,
-                     shape_key=batch_shape_key(prepared.micro[0], rows=prepared.rows))
+    with ctx.gather_switch.within_step() if ctx.gather_switch else contextlib.nullcontext():
+        ctx.executor.run(schedule, forward, rows=prepared.rows, on_final=on_final,
+                         shape_key=batch_shape_key(prepared.micro[0], rows=prepared.rows))
 
 
 def trusted(ctx: StepContext, prepared: Prepared) -> contextlib.AbstractContextManager:

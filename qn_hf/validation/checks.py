@@ -110,7 +110,8 @@ def check_parallel_config(model: nn.Module, config: ParallelConfig | None = None
         check_seq2seq_pipeline(stage_plan.seq2seq, dp_shard=dims.dp_shard, compile=config.compile,
                                sequence_parallel=sp, stages=pp)
     kept(("cp", cp, tp, sp), lambda: check_context_parallel(model, cp=cp, plan=tp_plan))
-    kept(("ep", ep, tp, sp), lambda: check_expert_parallel(model, dims=dims, plan=tp_plan))  # (it reads ep and the plan)
+    kept(("ep", ep, tp, sp, config.expert_dispatch),  # (it reads ep, the plan and the dispatch)
+         lambda: check_expert_parallel(model, dims=dims, plan=tp_plan, dispatch=config.expert_dispatch))
     tp_plan = kept(("ep plan", tp, sp, ep), lambda: expert_parallel_plan(model, tp_plan, ep=ep))
     if sp:  # MoE blocks route this rank's tokens: as they are (ep), or gathered (expert-TP)
         tp_plan = kept(("sp plan", tp, ep, cut), lambda: sequence_parallel_plan(
