@@ -50,8 +50,15 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from ..comm import group_rank, group_size
-from .token_exchange import (all_to_all_rows, exchange_counts, gather_blocks, gather_rows, row_split, split_rows,
-                             sum_blocks)
+from .token_exchange import (
+    all_to_all_rows,
+    exchange_counts,
+    gather_blocks,
+    gather_rows,
+    row_split,
+    split_rows,
+    sum_blocks,
+)
 
 
 @dataclass(frozen=True)
