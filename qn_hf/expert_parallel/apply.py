@@ -139,15 +139,15 @@ def _check_gathered_dispatch(model: nn.Module) -> None:
     import transformers
 
     for name, module in experts_modules(model).items():
-        if not hasattr(module, "_is_expert_parallel"):
-            raise ValueError(f"expert_dispatch='all_gather': transformers {transformers.__version__}'s experts ({name}) "
-                             f"do not skip expert-parallel sentinels; upgrade transformers (5.24 does) or use "
-                             f"expert_dispatch='all_to_all'")
         implementation = module.config._experts_implementation
         if implementation not in _SENTINEL_IMPLEMENTATIONS:
             raise ValueError(f"expert_dispatch='all_gather': {name} runs the {implementation!r} experts "
                              f"implementation, which reads the device per expert and need not skip sentinels; "
                              f"call model.set_experts_implementation('grouped_mm') before parallelize, or use "
+                             f"expert_dispatch='all_to_all'")
+        if not hasattr(module, "_is_expert_parallel"):
+            raise ValueError(f"expert_dispatch='all_gather': transformers {transformers.__version__}'s experts ({name}) "
+                             f"do not skip expert-parallel sentinels; upgrade transformers (5.24 does) or use "
                              f"expert_dispatch='all_to_all'")
 
 
