@@ -18,7 +18,9 @@ Each API, the release that added it, and the fallback:
   (``fsdp_param_groups``), with FSDP's other private state, so that every private name of FSDP has one home.
 - The instance marker ``_is_expert_parallel`` that transformers' ``@use_experts_implementation`` sets on
   fused experts modules, transformers 5.18: on 5.17 the decorator marks its instances with the layout
-  flags it sets (``has_gate``, ``is_concatenated``, ``is_transposed``) and wraps ``forward``.
+  flags it sets (``has_gate``, ``is_concatenated``, ``is_transposed``) and wraps ``forward``; its
+  ``grouped_mm`` and ``batched_mm`` leave expert-parallel sentinels out whatever the marker says
+  (``skip_expert_sentinels``), where 5.18 and later do so only for a marked instance.
 - ``config.kv_sharing_modes`` (Gemma 3n and 4: which block stores the keys and values a later block
   reuses), transformers 5.23: computed from ``num_kv_shared_layers`` and ``layer_types`` as the attention
   of 5.17 to 5.22 computes it (the last ``num_kv_shared_layers`` blocks reuse, each from the last earlier
@@ -92,6 +94,13 @@ def decorated_experts(module: nn.Module) -> bool:
     return (all(hasattr(module, flag) for flag in _EXPERTS_FLAGS_5_17)
             and hasattr(type(module).forward, "__wrapped__") and hasattr(getattr(module, "config", None),
                                                                         "_experts_implementation"))
+
+
+def skip_expert_sentinels(module: nn.Module) -> None:
+    """Make a fused experts module's ``grouped_mm`` and ``batched_mm`` leave expert-parallel sentinels (ids
+    past its experts) out of the output: transformers' marker from 5.18; 5.17 leaves them out always."""
+    if hasattr(module, "_is_expert_parallel"):
+        module._is_expert_parallel = True
 
 
 def per_layer(config, key: str) -> list | None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 import torch.distributed as dist
 from transformers import CONFIG_MAPPING
@@ -18,20 +17,6 @@ from tests.cases import mesh_for, optimizer_step, whole
 
 SEQ = 12
 ROWS = 2  # per dp rank and microbatch
-
-
-def sentinel_experts() -> bool:
-    """Whether this transformers' experts implementations skip expert-parallel sentinels (5.24 does, 5.17
-    does not): ``expert_dispatch="all_gather"`` is refused without them."""
-    import inspect
-
-    from transformers.integrations import moe
-
-    return "_is_expert_parallel" in inspect.getsource(moe)
-
-
-SENTINEL = pytest.mark.skipif(not sentinel_experts(), reason="this transformers' experts do not skip expert-parallel "
-                              "sentinels: expert_dispatch='all_gather' is refused (test_all_gather_dispatch_refusals)")
 
 
 def moe_config(model_type: str, **overrides):

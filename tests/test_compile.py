@@ -20,7 +20,6 @@ from torch.distributed.tensor import DTensor
 import qn_hf
 from qn_hf.step.compile import apply_compile, is_compiled
 from tests.cases import error_message, mesh_for
-from tests.ep_cases import SENTINEL
 from tests.models import dp_slice, load, make_batch
 from tests.optim_cases import shard_of
 from tests.test_parity import LOSS_RTOL, WEIGHT_ATOL
@@ -379,8 +378,7 @@ DISABLED = "Skip calling `torch.compiler.disable()`d function"
 @pytest.mark.parametrize(("kind", "world", "options"), [
     pytest.param("llama", 2, dict(dp=1, tp=1, cp=2), id="cp2"),
     pytest.param("qwen3_moe", 2, dict(dp=2, tp=1, ep=2), id="dp2-ep2"),
-    pytest.param("qwen3_moe", 2, dict(dp=2, tp=1, ep=2, expert_dispatch="all_gather"), id="dp2-ep2-all_gather",
-                 marks=SENTINEL),
+    pytest.param("qwen3_moe", 2, dict(dp=2, tp=1, ep=2, expert_dispatch="all_gather"), id="dp2-ep2-all_gather"),
     pytest.param("qwen3_moe", 1, dict(dp=1, tp=1), id="ep1", marks=pytest.mark.long),
     pytest.param("llama", 2, dict(dp=1, tp=1, pp=2, microbatches=2, schedule="zb_h1"), id="zb_h1"),
     pytest.param("llama", 4, dict(dp=1, tp=2, pp=2, microbatches=2, sequence_parallel=True), id="tp2-pp2-sp",

@@ -11,7 +11,7 @@ from qn_hf.check.run import build, model_class
 from qn_hf.peft.lora import unwrap_peft
 from tests import ep_cases
 from tests.cases import error_message
-from tests.ep_cases import SENTINEL, moe_config
+from tests.ep_cases import moe_config
 from tests.peft_cases import expert_lora_model
 
 LOSS_RTOL = 1e-5
@@ -193,16 +193,12 @@ def test_all_gather_dispatch_refusals():
     eager.set_experts_implementation("eager")  # reads the device per expert; a model's own need not skip sentinels
     message = _refusal(eager, **gathered)
     assert "model.layers.0.mlp.experts runs the 'eager' experts implementation" in message, message
-    old = _meta("mixtral")  # transformers before the expert-parallel sentinel (5.17) has no such switch
-    for module in old.modules():
-        module.__dict__.pop("_is_expert_parallel", None)
-    message = _refusal(old, **gathered)
-    assert "experts (model.layers.0.mlp.experts) do not skip expert-parallel sentinels" in message, message
-    if hasattr(next(m for m in _meta("mixtral").modules() if hasattr(m, "gate_up_proj")), "_is_expert_parallel"):
-        assert _refusal(_meta("mixtral"), **gathered) == "no error"
+    assert _refusal(_meta("mixtral"), **gathered) == "no error"  # grouped_mm, transformers' default
+    batched = _meta("mixtral")
+    batched.set_experts_implementation("batched_mm")
+    assert _refusal(batched, **gathered) == "no error"
 
 
-@SENTINEL
 def test_all_gather_dispatch_refuses_batches_of_other_shapes(worlds):
     """The all-gather dispatch sizes its exchanges from this rank's own tokens: a step whose replicas hold
     batches of different lengths is refused on every rank, before any collective of the step."""
@@ -227,8 +223,8 @@ def test_meta_model_reads_per_expert_hf_layout(worlds, tmp_path, model_type, dp,
 
 
 @pytest.mark.parametrize(("precision", "dispatch"), [("bf16", "all_to_all"), ("fp16", "all_to_all"),
-                                                   pytest.param("bf16", "all_gather", marks=SENTINEL),
-                                                   pytest.param("fp16", "all_gather", marks=SENTINEL)],
+                                                   ("bf16", "all_gather"),
+                                                   ("fp16", "all_gather")],
                          ids=["bf16", "fp16", "bf16-all_gather", "fp16-all_gather"])
 def test_expert_parallel_in_bf16_trains_like_replicated_experts(worlds, precision, dispatch):
     """bf16 (fp16, loss-scaled) compute with float32 gradients and masters: three AdamW steps at ep=2
@@ -248,7 +244,7 @@ def test_expert_parallel_in_bf16_trains_like_replicated_experts(worlds, precisio
     # one holder per block: whole masters
     pytest.param("deepseek_v3", 2, 1, 1, 2, None, "all_to_all", marks=pytest.mark.long),
     ("qwen3_moe", 2, 2, 1, 2, "bf16", "all_to_all"),
-    pytest.param("qwen3_moe", 2, 2, 1, 2, None, "all_gather", marks=SENTINEL),
+    ("qwen3_moe", 2, 2, 1, 2, None, "all_gather"),
 ])
 def test_expert_parallel_with_zero_equals_plain_model(worlds, model_type, dp, tp, pp, ep, precision, dispatch):
     """ZeRO-1 with ep: the experts' masters and AdamW state are split over the ranks holding the same
@@ -327,7 +323,7 @@ def test_expert_parallel_with_sequence_parallelism_equals_plain_model(worlds, tm
 
 @pytest.mark.parametrize(("model_type", "dp", "tp", "ep", "dispatch"), [
     ("qwen3_moe", 2, 1, 2, "all_to_all"), ("mixtral", 1, 2, 2, "all_to_all"),
-    pytest.param("qwen3_moe", 2, 1, 2, "all_gather", marks=SENTINEL)])
+    ("qwen3_moe", 2, 1, 2, "all_gather")])
 def test_lora_with_expert_parallelism_equals_peft(worlds, model_type, dp, tp, ep, dispatch):
     """The composition table's ep x lora row: peft LoRA on the attention of an MoE model whose frozen
     experts ep shards; loss and every adapter gradient equal peft's in one process."""
@@ -338,7 +334,7 @@ def test_lora_with_expert_parallelism_equals_peft(worlds, model_type, dp, tp, ep
 
 
 @pytest.mark.parametrize(("dp", "tp", "dispatch"), [(2, 1, "all_to_all"), (1, 2, "all_to_all"),
-                                                     pytest.param(1, 2, "all_gather", marks=SENTINEL)])
+                                                     (1, 2, "all_gather")])
 def test_stacked_experts_under_expert_parallelism_equal_plain_model(worlds, dp, tp, dispatch):
     """Llama 4's experts take every token once per expert and are outside transformers' experts
     registry: hooks move each expert's rows to its holder and back (with tp, each tp rank moves its
@@ -385,7 +381,6 @@ GATHER_CASES = [
 ]
 
 
-@SENTINEL
 @pytest.mark.parametrize(("model_type", "dp", "tp", "pp", "cp", "ep", "microbatches", "extras"), GATHER_CASES)
 def test_all_gather_dispatch_equals_plain_model(worlds, tmp_path, model_type, dp, tp, pp, cp, ep, microbatches,
                                                 extras):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from tests import generation_cases
-from tests.ep_cases import SENTINEL
 
 KINDS = ["gpt2", "llama"]  # tied head and vocabulary 99 (padded at tp=2); GQA and vocabulary 101
 MESHES = [(1, 2, 1, False, 1, 1), (1, 1, 2, False, 1, 1), (1, 2, 2, False, 1, 1),  # (dp, tp, pp, sp, V, cp)
@@ -71,7 +70,7 @@ def test_generate_refusals(worlds, model_dirs):
 
 @pytest.mark.parametrize(("dp", "pp", "tp", "sp", "dispatch"),
                          [(2, 1, 1, False, "all_to_all"), (2, 2, 1, False, "all_to_all"), (1, 1, 2, True, "all_to_all"),
-                          pytest.param(2, 1, 1, False, "all_gather", marks=SENTINEL)],
+                          (2, 1, 1, False, "all_gather")],
                          ids=["dp2-pp1", "dp2-pp2", "tp2-sp", "dp2-pp1-all_gather"])
 def test_generate_with_expert_parallelism_equals_plain_model(worlds, dp, pp, tp, sp, dispatch):
     """ep=2 over two dp replicas generating different prompts for different lengths (3 and 6 new

@@ -18,7 +18,6 @@ from torch.profiler import ProfilerActivity, profile
 import qn_hf
 from qn_hf.checkpoint.load import placed_state
 from tests.cases import mesh_for
-from tests.ep_cases import SENTINEL
 from tests.models import dp_slice, load, make_batch
 
 COUNTER = Path(__file__).resolve().parents[1] / "benchmarks" / "host_syncs.py"
@@ -57,7 +56,7 @@ ALLOWED = {"dp": 0, "tp": 0, "bf16_zero": 0, "resume": 0, "fp16": 1, "pp": 0, "c
 MASK_READS = 0
 
 
-@pytest.mark.parametrize("feature", ["dp", "tp", "pp", "ep", pytest.param("ep_all_gather", marks=SENTINEL), "cp",
+@pytest.mark.parametrize("feature", ["dp", "tp", "pp", "ep", "ep_all_gather", "cp",
                                      "dp_shard", "fp16", "bf16_zero", "resume"])
 def test_steady_step_syncs(worlds, tmp_path, feature):
     results = worlds.run(2, steady_syncs, feature=feature, tmp=str(tmp_path / "ckpt"))

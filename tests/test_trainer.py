@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from tests import trainer_cases
-from tests.ep_cases import SENTINEL
 from tests.models import load
 from tests.trainer_cases import reference
 
@@ -118,7 +117,7 @@ def test_trainer_in_mixed_precision_follows_the_plain_run(worlds, model_dirs, re
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("dispatch", ["all_to_all", pytest.param("all_gather", marks=SENTINEL)])
+@pytest.mark.parametrize("dispatch", ["all_to_all", "all_gather"])
 def test_trainer_with_expert_parallelism_equals_one_process(worlds, tmp_path, dispatch):
     """A shrunk Qwen3-MoE at dp=2 with its experts over ep=2: 12 steps' losses, gradient norms and the
     final evaluation equal transformers' Trainer in one process."""

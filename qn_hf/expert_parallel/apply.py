@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..compat import skip_expert_sentinels
 from ..config.dims import Axis, ParallelDims
 from ..config.options import Dispatch
 from ..peft.lora import ParamLora, param_loras
@@ -135,19 +136,14 @@ _SENTINEL_IMPLEMENTATIONS = ("grouped_mm", "batched_mm")
 
 def _check_gathered_dispatch(model: nn.Module) -> None:
     """``expert_dispatch="all_gather"`` hands the experts the choices of other ranks' experts as
-    transformers' sentinel: its implementation must leave them out (dispatch.py)."""
-    import transformers
-
+    transformers' sentinel: its implementation must leave them out (dispatch.py; every transformers qn_hf
+    supports does so in grouped_mm and batched_mm, compat.skip_expert_sentinels)."""
     for name, module in experts_modules(model).items():
         implementation = module.config._experts_implementation
         if implementation not in _SENTINEL_IMPLEMENTATIONS:
             raise ValueError(f"expert_dispatch='all_gather': {name} runs the {implementation!r} experts "
                              f"implementation, which reads the device per expert and need not skip sentinels; "
                              f"call model.set_experts_implementation('grouped_mm') before parallelize, or use "
-                             f"expert_dispatch='all_to_all'")
-        if not hasattr(module, "_is_expert_parallel"):
-            raise ValueError(f"expert_dispatch='all_gather': transformers {transformers.__version__}'s experts ({name}) "
-                             f"do not skip expert-parallel sentinels; upgrade transformers (5.24 does) or use "
                              f"expert_dispatch='all_to_all'")
 
 
@@ -205,7 +201,7 @@ def apply_expert_parallel(model: nn.Module, *, route: ExpertRoute, ep_rank: int)
                 specs.update(_shard_expert_lora(model, lora, route=route, ep_rank=ep_rank))
         module.num_experts = route.local
         if route.gathering is not None and not is_stacked_experts(module):
-            module._is_expert_parallel = True  # transformers' own switch: sentinel ids left out (dispatch.py)
+            skip_expert_sentinels(module)  # transformers' own switch: sentinel ids left out (dispatch.py)
         if is_stacked_experts(module):
             stacked_expert_hooks(module, route=route)
     _replace_experts(model, "qn_hf_ep", lambda local: expert_parallel_forward(route, local))
