@@ -83,7 +83,10 @@ def ep_parity(*, model_type: str, out_dir: str, dp: int, tp: int, pp: int, ep: i
         batch["labels"][batch["attention_mask"] == 0] = -100
     rows = ids.shape[0] // dp
     local = {k: v[pm.coords["dp"] * rows : (pm.coords["dp"] + 1) * rows] for k, v in batch.items()}
-    loss = pm.train_step(local).item()
+    with qn_hf.CommMeter(pm) as meter:
+        loss = pm.train_step(local).item()
+    # the dispatch the step ran: the all-gather's gathers on "ep", or the all-to-all's count exchanges there
+    gathers = sum(1 for e in meter.events if e.group == "ep" and e.op == "all_gather_into_tensor")
     ref.train()
     ref_loss = ref(**batch, use_cache=False).loss
     ref_loss.backward()
@@ -115,7 +118,7 @@ def ep_parity(*, model_type: str, out_dir: str, dp: int, tp: int, pp: int, ep: i
         "loss": loss, "ref_loss": ref_loss.item(), "grad_err": grad_err, "worst_grad": worst, "norm": norm,
         "ref_norm": ref_norm, "weight_err": weight_err, "moved": moved, "expert_counts": counts.tolist(),
         "expert_params": len(experts),
-        "expert_rows": sorted({params[n].shape[0] for n in experts}),
+        "expert_rows": sorted({params[n].shape[0] for n in experts}), "ep_gathers": gathers,
     }
 
 

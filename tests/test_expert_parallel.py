@@ -46,6 +46,7 @@ def test_expert_parallel_equals_plain_model(worlds, tmp_path, model_type, dp, tp
     results = worlds.run(dp * tp * pp, ep_cases.ep_parity, model_type=model_type, out_dir=str(tmp_path / "hf"),
                          dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches)
     _check(results, ep=ep)
+    assert all(r["ep_gathers"] == 0 for r in results), results  # the default: the all-to-all
 
 
 @pytest.mark.long
@@ -367,6 +368,8 @@ def test_gemma4_with_its_moe_block(worlds, mesh):
 # expert_dispatch="all_gather" (no device read per MoE call): model, dp, tp, pp, cp, ep, microbatches, extras
 GATHER_CASES = [
     pytest.param("mixtral", 2, 1, 1, 1, 2, 1, {}, id="mixtral-dp2-ep2"),
+    # every token to experts 0 and 1: the second rank's experts get sentinels only
+    pytest.param("deepseek_v3", 2, 1, 1, 1, 2, 1, {"skew": "empty_rank"}, id="deepseek_v3-dp2-ep2-empty_rank"),
     # the ep group is the tp group; 13 tokens: tp shares of 7 and 6, the second padded with a token routed nowhere
     pytest.param("qwen3_moe", 1, 2, 1, 1, 2, 1, {"per_rank": 1, "seq": 13}, id="qwen3_moe-tp2-ep2-odd"),
     pytest.param("qwen3_moe", 1, 2, 1, 1, 2, 1, {"sequence_parallel": True}, id="qwen3_moe-tp2-ep2-sp"),
@@ -391,3 +394,4 @@ def test_all_gather_dispatch_equals_plain_model(worlds, tmp_path, model_type, dp
                          dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, microbatches=microbatches, expert_dispatch="all_gather",
                          **extras)
     _check(results, ep=ep)
+    assert all(r["ep_gathers"] > 0 for r in results), results  # the step ran the all-gather dispatch
