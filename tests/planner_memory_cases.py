@@ -184,7 +184,7 @@ def _measure_forwards(pm, out: list[int]):
 def measure(*, kind: str, dp: int, tp: int, pp: int, microbatches: int, mixed_precision: str | None, zero: bool,
             recompute: str | None, sequence_parallel: bool = False, cp: int = 1, ep: int = 1,
             natural_routing: bool = False, schedule: str = "1f1b", virtual_stages: int = 1, dp_shard: int = 1,
-            dp_shard_gather: str = "step") -> dict:
+            dp_shard_gather: str = "step", expert_dispatch: str = "all_to_all") -> dict:
     """One run's measured bytes; under ep with uniform routing unless ``natural_routing``."""
     torch.manual_seed(0)
     config = config_for(kind)
@@ -192,7 +192,8 @@ def measure(*, kind: str, dp: int, tp: int, pp: int, microbatches: int, mixed_pr
     pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, microbatches=microbatches,
                            mesh=mesh_for(dp, tp, pp, cp), bucket_mb=BUCKET_MB, mixed_precision=mixed_precision,
                            recompute=recompute, sequence_parallel=sequence_parallel, schedule=schedule,
-                           virtual_stages=virtual_stages, dp_shard=dp_shard, dp_shard_gather=dp_shard_gather)
+                           virtual_stages=virtual_stages, dp_shard=dp_shard, dp_shard_gather=dp_shard_gather,
+                           expert_dispatch=expert_dispatch)
     if ep > 1 and not natural_routing:
         _uniform_routing(pm.module, config.num_experts)
     opt = qn_hf.optimizer(pm, torch.optim.AdamW, zero=zero, lr=1e-4)

@@ -86,7 +86,19 @@ def test_fixed_options_are_kept_and_microbatches_refused():
     with pytest.raises(ValueError, match="microbatches=2 with mesh='auto'"):
         auto_config(_model(), global_batch=GLOBAL_BATCH, seq_len=SEQ, world_size=2, calibration=cal,
                     fixed={"microbatches": 2})
-    with pytest.raises(ValueError, match="expert_dispatch='all_gather' with mesh='auto': the planner prices ep's"):
+
+
+def test_the_all_gather_dispatch_is_planned_when_fixed():
+    """expert_dispatch="all_gather" beside mesh='auto': kept, priced (planner/experts.py), ep chosen > 1 (ep=1
+    refuses it: a dense model fits nowhere, naming why)."""
+    from qn_hf.check.run import build
+    from tests.ep_cases import moe_config
+
+    cal = _calibrations()["launch-bound"]
+    config = auto_config(build(moe_config("qwen3_moe"), seed=0), global_batch=GLOBAL_BATCH, seq_len=SEQ, world_size=2,
+                         calibration=cal, fixed={"expert_dispatch": "all_gather"})
+    assert config.dims.ep == 2 and config.expert_dispatch == "all_gather", config
+    with pytest.raises(ValueError, match="expert_dispatch='all_gather' with ep=1: no experts live on other ranks"):
         auto_config(_model(), global_batch=GLOBAL_BATCH, seq_len=SEQ, world_size=2, calibration=cal,
                     fixed={"expert_dispatch": "all_gather"})
 

@@ -97,6 +97,20 @@ def test_planner_memory_matches_an_expert_parallel_run(worlds, dp, tp, pp, ep, m
                                zero=zero, recompute=recompute), activation_tolerance=EP_ACTIVATION_TOLERANCE)
 
 
+@pytest.mark.parametrize(("dp", "tp", "pp", "ep", "microbatches", "mixed_precision", "recompute"), [
+    (2, 1, 1, 2, 1, None, None),  # ep times the tokens gathered and held by the experts' call
+    (2, 2, 1, 4, 1, "bf16", None),  # tp shares gathered over ep; 16-bit gathers, float32 sums
+    (2, 1, 2, 2, 2, None, "full"),  # recomputation gathers again
+])
+def test_planner_memory_matches_an_all_gather_dispatch_run(worlds, dp, tp, pp, ep, microbatches, mixed_precision,
+                                                           recompute):
+    """expert_dispatch="all_gather": the experts' call runs on every member's tokens, the other ranks' choices
+    as sentinels; what it keeps, as the estimate's stand-in runs it."""
+    _compare(worlds, MOE, dict(dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches, mixed_precision=mixed_precision,
+                               zero=False, recompute=recompute, expert_dispatch="all_gather"),
+             activation_tolerance=EP_ACTIVATION_TOLERANCE)
+
+
 @pytest.mark.parametrize(("dp", "tp", "ep"), [(1, 2, 2), pytest.param(2, 2, 4, marks=pytest.mark.long)])
 def test_planner_memory_matches_an_expert_and_sequence_parallel_run(worlds, dp, tp, ep):
     """ep x sp: each tp rank routes its slice of the sequence; no tp gathers around the dispatch."""

@@ -43,7 +43,6 @@ from torch import nn
 
 from ..arguments import plural
 from ..config.dims import Axis
-from ..config.options import Dispatch
 from ..config.parallel_config import ParallelConfig
 from ..config.schedule import Schedule, as_schedule
 from ..devices import default_device
@@ -196,10 +195,6 @@ def auto_plan(config, *, global_batch: int, seq_len: int, world_size: int, devic
     if "microbatches" in fixed:
         raise ValueError(f"microbatches={fixed['microbatches']} with mesh='auto': the microbatches follow from the "
                          f"global batch, dp and the micro-batch size auto chooses; leave them out")
-    if fixed.get("expert_dispatch") == Dispatch.ALL_GATHER:
-        raise ValueError("expert_dispatch='all_gather' with mesh='auto': the planner prices ep's all-to-all dispatch "
-                         "(its traffic and memory) only; plan without it, then give parallelize the chosen degrees "
-                         "with expert_dispatch='all_gather'")
     degrees = {axis: fixed.pop(axis.value) for axis in DEGREES if axis.value in fixed}
     schedules = _schedules(fixed)
     per_node = gpus_per_node or (calibration.ranks_per_node if calibration else min(world_size, 8))

@@ -3,7 +3,7 @@
     qn-hf-plan MODEL --gpus 64 [--global-batch 256] [--gpu-memory 80GiB] [--seq-len 4096] [--micro-batch-size 1]
                [--dtype bf16|fp16|fp32] [--zero] [--recompute full|selective] [--sequence-parallel] [--cp N]
                [--ep N] [--schedule 1f1b|gpipe|interleaved_1f1b|zb_h1] [--virtual-stages V]
-               [--dp-shard N|all] [--dp-shard-gather step|microbatch]
+               [--dp-shard N|all] [--dp-shard-gather step|microbatch] [--expert-dispatch all_to_all|all_gather]
     qn-hf-plan MODEL --gpus 64 --tp 8 --pp 8 --global-batch 512         # the other degrees searched
     qn-hf-plan MODEL --dp 1 --tp 8 --pp 8 [--cp 2] [--ep 8] [--microbatches 32]  # one mesh, per-stage detail
     qn-hf-plan path/to/config.json --gpus 16 --json                     # machine-readable
@@ -81,7 +81,7 @@ import torch
 import torch.distributed as dist
 
 from ..config.dims import Axis, ParallelDims
-from ..config.options import Gather, Recompute
+from ..config.options import Dispatch, Gather, Recompute
 from ..config.schedule import SCHEDULES, Schedule, as_schedule
 from ..launch.nodes import local_rank
 from .auto import auto_plan
@@ -138,7 +138,7 @@ def run_options(args: argparse.Namespace) -> dict[str, object]:
     checked when ``at_mesh`` builds its configuration."""
     return {"schedule": args.schedule, "virtual_stages": args.virtual_stages, "mixed_precision": MIXED_PRECISION[args.dtype],
             "recompute": args.recompute, "sequence_parallel": args.sequence_parallel,
-            "dp_shard_gather": args.dp_shard_gather}
+            "dp_shard_gather": args.dp_shard_gather, "expert_dispatch": args.expert_dispatch}
 
 
 def run_calibration(args: argparse.Namespace, step_seconds: StepSeconds | None = None) -> None:
@@ -201,6 +201,9 @@ def main(argv: list[str] | None = None, *, step_seconds: StepSeconds | None = No
                              "(default: all with --gpus, 1 for one mesh)")
     parser.add_argument("--dp-shard-gather", choices=Gather.values(), default=Gather.STEP.value,
                         help="under pp with --dp-shard: gather a stage's weights once a step (default) or per microbatch")
+    parser.add_argument("--expert-dispatch", choices=Dispatch.values(), default=Dispatch.ALL_TO_ALL.value,
+                        help="with ep: the all-to-all (default: one device wait per MoE call) or the all-gather "
+                             "(none, ep times the tokens moved and held; docs/experts.md)")
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--tflops", type=float, default=Hardware.tflops, help="sustained TFLOP/s per GPU (default %(default)s)")
     parser.add_argument("--nvlink-gbps", type=float, default=Hardware.nvlink_gbps, help="GB/s per GPU in a node")

@@ -47,7 +47,7 @@ from transformers import PretrainedConfig
 
 from ..checkpoint.layout import meta_model
 from ..config.composition import Feature, check_composition
-from ..config.options import Recompute
+from ..config.options import Dispatch, Recompute
 from ..config.parallel_config import ParallelConfig
 from ..config.sequence import sequence_split
 from ..data_parallel.buckets import bucket_size_bytes
@@ -135,22 +135,24 @@ class Planner:
         return other
 
     def _trace(self, plan, layers: str, *, precision: torch.dtype | None, recompute: str | None,
-               edges: StageEdges | None, cp: int, ep: int, loaded_experts: bool = False) -> Trace:
+               edges: StageEdges | None, cp: int, ep: int, loaded_experts: bool = False, gather: bool = False) -> Trace:
         # Per tp: which modules a trace watches and which bytes it counts as split come from the
         # plan (at tp=1 the plan shards nothing). The forward itself depends on the plan only through
         # its stand-ins, sequence parallelism's and ep's: without them one recording serves every tp.
         # ``loaded_experts``: the experts keep the loaded dtype under mixed precision (what FSDP leaves
         # alone is not cast: sharded.py), so they compute in it.
-        key = (plan.tp, precision, recompute, edges, cp, ep, loaded_experts)
+        # ``gather``: ep's all-gather dispatch (expert_dispatch="all_gather") stood in for
+        key = (plan.tp, precision, recompute, edges, cp, ep, loaded_experts, gather)
         if key not in self._traces:
             recording = self._recording(plan, layers, precision=precision, recompute=recompute, edges=edges, cp=cp,
-                                        ep=ep, loaded_experts=loaded_experts)
+                                        ep=ep, loaded_experts=loaded_experts, gather=gather)
             self._traces[key] = recording.trace(plan, whole=moe_regions(self.model, plan) if ep > 1 else frozenset())
         return self._traces[key]
 
     def _recording(self, plan, layers: str, *, precision: torch.dtype | None, recompute: str | None,
-                   edges: StageEdges | None, cp: int, ep: int, loaded_experts: bool) -> Recording:
-        recorded = (None if edges is None and ep == 1 else plan.tp, precision, recompute, edges, cp, ep, loaded_experts)
+                   edges: StageEdges | None, cp: int, ep: int, loaded_experts: bool, gather: bool) -> Recording:
+        recorded = (None if edges is None and ep == 1 else plan.tp, precision, recompute, edges, cp, ep, loaded_experts,
+                    gather)
         if recorded not in self._recordings:
             model = self.model
             if (precision, recompute, cp) != (None, None, 1):
@@ -165,7 +167,8 @@ class Planner:
             inputs = cp_inputs(**size, cp=cp) if cp > 1 else example_inputs(model, **size)
             self._recordings[recorded] = self._recorder.record(
                 model, layers, lambda m: record_microbatch(m, plan, layers=layers, inputs=inputs, recompute=recompute,
-                                                           edges=edges, cp=cp, ep=ep), shortened=edges is None)
+                                                           edges=edges, cp=cp, ep=ep, gather=gather),
+                shortened=edges is None)
         return self._recordings[recorded]
 
     def estimate(self, parallel: ParallelConfig, *, zero: bool = False, backend: str = "nccl",
@@ -340,7 +343,8 @@ class Planner:
         precision = None if parallel.mixed_precision is None else parallel.mixed_precision.dtype
         return dict(edges=stage_edges(self.model, stage_plan) if plan.sequence_parallel else None, cp=d.cp, ep=d.ep,
                     precision=precision,
-                    loaded_experts=d.dp_shard > 1 and d.ep > 1 and d.expert_replicas == 1 and precision is not None)
+                    loaded_experts=d.dp_shard > 1 and d.ep > 1 and d.expert_replicas == 1 and precision is not None,
+                    gather=d.ep > 1 and parallel.expert_dispatch is Dispatch.ALL_GATHER)
 
     def _work(self, parallel: ParallelConfig, *, base: Trace | Recording, placed: StageParams, stage_plan: StagePlan,
               deferred: frozenset[str]) -> MeshWork:

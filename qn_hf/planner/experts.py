@@ -24,6 +24,15 @@ when the block saves something after them (``ExpertCall.rerun``). With tp > 1 on
 recomputed), backward of the split's gradients (hidden states and routing weights, padded).
 Per rank ``R`` follows the router; summed over an ep group it does not (every row sent in the group
 is received in it), so ep times the estimate is the group's exact total.
+
+``expert_dispatch="all_gather"`` (``gather``): the stand-in gathers ``ep * T_local`` rows, choices and
+weights, runs the local experts on all of them with the other ranks' choices as sentinels (transformers'
+sentinel path, as on a real rank) and returns ``T_local`` rows. Traffic, exact on every rank (shapes, not
+the router, size it): forward ``all_gather_into_tensor`` of the rows, the int64 choices and the routing
+weights and an ``all_to_all_single`` of the ``ep * T_local`` partial outputs (the sum back); backward an
+all-to-all of the gathered rows' gradient (and of the weights', where they need one) and an all-gather of the
+outputs' gradient. Recomputation reruns the gathers where the experts' call saves after them (``rerun``)
+and the sum back where the block saves after the call (``gather_rerun``).
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ import torch
 from torch import nn
 
 from ..comm_meter import Collective
+from ..compat import skip_expert_sentinels
 from ..expert_parallel.apply import experts_modules
 from ..expert_parallel.token_exchange import row_split
 from ..tensor_parallel.plan import TpPlan
@@ -56,6 +66,7 @@ class ExpertCall:
     hidden: int  # H
     hidden_elem: int  # bytes per element of the hidden states (and of their gradients)
     weights_elem: int  # of the routing weights; 0 when they need no gradient
+    routing_elem: int = 4  # of the routing weights, whether or not they need a gradient (the all-gather sends them)
     rerun: bool = False  # recomputation runs the dispatch's all-to-alls again (set by the trace)
     gather_rerun: bool = False  # and the tp gather of the outputs (set by the trace)
 
@@ -93,8 +104,10 @@ class ExpertsStandIn:
     the trace can tell which of them a recomputation repeats. ``inside``: whether the stand-in is
     allocating (tensors of one tp rank's size)."""
 
-    def __init__(self, model: nn.Module, *, ep: int, tp: int, note: Callable[[ExpertCall, bool], None]) -> None:
+    def __init__(self, model: nn.Module, *, ep: int, tp: int, note: Callable[[ExpertCall, bool], None],
+                 gather: bool = False) -> None:
         self.model, self.ep, self.tp, self.note = model, ep, tp, note
+        self.gather = gather  # expert_dispatch="all_gather" (dispatch.py's _gather_exchange)
         self.inside = False
         self._previous: str | None = None
         self._name = ""
@@ -105,7 +118,8 @@ class ExpertsStandIn:
         call = ExpertCall(module="", tokens=hidden_states.shape[0], top_k=top_k_index.shape[-1],
                           experts=module.num_experts, hidden=hidden_states.shape[-1],
                           hidden_elem=hidden_states.element_size(),
-                          weights_elem=top_k_weights.element_size() if top_k_weights.requires_grad else 0)
+                          weights_elem=top_k_weights.element_size() if top_k_weights.requires_grad else 0,
+                          routing_elem=top_k_weights.element_size())
         if self.ep == 1:
             self.note(call, False)
             return self._local(module, hidden_states, top_k_index, top_k_weights)
@@ -115,7 +129,10 @@ class ExpertsStandIn:
             # split_rows: tp rank 0's rows, a view (its backward all-gathers the gradient)
             hidden, index, weights = (t.split(sizes)[0].contiguous() if self.tp > 1 else t
                                       for t in (hidden_states, top_k_index, top_k_weights))
-            out = self._exchange(module, hidden, index, weights, exchanged=lambda: self.note(call, False))
+            exchange = self._gathered if self.gather else self._exchange
+            out = exchange(module, hidden, index, weights, exchanged=lambda: self.note(call, False))
+            if self.gather and self.tp == 1:  # the sum back ends the call: a recomputation reruns it if saves follow
+                self.note(call, True)
             if self.tp > 1:  # gather_rows: the whole [T, H] on every tp rank
                 out = _Moved.apply(out, hidden_states.shape[0])
                 self.note(call, True)
@@ -144,6 +161,29 @@ class ExpertsStandIn:
         weighted = in_pair_order.view(tokens, k, -1) * weights[..., None]
         return weighted.sum(1).to(hidden.dtype)
 
+    def _gathered(self, module: nn.Module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                  exchanged: Callable[[], None]) -> torch.Tensor:
+        # the all-gather dispatch's exchange, op for op: every member's rows, choices and weights gathered
+        # (tp rank 0's share is the largest: no padding), the choices held elsewhere made sentinels, this
+        # rank's experts on all of them (transformers' sentinel path), the partial outputs summed back
+        tokens, local = hidden.shape[0], module.num_experts // self.ep
+        every = _Moved.apply(hidden, self.ep * tokens)
+        choices = _Moved.apply(index, self.ep * tokens) - 0  # less this rank's first expert
+        elsewhere = (choices < 0) | (choices >= local)
+        local_ids = choices.masked_fill(elsewhere, local)
+        local_weights = _Moved.apply(weights, self.ep * tokens).masked_fill(elsewhere, 0.0)
+        exchanged()  # the gathers: a recomputation reruns them where the experts' call saves after them
+        experts, marked = module.num_experts, getattr(module, "_is_expert_parallel", None)
+        module.num_experts = local  # as apply_expert_parallel leaves it on a real rank
+        skip_expert_sentinels(module)
+        try:
+            partial = self._local(module, every, local_ids, local_weights)
+        finally:
+            module.num_experts = experts
+            if marked is not None:
+                module._is_expert_parallel = marked
+        return _Moved.apply(partial, tokens)
+
     def __enter__(self) -> ExpertsStandIn:
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
@@ -166,8 +206,9 @@ class ExpertsStandIn:
 
 
 def expert_ops(calls: tuple[ExpertCall, ...], *, ep: int, tp: int, recompute: str | None,
-               on_stage: Callable[[str], bool]) -> dict[str, dict[Collective, list[int]]]:
-    """One microbatch's dispatch traffic on a stage: group -> op -> [calls, bytes] (none at ep=1)."""
+               on_stage: Callable[[str], bool], gather: bool = False) -> dict[str, dict[Collective, list[int]]]:
+    """One microbatch's dispatch traffic on a stage: group -> op -> [calls, bytes] (none at ep=1);
+    ``gather``: expert_dispatch="all_gather"'s (module docstring)."""
     out: dict[str, dict[Collective, list[int]]] = {}
 
     def add(group: str, op: Collective, count: int, nbytes: int) -> None:
@@ -178,10 +219,16 @@ def expert_ops(calls: tuple[ExpertCall, ...], *, ep: int, tp: int, recompute: st
     for call in calls if ep > 1 else ():
         if not on_stage(call.module):
             continue
-        rows = call.local_tokens(tp) * call.top_k  # sent, and received under uniform routing
-        row_bytes = rows * call.hidden * call.hidden_elem
         forwards = 2 if recompute is not None and call.rerun else 1
-        add("ep", A2A, 3 * forwards + 2, forwards * (call.experts * COUNT_ELEM + 2 * row_bytes) + 2 * row_bytes)
+        if gather:  # the gathers rerun as ``rerun`` says, the sum back (the call's end) as ``gather_rerun``
+            shares, sums = call.local_tokens(tp), 2 if recompute is not None and call.gather_rerun else 1
+            rows, pairs = shares * call.hidden * call.hidden_elem, shares * call.top_k
+            add("ep", GATHER, 3 * forwards + 1, forwards * (rows + pairs * (COUNT_ELEM + call.routing_elem)) + rows)
+            add("ep", A2A, sums + 1 + bool(call.weights_elem), (sums + 1) * ep * rows + ep * pairs * call.weights_elem)
+        else:
+            rows = call.local_tokens(tp) * call.top_k  # sent, and received under uniform routing
+            row_bytes = rows * call.hidden * call.hidden_elem
+            add("ep", A2A, 3 * forwards + 2, forwards * (call.experts * COUNT_ELEM + 2 * row_bytes) + 2 * row_bytes)
         if tp > 1:
             padded = call.local_tokens(tp) * call.hidden * call.hidden_elem
             gathers = 2 if recompute is not None and call.gather_rerun else 1

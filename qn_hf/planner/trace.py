@@ -187,12 +187,13 @@ def trace_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dic
 
 def record_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: dict[str, torch.Tensor],
                       recompute: str | None = None, edges: StageEdges | None = None, cp: int = 1,
-                      ep: int = 1) -> Recording:
+                      ep: int = 1, gather: bool = False) -> Recording:
     """Run one microbatch through ``model`` (in training mode, its blocks checkpointed for the
     forward when ``recompute`` is set; the model is left as it was). ``edges``: the stage cut of a
     sequence-parallel ``plan``, where each stage splits and gathers the sequence. ``cp`` > 1:
     ``inputs`` are one cp rank's (``context.cp_inputs``) and attention is ring attention's stand-in.
-    ``ep`` > 1: the experts' dispatch is expert parallelism's stand-in (one rank's, over ``plan.tp``).
+    ``ep`` > 1: the experts' dispatch is expert parallelism's stand-in (one rank's, over ``plan.tp``; the
+    all-gather dispatch's with ``gather``).
     Only the stand-ins read ``plan`` (and its policy's forward arguments)."""
     # Exact nn.Linear and Conv1D are what zb_h1 can defer (``weight_grad.make_deferrable``): the
     # estimate sizes its stash from their inputs and outputs.
@@ -280,7 +281,7 @@ def record_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: di
         standins = SequenceStandIns(model, plan, edges, note=note, regather=regathers(recompute), on_save=pack)
     ring_standin = RingStandIn(model, cp=cp, note=note_ring) if cp > 1 else contextlib.nullcontext()
     # under sequence parallelism a tp rank routes its own slice: nothing is shared out over tp (dispatch.py)
-    moe = (ExpertsStandIn(model, ep=ep, tp=1 if plan.sequence_parallel else plan.tp, note=note_experts)
+    moe = (ExpertsStandIn(model, ep=ep, tp=1 if plan.sequence_parallel else plan.tp, note=note_experts, gather=gather)
            if experts_modules(model) else None)
 
     def split_now() -> bool | None:  # allocations are split over tp: None when the module's rule says

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from ..comm import flat_runs, host_max_rounds
 from ..comm_meter import Collective
 from ..config.dims import Axis
-from ..config.options import LossKind, Recompute
+from ..config.options import Dispatch, LossKind, Recompute
 from ..config.parallel_config import ParallelConfig
 from ..policies.styles import Style
 from ..tensor_parallel.plan import TpPlan
@@ -171,7 +171,8 @@ def stage_traffic(s: int, *, parallel: ParallelConfig, plan: TpPlan, trace: Trac
     pieces = owned(buckets, dp=dims.replicas) if zero else grads.pieces
     # under sequence parallelism each tp rank dispatches its own slice: no tp sharing out (dispatch.py)
     dispatch = expert_ops(experts, ep=dims.ep, tp=1 if plan.sequence_parallel else tp, recompute=recompute,
-                          on_stage=lambda name: stage_of(name) == s)
+                          on_stage=lambda name: stage_of(name) == s,
+                          gather=parallel.expert_dispatch is Dispatch.ALL_GATHER)
     last = pp * parallel.virtual_stages - 1
     chunks = range(s, last + 1, pp)
     # sequence parallelism sends each tp rank's slice between stages; the receiver gathers them
