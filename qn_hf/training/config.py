@@ -52,6 +52,7 @@ class TrainConfig:
     cp: int = 1  # context parallelism: each sequence split over this many ranks (ring attention)
     sequence_parallel: bool = False  # Megatron sequence parallelism inside tp
     ep: int = 1  # expert parallelism: MoE experts sharded over ep of a stage's dp x tp ranks
+    expert_dispatch: str = "all_to_all"  # how ep moves tokens: "all_to_all" or "all_gather" (see qn_hf.parallelize)
     schedule: str = "1f1b"
     virtual_stages: int = 1  # chunks per pipeline stage under schedule interleaved_1f1b
     microbatches: int | None = None  # default: default_microbatches(...)
@@ -160,6 +161,8 @@ _HELP = {
     "over the tp ranks along the sequence (needs tp > 1)",
     "ep": "expert parallelism: shard each MoE layer's experts over this many of a stage's dp x tp ranks (ep must "
     "divide dp*tp and the number of experts); 1: experts replicated over dp, split over tp",
+    "expert_dispatch": "with --ep: all_to_all (the least traffic, one device wait per MoE call) or all_gather (no "
+    "wait, ep times the tokens moved and held; every rank's batch the same shapes)",
     "schedule": "pipeline schedule: 1f1b, gpipe, interleaved_1f1b (with --virtual-stages) or zb_h1",
     "virtual_stages": "chunks per pipeline stage for schedule interleaved_1f1b (the model is cut into pp x this "
     "many chunks, rank r running chunks r, r+pp, ...)",
