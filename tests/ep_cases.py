@@ -166,12 +166,13 @@ def ep_meta_load(*, model_dir: str, dp: int, tp: int, ep: int) -> dict:
     return {"loss": loss, "ref_loss": ref_loss, "weight_err": err}
 
 
-def _step_both(pm, ref: torch.nn.Module, *, vocab: int, seed: int) -> tuple[float, float]:
-    """One ``train_step`` on this dp rank's ``ROWS`` of a seeded random global batch, and the plain
+def _step_both(pm, ref: torch.nn.Module, *, vocab: int, seed: int, seq: int = SEQ,
+               rows: int = ROWS) -> tuple[float, float]:
+    """One ``train_step`` on this dp rank's ``rows`` of a seeded random global batch, and the plain
     model's loss on the whole batch with its backward: (loss, reference loss)."""
     dp = pm.dims.dp
-    ids = torch.randint(3, vocab, (dp * ROWS, SEQ), generator=torch.Generator().manual_seed(seed))
-    local = ids[pm.coords["dp"] * ROWS : (pm.coords["dp"] + 1) * ROWS]
+    ids = torch.randint(3, vocab, (dp * rows, seq), generator=torch.Generator().manual_seed(seed))
+    local = ids[pm.coords["dp"] * rows : (pm.coords["dp"] + 1) * rows]
     loss = pm.train_step({"input_ids": local, "labels": local.clone()}).item()
     ref_loss = ref(input_ids=ids, labels=ids, use_cache=False).loss
     ref_loss.backward()
@@ -290,7 +291,8 @@ def ep_lora_parity(*, model_type: str, dp: int, tp: int, ep: int, targets: list[
             "experts_frozen": all(not p.requires_grad for n, p in pm.named_parameters() if ".experts." in n)}
 
 
-def stacked_ep_parity(*, model_type: str, dp: int, tp: int, ep: int, expert_dispatch: str = "all_to_all") -> dict:
+def stacked_ep_parity(*, model_type: str, dp: int, tp: int, ep: int, expert_dispatch: str = "all_to_all",
+                      seq: int = SEQ, rows: int = ROWS) -> dict:
     """One SGD step of a model whose experts take every token once per expert (Llama 4) at (dp, tp,
     ep) against the plain model: loss, every gradient cut as this rank holds it, and the local experts."""
     from qn_hf.expert_parallel.apply import sharded_experts
@@ -299,7 +301,8 @@ def stacked_ep_parity(*, model_type: str, dp: int, tp: int, ep: int, expert_disp
     model = build(config, seed=0)
     ref = copy.deepcopy(model)
     pm = qn_hf.parallelize(model, dp=dp, tp=tp, ep=ep, mesh=mesh_for(dp, tp, 1), expert_dispatch=expert_dispatch)
-    loss, ref_loss = _step_both(pm, ref, vocab=config.get_text_config().vocab_size, seed=1)
+    loss, ref_loss = _step_both(pm, ref, vocab=config.get_text_config().vocab_size, seed=1, seq=seq,
+                                rows=rows)
     ref_params = dict(ref.named_parameters())
     grad_err = max((p.grad - _as_held(pm, name, ref_params[name].grad)).abs().max().item()
                    for name, p in pm.named_parameters())
