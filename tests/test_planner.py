@@ -324,22 +324,26 @@ def test_cli_plans_context_parallelism(tmp_path, capsys):
 # Expert parallelism with the model's own routing: every rank's calls and bytes as planned, except the
 # all-to-alls' bytes, which follow the router; summed over an ep group they do not (what one member
 # sends, another receives), so that sum is ep times the planner's uniform-routing figure.
-MOE_MESHES = [  # dp, tp, pp, ep, microbatches, expert_dispatch
-    (2, 1, 1, 2, 1, "all_to_all"),
-    (2, 2, 1, 4, 1, "all_to_all"),  # tokens split over tp: the tp all-gathers of the split
-    (2, 1, 2, 2, 2, "all_to_all"),
-    (2, 2, 1, 2, 1, "all_to_all"),  # the ep group inside tp; the experts' gradient buckets over the 2 ranks holding them
+MOE_MESHES = [  # dp, tp, pp, ep, microbatches, expert_dispatch, recompute
+    (2, 1, 1, 2, 1, "all_to_all", None),
+    (2, 2, 1, 4, 1, "all_to_all", None),  # tokens split over tp: the tp all-gathers of the split
+    (2, 1, 2, 2, 2, "all_to_all", None),
+    (2, 2, 1, 2, 1, "all_to_all", None),  # the ep group inside tp; the experts' gradient buckets over the 2 ranks holding them
     # the all-gather dispatch: its bytes follow the shapes, not the router, so every rank's equal the estimate
-    (2, 1, 1, 2, 1, "all_gather"),
-    (2, 2, 1, 4, 1, "all_gather"),
-    (2, 1, 2, 2, 2, "all_gather"),
+    (2, 1, 1, 2, 1, "all_gather", None),
+    (2, 2, 1, 4, 1, "all_gather", None),
+    (2, 1, 2, 2, 2, "all_gather", None),
+    # recomputation reruns the gathers (the experts' call saves after them), not the sum back
+    (2, 1, 1, 2, 1, "all_gather", "full"),
 ]
 
 
-def moe_measure(*, dp: int, tp: int, pp: int, ep: int, microbatches: int, expert_dispatch: str = "all_to_all") -> dict:
+def moe_measure(*, dp: int, tp: int, pp: int, ep: int, microbatches: int, expert_dispatch: str = "all_to_all",
+                recompute: str | None = None) -> dict:
     config = moe_config("qwen3_moe")
     pm = qn_hf.parallelize(build(config, seed=0), dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches,
-                           bucket_mb=BUCKET_MB, mesh=mesh_for(dp, tp, pp), expert_dispatch=expert_dispatch)
+                           bucket_mb=BUCKET_MB, mesh=mesh_for(dp, tp, pp), expert_dispatch=expert_dispatch,
+                           recompute=recompute)
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(3, config.vocab_size, (dp * 2 * microbatches, SEQ), generator=gen)
     batch = dp_slice({"input_ids": ids, "labels": ids.clone()}, dp=dp, dp_rank=pm.coords["dp"])
@@ -352,14 +356,15 @@ def moe_measure(*, dp: int, tp: int, pp: int, ep: int, microbatches: int, expert
             "ops": {f"{g}:{op}": [t.calls, t.nbytes] for (g, op), t in meter.totals().items()}}
 
 
-@pytest.mark.parametrize(("dp", "tp", "pp", "ep", "microbatches", "dispatch"), MOE_MESHES)
-def test_planner_matches_expert_parallel_traffic(worlds, dp, tp, pp, ep, microbatches, dispatch):
+@pytest.mark.parametrize(("dp", "tp", "pp", "ep", "microbatches", "dispatch", "recompute"), MOE_MESHES)
+def test_planner_matches_expert_parallel_traffic(worlds, dp, tp, pp, ep, microbatches, dispatch, recompute):
     config = moe_config("qwen3_moe", architectures=["Qwen3MoeForCausalLM"])
     plan = estimate_mesh(config, ParallelConfig.from_keywords(dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches,
-                                                              bucket_mb=BUCKET_MB, expert_dispatch=dispatch),
+                                                              bucket_mb=BUCKET_MB, expert_dispatch=dispatch,
+                                                              recompute=recompute),
                          seq_len=SEQ, micro_batch_size=2, backend="gloo")
     measured = worlds.run(dp * tp * pp, moe_measure, dp=dp, tp=tp, pp=pp, ep=ep,
-                          microbatches=microbatches, expert_dispatch=dispatch)
+                          microbatches=microbatches, expert_dispatch=dispatch, recompute=recompute)
     a2a = "ep:all_to_all_single"
     group_sums: dict[tuple[int, int], list[int]] = {}  # (stage, ep group) -> [bytes measured, planned]
     for r in measured:

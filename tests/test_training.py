@@ -59,12 +59,15 @@ def test_resume_is_the_default_and_no_resume_starts_over(tmp_path):
     assert load_config(parser.parse_args(["--config", str(path)])).resume is None
     assert load_config(parser.parse_args(["--config", str(path), "--resume"])).resume == "latest"  # command line wins
     assert load_config(parser.parse_args(["--async-save"])).async_save is True
+    gathered = load_config(parser.parse_args(["--ep", "2", "--expert-dispatch", "all_gather", "--microbatches", "1"]))
+    assert gathered.expert_dispatch == "all_gather" and gathered.parallel_config(world=4).expert_dispatch == "all_gather"
 
 
 @pytest.mark.parametrize("text, message", [
     ("mesh: [2, 2]\n", "mesh must be three integers"),
     ("mesh_shape: [1, 1, 1]\n", "unknown option(s) ['mesh_shape']"),
     ("schedule: zigzag\n", "schedule 'zigzag' is not one of"),
+    ("expert_dispatch: all_scatter\n", "expert_dispatch 'all_scatter' is not one of ['all_gather', 'all_to_all']"),
     ("steps: ten\n", "steps must be a int"),
     ("export: 1\n", "export must be true or false"),
     ("- just\n- a list\n", "must hold a mapping"),

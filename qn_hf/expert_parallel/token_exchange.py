@@ -61,8 +61,7 @@ def _sum_blocks(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Block j of every member's ``x`` (equal blocks along dim 0), summed, on member j. A reduce-scatter,
     written as an equal all-to-all and a sum here: the sum runs in float32 whatever the rows' dtype (NCCL's
     reduce-scatter adds in the dtype it is given, one rounding per member in bf16; float64 stays float64), in
-    member order on every
-    backend, so a run gives the same bits on gloo and NCCL."""
+    member order on every backend, so a run gives the same bits on gloo and NCCL."""
     size = group_size(group)
     received = torch.empty_like(x)
     dist.all_to_all_single(received, x.contiguous(), group=group)

@@ -323,7 +323,11 @@ def run_auto(args: argparse.Namespace, config, *, seq_len: int, hw: Hardware, ca
     fixed = {**{str(k): v for k, v in explicit.items()}, "mixed_precision": MIXED_PRECISION[args.dtype],
              "sequence_parallel": args.sequence_parallel,
              **{k: v for k, v in (("recompute", args.recompute), ("cp", args.cp), ("ep", args.ep),
-                                  ("dp_shard", args.dp_shard)) if v not in (None, "all")}}
+                                  ("dp_shard", args.dp_shard)) if v not in (None, "all")},
+             # the options parallelize takes as they are, kept where they differ from its defaults
+             **{k: v for k, v in (("dp_shard_gather", Gather(args.dp_shard_gather)),
+                                  ("expert_dispatch", Dispatch(args.expert_dispatch)))
+                if v not in (Gather.STEP, Dispatch.ALL_TO_ALL)}}
     try:
         choice = auto_plan(config, global_batch=args.global_batch, seq_len=seq_len, world_size=args.gpus,
                            device_memory=args.gpu_memory, calibration=calibration, fixed=fixed,

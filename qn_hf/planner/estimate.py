@@ -326,7 +326,7 @@ class Planner:
         checked = self._check(parallel, zero=False)
         plan, stage_plan = checked.tp_plan, checked.stage_plan
         traced = self._traced(parallel, plan, stage_plan)
-        traced = {**traced, "ep": 1, "loaded_experts": False} if traced["edges"] is None else traced
+        traced = {**traced, "ep": 1, "loaded_experts": False, "gather": False} if traced["edges"] is None else traced
         try:
             base = self._recording(plan, stage_plan.layers, recompute=None, **traced)
         except ValueError:

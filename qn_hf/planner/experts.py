@@ -66,9 +66,14 @@ class ExpertCall:
     hidden: int  # H
     hidden_elem: int  # bytes per element of the hidden states (and of their gradients)
     weights_elem: int  # of the routing weights; 0 when they need no gradient
-    routing_elem: int = 4  # of the routing weights, whether or not they need a gradient (the all-gather sends them)
-    rerun: bool = False  # recomputation runs the dispatch's all-to-alls again (set by the trace)
-    gather_rerun: bool = False  # and the tp gather of the outputs (set by the trace)
+    # of the routing weights, whether or not they need a gradient (the all-gather dispatch sends them); float32's
+    # where a caller builds a call by hand
+    routing_elem: int = 4
+    # recomputation runs the dispatch's forward exchanges again: the all-to-alls, or the all-gather dispatch's
+    # gathers (set by the trace)
+    rerun: bool = False
+    # and what ends the call: the tp gather of the outputs, and the all-gather dispatch's sum back (set by the trace)
+    gather_rerun: bool = False
 
     def local_tokens(self, tp: int) -> int:
         """T_local: tp rank 0's share (the largest), which every tp rank's gathers are padded to."""
@@ -99,8 +104,9 @@ def moe_regions(model: nn.Module, plan: TpPlan) -> frozenset[str]:
 class ExpertsStandIn:
     """While entered, ``model``'s fused experts run through the stand-in (see the module
     docstring). ``note(call, gather)`` receives every call (its ``module`` left for the caller,
-    which knows what is running) once its all-to-alls ran (``gather`` False; at ep=1, when it
-    starts) and with tp > 1 again after the tp gather of its outputs (``gather`` True), so that
+    which knows what is running) once its all-to-alls (the all-gather dispatch's gathers) ran (``gather``
+    False; at ep=1, when it starts) and again when the call ends (``gather`` True): with tp > 1 after the
+    tp gather of its outputs, with the all-gather dispatch after the sum back, so that
     the trace can tell which of them a recomputation repeats. ``inside``: whether the stand-in is
     allocating (tensors of one tp rank's size)."""
 

@@ -120,6 +120,11 @@ class Configured(NamedDegrees):
         return self.parallel.dp_shard_gather.value
 
     @property
+    def expert_dispatch(self) -> str:
+        """How ep moves tokens: the all-to-all or the all-gather (config.options.Dispatch)."""
+        return self.parallel.expert_dispatch.value
+
+    @property
     def expert_replicas(self) -> int:
         """Ranks of a stage holding the same experts (summing their gradients): dp x tp / ep x cp."""
         return self.dims.expert_replicas
@@ -184,7 +189,7 @@ class MeshEstimate(Configured):
                 "mixed_precision": self.mixed_precision, "zero": self.zero, "recompute": self.recompute,
                 "sequence_parallel": self.sequence_parallel, "cp": d.cp, "ep": d.ep,
                 "expert_flop_share": self.expert_flop_share, "virtual_stages": self.virtual_stages,
-                "dp_shard": d.dp_shard, "dp_shard_gather": self.dp_shard_gather}
+                "dp_shard": d.dp_shard, "dp_shard_gather": self.dp_shard_gather, "expert_dispatch": self.expert_dispatch}
 
 
 @dataclass(frozen=True)

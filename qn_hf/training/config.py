@@ -316,7 +316,7 @@ def _mesh(value: Any) -> tuple[int, int, int] | str:
 
 
 def _check(cfg: TrainConfig) -> None:
-    from ..config.options import Precision, Recompute
+    from ..config.options import Dispatch, Precision, Recompute
     from ..config.schedule import SCHEDULES
 
     if cfg.task not in TASKS:
@@ -324,7 +324,8 @@ def _check(cfg: TrainConfig) -> None:
     if cfg.schedule not in SCHEDULES:
         raise UsageError(f"schedule {cfg.schedule!r} is not one of {sorted(SCHEDULES)}")
     for name, value, choices in (("mixed_precision", cfg.mixed_precision, Precision.values()),
-                                 ("recompute", cfg.recompute, Recompute.values())):
+                                 ("recompute", cfg.recompute, Recompute.values()),
+                                 ("expert_dispatch", cfg.expert_dispatch, Dispatch.values())):
         if value is not None and value not in choices:
             raise UsageError(f"{name} {value!r} is not one of {sorted(choices)}")
     positive = {"batch_size": cfg.batch_size, "steps": cfg.steps, "seq_len": cfg.seq_len, "ep": cfg.ep,
