@@ -200,10 +200,10 @@ def apply_expert_parallel(model: nn.Module, *, route: ExpertRoute, ep_rank: int)
             if lora is not None:
                 specs.update(_shard_expert_lora(model, lora, route=route, ep_rank=ep_rank))
         module.num_experts = route.local
-        if route.gathering is not None and not is_stacked_experts(module):
-            skip_expert_sentinels(module)  # transformers' own switch: sentinel ids left out (dispatch.py)
         if is_stacked_experts(module):
             stacked_expert_hooks(module, route=route)
+        elif route.gathering is not None:
+            skip_expert_sentinels(module)  # transformers' own switch: sentinel ids left out (dispatch.py)
     _replace_experts(model, "qn_hf_ep", lambda local: expert_parallel_forward(route, local))
     return specs
 

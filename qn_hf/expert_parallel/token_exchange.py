@@ -86,24 +86,24 @@ class _GatherBlocks(torch.autograd.Function):
         return (_sum_blocks(grad, ctx.group) if ctx.gather else _gather_blocks(grad, ctx.group)), None, None
 
 
+def _blocks(x: torch.Tensor, group: ProcessGroup, *, gather: bool) -> torch.Tensor:
+    if group_size(group) == 1:
+        return x
+    if not x.requires_grad:  # integers (the choices), or no autograd: the collective alone
+        return _gather_blocks(x, group) if gather else _sum_blocks(x, group)
+    return _GatherBlocks.apply(x, group, gather)
+
+
 def gather_blocks(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
     """Every member's ``x`` (the same shape on each), concatenated along dim 0 in member order; the
     gradient of this member's block comes back summed over every member's use of it."""
-    if group_size(group) == 1:
-        return x
-    if not x.requires_grad:
-        return _gather_blocks(x, group)
-    return _GatherBlocks.apply(x, group, True)
+    return _blocks(x, group, gather=True)
 
 
 def sum_blocks(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
     """The inverse of ``gather_blocks``: ``x`` holds one equal block per member along dim 0; member j
     gets the sum of every member's block j (float32 sums, ``_sum_blocks``)."""
-    if group_size(group) == 1:
-        return x
-    if not x.requires_grad:
-        return _sum_blocks(x, group)
-    return _GatherBlocks.apply(x, group, False)
+    return _blocks(x, group, gather=False)
 
 
 def exchange_counts(counts: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
