@@ -39,7 +39,7 @@ from .placement import ShardPlacement
 from .step.batch import batch_signature, check_same_batch, dp_rows
 from .step.generation import parallel_generate, switched_off
 from .step.logits import LogitsFn, collect_logits
-from .step.loss import local_count, loss_scales, nan_without_targets, problem_type, summed_loss, term_weights
+from .step.loss import local_count, loss_scales, nan_without_targets, problem_type, scaled, summed_loss, term_weights
 from .step.runner import StepContext, forward_inputs, prepare, run_schedule, trusted
 from .tensor_parallel.apply import VocabShard
 from .tensor_parallel.plan import TpPlan
@@ -290,28 +290,27 @@ class ParallelModel(CheckpointMethods):
             """One microbatch through one of this stage's chunks: the activation to send, or on the
             last chunk the microbatch's share of the global loss (what backward starts from)."""
             nonlocal total
-            inputs = forward_inputs(self.context, prepared, mb, builtin=builtin, last=self.stage.is_last_chunk(chunk),
-                                    dropped=loss_keys)
-            with routers or contextlib.nullcontext(), trusted(self.context, prepared):  # router_loss.py, host_masks.py
+            last = self.stage.is_last_chunk(chunk)
+            inputs = forward_inputs(self.context, prepared, mb, builtin=builtin, last=last, dropped=loss_keys)
+            chunked = self.context.loss_chunks if last and builtin else None  # the loss a chunk at a time (loss_chunks.py)
+            with (routers or contextlib.nullcontext(), trusted(self.context, prepared),  # router_loss.py, host_masks.py
+                  chunked.recording() if chunked else contextlib.nullcontext() as recorded):
                 outputs = self.stage.forward(inputs, received, chunk=chunk, **self.plan.policy.forward_kwargs,
                                              **(routers.forward_kwargs if routers else {}))
-            if not self.stage.is_last_chunk(chunk):
+            if not last:
                 return outputs
             if builtin:
-                sums = summed_loss(outputs, micro[mb], kind=kind, head=self.plan.head, problem=problem,
-                                   group=self.groups.tp,
-                                   vocab=None if self.vocab is None else (self.vocab.start, self.vocab.size))
-                # As a Python float scale did: the products in float32 (float64 for a float64 loss), in its dtype
-                opmath = torch.float64 if sums.dtype == torch.float64 else torch.float32
-                loss = (sums.to(opmath) * scales[mb].to(opmath)).sum().to(sums.dtype)
+                sums = (chunked.summed(recorded, micro[mb], head=self.plan.head, vocab=self.vocab, group=self.groups.tp)
+                        if chunked else summed_loss(outputs, micro[mb], kind=kind, head=self.plan.head,
+                                                    problem=problem, group=self.groups.tp, vocab=self.vocab))
+                loss = scaled(sums, scales[mb])
             else:
                 if cp > 1:  # the same loss of the whole sequences on every cp rank, 1/cp of it each (context_parallel/apply.py)
                     loss = loss_fn(whole_sequence_logits(self._with_full_logits(outputs), layout=self.cp_layout,
                                                          group=self.groups.cp), whole[mb]) / cp
                 else:
                     loss = loss_fn(self._with_full_logits(outputs), micro[mb])
-                opmath = torch.float64 if loss.dtype == torch.float64 else torch.float32
-                loss = (loss.to(opmath) * scales[mb][0].to(opmath)).to(loss.dtype)
+                loss = scaled(loss, scales[mb][0])
             if routers:  # transformers' load-balancing term, this rank's share (router_loss.py)
                 loss = loss + routers.loss(micro[mb].get(LOCAL_VALID, micro[mb].get("attention_mask")))
             total += loss.detach().to(total.dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -107,12 +108,26 @@ def optimizer_step(pm: qn_hf.ParallelModel, opt, *, seed: int) -> float:
     return loss.item()
 
 
+@contextlib.contextmanager
+def head_rows(pm: qn_hf.ParallelModel):
+    """The number of positions of each output the model's head gives inside the ``with`` (empty on a
+    stage without the real head)."""
+    seen: list[int] = []
+    head = pm.module.get_output_embeddings() if pm.stage.is_last else None
+    handle = head.register_forward_hook(lambda _m, _a, out: seen.append(out.shape[:-1].numel())) if head else None
+    try:
+        yield seen
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
 def parity(*, kind: str, model_dir: str, out_dir: str, dp: int, tp: int, pp: int = 1, microbatches: int = 1,
            schedule: str = "1f1b", layers_per_stage: list[int] | None = None, padded: bool = False,
            per_rank: int = 2, bucket_mb: float = 25.0, sequence_parallel: bool = False, cp: int = 1,
            packed: bool = False, seq: int = 12, virtual_stages: int = 1, rows: int | None = None,
            frozen: tuple[str, ...] = (), recompute: str | None = None, dp_shard: int = 1,
-           dp_shard_gather: str = "step") -> dict:
+           dp_shard_gather: str = "step", loss_chunk_tokens: int | None = None) -> dict:
     """Forward, loss, every gradient, grad norm and weights after an optimizer step against the plain model.
     ``rows`` (default ``per_rank * microbatches``) is each dp rank's batch size, which the
     microbatches need not divide. Parameters under the ``frozen`` prefixes get ``requires_grad=False``
@@ -123,7 +138,7 @@ def parity(*, kind: str, model_dir: str, out_dir: str, dp: int, tp: int, pp: int
                            schedule=schedule, layers_per_stage=layers_per_stage, bucket_mb=bucket_mb,
                            mesh=mesh_for(dp, tp, pp, cp), sequence_parallel=sequence_parallel,
                            virtual_stages=virtual_stages, recompute=recompute, dp_shard=dp_shard,
-                           dp_shard_gather=dp_shard_gather)
+                           dp_shard_gather=dp_shard_gather, loss_chunk_tokens=loss_chunk_tokens)
     full_numel = {n: p.numel() for n, p in ref.named_parameters(remove_duplicate=False)}
 
     batch = make_batch(kind, size=dp * (rows or per_rank * microbatches), seed=7, padded=padded, packed=packed, seq=seq)
@@ -144,7 +159,8 @@ def parity(*, kind: str, model_dir: str, out_dir: str, dp: int, tp: int, pp: int
             logit_err = (logits - ref_logits).abs().max().item()
     eval_loss = pm.eval_step(local).item()
 
-    loss = pm.train_step(local)
+    with head_rows(pm) as rows_seen:
+        loss = pm.train_step(local)
     ref.train()
     ref_loss = ref(**batch_for_ref).loss
     ref_loss.backward()
@@ -196,6 +212,7 @@ def parity(*, kind: str, model_dir: str, out_dir: str, dp: int, tp: int, pp: int
         "bucketed": None if pm.buckets is None else sum(p.numel() for p in pm.buckets.params),
         "trainable": sum(p.numel() for p in pm.parameters() if p.requires_grad),
         "full_total": sum(full_numel.values()),
+        "head_rows": rows_seen,  # the rows of each logits the head made in the step (this stage's)
     }
 
 

@@ -54,6 +54,10 @@ CONFIGS["llama_deep"] = LlamaConfig(**{**CONFIGS["llama"].to_dict(), "num_hidden
 CONFIGS["gemma4"] = shrink_config(AutoConfig.for_model("gemma4_text"))
 CONFIGS["gemma3n"] = shrink_config(AutoConfig.for_model("gemma3n_text"), layers=6)
 CONFIGS["qwen3_moe"] = shrink_config(AutoConfig.for_model("qwen3_moe"))  # 4 experts, 2 a token
+# What the task forward does to the logits after the head, which the chunked loss must run as it is:
+# Gemma 2's soft-capping (tied head) and Granite's divisor.
+CONFIGS["gemma2"] = shrink_config(AutoConfig.for_model("gemma2", final_logit_softcapping=2.0))
+CONFIGS["granite"] = shrink_config(AutoConfig.for_model("granite", logits_scaling=4.0))
 VISION = {"vit"}
 
 

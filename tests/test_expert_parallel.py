@@ -31,7 +31,7 @@ EP_CASES = [(model_type, *mesh) for mesh in MESHES for model_type in MOE_MODELS]
 ]
 
 
-def _check(results: list[dict], *, ep: int) -> None:
+def check_experts(results: list[dict], *, ep: int) -> None:
     first = results[0]
     for r in results:
         assert abs(r["loss"] - r["ref_loss"]) <= LOSS_RTOL * abs(r["ref_loss"]), r
@@ -45,7 +45,7 @@ def _check(results: list[dict], *, ep: int) -> None:
 def test_expert_parallel_equals_plain_model(worlds, tmp_path, model_type, dp, tp, pp, ep, microbatches):
     results = worlds.run(dp * tp * pp, ep_cases.ep_parity, model_type=model_type, out_dir=str(tmp_path / "hf"),
                          dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches)
-    _check(results, ep=ep)
+    check_experts(results, ep=ep)
     assert all(r["ep_gathers"] == 0 for r in results), results  # the default: the all-to-all
 
 
@@ -54,7 +54,7 @@ def test_expert_parallel_with_gpipe_equals_plain_model(worlds, tmp_path):
     """The composition table's ep x gpipe row: dp=2 x pp=2 with GPipe, experts over ep=2."""
     results = worlds.run(4, ep_cases.ep_parity, model_type="mixtral", out_dir=str(tmp_path / "hf"), dp=2, tp=1, pp=2,
                          ep=2, microbatches=2, schedule="gpipe")
-    _check(results, ep=2)
+    check_experts(results, ep=2)
 
 
 @pytest.mark.parametrize(("model_type", "skew", "dp", "tp", "ep"), [
@@ -64,7 +64,7 @@ def test_expert_parallel_with_gpipe_equals_plain_model(worlds, tmp_path):
 def test_expert_parallel_with_skewed_routing(worlds, tmp_path, model_type, skew, dp, tp, ep):
     results = worlds.run(dp * tp, ep_cases.ep_parity, model_type=model_type, out_dir=str(tmp_path / "hf"),
                          dp=dp, tp=tp, pp=1, ep=ep, skew=skew)
-    _check(results, ep=ep)
+    check_experts(results, ep=ep)
     counts = results[0]["expert_counts"]
     if skew == "empty_rank":  # every token at experts 0 and 1: the second ep rank received no rows
         assert counts[2] == counts[3] == 0 and counts[0] > 0, counts
@@ -83,14 +83,14 @@ def test_router_aux_loss_equals_plain_model(worlds, tmp_path, model_type, dp, tp
     overrides = {"output_router_logits": True, "router_aux_loss_coef": 0.5}  # large: a wrong term shows
     results = worlds.run(dp * tp, ep_cases.ep_parity, model_type=model_type, out_dir=str(tmp_path / "hf"),
                          dp=dp, tp=tp, pp=1, ep=ep, overrides=overrides, padded=padded)
-    _check(results, ep=ep)
+    check_experts(results, ep=ep)
 
 
 def test_expert_parallel_with_fewer_tokens_than_tp_ranks(worlds, tmp_path):
     """3 tokens over tp=4: the last tp rank's share is empty; it still takes part in every exchange."""
     results = worlds.run(4, ep_cases.ep_parity, model_type="mixtral", out_dir=str(tmp_path / "hf"), dp=1, tp=4,
                          pp=1, ep=2, per_rank=1, seq=3)
-    _check(results, ep=2)
+    check_experts(results, ep=2)
 
 
 @pytest.mark.parametrize(("model_type", "dp", "tp", "pp", "ep", "recompute"), [
@@ -102,7 +102,7 @@ def test_expert_parallel_with_recomputation(worlds, tmp_path, model_type, dp, tp
     """Recomputing a block in backward runs its all-to-alls again, on every rank of the ep group alike."""
     results = worlds.run(dp * tp * pp, ep_cases.ep_parity, model_type=model_type, out_dir=str(tmp_path / "hf"),
                          dp=dp, tp=tp, pp=pp, ep=ep, microbatches=max(pp, 1), recompute=recompute)
-    _check(results, ep=ep)
+    check_experts(results, ep=ep)
 
 
 def test_expert_parallel_checkpoints_move_between_ep_degrees(worlds, tmp_path):
@@ -286,7 +286,7 @@ def test_expert_parallel_with_schedules_equals_plain_model(worlds, tmp_path, sch
     pair up; the experts' fused weights are not deferred linears, their gradients come in B."""
     results = worlds.run(4, ep_cases.ep_parity, model_type="qwen3_moe", out_dir=str(tmp_path / "hf"), dp=2, tp=1,
                          pp=2, ep=2, microbatches=2, schedule=schedule, virtual_stages=virtual_stages)
-    _check(results, ep=2)
+    check_experts(results, ep=2)
 
 
 @pytest.mark.parametrize(("model_type", "dp", "tp", "cp", "ep", "router_loss"), [
@@ -301,7 +301,7 @@ def test_expert_parallel_with_context_parallel_equals_plain_model(worlds, tmp_pa
     overrides = {"output_router_logits": True, "router_aux_loss_coef": 0.5} if router_loss else {}
     results = worlds.run(dp * tp * cp, ep_cases.ep_parity, model_type=model_type, out_dir=str(tmp_path / "hf"),
                          dp=dp, tp=tp, pp=1, ep=ep, cp=cp, overrides=overrides, padded=router_loss)
-    _check(results, ep=ep)
+    check_experts(results, ep=ep)
 
 
 @pytest.mark.parametrize(("model_type", "dp", "tp", "cp", "ep", "router_loss"), [
@@ -319,7 +319,7 @@ def test_expert_parallel_with_sequence_parallelism_equals_plain_model(worlds, tm
     results = worlds.run(dp * tp * cp, ep_cases.ep_parity, model_type=model_type, out_dir=str(tmp_path / "hf"),
                          dp=dp, tp=tp, pp=1, ep=ep, cp=cp, overrides=overrides, padded=router_loss,
                          sequence_parallel=True)
-    _check(results, ep=ep)
+    check_experts(results, ep=ep)
 
 
 @pytest.mark.parametrize(("model_type", "dp", "tp", "ep", "dispatch"), [
@@ -394,7 +394,7 @@ def test_all_gather_dispatch_equals_plain_model(worlds, tmp_path, model_type, dp
     results = worlds.run(dp * tp * pp * cp, ep_cases.ep_parity, model_type=model_type, out_dir=str(tmp_path / "hf"),
                          dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, microbatches=microbatches, expert_dispatch="all_gather",
                          **extras)
-    _check(results, ep=ep)
+    check_experts(results, ep=ep)
     assert all(r["ep_gathers"] > 0 for r in results), results  # the step ran the all-gather dispatch
     if extras.get("skew") == "empty_rank":  # the second rank's experts got no token: sentinels only
         assert results[0]["expert_counts"][2:] == [0, 0], results[0]

@@ -30,7 +30,7 @@ def test_mixed_precision_trains_like_the_plain_model_by_hand(worlds, model_dirs,
     which differs with the mesh (sums split over tp and microbatches round differently)."""
     results = worlds.run(dp * tp * pp, optim_cases.mixed_parity, kind=kind, model_dir=model_dirs[kind], dp=dp,
                          tp=tp, pp=pp, microbatches=microbatches, zero=zero, precision=precision, schedule=schedule)
-    _check_mixed(results, precision)
+    check_mixed(results, precision)
 
 
 COMPOSED_CASES = [  # kind, dp, tp, pp, zero, precision, recompute, sequence_parallel: the composition table's rows
@@ -52,10 +52,10 @@ def test_mixed_precision_composes_with_sequence_parallelism_and_recomputation(wo
     results = worlds.run(dp * tp * pp * cp, optim_cases.mixed_parity, kind=kind, model_dir=model_dirs[kind], dp=dp,
                          tp=tp, pp=pp, microbatches=2, zero=zero, precision=precision, recompute=recompute,
                          sequence_parallel=sp, cp=cp)
-    _check_mixed(results, precision)
+    check_mixed(results, precision)
 
 
-def _check_mixed(results: list[dict], precision: str) -> None:
+def check_mixed(results: list[dict], precision: str) -> None:
     low = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[precision]
     for r in results:
         assert r["param_dtypes"] == [low], r

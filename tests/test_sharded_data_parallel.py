@@ -192,11 +192,11 @@ def test_sharded_data_parallel_with_expert_parallelism_equals_plain_model(worlds
     (their gradients summed there, as without dp_shard); the rest is sharded over dp_shard. Under a
     pipeline the experts' groups are gathered once a step, as the blocks are."""
     from tests.ep_cases import ep_parity
-    from tests.test_expert_parallel import _check
+    from tests.test_expert_parallel import check_experts
 
     results = worlds.run(dp * tp * pp, ep_parity, model_type="qwen3_moe", out_dir=str(tmp_path / "hf"), dp=dp, tp=tp,
                          pp=pp, ep=ep, dp_shard=dp_shard, microbatches=2 if pp > 1 else 1)
-    _check(results, ep=ep)
+    check_experts(results, ep=ep)
 
 
 @pytest.mark.long

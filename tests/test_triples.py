@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests import cases, ep_cases
-from tests.test_expert_parallel import BF16_WEIGHT_ATOL, LOSS_RTOL, WEIGHT_ATOL, _check, assert_resumes_like
+from tests.test_expert_parallel import BF16_WEIGHT_ATOL, LOSS_RTOL, WEIGHT_ATOL, assert_resumes_like, check_experts
 from tests.test_parity import check
 
 # without recomputation in make test; both recompute modes under make test-all (the long marker)
@@ -52,7 +52,7 @@ def test_dp_tp_ep_cp_equals_plain_model(worlds, tmp_path, recompute):
     """dp=2 x tp=2 x cp=2 with experts over ep=2 (DeepSeek-V3's routing, its shared expert over tp)."""
     results = worlds.run(8, ep_cases.ep_parity, model_type="deepseek_v3", out_dir=str(tmp_path / "hf"), dp=2, tp=2,
                          pp=1, ep=2, cp=2, recompute=recompute)
-    _check(results, ep=2)
+    check_experts(results, ep=2)
 
 
 def test_composed_checkpoint_moves_between_meshes(worlds, tmp_path):

@@ -65,6 +65,7 @@ def parallelize(
     dp_shard: int = 1,
     dp_shard_gather: str = "step",
     expert_dispatch: str = "all_to_all",
+    loss_chunk_tokens: int | None = None,
     global_batch: int | None = None,
     seq_len: int | None = None,
     calibration: Calibration | str | None = None,
@@ -95,7 +96,7 @@ def parallelize(
     ``fully_shard`` (data_parallel/sharded.py), under a pipeline gathered once a step or per microbatch
     (``dp_shard_gather``: "step" or "microbatch"). ``expert_dispatch`` ("all_to_all" or "all_gather") is how
     ep moves tokens: the least traffic with one device wait per MoE call, or none at ep times the traffic
-    (``config.options.Dispatch``).
+    (``config.options.Dispatch``). ``loss_chunk_tokens``: a causal LM's loss that many tokens at a time (step/loss_chunks.py).
 
     ``mesh="auto"`` lets the planner choose the configuration (``qn_hf.auto_config``): the fastest it
     predicts that fits, training exactly ``global_batch`` sequences of ``seq_len`` tokens per step
@@ -110,7 +111,7 @@ def parallelize(
                 "virtual_stages": virtual_stages, "layers_per_stage": layers_per_stage, "bucket_mb": bucket_mb,
                 "mixed_precision": mixed_precision, "recompute": recompute, "sequence_parallel": sequence_parallel,
                 "compile": compile, "dp_shard": dp_shard, "dp_shard_gather": dp_shard_gather,
-                "expert_dispatch": expert_dispatch}
+                "expert_dispatch": expert_dispatch, "loss_chunk_tokens": loss_chunk_tokens}
     try:
         if getattr(model, _MARK, False):
             raise ValueError("this model is already parallelized; load a fresh copy to parallelize it again")

@@ -39,6 +39,7 @@ class Feature(Choice):
     BF16 = "bf16"
     FP16 = "fp16"
     RECOMPUTE = "recompute"
+    LOSS_CHUNKS = "loss chunks"  # loss_chunk_tokens: a causal LM's loss a chunk of tokens at a time
     LORA = "lora"
     GENERATE = "generate"
     TRAINER = "trainer"
@@ -96,6 +97,7 @@ _COMPILED_NEW = "tests/test_compile.py::test_compiled_with_ring_experts_and_zero
 _TRAINER_RESUME = "tests/test_trainer.py::test_trainer_accumulation_clipping_checkpoint_and_resume_at_another_mesh"
 _RC = "tests/test_recompute.py::test_recompute_is_bit_for_bit"
 _TRAINER = "tests/test_trainer.py::test_trainer_composes_with_schedules_recompute_and_sp"
+_LC = "tests/test_long_context.py::test_loss_chunks"
 _RC_SCHEDULES = "tests/test_recompute.py::test_recompute_with_new_schedules"
 _FSDP = "tests/test_sharded_data_parallel.py::test_sharded_data_parallel_equals_plain_model"
 _FSDP_PP = "tests/test_sharded_data_parallel.py::test_sharded_data_parallel_with_pipeline_equals_plain_model"
@@ -317,6 +319,26 @@ ROWS: tuple[Row, ...] = (
     Row(F.LORA, F.COMPILE, S.EQUIVALENT, "tests/test_compile.py::test_compiled_lora"),
     Row(F.GENERATE, F.COMPILE, S.PLAIN, "tests/test_compile.py::test_compiled_generate_equals_plain_model[2-1]"),
     Row(F.TRAINER, F.COMPILE, S.EQUIVALENT, "tests/test_compile.py::test_trainer_with_torch_compile"),
+    # the loss a chunk of positions at a time (loss_chunk_tokens): the task forward's own head code (step/loss_chunks.py)
+    Row(F.LOSS_CHUNKS, F.DP, S.PLAIN, f"{_LC}_equal_plain_model[llama-dp2]"),
+    Row(F.LOSS_CHUNKS, F.TP, S.PLAIN, f"{_LC}_equal_plain_model[gemma2-tp2]"),  # each chunk's loss over the vocabulary shards
+    Row(F.LOSS_CHUNKS, F.SP, S.PLAIN, f"{_LC}_equal_plain_model[gpt2-tp2-sp]"),
+    Row(F.LOSS_CHUNKS, F.CP, S.PLAIN, f"{_LC}_equal_plain_model[llama-cp2]"),
+    Row(F.LOSS_CHUNKS, F.PP_1F1B, S.PLAIN, f"{_LC}_equal_plain_model[llama-dp2-pp2-1f1b]"),
+    Row(F.LOSS_CHUNKS, F.PP_GPIPE, S.PLAIN, f"{_LC}_equal_plain_model[llama-tp2-pp2-gpipe]"),
+    Row(F.LOSS_CHUNKS, F.PP_INTERLEAVED, S.PLAIN, f"{_LC}_equal_plain_model[llama_deep-pp2-interleaved_1f1b]"),
+    Row(F.LOSS_CHUNKS, F.PP_ZB_H1, S.PLAIN, f"{_LC}_equal_plain_model[llama-pp2-zb_h1]"),
+    Row(F.LOSS_CHUNKS, F.EP, S.PLAIN, f"{_LC}_with_expert_parallelism[all_to_all]"),
+    Row(F.LOSS_CHUNKS, F.EP_ALL_GATHER, S.PLAIN, f"{_LC}_with_expert_parallelism[all_gather]"),
+    Row(F.LOSS_CHUNKS, F.DP_SHARD, S.PLAIN, f"{_LC}_equal_plain_model[llama-dp2-shard2-full]"),  # in FSDP's root gather
+    Row(F.LOSS_CHUNKS, F.ZERO, S.PLAIN, f"{_LC}_with_lora_zero_and_generate"),
+    Row(F.LOSS_CHUNKS, F.BF16, S.PLAIN, f"{_LC}_in_mixed_precision[dp2-zero-bf16]"),
+    Row(F.LOSS_CHUNKS, F.FP16, S.PLAIN, f"{_LC}_in_mixed_precision[tp2-sp-fp16]"),
+    Row(F.LOSS_CHUNKS, F.RECOMPUTE, S.PLAIN, f"{_LC}_equal_plain_model[llama-dp2-shard2-full]"),
+    Row(F.LOSS_CHUNKS, F.LORA, S.PLAIN, f"{_LC}_with_lora_zero_and_generate"),
+    Row(F.LOSS_CHUNKS, F.GENERATE, S.PLAIN, f"{_LC}_with_lora_zero_and_generate"),  # generate computes no loss
+    Row(F.LOSS_CHUNKS, F.TRAINER, S.PLAIN, f"{_TRAINER}[loss_chunk_tokens=5]"),
+    Row(F.LOSS_CHUNKS, F.COMPILE, S.PLAIN, f"{_COMPILED_NEW}[dp2-loss_chunks]"),
 )
 TABLE: dict[frozenset[Feature], Row] = {row.pair: row for row in ROWS}
 

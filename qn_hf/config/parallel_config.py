@@ -17,7 +17,7 @@ import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from ..arguments import check_choice, check_positive
+from ..arguments import check_choice, check_positive, check_positive_int
 from .composition import Feature
 from .dims import ParallelDims
 from .options import DEFAULT_BUCKET_MB, Dispatch, Gather, Precision, Recompute
@@ -43,6 +43,7 @@ class ParallelConfig:
     compile: bool
     dp_shard_gather: Gather  # dp_shard x pp: gather a stage's weights once a step, or per microbatch
     expert_dispatch: Dispatch  # ep: how tokens travel to their experts (options.Dispatch)
+    loss_chunk_tokens: int | None  # a causal LM's loss this many tokens at a time (step/loss_chunks.py), or whole
 
     def __init__(self, *, dims: ParallelDims | None = None, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1,
                  ep: int = 1, dp_shard: int = 1, microbatches: int = 1,
@@ -51,7 +52,7 @@ class ParallelConfig:
                  mixed_precision: str | Precision | None = None, recompute: str | Recompute | None = None,
                  sequence_parallel: bool = False, compile: bool = False,
                  dp_shard_gather: str | Gather = Gather.STEP,
-                 expert_dispatch: str | Dispatch = Dispatch.ALL_TO_ALL) -> None:
+                 expert_dispatch: str | Dispatch = Dispatch.ALL_TO_ALL, loss_chunk_tokens: int | None = None) -> None:
         degrees = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "dp_shard": dp_shard}
         if dims is None:
             dims = ParallelDims(**degrees)
@@ -69,6 +70,9 @@ class ParallelConfig:
             check_choice("recompute", recompute, Recompute.values())
         check_choice("dp_shard_gather", dp_shard_gather, Gather.values())
         check_choice("expert_dispatch", expert_dispatch, Dispatch.values())
+        if loss_chunk_tokens is not None:
+            check_positive_int("loss_chunk_tokens", loss_chunk_tokens,
+                               fix="it is how many tokens' logits exist at once; None computes the loss at once")
         kind, gather, dispatch = as_schedule(schedule), Gather(dp_shard_gather), Dispatch(expert_dispatch)
         if dispatch is Dispatch.ALL_GATHER and dims.ep == 1:
             raise ValueError("expert_dispatch='all_gather' with ep=1: no experts live on other ranks; set ep > 1 "
@@ -83,7 +87,7 @@ class ParallelConfig:
                   "mixed_precision": None if mixed_precision is None else Precision(mixed_precision),
                   "recompute": None if recompute is None else Recompute(recompute),
                   "sequence_parallel": sequence_parallel, "compile": compile, "dp_shard_gather": gather,
-                  "expert_dispatch": dispatch}
+                  "expert_dispatch": dispatch, "loss_chunk_tokens": loss_chunk_tokens}
         for name, value in values.items():
             object.__setattr__(self, name, value)  # frozen: set once, here
 
@@ -119,6 +123,7 @@ class ParallelConfig:
                 Feature.EP_ALL_GATHER: d.ep > 1 and self.expert_dispatch is Dispatch.ALL_GATHER,
                 Feature.SP: self.sequence_parallel, Feature.COMPILE: self.compile,
                 Feature.RECOMPUTE: self.recompute is not None,
+                Feature.LOSS_CHUNKS: self.loss_chunk_tokens is not None,
                 Feature.BF16: self.mixed_precision is Precision.BF16,
                 Feature.FP16: self.mixed_precision is Precision.FP16}
         found = {feature for feature, on in used.items() if on}

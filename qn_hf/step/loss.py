@@ -17,6 +17,7 @@ from torch.distributed import ProcessGroup
 from ..comm import group_size
 from ..config.options import IGNORE_INDEX, LossKind, ProblemType
 from ..policies.task import SPAN_KEYS, TaskHead
+from ..tensor_parallel.apply import VocabShard
 from .packed import batch_rows
 
 
@@ -190,6 +191,13 @@ def loss_scales(count: torch.Tensor, *, rows: list[int], builtin: bool,
     return [torch.full_like(count, float(n)).div_(count) for n in rows]
 
 
+def scaled(value: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The sum of ``value * scale`` (a microbatch's loss terms and their ``loss_scales``), as a Python float
+    scale made it: the products in float32 (float64 for a float64 loss), the result in ``value``'s dtype."""
+    opmath = torch.float64 if value.dtype == torch.float64 else torch.float32
+    return (value.to(opmath) * scale.to(opmath)).sum().to(value.dtype)
+
+
 def nan_without_targets(loss: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """The plain model's mean over no target is NaN (0/0; its gradients are 0, as the step's are):
     ``loss`` where every term of ``count`` > 0, NaN where not (``torch.where``: no host read)."""
@@ -208,12 +216,31 @@ def _widened(logits: torch.Tensor) -> torch.Tensor:
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
+def position_targets(batch: Mapping[str, torch.Tensor], *, kind: LossKind, head: TaskHead) -> torch.Tensor:
+    """What each position of a per-position loss is scored against: the step's ``targets`` (a causal LM's
+    labels shifted before the forward, under cp), else ``kind``'s targets of the scored labels."""
+    targets = batch.get("targets")
+    return kind.targets(scored_labels(batch, head)) if targets is None else targets
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, *, vocab: VocabShard | None,
+                   group: ProcessGroup) -> torch.Tensor:
+    """The float32 cross-entropy of ``logits`` (``[..., columns]``) against ``targets`` (``[...]``), summed
+    over the targets not ignored: torch's fused kernel where the whole vocabulary is here (``vocab``
+    None, or one tp rank), else the vocab-parallel one over ``group`` (``vocab``: this rank's columns)."""
+    start, size = (vocab.start, vocab.size) if vocab is not None else (0, logits.shape[-1])
+    if vocab is None or group_size(group) == 1:
+        return F.cross_entropy(logits[..., :size].flatten(0, -2).float(), targets.flatten(), reduction="sum")
+    return vocab_parallel_cross_entropy(logits.flatten(0, -2), targets.flatten(), vocab_start=start,
+                                        vocab_size=size, group=group).sum()
+
+
 def summed_loss(outputs, batch: Mapping[str, torch.Tensor], *, kind: LossKind, head: TaskHead,
-                problem: ProblemType | None, vocab: tuple[int, int] | None, group: ProcessGroup) -> torch.Tensor:
+                problem: ProblemType | None, vocab: VocabShard | None, group: ProcessGroup) -> torch.Tensor:
     """The built-in loss of one microbatch as ``[K]`` sums over its items, one per term (``batch``: the
-    microbatch, its ``targets`` a causal LM's labels already shifted under cp). ``vocab`` = (start,
-    size) of this rank's columns when the head is vocab-parallel over ``group``, None when the logits
-    hold the whole vocabulary (padding columns past its size are cut)."""
+    microbatch, its ``targets`` a causal LM's labels already shifted under cp). ``vocab``: this rank's
+    columns when the head is vocab-parallel over ``group``, None when the logits hold the whole
+    vocabulary (padding columns past its size are cut)."""
     if kind is LossKind.OWN:
         return outputs.loss.reshape(1)
     if kind is LossKind.SPANS:
@@ -225,16 +252,8 @@ def summed_loss(outputs, batch: Mapping[str, torch.Tensor], *, kind: LossKind, h
         return torch.stack(sums)
     logits = outputs.logits
     if kind.per_position:
-        targets = batch.get("targets")
-        if targets is None:
-            targets = kind.targets(scored_labels(batch, head))
-        start, size = vocab if vocab is not None else (0, logits.shape[-1])
-        if vocab is None or group_size(group) == 1:  # the whole vocabulary is here: torch's fused kernel
-            summed = F.cross_entropy(logits[..., :size].flatten(0, -2).float(), targets.flatten(), reduction="sum")
-        else:
-            summed = vocab_parallel_cross_entropy(logits.flatten(0, -2), targets.flatten(), vocab_start=start,
-                                                  vocab_size=size, group=group).sum()
-        return summed.reshape(1)
+        return token_loss_sum(logits, position_targets(batch, kind=kind, head=head), vocab=vocab,
+                              group=group).reshape(1)
     labels = scored_labels(batch, head)
     logits = _widened(logits)
     if problem is ProblemType.REGRESSION:

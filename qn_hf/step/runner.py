@@ -13,6 +13,7 @@ chunk: what the steps differ in (a loss and its scale, a router term, or logits 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ from ..tensor_parallel.apply import VocabShard
 from ..tensor_parallel.plan import TpPlan
 from .agreement import agree_on_batch
 from .batch import check_step_batch, microbatch_rows, split_microbatches
+from .loss_chunks import LossChunks
 from .packed import row_layout
 
 # (chunk, microbatch, the activation received or None) -> the activation to send, or on the last chunk
@@ -59,6 +61,12 @@ class StepContext:
     host_masks: HostMasks | None = None  # at cp=1, masks decided from the host batch (context_parallel/host_masks.py)
     # expert_dispatch="all_gather": on while the schedule runs, the step's batches agreed in shape (dispatch.py)
     gather_switch: GatherSwitch | None = None
+
+    @functools.cached_property
+    def loss_chunks(self) -> LossChunks | None:
+        """``loss_chunk_tokens``: the causal-LM loss a chunk of tokens at a time (loss_chunks.py), or None."""
+        tokens = self.config.loss_chunk_tokens
+        return None if tokens is None else LossChunks(self.stage.model, tokens=tokens)
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """All vocabulary columns from vocab-sharded logits (autograd-aware; padding removed)."""
@@ -84,6 +92,8 @@ def prepare(ctx: StepContext, batch: Mapping[str, torch.Tensor], *, loss: LossKi
             contents: bool = True) -> Prepared:
     """Every step's prologue (module docstring); raises on every rank alike before any collective. ``contents``:
     the ranks of a replica agree on their batch's host contents too (agreement.py)."""
+    if ctx.loss_chunks is not None:
+        ctx.loss_chunks.check_builtin(builtin)
     dims, coords, groups = ctx.placement.dims, ctx.placement.coords, ctx.placement.groups
     microbatches = ctx.config.microbatches
     size = agree_on_batch(lambda: check_step_batch(

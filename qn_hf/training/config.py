@@ -59,6 +59,7 @@ class TrainConfig:
     mixed_precision: str | None = None  # "bf16" or "fp16": see qn_hf.parallelize
     zero: bool = False  # ZeRO-1: each dp rank keeps 1/dp of the optimizer state
     recompute: str | None = None  # "full" or "selective" activation recomputation
+    loss_chunk_tokens: int | None = None  # a causal LM's loss this many tokens at a time (see qn_hf.parallelize)
     batch_size: int = 32  # global: split over dp, then into microbatches
     seq_len: int = 128
     steps: int = 200
@@ -172,6 +173,8 @@ _HELP = {
     "(default: the model's dtype)",
     "zero": "ZeRO-1: each dp rank keeps 1/dp of the master weights and optimizer state",
     "recompute": "full or selective: recompute each block's activations in backward (default: keep them)",
+    "loss_chunk_tokens": "lm: compute the loss this many tokens at a time, forward and backward, so the whole "
+    "vocabulary's logits never exist at once (long sequences, large vocabularies); default: at once",
     "batch_size": "global batch size (examples per optimizer step, split over dp and microbatches)",
     "seq_len": "LM tokens per example",
     "min_lr_ratio": "cosine decay ends at lr * min_lr_ratio",
@@ -331,7 +334,8 @@ def _check(cfg: TrainConfig) -> None:
     positive = {"batch_size": cfg.batch_size, "steps": cfg.steps, "seq_len": cfg.seq_len, "ep": cfg.ep,
                 "dp_shard": cfg.dp_shard, "cp": cfg.cp,
                 "virtual_stages": cfg.virtual_stages, "keep_last": cfg.keep_last,
-                **({"microbatches": cfg.microbatches} if cfg.microbatches is not None else {})}
+                **{name: value for name, value in (("microbatches", cfg.microbatches),
+                                                   ("loss_chunk_tokens", cfg.loss_chunk_tokens)) if value is not None}}
     for name, value in positive.items():
         if value < 1:
             raise UsageError(f"{name} must be at least 1, got {value}")

@@ -30,6 +30,7 @@ from ..pipeline.split import StagePlan, build_stage_plan
 from ..policies import resolve_policy
 from ..policies.model_policy import ModelPolicy
 from ..step.compile import check_compile
+from ..step.loss_chunks import check_loss_chunks
 from ..tensor_parallel.plan import TpPlan, build_tp_plan
 from ..tensor_parallel.sequence_parallel import sequence_parallel_plan
 
@@ -110,6 +111,9 @@ def check_parallel_config(model: nn.Module, config: ParallelConfig | None = None
         check_seq2seq_pipeline(stage_plan.seq2seq, dp_shard=dims.dp_shard, compile=config.compile,
                                sequence_parallel=sp, stages=pp)
     kept(("cp", cp, tp, sp), lambda: check_context_parallel(model, cp=cp, plan=tp_plan))
+    kept(("loss chunks", config.loss_chunk_tokens),
+         lambda: check_loss_chunks(model, tokens=config.loss_chunk_tokens, loss=tp_plan.loss,
+                                   seq2seq=stage_plan.seq2seq is not None))
     kept(("ep", ep, tp, sp, config.expert_dispatch),  # (it reads ep, the plan and the dispatch)
          lambda: check_expert_parallel(model, dims=dims, plan=tp_plan, dispatch=config.expert_dispatch))
     tp_plan = kept(("ep plan", tp, sp, ep), lambda: expert_parallel_plan(model, tp_plan, ep=ep))
