@@ -180,10 +180,10 @@ test-newest: $(NEWEST_STAMP)
 # Rewrite docs/composition-table.md from qn_hf/config/composition.py (test_composition checks they agree).
 composition-table: $(STAMP)
 	{ printf '%s\n\n' '# Composition table'; \
-	  printf '%s\n' 'Written by `make composition-table` from `qn_hf/config/composition.py` (`markdown()`); do not' \
+	  printf '%s\n' 'Written by `make composition-table` from `qn_hf/config/composition.py` (`composition_markdown.markdown()`); do not' \
 	    'edit it by hand: `tests/test_composition.py` checks that this file holds the output of `markdown()`.' \
 	    '[composition.md](composition.md) says what the rows and the symbols mean.' ''; \
-	  $(BIN)/python -c "from qn_hf.config.composition import markdown; print(markdown(), end='')"; \
+	  $(BIN)/python -c "from qn_hf.config.composition_markdown import markdown; print(markdown(), end='')"; \
 	} > docs/composition-table.md.tmp
 	mv docs/composition-table.md.tmp docs/composition-table.md
 

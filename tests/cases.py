@@ -122,12 +122,18 @@ def head_rows(pm: qn_hf.ParallelModel):
             handle.remove()
 
 
+def offloaded(pm: qn_hf.ParallelModel) -> tuple[int, int] | None:
+    """offload="activations": how many saved tensors went to the host and came back (None without it)."""
+    offload = pm.context.offload
+    return None if offload is None else (offload.packed, offload.unpacked)
+
+
 def parity(*, kind: str, model_dir: str, out_dir: str, dp: int, tp: int, pp: int = 1, microbatches: int = 1,
            schedule: str = "1f1b", layers_per_stage: list[int] | None = None, padded: bool = False,
            per_rank: int = 2, bucket_mb: float = 25.0, sequence_parallel: bool = False, cp: int = 1,
            packed: bool = False, seq: int = 12, virtual_stages: int = 1, rows: int | None = None,
            frozen: tuple[str, ...] = (), recompute: str | None = None, dp_shard: int = 1,
-           dp_shard_gather: str = "step", loss_chunk_tokens: int | None = None) -> dict:
+           dp_shard_gather: str = "step", loss_chunk_tokens: int | None = None, offload: str | None = None) -> dict:
     """Forward, loss, every gradient, grad norm and weights after an optimizer step against the plain model.
     ``rows`` (default ``per_rank * microbatches``) is each dp rank's batch size, which the
     microbatches need not divide. Parameters under the ``frozen`` prefixes get ``requires_grad=False``
@@ -138,7 +144,7 @@ def parity(*, kind: str, model_dir: str, out_dir: str, dp: int, tp: int, pp: int
                            schedule=schedule, layers_per_stage=layers_per_stage, bucket_mb=bucket_mb,
                            mesh=mesh_for(dp, tp, pp, cp), sequence_parallel=sequence_parallel,
                            virtual_stages=virtual_stages, recompute=recompute, dp_shard=dp_shard,
-                           dp_shard_gather=dp_shard_gather, loss_chunk_tokens=loss_chunk_tokens)
+                           dp_shard_gather=dp_shard_gather, loss_chunk_tokens=loss_chunk_tokens, offload=offload)
     full_numel = {n: p.numel() for n, p in ref.named_parameters(remove_duplicate=False)}
 
     batch = make_batch(kind, size=dp * (rows or per_rank * microbatches), seed=7, padded=padded, packed=packed, seq=seq)
@@ -213,6 +219,7 @@ def parity(*, kind: str, model_dir: str, out_dir: str, dp: int, tp: int, pp: int
         "trainable": sum(p.numel() for p in pm.parameters() if p.requires_grad),
         "full_total": sum(full_numel.values()),
         "head_rows": rows_seen,  # the rows of each logits the head made in the step (this stage's)
+        "offloaded": offloaded(pm),
     }
 
 

@@ -60,7 +60,8 @@ def ep_parity(*, model_type: str, out_dir: str, dp: int, tp: int, pp: int, ep: i
               skew: str | None = None, overrides: dict | None = None, padded: bool = False,
               recompute: str | None = None, per_rank: int = ROWS, seq: int = SEQ, schedule: str = "1f1b",
               virtual_stages: int = 1, cp: int = 1, sequence_parallel: bool = False, dp_shard: int = 1,
-              expert_dispatch: str = "all_to_all", loss_chunk_tokens: int | None = None) -> dict:
+              expert_dispatch: str = "all_to_all", loss_chunk_tokens: int | None = None,
+              offload: str | None = None) -> dict:
     """One SGD step at (dp, tp, pp, ep) against the plain model: loss, every gradient, the grad norm,
     and every weight after the step read back through ``save_pretrained``. ``padded``: every other
     row ends in padding (attention_mask 0, labels -100)."""
@@ -73,7 +74,7 @@ def ep_parity(*, model_type: str, out_dir: str, dp: int, tp: int, pp: int, ep: i
     pm = qn_hf.parallelize(model, dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, microbatches=microbatches,
                            mesh=mesh_for(dp, tp, pp, cp), recompute=recompute, schedule=schedule,
                            virtual_stages=virtual_stages, sequence_parallel=sequence_parallel, dp_shard=dp_shard,
-                           expert_dispatch=expert_dispatch, loss_chunk_tokens=loss_chunk_tokens)
+                           expert_dispatch=expert_dispatch, loss_chunk_tokens=loss_chunk_tokens, offload=offload)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, config.vocab_size, (dp * per_rank * microbatches, seq), generator=gen)
     batch = {"input_ids": ids, "labels": ids.clone()}

@@ -142,14 +142,15 @@ def reference_mixed(*, kind: str, model_dir: str, dtype: torch.dtype, rows: int,
 def mixed_parity(*, kind: str, model_dir: str, dp: int, tp: int, pp: int, microbatches: int, zero: bool,
                  precision: str = "bf16", steps: int = 2, opt_name: str = "SGD", schedule: str = "1f1b",
                  recompute: str | None = None, sequence_parallel: bool = False, cp: int = 1,
-                 loss_chunk_tokens: int | None = None) -> dict:
+                 loss_chunk_tokens: int | None = None, offload: str | None = None) -> dict:
     """Mixed precision at a mesh against the hand-made reference: losses, float32 masters (cut to this
     rank's shard), and what lives in which dtype."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     pm = qn_hf.parallelize(load(kind, model_dir), dp=dp, tp=tp, pp=pp, microbatches=microbatches,
                            mesh=mesh_for(dp, tp, pp, cp), mixed_precision=precision, schedule=schedule,
                            virtual_stages=virtual_for(schedule), recompute=recompute,
-                           sequence_parallel=sequence_parallel, cp=cp, loss_chunk_tokens=loss_chunk_tokens)
+                           sequence_parallel=sequence_parallel, cp=cp, loss_chunk_tokens=loss_chunk_tokens,
+                           offload=offload)
     cls = getattr(torch.optim, opt_name)
     kwargs = {"lr": 0.1, "momentum": 0.9} if opt_name == "SGD" else {"lr": 1e-3}
     opt = qn_hf.optimizer(pm, cls, zero=zero, **kwargs)

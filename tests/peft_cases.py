@@ -24,7 +24,7 @@ def lora_model(kind: str, model_dir: str, *, targets: list[str], use_dora: bool 
 def lora_parity(*, kind: str, model_dir: str, out_dir: str, targets: list[str], dp: int = 1, tp: int = 1, pp: int = 1,
                 microbatches: int = 1, schedule: str = "1f1b", sequence_parallel: bool = False,
                 use_dora: bool = False, zero: bool = False, recompute: str | None = None, cp: int = 1,
-                dp_shard: int = 1, loss_chunk_tokens: int | None = None) -> dict:
+                dp_shard: int = 1, loss_chunk_tokens: int | None = None, offload: str | None = None) -> dict:
     """One SGD step of LoRA: loss, every adapter gradient, the adapter written by save_pretrained and
     loaded by ``PeftModel.from_pretrained``, the merged model, and base weights untouched."""
     from peft import PeftModel
@@ -34,7 +34,7 @@ def lora_parity(*, kind: str, model_dir: str, out_dir: str, targets: list[str], 
                            microbatches=microbatches, schedule=schedule, mesh=mesh_for(dp, tp, pp, cp),
                            sequence_parallel=sequence_parallel, bucket_mb=0.001, recompute=recompute,
                            virtual_stages=2 if schedule == "interleaved_1f1b" else 1, cp=cp, dp_shard=dp_shard,
-                           loss_chunk_tokens=loss_chunk_tokens)
+                           loss_chunk_tokens=loss_chunk_tokens, offload=offload)
     batch = make_batch(kind, size=dp * 2 * microbatches, seed=7, padded=True)
     local = dp_slice(batch, dp=dp, dp_rank=pm.coords["dp"])
     before = {n: whole(p.detach()).clone() for n, p in pm.named_parameters()}

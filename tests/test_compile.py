@@ -57,7 +57,7 @@ def compiled_parity(*, kind: str, model_dir: str, dp: int, tp: int, pp: int = 1,
                     schedule: str = "1f1b", virtual_stages: int = 1, sequence_parallel: bool = False,
                     recompute: str | None = None, zero: bool = False, steps: int = 2, dp_shard: int = 1,
                     cp: int = 1, ep: int = 1, expert_dispatch: str = "all_to_all",
-                    loss_chunk_tokens: int | None = None) -> dict:
+                    loss_chunk_tokens: int | None = None, offload: str | None = None) -> dict:
     """The compiled parallel model against the plain one: losses of ``steps`` SGD steps, local weights after."""
     from torch._dynamo.utils import counters
 
@@ -70,7 +70,8 @@ def compiled_parity(*, kind: str, model_dir: str, dp: int, tp: int, pp: int = 1,
                       recompute=recompute, mesh=mesh_for(dp, tp, pp, cp), cp=cp, ep=ep,
                       **({"dp_shard": dp_shard} if dp_shard > 1 else {}),
                       **({"expert_dispatch": expert_dispatch} if ep > 1 else {}),
-                      **({"loss_chunk_tokens": loss_chunk_tokens} if loss_chunk_tokens else {}))
+                      **({"loss_chunk_tokens": loss_chunk_tokens} if loss_chunk_tokens else {}),
+                      **({"offload": offload} if offload else {}))
     opt = qn_hf.optimizer(pm, torch.optim.SGD, lr=0.5, zero=zero)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     losses, ref_losses, graphs = [], [], []
@@ -385,6 +386,8 @@ DISABLED = "Skip calling `torch.compiler.disable()`d function"
     pytest.param("llama", 2, dict(dp=1, tp=1, pp=2, microbatches=2, schedule="zb_h1"), id="zb_h1"),
     # the head and the loss run eagerly after the compiled blocks, a chunk of tokens at a time
     pytest.param("llama", 2, dict(dp=2, tp=1, loss_chunk_tokens=5), id="dp2-loss_chunks"),
+    # each compiled block's inputs held on the host by the hooks around its checkpoint
+    pytest.param("llama", 2, dict(dp=2, tp=1, recompute="full", offload="activations"), id="dp2-offload"),
     pytest.param("llama", 4, dict(dp=1, tp=2, pp=2, microbatches=2, sequence_parallel=True), id="tp2-pp2-sp",
                  marks=pytest.mark.long),
 ])

@@ -15,7 +15,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from qn_hf.config.composition import ROWS, TABLE, Feature, Status, check_composition, markdown
+from qn_hf.config.composition import ROWS, TABLE, Feature, Status, check_composition
+from qn_hf.config.composition_markdown import markdown
 from qn_hf.validation.checks import check_parallel_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,5 @@
-"""Long context within memory: the causal-LM loss a chunk of tokens at a time (``loss_chunk_tokens``)."""
+"""Long context within memory: the causal-LM loss a chunk of tokens at a time (``loss_chunk_tokens``) and the
+blocks' saved inputs held on the host (``offload="activations"``), each with every feature and together."""
 
 from __future__ import annotations
 
@@ -15,79 +16,74 @@ from tests.test_mixed_precision import check_mixed
 from tests.test_parity import check
 from tests.test_peft import LLAMA_TARGETS, check_lora
 
-# (kind, dp, tp, pp, cp, extras); 2 rows of 12 tokens a microbatch, 5 tokens a chunk: 2 positions of both rows,
-# so a sequence is 6 chunks (or 3 of 6 positions under cp=2) and each dp/cp rank's last chunk is a part one
-CHUNK_CASES = [
-    pytest.param("llama", 2, 1, 1, 1, {}, id="llama-dp2"),
-    # a vocabulary of 99 over 2 ranks: vocabulary-parallel chunks with a padding column; the head tied
-    pytest.param("gpt2", 1, 2, 1, 1, {"sequence_parallel": True}, id="gpt2-tp2-sp"),
-    # the head's own soft-capping on each vocabulary shard, a tied head
-    pytest.param("gemma2", 1, 2, 1, 1, {}, id="gemma2-tp2"),
-    pytest.param("granite", 2, 1, 1, 1, {"padded": True}, id="granite-dp2-padded"),
-    pytest.param("llama", 1, 1, 1, 2, {}, id="llama-cp2"),
-    pytest.param("llama", 2, 1, 2, 1, {"microbatches": 2}, id="llama-dp2-pp2-1f1b"),
-    pytest.param("llama", 1, 2, 2, 1, {"microbatches": 2, "schedule": "gpipe"}, id="llama-tp2-pp2-gpipe"),
-    pytest.param(
-        "llama_deep",
-        1,
-        1,
-        2,
-        1,
-        {"microbatches": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2},
-        id="llama_deep-pp2-interleaved_1f1b",
-    ),
-    pytest.param("llama", 1, 1, 2, 1, {"microbatches": 2, "schedule": "zb_h1"}, id="llama-pp2-zb_h1"),
-    pytest.param("llama", 2, 1, 1, 1, {"dp_shard": 2, "recompute": "full"}, id="llama-dp2-shard2-full"),
-    # together: vocabulary-parallel, sequence-parallel chunks on a pipeline's last stage, selective recomputation
-    pytest.param(
-        "gpt2",
-        1,
-        2,
-        2,
-        1,
-        {"sequence_parallel": True, "microbatches": 2, "recompute": "selective"},
-        id="gpt2-tp2-sp-pp2-selective",
-    ),
-    pytest.param("llama", 2, 1, 1, 2, {"dp_shard": 2, "recompute": "selective"}, id="llama-dp2-shard2-cp2-selective"),
-]
-
 CHUNK = 5
+CHUNKS = {"loss_chunk_tokens": CHUNK}
+OFFLOAD = {"offload": "activations"}
+BOTH = {**CHUNKS, **OFFLOAD}
+# Each option with every feature: the same configurations with the loss in chunks (2 rows of 12 tokens a
+# microbatch, 5 tokens a chunk: 2 positions of both rows, so 6 chunks a sequence, or 3 under cp=2, the last a
+# part one), with the blocks' saved inputs held on the host (which needs recomputation), and with both.
+SHAPES = [  # (name, kind, dp, tp, pp, cp, extras)
+    ("llama-dp2", "llama", 2, 1, 1, 1, {"recompute": "full"}),
+    # a vocabulary of 99 over 2 ranks: vocabulary-parallel chunks with a padding column; the head tied
+    ("gpt2-tp2-sp", "gpt2", 1, 2, 1, 1, {"sequence_parallel": True, "recompute": "selective"}),
+    # the head's own soft-capping on each vocabulary shard, a tied head
+    ("gemma2-tp2", "gemma2", 1, 2, 1, 1, {"recompute": "full"}),
+    ("granite-dp2-padded", "granite", 2, 1, 1, 1, {"padded": True, "recompute": "full"}),
+    ("llama-cp2", "llama", 1, 1, 1, 2, {"recompute": "full"}),
+    ("llama-dp2-pp2-1f1b", "llama", 2, 1, 2, 1, {"microbatches": 2, "recompute": "full"}),
+    ("llama-tp2-pp2-gpipe", "llama", 1, 2, 2, 1, {"microbatches": 2, "schedule": "gpipe", "recompute": "selective"}),
+    ("llama_deep-pp2-interleaved_1f1b", "llama_deep", 1, 1, 2, 1,
+     {"microbatches": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2, "recompute": "full"}),
+    ("llama-pp2-zb_h1", "llama", 1, 1, 2, 1, {"microbatches": 2, "schedule": "zb_h1", "recompute": "full"}),
+    ("llama-dp2-shard2", "llama", 2, 1, 1, 1, {"dp_shard": 2, "recompute": "full"}),
+    # together: vocabulary-parallel, sequence-parallel chunks on a pipeline's last stage, selective recomputation
+    ("gpt2-tp2-sp-pp2", "gpt2", 1, 2, 2, 1, {"sequence_parallel": True, "microbatches": 2, "recompute": "selective"}),
+    ("llama-dp2-shard2-cp2", "llama", 2, 1, 1, 2, {"dp_shard": 2, "recompute": "selective"}),
+]
+LONG_CASES = [pytest.param(kind, dp, tp, pp, cp, {**extras, **options}, id=f"{label}-{name}")
+              for label, options in (("chunks", CHUNKS), ("offload", OFFLOAD)) for name, kind, dp, tp, pp, cp, extras in SHAPES]
+LONG_CASES += [pytest.param(kind, dp, tp, pp, cp, {**extras, **BOTH}, id=f"both-{name}")
+               for name, kind, dp, tp, pp, cp, extras in SHAPES if name in ("gpt2-tp2-sp-pp2", "llama-dp2-shard2-cp2")]
 
 
-@pytest.mark.parametrize(("kind", "dp", "tp", "pp", "cp", "extras"), CHUNK_CASES)
-def test_loss_chunks_equal_plain_model(worlds, model_dirs, tmp_path, kind, dp, tp, pp, cp, extras):
-    """The loss a chunk of positions at a time: loss, evaluation loss, every gradient, the norm and every
-    weight after a step equal the plain model's; the head never made more than a chunk's logits."""
-    results = worlds.run(
-        dp * tp * pp * cp,
-        cases.parity,
-        kind=kind,
-        model_dir=model_dirs[kind],
-        out_dir=str(tmp_path / "hf"),
-        dp=dp,
-        tp=tp,
-        pp=pp,
-        cp=cp,
-        loss_chunk_tokens=CHUNK,
-        **extras,
-    )
+@pytest.mark.parametrize(("kind", "dp", "tp", "pp", "cp", "extras"), LONG_CASES)
+def test_long_context_equals_plain_model(worlds, model_dirs, tmp_path, kind, dp, tp, pp, cp, extras):
+    """The loss a chunk of positions at a time, the blocks' saved inputs held on the host, or both: loss,
+    evaluation loss, every gradient, the norm and every weight after a step equal the plain model's; the head
+    never made more than a chunk's logits; every offloaded tensor came back."""
+    results = worlds.run(dp * tp * pp * cp, cases.parity, kind=kind, model_dir=model_dirs[kind],
+                         out_dir=str(tmp_path / "hf"), dp=dp, tp=tp, pp=pp, cp=cp, **extras)
     check(results, tp=tp)
     microbatches = extras.get("microbatches", 1)
+    if "loss_chunk_tokens" in extras:
+        for r in results:
+            if r["head_rows"]:  # the last stage: a forward on no position, then 2-row chunks, forward and backward
+                assert max(r["head_rows"]) <= CHUNK, r["head_rows"]
+                assert len(r["head_rows"]) > 3 * microbatches, r["head_rows"]
+        assert any(r["head_rows"] for r in results)
     for r in results:
-        if r["head_rows"]:  # the last stage: a forward on no position, then 2-row chunks, forward and backward
-            assert max(r["head_rows"]) <= CHUNK, r["head_rows"]
-            assert len(r["head_rows"]) > 3 * microbatches, r["head_rows"]
-    assert any(r["head_rows"] for r in results)
+        if "offload" in extras:
+            packed, unpacked = r["offloaded"]
+            assert packed == unpacked >= microbatches, r["offloaded"]  # at least a block's input per microbatch
+        else:
+            assert r["offloaded"] is None
 
 
-def test_loss_chunks_refusals(model_dirs):
-    """Refused before anything runs: a loss that is not a causal LM's, a count that is not one."""
+def test_long_context_refusals(model_dirs):
+    """Refused before anything runs: a loss that is not a causal LM's, a count that is not one, offload without
+    recomputation (nothing then is kept apart from the blocks' internals) or of something unknown."""
     vit = load("vit", model_dirs["vit"])
     with pytest.raises(ValueError, match=r"loss_chunk_tokens=8: ViTForImageClassification's loss is 'classification'"):
         check_parallel_config(vit, loss_chunk_tokens=8)
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match=rf"loss_chunk_tokens={bad!r} must be a positive integer"):
             qn_hf.ParallelConfig(loss_chunk_tokens=bad)
+    with pytest.raises(ValueError, match=r"offload='activations' holds on the host what recomputation keeps .* set "
+                                         r"recompute='full'"):
+        qn_hf.ParallelConfig(offload="activations")
+    with pytest.raises(ValueError, match=r"offload='weights'"):
+        qn_hf.ParallelConfig(offload="weights", recompute="full")
 
 
 def one_process_chunks(*, kind: str, model_dir: str) -> dict:
@@ -122,64 +118,35 @@ def test_loss_chunks_one_process(worlds, model_dirs, kind):
     assert "a loss_fn with loss_chunk_tokens=100" in r.get("loss_fn", ""), r
 
 
-def test_loss_chunks_with_lora_zero_and_generate(worlds, model_dirs, tmp_path):
-    """LoRA (an adapter's gradients through the chunks), ZeRO-1, zb_h1's weight passes at dp=2 x pp=2, and
-    generate (which never computes the loss) with the chunked loss on: equal to PEFT's model."""
-    results = worlds.run(
-        4,
-        peft_cases.lora_parity,
-        kind="llama",
-        model_dir=model_dirs["llama"],
-        out_dir=str(tmp_path / "adapter"),
-        targets=LLAMA_TARGETS,
-        dp=2,
-        pp=2,
-        microbatches=2,
-        schedule="zb_h1",
-        zero=True,
-        loss_chunk_tokens=CHUNK,
-    )
+@pytest.mark.parametrize("options", [CHUNKS, {**OFFLOAD, "recompute": "full"}], ids=["chunks", "offload"])
+def test_long_context_with_lora_zero_and_generate(worlds, model_dirs, tmp_path, options):
+    """LoRA (an adapter's gradients through the chunks or the offloaded inputs), ZeRO-1, zb_h1's weight passes at
+    dp=2 x pp=2, and generate (no loss, no recomputation) with either option on: equal to PEFT's model."""
+    results = worlds.run(4, peft_cases.lora_parity, kind="llama", model_dir=model_dirs["llama"],
+                         out_dir=str(tmp_path / "adapter"), targets=LLAMA_TARGETS, dp=2, pp=2, microbatches=2,
+                         schedule="zb_h1", zero=True, **options)
     check_lora(results, generated=True)
 
 
-@pytest.mark.parametrize(
-    ("dp", "tp", "zero", "precision", "sp"),
-    [(2, 1, True, "bf16", False), (1, 2, False, "fp16", True)],
-    ids=["dp2-zero-bf16", "tp2-sp-fp16"],
-)
-def test_loss_chunks_in_mixed_precision(worlds, model_dirs, dp, tp, zero, precision, sp):
-    """bf16 and fp16 (its loss scale): logits in the compute dtype a chunk at a time, the loss in float32; the
-    same comparison as mixed precision's own with a hand-made reference."""
-    results = worlds.run(
-        dp * tp,
-        optim_cases.mixed_parity,
-        kind="llama",
-        model_dir=model_dirs["llama"],
-        dp=dp,
-        tp=tp,
-        pp=1,
-        microbatches=2,
-        zero=zero,
-        precision=precision,
-        sequence_parallel=sp,
-        loss_chunk_tokens=CHUNK,
-    )
+@pytest.mark.parametrize(("dp", "tp", "zero", "precision", "sp", "options"), [
+    pytest.param(2, 1, True, "bf16", False, CHUNKS, id="chunks-dp2-zero-bf16"),
+    pytest.param(1, 2, False, "fp16", True, CHUNKS, id="chunks-tp2-sp-fp16"),
+    pytest.param(2, 1, True, "bf16", False, {**OFFLOAD, "recompute": "full"}, id="offload-dp2-zero-bf16"),
+    pytest.param(1, 2, False, "fp16", True, {**OFFLOAD, "recompute": "selective"}, id="offload-tp2-sp-fp16"),
+])
+def test_long_context_in_mixed_precision(worlds, model_dirs, dp, tp, zero, precision, sp, options):
+    """bf16 and fp16 (its loss scale): logits in the compute dtype a chunk at a time, the loss in float32; or the
+    16-bit block inputs on the host. The same comparison as mixed precision's own with a hand-made reference."""
+    results = worlds.run(dp * tp, optim_cases.mixed_parity, kind="llama", model_dir=model_dirs["llama"], dp=dp, tp=tp,
+                         pp=1, microbatches=2, zero=zero, precision=precision, sequence_parallel=sp, **options)
     check_mixed(results, precision)
 
 
 @pytest.mark.parametrize("dispatch", ["all_to_all", "all_gather"])
-def test_loss_chunks_with_expert_parallelism(worlds, tmp_path, dispatch):
-    """ep=2 over dp=2, either dispatch: the router's loss term beside the chunked loss; equal to the plain model."""
-    results = worlds.run(
-        2,
-        ep_cases.ep_parity,
-        model_type="qwen3_moe",
-        out_dir=str(tmp_path / "hf"),
-        dp=2,
-        tp=1,
-        pp=1,
-        ep=2,
-        expert_dispatch=dispatch,
-        loss_chunk_tokens=CHUNK,
-    )
+@pytest.mark.parametrize("options", [CHUNKS, {**OFFLOAD, "recompute": "full"}], ids=["chunks", "offload"])
+def test_long_context_with_expert_parallelism(worlds, tmp_path, dispatch, options):
+    """ep=2 over dp=2, either dispatch: the router's loss term beside the chunked loss, or the MoE blocks' inputs
+    on the host; equal to the plain model."""
+    results = worlds.run(2, ep_cases.ep_parity, model_type="qwen3_moe", out_dir=str(tmp_path / "hf"), dp=2, tp=1, pp=1,
+                         ep=2, expert_dispatch=dispatch, **options)
     check_experts(results, ep=2)

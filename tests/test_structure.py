@@ -151,7 +151,7 @@ def _option_enums() -> tuple[type, ...]:
     from qn_hf.comm_meter import Collective
     from qn_hf.config.composition import Feature
     from qn_hf.config.dims import Axis
-    from qn_hf.config.options import Dispatch, Gather, LossKind, Precision, ProblemType, Recompute
+    from qn_hf.config.options import Dispatch, Gather, LossKind, Offload, Precision, ProblemType, Recompute
     from qn_hf.config.schedule import Schedule
     from qn_hf.launch.nodes import Launcher
     from qn_hf.pipeline.nccl_replay import Step, Work
@@ -163,7 +163,7 @@ def _option_enums() -> tuple[type, ...]:
     from qn_hf.policies.styles import Style
 
     return (Style, Schedule, Axis, LossKind, ProblemType, Role, FusedLayout, HeadAxis, Precision, Recompute, Gather, Feature, Collective, StandIn, Op, Step, Work,
-            Link, Launcher, Dispatch)
+            Link, Launcher, Dispatch, Offload)
 
 
 def _names_of_choices() -> dict[str, str]:

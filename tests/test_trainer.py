@@ -85,7 +85,7 @@ def test_trainer_with_sharded_data_parallelism_equals_one_process(worlds, model_
 @pytest.mark.parametrize("extra", [dict(schedule="gpipe"), dict(schedule="zb_h1"), dict(recompute="full"),
                                    dict(sequence_parallel=True),
                                    dict(schedule="interleaved_1f1b", virtual_stages=2), dict(cp=2, tp=1),
-                                   dict(loss_chunk_tokens=5)],
+                                   dict(loss_chunk_tokens=5), dict(recompute="selective", offload="activations")],
                          ids=lambda e: "-".join(f"{k}={v}" for k, v in e.items() if k != "tp"))
 def test_trainer_composes_with_schedules_recompute_and_sp(worlds, model_dirs, references, tmp_path, extra):
     """(1, 2, 2) as above with another schedule, recomputation or sequence parallelism, and (1, 1, 2) with cp=2,

@@ -60,6 +60,7 @@ def parallelize(
     timeout: datetime.timedelta = datetime.timedelta(minutes=10),
     mixed_precision: str | None = None,
     recompute: str | None = None,
+    offload: str | None = None,
     sequence_parallel: bool = False,
     compile: bool = False,
     dp_shard: int = 1,
@@ -86,7 +87,8 @@ def parallelize(
     bounds every collective when this call creates the process group. ``mixed_precision`` ("bf16" or
     "fp16") computes in that dtype with float32 gradients and float32 master weights in
     ``qn_hf.optimizer`` (data_parallel/precision.py); ``recompute`` ("full" or "selective") recomputes each block's
-    activations in backward (memory/recompute.py); ``sequence_parallel`` splits the activations between
+    activations in backward (memory/recompute.py), ``offload="activations"`` holding what it keeps on the host
+    (memory/offload.py); ``sequence_parallel`` splits the activations between
     tensor-parallel regions over the tp ranks along the sequence (tensor_parallel/sequence_parallel.py); ``cp`` splits
     each sequence over that many ranks, with ring attention (context_parallel/); ``ep`` shards the
     experts of MoE layers over that many of a stage's dp x tp ranks, tokens travelling to them
@@ -109,7 +111,8 @@ def parallelize(
         raise refused_on_every_rank(TypeError(unknown_keywords(unknown, parallelize)))
     keywords = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "microbatches": microbatches, "schedule": schedule,
                 "virtual_stages": virtual_stages, "layers_per_stage": layers_per_stage, "bucket_mb": bucket_mb,
-                "mixed_precision": mixed_precision, "recompute": recompute, "sequence_parallel": sequence_parallel,
+                "mixed_precision": mixed_precision, "recompute": recompute, "offload": offload,
+                "sequence_parallel": sequence_parallel,
                 "compile": compile, "dp_shard": dp_shard, "dp_shard_gather": dp_shard_gather,
                 "expert_dispatch": expert_dispatch, "loss_chunk_tokens": loss_chunk_tokens}
     try:
@@ -198,7 +201,7 @@ def _parallelize(model: nn.Module, config: ParallelConfig, *, adapter: Adapter |
                           executor=StageExecutor(stage=coords.pp, peers=groups.peers, device=device,
                                                  chunks=stage_plan.chunks, weights=build.weights),
                           vocab=build.vocab, cp_layout=build.cp_layout,
-                          host_masks=build.host_masks, gather_switch=build.gather_switch)
+                          host_masks=build.host_masks, gather_switch=build.gather_switch, offload=build.offload)
     scaler = LossScaler() if config.mixed_precision and config.mixed_precision.scaled else None
     grads = GradSync(module=model, placement=build.placement, grad_sum=build.plan.grad_sum, scaler=scaler,
                      buckets=grad_buckets(model, build.placement, config.bucket_mb, experts=False),

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config.options import Dispatch
+from ..config.options import Dispatch, Offload
 from ..config.parallel_config import ParallelConfig
 from ..context_parallel.apply import AttentionSwitch, apply_context_parallel
 from ..context_parallel.host_masks import HostMasks, apply_host_masks, host_masks_serve
@@ -22,6 +22,7 @@ from ..data_parallel.sharded import ShardedParameters
 from ..expert_parallel.apply import apply_expert_parallel, sharded_experts
 from ..expert_parallel.dispatch import ExpertRoute, GatherSwitch
 from ..failure import raise_together
+from ..memory.offload import ActivationOffload
 from ..memory.recompute import apply_recompute
 from ..mesh import Coords, Groups
 from ..pipeline.split import StagePlan, on_every_stage
@@ -68,6 +69,7 @@ class Build:
     host_masks: HostMasks | None = None  # masks decided on the host at cp=1 (context_parallel/host_masks.py)
     gather_switch: GatherSwitch | None = None  # expert_dispatch="all_gather": on while a step runs (dispatch.py)
     sharded: ShardedParameters | None = None
+    offload: ActivationOffload | None = None  # offload="activations": the blocks' saved inputs held on the host
 
 
 @dataclass(frozen=True)
@@ -189,8 +191,9 @@ def _dropout_streams(b: Build) -> None:
 
 
 def _recompute(b: Build) -> None:
+    b.offload = ActivationOffload() if b.config.offload is Offload.ACTIVATIONS else None
     for layers in _held_lists(b):
-        apply_recompute(b.model, recompute=b.config.recompute, layers=layers, rng=b.rng)
+        apply_recompute(b.model, recompute=b.config.recompute, layers=layers, rng=b.rng, offload=b.offload)
 
 
 def _held_lists(b: Build) -> list[str]:
@@ -270,7 +273,7 @@ PASSES: tuple[Pass, ...] = (
          "was given: with the exchanges, so that the last pass before it is agreed once", exchange=_dropout_seed),
     Pass("dropout streams", _always, _dropout_streams, ("model", "plan", "groups", "seed", "device", "placement"),
          ("rng",), "after the shards exist; the streams are seeded per replica, which the placement says"),
-    Pass("recompute", lambda b: b.config.recompute is not None, _recompute, ("model", "stage_plan", "rng"), (),
+    Pass("recompute", lambda b: b.config.recompute is not None, _recompute, ("model", "stage_plan", "rng"), ("offload",),
          "after the dropout streams: a recomputed block replays their state"),
     Pass("batch statistics", lambda b: b.config.dims.dp > 1 and bool(batch_statistics_layers(b.model)),
          _batch_statistics, ("model", "groups"), (),

@@ -5,7 +5,7 @@ model, or with a configuration that is itself compared with it, is named), it ru
 compares it yet (a warning says so), it is refused (the reason and what to use instead), or the two
 cannot both be set. ``check_composition`` raises every refusal of a combination, with its message,
 before any collective; ``parallelize``, ``qn_hf.optimizer``, ``pm.generate``, ``qn_hf.Trainer``,
-``qn-hf-plan`` and ``qn-hf-check`` all call it. docs/composition-table.md is ``markdown()``'s output
+``qn-hf-plan`` and ``qn-hf-check`` all call it. docs/composition-table.md is ``composition_markdown.markdown()``'s output
 (tests/test_composition.py checks both, and that every named test exists).
 
 Refusals that depend on the model rather than on a pair of features (cp on a model with sliding
@@ -40,6 +40,7 @@ class Feature(Choice):
     FP16 = "fp16"
     RECOMPUTE = "recompute"
     LOSS_CHUNKS = "loss chunks"  # loss_chunk_tokens: a causal LM's loss a chunk of tokens at a time
+    OFFLOAD = "offload"  # offload="activations": what recomputation keeps, held on the host
     LORA = "lora"
     GENERATE = "generate"
     TRAINER = "trainer"
@@ -97,7 +98,10 @@ _COMPILED_NEW = "tests/test_compile.py::test_compiled_with_ring_experts_and_zero
 _TRAINER_RESUME = "tests/test_trainer.py::test_trainer_accumulation_clipping_checkpoint_and_resume_at_another_mesh"
 _RC = "tests/test_recompute.py::test_recompute_is_bit_for_bit"
 _TRAINER = "tests/test_trainer.py::test_trainer_composes_with_schedules_recompute_and_sp"
-_LC = "tests/test_long_context.py::test_loss_chunks"
+_LONG = "tests/test_long_context.py::test_long_context_equals_plain_model"
+_LONG_EP = "tests/test_long_context.py::test_long_context_with_expert_parallelism"
+_LONG_LORA = "tests/test_long_context.py::test_long_context_with_lora_zero_and_generate"
+_LONG_MP = "tests/test_long_context.py::test_long_context_in_mixed_precision"
 _RC_SCHEDULES = "tests/test_recompute.py::test_recompute_with_new_schedules"
 _FSDP = "tests/test_sharded_data_parallel.py::test_sharded_data_parallel_equals_plain_model"
 _FSDP_PP = "tests/test_sharded_data_parallel.py::test_sharded_data_parallel_with_pipeline_equals_plain_model"
@@ -320,25 +324,46 @@ ROWS: tuple[Row, ...] = (
     Row(F.GENERATE, F.COMPILE, S.PLAIN, "tests/test_compile.py::test_compiled_generate_equals_plain_model[2-1]"),
     Row(F.TRAINER, F.COMPILE, S.EQUIVALENT, "tests/test_compile.py::test_trainer_with_torch_compile"),
     # the loss a chunk of positions at a time (loss_chunk_tokens): the task forward's own head code (step/loss_chunks.py)
-    Row(F.LOSS_CHUNKS, F.DP, S.PLAIN, f"{_LC}_equal_plain_model[llama-dp2]"),
-    Row(F.LOSS_CHUNKS, F.TP, S.PLAIN, f"{_LC}_equal_plain_model[gemma2-tp2]"),  # each chunk's loss over the vocabulary shards
-    Row(F.LOSS_CHUNKS, F.SP, S.PLAIN, f"{_LC}_equal_plain_model[gpt2-tp2-sp]"),
-    Row(F.LOSS_CHUNKS, F.CP, S.PLAIN, f"{_LC}_equal_plain_model[llama-cp2]"),
-    Row(F.LOSS_CHUNKS, F.PP_1F1B, S.PLAIN, f"{_LC}_equal_plain_model[llama-dp2-pp2-1f1b]"),
-    Row(F.LOSS_CHUNKS, F.PP_GPIPE, S.PLAIN, f"{_LC}_equal_plain_model[llama-tp2-pp2-gpipe]"),
-    Row(F.LOSS_CHUNKS, F.PP_INTERLEAVED, S.PLAIN, f"{_LC}_equal_plain_model[llama_deep-pp2-interleaved_1f1b]"),
-    Row(F.LOSS_CHUNKS, F.PP_ZB_H1, S.PLAIN, f"{_LC}_equal_plain_model[llama-pp2-zb_h1]"),
-    Row(F.LOSS_CHUNKS, F.EP, S.PLAIN, f"{_LC}_with_expert_parallelism[all_to_all]"),
-    Row(F.LOSS_CHUNKS, F.EP_ALL_GATHER, S.PLAIN, f"{_LC}_with_expert_parallelism[all_gather]"),
-    Row(F.LOSS_CHUNKS, F.DP_SHARD, S.PLAIN, f"{_LC}_equal_plain_model[llama-dp2-shard2-full]"),  # in FSDP's root gather
-    Row(F.LOSS_CHUNKS, F.ZERO, S.PLAIN, f"{_LC}_with_lora_zero_and_generate"),
-    Row(F.LOSS_CHUNKS, F.BF16, S.PLAIN, f"{_LC}_in_mixed_precision[dp2-zero-bf16]"),
-    Row(F.LOSS_CHUNKS, F.FP16, S.PLAIN, f"{_LC}_in_mixed_precision[tp2-sp-fp16]"),
-    Row(F.LOSS_CHUNKS, F.RECOMPUTE, S.PLAIN, f"{_LC}_equal_plain_model[llama-dp2-shard2-full]"),
-    Row(F.LOSS_CHUNKS, F.LORA, S.PLAIN, f"{_LC}_with_lora_zero_and_generate"),
-    Row(F.LOSS_CHUNKS, F.GENERATE, S.PLAIN, f"{_LC}_with_lora_zero_and_generate"),  # generate computes no loss
+    Row(F.LOSS_CHUNKS, F.DP, S.PLAIN, f"{_LONG}[chunks-llama-dp2]"),
+    Row(F.LOSS_CHUNKS, F.TP, S.PLAIN, f"{_LONG}[chunks-gemma2-tp2]"),  # each chunk's loss over the vocabulary shards
+    Row(F.LOSS_CHUNKS, F.SP, S.PLAIN, f"{_LONG}[chunks-gpt2-tp2-sp]"),
+    Row(F.LOSS_CHUNKS, F.CP, S.PLAIN, f"{_LONG}[chunks-llama-cp2]"),
+    Row(F.LOSS_CHUNKS, F.PP_1F1B, S.PLAIN, f"{_LONG}[chunks-llama-dp2-pp2-1f1b]"),
+    Row(F.LOSS_CHUNKS, F.PP_GPIPE, S.PLAIN, f"{_LONG}[chunks-llama-tp2-pp2-gpipe]"),
+    Row(F.LOSS_CHUNKS, F.PP_INTERLEAVED, S.PLAIN, f"{_LONG}[chunks-llama_deep-pp2-interleaved_1f1b]"),
+    Row(F.LOSS_CHUNKS, F.PP_ZB_H1, S.PLAIN, f"{_LONG}[chunks-llama-pp2-zb_h1]"),
+    Row(F.LOSS_CHUNKS, F.EP, S.PLAIN, f"{_LONG_EP}[chunks-all_to_all]"),
+    Row(F.LOSS_CHUNKS, F.EP_ALL_GATHER, S.PLAIN, f"{_LONG_EP}[chunks-all_gather]"),
+    Row(F.LOSS_CHUNKS, F.DP_SHARD, S.PLAIN, f"{_LONG}[chunks-llama-dp2-shard2]"),  # inside FSDP's root gather
+    Row(F.LOSS_CHUNKS, F.ZERO, S.PLAIN, f"{_LONG_LORA}[chunks]"),
+    Row(F.LOSS_CHUNKS, F.BF16, S.PLAIN, f"{_LONG_MP}[chunks-dp2-zero-bf16]"),
+    Row(F.LOSS_CHUNKS, F.FP16, S.PLAIN, f"{_LONG_MP}[chunks-tp2-sp-fp16]"),
+    Row(F.LOSS_CHUNKS, F.RECOMPUTE, S.PLAIN, f"{_LONG}[chunks-llama-dp2]"),
+    Row(F.LOSS_CHUNKS, F.OFFLOAD, S.PLAIN, f"{_LONG}[both-llama-dp2-shard2-cp2]"),
+    Row(F.LOSS_CHUNKS, F.LORA, S.PLAIN, f"{_LONG_LORA}[chunks]"),
+    Row(F.LOSS_CHUNKS, F.GENERATE, S.PLAIN, f"{_LONG_LORA}[chunks]"),  # generate computes no loss
     Row(F.LOSS_CHUNKS, F.TRAINER, S.PLAIN, f"{_TRAINER}[loss_chunk_tokens=5]"),
     Row(F.LOSS_CHUNKS, F.COMPILE, S.PLAIN, f"{_COMPILED_NEW}[dp2-loss_chunks]"),
+    # what recomputation keeps of each block, held on the host (offload="activations", memory/offload.py)
+    Row(F.OFFLOAD, F.DP, S.PLAIN, f"{_LONG}[offload-llama-dp2]"),
+    Row(F.OFFLOAD, F.TP, S.PLAIN, f"{_LONG}[offload-gemma2-tp2]"),
+    Row(F.OFFLOAD, F.SP, S.PLAIN, f"{_LONG}[offload-gpt2-tp2-sp]"),  # each tp rank's slice of the sequence
+    Row(F.OFFLOAD, F.CP, S.PLAIN, f"{_LONG}[offload-llama-cp2]"),
+    Row(F.OFFLOAD, F.PP_1F1B, S.PLAIN, f"{_LONG}[offload-llama-dp2-pp2-1f1b]"),
+    Row(F.OFFLOAD, F.PP_GPIPE, S.PLAIN, f"{_LONG}[offload-llama-tp2-pp2-gpipe]"),
+    Row(F.OFFLOAD, F.PP_INTERLEAVED, S.PLAIN, f"{_LONG}[offload-llama_deep-pp2-interleaved_1f1b]"),
+    Row(F.OFFLOAD, F.PP_ZB_H1, S.PLAIN, f"{_LONG}[offload-llama-pp2-zb_h1]"),
+    Row(F.OFFLOAD, F.EP, S.PLAIN, f"{_LONG_EP}[offload-all_to_all]"),
+    Row(F.OFFLOAD, F.EP_ALL_GATHER, S.PLAIN, f"{_LONG_EP}[offload-all_gather]"),
+    Row(F.OFFLOAD, F.DP_SHARD, S.PLAIN, f"{_LONG}[offload-llama-dp2-shard2]"),
+    Row(F.OFFLOAD, F.ZERO, S.PLAIN, f"{_LONG_LORA}[offload]"),
+    Row(F.OFFLOAD, F.BF16, S.PLAIN, f"{_LONG_MP}[offload-dp2-zero-bf16]"),
+    Row(F.OFFLOAD, F.FP16, S.PLAIN, f"{_LONG_MP}[offload-tp2-sp-fp16]"),
+    Row(F.OFFLOAD, F.RECOMPUTE, S.PLAIN, f"{_LONG}[offload-llama-dp2]"),  # needs it: refused without
+    Row(F.OFFLOAD, F.LORA, S.PLAIN, f"{_LONG_LORA}[offload]"),
+    Row(F.OFFLOAD, F.GENERATE, S.PLAIN, f"{_LONG_LORA}[offload]"),  # generate recomputes nothing
+    Row(F.OFFLOAD, F.TRAINER, S.PLAIN, f"{_TRAINER}[recompute=selective-offload=activations]"),
+    Row(F.OFFLOAD, F.COMPILE, S.PLAIN, f"{_COMPILED_NEW}[dp2-offload]"),
 )
 TABLE: dict[frozenset[Feature], Row] = {row.pair: row for row in ROWS}
 
@@ -365,36 +390,3 @@ def check_and_warn(features: Iterable[Feature], values: Mapping[str, object], *,
         warnings.warn(f"no test compares {pairs} with the plain model yet: it runs, but check its loss against a "
                       f"smaller run (docs/composition-table.md lists what is tested)", stacklevel=4)
     warned |= {row.pair for row in fresh}
-
-
-class _Placeholder(str):
-    def __repr__(self) -> str:
-        return self
-
-
-class _Placeholders(dict):
-    """Formats a message's values as their names (``cp=<cp>``) for docs/composition-table.md."""
-
-    def __missing__(self, key: str) -> str:
-        return _Placeholder(f"<{key}>")
-
-
-_SYMBOL = {S.PLAIN: "✓", S.EQUIVALENT: "≈", S.RUNS: "r", S.UNTESTED: "·", S.REFUSED: "✗", S.EXCLUSIVE: "—"}
-
-
-def markdown() -> str:
-    """The composition table (docs/composition-table.md): a matrix of the pairs, then each refusal's reason."""
-    order = list(Feature)
-    lines = ["| | " + " | ".join(f.value.removeprefix("pp ") if f.value.startswith("pp ") else f.value
-                                   for f in order) + " |",
-             "|---" * (len(order) + 1) + "|"]
-    for a in order:
-        cells = ["" if a is b else _SYMBOL[TABLE[frozenset((a, b))].status] for b in order]
-        lines.append(f"| **{a.value}** | " + " | ".join(cells) + " |")
-    lines += ["", "✓ compared with the plain model, ≈ compared with a configuration that is, r runs in a test "
-                  "without a numerical comparison, · not tested yet (a warning says so), ✗ refused, — cannot both "
-                  "be set. Refused:", ""]
-    for row in ROWS:
-        if row.status is Status.REFUSED:
-            lines.append(f"- {row.first} x {row.second}: " + row.message.format_map(_Placeholders()))
-    return "\n".join(lines) + "\n"

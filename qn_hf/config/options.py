@@ -42,6 +42,13 @@ class Recompute(Choice):
     SELECTIVE = "selective"
 
 
+class Offload(Choice):
+    """``offload``: what is held in host memory between a block's forward and its backward
+    (``ACTIVATIONS``: what recomputation keeps, each block's inputs; memory/offload.py)."""
+
+    ACTIVATIONS = "activations"
+
+
 class Gather(Choice):
     """``dp_shard_gather``: how often a pipeline stage all-gathers its blocks' sharded weights in one
     step (``data_parallel/sharded.py``): once, kept until the step's last backward, or per microbatch."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 from ..arguments import check_choice, check_positive, check_positive_int
 from .composition import Feature
 from .dims import ParallelDims
-from .options import DEFAULT_BUCKET_MB, Dispatch, Gather, Precision, Recompute
+from .options import DEFAULT_BUCKET_MB, Dispatch, Gather, Offload, Precision, Recompute
 from .schedule import Schedule, as_schedule, check_schedule_args
 from .sequence import sequence_split
 
@@ -39,6 +39,7 @@ class ParallelConfig:
     bucket_mb: float
     mixed_precision: Precision | None
     recompute: Recompute | None
+    offload: Offload | None  # what recomputation keeps, held on the host (memory/offload.py)
     sequence_parallel: bool
     compile: bool
     dp_shard_gather: Gather  # dp_shard x pp: gather a stage's weights once a step, or per microbatch
@@ -50,6 +51,7 @@ class ParallelConfig:
                  schedule: str | Schedule = Schedule.ONE_F_ONE_B, virtual_stages: int = 1,
                  layers_per_stage: Sequence[int] | None = None, bucket_mb: float = DEFAULT_BUCKET_MB,
                  mixed_precision: str | Precision | None = None, recompute: str | Recompute | None = None,
+                 offload: str | Offload | None = None,
                  sequence_parallel: bool = False, compile: bool = False,
                  dp_shard_gather: str | Gather = Gather.STEP,
                  expert_dispatch: str | Dispatch = Dispatch.ALL_TO_ALL, loss_chunk_tokens: int | None = None) -> None:
@@ -68,6 +70,12 @@ class ParallelConfig:
             check_choice("mixed_precision", mixed_precision, Precision.values())
         if recompute is not None:
             check_choice("recompute", recompute, Recompute.values())
+        if offload is not None:
+            check_choice("offload", offload, Offload.values())
+            if recompute is None:
+                raise ValueError(f"offload={Offload(offload).value!r} holds on the host what recomputation keeps of each "
+                                 f"block (its inputs), and recompute=None keeps everything on the device: set "
+                                 f"recompute='full' (or 'selective') with it")
         check_choice("dp_shard_gather", dp_shard_gather, Gather.values())
         check_choice("expert_dispatch", expert_dispatch, Dispatch.values())
         if loss_chunk_tokens is not None:
@@ -86,6 +94,7 @@ class ParallelConfig:
                   "bucket_mb": bucket_mb,
                   "mixed_precision": None if mixed_precision is None else Precision(mixed_precision),
                   "recompute": None if recompute is None else Recompute(recompute),
+                  "offload": None if offload is None else Offload(offload),
                   "sequence_parallel": sequence_parallel, "compile": compile, "dp_shard_gather": gather,
                   "expert_dispatch": dispatch, "loss_chunk_tokens": loss_chunk_tokens}
         for name, value in values.items():
@@ -123,7 +132,7 @@ class ParallelConfig:
                 Feature.EP_ALL_GATHER: d.ep > 1 and self.expert_dispatch is Dispatch.ALL_GATHER,
                 Feature.SP: self.sequence_parallel, Feature.COMPILE: self.compile,
                 Feature.RECOMPUTE: self.recompute is not None,
-                Feature.LOSS_CHUNKS: self.loss_chunk_tokens is not None,
+                Feature.LOSS_CHUNKS: self.loss_chunk_tokens is not None, Feature.OFFLOAD: self.offload is not None,
                 Feature.BF16: self.mixed_precision is Precision.BF16,
                 Feature.FP16: self.mixed_precision is Precision.FP16}
         found = {feature for feature, on in used.items() if on}

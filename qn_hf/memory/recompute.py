@@ -23,6 +23,7 @@ block first ran, then put back, so the results equal the run without recomputati
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -33,6 +34,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from ..arguments import check_choice
 from ..config.options import Recompute
 from ..tensor_parallel.rng import RngStreams
+from .offload import ActivationOffload
 
 _aten = torch.ops.aten
 # What selective recomputation keeps: the products that cost FLOPs.
@@ -62,13 +64,16 @@ def check_recompute(model: nn.Module, *, recompute: str | None, layers: str | No
                              f"use recompute=None")
 
 
-def apply_recompute(model: nn.Module, *, recompute: str, layers: str, rng: RngStreams) -> int:
-    """Turn recomputation on for every block of ``layers`` held on this stage; return how many."""
+def apply_recompute(model: nn.Module, *, recompute: str, layers: str, rng: RngStreams,
+                    offload: ActivationOffload | None = None) -> int:
+    """Turn recomputation on for every block of ``layers`` held on this stage (what each keeps held on the
+    host by ``offload``, when given: offload.py); return how many."""
     count = 0
     for block in model.get_submodule(layers):
         if isinstance(block, GradientCheckpointingLayer):  # not another stage's stand-in
             block.gradient_checkpointing = True
-            block._gradient_checkpointing_func = functools.partial(_recompute_block, rng=rng, recompute=recompute)
+            block._gradient_checkpointing_func = functools.partial(_recompute_block, rng=rng, recompute=recompute,
+                                                                   offload=offload)
             count += 1
     return count
 
@@ -93,8 +98,9 @@ def checkpoint_options(recompute: Recompute | str) -> dict:
     return options
 
 
-def _recompute_block(function, *args, rng: RngStreams, recompute: str):
-    """torch's checkpoint of ``function``; the recomputation runs with qn_hf's streams rewound."""
+def _recompute_block(function, *args, rng: RngStreams, recompute: str, offload: ActivationOffload | None):
+    """torch's checkpoint of ``function``; the recomputation runs with qn_hf's streams rewound. What the
+    checkpoint keeps goes through ``offload``'s hooks (the block's inputs; its recomputation's are its own)."""
     first = rng.snapshot()
     calls = 0
 
@@ -110,4 +116,5 @@ def _recompute_block(function, *args, rng: RngStreams, recompute: str):
         finally:  # the recomputation may stop early (torch stops once it has what backward needs)
             rng.restore(now)
 
-    return checkpoint(run, *args, preserve_rng_state=True, **checkpoint_options(recompute))
+    with offload.hooks() if offload is not None else contextlib.nullcontext():
+        return checkpoint(run, *args, preserve_rng_state=True, **checkpoint_options(recompute))

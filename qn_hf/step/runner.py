@@ -28,6 +28,7 @@ from ..context_parallel.host_masks import HostMasks, masks_needed, step_masks
 from ..context_parallel.ring_attention import PieceLayout
 from ..devices import to_device
 from ..expert_parallel.dispatch import SAME_SHAPES, GatherSwitch
+from ..memory.offload import ActivationOffload
 from ..pipeline.runtime import StageExecutor, batch_shape_key
 from ..pipeline.schedule import Op, schedule_actions
 from ..pipeline.stage import StageModules
@@ -61,6 +62,7 @@ class StepContext:
     host_masks: HostMasks | None = None  # at cp=1, masks decided from the host batch (context_parallel/host_masks.py)
     # expert_dispatch="all_gather": on while the schedule runs, the step's batches agreed in shape (dispatch.py)
     gather_switch: GatherSwitch | None = None
+    offload: ActivationOffload | None = None  # offload="activations": the blocks' saved inputs on the host
 
     @functools.cached_property
     def loss_chunks(self) -> LossChunks | None:

@@ -59,6 +59,7 @@ class TrainConfig:
     mixed_precision: str | None = None  # "bf16" or "fp16": see qn_hf.parallelize
     zero: bool = False  # ZeRO-1: each dp rank keeps 1/dp of the optimizer state
     recompute: str | None = None  # "full" or "selective" activation recomputation
+    offload: str | None = None  # "activations": what recomputation keeps, held in host memory
     loss_chunk_tokens: int | None = None  # a causal LM's loss this many tokens at a time (see qn_hf.parallelize)
     batch_size: int = 32  # global: split over dp, then into microbatches
     seq_len: int = 128
@@ -173,6 +174,8 @@ _HELP = {
     "(default: the model's dtype)",
     "zero": "ZeRO-1: each dp rank keeps 1/dp of the master weights and optimizer state",
     "recompute": "full or selective: recompute each block's activations in backward (default: keep them)",
+    "offload": "activations: hold what recomputation keeps of each block (its inputs) in host memory, copied "
+    "there and back on a side stream (needs --recompute); default: on the device",
     "loss_chunk_tokens": "lm: compute the loss this many tokens at a time, forward and backward, so the whole "
     "vocabulary's logits never exist at once (long sequences, large vocabularies); default: at once",
     "batch_size": "global batch size (examples per optimizer step, split over dp and microbatches)",
@@ -319,7 +322,7 @@ def _mesh(value: Any) -> tuple[int, int, int] | str:
 
 
 def _check(cfg: TrainConfig) -> None:
-    from ..config.options import Dispatch, Precision, Recompute
+    from ..config.options import Dispatch, Offload, Precision, Recompute
     from ..config.schedule import SCHEDULES
 
     if cfg.task not in TASKS:
@@ -328,7 +331,8 @@ def _check(cfg: TrainConfig) -> None:
         raise UsageError(f"schedule {cfg.schedule!r} is not one of {sorted(SCHEDULES)}")
     for name, value, choices in (("mixed_precision", cfg.mixed_precision, Precision.values()),
                                  ("recompute", cfg.recompute, Recompute.values()),
-                                 ("expert_dispatch", cfg.expert_dispatch, Dispatch.values())):
+                                 ("expert_dispatch", cfg.expert_dispatch, Dispatch.values()),
+                                 ("offload", cfg.offload, Offload.values())):
         if value is not None and value not in choices:
             raise UsageError(f"{name} {value!r} is not one of {sorted(choices)}")
     positive = {"batch_size": cfg.batch_size, "steps": cfg.steps, "seq_len": cfg.seq_len, "ep": cfg.ep,
