@@ -47,6 +47,7 @@ SIZES = {
     "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=2, max_position_embeddings=128, architectures=["LlamaForCausalLM"]),
     "gemma4": dict(max_position_embeddings=256, architectures=["Gemma4ForCausalLM"]),  # per-layer embeddings
+    "gemma2": dict(max_position_embeddings=256, architectures=["Gemma2ForCausalLM"]),  # the logits soft-capped
 }
 SEQ = 128
 ROWS = 2  # rows per microbatch
@@ -184,7 +185,8 @@ def _measure_forwards(pm, out: list[int]):
 def measure(*, kind: str, dp: int, tp: int, pp: int, microbatches: int, mixed_precision: str | None, zero: bool,
             recompute: str | None, sequence_parallel: bool = False, cp: int = 1, ep: int = 1,
             natural_routing: bool = False, schedule: str = "1f1b", virtual_stages: int = 1, dp_shard: int = 1,
-            dp_shard_gather: str = "step", expert_dispatch: str = "all_to_all") -> dict:
+            dp_shard_gather: str = "step", expert_dispatch: str = "all_to_all",
+            loss_chunk_tokens: int | None = None) -> dict:
     """One run's measured bytes; under ep with uniform routing unless ``natural_routing``."""
     torch.manual_seed(0)
     config = config_for(kind)
@@ -193,7 +195,7 @@ def measure(*, kind: str, dp: int, tp: int, pp: int, microbatches: int, mixed_pr
                            mesh=mesh_for(dp, tp, pp, cp), bucket_mb=BUCKET_MB, mixed_precision=mixed_precision,
                            recompute=recompute, sequence_parallel=sequence_parallel, schedule=schedule,
                            virtual_stages=virtual_stages, dp_shard=dp_shard, dp_shard_gather=dp_shard_gather,
-                           expert_dispatch=expert_dispatch)
+                           expert_dispatch=expert_dispatch, loss_chunk_tokens=loss_chunk_tokens)
     if ep > 1 and not natural_routing:
         _uniform_routing(pm.module, config.num_experts)
     opt = qn_hf.optimizer(pm, torch.optim.AdamW, zero=zero, lr=1e-4)

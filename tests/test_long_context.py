@@ -7,10 +7,11 @@ import pytest
 import torch
 
 import qn_hf
+from qn_hf.planner.estimate import Planner
 from qn_hf.validation.checks import check_parallel_config
 from tests import cases, ep_cases, optim_cases, peft_cases
 from tests.cases import mesh_for
-from tests.models import load, make_batch
+from tests.models import CONFIGS, load, make_batch
 from tests.test_expert_parallel import check_experts
 from tests.test_mixed_precision import check_mixed
 from tests.test_parity import check
@@ -84,6 +85,11 @@ def test_long_context_refusals(model_dirs):
         qn_hf.ParallelConfig(offload="activations")
     with pytest.raises(ValueError, match=r"offload='weights'"):
         qn_hf.ParallelConfig(offload="weights", recompute="full")
+    # the planner prices the chunked loss (test_planner_memory.py), not yet the offload: refused, not misstated
+    planner = Planner(CONFIGS["llama"], seq_len=12, micro_batch_size=2)
+    assert planner.estimate(qn_hf.ParallelConfig(loss_chunk_tokens=CHUNK)).peak_bytes > 0
+    with pytest.raises(ValueError, match=r"offload='activations': the planner does not price the host memory"):
+        planner.estimate(qn_hf.ParallelConfig(recompute="full", offload="activations"))
 
 
 def one_process_chunks(*, kind: str, model_dir: str) -> dict:

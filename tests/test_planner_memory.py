@@ -30,6 +30,7 @@ from tests import planner_memory_cases
 from tests.planner_memory_cases import BUCKET_MB, MOE, MOE_WIDE, ROWS, SEQ, config_for
 
 STATE_TOLERANCE = 0.05
+CHUNK_TOKENS = 100  # of ROWS x SEQ = 256 a microbatch: chunks of 50 positions, the third a part one
 ACTIVATION_TOLERANCE = 0.15
 
 RUNS = [  # kind, dp, tp, pp, microbatches, mixed_precision, zero, recompute, sequence_parallel, cp
@@ -133,6 +134,22 @@ def test_planner_memory_matches_a_run_per_schedule(worlds, schedule, virtual_sta
     not measured here)."""
     _compare(worlds, "llama", dict(dp=1, tp=2, pp=2, microbatches=2, mixed_precision="bf16", zero=False, recompute=None,
                                    schedule=schedule, virtual_stages=virtual_stages))
+
+
+@pytest.mark.parametrize(("kind", "dp", "tp", "pp", "microbatches", "mixed_precision", "recompute", "sequence_parallel",
+                          "tolerance"), [
+    ("llama", 1, 2, 1, 1, None, None, False, 0.001),  # vocabulary-parallel chunks: the loss's all-reduces, twice each
+    ("gpt2", 2, 2, 1, 1, "bf16", "selective", True, ACTIVATION_TOLERANCE),  # the head on sp's gathered sequence
+    ("gemma2", 1, 1, 2, 2, "bf16", None, False, 0.01),  # a soft-capping's tanh the whole logits would keep: 1.5%
+])
+def test_planner_memory_matches_a_chunked_loss_run(worlds, kind, dp, tp, pp, microbatches, mixed_precision, recompute,
+                                                   sequence_parallel, tolerance):
+    """loss_chunk_tokens (step/loss_chunks.py): the last stage keeps its targets, not the softmax of the whole
+    vocabulary nor what the head's tail keeps; at tp each chunk all-reduces the head's input gradient, and the
+    vocab-parallel loss's two all-reduces run in the forward and again in the backward's recomputation."""
+    _compare(worlds, kind, dict(dp=dp, tp=tp, pp=pp, microbatches=microbatches, mixed_precision=mixed_precision,
+                                zero=False, recompute=recompute, sequence_parallel=sequence_parallel,
+                                loss_chunk_tokens=CHUNK_TOKENS), activation_tolerance=tolerance)
 
 
 SHARDED_RUNS = [  # kind, dp, dp_shard, tp, pp, cp, microbatches, mixed_precision, recompute, sequence_parallel, gather

@@ -30,13 +30,17 @@ from .trace import Trace
 
 
 def chunk_activations(model: nn.Module, *, kept: dict[str, tuple[int, int]], base: Trace, plan: TpPlan,
-                      stage_plan: StagePlan, act_elem: int, cp: int) -> list[int]:
+                      stage_plan: StagePlan, act_elem: int, cp: int, loss_chunks: int = 0) -> list[int]:
     """Bytes one microbatch keeps on each chunk (``stage_plan.chunks`` of them, in chunk order);
     ``kept`` is the trace's (in the compute dtype and recompute mode), ``base`` gives the shapes;
-    ``model`` the unsharded (meta) model."""
+    ``model`` the unsharded (meta) model. ``loss_chunks`` (``loss_chunk_tokens``: how many, 0 without): the head and what the
+    task forward does after it (its own ops: a soft-capping's tanh) keep nothing, nor does the loss but its
+    targets (step/loss_chunks.py)."""
     tp, chunks = plan.tp, stage_plan.chunks
     out = [0.0] * chunks
     for owner, (whole, split) in kept.items():
+        if loss_chunks and (owner == "" or owner in stage_plan.heads):
+            continue
         found = chunks - 1 if owner == "" else chunk_of_module(stage_plan, owner)
         for c in range(chunks) if found is None else (found,):  # None: HF's forward runs it on every chunk
             out[c] += whole + split / tp
@@ -45,7 +49,9 @@ def chunk_activations(model: nn.Module, *, kept: dict[str, tuple[int, int]], bas
     for name, style in plan.rules if tp > 1 else ():  # int64 ids shifted into the shard, a bool mask
         if style == Style.VOCAB_EMBEDDING and name in base.io:
             out[chunk_of_module(stage_plan, name) or 0] += base.io[name].in_numel * (8 + 1)
-    if plan.loss is LossKind.CAUSAL_LM:
+    if plan.loss is LossKind.CAUSAL_LM and loss_chunks:  # the targets the chunks take views of (made at cp=1)
+        out[chunks - 1] += base.logits_rows * (8 if cp == 1 else 0)
+    elif plan.loss is LossKind.CAUSAL_LM:
         padded = padded_vocab(plan, model)
         columns = padded // tp if padded else vocab(model)
         targets = 8 if cp == 1 or padded else 0

@@ -4,6 +4,7 @@
                [--dtype bf16|fp16|fp32] [--zero] [--recompute full|selective] [--sequence-parallel] [--cp N]
                [--ep N] [--schedule 1f1b|gpipe|interleaved_1f1b|zb_h1] [--virtual-stages V]
                [--dp-shard N|all] [--dp-shard-gather step|microbatch] [--expert-dispatch all_to_all|all_gather]
+               [--loss-chunk-tokens N]
     qn-hf-plan MODEL --gpus 64 --tp 8 --pp 8 --global-batch 512         # the other degrees searched
     qn-hf-plan MODEL --dp 1 --tp 8 --pp 8 [--cp 2] [--ep 8] [--microbatches 32]  # one mesh, per-stage detail
     qn-hf-plan path/to/config.json --gpus 16 --json                     # machine-readable
@@ -138,7 +139,8 @@ def run_options(args: argparse.Namespace) -> dict[str, object]:
     checked when ``at_mesh`` builds its configuration."""
     return {"schedule": args.schedule, "virtual_stages": args.virtual_stages, "mixed_precision": MIXED_PRECISION[args.dtype],
             "recompute": args.recompute, "sequence_parallel": args.sequence_parallel,
-            "dp_shard_gather": args.dp_shard_gather, "expert_dispatch": args.expert_dispatch}
+            "dp_shard_gather": args.dp_shard_gather, "expert_dispatch": args.expert_dispatch,
+            "loss_chunk_tokens": args.loss_chunk_tokens}
 
 
 def run_calibration(args: argparse.Namespace, step_seconds: StepSeconds | None = None) -> None:
@@ -204,6 +206,8 @@ def main(argv: list[str] | None = None, *, step_seconds: StepSeconds | None = No
     parser.add_argument("--expert-dispatch", choices=Dispatch.values(), default=Dispatch.ALL_TO_ALL.value,
                         help="with ep: the all-to-all (default: one device wait per MoE call) or the all-gather "
                              "(none, ep times the tokens moved and held; docs/experts.md)")
+    parser.add_argument("--loss-chunk-tokens", type=int, default=None, metavar="N",
+                        help="a causal LM's loss N tokens at a time: the whole logits never held (default: at once)")
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--tflops", type=float, default=Hardware.tflops, help="sustained TFLOP/s per GPU (default %(default)s)")
     parser.add_argument("--nvlink-gbps", type=float, default=Hardware.nvlink_gbps, help="GB/s per GPU in a node")
@@ -323,7 +327,8 @@ def run_auto(args: argparse.Namespace, config, *, seq_len: int, hw: Hardware, ca
     fixed = {**{str(k): v for k, v in explicit.items()}, "mixed_precision": MIXED_PRECISION[args.dtype],
              "sequence_parallel": args.sequence_parallel,
              **{k: v for k, v in (("recompute", args.recompute), ("cp", args.cp), ("ep", args.ep),
-                                  ("dp_shard", args.dp_shard)) if v not in (None, "all")},
+                                  ("dp_shard", args.dp_shard), ("loss_chunk_tokens", args.loss_chunk_tokens))
+                if v not in (None, "all")},
              # the options parallelize takes as they are, kept where they differ from its defaults
              **{k: v for k, v in (("dp_shard_gather", Gather(args.dp_shard_gather)),
                                   ("expert_dispatch", Dispatch(args.expert_dispatch)))

@@ -7,9 +7,8 @@ rank of a stage is alike, and so is every dp and cp rank up to ZeRO's padding, g
 rank 0; with the balanced piece layout every cp rank keeps and sends alike; under ep the figures are
 tp rank 0's, the largest token share, at uniform routing: see ``experts.py``).
 
-What is modelled, per rank, for the settings ``parallelize`` and ``qn_hf.optimizer`` take
-(``mixed_precision`` None/"bf16"/"fp16", ``zero``, ``recompute`` None/"full"/"selective",
-``sequence_parallel``, ``cp``, ``ep``, ``dp_shard``):
+What is modelled, per rank, for the settings ``parallelize`` and ``qn_hf.optimizer`` take (``mixed_precision``,
+``zero``, ``recompute``, ``sequence_parallel``, ``cp``, ``ep``, ``dp_shard``, ``loss_chunk_tokens``):
 
 * weights, gradients and AdamW state (masters, moments, step counters), with ZeRO-1's sharding of
   the state over the dp x cp replicas by the buckets' own padding rule: see ``memory.py``; the
@@ -57,6 +56,7 @@ from ..pipeline.split import StagePlan
 from ..policies import resolve_policy
 from ..policies.model_policy import ModelPolicy
 from ..step.batch import check_model_inputs
+from ..step.loss_chunks import chunk_count
 from ..validation.checks import CheckedConfig, CheckMemo, check_parallel_config
 from .activations import chunk_activations, kept_collectives, weight_stash
 from .context import cp_inputs
@@ -186,10 +186,10 @@ class Planner:
         dp, tp, pp, cp, ep, dp_shard = dims.dp, dims.tp, dims.pp, dims.cp, dims.ep, dims.dp_shard
         microbatches, schedule, recompute = parallel.microbatches, parallel.schedule, parallel.recompute
         virtual_stages = parallel.virtual_stages
-        # (kept by what it reads: the experts, the plan (tp, ep; under sp the cut too), pp, the looped blocks)
-        self._memo(("modelled", plan.tp, ep, pp, stage_plan.loop_count, plan.sequence_parallel and stage_plan),
-                   lambda: check_modelled(self.model, model_type=self.config.model_type, plan=plan, ep=ep, stages=pp,
-                                          loop_count=stage_plan.loop_count))
+        # (kept by what it reads: the experts, the plan (tp, ep; under sp the cut too), pp, the looped blocks, offload)
+        self._memo(("modelled", plan.tp, ep, pp, stage_plan.loop_count, plan.sequence_parallel and stage_plan,
+                    parallel.offload), lambda: check_modelled(self.model, model_type=self.config.model_type, plan=plan, ep=ep,
+                                                              stages=pp, loop_count=stage_plan.loop_count, offload=parallel.offload))
         # train_step's check of the batch, on a meta batch of this length (the trace's inputs)
         check_model_inputs(example_inputs(self.model, micro_batch_size=self.micro_batch_size, seq_len=self.seq_len),
                            model=self.model, loss=None, positions=plan.positions,
@@ -249,9 +249,10 @@ class Planner:
         experts_calls = tuple(replace(c, rerun=b.rerun, gather_rerun=b.gather_rerun)
                               for c, b in zip(compute.experts, base.experts))
         # per chunk, the same at every dp, dp_shard, microbatch count and schedule of this shape: kept
-        activations = self._kept(("activations", param_elem, cp), (compute, base, plan, stage_plan),
-                                 lambda: chunk_activations(self.model, kept=kept, base=base, plan=plan,
-                                                           stage_plan=stage_plan, act_elem=param_elem, cp=cp))
+        loss_chunks = chunk_count(parallel.loss_chunk_tokens, rows=self.micro_batch_size, tokens=base.logits_rows)
+        activations = self._kept(("activations", param_elem, cp, bool(loss_chunks)), (compute, base, plan, stage_plan),
+                                 lambda: chunk_activations(self.model, kept=kept, base=base, plan=plan, cp=cp,
+                                                           stage_plan=stage_plan, act_elem=param_elem, loss_chunks=loss_chunks))
         if recompute is Recompute.SELECTIVE:
             collectives = self._kept(("collectives", param_elem), (base, plan, stage_plan),
                                      lambda: kept_collectives(base=base, plan=plan, stage_plan=stage_plan,
@@ -278,7 +279,7 @@ class Planner:
                                    grad_sum=summed, pieces=fsdp.pieces if fsdp else None)
             comm = stage_traffic(s, parallel=parallel, plan=plan, trace=base, stage_of=stage_of, act_elem=param_elem,
                                  param_elem=param_elem, grad_elem=grad_elem, grads=grads, backend=backend,
-                                 experts=experts_calls, kept=self._kept)
+                                 experts=experts_calls, kept=self._kept, loss_chunks=loss_chunks)
             comm.update(fsdp.comm if fsdp else {})
             others = set(stage_plan.heads) if s == pp - 1 else set()
             if s == 0:

@@ -95,8 +95,10 @@ class StageGradients:
 
 
 def _tp_microbatch(s: int, *, plan: TpPlan, trace: Trace, stage_of: Callable[[str], int], act_elem: int,
-                   recompute: str | None) -> dict[Collective, list[int]]:
-    """One microbatch's tp collectives on stage ``s``: op -> [calls, bytes]."""
+                   recompute: str | None, loss_chunks: int = 0) -> dict[Collective, list[int]]:
+    """One microbatch's tp collectives on stage ``s``: op -> [calls, bytes]. ``loss_chunks``: the chunks of
+    its loss (``loss_chunk_tokens``; 0: at once), each running the head and the vocab-parallel loss's two
+    all-reduces, and both again when the backward recomputes it."""
     ops: dict[Collective, list[int]] = defaultdict(lambda: [0, 0])
 
     def add(op: Collective, calls: int, nbytes: int) -> None:
@@ -117,10 +119,11 @@ def _tp_microbatch(s: int, *, plan: TpPlan, trace: Trace, stage_of: Callable[[st
             if recompute == Recompute.FULL and name in trace.rerun:  # selective keeps the sum (recompute.py)
                 add(Collective.ALL_REDUCE, io.calls, io.out_numel * act_elem)
         elif style.startswith(Style.COLWISE) or style == Style.VOCAB_COLWISE:
+            head = name == plan.head.vocab_output and loss_chunks
             if not entered(name):
-                add(Collective.ALL_REDUCE, io.calls, io.in_numel * act_elem)
+                add(Collective.ALL_REDUCE, loss_chunks if head else io.calls, io.in_numel * act_elem)
             if style == Style.VOCAB_COLWISE and plan.loss is LossKind.CAUSAL_LM:
-                add(Collective.ALL_REDUCE, 2, 3 * trace.logits_rows * 4)
+                add(Collective.ALL_REDUCE, 4 * loss_chunks if head else 2, 3 * trace.logits_rows * 4 * (2 if head else 1))
     for name in () if sp else plan.tp_entries:
         if stage_of(name) == s and name in trace.io:
             add(Collective.ALL_REDUCE, trace.io[name].calls, trace.io[name].in_numel * act_elem)
@@ -159,11 +162,13 @@ def bucket_traffic(buckets: Sequence[Bucket], *, ranks: int, zero: bool, backend
 
 def stage_traffic(s: int, *, parallel: ParallelConfig, plan: TpPlan, trace: Trace, stage_of: Callable[[str], int],
                   act_elem: int, param_elem: int, grad_elem: int, grads: StageGradients, backend: str = "nccl",
-                  experts: tuple[ExpertCall, ...] = (), kept: Callable | None = None) -> dict[str, GroupTraffic]:
+                  experts: tuple[ExpertCall, ...] = (), kept: Callable | None = None,
+                  loss_chunks: int = 0) -> dict[str, GroupTraffic]:
     """Stage ``s``'s traffic under ``parallel`` (its degrees, microbatches, chunks, recomputation and
     float16's loss scaling); ``grads``: what the stage reduces; ``experts``: the trace's experts calls
     (in the compute dtype); ``kept``: the planner's ``Planner._kept``, which keeps a microbatch's tp
-    collectives per stage, plan and trace (the same at every dp, dp_shard and microbatch count)."""
+    collectives per stage, plan and trace (the same at every dp, dp_shard and microbatch count);
+    ``loss_chunks``: how many chunks a microbatch's loss takes (``loss_chunk_tokens``; 0: one, whole)."""
     dims, microbatches, recompute = parallel.dims, parallel.microbatches, parallel.recompute
     dp, tp, pp, cp = dims.dp, dims.tp, dims.pp, dims.cp
     buckets, zero = grads.buckets, grads.zero
@@ -179,9 +184,11 @@ def stage_traffic(s: int, *, parallel: ParallelConfig, plan: TpPlan, trace: Trac
     wire = tp if plan.sequence_parallel else 1
     if tp > 1:
         def microbatch() -> dict[Collective, list[int]]:
-            return _tp_microbatch(s, plan=plan, trace=trace, stage_of=stage_of, act_elem=act_elem, recompute=recompute)
+            return _tp_microbatch(s, plan=plan, trace=trace, stage_of=stage_of, act_elem=act_elem, recompute=recompute,
+                                  loss_chunks=loss_chunks)
 
-        found = microbatch() if kept is None else kept(("tp", s, act_elem, recompute), (plan, trace, stage_of), microbatch)
+        found = (microbatch() if kept is None else
+                 kept(("tp", s, act_elem, recompute, loss_chunks), (plan, trace, stage_of), microbatch))
         ops = defaultdict(lambda: [0, 0], {op: list(v) for op, v in found.items()})  # a copy: added to below
         received = sum(c > 0 for c in chunks) if wire > 1 else 0
         if received:

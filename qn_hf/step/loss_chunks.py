@@ -84,6 +84,21 @@ def _with_hidden(output, hidden: torch.Tensor):
     return hidden
 
 
+def chunk_spans(*, rows: int, positions: int, tokens: int) -> list[tuple[int, int]]:
+    """The [start, stop) positions of each chunk of a microbatch of ``rows`` x ``positions``: ``tokens``
+    tokens of every row at a time, at least one position (the planner counts the chunks' collectives too)."""
+    step = max(1, tokens // max(1, rows))
+    return [(start, min(start + step, positions)) for start in range(0, positions, step)]
+
+
+def chunk_count(chunk_tokens: int | None, *, rows: int, tokens: int) -> int:
+    """How many chunks the loss of ``rows`` sequences of ``tokens`` tokens in all takes (``chunk_tokens`` a
+    chunk, ``loss_chunk_tokens``); 0 where it is computed at once (``chunk_tokens`` None)."""
+    if chunk_tokens is None:
+        return 0
+    return len(chunk_spans(rows=rows, positions=tokens // max(1, rows), tokens=chunk_tokens))
+
+
 def check_loss_chunks(model: nn.Module, *, tokens: int | None, loss: LossKind | None, seq2seq: bool) -> None:
     """``loss_chunk_tokens`` applies to ``model``: its built-in loss is a causal LM's, computed after a base
     model whose hidden states a stand-in can hand the head (raised before any collective)."""
@@ -153,12 +168,10 @@ class LossChunks:
             raise RuntimeError("the task model's forward never called its base model: nothing to take the loss of")
         targets = position_targets(batch, kind=LossKind.CAUSAL_LM, head=head)
         hidden = _hidden(recorded.output)
-        rows, positions = hidden.shape[0], hidden.shape[1]
-        step = max(1, self.tokens // max(1, rows))
         run = functools.partial(self._chunk_sum, recorded=recorded, vocab=vocab, group=group)
         total = None
-        for start in range(0, positions, step):
-            part = checkpoint(run, hidden[:, start:start + step], targets[:, start:start + step], use_reentrant=False,
+        for start, stop in chunk_spans(rows=hidden.shape[0], positions=hidden.shape[1], tokens=self.tokens):
+            part = checkpoint(run, hidden[:, start:stop], targets[:, start:stop], use_reentrant=False,
                               preserve_rng_state=True)
             total = part if total is None else total + part
         return total.reshape(1)
