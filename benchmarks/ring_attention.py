@@ -31,20 +31,9 @@ import time
 from pathlib import Path
 
 import torch
-from world import run_world
+from world import reset_high_water, run_world, status_kib
 
 HERE = Path(__file__).resolve().parents[1]
-
-
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
 
 
 def _load(root: str):
@@ -83,20 +72,20 @@ def ring_worker(rank: int, world: int, root: str, seq: int, heads: int, kv_heads
             t.grad = None
         gc.collect()
         dist.barrier()
-        before = _status_kib("VmRSS")
-        _reset_peak()
+        before = status_kib("VmRSS")
+        reset_high_water()
         start = time.perf_counter()
         out = ring.ring_attention(q, k, v, documents=docs, valid=valid, layout=layout, group=dist.group.WORLD,
                                   scaling=head_dim ** -0.5)
         out.backward(grad)
         elapsed = time.perf_counter() - start
-        rise = (_status_kib("VmHWM") - before) * 1024
+        rise = (status_kib("VmHWM") - before) * 1024
         if step:  # the first step is the warm-up
             times.append(elapsed)
             rises.append(rise)
         fingerprint = [float(out.detach().double().sum()), *(float(t.grad.double().abs().sum()) for t in (q, k, v))]
         del out
-    mine = {"rank": rank, "times": times, "rise": max(rises), "baseline": _status_kib("VmRSS") * 1024,
+    mine = {"rank": rank, "times": times, "rise": max(rises), "baseline": status_kib("VmRSS") * 1024,
             "fingerprint": fingerprint}
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine)

@@ -11,13 +11,15 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from qn_hf.local_world import LocalWorld, threads_per_rank
 
-__all__ = ["StepPeak", "alternating_medians", "benchmark_parser", "median_step_seconds", "run_world", "save_tiny_llama", "storage_bytes", "threads_per_rank"]
+__all__ = ["StepPeak", "alternating_medians", "benchmark_parser", "median_step_seconds", "reset_high_water", "run_world",
+           "save_tiny_llama", "status_kib", "storage_bytes", "threads_per_rank"]
 BENCHMARK_TIMEOUT_S = 3600.0
 
 
@@ -72,6 +74,21 @@ def median_step_seconds(step: Callable[[int], None], *, steps: int) -> float:
         step(n + 1)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def status_kib(field: str) -> int:
+    """A field of this process's /proc/self/status in KiB (``VmRSS``: resident now; ``VmHWM``: its high-water
+    mark since the last ``reset_high_water``)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_high_water() -> None:
+    """VmHWM := VmRSS. With ``MALLOC_MMAP_THRESHOLD_`` low in the ranks' environment (set before they start)
+    freed tensors go back to the system, so the mark follows the tensors alive, kernels' scratch included."""
+    Path("/proc/self/clear_refs").write_text("5")
 
 
 def save_tiny_llama(config: dict, *, prefix: str) -> str:
