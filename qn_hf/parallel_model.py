@@ -300,10 +300,11 @@ class ParallelModel(CheckpointMethods):
             if not last:
                 return outputs
             if builtin:
-                sums = (chunked.summed(recorded, micro[mb], head=self.plan.head, vocab=self.vocab, group=self.groups.tp)
-                        if chunked else summed_loss(outputs, micro[mb], kind=kind, head=self.plan.head,
-                                                    problem=problem, group=self.groups.tp, vocab=self.vocab))
-                loss = scaled(sums, scales[mb])
+                sums = (chunked.summed(recorded, outputs, micro[mb], head=self.plan.head, vocab=self.vocab,
+                                       group=self.groups.tp) if chunked else
+                        summed_loss(outputs, micro[mb], kind=kind, head=self.plan.head, problem=problem,
+                                    group=self.groups.tp, vocab=self.vocab))
+                loss = scaled(sums, scales[mb]).sum()
             else:
                 if cp > 1:  # the same loss of the whole sequences on every cp rank, 1/cp of it each (context_parallel/apply.py)
                     loss = loss_fn(whole_sequence_logits(self._with_full_logits(outputs), layout=self.cp_layout,

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import LlamaForCausalLM
 
 import qn_hf
+from qn_hf.memory.offload import ActivationOffload
+from qn_hf.memory.recompute import apply_recompute
 from qn_hf.planner.estimate import Planner
+from qn_hf.tensor_parallel.rng import RngStreams
 from qn_hf.validation.checks import check_parallel_config
 from tests import cases, ep_cases, optim_cases, peft_cases
-from tests.cases import mesh_for
+from tests.cases import mesh_for, model_inputs
 from tests.models import CONFIGS, load, make_batch
 from tests.test_expert_parallel import check_experts
 from tests.test_mixed_precision import check_mixed
@@ -46,6 +50,9 @@ LONG_CASES = [pytest.param(kind, dp, tp, pp, cp, {**extras, **options}, id=f"{la
               for label, options in (("chunks", CHUNKS), ("offload", OFFLOAD)) for name, kind, dp, tp, pp, cp, extras in SHAPES]
 LONG_CASES += [pytest.param(kind, dp, tp, pp, cp, {**extras, **BOTH}, id=f"both-{name}")
                for name, kind, dp, tp, pp, cp, extras in SHAPES if name in ("gpt2-tp2-sp-pp2", "llama-dp2-shard2-cp2")]
+# a frozen base: no block needs a gradient, FSDP's root reduces the head's all the same
+LONG_CASES.append(pytest.param("llama", 2, 1, 1, 1, {**CHUNKS, "dp_shard": 2, "frozen": ("model.",)},
+                               id="chunks-llama-dp2-shard2-frozen"))
 
 
 @pytest.mark.parametrize(("kind", "dp", "tp", "pp", "cp", "extras"), LONG_CASES)
@@ -58,10 +65,11 @@ def test_long_context_equals_plain_model(worlds, model_dirs, tmp_path, kind, dp,
     check(results, tp=tp)
     microbatches = extras.get("microbatches", 1)
     if "loss_chunk_tokens" in extras:
+        chunks = -(-12 // cp // (CHUNK // 2))  # 2 rows of 12 / cp positions, 2 positions a chunk
         for r in results:
-            if r["head_rows"]:  # the last stage: a forward on no position, then 2-row chunks, forward and backward
+            if r["head_rows"]:  # the last stage: a forward on no position, then each chunk, and again in backward
                 assert max(r["head_rows"]) <= CHUNK, r["head_rows"]
-                assert len(r["head_rows"]) > 3 * microbatches, r["head_rows"]
+                assert len(r["head_rows"]) == microbatches * (1 + 2 * chunks), r["head_rows"]
         assert any(r["head_rows"] for r in results)
     for r in results:
         if "offload" in extras:
@@ -110,6 +118,15 @@ def one_process_chunks(*, kind: str, model_dir: str) -> dict:
                 pm.train_step(batch, loss_fn=lambda outputs, b: outputs.logits.sum())
             except ValueError as e:
                 out["loss_fn"] = str(e)
+            # pm.logits computes no loss: the whole logits, as without the option
+            ref.eval()
+            out["logits_err"] = (pm.logits(batch) - ref(**model_inputs(batch)).logits).abs().max().item()
+    # a loss_fn giving a loss per row (not a scalar) is refused as it was before the chunks' refactor
+    pm = qn_hf.parallelize(load(kind, model_dir), mesh=mesh_for(1, 1))
+    try:
+        pm.train_step(batch, loss_fn=lambda outputs, b: outputs.logits.float().mean(dim=(1, 2)))
+    except RuntimeError as e:
+        out["per_row_loss_fn"] = str(e)
     return out
 
 
@@ -122,6 +139,47 @@ def test_loss_chunks_one_process(worlds, model_dirs, kind):
         assert abs(loss - r["ref_loss"]) <= 1e-5 * abs(r["ref_loss"]), (tokens, r)
         assert r["grad_errs"][tokens] < 2e-6, (tokens, r)
     assert "a loss_fn with loss_chunk_tokens=100" in r.get("loss_fn", ""), r
+    assert r["logits_err"] < 1e-5, r
+    assert "per_row_loss_fn" in r, r
+
+
+def _offloaded_llama(offload: ActivationOffload | None):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(CONFIGS["llama"])
+    if offload is not None:
+        apply_recompute(model, recompute="full", layers="model.layers",
+                        rng=RngStreams(device=torch.device("cpu"), seeds={"shared": 0}), offload=offload)
+    return model.train()
+
+
+def test_offload_hands_back_what_it_saved():
+    """Each block's input goes to the host in the forward and comes back once in the backward, the one
+    before it prefetched; nothing stays held after the step; a forward left without its backward does not
+    reach into the next step's chain; the gradients are the plain model's bit for bit."""
+    offload = ActivationOffload()
+    model, plain = _offloaded_llama(offload), _offloaded_llama(None)
+    ids = torch.randint(3, 101, (2, 12), generator=torch.Generator().manual_seed(0))
+    blocks = CONFIGS["llama"].num_hidden_layers
+    offload.chained(lambda: model(input_ids=ids, labels=ids))()  # a forward whose backward never comes
+    assert offload.packed == blocks and offload.host_bytes > 0
+    offload.packed = offload.unpacked = offload.prefetched = 0
+    loss = offload.chained(lambda: model(input_ids=ids, labels=ids).loss)()
+    loss.backward()
+    plain(input_ids=ids, labels=ids).loss.backward()
+    assert offload.packed == offload.unpacked == blocks and offload.prefetched == blocks - 1
+    grads = dict(plain.named_parameters())
+    assert all(torch.equal(p.grad, grads[n].grad) for n, p in model.named_parameters())
+
+
+def test_offload_refuses_a_saved_input_written_in_place():
+    offload = ActivationOffload()
+    x = torch.randn(4, requires_grad=True)
+    y = x * 2
+    with offload.hooks():
+        z = y.sin()  # saves y, made by autograd and requiring a gradient: held on the host
+    y.add_(1)
+    with pytest.raises(RuntimeError, match=r"modified in place after it was saved \(version 0 -> 1\)"):
+        z.sum().backward()
 
 
 @pytest.mark.parametrize("options", [CHUNKS, {**OFFLOAD, "recompute": "full"}], ids=["chunks", "offload"])

@@ -6,29 +6,32 @@ on the device. ``offload="activations"`` moves them to the host as they are save
 back for its block's backward:
 
 * which tensors: what torch's checkpoint of a block saves outside its own recomputation, seen
-  through ``saved_tensors_hooks`` around the checkpoint (a block's hidden states, and under pipeline
-  parallelism a received activation): those that require a gradient. The inputs that do not (the
-  attention mask, the rotary tables) are the same tensors for every block and stay where they are;
-  what selective recomputation's cache keeps is its own and stays too.
+  through ``saved_tensors_hooks`` around the checkpoint, that autograd made and that requires a
+  gradient: a block's hidden states. The inputs that do not require one (the attention mask, the
+  rotary tables) are the same tensors for every block and stay where they are; a leaf (a pipeline
+  stage's received activation) stays too, since the stage holds it anyway to send its gradient back;
+  what selective recomputation's cache keeps is its own and stays.
 * on CUDA: each is copied into pinned host memory on a side stream, after the compute stream has
   made it (the stream waits, the host does not), and the device memory is released once that copy
   is done (``record_stream``). In the backward, unpacking a block's input starts the copy back of
-  the input saved just before it (the next block the backward reaches), so that copy overlaps this
-  block's recomputation and backward; the compute stream waits for a copy's event, never the host.
-  Pinned buffers are kept by shape and dtype and reused from step to step (allocating pinned memory
-  synchronizes the device).
-* on a CPU the activations already live in host memory: each is copied to a buffer of its own all
-  the same, so that the same packing, prefetching and release run (and are tested) everywhere; it
-  saves nothing there.
+  the input the same microbatch's forward saved just before it (the block the backward reaches
+  next), so that copy overlaps this block's recomputation and backward; the compute stream waits for
+  a copy's event, never the host. Pinned buffers come from torch's caching host allocator, which
+  reuses them once the copies recorded on them are done (allocating pinned memory afresh would
+  synchronize the device).
+* on another device or a CPU: each is copied to the host synchronously; on a CPU the host is the
+  device, so it saves nothing there, but the same packing, prefetching and release run (and are
+  tested) everywhere.
 
-The values are copied, never changed: the run equals the one without offload bit for bit.
+The values are copied, never changed: the run equals the one without offload bit for bit. A saved
+tensor written in place after it was saved is refused at its unpacking, as autograd itself would.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -36,13 +39,15 @@ import torch
 class _Entry:
     """One saved tensor held on the host, and its way back."""
 
-    __slots__ = ("host", "device", "copied", "back", "returned", "before")
+    __slots__ = ("host", "device", "source", "version", "copied", "back", "returned", "before")
 
-    def __init__(self, host: torch.Tensor, device: torch.device, copied, before: _Entry | None) -> None:
-        self.host, self.device, self.copied = host, device, copied  # the D2H copy's event (None on a CPU)
+    def __init__(self, host: torch.Tensor, source: torch.Tensor, copied, before: _Entry | None) -> None:
+        # the saved tensor itself only weakly (its memory is what goes), and its version when saved
+        self.host, self.device, self.source, self.version = host, source.device, weakref.ref(source), source._version
+        self.copied = copied  # the D2H copy's event (None where the copy was synchronous)
         self.back: torch.Tensor | None = None  # the tensor brought back (prefetched or unpacked)
         self.returned = None  # the H2D copy's event
-        self.before = before  # the entry saved just before: the backward reaches it next
+        self.before = before  # the entry the same forward saved just before: the backward reaches it next
 
 
 class ActivationOffload:
@@ -50,22 +55,32 @@ class ActivationOffload:
 
     def __init__(self) -> None:
         self._stream: torch.cuda.Stream | None = None
-        self._pool: dict[tuple, list[torch.Tensor]] = defaultdict(list)  # pinned buffers free for reuse
-        self._last: _Entry | None = None
+        self._last: _Entry | None = None  # the entry the running forward saved last
         self.packed = self.unpacked = self.prefetched = 0  # counts, for tests and benchmarks
-        self.host_bytes = 0  # pinned host memory allocated (kept for reuse)
+        self.host_bytes = self.peak_host_bytes = 0  # held on the host now, and the most at once
 
     @contextlib.contextmanager
     def hooks(self) -> Iterator[None]:
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
 
+    def chained(self, forward: Callable) -> Callable:
+        """``forward`` (one microbatch through a pipeline chunk) starting a chain of its own: a prefetch stays
+        within the forward that saved the entries, never reaching another microbatch's or a failed step's."""
+        def run(*args, **kwargs):
+            self._last = None
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self._last = None
+        return run
+
     def _pack(self, tensor: torch.Tensor):
-        if not tensor.requires_grad or isinstance(tensor, torch.nn.Parameter):
-            return tensor  # shared by every block (masks, rotary tables) or a weight: left where it is
+        if not tensor.requires_grad or tensor.grad_fn is None:
+            return tensor  # shared by every block (masks, rotary tables), a weight or a held leaf: left as it is
         self.packed += 1
         if tensor.device.type == "cuda":
-            host = self._buffer(tensor)
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
             stream = self._side_stream(tensor.device)
             stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the compute stream made it
             with torch.cuda.stream(stream):
@@ -74,57 +89,50 @@ class ActivationOffload:
                 copied.record(stream)
             tensor.record_stream(stream)  # its memory is reused only after the copy
         else:
-            host, copied = tensor.detach().clone(), None
-        entry = _Entry(host, tensor.device, copied, self._last)
+            host, copied = tensor.detach().to("cpu", copy=True), None
+        self.host_bytes += host.numel() * host.element_size()
+        self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+        entry = _Entry(host, tensor, copied, self._last)
         self._last = entry
         return entry
 
     def _unpack(self, entry):
         if not isinstance(entry, _Entry):
             return entry
-        if entry.host is None and entry.back is None:
+        if entry.host is None:
             raise RuntimeError("an offloaded activation was unpacked twice (a second backward through the same graph); "
                                "offload='activations' hands each back once")
+        source = entry.source()
+        if source is not None and source._version != entry.version:  # as autograd refuses a saved tensor's
+            raise RuntimeError(f"a block input offloaded to the host was modified in place after it was saved (version "
+                               f"{entry.version} -> {source._version}): its backward would use the old values; "
+                               f"parallelize without offload, or keep the model's forward out of place")
         self._bring_back(entry)
-        if entry.before is not None and entry.before.back is None and entry.before.host is not None:
-            self._bring_back(entry.before)  # the next block's input, while this one's backward runs
+        before = entry.before
+        if before is not None and before.back is None and before.host is not None:
+            self._bring_back(before)  # the next block's input, while this one's backward runs
             self.prefetched += 1
         back = entry.back
         if entry.returned is not None:
             stream = torch.cuda.current_stream(entry.device)
             stream.wait_event(entry.returned)
             back.record_stream(stream)
-        self._release(entry)
+        self.host_bytes -= entry.host.numel() * entry.host.element_size()
+        entry.host = entry.back = None  # the pinned buffer goes back to torch's pool once its copies are done
         self.unpacked += 1
         return back  # held by the checkpoint's recomputation now, not by the entry
 
     def _bring_back(self, entry: _Entry) -> None:
         if entry.back is not None:
             return
-        if entry.copied is None:  # on a CPU the host copy is the tensor
-            entry.back = entry.host
-            return
-        stream = self._side_stream(entry.device)
-        with torch.cuda.stream(stream):  # after the D2H copy: the same stream
-            entry.back = entry.host.to(entry.device, non_blocking=True)
-            entry.returned = torch.cuda.Event()
-            entry.returned.record(stream)
-
-    def _release(self, entry: _Entry) -> None:
-        """The host buffer goes back to the pool once the copy back is queued: a later D2H copy into it
-        runs on the same side stream, after it."""
-        if entry.copied is not None and entry.host is not None:
-            self._pool[(tuple(entry.host.shape), entry.host.dtype)].append(entry.host)
-        entry.host = entry.back = None
-        if self._last is entry:
-            self._last = None
-
-    def _buffer(self, tensor: torch.Tensor) -> torch.Tensor:
-        free = self._pool.get((tuple(tensor.shape), tensor.dtype))
-        if free:
-            return free.pop()
-        self.host_bytes += tensor.numel() * tensor.element_size()
-        return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+        if entry.copied is None:
+            entry.back = entry.host.to(entry.device)  # on a CPU the host copy itself
+        else:
+            stream = self._side_stream(entry.device)
+            with torch.cuda.stream(stream):  # after the D2H copy: the same stream
+                entry.back = entry.host.to(entry.device, non_blocking=True)
+                entry.returned = torch.cuda.Event()
+                entry.returned.record(stream)
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         if self._stream is None:

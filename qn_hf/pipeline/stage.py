@@ -182,7 +182,7 @@ class StageModules:
             out = returned.output
         finally:
             stop.remove()
-        hidden = _first_output(out)
+        hidden = first_output(out)
         return captured[-1] if captured and captured[-1].shape != hidden.shape else hidden
 
     def _last_block(self, chunk: int) -> nn.Module:
@@ -320,7 +320,7 @@ def _stop_at_return(_module: nn.Module, _args, output):
     raise _StackReturned(output)
 
 
-def _first_output(out):
+def first_output(out):
     """The hidden states a module returns: itself, the first of a tuple or a model output, or the
     first of a list (OpenAI GPT's blocks return ``[hidden, *attentions]``)."""
     return out[0] if isinstance(out, (tuple, list, ModelOutput)) else out
@@ -332,7 +332,7 @@ def _capturing(module: nn.Module):
     ``last_hidden_state``), in call order."""
     captured: list[torch.Tensor] = []
     handle = module.register_forward_hook(
-        lambda _m, _a, out: captured.append(_first_output(out)))
+        lambda _m, _a, out: captured.append(first_output(out)))
     try:
         yield captured
     finally:

@@ -27,7 +27,7 @@ What is modelled, per rank, for the settings ``parallelize`` and ``qn_hf.optimiz
   parallelism's all-to-alls and token gathers, float16's overflow flag).
 
 Not modelled: temporary buffers that die inside a step (the peak of a backward, collective
-staging), allocator fragmentation, the CPU-side random states torch's checkpoint keeps; keys and
+staging, a loss chunk's logits), the time of the head's second forward under ``loss_chunk_tokens``, allocator fragmentation, the CPU-side random states torch's checkpoint keeps; keys and
 values of KV heads replicated over tp (tp > KV heads) count as split over tp; routing imbalance
 under ep (a rank receiving more rows than it sends keeps and sends more: the figures are the
 uniform-routing ones, which an ep group's total all-to-all bytes always equal).

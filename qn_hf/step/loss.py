@@ -192,10 +192,10 @@ def loss_scales(count: torch.Tensor, *, rows: list[int], builtin: bool,
 
 
 def scaled(value: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The sum of ``value * scale`` (a microbatch's loss terms and their ``loss_scales``), as a Python float
-    scale made it: the products in float32 (float64 for a float64 loss), the result in ``value``'s dtype."""
+    """``value * scale`` (a microbatch's loss and its ``loss_scales``) as a Python float scale made it: the
+    product in float32 (float64 for a float64 loss), the result in ``value``'s dtype."""
     opmath = torch.float64 if value.dtype == torch.float64 else torch.float32
-    return (value.to(opmath) * scale.to(opmath)).sum().to(value.dtype)
+    return (value.to(opmath) * scale.to(opmath)).to(value.dtype)
 
 
 def nan_without_targets(loss: torch.Tensor, count: torch.Tensor) -> torch.Tensor:

@@ -33,10 +33,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 from transformers.utils import ModelOutput
 
 from ..config.options import LossKind
+from ..pipeline.stage import first_output
 from ..policies.patterns import base_model_and_prefix
 from ..policies.task import TaskHead
 from ..tensor_parallel.apply import VocabShard
@@ -71,16 +73,13 @@ class _BaseStandIn(nn.Module):
             return getattr(object.__getattribute__(self, "_real"), name)
 
 
-def _hidden(output) -> torch.Tensor:
-    return output[0] if isinstance(output, (tuple, list, ModelOutput)) else output
-
-
 def _with_hidden(output, hidden: torch.Tensor):
-    """``output`` (a model output, a tuple or a tensor) with ``hidden`` as its hidden states."""
+    """``output`` (a model output, a tuple or list, or a tensor: ``first_output``'s forms) with ``hidden`` as
+    its hidden states."""
     if isinstance(output, ModelOutput):
         return type(output)(**{**output, next(iter(output.keys())): hidden})
-    if isinstance(output, tuple):
-        return (hidden, *output[1:])
+    if isinstance(output, (tuple, list)):
+        return type(output)((hidden, *output[1:]))
     return hidden
 
 
@@ -137,7 +136,7 @@ class LossChunks:
             recorded.args, recorded.kwargs = tuple(args), dict(kwargs)
 
         def returned(_module, _args, output):
-            hidden = _hidden(output)
+            hidden = first_output(output)
             if hidden.dim() != 3:
                 raise ValueError(f"loss_chunk_tokens: {type(self.base).__name__} returned hidden states of shape "
                                  f"{tuple(hidden.shape)}, not (rows, positions, hidden); parallelize without "
@@ -157,22 +156,29 @@ class LossChunks:
         """A step's loss is the built-in one: a ``loss_fn`` takes the whole logits, which are never made."""
         if not builtin:
             raise ValueError(f"a loss_fn with loss_chunk_tokens={self.tokens}: a loss_fn takes the whole logits, "
-                             f"which the chunked loss never makes; leave loss_fn out (the built-in causal-LM loss "
-                             f"is computed in chunks) or parallelize without loss_chunk_tokens")
+                             f"which loss_chunk_tokens is there never to make; leave loss_fn out (the built-in "
+                             f"causal-LM loss is computed in chunks) or parallelize without loss_chunk_tokens")
 
-    def summed(self, recorded: _Recorded, batch: Mapping[str, torch.Tensor], *, head: TaskHead,
+    def summed(self, recorded: _Recorded, outputs, batch: Mapping[str, torch.Tensor], *, head: TaskHead,
                vocab: VocabShard | None, group: ProcessGroup) -> torch.Tensor:
         """The loss sum (float32, ``[1]``) over the recorded microbatch's positions against their targets in
-        ``batch`` (``step.loss.position_targets``), a chunk at a time (``step.loss.token_loss_sum`` of each)."""
+        ``batch`` (``step.loss.position_targets``), a chunk at a time (``step.loss.token_loss_sum`` of each).
+        ``outputs``: what the task forward returned (its logits of no position), kept in the graph."""
         if recorded.output is None:
             raise RuntimeError("the task model's forward never called its base model: nothing to take the loss of")
         targets = position_targets(batch, kind=LossKind.CAUSAL_LM, head=head)
-        hidden = _hidden(recorded.output)
+        hidden = first_output(recorded.output)
         run = functools.partial(self._chunk_sum, recorded=recorded, vocab=vocab, group=group)
-        total = None
-        for start, stop in chunk_spans(rows=hidden.shape[0], positions=hidden.shape[1], tokens=self.tokens):
-            part = checkpoint(run, hidden[:, start:stop], targets[:, start:stop], use_reentrant=False,
-                              preserve_rng_state=True)
+        sizes = [stop - start for start, stop in chunk_spans(rows=hidden.shape[0], positions=hidden.shape[1],
+                                                             tokens=self.tokens)]
+        # split, not sliced: the backward of a slice makes a whole-size gradient per chunk, split's one for all
+        # FSDP's root (dp_shard) prepares its backward from a hook on the task forward's outputs: their empty
+        # logits stay in the graph there (a sum of nothing, 0), or a step whose blocks need no gradient (a frozen
+        # base) would never reduce the head's; elsewhere they are left out (their backward would be an empty
+        # all-reduce at tp)
+        total = outputs.logits.sum().float() if isinstance(self.model, FSDPModule) else None
+        for part_hidden, part_targets in zip(hidden.split(sizes, dim=1), targets.split(sizes, dim=1)):
+            part = checkpoint(run, part_hidden, part_targets, use_reentrant=False, preserve_rng_state=True)
             total = part if total is None else total + part
         return total.reshape(1)
 
@@ -184,4 +190,8 @@ class LossChunks:
             logits = self.model.forward(*recorded.args, **recorded.kwargs).logits
         finally:
             setattr(self.holder, self.name, self.base)
+        if logits.shape[:-1] != targets.shape:  # the head did not score this chunk's positions one by one
+            raise ValueError(f"loss_chunk_tokens: {type(self.model).__name__}'s forward gave logits of shape "
+                             f"{tuple(logits.shape)} for a chunk of {tuple(targets.shape)} positions; parallelize "
+                             f"without loss_chunk_tokens")
         return token_loss_sum(logits, targets, vocab=vocab, group=group)

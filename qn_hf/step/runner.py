@@ -94,7 +94,7 @@ def prepare(ctx: StepContext, batch: Mapping[str, torch.Tensor], *, loss: LossKi
             contents: bool = True) -> Prepared:
     """Every step's prologue (module docstring); raises on every rank alike before any collective. ``contents``:
     the ranks of a replica agree on their batch's host contents too (agreement.py)."""
-    if ctx.loss_chunks is not None:
+    if ctx.loss_chunks is not None and loss is not None:  # pm.logits computes no loss
         ctx.loss_chunks.check_builtin(builtin)
     dims, coords, groups = ctx.placement.dims, ctx.placement.coords, ctx.placement.groups
     microbatches = ctx.config.microbatches
@@ -156,6 +156,8 @@ def run_schedule(ctx: StepContext, prepared: Prepared, forward: Forward, *, back
                                 backward=backward)
     # what fixes the activations' shapes between stages: the activation header is exchanged once per
     # such key (the first step of each batch shape), not every step
+    if ctx.offload is not None:  # each microbatch's forward saves a chain of its own (offload.py)
+        forward = ctx.offload.chained(forward)
     with ctx.gather_switch.within_step() if ctx.gather_switch else contextlib.nullcontext():
         ctx.executor.run(schedule, forward, rows=prepared.rows, on_final=on_final,
                          shape_key=batch_shape_key(prepared.micro[0], rows=prepared.rows))
