@@ -52,7 +52,7 @@ LONG_CASES += [pytest.param(kind, dp, tp, pp, cp, {**extras, **BOTH}, id=f"both-
                for name, kind, dp, tp, pp, cp, extras in SHAPES if name in ("gpt2-tp2-sp-pp2", "llama-dp2-shard2-cp2")]
 # a frozen base: no block needs a gradient, FSDP's root reduces the head's all the same
 LONG_CASES.append(pytest.param("llama", 2, 1, 1, 1, {**CHUNKS, "dp_shard": 2, "frozen": ("model.",)},
-                               id="chunks-llama-dp2-shard2-frozen"))
+                               id="chunks-llama-dp2-shard2-frozen", marks=pytest.mark.core))
 
 
 @pytest.mark.parametrize(("kind", "dp", "tp", "pp", "cp", "extras"), LONG_CASES)
@@ -130,6 +130,7 @@ def one_process_chunks(*, kind: str, model_dir: str) -> dict:
     return out
 
 
+@pytest.mark.core  # the one check of each head's tail (soft-capping, a divisor, a tied head) at every chunk size
 @pytest.mark.parametrize("kind", ["llama", "gemma2", "granite", "gpt2"])
 def test_loss_chunks_one_process(worlds, model_dirs, kind):
     """One process, chunks of 1 to 100 tokens: the same loss and gradients as the plain model (chunks that
