@@ -119,7 +119,7 @@ def _tp_microbatch(s: int, *, plan: TpPlan, trace: Trace, stage_of: Callable[[st
             if recompute == Recompute.FULL and name in trace.rerun:  # selective keeps the sum (recompute.py)
                 add(Collective.ALL_REDUCE, io.calls, io.out_numel * act_elem)
         elif style.startswith(Style.COLWISE) or style == Style.VOCAB_COLWISE:
-            head = name == plan.head.vocab_output and loss_chunks
+            head = loss_chunks > 0 and name == plan.head.vocab_output  # the head runs once a chunk
             if not entered(name):
                 add(Collective.ALL_REDUCE, loss_chunks if head else io.calls, io.in_numel * act_elem)
             if style == Style.VOCAB_COLWISE and plan.loss is LossKind.CAUSAL_LM:
