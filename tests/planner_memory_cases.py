@@ -186,7 +186,7 @@ def measure(*, kind: str, dp: int, tp: int, pp: int, microbatches: int, mixed_pr
             recompute: str | None, sequence_parallel: bool = False, cp: int = 1, ep: int = 1,
             natural_routing: bool = False, schedule: str = "1f1b", virtual_stages: int = 1, dp_shard: int = 1,
             dp_shard_gather: str = "step", expert_dispatch: str = "all_to_all",
-            loss_chunk_tokens: int | None = None) -> dict:
+            loss_chunk_tokens: int | None = None, offload: str | None = None) -> dict:
     """One run's measured bytes; under ep with uniform routing unless ``natural_routing``."""
     torch.manual_seed(0)
     config = config_for(kind)
@@ -195,7 +195,7 @@ def measure(*, kind: str, dp: int, tp: int, pp: int, microbatches: int, mixed_pr
                            mesh=mesh_for(dp, tp, pp, cp), bucket_mb=BUCKET_MB, mixed_precision=mixed_precision,
                            recompute=recompute, sequence_parallel=sequence_parallel, schedule=schedule,
                            virtual_stages=virtual_stages, dp_shard=dp_shard, dp_shard_gather=dp_shard_gather,
-                           expert_dispatch=expert_dispatch, loss_chunk_tokens=loss_chunk_tokens)
+                           expert_dispatch=expert_dispatch, loss_chunk_tokens=loss_chunk_tokens, offload=offload)
     if ep > 1 and not natural_routing:
         _uniform_routing(pm.module, config.num_experts)
     opt = qn_hf.optimizer(pm, torch.optim.AdamW, zero=zero, lr=1e-4)
@@ -210,6 +210,8 @@ def measure(*, kind: str, dp: int, tp: int, pp: int, microbatches: int, mixed_pr
         opt.step()
     activations: list[int] = []
     _measure_forwards(pm, activations)
+    if pm.context.offload is not None:  # the host's high-water mark of this step alone
+        pm.context.offload.peak_host_bytes = 0
     opt.zero_grad()
     gathered = _Gathered(pm) if dp_shard > 1 else None
     with qn_hf.CommMeter(pm) as meter:
@@ -241,4 +243,43 @@ def measure(*, kind: str, dp: int, tp: int, pp: int, microbatches: int, mixed_pr
             "accumulated_grad_bytes": gathered.accumulated if gathered else 0,
             "optimizer_bytes": _storage_bytes(state) + _storage_bytes(masters),
             "activation_bytes": max(activations), "activations": activations, "comm": comm,
+            "host_bytes": pm.context.offload.peak_host_bytes if pm.context.offload is not None else 0,
             "comm_ops": {f"{g}:{op}": [t.calls, t.nbytes] for (g, op), t in meter.totals().items()}}
+
+
+# A long sequence through a large vocabulary: the loss's logits outweigh everything else a step makes
+LONG_LOSS = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=2, vocab_size=8192, max_position_embeddings=1024, tie_word_embeddings=False,
+                 architectures=["LlamaForCausalLM"])
+LONG_SEQ = 1024
+
+
+class _Peak(LiveAllocations):
+    """The most bytes of the storages made while active alive at once, after any op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.most = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.most = max(self.most, self.alive_bytes())
+        return out
+
+
+def measure_step_peak(*, recompute: str | None, loss_chunk_tokens: int | None, offload: str | None) -> int:
+    """One process, one sequence of ``LONG_SEQ`` tokens: the most bytes the storages a step makes hold at once (its
+    activations, the loss's backward's moment; the gradients are the last step's, held and added to in place)."""
+    from transformers import AutoConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **LONG_LOSS))
+    pm = qn_hf.parallelize(model, recompute=recompute, loss_chunk_tokens=loss_chunk_tokens, offload=offload,
+                           mesh=mesh_for(1, 1))
+    ids = torch.randint(3, 8192, (1, LONG_SEQ), generator=torch.Generator().manual_seed(0))
+    pm.train_step({"input_ids": ids, "labels": ids})
+    pm.module.zero_grad(set_to_none=False)
+    gc.collect()
+    with _Peak() as peak:
+        pm.train_step({"input_ids": ids, "labels": ids})
+    return peak.most

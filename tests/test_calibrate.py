@@ -83,7 +83,8 @@ def test_assumed_figures_name_what_they_assume():
     assert cal.collective(Collective.SEND, ranks=2, link=Link.NETWORK) == Fit(20e-6, 50e9)
     assert {c.ranks for c in cal.collectives} == {2, 4, 8, 16}
     assert cal.overlap == 1.0 and cal.memory_bytes == 80 * GIB
-    assert len(cal.assumed) == 6 and any("overlap" in a for a in cal.assumed)
+    assert len(cal.assumed) == 7 and any("overlap" in a for a in cal.assumed)
+    assert cal.host_copy == Fit(10e-6, 25e9 / 2)  # a byte goes to the host and back: PCIe 5's both ways
 
 
 def test_from_json_refuses_a_wrong_format_naming_the_fix():
@@ -204,6 +205,8 @@ def test_measure_quick_at_two_ranks_agrees_and_is_sane(worlds, tmp_path):
     waits = cal.waits  # one point per wait segment, every wait finite and not negative
     assert len(waits.segments) == len(waits.waits) == 2 and list(waits.segments) == sorted(waits.segments)
     assert all(math.isfinite(w) and w >= 0 for w in waits.waits)
+    # offload's copies on a CPU: a block input's host copy (its own code, ActivationOffload.round_trip)
+    assert cal.host_copy is not None and cal.host_copy.rate > 1e8
     cal.save(str(tmp_path / "c.json"))
     assert Calibration.load(str(tmp_path / "c.json")) == cal
 

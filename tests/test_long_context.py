@@ -81,7 +81,8 @@ def test_long_context_equals_plain_model(worlds, model_dirs, tmp_path, kind, dp,
 
 def test_long_context_refusals(model_dirs):
     """Refused before anything runs: a loss that is not a causal LM's, a count that is not one, offload without
-    recomputation (nothing then is kept apart from the blocks' internals) or of something unknown."""
+    recomputation (nothing then is kept apart from the blocks' internals) or of something unknown. (The planner
+    prices both.)"""
     vit = load("vit", model_dirs["vit"])
     with pytest.raises(ValueError, match=r"loss_chunk_tokens=8: ViTForImageClassification's loss is 'classification'"):
         check_parallel_config(vit, loss_chunk_tokens=8)
@@ -93,11 +94,13 @@ def test_long_context_refusals(model_dirs):
         qn_hf.ParallelConfig(offload="activations")
     with pytest.raises(ValueError, match=r"offload='weights'"):
         qn_hf.ParallelConfig(offload="weights", recompute="full")
-    # the planner prices the chunked loss (test_planner_memory.py), not yet the offload: refused, not misstated
+    # the planner prices both (test_planner_memory.py): the offload's bytes leave the device for the host
     planner = Planner(CONFIGS["llama"], seq_len=12, micro_batch_size=2)
     assert planner.estimate(qn_hf.ParallelConfig(loss_chunk_tokens=CHUNK)).peak_bytes > 0
-    with pytest.raises(ValueError, match=r"offload='activations': the planner does not price the host memory"):
-        planner.estimate(qn_hf.ParallelConfig(recompute="full", offload="activations"))
+    kept = planner.estimate(qn_hf.ParallelConfig(recompute="full"))
+    held = planner.estimate(qn_hf.ParallelConfig(recompute="full", offload="activations"))
+    assert held.host_peak_bytes > 0 and kept.host_peak_bytes == 0
+    assert held.peak_bytes + held.host_peak_bytes == kept.peak_bytes
 
 
 def one_process_chunks(*, kind: str, model_dir: str) -> dict:

@@ -152,6 +152,43 @@ def test_planner_memory_matches_a_chunked_loss_run(worlds, kind, dp, tp, pp, mic
                                 loss_chunk_tokens=CHUNK_TOKENS), activation_tolerance=tolerance)
 
 
+@pytest.mark.parametrize(("kind", "dp", "tp", "pp", "cp", "microbatches", "recompute", "sequence_parallel"), [
+    ("llama", 1, 1, 2, 1, 4, "full", False),  # 1F1B: two microbatches' block inputs on the first stage's host
+    ("gpt2", 1, 2, 1, 1, 1, "full", True),  # the blocks' inputs a sequence slice
+    ("llama", 1, 1, 1, 2, 2, "selective", False),  # one cp rank's tokens; selective's cache stays on the device
+])
+def test_planner_memory_matches_an_offloaded_run(worlds, kind, dp, tp, pp, cp, microbatches, recompute,
+                                                 sequence_parallel):
+    """offload="activations" (memory/offload.py): what the blocks' checkpoints hold on the host, as the trace saw
+    them saved (planner/trace.py), per microbatch and at the schedule's peak (the offload's own count of the
+    host bytes it held at once). On a CPU the host is the device, so the measured activations are the planner's
+    device figure and its host figure together."""
+    _compare(worlds, kind, dict(dp=dp, tp=tp, pp=pp, cp=cp, microbatches=microbatches, mixed_precision=None,
+                                zero=False, recompute=recompute, sequence_parallel=sequence_parallel,
+                                offload="activations"))
+
+
+@pytest.mark.parametrize(("recompute", "loss_chunk_tokens", "offload"), [
+    (None, None, None),  # the whole logits' softmax kept, their two gradients in the loss's backward
+    (None, 128, None),  # a chunk's log-softmax remade and its two gradients
+    ("full", 128, "activations"),  # and the blocks' inputs on the host (the same memory on a CPU)
+])
+def test_planner_peak_matches_a_long_sequence_step(worlds, recompute, loss_chunk_tokens, offload):
+    """At a long sequence through a large vocabulary the loss's backward is most of a step's peak: the planner's
+    activations (device and host) and that moment (``loss_transient``), against the most bytes the storages the
+    step made held at once (the gradients held from the last step), within 5%."""
+    (measured,) = worlds.run(1, planner_memory_cases.measure_step_peak, recompute=recompute,
+                             loss_chunk_tokens=loss_chunk_tokens, offload=offload)
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("llama", **planner_memory_cases.LONG_LOSS)
+    est = Planner(config, seq_len=planner_memory_cases.LONG_SEQ, micro_batch_size=1).estimate(
+        ParallelConfig.from_keywords(recompute=recompute, loss_chunk_tokens=loss_chunk_tokens, offload=offload))
+    (stage,) = est.stages
+    planned = stage.activation_bytes + stage.host_bytes + stage.transient_bytes
+    assert abs(planned - measured) <= 0.05 * measured, (planned, measured, stage)
+
+
 SHARDED_RUNS = [  # kind, dp, dp_shard, tp, pp, cp, microbatches, mixed_precision, recompute, sequence_parallel, gather
     ("llama", 2, 2, 1, 1, 1, 2, "bf16", None, False, "step"),  # per microbatch: root once, blocks twice, all reduced
     ("llama", 2, 2, 1, 2, 1, 2, "bf16", None, False, "step"),  # a stage gathered once, whole gradients until the end
@@ -214,6 +251,9 @@ def _compare(worlds, kind: str, settings: dict, *, activation_tolerance: float =
         stage = est.stages[r["coords"]["pp"]]
         planned = {"weight_bytes": stage.weight_bytes, "grad_bytes": stage.grad_bytes,
                    "optimizer_bytes": stage.optimizer_bytes, "activation_bytes": max(stage.chunk_activation_bytes)}
+        if settings.get("offload"):  # one chunk a stage; on a CPU the host copies are in the measured activations
+            planned |= {"activation_bytes": stage.activation_bytes_per_microbatch + stage.offloaded_bytes_per_microbatch,
+                        "host_bytes": stage.host_bytes}
         if settings.get("dp_shard", 1) > 1:
             planned |= {"gathered_bytes": stage.gathered_bytes, "accumulated_grad_bytes": stage.accumulated_grad_bytes}
         rows.append((r["coords"], {k: (r[k], v) for k, v in planned.items()}))
@@ -224,7 +264,7 @@ def _compare(worlds, kind: str, settings: dict, *, activation_tolerance: float =
             tolerance = activation_tolerance if what == "activation_bytes" else STATE_TOLERANCE
             # replica 0 (of the experts too): the rank the estimate describes
             first = coords["dp"] == 0 and coords.get("cp", 0) == 0 and not coords.get("expert_replica")
-            if what not in ("activation_bytes", "gathered_bytes") and first or what == "gathered_bytes":
+            if what not in ("activation_bytes", "gathered_bytes") and first or what in ("gathered_bytes", "host_bytes"):
                 tolerance = 0  # dp_shard: every rank gathers the same padded weights
             assert abs(planned - real) <= tolerance * real, f"{coords} {what}\n{table}"
     for r in measured:

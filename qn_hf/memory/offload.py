@@ -36,6 +36,13 @@ from collections.abc import Callable, Iterator
 import torch
 
 
+def moves(tensor: torch.Tensor) -> bool:
+    """Whether the offload holds ``tensor``, saved by a block's checkpoint, on the host: autograd made it and it
+    requires a gradient. What does not (masks, rotary tables: shared by every block), a weight or a held leaf
+    stays where it is. (The planner's trace asks the same: planner/trace.py.)"""
+    return tensor.requires_grad and tensor.grad_fn is not None
+
+
 class _Entry:
     """One saved tensor held on the host, and its way back."""
 
@@ -75,9 +82,14 @@ class ActivationOffload:
                 self._last = None
         return run
 
+    def round_trip(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (one ``moves`` takes) to the host and back as a block's saved input goes, without a graph:
+        what the planner's calibration times (planner/calibrate.py)."""
+        return self._unpack(self._pack(tensor))
+
     def _pack(self, tensor: torch.Tensor):
-        if not tensor.requires_grad or tensor.grad_fn is None:
-            return tensor  # shared by every block (masks, rotary tables), a weight or a held leaf: left as it is
+        if not moves(tensor):
+            return tensor
         self.packed += 1
         if tensor.device.type == "cuda":
             host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)

@@ -18,7 +18,7 @@ row layer's input are split; an input a sibling layer took too is kept once.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from torch import nn
 
@@ -37,13 +37,8 @@ def chunk_activations(model: nn.Module, *, kept: dict[str, tuple[int, int]], bas
     task forward does after it (its own ops: a soft-capping's tanh) keep nothing, nor does the loss but its
     targets (step/loss_chunks.py)."""
     tp, chunks = plan.tp, stage_plan.chunks
-    out = [0.0] * chunks
-    for owner, (whole, split) in kept.items():
-        if loss_chunks and (owner == "" or owner in stage_plan.heads):
-            continue
-        found = chunks - 1 if owner == "" else chunk_of_module(stage_plan, owner)
-        for c in range(chunks) if found is None else (found,):  # None: HF's forward runs it on every chunk
-            out[c] += whole + split / tp
+    out = by_chunk(kept, stage_plan=stage_plan, tp=tp,
+                   skip=lambda owner: loss_chunks and (owner == "" or owner in stage_plan.heads))
     for c in range(1, chunks):
         out[c] += base.boundary_numel * act_elem
     for name, style in plan.rules if tp > 1 else ():  # int64 ids shifted into the shard, a bool mask
@@ -57,6 +52,59 @@ def chunk_activations(model: nn.Module, *, kept: dict[str, tuple[int, int]], bas
         targets = 8 if cp == 1 or padded else 0
         out[chunks - 1] += base.logits_rows * (columns * 4 + targets + (2 if padded else 0))
     return [int(x) for x in out]
+
+
+def loss_transient(model: nn.Module, *, kept: dict[str, tuple[int, int]], base: Trace, plan: TpPlan,
+                   stage_plan: StagePlan, loss_chunks: int, act_elem: int) -> int:
+    """Bytes a causal LM's loss holds for a moment in its backward on the last chunk beyond what the microbatch
+    keeps (``chunk_activations``): the float32 gradients of its log-softmax and of its logits over this rank's
+    vocabulary columns, two tensors of the logits' size (log-softmax's backward reads one and writes the
+    other). Under ``loss_chunk_tokens`` (``loss_chunks`` of them) one chunk's, with what the chunk's
+    recomputation remakes of its forward first (its log-softmax, what the head's tail keeps: the trace's figure
+    for the whole logits, per position), and the sums autograd keeps over the chunks' backwards: the head's
+    weight gradient and the hidden states' (``act_elem`` bytes an element). 0 for another loss."""
+    if plan.loss is not LossKind.CAUSAL_LM or not base.logits_rows:
+        return 0
+    padded = padded_vocab(plan, model)
+    columns = padded // plan.tp if padded else vocab(model)
+    if not loss_chunks:
+        return base.logits_rows * columns * 4 * 2
+    tail = sum(whole + split / plan.tp for owner, (whole, split) in kept.items()
+               if owner == "" or owner in stage_plan.heads)
+    hidden = model.get_output_embeddings().weight.shape[1]
+    sums = (columns + base.logits_rows) * hidden * act_elem
+    return int(-(-base.logits_rows // loss_chunks) * (tail / base.logits_rows + 3 * columns * 4) + sums)
+
+
+def by_chunk(kept: dict[str, tuple[int, int]], *, stage_plan: StagePlan, tp: int,
+             skip: Callable[[str], bool] = lambda owner: False) -> list[float]:
+    """A trace's bytes by owner (``Trace.kept``, ``Trace.offloaded``: whole, split over tp) summed per chunk, but
+    the owners ``skip`` says; what no chunk owns (HF's forward runs it on every chunk) counts on each."""
+    chunks = stage_plan.chunks
+    out = [0.0] * chunks
+    for owner, (whole, split) in kept.items():
+        if skip(owner):
+            continue
+        found = chunks - 1 if owner == "" else chunk_of_module(stage_plan, owner)
+        for c in range(chunks) if found is None else (found,):
+            out[c] += whole + split / tp
+    return out
+
+
+def on_host(activations: list[int], *, offloaded: dict[str, tuple[int, int]] | None, stage_plan: StagePlan,
+            tp: int) -> tuple[list[int], list[int]]:
+    """``activations`` (per chunk) less what ``offload="activations"`` holds on the host (``Trace.offloaded``: by the
+    block saving it; None without it), and those host bytes, per chunk. A later chunk's first block saves the
+    activation the chunk received, a leaf the offload leaves (the chunk holds it to send its gradient back), made
+    on the chunk before, which holds it as sent: the trace saw one forward, where a block made it."""
+    def received(block: str) -> bool:
+        stack, _, index = block.rpartition(".")
+        chunk = chunk_of_module(stage_plan, block)
+        return bool(chunk) and int(index) > 0 and chunk_of_module(stage_plan, f"{stack}.{int(index) - 1}") != chunk
+
+    moved = {block: n for block, n in (offloaded or {}).items() if not received(block)}
+    host = [int(b) for b in by_chunk(moved, stage_plan=stage_plan, tp=tp)]
+    return [a - h for a, h in zip(activations, host)], host
 
 
 def kept_collectives(*, base: Trace, plan: TpPlan, stage_plan: StagePlan, act_elem: int) -> list[int]:

@@ -5,7 +5,7 @@ calibration's timings of the same ops, compute_timing.py)."""
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -67,10 +67,15 @@ class Allocations(TorchDispatchMode):
     def alive(self) -> dict[object, int]:
         """Bytes still alive, by the owner key they were allocated under."""
         out: dict[object, int] = defaultdict(int)
+        for _, nbytes, owner in self.held():
+            out[owner] += nbytes
+        return out
+
+    def held(self) -> Iterator[tuple[int, int, object]]:
+        """The storages still alive: each one's weak reference's ``cdata``, its bytes and its owner key."""
         for ref, nbytes, owner in self._allocated:
             if not ref.expired():
-                out[owner] += nbytes
-        return out
+                yield ref.cdata, nbytes, owner
 
 
 def count_ops(fn: Callable[[], object]) -> tuple[int, int]:

@@ -7,7 +7,8 @@ sequences per step, and under a pipeline the schedules 1F1B, interleaved 1F1B at
 rank and zb_h1. What can only be slower is left out: GPipe (1F1B's time, holding more
 activations), at pp=1 a micro-batch smaller than the largest that fits (the same work in smaller
 products), and recomputation for a configuration that fits without it (the forward runs again;
-selective is tried before full). ZeRO-1 is not
+selective is tried before full), and after full recomputation, for one that still does not fit, the loss in
+chunks (``loss_chunk_tokens``) and then the blocks' inputs held on the host (``offload``): ``shapes.MEMORY_OPTIONS``. ZeRO-1 is not
 chosen: it is ``qn_hf.optimizer``'s option, not the configuration's, and dp_shard (searched)
 shards what it shards and more. Options the caller fixes (``fixed``: ``ParallelConfig`` keywords,
 as mixed precision or one degree) are kept in every candidate.
@@ -53,7 +54,7 @@ from .cost import GIB, Hardware, StepTime
 from .estimate import Planner
 from .machine import machine_calibration
 from .search import Candidate, Rejected, mesh_groups
-from .shapes import MeshShape, price, undominated, with_recompute
+from .shapes import MeshShape, memory_options, price, undominated, with_memory_options
 
 _T = TypeVar("_T")
 AUTO = "auto"  # parallelize's mesh= that asks for this module's choice
@@ -110,6 +111,10 @@ def describe(config: ParallelConfig, micro_batch_size: int) -> str:
             rest.append(f"virtual_stages={config.virtual_stages}")
     if config.recompute is not None:
         rest.append(f"recompute={config.recompute.value}")
+    if config.loss_chunk_tokens is not None:
+        rest.append(f"loss_chunk_tokens={config.loss_chunk_tokens}")
+    if config.offload is not None:
+        rest.append(f"offload={config.offload.value}")
     if config.mixed_precision is not None:
         rest.append(f"mixed_precision={config.mixed_precision.value}")
     return ", ".join(degrees + rest)
@@ -136,7 +141,8 @@ def _order(c: Candidate) -> tuple:
     p = c.estimate.parallel
     d = p.dims
     return (not c.fits, round(c.time.seconds, 12), d.pp, d.tp, d.cp, d.ep, d.dp_shard, d.dp, p.schedule.value,
-            p.virtual_stages, p.recompute.value if p.recompute else "", -c.estimate.micro_batch_size)
+            p.virtual_stages, p.recompute.value if p.recompute else "", p.loss_chunk_tokens or 0,
+            p.offload.value if p.offload else "", -c.estimate.micro_batch_size)
 
 
 # Predicted times closer than this are a tie: the predictions are not that exact (docs/auto.md measures
@@ -146,10 +152,12 @@ TIE = 0.01
 
 def moving_parts(config: ParallelConfig) -> int:
     """How many mechanisms ``config`` runs beyond plain data parallelism: each degree above 1 but dp's,
-    chunks beyond one per stage, a schedule other than 1F1B under a pipeline, recomputation."""
+    chunks beyond one per stage, a schedule other than 1F1B under a pipeline, recomputation, the loss in chunks,
+    offload."""
     d = config.dims
     return (sum(degree > 1 for degree in (d.tp, d.pp, d.cp, d.ep, d.dp_shard)) + (config.virtual_stages > 1)
-            + (d.pp > 1 and config.schedule is not Schedule.ONE_F_ONE_B) + (config.recompute is not None))
+            + (d.pp > 1 and config.schedule is not Schedule.ONE_F_ONE_B) + (config.recompute is not None)
+            + (config.loss_chunk_tokens is not None) + (config.offload is not None))
 
 
 def micro_batch_sizes(global_batch: int) -> list[int]:
@@ -223,12 +231,13 @@ def auto_plan(config, *, global_batch: int, seq_len: int, world_size: int, devic
                 key = (d.dp, d.tp, d.pp, d.cp, d.ep, schedule, chunks) + ((mbs,) if d.pp > 1 else ())
                 shapes.setdefault(key, MeshShape()).add(planner, group, hw=hw, calibration=calibration, rejected=rejected)
     live = sorted((shape for shape in shapes.values() if shape.configs), key=lambda shape: shape.floor)
-    priced = price(live, exhaustive=exhaustive, device_memory=device_memory, recompute=fixed.get("recompute"), hw=hw,
+    options = memory_options(fixed)
+    priced = price(live, exhaustive=exhaustive, device_memory=device_memory, options=options, hw=hw,
                    calibration=calibration, rejected=rejected)
     accepted, unpriced = priced.accepted, priced.unpriced
     if accepted and not any(c.fits for c in accepted):
         for i, planner in priced.hopeless:
-            accepted[i] = with_recompute(planner, accepted[i], hw=hw, calibration=calibration)
+            accepted[i] = with_memory_options(planner, accepted[i], options, hw=hw, calibration=calibration)
     if not accepted:
         reasons = sorted({r.reason for r in rejected})[:3]
         raise ValueError(f"no configuration of {config.model_type} trains a global batch of {global_batch} "
@@ -267,7 +276,8 @@ def _fits_nowhere(closest: Candidate, *, config, global_batch: int, seq_len: int
     return (f"no configuration of {config.model_type} fits {device_memory / GIB:.2f} GiB per rank on {world_size} "
             f"ranks at a global batch of {global_batch} x {seq_len} tokens: the closest, "
             f"{describe(closest.estimate.parallel, closest.estimate.micro_batch_size)}, needs {need / GIB:.2f} GiB "
-            f"({(need - device_memory) / GIB:.2f} GiB over, with full recomputation tried). To make it fit: more "
+            f"({(need - device_memory) / GIB:.2f} GiB over, with full recomputation, the loss in chunks and offload "
+            f"tried where not fixed). To make it fit: more "
             f"devices (about {-(-need * world_size // device_memory)} at this sharding), a shorter sequence "
             f"(activations grow with it), or devices with more memory")
 

@@ -23,6 +23,8 @@ MAX (a collective ends when its slowest rank does), so every rank returns the sa
   blocking exchange (exchange_timing.py).
 - optimizer: AdamW's step over many small parameters and over a few large ones, a line through
   the two (latency per tensor, bytes of state per second).
+- host_copy: a block input to the host and back as ``offload="activations"`` moves it (its own code: on CUDA
+  pinned memory and a side stream, so the host-device bandwidth), at two sizes, a line through the two.
 - overheads (given a step runner, ``step_seconds``, and not in a quick calibration): qn_hf's own
   host work once a step and per call of each mechanism's exchanges, from tiny models' steps against
   what the figures above predict for them (overheads.py).
@@ -61,6 +63,7 @@ from .compute_timing import (
     elementwise_call,
     grouped_call,
     matmul_call,
+    offload_call,
     optimizer_call,
     seconds_in_turn,
     seconds_per_call,
@@ -101,6 +104,7 @@ class Sizes:
     # compute before a blocking exchange, in seconds, and the width of its square matmuls (exchange_timing.py)
     wait_segments: tuple[float, ...] = (1e-3, 8e-3, 64e-3, 256e-3)
     wait_width: int = 256
+    offload: tuple[int, ...] = (M // 4, 8 * M)  # float32 elements of a block input offload moves and brings back
 
 
 CPU = Sizes(rows=(64, 256, 1024, 4096), widths=(64, 256, 1024), heads=4, head_dim=64, seqs=(128, 512),
@@ -298,9 +302,10 @@ def measure(*, dtypes: Sequence[str] = ("float32",), quick: bool = False,
     groups = [grouped_call(r, w, DTYPES[n], device) for n in experts for r, w in grouped_grid]
     chain = [elementwise_call(rows, OP_WIDTH, device) for rows in (8, sizes.op_numel // OP_WIDTH)]
     optimizers = [optimizer_call(tensors, numel, device=device) for tensors, numel in sizes.optimizer]
-    agreed = iter(mean(seconds_in_turn([*matmuls, *attentions, *groups, *(fn for _, _, fn in chain), *optimizers],
-                                        device, repeats=sizes.repeats), device))
-    del matmuls, attentions, groups, optimizers
+    copies = [offload_call(numel, device=device) for numel in sizes.offload]
+    agreed = iter(mean(seconds_in_turn([*matmuls, *attentions, *groups, *(fn for _, _, fn in chain), *optimizers,
+                                        *copies], device, repeats=sizes.repeats), device))
+    del matmuls, attentions, groups, optimizers, copies
     matmul = {n: _table(sizes.rows, sizes.widths, agreed) for n in names}
     attention = {n: fit_line([attention_flops(s, heads=sizes.heads, head_dim=sizes.head_dim) for s in sizes.seqs], [next(agreed) for _ in sizes.seqs])
                  for n in names}
@@ -308,6 +313,7 @@ def measure(*, dtypes: Sequence[str] = ("float32",), quick: bool = False,
     op = fit_per_call([(ops, nbytes, next(agreed)) for ops, nbytes, _ in chain])
     # per tensor and per byte of state: weights, gradients and the two moments, 16 bytes an element
     optimizer = fit_per_call([(tensors, tensors * numel * 16, next(agreed)) for tensors, numel in sizes.optimizer])
+    host_copy = fit_line([4 * numel for numel in sizes.offload], [next(agreed) for _ in sizes.offload])
     ratios = mean(composed_ratios(*sizes.block, dtype=torch.float32, device=device, op=op, pairs=sizes.repeats),
                    device)
     compute_scale = min(max(statistics.median(ratios), MIN_SCALE), MAX_SCALE)
@@ -334,7 +340,7 @@ def measure(*, dtypes: Sequence[str] = ("float32",), quick: bool = False,
         backend=str(dist.get_backend()), world_size=world, ranks_per_node=ranks_per_node, matmul=matmul,
         attention=attention, op=op, collectives=collectives, overlap=overlap, memory_bytes=int(memory),
         assumed=tuple(assumed), threads=int(threads), format=FORMAT, notes=notes, compute_scale=compute_scale,
-        optimizer=optimizer, grouped=grouped, waits=waits)
+        optimizer=optimizer, grouped=grouped, waits=waits, host_copy=host_copy)
     # qn_hf's own host work, priced at the figures above (a quick calibration, or one without a
     # step runner, leaves it out)
     if quick or step_seconds is None:

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from ..arguments import Choice
 from ..comm_meter import Collective
 
-FORMAT = 1
+FORMAT = 2  # 2: host_copy
 
 
 class Link(Choice):
@@ -194,6 +194,9 @@ class Calibration:
     # qn_hf's host work (overheads.py): seconds once a step ("step") and per call of a group ("tp",
     # "cp", "pp", "ep", "dp_shard"); empty: not measured (a quick calibration, an older file)
     overheads: dict[str, float] = field(default_factory=dict)
+    # a block input to the host and back under offload="activations", rate in its bytes per second (None: a
+    # Calibration made by hand, priced as the op fit's writes)
+    host_copy: Fit | None = None
 
     # -- reading -------------------------------------------------------------------------------
     @property
@@ -258,7 +261,8 @@ class Calibration:
                 optimizer=Fit(**data["optimizer"]) if data.get("optimizer") else None,
                 grouped={k: MatmulTable.from_json(v) for k, v in data.get("grouped", {}).items()},
                 waits=WaitTable.from_json(data["waits"]) if data.get("waits") else None,
-                overheads={k: float(v) for k, v in data.get("overheads", {}).items()})
+                overheads={k: float(v) for k, v in data.get("overheads", {}).items()},
+                host_copy=Fit(**data["host_copy"]) if data.get("host_copy") else None)
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a qn_hf calibration file: {e!r} missing or malformed") from e
 
@@ -286,7 +290,7 @@ NO_WAITS = "ranks' waits at blocking exchanges (priced as none)"
 
 
 def assumed(*, tflops: float, nvlink_gbps: float, ib_gbps: float, gpus_per_node: int, gpu_memory: int,
-            world_size: int = 8) -> Calibration:
+            world_size: int = 8, host_gbps: float = 25.0) -> Calibration:
     """The figures the planner uses without a calibration: one FLOP rate for every matmul and
     attention, the link bandwidths as a ring moves bytes (an all-reduce 2(n-1)/n bytes per payload
     byte, a reduce-scatter (n-1)/n, an all-gather n-1, p2p and all-to-all 1 and (n-1)/n)."""
@@ -304,8 +308,9 @@ def assumed(*, tflops: float, nvlink_gbps: float, ib_gbps: float, gpus_per_node:
                                                                              else (n - 1)), rate=bw / factor))
                      for op, factor in per_byte.items()]
     names = ("matmul and attention FLOP rate", "collective bandwidths and latencies", "per-op latency",
-             "elementwise memory rate", "overlap of asynchronous collectives", NO_WAITS)
+             "elementwise memory rate", "overlap of asynchronous collectives", NO_WAITS, "host-device copy bandwidth")
     return Calibration(device="assumed GPU", backend="nccl", world_size=world_size, ranks_per_node=gpus_per_node,
                        matmul={"float32": flat}, attention={"float32": Fit(0.0, tflops * 1e12)},
                        op=Fit(ASSUMED_OP_S, ASSUMED_MEMORY_RATE), collectives=tuple(fits),
-                       overlap=ASSUMED_OVERLAP, memory_bytes=gpu_memory, assumed=names)
+                       overlap=ASSUMED_OVERLAP, memory_bytes=gpu_memory, assumed=names,
+                       host_copy=Fit(ASSUMED_LATENCY_S[Link.NODE], host_gbps * 1e9 / 2))  # there and back

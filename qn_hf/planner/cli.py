@@ -4,7 +4,7 @@
                [--dtype bf16|fp16|fp32] [--zero] [--recompute full|selective] [--sequence-parallel] [--cp N]
                [--ep N] [--schedule 1f1b|gpipe|interleaved_1f1b|zb_h1] [--virtual-stages V]
                [--dp-shard N|all] [--dp-shard-gather step|microbatch] [--expert-dispatch all_to_all|all_gather]
-               [--loss-chunk-tokens N]
+               [--loss-chunk-tokens N] [--offload activations]
     qn-hf-plan MODEL --gpus 64 --tp 8 --pp 8 --global-batch 512         # the other degrees searched
     qn-hf-plan MODEL --dp 1 --tp 8 --pp 8 [--cp 2] [--ep 8] [--microbatches 32]  # one mesh, per-stage detail
     qn-hf-plan path/to/config.json --gpus 16 --json                     # machine-readable
@@ -82,7 +82,7 @@ import torch
 import torch.distributed as dist
 
 from ..config.dims import Axis, ParallelDims
-from ..config.options import Dispatch, Gather, Recompute
+from ..config.options import Dispatch, Gather, Offload, Recompute
 from ..config.schedule import SCHEDULES, Schedule, as_schedule
 from ..launch.nodes import local_rank
 from .auto import auto_plan
@@ -140,7 +140,7 @@ def run_options(args: argparse.Namespace) -> dict[str, object]:
     return {"schedule": args.schedule, "virtual_stages": args.virtual_stages, "mixed_precision": MIXED_PRECISION[args.dtype],
             "recompute": args.recompute, "sequence_parallel": args.sequence_parallel,
             "dp_shard_gather": args.dp_shard_gather, "expert_dispatch": args.expert_dispatch,
-            "loss_chunk_tokens": args.loss_chunk_tokens}
+            "loss_chunk_tokens": args.loss_chunk_tokens, "offload": args.offload}
 
 
 def run_calibration(args: argparse.Namespace, step_seconds: StepSeconds | None = None) -> None:
@@ -208,10 +208,15 @@ def main(argv: list[str] | None = None, *, step_seconds: StepSeconds | None = No
                              "(none, ep times the tokens moved and held; docs/experts.md)")
     parser.add_argument("--loss-chunk-tokens", type=int, default=None, metavar="N",
                         help="a causal LM's loss N tokens at a time: the whole logits never held (default: at once)")
+    parser.add_argument("--offload", choices=Offload.values(), default=None,
+                        help="with --recompute: what recomputation keeps held in host memory (its figures: the "
+                             "host's, beside the device's; the copies' time at --host-gbps or the calibration's)")
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--tflops", type=float, default=Hardware.tflops, help="sustained TFLOP/s per GPU (default %(default)s)")
     parser.add_argument("--nvlink-gbps", type=float, default=Hardware.nvlink_gbps, help="GB/s per GPU in a node")
     parser.add_argument("--ib-gbps", type=float, default=Hardware.ib_gbps, help="GB/s per GPU across nodes")
+    parser.add_argument("--host-gbps", type=float, default=Hardware.host_gbps,
+                        help="GB/s per GPU to and from pinned host memory (offload)")
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--calibration", metavar="FILE.json", default=None,
@@ -260,7 +265,7 @@ def main(argv: list[str] | None = None, *, step_seconds: StepSeconds | None = No
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 4096
     seq_len = args.seq_len or min(positions, 4096)
     hw = Hardware(gpu_memory=args.gpu_memory, gpus_per_node=args.gpus_per_node, tflops=args.tflops,
-                  nvlink_gbps=args.nvlink_gbps, ib_gbps=args.ib_gbps)
+                  nvlink_gbps=args.nvlink_gbps, ib_gbps=args.ib_gbps, host_gbps=args.host_gbps)
     cal = Calibration.load(args.calibration) if args.calibration else None
     if args.expert_loads is not None:
         with open(args.expert_loads) as f:
@@ -276,7 +281,8 @@ def main(argv: list[str] | None = None, *, step_seconds: StepSeconds | None = No
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     training = dict(mixed_precision=MIXED_PRECISION[args.dtype], zero=args.zero, recompute=args.recompute,
-                    sequence_parallel=args.sequence_parallel)
+                    sequence_parallel=args.sequence_parallel, loss_chunk_tokens=args.loss_chunk_tokens,
+                    offload=args.offload)
     options = run_options(args)
     try:
         if whole_mesh:
@@ -327,7 +333,8 @@ def run_auto(args: argparse.Namespace, config, *, seq_len: int, hw: Hardware, ca
     fixed = {**{str(k): v for k, v in explicit.items()}, "mixed_precision": MIXED_PRECISION[args.dtype],
              "sequence_parallel": args.sequence_parallel,
              **{k: v for k, v in (("recompute", args.recompute), ("cp", args.cp), ("ep", args.ep),
-                                  ("dp_shard", args.dp_shard), ("loss_chunk_tokens", args.loss_chunk_tokens))
+                                  ("dp_shard", args.dp_shard), ("loss_chunk_tokens", args.loss_chunk_tokens),
+                                  ("offload", args.offload))
                 if v not in (None, "all")},
              # the options parallelize takes as they are, kept where they differ from its defaults
              **{k: v for k, v in (("dp_shard_gather", Gather(args.dp_shard_gather)),

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..memory.offload import ActivationOffload
 from .allocations import count_ops
 from .calibration import Fit
 
@@ -201,3 +202,10 @@ def optimizer_call(tensors: int, numel: int, *, device: torch.device) -> Callabl
     for p in params:
         p.grad = torch.randn_like(p)
     return torch.optim.AdamW(params, lr=1e-6).step
+
+
+def offload_call(numel: int, *, device: torch.device) -> Callable[[], object]:
+    """A block input of ``numel`` float32 elements to the host and back as ``offload="activations"`` moves it
+    (``ActivationOffload.round_trip``: its own copies, streams and events)."""
+    offload, saved = ActivationOffload(), torch.randn(numel, device=device).requires_grad_() * 1.0  # autograd's
+    return lambda: offload.round_trip(saved)

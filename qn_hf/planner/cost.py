@@ -79,6 +79,7 @@ class Hardware:
     tflops: float = 400.0  # sustained dense FLOP/s per GPU, in TFLOP/s (bf16 on an H100 at ~40% of peak)
     nvlink_gbps: float = 450.0  # GB/s per GPU inside a node
     ib_gbps: float = 50.0  # GB/s per GPU across nodes (one 400 Gb/s NIC per GPU)
+    host_gbps: float = 25.0  # GB/s per GPU to and from pinned host memory (PCIe 5 x16, shared within a node)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ class StepTime:
     optimizer: float = 0.0  # the optimizer's step over this rank's state
     wait: float = 0.0  # ranks' waits at blocking exchanges (a microbatch's, in the pipeline, and once a step's)
     host: float = 0.0  # qn_hf's own host work (Calibration.overheads): per exchange, and once a step
+    offload: float = 0.0  # offload="activations": the copies to the host and back its compute does not hide
     assumed: tuple[str, ...] = ()  # the figures not measured (no calibration: all of them)
 
 
@@ -119,7 +121,7 @@ def machine(hw: Hardware, calibration: Calibration | None, *, world_size: int) -
 @functools.lru_cache(maxsize=16)  # a search prices thousands of meshes at the same figures
 def _stated(hw: Hardware, world_size: int) -> Calibration:
     return assumed(tflops=hw.tflops, nvlink_gbps=hw.nvlink_gbps, ib_gbps=hw.ib_gbps, gpus_per_node=hw.gpus_per_node,
-                   gpu_memory=hw.gpu_memory, world_size=world_size)
+                   gpu_memory=hw.gpu_memory, world_size=world_size, host_gbps=hw.host_gbps)
 
 
 _MICROBATCH_GROUPS = (Axis.TP, Axis.CP, Axis.EP, Axis.PP)
@@ -212,6 +214,16 @@ def optimizer_seconds(s: StageEstimate, cal: Calibration) -> float:
     return cal.op.seconds(2 * s.state_bytes, calls=OPTIMIZER_OPS * (tensors if cal.on_cpu else 1))
 
 
+def offload_seconds(s: StageEstimate, cal: Calibration, *, compute: float) -> float:
+    """One microbatch's block inputs to the host and back on a rank of stage ``s`` under ``offload`` (0 without),
+    less what its ``compute`` hides: on a GPU they run on a side stream beside it, on a CPU they are its own work."""
+    if not s.offloaded_bytes_per_microbatch:
+        return 0.0
+    copies = (cal.host_copy or cal.op).seconds(s.offloaded_bytes_per_microbatch,
+                                               calls=sum(last - first for first, last in s.chunks))
+    return copies if cal.on_cpu else max(copies - compute, 0.0)
+
+
 def _waits(est: MeshEstimate, s: StageEstimate, cal: Calibration, sizes: dict[str, int], *,
            compute: float) -> tuple[float, float]:
     """Stage ``s``'s waits at blocking exchanges (calibration.WaitTable): (a microbatch's, once a
@@ -263,7 +275,7 @@ def step_time(est: MeshEstimate, hw: Hardware, calibration: Calibration | None =
                               cal=fits, p2p=group in _P2P)
 
     again = 4 / 3 if est.recompute == Recompute.FULL else 1.0
-    slowest = compute_mb = tp_mb = pp_mb = cp_mb = ep_mb = wait_mb = host_mb = backward_mb = 0.0
+    slowest = compute_mb = tp_mb = pp_mb = cp_mb = ep_mb = wait_mb = host_mb = backward_mb = offload_mb = 0.0
     costs, step_waits, step_host = [], [], []
     for s in est.stages:
         plain, attention, others, weight = compute_seconds(est, s, cal)
@@ -274,14 +286,15 @@ def step_time(est: MeshEstimate, hw: Hardware, calibration: Calibration | None =
         r = max(per.get(Axis.CP, 0.0) - cal.overlap * attention * again, 0.0)
         w, once_w = _waits(est, s, cal, sizes, compute=c)
         h, once_h = _host(est, s, cal, sizes)
+        o = offload_seconds(s, cal, compute=c)
         step_waits.append(once_w)
         step_host.append(once_h)
-        costs.append(op_costs(compute=plain, weight=weight, comm=t + r + p + e + w + h, recompute=est.recompute,
+        costs.append(op_costs(compute=plain, weight=weight, comm=t + r + p + e + w + h + o, recompute=est.recompute,
                               schedule=est.schedule, virtual_stages=est.virtual_stages, redone=redo))
-        if c + t + r + p + e + w + h > slowest:
-            slowest, compute_mb, tp_mb, cp_mb, pp_mb, ep_mb = c + t + r + p + e + w + h, c, t, r, p, e
-            wait_mb, host_mb = w, h
-            backward_mb = c - plain / 3 + (t + r + e + w + h) / 2
+        if c + t + r + p + e + w + h + o > slowest:
+            slowest, compute_mb, tp_mb, cp_mb, pp_mb, ep_mb = c + t + r + p + e + w + h + o, c, t, r, p, e
+            wait_mb, host_mb, offload_mb = w, h, o
+            backward_mb = c - plain / 3 + (t + r + e + w + h + o) / 2
     # each stage at its own costs: an unbalanced cut (the head on the last stage) waits where it does
     timing = pipeline_timing(stages=est.pp, microbatches=est.microbatches, schedule=est.schedule,
                              virtual_stages=est.virtual_stages, costs=costs)
@@ -307,7 +320,7 @@ def step_time(est: MeshEstimate, hw: Hardware, calibration: Calibration | None =
                     cp=rounds * cp_mb, tokens_per_s=global_tokens / total,
                     utilization=est.flops_per_step / total / (est.world_size * peak), ep=rounds * ep_mb,
                     optimizer=optimizer, wait=rounds * wait_mb + step_wait,
-                    host=rounds * host_mb + step_h,
+                    host=rounds * host_mb + step_h, offload=rounds * offload_mb,
                     assumed=cal.assumed + ((NO_WAITS,) if cal.waits is None and est.world_size > 1
                                            and NO_WAITS not in cal.assumed else ())
                     + ((ROUTING_UNIFORM,) if est.ep > 1 and not est.routing_measured else ()))

@@ -139,6 +139,7 @@ def expand(short: Recording, *, layers: str, count: int) -> Recording:
     return Recording(
         io=keyed(short.io),
         alive=keyed(short.alive, key=lambda k: k[0], rename=pair),
+        offloaded=keyed(short.offloaded, key=lambda k: k[0], rename=pair),
         done=done,
         last_save=last_save,
         boundary_numel=short.boundary_numel,

@@ -1,36 +1,34 @@
 """Per-rank memory and per-step communication of one (dp, tp, pp, cp, ep), from a ``meta``-device model.
 
-The checks, the tp plan, the stage cut and the sharding are the ones ``parallelize`` runs
-(``check_parallel_config``, ``apply_tp_plan``, ``stage_of_module``), applied to a model without
-weights, so the parameter counts are exactly what each rank holds (a tp rank of stage s; every tp
-rank of a stage is alike, and so is every dp and cp rank up to ZeRO's padding, given for dp = cp
-rank 0; with the balanced piece layout every cp rank keeps and sends alike; under ep the figures are
-tp rank 0's, the largest token share, at uniform routing: see ``experts.py``).
+The checks, the tp plan, the stage cut and the sharding are the ones ``parallelize`` runs (``check_parallel_config``,
+``apply_tp_plan``, ``stage_of_module``), applied to a model without weights, so the parameter counts are exactly what
+each rank holds (a tp rank of stage s; every tp rank of a stage is alike, and so is every dp and cp rank up to ZeRO's
+padding, given for dp = cp rank 0; with the balanced piece layout every cp rank keeps and sends alike; under ep the
+figures are tp rank 0's, the largest token share, at uniform routing: see ``experts.py``).
 
 What is modelled, per rank, for the settings ``parallelize`` and ``qn_hf.optimizer`` take (``mixed_precision``,
-``zero``, ``recompute``, ``sequence_parallel``, ``cp``, ``ep``, ``dp_shard``, ``loss_chunk_tokens``):
+``zero``, ``recompute``, ``sequence_parallel``, ``cp``, ``ep``, ``dp_shard``, ``loss_chunk_tokens``, ``offload``):
 
-* weights, gradients and AdamW state (masters, moments, step counters), with ZeRO-1's sharding of
-  the state over the dp x cp replicas by the buckets' own padding rule: see ``memory.py``; the
-  fused MoE experts' parameters 1/ep each under ep, in gradient buckets of their own; under
-  dp_shard FSDP's shards, gathered weights and whole gradients, the experts' in groups of their
-  own over the ranks holding the same experts: see ``sharded.py``;
-* activations: the bytes one microbatch keeps from its forward to its backward, measured on a
-  meta-device forward in the compute dtype with the blocks checkpointed as ``recompute`` sets them
-  (``trace.py``; sequence parallelism's, ring attention's and ep's stand-ins: ``sequence.py``,
-  ``context.py``, ``experts.py``), with what the stages and the loss add (``activations.py``), per
-  chunk; a rank's peak over its schedule's action list (``schedules.py``: with zb_h1's W stash);
-* the schedule's bubble (``schedule`` and ``virtual_stages`` as ``parallelize`` takes them), timed
-  on the action lists with per-op costs from the FLOPs of the slowest rank (``schedules.py``);
-* communication by group: see ``traffic.py`` (ZeRO's reduce-scatter and all-gather, recomputation's
-  repeated tp collectives, sequence parallelism's, ring attention's sends and receives, expert
-  parallelism's all-to-alls and token gathers, float16's overflow flag).
+* weights, gradients and AdamW state (masters, moments, step counters), with ZeRO-1's sharding of the state over the
+  dp x cp replicas by the buckets' own padding rule: see ``memory.py``; the fused MoE experts' parameters 1/ep each
+  under ep, in gradient buckets of their own; under dp_shard FSDP's shards, gathered weights and whole gradients, the
+  experts' in groups of their own over the ranks holding the same experts: see ``sharded.py``;
+* activations: the bytes one microbatch keeps from its forward to its backward, measured on a meta-device forward in
+  the compute dtype with the blocks checkpointed as ``recompute`` sets them (``trace.py``; sequence parallelism's,
+  ring attention's and ep's stand-ins: ``sequence.py``, ``context.py``, ``experts.py``), with what the stages and the
+  loss add (``activations.py``), per chunk; a rank's peak over its schedule's action list (``schedules.py``: with
+  zb_h1's W stash); under ``offload`` what the blocks' checkpoints hold on the host instead, as the trace saw them
+  saved, and its peak;
+* the schedule's bubble (``schedule`` and ``virtual_stages`` as ``parallelize`` takes them), timed on the action
+  lists with per-op costs from the FLOPs of the slowest rank (``schedules.py``);
+* communication by group: see ``traffic.py`` (ZeRO's reduce-scatter and all-gather, recomputation's repeated tp
+  collectives, sequence parallelism's, ring attention's sends and receives, expert parallelism's all-to-alls and
+  token gathers, float16's overflow flag).
 
-Not modelled: temporary buffers that die inside a step (the peak of a backward, collective
-staging, a loss chunk's logits), the time of the head's second forward under ``loss_chunk_tokens``, allocator fragmentation, the CPU-side random states torch's checkpoint keeps; keys and
-values of KV heads replicated over tp (tp > KV heads) count as split over tp; routing imbalance
-under ep (a rank receiving more rows than it sends keeps and sends more: the figures are the
-uniform-routing ones, which an ep group's total all-to-all bytes always equal).
+Of what dies inside a step, a causal LM's loss's backward is (``loss_transient``: the largest, at a long sequence);
+not modelled: the rest (a block's backward, collective staging, an offloaded input in its copy), the head's second
+forward under ``loss_chunk_tokens``, allocator fragmentation, the CPU-side random states torch's checkpoint keeps; KV
+heads replicated over tp (tp > KV heads) count as split; routing imbalance under ep (uniform routing's figures).
 """
 
 from __future__ import annotations
@@ -58,7 +56,7 @@ from ..policies.model_policy import ModelPolicy
 from ..step.batch import check_model_inputs
 from ..step.loss_chunks import chunk_count
 from ..validation.checks import CheckedConfig, CheckMemo, check_parallel_config
-from .activations import chunk_activations, kept_collectives, weight_stash
+from .activations import chunk_activations, kept_collectives, loss_transient, on_host, weight_stash
 from .context import cp_inputs
 from .depth import Recorder
 from .experts import moe_regions
@@ -81,13 +79,13 @@ _T = TypeVar("_T")
 class Planner:
     """Estimates for one model config at one microbatch shape, over any number of meshes.
 
-    One pristine meta model serves every check (checks only read it), one traced forward per compute
-    dtype, recompute mode and cp serves every mesh (shapes do not depend on the rest of the mesh, and
-    each tp reads the same forward through its plan; with sequence parallelism they depend on the tp
-    and the stage cut too, so one per tp and cut; under ep one per tp and ep), one sharded meta model
-    per (tp, ep) gives the local parameter sizes (``params.py``) and one placement per stage cut, and
-    a configuration's checks are run once for all its dp_shard (``_check``). ``dtype`` is the dtype the
-    model is loaded in; ``mixed_precision`` (per estimate) casts its parameters as ``parallelize`` does."""
+    One pristine meta model serves every check (checks only read it), one traced forward per compute dtype,
+    recompute mode and cp serves every mesh (shapes do not depend on the rest of the mesh, and each tp reads the
+    same forward through its plan; with sequence parallelism they depend on the tp and the stage cut too, so one per
+    tp and cut; under ep one per tp and ep), one sharded meta model per (tp, ep) gives the local parameter sizes
+    (``params.py``) and one placement per stage cut, and a configuration's checks are run once for all its dp_shard
+    (``_check``). ``dtype`` is the dtype the model is loaded in; ``mixed_precision`` (per estimate) casts its
+    parameters as ``parallelize`` does."""
 
     def __init__(self, config: PretrainedConfig, *, seq_len: int, micro_batch_size: int,
                  dtype: torch.dtype = torch.float32, policy: ModelPolicy | None = None,
@@ -125,8 +123,8 @@ class Planner:
         self._deferrable: frozenset[str] | None = None
 
     def at_micro_batch_size(self, micro_batch_size: int) -> Planner:
-        """This planner at another microbatch shape: the model, its checks, sharded sizes and stage
-        placements shared (none depends on the microbatch), the traced forwards its own."""
+        """This planner at another microbatch shape: the model, its checks, sharded sizes and stage placements
+        shared (none depends on the microbatch), the traced forwards its own."""
         if micro_batch_size == self.micro_batch_size:
             return self
         other = copy.copy(self)
@@ -136,12 +134,11 @@ class Planner:
 
     def _trace(self, plan, layers: str, *, precision: torch.dtype | None, recompute: str | None,
                edges: StageEdges | None, cp: int, ep: int, loaded_experts: bool = False, gather: bool = False) -> Trace:
-        # Per tp: which modules a trace watches and which bytes it counts as split come from the
-        # plan (at tp=1 the plan shards nothing). The forward itself depends on the plan only through
-        # its stand-ins, sequence parallelism's and ep's: without them one recording serves every tp.
-        # ``loaded_experts``: the experts keep the loaded dtype under mixed precision (what FSDP leaves
-        # alone is not cast: sharded.py), so they compute in it.
-        # ``gather``: ep's all-gather dispatch (expert_dispatch="all_gather") stood in for
+        # Per tp: which modules a trace watches and which bytes it counts as split come from the plan (at tp=1 the
+        # plan shards nothing). The forward itself depends on the plan only through its stand-ins, sequence
+        # parallelism's and ep's: without them one recording serves every tp. ``loaded_experts``: the experts keep
+        # the loaded dtype under mixed precision (what FSDP leaves alone is not cast: sharded.py), so they compute
+        # in it. ``gather``: ep's all-gather dispatch (expert_dispatch="all_gather") stood in for
         key = (plan.tp, precision, recompute, edges, cp, ep, loaded_experts, gather)
         if key not in self._traces:
             recording = self._recording(plan, layers, precision=precision, recompute=recompute, edges=edges, cp=cp,
@@ -151,19 +148,18 @@ class Planner:
 
     def _recording(self, plan, layers: str, *, precision: torch.dtype | None, recompute: str | None,
                    edges: StageEdges | None, cp: int, ep: int, loaded_experts: bool, gather: bool) -> Recording:
-        recorded = (None if edges is None and ep == 1 else plan.tp, precision, recompute, edges, cp, ep, loaded_experts,
-                    gather)
+        recorded = (None if edges is None and ep == 1 else plan.tp, precision, recompute, edges, cp, ep, loaded_experts, gather)
         if recorded not in self._recordings:
             model = self.model
             if (precision, recompute, cp) != (None, None, 1):
-                # a model of its own, one per dtype (the pristine one serves the checks): a recording
-                # leaves the model as it found it (blocks' checkpointing off, stand-ins removed)
+                # a model of its own, one per dtype (the pristine one serves the checks): a recording leaves the model
+                # as it found it (blocks' checkpointing off, stand-ins removed)
                 model = self._recording_models.get((precision, loaded_experts))
                 if model is None:
                     model = self._recording_models[(precision, loaded_experts)] = recording_model(
                         self.config, cls=self.model_class, dtype=self.dtype, precision=precision,
                         loaded_experts=loaded_experts)
-            size = dict(micro_batch_size=self.micro_batch_size, seq_len=self.seq_len)
+            size = dict(micro_batch_size=self.micro_batch_size, seq_len=self.seq_len)  # one cp rank's under cp
             inputs = cp_inputs(**size, cp=cp) if cp > 1 else example_inputs(model, **size)
             self._recordings[recorded] = self._recorder.record(
                 model, layers, lambda m: record_microbatch(m, plan, layers=layers, inputs=inputs, recompute=recompute,
@@ -186,10 +182,10 @@ class Planner:
         dp, tp, pp, cp, ep, dp_shard = dims.dp, dims.tp, dims.pp, dims.cp, dims.ep, dims.dp_shard
         microbatches, schedule, recompute = parallel.microbatches, parallel.schedule, parallel.recompute
         virtual_stages = parallel.virtual_stages
-        # (kept by what it reads: the experts, the plan (tp, ep; under sp the cut too), pp, the looped blocks, offload)
-        self._memo(("modelled", plan.tp, ep, pp, stage_plan.loop_count, plan.sequence_parallel and stage_plan,
-                    parallel.offload), lambda: check_modelled(self.model, model_type=self.config.model_type, plan=plan, ep=ep,
-                                                              stages=pp, loop_count=stage_plan.loop_count, offload=parallel.offload))
+        # (kept by what it reads: the experts, the plan (tp, ep; under sp the cut too), pp, the looped blocks)
+        self._memo(("modelled", plan.tp, ep, pp, stage_plan.loop_count, plan.sequence_parallel and stage_plan),
+                   lambda: check_modelled(self.model, model_type=self.config.model_type, plan=plan, ep=ep, stages=pp,
+                                          loop_count=stage_plan.loop_count))
         # train_step's check of the batch, on a meta batch of this length (the trace's inputs)
         check_model_inputs(example_inputs(self.model, micro_batch_size=self.micro_batch_size, seq_len=self.seq_len),
                            model=self.model, loss=None, positions=plan.positions,
@@ -253,6 +249,8 @@ class Planner:
         activations = self._kept(("activations", param_elem, cp, bool(loss_chunks)), (compute, base, plan, stage_plan),
                                  lambda: chunk_activations(self.model, kept=kept, base=base, plan=plan, cp=cp,
                                                            stage_plan=stage_plan, act_elem=param_elem, loss_chunks=loss_chunks))
+        activations, offloaded = on_host(activations, offloaded=parallel.offload and compute.offloaded, stage_plan=stage_plan, tp=plan.tp)
+        transient = loss_transient(self.model, kept=kept, base=base, plan=plan, stage_plan=stage_plan, loss_chunks=loss_chunks, act_elem=param_elem)
         if recompute is Recompute.SELECTIVE:
             collectives = self._kept(("collectives", param_elem), (base, plan, stage_plan),
                                      lambda: kept_collectives(base=base, plan=plan, stage_plan=stage_plan,
@@ -286,11 +284,10 @@ class Planner:
                 others |= {n for n, _ in stage_plan.first_only} | ({stage_plan.entry} if stage_plan.entry else set())
             chunks = stage_plan.chunks_of(s)
             w = work.stages[s]
-            held, peak = rank_peaks(stages=pp, microbatches=microbatches, schedule=schedule,
-                                    virtual_stages=virtual_stages, stage=s, kept=tuple(activations), stash=tuple(stash))
+            timed = dict(stages=pp, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages, stage=s)
+            held, peak = rank_peaks(**timed, kept=tuple(activations), stash=tuple(stash))
             stages.append(StageEstimate(
-                stage=s, chunks=w.chunks, stacks=w.stacks, modules=tuple(sorted(others)),
-                params=w.params, embedding_params=w.embedding_params,
+                stage=s, chunks=w.chunks, stacks=w.stacks, modules=tuple(sorted(others)), params=w.params, embedding_params=w.embedding_params,
                 activation_bytes_per_microbatch=sum(activations[c] for c in chunks), in_flight=held.f_to_b,
                 activation_bytes=peak,
                 state=state, comm=comm, expert_params=w.expert_params,
@@ -302,6 +299,9 @@ class Planner:
                 accumulated_grad_bytes=fsdp.accumulated_grad_bytes if fsdp else 0,
                 attention_flops_per_microbatch=w.attention_flops_per_microbatch,
                 expert_flops_per_microbatch=w.expert_flops_per_microbatch,
+                offloaded_bytes_per_microbatch=sum(offloaded[c] for c in chunks),
+                host_bytes=rank_peaks(**timed, kept=tuple(offloaded), stash=(0,) * len(offloaded))[1],
+                transient_bytes=transient if s == pp - 1 else 0,
                 param_tensors=len(on_stage[s]), ops_per_microbatch=op_counts[s][0], op_bytes_per_microbatch=op_counts[s][1]))
         slowest = max(stages, key=lambda e: e.flops_per_microbatch)
         costs = op_costs(compute=slowest.flops_per_microbatch, weight=slowest.weight_grad_flops_per_microbatch,

@@ -20,11 +20,13 @@ def gib(n: float) -> str:
 
 
 def settings(*, mixed_precision: str | None, zero: bool, recompute: str | None, sequence_parallel: bool = False,
-             dp_shard: int = 1) -> str:
+             dp_shard: int = 1, loss_chunk_tokens: int | None = None, offload: str | None = None) -> str:
     """The training settings, in words."""
     words = [mixed_precision or "fp32"] + (["ZeRO-1"] if zero else []) + ([f"{recompute} recompute"] if recompute else [])
     return ", ".join(words + (["sequence parallel"] if sequence_parallel else [])
-                     + ([f"dp_shard={dp_shard} (FSDP)"] if dp_shard > 1 else []))
+                     + ([f"dp_shard={dp_shard} (FSDP)"] if dp_shard > 1 else [])
+                     + ([f"the loss {loss_chunk_tokens} tokens at a time"] if loss_chunk_tokens else [])
+                     + ([f"{offload} offloaded to the host"] if offload else []))
 
 
 def crossing(link: dict[str, str]) -> list[str]:
@@ -43,7 +45,7 @@ def mesh_report(est: MeshEstimate, hw: Hardware, calibration: Calibration | None
         f"mesh dp={est.dp} tp={est.tp} pp={est.pp} cp={est.cp}{f' ep={est.ep}' if ep else ''} "
         f"({est.world_size} GPUs), {schedule_name(est)}, {est.microbatches} microbatches of {est.micro_batch_size} x "
         f"{est.seq_len} positions (a global batch of {est.global_batch} sequences); {est.total_params:,} parameters; "
-        f"{settings(mixed_precision=est.mixed_precision, zero=est.zero, recompute=est.recompute, sequence_parallel=est.sequence_parallel, dp_shard=est.dp_shard)}"
+        f"{settings(mixed_precision=est.mixed_precision, zero=est.zero, recompute=est.recompute, sequence_parallel=est.sequence_parallel, dp_shard=est.dp_shard, loss_chunk_tokens=est.parallel.loss_chunk_tokens, offload=est.parallel.offload and est.parallel.offload.value)}"
         + (f", gathered once a {est.dp_shard_gather}" if fsdp and est.pp > 1 else ""),
         f"bubble of {est.schedule} {est.bubble:.3f} (its action lists timed with per-op costs from FLOPs); "
         f"links: tp {link['tp']}, cp {link['cp']}, pp {link['pp']}, "
@@ -71,10 +73,11 @@ def mesh_report(est: MeshEstimate, hw: Hardware, calibration: Calibration | None
             + (f" {comm['ep']:.2f} |" if ep else "")
         )
     fits = est.peak_bytes <= hw.gpu_memory
-    lines += ["", f"peak {gib(est.peak_bytes)} GiB per GPU of {gib(hw.gpu_memory)} GiB: {'fits' if fits else 'DOES NOT FIT'}",
-              f"estimated step {t.seconds:.2f} s (compute+bubble {t.compute:.2f}, tp {t.tp:.2f}, cp {t.cp:.2f}, "
+    host = f"; {gib(est.host_peak_bytes)} GiB of host memory per GPU for the offload" if est.host_peak_bytes else ""
+    lines += ["", f"peak {gib(est.peak_bytes)} GiB per GPU of {gib(hw.gpu_memory)} GiB: {'fits' if fits else 'DOES NOT FIT'}"
+              + host, f"estimated step {t.seconds:.2f} s (compute+bubble {t.compute:.2f}, tp {t.tp:.2f}, cp {t.cp:.2f}, "
               f"pp {t.pp:.2f}, dp {t.dp:.2f}{f', ep {t.ep:.2f}' if ep else ''}, optimizer {t.optimizer:.2f}, "
-              f"waits {t.wait:.2f}), {t.tokens_per_s:,.0f} tokens/s, "
+              f"waits {t.wait:.2f}{f', offload copies {t.offload:.2f}' if t.offload else ''}), {t.tokens_per_s:,.0f} tokens/s, "
               f"{100 * t.utilization:.0f}% of the peak matmul rate"
               + (f"; assumed, not measured: {', '.join(t.assumed)}" if t.assumed else "")]
     return "\n".join(lines)

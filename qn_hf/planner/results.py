@@ -41,6 +41,11 @@ class StageEstimate:
     ops_per_microbatch: int = 0  # ops of the forward here that write memory (each also runs its backward)
     op_bytes_per_microbatch: int = 0  # bytes those other than matmuls and attention write (this rank's)
     stacks: tuple[str, ...] = ()  # an encoder-decoder's: the block list of each chunk (ranges restart per list)
+    # offload="activations": what one microbatch's blocks hold on the host (not in the activations above), and
+    # the most the schedule holds there at once (host memory, never the device's)
+    offloaded_bytes_per_microbatch: int = 0
+    host_bytes: int = 0
+    transient_bytes: int = 0  # the last stage: what the loss's backward holds for a moment (activations.py)
 
     @property
     def blocks(self) -> tuple[int, int]:
@@ -74,7 +79,7 @@ class StageEstimate:
 
     @property
     def total_bytes(self) -> int:
-        return self.state_bytes + self.activation_bytes + self.unsharded_bytes
+        return self.state_bytes + self.activation_bytes + self.unsharded_bytes + self.transient_bytes
 
 
 @dataclass(frozen=True)
@@ -176,6 +181,11 @@ class MeshEstimate(Configured):
     def peak_bytes(self) -> int:
         return max(s.total_bytes for s in self.stages)
 
+    @property
+    def host_peak_bytes(self) -> int:
+        """The most host memory a rank holds for ``offload`` (0 without it); not in ``peak_bytes``, the device's."""
+        return max(s.host_bytes for s in self.stages)
+
     def as_dict(self) -> dict:
         """The figures by name, the configuration spelled out degree by degree and option by option in
         the order ``qn-hf-plan --json`` has always printed them (its readers key on these names)."""
@@ -189,7 +199,10 @@ class MeshEstimate(Configured):
                 "mixed_precision": self.mixed_precision, "zero": self.zero, "recompute": self.recompute,
                 "sequence_parallel": self.sequence_parallel, "cp": d.cp, "ep": d.ep,
                 "expert_flop_share": self.expert_flop_share, "virtual_stages": self.virtual_stages,
-                "dp_shard": d.dp_shard, "dp_shard_gather": self.dp_shard_gather, "expert_dispatch": self.expert_dispatch}
+                "dp_shard": d.dp_shard, "dp_shard_gather": self.dp_shard_gather, "expert_dispatch": self.expert_dispatch,
+                "loss_chunk_tokens": self.parallel.loss_chunk_tokens,
+                "offload": self.parallel.offload.value if self.parallel.offload else None,
+                "host_peak_bytes": self.host_peak_bytes}
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 
-from ..config.options import Recompute
+from ..config.options import Offload, Recompute
 from ..config.parallel_config import ParallelConfig
 from .calibration import Calibration
 from .cost import Hardware, step_floor
@@ -72,7 +72,27 @@ class MeshShape:
                 yield planner, None if est is None else evaluate(est, hw=hw, calibration=calibration)
 
 
-RECOMPUTE = (Recompute.SELECTIVE, Recompute.FULL)  # tried in this order for what does not fit without
+LOSS_CHUNK_TOKENS = 1024  # what the search takes: a 128k vocabulary's float32 logits of it are half a GiB
+# tried in this order for what does not fit without: recomputation, then the loss in chunks, then the blocks'
+# inputs on the host (each slower than the one before, none changing the result)
+MEMORY_OPTIONS = (dict(recompute=Recompute.SELECTIVE), dict(recompute=Recompute.FULL),
+                  dict(recompute=Recompute.FULL, loss_chunk_tokens=LOSS_CHUNK_TOKENS),
+                  dict(recompute=Recompute.FULL, loss_chunk_tokens=LOSS_CHUNK_TOKENS, offload=Offload.ACTIVATIONS))
+
+
+def memory_options(fixed: Mapping[str, object]) -> tuple[dict, ...]:
+    """``MEMORY_OPTIONS`` with what the caller fixed (``ParallelConfig`` keywords) in place of theirs, each once;
+    one that ``parallelize`` refuses so (offload without recomputation) left out."""
+    given = {k: fixed[k] for k in MEMORY_OPTIONS[-1] if k in fixed}  # (the last sets every one)
+    out: list[dict] = []
+    for option in MEMORY_OPTIONS:
+        try:
+            config = ParallelConfig.from_keywords(**{**option, **given})
+        except ValueError:
+            continue
+        merged = {k: getattr(config, k) for k in {**option, **given}}
+        out += [merged] if merged not in out else []
+    return tuple(out)
 
 
 @dataclass
@@ -85,12 +105,12 @@ class Priced:
     unpriced: int
 
 
-def price(shapes: list[MeshShape], *, exhaustive: bool, device_memory: int, recompute: object, hw: Hardware,
+def price(shapes: list[MeshShape], *, exhaustive: bool, device_memory: int, options: tuple[dict, ...], hw: Hardware,
           calibration: Calibration | None, rejected: list[Rejected]) -> Priced:
     """The shapes priced from the least floor up, until the least floor left exceeds the runner-up
-    found so far (module docstring; ``exhaustive``: every one priced). ``recompute``: the caller's
-    fixed recomputation (None: a configuration that does not fit is tried under ``RECOMPUTE``); the
-    refusals met are added to ``rejected``."""
+    found so far (module docstring; ``exhaustive``: every one priced). ``options``: what a configuration that
+    does not fit is tried under (``memory_options``: none where the caller fixed them); the refusals met are
+    added to ``rejected``."""
     accepted: list[Candidate] = []
     hopeless: list[tuple[int, Planner]] = []  # (in accepted, its planner): over the memory before any activation
     least: list[float] = []  # the two least predicted times of fitting candidates kept so far
@@ -115,13 +135,13 @@ def price(shapes: list[MeshShape], *, exhaustive: bool, device_memory: int, reco
             if c is None:
                 unpriced += 1
                 continue
-            if not c.fits and recompute is None:
+            if not c.fits and options:
                 if _held_besides_activations(c) <= device_memory:
                     # (not at pp=1, where whether a larger micro-batch fits under a recomputation
                     # decides whether a smaller one is kept: undominated)
                     skip = len(least) == 2 and not exhaustive and c.estimate.pp > 1
-                    c = with_recompute(planner, c, hw=hw, calibration=calibration,
-                                       above=least[1] + _CLEAR if skip else math.inf)
+                    c = with_memory_options(planner, c, options, hw=hw, calibration=calibration,
+                                            above=least[1] + _CLEAR if skip else math.inf)
                 else:  # no recomputation makes it fit: tried only if nothing fits (for the closest miss)
                     hopeless.append((len(accepted), planner))
             accepted.append(c)
@@ -158,17 +178,21 @@ def _held_besides_activations(c: Candidate) -> int:
     return max(s.state_bytes + s.unsharded_bytes for s in c.estimate.stages)
 
 
-def with_recompute(planner: Planner, c: Candidate, *, hw: Hardware, calibration: Calibration | None,
-                    above: float = math.inf) -> Candidate:
-    """``c`` under the first recomputation that makes it fit, else under the last tried; one whose floor
-    exceeds ``above`` is not tried (it could be neither chosen nor the runner-up: ``auto_plan``)."""
-    for mode in RECOMPUTE:
-        if above < math.inf and step_floor(c.estimate, hw, calibration, recompute=mode) > above:
+def with_memory_options(planner: Planner, c: Candidate, options: tuple[dict, ...], *, hw: Hardware,
+                        calibration: Calibration | None, above: float = math.inf) -> Candidate:
+    """``c`` under the first of ``options`` that makes it fit, else under the last tried; one whose floor exceeds
+    ``above`` is not tried (it could be neither chosen nor the runner-up: ``auto_plan``), nor one that changes
+    nothing."""
+    start = c.estimate.parallel
+    for option in options:
+        if all(getattr(start, k) == v for k, v in option.items()):
+            continue
+        if above < math.inf and step_floor(c.estimate, hw, calibration, recompute=option["recompute"]) > above:
             continue  # (its lists walked only where there is a bound to compare with)
         try:
-            est = planner.estimate(replace(c.estimate.parallel, recompute=mode))
+            est = planner.estimate(replace(start, **option))
         except ValueError:
-            continue  # a model recomputation does not apply to: as it was
+            continue  # a model an option does not apply to (no blocks to recompute, no causal LM loss): as it was
         c = evaluate(est, hw=hw, calibration=calibration)
         if c.fits:
             break

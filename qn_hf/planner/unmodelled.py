@@ -5,17 +5,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..config.options import Offload
 from ..expert_parallel.apply import experts_modules, sharded_experts
 from ..tensor_parallel.plan import TpPlan
 
 
 def check_modelled(model: nn.Module, *, model_type: str, plan: TpPlan, ep: int, stages: int = 1,
-                   loop_count: str | None = None, offload: Offload | None = None) -> None:
-    if offload is not None:
-        raise ValueError(f"offload={offload.value!r}: the planner does not price the host memory and the copies yet; "
-                         f"plan without offload (its device figures then count the blocks' inputs it would move "
-                         f"to the host), or measure a run")
+                   loop_count: str | None = None) -> None:
     untraced = ("the experts' row gathers at ep=1 (each MoE block's experts gather every tp rank's tokens)"
                 if plan.sequence_experts else
                 f"the whole regions (block children that run on the gathered sequence: "
