@@ -152,3 +152,39 @@ def test_parallelize_auto_equals_the_plain_model(worlds, machine):
         assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * abs(r["ref_loss"])
         assert r["worst"] <= 2e-5, r
     assert results[0]["chosen"] == results[1]["chosen"]
+
+
+LONG = dict(TINY, vocab_size=8192, max_position_embeddings=4096)  # the loss's logits outweigh the blocks'
+
+
+def test_what_fits_nowhere_else_is_tried_with_the_loss_in_chunks_then_offload():
+    """Shrinking the memory, the choice moves to the loss in chunks and then to the blocks' inputs on the
+    host (shapes.MEMORY_OPTIONS), each only where the same configuration without it does not fit; what the
+    caller fixes stays (a chunk size of its own) while the rest are tried, and the closest miss was tried under
+    all of them."""
+    from qn_hf.planner.estimate import Planner
+
+    torch.manual_seed(0)
+    model, cal = LlamaForCausalLM(LlamaConfig(**LONG)), _calibrations()["launch-bound"]
+    memory, chosen = 1 << 34, []
+    with pytest.raises(ValueError, match=r"closest, [^:]*loss_chunk_tokens=1024, offload=activations, needs"):
+        while True:
+            c = auto_choice(model, global_batch=2, seq_len=4096, world_size=2, calibration=cal, device_memory=memory)
+            chosen.append(c)
+            memory = c.peak_bytes * 3 // 4  # a quarter less each time
+    planners = {}
+    for c in chosen:
+        p = c.config
+        planner = planners.setdefault(c.micro_batch_size, Planner(model.config, seq_len=4096, model_class=type(model),
+                                                                  micro_batch_size=c.micro_batch_size))
+        for option, unset in (("offload", None), ("loss_chunk_tokens", None)):
+            if getattr(p, option) is not None:  # needed: without it the same configuration is over
+                without = dataclasses.replace(p, **{option: unset}, **({"offload": None} if option != "offload" else {}))
+                assert planner.estimate(without).peak_bytes > c.peak_bytes, (p, option)
+    options = {(c.config.recompute, c.config.loss_chunk_tokens, c.config.offload) for c in chosen}
+    assert any(chunks and offload is None for _, chunks, offload in options), options
+    assert any(offload is not None for _, _, offload in options), options
+    tight = chosen[-1].peak_bytes
+    fixed = auto_choice(model, global_batch=2, seq_len=4096, world_size=2, calibration=cal, device_memory=tight,
+                        fixed={"loss_chunk_tokens": 512})
+    assert (fixed.config.loss_chunk_tokens, fixed.config.offload.value) == (512, "activations")
