@@ -18,6 +18,8 @@ imported from this checkout; nothing is installed or downloaded. On one GPU (doc
   documents with padding, a sliding window) in bf16, fp16 and fp32;
 * dp_shard: qn_hf's FSDP2 groups on a one-rank mesh against the plain model (``parallelize`` takes dp_shard > 1
   only with dp >= 2 ranks);
+* long: offload's CUDA path and the loss in chunks against the plain model, the device's peak at a long sequence
+  through a 128k vocabulary with each beside the planner's, and the host copies' bandwidth;
 * parity: one SGD step of a tiny Llama at every mesh that fits the GPUs (NCCL) against the plain model.
 
 Without a GPU each section runs small on gloo worlds of at most ``--cpu-world`` processes (CPU kernels, syncs
@@ -53,7 +55,7 @@ from dataclasses import dataclass, field  # noqa: E402
 
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from gpu_checks import checkpoints, ring, sharded, speed, syncs  # noqa: E402
+from gpu_checks import checkpoints, long_context, ring, sharded, speed, syncs  # noqa: E402
 from gpu_checks.common import device as this_device  # noqa: E402
 from gpu_checks.common import row  # noqa: E402
 
@@ -237,6 +239,7 @@ SECTIONS = [  # the open questions first (issue 67: what a save keeps and orders
     Section("syncs", syncs.host_syncs, 90),
     Section("ring", ring.ring_kernels, 90),
     Section("dp_shard", sharded.sharded_one_rank, 60),
+    Section("long", long_context.offload_and_chunks, 90),
     Section("speed", speed.eager, 150),
     Section("compile", speed.compiled, 240),
 ]

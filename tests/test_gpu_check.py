@@ -50,6 +50,9 @@ def test_gpu_check_runs_on_cpu(tmp_path):
     for case in ("async save holds the state it was called with", "async save without optimizer=, a step at once"):
         assert rows["checkpoint", case]["result"] == "equal", rows["checkpoint", case]
     assert rows["checkpoint", "what asynchronous saves keep"]["result"] == "ok"
+    assert rows["long", "recompute + offload + loss chunks, float32"]["result"] == "equal"
+    long = [r for (section, _), r in rows.items() if section == "long"]
+    assert len(long) == 5 and {r["result"] for r in long[1:]} == {"measured"}, long
     assert "syncs/step" in done.stdout and "could not test" in done.stdout  # the table and what it left out
 
 
