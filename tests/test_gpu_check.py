@@ -52,7 +52,7 @@ def test_gpu_check_runs_on_cpu(tmp_path):
     assert rows["checkpoint", "what asynchronous saves keep"]["result"] == "ok"
     assert rows["long", "recompute + offload + loss chunks, float32"]["result"] == "equal"
     long = [r for (section, _), r in rows.items() if section == "long"]
-    assert len(long) == 5 and {r["result"] for r in long[1:]} == {"measured"}, long
+    assert len(long) == 6 and {r["result"] for r in long[1:]} == {"measured", "skipped"}, long  # (HF's offload: CUDA)
     assert "syncs/step" in done.stdout and "could not test" in done.stdout  # the table and what it left out
 
 

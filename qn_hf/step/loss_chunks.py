@@ -11,7 +11,7 @@ positions at a time, forward and backward:
 * each chunk then runs the *task model's own forward* on its positions, its base model stood in for
   by one that returns the recorded output with that chunk's hidden states: whatever transformers
   does between the base model and the loss (Gemma's soft-capping, Cohere's scale, Granite's divisor,
-  T5-style rescaling, a LoRA head, tp's vocabulary-parallel head) is the model's own code, not a
+  a LoRA head, tp's vocabulary-parallel head) is the model's own code, not a
   copy of it, so the logits of a chunk are the plain model's logits of those positions;
 * each chunk's loss sum runs under torch's non-reentrant checkpoint: its logits and softmax are
   freed once its sum is taken and made again, one chunk at a time, in the backward. The cost: the
@@ -83,11 +83,11 @@ def _with_hidden(output, hidden: torch.Tensor):
     return hidden
 
 
-def chunk_spans(*, rows: int, positions: int, tokens: int) -> list[tuple[int, int]]:
-    """The [start, stop) positions of each chunk of a microbatch of ``rows`` x ``positions``: ``tokens``
-    tokens of every row at a time, at least one position (the planner counts the chunks' collectives too)."""
+def chunk_sizes(*, rows: int, positions: int, tokens: int) -> list[int]:
+    """The positions of each chunk of a microbatch of ``rows`` x ``positions``, in order: ``tokens`` tokens of
+    every row at a time, at least one position (the planner counts the chunks' collectives too)."""
     step = max(1, tokens // max(1, rows))
-    return [(start, min(start + step, positions)) for start in range(0, positions, step)]
+    return [min(step, positions - start) for start in range(0, positions, step)]
 
 
 def chunk_count(chunk_tokens: int | None, *, rows: int, tokens: int) -> int:
@@ -95,7 +95,7 @@ def chunk_count(chunk_tokens: int | None, *, rows: int, tokens: int) -> int:
     chunk, ``loss_chunk_tokens``); 0 where it is computed at once (``chunk_tokens`` None)."""
     if chunk_tokens is None:
         return 0
-    return len(chunk_spans(rows=rows, positions=tokens // max(1, rows), tokens=chunk_tokens))
+    return len(chunk_sizes(rows=rows, positions=tokens // max(1, rows), tokens=chunk_tokens))
 
 
 def check_loss_chunks(model: nn.Module, *, tokens: int | None, loss: LossKind | None, seq2seq: bool) -> None:
@@ -169,8 +169,7 @@ class LossChunks:
         targets = position_targets(batch, kind=LossKind.CAUSAL_LM, head=head)
         hidden = first_output(recorded.output)
         run = functools.partial(self._chunk_sum, recorded=recorded, vocab=vocab, group=group)
-        sizes = [stop - start for start, stop in chunk_spans(rows=hidden.shape[0], positions=hidden.shape[1],
-                                                             tokens=self.tokens)]
+        sizes = chunk_sizes(rows=hidden.shape[0], positions=hidden.shape[1], tokens=self.tokens)
         # split, not sliced: the backward of a slice makes a whole-size gradient per chunk, split's one for all
         # FSDP's root (dp_shard) prepares its backward from a hook on the task forward's outputs: their empty
         # logits stay in the graph there (a sum of nothing, 0), or a step whose blocks need no gradient (a frozen

@@ -6,6 +6,8 @@ back prefetched) and ``loss_chunk_tokens``, which the CPU suite runs only throug
 * memory: a Llama with a 128k vocabulary at a long sequence (8,192 tokens; quick: small) under full recomputation,
   then with offload, then with offload and the loss in chunks: the device's peak (``max_memory_allocated``), the
   step's time, and the planner's device peak for the same settings beside it;
+* the same sequence through the plain model under transformers' gradient checkpointing with its offload
+  (``offload=True``, CUDA only): its device peak, the figure the options are compared with;
 * host_copy: a block input to the host and back as the offload moves it (``offload_call``, the calibration's
   timing): GB/s, against the planner's stated figure.
 """
@@ -90,7 +92,34 @@ def _memory(device: torch.device, *, quick: bool) -> list[dict]:
                         planned_bytes=planned, host_bytes=stage.host_bytes, step_s=step_s))
         del pm, model
         release(device)
+    rows.append(_hf_offload(config, ids, device))
     return rows
+
+
+def _hf_offload(config, ids: torch.Tensor, device: torch.device) -> dict:
+    """The plain model under transformers' own gradient checkpointing with its offload (``offload=True``: the
+    checkpointed inputs in pinned host memory), the recipe Hugging Face users follow: its device peak."""
+    case = f"{ids.shape[1]:,} tokens: transformers' checkpointing with offload (plain model)"
+    if device.type != "cuda":  # its offload pins host memory, which a CPU torch has no allocator for
+        return row("long", case, "skipped", "offload=True needs CUDA's pinned memory")
+    model = build(config, device).train()
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.24; the older name before
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False}, offload=True)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}, offload=True)
+    model(input_ids=ids, labels=ids).loss.backward()
+    release(device)
+    synchronize(device)
+    began = time.perf_counter()
+    model(input_ids=ids, labels=ids).loss.backward()
+    synchronize(device)
+    step_s = time.perf_counter() - began
+    peak = torch.cuda.max_memory_allocated(device)
+    del model
+    release(device)
+    return row("long", case, "measured", f"peak {peak / 2**30:.2f} GiB on the device, step {step_s:.2f} s",
+               peak_bytes=peak, step_s=step_s)
 
 
 def _host_copy(device: torch.device) -> dict:
