@@ -171,7 +171,7 @@ def test_what_fits_nowhere_else_is_tried_with_the_loss_in_chunks_then_offload():
         while True:
             c = auto_choice(model, global_batch=2, seq_len=4096, world_size=2, calibration=cal, device_memory=memory)
             chosen.append(c)
-            memory = c.peak_bytes * 3 // 4  # a quarter less each time
+            memory = c.peak_bytes - 1  # the next configuration down
     planners = {}
     for c in chosen:
         p = c.config
@@ -187,4 +187,4 @@ def test_what_fits_nowhere_else_is_tried_with_the_loss_in_chunks_then_offload():
     tight = chosen[-1].peak_bytes
     fixed = auto_choice(model, global_batch=2, seq_len=4096, world_size=2, calibration=cal, device_memory=tight,
                         fixed={"loss_chunk_tokens": 512})
-    assert (fixed.config.loss_chunk_tokens, fixed.config.offload.value) == (512, "activations")
+    assert fixed.config.loss_chunk_tokens == 512 and fixed.config.recompute is not None and fixed.peak_bytes <= tight
