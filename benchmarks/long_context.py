@@ -132,13 +132,15 @@ def long_worker(rank: int, world: int, model_dir: str, run: str, seq: int, chunk
 
 
 def measure(model_dir: str, run: str, *, cp: int, seq: int, chunk: int, steps: int, cap_gib: float) -> dict:
-    marker = os.path.join(tempfile.mkdtemp(prefix="long_context_cap_"), "over")
-    try:
-        ranks = run_world(long_worker, world=cp, extra=(model_dir, run, seq, chunk, steps, int(cap_gib * 2**20), marker))
-    except WorldFailure:
-        if not os.path.exists(marker):
-            raise
-        return {"run": run, "cp": cp, "seq": seq, "over_cap_bytes": int(cap_gib * 2**30)}
+    with tempfile.TemporaryDirectory(prefix="long_context_cap_") as folder:
+        marker = os.path.join(folder, "over")
+        try:
+            ranks = run_world(long_worker, world=cp, extra=(model_dir, run, seq, chunk, steps, int(cap_gib * 2**20),
+                                                            marker))
+        except WorldFailure:
+            if not os.path.exists(marker):
+                raise
+            return {"run": run, "cp": cp, "seq": seq, "over_cap_bytes": int(cap_gib * 2**30)}
     return {"run": run, "cp": cp, "seq": seq, "step_s": statistics.median(max(r["times"][i] for r in ranks)
                                                                        for i in range(steps)),
             "peak_bytes": max(r["peak"] for r in ranks), "rise_bytes": max(r["rise"] for r in ranks),
@@ -227,10 +229,13 @@ def main() -> None:
         while seq <= args.longest:
             r = measure(model_dir, run, cp=2, seq=seq, chunk=args.chunk, steps=1, cap_gib=args.cap_gib)
             results.append({**r, "search": True})
-            if "over_cap_bytes" in r or r["peak_bytes"] > budget:
+            if "over_cap_bytes" in r:
+                print(f"cp=2, {seq:,} tokens, {run}: over the cap of {args.cap_gib:g} GiB per rank", flush=True)
                 break
             print(f"cp=2, {seq:,} tokens, {run}: peak {r['peak_bytes'] / 2**30:.2f} GiB per rank, step "
                   f"{r['step_s']:.1f} s", flush=True)
+            if r["peak_bytes"] > budget:
+                break
             longest[run], seq = seq, seq * 2
     print(f"longest sequence within {args.budget_gib:g} GiB per rank at cp=2: qn_hf without the options "
           f"{longest['qn_hf']:,} tokens, with both {longest['both']:,}"

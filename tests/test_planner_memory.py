@@ -155,6 +155,7 @@ def test_planner_memory_matches_a_chunked_loss_run(worlds, kind, dp, tp, pp, mic
 @pytest.mark.parametrize(("kind", "dp", "tp", "pp", "cp", "microbatches", "recompute", "sequence_parallel"), [
     ("llama", 1, 1, 2, 1, 4, "full", False),  # 1F1B: two microbatches' block inputs on the first stage's host
     ("gpt2", 1, 2, 1, 1, 1, "full", True),  # the blocks' inputs a sequence slice
+    ("llama", 1, 2, 2, 1, 4, "full", True),  # a later stage gathers and splits what it received: that moves too
     ("llama", 1, 1, 1, 2, 2, "selective", False),  # one cp rank's tokens; selective's cache stays on the device
 ])
 def test_planner_memory_matches_an_offloaded_run(worlds, kind, dp, tp, pp, cp, microbatches, recompute,

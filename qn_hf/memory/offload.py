@@ -85,7 +85,7 @@ class ActivationOffload:
     def round_trip(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` (one ``moves`` takes) to the host and back as a block's saved input goes, without a graph:
         what the planner's calibration times (planner/calibrate.py)."""
-        return self._unpack(self._pack(tensor))
+        return self.chained(lambda: self._unpack(self._pack(tensor)))()  # a chain of its own: nothing links on
 
     def _pack(self, tensor: torch.Tensor):
         if not moves(tensor):

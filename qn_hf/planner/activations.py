@@ -25,6 +25,7 @@ from torch import nn
 from ..config.options import LossKind
 from ..pipeline.split import StagePlan, chunk_of_module
 from ..policies.styles import COLUMN_STYLES, ROW_STYLES, Style
+from ..step.loss_chunks import chunk_sizes
 from ..tensor_parallel.plan import TpPlan
 from .trace import Trace
 
@@ -37,8 +38,7 @@ def chunk_activations(model: nn.Module, *, kept: dict[str, tuple[int, int]], bas
     task forward does after it (its own ops: a soft-capping's tanh) keep nothing, nor does the loss but its
     targets (step/loss_chunks.py)."""
     tp, chunks = plan.tp, stage_plan.chunks
-    out = by_chunk(kept, stage_plan=stage_plan, tp=tp,
-                   skip=lambda owner: loss_chunks and (owner == "" or owner in stage_plan.heads))
+    out = by_chunk(kept, stage_plan=stage_plan, tp=tp, skip=lambda owner: loss_chunks and _tail(owner, stage_plan))
     for c in range(1, chunks):
         out[c] += base.boundary_numel * act_elem
     for name, style in plan.rules if tp > 1 else ():  # int64 ids shifted into the shard, a bool mask
@@ -48,32 +48,40 @@ def chunk_activations(model: nn.Module, *, kept: dict[str, tuple[int, int]], bas
         out[chunks - 1] += base.logits_rows * (8 if cp == 1 else 0)
     elif plan.loss is LossKind.CAUSAL_LM:
         padded = padded_vocab(plan, model)
-        columns = padded // tp if padded else vocab(model)
         targets = 8 if cp == 1 or padded else 0
-        out[chunks - 1] += base.logits_rows * (columns * 4 + targets + (2 if padded else 0))
+        out[chunks - 1] += base.logits_rows * (_columns(plan, model) * 4 + targets + (2 if padded else 0))
     return [int(x) for x in out]
 
 
+def _tail(owner: str, stage_plan: StagePlan) -> bool:
+    """Whether ``owner``'s bytes are the head's or what the task forward does after it (its own ops: ``""``)."""
+    return owner == "" or owner in stage_plan.heads
+
+
+def _columns(plan: TpPlan, model: nn.Module) -> int:
+    """The vocabulary columns of the logits a rank holds (its shard's under a vocab-parallel head)."""
+    padded = padded_vocab(plan, model)
+    return padded // plan.tp if padded else vocab(model)
+
+
 def loss_transient(model: nn.Module, *, kept: dict[str, tuple[int, int]], base: Trace, plan: TpPlan,
-                   stage_plan: StagePlan, loss_chunks: int, act_elem: int) -> int:
+                   stage_plan: StagePlan, chunk_tokens: int | None, rows: int, act_elem: int) -> int:
     """Bytes a causal LM's loss holds for a moment in its backward on the last chunk beyond what the microbatch
     keeps (``chunk_activations``): the float32 gradients of its log-softmax and of its logits over this rank's
     vocabulary columns, two tensors of the logits' size (log-softmax's backward reads one and writes the
-    other). Under ``loss_chunk_tokens`` (``loss_chunks`` of them) one chunk's, with what the chunk's
+    other). Under ``loss_chunk_tokens`` (``chunk_tokens``; ``rows`` a microbatch) its largest chunk's, with what the chunk's
     recomputation remakes of its forward first (its log-softmax, what the head's tail keeps: the trace's figure
     for the whole logits, per position), and the sums autograd keeps over the chunks' backwards: the head's
     weight gradient and the hidden states' (``act_elem`` bytes an element). 0 for another loss."""
     if plan.loss is not LossKind.CAUSAL_LM or not base.logits_rows:
         return 0
-    padded = padded_vocab(plan, model)
-    columns = padded // plan.tp if padded else vocab(model)
-    if not loss_chunks:
+    columns = _columns(plan, model)
+    if chunk_tokens is None:
         return base.logits_rows * columns * 4 * 2
-    tail = sum(whole + split / plan.tp for owner, (whole, split) in kept.items()
-               if owner == "" or owner in stage_plan.heads)
-    hidden = model.get_output_embeddings().weight.shape[1]
-    sums = (columns + base.logits_rows) * hidden * act_elem
-    return int(-(-base.logits_rows // loss_chunks) * (tail / base.logits_rows + 3 * columns * 4) + sums)
+    tail = sum(whole + split / plan.tp for owner, (whole, split) in kept.items() if _tail(owner, stage_plan))
+    largest = rows * max(chunk_sizes(rows=rows, positions=base.logits_rows // rows, tokens=chunk_tokens))
+    sums = (columns + base.logits_rows) * model.get_output_embeddings().weight.shape[1] * act_elem
+    return int(largest * (tail / base.logits_rows + 3 * columns * 4) + sums)
 
 
 def by_chunk(kept: dict[str, tuple[int, int]], *, stage_plan: StagePlan, tp: int,
@@ -91,20 +99,22 @@ def by_chunk(kept: dict[str, tuple[int, int]], *, stage_plan: StagePlan, tp: int
     return out
 
 
-def on_host(activations: list[int], *, offloaded: dict[str, tuple[int, int]] | None, stage_plan: StagePlan,
-            tp: int) -> tuple[list[int], list[int]]:
-    """``activations`` (per chunk) less what ``offload="activations"`` holds on the host (``Trace.offloaded``: by the
-    block saving it; None without it), and those host bytes, per chunk. A later chunk's first block saves the
-    activation the chunk received, a leaf the offload leaves (the chunk holds it to send its gradient back), made
-    on the chunk before, which holds it as sent: the trace saw one forward, where a block made it."""
+def on_host(activations: list[int], *, offloaded: dict[str, tuple[float, float]] | None, stage_plan: StagePlan,
+            sequence_parallel: bool) -> tuple[list[int], list[int]]:
+    """``activations`` (per chunk) less what ``offload="activations"`` lets go of on the device, and what it holds
+    on the host, per chunk (``Trace.offloaded``: by the block saving it; None without it). A later chunk's first
+    block saves the activation the chunk received, a leaf the offload leaves (the chunk holds it to send its
+    gradient back), unless sequence parallelism gathers and splits it there first."""
     def received(block: str) -> bool:
         stack, _, index = block.rpartition(".")
         chunk = chunk_of_module(stage_plan, block)
-        return bool(chunk) and int(index) > 0 and chunk_of_module(stage_plan, f"{stack}.{int(index) - 1}") != chunk
+        return (not sequence_parallel and bool(chunk) and int(index) > 0
+                and chunk_of_module(stage_plan, f"{stack}.{int(index) - 1}") != chunk)
 
     moved = {block: n for block, n in (offloaded or {}).items() if not received(block)}
-    host = [int(b) for b in by_chunk(moved, stage_plan=stage_plan, tp=tp)]
-    return [a - h for a, h in zip(activations, host)], host
+    host = by_chunk({block: (h, 0) for block, (h, _) in moved.items()}, stage_plan=stage_plan, tp=1)
+    freed = by_chunk({block: (d, 0) for block, (_, d) in moved.items()}, stage_plan=stage_plan, tp=1)
+    return [int(a - f) for a, f in zip(activations, freed)], [int(h) for h in host]
 
 
 def kept_collectives(*, base: Trace, plan: TpPlan, stage_plan: StagePlan, act_elem: int) -> list[int]:

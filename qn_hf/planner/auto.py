@@ -205,6 +205,7 @@ def auto_plan(config, *, global_batch: int, seq_len: int, world_size: int, devic
                          f"global batch, dp and the micro-batch size auto chooses; leave them out")
     degrees = {axis: fixed.pop(axis.value) for axis in DEGREES if axis.value in fixed}
     schedules = _schedules(fixed)
+    fallbacks = memory_options(fixed)  # (raising here what parallelize refuses of the fixed ones)
     per_node = gpus_per_node or (calibration.ranks_per_node if calibration else min(world_size, 8))
     hw = Hardware(gpu_memory=device_memory, gpus_per_node=per_node)
     rejected: list[Rejected] = []
@@ -231,13 +232,12 @@ def auto_plan(config, *, global_batch: int, seq_len: int, world_size: int, devic
                 key = (d.dp, d.tp, d.pp, d.cp, d.ep, schedule, chunks) + ((mbs,) if d.pp > 1 else ())
                 shapes.setdefault(key, MeshShape()).add(planner, group, hw=hw, calibration=calibration, rejected=rejected)
     live = sorted((shape for shape in shapes.values() if shape.configs), key=lambda shape: shape.floor)
-    options = memory_options(fixed)
-    priced = price(live, exhaustive=exhaustive, device_memory=device_memory, options=options, hw=hw,
+    priced = price(live, exhaustive=exhaustive, device_memory=device_memory, options=fallbacks, hw=hw,
                    calibration=calibration, rejected=rejected)
     accepted, unpriced = priced.accepted, priced.unpriced
     if accepted and not any(c.fits for c in accepted):
         for i, planner in priced.hopeless:
-            accepted[i] = with_memory_options(planner, accepted[i], options, hw=hw, calibration=calibration)
+            accepted[i] = with_memory_options(planner, accepted[i], fallbacks, hw=hw, calibration=calibration)
     if not accepted:
         reasons = sorted({r.reason for r in rejected})[:3]
         raise ValueError(f"no configuration of {config.model_type} trains a global batch of {global_batch} "

@@ -79,7 +79,7 @@ class Hardware:
     tflops: float = 400.0  # sustained dense FLOP/s per GPU, in TFLOP/s (bf16 on an H100 at ~40% of peak)
     nvlink_gbps: float = 450.0  # GB/s per GPU inside a node
     ib_gbps: float = 50.0  # GB/s per GPU across nodes (one 400 Gb/s NIC per GPU)
-    host_gbps: float = 25.0  # GB/s per GPU to and from pinned host memory (PCIe 5 x16, shared within a node)
+    host_gbps: float = 25.0  # GB/s per GPU each way to and from pinned host memory (PCIe 5 x16, below its peak)
 
 
 @dataclass(frozen=True)

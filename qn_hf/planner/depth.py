@@ -177,4 +177,4 @@ def same_recording(a: Recording, b: Recording) -> bool:
     """Equal in every field, and every mapping in the same order (the estimate sums some of them in
     floating point in their order, so the same order gives the same figures to the last bit)."""
     return a == b and all(list(getattr(a, f).items()) == list(getattr(b, f).items())
-                          for f in ("io", "alive", "done", "last_save", "ops"))
+                          for f in ("io", "alive", "offloaded", "done", "last_save", "ops"))

@@ -17,8 +17,7 @@ What is modelled, per rank, for the settings ``parallelize`` and ``qn_hf.optimiz
   the compute dtype with the blocks checkpointed as ``recompute`` sets them (``trace.py``; sequence parallelism's,
   ring attention's and ep's stand-ins: ``sequence.py``, ``context.py``, ``experts.py``), with what the stages and the
   loss add (``activations.py``), per chunk; a rank's peak over its schedule's action list (``schedules.py``: with
-  zb_h1's W stash); under ``offload`` what the blocks' checkpoints hold on the host instead, as the trace saw them
-  saved, and its peak;
+  zb_h1's W stash); under ``offload`` what the blocks' checkpoints hold on the host instead (``offloaded.py``);
 * the schedule's bubble (``schedule`` and ``virtual_stages`` as ``parallelize`` takes them), timed on the action
   lists with per-op costs from the FLOPs of the slowest rank (``schedules.py``);
 * communication by group: see ``traffic.py`` (ZeRO's reduce-scatter and all-gather, recomputation's repeated tp
@@ -123,8 +122,8 @@ class Planner:
         self._deferrable: frozenset[str] | None = None
 
     def at_micro_batch_size(self, micro_batch_size: int) -> Planner:
-        """This planner at another microbatch shape: the model, its checks, sharded sizes and stage placements
-        shared (none depends on the microbatch), the traced forwards its own."""
+        """This planner at another microbatch shape: the model, its checks, sharded sizes and stage placements shared
+        (none depends on the microbatch), the traced forwards its own."""
         if micro_batch_size == self.micro_batch_size:
             return self
         other = copy.copy(self)
@@ -148,7 +147,8 @@ class Planner:
 
     def _recording(self, plan, layers: str, *, precision: torch.dtype | None, recompute: str | None,
                    edges: StageEdges | None, cp: int, ep: int, loaded_experts: bool, gather: bool) -> Recording:
-        recorded = (None if edges is None and ep == 1 else plan.tp, precision, recompute, edges, cp, ep, loaded_experts, gather)
+        recorded = (None if edges is None and ep == 1 else plan.tp, precision, recompute, edges, cp, ep, loaded_experts,
+                    gather)
         if recorded not in self._recordings:
             model = self.model
             if (precision, recompute, cp) != (None, None, 1):
@@ -169,27 +169,26 @@ class Planner:
 
     def estimate(self, parallel: ParallelConfig, *, zero: bool = False, backend: str = "nccl",
                  held_over: int | None = None) -> MeshEstimate | None:
-        """Estimate one mesh: ``parallel`` as ``parallelize`` takes it (dp_shard: ``sharded.py``); raises
-        the ``ValueError`` ``parallelize`` (or, for a sequence length that sequence or context
-        parallelism cannot split, its step; for ZeRO under ep, ``qn_hf.optimizer``) would raise for
-        it. ``zero`` as ``qn_hf.optimizer`` takes it (with dp x cp = 1 it shards nothing);
-        ``backend`` is the process group's (ZeRO's collectives differ on gloo, see traffic.py).
-        ``held_over``: None where a rank holds more bytes than this before any activation (its state,
-        FSDP's gathered weights and whole gradients), found before the traces and the schedule."""
+        """Estimate one mesh: ``parallel`` as ``parallelize`` takes it (dp_shard: ``sharded.py``); raises the
+        ``ValueError`` ``parallelize`` (or, for a sequence length that sequence or context parallelism cannot split,
+        its step; for ZeRO under ep, ``qn_hf.optimizer``) would raise for it. ``zero`` as ``qn_hf.optimizer`` takes
+        it (with dp x cp = 1 it shards nothing); ``backend`` is the process group's (ZeRO's collectives differ on
+        gloo, see traffic.py). ``held_over``: None where a rank holds more bytes than this before any activation
+        (its state, FSDP's gathered weights and whole gradients), found before the traces and the schedule."""
         checked = self._check(parallel, zero=zero)
         plan, stage_plan = checked.tp_plan, checked.stage_plan
         dims = parallel.dims
         dp, tp, pp, cp, ep, dp_shard = dims.dp, dims.tp, dims.pp, dims.cp, dims.ep, dims.dp_shard
         microbatches, schedule, recompute = parallel.microbatches, parallel.schedule, parallel.recompute
-        virtual_stages = parallel.virtual_stages
+        virtual_stages, mbs = parallel.virtual_stages, self.micro_batch_size
         # (kept by what it reads: the experts, the plan (tp, ep; under sp the cut too), pp, the looped blocks)
         self._memo(("modelled", plan.tp, ep, pp, stage_plan.loop_count, plan.sequence_parallel and stage_plan),
                    lambda: check_modelled(self.model, model_type=self.config.model_type, plan=plan, ep=ep, stages=pp,
                                           loop_count=stage_plan.loop_count))
         # train_step's check of the batch, on a meta batch of this length (the trace's inputs)
-        check_model_inputs(example_inputs(self.model, micro_batch_size=self.micro_batch_size, seq_len=self.seq_len),
-                           model=self.model, loss=None, positions=plan.positions,
-                           sequence_split=sequence_split(cp=cp, tp=tp, sequence_parallel=plan.sequence_parallel))
+        check_model_inputs(example_inputs(self.model, micro_batch_size=mbs, seq_len=self.seq_len), model=self.model,
+                           loss=None, positions=plan.positions, sequence_split=sequence_split(
+                               cp=cp, tp=tp, sequence_parallel=plan.sequence_parallel))
         replicas, expert_replicas = dims.replicas, dims.expert_replicas
         zero_experts = zero and ep > 1 and expert_replicas > 1  # the experts' buckets split over their holders
         zero, precision = zero and replicas > 1, None if parallel.mixed_precision is None else parallel.mixed_precision.dtype
@@ -236,21 +235,22 @@ class Planner:
                                          for _, _, fsdp, state, _ in held_by) > held_over:
             return None
         traced = self._traced(parallel, plan, stage_plan)
-        # the shapes and what a recomputation reruns come from the run without it, in the compute dtype
-        # (without recomputation, the same trace: a microbatch's shapes do not depend on the dtype)
+        # the shapes and what a recomputation reruns come from the run without it, in the compute dtype (a
+        # microbatch's shapes do not depend on the dtype), what is kept from the one with it
         base = self._trace(plan, stage_plan.layers, recompute=None, **traced)
         compute = self._trace(plan, stage_plan.layers, recompute=recompute, **traced)
-        kept = compute.kept
         # the dispatch's sizes in the compute dtype, its reruns from the trace without recomputation
         experts_calls = tuple(replace(c, rerun=b.rerun, gather_rerun=b.gather_rerun)
                               for c, b in zip(compute.experts, base.experts))
         # per chunk, the same at every dp, dp_shard, microbatch count and schedule of this shape: kept
-        loss_chunks = chunk_count(parallel.loss_chunk_tokens, rows=self.micro_batch_size, tokens=base.logits_rows)
+        loss_chunks = chunk_count(parallel.loss_chunk_tokens, rows=mbs, tokens=base.logits_rows)
         activations = self._kept(("activations", param_elem, cp, bool(loss_chunks)), (compute, base, plan, stage_plan),
-                                 lambda: chunk_activations(self.model, kept=kept, base=base, plan=plan, cp=cp,
+                                 lambda: chunk_activations(self.model, kept=compute.kept, base=base, plan=plan, cp=cp,
                                                            stage_plan=stage_plan, act_elem=param_elem, loss_chunks=loss_chunks))
-        activations, offloaded = on_host(activations, offloaded=parallel.offload and compute.offloaded, stage_plan=stage_plan, tp=plan.tp)
-        transient = loss_transient(self.model, kept=kept, base=base, plan=plan, stage_plan=stage_plan, loss_chunks=loss_chunks, act_elem=param_elem)
+        activations, offloaded = on_host(activations, offloaded=parallel.offload and compute.offloaded,
+                                         stage_plan=stage_plan, sequence_parallel=plan.sequence_parallel)
+        transient = loss_transient(self.model, kept=compute.kept, base=base, plan=plan, stage_plan=stage_plan,
+                                   chunk_tokens=parallel.loss_chunk_tokens, rows=mbs, act_elem=param_elem)
         if recompute is Recompute.SELECTIVE:
             collectives = self._kept(("collectives", param_elem), (base, plan, stage_plan),
                                      lambda: kept_collectives(base=base, plan=plan, stage_plan=stage_plan,
@@ -284,10 +284,11 @@ class Planner:
                 others |= {n for n, _ in stage_plan.first_only} | ({stage_plan.entry} if stage_plan.entry else set())
             chunks = stage_plan.chunks_of(s)
             w = work.stages[s]
-            timed = dict(stages=pp, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages, stage=s)
-            held, peak = rank_peaks(**timed, kept=tuple(activations), stash=tuple(stash))
+            at = dict(stages=pp, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages, stage=s)
+            held, peak = rank_peaks(**at, kept=tuple(activations), stash=tuple(stash))
             stages.append(StageEstimate(
-                stage=s, chunks=w.chunks, stacks=w.stacks, modules=tuple(sorted(others)), params=w.params, embedding_params=w.embedding_params,
+                stage=s, chunks=w.chunks, stacks=w.stacks, modules=tuple(sorted(others)), params=w.params,
+                embedding_params=w.embedding_params,
                 activation_bytes_per_microbatch=sum(activations[c] for c in chunks), in_flight=held.f_to_b,
                 activation_bytes=peak,
                 state=state, comm=comm, expert_params=w.expert_params,
@@ -300,7 +301,7 @@ class Planner:
                 attention_flops_per_microbatch=w.attention_flops_per_microbatch,
                 expert_flops_per_microbatch=w.expert_flops_per_microbatch,
                 offloaded_bytes_per_microbatch=sum(offloaded[c] for c in chunks),
-                host_bytes=rank_peaks(**timed, kept=tuple(offloaded), stash=(0,) * len(offloaded))[1],
+                host_bytes=rank_peaks(**at, kept=tuple(offloaded), stash=(0,) * len(offloaded))[1],
                 transient_bytes=transient if s == pp - 1 else 0,
                 param_tensors=len(on_stage[s]), ops_per_microbatch=op_counts[s][0], op_bytes_per_microbatch=op_counts[s][1]))
         slowest = max(stages, key=lambda e: e.flops_per_microbatch)
@@ -320,10 +321,10 @@ class Planner:
                             hidden_size=self.config.hidden_size, dtype=work.dtype)
 
     def work(self, parallel: ParallelConfig) -> MeshWork | None:
-        """``parallel``'s compute for one microbatch (work.py: what ``cost.step_floor`` prices) without what
-        ``estimate`` adds: the checks' cut (raising what they refuse, ``estimate``'s first step), the stages'
-        parameters, the tokens and routing of the forward recorded without recomputation (without sequence
-        parallelism, without ep's stand-in: one for every tp and ep); None where it fails (``estimate`` says why)."""
+        """``parallel``'s compute for one microbatch (work.py: what ``cost.step_floor`` prices) without what ``estimate``
+        adds: the checks' cut (raising what they refuse, ``estimate``'s first step), the stages' parameters, the
+        tokens and routing of the forward recorded without recomputation (without sequence parallelism, without ep's
+        stand-in: one for every tp and ep); None where it fails (``estimate`` says why)."""
         checked = self._check(parallel, zero=False)
         plan, stage_plan = checked.tp_plan, checked.stage_plan
         traced = self._traced(parallel, plan, stage_plan)
@@ -337,9 +338,9 @@ class Planner:
                           stage_plan=stage_plan, deferred=deferred)
 
     def _traced(self, parallel: ParallelConfig, plan, stage_plan: StagePlan) -> dict:
-        """``_trace``'s keywords for ``parallel`` but the recomputation. The trace splits the sequence as
-        the stages do (raising, as they would, when tp does not divide it); the experts keep the loaded
-        dtype under mixed precision where FSDP shards them whole (sharded.py)."""
+        """``_trace``'s keywords for ``parallel`` but the recomputation. The trace splits the sequence as the stages do
+        (raising, as they would, when tp does not divide it); the experts keep the loaded dtype under mixed precision
+        where FSDP shards them whole (sharded.py)."""
         d = parallel.dims
         precision = None if parallel.mixed_precision is None else parallel.mixed_precision.dtype
         return dict(edges=stage_edges(self.model, stage_plan) if plan.sequence_parallel else None, cp=d.cp, ep=d.ep,
@@ -362,12 +363,11 @@ class Planner:
         return self._placed[(plan.tp, ep, stage_plan)]
 
     def _check(self, config: ParallelConfig, *, zero: bool) -> CheckedConfig:
-        """``check_parallel_config``, the checks ``parallelize`` runs, their pass reused across
-        dp_shard: after the composition table (the first of them, the one dp_shard reaches, as the
-        DP_SHARD feature), they read the model's structure under the other options (validation/checks.py;
-        the degrees on their own were checked as ``config`` was built), so a configuration that
-        passed them at one dp_shard passes them at any other, and only the table is asked again
-        (raising what the whole check would). A refusal is never reused."""
+        """``check_parallel_config``, the checks ``parallelize`` runs, their pass reused across dp_shard: after the
+        composition table (the first of them, the one dp_shard reaches, as the DP_SHARD feature), they read the
+        model's structure under the other options (validation/checks.py; the degrees on their own were checked as
+        ``config`` was built), so a configuration that passed them at one dp_shard passes them at any other, and only
+        the table is asked again (raising what the whole check would). A refusal is never reused."""
         extra = frozenset({Feature.ZERO}) if zero else frozenset()
         key = (replace(config, dims=replace(config.dims, dp_shard=1)), extra)
         if key in self._checked:

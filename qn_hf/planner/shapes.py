@@ -9,7 +9,7 @@ than the runner-up by its floor alone, and so could be neither chosen nor the ru
 recomputation only where its own floor does not exceed it (under a pipeline: at pp=1 whether a larger
 micro-batch fits decides whether a smaller one is kept); and, once one configuration fits, one
 that holds more than the memory before any activation (its state) is not priced, as no
-recomputation makes it fit (only the closest miss, named when nothing fits, needs those)."""
+memory option makes it fit (only the closest miss, named when nothing fits, needs those)."""
 
 from __future__ import annotations
 
@@ -82,8 +82,12 @@ MEMORY_OPTIONS = (dict(recompute=Recompute.SELECTIVE), dict(recompute=Recompute.
 
 def memory_options(fixed: Mapping[str, object]) -> tuple[dict, ...]:
     """``MEMORY_OPTIONS`` with what the caller fixed (``ParallelConfig`` keywords) in place of theirs, each once;
-    one that ``parallelize`` refuses so (offload without recomputation) left out."""
+    one that ``parallelize`` refuses so (offload without recomputation) left out. A fixed value that every candidate
+    would carry and ``parallelize`` refuses (offload with recomputation fixed off, or left free: the candidates
+    start without it) raises its ``ValueError`` here, before any is priced; a recomputation fixed to None (not
+    merely left out) stays off in every option."""
     given = {k: fixed[k] for k in MEMORY_OPTIONS[-1] if k in fixed}  # (the last sets every one)
+    ParallelConfig.from_keywords(**given)
     out: list[dict] = []
     for option in MEMORY_OPTIONS:
         try:
@@ -142,7 +146,7 @@ def price(shapes: list[MeshShape], *, exhaustive: bool, device_memory: int, opti
                     skip = len(least) == 2 and not exhaustive and c.estimate.pp > 1
                     c = with_memory_options(planner, c, options, hw=hw, calibration=calibration,
                                             above=least[1] + _CLEAR if skip else math.inf)
-                else:  # no recomputation makes it fit: tried only if nothing fits (for the closest miss)
+                else:  # no memory option makes it fit: tried only if nothing fits (for the closest miss)
                     hopeless.append((len(accepted), planner))
             accepted.append(c)
             found.append(c)

@@ -36,7 +36,6 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils.checkpoint import checkpoint
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.pytorch_utils import Conv1D
@@ -44,7 +43,6 @@ from transformers.pytorch_utils import Conv1D
 from ..checkpoint.layout import meta_model
 from ..data_parallel.precision import apply_mixed_precision
 from ..expert_parallel.apply import experts_modules, sharded_experts
-from ..memory.offload import moves
 from ..memory.recompute import checkpoint_options
 from ..policies.styles import COLUMN_STYLES, WHOLE_STYLES, Style
 from ..policies.task import main_input_name
@@ -54,6 +52,7 @@ from .allocations import Allocations, tensors
 from .context import RingCall, RingStandIn
 from .experts import ExpertCall, ExpertsStandIn, moe_regions
 from .kernels import TrainingKernels
+from .offloaded import OffloadNotes, per_rank
 from .sequence import SeqCollective, SequenceStandIns, StageEdges
 
 
@@ -69,8 +68,9 @@ class Trace:
     io: dict[str, ModuleIO]  # every tp-plan rule module, tp entry and linear layer, by name in the top model
     boundary_numel: int  # elements of the hidden state one block hands to the next
     kept: dict[str, tuple[int, int]]  # module -> (bytes kept whole on every tp rank, bytes split across tp)
-    # what offload="activations" holds on the host (the blocks' checkpointed inputs): block saving it -> as ``kept``
-    offloaded: dict[str, tuple[int, int]]
+    # what offload="activations" moves (the blocks' checkpointed inputs), one tp rank's: block saving them ->
+    # (bytes the host holds, bytes the device lets go: offloaded.py)
+    offloaded: dict[str, tuple[float, float]]
     logits_rows: int  # rows of the output logits (tokens of a causal LM, images of a classifier)
     tokens: int  # positions per microbatch the blocks process (on one cp rank)
     # Row-parallel layers inside a block whose forward all-reduce a recomputation of the block runs
@@ -105,23 +105,15 @@ def example_inputs(model: nn.Module, *, micro_batch_size: int, seq_len: int) -> 
     return inputs
 
 
-def _checkpoint_blocks(model: nn.Module, *, layers: str, recompute: str | None, moved: dict[int, str]) -> list[nn.Module]:
+def _checkpoint_blocks(model: nn.Module, *, layers: str, recompute: str | None, notes: OffloadNotes) -> list[nn.Module]:
     """Turn on transformers' per-block checkpointing as ``apply_recompute`` does (no random streams: nothing on
-    ``meta`` is random); the blocks set. What ``offload="activations"`` would move to the host of what a checkpoint
-    keeps (``offload.moves``) is noted in ``moved``: storage -> the block saving it (one trace serves both)."""
-    def checkpointed(function, *args, block: str):
-        def note(t: torch.Tensor) -> torch.Tensor:
-            moved.update({StorageWeakRef(t.untyped_storage()).cdata: block} if moves(t) else {})
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):  # outside the checkpoint's own
-            return checkpoint(function, *args, preserve_rng_state=False, **checkpoint_options(recompute))
-
+    ``meta`` is random), what offload would move noted in ``notes``; the blocks set."""
     blocks = [(f"{layers}.{i}", b) for i, b in enumerate(model.get_submodule(layers) if recompute else ())
               if isinstance(b, GradientCheckpointingLayer)]
     for name, block in blocks:
         block.gradient_checkpointing = True
-        block._gradient_checkpointing_func = functools.partial(checkpointed, block=name)
+        block._gradient_checkpointing_func = functools.partial(notes.checkpointed, block=name,
+                                                               options=checkpoint_options(recompute))
     return [b for _, b in blocks]
 
 
@@ -151,7 +143,7 @@ class Recording:
 
     io: dict[str, ModuleIO]  # every module called with a tensor
     alive: dict[tuple[str, bool | None], int]  # (owner module, split by a stand-in) -> bytes kept
-    offloaded: dict[tuple[str, bool | None], int]  # (block saving it, split) -> what offload="activations" moves
+    offloaded: dict[tuple[str, bool | None], tuple[int, int]]  # (block, split) -> offload's host and device bytes
     done: dict[str, tuple[str, int]]  # module inside a block -> (the block, when its output came)
     last_save: dict[str, int]  # block -> when it last saved a tensor for backward
     boundary_numel: int
@@ -182,8 +174,8 @@ class Recording:
             ops[owner][2 if _split_across_tp(owner, styles, roots, region=region) else 1] += nbytes
         return Trace(io={k: v for k, v in self.io.items() if k in watched}, boundary_numel=self.boundary_numel,
                      kept={k: (v[0], v[1]) for k, v in kept.items()}, logits_rows=self.logits_rows,
-                     # a block's input is the residual stream between blocks, split by sequence parallelism only
-                     offloaded={block: (0, n) if split else (n, 0) for (block, split), n in self.offloaded.items()},
+                     offloaded=per_rank(self.offloaded, lambda block, region: _split_across_tp(
+                         block, styles, roots, region=region), tp=plan.tp),
                      tokens=self.tokens, rerun=rerun, sequence=self.sequence, ring=self.ring,
                      experts=self.experts, repeated_inputs=self.repeated_inputs,
                      ops={k: (v[0], v[1], v[2]) for k, v in ops.items()})
@@ -287,8 +279,8 @@ def record_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: di
     for name, module in model.named_modules():
         handles.append(module.register_forward_pre_hook(pre(name), with_kwargs=True))
         handles.append(module.register_forward_hook(post(name), with_kwargs=True))
-    moved: dict[int, str] = {}
-    blocks = _checkpoint_blocks(model, layers=layers, recompute=recompute, moved=moved)
+    notes = OffloadNotes()
+    blocks = _checkpoint_blocks(model, layers=layers, recompute=recompute, notes=notes)
     # Registered after the trace's hooks, so that the module running is on ``stack`` for them too.
     standins = None
     if edges is not None:  # regathering as parallelize sets it: without recomputation
@@ -336,10 +328,7 @@ def record_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: di
         graph = [t.grad_fn for t in tensors(out.to_tuple() if hasattr(out, "to_tuple") else out)]
         del out, logits
         gc.collect()  # an output caught in a reference cycle would stay alive and count
-        alive, offloaded = dict(allocations.alive()), defaultdict(int)
-        for cdata, nbytes, (_, region) in allocations.held():
-            if cdata in moved:  # by the block that saved it, as sized when made (a slice under sp)
-                offloaded[(moved[cdata], region)] += nbytes
+        alive, offloaded = dict(allocations.alive()), notes.by_block(allocations)
     del graph
     if standins is not None:
         standins.release()
@@ -349,7 +338,7 @@ def record_microbatch(model: nn.Module, plan: TpPlan, *, layers: str, inputs: di
     rings = tuple(replace(c, rerun=block is not None and last_save.get(block, 0) > t) for c, block, t in ring)
     moes = tuple(replace(c, rerun=block is not None and last_save.get(block, 0) > t,
                          gather_rerun=block is not None and last_save.get(block, 0) > g) for c, block, t, g in experts)
-    return Recording(io={k: ModuleIO(*v) for k, v in io.items()}, alive=alive, offloaded=dict(offloaded), done=done,
+    return Recording(io={k: ModuleIO(*v) for k, v in io.items()}, alive=alive, offloaded=offloaded, done=done,
                      last_save=last_save,
                      boundary_numel=boundary[0], logits_rows=rows, tokens=tokens, sequence=reruns, ring=rings,
                      experts=moes, repeated_inputs=frozenset(repeated), linears=frozenset(linears),
