@@ -177,10 +177,11 @@ def test_what_fits_nowhere_else_is_tried_with_the_loss_in_chunks_then_offload():
         p = c.config
         planner = planners.setdefault(c.micro_batch_size, Planner(model.config, seq_len=4096, model_class=type(model),
                                                                   micro_batch_size=c.micro_batch_size))
-        for option, unset in (("offload", None), ("loss_chunk_tokens", None)):
-            if getattr(p, option) is not None:  # needed: without it the same configuration is over
-                without = dataclasses.replace(p, **{option: unset}, **({"offload": None} if option != "offload" else {}))
-                assert planner.estimate(without).peak_bytes > memory, (p, option)
+        # each needed: without it (chunks: without offload either) the same configuration is over the memory
+        lighter = ([dataclasses.replace(p, offload=None)] if p.offload else []) + (
+            [dataclasses.replace(p, offload=None, loss_chunk_tokens=None)] if p.loss_chunk_tokens else [])
+        for without in lighter:
+            assert planner.estimate(without).peak_bytes > memory, (p, without)
     options = {(c.config.recompute, c.config.loss_chunk_tokens, c.config.offload) for c, _ in chosen}
     assert any(chunks and offload is None for _, chunks, offload in options), options
     assert any(offload is not None for _, _, offload in options), options
@@ -189,4 +190,5 @@ def test_what_fits_nowhere_else_is_tried_with_the_loss_in_chunks_then_offload():
                         fixed={"loss_chunk_tokens": 512})
     assert fixed.config.loss_chunk_tokens == 512 and fixed.config.recompute is not None and fixed.peak_bytes <= tight
     with pytest.raises(ValueError, match=r"offload='activations' holds on the host .* set recompute="):
-        auto_choice(model, global_batch=2, seq_len=4096, world_size=2, calibration=cal, fixed={"offload": "activations"})
+        auto_choice(model, global_batch=2, seq_len=4096, world_size=2, calibration=cal,
+                    fixed={"offload": "activations"})

@@ -34,9 +34,9 @@ def chunk_activations(model: nn.Module, *, kept: dict[str, tuple[int, int]], bas
                       stage_plan: StagePlan, act_elem: int, cp: int, loss_chunks: int = 0) -> list[int]:
     """Bytes one microbatch keeps on each chunk (``stage_plan.chunks`` of them, in chunk order);
     ``kept`` is the trace's (in the compute dtype and recompute mode), ``base`` gives the shapes;
-    ``model`` the unsharded (meta) model. ``loss_chunks`` (``loss_chunk_tokens``: how many, 0 without): the head and what the
-    task forward does after it (its own ops: a soft-capping's tanh) keep nothing, nor does the loss but its
-    targets (step/loss_chunks.py)."""
+    ``model`` the unsharded (meta) model. ``loss_chunks`` (``loss_chunk_tokens``: how many, 0 without): the head
+    and what the task forward does after it (its own ops: a soft-capping's tanh) keep nothing, nor does the loss
+    but its targets (step/loss_chunks.py)."""
     tp, chunks = plan.tp, stage_plan.chunks
     out = by_chunk(kept, stage_plan=stage_plan, tp=tp, skip=lambda owner: loss_chunks and _tail(owner, stage_plan))
     for c in range(1, chunks):
@@ -69,9 +69,9 @@ def loss_transient(model: nn.Module, *, kept: dict[str, tuple[int, int]], base: 
     """Bytes a causal LM's loss holds for a moment in its backward on the last chunk beyond what the microbatch
     keeps (``chunk_activations``): the float32 gradients of its log-softmax and of its logits over this rank's
     vocabulary columns, two tensors of the logits' size (log-softmax's backward reads one and writes the
-    other). Under ``loss_chunk_tokens`` (``chunk_tokens``; ``rows`` a microbatch) its largest chunk's, with what the chunk's
-    recomputation remakes of its forward first (its log-softmax, what the head's tail keeps: the trace's figure
-    for the whole logits, per position), and the sums autograd keeps over the chunks' backwards: the head's
+    other). Under ``loss_chunk_tokens`` (``chunk_tokens``; ``rows`` a microbatch) its largest chunk's, with what
+    the chunk's recomputation remakes of its forward first (its log-softmax, what the head's tail keeps: the trace's
+    figure for the whole logits, per position), and the sums autograd keeps over the chunks' backwards: the head's
     weight gradient and the hidden states' (``act_elem`` bytes an element). 0 for another loss."""
     if plan.loss is not LossKind.CAUSAL_LM or not base.logits_rows:
         return 0

@@ -41,11 +41,15 @@ def mesh_report(est: MeshEstimate, hw: Hardware, calibration: Calibration | None
     ep = est.ep > 1  # an ep column and link only then: dense-model reports stay as they were
     stash = as_schedule(est.schedule).split_backward  # a W stash column only then
     fsdp = est.dp_shard > 1  # a column of the whole weights and gradients a step holds only then
+    p = est.parallel
+    words = settings(mixed_precision=est.mixed_precision, zero=est.zero, recompute=est.recompute,
+                     sequence_parallel=est.sequence_parallel, dp_shard=est.dp_shard,
+                     loss_chunk_tokens=p.loss_chunk_tokens, offload=p.offload and p.offload.value)
     lines = [
         f"mesh dp={est.dp} tp={est.tp} pp={est.pp} cp={est.cp}{f' ep={est.ep}' if ep else ''} "
         f"({est.world_size} GPUs), {schedule_name(est)}, {est.microbatches} microbatches of {est.micro_batch_size} x "
         f"{est.seq_len} positions (a global batch of {est.global_batch} sequences); {est.total_params:,} parameters; "
-        f"{settings(mixed_precision=est.mixed_precision, zero=est.zero, recompute=est.recompute, sequence_parallel=est.sequence_parallel, dp_shard=est.dp_shard, loss_chunk_tokens=est.parallel.loss_chunk_tokens, offload=est.parallel.offload and est.parallel.offload.value)}"
+        f"{words}"
         + (f", gathered once a {est.dp_shard_gather}" if fsdp and est.pp > 1 else ""),
         f"bubble of {est.schedule} {est.bubble:.3f} (its action lists timed with per-op costs from FLOPs); "
         f"links: tp {link['tp']}, cp {link['cp']}, pp {link['pp']}, "
