@@ -65,7 +65,8 @@ def test_overlap_hides_the_buckets_behind_backward(planner):
 
 def test_without_a_calibration_every_figure_is_named_as_assumed(planner):
     t = step_time(planner.estimate(ParallelConfig(dp=4, microbatches=1)), HW)
-    assert len(t.assumed) == 6 and any("FLOP rate" in a for a in t.assumed) and NO_WAITS in t.assumed
+    assert len(t.assumed) == 7 and any("FLOP rate" in a for a in t.assumed) and NO_WAITS in t.assumed
+    assert "host-device copy bandwidth" in t.assumed
     assert step_time(planner.estimate(ParallelConfig(dp=4, microbatches=1)), HW, _machine()).assumed == \
         _machine().assumed
 

@@ -210,7 +210,9 @@ def test_a_calibration_file_that_cannot_be_read_is_a_usage_error(tmp_path):
 
     with pytest.raises(UsageError, match="calibration file .*nothing.json does not exist .*--calibrate"):
         _calibration(make_config({"mesh": "auto", "calibration": str(tmp_path / "nothing.json")}))
-    (tmp_path / "bad.json").write_text('{"format": 1}')
+    from qn_hf.planner.calibration import FORMAT
+
+    (tmp_path / "bad.json").write_text(f'{{"format": {FORMAT}}}')
     with pytest.raises(UsageError, match="bad.json cannot be read: not a qn_hf calibration file"):
         _calibration(make_config({"mesh": "auto", "calibration": str(tmp_path / "bad.json")}))
 
