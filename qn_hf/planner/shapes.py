@@ -113,8 +113,8 @@ def price(shapes: list[MeshShape], *, exhaustive: bool, device_memory: int, opti
           calibration: Calibration | None, rejected: list[Rejected]) -> Priced:
     """The shapes priced from the least floor up, until the least floor left exceeds the runner-up
     found so far (module docstring; ``exhaustive``: every one priced). ``options``: what a configuration that
-    does not fit is tried under (``memory_options``: none where the caller fixed them); the refusals met are
-    added to ``rejected``."""
+    does not fit is tried under (``memory_options``' list, the caller's fixed values in place; empty: none tried);
+    the refusals met are added to ``rejected``."""
     accepted: list[Candidate] = []
     hopeless: list[tuple[int, Planner]] = []  # (in accepted, its planner): over the memory before any activation
     least: list[float] = []  # the two least predicted times of fitting candidates kept so far

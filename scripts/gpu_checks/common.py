@@ -8,6 +8,7 @@ import os
 import torch
 
 FIRST_LOSS_RTOL = 2e-2  # bf16 runs of the same weights and batch: their first step's losses
+LOSS_RTOL, WEIGHT_ATOL = 1e-5, 2e-5  # float32 parity, as tests/test_parity.py
 
 
 def device() -> torch.device:

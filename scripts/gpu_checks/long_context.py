@@ -19,10 +19,8 @@ import time
 
 import torch
 
-from .common import build, release, row, synchronize
+from .common import LOSS_RTOL, WEIGHT_ATOL, build, release, row, synchronize
 from .common import device as this_device
-
-LOSS_RTOL, WEIGHT_ATOL = 1e-5, 2e-5  # float32 parity, as tests/test_parity.py
 
 
 def _parity(device: torch.device) -> dict:

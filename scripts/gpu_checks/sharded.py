@@ -13,10 +13,8 @@ import copy
 
 import torch
 
-from .common import FIRST_LOSS_RTOL, build, llama_config, release, row
+from .common import FIRST_LOSS_RTOL, LOSS_RTOL, WEIGHT_ATOL, build, llama_config, release, row
 from .common import device as this_device
-
-LOSS_RTOL, WEIGHT_ATOL = 1e-5, 2e-5  # float32 parity, as tests/test_parity.py
 
 
 def sharded_one_rank(*, quick: bool) -> list[dict]:
