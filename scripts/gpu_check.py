@@ -56,11 +56,7 @@ from dataclasses import dataclass, field  # noqa: E402
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from gpu_checks import checkpoints, long_context, ring, sharded, speed, syncs  # noqa: E402
-from gpu_checks.common import (  # noqa: E402
-    LOSS_RTOL,
-    WEIGHT_ATOL,
-    row,  # noqa: E402
-)
+from gpu_checks.common import LOSS_RTOL, WEIGHT_ATOL, row  # noqa: E402
 from gpu_checks.common import device as this_device  # noqa: E402
 
 FAILING = {"different", "failed", "error"}
