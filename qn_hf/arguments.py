@@ -55,9 +55,11 @@ def check_positive(name: str, value: object) -> None:
         raise ValueError(f"{name}={value!r} must be positive")
 
 
-def unknown_keywords(given: dict, function: Callable) -> str:
-    """The message for keywords ``function`` does not take, with the close matches it does."""
+def unknown_keywords(given: dict, function: Callable, more: Sequence[str] = ()) -> str:
+    """The message for keywords ``function`` does not take, with the close matches it does (its keyword-only
+    parameters and ``more``, the names its ``**`` parameter takes)."""
     known = [n for n, p in inspect.signature(function).parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    known += [n for n in more if n not in known]
     parts = []
     for name in sorted(given):
         close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)

@@ -11,8 +11,6 @@ it without and compiles the blocks itself with ``qn_hf.step.compile.apply_compil
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
@@ -24,7 +22,7 @@ from tests.models import dp_slice, load, make_batch
 from tests.optim_cases import shard_of
 from tests.test_parity import LOSS_RTOL, WEIGHT_ATOL
 
-KEYWORD = "compile" in inspect.signature(qn_hf.parallelize).parameters
+KEYWORD = "compile" in qn_hf.ParallelConfig.keyword_names()
 # dynamo cannot trace the random streams' generator swaps at the tp regions' edges (qn_hf/step/compile.py)
 RNG_BREAKS = ("get_rng_state", "set_rng_state")
 

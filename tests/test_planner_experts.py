@@ -53,11 +53,11 @@ def test_cli_plans_mixtral_with_sharded_data_parallelism_and_expert_parallelism(
 def test_search_tries_expert_parallelism_for_a_moe_model_only():
     """Without ep given, a MoE model's meshes are planned at ep=1 and at every ep that divides its
     experts and dp x tp (cp=1 then); a dense model's at ep=1 only."""
-    assert expert_degrees(8, dp=4, tp=2, cp=1, cp_given=False) == [1, 2, 4, 8]
-    assert expert_degrees(8, dp=3, tp=2, cp=1, cp_given=False) == [1, 2]
-    assert expert_degrees(8, dp=4, tp=2, cp=2, cp_given=False) == [1]
-    assert expert_degrees(8, dp=4, tp=2, cp=2, cp_given=True) == [1, 2, 4, 8]
-    assert expert_degrees(0, dp=4, tp=2, cp=1, cp_given=False) == [1]
+    assert expert_degrees(8, dict(dp=4, tp=2, cp=1), cp_given=False) == [1, 2, 4, 8]
+    assert expert_degrees(8, dict(dp=3, tp=2, cp=1), cp_given=False) == [1, 2]
+    assert expert_degrees(8, dict(dp=4, tp=2, cp=2), cp_given=False) == [1]
+    assert expert_degrees(8, dict(dp=4, tp=2, cp=2), cp_given=True) == [1, 2, 4, 8]
+    assert expert_degrees(0, dict(dp=4, tp=2, cp=1), cp_given=False) == [1]
     moe = Planner(moe_config("qwen3_moe", architectures=["Qwen3MoeForCausalLM"]), seq_len=128, micro_batch_size=1)
     assert moe.experts == 4
     accepted, rejected = search(moe, dict(schedule="1f1b", mixed_precision="bf16"), gpus=8,

@@ -266,3 +266,58 @@ def test_every_public_name_the_docs_give_exists():
                       if match.group(1) not in _FILES_NAMED_QN_HF and not hasattr(qn_hf, match.group(1))
                       and importlib.util.find_spec(f"qn_hf.{match.group(1)}") is None})
     assert not missing, missing
+
+
+# The degrees are named in one table (qn_hf/config/dims.py AXES); a place that spells four or more of them out
+# (a dict, a call's keywords, a signature, a tuple, a class's fields) is a copy of that table a new dimension
+# must find. Issue 69 counted them (65 in 22 modules); the count may only fall (docs/layout.md).
+DEGREE_NAMES = {"dp", "tp", "pp", "cp", "ep", "dp_shard"}
+DEGREE_LISTS_LIMIT = 37
+
+
+def _degree_lists(source: str) -> list[tuple[int, str]]:
+    """(line, what) of each node of ``source`` that names four or more degrees."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Dict):
+            names = [k.value for k in node.keys if isinstance(k, ast.Constant)]
+        elif isinstance(node, ast.Call):
+            names = [k.arg for k in node.keywords]
+        elif isinstance(node, ast.arguments):
+            names = [a.arg for a in node.posonlyargs + node.args + node.kwonlyargs]
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            names = [e.value if isinstance(e, ast.Constant) else e.attr.lower() if isinstance(e, ast.Attribute)
+                     else e.id if isinstance(e, ast.Name) else None for e in node.elts]
+        elif isinstance(node, ast.ClassDef):
+            names = [t.id.lower() for s in node.body for t in (s.targets if isinstance(s, ast.Assign) else [s.target]
+                     if isinstance(s, ast.AnnAssign) else []) if isinstance(t, ast.Name)]
+        else:
+            continue
+        if len(DEGREE_NAMES & {n for n in names if isinstance(n, str)}) >= 4:
+            found.append((getattr(node, "lineno", 0), type(node).__name__))
+    return found
+
+
+def test_the_degrees_are_spelled_out_in_few_places():
+    places = [(str(path.relative_to(ROOT)), *where) for path in sorted(PACKAGE.rglob("*.py"))
+              for where in _degree_lists(path.read_text())]
+    assert len(places) <= DEGREE_LISTS_LIMIT, "\n".join(map(str, places))
+
+
+def test_the_degree_count_can_fail():
+    source = ('d = {"dp": 1, "tp": 1, "pp": 1, "cp": 1}\nf(dp=1, tp=2, pp=1, ep=1)\ng = (Axis.DP, Axis.TP, Axis.PP, Axis.CP)\n'
+              'def h(*, dp, tp, pp, dp_shard): pass\nclass C:\n    dp: int\n    tp: int\n    pp: int\n    cp: int\n'
+              'fine = {"dp": 1, "tp": 1, "pp": 1}\n')
+    assert sorted(_degree_lists(source)) == [(0, "arguments"), (1, "Dict"), (2, "Call"), (3, "Tuple"), (5, "ClassDef")]
+
+
+def test_parallelize_takes_the_configuration_and_few_keywords():
+    # every option of the configuration is ParallelConfig's keyword (written once there); parallelize's own
+    # say where the model runs and what it starts from
+    import inspect
+
+    import qn_hf
+
+    parameters = inspect.signature(qn_hf.parallelize).parameters
+    assert len(parameters) <= 12, list(parameters)
+    assert not set(parameters) & set(qn_hf.ParallelConfig.keyword_names())

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import datetime
-import inspect
 import warnings
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -15,8 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..arguments import unknown_keywords
 from ..checkpoint.background import BackgroundSaves
 from ..config.composition import Feature
-from ..config.dims import ParallelDims
-from ..config.options import DEFAULT_BUCKET_MB
+from ..config.dims import MESH_DEGREES, Axis, ParallelDims
 from ..config.parallel_config import ParallelConfig
 from ..context_parallel.ring_attention import PieceLayout
 from ..data_parallel.grad_sync import GradSync, grad_buckets
@@ -42,79 +39,39 @@ def parallelize(
     model: nn.Module,
     config: ParallelConfig | None = None,
     *,
-    dp: int = 1,
-    tp: int = 1,
-    pp: int = 1,
-    cp: int = 1,
-    ep: int = 1,
-    microbatches: int = 1,
-    schedule: str = "1f1b",
-    virtual_stages: int = 1,
     policy: ModelPolicy | None = None,
-    layers_per_stage: Sequence[int] | None = None,
     mesh: DeviceMesh | str | None = None,
     device: torch.device | None = None,
     seed: int | None = None,
-    bucket_mb: float = DEFAULT_BUCKET_MB,
     checkpoint: str | None = None,
     timeout: datetime.timedelta = datetime.timedelta(minutes=10),
-    mixed_precision: str | None = None,
-    recompute: str | None = None,
-    offload: str | None = None,
-    sequence_parallel: bool = False,
-    compile: bool = False,
-    dp_shard: int = 1,
-    dp_shard_gather: str = "step",
-    expert_dispatch: str = "all_to_all",
-    loss_chunk_tokens: int | None = None,
     global_batch: int | None = None,
     seq_len: int | None = None,
     calibration: Calibration | str | None = None,
-    **unknown: object,
+    **options: object,
 ) -> ParallelModel:
-    """Shard ``model`` (in place) over a (dp, pp, tp) mesh, or (dp, pp, cp, tp) with ``cp`` > 1, and
-    return its ``ParallelModel``.
+    """Shard ``model`` (in place) as ``config`` says, or the ``options`` (``ParallelConfig``'s keywords, which
+    its docstring describes: the degrees ``dp``, ``tp``, ``pp``, ``cp``, ``ep``, ``dp_shard``, the schedule,
+    precision, recomputation, ...; they build the same value), and return its ``ParallelModel``.
 
-    Every check that can fail runs before the first collective, identically on every rank.
-    ``layers_per_stage`` sets how many blocks each pipeline stage gets (default: as even as
-    possible, earlier stages taking the remainder); with ``schedule="interleaved_1f1b"`` the model is
-    cut into pp x ``virtual_stages`` chunks, rank r running chunks r, r+pp, ..., and
-    ``layers_per_stage`` has one entry per chunk. ``mesh`` reuses an existing ("dp", "pp", "tp") mesh; ``seed`` seeds dropout (default: rank 0's
-    ``torch.initial_seed()``, shared with all ranks); ``bucket_mb`` is the size of the gradient
-    buckets all-reduced over dp during backward; ``checkpoint`` (a Hugging Face directory or a qn_hf
-    checkpoint) supplies the weights: with a model built on the ``meta`` device, each rank
-    allocates and reads only its own shard, so no rank ever holds the whole model; ``timeout``
-    bounds every collective when this call creates the process group. ``mixed_precision`` ("bf16" or
-    "fp16") computes in that dtype with float32 gradients and float32 master weights in
-    ``qn_hf.optimizer`` (data_parallel/precision.py); ``recompute`` ("full" or "selective") recomputes each block's
-    activations in backward (memory/recompute.py), ``offload="activations"`` holding what it keeps on the host
-    (memory/offload.py); ``sequence_parallel`` splits the activations between
-    tensor-parallel regions over the tp ranks along the sequence (tensor_parallel/sequence_parallel.py); ``cp`` splits
-    each sequence over that many ranks, with ring attention (context_parallel/); ``ep`` shards the
-    experts of MoE layers over that many of a stage's dp x tp ranks, tokens travelling to them
-    (expert_parallel/); ``compile`` compiles each block of this stage in place with ``torch.compile``
-    (inductor), the collectives inside traced as functional collectives (step/compile.py); ``dp_shard``
-    shards weights, gradients and optimizer state over groups of that many dp ranks with torch's
-    ``fully_shard`` (data_parallel/sharded.py), under a pipeline gathered once a step or per microbatch
-    (``dp_shard_gather``: "step" or "microbatch"). ``expert_dispatch`` ("all_to_all" or "all_gather") is how
-    ep moves tokens: the least traffic with one device wait per MoE call, or none at ep times the traffic
-    (``config.options.Dispatch``). ``loss_chunk_tokens``: a causal LM's loss that many tokens at a time (step/loss_chunks.py).
+    Every check that can fail runs before the first collective, identically on every rank. What this call takes
+    besides says where the model runs and what it starts from: ``policy`` describes an architecture
+    (default: the one for ``model.config.model_type``); ``mesh`` reuses an existing ("dp", "pp", "tp") mesh;
+    ``seed`` seeds dropout (default: rank 0's ``torch.initial_seed()``, shared with all ranks); ``checkpoint``
+    (a Hugging Face directory or a qn_hf checkpoint) supplies the weights: with a model built on the ``meta``
+    device, each rank allocates and reads only its own shard, so no rank ever holds the whole model; ``timeout``
+    bounds every collective when this call creates the process group.
 
     ``mesh="auto"`` lets the planner choose the configuration (``qn_hf.auto_config``): the fastest it
     predicts that fits, training exactly ``global_batch`` sequences of ``seq_len`` tokens per step
     (both required then), at ``calibration`` (a ``qn-hf-plan --calibrate`` file, or its value) or this
-    machine's (measured quickly, kept; planner/machine.py); the options given beside it (a degree, ``mixed_precision``, ...) are kept.
+    machine's (measured quickly, kept; planner/machine.py); the options given beside it are kept.
     ``pm.parallel_config`` says what was chosen; each dp rank's ``train_step`` takes
     ``global_batch / dp`` sequences.
     """
+    unknown = {name: value for name, value in options.items() if name not in ParallelConfig.keyword_names()}
     if unknown:  # Python's own TypeError would not say which keyword was meant
-        raise refused_on_every_rank(TypeError(unknown_keywords(unknown, parallelize)))
-    keywords = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "microbatches": microbatches, "schedule": schedule,
-                "virtual_stages": virtual_stages, "layers_per_stage": layers_per_stage, "bucket_mb": bucket_mb,
-                "mixed_precision": mixed_precision, "recompute": recompute, "offload": offload,
-                "sequence_parallel": sequence_parallel,
-                "compile": compile, "dp_shard": dp_shard, "dp_shard_gather": dp_shard_gather,
-                "expert_dispatch": expert_dispatch, "loss_chunk_tokens": loss_chunk_tokens}
+        raise refused_on_every_rank(TypeError(unknown_keywords(unknown, parallelize, ParallelConfig.keyword_names())))
     try:
         if getattr(model, _MARK, False):
             raise ValueError("this model is already parallelized; load a fresh copy to parallelize it again")
@@ -124,23 +81,21 @@ def parallelize(
                              "wrapped model; load the base with from_pretrained, wrap it with get_peft_model, then "
                              "parallelize")
         if isinstance(mesh, str) or global_batch is not None or seq_len is not None or calibration is not None:
-            config = _auto(model, config, mesh=mesh, keywords=keywords, global_batch=global_batch, seq_len=seq_len,
+            config = _auto(model, config, mesh=mesh, options=options, global_batch=global_batch, seq_len=seq_len,
                            calibration=calibration)
             mesh = None
-            keywords = {}
+            options = {}
         if config is None:
             # The launch first: with the wrong number of processes every other message would name the wrong
-            # fix (ep must divide dp*tp, ... of degrees the user did not mean).
-            ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, dp_shard=dp_shard).check_world_size(launched_world_size())
-            config = ParallelConfig(**keywords)
+            # fix (ep must divide dp*tp, ... of degrees the user did not mean); but dp_shard's, which says what
+            # dp it needs (dp_shard=4 alone usually means dp=4 too).
+            ParallelDims.of(options, axes=(*MESH_DEGREES, Axis.DP_SHARD)).check_world_size(launched_world_size())
+            config = ParallelConfig.from_keywords(**options)
         elif not isinstance(config, ParallelConfig):
             raise ValueError(f"config={config!r} must be a qn_hf.ParallelConfig (or pass the keywords instead)")
-        else:
-            defaults = {n: p.default for n, p in inspect.signature(parallelize).parameters.items() if n in keywords}
-            beside = sorted(n for n, v in keywords.items() if v != defaults[n])
-            if beside:
-                raise ValueError(f"parallelize(model, config, {', '.join(beside)}=...): the config already holds "
-                                 f"every option; put them in it (dataclasses.replace(config, ...)) or pass keywords only")
+        elif options:
+            raise ValueError(f"parallelize(model, config, {', '.join(sorted(options))}=...): the config already holds "
+                             f"every option; put them in it (dataclasses.replace(config, ...)) or pass keywords only")
         return _parallelize(model, config, adapter=adapter, policy=policy, mesh=mesh, device=device, seed=seed,
                             checkpoint=checkpoint, timeout=timeout)
     except ValueError as e:  # every refusal is raised alike on every rank, before any collective
@@ -148,7 +103,7 @@ def parallelize(
         raise
 
 
-def _auto(model: nn.Module, config: ParallelConfig | None, *, mesh: object, keywords: dict[str, object],
+def _auto(model: nn.Module, config: ParallelConfig | None, *, mesh: object, options: dict[str, object],
           global_batch: int | None, seq_len: int | None, calibration: Calibration | str | None) -> ParallelConfig:
     """``mesh="auto"``: the planner's configuration, the options given beside it kept."""
     if mesh != AUTO:
@@ -160,9 +115,7 @@ def _auto(model: nn.Module, config: ParallelConfig | None, *, mesh: object, keyw
     if global_batch is None or seq_len is None:
         raise ValueError(f"mesh='auto' needs global_batch= and seq_len= (got global_batch={global_batch}, "
                          f"seq_len={seq_len}): the fastest configuration depends on the step's shape")
-    defaults = {n: p.default for n, p in inspect.signature(parallelize).parameters.items() if n in keywords}
-    fixed = {n: v for n, v in keywords.items() if v != defaults[n]}
-    return auto_config(model, global_batch=global_batch, seq_len=seq_len, calibration=calibration, fixed=fixed)
+    return auto_config(model, global_batch=global_batch, seq_len=seq_len, calibration=calibration, fixed=options)
 
 
 def _parallelize(model: nn.Module, config: ParallelConfig, *, adapter: Adapter | None, policy: ModelPolicy | None,

@@ -26,7 +26,7 @@ from dataclasses import asdict
 import transformers
 
 from ..arguments import plural
-from ..config.dims import Axis
+from ..config.dims import AXES, DEGREES
 from ..config.parallel_config import ParallelConfig
 from ..local_world import LocalWorld, WorldFailure
 from ..training.words import mesh_words
@@ -66,11 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qn-hf-check", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="Hugging Face model directory or config.json")
-    for dim in (Axis.DP, Axis.TP, Axis.PP, Axis.CP, Axis.EP):
-        parser.add_argument(f"--{dim}", type=int, default=1, help=f"{dim} degree (default 1)")
-    parser.add_argument("--dp-shard", type=int, default=1,
-                        help="shard weights, gradients and optimizer state over groups of this many dp ranks (FSDP; "
-                             "default 1)")
+    for spec in AXES:
+        parser.add_argument(f"--{spec.axis.value.replace('_', '-')}", type=int, default=1,
+                            help=f"how many ranks split {spec.splits} (default 1)")
     parser.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism inside tp")
     parser.add_argument("--microbatches", type=int, default=None, help="per step (default: pp)")
     parser.add_argument("--layers", type=int, default=LAYERS, help=f"layers of the shrunk copy (default {LAYERS})")
@@ -79,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the transformers class to train (any head, e.g. BertForSequenceClassification; default "
                              "the architecture's causal LM)")
     args = parser.parse_args(argv)
-    for name in (Axis.DP, Axis.TP, Axis.PP, Axis.CP, Axis.EP, "dp_shard", "layers", "top"):
+    for name in (*DEGREES, "layers", "top"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
     from ..planner.cli import load_config
@@ -93,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     builds = getattr(transformers, args.model_class, None) if args.model_class else None
     shrunk = shrink_config(config, layers=args.layers, builds=builds).to_dict()
     try:  # the degrees alone (the model's own refusals come from its ranks, before any collective)
-        parallel = parity_config(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, dp_shard=args.dp_shard,
+        parallel = parity_config(**{name: getattr(args, name) for name in DEGREES},
                                  sequence_parallel=args.sequence_parallel, microbatches=args.microbatches)
     except ValueError as e:
         print(f"{config.model_type}: shrunk copy with {plural(args.layers, 'layer')}", flush=True)

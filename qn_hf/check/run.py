@@ -257,16 +257,14 @@ def _float64_verdict(config: transformers.PretrainedConfig, *, seed: int, name: 
     return _judge(losses, exact_losses, worst, loss_tols=loss_tols, weight_tol=weight_tol), numbers
 
 
-def parity_config(*, dp: int = 1, tp: int = 1, pp: int = 1, microbatches: int | None = None, ep: int = 1,
-                  cp: int = 1, dp_shard: int = 1, sequence_parallel: bool = False, virtual_stages: int = 1,
-                  recompute: str | None = None, schedule: str | None = None) -> ParallelConfig:
-    """The ``ParallelConfig`` the check runs at (or the ``ValueError`` that refuses it): ``pp`` x
-    ``virtual_stages`` microbatches unless given, ``schedule`` or else interleaved 1F1B when
-    ``virtual_stages`` > 1, 1F1B otherwise."""
-    return ParallelConfig.from_keywords(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, dp_shard=dp_shard,
-                                        microbatches=microbatches or max(1, pp * virtual_stages),
-                                        sequence_parallel=sequence_parallel, virtual_stages=virtual_stages,
-                                        recompute=recompute,
+def parity_config(*, microbatches: int | None = None, virtual_stages: int = 1, schedule: str | None = None,
+                  **options: object) -> ParallelConfig:
+    """The ``ParallelConfig`` the check runs at (``options``: the degrees and any other of its keywords), or the
+    ``ValueError`` that refuses it: pp x ``virtual_stages`` microbatches unless given, ``schedule`` or else
+    interleaved 1F1B when ``virtual_stages`` > 1, 1F1B otherwise."""
+    stages = int(options.get("pp", 1)) * virtual_stages
+    return ParallelConfig.from_keywords(**options, microbatches=microbatches or max(1, stages),
+                                        virtual_stages=virtual_stages,
                                         schedule=schedule or ("interleaved_1f1b" if virtual_stages > 1 else "1f1b"))
 
 

@@ -8,6 +8,7 @@ every rank before anything communicates.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from ..arguments import Choice, check_positive_int, plural
@@ -28,8 +29,39 @@ class Axis(Choice):
     DP_REPLICATE = "dp_replicate"
 
 
-MESH_DIMS = (Axis.DP, Axis.PP, Axis.TP)
-MESH_DIMS_CP = (Axis.DP, Axis.PP, Axis.CP, Axis.TP)
+@dataclass(frozen=True)
+class AxisSpec:
+    """One parallel dimension as data: what it splits, where it sits, how it composes with the others.
+
+    ``mesh``: its place among the device mesh's dims (None: carved out of mesh dims, taking no ranks of its own);
+    ``rank_order``: its place in the numbering of the global ranks, slowest first (``config/layout.py``);
+    ``named_at_one``: a mesh dim the mesh names even at degree 1 (cp is named only when used, so that 3-D
+    meshes stay as they were). A dim with no place on the mesh is carved out of the mesh dims' ranks (its
+    ``splits`` says which); ``ParallelDims`` checks that it divides them."""
+
+    axis: Axis
+    splits: str
+    mesh: int | None = None
+    rank_order: int | None = None
+    named_at_one: bool = True
+
+
+# The one table of the degrees: their order is the keywords' (``parallelize(dp=, tp=, pp=, cp=, ep=, dp_shard=)``);
+# everything that lists the degrees (the mesh's names, the rank numbering, the world size, messages, the
+# planner's columns) reads them from here.
+AXES: tuple[AxisSpec, ...] = (
+    AxisSpec(Axis.DP, "the batch: each replica trains other sequences", mesh=0, rank_order=1),
+    AxisSpec(Axis.TP, "each layer's weights, by columns or rows (heads, channels)", mesh=3, rank_order=3),
+    AxisSpec(Axis.PP, "the layers: consecutive blocks per stage", mesh=1, rank_order=0),
+    AxisSpec(Axis.CP, "each sequence, by tokens (ring attention)", mesh=2, rank_order=2, named_at_one=False),
+    AxisSpec(Axis.EP, "each MoE layer's experts, over ranks of a stage's dp x tp grid; tokens travel to them"),
+    AxisSpec(Axis.DP_SHARD, "one copy of the weights, gradients and optimizer state, over groups of dp ranks"),
+)
+DEGREES: tuple[str, ...] = tuple(spec.axis.value for spec in AXES)  # the keyword names, in the keywords' order
+MESH_AXES: tuple[AxisSpec, ...] = tuple(sorted((s for s in AXES if s.mesh is not None), key=lambda s: s.mesh))
+MESH_DEGREES: tuple[str, ...] = tuple(spec.axis.value for spec in MESH_AXES)  # the degrees that take ranks
+RANK_ORDER: tuple[Axis, ...] = tuple(s.axis for s in sorted((s for s in AXES if s.rank_order is not None),
+                                                            key=lambda s: s.rank_order))
 
 
 @dataclass(frozen=True)
@@ -49,9 +81,8 @@ class ParallelDims:
     dp_shard: int = 1
 
     def __post_init__(self) -> None:
-        for axis in (Axis.DP, Axis.TP, Axis.PP, Axis.CP, Axis.EP):
-            check_positive_int(axis.value, getattr(self, axis))
-        check_positive_int(Axis.DP_SHARD.value, self.dp_shard)
+        for name in DEGREES:
+            check_positive_int(name, getattr(self, name))
         if self.dp % self.dp_shard:
             divisors = [d for d in range(1, self.dp + 1) if self.dp % d == 0]
             dp = math.lcm(self.dp, self.dp_shard)  # dp_shard adds no ranks: dp_shard=S alone usually means dp=S
@@ -74,9 +105,18 @@ class ParallelDims:
         each cp rank's grid, times cp (every cp rank holds the same experts and routes its own tokens)."""
         return self.dp * self.tp // self.ep * self.cp
 
+    @classmethod
+    def of(cls, values: Mapping[str, object], *, axes: Iterable[str] = DEGREES) -> ParallelDims:
+        """The degrees ``values`` (e.g. ``parallelize``'s keywords) holds among ``axes``, the others 1."""
+        return cls(**{name: values[name] for name in axes if name in values})
+
+    def degrees(self) -> dict[str, int]:
+        """Every degree by name, in the keywords' order."""
+        return {name: getattr(self, name) for name in DEGREES}
+
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.cp * self.tp
+        return math.prod(getattr(self, spec.axis.value) for spec in MESH_AXES)
 
     @property
     def dp_replicate(self) -> int:
@@ -94,7 +134,7 @@ class ParallelDims:
     def names(self) -> tuple[str, ...]:
         """The mesh's dim names (plain strings, as DeviceMesh keeps them): cp appears only when it is
         used, so 3-D meshes stay as they were."""
-        return tuple(axis.value for axis in (MESH_DIMS_CP if self.cp > 1 else MESH_DIMS))
+        return tuple(s.axis.value for s in MESH_AXES if s.named_at_one or getattr(self, s.axis.value) > 1)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -105,13 +145,13 @@ class ParallelDims:
         """How many ranks hold the same parameter shard (and sum its gradients): dp x cp."""
         return self.dp * self.cp
 
-    def in_use(self, axes: tuple[Axis, ...] = (Axis.DP, Axis.TP, Axis.PP, Axis.CP, Axis.EP, Axis.DP_SHARD)) -> list[str]:
+    def in_use(self, axes: Iterable[str] = DEGREES) -> list[str]:
         """``axis=degree`` for each of ``axes`` above 1, as messages name the mechanisms a mesh runs."""
-        return [f"{axis.value}={getattr(self, axis.value)}" for axis in axes if getattr(self, axis.value) > 1]
+        return [f"{name}={getattr(self, name)}" for name in map(str, axes) if getattr(self, name) > 1]
 
     def check_world_size(self, world_size: int) -> None:
         if world_size != self.world_size:
-            order = (Axis.DP, Axis.TP, Axis.PP, Axis.CP) if self.cp > 1 else (Axis.DP, Axis.TP, Axis.PP)
+            order = [s.axis.value for s in AXES if s.mesh is not None and s.axis.value in self.names]
             product, values = "*".join(order), "*".join(str(getattr(self, n)) for n in order)
             raise ValueError(
                 f"world size {world_size} != {product} = {values} = {self.world_size}; "
@@ -126,9 +166,7 @@ class NamedDegrees:
 
     dims: ParallelDims
 
-    dp = property(lambda self: self.dims.dp)
-    tp = property(lambda self: self.dims.tp)
-    pp = property(lambda self: self.dims.pp)
-    cp = property(lambda self: self.dims.cp)
-    ep = property(lambda self: self.dims.ep)
-    dp_shard = property(lambda self: self.dims.dp_shard)  # ranks of dp sharding one copy of the weights (FSDP)
+    def __getattr__(self, name: str) -> int:
+        if name in DEGREES:  # (only names no attribute answers come here)
+            return getattr(self.dims, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")

@@ -3,7 +3,7 @@ communicates in, as arithmetic on the degrees alone (no process group exists her
 creates its groups from these lists; the planner prices each group on the link its ranks really use and
 names the groups that cross nodes, from the same lists.
 
-The global ranks are numbered in ``RANK_ORDER``, slowest first, as Megatron and torchtitan number them: pp
+The global ranks are numbered in ``RANK_ORDER`` (the axes table's, ``dims.AXES``), slowest first, as Megatron and torchtitan number them: pp
 outermost (its point-to-point transfers are a step's smallest and rarest, so stages may lie on other nodes),
 then dp, then cp, then tp fastest. torchrun numbers a node's ranks consecutively (``LOCAL_WORLD_SIZE`` of them,
 node after node), so a node holds whole tp groups first, then whole cp rings and the ep blocks (consecutive
@@ -18,9 +18,7 @@ from types import MappingProxyType
 
 import torch
 
-from .dims import Axis, ParallelDims
-
-RANK_ORDER = (Axis.PP, Axis.DP, Axis.CP, Axis.TP)
+from .dims import MESH_AXES, RANK_ORDER, Axis, ParallelDims
 
 # the groups ``rank_groups`` lists beside the mesh's axes: dp x cp (the ranks summing the same weights'
 # gradients), the ranks sharing out one model's experts, and those holding the same experts
@@ -37,7 +35,7 @@ def rank_grid(dims: ParallelDims) -> torch.Tensor:
 
 def full_grid(dims: ParallelDims) -> torch.Tensor:
     """``rank_grid`` as [dp, pp, cp, tp] (cp of size 1 when absent)."""
-    return rank_grid(dims).reshape(dims.dp, dims.pp, dims.cp, dims.tp)
+    return rank_grid(dims).reshape([getattr(dims, spec.axis.value) for spec in MESH_AXES])
 
 
 def expert_groups(grid: torch.Tensor, dims: ParallelDims) -> tuple[list[list[int]], list[list[int]]]:
@@ -75,8 +73,8 @@ def rank_groups(dims: ParallelDims) -> Mapping[str, tuple[tuple[int, ...], ...]]
     """Every group of each kind over the whole world: the mesh's axes (dp, pp, cp, tp), ``REPLICAS`` (dp x cp),
     with ep ``Axis.EP`` and ``EXPERTS``, with dp_shard ``Axis.DP_SHARD`` and ``Axis.DP_REPLICATE``."""
     grid = full_grid(dims)
-    groups = {axis.value: grid.movedim(d, -1).reshape(-1, grid.shape[d]).tolist()
-              for d, axis in enumerate((Axis.DP, Axis.PP, Axis.CP, Axis.TP))}
+    groups = {spec.axis.value: grid.movedim(d, -1).reshape(-1, grid.shape[d]).tolist()
+              for d, spec in enumerate(MESH_AXES)}
     groups[REPLICAS] = [grid[:, q, :, b].reshape(-1).tolist() for q in range(dims.pp) for b in range(dims.tp)]
     if dims.ep > 1:
         groups[Axis.EP.value], groups[EXPERTS] = expert_groups(grid, dims)

@@ -29,7 +29,29 @@ from .sequence import sequence_split
 class ParallelConfig:
     """How a model is parallelized. Built from ``parallelize``'s keywords (``ParallelConfig(dp=2, tp=2,
     microbatches=4)``) or with the degrees as one ``ParallelDims`` (``dims=``); every option checked here,
-    with the numbers in the message, the same on every rank (nothing here communicates)."""
+    with the numbers in the message, the same on every rank (nothing here communicates). The keywords:
+
+    * the degrees (``dims.AXES`` says what each splits): ``dp`` replicas, each ``dp_shard`` of them sharding
+      one copy of the weights, gradients and optimizer state with torch's ``fully_shard``
+      (data_parallel/sharded.py); ``tp`` shards of each layer; ``pp`` stages; ``cp`` ranks splitting each
+      sequence, with ring attention (context_parallel/); ``ep`` ranks of a stage's dp x tp sharing out the
+      experts of MoE layers, tokens travelling to them (expert_parallel/), ``expert_dispatch`` ("all_to_all"
+      or "all_gather") saying how: the least traffic with one device wait per MoE call, or none at ep times
+      the traffic (``options.Dispatch``);
+    * the pipeline: ``microbatches``, ``schedule``, ``virtual_stages`` (``schedule="interleaved_1f1b"``: the
+      model cut into pp x ``virtual_stages`` chunks, rank r running chunks r, r+pp, ...), ``layers_per_stage``
+      (how many blocks each stage, or chunk, gets; default: as even as possible, earlier stages taking the
+      remainder), ``dp_shard_gather`` (under a pipeline, a stage's sharded weights gathered once a step or per
+      microbatch);
+    * ``bucket_mb``: the size of the gradient buckets summed over dp during backward;
+    * ``mixed_precision`` ("bf16" or "fp16"): that dtype's compute with float32 gradients and float32 master
+      weights in ``qn_hf.optimizer`` (data_parallel/precision.py);
+    * ``recompute`` ("full" or "selective"): each block's activations recomputed in backward
+      (memory/recompute.py), ``offload="activations"`` holding what it keeps on the host (memory/offload.py);
+      ``loss_chunk_tokens``: a causal LM's loss that many tokens at a time (step/loss_chunks.py);
+    * ``sequence_parallel``: the activations between tensor-parallel regions split over the tp ranks along the
+      sequence (tensor_parallel/sequence_parallel.py); ``compile``: each block of a stage compiled in place
+      with ``torch.compile`` (inductor), the collectives inside traced as functional ones (step/compile.py)."""
 
     dims: ParallelDims
     microbatches: int
@@ -55,9 +77,9 @@ class ParallelConfig:
                  sequence_parallel: bool = False, compile: bool = False,
                  dp_shard_gather: str | Gather = Gather.STEP,
                  expert_dispatch: str | Dispatch = Dispatch.ALL_TO_ALL, loss_chunk_tokens: int | None = None) -> None:
-        degrees = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "dp_shard": dp_shard}
+        degrees = dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_shard=dp_shard)  # (the keywords' home: written once)
         if dims is None:
-            dims = ParallelDims(**degrees)
+            dims = ParallelDims.of(degrees)
         elif any(value != 1 for value in degrees.values()):
             given = ", ".join(f"{k}={v}" for k, v in degrees.items() if v != 1)
             raise ValueError(f"ParallelConfig(dims={dims}, {given}): give the degrees once, as dims or as keywords")
@@ -119,17 +141,16 @@ class ParallelConfig:
 
     def values(self, *, model_type: str | None = None) -> dict[str, object]:
         """What the composition table's messages name: the degrees, the schedule, the model type."""
-        d = self.dims
-        return {"dp": d.dp, "tp": d.tp, "pp": d.pp, "cp": d.cp, "ep": d.ep, "dp_shard": d.dp_shard,
-                "schedule": self.schedule,
-                "virtual_stages": self.virtual_stages, "model_type": model_type}
+        return {**self.dims.degrees(), "schedule": self.schedule, "virtual_stages": self.virtual_stages,
+                "model_type": model_type}
 
     @property
     def features(self) -> frozenset[Feature]:
         """The features of the composition table this configuration uses (``composition.py``)."""
         d = self.dims
-        used = {Feature.DP: d.dp > 1, Feature.DP_SHARD: d.dp_shard > 1, Feature.TP: d.tp > 1, Feature.CP: d.cp > 1, Feature.EP: d.ep > 1,
-                Feature.EP_ALL_GATHER: d.ep > 1 and self.expert_dispatch is Dispatch.ALL_GATHER,
+        # a degree above 1 is the feature of its name, but pp's, which is its schedule's (below)
+        used = {Feature(name): degree > 1 for name, degree in d.degrees().items() if name in Feature.values()}
+        used |= {Feature.EP_ALL_GATHER: d.ep > 1 and self.expert_dispatch is Dispatch.ALL_GATHER,
                 Feature.SP: self.sequence_parallel, Feature.COMPILE: self.compile,
                 Feature.RECOMPUTE: self.recompute is not None,
                 Feature.LOSS_CHUNKS: self.loss_chunk_tokens is not None, Feature.OFFLOAD: self.offload is not None,

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..arguments import plural
-from ..config.dims import Axis
+from ..config.dims import DEGREES, MESH_DEGREES, Axis
 from ..config.parallel_config import ParallelConfig
 from ..config.schedule import Schedule, as_schedule
 from ..devices import default_device
@@ -59,8 +59,6 @@ from .shapes import MeshShape, memory_options, price, undominated, with_memory_o
 _T = TypeVar("_T")
 AUTO = "auto"  # parallelize's mesh= that asks for this module's choice
 MAX_MICRO_BATCH = 8
-DEGREES = (Axis.DP, Axis.DP_SHARD, Axis.TP, Axis.PP, Axis.CP, Axis.EP)
-MESH_AXES = (Axis.DP, Axis.TP, Axis.PP, Axis.CP)  # search's meshes; ep and dp_shard enumerated per mesh
 _SCHEDULES = ((Schedule.ONE_F_ONE_B, 1), (Schedule.INTERLEAVED_1F1B, 2), (Schedule.ZB_H1, 1))
 
 
@@ -103,7 +101,7 @@ class Choice:
 def describe(config: ParallelConfig, micro_batch_size: int) -> str:
     """One line a user can copy: the degrees that are not 1, the schedule under a pipeline, the rest."""
     d = config.dims
-    degrees = [f"{axis.value}={getattr(d, axis.value)}" for axis in DEGREES if getattr(d, axis.value) != 1] or ["dp=1"]
+    degrees = d.in_use() or ["dp=1"]
     rest = [f"microbatches={config.microbatches}", f"micro_batch_size={micro_batch_size}"]
     if d.pp > 1:
         rest.append(f"schedule={config.schedule.value}")
@@ -155,7 +153,7 @@ def moving_parts(config: ParallelConfig) -> int:
     chunks beyond one per stage, a schedule other than 1F1B under a pipeline, recomputation, the loss in chunks,
     offload."""
     d = config.dims
-    return (sum(degree > 1 for degree in (d.tp, d.pp, d.cp, d.ep, d.dp_shard)) + (config.virtual_stages > 1)
+    return (sum(degree > 1 for name, degree in d.degrees().items() if name != Axis.DP) + (config.virtual_stages > 1)
             + (d.pp > 1 and config.schedule is not Schedule.ONE_F_ONE_B) + (config.recompute is not None)
             + (config.loss_chunk_tokens is not None) + (config.offload is not None))
 
@@ -203,7 +201,7 @@ def auto_plan(config, *, global_batch: int, seq_len: int, world_size: int, devic
     if "microbatches" in fixed:
         raise ValueError(f"microbatches={fixed['microbatches']} with mesh='auto': the microbatches follow from the "
                          f"global batch, dp and the micro-batch size auto chooses; leave them out")
-    degrees = {axis: fixed.pop(axis.value) for axis in DEGREES if axis.value in fixed}
+    degrees = {name: fixed.pop(name) for name in DEGREES if name in fixed}
     schedules = _schedules(fixed)
     fallbacks = memory_options(fixed)  # (raising here what parallelize refuses of the fixed ones)
     per_node = gpus_per_node or (calibration.ranks_per_node if calibration else min(world_size, 8))
@@ -219,7 +217,8 @@ def auto_plan(config, *, global_batch: int, seq_len: int, world_size: int, devic
         for schedule, chunks in schedules:
             options = {**fixed, "schedule": schedule, "virtual_stages": chunks}
             groups, refused = mesh_groups(planner, options, gpus=world_size, hw=hw, global_batch=global_batch,
-                                          fixed={a.value: v for a, v in degrees.items() if a in MESH_AXES},
+                                          # the mesh's dims fixed; ep and dp_shard searched per mesh unless given
+                                          fixed={a: v for a, v in degrees.items() if a in MESH_DEGREES},
                                           cp=degrees.get(Axis.CP), ep=degrees.get(Axis.EP),
                                           dp_shard=degrees.get(Axis.DP_SHARD),
                                           # one stage runs every schedule alike: counted once, as 1F1B

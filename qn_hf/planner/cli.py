@@ -72,7 +72,6 @@ under torchrun); --quick measures less.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -81,7 +80,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ..config.dims import Axis, ParallelDims
+from ..config.dims import DEGREES, MESH_DEGREES, Axis, ParallelDims
 from ..config.options import Dispatch, Gather, Offload, Recompute
 from ..config.schedule import SCHEDULES, Schedule, as_schedule
 from ..launch.nodes import local_rank
@@ -286,14 +285,12 @@ def main(argv: list[str] | None = None, *, step_seconds: StepSeconds | None = No
     options = run_options(args)
     try:
         if whole_mesh:
-            cp = args.cp or 1
-            ep = args.ep or 1
+            degrees = {**{name: getattr(args, name) or 1 for name in DEGREES}, "dp_shard": dp_shard}
             if args.gpus is not None:
-                ParallelDims(dp=args.dp, tp=args.tp, pp=args.pp, cp=cp, ep=ep).check_world_size(args.gpus)
+                ParallelDims.of(degrees, axes=MESH_DEGREES).check_world_size(args.gpus)
             microbatches = microbatches_for(args.pp, args.microbatches, schedule=args.schedule, dp=args.dp,
                                             global_batch=args.global_batch, micro_batch_size=args.micro_batch_size)
-            parallel = at_mesh(options, dp=args.dp, tp=args.tp, pp=args.pp, cp=cp, ep=ep, dp_shard=dp_shard,
-                               microbatches=microbatches)
+            parallel = at_mesh(options, degrees, microbatches=microbatches)
             est = planner.estimate(parallel, zero=args.zero)
             print(json.dumps(to_json(est, hw, cal), indent=1) if args.json else mesh_report(est, hw, cal))
             return
@@ -306,7 +303,7 @@ def main(argv: list[str] | None = None, *, step_seconds: StepSeconds | None = No
     if args.json:
         print(json.dumps({"meshes": [{**to_json(c.estimate, hw, cal), "rank": i}
                                      for i, c in enumerate(accepted, 1)],
-                          "rejected": [dataclasses.asdict(r) for r in rejected]}, indent=1))
+                          "rejected": [{**r.degrees, "reason": r.reason} for r in rejected]}, indent=1))
         return
     label = settings(**training, dp_shard=dp_shard or 1) + (", dp_shard searched" if dp_shard is None else "")
     kept = "".join(f", {k}={v}" for k, v in explicit.items())

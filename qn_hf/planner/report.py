@@ -5,8 +5,9 @@ calibration (``cost.step_time``; None: the stated figures of ``Hardware``)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
-from ..config.dims import Axis
+from ..config.dims import AXES, Axis
 from ..config.layout import REPLICAS
 from ..config.schedule import as_schedule
 from .calibration import Calibration
@@ -100,9 +101,10 @@ def group_gb(comm: dict) -> dict[str, float]:
     return gb
 
 
-def mesh_name(dp: int, tp: int, pp: int, cp: int, ep: int = 1, dp_shard: int = 1) -> str:
-    return (f"dp={dp} tp={tp} pp={pp}" + (f" cp={cp}" if cp > 1 else "") + (f" ep={ep}" if ep > 1 else "")
-            + (f" dp_shard={dp_shard}" if dp_shard > 1 else ""))
+def mesh_name(degrees: Mapping[str, int]) -> str:
+    """``dp=2 tp=1 pp=1``, then each other degree above 1 (``cp=2 ep=2 dp_shard=2``), from the degrees by name."""
+    shown = [spec for spec in AXES if spec.named_at_one and spec.mesh is not None or degrees.get(spec.axis, 1) > 1]
+    return " ".join(f"{spec.axis}={degrees.get(spec.axis, 1)}" for spec in shown)
 
 
 def ranking_report(accepted: list[Candidate], rejected, *, hw: Hardware, top: int, label: str, ep: int | None = 1,
@@ -140,7 +142,7 @@ def ranking_report(accepted: list[Candidate], rejected, *, hw: Hardware, top: in
         lines.append(f"\n({len(accepted) - top} more valid meshes; --top N shows more)")
     if rejected:
         lines.append(f"\nrejected by parallelize's checks ({len(rejected)}):")
-        lines += [f"  {mesh_name(r.dp, r.tp, r.pp, r.cp, r.ep, r.dp_shard)}: {r.reason}" for r in rejected]
+        lines += [f"  {mesh_name(r.degrees)}: {r.reason}" for r in rejected]
     return "\n".join(lines)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ..config.dims import MESH_DEGREES
 from ..config.parallel_config import ParallelConfig
 from ..config.schedule import Schedule, microbatches_allowed
 from .calibration import Calibration
@@ -44,22 +45,22 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Rejected:
-    """A mesh ``parallelize`` (or the global batch) refuses, with its reason. The degrees are the ones
-    asked for, kept as numbers: many are refused because ``ParallelDims`` itself refuses them (a
-    dp_shard or an ep that does not divide), so no ``ParallelDims`` holds them."""
+    """A mesh ``parallelize`` (or the global batch) refuses, with its reason. The degrees (``ParallelDims``'
+    names) are the ones asked for, kept as numbers: many are refused because ``ParallelDims`` itself refuses
+    them (a dp_shard or an ep that does not divide), so no ``ParallelDims`` holds them."""
 
-    dp: int
-    tp: int
-    pp: int
+    degrees: Mapping[str, int]
     reason: str
-    cp: int = 1
-    ep: int = 1
-    dp_shard: int = 1
+
+    @property
+    def mesh(self) -> Mapping[str, int]:
+        """The degrees of the mesh's own dims (those that take ranks)."""
+        return {name: self.degrees.get(name, 1) for name in MESH_DEGREES}
 
 
-def meshes(gpus: int, *, gpus_per_node: int, cp: int | None = None, max_cp: int = MAX_CP) -> list[tuple[int, int, int, int]]:
-    """(dp, tp, pp, cp) with dp * tp * pp * cp == gpus; ``cp`` None: every divisor up to ``max_cp``
-    whose ring stays in a node (see the module docstring)."""
+def meshes(gpus: int, *, gpus_per_node: int, cp: int | None = None, max_cp: int = MAX_CP) -> list[dict[str, int]]:
+    """The mesh dims' degrees (dp, tp, pp, cp) whose product is ``gpus``; ``cp`` None: every divisor up to
+    ``max_cp`` whose ring stays in a node (see the module docstring)."""
     out = []
     for tp in range(1, gpus + 1):
         if gpus % tp or (gpus >= gpus_per_node and gpus_per_node % tp) or tp > gpus_per_node:
@@ -70,7 +71,7 @@ def meshes(gpus: int, *, gpus_per_node: int, cp: int | None = None, max_cp: int 
                 continue
             for pp in range(1, rest // c + 1):
                 if (rest // c) % pp == 0:
-                    out.append((rest // c // pp, tp, pp, c))
+                    out.append(dict(dp=rest // c // pp, tp=tp, pp=pp, cp=c))
     return out
 
 
@@ -94,13 +95,11 @@ def microbatches_for(pp: int, requested: int | None, *, schedule: str = "1f1b", 
     return m
 
 
-def at_mesh(options: Mapping[str, object], *, dp: int, tp: int, pp: int, cp: int, ep: int, dp_shard: int,
-            microbatches: int) -> ParallelConfig:
+def at_mesh(options: Mapping[str, object], degrees: Mapping[str, int], *, microbatches: int) -> ParallelConfig:
     """``options`` (``ParallelConfig`` keywords: the schedule, virtual stages, precision, recomputation,
-    sequence parallelism, buckets and gather every mesh shares) at these degrees and microbatches,
+    sequence parallelism, buckets and gather every mesh shares) at these ``degrees`` (by name) and microbatches,
     checked as ``parallelize`` checks its keywords: the ``ValueError`` that rejects the mesh, else the value."""
-    return ParallelConfig.from_keywords(**{**options, "dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep,
-                                           "dp_shard": dp_shard, "microbatches": microbatches})
+    return ParallelConfig.from_keywords(**{**options, **degrees, "microbatches": microbatches})
 
 
 def search(planner: Planner, options: Mapping[str, object], *, gpus: int, hw: Hardware, zero: bool = False,
@@ -155,23 +154,25 @@ def mesh_groups(planner: Planner, options: Mapping[str, object], *, gpus: int, h
     groups, rejected = [], []
     cp = 1 if cp is None and ep is not None and ep > 1 else cp
     fixed = fixed or {}
-    for dp, tp, pp, c in meshes(gpus, gpus_per_node=hw.gpus_per_node, cp=cp, max_cp=max_cp):
-        if any({"dp": dp, "tp": tp, "pp": pp, "cp": c}[k] != v for k, v in fixed.items()) or pp == 1 and not single_stage:
+    for mesh in meshes(gpus, gpus_per_node=hw.gpus_per_node, cp=cp, max_cp=max_cp):
+        dp, pp = mesh["dp"], mesh["pp"]
+        if any(mesh[k] != v for k, v in fixed.items()) or pp == 1 and not single_stage:
             continue
         try:
             steps = microbatches_for(pp, microbatches, schedule=options.get("schedule", Schedule.ONE_F_ONE_B), dp=dp,
                                      global_batch=global_batch, micro_batch_size=planner.micro_batch_size)
         except ValueError as e:  # the global batch at this dp: the same reason at every ep and dp_shard
-            rejected.append(Rejected(dp=dp, tp=tp, pp=pp, cp=c, ep=ep or 1, dp_shard=dp_shard or 1, reason=str(e)))
+            rejected.append(Rejected(degrees=dict(mesh, ep=ep or 1, dp_shard=dp_shard or 1), reason=str(e)))
             continue
-        for e in [ep] if ep is not None else expert_degrees(planner.experts, dp=dp, tp=tp, cp=c, cp_given=cp is not None):
+        for e in [ep] if ep is not None else expert_degrees(planner.experts, mesh, cp_given=cp is not None):
             shards = [d for d in range(1, dp + 1) if dp % d == 0] if dp_shard is None else [dp_shard]
             configs = []
             for shard in shards:
+                degrees = dict(mesh, ep=e, dp_shard=shard)
                 try:
-                    configs.append(at_mesh(options, dp=dp, tp=tp, pp=pp, cp=c, ep=e, dp_shard=shard, microbatches=steps))
+                    configs.append(at_mesh(options, degrees, microbatches=steps))
                 except ValueError as error:
-                    _refused(rejected, Rejected(dp=dp, tp=tp, pp=pp, cp=c, ep=e, dp_shard=shard, reason=str(error)))
+                    _refused(rejected, Rejected(degrees=degrees, reason=str(error)))
             if configs:
                 groups.append(MeshGroup(configs=tuple(configs), zero=zero, dp_shard_given=dp_shard is not None))
     return groups, rejected
@@ -191,23 +192,21 @@ def estimated(planner: Planner, parallel: ParallelConfig, *, zero: bool, hw: Har
 
 def refuse(rejected: list[Rejected], parallel: ParallelConfig, error: ValueError) -> None:
     """``parallel``'s refusal added to ``rejected`` (``_refused``)."""
-    d = parallel.dims
-    _refused(rejected, Rejected(dp=d.dp, tp=d.tp, pp=d.pp, cp=d.cp, ep=d.ep, dp_shard=d.dp_shard, reason=str(error)))
+    _refused(rejected, Rejected(degrees=parallel.dims.degrees(), reason=str(error)))
 
 
 def _refused(rejected: list[Rejected], refusal: Rejected) -> None:
     """``refusal`` listed unless the same mesh was refused for the same reason at another ep or dp_shard."""
-    r = refusal
-    if not any((o.dp, o.tp, o.pp, o.cp, o.reason) == (r.dp, r.tp, r.pp, r.cp, r.reason) for o in rejected):
+    if not any((o.mesh, o.reason) == (refusal.mesh, refusal.reason) for o in rejected):
         rejected.append(refusal)
 
 
-def expert_degrees(experts: int, *, dp: int, tp: int, cp: int, cp_given: bool) -> list[int]:
+def expert_degrees(experts: int, mesh: Mapping[str, int], *, cp_given: bool) -> list[int]:
     """The ep a search tries on a mesh: 1, and for a model with ``experts`` routed experts per layer
     (0: none the planner shards) every ep > 1 dividing them and dp x tp (only at cp=1 unless cp was
-    given: module docstring)."""
-    more = range(2, experts + 1) if cp == 1 or cp_given else ()
-    return [1] + [e for e in more if experts % e == 0 and dp * tp % e == 0]
+    given: module docstring); ``mesh``: the mesh dims' degrees by name."""
+    more = range(2, experts + 1) if mesh["cp"] == 1 or cp_given else ()
+    return [1] + [e for e in more if experts % e == 0 and mesh["dp"] * mesh["tp"] % e == 0]
 
 
 def evaluate(est: MeshEstimate, *, hw: Hardware, calibration: Calibration | None = None) -> Candidate:

@@ -41,11 +41,12 @@ from ...launch.nodes import local_rank
 from ...planner.auto import AUTO, Choice, auto_choice
 from ...planner.calibration import Calibration
 
-# parallelize's keywords, plus the optimizer's ZeRO-1 switch (qn_hf.optimizer(zero=...)), which the Trainer builds.
-PARALLEL_KEYS = tuple(name for name, p in inspect.signature(parallelize).parameters.items()
-                      if p.kind is inspect.Parameter.KEYWORD_ONLY) + ("zero",)
 # the keywords that say how to parallelize (ParallelConfig's); the rest say where (seed, mesh, device, ...)
 CONFIG_KEYS = ParallelConfig.keyword_names()
+# parallelize's keywords (its own and the configuration's), plus the optimizer's ZeRO-1 switch
+# (qn_hf.optimizer(zero=...)), which the Trainer builds.
+PARALLEL_KEYS = tuple(name for name, p in inspect.signature(parallelize).parameters.items()
+                      if p.kind is inspect.Parameter.KEYWORD_ONLY) + CONFIG_KEYS + ("zero",)
 SAMPLING = ("random", "sequential")  # samplers rebuilt exactly as one process draws them (trainer_data.py)
 AUTO_KEYS = ("mesh", "seq_len", "calibration")  # parallel= keys that say how mesh="auto" chooses, not what to keep
 
