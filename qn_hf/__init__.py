@@ -1,7 +1,6 @@
 """qn_hf: data (plain, ZeRO-1, sharded over FSDP2), tensor, sequence, context, pipeline and expert parallelism,
 composed, for unmodified Hugging Face models, numerically equal to the unparallelized model."""
 
-from .build.parallelize import parallelize
 from .comm_meter import CommMeter
 from .config.dims import ParallelDims
 from .config.parallel_config import ParallelConfig
@@ -11,6 +10,7 @@ from .data_parallel.optimizer import ParallelOptimizer
 from .parallel_model import ParallelModel, optimizer
 from .planner.auto import auto_choice, auto_config
 from .policies.model_policy import ModelPolicy
+from .transform.parallelize import parallelize
 from .version import __version__
 
 __all__ = [

@@ -36,13 +36,13 @@ from .pipeline.runtime import StageExecutor
 from .pipeline.split import params_by_final_pass
 from .pipeline.stage import StageModules
 from .placement import ShardPlacement
+from .policies.tp_plan import TpPlan
 from .step.batch import batch_signature, check_same_batch, dp_rows
 from .step.generation import parallel_generate, switched_off
 from .step.logits import LogitsFn, collect_logits
 from .step.loss import local_count, loss_scales, nan_without_targets, problem_type, scaled, summed_loss, term_weights
 from .step.runner import StepContext, forward_inputs, prepare, run_schedule, trusted
 from .tensor_parallel.apply import VocabShard
-from .tensor_parallel.plan import TpPlan
 from .tensor_parallel.rng import RngStreams
 from .tensor_parallel.sequence_hooks import SequenceParallelSwitch
 from .tensor_parallel.shard import ShardSpec

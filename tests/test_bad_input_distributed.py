@@ -101,7 +101,7 @@ def case_one_rank_fails_a_pass(*, kind: type[Exception]) -> dict[str, str]:
 
     from transformers import ResNetConfig, ResNetForImageClassification
 
-    from qn_hf.build import passes
+    from qn_hf.transform import passes
     from tests.ep_cases import moe_config
 
     def failing(step):
@@ -138,7 +138,7 @@ def test_a_pass_failing_on_one_rank_raises_on_every_rank(worlds, kind):
     """A build pass that fails on one rank only (a stage reads its own layers) is raised on every rank
     with the same message, naming the rank and the pass, and nothing waits: no rank enters a collective
     the failing one skips, and the world stays usable."""
-    from qn_hf.build.passes import PASSES
+    from qn_hf.transform.passes import PASSES
 
     assert set(PASS_MESHES) == {p.name for p in PASSES}, "a new build pass needs a mesh where it applies"
     results = worlds.run(2, case_one_rank_fails_a_pass, kind=kind)

@@ -94,7 +94,7 @@ def _mutual(folders: dict[str, set[str]]) -> list[tuple[str, str]]:
 
 def test_no_two_folders_import_each_other():
     # The floors of the package (config at the bottom; policies, mesh and comm above it; the mechanisms;
-    # step and checkpoint; validation; the planner; build and the handle; check, training and integrations
+    # step and checkpoint; validation; the planner; transform and the handle; check, training and integrations
     # on top): a folder that imports another is above it, so no pair imports both ways.
     edges, _ = _imports(_modules())
     assert _mutual(_folder_edges(edges)) == []
@@ -121,7 +121,7 @@ def test_finds_what_it_forbids():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
     edges, _ = _imports(_modules())
-    assert "qn_hf.parallel_model" in edges["qn_hf.build.parallelize"]  # the graph is read from the real files
+    assert "qn_hf.parallel_model" in edges["qn_hf.transform.parallelize"]  # the graph is read from the real files
     assert "qn_hf.checkpoint.format" in edges["qn_hf.checkpoint.save"]
 
 
@@ -236,7 +236,7 @@ def _pass_order_problems(passes, initial: set[str]) -> list[str]:
 def test_parallelize_passes_run_after_what_they_need():
     import dataclasses
 
-    from qn_hf.build.passes import PASSES, Build, Pass
+    from qn_hf.transform.passes import PASSES, Build, Pass
 
     fields = {f.name: f for f in dataclasses.fields(Build)}
     initial = {n for n, f in fields.items() if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}

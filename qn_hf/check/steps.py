@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from ..build.parallelize import parallelize
 from ..config.parallel_config import ParallelConfig
 from ..parallel_model import ParallelModel, optimizer
 from ..planner.cli import main as plan_main
 from ..planner.overheads import GLOBAL_BATCH, SEQ
+from ..transform.parallelize import parallelize
 
 WARMUP, STEPS = 2, 5
 

@@ -41,7 +41,7 @@ from ..config.options import LossKind
 from ..devices import on_device
 from ..policies.amendments import CP_REFUSALS
 from ..policies.layer_fields import any_layer, layer_values
-from ..tensor_parallel.plan import TpPlan
+from ..policies.tp_plan import TpPlan
 from .ring_attention import PieceLayout, needs_mask, ring_attention
 
 # transformers' layer kinds (config.layer_types) whose attention the ring computes exactly: full

@@ -41,7 +41,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..config.options import LossKind
-from ..tensor_parallel.plan import TpPlan
+from ..policies.tp_plan import TpPlan
 from .apply import CP_KEYS, AttentionSwitch, masks_reason, non_causal_attention, ring_documents
 
 SDPA = "sdpa"

@@ -38,7 +38,7 @@ from ..policies.module_kinds import is_fused_experts
 from ..policies.patterns import base_model_and_prefix, join, match_modules
 from ..policies.peft_names import is_lora_layer, lora_layer_names, without_wrappers
 from ..policies.styles import Style
-from ..tensor_parallel.plan import TpPlan
+from ..policies.tp_plan import TpPlan
 from ..tensor_parallel.shard import ShardSpec
 from .dispatch import ExpertRoute, expert_parallel_forward
 from .stacked import is_stacked_experts, stacked_expert_hooks

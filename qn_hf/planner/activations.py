@@ -25,8 +25,8 @@ from torch import nn
 from ..config.options import LossKind
 from ..pipeline.split import StagePlan, chunk_of_module
 from ..policies.styles import COLUMN_STYLES, ROW_STYLES, Style
+from ..policies.tp_plan import TpPlan
 from ..step.loss_chunks import chunk_sizes
-from ..tensor_parallel.plan import TpPlan
 from .trace import Trace
 
 

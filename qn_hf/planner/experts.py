@@ -48,7 +48,7 @@ from ..comm_meter import Collective
 from ..compat import skip_expert_sentinels
 from ..expert_parallel.apply import experts_modules
 from ..expert_parallel.token_exchange import row_split
-from ..tensor_parallel.plan import TpPlan
+from ..policies.tp_plan import TpPlan
 
 A2A, GATHER = Collective.ALL_TO_ALL_SINGLE, Collective.ALL_GATHER_INTO_TENSOR
 COUNT_ELEM = 8  # the per-expert counts travel as int64

@@ -43,7 +43,7 @@ from ..config.sequence import check_sequence_length, sequence_split
 from ..pipeline.split import StagePlan
 from ..policies.patterns import join
 from ..policies.styles import Style
-from ..tensor_parallel.plan import TpPlan
+from ..policies.tp_plan import TpPlan
 from ..tensor_parallel.sequence_parallel import final_norm, first_argument, with_first
 
 GATHER, SCATTER = Collective.ALL_GATHER_INTO_TENSOR, Collective.REDUCE_SCATTER_TENSOR

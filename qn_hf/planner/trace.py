@@ -46,7 +46,7 @@ from ..expert_parallel.apply import experts_modules, sharded_experts
 from ..memory.recompute import checkpoint_options
 from ..policies.styles import COLUMN_STYLES, WHOLE_STYLES, Style
 from ..policies.task import main_input_name
-from ..tensor_parallel.plan import TpPlan
+from ..policies.tp_plan import TpPlan
 from ..tensor_parallel.sequence_parallel import regathers
 from .allocations import Allocations, tensors
 from .context import RingCall, RingStandIn

@@ -56,7 +56,7 @@ from ..config.dims import Axis
 from ..config.options import Dispatch, LossKind, Recompute
 from ..config.parallel_config import ParallelConfig
 from ..policies.styles import Style
-from ..tensor_parallel.plan import TpPlan
+from ..policies.tp_plan import TpPlan
 from .context import ring_ops
 from .experts import ExpertCall, expert_ops
 from .memory import Bucket, owned

@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..expert_parallel.apply import experts_modules, sharded_experts
-from ..tensor_parallel.plan import TpPlan
+from ..policies.tp_plan import TpPlan
 
 
 def check_modelled(model: nn.Module, *, model_type: str, plan: TpPlan, ep: int, stages: int = 1,

@@ -12,7 +12,9 @@ body found from the module structure (body.py): where a pipeline may cut its for
 (stack_cut.py, with the cut's data in cuts.py), a tp plan from its projections' names and shapes
 (structure.py) and the fused q|k|v projections only a forward knows the order of (fused.py).
 ``task.py`` finds the head of a task model and the loss its forward computes, whichever policy
-describes the body; ``positions.py`` the longest sequences its absolute position tables serve."""
+describes the body; ``positions.py`` the longest sequences its absolute position tables serve; ``tp_plan.py``
+holds ``TpPlan``, a policy resolved against one model at one tp (``tensor_parallel/plan.py`` resolves it), which
+every mechanism reads."""
 
 from __future__ import annotations
 

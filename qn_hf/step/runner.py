@@ -34,8 +34,8 @@ from ..pipeline.schedule import Op, schedule_actions
 from ..pipeline.stage import StageModules
 from ..placement import ShardPlacement
 from ..policies.task import loss_arguments
+from ..policies.tp_plan import TpPlan
 from ..tensor_parallel.apply import VocabShard
-from ..tensor_parallel.plan import TpPlan
 from .agreement import agree_on_batch
 from .batch import check_step_batch, microbatch_rows, split_microbatches
 from .loss_chunks import LossChunks

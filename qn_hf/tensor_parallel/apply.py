@@ -26,10 +26,10 @@ from ..policies.styles import (
     packed_parts,
     param_shard_dim,
 )
+from ..policies.tp_plan import TpPlan
 from .embeddings import ColumnParallelEmbedding, VocabParallelEmbedding
 from .hooks import head_input_hooks, identity_expert_hooks, mla_kv_a_hooks, partial_sum_hooks
 from .layers import ColumnParallelLinear, RowParallelLinear, SharedKVColumnLinear, linear_dims
-from .plan import TpPlan
 from .sequence_parallel import first_argument, with_first
 from .shard import ShardSpec, padded
 

@@ -24,9 +24,9 @@ from ..comm import (
 from ..config.sequence import check_sequence_length, sequence_split
 from ..pipeline.split import StagePlan
 from ..pipeline.stage import Wire
+from ..policies.tp_plan import TpPlan
 from .hooks import partial_sum_hooks
 from .layers import RowParallelLinear
-from .plan import TpPlan
 from .sequence_parallel import PER_POSITION_BLOCK_INPUTS, first_argument, with_first
 
 

@@ -62,7 +62,7 @@ from ..pipeline.split import StagePlan
 from ..policies.module_kinds import is_fused_experts, position_wise
 from ..policies.patterns import join
 from ..policies.styles import EMBEDDING_STYLES, PARAM_STYLES, Style
-from .plan import TpPlan, rule_module
+from ..policies.tp_plan import TpPlan, rule_module
 
 # Rules outside the blocks that leave whole activations whole (the head gets the gathered output).
 _OUTSIDE_BLOCKS = {*EMBEDDING_STYLES, Style.VOCAB_COLWISE, Style.REPLICATE, Style.REPLICATE_GRAD_SUM}

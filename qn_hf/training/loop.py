@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 
 from ..arguments import plural
-from ..build.parallelize import parallelize
 from ..checkpoint import checkpoint_dir
 from ..checkpoint.atomic import write_text_atomic
 from ..checkpoint.lock import DirectoryInUse, HeldDirectory, hold_directory
@@ -41,6 +40,7 @@ from ..mesh import init_distributed, launched_world_size
 from ..parallel_model import ParallelModel, optimizer
 from ..planner.auto import Choice, auto_choice
 from ..planner.calibration import Calibration
+from ..transform.parallelize import parallelize
 from .config import TrainConfig, default_microbatches, effective_yaml
 from .errors import UsageError
 from .lr import warmup_cosine

@@ -29,9 +29,10 @@ from ..pipeline.seq2seq import check_seq2seq_pipeline
 from ..pipeline.split import StagePlan, build_stage_plan
 from ..policies import resolve_policy
 from ..policies.model_policy import ModelPolicy
+from ..policies.tp_plan import TpPlan
 from ..step.compile import check_compile
 from ..step.loss_chunks import check_loss_chunks
-from ..tensor_parallel.plan import TpPlan, build_tp_plan
+from ..tensor_parallel.plan import build_tp_plan
 from ..tensor_parallel.sequence_parallel import sequence_parallel_plan
 
 _T = TypeVar("_T")

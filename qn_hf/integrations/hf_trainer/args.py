@@ -31,7 +31,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ...build.parallelize import parallelize
 from ...config.dims import Axis
 from ...config.options import Precision
 from ...config.parallel_config import ParallelConfig
@@ -40,6 +39,7 @@ from ...data_parallel.optimizer import ParallelOptimizer
 from ...launch.nodes import local_rank
 from ...planner.auto import AUTO, Choice, auto_choice
 from ...planner.calibration import Calibration
+from ...transform.parallelize import parallelize
 
 # the keywords that say how to parallelize (ParallelConfig's); the rest say where (seed, mesh, device, ...)
 CONFIG_KEYS = ParallelConfig.keyword_names()

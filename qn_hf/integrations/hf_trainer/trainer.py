@@ -38,7 +38,6 @@ import transformers
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, has_length
 
-from ...build.parallelize import parallelize
 from ...checkpoint import CheckpointError, checkpoint_dir, read_index
 from ...config.composition import Feature
 from ...config.dims import Axis
@@ -47,6 +46,7 @@ from ...mesh import launched_world_size
 from ...parallel_model import ParallelModel, optimizer
 from ...step.compile import is_compiled
 from ...tensor_parallel.rng import device_rng_state, set_device_rng_state
+from ...transform.parallelize import parallelize
 from .args import (
     TrainerMesh,
     auto_mesh,

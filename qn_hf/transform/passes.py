@@ -31,9 +31,9 @@ from ..pipeline.standins import StandIn
 from ..pipeline.weight_grad import WeightGradQueue, make_deferrable
 from ..placement import ShardPlacement, materialize
 from ..policies.body import repeated_blocks
+from ..policies.tp_plan import TpPlan
 from ..step.compile import apply_compile
 from ..tensor_parallel.apply import VocabShard, apply_tp_plan
-from ..tensor_parallel.plan import TpPlan
 from ..tensor_parallel.rng import RngStreams, draws_in_training, stream_seeds
 from ..tensor_parallel.sequence_hooks import SequenceParallelSwitch, apply_sequence_parallel, sequence_wire
 from ..tensor_parallel.sequence_parallel import final_norm, regathers
