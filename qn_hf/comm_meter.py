@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .arguments import Choice
 from .config.dims import Axis
+from .config.layout import GroupRole
 
 
 class Collective(Choice):
@@ -71,25 +72,8 @@ _P2P = {"send", "recv_", "recv_any_source_"}
 _NO_PAYLOAD = {"barrier", "monitored_barrier_"}  # their tensor argument is a dummy the call makes
 
 
-class _Groups(Protocol):  # properties, so that a frozen dataclass matches; dp_shard, shard_mesh, host read if present
-    @property
-    def dp(self) -> ProcessGroup: ...
-    @property
-    def tp(self) -> ProcessGroup: ...
-    @property
-    def pp(self) -> ProcessGroup: ...
-    @property
-    def cp(self) -> ProcessGroup | None: ...
-    @property
-    def replicas(self) -> ProcessGroup: ...
-    @property
-    def kv(self) -> ProcessGroup | None: ...
-    @property
-    def tie(self) -> ProcessGroup | None: ...
-    @property
-    def ep(self) -> ProcessGroup | None: ...
-    @property
-    def experts(self) -> ProcessGroup | None: ...
+class _Groups(Protocol):  # what the meter reads of a ParallelModel's groups (mesh.Groups)
+    def of(self, role: GroupRole) -> ProcessGroup | None: ...
 
 
 class HasGroups(Protocol):  # all the meter reads of a ParallelModel
@@ -140,14 +124,9 @@ class CommMeter:
     """
 
     def __init__(self, pm: HasGroups) -> None:
-        g = pm.groups
-        # "replicas" (dp x cp, where gradients are reduced under cp > 1) first: at cp=1 it is the dp group
-        named = {"replicas": g.replicas, "dp": g.dp, "tp": g.tp, "pp": g.pp, "cp": g.cp, "kv": g.kv, "tie": g.tie,
-                 "ep": g.ep, "experts": g.experts, Axis.DP_SHARD: getattr(g, "dp_shard", None),
-                 "host": getattr(g, "host", None)}
-        # hybrid sharding: FSDP all-reduces the reduced shards across the groups of dp_shard ranks
-        shard_mesh = getattr(g, "shard_mesh", None)
-        named[Axis.DP_REPLICATE] = shard_mesh.get_group(0) if shard_mesh is not None and shard_mesh.ndim == 2 else None
+        # every group by its role's name, in GroupRole's order (the gradient sum first: at cp=1 it is the dp group,
+        # which keeps the name dp)
+        named = {role.value: pm.groups.of(role) for role in GroupRole}
         # By name, as the dispatcher hands over a boxed group, not the Python object. A named group
         # that is the default group (a mesh dim spanning the world) is reported by its name.
         self._names = {group.group_name: n for n, group in named.items() if group is not None}
@@ -165,7 +144,7 @@ class CommMeter:
         else:  # not a communication (c10d.check_for_nan, _c10d_functional.wait_tensor)
             return
         op = func._opname
-        if op in _P2P and name not in (Axis.CP, "host"):  # pipeline transfers: each link is a group of its own
+        if op in _P2P and name not in (GroupRole.SEQUENCE, GroupRole.HOST):  # pipeline transfers: each link is a group of its own
             name = Axis.PP.value
         # This rank's input: the "input*" arguments of gathers/scatters, else the in-place "tensors".
         inputs = [a.name for a in schema if a.name.startswith("input")]

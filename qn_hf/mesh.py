@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .comm import member_groups
 from .config.dims import Axis, ParallelDims
-from .config.layout import EXPERTS, REPLICAS, full_grid, rank_grid, rank_groups
+from .config.layout import GroupRole, full_grid, rank_grid, rank_groups
 from .devices import backend_for
 from .launch.nodes import SELF_STARTED, Nodes, agreed_nodes, launch_environment, warn_groups_across_nodes
 from .local_world import free_local_port
@@ -164,7 +164,8 @@ def check_mesh(mesh: DeviceMesh, dims: ParallelDims) -> None:
 
 @dataclass(frozen=True)
 class Groups:
-    """Every process group this rank belongs to, its mesh coordinates and its pipeline neighbours.
+    """Every process group this rank belongs to, its mesh coordinates and its pipeline neighbours. Each group
+    field is named as its role (``config/layout.GroupRole``'s value); ``of(role)`` hands out any of them by role.
 
     ``replicas`` is ``dp`` when cp=1. ``ep`` joins the ranks that share out one model's experts and
     ``experts`` those holding the same experts (both None when ep=1; ``experts`` also when only one rank
@@ -192,6 +193,12 @@ class Groups:
     expert_shard_mesh: DeviceMesh | None = None  # FSDP's mesh for the experts: their replicas (dp_shard > 1, ep > 1)
     host: ProcessGroup | None = None  # gloo over the world, for what the hosts agree on (build_groups says why)
     nodes: Nodes | None = None  # the job's nodes, as every rank agreed in build_groups
+
+    def of(self, role: GroupRole) -> ProcessGroup | None:
+        """This rank's group of ``role`` (``config/layout.GroupRole``): None where no group of it was built."""
+        if role is GroupRole.SHARD_REPLICAS:  # hybrid sharding's: the replicate dim of FSDP's 2-D mesh
+            return self.shard_mesh.get_group(0) if self.shard_mesh is not None and self.shard_mesh.ndim == 2 else None
+        return getattr(self, role.value)
 
     @property
     def prev(self) -> int | None:
@@ -237,12 +244,13 @@ def build_groups(dims: ParallelDims, *, device: torch.device, timeout: datetime.
                       for b in range(dims.tp)], timeout, owned) if tied_stages else None
     if dims.cp > 1:
         cp = mesh.get_group(Axis.CP.value)
-        replicas = _member_of(listed[REPLICAS], timeout, owned)
+        replicas = _member_of(listed[GroupRole.GRADIENT_SUM], timeout, owned)
     else:
         cp, replicas = None, mesh.get_group(Axis.DP.value)
     ep = experts = None
     if dims.ep > 1:
-        ep, experts = _member_of(listed[Axis.EP.value], timeout, owned), _member_of(listed[EXPERTS], timeout, owned)
+        ep = _member_of(listed[GroupRole.TOKEN_EXCHANGE], timeout, owned)
+        experts = _member_of(listed[GroupRole.EXPERT_SUM], timeout, owned)
         flat = d * dims.tp + t  # this rank's place in its stage's dp x tp grid
         per_grid = dims.dp * dims.tp // dims.ep  # holders of a block in one cp rank's grid
         coords = Coords(dp=d, pp=coords.pp, cp=coords.cp, tp=t, ep=flat % dims.ep,
@@ -283,14 +291,14 @@ def _shard_groups(grid: torch.Tensor, listed: dict[str, list[list[int]]], coords
     """This rank's dp_shard group (``config/layout.shard_groups``) and FSDP's mesh: 1-D over it, or 2-D
     (replicate, shard) when dp_shard < dp. Made of groups built here, as ``build_mesh``'s, with the job's
     timeout."""
-    shard = _member_of(listed[Axis.DP_SHARD.value], timeout, owned)
+    shard = _member_of(listed[GroupRole.WEIGHT_SHARD], timeout, owned)
     mine = grid[:, coords.pp, :, coords.tp].reshape(dims.dp_replicate, dims.dp_shard * dims.cp)
     # DeviceMesh equality ignores its groups and DTensor's caches are keyed by it: a later mesh of the same
     # ranks (after pm.close() destroyed these groups) would get the dead groups. Group names keep them apart.
     names = tuple(f"{dim}.{shard.group_name}" for dim in SHARD_MESH_DIMS)
     if dims.dp_replicate == 1:
         return shard, DeviceMesh.from_group(shard, device.type, mesh=mine[0], mesh_dim_names=names[1:])
-    replicate = _member_of(listed[Axis.DP_REPLICATE.value], timeout, owned)
+    replicate = _member_of(listed[GroupRole.SHARD_REPLICAS], timeout, owned)
     return shard, DeviceMesh.from_group([replicate, shard], device.type, mesh=mine, mesh_dim_names=names)
 
 

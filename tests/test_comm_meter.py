@@ -21,8 +21,8 @@ def _meter_target() -> SimpleNamespace:
         for name in ("dp", "tp", "pp", "tie", "ep", "other"):
             _GROUPS[name] = dist.new_group([0, 1])
     g = _GROUPS
-    return SimpleNamespace(groups=SimpleNamespace(dp=g["dp"], tp=g["tp"], pp=g["pp"], kv=None, tie=g["tie"],
-                                                  cp=None, replicas=g["dp"], ep=g["ep"], experts=None))
+    by_role = dict(replicas=g["dp"], dp=g["dp"], tp=g["tp"], pp=g["pp"], tie=g["tie"], ep=g["ep"])
+    return SimpleNamespace(groups=SimpleNamespace(of=lambda role: by_role.get(role.value)))
 
 
 def _rows(events) -> list[tuple]:

@@ -151,6 +151,7 @@ def _option_enums() -> tuple[type, ...]:
     from qn_hf.comm_meter import Collective
     from qn_hf.config.composition import Feature
     from qn_hf.config.dims import Axis
+    from qn_hf.config.layout import GroupRole
     from qn_hf.config.options import Dispatch, Gather, LossKind, Offload, Precision, ProblemType, Recompute
     from qn_hf.config.schedule import Schedule
     from qn_hf.launch.nodes import Launcher
@@ -163,7 +164,7 @@ def _option_enums() -> tuple[type, ...]:
     from qn_hf.policies.styles import Style
 
     return (Style, Schedule, Axis, LossKind, ProblemType, Role, FusedLayout, HeadAxis, Precision, Recompute, Gather, Feature, Collective, StandIn, Op, Step, Work,
-            Link, Launcher, Dispatch, Offload)
+            Link, Launcher, Dispatch, Offload, GroupRole)
 
 
 def _names_of_choices() -> dict[str, str]:

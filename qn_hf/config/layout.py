@@ -18,11 +18,28 @@ from types import MappingProxyType
 
 import torch
 
+from ..arguments import Choice
 from .dims import MESH_AXES, RANK_ORDER, Axis, ParallelDims
 
-# the groups ``rank_groups`` lists beside the mesh's axes: dp x cp (the ranks summing the same weights'
-# gradients), the ranks sharing out one model's experts, and those holding the same experts
-REPLICAS, EXPERTS = "replicas", "experts"
+
+class GroupRole(Choice):
+    """What the ranks of a group do together: every kind of process group, by role. ``rank_groups`` lists the
+    groups of the first nine over the world; ``mesh.build_groups`` builds them all and ``mesh.Groups.of(role)``
+    hands out this rank's. A role that is one mesh axis's takes the axis's name. The order is the one a group
+    serving two roles is named by, the later winning (at cp=1 the gradient sum's group is the dp group)."""
+
+    GRADIENT_SUM = "replicas"  # hold the same shard and sum its gradients: dp x cp
+    BATCH = "dp"  # train other sequences at one (pp, cp, tp)
+    TENSOR = "tp"  # hold the shards of each layer
+    STAGES = "pp"  # hold the stages of one (dp, cp, tp)
+    SEQUENCE = "cp"  # split each sequence (ring attention)
+    TOKEN_EXCHANGE = "ep"  # share out one model's experts and exchange tokens
+    EXPERT_SUM = "experts"  # hold the same experts and sum their gradients
+    WEIGHT_SHARD = "dp_shard"  # shard one copy of the weights (FSDP), with their cp ranks
+    SHARD_REPLICAS = "dp_replicate"  # hold the same weight shards (hybrid sharding's all-reduce)
+    KV_COPIES = "kv"  # tp ranks holding the same replicated KV heads
+    TIED_STAGES = "tie"  # the first and last stage, holding a tied weight's two copies
+    HOST = "host"  # every rank, over gloo: what the hosts agree on before a step's collectives
 
 
 def rank_grid(dims: ParallelDims) -> torch.Tensor:
@@ -70,16 +87,16 @@ def shard_groups(grid: torch.Tensor, dims: ParallelDims) -> tuple[list[list[int]
 
 @functools.lru_cache(maxsize=256)  # the planner asks once per mesh it prices, of thousands at a thousand GPUs
 def rank_groups(dims: ParallelDims) -> Mapping[str, tuple[tuple[int, ...], ...]]:
-    """Every group of each kind over the whole world: the mesh's axes (dp, pp, cp, tp), ``REPLICAS`` (dp x cp),
-    with ep ``Axis.EP`` and ``EXPERTS``, with dp_shard ``Axis.DP_SHARD`` and ``Axis.DP_REPLICATE``."""
+    """Every group of each role over the whole world: the mesh's axes (dp, pp, cp, tp), the gradient sum (dp x cp),
+    with ep the token exchange and the expert sum, with dp_shard the weight shards and their replicas."""
     grid = full_grid(dims)
-    groups = {spec.axis.value: grid.movedim(d, -1).reshape(-1, grid.shape[d]).tolist()
+    groups = {GroupRole(spec.axis.value): grid.movedim(d, -1).reshape(-1, grid.shape[d]).tolist()
               for d, spec in enumerate(MESH_AXES)}
-    groups[REPLICAS] = [grid[:, q, :, b].reshape(-1).tolist() for q in range(dims.pp) for b in range(dims.tp)]
+    groups[GroupRole.GRADIENT_SUM] = [grid[:, q, :, b].reshape(-1).tolist() for q in range(dims.pp) for b in range(dims.tp)]
     if dims.ep > 1:
-        groups[Axis.EP.value], groups[EXPERTS] = expert_groups(grid, dims)
+        groups[GroupRole.TOKEN_EXCHANGE], groups[GroupRole.EXPERT_SUM] = expert_groups(grid, dims)
     if dims.dp_shard > 1:
-        groups[Axis.DP_SHARD.value], groups[Axis.DP_REPLICATE.value] = shard_groups(grid, dims)
+        groups[GroupRole.WEIGHT_SHARD], groups[GroupRole.SHARD_REPLICAS] = shard_groups(grid, dims)
     # read-only: the cache hands the same value to every caller
     return MappingProxyType({kind: tuple(tuple(g) for g in lists) for kind, lists in groups.items()})
 

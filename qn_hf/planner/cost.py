@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 from ..comm_meter import Collective
 from ..config.dims import Axis
-from ..config.layout import EXPERTS, REPLICAS, crosses_nodes
+from ..config.layout import GroupRole, crosses_nodes
 from ..config.options import Recompute
 from .calibration import NO_WAITS, Calibration, Link, assumed
 from .results import MeshEstimate, MeshWork, StageEstimate, StageWork
@@ -105,9 +105,9 @@ def links(est: MeshEstimate, hw: Hardware) -> dict[str, str]:
     "experts": the ranks holding the same experts): "ib" where any of its groups holds ranks of two nodes,
     read from the groups the job builds (``config/layout.rank_groups``), ``hw.gpus_per_node`` ranks a node."""
     across = crosses_nodes(est.dims, hw.gpus_per_node) if est.world_size > hw.gpus_per_node else {}
-    kinds = {group: group for group in (Axis.TP, Axis.CP, Axis.PP, Axis.EP, EXPERTS, Axis.DP_SHARD, Axis.DP_REPLICATE,
-                                        REPLICAS)}
-    kinds[Axis.DP] = REPLICAS if est.dp > 1 else Axis.CP
+    kinds = {role: role for role in (GroupRole.TENSOR, GroupRole.SEQUENCE, GroupRole.STAGES, GroupRole.TOKEN_EXCHANGE, GroupRole.EXPERT_SUM,
+                                     GroupRole.WEIGHT_SHARD, GroupRole.SHARD_REPLICAS, GroupRole.GRADIENT_SUM)}
+    kinds[GroupRole.BATCH] = GroupRole.GRADIENT_SUM if est.dp > 1 else GroupRole.SEQUENCE  # (the gradients' sum, as "dp")
     return {str(group): "ib" if across.get(kind, False) else "nvlink" for group, kind in kinds.items()}
 
 
@@ -125,7 +125,7 @@ def _stated(hw: Hardware, world_size: int) -> Calibration:
 
 
 _MICROBATCH_GROUPS = (Axis.TP, Axis.CP, Axis.EP, Axis.PP)
-_BUCKETS = (Axis.DP, REPLICAS, EXPERTS)  # posted as backward fills them (FSDP's experts: with FSDP)
+_BUCKETS = (Axis.DP, GroupRole.GRADIENT_SUM, GroupRole.EXPERT_SUM)  # posted as backward fills them (FSDP's experts: with FSDP)
 _FSDP = (Axis.DP_SHARD, Axis.DP_REPLICATE)
 _P2P = (Axis.PP, "host")  # priced as pairwise transfers: the pipeline's, and the hosts' exchange (comm.host_max_)
 
@@ -134,8 +134,8 @@ def group_sizes(est: MeshEstimate) -> dict[str, int]:
     """Ranks in each group the estimate counts traffic for (pp: the pair a transfer joins; a group
     not named, as fp16's flag's "world", spans the world)."""
     dims = est.dims
-    return {Axis.TP: est.tp, Axis.CP: est.cp, Axis.EP: est.ep, Axis.PP: 2, Axis.DP: est.dp, REPLICAS: est.replicas,
-            EXPERTS: est.expert_replicas, Axis.DP_SHARD: dims.shard_width, Axis.DP_REPLICATE: dims.dp_replicate,
+    return {Axis.TP: est.tp, Axis.CP: est.cp, Axis.EP: est.ep, Axis.PP: 2, Axis.DP: est.dp, GroupRole.GRADIENT_SUM: est.replicas,
+            GroupRole.EXPERT_SUM: est.expert_replicas, Axis.DP_SHARD: dims.shard_width, Axis.DP_REPLICATE: dims.dp_replicate,
             "kv": est.tp, "tie": 2, "host": est.world_size, "world": est.world_size}
 
 
@@ -304,7 +304,7 @@ def step_time(est: MeshEstimate, hw: Hardware, calibration: Calibration | None =
         """A stage's once-a-step groups, less what overlaps with its compute."""
         sharded = est.dp_shard > 1
         buckets = sum(seconds(g, s.comm[g]) for g in _BUCKETS if g in s.comm and not sharded)
-        fsdp = sum(seconds(g, s.comm[g]) for g in (*_FSDP, EXPERTS) if g in s.comm and sharded)
+        fsdp = sum(seconds(g, s.comm[g]) for g in (*_FSDP, GroupRole.EXPERT_SUM) if g in s.comm and sharded)
         rest = sum(seconds(g, traffic) for g, traffic in s.comm.items()
                    if g not in (*_MICROBATCH_GROUPS, *_BUCKETS, *_FSDP))
         return (buckets - cal.overlap * min(buckets, backward_mb) + fsdp

@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from ..config.dims import AXES, Axis
-from ..config.layout import REPLICAS
+from ..config.layout import GroupRole
 from ..config.schedule import as_schedule
 from .calibration import Calibration
 from .cost import GIB, Hardware, links, step_time
@@ -32,7 +32,7 @@ def settings(*, mixed_precision: str | None, zero: bool, recompute: str | None, 
 
 def crossing(link: dict[str, str]) -> list[str]:
     """The groups whose ranks lie on two nodes or more (``links``' "ib"; "replicas" is named "dp" there)."""
-    return [group for group, kind in link.items() if kind == "ib" and group != REPLICAS]
+    return [group for group, kind in link.items() if kind == "ib" and group != GroupRole.GRADIENT_SUM]
 
 
 def mesh_report(est: MeshEstimate, hw: Hardware, calibration: Calibration | None = None) -> str:
@@ -97,7 +97,8 @@ def group_gb(comm: dict) -> dict[str, float]:
     "replicas" (dp x cp) plus "experts" (the ep-sharded experts' own group) plus FSDP's
     ("dp_shard": its all-gathers too; "dp_replicate")."""
     gb = {g: comm[g].nbytes / 1e9 if g in comm else 0.0 for g in (Axis.TP, Axis.CP, Axis.PP, Axis.DP, Axis.EP)}
-    gb["dp"] += sum(comm[g].nbytes / 1e9 for g in ("replicas", "experts", Axis.DP_SHARD, Axis.DP_REPLICATE) if g in comm)
+    gb[GroupRole.BATCH] += sum(comm[g].nbytes / 1e9 for g in (GroupRole.GRADIENT_SUM, GroupRole.EXPERT_SUM,
+                                                              GroupRole.WEIGHT_SHARD, GroupRole.SHARD_REPLICAS) if g in comm)
     return gb
 
 
