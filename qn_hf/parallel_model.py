@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -13,50 +12,35 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .checkpoint.background import DEFAULT_TIMEOUT, BackgroundSaves
 from .checkpoint.methods import CheckpointMethods
-from .checkpoint.save import HeldDirectories
-from .comm import flat_all_reduce_
+from .checkpoint.view import CheckpointView
 from .config.composition import Feature, check_and_warn
 from .config.dims import ParallelDims
-from .config.options import LossKind, ProblemType
 from .config.parallel_config import ParallelConfig
 from .config.schedule import Schedule
-from .context_parallel.apply import LOCAL_VALID, AttentionSwitch, whole_sequence_logits
+from .context_parallel.apply import AttentionSwitch
 from .context_parallel.ring_attention import PieceLayout
 from .data_parallel.buckets import GradBuckets
 from .data_parallel.grad_sync import GradSync
 from .data_parallel.optimizer import ParallelOptimizer, Trainee
 from .data_parallel.precision import LossScaler
 from .data_parallel.sharded import ShardedParameters
-from .expert_parallel.router_loss import RouterLogits, adds_router_loss
 from .failure import FailTogether
 from .launch.nodes import Nodes
 from .mesh import Coords, Groups
 from .peft.lora import Adapter
 from .pipeline.runtime import StageExecutor
-from .pipeline.split import params_by_final_pass
 from .pipeline.stage import StageModules
 from .placement import ShardPlacement
 from .policies.tp_plan import TpPlan
-from .step.batch import batch_signature, check_same_batch, dp_rows
+from .step.batch import dp_rows
 from .step.generation import parallel_generate, switched_off
 from .step.logits import LogitsFn, collect_logits
-from .step.loss import local_count, loss_scales, nan_without_targets, problem_type, scaled, summed_loss, term_weights
-from .step.runner import StepContext, forward_inputs, prepare, run_schedule, trusted
+from .step.runner import StepContext
+from .step.training_loss import LocalLoss, LossFn, TrainingLoss
 from .tensor_parallel.apply import VocabShard
 from .tensor_parallel.rng import RngStreams
 from .tensor_parallel.sequence_hooks import SequenceParallelSwitch
 from .tensor_parallel.shard import ShardSpec
-
-LossFn = Callable[[object, Mapping[str, torch.Tensor]], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class _LocalLoss:
-    """A step's loss before its sums over the mesh: this rank's share, and what it is a mean over."""
-
-    total: torch.Tensor
-    count: torch.Tensor
-    builtin: bool
 
 
 class ParallelModel(CheckpointMethods):
@@ -77,22 +61,27 @@ class ParallelModel(CheckpointMethods):
         precision = context.config.mixed_precision
         self.precision = precision.dtype if precision else None  # the compute dtype (None: the model's own)
         self.scaler = scaler  # float16's loss scale
-        # the dtype the step's loss is summed and reported in: float32, or float64 for a float64 model's (float32 rounds)
-        self._loss_dtype = torch.promote_types(next((p.dtype for p in context.module.parameters()
-                                                     if p.is_floating_point()), torch.float32), torch.float32)
-        # (chunk, Op.BWD | Op.WGT) -> the parameters final after its last backward or W pass: their buckets may start
-        self._final_params = params_by_final_pass(context.module, context.stage.plan, chunks=context.stage.chunks,
-                                                  deferred=deferred)
+        self.sp_switch, self.attention_switch = switches  # sp and cp, off while generating
+        self.step_loss = TrainingLoss(context, grads=grads, scaler=scaler, deferred=deferred, sp_switch=self.sp_switch)
         self.deferred = deferred  # names of the parameters whose gradients come in W passes (zb_h1)
         self.optimizer = None  # the qn_hf.optimizer built over this model, if any
         self.failures, self._sync = FailTogether(), True
         # Every step the hosts agree on each replica's batch, shapes and host contents (agreement.py; False: shapes
         # only); the first step also the contents on the device (one all-reduce, one host read; True: every step)
-        self.agree_batch_contents, self.check_every_batch, self._batch_checked, self.closed = True, False, False, False
-        self.held_roots = HeldDirectories()  # the checkpoint roots this model saves to, locked (checkpoint/lock.py)
-        self.saves = saves or BackgroundSaves(timeout=DEFAULT_TIMEOUT)  # the save in flight (checkpoint/background.py)
-        self.sp_switch, self.attention_switch = switches  # sp and cp, off while generating
+        self.agree_batch_contents, self.check_every_batch, self.closed = True, False, False
+        # what its checkpoints read of it (checkpoint/view.py), the save in flight and the roots it saves to with it
+        self.checkpoint_view = CheckpointView(
+            module=context.module, placement=context.placement, config=context.stage.config, failures=self.failures,
+            adapter=adapter, scaler=scaler, cast=precision is not None, virtual_stages=context.stage.plan.virtual,
+            ready=self._weights_ready, saves=saves or BackgroundSaves(timeout=DEFAULT_TIMEOUT))
         self.sharded = sharded  # dp_shard > 1: FSDP's groups (data_parallel/sharded.py)
+
+    def _run(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn | None, *, backward: bool,
+             num_items: torch.Tensor | float | None = None, loss_keys: Sequence[str] = ()) -> LocalLoss:
+        """The step's loss (step/training_loss.py) under this model's switches: no_sync, the batch checks."""
+        return self.step_loss.run(batch, loss_fn, backward=backward, sync=self._sync,
+                                  check_every_batch=self.check_every_batch, agree_contents=self.agree_batch_contents,
+                                  num_items=num_items, loss_keys=loss_keys)
 
     # -- what parallelize fixed (step/runner.py's context) ---------------------------------------
     module: nn.Module = property(lambda self: self.context.module)
@@ -113,9 +102,10 @@ class ParallelModel(CheckpointMethods):
         try:
             self.wait_checkpoint()
         finally:
-            self.saves.close()
-            self.placement.groups.release()
-            self.held_roots.release()
+            try:
+                self.checkpoint_view.close()
+            finally:
+                self.placement.groups.release()
         self.closed = True
 
     # -- where this rank sits (read from the placement) ------------------------------------------
@@ -207,15 +197,13 @@ class ParallelModel(CheckpointMethods):
             # the loss's sums come after the gradients' on the same groups: a rank whose backward left a
             # parameter without a gradient (a branch its rows never took) starts its buckets only in
             # sync(), and every rank must issue the same collectives in the same order
-            return self._reduced_loss(local)
+            return self.step_loss.reduced(local)
 
     def count_items(self, batches: Sequence[Mapping[str, torch.Tensor]], loss_fn: LossFn | None = None) -> torch.Tensor:
         """What one step on all of this dp rank's ``batches`` would average its loss over, summed over dp
         (targets, or rows with a ``loss_fn``; question answering: its starts and its ends): a ``[K]`` device
         tensor for ``train_step(num_items_in_batch=)``."""
-        kind = self.plan.loss if loss_fn is None else None
-        problem = self._problem(batches[0]) if kind is LossKind.CLASSIFICATION and batches else None
-        return self._count(batches, kind=kind, problem=problem)
+        return self.step_loss.count_items(batches, loss_fn)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -232,7 +220,7 @@ class ParallelModel(CheckpointMethods):
                   loss_keys: Sequence[str] = ()) -> torch.Tensor:
         """Forward only, in evaluation mode (restored afterwards); the same loss as ``train_step``."""
         with self._forward_only("eval_step"):
-            return self._reduced_loss(self._run(batch, loss_fn, backward=False, loss_keys=loss_keys))
+            return self.step_loss.reduced(self._run(batch, loss_fn, backward=False, loss_keys=loss_keys))
 
     @contextlib.contextmanager
     def _forward_only(self, what: str, *, evaluate: bool = True) -> Iterator[None]:
@@ -261,103 +249,6 @@ class ParallelModel(CheckpointMethods):
         elsewhere). Evaluation mode, restored afterwards; logits.py says how."""
         with self._forward_only("logits"):
             return collect_logits(self.context, batch, reduce=reduce, broadcast=broadcast)
-
-    def _run(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn | None, *, backward: bool,
-             num_items: torch.Tensor | float | None = None, loss_keys: Sequence[str] = ()) -> _LocalLoss:
-        builtin, cp = loss_fn is None, self.dims.cp
-        kind = self.plan.loss if builtin else None  # the head's loss (policies/task.py), or a loss_fn's rows
-        prepared = prepare(self.context, batch, loss=self.plan.loss, builtin=builtin, num_items=num_items,
-                           loss_keys=loss_keys, contents=self.agree_batch_contents)
-        routers = (RouterLogits(self.module, pp=self.dims.pp, microbatches=self.microbatches, replicas=self.groups.replicas,
-                                sequence=self.groups.tp if self.sp_switch is not None and self.sp_switch.on else None)
-                   if builtin and adds_router_loss(self.module) else None)  # checks the term can be equal
-        if self.dims.world_size > self.dims.dp and (self.check_every_batch or not self._batch_checked):
-            check_same_batch(batch_signature(prepared.batch, device=self.device), replica=self.coords.dp,
-                             replicas=self.dims.dp)
-            self._batch_checked = True
-        problem = self._problem(prepared.batch) if kind is LossKind.CLASSIFICATION else None
-        # What the loss is a mean over (one count per term), summed over dp (one tiny all-reduce) unless
-        # the caller gave the accumulation's count; each microbatch's share of it (loss.loss_scales)
-        if num_items is None:
-            count = self._count([prepared.batch], kind=kind, problem=problem)
-        else:
-            count = torch.as_tensor(num_items, dtype=torch.float64).to(self.device, non_blocking=True).reshape(-1)
-        scales = loss_scales(count, rows=prepared.rows, builtin=builtin, weights=term_weights(kind))
-        micro, whole = prepared.micro, prepared.whole  # a loss_fn sees whole sequences (whole_sequence_logits)
-        total = torch.zeros((), dtype=self._loss_dtype, device=self.device)
-
-        def forward(chunk: int, mb: int, received: torch.Tensor | None) -> torch.Tensor:
-            """One microbatch through one of this stage's chunks: the activation to send, or on the
-            last chunk the microbatch's share of the global loss (what backward starts from)."""
-            nonlocal total
-            last = self.stage.is_last_chunk(chunk)
-            inputs = forward_inputs(self.context, prepared, mb, builtin=builtin, last=last, dropped=loss_keys)
-            chunked = self.context.loss_chunks if last and builtin else None  # the loss a chunk at a time (loss_chunks.py)
-            with (routers or contextlib.nullcontext(), trusted(self.context, prepared),  # router_loss.py, host_masks.py
-                  chunked.recording() if chunked else contextlib.nullcontext() as recorded):
-                outputs = self.stage.forward(inputs, received, chunk=chunk, **self.plan.policy.forward_kwargs,
-                                             **(routers.forward_kwargs if routers else {}))
-            if not last:
-                return outputs
-            if builtin:
-                sums = (chunked.summed(recorded, outputs, micro[mb], head=self.plan.head, vocab=self.vocab,
-                                       group=self.groups.tp) if chunked else
-                        summed_loss(outputs, micro[mb], kind=kind, head=self.plan.head, problem=problem,
-                                    group=self.groups.tp, vocab=self.vocab))
-                loss = scaled(sums, scales[mb]).sum()
-            else:
-                if cp > 1:  # the same loss of the whole sequences on every cp rank, 1/cp of it each (context_parallel/apply.py)
-                    loss = loss_fn(whole_sequence_logits(self._with_full_logits(outputs), layout=self.cp_layout,
-                                                         group=self.groups.cp), whole[mb]) / cp
-                else:
-                    loss = loss_fn(self._with_full_logits(outputs), micro[mb])
-                loss = scaled(loss, scales[mb][0])
-            if routers:  # transformers' load-balancing term, this rank's share (router_loss.py)
-                loss = loss + routers.loss(micro[mb].get(LOCAL_VALID, micro[mb].get("attention_mask")))
-            total += loss.detach().to(total.dtype)
-            # float16: backward starts from the scaled loss (GradSync unscales the gradients)
-            return loss * self.scaler.scale if self.scaler is not None and backward else loss
-
-        if backward:
-            self.grads.disarm()
-        arm = (lambda chunk, kind: self.grads.arm(self._final_params.get((chunk, kind), []))) \
-            if backward and self._sync else None
-        run_schedule(self.context, prepared, forward, backward=backward, on_final=arm)
-        return _LocalLoss(total=total, count=count, builtin=builtin)
-
-    def _reduced_loss(self, local: _LocalLoss) -> torch.Tensor:
-        """The step's loss on every rank: the last stage holds it, so a sum over pp hands it to every
-        stage, then over dp and cp (each cp rank holds the loss of its own tokens)."""
-        for group in (self.groups.pp, self.groups.replicas):
-            flat_all_reduce_([local.total], group=group)
-        # the plain model's mean over no target is NaN (DeBERTa's own rules give 0 there)
-        if local.builtin and not self.plan.head.own_problem_types:
-            return nan_without_targets(local.total, local.count)
-        return local.total
-
-    def _problem(self, batch: Mapping[str, torch.Tensor]) -> ProblemType:
-        """A classifier's problem type for this batch, decided as transformers' forward decides it, and
-        recorded in the config as that forward records it (a saved config then says it too)."""
-        config = self.stage.config
-        head = self.plan.head
-        problem = problem_type(config, batch["labels"], problem_types=head.problem_types, own=head.own_problem_types)
-        if head.problem_types and not head.own_problem_types and getattr(config, "problem_type", None) is None:
-            config.problem_type = problem.value
-        return problem
-
-    def _count(self, batches: Sequence[Mapping[str, torch.Tensor]], *, kind: LossKind | None,
-               problem: ProblemType | None) -> torch.Tensor:
-        """What ``batches`` hold on this dp rank to average the loss over (one count per term of ``kind``'s
-        loss; rows for a ``loss_fn``, ``kind=None``), summed over dp: a ``[K]`` device tensor."""
-        count = sum(local_count(b, kind=kind, head=self.plan.head, problem=problem, device=self.device) for b in batches)
-        if kind is not LossKind.OWN:  # the model's own loss is its one forward's mean: nothing to sum
-            flat_all_reduce_([count], group=self.groups.dp)
-        return count
-
-    def _with_full_logits(self, outputs):
-        if self.vocab is not None and getattr(outputs, "logits", None) is not None:
-            outputs.logits = self.full_logits(outputs.logits)
-        return outputs
 
     # the whole model's HF config (a stage's modules may hold a cut copy) and generate's defaults, as on the plain
     # model, so code written for a PreTrainedModel reads them unchanged; how it was parallelized: parallel_config
