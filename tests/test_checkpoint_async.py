@@ -144,7 +144,7 @@ def case_stream_order(*, model_dir: str, root: str) -> dict:
 
     pm, opt = _model(model_dir, dp=1, pp=2, zero=False)
     streams = LateStreams(host_delay_s=0.5)  # the writer thread's wait for the device comes late too
-    pm.saves = BackgroundSaves(timeout=pm.saves.timeout, streams=streams)
+    pm.checkpoint_view.saves = BackgroundSaves(timeout=pm.checkpoint_view.saves.timeout, streams=streams)
     real_wait = HostCopies.wait_copied
     out: dict = {"torn": {}}
     seed = 1
@@ -164,11 +164,11 @@ def case_stream_order(*, model_dir: str, root: str) -> dict:
             finally:
                 HostCopies.wait_copied = real_wait
             pm.wait_checkpoint()
-    out["arena"] = pm.saves.copies.host_bytes
+    out["arena"] = pm.checkpoint_view.saves.copies.host_bytes
     out["pinned"] = list(streams.pinned)
     out["launched"] = streams.copies_launched
     pm.wait_checkpoint(release=True)
-    out["released"] = (pm.saves.copies.host_bytes, streams.unpinned)
+    out["released"] = (pm.checkpoint_view.saves.copies.host_bytes, streams.unpinned)
     pm.close()
     return out
 

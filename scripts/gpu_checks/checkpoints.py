@@ -55,7 +55,7 @@ def async_save(*, quick: bool) -> list[dict]:
         start = time.perf_counter()
         pm.save_checkpoint(os.path.join(root, "async"), optimizer=opt, step=1, keep_last=1, asynchronous=True)
         async_s = time.perf_counter() - start
-        first_stream = pm.saves.copies.copy_stream
+        first_stream = pm.checkpoint_view.saves.copies.copy_stream
         after = [step(), step()]  # the first waits (on the device) for the copy before its update
         pm.wait_checkpoint()
         a, b = checkpoint_dir(os.path.join(root, "sync")), checkpoint_dir(os.path.join(root, "async"))
@@ -102,7 +102,7 @@ def _weights_only(pm, step, root: str) -> list[str]:
 def _what_saves_keep(pm, device: torch.device, first_stream) -> dict:
     """After two asynchronous saves: the first's copy stream for both (priority -2), the arena given back by
     wait_checkpoint(release=True); the arena's size and torch's pinned allocator's bytes reported."""
-    copies = pm.saves.copies
+    copies = pm.checkpoint_view.saves.copies
     if device.type != "cuda":
         return {"ok": True, "detail": f"no CUDA: host copies, arena {copies.host_bytes / 2**20:.2f} MiB (plain memory)"}
     stream = copies.copy_stream
