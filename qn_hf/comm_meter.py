@@ -35,7 +35,6 @@ from torch.distributed import ProcessGroup
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .arguments import Choice
-from .config.dims import Axis
 from .config.layout import GroupRole
 
 
@@ -144,8 +143,8 @@ class CommMeter:
         else:  # not a communication (c10d.check_for_nan, _c10d_functional.wait_tensor)
             return
         op = func._opname
-        if op in _P2P and name not in (GroupRole.SEQUENCE, GroupRole.HOST):  # pipeline transfers: each link is a group of its own
-            name = Axis.PP.value
+        if op in _P2P and name not in (GroupRole.SEQUENCE, GroupRole.HOST):  # pipeline links: a group of their own each
+            name = GroupRole.STAGES.value
         # This rank's input: the "input*" arguments of gathers/scatters, else the in-place "tensors".
         inputs = [a.name for a in schema if a.name.startswith("input")]
         inputs = inputs or [a.name for a in schema if a.name in ("tensors", "tensor")]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
@@ -36,7 +37,7 @@ from .step.batch import dp_rows
 from .step.generation import parallel_generate, switched_off
 from .step.logits import LogitsFn, collect_logits
 from .step.runner import StepContext
-from .step.training_loss import LocalLoss, LossFn, TrainingLoss
+from .step.step_loss import LocalLoss, LossFn, StepLoss
 from .tensor_parallel.apply import VocabShard
 from .tensor_parallel.rng import RngStreams
 from .tensor_parallel.sequence_hooks import SequenceParallelSwitch
@@ -62,7 +63,7 @@ class ParallelModel(CheckpointMethods):
         self.precision = precision.dtype if precision else None  # the compute dtype (None: the model's own)
         self.scaler = scaler  # float16's loss scale
         self.sp_switch, self.attention_switch = switches  # sp and cp, off while generating
-        self.step_loss = TrainingLoss(context, grads=grads, scaler=scaler, deferred=deferred, sp_switch=self.sp_switch)
+        self.step_loss = StepLoss(context, grads=grads, scaler=scaler, deferred=deferred, sp_switch=self.sp_switch)
         self.deferred = deferred  # names of the parameters whose gradients come in W passes (zb_h1)
         self.optimizer = None  # the qn_hf.optimizer built over this model, if any
         self.failures, self._sync = FailTogether(), True
@@ -73,12 +74,12 @@ class ParallelModel(CheckpointMethods):
         self.checkpoint_view = CheckpointView(
             module=context.module, placement=context.placement, config=context.stage.config, failures=self.failures,
             adapter=adapter, scaler=scaler, cast=precision is not None, virtual_stages=context.stage.plan.virtual,
-            ready=self._weights_ready, saves=saves or BackgroundSaves(timeout=DEFAULT_TIMEOUT))
+            ready_method=weakref.WeakMethod(self._weights_ready), saves=saves or BackgroundSaves(timeout=DEFAULT_TIMEOUT))
         self.sharded = sharded  # dp_shard > 1: FSDP's groups (data_parallel/sharded.py)
 
     def _run(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn | None, *, backward: bool,
              num_items: torch.Tensor | float | None = None, loss_keys: Sequence[str] = ()) -> LocalLoss:
-        """The step's loss (step/training_loss.py) under this model's switches: no_sync, the batch checks."""
+        """The step's loss (step/step_loss.py) under this model's switches: no_sync, the batch checks."""
         return self.step_loss.run(batch, loss_fn, backward=backward, sync=self._sync,
                                   check_every_batch=self.check_every_batch, agree_contents=self.agree_batch_contents,
                                   num_items=num_items, loss_keys=loss_keys)
@@ -99,13 +100,12 @@ class ParallelModel(CheckpointMethods):
     def close(self) -> None:
         """Release (every rank) the process groups parallelize made: not the world's, not a mesh= given."""
         self._weights_ready()
-        try:
+        view = self.checkpoint_view
+        with contextlib.ExitStack() as after:  # each runs, in this order, whichever raises
+            after.callback(view.held_roots.release)
+            after.callback(self.placement.groups.release)
+            after.callback(view.saves.close)
             self.wait_checkpoint()
-        finally:
-            try:
-                self.checkpoint_view.close()
-            finally:
-                self.placement.groups.release()
         self.closed = True
 
     # -- where this rank sits (read from the placement) ------------------------------------------

@@ -204,19 +204,21 @@ def host_masked_parity(*, model_dir: str, padded: bool, dp: int, pp: int) -> dic
     ref = load("llama", model_dir)
     pm = qn_hf.parallelize(copy.deepcopy(ref), dp=dp, pp=pp, microbatches=2, mesh=mesh_for(dp, 1, pp))
     batch = make_batch("llama", size=4, seed=3, padded=padded)
+    from qn_hf.step import step_loss  # where the step prepares its batch (StepLoss.run)
+
     taken = []
-    prepare = qn_hf.parallel_model.prepare
+    prepare = step_loss.prepare
 
     def spy(*args, **kwargs):  # which path each step's microbatches take
         prepared = prepare(*args, **kwargs)
         taken.append(prepared.masks is not None)
         return prepared
 
-    qn_hf.parallel_model.prepare = spy
+    step_loss.prepare = spy
     try:
         loss = pm.train_step(dp_slice(batch, dp=dp, dp_rank=pm.coords["dp"]))
     finally:
-        qn_hf.parallel_model.prepare = prepare
+        step_loss.prepare = prepare
     expected = ref(**batch)
     expected.loss.backward()
     grads = {n: p.grad for n, p in ref.named_parameters()}

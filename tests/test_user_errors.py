@@ -25,6 +25,20 @@ def test_a_misspelt_keyword_names_the_close_match():
         qn_hf.parallelize(LlamaForCausalLM(LlamaConfig(**TINY)), micro_batches=4)
 
 
+def test_parallelize_takes_a_configuration_or_its_keywords(monkeypatch):
+    """The options are ParallelConfig's keywords, written once there: beside a configuration a keyword that changes
+    something is refused, one at its default is no change (the launch's check then speaks). No process group."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    model, config = LlamaForCausalLM(LlamaConfig(**TINY)), qn_hf.ParallelConfig(dp=2)
+    with pytest.raises(ValueError, match=r"parallelize\(model, config, microbatches=\.\.\.\): the config already holds"):
+        qn_hf.parallelize(model, config, microbatches=4)
+    with pytest.raises(ValueError, match=r"world size 1 != dp\*tp\*pp = 2\*1\*1"):
+        qn_hf.parallelize(model, config, dp=1, schedule="1f1b")
+    with pytest.raises(TypeError, match=r"'mirco_batches' \(did you mean 'microbatches'\?\); it takes policy, mesh, "
+                                        r"device, .*, dp, tp, pp, cp, ep, dp_shard, microbatches"):
+        qn_hf.parallelize(model, config, mirco_batches=4)
+
+
 def test_dp_shard_alone_names_the_dp_it_needs(monkeypatch):
     """dp_shard shards within dp: ``dp_shard=4`` alone on 4 ranks is told to set dp=4, the fix that
     works, not to choose dp_shard among [1]. No process group: the check runs before any."""

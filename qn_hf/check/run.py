@@ -262,7 +262,7 @@ def parity_config(*, microbatches: int | None = None, virtual_stages: int = 1, s
     """The ``ParallelConfig`` the check runs at (``options``: the degrees and any other of its keywords), or the
     ``ValueError`` that refuses it: pp x ``virtual_stages`` microbatches unless given, ``schedule`` or else
     interleaved 1F1B when ``virtual_stages`` > 1, 1F1B otherwise."""
-    stages = int(options.get("pp", 1)) * virtual_stages
+    stages = options.get("pp", 1) * virtual_stages
     return ParallelConfig.from_keywords(**options, microbatches=microbatches or max(1, stages),
                                         virtual_stages=virtual_stages,
                                         schedule=schedule or ("interleaved_1f1b" if virtual_stages > 1 else "1f1b"))

@@ -17,7 +17,9 @@ sharded model), ``hf`` (Hugging Face directories), ``export`` (``save_pretrained
 (where every tensor goes at a mesh, from the config alone), ``full_state`` (``pm.state_dict()``),
 ``atomic`` (whole-or-nothing files), ``seal`` (the index's own digest), ``tiling`` (pieces that tile a
 tensor once), ``optimizer_state`` (parameter groups, and every state tensor of every parameter at
-load), ``lock`` (one job per directory: ``hold_directory``, also for a training script's output).
+load), ``lock`` (one job per directory: ``hold_directory``, also for a training script's output),
+``background`` (asynchronous saves: the copy, then the writing in the background), ``methods`` (the checkpoint
+side of ``ParallelModel``) and ``view`` (what it reads of the model, as one value).
 """
 
 from .format import FORMAT, INDEX, VERSION, CheckpointError, checkpoint_dir, read_index

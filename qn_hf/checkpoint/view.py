@@ -3,7 +3,7 @@ handle and its checkpoints (``methods.py``), so neither reaches into the other's
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -21,7 +21,8 @@ class CheckpointView:
     """The sharded model and where its shards sit, the whole model's Hugging Face config (a stage's modules may
     hold a cut copy), the PEFT adapter it came from, fp16's loss scale, whether mixed precision casts what is
     loaded, the pipeline's chunks per rank; ``ready`` raises on a closed model and waits for weights ZeRO-1 still
-    gathers; the save in flight (``saves``) and the roots this model saves to, held while it lives."""
+    gathers (the model's own method, held weakly: the view must not keep its model alive); the save in flight
+    (``saves``) and the roots this model saves to, held while it lives."""
 
     module: nn.Module
     placement: ShardPlacement
@@ -31,13 +32,9 @@ class CheckpointView:
     scaler: LossScaler | None
     cast: bool
     virtual_stages: int
-    ready: Callable[[], None]
+    ready_method: weakref.WeakMethod
     saves: BackgroundSaves
     held_roots: HeldDirectories = field(default_factory=HeldDirectories)
 
-    def close(self) -> None:
-        """Free the save's host buffers and the held roots (after the last save is waited for)."""
-        try:
-            self.saves.close()
-        finally:
-            self.held_roots.release()
+    def ready(self) -> None:
+        self.ready_method()()

@@ -7,7 +7,9 @@ every rank before anything communicates.
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -47,8 +49,8 @@ class AxisSpec:
 
 
 # The one table of the degrees: their order is the keywords' (``parallelize(dp=, tp=, pp=, cp=, ep=, dp_shard=)``);
-# everything that lists the degrees (the mesh's names, the rank numbering, the world size, messages, the
-# planner's columns) reads them from here.
+# what lists them reads them from here (the mesh's names, the rank numbering, the world size, messages, the
+# planner's searched meshes); the places that still spell them out are counted by tests/test_structure.py.
 AXES: tuple[AxisSpec, ...] = (
     AxisSpec(Axis.DP, "the batch: each replica trains other sequences", mesh=0, rank_order=1),
     AxisSpec(Axis.TP, "each layer's weights, by columns or rows (heads, channels)", mesh=3, rank_order=3),
@@ -59,7 +61,7 @@ AXES: tuple[AxisSpec, ...] = (
 )
 DEGREES: tuple[str, ...] = tuple(spec.axis.value for spec in AXES)  # the keyword names, in the keywords' order
 MESH_AXES: tuple[AxisSpec, ...] = tuple(sorted((s for s in AXES if s.mesh is not None), key=lambda s: s.mesh))
-MESH_DEGREES: tuple[str, ...] = tuple(spec.axis.value for spec in MESH_AXES)  # the degrees that take ranks
+MESH_DEGREES: tuple[str, ...] = tuple(s.axis.value for s in AXES if s.mesh is not None)  # those taking ranks, in order
 RANK_ORDER: tuple[Axis, ...] = tuple(s.axis for s in sorted((s for s in AXES if s.rank_order is not None),
                                                             key=lambda s: s.rank_order))
 
@@ -114,7 +116,7 @@ class ParallelDims:
         """Every degree by name, in the keywords' order."""
         return {name: getattr(self, name) for name in DEGREES}
 
-    @property
+    @functools.cached_property  # (a frozen value: computed once; the planner asks for it per mesh and stage)
     def world_size(self) -> int:
         return math.prod(getattr(self, spec.axis.value) for spec in MESH_AXES)
 
@@ -130,7 +132,7 @@ class ParallelDims:
         cp, as every cp rank of a dp_shard group holds the same weights and takes a piece of them."""
         return self.dp_shard * self.cp
 
-    @property
+    @functools.cached_property
     def names(self) -> tuple[str, ...]:
         """The mesh's dim names (plain strings, as DeviceMesh keeps them): cp appears only when it is
         used, so 3-D meshes stay as they were."""
@@ -162,11 +164,11 @@ class ParallelDims:
 
 class NamedDegrees:
     """The degrees by name (``est.tp``) for a value that holds a ``ParallelDims`` as ``dims``: the
-    planner's estimates and the zoo's meshes are read a column at a time."""
+    planner's estimates and the zoo's meshes are read a column at a time (a property per degree, below)."""
 
     dims: ParallelDims
 
-    def __getattr__(self, name: str) -> int:
-        if name in DEGREES:  # (only names no attribute answers come here)
-            return getattr(self.dims, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+for _name in DEGREES:  # (properties, not __getattr__: the planner reads them millions of times a search)
+    setattr(NamedDegrees, _name, property(operator.attrgetter(f"dims.{_name}")))
+del _name

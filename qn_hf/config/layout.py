@@ -24,8 +24,9 @@ from .dims import MESH_AXES, RANK_ORDER, Axis, ParallelDims
 
 class GroupRole(Choice):
     """What the ranks of a group do together: every kind of process group, by role. ``rank_groups`` lists the
-    groups of the first nine over the world; ``mesh.build_groups`` builds them all and ``mesh.Groups.of(role)``
-    hands out this rank's. A role that is one mesh axis's takes the axis's name. The order is the one a group
+    world's groups of the mesh's axes and the gradient sum, and of the token exchange, the expert sum, the weight
+    shards and their replicas where ep or dp_shard is used; ``mesh.build_groups`` builds what a run uses (the KV
+    copies, tied stages and host too) and ``mesh.Groups.of(role)`` hands out this rank's (None: none built). A role that is one mesh axis's takes the axis's name. The order is the one a group
     serving two roles is named by, the later winning (at cp=1 the gradient sum's group is the dp group)."""
 
     GRADIENT_SUM = "replicas"  # hold the same shard and sum its gradients: dp x cp

@@ -79,7 +79,7 @@ class ParallelConfig:
                  expert_dispatch: str | Dispatch = Dispatch.ALL_TO_ALL, loss_chunk_tokens: int | None = None) -> None:
         degrees = dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_shard=dp_shard)  # (the keywords' home: written once)
         if dims is None:
-            dims = ParallelDims.of(degrees)
+            dims = ParallelDims(**degrees)
         elif any(value != 1 for value in degrees.values()):
             given = ", ".join(f"{k}={v}" for k, v in degrees.items() if v != 1)
             raise ValueError(f"ParallelConfig(dims={dims}, {given}): give the degrees once, as dims or as keywords")
@@ -128,6 +128,11 @@ class ParallelConfig:
         return tuple(n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "dims"))
 
     @classmethod
+    def keyword_defaults(cls) -> dict[str, object]:
+        """Each keyword's default (what a keyword left out, or given at its default, leaves as it is)."""
+        return {n: p.default for n, p in inspect.signature(cls.__init__).parameters.items() if n not in ("self", "dims")}
+
+    @classmethod
     def from_keywords(cls, **keywords: object) -> ParallelConfig:
         """The value ``parallelize``'s keywords describe, or the ``ValueError`` naming the first one
         that is wrong and its fix."""
@@ -135,7 +140,7 @@ class ParallelConfig:
 
     def keywords(self) -> dict[str, object]:
         """The ``parallelize`` keywords that build this value again."""
-        dims = {f.name: getattr(self.dims, f.name) for f in fields(self.dims)}
+        dims = self.dims.degrees()
         rest = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "dims"}
         return {**dims, **rest}
 

@@ -14,7 +14,7 @@ on the module as plain tensors (the local tp shard, sharded again over dp_shard)
   backward; each block's reduce-scatter issued as its backward ends, before the previous block's
   backward), and in forward the running block's all-gather output, which FSDP keeps a while;
 * gradients summed, not averaged: qn_hf's loss is already each rank's share of the global mean (its
-  targets over the global count, ``ParallelModel._run``), as the dp buckets sum it. FSDP's default
+  targets over the global count, ``step/step_loss.py``), as the dp buckets sum it. FSDP's default
   divides by the data-parallel size, and a divide factor of 1 reduces with a pre-multiplied sum that
   gloo lacks, so the sum is forced (``set_force_sum_reduction_for_comms``);
 * every parameter of a block has a gradient when FSDP reduce-scatters the block's: FSDP2 sends only the

@@ -124,19 +124,23 @@ def _stated(hw: Hardware, world_size: int) -> Calibration:
                    gpu_memory=hw.gpu_memory, world_size=world_size, host_gbps=hw.host_gbps)
 
 
-_MICROBATCH_GROUPS = (Axis.TP, Axis.CP, Axis.EP, Axis.PP)
-_BUCKETS = (Axis.DP, GroupRole.GRADIENT_SUM, GroupRole.EXPERT_SUM)  # posted as backward fills them (FSDP's experts: with FSDP)
-_FSDP = (Axis.DP_SHARD, Axis.DP_REPLICATE)
-_P2P = (Axis.PP, "host")  # priced as pairwise transfers: the pipeline's, and the hosts' exchange (comm.host_max_)
+_MICROBATCH_GROUPS = (GroupRole.TENSOR, GroupRole.SEQUENCE, GroupRole.TOKEN_EXCHANGE, GroupRole.STAGES)
+# posted as backward fills them (FSDP's experts: with FSDP)
+_BUCKETS = (GroupRole.BATCH, GroupRole.GRADIENT_SUM, GroupRole.EXPERT_SUM)
+_FSDP = (GroupRole.WEIGHT_SHARD, GroupRole.SHARD_REPLICAS)
+# priced as pairwise transfers: the pipeline's, and the hosts' exchange (comm.host_max_)
+_P2P = (GroupRole.STAGES, GroupRole.HOST)
 
 
 def group_sizes(est: MeshEstimate) -> dict[str, int]:
     """Ranks in each group the estimate counts traffic for (pp: the pair a transfer joins; a group
     not named, as fp16's flag's "world", spans the world)."""
     dims = est.dims
-    return {Axis.TP: est.tp, Axis.CP: est.cp, Axis.EP: est.ep, Axis.PP: 2, Axis.DP: est.dp, GroupRole.GRADIENT_SUM: est.replicas,
-            GroupRole.EXPERT_SUM: est.expert_replicas, Axis.DP_SHARD: dims.shard_width, Axis.DP_REPLICATE: dims.dp_replicate,
-            "kv": est.tp, "tie": 2, "host": est.world_size, "world": est.world_size}
+    return {GroupRole.TENSOR: est.tp, GroupRole.SEQUENCE: est.cp, GroupRole.TOKEN_EXCHANGE: est.ep,
+            GroupRole.STAGES: 2, GroupRole.BATCH: est.dp, GroupRole.GRADIENT_SUM: est.replicas,
+            GroupRole.EXPERT_SUM: est.expert_replicas, GroupRole.WEIGHT_SHARD: dims.shard_width,
+            GroupRole.SHARD_REPLICAS: dims.dp_replicate, GroupRole.KV_COPIES: est.tp, GroupRole.TIED_STAGES: 2,
+            GroupRole.HOST: est.world_size, "world": est.world_size}
 
 
 class _Fits:
@@ -233,7 +237,7 @@ def _waits(est: MeshEstimate, s: StageEstimate, cal: Calibration, sizes: dict[st
     loss); each waits as after an even share of the compute."""
     if cal.waits is None or est.world_size == 1:
         return 0.0, 0.0
-    per_microbatch = sum(calls / (2 if g in (Axis.PP, Axis.CP) else 1)
+    per_microbatch = sum(calls / (2 if g in (GroupRole.STAGES, GroupRole.SEQUENCE) else 1)
                          for g, calls in _microbatch_calls(s, sizes)) / est.microbatches
     per_step = 1 + _fsdp_calls(est, s)
     exchanges = per_microbatch * est.microbatches + per_step
@@ -282,8 +286,8 @@ def step_time(est: MeshEstimate, hw: Hardware, calibration: Calibration | None =
         redo = others / 3 if est.recompute == Recompute.SELECTIVE else 0.0  # in backward, before the gradients
         c = plain * again + redo
         per = {g: seconds(g, s.comm[g]) / est.microbatches for g in _MICROBATCH_GROUPS if g in s.comm}
-        t, p, e = per.get(Axis.TP, 0.0), per.get(Axis.PP, 0.0), per.get(Axis.EP, 0.0)
-        r = max(per.get(Axis.CP, 0.0) - cal.overlap * attention * again, 0.0)
+        t, p, e = per.get(GroupRole.TENSOR, 0.0), per.get(GroupRole.STAGES, 0.0), per.get(GroupRole.TOKEN_EXCHANGE, 0.0)
+        r = max(per.get(GroupRole.SEQUENCE, 0.0) - cal.overlap * attention * again, 0.0)
         w, once_w = _waits(est, s, cal, sizes, compute=c)
         h, once_h = _host(est, s, cal, sizes)
         o = offload_seconds(s, cal, compute=c)

@@ -22,7 +22,7 @@ those that fit the GPU memory first, then by estimated tokens per second.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..config.dims import MESH_DEGREES
 from ..config.parallel_config import ParallelConfig
@@ -49,13 +49,13 @@ class Rejected:
     names) are the ones asked for, kept as numbers: many are refused because ``ParallelDims`` itself refuses
     them (a dp_shard or an ep that does not divide), so no ``ParallelDims`` holds them."""
 
-    degrees: Mapping[str, int]
-    reason: str
+    degrees: Mapping[str, int] = field(hash=False)  # a dict, so not hashed: equal refusals hash alike by their reason
+    reason: str = ""
 
     @property
-    def mesh(self) -> Mapping[str, int]:
-        """The degrees of the mesh's own dims (those that take ranks)."""
-        return {name: self.degrees.get(name, 1) for name in MESH_DEGREES}
+    def mesh(self) -> tuple[int, ...]:
+        """The degrees of the mesh's own dims (those that take ranks), in ``MESH_DEGREES``' order."""
+        return tuple(self.degrees.get(name, 1) for name in MESH_DEGREES)
 
 
 def meshes(gpus: int, *, gpus_per_node: int, cp: int | None = None, max_cp: int = MAX_CP) -> list[dict[str, int]]:

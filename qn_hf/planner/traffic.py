@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from ..comm import flat_runs, host_max_rounds
 from ..comm_meter import Collective
 from ..config.dims import Axis
+from ..config.layout import GroupRole
 from ..config.options import Dispatch, LossKind, Recompute
 from ..config.parallel_config import ParallelConfig
 from ..policies.styles import Style
@@ -202,43 +203,45 @@ def stage_traffic(s: int, *, parallel: ParallelConfig, plan: TpPlan, trace: Trac
             calls, nbytes = ops.get(Collective.ALL_REDUCE, (0, 0))
             ops[Collective.ALL_REDUCE] = [calls + len(flat_runs([n * grad_elem for n in summed])),
                                           nbytes + sum(summed) * grad_elem]
-        out["tp"] = _group(ops)
+        out[GroupRole.TENSOR] = _group(ops)
     if pp > 1:
         edges = sum((c > 0) + (c < last) for c in chunks)  # per microbatch: an activation and a gradient each
         # a steady step: the activation header went with the first step of this batch shape (runtime.py)
         act = trace.boundary_numel // wire * act_elem
-        out["pp"] = GroupTraffic(2 * edges * microbatches + 1, 2 * edges * microbatches * act + 4)
+        out[GroupRole.STAGES] = GroupTraffic(2 * edges * microbatches + 1, 2 * edges * microbatches * act + 4)
         shared = _summed(grads.every, pieces)  # one flat all-reduce of what every stage holds
         if shared:
             runs = len(flat_runs([n * grad_elem for n in shared]))
-            out["pp"] = GroupTraffic(out["pp"].calls + runs, out["pp"].nbytes + sum(shared) * grad_elem)
+            out[GroupRole.STAGES] = GroupTraffic(out[GroupRole.STAGES].calls + runs, out[GroupRole.STAGES].nbytes + sum(shared) * grad_elem)
     if cp > 1:
         ring = ring_ops(trace.ring, cp=cp, tp=tp, act_elem=act_elem, recompute=recompute,
                         on_stage=lambda name: stage_of(name) == s)
         if ring:
-            out["cp"] = _group({op: (c * microbatches, b * microbatches) for op, (c, b) in ring.items()})
+            out[GroupRole.SEQUENCE] = _group({op: (c * microbatches, b * microbatches) for op, (c, b) in ring.items()})
     if Axis.EP in dispatch:
-        out[Axis.EP] = _group({op: (c * microbatches, b * microbatches) for op, (c, b) in dispatch[Axis.EP].items()})
+        out[GroupRole.TOKEN_EXCHANGE] = _group({op: (c * microbatches, b * microbatches)
+                                                for op, (c, b) in dispatch[Axis.EP].items()})
     if grads.expert_buckets:
         calls, nbytes = bucket_traffic(grads.expert_buckets, ranks=dims.expert_replicas, zero=grads.zero_experts,
                                        backend=backend, grad_elem=grad_elem, param_elem=param_elem)
-        out["experts"] = GroupTraffic(calls, nbytes)
+        out[GroupRole.EXPERT_SUM] = GroupTraffic(calls, nbytes)
     if dims.replicas > 1:  # the gradient buckets, then the 4-byte loss
         calls, nbytes = bucket_traffic(buckets, ranks=dims.replicas, zero=zero, backend=backend, grad_elem=grad_elem,
                                        param_elem=param_elem)
-        out["replicas" if cp > 1 else "dp"] = GroupTraffic(calls + 1, nbytes + 4)
+        out[GroupRole.GRADIENT_SUM if cp > 1 else GroupRole.BATCH] = GroupTraffic(calls + 1, nbytes + 4)
     if dp > 1 and plan.loss:  # the 8-byte target count
-        previous = out.get("dp", GroupTraffic(0, 0))
-        out["dp"] = GroupTraffic(previous.calls + 1, previous.nbytes + 8)
-    for group, params in (("kv", grads.kv), ("tie", grads.tied)):
+        previous = out.get(GroupRole.BATCH, GroupTraffic(0, 0))
+        out[GroupRole.BATCH] = GroupTraffic(previous.calls + 1, previous.nbytes + 8)
+    for group, params in ((GroupRole.KV_COPIES, grads.kv), (GroupRole.TIED_STAGES, grads.tied)):
         numels = _summed(params, pieces)
         if numels:
             out[group] = GroupTraffic(len(flat_runs([n * grad_elem for n in numels])), sum(numels) * grad_elem)
     if dims.world_size > 1:  # the batch agreement's votes, (world + 1) x 3 int64, sent and received each round
         transfers = 2 * host_max_rounds(dims.world_size)
-        out["host"] = GroupTraffic(transfers, transfers * 3 * 8 * (dims.world_size + 1))
+        out[GroupRole.HOST] = GroupTraffic(transfers, transfers * 3 * 8 * (dims.world_size + 1))
     if parallel.mixed_precision is not None and parallel.mixed_precision.scaled:  # float16's overflow flag
-        spanning = [g for g, n in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)) if n == dims.world_size]
+        spanning = [g for g, n in ((GroupRole.BATCH, dp), (GroupRole.TENSOR, tp), (GroupRole.STAGES, pp),
+                                   (GroupRole.SEQUENCE, cp)) if n == dims.world_size]
         group = spanning[-1] if spanning else "world"  # CommMeter names the default group by a dimension spanning it
         previous = out.get(group, GroupTraffic(0, 0))
         if previous.ops:  # an all-reduce of the flag, in the op breakdown too

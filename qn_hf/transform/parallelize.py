@@ -80,8 +80,11 @@ def parallelize(
             raise ValueError("checkpoint= with a PEFT model is not supported: its names are those of the LoRA-"
                              "wrapped model; load the base with from_pretrained, wrap it with get_peft_model, then "
                              "parallelize")
+        # the options given other than at their defaults: what mesh="auto" keeps, what config= leaves no room for
+        defaults = ParallelConfig.keyword_defaults()
+        changed = {name: value for name, value in options.items() if value != defaults[name]}
         if isinstance(mesh, str) or global_batch is not None or seq_len is not None or calibration is not None:
-            config = _auto(model, config, mesh=mesh, options=options, global_batch=global_batch, seq_len=seq_len,
+            config = _auto(model, config, mesh=mesh, fixed=changed, global_batch=global_batch, seq_len=seq_len,
                            calibration=calibration)
             mesh = None
             options = {}
@@ -93,8 +96,8 @@ def parallelize(
             config = ParallelConfig.from_keywords(**options)
         elif not isinstance(config, ParallelConfig):
             raise ValueError(f"config={config!r} must be a qn_hf.ParallelConfig (or pass the keywords instead)")
-        elif options:
-            raise ValueError(f"parallelize(model, config, {', '.join(sorted(options))}=...): the config already holds "
+        elif changed:
+            raise ValueError(f"parallelize(model, config, {', '.join(sorted(changed))}=...): the config already holds "
                              f"every option; put them in it (dataclasses.replace(config, ...)) or pass keywords only")
         return _parallelize(model, config, adapter=adapter, policy=policy, mesh=mesh, device=device, seed=seed,
                             checkpoint=checkpoint, timeout=timeout)
@@ -103,7 +106,7 @@ def parallelize(
         raise
 
 
-def _auto(model: nn.Module, config: ParallelConfig | None, *, mesh: object, options: dict[str, object],
+def _auto(model: nn.Module, config: ParallelConfig | None, *, mesh: object, fixed: dict[str, object],
           global_batch: int | None, seq_len: int | None, calibration: Calibration | str | None) -> ParallelConfig:
     """``mesh="auto"``: the planner's configuration, the options given beside it kept."""
     if mesh != AUTO:
@@ -115,7 +118,7 @@ def _auto(model: nn.Module, config: ParallelConfig | None, *, mesh: object, opti
     if global_batch is None or seq_len is None:
         raise ValueError(f"mesh='auto' needs global_batch= and seq_len= (got global_batch={global_batch}, "
                          f"seq_len={seq_len}): the fastest configuration depends on the step's shape")
-    return auto_config(model, global_batch=global_batch, seq_len=seq_len, calibration=calibration, fixed=options)
+    return auto_config(model, global_batch=global_batch, seq_len=seq_len, calibration=calibration, fixed=fixed)
 
 
 def _parallelize(model: nn.Module, config: ParallelConfig, *, adapter: Adapter | None, policy: ModelPolicy | None,

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ...config.dims import Axis
+from ...config.dims import MESH_DEGREES
 from ...config.options import Precision
 from ...config.parallel_config import ParallelConfig
 from ...config.schedule import Schedule
@@ -193,7 +193,7 @@ def _calibration(calibration: Calibration | str | os.PathLike | None) -> Calibra
 def check_training_args(args, *, mesh: TrainerMesh, world_size: int, compute_loss_func: Any = None) -> None:
     """Refuse the ``TrainingArguments`` (and launcher settings) that conflict with the mesh."""
     if mesh.world_size != world_size:
-        named = [k for k in (Axis.DP, Axis.TP, Axis.PP, Axis.CP) if k in mesh.given]
+        named = [k for k in MESH_DEGREES if k in mesh.given]
         dims = ", ".join(f"{k}={getattr(mesh.config.dims, k)}" for k in named) or "dp=1"
         raise ValueError(f"parallel=dict({dims}) needs {mesh.world_size} processes but {world_size} were launched; "
                          f"launch {mesh.world_size} (torchrun --nproc-per-node {mesh.world_size} ...) or change "

@@ -40,7 +40,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, ha
 
 from ...checkpoint import CheckpointError, checkpoint_dir, read_index
 from ...config.composition import Feature
-from ...config.dims import Axis
+from ...config.dims import MESH_DEGREES
 from ...data_parallel.grad_norm import clip_grad_norm_
 from ...mesh import launched_world_size
 from ...parallel_model import ParallelModel, optimizer
@@ -130,7 +130,7 @@ class ParallelTrainerMixin:
             if parallel is not None:
                 raise ValueError("model= is already a ParallelModel: leave parallel= out (its mesh is fixed)")
             fixed = TrainerMesh(config=model.parallel_config, where={}, zero=False,
-                                given=frozenset((Axis.DP, Axis.TP, Axis.PP, Axis.CP)))
+                                given=frozenset(MESH_DEGREES))
             check_training_args(args, mesh=fixed, world_size=model.dims.world_size,
                                 compute_loss_func=kwargs.get("compute_loss_func"))
             check_compiled(args, compiled=is_compiled(model.module, layers=model.stage.plan.layers))

@@ -35,7 +35,7 @@ class LocalLoss:
     builtin: bool
 
 
-class TrainingLoss:
+class StepLoss:
     """The loss of a ``ParallelModel``'s steps over ``context``: ``grads`` start as their parameters' last backward
     ends, fp16's ``scaler`` scales what backward starts from, and under sequence parallelism (``sp_switch`` on)
     the router's term sums its statistics over the tp ranks' slices."""
