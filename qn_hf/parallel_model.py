@@ -101,7 +101,9 @@ class ParallelModel(CheckpointMethods):
         """Release (every rank) the process groups parallelize made: not the world's, not a mesh= given."""
         self._weights_ready()
         view = self.checkpoint_view
-        with contextlib.ExitStack() as after:  # each runs, in this order, whichever raises
+        # on the way out, whatever raises: the save's host buffers, then the groups, then the held roots (an
+        # ExitStack calls them last added first)
+        with contextlib.ExitStack() as after:
             after.callback(view.held_roots.release)
             after.callback(self.placement.groups.release)
             after.callback(view.saves.close)

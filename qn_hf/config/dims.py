@@ -153,7 +153,7 @@ class ParallelDims:
 
     def check_world_size(self, world_size: int) -> None:
         if world_size != self.world_size:
-            order = [s.axis.value for s in AXES if s.mesh is not None and s.axis.value in self.names]
+            order = [name for name in MESH_DEGREES if name in self.names]
             product, values = "*".join(order), "*".join(str(getattr(self, n)) for n in order)
             raise ValueError(
                 f"world size {world_size} != {product} = {values} = {self.world_size}; "

@@ -3,8 +3,8 @@ communicates in, as arithmetic on the degrees alone (no process group exists her
 creates its groups from these lists; the planner prices each group on the link its ranks really use and
 names the groups that cross nodes, from the same lists.
 
-The global ranks are numbered in ``RANK_ORDER`` (the axes table's, ``dims.AXES``), slowest first, as Megatron and torchtitan number them: pp
-outermost (its point-to-point transfers are a step's smallest and rarest, so stages may lie on other nodes),
+The global ranks are numbered in ``RANK_ORDER`` (the axes table's, ``dims.AXES``), slowest first, as Megatron
+and torchtitan number them: pp outermost (its point-to-point transfers are a step's smallest and rarest, so stages may lie on other nodes),
 then dp, then cp, then tp fastest. torchrun numbers a node's ranks consecutively (``LOCAL_WORLD_SIZE`` of them,
 node after node), so a node holds whole tp groups first, then whole cp rings and the ep blocks (consecutive
 ranks of a stage's dp x tp grid) as far as they fit, and only dp and pp reach across nodes before them.
@@ -26,8 +26,9 @@ class GroupRole(Choice):
     """What the ranks of a group do together: every kind of process group, by role. ``rank_groups`` lists the
     world's groups of the mesh's axes and the gradient sum, and of the token exchange, the expert sum, the weight
     shards and their replicas where ep or dp_shard is used; ``mesh.build_groups`` builds what a run uses (the KV
-    copies, tied stages and host too) and ``mesh.Groups.of(role)`` hands out this rank's (None: none built). A role that is one mesh axis's takes the axis's name. The order is the one a group
-    serving two roles is named by, the later winning (at cp=1 the gradient sum's group is the dp group)."""
+    copies, tied stages and host too) and ``mesh.Groups.of(role)`` hands out this rank's (None: none built). A
+    role that is one mesh axis's takes the axis's name. The order is the one a group serving two roles is named
+    by, the later winning (at cp=1 the gradient sum's group is the dp group)."""
 
     GRADIENT_SUM = "replicas"  # hold the same shard and sum its gradients: dp x cp
     BATCH = "dp"  # train other sequences at one (pp, cp, tp)
@@ -93,7 +94,8 @@ def rank_groups(dims: ParallelDims) -> Mapping[str, tuple[tuple[int, ...], ...]]
     grid = full_grid(dims)
     groups = {GroupRole(spec.axis.value): grid.movedim(d, -1).reshape(-1, grid.shape[d]).tolist()
               for d, spec in enumerate(MESH_AXES)}
-    groups[GroupRole.GRADIENT_SUM] = [grid[:, q, :, b].reshape(-1).tolist() for q in range(dims.pp) for b in range(dims.tp)]
+    groups[GroupRole.GRADIENT_SUM] = [grid[:, q, :, b].reshape(-1).tolist()
+                                      for q in range(dims.pp) for b in range(dims.tp)]
     if dims.ep > 1:
         groups[GroupRole.TOKEN_EXCHANGE], groups[GroupRole.EXPERT_SUM] = expert_groups(grid, dims)
     if dims.dp_shard > 1:

@@ -125,12 +125,13 @@ class ParallelConfig:
     @classmethod
     def keyword_names(cls) -> tuple[str, ...]:
         """The keywords that build a configuration (``parallelize``'s options; the degrees one by one)."""
-        return tuple(n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "dims"))
+        return tuple(cls.keyword_defaults())
 
     @classmethod
     def keyword_defaults(cls) -> dict[str, object]:
         """Each keyword's default (what a keyword left out, or given at its default, leaves as it is)."""
-        return {n: p.default for n, p in inspect.signature(cls.__init__).parameters.items() if n not in ("self", "dims")}
+        parameters = inspect.signature(cls.__init__).parameters.items()
+        return {name: p.default for name, p in parameters if name not in ("self", "dims")}
 
     @classmethod
     def from_keywords(cls, **keywords: object) -> ParallelConfig:

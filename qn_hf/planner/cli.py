@@ -285,6 +285,7 @@ def main(argv: list[str] | None = None, *, step_seconds: StepSeconds | None = No
     options = run_options(args)
     try:
         if whole_mesh:
+            # the degrees given (1 where not); dp_shard as resolved above (--dp-shard all is refused at one mesh)
             degrees = {**{name: getattr(args, name) or 1 for name in DEGREES}, "dp_shard": dp_shard}
             if args.gpus is not None:
                 ParallelDims.of(degrees, axes=MESH_DEGREES).check_world_size(args.gpus)

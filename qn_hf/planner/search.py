@@ -50,7 +50,7 @@ class Rejected:
     them (a dp_shard or an ep that does not divide), so no ``ParallelDims`` holds them."""
 
     degrees: Mapping[str, int] = field(hash=False)  # a dict, so not hashed: equal refusals hash alike by their reason
-    reason: str = ""
+    reason: str
 
     @property
     def mesh(self) -> tuple[int, ...]:
