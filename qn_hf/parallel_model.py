@@ -74,7 +74,8 @@ class ParallelModel(CheckpointMethods):
         self.checkpoint_view = CheckpointView(
             module=context.module, placement=context.placement, config=context.stage.config, failures=self.failures,
             adapter=adapter, scaler=scaler, cast=precision is not None, virtual_stages=context.stage.plan.virtual,
-            ready_method=weakref.WeakMethod(self._weights_ready), saves=saves or BackgroundSaves(timeout=DEFAULT_TIMEOUT))
+            ready_method=weakref.WeakMethod(self._weights_ready),
+            saves=saves or BackgroundSaves(timeout=DEFAULT_TIMEOUT))
         self.sharded = sharded  # dp_shard > 1: FSDP's groups (data_parallel/sharded.py)
 
     def _run(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn | None, *, backward: bool,

@@ -306,8 +306,9 @@ def test_the_degrees_are_spelled_out_in_few_places():
 
 
 def test_the_degree_count_can_fail():
-    source = ('d = {"dp": 1, "tp": 1, "pp": 1, "cp": 1}\nf(dp=1, tp=2, pp=1, ep=1)\ng = (Axis.DP, Axis.TP, Axis.PP, Axis.CP)\n'
-              'def h(*, dp, tp, pp, dp_shard): pass\nclass C:\n    dp: int\n    tp: int\n    pp: int\n    cp: int\n'
+    source = ('d = {"dp": 1, "tp": 1, "pp": 1, "cp": 1}\nf(dp=1, tp=2, pp=1, ep=1)\n'
+              'g = (Axis.DP, Axis.TP, Axis.PP, Axis.CP)\ndef h(*, dp, tp, pp, dp_shard): pass\n'
+              'class C:\n    dp: int\n    tp: int\n    pp: int\n    cp: int\n'
               'fine = {"dp": 1, "tp": 1, "pp": 1}\n')
     assert sorted(_degree_lists(source)) == [(0, "arguments"), (1, "Dict"), (2, "Call"), (3, "Tuple"), (5, "ClassDef")]
 

@@ -30,7 +30,8 @@ def test_parallelize_takes_a_configuration_or_its_keywords(monkeypatch):
     something is refused, one at its default is no change (the launch's check then speaks). No process group."""
     monkeypatch.setenv("WORLD_SIZE", "1")
     model, config = LlamaForCausalLM(LlamaConfig(**TINY)), qn_hf.ParallelConfig(dp=2)
-    with pytest.raises(ValueError, match=r"parallelize\(model, config, microbatches=\.\.\.\): the config already holds"):
+    already = r"parallelize\(model, config, microbatches=\.\.\.\): the config already holds"
+    with pytest.raises(ValueError, match=already):
         qn_hf.parallelize(model, config, microbatches=4)
     with pytest.raises(ValueError, match=r"world size 1 != dp\*tp\*pp = 2\*1\*1"):
         qn_hf.parallelize(model, config, dp=1, schedule="1f1b")

@@ -4,10 +4,11 @@ creates its groups from these lists; the planner prices each group on the link i
 names the groups that cross nodes, from the same lists.
 
 The global ranks are numbered in ``RANK_ORDER`` (the axes table's, ``dims.AXES``), slowest first, as Megatron
-and torchtitan number them: pp outermost (its point-to-point transfers are a step's smallest and rarest, so stages may lie on other nodes),
-then dp, then cp, then tp fastest. torchrun numbers a node's ranks consecutively (``LOCAL_WORLD_SIZE`` of them,
-node after node), so a node holds whole tp groups first, then whole cp rings and the ep blocks (consecutive
-ranks of a stage's dp x tp grid) as far as they fit, and only dp and pp reach across nodes before them.
+and torchtitan number them: pp outermost (its point-to-point transfers are a step's smallest and rarest, so
+stages may lie on other nodes), then dp, then cp, then tp fastest. torchrun numbers a node's ranks
+consecutively (``LOCAL_WORLD_SIZE`` of them, node after node), so a node holds whole tp groups first, then whole
+cp rings and the ep blocks (consecutive ranks of a stage's dp x tp grid) as far as they fit, and only dp and pp
+reach across nodes before them.
 """
 
 from __future__ import annotations

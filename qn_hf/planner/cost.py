@@ -105,9 +105,11 @@ def links(est: MeshEstimate, hw: Hardware) -> dict[str, str]:
     "experts": the ranks holding the same experts): "ib" where any of its groups holds ranks of two nodes,
     read from the groups the job builds (``config/layout.rank_groups``), ``hw.gpus_per_node`` ranks a node."""
     across = crosses_nodes(est.dims, hw.gpus_per_node) if est.world_size > hw.gpus_per_node else {}
-    kinds = {role: role for role in (GroupRole.TENSOR, GroupRole.SEQUENCE, GroupRole.STAGES, GroupRole.TOKEN_EXCHANGE, GroupRole.EXPERT_SUM,
-                                     GroupRole.WEIGHT_SHARD, GroupRole.SHARD_REPLICAS, GroupRole.GRADIENT_SUM)}
-    kinds[GroupRole.BATCH] = GroupRole.GRADIENT_SUM if est.dp > 1 else GroupRole.SEQUENCE  # (the gradients' sum, as "dp")
+    kinds = {role: role for role in (GroupRole.TENSOR, GroupRole.SEQUENCE, GroupRole.STAGES, GroupRole.TOKEN_EXCHANGE,
+                                     GroupRole.EXPERT_SUM, GroupRole.WEIGHT_SHARD, GroupRole.SHARD_REPLICAS,
+                                     GroupRole.GRADIENT_SUM)}
+    # "dp" names the gradients' sum: the dp x cp ranks', or the cp ranks' alone at dp=1
+    kinds[GroupRole.BATCH] = GroupRole.GRADIENT_SUM if est.dp > 1 else GroupRole.SEQUENCE
     return {str(group): "ib" if across.get(kind, False) else "nvlink" for group, kind in kinds.items()}
 
 

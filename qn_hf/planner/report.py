@@ -97,8 +97,8 @@ def group_gb(comm: dict) -> dict[str, float]:
     "replicas" (dp x cp) plus "experts" (the ep-sharded experts' own group) plus FSDP's
     ("dp_shard": its all-gathers too; "dp_replicate")."""
     gb = {g: comm[g].nbytes / 1e9 if g in comm else 0.0 for g in (Axis.TP, Axis.CP, Axis.PP, Axis.DP, Axis.EP)}
-    gb[GroupRole.BATCH] += sum(comm[g].nbytes / 1e9 for g in (GroupRole.GRADIENT_SUM, GroupRole.EXPERT_SUM,
-                                                              GroupRole.WEIGHT_SHARD, GroupRole.SHARD_REPLICAS) if g in comm)
+    summed = (GroupRole.GRADIENT_SUM, GroupRole.EXPERT_SUM, GroupRole.WEIGHT_SHARD, GroupRole.SHARD_REPLICAS)
+    gb[GroupRole.BATCH] += sum(comm[g].nbytes / 1e9 for g in summed if g in comm)
     return gb
 
 

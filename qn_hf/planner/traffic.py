@@ -212,7 +212,8 @@ def stage_traffic(s: int, *, parallel: ParallelConfig, plan: TpPlan, trace: Trac
         shared = _summed(grads.every, pieces)  # one flat all-reduce of what every stage holds
         if shared:
             runs = len(flat_runs([n * grad_elem for n in shared]))
-            out[GroupRole.STAGES] = GroupTraffic(out[GroupRole.STAGES].calls + runs, out[GroupRole.STAGES].nbytes + sum(shared) * grad_elem)
+            transfers = out[GroupRole.STAGES]
+            out[GroupRole.STAGES] = GroupTraffic(transfers.calls + runs, transfers.nbytes + sum(shared) * grad_elem)
     if cp > 1:
         ring = ring_ops(trace.ring, cp=cp, tp=tp, act_elem=act_elem, recompute=recompute,
                         on_stage=lambda name: stage_of(name) == s)

@@ -43,7 +43,8 @@ class StepLoss:
     def __init__(self, context: StepContext, *, grads: GradSync, scaler: LossScaler | None,
                  deferred: frozenset[str], sp_switch: SequenceParallelSwitch | None) -> None:
         self.context, self.grads, self.scaler, self.sp_switch = context, grads, scaler, sp_switch
-        # the dtype the step's loss is summed and reported in: float32, or float64 for a float64 model's (float32 rounds)
+        # the dtype the step's loss is summed and reported in: float32, or float64 for a float64 model's (float32
+        # rounds it)
         self.dtype = torch.promote_types(next((p.dtype for p in context.module.parameters() if p.is_floating_point()),
                                               torch.float32), torch.float32)
         # (chunk, Op.BWD | Op.WGT) -> the parameters final after its last backward or W pass: their buckets may start
@@ -101,7 +102,8 @@ class StepLoss:
                                     vocab=ctx.vocab))
                 loss = scaled(sums, scales[mb]).sum()
             else:
-                if cp > 1:  # the same loss of the whole sequences on every cp rank, 1/cp of it each (context_parallel/apply.py)
+                # the same loss of the whole sequences on every cp rank, 1/cp of it each (context_parallel/apply.py)
+                if cp > 1:
                     loss = loss_fn(whole_sequence_logits(self._with_full_logits(outputs), layout=ctx.cp_layout,
                                                          group=groups.cp), whole[mb]) / cp
                 else:

@@ -69,9 +69,10 @@ def parallelize(
     ``pm.parallel_config`` says what was chosen; each dp rank's ``train_step`` takes
     ``global_batch / dp`` sequences.
     """
-    unknown = {name: value for name, value in options.items() if name not in ParallelConfig.keyword_names()}
+    defaults = ParallelConfig.keyword_defaults()  # the options parallelize takes, and their defaults
+    unknown = {name: value for name, value in options.items() if name not in defaults}
     if unknown:  # Python's own TypeError would not say which keyword was meant
-        raise refused_on_every_rank(TypeError(unknown_keywords(unknown, parallelize, ParallelConfig.keyword_names())))
+        raise refused_on_every_rank(TypeError(unknown_keywords(unknown, parallelize, tuple(defaults))))
     try:
         if getattr(model, _MARK, False):
             raise ValueError("this model is already parallelized; load a fresh copy to parallelize it again")
@@ -81,7 +82,6 @@ def parallelize(
                              "wrapped model; load the base with from_pretrained, wrap it with get_peft_model, then "
                              "parallelize")
         # the options given other than at their defaults: what mesh="auto" keeps, what config= leaves no room for
-        defaults = ParallelConfig.keyword_defaults()
         changed = {name: value for name, value in options.items() if value != defaults[name]}
         if isinstance(mesh, str) or global_batch is not None or seq_len is not None or calibration is not None:
             config = _auto(model, config, mesh=mesh, fixed=changed, global_batch=global_batch, seq_len=seq_len,
