@@ -177,12 +177,17 @@ test-compat: $(COMPAT_STAMP)
 test-newest: $(NEWEST_STAMP)
 	$(call release_tests,$(NEWEST_VENV)/bin/python)
 
-# Rewrite docs/composition-table.md from qn_hf/config/composition.py (test_composition checks they agree).
+# Rewrite qn_hf/config/composition_coverage.py from the tests' composes marks (pytest's collection, no test run),
+# then docs/composition-table.md from it and qn_hf/config/composition.py (test_composition checks they agree).
 composition-table: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest --collect-only -q -m "" -p no:cacheprovider \
+	  --composition-table qn_hf/config/composition_coverage.py.tmp tests > /dev/null
+	mv qn_hf/config/composition_coverage.py.tmp qn_hf/config/composition_coverage.py
 	{ printf '%s\n\n' '# Composition table'; \
-	  printf '%s\n' 'Written by `make composition-table` from `qn_hf/config/composition.py` (`composition_markdown.markdown()`); do not' \
-	    'edit it by hand: `tests/test_composition.py` checks that this file holds the output of `markdown()`.' \
-	    '[composition.md](composition.md) says what the rows and the symbols mean.' ''; \
+	  printf '%s\n' 'Written by `make composition-table` from the tests'"'"' `composes` marks and `qn_hf/config/composition.py`' \
+	    '(`composition_markdown.markdown()`); do not edit it by hand: `tests/test_composition.py` checks that this file' \
+	    'holds the output of `markdown()`. [composition.md](composition.md) says what the marks, the rows and the' \
+	    'symbols mean.' ''; \
 	  $(BIN)/python -c "from qn_hf.config.composition_markdown import markdown; print(markdown(), end='')"; \
 	} > docs/composition-table.md.tmp
 	mv docs/composition-table.md.tmp docs/composition-table.md

@@ -14,8 +14,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from .checkpoint.background import DEFAULT_TIMEOUT, BackgroundSaves
 from .checkpoint.methods import CheckpointMethods
 from .checkpoint.view import CheckpointView
-from .config.composition import Feature, check_and_warn
+from .config.composition import check_and_warn
 from .config.dims import ParallelDims
+from .config.features import Feature
 from .config.parallel_config import ParallelConfig
 from .config.schedule import Schedule
 from .context_parallel.apply import AttentionSwitch

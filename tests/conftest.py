@@ -20,7 +20,7 @@ if "QN_HF_CACHE" not in os.environ:  # the suite's run's, removed when it ends (
 
 import pytest  # noqa: E402
 
-from tests import suite_time  # noqa: E402
+from tests import composition_marks, suite_time  # noqa: E402
 from tests.launcher import Worlds  # noqa: E402
 from tests.models import save_tiny_models  # noqa: E402
 from tests.suite_time import Tier  # noqa: E402
@@ -57,8 +57,11 @@ def pytest_addoption(parser):
                     help="with --long-slice: tests not started SECONDS after the session began are skipped, "
                          "named in the summary (default: twice --slice-budget), so the slice's time is bounded")
     group.addoption("--cover", action="store_true",
-                    help="stop before running unless the selected tests run every user-facing script and "
-                         "every composition row's named test (make test)")
+                    help="stop before running unless the selected tests run every user-facing script and cover "
+                         "every pair of features the tests' composes marks cover (make test)")
+    group.addoption("--composition-table", default=None, metavar="PATH",
+                    help="write the pairs the tests' composes marks cover to PATH (make composition-table: "
+                         "qn_hf/config/composition_coverage.py); with --collect-only")
     group.addoption("--record-durations", action="store_true",
                     help="write the executed tests' times into tests/durations.json")
 
@@ -70,38 +73,44 @@ def _tier(item) -> Tier:
     return Tier.WORLD if "worlds" in getattr(item, "fixturenames", ()) else Tier.UNIT
 
 
+_MARKED = pytest.StashKey[list]()  # every collected test as its composes marks see it (tests/composition_marks.py)
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection reads the marks
 def pytest_collection_modifyitems(config, items):
     """Every test's tier as a marker (``-m unit`` is ``make test-unit``: no process, about a minute), and the
     ``long`` mark on every test that starts processes and is not one ``make test`` must run (``_needed``):
     what is not needed repeats ground those cover, and the long tier runs it in slices. A needed test loses a
-    ``long`` mark of its own (a composition row's case among a function's long ones, a compiled run): the row
-    is covered in make test or the table says what it does not."""
-    from qn_hf.config.composition import ROWS
-
-    named = suite_time.named_tests([row.test for row in ROWS if row.test])
-    for item in items:
+    ``long`` mark of its own (a case a composes mark names among a function's long ones, a compiled run): the pair
+    is covered in make test, or the table says it is not."""
+    marked = [composition_marks.Marked.of(item) for item in items]
+    config.stash[_MARKED] = marked
+    for item, tested in zip(items, marked):
         tier = _tier(item)
         item.add_marker(getattr(pytest.mark, tier.value))
         if tier is Tier.UNIT:
             continue
-        if _needed(item, named):
+        if _needed(item, tested):
             item.own_markers[:] = [mark for mark in item.own_markers if mark.name != "long"]
         elif item.get_closest_marker("long") is None:
             item.add_marker(pytest.mark.long)
+    path = config.getoption("--composition-table")
+    if path is not None:
+        wrong = composition_marks.unmatched(marked)
+        if wrong:
+            raise pytest.UsageError("\n  ".join(["composes marks that name no test:", *wrong]))
+        with open(path, "w") as out:
+            out.write(composition_marks.module_text(composition_marks.coverage(marked)))
 
 
-def _needed(item, named: tuple[set[str], set[str]]) -> bool:
-    """A test make test runs though it starts processes: one a composition row names (the case, or the function's
-    cases not marked long), one that runs a user-facing script (``script``) and is not marked long, or one marked
-    ``core`` (a promise's one check that no row names: golden losses, old checkpoints, the zoos' samples)."""
-    functions, cases = named
-    if item.nodeid in cases or item.nodeid in functions or item.get_closest_marker("core"):  # a function, uncased
+def _needed(item, tested: composition_marks.Marked) -> bool:
+    """A test make test runs though it starts processes: one whose composes marks it must run for
+    (``composition_marks.needed``), one that runs a user-facing script (``script``) and is not marked long, or one
+    marked ``core`` (a promise's one check no pair needs: golden losses, old checkpoints, the zoos' samples)."""
+    if composition_marks.needed(tested) or item.get_closest_marker("core"):
         return True
-    # a function's cases marked long repeat the others (a row naming the function is covered by those); a
-    # script's run marked long is another run of it (resumed, under the other launcher)
-    return item.get_closest_marker("long") is None and (
-        item.nodeid.split("[", 1)[0] in functions or item.get_closest_marker("script") is not None)
+    # a script's run marked long is another run of it (resumed, under the other launcher)
+    return item.get_closest_marker("long") is None and item.get_closest_marker("script") is not None
 
 
 def _skipped(item) -> bool:
@@ -142,10 +151,12 @@ def pytest_collection_finish(session):
                             f"tests/durations.json ({sum(n not in recorded and n not in skipped for n in seconds)} not recorded there: "
                             f"their tier's median or nominal time)")
     if config.getoption("--cover"):
-        from qn_hf.config.composition import ROWS
-
         runs = {mark.args[0] for item in items for mark in item.iter_markers("script")}
-        missing = suite_time.uncovered([item.nodeid for item in items], runs, [row.test for row in ROWS if row.test])
+        marked = config.stash[_MARKED]
+        chosen = {item.nodeid for item in items}
+        missing = (suite_time.unrun_scripts(runs) + composition_marks.unmatched(marked)
+                   + composition_marks.uncovered([t for t in marked if t.nodeid in chosen],
+                                                 composition_marks.coverage(marked)))
         if missing:
             raise pytest.UsageError("the selection leaves out what make test must cover:\n  " + "\n  ".join(missing))
     budget = config.getoption("--budget")

@@ -96,27 +96,15 @@ def slice_count(seconds: dict[str, float], budget: float) -> int:
 
 
 # What the README tells users to run. ``make test`` runs each at least once (``--cover`` checks it before any
-# test runs), as it runs every composition row's named test: the long tier only repeats covered ground.
+# test runs), as it runs a test for every pair of features the composes marks cover: the long tier only
+# repeats covered ground.
 USER_FACING = ("scripts/demo.py", "scripts/train_lm.py", "scripts/train_vit.py", "scripts/train_trainer.py",
                "qn-hf-check", "qn-hf-convert", "qn-hf-plan")
 
 
-def named_tests(named: list[str]) -> tuple[set[str], set[str]]:
-    """The composition rows' tests as (functions, cases): a row names a function (its cases not marked long) or one
-    case (tests/conftest.py ``_needed``)."""
-    return {n for n in named if "[" not in n}, {n for n in named if "[" in n}
-
-
-def uncovered(selected: list[str], runs: set[str], named: list[str]) -> list[str]:
-    """What a selection of tests leaves out: user-facing scripts and commands no selected test runs
-    (``runs``: the names their ``script`` marks give), and composition rows whose named test (a function,
-    any of its cases, or one case) is not selected."""
-    functions = {n.split("[", 1)[0] for n in selected}
-    chosen = set(selected)
-    missing = [f"{script}: no selected test runs it (mark one @pytest.mark.script)" for script in USER_FACING
-               if script not in runs]
-    for test in dict.fromkeys(named):
-        if test not in (chosen if "[" in test else functions):
-            missing.append(f"{test}: a composition row names it")
-    return missing
+def unrun_scripts(runs: set[str]) -> list[str]:
+    """The user-facing scripts and commands no selected test runs (``runs``: the names their ``script`` marks
+    give)."""
+    return [f"{script}: no selected test runs it (mark one @pytest.mark.script)" for script in USER_FACING
+            if script not in runs]
 

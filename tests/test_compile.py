@@ -16,6 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import qn_hf
+from qn_hf.config.features import Feature, Status
 from qn_hf.step.compile import apply_compile, is_compiled
 from tests.cases import error_message, mesh_for
 from tests.models import dp_slice, load, make_batch
@@ -105,6 +106,7 @@ def check(results: list[dict]) -> None:
         assert set(r["breaks"]) <= set(RNG_BREAKS), r
 
 
+@pytest.mark.composes((Feature.TP, Feature.COMPILE))
 def test_compiled_tensor_parallel(worlds, model_dirs):
     """tp=2, no dropout: no random-stream hooks, so each block compiles as one graph, its tp collectives
     traced as functional collectives; nothing recompiled."""
@@ -141,6 +143,8 @@ def test_random_streams_hook_only_regions_that_draw():
     assert region_draws(gpt2.transformer.h[0].mlp)
 
 
+# each block compiled in place, FSDP's hooks on it run eagerly around its graph (step/compile.py)
+@pytest.mark.composes((Feature.DP_SHARD, Feature.COMPILE))
 def test_compiled_sharded_data_parallel(worlds, model_dirs):
     """dp=2 x dp_shard=2: each block compiled in place under FSDP2, whose hooks dynamo leaves out of the
     graph (they run eagerly around it: all-gather before, reduce-scatter after): no other graph break,
@@ -149,6 +153,7 @@ def test_compiled_sharded_data_parallel(worlds, model_dirs):
     check(results)
 
 
+@pytest.mark.composes((Feature.PP_1F1B, Feature.COMPILE), (Feature.DP, Feature.COMPILE))
 def test_compiled_data_and_pipeline_parallel(worlds, model_dirs):
     results = worlds.run(4, compiled_parity, kind="gpt2", model_dir=model_dirs["gpt2"],
                          dp=2, tp=1, pp=2, microbatches=2)
@@ -168,6 +173,13 @@ LONG_CASES = [  # (kind, world size, compiled_parity's mesh and options)
 ]
 
 
+@pytest.mark.composes((Feature.PP_GPIPE, Feature.COMPILE), case="gpt2-4-dp=1-tp=2-pp=2-microbatches=2-schedule=gpipe")
+@pytest.mark.composes((Feature.RECOMPUTE, Feature.COMPILE), case="llama-2-dp=1-tp=2-recompute=selective")
+@pytest.mark.composes((Feature.SP, Feature.COMPILE), case="llama-2-dp=1-tp=2-sequence_parallel=True")
+@pytest.mark.composes((Feature.ZERO, Feature.COMPILE), case="llama-2-dp=2-tp=1-zero=True")
+@pytest.mark.composes(
+    (Feature.PP_INTERLEAVED, Feature.COMPILE),
+    case="llama_deep-2-dp=1-tp=1-pp=2-microbatches=2-schedule=interleaved_1f1b-virtual_stages=2")
 @pytest.mark.long
 @pytest.mark.parametrize(("kind", "world", "options"), LONG_CASES, ids=lambda v: str(v) if not isinstance(v, dict) else
                          "-".join(f"{k}={x}" for k, x in v.items()))
@@ -207,6 +219,9 @@ def compiled_mixed(*, kind: str, model_dir: str, tp: int, precision: str, steps:
             "graphs": counters["stats"]["unique_graphs"]}
 
 
+# bf16: 4.03% vs a 4% bound
+@pytest.mark.composes((Feature.BF16, Feature.COMPILE), status=Status.RUNS)
+@pytest.mark.composes((Feature.FP16, Feature.COMPILE), case="fp16", status=Status.EQUIVALENT)
 @pytest.mark.long
 @pytest.mark.parametrize("precision", [
     # measured on torch 2.13 CPU (2026-12-02), every run alike: the masters 0.00775 apart against a bound of 0.00770
@@ -253,6 +268,7 @@ def compiled_lora(*, model_dir: str, tp: int, steps: int = 2) -> dict:
             "graphs": counters["stats"]["unique_graphs"], "breaks": _breaks()}
 
 
+@pytest.mark.composes((Feature.LORA, Feature.COMPILE), status=Status.EQUIVALENT)
 @pytest.mark.long
 def test_compiled_lora(worlds, model_dirs):
     pytest.importorskip("peft")
@@ -342,6 +358,7 @@ def compiled_trainer(*, model_dir: str, out_dir: str, tp: int, compile: bool) ->
     return [r["loss"] for r in trainer.state.log_history if "loss" in r]
 
 
+@pytest.mark.composes((Feature.TRAINER, Feature.COMPILE), status=Status.EQUIVALENT)
 @pytest.mark.long
 @pytest.mark.skipif(not KEYWORD, reason="the Trainer compiles through parallelize(compile=True)")
 def test_trainer_with_torch_compile(worlds, model_dirs, tmp_path):
@@ -364,6 +381,7 @@ def compiled_generate(*, model_dir: str, tp: int, pp: int) -> dict:
     return {"ours": ours.tolist(), "theirs": theirs.tolist(), "compiled": is_compiled(pm.module, layers=pm.stage.plan.layers)}
 
 
+@pytest.mark.composes((Feature.GENERATE, Feature.COMPILE), case="2-1")
 @pytest.mark.long
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
 def test_compiled_generate_equals_plain_model(worlds, model_dirs, tp, pp):
@@ -376,6 +394,14 @@ def test_compiled_generate_equals_plain_model(worlds, model_dirs, tp, pp):
 DISABLED = "Skip calling `torch.compiler.disable()`d function"
 
 
+@pytest.mark.composes((Feature.COMPILE, Feature.CP), case="cp2")
+@pytest.mark.composes((Feature.COMPILE, Feature.EP), case="dp2-ep2")
+@pytest.mark.composes((Feature.EP_ALL_GATHER, Feature.COMPILE), case="dp2-ep2-all_gather")
+@pytest.mark.composes((Feature.LOSS_CHUNKS, Feature.COMPILE), case="dp2-loss_chunks")
+@pytest.mark.composes((Feature.OFFLOAD, Feature.COMPILE), case="dp2-offload")
+# Refused pairs first, in the order their messages win when a configuration hits several.
+# compile: what dynamo cannot trace runs eagerly between a block's compiled pieces (step/compile.py)
+@pytest.mark.composes((Feature.COMPILE, Feature.PP_ZB_H1), case="zb_h1")
 @pytest.mark.parametrize(("kind", "world", "options"), [
     pytest.param("llama", 2, dict(dp=1, tp=1, cp=2), id="cp2"),
     pytest.param("qwen3_moe", 2, dict(dp=2, tp=1, ep=2), id="dp2-ep2"),

@@ -1,5 +1,6 @@
-"""The composition table (qn_hf/config/composition.py): complete, its tests real, its refusals the
-ones the entry points raise, the only home of those messages, and docs/composition-table.md its output."""
+"""The composition table: every pair of features a refused or exclusive row (qn_hf/config/composition.py) or
+covered by the tests' composes marks (qn_hf/config/composition_coverage.py, their collection), the refusals the ones
+the entry points raise, the only home of those messages, and docs/composition-table.md its output."""
 
 from __future__ import annotations
 
@@ -9,15 +10,20 @@ import re
 import string
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from qn_hf.config.composition import ROWS, TABLE, Feature, Status, check_composition
+from qn_hf.config.composition import ROWS, TABLE, check_and_warn, check_composition
+from qn_hf.config.composition_coverage import COVERED
 from qn_hf.config.composition_markdown import markdown
+from qn_hf.config.features import Feature, Status
 from qn_hf.validation.checks import check_parallel_config
+from tests import composition_marks
+from tests.composition_marks import Covers, Marked
 
 ROOT = Path(__file__).resolve().parents[1]
 _SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -31,37 +37,53 @@ def _meta(kind: str) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **_SMALL, **extra))
 
 
-def test_every_pair_has_one_row():
+def test_every_pair_is_a_row_or_covered_by_a_test():
     pairs = {frozenset(p) for p in itertools.combinations(Feature, 2)}
-    assert len(ROWS) == len(TABLE) == len(pairs)
-    assert set(TABLE) == pairs
+    assert len(ROWS) == len(TABLE)
+    assert set(TABLE) | set(COVERED) == pairs and not set(TABLE) & set(COVERED)
     for row in ROWS:
-        assert bool(row.test) == (row.status in (Status.PLAIN, Status.EQUIVALENT, Status.RUNS)), row
-        assert bool(row.message) == (row.status in (Status.REFUSED, Status.EXCLUSIVE)), row
+        assert row.status in (Status.REFUSED, Status.EXCLUSIVE) and row.message, row
+    assert set(COVERED.values()) <= {Status.PLAIN, Status.EQUIVALENT, Status.RUNS}
 
 
-@pytest.mark.processes  # pytest's own collection, in a process of its own
-def test_every_named_test_exists():
-    named = sorted({row.test for row in ROWS if row.test})
-    files = sorted({name.partition("::")[0] for name in named})
-    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "", *files], cwd=ROOT,
-                               capture_output=True, text=True, timeout=600).stdout.splitlines()
-    ids = set(collected)
-    functions = {node.partition("[")[0] for node in ids}
-    missing = [name for name in named if name not in (ids if "[" in name else functions)]
-    assert missing == [], missing
+@pytest.mark.core  # make test runs it: the coverage the runtime warns from is what the tests' marks say
+@pytest.mark.processes  # pytest's own collection of the whole suite, in a process of its own
+def test_the_coverage_is_what_the_tests_marks_say(tmp_path):
+    written = tmp_path / "coverage.py"
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "", "-p", "no:cacheprovider",
+                           "--composition-table", str(written), "tests"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    current = (ROOT / "qn_hf" / "config" / "composition_coverage.py").read_text()
+    assert written.read_text() == current, "qn_hf/config/composition_coverage.py is stale: run `make composition-table`"
+
+
+def _tested(nodeid: str, *covers: Covers, long: bool = False) -> Marked:
+    return Marked(nodeid, nodeid.partition("[")[2][:-1] or None, covers, long)
+
+
+def test_marks_say_pairs_cases_and_status():
+    tp_sp, cp_dp = (Feature.TP, Feature.SP), (Feature.CP, Feature.DP)
+    runs = Covers.of((tp_sp,), {"status": Status.RUNS})
+    cased = Covers.of((tp_sp, cp_dp), {"case": "a"})
+    tests = [_tested("t.py::f[a]", runs, cased), _tested("t.py::f[b]", runs, cased, long=True),
+             _tested("t.py::g", Covers.of(((Feature.TP, Feature.CP),), {"case": "gone"}))]
+    # the strongest status a matching mark gives; a case's mark covers nothing on its function's other cases
+    assert composition_marks.coverage(tests) == {frozenset(tp_sp): Status.PLAIN, frozenset(cp_dp): Status.PLAIN}
+    assert composition_marks.coverage(tests[1:2]) == {frozenset(tp_sp): Status.RUNS}
+    assert [composition_marks.needed(t) for t in tests] == [True, False, False]  # f[b]: uncased, but its case is long
+    assert composition_marks.unmatched(tests) == [
+        "t.py::g[gone]: a composes mark names this case, which the function does not have"]
+    assert composition_marks.uncovered(tests[1:], composition_marks.coverage(tests)) == [
+        "cp x dp: no selected test's composes mark covers it"]
+    for args, kwargs in [((), {}), ((tp_sp,), {"statu": Status.PLAIN}), (((Feature.TP, Feature.TP),), {}),
+                         ((("tp", "sp"),), {}), ((tp_sp,), {"status": Status.REFUSED})]:
+        with pytest.raises(ValueError, match="composes"):
+            Covers.of(args, kwargs)
 
 
 # One configuration per refused pair of parallelize's own features, on a dense or an MoE model.
 REFUSED_CONFIGS = {
-    (Feature.COMPILE, Feature.PP_ZB_H1): ("llama", dict(pp=2, microbatches=2, schedule="zb_h1", compile=True)),
-    (Feature.COMPILE, Feature.CP): ("llama", dict(cp=2, compile=True)),
-    (Feature.COMPILE, Feature.EP): ("qwen3_moe", dict(dp=2, ep=2, compile=True)),
-    (Feature.DP_SHARD, Feature.PP_1F1B): ("llama", dict(dp=2, dp_shard=2, pp=2, microbatches=2)),
-    (Feature.DP_SHARD, Feature.PP_GPIPE): ("llama", dict(dp=2, dp_shard=2, pp=2, microbatches=2, schedule="gpipe")),
-    (Feature.DP_SHARD, Feature.PP_INTERLEAVED): ("llama", dict(dp=2, dp_shard=2, pp=2, microbatches=2,
-                                                               schedule="interleaved_1f1b", virtual_stages=2)),
-    (Feature.DP_SHARD, Feature.PP_ZB_H1): ("llama", dict(dp=2, dp_shard=2, pp=2, microbatches=2, schedule="zb_h1")),
     (Feature.DP_SHARD, Feature.ZERO): ("llama", dict(dp=2, dp_shard=2, extra=frozenset({Feature.ZERO}))),
 }
 
@@ -86,8 +108,18 @@ def test_each_refused_row_is_what_its_entry_point_raises(row):
 
 def test_composing_pairs_pass_and_untested_pairs_are_reported():
     assert check_composition({Feature.TP, Feature.DP, Feature.PP_1F1B}) == []
-    # every pair is tested or refused now: an untested one would come back here, warned about
-    assert [row for row in TABLE.values() if row.status is Status.UNTESTED] == []
+    # every pair is tested or refused now; one only run in a test comes back, warned about once on rank 0
+    assert [status for status in COVERED.values() if status is Status.UNTESTED] == []
+    runs = [pair for pair, status in COVERED.items() if status is Status.RUNS]
+    assert runs and check_composition(set().union(*runs) | {Feature.TP}) == runs
+    warned: set = set()
+    with pytest.warns(UserWarning, match="no test compares .* x .* with the plain model yet"):
+        check_and_warn(runs[0], {}, warned=warned, rank=0)
+    assert warned == {runs[0]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_and_warn(runs[0], {}, warned=warned, rank=0)  # once per run
+        check_and_warn(runs[0], {}, warned=set(), rank=1)  # rank 0 only
 
 
 def _literal_parts(message: str) -> list[str]:

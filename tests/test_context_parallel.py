@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from qn_hf.config.features import Feature
 from tests import cases
 from tests.releases import with_tp_plan
 from tests.test_parity import GRAD_ATOL, check
@@ -21,6 +22,9 @@ CP_CASES = [  # kind, dp, tp, pp, cp, microbatches, padded, packed
 ]
 
 
+@pytest.mark.composes((Feature.CP, Feature.PP_1F1B), case="llama-1-1-2-2-2-True-False")
+@pytest.mark.composes((Feature.TP, Feature.CP), case="llama-1-2-1-2-1-True-False")
+@pytest.mark.composes((Feature.CP, Feature.DP), case="llama-2-1-1-2-1-True-False")
 @pytest.mark.parametrize(("kind", "dp", "tp", "pp", "cp", "microbatches", "padded", "packed"), CP_CASES)
 def test_context_parallel_equals_plain_model(worlds, model_dirs, tmp_path, kind, dp, tp, pp, cp, microbatches, padded,
                                              packed):
@@ -31,6 +35,7 @@ def test_context_parallel_equals_plain_model(worlds, model_dirs, tmp_path, kind,
     check(results, tp=tp)
 
 
+@pytest.mark.composes((Feature.CP, Feature.PP_GPIPE))
 @pytest.mark.long
 def test_context_parallel_with_gpipe_equals_plain_model(worlds, model_dirs, tmp_path):
     """The composition table's cp x gpipe row: pp=2 with GPipe and cp=2, padded rows."""
@@ -177,6 +182,8 @@ def test_checkpoint_moves_between_cp_and_other_meshes(worlds, model_dirs, tmp_pa
         assert err < 2e-5, f"resumed at dp={dp} tp={tp} cp={cp}: max weight difference {err}"
 
 
+@pytest.mark.composes((Feature.PP_INTERLEAVED, Feature.CP), case="interleaved_1f1b-2-2")
+@pytest.mark.composes((Feature.PP_ZB_H1, Feature.CP), case="zb_h1-1-2")
 @pytest.mark.parametrize(("schedule", "virtual_stages", "microbatches"), [("interleaved_1f1b", 2, 2), ("zb_h1", 1, 2)])
 def test_context_parallel_with_schedules_equals_plain_model(worlds, model_dirs, tmp_path, schedule, virtual_stages,
                                                             microbatches):
@@ -201,6 +208,8 @@ def test_loss_fn_with_context_parallelism_equals_plain_model(worlds, model_dirs,
         assert r["grad_err"] < GRAD_ATOL, r
 
 
+# slices of slices: each cp rank's two pieces split again over tp between the tp regions
+@pytest.mark.composes((Feature.SP, Feature.CP), case="llama-1-2-1-1")
 @pytest.mark.parametrize(("kind", "dp", "tp", "pp", "microbatches"), [
     ("llama", 1, 2, 1, 1),
     ("qwen3", 1, 2, 2, 2),

@@ -8,6 +8,7 @@ import torch
 
 from qn_hf import convert
 from qn_hf.check.run import build, model_class
+from qn_hf.config.features import Feature, Status
 from qn_hf.peft.lora import unwrap_peft
 from tests import ep_cases
 from tests.cases import error_message
@@ -41,6 +42,9 @@ def check_experts(results: list[dict], *, ep: int) -> None:
     assert first["weight_err"] <= WEIGHT_ATOL and first["moved"] > 1e-3, first
 
 
+@pytest.mark.composes((Feature.EP, Feature.DP), case="mixtral-2-1-1-2-1")
+@pytest.mark.composes((Feature.PP_1F1B, Feature.EP), case="mixtral-2-1-2-2-2")
+@pytest.mark.composes((Feature.TP, Feature.EP), case="mixtral-2-2-1-4-1")
 @pytest.mark.parametrize(("model_type", "dp", "tp", "pp", "ep", "microbatches"), EP_CASES)
 def test_expert_parallel_equals_plain_model(worlds, tmp_path, model_type, dp, tp, pp, ep, microbatches):
     results = worlds.run(dp * tp * pp, ep_cases.ep_parity, model_type=model_type, out_dir=str(tmp_path / "hf"),
@@ -49,6 +53,7 @@ def test_expert_parallel_equals_plain_model(worlds, tmp_path, model_type, dp, tp
     assert all(r["ep_gathers"] == 0 for r in results), results  # the default: the all-to-all
 
 
+@pytest.mark.composes((Feature.PP_GPIPE, Feature.EP))
 @pytest.mark.long
 def test_expert_parallel_with_gpipe_equals_plain_model(worlds, tmp_path):
     """The composition table's ep x gpipe row: dp=2 x pp=2 with GPipe, experts over ep=2."""
@@ -93,6 +98,9 @@ def test_expert_parallel_with_fewer_tokens_than_tp_ranks(worlds, tmp_path):
     check_experts(results, ep=2)
 
 
+@pytest.mark.composes((Feature.TP, Feature.RECOMPUTE), case="deepseek_v3-2-2-1-4-selective")
+@pytest.mark.composes((Feature.PP_1F1B, Feature.RECOMPUTE), case="mixtral-2-1-2-2-selective")
+@pytest.mark.composes((Feature.EP, Feature.RECOMPUTE), (Feature.DP, Feature.RECOMPUTE), case="qwen3_moe-2-1-1-2-full")
 @pytest.mark.parametrize(("model_type", "dp", "tp", "pp", "ep", "recompute"), [
     ("qwen3_moe", 2, 1, 1, 2, "full"),
     ("deepseek_v3", 2, 2, 1, 4, "selective"),
@@ -223,6 +231,10 @@ def test_meta_model_reads_per_expert_hf_layout(worlds, tmp_path, model_type, dp,
         assert r["weight_err"] == 0.0 and abs(r["loss"] - r["ref_loss"]) <= LOSS_RTOL * r["ref_loss"], r
 
 
+@pytest.mark.composes((Feature.EP, Feature.BF16), status=Status.EQUIVALENT)
+@pytest.mark.composes((Feature.EP_ALL_GATHER, Feature.BF16), case="bf16-all_gather", status=Status.EQUIVALENT)
+@pytest.mark.composes((Feature.EP, Feature.FP16), case="fp16", status=Status.EQUIVALENT)
+@pytest.mark.composes((Feature.EP_ALL_GATHER, Feature.FP16), case="fp16-all_gather", status=Status.EQUIVALENT)
 @pytest.mark.parametrize(("precision", "dispatch"), [("bf16", "all_to_all"), ("fp16", "all_to_all"),
                                                    ("bf16", "all_gather"),
                                                    ("fp16", "all_gather")],
@@ -239,6 +251,8 @@ def test_expert_parallel_in_bf16_trains_like_replicated_experts(worlds, precisio
     assert sharded["losses"][-1] < sharded["losses"][0] - 0.05, sharded
 
 
+@pytest.mark.composes((Feature.EP_ALL_GATHER, Feature.ZERO), case="qwen3_moe-2-2-1-2-None-all_gather")
+@pytest.mark.composes((Feature.ZERO, Feature.EP), case="qwen3_moe-2-2-1-2-None-all_to_all")
 @pytest.mark.parametrize(("model_type", "dp", "tp", "pp", "ep", "precision", "dispatch"), [
     ("qwen3_moe", 2, 2, 1, 2, None, "all_to_all"),  # experts' state split over their 2 holders, the rest over dp=2
     ("mixtral", 1, 4, 1, 2, None, "all_to_all"),  # dp=1: only the experts have replicas to shard over
@@ -279,6 +293,8 @@ def test_expert_parallel_zero_checkpoints_move_between_meshes(worlds, tmp_path):
                             source=ckpt, steps=[2, 3], zero=zero)
 
 
+@pytest.mark.composes((Feature.PP_INTERLEAVED, Feature.EP), case="interleaved_1f1b-2")
+@pytest.mark.composes((Feature.PP_ZB_H1, Feature.EP), case="zb_h1-1")
 @pytest.mark.parametrize(("schedule", "virtual_stages"), [("interleaved_1f1b", 2), ("zb_h1", 1)])
 def test_expert_parallel_with_schedules_equals_plain_model(worlds, tmp_path, schedule, virtual_stages):
     """The composition table's ep x interleaved_1f1b and ep x zb_h1 rows: dp=2 x pp=2, experts over
@@ -289,6 +305,8 @@ def test_expert_parallel_with_schedules_equals_plain_model(worlds, tmp_path, sch
     check_experts(results, ep=2)
 
 
+# every cp rank routes its own tokens within its grid's ep group; the experts' gradients sum over cp too
+@pytest.mark.composes((Feature.CP, Feature.EP), case="qwen3_moe-2-1-2-2-True")
 @pytest.mark.parametrize(("model_type", "dp", "tp", "cp", "ep", "router_loss"), [
     ("qwen3_moe", 2, 1, 2, 2, True),  # each cp rank's grid shares out the experts; the router loss pools dp x cp
     ("mixtral", 1, 2, 2, 2, False),  # the ep group is the tp group of each cp rank
@@ -304,6 +322,8 @@ def test_expert_parallel_with_context_parallel_equals_plain_model(worlds, tmp_pa
     check_experts(results, ep=ep)
 
 
+# the MoE block runs on this rank's slice of the sequence: its tokens are distinct, nothing is shared out over tp
+@pytest.mark.composes((Feature.EP, Feature.SP), case="qwen3_moe-1-2-1-2-False")
 @pytest.mark.parametrize(("model_type", "dp", "tp", "cp", "ep", "router_loss"), [
     ("qwen3_moe", 1, 2, 1, 2, False),  # the ep group is the tp group: each rank routes its own slice
     ("mixtral", 2, 2, 1, 4, True),  # ep over dp x tp; the load-balancing term pools dp x tp slices
@@ -322,6 +342,7 @@ def test_expert_parallel_with_sequence_parallelism_equals_plain_model(worlds, tm
     check_experts(results, ep=ep)
 
 
+@pytest.mark.composes((Feature.EP_ALL_GATHER, Feature.LORA), case="qwen3_moe-2-1-2-all_gather")
 @pytest.mark.parametrize(("model_type", "dp", "tp", "ep", "dispatch"), [
     ("qwen3_moe", 2, 1, 2, "all_to_all"), ("mixtral", 1, 2, 2, "all_to_all"),
     ("qwen3_moe", 2, 1, 2, "all_gather")])
@@ -385,6 +406,18 @@ GATHER_CASES = [
 ]
 
 
+@pytest.mark.composes((Feature.EP_ALL_GATHER, Feature.RECOMPUTE), case="deepseek_v3-dp2-tp2-ep4-selective")
+# ep's all-gather dispatch (expert_dispatch="all_gather"): a way of running ep, tested with each feature
+@pytest.mark.composes((Feature.EP_ALL_GATHER, Feature.EP), (Feature.EP_ALL_GATHER, Feature.DP), case="mixtral-dp2-ep2")
+@pytest.mark.composes((Feature.EP_ALL_GATHER, Feature.PP_1F1B), case="mixtral-dp2-pp2-ep2")
+@pytest.mark.composes((Feature.EP_ALL_GATHER, Feature.CP), case="qwen3_moe-dp2-cp2-ep2")
+@pytest.mark.composes((Feature.EP_ALL_GATHER, Feature.PP_GPIPE), case="qwen3_moe-dp2-pp2-ep2-gpipe")
+@pytest.mark.composes((Feature.EP_ALL_GATHER, Feature.PP_INTERLEAVED), case="qwen3_moe-dp2-pp2-ep2-interleaved_1f1b")
+@pytest.mark.composes((Feature.EP_ALL_GATHER, Feature.PP_ZB_H1), case="qwen3_moe-dp2-pp2-ep2-zb_h1")
+@pytest.mark.composes((Feature.EP_ALL_GATHER, Feature.DP_SHARD), case="qwen3_moe-dp2-shard2-ep2-full")
+# tokens shared out over tp: a share one token short padded with a token routed nowhere
+@pytest.mark.composes((Feature.EP_ALL_GATHER, Feature.TP), case="qwen3_moe-tp2-ep2-odd")
+@pytest.mark.composes((Feature.EP_ALL_GATHER, Feature.SP), case="qwen3_moe-tp2-ep2-sp")
 @pytest.mark.parametrize(("model_type", "dp", "tp", "pp", "cp", "ep", "microbatches", "extras"), GATHER_CASES)
 def test_all_gather_dispatch_equals_plain_model(worlds, tmp_path, model_type, dp, tp, pp, cp, ep, microbatches,
                                                 extras):

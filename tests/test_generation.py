@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from qn_hf.config.features import Feature
 from tests import generation_cases
 
 KINDS = ["gpt2", "llama"]  # tied head and vocabulary 99 (padded at tp=2); GQA and vocabulary 101
@@ -13,6 +14,15 @@ MESHES = [(1, 2, 1, False, 1, 1), (1, 1, 2, False, 1, 1), (1, 2, 2, False, 1, 1)
           (1, 1, 2, False, 1, 2), pytest.param(1, 2, 1, True, 1, 2, marks=pytest.mark.long)]  # ring attention off
 
 
+@pytest.mark.composes((Feature.PP_1F1B, Feature.GENERATE), case="dp1-tp1-pp2")
+# ring attention switched off: every cp rank holds the whole model and runs the loop on whole sequences
+@pytest.mark.composes((Feature.GENERATE, Feature.CP), case="dp1-tp1-pp2-cp2")
+# each generated token's forward goes round the ring of stages once per chunk
+@pytest.mark.composes((Feature.PP_INTERLEAVED, Feature.GENERATE), case="dp1-tp1-pp2-v2")
+@pytest.mark.composes((Feature.TP, Feature.GENERATE), case="dp1-tp2-pp1")
+# generate switches sequence parallelism off: a one-token step cannot be split over the tp ranks
+@pytest.mark.composes((Feature.SP, Feature.GENERATE), case="dp1-tp2-pp2-sp")
+@pytest.mark.composes((Feature.DP, Feature.GENERATE), case="dp2-tp1-pp2")
 @pytest.mark.parametrize(("dp", "tp", "pp", "sp", "virtual", "cp"), MESHES,
                          ids=[f"dp{d}-tp{t}-pp{p}" + ("-sp" if s else "") + (f"-v{v}" if v > 1 else "")
                               + (f"-cp{c}" if c > 1 else "")
@@ -68,6 +78,10 @@ def test_generate_refusals(worlds, model_dirs):
         assert "sequence_parallel=False" in r["tp_max_time"] or "max_time" in r["tp_max_time"], r["tp_max_time"]
 
 
+# HF's synced_gpus: every rank calls the forward until all replicas' loops have finished
+@pytest.mark.composes((Feature.GENERATE, Feature.EP), case="dp2-pp1")
+# generate runs the all-to-all: its replicas' prompts need not be alike (dispatch.GatherSwitch)
+@pytest.mark.composes((Feature.EP_ALL_GATHER, Feature.GENERATE), case="dp2-pp1-all_gather")
 @pytest.mark.parametrize(("dp", "pp", "tp", "sp", "dispatch"),
                          [(2, 1, 1, False, "all_to_all"), (2, 2, 1, False, "all_to_all"), (1, 1, 2, True, "all_to_all"),
                           (2, 1, 1, False, "all_gather")],
@@ -86,6 +100,8 @@ def test_generate_with_expert_parallelism_equals_plain_model(worlds, dp, pp, tp,
     assert {len(r["ours"][0]) for r in results} == ({5 + 3, 6 + 6} if dp == 2 else {5 + 3})
 
 
+@pytest.mark.composes((Feature.BF16, Feature.GENERATE), case="bf16")
+@pytest.mark.composes((Feature.FP16, Feature.GENERATE), case="fp16")
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_generate_in_mixed_precision_equals_plain_model(worlds, model_dirs, precision):
     """generate under mixed_precision at pp=2: the plain model with its parameters in that dtype,

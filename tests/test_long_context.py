@@ -8,6 +8,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 import qn_hf
+from qn_hf.config.features import Feature
 from qn_hf.memory.offload import ActivationOffload
 from qn_hf.memory.recompute import apply_recompute
 from qn_hf.planner.estimate import Planner
@@ -55,6 +56,32 @@ LONG_CASES.append(pytest.param("llama", 2, 1, 1, 1, {**CHUNKS, "dp_shard": 2, "f
                                id="chunks-llama-dp2-shard2-frozen", marks=pytest.mark.core))
 
 
+@pytest.mark.composes((Feature.LOSS_CHUNKS, Feature.OFFLOAD), case="both-llama-dp2-shard2-cp2")
+# each chunk's loss over the vocabulary shards
+@pytest.mark.composes((Feature.LOSS_CHUNKS, Feature.TP), case="chunks-gemma2-tp2")
+@pytest.mark.composes((Feature.LOSS_CHUNKS, Feature.SP), case="chunks-gpt2-tp2-sp")
+@pytest.mark.composes((Feature.LOSS_CHUNKS, Feature.CP), case="chunks-llama-cp2")
+# the loss a chunk of positions at a time (loss_chunk_tokens): the task forward's own head code (step/loss_chunks.py)
+@pytest.mark.composes(
+    (Feature.LOSS_CHUNKS, Feature.DP), (Feature.LOSS_CHUNKS, Feature.RECOMPUTE), case="chunks-llama-dp2")
+@pytest.mark.composes((Feature.LOSS_CHUNKS, Feature.PP_1F1B), case="chunks-llama-dp2-pp2-1f1b")
+# inside FSDP's root gather
+@pytest.mark.composes((Feature.LOSS_CHUNKS, Feature.DP_SHARD), case="chunks-llama-dp2-shard2")
+@pytest.mark.composes((Feature.LOSS_CHUNKS, Feature.PP_ZB_H1), case="chunks-llama-pp2-zb_h1")
+@pytest.mark.composes((Feature.LOSS_CHUNKS, Feature.PP_GPIPE), case="chunks-llama-tp2-pp2-gpipe")
+@pytest.mark.composes((Feature.LOSS_CHUNKS, Feature.PP_INTERLEAVED), case="chunks-llama_deep-pp2-interleaved_1f1b")
+@pytest.mark.composes((Feature.OFFLOAD, Feature.TP), case="offload-gemma2-tp2")
+# each tp rank's slice of the sequence
+@pytest.mark.composes((Feature.OFFLOAD, Feature.SP), case="offload-gpt2-tp2-sp")
+@pytest.mark.composes((Feature.OFFLOAD, Feature.CP), case="offload-llama-cp2")
+# what recomputation keeps of each block, held on the host (offload="activations", memory/offload.py)
+# needs it: refused without
+@pytest.mark.composes((Feature.OFFLOAD, Feature.DP), (Feature.OFFLOAD, Feature.RECOMPUTE), case="offload-llama-dp2")
+@pytest.mark.composes((Feature.OFFLOAD, Feature.PP_1F1B), case="offload-llama-dp2-pp2-1f1b")
+@pytest.mark.composes((Feature.OFFLOAD, Feature.DP_SHARD), case="offload-llama-dp2-shard2")
+@pytest.mark.composes((Feature.OFFLOAD, Feature.PP_ZB_H1), case="offload-llama-pp2-zb_h1")
+@pytest.mark.composes((Feature.OFFLOAD, Feature.PP_GPIPE), case="offload-llama-tp2-pp2-gpipe")
+@pytest.mark.composes((Feature.OFFLOAD, Feature.PP_INTERLEAVED), case="offload-llama_deep-pp2-interleaved_1f1b")
 @pytest.mark.parametrize(("kind", "dp", "tp", "pp", "cp", "extras"), LONG_CASES)
 def test_long_context_equals_plain_model(worlds, model_dirs, tmp_path, kind, dp, tp, pp, cp, extras):
     """The loss a chunk of positions at a time, the blocks' saved inputs held on the host, or both: loss,
@@ -186,6 +213,14 @@ def test_offload_refuses_a_saved_input_written_in_place():
         z.sum().backward()
 
 
+# generate computes no loss
+@pytest.mark.composes(
+    (Feature.LOSS_CHUNKS, Feature.ZERO), (Feature.LOSS_CHUNKS, Feature.LORA), (Feature.LOSS_CHUNKS, Feature.GENERATE),
+    case="chunks")
+# generate recomputes nothing
+@pytest.mark.composes(
+    (Feature.OFFLOAD, Feature.ZERO), (Feature.OFFLOAD, Feature.LORA), (Feature.OFFLOAD, Feature.GENERATE),
+    case="offload")
 @pytest.mark.parametrize("options", [CHUNKS, {**OFFLOAD, "recompute": "full"}], ids=["chunks", "offload"])
 def test_long_context_with_lora_zero_and_generate(worlds, model_dirs, tmp_path, options):
     """LoRA (an adapter's gradients through the chunks or the offloaded inputs), ZeRO-1, zb_h1's weight passes at
@@ -196,6 +231,10 @@ def test_long_context_with_lora_zero_and_generate(worlds, model_dirs, tmp_path, 
     check_lora(results, generated=True)
 
 
+@pytest.mark.composes((Feature.LOSS_CHUNKS, Feature.BF16), case="chunks-dp2-zero-bf16")
+@pytest.mark.composes((Feature.LOSS_CHUNKS, Feature.FP16), case="chunks-tp2-sp-fp16")
+@pytest.mark.composes((Feature.OFFLOAD, Feature.BF16), case="offload-dp2-zero-bf16")
+@pytest.mark.composes((Feature.OFFLOAD, Feature.FP16), case="offload-tp2-sp-fp16")
 @pytest.mark.parametrize(("dp", "tp", "zero", "precision", "sp", "options"), [
     pytest.param(2, 1, True, "bf16", False, CHUNKS, id="chunks-dp2-zero-bf16"),
     pytest.param(1, 2, False, "fp16", True, CHUNKS, id="chunks-tp2-sp-fp16"),
@@ -210,6 +249,10 @@ def test_long_context_in_mixed_precision(worlds, model_dirs, dp, tp, zero, preci
     check_mixed(results, precision)
 
 
+@pytest.mark.composes((Feature.LOSS_CHUNKS, Feature.EP_ALL_GATHER), case="chunks-all_gather")
+@pytest.mark.composes((Feature.LOSS_CHUNKS, Feature.EP), case="chunks-all_to_all")
+@pytest.mark.composes((Feature.OFFLOAD, Feature.EP_ALL_GATHER), case="offload-all_gather")
+@pytest.mark.composes((Feature.OFFLOAD, Feature.EP), case="offload-all_to_all")
 @pytest.mark.parametrize("dispatch", ["all_to_all", "all_gather"])
 @pytest.mark.parametrize("options", [CHUNKS, {**OFFLOAD, "recompute": "full"}], ids=["chunks", "offload"])
 def test_long_context_with_expert_parallelism(worlds, tmp_path, dispatch, options):

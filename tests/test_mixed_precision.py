@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from qn_hf.config.features import Feature
 from tests import optim_cases
 
 MIXED_CASES = [  # kind, dp, tp, pp, microbatches, zero, precision, schedule
@@ -22,6 +23,20 @@ MIXED_CASES = [  # kind, dp, tp, pp, microbatches, zero, precision, schedule
 ]
 
 
+@pytest.mark.composes(
+    (Feature.TP, Feature.BF16), (Feature.PP_GPIPE, Feature.BF16), case="gpt2-1-2-2-2-False-bf16-gpipe")
+@pytest.mark.composes((Feature.PP_INTERLEAVED, Feature.BF16), case="gpt2-1-2-2-2-False-bf16-interleaved_1f1b")
+@pytest.mark.composes((Feature.PP_GPIPE, Feature.FP16), case="gpt2-1-2-2-2-False-fp16-gpipe")
+@pytest.mark.composes((Feature.PP_INTERLEAVED, Feature.FP16), case="gpt2-1-2-2-2-False-fp16-interleaved_1f1b")
+@pytest.mark.composes(
+    (Feature.PP_1F1B, Feature.ZERO), (Feature.PP_1F1B, Feature.BF16), (Feature.DP, Feature.BF16),
+    (Feature.ZERO, Feature.BF16), case="gpt2-2-2-2-2-True-bf16-1f1b")
+@pytest.mark.composes((Feature.PP_1F1B, Feature.FP16), case="llama-1-1-2-2-False-fp16-1f1b")
+@pytest.mark.composes((Feature.PP_ZB_H1, Feature.BF16), case="llama-2-1-2-2-True-bf16-zb_h1")
+@pytest.mark.composes((Feature.PP_ZB_H1, Feature.FP16), case="llama-2-1-2-2-True-fp16-zb_h1")
+@pytest.mark.composes(
+    (Feature.TP, Feature.FP16), (Feature.DP, Feature.FP16), (Feature.ZERO, Feature.FP16),
+    case="llama-2-2-1-2-True-fp16-1f1b")
 @pytest.mark.parametrize(("kind", "dp", "tp", "pp", "microbatches", "zero", "precision", "schedule"), MIXED_CASES)
 def test_mixed_precision_trains_like_the_plain_model_by_hand(worlds, model_dirs, kind, dp, tp, pp, microbatches, zero,
                                                              precision, schedule):
@@ -42,6 +57,13 @@ COMPOSED_CASES = [  # kind, dp, tp, pp, zero, precision, recompute, sequence_par
 CP_CASES = [("llama", 1, 1, 1, True, "bf16", None, False), ("llama", 1, 1, 1, True, "fp16", None, False)]  # cp=2
 
 
+@pytest.mark.composes((Feature.BF16, Feature.RECOMPUTE), case="gpt2-1-2-2-False-bf16-selective-False-1")
+@pytest.mark.composes((Feature.CP, Feature.ZERO), (Feature.CP, Feature.BF16), case="llama-1-1-1-True-bf16-None-False-2")
+@pytest.mark.composes((Feature.CP, Feature.FP16), case="llama-1-1-1-True-fp16-None-False-2")
+@pytest.mark.composes((Feature.SP, Feature.FP16), case="llama-1-2-1-False-fp16-None-True-1")
+@pytest.mark.composes(
+    (Feature.ZERO, Feature.RECOMPUTE), (Feature.FP16, Feature.RECOMPUTE), case="llama-2-1-1-True-fp16-full-False-1")
+@pytest.mark.composes((Feature.SP, Feature.ZERO), (Feature.SP, Feature.BF16), case="llama-2-2-1-True-bf16-None-True-1")
 @pytest.mark.long
 @pytest.mark.parametrize(("kind", "dp", "tp", "pp", "zero", "precision", "recompute", "sp", "cp"),
                          [(*c, 1) for c in COMPOSED_CASES] + [(*c, 2) for c in CP_CASES])

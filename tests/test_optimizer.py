@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
+from qn_hf.config.features import Feature, Status
 from qn_hf.memory.recompute import check_recompute
 from tests import optim_cases
 from tests.models import load
@@ -19,6 +20,11 @@ ZERO_CASES = [  # kind, dp, tp, pp, optimizer, schedule
 ]
 
 
+@pytest.mark.composes((Feature.PP_GPIPE, Feature.ZERO), case="gpt2-2-1-2-SGD-gpipe")
+@pytest.mark.composes((Feature.PP_ZB_H1, Feature.ZERO), case="gpt2-2-1-2-SGD-zb_h1")
+@pytest.mark.composes(
+    (Feature.PP_INTERLEAVED, Feature.ZERO), case="llama-2-1-2-AdamW-interleaved_1f1b", status=Status.EQUIVALENT)
+@pytest.mark.composes((Feature.TP, Feature.ZERO), (Feature.DP, Feature.ZERO), case="llama-2-2-1-SGD-1f1b")
 @pytest.mark.parametrize(("kind", "dp", "tp", "pp", "opt_name", "schedule"), ZERO_CASES)
 def test_zero_equals_the_unsharded_optimizer(worlds, model_dirs, kind, dp, tp, pp, opt_name, schedule):
     results = worlds.run(dp * tp * pp, optim_cases.zero_parity, kind=kind, model_dir=model_dirs[kind], dp=dp,

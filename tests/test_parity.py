@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from qn_hf.config.features import Feature
 from tests import cases
 from tests.shapes import DATA_PARALLEL_CASES, PARITY_CASES, PIPELINE_CASES, SCHEDULE_CASES, SCHEDULE_CASES_LONG
 
@@ -27,6 +28,7 @@ def check(results: list[dict], *, tp: int, grad_atol: float = GRAD_ATOL) -> None
         assert r["local_sharded"] * tp <= r["full_sharded"] * 1.6, r
 
 
+@pytest.mark.composes((Feature.TP, Feature.DP), case="llama-2-2-1-False")
 @pytest.mark.parametrize(("kind", "dp", "tp", "microbatches", "padded"), PARITY_CASES)
 def test_tensor_and_data_parallel(worlds, model_dirs, tmp_path, kind, dp, tp, microbatches, padded):
     results = worlds.run(
@@ -36,6 +38,8 @@ def test_tensor_and_data_parallel(worlds, model_dirs, tmp_path, kind, dp, tp, mi
     check(results, tp=tp)
 
 
+@pytest.mark.composes((Feature.TP, Feature.PP_GPIPE), case="gpt2-1-2-2-gpipe-3-None")
+@pytest.mark.composes((Feature.TP, Feature.PP_1F1B), case="llama-1-2-2-1f1b-2-None")
 @pytest.mark.parametrize(("kind", "dp", "tp", "pp", "schedule", "microbatches", "layers_per_stage"), PIPELINE_CASES)
 def test_pipeline(worlds, model_dirs, tmp_path, kind, dp, tp, pp, schedule, microbatches, layers_per_stage):
     results = worlds.run(
@@ -46,6 +50,8 @@ def test_pipeline(worlds, model_dirs, tmp_path, kind, dp, tp, pp, schedule, micr
     check(results, tp=tp)
 
 
+@pytest.mark.composes((Feature.PP_GPIPE, Feature.DP), case="gpt2-2-1-2-gpipe-2")
+@pytest.mark.composes((Feature.PP_1F1B, Feature.DP), case="gpt2-4-1-2-1f1b-3")
 @pytest.mark.parametrize(("kind", "dp", "tp", "pp", "schedule", "microbatches"), DATA_PARALLEL_CASES)
 def test_data_parallel_3d(worlds, model_dirs, tmp_path, kind, dp, tp, pp, schedule, microbatches):
     results = worlds.run(
@@ -56,6 +62,10 @@ def test_data_parallel_3d(worlds, model_dirs, tmp_path, kind, dp, tp, pp, schedu
     check(results, tp=tp)
 
 
+@pytest.mark.composes((Feature.TP, Feature.PP_INTERLEAVED), case="gpt2_deep-1-2-2-interleaved_1f1b-2-4-None-None")
+@pytest.mark.composes((Feature.TP, Feature.PP_ZB_H1), case="gpt2_deep-1-2-2-zb_h1-1-4-None-None")
+@pytest.mark.composes((Feature.PP_INTERLEAVED, Feature.DP), case="gpt2_deep-2-1-2-interleaved_1f1b-2-4-None-None")
+@pytest.mark.composes((Feature.PP_ZB_H1, Feature.DP), case="llama_deep-2-1-2-zb_h1-1-4-None-None")
 @pytest.mark.parametrize(("kind", "dp", "tp", "pp", "schedule", "virtual_stages", "microbatches", "layers_per_stage",
                           "rows"), SCHEDULE_CASES + [pytest.param(*c, marks=pytest.mark.long) for c in SCHEDULE_CASES_LONG])
 def test_schedules(worlds, model_dirs, tmp_path, kind, dp, tp, pp, schedule, virtual_stages, microbatches,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from qn_hf.config.features import Feature
 from tests import peft_cases
 
 pytest.importorskip("peft")
@@ -28,6 +29,24 @@ LORA_CASES = [
 ]
 
 
+@pytest.mark.composes((Feature.PP_1F1B, Feature.LORA), case="llama-1-1-2-2-1f1b-False-False-targets1-None-1")
+@pytest.mark.composes(
+    (Feature.TP, Feature.LORA), (Feature.LORA, Feature.GENERATE), case="llama-1-2-1-1-1f1b-False-False-targets0-None-1")
+@pytest.mark.composes((Feature.CP, Feature.LORA), case="llama-1-2-1-1-1f1b-False-True-targets10-None-2")
+@pytest.mark.composes(
+    (Feature.RECOMPUTE, Feature.LORA), (Feature.RECOMPUTE, Feature.GENERATE),
+    case="llama-1-2-2-2-1f1b-False-False-targets7-selective-1")
+# generate equals peft's after a gpipe step
+@pytest.mark.composes(
+    (Feature.PP_GPIPE, Feature.LORA), (Feature.PP_GPIPE, Feature.GENERATE),
+    case="llama-1-2-2-2-gpipe-False-False-targets8-None-1")
+@pytest.mark.composes(
+    (Feature.PP_ZB_H1, Feature.LORA), (Feature.PP_ZB_H1, Feature.GENERATE), (Feature.ZERO, Feature.LORA),
+    (Feature.ZERO, Feature.GENERATE), case="llama-2-1-2-2-zb_h1-False-True-targets4-None-1")
+@pytest.mark.composes(
+    (Feature.SP, Feature.LORA), (Feature.DP, Feature.LORA), case="llama-2-2-1-1-1f1b-True-False-targets3-None-1")
+@pytest.mark.composes(
+    (Feature.PP_INTERLEAVED, Feature.LORA), case="llama_deep-1-1-2-2-interleaved_1f1b-False-False-targets9-None-1")
 @pytest.mark.parametrize(("kind", "dp", "tp", "pp", "microbatches", "schedule", "sp", "zero", "targets", "recompute",
                           "cp"),
                          [(*c, None, 1) for c in LORA_CASES] + [("llama", 1, 2, 2, 2, "1f1b", False, False, LLAMA_TARGETS,
@@ -116,6 +135,8 @@ def test_lora_checkpoint_resumes_at_another_mesh(worlds, model_dirs, tmp_path, e
         assert err < 5e-5, (mesh, err)
 
 
+@pytest.mark.composes((Feature.BF16, Feature.LORA))
+@pytest.mark.composes((Feature.FP16, Feature.LORA), case="fp16")
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_lora_bf16_keeps_masters_for_the_adapter_only(worlds, model_dirs, precision):
     for r in worlds.run(4, peft_cases.lora_bf16, model_dir=model_dirs["llama"], tp=2, pp=2, precision=precision):
@@ -175,6 +196,8 @@ EXPERT_LORA_CASES = [
 ]
 
 
+# LoRA on the attention and on the fused experts' weights, whose factors ep cuts into expert blocks
+@pytest.mark.composes((Feature.EP, Feature.LORA), case="qwen3_moe-2-1-1-2-1-1-False-False-1f1b")
 @pytest.mark.parametrize(("model_type", "dp", "tp", "pp", "ep", "cp", "microbatches", "sp", "zero", "schedule"),
                          EXPERT_LORA_CASES)
 def test_lora_on_fused_experts_equals_peft(worlds, tmp_path, model_type, dp, tp, pp, ep, cp, microbatches, sp, zero,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qn_hf.config.features import Feature, Status
 from tests import optim_cases
 
 RECOMPUTE_CASES = [  # kind, dp, tp, pp, mode, sequence_parallel, cp
@@ -20,6 +21,8 @@ RECOMPUTE_CASES = [  # kind, dp, tp, pp, mode, sequence_parallel, cp
 ]
 
 
+@pytest.mark.composes((Feature.SP, Feature.RECOMPUTE), case="gpt2-1-2-1-full-True-1", status=Status.EQUIVALENT)
+@pytest.mark.composes((Feature.CP, Feature.RECOMPUTE), case="llama-1-1-1-full-False-2", status=Status.EQUIVALENT)
 @pytest.mark.parametrize(("kind", "dp", "tp", "pp", "mode", "sp", "cp"), RECOMPUTE_CASES)
 def test_recompute_is_bit_for_bit(worlds, model_dirs, kind, dp, tp, pp, mode, sp, cp):
     results = worlds.run(dp * tp * pp * cp, optim_cases.recompute_parity, kind=kind, model_dir=model_dirs[kind],
@@ -29,6 +32,10 @@ def test_recompute_is_bit_for_bit(worlds, model_dirs, kind, dp, tp, pp, mode, sp
         assert r["grads_equal"] and r["weights_equal"], r
 
 
+@pytest.mark.composes(
+    (Feature.PP_INTERLEAVED, Feature.RECOMPUTE), case="gpt2_deep-1-interleaved_1f1b-2-full", status=Status.EQUIVALENT)
+@pytest.mark.composes((Feature.PP_ZB_H1, Feature.RECOMPUTE), case="gpt2_deep-1-zb_h1-1-full", status=Status.EQUIVALENT)
+@pytest.mark.composes((Feature.PP_GPIPE, Feature.RECOMPUTE), case="gpt2_deep-2-gpipe-1-full", status=Status.EQUIVALENT)
 @pytest.mark.parametrize(("kind", "tp", "schedule", "virtual_stages", "mode"), [
     ("gpt2_deep", 1, "interleaved_1f1b", 2, "full"),
     ("llama_deep", 2, "interleaved_1f1b", 2, "selective"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from qn_hf.config.features import Feature
 from tests import cases
 from tests.releases import needs_expert_tp_rules, needs_tp_plan, with_tp_plan
 from tests.test_parity import check
@@ -20,6 +21,7 @@ SP_CASES = [  # kind, dp, tp, pp, microbatches, padded
 ]
 
 
+@pytest.mark.composes((Feature.SP, Feature.PP_INTERLEAVED), case="llama_deep")
 @pytest.mark.parametrize("kind", ["llama_deep", "gpt2_deep"])
 def test_sequence_parallel_with_interleaved_chunks(worlds, model_dirs, tmp_path, kind):
     """tp=2 x pp=2 x 2 chunks: each chunk takes its slice at its first block and gathers after its
@@ -32,6 +34,9 @@ def test_sequence_parallel_with_interleaved_chunks(worlds, model_dirs, tmp_path,
     check(results, tp=2)
 
 
+@pytest.mark.composes((Feature.TP, Feature.SP), case="llama-1-2-1-1-False")
+@pytest.mark.composes((Feature.SP, Feature.PP_1F1B), case="llama-1-2-2-2-True")
+@pytest.mark.composes((Feature.SP, Feature.DP), case="llama-2-2-1-2-True")
 @pytest.mark.parametrize(("kind", "dp", "tp", "pp", "microbatches", "padded"), SP_CASES)
 def test_sequence_parallel_equals_plain_model(worlds, model_dirs, tmp_path, kind, dp, tp, pp, microbatches, padded):
     results = worlds.run(
@@ -41,6 +46,7 @@ def test_sequence_parallel_equals_plain_model(worlds, model_dirs, tmp_path, kind
     check(results, tp=tp)
 
 
+@pytest.mark.composes((Feature.SP, Feature.PP_GPIPE))
 @pytest.mark.long
 def test_sequence_parallel_with_gpipe_equals_plain_model(worlds, model_dirs, tmp_path):
     """The composition table's sp x gpipe row: tp=2 x pp=2 with GPipe, padded rows."""
@@ -160,6 +166,8 @@ def test_sequence_length_must_divide_by_tp():
     check_model_inputs(batch, model=model, loss="causal_lm")
 
 
+# a deferred W of a column layer reads the input sp gathered for its forward (held from B to W)
+@pytest.mark.composes((Feature.PP_ZB_H1, Feature.SP))
 def test_sequence_parallel_with_zero_bubble_equals_plain_model(worlds, model_dirs, tmp_path):
     """The composition table's sp x zb_h1 row: tp=2 x pp=2, padded rows. A deferred weight pass of a
     column-parallel linear reads the input sequence parallelism gathered for its forward."""

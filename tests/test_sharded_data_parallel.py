@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from qn_hf.config.features import Feature, Status
 from tests import cases, optim_cases, peft_cases, sharded_cases
 from tests.models import load
 from tests.test_parity import GRAD_ATOL, LOSS_RTOL, check
@@ -33,6 +34,12 @@ def _ids(case) -> str:
             + (f"-cp{cp}" if cp > 1 else ""))
 
 
+@pytest.mark.composes((Feature.DP_SHARD, Feature.RECOMPUTE), case="gpt2-dp2-shard2-tp1-full")
+@pytest.mark.composes((Feature.DP_SHARD, Feature.TP), case="gpt2-dp2-shard2-tp2")
+# cp ranks hold the same weights and sum their gradients as dp ranks do: sharded over dp_shard x cp
+@pytest.mark.composes((Feature.DP_SHARD, Feature.CP), case="llama-dp2-shard2-tp1-cp2")
+@pytest.mark.composes((Feature.DP_SHARD, Feature.SP), case="llama-dp2-shard2-tp2-sp")
+@pytest.mark.composes((Feature.DP_SHARD, Feature.DP), case="llama-dp4-shard2-tp1")
 @pytest.mark.parametrize("case", SHARDED_CASES + [pytest.param(c, marks=pytest.mark.long) for c in SHARDED_CASES_LONG],
                          ids=_ids)
 def test_sharded_data_parallel_equals_plain_model(worlds, model_dirs, tmp_path, case):
@@ -63,6 +70,11 @@ PIPELINE_CASES_LONG = [
 ]
 
 
+@pytest.mark.composes((Feature.DP_SHARD, Feature.PP_GPIPE), case="gpt2-dp2-shard2-tp1-pp2-gpipe-step")
+# each stage's own FSDP groups, reduced once per step after its last backward and weight pass
+@pytest.mark.composes((Feature.DP_SHARD, Feature.PP_1F1B), case="llama-dp2-shard2-tp1-pp2-1f1b-step")
+@pytest.mark.composes((Feature.DP_SHARD, Feature.PP_INTERLEAVED), case="llama-dp2-shard2-tp1-pp2-interleaved_1f1b-step")
+@pytest.mark.composes((Feature.DP_SHARD, Feature.PP_ZB_H1), case="llama-dp2-shard2-tp1-pp2-zb_h1-step")
 @pytest.mark.parametrize(("kind", "dp", "dp_shard", "tp", "pp", "schedule", "virtual", "gather"),
                          PIPELINE_CASES + [pytest.param(*c, marks=pytest.mark.long) for c in PIPELINE_CASES_LONG],
                          ids=[f"{k}-dp{d}-shard{s}-tp{t}-pp{p}-{sch}-{g}"
@@ -89,6 +101,9 @@ def test_gathering_per_microbatch_is_refused_with_weight_passes():
         ParallelConfig.from_keywords(dp=2, pp=2, dp_shard=2, microbatches=2, dp_shard_gather="layer")
 
 
+# FSDP's own mixed precision: float32 sharded parameters (the masters), gathered in the compute dtype
+@pytest.mark.composes((Feature.DP_SHARD, Feature.BF16), case="bf16", status=Status.EQUIVALENT)
+@pytest.mark.composes((Feature.DP_SHARD, Feature.FP16), case="fp16", status=Status.EQUIVALENT)
 @pytest.mark.long
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_sharded_data_parallel_in_mixed_precision_trains_like_one_process(worlds, model_dirs, precision):
@@ -106,6 +121,7 @@ def test_sharded_data_parallel_in_mixed_precision_trains_like_one_process(worlds
             assert abs(ours - theirs) <= 0.01 * abs(theirs), (r["losses"], one["losses"])
 
 
+@pytest.mark.composes((Feature.DP_SHARD, Feature.LORA), (Feature.DP_SHARD, Feature.GENERATE))
 def test_sharded_data_parallel_with_lora_equals_peft(worlds, model_dirs, tmp_path):
     """LoRA on a dp_shard=2 model: the frozen base sharded, the adapters trained, equal to peft's one
     process; generate after the step gives peft's tokens, save_pretrained peft's adapter."""
@@ -183,6 +199,8 @@ def test_checkpoint_saved_at_dp_shard_4_resumes_at_other_meshes(worlds, model_di
                        meshes=[(4, 1, 4, False), (1, 2, 1, False), (2, 1, 1, False)])
 
 
+# the experts in FSDP groups of their own over the ranks holding the same experts
+@pytest.mark.composes((Feature.DP_SHARD, Feature.EP))
 @pytest.mark.parametrize(("dp", "dp_shard", "tp", "ep", "pp"),
                          [(4, 2, 1, 2, 1), pytest.param(2, 2, 2, 2, 1, marks=pytest.mark.long),
                           pytest.param(4, 2, 1, 2, 2, marks=pytest.mark.long)],

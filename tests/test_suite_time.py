@@ -36,20 +36,8 @@ def test_slices_cover_the_tier_once_with_about_equal_time():
     assert slice_count({}, budget=40) == 1
 
 
-def test_cover_names_unrun_scripts_and_unselected_composition_tests():
-    selected = ["tests/test_a.py::test_f[x]", "tests/test_b.py::test_g"]
-    named = ["tests/test_a.py::test_f", "tests/test_a.py::test_f[y]", "tests/test_b.py::test_g",
-             "tests/test_c.py::test_h"]
-    missing = suite_time.uncovered(selected, set(suite_time.USER_FACING) - {"qn-hf-plan"}, named)
-    assert missing == ["qn-hf-plan: no selected test runs it (mark one @pytest.mark.script)",
-                       "tests/test_a.py::test_f[y]: a composition row names it",
-                       "tests/test_c.py::test_h: a composition row names it"]
-    assert suite_time.uncovered(selected + ["tests/test_a.py::test_f[y]", "tests/test_c.py::test_h[z]"],
-                                set(suite_time.USER_FACING), named) == []
-
-
-def test_rows_name_functions_or_cases():
-    functions, cases = suite_time.named_tests(["tests/test_a.py::test_f", "tests/test_a.py::test_g[x-1]",
-                                              "tests/test_a.py::test_f"])
-    assert functions == {"tests/test_a.py::test_f"} and cases == {"tests/test_a.py::test_g[x-1]"}
+def test_cover_names_unrun_scripts():
+    assert suite_time.unrun_scripts(set(suite_time.USER_FACING) - {"qn-hf-plan"}) == [
+        "qn-hf-plan: no selected test runs it (mark one @pytest.mark.script)"]
+    assert suite_time.unrun_scripts(set(suite_time.USER_FACING)) == []
 

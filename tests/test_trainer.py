@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from qn_hf.config.features import Feature
 from tests import trainer_cases
 from tests.models import load
 from tests.trainer_cases import reference
@@ -59,6 +60,7 @@ def check_run(results: list[dict], ref: dict) -> dict:
     return worst
 
 
+@pytest.mark.composes((Feature.TP, Feature.TRAINER), (Feature.PP_1F1B, Feature.TRAINER))
 def test_trainer_tp_pp_equals_one_process(worlds, model_dirs, references, tmp_path):
     """(dp, tp, pp) = (1, 2, 2), evaluation every 6 steps and at the end."""
     ref = references["plain"]
@@ -70,6 +72,7 @@ def test_trainer_tp_pp_equals_one_process(worlds, model_dirs, references, tmp_pa
     same_weights(str(tmp_path / "model"), references["plain"]["model_dir"])
 
 
+@pytest.mark.composes((Feature.DP_SHARD, Feature.TRAINER))
 def test_trainer_with_sharded_data_parallelism_equals_one_process(worlds, model_dirs, references, tmp_path):
     """dp=2 x dp_shard=2 in ``parallel=`` (FSDP2 groups; clipping over the rows each rank holds): the
     composition table's Trainer x dp_shard row."""
@@ -82,6 +85,14 @@ def test_trainer_with_sharded_data_parallelism_equals_one_process(worlds, model_
     same_weights(str(tmp_path / "model"), references["plain"]["model_dir"])
 
 
+@pytest.mark.composes((Feature.CP, Feature.TRAINER), case="cp=2")
+@pytest.mark.composes((Feature.LOSS_CHUNKS, Feature.TRAINER), case="loss_chunk_tokens=5")
+@pytest.mark.composes((Feature.RECOMPUTE, Feature.TRAINER), case="recompute=full")
+@pytest.mark.composes((Feature.OFFLOAD, Feature.TRAINER), case="recompute=selective-offload=activations")
+@pytest.mark.composes((Feature.PP_GPIPE, Feature.TRAINER), case="schedule=gpipe")
+@pytest.mark.composes((Feature.PP_INTERLEAVED, Feature.TRAINER), case="schedule=interleaved_1f1b-virtual_stages=2")
+@pytest.mark.composes((Feature.PP_ZB_H1, Feature.TRAINER), case="schedule=zb_h1")
+@pytest.mark.composes((Feature.SP, Feature.TRAINER), case="sequence_parallel=True")
 @pytest.mark.parametrize("extra", [dict(schedule="gpipe"), dict(schedule="zb_h1"), dict(recompute="full"),
                                    dict(sequence_parallel=True),
                                    dict(schedule="interleaved_1f1b", virtual_stages=2), dict(cp=2, tp=1),
@@ -101,6 +112,8 @@ def test_trainer_composes_with_schedules_recompute_and_sp(worlds, model_dirs, re
     same_weights(str(tmp_path / "model"), ref["model_dir"])
 
 
+@pytest.mark.composes((Feature.BF16, Feature.TRAINER), case="bf16")
+@pytest.mark.composes((Feature.FP16, Feature.TRAINER), case="fp16")
 @pytest.mark.long
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_trainer_in_mixed_precision_follows_the_plain_run(worlds, model_dirs, references, tmp_path, precision):
@@ -117,6 +130,8 @@ def test_trainer_in_mixed_precision_follows_the_plain_run(worlds, model_dirs, re
     close([run["final_eval"]], [ref["final_eval"]], rtol=2e-2)
 
 
+@pytest.mark.composes((Feature.EP, Feature.TRAINER))
+@pytest.mark.composes((Feature.EP_ALL_GATHER, Feature.TRAINER), case="all_gather")
 @pytest.mark.long
 @pytest.mark.parametrize("dispatch", ["all_to_all", "all_gather"])
 def test_trainer_with_expert_parallelism_equals_one_process(worlds, tmp_path, dispatch):
@@ -160,6 +175,7 @@ def test_trainer_with_mesh_auto_equals_one_process(worlds, model_dirs, reference
     same_weights(str(tmp_path / "run" / "model"), ref["model_dir"])
 
 
+@pytest.mark.composes((Feature.DP, Feature.TRAINER), (Feature.ZERO, Feature.TRAINER))
 def test_trainer_accumulation_clipping_checkpoint_and_resume_at_another_mesh(worlds, model_dirs, references, tmp_path):
     """(2, 1, 2) with 2 accumulation steps (4 microbatches per train_step), clipping and ZeRO-1, checkpoints at steps
     6 and 12; then the step-6 checkpoint resumed at (1, 2, 2) continues as the uninterrupted run."""
@@ -333,6 +349,7 @@ def test_trl_sft_trainer_through_the_mixin(worlds, tmp_path):
     print("worst relative difference (TRL):", close(results[0], ref))
 
 
+@pytest.mark.composes((Feature.LORA, Feature.TRAINER))
 def test_trainer_with_lora_writes_the_adapter(worlds, model_dirs, references, tmp_path):
     """A PEFT LoRA model at (1, 2, 2): the logged losses of transformers.Trainer with peft in one
     process, and save_model writes the adapter directory with its tensors (1e-4)."""

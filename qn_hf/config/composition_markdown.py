@@ -1,9 +1,11 @@
-"""docs/composition-table.md: the composition table (``composition.py``) as a matrix of its pairs, then each
-refusal's reason (``make composition-table`` writes it; tests/test_composition.py checks it is current)."""
+"""docs/composition-table.md: every pair of features as a matrix of what the table says of it (its refused and
+exclusive rows, ``composition.py``; what the tests' marks cover, ``composition_coverage.py``), then each refusal's
+reason (``make composition-table`` writes it; tests/test_composition.py checks it is current)."""
 
 from __future__ import annotations
 
-from .composition import ROWS, TABLE, Feature, Status
+from .composition import ROWS, status
+from .features import Feature, Status
 
 
 class _Placeholder(str):
@@ -29,7 +31,7 @@ def markdown() -> str:
                                    for f in order) + " |",
              "|---" * (len(order) + 1) + "|"]
     for a in order:
-        cells = ["" if a is b else _SYMBOL[TABLE[frozenset((a, b))].status] for b in order]
+        cells = ["" if a is b else _SYMBOL[status(frozenset((a, b)))] for b in order]
         lines.append(f"| **{a.value}** | " + " | ".join(cells) + " |")
     lines += ["", "✓ compared with the plain model, ≈ compared with a configuration that is, r runs in a test "
                   "without a numerical comparison, · not tested yet (a warning says so), ✗ refused, — cannot both "

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from ..arguments import check_choice, check_positive, check_positive_int
-from .composition import Feature
 from .dims import ParallelDims
+from .features import Feature
 from .options import DEFAULT_BUCKET_MB, Dispatch, Gather, Offload, Precision, Recompute
 from .schedule import Schedule, as_schedule, check_schedule_args
 from .sequence import sequence_split

@@ -42,7 +42,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ..checkpoint.layout import meta_model
-from ..config.composition import Feature, check_composition
+from ..config.composition import check_composition
+from ..config.features import Feature
 from ..config.options import Dispatch, Recompute
 from ..config.parallel_config import ParallelConfig
 from ..config.sequence import sequence_split
@@ -364,10 +365,9 @@ class Planner:
 
     def _check(self, config: ParallelConfig, *, zero: bool) -> CheckedConfig:
         """``check_parallel_config``, the checks ``parallelize`` runs, their pass reused across dp_shard: after the
-        composition table (the first of them, the one dp_shard reaches, as the DP_SHARD feature), they read the
-        model's structure under the other options (validation/checks.py; the degrees on their own were checked as
-        ``config`` was built), so a configuration that passed them at one dp_shard passes them at any other, and only
-        the table is asked again (raising what the whole check would). A refusal is never reused."""
+        composition table (the first of them, the only one dp_shard reaches), they read the model's structure under
+        the other options (validation/checks.py; the degrees were checked as ``config`` was built), so a pass at one
+        dp_shard holds at any other and only the table is asked again. A refusal is never reused."""
         extra = frozenset({Feature.ZERO}) if zero else frozenset()
         key = (replace(config, dims=replace(config.dims, dp_shard=1)), extra)
         if key in self._checked:

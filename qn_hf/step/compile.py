@@ -62,7 +62,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..config.composition import Feature, check_composition
+from ..config.composition import check_composition
+from ..config.features import Feature
 from ..config.schedule import as_schedule
 from ..expert_parallel.apply import eager_experts
 from ..expert_parallel.stacked import is_stacked_experts

@@ -12,8 +12,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..arguments import unknown_keywords
 from ..checkpoint.background import BackgroundSaves
-from ..config.composition import Feature
 from ..config.dims import MESH_DEGREES, Axis, ParallelDims
+from ..config.features import Feature
 from ..config.parallel_config import ParallelConfig
 from ..context_parallel.ring_attention import PieceLayout
 from ..data_parallel.grad_sync import GradSync, grad_buckets

@@ -18,8 +18,9 @@ from typing import TypeVar
 
 from torch import nn
 
-from ..config.composition import Feature, check_composition
+from ..config.composition import check_composition
 from ..config.dims import ParallelDims
+from ..config.features import Feature
 from ..config.parallel_config import ParallelConfig
 from ..context_parallel.apply import check_context_parallel
 from ..data_parallel.batch_statistics import batch_statistics_layers, check_batch_statistics

@@ -39,8 +39,8 @@ from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, has_length
 
 from ...checkpoint import CheckpointError, checkpoint_dir, read_index
-from ...config.composition import Feature
 from ...config.dims import MESH_DEGREES
+from ...config.features import Feature
 from ...data_parallel.grad_norm import clip_grad_norm_
 from ...mesh import launched_world_size
 from ...parallel_model import ParallelModel, optimizer
