@@ -12,7 +12,7 @@ import datetime
 import os
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -20,43 +20,60 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from .comm import member_groups
-from .config.dims import Axis, ParallelDims
+from .config.dims import MESH_AXES, Axis, ParallelDims
 from .config.layout import GroupRole, full_grid, rank_grid, rank_groups
 from .devices import backend_for
 from .launch.nodes import SELF_STARTED, Nodes, agreed_nodes, launch_environment, warn_groups_across_nodes
 from .local_world import free_local_port
 from .pipeline.p2p import Link, Peers, build_links
 
+# A rank's coordinates: one per mesh axis (its place on the mesh), then its expert block and which copy of it
+_PLACES: tuple[str, ...] = (*(spec.axis.value for spec in MESH_AXES), Axis.EP.value, "expert_replica")
 
-@dataclass(frozen=True)
+
 class Coords(Mapping):
-    """This rank's place on the mesh, one field per axis. ``ep`` (its block of experts) and
-    ``expert_replica`` (which copy of that block) are None without expert parallelism; ``cp`` is 0
-    without context parallelism. It also reads as the mapping ``pm.coords`` always was
-    (``pm.coords.dp``, ``dict(pm.coords)``), holding the axes in use."""
+    """This rank's place on the mesh: one coordinate per mesh axis (``config/dims.MESH_AXES``), ``cp`` 0 without
+    context parallelism; with expert parallelism also ``ep`` (its block of experts) and ``expert_replica``
+    (which copy of that block). It reads as a mapping of the coordinates it holds (``dict(pm.coords)``) and by
+    attribute (``pm.coords.dp``; an expert coordinate None without expert parallelism)."""
 
-    dp: int
-    pp: int
-    cp: int
-    tp: int
-    ep: int | None = None
-    expert_replica: int | None = None
+    __slots__ = ("_places",)
+
+    def __init__(self, places: Mapping[str, int | None]) -> None:
+        unknown = set(places) - set(_PLACES)
+        if unknown:
+            raise ValueError(f"Coords: {sorted(unknown)} are no coordinates (they are {_PLACES})")
+        object.__setattr__(self, "_places", {name: int(places[name]) for name in _PLACES
+                                             if places.get(name) is not None})
+
+    def __getattr__(self, name: str) -> int | None:
+        if name in _PLACES:
+            return self._places.get(name)
+        raise AttributeError(name)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"Coords are read-only ({name})")
 
     def __getitem__(self, key: str) -> int:
-        value = getattr(self, key, None) if key in self._names() else None
-        if value is None:
-            raise KeyError(key)
-        return value
+        return self._places[key]
 
     def __iter__(self) -> Iterator[str]:
-        return (name for name in self._names() if getattr(self, name) is not None)
+        return iter(self._places)
 
     def __len__(self) -> int:
-        return sum(1 for _ in self)
+        return len(self._places)
 
-    @classmethod
-    def _names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
+    def __hash__(self) -> int:
+        return hash(tuple(self._places.items()))
+
+    def __reduce__(self):  # pickled by its coordinates (a rank's result sent back to the test's process)
+        return Coords, (dict(self._places),)
+
+    def __repr__(self) -> str:
+        return "Coords(" + ", ".join(f"{k}={v}" for k, v in self._places.items()) + ")"
+
+    def with_places(self, **places: int) -> Coords:
+        return Coords({**self._places, **places})
 
 
 
@@ -164,41 +181,34 @@ def check_mesh(mesh: DeviceMesh, dims: ParallelDims) -> None:
 
 @dataclass(frozen=True)
 class Groups:
-    """Every process group this rank belongs to, its mesh coordinates and its pipeline neighbours. Each group
-    field is named as its role (``config/layout.GroupRole``'s value); ``of(role)`` hands out any of them by role.
+    """Every process group this rank belongs to, its mesh coordinates and its pipeline neighbours. ``roles`` holds
+    this rank's group of each role built (``config/layout.GroupRole``); ``of(role)`` hands one out, and each role
+    reads as an attribute named as its value (``groups.dp``, ``groups.replicas``...): None where none was built.
 
-    ``replicas`` is ``dp`` when cp=1. ``ep`` joins the ranks that share out one model's experts and
-    ``experts`` those holding the same experts (both None when ep=1; ``experts`` also when only one rank
-    holds each expert block). ``kv`` joins the tp ranks that hold the same replicated KV-head shard (None when nothing is
-    replicated that way); ``tie`` joins the first and last stage of this (dp, tp) when they hold the
-    two copies of a tied weight; ``peers`` names the neighbouring stages with the same (dp, cp, tp),
-    around a ring (the last stage's next is the first, which interleaved schedules use), with one
-    two-rank group per direction of each link (``pipeline/p2p.py`` says why)."""
+    ``replicas`` (the gradient sum) is ``dp`` when cp=1. ``ep`` joins the ranks that share out one model's experts
+    and ``experts`` those holding the same experts (both None when ep=1; ``experts`` also when only one rank
+    holds each expert block). ``kv`` joins the tp ranks that hold the same replicated KV-head shard (None when
+    nothing is replicated that way); ``tie`` joins the first and last stage of this (dp, tp) when they hold the
+    two copies of a tied weight; ``dp_shard`` the dp_shard (x cp) ranks that shard one copy of the weights;
+    ``host`` is gloo over the world, for what the hosts agree on (build_groups says why). ``peers`` names the
+    neighbouring stages with the same (dp, cp, tp), around a ring (the last stage's next is the first, which
+    interleaved schedules use), with one two-rank group per direction of each link (``pipeline/p2p.py`` says
+    why)."""
 
     mesh: DeviceMesh
     coords: Coords  # this rank's place on the mesh
-    dp: ProcessGroup
-    tp: ProcessGroup
-    pp: ProcessGroup
-    cp: ProcessGroup | None  # the ranks that split one sequence (None when cp=1)
-    replicas: ProcessGroup  # dp x cp: the ranks holding the same shard, whose gradients are summed
-    ep: ProcessGroup | None
-    experts: ProcessGroup | None
-    kv: ProcessGroup | None
-    tie: ProcessGroup | None
+    roles: Mapping[GroupRole, ProcessGroup]  # the groups built, by role (a role absent: none built)
     peers: Peers
     owned: tuple[ProcessGroup, ...] = ()  # the groups build_groups created (a caller's mesh and the world not)
-    dp_shard: ProcessGroup | None = None  # the dp_shard (x cp) ranks that shard one copy of the weights (None at dp_shard=1)
     shard_mesh: DeviceMesh | None = None  # FSDP's mesh: ("dp_shard",), or ("dp_replicate", "dp_shard") to hybrid-shard
     expert_shard_mesh: DeviceMesh | None = None  # FSDP's mesh for the experts: their replicas (dp_shard > 1, ep > 1)
-    host: ProcessGroup | None = None  # gloo over the world, for what the hosts agree on (build_groups says why)
     nodes: Nodes | None = None  # the job's nodes, as every rank agreed in build_groups
 
     def of(self, role: GroupRole) -> ProcessGroup | None:
         """This rank's group of ``role`` (``config/layout.GroupRole``): None where no group of it was built."""
         if role is GroupRole.SHARD_REPLICAS:  # hybrid sharding's: the replicate dim of FSDP's 2-D mesh
             return self.shard_mesh.get_group(0) if self.shard_mesh is not None and self.shard_mesh.ndim == 2 else None
-        return getattr(self, role.value)
+        return self.roles.get(role)
 
     @property
     def prev(self) -> int | None:
@@ -217,6 +227,11 @@ class Groups:
             dist.destroy_process_group(group)
 
 
+
+for _role in GroupRole:  # each role read as an attribute named as its value: groups.tp, groups.replicas, ...
+    setattr(Groups, _role.value, property(lambda self, role=_role: self.of(role), doc=f"``of(GroupRole.{_role.name})``"))
+del _role
+
 def build_groups(dims: ParallelDims, *, device: torch.device, timeout: datetime.timedelta,
                  mesh: DeviceMesh | None = None, kv_replicas: int = 1, tied_stages: bool = False) -> Groups:
     """Every group this rank needs, built in one place; every rank must call it with the same
@@ -230,50 +245,49 @@ def build_groups(dims: ParallelDims, *, device: torch.device, timeout: datetime.
         mesh = build_mesh(dims, device=device, timeout=timeout)
         owned += [mesh.get_group(name) for name in dims.names]
     check_mesh(mesh, dims)
-    on_mesh = {d: mesh.get_local_rank(d) for d in dims.names}
     # [dp, pp, cp, tp] global ranks (cp of size 1 when absent), whatever the mesh's own layout
-    grid = mesh.mesh.reshape(dims.dp, dims.pp, dims.cp, dims.tp)
+    grid = mesh.mesh.reshape([getattr(dims, spec.axis.value) for spec in MESH_AXES])
     # the groups beside the mesh's axes, as config/layout.py lists them for qn_hf's own layout; a caller's mesh
     # may number its ranks otherwise, so its own grid is read through the same positions
     listed = _on_grid(rank_groups(dims), dims, grid)
-    d, t = on_mesh[Axis.DP], on_mesh[Axis.TP]
-    coords = Coords(dp=d, pp=on_mesh[Axis.PP], cp=on_mesh.get(Axis.CP, 0), tp=t)
-    kv = _member_of([row[i : i + kv_replicas] for row in grid.reshape(-1, dims.tp).tolist()
-                     for i in range(0, dims.tp, kv_replicas)], timeout, owned) if kv_replicas > 1 else None
-    tie = _member_of([[int(grid[a, 0, z, b]), int(grid[a, -1, z, b])] for a in range(dims.dp) for z in range(dims.cp)
-                      for b in range(dims.tp)], timeout, owned) if tied_stages else None
-    if dims.cp > 1:
-        cp = mesh.get_group(Axis.CP.value)
-        replicas = _member_of(listed[GroupRole.GRADIENT_SUM], timeout, owned)
-    else:
-        cp, replicas = None, mesh.get_group(Axis.DP.value)
-    ep = experts = None
+    # each mesh axis's group is the role named as the axis (dp: BATCH, tp: TENSOR, ...), a coordinate 0 unnamed
+    roles = {GroupRole(name): mesh.get_group(name) for name in dims.names}
+    coords = Coords({spec.axis.value: mesh.get_local_rank(spec.axis.value) if spec.axis.value in dims.names else 0
+                     for spec in MESH_AXES})
+    if kv_replicas > 1:
+        roles[GroupRole.KV_COPIES] = _member_of([row[i : i + kv_replicas] for row in grid.reshape(-1, dims.tp).tolist()
+                                                 for i in range(0, dims.tp, kv_replicas)], timeout, owned)
+    if tied_stages:
+        roles[GroupRole.TIED_STAGES] = _member_of(
+            [[int(grid[a, 0, z, b]), int(grid[a, -1, z, b])] for a in range(dims.dp) for z in range(dims.cp)
+             for b in range(dims.tp)], timeout, owned)
+    roles[GroupRole.GRADIENT_SUM] = (_member_of(listed[GroupRole.GRADIENT_SUM], timeout, owned) if dims.cp > 1
+                                     else roles[GroupRole.BATCH])
+    experts = None
     if dims.ep > 1:
-        ep = _member_of(listed[GroupRole.TOKEN_EXCHANGE], timeout, owned)
+        roles[GroupRole.TOKEN_EXCHANGE] = _member_of(listed[GroupRole.TOKEN_EXCHANGE], timeout, owned)
         experts = _member_of(listed[GroupRole.EXPERT_SUM], timeout, owned)
-        flat = d * dims.tp + t  # this rank's place in its stage's dp x tp grid
+        flat = coords.dp * dims.tp + coords.tp  # this rank's place in its stage's dp x tp grid
         per_grid = dims.dp * dims.tp // dims.ep  # holders of a block in one cp rank's grid
-        coords = Coords(dp=d, pp=coords.pp, cp=coords.cp, tp=t, ep=flat % dims.ep,
-                        expert_replica=coords.cp * per_grid + flat // dims.ep)
+        coords = coords.with_places(ep=flat % dims.ep, expert_replica=coords.cp * per_grid + flat // dims.ep)
         experts = experts if dims.expert_replicas > 1 else None
-    dp_shard, shard_mesh = (_shard_groups(grid, listed, coords, dims, device, timeout, owned) if dims.dp_shard > 1
-                            else (None, None))
+    shard_mesh = None
+    if dims.dp_shard > 1:
+        roles[GroupRole.WEIGHT_SHARD], shard_mesh = _shard_groups(grid, listed, coords, dims, device, timeout, owned)
+    if experts is not None:
+        roles[GroupRole.EXPERT_SUM] = experts
     expert_shard_mesh = (_one_dim_mesh(experts, "expert_replicas", device)
                          if dims.dp_shard > 1 and experts is not None else None)
     # gloo over the world, for what the hosts agree on before a step's collectives (step/agreement.py):
     # host memory, so agreeing never waits for the device's queue; its own group on a gloo world too,
     # so that its traffic is never taken for a mesh dim's that spans the world (comm_meter.py)
-    host = dist.new_group(backend="gloo", timeout=timeout)
+    roles[GroupRole.HOST] = host = dist.new_group(backend="gloo", timeout=timeout)
     owned.append(host)
     nodes = agreed_nodes(host)
     warn_groups_across_nodes(listed, dims, nodes)
-    return Groups(
-        mesh=mesh, coords=coords, dp=mesh.get_group(Axis.DP.value), tp=mesh.get_group(Axis.TP.value),
-        pp=mesh.get_group(Axis.PP.value),
-        cp=cp, replicas=replicas, ep=ep, experts=experts, kv=kv, tie=tie, peers=_pipeline_peers(grid, coords, device, timeout, owned),
-        owned=tuple(dict.fromkeys(g for g in owned if g is not dist.GroupMember.WORLD)),
-        dp_shard=dp_shard, shard_mesh=shard_mesh, expert_shard_mesh=expert_shard_mesh, host=host, nodes=nodes,
-    )
+    return Groups(mesh=mesh, coords=coords, roles=roles, peers=_pipeline_peers(grid, coords, device, timeout, owned),
+                  owned=tuple(dict.fromkeys(g for g in owned if g is not dist.GroupMember.WORLD)),
+                  shard_mesh=shard_mesh, expert_shard_mesh=expert_shard_mesh, nodes=nodes)
 
 
 SHARD_MESH_DIMS = (Axis.DP_REPLICATE, Axis.DP_SHARD)
@@ -314,15 +328,16 @@ def _pipeline_peers(grid: torch.Tensor, coords: Coords, device: torch.device, ti
                     owned: list[ProcessGroup]) -> Peers:
     """This rank's neighbouring stages and its links: one two-rank group per direction, warmed up
     before any step uses them (``pipeline/p2p.build_links``)."""
-    dp, pp, cp, tp = grid.shape
-    if pp == 1:
+    stage_dim = [spec.axis for spec in MESH_AXES].index(Axis.PP)
+    stages = grid.shape[stage_dim]
+    if stages == 1:
         return Peers(prev=None, next=None)
-    rings = [grid[a, :, z, b].tolist() for a in range(dp) for z in range(cp) for b in range(tp)]
+    rings = grid.movedim(stage_dim, -1).reshape(-1, stages).tolist()  # the stages of each (dp, cp, tp)
     me = dist.get_rank()
     links = build_links(rings, device=device, timeout=timeout)
     owned.extend(links.values())
-    d, p, c, t = coords.dp, coords.pp, coords.cp, coords.tp
-    prev, next_ = int(grid[d, (p - 1) % pp, c, t]), int(grid[d, (p + 1) % pp, c, t])
+    ring = next(ring for ring in rings if me in ring)
+    prev, next_ = ring[coords.pp - 1], ring[(coords.pp + 1) % stages]
     return Peers(prev=prev, next=next_, to_next=Link(next_, links[me, next_]), from_prev=Link(prev, links[prev, me]),
                  to_prev=Link(prev, links[me, prev]), from_next=Link(next_, links[next_, me]))
 

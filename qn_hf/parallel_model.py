@@ -116,7 +116,7 @@ class ParallelModel(CheckpointMethods):
     mesh: DeviceMesh = property(lambda self: self.placement.groups.mesh)
     dims: ParallelDims = property(lambda self: self.placement.dims)
     groups: Groups = property(lambda self: self.placement.groups)
-    coords: Coords = property(lambda self: self.placement.coords)  # one field per axis; reads as a mapping too
+    coords: Coords = property(lambda self: self.placement.coords)  # one per axis, by attribute or as a mapping
     nodes: Nodes = property(lambda self: self.placement.groups.nodes)  # the job's nodes, as every rank agreed
     specs: Mapping[str, ShardSpec | None] = property(lambda self: self.placement.specs)
     device: torch.device = property(lambda self: self.placement.device)

@@ -38,11 +38,14 @@ class AxisSpec:
     ``mesh``: its place among the device mesh's dims (None: carved out of mesh dims, taking no ranks of its own);
     ``rank_order``: its place in the numbering of the global ranks, slowest first (``config/layout.py``);
     ``named_at_one``: a mesh dim the mesh names even at degree 1 (cp is named only when used, so that 3-D
-    meshes stay as they were). A dim with no place on the mesh is carved out of the mesh dims' ranks (its
+    meshes stay as they were); ``tie_order``: at equal predicted step time, ``mesh="auto"`` prefers the smaller
+    degree of the axis first in this order (the mechanism a run can most easily do without: pipeline stages
+    first, data parallelism last). A dim with no place on the mesh is carved out of the mesh dims' ranks (its
     ``splits`` says which); ``ParallelDims`` checks that it divides them."""
 
     axis: Axis
     splits: str
+    tie_order: int
     mesh: int | None = None
     rank_order: int | None = None
     named_at_one: bool = True
@@ -51,17 +54,19 @@ class AxisSpec:
 # The one table of the degrees: their order is the keywords' (``parallelize(dp=, tp=, pp=, cp=, ep=, dp_shard=)``);
 # what lists them reads them from here (the mesh's names, the rank numbering, the world size, messages, the
 # planner's searched meshes); the places that still spell them out are counted by tests/test_structure.py.
+# Each row: the axis, what it splits, its tie order (auto's preference at equal time), its places.
 AXES: tuple[AxisSpec, ...] = (
-    AxisSpec(Axis.DP, "the batch: each replica trains other sequences", mesh=0, rank_order=1),
-    AxisSpec(Axis.TP, "each layer's weights, by columns or rows (heads, channels)", mesh=3, rank_order=3),
-    AxisSpec(Axis.PP, "the layers: consecutive blocks per stage", mesh=1, rank_order=0),
-    AxisSpec(Axis.CP, "each sequence, by tokens (ring attention)", mesh=2, rank_order=2, named_at_one=False),
-    AxisSpec(Axis.EP, "each MoE layer's experts, over ranks of a stage's dp x tp grid; tokens travel to them"),
-    AxisSpec(Axis.DP_SHARD, "one copy of the weights, gradients and optimizer state, over groups of dp ranks"),
+    AxisSpec(Axis.DP, "the batch: each replica trains other sequences", 5, mesh=0, rank_order=1),
+    AxisSpec(Axis.TP, "each layer's weights, by columns or rows (heads, channels)", 1, mesh=3, rank_order=3),
+    AxisSpec(Axis.PP, "the layers: consecutive blocks per stage", 0, mesh=1, rank_order=0),
+    AxisSpec(Axis.CP, "each sequence, by tokens (ring attention)", 2, mesh=2, rank_order=2, named_at_one=False),
+    AxisSpec(Axis.EP, "each MoE layer's experts, over ranks of a stage's dp x tp grid; tokens travel to them", 3),
+    AxisSpec(Axis.DP_SHARD, "one copy of the weights, gradients and optimizer state, over groups of dp ranks", 4),
 )
 DEGREES: tuple[str, ...] = tuple(spec.axis.value for spec in AXES)  # the keyword names, in the keywords' order
 MESH_AXES: tuple[AxisSpec, ...] = tuple(sorted((s for s in AXES if s.mesh is not None), key=lambda s: s.mesh))
 MESH_DEGREES: tuple[str, ...] = tuple(s.axis.value for s in AXES if s.mesh is not None)  # those taking ranks, in order
+TIE_ORDER: tuple[str, ...] = tuple(s.axis.value for s in sorted(AXES, key=lambda s: s.tie_order))
 RANK_ORDER: tuple[Axis, ...] = tuple(s.axis for s in sorted((s for s in AXES if s.rank_order is not None),
                                                             key=lambda s: s.rank_order))
 

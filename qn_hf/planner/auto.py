@@ -35,7 +35,7 @@ import functools
 import gc
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import torch
@@ -43,14 +43,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ..arguments import plural
-from ..config.dims import DEGREES, MESH_DEGREES, Axis
+from ..config.dims import DEGREES, MESH_DEGREES, TIE_ORDER, Axis
 from ..config.parallel_config import ParallelConfig
 from ..config.schedule import Schedule, as_schedule
 from ..devices import default_device
 from ..launch.nodes import ranks_per_node
 from ..mesh import init_distributed, launched_world_size
 from .calibration import Calibration
-from .cost import GIB, Hardware, StepTime
+from .cost import COMM_PARTS, GIB, Hardware, StepTime
 from .estimate import Planner
 from .machine import machine_calibration
 from .search import Candidate, Rejected, mesh_groups
@@ -119,8 +119,7 @@ def describe(config: ParallelConfig, micro_batch_size: int) -> str:
 
 
 # StepTime's parts, as a user reads them
-_PARTS = {"compute": "compute and pipeline bubble", "tp": "tp communication", "pp": "pipeline transfers",
-          "dp": "gradient reduction", "cp": "ring attention transfers", "ep": "expert all-to-alls",
+_PARTS = {"compute": "compute and pipeline bubble", **{role.value: text for role, text in COMM_PARTS.items()},
           "optimizer": "optimizer step"}
 
 
@@ -138,7 +137,7 @@ def _order(c: Candidate) -> tuple:
     """Fits first, then predicted time; ties by the configuration's own fields (deterministic)."""
     p = c.estimate.parallel
     d = p.dims
-    return (not c.fits, round(c.time.seconds, 12), d.pp, d.tp, d.cp, d.ep, d.dp_shard, d.dp, p.schedule.value,
+    return (not c.fits, round(c.time.seconds, 12), *(getattr(d, name) for name in TIE_ORDER), p.schedule.value,
             p.virtual_stages, p.recompute.value if p.recompute else "", p.loss_chunk_tokens or 0,
             p.offload.value if p.offload else "", -c.estimate.micro_batch_size)
 
@@ -228,7 +227,7 @@ def auto_plan(config, *, global_batch: int, seq_len: int, world_size: int, devic
                 d = group.configs[0].dims
                 # at pp=1 a candidate is left out when its larger micro-batch fits (undominated):
                 # every micro-batch size of such a shape is priced, or left out, together
-                key = (d.dp, d.tp, d.pp, d.cp, d.ep, schedule, chunks) + ((mbs,) if d.pp > 1 else ())
+                key = (replace(d, dp_shard=1), schedule, chunks) + ((mbs,) if d.pp > 1 else ())  # any dp_shard
                 shapes.setdefault(key, MeshShape()).add(planner, group, hw=hw, calibration=calibration, rejected=rejected)
     live = sorted((shape for shape in shapes.values() if shape.configs), key=lambda shape: shape.floor)
     priced = price(live, exhaustive=exhaustive, device_memory=device_memory, options=fallbacks, hw=hw,

@@ -54,6 +54,7 @@ otherwise.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..comm_meter import Collective
@@ -82,22 +83,42 @@ class Hardware:
     host_gbps: float = 25.0  # GB/s per GPU each way to and from pinned host memory (PCIe 5 x16, below its peak)
 
 
+# A step's communication by the group it runs on (``config/layout.GroupRole``), as a user reads each part; "dp" is
+# the gradients' reductions, once a step (dp x cp, the experts', FSDP's), less what overlaps
+COMM_PARTS: dict[GroupRole, str] = {
+    GroupRole.TENSOR: "tp communication", GroupRole.STAGES: "pipeline transfers",
+    GroupRole.BATCH: "gradient reduction", GroupRole.SEQUENCE: "ring attention transfers",
+    GroupRole.TOKEN_EXCHANGE: "expert all-to-alls",
+}
+
+
 @dataclass(frozen=True)
 class StepTime:
+    """A step's predicted time and its parts: the slowest stage's, scaled to the schedule's makespan. Each part of
+    ``comm`` reads as an attribute named as its group's role (``t.tp``, ``t.dp``...; ``COMM_PARTS``)."""
+
     seconds: float
     compute: float  # pipeline compute including the bubble
-    tp: float
-    pp: float
-    dp: float  # once a step: the gradients' reductions (dp x cp, experts, FSDP), less what overlaps
-    cp: float  # ring attention, less what overlaps
+    comm: Mapping[GroupRole, float]  # COMM_PARTS' groups: tp, pp and ep per microbatch; cp less what overlaps
     tokens_per_s: float
     utilization: float  # model FLOPs per second / (GPUs * the fastest calibrated matmul rate)
-    ep: float = 0.0  # expert parallelism's all-to-alls
     optimizer: float = 0.0  # the optimizer's step over this rank's state
     wait: float = 0.0  # ranks' waits at blocking exchanges (a microbatch's, in the pipeline, and once a step's)
     host: float = 0.0  # qn_hf's own host work (Calibration.overheads): per exchange, and once a step
     offload: float = 0.0  # offload="activations": the copies to the host and back its compute does not hide
     assumed: tuple[str, ...] = ()  # the figures not measured (no calibration: all of them)
+
+    def as_dict(self) -> dict:
+        """The parts by name, each group's by its role (``qn-hf-plan --json``'s ``step_time``)."""
+        return {"seconds": self.seconds, "compute": self.compute,
+                **{str(role): self.comm.get(role, 0.0) for role in COMM_PARTS},
+                "tokens_per_s": self.tokens_per_s, "utilization": self.utilization, "optimizer": self.optimizer,
+                "wait": self.wait, "host": self.host, "offload": self.offload, "assumed": self.assumed}
+
+
+for _role in COMM_PARTS:  # t.tp, t.pp, t.dp, t.cp, t.ep
+    setattr(StepTime, _role.value, property(lambda self, role=_role: self.comm.get(role, 0.0), doc=COMM_PARTS[_role]))
+del _role
 
 
 def links(est: MeshEstimate, hw: Hardware) -> dict[str, str]:
@@ -322,10 +343,10 @@ def step_time(est: MeshEstimate, hw: Hardware, calibration: Calibration | None =
     dp -= step_wait + step_h  # reported among the waits and the host's work
     global_tokens = est.tokens_per_microbatch * est.microbatches * est.dp
     peak = max(max(max(row) for row in table.rates) for table in cal.matmul.values())
-    return StepTime(seconds=total, compute=rounds * compute_mb, tp=rounds * tp_mb, pp=rounds * pp_mb, dp=dp,
-                    cp=rounds * cp_mb, tokens_per_s=global_tokens / total,
-                    utilization=est.flops_per_step / total / (est.world_size * peak), ep=rounds * ep_mb,
-                    optimizer=optimizer, wait=rounds * wait_mb + step_wait,
+    comm = {GroupRole.TENSOR: rounds * tp_mb, GroupRole.STAGES: rounds * pp_mb, GroupRole.BATCH: dp,
+            GroupRole.SEQUENCE: rounds * cp_mb, GroupRole.TOKEN_EXCHANGE: rounds * ep_mb}
+    return StepTime(seconds=total, compute=rounds * compute_mb, comm=comm, tokens_per_s=global_tokens / total,
+                    utilization=est.flops_per_step / total / (est.world_size * peak), optimizer=optimizer, wait=rounds * wait_mb + step_wait,
                     host=rounds * host_mb + step_h, offload=rounds * offload_mb,
                     assumed=cal.assumed + ((NO_WAITS,) if cal.waits is None and est.world_size > 1
                                            and NO_WAITS not in cal.assumed else ())

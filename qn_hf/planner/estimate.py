@@ -6,8 +6,8 @@ each rank holds (a tp rank of stage s; every tp rank of a stage is alike, and so
 padding, given for dp = cp rank 0; with the balanced piece layout every cp rank keeps and sends alike; under ep the
 figures are tp rank 0's, the largest token share, at uniform routing: see ``experts.py``).
 
-What is modelled, per rank, for the settings ``parallelize`` and ``qn_hf.optimizer`` take (``mixed_precision``,
-``zero``, ``recompute``, ``sequence_parallel``, ``cp``, ``ep``, ``dp_shard``, ``loss_chunk_tokens``, ``offload``):
+What is modelled, per rank, for the settings ``parallelize`` and ``qn_hf.optimizer`` take (the degrees, ``zero``,
+``mixed_precision``, ``recompute``, ``sequence_parallel``, ``loss_chunk_tokens``, ``offload``):
 
 * weights, gradients and AdamW state (masters, moments, step counters), with ZeRO-1's sharding of the state over the
   dp x cp replicas by the buckets' own padding rule: see ``memory.py``; the fused MoE experts' parameters 1/ep each
@@ -20,15 +20,13 @@ What is modelled, per rank, for the settings ``parallelize`` and ``qn_hf.optimiz
   zb_h1's W stash); under ``offload`` what the blocks' checkpoints hold on the host instead (``offloaded.py``);
 * the schedule's bubble (``schedule`` and ``virtual_stages`` as ``parallelize`` takes them), timed on the action
   lists with per-op costs from the FLOPs of the slowest rank (``schedules.py``);
-* communication by group: see ``traffic.py`` (ZeRO's reduce-scatter and all-gather, recomputation's repeated tp
-  collectives, sequence parallelism's, ring attention's sends and receives, expert parallelism's all-to-alls and
-  token gathers, float16's overflow flag).
+* communication by group: ``traffic.py`` (ZeRO's, recomputation's repeated tp collectives, sp's, ring attention's,
+  ep's all-to-alls and token gathers, float16's overflow flag).
 
-Of what dies inside a step, a causal LM's loss's backward is (``loss_transient``: the largest, at a long sequence);
+Of what dies inside a step, a causal LM's loss's backward is (``loss_transient``: the largest at a long sequence);
 not modelled: the rest (a block's backward, collective staging, an offloaded input in its copy), the head's second
-forward under ``loss_chunk_tokens``, allocator fragmentation, the CPU-side random states torch's checkpoint keeps; KV
-heads replicated over tp (tp > KV heads) count as split; routing imbalance under ep (uniform routing's figures).
-"""
+forward under ``loss_chunk_tokens``, fragmentation, the CPU-side random states torch's checkpoint keeps; KV heads
+replicated over tp count as split; routing imbalance under ep (uniform routing's figures)."""
 
 from __future__ import annotations
 
@@ -179,7 +177,7 @@ class Planner:
         checked = self._check(parallel, zero=zero)
         plan, stage_plan = checked.tp_plan, checked.stage_plan
         dims = parallel.dims
-        dp, tp, pp, cp, ep, dp_shard = dims.dp, dims.tp, dims.pp, dims.cp, dims.ep, dims.dp_shard
+        tp, pp, ep = dims.tp, dims.pp, dims.ep
         microbatches, schedule, recompute = parallel.microbatches, parallel.schedule, parallel.recompute
         virtual_stages, mbs = parallel.virtual_stages, self.micro_batch_size
         # (kept by what it reads: the experts, the plan (tp, ep; under sp the cut too), pp, the looped blocks)
@@ -189,14 +187,14 @@ class Planner:
         # train_step's check of the batch, on a meta batch of this length (the trace's inputs)
         check_model_inputs(example_inputs(self.model, micro_batch_size=mbs, seq_len=self.seq_len), model=self.model,
                            loss=None, positions=plan.positions, sequence_split=sequence_split(
-                               cp=cp, tp=tp, sequence_parallel=plan.sequence_parallel))
+                               cp=dims.cp, tp=tp, sequence_parallel=plan.sequence_parallel))
         replicas, expert_replicas = dims.replicas, dims.expert_replicas
         zero_experts = zero and ep > 1 and expert_replicas > 1  # the experts' buckets split over their holders
         zero, precision = zero and replicas > 1, None if parallel.mixed_precision is None else parallel.mixed_precision.dtype
         _, specs, local_rows = self._local_sizes(plan, ep)
         rows = {**local_rows, **{tie.follower: local_rows[tie.owner] for tie in stage_plan.ties}}  # a later stage's own copy
         param_elem = (precision or self.dtype).itemsize  # FSDP keeps shards and gradients in the model's (sharded.py)
-        grad_elem = (self.dtype if dp_shard > 1 or precision is None else GRAD_DTYPE).itemsize
+        grad_elem = (self.dtype if dims.dp_shard > 1 or precision is None else GRAD_DTYPE).itemsize
 
         stage_of = stage_lookup(stage_plan)
         placed = self._placement(plan, ep, stage_plan)
@@ -217,11 +215,11 @@ class Planner:
                 (placed,), lambda: bucket_layout(experts, elem=grad_elem, bucket_bytes=bucket_size_bytes(parallel.bucket_mb),
                                                  pad=expert_replicas if zero_experts else 1))
             reduce_elem = grad_elem if precision is None else GRAD_DTYPE.itemsize
-            groups = None if dp_shard == 1 else self._kept(
+            groups = None if dims.dp_shard == 1 else self._kept(
                 ("fsdp groups", s, dims.shard_width, expert_replicas, ep > 1), (placed, local_rows, stage_plan),
                 lambda: fsdp_units(on_stage[s], rows, layers=stage_plan.layers, width=dims.shard_width,
                                    experts=sharded, expert_width=expert_replicas))
-            fsdp = None if dp_shard == 1 else self._kept(
+            fsdp = None if dims.dp_shard == 1 else self._kept(
                 ("fsdp", s, dims, microbatches, parallel.dp_shard_gather, grad_elem, param_elem, reduce_elem, ep > 1),
                 (placed, local_rows, stage_plan), lambda: sharded_stage(
                     groups, parallel=parallel, elem=grad_elem, compute_elem=param_elem, reduce_elem=reduce_elem))
@@ -245,9 +243,10 @@ class Planner:
                               for c, b in zip(compute.experts, base.experts))
         # per chunk, the same at every dp, dp_shard, microbatch count and schedule of this shape: kept
         loss_chunks = chunk_count(parallel.loss_chunk_tokens, rows=mbs, tokens=base.logits_rows)
-        activations = self._kept(("activations", param_elem, cp, bool(loss_chunks)), (compute, base, plan, stage_plan),
-                                 lambda: chunk_activations(self.model, kept=compute.kept, base=base, plan=plan, cp=cp,
-                                                           stage_plan=stage_plan, act_elem=param_elem, loss_chunks=loss_chunks))
+        activations = self._kept(
+            ("activations", param_elem, dims.cp, bool(loss_chunks)), (compute, base, plan, stage_plan),
+            lambda: chunk_activations(self.model, kept=compute.kept, base=base, plan=plan, cp=dims.cp,
+                                      stage_plan=stage_plan, act_elem=param_elem, loss_chunks=loss_chunks))
         activations, offloaded = on_host(activations, offloaded=parallel.offload and compute.offloaded,
                                          stage_plan=stage_plan, sequence_parallel=plan.sequence_parallel)
         transient = loss_transient(self.model, kept=compute.kept, base=base, plan=plan, stage_plan=stage_plan,
@@ -272,8 +271,8 @@ class Planner:
         for s, (buckets, expert_buckets, fsdp, state, experts) in enumerate(held_by):
             kv = {n: numel for n, numel in on_stage[s] if (spec := specs.get(n)) is not None and spec.replicas > 1}
             summed = {n: numel for n, numel in on_stage[s] if n in grad_sum}
-            grads = StageGradients(buckets=buckets if replicas > 1 and dp_shard == 1 else [],
-                                   expert_buckets=expert_buckets if expert_replicas > 1 and dp_shard == 1 else [],
+            grads = StageGradients(buckets=buckets if replicas > 1 and dims.dp_shard == 1 else [],
+                                   expert_buckets=expert_buckets if expert_replicas > 1 and dims.dp_shard == 1 else [],
                                    zero=zero, zero_experts=zero_experts, kv=kv, tied=tied[s], every=every[s],
                                    grad_sum=summed, pieces=fsdp.pieces if fsdp else None)
             comm = stage_traffic(s, parallel=parallel, plan=plan, trace=base, stage_of=stage_of, act_elem=param_elem,
@@ -313,7 +312,8 @@ class Planner:
         tokens = work.tokens_per_microbatch
         return MeshEstimate(parallel=parallel, micro_batch_size=self.micro_batch_size, seq_len=work.seq_len,
                             tokens_per_microbatch=tokens, total_params=self.total_params, stages=tuple(stages),
-                            bubble=bubble(timing), flops_per_step=float(work.flops_per_token * tokens * microbatches * dp),
+                            bubble=bubble(timing),
+                            flops_per_step=float(work.flops_per_token * tokens * microbatches * dims.dp),
                             attention_flops_per_token=work.attention_flops_per_token,
                             layers=work.layers, boundary_bytes=base.boundary_numel * param_elem,
                             zero=zero or zero_experts, expert_flop_share=work.expert_flop_share,

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..config.dims import Axis
+from ..config.dims import AXES, Axis, AxisSpec
 from .calibration import Calibration
 
 STEP = "step"
@@ -32,8 +32,15 @@ DENSE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_atte
 MOE = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=16, vocab_size=64,
            max_position_embeddings=32, tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"])
-# each group's mechanism runs at degree 2 on this tiny model (dp over the rest of the world)
-MECHANISMS = {Axis.TP: "dense", Axis.CP: "dense", Axis.PP: "dense", Axis.DP_SHARD: "dense", Axis.EP: "moe"}
+
+
+def _mechanism(spec: AxisSpec, world: int) -> tuple[str, dict[str, int]]:
+    """The model and the degrees one dimension's host work is measured at: its own at 2 (experts on the MoE
+    model), dp over the rest of the world (all of it for a dimension carved out of dp x tp), a pipeline with
+    microbatches to schedule."""
+    kind = "moe" if spec.axis is Axis.EP else "dense"
+    degrees = {spec.axis.value: 2, Axis.DP.value: world if spec.mesh is None else world // 2}
+    return kind, degrees | ({"microbatches": 4} if spec.axis is Axis.PP else {})
 
 
 def _config(kind: str):
@@ -69,12 +76,13 @@ def measure_overheads(cal: Calibration, device: torch.device, *, step_seconds: S
     out = {STEP: max(base["dense"], 0.0)}
     if world % 2:
         return out
-    rest = world // 2
-    for group, kind in MECHANISMS.items():
+    for spec in AXES:  # each dimension's mechanism at degree 2 on a tiny model
+        if spec.axis is Axis.DP:
+            continue
+        group = spec.axis
+        kind, degrees = _mechanism(spec, world)
         if kind not in base:
             base[kind] = residual(kind, dp=world)[0]
-        degrees = {Axis.DP_SHARD: dict(dp=world, dp_shard=2), Axis.EP: dict(dp=world, ep=2),
-                   Axis.PP: dict(pp=2, dp=rest, microbatches=4)}.get(group, {group.value: 2, "dp": rest})
         extra, est = residual(kind, **degrees)
         calls = max(s.comm[group].calls if group in s.comm else 0 for s in est.stages)
         out[group.value] = max(extra - base[kind], 0.0) / calls if calls else 0.0

@@ -4,14 +4,13 @@ calibration (``cost.step_time``; None: the stated figures of ``Hardware``)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 
-from ..config.dims import AXES, Axis
+from ..config.dims import AXES
 from ..config.layout import GroupRole
 from ..config.schedule import as_schedule
 from .calibration import Calibration
-from .cost import GIB, Hardware, links, step_time
+from .cost import COMM_PARTS, GIB, Hardware, links, step_time
 from .results import MeshEstimate
 from .search import Candidate
 
@@ -96,7 +95,7 @@ def group_gb(comm: dict) -> dict[str, float]:
     """GB per step on tp, cp, pp, dp and ep, where dp is the gradients' reductions: "dp" plus
     "replicas" (dp x cp) plus "experts" (the ep-sharded experts' own group) plus FSDP's
     ("dp_shard": its all-gathers too; "dp_replicate")."""
-    gb = {g: comm[g].nbytes / 1e9 if g in comm else 0.0 for g in (Axis.TP, Axis.CP, Axis.PP, Axis.DP, Axis.EP)}
+    gb = {g: comm[g].nbytes / 1e9 if g in comm else 0.0 for g in COMM_PARTS}
     summed = (GroupRole.GRADIENT_SUM, GroupRole.EXPERT_SUM, GroupRole.WEIGHT_SHARD, GroupRole.SHARD_REPLICAS)
     gb[GroupRole.BATCH] += sum(comm[g].nbytes / 1e9 for g in summed if g in comm)
     return gb
@@ -123,7 +122,7 @@ def ranking_report(accepted: list[Candidate], rejected, *, hw: Hardware, top: in
     for i, c in enumerate(accepted[:top], 1):
         e = c.estimate
         per_stage = [group_gb(s.comm) for s in e.stages]
-        worst = {g: max(gb[g] for gb in per_stage) for g in (Axis.TP, Axis.CP, Axis.PP, Axis.DP, Axis.EP)}
+        worst = {g: max(gb[g] for gb in per_stage) for g in COMM_PARTS}
         lines.append(
             f"| {i} | {e.dp} |" + (f" {e.dp_shard} |" if dp_shard else "") + f" {e.tp} | {e.pp} | {e.cp} |"
             + (f" {e.ep} |" if ep is None else "") + f" {e.microbatches} | {e.global_batch} | {e.bubble:.3f} "
@@ -149,7 +148,7 @@ def ranking_report(accepted: list[Candidate], rejected, *, hw: Hardware, top: in
 
 def to_json(est: MeshEstimate, hw: Hardware, calibration: Calibration | None = None) -> dict:
     out = est.as_dict()
-    out["step_time"] = dataclasses.asdict(step_time(est, hw, calibration))
+    out["step_time"] = step_time(est, hw, calibration).as_dict()
     out["peak_bytes"] = est.peak_bytes
     out["fits"] = out["peak_bytes"] <= hw.gpu_memory
     out["links"] = links(est, hw)

@@ -187,19 +187,18 @@ class MeshEstimate(Configured):
         return max(s.host_bytes for s in self.stages)
 
     def as_dict(self) -> dict:
-        """The figures by name, the configuration spelled out degree by degree and option by option in
-        the order ``qn-hf-plan --json`` has always printed them (its readers key on these names)."""
-        d = self.dims
-        return {"dp": d.dp, "tp": d.tp, "pp": d.pp, "microbatches": self.microbatches, "schedule": self.schedule,
+        """The figures by name: the degrees first (``ParallelDims.degrees()``, each by its keyword), then the options
+        and the figures (``qn-hf-plan --json``'s readers key on these names)."""
+        return {**self.dims.degrees(), "microbatches": self.microbatches, "schedule": self.schedule,
                 "micro_batch_size": self.micro_batch_size, "seq_len": self.seq_len,
                 "tokens_per_microbatch": self.tokens_per_microbatch, "total_params": self.total_params,
                 "stages": tuple(asdict(s) for s in self.stages), "bubble": self.bubble,
                 "flops_per_step": self.flops_per_step, "attention_flops_per_token": self.attention_flops_per_token,
                 "layers": self.layers, "boundary_bytes": self.boundary_bytes,
                 "mixed_precision": self.mixed_precision, "zero": self.zero, "recompute": self.recompute,
-                "sequence_parallel": self.sequence_parallel, "cp": d.cp, "ep": d.ep,
+                "sequence_parallel": self.sequence_parallel,
                 "expert_flop_share": self.expert_flop_share, "virtual_stages": self.virtual_stages,
-                "dp_shard": d.dp_shard, "dp_shard_gather": self.dp_shard_gather, "expert_dispatch": self.expert_dispatch,
+                "dp_shard_gather": self.dp_shard_gather, "expert_dispatch": self.expert_dispatch,
                 "loss_chunk_tokens": self.parallel.loss_chunk_tokens,
                 "offload": self.parallel.offload.value if self.parallel.offload else None,
                 "host_peak_bytes": self.host_peak_bytes}

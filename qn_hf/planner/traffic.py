@@ -171,7 +171,7 @@ def stage_traffic(s: int, *, parallel: ParallelConfig, plan: TpPlan, trace: Trac
     collectives per stage, plan and trace (the same at every dp, dp_shard and microbatch count);
     ``loss_chunks``: how many chunks a microbatch's loss takes (``loss_chunk_tokens``; 0: one, whole)."""
     dims, microbatches, recompute = parallel.dims, parallel.microbatches, parallel.recompute
-    dp, tp, pp, cp = dims.dp, dims.tp, dims.pp, dims.cp
+    tp, pp, cp = dims.tp, dims.pp, dims.cp
     buckets, zero = grads.buckets, grads.zero
     out: dict[str, GroupTraffic] = {}
     pieces = owned(buckets, dp=dims.replicas) if zero else grads.pieces
@@ -230,7 +230,7 @@ def stage_traffic(s: int, *, parallel: ParallelConfig, plan: TpPlan, trace: Trac
         calls, nbytes = bucket_traffic(buckets, ranks=dims.replicas, zero=zero, backend=backend, grad_elem=grad_elem,
                                        param_elem=param_elem)
         out[GroupRole.GRADIENT_SUM if cp > 1 else GroupRole.BATCH] = GroupTraffic(calls + 1, nbytes + 4)
-    if dp > 1 and plan.loss:  # the 8-byte target count
+    if dims.dp > 1 and plan.loss:  # the 8-byte target count
         previous = out.get(GroupRole.BATCH, GroupTraffic(0, 0))
         out[GroupRole.BATCH] = GroupTraffic(previous.calls + 1, previous.nbytes + 8)
     for group, params in ((GroupRole.KV_COPIES, grads.kv), (GroupRole.TIED_STAGES, grads.tied)):
@@ -241,9 +241,10 @@ def stage_traffic(s: int, *, parallel: ParallelConfig, plan: TpPlan, trace: Trac
         transfers = 2 * host_max_rounds(dims.world_size)
         out[GroupRole.HOST] = GroupTraffic(transfers, transfers * 3 * 8 * (dims.world_size + 1))
     if parallel.mixed_precision is not None and parallel.mixed_precision.scaled:  # float16's overflow flag
-        spanning = [g for g, n in ((GroupRole.BATCH, dp), (GroupRole.TENSOR, tp), (GroupRole.STAGES, pp),
-                                   (GroupRole.SEQUENCE, cp)) if n == dims.world_size]
-        group = spanning[-1] if spanning else "world"  # CommMeter names the default group by a dimension spanning it
+        # CommMeter names the default group by a mesh dim spanning it, the last in GroupRole's order
+        spanning = [role for role in GroupRole
+                    if role.value in dims.names and getattr(dims, role.value) == dims.world_size]
+        group = spanning[-1] if spanning else "world"
         previous = out.get(group, GroupTraffic(0, 0))
         if previous.ops:  # an all-reduce of the flag, in the op breakdown too
             calls, nbytes = previous.ops.get(Collective.ALL_REDUCE, (0, 0))

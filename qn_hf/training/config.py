@@ -23,6 +23,7 @@ from .errors import UsageError
 from .presets import TASK_PRESETS
 
 if TYPE_CHECKING:
+    from ..config.dims import ParallelDims
     from ..config.parallel_config import ParallelConfig
 
 TASKS = ("lm", "vit")
@@ -97,6 +98,14 @@ class TrainConfig:
         if self.auto:
             raise ValueError("mesh auto has no degrees until the planner chooses them (TrainConfig.chosen)")
         return self.mesh or (max(1, world // self.cp), 1, 1)
+
+    def mesh_dims(self, world: int) -> ParallelDims:
+        """The degrees that take processes of their own (``mesh`` and cp), to count the processes they need
+        before the configuration's other checks."""
+        from ..config.dims import Axis, ParallelDims
+
+        return ParallelDims.of({**dict(zip((Axis.DP.value, Axis.TP.value, Axis.PP.value), self.mesh_for(world))),
+                                Axis.CP.value: self.cp})
 
     def parallel_config(self, *, world: int) -> ParallelConfig:
         """How the run parallelizes its model, as the one value ``parallelize`` takes (its ValueError

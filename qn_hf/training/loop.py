@@ -31,7 +31,6 @@ from ..arguments import plural
 from ..checkpoint import checkpoint_dir
 from ..checkpoint.atomic import write_text_atomic
 from ..checkpoint.lock import DirectoryInUse, HeldDirectory, hold_directory
-from ..config.dims import ParallelDims
 from ..config.parallel_config import ParallelConfig
 from ..data_parallel.grad_norm import clip_grad_norm_
 from ..devices import default_device
@@ -247,15 +246,16 @@ def _chose(choice: Choice | None) -> str:
 def _check_launch(cfg: TrainConfig, *, world: int) -> None:
     """The mesh against the launched world, and the batch against dp x microbatches, before the
     configuration's own checks (a wrong launch is the likelier mistake, and names its fix)."""
-    dp, tp, pp = cfg.mesh_for(world)
-    needed = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cfg.cp).world_size
+    dims = cfg.mesh_dims(world)
+    needed = dims.world_size
     if needed != world:
         cp = f" cp={cfg.cp}" if cfg.cp > 1 else ""
-        raise UsageError(f"mesh dp={dp} tp={tp} pp={pp}{cp} needs {plural(needed, 'process')} but {world} "
+        raise UsageError(f"mesh dp={dims.dp} tp={dims.tp} pp={dims.pp}{cp} needs {plural(needed, 'process')} but {world} "
                          f"{'was' if world == 1 else 'were'} launched; launch {needed} (torchrun --nproc-per-node "
                          f"{needed} ...) or change --mesh" + (" or --cp" if cfg.cp > 1 else ""))
-    if cfg.batch_size % (dp * cfg.microbatches):
-        raise UsageError(f"batch_size={cfg.batch_size} must be a multiple of dp*microbatches={dp * cfg.microbatches}")
+    if cfg.batch_size % (dims.dp * cfg.microbatches):
+        raise UsageError(f"batch_size={cfg.batch_size} must be a multiple of dp*microbatches="
+                         f"{dims.dp * cfg.microbatches}")
 
 
 def _check_output_dir(path: str) -> None:

@@ -38,7 +38,7 @@ def resume_mesh(cfg: TrainConfig, *, resume_from: str | None, world: int) -> tup
     cfg, notes = _fit(cfg, {"cp": (world, "the world size", True)})
     if not cfg.auto:
         dp, tp, pp = cfg.mesh_for(world)
-        needed = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cfg.cp).world_size
+        needed = cfg.mesh_dims(world).world_size
         if needed != world:
             # The user's mesh needs the old world: the planner chooses one for this world, keeping every
             # other option given (microbatches are the planner's with the mesh)

@@ -92,14 +92,14 @@ def check_parallel_config(model: nn.Module, config: ParallelConfig | None = None
     dims = config.dims
     kept = memo or _unkept
     resolved = kept(("policy",), lambda: resolve_policy(model, policy))
-    tp, sp, pp, cp, ep = dims.tp, config.sequence_parallel, dims.pp, dims.cp, dims.ep
+    tp, sp, pp = dims.tp, config.sequence_parallel, dims.pp
     cut = (pp, None if config.layers_per_stage is None else tuple(config.layers_per_stage), config.virtual_stages)
     tp_plan = kept(("tp", tp, sp), lambda: build_tp_plan(model, resolved, tp=tp, sequence_parallel=sp))
     stage_plan = kept(("cut", cut), lambda: build_stage_plan(model, resolved, stages=pp,
                                                              layers_per_stage=config.layers_per_stage,
                                                              virtual=config.virtual_stages))
-    kept(("compile", config.compile, config.schedule, cp, ep, cut),
-         lambda: check_compile(model, compile=config.compile, schedule=config.schedule, cp=cp, ep=ep,
+    kept(("compile", config.compile, config.schedule, dims.cp, dims.ep, cut),
+         lambda: check_compile(model, compile=config.compile, schedule=config.schedule, cp=dims.cp, ep=dims.ep,
                                layers=stage_plan.layers))
     # before recomputation's own check: what BatchNorm refuses holds whatever the blocks are (a model
     # without it passes at every mesh: one answer; its refusals name the degrees, so per mesh otherwise)
@@ -112,15 +112,15 @@ def check_parallel_config(model: nn.Module, config: ParallelConfig | None = None
     if stage_plan.seq2seq is not None:
         check_seq2seq_pipeline(stage_plan.seq2seq, dp_shard=dims.dp_shard, compile=config.compile,
                                sequence_parallel=sp, stages=pp)
-    kept(("cp", cp, tp, sp), lambda: check_context_parallel(model, cp=cp, plan=tp_plan))
+    kept(("cp", dims.cp, tp, sp), lambda: check_context_parallel(model, cp=dims.cp, plan=tp_plan))
     kept(("loss chunks", config.loss_chunk_tokens),
          lambda: check_loss_chunks(model, tokens=config.loss_chunk_tokens, loss=tp_plan.loss,
                                    seq2seq=stage_plan.seq2seq is not None))
-    kept(("ep", ep, tp, sp, config.expert_dispatch),  # (it reads ep, the plan and the dispatch)
+    kept(("ep", dims.ep, tp, sp, config.expert_dispatch),  # (it reads ep, the plan and the dispatch)
          lambda: check_expert_parallel(model, dims=dims, plan=tp_plan, dispatch=config.expert_dispatch))
-    tp_plan = kept(("ep plan", tp, sp, ep), lambda: expert_parallel_plan(model, tp_plan, ep=ep))
+    tp_plan = kept(("ep plan", tp, sp, dims.ep), lambda: expert_parallel_plan(model, tp_plan, ep=dims.ep))
     if sp:  # MoE blocks route this rank's tokens: as they are (ep), or gathered (expert-TP)
-        tp_plan = kept(("sp plan", tp, ep, cut), lambda: sequence_parallel_plan(
+        tp_plan = kept(("sp plan", tp, dims.ep, cut), lambda: sequence_parallel_plan(
             model, tp_plan, stage_plan,
-            token_wise=(token_wise_blocks if ep > 1 else expert_tp_blocks)(model, tp_plan)))
+            token_wise=(token_wise_blocks if dims.ep > 1 else expert_tp_blocks)(model, tp_plan)))
     return CheckedConfig(config=config, policy=resolved, tp_plan=tp_plan, stage_plan=stage_plan)
