@@ -89,7 +89,7 @@ def test_fixed_options_are_kept_and_microbatches_refused():
 
 
 def test_the_all_gather_dispatch_is_planned_when_fixed():
-    """expert_dispatch="all_gather" beside mesh='auto': kept, priced (planner/experts.py), ep chosen > 1 (ep=1
+    """expert_dispatch="all_gather" beside mesh='auto': kept, priced (expert_parallel/costs.py), ep chosen > 1 (ep=1
     refuses it: a dense model fits nowhere, naming why)."""
     from qn_hf.check.run import build
     from tests.ep_cases import moe_config

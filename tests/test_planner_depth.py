@@ -10,9 +10,9 @@ from transformers import Gemma3TextConfig, LlamaConfig, MixtralConfig, Qwen3MoeC
 
 from qn_hf.checkpoint.layout import meta_model
 from qn_hf.config.parallel_config import ParallelConfig
+from qn_hf.context_parallel.costs import cp_inputs
 from qn_hf.planner import depth
 from qn_hf.planner.auto import auto_plan
-from qn_hf.planner.context import cp_inputs
 from qn_hf.planner.depth import expand, same_recording, shortened_recording
 from qn_hf.planner.trace import example_inputs, record_microbatch
 from qn_hf.validation.checks import check_parallel_config

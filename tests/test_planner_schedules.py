@@ -33,9 +33,9 @@ def test_schedule_memory_and_bubble_are_schedule_checks(pp):
     """Per rank: in-flight counts are schedule_check's peaks of the same lists, the activation peak a
     walk over them (per chunk: bytes x alive F->B, plus zb_h1's stash x alive B->W), the bubble timed
     on them; interleaving and zb_h1 shrink 1F1B's bubble at the same M."""
+    from qn_hf.pipeline.costs import op_costs
     from qn_hf.pipeline.schedule import Op, chunk_of, schedule_actions
     from qn_hf.pipeline.schedule_check import peaks, timed
-    from qn_hf.planner.schedules import op_costs
 
     plans = _small_plans(pp=pp, microbatches=8)
     chunked = Planner(SMALL, seq_len=64, micro_batch_size=1, dtype=torch.bfloat16).estimate(

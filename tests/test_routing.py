@@ -1,4 +1,4 @@
-"""The routers' loads in the time model (planner/routing.py): ep is priced at its busiest rank's
+"""The routers' loads in the time model (expert_parallel/routing_costs.py): ep is priced at its busiest rank's
 load, from the router's measured loads or at uniform routing (named as assumed); the loads are
 counted from a real forward, and malformed ones refused naming the fix."""
 
@@ -11,12 +11,12 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from qn_hf.config.parallel_config import ParallelConfig
+from qn_hf.expert_parallel.routing_costs import ROUTING_UNIFORM, busiest_share, check_loads, uniform_busiest
 from qn_hf.planner import measure_expert_loads
 from qn_hf.planner.auto import auto_choice
 from qn_hf.planner.calibration import Fit, assumed
 from qn_hf.planner.cost import Hardware, step_time
 from qn_hf.planner.estimate import Planner
-from qn_hf.planner.routing import ROUTING_UNIFORM, busiest_share, check_loads, uniform_busiest
 
 MOE = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_experts=4,
                      num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

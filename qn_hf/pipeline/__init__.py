@@ -22,5 +22,7 @@
   ``nccl_replay.py``: recorded calls replayed under NCCL's stream semantics;
 * ``wire.py``: the header that announces a tensor's shape and dtype;
 * ``weight_grad.py``: ZB-H1's split backward: linear layers queue their input and output gradient in
-  B, and the deferred W passes accumulate the weight gradients.
+  B, and the deferred W passes accumulate the weight gradients;
+* ``costs.py``: what a schedule costs, for the planner: its makespan and bubble at per-op costs, each rank's
+  activation peak over its action list.
 """

@@ -187,7 +187,7 @@ def auto_plan(config, *, global_batch: int, seq_len: int, world_size: int, devic
               exhaustive: bool = False) -> Choice:
     """Search (module docstring) and rank; ``ValueError`` when nothing fits, naming the closest
     miss and what would make it fit. ``config``: the model's ``PretrainedConfig``; ``expert_loads``:
-    the router's loads per MoE layer and batch (routing.py; None: uniform routing).
+    the router's loads per MoE layer and batch (expert_parallel/routing_costs.py; None: uniform routing).
 
     Mesh shapes are priced in the order of their floors (``cost.step_floor`` from ``Planner.work``,
     the compute alone, before any estimate: the busiest rank's, then the schedule's lists walked for

@@ -61,10 +61,10 @@ from ..comm_meter import Collective
 from ..config.dims import Axis
 from ..config.layout import GroupRole, crosses_nodes
 from ..config.options import Recompute
+from ..expert_parallel.routing_costs import ROUTING_UNIFORM
+from ..pipeline.costs import op_costs, pipeline_timing
 from .calibration import NO_WAITS, Calibration, Link, assumed
 from .results import MeshEstimate, MeshWork, StageEstimate, StageWork
-from .routing import ROUTING_UNIFORM
-from .schedules import op_costs, pipeline_timing
 from .traffic import GroupTraffic
 
 GIB = 1024**3
@@ -209,7 +209,7 @@ def _kernels(est: MeshEstimate | MeshWork, s: StageEstimate | StageWork, cal: Ca
     matmul = dense / rate
     if s.expert_flops_per_microbatch:
         expert_rows = max(rows * est.expert_flop_share, 1.0)
-        # under ep the all-to-alls wait for the busiest rank's experts (routing.py)
+        # under ep the all-to-alls wait for the busiest rank's experts (expert_parallel/routing_costs.py)
         matmul += (s.expert_flops_per_microbatch / est.cp * est.expert_imbalance
                    / cal.grouped_rate(dtype, rows=expert_rows * est.expert_imbalance, width=width))
     blocks = sum(b - a for a, b in s.chunks)

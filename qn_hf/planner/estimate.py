@@ -4,7 +4,7 @@ The checks, the tp plan, the stage cut and the sharding are the ones ``paralleli
 ``apply_tp_plan``, ``stage_of_module``), applied to a model without weights, so the parameter counts are exactly what
 each rank holds (a tp rank of stage s; every tp rank of a stage is alike, and so is every dp and cp rank up to ZeRO's
 padding, given for dp = cp rank 0; with the balanced piece layout every cp rank keeps and sends alike; under ep the
-figures are tp rank 0's, the largest token share, at uniform routing: see ``experts.py``).
+figures are tp rank 0's, the largest token share, at uniform routing: see ``expert_parallel/costs.py``).
 
 What is modelled, per rank, for the settings ``parallelize`` and ``qn_hf.optimizer`` take (the degrees, ``zero``,
 ``mixed_precision``, ``recompute``, ``sequence_parallel``, ``loss_chunk_tokens``, ``offload``):
@@ -14,12 +14,12 @@ What is modelled, per rank, for the settings ``parallelize`` and ``qn_hf.optimiz
   under ep, in gradient buckets of their own; under dp_shard FSDP's shards, gathered weights and whole gradients, the
   experts' in groups of their own over the ranks holding the same experts: see ``sharded.py``;
 * activations: the bytes one microbatch keeps from its forward to its backward, measured on a meta-device forward in
-  the compute dtype with the blocks checkpointed as ``recompute`` sets them (``trace.py``; sequence parallelism's,
-  ring attention's and ep's stand-ins: ``sequence.py``, ``context.py``, ``experts.py``), with what the stages and the
-  loss add (``activations.py``), per chunk; a rank's peak over its schedule's action list (``schedules.py``: with
-  zb_h1's W stash); under ``offload`` what the blocks' checkpoints hold on the host instead (``offloaded.py``);
-* the schedule's bubble (``schedule`` and ``virtual_stages`` as ``parallelize`` takes them), timed on the action
-  lists with per-op costs from the FLOPs of the slowest rank (``schedules.py``);
+  the compute dtype with the blocks checkpointed as ``recompute`` sets them (``trace.py``; sp's, ring attention's and
+  ep's stand-ins, each dimension's own: ``tensor_parallel/sequence_costs.py``, ``context_parallel/costs.py``,
+  ``expert_parallel/costs.py``), with what the stages and the loss add (``activations.py``), per chunk; a rank's
+  peak over its schedule's action list (``pipeline/costs.py``: with zb_h1's W stash); under ``offload`` what the
+  blocks' checkpoints hold on the host instead (``offloaded.py``);
+* the schedule's bubble, timed on its action lists at per-op costs from the slowest rank's FLOPs (pipeline/costs.py);
 * communication by group: ``traffic.py`` (ZeRO's, recomputation's repeated tp collectives, sp's, ring attention's,
   ep's all-to-alls and token gathers, float16's overflow flag).
 
@@ -45,25 +45,25 @@ from ..config.features import Feature
 from ..config.options import Dispatch, Recompute
 from ..config.parallel_config import ParallelConfig
 from ..config.sequence import sequence_split
+from ..context_parallel.costs import cp_inputs
 from ..data_parallel.buckets import bucket_size_bytes
 from ..data_parallel.precision import GRAD_DTYPE
 from ..expert_parallel.apply import expert_parameter_names
+from ..expert_parallel.costs import moe_regions
+from ..expert_parallel.routing_costs import check_loads
+from ..pipeline.costs import bubble, op_costs, pipeline_timing, rank_peaks
 from ..pipeline.split import StagePlan
 from ..policies import resolve_policy
 from ..policies.model_policy import ModelPolicy
 from ..step.batch import check_model_inputs
 from ..step.loss_chunks import chunk_count
+from ..tensor_parallel.sequence_costs import StageEdges, stage_edges
 from ..validation.checks import CheckedConfig, CheckMemo, check_parallel_config
 from .activations import chunk_activations, kept_collectives, loss_transient, on_host, weight_stash
-from .context import cp_inputs
 from .depth import Recorder
-from .experts import moe_regions
 from .memory import RankState, bucket_layout, rank_state
 from .params import LocalSizes, StageParams, stage_lookup, stage_params
 from .results import MeshEstimate, MeshWork, StageEstimate
-from .routing import check_loads
-from .schedules import bubble, op_costs, pipeline_timing, rank_peaks
-from .sequence import StageEdges, stage_edges
 from .sharded import sharded_stage
 from .sharded import units as fsdp_units
 from .trace import Recording, Trace, example_inputs, record_microbatch, recording_model
@@ -116,7 +116,7 @@ class Planner:
         self._local_sizes = LocalSizes(config, dtype=dtype, cls=model_class, experts=self._experts)
         self.experts = modelled_experts(self.model)  # routed experts per layer ep may split (0: none)
         self._routed = sum(p.numel() for n, p in self.model.named_parameters() if n in self._experts)
-        # per MoE layer and batch, the pairs each expert received (routing.py); None: priced at uniform routing
+        # per MoE layer and batch, the pairs each expert received (expert_parallel/routing_costs.py); None: uniform
         self.expert_loads = check_loads(expert_loads, self.experts) if expert_loads is not None else None
         self._deferrable: frozenset[str] | None = None
 

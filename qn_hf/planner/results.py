@@ -23,7 +23,7 @@ class StageEstimate:
     embedding_params: int  # of which embedding tables (looked up, no matmul FLOPs)
     activation_bytes_per_microbatch: int  # one microbatch through every chunk of this rank
     in_flight: int  # most (chunk, microbatch)es whose activations the schedule holds at once
-    activation_bytes: int  # the peak over the schedule: activations and zb_h1's W stash (schedules.py)
+    activation_bytes: int  # the peak over the schedule: activations and zb_h1's W stash (pipeline/costs.py)
     state: RankState  # weights, gradients, optimizer state
     comm: dict[str, GroupTraffic] = field(default_factory=dict)  # per step, by group
     expert_params: int = 0  # of which routed experts' (fused experts modules; E/ep experts under ep)
@@ -154,7 +154,7 @@ class MeshEstimate(Configured):
     tokens_per_microbatch: int  # of the whole microbatch (each cp rank runs 1/cp of them)
     total_params: int
     stages: tuple[StageEstimate, ...]
-    bubble: float  # the schedule's idle fraction, timed from FLOPs (schedules.py)
+    bubble: float  # the schedule's idle fraction, timed from FLOPs (pipeline/costs.py)
     flops_per_step: float  # training FLOPs of the whole global batch (6 * params * tokens + attention)
     attention_flops_per_token: int  # 12 * layers * hidden * positions (forward + backward)
     layers: int
@@ -165,7 +165,7 @@ class MeshEstimate(Configured):
     # It is also the rows one expert's products get per token of the rank, at uniform routing.
     expert_flop_share: float = 1.0
     hidden_size: int = 0  # the model's (the width of its matrix products, before tp)
-    # under ep, the busiest ep rank's routed pairs over the mean (routing.py): from the router's
+    # under ep, the busiest ep rank's routed pairs over the mean (expert_parallel/routing_costs.py): from the router's
     # measured loads (``routing_measured``) or at uniform routing; 1.0 without ep
     expert_imbalance: float = 1.0
     routing_measured: bool = False

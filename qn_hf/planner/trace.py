@@ -16,9 +16,10 @@ model configured for eager attention does keep its attention matrices, in traini
 
 The forward is Hugging Face's own, so the shapes are the model's real ones (GQA, packed q|k|v,
 ViT's class token ...), for 70B-parameter configs in about a second. With sequence parallelism
-the trace runs the model as one tp rank does, its collectives stood in for (``sequence.py``); with
-context parallelism on one cp rank's tokens, ring attention stood in for (``context.py``); with
-expert parallelism one rank's token dispatch stood in for (``experts.py``).
+the trace runs the model as one tp rank does, its collectives stood in for
+(``tensor_parallel/sequence_costs.py``); with context parallelism on one cp rank's tokens, ring attention stood in
+for (``context_parallel/costs.py``); with expert parallelism one rank's token dispatch stood in for
+(``expert_parallel/costs.py``): each dimension's stand-ins live in its own folder.
 
 The forward is recorded for every module (``record_microbatch`` -> ``Recording``) and read under a
 tp plan afterwards (``Recording.trace``): which bytes are split over tp is the plan's to say, so
@@ -41,19 +42,19 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.pytorch_utils import Conv1D
 
 from ..checkpoint.layout import meta_model
+from ..context_parallel.costs import RingCall, RingStandIn
 from ..data_parallel.precision import apply_mixed_precision
 from ..expert_parallel.apply import experts_modules, sharded_experts
+from ..expert_parallel.costs import ExpertCall, ExpertsStandIn, moe_regions
 from ..memory.recompute import checkpoint_options
 from ..policies.styles import COLUMN_STYLES, WHOLE_STYLES, Style
 from ..policies.task import main_input_name
 from ..policies.tp_plan import TpPlan
+from ..tensor_parallel.sequence_costs import SeqCollective, SequenceStandIns, StageEdges
 from ..tensor_parallel.sequence_parallel import regathers
 from .allocations import Allocations, tensors
-from .context import RingCall, RingStandIn
-from .experts import ExpertCall, ExpertsStandIn, moe_regions
 from .kernels import TrainingKernels
 from .offloaded import OffloadNotes, per_rank
-from .sequence import SeqCollective, SequenceStandIns, StageEdges
 
 
 @dataclass(frozen=True)

@@ -56,12 +56,12 @@ from ..config.dims import Axis
 from ..config.layout import GroupRole
 from ..config.options import Dispatch, LossKind, Recompute
 from ..config.parallel_config import ParallelConfig
+from ..context_parallel.costs import ring_ops
+from ..expert_parallel.costs import ExpertCall, expert_ops
 from ..policies.styles import Style
 from ..policies.tp_plan import TpPlan
-from .context import ring_ops
-from .experts import ExpertCall, expert_ops
+from ..tensor_parallel.sequence_costs import GATHER
 from .memory import Bucket, owned
-from .sequence import GATHER
 from .trace import Trace
 
 

@@ -18,11 +18,11 @@ from transformers import PretrainedConfig
 
 from ..checkpoint.layout import meta_model
 from ..config.parallel_config import ParallelConfig
+from ..expert_parallel.routing_costs import busiest_share, uniform_busiest
 from ..pipeline.split import StagePlan
 from ..pipeline.weight_grad import WeightGradQueue, make_deferrable
 from .params import StageParams
 from .results import MeshWork, StageWork
-from .routing import busiest_share, uniform_busiest
 from .trace import Recording, Trace
 
 
@@ -33,7 +33,7 @@ def mesh_work(parallel: ParallelConfig, *, model: nn.Module, config: PretrainedC
     """``parallel``'s compute: ``base`` the forward without recomputation, traced or recorded (what is
     read of it, its tokens, one cp rank's, and its experts' routing, is the same), ``placed`` the stages' parameters at its tp and ep, ``deferred`` the linears zb_h1
     defers (empty otherwise), ``experts`` the routed experts' parameter names, ``routed`` their
-    elements in the whole model; ``expert_loads`` the router's (routing.py; None: uniform)."""
+    elements in the whole model; ``expert_loads`` the router's (expert_parallel/routing_costs.py; None: uniform)."""
     dims = parallel.dims
     tp, cp, ep = dims.tp, dims.cp, dims.ep
     layers = stage_plan.layer_ranges[-1][1]  # the blocks a token runs through (a looped module's iterations)

@@ -10,5 +10,7 @@ vocabulary a plan speaks, its styles, patterns and head layouts, is ``qn_hf/poli
 * ``sequence_parallel.py``: the sequence split between tp regions, its checks and plan change;
   ``sequence_hooks.py``: the hooks that carry it out;
 * ``replica_check.py``: the first step's proof that replicated gradients agree over tp;
-* ``rng.py``: the two random streams that make dropout right under tp.
+* ``rng.py``: the two random streams that make dropout right under tp;
+* ``sequence_costs.py``: what sequence parallelism costs, for the planner: its collectives' stand-ins in the meta
+  trace and the stage edges' sizes.
 """
