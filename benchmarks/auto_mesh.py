@@ -59,8 +59,8 @@ def _batch(step: int, vocab: int, seq: int = SEQ) -> torch.Tensor:
 
 
 def _calibrate(*, quick: bool) -> dict:
-    from qn_hf.check.steps import tiny_step_seconds
     from qn_hf.planner.calibrate import measure
+    from qn_hf.planner.tiny_steps import tiny_step_seconds
 
     return measure(quick=quick, step_seconds=tiny_step_seconds).to_json()
 
@@ -68,7 +68,7 @@ def _calibrate(*, quick: bool) -> dict:
 def _measure(*, kind: str, keywords: list[dict], rounds: int, steps: int, seq: int) -> list[list[float]]:
     """Every configuration's median step seconds per round, alternating (module docstring)."""
     import qn_hf
-    from qn_hf.check.steps import median_step_seconds
+    from qn_hf.planner.tiny_steps import median_step_seconds
 
     vocab = (DENSE if kind == "dense" else MOE)["vocab_size"]
     times: list[list[float]] = [[] for _ in keywords]

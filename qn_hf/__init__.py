@@ -7,10 +7,10 @@ from .config.parallel_config import ParallelConfig
 from .config.schedule import Schedule
 from .data_parallel.grad_norm import clip_grad_norm_
 from .data_parallel.optimizer import ParallelOptimizer
+from .entry.parallelize import parallelize
 from .parallel_model import ParallelModel, optimizer
 from .planner.auto import auto_choice, auto_config
 from .policies.model_policy import ModelPolicy
-from .transform.parallelize import parallelize
 from .version import __version__
 
 __all__ = [

@@ -212,7 +212,7 @@ def test_measure_quick_at_two_ranks_agrees_and_is_sane(worlds, tmp_path):
 
 
 def case_overheads() -> tuple[Calibration, dict[str, float]]:
-    from qn_hf.check.steps import tiny_step_seconds
+    from qn_hf.planner.tiny_steps import tiny_step_seconds
 
     cal = measure(quick=True)
     return cal, measure_overheads(cal, torch.device("cpu"), step_seconds=tiny_step_seconds)

@@ -3,8 +3,7 @@ qn_hf and plainly (``qn-hf-check``, the model-zoo test).
 
 ``shrink.py`` (a config made tiny, with ``gaps.py``'s values a default config leaves unset), ``inputs.py`` (a batch any head takes, and whether its loss can
 run at all), ``run.py`` (one parity check), ``zoo.py`` (the causal-LM zoo and the heads table),
-``cli.py`` (qn-hf-check), ``steps.py`` (tiny models' steps timed for
-``qn-hf-plan --calibrate``)."""
+``cli.py`` (qn-hf-check)."""
 
 from .run import one_step_parity
 from .shrink import shrink_config

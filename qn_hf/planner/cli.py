@@ -92,6 +92,7 @@ from .estimate import Planner
 from .overheads import StepSeconds
 from .report import mesh_report, ranking_report, settings, to_json
 from .search import at_mesh, microbatches_for, search
+from .tiny_steps import tiny_step_seconds
 
 MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": None}  # --dtype -> parallelize's mixed_precision
 CALIBRATED_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype -> what --calibrate times
@@ -165,9 +166,8 @@ def run_calibration(args: argparse.Namespace, step_seconds: StepSeconds | None =
     print(f"wrote {args.calibrate}")
 
 
-def main(argv: list[str] | None = None, *, step_seconds: StepSeconds | None = None) -> None:
-    """``qn-hf-plan`` (``qn_hf.check.steps.main`` passes ``step_seconds``, which ``--calibrate`` uses to
-    measure qn_hf's host work; without it the calibration leaves that out)."""
+def main(argv: list[str] | None = None) -> None:
+    """``qn-hf-plan``; ``--calibrate`` measures qn_hf's host work on tiny models' steps too (``tiny_steps.py``)."""
     parser = argparse.ArgumentParser(prog="qn-hf-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", nargs="?", help="Hugging Face model directory or config.json (not with --calibrate)")
     parser.add_argument("--gpus", type=int, help="GPUs in the job (with --dp/--tp/--pp/--cp: must equal their product)")
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None, *, step_seconds: StepSeconds | None = No
             parser.error(f"--calibrate measures this machine, not a model: give it without {args.model}")
         if args.calibrate_ranks < 1:
             parser.error(f"--calibrate-ranks={args.calibrate_ranks} must be at least 1")
-        run_calibration(args, step_seconds)
+        run_calibration(args, tiny_step_seconds)
         return
     if args.model is None:
         parser.error("the following arguments are required: model")

@@ -8,9 +8,8 @@ this project's VM a 4-layer Llama of hidden 32 measured 16.7 ms a step at dp=2 w
 and transfers priced 6.3, and 46 against 13 ms at tp=2: small models are mostly this work.
 
 Measured by running them: each mechanism at degree 2 (dp over the rest of the world) on a tiny
-model (``step_seconds``, the caller's: ``qn_hf.check.steps.tiny_step_seconds`` runs ``parallelize``, which
-the planner sits below), against what the time model predicts for it from the calibration's other
-figures. The residual of plain dp is
+model (``step_seconds``: ``tiny_steps.tiny_step_seconds`` builds and times them), against what the time
+model predicts for it from the calibration's other figures. The residual of plain dp is
 the step's overhead; each mechanism's residual beyond it, over the calls the estimate counts for
 its group, is that group's overhead per call (an MoE's ep against the same MoE at plain dp).
 """
@@ -49,8 +48,8 @@ def _config(kind: str):
     return LlamaConfig(**DENSE) if kind == "dense" else Qwen3MoeConfig(**MOE)
 
 
-# (the model's config, the configuration, the device) -> the median seconds of a step: ``parallelize``
-# lives above the planner, so the runner comes from its caller (qn_hf.check.steps.tiny_step_seconds)
+# (the model's config, the configuration, the device) -> the median seconds of a step (the planner's own:
+# tiny_steps.tiny_step_seconds; a caller may time steps otherwise)
 StepSeconds = Callable[[object, object, torch.device], float]
 
 

@@ -34,12 +34,12 @@ from ..checkpoint.lock import DirectoryInUse, HeldDirectory, hold_directory
 from ..config.parallel_config import ParallelConfig
 from ..data_parallel.grad_norm import clip_grad_norm_
 from ..devices import default_device
+from ..entry.parallelize import parallelize
 from ..launch.nodes import ranks_per_node
 from ..mesh import init_distributed, launched_world_size
 from ..parallel_model import ParallelModel, optimizer
 from ..planner.auto import Choice, auto_choice
 from ..planner.calibration import Calibration
-from ..transform.parallelize import parallelize
 from .config import TrainConfig, default_microbatches, effective_yaml
 from .errors import UsageError
 from .lr import warmup_cosine

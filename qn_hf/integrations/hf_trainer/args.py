@@ -36,10 +36,10 @@ from ...config.options import Precision
 from ...config.parallel_config import ParallelConfig
 from ...config.schedule import Schedule
 from ...data_parallel.optimizer import ParallelOptimizer
+from ...entry.parallelize import parallelize
 from ...launch.nodes import local_rank
 from ...planner.auto import AUTO, Choice, auto_choice
 from ...planner.calibration import Calibration
-from ...transform.parallelize import parallelize
 
 # the keywords that say how to parallelize (ParallelConfig's); the rest say where (seed, mesh, device, ...)
 CONFIG_KEYS = ParallelConfig.keyword_names()

@@ -42,11 +42,11 @@ from ...checkpoint import CheckpointError, checkpoint_dir, read_index
 from ...config.dims import MESH_DEGREES
 from ...config.features import Feature
 from ...data_parallel.grad_norm import clip_grad_norm_
+from ...entry.parallelize import parallelize
 from ...mesh import launched_world_size
 from ...parallel_model import ParallelModel, optimizer
 from ...step.compile import is_compiled
 from ...tensor_parallel.rng import device_rng_state, set_device_rng_state
-from ...transform.parallelize import parallelize
 from .args import (
     TrainerMesh,
     auto_mesh,

@@ -1,6 +1,5 @@
-"""Tiny models' training steps timed, for the planner's calibration of qn_hf's own host work
-(``planner/overheads.py``), and ``qn-hf-plan``: the planner's command line (``planner/cli.py``)
-given this runner, which the planner, below ``parallelize``, cannot reach itself."""
+"""Tiny models' training steps timed, for the calibration of qn_hf's own host work (``overheads.py``): the
+planner sits above the transform, so it builds and runs them itself (``qn-hf-plan --calibrate``)."""
 
 from __future__ import annotations
 
@@ -14,9 +13,8 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from ..config.parallel_config import ParallelConfig
 from ..parallel_model import ParallelModel, optimizer
-from ..planner.cli import main as plan_main
-from ..planner.overheads import GLOBAL_BATCH, SEQ
-from ..transform.parallelize import parallelize
+from ..transform.parallelize import build
+from .overheads import GLOBAL_BATCH, SEQ
 
 WARMUP, STEPS = 2, 5
 
@@ -50,7 +48,7 @@ def tiny_step_seconds(config: PretrainedConfig, parallel: ParallelConfig, device
     """``median_step_seconds`` of a model built from ``config`` under ``parallel``, AdamW, random
     token batches of ``GLOBAL_BATCH`` x ``SEQ``: the planner's runner (``planner/overheads.py``)."""
     torch.manual_seed(0)
-    pm = parallelize(AutoModelForCausalLM.from_config(config).float(), parallel, device=device)
+    pm = build(AutoModelForCausalLM.from_config(config).float(), parallel, device=device)
     try:
         return median_step_seconds(
             pm, optimizer(pm, torch.optim.AdamW, lr=1e-4), warmup=WARMUP, steps=STEPS,
@@ -58,11 +56,3 @@ def tiny_step_seconds(config: PretrainedConfig, parallel: ParallelConfig, device
                                              generator=torch.Generator().manual_seed(step)))
     finally:
         pm.close()
-
-
-def main(argv: list[str] | None = None) -> None:
-    plan_main(argv, step_seconds=tiny_step_seconds)
-
-
-if __name__ == "__main__":
-    main()
