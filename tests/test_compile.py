@@ -219,7 +219,7 @@ def compiled_mixed(*, kind: str, model_dir: str, tp: int, precision: str, steps:
             "graphs": counters["stats"]["unique_graphs"]}
 
 
-# bf16: 4.03% vs a 4% bound
+# bf16 only runs: its masters land 4.03% of the distance moved from eager's, past the 4% bound (below)
 @pytest.mark.composes((Feature.BF16, Feature.COMPILE), status=Status.RUNS)
 @pytest.mark.composes((Feature.FP16, Feature.COMPILE), case="fp16", status=Status.EQUIVALENT)
 @pytest.mark.long
@@ -399,7 +399,6 @@ DISABLED = "Skip calling `torch.compiler.disable()`d function"
 @pytest.mark.composes((Feature.EP_ALL_GATHER, Feature.COMPILE), case="dp2-ep2-all_gather")
 @pytest.mark.composes((Feature.LOSS_CHUNKS, Feature.COMPILE), case="dp2-loss_chunks")
 @pytest.mark.composes((Feature.OFFLOAD, Feature.COMPILE), case="dp2-offload")
-# Refused pairs first, in the order their messages win when a configuration hits several.
 # compile: what dynamo cannot trace runs eagerly between a block's compiled pieces (step/compile.py)
 @pytest.mark.composes((Feature.COMPILE, Feature.PP_ZB_H1), case="zb_h1")
 @pytest.mark.parametrize(("kind", "world", "options"), [

@@ -406,8 +406,8 @@ GATHER_CASES = [
 ]
 
 
-@pytest.mark.composes((Feature.EP_ALL_GATHER, Feature.RECOMPUTE), case="deepseek_v3-dp2-tp2-ep4-selective")
 # ep's all-gather dispatch (expert_dispatch="all_gather"): a way of running ep, tested with each feature
+@pytest.mark.composes((Feature.EP_ALL_GATHER, Feature.RECOMPUTE), case="deepseek_v3-dp2-tp2-ep4-selective")
 @pytest.mark.composes((Feature.EP_ALL_GATHER, Feature.EP), (Feature.EP_ALL_GATHER, Feature.DP), case="mixtral-dp2-ep2")
 @pytest.mark.composes((Feature.EP_ALL_GATHER, Feature.PP_1F1B), case="mixtral-dp2-pp2-ep2")
 @pytest.mark.composes((Feature.EP_ALL_GATHER, Feature.CP), case="qwen3_moe-dp2-cp2-ep2")

@@ -56,12 +56,12 @@ LONG_CASES.append(pytest.param("llama", 2, 1, 1, 1, {**CHUNKS, "dp_shard": 2, "f
                                id="chunks-llama-dp2-shard2-frozen", marks=pytest.mark.core))
 
 
+# the loss a chunk of positions at a time (loss_chunk_tokens): the task forward's own head code (step/loss_chunks.py)
 @pytest.mark.composes((Feature.LOSS_CHUNKS, Feature.OFFLOAD), case="both-llama-dp2-shard2-cp2")
 # each chunk's loss over the vocabulary shards
 @pytest.mark.composes((Feature.LOSS_CHUNKS, Feature.TP), case="chunks-gemma2-tp2")
 @pytest.mark.composes((Feature.LOSS_CHUNKS, Feature.SP), case="chunks-gpt2-tp2-sp")
 @pytest.mark.composes((Feature.LOSS_CHUNKS, Feature.CP), case="chunks-llama-cp2")
-# the loss a chunk of positions at a time (loss_chunk_tokens): the task forward's own head code (step/loss_chunks.py)
 @pytest.mark.composes(
     (Feature.LOSS_CHUNKS, Feature.DP), (Feature.LOSS_CHUNKS, Feature.RECOMPUTE), case="chunks-llama-dp2")
 @pytest.mark.composes((Feature.LOSS_CHUNKS, Feature.PP_1F1B), case="chunks-llama-dp2-pp2-1f1b")
@@ -70,12 +70,12 @@ LONG_CASES.append(pytest.param("llama", 2, 1, 1, 1, {**CHUNKS, "dp_shard": 2, "f
 @pytest.mark.composes((Feature.LOSS_CHUNKS, Feature.PP_ZB_H1), case="chunks-llama-pp2-zb_h1")
 @pytest.mark.composes((Feature.LOSS_CHUNKS, Feature.PP_GPIPE), case="chunks-llama-tp2-pp2-gpipe")
 @pytest.mark.composes((Feature.LOSS_CHUNKS, Feature.PP_INTERLEAVED), case="chunks-llama_deep-pp2-interleaved_1f1b")
+# what recomputation keeps of each block, held on the host (offload="activations", memory/offload.py)
 @pytest.mark.composes((Feature.OFFLOAD, Feature.TP), case="offload-gemma2-tp2")
 # each tp rank's slice of the sequence
 @pytest.mark.composes((Feature.OFFLOAD, Feature.SP), case="offload-gpt2-tp2-sp")
 @pytest.mark.composes((Feature.OFFLOAD, Feature.CP), case="offload-llama-cp2")
-# what recomputation keeps of each block, held on the host (offload="activations", memory/offload.py)
-# needs it: refused without
+# offload needs recomputation (refused without it)
 @pytest.mark.composes((Feature.OFFLOAD, Feature.DP), (Feature.OFFLOAD, Feature.RECOMPUTE), case="offload-llama-dp2")
 @pytest.mark.composes((Feature.OFFLOAD, Feature.PP_1F1B), case="offload-llama-dp2-pp2-1f1b")
 @pytest.mark.composes((Feature.OFFLOAD, Feature.DP_SHARD), case="offload-llama-dp2-shard2")

@@ -70,8 +70,8 @@ PIPELINE_CASES_LONG = [
 ]
 
 
-@pytest.mark.composes((Feature.DP_SHARD, Feature.PP_GPIPE), case="gpt2-dp2-shard2-tp1-pp2-gpipe-step")
 # each stage's own FSDP groups, reduced once per step after its last backward and weight pass
+@pytest.mark.composes((Feature.DP_SHARD, Feature.PP_GPIPE), case="gpt2-dp2-shard2-tp1-pp2-gpipe-step")
 @pytest.mark.composes((Feature.DP_SHARD, Feature.PP_1F1B), case="llama-dp2-shard2-tp1-pp2-1f1b-step")
 @pytest.mark.composes((Feature.DP_SHARD, Feature.PP_INTERLEAVED), case="llama-dp2-shard2-tp1-pp2-interleaved_1f1b-step")
 @pytest.mark.composes((Feature.DP_SHARD, Feature.PP_ZB_H1), case="llama-dp2-shard2-tp1-pp2-zb_h1-step")

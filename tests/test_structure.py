@@ -94,9 +94,8 @@ def _mutual(folders: dict[str, set[str]]) -> list[tuple[str, str]]:
 
 def test_no_two_folders_import_each_other():
     # The floors of the package (config at the bottom; policies, mesh and comm above it; the mechanisms;
-    # step and checkpoint; validation; transform and the handle; the planner; the entry (parallelize); check, training
-    # and integrations
-    # on top): a folder that imports another is above it, so no pair imports both ways.
+    # step and checkpoint; validation; transform and the handle; the planner; the entry, parallelize; check,
+    # training and integrations on top): a folder that imports another is above it, so no pair imports both ways.
     edges, _ = _imports(_modules())
     assert _mutual(_folder_edges(edges)) == []
 
