@@ -23,8 +23,8 @@ install: $(STAMP)
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(NPROC) scripts/demo.py
 
-# The CI-sized suite: the unit tier and every test that starts processes and must be covered (a composition
-# row's, a user-facing script's, one marked core: tests/conftest.py), checked for that cover (--cover) and held
+# The CI-sized suite: the unit tier and every test that starts processes and must be covered (a case a composes
+# mark needs, a user-facing script's, one marked core: tests/conftest.py), checked for that cover (--cover) and held
 # to TEST_BUDGET_S seconds of the times recorded in tests/durations.json (tests/suite_time.py: a selection over
 # budget stops before running, naming its slowest tests). The times are a quiet fresh clone's (2026-12-02: 830
 # tests in 14 min 35 s, 15 min 38 s with the install); 18 minutes of them leave the install inside 20.
@@ -181,13 +181,14 @@ test-newest: $(NEWEST_STAMP)
 # then docs/composition-table.md from it and qn_hf/config/composition.py (test_composition checks they agree).
 composition-table: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest --collect-only -q -m "" -p no:cacheprovider \
-	  --composition-table qn_hf/config/composition_coverage.py.tmp tests > /dev/null
+	  --composition-table qn_hf/config/composition_coverage.py.tmp tests > /dev/null \
+	  || { rm -f qn_hf/config/composition_coverage.py.tmp; exit 1; }
 	mv qn_hf/config/composition_coverage.py.tmp qn_hf/config/composition_coverage.py
 	{ printf '%s\n\n' '# Composition table'; \
-	  printf '%s\n' 'Written by `make composition-table` from the tests'"'"' `composes` marks and `qn_hf/config/composition.py`' \
-	    '(`composition_markdown.markdown()`); do not edit it by hand: `tests/test_composition.py` checks that this file' \
-	    'holds the output of `markdown()`. [composition.md](composition.md) says what the marks, the rows and the' \
-	    'symbols mean.' ''; \
+	  printf '%s\n' 'Written by `make composition-table` from the tests'"'"' `composes` marks and' \
+	    '`qn_hf/config/composition.py` (`composition_markdown.markdown()`); do not edit it by hand:' \
+	    '`tests/test_composition.py` checks that this file holds the output of `markdown()`.' \
+	    '[composition.md](composition.md) says what the marks, the rows and the symbols mean.' ''; \
 	  $(BIN)/python -c "from qn_hf.config.composition_markdown import markdown; print(markdown(), end='')"; \
 	} > docs/composition-table.md.tmp
 	mv docs/composition-table.md.tmp docs/composition-table.md

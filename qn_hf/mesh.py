@@ -12,7 +12,8 @@ import datetime
 import os
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,9 @@ class Coords(Mapping):
         raise AttributeError(name)
 
     def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"Coords are read-only ({name})")
+
+    def __delattr__(self, name: str) -> None:
         raise AttributeError(f"Coords are read-only ({name})")
 
     def __getitem__(self, key: str) -> int:
@@ -197,7 +201,9 @@ class Groups:
 
     mesh: DeviceMesh
     coords: Coords  # this rank's place on the mesh
-    roles: Mapping[GroupRole, ProcessGroup]  # the groups built, by role (a role absent: none built)
+    # this rank's group of each role it holds, read-only (a role absent: none built, or, for the expert sum where
+    # only one rank holds each expert block, none this rank sums with)
+    roles: Mapping[GroupRole, ProcessGroup] = field(hash=False)
     peers: Peers
     owned: tuple[ProcessGroup, ...] = ()  # the groups build_groups created (a caller's mesh and the world not)
     shard_mesh: DeviceMesh | None = None  # FSDP's mesh: ("dp_shard",), or ("dp_replicate", "dp_shard") to hybrid-shard
@@ -227,10 +233,12 @@ class Groups:
             dist.destroy_process_group(group)
 
 
-
 for _role in GroupRole:  # each role read as an attribute named as its value: groups.tp, groups.replicas, ...
-    setattr(Groups, _role.value, property(lambda self, role=_role: self.of(role), doc=f"``of(GroupRole.{_role.name})``"))
+    assert not hasattr(Groups, _role.value), _role  # a role never hides a field
+    setattr(Groups, _role.value, property(lambda self, role=_role: self.of(role),
+                                          doc=f"``of(GroupRole.{_role.name})``"))
 del _role
+
 
 def build_groups(dims: ParallelDims, *, device: torch.device, timeout: datetime.timedelta,
                  mesh: DeviceMesh | None = None, kv_replicas: int = 1, tied_stages: bool = False) -> Groups:
@@ -285,7 +293,8 @@ def build_groups(dims: ParallelDims, *, device: torch.device, timeout: datetime.
     owned.append(host)
     nodes = agreed_nodes(host)
     warn_groups_across_nodes(listed, dims, nodes)
-    return Groups(mesh=mesh, coords=coords, roles=roles, peers=_pipeline_peers(grid, coords, device, timeout, owned),
+    return Groups(mesh=mesh, coords=coords, roles=MappingProxyType(roles),
+                  peers=_pipeline_peers(grid, coords, device, timeout, owned),
                   owned=tuple(dict.fromkeys(g for g in owned if g is not dist.GroupMember.WORLD)),
                   shard_mesh=shard_mesh, expert_shard_mesh=expert_shard_mesh, nodes=nodes)
 

@@ -3,18 +3,19 @@ model. ``@pytest.mark.composes((Feature.TP, Feature.SP), case="llama-1-2-1-1-Fal
 that its case with that id (every case, without ``case=``) compares tp with sp; ``status=Status.EQUIVALENT`` that it
 compares them with a configuration that is itself compared with the plain model, ``Status.RUNS`` that it only runs
 them. tests/conftest.py reads the marks of the collected tests: ``make test`` runs a test for every pair they cover
-(``--cover``), and ``make composition-table`` writes what they cover into qn_hf/config/composition_coverage.py,
-which the runtime warns from (``--composition-table PATH``)."""
+(``--cover``: every pair composition_coverage.py says a test compares), and ``make composition-table`` writes what
+they cover into qn_hf/config/composition_coverage.py, which the runtime warns from (``--composition-table PATH``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from qn_hf.config.features import Feature, Status
 
 MARK = "composes"
 _BEST_FIRST = (Status.PLAIN, Status.EQUIVALENT, Status.RUNS)  # what a mark may say, the strongest first
+_COMPARED = (Status.PLAIN, Status.EQUIVALENT)  # what make test must run: a pair only run is warned about anyway
 
 
 @dataclass(frozen=True)
@@ -70,9 +71,10 @@ class Marked:
 
 
 def needed(test: Marked) -> bool:
-    """Whether make test must run it for its marks: a mark names its case, or a mark without a case is on it and
-    it is not one of its function's cases marked long (those repeat the others)."""
-    matching = test.matching()
+    """Whether make test must run it for its marks that say it compares (``Status.RUNS`` ones need no run there: a
+    run warns of the pair anyway): such a mark names its case, or such a mark without a case is on it and it is
+    not one of its function's cases marked long (those repeat the others)."""
+    matching = [c for c in test.matching() if c.status in _COMPARED]
     return any(c.case is not None for c in matching) or (bool(matching) and (test.case is None or not test.long))
 
 
@@ -99,10 +101,12 @@ def unmatched(tests: Iterable[Marked]) -> list[str]:
             for function, names in named.items() for case in sorted(names - cases[function])]
 
 
-def uncovered(selected: Iterable[Marked], covered: dict[frozenset[Feature], Status]) -> list[str]:
-    """The covered pairs no selected test's mark covers."""
+def uncovered(selected: Iterable[Marked], covered: Mapping[frozenset[Feature], Status]) -> list[str]:
+    """The pairs ``covered`` says are compared (qn_hf/config/composition_coverage.py's) that no selected test's
+    mark compares as strongly."""
     have = coverage(selected)
-    return [f"{_name(pair)}: no selected test's composes mark covers it" for pair in covered if pair not in have]
+    return [f"{_name(pair)}: no selected test's composes mark compares it ({status.value})"
+            for pair, status in covered.items() if status in _COMPARED and have.get(pair) is not status]
 
 
 def _name(pair: frozenset[Feature]) -> str:

@@ -20,6 +20,7 @@ if "QN_HF_CACHE" not in os.environ:  # the suite's run's, removed when it ends (
 
 import pytest  # noqa: E402
 
+from qn_hf.config.composition_coverage import COVERED  # noqa: E402
 from tests import composition_marks, suite_time  # noqa: E402
 from tests.launcher import Worlds  # noqa: E402
 from tests.models import save_tiny_models  # noqa: E402
@@ -155,8 +156,7 @@ def pytest_collection_finish(session):
         marked = config.stash[_MARKED]
         chosen = {item.nodeid for item in items}
         missing = (suite_time.unrun_scripts(runs) + composition_marks.unmatched(marked)
-                   + composition_marks.uncovered([t for t in marked if t.nodeid in chosen],
-                                                 composition_marks.coverage(marked)))
+                   + composition_marks.uncovered([t for t in marked if t.nodeid in chosen], COVERED))
         if missing:
             raise pytest.UsageError("the selection leaves out what make test must cover:\n  " + "\n  ".join(missing))
     budget = config.getoption("--budget")

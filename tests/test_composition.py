@@ -74,8 +74,11 @@ def test_marks_say_pairs_cases_and_status():
     assert [composition_marks.needed(t) for t in tests] == [True, False, False]  # f[b]: uncased, but its case is long
     assert composition_marks.unmatched(tests) == [
         "t.py::g[gone]: a composes mark names this case, which the function does not have"]
+    compared = "composes: compared with the plain model"
     assert composition_marks.uncovered(tests[1:], composition_marks.coverage(tests)) == [
-        "cp x dp: no selected test's composes mark covers it"]
+        f"tp x sp: no selected test's composes mark compares it ({compared})",  # f[b] only runs it
+        f"cp x dp: no selected test's composes mark compares it ({compared})"]
+    assert composition_marks.uncovered([], {frozenset(tp_sp): Status.RUNS}) == []  # a run warns of it anyway
     for args, kwargs in [((), {}), ((tp_sp,), {"statu": Status.PLAIN}), (((Feature.TP, Feature.TP),), {}),
                          ((("tp", "sp"),), {}), ((tp_sp,), {"status": Status.REFUSED})]:
         with pytest.raises(ValueError, match="composes"):

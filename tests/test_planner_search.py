@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig
 
 from qn_hf.checkpoint.layout import meta_model
-from qn_hf.config.composition import Feature
+from qn_hf.config.features import Feature
 from qn_hf.config.parallel_config import ParallelConfig
 from qn_hf.planner.cost import Hardware
 from qn_hf.planner.estimate import Planner

@@ -149,8 +149,8 @@ def test_package_root_keeps_only_entry_points_and_shared_modules():
 def _option_enums() -> tuple[type, ...]:
     """Every closed vocabulary of the package: a ``Choice`` enum whose values callers may spell."""
     from qn_hf.comm_meter import Collective
-    from qn_hf.config.composition import Feature
     from qn_hf.config.dims import Axis
+    from qn_hf.config.features import Feature
     from qn_hf.config.layout import GroupRole
     from qn_hf.config.options import Dispatch, Gather, LossKind, Offload, Precision, ProblemType, Recompute
     from qn_hf.config.schedule import Schedule

@@ -152,7 +152,7 @@ class ParallelConfig:
 
     @property
     def features(self) -> frozenset[Feature]:
-        """The features of the composition table this configuration uses (``composition.py``)."""
+        """The features of the composition table this configuration uses (``features.py``)."""
         d = self.dims
         # a degree above 1 is the feature of its name, but pp's, which is its schedule's (below)
         used = {Feature(name): degree > 1 for name, degree in d.degrees().items() if name in Feature.values()}

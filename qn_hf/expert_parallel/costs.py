@@ -1,5 +1,5 @@
 """Mixture-of-experts layers in the planner's meta trace: expert parallelism's dispatch stood in
-for, and its traffic. (The experts' grouped matmuls run on meta as ``kernels.py`` runs them.)
+for, and its traffic. (The experts' grouped matmuls run on meta as ``planner/kernels.py`` runs them.)
 
 Dispatch. ``ExpertsStandIn`` registers a function in transformers' experts registry and selects
 it, as ``apply_expert_parallel`` selects the real dispatch (``expert_dispatch.py``). At ep=1 it
@@ -46,9 +46,9 @@ from torch import nn
 
 from ..comm_meter import Collective
 from ..compat import skip_expert_sentinels
-from ..expert_parallel.apply import experts_modules
-from ..expert_parallel.token_exchange import row_split
 from ..policies.tp_plan import TpPlan
+from .apply import experts_modules
+from .token_exchange import row_split
 
 A2A, GATHER = Collective.ALL_TO_ALL_SINGLE, Collective.ALL_GATHER_INTO_TENSOR
 COUNT_ELEM = 8  # the per-expert counts travel as int64

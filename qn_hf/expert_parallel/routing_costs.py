@@ -24,7 +24,7 @@ from statistics import NormalDist
 import torch
 from torch import nn
 
-from ..expert_parallel.apply import experts_modules
+from .apply import experts_modules
 
 ROUTING_UNIFORM = ("routing: uniform (the busiest ep rank's load as a uniform router's; pass expert_loads, "
                    "counted on your data by qn_hf.planner.measure_expert_loads, to price your router's)")

@@ -33,8 +33,8 @@ from collections.abc import Sequence
 
 from ..config.options import Recompute
 from ..config.schedule import as_schedule
-from ..pipeline.schedule import Action, Op, chunk_of, deferred, schedule_actions
-from ..pipeline.schedule_check import Peaks, Run, Timing, peaks, run_of, timed
+from .schedule import Action, Op, chunk_of, deferred, schedule_actions
+from .schedule_check import Peaks, Run, Timing, peaks, run_of, timed
 
 
 @functools.lru_cache(maxsize=512)
@@ -104,7 +104,7 @@ def op_costs(*, compute: float, weight: float, comm: float, recompute: str | Non
              virtual_stages: int = 1, redone: float = 0.0) -> dict[Op, float]:
     """One chunk's microbatch cost per compute op (see the module docstring), in the units of
     ``compute``, ``weight`` and ``comm`` (FLOPs, or seconds); ``redone``: what selective recomputation
-    runs again in backward (the elementwise work; cost.py prices it, FLOPs count it as free)."""
+    runs again in backward (the elementwise work; planner/cost.py prices it, FLOPs count it as free)."""
     forward = compute / 3 + comm / 2
     backward = 2 * compute / 3 + comm / 2 + (compute / 3 if recompute == Recompute.FULL else 0.0) + redone
     split = weight if as_schedule(schedule).split_backward else 0.0

@@ -55,7 +55,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from ..comm_meter import Collective
 from ..config.dims import Axis
@@ -99,7 +100,9 @@ class StepTime:
 
     seconds: float
     compute: float  # pipeline compute including the bubble
-    comm: Mapping[GroupRole, float]  # COMM_PARTS' groups: tp, pp and ep per microbatch; cp less what overlaps
+    # COMM_PARTS' groups, per step: the slowest stage's tp, pp and ep exchanges (cp's less what overlaps) scaled to
+    # the makespan, and dp once a step; read-only
+    comm: Mapping[GroupRole, float] = field(hash=False)
     tokens_per_s: float
     utilization: float  # model FLOPs per second / (GPUs * the fastest calibrated matmul rate)
     optimizer: float = 0.0  # the optimizer's step over this rank's state
@@ -117,6 +120,7 @@ class StepTime:
 
 
 for _role in COMM_PARTS:  # t.tp, t.pp, t.dp, t.cp, t.ep
+    assert not hasattr(StepTime, _role.value), _role  # a part never hides a field
     setattr(StepTime, _role.value, property(lambda self, role=_role: self.comm.get(role, 0.0), doc=COMM_PARTS[_role]))
 del _role
 
@@ -345,8 +349,10 @@ def step_time(est: MeshEstimate, hw: Hardware, calibration: Calibration | None =
     peak = max(max(max(row) for row in table.rates) for table in cal.matmul.values())
     comm = {GroupRole.TENSOR: rounds * tp_mb, GroupRole.STAGES: rounds * pp_mb, GroupRole.BATCH: dp,
             GroupRole.SEQUENCE: rounds * cp_mb, GroupRole.TOKEN_EXCHANGE: rounds * ep_mb}
-    return StepTime(seconds=total, compute=rounds * compute_mb, comm=comm, tokens_per_s=global_tokens / total,
-                    utilization=est.flops_per_step / total / (est.world_size * peak), optimizer=optimizer, wait=rounds * wait_mb + step_wait,
+    return StepTime(seconds=total, compute=rounds * compute_mb, comm=MappingProxyType(comm),
+                    tokens_per_s=global_tokens / total,
+                    utilization=est.flops_per_step / total / (est.world_size * peak), optimizer=optimizer,
+                    wait=rounds * wait_mb + step_wait,
                     host=rounds * host_mb + step_h, offload=rounds * offload_mb,
                     assumed=cal.assumed + ((NO_WAITS,) if cal.waits is None and est.world_size > 1
                                            and NO_WAITS not in cal.assumed else ())

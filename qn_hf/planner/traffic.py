@@ -241,9 +241,10 @@ def stage_traffic(s: int, *, parallel: ParallelConfig, plan: TpPlan, trace: Trac
         transfers = 2 * host_max_rounds(dims.world_size)
         out[GroupRole.HOST] = GroupTraffic(transfers, transfers * 3 * 8 * (dims.world_size + 1))
     if parallel.mixed_precision is not None and parallel.mixed_precision.scaled:  # float16's overflow flag
-        # CommMeter names the default group by a mesh dim spanning it, the last in GroupRole's order
-        spanning = [role for role in GroupRole
-                    if role.value in dims.names and getattr(dims, role.value) == dims.world_size]
+        # CommMeter names the default group by a mesh dim spanning it, the last in GroupRole's order (at world
+        # size 1 no mesh dim's group is the default group: "world")
+        spanning = [role for role in GroupRole if dims.world_size > 1 and role.value in dims.names
+                    and getattr(dims, role.value) == dims.world_size]
         group = spanning[-1] if spanning else "world"
         previous = out.get(group, GroupTraffic(0, 0))
         if previous.ops:  # an all-reduce of the flag, in the op breakdown too

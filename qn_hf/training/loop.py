@@ -250,9 +250,9 @@ def _check_launch(cfg: TrainConfig, *, world: int) -> None:
     needed = dims.world_size
     if needed != world:
         cp = f" cp={cfg.cp}" if cfg.cp > 1 else ""
-        raise UsageError(f"mesh dp={dims.dp} tp={dims.tp} pp={dims.pp}{cp} needs {plural(needed, 'process')} but {world} "
-                         f"{'was' if world == 1 else 'were'} launched; launch {needed} (torchrun --nproc-per-node "
-                         f"{needed} ...) or change --mesh" + (" or --cp" if cfg.cp > 1 else ""))
+        raise UsageError(f"mesh dp={dims.dp} tp={dims.tp} pp={dims.pp}{cp} needs {plural(needed, 'process')} but "
+                         f"{world} {'was' if world == 1 else 'were'} launched; launch {needed} "
+                         f"(torchrun --nproc-per-node {needed} ...) or change --mesh" + (" or --cp" if cfg.cp > 1 else ""))
     if cfg.batch_size % (dims.dp * cfg.microbatches):
         raise UsageError(f"batch_size={cfg.batch_size} must be a multiple of dp*microbatches="
                          f"{dims.dp * cfg.microbatches}")
