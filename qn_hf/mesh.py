@@ -262,30 +262,27 @@ def build_groups(dims: ParallelDims, *, device: torch.device, timeout: datetime.
     roles = {GroupRole(name): mesh.get_group(name) for name in dims.names}
     coords = Coords({spec.axis.value: mesh.get_local_rank(spec.axis.value) if spec.axis.value in dims.names else 0
                      for spec in MESH_AXES})
-    if kv_replicas > 1:
-        roles[GroupRole.KV_COPIES] = _member_of([row[i : i + kv_replicas] for row in grid.reshape(-1, dims.tp).tolist()
+    if kv_replicas > 1:  # consecutive ranks of each tp group
+        roles[GroupRole.KV_COPIES] = _member_of([row[i : i + kv_replicas] for row in listed[GroupRole.TENSOR]
                                                  for i in range(0, dims.tp, kv_replicas)], timeout, owned)
-    if tied_stages:
-        roles[GroupRole.TIED_STAGES] = _member_of(
-            [[int(grid[a, 0, z, b]), int(grid[a, -1, z, b])] for a in range(dims.dp) for z in range(dims.cp)
-             for b in range(dims.tp)], timeout, owned)
+    if tied_stages:  # the first and last stage of each pipeline
+        roles[GroupRole.TIED_STAGES] = _member_of([[ring[0], ring[-1]] for ring in listed[GroupRole.STAGES]],
+                                                  timeout, owned)
     roles[GroupRole.GRADIENT_SUM] = (_member_of(listed[GroupRole.GRADIENT_SUM], timeout, owned) if dims.cp > 1
                                      else roles[GroupRole.BATCH])
-    experts = None
     if dims.ep > 1:
         roles[GroupRole.TOKEN_EXCHANGE] = _member_of(listed[GroupRole.TOKEN_EXCHANGE], timeout, owned)
-        experts = _member_of(listed[GroupRole.EXPERT_SUM], timeout, owned)
+        experts = _member_of(listed[GroupRole.EXPERT_SUM], timeout, owned)  # every rank creates them, even unused
+        if dims.expert_replicas > 1:
+            roles[GroupRole.EXPERT_SUM] = experts
         flat = coords.dp * dims.tp + coords.tp  # this rank's place in its stage's dp x tp grid
         per_grid = dims.dp * dims.tp // dims.ep  # holders of a block in one cp rank's grid
         coords = coords.with_places(ep=flat % dims.ep, expert_replica=coords.cp * per_grid + flat // dims.ep)
-        experts = experts if dims.expert_replicas > 1 else None
-    shard_mesh = None
+    shard_mesh = expert_shard_mesh = None
     if dims.dp_shard > 1:
         roles[GroupRole.WEIGHT_SHARD], shard_mesh = _shard_groups(grid, listed, coords, dims, device, timeout, owned)
-    if experts is not None:
-        roles[GroupRole.EXPERT_SUM] = experts
-    expert_shard_mesh = (_one_dim_mesh(experts, "expert_replicas", device)
-                         if dims.dp_shard > 1 and experts is not None else None)
+        if GroupRole.EXPERT_SUM in roles:
+            expert_shard_mesh = _one_dim_mesh(roles[GroupRole.EXPERT_SUM], "expert_replicas", device)
     # gloo over the world, for what the hosts agree on before a step's collectives (step/agreement.py):
     # host memory, so agreeing never waits for the device's queue; its own group on a gloo world too,
     # so that its traffic is never taken for a mesh dim's that spans the world (comm_meter.py)
@@ -294,7 +291,7 @@ def build_groups(dims: ParallelDims, *, device: torch.device, timeout: datetime.
     nodes = agreed_nodes(host)
     warn_groups_across_nodes(listed, dims, nodes)
     return Groups(mesh=mesh, coords=coords, roles=MappingProxyType(roles),
-                  peers=_pipeline_peers(grid, coords, device, timeout, owned),
+                  peers=_pipeline_peers(listed[GroupRole.STAGES], coords, device, timeout, owned),
                   owned=tuple(dict.fromkeys(g for g in owned if g is not dist.GroupMember.WORLD)),
                   shard_mesh=shard_mesh, expert_shard_mesh=expert_shard_mesh, nodes=nodes)
 
@@ -333,15 +330,14 @@ def _on_grid(groups: dict[str, tuple[tuple[int, ...], ...]], dims: ParallelDims,
     return {kind: [place[list(g)].tolist() for g in lists] for kind, lists in groups.items()}
 
 
-def _pipeline_peers(grid: torch.Tensor, coords: Coords, device: torch.device, timeout: datetime.timedelta,
+def _pipeline_peers(rings: list[list[int]], coords: Coords, device: torch.device, timeout: datetime.timedelta,
                     owned: list[ProcessGroup]) -> Peers:
-    """This rank's neighbouring stages and its links: one two-rank group per direction, warmed up
-    before any step uses them (``pipeline/p2p.build_links``)."""
-    stage_dim = [spec.axis for spec in MESH_AXES].index(Axis.PP)
-    stages = grid.shape[stage_dim]
+    """This rank's neighbouring stages and its links (``rings``: the stages of each (dp, cp, tp), the layout's
+    stage groups): one two-rank group per direction, warmed up before any step uses them
+    (``pipeline/p2p.build_links``)."""
+    stages = len(rings[0])
     if stages == 1:
         return Peers(prev=None, next=None)
-    rings = grid.movedim(stage_dim, -1).reshape(-1, stages).tolist()  # the stages of each (dp, cp, tp)
     me = dist.get_rank()
     links = build_links(rings, device=device, timeout=timeout)
     owned.extend(links.values())

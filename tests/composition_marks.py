@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from qn_hf.config.features import Feature, Status
+from qn_hf.config.features import Feature, Status, ordered, pair_name
 
 MARK = "composes"
 _BEST_FIRST = (Status.PLAIN, Status.EQUIVALENT, Status.RUNS)  # what a mark may say, the strongest first
@@ -87,7 +87,7 @@ def coverage(tests: Iterable[Marked]) -> dict[frozenset[Feature], Status]:
                 if pair not in best or _BEST_FIRST.index(covers.status) < _BEST_FIRST.index(best[pair]):
                     best[pair] = covers.status
     order = list(Feature)
-    return dict(sorted(best.items(), key=lambda kv: sorted(order.index(f) for f in kv[0])))
+    return dict(sorted(best.items(), key=lambda kv: [order.index(f) for f in ordered(kv[0])]))
 
 
 def unmatched(tests: Iterable[Marked]) -> list[str]:
@@ -105,12 +105,8 @@ def uncovered(selected: Iterable[Marked], covered: Mapping[frozenset[Feature], S
     """The pairs ``covered`` says are compared (qn_hf/config/composition_coverage.py's) that no selected test's
     mark compares as strongly."""
     have = coverage(selected)
-    return [f"{_name(pair)}: no selected test's composes mark compares it ({status.value})"
+    return [f"{pair_name(pair)}: no selected test's composes mark compares it ({status.value})"
             for pair, status in covered.items() if status in _COMPARED and have.get(pair) is not status]
-
-
-def _name(pair: frozenset[Feature]) -> str:
-    return " x ".join(str(f) for f in Feature if f in pair)
 
 
 def module_text(covered: dict[frozenset[Feature], Status]) -> str:
@@ -126,9 +122,8 @@ def module_text(covered: dict[frozenset[Feature], Status]) -> str:
              "from .features import Status as S",
              "",
              "COVERED: dict[frozenset[F], S] = {"]
-    order = list(Feature)
     for pair, status in covered.items():
-        first, second = sorted(pair, key=order.index)
+        first, second = ordered(pair)
         lines.append(f"    frozenset((F.{first.name}, F.{second.name})): S.{status.name},")
     lines.append("}")
     return "\n".join(lines) + "\n"

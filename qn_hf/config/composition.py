@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from .composition_coverage import COVERED
-from .features import Feature, Status
+from .features import Feature, Status, pair_name
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def check_and_warn(features: Iterable[Feature], values: Mapping[str, object], *,
     (which it extends), so a run hears about each once."""
     fresh = [pair for pair in check_composition(features, values) if pair not in warned]
     if fresh and rank == 0:
-        names = ", ".join(" x ".join(str(f) for f in Feature if f in pair) for pair in fresh)
+        names = ", ".join(pair_name(pair) for pair in fresh)
         warnings.warn(f"no test compares {names} with the plain model yet: it runs, but check its loss against a "
                       f"smaller run (docs/composition-table.md lists what is tested)", stacklevel=4)
     warned.update(fresh)

@@ -47,3 +47,13 @@ class Status(enum.Enum):
     UNTESTED = "not refused, not tested yet"
     REFUSED = "refused"
     EXCLUSIVE = "cannot both be set"
+
+
+def ordered(pair: frozenset[Feature]) -> tuple[Feature, ...]:
+    """A pair's features in ``Feature``'s order (as the table and its messages name them)."""
+    return tuple(feature for feature in Feature if feature in pair)
+
+
+def pair_name(pair: frozenset[Feature]) -> str:
+    """``tp x sp``: a pair as the warnings and the table name it."""
+    return " x ".join(str(feature) for feature in ordered(pair))

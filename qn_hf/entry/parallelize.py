@@ -19,7 +19,7 @@ from ..parallel_model import ParallelModel
 from ..planner.auto import AUTO, auto_config
 from ..planner.calibration import Calibration
 from ..policies.model_policy import ModelPolicy
-from ..transform.parallelize import build, prepare_model
+from ..transform.parallelize import JOIN_TIMEOUT, build, prepare_model
 
 
 def parallelize(
@@ -31,7 +31,7 @@ def parallelize(
     device: torch.device | None = None,
     seed: int | None = None,
     checkpoint: str | None = None,
-    timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+    timeout: datetime.timedelta = JOIN_TIMEOUT,
     global_batch: int | None = None,
     seq_len: int | None = None,
     calibration: Calibration | str | None = None,

@@ -35,8 +35,8 @@ MOE = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_e
 
 def _mechanism(spec: AxisSpec, world: int) -> tuple[str, dict[str, int]]:
     """The model and the degrees one dimension's host work is measured at: its own at 2 (experts on the MoE
-    model), dp over the rest of the world (all of it for a dimension carved out of the mesh's ranks, as ep and dp_shard are), a pipeline with
-    microbatches to schedule."""
+    model), dp over the rest of the world (all of it for a dimension carved out of the mesh's ranks, as ep and
+    dp_shard are), a pipeline with microbatches to schedule."""
     kind = "moe" if spec.axis is Axis.EP else "dense"
     degrees = {spec.axis.value: 2, Axis.DP.value: world if spec.mesh is None else world // 2}
     return kind, degrees | ({"microbatches": 4} if spec.axis is Axis.PP else {})

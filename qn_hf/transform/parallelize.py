@@ -29,6 +29,7 @@ from ..validation.checks import check_parallel_config
 from .passes import Build, run_passes
 
 _MARK = "_qn_hf_parallelized"
+JOIN_TIMEOUT = datetime.timedelta(minutes=10)  # every collective's bound when parallelize creates the group
 
 
 def prepare_model(model: nn.Module, *, checkpoint: str | None) -> tuple[nn.Module, Adapter | None]:
@@ -47,7 +48,7 @@ def prepare_model(model: nn.Module, *, checkpoint: str | None) -> tuple[nn.Modul
 def build(model: nn.Module, config: ParallelConfig, *, adapter: Adapter | None = None,
           policy: ModelPolicy | None = None, mesh: DeviceMesh | None = None, device: torch.device | None = None,
           seed: int | None = None, checkpoint: str | None = None,
-          timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> ParallelModel:
+          timeout: datetime.timedelta = JOIN_TIMEOUT) -> ParallelModel:
     """``model`` (``prepare_model``'s) transformed in place as ``config`` says: the checks, the process group and
     the groups, the passes; its ``ParallelModel``. ``qn_hf.parallelize`` (entry/parallelize.py) says what each
     argument means."""
@@ -75,23 +76,24 @@ def build(model: nn.Module, config: ParallelConfig, *, adapter: Adapter | None =
         warnings.warn(f"microbatches={microbatches} < pp={pp}: each stage idles {bubble:.0%} of a step (pipeline bubble "
                       f"(pp-1)/(microbatches+pp-1)); use microbatches >= 2*pp={2 * pp} if the batch allows", stacklevel=2)
 
-    build = Build(model=model, config=config, plan=plan, stage_plan=stage_plan, groups=groups, device=device,
+    built = Build(model=model, config=config, plan=plan, stage_plan=stage_plan, groups=groups, device=device,
                   checkpoint=checkpoint, seed=seed, cp_layout=PieceLayout(size=dims.cp),
                   precision=config.mixed_precision.dtype if config.mixed_precision else None)
-    run_passes(build)
+    run_passes(built)
     setattr(model, _MARK, True)
-    context = StepContext(module=model, config=config, placement=build.placement, plan=build.plan, stage=build.stage,
+    context = StepContext(module=model, config=config, placement=built.placement, plan=built.plan, stage=built.stage,
                           executor=StageExecutor(stage=coords.pp, peers=groups.peers, device=device,
-                                                 chunks=stage_plan.chunks, weights=build.weights),
-                          vocab=build.vocab, cp_layout=build.cp_layout,
-                          host_masks=build.host_masks, gather_switch=build.gather_switch, offload=build.offload)
+                                                 chunks=stage_plan.chunks, weights=built.weights),
+                          vocab=built.vocab, cp_layout=built.cp_layout,
+                          host_masks=built.host_masks, gather_switch=built.gather_switch, offload=built.offload)
     scaler = LossScaler() if config.mixed_precision and config.mixed_precision.scaled else None
-    grads = GradSync(module=model, placement=build.placement, grad_sum=build.plan.grad_sum, scaler=scaler,
-                     buckets=grad_buckets(model, build.placement, config.bucket_mb, experts=False),
-                     expert_buckets=grad_buckets(model, build.placement, config.bucket_mb, experts=True))
-    pm = ParallelModel(context=context, grads=grads, rng=build.rng, scaler=scaler,
-                       deferred=frozenset(build.deferred), adapter=adapter, switches=(build.sp_switch, build.attention_switch),
-                       sharded=build.sharded, saves=BackgroundSaves(timeout=timeout))
+    grads = GradSync(module=model, placement=built.placement, grad_sum=built.plan.grad_sum, scaler=scaler,
+                     buckets=grad_buckets(model, built.placement, config.bucket_mb, experts=False),
+                     expert_buckets=grad_buckets(model, built.placement, config.bucket_mb, experts=True))
+    pm = ParallelModel(context=context, grads=grads, rng=built.rng, scaler=scaler,
+                       deferred=frozenset(built.deferred), adapter=adapter,
+                       switches=(built.sp_switch, built.attention_switch),
+                       sharded=built.sharded, saves=BackgroundSaves(timeout=timeout))
     pm.check_composes_with()  # refused above already; this warns (rank 0) about pairs no test compares yet
     if checkpoint is not None:
         pm.load_checkpoint(checkpoint)
